@@ -1,0 +1,41 @@
+// loom: train transformer language models on one CPU, one GPU, or many of either.
+#include <cstdio>
+#include <map>
+
+#include "cli/command.h"
+#include "core/error.h"
+
+namespace loom::cli {
+std::vector<Command>& commands() {
+  static std::vector<Command> c;
+  return c;
+}
+}  // namespace loom::cli
+
+int main(int argc, char** argv) {
+  CLI::App app{"loom: train transformer language models on CPUs and GPUs"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "loom 0.1.0");
+  std::map<std::string, std::function<int()>> actions;
+  auto& cmds = loom::cli::commands();
+  std::sort(cmds.begin(), cmds.end(), [](auto& a, auto& b) { return a.name < b.name; });
+  for (auto& c : cmds) {
+    CLI::App* sub = app.add_subcommand(c.name, c.help);
+    actions[c.name] = c.setup(*sub);
+  }
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    for (auto* sub : app.get_subcommands()) return actions.at(sub->get_name())();
+  } catch (const loom::Error& e) {
+    std::fprintf(stderr, "loom: error: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "loom: error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

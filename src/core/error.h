@@ -1,0 +1,25 @@
+// Errors: one exception type for bad input and broken invariants, with file:line from the
+// check macros and, at API boundaries, the file and field the problem is in.
+#pragma once
+#include <fmt/format.h>
+#include <stdexcept>
+#include <string>
+
+namespace loom {
+
+class Error : public std::runtime_error {
+ public:
+  explicit Error(const std::string& what) : std::runtime_error(what) {}
+};
+
+[[noreturn]] void fail_at(const char* file, int line, const std::string& msg);
+
+}  // namespace loom
+
+// LOOM_CHECK(cond, "fmt {}", args...): throws loom::Error("file:line: message") when cond is false.
+#define LOOM_CHECK(cond, ...)                                                        \
+  do {                                                                               \
+    if (!(cond)) [[unlikely]] ::loom::fail_at(__FILE__, __LINE__, fmt::format(__VA_ARGS__)); \
+  } while (0)
+
+#define LOOM_FAIL(...) ::loom::fail_at(__FILE__, __LINE__, fmt::format(__VA_ARGS__))

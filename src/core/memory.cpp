@@ -1,0 +1,102 @@
+#include "core/memory.h"
+
+#include <cstdlib>
+#include <new>
+
+#include "core/error.h"
+
+namespace loom {
+
+std::string_view mem_tag_name(MemTag t) {
+  switch (t) {
+    case MemTag::params: return "params";
+    case MemTag::grads: return "grads";
+    case MemTag::optimizer: return "optimizer";
+    case MemTag::activations: return "activations";
+    case MemTag::workspace: return "workspace";
+    case MemTag::comm: return "comm";
+    case MemTag::count: break;
+  }
+  return "?";
+}
+
+std::string_view device_name(Device d) { return d == Device::cpu ? "cpu" : "cuda"; }
+
+namespace {
+class CpuAllocator final : public Allocator {
+ public:
+  void* allocate(size_t bytes) override {
+    if (bytes == 0) return nullptr;
+    size_t rounded = (bytes + 63) / 64 * 64;
+    void* p = std::aligned_alloc(64, rounded);
+    if (!p) throw Error(fmt::format("out of host memory allocating {} bytes", bytes));
+    return p;
+  }
+  void deallocate(void* p, size_t) override { std::free(p); }
+  Device device() const override { return Device::cpu; }
+};
+}  // namespace
+
+Allocator& cpu_allocator() {
+  static CpuAllocator a;
+  return a;
+}
+
+MemoryPool::MemoryPool(std::string name, Allocator* alloc) : name_(std::move(name)), alloc_(alloc) {}
+
+void* MemoryPool::allocate(size_t bytes, MemTag tag) {
+  void* p = alloc_->allocate(bytes);
+  std::lock_guard lk(mu_);
+  int i = int(tag);
+  s_.current[i] += int64_t(bytes);
+  if (s_.current[i] > s_.peak[i]) s_.peak[i] = s_.current[i];
+  s_.total_current += int64_t(bytes);
+  if (s_.total_current > s_.total_peak) s_.total_peak = s_.total_current;
+  return p;
+}
+
+void MemoryPool::deallocate(void* p, size_t bytes, MemTag tag) {
+  alloc_->deallocate(p, bytes);
+  std::lock_guard lk(mu_);
+  s_.current[int(tag)] -= int64_t(bytes);
+  s_.total_current -= int64_t(bytes);
+}
+
+int64_t MemoryPool::current(MemTag t) const { std::lock_guard lk(mu_); return s_.current[int(t)]; }
+int64_t MemoryPool::peak(MemTag t) const { std::lock_guard lk(mu_); return s_.peak[int(t)]; }
+int64_t MemoryPool::total_current() const { std::lock_guard lk(mu_); return s_.total_current; }
+int64_t MemoryPool::total_peak() const { std::lock_guard lk(mu_); return s_.total_peak; }
+MemStats MemoryPool::stats() const { std::lock_guard lk(mu_); return s_; }
+
+void MemoryPool::reset_peaks() {
+  std::lock_guard lk(mu_);
+  s_.peak = s_.current;
+  s_.total_peak = s_.total_current;
+}
+
+std::string MemoryPool::report() const {
+  MemStats s = stats();
+  std::string out;
+  for (int i = 0; i < kNumMemTags; ++i) {
+    out += fmt::format("  {:<12} current {:>12}  peak {:>12}\n", mem_tag_name(MemTag(i)),
+                       format_bytes(s.current[i]), format_bytes(s.peak[i]));
+  }
+  out += fmt::format("  {:<12} current {:>12}  peak {:>12}\n", "total", format_bytes(s.total_current),
+                     format_bytes(s.total_peak));
+  return out;
+}
+
+MemoryPool& default_cpu_pool() {
+  static MemoryPool pool("cpu");
+  return pool;
+}
+
+std::string format_bytes(int64_t b) {
+  double x = double(b);
+  if (x < 1024) return fmt::format("{} B", b);
+  if (x < 1024.0 * 1024) return fmt::format("{:.2f} KiB", x / 1024);
+  if (x < 1024.0 * 1024 * 1024) return fmt::format("{:.2f} MiB", x / (1024.0 * 1024));
+  return fmt::format("{:.2f} GiB", x / (1024.0 * 1024 * 1024));
+}
+
+}  // namespace loom

@@ -1,0 +1,76 @@
+// Memory pools with per-category byte accounting. Every byte loom allocates goes through a pool
+// and carries a tag; the pool reports current and peak bytes per tag (and in all), so the memory
+// model's predictions can be checked exactly. One pool per rank and device.
+#pragma once
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+
+namespace loom {
+
+enum class MemTag : uint8_t { params, grads, optimizer, activations, workspace, comm, count };
+constexpr int kNumMemTags = int(MemTag::count);
+std::string_view mem_tag_name(MemTag t);
+
+enum class Device : uint8_t { cpu, cuda };
+std::string_view device_name(Device d);
+
+// Raw allocation for one kind of memory. The CPU one is built in; the CUDA backend adds its own.
+class Allocator {
+ public:
+  virtual ~Allocator() = default;
+  virtual void* allocate(size_t bytes) = 0;
+  virtual void deallocate(void* p, size_t bytes) = 0;
+  virtual Device device() const = 0;
+};
+
+// 64-byte aligned host memory (cache lines and AVX-512 vectors).
+Allocator& cpu_allocator();
+
+struct MemStats {
+  std::array<int64_t, kNumMemTags> current{};
+  std::array<int64_t, kNumMemTags> peak{};
+  int64_t total_current = 0;
+  int64_t total_peak = 0;
+};
+
+class MemoryPool {
+ public:
+  explicit MemoryPool(std::string name = "cpu", Allocator* alloc = &cpu_allocator());
+  MemoryPool(const MemoryPool&) = delete;
+  MemoryPool& operator=(const MemoryPool&) = delete;
+
+  void* allocate(size_t bytes, MemTag tag);
+  void deallocate(void* p, size_t bytes, MemTag tag);
+
+  int64_t current(MemTag t) const;
+  int64_t peak(MemTag t) const;
+  int64_t total_current() const;
+  int64_t total_peak() const;
+  MemStats stats() const;
+  // Peaks restart from the current values (for measuring one phase, e.g. one training step).
+  void reset_peaks();
+
+  Device device() const { return alloc_->device(); }
+  const std::string& name() const { return name_; }
+  // A short multi-line report: one line per tag with current and peak bytes.
+  std::string report() const;
+
+ private:
+  std::string name_;
+  Allocator* alloc_;
+  mutable std::mutex mu_;
+  MemStats s_;
+};
+
+// The process-wide default CPU pool, for code that has no rank of its own (tools, tests).
+MemoryPool& default_cpu_pool();
+
+std::string format_bytes(int64_t bytes);
+
+}  // namespace loom

@@ -1,0 +1,23 @@
+#pragma once
+#include <cstdint>
+
+namespace loom::cpu {
+
+struct AdamWArgs {
+  float lr = 3e-4f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0.0f;
+  int64_t step = 1;          // 1-based, for bias correction
+  float grad_scale = 1.0f;   // gradients are multiplied by this first (clipping, loss scaling)
+};
+
+// Decoupled weight decay, bias-corrected moments (PyTorch torch.optim.AdamW semantics):
+// p -= lr * wd * p; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
+// p -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps).
+void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWArgs& a);
+
+// Sum of squares of x [n] in double, deterministic for any thread count.
+double sum_squares(const float* x, int64_t n);
+
+// Clip scale for a global norm: min(1, max_norm / (norm + 1e-6)); max_norm <= 0 disables.
+float clip_scale(double global_norm, float max_norm);
+
+}  // namespace loom::cpu

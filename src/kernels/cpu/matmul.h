@@ -1,0 +1,26 @@
+// Matrix multiply with bias, PyTorch Linear layout (weight [out, in]).
+#pragma once
+#include <cstdint>
+
+namespace loom::cpu {
+
+// C[M, N] = alpha * op(A) @ op(B) + beta * C, row-major, op = transpose when trans_* is set.
+// A is [M, K] (or [K, M] when trans_a), B is [K, N] (or [N, K] when trans_b).
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+          int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
+
+// out f32 [M, N] = inp f32 [M, K] @ weight f32 [N, K]^T + bias f32 [N] (bias may be null).
+void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t M,
+                    int64_t K, int64_t N);
+
+// dinp [M, K] (= or += by accumulate_dinp) dout [M, N] @ weight [N, K];
+// dweight [N, K] += dout^T @ inp; dbias [N] += column sums of dout. Any of dinp, dweight, dbias
+// may be null to skip it.
+void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                     const float* weight, int64_t M, int64_t K, int64_t N, bool accumulate_dinp = false);
+
+// Measured fp32 GEMM rate of this machine in GFLOP/s for the calling thread's team
+// (square-ish sizes typical of the model), used as the peak in model-FLOPs utilisation.
+double measure_gemm_peak_gflops(int64_t n = 1536, double seconds = 1.0);
+
+}  // namespace loom::cpu

@@ -1,0 +1,34 @@
+// loom's flash attention on the GPU: causal multi-head attention in bf16 with f32 accumulation,
+// tiled with an online softmax (FlashAttention-2 work partitioning: each thread block owns a tile
+// of queries of one (batch, head); backward parallel over key tiles), saving only the per-row
+// log-sum-exp. Layout as the CPU op (kernels/cpu/attention.h): element (b, t, h, d) of X at
+// X[(b * T + t) * stride + h * HS + d].
+#pragma once
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/common.cuh"
+
+namespace loom::cuda {
+
+struct AttnArgs {
+  int64_t B = 0, NH = 0, HS = 0;   // HS in {64, 128}
+  int64_t Tq = 0, Tkv = 0;
+  int64_t q_stride = 0, kv_stride = 0, o_stride = 0;
+  int64_t q_pos0 = 0, kv_pos0 = 0;
+  bool causal = true;
+  float scale = 0;                  // 0 means 1 / sqrt(HS)
+};
+
+// out bf16 (o_stride) = softmax(q k^T scale) v; lse f32 [B, NH, Tq].
+void attention_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
+                       const AttnArgs& a, cudaStream_t stream);
+
+// dq, dk, dv bf16 (written), from dout, q, k, v, out, lse. `workspace` holds at least
+// attention_backward_workspace_bytes(a) bytes (f32 row terms D = rowsum(dout * out) and, where the
+// kernel needs it, an f32 dq accumulator).
+size_t attention_backward_workspace_bytes(const AttnArgs& a);
+void attention_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k,
+                        const bf16* v, const bf16* out, const float* lse, const AttnArgs& a, void* workspace,
+                        cudaStream_t stream);
+
+}  // namespace loom::cuda
