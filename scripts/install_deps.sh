@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Install loom's build and test dependencies from Debian's packages (idempotent; root or sudo).
+set -euo pipefail
+pkgs=(build-essential cmake ninja-build pkg-config libdnnl-dev libopenblas-dev libopenmpi-dev openmpi-bin
+      libcli11-dev libtomlplusplus-dev libfmt-dev nlohmann-json3-dev libgtest-dev libgmock-dev
+      libbenchmark-dev libpng-dev bible-kjv-text xz-utils)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  sudo=""; [[ $(id -u) -ne 0 ]] && sudo="sudo"
+  echo "installing: ${missing[*]}"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
