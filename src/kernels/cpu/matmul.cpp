@@ -1,0 +1,120 @@
+// GEMM through oneDNN's dnnl_sgemm: it picks its micro-kernel at run time (AVX2 on this
+// baseline, AVX-512 where the CPU has it) and threads with OpenMP over the calling thread's team,
+// so a rank thread that sets omp_set_num_threads(k) gets k threads and no more. Nothing for the
+// user to set: no environment variable changes the code path.
+#include "kernels/cpu/matmul.h"
+
+#include <oneapi/dnnl/dnnl.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <vector>
+
+#include "core/error.h"
+
+namespace loom::cpu {
+
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+          int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  LOOM_CHECK(M >= 0 && N >= 0 && K >= 0, "gemm: negative size M={} N={} K={}", M, N, K);
+  if (M == 0 || N == 0) return;
+  LOOM_CHECK(ldc >= N, "gemm: ldc={} < N={}", ldc, N);
+  LOOM_CHECK(lda >= (trans_a ? M : K), "gemm: lda={} too small (trans_a={}, M={}, K={})", lda, trans_a, M, K);
+  LOOM_CHECK(ldb >= (trans_b ? K : N), "gemm: ldb={} too small (trans_b={}, K={}, N={})", ldb, trans_b, K, N);
+  if (K == 0) {
+    // op(A) @ op(B) is the zero matrix; oneDNN rejects K = 0, so scale C here.
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == 0.f ? 0.f : beta * C[i * ldc + j];
+    return;
+  }
+  // oneDNN wants leading dimensions >= 1 even where a dimension is 1.
+  lda = std::max<int64_t>(lda, 1);
+  ldb = std::max<int64_t>(ldb, 1);
+  dnnl_status_t st = dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb,
+                                beta, C, ldc);
+  LOOM_CHECK(st == dnnl_success, "gemm: dnnl_sgemm failed with status {} (M={} N={} K={})", int(st), M, N, K);
+}
+
+namespace {
+
+// Rows of out [M, N] start as copies of bias [N], so the GEMM can accumulate into them (beta = 1):
+// the bias costs one streaming write of out instead of a second read-modify-write pass.
+void broadcast_bias(float* out, const float* bias, int64_t M, int64_t N) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < M; ++i) std::copy(bias, bias + N, out + i * N);
+}
+
+// dbias [N] += column sums of dout [M, N]. Columns are split among threads in blocks and each
+// block sums the rows in order, so the result does not depend on the thread count.
+void column_sums_accumulate(float* dbias, const float* dout, int64_t M, int64_t N) {
+  constexpr int64_t kBlock = 64;
+  const int64_t nblocks = (N + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t j0 = b * kBlock, len = std::min(kBlock, N - j0);
+    float acc[kBlock] = {};
+    for (int64_t i = 0; i < M; ++i) {
+      const float* row = dout + i * N + j0;
+#pragma omp simd
+      for (int64_t j = 0; j < len; ++j) acc[j] += row[j];
+    }
+    for (int64_t j = 0; j < len; ++j) dbias[j0 + j] += acc[j];
+  }
+}
+
+}  // namespace
+
+void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t M,
+                    int64_t K, int64_t N) {
+  LOOM_CHECK(M >= 0 && K >= 0 && N >= 0, "matmul_forward: negative size M={} K={} N={}", M, K, N);
+  if (M == 0 || N == 0) return;
+  if (bias) broadcast_bias(out, bias, M, N);
+  // out [M, N] = inp [M, K] @ weight [N, K]^T (+ out)
+  gemm(false, true, M, N, K, 1.f, inp, K, weight, K, bias ? 1.f : 0.f, out, N);
+}
+
+void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                     const float* weight, int64_t M, int64_t K, int64_t N, bool accumulate_dinp) {
+  LOOM_CHECK(M >= 0 && K >= 0 && N >= 0, "matmul_backward: negative size M={} K={} N={}", M, K, N);
+  // dinp [M, K] = dout [M, N] @ weight [N, K]
+  if (dinp) gemm(false, false, M, K, N, 1.f, dout, N, weight, K, accumulate_dinp ? 1.f : 0.f, dinp, K);
+  // dweight [N, K] += dout^T [N, M] @ inp [M, K]
+  if (dweight) gemm(true, false, N, K, M, 1.f, dout, N, inp, K, 1.f, dweight, K);
+  if (dbias && M > 0) column_sums_accumulate(dbias, dout, M, N);
+}
+
+double measure_gemm_peak_gflops(int64_t n, double seconds) {
+  LOOM_CHECK(n > 0, "measure_gemm_peak_gflops: n={} must be positive", n);
+  // f32 [n, n] operands with smooth values (no denormals, no overflow).
+  std::vector<float> a(size_t(n * n)), b(size_t(n * n)), c(size_t(n * n), 0.f);
+  for (size_t i = 0; i < a.size(); ++i) {
+    a[i] = float(int(i % 97) - 48) * (1.f / 64.f);
+    b[i] = float(int(i % 89) - 44) * (1.f / 64.f);
+  }
+  using clock = std::chrono::steady_clock;
+  const double flops = 2.0 * double(n) * double(n) * double(n);
+  auto run_once = [&] {
+    auto t0 = clock::now();
+    gemm(false, false, n, n, n, 1.f, a.data(), n, b.data(), n, 0.f, c.data(), n);
+    return std::chrono::duration<double>(clock::now() - t0).count();
+  };
+  run_once();  // warm-up: page faults, oneDNN's JIT, thread start
+  // The sustained rate is the best over windows of 3 consecutive calls, so one lucky call does
+  // not count as the peak.
+  double best = 0.0, window = 0.0, elapsed = 0.0;
+  int in_window = 0;
+  do {
+    const double t = run_once();
+    elapsed += t;
+    window += t;
+    if (++in_window == 3) {
+      best = std::max(best, 3.0 * flops / window);
+      window = 0.0;
+      in_window = 0;
+    }
+  } while (elapsed < seconds || best == 0.0);
+  return best * 1e-9;
+}
+
+}  // namespace loom::cpu
