@@ -1,0 +1,51 @@
+// Deterministic batches from memory-mapped token shards.
+//
+// Training sample g of step s (g is the global sample index within the step's global batch)
+// starts at a position drawn from (seed, split, s * global_batch + g) alone, so the tokens a sample
+// sees never depend on how many data-parallel ranks read the batch or on which rank reads it.
+// Validation batches are fixed, consecutive windows from the start of the split.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "data/shard.h"
+
+namespace loom::data {
+
+class Loader {
+ public:
+  // Opens DIR/<split>_*.bin. Every window is seq_len + 1 tokens (inputs and shifted targets).
+  Loader(const std::string& dir, const std::string& split, int64_t seq_len, uint64_t seed);
+
+  int64_t seq_len() const { return T_; }
+  uint64_t total_tokens() const { return total_; }
+  uint32_t vocab_size() const { return vocab_; }
+  const std::vector<std::string>& files() const { return files_; }
+
+  // Samples [first, first + n) of training step `step` whose global batch is `global_batch`:
+  // inputs and targets i32 [n, T].
+  void train_batch(int64_t step, int64_t global_batch, int64_t first, int64_t n, int32_t* inputs,
+                   int32_t* targets) const;
+  // Validation batch `index` of `global_batch` consecutive windows; samples [first, first + n).
+  void val_batch(int64_t index, int64_t global_batch, int64_t first, int64_t n, int32_t* inputs,
+                 int32_t* targets) const;
+  // How many whole validation batches of global_batch windows the split holds.
+  int64_t val_batches(int64_t global_batch) const;
+  // Start position of training sample `global_index` (exposed for tests).
+  uint64_t sample_start(uint64_t global_index) const;
+
+ private:
+  void read_window(uint64_t start, int32_t* inputs, int32_t* targets) const;
+  std::vector<std::string> files_;
+  std::vector<std::unique_ptr<Shard>> shards_;
+  std::vector<uint64_t> begin_;  // prefix sums of shard sizes
+  uint64_t total_ = 0;
+  int64_t T_;
+  uint64_t seed_;
+  uint64_t stream_;
+  uint32_t vocab_ = 0;
+};
+
+}  // namespace loom::data

@@ -1,0 +1,175 @@
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "core/error.h"
+#include "data/loader.h"
+#include "data/shard.h"
+
+namespace fs = std::filesystem;
+using namespace loom;
+using namespace loom::data;
+
+namespace {
+struct TmpDir {
+  fs::path p;
+  TmpDir() {
+    p = fs::temp_directory_path() / fmt::format("loom_shard_test_{}_{}", ::getpid(), std::rand());
+    fs::create_directories(p);
+  }
+  ~TmpDir() { fs::remove_all(p); }
+};
+
+std::vector<uint32_t> random_tokens(size_t n, uint32_t vocab, uint32_t seed) {
+  std::mt19937 g(seed);
+  std::vector<uint32_t> t(n);
+  for (auto& x : t) x = g() % vocab;
+  return t;
+}
+
+std::string expect_error(const std::string& path) {
+  try {
+    Shard s(path);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no error for " << path;
+  return "";
+}
+
+void flip_bit(const std::string& path, size_t byte, int bit) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(std::streamoff(byte));
+  char c;
+  f.read(&c, 1);
+  c = char(c ^ (1 << bit));
+  f.seekp(std::streamoff(byte));
+  f.write(&c, 1);
+}
+}  // namespace
+
+TEST(Shard, RoundTripBothWidths) {
+  TmpDir d;
+  for (uint32_t vocab : {50257u, 100000u}) {
+    auto toks = random_tokens(12345, vocab, vocab);
+    std::string path = (d.p / "train_000.bin").string();
+    write_shard(path, toks, vocab);
+    Shard s(path);
+    EXPECT_EQ(s.size(), toks.size());
+    EXPECT_EQ(s.width(), vocab <= 65536 ? 2u : 4u);
+    EXPECT_EQ(fs::file_size(path), kShardHeaderBytes + toks.size() * s.width());
+    std::vector<int32_t> out(100);
+    s.read(1000, 100, out.data());
+    for (int i = 0; i < 100; ++i) EXPECT_EQ(uint32_t(out[size_t(i)]), toks[size_t(1000 + i)]);
+    EXPECT_THROW(s.read(12300, 100, out.data()), Error);
+  }
+  EXPECT_FALSE(fs::exists(d.p / "train_000.bin.tmp"));
+}
+
+TEST(Shard, RejectsTokenOutsideVocabulary) {
+  TmpDir d;
+  std::vector<uint32_t> toks = {1, 2, 500};
+  EXPECT_THROW(write_shard((d.p / "x.bin").string(), toks, 500), Error);
+  EXPECT_FALSE(fs::exists(d.p / "x.bin"));
+}
+
+TEST(Shard, TruncatedFileNamesFileAndField) {
+  TmpDir d;
+  std::string path = (d.p / "train_000.bin").string();
+  write_shard(path, random_tokens(1000, 300, 1), 300);
+  fs::resize_file(path, fs::file_size(path) - 3);
+  std::string msg = expect_error(path);
+  EXPECT_NE(msg.find(path), std::string::npos) << msg;
+  EXPECT_NE(msg.find("token count"), std::string::npos) << msg;
+  fs::resize_file(path, 10);
+  msg = expect_error(path);
+  EXPECT_NE(msg.find("header"), std::string::npos) << msg;
+}
+
+TEST(Shard, EveryFlippedBitIsCaught) {
+  TmpDir d;
+  std::string path = (d.p / "train_000.bin").string();
+  auto toks = random_tokens(200, 1000, 2);
+  write_shard(path, toks, 1000);
+  size_t bytes = fs::file_size(path);
+  std::mt19937 g(7);
+  // Header bytes 0..35 all, then random payload bits.
+  std::vector<size_t> positions;
+  for (size_t b = 0; b < 36; ++b) positions.push_back(b);
+  for (int i = 0; i < 40; ++i) positions.push_back(kShardHeaderBytes + g() % (bytes - kShardHeaderBytes));
+  for (size_t b : positions) {
+    int bit = int(g() % 8);
+    flip_bit(path, b, bit);
+    std::string msg = expect_error(path);
+    EXPECT_NE(msg.find(path), std::string::npos) << msg;
+    flip_bit(path, b, bit);
+  }
+  EXPECT_NO_THROW(Shard s(path));
+}
+
+TEST(Shard, NotAShard) {
+  TmpDir d;
+  std::string path = (d.p / "junk.bin").string();
+  std::ofstream(path) << std::string(100, 'x');
+  EXPECT_NE(expect_error(path).find("magic"), std::string::npos);
+  EXPECT_NE(expect_error((d.p / "missing.bin").string()).find("cannot open"), std::string::npos);
+}
+
+TEST(Loader, BatchesDependOnlyOnGlobalSampleIndex) {
+  TmpDir d;
+  auto a = random_tokens(5000, 700, 3), b = random_tokens(3001, 700, 4);
+  write_shard((d.p / "train_000.bin").string(), a, 700);
+  write_shard((d.p / "train_001.bin").string(), b, 700);
+  std::vector<uint32_t> all = a;
+  all.insert(all.end(), b.begin(), b.end());
+  const int64_t T = 64, GB = 8;
+  Loader L(d.p.string(), "train", T, 1234);
+  EXPECT_EQ(L.total_tokens(), all.size());
+  std::vector<int32_t> x(GB * T), y(GB * T);
+  for (int64_t step : {0, 1, 57}) {
+    L.train_batch(step, GB, 0, GB, x.data(), y.data());
+    // The same samples read as dp=2 and dp=4 slices are identical.
+    for (int64_t dp : {2, 4}) {
+      int64_t per = GB / dp;
+      for (int64_t r = 0; r < dp; ++r) {
+        std::vector<int32_t> xs(per * T), ys(per * T);
+        L.train_batch(step, GB, r * per, per, xs.data(), ys.data());
+        for (int64_t i = 0; i < per * T; ++i) {
+          ASSERT_EQ(xs[size_t(i)], x[size_t(r * per * T + i)]);
+          ASSERT_EQ(ys[size_t(i)], y[size_t(r * per * T + i)]);
+        }
+      }
+    }
+    for (int64_t s = 0; s < GB; ++s) {
+      uint64_t start = L.sample_start(uint64_t(step * GB + s));
+      for (int64_t t = 0; t < T; ++t) {
+        ASSERT_EQ(uint32_t(x[size_t(s * T + t)]), all[start + uint64_t(t)]);
+        ASSERT_EQ(uint32_t(y[size_t(s * T + t)]), all[start + uint64_t(t) + 1]);
+      }
+    }
+  }
+  // Another seed gives other windows.
+  Loader L2(d.p.string(), "train", T, 99);
+  int same = 0;
+  for (uint64_t g = 0; g < 50; ++g) same += L.sample_start(g) == L2.sample_start(g);
+  EXPECT_LT(same, 5);
+}
+
+TEST(Loader, ValidationWindowsAreConsecutive) {
+  TmpDir d;
+  auto a = random_tokens(1000, 50, 5);
+  write_shard((d.p / "val_000.bin").string(), a, 50);
+  Loader L(d.p.string(), "val", 10, 0);
+  EXPECT_EQ(L.val_batches(4), 24);  // 99 windows of 10 -> 24 batches of 4
+  std::vector<int32_t> x(40), y(40);
+  L.val_batch(3, 4, 0, 4, x.data(), y.data());
+  for (int i = 0; i < 40; ++i) {
+    EXPECT_EQ(uint32_t(x[size_t(i)]), a[size_t(120 + i)]);
+    EXPECT_EQ(uint32_t(y[size_t(i)]), a[size_t(121 + i)]);
+  }
+  EXPECT_THROW(L.val_batch(24, 4, 0, 4, x.data(), y.data()), Error);
+  EXPECT_THROW(Loader(d.p.string(), "train", 10, 0), Error);
+}
