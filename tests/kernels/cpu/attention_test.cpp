@@ -1,0 +1,422 @@
+// Tiled attention (forward and backward) against a naive double-precision reference with a full
+// softmax, plus central finite differences, thread-count independence and argument checks.
+//
+// Tolerances (f32 kernel vs double reference): out, lse: |err| <= 1e-5 + 1e-5 |ref|; gradients:
+// |err| <= 1e-5 max(1, max |ref|) + 1e-5 |ref|. Finite differences of the f32 forward (step 1e-2):
+// |err| <= 2e-3 + 2e-3 |analytic|.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/kernel_test_util.h"
+
+namespace loom::test {
+namespace {
+
+using cpu::AttnArgs;
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Q f32 [B, Tq, q_stride], K and V f32 [B, Tkv, kv_stride] (separate buffers, or K/V inside one packed
+// qkv buffer when packed), O f32 [B, Tq, o_stride]. The strides may exceed NH * HS (padding columns).
+struct Problem {
+  AttnArgs a;
+  bool packed = false;  // q, k, v inside one qkv [B, T, 3C] buffer (needs Tq == Tkv and zero positions)
+  std::vector<float> qbuf, kbuf, vbuf;
+  const float* q() const { return qbuf.data(); }
+  const float* k() const { return packed ? qbuf.data() + a.NH * a.HS : kbuf.data(); }
+  const float* v() const { return packed ? qbuf.data() + 2 * a.NH * a.HS : vbuf.data(); }
+  int64_t q_size() const { return a.B * a.Tq * a.q_stride; }
+  int64_t kv_size() const { return a.B * a.Tkv * a.kv_stride; }
+  int64_t o_size() const { return a.B * a.Tq * a.o_stride; }
+  double scale() const { return a.scale != 0 ? double(a.scale) : 1.0 / std::sqrt(double(float(a.HS))); }
+};
+
+struct Shape {
+  int64_t B, NH, HS, Tq, Tkv;
+  int64_t q_pos0 = 0, kv_pos0 = 0;
+  bool causal = true;
+  bool packed = false;
+  int64_t pad = 0;      // extra columns per row beyond NH * HS (unpacked only)
+  float scale = 0.f;
+  float qk_range = 2.f; // q and k uniform in [-qk_range, qk_range) (larger: peakier softmax)
+};
+
+Problem make_problem(const Shape& s, uint64_t seed) {
+  Problem p;
+  AttnArgs& a = p.a;
+  a.B = s.B, a.NH = s.NH, a.HS = s.HS, a.Tq = s.Tq, a.Tkv = s.Tkv;
+  a.q_pos0 = s.q_pos0, a.kv_pos0 = s.kv_pos0, a.causal = s.causal, a.scale = s.scale;
+  const int64_t C = s.NH * s.HS;
+  p.packed = s.packed;
+  if (s.packed) {
+    a.q_stride = a.kv_stride = 3 * C;
+    a.o_stride = C;
+    p.qbuf = random_vec(a.B * a.Tq * 3 * C, seed, -s.qk_range, s.qk_range);
+    // v is the last third of each row: draw it again in [-1, 1).
+    const auto vv = random_vec(a.B * a.Tq * C, seed + 1);
+    for (int64_t r = 0; r < a.B * a.Tq; ++r)
+      std::copy(vv.begin() + r * C, vv.begin() + (r + 1) * C, p.qbuf.begin() + r * 3 * C + 2 * C);
+  } else {
+    a.q_stride = a.kv_stride = C + s.pad;
+    a.o_stride = C + 2 * s.pad;
+    p.qbuf = random_vec(p.q_size(), seed, -s.qk_range, s.qk_range);
+    p.kbuf = random_vec(p.kv_size(), seed + 1, -s.qk_range, s.qk_range);
+    p.vbuf = random_vec(p.kv_size(), seed + 2);
+  }
+  return p;
+}
+
+struct Ref {
+  std::vector<double> out, lse;  // [B, Tq, o_stride] (padding 0), [B, NH, Tq]
+  std::vector<double> dq, dk, dv;
+};
+
+// Full softmax per row in double; gradients from P directly (D = sum_j P dP, not from out).
+Ref reference(const Problem& p, const std::vector<float>& dout) {
+  const AttnArgs& a = p.a;
+  const double scale = p.scale();
+  Ref r;
+  r.out.assign(size_t(p.o_size()), 0.0);
+  r.lse.assign(size_t(a.B * a.NH * a.Tq), 0.0);
+  r.dq.assign(size_t(p.q_size()), 0.0);
+  r.dk.assign(size_t(p.kv_size()), 0.0);
+  r.dv.assign(size_t(p.kv_size()), 0.0);
+  auto Q = [&](int64_t b, int64_t t, int64_t h) { return p.q() + (b * a.Tq + t) * a.q_stride + h * a.HS; };
+  auto K = [&](int64_t b, int64_t t, int64_t h) { return p.k() + (b * a.Tkv + t) * a.kv_stride + h * a.HS; };
+  auto V = [&](int64_t b, int64_t t, int64_t h) { return p.v() + (b * a.Tkv + t) * a.kv_stride + h * a.HS; };
+  std::vector<double> s(size_t(a.Tkv)), pr(size_t(a.Tkv)), dp(size_t(a.Tkv));
+  for (int64_t b = 0; b < a.B; ++b)
+    for (int64_t h = 0; h < a.NH; ++h)
+      for (int64_t i = 0; i < a.Tq; ++i) {
+        double mx = -kInf;
+        for (int64_t j = 0; j < a.Tkv; ++j) {
+          const bool vis = !a.causal || a.kv_pos0 + j <= a.q_pos0 + i;
+          double dot = 0;
+          for (int64_t d = 0; d < a.HS; ++d) dot += double(Q(b, i, h)[d]) * double(K(b, j, h)[d]);
+          s[j] = vis ? dot * scale : -kInf;
+          mx = std::max(mx, s[j]);
+        }
+        const int64_t orow = (b * a.Tq + i) * a.o_stride + h * a.HS;
+        const int64_t qrow = (b * a.Tq + i) * a.q_stride + h * a.HS;
+        if (mx == -kInf) {
+          r.lse[(b * a.NH + h) * a.Tq + i] = -kInf;
+          continue;  // out and all gradients of this row stay 0
+        }
+        double sum = 0;
+        for (int64_t j = 0; j < a.Tkv; ++j) sum += (pr[j] = std::exp(s[j] - mx));
+        for (int64_t j = 0; j < a.Tkv; ++j) pr[j] /= sum;
+        r.lse[(b * a.NH + h) * a.Tq + i] = mx + std::log(sum);
+        for (int64_t j = 0; j < a.Tkv; ++j)
+          for (int64_t d = 0; d < a.HS; ++d) r.out[orow + d] += pr[j] * double(V(b, j, h)[d]);
+        if (dout.empty()) continue;
+        double D = 0;
+        for (int64_t j = 0; j < a.Tkv; ++j) {
+          dp[j] = 0;
+          for (int64_t d = 0; d < a.HS; ++d) dp[j] += double(dout[orow + d]) * double(V(b, j, h)[d]);
+          D += pr[j] * dp[j];
+        }
+        for (int64_t j = 0; j < a.Tkv; ++j) {
+          const double ds = pr[j] * (dp[j] - D) * scale;
+          const int64_t krow = (b * a.Tkv + j) * a.kv_stride + h * a.HS;
+          for (int64_t d = 0; d < a.HS; ++d) {
+            r.dq[qrow + d] += ds * double(K(b, j, h)[d]);
+            r.dk[krow + d] += ds * double(Q(b, i, h)[d]);
+            r.dv[krow + d] += pr[j] * double(dout[orow + d]);
+          }
+        }
+      }
+  return r;
+}
+
+struct Result {
+  std::vector<float> out, lse, dq, dk, dv;
+};
+
+// Runs forward then backward. Without accumulate the gradient buffers start as NaN so that any element
+// the kernel fails to write shows up; padding columns start as 0 and must stay untouched.
+Result run(const Problem& p, const std::vector<float>& dout, bool accumulate, const Result* init = nullptr) {
+  const AttnArgs& a = p.a;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  Result r;
+  r.out.assign(size_t(p.o_size()), 0.f);
+  r.lse.assign(size_t(a.B * a.NH * a.Tq), nan);
+  // Padding columns of out stay 0: write only through the kernel.
+  cpu::attention_forward(r.out.data(), r.lse.data(), p.q(), p.k(), p.v(), a);
+  const int64_t C = a.NH * a.HS;
+  // NaN in the NH * HS columns of every row, 0 in the padding columns.
+  auto poisoned = [&](int64_t rows, int64_t stride) {
+    std::vector<float> g(size_t(rows * stride), 0.f);
+    for (int64_t t = 0; t < rows; ++t) std::fill(g.begin() + t * stride, g.begin() + t * stride + C, nan);
+    return g;
+  };
+  if (init) {
+    r.dq = init->dq, r.dk = init->dk, r.dv = init->dv;
+  } else {
+    r.dq = poisoned(a.B * a.Tq, a.q_stride);
+    r.dk = poisoned(a.B * a.Tkv, a.kv_stride);
+    r.dv = poisoned(a.B * a.Tkv, a.kv_stride);
+  }
+  if (p.packed) {
+    // dq, dk, dv inside one dqkv [B, T, 3C] buffer: each third is written by one of them.
+    std::vector<float> dqkv(size_t(p.q_size()), nan);
+    if (init) dqkv = init->dq;  // the packed init holds the whole dqkv
+    cpu::attention_backward(dqkv.data(), dqkv.data() + C, dqkv.data() + 2 * C, dout.data(), p.q(), p.k(), p.v(),
+                            r.out.data(), r.lse.data(), a, accumulate);
+    r.dq = r.dk = r.dv = dqkv;
+  } else {
+    cpu::attention_backward(r.dq.data(), r.dk.data(), r.dv.data(), dout.data(), p.q(), p.k(), p.v(), r.out.data(),
+                            r.lse.data(), a, accumulate);
+  }
+  return r;
+}
+
+// Reference gradients in the layout of Result (for packed problems: one dqkv buffer).
+void reference_grads(const Problem& p, const Ref& ref, std::vector<double>& dq, std::vector<double>& dk,
+                     std::vector<double>& dv) {
+  if (!p.packed) {
+    dq = ref.dq, dk = ref.dk, dv = ref.dv;
+    return;
+  }
+  // ref.dq/dk/dv are each [B, T, 3C] with their own third filled (strides are 3C for all three).
+  const int64_t C = p.a.NH * p.a.HS;
+  std::vector<double> all(ref.dq.size(), 0.0);
+  for (int64_t r = 0; r < p.a.B * p.a.Tq; ++r)
+    for (int64_t c = 0; c < C; ++c) {
+      all[r * 3 * C + c] = ref.dq[r * 3 * C + c];
+      all[r * 3 * C + C + c] = ref.dk[r * 3 * C + c];
+      all[r * 3 * C + 2 * C + c] = ref.dv[r * 3 * C + c];
+    }
+  dq = dk = dv = all;
+}
+
+double max_abs(const std::vector<double>& v) {
+  double m = 0;
+  for (double x : v) m = std::max(m, std::fabs(x));
+  return m;
+}
+
+::testing::AssertionResult lse_close(const std::vector<float>& got, const std::vector<double>& want) {
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (want[i] == -kInf) {
+      if (got[i] != -std::numeric_limits<float>::infinity())
+        return ::testing::AssertionFailure() << "lse[" << i << "] = " << got[i] << ", want -inf";
+      continue;
+    }
+    if (!(std::fabs(double(got[i]) - want[i]) <= 1e-5 + 1e-5 * std::fabs(want[i])))
+      return ::testing::AssertionFailure() << "lse[" << i << "] = " << got[i] << ", want " << want[i];
+  }
+  return ::testing::AssertionSuccess();
+}
+
+void check_against_reference(const Shape& s, bool accumulate, uint64_t seed) {
+  SCOPED_TRACE(::testing::Message() << "B=" << s.B << " NH=" << s.NH << " HS=" << s.HS << " Tq=" << s.Tq
+                                    << " Tkv=" << s.Tkv << " q_pos0=" << s.q_pos0 << " kv_pos0=" << s.kv_pos0
+                                    << " causal=" << s.causal << " packed=" << s.packed
+                                    << " accumulate=" << accumulate);
+  const Problem p = make_problem(s, seed);
+  const std::vector<float> dout = random_vec(p.o_size(), seed + 7);
+  const Ref ref = reference(p, dout);
+
+  Result init;
+  if (accumulate) {
+    init.dq = random_vec(p.q_size(), seed + 11);
+    init.dk = p.packed ? init.dq : random_vec(p.kv_size(), seed + 12);
+    init.dv = p.packed ? init.dq : random_vec(p.kv_size(), seed + 13);
+  }
+  const Result got = run(p, dout, accumulate, accumulate ? &init : nullptr);
+
+  // Padding columns of out are never written, so 0 there matches the reference.
+  EXPECT_TRUE(all_close(got.out, ref.out, 1e-5, 1e-5)) << "out";
+  EXPECT_TRUE(lse_close(got.lse, ref.lse));
+
+  std::vector<double> dq, dk, dv;
+  reference_grads(p, ref, dq, dk, dv);
+  if (accumulate) {
+    if (p.packed) {
+      // One dqkv buffer: the init is added once.
+      for (size_t i = 0; i < dq.size(); ++i) dq[i] += init.dq[i];
+      dk = dv = dq;
+    } else {
+      for (size_t i = 0; i < dq.size(); ++i) dq[i] += init.dq[i];
+      for (size_t i = 0; i < dk.size(); ++i) dk[i] += init.dk[i], dv[i] += init.dv[i];
+    }
+  }
+  EXPECT_TRUE(all_close(got.dq, dq, 1e-5 * std::max(1.0, max_abs(dq)), 1e-5)) << "dq";
+  EXPECT_TRUE(all_close(got.dk, dk, 1e-5 * std::max(1.0, max_abs(dk)), 1e-5)) << "dk";
+  EXPECT_TRUE(all_close(got.dv, dv, 1e-5 * std::max(1.0, max_abs(dv)), 1e-5)) << "dv";
+}
+
+TEST(Attention, CausalOddShapes) {
+  ScopedThreads threads(2);
+  uint64_t seed = 100;
+  for (int64_t T : {1, 7, 33, 100})
+    for (int64_t HS : {16, 64, 24}) check_against_reference({.B = 2, .NH = 3, .HS = HS, .Tq = T, .Tkv = T}, false, seed++);
+}
+
+TEST(Attention, PackedQkvAndPaddedStrides) {
+  ScopedThreads threads(2);
+  check_against_reference({.B = 2, .NH = 3, .HS = 24, .Tq = 33, .Tkv = 33, .packed = true}, false, 200);
+  check_against_reference({.B = 1, .NH = 3, .HS = 20, .Tq = 100, .Tkv = 100, .pad = 5}, false, 201);
+  check_against_reference({.B = 1, .NH = 2, .HS = 64, .Tq = 129, .Tkv = 129, .pad = 3}, false, 202);
+}
+
+TEST(Attention, NonCausal) {
+  ScopedThreads threads(2);
+  check_against_reference({.B = 2, .NH = 3, .HS = 16, .Tq = 100, .Tkv = 100, .causal = false}, false, 300);
+  check_against_reference({.B = 1, .NH = 3, .HS = 24, .Tq = 7, .Tkv = 70, .causal = false}, false, 301);
+  check_against_reference({.B = 1, .NH = 2, .HS = 64, .Tq = 65, .Tkv = 33, .causal = false}, false, 302);
+}
+
+TEST(Attention, PositionOffsets) {
+  ScopedThreads threads(2);
+  // Later queries against a longer key block starting at 0 (a context-parallel rank's diagonal).
+  check_against_reference({.B = 1, .NH = 3, .HS = 24, .Tq = 33, .Tkv = 100, .q_pos0 = 67}, false, 400);
+  // Some query rows see no key (positions 10..49 vs keys 30..99): out 0, lse -inf.
+  check_against_reference({.B = 2, .NH = 3, .HS = 16, .Tq = 40, .Tkv = 70, .q_pos0 = 10, .kv_pos0 = 30}, false, 401);
+  // A key block entirely in the past: every key visible.
+  check_against_reference({.B = 1, .NH = 3, .HS = 64, .Tq = 130, .Tkv = 200, .q_pos0 = 300}, false, 402);
+  // A key block entirely in the future: nothing visible.
+  check_against_reference({.B = 1, .NH = 3, .HS = 16, .Tq = 5, .Tkv = 9, .kv_pos0 = 100}, false, 403);
+  // Tq > Tkv with the diagonal crossing the middle of tiles.
+  check_against_reference({.B = 1, .NH = 3, .HS = 24, .Tq = 150, .Tkv = 37, .q_pos0 = 5, .kv_pos0 = 50}, false, 404);
+}
+
+TEST(Attention, ScaleAndPeakySoftmax) {
+  ScopedThreads threads(2);
+  check_against_reference({.B = 1, .NH = 3, .HS = 24, .Tq = 100, .Tkv = 100, .scale = 0.3f}, false, 500);
+  // Scores of tens: the online softmax must rescale without overflow.
+  check_against_reference({.B = 1, .NH = 3, .HS = 16, .Tq = 100, .Tkv = 100, .qk_range = 4.f}, false, 501);
+}
+
+TEST(Attention, AccumulateAddsToGradients) {
+  ScopedThreads threads(2);
+  check_against_reference({.B = 2, .NH = 3, .HS = 24, .Tq = 33, .Tkv = 33}, true, 600);
+  check_against_reference({.B = 2, .NH = 3, .HS = 16, .Tq = 33, .Tkv = 33, .packed = true}, true, 601);
+  check_against_reference({.B = 1, .NH = 3, .HS = 16, .Tq = 40, .Tkv = 70, .q_pos0 = 10, .kv_pos0 = 30}, true,
+                          602);
+  // Many (b, h) pairs: dQ summed by one unit per (b, h) instead of per-group partials.
+  check_against_reference({.B = 4, .NH = 12, .HS = 16, .Tq = 70, .Tkv = 70}, true, 603);
+}
+
+TEST(Attention, EmptyKeyBlock) {
+  const Problem p = make_problem({.B = 2, .NH = 3, .HS = 16, .Tq = 5, .Tkv = 0}, 700);
+  const std::vector<float> dout = random_vec(p.o_size(), 701);
+  Result init;
+  init.dq = random_vec(p.q_size(), 702);
+  const Result got = run(p, dout, /*accumulate=*/true, &init);
+  for (float x : got.out) EXPECT_EQ(x, 0.f);
+  for (float x : got.lse) EXPECT_EQ(x, -std::numeric_limits<float>::infinity());
+  EXPECT_EQ(got.dq, init.dq);
+  const Result fresh = run(p, dout, /*accumulate=*/false);
+  for (float x : fresh.dq) EXPECT_EQ(x, 0.f);
+}
+
+// Results are bitwise identical for 1, 2 and 3 threads, with few (b, h) pairs (dQ partials per key-tile
+// group) and with many.
+TEST(Attention, IndependentOfThreadCount) {
+  for (const Shape& s : {Shape{.B = 1, .NH = 3, .HS = 24, .Tq = 200, .Tkv = 200},
+                         Shape{.B = 3, .NH = 12, .HS = 16, .Tq = 90, .Tkv = 130, .q_pos0 = 40},
+                         Shape{.B = 1, .NH = 2, .HS = 16, .Tq = 150, .Tkv = 150, .causal = false}}) {
+    const Problem p = make_problem(s, 800);
+    const std::vector<float> dout = random_vec(p.o_size(), 801);
+    Result base;
+    {
+      ScopedThreads threads(1);
+      base = run(p, dout, false);
+    }
+    for (int n : {2, 3}) {
+      ScopedThreads threads(n);
+      const Result r = run(p, dout, false);
+      EXPECT_EQ(r.out, base.out) << n << " threads";
+      EXPECT_EQ(r.lse, base.lse) << n << " threads";
+      EXPECT_EQ(r.dq, base.dq) << n << " threads";
+      EXPECT_EQ(r.dk, base.dk) << n << " threads";
+      EXPECT_EQ(r.dv, base.dv) << n << " threads";
+    }
+  }
+}
+
+// Central finite differences of L = sum(out * W) through the f32 forward, for every input element of a
+// tiny problem with an offset and a row that sees no key.
+TEST(Attention, BackwardMatchesFiniteDifferences) {
+  ScopedThreads threads(2);
+  Problem p = make_problem({.B = 1, .NH = 2, .HS = 5, .Tq = 4, .Tkv = 6, .q_pos0 = 2, .kv_pos0 = 3}, 900);
+  const std::vector<float> w = random_vec(p.o_size(), 901);
+  const Result an = run(p, w, false);
+
+  auto loss = [&]() {
+    std::vector<float> out(size_t(p.o_size())), lse(size_t(p.a.B * p.a.NH * p.a.Tq));
+    cpu::attention_forward(out.data(), lse.data(), p.q(), p.k(), p.v(), p.a);
+    double l = 0;
+    for (size_t i = 0; i < out.size(); ++i) l += double(out[i]) * double(w[i]);
+    return l;
+  };
+  const float eps = 1e-2f;
+  auto check = [&](std::vector<float>& x, const std::vector<float>& grad, const char* name) {
+    for (size_t i = 0; i < x.size(); ++i) {
+      const float x0 = x[i];
+      x[i] = x0 + eps;
+      const double lp = loss();
+      x[i] = x0 - eps;
+      const double lm = loss();
+      x[i] = x0;
+      const double fd = (lp - lm) / (2.0 * double(eps));
+      EXPECT_NEAR(grad[i], fd, 2e-3 + 2e-3 * std::fabs(fd)) << name << "[" << i << "]";
+    }
+  };
+  check(p.qbuf, an.dq, "dq");
+  check(p.kbuf, an.dk, "dk");
+  check(p.vbuf, an.dv, "dv");
+  // Query row 0 (position 2) sees no key (keys start at 3): zero output and zero gradient.
+  for (int64_t h = 0; h < 2; ++h) {
+    EXPECT_EQ(an.lse[size_t(h * 4)], -std::numeric_limits<float>::infinity());
+    for (int64_t d = 0; d < 5; ++d) EXPECT_EQ(an.dq[size_t(h * 5 + d)], 0.f);
+  }
+}
+
+TEST(Attention, RejectsBadArguments) {
+  const Problem p = make_problem({.B = 1, .NH = 2, .HS = 8, .Tq = 4, .Tkv = 4}, 1000);
+  std::vector<float> out(size_t(p.o_size())), lse(8);
+  auto expect_error = [&](AttnArgs a, const std::string& field) {
+    try {
+      cpu::attention_forward(out.data(), lse.data(), p.q(), p.k(), p.v(), a);
+      ADD_FAILURE() << "no error for " << field;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
+    }
+  };
+  AttnArgs a = p.a;
+  a.q_stride = 15;
+  expect_error(a, "q_stride");
+  a = p.a;
+  a.kv_stride = 0;
+  expect_error(a, "kv_stride");
+  a = p.a;
+  a.o_stride = 7;
+  expect_error(a, "o_stride");
+  a = p.a;
+  a.HS = 0;
+  expect_error(a, "HS");
+  a = p.a;
+  a.Tq = -1;
+  expect_error(a, "Tq");
+  a = p.a;
+  a.scale = std::numeric_limits<float>::infinity();
+  expect_error(a, "scale");
+  EXPECT_THROW(cpu::attention_forward(out.data(), lse.data(), p.q(), nullptr, p.v(), p.a), Error);
+  std::vector<float> g(size_t(p.q_size()));
+  EXPECT_THROW(cpu::attention_backward(g.data(), nullptr, g.data(), out.data(), p.q(), p.k(), p.v(), out.data(),
+                                       lse.data(), p.a),
+               Error);
+}
+
+}  // namespace
+}  // namespace loom::test
