@@ -1,0 +1,272 @@
+#include "model/blocks.h"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/crossentropy.h"
+#include "kernels/cpu/embedding.h"
+#include "kernels/cpu/gelu.h"
+#include "kernels/cpu/layernorm.h"
+#include "kernels/cpu/matmul.h"
+#include "kernels/cpu/residual.h"
+
+namespace loom::model {
+
+namespace {
+constexpr int64_t F = sizeof(float);
+constexpr int64_t I = sizeof(int32_t);
+
+Tensor act(const Shape& s, DType t, MemoryPool& pool) { return Tensor::empty(s, t, MemTag::activations, pool); }
+}  // namespace
+
+std::vector<Parameter*> ChainBlock::parameters() {
+  std::vector<Parameter*> out;
+  for (auto& p : params_) out.push_back(&p);
+  return out;
+}
+
+Parameter& ChainBlock::add_param(ParamSpec spec) {
+  LOOM_CHECK(params_.size() < params_.capacity(), "parameter '{}' added past the reserved count", spec.name);
+  params_.push_back(Parameter{std::move(spec), {}, {}, {}, {}});
+  return params_.back();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Embedding
+
+Embedding::Embedding(const GPTConfig& cfg, MemoryPool& pool) : cfg_(cfg), pool_(pool) {
+  const int64_t C = cfg.n_embd;
+  params_.reserve(2);
+  add_param({"wte.weight", {cfg.vocab_size, C}, cfg.padded_vocab(), Init::normal, cfg.init_std}).allocate(pool);
+  add_param({"wpe.weight", {cfg.block_size, C}, cfg.block_size, Init::normal, cfg.init_std}).allocate(pool);
+}
+
+int64_t Embedding::saved_activation_bytes(int64_t B, int64_t T) const {
+  return B * T * I + B * T * cfg_.n_embd * F;  // tokens, out
+}
+
+void Embedding::release_activations() {
+  tokens_ = Tensor();
+  out_ = Tensor();
+  B_ = T_ = 0;
+}
+
+void Embedding::forward(const int32_t* tokens, int64_t B, int64_t T) {
+  const int64_t C = cfg_.n_embd;
+  if (B != B_ || T != T_) {
+    release_activations();
+    tokens_ = act({B, T}, DType::i32, pool_);
+    out_ = act({B, T, C}, DType::f32, pool_);
+    B_ = B;
+    T_ = T;
+  }
+  std::memcpy(tokens_.raw(), tokens, size_t(B * T) * I);
+  cpu::embedding_forward(out_.f32(), tokens_.i32(), wte().value.f32(), wpe().value.f32(), B, T, C, cfg_.vocab_size);
+}
+
+void Embedding::backward(const float* dout) {
+  LOOM_CHECK(out_.defined(), "embedding: backward before forward");
+  cpu::embedding_backward(wte().grad.f32(), wpe().grad.f32(), dout, tokens_.i32(), B_, T_, cfg_.n_embd,
+                          cfg_.vocab_size);
+}
+
+// ---------------------------------------------------------------------------------------------
+// TransformerBlock
+
+TransformerBlock::TransformerBlock(const GPTConfig& cfg, int64_t layer, MemoryPool& pool)
+    : cfg_(cfg), layer_(layer), pool_(pool) {
+  const int64_t C = cfg.n_embd;
+  const std::string p = "h." + std::to_string(layer) + ".";
+  const float std = cfg.init_std;
+  const float proj_std = cfg.init_std / std::sqrt(2.0f * float(cfg.n_layer));
+  params_.reserve(12);
+  // Order and names as Hugging Face GPT-2 (weights here in Linear layout [out, in]).
+  add_param({p + "ln_1.weight", {C}, C, Init::ones, 0});
+  add_param({p + "ln_1.bias", {C}, C, Init::zeros, 0});
+  add_param({p + "attn.c_attn.weight", {3 * C, C}, 3 * C, Init::normal, std});
+  add_param({p + "attn.c_attn.bias", {3 * C}, 3 * C, Init::zeros, 0});
+  add_param({p + "attn.c_proj.weight", {C, C}, C, Init::normal, proj_std});
+  add_param({p + "attn.c_proj.bias", {C}, C, Init::zeros, 0});
+  add_param({p + "ln_2.weight", {C}, C, Init::ones, 0});
+  add_param({p + "ln_2.bias", {C}, C, Init::zeros, 0});
+  add_param({p + "mlp.c_fc.weight", {4 * C, C}, 4 * C, Init::normal, std});
+  add_param({p + "mlp.c_fc.bias", {4 * C}, 4 * C, Init::zeros, 0});
+  add_param({p + "mlp.c_proj.weight", {C, 4 * C}, C, Init::normal, proj_std});
+  add_param({p + "mlp.c_proj.bias", {C}, C, Init::zeros, 0});
+  for (auto& q : params_) q.allocate(pool);
+}
+
+int64_t TransformerBlock::saved_activation_bytes(int64_t B, int64_t T) const {
+  const int64_t BT = B * T, C = cfg_.n_embd;
+  // ln1 C + stats 2, qkv 3C, atty C, res2 C, ln2 C + stats 2, fch 4C, fch_gelu 4C, out C; lse NH.
+  return F * (BT * (16 * C + 4) + B * cfg_.n_head * T);
+}
+
+void TransformerBlock::release_activations() {
+  a_ = Saved{};
+  out_ = Tensor();
+  B_ = T_ = 0;
+}
+
+void TransformerBlock::forward(const float* x, int64_t B, int64_t T) {
+  const int64_t C = cfg_.n_embd, NH = cfg_.n_head, BT = B * T;
+  if (B != B_ || T != T_) {
+    release_activations();
+    a_.ln1 = act({B, T, C}, DType::f32, pool_);
+    a_.ln1_mean = act({B, T}, DType::f32, pool_);
+    a_.ln1_rstd = act({B, T}, DType::f32, pool_);
+    a_.qkv = act({B, T, 3 * C}, DType::f32, pool_);
+    a_.atty = act({B, T, C}, DType::f32, pool_);
+    a_.lse = act({B, NH, T}, DType::f32, pool_);
+    a_.res2 = act({B, T, C}, DType::f32, pool_);
+    a_.ln2 = act({B, T, C}, DType::f32, pool_);
+    a_.ln2_mean = act({B, T}, DType::f32, pool_);
+    a_.ln2_rstd = act({B, T}, DType::f32, pool_);
+    a_.fch = act({B, T, 4 * C}, DType::f32, pool_);
+    a_.fch_gelu = act({B, T, 4 * C}, DType::f32, pool_);
+    out_ = act({B, T, C}, DType::f32, pool_);
+    B_ = B;
+    T_ = T;
+  }
+  float* qkv = a_.qkv.f32();
+  cpu::AttnArgs aa;
+  aa.B = B;
+  aa.NH = NH;
+  aa.HS = C / NH;
+  aa.Tq = aa.Tkv = T;
+  aa.q_stride = aa.kv_stride = 3 * C;
+  aa.o_stride = C;
+
+  cpu::layernorm_forward(a_.ln1.f32(), a_.ln1_mean.f32(), a_.ln1_rstd.f32(), x, w(LN1_W), w(LN1_B), BT, C,
+                         cfg_.ln_eps);
+  cpu::matmul_forward(qkv, a_.ln1.f32(), w(QKV_W), w(QKV_B), BT, C, 3 * C);
+  cpu::attention_forward(a_.atty.f32(), a_.lse.f32(), qkv, qkv + C, qkv + 2 * C, aa);
+  cpu::matmul_forward(a_.res2.f32(), a_.atty.f32(), w(ATTN_PROJ_W), w(ATTN_PROJ_B), BT, C, C);
+  cpu::residual_forward(a_.res2.f32(), a_.res2.f32(), x, BT * C);
+  cpu::layernorm_forward(a_.ln2.f32(), a_.ln2_mean.f32(), a_.ln2_rstd.f32(), a_.res2.f32(), w(LN2_W), w(LN2_B),
+                         BT, C, cfg_.ln_eps);
+  cpu::matmul_forward(a_.fch.f32(), a_.ln2.f32(), w(FC_W), w(FC_B), BT, C, 4 * C);
+  cpu::gelu_forward(a_.fch_gelu.f32(), a_.fch.f32(), BT * 4 * C);
+  cpu::matmul_forward(out_.f32(), a_.fch_gelu.f32(), w(MLP_PROJ_W), w(MLP_PROJ_B), BT, 4 * C, C);
+  cpu::residual_forward(out_.f32(), out_.f32(), a_.res2.f32(), BT * C);
+}
+
+void TransformerBlock::backward(const float* x, const BackwardScratch& s) {
+  LOOM_CHECK(out_.defined(), "{}: backward before forward", name());
+  const int64_t C = cfg_.n_embd, NH = cfg_.n_head, B = B_, T = T_, BT = B * T;
+  const float* qkv = a_.qkv.f32();
+  float* dqkv = s.buf4C;  // f32 [B, T, 3C] in the [B, T, 4C] buffer
+  cpu::AttnArgs aa;
+  aa.B = B;
+  aa.NH = NH;
+  aa.HS = C / NH;
+  aa.Tq = aa.Tkv = T;
+  aa.q_stride = aa.kv_stride = 3 * C;
+  aa.o_stride = C;
+
+  // MLP branch; s.dres = d(out) = d(res2) through the residual.
+  cpu::matmul_backward(s.buf4C, g(MLP_PROJ_W), g(MLP_PROJ_B), s.dres, a_.fch_gelu.f32(), w(MLP_PROJ_W), BT, 4 * C, C);
+  cpu::gelu_backward(s.buf4C, a_.fch.f32(), s.buf4C, BT * 4 * C);
+  cpu::matmul_backward(s.bufC, g(FC_W), g(FC_B), s.buf4C, a_.ln2.f32(), w(FC_W), BT, C, 4 * C);
+  cpu::layernorm_backward(s.dres, g(LN2_W), g(LN2_B), s.bufC, a_.res2.f32(), w(LN2_W), a_.ln2_mean.f32(),
+                          a_.ln2_rstd.f32(), BT, C, /*accumulate_dinp=*/true);
+  // Attention branch; s.dres = d(res2) = d(x) through the residual.
+  cpu::matmul_backward(s.bufC, g(ATTN_PROJ_W), g(ATTN_PROJ_B), s.dres, a_.atty.f32(), w(ATTN_PROJ_W), BT, C, C);
+  cpu::attention_backward(dqkv, dqkv + C, dqkv + 2 * C, s.bufC, qkv, qkv + C, qkv + 2 * C, a_.atty.f32(),
+                          a_.lse.f32(), aa);
+  cpu::matmul_backward(s.bufC, g(QKV_W), g(QKV_B), dqkv, a_.ln1.f32(), w(QKV_W), BT, C, 3 * C);
+  cpu::layernorm_backward(s.dres, g(LN1_W), g(LN1_B), s.bufC, x, w(LN1_W), a_.ln1_mean.f32(), a_.ln1_rstd.f32(), BT,
+                          C, /*accumulate_dinp=*/true);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Head
+
+Head::Head(const GPTConfig& cfg, Parameter* tied, MemoryPool& pool) : cfg_(cfg), pool_(pool), lm_head_(tied) {
+  const int64_t C = cfg.n_embd;
+  params_.reserve(3);
+  add_param({"ln_f.weight", {C}, C, Init::ones, 0}).allocate(pool);
+  add_param({"ln_f.bias", {C}, C, Init::zeros, 0}).allocate(pool);
+  if (!cfg.tied_embeddings) {
+    lm_head_ = &add_param({"lm_head.weight", {cfg.vocab_size, C}, cfg.padded_vocab(), Init::normal, cfg.init_std});
+    lm_head_->allocate(pool);
+  }
+  LOOM_CHECK(lm_head_ != nullptr, "head: tied embeddings need the wte parameter");
+  LOOM_CHECK(lm_head_->value_full.size(0) == cfg.padded_vocab(), "head: lm_head has {} rows, expected {}",
+             lm_head_->value_full.size(0), cfg.padded_vocab());
+}
+
+int64_t Head::saved_activation_bytes(int64_t B, int64_t T) const {
+  const int64_t BT = B * T;
+  // lnf C + stats 2, logits Vp, losses 1 (f32); targets (i32).
+  return F * BT * (cfg_.n_embd + 2 + cfg_.padded_vocab() + 1) + I * BT;
+}
+
+void Head::release_activations() {
+  lnf_ = lnf_mean_ = lnf_rstd_ = logits_ = losses_ = targets_ = Tensor();
+  B_ = T_ = 0;
+  has_targets_ = holds_dlogits_ = false;
+}
+
+double Head::forward(const float* x, const int32_t* targets, int64_t B, int64_t T, bool fuse_backward,
+                     float dloss_scale) {
+  const int64_t C = cfg_.n_embd, V = cfg_.vocab_size, Vp = cfg_.padded_vocab(), BT = B * T;
+  if (B != B_ || T != T_) {
+    release_activations();
+    lnf_ = act({B, T, C}, DType::f32, pool_);
+    lnf_mean_ = act({B, T}, DType::f32, pool_);
+    lnf_rstd_ = act({B, T}, DType::f32, pool_);
+    logits_ = act({B, T, Vp}, DType::f32, pool_);
+    losses_ = act({B, T}, DType::f32, pool_);
+    targets_ = act({B, T}, DType::i32, pool_);
+    B_ = B;
+    T_ = T;
+  }
+  cpu::layernorm_forward(lnf_.f32(), lnf_mean_.f32(), lnf_rstd_.f32(), x, params_[0].value.f32(),
+                         params_[1].value.f32(), BT, C, cfg_.ln_eps);
+  cpu::matmul_forward(logits_.f32(), lnf_.f32(), lm_head_->value_full.f32(), nullptr, BT, C, Vp);
+  holds_dlogits_ = false;
+  has_targets_ = targets != nullptr;
+  counted_ = 0;
+  if (!has_targets_) return std::numeric_limits<double>::quiet_NaN();
+
+  std::memcpy(targets_.raw(), targets, size_t(BT) * I);
+  const int32_t* tg = targets_.i32();
+  for (int64_t i = 0; i < BT; ++i) counted_ += tg[i] >= 0;
+  float* losses = losses_.f32();
+  if (fuse_backward) {
+    float dloss = counted_ ? dloss_scale / float(counted_) : 0.0f;
+    cpu::crossentropy_forward_backward(losses, logits_.f32(), logits_.f32(), tg, dloss, BT, V, Vp);
+    holds_dlogits_ = true;
+  } else {
+    cpu::crossentropy_forward(losses, logits_.f32(), tg, BT, V, Vp);
+  }
+  double sum = 0;
+  for (int64_t i = 0; i < BT; ++i) sum += losses[i];
+  return counted_ ? sum / double(counted_) : 0.0;
+}
+
+void Head::backward(const float* x, const BackwardScratch& s, float dloss_scale) {
+  LOOM_CHECK(logits_.defined() && has_targets_, "head: backward needs a forward with targets");
+  const int64_t C = cfg_.n_embd, V = cfg_.vocab_size, Vp = cfg_.padded_vocab(), BT = B_ * T_;
+  if (!holds_dlogits_) {
+    float dloss = counted_ ? dloss_scale / float(counted_) : 0.0f;
+    cpu::crossentropy_forward_backward(losses_.f32(), logits_.f32(), logits_.f32(), targets_.i32(), dloss, BT, V,
+                                       Vp);
+    holds_dlogits_ = true;
+  }
+  cpu::matmul_backward(s.bufC, lm_head_->grad_full.f32(), nullptr, logits_.f32(), lnf_.f32(),
+                       lm_head_->value_full.f32(), BT, C, Vp);
+  cpu::layernorm_backward(s.dres, params_[0].grad.f32(), params_[1].grad.f32(), s.bufC, x, params_[0].value.f32(),
+                          lnf_mean_.f32(), lnf_rstd_.f32(), BT, C, /*accumulate_dinp=*/false);
+}
+
+const Tensor& Head::logits() const {
+  LOOM_CHECK(logits_.defined() && !holds_dlogits_,
+             "head: logits are not available (no forward yet, or the buffer now holds dlogits)");
+  return logits_;
+}
+
+}  // namespace loom::model

@@ -1,0 +1,142 @@
+// The GPT-2 chain: Embedding -> n_layer x TransformerBlock -> Head. Each block has explicit
+// forward and backward, owns its parameters, and declares the activations it saves between them
+// (saved_activation_bytes) so memory can be predicted exactly; the model checks the declaration
+// against the pool. A block's input is the previous block's saved output, so nothing is stored
+// twice. Backward passes the residual-stream gradient through one shared buffer.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/memory.h"
+#include "core/tensor.h"
+#include "model/config.h"
+#include "model/param.h"
+
+namespace loom::model {
+
+// Scratch of backward, shared by all blocks (tag workspace); see GPT::workspace_bytes.
+struct BackwardScratch {
+  float* dres = nullptr;  // f32 [B, T, C]: gradient of the residual stream, updated in place
+  float* bufC = nullptr;  // f32 [B, T, C]
+  float* buf4C = nullptr; // f32 [B, T, 4C] (also holds dqkv [B, T, 3C])
+};
+
+class ChainBlock {
+ public:
+  virtual ~ChainBlock() = default;
+  virtual std::string name() const = 0;
+  // Bytes of the activations forward saves for backward at batch B and sequence length T.
+  virtual int64_t saved_activation_bytes(int64_t B, int64_t T) const = 0;
+  // Parameters this block owns (a tied weight belongs to the block that declares it first).
+  std::vector<Parameter*> parameters();
+  // Frees the saved activations (they are reallocated at the next forward).
+  virtual void release_activations() = 0;
+
+ protected:
+  std::vector<Parameter> params_;
+  Parameter& add_param(ParamSpec spec);
+};
+
+// Token and position embeddings: out = wte[token] + wpe[position].
+class Embedding final : public ChainBlock {
+ public:
+  Embedding(const GPTConfig& cfg, MemoryPool& pool);
+  std::string name() const override { return "embedding"; }
+  int64_t saved_activation_bytes(int64_t B, int64_t T) const override;
+  void release_activations() override;
+
+  // tokens i32 [B, T] (copied and saved for backward); the output is out().
+  void forward(const int32_t* tokens, int64_t B, int64_t T);
+  // dout f32 [B, T, C]: accumulates into the wte and wpe gradients.
+  void backward(const float* dout);
+  const Tensor& out() const { return out_; }  // f32 [B, T, C]
+  Parameter& wte() { return params_[0]; }
+  Parameter& wpe() { return params_[1]; }
+
+ private:
+  GPTConfig cfg_;
+  MemoryPool& pool_;
+  int64_t B_ = 0, T_ = 0;
+  Tensor tokens_;  // i32 [B, T]
+  Tensor out_;     // f32 [B, T, C]
+};
+
+// Pre-LayerNorm GPT-2 block: x + attn(ln_1(x)), then + mlp(ln_2(.)), tanh-GELU MLP of width 4C.
+class TransformerBlock final : public ChainBlock {
+ public:
+  TransformerBlock(const GPTConfig& cfg, int64_t layer, MemoryPool& pool);
+  std::string name() const override { return "h." + std::to_string(layer_); }
+  int64_t saved_activation_bytes(int64_t B, int64_t T) const override;
+  void release_activations() override;
+
+  // x f32 [B, T, C] (must stay valid until backward: it is the previous block's output).
+  void forward(const float* x, int64_t B, int64_t T);
+  // s.dres holds d(out) on entry and d(x) on return; parameter gradients accumulate.
+  void backward(const float* x, const BackwardScratch& s);
+  const Tensor& out() const { return out_; }  // f32 [B, T, C]
+
+  // Named intermediates of the last forward (for dumps and tests).
+  struct Saved {
+    Tensor ln1, ln1_mean, ln1_rstd;  // f32 [B, T, C], [B, T], [B, T]
+    Tensor qkv;                      // f32 [B, T, 3C]
+    Tensor atty;                     // f32 [B, T, C] attention output before c_proj
+    Tensor lse;                      // f32 [B, NH, T] attention log-sum-exp
+    Tensor res2;                     // f32 [B, T, C] x + attention branch
+    Tensor ln2, ln2_mean, ln2_rstd;  // f32 [B, T, C], [B, T], [B, T]
+    Tensor fch;                      // f32 [B, T, 4C] c_fc output (GELU input)
+    Tensor fch_gelu;                 // f32 [B, T, 4C]
+  };
+  const Saved& saved() const { return a_; }
+
+ private:
+  enum : int { LN1_W, LN1_B, QKV_W, QKV_B, ATTN_PROJ_W, ATTN_PROJ_B, LN2_W, LN2_B, FC_W, FC_B, MLP_PROJ_W, MLP_PROJ_B };
+  GPTConfig cfg_;
+  int64_t layer_;
+  MemoryPool& pool_;
+  int64_t B_ = 0, T_ = 0;
+  Saved a_;
+  Tensor out_;  // f32 [B, T, C] x + attention branch + MLP branch
+  float* w(int i) { return params_[size_t(i)].value.f32(); }
+  float* g(int i) { return params_[size_t(i)].grad.f32(); }
+};
+
+// Final LayerNorm, lm_head (tied to wte unless configured otherwise) and the fused
+// softmax + cross-entropy over the padded vocabulary. The logits buffer is reused in place for
+// dlogits, so the head saves one [B, T, Vp] buffer.
+class Head final : public ChainBlock {
+ public:
+  // lm_head is `tied` (wte's value and gradient, [Vp, C]) when the config ties embeddings.
+  Head(const GPTConfig& cfg, Parameter* tied, MemoryPool& pool);
+  std::string name() const override { return "head"; }
+  int64_t saved_activation_bytes(int64_t B, int64_t T) const override;
+  void release_activations() override;
+
+  // x f32 [B, T, C]. With targets (i32 [B, T], -1 ignored), computes the per-position losses and
+  // returns their mean over counted positions; with `fuse_backward` the logits buffer is turned
+  // into dlogits in the same pass (scaled by dloss_scale / count), so backward needs no second
+  // softmax and logits() is no longer available. Without targets returns NaN.
+  double forward(const float* x, const int32_t* targets, int64_t B, int64_t T, bool fuse_backward,
+                 float dloss_scale);
+  // Writes d(x) into s.dres; accumulates into the ln_f and lm_head gradients.
+  void backward(const float* x, const BackwardScratch& s, float dloss_scale);
+  // f32 [B, T, Vp]: logits after a forward without fuse_backward (columns >= V are padding).
+  const Tensor& logits() const;
+  const Tensor& losses() const { return losses_; }  // f32 [B, T]
+  bool holds_dlogits() const { return holds_dlogits_; }
+  int64_t counted() const { return counted_; }
+
+ private:
+  GPTConfig cfg_;
+  MemoryPool& pool_;
+  Parameter* lm_head_;  // wte when tied, else params_[2]
+  int64_t B_ = 0, T_ = 0;
+  Tensor lnf_, lnf_mean_, lnf_rstd_;  // f32 [B, T, C], [B, T], [B, T]
+  Tensor logits_;                     // f32 [B, T, Vp], or dlogits after fuse_backward / backward
+  Tensor losses_;                     // f32 [B, T]
+  Tensor targets_;                    // i32 [B, T]
+  bool has_targets_ = false, holds_dlogits_ = false;
+  int64_t counted_ = 0;
+};
+
+}  // namespace loom::model

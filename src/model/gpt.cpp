@@ -1,0 +1,122 @@
+#include "model/gpt.h"
+
+#include <cmath>
+
+namespace loom::model {
+
+GPT::GPT(const GPTConfig& cfg, MemoryPool& pool, uint64_t seed) : cfg_(cfg), pool_(pool) {
+  cfg_.validate("model config '" + cfg_.name + "'");
+  embedding_ = std::make_unique<Embedding>(cfg_, pool);
+  for (int64_t l = 0; l < cfg_.n_layer; ++l) blocks_.push_back(std::make_unique<TransformerBlock>(cfg_, l, pool));
+  head_ = std::make_unique<Head>(cfg_, &embedding_->wte(), pool);
+  for (ChainBlock* b : chain())
+    for (Parameter* p : b->parameters()) params_.push_back(p);
+  init_weights(seed);
+}
+
+std::vector<ChainBlock*> GPT::chain() const {
+  std::vector<ChainBlock*> c{embedding_.get()};
+  for (auto& b : blocks_) c.push_back(b.get());
+  c.push_back(head_.get());
+  return c;
+}
+
+Parameter& GPT::parameter(std::string_view name) const {
+  for (Parameter* p : params_)
+    if (p->spec.name == name) return *p;
+  throw Error(fmt::format("model '{}' has no parameter named '{}'", cfg_.name, name));
+}
+
+void GPT::init_weights(uint64_t seed) {
+  for (Parameter* p : params_) p->initialise(seed);
+}
+
+int64_t GPT::num_parameters() const {
+  int64_t n = 0;
+  for (Parameter* p : params_) n += p->spec.numel();
+  return n;
+}
+
+int64_t GPT::num_nonembedding_parameters() const {
+  int64_t n = 0;
+  for (Parameter* p : params_) {
+    const std::string& s = p->spec.name;
+    if (s != "wte.weight" && s != "wpe.weight" && s != "lm_head.weight") n += p->spec.numel();
+  }
+  return n;
+}
+
+int64_t GPT::param_bytes() const {
+  int64_t n = 0;
+  for (Parameter* p : params_) n += p->spec.alloc_numel() * int64_t(sizeof(float));
+  return n;
+}
+
+int64_t GPT::saved_activation_bytes(int64_t B, int64_t T) const {
+  int64_t n = 0;
+  for (ChainBlock* b : chain()) n += b->saved_activation_bytes(B, T);
+  return n;
+}
+
+int64_t GPT::workspace_bytes(int64_t B, int64_t T) const {
+  return int64_t(sizeof(float)) * B * T * cfg_.n_embd * 6;
+}
+
+float GPT::forward(const Tensor& tokens, const Tensor& targets, const ForwardOptions& opt) {
+  LOOM_CHECK(tokens.dtype() == DType::i32 && tokens.dim() == 2, "model '{}': tokens must be i32 [B, T], got {}",
+             cfg_.name, tokens.str());
+  const int64_t B = tokens.size(0), T = tokens.size(1);
+  LOOM_CHECK(B > 0 && T > 0, "model '{}': empty batch {}", cfg_.name, shape_str(tokens.shape()));
+  if (T > cfg_.block_size)
+    throw Error(fmt::format("model '{}': sequence length {} exceeds block_size {}", cfg_.name, T, cfg_.block_size));
+  if (targets.defined())
+    LOOM_CHECK(targets.dtype() == DType::i32 && targets.shape() == tokens.shape(),
+               "model '{}': targets must be i32 {}, got {}", cfg_.name, shape_str(tokens.shape()), targets.str());
+  if (B != B_ || T != T_) {
+    // Free the old shapes first so the peak never holds both.
+    release_activations();
+    B_ = B;
+    T_ = T;
+  }
+  can_backward_ = false;
+  embedding_->forward(tokens.i32(), B, T);
+  const float* x = embedding_->out().f32();
+  for (auto& b : blocks_) {
+    b->forward(x, B, T);
+    x = b->out().f32();
+  }
+  dloss_scale_ = opt.dloss_scale;
+  double loss = head_->forward(x, targets.defined() ? targets.i32() : nullptr, B, T, opt.fuse_backward,
+                               opt.dloss_scale);
+  can_backward_ = targets.defined();
+  return float(loss);
+}
+
+void GPT::backward() {
+  LOOM_CHECK(can_backward_, "model '{}': backward needs a forward with targets first", cfg_.name);
+  const int64_t B = B_, T = T_, C = cfg_.n_embd;
+  if (!ws_dres_.defined()) {
+    ws_dres_ = Tensor::empty({B, T, C}, DType::f32, MemTag::workspace, pool_);
+    ws_bufC_ = Tensor::empty({B, T, C}, DType::f32, MemTag::workspace, pool_);
+    ws_buf4C_ = Tensor::empty({B, T, 4 * C}, DType::f32, MemTag::workspace, pool_);
+  }
+  BackwardScratch s{ws_dres_.f32(), ws_bufC_.f32(), ws_buf4C_.f32()};
+  auto input_of = [&](int64_t l) { return l == 0 ? embedding_->out().f32() : blocks_[size_t(l - 1)]->out().f32(); };
+  head_->backward(input_of(cfg_.n_layer), s, dloss_scale_);
+  for (int64_t l = cfg_.n_layer - 1; l >= 0; --l) blocks_[size_t(l)]->backward(input_of(l), s);
+  embedding_->backward(s.dres);
+  can_backward_ = false;  // the logits buffer now holds dlogits
+}
+
+void GPT::zero_grad() {
+  for (Parameter* p : params_) p->grad_full.zero_();
+}
+
+void GPT::release_activations() {
+  for (ChainBlock* b : chain()) b->release_activations();
+  ws_dres_ = ws_bufC_ = ws_buf4C_ = Tensor();
+  B_ = T_ = 0;
+  can_backward_ = false;
+}
+
+}  // namespace loom::model

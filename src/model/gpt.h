@@ -1,0 +1,86 @@
+// GPT-2: the chain Embedding -> n_layer x TransformerBlock -> Head with explicit forward and
+// backward, parameters named as Hugging Face GPT-2, and an exact declaration of its memory:
+// params, grads, saved activations (per block) and backward workspace, each under its pool tag.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string_view>
+#include <vector>
+
+#include "core/memory.h"
+#include "core/tensor.h"
+#include "model/blocks.h"
+#include "model/config.h"
+#include "model/param.h"
+
+namespace loom::model {
+
+struct ForwardOptions {
+  // Turn the logits buffer into dlogits during forward (one softmax pass, as in training);
+  // logits() is then unavailable. backward() works either way.
+  bool fuse_backward = false;
+  // The gradient of the objective with respect to the mean loss of this call (1 / k for a
+  // mean over k accumulated micro-batches).
+  float dloss_scale = 1.0f;
+};
+
+class GPT {
+ public:
+  // Allocates parameters (tag params) and zeroed gradients (tag grads) from pool and initialises
+  // them from seed as nanoGPT does: N(0, 0.02), residual projections N(0, 0.02 / sqrt(2 L)),
+  // biases 0, LayerNorm weights 1.
+  GPT(const GPTConfig& cfg, MemoryPool& pool, uint64_t seed = 1337);
+  GPT(const GPT&) = delete;
+  GPT& operator=(const GPT&) = delete;
+
+  const GPTConfig& config() const { return cfg_; }
+  MemoryPool& pool() const { return pool_; }
+
+  // Every parameter once, in Hugging Face order (wte, wpe, h.0..., ln_f[, lm_head]).
+  const std::vector<Parameter*>& parameters() const { return params_; }
+  Parameter& parameter(std::string_view name) const;  // throws naming the parameter
+  void init_weights(uint64_t seed);
+  int64_t num_parameters() const;               // logical elements (no vocabulary padding)
+  int64_t num_nonembedding_parameters() const;  // all but wte, wpe (and an untied lm_head)
+
+  // tokens i32 [B, T]; targets i32 [B, T] or an undefined Tensor (no loss). Returns the mean loss
+  // over the targets that are not -1 (NaN without targets). T <= block_size.
+  float forward(const Tensor& tokens, const Tensor& targets, const ForwardOptions& opt = {});
+  // Accumulates parameter gradients of the last forward (which needs targets).
+  void backward();
+  void zero_grad();
+  // f32 [B, T, Vp] of the last forward without fuse_backward (columns >= vocab_size are padding).
+  const Tensor& logits() const { return head_->logits(); }
+  const Tensor& losses() const { return head_->losses(); }  // f32 [B, T]
+
+  // Drops saved activations and the backward workspace (reallocated when needed).
+  void release_activations();
+
+  // The chain, for schedules, checkpointing and tests.
+  Embedding& embedding() { return *embedding_; }
+  TransformerBlock& block(int64_t i) { return *blocks_.at(size_t(i)); }
+  Head& head() { return *head_; }
+  std::vector<ChainBlock*> chain() const;
+
+  // Memory this model declares, in bytes, per pool tag.
+  int64_t param_bytes() const;  // including the zero padding rows of wte / lm_head
+  int64_t grad_bytes() const { return param_bytes(); }
+  int64_t saved_activation_bytes(int64_t B, int64_t T) const;  // sum over the chain
+  // Backward scratch: the residual-stream gradient [B, T, C] and two buffers [B, T, C] and
+  // [B, T, 4C], i.e. 24 * B * T * C bytes.
+  int64_t workspace_bytes(int64_t B, int64_t T) const;
+
+ private:
+  GPTConfig cfg_;
+  MemoryPool& pool_;
+  std::unique_ptr<Embedding> embedding_;
+  std::vector<std::unique_ptr<TransformerBlock>> blocks_;
+  std::unique_ptr<Head> head_;
+  std::vector<Parameter*> params_;
+  int64_t B_ = 0, T_ = 0;
+  float dloss_scale_ = 1.0f;
+  bool can_backward_ = false;
+  Tensor ws_dres_, ws_bufC_, ws_buf4C_;  // f32 [B, T, C], [B, T, C], [B, T, 4C] (tag workspace)
+};
+
+}  // namespace loom::model

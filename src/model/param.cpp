@@ -1,0 +1,54 @@
+#include "model/param.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "core/rng.h"
+
+namespace loom::model {
+
+int64_t ParamSpec::alloc_numel() const {
+  if (shape.empty()) return 1;
+  int64_t rows = std::max(alloc_rows, shape[0]);
+  return numel() / std::max<int64_t>(shape[0], 1) * rows;
+}
+
+void init_values(const ParamSpec& spec, uint64_t seed, float* out, int64_t first, int64_t n) {
+  LOOM_CHECK(first >= 0 && n >= 0 && first + n <= spec.numel(), "parameter '{}': elements [{}, {}) out of range {}",
+             spec.name, first, first + n, spec.numel());
+  switch (spec.init) {
+    case Init::normal:
+      fill_normal(out, n, 0.0f, spec.std, seed, stream_of(spec.name), uint64_t(first));
+      break;
+    case Init::zeros:
+      std::fill(out, out + n, 0.0f);
+      break;
+    case Init::ones:
+      std::fill(out, out + n, 1.0f);
+      break;
+  }
+}
+
+void Parameter::allocate(MemoryPool& pool) {
+  Shape full = spec.shape;
+  if (!full.empty()) full[0] = std::max(spec.alloc_rows, full[0]);
+  value_full = Tensor::empty(full, DType::f32, MemTag::params, pool);
+  grad_full = Tensor::zeros(full, DType::f32, MemTag::grads, pool);
+  // Padding rows stay zero for ever: their gradient is zero and decay keeps zero at zero.
+  value_full.zero_();
+  if (spec.shape.empty()) {
+    value = value_full;
+    grad = grad_full;
+  } else {
+    value = value_full.slice0(0, spec.shape[0]);
+    grad = grad_full.slice0(0, spec.shape[0]);
+  }
+}
+
+void Parameter::initialise(uint64_t seed) {
+  LOOM_CHECK(value.defined(), "parameter '{}' is not allocated", spec.name);
+  value_full.zero_();
+  init_values(spec, seed, value.f32(), 0, spec.numel());
+}
+
+}  // namespace loom::model

@@ -1,0 +1,44 @@
+// Named parameters: a spec (global shape, initialisation, weight-decay group) and the tensors the
+// model allocated for it. Initialisation is a pure function of (seed, name, global element index),
+// so a later sharded layout can initialise exactly its shard of the same full tensor.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "core/memory.h"
+#include "core/tensor.h"
+
+namespace loom::model {
+
+enum class Init : uint8_t { normal, zeros, ones };
+
+struct ParamSpec {
+  std::string name;       // Hugging Face GPT-2 name: "wte.weight", "h.3.attn.c_attn.weight", ...
+  Shape shape;            // global logical shape; weights in PyTorch Linear layout [out, in]
+  int64_t alloc_rows = 0; // rows of storage (>= shape[0]): wte is padded to the padded vocabulary
+  Init init = Init::zeros;
+  float std = 0.0f;       // for Init::normal
+  // nanoGPT's groups: every parameter with two or more dimensions is decayed, others are not.
+  bool decay() const { return shape.size() >= 2; }
+  int64_t numel() const { return shape_numel(shape); }
+  int64_t alloc_numel() const;  // numel including padding rows
+};
+
+struct Parameter {
+  ParamSpec spec;
+  Tensor value;       // f32 spec.shape (the first shape[0] rows of value_full)
+  Tensor grad;        // f32 spec.shape, accumulated by backward
+  Tensor value_full;  // f32 [alloc_rows, ...], padding rows zero
+  Tensor grad_full;   // f32 [alloc_rows, ...]
+
+  // Allocates value (tag params) and grad (tag grads, zeroed) from pool.
+  void allocate(MemoryPool& pool);
+  // value[i] for the global element indices [first, first + n) of the full tensor, drawn from
+  // fill_normal(seed, stream_of(name), index); padding rows are zeroed.
+  void initialise(uint64_t seed);
+};
+
+// Fills out[0, n) with the initial values of global elements [first, first + n) of spec.
+void init_values(const ParamSpec& spec, uint64_t seed, float* out, int64_t first, int64_t n);
+
+}  // namespace loom::model

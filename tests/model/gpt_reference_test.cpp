@@ -1,0 +1,14 @@
+// Parity with PyTorch on the committed tiny dump (L=2, H=4, C=64, V=503, B=4, T=32), written by
+// scripts/torch_reference.py --model gpt2-tiny.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "model/reference_util.h"
+
+TEST(GPTReference, TinyMatchesPyTorch) {
+  const std::string path = std::string(LOOM_SOURCE_DIR) + "/tests/data/gpt2_tiny_reference.safetensors";
+  ASSERT_TRUE(std::filesystem::exists(path)) << path << " is missing (scripts/torch_reference.py writes it)";
+  loom::test::ReferenceTolerance tol;  // loss 1e-5 rel, logits 1e-5, grads 1e-4, step losses 1e-4 abs
+  loom::test::check_gpt_reference(path, tol);
+}

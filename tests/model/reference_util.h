@@ -1,0 +1,21 @@
+// Compares loom's GPT with a PyTorch reference dump written by scripts/torch_reference.py.
+#pragma once
+#include <string>
+
+namespace loom::test {
+
+struct ReferenceTolerance {
+  double loss_rel = 1e-5;       // |loss - ref| / |ref|
+  double logits_rel = 1e-5;     // ||l - ref|| / ||ref||
+  double grad_rel = 1e-4;       // ||g - ref|| / ||ref||, every parameter
+  double step_loss_abs = 1e-4;  // |loss_i - ref_i| for each AdamW step
+};
+
+// Loads the dump's weights into a fresh model, checks loss, logits, every gradient and the losses
+// of the dump's AdamW steps with GoogleTest assertions, and prints the errors it measured.
+void check_gpt_reference(const std::string& path, const ReferenceTolerance& tol);
+
+// The format version this loom reads (the dump's __metadata__ "version").
+inline constexpr const char* kReferenceVersion = "1";
+
+}  // namespace loom::test
