@@ -1,0 +1,101 @@
+// GPT-2's pre-tokeniser as a hand-written state machine over decoded code points. It splits text
+// exactly as the regular expression
+//
+//   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+//
+// does (leftmost alternative first, greedy), with \s = White_Space. Pieces are byte ranges of the
+// input that cover it exactly, so invalid UTF-8 (each bad byte a code point of class "other")
+// survives untouched.
+//
+// Where regex engines differ: JavaScript's \s also matches U+FEFF and not U+0085; Python's `regex`
+// and tiktoken follow White_Space, as we do.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+#include "data/unicode.h"
+
+namespace loom::data {
+
+class PreTokenizer {
+ public:
+  explicit PreTokenizer(std::string_view text)
+      : p_(reinterpret_cast<const uint8_t*>(text.data())), begin_(p_), end_(p_ + text.size()) {}
+
+  // Stores the next piece in *piece and returns true; false at the end of the text.
+  bool next(std::string_view* piece) {
+    if (p_ >= end_) return false;
+    const uint8_t* start = p_;
+    p_ = piece_end(p_);
+    *piece = std::string_view(reinterpret_cast<const char*>(start), size_t(p_ - start));
+    return true;
+  }
+
+  // Byte offset of the next piece in the text.
+  size_t offset() const { return size_t(p_ - begin_); }
+
+ private:
+  // Class and length of the code point at q (q < end_).
+  CharClass at(const uint8_t* q, size_t* len) const {
+    if (*q < 0x80) {
+      *len = 1;
+      return static_cast<CharClass>(detail::kAsciiClass[*q]);
+    }
+    uint32_t cp;
+    *len = decode_utf8(q, end_, &cp);
+    return char_class(cp);
+  }
+
+  // End of the run of code points of class c starting at q.
+  const uint8_t* run_end(const uint8_t* q, CharClass c) const {
+    while (q < end_) {
+      size_t len;
+      if (at(q, &len) != c) break;
+      q += len;
+    }
+    return q;
+  }
+
+  const uint8_t* piece_end(const uint8_t* q) const {
+    const uint8_t b = *q;
+    // 's 't 're 've 'm 'll 'd
+    if (b == '\'' && q + 1 < end_) {
+      const uint8_t c1 = q[1];
+      if (c1 == 's' || c1 == 't' || c1 == 'm' || c1 == 'd') return q + 2;
+      if (q + 2 < end_) {
+        const uint8_t c2 = q[2];
+        if ((c1 == 'r' && c2 == 'e') || (c1 == 'v' && c2 == 'e') || (c1 == 'l' && c2 == 'l')) {
+          return q + 3;
+        }
+      }
+    }
+    size_t len;
+    const CharClass c = at(q, &len);
+    // " ?\p{L}+", " ?\p{N}+", " ?[^\s\p{L}\p{N}]+" with the optional leading U+0020.
+    if (b == ' ' && q + 1 < end_) {
+      size_t len1;
+      const CharClass c1 = at(q + 1, &len1);
+      if (c1 != CharClass::kSpace) return run_end(q + 1 + len1, c1);
+    }
+    if (c != CharClass::kSpace) return run_end(q + len, c);
+    // "\s+(?!\S)|\s+": a run of white space that is followed by more text leaves its last code
+    // point to the next piece (where a final ' ' can lead a word), unless the run is one long.
+    const uint8_t* last = q;
+    const uint8_t* r = q + len;
+    while (r < end_) {
+      size_t l;
+      if (at(r, &l) != CharClass::kSpace) break;
+      last = r;
+      r += l;
+    }
+    if (r == end_ || last == q) return r;
+    return last;
+  }
+
+  const uint8_t* p_;
+  const uint8_t* begin_;
+  const uint8_t* end_;
+};
+
+}  // namespace loom::data

@@ -1,0 +1,539 @@
+#include "data/tokenizer.h"
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <thread>
+
+#include "core/error.h"
+#include "data/bpe_pretokenize.h"
+#include "data/unicode.h"
+
+namespace loom::data {
+namespace {
+
+[[noreturn]] void bad_input(const std::string& msg) { throw Error(msg); }
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) bad_input(fmt::format("{}: cannot open file", path));
+  std::ostringstream ss;
+  ss << f.rdbuf();
+  if (f.bad()) bad_input(fmt::format("{}: read error", path));
+  return std::move(ss).str();
+}
+
+// GPT-2's bytes_to_unicode: printable Latin-1 bytes stand for themselves, the other 68 bytes
+// take the code points 256, 257, ... in byte order.
+struct ByteMap {
+  uint32_t to_char[256];
+  int16_t from_char[324];  // code point -> byte, -1 when not in the alphabet
+  std::vector<uint8_t> order;
+
+  ByteMap() {
+    std::fill(std::begin(from_char), std::end(from_char), int16_t(-1));
+    auto printable = [](int b) { return (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || b >= 174; };
+    for (int b = 0; b < 256; ++b) {
+      if (printable(b)) order.push_back(uint8_t(b));
+    }
+    uint32_t extra = 256;
+    for (int b = 0; b < 256; ++b) {
+      if (!printable(b)) order.push_back(uint8_t(b));
+    }
+    for (int b = 0; b < 256; ++b) to_char[b] = printable(b) ? uint32_t(b) : 0;
+    for (int b = 0; b < 256; ++b) {
+      if (!printable(b)) to_char[b] = extra++;
+    }
+    for (int b = 0; b < 256; ++b) from_char[to_char[b]] = int16_t(b);
+  }
+};
+
+const ByteMap& byte_map() {
+  static const ByteMap m;
+  return m;
+}
+
+// Bytes of a token written in GPT-2's alphabet; false when a character is not in it.
+bool chars_to_bytes(std::string_view s, std::string* out, uint32_t* bad) {
+  const ByteMap& m = byte_map();
+  out->clear();
+  const auto* p = reinterpret_cast<const uint8_t*>(s.data());
+  const auto* end = p + s.size();
+  while (p < end) {
+    uint32_t cp;
+    p += decode_utf8(p, end, &cp);
+    if (cp >= 324 || m.from_char[cp] < 0) {
+      *bad = cp;
+      return false;
+    }
+    out->push_back(char(m.from_char[cp]));
+  }
+  return true;
+}
+
+std::string bytes_to_chars(std::string_view s) {
+  std::string out;
+  for (unsigned char b : s) append_utf8(byte_map().to_char[b], out);
+  return out;
+}
+
+std::string printable(std::string_view s, size_t max = 60) {
+  std::string out;
+  for (unsigned char c : s.substr(0, max)) {
+    if (c >= 32 && c < 127 && c != '\\') {
+      out.push_back(char(c));
+    } else {
+      out += fmt::format("\\x{:02x}", c);
+    }
+  }
+  if (s.size() > max) out += "...";
+  return out;
+}
+
+std::string describe_char(uint32_t cp) {
+  return cp >= kInvalidByteBase ? fmt::format("invalid UTF-8 byte 0x{:02x}", cp - kInvalidByteBase)
+                                : fmt::format("character U+{:04X}", cp);
+}
+
+}  // namespace
+
+uint32_t gpt2_byte_to_char(uint8_t b) { return byte_map().to_char[b]; }
+const std::vector<uint8_t>& gpt2_byte_order() { return byte_map().order; }
+
+// ---- loading and saving ----
+
+Tokenizer Tokenizer::from_files(const std::string& vocab_json, const std::string& merges_txt) {
+  // The vocabulary: {"token in GPT-2's alphabet": id, ...} with ids 0..N-1.
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(read_file(vocab_json));
+  } catch (const nlohmann::json::exception& e) {
+    bad_input(fmt::format("{}: not valid JSON: {}", vocab_json, e.what()));
+  }
+  if (!j.is_object()) bad_input(fmt::format("{}: expected a JSON object of token -> id", vocab_json));
+  constexpr int64_t kMaxVocab = int64_t(1) << 24;
+  std::vector<std::string> tokens(j.size());
+  std::vector<uint8_t> seen(j.size(), 0);
+  std::string bytes;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const std::string& key = it.key();
+    if (!it->is_number_integer()) {
+      bad_input(fmt::format("{}: token \"{}\": id must be an integer, got {}", vocab_json,
+                            printable(key), it->dump()));
+    }
+    const int64_t id = it->get<int64_t>();
+    if (id < 0 || id >= int64_t(j.size()) || id >= kMaxVocab) {
+      bad_input(fmt::format("{}: token \"{}\": id {} outside 0..{} (ids must be 0..N-1)",
+                            vocab_json, printable(key), id, j.size() - 1));
+    }
+    if (seen[id]) {
+      bad_input(fmt::format("{}: token \"{}\": id {} is also used by another token", vocab_json,
+                            printable(key), id));
+    }
+    uint32_t bad = 0;
+    if (!chars_to_bytes(key, &bytes, &bad)) {
+      bad_input(fmt::format("{}: token \"{}\": {} is not in GPT-2's byte alphabet", vocab_json,
+                            printable(key), describe_char(bad)));
+    }
+    if (bytes.empty()) bad_input(fmt::format("{}: empty token (id {})", vocab_json, id));
+    seen[id] = 1;
+    tokens[id] = bytes;
+  }
+
+  Tokenizer t;
+  t.offsets_.reserve(tokens.size() + 1);
+  t.offsets_.push_back(0);
+  for (const std::string& s : tokens) {
+    t.bytes_ += s;
+    t.offsets_.push_back(uint32_t(t.bytes_.size()));
+  }
+  t.vocab_ = FlatStringMap<int32_t>(tokens.size());
+  for (size_t id = 0; id < tokens.size(); ++id) {
+    if (!t.vocab_.insert(tokens[id], int32_t(id)).second) {
+      bad_input(fmt::format("{}: id {}: token \"{}\" appears twice", vocab_json, id,
+                            printable(tokens[id])));
+    }
+  }
+
+  // The merges: an optional "#version" line, then one "left right" per line in rank order.
+  const std::string text = read_file(merges_txt);
+  std::vector<std::pair<int32_t, int32_t>> merges;
+  std::string left, right;
+  size_t line_no = 0;
+  for (size_t pos = 0; pos < text.size();) {
+    size_t eol = text.find('\n', pos);
+    if (eol == std::string::npos) eol = text.size();
+    std::string_view line(text.data() + pos, eol - pos);
+    pos = eol + 1;
+    ++line_no;
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+    if (line.empty() || (line_no == 1 && line.starts_with("#"))) continue;
+    const auto where = [&] { return fmt::format("{}:{}", merges_txt, line_no); };
+    const size_t sp = line.find(' ');
+    if (sp == std::string_view::npos || sp == 0 || sp + 1 == line.size() ||
+        line.find(' ', sp + 1) != std::string_view::npos) {
+      bad_input(fmt::format("{}: bad merge line \"{}\": expected two tokens separated by one space",
+                            where(), printable(line)));
+    }
+    uint32_t bad = 0;
+    if (!chars_to_bytes(line.substr(0, sp), &left, &bad) ||
+        !chars_to_bytes(line.substr(sp + 1), &right, &bad)) {
+      bad_input(fmt::format("{}: bad merge line \"{}\": {} is not in GPT-2's byte alphabet",
+                            where(), printable(line), describe_char(bad)));
+    }
+    const int32_t l = t.find(left), r = t.find(right);
+    if (l < 0 || r < 0) {
+      bad_input(fmt::format("{}: bad merge line \"{}\": token \"{}\" is not in {}", where(),
+                            printable(line), printable(l < 0 ? line.substr(0, sp) : line.substr(sp + 1)),
+                            vocab_json));
+    }
+    merges.emplace_back(l, r);
+  }
+  t.build(merges, vocab_json, merges_txt);
+  return t;
+}
+
+Tokenizer Tokenizer::from_dir(const std::string& dir) {
+  namespace fs = std::filesystem;
+  const fs::path d(dir);
+  if (fs::exists(d / "encoder.json") && fs::exists(d / "vocab.bpe")) {
+    return from_files((d / "encoder.json").string(), (d / "vocab.bpe").string());
+  }
+  if (fs::exists(d / "vocab.json") && fs::exists(d / "merges.txt")) {
+    return from_files((d / "vocab.json").string(), (d / "merges.txt").string());
+  }
+  bad_input(fmt::format("{}: no tokenizer here (expected encoder.json + vocab.bpe, or vocab.json "
+                        "+ merges.txt)", dir));
+}
+
+Tokenizer Tokenizer::from_parts(std::vector<std::string> tokens,
+                                const std::vector<std::pair<int32_t, int32_t>>& merges,
+                                const std::vector<int32_t>& special) {
+  Tokenizer t;
+  t.offsets_.push_back(0);
+  t.vocab_ = FlatStringMap<int32_t>(tokens.size());
+  for (size_t id = 0; id < tokens.size(); ++id) {
+    LOOM_CHECK(!tokens[id].empty(), "tokenizer: token {} is empty", id);
+    LOOM_CHECK(t.vocab_.insert(tokens[id], int32_t(id)).second,
+               "tokenizer: token {} (\"{}\") appears twice", id, printable(tokens[id]));
+    t.bytes_ += tokens[id];
+    t.offsets_.push_back(uint32_t(t.bytes_.size()));
+  }
+  for (auto [l, r] : merges) {
+    LOOM_CHECK(l >= 0 && r >= 0 && l < t.vocab_size() && r < t.vocab_size(),
+               "tokenizer: merge ({}, {}) names an id outside the vocabulary", l, r);
+  }
+  t.build(merges, "tokens", "merges");
+  for (int32_t id : special) {
+    LOOM_CHECK(id >= 0 && id < t.vocab_size(), "tokenizer: special id {} out of range", id);
+    t.add_special(t.token(id));
+  }
+  return t;
+}
+
+// Fills the merge table, byte ids, the whole-token flags and the special tokens (the tokens that
+// are neither single bytes nor made by a merge).
+void Tokenizer::build(const std::vector<std::pair<int32_t, int32_t>>& merges,
+                      const std::string& vocab_where, const std::string& where) {
+  const int32_t n = vocab_size();
+  for (int b = 0; b < 256; ++b) {
+    const char c = char(b);
+    byte_id_[b] = find(std::string_view(&c, 1));
+    if (byte_id_[b] < 0) {
+      bad_input(fmt::format("{}: the vocabulary has no token for byte 0x{:02x} (\"{}\"); a byte-level "
+                            "BPE vocabulary needs all 256", vocab_where, b,
+                            bytes_to_chars(std::string_view(&c, 1))));
+    }
+  }
+  merges_ = MergeTable();
+  merges_.reserve(merges.size());
+  merge_pairs_ = merges;
+  std::vector<uint8_t> made(size_t(n), 0);
+  std::string joined;
+  for (size_t rank = 0; rank < merges.size(); ++rank) {
+    const auto [l, r] = merges[rank];
+    joined.assign(token(l));
+    joined.append(token(r));
+    const int32_t id = find(joined);
+    if (id < 0) {
+      bad_input(fmt::format("{}: merge {} (\"{} {}\"): the joined token \"{}\" is not in the "
+                            "vocabulary", where, rank + 1, bytes_to_chars(token(l)),
+                            bytes_to_chars(token(r)), bytes_to_chars(joined)));
+    }
+    if (!merges_.insert(l, r, {uint32_t(rank), id})) {
+      bad_input(fmt::format("{}: merge {} (\"{} {}\") is listed twice", where, rank + 1,
+                            bytes_to_chars(token(l)), bytes_to_chars(token(r))));
+    }
+    made[id] = 1;
+  }
+  special_ids_.clear();
+  special_flag_.assign(size_t(n), 0);
+  for (int32_t id = 0; id < n; ++id) {
+    if (!made[id] && token(id).size() > 1) {
+      special_ids_.push_back(id);
+      special_flag_[id] = 1;
+    }
+  }
+  build_special_index();
+  // A word that is itself a token usually encodes to that token; remember where that holds so
+  // encoding can skip the merge loop for it (and stay exact where it does not).
+  whole_.assign(size_t(n), 0);
+  BpeScratch scratch;
+  std::vector<int32_t> work;
+  for (int32_t id = 0; id < n; ++id) {
+    if (special_flag_[id]) continue;
+    const std::string_view s = token(id);
+    work.resize(s.size());
+    for (size_t i = 0; i < s.size(); ++i) work[i] = byte_id_[uint8_t(s[i])];
+    const size_t m = bpe_merge(merges_, work.data(), work.size(), scratch);
+    whole_[id] = m == 1 && work[0] == id;
+  }
+}
+
+void Tokenizer::build_special_index() {
+  special_by_length_.clear();
+  std::fill(std::begin(special_first_byte_), std::end(special_first_byte_), false);
+  special_max_len_ = 0;
+  for (int32_t id : special_ids_) {
+    const std::string_view s = token(id);
+    special_by_length_.emplace_back(std::string(s), id);
+    special_first_byte_[uint8_t(s[0])] = true;
+    special_max_len_ = std::max(special_max_len_, s.size());
+  }
+  std::stable_sort(special_by_length_.begin(), special_by_length_.end(),
+                   [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
+}
+
+int32_t Tokenizer::add_special(std::string_view text) {
+  LOOM_CHECK(!text.empty(), "tokenizer: a special token cannot be empty");
+  int32_t id = find(text);
+  if (id >= 0) {
+    if (special_flag_[id]) return id;
+    // build() marks every token that no merge makes; the others are ordinary text.
+    LOOM_FAIL("tokenizer: special token \"{}\" is already an ordinary token (id {})",
+              printable(text), id);
+  } else {
+    id = vocab_size();
+    bytes_.append(text);
+    offsets_.push_back(uint32_t(bytes_.size()));
+    vocab_.insert(text, id);
+    whole_.push_back(0);
+    special_flag_.push_back(0);
+  }
+  special_flag_[id] = 1;
+  special_ids_.push_back(id);
+  build_special_index();
+  return id;
+}
+
+void Tokenizer::save(const std::string& dir) const {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) bad_input(fmt::format("{}: cannot create directory: {}", dir, ec.message()));
+  const fs::path d(dir);
+  {
+    std::string out = "{";
+    for (int32_t id = 0; id < vocab_size(); ++id) {
+      if (id) out += ", ";
+      out += nlohmann::json(bytes_to_chars(token(id))).dump();
+      out += fmt::format(": {}", id);
+    }
+    out += "}";
+    std::ofstream f(d / "encoder.json", std::ios::binary);
+    f << out;
+    if (!f) bad_input(fmt::format("{}: write error", (d / "encoder.json").string()));
+  }
+  {
+    std::string out = "#version: 0.2\n";
+    for (auto [l, r] : merge_pairs_) {
+      out += bytes_to_chars(token(l));
+      out += ' ';
+      out += bytes_to_chars(token(r));
+      out += '\n';
+    }
+    std::ofstream f(d / "vocab.bpe", std::ios::binary);
+    f << out;
+    if (!f) bad_input(fmt::format("{}: write error", (d / "vocab.bpe").string()));
+  }
+}
+
+// ---- lookups ----
+
+std::string_view Tokenizer::token(int32_t id) const {
+  LOOM_CHECK(id >= 0 && id < vocab_size(), "tokenizer: token id {} outside 0..{}", id,
+             vocab_size() - 1);
+  return std::string_view(bytes_).substr(offsets_[id], offsets_[id + 1] - offsets_[id]);
+}
+
+int32_t Tokenizer::find(std::string_view bytes) const {
+  const int32_t* id = vocab_.find(bytes);
+  return id ? *id : -1;
+}
+
+bool Tokenizer::is_special(int32_t id) const {
+  return id >= 0 && size_t(id) < special_flag_.size() && special_flag_[id];
+}
+
+// ---- encoding ----
+
+void Tokenizer::encode_piece(std::string_view piece, EncodeCache& c,
+                             std::vector<int32_t>* out) const {
+  if (piece.size() == 1) {
+    out->push_back(byte_id_[uint8_t(piece[0])]);
+    return;
+  }
+  const uint64_t h = hash_bytes(piece);
+  if (const int32_t* id = vocab_.find(piece, h); id && whole_[*id]) {
+    out->push_back(*id);
+    return;
+  }
+  if (const EncodeCache::Span* s = c.words_.find(piece, h)) {
+    out->insert(out->end(), c.ids_.begin() + s->off, c.ids_.begin() + s->off + s->len);
+    return;
+  }
+  c.work_.resize(piece.size());
+  for (size_t i = 0; i < piece.size(); ++i) c.work_[i] = byte_id_[uint8_t(piece[i])];
+  const size_t n = bpe_merge(merges_, c.work_.data(), piece.size(), c.scratch_);
+  out->insert(out->end(), c.work_.begin(), c.work_.begin() + n);
+  if (piece.size() > 256) return;  // long runs rarely repeat; do not fill the cache with them
+  if (c.words_.size() >= c.max_words_) {
+    c.words_.clear();
+    c.ids_.clear();
+  }
+  c.words_.insert(piece, h, EncodeCache::Span{uint32_t(c.ids_.size()), uint32_t(n)});
+  c.ids_.insert(c.ids_.end(), c.work_.begin(), c.work_.begin() + n);
+}
+
+void Tokenizer::encode_ordinary(std::string_view text, EncodeCache& cache,
+                                std::vector<int32_t>* out) const {
+  PreTokenizer pre(text);
+  std::string_view piece;
+  while (pre.next(&piece)) encode_piece(piece, cache, out);
+}
+
+std::pair<size_t, int32_t> Tokenizer::find_special(std::string_view text, size_t from) const {
+  for (size_t i = from; i < text.size(); ++i) {
+    if (!special_first_byte_[uint8_t(text[i])]) continue;
+    for (const auto& [s, id] : special_by_length_) {
+      if (text.compare(i, s.size(), s) == 0) return {i, id};
+    }
+  }
+  return {std::string_view::npos, -1};
+}
+
+void Tokenizer::encode(std::string_view text, const EncodeOptions& opt, EncodeCache& cache,
+                       std::vector<int32_t>* out) const {
+  if (!opt.allow_special || special_by_length_.empty()) {
+    encode_ordinary(text, cache, out);
+    return;
+  }
+  size_t pos = 0;
+  while (pos < text.size()) {
+    const auto [at, id] = find_special(text, pos);
+    if (at == std::string_view::npos) {
+      encode_ordinary(text.substr(pos), cache, out);
+      break;
+    }
+    encode_ordinary(text.substr(pos, at - pos), cache, out);
+    out->push_back(id);
+    pos = at + token(id).size();
+  }
+}
+
+// Splits text into up to `parts` chunks at positions where GPT-2's pattern always ends a piece
+// whatever follows: between two ASCII characters of different classes, neither white space and
+// the first not an apostrophe (so no contraction spans it). A special token may not span a cut.
+std::vector<std::pair<size_t, size_t>> Tokenizer::split_for_threads(std::string_view text,
+                                                                    int parts,
+                                                                    bool allow_special) const {
+  std::vector<std::pair<size_t, size_t>> chunks;
+  auto cls = [](unsigned char c) { return detail::kAsciiClass[c]; };
+  auto safe = [&](size_t b) {
+    const auto x = uint8_t(text[b - 1]), y = uint8_t(text[b]);
+    if (x >= 0x80 || y >= 0x80 || x == '\'') return false;
+    const uint8_t cx = cls(x), cy = cls(y);
+    if (cx == uint8_t(CharClass::kSpace) || cy == uint8_t(CharClass::kSpace) || cx == cy) return false;
+    if (allow_special && special_max_len_ > 1) {
+      const size_t lo = b >= special_max_len_ ? b - special_max_len_ + 1 : 0;
+      const auto [at, id] = find_special(text.substr(0, b + special_max_len_), lo);
+      if (at < b && at + token(id).size() > b) return false;
+    }
+    return true;
+  };
+  size_t start = 0;
+  for (int k = 1; k < parts; ++k) {
+    size_t b = std::max(start + 1, text.size() * size_t(k) / size_t(parts));
+    const size_t limit = text.size() * size_t(k + 1) / size_t(parts);
+    while (b < limit && b < text.size() && !safe(b)) ++b;
+    if (b >= limit || b >= text.size()) continue;
+    chunks.emplace_back(start, b);
+    start = b;
+  }
+  chunks.emplace_back(start, text.size());
+  return chunks;
+}
+
+std::vector<int32_t> Tokenizer::encode(std::string_view text, const EncodeOptions& opt) const {
+  std::vector<int32_t> out;
+  constexpr size_t kMinChunk = size_t(1) << 16;
+  const int parts = int(std::min<size_t>(size_t(std::max(opt.threads, 1)), text.size() / kMinChunk + 1));
+  if (parts <= 1) {
+    EncodeCache cache;
+    out.reserve(text.size() / 4);
+    encode(text, opt, cache, &out);
+    return out;
+  }
+  const auto chunks = split_for_threads(text, parts, opt.allow_special);
+  std::vector<std::vector<int32_t>> results(chunks.size());
+  std::vector<std::thread> pool;
+  std::vector<std::exception_ptr> errors(chunks.size());
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    pool.emplace_back([&, i] {
+      try {
+        EncodeCache cache;
+        const auto [b, e] = chunks[i];
+        results[i].reserve((e - b) / 4);
+        encode(text.substr(b, e - b), opt, cache, &results[i]);
+      } catch (...) {
+        errors[i] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : pool) t.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+  size_t total = 0;
+  for (const auto& r : results) total += r.size();
+  out.reserve(total);
+  for (const auto& r : results) out.insert(out.end(), r.begin(), r.end());
+  return out;
+}
+
+std::string Tokenizer::decode(std::span<const int32_t> ids) const {
+  std::string out;
+  size_t total = 0;
+  const int32_t n = vocab_size();
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const int32_t id = ids[i];
+    if (id < 0 || id >= n) {
+      bad_input(fmt::format("decode: token {} (position {}) is outside the vocabulary 0..{}", id, i,
+                            n - 1));
+    }
+    total += offsets_[id + 1] - offsets_[id];
+  }
+  out.resize(total);
+  char* p = out.data();
+  for (int32_t id : ids) {
+    const uint32_t len = offsets_[id + 1] - offsets_[id];
+    std::memcpy(p, bytes_.data() + offsets_[id], len);
+    p += len;
+  }
+  return out;
+}
+
+}  // namespace loom::data

@@ -1,0 +1,112 @@
+// Byte-level BPE tokenizer (GPT-2's scheme): text is split by GPT-2's pre-tokenisation pattern,
+// each piece's bytes become byte tokens, and ranked merges join them. Reads and writes GPT-2's
+// encoder.json + vocab.bpe (the same files as Hugging Face's vocab.json + merges.txt) and
+// encodes exactly as GPT-2 does. decode(encode(x)) == x for any bytes, invalid UTF-8 included.
+#pragma once
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "data/bpe_hash.h"
+#include "data/bpe_merge.h"
+
+namespace loom::data {
+
+struct EncodeOptions {
+  // Recognise special tokens (e.g. <|endoftext|>) in the text and emit their ids; otherwise they
+  // are encoded as ordinary text.
+  bool allow_special = false;
+  // Encode chunks of the text on this many threads (the ids do not depend on it).
+  int threads = 1;
+};
+
+// Scratch buffers and a cache of encoded words for one thread; reuse it across many small texts.
+class EncodeCache {
+ public:
+  explicit EncodeCache(size_t max_words = size_t(1) << 16) : max_words_(max_words) {}
+
+ private:
+  friend class Tokenizer;
+  struct Span {
+    uint32_t off, len;
+  };
+  FlatStringMap<Span> words_{1024};
+  std::vector<int32_t> ids_;  // i32 [cached tokens] the token ids of cached words, back to back
+  std::vector<int32_t> work_;  // i32 [piece bytes] one word during merging
+  BpeScratch scratch_;
+  size_t max_words_;
+};
+
+class Tokenizer {
+ public:
+  // GPT-2's encoder.json + vocab.bpe, or Hugging Face's vocab.json + merges.txt (same formats).
+  static Tokenizer from_files(const std::string& vocab_json, const std::string& merges_txt);
+  // A folder holding encoder.json + vocab.bpe or vocab.json + merges.txt.
+  static Tokenizer from_dir(const std::string& dir);
+  // tokens: the bytes of every id (all 256 single bytes among them); merges: (left, right) ids in
+  // rank order, each joining into the token with the concatenated bytes; special: ids of tokens
+  // that are matched whole in text (when allowed) and never produced by merges.
+  static Tokenizer from_parts(std::vector<std::string> tokens,
+                              const std::vector<std::pair<int32_t, int32_t>>& merges,
+                              const std::vector<int32_t>& special);
+
+  // Writes dir/encoder.json and dir/vocab.bpe in GPT-2's format.
+  void save(const std::string& dir) const;
+
+  std::vector<int32_t> encode(std::string_view text, const EncodeOptions& opt = {}) const;
+  // Appends the ids of text to *out on this thread (opt.threads is ignored).
+  void encode(std::string_view text, const EncodeOptions& opt, EncodeCache& cache,
+              std::vector<int32_t>* out) const;
+  // The bytes of the tokens; a loom::Error names the first id out of range.
+  std::string decode(std::span<const int32_t> ids) const;
+
+  int32_t vocab_size() const { return int32_t(offsets_.size() - 1); }
+  size_t num_merges() const { return merge_pairs_.size(); }
+  // (left, right) ids of the merge with this rank.
+  std::pair<int32_t, int32_t> merge(size_t rank) const { return merge_pairs_.at(rank); }
+  std::string_view token(int32_t id) const;
+  // The id of the token with exactly these bytes, or -1.
+  int32_t find(std::string_view bytes) const;
+  int32_t byte_token(uint8_t b) const { return byte_id_[b]; }
+  const MergeTable& merge_table() const { return merges_; }
+  const std::vector<int32_t>& special_ids() const { return special_ids_; }
+  bool is_special(int32_t id) const;
+  // Makes text a special token: an existing non-merge token is marked, otherwise a new id is
+  // appended. Returns its id.
+  int32_t add_special(std::string_view text);
+
+ private:
+  Tokenizer() = default;
+  void build(const std::vector<std::pair<int32_t, int32_t>>& merges,
+             const std::string& vocab_where, const std::string& merges_where);
+  void build_special_index();
+  void encode_ordinary(std::string_view text, EncodeCache& cache, std::vector<int32_t>* out) const;
+  void encode_piece(std::string_view piece, EncodeCache& cache, std::vector<int32_t>* out) const;
+  // Position and id of the first special token at or after from, or {npos, -1}.
+  std::pair<size_t, int32_t> find_special(std::string_view text, size_t from) const;
+  std::vector<std::pair<size_t, size_t>> split_for_threads(std::string_view text, int parts,
+                                                           bool allow_special) const;
+
+  std::string bytes_;                // all token bytes, back to back
+  std::vector<uint32_t> offsets_;    // [vocab + 1] token id -> its bytes in bytes_
+  FlatStringMap<int32_t> vocab_;     // bytes -> id
+  std::vector<uint8_t> whole_;       // [vocab] 1 when BPE of the token's bytes gives the token
+  MergeTable merges_;
+  std::vector<std::pair<int32_t, int32_t>> merge_pairs_;  // [merges] by rank
+  int32_t byte_id_[256] = {};
+  std::vector<int32_t> special_ids_;
+  std::vector<uint8_t> special_flag_;                      // [vocab]
+  std::vector<std::pair<std::string, int32_t>> special_by_length_;  // longest first
+  bool special_first_byte_[256] = {};
+  size_t special_max_len_ = 0;
+};
+
+// GPT-2's reversible map from bytes to printable characters used in encoder.json / vocab.bpe.
+uint32_t gpt2_byte_to_char(uint8_t b);
+// The 256 bytes in the order GPT-2 gives them ids 0-255.
+const std::vector<uint8_t>& gpt2_byte_order();
+
+}  // namespace loom::data
