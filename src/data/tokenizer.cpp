@@ -4,7 +4,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <nlohmann/json.hpp>
+#include <nlohmann/json.hpp>  // for writing keys
 #include <sstream>
 #include <thread>
 
@@ -80,14 +80,20 @@ std::string bytes_to_chars(std::string_view s) {
   return out;
 }
 
+// s for an error message: valid UTF-8 and printable ASCII as they are, other bytes as \xNN.
 std::string printable(std::string_view s, size_t max = 60) {
   std::string out;
-  for (unsigned char c : s.substr(0, max)) {
-    if (c >= 32 && c < 127 && c != '\\') {
-      out.push_back(char(c));
+  const auto* p = reinterpret_cast<const uint8_t*>(s.data());
+  const auto* end = p + std::min(s.size(), max);
+  while (p < end) {
+    uint32_t cp;
+    const size_t len = decode_utf8(p, end, &cp);
+    if (cp >= 32 && cp < kInvalidByteBase && cp != 127 && cp != '\\' && !(cp >= 0x80 && cp < 0xA0)) {
+      out.append(reinterpret_cast<const char*>(p), len);
     } else {
-      out += fmt::format("\\x{:02x}", c);
+      out += fmt::format("\\x{:02x}", *p);
     }
+    p += cp >= kInvalidByteBase ? 1 : len;
   }
   if (s.size() > max) out += "...";
   return out;
@@ -98,6 +104,140 @@ std::string describe_char(uint32_t cp) {
                                 : fmt::format("character U+{:04X}", cp);
 }
 
+// A strict reader for the one JSON shape a vocabulary file has: an object of string -> integer.
+// (A general JSON library spends most of its time building a tree we do not need.)
+class VocabJsonReader {
+ public:
+  VocabJsonReader(const std::string& path, std::string_view text) : path_(path), s_(text) {}
+
+  // Calls fn(key, id) for every member, in file order.
+  template <class F>
+  void read(F&& fn) {
+    skip_ws();
+    expect('{', "'{' (a JSON object of token -> id)");
+    skip_ws();
+    if (peek() == '}') {
+      ++i_;
+    } else {
+      std::string key;
+      for (;;) {
+        skip_ws();
+        expect('"', "a string key");
+        read_string(&key);
+        skip_ws();
+        expect(':', "':'");
+        skip_ws();
+        const size_t at = i_;
+        int64_t id = 0;
+        if (!read_integer(&id)) {
+          size_t e = at;
+          while (e < s_.size() && s_[e] != ',' && s_[e] != '}' && e - at < 20) ++e;
+          bad_input(fmt::format("{}: token \"{}\": id must be an integer, got {}", path_,
+                                printable(key), s_.substr(at, e - at)));
+        }
+        fn(key, id);
+        skip_ws();
+        if (peek() == ',') {
+          ++i_;
+          continue;
+        }
+        expect('}', "',' or '}'");
+        break;
+      }
+    }
+    skip_ws();
+    if (i_ != s_.size()) fail("the end of the file after the object");
+  }
+
+ private:
+  char peek() const { return i_ < s_.size() ? s_[i_] : '\0'; }
+  void skip_ws() {
+    while (i_ < s_.size() && (s_[i_] == ' ' || s_[i_] == '\n' || s_[i_] == '\t' || s_[i_] == '\r')) ++i_;
+  }
+  [[noreturn]] void fail(const char* expected) const {
+    bad_input(fmt::format("{}: not valid JSON at byte {}: expected {}", path_, i_, expected));
+  }
+  void expect(char c, const char* what) {
+    if (peek() != c) fail(what);
+    ++i_;
+  }
+  uint32_t hex4() {
+    if (i_ + 4 > s_.size()) fail("four hex digits after \\u");
+    uint32_t v = 0;
+    for (int k = 0; k < 4; ++k) {
+      const char c = s_[i_++];
+      v <<= 4;
+      if (c >= '0' && c <= '9') v |= uint32_t(c - '0');
+      else if (c >= 'a' && c <= 'f') v |= uint32_t(c - 'a' + 10);
+      else if (c >= 'A' && c <= 'F') v |= uint32_t(c - 'A' + 10);
+      else fail("four hex digits after \\u");
+    }
+    return v;
+  }
+  void read_string(std::string* out) {
+    out->clear();
+    for (;;) {
+      if (i_ >= s_.size()) fail("'\"' to close the string");
+      const char c = s_[i_++];
+      if (c == '"') return;
+      if (uint8_t(c) < 0x20) fail("no control characters inside a string");
+      if (c != '\\') {
+        out->push_back(c);
+        continue;
+      }
+      if (i_ >= s_.size()) fail("an escape after '\\'");
+      const char e = s_[i_++];
+      switch (e) {
+        case '"': out->push_back('"'); break;
+        case '\\': out->push_back('\\'); break;
+        case '/': out->push_back('/'); break;
+        case 'b': out->push_back('\b'); break;
+        case 'f': out->push_back('\f'); break;
+        case 'n': out->push_back('\n'); break;
+        case 'r': out->push_back('\r'); break;
+        case 't': out->push_back('\t'); break;
+        case 'u': {
+          uint32_t cp = hex4();
+          if (cp >= 0xD800 && cp <= 0xDBFF) {
+            if (i_ + 2 > s_.size() || s_[i_] != '\\' || s_[i_ + 1] != 'u') fail("a low surrogate");
+            i_ += 2;
+            const uint32_t lo = hex4();
+            if (lo < 0xDC00 || lo > 0xDFFF) fail("a low surrogate");
+            cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+          } else if (cp >= 0xDC00 && cp <= 0xDFFF) {
+            fail("a high surrogate before a low one");
+          }
+          append_utf8(cp, *out);
+          break;
+        }
+        default: --i_; fail("a valid escape");
+      }
+    }
+  }
+  bool read_integer(int64_t* v) {
+    size_t j = i_;
+    bool neg = false;
+    if (j < s_.size() && s_[j] == '-') {
+      neg = true;
+      ++j;
+    }
+    const size_t digits = j;
+    int64_t x = 0;
+    while (j < s_.size() && s_[j] >= '0' && s_[j] <= '9' && j - digits < 12) x = x * 10 + (s_[j++] - '0');
+    if (j == digits) return false;
+    if (j < s_.size() && (s_[j] == '.' || s_[j] == 'e' || s_[j] == 'E' || (s_[j] >= '0' && s_[j] <= '9'))) {
+      return false;
+    }
+    i_ = j;
+    *v = neg ? -x : x;
+    return true;
+  }
+
+  const std::string& path_;
+  std::string_view s_;
+  size_t i_ = 0;
+};
+
 }  // namespace
 
 uint32_t gpt2_byte_to_char(uint8_t b) { return byte_map().to_char[b]; }
@@ -107,40 +247,34 @@ const std::vector<uint8_t>& gpt2_byte_order() { return byte_map().order; }
 
 Tokenizer Tokenizer::from_files(const std::string& vocab_json, const std::string& merges_txt) {
   // The vocabulary: {"token in GPT-2's alphabet": id, ...} with ids 0..N-1.
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(read_file(vocab_json));
-  } catch (const nlohmann::json::exception& e) {
-    bad_input(fmt::format("{}: not valid JSON: {}", vocab_json, e.what()));
-  }
-  if (!j.is_object()) bad_input(fmt::format("{}: expected a JSON object of token -> id", vocab_json));
-  constexpr int64_t kMaxVocab = int64_t(1) << 24;
-  std::vector<std::string> tokens(j.size());
-  std::vector<uint8_t> seen(j.size(), 0);
+  const std::string json = read_file(vocab_json);
+  std::vector<std::pair<int64_t, std::string>> entries;  // (id, bytes) in file order
+  entries.reserve(json.size() / 16);
   std::string bytes;
-  for (auto it = j.begin(); it != j.end(); ++it) {
-    const std::string& key = it.key();
-    if (!it->is_number_integer()) {
-      bad_input(fmt::format("{}: token \"{}\": id must be an integer, got {}", vocab_json,
-                            printable(key), it->dump()));
-    }
-    const int64_t id = it->get<int64_t>();
-    if (id < 0 || id >= int64_t(j.size()) || id >= kMaxVocab) {
-      bad_input(fmt::format("{}: token \"{}\": id {} outside 0..{} (ids must be 0..N-1)",
-                            vocab_json, printable(key), id, j.size() - 1));
-    }
-    if (seen[id]) {
-      bad_input(fmt::format("{}: token \"{}\": id {} is also used by another token", vocab_json,
-                            printable(key), id));
-    }
+  VocabJsonReader(vocab_json, json).read([&](const std::string& key, int64_t id) {
     uint32_t bad = 0;
     if (!chars_to_bytes(key, &bytes, &bad)) {
       bad_input(fmt::format("{}: token \"{}\": {} is not in GPT-2's byte alphabet", vocab_json,
                             printable(key), describe_char(bad)));
     }
     if (bytes.empty()) bad_input(fmt::format("{}: empty token (id {})", vocab_json, id));
+    entries.emplace_back(id, bytes);
+  });
+  constexpr int64_t kMaxVocab = int64_t(1) << 24;
+  const int64_t n = int64_t(entries.size());
+  std::vector<std::string> tokens(entries.size());
+  std::vector<uint8_t> seen(entries.size(), 0);
+  for (auto& [id, b] : entries) {
+    if (id < 0 || id >= n || id >= kMaxVocab) {
+      bad_input(fmt::format("{}: token \"{}\": id {} outside 0..{} (ids must be 0..N-1)",
+                            vocab_json, printable(bytes_to_chars(b)), id, n - 1));
+    }
+    if (seen[id]) {
+      bad_input(fmt::format("{}: token \"{}\": id {} is also used by another token", vocab_json,
+                            printable(bytes_to_chars(b)), id));
+    }
     seen[id] = 1;
-    tokens[id] = bytes;
+    tokens[id] = std::move(b);
   }
 
   Tokenizer t;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace loom::data {
@@ -31,17 +32,13 @@ struct Built {
       std::fill(flat.begin() + r.first, flat.begin() + r.last + 1, uint8_t(r.cls));
     }
     block.resize(0x1100);
+    std::unordered_map<std::string_view, uint16_t> seen;  // row contents -> row index
+    std::vector<std::string_view> keys;
     for (size_t b = 0; b < 0x1100; ++b) {
-      const uint8_t* src = flat.data() + (b << 8);
-      size_t found = rows.size() / 256;
-      for (size_t r = 0; r < rows.size() / 256; ++r) {
-        if (std::equal(src, src + 256, rows.data() + r * 256)) {
-          found = r;
-          break;
-        }
-      }
-      if (found == rows.size() / 256) rows.insert(rows.end(), src, src + 256);
-      block[b] = uint16_t(found);
+      const std::string_view row(reinterpret_cast<const char*>(flat.data() + (b << 8)), 256);
+      auto [it, fresh] = seen.emplace(row, uint16_t(seen.size()));
+      if (fresh) rows.insert(rows.end(), row.begin(), row.end());
+      block[b] = it->second;
     }
     table = {block.data(), rows.data()};
   }
