@@ -58,6 +58,21 @@ inline v8f fmadd(v8f a, v8f b, v8f c) {
   return a * b + c;
 #endif
 }
+// Lane-wise max and min; a NaN in x propagates.
+inline v8f max_with(v8f lo, v8f x) {
+#ifdef LOOM_ATTN_X86_FMA
+  return _mm256_max_ps(lo, x);
+#else
+  return select(x < lo, lo, x);
+#endif
+}
+inline v8f min_with(v8f hi, v8f x) {
+#ifdef LOOM_ATTN_X86_FMA
+  return _mm256_min_ps(hi, x);
+#else
+  return select(x > hi, hi, x);
+#endif
+}
 inline float hsum(v8f v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
@@ -73,8 +88,7 @@ inline float hmax(v8f v) {
 inline v8f exp8(v8f x) {
   const v8f lo = splat(-87.f), hi = splat(88.f);
   const v8i underflow = x < lo;
-  v8f xc = select(underflow, lo, x);
-  xc = select(xc > hi, hi, xc);
+  const v8f xc = min_with(hi, max_with(lo, x));
   const v8f magic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer in the low bits
   const v8f t = fmadd(xc, splat(1.44269504088896341f), magic);
   const v8f n = t - magic;
@@ -114,30 +128,46 @@ inline void micro_kernel(int64_t K, const float* A, int64_t rsa, int64_t csa, co
     for (int v = 0; v < NV; ++v) store8(C + r * ldc + 8 * v, c[r][v]);
 }
 
+// Causal structure of a tile product, as offsets from the row index r (the defaults: none).
+// Row r of the result is needed only in columns [r + col_lo, r + col_hi]; row r of A is nonzero only
+// in the contraction range [r + k_lo, r + k_hi]. Register blocks that are entirely outside are
+// skipped; an unneeded block of C is left unwritten when not accumulating, so the caller must mask it.
+struct Band {
+  static constexpr int64_t kNone = int64_t(1) << 60;
+  int64_t col_lo = -kNone, col_hi = kNone, k_lo = -kNone, k_hi = kNone;
+};
+
+template <int MR, int NV>
+inline void block(int64_t m, int64_t n, int64_t K, const float* A, int64_t rsa, int64_t csa, const float* B,
+                  int64_t ldb, float* C, int64_t ldc, bool accumulate, const Band& band) {
+  if (n > m + MR - 1 + band.col_hi || n + 8 * NV - 1 < m + band.col_lo) return;
+  const int64_t kb = std::clamp<int64_t>(m + band.k_lo, 0, K);
+  const int64_t ke = std::clamp<int64_t>(m + MR + band.k_hi, kb, K);
+  micro_kernel<MR, NV>(ke - kb, A + m * rsa + kb * csa, rsa, csa, B + kb * ldb + n, ldb, C + m * ldc + n, ldc,
+                       accumulate);
+}
+
 template <int NV>
-void gemm_rows(int64_t M, int64_t K, const float* A, int64_t rsa, int64_t csa, const float* B, int64_t ldb,
-               float* C, int64_t ldc, bool accumulate) {
+void gemm_rows(int64_t M, int64_t n, int64_t K, const float* A, int64_t rsa, int64_t csa, const float* B,
+               int64_t ldb, float* C, int64_t ldc, bool accumulate, const Band& band) {
   int64_t m = 0;
-  for (; m + 6 <= M; m += 6)
-    micro_kernel<6, NV>(K, A + m * rsa, rsa, csa, B, ldb, C + m * ldc, ldc, accumulate);
-  const float* Am = A + m * rsa;
-  float* Cm = C + m * ldc;
+  for (; m + 6 <= M; m += 6) block<6, NV>(m, n, K, A, rsa, csa, B, ldb, C, ldc, accumulate, band);
   switch (M - m) {
-    case 5: micro_kernel<5, NV>(K, Am, rsa, csa, B, ldb, Cm, ldc, accumulate); break;
-    case 4: micro_kernel<4, NV>(K, Am, rsa, csa, B, ldb, Cm, ldc, accumulate); break;
-    case 3: micro_kernel<3, NV>(K, Am, rsa, csa, B, ldb, Cm, ldc, accumulate); break;
-    case 2: micro_kernel<2, NV>(K, Am, rsa, csa, B, ldb, Cm, ldc, accumulate); break;
-    case 1: micro_kernel<1, NV>(K, Am, rsa, csa, B, ldb, Cm, ldc, accumulate); break;
+    case 5: block<5, NV>(m, n, K, A, rsa, csa, B, ldb, C, ldc, accumulate, band); break;
+    case 4: block<4, NV>(m, n, K, A, rsa, csa, B, ldb, C, ldc, accumulate, band); break;
+    case 3: block<3, NV>(m, n, K, A, rsa, csa, B, ldb, C, ldc, accumulate, band); break;
+    case 2: block<2, NV>(m, n, K, A, rsa, csa, B, ldb, C, ldc, accumulate, band); break;
+    case 1: block<1, NV>(m, n, K, A, rsa, csa, B, ldb, C, ldc, accumulate, band); break;
     default: break;
   }
 }
 
 // C[M, N] (ldc) = or += A(M x K; A(r, p) = A[r rsa + p csa]) B[K, N] (ldb). N is a multiple of 8.
 void tile_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t rsa, int64_t csa, const float* B,
-               int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+               int64_t ldb, float* C, int64_t ldc, bool accumulate, const Band& band = {}) {
   int64_t n = 0;
-  for (; n + 16 <= N; n += 16) gemm_rows<2>(M, K, A, rsa, csa, B + n, ldb, C + n, ldc, accumulate);
-  if (n < N) gemm_rows<1>(M, K, A, rsa, csa, B + n, ldb, C + n, ldc, accumulate);
+  for (; n + 16 <= N; n += 16) gemm_rows<2>(M, n, K, A, rsa, csa, B, ldb, C, ldc, accumulate, band);
+  if (n < N) gemm_rows<1>(M, n, K, A, rsa, csa, B, ldb, C, ldc, accumulate, band);
 }
 
 int64_t round_up8(int64_t n) { return (n + 7) / 8 * 8; }
@@ -162,22 +192,38 @@ struct Rows {
   const float* row(int64_t t) const { return p + t * stride; }
 };
 
-// dst[t, 0 : HSp] = src row t (HS values) then zeros, for n rows.
-void pack_rows(float* dst, int64_t HSp, Rows src, int64_t n, int64_t HS) {
+// dst[t, 0 : HSp] = src row t (HS values) mul, then zeros, for n rows.
+void pack_rows(float* dst, int64_t HSp, Rows src, int64_t n, int64_t HS, float mul = 1.f) {
   for (int64_t t = 0; t < n; ++t) {
-    std::memcpy(dst + t * HSp, src.row(t), size_t(HS) * sizeof(float));
-    std::fill(dst + t * HSp + HS, dst + (t + 1) * HSp, 0.f);
+    const float* s = src.row(t);
+    float* d = dst + t * HSp;
+    if (mul == 1.f) {
+      std::memcpy(d, s, size_t(HS) * sizeof(float));
+    } else {
+      for (int64_t i = 0; i < HS; ++i) d[i] = s[i] * mul;
+    }
+    std::fill(d + HS, d + HSp, 0.f);
   }
 }
 
-// dst[d, 0 : np] = src[0 : n, d] (the transpose of n rows), zero columns n..np.
-void pack_transposed(float* dst, int64_t np, Rows src, int64_t n, int64_t HS) {
+// dst[d, 0 : np] = src[0 : n, d] mul (the transpose of n rows), zero columns n..np.
+void pack_transposed(float* dst, int64_t np, Rows src, int64_t n, int64_t HS, float mul = 1.f) {
   for (int64_t t = 0; t < n; ++t) {
     const float* s = src.row(t);
-    for (int64_t d = 0; d < HS; ++d) dst[d * np + t] = s[d];
+    for (int64_t d = 0; d < HS; ++d) dst[d * np + t] = s[d] * mul;
   }
   if (n < np)
     for (int64_t d = 0; d < HS; ++d) std::fill(dst + d * np + n, dst + (d + 1) * np, 0.f);
+}
+
+// sum_d x[d] y[d] over n values.
+float dot(const float* x, const float* y, int64_t n) {
+  v8f acc = splat(0.f);
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8) acc = fmadd(load8(x + d), load8(y + d), acc);
+  float r = hsum(acc);
+  for (; d < n; ++d) r += x[d] * y[d];
+  return r;
 }
 
 // Number of keys k0 .. k0 + kn - 1 of a tile that the query at global position qpos sees.
@@ -213,88 +259,114 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
   const int64_t HSp = round_up8(HS);
   const float scale = resolve_scale(a);
   const int64_t nqt = (Tq + kTileQ - 1) / kTileQ;
-  const int64_t units = B * NH * nqt;
+  // A unit is every chunks-th query tile of one (b, h) (interleaved: balanced under the causal mask),
+  // so that K and V are packed once per unit. Enough units for about 4 per thread; the split does not
+  // change any result (each query tile is computed the same way whoever computes it).
+  const int64_t BNH = B * NH;
+  const int64_t chunks = std::clamp<int64_t>((4 * int64_t(omp_get_max_threads()) + BNH - 1) / BNH, 1, nqt);
+  const int64_t units = BNH * chunks;
 
+  // The scores are kept transposed, s^T [keys, queries], so that the online softmax runs down the
+  // columns with eight queries per vector (no horizontal reductions), and q^T is packed once per unit.
 #pragma omp parallel
   {
-    Scratch kt_buf = scratch(HS * kTileK);       // f32 [HS, knp]     K tile transposed
-    Scratch v_buf = scratch(kTileK * HSp);       // f32 [kn, HSp]     V tile
-    Scratch s_buf = scratch(kTileQ * kTileK);    // f32 [qn, kTileK]  scores, then probabilities
-    Scratch o_buf = scratch(kTileQ * HSp);       // f32 [qn, HSp]     unnormalised output
-    float row_max[kTileQ], row_sum[kTileQ];      // running max and sum of exp per query row
-    float* kt = kt_buf.get();
-    float* vp = v_buf.get();
-    float* s = s_buf.get();
-    float* o = o_buf.get();
+    Scratch qt_buf = scratch(HS * kTileQ);      // f32 [HS, qnp]     (q scale)^T
+    Scratch k_buf = scratch(Tkv * HSp);         // f32 [Tkv, HSp]    K of the (b, h), packed as needed
+    Scratch v_buf = scratch(Tkv * HSp);         // f32 [Tkv, HSp]    V of the (b, h)
+    Scratch s_buf = scratch(kTileK * kTileQ);   // f32 [kn, kTileQ]  scores^T, then probabilities^T
+    Scratch o_buf = scratch(kTileQ * HSp);      // f32 [qn, HSp]     unnormalised output
+    alignas(32) float row_max[kTileQ], row_sum[kTileQ], alpha[kTileQ];  // per query
+    float *qt = qt_buf.get(), *kall = k_buf.get(), *vall = v_buf.get(), *st = s_buf.get(), *o = o_buf.get();
     const v8i iota{0, 1, 2, 3, 4, 5, 6, 7};
+    const v8f neg_inf = splat(kNegInf), zero = splat(0.f);
 
-    // Later query tiles see more keys under the causal mask: hand them out first.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < units; ++u) {
-      const int64_t qt = nqt - 1 - u / (B * NH);
-      const int64_t bh = u % (B * NH);
+      const int64_t bh = u / chunks;
       const int64_t b = bh / NH, h = bh % NH;
-      const int64_t q0 = qt * kTileQ, qn = std::min(kTileQ, Tq - q0);
-      const Rows qr{q + (b * Tq + q0) * a.q_stride + h * HS, a.q_stride};
-      const int64_t qpos_last = a.q_pos0 + q0 + qn - 1;
-      // Keys beyond kend are masked for every row of this tile.
-      const int64_t kend = a.causal ? std::clamp<int64_t>(qpos_last - a.kv_pos0 + 1, 0, Tkv) : Tkv;
+      int64_t packed = 0;  // rows of kall / vall filled
+      for (int64_t qti = u % chunks; qti < nqt; qti += chunks) {
+        const int64_t q0 = qti * kTileQ, qn = std::min(kTileQ, Tq - q0), qnp = round_up8(qn);
+        const Rows qr{q + (b * Tq + q0) * a.q_stride + h * HS, a.q_stride};
+        pack_transposed(qt, qnp, qr, qn, HS, scale);
+        const int64_t qpos0 = a.q_pos0 + q0;  // position of query lane 0
+        // Keys beyond kend are masked for every query of this tile.
+        const int64_t kend = a.causal ? std::clamp<int64_t>(qpos0 + qn - 1 - a.kv_pos0 + 1, 0, Tkv) : Tkv;
 
-      std::fill(o, o + qn * HSp, 0.f);
-      std::fill(row_max, row_max + qn, kNegInf);
-      std::fill(row_sum, row_sum + qn, 0.f);
-      for (int64_t k0 = 0; k0 < kend; k0 += kTileK) {
-        const int64_t kn = std::min(kTileK, kend - k0), knp = round_up8(kn);
-        const Rows kr{k + (b * Tkv + k0) * a.kv_stride + h * HS, a.kv_stride};
-        const Rows vr{v + (b * Tkv + k0) * a.kv_stride + h * HS, a.kv_stride};
-        pack_transposed(kt, knp, kr, kn, HS);
-        pack_rows(vp, HSp, vr, kn, HS);
-        // s [qn, knp] = q [qn, HS] k^T
-        tile_gemm(qn, knp, HS, qr.p, a.q_stride, 1, kt, knp, s, kTileK, false);
-        for (int64_t r = 0; r < qn; ++r) {
-          float* sr = s + r * kTileK;
-          const int64_t nvis = visible_keys(a, a.q_pos0 + q0 + r, k0, kn);
-          if (nvis == 0) {
-            std::fill(sr, sr + knp, 0.f);
+        if (packed < kend) {
+          const Rows kr{k + (b * Tkv + packed) * a.kv_stride + h * HS, a.kv_stride};
+          const Rows vr{v + (b * Tkv + packed) * a.kv_stride + h * HS, a.kv_stride};
+          pack_rows(kall + packed * HSp, HSp, kr, kend - packed, HS);
+          pack_rows(vall + packed * HSp, HSp, vr, kend - packed, HS);
+          packed = kend;
+        }
+        std::fill(o, o + qn * HSp, 0.f);
+        std::fill(row_max, row_max + qnp, kNegInf);
+        std::fill(row_sum, row_sum + qnp, 0.f);
+        for (int64_t k0 = 0; k0 < kend; k0 += kTileK) {
+          const int64_t kn = std::min(kTileK, kend - k0);
+          const float* kp = kall + k0 * HSp;  // f32 [kn, HSp]
+          const float* vp = vall + k0 * HSp;  // f32 [kn, HSp]
+          // Key j is visible to query lanes i >= j + first0.
+          const int64_t first0 = a.kv_pos0 + k0 - qpos0;
+          const Band s_band = a.causal ? Band{.col_lo = first0} : Band{};
+          const Band pv_band = a.causal ? Band{.k_hi = -first0} : Band{};
+          // s^T [kn, qnp] = k (q scale)^T; blocks left of the band stay unwritten and are masked below
+          tile_gemm(kn, qnp, HS, kp, HSp, 1, qt, qnp, st, kTileQ, false, s_band);
+          // Mask (key j is visible to query lanes i >= first[j]) and the column maxima.
+          for (int64_t c = 0; c < qnp; c += 8) {
+            v8f mx = neg_inf;
+            for (int64_t j = 0; j < kn; ++j) {
+              float* sj = st + j * kTileQ + c;
+              v8f x = load8(sj);
+              if (a.causal) {
+                const int64_t first = first0 + j;
+                if (first > c) {
+                  x = select((iota + splati(int32_t(c))) >= splati(int32_t(std::min<int64_t>(first, c + 8))), x,
+                             neg_inf);
+                  store8(sj, x);
+                }
+              }
+              mx = select(x > mx, x, mx);
+            }
+            const v8f m_old = load8(row_max + c);
+            const v8f m_new = select(mx > m_old, mx, m_old);
+            // Columns with no visible key so far keep max -inf: subtract 0 instead so exp gives 0, not NaN.
+            const v8f m_sub = select(m_new == neg_inf, zero, m_new);
+            v8f sum = zero;
+            for (int64_t j = 0; j < kn; ++j) {
+              float* sj = st + j * kTileQ + c;
+              const v8f pj = exp8(load8(sj) - m_sub);
+              store8(sj, pj);
+              sum += pj;
+            }
+            const v8f al = select(m_old == neg_inf, zero, exp8(m_old - m_sub));
+            store8(alpha + c, al);
+            store8(row_sum + c, load8(row_sum + c) * al + sum);
+            store8(row_max + c, m_new);
+          }
+          for (int64_t i = 0; i < qn; ++i) {
+            if (alpha[i] == 1.f) continue;
+            float* orow = o + i * HSp;
+            const v8f al = splat(alpha[i]);
+            for (int64_t d = 0; d < HSp; d += 8) store8(orow + d, load8(orow + d) * al);
+          }
+          // o [qn, HSp] += p [qn, kn] v [kn, HSp], p read through the transposed buffer
+          tile_gemm(qn, HSp, kn, st, 1, kTileQ, vp, HSp, o, HSp, true, pv_band);
+        }
+        for (int64_t i = 0; i < qn; ++i) {
+          float* dst = out + (b * Tq + q0 + i) * a.o_stride + h * HS;
+          float* l = lse + (b * NH + h) * Tq + q0 + i;
+          if (row_sum[i] == 0.f) {  // no visible key
+            std::fill(dst, dst + HS, 0.f);
+            *l = kNegInf;
             continue;
           }
-          v8f mx = splat(kNegInf);
-          for (int64_t j = 0; j < knp; j += 8) {
-            const v8i keep = (iota + splati(int32_t(j))) < splati(int32_t(nvis));
-            const v8f x = select(keep, load8(sr + j) * splat(scale), splat(kNegInf));
-            store8(sr + j, x);
-            mx = select(x > mx, x, mx);
-          }
-          const float m_new = std::max(row_max[r], hmax(mx));
-          v8f sum = splat(0.f);
-          for (int64_t j = 0; j < knp; j += 8) {
-            const v8f p = exp8(load8(sr + j) - splat(m_new));
-            store8(sr + j, p);
-            sum += p;
-          }
-          const float alpha = row_max[r] == kNegInf ? 0.f : std::exp(row_max[r] - m_new);
-          row_sum[r] = row_sum[r] * alpha + hsum(sum);
-          row_max[r] = m_new;
-          if (alpha != 1.f) {
-            float* orow = o + r * HSp;
-            for (int64_t d = 0; d < HSp; d += 8) store8(orow + d, load8(orow + d) * splat(alpha));
-          }
+          const float inv = 1.f / row_sum[i];
+          const float* orow = o + i * HSp;
+          for (int64_t d = 0; d < HS; ++d) dst[d] = orow[d] * inv;
+          *l = row_max[i] + std::log(row_sum[i]);
         }
-        // o [qn, HSp] += p [qn, kn] v [kn, HSp]
-        tile_gemm(qn, HSp, kn, s, kTileK, 1, vp, HSp, o, HSp, true);
-      }
-      for (int64_t r = 0; r < qn; ++r) {
-        float* dst = out + (b * Tq + q0 + r) * a.o_stride + h * HS;
-        float* l = lse + (b * NH + h) * Tq + q0 + r;
-        if (row_sum[r] == 0.f) {  // no visible key
-          std::fill(dst, dst + HS, 0.f);
-          *l = kNegInf;
-          continue;
-        }
-        const float inv = 1.f / row_sum[r];
-        const float* orow = o + r * HSp;
-        for (int64_t d = 0; d < HS; ++d) dst[d] = orow[d] * inv;
-        *l = row_max[r] + std::log(row_sum[r]);
       }
     }
   }
@@ -320,19 +392,6 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
       BNH >= kMinBackwardUnits ? 1 : std::clamp<int64_t>((kMinBackwardUnits + BNH - 1) / BNH, 1, std::max<int64_t>(nkt, 1));
   const int64_t units = BNH * G;
 
-  // D f32 [B, NH, Tq] = rowsum(dout * out)
-  Scratch dsum_buf = scratch(BNH * Tq);
-  float* dsum = dsum_buf.get();
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < BNH * Tq; ++i) {
-    const int64_t bh = i / Tq, t = i % Tq, b = bh / NH, h = bh % NH;
-    const float* o = out + (b * Tq + t) * a.o_stride + h * HS;
-    const float* g = dout + (b * Tq + t) * a.o_stride + h * HS;
-    float acc = 0.f;
-    for (int64_t d = 0; d < HS; ++d) acc += o[d] * g[d];
-    dsum[i] = acc;
-  }
-
   // With G > 1, each group's dQ goes to its own slice: f32 [G, B, NH, Tq, HSp].
   Scratch dq_part = G > 1 ? scratch(G * BNH * Tq * HSp) : Scratch();
 
@@ -340,15 +399,17 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
   {
     Scratch kt_buf = scratch(HS * kTileK);     // f32 [HS, knp]    K tile transposed
     Scratch vt_buf = scratch(HS * kTileK);     // f32 [HS, knp]    V tile transposed
-    Scratch k_buf = scratch(kTileK * HSp);     // f32 [kn, HSp]    K tile
-    Scratch q_buf = scratch(kTileQ * HSp);     // f32 [qn, HSp]    Q tile
-    Scratch do_buf = scratch(kTileQ * HSp);    // f32 [qn, HSp]    dO tile
+    Scratch k_buf = scratch(kTileK * HSp);     // f32 [kn, HSp]    K tile * scale
+    Scratch q_buf = scratch(Tq * HSp);         // f32 [Tq, HSp]    Q * scale of the (b, h)
+    Scratch do_buf = scratch(Tq * HSp);        // f32 [Tq, HSp]    dO of the (b, h)
+    Scratch dsum_buf = scratch(Tq);            // f32 [Tq]         D = rowsum(dO * O)
     Scratch p_buf = scratch(kTileQ * kTileK);  // f32 [qn, kTileK] probabilities
-    Scratch ds_buf = scratch(kTileQ * kTileK); // f32 [qn, kTileK] dP, then dS * scale
+    Scratch ds_buf = scratch(kTileQ * kTileK); // f32 [qn, kTileK] dP, then dS
     Scratch dk_buf = scratch(kTileK * HSp);    // f32 [kn, HSp]    dK of the key tile
     Scratch dv_buf = scratch(kTileK * HSp);    // f32 [kn, HSp]    dV of the key tile
     Scratch dq_own = G == 1 ? scratch(Tq * HSp) : Scratch();  // f32 [Tq, HSp] dQ of the (b, h)
-    float *kt = kt_buf.get(), *vt = vt_buf.get(), *kp = k_buf.get(), *qp = q_buf.get(), *dop = do_buf.get();
+    float *kt = kt_buf.get(), *vt = vt_buf.get(), *kp = k_buf.get(), *qall = q_buf.get(), *doall = do_buf.get();
+    float* dsum_bh = dsum_buf.get();
     float *p = p_buf.get(), *ds = ds_buf.get(), *dkt = dk_buf.get(), *dvt = dv_buf.get();
     const v8i iota{0, 1, 2, 3, 4, 5, 6, 7};
 
@@ -359,7 +420,11 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
       float* dqa = G == 1 ? dq_own.get() : dq_part.get() + (g * BNH + bh) * Tq * HSp;  // f32 [Tq, HSp]
       std::fill(dqa, dqa + Tq * HSp, 0.f);
       const float* lse_bh = lse + bh * Tq;
-      const float* dsum_bh = dsum + bh * Tq;
+      pack_rows(qall, HSp, Rows{q + b * Tq * a.q_stride + h * HS, a.q_stride}, Tq, HS, scale);
+      const Rows dor{dout + b * Tq * a.o_stride + h * HS, a.o_stride};
+      const Rows outr{out + b * Tq * a.o_stride + h * HS, a.o_stride};
+      pack_rows(doall, HSp, dor, Tq, HS);
+      for (int64_t t = 0; t < Tq; ++t) dsum_bh[t] = dot(doall + t * HSp, outr.row(t), HS);
 
       for (int64_t kt_i = g; kt_i < nkt; kt_i += G) {
         const int64_t k0 = kt_i * kTileK, kn = std::min(kTileK, Tkv - k0), knp = round_up8(kn);
@@ -367,7 +432,7 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
         const Rows vr{v + (b * Tkv + k0) * a.kv_stride + h * HS, a.kv_stride};
         pack_transposed(kt, knp, kr, kn, HS);
         pack_transposed(vt, knp, vr, kn, HS);
-        pack_rows(kp, HSp, kr, kn, HS);
+        pack_rows(kp, HSp, kr, kn, HS, scale);
         std::fill(dkt, dkt + kn * HSp, 0.f);
         std::fill(dvt, dvt + kn * HSp, 0.f);
         // The first query that sees a key of this tile.
@@ -375,31 +440,34 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
 
         for (int64_t q0 = qstart; q0 < Tq; q0 += kTileQ) {
           const int64_t qn = std::min(kTileQ, Tq - q0);
-          const Rows qr{q + (b * Tq + q0) * a.q_stride + h * HS, a.q_stride};
-          const Rows dor{dout + (b * Tq + q0) * a.o_stride + h * HS, a.o_stride};
-          pack_rows(qp, HSp, qr, qn, HS);
-          pack_rows(dop, HSp, dor, qn, HS);
-          // s [qn, knp] = q k^T (into p), dp [qn, knp] = dout v^T (into ds)
-          tile_gemm(qn, knp, HS, qr.p, a.q_stride, 1, kt, knp, p, kTileK, false);
-          tile_gemm(qn, knp, HS, dor.p, a.o_stride, 1, vt, knp, ds, kTileK, false);
+          const float* qp = qall + q0 * HSp;   // f32 [qn, HSp]
+          const float* dop = doall + q0 * HSp; // f32 [qn, HSp]
+          // Query i sees keys j <= i + last0. Blocks right of the band stay unwritten and are masked.
+          const int64_t last0 = a.q_pos0 + q0 - a.kv_pos0 - k0;
+          const Band s_band = a.causal ? Band{.col_hi = last0} : Band{};
+          const Band kv_band = a.causal ? Band{.k_lo = -last0} : Band{};
+          const Band q_band = a.causal ? Band{.k_hi = last0} : Band{};
+          // s [qn, knp] = (q scale) k^T (into p), dp [qn, knp] = dout v^T (into ds)
+          tile_gemm(qn, knp, HS, qp, HSp, 1, kt, knp, p, kTileK, false, s_band);
+          tile_gemm(qn, knp, HS, dop, HSp, 1, vt, knp, ds, kTileK, false, s_band);
           for (int64_t r = 0; r < qn; ++r) {
             float* pr = p + r * kTileK;
             float* dsr = ds + r * kTileK;
             const float l = lse_bh[q0 + r];
             const int64_t nvis = l == kNegInf ? 0 : visible_keys(a, a.q_pos0 + q0 + r, k0, kn);
-            const v8f lv = splat(l), dv_ = splat(dsum_bh[q0 + r]), sc = splat(scale);
+            const v8f lv = splat(l), dr = splat(dsum_bh[q0 + r]);
             for (int64_t j = 0; j < knp; j += 8) {
               const v8i keep = (iota + splati(int32_t(j))) < splati(int32_t(nvis));
-              // p = exp(s scale - lse) where visible, else 0; ds = p (dp - D) scale
-              const v8f pj = select(keep, exp8(fmadd(load8(pr + j), sc, -lv)), splat(0.f));
+              // p = exp(s - lse) where visible, else 0; ds = p (dp - D) (the scale is in the packed q and k)
+              const v8f pj = select(keep, exp8(load8(pr + j) - lv), splat(0.f));
               store8(pr + j, pj);
-              store8(dsr + j, pj * (load8(dsr + j) - dv_) * sc);
+              store8(dsr + j, select(keep, pj * (load8(dsr + j) - dr), splat(0.f)));
             }
           }
-          // dv [kn, HSp] += p^T dout; dk [kn, HSp] += ds^T q; dq [qn, HSp] += ds k
-          tile_gemm(kn, HSp, qn, p, 1, kTileK, dop, HSp, dvt, HSp, true);
-          tile_gemm(kn, HSp, qn, ds, 1, kTileK, qp, HSp, dkt, HSp, true);
-          tile_gemm(qn, HSp, kn, ds, kTileK, 1, kp, HSp, dqa + q0 * HSp, HSp, true);
+          // dv [kn, HSp] += p^T dout; dk [kn, HSp] += ds^T (q scale); dq [qn, HSp] += ds (k scale)
+          tile_gemm(kn, HSp, qn, p, 1, kTileK, dop, HSp, dvt, HSp, true, kv_band);
+          tile_gemm(kn, HSp, qn, ds, 1, kTileK, qp, HSp, dkt, HSp, true, kv_band);
+          tile_gemm(qn, HSp, kn, ds, kTileK, 1, kp, HSp, dqa + q0 * HSp, HSp, true, q_band);
         }
         for (int64_t j = 0; j < kn; ++j) {
           float* dkr = dk + (b * Tkv + k0 + j) * a.kv_stride + h * HS;

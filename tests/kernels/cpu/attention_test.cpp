@@ -347,7 +347,7 @@ TEST(Attention, IndependentOfThreadCount) {
 // Central finite differences of L = sum(out * W) through the f32 forward, for every input element of a
 // tiny problem with an offset and a row that sees no key.
 TEST(Attention, BackwardMatchesFiniteDifferences) {
-  ScopedThreads threads(2);
+  ScopedThreads threads(1);  // hundreds of tiny forward calls: no thread start-up per call
   Problem p = make_problem({.B = 1, .NH = 2, .HS = 5, .Tq = 4, .Tkv = 6, .q_pos0 = 2, .kv_pos0 = 3}, 900);
   const std::vector<float> w = random_vec(p.o_size(), 901);
   const Result an = run(p, w, false);
