@@ -41,9 +41,9 @@ double AdamW::grad_sum_squares() const {
   return s;
 }
 
-StepStats AdamW::step(float lr) { return step_with_norm(std::sqrt(grad_sum_squares()), lr); }
+StepStats AdamW::step(double lr) { return step_with_norm(std::sqrt(grad_sum_squares()), lr); }
 
-StepStats AdamW::step_with_norm(double grad_norm, float lr) {
+StepStats AdamW::step_with_norm(double grad_norm, double lr) {
   if (!std::isfinite(grad_norm)) throw Error(fmt::format("adamw: gradient norm is {} at step {}", grad_norm, t_ + 1));
   ++t_;
   StepStats st;
@@ -57,7 +57,7 @@ StepStats AdamW::step_with_norm(double grad_norm, float lr) {
     a.beta1 = cfg_.beta1;
     a.beta2 = cfg_.beta2;
     a.eps = cfg_.eps;
-    a.weight_decay = p->spec.decay() ? cfg_.weight_decay : 0.0f;
+    a.weight_decay = p->spec.decay() ? cfg_.weight_decay : 0.0;
     a.step = t_;
     a.grad_scale = st.clip_scale;
     cpu::adamw_update(p->value.f32(), p->grad.f32(), m_[i].f32(), v_[i].f32(), p->value.numel(), a);

@@ -12,9 +12,10 @@
 namespace loom::optim {
 
 struct AdamWConfig {
-  float lr = 6e-4f;
-  float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f;
-  float weight_decay = 0.1f;  // applied to parameters with dim >= 2 only
+  // Doubles, like the Python floats torch.optim.AdamW holds (the kernel rounds once, as it does).
+  double lr = 6e-4;
+  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
+  double weight_decay = 0.1;  // applied to parameters with dim >= 2 only
   float max_norm = 1.0f;      // global gradient-norm clip; <= 0 disables
   void validate() const;      // throws naming the field
 };
@@ -31,9 +32,9 @@ class AdamW {
 
   // Clips by the global norm of this process's gradients and updates every parameter with
   // learning rate lr (the configured one when lr < 0).
-  StepStats step(float lr = -1.0f);
+  StepStats step(double lr = -1.0);
   // The same with a global norm computed elsewhere (e.g. summed over ranks).
-  StepStats step_with_norm(double grad_norm, float lr = -1.0f);
+  StepStats step_with_norm(double grad_norm, double lr = -1.0);
   // Sum of squares of all gradients (deterministic for any thread count).
   double grad_sum_squares() const;
 

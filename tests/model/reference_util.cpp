@@ -17,7 +17,7 @@ namespace loom::test {
 namespace {
 
 int64_t meta_int(const train::SafetensorsReader& r, const std::string& key) { return std::stoll(r.meta(key)); }
-float meta_float(const train::SafetensorsReader& r, const std::string& key) { return std::stof(r.meta(key)); }
+double meta_double(const train::SafetensorsReader& r, const std::string& key) { return std::stod(r.meta(key)); }
 
 // ||a - b|| / ||b|| over n elements, in double.
 double rel_norm(const float* a, const float* b, int64_t n) {
@@ -90,12 +90,12 @@ void check_gpt_reference(const std::string& path, const ReferenceTolerance& tol)
     }
   }
   optim::AdamWConfig oc;
-  oc.lr = meta_float(r, "lr");
-  oc.beta1 = meta_float(r, "beta1");
-  oc.beta2 = meta_float(r, "beta2");
-  oc.eps = meta_float(r, "eps");
-  oc.weight_decay = meta_float(r, "weight_decay");
-  oc.max_norm = meta_float(r, "max_norm");
+  oc.lr = meta_double(r, "lr");
+  oc.beta1 = meta_double(r, "beta1");
+  oc.beta2 = meta_double(r, "beta2");
+  oc.eps = meta_double(r, "eps");
+  oc.weight_decay = meta_double(r, "weight_decay");
+  oc.max_norm = float(meta_double(r, "max_norm"));
   optim::AdamW opt(gpt.parameters(), oc, pool);
   const double norm = std::sqrt(opt.grad_sum_squares());
   const double ref_norm = std::stod(r.meta("grad_norm"));

@@ -1,0 +1,174 @@
+// loom bench train: times training steps of a GPT-2 model on the CPU and reports tokens/s,
+// ms/step, model-FLOPs utilisation against a GEMM peak measured in the same run, and the pool's
+// peak bytes per tag beside what the model and optimiser declare.
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "cli/command.h"
+#include "core/memory.h"
+#include "core/rng.h"
+#include "core/tensor.h"
+#include "kernels/cpu/matmul.h"
+#include "model/gpt.h"
+#include "optim/adamw.h"
+
+namespace loom::cli {
+namespace {
+
+struct BenchTrainOptions {
+  std::string model = "gpt2-124m";
+  int64_t batch = 4, seq = 256;
+  int threads = 0;  // 0: OpenMP's default
+  int steps = 5, warmup = 1;
+  uint64_t seed = 1337;
+  double gemm_seconds = 1.0;
+};
+
+using clock_type = std::chrono::steady_clock;
+double ms_since(clock_type::time_point t0) {
+  return std::chrono::duration<double, std::milli>(clock_type::now() - t0).count();
+}
+
+int bench_train(const BenchTrainOptions& o) {
+  model::GPTConfig cfg = model::gpt_preset(o.model);
+  if (o.batch <= 0) throw Error(fmt::format("bench train: --batch must be positive, got {}", o.batch));
+  if (o.seq <= 0 || o.seq > cfg.block_size)
+    throw Error(fmt::format("bench train: --seq must be in [1, {}] for {}, got {}", cfg.block_size, cfg.name, o.seq));
+  if (o.steps <= 0 || o.warmup < 0)
+    throw Error(fmt::format("bench train: --steps must be positive and --warmup non-negative"));
+  if (o.threads < 0) throw Error(fmt::format("bench train: --threads must be non-negative, got {}", o.threads));
+  if (o.threads > 0) omp_set_num_threads(o.threads);
+  const int threads = omp_get_max_threads();
+  const int64_t B = o.batch, T = o.seq, C = cfg.n_embd, L = cfg.n_layer, V = cfg.vocab_size;
+
+  std::printf("loom bench train: %s\n", cfg.str().c_str());
+  std::printf("batch %lld x seq %lld = %lld tokens/step, %d threads, %d warm-up + %d timed steps\n", (long long)B,
+              (long long)T, (long long)(B * T), threads, o.warmup, o.steps);
+  std::fflush(stdout);
+  const double peak = cpu::measure_gemm_peak_gflops(1536, o.gemm_seconds);
+  std::printf("GEMM peak (measured now, fp32 1536^3, %d threads): %.1f GFLOP/s\n", threads, peak);
+
+  MemoryPool pool("bench");
+  model::GPT gpt(cfg, pool, o.seed);
+  optim::AdamWConfig oc;  // lr 6e-4, betas (0.9, 0.95), eps 1e-8, wd 0.1 on matrices, clip 1.0
+  optim::AdamW opt(gpt.parameters(), oc, pool);
+
+  // Synthetic batch: a random token sequence and its next tokens.
+  MemoryPool io("bench-data");
+  Tensor tokens = Tensor::empty({B, T}, DType::i32, MemTag::workspace, io);   // i32 [B, T]
+  Tensor targets = Tensor::empty({B, T}, DType::i32, MemTag::workspace, io);  // i32 [B, T]
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t <= T; ++t) {
+      int32_t id = int32_t(std::min<double>(double(V - 1), uniform_at(o.seed, 7, uint64_t(b * (T + 1) + t)) * double(V)));
+      if (t < T) tokens.i32()[b * T + t] = id;
+      if (t > 0) targets.i32()[b * T + t - 1] = id;
+    }
+
+  const int64_t n_nonemb = gpt.num_nonembedding_parameters();
+  // Model FLOPs per token (forward + backward = 3 x forward), the PaLM convention: every
+  // non-embedding parameter 6 flops, attention scores and values 12 * L * C * T (not halved for
+  // the causal mask), the lm_head 6 * C * V.
+  const double flops_per_token = 6.0 * double(n_nonemb) + 12.0 * double(L * C * T) + 6.0 * double(C * V);
+  const double flops_per_step = flops_per_token * double(B * T);
+  std::printf("parameters %lld (non-embedding %lld)\n", (long long)gpt.num_parameters(), (long long)n_nonemb);
+  std::printf("model FLOPs/token = 6*N_nonemb + 12*L*C*T + 6*C*V = %.4g + %.4g + %.4g = %.4g; %.1f GFLOP/step\n",
+              6.0 * double(n_nonemb), 12.0 * double(L * C * T), 6.0 * double(C * V), flops_per_token,
+              flops_per_step * 1e-9);
+
+  std::vector<double> step_ms, fwd_ms, bwd_ms, opt_ms;
+  for (int s = 0; s < o.warmup + o.steps; ++s) {
+    auto t0 = clock_type::now();
+    gpt.zero_grad();
+    const float loss = gpt.forward(tokens, targets, {.fuse_backward = true});
+    const double f = ms_since(t0);
+    auto t1 = clock_type::now();
+    gpt.backward();
+    const double b = ms_since(t1);
+    auto t2 = clock_type::now();
+    optim::StepStats st = opt.step();
+    const double u = ms_since(t2), total = ms_since(t0);
+    const bool timed = s >= o.warmup;
+    std::printf("%s %d: %.1f ms (forward %.1f, backward %.1f, adamw %.1f)  loss %.4f  grad norm %.3f\n",
+                timed ? "step" : "warm-up", timed ? s - o.warmup + 1 : s + 1, total, f, b, u, double(loss),
+                st.grad_norm);
+    std::fflush(stdout);
+    if (timed) {
+      step_ms.push_back(total);
+      fwd_ms.push_back(f);
+      bwd_ms.push_back(b);
+      opt_ms.push_back(u);
+    }
+  }
+  auto mean = [](const std::vector<double>& v) { return std::accumulate(v.begin(), v.end(), 0.0) / double(v.size()); };
+  const double ms = mean(step_ms);
+  const double tok_s = double(B * T) / (ms * 1e-3);
+  const double achieved = flops_per_step / (ms * 1e-3) * 1e-9;
+  std::printf("\nms/step %.1f (min %.1f, max %.1f; forward %.1f, backward %.1f, adamw %.1f)\n", ms,
+              *std::min_element(step_ms.begin(), step_ms.end()), *std::max_element(step_ms.begin(), step_ms.end()),
+              mean(fwd_ms), mean(bwd_ms), mean(opt_ms));
+  std::printf("tokens/s %.1f\n", tok_s);
+  std::printf("model FLOPs %.1f GFLOP/s = MFU %.1f%% of the measured GEMM peak %.1f GFLOP/s\n", achieved,
+              100.0 * achieved / peak, peak);
+
+  // Memory: the pool's peaks against the declarations.
+  const int64_t declared[kNumMemTags] = {gpt.param_bytes(), gpt.grad_bytes(), opt.state_bytes(),
+                                         gpt.saved_activation_bytes(B, T), gpt.workspace_bytes(B, T), 0};
+  const char* what[kNumMemTags] = {"parameters (wte padded to the padded vocabulary)", "gradients",
+                                   "AdamW exp_avg + exp_avg_sq", "saved activations (sum over the chain)",
+                                   "backward scratch 24*B*T*C bytes", "no communication"};
+  MemStats ms_ = pool.stats();
+  bool all_equal = true;
+  int64_t declared_total = 0;
+  std::printf("\nmemory by tag (pool '%s'): peak measured | declared\n", pool.name().c_str());
+  for (int i = 0; i < kNumMemTags; ++i) {
+    const bool eq = ms_.peak[size_t(i)] == declared[i];
+    all_equal &= eq;
+    declared_total += declared[i];
+    std::printf("  %-12s %12s | %12s  %s  %s\n", std::string(mem_tag_name(MemTag(i))).c_str(),
+                format_bytes(ms_.peak[size_t(i)]).c_str(), format_bytes(declared[i]).c_str(), eq ? "equal" : "DIFFERENT",
+                what[i]);
+  }
+  std::printf("  %-12s %12s | %12s  (sum of the declarations)\n", "total", format_bytes(ms_.total_peak).c_str(),
+              format_bytes(declared_total).c_str());
+  std::printf("workspace: %lld bytes (dres [B,T,C], bufC [B,T,C], buf4C [B,T,4C] in f32)\n",
+              (long long)gpt.workspace_bytes(B, T));
+  std::printf("RESULT model=%s batch=%lld seq=%lld threads=%d tokens_per_s=%.2f ms_per_step=%.1f "
+              "gemm_peak_gflops=%.1f mfu=%.4f memory_matches=%d\n",
+              cfg.name.c_str(), (long long)B, (long long)T, threads, tok_s, ms, peak, achieved / peak, all_equal);
+  if (!all_equal) {
+    std::fprintf(stderr, "loom bench train: measured peak memory differs from the declaration\n");
+    return 2;
+  }
+  return 0;
+}
+
+Registrar reg{Command{
+    "bench", "benchmarks (train: time GPT-2 training steps on the CPU)", [](CLI::App& sub) -> std::function<int()> {
+      sub.require_subcommand(1);
+      auto o = std::make_shared<BenchTrainOptions>();
+      CLI::App* train = sub.add_subcommand("train", "time training steps: tokens/s, ms/step, MFU, memory by tag");
+      train->add_option("--model", o->model, "model preset (gpt2-tiny, gpt2-124m, gpt2-350m, ...)")
+          ->capture_default_str();
+      train->add_option("--batch", o->batch, "batch size B")->capture_default_str();
+      train->add_option("--seq", o->seq, "sequence length T")->capture_default_str();
+      train->add_option("--threads", o->threads, "OpenMP threads (0: the default)")->capture_default_str();
+      train->add_option("--steps", o->steps, "timed steps")->capture_default_str();
+      train->add_option("--warmup", o->warmup, "untimed steps first")->capture_default_str();
+      train->add_option("--seed", o->seed, "initialisation and data seed")->capture_default_str();
+      train->add_option("--gemm-seconds", o->gemm_seconds, "time spent measuring the GEMM peak")
+          ->capture_default_str();
+      return [o, train]() -> int {
+        if (train->parsed()) return bench_train(*o);
+        return 1;
+      };
+    }}};
+
+}  // namespace
+}  // namespace loom::cli
