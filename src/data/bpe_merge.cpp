@@ -37,6 +37,8 @@ bool MergeTable::insert(int32_t left, int32_t right, Merge m) {
     if (s.key == kEmpty) {
       s.key = key;
       s.merge = m;
+      const uint64_t f = filter_bit(key);
+      filter_[f >> 6] |= uint64_t(1) << (f & 63);
       ++size_;
       if (results_.size() <= m.rank) results_.resize(size_t(m.rank) + 1, -1);
       results_[m.rank] = m.id;

@@ -25,6 +25,10 @@ class MergeTable {
 
   const Merge* find(int32_t left, int32_t right) const {
     const uint64_t key = pair_key(left, right);
+    // Most pairs in a word have no merge: a small bit filter (in L2) answers those without a
+    // trip to the table.
+    const uint64_t f = filter_bit(key);
+    if (!((filter_[f >> 6] >> (f & 63)) & 1)) return nullptr;
     for (size_t i = slot_of(key);; i = (i + 1) & mask_) {
       const Slot& s = slots_[i];
       if (s.key == key) return &s.merge;
@@ -46,9 +50,12 @@ class MergeTable {
   };
   static uint64_t pair_key(int32_t l, int32_t r) { return (uint64_t(uint32_t(l)) << 32) | uint32_t(r); }
   size_t slot_of(uint64_t key) const { return size_t((key * 0x9E3779B97F4A7C15ull) >> shift_); }
+  static constexpr int kFilterBits = 20;
+  static uint64_t filter_bit(uint64_t key) { return (key * 0xD6E8FEB86659FD93ull) >> (64 - kFilterBits); }
   void rehash(size_t capacity);
 
   std::vector<Slot> slots_ = std::vector<Slot>(16);
+  std::vector<uint64_t> filter_ = std::vector<uint64_t>(size_t(1) << (kFilterBits - 6));
   std::vector<int32_t> results_;  // [ranks] merged id per rank (kNoRank slots are -1)
   size_t mask_ = 15;
   int shift_ = 60;
