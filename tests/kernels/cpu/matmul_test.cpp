@@ -146,6 +146,7 @@ TEST(Matmul, BackwardMatchesCentralDifferences) {
   // loss = sum(out * g) with out = inp @ w^T + b; the gradients are checked against central
   // differences of the loss computed in double from the kernel's float outputs.
   const int64_t M = 5, K = 7, N = 9;
+  ScopedThreads st(1);  // tiny GEMMs: a team only adds synchronisation
   auto inp = random_vec(M * K, 30), w = random_vec(N * K, 31), b = random_vec(N, 32), g = random_vec(M * N, 33);
   auto loss = [&] {
     std::vector<float> out(size_t(M * N));
