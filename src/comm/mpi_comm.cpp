@@ -1,0 +1,427 @@
+#include "comm/mpi_comm.h"
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "comm/reduce.h"
+#include "core/error.h"
+
+namespace loom::comm {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Messages larger than this many elements are sent in pieces (MPI counts are int).
+constexpr int64_t kMaxPiece = int64_t(1) << 30;
+constexpr int kSpin = 2000;
+
+MPI_Datatype mpi_type(DType dt) {
+  switch (dt) {
+    case DType::f32: return MPI_FLOAT;
+    case DType::bf16:
+    case DType::f16:
+    case DType::u16: return MPI_UINT16_T;
+    case DType::i32: return MPI_INT32_T;
+    case DType::u32: return MPI_UINT32_T;
+  }
+  return MPI_BYTE;
+}
+
+std::string mpi_error_string(int code) {
+  char buf[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(code, buf, &len) != MPI_SUCCESS) return fmt::format("MPI error {}", code);
+  return std::string(buf, size_t(len));
+}
+
+// MPI calls made before any message is in flight: an error throws.
+void check_mpi(int rc, const char* call) {
+  if (rc != MPI_SUCCESS) throw Error(fmt::format("mpi comm: {} failed: {}", call, mpi_error_string(rc)));
+}
+#define LOOM_MPI(call) check_mpi((call), #call)
+
+std::string seconds(std::chrono::milliseconds t) { return fmt::format("{:g} s", t.count() / 1000.0); }
+
+int mod(int a, int n) { return ((a % n) + n) % n; }
+
+// Staging memory from the communicator's pool, tagged MemTag::comm.
+class Scratch {
+ public:
+  Scratch(MemoryPool* pool, size_t bytes) : pool_(pool), bytes_(bytes) {
+    if (bytes_) p_ = pool_->allocate(bytes_, MemTag::comm);
+  }
+  ~Scratch() {
+    if (p_) pool_->deallocate(p_, bytes_, MemTag::comm);
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  template <class T> T* as() const { return static_cast<T*>(p_); }
+
+ private:
+  MemoryPool* pool_;
+  size_t bytes_;
+  void* p_ = nullptr;
+};
+
+class MpiComm final : public Comm {
+ public:
+  // Takes ownership of coll (freed on destruction); point-to-point traffic gets its own duplicate
+  // so user tags never meet the collectives' messages.
+  MpiComm(MPI_Comm coll, CommOptions opts) : Comm(opts), coll_(coll) {
+    LOOM_MPI(MPI_Comm_set_errhandler(coll_, MPI_ERRORS_RETURN));
+    LOOM_MPI(MPI_Comm_dup(coll_, &p2p_));
+    LOOM_MPI(MPI_Comm_set_errhandler(p2p_, MPI_ERRORS_RETURN));
+    LOOM_MPI(MPI_Comm_rank(coll_, &rank_));
+    LOOM_MPI(MPI_Comm_size(coll_, &size_));
+    MPI_Group g, wg;
+    LOOM_MPI(MPI_Comm_group(coll_, &g));
+    LOOM_MPI(MPI_Comm_group(MPI_COMM_WORLD, &wg));
+    std::vector<int> mine(static_cast<size_t>(size_));
+    for (int i = 0; i < size_; ++i) mine[size_t(i)] = i;
+    world_ranks_.resize(size_t(size_));
+    LOOM_MPI(MPI_Group_translate_ranks(g, size_, mine.data(), wg, world_ranks_.data()));
+    MPI_Group_free(&g);
+    MPI_Group_free(&wg);
+    if (!opts_.pool) opts_.pool = &default_cpu_pool();
+  }
+
+  ~MpiComm() override {
+    int fin = 0;
+    MPI_Finalized(&fin);
+    if (fin) return;
+    MPI_Comm_free(&p2p_);
+    MPI_Comm_free(&coll_);
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string_view backend() const override { return "mpi"; }
+  int world_rank() const override { return world_ranks_[size_t(rank_)]; }
+
+ protected:
+  void do_all_reduce(void* buf, int64_t count, DType dt, ReduceOp op) override {
+    if (size_ == 1) return;
+    begin(fmt::format("all_reduce ({}, {} [{}])", reduce_op_name(op), dtype_name(dt), count));
+    auto offs = offsets(equal_split(count));
+    char* b = static_cast<char*>(buf);
+    ring_reduce_scatter(b, offs, dt, op, b + size_t(offs[size_t(rank_)]) * dtype_size(dt));
+    ring_all_gather(b, offs, dt);
+  }
+
+  void do_reduce_scatter(const void* send, void* recv, std::span<const int64_t> counts, DType dt,
+                         ReduceOp op) override {
+    auto offs = offsets(counts);
+    if (size_ == 1) {
+      if (recv != send) std::memmove(recv, send, size_t(counts[0]) * dtype_size(dt));
+      return;
+    }
+    begin(fmt::format("reduce_scatter ({}, {} [{}])", reduce_op_name(op), dtype_name(dt), offs.back()));
+    ring_reduce_scatter(static_cast<const char*>(send), offs, dt, op, recv);
+  }
+
+  void do_all_gather(const void* send, void* recv, std::span<const int64_t> counts, DType dt) override {
+    auto offs = offsets(counts);
+    char* out = static_cast<char*>(recv);
+    char* own = out + size_t(offs[size_t(rank_)]) * dtype_size(dt);
+    if (own != send) std::memmove(own, send, size_t(counts[size_t(rank_)]) * dtype_size(dt));
+    if (size_ == 1) return;
+    begin(fmt::format("all_gather ({} [{}])", dtype_name(dt), offs.back()));
+    ring_all_gather(out, offs, dt);
+  }
+
+  void do_broadcast(void* buf, int64_t count, DType dt, int root) override {
+    if (size_ == 1) return;
+    begin(fmt::format("broadcast ({} [{}] from rank {})", dtype_name(dt), count, world_ranks_[size_t(root)]));
+    std::vector<MPI_Request> reqs;
+    char* b = static_cast<char*>(buf);
+    int64_t off = 0;
+    do {
+      int piece = int(std::min(kMaxPiece, count - off));
+      reqs.emplace_back();
+      progress_call(MPI_Ibcast(b + size_t(off) * dtype_size(dt), piece, mpi_type(dt), root, coll_,
+                               &reqs.back()), "MPI_Ibcast");
+      off += piece;
+    } while (off < count);
+    wait_all(reqs, nullptr, [&] {
+      return fmt::format("rank {} or another rank of the group did not take part",
+                         world_ranks_[size_t(root)]);
+    });
+  }
+
+  void do_send(const void* buf, int64_t count, DType dt, int dst, int tag) override {
+    begin(fmt::format("send of {} [{}] to rank {} tag {}", dtype_name(dt), count, world_ranks_[size_t(dst)], tag));
+    std::vector<MPI_Request> reqs;
+    isend(buf, count, dt, dst, tag, p2p_, reqs);
+    wait_all(reqs, nullptr, [&] { return fmt::format("rank {} did not receive it", world_ranks_[size_t(dst)]); });
+  }
+
+  void do_recv(void* buf, int64_t count, DType dt, int src, int tag) override {
+    begin(fmt::format("recv of {} [{}] from rank {} tag {}", dtype_name(dt), count, world_ranks_[size_t(src)], tag));
+    std::vector<MPI_Request> reqs;
+    irecv(buf, count, dt, src, tag, p2p_, reqs);
+    std::vector<MPI_Status> st(reqs.size());
+    wait_all(reqs, st.data(), [&] {
+      return fmt::format("no message from rank {} with tag {} arrived", world_ranks_[size_t(src)], tag);
+    });
+    check_received(st, count, dt, src, tag);
+  }
+
+  void do_sendrecv(const void* send_buf, int64_t send_count, int dst, void* recv_buf, int64_t recv_count,
+                   int src, DType dt, int tag) override {
+    begin(fmt::format("sendrecv ({} [{}] to rank {}, [{}] from rank {}, tag {})", dtype_name(dt), send_count,
+                      world_ranks_[size_t(dst)], recv_count, world_ranks_[size_t(src)], tag));
+    std::vector<MPI_Request> reqs;
+    irecv(recv_buf, recv_count, dt, src, tag, p2p_, reqs);
+    size_t nrecv = reqs.size();
+    isend(send_buf, send_count, dt, dst, tag, p2p_, reqs);
+    std::vector<MPI_Status> st(reqs.size());
+    wait_all(reqs, st.data(), [&] {
+      return fmt::format("rank {} (receiving) or rank {} (sending) did not take part",
+                         world_ranks_[size_t(dst)], world_ranks_[size_t(src)]);
+    });
+    st.resize(nrecv);
+    check_received(st, recv_count, dt, src, tag);
+  }
+
+  void do_barrier() override {
+    if (size_ == 1) return;
+    begin("barrier");
+    std::vector<MPI_Request> reqs(1);
+    progress_call(MPI_Ibarrier(coll_, &reqs[0]), "MPI_Ibarrier");
+    wait_all(reqs, nullptr, [] { return std::string("not every rank of the group arrived"); });
+  }
+
+  std::unique_ptr<Comm> do_split(int color, int key) override {
+    begin(fmt::format("split (color {}, key {})", color, key));
+    // Everybody's arrival is awaited with the timeout first; MPI_Comm_split itself cannot be polled.
+    int mine[2] = {color, key};
+    std::vector<int> all(size_t(2 * size_));
+    std::vector<MPI_Request> reqs(1);
+    progress_call(MPI_Iallgather(mine, 2, MPI_INT, all.data(), 2, MPI_INT, coll_, &reqs[0]), "MPI_Iallgather");
+    wait_all(reqs, nullptr, [] { return std::string("not every rank of the group arrived"); });
+    MPI_Comm out = MPI_COMM_NULL;
+    LOOM_MPI(MPI_Comm_split(coll_, color < 0 ? MPI_UNDEFINED : color, key, &out));
+    if (out == MPI_COMM_NULL) return nullptr;
+    return std::make_unique<MpiComm>(out, opts_);
+  }
+
+ private:
+  void begin(std::string what) {
+    what_ = std::move(what);
+    deadline_ = Clock::now() + opts_.timeout;
+  }
+
+  [[noreturn]] void fatal(const std::string& msg) const {
+    mpi_abort(fmt::format("loom: rank {} (mpi): {}; aborting the job", world_rank(), msg), 2);
+  }
+
+  // A call that starts a transfer: from here on an error cannot be thrown safely.
+  void progress_call(int rc, const char* call) const {
+    if (rc != MPI_SUCCESS) fatal(fmt::format("{}: {} failed: {}", what_, call, mpi_error_string(rc)));
+  }
+
+  void isend(const void* p, int64_t count, DType dt, int peer, int tag, MPI_Comm c,
+             std::vector<MPI_Request>& reqs) const {
+    const char* b = static_cast<const char*>(p);
+    int64_t off = 0;
+    do {
+      int piece = int(std::min(kMaxPiece, count - off));
+      reqs.emplace_back();
+      progress_call(MPI_Isend(b + size_t(off) * dtype_size(dt), piece, mpi_type(dt), peer, tag, c, &reqs.back()),
+                    "MPI_Isend");
+      off += piece;
+    } while (off < count);
+  }
+
+  void irecv(void* p, int64_t count, DType dt, int peer, int tag, MPI_Comm c,
+             std::vector<MPI_Request>& reqs) const {
+    char* b = static_cast<char*>(p);
+    int64_t off = 0;
+    do {
+      int piece = int(std::min(kMaxPiece, count - off));
+      reqs.emplace_back();
+      progress_call(MPI_Irecv(b + size_t(off) * dtype_size(dt), piece, mpi_type(dt), peer, tag, c, &reqs.back()),
+                    "MPI_Irecv");
+      off += piece;
+    } while (off < count);
+  }
+
+  // Polls until every request completed; past the deadline the job is aborted with a message
+  // naming the call and, from waiting_for(), the ranks it waited for.
+  template <class WaitingFor>
+  void wait_all(std::vector<MPI_Request>& reqs, MPI_Status* statuses, WaitingFor&& waiting_for) const {
+    int flag = 0;
+    for (long it = 0;; ++it) {
+      int rc = MPI_Testall(int(reqs.size()), reqs.data(), &flag, statuses ? statuses : MPI_STATUSES_IGNORE);
+      if (rc != MPI_SUCCESS) {
+        std::string detail = mpi_error_string(rc);
+        if (rc == MPI_ERR_IN_STATUS && statuses) {
+          for (size_t i = 0; i < reqs.size(); ++i) {
+            if (statuses[i].MPI_ERROR != MPI_SUCCESS) detail = mpi_error_string(statuses[i].MPI_ERROR);
+          }
+        }
+        fatal(fmt::format("{} failed: {} (mismatched counts between ranks?)", what_, detail));
+      }
+      if (flag) break;
+      if (it >= kSpin) std::this_thread::yield();
+      if ((it & 63) == 0 && Clock::now() >= deadline_) {
+        fatal(fmt::format("{} timed out after {}: {}", what_, seconds(opts_.timeout), waiting_for()));
+      }
+    }
+    reqs.clear();
+  }
+
+  void check_received(const std::vector<MPI_Status>& st, int64_t count, DType dt, int src, int tag) const {
+    int64_t got = 0;
+    for (auto& s : st) {
+      int c = 0;
+      MPI_Get_count(&s, mpi_type(dt), &c);
+      got += c;
+    }
+    LOOM_CHECK(got == count, "mpi comm: rank {} received {} elements from rank {} with tag {} but expected {}",
+               world_rank(), got, world_ranks_[size_t(src)], tag, count);
+  }
+
+  std::vector<int64_t> equal_split(int64_t count) const {
+    std::vector<int64_t> c(static_cast<size_t>(size_));
+    for (int i = 0; i < size_; ++i) c[size_t(i)] = chunk_range(count, size_, i).size();
+    return c;
+  }
+
+  std::vector<int64_t> offsets(std::span<const int64_t> counts) const {
+    std::vector<int64_t> o(counts.size() + 1, 0);
+    for (size_t i = 0; i < counts.size(); ++i) o[i + 1] = o[i] + counts[i];
+    return o;
+  }
+
+  // Ring reduce-scatter: at step s rank r sends its partial of chunk r-s-1 to r+1 and receives the
+  // partial of chunk r-s-2 from r-1, so chunk c is folded in the order c+1, c+2, ..., c and ends
+  // at rank c (the order the threads backend uses). out (dt) [counts[r]] may alias chunk r of send.
+  void ring_reduce_scatter(const char* send, const std::vector<int64_t>& offs, DType dt, ReduceOp op, void* out) {
+    const int n = size_, r = rank_;
+    const int next = mod(r + 1, n), prev = mod(r - 1, n);
+    const size_t es = dtype_size(dt);
+    int64_t maxc = 0;
+    for (int i = 0; i < n; ++i) maxc = std::max(maxc, offs[size_t(i) + 1] - offs[size_t(i)]);
+    Scratch a(opts_.pool, size_t(maxc) * 4), b(opts_.pool, size_t(maxc) * 4);
+    Scratch c(opts_.pool, dt == DType::f32 ? 0 : size_t(maxc) * es);
+    float* pa = a.as<float>();  // f32: the partial this rank sends next
+    float* pb = b.as<float>();  // f32: the partial received
+    auto cnt = [&](int i) { return offs[size_t(i) + 1] - offs[size_t(i)]; };
+    std::vector<MPI_Request> reqs;
+    for (int s = 0; s <= n - 2; ++s) {
+      int sc = mod(r - s - 1, n), rc = mod(r - s - 2, n);
+      bool first = s == 0;
+      void* rbuf = first && dt != DType::f32 ? c.as<void>() : static_cast<void*>(pb);
+      DType rdt = first ? dt : DType::f32;
+      irecv(rbuf, cnt(rc), rdt, prev, 0, coll_, reqs);
+      if (first) {
+        isend(send + size_t(offs[size_t(sc)]) * es, cnt(sc), dt, next, 0, coll_, reqs);
+      } else {
+        isend(pa, cnt(sc), DType::f32, next, 0, coll_, reqs);
+      }
+      wait_all(reqs, nullptr, [&] {
+        return fmt::format("ring step {} of {}: no data from rank {} (it, or a rank before it in the "
+                           "ring, has not arrived)", s + 1, 2 * (n - 1), world_ranks_[size_t(prev)]);
+      });
+      const char* own = send + size_t(offs[size_t(rc)]) * es;
+      if (s < n - 2) {
+        detail::combine(pa, rbuf, rdt, own, dt, cnt(rc), op);
+      } else if (dt == DType::f32) {
+        detail::combine(static_cast<float*>(out), rbuf, rdt, own, dt, cnt(rc), op);
+      } else {
+        detail::combine(pa, rbuf, rdt, own, dt, cnt(rc), op);
+        detail::store_f32(out, dt, pa, cnt(rc));
+      }
+    }
+  }
+
+  // Ring all-gather in place: buf holds this rank's chunk at offs[r]; step s passes chunk r-s on.
+  void ring_all_gather(char* buf, const std::vector<int64_t>& offs, DType dt) {
+    const int n = size_, r = rank_;
+    const int next = mod(r + 1, n), prev = mod(r - 1, n);
+    const size_t es = dtype_size(dt);
+    auto cnt = [&](int i) { return offs[size_t(i) + 1] - offs[size_t(i)]; };
+    std::vector<MPI_Request> reqs;
+    for (int s = 0; s <= n - 2; ++s) {
+      int sc = mod(r - s, n), rc = mod(r - s - 1, n);
+      irecv(buf + size_t(offs[size_t(rc)]) * es, cnt(rc), dt, prev, 1, coll_, reqs);
+      isend(buf + size_t(offs[size_t(sc)]) * es, cnt(sc), dt, next, 1, coll_, reqs);
+      wait_all(reqs, nullptr, [&] {
+        return fmt::format("gather step {} of {}: no data from rank {} (it, or a rank before it in the "
+                           "ring, has not arrived)", s + 1, n - 1, world_ranks_[size_t(prev)]);
+      });
+    }
+  }
+
+  MPI_Comm coll_ = MPI_COMM_NULL;
+  MPI_Comm p2p_ = MPI_COMM_NULL;
+  int rank_ = 0;
+  int size_ = 1;
+  std::vector<int> world_ranks_;
+  std::string what_;
+  Clock::time_point deadline_{};
+};
+
+}  // namespace
+
+MpiSession::MpiSession(int* argc, char*** argv) {
+  int init = 0;
+  MPI_Initialized(&init);
+  if (!init) {
+    int provided = 0;
+    LOOM_MPI(MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided));
+    owner_ = true;
+  }
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
+  MPI_Comm_size(MPI_COMM_WORLD, &size_);
+}
+
+MpiSession::~MpiSession() {
+  int fin = 0;
+  MPI_Finalized(&fin);
+  if (owner_ && !fin) MPI_Finalize();
+}
+
+std::unique_ptr<Comm> mpi_world(CommOptions opts) {
+  int init = 0;
+  MPI_Initialized(&init);
+  LOOM_CHECK(init, "mpi comm: MPI is not initialised (create an MpiSession first)");
+  LOOM_CHECK(opts.timeout.count() > 0, "mpi comm: timeout must be positive, got {} ms", opts.timeout.count());
+  MPI_Comm c;
+  LOOM_MPI(MPI_Comm_dup(MPI_COMM_WORLD, &c));
+  return std::make_unique<MpiComm>(c, opts);
+}
+
+void mpi_abort(const std::string& msg, int code) {
+  std::fprintf(stderr, "%s\n", msg.c_str());
+  std::fflush(stderr);
+  std::fflush(stdout);
+  int init = 0, fin = 0;
+  MPI_Initialized(&init);
+  MPI_Finalized(&fin);
+  if (init && !fin) MPI_Abort(MPI_COMM_WORLD, code);
+  std::_Exit(code);
+}
+
+int run_mpi(int* argc, char*** argv, const std::function<void(Comm&)>& fn, CommOptions opts) {
+  MpiSession session(argc, argv);
+  try {
+    auto world = mpi_world(opts);
+    fn(*world);
+  } catch (const std::exception& e) {
+    mpi_abort(fmt::format("loom: rank {} of {} failed: {}", session.rank(), session.size(), e.what()), 1);
+  } catch (...) {
+    mpi_abort(fmt::format("loom: rank {} of {} failed: unknown exception", session.rank(), session.size()), 1);
+  }
+  return 0;
+}
+
+}  // namespace loom::comm
