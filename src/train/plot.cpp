@@ -106,9 +106,9 @@ bool plot_png(const std::string& path, const std::string& title, const std::vect
     if (s.points.size() == 1 && started) cairo_arc(cr, X(s.points[0].first), Y(s.points[0].second), 3, 0, 2 * M_PI);
     cairo_stroke(cr);
     double ly = T + 20 + 20 * li++;
-    cairo_move_to(cr, L + pw - 150, ly); cairo_line_to(cr, L + pw - 120, ly); cairo_stroke(cr);
+    cairo_move_to(cr, L + pw - 175, ly); cairo_line_to(cr, L + pw - 145, ly); cairo_stroke(cr);
     cairo_set_source_rgb(cr, 0.1, 0.1, 0.1);
-    cairo_move_to(cr, L + pw - 112, ly + 4); cairo_show_text(cr, s.label.c_str());
+    cairo_move_to(cr, L + pw - 137, ly + 4); cairo_show_text(cr, s.label.c_str());
   }
   cairo_destroy(cr);
   std::string tmp = path + ".tmp";
