@@ -15,6 +15,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -172,16 +173,39 @@ void tile_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t rsa, int
 
 int64_t round_up8(int64_t n) { return (n + 7) / 8 * 8; }
 
-// Scratch memory of one thread for one call: 64-byte aligned, uninitialised.
-struct FreeDeleter {
-  void operator()(float* p) const { std::free(p); }
-};
-using Scratch = std::unique_ptr<float[], FreeDeleter>;
-Scratch scratch(int64_t n) {
-  const size_t bytes = (size_t(std::max<int64_t>(n, 1)) * sizeof(float) + 63) / 64 * 64;
-  auto* p = static_cast<float*>(std::aligned_alloc(64, bytes));
-  if (!p) throw std::bad_alloc();
-  return Scratch(p);
+// Workspace of the calling thread, reused across calls and grown when a call needs more, so a call
+// neither allocates nor touches fresh pages once the sizes are steady. Slot 0 holds the per-thread
+// tiles inside a parallel region; slot 1 the buffers a call shares between its threads.
+float* thread_workspace(int slot, int64_t n) {
+  struct FreeDeleter {
+    void operator()(float* p) const { std::free(p); }
+  };
+  thread_local std::unique_ptr<float[], FreeDeleter> buf[2];
+  thread_local int64_t cap[2] = {0, 0};
+  if (n > cap[slot]) {
+    const int64_t want = std::max(n, cap[slot] + cap[slot] / 2);
+    buf[slot].reset();
+    auto* p = static_cast<float*>(std::aligned_alloc(64, size_t(want + 15) / 16 * 64));
+    if (!p) throw std::bad_alloc();
+    buf[slot].reset(p);
+    cap[slot] = want;
+  }
+  return buf[slot].get();
+}
+
+// N f32 buffers of the given sizes, each 64-byte aligned, carved from one thread workspace slot.
+template <size_t N>
+std::array<float*, N> thread_buffers(int slot, const std::array<int64_t, N>& sizes) {
+  auto padded = [](int64_t n) { return (std::max<int64_t>(n, 1) + 15) / 16 * 16; };
+  int64_t total = 0;
+  for (int64_t n : sizes) total += padded(n);
+  float* p = thread_workspace(slot, total);
+  std::array<float*, N> out;
+  for (size_t i = 0; i < N; ++i) {
+    out[i] = p;
+    p += padded(sizes[i]);
+  }
+  return out;
 }
 
 // The first/last tensor row of head h in batch b: element (b, t, h, d) is at
@@ -270,13 +294,11 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
   // columns with eight queries per vector (no horizontal reductions), and q^T is packed once per unit.
 #pragma omp parallel
   {
-    Scratch qt_buf = scratch(HS * kTileQ);      // f32 [HS, qnp]     (q scale)^T
-    Scratch k_buf = scratch(Tkv * HSp);         // f32 [Tkv, HSp]    K of the (b, h), packed as needed
-    Scratch v_buf = scratch(Tkv * HSp);         // f32 [Tkv, HSp]    V of the (b, h)
-    Scratch s_buf = scratch(kTileK * kTileQ);   // f32 [kn, kTileQ]  scores^T, then probabilities^T
-    Scratch o_buf = scratch(kTileQ * HSp);      // f32 [qn, HSp]     unnormalised output
+    // qt f32 [HS, qnp]: (q scale)^T; kall, vall f32 [Tkv, HSp]: K and V of the (b, h), packed as
+    // needed; st f32 [kn, kTileQ]: scores^T, then probabilities^T; o f32 [qn, HSp]: unnormalised output
+    const auto [qt, kall, vall, st, o] =
+        thread_buffers<5>(0, {HS * kTileQ, Tkv * HSp, Tkv * HSp, kTileK * kTileQ, kTileQ * HSp});
     alignas(32) float row_max[kTileQ], row_sum[kTileQ], alpha[kTileQ];  // per query
-    float *qt = qt_buf.get(), *kall = k_buf.get(), *vall = v_buf.get(), *st = s_buf.get(), *o = o_buf.get();
     const v8i iota{0, 1, 2, 3, 4, 5, 6, 7};
     const v8f neg_inf = splat(kNegInf), zero = splat(0.f);
 
@@ -393,31 +415,24 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
   const int64_t units = BNH * G;
 
   // With G > 1, each group's dQ goes to its own slice: f32 [G, B, NH, Tq, HSp].
-  Scratch dq_part = G > 1 ? scratch(G * BNH * Tq * HSp) : Scratch();
+  float* dq_part = G > 1 ? thread_workspace(1, G * BNH * Tq * HSp) : nullptr;
 
 #pragma omp parallel
   {
-    Scratch kt_buf = scratch(HS * kTileK);     // f32 [HS, knp]    K tile transposed
-    Scratch vt_buf = scratch(HS * kTileK);     // f32 [HS, knp]    V tile transposed
-    Scratch k_buf = scratch(kTileK * HSp);     // f32 [kn, HSp]    K tile * scale
-    Scratch q_buf = scratch(Tq * HSp);         // f32 [Tq, HSp]    Q * scale of the (b, h)
-    Scratch do_buf = scratch(Tq * HSp);        // f32 [Tq, HSp]    dO of the (b, h)
-    Scratch dsum_buf = scratch(Tq);            // f32 [Tq]         D = rowsum(dO * O)
-    Scratch p_buf = scratch(kTileQ * kTileK);  // f32 [qn, kTileK] probabilities
-    Scratch ds_buf = scratch(kTileQ * kTileK); // f32 [qn, kTileK] dP, then dS
-    Scratch dk_buf = scratch(kTileK * HSp);    // f32 [kn, HSp]    dK of the key tile
-    Scratch dv_buf = scratch(kTileK * HSp);    // f32 [kn, HSp]    dV of the key tile
-    Scratch dq_own = G == 1 ? scratch(Tq * HSp) : Scratch();  // f32 [Tq, HSp] dQ of the (b, h)
-    float *kt = kt_buf.get(), *vt = vt_buf.get(), *kp = k_buf.get(), *qall = q_buf.get(), *doall = do_buf.get();
-    float* dsum_bh = dsum_buf.get();
-    float *p = p_buf.get(), *ds = ds_buf.get(), *dkt = dk_buf.get(), *dvt = dv_buf.get();
+    // kt, vt f32 [HS, knp]: K and V tile transposed; kp f32 [kn, HSp]: K tile * scale;
+    // qall, doall f32 [Tq, HSp]: Q * scale and dO of the (b, h); dsum_bh f32 [Tq]: D = rowsum(dO * O);
+    // p f32 [qn, kTileK]: probabilities; ds f32 [qn, kTileK]: dP, then dS; dkt, dvt f32 [kn, HSp]: dK
+    // and dV of the key tile; dq_own f32 [Tq, HSp]: dQ of the (b, h) when G == 1
+    const auto [kt, vt, kp, qall, doall, dsum_bh, p, ds, dkt, dvt, dq_own] = thread_buffers<11>(
+        0, {HS * kTileK, HS * kTileK, kTileK * HSp, Tq * HSp, Tq * HSp, Tq, kTileQ * kTileK, kTileQ * kTileK,
+            kTileK * HSp, kTileK * HSp, G == 1 ? Tq * HSp : 0});
     const v8i iota{0, 1, 2, 3, 4, 5, 6, 7};
 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < units; ++u) {
       const int64_t bh = u / G, g = u % G;
       const int64_t b = bh / NH, h = bh % NH;
-      float* dqa = G == 1 ? dq_own.get() : dq_part.get() + (g * BNH + bh) * Tq * HSp;  // f32 [Tq, HSp]
+      float* dqa = G == 1 ? dq_own : dq_part + (g * BNH + bh) * Tq * HSp;  // f32 [Tq, HSp]
       std::fill(dqa, dqa + Tq * HSp, 0.f);
       const float* lse_bh = lse + bh * Tq;
       pack_rows(qall, HSp, Rows{q + b * Tq * a.q_stride + h * HS, a.q_stride}, Tq, HS, scale);
