@@ -1,0 +1,687 @@
+// Flash attention forward and backward on tensor cores (mma.sync m16n8k16, bf16 in, f32
+// accumulate), FlashAttention-2 work partitioning:
+//  - forward: one thread block per (batch*head, tile of 16*NW queries); each warp owns 16 query
+//    rows whose Q fragments stay in registers; K/V tiles stream through shared memory with
+//    cp.async double buffering; the online softmax runs in registers in base 2.
+//  - backward: D = rowsum(dO * O) first (and the f32 dQ accumulator is zeroed); then one thread
+//    block per (batch*head, tile of 16*NW keys), each warp owning 16 keys whose dK and dV stay in
+//    f32 registers while Q/dO tiles stream past; dQ contributions go to the f32 accumulator with
+//    atomics and a last kernel converts it to bf16.
+// Shared-memory rows are padded by 16 bytes so that ldmatrix reads of 8 rows hit distinct banks.
+#include "kernels/cuda/attention.cuh"
+
+#include <cmath>
+
+namespace loom::cuda {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+struct FwdParams {
+  bf16* out;
+  float* lse;
+  const bf16 *q, *k, *v;
+  int64_t NH, Tq, Tkv;
+  int64_t q_stride, kv_stride, o_stride;
+  int64_t q_pos0, kv_pos0;
+  bool causal;
+  float scale_log2;  // softmax scale * log2(e)
+};
+
+struct BwdParams {
+  bf16 *dk, *dv;
+  float* dq_acc;       // f32 [B*NH, Tq, HS], zeroed by the preprocessing kernel
+  const float* dsum;   // f32 [B*NH, Tq]: D = rowsum(dout * out)
+  const float* lse;    // f32 [B*NH, Tq], natural log
+  const bf16 *q, *k, *v, *dout;
+  int64_t NH, Tq, Tkv;
+  int64_t q_stride, kv_stride, o_stride;
+  int64_t q_pos0, kv_pos0;
+  bool causal;
+  float scale, scale_log2;
+};
+
+// ---------------------------------------------------------------------------------------------
+// PTX wrappers.
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global -> shared copy; with pred false the destination is zero-filled and nothing is read.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool pred) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(pred ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const bf16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const bf16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+// d (16x8 f32) += a (16x16 bf16, row) * b (16x8 bf16, col).
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ void atomic_add2(float* p, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(p), make_float2(a, b));
+#else
+  atomicAdd(p, a);
+  atomicAdd(p + 1, b);
+#endif
+}
+
+// Fragment addressing (per lane) for a 16x16 tile at (row0, col0) of a row-major shared tile with
+// row pitch `pitch` (elements):
+//  - A operand, rows = M, cols = K, stored [M][K]:            ldsm_x4 at a_off
+//  - B operand of two n8 tiles, stored [N][K] (K contiguous): ldsm_x4 at bnk_off -> {b0,b1} n-tile 0, {b2,b3} n-tile 1
+//  - B operand of two n8 tiles, stored [K][N] (N contiguous): ldsm_x4_t at bkn_off -> same
+//  - A operand stored transposed [K][M]:                      ldsm_x4_t at at_off
+__device__ __forceinline__ int a_off(int lane, int pitch) { return (lane & 15) * pitch + (lane >> 4) * 8; }
+__device__ __forceinline__ int bnk_off(int lane, int pitch) {
+  return ((lane & 7) + ((lane >> 4) << 3)) * pitch + ((lane >> 3) & 1) * 8;
+}
+__device__ __forceinline__ int bkn_off(int lane, int pitch) {
+  return ((lane & 7) + (((lane >> 3) & 1) << 3)) * pitch + (lane >> 4) * 8;
+}
+__device__ __forceinline__ int at_off(int lane, int pitch) {
+  return ((lane & 7) + (((lane >> 4) & 1) << 3)) * pitch + ((lane >> 3) & 1) * 8;
+}
+
+// Copies `rows` rows of HS bf16 (row r of global at g + r * stride) into shared rows of pitch P,
+// zero-filling rows at or beyond `valid`.
+template <int HS, int P, int NT>
+__device__ __forceinline__ void load_rows(bf16* s, const bf16* g, int64_t stride, int rows, int64_t valid, int tid) {
+  constexpr int CH = HS / 8;
+  for (int i = tid; i < rows * CH; i += NT) {
+    const int r = i / CH, c = i % CH;
+    const bool ok = r < valid;
+    cp_async16(s + r * P + c * 8, ok ? g + r * stride + c * 8 : g, ok);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward.
+
+template <int HS, int BN, int NW>
+constexpr int fwd_smem_bytes() {
+  return (16 * NW + 4 * BN) * (HS + 8) * int(sizeof(bf16));
+}
+
+template <int HS, int BN, int NW>
+__global__ void __launch_bounds__(NW * 32, 1) attn_fwd_kernel(const FwdParams p) {
+  constexpr int BM = 16 * NW, P = HS + 8, NT = NW * 32;
+  constexpr int KT = HS / 16;  // k16 steps over the head dimension
+  constexpr int NS = BN / 8;   // n8 tiles of scores per key tile
+  constexpr int DT = HS / 8;   // n8 tiles of the output
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* sQ = reinterpret_cast<bf16*>(smem_raw);  // bf16 [BM][P]
+  bf16* sK = sQ + BM * P;                        // bf16 [2][BN][P]
+  bf16* sV = sK + 2 * BN * P;                    // bf16 [2][BN][P]
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int64_t bh = blockIdx.x, b = bh / p.NH, h = bh % p.NH;
+  const int64_t m0 = int64_t(gridDim.y - 1 - blockIdx.y) * BM;  // heaviest causal tiles first
+  const bf16* qg = p.q + (b * p.Tq + m0) * p.q_stride + h * HS;
+  const bf16* kg = p.k + b * p.Tkv * p.kv_stride + h * HS;
+  const bf16* vg = p.v + b * p.Tkv * p.kv_stride + h * HS;
+
+  int64_t kv_end = p.Tkv;
+  if (p.causal) {
+    const int64_t last_q = min(m0 + BM, p.Tq) - 1;
+    kv_end = p.q_pos0 + last_q - p.kv_pos0 + 1;
+    kv_end = kv_end < 0 ? 0 : (kv_end > p.Tkv ? p.Tkv : kv_end);
+  }
+  const int n_tiles = int((kv_end + BN - 1) / BN);
+
+  load_rows<HS, P, NT>(sQ, qg, p.q_stride, BM, p.Tq - m0, tid);
+  if (n_tiles > 0) {
+    load_rows<HS, P, NT>(sK, kg, p.kv_stride, BN, p.Tkv, tid);
+    load_rows<HS, P, NT>(sV, vg, p.kv_stride, BN, p.Tkv, tid);
+  }
+  cp_async_commit();
+  cp_async_wait_all();
+  __syncthreads();
+
+  uint32_t qf[KT][4];  // bf16 Q fragments of this warp's 16 rows
+#pragma unroll
+  for (int kk = 0; kk < KT; ++kk) ldsm_x4(qf[kk], sQ + warp * 16 * P + kk * 16 + a_off(lane, P));
+
+  float o[DT][4];  // f32 [16, HS] accumulator of this warp
+#pragma unroll
+  for (int t = 0; t < DT; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY};  // raw (unscaled) score maxima of rows g and g + 8
+  float row_sum[2] = {0.f, 0.f};              // this thread's partial sums of exp
+  const int g = lane >> 2, tig = lane & 3;
+  const int64_t qpos_r0 = p.q_pos0 + m0 + warp * 16 + g;  // global position of row g
+
+  for (int n = 0; n < n_tiles; ++n) {
+    if (n > 0) {
+      cp_async_wait_all();
+      __syncthreads();  // tile n landed; every warp is done with tile n - 1's buffer
+    }
+    if (n + 1 < n_tiles) {
+      const int64_t n1 = int64_t(n + 1) * BN;
+      const int buf = (n + 1) & 1;
+      load_rows<HS, P, NT>(sK + buf * BN * P, kg + n1 * p.kv_stride, p.kv_stride, BN, p.Tkv - n1, tid);
+      load_rows<HS, P, NT>(sV + buf * BN * P, vg + n1 * p.kv_stride, p.kv_stride, BN, p.Tkv - n1, tid);
+    }
+    cp_async_commit();
+    const bf16* cK = sK + (n & 1) * BN * P;
+    const bf16* cV = sV + (n & 1) * BN * P;
+
+    float s[NS][4];  // f32 [16, BN] scores
+#pragma unroll
+    for (int j = 0; j < NS; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < KT; ++kk) {
+#pragma unroll
+      for (int j2 = 0; j2 < NS / 2; ++j2) {
+        uint32_t bfr[4];
+        ldsm_x4(bfr, cK + j2 * 16 * P + kk * 16 + bnk_off(lane, P));
+        mma16816(s[2 * j2], qf[kk], bfr[0], bfr[1]);
+        mma16816(s[2 * j2 + 1], qf[kk], bfr[2], bfr[3]);
+      }
+    }
+
+    const int64_t n0 = int64_t(n) * BN;
+    const bool need_mask = n0 + BN > p.Tkv || (p.causal && p.kv_pos0 + n0 + BN - 1 > p.q_pos0 + m0);
+    if (need_mask) {
+#pragma unroll
+      for (int j = 0; j < NS; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int64_t key = n0 + j * 8 + tig * 2 + (e & 1);
+          const int64_t qpos = qpos_r0 + (e >> 1) * 8;
+          const bool ok = key < p.Tkv && (!p.causal || p.kv_pos0 + key <= qpos);
+          if (!ok) s[j][e] = -INFINITY;
+        }
+      }
+    }
+
+    // Online softmax: new maxima, rescale of the running sums and output, probabilities.
+    float mx[2] = {row_max[0], row_max[1]};
+#pragma unroll
+    for (int j = 0; j < NS; ++j) {
+      mx[0] = fmaxf(mx[0], fmaxf(s[j][0], s[j][1]));
+      mx[1] = fmaxf(mx[1], fmaxf(s[j][2], s[j][3]));
+    }
+    float msc[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+      msc[i] = mx[i] == -INFINITY ? 0.f : mx[i] * p.scale_log2;
+      const float alpha = fast_exp2(row_max[i] * p.scale_log2 - msc[i]);  // 0 while the row saw nothing
+      row_max[i] = mx[i];
+      row_sum[i] *= alpha;
+#pragma unroll
+      for (int t = 0; t < DT; ++t) {
+        o[t][2 * i] *= alpha;
+        o[t][2 * i + 1] *= alpha;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < NS; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[j][e] = fast_exp2(fmaf(s[j][e], p.scale_log2, -msc[e >> 1]));
+        row_sum[e >> 1] += s[j][e];
+      }
+    }
+
+    // O += P V, P taken from the score registers as bf16 A fragments.
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      const uint32_t a[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
+                             pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                             pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int t2 = 0; t2 < DT / 2; ++t2) {
+        uint32_t bfr[4];
+        ldsm_x4_t(bfr, cV + kk * 16 * P + t2 * 16 + bkn_off(lane, P));
+        mma16816(o[2 * t2], a, bfr[0], bfr[1]);
+        mma16816(o[2 * t2 + 1], a, bfr[2], bfr[3]);
+      }
+    }
+  }
+
+  // Normalise, write lse and stage O through this warp's rows of sQ for 16-byte stores.
+  float inv[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 1);
+    row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 2);
+    inv[i] = row_sum[i] > 0.f ? 1.f / row_sum[i] : 0.f;
+    const int64_t row = m0 + warp * 16 + g + i * 8;
+    if (tig == 0 && row < p.Tq) {
+      p.lse[bh * p.Tq + row] =
+          row_sum[i] > 0.f ? (row_max[i] * p.scale_log2 + __log2f(row_sum[i])) * kLn2 : -INFINITY;
+    }
+  }
+  bf16* sO = sQ + warp * 16 * P;  // only this warp ever read these rows
+#pragma unroll
+  for (int t = 0; t < DT; ++t) {
+    *reinterpret_cast<uint32_t*>(sO + g * P + t * 8 + tig * 2) = pack_bf16(o[t][0] * inv[0], o[t][1] * inv[0]);
+    *reinterpret_cast<uint32_t*>(sO + (g + 8) * P + t * 8 + tig * 2) =
+        pack_bf16(o[t][2] * inv[1], o[t][3] * inv[1]);
+  }
+  __syncwarp();
+  bf16* og = p.out + (b * p.Tq + m0 + warp * 16) * p.o_stride + h * HS;
+  for (int i = lane; i < 16 * (HS / 8); i += 32) {
+    const int r = i / (HS / 8), c = i % (HS / 8);
+    if (m0 + warp * 16 + r < p.Tq)
+      *reinterpret_cast<uint4*>(og + r * p.o_stride + c * 8) = *reinterpret_cast<const uint4*>(sO + r * P + c * 8);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward.
+
+// D[bh, t] = sum_d dout * out (f32), and zero the f32 dQ accumulator. One warp per (b, t, h) row.
+template <int HS>
+__global__ void attn_bwd_pre_kernel(float* dsum, float* dq_acc, const bf16* dout, const bf16* out, int64_t B,
+                                    int64_t NH, int64_t Tq, int64_t o_stride) {
+  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;  // over (bh, t)
+  const int lane = threadIdx.x % 32;
+  if (row >= B * NH * Tq) return;
+  const int64_t bh = row / Tq, t = row % Tq, b = bh / NH, h = bh % NH;
+  const bf16* dog = dout + (b * Tq + t) * o_stride + h * HS;
+  const bf16* og = out + (b * Tq + t) * o_stride + h * HS;
+  float acc = 0.f;
+#pragma unroll
+  for (int d = lane * 2; d < HS; d += 64) {
+    const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dog + d));
+    const float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(og + d));
+    acc = fmaf(x.x, y.x, fmaf(x.y, y.y, acc));
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (lane == 0) dsum[row] = acc;
+  float4* z = reinterpret_cast<float4*>(dq_acc + row * HS);
+  for (int i = lane; i < HS / 4; i += 32) z[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
+// dq (bf16, q_stride) = dq_acc * scale; one thread per 8 elements.
+template <int HS>
+__global__ void attn_bwd_dq_kernel(bf16* dq, const float* dq_acc, int64_t B, int64_t NH, int64_t Tq,
+                                   int64_t q_stride, float scale) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  constexpr int CH = HS / 8;
+  if (i >= B * NH * Tq * CH) return;
+  const int64_t row = i / CH, c = i % CH;
+  const int64_t bh = row / Tq, t = row % Tq, b = bh / NH, h = bh % NH;
+  const float4* src = reinterpret_cast<const float4*>(dq_acc + row * HS + c * 8);
+  const float4 x = src[0], y = src[1];
+  uint4 w;
+  w.x = pack_bf16(x.x * scale, x.y * scale);
+  w.y = pack_bf16(x.z * scale, x.w * scale);
+  w.z = pack_bf16(y.x * scale, y.y * scale);
+  w.w = pack_bf16(y.z * scale, y.w * scale);
+  *reinterpret_cast<uint4*>(dq + (b * Tq + t) * q_stride + h * HS + c * 8) = w;
+}
+
+template <int HS, int BM, int NW>
+constexpr int bwd_smem_bytes() {
+  return (2 * 16 * NW + 4 * BM) * (HS + 8) * int(sizeof(bf16)) + 16 * NW * (BM + 8) * int(sizeof(bf16)) +
+         4 * BM * int(sizeof(float));
+}
+
+// One block per (bh, tile of BN = 16 * NW keys); loops over tiles of BM queries.
+template <int HS, int BM, int NW>
+__global__ void __launch_bounds__(NW * 32, 1) attn_bwd_kernel(const BwdParams p) {
+  constexpr int BN = 16 * NW, P = HS + 8, PS = BM + 8, NT = NW * 32;
+  constexpr int KT = HS / 16, QS = BM / 8, DT = HS / 8;
+  constexpr int RG = BM / 16;  // 16-row groups of the dQ tile
+  static_assert(NW % RG == 0, "every warp takes one 16-row group and a slice of the head dimension");
+  constexpr int CS = NW / RG;  // head-dimension slices of the dQ tile
+  constexpr int DQT = DT / CS;  // n8 tiles of dQ per warp
+  static_assert(DQT % 2 == 0, "dQ slices are whole 16-column steps");
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* sK = reinterpret_cast<bf16*>(smem_raw);  // bf16 [BN][P]
+  bf16* sV = sK + BN * P;                        // bf16 [BN][P]
+  bf16* sQ = sV + BN * P;                        // bf16 [2][BM][P]
+  bf16* sdO = sQ + 2 * BM * P;                   // bf16 [2][BM][P]
+  bf16* sdS = sdO + 2 * BM * P;                  // bf16 [BN][PS]: dS^T of the current tile
+  float* sL = reinterpret_cast<float*>(sdS + BN * PS);  // f32 [2][BM]: lse * log2(e)
+  float* sD = sL + 2 * BM;                               // f32 [2][BM]: D
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane >> 2, tig = lane & 3;
+  const int64_t bh = blockIdx.x, b = bh / p.NH, h = bh % p.NH;
+  const int64_t n0 = int64_t(blockIdx.y) * BN;
+  const bf16* qg = p.q + b * p.Tq * p.q_stride + h * HS;
+  const bf16* dog = p.dout + b * p.Tq * p.o_stride + h * HS;
+  const float* lseg = p.lse + bh * p.Tq;
+  const float* dsg = p.dsum + bh * p.Tq;
+  float* dqg = p.dq_acc + bh * p.Tq * HS;
+
+  // First query that sees key n0.
+  int64_t q_begin = 0;
+  if (p.causal && p.kv_pos0 + n0 - p.q_pos0 > 0) q_begin = p.kv_pos0 + n0 - p.q_pos0;
+  const int m_first = int(q_begin / BM);
+  const int m_tiles = q_begin < p.Tq ? int((p.Tq + BM - 1) / BM) : m_first;
+
+  auto load_q_tile = [&](int m, int buf) {
+    const int64_t m0 = int64_t(m) * BM;
+    load_rows<HS, P, NT>(sQ + buf * BM * P, qg + m0 * p.q_stride, p.q_stride, BM, p.Tq - m0, tid);
+    load_rows<HS, P, NT>(sdO + buf * BM * P, dog + m0 * p.o_stride, p.o_stride, BM, p.Tq - m0, tid);
+    for (int i = tid; i < BM; i += NT) {
+      const bool ok = m0 + i < p.Tq;
+      sL[buf * BM + i] = ok ? lseg[m0 + i] * kLog2e : 0.f;
+      sD[buf * BM + i] = ok ? dsg[m0 + i] : 0.f;
+    }
+  };
+
+  load_rows<HS, P, NT>(sK, p.k + (b * p.Tkv + n0) * p.kv_stride + h * HS, p.kv_stride, BN, p.Tkv - n0, tid);
+  load_rows<HS, P, NT>(sV, p.v + (b * p.Tkv + n0) * p.kv_stride + h * HS, p.kv_stride, BN, p.Tkv - n0, tid);
+  if (m_first < m_tiles) load_q_tile(m_first, 0);
+  cp_async_commit();
+
+  float dk[DT][4], dv[DT][4];  // f32 [16, HS] accumulators of this warp's keys
+#pragma unroll
+  for (int t = 0; t < DT; ++t) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[t][e] = dv[t][e] = 0.f;
+  }
+  const int64_t key_r0 = n0 + warp * 16 + g;  // key index of row g of this warp
+
+  for (int m = m_first; m < m_tiles; ++m) {
+    const int cur = (m - m_first) & 1;
+    cp_async_wait_all();
+    __syncthreads();  // tile m landed; the previous tile's buffers and sdS are free
+    if (m + 1 < m_tiles) load_q_tile(m + 1, cur ^ 1);
+    cp_async_commit();
+    const bf16* cQ = sQ + cur * BM * P;
+    const bf16* cdO = sdO + cur * BM * P;
+    const float* cL = sL + cur * BM;
+    const float* cD = sD + cur * BM;
+    const int64_t m0 = int64_t(m) * BM;
+
+    // S^T = K Q^T for this warp's 16 keys: f32 [16, BM].
+    float s[QS][4];
+#pragma unroll
+    for (int j = 0; j < QS; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < KT; ++kk) {
+      uint32_t af[4];
+      ldsm_x4(af, sK + warp * 16 * P + kk * 16 + a_off(lane, P));
+#pragma unroll
+      for (int j2 = 0; j2 < QS / 2; ++j2) {
+        uint32_t bfr[4];
+        ldsm_x4(bfr, cQ + j2 * 16 * P + kk * 16 + bnk_off(lane, P));
+        mma16816(s[2 * j2], af, bfr[0], bfr[1]);
+        mma16816(s[2 * j2 + 1], af, bfr[2], bfr[3]);
+      }
+    }
+    // P^T = exp(S^T scale - lse[query]), zero where masked.
+    const bool need_mask =
+        m0 + BM > p.Tq || n0 + BN > p.Tkv || (p.causal && p.kv_pos0 + n0 + BN - 1 > p.q_pos0 + m0);
+#pragma unroll
+    for (int j = 0; j < QS; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = j * 8 + tig * 2 + (e & 1);
+        float pv = fast_exp2(fmaf(s[j][e], p.scale_log2, -cL[col]));
+        if (need_mask) {
+          const int64_t key = key_r0 + (e >> 1) * 8, qi = m0 + col;
+          const bool ok = qi < p.Tq && key < p.Tkv && (!p.causal || p.kv_pos0 + key <= p.q_pos0 + qi);
+          if (!ok) pv = 0.f;
+        }
+        s[j][e] = pv;
+      }
+    }
+    // dV += P^T dO.
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk) {
+      const uint32_t a[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
+                             pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                             pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int t2 = 0; t2 < DT / 2; ++t2) {
+        uint32_t bfr[4];
+        ldsm_x4_t(bfr, cdO + kk * 16 * P + t2 * 16 + bkn_off(lane, P));
+        mma16816(dv[2 * t2], a, bfr[0], bfr[1]);
+        mma16816(dv[2 * t2 + 1], a, bfr[2], bfr[3]);
+      }
+    }
+    // dP^T = V dO^T: f32 [16, BM]; then dS^T = P^T (dP^T - D[query]) in place of P^T.
+    {
+      float dp[QS][4];
+#pragma unroll
+      for (int j = 0; j < QS; ++j) dp[j][0] = dp[j][1] = dp[j][2] = dp[j][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < KT; ++kk) {
+        uint32_t af[4];
+        ldsm_x4(af, sV + warp * 16 * P + kk * 16 + a_off(lane, P));
+#pragma unroll
+        for (int j2 = 0; j2 < QS / 2; ++j2) {
+          uint32_t bfr[4];
+          ldsm_x4(bfr, cdO + j2 * 16 * P + kk * 16 + bnk_off(lane, P));
+          mma16816(dp[2 * j2], af, bfr[0], bfr[1]);
+          mma16816(dp[2 * j2 + 1], af, bfr[2], bfr[3]);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < QS; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[j][e] *= dp[j][e] - cD[j * 8 + tig * 2 + (e & 1)];
+      }
+    }
+    // dK += dS^T Q (scaled at the end), and dS^T to shared memory for dQ.
+    bf16* wdS = sdS + warp * 16 * PS;
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk) {
+      const uint32_t a[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
+                             pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                             pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      *reinterpret_cast<uint32_t*>(wdS + g * PS + kk * 16 + tig * 2) = a[0];
+      *reinterpret_cast<uint32_t*>(wdS + (g + 8) * PS + kk * 16 + tig * 2) = a[1];
+      *reinterpret_cast<uint32_t*>(wdS + g * PS + kk * 16 + 8 + tig * 2) = a[2];
+      *reinterpret_cast<uint32_t*>(wdS + (g + 8) * PS + kk * 16 + 8 + tig * 2) = a[3];
+#pragma unroll
+      for (int t2 = 0; t2 < DT / 2; ++t2) {
+        uint32_t bfr[4];
+        ldsm_x4_t(bfr, cQ + kk * 16 * P + t2 * 16 + bkn_off(lane, P));
+        mma16816(dk[2 * t2], a, bfr[0], bfr[1]);
+        mma16816(dk[2 * t2 + 1], a, bfr[2], bfr[3]);
+      }
+    }
+    __syncthreads();  // dS^T of every warp is in sdS
+
+    // dQ[rows of group rg, columns of slice cs] += dS K, accumulated into f32 global memory.
+    {
+      const int rg = warp % RG, cs = warp / RG;
+      float dq[DQT][4];
+#pragma unroll
+      for (int t = 0; t < DQT; ++t) dq[t][0] = dq[t][1] = dq[t][2] = dq[t][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        uint32_t af[4];
+        ldsm_x4_t(af, sdS + kk * 16 * PS + rg * 16 + at_off(lane, PS));
+#pragma unroll
+        for (int t2 = 0; t2 < DQT / 2; ++t2) {
+          uint32_t bfr[4];
+          ldsm_x4_t(bfr, sK + kk * 16 * P + cs * (HS / CS) + t2 * 16 + bkn_off(lane, P));
+          mma16816(dq[2 * t2], af, bfr[0], bfr[1]);
+          mma16816(dq[2 * t2 + 1], af, bfr[2], bfr[3]);
+        }
+      }
+      const int64_t r0 = m0 + rg * 16 + g;
+#pragma unroll
+      for (int t = 0; t < DQT; ++t) {
+        const int col = cs * (HS / CS) + t * 8 + tig * 2;
+        if (r0 < p.Tq) atomic_add2(dqg + r0 * HS + col, dq[t][0], dq[t][1]);
+        if (r0 + 8 < p.Tq) atomic_add2(dqg + (r0 + 8) * HS + col, dq[t][2], dq[t][3]);
+      }
+    }
+  }
+
+  // Write dK (scaled) and dV through this warp's rows of sK / sV.
+  cp_async_wait_all();
+  __syncthreads();  // every warp is done reading sK and sV
+  bf16* wK = sK + warp * 16 * P;
+  bf16* wV = sV + warp * 16 * P;
+#pragma unroll
+  for (int t = 0; t < DT; ++t) {
+    const int c = t * 8 + tig * 2;
+    *reinterpret_cast<uint32_t*>(wK + g * P + c) = pack_bf16(dk[t][0] * p.scale, dk[t][1] * p.scale);
+    *reinterpret_cast<uint32_t*>(wK + (g + 8) * P + c) = pack_bf16(dk[t][2] * p.scale, dk[t][3] * p.scale);
+    *reinterpret_cast<uint32_t*>(wV + g * P + c) = pack_bf16(dv[t][0], dv[t][1]);
+    *reinterpret_cast<uint32_t*>(wV + (g + 8) * P + c) = pack_bf16(dv[t][2], dv[t][3]);
+  }
+  __syncwarp();
+  const int64_t row0 = n0 + warp * 16;
+  bf16* dkg = p.dk + (b * p.Tkv + row0) * p.kv_stride + h * HS;
+  bf16* dvg = p.dv + (b * p.Tkv + row0) * p.kv_stride + h * HS;
+  for (int i = lane; i < 16 * (HS / 8); i += 32) {
+    const int r = i / (HS / 8), c = i % (HS / 8);
+    if (row0 + r < p.Tkv) {
+      *reinterpret_cast<uint4*>(dkg + r * p.kv_stride + c * 8) = *reinterpret_cast<const uint4*>(wK + r * P + c * 8);
+      *reinterpret_cast<uint4*>(dvg + r * p.kv_stride + c * 8) = *reinterpret_cast<const uint4*>(wV + r * P + c * 8);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Launchers.
+
+// Tile shapes per head size (forward: queries 16*NW x keys BN; backward: keys 16*NW x queries BM).
+template <int HS> struct Tiles;
+template <> struct Tiles<64> {
+  static constexpr int kFwdNW = 8, kFwdBN = 128;
+  static constexpr int kBwdNW = 8, kBwdBM = 64;
+};
+template <> struct Tiles<128> {
+  static constexpr int kFwdNW = 8, kFwdBN = 64;
+  static constexpr int kBwdNW = 4, kBwdBM = 32;
+};
+
+void check_args(const AttnArgs& a, const void* const* ptrs, int n_ptrs, const char* what) {
+  LOOM_CHECK(a.HS == 64 || a.HS == 128, "{}: head size HS = {} is not supported (64 or 128)", what, a.HS);
+  LOOM_CHECK(a.B >= 0 && a.NH >= 0 && a.Tq >= 0 && a.Tkv >= 0, "{}: negative size (B {}, NH {}, Tq {}, Tkv {})",
+             what, a.B, a.NH, a.Tq, a.Tkv);
+  const int64_t C = a.NH * a.HS;
+  LOOM_CHECK(a.q_stride >= C && a.kv_stride >= C && a.o_stride >= C,
+             "{}: row strides (q {}, kv {}, o {}) must be at least NH * HS = {}", what, a.q_stride, a.kv_stride,
+             a.o_stride, C);
+  LOOM_CHECK(a.q_stride % 8 == 0 && a.kv_stride % 8 == 0 && a.o_stride % 8 == 0,
+             "{}: row strides (q {}, kv {}, o {}) must be multiples of 8 elements (16-byte rows)", what, a.q_stride,
+             a.kv_stride, a.o_stride);
+  for (int i = 0; i < n_ptrs; ++i)
+    LOOM_CHECK(reinterpret_cast<uintptr_t>(ptrs[i]) % 16 == 0, "{}: tensor argument {} is not 16-byte aligned",
+               what, i);
+  LOOM_CHECK(a.B * a.NH <= int64_t(INT32_MAX), "{}: B * NH = {} is too large", what, a.B * a.NH);
+  LOOM_CHECK(a.scale >= 0.f && std::isfinite(a.scale), "{}: scale {} must be finite and >= 0", what, a.scale);
+}
+
+float resolve_scale(const AttnArgs& a) { return a.scale > 0.f ? a.scale : 1.f / std::sqrt(float(a.HS)); }
+
+template <int HS>
+void launch_fwd(const FwdParams& p, int64_t BNH, int64_t Tq, cudaStream_t stream) {
+  constexpr int NW = Tiles<HS>::kFwdNW, BN = Tiles<HS>::kFwdBN, BM = 16 * NW;
+  constexpr int smem = fwd_smem_bytes<HS, BN, NW>();
+  auto kernel = attn_fwd_kernel<HS, BN, NW>;
+  LOOM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const int64_t m_tiles = ceil_div(Tq, BM);
+  LOOM_CHECK(m_tiles <= 65535, "attention_forward: Tq = {} is too long", Tq);
+  kernel<<<dim3(unsigned(BNH), unsigned(m_tiles)), NW * 32, smem, stream>>>(p);
+  LOOM_CUDA_LAUNCH_CHECK();
+}
+
+template <int HS>
+void launch_bwd(const BwdParams& p, bf16* dq, float* dsum, float* dq_acc, const bf16* dout, const bf16* out,
+                int64_t B, int64_t o_stride, cudaStream_t stream) {
+  const int64_t rows = B * p.NH * p.Tq;
+  if (rows > 0) {
+    const int threads = 256;
+    attn_bwd_pre_kernel<HS><<<unsigned(ceil_div(rows * 32, threads)), threads, 0, stream>>>(
+        dsum, dq_acc, dout, out, B, p.NH, p.Tq, o_stride);
+    LOOM_CUDA_LAUNCH_CHECK();
+  }
+  if (p.Tkv > 0 && B * p.NH > 0) {
+    constexpr int NW = Tiles<HS>::kBwdNW, BM = Tiles<HS>::kBwdBM, BN = 16 * NW;
+    constexpr int smem = bwd_smem_bytes<HS, BM, NW>();
+    auto kernel = attn_bwd_kernel<HS, BM, NW>;
+    LOOM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    const int64_t n_tiles = ceil_div(p.Tkv, BN);
+    LOOM_CHECK(n_tiles <= 65535, "attention_backward: Tkv = {} is too long", p.Tkv);
+    kernel<<<dim3(unsigned(B * p.NH), unsigned(n_tiles)), NW * 32, smem, stream>>>(p);
+    LOOM_CUDA_LAUNCH_CHECK();
+  }
+  if (rows > 0) {
+    const int threads = 256;
+    attn_bwd_dq_kernel<HS><<<unsigned(ceil_div(rows * (HS / 8), threads)), threads, 0, stream>>>(
+        dq, dq_acc, B, p.NH, p.Tq, p.q_stride, p.scale);
+    LOOM_CUDA_LAUNCH_CHECK();
+  }
+}
+
+constexpr size_t kAlign = 256;
+size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+}  // namespace
+
+void attention_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, const AttnArgs& a,
+                       cudaStream_t stream) {
+  const void* ptrs[] = {out, q, k, v};
+  check_args(a, ptrs, 4, "attention_forward");
+  if (a.B * a.NH == 0 || a.Tq == 0) return;
+  LOOM_CHECK(reinterpret_cast<uintptr_t>(lse) % 4 == 0, "attention_forward: lse is not 4-byte aligned");
+  FwdParams p{out, lse, q, k, v, a.NH, a.Tq, a.Tkv, a.q_stride, a.kv_stride, a.o_stride, a.q_pos0, a.kv_pos0,
+              a.causal, resolve_scale(a) * kLog2e};
+  if (a.HS == 64)
+    launch_fwd<64>(p, a.B * a.NH, a.Tq, stream);
+  else
+    launch_fwd<128>(p, a.B * a.NH, a.Tq, stream);
+}
+
+size_t attention_backward_workspace_bytes(const AttnArgs& a) {
+  const size_t rows = size_t(a.B * a.NH * a.Tq);
+  return align_up(rows * sizeof(float)) + align_up(rows * size_t(a.HS) * sizeof(float));
+}
+
+void attention_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k, const bf16* v,
+                        const bf16* out, const float* lse, const AttnArgs& a, void* workspace, cudaStream_t stream) {
+  const void* ptrs[] = {dq, dk, dv, dout, q, k, v, out, workspace};
+  check_args(a, ptrs, 9, "attention_backward");
+  if (a.B * a.NH == 0) return;
+  const size_t rows = size_t(a.B * a.NH * a.Tq);
+  float* dsum = static_cast<float*>(workspace);  // f32 [B*NH, Tq]
+  float* dq_acc = reinterpret_cast<float*>(static_cast<char*>(workspace) + align_up(rows * sizeof(float)));
+  const float scale = resolve_scale(a);
+  BwdParams p{dk, dv, dq_acc, dsum, lse, q, k, v, dout, a.NH, a.Tq, a.Tkv, a.q_stride, a.kv_stride, a.o_stride,
+              a.q_pos0, a.kv_pos0, a.causal, scale, scale * kLog2e};
+  if (a.HS == 64)
+    launch_bwd<64>(p, dq, dsum, dq_acc, dout, out, a.B, a.o_stride, stream);
+  else
+    launch_bwd<128>(p, dq, dsum, dq_acc, dout, out, a.B, a.o_stride, stream);
+}
+
+}  // namespace loom::cuda
