@@ -1,0 +1,74 @@
+// The program the MPI tests launch under mpirun: runs the shared collective checks on the mpi
+// backend, or plays a failing rank (throws, is killed, hangs) so the tests can watch the others.
+//
+//   mpirun -n 3 test_comm_mpi_driver collectives --counts 0,1,7919
+//   mpirun -n 3 test_comm_mpi_driver throw --rank 1
+//   mpirun -n 3 test_comm_mpi_driver kill --rank 1
+//   mpirun -n 2 test_comm_mpi_driver hang --rank 1 --timeout-ms 2000
+#include <csignal>
+#include <cstdio>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "comm_util.h"
+#include "core/error.h"
+#ifdef LOOM_HAVE_MPI
+#include "comm/mpi_comm.h"
+#endif
+
+int main(int argc, char** argv) {
+  CLI::App app{"MPI test driver for loom's comm backends"};
+  app.require_subcommand(1);
+  app.fallthrough();  // --timeout-ms may follow the subcommand
+  std::vector<int64_t> counts{0, 1, 7919};
+  std::vector<std::string> dtypes{"f32", "bf16"};
+  uint64_t seed = 1;
+  int bad_rank = 1;
+  int64_t timeout_ms = 60000;
+  auto* coll = app.add_subcommand("collectives", "check every collective");
+  coll->add_option("--counts", counts, "element counts")->delimiter(',');
+  coll->add_option("--dtypes", dtypes, "f32, bf16")->delimiter(',');
+  coll->add_option("--seed", seed, "input seed");
+  auto* thr = app.add_subcommand("throw", "one rank throws while the others are in an all_reduce");
+  auto* kil = app.add_subcommand("kill", "one rank is killed while the others are in an all_reduce");
+  auto* hng = app.add_subcommand("hang", "one rank sleeps while the others wait in an all_reduce");
+  for (auto* s : {thr, kil, hng}) s->add_option("--rank", bad_rank, "the failing rank");
+  app.add_option("--timeout-ms", timeout_ms, "communicator timeout");
+  CLI11_PARSE(app, argc, argv);
+
+#ifndef LOOM_HAVE_MPI
+  std::fprintf(stderr, "mpi driver: loom was built without MPI\n");
+  return 77;
+#else
+  using namespace loom;
+  comm::CommOptions opts;
+  opts.timeout = std::chrono::milliseconds(timeout_ms);
+  return comm::run_mpi(&argc, &argv, [&](comm::Comm& c) {
+    if (coll->parsed()) {
+      comm::testing::CheckPlan plan;
+      plan.counts = counts;
+      plan.seed = seed;
+      plan.dtypes.clear();
+      for (auto& d : dtypes) {
+        LOOM_CHECK(d == "f32" || d == "bf16", "--dtypes: unknown dtype '{}'", d);
+        plan.dtypes.push_back(d == "f32" ? DType::f32 : DType::bf16);
+      }
+      comm::testing::check_collectives(c, plan);
+      if (c.rank() == 0) std::printf("collectives OK on %d ranks\n", c.size());
+      return;
+    }
+    std::vector<float> x(1000, 1.f);
+    c.all_reduce(x.data(), 1000, DType::f32);  // everybody is up
+    if (c.rank() == bad_rank) {
+      if (thr->parsed()) throw Error(fmt::format("rank {} raised on purpose", bad_rank));
+      if (kil->parsed()) std::raise(SIGKILL);
+      if (hng->parsed()) std::this_thread::sleep_for(std::chrono::seconds(120));
+    }
+    c.all_reduce(x.data(), 1000, DType::f32);
+    std::printf("rank %d passed the collective it should not have passed\n", c.rank());
+  }, opts);
+#endif
+}
