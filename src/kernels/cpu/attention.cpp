@@ -25,6 +25,12 @@
 
 #include "core/error.h"
 
+// Without AVX (a -march below x86-64-v3) GCC notes that 32-byte vectors change the ABI of the helpers
+// below; they are all internal to this file.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
 #if defined(__x86_64__) && defined(__FMA__)
 #include <immintrin.h>
 #define LOOM_ATTN_X86_FMA 1
@@ -76,11 +82,6 @@ inline v8f min_with(v8f hi, v8f x) {
 }
 inline float hsum(v8f v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
-inline float hmax(v8f v) {
-  float m = v[0];
-  for (int i = 1; i < 8; ++i) m = std::max(m, v[i]);
-  return m;
 }
 
 // e^x lane-wise, within ~2 ulp for x in [-87, 88]; 0 below -87 (so -inf gives 0), +inf saturates at
@@ -296,8 +297,9 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
   {
     // qt f32 [HS, qnp]: (q scale)^T; kall, vall f32 [Tkv, HSp]: K and V of the (b, h), packed as
     // needed; st f32 [kn, kTileQ]: scores^T, then probabilities^T; o f32 [qn, HSp]: unnormalised output
-    const auto [qt, kall, vall, st, o] =
+    const std::array<float*, 5> w =
         thread_buffers<5>(0, {HS * kTileQ, Tkv * HSp, Tkv * HSp, kTileK * kTileQ, kTileQ * HSp});
+    float *qt = w[0], *kall = w[1], *vall = w[2], *st = w[3], *o = w[4];
     alignas(32) float row_max[kTileQ], row_sum[kTileQ], alpha[kTileQ];  // per query
     const v8i iota{0, 1, 2, 3, 4, 5, 6, 7};
     const v8f neg_inf = splat(kNegInf), zero = splat(0.f);
@@ -423,9 +425,11 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
     // qall, doall f32 [Tq, HSp]: Q * scale and dO of the (b, h); dsum_bh f32 [Tq]: D = rowsum(dO * O);
     // p f32 [qn, kTileK]: probabilities; ds f32 [qn, kTileK]: dP, then dS; dkt, dvt f32 [kn, HSp]: dK
     // and dV of the key tile; dq_own f32 [Tq, HSp]: dQ of the (b, h) when G == 1
-    const auto [kt, vt, kp, qall, doall, dsum_bh, p, ds, dkt, dvt, dq_own] = thread_buffers<11>(
+    const std::array<float*, 11> w = thread_buffers<11>(
         0, {HS * kTileK, HS * kTileK, kTileK * HSp, Tq * HSp, Tq * HSp, Tq, kTileQ * kTileK, kTileQ * kTileK,
             kTileK * HSp, kTileK * HSp, G == 1 ? Tq * HSp : 0});
+    float *kt = w[0], *vt = w[1], *kp = w[2], *qall = w[3], *doall = w[4], *dsum_bh = w[5];
+    float *p = w[6], *ds = w[7], *dkt = w[8], *dvt = w[9], *dq_own = w[10];
     const v8i iota{0, 1, 2, 3, 4, 5, 6, 7};
 
 #pragma omp for schedule(dynamic, 1)
