@@ -57,8 +57,8 @@ struct HostBf16 {
 
 HostBf16 random_bf16(int64_t n, uint64_t seed, uint64_t stream, float lo, float hi) {
   HostBf16 h;
-  h.f32.resize{size_t(n)};
-  h.bits.resize{size_t(n)};
+  h.f32.resize(size_t(n));
+  h.bits.resize(size_t(n));
   loom::fill_uniform(h.f32.data(), n, lo, hi, seed, stream, 0);
   for (int64_t i = 0; i < n; ++i) {
     const loom::bf16 b = loom::f32_to_bf16(h.f32[size_t(i)]);
