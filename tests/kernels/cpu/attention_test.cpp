@@ -261,6 +261,12 @@ TEST(Attention, CausalOddShapes) {
     for (int64_t HS : {16, 64, 24}) check_against_reference({.B = 2, .NH = 3, .HS = HS, .Tq = T, .Tkv = T}, false, seed++);
 }
 
+// GPT-2 head size over several full tiles, with enough (b, h) pairs that one unit sums all of dQ.
+TEST(Attention, ManyHeadsFullTiles) {
+  ScopedThreads threads(2);
+  check_against_reference({.B = 3, .NH = 12, .HS = 64, .Tq = 192, .Tkv = 192, .packed = true}, false, 150);
+}
+
 TEST(Attention, PackedQkvAndPaddedStrides) {
   ScopedThreads threads(2);
   check_against_reference({.B = 2, .NH = 3, .HS = 24, .Tq = 33, .Tkv = 33, .packed = true}, false, 200);
