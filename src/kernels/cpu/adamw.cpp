@@ -7,12 +7,15 @@
 // (tests/kernels/cpu/adamw_torch_test.cpp).
 #include "kernels/cpu/adamw.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
 
 #include "core/error.h"
+#include "kernels/cpu/vec_math.h"
 
 namespace loom::cpu {
 
@@ -31,16 +34,42 @@ void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n
   const float neg_step_size = float(-(a.lr / (1.0 - std::pow(a.beta1, t))));
   const float eps = float(a.eps);
   const float gs = a.grad_scale;
-#pragma omp parallel for simd schedule(static) if (n >= (1 << 14))
-  for (int64_t i = 0; i < n; ++i) {
-    const float g = grad[i] * gs;
-    const float p = param[i] * decay;
-    const float mi = std::fma(g, one_minus_b1, m[i] * b1);
-    const float vi = std::fma(one_minus_b2 * g, g, v[i] * b2);
-    const float denom = std::sqrt(vi) / bc2_sqrt + eps;
-    m[i] = mi;
-    v[i] = vi;
-    param[i] = p + neg_step_size * mi / denom;
+  // Explicit AVX2: every multiply, add, fma, sqrt and divide below is exactly one rounding, so
+  // the compiler cannot fuse or split them differently from the order above.
+  constexpr int64_t kChunk = 4096;  // elements per work item, a multiple of 8
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  const __m256 vdecay = _mm256_set1_ps(decay), vb1 = _mm256_set1_ps(b1), v1mb1 = _mm256_set1_ps(one_minus_b1);
+  const __m256 vb2 = _mm256_set1_ps(b2), v1mb2 = _mm256_set1_ps(one_minus_b2), vbc2 = _mm256_set1_ps(bc2_sqrt);
+  const __m256 veps = _mm256_set1_ps(eps), vstep = _mm256_set1_ps(neg_step_size), vgs = _mm256_set1_ps(gs);
+  auto update8 = [&](__m256 p, __m256 g, __m256 m8, __m256 v8, __m256& p_out, __m256& m_out, __m256& v_out) {
+    g = _mm256_mul_ps(g, vgs);
+    p = _mm256_mul_ps(p, vdecay);
+    asm("" : "+x"(p));  // p * decay is rounded on its own (PyTorch's p.mul_), never fused into the add below
+    m_out = _mm256_fmadd_ps(g, v1mb1, _mm256_mul_ps(m8, vb1));
+    v_out = _mm256_fmadd_ps(_mm256_mul_ps(v1mb2, g), g, _mm256_mul_ps(v8, vb2));
+    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v_out), vbc2), veps);
+    p_out = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(vstep, m_out), denom));
+  };
+#pragma omp parallel for schedule(static) if (chunks > 1)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t i0 = c * kChunk, i1 = std::min(n, i0 + kChunk);
+    int64_t i = i0;
+    __m256 po, mo, vo;
+    for (; i + vec::kWidth <= i1; i += vec::kWidth) {
+      update8(_mm256_loadu_ps(param + i), _mm256_loadu_ps(grad + i), _mm256_loadu_ps(m + i), _mm256_loadu_ps(v + i), po,
+              mo, vo);
+      _mm256_storeu_ps(param + i, po);
+      _mm256_storeu_ps(m + i, mo);
+      _mm256_storeu_ps(v + i, vo);
+    }
+    if (i < i1) {
+      const int64_t r = i1 - i;
+      update8(vec::load_tail(param + i, r, 0.f), vec::load_tail(grad + i, r, 0.f), vec::load_tail(m + i, r, 0.f),
+              vec::load_tail(v + i, r, 0.f), po, mo, vo);
+      vec::store_tail(param + i, po, r);
+      vec::store_tail(m + i, mo, r);
+      vec::store_tail(v + i, vo, r);
+    }
   }
 }
 
