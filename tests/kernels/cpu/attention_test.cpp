@@ -312,6 +312,60 @@ TEST(Attention, AccumulateAddsToGradients) {
   check_against_reference({.B = 4, .NH = 12, .HS = 16, .Tq = 70, .Tkv = 70}, true, 603);
 }
 
+// Context parallelism splits the keys into blocks with their own kv_pos0: forward per block merged
+// through the log-sum-exp, and backward per block with the merged out and lse accumulating into dq,
+// must equal one call over all keys (f32 both ways: |err| <= 2e-6 + 1e-5 |full|).
+TEST(Attention, KeyBlocksComposeLikeOneCall) {
+  ScopedThreads threads(2);
+  const int64_t NH = 3, HS = 24, C = NH * HS, Tq = 70, Tkv = 150, split = 83;
+  AttnArgs full;
+  full.B = 1, full.NH = NH, full.HS = HS, full.Tq = Tq, full.Tkv = Tkv;
+  full.q_stride = full.kv_stride = full.o_stride = C;
+  full.q_pos0 = 80;  // queries at 80..149 against keys 0..149
+  const auto q = random_vec(Tq * C, 1100, -2.f, 2.f), k = random_vec(Tkv * C, 1101, -2.f, 2.f),
+             v = random_vec(Tkv * C, 1102), dout = random_vec(Tq * C, 1103);
+
+  std::vector<float> out(size_t(Tq * C)), lse(size_t(NH * Tq));
+  std::vector<float> dq(size_t(Tq * C)), dk(size_t(Tkv * C)), dv(size_t(Tkv * C));
+  cpu::attention_forward(out.data(), lse.data(), q.data(), k.data(), v.data(), full);
+  cpu::attention_backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(), out.data(),
+                          lse.data(), full);
+
+  // Blocks [0, split) and [split, Tkv).
+  AttnArgs blk[2] = {full, full};
+  blk[0].Tkv = split;
+  blk[1].Tkv = Tkv - split, blk[1].kv_pos0 = split;
+  const int64_t k0[2] = {0, split};
+  std::vector<float> bo[2], bl[2];
+  for (int i = 0; i < 2; ++i) {
+    bo[i].resize(out.size()), bl[i].resize(lse.size());
+    cpu::attention_forward(bo[i].data(), bl[i].data(), q.data(), k.data() + k0[i] * C, v.data() + k0[i] * C, blk[i]);
+  }
+  std::vector<float> mo(out.size()), ml(lse.size());
+  for (int64_t h = 0; h < NH; ++h)
+    for (int64_t t = 0; t < Tq; ++t) {
+      const float l0 = bl[0][size_t(h * Tq + t)], l1 = bl[1][size_t(h * Tq + t)];
+      const float m = std::max(l0, l1);
+      const float l = m + std::log(std::exp(l0 - m) + std::exp(l1 - m));
+      ml[size_t(h * Tq + t)] = l;
+      for (int64_t d = 0; d < HS; ++d) {
+        const size_t i = size_t(t * C + h * HS + d);
+        mo[i] = std::exp(l0 - l) * bo[0][i] + std::exp(l1 - l) * bo[1][i];
+      }
+    }
+  EXPECT_TRUE(all_close(mo, to_double(out), 2e-6, 1e-5)) << "merged out";
+  EXPECT_TRUE(all_close(ml, to_double(lse), 2e-6, 1e-5)) << "merged lse";
+
+  std::vector<float> bdq(dq.size(), 0.f), bdk(dk.size()), bdv(dv.size());
+  for (int i = 0; i < 2; ++i)
+    cpu::attention_backward(bdq.data(), bdk.data() + k0[i] * C, bdv.data() + k0[i] * C, dout.data(), q.data(),
+                            k.data() + k0[i] * C, v.data() + k0[i] * C, mo.data(), ml.data(), blk[i],
+                            /*accumulate=*/i == 1);
+  EXPECT_TRUE(all_close(bdq, to_double(dq), 2e-6, 1e-5)) << "dq";
+  EXPECT_TRUE(all_close(bdk, to_double(dk), 2e-6, 1e-5)) << "dk";
+  EXPECT_TRUE(all_close(bdv, to_double(dv), 2e-6, 1e-5)) << "dv";
+}
+
 TEST(Attention, EmptyKeyBlock) {
   const Problem p = make_problem({.B = 2, .NH = 3, .HS = 16, .Tq = 5, .Tkv = 0}, 700);
   const std::vector<float> dout = random_vec(p.o_size(), 701);
