@@ -6,8 +6,8 @@
 // elsewhere), 6 x 16 accumulators. Its B operand is always a tile packed contiguously with a width that
 // is a multiple of 8 (zero padding), so there is no remainder code in the inner loop.
 //
-// Threads: forward splits (b, h, query tile); backward splits (b, h, group of key tiles), each unit
-// owning the dK/dV of its key tiles. dQ of one (b, h) is summed by one unit when there are enough (b, h)
+// Threads: forward splits (b, h, set of query tiles); backward splits (b, h, group of key tiles), each
+// unit owning the dK/dV of its key tiles. dQ of one (b, h) is summed by one unit when there are enough (b, h)
 // pairs to keep the threads busy, otherwise per-group partials are added in a fixed order. Tile sizes
 // and groups depend on the shapes only, so results do not depend on the thread count.
 #include "kernels/cpu/attention.h"
@@ -209,8 +209,7 @@ std::array<float*, N> thread_buffers(int slot, const std::array<int64_t, N>& siz
   return out;
 }
 
-// The first/last tensor row of head h in batch b: element (b, t, h, d) is at
-// X[(b T + t) stride + h HS + d].
+// Rows of one head in a row-strided tensor: row t starts at p + t stride (p points at (b, t0, h, 0)).
 struct Rows {
   const float* p;
   int64_t stride;
@@ -292,7 +291,8 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
   const int64_t units = BNH * chunks;
 
   // The scores are kept transposed, s^T [keys, queries], so that the online softmax runs down the
-  // columns with eight queries per vector (no horizontal reductions), and q^T is packed once per unit.
+  // columns with eight queries per vector (no horizontal reductions); q^T is packed once per query
+  // tile and K, V once per unit.
 #pragma omp parallel
   {
     // qt f32 [HS, qnp]: (q scale)^T; kall, vall f32 [Tkv, HSp]: K and V of the (b, h), packed as
@@ -412,8 +412,9 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
   const float scale = resolve_scale(a);
   const int64_t nkt = (Tkv + kTileK - 1) / kTileK;
   // Key tiles of a (b, h) are dealt round-robin to G groups (balanced under the causal mask).
-  const int64_t G =
-      BNH >= kMinBackwardUnits ? 1 : std::clamp<int64_t>((kMinBackwardUnits + BNH - 1) / BNH, 1, std::max<int64_t>(nkt, 1));
+  const int64_t G = BNH >= kMinBackwardUnits
+                        ? 1
+                        : std::clamp<int64_t>((kMinBackwardUnits + BNH - 1) / BNH, 1, std::max<int64_t>(nkt, 1));
   const int64_t units = BNH * G;
 
   // With G > 1, each group's dQ goes to its own slice: f32 [G, B, NH, Tq, HSp].
@@ -459,8 +460,8 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
 
         for (int64_t q0 = qstart; q0 < Tq; q0 += kTileQ) {
           const int64_t qn = std::min(kTileQ, Tq - q0);
-          const float* qp = qall + q0 * HSp;   // f32 [qn, HSp]
-          const float* dop = doall + q0 * HSp; // f32 [qn, HSp]
+          const float* qp = qall + q0 * HSp;    // f32 [qn, HSp]
+          const float* dop = doall + q0 * HSp;  // f32 [qn, HSp]
           // Query i sees keys j <= i + last0. Blocks right of the band stay unwritten and are masked.
           const int64_t last0 = a.q_pos0 + q0 - a.kv_pos0 - k0;
           const Band s_band = a.causal ? Band{.col_hi = last0} : Band{};

@@ -258,7 +258,8 @@ TEST(Attention, CausalOddShapes) {
   ScopedThreads threads(2);
   uint64_t seed = 100;
   for (int64_t T : {1, 7, 33, 100})
-    for (int64_t HS : {16, 64, 24}) check_against_reference({.B = 2, .NH = 3, .HS = HS, .Tq = T, .Tkv = T}, false, seed++);
+    for (int64_t HS : {16, 64, 24})
+      check_against_reference({.B = 2, .NH = 3, .HS = HS, .Tq = T, .Tkv = T}, false, seed++);
 }
 
 // GPT-2 head size over several full tiles, with enough (b, h) pairs that one unit sums all of dQ.
