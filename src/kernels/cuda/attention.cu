@@ -129,17 +129,21 @@ __device__ __forceinline__ void load_rows(bf16* s, const bf16* g, int64_t stride
 // ---------------------------------------------------------------------------------------------
 // Forward.
 
-template <int HS, int BN, int NW>
+// Each of the NW warps owns MT 16-row query tiles (query tile BM = 16 * MT * NW). With MT = 1
+// the warp's Q fragments stay in registers; with MT = 2 they are re-read from shared memory at
+// each step, and every K/V fragment read from shared memory feeds twice as many mma.
+template <int HS, int BN, int NW, int MT>
 constexpr int fwd_smem_bytes() {
-  return (16 * NW + 4 * BN) * (HS + 8) * int(sizeof(bf16));
+  return (16 * MT * NW + 4 * BN) * (HS + 8) * int(sizeof(bf16));
 }
 
-template <int HS, int BN, int NW>
-__global__ void __launch_bounds__(NW * 32, 1) attn_fwd_kernel(const FwdParams p) {
-  constexpr int BM = 16 * NW, P = HS + 8, NT = NW * 32;
+template <int HS, int BN, int NW, int MT>
+__global__ void __launch_bounds__(NW * 32, MT == 1 ? 1 : 2) attn_fwd_kernel(const FwdParams p) {
+  constexpr int WM = 16 * MT, BM = WM * NW, P = HS + 8, NT = NW * 32;
   constexpr int KT = HS / 16;  // k16 steps over the head dimension
   constexpr int NS = BN / 8;   // n8 tiles of scores per key tile
   constexpr int DT = HS / 8;   // n8 tiles of the output
+  constexpr bool kQInRegs = MT == 1;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* sQ = reinterpret_cast<bf16*>(smem_raw);  // bf16 [BM][P]
   bf16* sK = sQ + BM * P;                        // bf16 [2][BN][P]
@@ -169,17 +173,25 @@ __global__ void __launch_bounds__(NW * 32, 1) attn_fwd_kernel(const FwdParams p)
   cp_async_wait_all();
   __syncthreads();
 
-  uint32_t qf[KT][4];  // bf16 Q fragments of this warp's 16 rows
+  const bf16* wQ = sQ + warp * WM * P;  // this warp's query rows
+  uint32_t qf[kQInRegs ? KT : 1][4];    // bf16 Q fragments (MT = 1 only)
+  if constexpr (kQInRegs) {
 #pragma unroll
-  for (int kk = 0; kk < KT; ++kk) ldsm_x4(qf[kk], sQ + warp * 16 * P + kk * 16 + a_off(lane, P));
+    for (int kk = 0; kk < KT; ++kk) ldsm_x4(qf[kk], wQ + kk * 16 + a_off(lane, P));
+  }
 
-  float o[DT][4];  // f32 [16, HS] accumulator of this warp
+  float o[MT][DT][4];  // f32 [WM, HS] accumulator of this warp
 #pragma unroll
-  for (int t = 0; t < DT; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
-  float row_max[2] = {-INFINITY, -INFINITY};  // raw (unscaled) score maxima of rows g and g + 8
-  float row_sum[2] = {0.f, 0.f};              // this thread's partial sums of exp
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int t = 0; t < DT; ++t) o[mt][t][0] = o[mt][t][1] = o[mt][t][2] = o[mt][t][3] = 0.f;
+  float row_max[MT][2], row_sum[MT][2];  // raw score maxima and partial exp sums of rows g, g + 8
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    row_max[mt][0] = row_max[mt][1] = -INFINITY;
+    row_sum[mt][0] = row_sum[mt][1] = 0.f;
+  }
   const int g = lane >> 2, tig = lane & 3;
-  const int64_t qpos_r0 = p.q_pos0 + m0 + warp * 16 + g;  // global position of row g
 
   for (int n = 0; n < n_tiles; ++n) {
     if (n > 0) {
@@ -196,107 +208,145 @@ __global__ void __launch_bounds__(NW * 32, 1) attn_fwd_kernel(const FwdParams p)
     const bf16* cK = sK + (n & 1) * BN * P;
     const bf16* cV = sV + (n & 1) * BN * P;
 
-    float s[NS][4];  // f32 [16, BN] scores
+    float s[MT][NS][4];  // f32 [WM, BN] scores
 #pragma unroll
-    for (int j = 0; j < NS; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int j = 0; j < NS; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < KT; ++kk) {
+      uint32_t af[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if constexpr (kQInRegs) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) af[mt][r] = qf[kk][r];
+        } else {
+          ldsm_x4(af[mt], wQ + mt * 16 * P + kk * 16 + a_off(lane, P));
+        }
+      }
 #pragma unroll
       for (int j2 = 0; j2 < NS / 2; ++j2) {
         uint32_t bfr[4];
         ldsm_x4(bfr, cK + j2 * 16 * P + kk * 16 + bnk_off(lane, P));
-        mma16816(s[2 * j2], qf[kk], bfr[0], bfr[1]);
-        mma16816(s[2 * j2 + 1], qf[kk], bfr[2], bfr[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma16816(s[mt][2 * j2], af[mt], bfr[0], bfr[1]);
+          mma16816(s[mt][2 * j2 + 1], af[mt], bfr[2], bfr[3]);
+        }
       }
     }
 
     const int64_t n0 = int64_t(n) * BN;
     const bool need_mask = n0 + BN > p.Tkv || (p.causal && p.kv_pos0 + n0 + BN - 1 > p.q_pos0 + m0);
     if (need_mask) {
+      // In tile-local 32-bit terms: key j visible to row r iff j < kv_left and j <= r + shift.
+      const int kv_left = p.Tkv - n0 < BN ? int(p.Tkv - n0) : BN;
+      int64_t shift64 = p.causal ? p.q_pos0 + m0 - p.kv_pos0 - n0 : int64_t(BN);
+      const int shift = int(shift64 < -BM ? -BM : (shift64 > BN ? BN : shift64));
+      const int row0 = warp * WM + g;
 #pragma unroll
-      for (int j = 0; j < NS; ++j) {
+      for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int64_t key = n0 + j * 8 + tig * 2 + (e & 1);
-          const int64_t qpos = qpos_r0 + (e >> 1) * 8;
-          const bool ok = key < p.Tkv && (!p.causal || p.kv_pos0 + key <= qpos);
-          if (!ok) s[j][e] = -INFINITY;
+        for (int j = 0; j < NS; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = j * 8 + tig * 2 + (e & 1);
+            const int row = row0 + mt * 16 + (e >> 1) * 8;
+            if (key >= kv_left || key > row + shift) s[mt][j][e] = -INFINITY;
+          }
         }
       }
     }
 
     // Online softmax: new maxima, rescale of the running sums and output, probabilities.
-    float mx[2] = {row_max[0], row_max[1]};
 #pragma unroll
-    for (int j = 0; j < NS; ++j) {
-      mx[0] = fmaxf(mx[0], fmaxf(s[j][0], s[j][1]));
-      mx[1] = fmaxf(mx[1], fmaxf(s[j][2], s[j][3]));
-    }
-    float msc[2];
+    for (int mt = 0; mt < MT; ++mt) {
+      float mx[2] = {row_max[mt][0], row_max[mt][1]};
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-      msc[i] = mx[i] == -INFINITY ? 0.f : mx[i] * p.scale_log2;
-      const float alpha = fast_exp2(row_max[i] * p.scale_log2 - msc[i]);  // 0 while the row saw nothing
-      row_max[i] = mx[i];
-      row_sum[i] *= alpha;
-#pragma unroll
-      for (int t = 0; t < DT; ++t) {
-        o[t][2 * i] *= alpha;
-        o[t][2 * i + 1] *= alpha;
+      for (int j = 0; j < NS; ++j) {
+        mx[0] = fmaxf(mx[0], fmaxf(s[mt][j][0], s[mt][j][1]));
+        mx[1] = fmaxf(mx[1], fmaxf(s[mt][j][2], s[mt][j][3]));
       }
-    }
+      float msc[2];
 #pragma unroll
-    for (int j = 0; j < NS; ++j) {
+      for (int i = 0; i < 2; ++i) {
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+        msc[i] = mx[i] == -INFINITY ? 0.f : mx[i] * p.scale_log2;
+        const float alpha = fast_exp2(row_max[mt][i] * p.scale_log2 - msc[i]);  // 0 while the row saw nothing
+        row_max[mt][i] = mx[i];
+        row_sum[mt][i] *= alpha;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[j][e] = fast_exp2(fmaf(s[j][e], p.scale_log2, -msc[e >> 1]));
-        row_sum[e >> 1] += s[j][e];
+        for (int t = 0; t < DT; ++t) {
+          o[mt][t][2 * i] *= alpha;
+          o[mt][t][2 * i + 1] *= alpha;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < NS; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[mt][j][e] = fast_exp2(fmaf(s[mt][j][e], p.scale_log2, -msc[e >> 1]));
+          row_sum[mt][e >> 1] += s[mt][j][e];
+        }
       }
     }
 
     // O += P V, P taken from the score registers as bf16 A fragments.
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
-      const uint32_t a[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
-                             pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                             pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        a[mt][0] = pack_bf16(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        a[mt][1] = pack_bf16(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        a[mt][2] = pack_bf16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        a[mt][3] = pack_bf16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+      }
 #pragma unroll
       for (int t2 = 0; t2 < DT / 2; ++t2) {
         uint32_t bfr[4];
         ldsm_x4_t(bfr, cV + kk * 16 * P + t2 * 16 + bkn_off(lane, P));
-        mma16816(o[2 * t2], a, bfr[0], bfr[1]);
-        mma16816(o[2 * t2 + 1], a, bfr[2], bfr[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma16816(o[mt][2 * t2], a[mt], bfr[0], bfr[1]);
+          mma16816(o[mt][2 * t2 + 1], a[mt], bfr[2], bfr[3]);
+        }
       }
     }
   }
 
   // Normalise, write lse and stage O through this warp's rows of sQ for 16-byte stores.
-  float inv[2];
+  __syncwarp();  // this warp's reads of its sQ rows are done
+  bf16* sO = sQ + warp * WM * P;  // only this warp ever reads these rows
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 1);
-    row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 2);
-    inv[i] = row_sum[i] > 0.f ? 1.f / row_sum[i] : 0.f;
-    const int64_t row = m0 + warp * 16 + g + i * 8;
-    if (tig == 0 && row < p.Tq) {
-      p.lse[bh * p.Tq + row] =
-          row_sum[i] > 0.f ? (row_max[i] * p.scale_log2 + __log2f(row_sum[i])) * kLn2 : -INFINITY;
+  for (int mt = 0; mt < MT; ++mt) {
+    float inv[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float sum = row_sum[mt][i];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      inv[i] = sum > 0.f ? 1.f / sum : 0.f;
+      const int64_t row = m0 + warp * WM + mt * 16 + g + i * 8;
+      if (tig == 0 && row < p.Tq) {
+        p.lse[bh * p.Tq + row] = sum > 0.f ? (row_max[mt][i] * p.scale_log2 + __log2f(sum)) * kLn2 : -INFINITY;
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < DT; ++t) {
+      *reinterpret_cast<uint32_t*>(sO + (mt * 16 + g) * P + t * 8 + tig * 2) =
+          pack_bf16(o[mt][t][0] * inv[0], o[mt][t][1] * inv[0]);
+      *reinterpret_cast<uint32_t*>(sO + (mt * 16 + g + 8) * P + t * 8 + tig * 2) =
+          pack_bf16(o[mt][t][2] * inv[1], o[mt][t][3] * inv[1]);
     }
   }
-  bf16* sO = sQ + warp * 16 * P;  // only this warp ever read these rows
-#pragma unroll
-  for (int t = 0; t < DT; ++t) {
-    *reinterpret_cast<uint32_t*>(sO + g * P + t * 8 + tig * 2) = pack_bf16(o[t][0] * inv[0], o[t][1] * inv[0]);
-    *reinterpret_cast<uint32_t*>(sO + (g + 8) * P + t * 8 + tig * 2) =
-        pack_bf16(o[t][2] * inv[1], o[t][3] * inv[1]);
-  }
   __syncwarp();
-  bf16* og = p.out + (b * p.Tq + m0 + warp * 16) * p.o_stride + h * HS;
-  for (int i = lane; i < 16 * (HS / 8); i += 32) {
+  bf16* og = p.out + (b * p.Tq + m0 + warp * WM) * p.o_stride + h * HS;
+  for (int i = lane; i < WM * (HS / 8); i += 32) {
     const int r = i / (HS / 8), c = i % (HS / 8);
-    if (m0 + warp * 16 + r < p.Tq)
+    if (m0 + warp * WM + r < p.Tq)
       *reinterpret_cast<uint4*>(og + r * p.o_stride + c * 8) = *reinterpret_cast<const uint4*>(sO + r * P + c * 8);
   }
 }
@@ -572,15 +622,29 @@ __global__ void __launch_bounds__(NW * 32, 1) attn_bwd_kernel(const BwdParams p)
 // ---------------------------------------------------------------------------------------------
 // Launchers.
 
-// Tile shapes per head size (forward: queries 16*NW x keys BN; backward: keys 16*NW x queries BM).
+// Tile shapes per head size (forward: queries 16*MT*NW x keys BN; backward: keys 16*NW x
+// queries BM). LOOM_FLASH_FWD_MT (1 or 2) overrides the forward's m16 tiles per warp and
+// LOOM_FLASH_FWD128_BN its key tile at HS = 128 (MT = 2), LOOM_FLASH_BWD128_NW the warps of the
+// HS = 128 backward: hooks for benchmarking tile shapes.
+#ifndef LOOM_FLASH_FWD_MT
+#define LOOM_FLASH_FWD_MT 2
+#endif
+#ifndef LOOM_FLASH_BWD128_NW
+#define LOOM_FLASH_BWD128_NW 8
+#endif
+#ifndef LOOM_FLASH_FWD128_BN
+#define LOOM_FLASH_FWD128_BN 64
+#endif
 template <int HS> struct Tiles;
 template <> struct Tiles<64> {
-  static constexpr int kFwdNW = 8, kFwdBN = 128;
+  static constexpr int kFwdMT = LOOM_FLASH_FWD_MT;
+  static constexpr int kFwdNW = kFwdMT == 1 ? 8 : 4, kFwdBN = kFwdMT == 1 ? 128 : 64;
   static constexpr int kBwdNW = 8, kBwdBM = 64;
 };
 template <> struct Tiles<128> {
-  static constexpr int kFwdNW = 8, kFwdBN = 64;
-  static constexpr int kBwdNW = 4, kBwdBM = 32;
+  static constexpr int kFwdMT = LOOM_FLASH_FWD_MT;
+  static constexpr int kFwdNW = kFwdMT == 1 ? 8 : 4, kFwdBN = kFwdMT == 1 ? 64 : LOOM_FLASH_FWD128_BN;
+  static constexpr int kBwdNW = LOOM_FLASH_BWD128_NW, kBwdBM = 32;
 };
 
 void check_args(const AttnArgs& a, const void* const* ptrs, int n_ptrs, const char* what) {
@@ -605,9 +669,9 @@ float resolve_scale(const AttnArgs& a) { return a.scale > 0.f ? a.scale : 1.f / 
 
 template <int HS>
 void launch_fwd(const FwdParams& p, int64_t BNH, int64_t Tq, cudaStream_t stream) {
-  constexpr int NW = Tiles<HS>::kFwdNW, BN = Tiles<HS>::kFwdBN, BM = 16 * NW;
-  constexpr int smem = fwd_smem_bytes<HS, BN, NW>();
-  auto kernel = attn_fwd_kernel<HS, BN, NW>;
+  constexpr int NW = Tiles<HS>::kFwdNW, BN = Tiles<HS>::kFwdBN, MT = Tiles<HS>::kFwdMT, BM = 16 * MT * NW;
+  constexpr int smem = fwd_smem_bytes<HS, BN, NW, MT>();
+  auto kernel = attn_fwd_kernel<HS, BN, NW, MT>;
   LOOM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const int64_t m_tiles = ceil_div(Tq, BM);
   LOOM_CHECK(m_tiles <= 65535, "attention_forward: Tq = {} is too long", Tq);

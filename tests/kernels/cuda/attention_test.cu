@@ -382,7 +382,7 @@ TEST(CudaAttention, ExplicitScaleAndShortSequence) {
   Case c{"hs128 causal scale=0.2 T=1030", 1, 1, 128, 1030, 1030, true};
   c.scale = 0.2f;
   run_case(c);
-  run_case({"hs64 causal T=5", 3, 1, 64, 5, 5, true});
+  run_case({"hs64 causal T=5", 3, 8, 64, 5, 5, true});
   Case one{"hs128 causal T=1", 2, 2, 128, 1, 1, true};
   one.zero_dqdk = true;
   run_case(one);
