@@ -19,13 +19,20 @@ struct AttnArgs {
   float scale = 0;                  // 0 means 1 / sqrt(HS)
 };
 
-// out bf16 (o_stride) = softmax(q k^T scale) v; lse f32 [B, NH, Tq].
+// Requirements (checked, loom::Error otherwise): HS 64 or 128; row strides at least NH * HS and
+// multiples of 8 elements; q, k, v, out, dout, dq, dk, dv and the workspace 16-byte aligned.
+// Causal mask: key position kv_pos0 + s is visible to query position q_pos0 + t iff
+// kv_pos0 + s <= q_pos0 + t. A query row with no visible key gets out = 0, lse = -inf, dq = 0.
+
+// out bf16 (o_stride) = softmax(q k^T scale) v; lse f32 [B, NH, Tq] (natural log of the row's
+// sum of exp of scaled scores). Deterministic.
 void attention_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
                        const AttnArgs& a, cudaStream_t stream);
 
-// dq, dk, dv bf16 (written), from dout, q, k, v, out, lse. `workspace` holds at least
-// attention_backward_workspace_bytes(a) bytes (f32 row terms D = rowsum(dout * out) and, where the
-// kernel needs it, an f32 dq accumulator).
+// dq (q_stride), dk, dv (kv_stride) bf16 (written), from dout (o_stride), q, k, v, out, lse.
+// `workspace` holds at least attention_backward_workspace_bytes(a) bytes: f32 D = rowsum(dout *
+// out) [B, NH, Tq] and the f32 dq accumulator [B, NH, Tq, HS] (dq is summed with atomics, so its
+// last bits may differ between runs; dk and dv are deterministic).
 size_t attention_backward_workspace_bytes(const AttnArgs& a);
 void attention_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k,
                         const bf16* v, const bf16* out, const float* lse, const AttnArgs& a, void* workspace,
