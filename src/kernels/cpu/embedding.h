@@ -4,7 +4,8 @@
 namespace loom::cpu {
 
 // out f32 [B, T, C] = wte[tokens[b, t]] + wpe[pos0 + t]; tokens i32 [B, T], wte f32 [V, C],
-// wpe f32 [maxT, C]. Token ids outside [0, V) throw loom::Error.
+// wpe f32 [maxT, C] with pos0 + T <= maxT, or null for no position table. Token ids outside
+// [0, V) throw loom::Error naming the index.
 void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe, int64_t B,
                        int64_t T, int64_t C, int64_t V, int64_t pos0 = 0);
 

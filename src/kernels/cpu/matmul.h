@@ -5,17 +5,20 @@
 namespace loom::cpu {
 
 // C[M, N] = alpha * op(A) @ op(B) + beta * C, row-major, op = transpose when trans_* is set.
-// A is [M, K] (or [K, M] when trans_a), B is [K, N] (or [N, K] when trans_b).
+// A is [M, K] (or [K, M] when trans_a), B is [K, N] (or [N, K] when trans_b). oneDNN's sgemm:
+// the ISA (AVX2, AVX-512) is chosen at run time; threads = the calling thread's OpenMP team.
+// Bitwise reproducible for a fixed team size (and, measured at GPT-2 shapes, for 1 vs 2 threads).
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
           int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
 
 // out f32 [M, N] = inp f32 [M, K] @ weight f32 [N, K]^T + bias f32 [N] (bias may be null).
+// The bias is written into out first and the GEMM accumulates onto it (beta = 1).
 void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t M,
                     int64_t K, int64_t N);
 
 // dinp [M, K] (= or += by accumulate_dinp) dout [M, N] @ weight [N, K];
 // dweight [N, K] += dout^T @ inp; dbias [N] += column sums of dout. Any of dinp, dweight, dbias
-// may be null to skip it.
+// may be null to skip it. dbias sums columns in a fixed order (thread-count independent).
 void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                      const float* weight, int64_t M, int64_t K, int64_t N, bool accumulate_dinp = false);
 

@@ -46,6 +46,15 @@ TEST(Gelu, ForwardAndBackwardMatchDoubleReference) {
   }
 }
 
+TEST(Gelu, ForwardInPlace) {
+  const int64_t n = 1001;
+  auto x = random_vec(n, 4, -4.f, 4.f);
+  std::vector<float> out(static_cast<size_t>(n));
+  cpu::gelu_forward(out.data(), x.data(), n);
+  cpu::gelu_forward(x.data(), x.data(), n);  // out aliases inp
+  EXPECT_EQ(out, x);
+}
+
 TEST(Gelu, BackwardInPlaceOverDout) {
   const int64_t n = 1001;
   auto x = random_vec(n, 5, -4.f, 4.f), dy = random_vec(n, 6);

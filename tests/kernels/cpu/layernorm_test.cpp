@@ -161,3 +161,13 @@ TEST(LayerNorm, ResultsIndependentOfThreadCount) {
   EXPECT_EQ(r1, run(2));
   EXPECT_EQ(r1, run(3));
 }
+
+TEST(LayerNorm, NullBiasAndNullStatistics) {
+  const int64_t N = 9, C = 45;
+  auto x = random_vec(N * C, 31), w = random_vec(C, 32);
+  std::vector<double> zero(static_cast<size_t>(C), 0.0);
+  RefForward rf = ref_forward(test::to_double(x), test::to_double(w), zero, N, C);
+  std::vector<float> out(static_cast<size_t>(N * C));
+  cpu::layernorm_forward(out.data(), nullptr, nullptr, x.data(), w.data(), nullptr, N, C, float(kEps));
+  EXPECT_TRUE(all_close(out, rf.out, 2e-6, 1e-6));
+}
