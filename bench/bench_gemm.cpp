@@ -136,7 +136,9 @@ __attribute__((target("avx512f"), noinline)) double fma_loop_avx512(int64_t iter
     for (int i = 0; i < 12; ++i) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
   __m512 s = acc[0];
   for (int i = 1; i < 12; ++i) s = _mm512_add_ps(s, acc[i]);
-  return double(_mm512_reduce_add_ps(s));
+  float out[16];
+  _mm512_storeu_ps(out, s);
+  return double(out[0]);
 }
 
 void bm_fma_peak(benchmark::State& state, bool avx512, int threads) {
