@@ -592,9 +592,13 @@ std::vector<std::pair<size_t, size_t>> Tokenizer::split_for_threads(std::string_
     const uint8_t cx = cls(x), cy = cls(y);
     if (cx == uint8_t(CharClass::kSpace) || cy == uint8_t(CharClass::kSpace) || cx == cy) return false;
     if (allow_special && special_max_len_ > 1) {
-      const size_t lo = b >= special_max_len_ ? b - special_max_len_ + 1 : 0;
-      const auto [at, id] = find_special(text.substr(0, b + special_max_len_), lo);
-      if (at < b && at + token(id).size() > b) return false;
+      const std::string_view near = text.substr(0, b + special_max_len_);
+      for (size_t from = b >= special_max_len_ ? b - special_max_len_ + 1 : 0;;) {
+        const auto [at, id] = find_special(near, from);
+        if (at >= b) break;
+        if (at + token(id).size() > b) return false;
+        from = at + 1;
+      }
     }
     return true;
   };

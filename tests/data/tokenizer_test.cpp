@@ -206,6 +206,26 @@ TEST(Gpt2, ReferenceIds) {
   }
 }
 
+TEST(Gpt2, HuggingFaceFileNames) {
+  REQUIRE_GPT2();
+  // Hugging Face ships the same vocabulary as vocab.json + merges.txt (its merges.txt header
+  // line differs).
+  const fs::path dir = fs::path(LOOM_BINARY_DIR) / "tokenizer_test_hf";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  fs::copy_file(kGpt2Dir + "/encoder.json", dir / "vocab.json");
+  std::ifstream in(kGpt2Dir + "/vocab.bpe", std::ios::binary);
+  std::string merges(std::istreambuf_iterator<char>(in), {});
+  merges = "#version: 0.2 - Trained by huggingface/tokenizers\n" + merges.substr(merges.find('\n') + 1);
+  std::ofstream(dir / "merges.txt", std::ios::binary) << merges;
+  const Tokenizer hf = Tokenizer::from_dir(dir.string());
+  EXPECT_EQ(hf.vocab_size(), 50257);
+  EXPECT_EQ(hf.num_merges(), 50000u);
+  const std::string text = "Hugging Face's tokenizers: the same 50,257 tokens.\n";
+  EXPECT_EQ(hf.encode(text), gpt2().encode(text));
+  fs::remove_all(dir);
+}
+
 TEST(Gpt2, SpecialTokens) {
   REQUIRE_GPT2();
   const Tokenizer& t = gpt2();
