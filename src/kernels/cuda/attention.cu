@@ -397,16 +397,18 @@ __global__ void attn_bwd_dq_kernel(bf16* dq, const float* dq_acc, int64_t B, int
   *reinterpret_cast<uint4*>(dq + (b * Tq + t) * q_stride + h * HS + c * 8) = w;
 }
 
-template <int HS, int BM, int NW>
+// Each of the NW warps owns KM 16-key tiles (key tile BN = 16 * KM * NW) whose dK and dV stay in
+// f32 registers; with KM = 2 every Q/dO fragment read from shared memory feeds two key tiles.
+template <int HS, int BM, int NW, int KM>
 constexpr int bwd_smem_bytes() {
-  return (2 * 16 * NW + 4 * BM) * (HS + 8) * int(sizeof(bf16)) + 16 * NW * (BM + 8) * int(sizeof(bf16)) +
-         4 * BM * int(sizeof(float));
+  return (2 * 16 * KM * NW + 4 * BM) * (HS + 8) * int(sizeof(bf16)) +
+         16 * KM * NW * (BM + 8) * int(sizeof(bf16)) + 4 * BM * int(sizeof(float));
 }
 
-// One block per (bh, tile of BN = 16 * NW keys); loops over tiles of BM queries.
-template <int HS, int BM, int NW>
-__global__ void __launch_bounds__(NW * 32, 1) attn_bwd_kernel(const BwdParams p) {
-  constexpr int BN = 16 * NW, P = HS + 8, PS = BM + 8, NT = NW * 32;
+// One block per (bh, tile of BN keys); loops over tiles of BM queries.
+template <int HS, int BM, int NW, int KM>
+__global__ void __launch_bounds__(NW * 32, KM == 1 ? 1 : 2) attn_bwd_kernel(const BwdParams p) {
+  constexpr int WN = 16 * KM, BN = WN * NW, P = HS + 8, PS = BM + 8, NT = NW * 32;
   constexpr int KT = HS / 16, QS = BM / 8, DT = HS / 8;
   constexpr int RG = BM / 16;  // 16-row groups of the dQ tile
   static_assert(NW % RG == 0, "every warp takes one 16-row group and a slice of the head dimension");
@@ -454,13 +456,15 @@ __global__ void __launch_bounds__(NW * 32, 1) attn_bwd_kernel(const BwdParams p)
   if (m_first < m_tiles) load_q_tile(m_first, 0);
   cp_async_commit();
 
-  float dk[DT][4], dv[DT][4];  // f32 [16, HS] accumulators of this warp's keys
+  float dk[KM][DT][4], dv[KM][DT][4];  // f32 [WN, HS] accumulators of this warp's keys
 #pragma unroll
-  for (int t = 0; t < DT; ++t) {
+  for (int km = 0; km < KM; ++km)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) dk[t][e] = dv[t][e] = 0.f;
-  }
-  const int64_t key_r0 = n0 + warp * 16 + g;  // key index of row g of this warp
+    for (int t = 0; t < DT; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dk[km][t][e] = dv[km][t][e] = 0.f;
+  const bf16* wK = sK + warp * WN * P;  // this warp's keys
+  const bf16* wV = sV + warp * WN * P;
 
   for (int m = m_first; m < m_tiles; ++m) {
     const int cur = (m - m_first) & 1;
@@ -474,93 +478,129 @@ __global__ void __launch_bounds__(NW * 32, 1) attn_bwd_kernel(const BwdParams p)
     const float* cD = sD + cur * BM;
     const int64_t m0 = int64_t(m) * BM;
 
-    // S^T = K Q^T for this warp's 16 keys: f32 [16, BM].
-    float s[QS][4];
+    // S^T = K Q^T for this warp's keys: f32 [WN, BM].
+    float s[KM][QS][4];
 #pragma unroll
-    for (int j = 0; j < QS; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+    for (int km = 0; km < KM; ++km)
+#pragma unroll
+      for (int j = 0; j < QS; ++j) s[km][j][0] = s[km][j][1] = s[km][j][2] = s[km][j][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < KT; ++kk) {
-      uint32_t af[4];
-      ldsm_x4(af, sK + warp * 16 * P + kk * 16 + a_off(lane, P));
+      uint32_t af[KM][4];
+#pragma unroll
+      for (int km = 0; km < KM; ++km) ldsm_x4(af[km], wK + km * 16 * P + kk * 16 + a_off(lane, P));
 #pragma unroll
       for (int j2 = 0; j2 < QS / 2; ++j2) {
         uint32_t bfr[4];
         ldsm_x4(bfr, cQ + j2 * 16 * P + kk * 16 + bnk_off(lane, P));
-        mma16816(s[2 * j2], af, bfr[0], bfr[1]);
-        mma16816(s[2 * j2 + 1], af, bfr[2], bfr[3]);
+#pragma unroll
+        for (int km = 0; km < KM; ++km) {
+          mma16816(s[km][2 * j2], af[km], bfr[0], bfr[1]);
+          mma16816(s[km][2 * j2 + 1], af[km], bfr[2], bfr[3]);
+        }
       }
     }
-    // P^T = exp(S^T scale - lse[query]), zero where masked.
+    // P^T = exp(S^T scale - lse[query]), zero where masked (tile-local 32-bit terms: key row r
+    // sees query column c iff r < kv_left, c < q_left and r <= c + shift).
     const bool need_mask =
         m0 + BM > p.Tq || n0 + BN > p.Tkv || (p.causal && p.kv_pos0 + n0 + BN - 1 > p.q_pos0 + m0);
+    const int q_left = p.Tq - m0 < BM ? int(p.Tq - m0) : BM;
+    const int kv_left = p.Tkv - n0 < BN ? int(p.Tkv - n0) : BN;
+    const int64_t shift64 = p.causal ? p.q_pos0 + m0 - p.kv_pos0 - n0 : int64_t(BN);
+    const int shift = int(shift64 < -BM ? -BM : (shift64 > BN ? BN : shift64));
 #pragma unroll
-    for (int j = 0; j < QS; ++j) {
+    for (int km = 0; km < KM; ++km) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = j * 8 + tig * 2 + (e & 1);
-        float pv = fast_exp2(fmaf(s[j][e], p.scale_log2, -cL[col]));
-        if (need_mask) {
-          const int64_t key = key_r0 + (e >> 1) * 8, qi = m0 + col;
-          const bool ok = qi < p.Tq && key < p.Tkv && (!p.causal || p.kv_pos0 + key <= p.q_pos0 + qi);
-          if (!ok) pv = 0.f;
+      for (int j = 0; j < QS; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = j * 8 + tig * 2 + (e & 1);
+          float pv = fast_exp2(fmaf(s[km][j][e], p.scale_log2, -cL[col]));
+          if (need_mask) {
+            const int row = warp * WN + km * 16 + g + (e >> 1) * 8;
+            if (col >= q_left || row >= kv_left || row > col + shift) pv = 0.f;
+          }
+          s[km][j][e] = pv;
         }
-        s[j][e] = pv;
       }
     }
     // dV += P^T dO.
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) {
-      const uint32_t a[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
-                             pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                             pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      uint32_t a[KM][4];
+#pragma unroll
+      for (int km = 0; km < KM; ++km) {
+        a[km][0] = pack_bf16(s[km][2 * kk][0], s[km][2 * kk][1]);
+        a[km][1] = pack_bf16(s[km][2 * kk][2], s[km][2 * kk][3]);
+        a[km][2] = pack_bf16(s[km][2 * kk + 1][0], s[km][2 * kk + 1][1]);
+        a[km][3] = pack_bf16(s[km][2 * kk + 1][2], s[km][2 * kk + 1][3]);
+      }
 #pragma unroll
       for (int t2 = 0; t2 < DT / 2; ++t2) {
         uint32_t bfr[4];
         ldsm_x4_t(bfr, cdO + kk * 16 * P + t2 * 16 + bkn_off(lane, P));
-        mma16816(dv[2 * t2], a, bfr[0], bfr[1]);
-        mma16816(dv[2 * t2 + 1], a, bfr[2], bfr[3]);
+#pragma unroll
+        for (int km = 0; km < KM; ++km) {
+          mma16816(dv[km][2 * t2], a[km], bfr[0], bfr[1]);
+          mma16816(dv[km][2 * t2 + 1], a[km], bfr[2], bfr[3]);
+        }
       }
     }
-    // dP^T = V dO^T: f32 [16, BM]; then dS^T = P^T (dP^T - D[query]) in place of P^T.
+    // dP^T = V dO^T: f32 [WN, BM]; then dS^T = P^T (dP^T - D[query]) in place of P^T.
     {
-      float dp[QS][4];
+      float dp[KM][QS][4];
 #pragma unroll
-      for (int j = 0; j < QS; ++j) dp[j][0] = dp[j][1] = dp[j][2] = dp[j][3] = 0.f;
+      for (int km = 0; km < KM; ++km)
+#pragma unroll
+        for (int j = 0; j < QS; ++j) dp[km][j][0] = dp[km][j][1] = dp[km][j][2] = dp[km][j][3] = 0.f;
 #pragma unroll
       for (int kk = 0; kk < KT; ++kk) {
-        uint32_t af[4];
-        ldsm_x4(af, sV + warp * 16 * P + kk * 16 + a_off(lane, P));
+        uint32_t af[KM][4];
+#pragma unroll
+        for (int km = 0; km < KM; ++km) ldsm_x4(af[km], wV + km * 16 * P + kk * 16 + a_off(lane, P));
 #pragma unroll
         for (int j2 = 0; j2 < QS / 2; ++j2) {
           uint32_t bfr[4];
           ldsm_x4(bfr, cdO + j2 * 16 * P + kk * 16 + bnk_off(lane, P));
-          mma16816(dp[2 * j2], af, bfr[0], bfr[1]);
-          mma16816(dp[2 * j2 + 1], af, bfr[2], bfr[3]);
+#pragma unroll
+          for (int km = 0; km < KM; ++km) {
+            mma16816(dp[km][2 * j2], af[km], bfr[0], bfr[1]);
+            mma16816(dp[km][2 * j2 + 1], af[km], bfr[2], bfr[3]);
+          }
         }
       }
 #pragma unroll
-      for (int j = 0; j < QS; ++j) {
+      for (int km = 0; km < KM; ++km)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[j][e] *= dp[j][e] - cD[j * 8 + tig * 2 + (e & 1)];
-      }
+        for (int j = 0; j < QS; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[km][j][e] *= dp[km][j][e] - cD[j * 8 + tig * 2 + (e & 1)];
     }
     // dK += dS^T Q (scaled at the end), and dS^T to shared memory for dQ.
-    bf16* wdS = sdS + warp * 16 * PS;
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) {
-      const uint32_t a[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
-                             pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                             pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-      *reinterpret_cast<uint32_t*>(wdS + g * PS + kk * 16 + tig * 2) = a[0];
-      *reinterpret_cast<uint32_t*>(wdS + (g + 8) * PS + kk * 16 + tig * 2) = a[1];
-      *reinterpret_cast<uint32_t*>(wdS + g * PS + kk * 16 + 8 + tig * 2) = a[2];
-      *reinterpret_cast<uint32_t*>(wdS + (g + 8) * PS + kk * 16 + 8 + tig * 2) = a[3];
+      uint32_t a[KM][4];
+#pragma unroll
+      for (int km = 0; km < KM; ++km) {
+        a[km][0] = pack_bf16(s[km][2 * kk][0], s[km][2 * kk][1]);
+        a[km][1] = pack_bf16(s[km][2 * kk][2], s[km][2 * kk][3]);
+        a[km][2] = pack_bf16(s[km][2 * kk + 1][0], s[km][2 * kk + 1][1]);
+        a[km][3] = pack_bf16(s[km][2 * kk + 1][2], s[km][2 * kk + 1][3]);
+        bf16* wdS = sdS + (warp * WN + km * 16) * PS + kk * 16 + tig * 2;
+        *reinterpret_cast<uint32_t*>(wdS + g * PS) = a[km][0];
+        *reinterpret_cast<uint32_t*>(wdS + (g + 8) * PS) = a[km][1];
+        *reinterpret_cast<uint32_t*>(wdS + g * PS + 8) = a[km][2];
+        *reinterpret_cast<uint32_t*>(wdS + (g + 8) * PS + 8) = a[km][3];
+      }
 #pragma unroll
       for (int t2 = 0; t2 < DT / 2; ++t2) {
         uint32_t bfr[4];
         ldsm_x4_t(bfr, cQ + kk * 16 * P + t2 * 16 + bkn_off(lane, P));
-        mma16816(dk[2 * t2], a, bfr[0], bfr[1]);
-        mma16816(dk[2 * t2 + 1], a, bfr[2], bfr[3]);
+#pragma unroll
+        for (int km = 0; km < KM; ++km) {
+          mma16816(dk[km][2 * t2], a[km], bfr[0], bfr[1]);
+          mma16816(dk[km][2 * t2 + 1], a[km], bfr[2], bfr[3]);
+        }
       }
     }
     __syncthreads();  // dS^T of every warp is in sdS
@@ -596,25 +636,28 @@ __global__ void __launch_bounds__(NW * 32, 1) attn_bwd_kernel(const BwdParams p)
   // Write dK (scaled) and dV through this warp's rows of sK / sV.
   cp_async_wait_all();
   __syncthreads();  // every warp is done reading sK and sV
-  bf16* wK = sK + warp * 16 * P;
-  bf16* wV = sV + warp * 16 * P;
+  bf16* oK = sK + warp * WN * P;
+  bf16* oV = sV + warp * WN * P;
 #pragma unroll
-  for (int t = 0; t < DT; ++t) {
-    const int c = t * 8 + tig * 2;
-    *reinterpret_cast<uint32_t*>(wK + g * P + c) = pack_bf16(dk[t][0] * p.scale, dk[t][1] * p.scale);
-    *reinterpret_cast<uint32_t*>(wK + (g + 8) * P + c) = pack_bf16(dk[t][2] * p.scale, dk[t][3] * p.scale);
-    *reinterpret_cast<uint32_t*>(wV + g * P + c) = pack_bf16(dv[t][0], dv[t][1]);
-    *reinterpret_cast<uint32_t*>(wV + (g + 8) * P + c) = pack_bf16(dv[t][2], dv[t][3]);
+  for (int km = 0; km < KM; ++km) {
+#pragma unroll
+    for (int t = 0; t < DT; ++t) {
+      const int c = t * 8 + tig * 2, r = km * 16 + g;
+      *reinterpret_cast<uint32_t*>(oK + r * P + c) = pack_bf16(dk[km][t][0] * p.scale, dk[km][t][1] * p.scale);
+      *reinterpret_cast<uint32_t*>(oK + (r + 8) * P + c) = pack_bf16(dk[km][t][2] * p.scale, dk[km][t][3] * p.scale);
+      *reinterpret_cast<uint32_t*>(oV + r * P + c) = pack_bf16(dv[km][t][0], dv[km][t][1]);
+      *reinterpret_cast<uint32_t*>(oV + (r + 8) * P + c) = pack_bf16(dv[km][t][2], dv[km][t][3]);
+    }
   }
   __syncwarp();
-  const int64_t row0 = n0 + warp * 16;
+  const int64_t row0 = n0 + warp * WN;
   bf16* dkg = p.dk + (b * p.Tkv + row0) * p.kv_stride + h * HS;
   bf16* dvg = p.dv + (b * p.Tkv + row0) * p.kv_stride + h * HS;
-  for (int i = lane; i < 16 * (HS / 8); i += 32) {
+  for (int i = lane; i < WN * (HS / 8); i += 32) {
     const int r = i / (HS / 8), c = i % (HS / 8);
     if (row0 + r < p.Tkv) {
-      *reinterpret_cast<uint4*>(dkg + r * p.kv_stride + c * 8) = *reinterpret_cast<const uint4*>(wK + r * P + c * 8);
-      *reinterpret_cast<uint4*>(dvg + r * p.kv_stride + c * 8) = *reinterpret_cast<const uint4*>(wV + r * P + c * 8);
+      *reinterpret_cast<uint4*>(dkg + r * p.kv_stride + c * 8) = *reinterpret_cast<const uint4*>(oK + r * P + c * 8);
+      *reinterpret_cast<uint4*>(dvg + r * p.kv_stride + c * 8) = *reinterpret_cast<const uint4*>(oV + r * P + c * 8);
     }
   }
 }
@@ -622,10 +665,11 @@ __global__ void __launch_bounds__(NW * 32, 1) attn_bwd_kernel(const BwdParams p)
 // ---------------------------------------------------------------------------------------------
 // Launchers.
 
-// Tile shapes per head size (forward: queries 16*MT*NW x keys BN; backward: keys 16*NW x
+// Tile shapes per head size (forward: queries 16*MT*NW x keys BN; backward: keys 16*KM*NW x
 // queries BM). LOOM_FLASH_FWD_MT (1 or 2) overrides the forward's m16 tiles per warp and
 // LOOM_FLASH_FWD128_BN its key tile at HS = 128 (MT = 2), LOOM_FLASH_BWD128_NW the warps of the
-// HS = 128 backward: hooks for benchmarking tile shapes.
+// HS = 128 backward, LOOM_FLASH_BWD64_KM (1 or 2) the HS = 64 backward's 16-key tiles per
+// warp: hooks for benchmarking tile shapes.
 #ifndef LOOM_FLASH_FWD_MT
 #define LOOM_FLASH_FWD_MT 2
 #endif
@@ -635,16 +679,20 @@ __global__ void __launch_bounds__(NW * 32, 1) attn_bwd_kernel(const BwdParams p)
 #ifndef LOOM_FLASH_FWD128_BN
 #define LOOM_FLASH_FWD128_BN 64
 #endif
+#ifndef LOOM_FLASH_BWD64_KM
+#define LOOM_FLASH_BWD64_KM 2
+#endif
 template <int HS> struct Tiles;
 template <> struct Tiles<64> {
   static constexpr int kFwdMT = LOOM_FLASH_FWD_MT;
   static constexpr int kFwdNW = kFwdMT == 1 ? 8 : 4, kFwdBN = kFwdMT == 1 ? 128 : 64;
-  static constexpr int kBwdNW = 8, kBwdBM = 64;
+  static constexpr int kBwdKM = LOOM_FLASH_BWD64_KM;
+  static constexpr int kBwdNW = kBwdKM == 1 ? 8 : 4, kBwdBM = kBwdKM == 1 ? 64 : 32;
 };
 template <> struct Tiles<128> {
   static constexpr int kFwdMT = LOOM_FLASH_FWD_MT;
   static constexpr int kFwdNW = kFwdMT == 1 ? 8 : 4, kFwdBN = kFwdMT == 1 ? 64 : LOOM_FLASH_FWD128_BN;
-  static constexpr int kBwdNW = LOOM_FLASH_BWD128_NW, kBwdBM = 32;
+  static constexpr int kBwdKM = 1, kBwdNW = LOOM_FLASH_BWD128_NW, kBwdBM = 32;
 };
 
 void check_args(const AttnArgs& a, const void* const* ptrs, int n_ptrs, const char* what) {
@@ -690,9 +738,9 @@ void launch_bwd(const BwdParams& p, bf16* dq, float* dsum, float* dq_acc, const 
     LOOM_CUDA_LAUNCH_CHECK();
   }
   if (p.Tkv > 0 && B * p.NH > 0) {
-    constexpr int NW = Tiles<HS>::kBwdNW, BM = Tiles<HS>::kBwdBM, BN = 16 * NW;
-    constexpr int smem = bwd_smem_bytes<HS, BM, NW>();
-    auto kernel = attn_bwd_kernel<HS, BM, NW>;
+    constexpr int NW = Tiles<HS>::kBwdNW, BM = Tiles<HS>::kBwdBM, KM = Tiles<HS>::kBwdKM, BN = 16 * KM * NW;
+    constexpr int smem = bwd_smem_bytes<HS, BM, NW, KM>();
+    auto kernel = attn_bwd_kernel<HS, BM, NW, KM>;
     LOOM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const int64_t n_tiles = ceil_div(p.Tkv, BN);
     LOOM_CHECK(n_tiles <= 65535, "attention_backward: Tkv = {} is too long", p.Tkv);
