@@ -1,0 +1,113 @@
+// loom prepare: text files -> a tokenizer (GPT-2's, or one trained on the text) and token shards
+// train_*.bin / val_*.bin for `loom train`.
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <iterator>
+#include <sstream>
+
+#include "cli/command.h"
+#include "core/error.h"
+#include "data/bpe_train.h"
+#include "data/shard.h"
+#include "data/tokenizer.h"
+
+namespace fs = std::filesystem;
+
+namespace loom::cli {
+namespace {
+
+struct PrepareArgs {
+  std::vector<std::string> inputs;
+  std::string out;
+  std::string tokenizer;
+  int64_t vocab_size = 4096;
+  double val_fraction = 0.05;
+  int64_t shard_tokens = 100'000'000;
+};
+
+std::string read_input(const std::string& path) {
+  if (path == "-") {
+    std::ostringstream ss;
+    ss << std::cin.rdbuf();
+    return ss.str();
+  }
+  std::ifstream f(path, std::ios::binary);
+  LOOM_CHECK(f.good(), "{}: cannot read input text", path);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
+void write_split(const std::string& dir, const std::string& split, const std::vector<uint32_t>& toks, size_t begin,
+                 size_t end, int64_t per_shard, uint32_t vocab) {
+  int idx = 0;
+  for (size_t s = begin; s < end || (s == begin && begin == end); s += size_t(per_shard)) {
+    size_t e = std::min(end, s + size_t(per_shard));
+    std::string path = (fs::path(dir) / fmt::format("{}_{:03d}.bin", split, idx++)).string();
+    data::write_shard(path, std::span<const uint32_t>(toks.data() + s, e - s), vocab);
+    std::printf("  wrote %s (%zu tokens)\n", path.c_str(), e - s);
+    if (begin == end) break;
+  }
+}
+
+Registrar reg{Command{
+    "prepare", "tokenise text files into train/val token shards (training a BPE vocabulary unless --tokenizer)",
+    [](CLI::App& sub) -> std::function<int()> {
+      auto a = std::make_shared<PrepareArgs>();
+      sub.add_option("inputs", a->inputs, "text files ('-' reads standard input)")->required();
+      sub.add_option("--out", a->out, "output directory for shards (and the trained vocabulary)")->required();
+      sub.add_option("--tokenizer", a->tokenizer, "directory with encoder.json + vocab.bpe to use as is (e.g. GPT-2's)");
+      sub.add_option("--vocab-size", a->vocab_size, "size of the vocabulary to train when no --tokenizer is given")
+          ->check(CLI::Range(257, 1 << 24));
+      sub.add_option("--val-fraction", a->val_fraction, "fraction of the tokens (the end of the text) kept for validation")
+          ->check(CLI::Range(0.0, 0.5));
+      sub.add_option("--shard-tokens", a->shard_tokens, "tokens per shard file")->check(CLI::Range(int64_t(1), int64_t(1) << 40));
+      return [a]() -> int {
+        fs::create_directories(a->out);
+        std::vector<std::string> texts;
+        size_t bytes = 0;
+        for (const auto& in : a->inputs) {
+          texts.push_back(read_input(in));
+          bytes += texts.back().size();
+        }
+        LOOM_CHECK(bytes > 0, "{}: the input holds no text", a->inputs.front());
+        std::unique_ptr<data::Tokenizer> tok;
+        if (!a->tokenizer.empty()) {
+          tok = std::make_unique<data::Tokenizer>(data::Tokenizer::from_dir(a->tokenizer));
+          std::printf("tokenizer: %s (%d tokens)\n", a->tokenizer.c_str(), tok->vocab_size());
+        } else {
+          data::TrainOptions to;
+          to.vocab_size = int32_t(a->vocab_size);
+          data::BpeTrainer trainer(to);
+          for (const auto& t : texts) trainer.add_text(t);
+          tok = std::make_unique<data::Tokenizer>(trainer.train());
+          tok->save(a->out);
+          std::printf("trained a byte-level BPE vocabulary of %d tokens on %zu bytes -> %s/{encoder.json,vocab.bpe}\n",
+                      tok->vocab_size(), bytes, a->out.c_str());
+        }
+        // Documents (input files) are separated by <|endoftext|> when the vocabulary has it.
+        int32_t eot = tok->find("<|endoftext|>");
+        std::vector<uint32_t> toks;
+        for (size_t i = 0; i < texts.size(); ++i) {
+          data::EncodeOptions eo;
+          eo.threads = 2;
+          for (int32_t t : tok->encode(texts[i], eo)) toks.push_back(uint32_t(t));
+          if (eot >= 0 && tok->is_special(eot)) toks.push_back(uint32_t(eot));
+        }
+        size_t n_val = size_t(double(toks.size()) * a->val_fraction);
+        size_t n_train = toks.size() - n_val;
+        std::printf("%zu bytes -> %zu tokens (%.2f bytes/token); train %zu, val %zu\n", bytes, toks.size(),
+                    double(bytes) / double(toks.size()), n_train, n_val);
+        for (auto& e : fs::directory_iterator(a->out)) {  // stale shards of an earlier run
+          std::string n = e.path().filename().string();
+          if ((n.rfind("train_", 0) == 0 || n.rfind("val_", 0) == 0) && e.path().extension() == ".bin") fs::remove(e.path());
+        }
+        uint32_t vocab = uint32_t(tok->vocab_size());
+        write_split(a->out, "train", toks, 0, n_train, a->shard_tokens, vocab);
+        if (n_val) write_split(a->out, "val", toks, n_train, toks.size(), a->shard_tokens, vocab);
+        return 0;
+      };
+    }}};
+
+}  // namespace
+}  // namespace loom::cli

@@ -1,0 +1,59 @@
+// loom train CONFIG.toml [--section.field value ...] [--resume]
+#include <cstdio>
+
+#include "cli/command.h"
+#include "core/error.h"
+#include "train/config.h"
+#include "train/trainer.h"
+
+namespace loom::cli {
+namespace {
+
+struct TrainArgs {
+  std::string config;
+  bool resume = false;
+  bool help_config = false;
+  bool quiet = false;
+};
+
+Registrar reg{Command{
+    "train", "train a GPT from token shards (every config field can be overridden: --optim.lr 3e-4)",
+    [](CLI::App& sub) -> std::function<int()> {
+      auto a = std::make_shared<TrainArgs>();
+      sub.footer("Arguments: [CONFIG.toml] [--section.field VALUE | --section.field=VALUE]...\n"
+                 "The TOML file is optional: defaults and overrides alone work.");
+      sub.add_flag("--resume", a->resume, "continue from OUT_DIR/latest, bit-identically");
+      sub.add_flag("--help-config", a->help_config, "list every config field with its type and default");
+      sub.add_flag("--quiet", a->quiet, "no progress lines");
+      sub.allow_extras();
+      return [a, &sub]() -> int {
+        if (a->help_config) {
+          for (const auto& f : train::config_fields())
+            std::printf("--%-26s %-6s %-14s %s\n", f.key.c_str(), f.type.c_str(), f.default_value.c_str(), f.help.c_str());
+          return 0;
+        }
+        // The config path is the one argument that is neither "--key", "--key=value" nor the
+        // value following a "--key".
+        std::vector<std::string> args = sub.remaining(), overrides;
+        for (size_t i = 0; i < args.size(); ++i) {
+          if (args[i].rfind("--", 0) == 0) {
+            overrides.push_back(args[i]);
+            if (args[i].find('=') == std::string::npos && i + 1 < args.size()) overrides.push_back(args[++i]);
+          } else if (a->config.empty()) {
+            a->config = args[i];
+          } else {
+            throw Error(fmt::format("command line: unexpected argument '{}' (the config is '{}')", args[i], a->config));
+          }
+        }
+        train::TrainConfig cfg = train::load_config(a->config, train::collect_overrides(overrides));
+        train::TrainOptions opt;
+        opt.resume = a->resume;
+        opt.quiet = a->quiet;
+        opt.config_path = a->config.empty() ? "command line" : a->config;
+        train::run_training(cfg, opt);
+        return 0;
+      };
+    }}};
+
+}  // namespace
+}  // namespace loom::cli

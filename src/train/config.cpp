@@ -1,0 +1,300 @@
+#include "train/config.h"
+
+#include <charconv>
+#include <functional>
+#include <sstream>
+#include <variant>
+#include <algorithm>
+#include <toml++/toml.h>
+
+#include "core/error.h"
+
+namespace loom::train {
+
+namespace {
+
+using Value = std::variant<int64_t*, uint64_t*, float*, bool*, std::string*>;
+
+struct Field {
+  const char* key;
+  const char* help;
+  Value (*get)(TrainConfig&);
+};
+
+#define F(key, member, help) Field{key, help, [](TrainConfig& c) -> Value { return &c.member; }}
+const Field kFields[] = {
+    F("model.preset", model_preset, "model preset: gpt2-tiny, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1558m"),
+    F("model.n_layer", n_layer, "transformer blocks (0: the preset's)"),
+    F("model.n_head", n_head, "attention heads (0: the preset's)"),
+    F("model.n_embd", n_embd, "embedding width (0: the preset's)"),
+    F("model.block_size", block_size, "longest sequence, rows of wpe (0: the preset's, at least seq_len)"),
+    F("model.vocab_size", vocab_size, "vocabulary size (0: the data's)"),
+    F("data.dir", data_dir, "directory of train_*.bin / val_*.bin token shards (loom prepare)"),
+    F("data.tokenizer", tokenizer_dir, "directory with encoder.json + vocab.bpe for text samples (\"\": data.dir)"),
+    F("data.seq_len", seq_len, "tokens per training sequence"),
+    F("train.steps", steps, "optimizer steps"),
+    F("train.batch_size", batch_size, "sequences per optimizer step (global batch)"),
+    F("train.grad_accum", grad_accum, "micro-steps per optimizer step"),
+    F("train.seed", seed, "seed of initialisation and data order"),
+    F("train.threads", threads, "CPU threads (0: all cores)"),
+    F("train.log_every", log_every, "steps between metric lines"),
+    F("train.eval_every", eval_every, "steps between validation losses (0: never)"),
+    F("train.eval_batches", eval_batches, "validation batches per evaluation"),
+    F("train.sample_every", sample_every, "steps between text samples (0: at the end only)"),
+    F("train.sample_tokens", sample_tokens, "tokens per text sample"),
+    F("train.sample_temperature", sample_temperature, "sampling temperature"),
+    F("train.sample_top_k", sample_top_k, "sample from the k most likely tokens (0: all)"),
+    F("train.sample_prompt", sample_prompt, "text the samples continue (\"\": the start of the validation split)"),
+    F("train.checkpoint_every", checkpoint_every, "steps between checkpoints (0: at the end only)"),
+    F("train.keep_checkpoints", keep_checkpoints, "checkpoints kept (older ones are deleted)"),
+    F("train.out_dir", out_dir, "directory for checkpoints, metrics.jsonl and loss.png"),
+    F("optim.lr", lr, "peak learning rate"),
+    F("optim.min_lr", min_lr, "final learning rate of the decay"),
+    F("optim.warmup_steps", warmup_steps, "linear warm-up steps"),
+    F("optim.schedule", lr_schedule, "learning-rate decay after warm-up: cosine, linear or constant"),
+    F("optim.weight_decay", weight_decay, "AdamW decoupled weight decay (matrices only)"),
+    F("optim.beta1", beta1, "AdamW beta1"),
+    F("optim.beta2", beta2, "AdamW beta2"),
+    F("optim.eps", eps, "AdamW epsilon"),
+    F("optim.grad_clip", grad_clip, "global gradient-norm clip (0: off)"),
+    F("parallel.dp", dp, "data-parallel ranks"),
+    F("parallel.tp", tp, "tensor-parallel ranks"),
+    F("parallel.pp", pp, "pipeline stages"),
+    F("parallel.cp", cp, "context-parallel ranks"),
+    F("parallel.sp", sp, "sequence parallelism within the tensor-parallel group"),
+    F("parallel.zero", zero, "ZeRO stage 0-3"),
+    F("parallel.comm", comm, "communicator backend: threads or mpi"),
+};
+#undef F
+
+const Field* find_field(std::string_view key) {
+  for (const auto& f : kFields)
+    if (key == f.key) return &f;
+  return nullptr;
+}
+
+std::string type_name(const Value& v) {
+  switch (v.index()) {
+    case 0: case 1: return "int";
+    case 2: return "float";
+    case 3: return "bool";
+    default: return "string";
+  }
+}
+
+std::string value_str(const Value& v) {
+  return std::visit([](auto* p) -> std::string {
+    using T = std::remove_pointer_t<decltype(p)>;
+    if constexpr (std::is_same_v<T, std::string>) {
+      std::string e = "\"";
+      for (char ch : *p) {
+        if (ch == '"' || ch == '\\') e += '\\';
+        e += ch;
+      }
+      return e + "\"";
+    }
+    else if constexpr (std::is_same_v<T, bool>) return *p ? "true" : "false";
+    else return fmt::format("{}", *p);
+  }, v);
+}
+
+// Sets a field from a TOML node; `where` is "FILE: field" for messages.
+void set_from_node(const Value& v, const toml::node& n, const std::string& where) {
+  auto bad = [&](std::string_view got) {
+    throw Error(fmt::format("{}: expected {}, got {}", where, type_name(v), got));
+  };
+  auto node_type = [&]() -> std::string {
+    switch (n.type()) {
+      case toml::node_type::string: return "a string";
+      case toml::node_type::integer: return "an integer";
+      case toml::node_type::floating_point: return "a float";
+      case toml::node_type::boolean: return "a boolean";
+      case toml::node_type::table: return "a table";
+      case toml::node_type::array: return "an array";
+      default: return "a date/time";
+    }
+  };
+  switch (v.index()) {
+    case 0: {
+      auto x = n.value_exact<int64_t>();
+      if (!x) bad(node_type());
+      *std::get<0>(v) = *x;
+      break;
+    }
+    case 1: {
+      auto x = n.value_exact<int64_t>();
+      if (!x) bad(node_type());
+      if (*x < 0) throw Error(fmt::format("{}: must be non-negative, got {}", where, *x));
+      *std::get<1>(v) = uint64_t(*x);
+      break;
+    }
+    case 2: {
+      if (n.is_integer()) *std::get<2>(v) = float(*n.value<int64_t>());
+      else if (n.is_floating_point()) *std::get<2>(v) = float(*n.value<double>());
+      else bad(node_type());
+      break;
+    }
+    case 3: {
+      auto x = n.value_exact<bool>();
+      if (!x) bad(node_type());
+      *std::get<3>(v) = *x;
+      break;
+    }
+    default: {
+      auto x = n.value_exact<std::string>();
+      if (!x) bad(node_type());
+      *std::get<4>(v) = *x;
+    }
+  }
+}
+
+// Command-line values are parsed as TOML values, with bare words taken as strings.
+void set_from_text(const Value& v, const std::string& text, const std::string& where) {
+  if (v.index() == 4) {
+    std::string s = text;
+    if (s.size() >= 2 && s.front() == '"' && s.back() == '"') s = s.substr(1, s.size() - 2);
+    *std::get<4>(v) = s;
+    return;
+  }
+  toml::table t;
+  try {
+    t = toml::parse("x = " + text);
+  } catch (const toml::parse_error&) {
+    throw Error(fmt::format("{}: cannot parse '{}' as {}", where, text, type_name(v)));
+  }
+  set_from_node(v, *t.get("x"), where);
+}
+
+void walk(const toml::table& t, const std::string& prefix, TrainConfig& c, const std::string& file) {
+  for (const auto& [k, node] : t) {
+    std::string key = prefix.empty() ? std::string(k.str()) : prefix + "." + std::string(k.str());
+    if (node.is_table()) {
+      walk(*node.as_table(), key, c, file);
+      continue;
+    }
+    const Field* f = find_field(key);
+    if (!f) {
+      auto line = k.source().begin.line;
+      throw Error(fmt::format("{}:{}: unknown key '{}' (see `loom train --help-config`)", file, line, key));
+    }
+    set_from_node(f->get(c), node, fmt::format("{}: {}", file, key));
+  }
+}
+
+}  // namespace
+
+std::vector<FieldInfo> config_fields() {
+  TrainConfig defaults;
+  std::vector<FieldInfo> out;
+  for (const auto& f : kFields) {
+    Value v = f.get(defaults);
+    out.push_back({f.key, type_name(v), f.help, value_str(v)});
+  }
+  return out;
+}
+
+model::GPTConfig TrainConfig::model(int64_t data_vocab) const {
+  model::GPTConfig m = model::gpt_preset(model_preset);
+  if (n_layer) m.n_layer = n_layer;
+  if (n_head) m.n_head = n_head;
+  if (n_embd) m.n_embd = n_embd;
+  if (block_size) m.block_size = block_size;
+  else m.block_size = std::max(m.block_size, seq_len);
+  if (vocab_size) m.vocab_size = vocab_size;
+  else if (data_vocab > 0) m.vocab_size = data_vocab;
+  if (n_layer || n_head || n_embd || vocab_size) m.name = "custom";
+  return m;
+}
+
+void TrainConfig::validate(const std::string& where) const {
+  auto need = [&](bool ok, const char* field, const std::string& msg) {
+    if (!ok) throw Error(fmt::format("{}: {}: {}", where, field, msg));
+  };
+  need(seq_len > 0, "data.seq_len", fmt::format("must be positive, got {}", seq_len));
+  need(steps >= 0, "train.steps", fmt::format("must be non-negative, got {}", steps));
+  need(batch_size > 0, "train.batch_size", fmt::format("must be positive, got {}", batch_size));
+  need(grad_accum > 0, "train.grad_accum", fmt::format("must be positive, got {}", grad_accum));
+  need(batch_size % grad_accum == 0, "train.grad_accum",
+       fmt::format("batch_size {} is not divisible by grad_accum {}", batch_size, grad_accum));
+  need(threads >= 0, "train.threads", "must be non-negative");
+  need(log_every > 0, "train.log_every", "must be positive");
+  need(eval_every >= 0 && eval_batches > 0, "train.eval_every", "eval_every >= 0 and eval_batches > 0");
+  need(sample_tokens >= 0 && sample_top_k >= 0 && sample_temperature > 0, "train.sample_*",
+       "sample_tokens >= 0, sample_top_k >= 0, sample_temperature > 0");
+  need(checkpoint_every >= 0, "train.checkpoint_every", "must be non-negative");
+  need(keep_checkpoints >= 1, "train.keep_checkpoints", "must be at least 1");
+  need(lr >= 0 && min_lr >= 0, "optim.lr", "learning rates must be non-negative");
+  need(warmup_steps >= 0, "optim.warmup_steps", "must be non-negative");
+  need(lr_schedule == "cosine" || lr_schedule == "linear" || lr_schedule == "constant", "optim.schedule",
+       fmt::format("'{}' is not one of cosine, linear, constant", lr_schedule));
+  need(beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1, "optim.beta1", "betas must lie in [0, 1)");
+  need(eps > 0, "optim.eps", "must be positive");
+  need(weight_decay >= 0, "optim.weight_decay", "must be non-negative");
+  need(grad_clip >= 0, "optim.grad_clip", "must be non-negative");
+  need(dp >= 1 && tp >= 1 && pp >= 1 && cp >= 1, "parallel", "dp, tp, pp, cp must be at least 1");
+  need(zero >= 0 && zero <= 3, "parallel.zero", fmt::format("must be 0, 1, 2 or 3, got {}", zero));
+  need(comm == "threads" || comm == "mpi", "parallel.comm", fmt::format("'{}' is not threads or mpi", comm));
+  try {
+    (void)model::gpt_preset(model_preset);
+  } catch (const Error& e) {
+    throw Error(fmt::format("{}: model.preset: {}", where, e.what()));
+  }
+}
+
+TrainConfig load_config(const std::string& path, const std::vector<std::string>& overrides) {
+  TrainConfig c;
+  if (!path.empty()) {
+    toml::table t;
+    try {
+      t = toml::parse_file(path);
+    } catch (const toml::parse_error& e) {
+      const auto& b = e.source().begin;
+      throw Error(fmt::format("{}:{}:{}: malformed TOML: {}", path, b.line, b.column, e.description()));
+    }
+    walk(t, "", c, path);
+  }
+  for (const auto& o : overrides) {
+    auto eq = o.find('=');
+    LOOM_CHECK(eq != std::string::npos, "command line: override '{}' is not key=value", o);
+    std::string key = o.substr(0, eq), val = o.substr(eq + 1);
+    const Field* f = find_field(key);
+    if (!f) throw Error(fmt::format("command line: unknown key '--{}' (see `loom train --help-config`)", key));
+    set_from_text(f->get(c), val, fmt::format("command line: --{}", key));
+  }
+  c.validate(path.empty() ? "command line" : path);
+  return c;
+}
+
+std::vector<std::string> collect_overrides(const std::vector<std::string>& args) {
+  std::vector<std::string> out;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a.rfind("--", 0) != 0) throw Error(fmt::format("command line: unexpected argument '{}'", a));
+    std::string body = a.substr(2);
+    if (body.find('=') != std::string::npos) {
+      out.push_back(body);
+    } else {
+      if (i + 1 >= args.size()) throw Error(fmt::format("command line: --{} needs a value", body));
+      out.push_back(body + "=" + args[++i]);
+    }
+  }
+  return out;
+}
+
+std::string config_to_toml(const TrainConfig& cfg) {
+  TrainConfig c = cfg;
+  std::string out, section;
+  for (const auto& f : kFields) {
+    std::string key = f.key;
+    auto dot = key.find('.');
+    std::string sec = key.substr(0, dot), name = key.substr(dot + 1);
+    if (sec != section) {
+      out += (out.empty() ? "" : "\n") + fmt::format("[{}]\n", sec);
+      section = sec;
+    }
+    out += fmt::format("{} = {}\n", name, value_str(f.get(c)));
+  }
+  return out;
+}
+
+}  // namespace loom::train

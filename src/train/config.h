@@ -1,0 +1,76 @@
+// The training configuration: a TOML file whose every field can be overridden on the command
+// line (`--optim.lr 1e-3` or `--optim.lr=1e-3`). Unknown keys, wrong types and out-of-range values
+// are errors that name the file (or "command line") and the field.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+
+namespace loom::train {
+
+struct TrainConfig {
+  // [model]
+  std::string model_preset = "gpt2-tiny";  // a preset name; the fields below override it when set
+  int64_t n_layer = 0, n_head = 0, n_embd = 0, block_size = 0;  // 0: the preset's value
+  int64_t vocab_size = 0;                  // 0: the data's vocabulary size
+  // [data]
+  std::string data_dir = "data";           // train_*.bin and val_*.bin from `loom prepare`
+  std::string tokenizer_dir;               // encoder.json + vocab.bpe, for text samples ("" = data_dir)
+  int64_t seq_len = 256;
+  // [train]
+  int64_t steps = 1000;
+  int64_t batch_size = 8;                  // sequences per optimizer step (global batch)
+  int64_t grad_accum = 1;                  // micro-steps per optimizer step (batch_size divisible)
+  uint64_t seed = 1337;
+  int64_t threads = 0;                     // 0: all cores
+  int64_t log_every = 10;
+  int64_t eval_every = 100;                // 0: never
+  int64_t eval_batches = 20;
+  int64_t sample_every = 0;                // 0: only at the end
+  int64_t sample_tokens = 64;
+  float sample_temperature = 1.0f;
+  int64_t sample_top_k = 40;
+  std::string sample_prompt;               // text the samples continue ("": the first val tokens)
+  int64_t checkpoint_every = 0;            // 0: only at the end
+  int64_t keep_checkpoints = 2;
+  std::string out_dir = "runs/default";
+  // [optim]
+  float lr = 6e-4f, min_lr = 6e-5f;
+  int64_t warmup_steps = 100;
+  std::string lr_schedule = "cosine";      // cosine | constant | linear
+  float weight_decay = 0.1f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f;
+  float grad_clip = 1.0f;                  // global-norm clip; 0 disables
+  // [parallel]
+  int64_t dp = 1, tp = 1, pp = 1, cp = 1;
+  bool sp = false;
+  int64_t zero = 0;
+  std::string comm = "threads";            // threads | mpi
+
+  // The model configuration these fields describe (vocab from the data when vocab_size is 0).
+  model::GPTConfig model(int64_t data_vocab) const;
+  void validate(const std::string& where) const;
+};
+
+// A field of the schema, for parsing, errors and the config reference.
+struct FieldInfo {
+  std::string key;   // "optim.lr"
+  std::string type;  // "int", "float", "string", "bool"
+  std::string help;
+  std::string default_value;
+};
+std::vector<FieldInfo> config_fields();
+
+// Parses `path` (may be empty: defaults only), then applies the overrides ("optim.lr=1e-3" or the
+// pair "--optim.lr", "1e-3" already joined by the caller as "optim.lr=1e-3").
+TrainConfig load_config(const std::string& path, const std::vector<std::string>& overrides);
+
+// Turns trailing CLI arguments (--a.b v | --a.b=v) into "a.b=v" overrides; throws on a stray
+// argument.
+std::vector<std::string> collect_overrides(const std::vector<std::string>& args);
+
+// The config as TOML text (written next to checkpoints and metrics).
+std::string config_to_toml(const TrainConfig& c);
+
+}  // namespace loom::train

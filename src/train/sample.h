@@ -1,0 +1,26 @@
+// Text sampling from a model: temperature and top-k over the real vocabulary (padding excluded),
+// drawn from counter-based random numbers keyed by (seed, position), so a sample is reproducible.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "model/gpt.h"
+
+namespace loom::train {
+
+struct SampleOptions {
+  int64_t max_new_tokens = 64;
+  float temperature = 1.0f;  // > 0
+  int64_t top_k = 40;        // 0: the whole vocabulary
+  uint64_t seed = 0;
+  int32_t stop_token = -1;   // stop after emitting this token (-1: never)
+};
+
+// Picks the next token from logits f32 [V] (one draw keyed by (seed, index)).
+int32_t sample_logits(const float* logits, int64_t V, const SampleOptions& opt, uint64_t index);
+
+// Continues `prompt` (not empty) by running the model on the last block_size tokens for each new
+// token. Returns only the new tokens.
+std::vector<int32_t> sample_recompute(model::GPT& gpt, const std::vector<int32_t>& prompt, const SampleOptions& opt);
+
+}  // namespace loom::train

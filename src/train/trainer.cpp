@@ -1,0 +1,305 @@
+#include "train/trainer.h"
+
+#include <omp.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "data/loader.h"
+#include "data/tokenizer.h"
+#include "kernels/cpu/matmul.h"
+#include "model/gpt.h"
+#include "optim/adamw.h"
+#include "train/checkpoint.h"
+#include "train/plot.h"
+#include "train/sample.h"
+#include "train/schedule.h"
+
+namespace fs = std::filesystem;
+
+namespace loom::train {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+std::string human_time(double s) {
+  if (!std::isfinite(s) || s < 0) return "?";
+  int64_t t = int64_t(s + 0.5);
+  if (t >= 3600) return fmt::format("{}h{:02d}m", t / 3600, (t / 60) % 60);
+  if (t >= 60) return fmt::format("{}m{:02d}s", t / 60, t % 60);
+  return fmt::format("{}s", t);
+}
+
+// Cross-entropy (nats per token) of the unigram distribution of `train` (add-one smoothed),
+// measured on `val`: the loss of the best predictor that ignores context.
+double unigram_loss(const data::Loader& train, const data::Loader* val, int64_t vocab) {
+  std::vector<double> count(size_t(vocab), 1.0);
+  double total = double(vocab);
+  std::vector<int32_t> buf(1 << 16);
+  auto add = [&](const data::Shard& s) {
+    for (uint64_t i = 0; i < s.size(); i += buf.size()) {
+      uint64_t n = std::min<uint64_t>(buf.size(), s.size() - i);
+      s.read(i, n, buf.data());
+      for (uint64_t j = 0; j < n; ++j) count[size_t(buf[j])] += 1;
+      total += double(n);
+    }
+  };
+  for (const auto& f : train.files()) add(data::Shard(f, false));
+  const auto& eval_files = val ? val->files() : train.files();
+  double nll = 0, n = 0;
+  for (const auto& f : eval_files) {
+    data::Shard s(f, false);
+    for (uint64_t i = 0; i < s.size(); i += buf.size()) {
+      uint64_t m = std::min<uint64_t>(buf.size(), s.size() - i);
+      s.read(i, m, buf.data());
+      for (uint64_t j = 0; j < m; ++j) nll -= std::log(count[size_t(buf[j])] / total);
+      n += double(m);
+    }
+  }
+  return n > 0 ? nll / n : NAN;
+}
+
+// Keeps only the metric lines of steps <= last_step (a resumed run rewrites what follows).
+void truncate_metrics(const std::string& path, int64_t last_step) {
+  if (!fs::exists(path)) return;
+  std::ifstream in(path);
+  std::string line, kept;
+  while (std::getline(in, line)) {
+    try {
+      auto j = nlohmann::json::parse(line);
+      if (j.contains("step") && j["step"].get<int64_t>() <= last_step) kept += line + "\n";
+    } catch (const nlohmann::json::exception&) {
+      break;  // a torn last line from a killed run
+    }
+  }
+  std::string tmp = path + ".tmp";
+  std::ofstream(tmp, std::ios::trunc) << kept;
+  fs::rename(tmp, path);
+}
+
+}  // namespace
+
+TrainResult run_training(const TrainConfig& cfg, const TrainOptions& opt) {
+  if (cfg.dp * cfg.tp * cfg.pp * cfg.cp > 1 || cfg.sp || cfg.zero > 0)
+    throw Error(fmt::format("{}: parallel layouts (dp/tp/pp/cp/sp/zero) are not available in this build of the "
+                            "trainer yet; set them to 1/false/0", opt.config_path.empty() ? "config" : opt.config_path));
+  if (cfg.threads > 0) omp_set_num_threads(int(cfg.threads));
+  auto say = [&](const std::string& s) {
+    if (!opt.quiet) std::printf("%s\n", s.c_str()), std::fflush(stdout);
+  };
+
+  data::Loader train(cfg.data_dir, "train", cfg.seq_len, cfg.seed);
+  std::unique_ptr<data::Loader> val;
+  if (!data::list_shards(cfg.data_dir, "val").empty())
+    val = std::make_unique<data::Loader>(cfg.data_dir, "val", cfg.seq_len, cfg.seed);
+
+  model::GPTConfig mc = cfg.model(int64_t(train.vocab_size()));
+  mc.validate(opt.config_path.empty() ? "model config" : opt.config_path + ": [model]");
+  LOOM_CHECK(int64_t(train.vocab_size()) <= mc.vocab_size, "{}: model.vocab_size {} is smaller than the data's vocabulary {}",
+             opt.config_path, mc.vocab_size, train.vocab_size());
+  LOOM_CHECK(cfg.seq_len <= mc.block_size, "{}: data.seq_len {} exceeds model.block_size {}", opt.config_path,
+             cfg.seq_len, mc.block_size);
+
+  MemoryPool pool("cpu:0");
+  model::GPT gpt(mc, pool, cfg.seed);
+  optim::AdamWConfig oc;
+  oc.lr = cfg.lr;
+  oc.beta1 = cfg.beta1;
+  oc.beta2 = cfg.beta2;
+  oc.eps = cfg.eps;
+  oc.weight_decay = cfg.weight_decay;
+  oc.max_norm = cfg.grad_clip;
+  optim::AdamW adam(gpt.parameters(), oc, pool);
+  LrSchedule sched{cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps, cfg.lr_schedule};
+
+  // Tensors a checkpoint holds.
+  std::vector<NamedTensor> state;
+  for (size_t i = 0; i < gpt.parameters().size(); ++i) {
+    auto* p = gpt.parameters()[i];
+    state.push_back({"param/" + p->spec.name, p->value});
+    state.push_back({"adam_m/" + p->spec.name, adam.exp_avg(i)});
+    state.push_back({"adam_v/" + p->spec.name, adam.exp_avg_sq(i)});
+  }
+
+  fs::create_directories(cfg.out_dir);
+  std::string metrics_path = (fs::path(cfg.out_dir) / "metrics.jsonl").string();
+  int64_t start_step = 0;
+  if (opt.resume) {
+    std::string ckpt = latest_checkpoint(cfg.out_dir);
+    if (ckpt.empty()) {
+      say(fmt::format("resume: no checkpoint in {}, starting from step 0", cfg.out_dir));
+    } else {
+      CheckpointMeta meta = read_checkpoint_meta(ckpt);
+      LOOM_CHECK(meta.seed == cfg.seed, "{}: checkpoint seed {} differs from train.seed {}", ckpt, meta.seed, cfg.seed);
+      load_checkpoint_tensors(ckpt, state);
+      adam.set_steps_taken(meta.optimizer_steps);
+      start_step = meta.step;
+      truncate_metrics(metrics_path, start_step);
+      say(fmt::format("resumed from {} (step {})", ckpt, start_step));
+    }
+  }
+  if (start_step == 0 && fs::exists(metrics_path)) fs::remove(metrics_path);
+
+  std::unique_ptr<data::Tokenizer> tok;
+  std::string tok_dir = cfg.tokenizer_dir.empty() ? cfg.data_dir : cfg.tokenizer_dir;
+  if (fs::exists(fs::path(tok_dir) / "encoder.json") && fs::exists(fs::path(tok_dir) / "vocab.bpe"))
+    tok = std::make_unique<data::Tokenizer>(data::Tokenizer::from_dir(tok_dir));
+
+  const int64_t mb = cfg.batch_size / cfg.grad_accum, T = cfg.seq_len;
+  const double tokens_per_step = double(cfg.batch_size * T);
+  const double flops_per_token = 6.0 * double(gpt.num_nonembedding_parameters()) +
+                                 6.0 * double(mc.n_embd) * double(mc.padded_vocab()) +
+                                 6.0 * double(mc.n_layer) * double(mc.n_embd) * double(T);  // causal attention
+  say(fmt::format("model {} | {:.2f}M parameters | {} threads", mc.str(), double(gpt.num_parameters()) / 1e6,
+                  omp_get_max_threads()));
+  double peak = cpu::measure_gemm_peak_gflops(1024, 0.3) * 1e9;
+  TrainResult res;
+  res.last_val_loss = NAN;
+  res.unigram_val_loss = unigram_loss(train, val.get(), mc.vocab_size);
+  say(fmt::format("data {} | train {} tokens{} | unigram baseline loss {:.4f} | GEMM peak {:.1f} GFLOP/s",
+                  cfg.data_dir, train.total_tokens(), val ? fmt::format(", val {} tokens", val->total_tokens()) : "",
+                  res.unigram_val_loss, peak / 1e9));
+
+  Tensor x = Tensor::empty({mb, T}, DType::i32, MemTag::workspace);
+  Tensor y = Tensor::empty({mb, T}, DType::i32, MemTag::workspace);
+  std::ofstream metrics(metrics_path, std::ios::app);
+  std::vector<std::pair<double, double>> train_pts, val_pts;
+  if (start_step > 0) {  // the curve of the steps before the resume
+    std::ifstream in(metrics_path);
+    std::string line;
+    while (std::getline(in, line)) {
+      auto j = nlohmann::json::parse(line, nullptr, false);
+      if (j.is_discarded()) continue;
+      if (j.contains("loss")) train_pts.push_back({j["step"].get<double>(), j["loss"].get<double>()});
+      if (j.contains("val_loss")) val_pts.push_back({j["step"].get<double>(), j["val_loss"].get<double>()});
+    }
+  }
+
+  auto evaluate = [&]() -> double {
+    if (!val) return NAN;
+    int64_t n = std::min(cfg.eval_batches, val->val_batches(mb));
+    if (n == 0) return NAN;
+    double sum = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      val->val_batch(i, mb, 0, mb, x.i32(), y.i32());
+      sum += gpt.forward(x, y);
+    }
+    gpt.release_activations();
+    return sum / double(n);
+  };
+  auto sample_text = [&](int64_t step) -> std::string {
+    if (cfg.sample_tokens == 0) return "";
+    std::vector<int32_t> prompt;
+    if (tok && !cfg.sample_prompt.empty()) prompt = tok->encode(cfg.sample_prompt);
+    if (prompt.empty()) {  // the first tokens of the validation split (or of training)
+      std::vector<int32_t> xi(static_cast<size_t>(T)), yi(static_cast<size_t>(T));
+      if (val && val->val_batches(1) > 0) val->val_batch(0, 1, 0, 1, xi.data(), yi.data());
+      else train.train_batch(0, 1, 0, 1, xi.data(), yi.data());
+      prompt.assign(xi.begin(), xi.begin() + std::min<int64_t>(8, T));
+    }
+    SampleOptions so;
+    so.max_new_tokens = cfg.sample_tokens;
+    so.temperature = cfg.sample_temperature;
+    so.top_k = cfg.sample_top_k;
+    so.seed = cfg.seed + uint64_t(step);
+    auto out = sample_recompute(gpt, prompt, so);
+    if (!tok) {
+      std::string s;
+      for (int32_t t : out) s += std::to_string(t) + " ";
+      return s;
+    }
+    return tok->decode(prompt) + tok->decode(out);
+  };
+  auto checkpoint = [&](int64_t step) {
+    CheckpointMeta meta;
+    meta.step = step;
+    meta.optimizer_steps = adam.steps_taken();
+    meta.data_position = step;
+    meta.seed = cfg.seed;
+    meta.model = {{"name", mc.name}, {"n_layer", mc.n_layer}, {"n_head", mc.n_head}, {"n_embd", mc.n_embd},
+                  {"vocab_size", mc.vocab_size}, {"block_size", mc.block_size}, {"tied_embeddings", mc.tied_embeddings}};
+    meta.config_toml = config_to_toml(cfg);
+    return save_checkpoint(fs::path(cfg.out_dir).string(), meta, state, cfg.keep_checkpoints);
+  };
+
+  auto t_start = Clock::now();
+  double window_time = 0;
+  int64_t window_steps = 0;
+  for (int64_t step = start_step; step < cfg.steps; ++step) {
+    auto t0 = Clock::now();
+    float lr = sched.at(step);
+    gpt.zero_grad();
+    double loss = 0;
+    for (int64_t micro = 0; micro < cfg.grad_accum; ++micro) {
+      train.train_batch(step, cfg.batch_size, micro * mb, mb, x.i32(), y.i32());
+      model::ForwardOptions fo;
+      fo.fuse_backward = true;
+      fo.dloss_scale = 1.0f / float(cfg.grad_accum);
+      loss += gpt.forward(x, y, fo);
+      gpt.backward();
+    }
+    loss /= double(cfg.grad_accum);
+    LOOM_CHECK(std::isfinite(loss), "step {}: the loss is {} (diverged); lower optim.lr or raise optim.warmup_steps",
+               step + 1, loss);
+    optim::StepStats st = adam.step(lr);
+    double dt = seconds_since(t0);
+    window_time += dt;
+    ++window_steps;
+    int64_t done = step + 1;
+    res.last_loss = loss;
+    res.steps_done = done;
+    double tps = tokens_per_step / dt;
+    double mfu = tps * flops_per_token / peak;  // model FLOPs over the GEMM peak measured at start
+    nlohmann::json j = {{"step", done}, {"loss", loss}, {"lr", lr}, {"grad_norm", st.grad_norm},
+                        {"tokens_per_s", tps}, {"mfu", mfu}, {"time_s", seconds_since(t_start)}};
+    metrics << j.dump() << "\n";
+    train_pts.push_back({double(done), loss});
+    bool eval_now = cfg.eval_every > 0 && (done % cfg.eval_every == 0 || done == cfg.steps);
+    if (eval_now && val) {
+      double vl = evaluate();
+      res.last_val_loss = vl;
+      metrics << nlohmann::json{{"step", done}, {"val_loss", vl}}.dump() << "\n";
+      val_pts.push_back({double(done), vl});
+      say(fmt::format("step {:>6} | val loss {:.4f} (unigram {:.4f})", done, vl, res.unigram_val_loss));
+    }
+    metrics.flush();
+    if (done % cfg.log_every == 0 || done == cfg.steps || done == start_step + 1) {
+      double avg = window_time / double(window_steps);
+      double eta = avg * double(cfg.steps - done);
+      say(fmt::format("step {:>6}/{} | loss {:.4f} | lr {:.2e} | norm {:.3f} | {:.0f} tok/s | MFU {:.1f}% | ETA {}",
+                      done, cfg.steps, loss, lr, st.grad_norm, tokens_per_step / avg, 100 * tokens_per_step / avg * flops_per_token / peak, human_time(eta)));
+      window_time = 0;
+      window_steps = 0;
+    }
+    if (cfg.sample_every > 0 && done % cfg.sample_every == 0 && done != cfg.steps)
+      say(fmt::format("--- sample at step {} ---\n{}\n---", done, sample_text(done)));
+    if ((cfg.checkpoint_every > 0 && done % cfg.checkpoint_every == 0) || done == cfg.steps) checkpoint(done);
+  }
+  metrics.close();
+  res.last_sample = sample_text(cfg.steps);
+  if (!res.last_sample.empty()) say(fmt::format("--- sample ---\n{}\n---", res.last_sample));
+  std::string png = (fs::path(cfg.out_dir) / "loss.png").string(), why;
+  std::vector<Series> series{{"train loss", train_pts, 0.12, 0.4, 0.8}};
+  if (!val_pts.empty()) series.push_back({"val loss", val_pts, 0.85, 0.33, 0.1});
+  if (std::isfinite(res.unigram_val_loss) && !train_pts.empty())
+    series.push_back({"unigram baseline", {{train_pts.front().first, res.unigram_val_loss},
+                                           {train_pts.back().first, res.unigram_val_loss}}, 0.5, 0.5, 0.5});
+  if (plot_png(png, fmt::format("loom: {} on {}", mc.name, cfg.data_dir), series, "loss (nats/token)", &why))
+    say(fmt::format("wrote {} and {}", metrics_path, png));
+  else
+    say(fmt::format("wrote {} ({})", metrics_path, why));
+  return res;
+}
+
+}  // namespace loom::train
