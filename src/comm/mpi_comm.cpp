@@ -21,6 +21,9 @@ using Clock = std::chrono::steady_clock;
 // Messages larger than this many elements are sent in pieces (MPI counts are int).
 constexpr int64_t kMaxPiece = int64_t(1) << 30;
 constexpr int kSpin = 2000;
+// Ring messages are cut into pieces of this many elements (1 MiB of f32) and each piece is
+// combined as soon as it arrives, while it is still in cache.
+constexpr int64_t kSegment = int64_t(1) << 18;
 
 MPI_Datatype mpi_type(DType dt) {
   switch (dt) {
@@ -51,22 +54,32 @@ std::string seconds(std::chrono::milliseconds t) { return fmt::format("{:g} s", 
 
 int mod(int a, int n) { return ((a % n) + n) % n; }
 
-// Staging memory from the communicator's pool, tagged MemTag::comm.
+// Staging memory from the communicator's pool, tagged MemTag::comm. Kept between calls (fresh
+// pages would be faulted in on every call) and grown to the largest request.
 class Scratch {
  public:
-  Scratch(MemoryPool* pool, size_t bytes) : pool_(pool), bytes_(bytes) {
-    if (bytes_) p_ = pool_->allocate(bytes_, MemTag::comm);
-  }
-  ~Scratch() {
-    if (p_) pool_->deallocate(p_, bytes_, MemTag::comm);
-  }
+  Scratch() = default;
+  ~Scratch() { release(); }
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
-  template <class T> T* as() const { return static_cast<T*>(p_); }
+  template <class T> T* get(MemoryPool* pool, size_t bytes) {
+    if (bytes > bytes_) {
+      release();
+      pool_ = pool;
+      p_ = pool_->allocate(bytes, MemTag::comm);
+      bytes_ = bytes;
+    }
+    return static_cast<T*>(p_);
+  }
 
  private:
-  MemoryPool* pool_;
-  size_t bytes_;
+  void release() {
+    if (p_) pool_->deallocate(p_, bytes_, MemTag::comm);
+    p_ = nullptr;
+    bytes_ = 0;
+  }
+  MemoryPool* pool_ = nullptr;
+  size_t bytes_ = 0;
   void* p_ = nullptr;
 };
 
@@ -256,25 +269,30 @@ class MpiComm final : public Comm {
   // Polls until every request completed; past the deadline the job is aborted with a message
   // naming the call and, from waiting_for(), the ranks it waited for.
   template <class WaitingFor>
-  void wait_all(std::vector<MPI_Request>& reqs, MPI_Status* statuses, WaitingFor&& waiting_for) const {
+  void wait_requests(MPI_Request* reqs, int n, MPI_Status* statuses, WaitingFor&& waiting_for) const {
     int flag = 0;
     for (long it = 0;; ++it) {
-      int rc = MPI_Testall(int(reqs.size()), reqs.data(), &flag, statuses ? statuses : MPI_STATUSES_IGNORE);
+      int rc = MPI_Testall(n, reqs, &flag, statuses ? statuses : MPI_STATUSES_IGNORE);
       if (rc != MPI_SUCCESS) {
         std::string detail = mpi_error_string(rc);
         if (rc == MPI_ERR_IN_STATUS && statuses) {
-          for (size_t i = 0; i < reqs.size(); ++i) {
+          for (int i = 0; i < n; ++i) {
             if (statuses[i].MPI_ERROR != MPI_SUCCESS) detail = mpi_error_string(statuses[i].MPI_ERROR);
           }
         }
         fatal(fmt::format("{} failed: {} (mismatched counts between ranks?)", what_, detail));
       }
-      if (flag) break;
+      if (flag) return;
       if (it >= kSpin) std::this_thread::yield();
       if ((it & 63) == 0 && Clock::now() >= deadline_) {
         fatal(fmt::format("{} timed out after {}: {}", what_, seconds(opts_.timeout), waiting_for()));
       }
     }
+  }
+
+  template <class WaitingFor>
+  void wait_all(std::vector<MPI_Request>& reqs, MPI_Status* statuses, WaitingFor&& waiting_for) const {
+    wait_requests(reqs.data(), int(reqs.size()), statuses, waiting_for);
     reqs.clear();
   }
 
@@ -310,36 +328,54 @@ class MpiComm final : public Comm {
     const size_t es = dtype_size(dt);
     int64_t maxc = 0;
     for (int i = 0; i < n; ++i) maxc = std::max(maxc, offs[size_t(i) + 1] - offs[size_t(i)]);
-    Scratch a(opts_.pool, size_t(maxc) * 4), b(opts_.pool, size_t(maxc) * 4);
-    Scratch c(opts_.pool, dt == DType::f32 ? 0 : size_t(maxc) * es);
-    float* pa = a.as<float>();  // f32: the partial this rank sends next
-    float* pb = b.as<float>();  // f32: the partial received
+    // Two f32 partial buffers alternate: one is sent while the other receives and is combined in
+    // place. bf16 inputs arrive as bf16 on the first step (buffer c).
+    float* partial[2] = {scratch_[0].get<float>(opts_.pool, size_t(maxc) * 4),
+                         scratch_[1].get<float>(opts_.pool, size_t(maxc) * 4)};
+    char* first_in = dt == DType::f32 ? nullptr : scratch_[2].get<char>(opts_.pool, size_t(maxc) * es);
     auto cnt = [&](int i) { return offs[size_t(i) + 1] - offs[size_t(i)]; };
-    std::vector<MPI_Request> reqs;
+    auto segments = [](int64_t count) { return std::max<int64_t>(1, (count + kSegment - 1) / kSegment); };
+    std::vector<MPI_Request> rreqs, sreqs;
     for (int s = 0; s <= n - 2; ++s) {
       int sc = mod(r - s - 1, n), rc = mod(r - s - 2, n);
-      bool first = s == 0;
-      void* rbuf = first && dt != DType::f32 ? c.as<void>() : static_cast<void*>(pb);
+      bool first = s == 0, last = s == n - 2;
+      float* rx = partial[s & 1];
+      const float* tx = partial[(s + 1) & 1];
       DType rdt = first ? dt : DType::f32;
-      irecv(rbuf, cnt(rc), rdt, prev, 0, coll_, reqs);
-      if (first) {
-        isend(send + size_t(offs[size_t(sc)]) * es, cnt(sc), dt, next, 0, coll_, reqs);
-      } else {
-        isend(pa, cnt(sc), DType::f32, next, 0, coll_, reqs);
+      char* rbuf = first && dt != DType::f32 ? first_in : reinterpret_cast<char*>(rx);
+      const char* sbuf = first ? send + size_t(offs[size_t(sc)]) * es : reinterpret_cast<const char*>(tx);
+      DType sdt = first ? dt : DType::f32;
+      // Pieces of kSegment elements, so each is combined while it is still in cache.
+      for (int64_t k = 0, nr = segments(cnt(rc)); k < nr; ++k) {
+        int64_t o = k * kSegment, len = std::min(kSegment, cnt(rc) - o);
+        irecv(rbuf + size_t(o) * dtype_size(rdt), len, rdt, prev, 0, coll_, rreqs);
       }
-      wait_all(reqs, nullptr, [&] {
+      for (int64_t k = 0, ns = segments(cnt(sc)); k < ns; ++k) {
+        int64_t o = k * kSegment, len = std::min(kSegment, cnt(sc) - o);
+        isend(sbuf + size_t(o) * dtype_size(sdt), len, sdt, next, 0, coll_, sreqs);
+      }
+      auto waiting = [&] {
         return fmt::format("ring step {} of {}: no data from rank {} (it, or a rank before it in the "
                            "ring, has not arrived)", s + 1, 2 * (n - 1), world_ranks_[size_t(prev)]);
-      });
+      };
       const char* own = send + size_t(offs[size_t(rc)]) * es;
-      if (s < n - 2) {
-        detail::combine(pa, rbuf, rdt, own, dt, cnt(rc), op);
-      } else if (dt == DType::f32) {
-        detail::combine(static_cast<float*>(out), rbuf, rdt, own, dt, cnt(rc), op);
-      } else {
-        detail::combine(pa, rbuf, rdt, own, dt, cnt(rc), op);
-        detail::store_f32(out, dt, pa, cnt(rc));
+      for (size_t k = 0; k < rreqs.size(); ++k) {
+        wait_requests(&rreqs[k], 1, nullptr, waiting);
+        int64_t o = int64_t(k) * kSegment, len = std::min(kSegment, cnt(rc) - o);
+        const char* in = rbuf + size_t(o) * dtype_size(rdt);
+        const char* mine = own + size_t(o) * es;
+        if (last && dt == DType::f32) {
+          detail::combine(static_cast<float*>(out) + o, in, rdt, mine, dt, len, op);
+        } else {
+          detail::combine(rx + o, in, rdt, mine, dt, len, op);
+          if (last) detail::store_f32(static_cast<char*>(out) + size_t(o) * es, dt, rx + o, len);
+        }
       }
+      rreqs.clear();
+      wait_all(sreqs, nullptr, [&] {
+        return fmt::format("ring step {} of {}: rank {} did not take the data", s + 1, 2 * (n - 1),
+                           world_ranks_[size_t(next)]);
+      });
     }
   }
 
@@ -368,6 +404,7 @@ class MpiComm final : public Comm {
   std::vector<int> world_ranks_;
   std::string what_;
   Clock::time_point deadline_{};
+  Scratch scratch_[3];  // ring partials (2 x f32) and bf16 first-step input
 };
 
 }  // namespace

@@ -6,7 +6,9 @@
 // so the results are bit-identical to the threads backend's. Partial sums travel in f32 (bf16
 // inputs are sent as bf16 on the first step only) and bf16 results are rounded once. Gathers are
 // rings too; broadcast and barrier are MPI's nonblocking collectives. Every wait polls its
-// requests against the communicator's timeout.
+// requests against the communicator's timeout. Ring messages travel in 1 MiB pieces, each combined
+// on arrival; the staging buffers (two f32 partial chunks, about 2/n of the largest reduction, plus
+// its bf16 input chunk) are kept by the communicator between calls, tagged MemTag::comm.
 //
 // Failure: MPI cannot cancel a collective half way, so a timeout or an MPI error prints the rank,
 // the call and the ranks it waited for to stderr and aborts the whole job (MPI_Abort); mpirun
