@@ -1,4 +1,5 @@
-// Shared by every CUDA op: error checks with file:line, bf16 helpers, launch arithmetic.
+// Shared by every CUDA op: error checks with file:line, bf16 helpers, launch arithmetic and block
+// reductions.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -21,5 +22,47 @@ namespace loom::cuda {
 using bf16 = __nv_bfloat16;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// 16 bytes of bf16 (8 elements) for vectorised loads and stores.
+struct alignas(16) bf16x8 {
+  bf16 v[8];
+};
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+// `shared` holds at least 32 floats. Fixed order, so the result is repeatable.
+__device__ __forceinline__ float block_sum(float x, float* shared) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
+  x = warp_sum(x);
+  __syncthreads();
+  if (lane == 0) shared[warp] = x;
+  __syncthreads();
+  float r = lane < nwarps ? shared[lane] : 0.f;
+  return warp_sum(r);
+}
+
+__device__ __forceinline__ float block_max(float x, float* shared) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
+  x = warp_max(x);
+  __syncthreads();
+  if (lane == 0) shared[warp] = x;
+  __syncthreads();
+  float r = lane < nwarps ? shared[lane] : -INFINITY;
+  return warp_max(r);
+}
+
+// The number of streaming multiprocessors of the current device (cached per process).
+int num_sms();
 
 }  // namespace loom::cuda

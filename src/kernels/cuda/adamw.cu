@@ -1,0 +1,127 @@
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/adamw.cuh"
+
+#include <cmath>
+
+namespace loom::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+template <class Chunk>
+__global__ void sum_squares_kernel(float* partials, const AdamWTensor* tensors, const Chunk* chunks, int64_t chunk) {
+  __shared__ float sh[32];
+  const Chunk ck = chunks[blockIdx.x];
+  const AdamWTensor t = tensors[ck.tensor];
+  const int64_t end = min(t.n, ck.start + chunk);
+  float s = 0.f;
+  for (int64_t i = ck.start + threadIdx.x; i < end; i += kThreads) {
+    const float g = t.grad[i];
+    s += g * g;
+  }
+  s = block_sum(s, sh);
+  if (threadIdx.x == 0) partials[blockIdx.x] = s;
+}
+
+template <class Hyper>
+__global__ void finalize_norm_kernel(float* stats, const float* partials, int64_t n, const Hyper* h) {
+  __shared__ float sh[32];
+  float s = 0.f;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) s += partials[i];
+  s = block_sum(s, sh);
+  if (threadIdx.x == 0) {
+    const float norm = sqrtf(s) * h->grad_scale;
+    float scale = h->grad_scale;
+    if (h->max_norm > 0.f) scale *= fminf(1.f, h->max_norm / (norm + 1e-6f));
+    stats[0] = norm;
+    stats[1] = scale;
+  }
+}
+
+template <class Chunk, class Hyper>
+__global__ void adamw_kernel(const AdamWTensor* tensors, const Chunk* chunks, int64_t chunk, const Hyper* hp,
+                             const float* stats) {
+  const Chunk ck = chunks[blockIdx.x];
+  const AdamWTensor t = tensors[ck.tensor];
+  const Hyper h = *hp;
+  const float scale = stats[1];
+  const int64_t end = min(t.n, ck.start + chunk);
+  for (int64_t i = ck.start + threadIdx.x; i < end; i += kThreads) {
+    const float g = t.grad[i] * scale;
+    float p = t.param[i];
+    const float m = h.beta1 * t.m[i] + (1.f - h.beta1) * g;
+    const float v = h.beta2 * t.v[i] + (1.f - h.beta2) * g * g;
+    t.m[i] = m;
+    t.v[i] = v;
+    p -= h.lr * t.weight_decay * p;
+    p -= h.lr * (m / h.bc1) / (sqrtf(v / h.bc2) + h.eps);
+    t.param[i] = p;
+    if (t.param_bf16) t.param_bf16[i] = __float2bfloat16(p);
+  }
+}
+
+}  // namespace
+
+MultiTensorAdamW::MultiTensorAdamW(std::vector<AdamWTensor> tensors, MemoryPool& pool)
+    : pool_(pool), tensors_(std::move(tensors)) {
+  LOOM_CHECK(pool_.device() == Device::cuda, "MultiTensorAdamW: pool '{}' is not a device pool", pool_.name().c_str());
+  std::vector<Chunk> chunks;
+  for (size_t i = 0; i < tensors_.size(); ++i) {
+    const AdamWTensor& t = tensors_[i];
+    LOOM_CHECK(t.n >= 0, "MultiTensorAdamW: tensor {} has negative size {}", int64_t(i), t.n);
+    LOOM_CHECK(t.n == 0 || (t.param && t.grad && t.m && t.v), "MultiTensorAdamW: tensor {} lacks a pointer", int64_t(i));
+    for (int64_t s = 0; s < t.n; s += kChunk) chunks.push_back({int32_t(i), s});
+    numel_ += t.n;
+  }
+  num_chunks_ = int64_t(chunks.size());
+  bytes_tensors_ = std::max<size_t>(1, tensors_.size()) * sizeof(AdamWTensor);
+  bytes_chunks_ = std::max<size_t>(1, chunks.size()) * sizeof(Chunk);
+  bytes_partials_ = std::max<size_t>(1, chunks.size()) * sizeof(float);
+  d_tensors_ = static_cast<AdamWTensor*>(pool_.allocate(bytes_tensors_, MemTag::optimizer));
+  d_chunks_ = static_cast<Chunk*>(pool_.allocate(bytes_chunks_, MemTag::optimizer));
+  partials_ = static_cast<float*>(pool_.allocate(bytes_partials_, MemTag::optimizer));
+  stats_ = static_cast<float*>(pool_.allocate(2 * sizeof(float), MemTag::optimizer));
+  d_hyper_ = static_cast<DeviceHyper*>(pool_.allocate(sizeof(DeviceHyper), MemTag::optimizer));
+  LOOM_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&h_hyper_), sizeof(DeviceHyper)));
+  if (!tensors_.empty())
+    LOOM_CUDA_CHECK(cudaMemcpy(d_tensors_, tensors_.data(), tensors_.size() * sizeof(AdamWTensor), cudaMemcpyHostToDevice));
+  if (!chunks.empty())
+    LOOM_CUDA_CHECK(cudaMemcpy(d_chunks_, chunks.data(), chunks.size() * sizeof(Chunk), cudaMemcpyHostToDevice));
+  set_hyper(AdamWHyper{});
+}
+
+MultiTensorAdamW::~MultiTensorAdamW() {
+  cudaFreeHost(h_hyper_);
+  pool_.deallocate(d_hyper_, sizeof(DeviceHyper), MemTag::optimizer);
+  pool_.deallocate(stats_, 2 * sizeof(float), MemTag::optimizer);
+  pool_.deallocate(partials_, bytes_partials_, MemTag::optimizer);
+  pool_.deallocate(d_chunks_, bytes_chunks_, MemTag::optimizer);
+  pool_.deallocate(d_tensors_, bytes_tensors_, MemTag::optimizer);
+}
+
+void MultiTensorAdamW::set_hyper(const AdamWHyper& h) {
+  LOOM_CHECK(h.step >= 1, "AdamW: step must be >= 1, got {}", h.step);
+  LOOM_CHECK(h.beta1 >= 0.f && h.beta1 < 1.f && h.beta2 >= 0.f && h.beta2 < 1.f,
+             "AdamW: betas must be in [0, 1), got {} and {}", h.beta1, h.beta2);
+  h_hyper_->lr = h.lr;
+  h_hyper_->beta1 = h.beta1;
+  h_hyper_->beta2 = h.beta2;
+  h_hyper_->eps = h.eps;
+  h_hyper_->bc1 = float(1.0 - std::pow(double(h.beta1), double(h.step)));
+  h_hyper_->bc2 = float(1.0 - std::pow(double(h.beta2), double(h.step)));
+  h_hyper_->max_norm = h.max_norm;
+  h_hyper_->grad_scale = h.grad_scale;
+}
+
+void MultiTensorAdamW::launch(cudaStream_t stream) {
+  LOOM_CUDA_CHECK(cudaMemcpyAsync(d_hyper_, h_hyper_, sizeof(DeviceHyper), cudaMemcpyHostToDevice, stream));
+  if (num_chunks_ == 0) return;
+  sum_squares_kernel<<<unsigned(num_chunks_), kThreads, 0, stream>>>(partials_, d_tensors_, d_chunks_, kChunk);
+  LOOM_CUDA_LAUNCH_CHECK();
+  finalize_norm_kernel<<<1, 1024, 0, stream>>>(stats_, partials_, num_chunks_, d_hyper_);
+  LOOM_CUDA_LAUNCH_CHECK();
+  adamw_kernel<<<unsigned(num_chunks_), kThreads, 0, stream>>>(d_tensors_, d_chunks_, kChunk, d_hyper_, stats_);
+  LOOM_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace loom::cuda

@@ -1,0 +1,58 @@
+// Device memory for loom's tagged pools: an Allocator over cudaMalloc'd arenas. Allocations are
+// carved from large arenas (first fit over an address-ordered free list, neighbours coalesced on
+// free), so a training run calls cudaMalloc a handful of times and never during a step. No managed
+// memory. A MemoryPool over this allocator tags device bytes exactly as host bytes.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <iterator>
+#include <map>
+#include <mutex>
+#include <vector>
+
+#include "core/memory.h"
+
+namespace loom::cuda {
+
+class ArenaAllocator final : public Allocator {
+ public:
+  // Arenas are at least `arena_bytes` (larger requests get an arena of their own size).
+  explicit ArenaAllocator(size_t arena_bytes = size_t(256) << 20, int device = -1);
+  ~ArenaAllocator() override;
+  ArenaAllocator(const ArenaAllocator&) = delete;
+  ArenaAllocator& operator=(const ArenaAllocator&) = delete;
+
+  // 256-byte aligned device memory (null for 0 bytes). Throws loom::Error when the device is full.
+  void* allocate(size_t bytes) override;
+  void deallocate(void* p, size_t bytes) override;
+  Device device() const override { return Device::cuda; }
+
+  size_t reserved_bytes() const;  // sum of the arenas' sizes (what cudaMalloc gave)
+  size_t arena_count() const;
+  // Returns every arena with no live allocation to the driver.
+  void release_unused();
+
+  static constexpr size_t kAlign = 256;
+
+ private:
+  struct Arena {
+    char* base = nullptr;
+    size_t size = 0;
+    size_t used = 0;
+    std::map<size_t, size_t> free;  // offset -> length, address ordered
+  };
+  bool carve(Arena& a, size_t bytes, void** out);
+  size_t reserved_bytes_locked() const;
+
+  size_t arena_bytes_;
+  int device_;
+  mutable std::mutex mu_;
+  std::vector<Arena> arenas_;
+  std::map<uintptr_t, std::pair<size_t, size_t>> live_;  // address -> (arena index, length)
+};
+
+// The process-wide device allocator and pool (device 0 or the current device at first use).
+ArenaAllocator& device_allocator();
+MemoryPool& device_pool();
+
+}  // namespace loom::cuda

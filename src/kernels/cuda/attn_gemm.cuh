@@ -1,0 +1,35 @@
+// Causal multi-head attention through cuBLAS batched GEMMs and a fused softmax: the probability
+// matrix (bf16 [B, NH, T, T]) is materialised and saved for the backward. A simple, exact
+// reference path for the GPU and a fallback for the model; loom's flash attention
+// (attention.cuh) is the fast path. Layout of the packed input as GPT-2's c_attn output:
+// qkv bf16 [B, T, 3C] with q, k, v at column offsets 0, C, 2C and head h at h * HS.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/common.cuh"
+
+namespace loom::cuda {
+
+struct AttnGemmShape {
+  int64_t B = 0, T = 0, NH = 0, HS = 0;  // C = NH * HS; HS a multiple of 8
+};
+
+// Scratch shared by the forward and backward (reusable across layers): bytes needed.
+size_t attn_gemm_workspace_bytes(const AttnGemmShape& s);
+
+// out bf16 [B, T, C]; att bf16 [B, NH, T, T] (softmax probabilities, zero above the diagonal,
+// saved for the backward); qkv bf16 [B, T, 3C].
+void attn_gemm_forward(bf16* out, bf16* att, const bf16* qkv, const AttnGemmShape& s, void* workspace,
+                       cudaStream_t stream);
+
+// dqkv bf16 [B, T, 3C] written; dout bf16 [B, T, C]; att as saved by the forward (overwritten:
+// it holds the scores' gradient afterwards).
+void attn_gemm_backward(bf16* dqkv, bf16* att, const bf16* dout, const bf16* qkv, const AttnGemmShape& s,
+                        void* workspace, cudaStream_t stream);
+
+// Creates the cuBLAS handle and its workspace; call before capturing a CUDA graph.
+void attn_gemm_init();
+
+}  // namespace loom::cuda

@@ -1,0 +1,88 @@
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/crossentropy.cuh"
+
+namespace loom::cuda {
+namespace {
+
+constexpr int kThreads = 512;
+
+// One block per row. Pass 1: per-thread online max / sum of exp over the row's first V columns,
+// combined over the block. Pass 2 (with dlogits): writes the gradient over all Vp columns.
+__global__ void __launch_bounds__(kThreads) crossentropy_kernel(float* losses, bf16* dlogits, const bf16* logits,
+                                                               const int32_t* targets, float dloss, int64_t V,
+                                                               int64_t Vp) {
+  __shared__ float sh[32];
+  const int64_t row = blockIdx.x;
+  const bf16* x = logits + row * Vp;
+  const int32_t target = targets[row];
+  float m = -INFINITY, s = 0.f;
+  for (int64_t c = int64_t(threadIdx.x) * 8; c < Vp; c += kThreads * 8) {
+    bf16x8 v = *reinterpret_cast<const bf16x8*>(x + c);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if (c + i >= V) break;
+      const float f = __bfloat162float(v.v[i]);
+      if (f > m) {
+        s = s * __expf(m - f) + 1.f;
+        m = f;
+      } else {
+        s += __expf(f - m);
+      }
+    }
+  }
+  const float M = block_max(m, sh);
+  const float S = block_sum(m == -INFINITY ? 0.f : s * __expf(m - M), sh);
+  const float lse = M + logf(S);
+  const bool ignored = target == -1;
+  const bool valid = target >= 0 && target < V;
+  if (threadIdx.x == 0 && losses) {
+    losses[row] = ignored ? 0.f : (valid ? lse - __bfloat162float(x[target]) : NAN);
+  }
+  if (!dlogits) return;
+  // Every thread has read its own elements of the row (the target included, by thread 0 above,
+  // before block_sum's barrier), so in-place writes below cannot race with reads.
+  __syncthreads();
+  bf16* dx = dlogits + row * Vp;
+  const float inv_s = 1.f / S;
+  for (int64_t c = int64_t(threadIdx.x) * 8; c < Vp; c += kThreads * 8) {
+    bf16x8 v = *reinterpret_cast<const bf16x8*>(x + c);
+    bf16x8 o;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int64_t col = c + i;
+      float g = 0.f;
+      if (!ignored && col < V) {
+        const float p = __expf(__bfloat162float(v.v[i]) - M) * inv_s;
+        g = valid ? dloss * (p - (col == target ? 1.f : 0.f)) : NAN;
+      }
+      o.v[i] = __float2bfloat16(g);
+    }
+    *reinterpret_cast<bf16x8*>(dx + c) = o;
+  }
+}
+
+void check_args(const char* what, int64_t V, int64_t Vp) {
+  LOOM_CHECK(V > 0 && V <= Vp && Vp % 8 == 0, "{}: need 0 < V <= Vp with Vp a multiple of 8 (V = {}, Vp = {})", what, V,
+             Vp);
+}
+
+}  // namespace
+
+void crossentropy_forward(float* losses, const bf16* logits, const int32_t* targets, int64_t N, int64_t V, int64_t Vp,
+                          cudaStream_t stream) {
+  check_args("crossentropy_forward", V, Vp);
+  if (N == 0) return;
+  crossentropy_kernel<<<unsigned(N), kThreads, 0, stream>>>(losses, nullptr, logits, targets, 0.f, V, Vp);
+  LOOM_CUDA_LAUNCH_CHECK();
+}
+
+void crossentropy_forward_backward(float* losses, bf16* dlogits, const bf16* logits, const int32_t* targets, float dloss,
+                                   int64_t N, int64_t V, int64_t Vp, cudaStream_t stream) {
+  check_args("crossentropy_forward_backward", V, Vp);
+  LOOM_CHECK(dlogits, "crossentropy_forward_backward: dlogits is null");
+  if (N == 0) return;
+  crossentropy_kernel<<<unsigned(N), kThreads, 0, stream>>>(losses, dlogits, logits, targets, dloss, V, Vp);
+  LOOM_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace loom::cuda

@@ -1,0 +1,267 @@
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/matmul.cuh"
+
+#include <cublasLt.h>
+
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "kernels/cuda/allocator.cuh"
+
+#define LOOM_CUBLAS_CHECK(expr)                                                                  \
+  do {                                                                                           \
+    cublasStatus_t st_ = (expr);                                                                 \
+    if (st_ != CUBLAS_STATUS_SUCCESS) LOOM_FAIL("cuBLASLt error {} ({}) in {}", int(st_), cublasGetStatusString(st_), #expr); \
+  } while (0)
+
+namespace loom::cuda {
+namespace {
+
+constexpr size_t kWorkspaceBytes = size_t(32) << 20;
+
+struct LtState {
+  cublasLtHandle_t handle = nullptr;
+  void* workspace = nullptr;
+  std::mutex mu;
+  // Heuristic choices by problem description (shapes, types, epilogue, alignments).
+  std::map<std::vector<int64_t>, cublasLtMatmulAlgo_t> algos;
+};
+
+LtState& lt() {
+  static LtState* s = [] {
+    auto* st = new LtState();
+    LOOM_CUBLAS_CHECK(cublasLtCreate(&st->handle));
+    st->workspace = device_pool().allocate(kWorkspaceBytes, MemTag::workspace);
+    return st;
+  }();
+  return *s;
+}
+
+int alignment_of(const void* p) {
+  uintptr_t u = reinterpret_cast<uintptr_t>(p);
+  int a = 256;
+  while (a > 1 && (u % uintptr_t(a)) != 0) a /= 2;
+  return a;
+}
+
+// One cuBLASLt call in column-major terms: D[m, n] = alpha op(A) op(B) + beta D, with an
+// epilogue. A and B are bf16; D is bf16 or f32.
+struct LtCall {
+  bool ta = false, tb = false;
+  int64_t m = 0, n = 0, k = 0;
+  const void* A = nullptr;
+  int64_t lda = 0;
+  const void* B = nullptr;
+  int64_t ldb = 0;
+  void* D = nullptr;
+  int64_t ldd = 0;
+  bool d_f32 = false;
+  float alpha = 1.f, beta = 0.f;
+  cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
+  const void* bias = nullptr;
+  void* aux = nullptr;
+  int64_t ld_aux = 0;
+};
+
+void lt_matmul(const LtCall& c, cudaStream_t stream) {
+  LtState& s = lt();
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, ld = nullptr;
+  LOOM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  cublasOperation_t ta = c.ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb = c.tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+  LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+  LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+  LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &c.epilogue, sizeof(c.epilogue)));
+  if (c.bias) {
+    LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &c.bias, sizeof(c.bias)));
+    cudaDataType bt = CUDA_R_16BF;
+    LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)));
+  }
+  if (c.aux) {
+    LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &c.aux, sizeof(c.aux)));
+    LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &c.ld_aux, sizeof(c.ld_aux)));
+  }
+  LOOM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, c.ta ? c.k : c.m, c.ta ? c.m : c.k, c.lda));
+  LOOM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, c.tb ? c.n : c.k, c.tb ? c.k : c.n, c.ldb));
+  LOOM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&ld, c.d_f32 ? CUDA_R_32F : CUDA_R_16BF, c.m, c.n, c.ldd));
+
+  const int al_a = alignment_of(c.A), al_b = alignment_of(c.B), al_d = alignment_of(c.D);
+  const int al_bias = c.bias ? alignment_of(c.bias) : 256;
+  std::vector<int64_t> key{c.ta, c.tb, c.m, c.n, c.k, c.lda, c.ldb, c.ldd, c.d_f32, int64_t(c.epilogue),
+                           c.bias != nullptr, c.ld_aux, al_a, al_b, al_d, al_bias, c.beta != 0.f};
+  cublasLtMatmulAlgo_t algo;
+  {
+    std::lock_guard lk(s.mu);
+    auto it = s.algos.find(key);
+    if (it != s.algos.end()) {
+      algo = it->second;
+    } else {
+      cublasLtMatmulPreference_t pref = nullptr;
+      LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+      size_t ws = kWorkspaceBytes;
+      LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+      uint32_t a32 = uint32_t(al_a), b32 = uint32_t(al_b), d32 = uint32_t(al_d);
+      LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &a32, 4));
+      LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &b32, 4));
+      LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &d32, 4));
+      LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &d32, 4));
+      cublasLtMatmulHeuristicResult_t res{};
+      int found = 0;
+      cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(s.handle, op, la, lb, ld, ld, pref, 1, &res, &found);
+      cublasLtMatmulPreferenceDestroy(pref);
+      if (st != CUBLAS_STATUS_SUCCESS || found == 0)
+        LOOM_FAIL("cuBLASLt found no algorithm for m={} n={} k={} ta={} tb={} lda={} ldb={} ldd={} f32_out={} "
+                  "epilogue={} (status {})", c.m, c.n, c.k, c.ta, c.tb, c.lda, c.ldb, c.ldd, c.d_f32,
+                  int(c.epilogue), int(st));
+      algo = res.algo;
+      s.algos.emplace(key, algo);
+    }
+  }
+  LOOM_CUBLAS_CHECK(cublasLtMatmul(s.handle, op, &c.alpha, c.A, la, c.B, lb, &c.beta, c.D, ld, c.D, ld, &algo,
+                                   s.workspace, kWorkspaceBytes, stream));
+  cublasLtMatrixLayoutDestroy(la);
+  cublasLtMatrixLayoutDestroy(lb);
+  cublasLtMatrixLayoutDestroy(ld);
+  cublasLtMatmulDescDestroy(op);
+}
+
+constexpr int kBiasCols = 512;  // columns per block (256 threads x 2)
+
+int64_t bias_row_chunks(int64_t M) { return std::min<int64_t>(64, ceil_div(M, 32)); }
+
+// partial[r, col] = sum of x[rows of chunk r, col]; each thread owns two adjacent columns.
+__global__ void bias_grad_partial_kernel(float* partial, const bf16* x, int64_t M, int64_t N, int64_t rows_per_chunk) {
+  const int64_t col = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 2;
+  const int64_t r = blockIdx.y;
+  if (col >= N) return;
+  const int64_t r0 = r * rows_per_chunk, r1 = min(M, r0 + rows_per_chunk);
+  float s0 = 0.f, s1 = 0.f;
+  for (int64_t i = r0; i < r1; ++i) {
+    __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(x + i * N + col);
+    s0 += __bfloat162float(v.x);
+    s1 += __bfloat162float(v.y);
+  }
+  partial[r * N + col] = s0;
+  partial[r * N + col + 1] = s1;
+}
+
+__global__ void bias_grad_reduce_kernel(float* dbias, const float* partial, int64_t R, int64_t N) {
+  const int64_t col = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (col >= N) return;
+  float s = 0.f;
+  for (int64_t r = 0; r < R; ++r) s += partial[r * N + col];
+  dbias[col] += s;
+}
+
+}  // namespace
+
+void matmul_init() { (void)lt(); }
+
+int64_t matmul_dbias_scratch_floats(int64_t N) { return 64 * N; }
+
+void bias_grad(float* dbias, const bf16* x, int64_t M, int64_t N, float* scratch, cudaStream_t stream) {
+  LOOM_CHECK(N % 2 == 0, "bias_grad: N = {} must be even", N);
+  LOOM_CHECK(scratch != nullptr, "bias_grad: scratch is null");
+  if (M == 0 || N == 0) return;
+  const int64_t R = bias_row_chunks(M);
+  const int64_t rows = ceil_div(M, R);
+  dim3 grid(unsigned(ceil_div(N, kBiasCols)), unsigned(R));
+  bias_grad_partial_kernel<<<grid, kBiasCols / 2, 0, stream>>>(scratch, x, M, N, rows);
+  LOOM_CUDA_LAUNCH_CHECK();
+  bias_grad_reduce_kernel<<<unsigned(ceil_div(N, 256)), 256, 0, stream>>>(dbias, scratch, R, N);
+  LOOM_CUDA_LAUNCH_CHECK();
+}
+
+void matmul_forward(const MatmulFwdArgs& a, cudaStream_t stream) {
+  LOOM_CHECK(a.out && a.inp && a.weight, "matmul_forward: out, inp and weight must be set");
+  LOOM_CHECK(a.M > 0 && a.K > 0 && a.N > 0, "matmul_forward: bad sizes M={} K={} N={}", a.M, a.K, a.N);
+  LOOM_CHECK(a.K % 8 == 0 && a.N % 8 == 0, "matmul_forward: K={} and N={} must be multiples of 8", a.K, a.N);
+  LOOM_CHECK(!a.gelu || a.pre_gelu, "matmul_forward: the GELU epilogue needs pre_gelu");
+  LtCall c;
+  c.ta = true;
+  c.tb = false;
+  c.m = a.N;
+  c.n = a.M;
+  c.k = a.K;
+  c.A = a.weight;
+  c.lda = a.K;
+  c.B = a.inp;
+  c.ldb = a.K;
+  c.D = a.out;
+  c.ldd = a.N;
+  c.bias = a.bias;
+  if (a.gelu) {
+    c.epilogue = a.bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
+    c.aux = a.pre_gelu;
+    c.ld_aux = a.N;
+  } else {
+    c.epilogue = a.bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+  }
+  lt_matmul(c, stream);
+}
+
+void matmul_backward(const MatmulBwdArgs& a, cudaStream_t stream) {
+  LOOM_CHECK(a.dout, "matmul_backward: dout must be set");
+  LOOM_CHECK(a.K % 8 == 0 && a.N % 8 == 0, "matmul_backward: K={} and N={} must be multiples of 8", a.K, a.N);
+  if (a.dinp) {
+    LOOM_CHECK(a.weight, "matmul_backward: dinp needs weight");
+    LtCall c;
+    c.m = a.K;
+    c.n = a.M;
+    c.k = a.N;
+    c.A = a.weight;
+    c.lda = a.K;
+    c.B = a.dout;
+    c.ldb = a.N;
+    c.D = a.dinp;
+    c.ldd = a.K;
+    if (a.dinp_gelu_pre) {
+      c.epilogue = CUBLASLT_EPILOGUE_DGELU;
+      c.aux = const_cast<bf16*>(a.dinp_gelu_pre);
+      c.ld_aux = a.K;
+    }
+    lt_matmul(c, stream);
+  }
+  if (a.dweight) {
+    LOOM_CHECK(a.inp, "matmul_backward: dweight needs inp");
+    LtCall c;
+    c.tb = true;
+    c.m = a.K;
+    c.n = a.N;
+    c.k = a.M;
+    c.A = a.inp;
+    c.lda = a.K;
+    c.B = a.dout;
+    c.ldb = a.N;
+    c.D = a.dweight;
+    c.ldd = a.K;
+    c.d_f32 = true;
+    c.beta = 1.f;
+    lt_matmul(c, stream);
+  }
+  if (a.dbias) bias_grad(a.dbias, a.dout, a.M, a.N, a.dbias_scratch, stream);
+}
+
+void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A,
+               int64_t lda, const bf16* B, int64_t ldb, float beta, void* C, int64_t ldc, bool c_f32,
+               cudaStream_t stream) {
+  LtCall c;
+  c.ta = trans_b;
+  c.tb = trans_a;
+  c.m = N;
+  c.n = M;
+  c.k = K;
+  c.A = B;
+  c.lda = ldb;
+  c.B = A;
+  c.ldb = lda;
+  c.D = C;
+  c.ldd = ldc;
+  c.d_f32 = c_f32;
+  c.alpha = alpha;
+  c.beta = beta;
+  lt_matmul(c, stream);
+}
+
+}  // namespace loom::cuda

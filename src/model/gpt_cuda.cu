@@ -1,0 +1,532 @@
+#include "kernels/cuda/common.cuh"
+#include "model/gpt_cuda.cuh"
+
+#include <cmath>
+#include <cstring>
+
+#include "kernels/cuda/attention.cuh"
+#include "kernels/cuda/attn_gemm.cuh"
+#include "kernels/cuda/crossentropy.cuh"
+#include "kernels/cuda/embedding.cuh"
+#include "kernels/cuda/gelu.cuh"
+#include "kernels/cuda/layernorm.cuh"
+#include "kernels/cuda/matmul.cuh"
+
+namespace loom::model {
+
+using cuda::bf16;
+
+namespace {
+
+constexpr int64_t kAlignElems = 128;  // parameter offsets: 256 bytes of bf16, 512 of f32
+constexpr int kPerLayer = 12;
+// Indices within a layer's 12 parameters (Hugging Face order).
+enum { kLn1W, kLn1B, kAttnW, kAttnB, kProjW, kProjB, kLn2W, kLn2B, kFcW, kFcB, kFcProjW, kFcProjB };
+
+__global__ void f32_to_bf16_kernel(bf16* out, const float* in, int64_t n) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = __float2bfloat16(in[i]);
+}
+
+// out[0] = sum(losses) * scale, one block, fixed order.
+__global__ void mean_loss_kernel(float* out, const float* losses, int64_t n, float scale) {
+  __shared__ float sh[32];
+  float s = 0.f;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) s += losses[i];
+  s = cuda::block_sum(s, sh);
+  if (threadIdx.x == 0) out[0] = s * scale;
+}
+
+}  // namespace
+
+std::vector<ParamSpec> gpt_param_specs(const GPTConfig& cfg) {
+  cfg.validate("GPTCuda config");
+  LOOM_CHECK(cfg.tied_embeddings, "GPTCuda config '{}': untied embeddings (lm_head.weight) are not supported on CUDA",
+             cfg.name);
+  const int64_t C = cfg.n_embd;
+  const float std = cfg.init_std;
+  const float proj_std = cfg.init_std / std::sqrt(2.0f * float(cfg.n_layer));
+  std::vector<ParamSpec> s;
+  s.push_back({"wte.weight", {cfg.vocab_size, C}, cfg.padded_vocab(), Init::normal, std});
+  s.push_back({"wpe.weight", {cfg.block_size, C}, cfg.block_size, Init::normal, std});
+  for (int64_t l = 0; l < cfg.n_layer; ++l) {
+    const std::string p = "h." + std::to_string(l) + ".";
+    s.push_back({p + "ln_1.weight", {C}, C, Init::ones, 0});
+    s.push_back({p + "ln_1.bias", {C}, C, Init::zeros, 0});
+    s.push_back({p + "attn.c_attn.weight", {3 * C, C}, 3 * C, Init::normal, std});
+    s.push_back({p + "attn.c_attn.bias", {3 * C}, 3 * C, Init::zeros, 0});
+    s.push_back({p + "attn.c_proj.weight", {C, C}, C, Init::normal, proj_std});
+    s.push_back({p + "attn.c_proj.bias", {C}, C, Init::zeros, 0});
+    s.push_back({p + "ln_2.weight", {C}, C, Init::ones, 0});
+    s.push_back({p + "ln_2.bias", {C}, C, Init::zeros, 0});
+    s.push_back({p + "mlp.c_fc.weight", {4 * C, C}, 4 * C, Init::normal, std});
+    s.push_back({p + "mlp.c_fc.bias", {4 * C}, 4 * C, Init::zeros, 0});
+    s.push_back({p + "mlp.c_proj.weight", {C, 4 * C}, C, Init::normal, proj_std});
+    s.push_back({p + "mlp.c_proj.bias", {C}, C, Init::zeros, 0});
+  }
+  s.push_back({"ln_f.weight", {C}, C, Init::ones, 0});
+  s.push_back({"ln_f.bias", {C}, C, Init::zeros, 0});
+  return s;
+}
+
+// Saved activations (bf16 unless noted) and backward workspace, all for the options' B x T.
+struct GPTCuda::Acts {
+  struct Layer {
+    bf16* ln1;            // [BT, C]
+    float *ln1_mean, *ln1_rstd;  // f32 [BT]
+    bf16* qkv;            // [BT, 3C]
+    bf16* atty;           // [BT, C]
+    bf16* att;            // gemm attention: [B, NH, T, T] probabilities
+    float* lse;           // flash attention: f32 [B, NH, T]
+    bf16* x2;             // [BT, C] residual after attention
+    bf16* ln2;            // [BT, C]
+    float *ln2_mean, *ln2_rstd;
+    bf16* fch;            // [BT, 4C] before GELU
+    bf16* fch_gelu;       // [BT, 4C]
+  };
+  std::vector<bf16*> x;   // L + 1 residual streams [BT, C]: x[0] embeddings, x[l + 1] after layer l
+  std::vector<Layer> layers;
+  bf16* lnf;              // [BT, C]
+  float *lnf_mean, *lnf_rstd;
+  bf16* logits;           // [BT, Vp] (dlogits in place after the fused loss)
+  float* losses;          // f32 [BT]
+  // Workspace
+  bf16* proj;             // [BT, C] projection outputs before the residual add
+  bf16* dres;             // [BT, C] residual-stream gradient
+  bf16* dln;              // [BT, C]
+  bf16* dbig;             // [BT, 4C] (also dqkv [BT, 3C])
+  float* dbias_scratch;
+  float* ln_scratch;
+  void* attn_ws;
+  size_t attn_ws_bytes = 0;
+};
+
+void* GPTCuda::alloc(size_t bytes, MemTag tag) {
+  void* p = pool_.allocate(bytes, tag);
+  allocations_.push_back({p, {bytes, tag}});
+  return p;
+}
+
+GPTCuda::GPTCuda(const GPTConfig& cfg, const GPTCudaOptions& opt, MemoryPool& pool, uint64_t seed)
+    : cfg_(cfg), opt_(opt), pool_(pool) {
+  LOOM_CHECK(pool_.device() == Device::cuda, "GPTCuda: pool '{}' is not a device pool", pool_.name().c_str());
+  specs_ = gpt_param_specs(cfg_);
+  const int64_t B = opt_.B, T = opt_.T, C = cfg_.n_embd, L = cfg_.n_layer, NH = cfg_.n_head, HS = cfg_.head_size();
+  const int64_t Vp = cfg_.padded_vocab(), BT = B * T;
+  LOOM_CHECK(B > 0 && T > 0 && T <= cfg_.block_size, "GPTCuda options: need B > 0 and 0 < T <= block_size {} (B={} T={})",
+             cfg_.block_size, B, T);
+  LOOM_CHECK(C % 8 == 0 && HS % 8 == 0, "GPTCuda config '{}': n_embd {} and head size {} must be multiples of 8",
+             cfg_.name.c_str(), C, HS);
+  if (opt_.attention == CudaAttention::flash)
+    LOOM_CHECK(HS == 64 || HS == 128, "GPTCuda: flash attention needs head size 64 or 128, got {} (use gemm attention)",
+               HS);
+
+  for (const ParamSpec& s : specs_) {
+    offsets_.push_back(total_);
+    total_ += cuda::ceil_div(s.alloc_numel(), kAlignElems) * kAlignElems;
+  }
+  const size_t nf = size_t(total_) * sizeof(float);
+  master_ = static_cast<float*>(alloc(nf, MemTag::params));
+  wbf_ = static_cast<bf16*>(alloc(size_t(total_) * sizeof(bf16), MemTag::params));
+  grads_ = static_cast<float*>(alloc(nf, MemTag::grads));
+  m_ = static_cast<float*>(alloc(nf, MemTag::optimizer));
+  v_ = static_cast<float*>(alloc(nf, MemTag::optimizer));
+  LOOM_CUDA_CHECK(cudaMemset(master_, 0, nf));
+  LOOM_CUDA_CHECK(cudaMemset(grads_, 0, nf));
+  LOOM_CUDA_CHECK(cudaMemset(m_, 0, nf));
+  LOOM_CUDA_CHECK(cudaMemset(v_, 0, nf));
+
+  std::vector<cuda::AdamWTensor> tensors;
+  for (size_t i = 0; i < specs_.size(); ++i) {
+    cuda::AdamWTensor t;
+    const int64_t o = offsets_[i];
+    t.param = master_ + o;
+    t.param_bf16 = wbf_ + o;
+    t.grad = grads_ + o;
+    t.m = m_ + o;
+    t.v = v_ + o;
+    t.n = specs_[i].alloc_numel();
+    t.weight_decay = specs_[i].decay() ? opt_.weight_decay : 0.f;
+    tensors.push_back(t);
+  }
+  adamw_ = std::make_unique<cuda::MultiTensorAdamW>(std::move(tensors), pool_);
+
+  auto bf = [&](int64_t n, MemTag tag) { return static_cast<bf16*>(alloc(size_t(n) * sizeof(bf16), tag)); };
+  auto f32 = [&](int64_t n, MemTag tag) { return static_cast<float*>(alloc(size_t(n) * sizeof(float), tag)); };
+  const MemTag A = MemTag::activations, W = MemTag::workspace;
+  acts_ = std::make_unique<Acts>();
+  Acts& a = *acts_;
+  for (int64_t l = 0; l <= L; ++l) a.x.push_back(bf(BT * C, A));
+  for (int64_t l = 0; l < L; ++l) {
+    Acts::Layer y{};
+    y.ln1 = bf(BT * C, A);
+    y.ln1_mean = f32(BT, A);
+    y.ln1_rstd = f32(BT, A);
+    y.qkv = bf(BT * 3 * C, A);
+    y.atty = bf(BT * C, A);
+    if (opt_.attention == CudaAttention::gemm)
+      y.att = bf(B * NH * T * T, A);
+    else
+      y.lse = f32(B * NH * T, A);
+    y.x2 = bf(BT * C, A);
+    y.ln2 = bf(BT * C, A);
+    y.ln2_mean = f32(BT, A);
+    y.ln2_rstd = f32(BT, A);
+    y.fch = bf(BT * 4 * C, A);
+    y.fch_gelu = bf(BT * 4 * C, A);
+    a.layers.push_back(y);
+  }
+  a.lnf = bf(BT * C, A);
+  a.lnf_mean = f32(BT, A);
+  a.lnf_rstd = f32(BT, A);
+  a.logits = bf(BT * Vp, A);
+  a.losses = f32(BT, A);
+  a.proj = bf(BT * C, W);
+  a.dres = bf(BT * C, W);
+  a.dln = bf(BT * C, W);
+  a.dbig = bf(BT * 4 * C, W);
+  a.dbias_scratch = f32(cuda::matmul_dbias_scratch_floats(std::max(Vp, 4 * C)), W);
+  a.ln_scratch = f32(cuda::layernorm_backward_scratch_floats(C), W);
+  if (opt_.attention == CudaAttention::gemm) {
+    a.attn_ws_bytes = cuda::attn_gemm_workspace_bytes({B, T, NH, HS});
+  } else {
+    cuda::AttnArgs args;
+    args.B = B;
+    args.NH = NH;
+    args.HS = HS;
+    args.Tq = args.Tkv = T;
+    args.q_stride = args.kv_stride = 3 * C;
+    args.o_stride = C;
+    a.attn_ws_bytes = cuda::attention_backward_workspace_bytes(args);
+  }
+  a.attn_ws = a.attn_ws_bytes ? alloc(a.attn_ws_bytes, W) : nullptr;
+
+  d_tokens_ = static_cast<int32_t*>(alloc(size_t(BT) * sizeof(int32_t), A));
+  d_targets_ = static_cast<int32_t*>(alloc(size_t(BT) * sizeof(int32_t), A));
+  d_loss_ = f32(1, A);
+  LOOM_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&h_tokens_), size_t(2 * BT) * sizeof(int32_t)));
+  LOOM_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&h_stats_), 3 * sizeof(float)));
+  std::memset(h_stats_, 0, 3 * sizeof(float));
+  LOOM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  cuda::matmul_init();
+  if (opt_.attention == CudaAttention::gemm) cuda::attn_gemm_init();
+  init_weights(seed);
+}
+
+GPTCuda::~GPTCuda() {
+  if (graph_) cudaGraphExecDestroy(graph_);
+  if (stream_) {
+    cudaStreamSynchronize(stream_);
+    cudaStreamDestroy(stream_);
+  }
+  cudaFreeHost(h_tokens_);
+  cudaFreeHost(h_stats_);
+  adamw_.reset();
+  for (auto it = allocations_.rbegin(); it != allocations_.rend(); ++it)
+    pool_.deallocate(it->first, it->second.first, it->second.second);
+}
+
+int64_t GPTCuda::num_parameters() const {
+  int64_t n = 0;
+  for (const ParamSpec& s : specs_) n += s.numel();
+  return n;
+}
+
+void GPTCuda::refresh_bf16() {
+  f32_to_bf16_kernel<<<1024, 256, 0, stream_>>>(wbf_, master_, total_);
+  LOOM_CUDA_LAUNCH_CHECK();
+  LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void GPTCuda::init_weights(uint64_t seed) {
+  std::vector<float> host(size_t(total_), 0.f);
+  for (size_t i = 0; i < specs_.size(); ++i) init_values(specs_[i], seed, host.data() + offsets_[i], 0, specs_[i].numel());
+  LOOM_CUDA_CHECK(cudaMemcpy(master_, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice));
+  LOOM_CUDA_CHECK(cudaMemset(m_, 0, size_t(total_) * sizeof(float)));
+  LOOM_CUDA_CHECK(cudaMemset(v_, 0, size_t(total_) * sizeof(float)));
+  refresh_bf16();
+}
+
+static size_t find_spec(const std::vector<ParamSpec>& specs, const std::string& name) {
+  for (size_t i = 0; i < specs.size(); ++i)
+    if (specs[i].name == name) return i;
+  throw Error(fmt::format("GPTCuda: no parameter named '{}'", name));
+}
+
+void GPTCuda::set_parameter(const std::string& name, const float* values) {
+  const size_t i = find_spec(specs_, name);
+  LOOM_CUDA_CHECK(cudaMemcpy(master_ + offsets_[i], values, size_t(specs_[i].numel()) * sizeof(float),
+                             cudaMemcpyHostToDevice));
+  refresh_bf16();
+}
+
+std::vector<float> GPTCuda::parameter(const std::string& name) const {
+  const size_t i = find_spec(specs_, name);
+  std::vector<float> out(size_t(specs_[i].numel()));
+  LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  LOOM_CUDA_CHECK(cudaMemcpy(out.data(), master_ + offsets_[i], out.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  return out;
+}
+
+std::vector<float> GPTCuda::gradient(const std::string& name) const {
+  const size_t i = find_spec(specs_, name);
+  std::vector<float> out(size_t(specs_[i].numel()));
+  LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  LOOM_CUDA_CHECK(cudaMemcpy(out.data(), grads_ + offsets_[i], out.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  return out;
+}
+
+std::vector<float> GPTCuda::logits() const {
+  const int64_t n = opt_.B * opt_.T * cfg_.padded_vocab();
+  std::vector<uint16_t> raw(static_cast<size_t>(n));
+  LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  LOOM_CUDA_CHECK(cudaMemcpy(raw.data(), acts_->logits, size_t(n) * sizeof(bf16), cudaMemcpyDeviceToHost));
+  std::vector<float> out(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u = uint32_t(raw[size_t(i)]) << 16;
+    std::memcpy(&out[size_t(i)], &u, 4);
+  }
+  return out;
+}
+
+void GPTCuda::upload_batch(const int32_t* tokens, const int32_t* targets) {
+  const int64_t BT = opt_.B * opt_.T, V = cfg_.vocab_size;
+  LOOM_CHECK(tokens && targets, "GPTCuda: tokens and targets must be given");
+  cuda::check_token_ids(tokens, BT, V, "GPTCuda tokens");
+  int64_t counted = 0;
+  for (int64_t i = 0; i < BT; ++i) {
+    LOOM_CHECK(targets[i] >= -1 && targets[i] < V, "GPTCuda targets: id {} at position {} is outside [-1, {})",
+               targets[i], i, V);
+    counted += targets[i] != -1;
+  }
+  // The previous step has completed (every entry point synchronises), so the staging is free.
+  std::memcpy(h_tokens_, tokens, size_t(BT) * sizeof(int32_t));
+  std::memcpy(h_tokens_ + BT, targets, size_t(BT) * sizeof(int32_t));
+  LOOM_CUDA_CHECK(cudaMemcpyAsync(d_tokens_, h_tokens_, size_t(BT) * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+  LOOM_CUDA_CHECK(
+      cudaMemcpyAsync(d_targets_, h_tokens_ + BT, size_t(BT) * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+  counted_ = counted;
+  dloss_ = counted > 0 ? 1.f / float(counted) : 0.f;
+}
+
+void GPTCuda::enqueue_forward(bool fused_loss_grad) {
+  Acts& a = *acts_;
+  const int64_t B = opt_.B, T = opt_.T, C = cfg_.n_embd, L = cfg_.n_layer, NH = cfg_.n_head, HS = cfg_.head_size();
+  const int64_t V = cfg_.vocab_size, Vp = cfg_.padded_vocab(), BT = B * T;
+  const float eps = cfg_.ln_eps;
+  cudaStream_t s = stream_;
+  auto W = [&](size_t i) { return wbf_ + offsets_[i]; };
+
+  cuda::embedding_forward(a.x[0], d_tokens_, W(0), W(1), B, T, C, V, s);
+  cuda::layernorm_forward(a.layers[0].ln1, a.layers[0].ln1_mean, a.layers[0].ln1_rstd, a.x[0], W(2 + kLn1W),
+                          W(2 + kLn1B), BT, C, s, eps);
+  for (int64_t l = 0; l < L; ++l) {
+    Acts::Layer& y = a.layers[size_t(l)];
+    const size_t p = size_t(2 + kPerLayer * l);
+    cuda::matmul_forward({y.qkv, nullptr, y.ln1, W(p + kAttnW), W(p + kAttnB), BT, C, 3 * C, false}, s);
+    if (opt_.attention == CudaAttention::gemm) {
+      cuda::attn_gemm_forward(y.atty, y.att, y.qkv, {B, T, NH, HS}, a.attn_ws, s);
+    } else {
+      cuda::AttnArgs args;
+      args.B = B;
+      args.NH = NH;
+      args.HS = HS;
+      args.Tq = args.Tkv = T;
+      args.q_stride = args.kv_stride = 3 * C;
+      args.o_stride = C;
+      cuda::attention_forward(y.atty, y.lse, y.qkv, y.qkv + C, y.qkv + 2 * C, args, s);
+    }
+    cuda::matmul_forward({a.proj, nullptr, y.atty, W(p + kProjW), W(p + kProjB), BT, C, C, false}, s);
+    cuda::residual_layernorm_forward(y.x2, y.ln2, y.ln2_mean, y.ln2_rstd, a.x[size_t(l)], a.proj, W(p + kLn2W),
+                                     W(p + kLn2B), BT, C, s, eps);
+    cuda::matmul_forward({y.fch_gelu, y.fch, y.ln2, W(p + kFcW), W(p + kFcB), BT, C, 4 * C, true}, s);
+    cuda::matmul_forward({a.proj, nullptr, y.fch_gelu, W(p + kFcProjW), W(p + kFcProjB), BT, 4 * C, C, false}, s);
+    if (l + 1 < L) {
+      Acts::Layer& z = a.layers[size_t(l + 1)];
+      const size_t q = p + kPerLayer;
+      cuda::residual_layernorm_forward(a.x[size_t(l + 1)], z.ln1, z.ln1_mean, z.ln1_rstd, y.x2, a.proj, W(q + kLn1W),
+                                       W(q + kLn1B), BT, C, s, eps);
+    } else {
+      const size_t f = size_t(2 + kPerLayer * L);
+      cuda::residual_layernorm_forward(a.x[size_t(L)], a.lnf, a.lnf_mean, a.lnf_rstd, y.x2, a.proj, W(f), W(f + 1), BT,
+                                       C, s, eps);
+    }
+  }
+  // logits [BT, Vp] = lnf @ wte^T (tied; padding rows of wte are zero, so padding logits are 0)
+  cuda::matmul_forward({a.logits, nullptr, a.lnf, W(0), nullptr, BT, C, Vp, false}, s);
+  if (fused_loss_grad)
+    cuda::crossentropy_forward_backward(a.losses, a.logits, a.logits, d_targets_, dloss_, BT, V, Vp, s);
+  else
+    cuda::crossentropy_forward(a.losses, a.logits, d_targets_, BT, V, Vp, s);
+  mean_loss_kernel<<<1, 1024, 0, s>>>(d_loss_, a.losses, BT, dloss_);
+  LOOM_CUDA_LAUNCH_CHECK();
+}
+
+void GPTCuda::enqueue_backward() {
+  Acts& a = *acts_;
+  const int64_t B = opt_.B, T = opt_.T, C = cfg_.n_embd, L = cfg_.n_layer, NH = cfg_.n_head, HS = cfg_.head_size();
+  const int64_t V = cfg_.vocab_size, Vp = cfg_.padded_vocab(), BT = B * T;
+  cudaStream_t s = stream_;
+  auto W = [&](size_t i) { return wbf_ + offsets_[i]; };
+  auto G = [&](size_t i) { return grads_ + offsets_[i]; };
+  const size_t f = size_t(2 + kPerLayer * L);
+
+  // lm_head (tied with wte): dlnf = dlogits @ wte; dwte += dlogits^T @ lnf
+  cuda::MatmulBwdArgs head;
+  head.dinp = a.dln;
+  head.dweight = G(0);
+  head.dout = a.logits;
+  head.inp = a.lnf;
+  head.weight = W(0);
+  head.M = BT;
+  head.K = C;
+  head.N = Vp;
+  cuda::matmul_backward(head, s);
+  cuda::layernorm_backward(a.dres, G(f), G(f + 1), a.dln, a.x[size_t(L)], W(f), a.lnf_mean, a.lnf_rstd, BT, C, false,
+                           a.ln_scratch, s);
+  for (int64_t l = L - 1; l >= 0; --l) {
+    Acts::Layer& y = a.layers[size_t(l)];
+    const size_t p = size_t(2 + kPerLayer * l);
+    // MLP projection (and GELU): dres is d x[l + 1], also d of the projection's output.
+    cuda::MatmulBwdArgs fcp;
+    fcp.dinp = a.dbig;
+    fcp.dweight = G(p + kFcProjW);
+    fcp.dbias = G(p + kFcProjB);
+    fcp.dout = a.dres;
+    fcp.inp = y.fch_gelu;
+    fcp.weight = W(p + kFcProjW);
+    fcp.dinp_gelu_pre = opt_.fuse_dgelu ? y.fch : nullptr;
+    fcp.M = BT;
+    fcp.K = 4 * C;
+    fcp.N = C;
+    fcp.dbias_scratch = a.dbias_scratch;
+    cuda::matmul_backward(fcp, s);
+    if (!opt_.fuse_dgelu) cuda::gelu_backward(a.dbig, y.fch, a.dbig, BT * 4 * C, s);
+    cuda::MatmulBwdArgs fc;
+    fc.dinp = a.dln;
+    fc.dweight = G(p + kFcW);
+    fc.dbias = G(p + kFcB);
+    fc.dout = a.dbig;
+    fc.inp = y.ln2;
+    fc.weight = W(p + kFcW);
+    fc.M = BT;
+    fc.K = C;
+    fc.N = 4 * C;
+    fc.dbias_scratch = a.dbias_scratch;
+    cuda::matmul_backward(fc, s);
+    cuda::layernorm_backward(a.dres, G(p + kLn2W), G(p + kLn2B), a.dln, y.x2, W(p + kLn2W), y.ln2_mean, y.ln2_rstd, BT,
+                             C, true, a.ln_scratch, s);
+    // Attention projection: dres is now d x2.
+    cuda::MatmulBwdArgs proj;
+    proj.dinp = a.dln;
+    proj.dweight = G(p + kProjW);
+    proj.dbias = G(p + kProjB);
+    proj.dout = a.dres;
+    proj.inp = y.atty;
+    proj.weight = W(p + kProjW);
+    proj.M = BT;
+    proj.K = C;
+    proj.N = C;
+    proj.dbias_scratch = a.dbias_scratch;
+    cuda::matmul_backward(proj, s);
+    bf16* dqkv = a.dbig;  // [BT, 3C]
+    if (opt_.attention == CudaAttention::gemm) {
+      cuda::attn_gemm_backward(dqkv, y.att, a.dln, y.qkv, {B, T, NH, HS}, a.attn_ws, s);
+    } else {
+      cuda::AttnArgs args;
+      args.B = B;
+      args.NH = NH;
+      args.HS = HS;
+      args.Tq = args.Tkv = T;
+      args.q_stride = args.kv_stride = 3 * C;
+      args.o_stride = C;
+      cuda::attention_backward(dqkv, dqkv + C, dqkv + 2 * C, a.dln, y.qkv, y.qkv + C, y.qkv + 2 * C, y.atty, y.lse,
+                               args, a.attn_ws, s);
+    }
+    cuda::MatmulBwdArgs qkv;
+    qkv.dinp = a.dln;
+    qkv.dweight = G(p + kAttnW);
+    qkv.dbias = G(p + kAttnB);
+    qkv.dout = dqkv;
+    qkv.inp = y.ln1;
+    qkv.weight = W(p + kAttnW);
+    qkv.M = BT;
+    qkv.K = C;
+    qkv.N = 3 * C;
+    qkv.dbias_scratch = a.dbias_scratch;
+    cuda::matmul_backward(qkv, s);
+    cuda::layernorm_backward(a.dres, G(p + kLn1W), G(p + kLn1B), a.dln, a.x[size_t(l)], W(p + kLn1W), y.ln1_mean,
+                             y.ln1_rstd, BT, C, true, a.ln_scratch, s);
+  }
+  cuda::embedding_backward(G(0), G(1), a.dres, d_tokens_, B, T, C, V, s);
+}
+
+float GPTCuda::read_loss() {
+  LOOM_CUDA_CHECK(cudaMemcpyAsync(h_stats_, d_loss_, sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return h_stats_[0];
+}
+
+float GPTCuda::forward(const int32_t* tokens, const int32_t* targets) {
+  upload_batch(tokens, targets);
+  enqueue_forward(false);
+  return read_loss();
+}
+
+float GPTCuda::forward_backward(const int32_t* tokens, const int32_t* targets) {
+  upload_batch(tokens, targets);
+  LOOM_CUDA_CHECK(cudaMemsetAsync(grads_, 0, size_t(total_) * sizeof(float), stream_));
+  enqueue_forward(true);
+  enqueue_backward();
+  return read_loss();
+}
+
+void GPTCuda::enqueue_step() {
+  LOOM_CUDA_CHECK(cudaMemsetAsync(grads_, 0, size_t(total_) * sizeof(float), stream_));
+  enqueue_forward(true);
+  enqueue_backward();
+  adamw_->launch(stream_);
+  LOOM_CUDA_CHECK(cudaMemcpyAsync(h_stats_ + 1, adamw_->norm_and_scale(), 2 * sizeof(float), cudaMemcpyDeviceToHost,
+                                  stream_));
+}
+
+float GPTCuda::train_step(const int32_t* tokens, const int32_t* targets, float lr, int64_t step) {
+  upload_batch(tokens, targets);
+  cuda::AdamWHyper h;
+  h.lr = lr;
+  h.beta1 = opt_.beta1;
+  h.beta2 = opt_.beta2;
+  h.eps = opt_.eps;
+  h.step = step;
+  h.max_norm = opt_.grad_clip;
+  adamw_->set_hyper(h);
+  if (opt_.cuda_graph && graph_ && graph_dloss_ != dloss_) {
+    LOOM_CUDA_CHECK(cudaGraphExecDestroy(graph_));
+    graph_ = nullptr;
+  }
+  static thread_local bool warmed = false;  // the first step of a process runs eagerly (lazy inits)
+  if (!opt_.cuda_graph || !warmed) {
+    enqueue_step();
+    warmed = true;
+  } else {
+    if (!graph_) {
+      cudaGraph_t g = nullptr;
+      LOOM_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+      try {
+        enqueue_step();
+      } catch (...) {
+        cudaStreamEndCapture(stream_, &g);
+        if (g) cudaGraphDestroy(g);
+        throw;
+      }
+      LOOM_CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
+      LOOM_CUDA_CHECK(cudaGraphInstantiate(&graph_, g, 0));
+      LOOM_CUDA_CHECK(cudaGraphDestroy(g));
+      graph_dloss_ = dloss_;
+    }
+    LOOM_CUDA_CHECK(cudaGraphLaunch(graph_, stream_));
+  }
+  return read_loss();
+}
+
+}  // namespace loom::model

@@ -1,0 +1,118 @@
+// GPT-2 training on one GPU: bf16 compute copies of the parameters, f32 master weights, gradients
+// and AdamW moments; bf16 activations with f32 accumulation; fused kernels (residual + LayerNorm,
+// bias and GELU in the GEMM epilogues, softmax + cross-entropy + dlogits in one pass over the
+// padded vocabulary, multi-tensor AdamW with global-norm clipping); the whole step (forward,
+// backward, optimizer) captured once as a CUDA graph and replayed.
+//
+// Parameters have the CPU model's names, shapes, layout and initialisation (model/param.h), so CPU
+// and GPU runs start from the same weights.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/memory.h"
+#include "kernels/cuda/adamw.cuh"
+#include "kernels/cuda/common.cuh"
+#include "model/config.h"
+#include "model/param.h"
+
+namespace loom::model {
+
+enum class CudaAttention : uint8_t {
+  flash,  // loom's flash attention (kernels/cuda/attention.cuh): head sizes 64 and 128
+  gemm,   // cuBLAS batched GEMMs with the probabilities materialised (kernels/cuda/attn_gemm.cuh)
+};
+
+struct GPTCudaOptions {
+  int64_t B = 8, T = 1024;  // micro-batch: activations are allocated for exactly this shape
+  CudaAttention attention = CudaAttention::flash;
+  bool cuda_graph = true;    // capture forward + backward + optimizer once, replay every step
+  bool fuse_dgelu = true;    // GELU backward in the GEMM epilogue (else a separate kernel)
+  float lr = 6e-4f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0.1f;
+  float grad_clip = 1.0f;    // global-norm clipping; <= 0 disables
+};
+
+// The parameter list of a GPT-2 config: names, shapes, padding rows and initialisation, in Hugging
+// Face order, exactly as the CPU model declares them.
+std::vector<ParamSpec> gpt_param_specs(const GPTConfig& cfg);
+
+class GPTCuda {
+ public:
+  // Allocates everything (parameters, gradients, moments, activations for B x T, workspace) from
+  // `pool`, a device pool, and initialises the weights from seed as the CPU model does.
+  GPTCuda(const GPTConfig& cfg, const GPTCudaOptions& opt, MemoryPool& pool, uint64_t seed = 1337);
+  ~GPTCuda();
+  GPTCuda(const GPTCuda&) = delete;
+  GPTCuda& operator=(const GPTCuda&) = delete;
+
+  const GPTConfig& config() const { return cfg_; }
+  const GPTCudaOptions& options() const { return opt_; }
+  const std::vector<ParamSpec>& specs() const { return specs_; }
+  int64_t num_parameters() const;  // logical elements (no vocabulary padding)
+
+  void init_weights(uint64_t seed);
+  // Logical values of one parameter (host f32, spec.numel() elements); throws naming it.
+  void set_parameter(const std::string& name, const float* values);
+  std::vector<float> parameter(const std::string& name) const;
+  std::vector<float> gradient(const std::string& name) const;
+
+  // tokens, targets: host i32 [B, T] (targets may hold -1: ignored). Token ids are validated.
+  // Forward only: returns the mean loss; logits() then holds the logits.
+  float forward(const int32_t* tokens, const int32_t* targets);
+  // Zeroes the gradients, runs forward and backward; returns the mean loss. No parameter update.
+  float forward_backward(const int32_t* tokens, const int32_t* targets);
+  // One optimizer step on the batch: gradients, global-norm clipping, AdamW at learning rate lr,
+  // step (1-based) for bias correction. Returns the mean loss (before the update).
+  float train_step(const int32_t* tokens, const int32_t* targets, float lr, int64_t step);
+  float last_grad_norm() const { return h_stats_[1]; }  // of the last train_step
+
+  // f32 [B, T, Vp] copy of the last forward()'s bf16 logits (padding columns included).
+  std::vector<float> logits() const;
+  MemoryPool& pool() const { return pool_; }
+  cudaStream_t stream() const { return stream_; }
+
+ private:
+  struct Layer;
+  void upload_batch(const int32_t* tokens, const int32_t* targets);
+  void enqueue_forward(bool fused_loss_grad);
+  void enqueue_backward();
+  void enqueue_step();  // zero grads, forward (fused loss grad), backward, optimizer
+  float read_loss();
+  void refresh_bf16();
+  void* alloc(size_t bytes, MemTag tag);
+
+  GPTConfig cfg_;
+  GPTCudaOptions opt_;
+  MemoryPool& pool_;
+  std::vector<ParamSpec> specs_;
+  std::vector<int64_t> offsets_;  // element offset of each spec in the flat parameter buffers
+  int64_t total_ = 0;             // elements in the flat buffers (with padding and alignment)
+  std::vector<std::pair<void*, std::pair<size_t, MemTag>>> allocations_;
+
+  float* master_ = nullptr;   // f32 [total] master weights
+  cuda::bf16* wbf_ = nullptr;       // bf16 [total] compute copy
+  float* grads_ = nullptr;    // f32 [total]
+  float* m_ = nullptr;        // f32 [total]
+  float* v_ = nullptr;        // f32 [total]
+  std::unique_ptr<cuda::MultiTensorAdamW> adamw_;
+
+  struct Acts;
+  std::unique_ptr<Acts> acts_;
+  int32_t* d_tokens_ = nullptr;   // i32 [B, T]
+  int32_t* d_targets_ = nullptr;  // i32 [B, T]
+  int32_t* h_tokens_ = nullptr;   // pinned staging i32 [2, B, T]
+  float* d_loss_ = nullptr;       // f32 [1] mean loss
+  float* h_stats_ = nullptr;      // pinned f32 [3]: loss, grad norm, clip scale
+  float dloss_ = 0.f;             // 1 / number of counted targets of the current batch
+  int64_t counted_ = 0;
+
+  cudaStream_t stream_ = nullptr;
+  cudaGraphExec_t graph_ = nullptr;
+  float graph_dloss_ = 0.f;  // dloss baked into the captured graph
+};
+
+}  // namespace loom::model

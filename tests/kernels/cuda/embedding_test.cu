@@ -1,0 +1,64 @@
+// Embedding: forward is exact (one bf16 rounding of the sum, as on the host); backward against
+// double with tolerance 1e-5 (f32 sums of bf16 values; atomics change only the order).
+#include <gtest/gtest.h>
+
+#include "cuda_test_util.h"
+#include "kernels/cuda/embedding.cuh"
+
+using namespace loom;
+using namespace loom::test;
+
+TEST(Embedding, ForwardBackward) {
+  LOOM_REQUIRE_GPU();
+  const int64_t B = 3, T = 37, C = 72, V = 50, maxT = 64, pos0 = 5;
+  auto wte = random_bf16_values(size_t(V * C), 1), wpe = random_bf16_values(size_t(maxT * C), 2);
+  std::vector<int32_t> tok(size_t(B * T));
+  std::mt19937 g(3);
+  for (auto& t : tok) t = int32_t(g() % 7);  // few distinct ids: many repeats for the scatter
+  tok[0] = int32_t(V - 1);
+  auto dout = random_bf16_values(size_t(B * T * C), 4);
+  auto dwte0 = random_f32(size_t(V * C), 5), dwpe0 = random_f32(size_t(maxT * C), 6);
+
+  DeviceBuffer<dbf16> dwte_b(wte.size()), dwpe_b(wpe.size()), dout_b(dout.size()), out(size_t(B * T * C));
+  DeviceBuffer<int32_t> dtok(tok.size());
+  DeviceBuffer<float> gwte(dwte0.size()), gwpe(dwpe0.size());
+  upload_bf16(dwte_b, wte);
+  upload_bf16(dwpe_b, wpe);
+  upload_bf16(dout_b, dout);
+  dtok.upload(tok);
+  gwte.upload(dwte0);
+  gwpe.upload(dwpe0);
+  out.poison();
+  cuda::embedding_forward(out.get(), dtok.get(), dwte_b.get(), dwpe_b.get(), B, T, C, V, nullptr, pos0);
+  auto o = download_bf16(out);
+  int64_t bad = 0;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t c = 0; c < C; ++c) {
+        const float ref = round_bf16(wte[size_t(tok[size_t(b * T + t)] * C + c)] + wpe[size_t((pos0 + t) * C + c)]);
+        bad += o[size_t((b * T + t) * C + c)] != ref;
+      }
+  EXPECT_EQ(bad, 0);
+
+  cuda::embedding_backward(gwte.get(), gwpe.get(), dout_b.get(), dtok.get(), B, T, C, V, nullptr, pos0);
+  std::vector<double> rwte(dwte0.begin(), dwte0.end()), rwpe(dwpe0.begin(), dwpe0.end());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t c = 0; c < C; ++c) {
+        rwte[size_t(tok[size_t(b * T + t)] * C + c)] += dout[size_t((b * T + t) * C + c)];
+        rwpe[size_t((pos0 + t) * C + c)] += dout[size_t((b * T + t) * C + c)];
+      }
+  const double ewte = rel_err(gwte.download(), rwte), ewpe = rel_err(gwpe.download(), rwpe);
+  EXPECT_LE(ewte, 1e-5);
+  EXPECT_LE(ewpe, 1e-5);
+  std::printf("embedding: forward exact, dwte %.2e dwpe %.2e\n", ewte, ewpe);
+}
+
+TEST(Embedding, BadTokensAreCaughtOnTheHost) {
+  std::vector<int32_t> tok{1, 2, 50};
+  EXPECT_THROW(cuda::check_token_ids(tok.data(), 3, 50, "batch"), Error);
+  tok[2] = -1;
+  EXPECT_THROW(cuda::check_token_ids(tok.data(), 3, 50, "batch"), Error);
+  tok[2] = 49;
+  EXPECT_NO_THROW(cuda::check_token_ids(tok.data(), 3, 50, "batch"));
+}

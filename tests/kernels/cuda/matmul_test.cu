@@ -1,0 +1,187 @@
+// cuBLASLt matmul against a double-precision reference on the same bf16-rounded inputs.
+// Tolerances (||out - ref|| / ||ref||): bf16 outputs 5e-3 (one bf16 rounding of each output is
+// about 2e-3 relative), f32 outputs 1e-4 (f32 accumulation of exact bf16 products).
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "cuda_test_util.h"
+#include "kernels/cuda/matmul.cuh"
+
+using namespace loom;
+using namespace loom::test;
+
+namespace {
+
+constexpr double kTolBf16 = 5e-3;
+constexpr double kTolF32 = 1e-4;
+
+double gelu_ref(double x) { return 0.5 * x * (1 + std::tanh(std::sqrt(2 / M_PI) * (x + 0.044715 * x * x * x))); }
+double gelu_grad_ref(double x) {
+  const double u = std::sqrt(2 / M_PI) * (x + 0.044715 * x * x * x), t = std::tanh(u);
+  return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * std::sqrt(2 / M_PI) * (1 + 3 * 0.044715 * x * x);
+}
+
+// out[M, N] = inp[M, K] W[N, K]^T + bias (double)
+std::vector<double> linear_ref(const std::vector<float>& inp, const std::vector<float>& w, const std::vector<float>* bias,
+                               int64_t M, int64_t K, int64_t N) {
+  std::vector<double> out(size_t(M * N));
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) {
+      double s = bias ? (*bias)[size_t(j)] : 0.0;
+      for (int64_t k = 0; k < K; ++k) s += double(inp[size_t(i * K + k)]) * w[size_t(j * K + k)];
+      out[size_t(i * N + j)] = s;
+    }
+  return out;
+}
+
+struct Shape3 {
+  int64_t M, K, N;
+};
+
+class MatmulTest : public ::testing::TestWithParam<Shape3> {};
+
+TEST_P(MatmulTest, ForwardBiasAndGelu) {
+  LOOM_REQUIRE_GPU();
+  const auto [M, K, N] = GetParam();
+  auto inp = random_bf16_values(size_t(M * K), 1);
+  auto w = random_bf16_values(size_t(N * K), 2, 0.1f);
+  auto b = random_bf16_values(size_t(N), 3, 0.5f);
+  DeviceBuffer<dbf16> d_inp(inp.size()), d_w(w.size()), d_b(b.size()), d_out(size_t(M * N)), d_pre(size_t(M * N));
+  upload_bf16(d_inp, inp);
+  upload_bf16(d_w, w);
+  upload_bf16(d_b, b);
+  const auto ref = linear_ref(inp, w, &b, M, K, N);
+
+  d_out.poison();
+  cuda::matmul_forward({d_out.get(), nullptr, d_inp.get(), d_w.get(), d_b.get(), M, K, N, false}, nullptr);
+  const double e_bias = rel_err(download_bf16(d_out), ref);
+  EXPECT_LE(e_bias, kTolBf16);
+
+  d_out.poison();
+  cuda::matmul_forward({d_out.get(), nullptr, d_inp.get(), d_w.get(), nullptr, M, K, N, false}, nullptr);
+  const auto ref_nb = linear_ref(inp, w, nullptr, M, K, N);
+  const double e_nobias = rel_err(download_bf16(d_out), ref_nb);
+  EXPECT_LE(e_nobias, kTolBf16);
+
+  d_out.poison();
+  d_pre.poison();
+  cuda::matmul_forward({d_out.get(), d_pre.get(), d_inp.get(), d_w.get(), d_b.get(), M, K, N, true}, nullptr);
+  std::vector<double> ref_gelu(ref.size());
+  for (size_t i = 0; i < ref.size(); ++i) ref_gelu[i] = gelu_ref(ref[i]);
+  const double e_pre = rel_err(download_bf16(d_pre), ref);
+  const double e_gelu = rel_err(download_bf16(d_out), ref_gelu);
+  EXPECT_LE(e_pre, kTolBf16);
+  EXPECT_LE(e_gelu, kTolBf16);
+  std::printf("matmul fwd M=%ld K=%ld N=%ld: bias %.2e nobias %.2e pre_gelu %.2e gelu %.2e\n", long(M), long(K),
+              long(N), e_bias, e_nobias, e_pre, e_gelu);
+}
+
+TEST_P(MatmulTest, Backward) {
+  LOOM_REQUIRE_GPU();
+  const auto [M, K, N] = GetParam();
+  auto inp = random_bf16_values(size_t(M * K), 11);
+  auto w = random_bf16_values(size_t(N * K), 12, 0.1f);
+  auto dout = random_bf16_values(size_t(M * N), 13);
+  auto pre = random_bf16_values(size_t(M * K), 14);  // a GELU input that produced inp
+  auto dw0 = random_f32(size_t(N * K), 15);           // existing gradients: the op accumulates
+  auto db0 = random_f32(size_t(N), 16);
+  DeviceBuffer<dbf16> d_inp(inp.size()), d_w(w.size()), d_dout(dout.size()), d_pre(pre.size()), d_dinp(inp.size());
+  DeviceBuffer<float> d_dw(dw0.size()), d_db(db0.size()), scratch(size_t(cuda::matmul_dbias_scratch_floats(N)));
+  upload_bf16(d_inp, inp);
+  upload_bf16(d_w, w);
+  upload_bf16(d_dout, dout);
+  upload_bf16(d_pre, pre);
+  d_dw.upload(dw0);
+  d_db.upload(db0);
+  d_dinp.poison();
+  scratch.poison();
+
+  cuda::MatmulBwdArgs a;
+  a.dinp = d_dinp.get();
+  a.dweight = d_dw.get();
+  a.dbias = d_db.get();
+  a.dout = d_dout.get();
+  a.inp = d_inp.get();
+  a.weight = d_w.get();
+  a.M = M;
+  a.K = K;
+  a.N = N;
+  a.dbias_scratch = scratch.get();
+  cuda::matmul_backward(a, nullptr);
+
+  std::vector<double> ref_dinp(size_t(M * K), 0.0), ref_dw(dw0.begin(), dw0.end()), ref_db(db0.begin(), db0.end());
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) {
+      const double g = dout[size_t(i * N + j)];
+      ref_db[size_t(j)] += g;
+      for (int64_t k = 0; k < K; ++k) {
+        ref_dinp[size_t(i * K + k)] += g * w[size_t(j * K + k)];
+        ref_dw[size_t(j * K + k)] += g * inp[size_t(i * K + k)];
+      }
+    }
+  const double e_dinp = rel_err(download_bf16(d_dinp), ref_dinp);
+  const double e_dw = rel_err(d_dw.download(), ref_dw);
+  const double e_db = rel_err(d_db.download(), ref_db);
+  EXPECT_LE(e_dinp, kTolBf16);
+  EXPECT_LE(e_dw, kTolF32);
+  EXPECT_LE(e_db, kTolF32);
+
+  // DGELU epilogue: dinp = (dout @ W) * gelu'(pre)
+  d_dinp.poison();
+  cuda::MatmulBwdArgs g;
+  g.dinp = d_dinp.get();
+  g.dout = d_dout.get();
+  g.weight = d_w.get();
+  g.dinp_gelu_pre = d_pre.get();
+  g.M = M;
+  g.K = K;
+  g.N = N;
+  cuda::matmul_backward(g, nullptr);
+  std::vector<double> ref_dg(ref_dinp.size());
+  for (size_t i = 0; i < ref_dg.size(); ++i) ref_dg[i] = ref_dinp[i] * gelu_grad_ref(pre[i]);
+  const double e_dgelu = rel_err(download_bf16(d_dinp), ref_dg);
+  EXPECT_LE(e_dgelu, kTolBf16);
+  std::printf("matmul bwd M=%ld K=%ld N=%ld: dinp %.2e dweight %.2e dbias %.2e dinp*dgelu %.2e\n", long(M), long(K),
+              long(N), e_dinp, e_dw, e_db, e_dgelu);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, MatmulTest,
+                         ::testing::Values(Shape3{64, 64, 64}, Shape3{333, 192, 520}, Shape3{1000, 256, 768},
+                                           Shape3{77, 768, 2304}));
+
+TEST(Matmul, GemmBf16AllTransposes) {
+  LOOM_REQUIRE_GPU();
+  const int64_t M = 96, N = 80, K = 136;
+  auto A = random_bf16_values(size_t(M * K), 21), B = random_bf16_values(size_t(K * N), 22);
+  DeviceBuffer<dbf16> dA(A.size()), dB(B.size());
+  upload_bf16(dA, A);
+  upload_bf16(dB, B);
+  for (int ta = 0; ta < 2; ++ta)
+    for (int tb = 0; tb < 2; ++tb) {
+      // Interpret the same buffers as [M, K] or [K, M] (and [K, N] or [N, K]).
+      auto a_at = [&](int64_t i, int64_t k) { return double(ta ? A[size_t(k * M + i)] : A[size_t(i * K + k)]); };
+      auto b_at = [&](int64_t k, int64_t j) { return double(tb ? B[size_t(j * K + k)] : B[size_t(k * N + j)]); };
+      std::vector<double> ref(size_t(M * N));
+      for (int64_t i = 0; i < M; ++i)
+        for (int64_t j = 0; j < N; ++j) {
+          double s = 0;
+          for (int64_t k = 0; k < K; ++k) s += a_at(i, k) * b_at(k, j);
+          ref[size_t(i * N + j)] = 0.5 * s;
+        }
+      DeviceBuffer<float> dC(size_t(M * N));
+      dC.poison();
+      cuda::gemm_bf16(ta, tb, M, N, K, 0.5f, dA.get(), ta ? M : K, dB.get(), tb ? K : N, 0.f, dC.get(), N, true, nullptr);
+      const double e = rel_err(dC.download(), ref);
+      EXPECT_LE(e, kTolF32) << "trans_a=" << ta << " trans_b=" << tb;
+    }
+}
+
+TEST(Matmul, RejectsBadShapes) {
+  LOOM_REQUIRE_GPU();
+  DeviceBuffer<dbf16> x(64);
+  EXPECT_THROW(cuda::matmul_forward({x.get(), nullptr, x.get(), x.get(), nullptr, 4, 6, 8, false}, nullptr), Error);
+  EXPECT_THROW(cuda::matmul_forward({x.get(), nullptr, x.get(), x.get(), nullptr, 4, 8, 8, true}, nullptr), Error);
+}
+
+}  // namespace
