@@ -123,19 +123,19 @@ int bench_train(const BenchTrainOptions& o) {
   const char* what[kNumMemTags] = {"parameters (wte padded to the padded vocabulary)", "gradients",
                                    "AdamW exp_avg + exp_avg_sq", "saved activations (sum over the chain)",
                                    "backward scratch 24*B*T*C bytes", "no communication"};
-  MemStats ms_ = pool.stats();
+  MemStats stats = pool.stats();
   bool all_equal = true;
   int64_t declared_total = 0;
   std::printf("\nmemory by tag (pool '%s'): peak measured | declared\n", pool.name().c_str());
   for (int i = 0; i < kNumMemTags; ++i) {
-    const bool eq = ms_.peak[size_t(i)] == declared[i];
+    const bool eq = stats.peak[size_t(i)] == declared[i];
     all_equal &= eq;
     declared_total += declared[i];
     std::printf("  %-12s %12s | %12s  %s  %s\n", std::string(mem_tag_name(MemTag(i))).c_str(),
-                format_bytes(ms_.peak[size_t(i)]).c_str(), format_bytes(declared[i]).c_str(), eq ? "equal" : "DIFFERENT",
+                format_bytes(stats.peak[size_t(i)]).c_str(), format_bytes(declared[i]).c_str(), eq ? "equal" : "DIFFERENT",
                 what[i]);
   }
-  std::printf("  %-12s %12s | %12s  (sum of the declarations)\n", "total", format_bytes(ms_.total_peak).c_str(),
+  std::printf("  %-12s %12s | %12s  (sum of the declarations)\n", "total", format_bytes(stats.total_peak).c_str(),
               format_bytes(declared_total).c_str());
   std::printf("workspace: %lld bytes (dres [B,T,C], bufC [B,T,C], buf4C [B,T,4C] in f32)\n",
               (long long)gpt.workspace_bytes(B, T));
