@@ -46,7 +46,7 @@ struct Shape {
   bool packed = false;
   int64_t pad = 0;      // extra columns per row beyond NH * HS (unpacked only)
   float scale = 0.f;
-  float qk_range = 2.f; // q and k uniform in [-qk_range, qk_range) (larger: peakier softmax)
+  float qk_range = 2.f;  // q and k uniform in [-qk_range, qk_range) (larger: peakier softmax)
 };
 
 Problem make_problem(const Shape& s, uint64_t seed) {
