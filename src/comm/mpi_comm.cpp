@@ -412,11 +412,14 @@ class MpiComm final : public Comm {
 MpiSession::MpiSession(int* argc, char*** argv) {
   int init = 0;
   MPI_Initialized(&init);
+  int provided = 0;
   if (!init) {
-    int provided = 0;
     LOOM_MPI(MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided));
     owner_ = true;
+  } else {
+    MPI_Query_thread(&provided);
   }
+  thread_multiple_ = provided >= MPI_THREAD_MULTIPLE;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
   MPI_Comm_size(MPI_COMM_WORLD, &size_);
 }

@@ -34,9 +34,12 @@ class MpiSession {
   MpiSession& operator=(const MpiSession&) = delete;
   int rank() const { return rank_; }
   int size() const { return size_; }
+  // Whether MPI granted MPI_THREAD_MULTIPLE (needed to use communicators from several threads).
+  bool thread_multiple() const { return thread_multiple_; }
 
  private:
   bool owner_ = false;
+  bool thread_multiple_ = false;
   int rank_ = 0;
   int size_ = 1;
 };

@@ -280,6 +280,25 @@ TEST(ThreadsComm, ManySmallCollectivesInConcurrentGroups) {
   }, opts());
 }
 
+TEST(ThreadsComm, TwoCommunicatorsOfOneRankFromTwoThreads) {
+  // The overlap pattern: a side thread all-reduces gradients on a duplicate of the world while the
+  // rank's own thread keeps using the world.
+  run_ranks(3, [](Comm& c) {
+    auto side = c.split(0, c.rank());
+    std::exception_ptr side_error;
+    std::thread t([&] {
+      try {
+        for (int it = 0; it < 200; ++it) testing::check_all_reduce(*side, 4099, DType::bf16, ReduceOp::sum, 100 + it);
+      } catch (...) {
+        side_error = std::current_exception();
+      }
+    });
+    for (int it = 0; it < 200; ++it) testing::check_all_reduce(c, 1031, DType::f32, ReduceOp::max, 500 + it);
+    t.join();
+    if (side_error) std::rethrow_exception(side_error);
+  }, opts());
+}
+
 TEST(ThreadsComm, BarrierOrdersPhases) {
   std::atomic<int> arrived{0};
   run_ranks(5, [&](Comm& c) {
