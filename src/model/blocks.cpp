@@ -15,11 +15,16 @@
 namespace loom::model {
 
 namespace {
-constexpr int64_t F = sizeof(float);
 constexpr int64_t I = sizeof(int32_t);
 
 Tensor act(const Shape& s, DType t, MemoryPool& pool) { return Tensor::empty(s, t, MemTag::activations, pool); }
 }  // namespace
+
+int64_t ChainBlock::saved_activation_bytes(int64_t B, int64_t T) const {
+  int64_t n = 0;
+  for (const SavedActivation& a : saved_activations(B, T)) n += a.bytes();
+  return n;
+}
 
 std::vector<Parameter*> ChainBlock::parameters() {
   std::vector<Parameter*> out;
@@ -43,8 +48,8 @@ Embedding::Embedding(const GPTConfig& cfg, MemoryPool& pool) : cfg_(cfg), pool_(
   add_param({"wpe.weight", {cfg.block_size, C}, cfg.block_size, Init::normal, cfg.init_std}).allocate(pool);
 }
 
-int64_t Embedding::saved_activation_bytes(int64_t B, int64_t T) const {
-  return B * T * I + B * T * cfg_.n_embd * F;  // tokens, out
+std::vector<SavedActivation> Embedding::saved_activations(int64_t B, int64_t T) const {
+  return {{"embedding.tokens", DType::i32, {B, T}}, {"embedding.out", DType::f32, {B, T, cfg_.n_embd}}};
 }
 
 void Embedding::release_activations() {
@@ -98,10 +103,16 @@ TransformerBlock::TransformerBlock(const GPTConfig& cfg, int64_t layer, MemoryPo
   for (auto& q : params_) q.allocate(pool);
 }
 
-int64_t TransformerBlock::saved_activation_bytes(int64_t B, int64_t T) const {
-  const int64_t BT = B * T, C = cfg_.n_embd;
-  // ln1 C + stats 2, qkv 3C, atty C, res2 C, ln2 C + stats 2, fch 4C, fch_gelu 4C, out C; lse NH.
-  return F * (BT * (16 * C + 4) + B * cfg_.n_head * T);
+std::vector<SavedActivation> TransformerBlock::saved_activations(int64_t B, int64_t T) const {
+  const int64_t C = cfg_.n_embd;
+  const std::string p = name() + ".";
+  const DType f = DType::f32;
+  // Per token: 16 C + 4 floats, plus n_head log-sum-exps; no T x T attention matrix.
+  return {{p + "ln1", f, {B, T, C}},       {p + "ln1_mean", f, {B, T}},       {p + "ln1_rstd", f, {B, T}},
+          {p + "qkv", f, {B, T, 3 * C}},   {p + "atty", f, {B, T, C}},        {p + "lse", f, {B, cfg_.n_head, T}},
+          {p + "res2", f, {B, T, C}},      {p + "ln2", f, {B, T, C}},         {p + "ln2_mean", f, {B, T}},
+          {p + "ln2_rstd", f, {B, T}},     {p + "fch", f, {B, T, 4 * C}},     {p + "fch_gelu", f, {B, T, 4 * C}},
+          {p + "out", f, {B, T, C}}};
 }
 
 void TransformerBlock::release_activations() {
@@ -198,10 +209,12 @@ Head::Head(const GPTConfig& cfg, Parameter* tied, MemoryPool& pool) : cfg_(cfg),
              lm_head_->value_full.size(0), cfg.padded_vocab());
 }
 
-int64_t Head::saved_activation_bytes(int64_t B, int64_t T) const {
-  const int64_t BT = B * T;
-  // lnf C + stats 2, logits Vp, losses 1 (f32); targets (i32).
-  return F * BT * (cfg_.n_embd + 2 + cfg_.padded_vocab() + 1) + I * BT;
+std::vector<SavedActivation> Head::saved_activations(int64_t B, int64_t T) const {
+  const DType f = DType::f32;
+  // The logits buffer holds dlogits after the fused loss, so there is one [B, T, Vp] buffer.
+  return {{"head.lnf", f, {B, T, cfg_.n_embd}}, {"head.lnf_mean", f, {B, T}}, {"head.lnf_rstd", f, {B, T}},
+          {"head.logits", f, {B, T, cfg_.padded_vocab()}}, {"head.losses", f, {B, T}},
+          {"head.targets", DType::i32, {B, T}}};
 }
 
 void Head::release_activations() {

@@ -22,12 +22,23 @@ struct BackwardScratch {
   float* buf4C = nullptr; // f32 [B, T, 4C] (also holds dqkv [B, T, 3C])
 };
 
+// One tensor a block's forward saves for its backward.
+struct SavedActivation {
+  std::string name;  // e.g. "h.3.fch_gelu"
+  DType dtype;
+  Shape shape;
+  int64_t bytes() const { return shape_numel(shape) * int64_t(dtype_size(dtype)); }
+};
+
 class ChainBlock {
  public:
   virtual ~ChainBlock() = default;
   virtual std::string name() const = 0;
-  // Bytes of the activations forward saves for backward at batch B and sequence length T.
-  virtual int64_t saved_activation_bytes(int64_t B, int64_t T) const = 0;
+  // The tensors forward saves for backward at batch B and sequence length T, by name (what a
+  // checkpointing policy may drop and recompute).
+  virtual std::vector<SavedActivation> saved_activations(int64_t B, int64_t T) const = 0;
+  // Their bytes: exactly what forward allocates under the activations tag.
+  int64_t saved_activation_bytes(int64_t B, int64_t T) const;
   // Parameters this block owns (a tied weight belongs to the block that declares it first).
   std::vector<Parameter*> parameters();
   // Frees the saved activations (they are reallocated at the next forward).
@@ -43,7 +54,7 @@ class Embedding final : public ChainBlock {
  public:
   Embedding(const GPTConfig& cfg, MemoryPool& pool);
   std::string name() const override { return "embedding"; }
-  int64_t saved_activation_bytes(int64_t B, int64_t T) const override;
+  std::vector<SavedActivation> saved_activations(int64_t B, int64_t T) const override;
   void release_activations() override;
 
   // tokens i32 [B, T] (copied and saved for backward); the output is out().
@@ -67,7 +78,7 @@ class TransformerBlock final : public ChainBlock {
  public:
   TransformerBlock(const GPTConfig& cfg, int64_t layer, MemoryPool& pool);
   std::string name() const override { return "h." + std::to_string(layer_); }
-  int64_t saved_activation_bytes(int64_t B, int64_t T) const override;
+  std::vector<SavedActivation> saved_activations(int64_t B, int64_t T) const override;
   void release_activations() override;
 
   // x f32 [B, T, C] (must stay valid until backward: it is the previous block's output).
@@ -109,7 +120,7 @@ class Head final : public ChainBlock {
   // lm_head is `tied` (wte's value and gradient, [Vp, C]) when the config ties embeddings.
   Head(const GPTConfig& cfg, Parameter* tied, MemoryPool& pool);
   std::string name() const override { return "head"; }
-  int64_t saved_activation_bytes(int64_t B, int64_t T) const override;
+  std::vector<SavedActivation> saved_activations(int64_t B, int64_t T) const override;
   void release_activations() override;
 
   // x f32 [B, T, C]. With targets (i32 [B, T], -1 ignored), computes the per-position losses and

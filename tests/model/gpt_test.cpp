@@ -162,6 +162,14 @@ TEST(GPT, PeakMemoryEqualsDeclaration) {
   for (auto* blk : gpt.chain()) sum += blk->saved_activation_bytes(B, T);
   EXPECT_EQ(sum, gpt.saved_activation_bytes(B, T));
   EXPECT_EQ(gpt.block(0).saved_activation_bytes(B, T), 4 * (B * T * (16 * cfg.n_embd + 4) + B * cfg.n_head * T));
+  EXPECT_EQ(gpt.head().saved_activation_bytes(B, T), 4 * B * T * (cfg.n_embd + 2 + cfg.padded_vocab() + 1) + 4 * B * T);
+  EXPECT_EQ(gpt.embedding().saved_activation_bytes(B, T), 4 * B * T * (1 + cfg.n_embd));
+  // Each named saved tensor of a block matches what its last forward kept.
+  auto items = gpt.block(1).saved_activations(B, T);
+  ASSERT_EQ(items.size(), 13u);
+  EXPECT_EQ(items[11].name, "h.1.fch_gelu");
+  EXPECT_EQ(items[11].shape, gpt.block(1).saved().fch_gelu.shape());
+  EXPECT_EQ(items[5].shape, gpt.block(1).saved().lse.shape());
   // A new shape frees the old activations before allocating: the peak is the larger declaration.
   pool.reset_peaks();
   Batch small = make_batch(1, 4, cfg.vocab_size, 6, io);
