@@ -621,7 +621,7 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, const EncodeOption
   const int parts = int(std::min<size_t>(size_t(std::max(opt.threads, 1)), text.size() / kMinChunk + 1));
   if (parts <= 1) {
     EncodeCache cache;
-    out.reserve(text.size() / 4);
+    out.reserve(text.size() / 3);
     encode(text, opt, cache, &out);
     return out;
   }
