@@ -1,0 +1,232 @@
+#include "parallel/pipeline/checker.h"
+
+#include <algorithm>
+#include <fmt/format.h>
+
+#include "core/error.h"
+
+namespace loom::parallel::pipeline {
+
+double CheckResult::idle_fraction(int r) const {
+  return makespan > 0 ? 1.0 - ranks.at(size_t(r)).busy / makespan : 0.0;
+}
+
+double CheckResult::bubble_ratio(int r) const {
+  const double busy = ranks.at(size_t(r)).busy;
+  return busy > 0 ? (makespan - busy) / busy : 0.0;
+}
+
+namespace {
+
+struct Violation {
+  std::string what;
+};
+
+// Per rank and (mb, chunk): what has happened so far.
+struct State {
+  int m, v;
+  std::vector<uint8_t> fwd, bwd, wgt, got_act, got_grad, sent_act, sent_grad;
+  State(int m_, int v_) : m(m_), v(v_) {
+    for (auto* x : {&fwd, &bwd, &wgt, &got_act, &got_grad, &sent_act, &sent_grad}) x->assign(size_t(m * v), 0);
+  }
+  size_t ix(int mb, int c) const { return size_t(c * m + mb); }
+};
+
+}  // namespace
+
+CheckResult check(const Schedule& sch, const OpCosts& costs) {
+  CheckResult res;
+  const int p = sch.p(), v = sch.v(), m = sch.m(), V = p * v;
+  const bool split = sch.split_backward();
+  auto fail = [&](std::string msg) {
+    res.ok = false;
+    res.error = std::move(msg);
+    return res;
+  };
+  if (int(sch.ranks.size()) != p) return fail(fmt::format("schedule has {} rank lists for p = {}", sch.ranks.size(), p));
+  res.ranks.resize(size_t(p));
+  std::vector<State> st(size_t(p), State(m, v));
+  std::vector<size_t> pc(size_t(p), 0);
+  std::vector<double> clock(size_t(p), 0.0);
+  std::vector<int> in_flight(size_t(p), 0);
+  for (int r = 0; r < p; ++r) {
+    res.ranks[size_t(r)].start.assign(sch.ranks[size_t(r)].size(), 0);
+    res.ranks[size_t(r)].end.assign(sch.ranks[size_t(r)].size(), 0);
+  }
+  auto where = [&](int r) { return fmt::format("rank {} instruction {} '{}'", r, pc[size_t(r)], to_string(sch.ranks[size_t(r)][pc[size_t(r)]])); };
+
+  // Static checks of one instruction; returns an error message or "".
+  auto static_error = [&](int r, const Instr& in) -> std::string {
+    if (in.op == Op::optimizer_step) return "";
+    if (in.mb < 0 || in.mb >= m) return fmt::format("{}: micro-batch out of [0, {})", where(r), m);
+    if (in.chunk < 0 || in.chunk >= v) return fmt::format("{}: chunk out of [0, {})", where(r), v);
+    if (split && in.op == Op::backward) return fmt::format("{}: a split-backward schedule uses Bi and W", where(r));
+    if (!split && (in.op == Op::backward_input || in.op == Op::backward_weight))
+      return fmt::format("{}: Bi/W in a schedule without split backward", where(r));
+    const int vs = sch.virtual_stage(r, in.chunk);
+    int want = -1;
+    if (in.op == Op::send_act || in.op == Op::recv_grad) {
+      if (vs + 1 >= V) return fmt::format("{}: the last virtual stage has no next stage", where(r));
+      want = sch.rank_of(vs + 1);
+    }
+    if (in.op == Op::recv_act || in.op == Op::send_grad) {
+      if (vs == 0) return fmt::format("{}: the first virtual stage has no previous stage", where(r));
+      want = sch.rank_of(vs - 1);
+    }
+    if (is_transfer(in.op) && in.peer != want)
+      return fmt::format("{}: peer {} is not the neighbouring stage's rank {}", where(r), in.peer, want);
+    return "";
+  };
+
+  // Runs the compute (or step) at pc of rank r; returns an error message or "".
+  auto run_local = [&](int r) -> std::string {
+    const Instr& in = sch.ranks[size_t(r)][pc[size_t(r)]];
+    State& s = st[size_t(r)];
+    RankTimeline& tl = res.ranks[size_t(r)];
+    if (in.op == Op::optimizer_step) {
+      for (int c = 0; c < v; ++c)
+        for (int mb = 0; mb < m; ++mb)
+          if (!s.bwd[s.ix(mb, c)] || (split && !s.wgt[s.ix(mb, c)]))
+            return fmt::format("{}: optimizer step before the backward of (mb {}, c {})", where(r), mb, c);
+    } else {
+      const size_t i = s.ix(in.mb, in.chunk);
+      const int vs = sch.virtual_stage(r, in.chunk);
+      switch (in.op) {
+        case Op::forward:
+          if (s.fwd[i]) return fmt::format("{}: forward twice", where(r));
+          if (vs > 0 && !s.got_act[i]) return fmt::format("{}: forward before its input activation arrived", where(r));
+          s.fwd[i] = 1;
+          tl.peak_in_flight = std::max(tl.peak_in_flight, ++in_flight[size_t(r)]);
+          break;
+        case Op::backward:
+        case Op::backward_input:
+          if (!s.fwd[i]) return fmt::format("{}: backward before forward", where(r));
+          if (s.bwd[i]) return fmt::format("{}: backward twice", where(r));
+          if (vs + 1 < V && !s.got_grad[i]) return fmt::format("{}: backward before its output gradient arrived", where(r));
+          s.bwd[i] = 1;
+          if (in.op == Op::backward) --in_flight[size_t(r)];
+          break;
+        case Op::backward_weight:
+          if (!s.bwd[i]) return fmt::format("{}: weight gradient before the input-gradient backward", where(r));
+          if (s.wgt[i]) return fmt::format("{}: weight gradient twice", where(r));
+          s.wgt[i] = 1;
+          --in_flight[size_t(r)];
+          break;
+        default: break;
+      }
+    }
+    tl.start[pc[size_t(r)]] = clock[size_t(r)];
+    clock[size_t(r)] += costs.of(in.op);
+    tl.end[pc[size_t(r)]] = clock[size_t(r)];
+    if (is_compute(in.op)) tl.busy += costs.of(in.op);
+    ++pc[size_t(r)];
+    return "";
+  };
+
+  size_t left = 0;
+  for (int r = 0; r < p; ++r) {
+    left += sch.ranks[size_t(r)].size();
+    for (size_t k = 0; k < sch.ranks[size_t(r)].size(); ++k) {
+      pc[size_t(r)] = k;
+      std::string e = static_error(r, sch.ranks[size_t(r)][k]);
+      if (!e.empty()) return fail(e);
+    }
+    pc[size_t(r)] = 0;
+  }
+  auto done = [&](int r) { return pc[size_t(r)] >= sch.ranks[size_t(r)].size(); };
+  auto cur = [&](int r) -> const Instr& { return sch.ranks[size_t(r)][pc[size_t(r)]]; };
+
+  while (left > 0) {
+    bool progress = false;
+    for (int r = 0; r < p; ++r) {
+      while (!done(r) && !is_transfer(cur(r).op)) {
+        std::string e = run_local(r);
+        if (!e.empty()) return fail(e);
+        --left;
+        progress = true;
+      }
+    }
+    // Rendezvous: a send at the head of rank a meets a recv at the head of its peer.
+    for (int a = 0; a < p; ++a) {
+      if (done(a)) continue;
+      const Instr& s = cur(a);
+      if (s.op != Op::send_act && s.op != Op::send_grad) continue;
+      const int b = s.peer;
+      if (done(b) || !is_transfer(cur(b).op)) continue;
+      const Instr& rv = cur(b);
+      if (rv.op != Op::recv_act && rv.op != Op::recv_grad) continue;
+      if (rv.peer != a) continue;
+      // Same channel (a -> b, one tag): the messages must be the same or the data would be wrong.
+      const bool act = s.op == Op::send_act;
+      const int dst_vs = act ? sch.virtual_stage(a, s.chunk) + 1 : sch.virtual_stage(a, s.chunk) - 1;
+      const bool same = (rv.op == (act ? Op::recv_act : Op::recv_grad)) && rv.mb == s.mb &&
+                        sch.virtual_stage(b, rv.chunk) == dst_vs;
+      if (!same)
+        return fail(fmt::format("{} is received by {}: messages out of order or missing their receive", where(a), where(b)));
+      State& sa = st[size_t(a)];
+      State& sb = st[size_t(b)];
+      if (act && !sa.fwd[sa.ix(s.mb, s.chunk)]) return fail(fmt::format("{}: send before the forward that produces it", where(a)));
+      if (!act && !sa.bwd[sa.ix(s.mb, s.chunk)]) return fail(fmt::format("{}: send before the backward that produces it", where(a)));
+      uint8_t& sent = act ? sa.sent_act[sa.ix(s.mb, s.chunk)] : sa.sent_grad[sa.ix(s.mb, s.chunk)];
+      uint8_t& got = act ? sb.got_act[sb.ix(rv.mb, rv.chunk)] : sb.got_grad[sb.ix(rv.mb, rv.chunk)];
+      if (sent || got) return fail(fmt::format("{}: message transferred twice", where(a)));
+      sent = got = 1;
+      const double t = std::max(clock[size_t(a)], clock[size_t(b)]);
+      const double e = t + costs.transfer;
+      res.ranks[size_t(a)].start[pc[size_t(a)]] = res.ranks[size_t(b)].start[pc[size_t(b)]] = t;
+      res.ranks[size_t(a)].end[pc[size_t(a)]] = res.ranks[size_t(b)].end[pc[size_t(b)]] = e;
+      clock[size_t(a)] = clock[size_t(b)] = e;
+      ++pc[size_t(a)];
+      ++pc[size_t(b)];
+      left -= 2;
+      progress = true;
+    }
+    if (!progress) {
+      // Deadlock: follow the wait-for edges from a blocked rank to name the cycle.
+      int r = 0;
+      while (done(r)) ++r;
+      std::vector<int> seen(size_t(p), -1), path;
+      while (r >= 0 && !done(r) && seen[size_t(r)] < 0) {
+        seen[size_t(r)] = int(path.size());
+        path.push_back(r);
+        r = cur(r).peer;
+      }
+      std::string msg = "deadlock under blocking transfers: ";
+      if (r >= 0 && !done(r) && seen[size_t(r)] >= 0) {
+        msg += "cyclic wait";
+        for (size_t k = size_t(seen[size_t(r)]); k < path.size(); ++k) msg += fmt::format(", {}", where(path[k]));
+        msg += fmt::format(" (waiting on rank {})", r);
+      } else {
+        for (size_t k = 0; k < path.size(); ++k) msg += fmt::format("{}{}", k ? ", " : "", where(path[k]));
+        msg += r >= 0 && done(r) ? fmt::format(", waiting on rank {} which has finished (missing transfer)", r)
+                                 : std::string(" (waiting)");
+      }
+      return fail(msg);
+    }
+  }
+  for (int r = 0; r < p; ++r) {
+    const State& s = st[size_t(r)];
+    for (int c = 0; c < v; ++c)
+      for (int mb = 0; mb < m; ++mb) {
+        const size_t i = s.ix(mb, c);
+        if (!s.fwd[i] || !s.bwd[i] || (split && !s.wgt[i]))
+          return fail(fmt::format("rank {}: (mb {}, c {}) is never {}", r, mb, c,
+                                  !s.fwd[i] ? "forwarded" : !s.bwd[i] ? "backwarded" : "given its weight gradient"));
+      }
+    if (sch.ranks[size_t(r)].empty() || sch.ranks[size_t(r)].back().op != Op::optimizer_step)
+      return fail(fmt::format("rank {}: the list does not end with the optimizer step", r));
+    res.ranks[size_t(r)].finish = clock[size_t(r)];
+    res.makespan = std::max(res.makespan, clock[size_t(r)]);
+  }
+  res.ok = true;
+  return res;
+}
+
+CheckResult check_or_throw(const Schedule& sch, const OpCosts& costs) {
+  CheckResult r = check(sch, costs);
+  LOOM_CHECK(r.ok, "pipeline schedule {} p={} v={} m={} is invalid: {}", kind_name(sch.spec.kind), sch.p(), sch.v(),
+             sch.m(), r.error);
+  return r;
+}
+
+}  // namespace loom::parallel::pipeline

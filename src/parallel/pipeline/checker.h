@@ -1,0 +1,45 @@
+// Proves a pipeline schedule valid without running it, by executing the instruction lists
+// symbolically with blocking (rendezvous) transfers:
+//   - every instruction names a micro-batch, chunk and peer that exist, and each transfer's peer
+//     is the rank of the neighbouring virtual stage;
+//   - every send meets the matching recv (same message, same order), with nothing left over;
+//   - no deadlock: when no rank can move, the report names the cycle of waiting ranks;
+//   - data dependencies: a forward after its input arrived, a backward after its forward and its
+//     output gradient, a weight gradient after the input gradient, sends after the producing
+//     compute, the optimizer step after every backward of the rank;
+//   - each (micro-batch, chunk) forwarded and backwarded exactly once on its rank.
+// It also measures each rank's peak number of micro-batch chunks in flight (forwarded, backward
+// not finished: the activation-memory bound) and, with per-op costs, a timeline for pictures,
+// bubble fractions and the planner's simulator.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "parallel/pipeline/schedule.h"
+
+namespace loom::parallel::pipeline {
+
+struct RankTimeline {
+  std::vector<double> start, end;  // per instruction of the rank's list
+  double busy = 0;                 // total compute time
+  double finish = 0;               // end of the last instruction
+  int peak_in_flight = 0;          // max (mb, chunk) forwarded and not fully backwarded
+};
+
+struct CheckResult {
+  bool ok = false;
+  std::string error;  // first violation, naming rank and instruction (empty when ok)
+  std::vector<RankTimeline> ranks;
+  double makespan = 0;
+  // Idle share of rank r over the makespan: 1 - busy / makespan.
+  double idle_fraction(int r) const;
+  // Bubble over useful work, (makespan - busy) / busy: (p - 1) / m for GPipe and 1F1B with
+  // backward = 2 forward.
+  double bubble_ratio(int r) const;
+};
+
+CheckResult check(const Schedule& sch, const OpCosts& costs = {});
+// Throws a loom::Error with the checker's message when the schedule is invalid.
+CheckResult check_or_throw(const Schedule& sch, const OpCosts& costs = {});
+
+}  // namespace loom::parallel::pipeline

@@ -1,0 +1,294 @@
+#include "parallel/pipeline/schedule.h"
+
+#include <algorithm>
+#include <fmt/format.h>
+#include <limits>
+#include <map>
+#include <tuple>
+
+#include "core/error.h"
+
+namespace loom::parallel::pipeline {
+
+std::string_view kind_name(Kind k) {
+  switch (k) {
+    case Kind::gpipe: return "gpipe";
+    case Kind::one_f_one_b: return "1f1b";
+    case Kind::interleaved: return "interleaved";
+    case Kind::zb_h1: return "zb-h1";
+  }
+  return "?";
+}
+
+Kind parse_kind(std::string_view s, std::string_view field) {
+  for (Kind k : {Kind::gpipe, Kind::one_f_one_b, Kind::interleaved, Kind::zb_h1})
+    if (s == kind_name(k)) return k;
+  throw Error(fmt::format("{}: unknown pipeline schedule '{}' (expected gpipe, 1f1b, interleaved or zb-h1)", field, s));
+}
+
+std::string_view op_name(Op op) {
+  switch (op) {
+    case Op::forward: return "F";
+    case Op::backward: return "B";
+    case Op::backward_input: return "Bi";
+    case Op::backward_weight: return "W";
+    case Op::send_act: return "send_act";
+    case Op::recv_act: return "recv_act";
+    case Op::send_grad: return "send_grad";
+    case Op::recv_grad: return "recv_grad";
+    case Op::optimizer_step: return "step";
+  }
+  return "?";
+}
+
+bool is_compute(Op op) {
+  return op == Op::forward || op == Op::backward || op == Op::backward_input || op == Op::backward_weight;
+}
+bool is_transfer(Op op) {
+  return op == Op::send_act || op == Op::recv_act || op == Op::send_grad || op == Op::recv_grad;
+}
+
+std::string to_string(const Instr& in) {
+  if (in.op == Op::optimizer_step) return "step";
+  std::string s = fmt::format("{}(mb {}, c {})", op_name(in.op), in.mb, in.chunk);
+  if (in.op == Op::send_act || in.op == Op::send_grad) s += fmt::format(" -> {}", in.peer);
+  if (in.op == Op::recv_act || in.op == Op::recv_grad) s += fmt::format(" <- {}", in.peer);
+  return s;
+}
+
+std::string Schedule::str() const {
+  std::string out;
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    out += fmt::format("rank {}:", r);
+    for (const Instr& in : ranks[r]) out += " " + to_string(in);
+    out += "\n";
+  }
+  return out;
+}
+
+double OpCosts::of(Op op) const {
+  switch (op) {
+    case Op::forward: return forward;
+    case Op::backward: return backward;
+    case Op::backward_input: return backward_input;
+    case Op::backward_weight: return backward_weight;
+    case Op::optimizer_step: return optimizer_step;
+    default: return transfer;
+  }
+}
+
+void ScheduleSpec::validate() const {
+  LOOM_CHECK(stages >= 1, "pipeline schedule: stages (p) must be >= 1, got {}", stages);
+  LOOM_CHECK(micro_batches >= 1, "pipeline schedule: micro_batches (m) must be >= 1, got {}", micro_batches);
+  LOOM_CHECK(virtual_stages >= 1, "pipeline schedule: virtual_stages (v) must be >= 1, got {}", virtual_stages);
+  if (kind == Kind::interleaved) {
+    LOOM_CHECK(virtual_stages > 1, "pipeline schedule: interleaved needs virtual_stages (v) > 1, got {}",
+               virtual_stages);
+    LOOM_CHECK(stages > 1, "pipeline schedule: interleaved needs stages (p) > 1, got {}", stages);
+    LOOM_CHECK(micro_batches % stages == 0,
+               "pipeline schedule: interleaved needs micro_batches (m = {}) divisible by stages (p = {})",
+               micro_batches, stages);
+  } else {
+    LOOM_CHECK(virtual_stages == 1, "pipeline schedule: {} needs virtual_stages (v) = 1, got {} (only interleaved "
+               "uses more than one chunk per rank)", kind_name(kind), virtual_stages);
+  }
+  LOOM_CHECK(micro_batches <= 4096 && stages <= 4096, "pipeline schedule: p = {} or m = {} is too large", stages,
+             micro_batches);
+}
+
+namespace {
+
+// A compute instruction with its virtual stage and its place on the rank's timeline.
+struct Timed {
+  Instr in;
+  int vs = 0;
+  double start = 0, end = 0;
+};
+
+// Dependency classes: forward, input-gradient backward (B or Bi), weight gradient.
+int dep_class(Op op) { return op == Op::forward ? 0 : op == Op::backward_weight ? 2 : 1; }
+
+struct EndTimes {
+  int m, V;
+  std::vector<double> t;  // [3][V][m], +inf until done
+  EndTimes(int m_, int V_) : m(m_), V(V_), t(size_t(3 * V_ * m_), std::numeric_limits<double>::infinity()) {}
+  double& at(int cls, int vs, int mb) { return t[size_t((cls * V + vs) * m + mb)]; }
+};
+
+// When the inputs of a compute on virtual stage vs are ready (+inf: not yet produced).
+double ready_time(EndTimes& e, Op op, int vs, int mb) {
+  if (op == Op::forward) return vs == 0 ? 0.0 : e.at(0, vs - 1, mb);
+  if (op == Op::backward_weight) return e.at(1, vs, mb);
+  double r = e.at(0, vs, mb);
+  if (vs + 1 < e.V) r = std::max(r, e.at(1, vs + 1, mb));
+  return r;
+}
+
+// Compute order per rank for the fixed-order kinds (virtual stage filled in later).
+std::vector<std::vector<Instr>> fixed_orders(const ScheduleSpec& s) {
+  const int p = s.stages, v = s.virtual_stages, m = s.micro_batches;
+  std::vector<std::vector<Instr>> out(static_cast<size_t>(p));
+  for (int r = 0; r < p; ++r) {
+    auto& o = out[size_t(r)];
+    if (s.kind == Kind::gpipe) {
+      for (int i = 0; i < m; ++i) o.push_back({Op::forward, i, 0, -1});
+      for (int i = 0; i < m; ++i) o.push_back({Op::backward, i, 0, -1});
+    } else if (s.kind == Kind::one_f_one_b) {
+      const int warm = std::min(p - r - 1, m);
+      for (int i = 0; i < warm; ++i) o.push_back({Op::forward, i, 0, -1});
+      for (int i = 0; i < m - warm; ++i) {
+        o.push_back({Op::forward, warm + i, 0, -1});
+        o.push_back({Op::backward, i, 0, -1});
+      }
+      for (int i = m - warm; i < m; ++i) o.push_back({Op::backward, i, 0, -1});
+    } else {  // interleaved (Megatron's order of virtual micro-batches)
+      const int total = m * v;
+      const int warm = m == p ? total : std::min((p - r - 1) * 2 + (v - 1) * p, total);
+      auto fwd = [&](int k) {
+        return Instr{Op::forward, (k / (p * v)) * p + k % p, (k % (p * v)) / p, -1};
+      };
+      auto bwd = [&](int k) {
+        return Instr{Op::backward, (k / (p * v)) * p + k % p, v - 1 - (k % (p * v)) / p, -1};
+      };
+      for (int k = 0; k < warm; ++k) o.push_back(fwd(k));
+      for (int k = 0; k < total - warm; ++k) {
+        o.push_back(fwd(warm + k));
+        o.push_back(bwd(k));
+      }
+      for (int k = total - warm; k < total; ++k) o.push_back(bwd(k));
+    }
+  }
+  return out;
+}
+
+// Times a fixed compute order as a data flow (transfers free, a rank runs one op at a time).
+std::vector<std::vector<Timed>> time_orders(const Schedule& sch, const std::vector<std::vector<Instr>>& orders,
+                                            const OpCosts& c) {
+  const int p = sch.p(), m = sch.m();
+  EndTimes e(m, sch.num_virtual_stages());
+  std::vector<std::vector<Timed>> out(static_cast<size_t>(p));
+  std::vector<size_t> pc(size_t(p), 0);
+  std::vector<double> free(size_t(p), 0.0);
+  size_t left = 0;
+  for (auto& o : orders) left += o.size();
+  while (left > 0) {
+    bool progress = false;
+    for (int r = 0; r < p; ++r) {
+      auto& o = orders[size_t(r)];
+      while (pc[size_t(r)] < o.size()) {
+        const Instr& in = o[pc[size_t(r)]];
+        const int vs = sch.virtual_stage(r, in.chunk);
+        double ready = ready_time(e, in.op, vs, in.mb);
+        if (ready == std::numeric_limits<double>::infinity()) break;
+        Timed t{in, vs, std::max(ready, free[size_t(r)]), 0};
+        t.end = t.start + c.of(in.op);
+        free[size_t(r)] = t.end;
+        e.at(dep_class(in.op), vs, in.mb) = t.end;
+        out[size_t(r)].push_back(t);
+        ++pc[size_t(r)];
+        --left;
+        progress = true;
+      }
+    }
+    LOOM_CHECK(progress, "pipeline schedule: the {} compute order for p={} v={} m={} cannot make progress",
+               kind_name(sch.spec.kind), p, sch.v(), m);
+  }
+  return out;
+}
+
+// ZB-H1: each rank, whenever free, runs the first ready of: the next input-gradient backward,
+// the next forward (while fewer than p - rank micro-batches hold activations, as 1F1B), the
+// oldest pending weight gradient.
+std::vector<std::vector<Timed>> zb_h1_orders(const Schedule& sch, const OpCosts& c) {
+  const int p = sch.p(), m = sch.m();
+  const double inf = std::numeric_limits<double>::infinity();
+  EndTimes e(m, p);
+  std::vector<std::vector<Timed>> out(static_cast<size_t>(p));
+  std::vector<int> nf(size_t(p), 0), nb(size_t(p), 0), nw(size_t(p), 0);
+  std::vector<double> free(size_t(p), 0.0);
+  double t = 0;
+  for (;;) {
+    bool all_done = true;
+    for (int r = 0; r < p; ++r) {
+      if (nw[size_t(r)] < m) all_done = false;
+      if (free[size_t(r)] > t || nw[size_t(r)] >= m) continue;
+      const int r_ = r;
+      auto ready = [&](Op op, int mb) { return ready_time(e, op, r_, mb) <= t; };
+      Instr pick{Op::optimizer_step, -1, 0, -1};
+      if (nb[size_t(r)] < nf[size_t(r)] && ready(Op::backward_input, nb[size_t(r)]))
+        pick = {Op::backward_input, nb[size_t(r)]++, 0, -1};
+      else if (nf[size_t(r)] < m && nf[size_t(r)] - nw[size_t(r)] < p - r && ready(Op::forward, nf[size_t(r)]))
+        pick = {Op::forward, nf[size_t(r)]++, 0, -1};
+      else if (nw[size_t(r)] < nb[size_t(r)])
+        pick = {Op::backward_weight, nw[size_t(r)]++, 0, -1};
+      if (pick.op == Op::optimizer_step) continue;
+      Timed tm{pick, r, t, t + c.of(pick.op)};
+      free[size_t(r)] = tm.end;
+      e.at(dep_class(pick.op), r, pick.mb) = tm.end;
+      out[size_t(r)].push_back(tm);
+    }
+    if (all_done) break;
+    // Next event: the earliest time after t at which a rank frees up or an op ends.
+    double next = inf;
+    for (double f : free)
+      if (f > t) next = std::min(next, f);
+    for (double x : e.t)
+      if (x > t && x < next) next = x;
+    LOOM_CHECK(next < inf, "pipeline schedule: zb-h1 for p={} m={} cannot make progress", p, m);
+    t = next;
+  }
+  return out;
+}
+
+}  // namespace
+
+Schedule generate(const ScheduleSpec& spec) {
+  spec.validate();
+  Schedule sch;
+  sch.spec = spec;
+  const int p = spec.stages, V = sch.num_virtual_stages();
+  const OpCosts costs;
+  std::vector<std::vector<Timed>> timed =
+      spec.kind == Kind::zb_h1 ? zb_h1_orders(sch, costs) : time_orders(sch, fixed_orders(spec), costs);
+
+  // Every cross-rank dependency becomes one message, placed at the consumer's start time on both
+  // sides. All ranks list their transfers in the same global order (time, then message id), so
+  // blocking transfers cannot wait on each other in a cycle.
+  struct Item {
+    double time;
+    int cls;  // 0 transfer, 1 compute (a transfer at the same time goes first)
+    std::tuple<int, int, int> id;  // transfers: (kind, mb, consumer virtual stage)
+    Instr in;
+  };
+  std::vector<std::vector<Item>> items(static_cast<size_t>(p));
+  for (int r = 0; r < p; ++r) {
+    for (const Timed& t : timed[size_t(r)]) {
+      items[size_t(r)].push_back({t.start, 1, {0, 0, 0}, t.in});
+      if (p == 1) continue;
+      if (t.in.op == Op::forward && t.vs > 0) {
+        const int src = t.vs - 1;
+        items[size_t(sch.rank_of(src))].push_back(
+            {t.start, 0, {0, t.in.mb, t.vs}, {Op::send_act, t.in.mb, sch.chunk_of(src), r}});
+        items[size_t(r)].push_back({t.start, 0, {0, t.in.mb, t.vs}, {Op::recv_act, t.in.mb, t.in.chunk, sch.rank_of(src)}});
+      }
+      if ((t.in.op == Op::backward || t.in.op == Op::backward_input) && t.vs + 1 < V) {
+        const int src = t.vs + 1;
+        items[size_t(sch.rank_of(src))].push_back(
+            {t.start, 0, {1, t.in.mb, t.vs}, {Op::send_grad, t.in.mb, sch.chunk_of(src), r}});
+        items[size_t(r)].push_back({t.start, 0, {1, t.in.mb, t.vs}, {Op::recv_grad, t.in.mb, t.in.chunk, sch.rank_of(src)}});
+      }
+    }
+  }
+  sch.ranks.resize(size_t(p));
+  for (int r = 0; r < p; ++r) {
+    auto& it = items[size_t(r)];
+    std::stable_sort(it.begin(), it.end(), [](const Item& a, const Item& b) {
+      return std::tie(a.time, a.cls, a.id) < std::tie(b.time, b.cls, b.id);
+    });
+    for (const Item& x : it) sch.ranks[size_t(r)].push_back(x.in);
+    sch.ranks[size_t(r)].push_back({Op::optimizer_step, -1, -1, -1});
+  }
+  return sch;
+}
+
+}  // namespace loom::parallel::pipeline

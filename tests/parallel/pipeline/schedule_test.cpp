@@ -1,0 +1,162 @@
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+#include "core/error.h"
+#include "parallel/pipeline/checker.h"
+#include "parallel/pipeline/schedule.h"
+
+namespace loom::parallel::pipeline {
+namespace {
+
+// Every generated schedule of acceptance 2 (p <= 16, m <= 64, v <= 4) passes the checker, with the
+// activation bound of its kind.
+TEST(PipelineSchedule, CheckerAcceptsEveryGeneratedSchedule) {
+  int checked = 0;
+  for (Kind k : {Kind::gpipe, Kind::one_f_one_b, Kind::interleaved, Kind::zb_h1}) {
+    for (int p = 1; p <= 16; ++p) {
+      for (int m = 1; m <= 64; ++m) {
+        for (int v = 1; v <= 4; ++v) {
+          ScheduleSpec s{k, p, v, m};
+          if ((k == Kind::interleaved) != (v > 1)) continue;
+          if (k == Kind::interleaved && (p < 2 || m % p != 0)) continue;
+          Schedule sch = generate(s);
+          CheckResult r = check(sch);
+          ASSERT_TRUE(r.ok) << kind_name(k) << " p=" << p << " v=" << v << " m=" << m << ": " << r.error;
+          for (int rank = 0; rank < p; ++rank) {
+            const int peak = r.ranks[size_t(rank)].peak_in_flight;
+            if (k == Kind::gpipe) ASSERT_EQ(peak, m);
+            if (k == Kind::one_f_one_b || k == Kind::zb_h1) ASSERT_EQ(peak, std::min(m, p - rank)) << kind_name(k);
+            if (k == Kind::interleaved) ASSERT_LE(peak, m * v);
+          }
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_GT(checked, 3000);
+}
+
+TEST(PipelineSchedule, RefusesInvalidCombinations) {
+  EXPECT_THROW(generate({Kind::interleaved, 4, 2, 6}), Error);  // m not divisible by p
+  EXPECT_THROW(generate({Kind::interleaved, 4, 1, 8}), Error);  // v = 1
+  EXPECT_THROW(generate({Kind::one_f_one_b, 4, 2, 8}), Error);  // v > 1 outside interleaved
+  EXPECT_THROW(generate({Kind::gpipe, 0, 1, 8}), Error);
+  EXPECT_THROW(generate({Kind::gpipe, 2, 1, 0}), Error);
+  EXPECT_THROW(parse_kind("pipedream"), Error);
+  EXPECT_EQ(parse_kind("zb-h1"), Kind::zb_h1);
+  try {
+    generate({Kind::interleaved, 4, 2, 6});
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("divisible"), std::string::npos) << e.what();
+  }
+}
+
+// 1F1B's structure: rank r warms up with p - r - 1 forwards and ends with the optimizer step.
+TEST(PipelineSchedule, OneFOneBShape) {
+  Schedule s = generate({Kind::one_f_one_b, 4, 1, 8});
+  for (int r = 0; r < 4; ++r) {
+    int fwd_before_first_bwd = 0;
+    for (const Instr& in : s.ranks[size_t(r)]) {
+      if (in.op == Op::backward) break;
+      fwd_before_first_bwd += in.op == Op::forward;
+    }
+    EXPECT_EQ(fwd_before_first_bwd, 4 - r);
+    EXPECT_EQ(s.ranks[size_t(r)].back().op, Op::optimizer_step);
+  }
+}
+
+// Bubble with backward = 2 x forward: (p - 1) / m for GPipe and 1F1B, (p - 1) / (v m) for
+// interleaved; zb-h1 below 1F1B.
+TEST(PipelineSchedule, SimulatedBubble) {
+  const int p = 4, m = 8;
+  auto bubble = [&](Kind k, int v) { return check_or_throw(generate({k, p, v, m})).bubble_ratio(0); };
+  EXPECT_NEAR(bubble(Kind::gpipe, 1), double(p - 1) / m, 1e-12);
+  EXPECT_NEAR(bubble(Kind::one_f_one_b, 1), double(p - 1) / m, 1e-12);
+  // Interleaving with v = 2 lands between the ideal (p - 1) / (v m) and 1F1B: blocking transfers
+  // placed in one global order cost one forward slot over Megatron's asynchronous ideal.
+  EXPECT_GE(bubble(Kind::interleaved, 2), double(p - 1) / (2 * m) - 1e-12);
+  EXPECT_LT(bubble(Kind::interleaved, 2), 0.75 * double(p - 1) / m);
+  EXPECT_LT(bubble(Kind::zb_h1, 1), bubble(Kind::one_f_one_b, 1));
+}
+
+Schedule two_stage() { return generate({Kind::one_f_one_b, 2, 1, 2}); }
+
+TEST(PipelineChecker, RejectsMissingRecv) {
+  Schedule s = two_stage();
+  auto& r1 = s.ranks[1];
+  r1.erase(std::find_if(r1.begin(), r1.end(), [](const Instr& in) { return in.op == Op::recv_act && in.mb == 1; }));
+  // Rank 0's send of mb 1 now meets rank 1's send of a gradient: both block.
+  CheckResult r = check(s);
+  ASSERT_FALSE(r.ok);
+  EXPECT_NE(r.error.find("cyclic wait"), std::string::npos) << r.error;
+
+  // Without the forward that needs it, the unmatched send itself is reported.
+  s = two_stage();
+  auto& q = s.ranks[1];
+  q.erase(std::find_if(q.begin(), q.end(), [](const Instr& in) { return in.op == Op::recv_act && in.mb == 1; }));
+  std::erase_if(q, [](const Instr& in) { return in.mb == 1; });
+  r = check(s);
+  ASSERT_FALSE(r.ok);
+  EXPECT_NE(r.error.find("deadlock"), std::string::npos) << r.error;
+
+  // A forward moved before the receive of its input.
+  s = two_stage();
+  auto& f = s.ranks[1];
+  auto rv = std::find_if(f.begin(), f.end(), [](const Instr& in) { return in.op == Op::recv_act && in.mb == 0; });
+  auto fw = std::find_if(f.begin(), f.end(), [](const Instr& in) { return in.op == Op::forward && in.mb == 0; });
+  std::iter_swap(rv, fw);
+  r = check(s);
+  ASSERT_FALSE(r.ok);
+  EXPECT_NE(r.error.find("forward before its input activation arrived"), std::string::npos) << r.error;
+}
+
+TEST(PipelineChecker, RejectsCyclicWait) {
+  // Both ranks send first to each other: blocking sends wait forever.
+  Schedule s;
+  s.spec = {Kind::gpipe, 2, 1, 1};
+  s.ranks = {{{Op::forward, 0, 0, -1}, {Op::recv_grad, 0, 0, 1}, {Op::send_act, 0, 0, 1}},
+             {{Op::recv_act, 0, 0, 0}, {Op::forward, 0, 0, -1}, {Op::backward, 0, 0, -1}, {Op::send_grad, 0, 0, 0}}};
+  CheckResult r = check(s);
+  ASSERT_FALSE(r.ok);
+  EXPECT_NE(r.error.find("cyclic wait"), std::string::npos) << r.error;
+
+  // Swapping the order of rank 0's transfers in generated 1F1B breaks the global order.
+  Schedule g = generate({Kind::one_f_one_b, 2, 1, 4});
+  auto& l = g.ranks[0];
+  auto a = std::find_if(l.begin(), l.end(), [](const Instr& in) { return in.op == Op::send_act && in.mb == 2; });
+  auto b = std::find_if(l.begin(), l.end(), [](const Instr& in) { return in.op == Op::recv_grad && in.mb == 1; });
+  ASSERT_TRUE(a != l.end() && b != l.end());
+  std::iter_swap(a, b);
+  r = check(g);
+  ASSERT_FALSE(r.ok);
+  EXPECT_NE(r.error.find("deadlock"), std::string::npos) << r.error;
+}
+
+TEST(PipelineChecker, RejectsBackwardBeforeForward) {
+  Schedule s;
+  s.spec = {Kind::gpipe, 1, 1, 2};
+  s.ranks = {{{Op::forward, 0, 0, -1}, {Op::backward, 1, 0, -1}, {Op::forward, 1, 0, -1}, {Op::backward, 0, 0, -1},
+              {Op::optimizer_step, -1, -1, -1}}};
+  CheckResult r = check(s);
+  ASSERT_FALSE(r.ok);
+  EXPECT_NE(r.error.find("backward before forward"), std::string::npos) << r.error;
+}
+
+TEST(PipelineChecker, RejectsOtherBreakage) {
+  Schedule s = generate({Kind::one_f_one_b, 2, 1, 2});
+  s.ranks[0].pop_back();  // no optimizer step
+  EXPECT_FALSE(check(s).ok);
+  s = generate({Kind::one_f_one_b, 2, 1, 2});
+  for (Instr& in : s.ranks[0])
+    if (in.op == Op::send_act) in.peer = 0;  // wrong neighbour
+  EXPECT_FALSE(check(s).ok);
+  s = generate({Kind::zb_h1, 2, 1, 2});
+  std::erase_if(s.ranks[1], [](const Instr& in) { return in.op == Op::backward_weight && in.mb == 0; });
+  CheckResult r = check(s);
+  ASSERT_FALSE(r.ok);
+  EXPECT_NE(r.error.find("optimizer step before"), std::string::npos) << r.error;
+}
+
+}  // namespace
+}  // namespace loom::parallel::pipeline
