@@ -47,14 +47,18 @@ class PreTokenizer {
     return char_class(cp);
   }
 
-  // End of the run of code points of class c starting at q.
+  // End of the run of code points of class c starting at q. ASCII bytes take a tight loop; a
+  // byte >= 0x80 starts a multi-byte (or invalid) sequence that is decoded.
   const uint8_t* run_end(const uint8_t* q, CharClass c) const {
-    while (q < end_) {
-      size_t len;
-      if (at(q, &len) != c) break;
+    const uint8_t want = uint8_t(c);
+    for (;;) {
+      while (q < end_ && *q < 0x80 && detail::kAsciiClass[*q] == want) ++q;
+      if (q >= end_ || *q < 0x80) return q;
+      uint32_t cp;
+      const size_t len = decode_utf8(q, end_, &cp);
+      if (char_class(cp) != c) return q;
       q += len;
     }
-    return q;
   }
 
   const uint8_t* piece_end(const uint8_t* q) const {

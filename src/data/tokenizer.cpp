@@ -304,7 +304,7 @@ Tokenizer Tokenizer::from_files(const std::string& vocab_json, const std::string
     pos = eol + 1;
     ++line_no;
     if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
-    if (line.empty() || (line_no == 1 && line.starts_with("#"))) continue;
+    if (line.empty() || (line_no == 1 && line.starts_with("#version"))) continue;
     const auto where = [&] { return fmt::format("{}:{}", merges_txt, line_no); };
     const size_t sp = line.find(' ');
     if (sp == std::string_view::npos || sp == 0 || sp + 1 == line.size() ||
