@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import struct
 import subprocess
 import sys
@@ -85,8 +86,11 @@ class GPT(nn.Module):
         return logits, loss
 
 
-def flops_per_token(model, T):
+def flops_per_token(model, T, V=50257):
+    """6 N + 12 L H Q T, N without wpe and with the real vocabulary (the padding rows of nanoGPT's
+    50304-row wte are not model parameters): the same count for loom and PyTorch."""
     n = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
+    n -= (model.wte.weight.shape[0] - V) * model.C
     return 6 * n + 12 * model.L * model.H * (model.C // model.H) * T
 
 
@@ -148,7 +152,7 @@ def bench_torch(mode, B, T, steps, warmup):
 
 
 def bench_loom(binary, B, T, steps, warmup, extra):
-    cmd = [binary, "-B", str(B), "-T", str(T), "--steps", str(steps), "--warmup", str(warmup), "--json"] + extra
+    cmd = shlex.split(binary) + ["-B", str(B), "-T", str(T), "--steps", str(steps), "--warmup", str(warmup), "--json"] + extra
     print("running:", " ".join(cmd), flush=True)
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
@@ -217,7 +221,7 @@ def parity(path):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--loom-bin", default="train_gpt2_cuda")
+    ap.add_argument("--loom-bin", default="train_gpt2_cuda", help="the loom executable (a command line: split as a shell does)")
     ap.add_argument("-B", type=int, default=16)
     ap.add_argument("-T", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=30)
@@ -239,7 +243,12 @@ def main():
         if mode == "loom":
             r = bench_loom(a.loom_bin, a.B, a.T, a.steps, a.warmup, a.loom_extra.split() if a.loom_extra else [])
         else:
-            r = bench_torch(mode, a.B, a.T, a.steps, a.warmup)
+            try:
+                r = bench_torch(mode, a.B, a.T, a.steps, a.warmup)
+            except torch.cuda.OutOfMemoryError:
+                print(f"torch-{mode}: out of memory at B={a.B}", flush=True)
+                torch.cuda.empty_cache()
+                r = None
         if r:
             results.append(r)
             print(json.dumps(r), flush=True)

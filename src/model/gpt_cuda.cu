@@ -111,6 +111,9 @@ GPTCuda::GPTCuda(const GPTConfig& cfg, const GPTCudaOptions& opt, MemoryPool& po
     : cfg_(cfg), opt_(opt), pool_(pool) {
   LOOM_CHECK(pool_.device() == Device::cuda, "GPTCuda: pool '{}' is not a device pool", pool_.name().c_str());
   specs_ = gpt_param_specs(cfg_);
+  // Every copy and memset of the model runs on its own (non-blocking) stream, so it is ordered
+  // with the model's kernels; the legacy default stream would not be.
+  LOOM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   const int64_t B = opt_.B, T = opt_.T, C = cfg_.n_embd, L = cfg_.n_layer, NH = cfg_.n_head, HS = cfg_.head_size();
   const int64_t Vp = cfg_.padded_vocab(), BT = B * T;
   LOOM_CHECK(B > 0 && T > 0 && T <= cfg_.block_size, "GPTCuda options: need B > 0 and 0 < T <= block_size {} (B={} T={})",
@@ -131,10 +134,7 @@ GPTCuda::GPTCuda(const GPTConfig& cfg, const GPTCudaOptions& opt, MemoryPool& po
   grads_ = static_cast<float*>(alloc(nf, MemTag::grads));
   m_ = static_cast<float*>(alloc(nf, MemTag::optimizer));
   v_ = static_cast<float*>(alloc(nf, MemTag::optimizer));
-  LOOM_CUDA_CHECK(cudaMemset(master_, 0, nf));
-  LOOM_CUDA_CHECK(cudaMemset(grads_, 0, nf));
-  LOOM_CUDA_CHECK(cudaMemset(m_, 0, nf));
-  LOOM_CUDA_CHECK(cudaMemset(v_, 0, nf));
+  for (float* p : {master_, grads_, m_, v_}) LOOM_CUDA_CHECK(cudaMemsetAsync(p, 0, nf, stream_));
 
   std::vector<cuda::AdamWTensor> tensors;
   for (size_t i = 0; i < specs_.size(); ++i) {
@@ -207,9 +207,9 @@ GPTCuda::GPTCuda(const GPTConfig& cfg, const GPTCudaOptions& opt, MemoryPool& po
   LOOM_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&h_tokens_), size_t(2 * BT) * sizeof(int32_t)));
   LOOM_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&h_stats_), 3 * sizeof(float)));
   std::memset(h_stats_, 0, 3 * sizeof(float));
-  LOOM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   cuda::matmul_init();
   if (opt_.attention == CudaAttention::gemm) cuda::attn_gemm_init();
+  LOOM_CUDA_CHECK(cudaDeviceSynchronize());  // the optimizer's tables were copied on the default stream
   init_weights(seed);
 }
 
@@ -241,10 +241,11 @@ void GPTCuda::refresh_bf16() {
 void GPTCuda::init_weights(uint64_t seed) {
   std::vector<float> host(size_t(total_), 0.f);
   for (size_t i = 0; i < specs_.size(); ++i) init_values(specs_[i], seed, host.data() + offsets_[i], 0, specs_[i].numel());
-  LOOM_CUDA_CHECK(cudaMemcpy(master_, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice));
-  LOOM_CUDA_CHECK(cudaMemset(m_, 0, size_t(total_) * sizeof(float)));
-  LOOM_CUDA_CHECK(cudaMemset(v_, 0, size_t(total_) * sizeof(float)));
-  refresh_bf16();
+  LOOM_CUDA_CHECK(
+      cudaMemcpyAsync(master_, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice, stream_));
+  LOOM_CUDA_CHECK(cudaMemsetAsync(m_, 0, size_t(total_) * sizeof(float), stream_));
+  LOOM_CUDA_CHECK(cudaMemsetAsync(v_, 0, size_t(total_) * sizeof(float), stream_));
+  refresh_bf16();  // synchronises the stream, so `host` outlives the copy
 }
 
 static size_t find_spec(const std::vector<ParamSpec>& specs, const std::string& name) {
@@ -255,32 +256,35 @@ static size_t find_spec(const std::vector<ParamSpec>& specs, const std::string& 
 
 void GPTCuda::set_parameter(const std::string& name, const float* values) {
   const size_t i = find_spec(specs_, name);
-  LOOM_CUDA_CHECK(cudaMemcpy(master_ + offsets_[i], values, size_t(specs_[i].numel()) * sizeof(float),
-                             cudaMemcpyHostToDevice));
-  refresh_bf16();
+  LOOM_CUDA_CHECK(cudaMemcpyAsync(master_ + offsets_[i], values, size_t(specs_[i].numel()) * sizeof(float),
+                                  cudaMemcpyHostToDevice, stream_));
+  refresh_bf16();  // synchronises the stream, so `values` may be freed on return
 }
 
 std::vector<float> GPTCuda::parameter(const std::string& name) const {
   const size_t i = find_spec(specs_, name);
   std::vector<float> out(size_t(specs_[i].numel()));
+  LOOM_CUDA_CHECK(
+      cudaMemcpyAsync(out.data(), master_ + offsets_[i], out.size() * sizeof(float), cudaMemcpyDeviceToHost, stream_));
   LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  LOOM_CUDA_CHECK(cudaMemcpy(out.data(), master_ + offsets_[i], out.size() * sizeof(float), cudaMemcpyDeviceToHost));
   return out;
 }
 
 std::vector<float> GPTCuda::gradient(const std::string& name) const {
   const size_t i = find_spec(specs_, name);
   std::vector<float> out(size_t(specs_[i].numel()));
+  LOOM_CUDA_CHECK(
+      cudaMemcpyAsync(out.data(), grads_ + offsets_[i], out.size() * sizeof(float), cudaMemcpyDeviceToHost, stream_));
   LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  LOOM_CUDA_CHECK(cudaMemcpy(out.data(), grads_ + offsets_[i], out.size() * sizeof(float), cudaMemcpyDeviceToHost));
   return out;
 }
 
 std::vector<float> GPTCuda::logits() const {
   const int64_t n = opt_.B * opt_.T * cfg_.padded_vocab();
   std::vector<uint16_t> raw(static_cast<size_t>(n));
+  LOOM_CUDA_CHECK(
+      cudaMemcpyAsync(raw.data(), acts_->logits, size_t(n) * sizeof(bf16), cudaMemcpyDeviceToHost, stream_));
   LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  LOOM_CUDA_CHECK(cudaMemcpy(raw.data(), acts_->logits, size_t(n) * sizeof(bf16), cudaMemcpyDeviceToHost));
   std::vector<float> out(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) {
     uint32_t u = uint32_t(raw[size_t(i)]) << 16;
@@ -504,10 +508,9 @@ float GPTCuda::train_step(const int32_t* tokens, const int32_t* targets, float l
     LOOM_CUDA_CHECK(cudaGraphExecDestroy(graph_));
     graph_ = nullptr;
   }
-  static thread_local bool warmed = false;  // the first step of a process runs eagerly (lazy inits)
-  if (!opt_.cuda_graph || !warmed) {
-    enqueue_step();
-    warmed = true;
+  if (!opt_.cuda_graph || !warmed_) {
+    enqueue_step();  // the first step runs eagerly: library handles and algorithm choices are made
+    warmed_ = true;  // outside any capture
   } else {
     if (!graph_) {
       cudaGraph_t g = nullptr;

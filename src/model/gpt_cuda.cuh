@@ -113,6 +113,7 @@ class GPTCuda {
   cudaStream_t stream_ = nullptr;
   cudaGraphExec_t graph_ = nullptr;
   float graph_dloss_ = 0.f;  // dloss baked into the captured graph
+  bool warmed_ = false;      // an eager step has run (before the first capture)
 };
 
 }  // namespace loom::model

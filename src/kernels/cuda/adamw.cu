@@ -88,6 +88,8 @@ MultiTensorAdamW::MultiTensorAdamW(std::vector<AdamWTensor> tensors, MemoryPool&
   if (!chunks.empty())
     LOOM_CUDA_CHECK(cudaMemcpy(d_chunks_, chunks.data(), chunks.size() * sizeof(Chunk), cudaMemcpyHostToDevice));
   set_hyper(AdamWHyper{});
+  // The tables were copied on the legacy default stream; launches come on the caller's stream.
+  LOOM_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 MultiTensorAdamW::~MultiTensorAdamW() {

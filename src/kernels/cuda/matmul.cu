@@ -5,6 +5,7 @@
 
 #include <map>
 #include <mutex>
+#include <set>
 #include <tuple>
 
 #include "kernels/cuda/allocator.cuh"
@@ -26,6 +27,7 @@ struct LtState {
   std::mutex mu;
   // Heuristic choices by problem description (shapes, types, epilogue, alignments).
   std::map<std::vector<int64_t>, cublasLtMatmulAlgo_t> algos;
+  std::set<std::vector<int64_t>> unsupported;  // try_only calls no algorithm supports
 };
 
 LtState& lt() {
@@ -60,11 +62,13 @@ struct LtCall {
   float alpha = 1.f, beta = 0.f;
   cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
   const void* bias = nullptr;
+  bool bias_f32 = false;  // bias (or bias gradient) vector in f32 instead of bf16
   void* aux = nullptr;
   int64_t ld_aux = 0;
+  bool try_only = false;  // return false instead of failing when no algorithm supports the call
 };
 
-void lt_matmul(const LtCall& c, cudaStream_t stream) {
+bool lt_matmul(const LtCall& c, cudaStream_t stream) {
   LtState& s = lt();
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t la = nullptr, lb = nullptr, ld = nullptr;
@@ -75,7 +79,7 @@ void lt_matmul(const LtCall& c, cudaStream_t stream) {
   LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &c.epilogue, sizeof(c.epilogue)));
   if (c.bias) {
     LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &c.bias, sizeof(c.bias)));
-    cudaDataType bt = CUDA_R_16BF;
+    cudaDataType bt = c.bias_f32 ? CUDA_R_32F : CUDA_R_16BF;
     LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)));
   }
   if (c.aux) {
@@ -89,13 +93,16 @@ void lt_matmul(const LtCall& c, cudaStream_t stream) {
   const int al_a = alignment_of(c.A), al_b = alignment_of(c.B), al_d = alignment_of(c.D);
   const int al_bias = c.bias ? alignment_of(c.bias) : 256;
   std::vector<int64_t> key{c.ta, c.tb, c.m, c.n, c.k, c.lda, c.ldb, c.ldd, c.d_f32, int64_t(c.epilogue),
-                           c.bias != nullptr, c.ld_aux, al_a, al_b, al_d, al_bias, c.beta != 0.f};
+                           c.bias != nullptr, c.bias_f32, c.ld_aux, al_a, al_b, al_d, al_bias, c.beta != 0.f};
   cublasLtMatmulAlgo_t algo;
+  bool found_none = false;
   {
     std::lock_guard lk(s.mu);
     auto it = s.algos.find(key);
     if (it != s.algos.end()) {
       algo = it->second;
+    } else if (s.unsupported.count(key)) {
+      found_none = true;
     } else {
       cublasLtMatmulPreference_t pref = nullptr;
       LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
@@ -110,20 +117,40 @@ void lt_matmul(const LtCall& c, cudaStream_t stream) {
       int found = 0;
       cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(s.handle, op, la, lb, ld, ld, pref, 1, &res, &found);
       cublasLtMatmulPreferenceDestroy(pref);
-      if (st != CUBLAS_STATUS_SUCCESS || found == 0)
+      if ((st != CUBLAS_STATUS_SUCCESS || found == 0) && c.try_only) {
+        s.unsupported.insert(key);
+        found_none = true;
+      } else if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
         LOOM_FAIL("cuBLASLt found no algorithm for m={} n={} k={} ta={} tb={} lda={} ldb={} ldd={} f32_out={} "
                   "epilogue={} (status {})", c.m, c.n, c.k, c.ta, c.tb, c.lda, c.ldb, c.ldd, c.d_f32,
                   int(c.epilogue), int(st));
-      algo = res.algo;
-      s.algos.emplace(key, algo);
+      } else {
+        algo = res.algo;
+        s.algos.emplace(key, algo);
+      }
     }
   }
-  LOOM_CUBLAS_CHECK(cublasLtMatmul(s.handle, op, &c.alpha, c.A, la, c.B, lb, &c.beta, c.D, ld, c.D, ld, &algo,
-                                   s.workspace, kWorkspaceBytes, stream));
+  if (found_none) {
+    cublasLtMatrixLayoutDestroy(la);
+    cublasLtMatrixLayoutDestroy(lb);
+    cublasLtMatrixLayoutDestroy(ld);
+    cublasLtMatmulDescDestroy(op);
+    return false;
+  }
+  const cublasStatus_t run = cublasLtMatmul(s.handle, op, &c.alpha, c.A, la, c.B, lb, &c.beta, c.D, ld, c.D, ld, &algo,
+                                            s.workspace, kWorkspaceBytes, stream);
+  if (run == CUBLAS_STATUS_NOT_SUPPORTED && c.try_only) {
+    std::lock_guard lk(s.mu);
+    s.algos.erase(key);
+    s.unsupported.insert(key);
+  } else {
+    LOOM_CUBLAS_CHECK(run);
+  }
   cublasLtMatrixLayoutDestroy(la);
   cublasLtMatrixLayoutDestroy(lb);
   cublasLtMatrixLayoutDestroy(ld);
   cublasLtMatmulDescDestroy(op);
+  return run == CUBLAS_STATUS_SUCCESS;
 }
 
 constexpr int kBiasCols = 512;  // columns per block (256 threads x 2)
@@ -152,6 +179,11 @@ __global__ void bias_grad_reduce_kernel(float* dbias, const float* partial, int6
   float s = 0.f;
   for (int64_t r = 0; r < R; ++r) s += partial[r * N + col];
   dbias[col] += s;
+}
+
+__global__ void accumulate_kernel(float* dst, const float* src, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) dst[i] += src[i];
 }
 
 }  // namespace
@@ -238,7 +270,24 @@ void matmul_backward(const MatmulBwdArgs& a, cudaStream_t stream) {
     c.ldd = a.K;
     c.d_f32 = true;
     c.beta = 1.f;
-    lt_matmul(c, stream);
+    bool fused_bias = false;
+    if (a.dbias && a.dbias_scratch) {
+      // Bias gradient from the GEMM's epilogue (column sums of dout, the B operand here) into
+      // scratch, then added: the epilogue writes rather than accumulates.
+      LtCall cb = c;
+      cb.epilogue = CUBLASLT_EPILOGUE_BGRADB;
+      cb.bias = a.dbias_scratch;
+      cb.bias_f32 = true;
+      cb.try_only = true;
+      fused_bias = lt_matmul(cb, stream);
+      if (fused_bias) {
+        accumulate_kernel<<<unsigned(ceil_div(a.N, 256)), 256, 0, stream>>>(a.dbias, a.dbias_scratch, a.N);
+        LOOM_CUDA_LAUNCH_CHECK();
+      }
+    }
+    if (!fused_bias) lt_matmul(c, stream);
+    if (a.dbias && !fused_bias) bias_grad(a.dbias, a.dout, a.M, a.N, a.dbias_scratch, stream);
+    return;
   }
   if (a.dbias) bias_grad(a.dbias, a.dout, a.M, a.N, a.dbias_scratch, stream);
 }
