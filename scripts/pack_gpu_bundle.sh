@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build loom's CUDA targets on this (build) machine and pack what a GPU host without loom's
 # build dependencies needs to run them: the executables plus the non-CUDA shared libraries they
-# load that a stock CUDA image may lack (oneDNN, Google Benchmark), compressed.
+# load that a stock CUDA image may lack (oneDNN, Google Benchmark, toml++, cairo and the font and X
+# libraries it pulls in), compressed.
 #   scripts/pack_gpu_bundle.sh [BUILD_DIR] [BUNDLE_DIR]   (defaults: build-cuda, .devbundle)
 # On the GPU host: scripts/gpu_env.sh BUNDLE_DIR <command...> runs a command with the bundle's
 # executables on PATH and its libraries on LD_LIBRARY_PATH.
@@ -18,12 +19,13 @@ else
 fi
 rm -rf "$bundle"
 mkdir -p "$bundle/bin" "$bundle/lib"
-for exe in "$build"/loom "$build"/tests/test_cuda "$build"/bench_*; do
+for exe in "$build"/loom "$build"/tests/test_cuda "$build"/bench_* "$build"/train_*; do
   [[ -x "$exe" && -f "$exe" ]] && cp "$exe" "$bundle/bin/"
 done
 for lib in $(ldd "$bundle"/bin/* 2>/dev/null | awk '/=>/ {print $3}' | sort -u); do
   case "$(basename "$lib")" in
-    libdnnl.so*|libbenchmark.so*) xz -T2 -1 -c "$lib" > "$bundle/lib/$(basename "$lib").xz" ;;
+    libdnnl.so*|libbenchmark.so*|libtomlplusplus.so*|libcairo.so*|libpixman-1.so*|libfontconfig.so*|\
+    libfreetype.so*|libxcb*.so*|libX*.so*|libbrotli*.so*|libbsd.so*|libmd.so*|libOpenCL.so*) xz -T2 -1 -c "$lib" > "$bundle/lib/$(basename "$lib").xz" ;;
   esac
 done
 du -sh "$bundle"
