@@ -79,15 +79,22 @@ float GPT::forward(const Tensor& tokens, const Tensor& targets, const ForwardOpt
     T_ = T;
   }
   can_backward_ = false;
+  const int64_t L = cfg_.n_layer;
+  if (hooks_) hooks_->before_forward(0);
   embedding_->forward(tokens.i32(), B, T);
+  if (hooks_) hooks_->after_forward(0);
   const float* x = embedding_->out().f32();
-  for (auto& b : blocks_) {
-    b->forward(x, B, T);
-    x = b->out().f32();
+  for (int64_t l = 0; l < L; ++l) {
+    if (hooks_) hooks_->before_forward(l + 1);
+    blocks_[size_t(l)]->forward(x, B, T);
+    if (hooks_) hooks_->after_forward(l + 1);
+    x = blocks_[size_t(l)]->out().f32();
   }
   dloss_scale_ = opt.dloss_scale;
+  if (hooks_) hooks_->before_forward(L + 1);
   double loss = head_->forward(x, targets.defined() ? targets.i32() : nullptr, B, T, opt.fuse_backward,
                                opt.dloss_scale);
+  if (hooks_) hooks_->after_forward(L + 1);
   can_backward_ = targets.defined();
   return float(loss);
 }
@@ -102,14 +109,24 @@ void GPT::backward() {
   }
   BackwardScratch s{ws_dres_.f32(), ws_bufC_.f32(), ws_buf4C_.f32()};
   auto input_of = [&](int64_t l) { return l == 0 ? embedding_->out().f32() : blocks_[size_t(l - 1)]->out().f32(); };
-  head_->backward(input_of(cfg_.n_layer), s, dloss_scale_);
-  for (int64_t l = cfg_.n_layer - 1; l >= 0; --l) blocks_[size_t(l)]->backward(input_of(l), s);
+  const int64_t L = cfg_.n_layer;
+  if (hooks_) hooks_->before_backward(L + 1);
+  head_->backward(input_of(L), s, dloss_scale_);
+  if (hooks_) hooks_->after_backward(L + 1);
+  for (int64_t l = L - 1; l >= 0; --l) {
+    if (hooks_) hooks_->before_backward(l + 1);
+    blocks_[size_t(l)]->backward(input_of(l), s);
+    if (hooks_) hooks_->after_backward(l + 1);
+  }
+  if (hooks_) hooks_->before_backward(0);
   embedding_->backward(s.dres);
+  if (hooks_) hooks_->after_backward(0);
   can_backward_ = false;  // the logits buffer now holds dlogits
 }
 
 void GPT::zero_grad() {
-  for (Parameter* p : params_) p->grad_full.zero_();
+  for (Parameter* p : params_)
+    if (p->grad_full.defined()) p->grad_full.zero_();
 }
 
 void GPT::release_activations() {

@@ -24,6 +24,18 @@ struct ForwardOptions {
   float dloss_scale = 1.0f;
 };
 
+// Called around each chain block's forward and backward; i indexes chain(): 0 = embedding,
+// 1..n_layer = transformer blocks, n_layer + 1 = head. Data parallelism uses them to gather ZeRO-3
+// parameters just before a block runs (and free them after) and to launch a gradient bucket's
+// reduction as soon as backward has finished writing it.
+struct ChainHooks {
+  virtual ~ChainHooks() = default;
+  virtual void before_forward(int64_t i) {}
+  virtual void after_forward(int64_t i) {}
+  virtual void before_backward(int64_t i) {}
+  virtual void after_backward(int64_t i) {}
+};
+
 class GPT {
  public:
   // Allocates parameters (tag params) and zeroed gradients (tag grads) from pool and initialises
@@ -48,7 +60,10 @@ class GPT {
   float forward(const Tensor& tokens, const Tensor& targets, const ForwardOptions& opt = {});
   // Accumulates parameter gradients of the last forward (which needs targets).
   void backward();
+  // Zeroes every allocated gradient (those a ZeRO layout has detached are skipped).
   void zero_grad();
+  // Hooks around each chain block (nullptr: none); not owned.
+  void set_hooks(ChainHooks* hooks) { hooks_ = hooks; }
   // f32 [B, T, Vp] of the last forward without fuse_backward (columns >= vocab_size are padding).
   const Tensor& logits() const { return head_->logits(); }
   const Tensor& losses() const { return head_->losses(); }  // f32 [B, T]
@@ -80,6 +95,7 @@ class GPT {
   int64_t B_ = 0, T_ = 0;
   float dloss_scale_ = 1.0f;
   bool can_backward_ = false;
+  ChainHooks* hooks_ = nullptr;
   Tensor ws_dres_, ws_bufC_, ws_buf4C_;  // f32 [B, T, C], [B, T, C], [B, T, 4C] (tag workspace)
 };
 

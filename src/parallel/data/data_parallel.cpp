@@ -1,0 +1,545 @@
+#include "parallel/data/data_parallel.h"
+
+#include <algorithm>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+#include "core/error.h"
+
+namespace loom::parallel {
+
+namespace {
+
+constexpr int64_t kAlign = 16;  // elements (64 bytes)
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+double seconds(Trace::Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+}  // namespace
+
+// The communication thread of a rank: runs collectives on its own communicator, in submission
+// order, while the compute thread continues. An error in a task is kept and rethrown by the next
+// wait(); later tasks are skipped.
+class DataParallel::Worker {
+ public:
+  Worker(std::unique_ptr<comm::Comm> c, Trace* trace, bool threaded) : comm_(std::move(c)), trace_(trace) {
+    if (threaded) thread_ = std::thread([this] { loop(); });
+  }
+  ~Worker() {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+  comm::Comm& comm() { return *comm_; }
+
+  int64_t submit(std::string name, std::function<void(comm::Comm&)> fn) {
+    int64_t ticket;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      ticket = next_++;
+      queue_.push_back({std::move(name), std::move(fn)});
+    }
+    if (!thread_.joinable()) {  // no overlap: run now on the caller's thread
+      Task t = std::move(queue_.front());
+      queue_.pop_front();
+      run(t);
+      return ticket;
+    }
+    cv_.notify_all();
+    return ticket;
+  }
+  // Blocks until task `ticket` (and every earlier one) is done; rethrows a task's error.
+  void wait(int64_t ticket) {
+    std::unique_lock<std::mutex> lk(mu_);
+    done_cv_.wait(lk, [&] { return done_ > ticket || error_; });
+    if (error_) std::rethrow_exception(error_);
+  }
+  void wait_all() { wait(next_ - 1); }
+  bool done(int64_t ticket) {
+    std::lock_guard<std::mutex> lk(mu_);
+    return done_ > ticket;
+  }
+  double busy_s() {
+    std::lock_guard<std::mutex> lk(mu_);
+    return busy_s_;
+  }
+  void reset_busy() {
+    std::lock_guard<std::mutex> lk(mu_);
+    busy_s_ = 0;
+  }
+
+ private:
+  struct Task {
+    std::string name;
+    std::function<void(comm::Comm&)> fn;
+  };
+  void run(Task& t) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (error_) {
+        ++done_;
+        done_cv_.notify_all();
+        return;
+      }
+    }
+    auto t0 = Trace::Clock::now();
+    std::exception_ptr err;
+    try {
+      t.fn(*comm_);
+    } catch (...) {
+      err = std::current_exception();
+    }
+    auto t1 = Trace::Clock::now();
+    if (trace_) trace_->add(t.name, TraceStream::comm, t0, t1);
+    std::lock_guard<std::mutex> lk(mu_);
+    busy_s_ += seconds(t1 - t0);
+    if (err && !error_) error_ = err;
+    ++done_;
+    done_cv_.notify_all();
+  }
+  void loop() {
+    for (;;) {
+      Task t;
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stop requested and nothing left
+        t = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      run(t);
+    }
+  }
+
+  std::unique_ptr<comm::Comm> comm_;
+  Trace* trace_;
+  std::thread thread_;
+  std::mutex mu_;
+  std::condition_variable cv_, done_cv_;
+  std::deque<Task> queue_;
+  int64_t next_ = 0, done_ = 0;
+  bool stop_ = false;
+  std::exception_ptr error_;
+  double busy_s_ = 0;
+};
+
+namespace {
+
+// Points a parameter's value (or gradient) tensors at `alloc` elements of buf starting at off.
+void point(model::Parameter& p, const Tensor& buf, int64_t off, int64_t alloc, bool grad) {
+  Shape full = p.spec.shape;
+  if (!full.empty()) full[0] = std::max(p.spec.alloc_rows, full[0]);
+  Tensor t = buf.slice0(off, alloc).view(full);
+  Tensor logical = full.empty() ? t : t.slice0(0, p.spec.shape[0]);
+  if (grad) {
+    p.grad_full = t;
+    p.grad = logical;
+  } else {
+    p.value_full = t;
+    p.value = logical;
+  }
+}
+
+void detach(model::Parameter& p, bool grad) {
+  if (grad) p.grad_full = p.grad = Tensor();
+  else p.value_full = p.value = Tensor();
+}
+
+}  // namespace
+
+DataParallel::DataParallel(model::GPT& gpt, comm::Comm& dp, const optim::AdamWConfig& adam,
+                           const DataParallelOptions& opt)
+    : gpt_(gpt), comm_(dp), o_(opt), rank_(dp.rank()), world_(dp.size()) {
+  LOOM_CHECK(o_.zero >= 0 && o_.zero <= 3, "data parallel: ZeRO stage must be 0-3, got {}", o_.zero);
+  LOOM_CHECK(o_.bucket_bytes > 0, "data parallel: bucket size must be positive, got {} bytes", o_.bucket_bytes);
+  LOOM_CHECK(!o_.offload || o_.host_pool, "data parallel: offload needs a host pool");
+  MemoryPool& pool = gpt.pool();
+  const auto chain = gpt.chain();
+  const int nchain = int(chain.size());
+  const auto& params = gpt.parameters();
+
+  // Flat layout in parameter order; every parameter belongs to exactly one chain block.
+  int64_t off = 0;
+  for (int c = 0; c < nchain; ++c)
+    for (model::Parameter* p : chain[size_t(c)]->parameters()) {
+      FlatParam f;
+      f.param = p;
+      f.offset = off;
+      f.alloc = p->spec.alloc_numel();
+      f.numel = p->spec.numel();
+      f.chain = c;
+      flat_.push_back(f);
+      off += round_up(f.alloc, kAlign);
+    }
+  LOOM_CHECK(flat_.size() == params.size(), "data parallel: the chain owns {} parameters, the model lists {}",
+             flat_.size(), params.size());
+  for (size_t i = 0; i < flat_.size(); ++i)
+    LOOM_CHECK(flat_[i].param == params[i], "data parallel: parameter order differs from the chain's at '{}'",
+               params[i]->spec.name);
+  n_pad_ = round_up(std::max<int64_t>(off, 1), kAlign * world_);
+  shard_ = n_pad_ / world_;
+
+  // What each chain block reads and writes: its own parameters, and wte for a tied head.
+  uses_.assign(size_t(nchain), {});
+  for (size_t i = 0; i < flat_.size(); ++i) uses_[size_t(flat_[i].chain)].push_back(int(i));
+  if (gpt.config().tied_embeddings) {
+    model::Parameter* wte = &gpt.embedding().wte();
+    for (size_t i = 0; i < flat_.size(); ++i)
+      if (flat_[i].param == wte) uses_[size_t(nchain - 1)].push_back(int(i));
+    std::sort(uses_.back().begin(), uses_.back().end());
+  }
+  for (const auto& u : uses_) {
+    int64_t n = 0;
+    for (int i : u) n += flat_[size_t(i)].alloc;
+    max_use_ = std::max(max_use_, n);
+  }
+
+  // Buckets: whole chain blocks in backward order, each a contiguous flat range.
+  auto block_range = [&](int c) {
+    int64_t b = INT64_MAX, e = 0;
+    for (const FlatParam& f : flat_)
+      if (f.chain == c) b = std::min(b, f.offset), e = std::max(e, f.offset + round_up(f.alloc, kAlign));
+    return std::pair<int64_t, int64_t>{b, e};
+  };
+  GradBucket cur;
+  bool open = false;
+  for (int c = nchain - 1; c >= 0; --c) {
+    auto [b, e] = block_range(c);
+    if (b >= e) continue;
+    if (!open) cur = GradBucket{b, e, {}, c}, open = true;
+    cur.begin = b;
+    cur.blocks.push_back(c);
+    cur.last_writer = c;
+    if ((cur.end - cur.begin) * int64_t(sizeof(float)) >= o_.bucket_bytes) buckets_.push_back(cur), open = false;
+  }
+  if (open) buckets_.push_back(cur);
+  buckets_.front().end = n_pad_;  // the tail padding rides with the first bucket (the head's)
+  writes_.assign(size_t(nchain), {});
+  for (size_t b = 0; b < buckets_.size(); ++b)
+    for (int c = 0; c < nchain; ++c) {
+      bool w = false;
+      for (int i : uses_[size_t(c)]) {
+        int64_t o = flat_[size_t(i)].offset;
+        w = w || (o >= buckets_[b].begin && o < buckets_[b].end);
+      }
+      if (w) writes_[size_t(c)].push_back(int(b));
+    }
+  live_.assign(buckets_.size(), {});
+
+  // G: replay the allocation policy of acquire_bucket / launch_bucket over one backward.
+  {
+    std::vector<int> state(buckets_.size(), 0);  // 0 free, 1 acquired, 2 launched
+    std::vector<int> launched;
+    int64_t live = 0;
+    for (int c = nchain - 1; c >= 0; --c) {
+      for (int b : writes_[size_t(c)]) {
+        if (state[size_t(b)] != 0) continue;
+        for (size_t k = 0; k + 1 < launched.size(); ++k)
+          if (state[size_t(launched[k])] == 2)
+            live -= buckets_[size_t(launched[k])].end - buckets_[size_t(launched[k])].begin,
+                state[size_t(launched[k])] = 3;
+        live += buckets_[size_t(b)].end - buckets_[size_t(b)].begin;
+        state[size_t(b)] = 1;
+        bucket_peak_ = std::max(bucket_peak_, live);
+      }
+      for (size_t b = 0; b < buckets_.size(); ++b)
+        if (buckets_[b].last_writer == c) state[b] = 2, launched.push_back(int(b));
+    }
+  }
+
+  // Parameters: the full flat buffer (stages 0-2) or this rank's shard (stage 3).
+  const int64_t p0 = o_.zero == 3 ? int64_t(rank_) * shard_ : 0;
+  const int64_t plen = o_.zero == 3 ? shard_ : n_pad_;
+  params_ = Tensor::zeros({plen}, DType::f32, MemTag::params, pool);
+  for (const FlatParam& f : flat_) {
+    int64_t b = std::max(f.offset, p0), e = std::min(f.offset + f.alloc, p0 + plen);
+    if (b < e) std::memcpy(params_.f32() + (b - p0), f.param->value_full.f32() + (b - f.offset), size_t(e - b) * 4);
+  }
+  for (FlatParam& f : flat_) {
+    if (o_.zero == 3) detach(*f.param, false);
+    else point(*f.param, params_, f.offset, f.alloc, false);
+    if (o_.zero >= 2) detach(*f.param, true);
+  }
+  if (o_.zero <= 1) {
+    grads_ = Tensor::zeros({n_pad_}, DType::f32, MemTag::grads, pool);
+    for (FlatParam& f : flat_) point(*f.param, grads_, f.offset, f.alloc, true);
+  } else {
+    grads_ = Tensor::zeros({shard_}, DType::f32, MemTag::grads, pool);
+  }
+
+  // Optimizer over the logical elements of this rank's optimizer range.
+  std::vector<optim::FlatSegment> segs;
+  for (const FlatParam& f : flat_)
+    segs.push_back({f.offset, f.offset + f.numel, f.param->spec.decay(), f.param->spec.name});
+  const int64_t ob = o_.zero == 0 ? 0 : int64_t(rank_) * shard_, oe = o_.zero == 0 ? n_pad_ : ob + shard_;
+  MemoryPool& state_pool = o_.offload ? *o_.host_pool : pool;
+  opt_ = std::make_unique<optim::ShardedAdamW>(std::move(segs), ob, oe, adam, state_pool);
+  if (o_.offload) {
+    host_params_ = Tensor::zeros({oe - ob}, DType::f32, MemTag::params, *o_.host_pool);
+    host_grads_ = Tensor::zeros({oe - ob}, DType::f32, MemTag::grads, *o_.host_pool);
+    std::memcpy(host_params_.f32(), param_shard(), size_t(oe - ob) * 4);
+  }
+
+  // Collective: every rank splits the same way, so the worker communicators pair up.
+  worker_ = std::make_unique<Worker>(comm_.split(0, rank_), o_.trace, o_.overlap);
+  gpt_.set_hooks(this);
+}
+
+DataParallel::~DataParallel() {
+  gpt_.set_hooks(nullptr);
+  worker_.reset();  // joins the communication thread after its queued work
+}
+
+float* DataParallel::param_shard() {
+  if (o_.zero == 3) return params_.f32();
+  return params_.f32() + (o_.zero == 0 ? 0 : int64_t(rank_) * shard_);
+}
+
+float* DataParallel::grad_shard() {
+  if (o_.zero >= 2) return grads_.f32();
+  return grads_.f32() + (o_.zero == 0 ? 0 : int64_t(rank_) * shard_);
+}
+
+std::vector<int64_t> DataParallel::shard_counts(int64_t begin, int64_t end) const {
+  std::vector<int64_t> counts(static_cast<size_t>(world_));
+  for (int r = 0; r < world_; ++r)
+    counts[size_t(r)] = std::max<int64_t>(0, std::min(end, (r + 1) * shard_) - std::max(begin, r * shard_));
+  return counts;
+}
+
+void DataParallel::zero_grad() {
+  LOOM_CHECK(std::none_of(live_.begin(), live_.end(), [](const LiveBucket& l) { return l.acquired; }),
+             "data parallel: zero_grad during a backward");
+  grads_.zero_();
+  last_micro_ = true;
+}
+
+void DataParallel::point_grads(size_t b) {
+  const GradBucket& g = buckets_[b];
+  for (FlatParam& f : flat_)
+    if (f.offset >= g.begin && f.offset < g.end) point(*f.param, live_[b].buf, f.offset - g.begin, f.alloc, true);
+}
+
+void DataParallel::acquire_bucket(size_t b) {
+  LiveBucket& l = live_[b];
+  if (l.acquired) return;
+  l.acquired = true;
+  l.launched = false;
+  if (o_.zero < 2) return;
+  // Keep at most the newest launched bucket alive: wait for and free the older ones.
+  std::vector<size_t> launched;
+  for (int k : acquire_order_)
+    if (live_[size_t(k)].launched && !live_[size_t(k)].freed) launched.push_back(size_t(k));
+  std::sort(launched.begin(), launched.end(),
+            [&](size_t x, size_t y) { return live_[x].ticket < live_[y].ticket; });
+  for (size_t k = 0; k + 1 < launched.size(); ++k) free_bucket(launched[k]);
+  const GradBucket& g = buckets_[b];
+  l.buf = Tensor::zeros({g.end - g.begin}, DType::f32, MemTag::grads, gpt_.pool());
+  l.freed = false;
+  acquire_order_.push_back(int(b));
+  point_grads(b);
+}
+
+void DataParallel::free_bucket(size_t b) {
+  LiveBucket& l = live_[b];
+  if (l.freed) return;
+  if (l.ticket >= 0 && !worker_->done(l.ticket)) {
+    auto t0 = Trace::Clock::now();
+    worker_->wait(l.ticket);
+    auto t1 = Trace::Clock::now();
+    stats_.reduce_wait_s += seconds(t1 - t0);
+    if (o_.trace) o_.trace->add("wait bucket " + std::to_string(b), TraceStream::wait, t0, t1);
+  }
+  const GradBucket& g = buckets_[b];
+  for (FlatParam& f : flat_)
+    if (f.offset >= g.begin && f.offset < g.end) detach(*f.param, true);
+  l.buf = Tensor();
+  l.freed = true;
+}
+
+void DataParallel::launch_bucket(size_t b) {
+  LiveBucket& l = live_[b];
+  l.launched = true;
+  const GradBucket& g = buckets_[b];
+  const std::string name = fmt::format("{} bucket {} ({} KiB)", o_.zero >= 2 ? "reduce_scatter" : "all_reduce", b,
+                                       (g.end - g.begin) * 4 / 1024);
+  if (o_.zero < 2) {
+    if (!last_micro_) return;  // accumulate locally until the step's last micro-batch
+    float* p = grads_.f32() + g.begin;
+    const int64_t n = g.end - g.begin;
+    l.ticket = worker_->submit(name, [p, n](comm::Comm& c) { c.all_reduce(p, n, DType::f32); });
+  } else {
+    std::vector<int64_t> counts = shard_counts(g.begin, g.end);
+    int64_t before = 0;
+    for (int r = 0; r < rank_; ++r) before += counts[size_t(r)];
+    float* buf = l.buf.f32();
+    float* acc = grads_.f32() + (std::max(g.begin, int64_t(rank_) * shard_) - int64_t(rank_) * shard_);
+    const int64_t mine = counts[size_t(rank_)];
+    l.ticket = worker_->submit(name, [buf, acc, before, mine, counts](comm::Comm& c) {
+      c.reduce_scatter_v(buf, buf + before, counts, DType::f32);
+      const float* r = buf + before;
+      for (int64_t i = 0; i < mine; ++i) acc[i] += r[i];
+    });
+  }
+  ++stats_.reductions;
+}
+
+void DataParallel::finish_reductions() {
+  auto t0 = Trace::Clock::now();
+  worker_->wait_all();
+  auto t1 = Trace::Clock::now();
+  stats_.reduce_wait_s += seconds(t1 - t0);
+  if (o_.trace && t1 - t0 > std::chrono::microseconds(1)) o_.trace->add("wait reductions", TraceStream::wait, t0, t1);
+  for (size_t b = 0; b < live_.size(); ++b) {
+    if (o_.zero >= 2) free_bucket(b);
+    live_[b] = LiveBucket{};
+  }
+  acquire_order_.clear();
+  stats_.reduce_busy_s += worker_->busy_s();
+  worker_->reset_busy();
+}
+
+void DataParallel::gather_block(int64_t c, const char* phase) {
+  const auto& use = uses_[size_t(c)];
+  int64_t total = 0;
+  for (int i : use) total += flat_[size_t(i)].alloc;
+  auto t0 = Trace::Clock::now();
+  block_params_ = Tensor::empty({std::max<int64_t>(total, 1)}, DType::f32, MemTag::params, gpt_.pool());
+  int64_t at = 0;
+  for (int i : use) {
+    FlatParam& f = flat_[size_t(i)];
+    std::vector<int64_t> counts = shard_counts(f.offset, f.offset + f.alloc);
+    const int64_t lo = std::max(f.offset, int64_t(rank_) * shard_) - int64_t(rank_) * shard_;
+    comm_.all_gather_v(params_.f32() + std::max<int64_t>(lo, 0), block_params_.f32() + at, counts, DType::f32);
+    point(*f.param, block_params_, at, f.alloc, false);
+    at += f.alloc;
+  }
+  auto t1 = Trace::Clock::now();
+  stats_.gather_s += seconds(t1 - t0);
+  if (o_.trace) o_.trace->add(fmt::format("all_gather {} {}", phase, gpt_.chain()[size_t(c)]->name()),
+                              TraceStream::comm, t0, t1);
+}
+
+void DataParallel::release_block(int64_t c) {
+  for (int i : uses_[size_t(c)]) detach(*flat_[size_t(i)].param, false);
+  block_params_ = Tensor();
+}
+
+void DataParallel::before_forward(int64_t c) {
+  if (o_.zero == 3) gather_block(c, "fwd");
+  block_t0_ = Trace::Clock::now();
+}
+
+void DataParallel::after_forward(int64_t c) {
+  if (o_.trace) o_.trace->add("fwd " + gpt_.chain()[size_t(c)]->name(), TraceStream::compute, block_t0_,
+                              Trace::Clock::now());
+  if (o_.zero == 3) release_block(c);
+}
+
+void DataParallel::before_backward(int64_t c) {
+  if (o_.zero == 3) gather_block(c, "bwd");
+  for (int b : writes_[size_t(c)]) acquire_bucket(size_t(b));
+  block_t0_ = Trace::Clock::now();
+}
+
+void DataParallel::after_backward(int64_t c) {
+  if (o_.trace) o_.trace->add("bwd " + gpt_.chain()[size_t(c)]->name(), TraceStream::compute, block_t0_,
+                              Trace::Clock::now());
+  if (o_.zero == 3) release_block(c);
+  for (size_t b = 0; b < buckets_.size(); ++b)
+    if (buckets_[b].last_writer == c) launch_bucket(b);
+  if (c == 0 && o_.zero >= 2) {
+    // The micro-batch's backward is over: its buckets become free for the next one.
+    worker_->wait_all();
+    for (size_t b = 0; b < live_.size(); ++b) {
+      free_bucket(b);
+      live_[b].acquired = false;
+    }
+    acquire_order_.clear();
+  } else if (c == 0) {
+    for (auto& l : live_) l.acquired = false;
+  }
+}
+
+double DataParallel::sum_over_ranks(double x) {
+  if (world_ == 1) return x;
+  std::vector<double> all(static_cast<size_t>(world_));
+  comm_.all_gather(&x, all.data(), 2 * world_, DType::i32);  // doubles as pairs of 32-bit words
+  double s = 0;
+  for (double v : all) s += v;
+  return s;
+}
+
+optim::StepStats DataParallel::step(double lr) {
+  finish_reductions();
+  const int64_t n = opt_->end() - opt_->begin();
+  float* g = grad_shard();
+  double sq = opt_->grad_sum_squares(g);
+  // Stage 0 holds every reduced gradient on every rank; otherwise the shards add up.
+  double norm = std::sqrt(o_.zero == 0 ? sq : sum_over_ranks(sq));
+  auto t0 = Trace::Clock::now();
+  optim::StepStats st;
+  if (o_.offload) {
+    std::memcpy(host_grads_.f32(), g, size_t(n) * 4);
+    st = opt_->step(host_params_.f32(), host_grads_.f32(), norm, lr);
+    std::memcpy(param_shard(), host_params_.f32(), size_t(n) * 4);
+  } else {
+    st = opt_->step(param_shard(), g, norm, lr);
+  }
+  auto t1 = Trace::Clock::now();
+  if (o_.trace) o_.trace->add("adamw", TraceStream::optimizer, t0, t1);
+  if (o_.zero == 1 || o_.zero == 2) {
+    comm_.all_gather(params_.f32() + int64_t(rank_) * shard_, params_.f32(), n_pad_, DType::f32);
+    auto t2 = Trace::Clock::now();
+    stats_.gather_s += seconds(t2 - t1);
+    if (o_.trace) o_.trace->add("all_gather params", TraceStream::comm, t1, t2);
+  }
+  return st;
+}
+
+Tensor DataParallel::param_view(const Tensor& flat, size_t i) const {
+  const FlatParam& f = flat_.at(i);
+  return flat.slice0(f.offset, f.numel).view(f.param->spec.shape);
+}
+
+DataParallel::FullState DataParallel::empty_full_state() const {
+  FullState s;
+  s.params = Tensor::zeros({n_pad_}, DType::f32, MemTag::workspace, gpt_.pool());
+  s.exp_avg = Tensor::zeros({n_pad_}, DType::f32, MemTag::workspace, gpt_.pool());
+  s.exp_avg_sq = Tensor::zeros({n_pad_}, DType::f32, MemTag::workspace, gpt_.pool());
+  return s;
+}
+
+DataParallel::FullState DataParallel::gather_full_state() {
+  FullState s = empty_full_state();
+  if (o_.zero == 3) comm_.all_gather(params_.f32(), s.params.f32(), n_pad_, DType::f32);
+  else std::memcpy(s.params.f32(), params_.f32(), size_t(n_pad_) * 4);
+  if (o_.zero == 0) {
+    std::memcpy(s.exp_avg.f32(), opt_->exp_avg().f32(), size_t(n_pad_) * 4);
+    std::memcpy(s.exp_avg_sq.f32(), opt_->exp_avg_sq().f32(), size_t(n_pad_) * 4);
+  } else {
+    comm_.all_gather(opt_->exp_avg().f32(), s.exp_avg.f32(), n_pad_, DType::f32);
+    comm_.all_gather(opt_->exp_avg_sq().f32(), s.exp_avg_sq.f32(), n_pad_, DType::f32);
+  }
+  return s;
+}
+
+void DataParallel::load_full_state(const FullState& s, int64_t optimizer_steps) {
+  const int64_t p0 = o_.zero == 3 ? int64_t(rank_) * shard_ : 0;
+  std::memcpy(params_.f32(), s.params.f32() + p0, size_t(params_.numel()) * 4);
+  const int64_t ob = opt_->begin(), n = opt_->end() - opt_->begin();
+  std::memcpy(opt_->exp_avg().f32(), s.exp_avg.f32() + ob, size_t(n) * 4);
+  std::memcpy(opt_->exp_avg_sq().f32(), s.exp_avg_sq.f32() + ob, size_t(n) * 4);
+  if (o_.offload) std::memcpy(host_params_.f32(), param_shard(), size_t(n) * 4);
+  opt_->set_steps_taken(optimizer_steps);
+}
+
+}  // namespace loom::parallel

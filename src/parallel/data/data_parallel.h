@@ -1,0 +1,182 @@
+// Data parallelism over a `dp` communicator, with gradient buckets reduced while backward runs
+// and ZeRO stages 0-3 plus optimizer offload.
+//
+// Flat layout. The model's parameters, in GPT::parameters() order (= chain order), are laid end to
+// end in one f32 flat buffer, each at its padded allocation size (alloc_numel, vocabulary padding
+// rows included) rounded up to 16 elements; the flat length N_pad is then rounded up to a
+// multiple of 16 * dp. Rank r owns the shard [r S, (r + 1) S), S = N_pad / dp.
+//
+// Buckets are runs of whole chain blocks taken in backward order (head, h.L-1, ..., h.0,
+// embedding), closed once they reach `bucket_bytes`: each is a contiguous flat range. A bucket's
+// reduction is handed to this rank's communication thread (its own communicator, split from the
+// dp one) as soon as the last block writing into it has finished its backward, so it overlaps
+// the backward of the earlier blocks.
+//
+// Per rank, with P_N = 4 N_pad bytes, P_S = 4 S bytes (f32 everywhere; loom keeps no low-precision
+// copies), peak bytes by pool tag during training steps (the tests check these exactly):
+//   stage 0: params P_N,            grads P_N,                 optimizer 2 P_N
+//   stage 1: params P_N,            grads P_N,                 optimizer 2 P_S
+//   stage 2: params P_N,            grads P_S + 4 G,           optimizer 2 P_S
+//   stage 3: params P_S + 4 U,      grads P_S + 4 G,           optimizer 2 P_S
+// where G = bucket_peak_elements() (the most bucket elements alive at once, see below) and
+// U = max over chain blocks of the elements the block uses (its own parameters, plus wte for a
+// tied head). Stage 2/3 bucket buffers are allocated when the first block writing into the bucket
+// starts its backward (the embedding bucket when a tied head starts) and freed when a later bucket
+// is allocated once its reduction has finished, keeping at most the newest launched bucket alive:
+// so G is a function of the bucket layout only, never of timing.
+// With offload the optimizer moments (2 P_opt), an f32 master copy of the updated parameters
+// (P_opt) and a gradient staging copy (P_opt) live in the host pool instead (tags optimizer,
+// params, grads), P_opt = P_N for stage 0 and P_S otherwise; the update runs there and the
+// updated shard is copied back. On the CPU the "device" and host pools are both host memory, but
+// accounted apart as on a GPU.
+//
+// Equality with one device: every rank computes the mean loss over its own samples with
+// dloss_scale / dp, so the sum over ranks of the gradients is the gradient of the global-batch
+// mean when every rank holds the same number of samples (the trainer requires batch_size
+// divisible by dp * grad_accum). Gradient clipping uses the norm over all shards (sums of squares
+// in double, added in rank order). Reductions follow the comm contract, so threads and mpi give
+// bit-identical results.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/comm.h"
+#include "core/memory.h"
+#include "core/tensor.h"
+#include "model/gpt.h"
+#include "optim/adamw.h"
+#include "optim/sharded_adamw.h"
+#include "parallel/data/trace.h"
+
+namespace loom::parallel {
+
+struct DataParallelOptions {
+  int zero = 0;                       // ZeRO stage 0-3
+  bool offload = false;               // optimizer state and update in host_pool
+  MemoryPool* host_pool = nullptr;    // required with offload
+  int64_t bucket_bytes = 25 << 20;    // gradient bucket size (at least one chain block each)
+  bool overlap = true;                // reductions on the communication thread during backward
+  Trace* trace = nullptr;             // events of this rank (nullptr: none)
+};
+
+struct FlatParam {
+  model::Parameter* param = nullptr;
+  int64_t offset = 0;  // flat element index of the parameter's first element
+  int64_t alloc = 0;   // elements including padding rows
+  int64_t numel = 0;   // logical elements (the first `numel` of the allocation)
+  int chain = 0;       // owning chain block
+};
+
+struct GradBucket {
+  int64_t begin = 0, end = 0;      // flat range
+  std::vector<int> blocks;         // owning chain blocks, in backward order
+  int last_writer = 0;             // chain block whose backward completes the bucket
+};
+
+// Timings of communication, in seconds, accumulated since the last reset_comm_stats().
+struct CommStats {
+  double reduce_busy_s = 0;   // the communication thread inside gradient reductions
+  double reduce_wait_s = 0;   // compute thread blocked on reductions (the exposed part)
+  double gather_s = 0;        // ZeRO-3 parameter gathers and post-step all-gathers (not overlapped)
+  int64_t reductions = 0;
+  double hidden_s() const { return reduce_busy_s > reduce_wait_s ? reduce_busy_s - reduce_wait_s : 0.0; }
+};
+
+class DataParallel final : public model::ChainHooks {
+ public:
+  // Takes over the model's parameters and gradients (their tensors become views of the flat
+  // buffers, or are detached where sharded); the model's current values are the starting point
+  // (identical on every rank). Collective over `dp` (the communication thread's communicator is
+  // split from it). `gpt` and `dp` must outlive this object.
+  DataParallel(model::GPT& gpt, comm::Comm& dp, const optim::AdamWConfig& adam, const DataParallelOptions& opt);
+  ~DataParallel() override;
+  DataParallel(const DataParallel&) = delete;
+  DataParallel& operator=(const DataParallel&) = delete;
+
+  // Before the first micro-batch of a step.
+  void zero_grad();
+  // Whether the next backward is the last micro-batch of the step: stages 0/1 reduce only then
+  // (earlier micro-batches accumulate locally); stages 2/3 reduce every micro-batch into the
+  // gradient shard.
+  void set_last_micro(bool last) { last_micro_ = last; }
+  // Waits for the reductions, clips by the global norm and updates; the parameters are then
+  // identical on every rank (stages 0-2) or in every shard (stage 3).
+  optim::StepStats step(double lr);
+
+  // Sum of x over the ranks, in double, added in rank order (bit-identical on every rank).
+  double sum_over_ranks(double x);
+
+  // Full (gathered) state for checkpoints, collective: flat f32 [N_pad] copies of the parameters
+  // and of both moments (tag workspace, from the model's pool).
+  struct FullState {
+    Tensor params, exp_avg, exp_avg_sq;
+  };
+  FullState gather_full_state();
+  // Zeroed full-state tensors for loading; then load_full_state takes this rank's part.
+  FullState empty_full_state() const;
+  void load_full_state(const FullState& s, int64_t optimizer_steps);
+  // The logical part of parameter i in a flat tensor: f32 with the parameter's spec shape.
+  Tensor param_view(const Tensor& flat, size_t i) const;
+
+  const std::vector<FlatParam>& layout() const { return flat_; }
+  const std::vector<GradBucket>& buckets() const { return buckets_; }
+  int64_t flat_elements() const { return n_pad_; }  // N_pad
+  int64_t shard_elements() const { return shard_; } // S
+  int64_t bucket_peak_elements() const { return bucket_peak_; }  // G (stages 2/3)
+  int64_t max_block_use_elements() const { return max_use_; }    // U (stage 3)
+  int64_t optimizer_steps() const { return opt_->steps_taken(); }
+  const CommStats& comm_stats() const { return stats_; }
+  void reset_comm_stats() { stats_ = {}; }
+  int zero() const { return o_.zero; }
+
+  // ChainHooks.
+  void before_forward(int64_t i) override;
+  void after_forward(int64_t i) override;
+  void before_backward(int64_t i) override;
+  void after_backward(int64_t i) override;
+
+ private:
+  class Worker;
+  struct LiveBucket {
+    Tensor buf;            // f32 [end - begin] (stages 2/3)
+    bool acquired = false;
+    bool launched = false;
+    bool freed = true;
+    int64_t ticket = -1;
+  };
+  void acquire_bucket(size_t b);
+  void launch_bucket(size_t b);
+  void free_bucket(size_t b);
+  void finish_reductions();
+  void gather_block(int64_t c, const char* phase);
+  void release_block(int64_t c);
+  void point_grads(size_t b);
+  float* grad_shard();
+  float* param_shard();
+  std::vector<int64_t> shard_counts(int64_t begin, int64_t end) const;
+
+  model::GPT& gpt_;
+  comm::Comm& comm_;
+  DataParallelOptions o_;
+  int rank_ = 0, world_ = 1;
+  std::vector<FlatParam> flat_;
+  std::vector<GradBucket> buckets_;
+  std::vector<LiveBucket> live_;
+  std::vector<std::vector<int>> uses_;     // chain block -> parameter indices it reads and writes
+  std::vector<std::vector<int>> writes_;   // chain block -> bucket indices it writes
+  std::vector<int> acquire_order_;         // bucket indices in the order acquired this backward
+  int64_t n_pad_ = 0, shard_ = 0, bucket_peak_ = 0, max_use_ = 0;
+  Tensor params_;       // f32 [N_pad] (stages 0-2) or [S] (stage 3), tag params
+  Tensor grads_;        // f32 [N_pad] (stages 0/1) or [S] (stages 2/3), tag grads
+  Tensor block_params_; // f32 gathered parameters of the running block (stage 3), tag params
+  Tensor host_params_, host_grads_;  // f32 [P_opt] in the host pool (offload)
+  std::unique_ptr<optim::ShardedAdamW> opt_;
+  std::unique_ptr<Worker> worker_;
+  bool last_micro_ = true;
+  CommStats stats_;
+  Trace::Clock::time_point block_t0_;
+};
+
+}  // namespace loom::parallel
