@@ -2,6 +2,7 @@
 // backend, or plays a failing rank (throws, is killed, hangs) so the tests can watch the others.
 //
 //   mpirun -n 3 test_comm_mpi_driver collectives --counts 0,1,7919
+//   mpirun -n 3 test_comm_mpi_driver hash --count 1000003 --dtype bf16
 //   mpirun -n 3 test_comm_mpi_driver throw --rank 1
 //   mpirun -n 3 test_comm_mpi_driver kill --rank 1
 //   mpirun -n 2 test_comm_mpi_driver hang --rank 1 --timeout-ms 2000
@@ -34,6 +35,12 @@ int main(int argc, char** argv) {
   coll->add_option("--seed", seed, "input seed");
   bool all_reduce_only = false;
   coll->add_flag("--all-reduce-only", all_reduce_only, "only all_reduce (sum), for the largest sizes");
+  auto* hsh = app.add_subcommand("hash", "print a hash of one all_reduce of the test inputs");
+  int64_t hash_count = 1000;
+  std::string hash_dtype = "f32";
+  hsh->add_option("--count", hash_count, "element count");
+  hsh->add_option("--dtype", hash_dtype, "f32 or bf16")->check(CLI::IsMember({"f32", "bf16"}));
+  hsh->add_option("--seed", seed, "input seed");
   auto* thr = app.add_subcommand("throw", "one rank throws while the others are in an all_reduce");
   auto* kil = app.add_subcommand("kill", "one rank is killed while the others are in an all_reduce");
   auto* hng = app.add_subcommand("hang", "one rank sleeps while the others wait in an all_reduce");
@@ -66,6 +73,17 @@ int main(int argc, char** argv) {
         comm::testing::check_collectives(c, plan);
       }
       if (c.rank() == 0) std::printf("collectives OK on %d ranks\n", c.size());
+      return;
+    }
+    if (hsh->parsed()) {
+      DType dt = hash_dtype == "f32" ? DType::f32 : DType::bf16;
+      std::vector<char> buf(size_t(hash_count) * dtype_size(dt));
+      comm::testing::fill_input(buf.data(), dt, hash_count, seed, c.rank());
+      c.all_reduce(buf.data(), hash_count, dt);
+      comm::testing::check_same_on_all_ranks(c, comm::testing::hash_bytes(buf.data(), buf.size()), "hash");
+      if (c.rank() == 0) {
+        std::printf("all_reduce hash %016llx\n", (unsigned long long)comm::testing::hash_bytes(buf.data(), buf.size()));
+      }
       return;
     }
     std::vector<float> x(1000, 1.f);

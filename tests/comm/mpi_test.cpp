@@ -4,6 +4,11 @@
 // message naming the rank.
 #include "mpi_util.h"
 
+#include <vector>
+
+#include "comm/threads.h"
+#include "comm_util.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -19,6 +24,26 @@ TEST(MpiComm, CollectivesWorlds1To8Subset) {
     if (r.skipped) GTEST_SKIP() << r.output;
     EXPECT_EQ(r.status, 0) << r.output;
     EXPECT_THAT(r.output, HasSubstr("collectives OK on " + std::to_string(n) + " ranks"));
+  }
+}
+
+TEST(MpiComm, SameBitsAsTheThreadsBackend) {
+  for (int n : {3, 5}) {
+    for (const char* dt : {"f32", "bf16"}) {
+      const int64_t count = 1000003;
+      DType dtype = std::string(dt) == "f32" ? DType::f32 : DType::bf16;
+      uint64_t threads_hash = 0;
+      run_ranks(n, [&](Comm& c) {
+        std::vector<char> buf(size_t(count) * dtype_size(dtype));
+        testing::fill_input(buf.data(), dtype, count, 77, c.rank());
+        c.all_reduce(buf.data(), count, dtype);
+        if (c.rank() == 0) threads_hash = testing::hash_bytes(buf.data(), buf.size());
+      });
+      auto r = run_driver(n, fmt::format("hash --count {} --dtype {} --seed 77", count, dt), 120);
+      if (r.skipped) GTEST_SKIP() << r.output;
+      EXPECT_EQ(r.status, 0) << r.output;
+      EXPECT_THAT(r.output, HasSubstr(fmt::format("all_reduce hash {:016x}", threads_hash))) << n << " ranks, " << dt;
+    }
   }
 }
 
