@@ -39,8 +39,9 @@ __global__ void __launch_bounds__(kThreads) crossentropy_kernel(float* losses, b
     losses[row] = ignored ? 0.f : (valid ? lse - __bfloat162float(x[target]) : NAN);
   }
   if (!dlogits) return;
-  // Every thread has read its own elements of the row (the target included, by thread 0 above,
-  // before block_sum's barrier), so in-place writes below cannot race with reads.
+  // In place (dlogits == logits): each thread rewrites only the elements it reads itself below;
+  // the one element another thread reads (the target's logit, by thread 0 above) is read before
+  // this barrier.
   __syncthreads();
   bf16* dx = dlogits + row * Vp;
   const float inv_s = 1.f / S;
