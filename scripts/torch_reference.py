@@ -13,7 +13,7 @@ Output: one safetensors file with
   tokens, targets  i32 [B, T] (targets of -1 are ignored)
   logits  f32 [B, T, V]     loss  f32 []     step_losses  f32 [steps]
 and __metadata__ holding format, version, the model config, batch, optimiser settings and the
-torch version. Run with Debian's python3-torch (python3 -m torch is not needed):
+torch version. Run with Debian's python3-torch:
   /usr/bin/python3 scripts/torch_reference.py --model gpt2-tiny --out tests/data/gpt2_tiny_reference.safetensors
 """
 import argparse
