@@ -1,0 +1,73 @@
+// loom convert: Hugging Face GPT-2 safetensors <-> loom checkpoints.
+//   loom convert --from hf --to loom IN.safetensors [--config config.json] OUT_DIR [--seed S]
+//   loom convert --from loom --to hf CKPT_OR_RUN_DIR OUT_DIR
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+
+#include "cli/command.h"
+#include "core/error.h"
+#include "core/memory.h"
+#include "model/checkpoint_io.h"
+#include "model/gpt.h"
+#include "model/hf_gpt2.h"
+
+namespace fs = std::filesystem;
+
+namespace loom::cli {
+namespace {
+
+struct ConvertArgs {
+  std::string from, to, in, out, config;
+  uint64_t seed = 1337;
+};
+
+int run_convert(const ConvertArgs& a) {
+  MemoryPool pool("cpu:0");
+  if (a.from == "hf" && a.to == "loom") {
+    std::string config = a.config;
+    if (config.empty()) {
+      config = (fs::path(a.in).parent_path() / "config.json").string();
+      if (!fs::exists(config))
+        throw Error(fmt::format("{}: no config.json beside it; pass --config (n_head cannot be read from the "
+                                "tensors)", a.in));
+    }
+    const model::GPTConfig cfg = model::read_hf_config(config);
+    model::GPT gpt(cfg, pool, a.seed);
+    model::load_hf_gpt2(a.in, gpt);
+    const std::string ckpt = model::save_initial_checkpoint(gpt, a.out, a.seed);
+    std::printf("%s: %s, %.2fM parameters (seed %llu for loom train --resume)\n", ckpt.c_str(), cfg.str().c_str(),
+                double(gpt.num_parameters()) / 1e6, static_cast<unsigned long long>(a.seed));
+    return 0;
+  }
+  if (a.from == "loom" && a.to == "hf") {
+    if (!a.config.empty()) throw Error("command line: --config applies to --from hf only");
+    const std::string ckpt = model::resolve_checkpoint(a.in);
+    const model::GPTConfig cfg = model::checkpoint_model_config(ckpt);
+    model::GPT gpt(cfg, pool);
+    model::load_checkpoint_params(ckpt, gpt);
+    model::save_hf_gpt2(gpt, a.out);
+    std::printf("%s: model.safetensors + config.json from %s (%s)\n", a.out.c_str(), ckpt.c_str(), cfg.str().c_str());
+    return 0;
+  }
+  throw Error(fmt::format("command line: cannot convert --from {} --to {} (supported: hf -> loom, loom -> hf)",
+                          a.from, a.to));
+}
+
+Registrar reg{Command{
+    "convert", "convert GPT-2 weights between Hugging Face safetensors and loom checkpoints",
+    [](CLI::App& sub) -> std::function<int()> {
+      auto a = std::make_shared<ConvertArgs>();
+      sub.add_option("--from", a->from, "input format: hf or loom")->required()->check(CLI::IsMember({"hf", "loom"}));
+      sub.add_option("--to", a->to, "output format: loom or hf")->required()->check(CLI::IsMember({"hf", "loom"}));
+      sub.add_option("input", a->in, "hf: model.safetensors; loom: checkpoint or run directory")->required();
+      sub.add_option("output", a->out, "hf: directory for model.safetensors + config.json; loom: new run directory")
+          ->required();
+      sub.add_option("--config", a->config, "hf: config.json (default: beside the input)");
+      sub.add_option("--seed", a->seed, "loom: the seed recorded in the checkpoint (train.seed of the run that "
+                                        "resumes it)");
+      return [a]() { return run_convert(*a); };
+    }}};
+
+}  // namespace
+}  // namespace loom::cli

@@ -1,0 +1,85 @@
+#include "model/checkpoint_io.h"
+
+#include <filesystem>
+
+#include "core/error.h"
+#include "train/checkpoint.h"
+
+namespace fs = std::filesystem;
+
+namespace loom::model {
+
+nlohmann::json gpt_config_manifest(const GPTConfig& c) {
+  return {{"name", c.name},         {"n_layer", c.n_layer},       {"n_head", c.n_head},
+          {"n_embd", c.n_embd},     {"vocab_size", c.vocab_size}, {"block_size", c.block_size},
+          {"tied_embeddings", c.tied_embeddings}, {"ln_eps", c.ln_eps}};
+}
+
+GPTConfig gpt_config_from_manifest(const nlohmann::json& m, const std::string& where) {
+  if (!m.is_object()) throw Error(fmt::format("{}: field 'model' must be an object", where));
+  auto integer = [&](const char* key) -> int64_t {
+    if (!m.contains(key)) throw Error(fmt::format("{}: missing field 'model.{}'", where, key));
+    if (!m[key].is_number_integer()) throw Error(fmt::format("{}: field 'model.{}' must be an integer", where, key));
+    return m[key].get<int64_t>();
+  };
+  GPTConfig c;
+  if (m.contains("name") && m["name"].is_string()) c.name = m["name"].get<std::string>();
+  c.n_layer = integer("n_layer");
+  c.n_head = integer("n_head");
+  c.n_embd = integer("n_embd");
+  c.vocab_size = integer("vocab_size");
+  c.block_size = integer("block_size");
+  if (m.contains("tied_embeddings")) {
+    if (!m["tied_embeddings"].is_boolean())
+      throw Error(fmt::format("{}: field 'model.tied_embeddings' must be true or false", where));
+    c.tied_embeddings = m["tied_embeddings"].get<bool>();
+  }
+  if (m.contains("ln_eps")) {
+    if (!m["ln_eps"].is_number()) throw Error(fmt::format("{}: field 'model.ln_eps' must be a number", where));
+    c.ln_eps = m["ln_eps"].get<float>();
+  }
+  c.validate(where + ": model");
+  return c;
+}
+
+std::string resolve_checkpoint(const std::string& path) {
+  if (!fs::exists(path)) throw Error(fmt::format("{}: no such checkpoint or run directory", path));
+  if (fs::exists(fs::path(path) / "manifest.json")) return path;
+  std::string c = train::latest_checkpoint(path);
+  if (c.empty())
+    throw Error(fmt::format("{}: neither a checkpoint (manifest.json) nor a run directory with a 'latest' file", path));
+  return c;
+}
+
+GPTConfig checkpoint_model_config(const std::string& ckpt) {
+  train::CheckpointMeta meta = train::read_checkpoint_meta(ckpt);
+  return gpt_config_from_manifest(meta.model, (fs::path(ckpt) / "manifest.json").string());
+}
+
+void load_checkpoint_params(const std::string& ckpt, GPT& gpt) {
+  std::vector<train::NamedTensor> into;
+  for (Parameter* p : gpt.parameters()) into.push_back({"param/" + p->spec.name, p->value});
+  train::load_checkpoint_tensors(ckpt, into);
+}
+
+std::string save_initial_checkpoint(const GPT& gpt, const std::string& dir, uint64_t seed) {
+  bool holds = fs::exists(fs::path(dir) / "latest");
+  if (fs::is_directory(dir))
+    for (const auto& e : fs::directory_iterator(dir)) holds = holds || e.path().filename().string().rfind("ckpt_", 0) == 0;
+  if (holds)
+    throw Error(fmt::format("{}: already holds checkpoints; choose a new directory (nothing was written)", dir));
+  std::vector<train::NamedTensor> state;
+  for (Parameter* p : gpt.parameters()) {
+    Tensor zeros = Tensor::zeros(p->spec.shape, DType::f32, MemTag::optimizer);  // f32 [param shape]
+    state.push_back({"param/" + p->spec.name, p->value});
+    state.push_back({"adam_m/" + p->spec.name, zeros});
+    state.push_back({"adam_v/" + p->spec.name, zeros});
+  }
+  train::CheckpointMeta meta;
+  meta.seed = seed;
+  meta.model = gpt_config_manifest(gpt.config());
+  meta.config_toml = "";
+  return train::save_checkpoint(dir, meta, state, /*keep=*/1);
+}
+
+}  // namespace loom::model

@@ -1,0 +1,36 @@
+// A model's weights in loom checkpoints (train/checkpoint.h): the model config of a manifest,
+// loading "param/<name>" tensors into a GPT for inference or conversion, and writing a step-0
+// checkpoint (AdamW moments zero) that `loom train --resume` continues from.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "model/config.h"
+#include "model/gpt.h"
+
+namespace loom::model {
+
+// The "model" object of a checkpoint manifest (the fields the trainer writes, plus ln_eps).
+nlohmann::json gpt_config_manifest(const GPTConfig& cfg);
+// The GPTConfig it describes; errors name `where` and the field.
+GPTConfig gpt_config_from_manifest(const nlohmann::json& model, const std::string& where);
+
+// `path` is either a checkpoint directory (holding manifest.json) or a run directory whose
+// `latest` file names one. Returns the checkpoint directory or throws naming `path`.
+std::string resolve_checkpoint(const std::string& path);
+
+// The model config of checkpoint `ckpt` (a resolved checkpoint directory).
+GPTConfig checkpoint_model_config(const std::string& ckpt);
+
+// Copies "param/<name>" of every parameter of gpt from checkpoint `ckpt` (dtype and shape
+// checked; errors name the file and the tensor).
+void load_checkpoint_params(const std::string& ckpt, GPT& gpt);
+
+// Writes dir/ckpt_00000000 (parameters of gpt, zero AdamW moments, step 0, `seed`) and points
+// dir/latest at it. Refuses a directory that already holds a checkpoint, so nothing there is
+// replaced. Returns the checkpoint directory.
+std::string save_initial_checkpoint(const GPT& gpt, const std::string& dir, uint64_t seed);
+
+}  // namespace loom::model

@@ -1,0 +1,57 @@
+// Hugging Face GPT-2 interop: parameter names and layouts, config.json, and whole-file import and
+// export of model.safetensors.
+//
+// Hugging Face stores GPT-2's projections as Conv1D weights [in, out]; loom keeps PyTorch Linear
+// layout [out, in], so h.{i}.attn.c_attn, attn.c_proj, mlp.c_fc and mlp.c_proj weights are
+// transposed on the way in and out. Every other tensor keeps its name and layout. Files may prefix
+// keys with "transformer." (GPT2LMHeadModel.save_pretrained) or not (the hub's gpt2 files); the
+// causal-mask buffers h.{i}.attn.bias / attn.masked_bias are ignored; lm_head.weight is absent or
+// equal to wte.weight when the embeddings are tied.
+//
+// Export writes what transformers' GPT2LMHeadModel.from_pretrained loads: model.safetensors with
+// the hub's key names and shapes (f32, no prefix, lm_head only when untied, __metadata__
+// {"format": "pt"}) and a config.json of model_type "gpt2" with activation "gelu_new" (tanh GELU).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/tensor.h"
+#include "model/config.h"
+#include "model/gpt.h"
+
+namespace loom::model {
+
+// The Hugging Face key of loom parameter `name` (no prefix) and whether it is a Conv1D weight.
+struct HfKey {
+  std::string name;
+  bool conv1d = false;  // stored transposed: [in, out]
+};
+HfKey hf_key(const std::string& loom_name);
+// The shape Hugging Face stores parameter `spec` with (Conv1D weights transposed).
+Shape hf_shape(const ParamSpec& spec);
+
+// GPTConfig from a GPT-2 config.json (n_layer, n_head, n_embd, vocab_size, n_positions or n_ctx,
+// layer_norm_epsilon, activation_function, tie_word_embeddings). Configurations loom cannot run
+// the same way (another activation, n_inner != 4 n_embd, cross-attention, attention scaled by layer
+// index) are refused. Errors name `where` and the field.
+GPTConfig gpt_config_from_hf(const nlohmann::json& j, const std::string& where);
+GPTConfig read_hf_config(const std::string& path);
+// The config.json transformers reads for `cfg` (dropout 0: loom trains without it).
+nlohmann::json hf_config_json(const GPTConfig& cfg);
+
+// Copies Hugging Face GPT-2 weights from safetensors file `path` into `gpt`, whose config must
+// match the file's tensors (wrong shapes, non-float dtypes, missing or unknown tensors are
+// errors naming the file and the tensor). F32, F16 and BF16 tensors are read (as f32).
+void load_hf_gpt2(const std::string& path, GPT& gpt);
+
+// Writes out_dir/model.safetensors and out_dir/config.json. Both are written under temporary
+// names first and renamed only when complete, so files already there survive a failure.
+void save_hf_gpt2(const GPT& gpt, const std::string& out_dir);
+
+// f32 [rows, cols] -> f32 [cols, rows].
+void transpose_2d(const float* in, float* out, int64_t rows, int64_t cols);
+
+}  // namespace loom::model

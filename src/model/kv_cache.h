@@ -1,0 +1,76 @@
+// Inference with a key/value cache: a prompt is prefilled in one pass, then each new token costs
+// one incremental forward (one row per sequence through every GEMM, attention over the cached
+// keys and values). Uses the CPU kernels and the weights of a GPT, which it does not modify.
+//
+// Cache layout: per layer, K and V are f32 [B, T_max, NH, HS] (= [B, T_max, C]), the row layout of
+// the packed qkv the attention kernel reads, so appending a token's keys is one copy per row and
+// one kernel call covers every head of a sequence (q_pos0 = the current position, Tq != Tkv).
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "core/memory.h"
+#include "core/tensor.h"
+#include "model/gpt.h"
+
+namespace loom::model {
+
+class KVCache {
+ public:
+  // Room for B sequences of up to t_max positions (<= block_size); tag activations.
+  KVCache(const GPTConfig& cfg, int64_t B, int64_t t_max, MemoryPool& pool);
+  int64_t batch() const { return B_; }
+  int64_t capacity() const { return t_max_; }
+  int64_t length() const { return len_; }  // positions filled (the same for every sequence)
+  void clear() { len_ = 0; }
+  float* k(int64_t layer) { return k_.at(size_t(layer)).f32(); }  // f32 [B, T_max, C]
+  float* v(int64_t layer) { return v_.at(size_t(layer)).f32(); }  // f32 [B, T_max, C]
+  int64_t bytes() const;
+
+ private:
+  friend class CachedDecoder;
+  int64_t B_, t_max_, C_, len_ = 0;
+  std::vector<Tensor> k_, v_;
+};
+
+class CachedDecoder {
+ public:
+  // Decodes with gpt's weights (read at every call, so later weight updates are seen); B sequences
+  // of up to t_max positions (0: block_size).
+  CachedDecoder(const GPT& gpt, int64_t B, int64_t t_max = 0);
+
+  // Runs tokens i32 [B, T] at positions [length(), length() + T) of every sequence, appending their
+  // keys and values to the cache. Returns logits f32 [B, T, Vp] when all_logits, otherwise
+  // f32 [B, 1, Vp] of the last position only (columns >= vocab_size are padding).
+  const Tensor& forward(const int32_t* tokens, int64_t T, bool all_logits = false);
+
+  int64_t length() const { return cache_.length(); }
+  int64_t capacity() const { return cache_.capacity(); }
+  void reset() { cache_.clear(); }
+  const KVCache& cache() const { return cache_; }
+
+ private:
+  void ensure_scratch(int64_t T, int64_t rows_out);
+  const GPT& gpt_;
+  GPTConfig cfg_;
+  MemoryPool& pool_;
+  KVCache cache_;
+  int64_t T_ = -1, rows_out_ = -1;
+  Tensor x_, ln_, qkv_, atty_, fch_;  // f32 [B, T, C], [B, T, C], [B, T, 3C], [B, T, C], [B, T, 4C]
+  Tensor lse_;                        // f32 [NH, T] (one sequence at a time)
+  Tensor lnf_, logits_;               // f32 [rows, C], [rows, Vp] with rows = B*T or B
+};
+
+// Picks the next token from logits f32 [vocab_size] of the sequence's `index`-th token.
+using TokenSampler = std::function<int32_t(const float* logits, uint64_t index)>;
+
+// Continues `prompt` (not empty) by max_new_tokens tokens with a KV cache, stopping after
+// stop_token (-1: never). Identical to recomputing the whole window for every token (as
+// train::sample_recompute does): while the context fits block_size the cache grows by one token
+// per step; past it, the window of the last block_size tokens is prefilled again at every step
+// (their positions shift, so no cached key stays valid). Returns only the new tokens.
+std::vector<int32_t> generate_cached(const GPT& gpt, const std::vector<int32_t>& prompt, int64_t max_new_tokens,
+                                     const TokenSampler& sample, int32_t stop_token = -1);
+
+}  // namespace loom::model
