@@ -1,0 +1,478 @@
+#include "parallel/pipeline/executor.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "model/blocks.h"
+
+namespace loom::parallel::pipeline {
+
+std::vector<double> chain_costs(const model::GPTConfig& cfg, int64_t T) {
+  const double C = double(cfg.n_embd), V = double(cfg.padded_vocab()), t = double(T);
+  std::vector<double> c;
+  c.push_back(C);                                    // embedding: a gather and an add
+  for (int64_t l = 0; l < cfg.n_layer; ++l) c.push_back(24.0 * C * C + 4.0 * t * C);  // matmuls + attention
+  c.push_back(2.0 * C * V + 5.0 * V);                // lm_head and the softmax
+  return c;
+}
+
+std::vector<int64_t> balance_chain(const std::vector<double>& costs, int parts) {
+  const int64_t n = int64_t(costs.size());
+  LOOM_CHECK(parts >= 1 && parts <= n, "pipeline: cannot cut a chain of {} elements into {} non-empty stages", n,
+             parts);
+  std::vector<double> pre(size_t(n + 1), 0.0);
+  for (int64_t i = 0; i < n; ++i) pre[size_t(i + 1)] = pre[size_t(i)] + costs[size_t(i)];
+  const double inf = std::numeric_limits<double>::infinity();
+  // best[k][i]: the smallest largest-part cost of the first i elements in k parts.
+  std::vector<std::vector<double>> best(size_t(parts + 1), std::vector<double>(size_t(n + 1), inf));
+  std::vector<std::vector<int64_t>> arg(size_t(parts + 1), std::vector<int64_t>(size_t(n + 1), 0));
+  best[0][0] = 0;
+  for (int k = 1; k <= parts; ++k)
+    for (int64_t i = k; i <= n; ++i)
+      for (int64_t j = k - 1; j < i; ++j) {
+        const double c = std::max(best[size_t(k - 1)][size_t(j)], pre[size_t(i)] - pre[size_t(j)]);
+        if (c < best[size_t(k)][size_t(i)]) {
+          best[size_t(k)][size_t(i)] = c;
+          arg[size_t(k)][size_t(i)] = j;
+        }
+      }
+  std::vector<int64_t> cuts(size_t(parts + 1));
+  cuts[size_t(parts)] = n;
+  for (int k = parts; k >= 1; --k) cuts[size_t(k - 1)] = arg[size_t(k)][size_t(cuts[size_t(k)])];
+  return cuts;
+}
+
+void validate_cuts(const std::vector<int64_t>& cuts, int64_t n, int parts, const std::string& field) {
+  LOOM_CHECK(int64_t(cuts.size()) == parts + 1, "{}: expected {} chain boundaries (stages + 1), got {}", field,
+             parts + 1, cuts.size());
+  LOOM_CHECK(cuts.front() == 0 && cuts.back() == n, "{}: boundaries must start at 0 and end at {} (chain elements)",
+             field, n);
+  for (size_t i = 1; i < cuts.size(); ++i)
+    LOOM_CHECK(cuts[i] > cuts[i - 1], "{}: boundaries must increase strictly (entry {} is {} after {})", field, i,
+               cuts[i], cuts[i - 1]);
+}
+
+void ExecutorOptions::validate() const {
+  schedule.validate();
+  LOOM_CHECK(tp == 1, "pipeline executor: tp = {} with pipeline parallelism is not supported yet", tp);
+  LOOM_CHECK(sp == 1, "pipeline executor: sequence parallelism (sp = {}) with pipeline parallelism is not supported yet",
+             sp);
+  LOOM_CHECK(cp == 1, "pipeline executor: cp = {} with pipeline parallelism is not supported yet", cp);
+  LOOM_CHECK(zero_stage == 0, "pipeline executor: zero_stage = {} with pipeline parallelism is not supported yet",
+             zero_stage);
+  adamw.validate();
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// One micro-batch's copy of a chunk: blocks that share the chunk's parameters but hold their own
+// saved activations, the received input and output gradient.
+struct Slot {
+  std::vector<std::unique_ptr<model::ChainBlock>> blocks;
+  Tensor input;    // f32 [b, T, C] (tag activations), chunks after the first virtual stage
+  Tensor grad_in;  // f32 [b, T, C] (tag comm) gradient of the chunk's output
+  const float* output = nullptr;  // f32 [b, T, C] the last block's out (chunks without the head)
+  bool backward_done = false;
+};
+
+struct Chunk {
+  int vs = 0;
+  int64_t first = 0, last = 0;  // chain elements [first, last)
+  std::vector<std::unique_ptr<Slot>> all;
+  std::vector<Slot*> free;
+  std::map<int, Slot*> active;  // by micro-batch
+};
+
+}  // namespace
+
+struct PipelineExecutor::Impl {
+  model::GPTConfig cfg;
+  ExecutorOptions opt;
+  comm::Comm& pp;
+  comm::Comm* dp;
+  MemoryPool& pool;
+  int rank = 0;
+  std::vector<Chunk> chunks;
+  std::vector<model::Parameter*> params;  // primaries, in chain order, then the wte copy
+  std::unique_ptr<model::Parameter> wte_copy;
+  model::Parameter* wte = nullptr;  // the wte this rank's head ties to
+  std::unique_ptr<optim::AdamW> adam;
+  Tensor ws_dres, ws_bufC, ws_buf4C;  // f32 [b, T, C], [b, T, C], [b, T, 4C] (tag workspace)
+  std::map<std::pair<int, int>, Tensor> grad_out;  // (mb, chunk) -> f32 [b, T, C] (tag comm) to send
+  int64_t b = 0, T = 0;
+  int active_slots = 0, peak_slots = 0;
+  std::vector<double> losses;  // per micro-batch (last stage)
+
+  Impl(const model::GPTConfig& c, const ExecutorOptions& o, comm::Comm& p, comm::Comm* d, MemoryPool& pl)
+      : cfg(c), opt(o), pp(p), dp(d), pool(pl) {}
+
+  std::unique_ptr<model::ChainBlock> make_block(int64_t e) {
+    if (e == 0) return std::make_unique<model::Embedding>(cfg, pool);
+    if (e <= cfg.n_layer) return std::make_unique<model::TransformerBlock>(cfg, e - 1, pool);
+    return std::make_unique<model::Head>(cfg, wte, pool);
+  }
+
+  Slot* acquire(Chunk& ch, int mb) {
+    auto it = ch.active.find(mb);
+    if (it != ch.active.end()) return it->second;
+    if (ch.free.empty()) {
+      auto s = std::make_unique<Slot>();
+      for (int64_t e = ch.first; e < ch.last; ++e) {
+        auto blk = make_block(e);
+        // Share the chunk's parameters (the first slot's): the replica's own are dropped.
+        std::vector<model::Parameter*> mine = blk->parameters(), prim = ch.all[0]->blocks[size_t(e - ch.first)]->parameters();
+        for (size_t i = 0; i < mine.size(); ++i) *mine[i] = *prim[i];
+        s->blocks.push_back(std::move(blk));
+      }
+      ch.free.push_back(s.get());
+      ch.all.push_back(std::move(s));
+    }
+    Slot* s = ch.free.back();
+    ch.free.pop_back();
+    ch.active[mb] = s;
+    s->backward_done = false;
+    peak_slots = std::max(peak_slots, ++active_slots);
+    return s;
+  }
+
+  void release(Chunk& ch, int mb) {
+    Slot* s = ch.active.at(mb);
+    for (auto& blk : s->blocks) blk->release_activations();
+    s->input = Tensor();
+    s->grad_in = Tensor();
+    s->output = nullptr;
+    ch.active.erase(mb);
+    ch.free.push_back(s);
+    --active_slots;
+  }
+
+  Slot& slot_of(const Chunk& ch, int mb, const char* what) {
+    auto it = ch.active.find(mb);
+    LOOM_CHECK(it != ch.active.end(), "pipeline executor: rank {}: {} of micro-batch {} on virtual stage {} has no "
+               "forward state", rank, what, mb, ch.vs);
+    return *it->second;
+  }
+
+  void forward(int mb, int c, const Tensor& tokens, const Tensor& targets) {
+    Chunk& ch = chunks[size_t(c)];
+    Slot& s = *acquire(ch, mb);
+    const float* x = nullptr;
+    if (ch.first > 0) {
+      LOOM_CHECK(s.input.defined(), "pipeline executor: rank {}: forward of micro-batch {} before its input arrived",
+                 rank, mb);
+      x = s.input.f32();
+    }
+    const float dscale = 1.0f / float(opt.schedule.micro_batches);
+    for (int64_t e = ch.first; e < ch.last; ++e) {
+      model::ChainBlock* blk = s.blocks[size_t(e - ch.first)].get();
+      if (e == 0) {
+        auto* emb = static_cast<model::Embedding*>(blk);
+        emb->forward(tokens.i32() + mb * b * T, b, T);
+        x = emb->out().f32();
+      } else if (e <= cfg.n_layer) {
+        auto* tb = static_cast<model::TransformerBlock*>(blk);
+        tb->forward(x, b, T);
+        x = tb->out().f32();
+      } else {
+        auto* head = static_cast<model::Head*>(blk);
+        losses[size_t(mb)] = head->forward(x, targets.i32() + mb * b * T, b, T, /*fuse_backward=*/true, dscale);
+        x = nullptr;
+      }
+    }
+    s.output = x;
+  }
+
+  void backward(int mb, int c) {
+    Chunk& ch = chunks[size_t(c)];
+    Slot& s = slot_of(ch, mb, "backward");
+    const int64_t n = b * T * cfg.n_embd;
+    model::BackwardScratch ws{ws_dres.f32(), ws_bufC.f32(), ws_buf4C.f32()};
+    if (ch.last <= cfg.n_layer + 1) {  // no head: the output gradient came from the next stage
+      LOOM_CHECK(s.grad_in.defined(), "pipeline executor: rank {}: backward of micro-batch {} before its output "
+                 "gradient arrived", rank, mb);
+      std::memcpy(ws.dres, s.grad_in.f32(), size_t(n) * sizeof(float));
+    }
+    const float dscale = 1.0f / float(opt.schedule.micro_batches);
+    for (int64_t e = ch.last - 1; e >= ch.first; --e) {
+      const size_t k = size_t(e - ch.first);
+      const float* x_in = nullptr;  // the element's input
+      if (k > 0) {
+        model::ChainBlock* prev = s.blocks[k - 1].get();
+        x_in = e - 1 == 0 ? static_cast<model::Embedding*>(prev)->out().f32()
+                          : static_cast<model::TransformerBlock*>(prev)->out().f32();
+      } else if (e > 0) {
+        x_in = s.input.f32();
+      }
+      model::ChainBlock* blk = s.blocks[k].get();
+      if (e == 0) static_cast<model::Embedding*>(blk)->backward(ws.dres);
+      else if (e <= cfg.n_layer) static_cast<model::TransformerBlock*>(blk)->backward(x_in, ws);
+      else static_cast<model::Head*>(blk)->backward(x_in, ws, dscale);
+    }
+    if (ch.first > 0) {
+      Tensor g = Tensor::empty({b, T, cfg.n_embd}, DType::f32, MemTag::comm, pool);
+      std::memcpy(g.f32(), ws.dres, size_t(n) * sizeof(float));
+      grad_out[{mb, c}] = std::move(g);
+    }
+    s.backward_done = true;
+  }
+
+  void send_act(int mb, int c, int peer) {
+    Slot& s = slot_of(chunks[size_t(c)], mb, "send of the activation");
+    LOOM_CHECK(s.output != nullptr, "pipeline executor: rank {}: send of micro-batch {} before its forward", rank, mb);
+    pp.send(s.output, b * T * cfg.n_embd, DType::f32, peer, 0);
+  }
+
+  void recv_act(int mb, int c, int peer) {
+    Slot* s = acquire(chunks[size_t(c)], mb);
+    s->input = Tensor::empty({b, T, cfg.n_embd}, DType::f32, MemTag::activations, pool);
+    pp.recv(s->input, peer, 0);
+  }
+
+  void send_grad(int mb, int c, int peer) {
+    auto it = grad_out.find({mb, c});
+    LOOM_CHECK(it != grad_out.end(), "pipeline executor: rank {}: send of the gradient of micro-batch {} before its "
+               "backward", rank, mb);
+    pp.send(it->second, peer, 0);
+    grad_out.erase(it);
+  }
+
+  void recv_grad(int mb, int c, int peer) {
+    Slot& s = slot_of(chunks[size_t(c)], mb, "receive of the output gradient");
+    s.grad_in = Tensor::empty({b, T, cfg.n_embd}, DType::f32, MemTag::comm, pool);
+    pp.recv(s.grad_in, peer, 0);
+  }
+
+  StepResult optimizer_step(double lr) {
+    const int p = pp.size();
+    StepResult res;
+    // Tied embeddings: the first and last stages add their wte gradients (a + b == b + a, so
+    // both copies get bit-identical sums).
+    if (cfg.tied_embeddings && p > 1 && (rank == 0 || rank == p - 1)) {
+      model::Parameter* w = rank == 0 ? wte : wte_copy.get();
+      Tensor other = Tensor::empty(w->grad_full.shape(), DType::f32, MemTag::comm, pool);
+      const int peer = rank == 0 ? p - 1 : 0;
+      pp.sendrecv(w->grad_full.f32(), w->grad_full.numel(), peer, other.f32(), other.numel(), peer, DType::f32, 1);
+      float* g = w->grad_full.f32();
+      const float* o = other.f32();
+      for (int64_t i = 0; i < other.numel(); ++i) g[i] += o[i];
+    }
+    if (dp && dp->size() > 1) {
+      const float inv = 1.0f / float(dp->size());
+      for (model::Parameter* prm : params) {
+        dp->all_reduce(prm->grad_full);
+        float* g = prm->grad_full.f32();
+        for (int64_t i = 0; i < prm->grad_full.numel(); ++i) g[i] *= inv;
+      }
+    }
+    // Global gradient norm over the pipeline (each parameter once: the wte copy is skipped).
+    double ss = 0;
+    for (model::Parameter* prm : params) {
+      if (prm == wte_copy.get()) continue;
+      const float* g = prm->grad.f32();
+      double acc = 0;
+      for (int64_t i = 0; i < prm->grad.numel(); ++i) acc += double(g[i]) * double(g[i]);
+      ss += acc;
+    }
+    float ssf[2] = {float(ss), float(ss - double(float(ss)))};  // value and rounding remainder
+    pp.all_reduce(ssf, 2, DType::f32);
+    res.grad_norm = std::sqrt(double(ssf[0]) + double(ssf[1]));
+    adam->step_with_norm(res.grad_norm, lr);
+    return res;
+  }
+};
+
+PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOptions& opt, comm::Comm& pp,
+                                   comm::Comm* dp, MemoryPool& pool)
+    : impl_(std::make_unique<Impl>(cfg, opt, pp, dp, pool)) {
+  opt.validate();
+  cfg.validate("pipeline executor model config");
+  LOOM_CHECK(pp.size() == opt.schedule.stages, "pipeline executor: schedule.stages = {} but the pipeline "
+             "communicator has {} ranks", opt.schedule.stages, pp.size());
+  Impl& I = *impl_;
+  I.rank = pp.rank();
+  sch_ = generate(opt.schedule);
+  checked_ = check_or_throw(sch_);
+  const int p = sch_.p(), v = sch_.v(), V = p * v;
+  const int64_t n = cfg.n_layer + 2;
+  if (opt.cuts.empty()) {
+    LOOM_CHECK(n >= V, "pipeline executor: {} virtual stages but the chain has only {} elements (n_layer + 2)", V, n);
+    cuts_ = balance_chain(chain_costs(cfg, cfg.block_size), V);
+  } else {
+    validate_cuts(opt.cuts, n, V, "pipeline cuts");
+    cuts_ = opt.cuts;
+  }
+  // The wte a head on this rank ties to: the embedding's when this rank owns it, else a copy.
+  const bool owns_embedding = I.rank == sch_.rank_of(0);
+  const bool owns_head = I.rank == sch_.rank_of(V - 1);
+  for (int c = 0; c < v; ++c) {
+    Chunk ch;
+    ch.vs = sch_.virtual_stage(I.rank, c);
+    ch.first = cuts_[size_t(ch.vs)];
+    ch.last = cuts_[size_t(ch.vs + 1)];
+    I.chunks.push_back(std::move(ch));
+  }
+  if (cfg.tied_embeddings && owns_head && !owns_embedding) {
+    model::Embedding spec_source(cfg, pool);  // for the exact wte spec
+    I.wte_copy = std::make_unique<model::Parameter>(model::Parameter{spec_source.wte().spec, {}, {}, {}, {}});
+    I.wte_copy->allocate(pool);
+    I.wte_copy->initialise(opt.seed);
+    I.wte = I.wte_copy.get();
+  }
+  for (Chunk& ch : I.chunks) {
+    auto s = std::make_unique<Slot>();
+    for (int64_t e = ch.first; e < ch.last; ++e) {
+      auto blk = I.make_block(e);
+      for (model::Parameter* prm : blk->parameters()) {
+        prm->initialise(opt.seed);
+        I.params.push_back(prm);
+      }
+      if (e == 0) I.wte = &static_cast<model::Embedding*>(blk.get())->wte();
+      s->blocks.push_back(std::move(blk));
+    }
+    ch.free.push_back(s.get());
+    ch.all.push_back(std::move(s));
+  }
+  if (I.wte_copy) I.params.push_back(I.wte_copy.get());
+  I.adam = std::make_unique<optim::AdamW>(I.params, opt.adamw, pool);
+}
+
+PipelineExecutor::~PipelineExecutor() = default;
+
+std::vector<model::Parameter*> PipelineExecutor::parameters() const { return impl_->params; }
+bool PipelineExecutor::is_copy(const model::Parameter* p) const { return p == impl_->wte_copy.get(); }
+
+int64_t PipelineExecutor::activation_bytes_per_micro_batch(int chunk, int64_t b, int64_t T) const {
+  const Chunk& ch = impl_->chunks.at(size_t(chunk));
+  int64_t bytes = ch.first > 0 ? b * T * impl_->cfg.n_embd * int64_t(sizeof(float)) : 0;
+  for (auto& blk : ch.all[0]->blocks) bytes += blk->saved_activation_bytes(b, T);
+  return bytes;
+}
+
+StepResult PipelineExecutor::step(const Tensor& tokens, const Tensor& targets, double lr) {
+  Impl& I = *impl_;
+  const int m = sch_.m();
+  LOOM_CHECK(tokens.defined() && tokens.dim() == 2 && tokens.dtype() == DType::i32,
+             "pipeline executor: tokens must be i32 [B, T]");
+  LOOM_CHECK(targets.defined() && targets.shape() == tokens.shape() && targets.dtype() == DType::i32,
+             "pipeline executor: targets must be i32 of the tokens' shape");
+  const int64_t B = tokens.size(0), T = tokens.size(1);
+  LOOM_CHECK(B % m == 0, "pipeline executor: batch size {} is not divisible by micro_batches = {}", B, m);
+  LOOM_CHECK(T >= 1 && T <= I.cfg.block_size, "pipeline executor: sequence length {} outside [1, block_size = {}]", T,
+             I.cfg.block_size);
+  const int64_t b = B / m, C = I.cfg.n_embd;
+  if (b != I.b || T != I.T) {
+    I.b = b;
+    I.T = T;
+    I.ws_dres = Tensor::empty({b, T, C}, DType::f32, MemTag::workspace, I.pool);
+    I.ws_bufC = Tensor::empty({b, T, C}, DType::f32, MemTag::workspace, I.pool);
+    I.ws_buf4C = Tensor::empty({b, T, 4 * C}, DType::f32, MemTag::workspace, I.pool);
+  }
+  for (model::Parameter* prm : I.params) prm->grad_full.zero_();
+  I.losses.assign(size_t(m), 0.0);
+  I.peak_slots = 0;
+  trace_.clear();
+  I.pp.barrier();  // one time origin for the whole pipeline's trace
+  const auto t0 = Clock::now();
+  auto secs = [&] { return std::chrono::duration<double>(Clock::now() - t0).count(); };
+  StepResult res;
+  for (const Instr& in : sch_.ranks[size_t(I.rank)]) {
+    const double start = secs();
+    switch (in.op) {
+      case Op::forward: I.forward(in.mb, in.chunk, tokens, targets); break;
+      case Op::backward:
+        I.backward(in.mb, in.chunk);
+        I.release(I.chunks[size_t(in.chunk)], in.mb);
+        break;
+      // The blocks have one fused backward: backward_input runs it (input and weight gradients)
+      // and keeps the micro-batch's activations until its backward_weight instruction, so memory
+      // follows the zero-bubble schedule while the work is not yet split.
+      case Op::backward_input: I.backward(in.mb, in.chunk); break;
+      case Op::backward_weight: I.release(I.chunks[size_t(in.chunk)], in.mb); break;
+      case Op::send_act: I.send_act(in.mb, in.chunk, in.peer); break;
+      case Op::recv_act: I.recv_act(in.mb, in.chunk, in.peer); break;
+      case Op::send_grad: I.send_grad(in.mb, in.chunk, in.peer); break;
+      case Op::recv_grad: I.recv_grad(in.mb, in.chunk, in.peer); break;
+      case Op::optimizer_step: {
+        StepResult r = I.optimizer_step(lr);
+        res.grad_norm = r.grad_norm;
+        break;
+      }
+    }
+    if (is_compute(in.op)) trace_.push_back({in.op, in.mb, in.chunk, start, secs()});
+  }
+  peak_slots_ = I.peak_slots;
+  // The loss lives on the head's rank: mean over micro-batches, shared with the pipeline and
+  // averaged over data-parallel replicas.
+  float loss = 0;
+  if (I.rank == sch_.rank_of(sch_.num_virtual_stages() - 1)) {
+    double sum = 0;
+    for (double l : I.losses) sum += l;
+    loss = float(sum / m);
+  }
+  I.pp.broadcast(&loss, 1, DType::f32, sch_.rank_of(sch_.num_virtual_stages() - 1));
+  if (I.dp && I.dp->size() > 1) {
+    I.dp->all_reduce(&loss, 1, DType::f32);
+    loss /= float(I.dp->size());
+  }
+  res.loss = loss;
+  return res;
+}
+
+void write_chrome_trace(const std::string& path, const std::vector<std::vector<TraceEvent>>& ranks) {
+  nlohmann::json ev = nlohmann::json::array();
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    ev.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", 0}, {"tid", r}, {"args", {{"name", fmt::format("rank {}", r)}}}});
+    for (const TraceEvent& e : ranks[r])
+      ev.push_back({{"name", fmt::format("{}{}", op_name(e.op), e.mb)},
+                    {"cat", std::string(op_name(e.op))},
+                    {"ph", "X"},
+                    {"pid", 0},
+                    {"tid", r},
+                    {"ts", e.start * 1e6},
+                    {"dur", (e.end - e.start) * 1e6},
+                    {"args", {{"mb", e.mb}, {"chunk", e.chunk}}}});
+  }
+  std::ofstream f(path);
+  LOOM_CHECK(f.good(), "{}: cannot write the trace", path);
+  f << nlohmann::json{{"traceEvents", ev}, {"displayTimeUnit", "ms"}}.dump();
+  LOOM_CHECK(f.good(), "{}: cannot write the trace", path);
+}
+
+Timeline trace_timeline(const std::string& title, const std::vector<std::vector<TraceEvent>>& ranks) {
+  Timeline tl;
+  tl.title = title;
+  double t0 = std::numeric_limits<double>::infinity();
+  for (auto& r : ranks)
+    for (auto& e : r) t0 = std::min(t0, e.start);
+  tl.rows.resize(ranks.size());
+  for (size_t r = 0; r < ranks.size(); ++r)
+    for (auto& e : ranks[r]) tl.rows[r].push_back({e.start - t0, e.end - t0, e.op, e.mb, e.chunk});
+  return tl;
+}
+
+std::vector<double> idle_fractions(const std::vector<std::vector<TraceEvent>>& ranks) {
+  double t0 = std::numeric_limits<double>::infinity(), t1 = -t0;
+  for (auto& r : ranks)
+    for (auto& e : r) {
+      t0 = std::min(t0, e.start);
+      t1 = std::max(t1, e.end);
+    }
+  std::vector<double> out;
+  for (auto& r : ranks) {
+    double busy = 0;
+    for (auto& e : r) busy += e.end - e.start;
+    out.push_back(t1 > t0 ? 1.0 - busy / (t1 - t0) : 0.0);
+  }
+  return out;
+}
+
+}  // namespace loom::parallel::pipeline

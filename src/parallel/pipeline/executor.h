@@ -1,0 +1,117 @@
+// Runs pipeline schedules (schedule.h) on the GPT chain cut into stages: rank r of the pipeline
+// communicator owns virtual stages r, r + p, ... (contiguous ranges of chain elements: 0 =
+// embedding, 1..n_layer = transformer blocks, n_layer + 1 = head), splits its data-parallel
+// replica's batch into m micro-batches, scales each micro-batch loss by 1 / m so gradients
+// accumulate to the gradient of the mean, and sends activations and gradients point-to-point
+// (one tag on the pipeline communicator, blocking, any Comm backend). Each micro-batch in flight
+// keeps its own saved activations (chain blocks that share the stage's parameters), released
+// when its backward ends, so the activation pool peaks at the checker's in-flight bound.
+//
+// Tied embeddings across stages: the last stage keeps its own copy of wte for lm_head (same
+// initialisation); after the backward the first and last stages add their wte gradients
+// (Megatron's embedding group), so both copies take the same update.
+//
+// Composition: data parallelism through a dp communicator (gradients averaged after the
+// pipeline flush). Tensor, sequence and context parallelism and ZeRO are refused with an error.
+//
+// Driving it from a trainer: one PipelineExecutor per rank, built from the pp (and dp)
+// sub-communicators of the mesh; each step call takes the replica's batch and returns the mean
+// loss on every rank; parameters() are this rank's (for checkpoints), trace() the timeline of
+// the last step.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/comm.h"
+#include "core/memory.h"
+#include "core/tensor.h"
+#include "model/config.h"
+#include "model/param.h"
+#include "optim/adamw.h"
+#include "parallel/pipeline/checker.h"
+#include "parallel/pipeline/draw.h"
+#include "parallel/pipeline/schedule.h"
+
+namespace loom::parallel::pipeline {
+
+// Declared relative cost of each chain element at sequence length T (forward FLOPs per token):
+// [n_layer + 2] for embedding, blocks, head.
+std::vector<double> chain_costs(const model::GPTConfig& cfg, int64_t T);
+// Contiguous cut of n elements with `costs` into `parts` non-empty ranges minimising the
+// largest range cost: parts + 1 boundaries, 0 first and n last.
+std::vector<int64_t> balance_chain(const std::vector<double>& costs, int parts);
+// Checks user boundaries (field names the config entry in errors).
+void validate_cuts(const std::vector<int64_t>& cuts, int64_t n_elements, int parts, const std::string& field);
+
+struct ExecutorOptions {
+  ScheduleSpec schedule;            // p must equal the pipeline communicator's size
+  std::vector<int64_t> cuts;        // p * v + 1 chain boundaries; empty: balanced by chain_costs
+  optim::AdamWConfig adamw;
+  uint64_t seed = 1337;             // initialisation, as the single-device model's
+  int tp = 1, sp = 1, cp = 1;       // other dimensions composed with pp (only 1 supported)
+  int zero_stage = 0;               // ZeRO (only 0 supported)
+  // Refuses unsupported combinations with an error naming the field.
+  void validate() const;
+};
+
+struct StepResult {
+  float loss = 0;          // mean over the global batch (every rank)
+  double grad_norm = 0;    // global, before clipping
+};
+
+// One compute of the last step on this rank, in seconds since the step began.
+struct TraceEvent {
+  Op op;
+  int mb, chunk;
+  double start, end;
+};
+
+class PipelineExecutor {
+ public:
+  // pp: this rank's pipeline communicator (rank = stage); dp: data-parallel communicator or
+  // nullptr. Both must outlive the executor. Parameters come from `pool` (tags params, grads).
+  PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOptions& opt, comm::Comm& pp, comm::Comm* dp,
+                   MemoryPool& pool);
+  ~PipelineExecutor();
+  PipelineExecutor(const PipelineExecutor&) = delete;
+  PipelineExecutor& operator=(const PipelineExecutor&) = delete;
+
+  // tokens, targets: i32 [B, T] of this replica (same on every pipeline rank), B divisible by m.
+  // Runs this rank's instruction list and the optimizer step with learning rate lr (< 0: the
+  // configured one).
+  StepResult step(const Tensor& tokens, const Tensor& targets, double lr = -1.0);
+
+  const Schedule& schedule() const { return sch_; }
+  const CheckResult& checked() const { return checked_; }
+  const std::vector<int64_t>& cuts() const { return cuts_; }
+  // This rank's parameters (a last-stage copy of a tied wte included, flagged by is_copy).
+  std::vector<model::Parameter*> parameters() const;
+  bool is_copy(const model::Parameter* p) const;
+  const std::vector<TraceEvent>& trace() const { return trace_; }
+  // Most micro-batch chunks whose activations were held at once during the last step.
+  int peak_in_flight() const { return peak_slots_; }
+  // Saved-activation bytes of one micro-batch on chunk c (declared by the blocks, plus the
+  // received input).
+  int64_t activation_bytes_per_micro_batch(int chunk, int64_t b, int64_t T) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  Schedule sch_;
+  CheckResult checked_;
+  std::vector<int64_t> cuts_;
+  std::vector<TraceEvent> trace_;
+  int peak_slots_ = 0;
+};
+
+// Chrome trace (chrome://tracing, Perfetto) of per-rank timelines: one process, one thread per
+// rank, a complete event per compute. Throws naming the path when it cannot be written.
+void write_chrome_trace(const std::string& path, const std::vector<std::vector<TraceEvent>>& ranks);
+// Measured timeline for draw_png.
+Timeline trace_timeline(const std::string& title, const std::vector<std::vector<TraceEvent>>& ranks);
+// Idle fraction of each rank over the span of all ranks' events: 1 - busy / span.
+std::vector<double> idle_fractions(const std::vector<std::vector<TraceEvent>>& ranks);
+
+}  // namespace loom::parallel::pipeline

@@ -1,0 +1,258 @@
+// The pipeline executor equals the single-device model: per-step losses within 1e-5 relative and
+// final parameters within ||p - p_ref|| / ||p_ref|| <= 1e-5, for p in {2, 4}, every kind,
+// m in {1, 4, 8}, alone and with dp = 2; the activation pool peaks at the checker's bound.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <random>
+
+#include "comm/threads.h"
+#include "core/error.h"
+#include "model/gpt.h"
+#include "optim/adamw.h"
+#include "parallel/mesh.h"
+#include "parallel/pipeline/executor.h"
+
+namespace loom::parallel::pipeline {
+namespace {
+
+constexpr int kSteps = 3;
+constexpr int64_t kBatch = 8, kT = 8;  // per data-parallel replica
+
+model::GPTConfig tiny() {
+  model::GPTConfig c;
+  c.name = "pipeline-tiny";
+  c.n_layer = 6;  // 8 chain elements: room for p * v = 8 virtual stages
+  c.n_head = 2;
+  c.n_embd = 32;
+  c.vocab_size = 97;
+  c.block_size = 16;
+  return c;
+}
+
+optim::AdamWConfig adamw() {
+  optim::AdamWConfig a;
+  a.lr = 1e-2;  // large enough that three steps move every parameter visibly
+  a.max_norm = 0.5f;  // clipping active: the global norm must be summed over stages
+  return a;
+}
+
+// Global batch i32 [dp * kBatch, kT] for each step.
+struct Data {
+  std::vector<Tensor> tokens, targets;
+};
+Data make_data(int dp, int vocab) {
+  Data d;
+  std::mt19937 rng(1234);
+  for (int s = 0; s < kSteps; ++s) {
+    Tensor x = Tensor::empty({dp * kBatch, kT}, DType::i32, MemTag::activations);
+    Tensor y = Tensor::empty({dp * kBatch, kT}, DType::i32, MemTag::activations);
+    for (int64_t i = 0; i < x.numel(); ++i) {
+      x.i32()[i] = int32_t(rng() % uint32_t(vocab));
+      y.i32()[i] = int32_t(rng() % uint32_t(vocab));
+    }
+    d.tokens.push_back(x);
+    d.targets.push_back(y);
+  }
+  return d;
+}
+
+struct Reference {
+  std::vector<float> losses;
+  std::map<std::string, std::vector<float>> params;
+};
+
+Reference reference(int dp) {
+  static std::map<int, Reference> cache;
+  if (cache.count(dp)) return cache[dp];
+  MemoryPool pool("ref");
+  model::GPT gpt(tiny(), pool, 1337);
+  optim::AdamW opt(gpt.parameters(), adamw(), pool);
+  Data d = make_data(dp, int(tiny().vocab_size));
+  Reference r;
+  std::vector<std::vector<float>> init;
+  for (model::Parameter* p : gpt.parameters()) init.emplace_back(p->value.f32(), p->value.f32() + p->value.numel());
+  for (int s = 0; s < kSteps; ++s) {
+    gpt.zero_grad();
+    model::ForwardOptions fo;
+    fo.fuse_backward = true;
+    r.losses.push_back(gpt.forward(d.tokens[size_t(s)], d.targets[size_t(s)], fo));
+    gpt.backward();
+    opt.step();
+  }
+  double moved2 = 0, init2 = 0;
+  for (size_t k = 0; k < gpt.parameters().size(); ++k) {
+    model::Parameter* p = gpt.parameters()[k];
+    r.params[p->spec.name] = std::vector<float>(p->value.f32(), p->value.f32() + p->value.numel());
+    for (int64_t i = 0; i < p->value.numel(); ++i) {
+      moved2 += std::pow(double(p->value.f32()[i]) - init[k][size_t(i)], 2);
+      init2 += std::pow(double(init[k][size_t(i)]), 2);
+    }
+  }
+  // The comparison means something only if training moved the parameters far beyond 1e-5.
+  EXPECT_GT(std::sqrt(moved2 / init2), 1e-2);
+  return cache[dp] = r;
+}
+
+struct RunResult {
+  std::vector<float> losses;  // rank 0's
+  double diff2 = 0, ref2 = 0;  // over every parameter once
+  double copy_diff2 = 0;       // tied wte copy against the reference wte
+  std::vector<int> peak_in_flight, bound;
+  std::vector<int64_t> act_peak, act_per_mb;
+  std::vector<std::vector<TraceEvent>> trace;
+};
+
+RunResult run(const ScheduleSpec& spec, int dp) {
+  const int p = spec.stages, world = p * dp;
+  Data d = make_data(dp, int(tiny().vocab_size));
+  Reference ref = reference(dp);
+  RunResult out;
+  out.peak_in_flight.assign(size_t(p), 0);
+  out.bound.assign(size_t(p), 0);
+  out.act_peak.assign(size_t(p), 0);
+  out.act_per_mb.assign(size_t(p), 0);
+  out.trace.resize(size_t(p));
+  std::mutex mu;
+  Mesh mesh = Mesh::standard(p, dp, 1, 1);
+  comm::run_ranks(world, [&](comm::Comm& w) {
+    auto pp = split_comm(mesh, w, {"pp"});
+    auto dpc = split_comm(mesh, w, {"dp"});
+    const int di = dpc->rank(), pi = pp->rank();
+    MemoryPool pool("rank" + std::to_string(w.rank()));
+    ExecutorOptions o;
+    o.schedule = spec;
+    o.adamw = adamw();
+    PipelineExecutor ex(tiny(), o, *pp, dpc.get(), pool);
+    std::vector<float> losses;
+    for (int s = 0; s < kSteps; ++s) {
+      Tensor x = d.tokens[size_t(s)].slice0(di * kBatch, kBatch);
+      Tensor y = d.targets[size_t(s)].slice0(di * kBatch, kBatch);
+      pool.reset_peaks();
+      const int64_t before = pool.current(MemTag::activations);
+      losses.push_back(ex.step(x, y).loss);
+      if (s == kSteps - 1 && di == 0) {
+        std::lock_guard lk(mu);
+        out.peak_in_flight[size_t(pi)] = ex.peak_in_flight();
+        out.bound[size_t(pi)] = ex.checked().ranks[size_t(pi)].peak_in_flight;
+        out.act_peak[size_t(pi)] = pool.peak(MemTag::activations) - before;
+        out.act_per_mb[size_t(pi)] = spec.virtual_stages == 1 ? ex.activation_bytes_per_micro_batch(0, kBatch / spec.micro_batches, kT) : 0;
+        out.trace[size_t(pi)] = ex.trace();
+      }
+    }
+    std::lock_guard lk(mu);
+    if (w.rank() == 0) out.losses = losses;
+    if (di != 0) return;
+    for (model::Parameter* prm : ex.parameters()) {
+      const std::vector<float>& r = ref.params.at(prm->spec.name);
+      double d2 = 0, r2 = 0;
+      for (int64_t i = 0; i < prm->value.numel(); ++i) {
+        const double a = prm->value.f32()[i], b = r[size_t(i)];
+        d2 += (a - b) * (a - b);
+        r2 += b * b;
+      }
+      if (ex.is_copy(prm)) {
+        out.copy_diff2 += d2 / r2;
+      } else {
+        out.diff2 += d2;
+        out.ref2 += r2;
+      }
+    }
+  });
+  return out;
+}
+
+void expect_equivalent(const ScheduleSpec& spec, int dp) {
+  SCOPED_TRACE(fmt::format("{} p={} v={} m={} dp={}", kind_name(spec.kind), spec.stages, spec.virtual_stages,
+                           spec.micro_batches, dp));
+  Reference ref = reference(dp);
+  RunResult r = run(spec, dp);
+  ASSERT_EQ(r.losses.size(), ref.losses.size());
+  for (size_t s = 0; s < ref.losses.size(); ++s)
+    EXPECT_LE(std::abs(r.losses[s] - ref.losses[s]), 1e-5 * std::abs(ref.losses[s])) << "step " << s;
+  EXPECT_LE(std::sqrt(r.diff2 / r.ref2), 1e-5);
+  if (std::getenv("LOOM_VERBOSE"))
+    std::printf("  param rel diff %.3g, last loss %.7f vs %.7f\n", std::sqrt(r.diff2 / r.ref2), r.losses.back(),
+                ref.losses.back());
+  EXPECT_LE(std::sqrt(r.copy_diff2), 1e-5);
+  // Tensor-level memory: the number of micro-batches whose activations were held at once is the
+  // checker's bound.
+  for (int k = 0; k < spec.stages; ++k) EXPECT_EQ(r.peak_in_flight[size_t(k)], r.bound[size_t(k)]) << "rank " << k;
+}
+
+class Equivalence : public ::testing::TestWithParam<std::tuple<Kind, int, int, int>> {};
+
+TEST_P(Equivalence, MatchesSingleDevice) {
+  auto [kind, p, m, dp] = GetParam();
+  const int v = kind == Kind::interleaved ? 2 : 1;
+  if (kind == Kind::interleaved && m % p != 0) GTEST_SKIP() << "interleaved needs m divisible by p";
+  expect_equivalent({kind, p, v, m}, dp);
+}
+
+INSTANTIATE_TEST_SUITE_P(Pipeline, Equivalence,
+                         ::testing::Combine(::testing::Values(Kind::gpipe, Kind::one_f_one_b, Kind::interleaved,
+                                                              Kind::zb_h1),
+                                            ::testing::Values(2, 4), ::testing::Values(1, 4, 8),
+                                            ::testing::Values(1, 2)),
+                         [](const auto& info) {
+                           std::string k(kind_name(std::get<0>(info.param)));
+                           for (char& c : k)
+                             if (c == '-') c = '_';
+                           return fmt::format("{}_p{}_m{}_dp{}", k, std::get<1>(info.param), std::get<2>(info.param),
+                                              std::get<3>(info.param));
+                         });
+
+// Acceptance 4: the activation pool's peak is the checker's bound times one micro-batch's
+// declared bytes: m for GPipe, p - stage for 1F1B.
+TEST(PipelineMemory, ActivationPoolPeakIsTheCheckerBound) {
+  for (Kind k : {Kind::gpipe, Kind::one_f_one_b}) {
+    const int p = 4, m = 8;
+    RunResult r = run({k, p, 1, m}, 1);
+    for (int s = 0; s < p; ++s) {
+      const int want = k == Kind::gpipe ? m : p - s;
+      EXPECT_EQ(r.bound[size_t(s)], want);
+      EXPECT_EQ(r.act_peak[size_t(s)], int64_t(want) * r.act_per_mb[size_t(s)])
+          << kind_name(k) << " rank " << s << ": " << r.act_peak[size_t(s)] << " bytes, "
+          << r.act_per_mb[size_t(s)] << " per micro-batch";
+    }
+  }
+}
+
+TEST(PipelineExecutor, RefusesUnsupportedCombinations) {
+  comm::run_ranks(2, [&](comm::Comm& w) {
+    MemoryPool pool("r");
+    ExecutorOptions o;
+    o.schedule = {Kind::one_f_one_b, 2, 1, 4};
+    o.tp = 2;
+    try {
+      PipelineExecutor ex(tiny(), o, w, nullptr, pool);
+      ADD_FAILURE() << "tp = 2 accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("tp = 2"), std::string::npos) << e.what();
+    }
+    o.tp = 1;
+    o.schedule.stages = 4;  // the communicator has 2 ranks
+    EXPECT_THROW(PipelineExecutor(tiny(), o, w, nullptr, pool), Error);
+    o.schedule.stages = 2;
+    o.cuts = {0, 3, 3, 8};  // wrong count and not increasing
+    EXPECT_THROW(PipelineExecutor(tiny(), o, w, nullptr, pool), Error);
+    o.cuts = {0, 6, 8};  // a layer list: stage 0 holds embedding + 5 blocks
+    PipelineExecutor ex(tiny(), o, w, nullptr, pool);
+    EXPECT_EQ(ex.cuts(), (std::vector<int64_t>{0, 6, 8}));
+    Tensor x = Tensor::zeros({6, kT}, DType::i32, MemTag::activations);
+    EXPECT_THROW(ex.step(x, x), Error);  // 6 rows, 4 micro-batches
+  });
+}
+
+TEST(PipelineExecutor, BalancedCuts) {
+  EXPECT_EQ(balance_chain({1, 1, 1, 1}, 2), (std::vector<int64_t>{0, 2, 4}));
+  EXPECT_EQ(balance_chain({0.1, 5, 5, 5, 5, 3}, 3), (std::vector<int64_t>{0, 2, 4, 6}));
+  EXPECT_THROW(balance_chain({1, 1}, 3), Error);
+}
+
+}  // namespace
+}  // namespace loom::parallel::pipeline
