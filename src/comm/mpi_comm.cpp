@@ -354,9 +354,12 @@ class MpiComm final : public Comm {
         int64_t o = k * kSegment, len = std::min(kSegment, cnt(sc) - o);
         isend(sbuf + size_t(o) * dtype_size(sdt), len, sdt, next, 0, coll_, sreqs);
       }
+      // Rank r at step s needs the chain prev, prev-1, ..., r-1-s to have arrived (each forwards
+      // only what it received), and the rank before it has already sent step 0; so the rank that
+      // has not arrived (or is slow) is r-1-s.
       auto waiting = [&] {
-        return fmt::format("ring step {} of {}: no data from rank {} (it, or a rank before it in the "
-                           "ring, has not arrived)", s + 1, 2 * (n - 1), world_ranks_[size_t(prev)]);
+        return fmt::format("ring step {} of {}: no data from rank {}; rank {} has not arrived or is stalled",
+                           s + 1, 2 * (n - 1), world_ranks_[size_t(prev)], world_ranks_[size_t(mod(r - 1 - s, n))]);
       };
       const char* own = send + size_t(offs[size_t(rc)]) * es;
       for (size_t k = 0; k < rreqs.size(); ++k) {
