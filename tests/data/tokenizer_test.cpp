@@ -1,6 +1,7 @@
 // Byte-level BPE tokenizer: GPT-2 reference ids, the pre-tokeniser against a regex reading of
 // GPT-2's pattern, round trips of arbitrary bytes, both merge algorithms, training, bad files.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -406,7 +407,10 @@ TEST(Train, RejectsBadOptions) {
 class BadFiles : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::path(LOOM_BINARY_DIR) / "tokenizer_test_bad";
+    // One directory per process and test: ctest runs the tests of this suite in parallel.
+    dir_ = fs::path(LOOM_BINARY_DIR) /
+           ("tokenizer_test_bad_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir_);
     fs::create_directories(dir_);
     TrainOptions opt;
