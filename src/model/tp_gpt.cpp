@@ -1,0 +1,542 @@
+#include "model/tp_gpt.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "core/error.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/gelu.h"
+#include "kernels/cpu/layernorm.h"
+#include "kernels/cpu/matmul.h"
+#include "kernels/cpu/residual.h"
+#include "parallel/context/ring_attention.h"
+#include "parallel/tensor/mappings.h"
+#include "parallel/tensor/vocab_parallel.h"
+
+namespace loom::model {
+
+namespace {
+constexpr int64_t F = sizeof(float);
+constexpr int64_t I = sizeof(int32_t);
+namespace tpm = parallel::tp;
+
+enum : int { LN1_W, LN1_B, QKV_W, QKV_B, ATTN_PROJ_W, ATTN_PROJ_B, LN2_W, LN2_B, FC_W, FC_B, MLP_PROJ_W, MLP_PROJ_B };
+
+// Shard builders: the local shape and where it lies in the full tensor.
+std::unique_ptr<ShardedParameter> make_shard(ParamSpec global, Shape local, std::vector<ShardSegment> segs,
+                                             bool replicated, bool sp_partial) {
+  auto p = std::make_unique<ShardedParameter>();
+  p->shard.spec = global;
+  p->shard.spec.shape = local;
+  p->shard.spec.alloc_rows = local.empty() ? 0 : local[0];
+  p->global = std::move(global);
+  p->segments = std::move(segs);
+  p->replicated = replicated;
+  p->sp_partial = sp_partial;
+  return p;
+}
+
+std::unique_ptr<ShardedParameter> replicated(ParamSpec spec, bool sp_partial) {
+  Shape s = spec.shape;
+  const int64_t n = spec.numel();
+  return make_shard(std::move(spec), s, {{0, 0, n}}, true, sp_partial);
+}
+
+// Rows of `sections` equal sections (q | k | v for c_attn), each split over t ranks.
+std::unique_ptr<ShardedParameter> row_shard(ParamSpec spec, int sections, int t, int r) {
+  const int64_t R = spec.shape[0], K = spec.shape.size() > 1 ? spec.shape[1] : 1;
+  const int64_t Rs = R / sections, Rl = Rs / t;
+  std::vector<ShardSegment> segs;
+  for (int s = 0; s < sections; ++s) segs.push_back({s * Rl * K, (s * Rs + r * Rl) * K, Rl * K});
+  Shape local = spec.shape;
+  local[0] = sections * Rl;
+  return make_shard(std::move(spec), local, std::move(segs), false, false);
+}
+
+// Columns (the input dimension of a Linear weight [out, in]) split over t ranks.
+std::unique_ptr<ShardedParameter> col_shard(ParamSpec spec, int t, int r) {
+  const int64_t R = spec.shape[0], K = spec.shape[1], Kl = K / t;
+  std::vector<ShardSegment> segs;
+  for (int64_t i = 0; i < R; ++i) segs.push_back({i * Kl, i * K + r * Kl, Kl});
+  return make_shard(std::move(spec), {R, Kl}, std::move(segs), false, false);
+}
+
+// Vocabulary rows [r Vs, (r + 1) Vs) of a [V, C] table; rows >= V are zero padding.
+std::unique_ptr<ShardedParameter> vocab_shard(ParamSpec spec, int64_t Vs, int r) {
+  const int64_t V = spec.shape[0], C = spec.shape[1];
+  const int64_t v0 = r * Vs, real = std::clamp<int64_t>(V - v0, 0, Vs);
+  std::vector<ShardSegment> segs;
+  if (real > 0) segs.push_back({0, v0 * C, real * C});
+  return make_shard(std::move(spec), {Vs, C}, std::move(segs), false, false);
+}
+
+Tensor act(const Shape& s, DType t, MemoryPool& pool) { return Tensor::empty(s, t, MemTag::activations, pool); }
+
+// rows f32 [n, C] += bias f32 [C]
+void add_bias(float* rows, const float* bias, int64_t n, int64_t C) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t c = 0; c < C; ++c) rows[i * C + c] += bias[c];
+}
+}  // namespace
+
+struct ParallelGPT::Impl {
+  struct Layer {
+    ShardedParameter* p[12] = {};
+    Tensor ln1, ln1_mean, ln1_rstd;  // f32 [Ns, C], [Ns], [Ns]
+    Tensor qkv;                      // f32 [N, 3 Cl] this rank's heads
+    Tensor atty;                     // f32 [N, Cl]
+    Tensor lse;                      // f32 [B, NHl, Tl] (cp: [B, 2, NHl, Tc])
+    Tensor res2;                     // f32 [Ns, C]
+    Tensor ln2, ln2_mean, ln2_rstd;  // f32 [Ns, C], [Ns], [Ns]
+    Tensor fch, fch_gelu;            // f32 [N, 4 Cl]
+    Tensor out;                      // f32 [Ns, C]
+    float* w(int i) const { return p[i]->shard.value.f32(); }
+    float* g(int i) const { return p[i]->shard.grad.f32(); }
+  };
+  explicit Impl(MemoryPool& pool) : ring(pool) {}
+
+  ShardedParameter *wte = nullptr, *wpe = nullptr, *lnf_w = nullptr, *lnf_b = nullptr, *lm_head = nullptr;
+  std::vector<Layer> layers;
+  // Shapes of the last forward: B, T (global), Tl = T / cp, N = B Tl rows, own rows [r0, r0 + Ns).
+  int64_t B = 0, T = 0, Tl = 0, N = 0, Ns = 0, r0 = 0;
+  Tensor tokens;                     // i32 [N] this rank's positions
+  Tensor emb_out;                    // f32 [Ns, C]
+  Tensor lnf, lnf_mean, lnf_rstd;    // f32 [Ns, C], [Ns], [Ns]
+  Tensor logits;                     // f32 [N, Vs] (dlogits after the fused forward)
+  Tensor losses;                     // f32 [N]
+  Tensor targets;                    // i32 [N]
+  bool holds_dlogits = false, can_backward = false;
+  float dloss = 0;
+  // Workspace (tag workspace): two [N, C] buffers, [N, 4 Cl], [N, Cl], the residual gradient
+  // [Ns, C] and the cross-entropy statistics [3N].
+  Tensor wA, wB, buf4, datty, dres, ce;
+  parallel::cp::RingAttention ring;
+};
+
+ParallelGPT::ParallelGPT(const GPTConfig& cfg, ParallelGroups groups, ParallelOptions opts, MemoryPool& pool,
+                         uint64_t seed)
+    : cfg_(cfg), g_(groups), opts_(opts), pool_(pool), impl_(std::make_unique<Impl>(pool)) {
+  cfg_.validate("model config '" + cfg_.name + "'");
+  tp_ = tpm::group_size(g_.tp);
+  tpr_ = tpm::group_rank(g_.tp);
+  cp_ = tpm::group_size(g_.cp);
+  cpr_ = tpm::group_rank(g_.cp);
+  if (cfg_.n_head % tp_ != 0)
+    throw Error(fmt::format("model config '{}': n_head = {} is not divisible by tp = {} (attention is split by "
+                            "heads; choose tp dividing the head count)",
+                            cfg_.name, cfg_.n_head, tp_));
+  if (opts_.activation_budget < 0)
+    throw Error(fmt::format("parallel options: activation_budget = {} must be >= 0", opts_.activation_budget));
+  const int64_t C = cfg_.n_embd;
+  const float std = cfg_.init_std, proj_std = cfg_.init_std / std::sqrt(2.0f * float(cfg_.n_layer));
+  Vs_ = tpm::vocab_shard_rows(cfg_.padded_vocab(), tp_);
+  const bool sp = opts_.sp;
+  auto add = [&](std::unique_ptr<ShardedParameter> p) {
+    p->shard.allocate(pool_);
+    sharded_.push_back(std::move(p));
+    return sharded_.back().get();
+  };
+  Impl& m = *impl_;
+  m.wte = add(vocab_shard({"wte.weight", {cfg_.vocab_size, C}, 0, Init::normal, std}, Vs_, tpr_));
+  m.wpe = add(replicated({"wpe.weight", {cfg_.block_size, C}, 0, Init::normal, std}, sp));
+  m.layers.resize(size_t(cfg_.n_layer));
+  for (int64_t l = 0; l < cfg_.n_layer; ++l) {
+    const std::string p = "h." + std::to_string(l) + ".";
+    auto& L = m.layers[size_t(l)];
+    L.p[LN1_W] = add(replicated({p + "ln_1.weight", {C}, 0, Init::ones, 0}, sp));
+    L.p[LN1_B] = add(replicated({p + "ln_1.bias", {C}, 0, Init::zeros, 0}, sp));
+    L.p[QKV_W] = add(row_shard({p + "attn.c_attn.weight", {3 * C, C}, 0, Init::normal, std}, 3, tp_, tpr_));
+    L.p[QKV_B] = add(row_shard({p + "attn.c_attn.bias", {3 * C}, 0, Init::zeros, 0}, 3, tp_, tpr_));
+    L.p[ATTN_PROJ_W] = add(col_shard({p + "attn.c_proj.weight", {C, C}, 0, Init::normal, proj_std}, tp_, tpr_));
+    L.p[ATTN_PROJ_B] = add(replicated({p + "attn.c_proj.bias", {C}, 0, Init::zeros, 0}, false));
+    L.p[LN2_W] = add(replicated({p + "ln_2.weight", {C}, 0, Init::ones, 0}, sp));
+    L.p[LN2_B] = add(replicated({p + "ln_2.bias", {C}, 0, Init::zeros, 0}, sp));
+    L.p[FC_W] = add(row_shard({p + "mlp.c_fc.weight", {4 * C, C}, 0, Init::normal, std}, 1, tp_, tpr_));
+    L.p[FC_B] = add(row_shard({p + "mlp.c_fc.bias", {4 * C}, 0, Init::zeros, 0}, 1, tp_, tpr_));
+    L.p[MLP_PROJ_W] = add(col_shard({p + "mlp.c_proj.weight", {C, 4 * C}, 0, Init::normal, proj_std}, tp_, tpr_));
+    L.p[MLP_PROJ_B] = add(replicated({p + "mlp.c_proj.bias", {C}, 0, Init::zeros, 0}, false));
+  }
+  m.lnf_w = add(replicated({"ln_f.weight", {C}, 0, Init::ones, 0}, sp));
+  m.lnf_b = add(replicated({"ln_f.bias", {C}, 0, Init::zeros, 0}, sp));
+  m.lm_head = cfg_.tied_embeddings
+                  ? m.wte
+                  : add(vocab_shard({"lm_head.weight", {cfg_.vocab_size, C}, 0, Init::normal, std}, Vs_, tpr_));
+  for (auto& p : sharded_) params_.push_back(&p->shard);
+  init_weights(seed);
+}
+
+ParallelGPT::~ParallelGPT() = default;
+
+ShardedParameter& ParallelGPT::sharded(std::string_view name) const {
+  for (auto& p : sharded_)
+    if (p->global.name == name) return *p;
+  throw Error(fmt::format("model '{}' has no parameter named '{}'", cfg_.name, name));
+}
+
+void ParallelGPT::init_weights(uint64_t seed) {
+  for (auto& p : sharded_) {
+    p->shard.value_full.zero_();
+    for (const ShardSegment& s : p->segments)
+      init_values(p->global, seed, p->shard.value.f32() + s.local, s.global, s.n);
+  }
+}
+
+void ParallelGPT::zero_grad() {
+  for (auto& p : sharded_) p->shard.grad_full.zero_();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Memory declaration
+
+int64_t ParallelGPT::embedding_saved_bytes(int64_t B, int64_t T) const {
+  const int64_t N = B * (T / cp_), Ns = opts_.sp ? tpm::sp_rows(N, tp_, tpr_).size() : N;
+  return I * N + F * Ns * cfg_.n_embd;  // tokens, out
+}
+
+int64_t ParallelGPT::block_saved_bytes(int64_t B, int64_t T) const {
+  const int64_t N = B * (T / cp_), Ns = opts_.sp ? tpm::sp_rows(N, tp_, tpr_).size() : N;
+  const int64_t C = cfg_.n_embd, Cl = C / tp_, NHl = cfg_.n_head / tp_;
+  // Residual-stream side (sharded under sp): ln1 C + 2 stats, res2 C, ln2 C + 2 stats, out C.
+  // Tensor-parallel side: qkv 3 Cl, atty Cl, fch 4 Cl, fch_gelu 4 Cl; lse NHl per row.
+  return F * (Ns * (4 * C + 4) + N * (12 * Cl + NHl));
+}
+
+int64_t ParallelGPT::head_saved_bytes(int64_t B, int64_t T) const {
+  const int64_t N = B * (T / cp_), Ns = opts_.sp ? tpm::sp_rows(N, tp_, tpr_).size() : N;
+  // lnf C + 2 stats (own rows), logits Vs and losses (all rows), targets (i32).
+  return F * (Ns * (cfg_.n_embd + 2) + N * (Vs_ + 1)) + I * N;
+}
+
+int64_t ParallelGPT::saved_activation_bytes(int64_t B, int64_t T) const {
+  return embedding_saved_bytes(B, T) + cfg_.n_layer * block_saved_bytes(B, T) + head_saved_bytes(B, T);
+}
+
+void ParallelGPT::release_activations() {
+  Impl& m = *impl_;
+  for (auto& L : m.layers) {
+    ShardedParameter* p[12];
+    std::memcpy(p, L.p, sizeof(p));
+    L = Impl::Layer{};
+    std::memcpy(L.p, p, sizeof(p));
+  }
+  m.tokens = m.emb_out = m.lnf = m.lnf_mean = m.lnf_rstd = m.logits = m.losses = m.targets = Tensor();
+  m.wA = m.wB = m.buf4 = m.datty = m.dres = m.ce = Tensor();
+  m.ring.release();
+  m.B = m.T = m.Tl = m.N = m.Ns = m.r0 = 0;
+  m.holds_dlogits = m.can_backward = false;
+}
+
+const Tensor& ParallelGPT::losses() const {
+  LOOM_CHECK(impl_->losses.defined(), "model '{}': no forward with targets yet", cfg_.name);
+  return impl_->losses;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward
+
+float ParallelGPT::forward(const Tensor& tokens, const Tensor& targets, const ForwardOptions& opt) {
+  Impl& m = *impl_;
+  LOOM_CHECK(tokens.dtype() == DType::i32 && tokens.dim() == 2, "model '{}': tokens must be i32 [B, T], got {}",
+             cfg_.name, tokens.str());
+  const int64_t B = tokens.size(0), T = tokens.size(1);
+  LOOM_CHECK(B > 0 && T > 0, "model '{}': empty batch {}", cfg_.name, shape_str(tokens.shape()));
+  if (T > cfg_.block_size)
+    throw Error(fmt::format("model '{}': sequence length {} exceeds block_size {}", cfg_.name, T, cfg_.block_size));
+  parallel::cp::check_sequence(T, cp_, ("model '" + cfg_.name + "'").c_str());
+  if (!targets.defined() || targets.dtype() != DType::i32 || targets.shape() != tokens.shape())
+    throw Error(fmt::format("model '{}': targets must be i32 {}, got {}", cfg_.name, shape_str(tokens.shape()),
+                            targets.defined() ? targets.str() : std::string("none")));
+  if (opts_.activation_budget > 0 && saved_activation_bytes(B, T) > opts_.activation_budget)
+    throw Error(fmt::format("model '{}': micro-batch [{}, {}] needs {} of saved activations per rank, over the "
+                            "activation budget of {} (tp={}{}, cp={})",
+                            cfg_.name, B, T, format_bytes(saved_activation_bytes(B, T)),
+                            format_bytes(opts_.activation_budget), tp_, opts_.sp ? " sp" : "", cp_));
+  const int64_t C = cfg_.n_embd, NH = cfg_.n_head, NHl = NH / tp_, Cl = C / tp_, HS = C / NH;
+  const int64_t Tl = T / cp_, N = B * Tl;
+  const auto rows = opts_.sp ? tpm::sp_rows(N, tp_, tpr_) : comm::Range{0, N};
+  const int64_t Ns = rows.size();
+  if (B != m.B || T != m.T) {
+    release_activations();
+    m.B = B, m.T = T, m.Tl = Tl, m.N = N, m.Ns = Ns, m.r0 = rows.begin;
+    m.tokens = act({N}, DType::i32, pool_);
+    m.emb_out = act({Ns, C}, DType::f32, pool_);
+    for (auto& L : m.layers) {
+      L.ln1 = act({Ns, C}, DType::f32, pool_);
+      L.ln1_mean = act({Ns}, DType::f32, pool_);
+      L.ln1_rstd = act({Ns}, DType::f32, pool_);
+      L.qkv = act({N, 3 * Cl}, DType::f32, pool_);
+      L.atty = act({N, Cl}, DType::f32, pool_);
+      L.lse = act({B, NHl, Tl}, DType::f32, pool_);
+      L.res2 = act({Ns, C}, DType::f32, pool_);
+      L.ln2 = act({Ns, C}, DType::f32, pool_);
+      L.ln2_mean = act({Ns}, DType::f32, pool_);
+      L.ln2_rstd = act({Ns}, DType::f32, pool_);
+      L.fch = act({N, 4 * Cl}, DType::f32, pool_);
+      L.fch_gelu = act({N, 4 * Cl}, DType::f32, pool_);
+      L.out = act({Ns, C}, DType::f32, pool_);
+    }
+    m.lnf = act({Ns, C}, DType::f32, pool_);
+    m.lnf_mean = act({Ns}, DType::f32, pool_);
+    m.lnf_rstd = act({Ns}, DType::f32, pool_);
+    m.logits = act({N, Vs_}, DType::f32, pool_);
+    m.losses = act({B, Tl}, DType::f32, pool_);
+    m.targets = act({N}, DType::i32, pool_);
+    m.wA = Tensor::empty({N, C}, DType::f32, MemTag::workspace, pool_);
+    m.wB = Tensor::empty({N, C}, DType::f32, MemTag::workspace, pool_);
+    m.ce = Tensor::empty({3 * N}, DType::f32, MemTag::workspace, pool_);
+  }
+  m.can_backward = false;
+  m.holds_dlogits = false;
+  const bool sp = opts_.sp && tp_ > 1;
+  comm::Comm* tpg = tp_ > 1 ? g_.tp : nullptr;
+  parallel::cp::slice_sequence(tokens.i32(), m.tokens.i32(), B, T, cp_, cpr_);
+  parallel::cp::slice_sequence(targets.i32(), m.targets.i32(), B, T, cp_, cpr_);
+
+  // Embedding: vocabulary-parallel lookup, reduced (sp: reduce-scattered), plus positions.
+  {
+    float* out = m.emb_out.f32();
+    float* look = sp ? m.wB.f32() : out;  // f32 [N, C] partial lookup
+    tpm::vocab_embedding_forward(look, m.tokens.i32(), m.wte->shard.value.f32(), N, C, int64_t(tpr_) * Vs_, Vs_,
+                                 cfg_.vocab_size);
+    if (sp)
+      tpm::scatter_rows_forward(tpg, look, out, N, C);
+    else
+      tpm::reduce_forward(tpg, out, N * C);
+    const float* wpe = m.wpe->shard.value.f32();
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < Ns; ++i) {
+      const int64_t n = rows.begin + i, pos = parallel::cp::global_position(n % Tl, T, cp_, cpr_);
+      for (int64_t c = 0; c < C; ++c) out[i * C + c] += wpe[pos * C + c];
+    }
+  }
+
+  const float* x = m.emb_out.f32();
+  for (auto& L : m.layers) {
+    // Attention: ln_1 (own rows) -> [gather] -> c_attn (column) -> attention -> c_proj (row) -> reduce.
+    cpu::layernorm_forward(L.ln1.f32(), L.ln1_mean.f32(), L.ln1_rstd.f32(), x, L.w(LN1_W), L.w(LN1_B), Ns, C,
+                           cfg_.ln_eps);
+    const float* lnfull = L.ln1.f32();
+    if (sp) {
+      tpm::gather_rows_forward(tpg, L.ln1.f32(), m.wA.f32(), N, C);
+      lnfull = m.wA.f32();
+    }
+    cpu::matmul_forward(L.qkv.f32(), lnfull, L.w(QKV_W), L.w(QKV_B), N, C, 3 * Cl);
+    if (cp_ > 1) {
+      m.ring.forward(*g_.cp, L.atty.f32(), L.lse.f32(), L.qkv.f32(), {B, T, NHl, HS});
+    } else {
+      cpu::AttnArgs aa;
+      aa.B = B, aa.NH = NHl, aa.HS = HS, aa.Tq = aa.Tkv = T;
+      aa.q_stride = aa.kv_stride = 3 * Cl, aa.o_stride = Cl;
+      const float* q = L.qkv.f32();
+      cpu::attention_forward(L.atty.f32(), L.lse.f32(), q, q + Cl, q + 2 * Cl, aa);
+    }
+    if (tp_ == 1) {
+      cpu::matmul_forward(L.res2.f32(), L.atty.f32(), L.w(ATTN_PROJ_W), L.w(ATTN_PROJ_B), N, C, C);
+    } else {
+      float* part = sp ? m.wB.f32() : L.res2.f32();  // f32 [N, C] partial sums
+      cpu::matmul_forward(part, L.atty.f32(), L.w(ATTN_PROJ_W), nullptr, N, Cl, C);
+      if (sp)
+        tpm::scatter_rows_forward(tpg, part, L.res2.f32(), N, C);
+      else
+        tpm::reduce_forward(tpg, part, N * C);
+      add_bias(L.res2.f32(), L.w(ATTN_PROJ_B), Ns, C);
+    }
+    cpu::residual_forward(L.res2.f32(), L.res2.f32(), x, Ns * C);
+
+    // MLP: ln_2 -> [gather] -> c_fc (column) -> GELU -> c_proj (row) -> reduce.
+    cpu::layernorm_forward(L.ln2.f32(), L.ln2_mean.f32(), L.ln2_rstd.f32(), L.res2.f32(), L.w(LN2_W), L.w(LN2_B),
+                           Ns, C, cfg_.ln_eps);
+    lnfull = L.ln2.f32();
+    if (sp) {
+      tpm::gather_rows_forward(tpg, L.ln2.f32(), m.wA.f32(), N, C);
+      lnfull = m.wA.f32();
+    }
+    cpu::matmul_forward(L.fch.f32(), lnfull, L.w(FC_W), L.w(FC_B), N, C, 4 * Cl);
+    cpu::gelu_forward(L.fch_gelu.f32(), L.fch.f32(), N * 4 * Cl);
+    if (tp_ == 1) {
+      cpu::matmul_forward(L.out.f32(), L.fch_gelu.f32(), L.w(MLP_PROJ_W), L.w(MLP_PROJ_B), N, 4 * C, C);
+    } else {
+      float* part = sp ? m.wB.f32() : L.out.f32();
+      cpu::matmul_forward(part, L.fch_gelu.f32(), L.w(MLP_PROJ_W), nullptr, N, 4 * Cl, C);
+      if (sp)
+        tpm::scatter_rows_forward(tpg, part, L.out.f32(), N, C);
+      else
+        tpm::reduce_forward(tpg, part, N * C);
+      add_bias(L.out.f32(), L.w(MLP_PROJ_B), Ns, C);
+    }
+    cpu::residual_forward(L.out.f32(), L.out.f32(), L.res2.f32(), Ns * C);
+    x = L.out.f32();
+  }
+
+  // Head: ln_f -> [gather] -> lm_head shard (column) -> vocabulary-parallel cross-entropy.
+  cpu::layernorm_forward(m.lnf.f32(), m.lnf_mean.f32(), m.lnf_rstd.f32(), x, m.lnf_w->shard.value.f32(),
+                         m.lnf_b->shard.value.f32(), Ns, C, cfg_.ln_eps);
+  const float* lnfull = m.lnf.f32();
+  if (sp) {
+    tpm::gather_rows_forward(tpg, m.lnf.f32(), m.wA.f32(), N, C);
+    lnfull = m.wA.f32();
+  }
+  cpu::matmul_forward(m.logits.f32(), lnfull, m.lm_head->shard.value.f32(), nullptr, N, C, Vs_);
+
+  // The loss is the mean over the counted targets of the whole sequence (all cp ranks).
+  float counts[2] = {0, 0};  // counted targets, loss sum
+  for (int64_t n = 0; n < N; ++n) counts[0] += m.targets.i32()[n] >= 0 ? 1.0f : 0.0f;
+  if (cp_ > 1) g_.cp->all_reduce(counts, 1, DType::f32);
+  const double counted = counts[0];
+  m.dloss = counted > 0 ? float(double(opt.dloss_scale) / counted) : 0.0f;
+  tpm::VocabCEArgs ca;
+  ca.N = N, ca.Vs = Vs_, ca.v0 = int64_t(tpr_) * Vs_, ca.V = cfg_.vocab_size, ca.dloss = m.dloss;
+  tpm::vocab_cross_entropy(tpg, m.losses.f32(), opt.fuse_backward ? m.logits.f32() : nullptr, m.logits.f32(),
+                           m.targets.i32(), m.ce.f32(), ca);
+  m.holds_dlogits = opt.fuse_backward;
+  double sum = 0;
+  for (int64_t n = 0; n < N; ++n) sum += m.losses.f32()[n];
+  counts[1] = float(sum);
+  if (cp_ > 1) g_.cp->all_reduce(counts + 1, 1, DType::f32);
+  m.can_backward = true;
+  return counted > 0 ? float(double(counts[1]) / counted) : 0.0f;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward
+
+void ParallelGPT::backward() {
+  Impl& m = *impl_;
+  LOOM_CHECK(m.can_backward, "model '{}': backward needs a forward with targets first", cfg_.name);
+  const int64_t C = cfg_.n_embd, NH = cfg_.n_head, NHl = NH / tp_, Cl = C / tp_, HS = C / NH;
+  const int64_t B = m.B, T = m.T, Tl = m.Tl, N = m.N, Ns = m.Ns;
+  const bool sp = opts_.sp && tp_ > 1;
+  comm::Comm* tpg = tp_ > 1 ? g_.tp : nullptr;
+  if (!m.buf4.defined()) {
+    m.buf4 = Tensor::empty({N, 4 * Cl}, DType::f32, MemTag::workspace, pool_);
+    m.datty = Tensor::empty({N, Cl}, DType::f32, MemTag::workspace, pool_);
+    m.dres = Tensor::empty({Ns, C}, DType::f32, MemTag::workspace, pool_);
+  }
+  float* dres = m.dres.f32();  // f32 [Ns, C] gradient of the residual stream (own rows)
+  float* wA = m.wA.f32();
+  float* wB = m.wB.f32();
+  // d(partial) [N, C] of a column-parallel GEMM's input -> own rows of the full gradient in `to`
+  // (sp: reduce-scatter into wA; otherwise all-reduce in place).
+  auto reduce_input_grad = [&](float* partial) -> const float* {
+    if (sp) {
+      tpm::gather_rows_backward(tpg, partial, wA, N, C);
+      return wA;
+    }
+    tpm::copy_backward(tpg, partial, N * C);
+    return partial;
+  };
+  // The full [N, C] gradient of a row-parallel GEMM's output from the own rows in dres.
+  auto full_output_grad = [&]() -> const float* {
+    if (!sp) return dres;
+    tpm::scatter_rows_backward(tpg, dres, wA, N, C);
+    return wA;
+  };
+  auto gathered = [&](const Tensor& own) -> const float* {
+    if (!sp) return own.f32();
+    tpm::gather_rows_forward(tpg, own.f32(), wA, N, C);
+    return wA;
+  };
+
+  // Head.
+  if (!m.holds_dlogits) {
+    tpm::VocabCEArgs ca;
+    ca.N = N, ca.Vs = Vs_, ca.v0 = int64_t(tpr_) * Vs_, ca.V = cfg_.vocab_size, ca.dloss = m.dloss;
+    tpm::vocab_cross_entropy(tpg, m.losses.f32(), m.logits.f32(), m.logits.f32(), m.targets.i32(), m.ce.f32(), ca);
+    m.holds_dlogits = true;
+  }
+  {
+    const float* lnfull = gathered(m.lnf);
+    cpu::matmul_backward(wB, m.lm_head->shard.grad.f32(), nullptr, m.logits.f32(), lnfull,
+                         m.lm_head->shard.value.f32(), N, C, Vs_);
+    const float* dln = reduce_input_grad(wB);
+    const float* x = m.layers.empty() ? m.emb_out.f32() : m.layers.back().out.f32();
+    cpu::layernorm_backward(dres, m.lnf_w->shard.grad.f32(), m.lnf_b->shard.grad.f32(), dln, x,
+                            m.lnf_w->shard.value.f32(), m.lnf_mean.f32(), m.lnf_rstd.f32(), Ns, C, false);
+  }
+
+  for (int64_t l = int64_t(m.layers.size()) - 1; l >= 0; --l) {
+    auto& L = m.layers[size_t(l)];
+    const float* x = l == 0 ? m.emb_out.f32() : m.layers[size_t(l - 1)].out.f32();
+    // MLP branch: dres = d(out) = d(res2) through the residual.
+    const float* dout = full_output_grad();
+    float* b4 = m.buf4.f32();
+    cpu::matmul_backward(b4, L.g(MLP_PROJ_W), L.g(MLP_PROJ_B), dout, L.fch_gelu.f32(), L.w(MLP_PROJ_W), N, 4 * Cl,
+                         C);
+    cpu::gelu_backward(b4, L.fch.f32(), b4, N * 4 * Cl);
+    const float* lnfull = gathered(L.ln2);
+    cpu::matmul_backward(wB, L.g(FC_W), L.g(FC_B), b4, lnfull, L.w(FC_W), N, C, 4 * Cl);
+    const float* dln = reduce_input_grad(wB);
+    cpu::layernorm_backward(dres, L.g(LN2_W), L.g(LN2_B), dln, L.res2.f32(), L.w(LN2_W), L.ln2_mean.f32(),
+                            L.ln2_rstd.f32(), Ns, C, true);
+    // Attention branch: dres = d(res2) = d(x) through the residual.
+    dout = full_output_grad();
+    cpu::matmul_backward(m.datty.f32(), L.g(ATTN_PROJ_W), L.g(ATTN_PROJ_B), dout, L.atty.f32(), L.w(ATTN_PROJ_W), N,
+                         Cl, C);
+    float* dqkv = b4;  // f32 [N, 3 Cl] in the [N, 4 Cl] buffer
+    if (cp_ > 1) {
+      m.ring.backward(*g_.cp, dqkv, m.datty.f32(), L.qkv.f32(), L.atty.f32(), L.lse.f32(), {B, T, NHl, HS});
+    } else {
+      cpu::AttnArgs aa;
+      aa.B = B, aa.NH = NHl, aa.HS = HS, aa.Tq = aa.Tkv = T;
+      aa.q_stride = aa.kv_stride = 3 * Cl, aa.o_stride = Cl;
+      const float* q = L.qkv.f32();
+      cpu::attention_backward(dqkv, dqkv + Cl, dqkv + 2 * Cl, m.datty.f32(), q, q + Cl, q + 2 * Cl, L.atty.f32(),
+                              L.lse.f32(), aa);
+    }
+    lnfull = gathered(L.ln1);
+    cpu::matmul_backward(wB, L.g(QKV_W), L.g(QKV_B), dqkv, lnfull, L.w(QKV_W), N, C, 3 * Cl);
+    dln = reduce_input_grad(wB);
+    cpu::layernorm_backward(dres, L.g(LN1_W), L.g(LN1_B), dln, x, L.w(LN1_W), L.ln1_mean.f32(), L.ln1_rstd.f32(),
+                            Ns, C, true);
+  }
+
+  // Embedding: positions from the own rows, the vocabulary shard from all rows.
+  {
+    float* dwpe = m.wpe->shard.grad.f32();
+    for (int64_t i = 0; i < Ns; ++i) {
+      const int64_t n = m.r0 + i, pos = parallel::cp::global_position(n % Tl, T, cp_, cpr_);
+      for (int64_t c = 0; c < C; ++c) dwpe[pos * C + c] += dres[i * C + c];
+    }
+    const float* dfull = full_output_grad();
+    tpm::vocab_embedding_backward(m.wte->shard.grad.f32(), dfull, m.tokens.i32(), N, C, int64_t(tpr_) * Vs_, Vs_);
+  }
+  m.can_backward = false;
+}
+
+void ParallelGPT::finish_gradients() {
+  const bool sp = opts_.sp && tp_ > 1;
+  for (auto& p : sharded_) {
+    float* g = p->shard.grad.f32();
+    const int64_t n = p->shard.spec.numel();
+    if (sp && p->sp_partial) g_.tp->all_reduce(g, n, DType::f32);
+    if (cp_ > 1) g_.cp->all_reduce(g, n, DType::f32);
+  }
+}
+
+double ParallelGPT::grad_norm() const {
+  double local = 0;
+  for (auto& p : sharded_) {
+    if (p->replicated && tpr_ != 0) continue;  // counted once, on tp rank 0
+    const float* g = p->shard.grad.f32();
+    const int64_t n = p->shard.spec.numel();
+    double s = 0;
+    for (int64_t i = 0; i < n; ++i) s += double(g[i]) * double(g[i]);
+    local += s;
+  }
+  if (tp_ > 1) {
+    // Sum in double: each rank's value is split into a high and a low f32 part.
+    float parts[2] = {float(local), float(local - double(float(local)))};
+    std::vector<float> all(size_t(2 * tp_), 0.0f);
+    all[size_t(2 * tpr_)] = parts[0];
+    all[size_t(2 * tpr_ + 1)] = parts[1];
+    g_.tp->all_reduce(all.data(), int64_t(all.size()), DType::f32);  // one non-zero per slot: exact
+    local = 0;
+    for (int r = 0; r < tp_; ++r) local += double(all[size_t(2 * r)]) + double(all[size_t(2 * r + 1)]);
+  }
+  return std::sqrt(local);
+}
+
+}  // namespace loom::model

@@ -1,0 +1,62 @@
+// Context parallelism: the sequence split over the cp ranks with causal load balancing, and ring
+// attention over it (exact: partial results are merged with their log-sum-exp, forward and
+// backward).
+//
+// Layout: a sequence of T positions is cut into 2 cp chunks of Tc = T / (2 cp); rank r holds
+// chunks r and 2 cp - 1 - r (one early, one late), so under the causal mask every rank does the
+// same attention work. A rank's local sequence is [chunk r ; chunk 2cp-1-r], Tl = T / cp rows per
+// batch row.
+//
+// Ring: step j computes the local queries against the K/V of rank (r - j) mod cp, then passes
+// that K/V block to rank r + 1. Chunk pairs entirely above the diagonal are skipped. Backward
+// sends, beside each K/V block, the dK/dV accumulated for it so far; after cp steps it is back at
+// its owner.
+#pragma once
+#include <cstdint>
+
+#include "comm/comm.h"
+#include "core/memory.h"
+#include "core/tensor.h"
+
+namespace loom::parallel::cp {
+
+// Global position of local row t (0 <= t < T / cp) on `rank` of a cp group of `size`.
+int64_t global_position(int64_t t, int64_t T, int size, int rank);
+// Checks that T splits into 2 * size equal chunks (size > 1), throwing loom::Error naming `where`.
+void check_sequence(int64_t T, int size, const char* where);
+// local i32 [B, T / size] = the rank's positions of full i32 [B, T].
+void slice_sequence(const int32_t* full, int32_t* local, int64_t B, int64_t T, int size, int rank);
+
+struct RingShape {
+  int64_t B = 0;   // batch rows
+  int64_t T = 0;   // global sequence length (divisible by 2 cp)
+  int64_t NH = 0;  // heads held by this rank
+  int64_t HS = 0;  // head size
+};
+
+class RingAttention {
+ public:
+  // Buffers (K/V blocks in flight, tag comm; partial outputs, tag workspace) come from pool.
+  explicit RingAttention(MemoryPool& pool) : pool_(pool) {}
+
+  // qkv f32 [B, Tl, 3 NH HS] (q | k | v per row, this rank's heads); out f32 [B, Tl, NH HS];
+  // lse f32 [B, 2, NH, Tc] (per local chunk). Collective over g.
+  void forward(comm::Comm& g, float* out, float* lse, const float* qkv, const RingShape& s);
+  // dqkv f32 [B, Tl, 3 NH HS] is written; dout, out, lse as the forward's.
+  void backward(comm::Comm& g, float* dqkv, const float* dout, const float* qkv, const float* out,
+                const float* lse, const RingShape& s);
+
+  // Bytes of the buffers this object holds between calls.
+  int64_t buffer_bytes() const;
+  void release();
+
+ private:
+  void ensure(const RingShape& s, int P, bool backward);
+  MemoryPool& pool_;
+  Tensor kv_[2];      // f32 [B, Tl, 2 NH HS]: the K/V block in hand and the one arriving (tag comm)
+  Tensor dkv_[2];     // f32 [B, Tl, 2 NH HS]: its accumulated gradient, in hand and arriving (tag comm)
+  Tensor o_part_;     // f32 [Tc, NH HS] one chunk pair's output (tag workspace)
+  Tensor lse_part_;   // f32 [NH, Tc] (tag workspace)
+};
+
+}  // namespace loom::parallel::cp
