@@ -53,7 +53,7 @@ int main(int argc, char** argv) {
       for (int s = 1; s < V; ++s) o.cuts.push_back(1 + int64_t(s) * (L / V));
       o.cuts.push_back(L + 2);
     }
-    std::vector<std::vector<TraceEvent>> trace(size_t(p));
+    std::vector<std::vector<TraceEvent>> trace(static_cast<size_t>(p));
     std::mutex mu;
     std::mt19937 rng(7);
     Tensor x = Tensor::empty({B, T}, DType::i32, MemTag::activations);
