@@ -55,6 +55,7 @@ std::vector<SavedActivation> Embedding::saved_activations(int64_t B, int64_t T) 
 void Embedding::release_activations() {
   tokens_ = Tensor();
   out_ = Tensor();
+  dout_ = Tensor();
   B_ = T_ = 0;
 }
 
@@ -75,6 +76,22 @@ void Embedding::backward(const float* dout) {
   LOOM_CHECK(out_.defined(), "embedding: backward before forward");
   cpu::embedding_backward(wte().grad.f32(), wpe().grad.f32(), dout, tokens_.i32(), B_, T_, cfg_.n_embd,
                           cfg_.vocab_size);
+}
+
+int64_t Embedding::deferred_gradient_bytes(int64_t B, int64_t T) const {
+  return B * T * cfg_.n_embd * int64_t(sizeof(float));
+}
+
+void Embedding::backward_input(const float* dout) {
+  LOOM_CHECK(out_.defined(), "embedding: backward_input before forward");
+  dout_ = Tensor::empty({B_, T_, cfg_.n_embd}, DType::f32, MemTag::workspace, pool_);
+  std::memcpy(dout_.raw(), dout, size_t(dout_.numel()) * sizeof(float));
+}
+
+void Embedding::backward_weight() {
+  LOOM_CHECK(dout_.defined(), "embedding: backward_weight without backward_input");
+  backward(dout_.f32());
+  dout_ = Tensor();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -117,6 +134,7 @@ std::vector<SavedActivation> TransformerBlock::saved_activations(int64_t B, int6
 
 void TransformerBlock::release_activations() {
   a_ = Saved{};
+  d_ = Deferred{};
   out_ = Tensor();
   B_ = T_ = 0;
 }
@@ -192,6 +210,60 @@ void TransformerBlock::backward(const float* x, const BackwardScratch& s) {
                           C, /*accumulate_dinp=*/true);
 }
 
+int64_t TransformerBlock::deferred_gradient_bytes(int64_t B, int64_t T) const {
+  return B * T * 9 * cfg_.n_embd * int64_t(sizeof(float));  // dout C + dfch 4C + dres2 C + dqkv 3C
+}
+
+// The same kernel calls as backward with the weight GEMMs and bias sums moved to
+// backward_weight: each gradient is produced by the same operations on the same values.
+void TransformerBlock::backward_input(const float* x, const BackwardScratch& s) {
+  LOOM_CHECK(out_.defined(), "{}: backward_input before forward", name());
+  LOOM_CHECK(!d_.dout.defined(), "{}: backward_input twice without backward_weight", name());
+  const int64_t C = cfg_.n_embd, NH = cfg_.n_head, B = B_, T = T_, BT = B * T;
+  auto ws = [&](const Shape& sh) { return Tensor::empty(sh, DType::f32, MemTag::workspace, pool_); };
+  d_.dout = ws({B, T, C});
+  d_.dfch = ws({B, T, 4 * C});
+  d_.dres2 = ws({B, T, C});
+  d_.dqkv = ws({B, T, 3 * C});
+  const float* qkv = a_.qkv.f32();
+  float* dqkv = d_.dqkv.f32();
+  cpu::AttnArgs aa;
+  aa.B = B;
+  aa.NH = NH;
+  aa.HS = C / NH;
+  aa.Tq = aa.Tkv = T;
+  aa.q_stride = aa.kv_stride = 3 * C;
+  aa.o_stride = C;
+
+  // MLP branch; s.dres = d(out) = d(res2) through the residual.
+  std::memcpy(d_.dout.raw(), s.dres, size_t(BT * C) * sizeof(float));
+  cpu::matmul_backward(s.buf4C, nullptr, nullptr, s.dres, a_.fch_gelu.f32(), w(MLP_PROJ_W), BT, 4 * C, C);
+  cpu::gelu_backward(d_.dfch.f32(), a_.fch.f32(), s.buf4C, BT * 4 * C);
+  cpu::matmul_backward(s.bufC, nullptr, nullptr, d_.dfch.f32(), a_.ln2.f32(), w(FC_W), BT, C, 4 * C);
+  cpu::layernorm_backward(s.dres, g(LN2_W), g(LN2_B), s.bufC, a_.res2.f32(), w(LN2_W), a_.ln2_mean.f32(),
+                          a_.ln2_rstd.f32(), BT, C, /*accumulate_dinp=*/true);
+  // Attention branch; s.dres = d(res2) = d(x) through the residual.
+  std::memcpy(d_.dres2.raw(), s.dres, size_t(BT * C) * sizeof(float));
+  cpu::matmul_backward(s.bufC, nullptr, nullptr, s.dres, a_.atty.f32(), w(ATTN_PROJ_W), BT, C, C);
+  cpu::attention_backward(dqkv, dqkv + C, dqkv + 2 * C, s.bufC, qkv, qkv + C, qkv + 2 * C, a_.atty.f32(),
+                          a_.lse.f32(), aa);
+  cpu::matmul_backward(s.bufC, nullptr, nullptr, dqkv, a_.ln1.f32(), w(QKV_W), BT, C, 3 * C);
+  cpu::layernorm_backward(s.dres, g(LN1_W), g(LN1_B), s.bufC, x, w(LN1_W), a_.ln1_mean.f32(), a_.ln1_rstd.f32(), BT,
+                          C, /*accumulate_dinp=*/true);
+}
+
+void TransformerBlock::backward_weight() {
+  LOOM_CHECK(d_.dout.defined(), "{}: backward_weight without backward_input", name());
+  const int64_t C = cfg_.n_embd, BT = B_ * T_;
+  cpu::matmul_backward(nullptr, g(MLP_PROJ_W), g(MLP_PROJ_B), d_.dout.f32(), a_.fch_gelu.f32(), w(MLP_PROJ_W), BT,
+                       4 * C, C);
+  cpu::matmul_backward(nullptr, g(FC_W), g(FC_B), d_.dfch.f32(), a_.ln2.f32(), w(FC_W), BT, C, 4 * C);
+  cpu::matmul_backward(nullptr, g(ATTN_PROJ_W), g(ATTN_PROJ_B), d_.dres2.f32(), a_.atty.f32(), w(ATTN_PROJ_W), BT, C,
+                       C);
+  cpu::matmul_backward(nullptr, g(QKV_W), g(QKV_B), d_.dqkv.f32(), a_.ln1.f32(), w(QKV_W), BT, C, 3 * C);
+  d_ = Deferred{};
+}
+
 // ---------------------------------------------------------------------------------------------
 // Head
 
@@ -220,7 +292,7 @@ std::vector<SavedActivation> Head::saved_activations(int64_t B, int64_t T) const
 void Head::release_activations() {
   lnf_ = lnf_mean_ = lnf_rstd_ = logits_ = losses_ = targets_ = Tensor();
   B_ = T_ = 0;
-  has_targets_ = holds_dlogits_ = false;
+  has_targets_ = holds_dlogits_ = weight_pending_ = false;
 }
 
 double Head::forward(const float* x, const int32_t* targets, int64_t B, int64_t T, bool fuse_backward,
@@ -274,6 +346,29 @@ void Head::backward(const float* x, const BackwardScratch& s, float dloss_scale)
                        lm_head_->value_full.f32(), BT, C, Vp);
   cpu::layernorm_backward(s.dres, params_[0].grad.f32(), params_[1].grad.f32(), s.bufC, x, params_[0].value.f32(),
                           lnf_mean_.f32(), lnf_rstd_.f32(), BT, C, /*accumulate_dinp=*/false);
+}
+
+void Head::backward_input(const float* x, const BackwardScratch& s, float dloss_scale) {
+  LOOM_CHECK(logits_.defined() && has_targets_, "head: backward_input needs a forward with targets");
+  const int64_t C = cfg_.n_embd, V = cfg_.vocab_size, Vp = cfg_.padded_vocab(), BT = B_ * T_;
+  if (!holds_dlogits_) {
+    float dloss = counted_ ? dloss_scale / float(counted_) : 0.0f;
+    cpu::crossentropy_forward_backward(losses_.f32(), logits_.f32(), logits_.f32(), targets_.i32(), dloss, BT, V,
+                                       Vp);
+    holds_dlogits_ = true;
+  }
+  cpu::matmul_backward(s.bufC, nullptr, nullptr, logits_.f32(), lnf_.f32(), lm_head_->value_full.f32(), BT, C, Vp);
+  cpu::layernorm_backward(s.dres, params_[0].grad.f32(), params_[1].grad.f32(), s.bufC, x, params_[0].value.f32(),
+                          lnf_mean_.f32(), lnf_rstd_.f32(), BT, C, /*accumulate_dinp=*/false);
+  weight_pending_ = true;
+}
+
+void Head::backward_weight() {
+  LOOM_CHECK(weight_pending_, "head: backward_weight without backward_input");
+  const int64_t C = cfg_.n_embd, Vp = cfg_.padded_vocab(), BT = B_ * T_;
+  cpu::matmul_backward(nullptr, lm_head_->grad_full.f32(), nullptr, logits_.f32(), lnf_.f32(),
+                       lm_head_->value_full.f32(), BT, C, Vp);
+  weight_pending_ = false;
 }
 
 const Tensor& Head::logits() const {

@@ -43,6 +43,9 @@ class ChainBlock {
   std::vector<Parameter*> parameters();
   // Frees the saved activations (they are reallocated at the next forward).
   virtual void release_activations() = 0;
+  // Split backward (zero-bubble pipelines): bytes that backward_input keeps for backward_weight
+  // (the gradients feeding the deferred weight GEMMs; tag workspace, freed by backward_weight).
+  virtual int64_t deferred_gradient_bytes(int64_t B, int64_t T) const { (void)B, (void)T; return 0; }
 
  protected:
   std::vector<Parameter> params_;
@@ -61,6 +64,11 @@ class Embedding final : public ChainBlock {
   void forward(const int32_t* tokens, int64_t B, int64_t T);
   // dout f32 [B, T, C]: accumulates into the wte and wpe gradients.
   void backward(const float* dout);
+  // Split backward: the embedding has no input gradient, so backward_input only keeps dout and
+  // backward_weight does the whole of backward (bit-identical to it).
+  void backward_input(const float* dout);
+  void backward_weight();
+  int64_t deferred_gradient_bytes(int64_t B, int64_t T) const override;
   const Tensor& out() const { return out_; }  // f32 [B, T, C]
   Parameter& wte() { return params_[0]; }
   Parameter& wpe() { return params_[1]; }
@@ -71,6 +79,7 @@ class Embedding final : public ChainBlock {
   int64_t B_ = 0, T_ = 0;
   Tensor tokens_;  // i32 [B, T]
   Tensor out_;     // f32 [B, T, C]
+  Tensor dout_;    // f32 [B, T, C] between backward_input and backward_weight (tag workspace)
 };
 
 // Pre-LayerNorm GPT-2 block: x + attn(ln_1(x)), then + mlp(ln_2(.)), tanh-GELU MLP of width 4C.
@@ -85,7 +94,23 @@ class TransformerBlock final : public ChainBlock {
   void forward(const float* x, int64_t B, int64_t T);
   // s.dres holds d(out) on entry and d(x) on return; parameter gradients accumulate.
   void backward(const float* x, const BackwardScratch& s);
+  // Split backward, together bit-identical to backward. backward_input: s.dres as in backward
+  // (d(out) in, d(x) out) and the LayerNorm gradients; it keeps the output gradients of the four
+  // linear layers (deferred(), tag workspace). backward_weight: their weight and bias gradients
+  // from those and the saved activations, then frees the deferred tensors.
+  void backward_input(const float* x, const BackwardScratch& s);
+  void backward_weight();
+  int64_t deferred_gradient_bytes(int64_t B, int64_t T) const override;
   const Tensor& out() const { return out_; }  // f32 [B, T, C]
+
+  // Output gradients of the linear layers, held between backward_input and backward_weight.
+  struct Deferred {
+    Tensor dout;   // f32 [B, T, C]  d(mlp.c_proj output) = d(out)
+    Tensor dfch;   // f32 [B, T, 4C] d(mlp.c_fc output), before the GELU
+    Tensor dres2;  // f32 [B, T, C]  d(attn.c_proj output) = d(res2)
+    Tensor dqkv;   // f32 [B, T, 3C] d(attn.c_attn output)
+  };
+  const Deferred& deferred() const { return d_; }
 
   // Named intermediates of the last forward (for dumps and tests).
   struct Saved {
@@ -107,6 +132,7 @@ class TransformerBlock final : public ChainBlock {
   MemoryPool& pool_;
   int64_t B_ = 0, T_ = 0;
   Saved a_;
+  Deferred d_;
   Tensor out_;  // f32 [B, T, C] x + attention branch + MLP branch
   float* w(int i) { return params_[size_t(i)].value.f32(); }
   float* g(int i) { return params_[size_t(i)].grad.f32(); }
@@ -131,6 +157,11 @@ class Head final : public ChainBlock {
                  float dloss_scale);
   // Writes d(x) into s.dres; accumulates into the ln_f and lm_head gradients.
   void backward(const float* x, const BackwardScratch& s, float dloss_scale);
+  // Split backward, together bit-identical to backward: backward_input writes d(x) into s.dres
+  // and the ln_f gradients; backward_weight adds the lm_head gradient from the dlogits kept in
+  // the logits buffer (nothing extra is held).
+  void backward_input(const float* x, const BackwardScratch& s, float dloss_scale);
+  void backward_weight();
   // f32 [B, T, Vp]: logits after a forward without fuse_backward (columns >= V are padding).
   const Tensor& logits() const;
   const Tensor& losses() const { return losses_; }  // f32 [B, T]
@@ -146,7 +177,7 @@ class Head final : public ChainBlock {
   Tensor logits_;                     // f32 [B, T, Vp], or dlogits after fuse_backward / backward
   Tensor losses_;                     // f32 [B, T]
   Tensor targets_;                    // i32 [B, T]
-  bool has_targets_ = false, holds_dlogits_ = false;
+  bool has_targets_ = false, holds_dlogits_ = false, weight_pending_ = false;
   int64_t counted_ = 0;
 };
 
