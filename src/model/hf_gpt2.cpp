@@ -49,6 +49,9 @@ void write_file_atomically(const std::string& path, const std::string& text) {
   if (ec) throw Error(fmt::format("{}: cannot rename from {}: {}", path, tmp, ec.message()));
 }
 
+// A float as the shortest decimal that reads back to it (1e-05, not 9.999999747378752e-06).
+double shortest(float f) { return std::stod(fmt::format("{}", f)); }
+
 }  // namespace
 
 HfKey hf_key(const std::string& loom_name) {
@@ -151,8 +154,8 @@ json hf_config_json(const GPTConfig& c) {
             {"vocab_size", c.vocab_size},
             {"n_positions", c.block_size},
             {"n_ctx", c.block_size},
-            {"layer_norm_epsilon", c.ln_eps},
-            {"initializer_range", c.init_std},
+            {"layer_norm_epsilon", shortest(c.ln_eps)},
+            {"initializer_range", shortest(c.init_std)},
             {"resid_pdrop", 0.0},
             {"embd_pdrop", 0.0},
             {"attn_pdrop", 0.0},
