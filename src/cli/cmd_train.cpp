@@ -14,6 +14,7 @@ struct TrainArgs {
   bool resume = false;
   bool help_config = false;
   bool quiet = false;
+  std::string trace;
 };
 
 Registrar reg{Command{
@@ -25,6 +26,7 @@ Registrar reg{Command{
       sub.add_flag("--resume", a->resume, "continue from OUT_DIR/latest, bit-identically");
       sub.add_flag("--help-config", a->help_config, "list every config field with its type and default");
       sub.add_flag("--quiet", a->quiet, "no progress lines");
+      sub.add_option("--trace", a->trace, "write a Chrome trace of every rank (compute, collectives, waits) to FILE");
       sub.allow_extras();
       return [a, &sub]() -> int {
         if (a->help_config) {
@@ -49,6 +51,7 @@ Registrar reg{Command{
         train::TrainOptions opt;
         opt.resume = a->resume;
         opt.quiet = a->quiet;
+        opt.trace_path = a->trace;
         opt.config_path = a->config.empty() ? "command line" : a->config;
         train::run_training(cfg, opt);
         return 0;

@@ -64,6 +64,8 @@ const Field kFields[] = {
     F("parallel.sp", sp, "sequence parallelism within the tensor-parallel group"),
     F("parallel.zero", zero, "ZeRO stage 0-3"),
     F("parallel.comm", comm, "communicator backend: threads or mpi"),
+    F("parallel.offload", offload, "ZeRO-Offload: optimizer state and update in host memory"),
+    F("parallel.bucket_mb", bucket_mb, "data-parallel gradient bucket size in MiB"),
 };
 #undef F
 
@@ -233,6 +235,10 @@ void TrainConfig::validate(const std::string& where) const {
   need(grad_clip >= 0, "optim.grad_clip", "must be non-negative");
   need(dp >= 1 && tp >= 1 && pp >= 1 && cp >= 1, "parallel", "dp, tp, pp, cp must be at least 1");
   need(zero >= 0 && zero <= 3, "parallel.zero", fmt::format("must be 0, 1, 2 or 3, got {}", zero));
+  need(bucket_mb > 0, "parallel.bucket_mb", fmt::format("must be positive, got {}", bucket_mb));
+  need(batch_size % (dp * grad_accum) == 0, "train.batch_size",
+       fmt::format("batch_size {} is not divisible by parallel.dp {} x train.grad_accum {}", batch_size, dp,
+                   grad_accum));
   need(comm == "threads" || comm == "mpi", "parallel.comm", fmt::format("'{}' is not threads or mpi", comm));
   try {
     (void)model::gpt_preset(model_preset);

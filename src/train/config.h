@@ -47,6 +47,8 @@ struct TrainConfig {
   bool sp = false;
   int64_t zero = 0;
   std::string comm = "threads";            // threads | mpi
+  bool offload = false;                    // ZeRO-Offload: optimizer state and update in host memory
+  float bucket_mb = 25.0f;                 // data-parallel gradient bucket size (MiB)
 
   // The model configuration these fields describe (vocab from the data when vocab_size is 0).
   model::GPTConfig model(int64_t data_vocab) const;
