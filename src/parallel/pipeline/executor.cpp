@@ -191,7 +191,9 @@ struct PipelineExecutor::Impl {
     s.output = x;
   }
 
-  void backward(int mb, int c) {
+  // Full backward of (mb, chunk), or with `input_only` its input-gradient part (backward_input):
+  // the weight GEMMs are deferred to backward_weight.
+  void backward(int mb, int c, bool input_only = false) {
     Chunk& ch = chunks[size_t(c)];
     Slot& s = slot_of(ch, mb, "backward");
     const int64_t n = b * T * cfg.n_embd;
@@ -213,16 +215,38 @@ struct PipelineExecutor::Impl {
         x_in = s.input.f32();
       }
       model::ChainBlock* blk = s.blocks[k].get();
-      if (e == 0) static_cast<model::Embedding*>(blk)->backward(ws.dres);
-      else if (e <= cfg.n_layer) static_cast<model::TransformerBlock*>(blk)->backward(x_in, ws);
-      else static_cast<model::Head*>(blk)->backward(x_in, ws, dscale);
+      if (input_only) {
+        if (e == 0) static_cast<model::Embedding*>(blk)->backward_input(ws.dres);
+        else if (e <= cfg.n_layer) static_cast<model::TransformerBlock*>(blk)->backward_input(x_in, ws);
+        else static_cast<model::Head*>(blk)->backward_input(x_in, ws, dscale);
+      } else {
+        if (e == 0) static_cast<model::Embedding*>(blk)->backward(ws.dres);
+        else if (e <= cfg.n_layer) static_cast<model::TransformerBlock*>(blk)->backward(x_in, ws);
+        else static_cast<model::Head*>(blk)->backward(x_in, ws, dscale);
+      }
     }
+    s.grad_in = Tensor();  // consumed
     if (ch.first > 0) {
       Tensor g = Tensor::empty({b, T, cfg.n_embd}, DType::f32, MemTag::comm, pool);
       std::memcpy(g.f32(), ws.dres, size_t(n) * sizeof(float));
       grad_out[{mb, c}] = std::move(g);
     }
     s.backward_done = true;
+  }
+
+  // The deferred weight gradients of (mb, chunk), in the fused backward's block order (last
+  // element first), so every parameter's gradient gets the same additions in the same order.
+  void backward_weight(int mb, int c) {
+    Chunk& ch = chunks[size_t(c)];
+    Slot& s = slot_of(ch, mb, "backward_weight");
+    LOOM_CHECK(s.backward_done, "pipeline executor: rank {}: weight gradient of micro-batch {} before its input "
+               "gradient", rank, mb);
+    for (int64_t e = ch.last - 1; e >= ch.first; --e) {
+      model::ChainBlock* blk = s.blocks[size_t(e - ch.first)].get();
+      if (e == 0) static_cast<model::Embedding*>(blk)->backward_weight();
+      else if (e <= cfg.n_layer) static_cast<model::TransformerBlock*>(blk)->backward_weight();
+      else static_cast<model::Head*>(blk)->backward_weight();
+    }
   }
 
   void send_act(int mb, int c, int peer) {
@@ -392,11 +416,14 @@ StepResult PipelineExecutor::step(const Tensor& tokens, const Tensor& targets, d
         I.backward(in.mb, in.chunk);
         I.release(I.chunks[size_t(in.chunk)], in.mb);
         break;
-      // The blocks have one fused backward: backward_input runs it (input and weight gradients)
-      // and keeps the micro-batch's activations until its backward_weight instruction, so memory
-      // follows the zero-bubble schedule while the work is not yet split.
-      case Op::backward_input: I.backward(in.mb, in.chunk); break;
-      case Op::backward_weight: I.release(I.chunks[size_t(in.chunk)], in.mb); break;
+      // Zero bubble: backward_input computes the gradient the previous stage waits for and keeps
+      // the linear layers' output gradients; backward_weight turns them into weight gradients and
+      // frees the micro-batch's activations.
+      case Op::backward_input: I.backward(in.mb, in.chunk, /*input_only=*/true); break;
+      case Op::backward_weight:
+        I.backward_weight(in.mb, in.chunk);
+        I.release(I.chunks[size_t(in.chunk)], in.mb);
+        break;
       case Op::send_act: I.send_act(in.mb, in.chunk, in.peer); break;
       case Op::recv_act: I.recv_act(in.mb, in.chunk, in.peer); break;
       case Op::send_grad: I.send_grad(in.mb, in.chunk, in.peer); break;
