@@ -28,10 +28,20 @@ void check(bool ok, const char* what) {
   }
 }
 
+// Scratch files of this process, removed when it exits.
+struct ScratchFiles {
+  std::vector<std::string> paths;
+  ~ScratchFiles() {
+    for (const auto& p : paths) std::remove(p.c_str());
+  }
+};
+
 // A file of this process for the reader under test (one per harness, rewritten per input).
 std::string scratch_path(const char* name) {
-  return (std::filesystem::temp_directory_path() / ("loom_fuzz_" + std::to_string(::getpid()) + "_" + name))
-      .string();
+  static ScratchFiles files;
+  files.paths.push_back(
+      (std::filesystem::temp_directory_path() / ("loom_fuzz_" + std::to_string(::getpid()) + "_" + name)).string());
+  return files.paths.back();
 }
 
 void write_file(const std::string& path, const void* data, size_t size) {
