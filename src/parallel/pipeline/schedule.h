@@ -10,7 +10,10 @@
 // Transfers are blocking (rendezvous) point-to-point calls with one tag per pipeline
 // communicator; the generator orders every rank's transfers consistently with one global order
 // of messages, which makes the lists deadlock-free under blocking send/recv (checker.h proves it
-// for each generated schedule instead of trusting this argument).
+// for each generated schedule instead of trusting this argument). Each message is placed where
+// the two ranks meet between computes: either from the planned compute times or by simulating
+// the blocking execution event by event; the checker times both and the shorter is kept (the
+// simulation is what brings interleaved to (p - 1) / (v m) for small p * v).
 #pragma once
 #include <cstdint>
 #include <string>
