@@ -26,7 +26,9 @@
 // Timeouts: NCCL calls are asynchronous; every wait polls the CUDA stream and
 // ncclCommGetAsyncError against the communicator's timeout. On a timeout or an NCCL error the
 // NCCL communicator is aborted (ncclCommAbort) and loom::Error names the call; the communicator
-// is then unusable (every later call throws). The staged path times out like its host
+// is then unusable (every later call throws). ncclCommAbort stops NCCL's own stalled kernels but
+// waits for work queued on the stream ahead of them, so a stream held by other work delays the
+// error until that work is done. The staged path times out like its host
 // communicator (the mpi backend aborts the job).
 #pragma once
 #include <memory>
