@@ -5,7 +5,10 @@
 // accumulate to the gradient of the mean, and sends activations and gradients point-to-point
 // (one tag on the pipeline communicator, blocking, any Comm backend). Each micro-batch in flight
 // keeps its own saved activations (chain blocks that share the stage's parameters), released
-// when its backward ends, so the activation pool peaks at the checker's in-flight bound.
+// when its backward ends, so the activation pool peaks at the checker's in-flight bound. ZB-H1's
+// backward is split: backward_input runs the blocks' input-gradient part (what the previous stage
+// waits for) and keeps the linear layers' output gradients (workspace tag); backward_weight runs
+// the deferred weight GEMMs in micro-batch order, so gradients equal 1F1B's bit for bit.
 //
 // Tied embeddings across stages: the last stage keeps its own copy of wte for lm_head (same
 // initialisation); after the backward the first and last stages add their wte gradients
