@@ -442,7 +442,11 @@ Schedule generate(const ScheduleSpec& spec) {
   sch.ranks = placed_by_plan(sch, timed);
   if (spec.stages == 1) return sch;
   Schedule alt = sch;
-  alt.ranks = placed_by_simulation(sch, timed, costs);
+  try {
+    alt.ranks = placed_by_simulation(sch, timed, costs);
+  } catch (const Error&) {
+    return sch;  // a simulation that cannot finish: the plan's placement stands (callers check it)
+  }
   const CheckResult a = check(sch, costs), b = check(alt, costs);
   if (b.ok && (!a.ok || b.makespan < a.makespan)) return alt;
   return sch;
