@@ -66,6 +66,8 @@ const Field kFields[] = {
     F("parallel.comm", comm, "communicator backend: threads or mpi"),
     F("parallel.offload", offload, "ZeRO-Offload: optimizer state and update in host memory"),
     F("parallel.bucket_mb", bucket_mb, "data-parallel gradient bucket size in MiB"),
+    F("parallel.schedule", schedule, "pipeline schedule when parallel.pp > 1: gpipe, 1f1b, interleaved or zb-h1"),
+    F("parallel.virtual_stages", virtual_stages, "model chunks per pipeline rank under the interleaved schedule (>= 2)"),
 };
 #undef F
 
@@ -239,6 +241,9 @@ void TrainConfig::validate(const std::string& where) const {
   need(batch_size % (dp * grad_accum) == 0, "train.batch_size",
        fmt::format("batch_size {} is not divisible by parallel.dp {} x train.grad_accum {}", batch_size, dp,
                    grad_accum));
+  need(schedule == "gpipe" || schedule == "1f1b" || schedule == "interleaved" || schedule == "zb-h1",
+       "parallel.schedule", fmt::format("'{}' is not one of gpipe, 1f1b, interleaved, zb-h1", schedule));
+  need(virtual_stages >= 2, "parallel.virtual_stages", fmt::format("must be at least 2, got {}", virtual_stages));
   need(comm == "threads" || comm == "mpi", "parallel.comm", fmt::format("'{}' is not threads or mpi", comm));
   try {
     (void)model::gpt_preset(model_preset);

@@ -27,6 +27,7 @@
 #include "train/plot.h"
 #include "train/sample.h"
 #include "train/schedule.h"
+#include "train/trainer_parallel.h"
 
 namespace fs = std::filesystem;
 
@@ -387,9 +388,7 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
 
 TrainResult run_training(const TrainConfig& cfg, const TrainOptions& opt) {
   const std::string where = opt.config_path.empty() ? "config" : opt.config_path;
-  if (cfg.tp * cfg.pp * cfg.cp > 1 || cfg.sp)
-    throw Error(fmt::format("{}: parallel.tp/pp/cp/sp are not available in the trainer yet (data parallelism "
-                            "with parallel.dp and parallel.zero is); set them to 1/false", where));
+  if (needs_mesh(cfg)) return run_training_mesh(cfg, opt);  // tp / sp / cp / pp: trainer_parallel.cpp
   const int dp = int(cfg.dp);
   comm::CommOptions co;
   if (cfg.comm == "mpi") {

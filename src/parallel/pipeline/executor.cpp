@@ -373,6 +373,7 @@ PipelineExecutor::~PipelineExecutor() = default;
 
 std::vector<model::Parameter*> PipelineExecutor::parameters() const { return impl_->params; }
 bool PipelineExecutor::is_copy(const model::Parameter* p) const { return p == impl_->wte_copy.get(); }
+optim::AdamW& PipelineExecutor::optimizer() const { return *impl_->adam; }
 
 int64_t PipelineExecutor::activation_bytes_per_micro_batch(int chunk, int64_t b, int64_t T) const {
   const Chunk& ch = impl_->chunks.at(size_t(chunk));

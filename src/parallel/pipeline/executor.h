@@ -92,6 +92,8 @@ class PipelineExecutor {
   // This rank's parameters (a last-stage copy of a tied wte included, flagged by is_copy).
   std::vector<model::Parameter*> parameters() const;
   bool is_copy(const model::Parameter* p) const;
+  // The optimizer over parameters() (moments by the same index), for checkpoints.
+  optim::AdamW& optimizer() const;
   const std::vector<TraceEvent>& trace() const { return trace_; }
   // Most micro-batch chunks whose activations were held at once during the last step.
   int peak_in_flight() const { return peak_slots_; }

@@ -1,0 +1,635 @@
+#include "train/trainer_parallel.h"
+
+#include <omp.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+
+#include <nlohmann/json.hpp>
+
+#include "comm/threads.h"
+#include "core/error.h"
+#include "data/loader.h"
+#include "data/shard.h"
+#include "data/shard.h"
+#include "data/tokenizer.h"
+#include "kernels/cpu/matmul.h"
+#include "model/gpt.h"
+#include "model/tp_gpt.h"
+#include "optim/adamw.h"
+#include "parallel/mesh.h"
+#include "parallel/pipeline/executor.h"
+#include "train/checkpoint.h"
+#include "train/plot.h"
+#include "train/sample.h"
+#include "train/schedule.h"
+
+namespace fs = std::filesystem;
+
+namespace loom::train {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+namespace pipe = parallel::pipeline;
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+std::string human_time(double s) {
+  if (!std::isfinite(s) || s < 0) return "?";
+  int64_t t = int64_t(s + 0.5);
+  if (t >= 3600) return fmt::format("{}h{:02d}m", t / 3600, (t / 60) % 60);
+  if (t >= 60) return fmt::format("{}m{:02d}s", t / 60, t % 60);
+  return fmt::format("{}s", t);
+}
+
+// Cross-entropy (nats per token) of the add-one smoothed unigram distribution of `train`, measured
+// on `val` (or on train): the loss of the best predictor that ignores context.
+double unigram_loss(const data::Loader& train, const data::Loader* val, int64_t vocab) {
+  std::vector<double> count(size_t(vocab), 1.0);
+  double total = double(vocab);
+  std::vector<int32_t> buf(1 << 16);
+  for (const auto& f : train.files()) {
+    data::Shard s(f, false);
+    for (uint64_t i = 0; i < s.size(); i += buf.size()) {
+      uint64_t n = std::min<uint64_t>(buf.size(), s.size() - i);
+      s.read(i, n, buf.data());
+      for (uint64_t j = 0; j < n; ++j) count[size_t(buf[j])] += 1;
+      total += double(n);
+    }
+  }
+  double nll = 0, n = 0;
+  for (const auto& f : val ? val->files() : train.files()) {
+    data::Shard s(f, false);
+    for (uint64_t i = 0; i < s.size(); i += buf.size()) {
+      uint64_t m = std::min<uint64_t>(buf.size(), s.size() - i);
+      s.read(i, m, buf.data());
+      for (uint64_t j = 0; j < m; ++j) nll -= std::log(count[size_t(buf[j])] / total);
+      n += double(m);
+    }
+  }
+  return n > 0 ? nll / n : NAN;
+}
+
+// Sum of one double per rank, added in rank order (the same on every rank, bit for bit).
+double sum_over(comm::Comm& c, double x) {
+  if (c.size() == 1) return x;
+  std::vector<double> all(size_t(c.size()));
+  c.all_gather(&x, all.data(), 2, DType::u32);
+  double s = 0;
+  for (double v : all) s += v;
+  return s;
+}
+
+// The single-device model on rank 0 into which every rank's parameters (and AdamW moments) are
+// gathered: for checkpoints, validation of a pipeline and text samples.
+struct FullModel {
+  MemoryPool pool{"cpu:full"};
+  std::unique_ptr<model::GPT> gpt;
+  std::vector<Tensor> exp_avg, exp_avg_sq;  // f32, each parameter's shape (allocated on first use)
+  std::map<std::string, size_t> index;      // parameter name -> position in gpt->parameters()
+  int64_t optimizer_steps = 0;
+
+  FullModel(const model::GPTConfig& mc, uint64_t seed) : gpt(std::make_unique<model::GPT>(mc, pool, seed)) {
+    const auto& ps = gpt->parameters();
+    for (size_t i = 0; i < ps.size(); ++i) index[ps[i]->spec.name] = i;
+  }
+  model::Parameter& param(const std::string& name, int64_t numel) {
+    auto it = index.find(name);
+    LOOM_CHECK(it != index.end(), "gather: the single-device model has no parameter '{}'", name);
+    model::Parameter& p = *gpt->parameters()[it->second];
+    LOOM_CHECK(p.spec.numel() == numel, "gather: parameter '{}' has {} elements, the single-device model {}", name,
+               numel, p.spec.numel());
+    return p;
+  }
+  void ensure_moments() {
+    if (!exp_avg.empty()) return;
+    for (model::Parameter* p : gpt->parameters()) {
+      exp_avg.push_back(Tensor::zeros(p->spec.shape, DType::f32, MemTag::optimizer, pool));
+      exp_avg_sq.push_back(Tensor::zeros(p->spec.shape, DType::f32, MemTag::optimizer, pool));
+    }
+  }
+  // Full tensors in the checkpoint names of the single-device trainer.
+  std::vector<NamedTensor> named() {
+    ensure_moments();
+    std::vector<NamedTensor> out;
+    const auto& ps = gpt->parameters();
+    for (size_t i = 0; i < ps.size(); ++i) {
+      out.push_back({"param/" + ps[i]->spec.name, ps[i]->value});
+      out.push_back({"adam_m/" + ps[i]->spec.name, exp_avg[i]});
+      out.push_back({"adam_v/" + ps[i]->spec.name, exp_avg_sq[i]});
+    }
+    return out;
+  }
+};
+
+struct StepOut {
+  double loss = 0, grad_norm = 0;
+};
+
+// One rank's model, optimizer and step under either layout.
+class Engine {
+ public:
+  virtual ~Engine() = default;
+  // One optimizer step on training batch `step` at learning rate lr; the mean loss of the global
+  // batch (every rank).
+  virtual StepOut step(int64_t step, float lr) = 0;
+  // Mean validation loss of n single-device batches of val_mb sequences (valid on rank 0).
+  virtual double evaluate(data::Loader& val, int64_t n, int64_t val_mb, FullModel* full) = 0;
+  // Collective: rank 0's `full` receives every parameter (and the moments when with_moments).
+  virtual void gather(FullModel* full, bool with_moments) = 0;
+  virtual std::string describe() const = 0;
+  virtual std::vector<pipe::TraceEvent> trace() const { return {}; }
+};
+
+// Tensor / sequence / context parallel (ParallelGPT) with data parallelism over dp.
+class TensorEngine : public Engine {
+ public:
+  TensorEngine(const TrainConfig& cfg, const model::GPTConfig& mc, const optim::AdamWConfig& oc,
+               parallel::MeshComms& comms, data::Loader& train, MemoryPool& pool)
+      : cfg_(cfg), mc_(comms), train_(train), pool_(pool), dp_(comms["dp"]), tp_(comms["tp"]),
+        model_(mc, {&comms["tp"], &comms["cp"]}, {.sp = cfg.sp}, pool, cfg.seed),
+        adam_(model_.parameters(), oc, pool) {
+    const int64_t dp = dp_.size();
+    local_ = cfg.batch_size / dp;
+    mb_ = local_ / cfg.grad_accum;
+    x_ = Tensor::empty({mb_, cfg.seq_len}, DType::i32, MemTag::workspace, pool);
+    y_ = Tensor::empty({mb_, cfg.seq_len}, DType::i32, MemTag::workspace, pool);
+  }
+
+  StepOut step(int64_t step, float lr) override {
+    const int dpr = dp_.rank(), dp = dp_.size();
+    model_.zero_grad();
+    double loss = 0;
+    for (int64_t micro = 0; micro < cfg_.grad_accum; ++micro) {
+      train_.train_batch(step, cfg_.batch_size, dpr * local_ + micro * mb_, mb_, x_.i32(), y_.i32());
+      model::ForwardOptions fo;
+      fo.fuse_backward = true;
+      fo.dloss_scale = 1.0f / float(cfg_.grad_accum);
+      loss += model_.forward(x_, y_, fo);
+      model_.backward();
+    }
+    model_.finish_gradients();
+    if (dp > 1) {  // average over the data-parallel replicas
+      const float inv = 1.0f / float(dp);
+      for (model::Parameter* p : model_.parameters()) {
+        dp_.all_reduce(p->grad.f32(), p->spec.numel(), DType::f32);
+        float* g = p->grad.f32();
+        for (int64_t i = 0; i < p->spec.numel(); ++i) g[i] *= inv;
+      }
+    }
+    StepOut out;
+    out.loss = sum_over(dp_, loss / double(cfg_.grad_accum)) / double(dp);
+    out.grad_norm = model_.grad_norm();  // collective over tp
+    adam_.step_with_norm(out.grad_norm, lr);
+    return out;
+  }
+
+  double evaluate(data::Loader& val, int64_t n, int64_t val_mb, FullModel*) override {
+    const int dp = dp_.size();
+    const int64_t vl = val_mb / dp, T = cfg_.seq_len;
+    Tensor vx = Tensor::empty({vl, T}, DType::i32, MemTag::workspace, pool_);
+    Tensor vy = Tensor::empty({vl, T}, DType::i32, MemTag::workspace, pool_);
+    double sum = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      val.val_batch(i, val_mb, dp_.rank() * vl, vl, vx.i32(), vy.i32());
+      sum += model_.forward(vx, vy);
+    }
+    model_.release_activations();
+    return sum_over(dp_, sum) / double(n * dp);
+  }
+
+  // Only the tp group of the replica with dp = cp = 0 takes part (its rank 0 is world rank 0):
+  // each full tensor is assembled by a sum over tp of zero-filled buffers into which every rank
+  // wrote its shard (a replicated tensor by tp rank 0 only), so values arrive unchanged.
+  void gather(FullModel* full, bool with_moments) override {
+    if (mc_.coord("dp") != 0 || mc_.coord("cp") != 0) return;
+    if (full && with_moments) full->ensure_moments();
+    const auto& sh = model_.sharded();
+    std::vector<float> buf;
+    for (size_t i = 0; i < sh.size(); ++i) {
+      const model::ShardedParameter& p = *sh[i];
+      const int64_t n = p.global.numel();
+      model::Parameter* dst = full ? &full->param(p.global.name, n) : nullptr;
+      const size_t di = full ? full->index.at(p.global.name) : 0;
+      auto one = [&](const float* src, float* out) {
+        buf.assign(size_t(n), 0.0f);
+        if (!p.replicated || tp_.rank() == 0)
+          for (const model::ShardSegment& s : p.segments)
+            std::memcpy(buf.data() + s.global, src + s.local, size_t(s.n) * sizeof(float));
+        tp_.all_reduce(buf.data(), n, DType::f32);
+        if (out) std::memcpy(out, buf.data(), size_t(n) * sizeof(float));
+      };
+      one(p.shard.value.f32(), dst ? dst->value.f32() : nullptr);
+      if (with_moments) {
+        one(adam_.exp_avg(i).f32(), full ? full->exp_avg[di].f32() : nullptr);
+        one(adam_.exp_avg_sq(i).f32(), full ? full->exp_avg_sq[di].f32() : nullptr);
+      }
+    }
+    if (full) full->optimizer_steps = adam_.steps_taken();
+  }
+
+  std::string describe() const override {
+    return fmt::format("tp {}{} x cp {} x dp {}", model_.tp(), model_.sp() ? " + sp" : "", model_.cp(), dp_.size());
+  }
+
+ private:
+  const TrainConfig& cfg_;
+  parallel::MeshComms& mc_;
+  data::Loader& train_;
+  MemoryPool& pool_;
+  comm::Comm& dp_;
+  comm::Comm& tp_;
+  model::ParallelGPT model_;
+  optim::AdamW adam_;
+  int64_t local_ = 0, mb_ = 0;
+  Tensor x_, y_;  // i32 [mb, T]
+};
+
+// Pipeline parallel (PipelineExecutor) with data parallelism through its dp communicator.
+class PipelineEngine : public Engine {
+ public:
+  PipelineEngine(const TrainConfig& cfg, const model::GPTConfig& mc, const optim::AdamWConfig& oc,
+                 parallel::MeshComms& comms, data::Loader& train, MemoryPool& pool)
+      : cfg_(cfg), mc_(comms), train_(train), pp_(comms["pp"]), dp_(comms["dp"]),
+        exec_(mc, options(cfg, oc), comms["pp"], comms["dp"].size() > 1 ? &comms["dp"] : nullptr, pool) {
+    local_ = cfg.batch_size / dp_.size();
+    x_ = Tensor::empty({local_, cfg.seq_len}, DType::i32, MemTag::workspace, pool);
+    y_ = Tensor::empty({local_, cfg.seq_len}, DType::i32, MemTag::workspace, pool);
+  }
+
+  static pipe::ExecutorOptions options(const TrainConfig& cfg, const optim::AdamWConfig& oc) {
+    pipe::ExecutorOptions o;
+    o.schedule.kind = pipe::parse_kind(cfg.schedule, "parallel.schedule");
+    o.schedule.stages = int(cfg.pp);
+    o.schedule.virtual_stages = o.schedule.kind == pipe::Kind::interleaved ? int(cfg.virtual_stages) : 1;
+    o.schedule.micro_batches = int(cfg.grad_accum);
+    o.adamw = oc;
+    o.seed = cfg.seed;
+    return o;
+  }
+
+  StepOut step(int64_t step, float lr) override {
+    train_.train_batch(step, cfg_.batch_size, dp_.rank() * local_, local_, x_.i32(), y_.i32());
+    pipe::StepResult r = exec_.step(x_, y_, lr);
+    return {double(r.loss), r.grad_norm};
+  }
+
+  // Rank 0 evaluates the gathered single-device model (the executor has no forward-only pass).
+  double evaluate(data::Loader& val, int64_t n, int64_t val_mb, FullModel* full) override {
+    gather(full, false);
+    if (!full) return NAN;
+    const int64_t T = cfg_.seq_len;
+    Tensor vx = Tensor::empty({val_mb, T}, DType::i32, MemTag::workspace, full->pool);
+    Tensor vy = Tensor::empty({val_mb, T}, DType::i32, MemTag::workspace, full->pool);
+    double sum = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      val.val_batch(i, val_mb, 0, val_mb, vx.i32(), vy.i32());
+      sum += full->gpt->forward(vx, vy);
+    }
+    full->gpt->release_activations();
+    return sum / double(n);
+  }
+
+  // The pipeline of the replica with dp = 0 takes part: pipeline rank k > 0 sends, for each of its
+  // parameters (the last stage's copy of a tied wte skipped), its name, size and tensors to
+  // pipeline rank 0 (world rank 0).
+  void gather(FullModel* full, bool with_moments) override {
+    if (mc_.coord("dp") != 0) return;
+    if (full && with_moments) full->ensure_moments();
+    optim::AdamW& adam = exec_.optimizer();
+    std::vector<size_t> mine;
+    const auto ps = exec_.parameters();
+    for (size_t i = 0; i < ps.size(); ++i)
+      if (!exec_.is_copy(ps[i])) mine.push_back(i);
+    auto store = [&](const std::string& name, int64_t n, const float* v, const float* m, const float* s) {
+      model::Parameter& dst = full->param(name, n);
+      const size_t di = full->index.at(name);
+      std::memcpy(dst.value.f32(), v, size_t(n) * sizeof(float));
+      if (with_moments) {
+        std::memcpy(full->exp_avg[di].f32(), m, size_t(n) * sizeof(float));
+        std::memcpy(full->exp_avg_sq[di].f32(), s, size_t(n) * sizeof(float));
+      }
+    };
+    const int tag = 7;
+    if (pp_.rank() != 0) {
+      int32_t count = int32_t(mine.size());
+      pp_.send(&count, 1, DType::i32, 0, tag);
+      for (size_t i : mine) {
+        const model::Parameter& p = *ps[i];
+        const std::string& name = p.spec.name;
+        int32_t head[2] = {int32_t(name.size()), int32_t(p.spec.numel())};
+        pp_.send(head, 2, DType::i32, 0, tag);
+        std::vector<int32_t> chars(name.begin(), name.end());
+        pp_.send(chars.data(), int64_t(chars.size()), DType::i32, 0, tag);
+        pp_.send(p.value.f32(), p.spec.numel(), DType::f32, 0, tag);
+        if (with_moments) {
+          pp_.send(adam.exp_avg(i).f32(), p.spec.numel(), DType::f32, 0, tag);
+          pp_.send(adam.exp_avg_sq(i).f32(), p.spec.numel(), DType::f32, 0, tag);
+        }
+      }
+      return;
+    }
+    for (size_t i : mine)
+      if (full)
+        store(ps[i]->spec.name, ps[i]->spec.numel(), ps[i]->value.f32(), adam.exp_avg(i).f32(),
+              adam.exp_avg_sq(i).f32());
+    std::vector<float> v, m, s;
+    for (int src = 1; src < pp_.size(); ++src) {
+      int32_t count = 0;
+      pp_.recv(&count, 1, DType::i32, src, tag);
+      for (int32_t k = 0; k < count; ++k) {
+        int32_t head[2];
+        pp_.recv(head, 2, DType::i32, src, tag);
+        std::vector<int32_t> chars(static_cast<size_t>(head[0]));
+        pp_.recv(chars.data(), head[0], DType::i32, src, tag);
+        std::string name(chars.begin(), chars.end());
+        v.resize(size_t(head[1]));
+        pp_.recv(v.data(), head[1], DType::f32, src, tag);
+        if (with_moments) {
+          m.resize(size_t(head[1]));
+          s.resize(size_t(head[1]));
+          pp_.recv(m.data(), head[1], DType::f32, src, tag);
+          pp_.recv(s.data(), head[1], DType::f32, src, tag);
+        }
+        if (full) store(name, head[1], v.data(), m.data(), s.data());
+      }
+    }
+    if (full) full->optimizer_steps = adam.steps_taken();
+  }
+
+  std::string describe() const override {
+    const auto& sp = exec_.schedule().spec;
+    return fmt::format("pp {} ({}, m = {}{}) x dp {}", sp.stages, pipe::kind_name(sp.kind), sp.micro_batches,
+                       sp.virtual_stages > 1 ? fmt::format(", v = {}", sp.virtual_stages) : "", dp_.size());
+  }
+  std::vector<pipe::TraceEvent> trace() const override { return exec_.trace(); }
+
+ private:
+  const TrainConfig& cfg_;
+  parallel::MeshComms& mc_;
+  data::Loader& train_;
+  comm::Comm& pp_;
+  comm::Comm& dp_;
+  pipe::PipelineExecutor exec_;
+  int64_t local_ = 0;
+  Tensor x_, y_;  // i32 [B / dp, T]
+};
+
+// Everything one rank does; rank 0 prints, evaluates (pipeline), samples and writes files.
+TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Comm& world,
+                       std::vector<std::vector<pipe::TraceEvent>>& traces) {
+  const int rank = world.rank();
+  const bool lead = rank == 0;
+  auto say = [&](const std::string& s) {
+    if (lead && !opt.quiet) std::printf("%s\n", s.c_str()), std::fflush(stdout);
+  };
+  parallel::MeshComms comms(parallel::Mesh::standard(int(cfg.pp), int(cfg.dp), int(cfg.cp), int(cfg.tp)), world);
+
+  data::Loader train(cfg.data_dir, "train", cfg.seq_len, cfg.seed);
+  std::unique_ptr<data::Loader> val;
+  if (!data::list_shards(cfg.data_dir, "val").empty())
+    val = std::make_unique<data::Loader>(cfg.data_dir, "val", cfg.seq_len, cfg.seed);
+  model::GPTConfig mc = cfg.model(int64_t(train.vocab_size()));
+  mc.validate(opt.config_path.empty() ? "model config" : opt.config_path + ": [model]");
+  LOOM_CHECK(int64_t(train.vocab_size()) <= mc.vocab_size, "{}: model.vocab_size {} is smaller than the data's vocabulary {}",
+             opt.config_path, mc.vocab_size, train.vocab_size());
+  LOOM_CHECK(cfg.seq_len <= mc.block_size, "{}: data.seq_len {} exceeds model.block_size {}", opt.config_path,
+             cfg.seq_len, mc.block_size);
+
+  MemoryPool pool(fmt::format("cpu:{}", rank));
+  optim::AdamWConfig oc;
+  oc.lr = cfg.lr;
+  oc.beta1 = cfg.beta1;
+  oc.beta2 = cfg.beta2;
+  oc.eps = cfg.eps;
+  oc.weight_decay = cfg.weight_decay;
+  oc.max_norm = cfg.grad_clip;
+  std::unique_ptr<Engine> engine;
+  if (cfg.pp > 1) engine = std::make_unique<PipelineEngine>(cfg, mc, oc, comms, train, pool);
+  else engine = std::make_unique<TensorEngine>(cfg, mc, oc, comms, train, pool);
+  std::unique_ptr<FullModel> full;
+  if (lead) full = std::make_unique<FullModel>(mc, cfg.seed);
+  LrSchedule sched{cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps, cfg.lr_schedule};
+
+  TrainResult res;
+  fs::path out_dir(cfg.out_dir);
+  if (lead) fs::create_directories(out_dir);
+  const std::string metrics_path = (out_dir / "metrics.jsonl").string();
+  if (lead && fs::exists(metrics_path)) fs::remove(metrics_path);
+  world.barrier();  // rank 0 has prepared the output directory
+
+  std::unique_ptr<data::Tokenizer> tok;
+  const std::string tok_dir = cfg.tokenizer_dir.empty() ? cfg.data_dir : cfg.tokenizer_dir;
+  if (lead && fs::exists(fs::path(tok_dir) / "encoder.json") && fs::exists(fs::path(tok_dir) / "vocab.bpe"))
+    tok = std::make_unique<data::Tokenizer>(data::Tokenizer::from_dir(tok_dir));
+
+  const int64_t T = cfg.seq_len, val_mb = cfg.batch_size / cfg.grad_accum;
+  const double tokens_per_step = double(cfg.batch_size * T);
+  double flops_per_token = 0, peak = 1.0;
+  if (lead) {
+    flops_per_token = 6.0 * double(full->gpt->num_nonembedding_parameters()) +
+                      6.0 * double(mc.n_embd) * double(mc.padded_vocab()) +
+                      6.0 * double(mc.n_layer) * double(mc.n_embd) * double(T);  // causal attention
+    say(fmt::format("model {} | {:.2f}M parameters | {} ({}, {} ranks) | {} threads per rank", mc.str(),
+                    double(full->gpt->num_parameters()) / 1e6, engine->describe(), world.backend(), world.size(),
+                    omp_get_max_threads()));
+    peak = cpu::measure_gemm_peak_gflops(1024, 0.3) * 1e9 * world.size();
+  }
+  res.last_val_loss = NAN;
+  res.unigram_val_loss = lead ? unigram_loss(train, val.get(), mc.vocab_size) : NAN;
+  say(fmt::format("data {} | train {} tokens{} | unigram baseline loss {:.4f} | GEMM peak {:.1f} GFLOP/s", cfg.data_dir,
+                  train.total_tokens(), val ? fmt::format(", val {} tokens", val->total_tokens()) : "",
+                  res.unigram_val_loss, peak / 1e9));
+
+  std::ofstream metrics;
+  if (lead) metrics.open(metrics_path, std::ios::app);
+  std::vector<std::pair<double, double>> train_pts, val_pts;
+
+  auto evaluate = [&]() -> double {
+    if (!val) return NAN;
+    const int64_t n = std::min(cfg.eval_batches, val->val_batches(val_mb));
+    if (n == 0) return NAN;
+    return engine->evaluate(*val, n, val_mb, full.get());
+  };
+  // Collective (the parameters are gathered); rank 0 samples from the single-device model.
+  auto sample_text = [&](int64_t step) -> std::string {
+    if (cfg.sample_tokens == 0) return "";
+    engine->gather(full.get(), false);
+    if (!lead) return "";
+    std::vector<int32_t> prompt;
+    if (tok && !cfg.sample_prompt.empty()) prompt = tok->encode(cfg.sample_prompt);
+    if (prompt.empty()) {  // the first tokens of the validation split (or of training)
+      std::vector<int32_t> xi(static_cast<size_t>(T)), yi(static_cast<size_t>(T));
+      if (val && val->val_batches(1) > 0) val->val_batch(0, 1, 0, 1, xi.data(), yi.data());
+      else train.train_batch(0, 1, 0, 1, xi.data(), yi.data());
+      prompt.assign(xi.begin(), xi.begin() + std::min<int64_t>(8, T));
+    }
+    SampleOptions so;
+    so.max_new_tokens = cfg.sample_tokens;
+    so.temperature = cfg.sample_temperature;
+    so.top_k = cfg.sample_top_k;
+    so.seed = cfg.seed + uint64_t(step);
+    auto out = sample_recompute(*full->gpt, prompt, so);
+    if (!tok) {
+      std::string s;
+      for (int32_t t : out) s += std::to_string(t) + " ";
+      return s;
+    }
+    return tok->decode(prompt) + tok->decode(out);
+  };
+  auto checkpoint = [&](int64_t step) {
+    engine->gather(full.get(), true);  // collective
+    if (!lead) return;
+    CheckpointMeta meta;
+    meta.step = step;
+    meta.optimizer_steps = full->optimizer_steps;
+    meta.data_position = step;
+    meta.seed = cfg.seed;
+    meta.model = {{"name", mc.name}, {"n_layer", mc.n_layer}, {"n_head", mc.n_head}, {"n_embd", mc.n_embd},
+                  {"vocab_size", mc.vocab_size}, {"block_size", mc.block_size}, {"tied_embeddings", mc.tied_embeddings}};
+    meta.config_toml = config_to_toml(cfg);
+    save_checkpoint(out_dir.string(), meta, full->named(), cfg.keep_checkpoints);
+  };
+
+  pool.reset_peaks();
+  auto t_start = Clock::now();
+  double window_time = 0, train_time = 0;
+  int64_t window_steps = 0;
+  for (int64_t step = 0; step < cfg.steps; ++step) {
+    auto t0 = Clock::now();
+    const float lr = sched.at(step);
+    StepOut st = engine->step(step, lr);
+    LOOM_CHECK(std::isfinite(st.loss), "step {}: the loss is {} (diverged); lower optim.lr or raise optim.warmup_steps",
+               step + 1, st.loss);
+    const double dt = seconds_since(t0);
+    train_time += dt;
+    window_time += dt;
+    ++window_steps;
+    const int64_t done = step + 1;
+    res.last_loss = st.loss;
+    res.steps_done = done;
+    const double tps = tokens_per_step / dt;
+    if (lead) {
+      nlohmann::json j = {{"step", done}, {"loss", st.loss}, {"lr", lr}, {"grad_norm", st.grad_norm},
+                          {"tokens_per_s", tps}, {"mfu", tps * flops_per_token / peak},
+                          {"time_s", seconds_since(t_start)}};
+      metrics << j.dump() << "\n";
+      train_pts.push_back({double(done), st.loss});
+    }
+    if (cfg.eval_every > 0 && (done % cfg.eval_every == 0 || done == cfg.steps) && val) {
+      const double vl = evaluate();
+      res.last_val_loss = vl;
+      if (lead) {
+        metrics << nlohmann::json{{"step", done}, {"val_loss", vl}}.dump() << "\n";
+        val_pts.push_back({double(done), vl});
+      }
+      say(fmt::format("step {:>6} | val loss {:.4f} (unigram {:.4f})", done, vl, res.unigram_val_loss));
+    }
+    if (lead) metrics.flush();
+    if (done % cfg.log_every == 0 || done == cfg.steps || done == 1) {
+      const double avg = window_time / double(window_steps);
+      say(fmt::format("step {:>6}/{} | loss {:.4f} | lr {:.2e} | norm {:.3f} | {:.0f} tok/s | MFU {:.1f}% | ETA {}",
+                      done, cfg.steps, st.loss, lr, st.grad_norm, tokens_per_step / avg,
+                      100 * tokens_per_step / avg * flops_per_token / peak, human_time(avg * double(cfg.steps - done))));
+      window_time = 0;
+      window_steps = 0;
+    }
+    if (cfg.sample_every > 0 && done % cfg.sample_every == 0 && done != cfg.steps) {
+      std::string text = sample_text(done);
+      say(fmt::format("--- sample at step {} ---\n{}\n---", done, text));
+    }
+    if ((cfg.checkpoint_every > 0 && done % cfg.checkpoint_every == 0) || done == cfg.steps) checkpoint(done);
+  }
+  res.train_seconds = train_time;
+  for (int t = 0; t < kNumMemTags; ++t) res.peak_bytes[size_t(t)] = pool.peak(MemTag(t));
+  say(fmt::format("memory of rank 0 (peak): params {} | grads {} | optimizer {} | activations {}",
+                  format_bytes(res.peak_bytes[size_t(MemTag::params)]), format_bytes(res.peak_bytes[size_t(MemTag::grads)]),
+                  format_bytes(res.peak_bytes[size_t(MemTag::optimizer)]),
+                  format_bytes(res.peak_bytes[size_t(MemTag::activations)])));
+  if (lead) metrics.close();
+  res.last_sample = sample_text(cfg.steps);
+  if (!res.last_sample.empty()) say(fmt::format("--- sample ---\n{}\n---", res.last_sample));
+  if (!opt.trace_path.empty()) {  // pipeline only (checked before the ranks start)
+    traces[size_t(rank)] = engine->trace();
+    world.barrier();
+    if (lead) {
+      pipe::write_chrome_trace(opt.trace_path, traces);
+      say(fmt::format("wrote trace {} (the last step of every rank)", opt.trace_path));
+    }
+  }
+  if (lead) {
+    std::string png = (out_dir / "loss.png").string(), why;
+    std::vector<Series> series{{"train loss", train_pts, 0.12, 0.4, 0.8}};
+    if (!val_pts.empty()) series.push_back({"val loss", val_pts, 0.85, 0.33, 0.1});
+    if (std::isfinite(res.unigram_val_loss) && !train_pts.empty())
+      series.push_back({"unigram baseline", {{train_pts.front().first, res.unigram_val_loss},
+                                             {train_pts.back().first, res.unigram_val_loss}}, 0.5, 0.5, 0.5});
+    if (plot_png(png, fmt::format("loom: {} on {}", mc.name, cfg.data_dir), series, "loss (nats/token)", &why))
+      say(fmt::format("wrote {} and {}", metrics_path, png));
+    else
+      say(fmt::format("wrote {} ({})", metrics_path, why));
+  }
+  return res;
+}
+
+}  // namespace
+
+bool needs_mesh(const TrainConfig& cfg) { return cfg.tp > 1 || cfg.cp > 1 || cfg.pp > 1 || cfg.sp; }
+
+TrainResult run_training_mesh(const TrainConfig& cfg, const TrainOptions& opt) {
+  const std::string where = opt.config_path.empty() ? "config" : opt.config_path;
+  const bool tensor = cfg.tp > 1 || cfg.cp > 1 || cfg.sp;
+  if (cfg.pp > 1 && tensor)
+    throw Error(fmt::format("{}: parallel.pp = {} cannot be combined with parallel.tp = {}, parallel.cp = {} or "
+                            "parallel.sp = {} yet; use pipeline (with parallel.dp) or tensor/sequence/context "
+                            "parallelism (with parallel.dp)",
+                            where, cfg.pp, cfg.tp, cfg.cp, cfg.sp));
+  if (cfg.zero > 0)
+    throw Error(fmt::format("{}: parallel.zero = {} is not supported with parallel.tp = {}, parallel.cp = {}, "
+                            "parallel.sp = {}, parallel.pp = {} (ZeRO runs with data parallelism alone); set "
+                            "parallel.zero = 0",
+                            where, cfg.zero, cfg.tp, cfg.cp, cfg.sp, cfg.pp));
+  if (cfg.offload)
+    throw Error(fmt::format("{}: parallel.offload needs ZeRO and is not supported with parallel.tp/cp/sp/pp", where));
+  if (cfg.comm != "threads")
+    throw Error(fmt::format("{}: parallel.comm = \"{}\": tensor, sequence, context and pipeline parallelism run "
+                            "with parallel.comm = \"threads\" only",
+                            where, cfg.comm));
+  if (opt.resume)
+    throw Error(fmt::format("{}: --resume is not supported with parallel.tp/cp/sp/pp yet (their checkpoints hold "
+                            "full tensors and resume under a single device or parallel.dp)",
+                            where));
+  if (!opt.trace_path.empty() && cfg.pp == 1)
+    throw Error(fmt::format("{}: --trace is available with parallel.pp > 1 and data parallelism, not with "
+                            "parallel.tp/cp/sp",
+                            where));
+  if (cfg.cp > 1 && cfg.seq_len % (2 * cfg.cp) != 0)
+    throw Error(fmt::format("{}: data.seq_len = {} must be divisible by 2 x parallel.cp = {} (each rank takes two "
+                            "chunks of every sequence)",
+                            where, cfg.seq_len, 2 * cfg.cp));
+  if (cfg.tp > 1 && cfg.n_head > 0 && cfg.n_head % cfg.tp != 0)
+    throw Error(fmt::format("{}: model.n_head = {} is not divisible by parallel.tp = {}", where, cfg.n_head, cfg.tp));
+  const int world = int(cfg.pp * cfg.dp * cfg.cp * cfg.tp);
+  comm::RunOptions ro;
+  const int total_threads = cfg.threads > 0 ? int(cfg.threads) : omp_get_max_threads();
+  ro.threads_per_rank = std::max(1, total_threads / world);
+  TrainResult result;
+  std::vector<std::vector<pipe::TraceEvent>> traces(static_cast<size_t>(world));
+  comm::run_ranks(
+      world,
+      [&](comm::Comm& c) {
+        TrainResult r = train_rank(cfg, opt, c, traces);
+        if (c.rank() == 0) result = r;
+      },
+      ro);
+  return result;
+}
+
+}  // namespace loom::train
