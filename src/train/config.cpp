@@ -68,6 +68,7 @@ const Field kFields[] = {
     F("parallel.bucket_mb", bucket_mb, "data-parallel gradient bucket size in MiB"),
     F("parallel.schedule", schedule, "pipeline schedule when parallel.pp > 1: gpipe, 1f1b, interleaved or zb-h1"),
     F("parallel.virtual_stages", virtual_stages, "model chunks per pipeline rank under the interleaved schedule (>= 2)"),
+    F("parallel.timeout_s", timeout_s, "communicator timeout in seconds: a rank waiting longer in one collective fails the job"),
 };
 #undef F
 
@@ -238,6 +239,8 @@ void TrainConfig::validate(const std::string& where) const {
   need(dp >= 1 && tp >= 1 && pp >= 1 && cp >= 1, "parallel", "dp, tp, pp, cp must be at least 1");
   need(zero >= 0 && zero <= 3, "parallel.zero", fmt::format("must be 0, 1, 2 or 3, got {}", zero));
   need(bucket_mb > 0, "parallel.bucket_mb", fmt::format("must be positive, got {}", bucket_mb));
+  need(timeout_s >= 0.001f && timeout_s <= 1e7f, "parallel.timeout_s",
+       fmt::format("must be between 0.001 and 1e7 seconds, got {}", timeout_s));
   need(batch_size % (dp * grad_accum) == 0, "train.batch_size",
        fmt::format("batch_size {} is not divisible by parallel.dp {} x train.grad_accum {}", batch_size, dp,
                    grad_accum));

@@ -5,7 +5,9 @@
 
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -94,12 +96,80 @@ void truncate_metrics(const std::string& path, int64_t last_step) {
   fs::rename(tmp, path);
 }
 
+// A failure injected on purpose (LOOM_FAULT_INJECT, see trainer.h): rank `rank` fails at the
+// start of step `step` (1-based) by throwing, exiting or being killed.
+struct FaultInjection {
+  int rank = -1;  // -1: none
+  int64_t step = 0;
+  std::string kind;  // throw | exit | kill
+
+  static FaultInjection from_env(int dp) {
+    FaultInjection f;
+    const char* env = std::getenv("LOOM_FAULT_INJECT");
+    if (!env || !*env) return f;
+    const std::string spec = env;
+    auto bad = [&](const std::string& why) {
+      return Error(fmt::format("LOOM_FAULT_INJECT='{}': {} (expected rank=R,step=S,kind=throw|exit|kill)", spec, why));
+    };
+    auto number = [&](const std::string& key, const std::string& v) -> int64_t {
+      size_t used = 0;
+      int64_t n = 0;
+      try {
+        n = std::stoll(v, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (used == 0 || used != v.size()) throw bad(fmt::format("{} '{}' is not an integer", key, v));
+      return n;
+    };
+    bool has_rank = false, has_step = false;
+    size_t start = 0;
+    while (start <= spec.size()) {
+      size_t end = spec.find(',', start);
+      if (end == std::string::npos) end = spec.size();
+      std::string item = spec.substr(start, end - start);
+      size_t eq = item.find('=');
+      if (eq == std::string::npos) throw bad(fmt::format("'{}' is not key=value", item));
+      std::string key = item.substr(0, eq), val = item.substr(eq + 1);
+      if (key == "rank") {
+        int64_t r = number(key, val);
+        if (r < 0 || r >= dp) throw bad(fmt::format("rank {} is not one of the {} data-parallel ranks", r, dp));
+        f.rank = int(r);
+        has_rank = true;
+      } else if (key == "step") {
+        f.step = number(key, val);
+        if (f.step < 1) throw bad(fmt::format("step {} is not positive", f.step));
+        has_step = true;
+      } else if (key == "kind") {
+        if (val != "throw" && val != "exit" && val != "kill") throw bad(fmt::format("unknown kind '{}'", val));
+        f.kind = val;
+      } else {
+        throw bad(fmt::format("unknown key '{}'", key));
+      }
+      start = end + 1;
+    }
+    if (!has_rank || !has_step || f.kind.empty()) throw bad("rank, step and kind are all required");
+    return f;
+  }
+
+  void maybe_fire(int r, int dp, int64_t step) const {
+    if (r != rank || step != this->step) return;
+    std::string what = fmt::format("LOOM_FAULT_INJECT: rank {} of {} fails on purpose at step {} ({})", r, dp, step, kind);
+    if (kind == "throw") throw Error(what);
+    std::fflush(stdout);
+    std::fprintf(stderr, "loom: %s\n", what.c_str());
+    std::fflush(stderr);
+    if (kind == "exit") std::_Exit(3);
+    std::raise(SIGKILL);
+  }
+};
+
 // Everything one rank does. Rank 0 prints, writes metrics and checkpoints; every rank runs the
 // same collectives in the same order (evaluation and samples included: ZeRO-3 gathers parameters
 // inside forward). on_fail runs before any of this rank's objects are destroyed when it throws,
 // so the other ranks are released at once (threads: the world is marked failed; mpi: the job is
 // aborted) instead of waiting for the communicator's timeout.
-TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Comm& world,
+TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Comm& world, const FaultInjection& fault,
                        const std::function<void(const std::string&)>& on_fail) {
   const int rank = world.rank(), dp = world.size();
   const bool lead = rank == 0;
@@ -281,6 +351,7 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
     double window_time = 0, train_time = 0;
     int64_t window_steps = 0;
     for (int64_t step = start_step; step < cfg.steps; ++step) {
+      fault.maybe_fire(rank, dp, step + 1);
       auto t0 = Clock::now();
       float lr = sched.at(step);
       ddp.zero_grad();
@@ -391,6 +462,8 @@ TrainResult run_training(const TrainConfig& cfg, const TrainOptions& opt) {
   if (needs_mesh(cfg)) return run_training_mesh(cfg, opt);  // tp / sp / cp / pp: trainer_parallel.cpp
   const int dp = int(cfg.dp);
   comm::CommOptions co;
+  co.timeout = std::chrono::milliseconds(std::max<int64_t>(1, std::llround(double(cfg.timeout_s) * 1000.0)));
+  const FaultInjection fault = FaultInjection::from_env(dp);
   if (cfg.comm == "mpi") {
 #ifdef LOOM_HAVE_MPI
     comm::MpiSession session(nullptr, nullptr);
@@ -400,7 +473,7 @@ TrainResult run_training(const TrainConfig& cfg, const TrainOptions& opt) {
     if (cfg.threads > 0) omp_set_num_threads(int(cfg.threads));
     auto world = comm::mpi_world(co);
     const int r = world->rank();
-    return train_rank(cfg, opt, *world, [&](const std::string& what) {
+    return train_rank(cfg, opt, *world, fault, [&](const std::string& what) {
       comm::mpi_abort(fmt::format("loom: rank {} of {} failed: {}", r, dp, what));
     });
 #else
@@ -414,7 +487,7 @@ TrainResult run_training(const TrainConfig& cfg, const TrainOptions& opt) {
     omp_set_num_threads(per_rank);
     comm::ThreadWorld world(1, co);
     auto c = world.comm(0);
-    return train_rank(cfg, opt, *c, [](const std::string&) {});
+    return train_rank(cfg, opt, *c, fault, [](const std::string&) {});
   }
   comm::ThreadWorld world(dp, co);
   std::vector<TrainResult> results(static_cast<size_t>(dp));
@@ -425,7 +498,7 @@ TrainResult run_training(const TrainConfig& cfg, const TrainOptions& opt) {
       try {
         auto c = world.comm(r);
         omp_set_num_threads(per_rank);
-        results[size_t(r)] = train_rank(cfg, opt, *c, [&](const std::string& what) { world.fail(r, what); });
+        results[size_t(r)] = train_rank(cfg, opt, *c, fault, [&](const std::string& what) { world.fail(r, what); });
       } catch (const std::exception& e) {
         world.fail(r, e.what());
         errors[size_t(r)] = std::current_exception();

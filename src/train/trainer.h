@@ -2,6 +2,7 @@
 // process each under mpirun with parallel.comm = mpi), with ZeRO stages and offload: deterministic batches, LR schedule, gradient accumulation,
 // clipping, AdamW, periodic validation, text samples, checkpoints (with bit-identical resume),
 // a live progress line, metrics as JSONL and a loss-curve PNG at the end.
+// Testing aid: LOOM_FAULT_INJECT="rank=R,step=S,kind=throw|exit|kill" makes rank R throw, _Exit(3) or SIGKILL itself at the start of step S.
 #pragma once
 #include <cstdint>
 #include <functional>
