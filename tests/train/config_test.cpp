@@ -80,5 +80,5 @@ TEST(TrainConfig, TomlRoundTrip) {
   TrainConfig d = load_config(f.path, {});
   EXPECT_EQ(config_to_toml(c), config_to_toml(d));
   EXPECT_EQ(d.out_dir, c.out_dir);
-  EXPECT_EQ(config_fields().size(), 44u);
+  EXPECT_EQ(config_fields().size(), 46u);
 }
