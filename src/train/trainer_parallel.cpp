@@ -81,7 +81,7 @@ double unigram_loss(const data::Loader& train, const data::Loader* val, int64_t 
 double sum_over(comm::Comm& c, double x) {
   if (c.size() == 1) return x;
   std::vector<double> all(size_t(c.size()));
-  c.all_gather(&x, all.data(), 2, DType::u32);
+  c.all_gather(&x, all.data(), 2 * int64_t(c.size()), DType::u32);
   double s = 0;
   for (double v : all) s += v;
   return s;
