@@ -3,7 +3,7 @@
 set -euo pipefail
 pkgs=(build-essential cmake ninja-build pkg-config libdnnl-dev libopenblas-dev libopenmpi-dev openmpi-bin
       libcli11-dev libtomlplusplus-dev libfmt-dev nlohmann-json3-dev libgtest-dev libgmock-dev
-      libbenchmark-dev libpng-dev libcairo2-dev bible-kjv-text xz-utils)
+      libbenchmark-dev libpng-dev libcairo2-dev clang libclang-rt-14-dev bible-kjv-text xz-utils)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,12 +1,13 @@
-// loom bench-dp: data-parallel training steps on synthetic tokens, ranks as threads: tokens/s at a
-// fixed global batch, peak memory per rank by tag (params, grads, optimizer; host pool with
-// offload) and how much gradient-reduction time was hidden behind backward. (A separate command
-// so `loom bench train` stays the single-device benchmark.)
+// `loom bench train --dp N [--zero S] [--offload]`: data-parallel training steps on synthetic
+// tokens, ranks as threads: tokens/s at a fixed global batch, peak memory per rank by tag (params,
+// grads, optimizer; host pool with offload) and how much gradient-reduction time was hidden behind
+// backward.
 #include <omp.h>
 
 #include <chrono>
 #include <cstdio>
 
+#include "cli/bench_dp.h"
 #include "cli/command.h"
 #include "comm/threads.h"
 #include "core/rng.h"
@@ -14,21 +15,11 @@
 #include "parallel/data/data_parallel.h"
 
 namespace loom::cli {
-namespace {
 
-struct Opts {
-  std::string model = "gpt2-tiny";
-  int dp = 2, zero = 0, steps = 10, warmup = 2;
-  int64_t batch = 8, seq = 64;
-  double bucket_mb = 25;
-  bool offload = false;
-  std::string trace;
-};
-
-int run(const Opts& o) {
+int bench_train_dp(const BenchDpOptions& o) {
   model::GPTConfig mc = model::gpt_preset(o.model);
   if (o.seq > mc.block_size) mc.block_size = o.seq;
-  LOOM_CHECK(o.dp >= 1 && o.batch % o.dp == 0, "bench-dp: --batch {} must be divisible by --dp {}", o.batch, o.dp);
+  LOOM_CHECK(o.dp >= 1 && o.batch % o.dp == 0, "bench train: --batch {} must be divisible by --dp {}", o.batch, o.dp);
   const int64_t local = o.batch / o.dp;
   comm::RunOptions ro;
   std::vector<double> secs(static_cast<size_t>(o.dp));
@@ -97,22 +88,4 @@ int run(const Opts& o) {
   return 0;
 }
 
-Registrar reg{Command{
-    "bench-dp", "time data-parallel training steps: tokens/s, memory per rank by tag, reduction overlap",
-    [](CLI::App& sub) -> std::function<int()> {
-      auto o = std::make_shared<Opts>();
-      sub.add_option("--model", o->model, "model preset")->capture_default_str();
-      sub.add_option("--dp", o->dp, "data-parallel ranks (threads)")->capture_default_str();
-      sub.add_option("--zero", o->zero, "ZeRO stage 0-3")->capture_default_str();
-      sub.add_flag("--offload", o->offload, "optimizer state and update in the host pool");
-      sub.add_option("--batch", o->batch, "global batch (sequences)")->capture_default_str();
-      sub.add_option("--seq", o->seq, "sequence length")->capture_default_str();
-      sub.add_option("--bucket-mb", o->bucket_mb, "gradient bucket size (MiB)")->capture_default_str();
-      sub.add_option("--steps", o->steps, "timed steps")->capture_default_str();
-      sub.add_option("--warmup", o->warmup, "untimed steps first")->capture_default_str();
-      sub.add_option("--trace", o->trace, "Chrome trace of every rank to FILE");
-      return [o]() { return run(*o); };
-    }}};
-
-}  // namespace
 }  // namespace loom::cli

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/bench_dp.h"
 #include "cli/command.h"
 #include "core/memory.h"
 #include "core/rng.h"
@@ -29,6 +30,11 @@ struct BenchTrainOptions {
   int steps = 5, warmup = 1;
   uint64_t seed = 1337;
   double gemm_seconds = 1.0;
+  // Data parallelism (ranks as threads): any of these selects the data-parallel benchmark.
+  int dp = 1, zero = 0;
+  bool offload = false;
+  double bucket_mb = 25;
+  std::string trace;
 };
 
 using clock_type = std::chrono::steady_clock;
@@ -164,7 +170,28 @@ Registrar reg{Command{
       train->add_option("--seed", o->seed, "initialisation and data seed")->capture_default_str();
       train->add_option("--gemm-seconds", o->gemm_seconds, "time spent measuring the GEMM peak")
           ->capture_default_str();
+      train->add_option("--dp", o->dp, "data-parallel ranks (threads); > 1 times data-parallel steps")
+          ->capture_default_str();
+      train->add_option("--zero", o->zero, "ZeRO stage 0-3 (with --dp)")->capture_default_str();
+      train->add_flag("--offload", o->offload, "ZeRO-Offload: optimizer state and update in the host pool");
+      train->add_option("--bucket-mb", o->bucket_mb, "gradient bucket size in MiB (with --dp)")->capture_default_str();
+      train->add_option("--trace", o->trace, "Chrome trace of every rank to FILE (with --dp)");
       return [o, train]() -> int {
+        if (!train->parsed()) return 1;
+        if (o->dp > 1 || o->zero > 0 || o->offload) {
+          BenchDpOptions d;
+          d.model = o->model;
+          d.dp = o->dp;
+          d.zero = o->zero;
+          d.offload = o->offload;
+          d.batch = o->batch;
+          d.seq = o->seq;
+          d.bucket_mb = o->bucket_mb;
+          d.steps = o->steps;
+          d.warmup = o->warmup;
+          d.trace = o->trace;
+          return bench_train_dp(d);
+        }
         if (train->parsed()) return bench_train(*o);
         return 1;
       };

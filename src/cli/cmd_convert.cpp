@@ -8,9 +8,9 @@
 #include "cli/command.h"
 #include "core/error.h"
 #include "core/memory.h"
-#include "model/checkpoint_io.h"
+#include "train/checkpoint_io.h"
 #include "model/gpt.h"
-#include "model/hf_gpt2.h"
+#include "train/hf_gpt2.h"
 
 namespace fs = std::filesystem;
 

@@ -11,7 +11,7 @@
 #include "core/error.h"
 #include "core/memory.h"
 #include "data/tokenizer.h"
-#include "model/checkpoint_io.h"
+#include "train/checkpoint_io.h"
 #include "model/gpt.h"
 #include "model/kv_cache.h"
 #include "train/checkpoint.h"

@@ -13,9 +13,9 @@
 #include <random>
 
 #include "core/error.h"
-#include "model/checkpoint_io.h"
+#include "train/checkpoint_io.h"
 #include "model/gpt.h"
-#include "model/hf_gpt2.h"
+#include "train/hf_gpt2.h"
 #include "train/safetensors.h"
 
 namespace fs = std::filesystem;

@@ -9,7 +9,7 @@
 #include <filesystem>
 
 #include "model/gpt.h"
-#include "model/hf_gpt2.h"
+#include "train/hf_gpt2.h"
 #include "train/safetensors.h"
 
 namespace fs = std::filesystem;

@@ -10,6 +10,8 @@
 #include "model/config.h"
 #include "model/gpt.h"
 
+// Declared in loom::model (these are the model's own file formats) but kept under train/, since
+// they write and read loom checkpoints (train/checkpoint.h) and model/ depends on nothing above it.
 namespace loom::model {
 
 // The "model" object of a checkpoint manifest (the fields the trainer writes, plus ln_eps).

@@ -1,4 +1,4 @@
-#include "model/hf_gpt2.h"
+#include "train/hf_gpt2.h"
 
 #include <cerrno>
 #include <cstdio>

@@ -1,4 +1,4 @@
-#include "model/checkpoint_io.h"
+#include "train/checkpoint_io.h"
 
 #include <filesystem>
 

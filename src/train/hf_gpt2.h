@@ -22,6 +22,8 @@
 #include "model/config.h"
 #include "model/gpt.h"
 
+// Declared in loom::model (these are the model's own file formats) but kept under train/, since
+// they write and read loom checkpoints (train/checkpoint.h) and model/ depends on nothing above it.
 namespace loom::model {
 
 // The Hugging Face key of loom parameter `name` (no prefix) and whether it is a Conv1D weight.
