@@ -618,6 +618,7 @@ TrainResult run_training_mesh(const TrainConfig& cfg, const TrainOptions& opt) {
     throw Error(fmt::format("{}: model.n_head = {} is not divisible by parallel.tp = {}", where, cfg.n_head, cfg.tp));
   const int world = int(cfg.pp * cfg.dp * cfg.cp * cfg.tp);
   comm::RunOptions ro;
+  ro.comm.timeout = std::chrono::milliseconds(std::max<int64_t>(1, std::llround(double(cfg.timeout_s) * 1000.0)));
   const int total_threads = cfg.threads > 0 ? int(cfg.threads) : omp_get_max_threads();
   ro.threads_per_rank = std::max(1, total_threads / world);
   TrainResult result;
