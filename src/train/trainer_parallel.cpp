@@ -1,4 +1,5 @@
 #include "train/trainer_parallel.h"
+#include "train/run_util.h"
 
 #include <omp.h>
 
@@ -36,46 +37,8 @@ namespace loom::train {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
 namespace pipe = parallel::pipeline;
 
-double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
-std::string human_time(double s) {
-  if (!std::isfinite(s) || s < 0) return "?";
-  int64_t t = int64_t(s + 0.5);
-  if (t >= 3600) return fmt::format("{}h{:02d}m", t / 3600, (t / 60) % 60);
-  if (t >= 60) return fmt::format("{}m{:02d}s", t / 60, t % 60);
-  return fmt::format("{}s", t);
-}
-
-// Cross-entropy (nats per token) of the add-one smoothed unigram distribution of `train`, measured
-// on `val` (or on train): the loss of the best predictor that ignores context.
-double unigram_loss(const data::Loader& train, const data::Loader* val, int64_t vocab) {
-  std::vector<double> count(size_t(vocab), 1.0);
-  double total = double(vocab);
-  std::vector<int32_t> buf(1 << 16);
-  for (const auto& f : train.files()) {
-    data::Shard s(f, false);
-    for (uint64_t i = 0; i < s.size(); i += buf.size()) {
-      uint64_t n = std::min<uint64_t>(buf.size(), s.size() - i);
-      s.read(i, n, buf.data());
-      for (uint64_t j = 0; j < n; ++j) count[size_t(buf[j])] += 1;
-      total += double(n);
-    }
-  }
-  double nll = 0, n = 0;
-  for (const auto& f : val ? val->files() : train.files()) {
-    data::Shard s(f, false);
-    for (uint64_t i = 0; i < s.size(); i += buf.size()) {
-      uint64_t m = std::min<uint64_t>(buf.size(), s.size() - i);
-      s.read(i, m, buf.data());
-      for (uint64_t j = 0; j < m; ++j) nll -= std::log(count[size_t(buf[j])] / total);
-      n += double(m);
-    }
-  }
-  return n > 0 ? nll / n : NAN;
-}
 
 // Sum of one double per rank, added in rank order (the same on every rank, bit for bit).
 double sum_over(comm::Comm& c, double x) {

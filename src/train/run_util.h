@@ -1,0 +1,23 @@
+// Small pieces shared by the trainers (single device / data parallel, and the mesh trainer).
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+#include "data/loader.h"
+
+namespace loom::train {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t);
+
+// "1h02m", "3m05s", "42s" ("?" for a negative or non-finite time).
+std::string human_time(double seconds);
+
+// Cross-entropy (nats per token) of the add-one smoothed unigram distribution of `train`,
+// measured on `val` (or on train when there is no validation split): the loss of the best
+// predictor that ignores context, printed as the baseline a model must beat.
+double unigram_loss(const data::Loader& train, const data::Loader* val, int64_t vocab);
+
+}  // namespace loom::train
