@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "data/shard.h"
+#include "train/plot.h"
 
 namespace loom::train {
 
@@ -44,6 +45,18 @@ double unigram_loss(const data::Loader& train, const data::Loader* val, int64_t 
     }
   }
   return n > 0 ? nll / n : NAN;
+}
+
+std::string write_loss_curve(const std::string& png, const std::string& metrics_path, const std::string& title,
+                             const std::vector<std::pair<double, double>>& train,
+                             const std::vector<std::pair<double, double>>& val, double unigram) {
+  std::vector<Series> series{{"train loss", train, 0.12, 0.4, 0.8}};
+  if (!val.empty()) series.push_back({"val loss", val, 0.85, 0.33, 0.1});
+  if (std::isfinite(unigram) && !train.empty())
+    series.push_back({"unigram baseline", {{train.front().first, unigram}, {train.back().first, unigram}}, 0.5, 0.5, 0.5});
+  std::string why;
+  if (plot_png(png, title, series, "loss (nats/token)", &why)) return fmt::format("wrote {} and {}", metrics_path, png);
+  return fmt::format("wrote {} ({})", metrics_path, why);
 }
 
 }  // namespace loom::train

@@ -3,6 +3,8 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "data/loader.h"
 
@@ -19,5 +21,11 @@ std::string human_time(double seconds);
 // measured on `val` (or on train when there is no validation split): the loss of the best
 // predictor that ignores context, printed as the baseline a model must beat.
 double unigram_loss(const data::Loader& train, const data::Loader* val, int64_t vocab);
+
+// Writes the loss-curve PNG `png` (train loss, validation loss, the unigram baseline as a line)
+// and returns the line to print about it and the metrics file.
+std::string write_loss_curve(const std::string& png, const std::string& metrics_path, const std::string& title,
+                             const std::vector<std::pair<double, double>>& train,
+                             const std::vector<std::pair<double, double>>& val, double unigram);
 
 }  // namespace loom::train

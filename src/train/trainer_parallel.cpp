@@ -527,18 +527,10 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
       say(fmt::format("wrote trace {} (the last step of every rank)", opt.trace_path));
     }
   }
-  if (lead) {
-    std::string png = (out_dir / "loss.png").string(), why;
-    std::vector<Series> series{{"train loss", train_pts, 0.12, 0.4, 0.8}};
-    if (!val_pts.empty()) series.push_back({"val loss", val_pts, 0.85, 0.33, 0.1});
-    if (std::isfinite(res.unigram_val_loss) && !train_pts.empty())
-      series.push_back({"unigram baseline", {{train_pts.front().first, res.unigram_val_loss},
-                                             {train_pts.back().first, res.unigram_val_loss}}, 0.5, 0.5, 0.5});
-    if (plot_png(png, fmt::format("loom: {} on {}", mc.name, cfg.data_dir), series, "loss (nats/token)", &why))
-      say(fmt::format("wrote {} and {}", metrics_path, png));
-    else
-      say(fmt::format("wrote {} ({})", metrics_path, why));
-  }
+  if (lead)
+    say(write_loss_curve((out_dir / "loss.png").string(), metrics_path,
+                         fmt::format("loom: {} on {}", mc.name, cfg.data_dir), train_pts, val_pts,
+                         res.unigram_val_loss));
   return res;
 }
 
