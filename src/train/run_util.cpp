@@ -6,6 +6,7 @@
 #include <cmath>
 #include <vector>
 
+#include "core/error.h"
 #include "data/shard.h"
 #include "train/plot.h"
 
@@ -45,6 +46,20 @@ double unigram_loss(const data::Loader& train, const data::Loader* val, int64_t 
     }
   }
   return n > 0 ? nll / n : NAN;
+}
+
+RunData open_run_data(const TrainConfig& cfg, const std::string& config_path) {
+  RunData r{data::Loader(cfg.data_dir, "train", cfg.seq_len, cfg.seed), nullptr, {}};
+  if (!data::list_shards(cfg.data_dir, "val").empty())
+    r.val = std::make_unique<data::Loader>(cfg.data_dir, "val", cfg.seq_len, cfg.seed);
+  r.model = cfg.model(int64_t(r.train.vocab_size()));
+  r.model.validate(config_path.empty() ? "model config" : config_path + ": [model]");
+  LOOM_CHECK(int64_t(r.train.vocab_size()) <= r.model.vocab_size,
+             "{}: model.vocab_size {} is smaller than the data's vocabulary {}", config_path, r.model.vocab_size,
+             r.train.vocab_size());
+  LOOM_CHECK(cfg.seq_len <= r.model.block_size, "{}: data.seq_len {} exceeds model.block_size {}", config_path,
+             cfg.seq_len, r.model.block_size);
+  return r;
 }
 
 std::string write_loss_curve(const std::string& png, const std::string& metrics_path, const std::string& title,

@@ -139,17 +139,10 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
     if (lead && !opt.quiet) std::printf("%s\n", s.c_str()), std::fflush(stdout);
   };
 
-  data::Loader train(cfg.data_dir, "train", cfg.seq_len, cfg.seed);
-  std::unique_ptr<data::Loader> val;
-  if (!data::list_shards(cfg.data_dir, "val").empty())
-    val = std::make_unique<data::Loader>(cfg.data_dir, "val", cfg.seq_len, cfg.seed);
-
-  model::GPTConfig mc = cfg.model(int64_t(train.vocab_size()));
-  mc.validate(opt.config_path.empty() ? "model config" : opt.config_path + ": [model]");
-  LOOM_CHECK(int64_t(train.vocab_size()) <= mc.vocab_size, "{}: model.vocab_size {} is smaller than the data's vocabulary {}",
-             opt.config_path, mc.vocab_size, train.vocab_size());
-  LOOM_CHECK(cfg.seq_len <= mc.block_size, "{}: data.seq_len {} exceeds model.block_size {}", opt.config_path,
-             cfg.seq_len, mc.block_size);
+  RunData run_data = open_run_data(cfg, opt.config_path);
+  data::Loader& train = run_data.train;
+  std::unique_ptr<data::Loader>& val = run_data.val;
+  const model::GPTConfig mc = run_data.model;
 
   MemoryPool pool(fmt::format("cpu:{}", rank)), host_pool(fmt::format("host:{}", rank));
   model::GPT gpt(mc, pool, cfg.seed);
