@@ -388,14 +388,25 @@ class MpiComm final : public Comm {
     const int next = mod(r + 1, n), prev = mod(r - 1, n);
     const size_t es = dtype_size(dt);
     auto cnt = [&](int i) { return offs[size_t(i) + 1] - offs[size_t(i)]; };
-    std::vector<MPI_Request> reqs;
+    std::vector<MPI_Request> rreqs, sreqs;
     for (int s = 0; s <= n - 2; ++s) {
       int sc = mod(r - s, n), rc = mod(r - s - 1, n);
-      irecv(buf + size_t(offs[size_t(rc)]) * es, cnt(rc), dt, prev, 1, coll_, reqs);
-      isend(buf + size_t(offs[size_t(sc)]) * es, cnt(sc), dt, next, 1, coll_, reqs);
-      wait_all(reqs, nullptr, [&] {
-        return fmt::format("gather step {} of {}: no data from rank {} (it, or a rank before it in the "
-                           "ring, has not arrived)", s + 1, n - 1, world_ranks_[size_t(prev)]);
+      irecv(buf + size_t(offs[size_t(rc)]) * es, cnt(rc), dt, prev, 1, coll_, rreqs);
+      isend(buf + size_t(offs[size_t(sc)]) * es, cnt(sc), dt, next, 1, coll_, sreqs);
+      // The receive and the send are waited for apart, so a rank blocked on a stalled receiver
+      // names the receiver rather than its own sender. Step s's data passed through ranks
+      // prev, prev-1, ..., r-1-s; at the first step the missing rank is exactly prev.
+      wait_all(rreqs, nullptr, [&] {
+        if (s == 0)
+          return fmt::format("gather step 1 of {}: no data from rank {}; rank {} has not arrived or is stalled",
+                             n - 1, world_ranks_[size_t(prev)], world_ranks_[size_t(prev)]);
+        return fmt::format("gather step {} of {}: no data from rank {}; it or a rank before it in the ring "
+                           "(back to rank {}) has not arrived or is stalled",
+                           s + 1, n - 1, world_ranks_[size_t(prev)], world_ranks_[size_t(mod(r - 1 - s, n))]);
+      });
+      wait_all(sreqs, nullptr, [&] {
+        return fmt::format("gather step {} of {}: rank {} did not take the data", s + 1, n - 1,
+                           world_ranks_[size_t(next)]);
       });
     }
   }
