@@ -1,6 +1,7 @@
 #include "model/tp_gpt.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -82,6 +83,14 @@ void add_bias(float* rows, const float* bias, int64_t n, int64_t C) {
 }
 }  // namespace
 
+// The parameters, shared by a stage's replicas.
+struct ParallelGPT::Weights {
+  std::vector<std::unique_ptr<ShardedParameter>> sharded;
+  std::vector<Parameter*> list;
+  ShardedParameter *wte = nullptr, *wpe = nullptr, *lnf_w = nullptr, *lnf_b = nullptr, *lm_head = nullptr;
+  std::vector<std::array<ShardedParameter*, 12>> layers;  // the stage's blocks, in order
+};
+
 struct ParallelGPT::Impl {
   struct Layer {
     ShardedParameter* p[12] = {};
@@ -96,10 +105,25 @@ struct ParallelGPT::Impl {
     float* w(int i) const { return p[i]->shard.value.f32(); }
     float* g(int i) const { return p[i]->shard.grad.f32(); }
   };
-  explicit Impl(MemoryPool& pool) : ring(pool) {}
+  // A weight gradient deferred by backward_stage(..., input_only): dW (+)= dout^T inp, db += sums.
+  struct DeferredGemm {
+    float *dW = nullptr, *db = nullptr;
+    const float *dout = nullptr, *inp = nullptr;  // into the tensors below or saved activations
+    Tensor dout_copy, inp_copy;                   // f32, tag workspace, when the source is transient
+    int64_t M = 0, K = 0, N = 0;
+  };
+  Impl(MemoryPool& pool, const Weights& w) : ring(pool) {
+    wte = w.wte, wpe = w.wpe, lnf_w = w.lnf_w, lnf_b = w.lnf_b, lm_head = w.lm_head;
+    layers.resize(w.layers.size());
+    for (size_t l = 0; l < layers.size(); ++l)
+      for (int i = 0; i < 12; ++i) layers[l].p[i] = w.layers[l][size_t(i)];
+  }
 
   ShardedParameter *wte = nullptr, *wpe = nullptr, *lnf_w = nullptr, *lnf_b = nullptr, *lm_head = nullptr;
   std::vector<Layer> layers;
+  const float* x0 = nullptr;         // f32 [Ns, C] the first block's input (emb_out or the stage input)
+  std::vector<DeferredGemm> deferred;
+  Tensor def_dres, def_dfull;        // the embedding's deferred output gradient: own rows, all rows
   // Shapes of the last forward: B, T (global), Tl = T / cp, N = B Tl rows, own rows [r0, r0 + Ns).
   int64_t B = 0, T = 0, Tl = 0, N = 0, Ns = 0, r0 = 0;
   Tensor tokens;                     // i32 [N] this rank's positions
@@ -118,8 +142,15 @@ struct ParallelGPT::Impl {
 
 ParallelGPT::ParallelGPT(const GPTConfig& cfg, ParallelGroups groups, ParallelOptions opts, MemoryPool& pool,
                          uint64_t seed)
-    : cfg_(cfg), g_(groups), opts_(opts), pool_(pool), impl_(std::make_unique<Impl>(pool)) {
+    : cfg_(cfg), g_(groups), opts_(opts), pool_(pool), w_(std::make_shared<Weights>()) {
   cfg_.validate("model config '" + cfg_.name + "'");
+  const int64_t n_el = cfg_.n_layer + 2;
+  first_ = opts_.first;
+  last_ = opts_.last < 0 ? n_el : opts_.last;
+  if (first_ < 0 || first_ >= last_ || last_ > n_el)
+    throw Error(fmt::format("model config '{}': pipeline stage [{}, {}) is not a non-empty range of the {} chain "
+                            "elements (embedding, {} blocks, head)",
+                            cfg_.name, opts_.first, opts_.last, n_el, cfg_.n_layer));
   tp_ = tpm::group_size(g_.tp);
   tpr_ = tpm::group_rank(g_.tp);
   cp_ = tpm::group_size(g_.cp);
@@ -136,48 +167,80 @@ ParallelGPT::ParallelGPT(const GPTConfig& cfg, ParallelGroups groups, ParallelOp
   const bool sp = opts_.sp;
   auto add = [&](std::unique_ptr<ShardedParameter> p) {
     p->shard.allocate(pool_);
-    sharded_.push_back(std::move(p));
-    return sharded_.back().get();
+    w_->sharded.push_back(std::move(p));
+    return w_->sharded.back().get();
   };
-  Impl& m = *impl_;
-  m.wte = add(vocab_shard({"wte.weight", {cfg_.vocab_size, C}, 0, Init::normal, std}, Vs_, tpr_));
-  m.wpe = add(replicated({"wpe.weight", {cfg_.block_size, C}, 0, Init::normal, std}, sp));
-  m.layers.resize(size_t(cfg_.n_layer));
-  for (int64_t l = 0; l < cfg_.n_layer; ++l) {
-    const std::string p = "h." + std::to_string(l) + ".";
-    auto& L = m.layers[size_t(l)];
-    L.p[LN1_W] = add(replicated({p + "ln_1.weight", {C}, 0, Init::ones, 0}, sp));
-    L.p[LN1_B] = add(replicated({p + "ln_1.bias", {C}, 0, Init::zeros, 0}, sp));
-    L.p[QKV_W] = add(row_shard({p + "attn.c_attn.weight", {3 * C, C}, 0, Init::normal, std}, 3, tp_, tpr_));
-    L.p[QKV_B] = add(row_shard({p + "attn.c_attn.bias", {3 * C}, 0, Init::zeros, 0}, 3, tp_, tpr_));
-    L.p[ATTN_PROJ_W] = add(col_shard({p + "attn.c_proj.weight", {C, C}, 0, Init::normal, proj_std}, tp_, tpr_));
-    L.p[ATTN_PROJ_B] = add(replicated({p + "attn.c_proj.bias", {C}, 0, Init::zeros, 0}, false));
-    L.p[LN2_W] = add(replicated({p + "ln_2.weight", {C}, 0, Init::ones, 0}, sp));
-    L.p[LN2_B] = add(replicated({p + "ln_2.bias", {C}, 0, Init::zeros, 0}, sp));
-    L.p[FC_W] = add(row_shard({p + "mlp.c_fc.weight", {4 * C, C}, 0, Init::normal, std}, 1, tp_, tpr_));
-    L.p[FC_B] = add(row_shard({p + "mlp.c_fc.bias", {4 * C}, 0, Init::zeros, 0}, 1, tp_, tpr_));
-    L.p[MLP_PROJ_W] = add(col_shard({p + "mlp.c_proj.weight", {C, 4 * C}, 0, Init::normal, proj_std}, tp_, tpr_));
-    L.p[MLP_PROJ_B] = add(replicated({p + "mlp.c_proj.bias", {C}, 0, Init::zeros, 0}, false));
+  Weights& m = *w_;
+  const ParamSpec wte_spec{"wte.weight", {cfg_.vocab_size, C}, 0, Init::normal, std};
+  if (has_embedding()) {
+    m.wte = add(vocab_shard(wte_spec, Vs_, tpr_));
+    m.wpe = add(replicated({"wpe.weight", {cfg_.block_size, C}, 0, Init::normal, std}, sp));
   }
-  m.lnf_w = add(replicated({"ln_f.weight", {C}, 0, Init::ones, 0}, sp));
-  m.lnf_b = add(replicated({"ln_f.bias", {C}, 0, Init::zeros, 0}, sp));
-  m.lm_head = cfg_.tied_embeddings
-                  ? m.wte
-                  : add(vocab_shard({"lm_head.weight", {cfg_.vocab_size, C}, 0, Init::normal, std}, Vs_, tpr_));
-  for (auto& p : sharded_) params_.push_back(&p->shard);
+  for (int64_t l = std::max<int64_t>(first_, 1) - 1; l < std::min<int64_t>(last_, cfg_.n_layer + 1) - 1; ++l) {
+    const std::string p = "h." + std::to_string(l) + ".";
+    auto& L = m.layers.emplace_back();
+    L[LN1_W] = add(replicated({p + "ln_1.weight", {C}, 0, Init::ones, 0}, sp));
+    L[LN1_B] = add(replicated({p + "ln_1.bias", {C}, 0, Init::zeros, 0}, sp));
+    L[QKV_W] = add(row_shard({p + "attn.c_attn.weight", {3 * C, C}, 0, Init::normal, std}, 3, tp_, tpr_));
+    L[QKV_B] = add(row_shard({p + "attn.c_attn.bias", {3 * C}, 0, Init::zeros, 0}, 3, tp_, tpr_));
+    L[ATTN_PROJ_W] = add(col_shard({p + "attn.c_proj.weight", {C, C}, 0, Init::normal, proj_std}, tp_, tpr_));
+    L[ATTN_PROJ_B] = add(replicated({p + "attn.c_proj.bias", {C}, 0, Init::zeros, 0}, false));
+    L[LN2_W] = add(replicated({p + "ln_2.weight", {C}, 0, Init::ones, 0}, sp));
+    L[LN2_B] = add(replicated({p + "ln_2.bias", {C}, 0, Init::zeros, 0}, sp));
+    L[FC_W] = add(row_shard({p + "mlp.c_fc.weight", {4 * C, C}, 0, Init::normal, std}, 1, tp_, tpr_));
+    L[FC_B] = add(row_shard({p + "mlp.c_fc.bias", {4 * C}, 0, Init::zeros, 0}, 1, tp_, tpr_));
+    L[MLP_PROJ_W] = add(col_shard({p + "mlp.c_proj.weight", {C, 4 * C}, 0, Init::normal, proj_std}, tp_, tpr_));
+    L[MLP_PROJ_B] = add(replicated({p + "mlp.c_proj.bias", {C}, 0, Init::zeros, 0}, false));
+  }
+  if (has_head()) {
+    m.lnf_w = add(replicated({"ln_f.weight", {C}, 0, Init::ones, 0}, sp));
+    m.lnf_b = add(replicated({"ln_f.bias", {C}, 0, Init::zeros, 0}, sp));
+    if (!cfg_.tied_embeddings) {
+      m.lm_head = add(vocab_shard({"lm_head.weight", {cfg_.vocab_size, C}, 0, Init::normal, std}, Vs_, tpr_));
+    } else if (m.wte) {
+      m.lm_head = m.wte;
+    } else {  // the stage's own copy of the wte shard (same initialisation)
+      auto copy = vocab_shard(wte_spec, Vs_, tpr_);
+      copy->tied_copy = true;
+      m.lm_head = add(std::move(copy));
+    }
+  }
+  for (auto& p : m.sharded) m.list.push_back(&p->shard);
+  impl_ = std::make_unique<Impl>(pool_, m);
   init_weights(seed);
+}
+
+ParallelGPT::ParallelGPT(const ParallelGPT& o, ReplicaOf)
+    : cfg_(o.cfg_), g_(o.g_), opts_(o.opts_), pool_(o.pool_), tp_(o.tp_), tpr_(o.tpr_), cp_(o.cp_), cpr_(o.cpr_),
+      Vs_(o.Vs_), first_(o.first_), last_(o.last_), w_(o.w_), impl_(std::make_unique<Impl>(o.pool_, *o.w_)) {}
+
+std::unique_ptr<ParallelGPT> ParallelGPT::replica() const {
+  return std::unique_ptr<ParallelGPT>(new ParallelGPT(*this, ReplicaOf{}));
 }
 
 ParallelGPT::~ParallelGPT() = default;
 
+const std::vector<Parameter*>& ParallelGPT::parameters() const { return w_->list; }
+const std::vector<std::unique_ptr<ShardedParameter>>& ParallelGPT::sharded() const { return w_->sharded; }
+
+ShardedParameter* ParallelGPT::tied_wte() const {
+  if (!cfg_.tied_embeddings) return has_embedding() ? w_->wte : nullptr;
+  return w_->wte ? w_->wte : w_->lm_head;
+}
+
+int64_t ParallelGPT::stream_rows(int64_t B, int64_t T) const {
+  const int64_t N = B * (T / cp_);
+  return opts_.sp ? tpm::sp_rows(N, tp_, tpr_).size() : N;
+}
+
 ShardedParameter& ParallelGPT::sharded(std::string_view name) const {
-  for (auto& p : sharded_)
-    if (p->global.name == name) return *p;
+  for (auto& p : w_->sharded)
+    if (p->global.name == name && !p->tied_copy) return *p;
   throw Error(fmt::format("model '{}' has no parameter named '{}'", cfg_.name, name));
 }
 
 void ParallelGPT::init_weights(uint64_t seed) {
-  for (auto& p : sharded_) {
+  for (auto& p : w_->sharded) {
     p->shard.value_full.zero_();
     for (const ShardSegment& s : p->segments)
       init_values(p->global, seed, p->shard.value.f32() + s.local, s.global, s.n);
@@ -185,7 +248,7 @@ void ParallelGPT::init_weights(uint64_t seed) {
 }
 
 void ParallelGPT::zero_grad() {
-  for (auto& p : sharded_) p->shard.grad_full.zero_();
+  for (auto& p : w_->sharded) p->shard.grad_full.zero_();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -211,7 +274,8 @@ int64_t ParallelGPT::head_saved_bytes(int64_t B, int64_t T) const {
 }
 
 int64_t ParallelGPT::saved_activation_bytes(int64_t B, int64_t T) const {
-  return embedding_saved_bytes(B, T) + cfg_.n_layer * block_saved_bytes(B, T) + head_saved_bytes(B, T);
+  return (has_embedding() ? embedding_saved_bytes(B, T) : 0) + int64_t(w_->layers.size()) * block_saved_bytes(B, T) +
+         (has_head() ? head_saved_bytes(B, T) : 0);
 }
 
 void ParallelGPT::release_activations() {
@@ -224,6 +288,9 @@ void ParallelGPT::release_activations() {
   }
   m.tokens = m.emb_out = m.lnf = m.lnf_mean = m.lnf_rstd = m.logits = m.losses = m.targets = Tensor();
   m.wA = m.wB = m.buf4 = m.datty = m.dres = m.ce = Tensor();
+  m.deferred.clear();
+  m.def_dres = m.def_dfull = Tensor();
+  m.x0 = nullptr;
   m.ring.release();
   m.B = m.T = m.Tl = m.N = m.Ns = m.r0 = 0;
   m.holds_dlogits = m.can_backward = false;
@@ -238,7 +305,28 @@ const Tensor& ParallelGPT::losses() const {
 // Forward
 
 float ParallelGPT::forward(const Tensor& tokens, const Tensor& targets, const ForwardOptions& opt) {
+  LOOM_CHECK(has_embedding() && has_head(), "model '{}': forward() runs the whole model; stage [{}, {}) runs "
+             "forward_stage()", cfg_.name, first_, last_);
+  return forward_stage(tokens, targets, nullptr, opt);
+}
+
+const float* ParallelGPT::stage_output() const {
+  LOOM_CHECK(!has_head() && impl_->can_backward, "model '{}': stage [{}, {}) has no output before its forward (or "
+             "ends in the head)", cfg_.name, first_, last_);
+  return impl_->layers.empty() ? impl_->x0 : impl_->layers.back().out.f32();
+}
+
+const float* ParallelGPT::input_grad() const {
+  LOOM_CHECK(!has_embedding() && impl_->dres.defined(), "model '{}': stage [{}, {}) has no input gradient (no "
+             "backward yet, or it starts with the embedding)", cfg_.name, first_, last_);
+  return impl_->dres.f32();
+}
+
+float ParallelGPT::forward_stage(const Tensor& tokens, const Tensor& targets, const float* input,
+                                 const ForwardOptions& opt) {
   Impl& m = *impl_;
+  LOOM_CHECK(has_embedding() == (input == nullptr), "model '{}': stage [{}, {}) {}", cfg_.name, first_, last_,
+             has_embedding() ? "starts with the embedding and takes no input" : "needs the previous stage's output");
   LOOM_CHECK(tokens.dtype() == DType::i32 && tokens.dim() == 2, "model '{}': tokens must be i32 [B, T], got {}",
              cfg_.name, tokens.str());
   const int64_t B = tokens.size(0), T = tokens.size(1);
@@ -261,8 +349,10 @@ float ParallelGPT::forward(const Tensor& tokens, const Tensor& targets, const Fo
   if (B != m.B || T != m.T) {
     release_activations();
     m.B = B, m.T = T, m.Tl = Tl, m.N = N, m.Ns = Ns, m.r0 = rows.begin;
-    m.tokens = act({N}, DType::i32, pool_);
-    m.emb_out = act({Ns, C}, DType::f32, pool_);
+    if (has_embedding()) {
+      m.tokens = act({N}, DType::i32, pool_);
+      m.emb_out = act({Ns, C}, DType::f32, pool_);
+    }
     for (auto& L : m.layers) {
       L.ln1 = act({Ns, C}, DType::f32, pool_);
       L.ln1_mean = act({Ns}, DType::f32, pool_);
@@ -278,25 +368,29 @@ float ParallelGPT::forward(const Tensor& tokens, const Tensor& targets, const Fo
       L.fch_gelu = act({N, 4 * Cl}, DType::f32, pool_);
       L.out = act({Ns, C}, DType::f32, pool_);
     }
-    m.lnf = act({Ns, C}, DType::f32, pool_);
-    m.lnf_mean = act({Ns}, DType::f32, pool_);
-    m.lnf_rstd = act({Ns}, DType::f32, pool_);
-    m.logits = act({N, Vs_}, DType::f32, pool_);
-    m.losses = act({B, Tl}, DType::f32, pool_);
-    m.targets = act({N}, DType::i32, pool_);
+    if (has_head()) {
+      m.lnf = act({Ns, C}, DType::f32, pool_);
+      m.lnf_mean = act({Ns}, DType::f32, pool_);
+      m.lnf_rstd = act({Ns}, DType::f32, pool_);
+      m.logits = act({N, Vs_}, DType::f32, pool_);
+      m.losses = act({B, Tl}, DType::f32, pool_);
+      m.targets = act({N}, DType::i32, pool_);
+      m.ce = Tensor::empty({3 * N}, DType::f32, MemTag::workspace, pool_);
+    }
     m.wA = Tensor::empty({N, C}, DType::f32, MemTag::workspace, pool_);
     m.wB = Tensor::empty({N, C}, DType::f32, MemTag::workspace, pool_);
-    m.ce = Tensor::empty({3 * N}, DType::f32, MemTag::workspace, pool_);
   }
   m.can_backward = false;
   m.holds_dlogits = false;
+  m.deferred.clear();
+  m.def_dres = m.def_dfull = Tensor();
   const bool sp = opts_.sp && tp_ > 1;
   comm::Comm* tpg = tp_ > 1 ? g_.tp : nullptr;
-  parallel::cp::slice_sequence(tokens.i32(), m.tokens.i32(), B, T, cp_, cpr_);
-  parallel::cp::slice_sequence(targets.i32(), m.targets.i32(), B, T, cp_, cpr_);
+  if (has_embedding()) parallel::cp::slice_sequence(tokens.i32(), m.tokens.i32(), B, T, cp_, cpr_);
+  if (has_head()) parallel::cp::slice_sequence(targets.i32(), m.targets.i32(), B, T, cp_, cpr_);
 
   // Embedding: vocabulary-parallel lookup, reduced (sp: reduce-scattered), plus positions.
-  {
+  if (has_embedding()) {
     float* out = m.emb_out.f32();
     float* look = sp ? m.wB.f32() : out;  // f32 [N, C] partial lookup
     tpm::vocab_embedding_forward(look, m.tokens.i32(), m.wte->shard.value.f32(), N, C, int64_t(tpr_) * Vs_, Vs_,
@@ -313,7 +407,8 @@ float ParallelGPT::forward(const Tensor& tokens, const Tensor& targets, const Fo
     }
   }
 
-  const float* x = m.emb_out.f32();
+  m.x0 = has_embedding() ? m.emb_out.f32() : input;
+  const float* x = m.x0;
   for (auto& L : m.layers) {
     // Attention: ln_1 (own rows) -> [gather] -> c_attn (column) -> attention -> c_proj (row) -> reduce.
     cpu::layernorm_forward(L.ln1.f32(), L.ln1_mean.f32(), L.ln1_rstd.f32(), x, L.w(LN1_W), L.w(LN1_B), Ns, C,
@@ -371,6 +466,11 @@ float ParallelGPT::forward(const Tensor& tokens, const Tensor& targets, const Fo
     x = L.out.f32();
   }
 
+  if (!has_head()) {
+    m.can_backward = true;
+    return 0.0f;
+  }
+
   // Head: ln_f -> [gather] -> lm_head shard (column) -> vocabulary-parallel cross-entropy.
   cpu::layernorm_forward(m.lnf.f32(), m.lnf_mean.f32(), m.lnf_rstd.f32(), x, m.lnf_w->shard.value.f32(),
                          m.lnf_b->shard.value.f32(), Ns, C, cfg_.ln_eps);
@@ -404,10 +504,18 @@ float ParallelGPT::forward(const Tensor& tokens, const Tensor& targets, const Fo
 // Backward
 
 void ParallelGPT::backward() {
+  LOOM_CHECK(has_embedding() && has_head(), "model '{}': backward() runs the whole model; stage [{}, {}) runs "
+             "backward_stage()", cfg_.name, first_, last_);
+  backward_stage(nullptr, false);
+}
+
+void ParallelGPT::backward_stage(const float* grad_output, bool input_only) {
   Impl& m = *impl_;
   LOOM_CHECK(m.can_backward, "model '{}': backward needs a forward with targets first", cfg_.name);
+  LOOM_CHECK(has_head() == (grad_output == nullptr), "model '{}': stage [{}, {}) {}", cfg_.name, first_, last_,
+             has_head() ? "ends in the head and takes no output gradient" : "needs the gradient of its output");
   const int64_t C = cfg_.n_embd, NH = cfg_.n_head, NHl = NH / tp_, Cl = C / tp_, HS = C / NH;
-  const int64_t B = m.B, T = m.T, Tl = m.Tl, N = m.N, Ns = m.Ns;
+  const int64_t B = m.B, T = m.T, N = m.N, Ns = m.Ns;
   const bool sp = opts_.sp && tp_ > 1;
   comm::Comm* tpg = tp_ > 1 ? g_.tp : nullptr;
   if (!m.buf4.defined()) {
@@ -415,9 +523,11 @@ void ParallelGPT::backward() {
     m.datty = Tensor::empty({N, Cl}, DType::f32, MemTag::workspace, pool_);
     m.dres = Tensor::empty({Ns, C}, DType::f32, MemTag::workspace, pool_);
   }
+  m.deferred.clear();
   float* dres = m.dres.f32();  // f32 [Ns, C] gradient of the residual stream (own rows)
   float* wA = m.wA.f32();
   float* wB = m.wB.f32();
+  if (grad_output) std::memcpy(dres, grad_output, size_t(Ns * C) * sizeof(float));
   // d(partial) [N, C] of a column-parallel GEMM's input -> own rows of the full gradient in `to`
   // (sp: reduce-scatter into wA; otherwise all-reduce in place).
   auto reduce_input_grad = [&](float* partial) -> const float* {
@@ -439,42 +549,64 @@ void ParallelGPT::backward() {
     tpm::gather_rows_forward(tpg, own.f32(), wA, N, C);
     return wA;
   };
+  // A copy (tag workspace) of a buffer this backward reuses, for a deferred weight gradient.
+  auto keep = [&](const float* src, int64_t n) {
+    Tensor t = Tensor::empty({n}, DType::f32, MemTag::workspace, pool_);
+    std::memcpy(t.f32(), src, size_t(n) * sizeof(float));
+    return t;
+  };
+  // The backward of out [M, Nout] = inp [M, K] @ W^T + b: dinp now; dW, db now or (input_only)
+  // deferred, keeping copies of dout / inp when they live in reused buffers.
+  auto linear = [&](float* dinp, float* dW, float* db, const float* dout, bool dout_reused, const float* inp,
+                    bool inp_reused, const float* W, int64_t M, int64_t K, int64_t Nout) {
+    if (!input_only) {
+      cpu::matmul_backward(dinp, dW, db, dout, inp, W, M, K, Nout);
+      return;
+    }
+    if (dinp) cpu::matmul_backward(dinp, nullptr, nullptr, dout, inp, W, M, K, Nout);
+    Impl::DeferredGemm d;
+    d.dW = dW, d.db = db, d.M = M, d.K = K, d.N = Nout;
+    if (dout_reused) d.dout_copy = keep(dout, M * Nout);
+    d.dout = dout_reused ? d.dout_copy.f32() : dout;
+    if (inp_reused) d.inp_copy = keep(inp, M * K);
+    d.inp = inp_reused ? d.inp_copy.f32() : inp;
+    m.deferred.push_back(std::move(d));
+  };
 
   // Head.
-  if (!m.holds_dlogits) {
-    tpm::VocabCEArgs ca;
-    ca.N = N, ca.Vs = Vs_, ca.v0 = int64_t(tpr_) * Vs_, ca.V = cfg_.vocab_size, ca.dloss = m.dloss;
-    tpm::vocab_cross_entropy(tpg, m.losses.f32(), m.logits.f32(), m.logits.f32(), m.targets.i32(), m.ce.f32(), ca);
-    m.holds_dlogits = true;
-  }
-  {
+  if (has_head()) {
+    if (!m.holds_dlogits) {
+      tpm::VocabCEArgs ca;
+      ca.N = N, ca.Vs = Vs_, ca.v0 = int64_t(tpr_) * Vs_, ca.V = cfg_.vocab_size, ca.dloss = m.dloss;
+      tpm::vocab_cross_entropy(tpg, m.losses.f32(), m.logits.f32(), m.logits.f32(), m.targets.i32(), m.ce.f32(), ca);
+      m.holds_dlogits = true;
+    }
     const float* lnfull = gathered(m.lnf);
-    cpu::matmul_backward(wB, m.lm_head->shard.grad.f32(), nullptr, m.logits.f32(), lnfull,
-                         m.lm_head->shard.value.f32(), N, C, Vs_);
+    linear(wB, m.lm_head->shard.grad.f32(), nullptr, m.logits.f32(), false, lnfull, sp,
+           m.lm_head->shard.value.f32(), N, C, Vs_);
     const float* dln = reduce_input_grad(wB);
-    const float* x = m.layers.empty() ? m.emb_out.f32() : m.layers.back().out.f32();
+    const float* x = m.layers.empty() ? m.x0 : m.layers.back().out.f32();
     cpu::layernorm_backward(dres, m.lnf_w->shard.grad.f32(), m.lnf_b->shard.grad.f32(), dln, x,
                             m.lnf_w->shard.value.f32(), m.lnf_mean.f32(), m.lnf_rstd.f32(), Ns, C, false);
   }
 
   for (int64_t l = int64_t(m.layers.size()) - 1; l >= 0; --l) {
     auto& L = m.layers[size_t(l)];
-    const float* x = l == 0 ? m.emb_out.f32() : m.layers[size_t(l - 1)].out.f32();
+    const float* x = l == 0 ? m.x0 : m.layers[size_t(l - 1)].out.f32();
     // MLP branch: dres = d(out) = d(res2) through the residual.
     const float* dout = full_output_grad();
     float* b4 = m.buf4.f32();
-    cpu::matmul_backward(b4, L.g(MLP_PROJ_W), L.g(MLP_PROJ_B), dout, L.fch_gelu.f32(), L.w(MLP_PROJ_W), N, 4 * Cl,
-                         C);
+    linear(b4, L.g(MLP_PROJ_W), L.g(MLP_PROJ_B), dout, true, L.fch_gelu.f32(), false, L.w(MLP_PROJ_W), N, 4 * Cl, C);
     cpu::gelu_backward(b4, L.fch.f32(), b4, N * 4 * Cl);
     const float* lnfull = gathered(L.ln2);
-    cpu::matmul_backward(wB, L.g(FC_W), L.g(FC_B), b4, lnfull, L.w(FC_W), N, C, 4 * Cl);
+    linear(wB, L.g(FC_W), L.g(FC_B), b4, true, lnfull, sp, L.w(FC_W), N, C, 4 * Cl);
     const float* dln = reduce_input_grad(wB);
     cpu::layernorm_backward(dres, L.g(LN2_W), L.g(LN2_B), dln, L.res2.f32(), L.w(LN2_W), L.ln2_mean.f32(),
                             L.ln2_rstd.f32(), Ns, C, true);
     // Attention branch: dres = d(res2) = d(x) through the residual.
     dout = full_output_grad();
-    cpu::matmul_backward(m.datty.f32(), L.g(ATTN_PROJ_W), L.g(ATTN_PROJ_B), dout, L.atty.f32(), L.w(ATTN_PROJ_W), N,
-                         Cl, C);
+    linear(m.datty.f32(), L.g(ATTN_PROJ_W), L.g(ATTN_PROJ_B), dout, true, L.atty.f32(), false, L.w(ATTN_PROJ_W), N,
+           Cl, C);
     float* dqkv = b4;  // f32 [N, 3 Cl] in the [N, 4 Cl] buffer
     if (cp_ > 1) {
       m.ring.backward(*g_.cp, dqkv, m.datty.f32(), L.qkv.f32(), L.atty.f32(), L.lse.f32(), {B, T, NHl, HS});
@@ -487,28 +619,50 @@ void ParallelGPT::backward() {
                               L.lse.f32(), aa);
     }
     lnfull = gathered(L.ln1);
-    cpu::matmul_backward(wB, L.g(QKV_W), L.g(QKV_B), dqkv, lnfull, L.w(QKV_W), N, C, 3 * Cl);
+    linear(wB, L.g(QKV_W), L.g(QKV_B), dqkv, true, lnfull, sp, L.w(QKV_W), N, C, 3 * Cl);
     dln = reduce_input_grad(wB);
     cpu::layernorm_backward(dres, L.g(LN1_W), L.g(LN1_B), dln, x, L.w(LN1_W), L.ln1_mean.f32(), L.ln1_rstd.f32(),
                             Ns, C, true);
   }
 
   // Embedding: positions from the own rows, the vocabulary shard from all rows.
-  {
-    float* dwpe = m.wpe->shard.grad.f32();
-    for (int64_t i = 0; i < Ns; ++i) {
-      const int64_t n = m.r0 + i, pos = parallel::cp::global_position(n % Tl, T, cp_, cpr_);
-      for (int64_t c = 0; c < C; ++c) dwpe[pos * C + c] += dres[i * C + c];
-    }
+  if (has_embedding()) {
     const float* dfull = full_output_grad();
-    tpm::vocab_embedding_backward(m.wte->shard.grad.f32(), dfull, m.tokens.i32(), N, C, int64_t(tpr_) * Vs_, Vs_);
+    if (input_only) {  // both are weight gradients: deferred with copies of their inputs
+      m.def_dres = keep(dres, Ns * C);
+      m.def_dfull = keep(dfull, N * C);
+    } else {
+      embedding_weight_grads(dres, dfull);
+    }
   }
   m.can_backward = false;
 }
 
+void ParallelGPT::embedding_weight_grads(const float* dres, const float* dfull) {
+  Impl& m = *impl_;
+  const int64_t C = cfg_.n_embd;
+  float* dwpe = m.wpe->shard.grad.f32();
+  for (int64_t i = 0; i < m.Ns; ++i) {
+    const int64_t n = m.r0 + i, pos = parallel::cp::global_position(n % m.Tl, m.T, cp_, cpr_);
+    for (int64_t c = 0; c < C; ++c) dwpe[pos * C + c] += dres[i * C + c];
+  }
+  tpm::vocab_embedding_backward(m.wte->shard.grad.f32(), dfull, m.tokens.i32(), m.N, C, int64_t(tpr_) * Vs_, Vs_);
+}
+
+void ParallelGPT::backward_weight() {
+  Impl& m = *impl_;
+  for (const Impl::DeferredGemm& d : m.deferred)
+    cpu::matmul_backward(nullptr, d.dW, d.db, d.dout, d.inp, nullptr, d.M, d.K, d.N);
+  m.deferred.clear();
+  if (m.def_dres.defined()) {
+    embedding_weight_grads(m.def_dres.f32(), m.def_dfull.f32());
+    m.def_dres = m.def_dfull = Tensor();
+  }
+}
+
 void ParallelGPT::finish_gradients() {
   const bool sp = opts_.sp && tp_ > 1;
-  for (auto& p : sharded_) {
+  for (auto& p : w_->sharded) {
     float* g = p->shard.grad.f32();
     const int64_t n = p->shard.spec.numel();
     if (sp && p->sp_partial) g_.tp->all_reduce(g, n, DType::f32);
@@ -516,9 +670,12 @@ void ParallelGPT::finish_gradients() {
   }
 }
 
-double ParallelGPT::grad_norm() const {
+double ParallelGPT::grad_norm() const { return std::sqrt(grad_sum_squares()); }
+
+double ParallelGPT::grad_sum_squares() const {
   double local = 0;
-  for (auto& p : sharded_) {
+  for (auto& p : w_->sharded) {
+    if (p->tied_copy) continue;                // its stage's wte counts it
     if (p->replicated && tpr_ != 0) continue;  // counted once, on tp rank 0
     const float* g = p->shard.grad.f32();
     const int64_t n = p->shard.spec.numel();
@@ -536,7 +693,7 @@ double ParallelGPT::grad_norm() const {
     local = 0;
     for (int r = 0; r < tp_; ++r) local += double(all[size_t(2 * r)]) + double(all[size_t(2 * r + 1)]);
   }
-  return std::sqrt(local);
+  return local;
 }
 
 }  // namespace loom::model

@@ -14,6 +14,16 @@
 // its own positions. Initialisation is the single-device one (a pure function of the global
 // element index), so any layout starts from the same weights.
 //
+// Pipeline stages: with ParallelOptions::first / last the object holds only the chain elements
+// [first, last) (0 = embedding, 1..n_layer = blocks, n_layer + 1 = head) and their parameters; a
+// stage with the head but not the embedding keeps its own copy of the wte shard for a tied
+// lm_head (ShardedParameter::tied_copy, initialised like wte; the pipeline adds the two copies'
+// gradients). forward_stage takes the previous stage's output rows and backward_stage the
+// gradient of its own output; replica() makes another object over the same parameters with its
+// own activations, one per micro-batch in flight. backward_stage(..., input_only = true) defers
+// the linear layers' weight gradients (and the embedding's) to backward_weight(), for zero-bubble
+// schedules; the two together add exactly what backward_stage adds.
+//
 // Training a step (per rank):
 //   model.zero_grad(); loss = model.forward(tokens, targets, {.fuse_backward = true});
 //   model.backward(); model.finish_gradients();      // sums over cp, sp-partial sums over tp
@@ -44,6 +54,7 @@ struct ParallelOptions {
   bool sp = false;                // sequence parallel within the tp group
   int64_t activation_budget = 0;  // saved-activation bytes allowed per rank (0: unlimited); a
                                   // forward that would need more throws before allocating
+  int64_t first = 0, last = -1;   // chain elements [first, last) of a pipeline stage (last < 0: all)
 };
 
 // Elements [local, local + n) of a shard are elements [global, global + n) of the full tensor.
@@ -57,6 +68,7 @@ struct ShardedParameter {
   std::vector<ShardSegment> segments;  // where the shard lies in the full tensor
   bool replicated = false;             // the same full tensor on every tp rank
   bool sp_partial = false;             // under sp its gradient is a partial sum over the tp group
+  bool tied_copy = false;              // a pipeline stage's copy of wte for its tied lm_head
 };
 
 class ParallelGPT {
@@ -67,26 +79,57 @@ class ParallelGPT {
   ParallelGPT(const ParallelGPT&) = delete;
   ParallelGPT& operator=(const ParallelGPT&) = delete;
 
+  // Another model over the same parameters, with its own activations and workspace (a pipeline
+  // stage's micro-batch in flight). The parameters belong to this object, which must outlive it.
+  std::unique_ptr<ParallelGPT> replica() const;
+
   const GPTConfig& config() const { return cfg_; }
   int tp() const { return tp_; }
   int cp() const { return cp_; }
   bool sp() const { return opts_.sp; }
   int64_t vocab_shard_rows() const { return Vs_; }
+  int64_t first() const { return first_; }
+  int64_t last() const { return last_; }
+  bool has_embedding() const { return first_ == 0; }
+  bool has_head() const { return last_ == cfg_.n_layer + 2; }
+  // Residual-stream rows this rank holds for a micro-batch [B, T]: B T / cp, or its sp share.
+  int64_t stream_rows(int64_t B, int64_t T) const;
 
   // This rank's shards, in Hugging Face order; feed them to optim::AdamW.
-  const std::vector<Parameter*>& parameters() const { return params_; }
-  const std::vector<std::unique_ptr<ShardedParameter>>& sharded() const { return sharded_; }
+  const std::vector<Parameter*>& parameters() const;
+  const std::vector<std::unique_ptr<ShardedParameter>>& sharded() const;
   ShardedParameter& sharded(std::string_view name) const;  // throws naming the parameter
+  // The wte shard this stage adds gradients to for the embedding or a tied lm_head (its copy on
+  // a stage with the head only); null when the stage has neither or embeddings are untied.
+  ShardedParameter* tied_wte() const;
   void init_weights(uint64_t seed);
 
   // tokens, targets i32 [B, T] (the full sequences; T divisible by 2 cp when cp > 1). Returns the
   // mean loss over the counted targets of the whole tp x cp group (the same on every rank).
+  // The whole model only (first = 0 and last = n_layer + 2).
   float forward(const Tensor& tokens, const Tensor& targets, const ForwardOptions& opt = {});
   void backward();
+  // A pipeline stage's forward: input f32 [stream_rows, C] is the previous stage's output (null
+  // on the first stage; it must stay valid until the backward ends). tokens are read by the
+  // embedding, targets by the head. Returns the loss on a stage with the head, else 0.
+  float forward_stage(const Tensor& tokens, const Tensor& targets, const float* input, const ForwardOptions& opt = {});
+  // f32 [stream_rows, C] output of a stage without the head, after forward_stage.
+  const float* stage_output() const;
+  // grad_output f32 [stream_rows, C]: gradient of the stage's output (null on the head's stage).
+  // input_only: the weight gradients of the linear layers and of the embedding are deferred to
+  // backward_weight() (zero-bubble schedules); LayerNorm gradients are added here.
+  void backward_stage(const float* grad_output, bool input_only = false);
+  void backward_weight();
+  // f32 [stream_rows, C] gradient of the stage's input after backward_stage (stages without the
+  // embedding); valid until the next backward or release.
+  const float* input_grad() const;
   // After the last backward of a step: sums every gradient over cp and the sp-partial ones
   // (LayerNorm weights, wpe) over tp, so each rank holds the gradient of its shards.
   void finish_gradients();
-  // Global L2 norm of all gradients (replicated parameters counted once); collective over tp.
+  // Sum of squares of all gradients (replicated parameters counted once, tied copies not at all),
+  // summed over the tp group in double; collective over tp.
+  double grad_sum_squares() const;
+  // Global L2 norm of all gradients of this stage: sqrt(grad_sum_squares()).
   double grad_norm() const;
   void zero_grad();
   void release_activations();
@@ -96,22 +139,27 @@ class ParallelGPT {
   const Tensor& losses() const;
 
   // Bytes of the activations saved between forward and backward on this rank at micro-batch
-  // [B, T] (T global), and its parts: embedding, one transformer block, head.
+  // [B, T] (T global) by the stage's elements, and the parts: embedding, one transformer block,
+  // head. A stage's input (the previous stage's output) is not counted: its owner counts it.
   int64_t saved_activation_bytes(int64_t B, int64_t T) const;
   int64_t embedding_saved_bytes(int64_t B, int64_t T) const;
   int64_t block_saved_bytes(int64_t B, int64_t T) const;
   int64_t head_saved_bytes(int64_t B, int64_t T) const;
 
  private:
+  struct Weights;
   struct Impl;
+  struct ReplicaOf {};
+  ParallelGPT(const ParallelGPT& primary, ReplicaOf);
+  // wpe += own-row gradients dres [Ns, C]; wte shard += lookups of dfull [N, C].
+  void embedding_weight_grads(const float* dres, const float* dfull);
   GPTConfig cfg_;
   ParallelGroups g_;
   ParallelOptions opts_;
   MemoryPool& pool_;
   int tp_ = 1, tpr_ = 0, cp_ = 1, cpr_ = 0;
-  int64_t Vs_ = 0;
-  std::vector<std::unique_ptr<ShardedParameter>> sharded_;
-  std::vector<Parameter*> params_;
+  int64_t Vs_ = 0, first_ = 0, last_ = 0;
+  std::shared_ptr<Weights> w_;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "model/blocks.h"
+#include "model/tp_gpt.h"
 
 namespace loom::parallel::pipeline {
 
@@ -61,10 +62,7 @@ void validate_cuts(const std::vector<int64_t>& cuts, int64_t n, int parts, const
 
 void ExecutorOptions::validate() const {
   schedule.validate();
-  LOOM_CHECK(tp == 1, "pipeline executor: tp = {} with pipeline parallelism is not supported yet", tp);
-  LOOM_CHECK(sp == 1, "pipeline executor: sequence parallelism (sp = {}) with pipeline parallelism is not supported yet",
-             sp);
-  LOOM_CHECK(cp == 1, "pipeline executor: cp = {} with pipeline parallelism is not supported yet", cp);
+  LOOM_CHECK(tp >= 1 && cp >= 1, "pipeline executor: tp = {} and cp = {} must be >= 1", tp, cp);
   LOOM_CHECK(zero_stage == 0, "pipeline executor: zero_stage = {} with pipeline parallelism is not supported yet",
              zero_stage);
   adamw.validate();
@@ -78,9 +76,11 @@ using Clock = std::chrono::steady_clock;
 // saved activations, the received input and output gradient.
 struct Slot {
   std::vector<std::unique_ptr<model::ChainBlock>> blocks;
-  Tensor input;    // f32 [b, T, C] (tag activations), chunks after the first virtual stage
-  Tensor grad_in;  // f32 [b, T, C] (tag comm) gradient of the chunk's output
-  const float* output = nullptr;  // f32 [b, T, C] the last block's out (chunks without the head)
+  std::unique_ptr<model::ParallelGPT> stage;  // instead of blocks under tensor / context parallelism
+  // Stage boundary tensors hold `rows` rows of C: b T, or this rank's share under tp + sp / cp.
+  Tensor input;    // f32 [rows, C] (tag activations), chunks after the first virtual stage
+  Tensor grad_in;  // f32 [rows, C] (tag comm) gradient of the chunk's output
+  const float* output = nullptr;  // f32 [rows, C] the last block's out (chunks without the head)
   bool backward_done = false;
 };
 
@@ -99,11 +99,17 @@ struct PipelineExecutor::Impl {
   ExecutorOptions opt;
   comm::Comm& pp;
   comm::Comm* dp;
+  model::ParallelGroups groups;
   MemoryPool& pool;
   int rank = 0;
+  bool tensor = false;    // chunks are model::ParallelGPT stages (tp, sp or cp > 1)
+  int64_t rows = 0;       // rows of a stage-boundary tensor for the current micro-batch shape
+  model::Parameter* tied = nullptr;  // this rank's wte (or copy) that ties across first and last stage
   std::vector<Chunk> chunks;
   std::vector<model::Parameter*> params;  // primaries, in chain order, then the wte copy
   std::unique_ptr<model::Parameter> wte_copy;
+  model::Parameter* copy = nullptr;                 // the wte copy among params (null: none)
+  std::vector<const model::ShardedParameter*> sharded;  // tensor mode: parallel to params
   model::Parameter* wte = nullptr;  // the wte this rank's head ties to
   std::unique_ptr<optim::AdamW> adam;
   Tensor ws_dres, ws_bufC, ws_buf4C;  // f32 [b, T, C], [b, T, C], [b, T, 4C] (tag workspace)
@@ -112,8 +118,9 @@ struct PipelineExecutor::Impl {
   int active_slots = 0, peak_slots = 0;
   std::vector<double> losses;  // per micro-batch (last stage)
 
-  Impl(const model::GPTConfig& c, const ExecutorOptions& o, comm::Comm& p, comm::Comm* d, MemoryPool& pl)
-      : cfg(c), opt(o), pp(p), dp(d), pool(pl) {}
+  Impl(const model::GPTConfig& c, const ExecutorOptions& o, comm::Comm& p, comm::Comm* d, model::ParallelGroups g,
+       MemoryPool& pl)
+      : cfg(c), opt(o), pp(p), dp(d), groups(g), pool(pl) {}
 
   std::unique_ptr<model::ChainBlock> make_block(int64_t e) {
     if (e == 0) return std::make_unique<model::Embedding>(cfg, pool);
@@ -124,7 +131,12 @@ struct PipelineExecutor::Impl {
   Slot* acquire(Chunk& ch, int mb) {
     auto it = ch.active.find(mb);
     if (it != ch.active.end()) return it->second;
-    if (ch.free.empty()) {
+    if (ch.free.empty() && tensor) {
+      auto s = std::make_unique<Slot>();
+      s->stage = ch.all[0]->stage->replica();
+      ch.free.push_back(s.get());
+      ch.all.push_back(std::move(s));
+    } else if (ch.free.empty()) {
       auto s = std::make_unique<Slot>();
       for (int64_t e = ch.first; e < ch.last; ++e) {
         auto blk = make_block(e);
@@ -147,6 +159,7 @@ struct PipelineExecutor::Impl {
   void release(Chunk& ch, int mb) {
     Slot* s = ch.active.at(mb);
     for (auto& blk : s->blocks) blk->release_activations();
+    if (s->stage) s->stage->release_activations();
     s->input = Tensor();
     s->grad_in = Tensor();
     s->output = nullptr;
@@ -172,6 +185,15 @@ struct PipelineExecutor::Impl {
       x = s.input.f32();
     }
     const float dscale = 1.0f / float(opt.schedule.micro_batches);
+    if (tensor) {
+      model::ForwardOptions fo;
+      fo.fuse_backward = true;
+      fo.dloss_scale = dscale;
+      const float l = s.stage->forward_stage(tokens.slice0(mb * b, b), targets.slice0(mb * b, b), x, fo);
+      if (s.stage->has_head()) losses[size_t(mb)] = l;
+      s.output = s.stage->has_head() ? nullptr : s.stage->stage_output();
+      return;
+    }
     for (int64_t e = ch.first; e < ch.last; ++e) {
       model::ChainBlock* blk = s.blocks[size_t(e - ch.first)].get();
       if (e == 0) {
@@ -196,13 +218,23 @@ struct PipelineExecutor::Impl {
   void backward(int mb, int c, bool input_only = false) {
     Chunk& ch = chunks[size_t(c)];
     Slot& s = slot_of(ch, mb, "backward");
-    const int64_t n = b * T * cfg.n_embd;
-    model::BackwardScratch ws{ws_dres.f32(), ws_bufC.f32(), ws_buf4C.f32()};
-    if (ch.last <= cfg.n_layer + 1) {  // no head: the output gradient came from the next stage
+    const int64_t n = rows * cfg.n_embd;
+    if (ch.last <= cfg.n_layer + 1)  // no head: the output gradient came from the next stage
       LOOM_CHECK(s.grad_in.defined(), "pipeline executor: rank {}: backward of micro-batch {} before its output "
                  "gradient arrived", rank, mb);
-      std::memcpy(ws.dres, s.grad_in.f32(), size_t(n) * sizeof(float));
+    if (tensor) {
+      s.stage->backward_stage(s.grad_in.defined() ? s.grad_in.f32() : nullptr, input_only);
+      s.grad_in = Tensor();
+      if (ch.first > 0) {
+        Tensor g = Tensor::empty({rows, cfg.n_embd}, DType::f32, MemTag::comm, pool);
+        std::memcpy(g.f32(), s.stage->input_grad(), size_t(n) * sizeof(float));
+        grad_out[{mb, c}] = std::move(g);
+      }
+      s.backward_done = true;
+      return;
     }
+    model::BackwardScratch ws{ws_dres.f32(), ws_bufC.f32(), ws_buf4C.f32()};
+    if (ch.last <= cfg.n_layer + 1) std::memcpy(ws.dres, s.grad_in.f32(), size_t(n) * sizeof(float));
     const float dscale = 1.0f / float(opt.schedule.micro_batches);
     for (int64_t e = ch.last - 1; e >= ch.first; --e) {
       const size_t k = size_t(e - ch.first);
@@ -241,6 +273,10 @@ struct PipelineExecutor::Impl {
     Slot& s = slot_of(ch, mb, "backward_weight");
     LOOM_CHECK(s.backward_done, "pipeline executor: rank {}: weight gradient of micro-batch {} before its input "
                "gradient", rank, mb);
+    if (tensor) {
+      s.stage->backward_weight();
+      return;
+    }
     for (int64_t e = ch.last - 1; e >= ch.first; --e) {
       model::ChainBlock* blk = s.blocks[size_t(e - ch.first)].get();
       if (e == 0) static_cast<model::Embedding*>(blk)->backward_weight();
@@ -252,12 +288,12 @@ struct PipelineExecutor::Impl {
   void send_act(int mb, int c, int peer) {
     Slot& s = slot_of(chunks[size_t(c)], mb, "send of the activation");
     LOOM_CHECK(s.output != nullptr, "pipeline executor: rank {}: send of micro-batch {} before its forward", rank, mb);
-    pp.send(s.output, b * T * cfg.n_embd, DType::f32, peer, 0);
+    pp.send(s.output, rows * cfg.n_embd, DType::f32, peer, 0);
   }
 
   void recv_act(int mb, int c, int peer) {
     Slot* s = acquire(chunks[size_t(c)], mb);
-    s->input = Tensor::empty({b, T, cfg.n_embd}, DType::f32, MemTag::activations, pool);
+    s->input = Tensor::empty({rows, cfg.n_embd}, DType::f32, MemTag::activations, pool);
     pp.recv(s->input, peer, 0);
   }
 
@@ -271,17 +307,20 @@ struct PipelineExecutor::Impl {
 
   void recv_grad(int mb, int c, int peer) {
     Slot& s = slot_of(chunks[size_t(c)], mb, "receive of the output gradient");
-    s.grad_in = Tensor::empty({b, T, cfg.n_embd}, DType::f32, MemTag::comm, pool);
+    s.grad_in = Tensor::empty({rows, cfg.n_embd}, DType::f32, MemTag::comm, pool);
     pp.recv(s.grad_in, peer, 0);
   }
 
   StepResult optimizer_step(double lr) {
-    const int p = pp.size();
     StepResult res;
+    // Tensor / context parallel stages: gradients summed over cp, sp-partial ones over tp.
+    if (tensor)
+      for (Chunk& ch : chunks) ch.all[0]->stage->finish_gradients();
     // Tied embeddings: the first and last stages add their wte gradients (a + b == b + a, so
-    // both copies get bit-identical sums).
-    if (cfg.tied_embeddings && p > 1 && (rank == 0 || rank == p - 1)) {
-      model::Parameter* w = rank == 0 ? wte : wte_copy.get();
+    // both copies get bit-identical sums). Under tp the two hold the same vocabulary rows.
+    if (tied) {
+      model::Parameter* w = tied;
+      const int p = pp.size();
       Tensor other = Tensor::empty(w->grad_full.shape(), DType::f32, MemTag::comm, pool);
       const int peer = rank == 0 ? p - 1 : 0;
       pp.sendrecv(w->grad_full.f32(), w->grad_full.numel(), peer, other.f32(), other.numel(), peer, DType::f32, 1);
@@ -299,7 +338,9 @@ struct PipelineExecutor::Impl {
     }
     // Global gradient norm over the pipeline (each parameter once: the wte copy is skipped).
     double ss = 0;
-    for (model::Parameter* prm : params) {
+    if (tensor)  // collective over tp: replicated parameters counted once, copies not at all
+      for (Chunk& ch : chunks) ss += ch.all[0]->stage->grad_sum_squares();
+    for (model::Parameter* prm : tensor ? std::vector<model::Parameter*>{} : params) {
       if (prm == wte_copy.get()) continue;
       const float* g = prm->grad.f32();
       double acc = 0;
@@ -315,14 +356,18 @@ struct PipelineExecutor::Impl {
 };
 
 PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOptions& opt, comm::Comm& pp,
-                                   comm::Comm* dp, MemoryPool& pool)
-    : impl_(std::make_unique<Impl>(cfg, opt, pp, dp, pool)) {
+                                   comm::Comm* dp, MemoryPool& pool, model::ParallelGroups groups)
+    : impl_(std::make_unique<Impl>(cfg, opt, pp, dp, groups, pool)) {
   opt.validate();
   cfg.validate("pipeline executor model config");
   LOOM_CHECK(pp.size() == opt.schedule.stages, "pipeline executor: schedule.stages = {} but the pipeline "
              "communicator has {} ranks", opt.schedule.stages, pp.size());
+  const int tp_size = groups.tp ? groups.tp->size() : 1, cp_size = groups.cp ? groups.cp->size() : 1;
+  LOOM_CHECK(tp_size == opt.tp && cp_size == opt.cp, "pipeline executor: tp = {} and cp = {} but the groups have {} "
+             "and {} ranks", opt.tp, opt.cp, tp_size, cp_size);
   Impl& I = *impl_;
   I.rank = pp.rank();
+  I.tensor = opt.tp > 1 || opt.cp > 1 || opt.sp;
   sch_ = generate(opt.schedule);
   checked_ = check_or_throw(sch_);
   const int p = sch_.p(), v = sch_.v(), V = p * v;
@@ -343,6 +388,30 @@ PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOp
     ch.first = cuts_[size_t(ch.vs)];
     ch.last = cuts_[size_t(ch.vs + 1)];
     I.chunks.push_back(std::move(ch));
+  }
+  if (I.tensor) {
+    // Each chunk is a model::ParallelGPT stage; a head without the embedding keeps its own copy
+    // of the wte shard (the same vocabulary rows as pipeline rank 0's at this tp rank).
+    for (Chunk& ch : I.chunks) {
+      auto s = std::make_unique<Slot>();
+      model::ParallelOptions po;
+      po.sp = opt.sp;
+      po.first = ch.first;
+      po.last = ch.last;
+      s->stage = std::make_unique<model::ParallelGPT>(cfg, groups, po, pool, opt.seed);
+      for (model::Parameter* prm : s->stage->parameters()) I.params.push_back(prm);
+      for (auto& sh : s->stage->sharded()) {
+        I.sharded.push_back(sh.get());
+        if (sh->tied_copy) I.copy = &sh->shard;
+      }
+      if (cfg.tied_embeddings && p > 1 && (owns_embedding != owns_head) && s->stage->tied_wte() &&
+          (s->stage->has_embedding() || s->stage->has_head()))
+        I.tied = &s->stage->tied_wte()->shard;
+      ch.free.push_back(s.get());
+      ch.all.push_back(std::move(s));
+    }
+    I.adam = std::make_unique<optim::AdamW>(I.params, opt.adamw, pool);
+    return;
   }
   if (cfg.tied_embeddings && owns_head && !owns_embedding) {
     model::Embedding spec_source(cfg, pool);  // for the exact wte spec
@@ -366,18 +435,24 @@ PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOp
     ch.all.push_back(std::move(s));
   }
   if (I.wte_copy) I.params.push_back(I.wte_copy.get());
+  I.copy = I.wte_copy.get();
+  if (cfg.tied_embeddings && p > 1 && owns_embedding != owns_head) I.tied = I.wte;
   I.adam = std::make_unique<optim::AdamW>(I.params, opt.adamw, pool);
 }
 
 PipelineExecutor::~PipelineExecutor() = default;
 
 std::vector<model::Parameter*> PipelineExecutor::parameters() const { return impl_->params; }
-bool PipelineExecutor::is_copy(const model::Parameter* p) const { return p == impl_->wte_copy.get(); }
+bool PipelineExecutor::is_copy(const model::Parameter* p) const { return p != nullptr && p == impl_->copy; }
+std::vector<const model::ShardedParameter*> PipelineExecutor::sharded() const { return impl_->sharded; }
 optim::AdamW& PipelineExecutor::optimizer() const { return *impl_->adam; }
 
 int64_t PipelineExecutor::activation_bytes_per_micro_batch(int chunk, int64_t b, int64_t T) const {
   const Chunk& ch = impl_->chunks.at(size_t(chunk));
-  int64_t bytes = ch.first > 0 ? b * T * impl_->cfg.n_embd * int64_t(sizeof(float)) : 0;
+  const model::ParallelGPT* st = ch.all[0]->stage.get();
+  const int64_t rows = st ? st->stream_rows(b, T) : b * T;
+  int64_t bytes = ch.first > 0 ? rows * impl_->cfg.n_embd * int64_t(sizeof(float)) : 0;
+  if (st) bytes += st->saved_activation_bytes(b, T);
   for (auto& blk : ch.all[0]->blocks) bytes += blk->saved_activation_bytes(b, T);
   return bytes;
 }
@@ -394,7 +469,14 @@ StepResult PipelineExecutor::step(const Tensor& tokens, const Tensor& targets, d
   LOOM_CHECK(T >= 1 && T <= I.cfg.block_size, "pipeline executor: sequence length {} outside [1, block_size = {}]", T,
              I.cfg.block_size);
   const int64_t b = B / m, C = I.cfg.n_embd;
-  if (b != I.b || T != I.T) {
+  if (I.opt.cp > 1)
+    LOOM_CHECK(T % (2 * I.opt.cp) == 0, "pipeline executor: sequence length {} is not divisible by 2 x cp = {}", T,
+               2 * I.opt.cp);
+  I.rows = I.tensor ? I.chunks[0].all[0]->stage->stream_rows(b, T) : b * T;
+  if (I.tensor) {
+    I.b = b;
+    I.T = T;
+  } else if (b != I.b || T != I.T) {
     I.b = b;
     I.T = T;
     I.ws_dres = Tensor::empty({b, T, C}, DType::f32, MemTag::workspace, I.pool);

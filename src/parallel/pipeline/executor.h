@@ -15,7 +15,14 @@
 // (Megatron's embedding group), so both copies take the same update.
 //
 // Composition: data parallelism through a dp communicator (gradients averaged after the
-// pipeline flush). Tensor, sequence and context parallelism and ZeRO are refused with an error.
+// pipeline flush). Tensor, sequence and context parallelism through tp / cp groups: each chunk
+// is then a model::ParallelGPT stage over the chunk's chain elements (one replica per micro-batch
+// in flight, sharing the parameters), and the tensors passed between stages are this rank's rows
+// of the residual stream (B T / cp, or its sp share), sent to the same (tp, cp) coordinate of
+// the next stage: the pipeline communicator joins exactly those ranks. After the flush the
+// stages sum their gradients over cp (and the sp-partial ones over tp), the tied wte shards of
+// the first and last stage are added, dp averages, and the norm is summed over tp and pp. ZeRO is
+// refused with an error.
 //
 // Driving it from a trainer: one PipelineExecutor per rank, built from the pp (and dp)
 // sub-communicators of the mesh; each step call takes the replica's batch and returns the mean
@@ -32,6 +39,7 @@
 #include "core/tensor.h"
 #include "model/config.h"
 #include "model/param.h"
+#include "model/tp_gpt.h"
 #include "optim/adamw.h"
 #include "parallel/pipeline/checker.h"
 #include "parallel/pipeline/draw.h"
@@ -53,7 +61,8 @@ struct ExecutorOptions {
   std::vector<int64_t> cuts;        // p * v + 1 chain boundaries; empty: balanced by chain_costs
   optim::AdamWConfig adamw;
   uint64_t seed = 1337;             // initialisation, as the single-device model's
-  int tp = 1, sp = 1, cp = 1;       // other dimensions composed with pp (only 1 supported)
+  int tp = 1, cp = 1;               // tensor and context parallel sizes composed with pp
+  bool sp = false;                  // sequence parallelism within tp
   int zero_stage = 0;               // ZeRO (only 0 supported)
   // Refuses unsupported combinations with an error naming the field.
   void validate() const;
@@ -75,8 +84,10 @@ class PipelineExecutor {
  public:
   // pp: this rank's pipeline communicator (rank = stage); dp: data-parallel communicator or
   // nullptr. Both must outlive the executor. Parameters come from `pool` (tags params, grads).
+  // groups: the tensor and context parallel groups of this rank (their sizes must equal opt.tp
+  // and opt.cp).
   PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOptions& opt, comm::Comm& pp, comm::Comm* dp,
-                   MemoryPool& pool);
+                   MemoryPool& pool, model::ParallelGroups groups = {});
   ~PipelineExecutor();
   PipelineExecutor(const PipelineExecutor&) = delete;
   PipelineExecutor& operator=(const PipelineExecutor&) = delete;
@@ -92,6 +103,9 @@ class PipelineExecutor {
   // This rank's parameters (a last-stage copy of a tied wte included, flagged by is_copy).
   std::vector<model::Parameter*> parameters() const;
   bool is_copy(const model::Parameter* p) const;
+  // Under tp / sp / cp: where each of parameters() lies in its full tensor (same order); empty
+  // otherwise (parameters are then full tensors).
+  std::vector<const model::ShardedParameter*> sharded() const;
   // The optimizer over parameters() (moments by the same index), for checkpoints.
   optim::AdamW& optimizer() const;
   const std::vector<TraceEvent>& trace() const { return trace_; }

@@ -35,8 +35,9 @@ void check_activation_formula(const model::GPTConfig& cfg, const MemCase& mc, in
     EXPECT_EQ(double(pool.current(MemTag::activations)), expect);
     EXPECT_EQ(pool.current(MemTag::activations), m.saved_activation_bytes(b, S));
     EXPECT_EQ(double(m.block_saved_bytes(b, S)), layer_formula(s, b, h, a, mc.tp, mc.sp));
-    if (mc.sp)  // Korthikanti's tp + sp claim: every per-layer activation divided by t
+    if (mc.sp) {  // Korthikanti's tp + sp claim: every per-layer activation divided by t
       EXPECT_EQ(double(m.block_saved_bytes(b, S)) * mc.tp, layer_formula(s, b, h, a, 1, false));
+    }
     if (c.rank() == 0)
       std::printf("  %s tp=%d cp=%d sp=%d: per layer %s, total saved activations %s per rank\n", cfg.name.c_str(),
                   mc.tp, mc.cp, int(mc.sp), format_bytes(m.block_saved_bytes(b, S)).c_str(),
