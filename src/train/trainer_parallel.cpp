@@ -215,13 +215,15 @@ class TensorEngine : public Engine {
   Tensor x_, y_;  // i32 [mb, T]
 };
 
-// Pipeline parallel (PipelineExecutor) with data parallelism through its dp communicator.
+// Pipeline parallel (PipelineExecutor) with data parallelism through its dp communicator, and
+// tensor / sequence / context parallelism inside each stage.
 class PipelineEngine : public Engine {
  public:
   PipelineEngine(const TrainConfig& cfg, const model::GPTConfig& mc, const optim::AdamWConfig& oc,
                  parallel::MeshComms& comms, data::Loader& train, MemoryPool& pool)
-      : cfg_(cfg), mc_(comms), train_(train), pp_(comms["pp"]), dp_(comms["dp"]),
-        exec_(mc, options(cfg, oc), comms["pp"], comms["dp"].size() > 1 ? &comms["dp"] : nullptr, pool) {
+      : cfg_(cfg), mc_(comms), train_(train), pp_(comms["pp"]), dp_(comms["dp"]), tp_(comms["tp"]),
+        exec_(mc, options(cfg, oc), comms["pp"], comms["dp"].size() > 1 ? &comms["dp"] : nullptr, pool,
+              {&comms["tp"], &comms["cp"]}) {
     local_ = cfg.batch_size / dp_.size();
     x_ = Tensor::empty({local_, cfg.seq_len}, DType::i32, MemTag::workspace, pool);
     y_ = Tensor::empty({local_, cfg.seq_len}, DType::i32, MemTag::workspace, pool);
@@ -233,6 +235,9 @@ class PipelineEngine : public Engine {
     o.schedule.stages = int(cfg.pp);
     o.schedule.virtual_stages = o.schedule.kind == pipe::Kind::interleaved ? int(cfg.virtual_stages) : 1;
     o.schedule.micro_batches = int(cfg.grad_accum);
+    o.tp = int(cfg.tp);
+    o.cp = int(cfg.cp);
+    o.sp = cfg.sp;
     o.adamw = oc;
     o.seed = cfg.seed;
     return o;
@@ -260,17 +265,50 @@ class PipelineEngine : public Engine {
     return sum / double(n);
   }
 
-  // The pipeline of the replica with dp = 0 takes part: pipeline rank k > 0 sends, for each of its
-  // parameters (the last stage's copy of a tied wte skipped), its name, size and tensors to
-  // pipeline rank 0 (world rank 0).
+  // The pipeline of the replica with dp = cp = 0 takes part. Under tp each stage first assembles
+  // its full tensors over the tp group (a sum of zero-filled buffers into which every rank wrote
+  // its shard, a replicated tensor by tp rank 0 only); then tp rank 0's pipeline (world rank 0's)
+  // moves them: pipeline rank k > 0 sends, for each of its parameters (the last stage's copy of a
+  // tied wte skipped), its name, size and tensors to pipeline rank 0.
   void gather(FullModel* full, bool with_moments) override {
-    if (mc_.coord("dp") != 0) return;
+    if (mc_.coord("dp") != 0 || mc_.coord("cp") != 0) return;
     if (full && with_moments) full->ensure_moments();
     optim::AdamW& adam = exec_.optimizer();
     std::vector<size_t> mine;
     const auto ps = exec_.parameters();
     for (size_t i = 0; i < ps.size(); ++i)
       if (!exec_.is_copy(ps[i])) mine.push_back(i);
+    const auto sharded = exec_.sharded();
+    // Full tensors of this stage's parameters: value, and the moments when with_moments.
+    struct Full {
+      std::string name;
+      std::vector<float> v, m, s;
+    };
+    std::vector<Full> fulls;
+    for (size_t i : mine) {
+      Full f;
+      const model::Parameter& p = *ps[i];
+      f.name = p.spec.name;
+      auto one = [&](const float* src, std::vector<float>& out) {
+        if (sharded.empty()) {
+          out.assign(src, src + p.spec.numel());
+          return;
+        }
+        const model::ShardedParameter& sp = *sharded[i];
+        out.assign(size_t(sp.global.numel()), 0.0f);
+        if (!sp.replicated || tp_.rank() == 0)
+          for (const model::ShardSegment& sg : sp.segments)
+            std::memcpy(out.data() + sg.global, src + sg.local, size_t(sg.n) * sizeof(float));
+        tp_.all_reduce(out.data(), int64_t(out.size()), DType::f32);
+      };
+      one(p.value.f32(), f.v);
+      if (with_moments) {
+        one(adam.exp_avg(i).f32(), f.m);
+        one(adam.exp_avg_sq(i).f32(), f.s);
+      }
+      fulls.push_back(std::move(f));
+    }
+    if (tp_.rank() != 0) return;
     auto store = [&](const std::string& name, int64_t n, const float* v, const float* m, const float* s) {
       model::Parameter& dst = full->param(name, n);
       const size_t di = full->index.at(name);
@@ -282,27 +320,24 @@ class PipelineEngine : public Engine {
     };
     const int tag = 7;
     if (pp_.rank() != 0) {
-      int32_t count = int32_t(mine.size());
+      int32_t count = int32_t(fulls.size());
       pp_.send(&count, 1, DType::i32, 0, tag);
-      for (size_t i : mine) {
-        const model::Parameter& p = *ps[i];
-        const std::string& name = p.spec.name;
-        int32_t head[2] = {int32_t(name.size()), int32_t(p.spec.numel())};
+      for (const Full& f : fulls) {
+        const int64_t n = int64_t(f.v.size());
+        int32_t head[2] = {int32_t(f.name.size()), int32_t(n)};
         pp_.send(head, 2, DType::i32, 0, tag);
-        std::vector<int32_t> chars(name.begin(), name.end());
+        std::vector<int32_t> chars(f.name.begin(), f.name.end());
         pp_.send(chars.data(), int64_t(chars.size()), DType::i32, 0, tag);
-        pp_.send(p.value.f32(), p.spec.numel(), DType::f32, 0, tag);
+        pp_.send(f.v.data(), n, DType::f32, 0, tag);
         if (with_moments) {
-          pp_.send(adam.exp_avg(i).f32(), p.spec.numel(), DType::f32, 0, tag);
-          pp_.send(adam.exp_avg_sq(i).f32(), p.spec.numel(), DType::f32, 0, tag);
+          pp_.send(f.m.data(), n, DType::f32, 0, tag);
+          pp_.send(f.s.data(), n, DType::f32, 0, tag);
         }
       }
       return;
     }
-    for (size_t i : mine)
-      if (full)
-        store(ps[i]->spec.name, ps[i]->spec.numel(), ps[i]->value.f32(), adam.exp_avg(i).f32(),
-              adam.exp_avg_sq(i).f32());
+    for (const Full& f : fulls)
+      if (full) store(f.name, int64_t(f.v.size()), f.v.data(), f.m.data(), f.s.data());
     std::vector<float> v, m, s;
     for (int src = 1; src < pp_.size(); ++src) {
       int32_t count = 0;
@@ -329,8 +364,11 @@ class PipelineEngine : public Engine {
 
   std::string describe() const override {
     const auto& sp = exec_.schedule().spec;
-    return fmt::format("pp {} ({}, m = {}{}) x dp {}", sp.stages, pipe::kind_name(sp.kind), sp.micro_batches,
-                       sp.virtual_stages > 1 ? fmt::format(", v = {}", sp.virtual_stages) : "", dp_.size());
+    return fmt::format("pp {} ({}, m = {}{}) x dp {}{}", sp.stages, pipe::kind_name(sp.kind), sp.micro_batches,
+                       sp.virtual_stages > 1 ? fmt::format(", v = {}", sp.virtual_stages) : "", dp_.size(),
+                       cfg_.tp > 1 || cfg_.cp > 1 || cfg_.sp
+                           ? fmt::format(" x tp {}{} x cp {}", cfg_.tp, cfg_.sp ? " + sp" : "", cfg_.cp)
+                           : "");
   }
   std::vector<pipe::TraceEvent> trace() const override { return exec_.trace(); }
 
@@ -340,6 +378,7 @@ class PipelineEngine : public Engine {
   data::Loader& train_;
   comm::Comm& pp_;
   comm::Comm& dp_;
+  comm::Comm& tp_;
   pipe::PipelineExecutor exec_;
   int64_t local_ = 0;
   Tensor x_, y_;  // i32 [B / dp, T]
@@ -534,12 +573,6 @@ bool needs_mesh(const TrainConfig& cfg) { return cfg.tp > 1 || cfg.cp > 1 || cfg
 
 TrainResult run_training_mesh(const TrainConfig& cfg, const TrainOptions& opt) {
   const std::string where = opt.config_path.empty() ? "config" : opt.config_path;
-  const bool tensor = cfg.tp > 1 || cfg.cp > 1 || cfg.sp;
-  if (cfg.pp > 1 && tensor)
-    throw Error(fmt::format("{}: parallel.pp = {} cannot be combined with parallel.tp = {}, parallel.cp = {} or "
-                            "parallel.sp = {} yet; use pipeline (with parallel.dp) or tensor/sequence/context "
-                            "parallelism (with parallel.dp)",
-                            where, cfg.pp, cfg.tp, cfg.cp, cfg.sp));
   if (cfg.zero > 0)
     throw Error(fmt::format("{}: parallel.zero = {} is not supported with parallel.tp = {}, parallel.cp = {}, "
                             "parallel.sp = {}, parallel.pp = {} (ZeRO runs with data parallelism alone); set "
