@@ -21,10 +21,10 @@
 
 namespace loom::parallel::pipeline::testing {
 
-std::vector<float> train_tiny(comm::Comm& world, const ScheduleSpec& spec, int steps) {
-  LOOM_CHECK(world.size() % spec.stages == 0, "train_tiny: {} ranks is not a multiple of p = {}", world.size(),
-             spec.stages);
-  const int dp = world.size() / spec.stages;
+std::vector<float> train_tiny(comm::Comm& world, const ScheduleSpec& spec, int steps, int tp) {
+  LOOM_CHECK(world.size() % (spec.stages * tp) == 0, "train_tiny: {} ranks is not a multiple of p x tp = {}",
+             world.size(), spec.stages * tp);
+  const int dp = world.size() / (spec.stages * tp);
   constexpr int64_t kBatch = 8, kT = 8;  // per data-parallel replica
   model::GPTConfig cfg;
   cfg.name = "pipeline-mpi-tiny";
@@ -33,15 +33,17 @@ std::vector<float> train_tiny(comm::Comm& world, const ScheduleSpec& spec, int s
   cfg.n_embd = 32;
   cfg.vocab_size = 97;
   cfg.block_size = 16;
-  Mesh mesh = Mesh::standard(spec.stages, dp, 1, 1);
+  Mesh mesh = Mesh::standard(spec.stages, dp, 1, tp);
   auto pp = split_comm(mesh, world, {"pp"});
   auto dpc = split_comm(mesh, world, {"dp"});
+  auto tpc = split_comm(mesh, world, {"tp"});
   MemoryPool pool("rank" + std::to_string(world.rank()));
   ExecutorOptions o;
   o.schedule = spec;
   o.adamw.lr = 1e-2;
   o.adamw.max_norm = 0.5f;
-  PipelineExecutor ex(cfg, o, *pp, dpc.get(), pool);
+  o.tp = tp;
+  PipelineExecutor ex(cfg, o, *pp, dpc.get(), pool, {tpc.get(), nullptr});
   std::mt19937 rng(4321);
   std::vector<float> losses;
   for (int s = 0; s < steps; ++s) {

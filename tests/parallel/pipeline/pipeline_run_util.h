@@ -10,8 +10,9 @@
 namespace loom::parallel::pipeline::testing {
 
 // Trains the tiny GPT for `steps` steps with pipeline schedule `spec` over world.size() ranks
-// (pp = spec.stages, dp = world.size() / pp); returns the per-step losses (the same on every rank).
-std::vector<float> train_tiny(comm::Comm& world, const ScheduleSpec& spec, int steps);
+// (pp = spec.stages, tensor parallel tp, dp = world.size() / (pp tp)); returns the per-step
+// losses (the same on every rank).
+std::vector<float> train_tiny(comm::Comm& world, const ScheduleSpec& spec, int steps, int tp = 1);
 
 // The losses as "loss <step> <hex bits of the f32>" lines, for bitwise comparison across processes.
 std::string loss_lines(const std::vector<float>& losses);
