@@ -1,4 +1,5 @@
 #include "model/blocks.h"
+#include "model/param_specs.h"
 
 #include <cmath>
 #include <cstring>
@@ -42,10 +43,9 @@ Parameter& ChainBlock::add_param(ParamSpec spec) {
 // Embedding
 
 Embedding::Embedding(const GPTConfig& cfg, MemoryPool& pool) : cfg_(cfg), pool_(pool) {
-  const int64_t C = cfg.n_embd;
-  params_.reserve(2);
-  add_param({"wte.weight", {cfg.vocab_size, C}, cfg.padded_vocab(), Init::normal, cfg.init_std}).allocate(pool);
-  add_param({"wpe.weight", {cfg.block_size, C}, cfg.block_size, Init::normal, cfg.init_std}).allocate(pool);
+  const std::vector<ParamSpec> specs = embedding_param_specs(cfg);
+  params_.reserve(specs.size());
+  for (const ParamSpec& spec : specs) add_param(spec).allocate(pool);
 }
 
 std::vector<SavedActivation> Embedding::saved_activations(int64_t B, int64_t T) const {
@@ -99,24 +99,11 @@ void Embedding::backward_weight() {
 
 TransformerBlock::TransformerBlock(const GPTConfig& cfg, int64_t layer, MemoryPool& pool)
     : cfg_(cfg), layer_(layer), pool_(pool) {
-  const int64_t C = cfg.n_embd;
-  const std::string p = "h." + std::to_string(layer) + ".";
-  const float std = cfg.init_std;
-  const float proj_std = cfg.init_std / std::sqrt(2.0f * float(cfg.n_layer));
-  params_.reserve(12);
-  // Order and names as Hugging Face GPT-2 (weights here in Linear layout [out, in]).
-  add_param({p + "ln_1.weight", {C}, C, Init::ones, 0});
-  add_param({p + "ln_1.bias", {C}, C, Init::zeros, 0});
-  add_param({p + "attn.c_attn.weight", {3 * C, C}, 3 * C, Init::normal, std});
-  add_param({p + "attn.c_attn.bias", {3 * C}, 3 * C, Init::zeros, 0});
-  add_param({p + "attn.c_proj.weight", {C, C}, C, Init::normal, proj_std});
-  add_param({p + "attn.c_proj.bias", {C}, C, Init::zeros, 0});
-  add_param({p + "ln_2.weight", {C}, C, Init::ones, 0});
-  add_param({p + "ln_2.bias", {C}, C, Init::zeros, 0});
-  add_param({p + "mlp.c_fc.weight", {4 * C, C}, 4 * C, Init::normal, std});
-  add_param({p + "mlp.c_fc.bias", {4 * C}, 4 * C, Init::zeros, 0});
-  add_param({p + "mlp.c_proj.weight", {C, 4 * C}, C, Init::normal, proj_std});
-  add_param({p + "mlp.c_proj.bias", {C}, C, Init::zeros, 0});
+  // Order and names as Hugging Face GPT-2 (weights here in Linear layout [out, in]); the
+  // LN1_W ... MLP_PROJ_B indices are model::BlockParam's.
+  const std::vector<ParamSpec> specs = block_param_specs(cfg, layer);
+  params_.reserve(specs.size());
+  for (const ParamSpec& spec : specs) add_param(spec);
   for (auto& q : params_) q.allocate(pool);
 }
 
@@ -268,14 +255,10 @@ void TransformerBlock::backward_weight() {
 // Head
 
 Head::Head(const GPTConfig& cfg, Parameter* tied, MemoryPool& pool) : cfg_(cfg), pool_(pool), lm_head_(tied) {
-  const int64_t C = cfg.n_embd;
-  params_.reserve(3);
-  add_param({"ln_f.weight", {C}, C, Init::ones, 0}).allocate(pool);
-  add_param({"ln_f.bias", {C}, C, Init::zeros, 0}).allocate(pool);
-  if (!cfg.tied_embeddings) {
-    lm_head_ = &add_param({"lm_head.weight", {cfg.vocab_size, C}, cfg.padded_vocab(), Init::normal, cfg.init_std});
-    lm_head_->allocate(pool);
-  }
+  const std::vector<ParamSpec> specs = head_param_specs(cfg);
+  params_.reserve(specs.size());
+  for (const ParamSpec& spec : specs) add_param(spec).allocate(pool);
+  if (!cfg.tied_embeddings) lm_head_ = &params_.back();
   LOOM_CHECK(lm_head_ != nullptr, "head: tied embeddings need the wte parameter");
   LOOM_CHECK(lm_head_->value_full.size(0) == cfg.padded_vocab(), "head: lm_head has {} rows, expected {}",
              lm_head_->value_full.size(0), cfg.padded_vocab());

@@ -12,6 +12,7 @@
 #include "core/tensor.h"
 #include "model/config.h"
 #include "model/param.h"
+#include "model/param_specs.h"
 
 namespace loom::model {
 
@@ -126,7 +127,10 @@ class TransformerBlock final : public ChainBlock {
   const Saved& saved() const { return a_; }
 
  private:
-  enum : int { LN1_W, LN1_B, QKV_W, QKV_B, ATTN_PROJ_W, ATTN_PROJ_B, LN2_W, LN2_B, FC_W, FC_B, MLP_PROJ_W, MLP_PROJ_B };
+  enum : int {  // positions in params_ (model/param_specs.h)
+    LN1_W = kLn1W, LN1_B = kLn1B, QKV_W = kQkvW, QKV_B = kQkvB, ATTN_PROJ_W = kAttnProjW, ATTN_PROJ_B = kAttnProjB,
+    LN2_W = kLn2W, LN2_B = kLn2B, FC_W = kFcW, FC_B = kFcB, MLP_PROJ_W = kMlpProjW, MLP_PROJ_B = kMlpProjB
+  };
   GPTConfig cfg_;
   int64_t layer_;
   MemoryPool& pool_;

@@ -19,9 +19,7 @@ using cuda::bf16;
 namespace {
 
 constexpr int64_t kAlignElems = 128;  // parameter offsets: 256 bytes of bf16, 512 of f32
-constexpr int kPerLayer = 12;
-// Indices within a layer's 12 parameters (Hugging Face order).
-enum { kLn1W, kLn1B, kAttnW, kAttnB, kProjW, kProjB, kLn2W, kLn2B, kFcW, kFcB, kFcProjW, kFcProjB };
+constexpr int kPerLayer = kBlockParams;  // indices within a layer: model::BlockParam
 
 __global__ void f32_to_bf16_kernel(bf16* out, const float* in, int64_t n) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
@@ -39,34 +37,11 @@ __global__ void mean_loss_kernel(float* out, const float* losses, int64_t n, flo
 
 }  // namespace
 
-std::vector<ParamSpec> gpt_param_specs(const GPTConfig& cfg) {
+std::vector<ParamSpec> cuda_param_specs(const GPTConfig& cfg) {
   cfg.validate("GPTCuda config");
   LOOM_CHECK(cfg.tied_embeddings, "GPTCuda config '{}': untied embeddings (lm_head.weight) are not supported on CUDA",
              cfg.name);
-  const int64_t C = cfg.n_embd;
-  const float std = cfg.init_std;
-  const float proj_std = cfg.init_std / std::sqrt(2.0f * float(cfg.n_layer));
-  std::vector<ParamSpec> s;
-  s.push_back({"wte.weight", {cfg.vocab_size, C}, cfg.padded_vocab(), Init::normal, std});
-  s.push_back({"wpe.weight", {cfg.block_size, C}, cfg.block_size, Init::normal, std});
-  for (int64_t l = 0; l < cfg.n_layer; ++l) {
-    const std::string p = "h." + std::to_string(l) + ".";
-    s.push_back({p + "ln_1.weight", {C}, C, Init::ones, 0});
-    s.push_back({p + "ln_1.bias", {C}, C, Init::zeros, 0});
-    s.push_back({p + "attn.c_attn.weight", {3 * C, C}, 3 * C, Init::normal, std});
-    s.push_back({p + "attn.c_attn.bias", {3 * C}, 3 * C, Init::zeros, 0});
-    s.push_back({p + "attn.c_proj.weight", {C, C}, C, Init::normal, proj_std});
-    s.push_back({p + "attn.c_proj.bias", {C}, C, Init::zeros, 0});
-    s.push_back({p + "ln_2.weight", {C}, C, Init::ones, 0});
-    s.push_back({p + "ln_2.bias", {C}, C, Init::zeros, 0});
-    s.push_back({p + "mlp.c_fc.weight", {4 * C, C}, 4 * C, Init::normal, std});
-    s.push_back({p + "mlp.c_fc.bias", {4 * C}, 4 * C, Init::zeros, 0});
-    s.push_back({p + "mlp.c_proj.weight", {C, 4 * C}, C, Init::normal, proj_std});
-    s.push_back({p + "mlp.c_proj.bias", {C}, C, Init::zeros, 0});
-  }
-  s.push_back({"ln_f.weight", {C}, C, Init::ones, 0});
-  s.push_back({"ln_f.bias", {C}, C, Init::zeros, 0});
-  return s;
+  return gpt_param_specs(cfg);
 }
 
 // Saved activations (bf16 unless noted) and backward workspace, all for the options' B x T.
@@ -110,7 +85,7 @@ void* GPTCuda::alloc(size_t bytes, MemTag tag) {
 GPTCuda::GPTCuda(const GPTConfig& cfg, const GPTCudaOptions& opt, MemoryPool& pool, uint64_t seed)
     : cfg_(cfg), opt_(opt), pool_(pool) {
   LOOM_CHECK(pool_.device() == Device::cuda, "GPTCuda: pool '{}' is not a device pool", pool_.name().c_str());
-  specs_ = gpt_param_specs(cfg_);
+  specs_ = cuda_param_specs(cfg_);
   // Every copy and memset of the model runs on its own (non-blocking) stream, so it is ordered
   // with the model's kernels; the legacy default stream would not be.
   LOOM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
@@ -327,7 +302,7 @@ void GPTCuda::enqueue_forward(bool fused_loss_grad) {
   for (int64_t l = 0; l < L; ++l) {
     Acts::Layer& y = a.layers[size_t(l)];
     const size_t p = size_t(2 + kPerLayer * l);
-    cuda::matmul_forward({y.qkv, nullptr, y.ln1, W(p + kAttnW), W(p + kAttnB), BT, C, 3 * C, false}, s);
+    cuda::matmul_forward({y.qkv, nullptr, y.ln1, W(p + kQkvW), W(p + kQkvB), BT, C, 3 * C, false}, s);
     if (opt_.attention == CudaAttention::gemm) {
       cuda::attn_gemm_forward(y.atty, y.att, y.qkv, {B, T, NH, HS}, a.attn_ws, s);
     } else {
@@ -340,11 +315,11 @@ void GPTCuda::enqueue_forward(bool fused_loss_grad) {
       args.o_stride = C;
       cuda::attention_forward(y.atty, y.lse, y.qkv, y.qkv + C, y.qkv + 2 * C, args, s);
     }
-    cuda::matmul_forward({a.proj, nullptr, y.atty, W(p + kProjW), W(p + kProjB), BT, C, C, false}, s);
+    cuda::matmul_forward({a.proj, nullptr, y.atty, W(p + kAttnProjW), W(p + kAttnProjB), BT, C, C, false}, s);
     cuda::residual_layernorm_forward(y.x2, y.ln2, y.ln2_mean, y.ln2_rstd, a.x[size_t(l)], a.proj, W(p + kLn2W),
                                      W(p + kLn2B), BT, C, s, eps);
     cuda::matmul_forward({y.fch_gelu, y.fch, y.ln2, W(p + kFcW), W(p + kFcB), BT, C, 4 * C, true}, s);
-    cuda::matmul_forward({a.proj, nullptr, y.fch_gelu, W(p + kFcProjW), W(p + kFcProjB), BT, 4 * C, C, false}, s);
+    cuda::matmul_forward({a.proj, nullptr, y.fch_gelu, W(p + kMlpProjW), W(p + kMlpProjB), BT, 4 * C, C, false}, s);
     if (l + 1 < L) {
       Acts::Layer& z = a.layers[size_t(l + 1)];
       const size_t q = p + kPerLayer;
@@ -394,11 +369,11 @@ void GPTCuda::enqueue_backward() {
     // MLP projection (and GELU): dres is d x[l + 1], also d of the projection's output.
     cuda::MatmulBwdArgs fcp;
     fcp.dinp = a.dbig;
-    fcp.dweight = G(p + kFcProjW);
-    fcp.dbias = G(p + kFcProjB);
+    fcp.dweight = G(p + kMlpProjW);
+    fcp.dbias = G(p + kMlpProjB);
     fcp.dout = a.dres;
     fcp.inp = y.fch_gelu;
-    fcp.weight = W(p + kFcProjW);
+    fcp.weight = W(p + kMlpProjW);
     fcp.dinp_gelu_pre = opt_.fuse_dgelu ? y.fch : nullptr;
     fcp.M = BT;
     fcp.K = 4 * C;
@@ -423,11 +398,11 @@ void GPTCuda::enqueue_backward() {
     // Attention projection: dres is now d x2.
     cuda::MatmulBwdArgs proj;
     proj.dinp = a.dln;
-    proj.dweight = G(p + kProjW);
-    proj.dbias = G(p + kProjB);
+    proj.dweight = G(p + kAttnProjW);
+    proj.dbias = G(p + kAttnProjB);
     proj.dout = a.dres;
     proj.inp = y.atty;
-    proj.weight = W(p + kProjW);
+    proj.weight = W(p + kAttnProjW);
     proj.M = BT;
     proj.K = C;
     proj.N = C;
@@ -449,11 +424,11 @@ void GPTCuda::enqueue_backward() {
     }
     cuda::MatmulBwdArgs qkv;
     qkv.dinp = a.dln;
-    qkv.dweight = G(p + kAttnW);
-    qkv.dbias = G(p + kAttnB);
+    qkv.dweight = G(p + kQkvW);
+    qkv.dbias = G(p + kQkvB);
     qkv.dout = dqkv;
     qkv.inp = y.ln1;
-    qkv.weight = W(p + kAttnW);
+    qkv.weight = W(p + kQkvW);
     qkv.M = BT;
     qkv.K = C;
     qkv.N = 3 * C;

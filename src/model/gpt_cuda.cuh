@@ -19,6 +19,7 @@
 #include "kernels/cuda/common.cuh"
 #include "model/config.h"
 #include "model/param.h"
+#include "model/param_specs.h"
 
 namespace loom::model {
 
@@ -36,9 +37,9 @@ struct GPTCudaOptions {
   float grad_clip = 1.0f;    // global-norm clipping; <= 0 disables
 };
 
-// The parameter list of a GPT-2 config: names, shapes, padding rows and initialisation, in Hugging
-// Face order, exactly as the CPU model declares them.
-std::vector<ParamSpec> gpt_param_specs(const GPTConfig& cfg);
+// The parameter list of a GPT-2 config (model/param_specs.h: the CPU model's own), after checking
+// the config is one the CUDA model supports (tied embeddings).
+std::vector<ParamSpec> cuda_param_specs(const GPTConfig& cfg);
 
 class GPTCuda {
  public:

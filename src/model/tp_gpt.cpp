@@ -1,4 +1,5 @@
 #include "model/tp_gpt.h"
+#include "model/param_specs.h"
 
 #include <algorithm>
 #include <array>
@@ -23,7 +24,10 @@ constexpr int64_t F = sizeof(float);
 constexpr int64_t I = sizeof(int32_t);
 namespace tpm = parallel::tp;
 
-enum : int { LN1_W, LN1_B, QKV_W, QKV_B, ATTN_PROJ_W, ATTN_PROJ_B, LN2_W, LN2_B, FC_W, FC_B, MLP_PROJ_W, MLP_PROJ_B };
+enum : int {
+  LN1_W = kLn1W, LN1_B = kLn1B, QKV_W = kQkvW, QKV_B = kQkvB, ATTN_PROJ_W = kAttnProjW, ATTN_PROJ_B = kAttnProjB,
+  LN2_W = kLn2W, LN2_B = kLn2B, FC_W = kFcW, FC_B = kFcB, MLP_PROJ_W = kMlpProjW, MLP_PROJ_B = kMlpProjB
+};
 
 // Shard builders: the local shape and where it lies in the full tensor.
 std::unique_ptr<ShardedParameter> make_shard(ParamSpec global, Shape local, std::vector<ShardSegment> segs,
@@ -161,8 +165,6 @@ ParallelGPT::ParallelGPT(const GPTConfig& cfg, ParallelGroups groups, ParallelOp
                             cfg_.name, cfg_.n_head, tp_));
   if (opts_.activation_budget < 0)
     throw Error(fmt::format("parallel options: activation_budget = {} must be >= 0", opts_.activation_budget));
-  const int64_t C = cfg_.n_embd;
-  const float std = cfg_.init_std, proj_std = cfg_.init_std / std::sqrt(2.0f * float(cfg_.n_layer));
   Vs_ = tpm::vocab_shard_rows(cfg_.padded_vocab(), tp_);
   const bool sp = opts_.sp;
   auto add = [&](std::unique_ptr<ShardedParameter> p) {
@@ -171,32 +173,35 @@ ParallelGPT::ParallelGPT(const GPTConfig& cfg, ParallelGroups groups, ParallelOp
     return w_->sharded.back().get();
   };
   Weights& m = *w_;
-  const ParamSpec wte_spec{"wte.weight", {cfg_.vocab_size, C}, 0, Init::normal, std};
+  // The full tensors are the single-device model's (model/param_specs.h); each is replicated or
+  // split over tp by its role.
+  const std::vector<ParamSpec> emb = embedding_param_specs(cfg_), head = head_param_specs(cfg_);
+  const ParamSpec& wte_spec = emb[0];
   if (has_embedding()) {
     m.wte = add(vocab_shard(wte_spec, Vs_, tpr_));
-    m.wpe = add(replicated({"wpe.weight", {cfg_.block_size, C}, 0, Init::normal, std}, sp));
+    m.wpe = add(replicated(emb[1], sp));
   }
   for (int64_t l = std::max<int64_t>(first_, 1) - 1; l < std::min<int64_t>(last_, cfg_.n_layer + 1) - 1; ++l) {
-    const std::string p = "h." + std::to_string(l) + ".";
+    const std::vector<ParamSpec> b = block_param_specs(cfg_, l);
     auto& L = m.layers.emplace_back();
-    L[LN1_W] = add(replicated({p + "ln_1.weight", {C}, 0, Init::ones, 0}, sp));
-    L[LN1_B] = add(replicated({p + "ln_1.bias", {C}, 0, Init::zeros, 0}, sp));
-    L[QKV_W] = add(row_shard({p + "attn.c_attn.weight", {3 * C, C}, 0, Init::normal, std}, 3, tp_, tpr_));
-    L[QKV_B] = add(row_shard({p + "attn.c_attn.bias", {3 * C}, 0, Init::zeros, 0}, 3, tp_, tpr_));
-    L[ATTN_PROJ_W] = add(col_shard({p + "attn.c_proj.weight", {C, C}, 0, Init::normal, proj_std}, tp_, tpr_));
-    L[ATTN_PROJ_B] = add(replicated({p + "attn.c_proj.bias", {C}, 0, Init::zeros, 0}, false));
-    L[LN2_W] = add(replicated({p + "ln_2.weight", {C}, 0, Init::ones, 0}, sp));
-    L[LN2_B] = add(replicated({p + "ln_2.bias", {C}, 0, Init::zeros, 0}, sp));
-    L[FC_W] = add(row_shard({p + "mlp.c_fc.weight", {4 * C, C}, 0, Init::normal, std}, 1, tp_, tpr_));
-    L[FC_B] = add(row_shard({p + "mlp.c_fc.bias", {4 * C}, 0, Init::zeros, 0}, 1, tp_, tpr_));
-    L[MLP_PROJ_W] = add(col_shard({p + "mlp.c_proj.weight", {C, 4 * C}, 0, Init::normal, proj_std}, tp_, tpr_));
-    L[MLP_PROJ_B] = add(replicated({p + "mlp.c_proj.bias", {C}, 0, Init::zeros, 0}, false));
+    L[LN1_W] = add(replicated(b[kLn1W], sp));
+    L[LN1_B] = add(replicated(b[kLn1B], sp));
+    L[QKV_W] = add(row_shard(b[kQkvW], 3, tp_, tpr_));
+    L[QKV_B] = add(row_shard(b[kQkvB], 3, tp_, tpr_));
+    L[ATTN_PROJ_W] = add(col_shard(b[kAttnProjW], tp_, tpr_));
+    L[ATTN_PROJ_B] = add(replicated(b[kAttnProjB], false));
+    L[LN2_W] = add(replicated(b[kLn2W], sp));
+    L[LN2_B] = add(replicated(b[kLn2B], sp));
+    L[FC_W] = add(row_shard(b[kFcW], 1, tp_, tpr_));
+    L[FC_B] = add(row_shard(b[kFcB], 1, tp_, tpr_));
+    L[MLP_PROJ_W] = add(col_shard(b[kMlpProjW], tp_, tpr_));
+    L[MLP_PROJ_B] = add(replicated(b[kMlpProjB], false));
   }
   if (has_head()) {
-    m.lnf_w = add(replicated({"ln_f.weight", {C}, 0, Init::ones, 0}, sp));
-    m.lnf_b = add(replicated({"ln_f.bias", {C}, 0, Init::zeros, 0}, sp));
+    m.lnf_w = add(replicated(head[0], sp));
+    m.lnf_b = add(replicated(head[1], sp));
     if (!cfg_.tied_embeddings) {
-      m.lm_head = add(vocab_shard({"lm_head.weight", {cfg_.vocab_size, C}, 0, Init::normal, std}, Vs_, tpr_));
+      m.lm_head = add(vocab_shard(head[2], Vs_, tpr_));
     } else if (m.wte) {
       m.lm_head = m.wte;
     } else {  // the stage's own copy of the wte shard (same initialisation)

@@ -48,12 +48,6 @@ GPTConfig tiny_config() {
   return c;
 }
 
-bool is_conv1d(const std::string& name) {
-  for (const char* s : {".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight"})
-    if (name.size() > std::strlen(s) && name.compare(name.size() - std::strlen(s), std::strlen(s), s) == 0) return true;
-  return false;
-}
-
 // A random GPT-2 in Hugging Face layout, built from the names and shapes GPT-2 has (not from loom's
 // tables): Conv1D weights [in, out].
 struct HfModel {
