@@ -4,11 +4,19 @@
 
 #include <algorithm>
 #include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <vector>
 
 #include "core/error.h"
 #include "data/shard.h"
+#include "train/checkpoint_io.h"
 #include "train/plot.h"
+
+namespace fs = std::filesystem;
 
 namespace loom::train {
 
@@ -72,6 +80,119 @@ std::string write_loss_curve(const std::string& png, const std::string& metrics_
   std::string why;
   if (plot_png(png, title, series, "loss (nats/token)", &why)) return fmt::format("wrote {} and {}", metrics_path, png);
   return fmt::format("wrote {} ({})", metrics_path, why);
+}
+
+void check_resume_checkpoint(const std::string& ckpt, const CheckpointMeta& meta, const TrainConfig& cfg,
+                             const model::GPTConfig& mc) {
+  const std::string manifest = (fs::path(ckpt) / "manifest.json").string();
+  LOOM_CHECK(meta.seed == cfg.seed, "{}: the checkpoint's seed {} differs from train.seed {}", manifest, meta.seed,
+             cfg.seed);
+  const model::GPTConfig c = model::gpt_config_from_manifest(meta.model, manifest);
+  auto same = [&](const char* field, auto have, auto want) {
+    if (have != want)
+      throw Error(fmt::format("{}: the checkpoint's model.{} is {} but this run's is {} (--resume continues the "
+                              "model the checkpoint was written with)",
+                              manifest, field, have, want));
+  };
+  same("n_layer", c.n_layer, mc.n_layer);
+  same("n_head", c.n_head, mc.n_head);
+  same("n_embd", c.n_embd, mc.n_embd);
+  same("vocab_size", c.vocab_size, mc.vocab_size);
+  same("block_size", c.block_size, mc.block_size);
+  same("tied_embeddings", c.tied_embeddings, mc.tied_embeddings);
+  if (meta.model.contains("ln_eps")) same("ln_eps", c.ln_eps, mc.ln_eps);
+  // Training batches are addressed by step (data/loader.h), so the data position is the step.
+  LOOM_CHECK(meta.data_position == meta.step, "{}: field 'data_position' is {} but 'step' is {} (they must match)",
+             manifest, meta.data_position, meta.step);
+}
+
+void truncate_metrics(const std::string& path, int64_t last_step) {
+  if (!fs::exists(path)) return;
+  std::ifstream in(path);
+  std::string line, kept;
+  while (std::getline(in, line)) {
+    try {
+      auto j = nlohmann::json::parse(line);
+      if (j.contains("step") && j["step"].get<int64_t>() <= last_step) kept += line + "\n";
+    } catch (const nlohmann::json::exception&) {
+      break;  // a torn last line from a killed run
+    }
+  }
+  std::string tmp = path + ".tmp";
+  std::ofstream(tmp, std::ios::trunc) << kept;
+  fs::rename(tmp, path);
+}
+
+void read_loss_points(const std::string& path, std::vector<std::pair<double, double>>& train,
+                      std::vector<std::pair<double, double>>& val) {
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_discarded()) continue;
+    if (j.contains("loss")) train.push_back({j["step"].get<double>(), j["loss"].get<double>()});
+    if (j.contains("val_loss")) val.push_back({j["step"].get<double>(), j["val_loss"].get<double>()});
+  }
+}
+
+FaultInjection FaultInjection::from_env(int ranks) {
+  FaultInjection f;
+  const char* env = std::getenv("LOOM_FAULT_INJECT");
+  if (!env || !*env) return f;
+  const std::string spec = env;
+  auto bad = [&](const std::string& why) {
+    return Error(fmt::format("LOOM_FAULT_INJECT='{}': {} (expected rank=R,step=S,kind=throw|exit|kill)", spec, why));
+  };
+  auto number = [&](const std::string& key, const std::string& v) -> int64_t {
+    size_t used = 0;
+    int64_t n = 0;
+    try {
+      n = std::stoll(v, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != v.size()) throw bad(fmt::format("{} '{}' is not an integer", key, v));
+    return n;
+  };
+  bool has_rank = false, has_step = false;
+  size_t start = 0;
+  while (start <= spec.size()) {
+    size_t end = spec.find(',', start);
+    if (end == std::string::npos) end = spec.size();
+    std::string item = spec.substr(start, end - start);
+    size_t eq = item.find('=');
+    if (eq == std::string::npos) throw bad(fmt::format("'{}' is not key=value", item));
+    std::string key = item.substr(0, eq), val = item.substr(eq + 1);
+    if (key == "rank") {
+      int64_t r = number(key, val);
+      if (r < 0 || r >= ranks) throw bad(fmt::format("rank {} is not one of the {} ranks", r, ranks));
+      f.rank = int(r);
+      has_rank = true;
+    } else if (key == "step") {
+      f.step = number(key, val);
+      if (f.step < 1) throw bad(fmt::format("step {} is not positive", f.step));
+      has_step = true;
+    } else if (key == "kind") {
+      if (val != "throw" && val != "exit" && val != "kill") throw bad(fmt::format("unknown kind '{}'", val));
+      f.kind = val;
+    } else {
+      throw bad(fmt::format("unknown key '{}'", key));
+    }
+    start = end + 1;
+  }
+  if (!has_rank || !has_step || f.kind.empty()) throw bad("rank, step and kind are all required");
+  return f;
+}
+
+void FaultInjection::maybe_fire(int r, int ranks, int64_t at) const {
+  if (r != rank || at != step) return;
+  std::string what = fmt::format("LOOM_FAULT_INJECT: rank {} of {} fails on purpose at step {} ({})", r, ranks, at, kind);
+  if (kind == "throw") throw Error(what);
+  std::fflush(stdout);
+  std::fprintf(stderr, "loom: %s\n", what.c_str());
+  std::fflush(stderr);
+  if (kind == "exit") std::_Exit(3);
+  std::raise(SIGKILL);
 }
 
 }  // namespace loom::train

@@ -10,6 +10,7 @@
 
 #include "data/loader.h"
 #include "model/config.h"
+#include "train/checkpoint.h"
 #include "train/config.h"
 
 namespace loom::train {
@@ -41,5 +42,32 @@ RunData open_run_data(const TrainConfig& cfg, const std::string& config_path);
 std::string write_loss_curve(const std::string& png, const std::string& metrics_path, const std::string& title,
                              const std::vector<std::pair<double, double>>& train,
                              const std::vector<std::pair<double, double>>& val, double unigram);
+
+// Checks that checkpoint `ckpt` (manifest `meta`) can continue this run: the same seed and
+// model (every field of the manifest's "model" but the name), and a data position at its step.
+// Errors name the manifest and the field.
+void check_resume_checkpoint(const std::string& ckpt, const CheckpointMeta& meta, const TrainConfig& cfg,
+                             const model::GPTConfig& mc);
+
+// Keeps only the metric lines of steps <= last_step (a resumed run rewrites what follows).
+void truncate_metrics(const std::string& path, int64_t last_step);
+
+// The (step, loss) and (step, val_loss) points of a metrics file (for the curve of a resumed run).
+void read_loss_points(const std::string& path, std::vector<std::pair<double, double>>& train,
+                      std::vector<std::pair<double, double>>& val);
+
+// A failure injected on purpose (LOOM_FAULT_INJECT="rank=R,step=S,kind=throw|exit|kill", a
+// testing aid): rank R of the run's `ranks` fails at the start of step S (1-based) by throwing,
+// exiting (_Exit(3)) or being killed (SIGKILL).
+struct FaultInjection {
+  int rank = -1;  // -1: none
+  int64_t step = 0;
+  std::string kind;  // throw | exit | kill
+
+  // Parses LOOM_FAULT_INJECT (none when unset or empty); errors name the variable.
+  static FaultInjection from_env(int ranks);
+  // Fires when rank r of `ranks` starts step `step`.
+  void maybe_fire(int r, int ranks, int64_t step) const;
+};
 
 }  // namespace loom::train

@@ -6,7 +6,6 @@
 
 #include <chrono>
 #include <cmath>
-#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -27,6 +26,7 @@
 #include "parallel/data/data_parallel.h"
 #include "parallel/data/trace.h"
 #include "train/checkpoint.h"
+#include "train/checkpoint_io.h"
 #include "train/plot.h"
 #include "train/sample.h"
 #include "train/schedule.h"
@@ -37,94 +37,6 @@ namespace fs = std::filesystem;
 namespace loom::train {
 
 namespace {
-
-
-
-// Keeps only the metric lines of steps <= last_step (a resumed run rewrites what follows).
-void truncate_metrics(const std::string& path, int64_t last_step) {
-  if (!fs::exists(path)) return;
-  std::ifstream in(path);
-  std::string line, kept;
-  while (std::getline(in, line)) {
-    try {
-      auto j = nlohmann::json::parse(line);
-      if (j.contains("step") && j["step"].get<int64_t>() <= last_step) kept += line + "\n";
-    } catch (const nlohmann::json::exception&) {
-      break;  // a torn last line from a killed run
-    }
-  }
-  std::string tmp = path + ".tmp";
-  std::ofstream(tmp, std::ios::trunc) << kept;
-  fs::rename(tmp, path);
-}
-
-// A failure injected on purpose (LOOM_FAULT_INJECT, see trainer.h): rank `rank` fails at the
-// start of step `step` (1-based) by throwing, exiting or being killed.
-struct FaultInjection {
-  int rank = -1;  // -1: none
-  int64_t step = 0;
-  std::string kind;  // throw | exit | kill
-
-  static FaultInjection from_env(int dp) {
-    FaultInjection f;
-    const char* env = std::getenv("LOOM_FAULT_INJECT");
-    if (!env || !*env) return f;
-    const std::string spec = env;
-    auto bad = [&](const std::string& why) {
-      return Error(fmt::format("LOOM_FAULT_INJECT='{}': {} (expected rank=R,step=S,kind=throw|exit|kill)", spec, why));
-    };
-    auto number = [&](const std::string& key, const std::string& v) -> int64_t {
-      size_t used = 0;
-      int64_t n = 0;
-      try {
-        n = std::stoll(v, &used);
-      } catch (const std::exception&) {
-        used = 0;
-      }
-      if (used == 0 || used != v.size()) throw bad(fmt::format("{} '{}' is not an integer", key, v));
-      return n;
-    };
-    bool has_rank = false, has_step = false;
-    size_t start = 0;
-    while (start <= spec.size()) {
-      size_t end = spec.find(',', start);
-      if (end == std::string::npos) end = spec.size();
-      std::string item = spec.substr(start, end - start);
-      size_t eq = item.find('=');
-      if (eq == std::string::npos) throw bad(fmt::format("'{}' is not key=value", item));
-      std::string key = item.substr(0, eq), val = item.substr(eq + 1);
-      if (key == "rank") {
-        int64_t r = number(key, val);
-        if (r < 0 || r >= dp) throw bad(fmt::format("rank {} is not one of the {} data-parallel ranks", r, dp));
-        f.rank = int(r);
-        has_rank = true;
-      } else if (key == "step") {
-        f.step = number(key, val);
-        if (f.step < 1) throw bad(fmt::format("step {} is not positive", f.step));
-        has_step = true;
-      } else if (key == "kind") {
-        if (val != "throw" && val != "exit" && val != "kill") throw bad(fmt::format("unknown kind '{}'", val));
-        f.kind = val;
-      } else {
-        throw bad(fmt::format("unknown key '{}'", key));
-      }
-      start = end + 1;
-    }
-    if (!has_rank || !has_step || f.kind.empty()) throw bad("rank, step and kind are all required");
-    return f;
-  }
-
-  void maybe_fire(int r, int dp, int64_t step) const {
-    if (r != rank || step != this->step) return;
-    std::string what = fmt::format("LOOM_FAULT_INJECT: rank {} of {} fails on purpose at step {} ({})", r, dp, step, kind);
-    if (kind == "throw") throw Error(what);
-    std::fflush(stdout);
-    std::fprintf(stderr, "loom: %s\n", what.c_str());
-    std::fflush(stderr);
-    if (kind == "exit") std::_Exit(3);
-    std::raise(SIGKILL);
-  }
-};
 
 // Everything one rank does. Rank 0 prints, writes metrics and checkpoints; every rank runs the
 // same collectives in the same order (evaluation and samples included: ZeRO-3 gathers parameters
@@ -188,7 +100,7 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
         say(fmt::format("resume: no checkpoint in {}, starting from step 0", cfg.out_dir));
       } else {
         CheckpointMeta meta = read_checkpoint_meta(ckpt);
-        LOOM_CHECK(meta.seed == cfg.seed, "{}: checkpoint seed {} differs from train.seed {}", ckpt, meta.seed, cfg.seed);
+        check_resume_checkpoint(ckpt, meta, cfg, mc);
         auto full = ddp.empty_full_state();
         load_checkpoint_tensors(ckpt, named(full));
         ddp.load_full_state(full, meta.optimizer_steps);
@@ -228,16 +140,7 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
     std::ofstream metrics;
     if (lead) metrics.open(metrics_path, std::ios::app);
     std::vector<std::pair<double, double>> train_pts, val_pts;
-    if (lead && start_step > 0) {  // the curve of the steps before the resume
-      std::ifstream in(metrics_path);
-      std::string line;
-      while (std::getline(in, line)) {
-        auto j = nlohmann::json::parse(line, nullptr, false);
-        if (j.is_discarded()) continue;
-        if (j.contains("loss")) train_pts.push_back({j["step"].get<double>(), j["loss"].get<double>()});
-        if (j.contains("val_loss")) val_pts.push_back({j["step"].get<double>(), j["val_loss"].get<double>()});
-      }
-    }
+    if (lead && start_step > 0) read_loss_points(metrics_path, train_pts, val_pts);  // the steps before the resume
 
     // Each rank evaluates its share of every validation batch; the mean over ranks is the mean
     // of the single-device batches.
@@ -293,8 +196,7 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
       meta.optimizer_steps = ddp.optimizer_steps();
       meta.data_position = step;
       meta.seed = cfg.seed;
-      meta.model = {{"name", mc.name}, {"n_layer", mc.n_layer}, {"n_head", mc.n_head}, {"n_embd", mc.n_embd},
-                    {"vocab_size", mc.vocab_size}, {"block_size", mc.block_size}, {"tied_embeddings", mc.tied_embeddings}};
+      meta.model = model::gpt_config_manifest(mc);
       meta.config_toml = config_to_toml(cfg);
       save_checkpoint(out_dir.string(), meta, named(full), cfg.keep_checkpoints);
     };

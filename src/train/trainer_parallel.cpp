@@ -9,15 +9,16 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 
 #include <nlohmann/json.hpp>
 
+#include "comm/mpi_comm.h"
 #include "comm/threads.h"
 #include "core/error.h"
 #include "data/loader.h"
-#include "data/shard.h"
 #include "data/shard.h"
 #include "data/tokenizer.h"
 #include "kernels/cpu/matmul.h"
@@ -27,7 +28,9 @@
 #include "parallel/mesh.h"
 #include "parallel/pipeline/executor.h"
 #include "train/checkpoint.h"
+#include "train/checkpoint_io.h"
 #include "train/plot.h"
+#include "train/safetensors.h"
 #include "train/sample.h"
 #include "train/schedule.h"
 
@@ -96,6 +99,27 @@ struct StepOut {
   double loss = 0, grad_norm = 0;
 };
 
+// The full tensors of a checkpoint in the single-device names ("param/<name>", "adam_m/<name>",
+// "adam_v/<name>"), read one at a time; errors name the file and the tensor.
+class CheckpointTensors {
+ public:
+  explicit CheckpointTensors(const std::string& ckpt) : reader_((fs::path(ckpt) / "state.safetensors").string()) {}
+  // Tensor kind/name, f32 of the given shape (checked), into a buffer kept until the next call.
+  const std::vector<float>& read(const std::string& kind, const std::string& name, const Shape& shape) {
+    buf_.resize(size_t(shape_numel(shape)));
+    reader_.read_into(kind + "/" + name, buf_.data(), buf_.size() * sizeof(float), DType::f32, shape);
+    return buf_;
+  }
+  // Tensor kind/name into t (f32, t's shape checked).
+  void read_into(const std::string& kind, const std::string& name, const Tensor& t) {
+    reader_.read_into(kind + "/" + name, t.raw(), t.nbytes(), t.dtype(), t.shape());
+  }
+
+ private:
+  SafetensorsReader reader_;
+  std::vector<float> buf_;
+};
+
 // One rank's model, optimizer and step under either layout.
 class Engine {
  public:
@@ -107,6 +131,9 @@ class Engine {
   virtual double evaluate(data::Loader& val, int64_t n, int64_t val_mb, FullModel* full) = 0;
   // Collective: rank 0's `full` receives every parameter (and the moments when with_moments).
   virtual void gather(FullModel* full, bool with_moments) = 0;
+  // The inverse, on every rank: this rank's part of every parameter and of both AdamW moments
+  // from the checkpoint's full tensors, and the optimizer's step count (not collective).
+  virtual void load(CheckpointTensors& ckpt, int64_t optimizer_steps) = 0;
   virtual std::string describe() const = 0;
   virtual std::vector<pipe::TraceEvent> trace() const { return {}; }
 };
@@ -196,6 +223,28 @@ class TensorEngine : public Engine {
       }
     }
     if (full) full->optimizer_steps = adam_.steps_taken();
+  }
+
+  // Each shard (and its moments) takes its segments of the full tensor; the rest of a shard is
+  // the zero padding of a vocabulary split, which stays zero in training.
+  void load(CheckpointTensors& ckpt, int64_t optimizer_steps) override {
+    const auto& sh = model_.sharded();
+    for (size_t i = 0; i < sh.size(); ++i) {
+      const model::ShardedParameter& p = *sh[i];
+      LOOM_CHECK(adam_.parameters()[i] == &p.shard, "load: the optimizer's parameter {} is not shard '{}'", i,
+                 p.global.name);
+      auto take = [&](const char* kind, const Tensor& dst) {
+        const std::vector<float>& full = ckpt.read(kind, p.global.name, p.global.shape);
+        float* d = dst.f32();
+        std::fill(d, d + dst.numel(), 0.0f);
+        for (const model::ShardSegment& s : p.segments)
+          std::memcpy(d + s.local, full.data() + s.global, size_t(s.n) * sizeof(float));
+      };
+      take("param", p.shard.value);
+      take("adam_m", adam_.exp_avg(i));
+      take("adam_v", adam_.exp_avg_sq(i));
+    }
+    adam_.set_steps_taken(optimizer_steps);
   }
 
   std::string describe() const override {
@@ -362,6 +411,20 @@ class PipelineEngine : public Engine {
     if (full) full->optimizer_steps = adam.steps_taken();
   }
 
+  // Each of this rank's parameters by name: the last stage's copy of a tied wte takes wte (both
+  // copies always take the same update, so their moments are wte's too).
+  void load(CheckpointTensors& ckpt, int64_t optimizer_steps) override {
+    optim::AdamW& adam = exec_.optimizer();
+    const auto ps = exec_.parameters();
+    for (size_t i = 0; i < ps.size(); ++i) {
+      const std::string& name = ps[i]->spec.name;
+      ckpt.read_into("param", name, ps[i]->value);
+      ckpt.read_into("adam_m", name, adam.exp_avg(i));
+      ckpt.read_into("adam_v", name, adam.exp_avg_sq(i));
+    }
+    adam.set_steps_taken(optimizer_steps);
+  }
+
   std::string describe() const override {
     const auto& sp = exec_.schedule().spec;
     return fmt::format("pp {} ({}, m = {}{}) x dp {}{}", sp.stages, pipe::kind_name(sp.kind), sp.micro_batches,
@@ -384,15 +447,44 @@ class PipelineEngine : public Engine {
   Tensor x_, y_;  // i32 [B / dp, T]
 };
 
-// Everything one rank does; rank 0 prints, evaluates (pipeline), samples and writes files.
-TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Comm& world,
-                       std::vector<std::vector<pipe::TraceEvent>>& traces) {
-  const int rank = world.rank();
+// Every rank's pipeline trace events on rank 0 (rank order; the others get an empty list): each
+// event travels as five doubles (op, micro-batch, chunk, start, end) in a gather over `world`,
+// so it works whether the ranks are threads or processes.
+std::vector<std::vector<pipe::TraceEvent>> gather_traces(comm::Comm& world, const std::vector<pipe::TraceEvent>& mine) {
+  constexpr int64_t kFields = 5;
+  const int n = world.size();
+  std::vector<double> send;
+  for (const pipe::TraceEvent& e : mine)
+    for (double v : {double(int(e.op)), double(e.mb), double(e.chunk), e.start, e.end}) send.push_back(v);
+  // Counts and values travel as pairs of u32 words (one 64-bit value each).
+  int64_t my_count = int64_t(mine.size());
+  std::vector<int64_t> counts(static_cast<size_t>(n));
+  world.all_gather(&my_count, counts.data(), 2 * int64_t(n), DType::u32);
+  std::vector<int64_t> words(static_cast<size_t>(n));
+  int64_t total = 0;
+  for (int r = 0; r < n; ++r) total += words[size_t(r)] = 2 * kFields * counts[size_t(r)];
+  std::vector<double> all(static_cast<size_t>(total / 2));
+  world.all_gather_v(send.data(), all.data(), words, DType::u32);
+  std::vector<std::vector<pipe::TraceEvent>> out;
+  if (world.rank() != 0) return out;
+  out.resize(size_t(n));
+  const double* v = all.data();
+  for (int r = 0; r < n; ++r)
+    for (int64_t k = 0; k < counts[size_t(r)]; ++k, v += kFields)
+      out[size_t(r)].push_back({pipe::Op(int(v[0])), int(v[1]), int(v[2]), v[3], v[4]});
+  return out;
+}
+
+// Everything one rank does; rank 0 prints, evaluates (pipeline), samples and writes files. Every
+// rank runs the same collectives in the same order.
+TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, parallel::MeshComms& comms,
+                            const FaultInjection& fault) {
+  comm::Comm& world = comms.world();
+  const int rank = world.rank(), ranks = world.size();
   const bool lead = rank == 0;
   auto say = [&](const std::string& s) {
     if (lead && !opt.quiet) std::printf("%s\n", s.c_str()), std::fflush(stdout);
   };
-  parallel::MeshComms comms(parallel::Mesh::standard(int(cfg.pp), int(cfg.dp), int(cfg.cp), int(cfg.tp)), world);
 
   RunData run_data = open_run_data(cfg, opt.config_path);
   data::Loader& train = run_data.train;
@@ -418,7 +510,37 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
   fs::path out_dir(cfg.out_dir);
   if (lead) fs::create_directories(out_dir);
   const std::string metrics_path = (out_dir / "metrics.jsonl").string();
-  if (lead && fs::exists(metrics_path)) fs::remove(metrics_path);
+  int64_t start_step = 0;
+  if (opt.resume) {
+    // Every rank reads the checkpoint itself and keeps its own part of each full tensor: like
+    // Megatron, this assumes train.out_dir is on a filesystem every rank sees. Rank 0's step is
+    // broadcast so a rank that found another checkpoint (or none) is an error, not a silent
+    // divergence.
+    const std::string ckpt = latest_checkpoint(cfg.out_dir);
+    CheckpointMeta meta;
+    if (!ckpt.empty()) {
+      meta = read_checkpoint_meta(ckpt);
+      check_resume_checkpoint(ckpt, meta, cfg, mc);
+    }
+    int64_t step0 = ckpt.empty() ? -1 : meta.step;
+    const int64_t mine = step0;
+    world.broadcast(&step0, 2, DType::u32, 0);
+    LOOM_CHECK(step0 == mine,
+               "resume: rank {} found {} in {} but rank 0 {} (train.out_dir must be on a filesystem every rank "
+               "shares)",
+               rank, mine < 0 ? "no checkpoint" : fmt::format("the checkpoint of step {}", mine), cfg.out_dir,
+               step0 < 0 ? "none" : fmt::format("the one of step {}", step0));
+    if (ckpt.empty()) {
+      say(fmt::format("resume: no checkpoint in {}, starting from step 0", cfg.out_dir));
+    } else {
+      CheckpointTensors tensors(ckpt);
+      engine->load(tensors, meta.optimizer_steps);
+      start_step = meta.step;
+      if (lead) truncate_metrics(metrics_path, start_step);
+      say(fmt::format("resumed from {} (step {})", ckpt, start_step));
+    }
+  }
+  if (lead && start_step == 0 && fs::exists(metrics_path)) fs::remove(metrics_path);
   world.barrier();  // rank 0 has prepared the output directory
 
   std::unique_ptr<data::Tokenizer> tok;
@@ -434,9 +556,9 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
                       6.0 * double(mc.n_embd) * double(mc.padded_vocab()) +
                       6.0 * double(mc.n_layer) * double(mc.n_embd) * double(T);  // causal attention
     say(fmt::format("model {} | {:.2f}M parameters | {} ({}, {} ranks) | {} threads per rank", mc.str(),
-                    double(full->gpt->num_parameters()) / 1e6, engine->describe(), world.backend(), world.size(),
+                    double(full->gpt->num_parameters()) / 1e6, engine->describe(), world.backend(), ranks,
                     omp_get_max_threads()));
-    peak = cpu::measure_gemm_peak_gflops(1024, 0.3) * 1e9 * world.size();
+    peak = cpu::measure_gemm_peak_gflops(1024, 0.3) * 1e9 * ranks;
   }
   res.last_val_loss = NAN;
   res.unigram_val_loss = lead ? unigram_loss(train, val.get(), mc.vocab_size) : NAN;
@@ -447,6 +569,7 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
   std::ofstream metrics;
   if (lead) metrics.open(metrics_path, std::ios::app);
   std::vector<std::pair<double, double>> train_pts, val_pts;
+  if (lead && start_step > 0) read_loss_points(metrics_path, train_pts, val_pts);  // the steps before the resume
 
   auto evaluate = [&]() -> double {
     if (!val) return NAN;
@@ -488,8 +611,7 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
     meta.optimizer_steps = full->optimizer_steps;
     meta.data_position = step;
     meta.seed = cfg.seed;
-    meta.model = {{"name", mc.name}, {"n_layer", mc.n_layer}, {"n_head", mc.n_head}, {"n_embd", mc.n_embd},
-                  {"vocab_size", mc.vocab_size}, {"block_size", mc.block_size}, {"tied_embeddings", mc.tied_embeddings}};
+    meta.model = model::gpt_config_manifest(mc);
     meta.config_toml = config_to_toml(cfg);
     save_checkpoint(out_dir.string(), meta, full->named(), cfg.keep_checkpoints);
   };
@@ -498,7 +620,8 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
   auto t_start = Clock::now();
   double window_time = 0, train_time = 0;
   int64_t window_steps = 0;
-  for (int64_t step = 0; step < cfg.steps; ++step) {
+  for (int64_t step = start_step; step < cfg.steps; ++step) {
+    fault.maybe_fire(rank, ranks, step + 1);
     auto t0 = Clock::now();
     const float lr = sched.at(step);
     StepOut st = engine->step(step, lr);
@@ -529,7 +652,7 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
       say(fmt::format("step {:>6} | val loss {:.4f} (unigram {:.4f})", done, vl, res.unigram_val_loss));
     }
     if (lead) metrics.flush();
-    if (done % cfg.log_every == 0 || done == cfg.steps || done == 1) {
+    if (done % cfg.log_every == 0 || done == cfg.steps || done == start_step + 1) {
       const double avg = window_time / double(window_steps);
       say(fmt::format("step {:>6}/{} | loss {:.4f} | lr {:.2e} | norm {:.3f} | {:.0f} tok/s | MFU {:.1f}% | ETA {}",
                       done, cfg.steps, st.loss, lr, st.grad_norm, tokens_per_step / avg,
@@ -553,8 +676,7 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
   res.last_sample = sample_text(cfg.steps);
   if (!res.last_sample.empty()) say(fmt::format("--- sample ---\n{}\n---", res.last_sample));
   if (!opt.trace_path.empty()) {  // pipeline only (checked before the ranks start)
-    traces[size_t(rank)] = engine->trace();
-    world.barrier();
+    auto traces = gather_traces(world, engine->trace());  // collective
     if (lead) {
       pipe::write_chrome_trace(opt.trace_path, traces);
       say(fmt::format("wrote trace {} (the last step of every rank)", opt.trace_path));
@@ -565,6 +687,22 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
                          fmt::format("loom: {} on {}", mc.name, cfg.data_dir), train_pts, val_pts,
                          res.unigram_val_loss));
   return res;
+}
+
+// train_mesh_rank over the mesh of cfg on `world`. on_fail runs before the communicators are
+// destroyed when the rank throws (mpi: the job is aborted naming the rank, so no other rank waits
+// for the communicator's timeout); what else the rank held is only memory.
+TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Comm& world, const FaultInjection& fault,
+                       const std::function<void(const std::string&)>& on_fail) {
+  std::unique_ptr<parallel::MeshComms> comms;
+  try {
+    comms = std::make_unique<parallel::MeshComms>(
+        parallel::Mesh::standard(int(cfg.pp), int(cfg.dp), int(cfg.cp), int(cfg.tp)), world);
+    return train_mesh_rank(cfg, opt, *comms, fault);
+  } catch (const std::exception& e) {
+    on_fail(e.what());
+    throw;
+  }
 }
 
 }  // namespace
@@ -580,14 +718,6 @@ TrainResult run_training_mesh(const TrainConfig& cfg, const TrainOptions& opt) {
                             where, cfg.zero, cfg.tp, cfg.cp, cfg.sp, cfg.pp));
   if (cfg.offload)
     throw Error(fmt::format("{}: parallel.offload needs ZeRO and is not supported with parallel.tp/cp/sp/pp", where));
-  if (cfg.comm != "threads")
-    throw Error(fmt::format("{}: parallel.comm = \"{}\": tensor, sequence, context and pipeline parallelism run "
-                            "with parallel.comm = \"threads\" only",
-                            where, cfg.comm));
-  if (opt.resume)
-    throw Error(fmt::format("{}: --resume is not supported with parallel.tp/cp/sp/pp yet (their checkpoints hold "
-                            "full tensors and resume under a single device or parallel.dp)",
-                            where));
   if (!opt.trace_path.empty() && cfg.pp == 1)
     throw Error(fmt::format("{}: --trace is available with parallel.pp > 1 and data parallelism, not with "
                             "parallel.tp/cp/sp",
@@ -599,16 +729,41 @@ TrainResult run_training_mesh(const TrainConfig& cfg, const TrainOptions& opt) {
   if (cfg.tp > 1 && cfg.n_head > 0 && cfg.n_head % cfg.tp != 0)
     throw Error(fmt::format("{}: model.n_head = {} is not divisible by parallel.tp = {}", where, cfg.n_head, cfg.tp));
   const int world = int(cfg.pp * cfg.dp * cfg.cp * cfg.tp);
+  comm::CommOptions co;
+  co.timeout = std::chrono::milliseconds(std::max<int64_t>(1, std::llround(double(cfg.timeout_s) * 1000.0)));
+  const FaultInjection fault = FaultInjection::from_env(world);
+  if (cfg.comm == "mpi") {
+#ifdef LOOM_HAVE_MPI
+    // One process per mesh rank, the mesh over the world communicator (Mesh::standard order).
+    comm::MpiSession session(nullptr, nullptr);
+    if (session.size() != world)
+      throw Error(fmt::format("{}: parallel.pp x parallel.dp x parallel.cp x parallel.tp = {} x {} x {} x {} = {} "
+                              "but mpirun started {} processes (they must match)",
+                              where, cfg.pp, cfg.dp, cfg.cp, cfg.tp, world, session.size()));
+    if (cfg.threads > 0) omp_set_num_threads(int(cfg.threads));
+    auto w = comm::mpi_world(co);
+    const int r = w->rank();
+    return train_rank(cfg, opt, *w, fault, [&](const std::string& what) {
+      comm::mpi_abort(fmt::format("loom: rank {} of {} failed: {}", r, world, what));
+    });
+#else
+    throw Error(fmt::format("{}: parallel.comm = \"mpi\" needs loom built with MPI", where));
+#endif
+  }
   comm::RunOptions ro;
-  ro.comm.timeout = std::chrono::milliseconds(std::max<int64_t>(1, std::llround(double(cfg.timeout_s) * 1000.0)));
+  ro.comm = co;
   const int total_threads = cfg.threads > 0 ? int(cfg.threads) : omp_get_max_threads();
   ro.threads_per_rank = std::max(1, total_threads / world);
   TrainResult result;
-  std::vector<std::vector<pipe::TraceEvent>> traces(static_cast<size_t>(world));
   comm::run_ranks(
       world,
       [&](comm::Comm& c) {
-        TrainResult r = train_rank(cfg, opt, c, traces);
+        TrainResult r;
+        try {
+          r = train_rank(cfg, opt, c, fault, [](const std::string&) {});
+        } catch (const std::exception& e) {
+          throw Error(fmt::format("rank {} of {} failed: {}", c.rank(), world, e.what()));
+        }
         if (c.rank() == 0) result = r;
       },
       ro);

@@ -5,111 +5,19 @@
 // gradient is exactly zero, only in the former). Unsupported
 // combinations fail with an error naming the fields.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
-#include <fstream>
-#include <map>
-#include <random>
 
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
+#include "train/mesh_train_util.h"
 
-#include "data/shard.h"
-#include "train/checkpoint.h"
-#include "train/safetensors.h"
-
-namespace fs = std::filesystem;
 using namespace loom;
+using namespace loom::test;
 
 namespace {
 
-const std::string kLoom = std::string(LOOM_BINARY_DIR) + "/loom";
-constexpr double kTol = 1e-5;
-
-struct CmdRun {
-  int status = -1;
-  std::string output;
-};
-
-CmdRun sh(const std::string& cmd) {
-  CmdRun r;
-  FILE* f = ::popen((cmd + " 2>&1").c_str(), "r");
-  if (!f) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) r.output.append(buf, n);
-  int st = ::pclose(f);
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-  return r;
-}
-
-class TrainParallel : public ::testing::Test {
+class TrainParallel : public MeshTrainFixture {
  protected:
-  static void SetUpTestSuite() {
-    root_ = fs::temp_directory_path() / fmt::format("loom_train_parallel_{}", ::getpid());
-    fs::create_directories(root_ / "data");
-    // A noisy repeating pattern over a vocabulary of 97 (not divisible by tp: padded shards).
-    std::mt19937 g(11);
-    std::vector<uint32_t> toks(20000);
-    for (size_t i = 0; i < toks.size(); ++i) toks[i] = (g() % 4 == 0) ? g() % 97 : uint32_t((i * 7) % 97);
-    data::write_shard((root_ / "data" / "train_000.bin").string(), toks, 97);
-    data::write_shard((root_ / "data" / "val_000.bin").string(),
-                      std::vector<uint32_t>(toks.begin(), toks.begin() + 2000), 97);
-  }
-  static void TearDownTestSuite() { fs::remove_all(root_); }
-
-  static CmdRun train(const std::string& out, const std::string& layout) {
-    return sh(fmt::format(
-        "{} train --quiet --data.dir {} --train.out_dir {} --model.n_layer 2 --model.n_head 4 --model.n_embd 32 "
-        "--data.seq_len 16 --train.batch_size 4 --train.grad_accum 2 --train.steps 10 --train.eval_every 5 "
-        "--train.eval_batches 2 --train.sample_tokens 0 --train.threads 1 --optim.warmup_steps 2 --optim.lr 3e-3 {}",
-        kLoom, (root_ / "data").string(), (root_ / out).string(), layout));
-  }
-  static std::map<int64_t, double> metric(const std::string& out, const char* key) {
-    std::map<int64_t, double> m;
-    std::ifstream f(root_ / out / "metrics.jsonl");
-    std::string line;
-    while (std::getline(f, line)) {
-      auto j = nlohmann::json::parse(line);
-      if (j.contains(key)) m[j["step"].get<int64_t>()] = j[key].get<double>();
-    }
-    return m;
-  }
-  static std::string state(const std::string& out) {
-    return train::latest_checkpoint((root_ / out).string()) + "/state.safetensors";
-  }
-  // The single-device reference, run once for the suite.
-  static void ensure_reference() {
-    if (ref_done_) return;
-    CmdRun r = train("ref", "");
-    ASSERT_EQ(r.status, 0) << r.output;
-    ref_done_ = true;
-  }
-
-  // Runs `layout` and compares every loss and validation loss with the single-device run.
-  void expect_same_losses(const std::string& out, const std::string& layout) {
-    ensure_reference();
-    CmdRun r = train(out, layout);
-    ASSERT_EQ(r.status, 0) << layout << "\n" << r.output;
-    for (const char* key : {"loss", "val_loss"}) {
-      auto want = metric("ref", key), got = metric(out, key);
-      ASSERT_EQ(got.size(), want.size()) << layout << " " << key;
-      ASSERT_EQ(want.size(), std::string(key) == "loss" ? 10u : 2u);
-      double worst = 0;
-      for (auto& [step, v] : want) {
-        ASSERT_EQ(got.count(step), 1u) << layout << " " << key << " step " << step;
-        const double rel = std::abs(got[step] - v) / std::abs(v);
-        worst = std::max(worst, rel);
-        EXPECT_LE(rel, kTol) << layout << " " << key << " step " << step << ": " << got[step] << " vs " << v;
-      }
-      std::printf("%-44s %-8s max relative difference %.2e over %zu steps\n", layout.c_str(), key, worst, want.size());
-    }
-  }
-
   // The final checkpoint holds the same tensor names as the single-device one, with parameters
   // within 1e-5 relative (each and all).
   void expect_same_checkpoint(const std::string& out) {
@@ -145,12 +53,7 @@ class TrainParallel : public ::testing::Test {
                 std::sqrt(d2 / r2), worst);
   }
 
-  static fs::path root_;
-  static bool ref_done_;
 };
-
-fs::path TrainParallel::root_;
-bool TrainParallel::ref_done_ = false;
 
 }  // namespace
 
@@ -212,8 +115,4 @@ TEST_F(TrainParallel, UnsupportedCombinationsAreRefusedNamingTheFields) {
   CmdRun sched = train("bad_sched", "--parallel.pp 2 --parallel.schedule zigzag");
   EXPECT_NE(sched.status, 0);
   EXPECT_NE(sched.output.find("parallel.schedule"), std::string::npos) << sched.output;
-  CmdRun resume = sh(fmt::format("{} train --resume --quiet --data.dir {} --train.out_dir {} --parallel.tp 2", kLoom,
-                                 (root_ / "data").string(), (root_ / "bad_resume").string()));
-  EXPECT_NE(resume.status, 0);
-  EXPECT_NE(resume.output.find("--resume"), std::string::npos) << resume.output;
 }

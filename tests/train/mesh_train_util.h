@@ -1,0 +1,163 @@
+// The fixture of the `loom train` mesh tests (tensor, sequence, context and pipeline parallelism,
+// threads and MPI): a tiny corpus, the loom executable run with a tiny model, and readers of the
+// metrics and checkpoints it writes.
+#pragma once
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <random>
+#include <string>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "data/shard.h"
+#include "train/checkpoint.h"
+#include "train/safetensors.h"
+
+namespace loom::test {
+
+namespace fs = std::filesystem;
+
+inline const std::string kLoom = std::string(LOOM_BINARY_DIR) + "/loom";
+
+struct CmdRun {
+  int status = -1;
+  std::string output;
+};
+
+// Runs a shell command, stdout and stderr together; the status is the exit code or 128 + signal.
+inline CmdRun sh(const std::string& cmd) {
+  CmdRun r;
+  FILE* f = ::popen((cmd + " 2>&1").c_str(), "r");
+  if (!f) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) r.output.append(buf, n);
+  int st = ::pclose(f);
+  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  return r;
+}
+
+class MeshTrainFixture : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    root_ = fs::temp_directory_path() / fmt::format("loom_train_parallel_{}", ::getpid());
+    fs::create_directories(root_ / "data");
+    // A noisy repeating pattern over a vocabulary of 97 (not divisible by tp: padded shards).
+    std::mt19937 g(11);
+    std::vector<uint32_t> toks(20000);
+    for (size_t i = 0; i < toks.size(); ++i) toks[i] = (g() % 4 == 0) ? g() % 97 : uint32_t((i * 7) % 97);
+    data::write_shard((root_ / "data" / "train_000.bin").string(), toks, 97);
+    data::write_shard((root_ / "data" / "val_000.bin").string(),
+                      std::vector<uint32_t>(toks.begin(), toks.begin() + 2000), 97);
+  }
+  static void TearDownTestSuite() {
+    fs::remove_all(root_);
+    ref_done_ = false;
+  }
+
+  // 10 steps of the tiny model into root/out, with `layout` (more options, overriding these)
+  // appended; `prefix` goes before the executable (environment variables, mpirun ...).
+  static CmdRun train(const std::string& out, const std::string& layout, const std::string& prefix = "") {
+    return sh(fmt::format(
+        "{}{} train --quiet --data.dir {} --train.out_dir {} --model.n_layer 2 --model.n_head 4 --model.n_embd 32 "
+        "--data.seq_len 16 --train.batch_size 4 --train.grad_accum 2 --train.steps 10 --train.eval_every 5 "
+        "--train.eval_batches 2 --train.sample_tokens 0 --train.threads 1 --optim.warmup_steps 2 --optim.lr 3e-3 {}",
+        prefix.empty() ? "" : prefix + " ", kLoom, (root_ / "data").string(), (root_ / out).string(), layout));
+  }
+  // step -> value of `key` in root/out/metrics.jsonl.
+  static std::map<int64_t, double> metric(const std::string& out, const char* key) {
+    std::map<int64_t, double> m;
+    std::ifstream f(root_ / out / "metrics.jsonl");
+    std::string line;
+    while (std::getline(f, line)) {
+      auto j = nlohmann::json::parse(line);
+      if (j.contains(key)) m[j["step"].get<int64_t>()] = j[key].get<double>();
+    }
+    return m;
+  }
+  static std::string state(const std::string& out) {
+    return train::latest_checkpoint((root_ / out).string()) + "/state.safetensors";
+  }
+  // The single-device reference, run once for the suite.
+  static void ensure_reference() {
+    if (ref_done_) return;
+    CmdRun r = train("ref", "");
+    ASSERT_EQ(r.status, 0) << r.output;
+    ref_done_ = true;
+  }
+
+  // Every loss and validation loss of root/out within 1e-5 relative of the single-device run's.
+  static void expect_losses_near_reference(const std::string& out, const std::string& what) {
+    ensure_reference();
+    for (const char* key : {"loss", "val_loss"}) {
+      auto want = metric("ref", key), got = metric(out, key);
+      ASSERT_EQ(got.size(), want.size()) << what << " " << key;
+      ASSERT_EQ(want.size(), std::string(key) == "loss" ? 10u : 2u);
+      double worst = 0;
+      for (auto& [step, v] : want) {
+        ASSERT_EQ(got.count(step), 1u) << what << " " << key << " step " << step;
+        const double rel = std::abs(got[step] - v) / std::abs(v);
+        worst = std::max(worst, rel);
+        EXPECT_LE(rel, kTol) << what << " " << key << " step " << step << ": " << got[step] << " vs " << v;
+      }
+      std::printf("%-44s %-8s max relative difference %.2e over %zu steps\n", what.c_str(), key, worst, want.size());
+    }
+  }
+
+  // Runs `layout` and compares every loss and validation loss with the single-device run.
+  static void expect_same_losses(const std::string& out, const std::string& layout) {
+    ensure_reference();
+    CmdRun r = train(out, layout);
+    ASSERT_EQ(r.status, 0) << layout << "\n" << r.output;
+    expect_losses_near_reference(out, layout);
+  }
+
+  // The metric lines of two runs hold the same steps and bit-identical values of `keys` (the
+  // JSON text of each double is its shortest round-trip form).
+  static void expect_identical_metrics(const std::string& a, const std::string& b,
+                                       std::initializer_list<const char*> keys) {
+    for (const char* key : keys) {
+      auto x = metric(a, key), y = metric(b, key);
+      ASSERT_FALSE(x.empty()) << a << " has no " << key;
+      ASSERT_EQ(x.size(), y.size()) << a << " vs " << b << " " << key;
+      for (auto& [step, v] : x) {
+        ASSERT_EQ(y.count(step), 1u) << b << " lacks " << key << " of step " << step;
+        EXPECT_EQ(nlohmann::json(v).dump(), nlohmann::json(y[step]).dump()) << key << " step " << step;
+      }
+    }
+  }
+
+  // The final checkpoints of two runs hold the same tensors, bit for bit, and the same step
+  // counters.
+  static void expect_identical_checkpoints(const std::string& a, const std::string& b) {
+    const std::string ca = train::latest_checkpoint((root_ / a).string()), cb = train::latest_checkpoint((root_ / b).string());
+    ASSERT_FALSE(ca.empty()) << a;
+    ASSERT_FALSE(cb.empty()) << b;
+    auto ma = train::read_checkpoint_meta(ca), mb = train::read_checkpoint_meta(cb);
+    EXPECT_EQ(ma.step, mb.step);
+    EXPECT_EQ(ma.optimizer_steps, mb.optimizer_steps);
+    train::SafetensorsReader x(ca + "/state.safetensors"), y(cb + "/state.safetensors");
+    ASSERT_EQ(x.entries().size(), y.entries().size());
+    for (const auto& e : x.entries()) {
+      ASSERT_TRUE(y.contains(e.name)) << b << " lacks " << e.name;
+      auto u = x.read_f32(e.name), v = y.read_f32(e.name);
+      ASSERT_EQ(u.size(), v.size()) << e.name;
+      EXPECT_EQ(std::memcmp(u.data(), v.data(), u.size() * sizeof(float)), 0) << e.name << " differs";
+    }
+  }
+
+  static constexpr double kTol = 1e-5;
+  static inline fs::path root_;
+  static inline bool ref_done_ = false;
+};
+
+}  // namespace loom::test
