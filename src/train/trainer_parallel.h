@@ -1,15 +1,17 @@
 // The training loop over a device mesh pp x dp x cp x tp (Mesh::standard), ranks as threads of
 // this process:
 //   - tensor / sequence / context parallelism (parallel.tp, parallel.sp, parallel.cp) with
-//     model::ParallelGPT, gradients averaged over parallel.dp with a plain all-reduce;
+//     model::ParallelGPT, gradients averaged over parallel.dp with a plain all-reduce, or with
+//     ZeRO-1 (parallel.zero = 1: parallel::Zero1Optimizer, AdamW moments sharded over dp);
 //   - pipeline parallelism (parallel.pp) with parallel::pipeline::PipelineExecutor, train.grad_accum
 //     micro-batches per step under parallel.schedule (gpipe | 1f1b | interleaved | zb-h1), data
 //     parallelism over parallel.dp through the executor's dp communicator.
-// pp with tp/cp/sp, ZeRO (parallel.zero > 0), offload, parallel.comm = "mpi" and --resume are
-// refused with an error naming the field. Rank 0 prints the same progress lines and writes the
-// same metrics.jsonl keys, validation losses, loss PNG and checkpoints as run_training:
-// checkpoints hold full tensors (tensor-parallel shards and pipeline stages gathered to rank 0) in
-// the single-device format, so they load under single device or data parallelism.
+// pp with tp/cp/sp, ZeRO-1 with pp, ZeRO 2/3 and offload with any of tp/cp/sp/pp,
+// parallel.comm = "mpi" and --resume are refused with an error naming the field. Rank 0 prints
+// the same progress lines and writes the same metrics.jsonl keys, validation losses, loss PNG
+// and checkpoints as run_training: checkpoints hold full tensors (tensor-parallel shards,
+// ZeRO-1 moment shards and pipeline stages gathered to rank 0) in the single-device format, so
+// they load under single device or data parallelism.
 #pragma once
 #include "train/config.h"
 #include "train/trainer.h"

@@ -1,9 +1,9 @@
 // `loom train` under tensor, sequence, context and pipeline parallelism (with and without data
-// parallelism) equals the single-device run: every step's loss and every validation loss within
-// 1e-5 relative, and the final checkpoints (full tensors gathered to rank 0) within
-// ||p - p_ref|| / ||p_ref|| <= 1e-5, over all parameters and for each one (the key bias, whose
-// gradient is exactly zero, only in the former). Unsupported
-// combinations fail with an error naming the fields.
+// parallelism, and ZeRO-1 over dp) equals the single-device run: every step's loss and every
+// validation loss within 1e-5 relative, and the final checkpoints (full tensors gathered to rank
+// 0) within ||p - p_ref|| / ||p_ref|| <= 1e-5, over all parameters and for each one (the key
+// bias, whose gradient is exactly zero, only in the former). Unsupported combinations fail with
+// an error naming the fields.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -14,6 +14,7 @@
 #include <fstream>
 #include <map>
 #include <random>
+#include <set>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -62,12 +63,12 @@ class TrainParallel : public ::testing::Test {
   }
   static void TearDownTestSuite() { fs::remove_all(root_); }
 
-  static CmdRun train(const std::string& out, const std::string& layout) {
+  static CmdRun train(const std::string& out, const std::string& layout, int steps = 10) {
     return sh(fmt::format(
         "{} train --quiet --data.dir {} --train.out_dir {} --model.n_layer 2 --model.n_head 4 --model.n_embd 32 "
-        "--data.seq_len 16 --train.batch_size 4 --train.grad_accum 2 --train.steps 10 --train.eval_every 5 "
+        "--data.seq_len 16 --train.batch_size 4 --train.grad_accum 2 --train.steps {} --train.eval_every 5 "
         "--train.eval_batches 2 --train.sample_tokens 0 --train.threads 1 --optim.warmup_steps 2 --optim.lr 3e-3 {}",
-        kLoom, (root_ / "data").string(), (root_ / out).string(), layout));
+        kLoom, (root_ / "data").string(), (root_ / out).string(), steps, layout));
   }
   static std::map<int64_t, double> metric(const std::string& out, const char* key) {
     std::map<int64_t, double> m;
@@ -82,23 +83,25 @@ class TrainParallel : public ::testing::Test {
   static std::string state(const std::string& out) {
     return train::latest_checkpoint((root_ / out).string()) + "/state.safetensors";
   }
-  // The single-device reference, run once for the suite.
-  static void ensure_reference() {
-    if (ref_done_) return;
-    CmdRun r = train("ref", "");
+  // The single-device reference of a run length, run once for the suite.
+  static std::string ref_dir(int steps) { return steps == 10 ? "ref" : fmt::format("ref{}", steps); }
+  static void ensure_reference(int steps) {
+    if (ref_done_.count(steps)) return;
+    CmdRun r = train(ref_dir(steps), "", steps);
     ASSERT_EQ(r.status, 0) << r.output;
-    ref_done_ = true;
+    ref_done_.insert(steps);
   }
 
-  // Runs `layout` and compares every loss and validation loss with the single-device run.
-  void expect_same_losses(const std::string& out, const std::string& layout) {
-    ensure_reference();
-    CmdRun r = train(out, layout);
+  // Runs `layout` for `steps` steps and compares every loss and validation loss with the
+  // single-device run.
+  void expect_same_losses(const std::string& out, const std::string& layout, int steps = 10) {
+    ensure_reference(steps);
+    CmdRun r = train(out, layout, steps);
     ASSERT_EQ(r.status, 0) << layout << "\n" << r.output;
     for (const char* key : {"loss", "val_loss"}) {
-      auto want = metric("ref", key), got = metric(out, key);
+      auto want = metric(ref_dir(steps), key), got = metric(out, key);
       ASSERT_EQ(got.size(), want.size()) << layout << " " << key;
-      ASSERT_EQ(want.size(), std::string(key) == "loss" ? 10u : 2u);
+      ASSERT_EQ(want.size(), size_t(std::string(key) == "loss" ? steps : steps / 5));
       double worst = 0;
       for (auto& [step, v] : want) {
         ASSERT_EQ(got.count(step), 1u) << layout << " " << key << " step " << step;
@@ -112,8 +115,8 @@ class TrainParallel : public ::testing::Test {
 
   // The final checkpoint holds the same tensor names as the single-device one, with parameters
   // within 1e-5 relative (each and all).
-  void expect_same_checkpoint(const std::string& out) {
-    train::SafetensorsReader want(state("ref")), got(state(out));
+  void expect_same_checkpoint(const std::string& out, int steps = 10) {
+    train::SafetensorsReader want(state(ref_dir(steps))), got(state(out));
     ASSERT_EQ(got.entries().size(), want.entries().size());
     double d2 = 0, r2 = 0, worst = 0;
     for (const auto& e : want.entries()) {
@@ -145,12 +148,35 @@ class TrainParallel : public ::testing::Test {
                 std::sqrt(d2 / r2), worst);
   }
 
+  // The final checkpoint's AdamW moments (adam_m/, adam_v/): ||m - m_ref|| / ||m_ref|| over all
+  // parameters, for each moment, against another run's checkpoint.
+  void expect_same_moments(const std::string& out, const std::string& ref, double tol) {
+    train::SafetensorsReader want(state(ref)), got(state(out));
+    for (const std::string prefix : {"adam_m/", "adam_v/"}) {
+      double d2 = 0, r2 = 0;
+      int n = 0;
+      for (const auto& e : want.entries()) {
+        if (e.name.rfind(prefix, 0) != 0) continue;
+        ASSERT_TRUE(got.contains(e.name)) << out << " lacks " << e.name;
+        auto a = got.read_f32(e.name), b = want.read_f32(e.name);
+        ASSERT_EQ(a.size(), b.size()) << e.name;
+        for (size_t i = 0; i < a.size(); ++i) d2 += (double(a[i]) - b[i]) * (double(a[i]) - b[i]), r2 += double(b[i]) * b[i];
+        ++n;
+      }
+      ASSERT_GT(n, 0) << ref << " holds no " << prefix << " tensors";
+      ASSERT_GT(r2, 0.0) << prefix;
+      EXPECT_LE(std::sqrt(d2 / r2), tol) << out << " " << prefix << " vs " << ref;
+      std::printf("%-44s %s ||m - m_ref|| / ||m_ref|| = %.2e vs %s\n", out.c_str(), prefix.c_str(), std::sqrt(d2 / r2),
+                  ref.c_str());
+    }
+  }
+
   static fs::path root_;
-  static bool ref_done_;
+  static std::set<int> ref_done_;
 };
 
 fs::path TrainParallel::root_;
-bool TrainParallel::ref_done_ = false;
+std::set<int> TrainParallel::ref_done_;
 
 }  // namespace
 
@@ -176,6 +202,29 @@ TEST_F(TrainParallel, TensorTimesDataParallelMatchesSingleDevice) {
   expect_same_checkpoint("tp2_dp2");
 }
 
+// ZeRO-1 over dp (moments sharded, gathered over dp for the checkpoint) composed with tensor,
+// sequence and context parallelism, 20 steps.
+TEST_F(TrainParallel, ZeroOneWithTensorParallelMatchesSingleDevice) {
+  if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
+  expect_same_losses("tp2_dp2_zero1", "--parallel.tp 2 --parallel.dp 2 --parallel.zero 1", 20);
+  expect_same_checkpoint("tp2_dp2_zero1", 20);
+  expect_same_moments("tp2_dp2_zero1", ref_dir(20), kTol);
+}
+
+TEST_F(TrainParallel, ZeroOneWithSequenceParallelMatchesSingleDevice) {
+  if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
+  expect_same_losses("tp2_sp_dp2_zero1", "--parallel.tp 2 --parallel.sp true --parallel.dp 2 --parallel.zero 1", 20);
+  expect_same_checkpoint("tp2_sp_dp2_zero1", 20);
+  expect_same_moments("tp2_sp_dp2_zero1", ref_dir(20), kTol);
+}
+
+TEST_F(TrainParallel, ZeroOneWithContextParallelMatchesSingleDevice) {
+  if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
+  expect_same_losses("cp2_dp2_zero1", "--parallel.cp 2 --parallel.dp 2 --parallel.zero 1", 20);
+  expect_same_checkpoint("cp2_dp2_zero1", 20);
+  expect_same_moments("cp2_dp2_zero1", ref_dir(20), kTol);
+}
+
 TEST_F(TrainParallel, PipelineMatchesSingleDevice) {
   if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
   expect_same_losses("pp2", "--parallel.pp 2 --parallel.schedule 1f1b");
@@ -189,9 +238,19 @@ TEST_F(TrainParallel, PipelineTimesDataParallelMatchesSingleDevice) {
 
 TEST_F(TrainParallel, UnsupportedCombinationsAreRefusedNamingTheFields) {
   if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
-  CmdRun zero = train("bad_zero", "--parallel.tp 2 --parallel.zero 1");
-  EXPECT_NE(zero.status, 0);
-  EXPECT_NE(zero.output.find("parallel.zero"), std::string::npos) << zero.output;
+  for (const char* layout : {"--parallel.tp 2 --parallel.dp 2 --parallel.zero 2", "--parallel.cp 2 --parallel.zero 3",
+                             "--parallel.tp 2 --parallel.sp true --parallel.zero 2",
+                             "--parallel.pp 2 --parallel.dp 2 --parallel.zero 1", "--parallel.pp 2 --parallel.zero 2"}) {
+    CmdRun zero = train("bad_zero", layout);
+    EXPECT_NE(zero.status, 0) << layout;
+    EXPECT_NE(zero.output.find("parallel.zero"), std::string::npos) << layout << "\n" << zero.output;
+  }
+  for (const char* layout : {"--parallel.tp 2 --parallel.dp 2 --parallel.zero 1 --parallel.offload true",
+                             "--parallel.pp 2 --parallel.offload true"}) {
+    CmdRun offload = train("bad_offload", layout);
+    EXPECT_NE(offload.status, 0) << layout;
+    EXPECT_NE(offload.output.find("parallel.offload"), std::string::npos) << layout << "\n" << offload.output;
+  }
   CmdRun mix = train("bad_mix", "--parallel.pp 2 --parallel.tp 2");
   EXPECT_NE(mix.status, 0);
   EXPECT_NE(mix.output.find("parallel.pp"), std::string::npos) << mix.output;
