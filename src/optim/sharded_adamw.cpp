@@ -18,7 +18,7 @@ ShardedAdamW::ShardedAdamW(std::vector<FlatSegment> segments, int64_t begin, int
                s.begin, s.end);
     prev = s.end;
     int64_t b = std::max(s.begin, begin), e = std::min(s.end, end);
-    if (b < e) local_.push_back({b - begin, e - begin, s.decay, s.name});
+    if (b < e) local_.push_back({b - begin, e - begin, s.decay, s.name, s.in_norm});
   }
   m_ = Tensor::zeros({end - begin}, DType::f32, MemTag::optimizer, state_pool);
   v_ = Tensor::zeros({end - begin}, DType::f32, MemTag::optimizer, state_pool);
@@ -26,7 +26,8 @@ ShardedAdamW::ShardedAdamW(std::vector<FlatSegment> segments, int64_t begin, int
 
 double ShardedAdamW::grad_sum_squares(const float* grad_shard) const {
   double s = 0;
-  for (const FlatSegment& seg : local_) s += cpu::sum_squares(grad_shard + seg.begin, seg.end - seg.begin);
+  for (const FlatSegment& seg : local_)
+    if (seg.in_norm) s += cpu::sum_squares(grad_shard + seg.begin, seg.end - seg.begin);
   return s;
 }
 

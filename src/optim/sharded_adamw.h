@@ -20,6 +20,7 @@ struct FlatSegment {
   int64_t begin = 0, end = 0;  // flat element indices
   bool decay = false;
   std::string name;            // the parameter, for messages
+  bool in_norm = true;         // counted by grad_sum_squares (a replicated copy counts elsewhere)
 };
 
 class ShardedAdamW {
@@ -29,8 +30,9 @@ class ShardedAdamW {
   ShardedAdamW(std::vector<FlatSegment> segments, int64_t begin, int64_t end, const AdamWConfig& cfg,
                MemoryPool& state_pool);
 
-  // Sum of squares (double) of grad_shard f32 [end - begin] over this shard's logical elements,
-  // segment by segment in flat order (deterministic for any thread count).
+  // Sum of squares (double) of grad_shard f32 [end - begin] over this shard's logical elements
+  // of the segments with in_norm, segment by segment in flat order (deterministic for any thread
+  // count).
   double grad_sum_squares(const float* grad_shard) const;
   // One step on param_shard / grad_shard f32 [end - begin] with a global gradient norm computed
   // over all shards (clipping), at learning rate lr (the configured one when lr < 0).

@@ -25,6 +25,7 @@
 #include "model/gpt.h"
 #include "model/tp_gpt.h"
 #include "optim/adamw.h"
+#include "parallel/data/zero1.h"
 #include "parallel/mesh.h"
 #include "parallel/pipeline/executor.h"
 #include "train/checkpoint.h"
@@ -120,6 +121,15 @@ class CheckpointTensors {
   std::vector<float> buf_;
 };
 
+// A shard's part of a full checkpoint tensor into dst f32 [n] (the rest, a vocabulary split's
+// zero padding, zeroed).
+void read_shard(CheckpointTensors& ckpt, const char* kind, const model::ShardedParameter& p, float* dst, int64_t n) {
+  const std::vector<float>& full = ckpt.read(kind, p.global.name, p.global.shape);
+  std::fill(dst, dst + n, 0.0f);
+  for (const model::ShardSegment& s : p.segments)
+    std::memcpy(dst + s.local, full.data() + s.global, size_t(s.n) * sizeof(float));
+}
+
 // One rank's model, optimizer and step under either layout.
 class Engine {
  public:
@@ -138,14 +148,22 @@ class Engine {
   virtual std::vector<pipe::TraceEvent> trace() const { return {}; }
 };
 
-// Tensor / sequence / context parallel (ParallelGPT) with data parallelism over dp.
+// Tensor / sequence / context parallel (ParallelGPT) with data parallelism over dp: gradients
+// all-reduced and full AdamW moments on every dp rank (parallel.zero = 0), or ZeRO-1 (moments
+// sharded over dp, parallel/data/zero1.h).
 class TensorEngine : public Engine {
  public:
   TensorEngine(const TrainConfig& cfg, const model::GPTConfig& mc, const optim::AdamWConfig& oc,
                parallel::MeshComms& comms, data::Loader& train, MemoryPool& pool)
       : cfg_(cfg), mc_(comms), train_(train), pool_(pool), dp_(comms["dp"]), tp_(comms["tp"]),
-        model_(mc, {&comms["tp"], &comms["cp"]}, {.sp = cfg.sp}, pool, cfg.seed),
-        adam_(model_.parameters(), oc, pool) {
+        model_(mc, {&comms["tp"], &comms["cp"]}, {.sp = cfg.sp}, pool, cfg.seed) {
+    if (cfg.zero == 1) {
+      parallel::Zero1Options zo;  // a parameter replicated over tp counts in the norm on tp rank 0
+      for (const auto& p : model_.sharded()) zo.in_norm.push_back(!p->replicated || tp_.rank() == 0);
+      zero1_ = std::make_unique<parallel::Zero1Optimizer>(model_.parameters(), dp_, oc, pool, zo);
+    } else {
+      adam_ = std::make_unique<optim::AdamW>(model_.parameters(), oc, pool);
+    }
     const int64_t dp = dp_.size();
     local_ = cfg.batch_size / dp;
     mb_ = local_ / cfg.grad_accum;
@@ -166,6 +184,14 @@ class TensorEngine : public Engine {
       model_.backward();
     }
     model_.finish_gradients();
+    StepOut out;
+    out.loss = sum_over(dp_, loss / double(cfg_.grad_accum)) / double(dp);
+    if (zero1_) {  // mean over dp into this rank's shard; the norm adds the shards, then tp
+      const double sq = zero1_->reduce_gradients();
+      out.grad_norm = std::sqrt(sum_over(tp_, sum_over(dp_, sq)));
+      zero1_->step(out.grad_norm, lr);
+      return out;
+    }
     if (dp > 1) {  // average over the data-parallel replicas
       const float inv = 1.0f / float(dp);
       for (model::Parameter* p : model_.parameters()) {
@@ -174,10 +200,8 @@ class TensorEngine : public Engine {
         for (int64_t i = 0; i < p->spec.numel(); ++i) g[i] *= inv;
       }
     }
-    StepOut out;
-    out.loss = sum_over(dp_, loss / double(cfg_.grad_accum)) / double(dp);
     out.grad_norm = model_.grad_norm();  // collective over tp
-    adam_.step_with_norm(out.grad_norm, lr);
+    adam_->step_with_norm(out.grad_norm, lr);
     return out;
   }
 
@@ -197,14 +221,27 @@ class TensorEngine : public Engine {
 
   // Only the tp group of the replica with dp = cp = 0 takes part (its rank 0 is world rank 0):
   // each full tensor is assembled by a sum over tp of zero-filled buffers into which every rank
-  // wrote its shard (a replicated tensor by tp rank 0 only), so values arrive unchanged.
+  // wrote its shard (a replicated tensor by tp rank 0 only), so values arrive unchanged. Under
+  // ZeRO-1 the dp ranks with cp = 0 first gather each shard's moments over dp.
   void gather(FullModel* full, bool with_moments) override {
-    if (mc_.coord("dp") != 0 || mc_.coord("cp") != 0) return;
+    if (mc_.coord("cp") != 0) return;
+    const bool lead_replica = mc_.coord("dp") == 0;
+    if (!lead_replica && !(zero1_ && with_moments)) return;
     if (full && with_moments) full->ensure_moments();
     const auto& sh = model_.sharded();
-    std::vector<float> buf;
+    std::vector<float> buf, m, v;
     for (size_t i = 0; i < sh.size(); ++i) {
       const model::ShardedParameter& p = *sh[i];
+      const float *mi = nullptr, *vi = nullptr;  // this shard's full moments
+      if (with_moments && zero1_) {
+        m.resize(size_t(p.shard.spec.numel()));
+        v.resize(size_t(p.shard.spec.numel()));
+        zero1_->gather_moments(i, m.data(), v.data());  // collective over dp
+        mi = m.data(), vi = v.data();
+      } else if (with_moments) {
+        mi = adam_->exp_avg(i).f32(), vi = adam_->exp_avg_sq(i).f32();
+      }
+      if (!lead_replica) continue;
       const int64_t n = p.global.numel();
       model::Parameter* dst = full ? &full->param(p.global.name, n) : nullptr;
       const size_t di = full ? full->index.at(p.global.name) : 0;
@@ -218,37 +255,43 @@ class TensorEngine : public Engine {
       };
       one(p.shard.value.f32(), dst ? dst->value.f32() : nullptr);
       if (with_moments) {
-        one(adam_.exp_avg(i).f32(), full ? full->exp_avg[di].f32() : nullptr);
-        one(adam_.exp_avg_sq(i).f32(), full ? full->exp_avg_sq[di].f32() : nullptr);
+        one(mi, full ? full->exp_avg[di].f32() : nullptr);
+        one(vi, full ? full->exp_avg_sq[di].f32() : nullptr);
       }
     }
-    if (full) full->optimizer_steps = adam_.steps_taken();
+    if (full) full->optimizer_steps = zero1_ ? zero1_->steps_taken() : adam_->steps_taken();
   }
 
   // Each shard (and its moments) takes its segments of the full tensor; the rest of a shard is
   // the zero padding of a vocabulary split, which stays zero in training.
   void load(CheckpointTensors& ckpt, int64_t optimizer_steps) override {
     const auto& sh = model_.sharded();
+    const auto& opt_params = zero1_ ? zero1_->parameters() : adam_->parameters();
+    std::vector<float> m, v;
     for (size_t i = 0; i < sh.size(); ++i) {
       const model::ShardedParameter& p = *sh[i];
-      LOOM_CHECK(adam_.parameters()[i] == &p.shard, "load: the optimizer's parameter {} is not shard '{}'", i,
-                 p.global.name);
-      auto take = [&](const char* kind, const Tensor& dst) {
-        const std::vector<float>& full = ckpt.read(kind, p.global.name, p.global.shape);
-        float* d = dst.f32();
-        std::fill(d, d + dst.numel(), 0.0f);
-        for (const model::ShardSegment& s : p.segments)
-          std::memcpy(d + s.local, full.data() + s.global, size_t(s.n) * sizeof(float));
-      };
-      take("param", p.shard.value);
-      take("adam_m", adam_.exp_avg(i));
-      take("adam_v", adam_.exp_avg_sq(i));
+      LOOM_CHECK(opt_params[i] == &p.shard, "load: the optimizer's parameter {} is not shard '{}'", i, p.global.name);
+      auto take = [&](const char* kind, float* d, int64_t n) { read_shard(ckpt, kind, p, d, n); };
+      take("param", p.shard.value.f32(), p.shard.value.numel());
+      if (zero1_) {  // ZeRO-1: this rank keeps its dp part of the shard's moments
+        const int64_t n = p.shard.spec.numel();
+        m.resize(size_t(n));
+        v.resize(size_t(n));
+        take("adam_m", m.data(), n);
+        take("adam_v", v.data(), n);
+        zero1_->load_moments(i, m.data(), v.data());
+      } else {
+        take("adam_m", adam_->exp_avg(i).f32(), adam_->exp_avg(i).numel());
+        take("adam_v", adam_->exp_avg_sq(i).f32(), adam_->exp_avg_sq(i).numel());
+      }
     }
-    adam_.set_steps_taken(optimizer_steps);
+    if (zero1_) zero1_->set_steps_taken(optimizer_steps);
+    else adam_->set_steps_taken(optimizer_steps);
   }
 
   std::string describe() const override {
-    return fmt::format("tp {}{} x cp {} x dp {}", model_.tp(), model_.sp() ? " + sp" : "", model_.cp(), dp_.size());
+    return fmt::format("tp {}{} x cp {} x dp {}{}", model_.tp(), model_.sp() ? " + sp" : "", model_.cp(), dp_.size(),
+                       zero1_ ? " (ZeRO-1)" : "");
   }
 
  private:
@@ -259,7 +302,8 @@ class TensorEngine : public Engine {
   comm::Comm& dp_;
   comm::Comm& tp_;
   model::ParallelGPT model_;
-  optim::AdamW adam_;
+  std::unique_ptr<optim::AdamW> adam_;                // parallel.zero = 0
+  std::unique_ptr<parallel::Zero1Optimizer> zero1_;  // parallel.zero = 1
   int64_t local_ = 0, mb_ = 0;
   Tensor x_, y_;  // i32 [mb, T]
 };
@@ -413,11 +457,19 @@ class PipelineEngine : public Engine {
 
   // Each of this rank's parameters by name: the last stage's copy of a tied wte takes wte (both
   // copies always take the same update, so their moments are wte's too).
+  // Under tp / cp each stage's shard takes its segments of the full tensor.
   void load(CheckpointTensors& ckpt, int64_t optimizer_steps) override {
     optim::AdamW& adam = exec_.optimizer();
     const auto ps = exec_.parameters();
+    const auto sharded = exec_.sharded();
     for (size_t i = 0; i < ps.size(); ++i) {
       const std::string& name = ps[i]->spec.name;
+      if (!sharded.empty()) {
+        read_shard(ckpt, "param", *sharded[i], ps[i]->value.f32(), ps[i]->value.numel());
+        read_shard(ckpt, "adam_m", *sharded[i], adam.exp_avg(i).f32(), adam.exp_avg(i).numel());
+        read_shard(ckpt, "adam_v", *sharded[i], adam.exp_avg_sq(i).f32(), adam.exp_avg_sq(i).numel());
+        continue;
+      }
       ckpt.read_into("param", name, ps[i]->value);
       ckpt.read_into("adam_m", name, adam.exp_avg(i));
       ckpt.read_into("adam_v", name, adam.exp_avg_sq(i));
@@ -603,17 +655,22 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
     }
     return tok->decode(prompt) + tok->decode(out);
   };
+  // Collective, ending in a barrier: no rank starts the next step before rank 0 has the whole
+  // checkpoint on disk, so a rank that fails in that step cannot cut the gather (or the write)
+  // short and lose the checkpoint.
   auto checkpoint = [&](int64_t step) {
-    engine->gather(full.get(), true);  // collective
-    if (!lead) return;
-    CheckpointMeta meta;
-    meta.step = step;
-    meta.optimizer_steps = full->optimizer_steps;
-    meta.data_position = step;
-    meta.seed = cfg.seed;
-    meta.model = model::gpt_config_manifest(mc);
-    meta.config_toml = config_to_toml(cfg);
-    save_checkpoint(out_dir.string(), meta, full->named(), cfg.keep_checkpoints);
+    engine->gather(full.get(), true);
+    if (lead) {
+      CheckpointMeta meta;
+      meta.step = step;
+      meta.optimizer_steps = full->optimizer_steps;
+      meta.data_position = step;
+      meta.seed = cfg.seed;
+      meta.model = model::gpt_config_manifest(mc);
+      meta.config_toml = config_to_toml(cfg);
+      save_checkpoint(out_dir.string(), meta, full->named(), cfg.keep_checkpoints);
+    }
+    world.barrier();
   };
 
   pool.reset_peaks();
@@ -711,13 +768,24 @@ bool needs_mesh(const TrainConfig& cfg) { return cfg.tp > 1 || cfg.cp > 1 || cfg
 
 TrainResult run_training_mesh(const TrainConfig& cfg, const TrainOptions& opt) {
   const std::string where = opt.config_path.empty() ? "config" : opt.config_path;
-  if (cfg.zero > 0)
+  if (cfg.pp > 1 && cfg.zero >= 2)
+    throw Error(fmt::format("{}: parallel.zero = {} is not supported with parallel.pp = {} (pipelines compose with "
+                            "ZeRO stage 0 or 1 only, and stage 1 not yet); set parallel.zero = 0",
+                            where, cfg.zero, cfg.pp));
+  if (cfg.pp > 1 && cfg.zero == 1)
+    throw Error(fmt::format("{}: parallel.zero = 1 is not available with parallel.pp = {} yet (the pipeline keeps "
+                            "full AdamW moments on every data-parallel rank); set parallel.zero = 0",
+                            where, cfg.pp));
+  if (cfg.zero >= 2)
     throw Error(fmt::format("{}: parallel.zero = {} is not supported with parallel.tp = {}, parallel.cp = {}, "
-                            "parallel.sp = {}, parallel.pp = {} (ZeRO runs with data parallelism alone); set "
-                            "parallel.zero = 0",
-                            where, cfg.zero, cfg.tp, cfg.cp, cfg.sp, cfg.pp));
+                            "parallel.sp = {} (ZeRO stages 2 and 3 run with data parallelism alone; tensor, "
+                            "sequence and context parallelism compose with stage 0 or 1); set parallel.zero = 0 or 1",
+                            where, cfg.zero, cfg.tp, cfg.cp, cfg.sp));
   if (cfg.offload)
-    throw Error(fmt::format("{}: parallel.offload needs ZeRO and is not supported with parallel.tp/cp/sp/pp", where));
+    throw Error(fmt::format("{}: parallel.offload is not supported with parallel.tp = {}, parallel.cp = {}, "
+                            "parallel.sp = {}, parallel.pp = {} (offload runs with data parallelism alone); set "
+                            "parallel.offload = false",
+                            where, cfg.tp, cfg.cp, cfg.sp, cfg.pp));
   if (!opt.trace_path.empty() && cfg.pp == 1)
     throw Error(fmt::format("{}: --trace is available with parallel.pp > 1 and data parallelism, not with "
                             "parallel.tp/cp/sp",

@@ -13,6 +13,7 @@
 #include <fstream>
 #include <map>
 #include <random>
+#include <set>
 #include <string>
 
 #include <fmt/format.h>
@@ -61,17 +62,21 @@ class MeshTrainFixture : public ::testing::Test {
   }
   static void TearDownTestSuite() {
     fs::remove_all(root_);
-    ref_done_ = false;
+    ref_done_.clear();
   }
 
-  // 10 steps of the tiny model into root/out, with `layout` (more options, overriding these)
+  // `steps` steps of the tiny model into root/out, with `layout` (more options, overriding these)
   // appended; `prefix` goes before the executable (environment variables, mpirun ...).
-  static CmdRun train(const std::string& out, const std::string& layout, const std::string& prefix = "") {
+  static CmdRun train_steps(const std::string& out, const std::string& layout, int steps,
+                            const std::string& prefix = "") {
     return sh(fmt::format(
         "{}{} train --quiet --data.dir {} --train.out_dir {} --model.n_layer 2 --model.n_head 4 --model.n_embd 32 "
-        "--data.seq_len 16 --train.batch_size 4 --train.grad_accum 2 --train.steps 10 --train.eval_every 5 "
+        "--data.seq_len 16 --train.batch_size 4 --train.grad_accum 2 --train.steps {} --train.eval_every 5 "
         "--train.eval_batches 2 --train.sample_tokens 0 --train.threads 1 --optim.warmup_steps 2 --optim.lr 3e-3 {}",
-        prefix.empty() ? "" : prefix + " ", kLoom, (root_ / "data").string(), (root_ / out).string(), layout));
+        prefix.empty() ? "" : prefix + " ", kLoom, (root_ / "data").string(), (root_ / out).string(), steps, layout));
+  }
+  static CmdRun train(const std::string& out, const std::string& layout, const std::string& prefix = "") {
+    return train_steps(out, layout, 10, prefix);
   }
   // step -> value of `key` in root/out/metrics.jsonl.
   static std::map<int64_t, double> metric(const std::string& out, const char* key) {
@@ -87,21 +92,22 @@ class MeshTrainFixture : public ::testing::Test {
   static std::string state(const std::string& out) {
     return train::latest_checkpoint((root_ / out).string()) + "/state.safetensors";
   }
-  // The single-device reference, run once for the suite.
-  static void ensure_reference() {
-    if (ref_done_) return;
-    CmdRun r = train("ref", "");
+  // The single-device reference of a run length, run once for the suite.
+  static std::string ref_dir(int steps) { return steps == 10 ? "ref" : fmt::format("ref{}", steps); }
+  static void ensure_reference(int steps = 10) {
+    if (ref_done_.count(steps)) return;
+    CmdRun r = train_steps(ref_dir(steps), "", steps);
     ASSERT_EQ(r.status, 0) << r.output;
-    ref_done_ = true;
+    ref_done_.insert(steps);
   }
 
   // Every loss and validation loss of root/out within 1e-5 relative of the single-device run's.
-  static void expect_losses_near_reference(const std::string& out, const std::string& what) {
-    ensure_reference();
+  static void expect_losses_near_reference(const std::string& out, const std::string& what, int steps = 10) {
+    ensure_reference(steps);
     for (const char* key : {"loss", "val_loss"}) {
-      auto want = metric("ref", key), got = metric(out, key);
+      auto want = metric(ref_dir(steps), key), got = metric(out, key);
       ASSERT_EQ(got.size(), want.size()) << what << " " << key;
-      ASSERT_EQ(want.size(), std::string(key) == "loss" ? 10u : 2u);
+      ASSERT_EQ(want.size(), size_t(std::string(key) == "loss" ? steps : steps / 5));
       double worst = 0;
       for (auto& [step, v] : want) {
         ASSERT_EQ(got.count(step), 1u) << what << " " << key << " step " << step;
@@ -113,12 +119,13 @@ class MeshTrainFixture : public ::testing::Test {
     }
   }
 
-  // Runs `layout` and compares every loss and validation loss with the single-device run.
-  static void expect_same_losses(const std::string& out, const std::string& layout) {
-    ensure_reference();
-    CmdRun r = train(out, layout);
+  // Runs `layout` for `steps` steps and compares every loss and validation loss with the
+  // single-device run.
+  static void expect_same_losses(const std::string& out, const std::string& layout, int steps = 10) {
+    ensure_reference(steps);
+    CmdRun r = train_steps(out, layout, steps);
     ASSERT_EQ(r.status, 0) << layout << "\n" << r.output;
-    expect_losses_near_reference(out, layout);
+    expect_losses_near_reference(out, layout, steps);
   }
 
   // The metric lines of two runs hold the same steps and bit-identical values of `keys` (the
@@ -157,7 +164,7 @@ class MeshTrainFixture : public ::testing::Test {
 
   static constexpr double kTol = 1e-5;
   static inline fs::path root_;
-  static inline bool ref_done_ = false;
+  static inline std::set<int> ref_done_;
 };
 
 }  // namespace loom::test

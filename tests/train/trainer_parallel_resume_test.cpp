@@ -22,9 +22,8 @@ const std::string kEvery5 = " --train.checkpoint_every 5 --train.keep_checkpoint
 class TrainParallelResume : public MeshTrainFixture {
  protected:
   // Runs `layout` into out until rank `rank` throws at the start of step 6 (after the checkpoint
-  // of step 5), then checks what it left. The rank must take part in gathering the checkpoint to
-  // rank 0: one that does not may start step 6 while the gather is still running, and its failure
-  // then ends the gather (and the step-5 checkpoint) too.
+  // of step 5), then checks what it left: any rank may fail, since no rank starts step 6 before
+  // the step-5 checkpoint is on disk.
   static void run_interrupted(const std::string& out, const std::string& layout, int rank) {
     CmdRun cut = train(out, layout + kEvery5, fmt::format("LOOM_FAULT_INJECT=rank={},step=6,kind=throw", rank));
     ASSERT_NE(cut.status, 0) << layout << "\n" << cut.output;
@@ -66,7 +65,18 @@ TEST_F(TrainParallelResume, ContextParallelResumesBitIdentically) {
 
 TEST_F(TrainParallelResume, PipelineTimesDataParallelResumesBitIdentically) {
   if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
-  expect_bit_identical_resume("pp2_dp2", "--parallel.pp 2 --parallel.schedule 1f1b --parallel.dp 2", 2);
+  expect_bit_identical_resume("pp2_dp2", "--parallel.pp 2 --parallel.schedule 1f1b --parallel.dp 2", 1);
+}
+
+TEST_F(TrainParallelResume, ZeroOneWithTensorParallelResumesBitIdentically) {
+  if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
+  expect_bit_identical_resume("tp2_dp2_zero1", "--parallel.tp 2 --parallel.dp 2 --parallel.zero 1", 1);
+}
+
+// The 4D layout dp 2 x pp 2 x tp 2 resumes bit-identically too.
+TEST_F(TrainParallelResume, DataPipelineTensorResumesBitIdentically) {
+  if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
+  expect_bit_identical_resume("dp2_pp2_tp2", "--parallel.dp 2 --parallel.pp 2 --parallel.tp 2", 3);
 }
 
 TEST_F(TrainParallelResume, TensorParallelCheckpointResumesUnderPipeline) {

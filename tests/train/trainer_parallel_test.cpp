@@ -1,9 +1,9 @@
 // `loom train` under tensor, sequence, context and pipeline parallelism (with and without data
-// parallelism) equals the single-device run: every step's loss and every validation loss within
-// 1e-5 relative, and the final checkpoints (full tensors gathered to rank 0) within
-// ||p - p_ref|| / ||p_ref|| <= 1e-5, over all parameters and for each one (the key bias, whose
-// gradient is exactly zero, only in the former). Unsupported
-// combinations fail with an error naming the fields.
+// parallelism, and ZeRO-1 over dp) equals the single-device run: every step's loss and every
+// validation loss within 1e-5 relative, and the final checkpoints (full tensors gathered to rank
+// 0) within ||p - p_ref|| / ||p_ref|| <= 1e-5, over all parameters and for each one (the key
+// bias, whose gradient is exactly zero, only in the former). Unsupported combinations fail with
+// an error naming the fields.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -20,8 +20,8 @@ class TrainParallel : public MeshTrainFixture {
  protected:
   // The final checkpoint holds the same tensor names as the single-device one, with parameters
   // within 1e-5 relative (each and all).
-  void expect_same_checkpoint(const std::string& out) {
-    train::SafetensorsReader want(state("ref")), got(state(out));
+  void expect_same_checkpoint(const std::string& out, int steps = 10) {
+    train::SafetensorsReader want(state(ref_dir(steps))), got(state(out));
     ASSERT_EQ(got.entries().size(), want.entries().size());
     double d2 = 0, r2 = 0, worst = 0;
     for (const auto& e : want.entries()) {
@@ -53,6 +53,29 @@ class TrainParallel : public MeshTrainFixture {
                 std::sqrt(d2 / r2), worst);
   }
 
+  // The final checkpoint's AdamW moments (adam_m/, adam_v/): ||m - m_ref|| / ||m_ref|| over all
+  // parameters, for each moment, against another run's checkpoint.
+  void expect_same_moments(const std::string& out, const std::string& ref, double tol) {
+    train::SafetensorsReader want(state(ref)), got(state(out));
+    for (const std::string prefix : {"adam_m/", "adam_v/"}) {
+      double d2 = 0, r2 = 0;
+      int n = 0;
+      for (const auto& e : want.entries()) {
+        if (e.name.rfind(prefix, 0) != 0) continue;
+        ASSERT_TRUE(got.contains(e.name)) << out << " lacks " << e.name;
+        auto a = got.read_f32(e.name), b = want.read_f32(e.name);
+        ASSERT_EQ(a.size(), b.size()) << e.name;
+        for (size_t i = 0; i < a.size(); ++i) d2 += (double(a[i]) - b[i]) * (double(a[i]) - b[i]), r2 += double(b[i]) * b[i];
+        ++n;
+      }
+      ASSERT_GT(n, 0) << ref << " holds no " << prefix << " tensors";
+      ASSERT_GT(r2, 0.0) << prefix;
+      EXPECT_LE(std::sqrt(d2 / r2), tol) << out << " " << prefix << " vs " << ref;
+      std::printf("%-44s %s ||m - m_ref|| / ||m_ref|| = %.2e vs %s\n", out.c_str(), prefix.c_str(), std::sqrt(d2 / r2),
+                  ref.c_str());
+    }
+  }
+
 };
 
 }  // namespace
@@ -77,6 +100,29 @@ TEST_F(TrainParallel, TensorTimesDataParallelMatchesSingleDevice) {
   if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
   expect_same_losses("tp2_dp2", "--parallel.tp 2 --parallel.dp 2");
   expect_same_checkpoint("tp2_dp2");
+}
+
+// ZeRO-1 over dp (moments sharded, gathered over dp for the checkpoint) composed with tensor,
+// sequence and context parallelism, 20 steps.
+TEST_F(TrainParallel, ZeroOneWithTensorParallelMatchesSingleDevice) {
+  if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
+  expect_same_losses("tp2_dp2_zero1", "--parallel.tp 2 --parallel.dp 2 --parallel.zero 1", 20);
+  expect_same_checkpoint("tp2_dp2_zero1", 20);
+  expect_same_moments("tp2_dp2_zero1", ref_dir(20), kTol);
+}
+
+TEST_F(TrainParallel, ZeroOneWithSequenceParallelMatchesSingleDevice) {
+  if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
+  expect_same_losses("tp2_sp_dp2_zero1", "--parallel.tp 2 --parallel.sp true --parallel.dp 2 --parallel.zero 1", 20);
+  expect_same_checkpoint("tp2_sp_dp2_zero1", 20);
+  expect_same_moments("tp2_sp_dp2_zero1", ref_dir(20), kTol);
+}
+
+TEST_F(TrainParallel, ZeroOneWithContextParallelMatchesSingleDevice) {
+  if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
+  expect_same_losses("cp2_dp2_zero1", "--parallel.cp 2 --parallel.dp 2 --parallel.zero 1", 20);
+  expect_same_checkpoint("cp2_dp2_zero1", 20);
+  expect_same_moments("cp2_dp2_zero1", ref_dir(20), kTol);
 }
 
 TEST_F(TrainParallel, PipelineMatchesSingleDevice) {
@@ -106,9 +152,19 @@ TEST_F(TrainParallel, PipelineWithSequenceAndContextParallelMatchesSingleDevice)
 
 TEST_F(TrainParallel, UnsupportedCombinationsAreRefusedNamingTheFields) {
   if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
-  CmdRun zero = train("bad_zero", "--parallel.tp 2 --parallel.zero 1");
-  EXPECT_NE(zero.status, 0);
-  EXPECT_NE(zero.output.find("parallel.zero"), std::string::npos) << zero.output;
+  for (const char* layout : {"--parallel.tp 2 --parallel.dp 2 --parallel.zero 2", "--parallel.cp 2 --parallel.zero 3",
+                             "--parallel.tp 2 --parallel.sp true --parallel.zero 2",
+                             "--parallel.pp 2 --parallel.dp 2 --parallel.zero 1", "--parallel.pp 2 --parallel.zero 2"}) {
+    CmdRun zero = train("bad_zero", layout);
+    EXPECT_NE(zero.status, 0) << layout;
+    EXPECT_NE(zero.output.find("parallel.zero"), std::string::npos) << layout << "\n" << zero.output;
+  }
+  for (const char* layout : {"--parallel.tp 2 --parallel.dp 2 --parallel.zero 1 --parallel.offload true",
+                             "--parallel.pp 2 --parallel.offload true"}) {
+    CmdRun offload = train("bad_offload", layout);
+    EXPECT_NE(offload.status, 0) << layout;
+    EXPECT_NE(offload.output.find("parallel.offload"), std::string::npos) << layout << "\n" << offload.output;
+  }
   CmdRun heads = train("bad_heads", "--parallel.pp 2 --parallel.tp 3");
   EXPECT_NE(heads.status, 0);
   EXPECT_NE(heads.output.find("parallel.tp"), std::string::npos) << heads.output;

@@ -16,7 +16,6 @@ namespace loom::parallel {
 
 namespace {
 
-constexpr int64_t kAlign = 16;  // elements (64 bytes)
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 double seconds(Trace::Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
@@ -131,29 +130,6 @@ class DataParallel::Worker {
   double busy_s_ = 0;
 };
 
-namespace {
-
-// Points a parameter's value (or gradient) tensors at `alloc` elements of buf starting at off.
-void point(model::Parameter& p, const Tensor& buf, int64_t off, int64_t alloc, bool grad) {
-  Shape full = p.spec.shape;
-  if (!full.empty()) full[0] = std::max(p.spec.alloc_rows, full[0]);
-  Tensor t = buf.slice0(off, alloc).view(full);
-  Tensor logical = full.empty() ? t : t.slice0(0, p.spec.shape[0]);
-  if (grad) {
-    p.grad_full = t;
-    p.grad = logical;
-  } else {
-    p.value_full = t;
-    p.value = logical;
-  }
-}
-
-void detach(model::Parameter& p, bool grad) {
-  if (grad) p.grad_full = p.grad = Tensor();
-  else p.value_full = p.value = Tensor();
-}
-
-}  // namespace
 
 DataParallel::DataParallel(model::GPT& gpt, comm::Comm& dp, const optim::AdamWConfig& adam,
                            const DataParallelOptions& opt)
@@ -167,46 +143,39 @@ DataParallel::DataParallel(model::GPT& gpt, comm::Comm& dp, const optim::AdamWCo
   const auto& params = gpt.parameters();
 
   // Flat layout in parameter order; every parameter belongs to exactly one chain block.
-  int64_t off = 0;
+  std::vector<model::Parameter*> in_chain;
+  std::vector<int> chain_of;
   for (int c = 0; c < nchain; ++c)
-    for (model::Parameter* p : chain[size_t(c)]->parameters()) {
-      FlatParam f;
-      f.param = p;
-      f.offset = off;
-      f.alloc = p->spec.alloc_numel();
-      f.numel = p->spec.numel();
-      f.chain = c;
-      flat_.push_back(f);
-      off += round_up(f.alloc, kAlign);
-    }
-  LOOM_CHECK(flat_.size() == params.size(), "data parallel: the chain owns {} parameters, the model lists {}",
-             flat_.size(), params.size());
-  for (size_t i = 0; i < flat_.size(); ++i)
-    LOOM_CHECK(flat_[i].param == params[i], "data parallel: parameter order differs from the chain's at '{}'",
+    for (model::Parameter* p : chain[size_t(c)]->parameters()) in_chain.push_back(p), chain_of.push_back(c);
+  LOOM_CHECK(in_chain.size() == params.size(), "data parallel: the chain owns {} parameters, the model lists {}",
+             in_chain.size(), params.size());
+  for (size_t i = 0; i < in_chain.size(); ++i)
+    LOOM_CHECK(in_chain[i] == params[i], "data parallel: parameter order differs from the chain's at '{}'",
                params[i]->spec.name);
-  n_pad_ = round_up(std::max<int64_t>(off, 1), kAlign * world_);
-  shard_ = n_pad_ / world_;
+  lay_ = FlatLayout::build(in_chain, world_, chain_of);
+  n_pad_ = lay_.n_pad;
+  shard_ = lay_.shard;
 
   // What each chain block reads and writes: its own parameters, and wte for a tied head.
   uses_.assign(size_t(nchain), {});
-  for (size_t i = 0; i < flat_.size(); ++i) uses_[size_t(flat_[i].chain)].push_back(int(i));
+  for (size_t i = 0; i < lay_.params.size(); ++i) uses_[size_t(lay_.params[i].chain)].push_back(int(i));
   if (gpt.config().tied_embeddings) {
     model::Parameter* wte = &gpt.embedding().wte();
-    for (size_t i = 0; i < flat_.size(); ++i)
-      if (flat_[i].param == wte) uses_[size_t(nchain - 1)].push_back(int(i));
+    for (size_t i = 0; i < lay_.params.size(); ++i)
+      if (lay_.params[i].param == wte) uses_[size_t(nchain - 1)].push_back(int(i));
     std::sort(uses_.back().begin(), uses_.back().end());
   }
   for (const auto& u : uses_) {
     int64_t n = 0;
-    for (int i : u) n += flat_[size_t(i)].alloc;
+    for (int i : u) n += lay_.params[size_t(i)].alloc;
     max_use_ = std::max(max_use_, n);
   }
 
   // Buckets: whole chain blocks in backward order, each a contiguous flat range.
   auto block_range = [&](int c) {
     int64_t b = INT64_MAX, e = 0;
-    for (const FlatParam& f : flat_)
-      if (f.chain == c) b = std::min(b, f.offset), e = std::max(e, f.offset + round_up(f.alloc, kAlign));
+    for (const FlatParam& f : lay_.params)
+      if (f.chain == c) b = std::min(b, f.offset), e = std::max(e, f.offset + round_up(f.alloc, kFlatAlign));
     return std::pair<int64_t, int64_t>{b, e};
   };
   GradBucket cur;
@@ -227,7 +196,7 @@ DataParallel::DataParallel(model::GPT& gpt, comm::Comm& dp, const optim::AdamWCo
     for (int c = 0; c < nchain; ++c) {
       bool w = false;
       for (int i : uses_[size_t(c)]) {
-        int64_t o = flat_[size_t(i)].offset;
+        int64_t o = lay_.params[size_t(i)].offset;
         w = w || (o >= buckets_[b].begin && o < buckets_[b].end);
       }
       if (w) writes_[size_t(c)].push_back(int(b));
@@ -259,26 +228,24 @@ DataParallel::DataParallel(model::GPT& gpt, comm::Comm& dp, const optim::AdamWCo
   const int64_t p0 = o_.zero == 3 ? int64_t(rank_) * shard_ : 0;
   const int64_t plen = o_.zero == 3 ? shard_ : n_pad_;
   params_ = Tensor::zeros({plen}, DType::f32, MemTag::params, pool);
-  for (const FlatParam& f : flat_) {
+  for (const FlatParam& f : lay_.params) {
     int64_t b = std::max(f.offset, p0), e = std::min(f.offset + f.alloc, p0 + plen);
     if (b < e) std::memcpy(params_.f32() + (b - p0), f.param->value_full.f32() + (b - f.offset), size_t(e - b) * 4);
   }
-  for (FlatParam& f : flat_) {
-    if (o_.zero == 3) detach(*f.param, false);
-    else point(*f.param, params_, f.offset, f.alloc, false);
-    if (o_.zero >= 2) detach(*f.param, true);
+  for (FlatParam& f : lay_.params) {
+    if (o_.zero == 3) detach_from_flat(*f.param, false);
+    else point_at_flat(*f.param, params_, f.offset, f.alloc, false);
+    if (o_.zero >= 2) detach_from_flat(*f.param, true);
   }
   if (o_.zero <= 1) {
     grads_ = Tensor::zeros({n_pad_}, DType::f32, MemTag::grads, pool);
-    for (FlatParam& f : flat_) point(*f.param, grads_, f.offset, f.alloc, true);
+    for (FlatParam& f : lay_.params) point_at_flat(*f.param, grads_, f.offset, f.alloc, true);
   } else {
     grads_ = Tensor::zeros({shard_}, DType::f32, MemTag::grads, pool);
   }
 
   // Optimizer over the logical elements of this rank's optimizer range.
-  std::vector<optim::FlatSegment> segs;
-  for (const FlatParam& f : flat_)
-    segs.push_back({f.offset, f.offset + f.numel, f.param->spec.decay(), f.param->spec.name});
+  std::vector<optim::FlatSegment> segs = lay_.segments();
   const int64_t ob = o_.zero == 0 ? 0 : int64_t(rank_) * shard_, oe = o_.zero == 0 ? n_pad_ : ob + shard_;
   MemoryPool& state_pool = o_.offload ? *o_.host_pool : pool;
   opt_ = std::make_unique<optim::ShardedAdamW>(std::move(segs), ob, oe, adam, state_pool);
@@ -309,10 +276,7 @@ float* DataParallel::grad_shard() {
 }
 
 std::vector<int64_t> DataParallel::shard_counts(int64_t begin, int64_t end) const {
-  std::vector<int64_t> counts(static_cast<size_t>(world_));
-  for (int r = 0; r < world_; ++r)
-    counts[size_t(r)] = std::max<int64_t>(0, std::min(end, (r + 1) * shard_) - std::max(begin, r * shard_));
-  return counts;
+  return lay_.shard_counts(begin, end);
 }
 
 void DataParallel::zero_grad() {
@@ -324,8 +288,8 @@ void DataParallel::zero_grad() {
 
 void DataParallel::point_grads(size_t b) {
   const GradBucket& g = buckets_[b];
-  for (FlatParam& f : flat_)
-    if (f.offset >= g.begin && f.offset < g.end) point(*f.param, live_[b].buf, f.offset - g.begin, f.alloc, true);
+  for (FlatParam& f : lay_.params)
+    if (f.offset >= g.begin && f.offset < g.end) point_at_flat(*f.param, live_[b].buf, f.offset - g.begin, f.alloc, true);
 }
 
 void DataParallel::acquire_bucket(size_t b) {
@@ -359,8 +323,8 @@ void DataParallel::free_bucket(size_t b) {
     if (o_.trace) o_.trace->add("wait bucket " + std::to_string(b), TraceStream::wait, t0, t1);
   }
   const GradBucket& g = buckets_[b];
-  for (FlatParam& f : flat_)
-    if (f.offset >= g.begin && f.offset < g.end) detach(*f.param, true);
+  for (FlatParam& f : lay_.params)
+    if (f.offset >= g.begin && f.offset < g.end) detach_from_flat(*f.param, true);
   l.buf = Tensor();
   l.freed = true;
 }
@@ -410,16 +374,16 @@ void DataParallel::finish_reductions() {
 void DataParallel::gather_block(int64_t c, const char* phase) {
   const auto& use = uses_[size_t(c)];
   int64_t total = 0;
-  for (int i : use) total += flat_[size_t(i)].alloc;
+  for (int i : use) total += lay_.params[size_t(i)].alloc;
   auto t0 = Trace::Clock::now();
   block_params_ = Tensor::empty({std::max<int64_t>(total, 1)}, DType::f32, MemTag::params, gpt_.pool());
   int64_t at = 0;
   for (int i : use) {
-    FlatParam& f = flat_[size_t(i)];
+    FlatParam& f = lay_.params[size_t(i)];
     std::vector<int64_t> counts = shard_counts(f.offset, f.offset + f.alloc);
     const int64_t lo = std::max(f.offset, int64_t(rank_) * shard_) - int64_t(rank_) * shard_;
     comm_.all_gather_v(params_.f32() + std::max<int64_t>(lo, 0), block_params_.f32() + at, counts, DType::f32);
-    point(*f.param, block_params_, at, f.alloc, false);
+    point_at_flat(*f.param, block_params_, at, f.alloc, false);
     at += f.alloc;
   }
   auto t1 = Trace::Clock::now();
@@ -429,7 +393,7 @@ void DataParallel::gather_block(int64_t c, const char* phase) {
 }
 
 void DataParallel::release_block(int64_t c) {
-  for (int i : uses_[size_t(c)]) detach(*flat_[size_t(i)].param, false);
+  for (int i : uses_[size_t(c)]) detach_from_flat(*lay_.params[size_t(i)].param, false);
   block_params_ = Tensor();
 }
 
@@ -469,14 +433,7 @@ void DataParallel::after_backward(int64_t c) {
   }
 }
 
-double DataParallel::sum_over_ranks(double x) {
-  if (world_ == 1) return x;
-  std::vector<double> all(static_cast<size_t>(world_));
-  comm_.all_gather(&x, all.data(), 2 * world_, DType::i32);  // doubles as pairs of 32-bit words
-  double s = 0;
-  for (double v : all) s += v;
-  return s;
-}
+double DataParallel::sum_over_ranks(double x) { return parallel::sum_over_ranks(comm_, x); }
 
 optim::StepStats DataParallel::step(double lr) {
   finish_reductions();
@@ -506,7 +463,7 @@ optim::StepStats DataParallel::step(double lr) {
 }
 
 Tensor DataParallel::param_view(const Tensor& flat, size_t i) const {
-  const FlatParam& f = flat_.at(i);
+  const FlatParam& f = lay_.params.at(i);
   return flat.slice0(f.offset, f.numel).view(f.param->spec.shape);
 }
 

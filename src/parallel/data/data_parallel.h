@@ -1,10 +1,10 @@
 // Data parallelism over a `dp` communicator, with gradient buckets reduced while backward runs
 // and ZeRO stages 0-3 plus optimizer offload.
 //
-// Flat layout. The model's parameters, in GPT::parameters() order (= chain order), are laid end to
-// end in one f32 flat buffer, each at its padded allocation size (alloc_numel, vocabulary padding
-// rows included) rounded up to 16 elements; the flat length N_pad is then rounded up to a
-// multiple of 16 * dp. Rank r owns the shard [r S, (r + 1) S), S = N_pad / dp.
+// Flat layout (flat_layout.h). The model's parameters, in GPT::parameters() order (= chain order),
+// are laid end to end in one f32 flat buffer, each at its padded allocation size (alloc_numel,
+// vocabulary padding rows included) rounded up to 16 elements; the flat length N_pad is then
+// rounded up to a multiple of 16 * dp. Rank r owns the shard [r S, (r + 1) S), S = N_pad / dp.
 //
 // Buckets are runs of whole chain blocks taken in backward order (head, h.L-1, ..., h.0,
 // embedding), closed once they reach `bucket_bytes`: each is a contiguous flat range. A bucket's
@@ -48,6 +48,7 @@
 #include "model/gpt.h"
 #include "optim/adamw.h"
 #include "optim/sharded_adamw.h"
+#include "parallel/data/flat_layout.h"
 #include "parallel/data/trace.h"
 
 namespace loom::parallel {
@@ -59,14 +60,6 @@ struct DataParallelOptions {
   int64_t bucket_bytes = 25 << 20;    // gradient bucket size (at least one chain block each)
   bool overlap = true;                // reductions on the communication thread during backward
   Trace* trace = nullptr;             // events of this rank (nullptr: none)
-};
-
-struct FlatParam {
-  model::Parameter* param = nullptr;
-  int64_t offset = 0;  // flat element index of the parameter's first element
-  int64_t alloc = 0;   // elements including padding rows
-  int64_t numel = 0;   // logical elements (the first `numel` of the allocation)
-  int chain = 0;       // owning chain block
 };
 
 struct GradBucket {
@@ -120,7 +113,7 @@ class DataParallel final : public model::ChainHooks {
   // The logical part of parameter i in a flat tensor: f32 with the parameter's spec shape.
   Tensor param_view(const Tensor& flat, size_t i) const;
 
-  const std::vector<FlatParam>& layout() const { return flat_; }
+  const std::vector<FlatParam>& layout() const { return lay_.params; }
   const std::vector<GradBucket>& buckets() const { return buckets_; }
   int64_t flat_elements() const { return n_pad_; }  // N_pad
   int64_t shard_elements() const { return shard_; } // S
@@ -161,7 +154,7 @@ class DataParallel final : public model::ChainHooks {
   comm::Comm& comm_;
   DataParallelOptions o_;
   int rank_ = 0, world_ = 1;
-  std::vector<FlatParam> flat_;
+  FlatLayout lay_;
   std::vector<GradBucket> buckets_;
   std::vector<LiveBucket> live_;
   std::vector<std::vector<int>> uses_;     // chain block -> parameter indices it reads and writes

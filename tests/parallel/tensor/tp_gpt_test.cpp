@@ -1,7 +1,9 @@
 // Parallel equals single-device: tp in {1, 2, 4}, sp on and off, cp in {1, 2, 4}, with dp = 2
-// (world up to 8, ranks as threads). 20 AdamW steps of the tiny GPT (vocabulary 503: not divisible
-// by tp) must give per-step losses within 1e-5 relative of model::GPT and final parameters within
-// ||p - p_ref|| / ||p_ref|| <= 1e-5, over all parameters and for each one.
+// (world up to 8, ranks as threads), the optimizer AdamW after an all-reduce over dp or ZeRO-1
+// (parallel/data/zero1.h). 20 AdamW steps of the tiny GPT (vocabulary 503: not divisible by tp)
+// must give per-step losses within 1e-5 relative of model::GPT and final parameters within
+// ||p - p_ref|| / ||p_ref|| <= 1e-5, over all parameters and for each one. Under ZeRO-1 every
+// rank's peak bytes of parameters, gradients and optimizer state equal the formulas of zero1.h.
 #include <gtest/gtest.h>
 
 #include <omp.h>
@@ -9,6 +11,7 @@
 #include <cmath>
 #include <tuple>
 #include <map>
+#include <memory>
 #include <mutex>
 
 #include "comm/threads.h"
@@ -17,6 +20,7 @@
 #include "model/gpt.h"
 #include "model/tp_gpt.h"
 #include "optim/adamw.h"
+#include "parallel/data/zero1.h"
 #include "parallel/mesh.h"
 
 using namespace loom;
@@ -30,11 +34,13 @@ struct Layout {
   bool sp = false;
   int64_t B = 4, T = 64;  // global batch per step
   int64_t vocab = 503;
+  int zero = 0;  // ZeRO stage over dp: 0 (all-reduce, full moments) or 1
 };
 
 std::string layout_name(const testing::TestParamInfo<Layout>& i) {
   const Layout& l = i.param;
-  return fmt::format("dp{}_cp{}_tp{}{}_B{}_T{}_V{}", l.dp, l.cp, l.tp, l.sp ? "_sp" : "", l.B, l.T, l.vocab);
+  return fmt::format("dp{}_cp{}_tp{}{}_B{}_T{}_V{}{}", l.dp, l.cp, l.tp, l.sp ? "_sp" : "", l.B, l.T, l.vocab,
+                     l.zero ? fmt::format("_zero{}", l.zero) : "");
 }
 
 model::GPTConfig tiny(int64_t vocab) {
@@ -58,9 +64,17 @@ void batch(int step, int64_t B, int64_t T, int64_t V, Tensor& tok, Tensor& tgt) 
   }
 }
 
+// Peak bytes of one rank during the steps, and the formulas' inputs.
+struct RankMemory {
+  int64_t params = 0, grads = 0, optimizer = 0;
+  int64_t n_pad = 0, shard = 0;  // ZeRO-1's N_pad and S
+  int64_t alloc_sum = 0;         // sum over the rank's parameters of alloc_numel rounded up to 16
+};
+
 struct RunResult {
   std::vector<double> losses;
   std::map<std::string, std::vector<float>> params;  // full tensors by name
+  std::vector<RankMemory> memory;                    // by world rank
 };
 
 // One OpenMP thread per rank (and for the reference): results do not depend on it, and the
@@ -103,12 +117,26 @@ RunResult parallel_run(const Layout& l) {
     model::GPT shapes(tiny(l.vocab), default_cpu_pool());
     for (auto* p : shapes.parameters()) r.params[p->spec.name] = std::vector<float>(size_t(p->spec.numel()), NAN);
   }
+  r.memory.assign(size_t(world), {});
   std::mutex mu;
   comm::run_ranks(world, [&](comm::Comm& c) {
     parallel::MeshComms mc(parallel::Mesh::standard(1, l.dp, l.cp, l.tp), c);
     MemoryPool pool("rank" + std::to_string(c.rank()));
     model::ParallelGPT m(tiny(l.vocab), {&mc["tp"], &mc["cp"]}, {.sp = l.sp}, pool);
-    optim::AdamW opt(m.parameters(), adam(), pool);
+    RankMemory& mem = r.memory[size_t(c.rank())];
+    for (auto* p : m.parameters()) mem.alloc_sum += (p->spec.alloc_numel() + 15) / 16 * 16;
+    std::unique_ptr<optim::AdamW> opt;
+    std::unique_ptr<parallel::Zero1Optimizer> zero1;
+    if (l.zero == 1) {
+      parallel::Zero1Options zo;  // replicated over tp: counted on tp rank 0
+      for (auto& sp : m.sharded()) zo.in_norm.push_back(!sp->replicated || mc.coord("tp") == 0);
+      zero1 = std::make_unique<parallel::Zero1Optimizer>(m.parameters(), mc["dp"], adam(), pool, zo);
+      mem.n_pad = zero1->flat_elements();
+      mem.shard = zero1->shard_elements();
+    } else {
+      opt = std::make_unique<optim::AdamW>(m.parameters(), adam(), pool);
+    }
+    pool.reset_peaks();
     const int64_t Bl = l.B / l.dp;
     const int dpr = mc.coord("dp");
     Tensor tok = Tensor::empty({l.B, l.T}, DType::i32, MemTag::workspace, pool);
@@ -120,7 +148,12 @@ RunResult parallel_run(const Layout& l) {
       m.backward();
       m.finish_gradients();
       comm::Comm& dp = mc["dp"];
-      if (dp.size() > 1) {
+      if (zero1) {
+        const double sq = zero1->reduce_gradients();
+        zero1->step(std::sqrt(parallel::sum_over_ranks(mc["tp"], parallel::sum_over_ranks(dp, sq))));
+        dp.all_reduce(&loss, 1, DType::f32);
+        loss /= float(dp.size());
+      } else if (dp.size() > 1) {
         for (auto* p : m.parameters()) {
           dp.all_reduce(p->grad.f32(), p->spec.numel(), DType::f32);
           float* g = p->grad.f32();
@@ -129,9 +162,12 @@ RunResult parallel_run(const Layout& l) {
         dp.all_reduce(&loss, 1, DType::f32);
         loss /= float(dp.size());
       }
-      opt.step_with_norm(m.grad_norm());
+      if (opt) opt->step_with_norm(m.grad_norm());
       if (c.rank() == 0) r.losses[size_t(s)] = loss;
     }
+    mem.params = pool.peak(MemTag::params);
+    mem.grads = pool.peak(MemTag::grads);
+    mem.optimizer = pool.peak(MemTag::optimizer);
     if (mc.coord("dp") != 0 || mc.coord("cp") != 0) return;
     std::lock_guard lock(mu);
     for (auto& sp : m.sharded()) {
@@ -181,6 +217,23 @@ TEST_P(ParallelEquivalence, LossesAndParametersMatchSingleDevice) {
   }
   const double rel_all = std::sqrt(d2 / n2);
   EXPECT_LE(rel_all, 1e-5);
+  if (l.zero == 1) {
+    // zero1.h: params 4 N_pad, grads 4 N_pad, optimizer 8 S on every rank, with
+    // N_pad = round_up(sum_i round_up(alloc_i, 16), 16 dp) and S = N_pad / dp.
+    for (size_t w = 0; w < par.memory.size(); ++w) {
+      const RankMemory& mem = par.memory[w];
+      const int64_t n_pad = (mem.alloc_sum + 16 * l.dp - 1) / (16 * l.dp) * (16 * l.dp), S = n_pad / l.dp;
+      EXPECT_EQ(mem.n_pad, n_pad) << "rank " << w;
+      EXPECT_EQ(mem.shard, S) << "rank " << w;
+      EXPECT_EQ(mem.params, 4 * n_pad) << "rank " << w;
+      EXPECT_EQ(mem.grads, 4 * n_pad) << "rank " << w;
+      EXPECT_EQ(mem.optimizer, 8 * S) << "rank " << w;
+      if (w == 0)
+        std::printf("  zero-1 rank 0: params %lld, grads %lld, optimizer %lld bytes (N_pad %lld, S %lld)\n",
+                    (long long)mem.params, (long long)mem.grads, (long long)mem.optimizer, (long long)n_pad,
+                    (long long)S);
+    }
+  }
   std::printf("  losses: max rel diff %.2e (final loss %.6f); params: ||p - p_ref|| / ||p_ref|| = %.2e, worst %s %.2e\n",
               worst_loss, ref.losses.back(), rel_all, worst_name.c_str(), worst_param);
 }
@@ -195,7 +248,11 @@ INSTANTIATE_TEST_SUITE_P(
                     // shards of 64 rows of the padded 256, the third holds 2 real rows, the
                     // fourth none.
                     Layout{1, 1, 4, true, 3, 62}, Layout{1, 2, 4, true, 3, 60, 130},
-                    Layout{2, 2, 2, false, 2, 64, 130}),
+                    Layout{2, 2, 2, false, 2, 64, 130},
+                    // ZeRO-1 over dp: tp, tp + sp, cp, and all three with V = 130.
+                    Layout{.dp = 2, .tp = 2, .zero = 1}, Layout{.dp = 2, .tp = 2, .sp = true, .zero = 1},
+                    Layout{.dp = 2, .cp = 2, .zero = 1},
+                    Layout{.dp = 2, .cp = 2, .tp = 2, .sp = true, .vocab = 130, .zero = 1}),
     layout_name);
 
 TEST(ParallelGPT, RefusesHeadsNotDivisibleByTp) {

@@ -1,0 +1,87 @@
+#include "parallel/data/flat_layout.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+
+namespace loom::parallel {
+
+namespace {
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+}  // namespace
+
+FlatLayout FlatLayout::build(const std::vector<model::Parameter*>& params, int world, const std::vector<int>& chains) {
+  LOOM_CHECK(world >= 1, "flat layout: world size must be positive, got {}", world);
+  LOOM_CHECK(chains.empty() || chains.size() == params.size(),
+             "flat layout: {} chain indices for {} parameters", chains.size(), params.size());
+  FlatLayout l;
+  l.world = world;
+  int64_t off = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    model::Parameter* p = params[i];
+    LOOM_CHECK(p != nullptr, "flat layout: parameter {} is null", i);
+    LOOM_CHECK(p->value_full.defined(), "flat layout: parameter '{}' has no value allocated", p->spec.name);
+    FlatParam f;
+    f.param = p;
+    f.offset = off;
+    f.alloc = p->spec.alloc_numel();
+    f.numel = p->spec.numel();
+    f.chain = chains.empty() ? 0 : chains[i];
+    LOOM_CHECK(p->value_full.numel() == f.alloc, "flat layout: parameter '{}' holds {} elements, its spec {}",
+               p->spec.name, p->value_full.numel(), f.alloc);
+    l.params.push_back(f);
+    off += round_up(f.alloc, kFlatAlign);
+  }
+  l.n_pad = round_up(std::max<int64_t>(off, 1), kFlatAlign * world);
+  l.shard = l.n_pad / world;
+  return l;
+}
+
+std::vector<int64_t> FlatLayout::shard_counts(int64_t begin, int64_t end) const {
+  std::vector<int64_t> counts(static_cast<size_t>(world));
+  for (int r = 0; r < world; ++r)
+    counts[size_t(r)] = std::max<int64_t>(0, std::min(end, (r + 1) * shard) - std::max(begin, r * shard));
+  return counts;
+}
+
+std::vector<optim::FlatSegment> FlatLayout::segments(const std::vector<bool>& in_norm) const {
+  LOOM_CHECK(in_norm.empty() || in_norm.size() == params.size(), "flat layout: {} norm flags for {} parameters",
+             in_norm.size(), params.size());
+  std::vector<optim::FlatSegment> segs;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const FlatParam& f = params[i];
+    segs.push_back({f.offset, f.offset + f.numel, f.param->spec.decay(), f.param->spec.name,
+                    in_norm.empty() || in_norm[i]});
+  }
+  return segs;
+}
+
+void point_at_flat(model::Parameter& p, const Tensor& buf, int64_t offset, int64_t alloc, bool grad) {
+  Shape full = p.spec.shape;
+  if (!full.empty()) full[0] = std::max(p.spec.alloc_rows, full[0]);
+  Tensor t = buf.slice0(offset, alloc).view(full);
+  Tensor logical = full.empty() ? t : t.slice0(0, p.spec.shape[0]);
+  if (grad) {
+    p.grad_full = t;
+    p.grad = logical;
+  } else {
+    p.value_full = t;
+    p.value = logical;
+  }
+}
+
+void detach_from_flat(model::Parameter& p, bool grad) {
+  if (grad) p.grad_full = p.grad = Tensor();
+  else p.value_full = p.value = Tensor();
+}
+
+double sum_over_ranks(comm::Comm& c, double x) {
+  if (c.size() == 1) return x;
+  std::vector<double> all(static_cast<size_t>(c.size()));
+  c.all_gather(&x, all.data(), 2 * int64_t(c.size()), DType::u32);  // doubles as pairs of 32-bit words
+  double s = 0;
+  for (double v : all) s += v;
+  return s;
+}
+
+}  // namespace loom::parallel
