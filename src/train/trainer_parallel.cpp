@@ -331,6 +331,7 @@ class PipelineEngine : public Engine {
     o.tp = int(cfg.tp);
     o.cp = int(cfg.cp);
     o.sp = cfg.sp;
+    o.zero_stage = int(cfg.zero);
     o.adamw = oc;
     o.seed = cfg.seed;
     return o;
@@ -364,9 +365,11 @@ class PipelineEngine : public Engine {
   // moves them: pipeline rank k > 0 sends, for each of its parameters (the last stage's copy of a
   // tied wte skipped), its name, size and tensors to pipeline rank 0.
   void gather(FullModel* full, bool with_moments) override {
-    if (mc_.coord("dp") != 0 || mc_.coord("cp") != 0) return;
+    parallel::Zero1Optimizer* z = exec_.zero1();
+    // Under ZeRO-1 every dp replica (with cp = 0) first takes part in gathering the moments.
+    const bool lead_replica = mc_.coord("dp") == 0;
+    if (mc_.coord("cp") != 0 || (!lead_replica && !(z && with_moments))) return;
     if (full && with_moments) full->ensure_moments();
-    optim::AdamW& adam = exec_.optimizer();
     std::vector<size_t> mine;
     const auto ps = exec_.parameters();
     for (size_t i = 0; i < ps.size(); ++i)
@@ -394,14 +397,24 @@ class PipelineEngine : public Engine {
             std::memcpy(out.data() + sg.global, src + sg.local, size_t(sg.n) * sizeof(float));
         tp_.all_reduce(out.data(), int64_t(out.size()), DType::f32);
       };
+      if (with_moments && z) {  // collective over dp: this stage's full moments of the shard
+        std::vector<float> m(size_t(p.spec.numel())), v(size_t(p.spec.numel()));
+        z->gather_moments(i, m.data(), v.data());
+        if (!lead_replica) continue;
+        one(p.value.f32(), f.v);
+        one(m.data(), f.m);
+        one(v.data(), f.s);
+        fulls.push_back(std::move(f));
+        continue;
+      }
       one(p.value.f32(), f.v);
       if (with_moments) {
-        one(adam.exp_avg(i).f32(), f.m);
-        one(adam.exp_avg_sq(i).f32(), f.s);
+        one(exec_.optimizer().exp_avg(i).f32(), f.m);
+        one(exec_.optimizer().exp_avg_sq(i).f32(), f.s);
       }
       fulls.push_back(std::move(f));
     }
-    if (tp_.rank() != 0) return;
+    if (!lead_replica || tp_.rank() != 0) return;
     auto store = [&](const std::string& name, int64_t n, const float* v, const float* m, const float* s) {
       model::Parameter& dst = full->param(name, n);
       const size_t di = full->index.at(name);
@@ -452,16 +465,37 @@ class PipelineEngine : public Engine {
         if (full) store(name, head[1], v.data(), m.data(), s.data());
       }
     }
-    if (full) full->optimizer_steps = adam.steps_taken();
+    if (full) full->optimizer_steps = z ? z->steps_taken() : exec_.optimizer().steps_taken();
   }
 
   // Each of this rank's parameters by name: the last stage's copy of a tied wte takes wte (both
   // copies always take the same update, so their moments are wte's too).
   // Under tp / cp each stage's shard takes its segments of the full tensor.
   void load(CheckpointTensors& ckpt, int64_t optimizer_steps) override {
-    optim::AdamW& adam = exec_.optimizer();
     const auto ps = exec_.parameters();
     const auto sharded = exec_.sharded();
+    if (parallel::Zero1Optimizer* z = exec_.zero1()) {  // ZeRO-1: each keeps its dp part of the moments
+      std::vector<float> m, v;
+      for (size_t i = 0; i < ps.size(); ++i) {
+        const int64_t n = ps[i]->spec.numel();
+        m.resize(size_t(n));
+        v.resize(size_t(n));
+        if (!sharded.empty()) {
+          read_shard(ckpt, "param", *sharded[i], ps[i]->value.f32(), n);
+          read_shard(ckpt, "adam_m", *sharded[i], m.data(), n);
+          read_shard(ckpt, "adam_v", *sharded[i], v.data(), n);
+        } else {
+          ckpt.read_into("param", ps[i]->spec.name, ps[i]->value);
+          const Shape& sh = ps[i]->spec.shape;
+          std::memcpy(m.data(), ckpt.read("adam_m", ps[i]->spec.name, sh).data(), size_t(n) * sizeof(float));
+          std::memcpy(v.data(), ckpt.read("adam_v", ps[i]->spec.name, sh).data(), size_t(n) * sizeof(float));
+        }
+        z->load_moments(i, m.data(), v.data());
+      }
+      z->set_steps_taken(optimizer_steps);
+      return;
+    }
+    optim::AdamW& adam = exec_.optimizer();
     for (size_t i = 0; i < ps.size(); ++i) {
       const std::string& name = ps[i]->spec.name;
       if (!sharded.empty()) {
@@ -479,8 +513,9 @@ class PipelineEngine : public Engine {
 
   std::string describe() const override {
     const auto& sp = exec_.schedule().spec;
-    return fmt::format("pp {} ({}, m = {}{}) x dp {}{}", sp.stages, pipe::kind_name(sp.kind), sp.micro_batches,
+    return fmt::format("pp {} ({}, m = {}{}) x dp {}{}{}", sp.stages, pipe::kind_name(sp.kind), sp.micro_batches,
                        sp.virtual_stages > 1 ? fmt::format(", v = {}", sp.virtual_stages) : "", dp_.size(),
+                       exec_.zero1() ? " (ZeRO-1)" : "",
                        cfg_.tp > 1 || cfg_.cp > 1 || cfg_.sp
                            ? fmt::format(" x tp {}{} x cp {}", cfg_.tp, cfg_.sp ? " + sp" : "", cfg_.cp)
                            : "");
@@ -770,12 +805,9 @@ TrainResult run_training_mesh(const TrainConfig& cfg, const TrainOptions& opt) {
   const std::string where = opt.config_path.empty() ? "config" : opt.config_path;
   if (cfg.pp > 1 && cfg.zero >= 2)
     throw Error(fmt::format("{}: parallel.zero = {} is not supported with parallel.pp = {} (pipelines compose with "
-                            "ZeRO stage 0 or 1 only, and stage 1 not yet); set parallel.zero = 0",
+                            "ZeRO stage 0 or 1: stages 2 and 3 shard the gradients and parameters every "
+                            "micro-batch needs whole); set parallel.zero = 0 or 1",
                             where, cfg.zero, cfg.pp));
-  if (cfg.pp > 1 && cfg.zero == 1)
-    throw Error(fmt::format("{}: parallel.zero = 1 is not available with parallel.pp = {} yet (the pipeline keeps "
-                            "full AdamW moments on every data-parallel rank); set parallel.zero = 0",
-                            where, cfg.pp));
   if (cfg.zero >= 2)
     throw Error(fmt::format("{}: parallel.zero = {} is not supported with parallel.tp = {}, parallel.cp = {}, "
                             "parallel.sp = {} (ZeRO stages 2 and 3 run with data parallelism alone; tensor, "

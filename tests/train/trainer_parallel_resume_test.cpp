@@ -77,6 +77,7 @@ TEST_F(TrainParallelResume, ZeroOneWithTensorParallelResumesBitIdentically) {
 TEST_F(TrainParallelResume, DataPipelineTensorResumesBitIdentically) {
   if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
   expect_bit_identical_resume("dp2_pp2_tp2", "--parallel.dp 2 --parallel.pp 2 --parallel.tp 2", 3);
+  expect_bit_identical_resume("dp2_pp2_zero1", "--parallel.dp 2 --parallel.pp 2 --parallel.zero 1", 2);
 }
 
 TEST_F(TrainParallelResume, TensorParallelCheckpointResumesUnderPipeline) {

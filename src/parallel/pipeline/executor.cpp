@@ -12,6 +12,8 @@
 #include "core/error.h"
 #include "model/blocks.h"
 #include "model/tp_gpt.h"
+#include "parallel/data/flat_layout.h"
+#include "parallel/data/zero1.h"
 
 namespace loom::parallel::pipeline {
 
@@ -63,7 +65,8 @@ void validate_cuts(const std::vector<int64_t>& cuts, int64_t n, int parts, const
 void ExecutorOptions::validate() const {
   schedule.validate();
   LOOM_CHECK(tp >= 1 && cp >= 1, "pipeline executor: tp = {} and cp = {} must be >= 1", tp, cp);
-  LOOM_CHECK(zero_stage == 0, "pipeline executor: zero_stage = {} with pipeline parallelism is not supported yet",
+  LOOM_CHECK(zero_stage == 0 || zero_stage == 1, "pipeline executor: zero_stage = {}: pipelines compose with ZeRO "
+             "stage 0 or 1 (stages 2 and 3 shard gradients and parameters that every micro-batch needs whole)",
              zero_stage);
   adamw.validate();
 }
@@ -111,7 +114,8 @@ struct PipelineExecutor::Impl {
   model::Parameter* copy = nullptr;                 // the wte copy among params (null: none)
   std::vector<const model::ShardedParameter*> sharded;  // tensor mode: parallel to params
   model::Parameter* wte = nullptr;  // the wte this rank's head ties to
-  std::unique_ptr<optim::AdamW> adam;
+  std::unique_ptr<optim::AdamW> adam;             // ZeRO 0 (or no dp)
+  std::unique_ptr<parallel::Zero1Optimizer> zero1;  // ZeRO 1: moments sharded over dp
   Tensor ws_dres, ws_bufC, ws_buf4C;  // f32 [b, T, C], [b, T, C], [b, T, 4C] (tag workspace)
   std::map<std::pair<int, int>, Tensor> grad_out;  // (mb, chunk) -> f32 [b, T, C] (tag comm) to send
   int64_t b = 0, T = 0;
@@ -311,6 +315,24 @@ struct PipelineExecutor::Impl {
     pp.recv(s.grad_in, peer, 0);
   }
 
+  // AdamW over params, or ZeRO-1 over dp (before any micro-batch slot copies the parameters:
+  // ZeRO-1 re-points them into its flat buffers). A wte copy and, under tp, a replicated
+  // parameter on tp rank > 0 do not count in this rank's part of the norm.
+  void make_optimizer(MemoryPool& pool) {
+    if (opt.zero_stage == 1 && dp && dp->size() > 1) {
+      parallel::Zero1Options zo;
+      const int tpr = groups.tp ? groups.tp->rank() : 0;
+      for (size_t i = 0; i < params.size(); ++i) {
+        bool counts = params[i] != copy;
+        if (tensor && sharded[i]->replicated && tpr != 0) counts = false;
+        zo.in_norm.push_back(counts);
+      }
+      zero1 = std::make_unique<parallel::Zero1Optimizer>(params, *dp, opt.adamw, pool, zo);
+    } else {
+      adam = std::make_unique<optim::AdamW>(params, opt.adamw, pool);
+    }
+  }
+
   StepResult optimizer_step(double lr) {
     StepResult res;
     // Tensor / context parallel stages: gradients summed over cp, sp-partial ones over tp.
@@ -327,6 +349,15 @@ struct PipelineExecutor::Impl {
       float* g = w->grad_full.f32();
       const float* o = other.f32();
       for (int64_t i = 0; i < other.numel(); ++i) g[i] += o[i];
+    }
+    if (zero1) {
+      // ZeRO-1: gradients reduce-scattered (mean over dp) into this rank's shard; the norm adds
+      // the shards' sums over dp, then over tp (tensor stages), then over the pipeline.
+      double sq = sum_over_ranks(*dp, zero1->reduce_gradients());
+      if (tensor && groups.tp) sq = sum_over_ranks(*groups.tp, sq);
+      res.grad_norm = std::sqrt(sum_over_ranks(pp, sq));
+      zero1->step(res.grad_norm, lr);
+      return res;
     }
     if (dp && dp->size() > 1) {
       const float inv = 1.0f / float(dp->size());
@@ -410,7 +441,7 @@ PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOp
       ch.free.push_back(s.get());
       ch.all.push_back(std::move(s));
     }
-    I.adam = std::make_unique<optim::AdamW>(I.params, opt.adamw, pool);
+    I.make_optimizer(pool);
     return;
   }
   if (cfg.tied_embeddings && owns_head && !owns_embedding) {
@@ -437,7 +468,7 @@ PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOp
   if (I.wte_copy) I.params.push_back(I.wte_copy.get());
   I.copy = I.wte_copy.get();
   if (cfg.tied_embeddings && p > 1 && owns_embedding != owns_head) I.tied = I.wte;
-  I.adam = std::make_unique<optim::AdamW>(I.params, opt.adamw, pool);
+  I.make_optimizer(pool);
 }
 
 PipelineExecutor::~PipelineExecutor() = default;
@@ -445,7 +476,11 @@ PipelineExecutor::~PipelineExecutor() = default;
 std::vector<model::Parameter*> PipelineExecutor::parameters() const { return impl_->params; }
 bool PipelineExecutor::is_copy(const model::Parameter* p) const { return p != nullptr && p == impl_->copy; }
 std::vector<const model::ShardedParameter*> PipelineExecutor::sharded() const { return impl_->sharded; }
-optim::AdamW& PipelineExecutor::optimizer() const { return *impl_->adam; }
+optim::AdamW& PipelineExecutor::optimizer() const {
+  LOOM_CHECK(impl_->adam, "pipeline executor: ZeRO-1 holds the moments (zero1())");
+  return *impl_->adam;
+}
+parallel::Zero1Optimizer* PipelineExecutor::zero1() const { return impl_->zero1.get(); }
 
 int64_t PipelineExecutor::activation_bytes_per_micro_batch(int chunk, int64_t b, int64_t T) const {
   const Chunk& ch = impl_->chunks.at(size_t(chunk));
@@ -483,7 +518,9 @@ StepResult PipelineExecutor::step(const Tensor& tokens, const Tensor& targets, d
     I.ws_bufC = Tensor::empty({b, T, C}, DType::f32, MemTag::workspace, I.pool);
     I.ws_buf4C = Tensor::empty({b, T, 4 * C}, DType::f32, MemTag::workspace, I.pool);
   }
-  for (model::Parameter* prm : I.params) prm->grad_full.zero_();
+  if (I.zero1) I.zero1->zero_grad();
+  else
+    for (model::Parameter* prm : I.params) prm->grad_full.zero_();
   I.losses.assign(size_t(m), 0.0);
   I.peak_slots = 0;
   trace_.clear();

@@ -21,8 +21,9 @@
 // of the residual stream (B T / cp, or its sp share), sent to the same (tp, cp) coordinate of
 // the next stage: the pipeline communicator joins exactly those ranks. After the flush the
 // stages sum their gradients over cp (and the sp-partial ones over tp), the tied wte shards of
-// the first and last stage are added, dp averages, and the norm is summed over tp and pp. ZeRO is
-// refused with an error.
+// the first and last stage are added, dp averages, and the norm is summed over tp and pp.
+// ZeRO-1 (zero_stage = 1): each stage's AdamW moments are sharded over its dp replicas
+// (parallel::Zero1Optimizer over the stage's parameters); stages 2 and 3 are refused.
 //
 // Driving it from a trainer: one PipelineExecutor per rank, built from the pp (and dp)
 // sub-communicators of the mesh; each step call takes the replica's batch and returns the mean
@@ -41,6 +42,7 @@
 #include "model/param.h"
 #include "model/tp_gpt.h"
 #include "optim/adamw.h"
+#include "parallel/data/zero1.h"
 #include "parallel/pipeline/checker.h"
 #include "parallel/pipeline/draw.h"
 #include "parallel/pipeline/schedule.h"
@@ -63,7 +65,7 @@ struct ExecutorOptions {
   uint64_t seed = 1337;             // initialisation, as the single-device model's
   int tp = 1, cp = 1;               // tensor and context parallel sizes composed with pp
   bool sp = false;                  // sequence parallelism within tp
-  int zero_stage = 0;               // ZeRO (only 0 supported)
+  int zero_stage = 0;               // ZeRO 0, or 1 (AdamW moments sharded over dp)
   // Refuses unsupported combinations with an error naming the field.
   void validate() const;
 };
@@ -106,8 +108,10 @@ class PipelineExecutor {
   // Under tp / sp / cp: where each of parameters() lies in its full tensor (same order); empty
   // otherwise (parameters are then full tensors).
   std::vector<const model::ShardedParameter*> sharded() const;
-  // The optimizer over parameters() (moments by the same index), for checkpoints.
+  // The optimizer over parameters() (moments by the same index), for checkpoints; with ZeRO-1
+  // (zero_stage = 1 and dp > 1) zero1() holds the moments instead and optimizer() throws.
   optim::AdamW& optimizer() const;
+  parallel::Zero1Optimizer* zero1() const;
   const std::vector<TraceEvent>& trace() const { return trace_; }
   // Most micro-batch chunks whose activations were held at once during the last step.
   int peak_in_flight() const { return peak_slots_; }

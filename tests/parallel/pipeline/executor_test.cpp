@@ -118,6 +118,7 @@ struct RunResult {
 struct Layout {
   int dp = 1, tp = 1, cp = 1;
   bool sp = false;
+  int zero = 0;  // ZeRO stage (0 or 1)
 };
 
 RunResult run(const ScheduleSpec& spec, Layout lay) {
@@ -147,6 +148,7 @@ RunResult run(const ScheduleSpec& spec, Layout lay) {
     o.tp = lay.tp;
     o.cp = lay.cp;
     o.sp = lay.sp;
+    o.zero_stage = lay.zero;
     PipelineExecutor ex(tiny(), o, *pp, dpc.get(), pool, {tpc.get(), cpc.get()});
     std::vector<float> losses;
     for (int s = 0; s < kSteps; ++s) {
@@ -280,6 +282,16 @@ TEST(PipelineComposed, ContextTensorPipeline) {
   expect_equivalent({Kind::one_f_one_b, 2, 1, 4}, {.tp = 2, .cp = 2, .sp = true});
 }
 
+// ZeRO-1: each stage's AdamW moments sharded over its dp replicas (the optimizer holds 1/dp of
+// them), with and without tp, every kind.
+TEST(PipelineComposed, ZeroOne) {
+  for (Kind k : {Kind::gpipe, Kind::one_f_one_b, Kind::interleaved, Kind::zb_h1}) {
+    const int v = k == Kind::interleaved ? 2 : 1;
+    expect_equivalent({k, 2, v, 4}, {.dp = 2, .zero = 1});
+  }
+  expect_equivalent({Kind::one_f_one_b, 2, 1, 4}, {.dp = 2, .tp = 2, .sp = true, .zero = 1});
+}
+
 // Under tensor parallelism too, ZB-H1's split backward adds exactly what 1F1B's fused one does.
 TEST(PipelineComposed, ZeroBubbleEqualsOneFOneBBitwiseUnderTp) {
   RunResult zb = run({Kind::zb_h1, 2, 1, 4}, {.tp = 2, .sp = true});
@@ -345,7 +357,7 @@ TEST(PipelineExecutor, RefusesUnsupportedCombinations) {
       EXPECT_NE(std::string(e.what()).find("tp = 2"), std::string::npos) << e.what();
     }
     o.tp = 1;
-    o.zero_stage = 1;
+    o.zero_stage = 2;
     EXPECT_THROW(PipelineExecutor(tiny(), o, w, nullptr, pool), Error);
     o.zero_stage = 0;
     o.schedule.stages = 4;  // the communicator has 2 ranks
