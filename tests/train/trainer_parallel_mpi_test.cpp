@@ -125,3 +125,48 @@ TEST_F(TrainParallelMpi, ProcessCountOtherThanTheMeshIsRefused) {
             std::string::npos)
       << r.output;
 }
+
+// The 4D layout dp 2 x pp 2 x tp 2 on the README's corpus (the King James Bible of Debian's
+// bible-kjv-text, tokenised by `loom prepare` with a trained vocabulary), 8 ranks: as threads
+// and as 8 processes under mpirun, with bit-identical losses. A GPT smaller than the README's
+// keeps it to seconds.
+TEST_F(TrainParallelMpi, FourDimensionalRunOnTheReadmeCorpusEqualsUnderThreadsAndMpi) {
+  SKIP_WITHOUT_MPI();
+  if (::access("/usr/bin/bible", X_OK) != 0)
+    GTEST_SKIP() << "the README corpus is not installed (apt-get install bible-kjv-text)";
+  const fs::path dir = root_ / "kjv";
+  fs::create_directories(dir);
+  CmdRun text = sh(fmt::format("bible -f 'Genesis 1:1-Revelation 22:21' | sed -E 's/^[0-9]?[A-Za-z]+[0-9]+:[0-9]+ //' "
+                               "> {}", (dir / "kjv.txt").string()));
+  ASSERT_EQ(text.status, 0) << text.output;
+  ASSERT_GT(fs::file_size(dir / "kjv.txt"), 4'000'000u) << "the bible program printed less than the whole text";
+  CmdRun prep = sh(fmt::format("{} prepare {} --out {} --vocab-size 1024 --val-fraction 0.05", kLoom,
+                               (dir / "kjv.txt").string(), dir.string()));
+  ASSERT_EQ(prep.status, 0) << prep.output;
+  auto run = [&](const std::string& out, const std::string& extra, const std::string& prefix) {
+    return sh(fmt::format(
+        "{}{} train --quiet --data.dir {} --train.out_dir {} --model.n_layer 4 --model.n_head 4 --model.n_embd 64 "
+        "--model.block_size 64 --data.seq_len 64 --train.batch_size 8 --train.grad_accum 2 --train.steps 8 "
+        "--train.eval_every 4 --train.eval_batches 2 --train.sample_tokens 0 --train.threads 1 "
+        "--optim.warmup_steps 2 --optim.lr 3e-3 --parallel.dp 2 --parallel.pp 2 --parallel.tp 2 {}",
+        prefix.empty() ? "" : prefix + " ", kLoom, dir.string(), (root_ / out).string(), extra));
+  };
+  CmdRun threads = run("kjv_4d_threads", "", "");
+  ASSERT_EQ(threads.status, 0) << threads.output;
+  auto t0 = std::chrono::steady_clock::now();
+  CmdRun mpi = run("kjv_4d_mpi", "--parallel.comm mpi", mpirun_prefix(8));
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_EQ(mpi.status, 0) << mpi.output;
+  expect_identical_metrics("kjv_4d_threads", "kjv_4d_mpi", {"loss", "val_loss", "grad_norm"});
+  auto loss = metric("kjv_4d_mpi", "loss");
+  ASSERT_EQ(loss.size(), 8u);
+  // And both equal one device within the layout tests' 1e-5 relative.
+  CmdRun single = run("kjv_single", "--parallel.dp 1 --parallel.pp 1 --parallel.tp 1", "");
+  ASSERT_EQ(single.status, 0) << single.output;
+  for (auto [step, v] : metric("kjv_single", "loss"))
+    EXPECT_LE(std::abs(loss.at(step) - v), kTol * std::abs(v)) << "step " << step;
+  EXPECT_LT(loss.rbegin()->second, loss.begin()->second) << "the 4D run did not learn";
+  std::printf("4D dp2 x pp2 x tp2 on the KJV corpus: loss %.4f -> %.4f, threads == mpi (8 processes) bit for bit; "
+              "mpirun took %.1f s\n",
+              loss.begin()->second, loss.rbegin()->second, s);
+}
