@@ -1,5 +1,8 @@
 #include "train/run_util.h"
 
+#include "kernels/cpu/matmul.h"
+#include "parallel/data/flat_layout.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -19,6 +22,12 @@
 namespace fs = std::filesystem;
 
 namespace loom::train {
+
+double job_gemm_peak(comm::Comm& world) {
+  world.barrier();
+  const double rate = cpu::measure_gemm_peak_gflops(1024, 0.3) * 1e9;
+  return parallel::sum_over_ranks(world, rate);
+}
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 

@@ -8,6 +8,7 @@
 
 #include <memory>
 
+#include "comm/comm.h"
 #include "data/loader.h"
 #include "model/config.h"
 #include "train/checkpoint.h"
@@ -18,6 +19,12 @@ namespace loom::train {
 using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t);
+
+// The GEMM rate of the whole job in FLOP/s, the peak against which model-FLOPs utilisation is
+// reported: every rank measures at once with its own threads (so ranks that share cores share
+// them here as in training, and ranks on other hosts add theirs) and the rates are added.
+// Collective over world.
+double job_gemm_peak(comm::Comm& world);
 
 // "1h02m", "3m05s", "42s" ("?" for a negative or non-finite time).
 std::string human_time(double seconds);

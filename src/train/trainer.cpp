@@ -128,7 +128,7 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
     say(fmt::format("model {} | {:.2f}M parameters | dp {} ({}) | ZeRO {}{} | {} threads per rank", mc.str(),
                     double(gpt.num_parameters()) / 1e6, dp, world.backend(), cfg.zero, cfg.offload ? " + offload" : "",
                     omp_get_max_threads()));
-    double peak = lead ? cpu::measure_gemm_peak_gflops(1024, 0.3) * 1e9 * dp : 1.0;
+    const double peak = job_gemm_peak(world);
     res.last_val_loss = NAN;
     res.unigram_val_loss = lead ? unigram_loss(train, val.get(), mc.vocab_size) : NAN;
     say(fmt::format("data {} | train {} tokens{} | unigram baseline loss {:.4f} | GEMM peak {:.1f} GFLOP/s",

@@ -26,6 +26,7 @@
 #include "model/tp_gpt.h"
 #include "optim/adamw.h"
 #include "parallel/data/zero1.h"
+#include "parallel/data/flat_layout.h"
 #include "parallel/mesh.h"
 #include "parallel/pipeline/executor.h"
 #include "train/checkpoint.h"
@@ -44,15 +45,7 @@ namespace {
 namespace pipe = parallel::pipeline;
 
 
-// Sum of one double per rank, added in rank order (the same on every rank, bit for bit).
-double sum_over(comm::Comm& c, double x) {
-  if (c.size() == 1) return x;
-  std::vector<double> all(size_t(c.size()));
-  c.all_gather(&x, all.data(), 2 * int64_t(c.size()), DType::u32);
-  double s = 0;
-  for (double v : all) s += v;
-  return s;
-}
+using parallel::sum_over_ranks;
 
 // The single-device model on rank 0 into which every rank's parameters (and AdamW moments) are
 // gathered: for checkpoints, validation of a pipeline and text samples.
@@ -185,10 +178,10 @@ class TensorEngine : public Engine {
     }
     model_.finish_gradients();
     StepOut out;
-    out.loss = sum_over(dp_, loss / double(cfg_.grad_accum)) / double(dp);
+    out.loss = sum_over_ranks(dp_, loss / double(cfg_.grad_accum)) / double(dp);
     if (zero1_) {  // mean over dp into this rank's shard; the norm adds the shards, then tp
       const double sq = zero1_->reduce_gradients();
-      out.grad_norm = std::sqrt(sum_over(tp_, sum_over(dp_, sq)));
+      out.grad_norm = std::sqrt(sum_over_ranks(tp_, sum_over_ranks(dp_, sq)));
       zero1_->step(out.grad_norm, lr);
       return out;
     }
@@ -216,7 +209,7 @@ class TensorEngine : public Engine {
       sum += model_.forward(vx, vy);
     }
     model_.release_activations();
-    return sum_over(dp_, sum) / double(n * dp);
+    return sum_over_ranks(dp_, sum) / double(n * dp);
   }
 
   // Only the tp group of the replica with dp = cp = 0 takes part (its rank 0 is world rank 0):
@@ -645,8 +638,8 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
     say(fmt::format("model {} | {:.2f}M parameters | {} ({}, {} ranks) | {} threads per rank", mc.str(),
                     double(full->gpt->num_parameters()) / 1e6, engine->describe(), world.backend(), ranks,
                     omp_get_max_threads()));
-    peak = cpu::measure_gemm_peak_gflops(1024, 0.3) * 1e9 * ranks;
   }
+  peak = job_gemm_peak(world);
   res.last_val_loss = NAN;
   res.unigram_val_loss = lead ? unigram_loss(train, val.get(), mc.vocab_size) : NAN;
   say(fmt::format("data {} | train {} tokens{} | unigram baseline loss {:.4f} | GEMM peak {:.1f} GFLOP/s", cfg.data_dir,
