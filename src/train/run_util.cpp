@@ -1,9 +1,12 @@
 #include "train/run_util.h"
 
+#include "comm/mpi_comm.h"
+#include "core/error.h"
 #include "kernels/cpu/matmul.h"
 #include "parallel/data/flat_layout.h"
 
 #include <fmt/format.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -22,6 +25,24 @@
 namespace fs = std::filesystem;
 
 namespace loom::train {
+
+TrainResult run_mpi_rank(const TrainConfig& cfg, const std::string& where, int world_size, const std::string& count,
+                         const comm::CommOptions& co, const RankBody& rank) {
+#ifdef LOOM_HAVE_MPI
+  comm::MpiSession session(nullptr, nullptr);
+  if (session.size() != world_size)
+    throw Error(fmt::format("{}: {} but mpirun started {} processes (they must match)", where, count, session.size()));
+  if (cfg.threads > 0) omp_set_num_threads(int(cfg.threads));
+  auto world = comm::mpi_world(co);
+  const int r = world->rank();
+  return rank(*world, [&](const std::string& what) {
+    comm::mpi_abort(fmt::format("loom: rank {} of {} failed: {}", r, world_size, what));
+  });
+#else
+  (void)cfg, (void)world_size, (void)count, (void)co, (void)rank;
+  throw Error(fmt::format("{}: parallel.comm = \"mpi\" needs loom built with MPI", where));
+#endif
+}
 
 double job_gemm_peak(comm::Comm& world) {
   world.barrier();

@@ -1,6 +1,7 @@
 // Small pieces shared by the trainers (single device / data parallel, and the mesh trainer).
 #pragma once
 #include <chrono>
+#include <functional>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -13,12 +14,21 @@
 #include "model/config.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
+#include "train/trainer.h"
 
 namespace loom::train {
 
 using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t);
+
+// Under mpirun (parallel.comm = "mpi"): checks that mpirun started `world_size` processes
+// (`count` says which fields make that number, e.g. "parallel.dp is 2"), applies train.threads,
+// and runs `rank` on this process's rank of the MPI world with a failure hook that aborts the
+// whole job naming the rank. Without MPI in the build it throws naming `where`.
+using RankBody = std::function<TrainResult(comm::Comm& world, std::function<void(const std::string&)> on_fail)>;
+TrainResult run_mpi_rank(const TrainConfig& cfg, const std::string& where, int world_size, const std::string& count,
+                         const comm::CommOptions& co, const RankBody& rank);
 
 // The GEMM rate of the whole job in FLOP/s, the peak against which model-FLOPs utilisation is
 // reported: every rank measures at once with its own threads (so ranks that share cores share

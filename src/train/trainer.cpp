@@ -21,7 +21,6 @@
 #include "kernels/cpu/matmul.h"
 #include "model/gpt.h"
 #include "optim/adamw.h"
-#include "comm/mpi_comm.h"
 #include "comm/threads.h"
 #include "parallel/data/data_parallel.h"
 #include "parallel/data/trace.h"
@@ -313,22 +312,11 @@ TrainResult run_training(const TrainConfig& cfg, const TrainOptions& opt) {
   comm::CommOptions co;
   co.timeout = std::chrono::milliseconds(std::max<int64_t>(1, std::llround(double(cfg.timeout_s) * 1000.0)));
   const FaultInjection fault = FaultInjection::from_env(dp);
-  if (cfg.comm == "mpi") {
-#ifdef LOOM_HAVE_MPI
-    comm::MpiSession session(nullptr, nullptr);
-    if (session.size() != dp)
-      throw Error(fmt::format("{}: parallel.dp is {} but mpirun started {} processes (they must match)", where, dp,
-                              session.size()));
-    if (cfg.threads > 0) omp_set_num_threads(int(cfg.threads));
-    auto world = comm::mpi_world(co);
-    const int r = world->rank();
-    return train_rank(cfg, opt, *world, fault, [&](const std::string& what) {
-      comm::mpi_abort(fmt::format("loom: rank {} of {} failed: {}", r, dp, what));
-    });
-#else
-    throw Error(fmt::format("{}: parallel.comm = \"mpi\" needs loom built with MPI", where));
-#endif
-  }
+  if (cfg.comm == "mpi")
+    return run_mpi_rank(cfg, where, dp, fmt::format("parallel.dp is {}", dp), co,
+                        [&](comm::Comm& world, std::function<void(const std::string&)> on_fail) {
+                          return train_rank(cfg, opt, world, fault, on_fail);
+                        });
   // Ranks as threads: each gets its share of the cores (at least one).
   const int total_threads = cfg.threads > 0 ? int(cfg.threads) : omp_get_max_threads();
   const int per_rank = std::max(1, total_threads / dp);

@@ -15,7 +15,6 @@
 
 #include <nlohmann/json.hpp>
 
-#include "comm/mpi_comm.h"
 #include "comm/threads.h"
 #include "core/error.h"
 #include "data/loader.h"
@@ -825,24 +824,13 @@ TrainResult run_training_mesh(const TrainConfig& cfg, const TrainOptions& opt) {
   comm::CommOptions co;
   co.timeout = std::chrono::milliseconds(std::max<int64_t>(1, std::llround(double(cfg.timeout_s) * 1000.0)));
   const FaultInjection fault = FaultInjection::from_env(world);
-  if (cfg.comm == "mpi") {
-#ifdef LOOM_HAVE_MPI
-    // One process per mesh rank, the mesh over the world communicator (Mesh::standard order).
-    comm::MpiSession session(nullptr, nullptr);
-    if (session.size() != world)
-      throw Error(fmt::format("{}: parallel.pp x parallel.dp x parallel.cp x parallel.tp = {} x {} x {} x {} = {} "
-                              "but mpirun started {} processes (they must match)",
-                              where, cfg.pp, cfg.dp, cfg.cp, cfg.tp, world, session.size()));
-    if (cfg.threads > 0) omp_set_num_threads(int(cfg.threads));
-    auto w = comm::mpi_world(co);
-    const int r = w->rank();
-    return train_rank(cfg, opt, *w, fault, [&](const std::string& what) {
-      comm::mpi_abort(fmt::format("loom: rank {} of {} failed: {}", r, world, what));
-    });
-#else
-    throw Error(fmt::format("{}: parallel.comm = \"mpi\" needs loom built with MPI", where));
-#endif
-  }
+  if (cfg.comm == "mpi")  // one process per mesh rank, the mesh over the MPI world (Mesh::standard order)
+    return run_mpi_rank(cfg, where, world,
+                        fmt::format("parallel.pp x parallel.dp x parallel.cp x parallel.tp = {} x {} x {} x {} = {}",
+                                    cfg.pp, cfg.dp, cfg.cp, cfg.tp, world),
+                        co, [&](comm::Comm& w, std::function<void(const std::string&)> on_fail) {
+                          return train_rank(cfg, opt, w, fault, on_fail);
+                        });
   comm::RunOptions ro;
   ro.comm = co;
   const int total_threads = cfg.threads > 0 ? int(cfg.threads) : omp_get_max_threads();
