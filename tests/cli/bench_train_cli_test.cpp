@@ -29,7 +29,13 @@ CliRun loom_cli(const std::string& args) {
   const fs::path dir = fs::temp_directory_path() / ("loom_bench_cli_" + std::to_string(::getpid()));
   fs::create_directories(dir);
   const fs::path out = dir / "stdout.txt", err = dir / "stderr.txt";
-  const std::string cmd = "'" + kLoom.string() + "' " + args + " >'" + out.string() + "' 2>'" + err.string() + "'";
+  std::string cmd = "'";
+  cmd += kLoom.string();
+  cmd += "' " + args + " >'";
+  cmd += out.string();
+  cmd += "' 2>'";
+  cmd += err.string();
+  cmd += "'";
   CliRun r;
   const int status = std::system(cmd.c_str());
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
