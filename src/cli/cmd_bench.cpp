@@ -125,10 +125,10 @@ int bench_train(const BenchTrainOptions& o) {
 
   // Memory: the pool's peaks against the declarations.
   const int64_t declared[kNumMemTags] = {gpt.param_bytes(), gpt.grad_bytes(), opt.state_bytes(),
-                                         gpt.saved_activation_bytes(B, T), gpt.workspace_bytes(B, T), 0};
+                                         gpt.saved_activation_bytes(B, T), gpt.workspace_bytes(B, T, threads), 0};
   const char* what[kNumMemTags] = {"parameters (wte padded to the padded vocabulary)", "gradients",
                                    "AdamW exp_avg + exp_avg_sq", "saved activations (sum over the chain)",
-                                   "backward scratch 24*B*T*C bytes", "no communication"};
+                                   "backward scratch 24*B*T*C + attention scratch", "no communication"};
   MemStats stats = pool.stats();
   bool all_equal = true;
   int64_t declared_total = 0;
@@ -143,8 +143,11 @@ int bench_train(const BenchTrainOptions& o) {
   }
   std::printf("  %-12s %12s | %12s  (sum of the declarations)\n", "total", format_bytes(stats.total_peak).c_str(),
               format_bytes(declared_total).c_str());
-  std::printf("workspace: %lld bytes (dres [B,T,C], bufC [B,T,C], buf4C [B,T,4C] in f32)\n",
-              (long long)gpt.workspace_bytes(B, T));
+  const int64_t attn_scratch = gpt.block(0).attention_workspace_bytes(B, T, threads);
+  std::printf("workspace: %lld bytes = backward scratch %lld (dres [B,T,C], bufC [B,T,C], buf4C [B,T,4C] in f32) + "
+              "attention scratch %lld (the larger of one forward and one backward call, %d threads)\n",
+              (long long)gpt.workspace_bytes(B, T, threads), (long long)(gpt.workspace_bytes(B, T, threads) - attn_scratch),
+              (long long)attn_scratch, threads);
   std::printf("RESULT model=%s batch=%lld seq=%lld threads=%d tokens_per_s=%.2f ms_per_step=%.1f "
               "gemm_peak_gflops=%.1f mfu=%.4f memory_matches=%d\n",
               cfg.name.c_str(), (long long)B, (long long)T, threads, tok_s, ms, peak, achieved / peak, all_equal);

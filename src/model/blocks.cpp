@@ -1,6 +1,7 @@
 #include "model/blocks.h"
 #include "model/param_specs.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -126,6 +127,24 @@ void TransformerBlock::release_activations() {
   B_ = T_ = 0;
 }
 
+cpu::AttnArgs TransformerBlock::attention_args(int64_t B, int64_t T) const {
+  const int64_t C = cfg_.n_embd;
+  cpu::AttnArgs aa;
+  aa.B = B;
+  aa.NH = cfg_.n_head;
+  aa.HS = C / cfg_.n_head;
+  aa.Tq = aa.Tkv = T;
+  aa.q_stride = aa.kv_stride = 3 * C;
+  aa.o_stride = C;
+  aa.pool = &pool_;
+  return aa;
+}
+
+int64_t TransformerBlock::attention_workspace_bytes(int64_t B, int64_t T, int threads) const {
+  const cpu::AttnArgs aa = attention_args(B, T);
+  return std::max(cpu::attention_workspace_bytes(aa, false, threads), cpu::attention_workspace_bytes(aa, true, threads));
+}
+
 void TransformerBlock::forward(const float* x, int64_t B, int64_t T) {
   const int64_t C = cfg_.n_embd, NH = cfg_.n_head, BT = B * T;
   if (B != B_ || T != T_) {
@@ -147,13 +166,7 @@ void TransformerBlock::forward(const float* x, int64_t B, int64_t T) {
     T_ = T;
   }
   float* qkv = a_.qkv.f32();
-  cpu::AttnArgs aa;
-  aa.B = B;
-  aa.NH = NH;
-  aa.HS = C / NH;
-  aa.Tq = aa.Tkv = T;
-  aa.q_stride = aa.kv_stride = 3 * C;
-  aa.o_stride = C;
+  const cpu::AttnArgs aa = attention_args(B, T);
 
   cpu::layernorm_forward(a_.ln1.f32(), a_.ln1_mean.f32(), a_.ln1_rstd.f32(), x, w(LN1_W), w(LN1_B), BT, C,
                          cfg_.ln_eps);
@@ -171,16 +184,10 @@ void TransformerBlock::forward(const float* x, int64_t B, int64_t T) {
 
 void TransformerBlock::backward(const float* x, const BackwardScratch& s) {
   LOOM_CHECK(out_.defined(), "{}: backward before forward", name());
-  const int64_t C = cfg_.n_embd, NH = cfg_.n_head, B = B_, T = T_, BT = B * T;
+  const int64_t C = cfg_.n_embd, B = B_, T = T_, BT = B * T;
   const float* qkv = a_.qkv.f32();
   float* dqkv = s.buf4C;  // f32 [B, T, 3C] in the [B, T, 4C] buffer
-  cpu::AttnArgs aa;
-  aa.B = B;
-  aa.NH = NH;
-  aa.HS = C / NH;
-  aa.Tq = aa.Tkv = T;
-  aa.q_stride = aa.kv_stride = 3 * C;
-  aa.o_stride = C;
+  const cpu::AttnArgs aa = attention_args(B, T);
 
   // MLP branch; s.dres = d(out) = d(res2) through the residual.
   cpu::matmul_backward(s.buf4C, g(MLP_PROJ_W), g(MLP_PROJ_B), s.dres, a_.fch_gelu.f32(), w(MLP_PROJ_W), BT, 4 * C, C);
@@ -206,7 +213,7 @@ int64_t TransformerBlock::deferred_gradient_bytes(int64_t B, int64_t T) const {
 void TransformerBlock::backward_input(const float* x, const BackwardScratch& s) {
   LOOM_CHECK(out_.defined(), "{}: backward_input before forward", name());
   LOOM_CHECK(!d_.dout.defined(), "{}: backward_input twice without backward_weight", name());
-  const int64_t C = cfg_.n_embd, NH = cfg_.n_head, B = B_, T = T_, BT = B * T;
+  const int64_t C = cfg_.n_embd, B = B_, T = T_, BT = B * T;
   auto ws = [&](const Shape& sh) { return Tensor::empty(sh, DType::f32, MemTag::workspace, pool_); };
   d_.dout = ws({B, T, C});
   d_.dfch = ws({B, T, 4 * C});
@@ -214,13 +221,7 @@ void TransformerBlock::backward_input(const float* x, const BackwardScratch& s) 
   d_.dqkv = ws({B, T, 3 * C});
   const float* qkv = a_.qkv.f32();
   float* dqkv = d_.dqkv.f32();
-  cpu::AttnArgs aa;
-  aa.B = B;
-  aa.NH = NH;
-  aa.HS = C / NH;
-  aa.Tq = aa.Tkv = T;
-  aa.q_stride = aa.kv_stride = 3 * C;
-  aa.o_stride = C;
+  const cpu::AttnArgs aa = attention_args(B, T);
 
   // MLP branch; s.dres = d(out) = d(res2) through the residual.
   std::memcpy(d_.dout.raw(), s.dres, size_t(BT * C) * sizeof(float));

@@ -10,6 +10,7 @@
 
 #include "core/memory.h"
 #include "core/tensor.h"
+#include "kernels/cpu/attention.h"
 #include "model/config.h"
 #include "model/param.h"
 #include "model/param_specs.h"
@@ -103,6 +104,11 @@ class TransformerBlock final : public ChainBlock {
   void backward_weight();
   int64_t deferred_gradient_bytes(int64_t B, int64_t T) const override;
   const Tensor& out() const { return out_; }  // f32 [B, T, C]
+  // The attention kernel's arguments at [B, T]: packed qkv, scratch from this block's pool.
+  cpu::AttnArgs attention_args(int64_t B, int64_t T) const;
+  // The attention kernel's scratch (tag workspace, held only during the call): the larger of its
+  // forward and backward call at [B, T] on `threads` OpenMP threads (cpu::attention_workspace_bytes).
+  int64_t attention_workspace_bytes(int64_t B, int64_t T, int threads) const;
 
   // Output gradients of the linear layers, held between backward_input and backward_weight.
   struct Deferred {

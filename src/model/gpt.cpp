@@ -58,8 +58,12 @@ int64_t GPT::saved_activation_bytes(int64_t B, int64_t T) const {
   return n;
 }
 
-int64_t GPT::workspace_bytes(int64_t B, int64_t T) const {
-  return int64_t(sizeof(float)) * B * T * cfg_.n_embd * 6;
+int64_t GPT::workspace_bytes(int64_t B, int64_t T, int threads) const {
+  // dres [B, T, C] + bufC [B, T, C] + buf4C [B, T, 4C], held from the first backward on, and on top
+  // of them the attention kernel's scratch during each block's attention call (the same for every
+  // block; the larger of forward and backward).
+  const int64_t scratch = int64_t(sizeof(float)) * B * T * cfg_.n_embd * 6;
+  return scratch + (blocks_.empty() ? 0 : blocks_[0]->attention_workspace_bytes(B, T, threads));
 }
 
 float GPT::forward(const Tensor& tokens, const Tensor& targets, const ForwardOptions& opt) {

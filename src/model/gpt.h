@@ -81,9 +81,17 @@ class GPT {
   int64_t param_bytes() const;  // including the zero padding rows of wte / lm_head
   int64_t grad_bytes() const { return param_bytes(); }
   int64_t saved_activation_bytes(int64_t B, int64_t T) const;  // sum over the chain
-  // Backward scratch: the residual-stream gradient [B, T, C] and two buffers [B, T, C] and
-  // [B, T, 4C], i.e. 24 * B * T * C bytes.
-  int64_t workspace_bytes(int64_t B, int64_t T) const;
+  // Peak workspace of a training step at [B, T] when the attention kernel runs on `threads`
+  // OpenMP threads (omp_get_max_threads() of the calling thread):
+  //   24 * B * T * C                       backward scratch: dres [B, T, C], bufC [B, T, C],
+  //                                        buf4C [B, T, 4C] in f32, kept from the first backward on
+  //   + max(attention_workspace_bytes(forward), attention_workspace_bytes(backward))
+  //                                        the attention call's scratch, freed when the call returns
+  //                                        (cpu::attention_workspace_bytes with the blocks' shapes).
+  // Every step reaches it from the second on (forward then runs with the backward scratch held);
+  // the first step too unless the forward call's scratch is the larger (possible only with more
+  // than 32 threads), since its forward runs before the backward scratch exists.
+  int64_t workspace_bytes(int64_t B, int64_t T, int threads) const;
 
  private:
   GPTConfig cfg_;

@@ -91,6 +91,7 @@ const Tensor& CachedDecoder::forward(const int32_t* tokens, int64_t T, bool all_
     aa.o_stride = C;
     aa.q_pos0 = pos;
     aa.kv_pos0 = 0;
+    aa.pool = &pool_;
     for (int64_t b = 0; b < B; ++b)
       cpu::attention_forward(atty + b * T * C, lse_.f32(), qkv + b * T * 3 * C, kc + b * cache_.t_max_ * C,
                              vc + b * cache_.t_max_ * C, aa);

@@ -430,6 +430,7 @@ float ParallelGPT::forward_stage(const Tensor& tokens, const Tensor& targets, co
       cpu::AttnArgs aa;
       aa.B = B, aa.NH = NHl, aa.HS = HS, aa.Tq = aa.Tkv = T;
       aa.q_stride = aa.kv_stride = 3 * Cl, aa.o_stride = Cl;
+      aa.pool = &pool_;
       const float* q = L.qkv.f32();
       cpu::attention_forward(L.atty.f32(), L.lse.f32(), q, q + Cl, q + 2 * Cl, aa);
     }
@@ -619,6 +620,7 @@ void ParallelGPT::backward_stage(const float* grad_output, bool input_only) {
       cpu::AttnArgs aa;
       aa.B = B, aa.NH = NHl, aa.HS = HS, aa.Tq = aa.Tkv = T;
       aa.q_stride = aa.kv_stride = 3 * Cl, aa.o_stride = Cl;
+      aa.pool = &pool_;
       const float* q = L.qkv.f32();
       cpu::attention_backward(dqkv, dqkv + Cl, dqkv + 2 * Cl, m.datty.f32(), q, q + Cl, q + 2 * Cl, L.atty.f32(),
                               L.lse.f32(), aa);

@@ -155,7 +155,12 @@ TEST(GPT, PeakMemoryEqualsDeclaration) {
   EXPECT_EQ(pool.peak(MemTag::optimizer), opt.state_bytes());
   EXPECT_EQ(pool.peak(MemTag::optimizer), 2 * 4 * gpt.num_parameters());
   EXPECT_EQ(pool.peak(MemTag::activations), gpt.saved_activation_bytes(B, T));
-  EXPECT_EQ(pool.peak(MemTag::workspace), gpt.workspace_bytes(B, T));
+  // Workspace: the backward scratch 24 B T C plus the attention kernel's scratch during its call.
+  const int threads = omp_get_max_threads();
+  const int64_t attn = gpt.block(0).attention_workspace_bytes(B, T, threads);
+  EXPECT_GT(attn, 0);
+  EXPECT_EQ(gpt.workspace_bytes(B, T, threads), 24 * B * T * cfg.n_embd + attn);
+  EXPECT_EQ(pool.peak(MemTag::workspace), gpt.workspace_bytes(B, T, threads));
   EXPECT_EQ(pool.peak(MemTag::comm), 0);
   // The declaration by block: embedding, n_layer blocks, head.
   int64_t sum = 0;

@@ -10,6 +10,10 @@
 // unit owning the dK/dV of its key tiles. dQ of one (b, h) is summed by one unit when there are enough (b, h)
 // pairs to keep the threads busy, otherwise per-group partials are added in a fixed order. Tile sizes
 // and groups depend on the shapes only, so results do not depend on the thread count.
+//
+// Memory: a call takes all its scratch (each thread's tiles and packed K/V or Q/dO panels, and
+// backward's partial dQ sums) as one allocation from AttnArgs.pool under tag workspace and frees it
+// before returning; its size is attention_workspace_bytes, computed from the same plan.
 #include "kernels/cpu/attention.h"
 
 #include <omp.h>
@@ -17,13 +21,11 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
-#include <memory>
-#include <new>
 
 #include "core/error.h"
+#include "core/memory.h"
 
 // Without AVX (a -march below x86-64-v3) GCC notes that 32-byte vectors change the ABI of the helpers
 // below; they are all internal to this file.
@@ -174,33 +176,20 @@ void tile_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t rsa, int
 
 int64_t round_up8(int64_t n) { return (n + 7) / 8 * 8; }
 
-// Workspace of the calling thread, reused across calls and grown when a call needs more, so a call
-// neither allocates nor touches fresh pages once the sizes are steady. Slot 0 holds the per-thread
-// tiles inside a parallel region; slot 1 the buffers a call shares between its threads.
-float* thread_workspace(int slot, int64_t n) {
-  struct FreeDeleter {
-    void operator()(float* p) const { std::free(p); }
-  };
-  thread_local std::unique_ptr<float[], FreeDeleter> buf[2];
-  thread_local int64_t cap[2] = {0, 0};
-  if (n > cap[slot]) {
-    const int64_t want = std::max(n, cap[slot] + cap[slot] / 2);
-    buf[slot].reset();
-    auto* p = static_cast<float*>(std::aligned_alloc(64, size_t(want + 15) / 16 * 64));
-    if (!p) throw std::bad_alloc();
-    buf[slot].reset(p);
-    cap[slot] = want;
-  }
-  return buf[slot].get();
-}
+// Floats one buffer of n floats takes in a call's workspace: rounded up to 16 (64 bytes), so that
+// every buffer starts on a cache line and no two threads' buffers share one.
+int64_t padded(int64_t n) { return (n + 15) / 16 * 16; }
 
-// N f32 buffers of the given sizes, each 64-byte aligned, carved from one thread workspace slot.
 template <size_t N>
-std::array<float*, N> thread_buffers(int slot, const std::array<int64_t, N>& sizes) {
-  auto padded = [](int64_t n) { return (std::max<int64_t>(n, 1) + 15) / 16 * 16; };
+int64_t padded_sum(const std::array<int64_t, N>& sizes) {
   int64_t total = 0;
   for (int64_t n : sizes) total += padded(n);
-  float* p = thread_workspace(slot, total);
+  return total;
+}
+
+// N f32 buffers of the given sizes carved from p, in order.
+template <size_t N>
+std::array<float*, N> carve(float* p, const std::array<int64_t, N>& sizes) {
   std::array<float*, N> out;
   for (size_t i = 0; i < N; ++i) {
     out[i] = p;
@@ -208,6 +197,93 @@ std::array<float*, N> thread_buffers(int slot, const std::array<int64_t, N>& siz
   }
   return out;
 }
+
+// How a call splits its work and lays out its workspace; a function of the shapes and the thread
+// count only, shared by the kernels and attention_workspace_bytes so the two cannot disagree.
+// The workspace is `shared` floats used by the whole call, then `team` blocks of `per_thread`
+// floats, one per thread of the OpenMP team.
+template <size_t N>
+struct Plan {
+  int64_t split = 1;  // forward: query-tile chunks per (b, h); backward: key-tile groups G
+  int64_t units = 0;  // work items of the parallel loop
+  int team = 1;       // threads the call runs on: no more than there are units
+  std::array<int64_t, N> sizes{};  // each thread's buffers, in floats
+  int64_t per_thread = 0, shared = 0;
+  int64_t bytes() const { return (shared + int64_t(team) * per_thread) * int64_t(sizeof(float)); }
+};
+
+int team_for(int threads, int64_t units) { return int(std::clamp<int64_t>(units, 1, threads)); }
+
+Plan<5> forward_plan(const AttnArgs& a, int threads) {
+  const int64_t HS = a.HS, HSp = round_up8(HS), Tq = a.Tq, Tkv = a.Tkv;
+  const int64_t nqt = (Tq + kTileQ - 1) / kTileQ;
+  // A unit is every chunks-th query tile of one (b, h) (interleaved: balanced under the causal mask),
+  // so that K and V are packed once per unit. Enough units for about 4 per thread; the split does not
+  // change any result (each query tile is computed the same way whoever computes it).
+  const int64_t BNH = a.B * a.NH;
+  Plan<5> p;
+  p.split = std::clamp<int64_t>((4 * int64_t(threads) + BNH - 1) / BNH, 1, std::max<int64_t>(nqt, 1));
+  p.units = BNH * p.split;
+  p.team = team_for(threads, p.units);
+  // qt f32 [HS, qnp]: (q scale)^T; kall, vall f32 [Tkv, HSp]: K and V of the (b, h), packed as
+  // needed; st f32 [kn, kTileQ]: scores^T, then probabilities^T; o f32 [qn, HSp]: unnormalised output
+  p.sizes = {HS * kTileQ, Tkv * HSp, Tkv * HSp, kTileK * kTileQ, kTileQ * HSp};
+  p.per_thread = padded_sum(p.sizes);
+  return p;
+}
+
+Plan<11> backward_plan(const AttnArgs& a, int threads) {
+  const int64_t HS = a.HS, HSp = round_up8(HS), Tq = a.Tq, Tkv = a.Tkv;
+  const int64_t BNH = a.B * a.NH;
+  const int64_t nkt = (Tkv + kTileK - 1) / kTileK;
+  Plan<11> p;
+  // Key tiles of a (b, h) are dealt round-robin to G groups (balanced under the causal mask).
+  p.split = BNH >= kMinBackwardUnits
+                ? 1
+                : std::clamp<int64_t>((kMinBackwardUnits + BNH - 1) / BNH, 1, std::max<int64_t>(nkt, 1));
+  const int64_t G = p.split;
+  p.units = BNH * G;
+  p.team = team_for(threads, p.units);
+  // kt, vt f32 [HS, knp]: K and V tile transposed; kp f32 [kn, HSp]: K tile * scale;
+  // qall, doall f32 [Tq, HSp]: Q * scale and dO of the (b, h); dsum_bh f32 [Tq]: D = rowsum(dO * O);
+  // p f32 [qn, kTileK]: probabilities; ds f32 [qn, kTileK]: dP, then dS; dkt, dvt f32 [kn, HSp]: dK
+  // and dV of the key tile; dq_own f32 [Tq, HSp]: dQ of the (b, h) when G == 1
+  p.sizes = {HS * kTileK,    HS * kTileK,     kTileK * HSp, Tq * HSp,     Tq * HSp, Tq,
+             kTileQ * kTileK, kTileQ * kTileK, kTileK * HSp, kTileK * HSp, G == 1 ? Tq * HSp : 0};
+  p.per_thread = padded_sum(p.sizes);
+  // With G > 1, each group's dQ goes to its own slice: f32 [G, B, NH, Tq, HSp].
+  p.shared = G > 1 ? padded(G * BNH * Tq * HSp) : 0;
+  return p;
+}
+
+// One call's workspace: a single allocation from the pool under tag workspace, freed on return.
+class Workspace {
+ public:
+  Workspace(MemoryPool& pool, int64_t bytes) : pool_(pool), bytes_(size_t(bytes)) {
+    if (bytes_ > 0) p_ = static_cast<float*>(pool_.allocate(bytes_, MemTag::workspace));
+  }
+  ~Workspace() {
+    if (p_) pool_.deallocate(p_, bytes_, MemTag::workspace);
+  }
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+  float* data() const { return p_; }
+
+ private:
+  MemoryPool& pool_;
+  size_t bytes_;
+  float* p_ = nullptr;
+};
+
+MemoryPool& pool_of(const AttnArgs& a, const char* fn) {
+  MemoryPool& pool = a.pool ? *a.pool : default_cpu_pool();
+  LOOM_CHECK(pool.device() == Device::cpu, "{}: AttnArgs.pool '{}' holds {} memory; the CPU kernel needs a cpu pool",
+             fn, pool.name(), device_name(pool.device()));
+  return pool;
+}
+
+// The OpenMP team a call may use: the calling thread's omp_get_max_threads().
+int max_threads() { return std::max(1, omp_get_max_threads()); }
 
 // Rows of one head in a row-strided tensor: row t starts at p + t stride (p points at (b, t0, h, 0)).
 struct Rows {
@@ -272,6 +348,13 @@ void check_args(const AttnArgs& a, const char* fn) {
 
 }  // namespace
 
+int64_t attention_workspace_bytes(const AttnArgs& a, bool backward, int threads) {
+  check_args(a, "attention_workspace_bytes");
+  LOOM_CHECK(threads > 0, "attention_workspace_bytes: threads={} must be positive", threads);
+  if (backward) return a.B == 0 ? 0 : backward_plan(a, threads).bytes();
+  return a.B == 0 || a.Tq == 0 ? 0 : forward_plan(a, threads).bytes();
+}
+
 void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
                        const AttnArgs& a) {
   check_args(a, "attention_forward");
@@ -279,26 +362,23 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
   LOOM_CHECK(out && lse && q, "attention_forward: out, lse and q must not be null");
   LOOM_CHECK(a.Tkv == 0 || (k && v), "attention_forward: k and v must not be null when Tkv={} > 0", a.Tkv);
 
-  const int64_t B = a.B, NH = a.NH, HS = a.HS, Tq = a.Tq, Tkv = a.Tkv;
+  MemoryPool& pool = pool_of(a, "attention_forward");
+
+  const int64_t NH = a.NH, HS = a.HS, Tq = a.Tq, Tkv = a.Tkv;
   const int64_t HSp = round_up8(HS);
   const float scale = resolve_scale(a);
   const int64_t nqt = (Tq + kTileQ - 1) / kTileQ;
-  // A unit is every chunks-th query tile of one (b, h) (interleaved: balanced under the causal mask),
-  // so that K and V are packed once per unit. Enough units for about 4 per thread; the split does not
-  // change any result (each query tile is computed the same way whoever computes it).
-  const int64_t BNH = B * NH;
-  const int64_t chunks = std::clamp<int64_t>((4 * int64_t(omp_get_max_threads()) + BNH - 1) / BNH, 1, nqt);
-  const int64_t units = BNH * chunks;
+  const Plan<5> plan = forward_plan(a, max_threads());
+  const int64_t chunks = plan.split, units = plan.units;
+  Workspace ws(pool, plan.bytes());
 
   // The scores are kept transposed, s^T [keys, queries], so that the online softmax runs down the
   // columns with eight queries per vector (no horizontal reductions); q^T is packed once per query
   // tile and K, V once per unit.
-#pragma omp parallel
+#pragma omp parallel num_threads(plan.team)
   {
-    // qt f32 [HS, qnp]: (q scale)^T; kall, vall f32 [Tkv, HSp]: K and V of the (b, h), packed as
-    // needed; st f32 [kn, kTileQ]: scores^T, then probabilities^T; o f32 [qn, HSp]: unnormalised output
-    const std::array<float*, 5> w =
-        thread_buffers<5>(0, {HS * kTileQ, Tkv * HSp, Tkv * HSp, kTileK * kTileQ, kTileQ * HSp});
+    // The buffers of forward_plan: qt, kall, vall, st, o
+    const std::array<float*, 5> w = carve(ws.data() + omp_get_thread_num() * plan.per_thread, plan.sizes);
     float *qt = w[0], *kall = w[1], *vall = w[2], *st = w[3], *o = w[4];
     alignas(32) float row_max[kTileQ], row_sum[kTileQ], alpha[kTileQ];  // per query
     const v8i iota{0, 1, 2, 3, 4, 5, 6, 7};
@@ -406,29 +486,25 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
   LOOM_CHECK(a.Tkv == 0 || (dk && dv && k && v),
              "attention_backward: dk, dv, k and v must not be null when Tkv={} > 0", a.Tkv);
 
+  MemoryPool& pool = pool_of(a, "attention_backward");
+
   const int64_t B = a.B, NH = a.NH, HS = a.HS, Tq = a.Tq, Tkv = a.Tkv;
   const int64_t BNH = B * NH;
   const int64_t HSp = round_up8(HS);
   const float scale = resolve_scale(a);
   const int64_t nkt = (Tkv + kTileK - 1) / kTileK;
-  // Key tiles of a (b, h) are dealt round-robin to G groups (balanced under the causal mask).
-  const int64_t G = BNH >= kMinBackwardUnits
-                        ? 1
-                        : std::clamp<int64_t>((kMinBackwardUnits + BNH - 1) / BNH, 1, std::max<int64_t>(nkt, 1));
-  const int64_t units = BNH * G;
+  const Plan<11> plan = backward_plan(a, max_threads());
+  const int64_t G = plan.split, units = plan.units;
+  Workspace ws(pool, plan.bytes());
 
   // With G > 1, each group's dQ goes to its own slice: f32 [G, B, NH, Tq, HSp].
-  float* dq_part = G > 1 ? thread_workspace(1, G * BNH * Tq * HSp) : nullptr;
+  float* dq_part = G > 1 ? ws.data() : nullptr;
 
-#pragma omp parallel
+#pragma omp parallel num_threads(plan.team)
   {
-    // kt, vt f32 [HS, knp]: K and V tile transposed; kp f32 [kn, HSp]: K tile * scale;
-    // qall, doall f32 [Tq, HSp]: Q * scale and dO of the (b, h); dsum_bh f32 [Tq]: D = rowsum(dO * O);
-    // p f32 [qn, kTileK]: probabilities; ds f32 [qn, kTileK]: dP, then dS; dkt, dvt f32 [kn, HSp]: dK
-    // and dV of the key tile; dq_own f32 [Tq, HSp]: dQ of the (b, h) when G == 1
-    const std::array<float*, 11> w = thread_buffers<11>(
-        0, {HS * kTileK, HS * kTileK, kTileK * HSp, Tq * HSp, Tq * HSp, Tq, kTileQ * kTileK, kTileQ * kTileK,
-            kTileK * HSp, kTileK * HSp, G == 1 ? Tq * HSp : 0});
+    // The buffers of backward_plan: kt, vt, kp, qall, doall, dsum_bh, p, ds, dkt, dvt, dq_own
+    const std::array<float*, 11> w =
+        carve(ws.data() + plan.shared + omp_get_thread_num() * plan.per_thread, plan.sizes);
     float *kt = w[0], *vt = w[1], *kp = w[2], *qall = w[3], *doall = w[4], *dsum_bh = w[5];
     float *p = w[6], *ds = w[7], *dkt = w[8], *dvt = w[9], *dq_own = w[10];
     const v8i iota{0, 1, 2, 3, 4, 5, 6, 7};

@@ -1,12 +1,20 @@
 // Causal multi-head self-attention computed in tiles with an online softmax: no T x T matrix is
 // kept; only the per-row log-sum-exp is saved for backward, which recomputes scores per tile.
 //
-// Both calls use the calling thread's OpenMP team and give bitwise the same results for any team
-// size. Each thread keeps a workspace between calls (grown to the largest call it has seen: about
-// 2 Tkv HS floats in forward and 3 Tq HS in backward); backward with fewer than 32 (b, h) pairs also
-// keeps partial dq sums, fewer than 64 Tq HS floats, on the calling thread.
+// Both calls use the calling thread's OpenMP team (omp_get_max_threads() threads, fewer when there
+// are fewer work units) and give bitwise the same results for any team size.
+//
+// Scratch memory: each call allocates exactly attention_workspace_bytes(a, backward, threads) bytes
+// from a.pool under tag workspace, in one allocation, and frees it before returning; nothing is kept
+// between calls. It holds each thread's tiles (64 queries x 64 keys) and panels of one (b, h), about
+// 2 Tkv HS floats in forward and 2 to 3 Tq HS in backward; backward with fewer than 32 (b, h) pairs
+// also holds partial dq sums of its key-tile groups.
 #pragma once
 #include <cstdint>
+
+namespace loom {
+class MemoryPool;
+}
 
 namespace loom::cpu {
 
@@ -21,7 +29,19 @@ struct AttnArgs {
                                     // key position > query position is masked)
   bool causal = true;
   float scale = 0;                  // 0 means 1 / sqrt(HS)
+  MemoryPool* pool = nullptr;       // where the call's scratch comes from (a cpu pool); null: default_cpu_pool()
 };
+
+// Bytes of scratch (tag workspace) that one attention_forward (backward = false) or
+// attention_backward (backward = true) call with these arguments allocates from a.pool when the
+// calling thread's omp_get_max_threads() is `threads`; 0 for a call with nothing to compute. With
+// HSp = HS rounded up to 8, units = B NH chunks in forward (chunks = clamp(ceil(4 threads / (B NH)),
+// 1, query tiles)) and B NH G in backward (G = 1 from 32 (b, h) pairs on, else
+// min(ceil(32 / (B NH)), key tiles)), and every buffer rounded up to 16 floats, it is 4 bytes times
+//   forward:  min(threads, units) (64 HS + 2 Tkv HSp + 64 * 64 + 64 HSp)
+//   backward: min(threads, units) (2 * 64 HS + 3 * 64 HSp + (2 + [G == 1]) Tq HSp + Tq + 2 * 64 * 64)
+//             + [G > 1] G B NH Tq HSp.
+int64_t attention_workspace_bytes(const AttnArgs& a, bool backward, int threads);
 
 // out (o_stride) = softmax(q k^T * scale, causal) v; lse f32 [B, NH, Tq] (natural log of the
 // row's sum of exp of scaled scores; -inf for a row with no visible key).

@@ -77,8 +77,9 @@ void merge(float* o, float* l, const float* op, const float* lp, int64_t Tc, int
     }
 }
 
-cpu::AttnArgs chunk_args(const RingShape& s, int64_t Tc, int64_t cq, int64_t ck) {
+cpu::AttnArgs chunk_args(const RingShape& s, int64_t Tc, int64_t cq, int64_t ck, MemoryPool& pool) {
   cpu::AttnArgs a;
+  a.pool = &pool;
   a.B = 1;
   a.NH = s.NH;
   a.HS = s.HS;
@@ -113,7 +114,7 @@ void RingAttention::forward(comm::Comm& g, float* out, float* lse, const float* 
         const int64_t ck = chunk_of(P, src, hk);
         if (ck > cq) continue;  // every key is in the future of every query
         const bool first = j == 0 && hk == 0;
-        const cpu::AttnArgs a = chunk_args(s, Tc, cq, ck);
+        const cpu::AttnArgs a = chunk_args(s, Tc, cq, ck, pool_);
         for (int64_t b = 0; b < s.B; ++b) {
           const float* q = qkv + (b * Tl + hq * Tc) * 3 * C;
           const float* k = kv + (b * Tl + hk * Tc) * 2 * C;
@@ -159,7 +160,7 @@ void RingAttention::backward(comm::Comm& g, float* dqkv, const float* dout, cons
       for (int hk = 0; hk < 2; ++hk) {
         const int64_t ck = chunk_of(P, src, hk);
         if (ck > cq) continue;
-        const cpu::AttnArgs a = chunk_args(s, Tc, cq, ck);
+        const cpu::AttnArgs a = chunk_args(s, Tc, cq, ck, pool_);
         for (int64_t b = 0; b < s.B; ++b) {
           const int64_t qo = b * Tl + hq * Tc, ko = b * Tl + hk * Tc;
           const float* k = kv + ko * 2 * C;

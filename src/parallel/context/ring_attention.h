@@ -36,7 +36,8 @@ struct RingShape {
 
 class RingAttention {
  public:
-  // Buffers (K/V blocks in flight, tag comm; partial outputs, tag workspace) come from pool.
+  // Buffers (K/V blocks in flight, tag comm; partial outputs, tag workspace) come from pool, and so
+  // does the attention kernel's scratch during each chunk-pair call (tag workspace).
   explicit RingAttention(MemoryPool& pool) : pool_(pool) {}
 
   // qkv f32 [B, Tl, 3 NH HS] (q | k | v per row, this rank's heads); out f32 [B, Tl, NH HS];

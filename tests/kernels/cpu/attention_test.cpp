@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/memory.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/kernel_test_util.h"
 
@@ -443,6 +444,89 @@ TEST(Attention, BackwardMatchesFiniteDifferences) {
   }
 }
 
+// The scratch size written out from the formula in attention.h, independently of the kernel's plan.
+int64_t documented_workspace_bytes(const AttnArgs& a, bool backward, int64_t threads) {
+  auto ceil_div = [](int64_t x, int64_t y) { return (x + y - 1) / y; };
+  auto pad = [](int64_t n) { return (n + 15) / 16 * 16; };
+  if (a.B == 0 || (!backward && a.Tq == 0)) return 0;
+  const int64_t HS = a.HS, HSp = (HS + 7) / 8 * 8, BNH = a.B * a.NH, Tq = a.Tq, Tkv = a.Tkv;
+  if (!backward) {
+    const int64_t chunks = std::clamp<int64_t>(ceil_div(4 * threads, BNH), 1, ceil_div(Tq, 64));
+    const int64_t team = std::min(threads, BNH * chunks);
+    return 4 * team * (pad(64 * HS) + 2 * pad(Tkv * HSp) + pad(64 * 64) + pad(64 * HSp));
+  }
+  const int64_t G = BNH >= 32 ? 1 : std::clamp<int64_t>(ceil_div(32, BNH), 1, std::max<int64_t>(ceil_div(Tkv, 64), 1));
+  const int64_t team = std::min(threads, BNH * G);
+  const int64_t per_thread = 2 * pad(64 * HS) + 3 * pad(64 * HSp) + (G == 1 ? 3 : 2) * pad(Tq * HSp) + pad(Tq) +
+                             2 * pad(64 * 64);
+  return 4 * (team * per_thread + (G > 1 ? pad(G * BNH * Tq * HSp) : 0));
+}
+
+// Each call takes its scratch from AttnArgs.pool under tag workspace: the pool's peak during one forward or
+// backward call is attention_workspace_bytes (which follows the formula in the header), and nothing stays
+// allocated afterwards. Shapes: few (b, h) pairs (partial dq sums per key-tile group), many (none), a
+// single (b, h) with one tile (a team smaller than the thread count) and a cross-attention offset.
+TEST(Attention, ScratchComesFromThePoolAsDeclared) {
+  for (const Shape& s : {Shape{.B = 2, .NH = 3, .HS = 20, .Tq = 150, .Tkv = 150, .packed = true},
+                         Shape{.B = 4, .NH = 8, .HS = 16, .Tq = 70, .Tkv = 70, .packed = true},
+                         Shape{.B = 1, .NH = 1, .HS = 8, .Tq = 10, .Tkv = 10},
+                         Shape{.B = 1, .NH = 2, .HS = 12, .Tq = 5, .Tkv = 130, .q_pos0 = 125, .pad = 3}}) {
+    for (int n : {1, 2}) {
+      ScopedThreads threads(n);
+      Problem p = make_problem(s, 950);
+      MemoryPool pool("attention");
+      p.a.pool = &pool;
+      const std::vector<float> dout = random_vec(p.o_size(), 951);
+      const int64_t fwd = cpu::attention_workspace_bytes(p.a, false, n);
+      const int64_t bwd = cpu::attention_workspace_bytes(p.a, true, n);
+      EXPECT_EQ(fwd, documented_workspace_bytes(p.a, false, n)) << s.Tq << " queries, " << n << " threads";
+      EXPECT_EQ(bwd, documented_workspace_bytes(p.a, true, n)) << s.Tq << " queries, " << n << " threads";
+      EXPECT_GT(fwd, 0);
+      EXPECT_GT(bwd, fwd);
+
+      std::vector<float> out(size_t(p.o_size()), 0.f), lse(size_t(s.B * s.NH * s.Tq));
+      cpu::attention_forward(out.data(), lse.data(), p.q(), p.k(), p.v(), p.a);
+      EXPECT_EQ(pool.peak(MemTag::workspace), fwd) << s.Tq << " queries, " << n << " threads";
+      EXPECT_EQ(pool.total_peak(), fwd);
+      EXPECT_EQ(pool.total_current(), 0);
+
+      pool.reset_peaks();
+      std::vector<float> dq(size_t(p.q_size())), dk(size_t(p.kv_size())), dv(size_t(p.kv_size()));
+      cpu::attention_backward(dq.data(), dk.data(), dv.data(), dout.data(), p.q(), p.k(), p.v(), out.data(),
+                              lse.data(), p.a);
+      EXPECT_EQ(pool.peak(MemTag::workspace), bwd) << s.Tq << " queries, " << n << " threads";
+      EXPECT_EQ(pool.total_peak(), bwd);
+      EXPECT_EQ(pool.total_current(), 0);
+
+      // The same call without a pool uses the default CPU pool, with the same results.
+      MemoryPool& dflt = default_cpu_pool();
+      const int64_t before = dflt.current(MemTag::workspace);
+      dflt.reset_peaks();
+      p.a.pool = nullptr;
+      std::vector<float> out2(out.size(), 0.f), lse2(lse.size());
+      cpu::attention_forward(out2.data(), lse2.data(), p.q(), p.k(), p.v(), p.a);
+      EXPECT_EQ(dflt.peak(MemTag::workspace) - before, fwd);
+      EXPECT_EQ(dflt.current(MemTag::workspace), before);
+      EXPECT_EQ(out2, out);
+      EXPECT_EQ(lse2, lse);
+    }
+  }
+  // Nothing to compute, nothing allocated.
+  AttnArgs empty = make_problem({.B = 1, .NH = 2, .HS = 8, .Tq = 4, .Tkv = 4}, 952).a;
+  empty.Tq = 0;
+  EXPECT_EQ(cpu::attention_workspace_bytes(empty, false, 2), 0);
+  empty.B = 0;
+  EXPECT_EQ(cpu::attention_workspace_bytes(empty, true, 2), 0);
+}
+
+// A pool whose memory is not host memory (as a CUDA pool's) is refused by name.
+class NotHostAllocator final : public Allocator {
+ public:
+  void* allocate(size_t) override { throw Error("NotHostAllocator: allocate must not be called"); }
+  void deallocate(void*, size_t) override {}
+  Device device() const override { return Device::cuda; }
+};
+
 TEST(Attention, RejectsBadArguments) {
   const Problem p = make_problem({.B = 1, .NH = 2, .HS = 8, .Tq = 4, .Tkv = 4}, 1000);
   std::vector<float> out(size_t(p.o_size())), lse(8);
@@ -473,6 +557,17 @@ TEST(Attention, RejectsBadArguments) {
   a.scale = std::numeric_limits<float>::infinity();
   expect_error(a, "scale");
   EXPECT_THROW(cpu::attention_forward(out.data(), lse.data(), p.q(), nullptr, p.v(), p.a), Error);
+  NotHostAllocator device_memory;
+  MemoryPool device_pool("device", &device_memory);
+  a = p.a;
+  a.pool = &device_pool;
+  expect_error(a, "AttnArgs.pool");
+  try {
+    cpu::attention_workspace_bytes(p.a, true, 0);
+    ADD_FAILURE() << "no error for threads = 0";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("threads"), std::string::npos) << e.what();
+  }
   std::vector<float> g(size_t(p.q_size()));
   EXPECT_THROW(cpu::attention_backward(g.data(), nullptr, g.data(), out.data(), p.q(), p.k(), p.v(), out.data(),
                                        lse.data(), p.a),
