@@ -242,8 +242,12 @@ TEST(DataParallel, PeakMemoryEqualsZeroFormulas) {
         std::string what = fmt::format("zero={} offload={} rank {}", zero, offload, r);
         ASSERT_EQ(m.N_pad, N_pad) << what;
         ASSERT_EQ(m.S, S) << what;
-        if (zero >= 2) ASSERT_EQ(m.G, G) << what;
-        if (zero == 3) ASSERT_EQ(m.U, U) << what;
+        if (zero >= 2) {
+          ASSERT_EQ(m.G, G) << what;
+        }
+        if (zero == 3) {
+          ASSERT_EQ(m.U, U) << what;
+        }
         EXPECT_EQ(m.params, zero == 3 ? 4 * S + 4 * U : 4 * N_pad) << what;
         EXPECT_EQ(m.grads, zero >= 2 ? 4 * S + 4 * G : 4 * N_pad) << what;
         EXPECT_EQ(m.optimizer, offload ? 0 : 8 * P) << what;
