@@ -10,6 +10,8 @@
 #include <random>
 #include <string>
 
+#include <fmt/format.h>
+
 #include "comm/threads.h"
 #include "model/config.h"
 #include "parallel/pipeline/executor.h"
@@ -60,7 +62,7 @@ int main(int argc, char** argv) {
     for (int64_t i = 0; i < x.numel(); ++i) x.i32()[i] = int32_t(rng() % 256);
     double sim_idle = 0;
     comm::run_ranks(p, [&](comm::Comm& w) {
-      MemoryPool pool("r" + std::to_string(w.rank()));
+      MemoryPool pool(fmt::format("r{}", w.rank()));
       PipelineExecutor ex(cfg, o, w, nullptr, pool);
       for (int s = 0; s < steps; ++s) ex.step(x, x);
       std::lock_guard lk(mu);

@@ -303,7 +303,7 @@ std::string config_to_toml(const TrainConfig& cfg) {
     auto dot = key.find('.');
     std::string sec = key.substr(0, dot), name = key.substr(dot + 1);
     if (sec != section) {
-      out += (out.empty() ? "" : "\n") + fmt::format("[{}]\n", sec);
+      out += fmt::format("{}[{}]\n", out.empty() ? "" : "\n", sec);
       section = sec;
     }
     out += fmt::format("{} = {}\n", name, value_str(f.get(c)));

@@ -121,7 +121,9 @@ TEST(Resume, SigkillAtRandomMomentsThenResumeIsBitIdentical) {
       }
     }
     // Every step's loss and every validation loss equal the uninterrupted run's exactly.
-    if (episode_kills > 0) EXPECT_EQ(losses(out), want) << "episode " << episodes << " with " << episode_kills << " kills";
+    if (episode_kills > 0) {
+      EXPECT_EQ(losses(out), want) << "episode " << episodes << " with " << episode_kills << " kills";
+    }
   }
   unsetenv("LOOM_CHECKPOINT_PAUSE_MS");
   std::printf("%d SIGKILLs (%d inside checkpoint writes) over %d episodes; every resumed run equal\n", kills,

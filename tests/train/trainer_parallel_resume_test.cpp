@@ -105,7 +105,7 @@ TEST_F(TrainParallelResume, CheckpointOfAnotherModelIsRefusedNamingTheField) {
   if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
   CmdRun first = train("other_model", "--parallel.tp 2 --train.steps 1");
   ASSERT_EQ(first.status, 0) << first.output;
-  for (const std::string& layout : {"--parallel.tp 2", "--parallel.pp 2", ""}) {
+  for (const std::string layout : {"--parallel.tp 2", "--parallel.pp 2", ""}) {
     CmdRun r = train("other_model", layout + " --model.n_embd 64 --resume");
     EXPECT_NE(r.status, 0) << layout << "\n" << r.output;
     EXPECT_NE(r.output.find("manifest.json"), std::string::npos) << layout << "\n" << r.output;

@@ -86,7 +86,7 @@ inline std::vector<dbf16> to_device_bf16(const std::vector<float>& v) {
   std::vector<dbf16> out(v.size());
   for (size_t i = 0; i < v.size(); ++i) {
     uint16_t b = bf16_bits(v[i]);
-    std::memcpy(&out[i], &b, 2);
+    std::memcpy(static_cast<void*>(&out[i]), &b, 2);
   }
   return out;
 }
