@@ -2,7 +2,6 @@
 // checkpoints, and a checkpoint written under one dp / ZeRO layout resumes under another with the
 // losses of the uninterrupted single-device run (within 1e-5 relative).
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -16,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "data/shard.h"
+#include "train/mesh_train_util.h"
 #include "train/safetensors.h"
 
 namespace fs = std::filesystem;
@@ -23,24 +23,9 @@ using namespace loom;
 
 namespace {
 
-const std::string kLoom = std::string(LOOM_BINARY_DIR) + "/loom";
-
-struct CmdRun {
-  int status = -1;
-  std::string output;
-};
-
-CmdRun sh(const std::string& cmd) {
-  CmdRun r;
-  FILE* f = ::popen((cmd + " 2>&1").c_str(), "r");
-  if (!f) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) r.output.append(buf, n);
-  int st = ::pclose(f);
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-  return r;
-}
+using test::CmdRun;
+using test::kLoom;
+using test::sh;
 
 class TrainDp : public ::testing::Test {
  protected:
