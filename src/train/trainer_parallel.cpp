@@ -142,17 +142,21 @@ class Engine {
 
 // Tensor / sequence / context parallel (ParallelGPT) with data parallelism over dp: gradients
 // all-reduced and full AdamW moments on every dp rank (parallel.zero = 0), or ZeRO-1 (moments
-// sharded over dp, parallel/data/zero1.h).
+// sharded over dp x cp, parallel/data/zero1.h).
 class TensorEngine : public Engine {
  public:
   TensorEngine(const TrainConfig& cfg, const model::GPTConfig& mc, const optim::AdamWConfig& oc,
                parallel::MeshComms& comms, data::Loader& train, MemoryPool& pool)
       : cfg_(cfg), mc_(comms), train_(train), pool_(pool), dp_(comms["dp"]), tp_(comms["tp"]),
-        model_(mc, {&comms["tp"], &comms["cp"]}, {.sp = cfg.sp}, pool, cfg.seed) {
+        dpcp_(comms.get({"dp", "cp"})), model_(mc, {&comms["tp"], &comms["cp"]}, {.sp = cfg.sp}, pool, cfg.seed) {
     if (cfg.zero == 1) {
-      parallel::Zero1Options zo;  // a parameter replicated over tp counts in the norm on tp rank 0
+      // Sharded over dp x cp, like Megatron's distributed optimizer: after finish_gradients the
+      // cp ranks of a replica hold the same gradients, so the mean over dp x cp is the mean over
+      // dp, and each of the dp cp ranks keeps 1 / (dp cp) of the moments. A parameter replicated
+      // over tp counts in the norm on tp rank 0.
+      parallel::Zero1Options zo;
       for (const auto& p : model_.sharded()) zo.in_norm.push_back(!p->replicated || tp_.rank() == 0);
-      zero1_ = std::make_unique<parallel::Zero1Optimizer>(model_.parameters(), dp_, oc, pool, zo);
+      zero1_ = std::make_unique<parallel::Zero1Optimizer>(model_.parameters(), dpcp_, oc, pool, zo);
     } else {
       adam_ = std::make_unique<optim::AdamW>(model_.parameters(), oc, pool);
     }
@@ -178,9 +182,9 @@ class TensorEngine : public Engine {
     model_.finish_gradients();
     StepOut out;
     out.loss = sum_over_ranks(dp_, loss / double(cfg_.grad_accum)) / double(dp);
-    if (zero1_) {  // mean over dp into this rank's shard; the norm adds the shards, then tp
+    if (zero1_) {  // mean over dp x cp into this rank's shard; the norm adds the shards, then tp
       const double sq = zero1_->reduce_gradients();
-      out.grad_norm = std::sqrt(sum_over_ranks(tp_, sum_over_ranks(dp_, sq)));
+      out.grad_norm = std::sqrt(sum_over_ranks(tp_, sum_over_ranks(dpcp_, sq)));
       zero1_->step(out.grad_norm, lr);
       return out;
     }
@@ -214,10 +218,9 @@ class TensorEngine : public Engine {
   // Only the tp group of the replica with dp = cp = 0 takes part (its rank 0 is world rank 0):
   // each full tensor is assembled by a sum over tp of zero-filled buffers into which every rank
   // wrote its shard (a replicated tensor by tp rank 0 only), so values arrive unchanged. Under
-  // ZeRO-1 the dp ranks with cp = 0 first gather each shard's moments over dp.
+  // ZeRO-1 every rank first gathers each shard's moments over dp x cp.
   void gather(FullModel* full, bool with_moments) override {
-    if (mc_.coord("cp") != 0) return;
-    const bool lead_replica = mc_.coord("dp") == 0;
+    const bool lead_replica = mc_.coord("dp") == 0 && mc_.coord("cp") == 0;
     if (!lead_replica && !(zero1_ && with_moments)) return;
     if (full && with_moments) full->ensure_moments();
     const auto& sh = model_.sharded();
@@ -228,7 +231,7 @@ class TensorEngine : public Engine {
       if (with_moments && zero1_) {
         m.resize(size_t(p.shard.spec.numel()));
         v.resize(size_t(p.shard.spec.numel()));
-        zero1_->gather_moments(i, m.data(), v.data());  // collective over dp
+        zero1_->gather_moments(i, m.data(), v.data());  // collective over dp x cp
         mi = m.data(), vi = v.data();
       } else if (with_moments) {
         mi = adam_->exp_avg(i).f32(), vi = adam_->exp_avg_sq(i).f32();
@@ -265,7 +268,7 @@ class TensorEngine : public Engine {
       LOOM_CHECK(opt_params[i] == &p.shard, "load: the optimizer's parameter {} is not shard '{}'", i, p.global.name);
       auto take = [&](const char* kind, float* d, int64_t n) { read_shard(ckpt, kind, p, d, n); };
       take("param", p.shard.value.f32(), p.shard.value.numel());
-      if (zero1_) {  // ZeRO-1: this rank keeps its dp part of the shard's moments
+      if (zero1_) {  // ZeRO-1: this rank keeps its dp x cp part of the shard's moments
         const int64_t n = p.shard.spec.numel();
         m.resize(size_t(n));
         v.resize(size_t(n));
@@ -293,6 +296,7 @@ class TensorEngine : public Engine {
   MemoryPool& pool_;
   comm::Comm& dp_;
   comm::Comm& tp_;
+  comm::Comm& dpcp_;  // ZeRO-1's group
   model::ParallelGPT model_;
   std::unique_ptr<optim::AdamW> adam_;                // parallel.zero = 0
   std::unique_ptr<parallel::Zero1Optimizer> zero1_;  // parallel.zero = 1

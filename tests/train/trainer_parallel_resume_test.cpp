@@ -71,6 +71,8 @@ TEST_F(TrainParallelResume, PipelineTimesDataParallelResumesBitIdentically) {
 TEST_F(TrainParallelResume, ZeroOneWithTensorParallelResumesBitIdentically) {
   if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
   expect_bit_identical_resume("tp2_dp2_zero1", "--parallel.tp 2 --parallel.dp 2 --parallel.zero 1", 1);
+  // Moments sharded over dp x cp (4 ranks).
+  expect_bit_identical_resume("cp2_dp2_zero1", "--parallel.cp 2 --parallel.dp 2 --parallel.zero 1", 2);
 }
 
 // The 4D layout dp 2 x pp 2 x tp 2 resumes bit-identically too.

@@ -128,9 +128,11 @@ RunResult parallel_run(const Layout& l) {
     std::unique_ptr<optim::AdamW> opt;
     std::unique_ptr<parallel::Zero1Optimizer> zero1;
     if (l.zero == 1) {
-      parallel::Zero1Options zo;  // replicated over tp: counted on tp rank 0
+      // Over dp x cp, as the trainer does (Megatron's distributed optimizer group); replicated
+      // over tp: counted on tp rank 0.
+      parallel::Zero1Options zo;
       for (auto& sp : m.sharded()) zo.in_norm.push_back(!sp->replicated || mc.coord("tp") == 0);
-      zero1 = std::make_unique<parallel::Zero1Optimizer>(m.parameters(), mc["dp"], adam(), pool, zo);
+      zero1 = std::make_unique<parallel::Zero1Optimizer>(m.parameters(), mc.get({"dp", "cp"}), adam(), pool, zo);
       mem.n_pad = zero1->flat_elements();
       mem.shard = zero1->shard_elements();
     } else {
@@ -150,7 +152,7 @@ RunResult parallel_run(const Layout& l) {
       comm::Comm& dp = mc["dp"];
       if (zero1) {
         const double sq = zero1->reduce_gradients();
-        zero1->step(std::sqrt(parallel::sum_over_ranks(mc["tp"], parallel::sum_over_ranks(dp, sq))));
+        zero1->step(std::sqrt(parallel::sum_over_ranks(mc["tp"], parallel::sum_over_ranks(mc.get({"dp", "cp"}), sq))));
         dp.all_reduce(&loss, 1, DType::f32);
         loss /= float(dp.size());
       } else if (dp.size() > 1) {
@@ -218,11 +220,12 @@ TEST_P(ParallelEquivalence, LossesAndParametersMatchSingleDevice) {
   const double rel_all = std::sqrt(d2 / n2);
   EXPECT_LE(rel_all, 1e-5);
   if (l.zero == 1) {
-    // zero1.h: params 4 N_pad, grads 4 N_pad, optimizer 8 S on every rank, with
-    // N_pad = round_up(sum_i round_up(alloc_i, 16), 16 dp) and S = N_pad / dp.
+    // zero1.h over the d = dp cp ranks of the group: params 4 N_pad, grads 4 N_pad, optimizer
+    // 8 S on every rank, with N_pad = round_up(sum_i round_up(alloc_i, 16), 16 d) and S = N_pad / d.
+    const int64_t d = int64_t(l.dp) * l.cp;
     for (size_t w = 0; w < par.memory.size(); ++w) {
       const RankMemory& mem = par.memory[w];
-      const int64_t n_pad = (mem.alloc_sum + 16 * l.dp - 1) / (16 * l.dp) * (16 * l.dp), S = n_pad / l.dp;
+      const int64_t n_pad = (mem.alloc_sum + 16 * d - 1) / (16 * d) * (16 * d), S = n_pad / d;
       EXPECT_EQ(mem.n_pad, n_pad) << "rank " << w;
       EXPECT_EQ(mem.shard, S) << "rank " << w;
       EXPECT_EQ(mem.params, 4 * n_pad) << "rank " << w;
