@@ -48,6 +48,7 @@ namespace loom::model {
 struct ParallelGroups {
   comm::Comm* tp = nullptr;  // tensor (and sequence) parallel group; null: tp = 1
   comm::Comm* cp = nullptr;  // context parallel group; null: cp = 1
+  comm::Comm* dp_cp = nullptr;  // dp x cp, ZeRO-1's group in a pipeline stage (null: dp)
 };
 
 struct ParallelOptions {

@@ -312,7 +312,7 @@ class PipelineEngine : public Engine {
                  parallel::MeshComms& comms, data::Loader& train, MemoryPool& pool)
       : cfg_(cfg), mc_(comms), train_(train), pp_(comms["pp"]), dp_(comms["dp"]), tp_(comms["tp"]),
         exec_(mc, options(cfg, oc), comms["pp"], comms["dp"].size() > 1 ? &comms["dp"] : nullptr, pool,
-              {&comms["tp"], &comms["cp"]}) {
+              {&comms["tp"], &comms["cp"], &comms.get({"dp", "cp"})}) {
     local_ = cfg.batch_size / dp_.size();
     x_ = Tensor::empty({local_, cfg.seq_len}, DType::i32, MemTag::workspace, pool);
     y_ = Tensor::empty({local_, cfg.seq_len}, DType::i32, MemTag::workspace, pool);
@@ -362,9 +362,10 @@ class PipelineEngine : public Engine {
   // tied wte skipped), its name, size and tensors to pipeline rank 0.
   void gather(FullModel* full, bool with_moments) override {
     parallel::Zero1Optimizer* z = exec_.zero1();
-    // Under ZeRO-1 every dp replica (with cp = 0) first takes part in gathering the moments.
-    const bool lead_replica = mc_.coord("dp") == 0;
-    if (mc_.coord("cp") != 0 || (!lead_replica && !(z && with_moments))) return;
+    // Under ZeRO-1 every rank of the stage's dp x cp group first takes part in gathering the
+    // moments.
+    const bool lead_replica = mc_.coord("dp") == 0 && mc_.coord("cp") == 0;
+    if (!lead_replica && !(z && with_moments)) return;
     if (full && with_moments) full->ensure_moments();
     std::vector<size_t> mine;
     const auto ps = exec_.parameters();
@@ -393,7 +394,7 @@ class PipelineEngine : public Engine {
             std::memcpy(out.data() + sg.global, src + sg.local, size_t(sg.n) * sizeof(float));
         tp_.all_reduce(out.data(), int64_t(out.size()), DType::f32);
       };
-      if (with_moments && z) {  // collective over dp: this stage's full moments of the shard
+      if (with_moments && z) {  // collective over dp x cp: the full moments of this shard
         std::vector<float> m(size_t(p.spec.numel())), v(size_t(p.spec.numel()));
         z->gather_moments(i, m.data(), v.data());
         if (!lead_replica) continue;

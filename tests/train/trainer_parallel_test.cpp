@@ -146,6 +146,9 @@ TEST_F(TrainParallel, ZeroOneWithPipelineMatchesSingleDevice) {
   expect_same_losses("dp2_pp2_tp2_zero1", "--parallel.dp 2 --parallel.pp 2 --parallel.tp 2 --parallel.zero 1", 20);
   expect_same_checkpoint("dp2_pp2_tp2_zero1", 20);
   expect_same_moments("dp2_pp2_tp2_zero1", ref_dir(20), kTol);
+  // Stages with context parallelism shard their moments over dp x cp.
+  expect_same_losses("dp2_pp2_cp2_zero1", "--parallel.dp 2 --parallel.pp 2 --parallel.cp 2 --parallel.zero 1", 20);
+  expect_same_moments("dp2_pp2_cp2_zero1", ref_dir(20), kTol);
 }
 
 // The 4D layout: dp 2 x pp 2 x tp 2 (8 ranks), and pipeline stages with sequence and context

@@ -315,11 +315,16 @@ struct PipelineExecutor::Impl {
     pp.recv(s.grad_in, peer, 0);
   }
 
+  // ZeRO-1's group: dp x cp when given (the cp ranks of a stage hold the same gradients after
+  // finish_gradients), else dp.
+  comm::Comm* zero_group() const { return groups.dp_cp ? groups.dp_cp : dp; }
+
   // AdamW over params, or ZeRO-1 over dp (before any micro-batch slot copies the parameters:
   // ZeRO-1 re-points them into its flat buffers). A wte copy and, under tp, a replicated
   // parameter on tp rank > 0 do not count in this rank's part of the norm.
   void make_optimizer(MemoryPool& pool) {
-    if (opt.zero_stage == 1 && dp && dp->size() > 1) {
+    comm::Comm* zg = zero_group();
+    if (opt.zero_stage == 1 && zg && zg->size() > 1) {
       parallel::Zero1Options zo;
       const int tpr = groups.tp ? groups.tp->rank() : 0;
       for (size_t i = 0; i < params.size(); ++i) {
@@ -327,7 +332,7 @@ struct PipelineExecutor::Impl {
         if (tensor && sharded[i]->replicated && tpr != 0) counts = false;
         zo.in_norm.push_back(counts);
       }
-      zero1 = std::make_unique<parallel::Zero1Optimizer>(params, *dp, opt.adamw, pool, zo);
+      zero1 = std::make_unique<parallel::Zero1Optimizer>(params, *zg, opt.adamw, pool, zo);
     } else {
       adam = std::make_unique<optim::AdamW>(params, opt.adamw, pool);
     }
@@ -351,9 +356,9 @@ struct PipelineExecutor::Impl {
       for (int64_t i = 0; i < other.numel(); ++i) g[i] += o[i];
     }
     if (zero1) {
-      // ZeRO-1: gradients reduce-scattered (mean over dp) into this rank's shard; the norm adds
-      // the shards' sums over dp, then over tp (tensor stages), then over the pipeline.
-      double sq = sum_over_ranks(*dp, zero1->reduce_gradients());
+      // ZeRO-1: gradients reduce-scattered (mean over dp (x cp)) into this rank's shard; the norm
+      // adds the shards' sums over that group, then over tp (tensor stages), then the pipeline.
+      double sq = sum_over_ranks(*zero_group(), zero1->reduce_gradients());
       if (tensor && groups.tp) sq = sum_over_ranks(*groups.tp, sq);
       res.grad_norm = std::sqrt(sum_over_ranks(pp, sq));
       zero1->step(res.grad_norm, lr);

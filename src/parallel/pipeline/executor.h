@@ -22,8 +22,9 @@
 // the next stage: the pipeline communicator joins exactly those ranks. After the flush the
 // stages sum their gradients over cp (and the sp-partial ones over tp), the tied wte shards of
 // the first and last stage are added, dp averages, and the norm is summed over tp and pp.
-// ZeRO-1 (zero_stage = 1): each stage's AdamW moments are sharded over its dp replicas
-// (parallel::Zero1Optimizer over the stage's parameters); stages 2 and 3 are refused.
+// ZeRO-1 (zero_stage = 1): each stage's AdamW moments are sharded over its dp replicas, or over
+// dp x cp when groups.dp_cp is given (parallel::Zero1Optimizer over the stage's parameters);
+// stages 2 and 3 are refused.
 //
 // Driving it from a trainer: one PipelineExecutor per rank, built from the pp (and dp)
 // sub-communicators of the mesh; each step call takes the replica's batch and returns the mean
