@@ -4,7 +4,6 @@
 // been built next to the tests.
 #include <gtest/gtest.h>
 
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -14,39 +13,20 @@
 #include <sstream>
 #include <string>
 
+#include "cli_util.h"
+
 namespace fs = std::filesystem;
 
 namespace {
 
-const fs::path kLoom = fs::path(LOOM_BINARY_DIR) / "loom";
+using loom::test::CliRun;
+using loom::test::kLoom;
 
-struct CliRun {
-  int code = -1;
-  std::string out, err;
-};
-
+// loom with stdout and stderr apart, in a directory of its own for the run.
 CliRun loom_cli(const std::string& args) {
   const fs::path dir = fs::temp_directory_path() / ("loom_bench_cli_" + std::to_string(::getpid()));
   fs::create_directories(dir);
-  const fs::path out = dir / "stdout.txt", err = dir / "stderr.txt";
-  std::string cmd = "'";
-  cmd += kLoom.string();
-  cmd += "' " + args + " >'";
-  cmd += out.string();
-  cmd += "' 2>'";
-  cmd += err.string();
-  cmd += "'";
-  CliRun r;
-  const int status = std::system(cmd.c_str());
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  auto slurp = [](const fs::path& p) {
-    std::ifstream f(p);
-    std::stringstream ss;
-    ss << f.rdbuf();
-    return ss.str();
-  };
-  r.out = slurp(out);
-  r.err = slurp(err);
+  CliRun r = loom::test::loom_cli(args, dir);
   fs::remove_all(dir);
   return r;
 }
@@ -54,7 +34,7 @@ CliRun loom_cli(const std::string& args) {
 }  // namespace
 
 TEST(BenchTrainCli, MemoryByTagEqualsTheDeclarations) {
-  if (!fs::exists(kLoom)) GTEST_SKIP() << kLoom.string() << " is not built (ninja loom)";
+  if (!fs::exists(kLoom)) GTEST_SKIP() << kLoom << " is not built (ninja loom)";
   for (int threads : {1, 2}) {
     const CliRun r = loom_cli("bench train --model gpt2-tiny --batch 2 --seq 48 --steps 1 --warmup 1 "
                               "--gemm-seconds 0.01 --threads " + std::to_string(threads));

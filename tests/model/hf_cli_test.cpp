@@ -4,7 +4,6 @@
 // loom executable has not been built next to the tests.
 #include <gtest/gtest.h>
 
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -14,36 +13,17 @@
 #include <fstream>
 #include <sstream>
 
+#include "cli_util.h"
 #include "train/safetensors.h"
 
 namespace fs = std::filesystem;
 
 namespace {
 
-struct CliRun {
-  int code = -1;
-  std::string out, err;
-};
+using loom::test::CliRun;
+using loom::test::kLoom;
 
-const fs::path kLoom = fs::path(LOOM_BINARY_DIR) / "loom";
-
-CliRun loom_cli(const std::string& args, const fs::path& dir) {
-  const fs::path out = dir / "stdout.txt", err = dir / "stderr.txt";
-  const std::string cmd = "OMP_NUM_THREADS=1 '" + kLoom.string() + "' " + args + " >'" + out.string() + "' 2>'" +
-                          err.string() + "'";
-  CliRun r;
-  const int status = std::system(cmd.c_str());
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  auto slurp = [](const fs::path& p) {
-    std::ifstream f(p);
-    std::stringstream ss;
-    ss << f.rdbuf();
-    return ss.str();
-  };
-  r.out = slurp(out);
-  r.err = slurp(err);
-  return r;
-}
+CliRun loom_cli(const std::string& args, const fs::path& dir) { return loom::test::loom_cli(args, dir, "OMP_NUM_THREADS=1"); }
 
 struct TmpDir {
   fs::path p = fs::temp_directory_path() / ("loom_hf_cli_" + std::to_string(::getpid()));
@@ -57,7 +37,7 @@ struct TmpDir {
 }  // namespace
 
 TEST(HfCli, ConvertGenerateAndErrors) {
-  if (!fs::exists(kLoom)) GTEST_SKIP() << kLoom.string() << " is not built (ninja loom)";
+  if (!fs::exists(kLoom)) GTEST_SKIP() << kLoom << " is not built (ninja loom)";
   const fs::path dump = fs::path(LOOM_SOURCE_DIR) / "tests/model/hf_gpt2_tiny";
   TmpDir d;
   const std::string run = (d.p / "run").string(), hf = (d.p / "hf").string();

@@ -3,7 +3,6 @@
 // metrics and checkpoints it writes.
 #pragma once
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -19,6 +18,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "cli_util.h"
 #include "data/shard.h"
 #include "train/checkpoint.h"
 #include "train/safetensors.h"
@@ -26,26 +26,6 @@
 namespace loom::test {
 
 namespace fs = std::filesystem;
-
-inline const std::string kLoom = std::string(LOOM_BINARY_DIR) + "/loom";
-
-struct CmdRun {
-  int status = -1;
-  std::string output;
-};
-
-// Runs a shell command, stdout and stderr together; the status is the exit code or 128 + signal.
-inline CmdRun sh(const std::string& cmd) {
-  CmdRun r;
-  FILE* f = ::popen((cmd + " 2>&1").c_str(), "r");
-  if (!f) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) r.output.append(buf, n);
-  int st = ::pclose(f);
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-  return r;
-}
 
 class MeshTrainFixture : public ::testing::Test {
  protected:
@@ -80,14 +60,7 @@ class MeshTrainFixture : public ::testing::Test {
   }
   // step -> value of `key` in root/out/metrics.jsonl.
   static std::map<int64_t, double> metric(const std::string& out, const char* key) {
-    std::map<int64_t, double> m;
-    std::ifstream f(root_ / out / "metrics.jsonl");
-    std::string line;
-    while (std::getline(f, line)) {
-      auto j = nlohmann::json::parse(line);
-      if (j.contains(key)) m[j["step"].get<int64_t>()] = j[key].get<double>();
-    }
-    return m;
+    return read_metrics(root_ / out / "metrics.jsonl", key);
   }
   static std::string state(const std::string& out) {
     return train::latest_checkpoint((root_ / out).string()) + "/state.safetensors";

@@ -50,14 +50,7 @@ class TrainDp : public ::testing::Test {
         extra.find("--train.threads") == std::string::npos ? extra + " --train.threads 2" : extra);
   }
   std::map<int64_t, double> losses(const std::string& out, const char* key = "loss") const {
-    std::map<int64_t, double> m;
-    std::ifstream f(root_ / out / "metrics.jsonl");
-    std::string line;
-    while (std::getline(f, line)) {
-      auto j = nlohmann::json::parse(line);
-      if (j.contains(key)) m[j["step"].get<int64_t>()] = j[key].get<double>();
-    }
-    return m;
+    return test::read_metrics(root_ / out / "metrics.jsonl", key);
   }
   std::string ckpt_bytes(const std::string& out, int step) const {
     std::ifstream f(root_ / out / fmt::format("ckpt_{}", step) / "state.safetensors", std::ios::binary);

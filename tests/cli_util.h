@@ -1,0 +1,75 @@
+// Running the loom executable (built next to the tests) from tests: shell commands with their
+// output, loom with stdout and stderr apart, and the metrics a training run writes.
+#pragma once
+#include <sys/wait.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+namespace loom::test {
+
+inline const std::string kLoom = std::string(LOOM_BINARY_DIR) + "/loom";
+
+struct CmdRun {
+  int status = -1;
+  std::string output;
+};
+
+// Runs a shell command, stdout and stderr together; the status is the exit code or 128 + signal.
+inline CmdRun sh(const std::string& cmd) {
+  CmdRun r;
+  FILE* f = ::popen((cmd + " 2>&1").c_str(), "r");
+  if (!f) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) r.output.append(buf, n);
+  int st = ::pclose(f);
+  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  return r;
+}
+
+struct CliRun {
+  int code = -1;  // exit code (-1: killed by a signal)
+  std::string out, err;
+};
+
+// `env loom args` with stdout and stderr captured apart through files in `dir` (which must exist).
+inline CliRun loom_cli(const std::string& args, const std::filesystem::path& dir, const std::string& env = "") {
+  const std::filesystem::path out = dir / "stdout.txt", err = dir / "stderr.txt";
+  const std::string cmd = (env.empty() ? "" : env + " ") + "'" + kLoom + "' " + args + " >'" + out.string() +
+                          "' 2>'" + err.string() + "'";
+  CliRun r;
+  const int status = std::system(cmd.c_str());
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  auto slurp = [](const std::filesystem::path& p) {
+    std::ifstream f(p);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    return ss.str();
+  };
+  r.out = slurp(out);
+  r.err = slurp(err);
+  return r;
+}
+
+// step -> value of `key` in a metrics.jsonl file (lines without the key are skipped).
+inline std::map<int64_t, double> read_metrics(const std::filesystem::path& metrics_jsonl, const char* key) {
+  std::map<int64_t, double> m;
+  std::ifstream f(metrics_jsonl);
+  std::string line;
+  while (std::getline(f, line)) {
+    auto j = nlohmann::json::parse(line);
+    if (j.contains(key)) m[j["step"].get<int64_t>()] = j[key].get<double>();
+  }
+  return m;
+}
+
+}  // namespace loom::test
