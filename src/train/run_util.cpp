@@ -1,11 +1,7 @@
 #include "train/run_util.h"
 
-#include "comm/mpi_comm.h"
-#include "core/error.h"
-#include "kernels/cpu/matmul.h"
-#include "parallel/data/flat_layout.h"
-
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 #include <omp.h>
 
 #include <algorithm>
@@ -17,10 +13,15 @@
 #include <fstream>
 #include <vector>
 
+#include "comm/mpi_comm.h"
 #include "core/error.h"
 #include "data/shard.h"
+#include "kernels/cpu/matmul.h"
+#include "parallel/data/flat_layout.h"
 #include "train/checkpoint_io.h"
+#include "train/config.h"
 #include "train/plot.h"
+#include "train/sample.h"
 
 namespace fs = std::filesystem;
 
@@ -223,6 +224,123 @@ void FaultInjection::maybe_fire(int r, int ranks, int64_t at) const {
   std::fflush(stderr);
   if (kind == "exit") std::_Exit(3);
   std::raise(SIGKILL);
+}
+
+optim::AdamWConfig adamw_config(const TrainConfig& cfg) {
+  optim::AdamWConfig oc;
+  oc.lr = cfg.lr;
+  oc.beta1 = cfg.beta1;
+  oc.beta2 = cfg.beta2;
+  oc.eps = cfg.eps;
+  oc.weight_decay = cfg.weight_decay;
+  oc.max_norm = cfg.grad_clip;
+  return oc;
+}
+
+double model_flops_per_token(const model::GPT& gpt, int64_t T) {
+  const model::GPTConfig& mc = gpt.config();
+  return 6.0 * double(gpt.num_nonembedding_parameters()) + 6.0 * double(mc.n_embd) * double(mc.padded_vocab()) +
+         6.0 * double(mc.n_layer) * double(mc.n_embd) * double(T);  // causal attention
+}
+
+std::unique_ptr<data::Tokenizer> load_run_tokenizer(const TrainConfig& cfg) {
+  const std::filesystem::path dir = cfg.tokenizer_dir.empty() ? cfg.data_dir : cfg.tokenizer_dir;
+  if (!std::filesystem::exists(dir / "encoder.json") || !std::filesystem::exists(dir / "vocab.bpe")) return nullptr;
+  return std::make_unique<data::Tokenizer>(data::Tokenizer::from_dir(dir.string()));
+}
+
+std::vector<int32_t> sample_prompt(const TrainConfig& cfg, const data::Tokenizer* tok, const data::Loader& train,
+                                   const data::Loader* val) {
+  std::vector<int32_t> prompt;
+  if (tok && !cfg.sample_prompt.empty()) prompt = tok->encode(cfg.sample_prompt);
+  if (prompt.empty()) {
+    const int64_t T = cfg.seq_len;
+    std::vector<int32_t> xi(static_cast<size_t>(T)), yi(static_cast<size_t>(T));
+    if (val && val->val_batches(1) > 0) val->val_batch(0, 1, 0, 1, xi.data(), yi.data());
+    else train.train_batch(0, 1, 0, 1, xi.data(), yi.data());
+    prompt.assign(xi.begin(), xi.begin() + std::min<int64_t>(8, T));
+  }
+  return prompt;
+}
+
+std::string sample_text(const TrainConfig& cfg, model::GPT& gpt, const std::vector<int32_t>& prompt, int64_t step,
+                        const data::Tokenizer* tok) {
+  SampleOptions so;
+  so.max_new_tokens = cfg.sample_tokens;
+  so.temperature = cfg.sample_temperature;
+  so.top_k = cfg.sample_top_k;
+  so.seed = cfg.seed + uint64_t(step);
+  const std::vector<int32_t> out = sample_recompute(gpt, prompt, so);
+  if (tok) return tok->decode(prompt) + tok->decode(out);
+  std::string s;
+  for (int32_t t : out) s += std::to_string(t) + " ";
+  return s;
+}
+
+CheckpointMeta checkpoint_meta(const TrainConfig& cfg, const model::GPTConfig& mc, int64_t step,
+                               int64_t optimizer_steps) {
+  CheckpointMeta meta;
+  meta.step = step;
+  meta.optimizer_steps = optimizer_steps;
+  meta.data_position = step;
+  meta.seed = cfg.seed;
+  meta.model = model::gpt_config_manifest(mc);
+  meta.config_toml = config_to_toml(cfg);
+  return meta;
+}
+
+RunLog::RunLog(const TrainConfig& cfg, const std::string& metrics_path, int64_t start_step, bool lead, bool quiet,
+               double flops_per_token, double peak_flops, double unigram)
+    : cfg_(cfg), metrics_path_(metrics_path), start_step_(start_step), lead_(lead), quiet_(quiet),
+      tokens_per_step_(double(cfg.batch_size * cfg.seq_len)), flops_per_token_(flops_per_token), peak_(peak_flops),
+      unigram_(unigram) {
+  if (!lead_) return;
+  metrics_.open(metrics_path_, std::ios::app);
+  LOOM_CHECK(metrics_.good(), "{}: cannot write the metrics", metrics_path_);
+  if (start_step_ > 0) read_loss_points(metrics_path_, train_pts_, val_pts_);  // the steps before a resume
+}
+
+void RunLog::say(const std::string& line) const {
+  if (lead_ && !quiet_) std::printf("%s\n", line.c_str()), std::fflush(stdout);
+}
+
+void RunLog::record(int64_t done, double loss, float lr, double grad_norm, double dt) {
+  train_time_ += dt;
+  window_time_ += dt;
+  ++window_steps_;
+  if (!lead_) return;
+  const double tps = tokens_per_step_ / dt;
+  nlohmann::json j = {{"step", done}, {"loss", loss}, {"lr", lr}, {"grad_norm", grad_norm},
+                      {"tokens_per_s", tps}, {"mfu", tps * flops_per_token_ / peak_},
+                      {"time_s", seconds_since(t_start_)}};
+  metrics_ << j.dump() << "\n";
+  metrics_.flush();
+  train_pts_.push_back({double(done), loss});
+}
+
+void RunLog::record_val(int64_t done, double val_loss) {
+  if (lead_) {
+    metrics_ << nlohmann::json{{"step", done}, {"val_loss", val_loss}}.dump() << "\n";
+    metrics_.flush();
+    val_pts_.push_back({double(done), val_loss});
+  }
+  say(fmt::format("step {:>6} | val loss {:.4f} (unigram {:.4f})", done, val_loss, unigram_));
+}
+
+void RunLog::progress(int64_t done, double loss, float lr, double grad_norm) {
+  if (done % cfg_.log_every != 0 && done != cfg_.steps && done != start_step_ + 1) return;
+  const double avg = window_time_ / double(window_steps_);
+  say(fmt::format("step {:>6}/{} | loss {:.4f} | lr {:.2e} | norm {:.3f} | {:.0f} tok/s | MFU {:.1f}% | ETA {}", done,
+                  cfg_.steps, loss, lr, grad_norm, tokens_per_step_ / avg,
+                  100 * tokens_per_step_ / avg * flops_per_token_ / peak_, human_time(avg * double(cfg_.steps - done))));
+  window_time_ = 0;
+  window_steps_ = 0;
+}
+
+void RunLog::finish(const std::string& png, const std::string& title) {
+  if (!lead_) return;
+  metrics_.close();
+  say(write_loss_curve(png, metrics_path_, title, train_pts_, val_pts_, unigram_));
 }
 
 }  // namespace loom::train

@@ -7,10 +7,15 @@
 #include <utility>
 #include <vector>
 
+#include <fstream>
 #include <memory>
 
 #include "comm/comm.h"
 #include "data/loader.h"
+#include "data/tokenizer.h"
+#include "model/gpt.h"
+#include "optim/adamw.h"
+#include "train/checkpoint.h"
 #include "model/config.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
@@ -85,6 +90,56 @@ struct FaultInjection {
   static FaultInjection from_env(int ranks);
   // Fires when rank r of `ranks` starts step `step`.
   void maybe_fire(int r, int ranks, int64_t step) const;
+};
+
+// The pieces both trainers build from the config the same way.
+optim::AdamWConfig adamw_config(const TrainConfig& cfg);
+// Model FLOPs per token of a training step at sequence length T (6 N for the non-embedding
+// parameters, the lm_head, causal attention), as nanoGPT and llm.c count them for MFU.
+double model_flops_per_token(const model::GPT& gpt, int64_t T);
+// GPT-2 format vocabulary (encoder.json + vocab.bpe) of data.tokenizer_dir, else of data.dir;
+// null when there is none (samples are then printed as token ids).
+std::unique_ptr<data::Tokenizer> load_run_tokenizer(const TrainConfig& cfg);
+// train.sample_prompt encoded (with a tokenizer), else the first 8 tokens of the validation split
+// (or of training).
+std::vector<int32_t> sample_prompt(const TrainConfig& cfg, const data::Tokenizer* tok, const data::Loader& train,
+                                   const data::Loader* val);
+// A sample of train.sample_tokens tokens after `prompt` at `step` (seeded by it), as text (token
+// ids without a tokenizer).
+std::string sample_text(const TrainConfig& cfg, model::GPT& gpt, const std::vector<int32_t>& prompt, int64_t step,
+                        const data::Tokenizer* tok);
+// The manifest of a checkpoint of this run at `step`.
+CheckpointMeta checkpoint_meta(const TrainConfig& cfg, const model::GPTConfig& mc, int64_t step,
+                               int64_t optimizer_steps);
+
+// Rank 0's record of a run: metrics.jsonl lines, the loss points of the PNG, the progress lines
+// every train.log_every steps (tokens/s, MFU, ETA over the window since the last one). Other
+// ranks keep only the timing.
+class RunLog {
+ public:
+  RunLog(const TrainConfig& cfg, const std::string& metrics_path, int64_t start_step, bool lead, bool quiet,
+         double flops_per_token, double peak_flops, double unigram);
+  // After each optimizer step (dt: its seconds).
+  void record(int64_t done, double loss, float lr, double grad_norm, double dt);
+  void record_val(int64_t done, double val_loss);
+  // The progress line when due (every log_every steps, the first after the start, the last).
+  void progress(int64_t done, double loss, float lr, double grad_norm);
+  void say(const std::string& line) const;
+  double train_seconds() const { return train_time_; }
+  // Closes metrics.jsonl and writes the loss-curve PNG `png`.
+  void finish(const std::string& png, const std::string& title);
+
+ private:
+  const TrainConfig& cfg_;
+  std::string metrics_path_;
+  int64_t start_step_;
+  bool lead_, quiet_;
+  double tokens_per_step_, flops_per_token_, peak_, unigram_;
+  std::ofstream metrics_;
+  std::vector<std::pair<double, double>> train_pts_, val_pts_;
+  Clock::time_point t_start_ = Clock::now();
+  double window_time_ = 0, train_time_ = 0;
+  int64_t window_steps_ = 0;
 };
 
 }  // namespace loom::train

@@ -57,13 +57,7 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
 
   MemoryPool pool(fmt::format("cpu:{}", rank)), host_pool(fmt::format("host:{}", rank));
   model::GPT gpt(mc, pool, cfg.seed);
-  optim::AdamWConfig oc;
-  oc.lr = cfg.lr;
-  oc.beta1 = cfg.beta1;
-  oc.beta2 = cfg.beta2;
-  oc.eps = cfg.eps;
-  oc.weight_decay = cfg.weight_decay;
-  oc.max_norm = cfg.grad_clip;
+  const optim::AdamWConfig oc = adamw_config(cfg);
   parallel::Trace trace(rank, !opt.trace_path.empty());
   parallel::DataParallelOptions dpo;
   dpo.zero = int(cfg.zero);
@@ -111,19 +105,12 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
     world.barrier();  // rank 0 has prepared the output directory
     if (lead && start_step == 0 && fs::exists(metrics_path)) fs::remove(metrics_path);
 
-    std::unique_ptr<data::Tokenizer> tok;
-    std::string tok_dir = cfg.tokenizer_dir.empty() ? cfg.data_dir : cfg.tokenizer_dir;
-    if (lead && fs::exists(fs::path(tok_dir) / "encoder.json") && fs::exists(fs::path(tok_dir) / "vocab.bpe"))
-      tok = std::make_unique<data::Tokenizer>(data::Tokenizer::from_dir(tok_dir));
+    std::unique_ptr<data::Tokenizer> tok = lead ? load_run_tokenizer(cfg) : nullptr;
 
     // Rank r reads samples [r * local, (r + 1) * local) of every step's global batch, in
     // grad_accum micro-batches of mb.
     const int64_t local = cfg.batch_size / dp, mb = local / cfg.grad_accum, T = cfg.seq_len;
     const int64_t val_mb = cfg.batch_size / cfg.grad_accum;  // the single-device validation batch
-    const double tokens_per_step = double(cfg.batch_size * T);
-    const double flops_per_token = 6.0 * double(gpt.num_nonembedding_parameters()) +
-                                   6.0 * double(mc.n_embd) * double(mc.padded_vocab()) +
-                                   6.0 * double(mc.n_layer) * double(mc.n_embd) * double(T);  // causal attention
     say(fmt::format("model {} | {:.2f}M parameters | dp {} ({}) | ZeRO {}{} | {} threads per rank", mc.str(),
                     double(gpt.num_parameters()) / 1e6, dp, world.backend(), cfg.zero, cfg.offload ? " + offload" : "",
                     omp_get_max_threads()));
@@ -136,10 +123,8 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
 
     Tensor x = Tensor::empty({mb, T}, DType::i32, MemTag::workspace, pool);
     Tensor y = Tensor::empty({mb, T}, DType::i32, MemTag::workspace, pool);
-    std::ofstream metrics;
-    if (lead) metrics.open(metrics_path, std::ios::app);
-    std::vector<std::pair<double, double>> train_pts, val_pts;
-    if (lead && start_step > 0) read_loss_points(metrics_path, train_pts, val_pts);  // the steps before the resume
+    RunLog log(cfg, metrics_path, start_step, lead, opt.quiet, model_flops_per_token(gpt, T), peak,
+               res.unigram_val_loss);
 
     // Each rank evaluates its share of every validation batch; the mean over ranks is the mean
     // of the single-device batches.
@@ -158,54 +143,28 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
       gpt.release_activations();
       return ddp.sum_over_ranks(sum) / double(n * dp);
     };
-    auto sample_text = [&](int64_t step) -> std::string {
+    auto sample = [&](int64_t step) -> std::string {
       if (cfg.sample_tokens == 0) return "";
-      std::vector<int32_t> prompt;
-      if (tok && !cfg.sample_prompt.empty()) prompt = tok->encode(cfg.sample_prompt);
       // Every rank samples (ZeRO-3 forwards are collective); the prompt must not depend on the
-      // tokenizer only rank 0 loaded, so it is broadcast.
+      // tokenizer only rank 0 loaded, so rank 0's is broadcast.
+      std::vector<int32_t> prompt;
+      if (lead) prompt = sample_prompt(cfg, tok.get(), train, val.get());
       int32_t np = int32_t(prompt.size());
       world.broadcast(&np, 1, DType::i32, 0);
       prompt.resize(size_t(np));
-      if (np > 0) world.broadcast(prompt.data(), np, DType::i32, 0);
-      if (prompt.empty()) {  // the first tokens of the validation split (or of training)
-        std::vector<int32_t> xi(static_cast<size_t>(T)), yi(static_cast<size_t>(T));
-        if (val && val->val_batches(1) > 0) val->val_batch(0, 1, 0, 1, xi.data(), yi.data());
-        else train.train_batch(0, 1, 0, 1, xi.data(), yi.data());
-        prompt.assign(xi.begin(), xi.begin() + std::min<int64_t>(8, T));
-      }
-      SampleOptions so;
-      so.max_new_tokens = cfg.sample_tokens;
-      so.temperature = cfg.sample_temperature;
-      so.top_k = cfg.sample_top_k;
-      so.seed = cfg.seed + uint64_t(step);
-      auto out = sample_recompute(gpt, prompt, so);
-      if (!tok) {
-        std::string s;
-        for (int32_t t : out) s += std::to_string(t) + " ";
-        return s;
-      }
-      return tok->decode(prompt) + tok->decode(out);
+      world.broadcast(prompt.data(), np, DType::i32, 0);
+      return sample_text(cfg, gpt, prompt, step, tok.get());
     };
     auto checkpoint = [&](int64_t step) {
       auto full = ddp.gather_full_state();  // collective
-      if (!lead) return;
-      CheckpointMeta meta;
-      meta.step = step;
-      meta.optimizer_steps = ddp.optimizer_steps();
-      meta.data_position = step;
-      meta.seed = cfg.seed;
-      meta.model = model::gpt_config_manifest(mc);
-      meta.config_toml = config_to_toml(cfg);
-      save_checkpoint(out_dir.string(), meta, named(full), cfg.keep_checkpoints);
+      if (lead)
+        save_checkpoint(out_dir.string(), checkpoint_meta(cfg, mc, step, ddp.optimizer_steps()), named(full),
+                        cfg.keep_checkpoints);
     };
 
     pool.reset_peaks();
     host_pool.reset_peaks();
     ddp.reset_comm_stats();
-    auto t_start = Clock::now();
-    double window_time = 0, train_time = 0;
-    int64_t window_steps = 0;
     for (int64_t step = start_step; step < cfg.steps; ++step) {
       fault.maybe_fire(rank, dp, step + 1);
       auto t0 = Clock::now();
@@ -225,46 +184,22 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
       LOOM_CHECK(std::isfinite(loss), "step {}: the loss is {} (diverged); lower optim.lr or raise optim.warmup_steps",
                  step + 1, loss);
       optim::StepStats st = ddp.step(lr);
-      double dt = seconds_since(t0);
-      train_time += dt;
-      window_time += dt;
-      ++window_steps;
-      int64_t done = step + 1;
+      const int64_t done = step + 1;
+      log.record(done, loss, lr, st.grad_norm, seconds_since(t0));
       res.last_loss = loss;
       res.steps_done = done;
-      double tps = tokens_per_step / dt;
-      double mfu = tps * flops_per_token / peak;  // model FLOPs over the GEMM peak measured at start
-      if (lead) {
-        nlohmann::json j = {{"step", done}, {"loss", loss}, {"lr", lr}, {"grad_norm", st.grad_norm},
-                            {"tokens_per_s", tps}, {"mfu", mfu}, {"time_s", seconds_since(t_start)}};
-        metrics << j.dump() << "\n";
-        train_pts.push_back({double(done), loss});
+      if (cfg.eval_every > 0 && (done % cfg.eval_every == 0 || done == cfg.steps) && val) {
+        res.last_val_loss = evaluate();
+        log.record_val(done, res.last_val_loss);
       }
-      bool eval_now = cfg.eval_every > 0 && (done % cfg.eval_every == 0 || done == cfg.steps);
-      if (eval_now && val) {
-        double vl = evaluate();
-        res.last_val_loss = vl;
-        if (lead) metrics << nlohmann::json{{"step", done}, {"val_loss", vl}}.dump() << "\n";
-        val_pts.push_back({double(done), vl});
-        say(fmt::format("step {:>6} | val loss {:.4f} (unigram {:.4f})", done, vl, res.unigram_val_loss));
-      }
-      if (lead) metrics.flush();
-      if (done % cfg.log_every == 0 || done == cfg.steps || done == start_step + 1) {
-        double avg = window_time / double(window_steps);
-        double eta = avg * double(cfg.steps - done);
-        say(fmt::format("step {:>6}/{} | loss {:.4f} | lr {:.2e} | norm {:.3f} | {:.0f} tok/s | MFU {:.1f}% | ETA {}",
-                        done, cfg.steps, loss, lr, st.grad_norm, tokens_per_step / avg,
-                        100 * tokens_per_step / avg * flops_per_token / peak, human_time(eta)));
-        window_time = 0;
-        window_steps = 0;
-      }
+      log.progress(done, loss, lr, st.grad_norm);
       if (cfg.sample_every > 0 && done % cfg.sample_every == 0 && done != cfg.steps) {
-        std::string text = sample_text(done);
+        std::string text = sample(done);
         say(fmt::format("--- sample at step {} ---\n{}\n---", done, text));
       }
       if ((cfg.checkpoint_every > 0 && done % cfg.checkpoint_every == 0) || done == cfg.steps) checkpoint(done);
     }
-    res.train_seconds = train_time;
+    res.train_seconds = log.train_seconds();
     for (int t = 0; t < kNumMemTags; ++t) {
       res.peak_bytes[size_t(t)] = pool.peak(MemTag(t));
       res.host_peak_bytes[size_t(t)] = host_pool.peak(MemTag(t));
@@ -282,8 +217,7 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
                       cfg.offload ? fmt::format(" (host: optimizer {})", format_bytes(res.host_peak_bytes[size_t(MemTag::optimizer)])) : "",
                       cs.reduce_busy_s, cs.reduce_wait_s,
                       cs.reduce_busy_s > 0 ? 100.0 * cs.hidden_s() / cs.reduce_busy_s : 0.0, cs.gather_s));
-    if (lead) metrics.close();
-    res.last_sample = sample_text(cfg.steps);
+    res.last_sample = sample(cfg.steps);
     if (!res.last_sample.empty()) say(fmt::format("--- sample ---\n{}\n---", res.last_sample));
     if (!opt.trace_path.empty()) {
       std::string json = parallel::gather_trace(world, trace);
@@ -292,10 +226,7 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
         say(fmt::format("wrote trace {}", opt.trace_path));
       }
     }
-    if (lead)
-      say(write_loss_curve((out_dir / "loss.png").string(), metrics_path,
-                           fmt::format("loom: {} on {}", mc.name, cfg.data_dir), train_pts, val_pts,
-                           res.unigram_val_loss));
+    log.finish((out_dir / "loss.png").string(), fmt::format("loom: {} on {}", mc.name, cfg.data_dir));
   } catch (const std::exception& e) {
     on_fail(e.what());
     throw;

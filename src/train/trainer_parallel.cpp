@@ -576,13 +576,7 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   const model::GPTConfig mc = run_data.model;
 
   MemoryPool pool(fmt::format("cpu:{}", rank));
-  optim::AdamWConfig oc;
-  oc.lr = cfg.lr;
-  oc.beta1 = cfg.beta1;
-  oc.beta2 = cfg.beta2;
-  oc.eps = cfg.eps;
-  oc.weight_decay = cfg.weight_decay;
-  oc.max_norm = cfg.grad_clip;
+  const optim::AdamWConfig oc = adamw_config(cfg);
   std::unique_ptr<Engine> engine;
   if (cfg.pp > 1) engine = std::make_unique<PipelineEngine>(cfg, mc, oc, comms, train, pool);
   else engine = std::make_unique<TensorEngine>(cfg, mc, oc, comms, train, pool);
@@ -627,33 +621,22 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   if (lead && start_step == 0 && fs::exists(metrics_path)) fs::remove(metrics_path);
   world.barrier();  // rank 0 has prepared the output directory
 
-  std::unique_ptr<data::Tokenizer> tok;
-  const std::string tok_dir = cfg.tokenizer_dir.empty() ? cfg.data_dir : cfg.tokenizer_dir;
-  if (lead && fs::exists(fs::path(tok_dir) / "encoder.json") && fs::exists(fs::path(tok_dir) / "vocab.bpe"))
-    tok = std::make_unique<data::Tokenizer>(data::Tokenizer::from_dir(tok_dir));
+  std::unique_ptr<data::Tokenizer> tok = lead ? load_run_tokenizer(cfg) : nullptr;
 
   const int64_t T = cfg.seq_len, val_mb = cfg.batch_size / cfg.grad_accum;
-  const double tokens_per_step = double(cfg.batch_size * T);
-  double flops_per_token = 0, peak = 1.0;
-  if (lead) {
-    flops_per_token = 6.0 * double(full->gpt->num_nonembedding_parameters()) +
-                      6.0 * double(mc.n_embd) * double(mc.padded_vocab()) +
-                      6.0 * double(mc.n_layer) * double(mc.n_embd) * double(T);  // causal attention
+  if (lead)
     say(fmt::format("model {} | {:.2f}M parameters | {} ({}, {} ranks) | {} threads per rank", mc.str(),
                     double(full->gpt->num_parameters()) / 1e6, engine->describe(), world.backend(), ranks,
                     omp_get_max_threads()));
-  }
-  peak = job_gemm_peak(world);
+  const double peak = job_gemm_peak(world);
   res.last_val_loss = NAN;
   res.unigram_val_loss = lead ? unigram_loss(train, val.get(), mc.vocab_size) : NAN;
   say(fmt::format("data {} | train {} tokens{} | unigram baseline loss {:.4f} | GEMM peak {:.1f} GFLOP/s", cfg.data_dir,
                   train.total_tokens(), val ? fmt::format(", val {} tokens", val->total_tokens()) : "",
                   res.unigram_val_loss, peak / 1e9));
 
-  std::ofstream metrics;
-  if (lead) metrics.open(metrics_path, std::ios::app);
-  std::vector<std::pair<double, double>> train_pts, val_pts;
-  if (lead && start_step > 0) read_loss_points(metrics_path, train_pts, val_pts);  // the steps before the resume
+  RunLog log(cfg, metrics_path, start_step, lead, opt.quiet, lead ? model_flops_per_token(*full->gpt, T) : 0.0, peak,
+             res.unigram_val_loss);
 
   auto evaluate = [&]() -> double {
     if (!val) return NAN;
@@ -662,53 +645,24 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
     return engine->evaluate(*val, n, val_mb, full.get());
   };
   // Collective (the parameters are gathered); rank 0 samples from the single-device model.
-  auto sample_text = [&](int64_t step) -> std::string {
+  auto sample = [&](int64_t step) -> std::string {
     if (cfg.sample_tokens == 0) return "";
     engine->gather(full.get(), false);
     if (!lead) return "";
-    std::vector<int32_t> prompt;
-    if (tok && !cfg.sample_prompt.empty()) prompt = tok->encode(cfg.sample_prompt);
-    if (prompt.empty()) {  // the first tokens of the validation split (or of training)
-      std::vector<int32_t> xi(static_cast<size_t>(T)), yi(static_cast<size_t>(T));
-      if (val && val->val_batches(1) > 0) val->val_batch(0, 1, 0, 1, xi.data(), yi.data());
-      else train.train_batch(0, 1, 0, 1, xi.data(), yi.data());
-      prompt.assign(xi.begin(), xi.begin() + std::min<int64_t>(8, T));
-    }
-    SampleOptions so;
-    so.max_new_tokens = cfg.sample_tokens;
-    so.temperature = cfg.sample_temperature;
-    so.top_k = cfg.sample_top_k;
-    so.seed = cfg.seed + uint64_t(step);
-    auto out = sample_recompute(*full->gpt, prompt, so);
-    if (!tok) {
-      std::string s;
-      for (int32_t t : out) s += std::to_string(t) + " ";
-      return s;
-    }
-    return tok->decode(prompt) + tok->decode(out);
+    return sample_text(cfg, *full->gpt, sample_prompt(cfg, tok.get(), train, val.get()), step, tok.get());
   };
   // Collective, ending in a barrier: no rank starts the next step before rank 0 has the whole
   // checkpoint on disk, so a rank that fails in that step cannot cut the gather (or the write)
   // short and lose the checkpoint.
   auto checkpoint = [&](int64_t step) {
     engine->gather(full.get(), true);
-    if (lead) {
-      CheckpointMeta meta;
-      meta.step = step;
-      meta.optimizer_steps = full->optimizer_steps;
-      meta.data_position = step;
-      meta.seed = cfg.seed;
-      meta.model = model::gpt_config_manifest(mc);
-      meta.config_toml = config_to_toml(cfg);
-      save_checkpoint(out_dir.string(), meta, full->named(), cfg.keep_checkpoints);
-    }
+    if (lead)
+      save_checkpoint(out_dir.string(), checkpoint_meta(cfg, mc, step, full->optimizer_steps), full->named(),
+                      cfg.keep_checkpoints);
     world.barrier();
   };
 
   pool.reset_peaks();
-  auto t_start = Clock::now();
-  double window_time = 0, train_time = 0;
-  int64_t window_steps = 0;
   for (int64_t step = start_step; step < cfg.steps; ++step) {
     fault.maybe_fire(rank, ranks, step + 1);
     auto t0 = Clock::now();
@@ -716,53 +670,28 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
     StepOut st = engine->step(step, lr);
     LOOM_CHECK(std::isfinite(st.loss), "step {}: the loss is {} (diverged); lower optim.lr or raise optim.warmup_steps",
                step + 1, st.loss);
-    const double dt = seconds_since(t0);
-    train_time += dt;
-    window_time += dt;
-    ++window_steps;
     const int64_t done = step + 1;
+    log.record(done, st.loss, lr, st.grad_norm, seconds_since(t0));
     res.last_loss = st.loss;
     res.steps_done = done;
-    const double tps = tokens_per_step / dt;
-    if (lead) {
-      nlohmann::json j = {{"step", done}, {"loss", st.loss}, {"lr", lr}, {"grad_norm", st.grad_norm},
-                          {"tokens_per_s", tps}, {"mfu", tps * flops_per_token / peak},
-                          {"time_s", seconds_since(t_start)}};
-      metrics << j.dump() << "\n";
-      train_pts.push_back({double(done), st.loss});
-    }
     if (cfg.eval_every > 0 && (done % cfg.eval_every == 0 || done == cfg.steps) && val) {
-      const double vl = evaluate();
-      res.last_val_loss = vl;
-      if (lead) {
-        metrics << nlohmann::json{{"step", done}, {"val_loss", vl}}.dump() << "\n";
-        val_pts.push_back({double(done), vl});
-      }
-      say(fmt::format("step {:>6} | val loss {:.4f} (unigram {:.4f})", done, vl, res.unigram_val_loss));
+      res.last_val_loss = evaluate();
+      log.record_val(done, res.last_val_loss);
     }
-    if (lead) metrics.flush();
-    if (done % cfg.log_every == 0 || done == cfg.steps || done == start_step + 1) {
-      const double avg = window_time / double(window_steps);
-      say(fmt::format("step {:>6}/{} | loss {:.4f} | lr {:.2e} | norm {:.3f} | {:.0f} tok/s | MFU {:.1f}% | ETA {}",
-                      done, cfg.steps, st.loss, lr, st.grad_norm, tokens_per_step / avg,
-                      100 * tokens_per_step / avg * flops_per_token / peak, human_time(avg * double(cfg.steps - done))));
-      window_time = 0;
-      window_steps = 0;
-    }
+    log.progress(done, st.loss, lr, st.grad_norm);
     if (cfg.sample_every > 0 && done % cfg.sample_every == 0 && done != cfg.steps) {
-      std::string text = sample_text(done);
+      std::string text = sample(done);
       say(fmt::format("--- sample at step {} ---\n{}\n---", done, text));
     }
     if ((cfg.checkpoint_every > 0 && done % cfg.checkpoint_every == 0) || done == cfg.steps) checkpoint(done);
   }
-  res.train_seconds = train_time;
+  res.train_seconds = log.train_seconds();
   for (int t = 0; t < kNumMemTags; ++t) res.peak_bytes[size_t(t)] = pool.peak(MemTag(t));
   say(fmt::format("memory of rank 0 (peak): params {} | grads {} | optimizer {} | activations {}",
                   format_bytes(res.peak_bytes[size_t(MemTag::params)]), format_bytes(res.peak_bytes[size_t(MemTag::grads)]),
                   format_bytes(res.peak_bytes[size_t(MemTag::optimizer)]),
                   format_bytes(res.peak_bytes[size_t(MemTag::activations)])));
-  if (lead) metrics.close();
-  res.last_sample = sample_text(cfg.steps);
+  res.last_sample = sample(cfg.steps);
   if (!res.last_sample.empty()) say(fmt::format("--- sample ---\n{}\n---", res.last_sample));
   if (!opt.trace_path.empty()) {  // pipeline only (checked before the ranks start)
     auto traces = gather_traces(world, engine->trace());  // collective
@@ -771,10 +700,7 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
       say(fmt::format("wrote trace {} (the last step of every rank)", opt.trace_path));
     }
   }
-  if (lead)
-    say(write_loss_curve((out_dir / "loss.png").string(), metrics_path,
-                         fmt::format("loom: {} on {}", mc.name, cfg.data_dir), train_pts, val_pts,
-                         res.unigram_val_loss));
+  log.finish((out_dir / "loss.png").string(), fmt::format("loom: {} on {}", mc.name, cfg.data_dir));
   return res;
 }
 
