@@ -318,18 +318,10 @@ double Head::forward(const float* x, const int32_t* targets, int64_t B, int64_t 
 }
 
 void Head::backward(const float* x, const BackwardScratch& s, float dloss_scale) {
-  LOOM_CHECK(logits_.defined() && has_targets_, "head: backward needs a forward with targets");
-  const int64_t C = cfg_.n_embd, V = cfg_.vocab_size, Vp = cfg_.padded_vocab(), BT = B_ * T_;
-  if (!holds_dlogits_) {
-    float dloss = counted_ ? dloss_scale / float(counted_) : 0.0f;
-    cpu::crossentropy_forward_backward(losses_.f32(), logits_.f32(), logits_.f32(), targets_.i32(), dloss, BT, V,
-                                       Vp);
-    holds_dlogits_ = true;
-  }
-  cpu::matmul_backward(s.bufC, lm_head_->grad_full.f32(), nullptr, logits_.f32(), lnf_.f32(),
-                       lm_head_->value_full.f32(), BT, C, Vp);
-  cpu::layernorm_backward(s.dres, params_[0].grad.f32(), params_[1].grad.f32(), s.bufC, x, params_[0].value.f32(),
-                          lnf_mean_.f32(), lnf_rstd_.f32(), BT, C, /*accumulate_dinp=*/false);
+  // The input gradient, then lm_head's weight gradient: separate GEMMs either way, so this is
+  // the split backward run at once.
+  backward_input(x, s, dloss_scale);
+  backward_weight();
 }
 
 void Head::backward_input(const float* x, const BackwardScratch& s, float dloss_scale) {

@@ -66,16 +66,22 @@ int64_t GPT::workspace_bytes(int64_t B, int64_t T, int threads) const {
   return scratch + (blocks_.empty() ? 0 : blocks_[0]->attention_workspace_bytes(B, T, threads));
 }
 
-float GPT::forward(const Tensor& tokens, const Tensor& targets, const ForwardOptions& opt) {
-  LOOM_CHECK(tokens.dtype() == DType::i32 && tokens.dim() == 2, "model '{}': tokens must be i32 [B, T], got {}",
-             cfg_.name, tokens.str());
+void check_batch(const GPTConfig& cfg, const Tensor& tokens, const Tensor& targets, bool need_targets) {
+  LOOM_CHECK(tokens.defined() && tokens.dtype() == DType::i32 && tokens.dim() == 2,
+             "model '{}': tokens must be i32 [B, T], got {}", cfg.name, tokens.defined() ? tokens.str() : "none");
   const int64_t B = tokens.size(0), T = tokens.size(1);
-  LOOM_CHECK(B > 0 && T > 0, "model '{}': empty batch {}", cfg_.name, shape_str(tokens.shape()));
-  if (T > cfg_.block_size)
-    throw Error(fmt::format("model '{}': sequence length {} exceeds block_size {}", cfg_.name, T, cfg_.block_size));
-  if (targets.defined())
-    LOOM_CHECK(targets.dtype() == DType::i32 && targets.shape() == tokens.shape(),
-               "model '{}': targets must be i32 {}, got {}", cfg_.name, shape_str(tokens.shape()), targets.str());
+  LOOM_CHECK(B > 0 && T > 0, "model '{}': empty batch {}", cfg.name, shape_str(tokens.shape()));
+  if (T > cfg.block_size)
+    throw Error(fmt::format("model '{}': sequence length {} exceeds block_size {}", cfg.name, T, cfg.block_size));
+  if (!need_targets && !targets.defined()) return;
+  if (!targets.defined() || targets.dtype() != DType::i32 || targets.shape() != tokens.shape())
+    throw Error(fmt::format("model '{}': targets must be i32 {}, got {}", cfg.name, shape_str(tokens.shape()),
+                            targets.defined() ? targets.str() : std::string("none")));
+}
+
+float GPT::forward(const Tensor& tokens, const Tensor& targets, const ForwardOptions& opt) {
+  check_batch(cfg_, tokens, targets, /*need_targets=*/false);
+  const int64_t B = tokens.size(0), T = tokens.size(1);
   if (B != B_ || T != T_) {
     // Free the old shapes first so the peak never holds both.
     release_activations();

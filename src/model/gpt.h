@@ -15,6 +15,10 @@
 
 namespace loom::model {
 
+// Checks a micro-batch for a model of `cfg`: tokens i32 [B, T] with B, T > 0 and T <= block_size;
+// targets, when given (always, with need_targets), i32 of the same shape. Errors name the model.
+void check_batch(const GPTConfig& cfg, const Tensor& tokens, const Tensor& targets, bool need_targets);
+
 struct ForwardOptions {
   // Turn the logits buffer into dlogits during forward (one softmax pass, as in training);
   // logits() is then unavailable. backward() works either way.

@@ -332,16 +332,9 @@ float ParallelGPT::forward_stage(const Tensor& tokens, const Tensor& targets, co
   Impl& m = *impl_;
   LOOM_CHECK(has_embedding() == (input == nullptr), "model '{}': stage [{}, {}) {}", cfg_.name, first_, last_,
              has_embedding() ? "starts with the embedding and takes no input" : "needs the previous stage's output");
-  LOOM_CHECK(tokens.dtype() == DType::i32 && tokens.dim() == 2, "model '{}': tokens must be i32 [B, T], got {}",
-             cfg_.name, tokens.str());
+  check_batch(cfg_, tokens, targets, /*need_targets=*/true);
   const int64_t B = tokens.size(0), T = tokens.size(1);
-  LOOM_CHECK(B > 0 && T > 0, "model '{}': empty batch {}", cfg_.name, shape_str(tokens.shape()));
-  if (T > cfg_.block_size)
-    throw Error(fmt::format("model '{}': sequence length {} exceeds block_size {}", cfg_.name, T, cfg_.block_size));
   parallel::cp::check_sequence(T, cp_, ("model '" + cfg_.name + "'").c_str());
-  if (!targets.defined() || targets.dtype() != DType::i32 || targets.shape() != tokens.shape())
-    throw Error(fmt::format("model '{}': targets must be i32 {}, got {}", cfg_.name, shape_str(tokens.shape()),
-                            targets.defined() ? targets.str() : std::string("none")));
   if (opts_.activation_budget > 0 && saved_activation_bytes(B, T) > opts_.activation_budget)
     throw Error(fmt::format("model '{}': micro-batch [{}, {}] needs {} of saved activations per rank, over the "
                             "activation budget of {} (tp={}{}, cp={})",
