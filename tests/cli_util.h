@@ -11,8 +11,11 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
+
+#include "data/shard.h"
 
 namespace loom::test {
 
@@ -70,6 +73,16 @@ inline std::map<int64_t, double> read_metrics(const std::filesystem::path& metri
     if (j.contains(key)) m[j["step"].get<int64_t>()] = j[key].get<double>();
   }
   return m;
+}
+
+// DIR/train_000.bin (20000 tokens of a repeating pattern over a vocabulary of 97) and
+// DIR/val_000.bin (its first 2000), for training runs of tiny models.
+inline void write_pattern_corpus(const std::filesystem::path& dir) {
+  std::filesystem::create_directories(dir);
+  std::vector<uint32_t> toks(20000);
+  for (size_t i = 0; i < toks.size(); ++i) toks[i] = uint32_t((i * 7 + (i / 13) * 5) % 97);
+  data::write_shard((dir / "train_000.bin").string(), toks, 97);
+  data::write_shard((dir / "val_000.bin").string(), std::vector<uint32_t>(toks.begin(), toks.begin() + 2000), 97);
 }
 
 }  // namespace loom::test

@@ -354,13 +354,7 @@ class MpiComm final : public Comm {
         int64_t o = k * kSegment, len = std::min(kSegment, cnt(sc) - o);
         isend(sbuf + size_t(o) * dtype_size(sdt), len, sdt, next, 0, coll_, sreqs);
       }
-      // Rank r at step s needs the chain prev, prev-1, ..., r-1-s to have arrived (each forwards
-      // only what it received), and the rank before it has already sent step 0; so the rank that
-      // has not arrived (or is slow) is r-1-s.
-      auto waiting = [&] {
-        return fmt::format("ring step {} of {}: no data from rank {}; rank {} has not arrived or is stalled",
-                           s + 1, 2 * (n - 1), world_ranks_[size_t(prev)], world_ranks_[size_t(mod(r - 1 - s, n))]);
-      };
+      auto waiting = [&] { return no_data_message("ring", s, 2 * (n - 1)); };
       const char* own = send + size_t(offs[size_t(rc)]) * es;
       for (size_t k = 0; k < rreqs.size(); ++k) {
         wait_requests(&rreqs[k], 1, nullptr, waiting);
@@ -382,6 +376,22 @@ class MpiComm final : public Comm {
     }
   }
 
+  // What a rank waiting for step s (of `steps`) of a ring phase names: the data comes from prev,
+  // which forwards what it received, so any rank of the chain prev, prev - 1, ..., r - 1 - s may
+  // be the one that has not arrived (exactly prev at the first step).
+  std::string no_data_message(const char* phase, int s, int steps) const {
+    const int n = size_, r = rank_;
+    std::string chain;
+    for (int k = 0; k <= s && k < n - 1; ++k)
+      chain += fmt::format("{}{}", k ? ", " : "", world_ranks_[size_t(mod(r - 1 - k, n))]);
+    if (s == 0)
+      return fmt::format("{} step 1 of {}: no data from rank {}; rank {} has not arrived or is stalled", phase, steps,
+                         chain, chain);
+    return fmt::format("{} step {} of {}: no data from rank {}; one of ranks {} (the data's way round the ring) has "
+                       "not arrived or is stalled",
+                       phase, s + 1, steps, world_ranks_[size_t(mod(r - 1, n))], chain);
+  }
+
   // Ring all-gather in place: buf holds this rank's chunk at offs[r]; step s passes chunk r-s on.
   void ring_all_gather(char* buf, const std::vector<int64_t>& offs, DType dt) {
     const int n = size_, r = rank_;
@@ -394,16 +404,8 @@ class MpiComm final : public Comm {
       irecv(buf + size_t(offs[size_t(rc)]) * es, cnt(rc), dt, prev, 1, coll_, rreqs);
       isend(buf + size_t(offs[size_t(sc)]) * es, cnt(sc), dt, next, 1, coll_, sreqs);
       // The receive and the send are waited for apart, so a rank blocked on a stalled receiver
-      // names the receiver rather than its own sender. Step s's data passed through ranks
-      // prev, prev-1, ..., r-1-s; at the first step the missing rank is exactly prev.
-      wait_all(rreqs, nullptr, [&] {
-        if (s == 0)
-          return fmt::format("gather step 1 of {}: no data from rank {}; rank {} has not arrived or is stalled",
-                             n - 1, world_ranks_[size_t(prev)], world_ranks_[size_t(prev)]);
-        return fmt::format("gather step {} of {}: no data from rank {}; it or a rank before it in the ring "
-                           "(back to rank {}) has not arrived or is stalled",
-                           s + 1, n - 1, world_ranks_[size_t(prev)], world_ranks_[size_t(mod(r - 1 - s, n))]);
-      });
+      // names the receiver rather than its own sender.
+      wait_all(rreqs, nullptr, [&] { return no_data_message("gather", s, n - 1); });
       wait_all(sreqs, nullptr, [&] {
         return fmt::format("gather step {} of {}: rank {} did not take the data", s + 1, n - 1,
                            world_ranks_[size_t(next)]);

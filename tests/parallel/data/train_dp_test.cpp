@@ -31,12 +31,7 @@ class TrainDp : public ::testing::Test {
  protected:
   void SetUp() override {
     root_ = fs::temp_directory_path() / fmt::format("loom_train_dp_{}", ::getpid());
-    fs::create_directories(root_ / "data");
-    std::vector<uint32_t> toks(20000);
-    for (size_t i = 0; i < toks.size(); ++i) toks[i] = uint32_t((i * 7 + (i / 13) * 5) % 97);
-    data::write_shard((root_ / "data" / "train_000.bin").string(), toks, 97);
-    data::write_shard((root_ / "data" / "val_000.bin").string(),
-                      std::vector<uint32_t>(toks.begin(), toks.begin() + 2000), 97);
+    test::write_pattern_corpus(root_ / "data");
   }
   void TearDown() override { fs::remove_all(root_); }
 
