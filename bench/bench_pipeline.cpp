@@ -1,7 +1,9 @@
 // Pipeline bubble measured from the executor's trace: runs every schedule kind on the threads
 // backend with a balanced model (equal blocks per stage, embedding and head small), and prints
-// the idle fraction of each rank next to the theory, (p - 1) / (m + p - 1) of the step for GPipe
-// and 1F1B ((p - 1) / m of the work). Optionally writes a Chrome trace and a PNG per kind.
+// each rank's idle fraction (the median over the steps after the first) next to the checker's
+// simulation with the model's op costs and the theory, (p - 1) / (m + p - 1) of the step for
+// GPipe and 1F1B ((p - 1) / m of the work). Optionally writes a Chrome trace and a PNG per kind
+// (of the last step).
 //   bench_pipeline [p] [m] [n_layer] [steps] [--trace PREFIX]
 #include <algorithm>
 #include <cstdio>
@@ -40,9 +42,9 @@ int main(int argc, char** argv) {
   cfg.vocab_size = 256;
   cfg.block_size = 64;
   const int64_t B = 2 * m, T = 64;
-  std::printf("p=%d m=%d n_layer=%d C=%lld B=%lld T=%lld, %d steps (last one measured)\n", p, m, L,
+  std::printf("p=%d m=%d n_layer=%d C=%lld B=%lld T=%lld, %d steps (median of all but the first)\n", p, m, L,
               (long long)cfg.n_embd, (long long)B, (long long)T, steps);
-  std::printf("%-12s %-40s %s\n", "kind", "idle fraction per rank (measured)", "simulated idle of rank 0");
+  std::printf("%-12s %-40s %s\n", "kind", "idle fraction per rank (measured)", "simulated (model's op costs)");
   for (Kind k : {Kind::gpipe, Kind::one_f_one_b, Kind::interleaved, Kind::zb_h1}) {
     const int v = k == Kind::interleaved ? 2 : 1;
     if (k == Kind::interleaved && (m % p || L + 2 < p * v)) continue;
@@ -56,6 +58,7 @@ int main(int argc, char** argv) {
       o.cuts.push_back(L + 2);
     }
     std::vector<std::vector<TraceEvent>> trace(static_cast<size_t>(p));
+    std::vector<std::vector<std::vector<TraceEvent>>> per_step(size_t(steps), trace);
     std::mutex mu;
     std::mt19937 rng(7);
     Tensor x = Tensor::empty({B, T}, DType::i32, MemTag::activations);
@@ -64,12 +67,26 @@ int main(int argc, char** argv) {
     comm::run_ranks(p, [&](comm::Comm& w) {
       MemoryPool pool(fmt::format("r{}", w.rank()));
       PipelineExecutor ex(cfg, o, w, nullptr, pool);
-      for (int s = 0; s < steps; ++s) ex.step(x, x);
+      for (int s = 0; s < steps; ++s) {
+        ex.step(x, x);
+        std::lock_guard lk(mu);
+        per_step[size_t(s)][size_t(w.rank())] = ex.trace();
+      }
       std::lock_guard lk(mu);
       trace[size_t(w.rank())] = ex.trace();
       if (w.rank() == 0) sim_idle = ex.checked().idle_fraction(0);
     });
-    std::vector<double> idle = idle_fractions(trace);
+    // Median over the measured steps (the first one warms the pools up).
+    std::vector<std::vector<double>> fr(static_cast<size_t>(p));
+    for (int st = steps > 1 ? 1 : 0; st < steps; ++st) {
+      const std::vector<double> f = idle_fractions(per_step[size_t(st)]);
+      for (int r = 0; r < p; ++r) fr[size_t(r)].push_back(f[size_t(r)]);
+    }
+    std::vector<double> idle;
+    for (auto& v : fr) {
+      std::sort(v.begin(), v.end());
+      idle.push_back(v[v.size() / 2]);
+    }
     std::string s;
     for (double f : idle) s += fmt::format("{:.3f} ", f);
     std::printf("%-12s %-40s %.3f\n", std::string(kind_name(k)).c_str(), s.c_str(), sim_idle);

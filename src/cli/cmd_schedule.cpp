@@ -1,6 +1,7 @@
 // loom schedule: generate a pipeline schedule, prove it with the checker, print its per-rank
 // instruction lists or a text picture, its activation bound and bubble, and draw it as a PNG.
 #include <cstdio>
+#include <fmt/format.h>
 #include <memory>
 
 #include "cli/command.h"
@@ -19,6 +20,7 @@ struct ScheduleArgs {
   int p = 4, v = 1, m = 8;
   std::string png;
   bool list = false;
+  std::vector<double> costs;  // forward, backward input, backward weight
 };
 
 Registrar reg{Command{
@@ -31,10 +33,26 @@ Registrar reg{Command{
       sub.add_option("-m,--micro-batches", a->m, "micro-batches per step")->capture_default_str();
       sub.add_option("--png", a->png, "draw the schedule into this PNG file");
       sub.add_flag("--list", a->list, "print every rank's instruction list");
+      sub.add_option("--costs", a->costs, "relative durations F,Bi,W of a forward and of the backward's input and "
+                     "weight halves (a full backward costs Bi + W); default 1,1,1")
+          ->delimiter(',')
+          ->expected(3);
       return [a]() -> int {
         pl::ScheduleSpec spec{pl::parse_kind(a->kind, "--kind"), a->p, a->v, a->m};
-        pl::Schedule sch = pl::generate(spec);
-        pl::CheckResult res = pl::check_or_throw(sch);
+        pl::OpCosts costs;
+        if (!a->costs.empty()) {
+          costs.forward = a->costs[0];
+          costs.backward_input = a->costs[1];
+          costs.backward_weight = a->costs[2];
+          costs.backward = costs.backward_input + costs.backward_weight;
+          try {
+            costs.validate();
+          } catch (const Error& e) {
+            throw Error(fmt::format("--costs: {}", e.what()));
+          }
+        }
+        pl::Schedule sch = pl::generate(spec, costs);
+        pl::CheckResult res = pl::check_or_throw(sch, costs);
         pl::Timeline tl = pl::schedule_timeline(sch, res);
         if (a->list) std::fputs(sch.str().c_str(), stdout);
         std::fputs(pl::draw_text(tl, 1.0).c_str(), stdout);
@@ -42,7 +60,8 @@ Registrar reg{Command{
         std::printf("rank  in-flight  idle\n");
         for (int r = 0; r < sch.p(); ++r)
           std::printf("%4d  %9d  %.3f\n", r, res.ranks[size_t(r)].peak_in_flight, res.idle_fraction(r));
-        std::printf("bubble (idle / busy, backward = 2 forward): %.4f\n", res.bubble_ratio(0));
+        std::printf("bubble (idle / busy of rank 0; F %g, B %g, Bi %g, W %g): %.4f\n", costs.forward, costs.backward,
+                    costs.backward_input, costs.backward_weight, res.bubble_ratio(0));
         if (!a->png.empty()) {
           std::string why;
           if (!pl::draw_png(a->png, tl, &why)) {

@@ -124,6 +124,27 @@ void Comm::send(const void* buf, int64_t count, DType dt, int dst, int tag) {
   do_send(buf, count, dt, dst, tag);
 }
 
+std::unique_ptr<PendingSend> Comm::isend(const void* buf, int64_t count, DType dt, int dst, int tag) {
+  check_count("isend", count);
+  check_peer("isend", "destination", dst, size());
+  check_tag("isend", tag);
+  check_ptr("isend", "buffer", buf, count);
+  LOOM_CHECK(dst != rank(), "isend: rank {} sends to itself (use sendrecv)", rank());
+  return do_isend(buf, count, dt, dst, tag);
+}
+
+namespace {
+struct FinishedSend final : PendingSend {
+  void wait() override {}
+  bool done() override { return true; }
+};
+}  // namespace
+
+std::unique_ptr<PendingSend> Comm::do_isend(const void* buf, int64_t count, DType dt, int dst, int tag) {
+  do_send(buf, count, dt, dst, tag);
+  return std::make_unique<FinishedSend>();
+}
+
 void Comm::recv(void* buf, int64_t count, DType dt, int src, int tag) {
   check_count("recv", count);
   check_peer("recv", "source", src, size());
@@ -183,6 +204,11 @@ void Comm::broadcast(const Tensor& t, int root) {
 void Comm::send(const Tensor& t, int dst, int tag) {
   check_cpu("send", t);
   send(t.raw(), t.numel(), t.dtype(), dst, tag);
+}
+
+std::unique_ptr<PendingSend> Comm::isend(const Tensor& t, int dst, int tag) {
+  check_cpu("isend", t);
+  return isend(t.raw(), t.numel(), t.dtype(), dst, tag);
 }
 
 void Comm::recv(const Tensor& t, int src, int tag) {

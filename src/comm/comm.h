@@ -48,6 +48,19 @@ Range chunk_range(int64_t count, int n, int i);
 // Highest user tag for send/recv (the smallest upper bound every MPI guarantees).
 constexpr int kMaxTag = 32767;
 
+// A send in flight (Comm::isend). wait() returns once the buffer may be reused, bounded by the
+// communicator's timeout counted from the wait, and fails as the blocking send would have. The
+// buffer must stay unchanged and alive until then. Destroying a handle that was not waited for
+// withdraws the message if the receiver has not taken it yet (else waits for its copy): that is
+// for unwinding after an error, never for normal use. The communicator must outlive the handle.
+class PendingSend {
+ public:
+  virtual ~PendingSend() = default;
+  virtual void wait() = 0;
+  // Whether the send has completed (never blocks); wait() must still be called.
+  virtual bool done() = 0;
+};
+
 class Comm {
  public:
   explicit Comm(CommOptions opts) : opts_(opts) {}
@@ -86,6 +99,9 @@ class Comm {
   // threads backend: once the receiver has copied it). tag in [0, kMaxTag].
   void send(const void* buf, int64_t count, DType dt, int dst, int tag = 0);
   void recv(void* buf, int64_t count, DType dt, int src, int tag = 0);
+  // Non-blocking send: returns at once (both backends); the message joins the same ordered
+  // channel as send()'s. Backends without a non-blocking path send before returning.
+  std::unique_ptr<PendingSend> isend(const void* buf, int64_t count, DType dt, int dst, int tag = 0);
   // Sends to dst and receives from src at once (no ordering deadlock; dst and src may be equal
   // or this rank).
   void sendrecv(const void* send_buf, int64_t send_count, int dst, void* recv_buf,
@@ -102,6 +118,7 @@ class Comm {
   void broadcast(const Tensor& t, int root);
   void send(const Tensor& t, int dst, int tag = 0);
   void recv(const Tensor& t, int src, int tag = 0);
+  std::unique_ptr<PendingSend> isend(const Tensor& t, int dst, int tag = 0);
 
  protected:
   // Arguments are validated by the public functions before these run; size() > 1 where it
@@ -114,6 +131,8 @@ class Comm {
   virtual void do_broadcast(void* buf, int64_t count, DType dt, int root) = 0;
   virtual void do_send(const void* buf, int64_t count, DType dt, int dst, int tag) = 0;
   virtual void do_recv(void* buf, int64_t count, DType dt, int src, int tag) = 0;
+  // Default: a blocking do_send and a finished handle.
+  virtual std::unique_ptr<PendingSend> do_isend(const void* buf, int64_t count, DType dt, int dst, int tag);
   virtual void do_sendrecv(const void* send_buf, int64_t send_count, int dst, void* recv_buf,
                            int64_t recv_count, int src, DType dt, int tag) = 0;
   virtual void do_barrier() = 0;

@@ -175,6 +175,41 @@ class MpiComm final : public Comm {
     wait_all(reqs, nullptr, [&] { return fmt::format("rank {} did not receive it", world_ranks_[size_t(dst)]); });
   }
 
+  struct Pending final : PendingSend {
+    MpiComm* comm;
+    std::vector<MPI_Request> reqs;
+    std::string what;
+    int dst;
+    Pending(MpiComm* c, std::string w, int d) : comm(c), what(std::move(w)), dst(d) {}
+    void wait() override {
+      if (reqs.empty()) return;
+      comm->begin(what);
+      comm->wait_all(reqs, nullptr,
+                 [&] { return fmt::format("rank {} did not receive it", comm->world_ranks_[size_t(dst)]); });
+    }
+    bool done() override {
+      if (reqs.empty()) return true;
+      int flag = 0;
+      comm->progress_call(MPI_Testall(int(reqs.size()), reqs.data(), &flag, MPI_STATUSES_IGNORE), "MPI_Testall");
+      if (flag) reqs.clear();
+      return flag != 0;
+    }
+    // Unwinding after an error: the job is ending (an MPI failure aborts it), so the requests are
+    // released to complete or die with it.
+    ~Pending() override {
+      for (MPI_Request& r : reqs)
+        if (r != MPI_REQUEST_NULL) MPI_Request_free(&r);
+    }
+  };
+
+  std::unique_ptr<PendingSend> do_isend(const void* buf, int64_t count, DType dt, int dst, int tag) override {
+    auto p = std::make_unique<Pending>(this, fmt::format("send of {} [{}] to rank {} tag {} (non-blocking)",
+                                                         dtype_name(dt), count, world_ranks_[size_t(dst)], tag), dst);
+    begin(p->what);
+    isend(buf, count, dt, dst, tag, p2p_, p->reqs);
+    return p;
+  }
+
   void do_recv(void* buf, int64_t count, DType dt, int src, int tag) override {
     begin(fmt::format("recv of {} [{}] from rank {} tag {}", dtype_name(dt), count, world_ranks_[size_t(src)], tag));
     std::vector<MPI_Request> reqs;

@@ -168,6 +168,7 @@ class ThreadComm final : public Comm {
   void do_broadcast(void* buf, int64_t count, DType dt, int root) override;
   void do_send(const void* buf, int64_t count, DType dt, int dst, int tag) override;
   void do_recv(void* buf, int64_t count, DType dt, int src, int tag) override;
+  std::unique_ptr<PendingSend> do_isend(const void* buf, int64_t count, DType dt, int dst, int tag) override;
   void do_sendrecv(const void* send_buf, int64_t send_count, int dst, void* recv_buf,
                    int64_t recv_count, int src, DType dt, int tag) override;
   void do_barrier() override;
@@ -372,6 +373,9 @@ class ThreadComm final : public Comm {
     box.cv.notify_all();
   }
   void finish_send(Msg& m, int dst, std::string_view what, bool throw_on_error);
+  // Withdraws a posted message nobody took yet, or waits for the receiver's copy (short).
+  void withdraw(Msg& m, int dst);
+  struct Pending;
   void take(void* buf, int64_t count, DType dt, int src, int tag, std::string_view what);
   template <class Pred>
   void wait_box(std::string_view what, Pred&& pred, const std::function<std::string()>& timeout_msg);
@@ -612,6 +616,53 @@ void ThreadComm::do_send(const void* buf, int64_t count, DType dt, int dst, int 
   m.data = buf;
   post(m, dst);
   finish_send(m, dst, what, true);
+}
+
+struct ThreadComm::Pending final : PendingSend {
+  ThreadComm* comm;
+  std::unique_ptr<Msg> msg = std::make_unique<Msg>();
+  int dst;
+  std::string what;
+  bool finished = false;
+  Pending(ThreadComm* c, int d, std::string w) : comm(c), dst(d), what(std::move(w)) {}
+  void wait() override {
+    if (finished) return;
+    finished = true;  // finish_send withdraws or completes the message even when it throws
+    comm->check_usable(what);
+    comm->deadline_ = Clock::now() + comm->opts_.timeout;
+    comm->finish_send(*msg, dst, what, true);
+  }
+  bool done() override { return finished || msg->state.load() >= detail::kDelivered; }
+  ~Pending() override {
+    if (!finished) comm->withdraw(*msg, dst);
+  }
+};
+
+std::unique_ptr<PendingSend> ThreadComm::do_isend(const void* buf, int64_t count, DType dt, int dst, int tag) {
+  auto p = std::make_unique<Pending>(
+      this, dst, fmt::format("send of {} [{}] to rank {} tag {} (non-blocking)", dtype_name(dt), count, wr(dst), tag));
+  check_usable(p->what);
+  Msg& m = *p->msg;
+  m.src = rank_;
+  m.tag = tag;
+  m.dt = dt;
+  m.count = count;
+  m.data = buf;
+  post(m, dst);
+  return p;
+}
+
+void ThreadComm::withdraw(Msg& m, int dst) {
+  {
+    auto& box = g_->boxes[size_t(dst)];
+    std::lock_guard lk(box.mu);
+    auto it = std::find(box.queue.begin(), box.queue.end(), &m);
+    if (it != box.queue.end()) {
+      box.queue.erase(it);
+      return;
+    }
+  }
+  while (m.state.load() < detail::kDelivered) std::this_thread::yield();
 }
 
 void ThreadComm::do_recv(void* buf, int64_t count, DType dt, int src, int tag) {

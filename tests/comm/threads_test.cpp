@@ -253,6 +253,26 @@ TEST(ThreadsComm, SendRecvMismatchAndTimeout) {
   auto c0 = w.comm(0);
   EXPECT_THAT([&] { c0->send(&y, 1, DType::f32, 1, 4); },
               ::testing::ThrowsMessage<Error>(HasSubstr("rank 1 did not receive it")));
+  // A non-blocking send returns at once; waiting for one nobody receives times out the same way.
+  auto pending = c0->isend(&y, 1, DType::f32, 1, 6);
+  EXPECT_THAT([&] { pending->wait(); }, ::testing::ThrowsMessage<Error>(HasSubstr("rank 1 did not receive it")));
+  // One dropped without a wait is withdrawn: the receiver finds no message.
+  c0->isend(&y, 1, DType::f32, 1, 7).reset();
+  EXPECT_THAT([&] { c1->recv(&y, 1, DType::f32, 0, 7); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("no message from rank 0 with tag 7 arrived")));
+  // A mismatched receive fails the sender's wait with the receiver's message.
+  std::vector<std::string> imsgs(2);
+  EXPECT_THROW(run_ranks(2, [&](Comm& c) {
+    std::vector<float> x(12);
+    try {
+      if (c.rank() == 0) c.isend(x.data(), 10, DType::f32, 1, 5)->wait();
+      else c.recv(x.data(), 12, DType::f32, 0, 5);
+    } catch (const Error& e) {
+      imsgs[size_t(c.rank())] = e.what();
+      throw;
+    }
+  }, opts(5s)), Error);
+  for (auto& m : imsgs) EXPECT_THAT(m, HasSubstr("rank 0 sent f32 [10] with tag 5 but rank 1 receives f32 [12]"));
 }
 
 TEST(ThreadsComm, ManySmallCollectivesInConcurrentGroups) {

@@ -10,8 +10,10 @@
 //   - each (micro-batch, chunk) forwarded and backwarded exactly once on its rank.
 // It also measures each rank's peak number of micro-batch chunks in flight (forwarded, backward
 // not finished: the activation-memory bound) and, with per-op costs, a timeline for pictures,
-// bubble fractions and the planner's simulator.
+// bubble fractions and the planner's simulator, by default as the executor runs the lists (its
+// sends do not block; see Timing).
 #pragma once
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -38,8 +40,16 @@ struct CheckResult {
   double bubble_ratio(int r) const;
 };
 
-CheckResult check(const Schedule& sch, const OpCosts& costs = {});
+// How the timeline is timed. Validity (and the in-flight bound) is always proved under blocking
+// transfers, which makes it hold for non-blocking sends too.
+enum class Timing : uint8_t {
+  eager_sends,  // as the executor runs: a send is posted and the sender goes on; the optimizer
+                // step waits until the rank's messages were received
+  blocking,     // a send and its receive meet (rendezvous): both ranks wait for the later one
+};
+
+CheckResult check(const Schedule& sch, const OpCosts& costs = {}, Timing timing = Timing::eager_sends);
 // Throws a loom::Error with the checker's message when the schedule is invalid.
-CheckResult check_or_throw(const Schedule& sch, const OpCosts& costs = {});
+CheckResult check_or_throw(const Schedule& sch, const OpCosts& costs = {}, Timing timing = Timing::eager_sends);
 
 }  // namespace loom::parallel::pipeline

@@ -7,6 +7,7 @@
 #include <fstream>
 #include <limits>
 #include <map>
+#include <tuple>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -23,6 +24,17 @@ std::vector<double> chain_costs(const model::GPTConfig& cfg, int64_t T) {
   c.push_back(C);                                    // embedding: a gather and an add
   for (int64_t l = 0; l < cfg.n_layer; ++l) c.push_back(24.0 * C * C + 4.0 * t * C);  // matmuls + attention
   c.push_back(2.0 * C * V + 5.0 * V);                // lm_head and the softmax
+  return c;
+}
+
+OpCosts op_costs(const model::GPTConfig& cfg, int64_t T) {
+  const double C = double(cfg.n_embd), t = double(T);
+  const double matmul = 24.0 * C * C, forward = matmul + 4.0 * t * C;
+  OpCosts c;
+  c.forward = 1.0;
+  c.backward_input = (matmul + 8.0 * t * C) / forward;
+  c.backward_weight = matmul / forward;
+  c.backward = c.backward_input + c.backward_weight;
   return c;
 }
 
@@ -118,6 +130,15 @@ struct PipelineExecutor::Impl {
   std::unique_ptr<parallel::Zero1Optimizer> zero1;  // ZeRO 1: moments sharded over dp
   Tensor ws_dres, ws_bufC, ws_buf4C;  // f32 [b, T, C], [b, T, C], [b, T, 4C] (tag workspace)
   std::map<std::pair<int, int>, Tensor> grad_out;  // (mb, chunk) -> f32 [b, T, C] (tag comm) to send
+  // Sends in flight: transfers are non-blocking on the sender's side, so a rank goes on computing
+  // while its activation or gradient waits for the receiver. Each keeps its buffer (the gradient's
+  // tensor; an activation lives in its slot until the slot's backward, by which time the next
+  // stage has received it) and is waited for before that buffer goes or at the optimizer step.
+  struct InFlight {
+    Tensor buffer;  // a gradient's (empty for activations); declared first so it outlives `send`
+    std::unique_ptr<comm::PendingSend> send;
+  };
+  std::map<std::tuple<int, int, int>, InFlight> in_flight;  // (0 act / 1 grad, mb, chunk)
   int64_t b = 0, T = 0;
   int active_slots = 0, peak_slots = 0;
   std::vector<double> losses;  // per micro-batch (last stage)
@@ -160,7 +181,30 @@ struct PipelineExecutor::Impl {
     return s;
   }
 
+  void finish_send(int kind, int mb, int c) {
+    auto it = in_flight.find({kind, mb, c});
+    if (it == in_flight.end()) return;
+    it->second.send->wait();
+    in_flight.erase(it);
+  }
+  // Drops the sends that completed (their gradient buffers go back to the pool).
+  void reap_sends() {
+    for (auto it = in_flight.begin(); it != in_flight.end();) {
+      if (it->second.send->done()) {
+        it->second.send->wait();
+        it = in_flight.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  void finish_sends() {
+    for (auto& [key, f] : in_flight) f.send->wait();
+    in_flight.clear();
+  }
+
   void release(Chunk& ch, int mb) {
+    finish_send(0, mb, int(&ch - chunks.data()));
     Slot* s = ch.active.at(mb);
     for (auto& blk : s->blocks) blk->release_activations();
     if (s->stage) s->stage->release_activations();
@@ -292,7 +336,7 @@ struct PipelineExecutor::Impl {
   void send_act(int mb, int c, int peer) {
     Slot& s = slot_of(chunks[size_t(c)], mb, "send of the activation");
     LOOM_CHECK(s.output != nullptr, "pipeline executor: rank {}: send of micro-batch {} before its forward", rank, mb);
-    pp.send(s.output, rows * cfg.n_embd, DType::f32, peer, 0);
+    in_flight[{0, mb, c}] = {Tensor(), pp.isend(s.output, rows * cfg.n_embd, DType::f32, peer, 0)};
   }
 
   void recv_act(int mb, int c, int peer) {
@@ -305,7 +349,8 @@ struct PipelineExecutor::Impl {
     auto it = grad_out.find({mb, c});
     LOOM_CHECK(it != grad_out.end(), "pipeline executor: rank {}: send of the gradient of micro-batch {} before its "
                "backward", rank, mb);
-    pp.send(it->second, peer, 0);
+    auto send = pp.isend(it->second, peer, 0);
+    in_flight[{1, mb, c}] = {std::move(it->second), std::move(send)};
     grad_out.erase(it);
   }
 
@@ -404,8 +449,9 @@ PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOp
   Impl& I = *impl_;
   I.rank = pp.rank();
   I.tensor = opt.tp > 1 || opt.cp > 1 || opt.sp;
-  sch_ = generate(opt.schedule);
-  checked_ = check_or_throw(sch_);
+  const OpCosts costs = op_costs(cfg, cfg.block_size);
+  sch_ = generate(opt.schedule, costs);
+  checked_ = check_or_throw(sch_, costs);
   const int p = sch_.p(), v = sch_.v(), V = p * v;
   const int64_t n = cfg.n_layer + 2;
   if (opt.cuts.empty()) {
@@ -534,6 +580,7 @@ StepResult PipelineExecutor::step(const Tensor& tokens, const Tensor& targets, d
   auto secs = [&] { return std::chrono::duration<double>(Clock::now() - t0).count(); };
   StepResult res;
   for (const Instr& in : sch_.ranks[size_t(I.rank)]) {
+    if (!I.in_flight.empty()) I.reap_sends();
     const double start = secs();
     switch (in.op) {
       case Op::forward: I.forward(in.mb, in.chunk, tokens, targets); break;
@@ -554,6 +601,7 @@ StepResult PipelineExecutor::step(const Tensor& tokens, const Tensor& targets, d
       case Op::send_grad: I.send_grad(in.mb, in.chunk, in.peer); break;
       case Op::recv_grad: I.recv_grad(in.mb, in.chunk, in.peer); break;
       case Op::optimizer_step: {
+        I.finish_sends();
         StepResult r = I.optimizer_step(lr);
         res.grad_norm = r.grad_norm;
         break;

@@ -3,7 +3,10 @@
 // embedding, 1..n_layer = transformer blocks, n_layer + 1 = head), splits its data-parallel
 // replica's batch into m micro-batches, scales each micro-batch loss by 1 / m so gradients
 // accumulate to the gradient of the mean, and sends activations and gradients point-to-point
-// (one tag on the pipeline communicator, blocking, any Comm backend). Each micro-batch in flight
+// (one tag on the pipeline communicator, any Comm backend). Sends are non-blocking (Comm::isend):
+// a rank posts its activation or gradient and goes on computing, and waits for its sends before
+// their buffers go and before the optimizer step; receives block. The schedule is generated for
+// the model's op costs (op_costs) and this way of sending. Each micro-batch in flight
 // keeps its own saved activations (chain blocks that share the stage's parameters), released
 // when its backward ends, so the activation pool peaks at the checker's in-flight bound. ZB-H1's
 // backward is split: backward_input runs the blocks' input-gradient part (what the previous stage
@@ -53,6 +56,12 @@ namespace loom::parallel::pipeline {
 // Declared relative cost of each chain element at sequence length T (forward FLOPs per token):
 // [n_layer + 2] for embedding, blocks, head.
 std::vector<double> chain_costs(const model::GPTConfig& cfg, int64_t T);
+// Relative cost of a transformer block's forward, backward and zb's two backward halves at
+// sequence length T, from their FLOPs per token (forward = 1): the forward is 24 C^2 of matmuls
+// plus 4 T C of attention; the input-gradient half repeats the matmuls and does the attention
+// backward (8 T C); the weight half is the matmuls' weight gradients (24 C^2). The executor
+// generates its schedule for these costs.
+OpCosts op_costs(const model::GPTConfig& cfg, int64_t T);
 // Contiguous cut of n elements with `costs` into `parts` non-empty ranges minimising the
 // largest range cost: parts + 1 boundaries, 0 first and n last.
 std::vector<int64_t> balance_chain(const std::vector<double>& costs, int parts);

@@ -1,6 +1,7 @@
 #include "parallel/pipeline/schedule.h"
 
 #include <algorithm>
+#include <cmath>
 #include <fmt/format.h>
 #include <limits>
 #include <map>
@@ -77,6 +78,18 @@ double OpCosts::of(Op op) const {
     case Op::optimizer_step: return optimizer_step;
     default: return transfer;
   }
+}
+
+void OpCosts::validate() const {
+  const std::pair<const char*, double> compute[] = {
+      {"forward", forward}, {"backward", backward}, {"backward_input", backward_input},
+      {"backward_weight", backward_weight}};
+  for (const auto& [name, v] : compute)
+    LOOM_CHECK(std::isfinite(v) && v > 0, "pipeline schedule costs: {} must be a positive number, got {}", name, v);
+  LOOM_CHECK(std::isfinite(transfer) && transfer >= 0, "pipeline schedule costs: transfer must be >= 0, got {}",
+             transfer);
+  LOOM_CHECK(std::isfinite(optimizer_step) && optimizer_step >= 0,
+             "pipeline schedule costs: optimizer_step must be >= 0, got {}", optimizer_step);
 }
 
 void ScheduleSpec::validate() const {
@@ -428,25 +441,62 @@ std::vector<std::vector<Instr>> placed_by_simulation(const Schedule& sch,
   return ranks;
 }
 
+// For the executor's non-blocking sends: each send moves up past the computes before it (not
+// past its producer, another transfer or the step), so the message leaves as soon as it exists;
+// each receive moves down past the computes that do not need it, so the rank does not wait for a
+// message before work that does not use it. Transfers keep their order on every rank, so the
+// lists stay deadlock-free under blocking transfers as well.
+void move_transfers(std::vector<std::vector<Instr>>& ranks) {
+  auto produces = [](const Instr& c, const Instr& t) {
+    if (c.mb != t.mb || c.chunk != t.chunk) return false;
+    return t.op == Op::send_act ? c.op == Op::forward : (c.op == Op::backward || c.op == Op::backward_input);
+  };
+  auto consumes = [](const Instr& c, const Instr& t) {
+    if (c.mb != t.mb || c.chunk != t.chunk) return false;
+    return t.op == Op::recv_act ? c.op == Op::forward : (c.op == Op::backward || c.op == Op::backward_input);
+  };
+  for (auto& list : ranks) {
+    for (size_t i = 0; i < list.size(); ++i) {
+      if (list[i].op != Op::send_act && list[i].op != Op::send_grad) continue;
+      size_t j = i;
+      while (j > 0 && is_compute(list[j - 1].op) && !produces(list[j - 1], list[j])) {
+        std::swap(list[j - 1], list[j]);
+        --j;
+      }
+    }
+    for (size_t i = list.size(); i-- > 0;) {
+      if (list[i].op != Op::recv_act && list[i].op != Op::recv_grad) continue;
+      size_t j = i;
+      while (j + 1 < list.size() && is_compute(list[j + 1].op) && !consumes(list[j + 1], list[j])) {
+        std::swap(list[j], list[j + 1]);
+        ++j;
+      }
+    }
+  }
+}
+
 }  // namespace
 
-Schedule generate(const ScheduleSpec& spec) {
+Schedule generate(const ScheduleSpec& spec, const OpCosts& costs) {
   spec.validate();
+  costs.validate();
   Schedule sch;
   sch.spec = spec;
-  const OpCosts costs;
   std::vector<std::vector<Timed>> timed =
       spec.kind == Kind::zb_h1 ? zb_h1_orders(sch, costs) : time_orders(sch, fixed_orders(spec), costs);
-  // Two placements of the transfers; the checker times both (the same costs) and the shorter
+  // Two placements of the transfers (then moved for non-blocking sends); the checker times both
+  // as the executor runs them (the same costs) and the shorter
   // valid one is kept (the plan's on ties).
   sch.ranks = placed_by_plan(sch, timed);
   if (spec.stages == 1) return sch;
+  move_transfers(sch.ranks);
   Schedule alt = sch;
   try {
     alt.ranks = placed_by_simulation(sch, timed, costs);
   } catch (const Error&) {
     return sch;  // a simulation that cannot finish: the plan's placement stands (callers check it)
   }
+  move_transfers(alt.ranks);
   const CheckResult a = check(sch, costs), b = check(alt, costs);
   if (b.ok && (!a.ok || b.makespan < a.makespan)) return alt;
   return sch;

@@ -7,13 +7,17 @@
 // (Megatron's interleaving: rank r owns chunks r, r + p, r + 2p, ...). Activations flow from
 // virtual stage s to s + 1, gradients from s + 1 back to s.
 //
-// Transfers are blocking (rendezvous) point-to-point calls with one tag per pipeline
-// communicator; the generator orders every rank's transfers consistently with one global order
-// of messages, which makes the lists deadlock-free under blocking send/recv (checker.h proves it
-// for each generated schedule instead of trusting this argument). Each message is placed where
-// the two ranks meet between computes: either from the planned compute times or by simulating
-// the blocking execution event by event; the checker times both and the shorter is kept (the
-// simulation is what brings interleaved to (p - 1) / (v m) for small p * v).
+// Transfers are point-to-point calls with one tag per pipeline communicator. The generator orders
+// every rank's transfers consistently with one global order of messages, which makes the lists
+// deadlock-free even when every send blocks until its receive (checker.h proves it for each
+// generated schedule instead of trusting this argument). Each message is placed where the two
+// ranks meet between computes: either from the planned compute times or by simulating the
+// blocking execution event by event. The executor's sends do not block, so each send then moves
+// up to right after the compute producing it and each receive down to right before the compute
+// using it (transfers keep their order); the checker times both placements as the executor runs
+// them and the shorter is kept (the simulation is what brings interleaved to (p - 1) / (v m) for
+// small p * v; the moves are what keep zb-h1 below 1F1B when the backward's input half costs
+// more than its weight half).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -80,11 +84,10 @@ struct Schedule {
   std::string str() const;  // one line per rank
 };
 
-// The schedule of a spec (validated first).
-Schedule generate(const ScheduleSpec& spec);
-
-// Relative durations used to order instructions and to draw and simulate schedules: a full
-// backward costs about twice a forward; zb splits it into two halves.
+// Relative durations used to order instructions and to draw and simulate schedules. The
+// defaults: a full backward costs twice a forward, and zb splits it into two equal halves. The
+// executor passes the model's own ratios (op_costs in executor.h): the input-gradient half also
+// carries the attention backward, so it is dearer than the weight half.
 struct OpCosts {
   double forward = 1.0;
   double backward = 2.0;
@@ -93,6 +96,13 @@ struct OpCosts {
   double transfer = 0.0;
   double optimizer_step = 0.0;
   double of(Op op) const;
+  // Throws naming the field when a compute cost is not positive or a cost is not finite.
+  void validate() const;
 };
+
+// The schedule of a spec (validated first). The compute order (zb-h1's) and the place of each
+// transfer are chosen for `costs`: with blocking transfers, where a message meets both ranks
+// depends on how long each compute takes.
+Schedule generate(const ScheduleSpec& spec, const OpCosts& costs = {});
 
 }  // namespace loom::parallel::pipeline

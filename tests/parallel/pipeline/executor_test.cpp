@@ -381,5 +381,18 @@ TEST(PipelineExecutor, BalancedCuts) {
   EXPECT_THROW(balance_chain({1, 1}, 3), Error);
 }
 
+// The op costs the executor schedules for: FLOPs per token of a block (C = 128, T = 64: matmuls
+// 24 C^2 = 393216, attention forward 4 T C = 32768, its backward 8 T C = 65536).
+TEST(PipelineExecutor, OpCostsFollowTheBlocksFlops) {
+  model::GPTConfig cfg = tiny();
+  cfg.n_embd = 128;
+  const OpCosts c = op_costs(cfg, 64);
+  EXPECT_DOUBLE_EQ(c.forward, 1.0);
+  EXPECT_DOUBLE_EQ(c.backward_input, (393216.0 + 65536.0) / (393216.0 + 32768.0));
+  EXPECT_DOUBLE_EQ(c.backward_weight, 393216.0 / (393216.0 + 32768.0));
+  EXPECT_DOUBLE_EQ(c.backward, 2.0);  // a full backward is twice the forward at any C and T
+  EXPECT_GT(c.backward_input, c.backward_weight);
+}
+
 }  // namespace
 }  // namespace loom::parallel::pipeline

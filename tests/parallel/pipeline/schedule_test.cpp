@@ -95,6 +95,44 @@ TEST(PipelineSchedule, InterleavedBubbleIsMegatronsIdeal) {
             check_or_throw(generate({Kind::one_f_one_b, 2, 1, 8})).bubble_ratio(0));
 }
 
+// Generated for other op costs (the executor passes its model's: the input-gradient half dearer
+// than the weight half), schedules stay valid with their kind's activation bound; GPipe and 1F1B
+// keep (p - 1) / m while a full backward is twice a forward, and zb-h1 stays below 1F1B at p = 4
+// (with blocking sends it did not once Bi / W passed about 1.2 at m = 32, 1.4 at m = 8: the
+// rendezvous waited for the longer half).
+TEST(PipelineSchedule, OtherOpCostsKeepValidityBoundsAndBubbles) {
+  for (const OpCosts& c : {OpCosts{1.0, 2.0, 1.08, 0.92}, OpCosts{1.0, 2.0, 1.5, 0.5}, OpCosts{1.0, 3.0, 1.2, 1.8}}) {
+    for (Kind k : {Kind::gpipe, Kind::one_f_one_b, Kind::interleaved, Kind::zb_h1})
+      for (int p = 1; p <= 8; ++p)
+        for (int m = 1; m <= 16; ++m) {
+          const int v = k == Kind::interleaved ? 2 : 1;
+          if (k == Kind::interleaved && (p < 2 || m % p != 0)) continue;
+          const Schedule sch = generate({k, p, v, m}, c);
+          const CheckResult r = check(sch, c);
+          ASSERT_TRUE(r.ok) << kind_name(k) << " p=" << p << " m=" << m << " Bi=" << c.backward_input << ": " << r.error;
+          // The executor's non-blocking sends never make an instruction end later than blocking ones.
+          const CheckResult blocking = check(sch, c, Timing::blocking);
+          for (int rank = 0; rank < p; ++rank)
+            for (size_t i = 0; i < sch.ranks[size_t(rank)].size(); ++i)
+              ASSERT_LE(r.ranks[size_t(rank)].end[i], blocking.ranks[size_t(rank)].end[i] + 1e-12);
+          for (int rank = 0; rank < p; ++rank) {
+            const int peak = r.ranks[size_t(rank)].peak_in_flight;
+            if (k == Kind::gpipe) ASSERT_EQ(peak, m);
+            if (k == Kind::one_f_one_b || k == Kind::zb_h1) ASSERT_EQ(peak, std::min(m, p - rank));
+          }
+        }
+    if (c.backward != 2.0) continue;
+    for (int m : {8, 16}) {
+      auto bubble = [&](Kind k) { return check_or_throw(generate({k, 4, 1, m}, c), c).bubble_ratio(0); };
+      EXPECT_NEAR(bubble(Kind::gpipe), 3.0 / m, 1e-12);
+      EXPECT_NEAR(bubble(Kind::one_f_one_b), 3.0 / m, 1e-12);
+      EXPECT_LT(bubble(Kind::zb_h1), bubble(Kind::one_f_one_b)) << "Bi=" << c.backward_input << " m=" << m;
+    }
+  }
+  EXPECT_THROW(generate({Kind::one_f_one_b, 2, 1, 4}, OpCosts{0.0, 2.0, 1.0, 1.0}), Error);
+  EXPECT_THROW(generate({Kind::one_f_one_b, 2, 1, 4}, OpCosts{1.0, 2.0, -1.0, 1.0}), Error);
+}
+
 Schedule two_stage() { return generate({Kind::one_f_one_b, 2, 1, 2}); }
 
 TEST(PipelineChecker, RejectsMissingRecv) {
