@@ -660,13 +660,13 @@ void ParallelGPT::backward_weight() {
   }
 }
 
-void ParallelGPT::finish_gradients() {
+void ParallelGPT::finish_gradients(bool over_cp) {
   const bool sp = opts_.sp && tp_ > 1;
   for (auto& p : w_->sharded) {
     float* g = p->shard.grad.f32();
     const int64_t n = p->shard.spec.numel();
     if (sp && p->sp_partial) g_.tp->all_reduce(g, n, DType::f32);
-    if (cp_ > 1) g_.cp->all_reduce(g, n, DType::f32);
+    if (cp_ > 1 && over_cp) g_.cp->all_reduce(g, n, DType::f32);
   }
 }
 

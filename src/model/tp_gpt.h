@@ -125,8 +125,10 @@ class ParallelGPT {
   // embedding); valid until the next backward or release.
   const float* input_grad() const;
   // After the last backward of a step: sums every gradient over cp and the sp-partial ones
-  // (LayerNorm weights, wpe) over tp, so each rank holds the gradient of its shards.
-  void finish_gradients();
+  // (LayerNorm weights, wpe) over tp, so each rank holds the gradient of its shards. With
+  // over_cp = false the cp ranks keep their partial sums, for a reduce-scatter over dp x cp
+  // (ZeRO-1) that adds them anyway: half the traffic of an all-reduce first.
+  void finish_gradients(bool over_cp = true);
   // Sum of squares of all gradients (replicated parameters counted once, tied copies not at all),
   // summed over the tp group in double; collective over tp.
   double grad_sum_squares() const;

@@ -150,11 +150,12 @@ class TensorEngine : public Engine {
       : cfg_(cfg), mc_(comms), train_(train), pool_(pool), dp_(comms["dp"]), tp_(comms["tp"]),
         dpcp_(comms.get({"dp", "cp"})), model_(mc, {&comms["tp"], &comms["cp"]}, {.sp = cfg.sp}, pool, cfg.seed) {
     if (cfg.zero == 1) {
-      // Sharded over dp x cp, like Megatron's distributed optimizer: after finish_gradients the
-      // cp ranks of a replica hold the same gradients, so the mean over dp x cp is the mean over
-      // dp, and each of the dp cp ranks keeps 1 / (dp cp) of the moments. A parameter replicated
-      // over tp counts in the norm on tp rank 0.
+      // Sharded over dp x cp, like Megatron's distributed optimizer: the cp ranks of a replica
+      // hold partial sums of its gradients (finish_gradients leaves them), so the reduce-scatter
+      // over dp x cp adds them and divides by dp, and each of the dp cp ranks keeps 1 / (dp cp)
+      // of the moments. A parameter replicated over tp counts in the norm on tp rank 0.
       parallel::Zero1Options zo;
+      zo.replicas = comms["dp"].size();
       for (const auto& p : model_.sharded()) zo.in_norm.push_back(!p->replicated || tp_.rank() == 0);
       zero1_ = std::make_unique<parallel::Zero1Optimizer>(model_.parameters(), dpcp_, oc, pool, zo);
     } else {
@@ -179,10 +180,10 @@ class TensorEngine : public Engine {
       loss += model_.forward(x_, y_, fo);
       model_.backward();
     }
-    model_.finish_gradients();
+    model_.finish_gradients(/*over_cp=*/!zero1_);  // ZeRO-1 adds the cp partial sums itself
     StepOut out;
     out.loss = sum_over_ranks(dp_, loss / double(cfg_.grad_accum)) / double(dp);
-    if (zero1_) {  // mean over dp x cp into this rank's shard; the norm adds the shards, then tp
+    if (zero1_) {  // sum over cp, mean over dp into this rank's shard; the norm adds the shards, then tp
       const double sq = zero1_->reduce_gradients();
       out.grad_norm = std::sqrt(sum_over_ranks(tp_, sum_over_ranks(dpcp_, sq)));
       zero1_->step(out.grad_norm, lr);

@@ -11,6 +11,9 @@ namespace loom::parallel {
 Zero1Optimizer::Zero1Optimizer(std::vector<model::Parameter*> params, comm::Comm& dp, const optim::AdamWConfig& adam,
                                MemoryPool& pool, Zero1Options opt)
     : params_(std::move(params)), dp_(dp), rank_(dp.rank()), world_(dp.size()) {
+  LOOM_CHECK(opt.replicas >= 0 && opt.replicas <= world_ && (opt.replicas == 0 || world_ % opt.replicas == 0),
+             "zero-1: replicas = {} must divide the group's {} ranks", opt.replicas, world_);
+  replicas_ = opt.replicas ? opt.replicas : world_;
   LOOM_CHECK(opt.in_norm.empty() || opt.in_norm.size() == params_.size(),
              "zero-1: {} in_norm flags for {} parameters", opt.in_norm.size(), params_.size());
   std::set<const model::Parameter*> seen;
@@ -40,9 +43,9 @@ void Zero1Optimizer::zero_grad() { grads_.zero_(); }
 
 double Zero1Optimizer::reduce_gradients() {
   float* mine = grads_.f32() + shard_begin();
-  if (world_ > 1) {
-    dp_.reduce_scatter(grads_.f32(), mine, lay_.n_pad, DType::f32);
-    const float inv = 1.0f / float(world_);
+  if (world_ > 1) dp_.reduce_scatter(grads_.f32(), mine, lay_.n_pad, DType::f32);
+  if (replicas_ > 1) {
+    const float inv = 1.0f / float(replicas_);
     for (int64_t i = 0; i < lay_.shard; ++i) mine[i] *= inv;
   }
   return opt_->grad_sum_squares(mine);

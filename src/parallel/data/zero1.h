@@ -57,6 +57,10 @@ struct Zero1Options {
   // Per parameter, in the constructor's order: whether its gradient counts in this rank's sum
   // of squares (empty: every parameter counts).
   std::vector<bool> in_norm;
+  // The reduce-scattered sum is divided by this (0: the group's size, the mean over replicas).
+  // Over dp x cp the cp ranks hold partial sums of one replica's gradient, and the sum over cp
+  // is part of the gradient: replicas = dp.
+  int replicas = 0;
 };
 
 class Zero1Optimizer {
@@ -71,8 +75,8 @@ class Zero1Optimizer {
 
   // Zeroes the whole flat gradient buffer.
   void zero_grad();
-  // Collective over dp: reduce-scatters the gradients (sum, then times 1 / dp: the mean over the
-  // replicas) into this rank's shard; returns the sum of squares (double) of the shard's elements
+  // Collective over dp: reduce-scatters the gradients (sum, then times 1 / replicas: the mean
+  // over the replicas) into this rank's shard; returns the sum of squares (double) of the shard's elements
   // of the parameters counted in the norm. The other shards' gradients are left as they were.
   double reduce_gradients();
   // Collective over dp: AdamW on this rank's shard with the global gradient norm (clipping) at
@@ -107,6 +111,7 @@ class Zero1Optimizer {
   std::vector<model::Parameter*> params_;
   comm::Comm& dp_;
   int rank_ = 0, world_ = 1;
+  int replicas_ = 1;  // the reduce-scattered sum is divided by this
   FlatLayout lay_;
   Tensor values_;  // f32 [N_pad], tag params
   Tensor grads_;   // f32 [N_pad], tag grads

@@ -371,6 +371,7 @@ struct PipelineExecutor::Impl {
     comm::Comm* zg = zero_group();
     if (opt.zero_stage == 1 && zg && zg->size() > 1) {
       parallel::Zero1Options zo;
+      zo.replicas = dp ? dp->size() : 1;  // over dp x cp the cp partial sums are added, not averaged
       const int tpr = groups.tp ? groups.tp->rank() : 0;
       for (size_t i = 0; i < params.size(); ++i) {
         bool counts = params[i] != copy;
@@ -385,9 +386,10 @@ struct PipelineExecutor::Impl {
 
   StepResult optimizer_step(double lr) {
     StepResult res;
-    // Tensor / context parallel stages: gradients summed over cp, sp-partial ones over tp.
+    // Tensor / context parallel stages: gradients summed over cp (by ZeRO-1's reduce-scatter
+    // over dp x cp when it runs over that group), sp-partial ones over tp.
     if (tensor)
-      for (Chunk& ch : chunks) ch.all[0]->stage->finish_gradients();
+      for (Chunk& ch : chunks) ch.all[0]->stage->finish_gradients(/*over_cp=*/!(zero1 && groups.dp_cp));
     // Tied embeddings: the first and last stages add their wte gradients (a + b == b + a, so
     // both copies get bit-identical sums). Under tp the two hold the same vocabulary rows.
     if (tied) {

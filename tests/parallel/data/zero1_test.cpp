@@ -297,6 +297,40 @@ TEST(Zero1Errors, BadParameterListsAreClearErrors) {
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("2 in_norm flags for 5 parameters"), std::string::npos) << e.what();
     }
+    parallel::Zero1Options bad;
+    bad.replicas = 3;
+    try {
+      parallel::Zero1Optimizer o(raw(ps), c, adam_cfg(), pool, bad);
+      ADD_FAILURE() << "replicas = 3 over 2 ranks was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("replicas = 3 must divide the group's 2 ranks"), std::string::npos)
+          << e.what();
+    }
+  });
+}
+
+// replicas = 1: the reduce-scattered gradient is the plain sum over the group (partial sums of
+// one replica, as the cp ranks hold), not the mean.
+TEST(Zero1Replicas, OneReplicaSumsTheRanksGradients) {
+  comm::run_ranks(2, [&](comm::Comm& c) {
+    MemoryPool pool("rank");
+    auto ps = make_params(pool);
+    parallel::Zero1Options zo;
+    zo.replicas = 1;
+    parallel::Zero1Optimizer o(raw(ps), c, adam_cfg(), pool, zo);
+    o.zero_grad();
+    for (auto& p : ps) {
+      float* g = p->grad.f32();
+      for (int64_t i = 0; i < p->spec.numel(); ++i) g[i] = float(c.rank() + 1) * 0.25f * float(i % 7 + 1);
+    }
+    const double sq = o.reduce_gradients();
+    // Each element's sum over ranks 0 and 1 is 0.75 (i % 7 + 1); the shards' squares add up to
+    // the sum over all elements.
+    double want = 0;
+    for (auto& p : ps)
+      for (int64_t i = 0; i < p->spec.numel(); ++i) want += std::pow(0.75 * double(i % 7 + 1), 2);
+    const double total = parallel::sum_over_ranks(c, sq);
+    EXPECT_NEAR(total, want, 1e-9 * want) << "rank " << c.rank();
   });
 }
 

@@ -128,9 +128,11 @@ RunResult parallel_run(const Layout& l) {
     std::unique_ptr<optim::AdamW> opt;
     std::unique_ptr<parallel::Zero1Optimizer> zero1;
     if (l.zero == 1) {
-      // Over dp x cp, as the trainer does (Megatron's distributed optimizer group); replicated
-      // over tp: counted on tp rank 0.
+      // Over dp x cp, as the trainer does (Megatron's distributed optimizer group): the
+      // reduce-scatter adds the cp ranks' partial sums and averages over dp; replicated over tp:
+      // counted on tp rank 0.
       parallel::Zero1Options zo;
+      zo.replicas = mc["dp"].size();
       for (auto& sp : m.sharded()) zo.in_norm.push_back(!sp->replicated || mc.coord("tp") == 0);
       zero1 = std::make_unique<parallel::Zero1Optimizer>(m.parameters(), mc.get({"dp", "cp"}), adam(), pool, zo);
       mem.n_pad = zero1->flat_elements();
@@ -148,7 +150,7 @@ RunResult parallel_run(const Layout& l) {
       m.zero_grad();
       float loss = m.forward(tok.slice0(dpr * Bl, Bl), tgt.slice0(dpr * Bl, Bl), {.fuse_backward = true});
       m.backward();
-      m.finish_gradients();
+      m.finish_gradients(/*over_cp=*/!zero1);
       comm::Comm& dp = mc["dp"];
       if (zero1) {
         const double sq = zero1->reduce_gradients();
