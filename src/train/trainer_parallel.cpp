@@ -331,6 +331,7 @@ class PipelineEngine : public Engine {
     o.zero_stage = int(cfg.zero);
     o.adamw = oc;
     o.seed = cfg.seed;
+    o.seq_len = cfg.seq_len;
     return o;
   }
 

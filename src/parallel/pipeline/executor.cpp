@@ -451,14 +451,17 @@ PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOp
   Impl& I = *impl_;
   I.rank = pp.rank();
   I.tensor = opt.tp > 1 || opt.cp > 1 || opt.sp;
-  const OpCosts costs = op_costs(cfg, cfg.block_size);
+  LOOM_CHECK(opt.seq_len >= 0 && opt.seq_len <= cfg.block_size, "pipeline executor: seq_len = {} outside [0, "
+             "block_size = {}]", opt.seq_len, cfg.block_size);
+  const int64_t T = opt.seq_len > 0 ? opt.seq_len : cfg.block_size;
+  const OpCosts costs = op_costs(cfg, T);
   sch_ = generate(opt.schedule, costs);
   checked_ = check_or_throw(sch_, costs);
   const int p = sch_.p(), v = sch_.v(), V = p * v;
   const int64_t n = cfg.n_layer + 2;
   if (opt.cuts.empty()) {
     LOOM_CHECK(n >= V, "pipeline executor: {} virtual stages but the chain has only {} elements (n_layer + 2)", V, n);
-    cuts_ = balance_chain(chain_costs(cfg, cfg.block_size), V);
+    cuts_ = balance_chain(chain_costs(cfg, T), V);
   } else {
     validate_cuts(opt.cuts, n, V, "pipeline cuts");
     cuts_ = opt.cuts;

@@ -76,6 +76,8 @@ struct ExecutorOptions {
   int tp = 1, cp = 1;               // tensor and context parallel sizes composed with pp
   bool sp = false;                  // sequence parallelism within tp
   int zero_stage = 0;               // ZeRO 0, or 1 (AdamW moments sharded over dp)
+  int64_t seq_len = 0;              // the run's sequence length, for the schedule's op costs and the
+                                    // balanced cuts (0: the model's block_size)
   // Refuses unsupported combinations with an error naming the field.
   void validate() const;
 };
