@@ -559,6 +559,12 @@ CudnnAttention::CudnnAttention(const AttnArgs& a) : impl_(std::make_unique<Impl>
   // cuDNN before 9.10 wants the most negative finite float as the mask value.
   m.neg_inf = m.version >= 91000 ? -INFINITY : -std::numeric_limits<float>::max();
   LOOM_CHECK(m.version >= 90000, "cuDNN attention: needs cuDNN 9.0 or newer, the loaded library is {}", m.version);
+  LOOM_CHECK(m.version != 91000 && m.version != 91001,
+             "cuDNN attention: cuDNN {} has known bugs in the bf16 fused attention forward; use 9.10.2 or newer",
+             m.version);
+  LOOM_CHECK(m.version >= 91000 || a.Tq > 1 || !a.causal,
+             "cuDNN attention: cuDNN {} takes no causal mask with a single query (Tq = 1); 9.10 or newer does",
+             m.version);
   // Before 9.16 the backward engines need a padding mask when Tkv is not a multiple of 128.
   LOOM_CHECK(m.version >= 91600 || a.Tkv % 128 == 0,
              "cuDNN attention: cuDNN {} needs Tkv to be a multiple of 128 for the backward graph (Tkv = {}); 9.16 "
