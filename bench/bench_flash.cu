@@ -1,12 +1,17 @@
 // Times loom's flash attention (forward, and backward including its D preprocessing and dq
-// conversion) on the shapes of the FlashAttention-2 paper's benchmark: 16k tokens per batch
+// conversion) and loom's cuDNN fused-attention path (kernels/cuda/cudnn_attention.cuh, the same
+// arguments) on the shapes of the FlashAttention-2 paper's benchmark: 16k tokens per batch
 // (B, T) in {(16, 1024), (4, 4096), (1, 16384)}, hidden size 2048 (HS 64 -> 32 heads, HS 128 -> 16
 // heads), bf16, causal, q/k/v/out as separate [B, T, NH, HS] tensors.
 // FLOP convention (FlashAttention-2's): forward 4 * B * NH * T^2 * HS, halved when causal;
 // backward 2.5x forward. Times are CUDA-event medians over --reps runs after --warmup runs.
-//   bench_flash [--reps N] [--warmup N] [--hs 64,128] [--causal 0|1]
-// Prints one line per shape: "loom_flash hs=.. B=.. T=.. NH=.. causal=.. fwd_ms=.. fwd_tflops=..
-// bwd_ms=.. bwd_tflops=..".
+//   bench_flash [--reps N] [--warmup N] [--hs 64,128] [--causal 0|1] [--cudnn 0|1]
+// Prints one line per shape and path: "loom_flash hs=.. B=.. T=.. NH=.. causal=.. fwd_ms=..
+// fwd_tflops=.. bwd_ms=.. bwd_tflops=..", then the same with "loom_cudnn" (unless --cudnn 0 or
+// loom was built without cuDNN) and a "# loom_cudnn ..." line with the engines cuDNN chose and the
+// largest differences of its out, lse, dq, dk, dv from loom's flash kernels on the same inputs
+// (relative to the largest flash value). A shape cuDNN refuses gets a "# loom_cudnn ...
+// unavailable: <why>" line instead.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -16,7 +21,9 @@
 #include <string>
 #include <vector>
 
+#include "core/error.h"
 #include "kernels/cuda/attention.cuh"
+#include "kernels/cuda/cudnn_attention.cuh"
 
 namespace {
 
@@ -33,6 +40,20 @@ __global__ void fill_random(bf16* x, int64_t n, uint32_t seed, float lo, float h
     h ^= h >> 15;
     x[i] = __float2bfloat16(lo + (hi - lo) * float(h >> 8) * (1.f / 16777216.f));
   }
+}
+
+// out[0] = max |a - b| and out[1] = max |b| over n elements, as float bits (non-negative floats
+// order like their bits; out zeroed by the caller).
+template <class T>
+__global__ void max_abs_diff(const T* a, const T* b, int64_t n, unsigned* out) {
+  float d = 0.f, m = 0.f;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float x = float(a[i]), y = float(b[i]);
+    d = fmaxf(d, (isfinite(x) && isfinite(y)) || x == y ? fabsf(x - y) : INFINITY);
+    m = fmaxf(m, fabsf(y));
+  }
+  atomicMax(out, __float_as_uint(d));
+  atomicMax(out + 1, __float_as_uint(m));
 }
 
 #define CHECK(expr)                                                                               \
@@ -70,7 +91,7 @@ float median_ms(F&& fn, int warmup, int reps) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int reps = 30, warmup = 5, causal = 1;
+  int reps = 30, warmup = 5, causal = 1, use_cudnn = loom::cuda::cudnn_available();
   std::vector<int> head_sizes = {64, 128};
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -87,6 +108,8 @@ int main(int argc, char** argv) {
       warmup = std::max(0, std::atoi(next()));
     } else if (arg == "--causal") {
       causal = std::atoi(next()) != 0;
+    } else if (arg == "--cudnn") {
+      use_cudnn = std::atoi(next()) != 0;
     } else if (arg == "--hs") {
       head_sizes.clear();
       std::string s = next();
@@ -96,7 +119,7 @@ int main(int argc, char** argv) {
         p = q == std::string::npos ? s.size() : q + 1;
       }
     } else {
-      std::fprintf(stderr, "usage: bench_flash [--reps N] [--warmup N] [--hs 64,128] [--causal 0|1]\n");
+      std::fprintf(stderr, "usage: bench_flash [--reps N] [--warmup N] [--hs 64,128] [--causal 0|1] [--cudnn 0|1]\n");
       return 2;
     }
   }
@@ -104,7 +127,22 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop{};
   CHECK(cudaGetDevice(&dev));
   CHECK(cudaGetDeviceProperties(&prop, dev));
-  std::printf("# device: %s, %d SMs; reps %d, warmup %d\n", prop.name, prop.multiProcessorCount, reps, warmup);
+  std::printf("# device: %s, %d SMs; reps %d, warmup %d; cuDNN %lld\n", prop.name, prop.multiProcessorCount, reps,
+              warmup, (long long)loom::cuda::cudnn_runtime_version());
+  unsigned* diff = nullptr;  // [2]: max |a - b|, max |b| (float bits)
+  CHECK(cudaMalloc(&diff, 2 * sizeof(unsigned)));
+  // Largest |a - b| relative to the largest |b| (b: loom flash's result).
+  auto rel_diff = [&](auto* a, auto* b, int64_t n) {
+    CHECK(cudaMemset(diff, 0, 2 * sizeof(unsigned)));
+    max_abs_diff<<<1024, 256>>>(a, b, n, diff);
+    CHECK(cudaGetLastError());
+    unsigned h[2];
+    CHECK(cudaMemcpy(h, diff, sizeof h, cudaMemcpyDeviceToHost));
+    float d, m;
+    std::memcpy(&d, &h[0], 4);
+    std::memcpy(&m, &h[1], 4);
+    return m > 0 ? d / m : d;
+  };
 
   const int64_t hidden = 2048, tokens = 16384;
   const int64_t seqs[] = {1024, 4096, 16384};
@@ -140,10 +178,44 @@ int main(int argc, char** argv) {
                   hs, (long long)B, (long long)T, (long long)NH, causal, fwd_ms, fwd_flop / (fwd_ms * 1e9),
                   bwd_ms, bwd_flop / (bwd_ms * 1e9));
       std::fflush(stdout);
+      if (use_cudnn) {
+        // o, lse, dq, dk, dv now hold loom flash's results on these inputs.
+        bf16 *o2, *dq2, *dk2, *dv2;
+        float* lse2;
+        void* ws2 = nullptr;
+        for (bf16** p : {&o2, &dq2, &dk2, &dv2}) CHECK(cudaMalloc(p, size_t(n) * sizeof(bf16)));
+        CHECK(cudaMalloc(&lse2, size_t(B * NH * T) * sizeof(float)));
+        try {
+          loom::cuda::CudnnAttention att(a);
+          const size_t ws2_bytes = std::max(att.forward_workspace_bytes(), att.backward_workspace_bytes());
+          CHECK(cudaMalloc(&ws2, std::max<size_t>(ws2_bytes, 1)));
+          auto cfwd = [&]() { att.forward(o2, lse2, q, k, v, ws2, nullptr); };
+          auto cbwd = [&]() { att.backward(dq2, dk2, dv2, dout, q, k, v, o2, lse2, ws2, nullptr); };
+          cfwd();
+          cbwd();
+          CHECK(cudaDeviceSynchronize());
+          std::printf("# loom_cudnn hs=%d T=%lld: %s; max|cudnn - flash| / max|flash|: out %.2e lse %.2e dq %.2e "
+                      "dk %.2e dv %.2e\n",
+                      hs, (long long)T, att.describe().c_str(), rel_diff(o2, o, n), rel_diff(lse2, lse, B * NH * T),
+                      rel_diff(dq2, dq, n), rel_diff(dk2, dk, n), rel_diff(dv2, dv, n));
+          const float cfwd_ms = median_ms(cfwd, warmup, reps);
+          const float cbwd_ms = median_ms(cbwd, warmup, reps);
+          std::printf("loom_cudnn hs=%d B=%lld T=%lld NH=%lld causal=%d fwd_ms=%.4f fwd_tflops=%.1f bwd_ms=%.4f "
+                      "bwd_tflops=%.1f\n",
+                      hs, (long long)B, (long long)T, (long long)NH, causal, cfwd_ms, fwd_flop / (cfwd_ms * 1e9),
+                      cbwd_ms, bwd_flop / (cbwd_ms * 1e9));
+        } catch (const loom::Error& e) {
+          std::printf("# loom_cudnn hs=%d B=%lld T=%lld unavailable: %s\n", hs, (long long)B, (long long)T, e.what());
+        }
+        std::fflush(stdout);
+        CHECK(cudaDeviceSynchronize());
+        for (void* p : {(void*)o2, (void*)dq2, (void*)dk2, (void*)dv2, (void*)lse2, ws2}) CHECK(cudaFree(p));
+      }
       for (void* p : {(void*)q, (void*)k, (void*)v, (void*)o, (void*)dout, (void*)dq, (void*)dk, (void*)dv,
                       (void*)lse, ws})
         CHECK(cudaFree(p));
     }
   }
+  CHECK(cudaFree(diff));
   return 0;
 }

@@ -2,7 +2,7 @@
 // parity dump (weights, batch, logits, gradients) for bench/nanogpt_torch.py --parity.
 //
 //   train_gpt2_cuda [--model gpt2-124m] [-B 16] [-T 1024] [--steps 30] [--warmup 5]
-//                   [--attention flash|gemm] [--no-graph] [--lr 6e-4] [--seed 1337] [--json]
+//                   [--attention flash|gemm|cudnn] [--no-graph] [--lr 6e-4] [--seed 1337] [--json]
 //                   [--dump FILE]
 //
 // Tokens are uniform random ids (a fixed seed): the step's cost does not depend on the data.
@@ -41,7 +41,7 @@ struct Args {
 [[noreturn]] void usage(const std::string& msg) {
   std::fprintf(stderr,
                "train_gpt2_cuda: %s\nusage: train_gpt2_cuda [--model NAME] [-B N] [-T N] [--steps N] [--warmup N] "
-               "[--attention flash|gemm] [--no-graph] [--lr X] [--seed N] [--json] [--dump FILE]\n",
+               "[--attention flash|gemm|cudnn] [--no-graph] [--lr X] [--seed N] [--json] [--dump FILE]\n",
                msg.c_str());
   std::exit(2);
 }
@@ -73,7 +73,8 @@ Args parse(int argc, char** argv) {
     else if (k == "--dump") a.dump = val();
     else usage("unknown option " + k);
   }
-  if (a.attention != "flash" && a.attention != "gemm") usage("--attention must be flash or gemm");
+  if (a.attention != "flash" && a.attention != "gemm" && a.attention != "cudnn")
+    usage("--attention must be flash, gemm or cudnn");
   return a;
 }
 
@@ -127,7 +128,9 @@ int main(int argc, char** argv) {
     model::GPTCudaOptions o;
     o.B = a.B;
     o.T = a.T;
-    o.attention = a.attention == "flash" ? model::CudaAttention::flash : model::CudaAttention::gemm;
+    o.attention = a.attention == "flash"   ? model::CudaAttention::flash
+                  : a.attention == "cudnn" ? model::CudaAttention::cudnn
+                                           : model::CudaAttention::gemm;
     o.cuda_graph = a.graph;
     o.lr = a.lr;
     MemoryPool& pool = cuda::device_pool();

@@ -1,12 +1,14 @@
 #include "kernels/cuda/common.cuh"
 #include "model/gpt_cuda.cuh"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
 #include "kernels/cuda/attention.cuh"
 #include "kernels/cuda/attn_gemm.cuh"
 #include "kernels/cuda/crossentropy.cuh"
+#include "kernels/cuda/cudnn_attention.cuh"
 #include "kernels/cuda/embedding.cuh"
 #include "kernels/cuda/gelu.cuh"
 #include "kernels/cuda/layernorm.cuh"
@@ -95,9 +97,9 @@ GPTCuda::GPTCuda(const GPTConfig& cfg, const GPTCudaOptions& opt, MemoryPool& po
              cfg_.block_size, B, T);
   LOOM_CHECK(C % 8 == 0 && HS % 8 == 0, "GPTCuda config '{}': n_embd {} and head size {} must be multiples of 8",
              cfg_.name.c_str(), C, HS);
-  if (opt_.attention == CudaAttention::flash)
-    LOOM_CHECK(HS == 64 || HS == 128, "GPTCuda: flash attention needs head size 64 or 128, got {} (use gemm attention)",
-               HS);
+  if (opt_.attention != CudaAttention::gemm)
+    LOOM_CHECK(HS == 64 || HS == 128, "GPTCuda: {} attention needs head size 64 or 128, got {} (use gemm attention)",
+               opt_.attention == CudaAttention::flash ? "flash" : "cudnn", HS);
 
   for (const ParamSpec& s : specs_) {
     offsets_.push_back(total_);
@@ -172,7 +174,12 @@ GPTCuda::GPTCuda(const GPTConfig& cfg, const GPTCudaOptions& opt, MemoryPool& po
     args.Tq = args.Tkv = T;
     args.q_stride = args.kv_stride = 3 * C;
     args.o_stride = C;
-    a.attn_ws_bytes = cuda::attention_backward_workspace_bytes(args);
+    if (opt_.attention == CudaAttention::cudnn) {
+      cudnn_attn_ = std::make_unique<cuda::CudnnAttention>(args);
+      a.attn_ws_bytes = std::max(cudnn_attn_->forward_workspace_bytes(), cudnn_attn_->backward_workspace_bytes());
+    } else {
+      a.attn_ws_bytes = cuda::attention_backward_workspace_bytes(args);
+    }
   }
   a.attn_ws = a.attn_ws_bytes ? alloc(a.attn_ws_bytes, W) : nullptr;
 
@@ -190,10 +197,9 @@ GPTCuda::GPTCuda(const GPTConfig& cfg, const GPTCudaOptions& opt, MemoryPool& po
 
 GPTCuda::~GPTCuda() {
   if (graph_) cudaGraphExecDestroy(graph_);
-  if (stream_) {
-    cudaStreamSynchronize(stream_);
-    cudaStreamDestroy(stream_);
-  }
+  if (stream_) cudaStreamSynchronize(stream_);
+  cudnn_attn_.reset();  // its cuDNN handle runs on stream_
+  if (stream_) cudaStreamDestroy(stream_);
   cudaFreeHost(h_tokens_);
   cudaFreeHost(h_stats_);
   adamw_.reset();
@@ -305,6 +311,8 @@ void GPTCuda::enqueue_forward(bool fused_loss_grad) {
     cuda::matmul_forward({y.qkv, nullptr, y.ln1, W(p + kQkvW), W(p + kQkvB), BT, C, 3 * C, false}, s);
     if (opt_.attention == CudaAttention::gemm) {
       cuda::attn_gemm_forward(y.atty, y.att, y.qkv, {B, T, NH, HS}, a.attn_ws, s);
+    } else if (opt_.attention == CudaAttention::cudnn) {
+      cudnn_attn_->forward(y.atty, y.lse, y.qkv, y.qkv + C, y.qkv + 2 * C, a.attn_ws, s);
     } else {
       cuda::AttnArgs args;
       args.B = B;
@@ -411,6 +419,9 @@ void GPTCuda::enqueue_backward() {
     bf16* dqkv = a.dbig;  // [BT, 3C]
     if (opt_.attention == CudaAttention::gemm) {
       cuda::attn_gemm_backward(dqkv, y.att, a.dln, y.qkv, {B, T, NH, HS}, a.attn_ws, s);
+    } else if (opt_.attention == CudaAttention::cudnn) {
+      cudnn_attn_->backward(dqkv, dqkv + C, dqkv + 2 * C, a.dln, y.qkv, y.qkv + C, y.qkv + 2 * C, y.atty, y.lse,
+                            a.attn_ws, s);
     } else {
       cuda::AttnArgs args;
       args.B = B;

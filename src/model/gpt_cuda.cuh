@@ -21,11 +21,17 @@
 #include "model/param.h"
 #include "model/param_specs.h"
 
+namespace loom::cuda {
+class CudnnAttention;
+}
+
 namespace loom::model {
 
 enum class CudaAttention : uint8_t {
   flash,  // loom's flash attention (kernels/cuda/attention.cuh): head sizes 64 and 128
   gemm,   // cuBLAS batched GEMMs with the probabilities materialised (kernels/cuda/attn_gemm.cuh)
+  cudnn,  // cuDNN's fused attention through loom's backend-graph path (kernels/cuda/cudnn_attention.cuh):
+          // head sizes 64 and 128, needs a build with cuDNN
 };
 
 struct GPTCudaOptions {
@@ -100,6 +106,7 @@ class GPTCuda {
   float* m_ = nullptr;        // f32 [total]
   float* v_ = nullptr;        // f32 [total]
   std::unique_ptr<cuda::MultiTensorAdamW> adamw_;
+  std::unique_ptr<cuda::CudnnAttention> cudnn_attn_;  // the planned graphs (attention == cudnn)
 
   struct Acts;
   std::unique_ptr<Acts> acts_;

@@ -1,5 +1,5 @@
 // The GPU GPT-2 step: against the PyTorch reference dump (tests/data, written by
-// scripts/torch_reference.py in float64/f32), flash vs GEMM attention, CUDA graph vs eager, memory
+// scripts/torch_reference.py in float64/f32), flash vs GEMM and cuDNN attention, CUDA graph vs eager, memory
 // tags and input errors. The model computes in bf16 with f32 accumulation and f32 master weights,
 // so tolerances are bf16-compounded over the whole network:
 //   loss 5e-3 relative, logits 2e-2 (norm), every parameter gradient 5e-2 (norm), the global
@@ -11,6 +11,7 @@
 
 #include "cuda_test_util.h"
 #include "kernels/cuda/allocator.cuh"
+#include "kernels/cuda/cudnn_attention.cuh"
 #include "model/gpt_cuda.cuh"
 #include "train/safetensors.h"
 
@@ -133,6 +134,43 @@ TEST(GPTCuda, FlashAttentionMatchesGemmAttention) {
     worst = std::max(worst, e);
   }
   std::printf("flash vs gemm attention: loss %.6f vs %.6f, worst grad rel %.2e\n", lb, la, worst);
+}
+
+TEST(GPTCuda, CudnnAttentionMatchesFlashAttention) {
+  LOOM_REQUIRE_GPU();
+  if (!cuda::cudnn_available()) GTEST_SKIP() << "loom built without cuDNN: skipped";
+  model::GPTConfig cfg = model::gpt_preset("gpt2-tiny");
+  cfg.n_layer = 2;
+  cfg.n_head = 2;
+  cfg.n_embd = 128;  // head size 64
+  cfg.block_size = 256;
+  model::GPTCudaOptions o;
+  o.B = 2;
+  o.T = 192;
+  o.lr = 3e-3f;
+  auto tok = random_tokens(o.B * o.T, cfg.vocab_size, 5), tgt = random_tokens(o.B * o.T, cfg.vocab_size, 6);
+  o.attention = model::CudaAttention::flash;
+  model::GPTCuda a(cfg, o, cuda::device_pool(), 7);
+  o.attention = model::CudaAttention::cudnn;
+  model::GPTCuda b(cfg, o, cuda::device_pool(), 7);
+  const float la = a.forward_backward(tok.data(), tgt.data()), lb = b.forward_backward(tok.data(), tgt.data());
+  EXPECT_LE(std::fabs(la - lb) / la, 5e-3);
+  double worst = 0;
+  for (const model::ParamSpec& s : a.specs()) {
+    const double e = rel_err(b.gradient(s.name), a.gradient(s.name));
+    EXPECT_LE(e, 5e-2) << s.name;
+    worst = std::max(worst, e);
+  }
+  // Training steps replayed as a CUDA graph (cuDNN's plans captured with the rest of the step).
+  double step_diff = 0;
+  for (int s = 1; s <= 4; ++s) {
+    const float sa = a.train_step(tok.data(), tgt.data(), o.lr, s), sb = b.train_step(tok.data(), tgt.data(), o.lr, s);
+    EXPECT_TRUE(std::isfinite(sb)) << "step " << s;
+    step_diff = std::max(step_diff, std::fabs(double(sa) - sb));
+  }
+  EXPECT_LE(step_diff, 2e-2);
+  std::printf("cudnn vs flash attention: loss %.6f vs %.6f, worst grad rel %.2e, 4 graph steps max |loss diff| %.2e\n",
+              lb, la, worst, step_diff);
 }
 
 TEST(GPTCuda, GraphReplayMatchesEagerAndTrains) {

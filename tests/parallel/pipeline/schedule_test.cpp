@@ -25,9 +25,15 @@ TEST(PipelineSchedule, CheckerAcceptsEveryGeneratedSchedule) {
           ASSERT_TRUE(r.ok) << kind_name(k) << " p=" << p << " v=" << v << " m=" << m << ": " << r.error;
           for (int rank = 0; rank < p; ++rank) {
             const int peak = r.ranks[size_t(rank)].peak_in_flight;
-            if (k == Kind::gpipe) ASSERT_EQ(peak, m);
-            if (k == Kind::one_f_one_b || k == Kind::zb_h1) ASSERT_EQ(peak, std::min(m, p - rank)) << kind_name(k);
-            if (k == Kind::interleaved) ASSERT_LE(peak, m * v);
+            if (k == Kind::gpipe) {
+              ASSERT_EQ(peak, m);
+            }
+            if (k == Kind::one_f_one_b || k == Kind::zb_h1) {
+              ASSERT_EQ(peak, std::min(m, p - rank)) << kind_name(k);
+            }
+            if (k == Kind::interleaved) {
+              ASSERT_LE(peak, m * v);
+            }
           }
           ++checked;
         }
