@@ -123,8 +123,12 @@ TEST(PipelineSchedule, OtherOpCostsKeepValidityBoundsAndBubbles) {
               ASSERT_LE(r.ranks[size_t(rank)].end[i], blocking.ranks[size_t(rank)].end[i] + 1e-12);
           for (int rank = 0; rank < p; ++rank) {
             const int peak = r.ranks[size_t(rank)].peak_in_flight;
-            if (k == Kind::gpipe) ASSERT_EQ(peak, m);
-            if (k == Kind::one_f_one_b || k == Kind::zb_h1) ASSERT_EQ(peak, std::min(m, p - rank));
+            if (k == Kind::gpipe) {
+              ASSERT_EQ(peak, m);
+            }
+            if (k == Kind::one_f_one_b || k == Kind::zb_h1) {
+              ASSERT_EQ(peak, std::min(m, p - rank));
+            }
           }
         }
     if (c.backward != 2.0) continue;
