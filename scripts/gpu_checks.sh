@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The checks and benchmarks that need a GPU host, in one go, from a bundle made by
+# scripts/pack_gpu_bundle.sh (built on a machine with the CUDA toolkit):
+#   scripts/gpu_checks.sh BUNDLE_DIR OUT_DIR [STEP...]
+# Steps (default: all, in this order):
+#   device    nvidia-smi's view of the GPU
+#   cuda      every test of test_cuda (kernels against the CPU ops, cuDNN attention, the model, NCCL)
+#   pipeline  bench_pipeline at p = 4 and p = 2 (CPU threads: the host's cores, one rank per core)
+#   flash     bench_flash: loom's flash attention and loom's cuDNN path, same inputs
+#   train     train_gpt2_cuda GPT-2 124M, B = 16, T = 1024, with flash and with cuDNN attention
+#   loom      `loom train --train.device cuda` on a small corpus made from the repository's text
+# Each step writes OUT_DIR/<step>.log and its exit status to OUT_DIR/status; a failing step does
+# not stop the others, and the script exits non-zero if any failed.
+set -uo pipefail
+[[ $# -ge 2 ]] || { echo "usage: scripts/gpu_checks.sh BUNDLE_DIR OUT_DIR [STEP...]" >&2; exit 2; }
+root=$(cd "$(dirname "$0")/.." && pwd)
+bundle=$1
+out=$2
+shift 2
+steps=("$@")
+[[ ${#steps[@]} -gt 0 ]] || steps=(device cuda pipeline flash train loom)
+mkdir -p "$out"
+env_run() { "$root/scripts/gpu_env.sh" "$bundle" "$@"; }
+step_device() { nvidia-smi; }
+step_cuda() { env_run test_cuda; }
+step_pipeline() { env_run bench_pipeline 4 8 8 11 && env_run bench_pipeline 2 8 8 11; }
+step_flash() { env_run bench_flash; }
+step_train() {
+  local a
+  for a in flash cudnn; do env_run train_gpt2_cuda -B 16 -T 1024 --steps 20 --warmup 5 --attention "$a" || return 1; done
+}
+step_loom() {
+  local corpus="$out/corpus"
+  mkdir -p "$corpus"
+  cat "$root"/README.md "$root"/bench/README.md "$root"/src/*/*.h "$root"/src/*/*/*.h > "$corpus/text.txt"
+  env_run loom prepare "$corpus/text.txt" --out "$corpus/data" --vocab-size 512 &&
+    env_run loom train "$root/configs/kjv-10m.toml" --data.dir "$corpus/data" --train.device cuda \
+      --train.steps 40 --train.eval_every 20 --train.checkpoint_every 20 --train.out_dir "$out/run" &&
+    env_run loom generate "$out/run" --prompt "The " --tokens 20
+}
+failed=0
+run_step() {
+  local name=$1
+  local t0=$SECONDS
+  echo "== $name" | tee -a "$out/status"
+  "step_$name" > "$out/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$out/status"
+  [[ $rc -eq 0 ]] || failed=1
+}
+for s in "${steps[@]}"; do
+  case "$s" in
+    device|cuda|pipeline|flash|train|loom) run_step "$s" ;;
+    *) echo "gpu_checks: unknown step '$s' (device, cuda, pipeline, flash, train, loom)" >&2; exit 2 ;;
+  esac
+done
+exit $failed
