@@ -24,6 +24,7 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -157,10 +158,11 @@ TEST(CudaTrain, CheckpointsResumeOnTheOtherDevice) {
   Fixture f("cross");
   const std::string extra = "--quiet --train.grad_accum 2";
   const std::string kill = "LOOM_FAULT_INJECT=rank=0,step=11,kind=exit";
-  for (const char* device : {"cpu", "cuda"}) {
-    CliRun full = f.train(device, fmt::format("{}_full", device), extra);
+  const std::pair<const char*, const char*> runs[] = {{"cpu", "cpu"}, {"cuda", "gpu"}};  // device, name
+  for (const auto& [device, name] : runs) {
+    CliRun full = f.train(device, fmt::format("{}_full", name), extra);
     ASSERT_EQ(full.code, 0) << full.err;
-    CliRun cut = f.train(device, fmt::format("{}_cut", device), extra, kill);
+    CliRun cut = f.train(device, fmt::format("{}_cut", name), extra, kill);
     ASSERT_EQ(cut.code, 3) << cut.err;
   }
   // The CPU run's step-10 checkpoint (weights and AdamW moments) continues on the GPU, the GPU
@@ -170,10 +172,10 @@ TEST(CudaTrain, CheckpointsResumeOnTheOtherDevice) {
   expect_close(f.metrics("cpu_cut", "loss"), f.metrics("cpu_full", "loss"), 11, 20, kCpuTol, "CPU -> GPU loss");
   expect_close(f.metrics("cpu_cut", "val_loss"), f.metrics("cpu_full", "val_loss"), 20, 20, kCpuTol,
                "CPU -> GPU val_loss");
-  CliRun c = f.train("cpu", "cuda_cut", extra + " --resume");
+  CliRun c = f.train("cpu", "gpu_cut", extra + " --resume");
   ASSERT_EQ(c.code, 0) << c.err;
-  expect_close(f.metrics("cuda_cut", "loss"), f.metrics("cuda_full", "loss"), 11, 20, kCpuTol, "GPU -> CPU loss");
-  expect_close(f.metrics("cuda_cut", "val_loss"), f.metrics("cuda_full", "val_loss"), 20, 20, kCpuTol,
+  expect_close(f.metrics("gpu_cut", "loss"), f.metrics("gpu_full", "loss"), 11, 20, kCpuTol, "GPU -> CPU loss");
+  expect_close(f.metrics("gpu_cut", "val_loss"), f.metrics("gpu_full", "val_loss"), 20, 20, kCpuTol,
                "GPU -> CPU val_loss");
 }
 
