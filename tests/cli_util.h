@@ -11,6 +11,7 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -19,7 +20,20 @@
 
 namespace loom::test {
 
-inline const std::string kLoom = std::string(LOOM_BINARY_DIR) + "/loom";
+// The loom executable: in the build directory, else beside the running test binary or one folder
+// above it (the executables of a build copied together to another machine).
+inline std::string locate_loom() {
+  const std::filesystem::path built = std::filesystem::path(LOOM_BINARY_DIR) / "loom";
+  if (std::filesystem::exists(built)) return built.string();
+  std::error_code ec;
+  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (!ec)
+    for (const auto& p : {self.parent_path() / "loom", self.parent_path().parent_path() / "loom"})
+      if (std::filesystem::exists(p)) return p.string();
+  return built.string();
+}
+
+inline const std::string kLoom = locate_loom();
 
 struct CmdRun {
   int status = -1;

@@ -197,6 +197,7 @@ GPTCuda::GPTCuda(const GPTConfig& cfg, const GPTCudaOptions& opt, MemoryPool& po
 
 GPTCuda::~GPTCuda() {
   if (graph_) cudaGraphExecDestroy(graph_);
+  if (micro_graph_) cudaGraphExecDestroy(micro_graph_);
   if (stream_) cudaStreamSynchronize(stream_);
   cudnn_attn_.reset();  // its cuDNN handle runs on stream_
   if (stream_) cudaStreamDestroy(stream_);
@@ -342,7 +343,7 @@ void GPTCuda::enqueue_forward(bool fused_loss_grad) {
   // logits [BT, Vp] = lnf @ wte^T (tied; padding rows of wte are zero, so padding logits are 0)
   cuda::matmul_forward({a.logits, nullptr, a.lnf, W(0), nullptr, BT, C, Vp, false}, s);
   if (fused_loss_grad)
-    cuda::crossentropy_forward_backward(a.losses, a.logits, a.logits, d_targets_, dloss_, BT, V, Vp, s);
+    cuda::crossentropy_forward_backward(a.losses, a.logits, a.logits, d_targets_, dloss_ * grad_scale_, BT, V, Vp, s);
   else
     cuda::crossentropy_forward(a.losses, a.logits, d_targets_, BT, V, Vp, s);
   mean_loss_kernel<<<1, 1024, 0, s>>>(d_loss_, a.losses, BT, dloss_);
@@ -480,8 +481,7 @@ void GPTCuda::enqueue_step() {
                                   stream_));
 }
 
-float GPTCuda::train_step(const int32_t* tokens, const int32_t* targets, float lr, int64_t step) {
-  upload_batch(tokens, targets);
+void GPTCuda::set_adamw_hyper(float lr, int64_t step) {
   cuda::AdamWHyper h;
   h.lr = lr;
   h.beta1 = opt_.beta1;
@@ -490,6 +490,11 @@ float GPTCuda::train_step(const int32_t* tokens, const int32_t* targets, float l
   h.step = step;
   h.max_norm = opt_.grad_clip;
   adamw_->set_hyper(h);
+}
+
+float GPTCuda::train_step(const int32_t* tokens, const int32_t* targets, float lr, int64_t step) {
+  upload_batch(tokens, targets);
+  set_adamw_hyper(lr, step);
   if (opt_.cuda_graph && graph_ && graph_dloss_ != dloss_) {
     LOOM_CUDA_CHECK(cudaGraphExecDestroy(graph_));
     graph_ = nullptr;
@@ -517,5 +522,83 @@ float GPTCuda::train_step(const int32_t* tokens, const int32_t* targets, float l
   }
   return read_loss();
 }
+
+}  // namespace loom::model
+
+namespace loom::model {
+
+void GPTCuda::zero_grad() { LOOM_CUDA_CHECK(cudaMemsetAsync(grads_, 0, size_t(total_) * sizeof(float), stream_)); }
+
+float GPTCuda::accumulate(const int32_t* tokens, const int32_t* targets, float dloss_scale) {
+  LOOM_CHECK(std::isfinite(dloss_scale), "GPTCuda::accumulate: dloss_scale {} is not finite", dloss_scale);
+  upload_batch(tokens, targets);
+  if (micro_graph_ && (micro_graph_dloss_ != dloss_ || micro_graph_scale_ != dloss_scale)) {
+    LOOM_CUDA_CHECK(cudaGraphExecDestroy(micro_graph_));
+    micro_graph_ = nullptr;
+  }
+  // The scale is read while kernels are enqueued (or captured): train_step and forward_backward
+  // see 1 again however this returns.
+  struct ScaleGuard {
+    float& s;
+    ~ScaleGuard() { s = 1.f; }
+  } guard{grad_scale_};
+  grad_scale_ = dloss_scale;
+  if (!opt_.cuda_graph || !warmed_) {
+    enqueue_forward(true);  // as train_step: the first forward + backward runs eagerly
+    enqueue_backward();
+    warmed_ = true;
+  } else {
+    if (!micro_graph_) {
+      cudaGraph_t g = nullptr;
+      LOOM_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+      try {
+        enqueue_forward(true);
+        enqueue_backward();
+      } catch (...) {
+        cudaStreamEndCapture(stream_, &g);
+        if (g) cudaGraphDestroy(g);
+        throw;
+      }
+      LOOM_CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
+      LOOM_CUDA_CHECK(cudaGraphInstantiate(&micro_graph_, g, 0));
+      LOOM_CUDA_CHECK(cudaGraphDestroy(g));
+      micro_graph_dloss_ = dloss_;
+      micro_graph_scale_ = dloss_scale;
+    }
+    LOOM_CUDA_CHECK(cudaGraphLaunch(micro_graph_, stream_));
+  }
+  return read_loss();
+}
+
+float GPTCuda::optimizer_step(float lr, int64_t step) {
+  set_adamw_hyper(lr, step);
+  adamw_->launch(stream_);
+  LOOM_CUDA_CHECK(cudaMemcpyAsync(h_stats_ + 1, adamw_->norm_and_scale(), 2 * sizeof(float), cudaMemcpyDeviceToHost,
+                                  stream_));
+  LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return h_stats_[1];
+}
+
+std::vector<float> GPTCuda::download(const float* base, const std::string& name) const {
+  const size_t i = find_spec(specs_, name);
+  std::vector<float> out(size_t(specs_[i].numel()));
+  LOOM_CUDA_CHECK(
+      cudaMemcpyAsync(out.data(), base + offsets_[i], out.size() * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return out;
+}
+
+void GPTCuda::upload(float* base, const std::string& name, const float* values) {
+  const size_t i = find_spec(specs_, name);
+  LOOM_CHECK(values, "GPTCuda: no values given for '{}'", name);
+  LOOM_CUDA_CHECK(cudaMemcpyAsync(base + offsets_[i], values, size_t(specs_[i].numel()) * sizeof(float),
+                                  cudaMemcpyHostToDevice, stream_));
+  LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));  // `values` may be freed on return
+}
+
+std::vector<float> GPTCuda::exp_avg(const std::string& name) const { return download(m_, name); }
+std::vector<float> GPTCuda::exp_avg_sq(const std::string& name) const { return download(v_, name); }
+void GPTCuda::set_exp_avg(const std::string& name, const float* values) { upload(m_, name, values); }
+void GPTCuda::set_exp_avg_sq(const std::string& name, const float* values) { upload(v_, name, values); }
 
 }  // namespace loom::model

@@ -75,7 +75,25 @@ class GPTCuda {
   // One optimizer step on the batch: gradients, global-norm clipping, AdamW at learning rate lr,
   // step (1-based) for bias correction. Returns the mean loss (before the update).
   float train_step(const int32_t* tokens, const int32_t* targets, float lr, int64_t step);
-  float last_grad_norm() const { return h_stats_[1]; }  // of the last train_step
+  float last_grad_norm() const { return h_stats_[1]; }  // of the last train_step or optimizer_step
+
+  // Gradient accumulation over micro-batches, then one update: zero_grad(), accumulate() once
+  // per micro-batch, optimizer_step(). accumulate() adds dloss_scale times the gradient of the
+  // batch's mean loss (1 / k for the mean over k micro-batches) and returns that mean loss; with
+  // cuda_graph its forward + backward is captured once and replayed. optimizer_step() is
+  // train_step's update (clipping, AdamW at lr, bias correction for `step`) on the accumulated
+  // gradients and returns the gradient norm before clipping.
+  void zero_grad();
+  float accumulate(const int32_t* tokens, const int32_t* targets, float dloss_scale);
+  float optimizer_step(float lr, int64_t step);
+
+  // AdamW moments of one parameter (host f32, spec.numel() elements), for checkpoints; throws
+  // naming it. The step count is the caller's: train_step and optimizer_step take it.
+  std::vector<float> exp_avg(const std::string& name) const;
+  std::vector<float> exp_avg_sq(const std::string& name) const;
+  void set_exp_avg(const std::string& name, const float* values);
+  void set_exp_avg_sq(const std::string& name, const float* values);
+  bool flash_attention() const { return opt_.attention == CudaAttention::flash; }
 
   // f32 [B, T, Vp] copy of the last forward()'s bf16 logits (padding columns included).
   std::vector<float> logits() const;
@@ -88,6 +106,9 @@ class GPTCuda {
   void enqueue_forward(bool fused_loss_grad);
   void enqueue_backward();
   void enqueue_step();  // zero grads, forward (fused loss grad), backward, optimizer
+  void set_adamw_hyper(float lr, int64_t step);
+  std::vector<float> download(const float* base, const std::string& name) const;  // logical elements
+  void upload(float* base, const std::string& name, const float* values);
   float read_loss();
   void refresh_bf16();
   void* alloc(size_t bytes, MemTag tag);
@@ -121,6 +142,9 @@ class GPTCuda {
   cudaStream_t stream_ = nullptr;
   cudaGraphExec_t graph_ = nullptr;
   float graph_dloss_ = 0.f;  // dloss baked into the captured graph
+  float grad_scale_ = 1.f;   // the gradient's factor on the mean loss (accumulate's dloss_scale)
+  cudaGraphExec_t micro_graph_ = nullptr;  // accumulate(): forward + backward, no zeroing, no update
+  float micro_graph_dloss_ = 0.f, micro_graph_scale_ = 0.f;  // baked into micro_graph_
   bool warmed_ = false;      // an eager step has run (before the first capture)
 };
 

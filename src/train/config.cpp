@@ -3,6 +3,7 @@
 #include <charconv>
 #include <functional>
 #include <sstream>
+#include <utility>
 #include <variant>
 #include <algorithm>
 #include <toml++/toml.h>
@@ -36,6 +37,7 @@ const Field kFields[] = {
     F("train.batch_size", batch_size, "sequences per optimizer step (global batch)"),
     F("train.grad_accum", grad_accum, "micro-steps per optimizer step"),
     F("train.seed", seed, "seed of initialisation and data order"),
+    F("train.device", device, "cpu, or cuda: one GPU (a build with -DLOOM_CUDA=ON; no parallel dimension > 1)"),
     F("train.threads", threads, "CPU threads (0: all cores)"),
     F("train.log_every", log_every, "steps between metric lines"),
     F("train.eval_every", eval_every, "steps between validation losses (0: never)"),
@@ -253,6 +255,42 @@ void TrainConfig::validate(const std::string& where) const {
   } catch (const Error& e) {
     throw Error(fmt::format("{}: model.preset: {}", where, e.what()));
   }
+  need(device == "cpu" || device == "cuda", "train.device", fmt::format("'{}' is not cpu or cuda", device));
+  if (device == "cuda") validate_cuda(where);
+}
+
+void TrainConfig::validate_cuda(const std::string& where) const {
+  auto refuse = [&](const char* field, const std::string& msg) {
+    throw Error(fmt::format("{}: {}: {}", where, field, msg));
+  };
+  const char* gpu = "with train.device = \"cuda\"";
+  // The GPU trainer runs one model on one device: no parallel dimension, no sharded optimizer.
+  const std::pair<const char*, int64_t> dims[] = {{"parallel.dp", dp}, {"parallel.tp", tp}, {"parallel.pp", pp},
+                                                  {"parallel.cp", cp}};
+  for (const auto& [field, n] : dims)
+    if (n != 1) refuse(field, fmt::format("must be 1 {} (the GPU trainer runs on one GPU), got {}", gpu, n));
+  if (sp) refuse("parallel.sp", fmt::format("must be false {} (it needs tensor-parallel ranks)", gpu));
+  if (zero != 0)
+    refuse("parallel.zero", fmt::format("must be 0 {} (ZeRO shards over data-parallel ranks), got {}", gpu, zero));
+  if (offload) refuse("parallel.offload", fmt::format("must be false {} (the optimizer state stays on the GPU)", gpu));
+  if (comm != "threads")
+    refuse("parallel.comm", fmt::format("must be \"threads\" {} (the GPU trainer is one process), got \"{}\"", gpu, comm));
+  // The GPU model (model::GPTCuda): tied embeddings, widths that are multiples of 8 (vectors of
+  // 8 bf16). Flash attention takes head sizes 64 and 128; other head sizes use the GEMM attention.
+  const model::GPTConfig m = model(0);
+  if (!m.tied_embeddings) refuse("model", fmt::format("untied embeddings (lm_head.weight) are not supported {}", gpu));
+  // (n_head not dividing n_embd is the model validation's to name.)
+  const bool shaped = m.n_head > 0 && m.n_embd > 0 && m.n_embd % m.n_head == 0;
+  if (shaped && m.n_embd % 8 != 0)
+    refuse("model.n_embd", fmt::format("must be a multiple of 8 {}, got {}", gpu, m.n_embd));
+  if (shaped && m.head_size() % 8 != 0)
+    refuse("model.n_head", fmt::format("the head size n_embd / n_head = {} / {} = {} must be a multiple of 8 {}",
+                                       m.n_embd, m.n_head, m.head_size(), gpu));
+  // Last: a config the GPU trainer would refuse anyway is told why first, in any build.
+#ifndef LOOM_HAVE_CUDA
+  refuse("train.device", "\"cuda\" needs loom built with CUDA: reconfigure with `cmake -DLOOM_CUDA=ON` (the CUDA "
+                         "toolkit's nvcc on PATH) and rebuild");
+#endif
 }
 
 TrainConfig load_config(const std::string& path, const std::vector<std::string>& overrides) {

@@ -24,6 +24,7 @@ struct TrainConfig {
   int64_t batch_size = 8;                  // sequences per optimizer step (global batch)
   int64_t grad_accum = 1;                  // micro-steps per optimizer step (batch_size divisible)
   uint64_t seed = 1337;
+  std::string device = "cpu";              // cpu | cuda (one GPU: needs a CUDA build, no parallel dimension)
   int64_t threads = 0;                     // 0: all cores
   int64_t log_every = 10;
   int64_t eval_every = 100;                // 0: never
@@ -56,6 +57,9 @@ struct TrainConfig {
   // The model configuration these fields describe (vocab from the data when vocab_size is 0).
   model::GPTConfig model(int64_t data_vocab) const;
   void validate(const std::string& where) const;
+  // The refusals of train.device = "cuda" (called by validate): a build without CUDA, any parallel
+  // dimension, ZeRO, offload, and model shapes the GPU model lacks; errors name the field.
+  void validate_cuda(const std::string& where) const;
 };
 
 // A field of the schema, for parsing, errors and the config reference.

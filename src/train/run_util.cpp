@@ -238,8 +238,11 @@ optim::AdamWConfig adamw_config(const TrainConfig& cfg) {
 }
 
 double model_flops_per_token(const model::GPT& gpt, int64_t T) {
-  const model::GPTConfig& mc = gpt.config();
-  return 6.0 * double(gpt.num_nonembedding_parameters()) + 6.0 * double(mc.n_embd) * double(mc.padded_vocab()) +
+  return model_flops_per_token(gpt.config(), gpt.num_nonembedding_parameters(), T);
+}
+
+double model_flops_per_token(const model::GPTConfig& mc, int64_t nonembedding, int64_t T) {
+  return 6.0 * double(nonembedding) + 6.0 * double(mc.n_embd) * double(mc.padded_vocab()) +
          6.0 * double(mc.n_layer) * double(mc.n_embd) * double(T);  // causal attention
 }
 

@@ -30,6 +30,7 @@
 #include "train/sample.h"
 #include "train/schedule.h"
 #include "train/trainer_parallel.h"
+#include "train/trainer_cuda.h"
 
 namespace fs = std::filesystem;
 
@@ -238,6 +239,14 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
 
 TrainResult run_training(const TrainConfig& cfg, const TrainOptions& opt) {
   const std::string where = opt.config_path.empty() ? "config" : opt.config_path;
+  if (cfg.device == "cuda") {
+#ifdef LOOM_HAVE_CUDA
+    return run_training_cuda(cfg, opt);  // train/trainer_cuda.cu
+#else
+    cfg.validate_cuda(where);  // throws: this build has no CUDA
+#endif
+  }
+  LOOM_CHECK(cfg.device == "cpu", "{}: train.device: '{}' is not cpu or cuda", where, cfg.device);
   if (needs_mesh(cfg)) return run_training_mesh(cfg, opt);  // tp / sp / cp / pp: trainer_parallel.cpp
   const int dp = int(cfg.dp);
   comm::CommOptions co;

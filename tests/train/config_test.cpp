@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "train/config.h"
+#include "train/trainer.h"
 
 namespace fs = std::filesystem;
 using namespace loom;
@@ -80,5 +81,76 @@ TEST(TrainConfig, TomlRoundTrip) {
   TrainConfig d = load_config(f.path, {});
   EXPECT_EQ(config_to_toml(c), config_to_toml(d));
   EXPECT_EQ(d.out_dir, c.out_dir);
-  EXPECT_EQ(config_fields().size(), 46u);
+  EXPECT_EQ(config_fields().size(), 47u);
+}
+
+// train.device = "cuda": every combination the GPU trainer lacks is refused naming the field, in
+// any build; a build without CUDA refuses the device itself, saying how to build with it.
+TEST(TrainConfig, CudaDeviceRefusalsNameTheField) {
+  auto expect_refused = [](const std::string& text, const std::string& field, const std::string& more = "") {
+    const std::string m = error_of(text);
+    EXPECT_NE(m.find(": " + field + ": "), std::string::npos) << "expected the field " << field << " in: " << m;
+    if (!more.empty()) {
+      EXPECT_NE(m.find(more), std::string::npos) << m;
+    }
+  };
+  const std::string cuda = "[train]\ndevice = \"cuda\"\n";
+  expect_refused("[train]\ndevice = \"gpu\"\n", "train.device", "'gpu' is not cpu or cuda");
+  expect_refused(cuda + "[parallel]\ndp = 2\n", "parallel.dp", "must be 1");
+  expect_refused(cuda + "[parallel]\ntp = 2\n", "parallel.tp", "must be 1");
+  expect_refused(cuda + "[parallel]\npp = 2\n", "parallel.pp", "must be 1");
+  expect_refused(cuda + "[parallel]\ncp = 2\n", "parallel.cp", "must be 1");
+  expect_refused(cuda + "[parallel]\nsp = true\n", "parallel.sp");
+  expect_refused(cuda + "[parallel]\nzero = 1\n", "parallel.zero", "must be 0");
+  expect_refused(cuda + "[parallel]\noffload = true\n", "parallel.offload");
+  expect_refused(cuda + "[parallel]\ncomm = \"mpi\"\n", "parallel.comm");
+  expect_refused(cuda + "[model]\nn_embd = 36\nn_head = 2\n", "model.n_embd", "multiple of 8");
+  expect_refused(cuda + "[model]\nn_embd = 96\nn_head = 8\n", "model.n_head", "96 / 8 = 12");
+  // From the command line alone too.
+  try {
+    load_config("", collect_overrides({"--train.device", "cuda", "--parallel.zero=1"}));
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("command line: parallel.zero: "), std::string::npos) << e.what();
+  }
+  // A config the GPU trainer takes (head size 16 uses the GEMM attention, 64 flash).
+  for (const char* model : {"", "[model]\nn_embd = 128\nn_head = 2\n"}) {
+    TmpFile f(cuda + model);
+#ifdef LOOM_HAVE_CUDA
+    EXPECT_EQ(load_config(f.path, {}).device, "cuda");
+#else
+    expect_refused(cuda + model, "train.device", "-DLOOM_CUDA=ON");
+#endif
+  }
+}
+
+// run_training takes configs that did not come through load_config: it refuses the same way.
+TEST(TrainConfig, RunTrainingChecksTheDevice) {
+  TrainConfig c;
+  c.data_dir = (fs::temp_directory_path() / fmt::format("loom_no_data_{}", ::getpid())).string();
+  c.out_dir = c.data_dir + "_out";
+  c.device = "cuda";
+  c.dp = 2;
+  try {
+    run_training(c, {});
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("parallel.dp"), std::string::npos) << e.what();
+  }
+  c.dp = 1;
+  try {
+    run_training(c, {});
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+#ifdef LOOM_HAVE_CUDA
+    // No GPU: says so; with one: the missing data directory.
+    EXPECT_TRUE(m.find("no CUDA device") != std::string::npos || m.find(c.data_dir) != std::string::npos) << m;
+#else
+    EXPECT_NE(m.find("-DLOOM_CUDA=ON"), std::string::npos) << m;
+#endif
+  }
+  c.device = "tpu";
+  EXPECT_THROW(run_training(c, {}), Error);
+  fs::remove_all(c.out_dir);
 }

@@ -28,6 +28,9 @@ struct alignas(16) bf16x8 {
   bf16 v[8];
 };
 
+// Device code only: host sources (compiled by the C++ compiler) may include this header for the
+// checks and types above.
+#ifdef __CUDACC__
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
@@ -61,6 +64,7 @@ __device__ __forceinline__ float block_max(float x, float* shared) {
   float r = lane < nwarps ? shared[lane] : -INFINITY;
   return warp_max(r);
 }
+#endif  // __CUDACC__
 
 // The number of streaming multiprocessors of the current device (cached per process).
 int num_sms();

@@ -1,0 +1,288 @@
+// Host code only (CUDA runtime calls, no kernels): compiled by the C++ compiler, like
+// comm/nccl_comm.cu, so it shares the C++20 trainer headers.
+#include "train/trainer_cuda.h"
+
+#include <cuda_runtime.h>
+#include <omp.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/error.h"
+#include "kernels/cuda/allocator.cuh"
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/matmul.cuh"
+#include "model/gpt.h"
+#include "model/gpt_cuda.cuh"
+#include "train/checkpoint.h"
+#include "train/run_util.h"
+#include "train/schedule.h"
+
+namespace fs = std::filesystem;
+
+namespace loom::train {
+
+namespace {
+
+// The bf16 GEMM rate of this GPU in FLOP/s: n x n x n products with f32 accumulation through
+// cuBLASLt (the kernels the model's linear layers run), timed with events over about `seconds`
+// after a warm-up. Model-FLOPs utilisation is reported against it, as the CPU trainer reports
+// against its measured GEMM rate.
+double measure_gemm_peak(MemoryPool& pool, cudaStream_t s, int64_t n = 4096, double seconds = 0.25) {
+  const size_t elems = size_t(n * n), bytes = elems * sizeof(cuda::bf16);
+  // Values in [-1, 1) (a fixed pattern): tensor cores draw less power on zeros, which would
+  // flatter the rate.
+  std::vector<uint16_t> host(elems);
+  for (size_t i = 0; i < elems; ++i) {
+    const float v = float(int((i * 2654435761u) >> 7 & 255) - 128) / 128.f;
+    host[i] = f32_to_bf16(v).bits;
+  }
+  auto* a = static_cast<cuda::bf16*>(pool.allocate(bytes, MemTag::workspace));
+  auto* b = static_cast<cuda::bf16*>(pool.allocate(bytes, MemTag::workspace));
+  auto* c = static_cast<cuda::bf16*>(pool.allocate(bytes, MemTag::workspace));
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+  double rate = 0;
+  try {
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(a, host.data(), bytes, cudaMemcpyHostToDevice, s));
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(b, host.data(), bytes, cudaMemcpyHostToDevice, s));
+    LOOM_CUDA_CHECK(cudaEventCreate(&e0));
+    LOOM_CUDA_CHECK(cudaEventCreate(&e1));
+    auto gemm = [&] { cuda::gemm_bf16(false, true, n, n, n, 1.f, a, n, b, n, 0.f, c, n, false, s); };
+    for (int i = 0; i < 3; ++i) gemm();
+    LOOM_CUDA_CHECK(cudaStreamSynchronize(s));
+    int64_t iters = 0;
+    float ms = 0;
+    LOOM_CUDA_CHECK(cudaEventRecord(e0, s));
+    while (ms < seconds * 1e3) {
+      for (int i = 0; i < 10; ++i) gemm();
+      iters += 10;
+      LOOM_CUDA_CHECK(cudaEventRecord(e1, s));
+      LOOM_CUDA_CHECK(cudaEventSynchronize(e1));
+      LOOM_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    }
+    rate = 2.0 * double(n) * double(n) * double(n) * double(iters) / (double(ms) * 1e-3);
+  } catch (...) {
+    if (e0) cudaEventDestroy(e0);
+    if (e1) cudaEventDestroy(e1);
+    cudaStreamSynchronize(s);
+    for (auto* p : {c, b, a}) pool.deallocate(p, bytes, MemTag::workspace);
+    throw;
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  for (auto* p : {c, b, a}) pool.deallocate(p, bytes, MemTag::workspace);
+  return rate;
+}
+
+// The GPU model's training state in the checkpoint layout: for each parameter, in the model's
+// order, "param/<name>", "adam_m/<name>", "adam_v/<name>" as host f32 tensors of its logical shape.
+std::vector<NamedTensor> host_state(const model::GPTCuda& gpt, MemoryPool& host) {
+  std::vector<NamedTensor> state;
+  for (const model::ParamSpec& s : gpt.specs()) {
+    state.push_back({"param/" + s.name, Tensor::empty(s.shape, DType::f32, MemTag::workspace, host)});
+    state.push_back({"adam_m/" + s.name, Tensor::empty(s.shape, DType::f32, MemTag::workspace, host)});
+    state.push_back({"adam_v/" + s.name, Tensor::empty(s.shape, DType::f32, MemTag::workspace, host)});
+  }
+  return state;
+}
+
+void copy_into(const Tensor& t, const std::vector<float>& v) {
+  LOOM_CHECK(int64_t(v.size()) == t.numel(), "GPU state: {} values for a tensor of {}", v.size(), t.numel());
+  std::memcpy(t.f32(), v.data(), v.size() * sizeof(float));
+}
+
+void download_state(model::GPTCuda& gpt, const std::vector<NamedTensor>& state) {
+  for (size_t i = 0; i < gpt.specs().size(); ++i) {
+    const std::string& n = gpt.specs()[i].name;
+    copy_into(state[3 * i].tensor, gpt.parameter(n));
+    copy_into(state[3 * i + 1].tensor, gpt.exp_avg(n));
+    copy_into(state[3 * i + 2].tensor, gpt.exp_avg_sq(n));
+  }
+}
+
+void upload_state(model::GPTCuda& gpt, const std::vector<NamedTensor>& state) {
+  for (size_t i = 0; i < gpt.specs().size(); ++i) {
+    const std::string& n = gpt.specs()[i].name;
+    gpt.set_parameter(n, state[3 * i].tensor.f32());
+    gpt.set_exp_avg(n, state[3 * i + 1].tensor.f32());
+    gpt.set_exp_avg_sq(n, state[3 * i + 2].tensor.f32());
+  }
+}
+
+}  // namespace
+
+TrainResult run_training_cuda(const TrainConfig& cfg, const TrainOptions& opt) {
+  const std::string where = opt.config_path.empty() ? "config" : opt.config_path;
+  LOOM_CHECK(cfg.device == "cuda", "{}: train.device is '{}', not cuda", where, cfg.device);
+  cfg.validate_cuda(where);
+  LOOM_CHECK(opt.trace_path.empty(), "--trace: the GPU trainer (train.device = \"cuda\") writes no trace");
+  int devices = 0;
+  const cudaError_t derr = cudaGetDeviceCount(&devices);
+  if (derr != cudaSuccess || devices == 0) {
+    cudaGetLastError();
+    throw Error(fmt::format("{}: train.device = \"cuda\" but no CUDA device is visible ({})", where,
+                            derr != cudaSuccess ? cudaGetErrorString(derr) : "the device count is 0"));
+  }
+  if (cfg.threads > 0) omp_set_num_threads(int(cfg.threads));
+  auto say = [&](const std::string& s) {
+    if (!opt.quiet) std::printf("%s\n", s.c_str()), std::fflush(stdout);
+  };
+  const FaultInjection fault = FaultInjection::from_env(1);
+
+  RunData run_data = open_run_data(cfg, opt.config_path);
+  data::Loader& train = run_data.train;
+  std::unique_ptr<data::Loader>& val = run_data.val;
+  const model::GPTConfig mc = run_data.model;
+  const int64_t mb = cfg.batch_size / cfg.grad_accum, T = cfg.seq_len;
+
+  MemoryPool& pool = cuda::device_pool();
+  MemoryPool host_pool("host");
+  model::GPTCudaOptions go;
+  go.B = mb;
+  go.T = T;
+  go.attention = mc.head_size() == 64 || mc.head_size() == 128 ? model::CudaAttention::flash
+                                                               : model::CudaAttention::gemm;
+  go.cuda_graph = true;
+  go.lr = cfg.lr;
+  go.beta1 = cfg.beta1;
+  go.beta2 = cfg.beta2;
+  go.eps = cfg.eps;
+  go.weight_decay = cfg.weight_decay;
+  go.grad_clip = cfg.grad_clip;
+  model::GPTCuda gpt(mc, go, pool, cfg.seed);
+  LrSchedule sched{cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps, cfg.lr_schedule};
+
+  TrainResult res;
+  fs::path out_dir(cfg.out_dir);
+  fs::create_directories(out_dir);
+  const std::string metrics_path = (out_dir / "metrics.jsonl").string();
+  int64_t start_step = 0, optimizer_steps = 0;
+  if (opt.resume) {
+    const std::string ckpt = latest_checkpoint(cfg.out_dir);
+    if (ckpt.empty()) {
+      say(fmt::format("resume: no checkpoint in {}, starting from step 0", cfg.out_dir));
+    } else {
+      const CheckpointMeta meta = read_checkpoint_meta(ckpt);
+      check_resume_checkpoint(ckpt, meta, cfg, mc);
+      std::vector<NamedTensor> state = host_state(gpt, host_pool);
+      load_checkpoint_tensors(ckpt, state);
+      upload_state(gpt, state);
+      start_step = meta.step;
+      optimizer_steps = meta.optimizer_steps;
+      truncate_metrics(metrics_path, start_step);
+      say(fmt::format("resumed from {} (step {})", ckpt, start_step));
+    }
+  }
+  if (start_step == 0 && fs::exists(metrics_path)) fs::remove(metrics_path);
+
+  std::unique_ptr<data::Tokenizer> tok = load_run_tokenizer(cfg);
+  cudaDeviceProp prop{};
+  int dev = 0;
+  LOOM_CUDA_CHECK(cudaGetDevice(&dev));
+  LOOM_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+  int64_t nonembedding = 0;
+  for (const model::ParamSpec& s : gpt.specs())
+    if (s.name != "wte.weight" && s.name != "wpe.weight" && s.name != "lm_head.weight") nonembedding += s.numel();
+  say(fmt::format("model {} | {:.2f}M parameters | cuda:{} {} | micro-batch {} x {}, grad_accum {} | {} attention | "
+                  "CUDA graphs",
+                  mc.str(), double(gpt.num_parameters()) / 1e6, dev, prop.name, mb, T, cfg.grad_accum,
+                  gpt.flash_attention() ? "flash" : "GEMM"));
+  const double peak = measure_gemm_peak(pool, gpt.stream());
+  res.last_val_loss = NAN;
+  res.unigram_val_loss = unigram_loss(train, val.get(), mc.vocab_size);
+  say(fmt::format("data {} | train {} tokens{} | unigram baseline loss {:.4f} | bf16 GEMM peak {:.1f} TFLOP/s",
+                  cfg.data_dir, train.total_tokens(), val ? fmt::format(", val {} tokens", val->total_tokens()) : "",
+                  res.unigram_val_loss, peak / 1e12));
+
+  std::vector<int32_t> x(size_t(mb * T)), y(size_t(mb * T));  // i32 [mb, T]
+  RunLog log(cfg, metrics_path, start_step, true, opt.quiet, model_flops_per_token(mc, nonembedding, T), peak,
+             res.unigram_val_loss);
+
+  // The mean loss over the first eval_batches validation batches of the micro-batch shape (the
+  // CPU trainer's validation batch, batch_size / grad_accum sequences).
+  auto evaluate = [&]() -> double {
+    if (!val) return NAN;
+    const int64_t n = std::min(cfg.eval_batches, val->val_batches(mb));
+    if (n == 0) return NAN;
+    double sum = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      val->val_batch(i, mb, 0, mb, x.data(), y.data());
+      sum += gpt.forward(x.data(), y.data());
+    }
+    return sum / double(n);
+  };
+  // Samples run on the CPU model (train/sample.h) with a copy of the current weights.
+  std::unique_ptr<MemoryPool> cpu_pool;
+  std::unique_ptr<model::GPT> cpu_model;
+  auto sample = [&](int64_t step) -> std::string {
+    if (cfg.sample_tokens == 0) return "";
+    if (!cpu_model) {
+      cpu_pool = std::make_unique<MemoryPool>("cpu:sample");
+      cpu_model = std::make_unique<model::GPT>(mc, *cpu_pool, cfg.seed);
+    }
+    for (model::Parameter* p : cpu_model->parameters()) copy_into(p->value, gpt.parameter(p->spec.name));
+    return sample_text(cfg, *cpu_model, sample_prompt(cfg, tok.get(), train, val.get()), step, tok.get());
+  };
+  auto checkpoint = [&](int64_t step) {
+    std::vector<NamedTensor> state = host_state(gpt, host_pool);
+    download_state(gpt, state);
+    save_checkpoint(out_dir.string(), checkpoint_meta(cfg, mc, step, optimizer_steps), state, cfg.keep_checkpoints);
+  };
+
+  pool.reset_peaks();
+  for (int64_t step = start_step; step < cfg.steps; ++step) {
+    fault.maybe_fire(0, 1, step + 1);
+    auto t0 = Clock::now();
+    const float lr = sched.at(step);
+    double loss = 0, norm = 0;
+    if (cfg.grad_accum == 1) {
+      train.train_batch(step, cfg.batch_size, 0, mb, x.data(), y.data());
+      loss = gpt.train_step(x.data(), y.data(), lr, optimizer_steps + 1);
+      norm = gpt.last_grad_norm();
+    } else {
+      gpt.zero_grad();
+      for (int64_t micro = 0; micro < cfg.grad_accum; ++micro) {
+        train.train_batch(step, cfg.batch_size, micro * mb, mb, x.data(), y.data());
+        loss += gpt.accumulate(x.data(), y.data(), 1.0f / float(cfg.grad_accum));
+      }
+      loss /= double(cfg.grad_accum);
+      norm = gpt.optimizer_step(lr, optimizer_steps + 1);
+    }
+    ++optimizer_steps;
+    LOOM_CHECK(std::isfinite(loss), "step {}: the loss is {} (diverged); lower optim.lr or raise optim.warmup_steps",
+               step + 1, loss);
+    LOOM_CHECK(std::isfinite(norm), "step {}: the gradient norm is {} (diverged); lower optim.lr or raise "
+               "optim.warmup_steps", step + 1, norm);
+    const int64_t done = step + 1;
+    log.record(done, loss, lr, norm, seconds_since(t0));
+    res.last_loss = loss;
+    res.steps_done = done;
+    if (cfg.eval_every > 0 && (done % cfg.eval_every == 0 || done == cfg.steps) && val) {
+      res.last_val_loss = evaluate();
+      log.record_val(done, res.last_val_loss);
+    }
+    log.progress(done, loss, lr, norm);
+    if (cfg.sample_every > 0 && done % cfg.sample_every == 0 && done != cfg.steps)
+      say(fmt::format("--- sample at step {} ---\n{}\n---", done, sample(done)));
+    if ((cfg.checkpoint_every > 0 && done % cfg.checkpoint_every == 0) || done == cfg.steps) checkpoint(done);
+  }
+  res.train_seconds = log.train_seconds();
+  for (int t = 0; t < kNumMemTags; ++t) res.peak_bytes[size_t(t)] = pool.peak(MemTag(t));
+  say(fmt::format("GPU memory (peak): params {} | grads {} | optimizer {} | activations {} | workspace {}",
+                  format_bytes(res.peak_bytes[size_t(MemTag::params)]),
+                  format_bytes(res.peak_bytes[size_t(MemTag::grads)]),
+                  format_bytes(res.peak_bytes[size_t(MemTag::optimizer)]),
+                  format_bytes(res.peak_bytes[size_t(MemTag::activations)]),
+                  format_bytes(res.peak_bytes[size_t(MemTag::workspace)])));
+  res.last_sample = sample(cfg.steps);
+  if (!res.last_sample.empty()) say(fmt::format("--- sample ---\n{}\n---", res.last_sample));
+  log.finish((out_dir / "loss.png").string(), fmt::format("loom: {} on {} (cuda)", mc.name, cfg.data_dir));
+  return res;
+}
+
+}  // namespace loom::train

@@ -1,0 +1,222 @@
+// `loom train --train.device cuda` end to end, through the loom executable, on the tiny pattern
+// corpus (tests/cli_util.h): losses against the CPU trainer, resume from a checkpoint, and
+// checkpoints that cross devices (resumed on the other device, loaded by `loom generate` on the
+// CPU). Skipped without a GPU. Host code only: compiled by the C++ compiler.
+//
+// Tolerances:
+//  - GPU against CPU, 2e-2 relative on every step's loss and on the validation loss: the GPU
+//    computes in bf16 (weights' compute copies, activations, logits; 8 significant bits, a
+//    relative rounding of up to 2^-9 = 2e-3 each) with f32 accumulation and f32 master weights,
+//    the CPU in f32 throughout. The first step's loss differs by a few 1e-3; twenty AdamW steps
+//    (updates normalised by the second moment, so small gradient differences still move weights
+//    by about lr) let the trajectories drift apart by a few times that.
+//  - A resumed GPU run against the uninterrupted one, 1e-3 relative: the checkpoint restores the
+//    f32 master weights, both moments and the step count exactly, so the runs differ only where
+//    the GPU sums in a varying order: f32 atomics in the token-embedding gradient and in flash
+//    attention's dq (kernels/cuda/embedding.cuh, attention.cuh). Those change last bits (about
+//    1e-7 relative) of a few gradients per step, and through the bf16 rounding of the weights'
+//    compute copies a few weights by one bf16 step; over ten steps that stays far below 1e-3.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "cli_util.h"
+#include "data/loader.h"
+#include "kernels/cuda/cuda_test_util.h"
+
+namespace fs = std::filesystem;
+using namespace loom;
+using namespace loom::test;
+
+namespace {
+
+constexpr double kCpuTol = 2e-2;     // GPU (bf16) against CPU (f32); see the top of the file
+constexpr double kResumeTol = 1e-3;  // resumed GPU run against the uninterrupted one
+
+struct Fixture {
+  fs::path root, data;
+  explicit Fixture(const std::string& name) {
+    root = fs::temp_directory_path() / fmt::format("loom_train_cuda_{}_{}", name, ::getpid());
+    fs::remove_all(root);
+    data = root / "data";
+    write_pattern_corpus(data);
+  }
+  ~Fixture() { fs::remove_all(root); }
+
+  // `loom train` of a 2-layer model with head size 64 (flash attention), 20 steps, validation at
+  // steps 10 and 20; `extra` adds or overrides flags.
+  CliRun train(const std::string& device, const std::string& out, const std::string& extra = "",
+               const std::string& env = "") const {
+    fs::create_directories(root / "logs");
+    const std::string args = fmt::format(
+        "train --data.dir '{}' --train.out_dir '{}' --train.device {} --model.n_layer 2 --model.n_head 2 "
+        "--model.n_embd 128 --data.seq_len 64 --train.batch_size 8 --train.steps 20 --train.eval_every 10 "
+        "--train.eval_batches 2 --train.sample_tokens 0 --train.threads 2 --train.seed 7 --optim.lr 1e-3 "
+        "--optim.warmup_steps 5 --train.checkpoint_every 5 --train.keep_checkpoints 10 {}",
+        data.string(), (root / out).string(), device, extra);
+    return loom_cli(args, root / "logs", env);
+  }
+  std::map<int64_t, double> metrics(const std::string& out, const char* key) const {
+    return read_metrics(root / out / "metrics.jsonl", key);
+  }
+};
+
+#define LOOM_REQUIRE_LOOM()                                                            \
+  do {                                                                                 \
+    if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom; \
+  } while (0)
+
+// Every step of `want` in [first, last] is in `got` within rel relative.
+void expect_close(const std::map<int64_t, double>& got, const std::map<int64_t, double>& want, int64_t first,
+                  int64_t last, double rel, const std::string& what) {
+  for (int64_t s = first; s <= last; ++s) {
+    if (!want.count(s)) continue;
+    ASSERT_TRUE(got.count(s)) << what << ": no value at step " << s;
+    const double g = got.at(s), w = want.at(s);
+    EXPECT_TRUE(std::isfinite(g)) << what << " at step " << s;
+    EXPECT_LE(std::abs(g - w), rel * std::abs(w)) << what << " at step " << s << ": " << g << " vs " << w;
+  }
+}
+
+std::vector<int32_t> ints_of(const std::string& s) {
+  std::istringstream in(s);
+  std::vector<int32_t> v;
+  int32_t x;
+  while (in >> x) v.push_back(x);
+  return v;
+}
+
+}  // namespace
+
+TEST(CudaTrain, LossesMatchTheCpuTrainer) {
+  LOOM_REQUIRE_GPU();
+  LOOM_REQUIRE_LOOM();
+  Fixture f("parity");
+  // grad_accum 1 replays the whole-step graph; 2 the accumulating forward + backward graph and
+  // a separate update.
+  for (int accum : {1, 2}) {
+    SCOPED_TRACE(fmt::format("grad_accum {}", accum));
+    const std::string extra = fmt::format("--quiet --train.grad_accum {}", accum);
+    const std::string cpu = fmt::format("cpu{}", accum), gpu = fmt::format("gpu{}", accum);
+    CliRun c = f.train("cpu", cpu, extra);
+    ASSERT_EQ(c.code, 0) << c.err;
+    CliRun g = f.train("cuda", gpu, extra);
+    ASSERT_EQ(g.code, 0) << g.err;
+    const auto lc = f.metrics(cpu, "loss"), lg = f.metrics(gpu, "loss");
+    ASSERT_EQ(lc.size(), 20u);
+    ASSERT_EQ(lg.size(), 20u);
+    expect_close(lg, lc, 1, 20, kCpuTol, "loss");
+    const auto vc = f.metrics(cpu, "val_loss"), vg = f.metrics(gpu, "val_loss");
+    ASSERT_EQ(vc.size(), 2u);
+    expect_close(vg, vc, 10, 20, kCpuTol, "val_loss");
+    EXPECT_LT(lg.at(20), lg.at(1) - 0.5) << "the GPU run did not learn";
+    // The same metrics keys as the CPU trainer's, with a positive rate and utilisation.
+    const auto tps = f.metrics(gpu, "tokens_per_s"), mfu = f.metrics(gpu, "mfu");
+    ASSERT_EQ(tps.size(), 20u);
+    ASSERT_EQ(mfu.size(), 20u);
+    EXPECT_GT(tps.at(20), 0);
+    EXPECT_GT(mfu.at(20), 0);
+    EXPECT_LT(mfu.at(20), 1);
+  }
+}
+
+TEST(CudaTrain, ResumeMatchesTheUninterruptedRun) {
+  LOOM_REQUIRE_GPU();
+  LOOM_REQUIRE_LOOM();
+  Fixture f("resume");
+  for (int accum : {1, 2}) {
+    SCOPED_TRACE(fmt::format("grad_accum {}", accum));
+    const std::string extra = fmt::format("--quiet --train.grad_accum {}", accum);
+    const std::string full = fmt::format("full{}", accum), cut = fmt::format("cut{}", accum);
+    CliRun a = f.train("cuda", full, extra);
+    ASSERT_EQ(a.code, 0) << a.err;
+    // Stops at the start of step 11, after the step-10 checkpoint.
+    CliRun b = f.train("cuda", cut, extra, "LOOM_FAULT_INJECT=rank=0,step=11,kind=exit");
+    ASSERT_EQ(b.code, 3) << b.err;
+    EXPECT_EQ(f.metrics(cut, "loss").size(), 10u);
+    CliRun r = f.train("cuda", cut, extra + " --resume");
+    ASSERT_EQ(r.code, 0) << r.err;
+    const auto la = f.metrics(full, "loss"), lr = f.metrics(cut, "loss");
+    ASSERT_EQ(lr.size(), 20u);
+    expect_close(lr, la, 1, 20, kResumeTol, "loss");
+    expect_close(f.metrics(cut, "val_loss"), f.metrics(full, "val_loss"), 10, 20, kResumeTol, "val_loss");
+  }
+}
+
+TEST(CudaTrain, CheckpointsResumeOnTheOtherDevice) {
+  LOOM_REQUIRE_GPU();
+  LOOM_REQUIRE_LOOM();
+  Fixture f("cross");
+  const std::string extra = "--quiet --train.grad_accum 2";
+  const std::string kill = "LOOM_FAULT_INJECT=rank=0,step=11,kind=exit";
+  const std::pair<const char*, const char*> runs[] = {{"cpu", "cpu"}, {"cuda", "gpu"}};  // device, name
+  for (const auto& [device, name] : runs) {
+    CliRun full = f.train(device, fmt::format("{}_full", name), extra);
+    ASSERT_EQ(full.code, 0) << full.err;
+    CliRun cut = f.train(device, fmt::format("{}_cut", name), extra, kill);
+    ASSERT_EQ(cut.code, 3) << cut.err;
+  }
+  // The CPU run's step-10 checkpoint (weights and AdamW moments) continues on the GPU, the GPU
+  // run's on the CPU: each within the bf16 tolerance of the run that was not interrupted.
+  CliRun g = f.train("cuda", "cpu_cut", extra + " --resume");
+  ASSERT_EQ(g.code, 0) << g.err;
+  expect_close(f.metrics("cpu_cut", "loss"), f.metrics("cpu_full", "loss"), 11, 20, kCpuTol, "CPU -> GPU loss");
+  expect_close(f.metrics("cpu_cut", "val_loss"), f.metrics("cpu_full", "val_loss"), 20, 20, kCpuTol,
+               "CPU -> GPU val_loss");
+  CliRun c = f.train("cpu", "gpu_cut", extra + " --resume");
+  ASSERT_EQ(c.code, 0) << c.err;
+  expect_close(f.metrics("gpu_cut", "loss"), f.metrics("gpu_full", "loss"), 11, 20, kCpuTol, "GPU -> CPU loss");
+  expect_close(f.metrics("gpu_cut", "val_loss"), f.metrics("gpu_full", "val_loss"), 20, 20, kCpuTol,
+               "GPU -> CPU val_loss");
+}
+
+TEST(CudaTrain, GpuCheckpointLoadsInCpuGenerate) {
+  LOOM_REQUIRE_GPU();
+  LOOM_REQUIRE_LOOM();
+  Fixture f("generate");
+  // The run prints its final sample, drawn on the CPU model from the GPU's weights at step 20
+  // (seed train.seed + 20, the first 8 validation tokens as the prompt, no tokenizer: token ids).
+  // Head size 32: the GEMM attention (the other tests run flash attention).
+  CliRun g = f.train("cuda", "run", "--train.sample_tokens 16 --train.sample_top_k 40 --model.n_head 4");
+  ASSERT_EQ(g.code, 0) << g.err;
+  const std::string mark = "--- sample ---\n";
+  const size_t at = g.out.find(mark);
+  ASSERT_NE(at, std::string::npos) << g.out;
+  const size_t end = g.out.find("\n---", at + mark.size());
+  ASSERT_NE(end, std::string::npos) << g.out;
+  const std::vector<int32_t> sample = ints_of(g.out.substr(at + mark.size(), end - at - mark.size()));
+  ASSERT_EQ(sample.size(), 16u) << g.out;
+
+  data::Loader val(f.data.string(), "val", 64, 7);
+  std::vector<int32_t> x(64), y(64);
+  val.val_batch(0, 1, 0, 1, x.data(), y.data());
+  std::string prompt;
+  for (int i = 0; i < 8; ++i) prompt += fmt::format("{}{}", i ? "," : "", x[size_t(i)]);
+
+  // `loom generate` on the CPU reads the checkpoint the GPU run wrote last: recomputing the
+  // whole window as the trainer's sampler does, the same weights give the same tokens.
+  const std::string run = (f.root / "run").string();
+  CliRun n = loom_cli(fmt::format("generate '{}' --ids --prompt {} --tokens 16 --seed 27 --top-k 40 --temperature 1 "
+                                  "--no-cache --quiet",
+                                  run, prompt),
+                      f.root / "logs");
+  ASSERT_EQ(n.code, 0) << n.err;
+  const size_t bar = n.out.find('|');
+  ASSERT_NE(bar, std::string::npos) << n.out;
+  EXPECT_EQ(ints_of(n.out.substr(bar + 1)), sample) << n.out << "\nvs the run's sample\n" << g.out;
+  // With the KV cache (the default): 16 tokens.
+  CliRun k = loom_cli(fmt::format("generate '{}' --ids --prompt {} --tokens 16 --seed 27 --quiet", run, prompt),
+                      f.root / "logs");
+  ASSERT_EQ(k.code, 0) << k.err;
+  ASSERT_NE(k.out.find('|'), std::string::npos) << k.out;
+  EXPECT_EQ(ints_of(k.out.substr(k.out.find('|') + 1)).size(), 16u) << k.out;
+}
