@@ -8,6 +8,7 @@
 
 #include "comm/threads.h"
 #include "comm_util.h"
+#include "timeout_message.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -74,7 +75,8 @@ TEST(MpiComm, HungRankTimesOut) {
     if (r.skipped) GTEST_SKIP() << r.output;
     EXPECT_NE(r.status, 0) << r.output;
     EXPECT_THAT(r.output, HasSubstr("(mpi): all_reduce (sum, f32 [1000]) timed out after 2 s: ring step"));
-    EXPECT_THAT(r.output, HasSubstr("rank 1 has not arrived or is stalled"));
+    // The neighbour exactly, or the ranks the data passes through when a later ring step waits.
+    EXPECT_TRUE(testing_util::names_suspect(r.output, 1)) << r.output;
     EXPECT_GE(r.seconds, 2.0);
     EXPECT_LT(r.seconds, 20.0);
   }

@@ -25,6 +25,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_util.h"
+#include "comm/timeout_message.h"
 #include "data/shard.h"
 #include "train/checkpoint.h"
 
@@ -81,20 +82,7 @@ bool alive(pid_t pid) {
   return stat[close + 2] != 'Z';  // a zombie has exited
 }
 
-// Whether a communicator timeout message in `out` names `rank` as the one that has not arrived,
-// is stalled or did not take its data (comm/mpi_comm.cpp's wording).
-bool names_suspect(const std::string& out, int rank) {
-  if (out.find(fmt::format("rank {} has not arrived or is stalled", rank)) != std::string::npos) return true;
-  if (out.find(fmt::format("rank {} did not take the data", rank)) != std::string::npos) return true;
-  const std::regex chain(R"(one of ranks ([0-9, ]+) \(the data's way round the ring\))");
-  for (auto it = std::sregex_iterator(out.begin(), out.end(), chain); it != std::sregex_iterator(); ++it) {
-    std::istringstream ranks((*it)[1].str());
-    std::string r;
-    while (std::getline(ranks, r, ','))
-      if (std::stoi(r) == rank) return true;
-  }
-  return false;
-}
+using testing_util::names_suspect;
 
 // MPI rank -> pid of the loom processes that `mpirun_pid` started (OMPI_COMM_WORLD_RANK in each
 // process's environment).
