@@ -34,6 +34,10 @@ int main(int argc, char** argv) {
   if (pos.size() > 1) m = pos[1];
   if (pos.size() > 2) L = pos[2];
   if (pos.size() > 3) steps = pos[3];
+  if (p < 1 || m < 1 || L < 1 || steps < 1) {
+    std::fprintf(stderr, "usage: bench_pipeline [p] [m] [n_layer] [steps] [--trace PREFIX] (all >= 1)\n");
+    return 2;
+  }
   model::GPTConfig cfg;
   cfg.name = "bench-pipeline";
   cfg.n_layer = L;
@@ -57,8 +61,9 @@ int main(int argc, char** argv) {
       for (int s = 1; s < V; ++s) o.cuts.push_back(1 + int64_t(s) * (L / V));
       o.cuts.push_back(L + 2);
     }
-    std::vector<std::vector<TraceEvent>> trace(static_cast<size_t>(p));
-    std::vector<std::vector<std::vector<TraceEvent>>> per_step(size_t(steps), trace);
+    // Each step's trace of every rank; the last step's is the one written out.
+    std::vector<std::vector<std::vector<TraceEvent>>> per_step(
+        size_t(steps), std::vector<std::vector<TraceEvent>>(static_cast<size_t>(p)));
     std::mutex mu;
     std::mt19937 rng(7);
     Tensor x = Tensor::empty({B, T}, DType::i32, MemTag::activations);
@@ -72,8 +77,6 @@ int main(int argc, char** argv) {
         std::lock_guard lk(mu);
         per_step[size_t(s)][size_t(w.rank())] = ex.trace();
       }
-      std::lock_guard lk(mu);
-      trace[size_t(w.rank())] = ex.trace();
       if (w.rank() == 0) sim_idle = ex.checked().idle_fraction(0);
     });
     // Median over the measured steps (the first one warms the pools up).
@@ -91,6 +94,7 @@ int main(int argc, char** argv) {
     for (double f : idle) s += fmt::format("{:.3f} ", f);
     std::printf("%-12s %-40s %.3f\n", std::string(kind_name(k)).c_str(), s.c_str(), sim_idle);
     if (!prefix.empty()) {
+      const auto& trace = per_step.back();
       const std::string base = prefix + "_" + std::string(kind_name(k));
       write_chrome_trace(base + ".json", trace);
       std::string why;

@@ -364,7 +364,13 @@ class ThreadComm final : public Comm {
   }
 
   // Point to point.
-  void post(Msg& m, int dst) {
+  // Fills m as this rank's message of buf [count] with tag and posts it to dst's mailbox.
+  void post(Msg& m, const void* buf, int64_t count, DType dt, int dst, int tag) {
+    m.src = rank_;
+    m.tag = tag;
+    m.dt = dt;
+    m.count = count;
+    m.data = buf;
     auto& box = g_->boxes[size_t(dst)];
     {
       std::lock_guard lk(box.mu);
@@ -609,12 +615,7 @@ void ThreadComm::do_send(const void* buf, int64_t count, DType dt, int dst, int 
   check_usable(what);
   deadline_ = Clock::now() + opts_.timeout;
   Msg m;
-  m.src = rank_;
-  m.tag = tag;
-  m.dt = dt;
-  m.count = count;
-  m.data = buf;
-  post(m, dst);
+  post(m, buf, count, dt, dst, tag);
   finish_send(m, dst, what, true);
 }
 
@@ -628,7 +629,6 @@ struct ThreadComm::Pending final : PendingSend {
   void wait() override {
     if (finished) return;
     finished = true;  // finish_send withdraws or completes the message even when it throws
-    comm->check_usable(what);
     comm->deadline_ = Clock::now() + comm->opts_.timeout;
     comm->finish_send(*msg, dst, what, true);
   }
@@ -642,13 +642,7 @@ std::unique_ptr<PendingSend> ThreadComm::do_isend(const void* buf, int64_t count
   auto p = std::make_unique<Pending>(
       this, dst, fmt::format("send of {} [{}] to rank {} tag {} (non-blocking)", dtype_name(dt), count, wr(dst), tag));
   check_usable(p->what);
-  Msg& m = *p->msg;
-  m.src = rank_;
-  m.tag = tag;
-  m.dt = dt;
-  m.count = count;
-  m.data = buf;
-  post(m, dst);
+  post(*p->msg, buf, count, dt, dst, tag);
   return p;
 }
 
@@ -679,12 +673,7 @@ void ThreadComm::do_sendrecv(const void* send_buf, int64_t send_count, int dst, 
   check_usable(what);
   deadline_ = Clock::now() + opts_.timeout;
   Msg m;
-  m.src = rank_;
-  m.tag = tag;
-  m.dt = dt;
-  m.count = send_count;
-  m.data = send_buf;
-  post(m, dst);
+  post(m, send_buf, send_count, dt, dst, tag);
   try {
     take(recv_buf, recv_count, dt, src, tag, what);
   } catch (...) {

@@ -447,19 +447,18 @@ std::vector<std::vector<Instr>> placed_by_simulation(const Schedule& sch,
 // message before work that does not use it. Transfers keep their order on every rank, so the
 // lists stay deadlock-free under blocking transfers as well.
 void move_transfers(std::vector<std::vector<Instr>>& ranks) {
-  auto produces = [](const Instr& c, const Instr& t) {
+  // Whether compute c is where transfer t's data is made (a send) or used (a receive): the forward
+  // of the same (mb, chunk) for activations, its input-gradient backward for gradients.
+  auto holds = [](const Instr& c, const Instr& t) {
     if (c.mb != t.mb || c.chunk != t.chunk) return false;
-    return t.op == Op::send_act ? c.op == Op::forward : (c.op == Op::backward || c.op == Op::backward_input);
-  };
-  auto consumes = [](const Instr& c, const Instr& t) {
-    if (c.mb != t.mb || c.chunk != t.chunk) return false;
-    return t.op == Op::recv_act ? c.op == Op::forward : (c.op == Op::backward || c.op == Op::backward_input);
+    const bool act = t.op == Op::send_act || t.op == Op::recv_act;
+    return act ? c.op == Op::forward : (c.op == Op::backward || c.op == Op::backward_input);
   };
   for (auto& list : ranks) {
     for (size_t i = 0; i < list.size(); ++i) {
       if (list[i].op != Op::send_act && list[i].op != Op::send_grad) continue;
       size_t j = i;
-      while (j > 0 && is_compute(list[j - 1].op) && !produces(list[j - 1], list[j])) {
+      while (j > 0 && is_compute(list[j - 1].op) && !holds(list[j - 1], list[j])) {
         std::swap(list[j - 1], list[j]);
         --j;
       }
@@ -467,7 +466,7 @@ void move_transfers(std::vector<std::vector<Instr>>& ranks) {
     for (size_t i = list.size(); i-- > 0;) {
       if (list[i].op != Op::recv_act && list[i].op != Op::recv_grad) continue;
       size_t j = i;
-      while (j + 1 < list.size() && is_compute(list[j + 1].op) && !consumes(list[j + 1], list[j])) {
+      while (j + 1 < list.size() && is_compute(list[j + 1].op) && !holds(list[j + 1], list[j])) {
         std::swap(list[j], list[j + 1]);
         ++j;
       }
