@@ -86,6 +86,16 @@ void* GPTCuda::alloc(size_t bytes, MemTag tag) {
 
 GPTCuda::GPTCuda(const GPTConfig& cfg, const GPTCudaOptions& opt, MemoryPool& pool, uint64_t seed)
     : cfg_(cfg), opt_(opt), pool_(pool) {
+  // A check, an allocation or cuDNN's planning can throw midway: give back what was taken.
+  try {
+    build(seed);
+  } catch (...) {
+    release();
+    throw;
+  }
+}
+
+void GPTCuda::build(uint64_t seed) {
   LOOM_CHECK(pool_.device() == Device::cuda, "GPTCuda: pool '{}' is not a device pool", pool_.name().c_str());
   specs_ = cuda_param_specs(cfg_);
   // Every copy and memset of the model runs on its own (non-blocking) stream, so it is ordered
@@ -195,7 +205,9 @@ GPTCuda::GPTCuda(const GPTConfig& cfg, const GPTCudaOptions& opt, MemoryPool& po
   init_weights(seed);
 }
 
-GPTCuda::~GPTCuda() {
+GPTCuda::~GPTCuda() { release(); }
+
+void GPTCuda::release() {
   if (graph_) cudaGraphExecDestroy(graph_);
   if (micro_graph_) cudaGraphExecDestroy(micro_graph_);
   if (stream_) cudaStreamSynchronize(stream_);
@@ -206,6 +218,11 @@ GPTCuda::~GPTCuda() {
   adamw_.reset();
   for (auto it = allocations_.rbegin(); it != allocations_.rend(); ++it)
     pool_.deallocate(it->first, it->second.first, it->second.second);
+  allocations_.clear();
+  graph_ = micro_graph_ = nullptr;
+  stream_ = nullptr;
+  h_tokens_ = nullptr;
+  h_stats_ = nullptr;
 }
 
 int64_t GPTCuda::num_parameters() const {

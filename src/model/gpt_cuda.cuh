@@ -102,6 +102,8 @@ class GPTCuda {
 
  private:
   struct Layer;
+  void build(uint64_t seed);  // the constructor's work
+  void release();             // gives back the stream, graphs, pinned and device memory
   void upload_batch(const int32_t* tokens, const int32_t* targets);
   void enqueue_forward(bool fused_loss_grad);
   void enqueue_backward();

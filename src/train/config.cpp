@@ -275,10 +275,10 @@ void TrainConfig::validate_cuda(const std::string& where) const {
   if (offload) refuse("parallel.offload", fmt::format("must be false {} (the optimizer state stays on the GPU)", gpu));
   if (comm != "threads")
     refuse("parallel.comm", fmt::format("must be \"threads\" {} (the GPU trainer is one process), got \"{}\"", gpu, comm));
-  // The GPU model (model::GPTCuda): tied embeddings, widths that are multiples of 8 (vectors of
-  // 8 bf16). Flash attention takes head sizes 64 and 128; other head sizes use the GEMM attention.
+  // The GPU model (model::GPTCuda): widths that are multiples of 8 (vectors of 8 bf16). Flash
+  // attention takes head sizes 64 and 128; other head sizes use the GEMM attention. (Its tied
+  // embeddings are what every training config builds.)
   const model::GPTConfig m = model(0);
-  if (!m.tied_embeddings) refuse("model", fmt::format("untied embeddings (lm_head.weight) are not supported {}", gpu));
   // (n_head not dividing n_embd is the model validation's to name.)
   const bool shaped = m.n_head > 0 && m.n_embd > 0 && m.n_embd % m.n_head == 0;
   if (shaped && m.n_embd % 8 != 0)

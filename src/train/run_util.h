@@ -15,7 +15,6 @@
 #include "data/tokenizer.h"
 #include "model/gpt.h"
 #include "optim/adamw.h"
-#include "train/checkpoint.h"
 #include "model/config.h"
 #include "train/checkpoint.h"
 #include "train/config.h"

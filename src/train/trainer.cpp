@@ -9,16 +9,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <memory>
 #include <thread>
-
-#include <nlohmann/json.hpp>
 
 #include "core/error.h"
 #include "data/loader.h"
 #include "data/tokenizer.h"
-#include "kernels/cpu/matmul.h"
 #include "model/gpt.h"
 #include "optim/adamw.h"
 #include "comm/threads.h"
@@ -26,8 +22,6 @@
 #include "parallel/data/trace.h"
 #include "train/checkpoint.h"
 #include "train/checkpoint_io.h"
-#include "train/plot.h"
-#include "train/sample.h"
 #include "train/schedule.h"
 #include "train/trainer_parallel.h"
 #include "train/trainer_cuda.h"

@@ -8,19 +8,15 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
-
-#include <nlohmann/json.hpp>
 
 #include "comm/threads.h"
 #include "core/error.h"
 #include "data/loader.h"
 #include "data/shard.h"
 #include "data/tokenizer.h"
-#include "kernels/cpu/matmul.h"
 #include "model/gpt.h"
 #include "model/tp_gpt.h"
 #include "optim/adamw.h"
@@ -30,9 +26,7 @@
 #include "parallel/pipeline/executor.h"
 #include "train/checkpoint.h"
 #include "train/checkpoint_io.h"
-#include "train/plot.h"
 #include "train/safetensors.h"
-#include "train/sample.h"
 #include "train/schedule.h"
 
 namespace fs = std::filesystem;

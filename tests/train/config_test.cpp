@@ -151,6 +151,11 @@ TEST(TrainConfig, RunTrainingChecksTheDevice) {
 #endif
   }
   c.device = "tpu";
-  EXPECT_THROW(run_training(c, {}), Error);
+  try {
+    run_training(c, {});
+    ADD_FAILURE() << "device 'tpu' was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("train.device"), std::string::npos) << e.what();
+  }
   fs::remove_all(c.out_dir);
 }

@@ -73,7 +73,7 @@ TEST(GPTCudaAccumulate, GradientIsTheScaledSumOverMicroBatches) {
       EXPECT_LE(rel_err(acc.gradient(name), want), kTol) << name;
     }
   }
-  // forward_backward and train_step are unscaled again afterwards.
+  // forward_backward is unscaled again afterwards.
   EXPECT_FLOAT_EQ(acc.forward_backward(t1.data(), y1.data()), l1);
   EXPECT_LE(rel_err(acc.gradient("wpe.weight"), g1[1]), kTol);
 }
