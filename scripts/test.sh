@@ -9,8 +9,12 @@ jobs=${JOBS:-$(nproc)}
 cmake -G Ninja -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release
 ninja -C "$build" -j"$jobs"
 cd "$build"
-if (($#)); then
-  ctest --output-on-failure -j"$jobs" "$@"
-else
-  ctest --output-on-failure -j"$jobs" -LE "long|torch"
+args=("$@")
+((${#args[@]})) || args=(-LE "long|torch")
+if ! ctest --output-on-failure -j"$jobs" "${args[@]}"; then
+  # The failures' output is buried among hundreds of lines above: run the failed tests once more,
+  # one at a time, so their output ends the log. The suite has failed either way.
+  echo "=== failed tests, run again one at a time for their output ==="
+  ctest --rerun-failed --output-on-failure -j1 || true
+  exit 8
 fi

@@ -473,6 +473,10 @@ MpiSession::MpiSession(int* argc, char*** argv) {
   thread_multiple_ = provided >= MPI_THREAD_MULTIPLE;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
   MPI_Comm_size(MPI_COMM_WORLD, &size_);
+  MPI_Comm host;
+  LOOM_MPI(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &host));
+  MPI_Comm_size(host, &local_size_);
+  MPI_Comm_free(&host);
 }
 
 MpiSession::~MpiSession() {

@@ -34,6 +34,8 @@ class MpiSession {
   MpiSession& operator=(const MpiSession&) = delete;
   int rank() const { return rank_; }
   int size() const { return size_; }
+  // Processes of the job on this host (MPI_COMM_TYPE_SHARED).
+  int local_size() const { return local_size_; }
   // Whether MPI granted MPI_THREAD_MULTIPLE (needed to use communicators from several threads).
   bool thread_multiple() const { return thread_multiple_; }
 
@@ -42,6 +44,7 @@ class MpiSession {
   bool thread_multiple_ = false;
   int rank_ = 0;
   int size_ = 1;
+  int local_size_ = 1;
 };
 
 // A communicator over MPI_COMM_WORLD (MPI must be initialised).

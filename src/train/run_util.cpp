@@ -33,7 +33,10 @@ TrainResult run_mpi_rank(const TrainConfig& cfg, const std::string& where, int w
   comm::MpiSession session(nullptr, nullptr);
   if (session.size() != world_size)
     throw Error(fmt::format("{}: {} but mpirun started {} processes (they must match)", where, count, session.size()));
-  if (cfg.threads > 0) omp_set_num_threads(int(cfg.threads));
+  // train.threads = 0: the host's cores shared among the job's processes on it, as the threads
+  // backend shares them among its rank threads (each process taking them all would oversubscribe
+  // the cores, and OpenMP's spinning barriers then stall every parallel region).
+  omp_set_num_threads(cfg.threads > 0 ? int(cfg.threads) : std::max(1, omp_get_max_threads() / session.local_size()));
   auto world = comm::mpi_world(co);
   const int r = world->rank();
   return rank(*world, [&](const std::string& what) {
