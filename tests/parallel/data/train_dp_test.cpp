@@ -84,6 +84,23 @@ TEST_F(TrainDp, ThreadsAndMpiAreBitIdentical) {
 #endif
 }
 
+TEST_F(TrainDp, MpiRanksShareTheHostsCoresByDefault) {
+#ifndef LOOM_HAVE_MPI
+  GTEST_SKIP() << "loom was built without MPI";
+#else
+  if (mpirun().empty()) GTEST_SKIP() << "mpirun not found; install OpenMPI to run the mpi backend";
+  // train.threads = 0 with 4 threads allowed and 2 processes on this host: 2 threads each, as the
+  // threads backend would give its 2 rank threads.
+  std::string cmd = args("shared", 2, 1, 1, "--parallel.comm mpi --train.threads 0");
+  cmd.replace(cmd.find("--quiet "), 8, "");
+  std::string root = ::geteuid() == 0 ? "--allow-run-as-root " : "";
+  CmdRun m = sh(fmt::format("OMP_NUM_THREADS=4 timeout -k 5 120 {} {}--oversubscribe -x OMP_NUM_THREADS -n 2 {} {}",
+                            mpirun(), root, kLoom, cmd));
+  ASSERT_EQ(m.status, 0) << m.output;
+  EXPECT_NE(m.output.find("| 2 threads per rank"), std::string::npos) << m.output;
+#endif
+}
+
 TEST_F(TrainDp, CheckpointsLoadUnderAnyLayout) {
   CmdRun ref = sh(kLoom + " " + args("ref", 1, 0, 6));
   ASSERT_EQ(ref.status, 0) << ref.output;
