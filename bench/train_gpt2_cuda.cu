@@ -142,11 +142,7 @@ int main(int argc, char** argv) {
       write_dump(gpt, a, tok, tgt);
       return 0;
     }
-    int64_t N = 0;
-    for (const model::ParamSpec& s : gpt.specs())
-      if (s.name != "wpe.weight") N += s.numel();
-    const double flops_per_token =
-        6.0 * double(N) + 12.0 * double(cfg.n_layer * cfg.n_head * cfg.head_size() * a.T);
+    const double flops_per_token = cfg.flops_per_token(a.T);
 
     cudaEvent_t e0, e1;
     LOOM_CUDA_CHECK(cudaEventCreate(&e0));

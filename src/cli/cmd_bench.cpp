@@ -77,15 +77,12 @@ int bench_train(const BenchTrainOptions& o) {
       if (t > 0) targets.i32()[b * T + t - 1] = id;
     }
 
-  const int64_t n_nonemb = gpt.num_nonembedding_parameters();
-  // Model FLOPs per token (forward + backward = 3 x forward), the PaLM convention: every
-  // non-embedding parameter 6 flops, attention scores and values 12 * L * C * T (not halved for
-  // the causal mask), the lm_head 6 * C * V.
-  const double flops_per_token = 6.0 * double(n_nonemb) + 12.0 * double(L * C * T) + 6.0 * double(C * V);
+  const int64_t n_nonemb = cfg.nonembedding_parameters(), Vp = cfg.padded_vocab();
+  const double flops_per_token = cfg.flops_per_token(T);  // GPTConfig::flops_per_token's convention
   const double flops_per_step = flops_per_token * double(B * T);
   std::printf("parameters %lld (non-embedding %lld)\n", (long long)gpt.num_parameters(), (long long)n_nonemb);
-  std::printf("model FLOPs/token = 6*N_nonemb + 12*L*C*T + 6*C*V = %.4g + %.4g + %.4g = %.4g; %.1f GFLOP/step\n",
-              6.0 * double(n_nonemb), 12.0 * double(L * C * T), 6.0 * double(C * V), flops_per_token,
+  std::printf("model FLOPs/token = 6*N_nonemb + 6*C*V_padded + 12*L*C*T = %.4g + %.4g + %.4g = %.4g; %.1f GFLOP/step\n",
+              6.0 * double(n_nonemb), 6.0 * double(C * Vp), 12.0 * double(L * C * T), flops_per_token,
               flops_per_step * 1e-9);
 
   std::vector<double> step_ms, fwd_ms, bwd_ms, opt_ms;

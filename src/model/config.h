@@ -22,6 +22,16 @@ struct GPTConfig {
   // past vocab_size are zero and the loss masks their logits.
   int64_t padded_vocab() const { return (vocab_size + 127) / 128 * 128; }
   int64_t head_size() const { return n_embd / n_head; }
+  // Parameters other than wte, wpe and an untied lm_head: the blocks and the final LayerNorm.
+  int64_t nonembedding_parameters() const { return n_layer * (12 * n_embd * n_embd + 13 * n_embd) + 2 * n_embd; }
+  // Model FLOPs of one trained token (forward and backward) at sequence length T, for MFU. One
+  // definition for every figure loom prints, nanoGPT's and PaLM's: 6 per non-embedding
+  // parameter, 6 C V for the lm_head (the padded vocabulary: the rows that are computed), and
+  // 12 L C T for attention's scores and values (not halved for the causal mask).
+  double flops_per_token(int64_t T) const {
+    return 6.0 * double(nonembedding_parameters()) + 6.0 * double(n_embd) * double(padded_vocab()) +
+           12.0 * double(n_layer) * double(n_embd) * double(T);
+  }
 
   // Throws loom::Error naming `where` and the offending field.
   void validate(std::string_view where = "model config") const;

@@ -240,15 +240,6 @@ optim::AdamWConfig adamw_config(const TrainConfig& cfg) {
   return oc;
 }
 
-double model_flops_per_token(const model::GPT& gpt, int64_t T) {
-  return model_flops_per_token(gpt.config(), gpt.num_nonembedding_parameters(), T);
-}
-
-double model_flops_per_token(const model::GPTConfig& mc, int64_t nonembedding, int64_t T) {
-  return 6.0 * double(nonembedding) + 6.0 * double(mc.n_embd) * double(mc.padded_vocab()) +
-         6.0 * double(mc.n_layer) * double(mc.n_embd) * double(T);  // causal attention
-}
-
 std::unique_ptr<data::Tokenizer> load_run_tokenizer(const TrainConfig& cfg) {
   const std::filesystem::path dir = cfg.tokenizer_dir.empty() ? cfg.data_dir : cfg.tokenizer_dir;
   if (!std::filesystem::exists(dir / "encoder.json") || !std::filesystem::exists(dir / "vocab.bpe")) return nullptr;

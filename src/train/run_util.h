@@ -93,11 +93,6 @@ struct FaultInjection {
 
 // The pieces both trainers build from the config the same way.
 optim::AdamWConfig adamw_config(const TrainConfig& cfg);
-// Model FLOPs per token of a training step at sequence length T (6 N for the non-embedding
-// parameters, the lm_head, causal attention), as nanoGPT and llm.c count them for MFU.
-double model_flops_per_token(const model::GPT& gpt, int64_t T);
-// The same for a model of config mc with `nonembedding` such parameters (the GPU model's count).
-double model_flops_per_token(const model::GPTConfig& mc, int64_t nonembedding, int64_t T);
 // GPT-2 format vocabulary (encoder.json + vocab.bpe) of data.tokenizer_dir, else of data.dir;
 // null when there is none (samples are then printed as token ids).
 std::unique_ptr<data::Tokenizer> load_run_tokenizer(const TrainConfig& cfg);

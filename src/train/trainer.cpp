@@ -118,7 +118,7 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
 
     Tensor x = Tensor::empty({mb, T}, DType::i32, MemTag::workspace, pool);
     Tensor y = Tensor::empty({mb, T}, DType::i32, MemTag::workspace, pool);
-    RunLog log(cfg, metrics_path, start_step, lead, opt.quiet, model_flops_per_token(gpt, T), peak,
+    RunLog log(cfg, metrics_path, start_step, lead, opt.quiet, gpt.config().flops_per_token(T), peak,
                res.unigram_val_loss);
 
     // Each rank evaluates its share of every validation batch; the mean over ranks is the mean

@@ -185,9 +185,6 @@ TrainResult run_training_cuda(const TrainConfig& cfg, const TrainOptions& opt) {
   int dev = 0;
   LOOM_CUDA_CHECK(cudaGetDevice(&dev));
   LOOM_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-  int64_t nonembedding = 0;
-  for (const model::ParamSpec& s : gpt.specs())
-    if (s.name != "wte.weight" && s.name != "wpe.weight" && s.name != "lm_head.weight") nonembedding += s.numel();
   say(fmt::format("model {} | {:.2f}M parameters | cuda:{} {} | micro-batch {} x {}, grad_accum {} | {} attention | "
                   "CUDA graphs",
                   mc.str(), double(gpt.num_parameters()) / 1e6, dev, prop.name, mb, T, cfg.grad_accum,
@@ -200,7 +197,7 @@ TrainResult run_training_cuda(const TrainConfig& cfg, const TrainOptions& opt) {
                   res.unigram_val_loss, peak / 1e12));
 
   std::vector<int32_t> x(size_t(mb * T)), y(size_t(mb * T));  // i32 [mb, T]
-  RunLog log(cfg, metrics_path, start_step, true, opt.quiet, model_flops_per_token(mc, nonembedding, T), peak,
+  RunLog log(cfg, metrics_path, start_step, true, opt.quiet, mc.flops_per_token(T), peak,
              res.unigram_val_loss);
 
   // The mean loss over the first eval_batches validation batches of the micro-batch shape (the

@@ -631,7 +631,7 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
                   train.total_tokens(), val ? fmt::format(", val {} tokens", val->total_tokens()) : "",
                   res.unigram_val_loss, peak / 1e9));
 
-  RunLog log(cfg, metrics_path, start_step, lead, opt.quiet, lead ? model_flops_per_token(*full->gpt, T) : 0.0, peak,
+  RunLog log(cfg, metrics_path, start_step, lead, opt.quiet, mc.flops_per_token(T), peak,
              res.unigram_val_loss);
 
   auto evaluate = [&]() -> double {

@@ -71,6 +71,10 @@ TEST(GPT, ParameterNamesShapesAndCount) {
   EXPECT_THROW(gpt.parameter("lm_head.weight"), Error);  // tied
   const int64_t per_block = 12 * C * C + 13 * C;
   EXPECT_EQ(gpt.num_nonembedding_parameters(), L * per_block + 2 * C);
+  EXPECT_EQ(cfg.nonembedding_parameters(), gpt.num_nonembedding_parameters());
+  // MFU's FLOPs per token for GPT-2 124M at T = 1024: nanoGPT's estimate_mfu for its model (vocabulary
+  // padded to 50304): 6 * 123,689,472 + 12 * 12 * 768 * 1024.
+  EXPECT_DOUBLE_EQ(model::gpt_preset("gpt2-124m").flops_per_token(1024), 855383040.0);
   EXPECT_EQ(gpt.num_parameters(), V * C + T * C + L * per_block + 2 * C);
   EXPECT_EQ(pool.current(MemTag::params), gpt.param_bytes());
   EXPECT_EQ(pool.current(MemTag::grads), gpt.grad_bytes());
