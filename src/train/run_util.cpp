@@ -340,4 +340,31 @@ void RunLog::finish(const std::string& png, const std::string& title) {
   say(write_loss_curve(png, metrics_path_, title, train_pts_, val_pts_, unigram_));
 }
 
+void run_steps(const TrainConfig& cfg, RunLog& log, const LrSchedule& sched, const FaultInjection& fault, int rank,
+               int ranks, int64_t start_step, bool has_val, const RunHooks& hooks, TrainResult& res) {
+  for (int64_t step = start_step; step < cfg.steps; ++step) {
+    fault.maybe_fire(rank, ranks, step + 1);
+    auto t0 = Clock::now();
+    const float lr = sched.at(step);
+    const RunHooks::StepOut st = hooks.step(step, lr);
+    LOOM_CHECK(std::isfinite(st.loss), "step {}: the loss is {} (diverged); lower optim.lr or raise optim.warmup_steps",
+               step + 1, st.loss);
+    LOOM_CHECK(std::isfinite(st.grad_norm), "step {}: the gradient norm is {} (diverged); lower optim.lr or raise "
+               "optim.warmup_steps", step + 1, st.grad_norm);
+    const int64_t done = step + 1;
+    log.record(done, st.loss, lr, st.grad_norm, seconds_since(t0));
+    res.last_loss = st.loss;
+    res.steps_done = done;
+    if (cfg.eval_every > 0 && (done % cfg.eval_every == 0 || done == cfg.steps) && has_val) {
+      res.last_val_loss = hooks.evaluate();
+      log.record_val(done, res.last_val_loss);
+    }
+    log.progress(done, st.loss, lr, st.grad_norm);
+    if (cfg.sample_every > 0 && done % cfg.sample_every == 0 && done != cfg.steps)
+      log.say(fmt::format("--- sample at step {} ---\n{}\n---", done, hooks.sample(done)));
+    if ((cfg.checkpoint_every > 0 && done % cfg.checkpoint_every == 0) || done == cfg.steps) hooks.checkpoint(done);
+  }
+  res.train_seconds = log.train_seconds();
+}
+
 }  // namespace loom::train

@@ -18,6 +18,7 @@
 #include "model/config.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
+#include "train/schedule.h"
 #include "train/trainer.h"
 
 namespace loom::train {
@@ -137,5 +138,27 @@ class RunLog {
   double window_time_ = 0, train_time_ = 0;
   int64_t window_steps_ = 0;
 };
+
+// What one trainer does at each point of the run; run_steps calls them at the config's cadence.
+// Each is collective exactly when the trainer's own work is (every rank calls every hook).
+struct RunHooks {
+  struct StepOut {
+    double loss = 0, grad_norm = 0;  // the step's mean loss over the global batch; the norm before clipping
+  };
+  std::function<StepOut(int64_t step, float lr)> step;  // one optimizer step (step is 0-based)
+  std::function<double()> evaluate;                     // the mean validation loss
+  std::function<std::string(int64_t done)> sample;      // a sample's text ("" when none is wanted)
+  std::function<void(int64_t done)> checkpoint;         // writes the checkpoint of step `done`
+};
+
+// The training loop of every trainer, steps start_step .. cfg.steps: at each, the injected fault
+// (rank `rank` of `ranks`), the step at the schedule's learning rate (its loss and gradient norm
+// must be finite: a diverged run stops with an error naming the step), the metrics, validation
+// every train.eval_every steps and at the end (when there is validation data), the progress line,
+// a sample every train.sample_every steps (not at the end, which the trainer samples after its
+// summary), a checkpoint every train.checkpoint_every steps and at the end. Fills res's
+// last_loss, steps_done, last_val_loss and train_seconds.
+void run_steps(const TrainConfig& cfg, RunLog& log, const LrSchedule& sched, const FaultInjection& fault, int rank,
+               int ranks, int64_t start_step, bool has_val, const RunHooks& hooks, TrainResult& res);
 
 }  // namespace loom::train

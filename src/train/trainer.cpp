@@ -160,10 +160,8 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
     pool.reset_peaks();
     host_pool.reset_peaks();
     ddp.reset_comm_stats();
-    for (int64_t step = start_step; step < cfg.steps; ++step) {
-      fault.maybe_fire(rank, dp, step + 1);
-      auto t0 = Clock::now();
-      float lr = sched.at(step);
+    RunHooks hooks;
+    hooks.step = [&](int64_t step, float lr) {
       ddp.zero_grad();
       double loss = 0;
       for (int64_t micro = 0; micro < cfg.grad_accum; ++micro) {
@@ -176,25 +174,14 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
         gpt.backward();
       }
       loss = ddp.sum_over_ranks(loss / double(cfg.grad_accum)) / double(dp);
-      LOOM_CHECK(std::isfinite(loss), "step {}: the loss is {} (diverged); lower optim.lr or raise optim.warmup_steps",
-                 step + 1, loss);
-      optim::StepStats st = ddp.step(lr);
-      const int64_t done = step + 1;
-      log.record(done, loss, lr, st.grad_norm, seconds_since(t0));
-      res.last_loss = loss;
-      res.steps_done = done;
-      if (cfg.eval_every > 0 && (done % cfg.eval_every == 0 || done == cfg.steps) && val) {
-        res.last_val_loss = evaluate();
-        log.record_val(done, res.last_val_loss);
-      }
-      log.progress(done, loss, lr, st.grad_norm);
-      if (cfg.sample_every > 0 && done % cfg.sample_every == 0 && done != cfg.steps) {
-        std::string text = sample(done);
-        say(fmt::format("--- sample at step {} ---\n{}\n---", done, text));
-      }
-      if ((cfg.checkpoint_every > 0 && done % cfg.checkpoint_every == 0) || done == cfg.steps) checkpoint(done);
-    }
-    res.train_seconds = log.train_seconds();
+      // A non-finite loss stops the run before the optimizer touches the weights.
+      if (!std::isfinite(loss)) return RunHooks::StepOut{loss, 0.0};
+      return RunHooks::StepOut{loss, ddp.step(lr).grad_norm};
+    };
+    hooks.evaluate = evaluate;
+    hooks.sample = sample;
+    hooks.checkpoint = checkpoint;
+    run_steps(cfg, log, sched, fault, rank, dp, start_step, val != nullptr, hooks, res);
     for (int t = 0; t < kNumMemTags; ++t) {
       res.peak_bytes[size_t(t)] = pool.peak(MemTag(t));
       res.host_peak_bytes[size_t(t)] = host_pool.peak(MemTag(t));

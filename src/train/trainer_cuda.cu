@@ -232,43 +232,29 @@ TrainResult run_training_cuda(const TrainConfig& cfg, const TrainOptions& opt) {
   };
 
   pool.reset_peaks();
-  for (int64_t step = start_step; step < cfg.steps; ++step) {
-    fault.maybe_fire(0, 1, step + 1);
-    auto t0 = Clock::now();
-    const float lr = sched.at(step);
-    double loss = 0, norm = 0;
+  RunHooks hooks;
+  hooks.step = [&](int64_t step, float lr) {
+    RunHooks::StepOut st;
     if (cfg.grad_accum == 1) {
       train.train_batch(step, cfg.batch_size, 0, mb, x.data(), y.data());
-      loss = gpt.train_step(x.data(), y.data(), lr, optimizer_steps + 1);
-      norm = gpt.last_grad_norm();
+      st.loss = gpt.train_step(x.data(), y.data(), lr, optimizer_steps + 1);
+      st.grad_norm = gpt.last_grad_norm();
     } else {
       gpt.zero_grad();
       for (int64_t micro = 0; micro < cfg.grad_accum; ++micro) {
         train.train_batch(step, cfg.batch_size, micro * mb, mb, x.data(), y.data());
-        loss += gpt.accumulate(x.data(), y.data(), 1.0f / float(cfg.grad_accum));
+        st.loss += gpt.accumulate(x.data(), y.data(), 1.0f / float(cfg.grad_accum));
       }
-      loss /= double(cfg.grad_accum);
-      norm = gpt.optimizer_step(lr, optimizer_steps + 1);
+      st.loss /= double(cfg.grad_accum);
+      st.grad_norm = gpt.optimizer_step(lr, optimizer_steps + 1);
     }
     ++optimizer_steps;
-    LOOM_CHECK(std::isfinite(loss), "step {}: the loss is {} (diverged); lower optim.lr or raise optim.warmup_steps",
-               step + 1, loss);
-    LOOM_CHECK(std::isfinite(norm), "step {}: the gradient norm is {} (diverged); lower optim.lr or raise "
-               "optim.warmup_steps", step + 1, norm);
-    const int64_t done = step + 1;
-    log.record(done, loss, lr, norm, seconds_since(t0));
-    res.last_loss = loss;
-    res.steps_done = done;
-    if (cfg.eval_every > 0 && (done % cfg.eval_every == 0 || done == cfg.steps) && val) {
-      res.last_val_loss = evaluate();
-      log.record_val(done, res.last_val_loss);
-    }
-    log.progress(done, loss, lr, norm);
-    if (cfg.sample_every > 0 && done % cfg.sample_every == 0 && done != cfg.steps)
-      say(fmt::format("--- sample at step {} ---\n{}\n---", done, sample(done)));
-    if ((cfg.checkpoint_every > 0 && done % cfg.checkpoint_every == 0) || done == cfg.steps) checkpoint(done);
-  }
-  res.train_seconds = log.train_seconds();
+    return st;
+  };
+  hooks.evaluate = evaluate;
+  hooks.sample = sample;
+  hooks.checkpoint = checkpoint;
+  run_steps(cfg, log, sched, fault, 0, 1, start_step, val != nullptr, hooks, res);
   for (int t = 0; t < kNumMemTags; ++t) res.peak_bytes[size_t(t)] = pool.peak(MemTag(t));
   say(fmt::format("GPU memory (peak): params {} | grads {} | optimizer {} | activations {} | workspace {}",
                   format_bytes(res.peak_bytes[size_t(MemTag::params)]),

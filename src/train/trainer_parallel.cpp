@@ -659,29 +659,15 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   };
 
   pool.reset_peaks();
-  for (int64_t step = start_step; step < cfg.steps; ++step) {
-    fault.maybe_fire(rank, ranks, step + 1);
-    auto t0 = Clock::now();
-    const float lr = sched.at(step);
+  RunHooks hooks;
+  hooks.step = [&](int64_t step, float lr) {
     StepOut st = engine->step(step, lr);
-    LOOM_CHECK(std::isfinite(st.loss), "step {}: the loss is {} (diverged); lower optim.lr or raise optim.warmup_steps",
-               step + 1, st.loss);
-    const int64_t done = step + 1;
-    log.record(done, st.loss, lr, st.grad_norm, seconds_since(t0));
-    res.last_loss = st.loss;
-    res.steps_done = done;
-    if (cfg.eval_every > 0 && (done % cfg.eval_every == 0 || done == cfg.steps) && val) {
-      res.last_val_loss = evaluate();
-      log.record_val(done, res.last_val_loss);
-    }
-    log.progress(done, st.loss, lr, st.grad_norm);
-    if (cfg.sample_every > 0 && done % cfg.sample_every == 0 && done != cfg.steps) {
-      std::string text = sample(done);
-      say(fmt::format("--- sample at step {} ---\n{}\n---", done, text));
-    }
-    if ((cfg.checkpoint_every > 0 && done % cfg.checkpoint_every == 0) || done == cfg.steps) checkpoint(done);
-  }
-  res.train_seconds = log.train_seconds();
+    return RunHooks::StepOut{st.loss, st.grad_norm};
+  };
+  hooks.evaluate = evaluate;
+  hooks.sample = sample;
+  hooks.checkpoint = checkpoint;
+  run_steps(cfg, log, sched, fault, rank, ranks, start_step, val != nullptr, hooks, res);
   for (int t = 0; t < kNumMemTags; ++t) res.peak_bytes[size_t(t)] = pool.peak(MemTag(t));
   say(fmt::format("memory of rank 0 (peak): params {} | grads {} | optimizer {} | activations {}",
                   format_bytes(res.peak_bytes[size_t(MemTag::params)]), format_bytes(res.peak_bytes[size_t(MemTag::grads)]),
