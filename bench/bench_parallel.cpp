@@ -7,6 +7,7 @@
 // sequence, tp the layers). Bytes are what each rank would send with ring algorithms
 // (parallel::CountingComm), beside the Megatron formula 8 b s h (t-1)/t per layer (x 4 bytes).
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -15,7 +16,8 @@
 #include "comm/threads.h"
 #include "core/rng.h"
 #include "model/tp_gpt.h"
-#include "optim/adamw.h"
+#include "parallel/data/flat_layout.h"
+#include "parallel/data/replica_optimizer.h"
 #include "parallel/mesh.h"
 #include "parallel/tensor/counting_comm.h"
 
@@ -69,7 +71,12 @@ int main(int argc, char** argv) {
       parallel::CountingComm tpc(mc["tp"]), cpc(mc["cp"]), dpc(mc["dp"]);
       MemoryPool pool("rank");
       model::ParallelGPT m(cfg, {&tpc, &cpc}, {.sp = l.sp}, pool);
-      optim::AdamW opt(m.parameters(), {}, pool);
+      // The data-parallel reduction over dp x cp (here one of the two is 1): cp partial sums
+      // added, dp replicas averaged; a parameter replicated over tp counts on tp rank 0.
+      parallel::ReplicaOptimizer::Options ro;
+      ro.replicas = l.dp;
+      for (auto& sp : m.sharded()) ro.in_norm.push_back(!sp->replicated || mc.coord("tp") == 0);
+      parallel::ReplicaOptimizer opt(m.parameters(), l.cp > 1 ? &cpc : &dpc, ro, {}, pool);
       const int64_t Bl = a.batch / l.dp;
       Tensor tok = Tensor::empty({Bl, a.seq}, DType::i32, MemTag::workspace, pool);
       Tensor tgt = Tensor::empty({Bl, a.seq}, DType::i32, MemTag::workspace, pool);
@@ -82,13 +89,7 @@ int main(int argc, char** argv) {
         m.forward(tok, tgt, {.fuse_backward = true});
         m.backward();
         m.finish_gradients();
-        if (dpc.size() > 1)
-          for (auto* p : m.parameters()) {
-            dpc.all_reduce(p->grad.f32(), p->spec.numel(), DType::f32);
-            float* g = p->grad.f32();
-            for (int64_t i = 0; i < p->spec.numel(); ++i) g[i] *= 1.0f / float(dpc.size());
-          }
-        opt.step_with_norm(m.grad_norm());
+        opt.step(std::sqrt(parallel::sum_over_ranks(tpc, opt.reduce_gradients())));
       };
       step();
       world.barrier();

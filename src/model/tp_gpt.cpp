@@ -660,40 +660,10 @@ void ParallelGPT::backward_weight() {
   }
 }
 
-void ParallelGPT::finish_gradients(bool over_cp) {
-  const bool sp = opts_.sp && tp_ > 1;
-  for (auto& p : w_->sharded) {
-    float* g = p->shard.grad.f32();
-    const int64_t n = p->shard.spec.numel();
-    if (sp && p->sp_partial) g_.tp->all_reduce(g, n, DType::f32);
-    if (cp_ > 1 && over_cp) g_.cp->all_reduce(g, n, DType::f32);
-  }
-}
-
-double ParallelGPT::grad_norm() const { return std::sqrt(grad_sum_squares()); }
-
-double ParallelGPT::grad_sum_squares() const {
-  double local = 0;
-  for (auto& p : w_->sharded) {
-    if (p->tied_copy) continue;                // its stage's wte counts it
-    if (p->replicated && tpr_ != 0) continue;  // counted once, on tp rank 0
-    const float* g = p->shard.grad.f32();
-    const int64_t n = p->shard.spec.numel();
-    double s = 0;
-    for (int64_t i = 0; i < n; ++i) s += double(g[i]) * double(g[i]);
-    local += s;
-  }
-  if (tp_ > 1) {
-    // Sum in double: each rank's value is split into a high and a low f32 part.
-    float parts[2] = {float(local), float(local - double(float(local)))};
-    std::vector<float> all(size_t(2 * tp_), 0.0f);
-    all[size_t(2 * tpr_)] = parts[0];
-    all[size_t(2 * tpr_ + 1)] = parts[1];
-    g_.tp->all_reduce(all.data(), int64_t(all.size()), DType::f32);  // one non-zero per slot: exact
-    local = 0;
-    for (int r = 0; r < tp_; ++r) local += double(all[size_t(2 * r)]) + double(all[size_t(2 * r + 1)]);
-  }
-  return local;
+void ParallelGPT::finish_gradients() {
+  if (!opts_.sp || tp_ == 1) return;
+  for (auto& p : w_->sharded)
+    if (p->sp_partial) g_.tp->all_reduce(p->shard.grad.f32(), p->shard.spec.numel(), DType::f32);
 }
 
 }  // namespace loom::model

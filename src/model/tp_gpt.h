@@ -26,10 +26,11 @@
 //
 // Training a step (per rank):
 //   model.zero_grad(); loss = model.forward(tokens, targets, {.fuse_backward = true});
-//   model.backward(); model.finish_gradients();      // sums over cp, sp-partial sums over tp
-//   [data parallel: average every parameter's gradient over the dp group]
-//   opt.step_with_norm(model.grad_norm());           // global norm, collective over tp
-// with opt = optim::AdamW(model.parameters(), ...): each rank updates its own shards.
+//   model.backward(); model.finish_gradients();      // sp-partial sums over tp
+//   double sq = opt.reduce_gradients();              // sums over cp, mean over dp
+//   opt.step(std::sqrt(sum_over_ranks(tp, sq)));     // global norm
+// with opt = parallel::ReplicaOptimizer(model.parameters(), &dp_cp_group, {.replicas = dp,
+// .in_norm = replicated parameters on tp rank 0 only}, ...): each rank updates its own shards.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -48,7 +49,7 @@ namespace loom::model {
 struct ParallelGroups {
   comm::Comm* tp = nullptr;  // tensor (and sequence) parallel group; null: tp = 1
   comm::Comm* cp = nullptr;  // context parallel group; null: cp = 1
-  comm::Comm* dp_cp = nullptr;  // dp x cp, ZeRO-1's group in a pipeline stage (null: dp)
+  comm::Comm* dp_cp = nullptr;  // dp x cp: a pipeline stage's data-parallel reduction (needed when dp, cp > 1)
 };
 
 struct ParallelOptions {
@@ -124,16 +125,10 @@ class ParallelGPT {
   // f32 [stream_rows, C] gradient of the stage's input after backward_stage (stages without the
   // embedding); valid until the next backward or release.
   const float* input_grad() const;
-  // After the last backward of a step: sums every gradient over cp and the sp-partial ones
-  // (LayerNorm weights, wpe) over tp, so each rank holds the gradient of its shards. With
-  // over_cp = false the cp ranks keep their partial sums, for a reduce-scatter over dp x cp
-  // (ZeRO-1) that adds them anyway: half the traffic of an all-reduce first.
-  void finish_gradients(bool over_cp = true);
-  // Sum of squares of all gradients (replicated parameters counted once, tied copies not at all),
-  // summed over the tp group in double; collective over tp.
-  double grad_sum_squares() const;
-  // Global L2 norm of all gradients of this stage: sqrt(grad_sum_squares()).
-  double grad_norm() const;
+  // After the last backward of a step: sums the sp-partial gradients (LayerNorm weights, wpe)
+  // over tp. The cp ranks then hold partial sums of their shards' gradients: the data-parallel
+  // reduction over dp x cp adds them (parallel::ReplicaOptimizer), one collective for both.
+  void finish_gradients();
   void zero_grad();
   void release_activations();
 

@@ -20,6 +20,7 @@
 #include "model/gpt.h"
 #include "model/tp_gpt.h"
 #include "optim/adamw.h"
+#include "parallel/data/replica_optimizer.h"
 #include "parallel/data/zero1.h"
 #include "parallel/data/flat_layout.h"
 #include "parallel/mesh.h"
@@ -143,18 +144,15 @@ class TensorEngine : public Engine {
                parallel::MeshComms& comms, data::Loader& train, MemoryPool& pool)
       : cfg_(cfg), mc_(comms), train_(train), pool_(pool), dp_(comms["dp"]), tp_(comms["tp"]),
         dpcp_(comms.get({"dp", "cp"})), model_(mc, {&comms["tp"], &comms["cp"]}, {.sp = cfg.sp}, pool, cfg.seed) {
-    if (cfg.zero == 1) {
-      // Sharded over dp x cp, like Megatron's distributed optimizer: the cp ranks of a replica
-      // hold partial sums of its gradients (finish_gradients leaves them), so the reduce-scatter
-      // over dp x cp adds them and divides by dp, and each of the dp cp ranks keeps 1 / (dp cp)
-      // of the moments. A parameter replicated over tp counts in the norm on tp rank 0.
-      parallel::Zero1Options zo;
-      zo.replicas = comms["dp"].size();
-      for (const auto& p : model_.sharded()) zo.in_norm.push_back(!p->replicated || tp_.rank() == 0);
-      zero1_ = std::make_unique<parallel::Zero1Optimizer>(model_.parameters(), dpcp_, oc, pool, zo);
-    } else {
-      adam_ = std::make_unique<optim::AdamW>(model_.parameters(), oc, pool);
-    }
+    // Gradients reduced over dp x cp in one collective: the cp ranks of a replica hold partial
+    // sums (added), the dp replicas average. Under ZeRO-1 the moments are sharded over that
+    // group, like Megatron's distributed optimizer. A parameter replicated over tp counts in the
+    // norm on tp rank 0.
+    parallel::ReplicaOptimizer::Options ro;
+    ro.zero_stage = int(cfg.zero);
+    ro.replicas = dp_.size();
+    for (const auto& p : model_.sharded()) ro.in_norm.push_back(!p->replicated || tp_.rank() == 0);
+    opt_ = std::make_unique<parallel::ReplicaOptimizer>(model_.parameters(), &dpcp_, ro, oc, pool);
     const int64_t dp = dp_.size();
     local_ = cfg.batch_size / dp;
     mb_ = local_ / cfg.grad_accum;
@@ -174,25 +172,11 @@ class TensorEngine : public Engine {
       loss += model_.forward(x_, y_, fo);
       model_.backward();
     }
-    model_.finish_gradients(/*over_cp=*/!zero1_);  // ZeRO-1 adds the cp partial sums itself
+    model_.finish_gradients();
     StepOut out;
     out.loss = sum_over_ranks(dp_, loss / double(cfg_.grad_accum)) / double(dp);
-    if (zero1_) {  // sum over cp, mean over dp into this rank's shard; the norm adds the shards, then tp
-      const double sq = zero1_->reduce_gradients();
-      out.grad_norm = std::sqrt(sum_over_ranks(tp_, sum_over_ranks(dpcp_, sq)));
-      zero1_->step(out.grad_norm, lr);
-      return out;
-    }
-    if (dp > 1) {  // average over the data-parallel replicas
-      const float inv = 1.0f / float(dp);
-      for (model::Parameter* p : model_.parameters()) {
-        dp_.all_reduce(p->grad.f32(), p->spec.numel(), DType::f32);
-        float* g = p->grad.f32();
-        for (int64_t i = 0; i < p->spec.numel(); ++i) g[i] *= inv;
-      }
-    }
-    out.grad_norm = model_.grad_norm();  // collective over tp
-    adam_->step_with_norm(out.grad_norm, lr);
+    out.grad_norm = std::sqrt(sum_over_ranks(tp_, opt_->reduce_gradients()));
+    opt_->step(out.grad_norm, lr);
     return out;
   }
 
@@ -216,20 +200,18 @@ class TensorEngine : public Engine {
   // ZeRO-1 every rank first gathers each shard's moments over dp x cp.
   void gather(FullModel* full, bool with_moments) override {
     const bool lead_replica = mc_.coord("dp") == 0 && mc_.coord("cp") == 0;
-    if (!lead_replica && !(zero1_ && with_moments)) return;
+    if (!lead_replica && !(opt_->sharded() && with_moments)) return;
     if (full && with_moments) full->ensure_moments();
     const auto& sh = model_.sharded();
     std::vector<float> buf, m, v;
     for (size_t i = 0; i < sh.size(); ++i) {
       const model::ShardedParameter& p = *sh[i];
       const float *mi = nullptr, *vi = nullptr;  // this shard's full moments
-      if (with_moments && zero1_) {
+      if (with_moments) {
         m.resize(size_t(p.shard.spec.numel()));
         v.resize(size_t(p.shard.spec.numel()));
-        zero1_->gather_moments(i, m.data(), v.data());  // collective over dp x cp
+        opt_->gather_moments(i, m.data(), v.data());  // collective over dp x cp under ZeRO-1
         mi = m.data(), vi = v.data();
-      } else if (with_moments) {
-        mi = adam_->exp_avg(i).f32(), vi = adam_->exp_avg_sq(i).f32();
       }
       if (!lead_replica) continue;
       const int64_t n = p.global.numel();
@@ -249,39 +231,32 @@ class TensorEngine : public Engine {
         one(vi, full ? full->exp_avg_sq[di].f32() : nullptr);
       }
     }
-    if (full) full->optimizer_steps = zero1_ ? zero1_->steps_taken() : adam_->steps_taken();
+    if (full) full->optimizer_steps = opt_->steps_taken();
   }
 
   // Each shard (and its moments) takes its segments of the full tensor; the rest of a shard is
   // the zero padding of a vocabulary split, which stays zero in training.
   void load(CheckpointTensors& ckpt, int64_t optimizer_steps) override {
     const auto& sh = model_.sharded();
-    const auto& opt_params = zero1_ ? zero1_->parameters() : adam_->parameters();
+    const auto& opt_params = opt_->parameters();
     std::vector<float> m, v;
     for (size_t i = 0; i < sh.size(); ++i) {
       const model::ShardedParameter& p = *sh[i];
       LOOM_CHECK(opt_params[i] == &p.shard, "load: the optimizer's parameter {} is not shard '{}'", i, p.global.name);
-      auto take = [&](const char* kind, float* d, int64_t n) { read_shard(ckpt, kind, p, d, n); };
-      take("param", p.shard.value.f32(), p.shard.value.numel());
-      if (zero1_) {  // ZeRO-1: this rank keeps its dp x cp part of the shard's moments
-        const int64_t n = p.shard.spec.numel();
-        m.resize(size_t(n));
-        v.resize(size_t(n));
-        take("adam_m", m.data(), n);
-        take("adam_v", v.data(), n);
-        zero1_->load_moments(i, m.data(), v.data());
-      } else {
-        take("adam_m", adam_->exp_avg(i).f32(), adam_->exp_avg(i).numel());
-        take("adam_v", adam_->exp_avg_sq(i).f32(), adam_->exp_avg_sq(i).numel());
-      }
+      const int64_t n = p.shard.spec.numel();
+      m.resize(size_t(n));
+      v.resize(size_t(n));
+      read_shard(ckpt, "param", p, p.shard.value.f32(), p.shard.value.numel());
+      read_shard(ckpt, "adam_m", p, m.data(), n);
+      read_shard(ckpt, "adam_v", p, v.data(), n);
+      opt_->load_moments(i, m.data(), v.data());  // under ZeRO-1 this rank keeps its dp x cp part
     }
-    if (zero1_) zero1_->set_steps_taken(optimizer_steps);
-    else adam_->set_steps_taken(optimizer_steps);
+    opt_->set_steps_taken(optimizer_steps);
   }
 
   std::string describe() const override {
     return fmt::format("tp {}{} x cp {} x dp {}{}", model_.tp(), model_.sp() ? " + sp" : "", model_.cp(), dp_.size(),
-                       zero1_ ? " (ZeRO-1)" : "");
+                       opt_->sharded() ? " (ZeRO-1)" : "");
   }
 
  private:
@@ -291,10 +266,9 @@ class TensorEngine : public Engine {
   MemoryPool& pool_;
   comm::Comm& dp_;
   comm::Comm& tp_;
-  comm::Comm& dpcp_;  // ZeRO-1's group
+  comm::Comm& dpcp_;  // the data-parallel reduction's group
   model::ParallelGPT model_;
-  std::unique_ptr<optim::AdamW> adam_;                // parallel.zero = 0
-  std::unique_ptr<parallel::Zero1Optimizer> zero1_;  // parallel.zero = 1
+  std::unique_ptr<parallel::ReplicaOptimizer> opt_;
   int64_t local_ = 0, mb_ = 0;
   Tensor x_, y_;  // i32 [mb, T]
 };
@@ -357,11 +331,11 @@ class PipelineEngine : public Engine {
   // moves them: pipeline rank k > 0 sends, for each of its parameters (the last stage's copy of a
   // tied wte skipped), its name, size and tensors to pipeline rank 0.
   void gather(FullModel* full, bool with_moments) override {
-    parallel::Zero1Optimizer* z = exec_.zero1();
+    parallel::ReplicaOptimizer& opt = exec_.optimizer();
     // Under ZeRO-1 every rank of the stage's dp x cp group first takes part in gathering the
     // moments.
     const bool lead_replica = mc_.coord("dp") == 0 && mc_.coord("cp") == 0;
-    if (!lead_replica && !(z && with_moments)) return;
+    if (!lead_replica && !(opt.sharded() && with_moments)) return;
     if (full && with_moments) full->ensure_moments();
     std::vector<size_t> mine;
     const auto ps = exec_.parameters();
@@ -374,10 +348,15 @@ class PipelineEngine : public Engine {
       std::vector<float> v, m, s;
     };
     std::vector<Full> fulls;
+    std::vector<float> gm, gv;  // this parameter's full moments
     for (size_t i : mine) {
-      Full f;
       const model::Parameter& p = *ps[i];
-      f.name = p.spec.name;
+      if (with_moments) {  // collective over dp x cp under ZeRO-1
+        gm.resize(size_t(p.spec.numel()));
+        gv.resize(size_t(p.spec.numel()));
+        opt.gather_moments(i, gm.data(), gv.data());
+      }
+      if (!lead_replica) continue;
       auto one = [&](const float* src, std::vector<float>& out) {
         if (sharded.empty()) {
           out.assign(src, src + p.spec.numel());
@@ -390,20 +369,12 @@ class PipelineEngine : public Engine {
             std::memcpy(out.data() + sg.global, src + sg.local, size_t(sg.n) * sizeof(float));
         tp_.all_reduce(out.data(), int64_t(out.size()), DType::f32);
       };
-      if (with_moments && z) {  // collective over dp x cp: the full moments of this shard
-        std::vector<float> m(size_t(p.spec.numel())), v(size_t(p.spec.numel()));
-        z->gather_moments(i, m.data(), v.data());
-        if (!lead_replica) continue;
-        one(p.value.f32(), f.v);
-        one(m.data(), f.m);
-        one(v.data(), f.s);
-        fulls.push_back(std::move(f));
-        continue;
-      }
+      Full f;
+      f.name = p.spec.name;
       one(p.value.f32(), f.v);
       if (with_moments) {
-        one(exec_.optimizer().exp_avg(i).f32(), f.m);
-        one(exec_.optimizer().exp_avg_sq(i).f32(), f.s);
+        one(gm.data(), f.m);
+        one(gv.data(), f.s);
       }
       fulls.push_back(std::move(f));
     }
@@ -458,7 +429,7 @@ class PipelineEngine : public Engine {
         if (full) store(name, head[1], v.data(), m.data(), s.data());
       }
     }
-    if (full) full->optimizer_steps = z ? z->steps_taken() : exec_.optimizer().steps_taken();
+    if (full) full->optimizer_steps = opt.steps_taken();
   }
 
   // Each of this rank's parameters by name: the last stage's copy of a tied wte takes wte (both
@@ -467,48 +438,32 @@ class PipelineEngine : public Engine {
   void load(CheckpointTensors& ckpt, int64_t optimizer_steps) override {
     const auto ps = exec_.parameters();
     const auto sharded = exec_.sharded();
-    if (parallel::Zero1Optimizer* z = exec_.zero1()) {  // ZeRO-1: each keeps its dp part of the moments
-      std::vector<float> m, v;
-      for (size_t i = 0; i < ps.size(); ++i) {
-        const int64_t n = ps[i]->spec.numel();
-        m.resize(size_t(n));
-        v.resize(size_t(n));
-        if (!sharded.empty()) {
-          read_shard(ckpt, "param", *sharded[i], ps[i]->value.f32(), n);
-          read_shard(ckpt, "adam_m", *sharded[i], m.data(), n);
-          read_shard(ckpt, "adam_v", *sharded[i], v.data(), n);
-        } else {
-          ckpt.read_into("param", ps[i]->spec.name, ps[i]->value);
-          const Shape& sh = ps[i]->spec.shape;
-          std::memcpy(m.data(), ckpt.read("adam_m", ps[i]->spec.name, sh).data(), size_t(n) * sizeof(float));
-          std::memcpy(v.data(), ckpt.read("adam_v", ps[i]->spec.name, sh).data(), size_t(n) * sizeof(float));
-        }
-        z->load_moments(i, m.data(), v.data());
-      }
-      z->set_steps_taken(optimizer_steps);
-      return;
-    }
-    optim::AdamW& adam = exec_.optimizer();
+    parallel::ReplicaOptimizer& opt = exec_.optimizer();
+    std::vector<float> m, v;
     for (size_t i = 0; i < ps.size(); ++i) {
-      const std::string& name = ps[i]->spec.name;
+      const int64_t n = ps[i]->spec.numel();
+      m.resize(size_t(n));
+      v.resize(size_t(n));
       if (!sharded.empty()) {
-        read_shard(ckpt, "param", *sharded[i], ps[i]->value.f32(), ps[i]->value.numel());
-        read_shard(ckpt, "adam_m", *sharded[i], adam.exp_avg(i).f32(), adam.exp_avg(i).numel());
-        read_shard(ckpt, "adam_v", *sharded[i], adam.exp_avg_sq(i).f32(), adam.exp_avg_sq(i).numel());
-        continue;
+        read_shard(ckpt, "param", *sharded[i], ps[i]->value.f32(), n);
+        read_shard(ckpt, "adam_m", *sharded[i], m.data(), n);
+        read_shard(ckpt, "adam_v", *sharded[i], v.data(), n);
+      } else {
+        ckpt.read_into("param", ps[i]->spec.name, ps[i]->value);
+        const Shape& sh = ps[i]->spec.shape;
+        std::memcpy(m.data(), ckpt.read("adam_m", ps[i]->spec.name, sh).data(), size_t(n) * sizeof(float));
+        std::memcpy(v.data(), ckpt.read("adam_v", ps[i]->spec.name, sh).data(), size_t(n) * sizeof(float));
       }
-      ckpt.read_into("param", name, ps[i]->value);
-      ckpt.read_into("adam_m", name, adam.exp_avg(i));
-      ckpt.read_into("adam_v", name, adam.exp_avg_sq(i));
+      opt.load_moments(i, m.data(), v.data());  // under ZeRO-1 each rank keeps its part
     }
-    adam.set_steps_taken(optimizer_steps);
+    opt.set_steps_taken(optimizer_steps);
   }
 
   std::string describe() const override {
     const auto& sp = exec_.schedule().spec;
     return fmt::format("pp {} ({}, m = {}{}) x dp {}{}{}", sp.stages, pipe::kind_name(sp.kind), sp.micro_batches,
                        sp.virtual_stages > 1 ? fmt::format(", v = {}", sp.virtual_stages) : "", dp_.size(),
-                       exec_.zero1() ? " (ZeRO-1)" : "",
+                       exec_.optimizer().sharded() ? " (ZeRO-1)" : "",
                        cfg_.tp > 1 || cfg_.cp > 1 || cfg_.sp
                            ? fmt::format(" x tp {}{} x cp {}", cfg_.tp, cfg_.sp ? " + sp" : "", cfg_.cp)
                            : "");

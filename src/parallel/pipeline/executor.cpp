@@ -14,7 +14,7 @@
 #include "model/blocks.h"
 #include "model/tp_gpt.h"
 #include "parallel/data/flat_layout.h"
-#include "parallel/data/zero1.h"
+#include "parallel/data/replica_optimizer.h"
 
 namespace loom::parallel::pipeline {
 
@@ -126,8 +126,7 @@ struct PipelineExecutor::Impl {
   model::Parameter* copy = nullptr;                 // the wte copy among params (null: none)
   std::vector<const model::ShardedParameter*> sharded;  // tensor mode: parallel to params
   model::Parameter* wte = nullptr;  // the wte this rank's head ties to
-  std::unique_ptr<optim::AdamW> adam;             // ZeRO 0 (or no dp)
-  std::unique_ptr<parallel::Zero1Optimizer> zero1;  // ZeRO 1: moments sharded over dp
+  std::unique_ptr<parallel::ReplicaOptimizer> optimizer;  // reduces over dp (x cp) and steps
   Tensor ws_dres, ws_bufC, ws_buf4C;  // f32 [b, T, C], [b, T, C], [b, T, 4C] (tag workspace)
   std::map<std::pair<int, int>, Tensor> grad_out;  // (mb, chunk) -> f32 [b, T, C] (tag comm) to send
   // Sends in flight: transfers are non-blocking on the sender's side, so a rank goes on computing
@@ -360,36 +359,43 @@ struct PipelineExecutor::Impl {
     pp.recv(s.grad_in, peer, 0);
   }
 
-  // ZeRO-1's group: dp x cp when given (the cp ranks of a stage hold the same gradients after
-  // finish_gradients), else dp.
-  comm::Comm* zero_group() const { return groups.dp_cp ? groups.dp_cp : dp; }
-
-  // AdamW over params, or ZeRO-1 over dp (before any micro-batch slot copies the parameters:
-  // ZeRO-1 re-points them into its flat buffers). A wte copy and, under tp, a replicated
-  // parameter on tp rank > 0 do not count in this rank's part of the norm.
-  void make_optimizer(MemoryPool& pool) {
-    comm::Comm* zg = zero_group();
-    if (opt.zero_stage == 1 && zg && zg->size() > 1) {
-      parallel::Zero1Options zo;
-      zo.replicas = dp ? dp->size() : 1;  // over dp x cp the cp partial sums are added, not averaged
-      const int tpr = groups.tp ? groups.tp->rank() : 0;
-      for (size_t i = 0; i < params.size(); ++i) {
-        bool counts = params[i] != copy;
-        if (tensor && sharded[i]->replicated && tpr != 0) counts = false;
-        zo.in_norm.push_back(counts);
-      }
-      zero1 = std::make_unique<parallel::Zero1Optimizer>(params, *zg, opt.adamw, pool, zo);
-    } else {
-      adam = std::make_unique<optim::AdamW>(params, opt.adamw, pool);
+  // The data-parallel reduction's group: dp x cp (the cp ranks of a stage hold partial sums of
+  // its gradients), dp, cp, or none.
+  comm::Comm* replica_group() const {
+    const bool has_dp = dp && dp->size() > 1, has_cp = groups.cp && groups.cp->size() > 1;
+    if (has_dp && has_cp) {
+      LOOM_CHECK(groups.dp_cp && groups.dp_cp->size() == dp->size() * groups.cp->size(),
+                 "pipeline executor: dp = {} with cp = {} needs groups.dp_cp, the dp x cp group", dp->size(),
+                 groups.cp->size());
+      return groups.dp_cp;
     }
+    return has_cp ? groups.cp : has_dp ? dp : nullptr;
+  }
+
+  // The optimizer over params, ZeRO-1 when asked and there are replicas to shard over (before any
+  // micro-batch slot copies the parameters: ZeRO-1 re-points them into its flat buffers). A wte
+  // copy and, under tp, a replicated parameter on tp rank > 0 do not count in this rank's part of
+  // the norm.
+  void make_optimizer(MemoryPool& pool) {
+    comm::Comm* group = replica_group();
+    parallel::ReplicaOptimizer::Options ro;
+    ro.zero_stage = opt.zero_stage == 1 && group ? 1 : 0;
+    ro.replicas = dp ? dp->size() : 1;  // over dp x cp the cp partial sums are added, not averaged
+    const int tpr = groups.tp ? groups.tp->rank() : 0;
+    for (size_t i = 0; i < params.size(); ++i) {
+      bool counts = params[i] != copy;
+      if (tensor && sharded[i]->replicated && tpr != 0) counts = false;
+      ro.in_norm.push_back(counts);
+    }
+    optimizer = std::make_unique<parallel::ReplicaOptimizer>(params, group, ro, opt.adamw, pool);
   }
 
   StepResult optimizer_step(double lr) {
     StepResult res;
-    // Tensor / context parallel stages: gradients summed over cp (by ZeRO-1's reduce-scatter
-    // over dp x cp when it runs over that group), sp-partial ones over tp.
+    // Tensor-parallel stages: the sp-partial gradients summed over tp (the cp partial sums are
+    // added by the data-parallel reduction below).
     if (tensor)
-      for (Chunk& ch : chunks) ch.all[0]->stage->finish_gradients(/*over_cp=*/!(zero1 && groups.dp_cp));
+      for (Chunk& ch : chunks) ch.all[0]->stage->finish_gradients();
     // Tied embeddings: the first and last stages add their wte gradients (a + b == b + a, so
     // both copies get bit-identical sums). Under tp the two hold the same vocabulary rows.
     if (tied) {
@@ -402,38 +408,12 @@ struct PipelineExecutor::Impl {
       const float* o = other.f32();
       for (int64_t i = 0; i < other.numel(); ++i) g[i] += o[i];
     }
-    if (zero1) {
-      // ZeRO-1: gradients reduce-scattered (mean over dp (x cp)) into this rank's shard; the norm
-      // adds the shards' sums over that group, then over tp (tensor stages), then the pipeline.
-      double sq = sum_over_ranks(*zero_group(), zero1->reduce_gradients());
-      if (tensor && groups.tp) sq = sum_over_ranks(*groups.tp, sq);
-      res.grad_norm = std::sqrt(sum_over_ranks(pp, sq));
-      zero1->step(res.grad_norm, lr);
-      return res;
-    }
-    if (dp && dp->size() > 1) {
-      const float inv = 1.0f / float(dp->size());
-      for (model::Parameter* prm : params) {
-        dp->all_reduce(prm->grad_full);
-        float* g = prm->grad_full.f32();
-        for (int64_t i = 0; i < prm->grad_full.numel(); ++i) g[i] *= inv;
-      }
-    }
-    // Global gradient norm over the pipeline (each parameter once: the wte copy is skipped).
-    double ss = 0;
-    if (tensor)  // collective over tp: replicated parameters counted once, copies not at all
-      for (Chunk& ch : chunks) ss += ch.all[0]->stage->grad_sum_squares();
-    for (model::Parameter* prm : tensor ? std::vector<model::Parameter*>{} : params) {
-      if (prm == wte_copy.get()) continue;
-      const float* g = prm->grad.f32();
-      double acc = 0;
-      for (int64_t i = 0; i < prm->grad.numel(); ++i) acc += double(g[i]) * double(g[i]);
-      ss += acc;
-    }
-    float ssf[2] = {float(ss), float(ss - double(float(ss)))};  // value and rounding remainder
-    pp.all_reduce(ssf, 2, DType::f32);
-    res.grad_norm = std::sqrt(double(ssf[0]) + double(ssf[1]));
-    adam->step_with_norm(res.grad_norm, lr);
+    // Mean over dp (sum over cp); the norm adds this rank's counted sums over tp (tensor stages),
+    // then over the pipeline.
+    double sq = optimizer->reduce_gradients();
+    if (tensor && groups.tp) sq = sum_over_ranks(*groups.tp, sq);
+    res.grad_norm = std::sqrt(sum_over_ranks(pp, sq));
+    optimizer->step(res.grad_norm, lr);
     return res;
   }
 };
@@ -532,11 +512,7 @@ PipelineExecutor::~PipelineExecutor() = default;
 std::vector<model::Parameter*> PipelineExecutor::parameters() const { return impl_->params; }
 bool PipelineExecutor::is_copy(const model::Parameter* p) const { return p != nullptr && p == impl_->copy; }
 std::vector<const model::ShardedParameter*> PipelineExecutor::sharded() const { return impl_->sharded; }
-optim::AdamW& PipelineExecutor::optimizer() const {
-  LOOM_CHECK(impl_->adam, "pipeline executor: ZeRO-1 holds the moments (zero1())");
-  return *impl_->adam;
-}
-parallel::Zero1Optimizer* PipelineExecutor::zero1() const { return impl_->zero1.get(); }
+parallel::ReplicaOptimizer& PipelineExecutor::optimizer() const { return *impl_->optimizer; }
 
 int64_t PipelineExecutor::activation_bytes_per_micro_batch(int chunk, int64_t b, int64_t T) const {
   const Chunk& ch = impl_->chunks.at(size_t(chunk));
@@ -574,9 +550,7 @@ StepResult PipelineExecutor::step(const Tensor& tokens, const Tensor& targets, d
     I.ws_bufC = Tensor::empty({b, T, C}, DType::f32, MemTag::workspace, I.pool);
     I.ws_buf4C = Tensor::empty({b, T, 4 * C}, DType::f32, MemTag::workspace, I.pool);
   }
-  if (I.zero1) I.zero1->zero_grad();
-  else
-    for (model::Parameter* prm : I.params) prm->grad_full.zero_();
+  I.optimizer->zero_grad();
   I.losses.assign(size_t(m), 0.0);
   I.peak_slots = 0;
   trace_.clear();

@@ -23,11 +23,11 @@
 // in flight, sharing the parameters), and the tensors passed between stages are this rank's rows
 // of the residual stream (B T / cp, or its sp share), sent to the same (tp, cp) coordinate of
 // the next stage: the pipeline communicator joins exactly those ranks. After the flush the
-// stages sum their gradients over cp (and the sp-partial ones over tp), the tied wte shards of
-// the first and last stage are added, dp averages, and the norm is summed over tp and pp.
-// ZeRO-1 (zero_stage = 1): each stage's AdamW moments are sharded over its dp replicas, or over
-// dp x cp when groups.dp_cp is given (parallel::Zero1Optimizer over the stage's parameters);
-// stages 2 and 3 are refused.
+// stages sum their sp-partial gradients over tp, the tied wte shards of the first and last stage
+// are added, one reduction over dp x cp (groups.dp_cp, needed when both are > 1) adds the cp
+// partial sums and averages the dp replicas (parallel::ReplicaOptimizer), and the norm is summed
+// over tp and pp. ZeRO-1 (zero_stage = 1): each stage's AdamW moments are sharded over that
+// group; stages 2 and 3 are refused.
 //
 // Driving it from a trainer: one PipelineExecutor per rank, built from the pp (and dp)
 // sub-communicators of the mesh; each step call takes the replica's batch and returns the mean
@@ -46,7 +46,7 @@
 #include "model/param.h"
 #include "model/tp_gpt.h"
 #include "optim/adamw.h"
-#include "parallel/data/zero1.h"
+#include "parallel/data/replica_optimizer.h"
 #include "parallel/pipeline/checker.h"
 #include "parallel/pipeline/draw.h"
 #include "parallel/pipeline/schedule.h"
@@ -120,10 +120,9 @@ class PipelineExecutor {
   // Under tp / sp / cp: where each of parameters() lies in its full tensor (same order); empty
   // otherwise (parameters are then full tensors).
   std::vector<const model::ShardedParameter*> sharded() const;
-  // The optimizer over parameters() (moments by the same index), for checkpoints; with ZeRO-1
-  // (zero_stage = 1 and dp > 1) zero1() holds the moments instead and optimizer() throws.
-  optim::AdamW& optimizer() const;
-  parallel::Zero1Optimizer* zero1() const;
+  // The optimizer over parameters() (moments by the same index), for checkpoints: ZeRO-1's when
+  // zero_stage = 1 and the stage has replicas (dp or cp > 1).
+  parallel::ReplicaOptimizer& optimizer() const;
   const std::vector<TraceEvent>& trace() const { return trace_; }
   // Most micro-batch chunks whose activations were held at once during the last step.
   int peak_in_flight() const { return peak_slots_; }

@@ -15,6 +15,7 @@
 #include "model/gpt.h"
 #include "model/tp_gpt.h"
 #include "optim/adamw.h"
+#include "parallel/data/replica_optimizer.h"
 
 using namespace loom;
 
@@ -108,7 +109,10 @@ std::vector<float> train(int cp, int64_t B, int64_t T, int64_t budget, int64_t* 
   comm::run_ranks(cp, [&](comm::Comm& g) {
     MemoryPool pool("rank");
     model::ParallelGPT m(tiny(), {nullptr, &g}, {.activation_budget = budget}, pool);
-    optim::AdamW opt(m.parameters(), {}, pool);
+    // The cp ranks hold partial sums of the gradients: one replica over the cp group.
+    parallel::ReplicaOptimizer::Options ro;
+    ro.replicas = 1;
+    parallel::ReplicaOptimizer opt(m.parameters(), &g, ro, {}, pool);
     Tensor tok = Tensor::empty({B, T}, DType::i32, MemTag::workspace, pool);
     Tensor tgt = Tensor::empty({B, T}, DType::i32, MemTag::workspace, pool);
     for (int s = 0; s < 5; ++s) {
@@ -117,7 +121,7 @@ std::vector<float> train(int cp, int64_t B, int64_t T, int64_t budget, int64_t* 
       float loss = m.forward(tok, tgt, {.fuse_backward = true});
       m.backward();
       m.finish_gradients();
-      opt.step_with_norm(m.grad_norm());
+      opt.step(std::sqrt(opt.reduce_gradients()));
       if (g.rank() == 0) losses[size_t(s)] = loss;
     }
     if (g.rank() == 0 && peak_activations) *peak_activations = pool.peak(MemTag::activations);

@@ -139,6 +139,7 @@ RunResult run(const ScheduleSpec& spec, Layout lay) {
     auto dpc = split_comm(mesh, w, {"dp"});
     auto tpc = split_comm(mesh, w, {"tp"});
     auto cpc = split_comm(mesh, w, {"cp"});
+    auto dcp = split_comm(mesh, w, {"dp", "cp"});
     const int pi = pp->rank(), ti = tpc->rank();
     const int di = dpc->rank() + cpc->rank() + ti;  // 0 on the ranks that record the timeline
     MemoryPool pool("rank" + std::to_string(w.rank()));
@@ -149,7 +150,7 @@ RunResult run(const ScheduleSpec& spec, Layout lay) {
     o.cp = lay.cp;
     o.sp = lay.sp;
     o.zero_stage = lay.zero;
-    PipelineExecutor ex(tiny(), o, *pp, dpc.get(), pool, {tpc.get(), cpc.get()});
+    PipelineExecutor ex(tiny(), o, *pp, dpc.get(), pool, {tpc.get(), cpc.get(), dcp.get()});
     std::vector<float> losses;
     for (int s = 0; s < kSteps; ++s) {
       Tensor x = d.tokens[size_t(s)].slice0(dpc->rank() * kBatch, kBatch);

@@ -20,6 +20,7 @@
 #include "model/gpt.h"
 #include "model/tp_gpt.h"
 #include "optim/adamw.h"
+#include "parallel/data/replica_optimizer.h"
 #include "parallel/data/zero1.h"
 #include "parallel/mesh.h"
 
@@ -125,20 +126,16 @@ RunResult parallel_run(const Layout& l) {
     model::ParallelGPT m(tiny(l.vocab), {&mc["tp"], &mc["cp"]}, {.sp = l.sp}, pool);
     RankMemory& mem = r.memory[size_t(c.rank())];
     for (auto* p : m.parameters()) mem.alloc_sum += (p->spec.alloc_numel() + 15) / 16 * 16;
-    std::unique_ptr<optim::AdamW> opt;
-    std::unique_ptr<parallel::Zero1Optimizer> zero1;
-    if (l.zero == 1) {
-      // Over dp x cp, as the trainer does (Megatron's distributed optimizer group): the
-      // reduce-scatter adds the cp ranks' partial sums and averages over dp; replicated over tp:
-      // counted on tp rank 0.
-      parallel::Zero1Options zo;
-      zo.replicas = mc["dp"].size();
-      for (auto& sp : m.sharded()) zo.in_norm.push_back(!sp->replicated || mc.coord("tp") == 0);
-      zero1 = std::make_unique<parallel::Zero1Optimizer>(m.parameters(), mc.get({"dp", "cp"}), adam(), pool, zo);
+    // Reduced over dp x cp, as the trainer does (Megatron's distributed optimizer group): the cp
+    // partial sums are added and the dp replicas averaged; replicated over tp: counted on tp rank 0.
+    parallel::ReplicaOptimizer::Options ro;
+    ro.zero_stage = l.zero;
+    ro.replicas = mc["dp"].size();
+    for (auto& sp : m.sharded()) ro.in_norm.push_back(!sp->replicated || mc.coord("tp") == 0);
+    parallel::ReplicaOptimizer opt(m.parameters(), &mc.get({"dp", "cp"}), ro, adam(), pool);
+    if (parallel::Zero1Optimizer* zero1 = opt.zero1()) {
       mem.n_pad = zero1->flat_elements();
       mem.shard = zero1->shard_elements();
-    } else {
-      opt = std::make_unique<optim::AdamW>(m.parameters(), adam(), pool);
     }
     pool.reset_peaks();
     const int64_t Bl = l.B / l.dp;
@@ -150,23 +147,11 @@ RunResult parallel_run(const Layout& l) {
       m.zero_grad();
       float loss = m.forward(tok.slice0(dpr * Bl, Bl), tgt.slice0(dpr * Bl, Bl), {.fuse_backward = true});
       m.backward();
-      m.finish_gradients(/*over_cp=*/!zero1);
+      m.finish_gradients();
+      opt.step(std::sqrt(parallel::sum_over_ranks(mc["tp"], opt.reduce_gradients())));
       comm::Comm& dp = mc["dp"];
-      if (zero1) {
-        const double sq = zero1->reduce_gradients();
-        zero1->step(std::sqrt(parallel::sum_over_ranks(mc["tp"], parallel::sum_over_ranks(mc.get({"dp", "cp"}), sq))));
-        dp.all_reduce(&loss, 1, DType::f32);
-        loss /= float(dp.size());
-      } else if (dp.size() > 1) {
-        for (auto* p : m.parameters()) {
-          dp.all_reduce(p->grad.f32(), p->spec.numel(), DType::f32);
-          float* g = p->grad.f32();
-          for (int64_t i = 0; i < p->spec.numel(); ++i) g[i] /= float(dp.size());
-        }
-        dp.all_reduce(&loss, 1, DType::f32);
-        loss /= float(dp.size());
-      }
-      if (opt) opt->step_with_norm(m.grad_norm());
+      dp.all_reduce(&loss, 1, DType::f32);
+      loss /= float(dp.size());
       if (c.rank() == 0) r.losses[size_t(s)] = loss;
     }
     mem.params = pool.peak(MemTag::params);

@@ -1,0 +1,88 @@
+#include "parallel/data/replica_optimizer.h"
+
+#include <cstring>
+
+#include "core/error.h"
+#include "parallel/data/flat_layout.h"
+
+namespace loom::parallel {
+
+ReplicaOptimizer::ReplicaOptimizer(std::vector<model::Parameter*> params, comm::Comm* group, Options opt,
+                                   const optim::AdamWConfig& adam, MemoryPool& pool)
+    : params_(std::move(params)), group_(group), opt_(std::move(opt)) {
+  const int size = group_ ? group_->size() : 1;
+  LOOM_CHECK(opt_.zero_stage == 0 || opt_.zero_stage == 1, "replica optimizer: zero_stage = {} is not 0 or 1",
+             opt_.zero_stage);
+  LOOM_CHECK(opt_.replicas >= 0 && opt_.replicas <= size && (opt_.replicas == 0 || size % opt_.replicas == 0),
+             "replica optimizer: replicas = {} must divide the group's {} ranks", opt_.replicas, size);
+  LOOM_CHECK(opt_.in_norm.empty() || opt_.in_norm.size() == params_.size(),
+             "replica optimizer: in_norm has {} entries for {} parameters", opt_.in_norm.size(), params_.size());
+  if (opt_.replicas == 0) opt_.replicas = size;
+  if (opt_.in_norm.empty()) opt_.in_norm.assign(params_.size(), true);
+  if (opt_.zero_stage == 1) {
+    LOOM_CHECK(group_ != nullptr, "replica optimizer: ZeRO-1 needs a data-parallel group");
+    Zero1Options zo;
+    zo.replicas = opt_.replicas;
+    zo.in_norm = opt_.in_norm;
+    zero1_ = std::make_unique<Zero1Optimizer>(params_, *group_, adam, pool, zo);
+  } else {
+    adam_ = std::make_unique<optim::AdamW>(params_, adam, pool);
+  }
+}
+
+ReplicaOptimizer::~ReplicaOptimizer() = default;
+
+void ReplicaOptimizer::zero_grad() {
+  if (zero1_) return zero1_->zero_grad();
+  for (model::Parameter* p : params_) p->grad_full.zero_();
+}
+
+double ReplicaOptimizer::reduce_gradients() {
+  if (zero1_) return sum_over_ranks(*group_, zero1_->reduce_gradients());
+  const bool reduce = group_ && group_->size() > 1;
+  const float inv = 1.0f / float(opt_.replicas);
+  double sq = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    model::Parameter* p = params_[i];
+    if (reduce) group_->all_reduce(p->grad_full);
+    float* g = p->grad_full.f32();
+    const int64_t n = p->grad_full.numel();
+    if (opt_.replicas > 1)
+      for (int64_t j = 0; j < n; ++j) g[j] *= inv;
+    if (!opt_.in_norm[i]) continue;
+    const float* lg = p->grad.f32();  // the logical elements (a padded vocabulary's rows are zero)
+    double s = 0;
+    for (int64_t j = 0; j < p->grad.numel(); ++j) s += double(lg[j]) * double(lg[j]);
+    sq += s;
+  }
+  return sq;
+}
+
+optim::StepStats ReplicaOptimizer::step(double global_norm, double lr) {
+  return zero1_ ? zero1_->step(global_norm, lr) : adam_->step_with_norm(global_norm, lr);
+}
+
+void ReplicaOptimizer::gather_moments(size_t i, float* exp_avg, float* exp_avg_sq) {
+  if (zero1_) return zero1_->gather_moments(i, exp_avg, exp_avg_sq);
+  const Tensor& m = adam_->exp_avg(i);
+  const Tensor& v = adam_->exp_avg_sq(i);
+  std::memcpy(exp_avg, m.f32(), m.nbytes());
+  std::memcpy(exp_avg_sq, v.f32(), v.nbytes());
+}
+
+void ReplicaOptimizer::load_moments(size_t i, const float* exp_avg, const float* exp_avg_sq) {
+  if (zero1_) return zero1_->load_moments(i, exp_avg, exp_avg_sq);
+  Tensor& m = adam_->exp_avg(i);
+  Tensor& v = adam_->exp_avg_sq(i);
+  std::memcpy(m.f32(), exp_avg, m.nbytes());
+  std::memcpy(v.f32(), exp_avg_sq, v.nbytes());
+}
+
+int64_t ReplicaOptimizer::steps_taken() const { return zero1_ ? zero1_->steps_taken() : adam_->steps_taken(); }
+
+void ReplicaOptimizer::set_steps_taken(int64_t t) {
+  if (zero1_) zero1_->set_steps_taken(t);
+  else adam_->set_steps_taken(t);
+}
+
+}  // namespace loom::parallel
