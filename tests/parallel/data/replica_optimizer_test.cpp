@@ -16,6 +16,7 @@
 #include "comm/threads.h"
 #include "core/error.h"
 #include "core/rng.h"
+#include "parallel/data/param_set_util.h"
 
 using namespace loom;
 
@@ -23,70 +24,20 @@ namespace {
 
 constexpr int kSteps = 5, kRanks = 4, kReplicas = 2;
 
-struct Spec {
-  const char* name;
-  Shape shape;
-  int64_t alloc_rows;
-  bool in_norm;
-};
+using test::raw;
+using test::rel_dist;
 
-const std::vector<Spec>& specs() {
-  static const std::vector<Spec> s = {
-      {"w1", {9, 10}, 12, true}, {"b1", {10}, 0, true}, {"w2", {10, 23}, 0, true}, {"extra", {17}, 0, false}};
-  return s;
-}
-
-optim::AdamWConfig adam_cfg() {
-  optim::AdamWConfig a;
-  a.lr = 1e-2;
-  a.max_norm = 0.5f;  // the norm is about 5 or more: every step clips
-  return a;
-}
-
-std::vector<std::unique_ptr<model::Parameter>> make_params(MemoryPool& pool) {
-  std::vector<std::unique_ptr<model::Parameter>> ps;
-  for (const Spec& s : specs()) {
-    auto p = std::make_unique<model::Parameter>();
-    p->spec.name = s.name;
-    p->spec.shape = s.shape;
-    p->spec.alloc_rows = s.alloc_rows;
-    p->spec.init = model::Init::normal;
-    p->spec.std = 0.5f;
-    p->allocate(pool);
-    p->initialise(42);
-    ps.push_back(std::move(p));
-  }
-  return ps;
-}
-
-std::vector<model::Parameter*> raw(const std::vector<std::unique_ptr<model::Parameter>>& ps) {
-  std::vector<model::Parameter*> r;
-  for (auto& p : ps) r.push_back(p.get());
-  return r;
-}
-
-// Rank r's partial gradient of element j of parameter k at step s.
-float grad_at(int s, int r, size_t k, int64_t j) {
-  return uniform_at(uint64_t(300 + s), uint64_t(r * 16 + int(k)), uint64_t(j)) * 2.0f - 1.0f;
-}
+float grad_at(int s, int r, size_t k, int64_t j) { return test::grad_at(300, s, r, k, j); }
 
 struct Result {
   std::vector<std::vector<float>> params, m, v;
   std::vector<double> norms;
 };
 
-double rel_dist(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
-  double d = 0, n = 0;
-  for (size_t k = 0; k < b.size(); ++k)
-    for (size_t j = 0; j < b[k].size(); ++j)
-      d += (double(a[k][j]) - b[k][j]) * (double(a[k][j]) - b[k][j]), n += double(b[k][j]) * b[k][j];
-  return std::sqrt(d / n);
-}
-
 Result reference() {
   MemoryPool pool("ref");
-  auto ps = make_params(pool);
-  optim::AdamW opt(raw(ps), adam_cfg(), pool);
+  auto ps = test::make_param_set(pool);
+  optim::AdamW opt(raw(ps), test::clipping_adamw(), pool);
   Result r;
   for (int s = 0; s < kSteps; ++s) {
     double sq = 0;
@@ -96,7 +47,7 @@ Result reference() {
         for (int q = 0; q < kRanks; ++q) sum += grad_at(s, q, k, j);
         const float g = float(sum / kReplicas);
         ps[k]->grad.f32()[j] = g;
-        if (specs()[k].in_norm) sq += double(g) * g;
+        if (test::param_set()[k].in_norm) sq += double(g) * g;
       }
     r.norms.push_back(std::sqrt(sq));
     EXPECT_LT(opt.step_with_norm(std::sqrt(sq)).clip_scale, 1.0f) << "clipping must be active";
@@ -118,12 +69,12 @@ TEST_P(ReplicaOptimizerTest, AddsCpPartialSumsAndAveragesReplicas) {
   std::vector<Result> got(kRanks);
   comm::run_ranks(kRanks, [&](comm::Comm& c) {
     MemoryPool pool("rank" + std::to_string(c.rank()));
-    auto ps = make_params(pool);
+    auto ps = test::make_param_set(pool);
     parallel::ReplicaOptimizer::Options o;
     o.zero_stage = zero_stage;
     o.replicas = kReplicas;
-    for (const Spec& s : specs()) o.in_norm.push_back(s.in_norm);
-    parallel::ReplicaOptimizer opt(raw(ps), &c, o, adam_cfg(), pool);
+    for (const test::ParamSpec& s : test::param_set()) o.in_norm.push_back(s.in_norm);
+    parallel::ReplicaOptimizer opt(raw(ps), &c, o, test::clipping_adamw(), pool);
     EXPECT_EQ(opt.sharded(), zero_stage == 1);
     Result& r = got[size_t(c.rank())];
     for (int s = 0; s < kSteps; ++s) {
@@ -158,10 +109,10 @@ INSTANTIATE_TEST_SUITE_P(ZeroStage, ReplicaOptimizerTest, ::testing::Values(0, 1
 TEST(ReplicaOptimizer, LoadedMomentsAreTheOnesGathered) {
   comm::run_ranks(2, [&](comm::Comm& c) {
     MemoryPool pool("rank");
-    auto ps = make_params(pool);
+    auto ps = test::make_param_set(pool);
     parallel::ReplicaOptimizer::Options o;
     o.zero_stage = 1;
-    parallel::ReplicaOptimizer opt(raw(ps), &c, o, adam_cfg(), pool);
+    parallel::ReplicaOptimizer opt(raw(ps), &c, o, test::clipping_adamw(), pool);
     const int64_t n = ps[2]->spec.numel();
     const size_t len = static_cast<size_t>(n);
     std::vector<float> m(len), v(len), m2(len), v2(len);
@@ -176,27 +127,27 @@ TEST(ReplicaOptimizer, LoadedMomentsAreTheOnesGathered) {
 TEST(ReplicaOptimizer, RefusesBadOptions) {
   comm::run_ranks(4, [&](comm::Comm& c) {
     MemoryPool pool("rank");
-    auto ps = make_params(pool);
+    auto ps = test::make_param_set(pool);
     parallel::ReplicaOptimizer::Options o;
     o.replicas = 3;
     try {
-      parallel::ReplicaOptimizer opt(raw(ps), &c, o, adam_cfg(), pool);
+      parallel::ReplicaOptimizer opt(raw(ps), &c, o, test::clipping_adamw(), pool);
       ADD_FAILURE() << "replicas = 3 over 4 ranks was accepted";
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("replicas = 3 must divide the group's 4 ranks"), std::string::npos) << e.what();
     }
     o.replicas = 2;
     o.in_norm = {true};
-    EXPECT_THROW(parallel::ReplicaOptimizer(raw(ps), &c, o, adam_cfg(), pool), Error);
+    EXPECT_THROW(parallel::ReplicaOptimizer(raw(ps), &c, o, test::clipping_adamw(), pool), Error);
     o.in_norm.clear();
     o.zero_stage = 2;
-    EXPECT_THROW(parallel::ReplicaOptimizer(raw(ps), &c, o, adam_cfg(), pool), Error);
+    EXPECT_THROW(parallel::ReplicaOptimizer(raw(ps), &c, o, test::clipping_adamw(), pool), Error);
   });
   MemoryPool pool("alone");
-  auto ps = make_params(pool);
+  auto ps = test::make_param_set(pool);
   parallel::ReplicaOptimizer::Options o;
   o.zero_stage = 1;
-  EXPECT_THROW(parallel::ReplicaOptimizer(raw(ps), nullptr, o, adam_cfg(), pool), Error);
+  EXPECT_THROW(parallel::ReplicaOptimizer(raw(ps), nullptr, o, test::clipping_adamw(), pool), Error);
 }
 
 }  // namespace

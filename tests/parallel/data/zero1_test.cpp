@@ -19,6 +19,7 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "optim/adamw.h"
+#include "parallel/data/param_set_util.h"
 
 using namespace loom;
 
@@ -26,58 +27,13 @@ namespace {
 
 constexpr int kSteps = 5;
 
-struct Spec {
-  const char* name;
-  Shape shape;
-  int64_t alloc_rows;
-  bool in_norm;
-};
+using test::raw;
+using test::rel_dist;
 
-// 9 x 10 with 3 padding rows, a bias, a 10 x 23 weight, and two odd vectors; 370 logical
-// elements. "extra" is left out of the norm (as a replicated copy counted on another rank).
-const std::vector<Spec>& specs() {
-  static const std::vector<Spec> s = {{"w1", {9, 10}, 12, true},
-                                      {"b1", {10}, 0, true},
-                                      {"w2", {10, 23}, 0, true},
-                                      {"b2", {23}, 0, true},
-                                      {"extra", {17}, 0, false}};
-  return s;
-}
-
-optim::AdamWConfig adam_cfg() {
-  optim::AdamWConfig a;
-  a.lr = 1e-2;
-  a.weight_decay = 0.1;
-  a.max_norm = 0.5f;  // the gradients' norm is about 5: every step clips
-  return a;
-}
-
-std::vector<std::unique_ptr<model::Parameter>> make_params(MemoryPool& pool) {
-  std::vector<std::unique_ptr<model::Parameter>> ps;
-  for (const Spec& s : specs()) {
-    auto p = std::make_unique<model::Parameter>();
-    p->spec.name = s.name;
-    p->spec.shape = s.shape;
-    p->spec.alloc_rows = s.alloc_rows;
-    p->spec.init = model::Init::normal;
-    p->spec.std = 0.5f;
-    p->allocate(pool);
-    p->initialise(42);
-    ps.push_back(std::move(p));
-  }
-  return ps;
-}
-
-std::vector<model::Parameter*> raw(const std::vector<std::unique_ptr<model::Parameter>>& ps) {
-  std::vector<model::Parameter*> r;
-  for (auto& p : ps) r.push_back(p.get());
-  return r;
-}
-
-// Gradient of element j of parameter k on dp rank r at step s (differs between ranks).
-float grad_at(int s, int r, size_t k, int64_t j) {
-  return uniform_at(uint64_t(1000 + s), uint64_t(r * 16 + int(k)), uint64_t(j)) * 2.0f - 1.0f;
-}
+std::vector<std::unique_ptr<model::Parameter>> make_params(MemoryPool& pool) { return test::make_param_set(pool); }
+const std::vector<test::ParamSpec>& specs() { return test::param_set(); }
+optim::AdamWConfig adam_cfg() { return test::clipping_adamw(); }
+float grad_at(int s, int r, size_t k, int64_t j) { return test::grad_at(1000, s, r, k, j); }
 
 struct Result {
   std::vector<std::vector<float>> params, exp_avg, exp_avg_sq;  // per parameter, logical elements
@@ -113,20 +69,12 @@ Result reference(int dp) {
   return r;
 }
 
-double rel_dist(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
-  double d = 0, n = 0;
-  for (size_t k = 0; k < b.size(); ++k)
-    for (size_t j = 0; j < b[k].size(); ++j)
-      d += (double(a[k][j]) - b[k][j]) * (double(a[k][j]) - b[k][j]), n += double(b[k][j]) * b[k][j];
-  return std::sqrt(d / n);
-}
-
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // The header's formulas, from the specs alone.
 int64_t expected_n_pad(int dp) {
   int64_t sum = 0;
-  for (const Spec& s : specs()) {
+  for (const test::ParamSpec& s : specs()) {
     const int64_t rows = std::max(s.alloc_rows, s.shape[0]);
     sum += round_up(shape_numel(s.shape) / s.shape[0] * rows, 16);
   }
@@ -147,7 +95,7 @@ RankOut run_rank(comm::Comm& dp) {
   MemoryPool pool(fmt::format("rank{}", dp.rank()));
   auto ps = make_params(pool);
   parallel::Zero1Options zo;
-  for (const Spec& s : specs()) zo.in_norm.push_back(s.in_norm);
+  for (const test::ParamSpec& s : specs()) zo.in_norm.push_back(s.in_norm);
   parallel::Zero1Optimizer opt(raw(ps), dp, adam_cfg(), pool, zo);
   pool.reset_peaks();
   for (int s = 0; s < kSteps; ++s) {
