@@ -248,10 +248,11 @@ TrainResult run_training_cuda(const TrainConfig& cfg, const TrainOptions& opt) {
       gpt.zero_grad();
       for (int64_t micro = 0; micro < cfg.grad_accum; ++micro) {
         train.train_batch(step, cfg.batch_size, micro * mb, mb, x.data(), y.data());
-        loss += gpt.accumulate(x.data(), y.data(), 1.0f / float(cfg.grad_accum));
+        loss += gpt.accumulate(x.data(), y.data());
       }
       loss /= double(cfg.grad_accum);
-      norm = gpt.optimizer_step(lr, optimizer_steps + 1);
+      // The update, its clipping and the norm are the mean gradient's, as on the CPU.
+      norm = gpt.optimizer_step(lr, optimizer_steps + 1, 1.0f / float(cfg.grad_accum));
     }
     ++optimizer_steps;
     LOOM_CHECK(std::isfinite(loss), "step {}: the loss is {} (diverged); lower optim.lr or raise optim.warmup_steps",

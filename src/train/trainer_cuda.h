@@ -5,7 +5,7 @@
 //   - one micro-batch shape B x T, B = train.batch_size / train.grad_accum, T = data.seq_len;
 //     grad_accum 1 replays one graph per step (forward, backward, update); grad_accum > 1 zeroes
 //     the gradients, replays a forward + backward graph that accumulates once per micro-batch,
-//     then runs the update;
+//     then runs the update on the accumulated gradients times 1 / grad_accum;
 //   - validation: the mean loss of forward-only passes over validation batches of that shape;
 //   - samples: the weights copied into a CPU model::GPT, sampled as on the CPU;
 //   - checkpoints in the CPU format (train/checkpoint.h): the f32 master weights and both
