@@ -37,6 +37,31 @@ __global__ void mean_loss_kernel(float* out, const float* losses, int64_t n, flo
   if (threadIdx.x == 0) out[0] = s * scale;
 }
 
+// Captures what `enqueue()` puts on `stream` into a graph and instantiates it. A throw while
+// enqueueing ends the capture and discards the partial graph before it propagates.
+template <class Enqueue>
+cudaGraphExec_t capture_graph(cudaStream_t stream, Enqueue&& enqueue) {
+  cudaGraph_t g = nullptr;
+  LOOM_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  try {
+    enqueue();
+  } catch (...) {
+    cudaStreamEndCapture(stream, &g);
+    if (g) cudaGraphDestroy(g);
+    throw;
+  }
+  LOOM_CUDA_CHECK(cudaStreamEndCapture(stream, &g));
+  cudaGraphExec_t exec = nullptr;
+  try {
+    LOOM_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+  } catch (...) {
+    cudaGraphDestroy(g);
+    throw;
+  }
+  LOOM_CUDA_CHECK(cudaGraphDestroy(g));
+  return exec;
+}
+
 }  // namespace
 
 std::vector<ParamSpec> cuda_param_specs(const GPTConfig& cfg) {
@@ -510,72 +535,40 @@ void GPTCuda::set_adamw_hyper(float lr, int64_t step, float grad_scale) {
   adamw_->set_hyper(h);
 }
 
+void GPTCuda::enqueue_micro() {
+  enqueue_forward(true);
+  enqueue_backward();
+}
+
+void GPTCuda::run_graphed(cudaGraphExec_t& exec, float& exec_dloss, void (GPTCuda::*enqueue)()) {
+  if (exec && exec_dloss != dloss_) {
+    LOOM_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    exec = nullptr;
+  }
+  if (!opt_.cuda_graph || !warmed_) {
+    (this->*enqueue)();
+    warmed_ = true;
+    return;
+  }
+  if (!exec) {
+    exec = capture_graph(stream_, [&] { (this->*enqueue)(); });
+    exec_dloss = dloss_;
+  }
+  LOOM_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
+}
+
 float GPTCuda::train_step(const int32_t* tokens, const int32_t* targets, float lr, int64_t step) {
   upload_batch(tokens, targets);
   set_adamw_hyper(lr, step, 1.f);
-  if (opt_.cuda_graph && graph_ && graph_dloss_ != dloss_) {
-    LOOM_CUDA_CHECK(cudaGraphExecDestroy(graph_));
-    graph_ = nullptr;
-  }
-  if (!opt_.cuda_graph || !warmed_) {
-    enqueue_step();  // the first step runs eagerly: library handles and algorithm choices are made
-    warmed_ = true;  // outside any capture
-  } else {
-    if (!graph_) {
-      cudaGraph_t g = nullptr;
-      LOOM_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-      try {
-        enqueue_step();
-      } catch (...) {
-        cudaStreamEndCapture(stream_, &g);
-        if (g) cudaGraphDestroy(g);
-        throw;
-      }
-      LOOM_CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
-      LOOM_CUDA_CHECK(cudaGraphInstantiate(&graph_, g, 0));
-      LOOM_CUDA_CHECK(cudaGraphDestroy(g));
-      graph_dloss_ = dloss_;
-    }
-    LOOM_CUDA_CHECK(cudaGraphLaunch(graph_, stream_));
-  }
+  run_graphed(graph_, graph_dloss_, &GPTCuda::enqueue_step);
   return read_loss();
 }
-
-}  // namespace loom::model
-
-namespace loom::model {
 
 void GPTCuda::zero_grad() { LOOM_CUDA_CHECK(cudaMemsetAsync(grads_, 0, size_t(total_) * sizeof(float), stream_)); }
 
 float GPTCuda::accumulate(const int32_t* tokens, const int32_t* targets) {
   upload_batch(tokens, targets);
-  if (micro_graph_ && micro_graph_dloss_ != dloss_) {
-    LOOM_CUDA_CHECK(cudaGraphExecDestroy(micro_graph_));
-    micro_graph_ = nullptr;
-  }
-  if (!opt_.cuda_graph || !warmed_) {
-    enqueue_forward(true);  // as train_step: the first forward + backward runs eagerly
-    enqueue_backward();
-    warmed_ = true;
-  } else {
-    if (!micro_graph_) {
-      cudaGraph_t g = nullptr;
-      LOOM_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-      try {
-        enqueue_forward(true);
-        enqueue_backward();
-      } catch (...) {
-        cudaStreamEndCapture(stream_, &g);
-        if (g) cudaGraphDestroy(g);
-        throw;
-      }
-      LOOM_CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
-      LOOM_CUDA_CHECK(cudaGraphInstantiate(&micro_graph_, g, 0));
-      LOOM_CUDA_CHECK(cudaGraphDestroy(g));
-      micro_graph_dloss_ = dloss_;
-    }
-    LOOM_CUDA_CHECK(cudaGraphLaunch(micro_graph_, stream_));
-  }
+  run_graphed(micro_graph_, micro_graph_dloss_, &GPTCuda::enqueue_micro);
   return read_loss();
 }
 

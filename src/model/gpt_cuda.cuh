@@ -108,7 +108,12 @@ class GPTCuda {
   void upload_batch(const int32_t* tokens, const int32_t* targets);
   void enqueue_forward(bool fused_loss_grad);
   void enqueue_backward();
-  void enqueue_step();  // zero grads, forward (fused loss grad), backward, optimizer
+  void enqueue_step();   // zero grads, forward (fused loss grad), backward, optimizer
+  void enqueue_micro();  // forward (fused loss grad), backward: accumulate()'s work
+  // Runs `enqueue` eagerly without cuda_graph and the first time either graph would be captured
+  // (library handles and algorithm choices are made outside any capture); else replays `exec`,
+  // capturing it first when there is none or when its baked-in dloss is not the batch's.
+  void run_graphed(cudaGraphExec_t& exec, float& exec_dloss, void (GPTCuda::*enqueue)());
   void set_adamw_hyper(float lr, int64_t step, float grad_scale);
   std::vector<float> download(const float* base, const std::string& name) const;  // logical elements
   void upload(float* base, const std::string& name, const float* values);
