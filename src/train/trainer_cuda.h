@@ -11,7 +11,7 @@
 //   - checkpoints in the CPU format (train/checkpoint.h): the f32 master weights and both
 //     moments, so a GPU checkpoint loads in `loom generate` and resumes on the CPU, and a CPU
 //     checkpoint resumes here;
-//   - MFU against the bf16 GEMM rate of this GPU, measured at start through cuBLASLt.
+//   - MFU against the bf16 GEMM rate of this GPU, measured at start (cuda::measure_gemm_peak_bf16).
 // Not bit-identical from run to run: the token-embedding gradient and flash attention's dq are
 // summed with f32 atomics (kernels/cuda/embedding.cuh, attention.cuh), so a resumed run matches
 // the uninterrupted one to rounding. LOOM_FAULT_INJECT (train/trainer.h) works with rank 0.
