@@ -8,6 +8,9 @@
 // Tokens are uniform random ids (a fixed seed): the step's cost does not depend on the data.
 // FLOPs per token, as nanoGPT's estimate_mfu: 6 N + 12 L H Q T with N the parameters without
 // wpe (wte counted once: it is tied to the output layer), H heads of size Q, sequence length T.
+// MFU is given against the H100 SXM dense bf16 datasheet peak (989 TFLOP/s) and against this
+// GPU's bf16 GEMM rate measured after the timed steps (cuda::measure_gemm_peak_bf16, the rate
+// `loom train --train.device cuda` reports against).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -21,6 +24,7 @@
 
 #include "kernels/cuda/allocator.cuh"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/matmul.cuh"
 #include "model/gpt_cuda.cuh"
 #include "train/safetensors.h"
 
@@ -178,21 +182,26 @@ int main(int argc, char** argv) {
     const double tflops = tps * flops_per_token / 1e12;
     cudaDeviceProp prop{};
     LOOM_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    // The training's memory figures are taken before the GEMM measurement borrows its operands.
     const MemStats st = pool.stats();
+    const std::string report = pool.report();
+    const double peak_tflops = cuda::measure_gemm_peak_bf16(pool, gpt.stream()) / 1e12;
     if (a.json) {
       std::printf("{\"impl\": \"loom\", \"device\": \"%s\", \"model\": \"%s\", \"B\": %lld, \"T\": %lld, "
                   "\"attention\": \"%s\", \"graph\": %s, \"steps\": %lld, \"step_ms_median\": %.4f, "
                   "\"step_ms_mean\": %.4f, \"tokens_per_s\": %.1f, \"flops_per_token\": %.6e, \"tflops\": %.2f, "
+                  "\"gemm_peak_tflops\": %.2f, \"mfu_measured\": %.4f, "
                   "\"first_loss\": %.5f, \"last_loss\": %.5f, \"peak_bytes\": %lld}\n",
                   prop.name, cfg.name.c_str(), (long long)a.B, (long long)a.T, a.attention.c_str(),
                   a.graph ? "true" : "false", (long long)a.steps, med, mean, tps, flops_per_token, tflops,
-                  first_loss, last_loss, (long long)st.total_peak);
+                  peak_tflops, tflops / peak_tflops, first_loss, last_loss, (long long)st.total_peak);
     } else {
       std::printf("%s on %s: B=%lld T=%lld attention=%s graph=%d: %.2f ms/step (median of %lld; mean %.2f), "
-                  "%.0f tokens/s, %.1f TFLOP/s (MFU %.1f%% of 989), loss %.4f -> %.4f\n%s",
+                  "%.0f tokens/s, %.1f TFLOP/s (MFU %.1f%% of 989, %.1f%% of the measured bf16 GEMM rate "
+                  "%.1f TFLOP/s), loss %.4f -> %.4f\n%s",
                   cfg.name.c_str(), prop.name, (long long)a.B, (long long)a.T, a.attention.c_str(), int(a.graph), med,
-                  (long long)a.steps, mean, tps, tflops, 100.0 * tflops / 989.0, first_loss, last_loss,
-                  pool.report().c_str());
+                  (long long)a.steps, mean, tps, tflops, 100.0 * tflops / 989.0, 100.0 * tflops / peak_tflops,
+                  peak_tflops, first_loss, last_loss, report.c_str());
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "train_gpt2_cuda: %s\n", e.what());

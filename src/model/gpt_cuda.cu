@@ -37,6 +37,31 @@ __global__ void mean_loss_kernel(float* out, const float* losses, int64_t n, flo
   if (threadIdx.x == 0) out[0] = s * scale;
 }
 
+// Captures what `enqueue()` puts on `stream` into a graph and instantiates it. A throw while
+// enqueueing ends the capture and discards the partial graph before it propagates.
+template <class Enqueue>
+cudaGraphExec_t capture_graph(cudaStream_t stream, Enqueue&& enqueue) {
+  cudaGraph_t g = nullptr;
+  LOOM_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  try {
+    enqueue();
+  } catch (...) {
+    cudaStreamEndCapture(stream, &g);
+    if (g) cudaGraphDestroy(g);
+    throw;
+  }
+  LOOM_CUDA_CHECK(cudaStreamEndCapture(stream, &g));
+  cudaGraphExec_t exec = nullptr;
+  try {
+    LOOM_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+  } catch (...) {
+    cudaGraphDestroy(g);
+    throw;
+  }
+  LOOM_CUDA_CHECK(cudaGraphDestroy(g));
+  return exec;
+}
+
 }  // namespace
 
 std::vector<ParamSpec> cuda_param_specs(const GPTConfig& cfg) {
@@ -360,7 +385,7 @@ void GPTCuda::enqueue_forward(bool fused_loss_grad) {
   // logits [BT, Vp] = lnf @ wte^T (tied; padding rows of wte are zero, so padding logits are 0)
   cuda::matmul_forward({a.logits, nullptr, a.lnf, W(0), nullptr, BT, C, Vp, false}, s);
   if (fused_loss_grad)
-    cuda::crossentropy_forward_backward(a.losses, a.logits, a.logits, d_targets_, dloss_ * grad_scale_, BT, V, Vp, s);
+    cuda::crossentropy_forward_backward(a.losses, a.logits, a.logits, d_targets_, dloss_, BT, V, Vp, s);
   else
     cuda::crossentropy_forward(a.losses, a.logits, d_targets_, BT, V, Vp, s);
   mean_loss_kernel<<<1, 1024, 0, s>>>(d_loss_, a.losses, BT, dloss_);
@@ -498,7 +523,7 @@ void GPTCuda::enqueue_step() {
                                   stream_));
 }
 
-void GPTCuda::set_adamw_hyper(float lr, int64_t step) {
+void GPTCuda::set_adamw_hyper(float lr, int64_t step, float grad_scale) {
   cuda::AdamWHyper h;
   h.lr = lr;
   h.beta1 = opt_.beta1;
@@ -506,89 +531,49 @@ void GPTCuda::set_adamw_hyper(float lr, int64_t step) {
   h.eps = opt_.eps;
   h.step = step;
   h.max_norm = opt_.grad_clip;
+  h.grad_scale = grad_scale;
   adamw_->set_hyper(h);
+}
+
+void GPTCuda::enqueue_micro() {
+  enqueue_forward(true);
+  enqueue_backward();
+}
+
+void GPTCuda::run_graphed(cudaGraphExec_t& exec, float& exec_dloss, void (GPTCuda::*enqueue)()) {
+  if (exec && exec_dloss != dloss_) {
+    LOOM_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    exec = nullptr;
+  }
+  if (!opt_.cuda_graph || !warmed_) {
+    (this->*enqueue)();
+    warmed_ = true;
+    return;
+  }
+  if (!exec) {
+    exec = capture_graph(stream_, [&] { (this->*enqueue)(); });
+    exec_dloss = dloss_;
+  }
+  LOOM_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
 }
 
 float GPTCuda::train_step(const int32_t* tokens, const int32_t* targets, float lr, int64_t step) {
   upload_batch(tokens, targets);
-  set_adamw_hyper(lr, step);
-  if (opt_.cuda_graph && graph_ && graph_dloss_ != dloss_) {
-    LOOM_CUDA_CHECK(cudaGraphExecDestroy(graph_));
-    graph_ = nullptr;
-  }
-  if (!opt_.cuda_graph || !warmed_) {
-    enqueue_step();  // the first step runs eagerly: library handles and algorithm choices are made
-    warmed_ = true;  // outside any capture
-  } else {
-    if (!graph_) {
-      cudaGraph_t g = nullptr;
-      LOOM_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-      try {
-        enqueue_step();
-      } catch (...) {
-        cudaStreamEndCapture(stream_, &g);
-        if (g) cudaGraphDestroy(g);
-        throw;
-      }
-      LOOM_CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
-      LOOM_CUDA_CHECK(cudaGraphInstantiate(&graph_, g, 0));
-      LOOM_CUDA_CHECK(cudaGraphDestroy(g));
-      graph_dloss_ = dloss_;
-    }
-    LOOM_CUDA_CHECK(cudaGraphLaunch(graph_, stream_));
-  }
+  set_adamw_hyper(lr, step, 1.f);
+  run_graphed(graph_, graph_dloss_, &GPTCuda::enqueue_step);
   return read_loss();
 }
-
-}  // namespace loom::model
-
-namespace loom::model {
 
 void GPTCuda::zero_grad() { LOOM_CUDA_CHECK(cudaMemsetAsync(grads_, 0, size_t(total_) * sizeof(float), stream_)); }
 
-float GPTCuda::accumulate(const int32_t* tokens, const int32_t* targets, float dloss_scale) {
-  LOOM_CHECK(std::isfinite(dloss_scale), "GPTCuda::accumulate: dloss_scale {} is not finite", dloss_scale);
+float GPTCuda::accumulate(const int32_t* tokens, const int32_t* targets) {
   upload_batch(tokens, targets);
-  if (micro_graph_ && (micro_graph_dloss_ != dloss_ || micro_graph_scale_ != dloss_scale)) {
-    LOOM_CUDA_CHECK(cudaGraphExecDestroy(micro_graph_));
-    micro_graph_ = nullptr;
-  }
-  // The scale is read while kernels are enqueued (or captured): train_step and forward_backward
-  // see 1 again however this returns.
-  struct ScaleGuard {
-    float& s;
-    ~ScaleGuard() { s = 1.f; }
-  } guard{grad_scale_};
-  grad_scale_ = dloss_scale;
-  if (!opt_.cuda_graph || !warmed_) {
-    enqueue_forward(true);  // as train_step: the first forward + backward runs eagerly
-    enqueue_backward();
-    warmed_ = true;
-  } else {
-    if (!micro_graph_) {
-      cudaGraph_t g = nullptr;
-      LOOM_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-      try {
-        enqueue_forward(true);
-        enqueue_backward();
-      } catch (...) {
-        cudaStreamEndCapture(stream_, &g);
-        if (g) cudaGraphDestroy(g);
-        throw;
-      }
-      LOOM_CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
-      LOOM_CUDA_CHECK(cudaGraphInstantiate(&micro_graph_, g, 0));
-      LOOM_CUDA_CHECK(cudaGraphDestroy(g));
-      micro_graph_dloss_ = dloss_;
-      micro_graph_scale_ = dloss_scale;
-    }
-    LOOM_CUDA_CHECK(cudaGraphLaunch(micro_graph_, stream_));
-  }
+  run_graphed(micro_graph_, micro_graph_dloss_, &GPTCuda::enqueue_micro);
   return read_loss();
 }
 
-float GPTCuda::optimizer_step(float lr, int64_t step) {
-  set_adamw_hyper(lr, step);
+float GPTCuda::optimizer_step(float lr, int64_t step, float grad_scale) {
+  set_adamw_hyper(lr, step, grad_scale);
   adamw_->launch(stream_);
   LOOM_CUDA_CHECK(cudaMemcpyAsync(h_stats_ + 1, adamw_->norm_and_scale(), 2 * sizeof(float), cudaMemcpyDeviceToHost,
                                   stream_));

@@ -78,14 +78,15 @@ class GPTCuda {
   float last_grad_norm() const { return h_stats_[1]; }  // of the last train_step or optimizer_step
 
   // Gradient accumulation over micro-batches, then one update: zero_grad(), accumulate() once
-  // per micro-batch, optimizer_step(). accumulate() adds dloss_scale times the gradient of the
-  // batch's mean loss (1 / k for the mean over k micro-batches) and returns that mean loss; with
-  // cuda_graph its forward + backward is captured once and replayed. optimizer_step() is
-  // train_step's update (clipping, AdamW at lr, bias correction for `step`) on the accumulated
-  // gradients and returns the gradient norm before clipping.
+  // per micro-batch, optimizer_step(). accumulate() adds the gradient of the batch's mean loss
+  // and returns that mean loss; with cuda_graph its forward + backward is captured once and
+  // replayed. optimizer_step() is train_step's update (clipping, AdamW at lr, bias correction
+  // for `step`) on grad_scale times the accumulated gradients (1 / k for the mean over k
+  // micro-batches: the norm, the clipping and the update all see the scaled gradient) and
+  // returns that gradient's norm before clipping.
   void zero_grad();
-  float accumulate(const int32_t* tokens, const int32_t* targets, float dloss_scale);
-  float optimizer_step(float lr, int64_t step);
+  float accumulate(const int32_t* tokens, const int32_t* targets);
+  float optimizer_step(float lr, int64_t step, float grad_scale = 1.f);
 
   // AdamW moments of one parameter (host f32, spec.numel() elements), for checkpoints; throws
   // naming it. The step count is the caller's: train_step and optimizer_step take it.
@@ -107,8 +108,13 @@ class GPTCuda {
   void upload_batch(const int32_t* tokens, const int32_t* targets);
   void enqueue_forward(bool fused_loss_grad);
   void enqueue_backward();
-  void enqueue_step();  // zero grads, forward (fused loss grad), backward, optimizer
-  void set_adamw_hyper(float lr, int64_t step);
+  void enqueue_step();   // zero grads, forward (fused loss grad), backward, optimizer
+  void enqueue_micro();  // forward (fused loss grad), backward: accumulate()'s work
+  // Runs `enqueue` eagerly without cuda_graph and the first time either graph would be captured
+  // (library handles and algorithm choices are made outside any capture); else replays `exec`,
+  // capturing it first when there is none or when its baked-in dloss is not the batch's.
+  void run_graphed(cudaGraphExec_t& exec, float& exec_dloss, void (GPTCuda::*enqueue)());
+  void set_adamw_hyper(float lr, int64_t step, float grad_scale);
   std::vector<float> download(const float* base, const std::string& name) const;  // logical elements
   void upload(float* base, const std::string& name, const float* values);
   float read_loss();
@@ -144,9 +150,8 @@ class GPTCuda {
   cudaStream_t stream_ = nullptr;
   cudaGraphExec_t graph_ = nullptr;
   float graph_dloss_ = 0.f;  // dloss baked into the captured graph
-  float grad_scale_ = 1.f;   // the gradient's factor on the mean loss (accumulate's dloss_scale)
   cudaGraphExec_t micro_graph_ = nullptr;  // accumulate(): forward + backward, no zeroing, no update
-  float micro_graph_dloss_ = 0.f, micro_graph_scale_ = 0.f;  // baked into micro_graph_
+  float micro_graph_dloss_ = 0.f;          // dloss baked into micro_graph_
   bool warmed_ = false;      // an eager step has run (before the first capture)
 };
 

@@ -24,7 +24,6 @@
 #include "train/checkpoint_io.h"
 #include "train/schedule.h"
 #include "train/trainer_parallel.h"
-#include "train/trainer_cuda.h"
 
 namespace fs = std::filesystem;
 
@@ -221,11 +220,10 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
 TrainResult run_training(const TrainConfig& cfg, const TrainOptions& opt) {
   const std::string where = opt.config_path.empty() ? "config" : opt.config_path;
   if (cfg.device == "cuda") {
-#ifdef LOOM_HAVE_CUDA
-    return run_training_cuda(cfg, opt);  // train/trainer_cuda.cu
-#else
-    cfg.validate_cuda(where);  // throws: this build has no CUDA
-#endif
+    cfg.validate_cuda(where);  // throws naming the field, and in a build without CUDA
+    throw Error(fmt::format("{}: train.device = \"cuda\": run_training runs the CPU trainers; the GPU trainer is "
+                            "train::run_training_cuda (train/trainer_cuda.h), which `loom train` runs for this device",
+                            where));
   }
   LOOM_CHECK(cfg.device == "cpu", "{}: train.device: '{}' is not cpu or cuda", where, cfg.device);
   if (needs_mesh(cfg)) return run_training_mesh(cfg, opt);  // tp / sp / cp / pp: trainer_parallel.cpp

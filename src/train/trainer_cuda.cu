@@ -29,56 +29,6 @@ namespace loom::train {
 
 namespace {
 
-// The bf16 GEMM rate of this GPU in FLOP/s: n x n x n products with f32 accumulation through
-// cuBLASLt (the kernels the model's linear layers run), timed with events over about `seconds`
-// after a warm-up. Model-FLOPs utilisation is reported against it, as the CPU trainer reports
-// against its measured GEMM rate.
-double measure_gemm_peak(MemoryPool& pool, cudaStream_t s, int64_t n = 4096, double seconds = 0.25) {
-  const size_t elems = size_t(n * n), bytes = elems * sizeof(cuda::bf16);
-  // Values in [-1, 1) (a fixed pattern): tensor cores draw less power on zeros, which would
-  // flatter the rate.
-  std::vector<uint16_t> host(elems);
-  for (size_t i = 0; i < elems; ++i) {
-    const float v = float(int((i * 2654435761u) >> 7 & 255) - 128) / 128.f;
-    host[i] = f32_to_bf16(v).bits;
-  }
-  auto* a = static_cast<cuda::bf16*>(pool.allocate(bytes, MemTag::workspace));
-  auto* b = static_cast<cuda::bf16*>(pool.allocate(bytes, MemTag::workspace));
-  auto* c = static_cast<cuda::bf16*>(pool.allocate(bytes, MemTag::workspace));
-  cudaEvent_t e0 = nullptr, e1 = nullptr;
-  double rate = 0;
-  try {
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(a, host.data(), bytes, cudaMemcpyHostToDevice, s));
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(b, host.data(), bytes, cudaMemcpyHostToDevice, s));
-    LOOM_CUDA_CHECK(cudaEventCreate(&e0));
-    LOOM_CUDA_CHECK(cudaEventCreate(&e1));
-    auto gemm = [&] { cuda::gemm_bf16(false, true, n, n, n, 1.f, a, n, b, n, 0.f, c, n, false, s); };
-    for (int i = 0; i < 3; ++i) gemm();
-    LOOM_CUDA_CHECK(cudaStreamSynchronize(s));
-    int64_t iters = 0;
-    float ms = 0;
-    LOOM_CUDA_CHECK(cudaEventRecord(e0, s));
-    while (ms < seconds * 1e3) {
-      for (int i = 0; i < 10; ++i) gemm();
-      iters += 10;
-      LOOM_CUDA_CHECK(cudaEventRecord(e1, s));
-      LOOM_CUDA_CHECK(cudaEventSynchronize(e1));
-      LOOM_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    }
-    rate = 2.0 * double(n) * double(n) * double(n) * double(iters) / (double(ms) * 1e-3);
-  } catch (...) {
-    if (e0) cudaEventDestroy(e0);
-    if (e1) cudaEventDestroy(e1);
-    cudaStreamSynchronize(s);
-    for (auto* p : {c, b, a}) pool.deallocate(p, bytes, MemTag::workspace);
-    throw;
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  for (auto* p : {c, b, a}) pool.deallocate(p, bytes, MemTag::workspace);
-  return rate;
-}
-
 // The GPU model's training state in the checkpoint layout: for each parameter, in the model's
 // order, "param/<name>", "adam_m/<name>", "adam_v/<name>" as host f32 tensors of its logical shape.
 std::vector<NamedTensor> host_state(const model::GPTCuda& gpt, MemoryPool& host) {
@@ -189,7 +139,7 @@ TrainResult run_training_cuda(const TrainConfig& cfg, const TrainOptions& opt) {
                   "CUDA graphs",
                   mc.str(), double(gpt.num_parameters()) / 1e6, dev, prop.name, mb, T, cfg.grad_accum,
                   gpt.flash_attention() ? "flash" : "GEMM"));
-  const double peak = measure_gemm_peak(pool, gpt.stream());
+  const double peak = cuda::measure_gemm_peak_bf16(pool, gpt.stream());
   res.last_val_loss = NAN;
   res.unigram_val_loss = unigram_loss(train, val.get(), mc.vocab_size);
   say(fmt::format("data {} | train {} tokens{} | unigram baseline loss {:.4f} | bf16 GEMM peak {:.1f} TFLOP/s",
@@ -243,10 +193,11 @@ TrainResult run_training_cuda(const TrainConfig& cfg, const TrainOptions& opt) {
       gpt.zero_grad();
       for (int64_t micro = 0; micro < cfg.grad_accum; ++micro) {
         train.train_batch(step, cfg.batch_size, micro * mb, mb, x.data(), y.data());
-        st.loss += gpt.accumulate(x.data(), y.data(), 1.0f / float(cfg.grad_accum));
+        st.loss += gpt.accumulate(x.data(), y.data());
       }
       st.loss /= double(cfg.grad_accum);
-      st.grad_norm = gpt.optimizer_step(lr, optimizer_steps + 1);
+      // The update, its clipping and the norm are the mean gradient's, as on the CPU.
+      st.grad_norm = gpt.optimizer_step(lr, optimizer_steps + 1, 1.0f / float(cfg.grad_accum));
     }
     ++optimizer_steps;
     return st;

@@ -1,7 +1,8 @@
 // `loom train --train.device cuda` end to end, through the loom executable, on the tiny pattern
 // corpus (tests/cli_util.h): losses against the CPU trainer, resume from a checkpoint, and
 // checkpoints that cross devices (resumed on the other device, loaded by `loom generate` on the
-// CPU). Skipped without a GPU. Host code only: compiled by the C++ compiler.
+// CPU). Skipped without a GPU, except the GPU trainer's config checks. Host code only: compiled
+// by the C++ compiler.
 //
 // Tolerances:
 //  - GPU against CPU, 2e-2 relative on every step's loss and on the validation loss: the GPU
@@ -30,8 +31,11 @@
 #include <fmt/format.h>
 
 #include "cli_util.h"
+#include "core/error.h"
 #include "data/loader.h"
 #include "kernels/cuda/cuda_test_util.h"
+#include "train/config.h"
+#include "train/trainer_cuda.h"
 
 namespace fs = std::filesystem;
 using namespace loom;
@@ -100,6 +104,34 @@ std::vector<int32_t> ints_of(const std::string& s) {
 }
 
 }  // namespace
+
+// run_training_cuda takes configs that did not come through load_config: what the GPU trainer
+// lacks is refused naming the field, and a machine without a GPU is told so (with one, the run
+// stops at the missing data directory). Needs no GPU.
+TEST(CudaTrain, RunTrainingCudaChecksTheConfig) {
+  train::TrainConfig c;
+  c.data_dir = (fs::temp_directory_path() / fmt::format("loom_cuda_no_data_{}", ::getpid())).string();
+  c.out_dir = c.data_dir + "_out";
+  c.device = "cuda";
+  auto message = [&]() -> std::string {
+    try {
+      train::run_training_cuda(c, {});
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  c.dp = 2;
+  std::string m = message();
+  EXPECT_NE(m.find("parallel.dp"), std::string::npos) << m;
+  c.dp = 1;
+  m = message();
+  EXPECT_TRUE(m.find("no CUDA device") != std::string::npos || m.find(c.data_dir) != std::string::npos) << m;
+  c.device = "cpu";
+  m = message();
+  EXPECT_NE(m.find("train.device"), std::string::npos) << m;
+  fs::remove_all(c.out_dir);
+}
 
 TEST(CudaTrain, LossesMatchTheCpuTrainer) {
   LOOM_REQUIRE_GPU();

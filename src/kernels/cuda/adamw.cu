@@ -105,6 +105,9 @@ void MultiTensorAdamW::set_hyper(const AdamWHyper& h) {
   LOOM_CHECK(h.step >= 1, "AdamW: step must be >= 1, got {}", h.step);
   LOOM_CHECK(h.beta1 >= 0.f && h.beta1 < 1.f && h.beta2 >= 0.f && h.beta2 < 1.f,
              "AdamW: betas must be in [0, 1), got {} and {}", h.beta1, h.beta2);
+  // The norm is the scaled gradient's: sqrt(sum of squares) * grad_scale holds for grad_scale > 0.
+  LOOM_CHECK(std::isfinite(h.grad_scale) && h.grad_scale > 0.f, "AdamW: grad_scale must be positive and finite, got {}",
+             h.grad_scale);
   h_hyper_->lr = h.lr;
   h_hyper_->beta1 = h.beta1;
   h_hyper_->beta2 = h.beta2;

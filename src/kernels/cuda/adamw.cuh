@@ -28,7 +28,7 @@ struct AdamWHyper {
   float lr = 3e-4f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f;
   int64_t step = 1;        // 1-based, for bias correction
   float max_norm = 0.f;    // global-norm clipping threshold; <= 0 disables clipping
-  float grad_scale = 1.f;  // applied to every gradient before clipping (e.g. 1 / loss scale)
+  float grad_scale = 1.f;  // > 0, applied to every gradient before the norm and clipping (1 / micro-batches)
 };
 
 class MultiTensorAdamW {

@@ -556,20 +556,10 @@ CudnnAttention::CudnnAttention(const AttnArgs& a) : impl_(std::make_unique<Impl>
   m.shape = shape_string(a);
   m.version = cudnn_runtime_version();
   m.scale = a.scale != 0.f ? a.scale : 1.f / std::sqrt(float(a.HS));
-  // cuDNN before 9.10 wants the most negative finite float as the mask value.
-  m.neg_inf = m.version >= 91000 ? -INFINITY : -std::numeric_limits<float>::max();
-  LOOM_CHECK(m.version >= 90000, "cuDNN attention: needs cuDNN 9.0 or newer, the loaded library is {}", m.version);
-  LOOM_CHECK(m.version != 91000 && m.version != 91001,
-             "cuDNN attention: cuDNN {} has known bugs in the bf16 fused attention forward; use 9.10.2 or newer",
-             m.version);
-  LOOM_CHECK(m.version >= 91000 || a.Tq > 1 || !a.causal,
-             "cuDNN attention: cuDNN {} takes no causal mask with a single query (Tq = 1); 9.10 or newer does",
-             m.version);
-  // Before 9.16 the backward engines need a padding mask when Tkv is not a multiple of 128.
-  LOOM_CHECK(m.version >= 91600 || a.Tkv % 128 == 0,
-             "cuDNN attention: cuDNN {} needs Tkv to be a multiple of 128 for the backward graph (Tkv = {}); 9.16 "
-             "or newer takes any length",
-             m.version, a.Tkv);
+  // Earlier releases need workarounds this path does not build (a finite mask value, a dQ
+  // accumulator cleared before the backward, Tkv a multiple of 128 in the backward, no causal mask
+  // with a single query, the bf16 forward bugs of 9.10.0 and 9.10.1).
+  LOOM_CHECK(m.version >= 91600, "cuDNN attention: needs cuDNN 9.16 or newer, the loaded library is {}", m.version);
   int dev = 0, major = 0;
   LOOM_CUDA_CHECK(cudaGetDevice(&dev));
   LOOM_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
@@ -625,8 +615,6 @@ void CudnnAttention::backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, co
   char* ws = static_cast<char*>(workspace);
   void* dsum = ws + m.bwd_ws_offset_dsum;
   void* dqacc = ws + m.bwd_ws_offset_dqacc;
-  // Before 9.6 the engines add into the dQ accumulator without clearing it first.
-  if (m.version < 90600) LOOM_CUDA_CHECK(cudaMemsetAsync(dqacc, 0, m.dqacc_bytes, stream));
   cudnn_check(cudnnSetStream(m.handle, stream), "setting the stream");
   std::vector<int64_t> uids = {kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kScale, kOne, kDsum, kDQAcc};
   std::vector<void*> ptrs = {const_cast<bf16*>(q),   const_cast<bf16*>(k),    const_cast<bf16*>(v),

@@ -19,9 +19,8 @@
 // or 128, causal masks aligned at the first query and key (q_pos0 == kv_pos0: query t sees keys
 // s <= t) or no mask, any Tq and Tkv >= 1, row strides >= NH * HS and multiples of 8 elements;
 // pointers (q, k, v, out, lse, dout, dq, dk, dv, workspace) 16-byte aligned. The constructor also
-// refuses cuDNN releases that need workarounds this path does not build (before 9.0; 9.10.0 and
-// 9.10.1; Tkv not a multiple of 128 before 9.16; a single causal query before 9.10), and a shape
-// no cuDNN engine takes is a loom::Error naming the graph and cuDNN's message.
+// refuses cuDNN releases before 9.16 (they need workarounds this path does not build), and a
+// shape no cuDNN engine takes is a loom::Error naming the graph and cuDNN's message.
 // Not thread-safe: one object per thread (it owns a cuDNN handle).
 #pragma once
 #include <cuda_runtime.h>

@@ -3,10 +3,12 @@
 
 #include <cublasLt.h>
 
+#include <cmath>
 #include <map>
 #include <mutex>
 #include <set>
 #include <tuple>
+#include <vector>
 
 #include "kernels/cuda/allocator.cuh"
 
@@ -311,6 +313,53 @@ void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, floa
   c.alpha = alpha;
   c.beta = beta;
   lt_matmul(c, stream);
+}
+
+double measure_gemm_peak_bf16(MemoryPool& pool, cudaStream_t stream, int64_t n, double seconds) {
+  LOOM_CHECK(n > 0 && n <= 65536, "measure_gemm_peak_bf16: n = {} must be in [1, 65536]", n);
+  LOOM_CHECK(seconds > 0 && std::isfinite(seconds), "measure_gemm_peak_bf16: seconds = {} must be positive",
+             seconds);
+  LOOM_CHECK(pool.device() == Device::cuda, "measure_gemm_peak_bf16: pool '{}' is not a device pool",
+             pool.name().c_str());
+  const size_t elems = size_t(n * n), bytes = elems * sizeof(bf16);
+  std::vector<bf16> host(elems);
+  for (size_t i = 0; i < elems; ++i)
+    host[i] = __float2bfloat16(float(int((i * 2654435761u) >> 7 & 255) - 128) / 128.f);  // exact in bf16
+  auto* a = static_cast<bf16*>(pool.allocate(bytes, MemTag::workspace));
+  auto* b = static_cast<bf16*>(pool.allocate(bytes, MemTag::workspace));
+  auto* c = static_cast<bf16*>(pool.allocate(bytes, MemTag::workspace));
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+  double rate = 0;
+  try {
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(a, host.data(), bytes, cudaMemcpyHostToDevice, stream));
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(b, host.data(), bytes, cudaMemcpyHostToDevice, stream));
+    LOOM_CUDA_CHECK(cudaEventCreate(&e0));
+    LOOM_CUDA_CHECK(cudaEventCreate(&e1));
+    auto gemm = [&] { gemm_bf16(false, true, n, n, n, 1.f, a, n, b, n, 0.f, c, n, false, stream); };
+    for (int i = 0; i < 3; ++i) gemm();
+    LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));
+    int64_t iters = 0;
+    float ms = 0;
+    LOOM_CUDA_CHECK(cudaEventRecord(e0, stream));
+    while (ms < seconds * 1e3) {
+      for (int i = 0; i < 10; ++i) gemm();
+      iters += 10;
+      LOOM_CUDA_CHECK(cudaEventRecord(e1, stream));
+      LOOM_CUDA_CHECK(cudaEventSynchronize(e1));
+      LOOM_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    }
+    rate = 2.0 * double(n) * double(n) * double(n) * double(iters) / (double(ms) * 1e-3);
+  } catch (...) {
+    if (e0) cudaEventDestroy(e0);
+    if (e1) cudaEventDestroy(e1);
+    cudaStreamSynchronize(stream);
+    for (auto* p : {c, b, a}) pool.deallocate(p, bytes, MemTag::workspace);
+    throw;
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  for (auto* p : {c, b, a}) pool.deallocate(p, bytes, MemTag::workspace);
+  return rate;
 }
 
 }  // namespace loom::cuda

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "core/memory.h"
 #include "kernels/cuda/common.cuh"
 
 namespace loom::cuda {
@@ -46,6 +47,13 @@ void bias_grad(float* dbias, const bf16* x, int64_t M, int64_t N, float* scratch
 void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A,
                int64_t lda, const bf16* B, int64_t ldb, float beta, void* C, int64_t ldc, bool c_f32,
                cudaStream_t stream);
+
+// The bf16 GEMM rate of this GPU in FLOP/s, for model-FLOPs utilisation: n x n x n products
+// through gemm_bf16 (bf16 operands and output, f32 accumulation: the kernels the linear layers
+// run), timed with events on `stream` over about `seconds` after a warm-up. The operands hold a
+// fixed pattern of values in [-1, 1) (tensor cores draw less power on zeros, which would flatter
+// the rate); their 3 n^2 bf16 come from `pool` under the workspace tag and are given back.
+double measure_gemm_peak_bf16(MemoryPool& pool, cudaStream_t stream, int64_t n = 4096, double seconds = 0.25);
 
 // The cuBLASLt workspace (32 MiB, from the device pool under the workspace tag) is created at first
 // use; call this before capturing a CUDA graph so nothing is allocated during capture.

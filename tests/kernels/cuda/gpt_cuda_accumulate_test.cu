@@ -1,6 +1,7 @@
 // The GPU model's pieces for the trainer (model/gpt_cuda.cuh): gradient accumulation over
-// micro-batches (eager, then the captured graph), the separate optimizer step against
-// train_step, and the AdamW moments by name (a copy continues training as the original does).
+// micro-batches (eager, then the captured graph), the separate optimizer step (with the mean
+// over micro-batches taken by its grad_scale) against train_step, and the AdamW moments by name
+// (a copy continues training as the original does).
 // The models here differ from their references only where the GPU sums in a varying order (f32
 // atomics of the token-embedding gradient and of flash attention's dq): 1e-4 relative is about
 // a thousand times that rounding.
@@ -45,7 +46,7 @@ model::GPTCudaOptions small_options() {
 
 }  // namespace
 
-TEST(GPTCudaAccumulate, GradientIsTheScaledSumOverMicroBatches) {
+TEST(GPTCudaAccumulate, GradientIsTheSumOverMicroBatches) {
   LOOM_REQUIRE_GPU();
   const model::GPTConfig cfg = small_config();
   const model::GPTCudaOptions o = small_options();
@@ -63,17 +64,17 @@ TEST(GPTCudaAccumulate, GradientIsTheScaledSumOverMicroBatches) {
   for (int pass = 0; pass < 2; ++pass) {
     SCOPED_TRACE(pass);
     acc.zero_grad();
-    EXPECT_FLOAT_EQ(acc.accumulate(t1.data(), y1.data(), 0.5f), l1);
-    EXPECT_FLOAT_EQ(acc.accumulate(t2.data(), y2.data(), 0.5f), l2);
+    EXPECT_FLOAT_EQ(acc.accumulate(t1.data(), y1.data()), l1);
+    EXPECT_FLOAT_EQ(acc.accumulate(t2.data(), y2.data()), l2);
     for (size_t i = 0; i < ref.specs().size(); ++i) {
       const std::string& name = ref.specs()[i].name;
       const std::vector<float> g2 = ref.gradient(name);
       std::vector<double> want(g2.size());
-      for (size_t j = 0; j < g2.size(); ++j) want[j] = 0.5 * double(g1[i][j]) + 0.5 * double(g2[j]);
+      for (size_t j = 0; j < g2.size(); ++j) want[j] = double(g1[i][j]) + double(g2[j]);
       EXPECT_LE(rel_err(acc.gradient(name), want), kTol) << name;
     }
   }
-  // forward_backward is unscaled again afterwards.
+  // forward_backward zeroes the accumulated gradients first.
   EXPECT_FLOAT_EQ(acc.forward_backward(t1.data(), y1.data()), l1);
   EXPECT_LE(rel_err(acc.gradient("wpe.weight"), g1[1]), kTol);
 }
@@ -88,10 +89,13 @@ TEST(GPTCudaAccumulate, OptimizerStepMatchesTrainStep) {
   for (int step = 1; step <= 6; ++step) {
     const float lr = o.lr * float(step) / 6.f;  // a new learning rate every step, as a schedule gives
     const float lw = whole.train_step(tok.data(), tgt.data(), lr, step);
+    // The batch twice, the sum scaled by 1/2: train_step's gradient, norm and update.
     split.zero_grad();
-    const float ls = split.accumulate(tok.data(), tgt.data(), 1.0f);
-    const float norm = split.optimizer_step(lr, step);
-    EXPECT_NEAR(ls, lw, kTol * lw) << "step " << step;
+    const float ls1 = split.accumulate(tok.data(), tgt.data());
+    const float ls2 = split.accumulate(tok.data(), tgt.data());
+    const float norm = split.optimizer_step(lr, step, 0.5f);
+    EXPECT_NEAR(ls1, lw, kTol * lw) << "step " << step;
+    EXPECT_FLOAT_EQ(ls2, ls1) << "step " << step;
     EXPECT_NEAR(norm, whole.last_grad_norm(), kTol * whole.last_grad_norm()) << "step " << step;
     EXPECT_FLOAT_EQ(split.last_grad_norm(), norm);
   }
@@ -100,6 +104,8 @@ TEST(GPTCudaAccumulate, OptimizerStepMatchesTrainStep) {
     EXPECT_LE(rel_err(split.exp_avg(s.name), whole.exp_avg(s.name)), kTol) << s.name;
     EXPECT_LE(rel_err(split.exp_avg_sq(s.name), whole.exp_avg_sq(s.name)), kTol) << s.name;
   }
+  EXPECT_THROW(split.optimizer_step(o.lr, 7, 0.f), Error) << "grad_scale must be positive";
+  EXPECT_THROW(split.optimizer_step(o.lr, 7, NAN), Error) << "grad_scale must be finite";
 }
 
 TEST(GPTCudaAccumulate, MomentsByNameContinueTraining) {

@@ -4,8 +4,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <string>
 
 #include "cuda_test_util.h"
+#include "kernels/cuda/allocator.cuh"
 #include "kernels/cuda/matmul.cuh"
 
 using namespace loom;
@@ -182,6 +184,32 @@ TEST(Matmul, RejectsBadShapes) {
   DeviceBuffer<dbf16> x(64);
   EXPECT_THROW(cuda::matmul_forward({x.get(), nullptr, x.get(), x.get(), nullptr, 4, 6, 8, false}, nullptr), Error);
   EXPECT_THROW(cuda::matmul_forward({x.get(), nullptr, x.get(), x.get(), nullptr, 4, 8, 8, true}, nullptr), Error);
+}
+
+// The bf16 GEMM rate that MFU is reported against: arguments are checked before any device work;
+// on a GPU the rate lies between 1 TFLOP/s and 5 PFLOP/s (above any GPU's dense bf16 datasheet
+// figure) and the operands are given back to the pool.
+TEST(Matmul, GemmPeakMeasurement) {
+  MemoryPool host("host");
+  auto message = [&](int64_t n, double seconds) -> std::string {
+    try {
+      cuda::measure_gemm_peak_bf16(host, nullptr, n, seconds);
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  EXPECT_NE(message(0, 0.1).find("n = 0"), std::string::npos) << message(0, 0.1);
+  EXPECT_NE(message(256, 0.0).find("seconds = 0"), std::string::npos) << message(256, 0.0);
+  EXPECT_NE(message(256, 0.1).find("not a device pool"), std::string::npos) << message(256, 0.1);
+  LOOM_REQUIRE_GPU();
+  MemoryPool& pool = cuda::device_pool();
+  cuda::matmul_init();  // the cuBLASLt workspace stays allocated: take it before counting
+  const int64_t before = pool.current(MemTag::workspace);
+  const double rate = cuda::measure_gemm_peak_bf16(pool, nullptr, 1024, 0.05);
+  EXPECT_GT(rate, 1e12);
+  EXPECT_LT(rate, 5e15);
+  EXPECT_EQ(pool.current(MemTag::workspace), before);
 }
 
 }  // namespace
