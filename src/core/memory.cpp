@@ -50,6 +50,8 @@ void* MemoryPool::allocate(size_t bytes, MemTag tag) {
   int i = int(tag);
   s_.current[i] += int64_t(bytes);
   if (s_.current[i] > s_.peak[i]) s_.peak[i] = s_.current[i];
+  ++s_.allocations[i];
+  ++s_.total_allocations;
   s_.total_current += int64_t(bytes);
   if (s_.total_current > s_.total_peak) s_.total_peak = s_.total_current;
   return p;
@@ -66,6 +68,8 @@ int64_t MemoryPool::current(MemTag t) const { std::lock_guard lk(mu_); return s_
 int64_t MemoryPool::peak(MemTag t) const { std::lock_guard lk(mu_); return s_.peak[int(t)]; }
 int64_t MemoryPool::total_current() const { std::lock_guard lk(mu_); return s_.total_current; }
 int64_t MemoryPool::total_peak() const { std::lock_guard lk(mu_); return s_.total_peak; }
+int64_t MemoryPool::allocations(MemTag t) const { std::lock_guard lk(mu_); return s_.allocations[int(t)]; }
+int64_t MemoryPool::total_allocations() const { std::lock_guard lk(mu_); return s_.total_allocations; }
 MemStats MemoryPool::stats() const { std::lock_guard lk(mu_); return s_; }
 
 void MemoryPool::reset_peaks() {

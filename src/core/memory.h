@@ -37,6 +37,10 @@ struct MemStats {
   std::array<int64_t, kNumMemTags> peak{};
   int64_t total_current = 0;
   int64_t total_peak = 0;
+  // allocate() calls since the pool was made (reset_peaks leaves them): a loop that should reuse
+  // its buffers shows as a count that stops growing.
+  std::array<int64_t, kNumMemTags> allocations{};
+  int64_t total_allocations = 0;
 };
 
 class MemoryPool {
@@ -52,6 +56,8 @@ class MemoryPool {
   int64_t peak(MemTag t) const;
   int64_t total_current() const;
   int64_t total_peak() const;
+  int64_t allocations(MemTag t) const;
+  int64_t total_allocations() const;
   MemStats stats() const;
   // Peaks restart from the current values (for measuring one phase, e.g. one training step).
   void reset_peaks();

@@ -145,7 +145,7 @@ int64_t TransformerBlock::attention_workspace_bytes(int64_t B, int64_t T, int th
   return std::max(cpu::attention_workspace_bytes(aa, false, threads), cpu::attention_workspace_bytes(aa, true, threads));
 }
 
-void TransformerBlock::forward(const float* x, int64_t B, int64_t T) {
+void TransformerBlock::forward(const float* x, int64_t B, int64_t T, cpu::AttnWorkspace* attn) {
   const int64_t C = cfg_.n_embd, NH = cfg_.n_head, BT = B * T;
   if (B != B_ || T != T_) {
     release_activations();
@@ -166,7 +166,7 @@ void TransformerBlock::forward(const float* x, int64_t B, int64_t T) {
     T_ = T;
   }
   float* qkv = a_.qkv.f32();
-  const cpu::AttnArgs aa = attention_args(B, T);
+  const cpu::AttnArgs aa = attn ? attn->use(attention_args(B, T), false) : attention_args(B, T);
 
   cpu::layernorm_forward(a_.ln1.f32(), a_.ln1_mean.f32(), a_.ln1_rstd.f32(), x, w(LN1_W), w(LN1_B), BT, C,
                          cfg_.ln_eps);
@@ -187,7 +187,7 @@ void TransformerBlock::backward(const float* x, const BackwardScratch& s) {
   const int64_t C = cfg_.n_embd, B = B_, T = T_, BT = B * T;
   const float* qkv = a_.qkv.f32();
   float* dqkv = s.buf4C;  // f32 [B, T, 3C] in the [B, T, 4C] buffer
-  const cpu::AttnArgs aa = attention_args(B, T);
+  const cpu::AttnArgs aa = s.attn ? s.attn->use(attention_args(B, T), true) : attention_args(B, T);
 
   // MLP branch; s.dres = d(out) = d(res2) through the residual.
   cpu::matmul_backward(s.buf4C, g(MLP_PROJ_W), g(MLP_PROJ_B), s.dres, a_.fch_gelu.f32(), w(MLP_PROJ_W), BT, 4 * C, C);
@@ -221,7 +221,7 @@ void TransformerBlock::backward_input(const float* x, const BackwardScratch& s) 
   d_.dqkv = ws({B, T, 3 * C});
   const float* qkv = a_.qkv.f32();
   float* dqkv = d_.dqkv.f32();
-  const cpu::AttnArgs aa = attention_args(B, T);
+  const cpu::AttnArgs aa = s.attn ? s.attn->use(attention_args(B, T), true) : attention_args(B, T);
 
   // MLP branch; s.dres = d(out) = d(res2) through the residual.
   std::memcpy(d_.dout.raw(), s.dres, size_t(BT * C) * sizeof(float));

@@ -22,6 +22,9 @@ struct BackwardScratch {
   float* dres = nullptr;  // f32 [B, T, C]: gradient of the residual stream, updated in place
   float* bufC = nullptr;  // f32 [B, T, C]
   float* buf4C = nullptr; // f32 [B, T, 4C] (also holds dqkv [B, T, 3C])
+  // The attention kernel's scratch, kept by the caller across blocks and steps (grown to the
+  // call's size if smaller); null: each attention call allocates its own.
+  cpu::AttnWorkspace* attn = nullptr;
 };
 
 // One tensor a block's forward saves for its backward.
@@ -92,8 +95,10 @@ class TransformerBlock final : public ChainBlock {
   std::vector<SavedActivation> saved_activations(int64_t B, int64_t T) const override;
   void release_activations() override;
 
-  // x f32 [B, T, C] (must stay valid until backward: it is the previous block's output).
-  void forward(const float* x, int64_t B, int64_t T);
+  // x f32 [B, T, C] (must stay valid until backward: it is the previous block's output). attn: the
+  // attention kernel's scratch, kept by the caller (grown to the call's size if smaller); null:
+  // the call allocates its own.
+  void forward(const float* x, int64_t B, int64_t T, cpu::AttnWorkspace* attn = nullptr);
   // s.dres holds d(out) on entry and d(x) on return; parameter gradients accumulate.
   void backward(const float* x, const BackwardScratch& s);
   // Split backward, together bit-identical to backward. backward_input: s.dres as in backward
@@ -104,10 +109,12 @@ class TransformerBlock final : public ChainBlock {
   void backward_weight();
   int64_t deferred_gradient_bytes(int64_t B, int64_t T) const override;
   const Tensor& out() const { return out_; }  // f32 [B, T, C]
-  // The attention kernel's arguments at [B, T]: packed qkv, scratch from this block's pool.
+  // The attention kernel's arguments at [B, T]: packed qkv; without a caller's workspace the
+  // scratch comes from this block's pool.
   cpu::AttnArgs attention_args(int64_t B, int64_t T) const;
-  // The attention kernel's scratch (tag workspace, held only during the call): the larger of its
-  // forward and backward call at [B, T] on `threads` OpenMP threads (cpu::attention_workspace_bytes).
+  // The attention kernel's scratch (tag workspace): the larger of its forward and backward call at
+  // [B, T] on `threads` OpenMP threads (cpu::attention_workspace_bytes), what a caller's
+  // cpu::AttnWorkspace needs to hold for a training step.
   int64_t attention_workspace_bytes(int64_t B, int64_t T, int threads) const;
 
   // Output gradients of the linear layers, held between backward_input and backward_weight.

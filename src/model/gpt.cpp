@@ -1,10 +1,12 @@
 #include "model/gpt.h"
 
+#include <omp.h>
+
 #include <cmath>
 
 namespace loom::model {
 
-GPT::GPT(const GPTConfig& cfg, MemoryPool& pool, uint64_t seed) : cfg_(cfg), pool_(pool) {
+GPT::GPT(const GPTConfig& cfg, MemoryPool& pool, uint64_t seed) : cfg_(cfg), pool_(pool), attn_ws_(pool) {
   cfg_.validate("model config '" + cfg_.name + "'");
   embedding_ = std::make_unique<Embedding>(cfg_, pool);
   for (int64_t l = 0; l < cfg_.n_layer; ++l) blocks_.push_back(std::make_unique<TransformerBlock>(cfg_, l, pool));
@@ -59,9 +61,9 @@ int64_t GPT::saved_activation_bytes(int64_t B, int64_t T) const {
 }
 
 int64_t GPT::workspace_bytes(int64_t B, int64_t T, int threads) const {
-  // dres [B, T, C] + bufC [B, T, C] + buf4C [B, T, 4C], held from the first backward on, and on top
-  // of them the attention kernel's scratch during each block's attention call (the same for every
-  // block; the larger of forward and backward).
+  // dres [B, T, C] + bufC [B, T, C] + buf4C [B, T, 4C], held from the first backward on, and the
+  // attention kernel's scratch, held from the first forward on (the same for every block; the
+  // larger of forward and backward).
   const int64_t scratch = int64_t(sizeof(float)) * B * T * cfg_.n_embd * 6;
   return scratch + (blocks_.empty() ? 0 : blocks_[0]->attention_workspace_bytes(B, T, threads));
 }
@@ -90,13 +92,21 @@ float GPT::forward(const Tensor& tokens, const Tensor& targets, const ForwardOpt
   }
   can_backward_ = false;
   const int64_t L = cfg_.n_layer;
+  // The blocks' attention scratch, sized once for the largest call: with targets a backward may
+  // follow, so the larger of the forward and backward call.
+  if (L > 0) {
+    const int threads = omp_get_max_threads();
+    attn_ws_.reserve(targets.defined()
+                         ? blocks_[0]->attention_workspace_bytes(B, T, threads)
+                         : cpu::attention_workspace_bytes(blocks_[0]->attention_args(B, T), false, threads));
+  }
   if (hooks_) hooks_->before_forward(0);
   embedding_->forward(tokens.i32(), B, T);
   if (hooks_) hooks_->after_forward(0);
   const float* x = embedding_->out().f32();
   for (int64_t l = 0; l < L; ++l) {
     if (hooks_) hooks_->before_forward(l + 1);
-    blocks_[size_t(l)]->forward(x, B, T);
+    blocks_[size_t(l)]->forward(x, B, T, &attn_ws_);
     if (hooks_) hooks_->after_forward(l + 1);
     x = blocks_[size_t(l)]->out().f32();
   }
@@ -117,7 +127,7 @@ void GPT::backward() {
     ws_bufC_ = Tensor::empty({B, T, C}, DType::f32, MemTag::workspace, pool_);
     ws_buf4C_ = Tensor::empty({B, T, 4 * C}, DType::f32, MemTag::workspace, pool_);
   }
-  BackwardScratch s{ws_dres_.f32(), ws_bufC_.f32(), ws_buf4C_.f32()};
+  BackwardScratch s{ws_dres_.f32(), ws_bufC_.f32(), ws_buf4C_.f32(), &attn_ws_};
   auto input_of = [&](int64_t l) { return l == 0 ? embedding_->out().f32() : blocks_[size_t(l - 1)]->out().f32(); };
   const int64_t L = cfg_.n_layer;
   if (hooks_) hooks_->before_backward(L + 1);
@@ -142,6 +152,7 @@ void GPT::zero_grad() {
 void GPT::release_activations() {
   for (ChainBlock* b : chain()) b->release_activations();
   ws_dres_ = ws_bufC_ = ws_buf4C_ = Tensor();
+  attn_ws_.release();
   B_ = T_ = 0;
   can_backward_ = false;
 }

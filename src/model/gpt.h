@@ -72,7 +72,7 @@ class GPT {
   const Tensor& logits() const { return head_->logits(); }
   const Tensor& losses() const { return head_->losses(); }  // f32 [B, T]
 
-  // Drops saved activations and the backward workspace (reallocated when needed).
+  // Drops saved activations and the backward and attention workspace (reallocated when needed).
   void release_activations();
 
   // The chain, for schedules, checkpointing and tests.
@@ -90,11 +90,12 @@ class GPT {
   //   24 * B * T * C                       backward scratch: dres [B, T, C], bufC [B, T, C],
   //                                        buf4C [B, T, 4C] in f32, kept from the first backward on
   //   + max(attention_workspace_bytes(forward), attention_workspace_bytes(backward))
-  //                                        the attention call's scratch, freed when the call returns
-  //                                        (cpu::attention_workspace_bytes with the blocks' shapes).
-  // Every step reaches it from the second on (forward then runs with the backward scratch held);
-  // the first step too unless the forward call's scratch is the larger (possible only with more
-  // than 32 threads), since its forward runs before the backward scratch exists.
+  //                                        the attention kernel's scratch, one buffer kept from the
+  //                                        first forward with targets on and shared by every
+  //                                        block's calls (cpu::attention_workspace_bytes with the
+  //                                        blocks' shapes).
+  // Every step reaches it, the first included. A forward without targets keeps only the forward
+  // call's attention scratch.
   int64_t workspace_bytes(int64_t B, int64_t T, int threads) const;
 
  private:
@@ -109,6 +110,7 @@ class GPT {
   bool can_backward_ = false;
   ChainHooks* hooks_ = nullptr;
   Tensor ws_dres_, ws_bufC_, ws_buf4C_;  // f32 [B, T, C], [B, T, C], [B, T, 4C] (tag workspace)
+  cpu::AttnWorkspace attn_ws_;           // every block's attention scratch (tag workspace)
 };
 
 }  // namespace loom::model

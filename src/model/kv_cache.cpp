@@ -1,5 +1,7 @@
 #include "model/kv_cache.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -13,6 +15,26 @@
 #include "kernels/cpu/residual.h"
 
 namespace loom::model {
+
+namespace {
+// One sequence's attention call: Tq queries from position pos against the Tkv = pos + Tq cached
+// keys, q in the packed qkv rows, K and V in the cache rows.
+cpu::AttnArgs decoder_args(const GPTConfig& cfg, int64_t Tq, int64_t pos) {
+  const int64_t C = cfg.n_embd;
+  cpu::AttnArgs aa;
+  aa.B = 1;
+  aa.NH = cfg.n_head;
+  aa.HS = C / cfg.n_head;
+  aa.Tq = Tq;
+  aa.Tkv = pos + Tq;
+  aa.q_stride = 3 * C;
+  aa.kv_stride = C;
+  aa.o_stride = C;
+  aa.q_pos0 = pos;
+  aa.kv_pos0 = 0;
+  return aa;
+}
+}  // namespace
 
 KVCache::KVCache(const GPTConfig& cfg, int64_t B, int64_t t_max, MemoryPool& pool)
     : B_(B), t_max_(t_max), C_(cfg.n_embd) {
@@ -28,7 +50,12 @@ KVCache::KVCache(const GPTConfig& cfg, int64_t B, int64_t t_max, MemoryPool& poo
 int64_t KVCache::bytes() const { return 2 * int64_t(k_.size()) * B_ * t_max_ * C_ * int64_t(sizeof(float)); }
 
 CachedDecoder::CachedDecoder(const GPT& gpt, int64_t B, int64_t t_max)
-    : gpt_(gpt), cfg_(gpt.config()), pool_(gpt.pool()), cache_(cfg_, B, t_max > 0 ? t_max : cfg_.block_size, pool_) {}
+    : gpt_(gpt), cfg_(gpt.config()), pool_(gpt.pool()), cache_(cfg_, B, t_max > 0 ? t_max : cfg_.block_size, pool_),
+      attn_(pool_) {}
+
+int64_t CachedDecoder::attention_workspace_bytes(int threads) const {
+  return cpu::attention_workspace_bytes(decoder_args(cfg_, cache_.t_max_, 0), false, threads);
+}
 
 void CachedDecoder::ensure_scratch(int64_t T, int64_t rows_out) {
   const int64_t B = cache_.B_, C = cfg_.n_embd;
@@ -52,12 +79,13 @@ void CachedDecoder::ensure_scratch(int64_t T, int64_t rows_out) {
 }
 
 const Tensor& CachedDecoder::forward(const int32_t* tokens, int64_t T, bool all_logits) {
-  const int64_t B = cache_.B_, C = cfg_.n_embd, NH = cfg_.n_head, BT = B * T, pos = cache_.len_;
+  const int64_t B = cache_.B_, C = cfg_.n_embd, BT = B * T, pos = cache_.len_;
   LOOM_CHECK(T > 0, "decoder: no tokens to run");
   LOOM_CHECK(pos + T <= cache_.t_max_, "decoder: positions [{}, {}) exceed the cache capacity {}", pos, pos + T,
              cache_.t_max_);
   const int64_t rows_out = all_logits ? BT : B;
   ensure_scratch(T, rows_out);
+  attn_.reserve(attention_workspace_bytes(omp_get_max_threads()));  // once: no call needs more
   auto w = [&](const std::string& name) -> const float* { return gpt_.parameter(name).value.f32(); };
 
   float* x = x_.f32();      // f32 [B, T, C] residual stream
@@ -80,18 +108,7 @@ const Tensor& CachedDecoder::forward(const int32_t* tokens, int64_t T, bool all_
         std::memcpy(kc + (b * cache_.t_max_ + pos + t) * C, row + C, size_t(C) * sizeof(float));
         std::memcpy(vc + (b * cache_.t_max_ + pos + t) * C, row + 2 * C, size_t(C) * sizeof(float));
       }
-    cpu::AttnArgs aa;
-    aa.B = 1;
-    aa.NH = NH;
-    aa.HS = C / NH;
-    aa.Tq = T;
-    aa.Tkv = pos + T;
-    aa.q_stride = 3 * C;
-    aa.kv_stride = C;
-    aa.o_stride = C;
-    aa.q_pos0 = pos;
-    aa.kv_pos0 = 0;
-    aa.pool = &pool_;
+    const cpu::AttnArgs aa = attn_.args(decoder_args(cfg_, T, pos));
     for (int64_t b = 0; b < B; ++b)
       cpu::attention_forward(atty + b * T * C, lse_.f32(), qkv + b * T * 3 * C, kc + b * cache_.t_max_ * C,
                              vc + b * cache_.t_max_ * C, aa);

@@ -12,6 +12,7 @@
 
 #include "core/memory.h"
 #include "core/tensor.h"
+#include "kernels/cpu/attention.h"
 #include "model/gpt.h"
 
 namespace loom::model {
@@ -47,6 +48,10 @@ class CachedDecoder {
 
   int64_t length() const { return cache_.length(); }
   int64_t capacity() const { return cache_.capacity(); }
+  // The attention scratch for any call this decoder can make on `threads` OpenMP threads: one
+  // sequence's call with every position of the cache as queries and keys (the scratch grows with
+  // the keys and, through the team size, with the queries).
+  int64_t attention_workspace_bytes(int threads) const;
   void reset() { cache_.clear(); }
   const KVCache& cache() const { return cache_; }
 
@@ -60,6 +65,9 @@ class CachedDecoder {
   Tensor x_, ln_, qkv_, atty_, fch_;  // f32 [B, T, C], [B, T, C], [B, T, 3C], [B, T, C], [B, T, 4C]
   Tensor lse_;                        // f32 [NH, T] (one sequence at a time)
   Tensor lnf_, logits_;               // f32 [rows, C], [rows, Vp] with rows = B*T or B
+  // The attention kernel's scratch (tag workspace), sized once for the largest call the cache
+  // allows (attention_workspace_bytes) and reused by every row, layer and token.
+  cpu::AttnWorkspace attn_;
 };
 
 // Picks the next token from logits f32 [vocab_size] of the sequence's `index`-th token.

@@ -1,6 +1,8 @@
 #include "model/tp_gpt.h"
 #include "model/param_specs.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -116,7 +118,7 @@ struct ParallelGPT::Impl {
     Tensor dout_copy, inp_copy;                   // f32, tag workspace, when the source is transient
     int64_t M = 0, K = 0, N = 0;
   };
-  Impl(MemoryPool& pool, const Weights& w) : ring(pool) {
+  Impl(MemoryPool& pool, const Weights& w, cpu::AttnWorkspace& attn) : ring(pool, &attn) {
     wte = w.wte, wpe = w.wpe, lnf_w = w.lnf_w, lnf_b = w.lnf_b, lm_head = w.lm_head;
     layers.resize(w.layers.size());
     for (size_t l = 0; l < layers.size(); ++l)
@@ -211,13 +213,20 @@ ParallelGPT::ParallelGPT(const GPTConfig& cfg, ParallelGroups groups, ParallelOp
     }
   }
   for (auto& p : m.sharded) m.list.push_back(&p->shard);
-  impl_ = std::make_unique<Impl>(pool_, m);
+  if (opts_.attention_workspace) {
+    attn_ = opts_.attention_workspace;
+  } else {
+    own_attn_ = std::make_unique<cpu::AttnWorkspace>(pool_);
+    attn_ = own_attn_.get();
+  }
+  impl_ = std::make_unique<Impl>(pool_, m, *attn_);
   init_weights(seed);
 }
 
 ParallelGPT::ParallelGPT(const ParallelGPT& o, ReplicaOf)
     : cfg_(o.cfg_), g_(o.g_), opts_(o.opts_), pool_(o.pool_), tp_(o.tp_), tpr_(o.tpr_), cp_(o.cp_), cpr_(o.cpr_),
-      Vs_(o.Vs_), first_(o.first_), last_(o.last_), w_(o.w_), impl_(std::make_unique<Impl>(o.pool_, *o.w_)) {}
+      Vs_(o.Vs_), first_(o.first_), last_(o.last_), w_(o.w_), attn_(o.attn_),
+      impl_(std::make_unique<Impl>(o.pool_, *o.w_, *o.attn_)) {}
 
 std::unique_ptr<ParallelGPT> ParallelGPT::replica() const {
   return std::unique_ptr<ParallelGPT>(new ParallelGPT(*this, ReplicaOf{}));
@@ -278,6 +287,15 @@ int64_t ParallelGPT::head_saved_bytes(int64_t B, int64_t T) const {
   return F * (Ns * (cfg_.n_embd + 2) + N * (Vs_ + 1)) + I * N;
 }
 
+int64_t ParallelGPT::attention_workspace_bytes(int64_t B, int64_t T, int threads) const {
+  const int64_t NHl = cfg_.n_head / tp_, HS = cfg_.n_embd / cfg_.n_head;
+  if (cp_ > 1) return parallel::cp::RingAttention::workspace_bytes({B, T, NHl, HS}, cp_, threads);
+  cpu::AttnArgs aa;
+  aa.B = B, aa.NH = NHl, aa.HS = HS, aa.Tq = aa.Tkv = T;
+  aa.q_stride = aa.kv_stride = 3 * NHl * HS, aa.o_stride = NHl * HS;
+  return std::max(cpu::attention_workspace_bytes(aa, false, threads), cpu::attention_workspace_bytes(aa, true, threads));
+}
+
 int64_t ParallelGPT::saved_activation_bytes(int64_t B, int64_t T) const {
   return (has_embedding() ? embedding_saved_bytes(B, T) : 0) + int64_t(w_->layers.size()) * block_saved_bytes(B, T) +
          (has_head() ? head_saved_bytes(B, T) : 0);
@@ -297,6 +315,7 @@ void ParallelGPT::release_activations() {
   m.def_dres = m.def_dfull = Tensor();
   m.x0 = nullptr;
   m.ring.release();
+  if (own_attn_) own_attn_->release();
   m.B = m.T = m.Tl = m.N = m.Ns = m.r0 = 0;
   m.holds_dlogits = m.can_backward = false;
 }
@@ -378,6 +397,8 @@ float ParallelGPT::forward_stage(const Tensor& tokens, const Tensor& targets, co
     m.wA = Tensor::empty({N, C}, DType::f32, MemTag::workspace, pool_);
     m.wB = Tensor::empty({N, C}, DType::f32, MemTag::workspace, pool_);
   }
+  // The attention scratch for every layer's forward and backward calls, taken once.
+  if (!m.layers.empty()) attn_->reserve(attention_workspace_bytes(B, T, omp_get_max_threads()));
   m.can_backward = false;
   m.holds_dlogits = false;
   m.deferred.clear();
@@ -423,7 +444,7 @@ float ParallelGPT::forward_stage(const Tensor& tokens, const Tensor& targets, co
       cpu::AttnArgs aa;
       aa.B = B, aa.NH = NHl, aa.HS = HS, aa.Tq = aa.Tkv = T;
       aa.q_stride = aa.kv_stride = 3 * Cl, aa.o_stride = Cl;
-      aa.pool = &pool_;
+      aa = attn_->use(aa, false);
       const float* q = L.qkv.f32();
       cpu::attention_forward(L.atty.f32(), L.lse.f32(), q, q + Cl, q + 2 * Cl, aa);
     }
@@ -613,7 +634,7 @@ void ParallelGPT::backward_stage(const float* grad_output, bool input_only) {
       cpu::AttnArgs aa;
       aa.B = B, aa.NH = NHl, aa.HS = HS, aa.Tq = aa.Tkv = T;
       aa.q_stride = aa.kv_stride = 3 * Cl, aa.o_stride = Cl;
-      aa.pool = &pool_;
+      aa = attn_->use(aa, true);
       const float* q = L.qkv.f32();
       cpu::attention_backward(dqkv, dqkv + Cl, dqkv + 2 * Cl, m.datty.f32(), q, q + Cl, q + 2 * Cl, L.atty.f32(),
                               L.lse.f32(), aa);

@@ -40,6 +40,7 @@
 #include "comm/comm.h"
 #include "core/memory.h"
 #include "core/tensor.h"
+#include "kernels/cpu/attention.h"
 #include "model/config.h"
 #include "model/gpt.h"
 #include "model/param.h"
@@ -57,6 +58,10 @@ struct ParallelOptions {
   int64_t activation_budget = 0;  // saved-activation bytes allowed per rank (0: unlimited); a
                                   // forward that would need more throws before allocating
   int64_t first = 0, last = -1;   // chain elements [first, last) of a pipeline stage (last < 0: all)
+  // The attention kernel's scratch, kept by the caller (a pipeline rank's, shared by all its
+  // stages and replicas; it must outlive the model); null: the model keeps its own, which its
+  // replicas share and release_activations frees.
+  cpu::AttnWorkspace* attention_workspace = nullptr;
 };
 
 // Elements [local, local + n) of a shard are elements [global, global + n) of the full tensor.
@@ -82,7 +87,8 @@ class ParallelGPT {
   ParallelGPT& operator=(const ParallelGPT&) = delete;
 
   // Another model over the same parameters, with its own activations and workspace (a pipeline
-  // stage's micro-batch in flight). The parameters belong to this object, which must outlive it.
+  // stage's micro-batch in flight) except the attention scratch, which it shares with this one.
+  // The parameters belong to this object, which must outlive it.
   std::unique_ptr<ParallelGPT> replica() const;
 
   const GPTConfig& config() const { return cfg_; }
@@ -143,6 +149,10 @@ class ParallelGPT {
   int64_t embedding_saved_bytes(int64_t B, int64_t T) const;
   int64_t block_saved_bytes(int64_t B, int64_t T) const;
   int64_t head_saved_bytes(int64_t B, int64_t T) const;
+  // The attention kernel's scratch (tag workspace) for micro-batch [B, T] on `threads` OpenMP
+  // threads: the larger of its forward and backward call (cp > 1: one chunk pair of the ring).
+  // forward_stage reserves it in the attention workspace, which then serves every layer's calls.
+  int64_t attention_workspace_bytes(int64_t B, int64_t T, int threads) const;
 
  private:
   struct Weights;
@@ -158,6 +168,8 @@ class ParallelGPT {
   int tp_ = 1, tpr_ = 0, cp_ = 1, cpr_ = 0;
   int64_t Vs_ = 0, first_ = 0, last_ = 0;
   std::shared_ptr<Weights> w_;
+  std::unique_ptr<cpu::AttnWorkspace> own_attn_;  // without ParallelOptions::attention_workspace
+  cpu::AttnWorkspace* attn_ = nullptr;            // the one in use: the caller's, own_attn_ or the primary's
   std::unique_ptr<Impl> impl_;
 };
 

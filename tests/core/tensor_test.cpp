@@ -22,6 +22,22 @@ TEST(MemoryPool, TagsCurrentAndPeak) {
   EXPECT_EQ(pool.peak(MemTag::params), 0);
 }
 
+// Allocations are counted per tag (a loop that reuses its buffers shows as a count that stops
+// growing); reset_peaks leaves the counts.
+TEST(MemoryPool, CountsAllocationsPerTag) {
+  MemoryPool pool("t");
+  for (int i = 0; i < 3; ++i) Tensor w = Tensor::empty({8}, DType::f32, MemTag::workspace, pool);
+  Tensor a = Tensor::empty({4}, DType::f32, MemTag::activations, pool);
+  Tensor view = a.slice0(1, 2);  // a view allocates nothing
+  EXPECT_EQ(pool.allocations(MemTag::workspace), 3);
+  EXPECT_EQ(pool.allocations(MemTag::activations), 1);
+  EXPECT_EQ(pool.allocations(MemTag::params), 0);
+  EXPECT_EQ(pool.total_allocations(), 4);
+  pool.reset_peaks();
+  EXPECT_EQ(pool.stats().allocations[size_t(MemTag::workspace)], 3);
+  EXPECT_EQ(pool.stats().total_allocations, 4);
+}
+
 TEST(Tensor, ViewAndSliceShareStorage) {
   MemoryPool pool("t");
   Tensor a = Tensor::zeros({4, 3}, DType::f32, MemTag::workspace, pool);

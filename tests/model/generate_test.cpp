@@ -6,6 +6,7 @@
 #include <random>
 
 #include "core/error.h"
+#include "kernels/cpu/attention.h"
 #include "model/gpt.h"
 #include "model/kv_cache.h"
 #include "train/sample.h"
@@ -146,6 +147,38 @@ TEST(Generate, CachedEqualsRecomputeSampler) {
   EXPECT_EQ(got, want);
   EXPECT_LE(got.size(), 7u);
   EXPECT_EQ(got.back(), so.stop_token);
+}
+
+// The decoder takes its attention scratch once, sized for the largest call its cache allows: after
+// the prefill and the first one-token step (which resize its other buffers) further tokens
+// allocate nothing, and no call it can make needs more than attention_workspace_bytes.
+TEST(Generate, DecoderAllocatesNothingPerToken) {
+  const GPTConfig c = small_config();
+  MemoryPool pool("cpu:0");
+  GPT gpt(c, pool, 1);
+  randomise(gpt, 13);
+  const int64_t B = 2, T = c.block_size;
+  const std::vector<int32_t> toks = random_tokens(B * T, c.vocab_size, 6);
+  CachedDecoder dec(gpt, B, T);
+  dec.forward(toks.data(), 5);
+  dec.forward(toks.data() + 10, 1);
+  const int64_t taken = pool.total_allocations();
+  for (int64_t pos = 6; pos < T; ++pos) dec.forward(toks.data() + 2 * pos, 1);
+  EXPECT_EQ(pool.total_allocations(), taken);
+  EXPECT_EQ(dec.length(), T);
+
+  const int64_t C = c.n_embd;
+  for (int threads : {1, 2, 3, 8}) {
+    const int64_t held = dec.attention_workspace_bytes(threads);
+    for (int64_t pos = 0; pos < T; ++pos)
+      for (int64_t n = 1; pos + n <= T; ++n) {
+        cpu::AttnArgs a;
+        a.B = 1, a.NH = c.n_head, a.HS = C / c.n_head, a.Tq = n, a.Tkv = pos + n;
+        a.q_stride = 3 * C, a.kv_stride = C, a.o_stride = C, a.q_pos0 = pos;
+        ASSERT_LE(cpu::attention_workspace_bytes(a, false, threads), held)
+            << n << " tokens at position " << pos << ", " << threads << " threads";
+      }
+  }
 }
 
 TEST(Generate, RejectsBadArguments) {

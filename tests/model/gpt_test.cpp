@@ -159,7 +159,7 @@ TEST(GPT, PeakMemoryEqualsDeclaration) {
   EXPECT_EQ(pool.peak(MemTag::optimizer), opt.state_bytes());
   EXPECT_EQ(pool.peak(MemTag::optimizer), 2 * 4 * gpt.num_parameters());
   EXPECT_EQ(pool.peak(MemTag::activations), gpt.saved_activation_bytes(B, T));
-  // Workspace: the backward scratch 24 B T C plus the attention kernel's scratch during its call.
+  // Workspace: the backward scratch 24 B T C plus the attention kernel's scratch (one buffer).
   const int threads = omp_get_max_threads();
   const int64_t attn = gpt.block(0).attention_workspace_bytes(B, T, threads);
   EXPECT_GT(attn, 0);
@@ -187,6 +187,32 @@ TEST(GPT, PeakMemoryEqualsDeclaration) {
   EXPECT_EQ(pool.peak(MemTag::activations), gpt.saved_activation_bytes(B, T));
   gpt.release_activations();
   EXPECT_EQ(pool.current(MemTag::activations), 0);
+  EXPECT_EQ(pool.current(MemTag::workspace), 0);
+}
+
+// Every block's attention calls share one scratch buffer that the model takes once for the shape
+// (the larger of the forward and backward call): the first step allocates it and the backward
+// scratch (four allocations under tag workspace), later steps allocate nothing there.
+TEST(GPT, AttentionScratchIsTakenOncePerShape) {
+  GPTConfig cfg = tiny();
+  MemoryPool pool("gpt"), io("io");
+  GPT gpt(cfg, pool);
+  const int64_t B = 2, T = 24;
+  Batch b = make_batch(B, T, cfg.vocab_size, 7, io);
+  for (int step = 0; step < 3; ++step) {
+    gpt.zero_grad();
+    gpt.forward(b.tokens, b.targets, {.fuse_backward = true});
+    gpt.backward();
+    EXPECT_EQ(pool.allocations(MemTag::workspace), 4) << "after step " << step + 1;
+  }
+  EXPECT_EQ(pool.current(MemTag::workspace), gpt.workspace_bytes(B, T, omp_get_max_threads()));
+  // A forward without targets at a new shape keeps only that forward call's scratch.
+  Batch small = make_batch(1, 8, cfg.vocab_size, 8, io);
+  gpt.forward(small.tokens, Tensor());
+  const model::TransformerBlock& blk = gpt.block(0);
+  EXPECT_EQ(pool.current(MemTag::workspace),
+            cpu::attention_workspace_bytes(blk.attention_args(1, 8), false, omp_get_max_threads()));
+  gpt.release_activations();
   EXPECT_EQ(pool.current(MemTag::workspace), 0);
 }
 

@@ -11,9 +11,10 @@
 // pairs to keep the threads busy, otherwise per-group partials are added in a fixed order. Tile sizes
 // and groups depend on the shapes only, so results do not depend on the thread count.
 //
-// Memory: a call takes all its scratch (each thread's tiles and packed K/V or Q/dO panels, and
-// backward's partial dQ sums) as one allocation from AttnArgs.pool under tag workspace and frees it
-// before returning; its size is attention_workspace_bytes, computed from the same plan.
+// Memory: a call's scratch (each thread's tiles and packed K/V or Q/dO panels, and backward's partial
+// dQ sums) is one block of attention_workspace_bytes, computed from the same plan: the caller's
+// (AttnArgs.scratch, usually an AttnWorkspace kept across calls) or, without one, taken from
+// AttnArgs.pool under tag workspace for the call.
 #include "kernels/cpu/attention.h"
 
 #include <omp.h>
@@ -23,6 +24,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 
 #include "core/error.h"
 #include "core/memory.h"
@@ -256,34 +258,33 @@ Plan<11> backward_plan(const AttnArgs& a, int threads) {
   return p;
 }
 
-// One call's workspace: a single allocation from the pool under tag workspace, freed on return.
-class Workspace {
- public:
-  Workspace(MemoryPool& pool, int64_t bytes) : pool_(pool), bytes_(size_t(bytes)) {
-    if (bytes_ > 0) p_ = static_cast<float*>(pool_.allocate(bytes_, MemTag::workspace));
-  }
-  ~Workspace() {
-    if (p_) pool_.deallocate(p_, bytes_, MemTag::workspace);
-  }
-  Workspace(const Workspace&) = delete;
-  Workspace& operator=(const Workspace&) = delete;
-  float* data() const { return p_; }
-
- private:
-  MemoryPool& pool_;
-  size_t bytes_;
-  float* p_ = nullptr;
-};
-
-MemoryPool& pool_of(const AttnArgs& a, const char* fn) {
-  MemoryPool& pool = a.pool ? *a.pool : default_cpu_pool();
-  LOOM_CHECK(pool.device() == Device::cpu, "{}: AttnArgs.pool '{}' holds {} memory; the CPU kernel needs a cpu pool",
-             fn, pool.name(), device_name(pool.device()));
-  return pool;
+void check_pool(const MemoryPool& pool, const char* fn, const char* field) {
+  LOOM_CHECK(pool.device() == Device::cpu, "{}: {} '{}' holds {} memory; the CPU kernel needs a cpu pool", fn, field,
+             pool.name(), device_name(pool.device()));
 }
 
 // The OpenMP team a call may use: the calling thread's omp_get_max_threads().
 int max_threads() { return std::max(1, omp_get_max_threads()); }
+
+// The scratch of a call that needs `need` bytes: the caller's (AttnArgs.scratch), or one taken
+// into `own` from AttnArgs.pool for this call only.
+float* call_scratch(const AttnArgs& a, int64_t need, std::optional<AttnWorkspace>& own, const char* fn) {
+  if (a.scratch) {
+    LOOM_CHECK(a.scratch_bytes >= need,
+               "{}: AttnArgs.scratch_bytes = {} is smaller than the {} bytes this call needs "
+               "(attention_workspace_bytes at {} threads)",
+               fn, a.scratch_bytes, need, max_threads());
+    return a.scratch;
+  }
+  LOOM_CHECK(a.scratch_bytes == 0, "{}: AttnArgs.scratch_bytes = {} but AttnArgs.scratch is null", fn,
+             a.scratch_bytes);
+  MemoryPool& pool = a.pool ? *a.pool : default_cpu_pool();
+  check_pool(pool, fn, "AttnArgs.pool");
+  if (need == 0) return nullptr;
+  own.emplace(pool);
+  own->reserve(need);
+  return own->args(AttnArgs{}).scratch;
+}
 
 // Rows of one head in a row-strided tensor: row t starts at p + t stride (p points at (b, t0, h, 0)).
 struct Rows {
@@ -355,6 +356,35 @@ int64_t attention_workspace_bytes(const AttnArgs& a, bool backward, int threads)
   return a.B == 0 || a.Tq == 0 ? 0 : forward_plan(a, threads).bytes();
 }
 
+void AttnWorkspace::reserve(int64_t bytes) {
+  LOOM_CHECK(bytes >= 0, "attention workspace: cannot reserve {} bytes", bytes);
+  if (bytes <= bytes_) return;
+  check_pool(pool_, "attention workspace", "pool");
+  release();
+  p_ = static_cast<float*>(pool_.allocate(size_t(bytes), MemTag::workspace));
+  bytes_ = bytes;
+}
+
+AttnArgs AttnWorkspace::args(AttnArgs a) const {
+  LOOM_CHECK(p_ != nullptr, "attention workspace (pool '{}'): nothing reserved", pool_.name());
+  a.scratch = p_;
+  a.scratch_bytes = bytes_;
+  a.pool = &pool_;
+  return a;
+}
+
+AttnArgs AttnWorkspace::use(const AttnArgs& a, bool backward) {
+  const int64_t need = attention_workspace_bytes(a, backward, max_threads());
+  reserve(need);
+  return need > 0 ? args(a) : a;
+}
+
+void AttnWorkspace::release() {
+  if (p_) pool_.deallocate(p_, size_t(bytes_), MemTag::workspace);
+  p_ = nullptr;
+  bytes_ = 0;
+}
+
 void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
                        const AttnArgs& a) {
   check_args(a, "attention_forward");
@@ -362,15 +392,14 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
   LOOM_CHECK(out && lse && q, "attention_forward: out, lse and q must not be null");
   LOOM_CHECK(a.Tkv == 0 || (k && v), "attention_forward: k and v must not be null when Tkv={} > 0", a.Tkv);
 
-  MemoryPool& pool = pool_of(a, "attention_forward");
-
   const int64_t NH = a.NH, HS = a.HS, Tq = a.Tq, Tkv = a.Tkv;
   const int64_t HSp = round_up8(HS);
   const float scale = resolve_scale(a);
   const int64_t nqt = (Tq + kTileQ - 1) / kTileQ;
   const Plan<5> plan = forward_plan(a, max_threads());
   const int64_t chunks = plan.split, units = plan.units;
-  Workspace ws(pool, plan.bytes());
+  std::optional<AttnWorkspace> own;
+  float* const ws = call_scratch(a, plan.bytes(), own, "attention_forward");
 
   // The scores are kept transposed, s^T [keys, queries], so that the online softmax runs down the
   // columns with eight queries per vector (no horizontal reductions); q^T is packed once per query
@@ -378,7 +407,7 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
 #pragma omp parallel num_threads(plan.team)
   {
     // The buffers of forward_plan: qt, kall, vall, st, o
-    const std::array<float*, 5> w = carve(ws.data() + omp_get_thread_num() * plan.per_thread, plan.sizes);
+    const std::array<float*, 5> w = carve(ws + omp_get_thread_num() * plan.per_thread, plan.sizes);
     float *qt = w[0], *kall = w[1], *vall = w[2], *st = w[3], *o = w[4];
     alignas(32) float row_max[kTileQ], row_sum[kTileQ], alpha[kTileQ];  // per query
     const v8i iota{0, 1, 2, 3, 4, 5, 6, 7};
@@ -486,8 +515,6 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
   LOOM_CHECK(a.Tkv == 0 || (dk && dv && k && v),
              "attention_backward: dk, dv, k and v must not be null when Tkv={} > 0", a.Tkv);
 
-  MemoryPool& pool = pool_of(a, "attention_backward");
-
   const int64_t B = a.B, NH = a.NH, HS = a.HS, Tq = a.Tq, Tkv = a.Tkv;
   const int64_t BNH = B * NH;
   const int64_t HSp = round_up8(HS);
@@ -495,16 +522,17 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
   const int64_t nkt = (Tkv + kTileK - 1) / kTileK;
   const Plan<11> plan = backward_plan(a, max_threads());
   const int64_t G = plan.split, units = plan.units;
-  Workspace ws(pool, plan.bytes());
+  std::optional<AttnWorkspace> own;
+  float* const ws = call_scratch(a, plan.bytes(), own, "attention_backward");
 
   // With G > 1, each group's dQ goes to its own slice: f32 [G, B, NH, Tq, HSp].
-  float* dq_part = G > 1 ? ws.data() : nullptr;
+  float* dq_part = G > 1 ? ws : nullptr;
 
 #pragma omp parallel num_threads(plan.team)
   {
     // The buffers of backward_plan: kt, vt, kp, qall, doall, dsum_bh, p, ds, dkt, dvt, dq_own
     const std::array<float*, 11> w =
-        carve(ws.data() + plan.shared + omp_get_thread_num() * plan.per_thread, plan.sizes);
+        carve(ws + plan.shared + omp_get_thread_num() * plan.per_thread, plan.sizes);
     float *kt = w[0], *vt = w[1], *kp = w[2], *qall = w[3], *doall = w[4], *dsum_bh = w[5];
     float *p = w[6], *ds = w[7], *dkt = w[8], *dvt = w[9], *dq_own = w[10];
     const v8i iota{0, 1, 2, 3, 4, 5, 6, 7};

@@ -4,11 +4,13 @@
 // Both calls use the calling thread's OpenMP team (omp_get_max_threads() threads, fewer when there
 // are fewer work units) and give bitwise the same results for any team size.
 //
-// Scratch memory: each call allocates exactly attention_workspace_bytes(a, backward, threads) bytes
-// from a.pool under tag workspace, in one allocation, and frees it before returning; nothing is kept
-// between calls. It holds each thread's tiles (64 queries x 64 keys) and panels of one (b, h), about
-// 2 Tkv HS floats in forward and 2 to 3 Tq HS in backward; backward with fewer than 32 (b, h) pairs
-// also holds partial dq sums of its key-tile groups.
+// Scratch memory: a call needs exactly attention_workspace_bytes(a, backward, threads) bytes. It holds
+// each thread's tiles (64 queries x 64 keys) and panels of one (b, h), about 2 Tkv HS floats in
+// forward and 2 to 3 Tq HS in backward; backward with fewer than 32 (b, h) pairs also holds partial
+// dq sums of its key-tile groups. A caller that makes many calls keeps one AttnWorkspace (or its
+// own buffer) and passes it in AttnArgs.scratch, so the calls allocate nothing; a call without
+// scratch allocates it from a.pool under tag workspace, in one allocation, and frees it before
+// returning: for one-off calls (glibc maps a block over 32 MiB afresh at every allocation).
 #pragma once
 #include <cstdint>
 
@@ -29,12 +31,17 @@ struct AttnArgs {
                                     // key position > query position is masked)
   bool causal = true;
   float scale = 0;                  // 0 means 1 / sqrt(HS)
-  MemoryPool* pool = nullptr;       // where the call's scratch comes from (a cpu pool); null: default_cpu_pool()
+  // The call's scratch, owned by the caller: at least attention_workspace_bytes(*this, backward,
+  // omp_get_max_threads()) bytes (a call given fewer throws naming both sizes), 64-byte aligned for
+  // speed. Null: the call allocates its own from pool.
+  float* scratch = nullptr;
+  int64_t scratch_bytes = 0;
+  MemoryPool* pool = nullptr;       // where a call without scratch allocates it (a cpu pool); null: default_cpu_pool()
 };
 
-// Bytes of scratch (tag workspace) that one attention_forward (backward = false) or
-// attention_backward (backward = true) call with these arguments allocates from a.pool when the
-// calling thread's omp_get_max_threads() is `threads`; 0 for a call with nothing to compute. With
+// Bytes of scratch that one attention_forward (backward = false) or attention_backward
+// (backward = true) call with these arguments uses when the calling thread's
+// omp_get_max_threads() is `threads`; 0 for a call with nothing to compute. With
 // HSp = HS rounded up to 8, units = B NH chunks in forward (chunks = clamp(ceil(4 threads / (B NH)),
 // 1, query tiles)) and B NH G in backward (G = 1 from 32 (b, h) pairs on, else
 // min(ceil(32 / (B NH)), key tiles)), and every buffer rounded up to 16 floats, it is 4 bytes times
@@ -42,6 +49,33 @@ struct AttnArgs {
 //   backward: min(threads, units) (2 * 64 HS + 3 * 64 HSp + (2 + [G == 1]) Tq HSp + Tq + 2 * 64 * 64)
 //             + [G > 1] G B NH Tq HSp.
 int64_t attention_workspace_bytes(const AttnArgs& a, bool backward, int threads);
+
+// Attention scratch that a caller keeps across calls: one allocation from a pool under tag
+// workspace that only grows, so calls sized up front for the largest of them allocate once.
+class AttnWorkspace {
+ public:
+  explicit AttnWorkspace(MemoryPool& pool) : pool_(pool) {}
+  ~AttnWorkspace() { release(); }
+  AttnWorkspace(const AttnWorkspace&) = delete;
+  AttnWorkspace& operator=(const AttnWorkspace&) = delete;
+
+  // Holds at least `bytes` afterwards: when it holds fewer, it gives them back before taking
+  // `bytes`, so the pool never holds both.
+  void reserve(int64_t bytes);
+  // a pointing at this workspace (AttnArgs.scratch, scratch_bytes, and pool its pool); throws when
+  // nothing is reserved.
+  AttnArgs args(AttnArgs a) const;
+  // reserve(the bytes of this call at the calling thread's omp_get_max_threads()), then args(a).
+  AttnArgs use(const AttnArgs& a, bool backward);
+  void release();
+  int64_t bytes() const { return bytes_; }
+  MemoryPool& pool() const { return pool_; }
+
+ private:
+  MemoryPool& pool_;
+  float* p_ = nullptr;
+  int64_t bytes_ = 0;
+};
 
 // out (o_stride) = softmax(q k^T * scale, causal) v; lse f32 [B, NH, Tq] (natural log of the
 // row's sum of exp of scaled scores; -inf for a row with no visible key).

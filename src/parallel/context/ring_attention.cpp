@@ -1,5 +1,7 @@
 #include "parallel/context/ring_attention.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -34,6 +36,13 @@ void slice_sequence(const int32_t* full, int32_t* local, int64_t B, int64_t T, i
   const int64_t Tl = T / size;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < Tl; ++t) local[b * Tl + t] = full[b * T + global_position(t, T, size, rank)];
+}
+
+RingAttention::RingAttention(MemoryPool& pool, cpu::AttnWorkspace* attn) : pool_(pool), attn_(attn) {
+  if (!attn_) {
+    own_attn_ = std::make_unique<cpu::AttnWorkspace>(pool);
+    attn_ = own_attn_.get();
+  }
 }
 
 void RingAttention::ensure(const RingShape& s, int P, bool backward) {
@@ -77,9 +86,9 @@ void merge(float* o, float* l, const float* op, const float* lp, int64_t Tc, int
     }
 }
 
-cpu::AttnArgs chunk_args(const RingShape& s, int64_t Tc, int64_t cq, int64_t ck, MemoryPool& pool) {
+// One chunk pair's call for one batch row (positions do not change the scratch size).
+cpu::AttnArgs chunk_args(const RingShape& s, int64_t Tc, int64_t cq, int64_t ck) {
   cpu::AttnArgs a;
-  a.pool = &pool;
   a.B = 1;
   a.NH = s.NH;
   a.HS = s.HS;
@@ -96,12 +105,19 @@ constexpr int kTagKV = 101, kTagDKV = 102;
 
 }  // namespace
 
+int64_t RingAttention::workspace_bytes(const RingShape& s, int P, int threads) {
+  check_sequence(s.T, P, "ring attention");
+  const cpu::AttnArgs a = chunk_args(s, s.T / P / 2, 0, 0);
+  return std::max(cpu::attention_workspace_bytes(a, false, threads), cpu::attention_workspace_bytes(a, true, threads));
+}
+
 void RingAttention::forward(comm::Comm& g, float* out, float* lse, const float* qkv, const RingShape& s) {
   const int P = g.size(), r = g.rank();
   check_sequence(s.T, P, "ring attention");
   LOOM_CHECK(P > 1, "ring attention needs a cp group of two or more ranks");
   const int64_t C = s.NH * s.HS, Tl = s.T / P, Tc = Tl / 2, rows = s.B * Tl;
   ensure(s, P, false);
+  attn_->reserve(workspace_bytes(s, P, omp_get_max_threads()));
   float* kv0 = kv_[0].f32();
   for (int64_t n = 0; n < rows; ++n) std::memcpy(kv0 + n * 2 * C, qkv + n * 3 * C + C, size_t(2 * C) * sizeof(float));
   int cur = 0;
@@ -114,7 +130,7 @@ void RingAttention::forward(comm::Comm& g, float* out, float* lse, const float* 
         const int64_t ck = chunk_of(P, src, hk);
         if (ck > cq) continue;  // every key is in the future of every query
         const bool first = j == 0 && hk == 0;
-        const cpu::AttnArgs a = chunk_args(s, Tc, cq, ck, pool_);
+        const cpu::AttnArgs a = attn_->args(chunk_args(s, Tc, cq, ck));
         for (int64_t b = 0; b < s.B; ++b) {
           const float* q = qkv + (b * Tl + hq * Tc) * 3 * C;
           const float* k = kv + (b * Tl + hk * Tc) * 2 * C;
@@ -144,6 +160,7 @@ void RingAttention::backward(comm::Comm& g, float* dqkv, const float* dout, cons
   LOOM_CHECK(P > 1, "ring attention needs a cp group of two or more ranks");
   const int64_t C = s.NH * s.HS, Tl = s.T / P, Tc = Tl / 2, rows = s.B * Tl;
   ensure(s, P, true);
+  attn_->reserve(workspace_bytes(s, P, omp_get_max_threads()));
   float* kv0 = kv_[0].f32();
   for (int64_t n = 0; n < rows; ++n) {
     std::memcpy(kv0 + n * 2 * C, qkv + n * 3 * C + C, size_t(2 * C) * sizeof(float));
@@ -160,7 +177,7 @@ void RingAttention::backward(comm::Comm& g, float* dqkv, const float* dout, cons
       for (int hk = 0; hk < 2; ++hk) {
         const int64_t ck = chunk_of(P, src, hk);
         if (ck > cq) continue;
-        const cpu::AttnArgs a = chunk_args(s, Tc, cq, ck, pool_);
+        const cpu::AttnArgs a = attn_->args(chunk_args(s, Tc, cq, ck));
         for (int64_t b = 0; b < s.B; ++b) {
           const int64_t qo = b * Tl + hq * Tc, ko = b * Tl + hk * Tc;
           const float* k = kv + ko * 2 * C;
@@ -186,11 +203,12 @@ int64_t RingAttention::buffer_bytes() const {
   int64_t n = 0;
   for (const Tensor* t : {&kv_[0], &kv_[1], &dkv_[0], &dkv_[1], &o_part_, &lse_part_})
     if (t->defined()) n += int64_t(t->nbytes());
-  return n;
+  return n + (own_attn_ ? own_attn_->bytes() : 0);
 }
 
 void RingAttention::release() {
   kv_[0] = kv_[1] = dkv_[0] = dkv_[1] = o_part_ = lse_part_ = Tensor();
+  if (own_attn_) own_attn_->release();
 }
 
 }  // namespace loom::parallel::cp

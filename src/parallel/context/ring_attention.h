@@ -13,10 +13,12 @@
 // its owner.
 #pragma once
 #include <cstdint>
+#include <memory>
 
 #include "comm/comm.h"
 #include "core/memory.h"
 #include "core/tensor.h"
+#include "kernels/cpu/attention.h"
 
 namespace loom::parallel::cp {
 
@@ -36,9 +38,11 @@ struct RingShape {
 
 class RingAttention {
  public:
-  // Buffers (K/V blocks in flight, tag comm; partial outputs, tag workspace) come from pool, and so
-  // does the attention kernel's scratch during each chunk-pair call (tag workspace).
-  explicit RingAttention(MemoryPool& pool) : pool_(pool) {}
+  // Buffers (K/V blocks in flight, tag comm; partial outputs, tag workspace) come from pool. The
+  // attention kernel's scratch is `attn` (kept by the caller, e.g. shared by a model's layers and
+  // replicas) or, when null, this object's own (tag workspace, from pool); each pass reserves it
+  // for its chunk-pair calls (workspace_bytes) before the first one.
+  explicit RingAttention(MemoryPool& pool, cpu::AttnWorkspace* attn = nullptr);
 
   // qkv f32 [B, Tl, 3 NH HS] (q | k | v per row, this rank's heads); out f32 [B, Tl, NH HS];
   // lse f32 [B, 2, NH, Tc] (per local chunk). Collective over g.
@@ -47,13 +51,20 @@ class RingAttention {
   void backward(comm::Comm& g, float* dqkv, const float* dout, const float* qkv, const float* out,
                 const float* lse, const RingShape& s);
 
-  // Bytes of the buffers this object holds between calls.
+  // Bytes of the buffers this object holds between calls (its own attention scratch included).
   int64_t buffer_bytes() const;
+  // Frees the buffers and its own attention scratch (not a caller's).
   void release();
+
+  // The attention scratch one pass needs over a cp group of P ranks on `threads` OpenMP threads:
+  // the larger of a chunk pair's forward and backward call, so one reservation serves both passes.
+  static int64_t workspace_bytes(const RingShape& s, int P, int threads);
 
  private:
   void ensure(const RingShape& s, int P, bool backward);
   MemoryPool& pool_;
+  std::unique_ptr<cpu::AttnWorkspace> own_attn_;  // when no caller's workspace is given
+  cpu::AttnWorkspace* attn_;
   Tensor kv_[2];      // f32 [B, Tl, 2 NH HS]: the K/V block in hand and the one arriving (tag comm)
   Tensor dkv_[2];     // f32 [B, Tl, 2 NH HS]: its accumulated gradient, in hand and arriving (tag comm)
   Tensor o_part_;     // f32 [Tc, NH HS] one chunk pair's output (tag workspace)

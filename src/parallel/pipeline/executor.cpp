@@ -1,5 +1,7 @@
 #include "parallel/pipeline/executor.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -11,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "kernels/cpu/attention.h"
 #include "model/blocks.h"
 #include "model/tp_gpt.h"
 #include "parallel/data/flat_layout.h"
@@ -120,6 +123,10 @@ struct PipelineExecutor::Impl {
   bool tensor = false;    // chunks are model::ParallelGPT stages (tp, sp or cp > 1)
   int64_t rows = 0;       // rows of a stage-boundary tensor for the current micro-batch shape
   model::Parameter* tied = nullptr;  // this rank's wte (or copy) that ties across first and last stage
+  // The attention kernel's scratch (tag workspace), like the backward scratch below one per rank:
+  // only one micro-batch computes at a time, so every chunk and every micro-batch replica of it
+  // (blocks, or ParallelGPT stages through ParallelOptions::attention_workspace) shares it.
+  cpu::AttnWorkspace attn;
   std::vector<Chunk> chunks;
   std::vector<model::Parameter*> params;  // primaries, in chain order, then the wte copy
   std::unique_ptr<model::Parameter> wte_copy;
@@ -144,7 +151,7 @@ struct PipelineExecutor::Impl {
 
   Impl(const model::GPTConfig& c, const ExecutorOptions& o, comm::Comm& p, comm::Comm* d, model::ParallelGroups g,
        MemoryPool& pl)
-      : cfg(c), opt(o), pp(p), dp(d), groups(g), pool(pl) {}
+      : cfg(c), opt(o), pp(p), dp(d), groups(g), pool(pl), attn(pl) {}
 
   std::unique_ptr<model::ChainBlock> make_block(int64_t e) {
     if (e == 0) return std::make_unique<model::Embedding>(cfg, pool);
@@ -249,7 +256,7 @@ struct PipelineExecutor::Impl {
         x = emb->out().f32();
       } else if (e <= cfg.n_layer) {
         auto* tb = static_cast<model::TransformerBlock*>(blk);
-        tb->forward(x, b, T);
+        tb->forward(x, b, T, &attn);
         x = tb->out().f32();
       } else {
         auto* head = static_cast<model::Head*>(blk);
@@ -280,7 +287,7 @@ struct PipelineExecutor::Impl {
       s.backward_done = true;
       return;
     }
-    model::BackwardScratch ws{ws_dres.f32(), ws_bufC.f32(), ws_buf4C.f32()};
+    model::BackwardScratch ws{ws_dres.f32(), ws_bufC.f32(), ws_buf4C.f32(), &attn};
     if (ch.last <= cfg.n_layer + 1) std::memcpy(ws.dres, s.grad_in.f32(), size_t(n) * sizeof(float));
     const float dscale = 1.0f / float(opt.schedule.micro_batches);
     for (int64_t e = ch.last - 1; e >= ch.first; --e) {
@@ -465,6 +472,7 @@ PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOp
       po.sp = opt.sp;
       po.first = ch.first;
       po.last = ch.last;
+      po.attention_workspace = &I.attn;
       s->stage = std::make_unique<model::ParallelGPT>(cfg, groups, po, pool, opt.seed);
       for (model::Parameter* prm : s->stage->parameters()) I.params.push_back(prm);
       for (auto& sh : s->stage->sharded()) {
@@ -550,6 +558,13 @@ StepResult PipelineExecutor::step(const Tensor& tokens, const Tensor& targets, d
     I.ws_bufC = Tensor::empty({b, T, C}, DType::f32, MemTag::workspace, I.pool);
     I.ws_buf4C = Tensor::empty({b, T, 4 * C}, DType::f32, MemTag::workspace, I.pool);
   }
+  // The attention scratch for this step's largest call, taken once (ParallelGPT stages size it in
+  // their forward).
+  if (!I.tensor)
+    for (Chunk& ch : I.chunks)
+      for (int64_t e = std::max<int64_t>(ch.first, 1); e < std::min<int64_t>(ch.last, I.cfg.n_layer + 1); ++e)
+        I.attn.reserve(static_cast<const model::TransformerBlock*>(ch.all[0]->blocks[size_t(e - ch.first)].get())
+                           ->attention_workspace_bytes(b, T, omp_get_max_threads()));
   I.optimizer->zero_grad();
   I.losses.assign(size_t(m), 0.0);
   I.peak_slots = 0;

@@ -8,7 +8,9 @@
 // their buffers go and before the optimizer step; receives block. The schedule is generated for
 // the model's op costs (op_costs) and this way of sending. Each micro-batch in flight
 // keeps its own saved activations (chain blocks that share the stage's parameters), released
-// when its backward ends, so the activation pool peaks at the checker's in-flight bound. ZB-H1's
+// when its backward ends, so the activation pool peaks at the checker's in-flight bound; the
+// attention kernel's scratch is one buffer per rank, shared by every chunk and micro-batch (one
+// computes at a time), taken at the first step for its largest call. ZB-H1's
 // backward is split: backward_input runs the blocks' input-gradient part (what the previous stage
 // waits for) and keeps the linear layers' output gradients (workspace tag); backward_weight runs
 // the deferred weight GEMMs in micro-batch order, so gradients equal 1F1B's bit for bit.

@@ -574,5 +574,124 @@ TEST(Attention, RejectsBadArguments) {
                Error);
 }
 
+// A caller's scratch (AttnArgs.scratch, here an AttnWorkspace kept across calls): repeated
+// forward and backward calls take nothing from any pool (AttnArgs.pool is a pool that cannot give
+// host memory, so a call that tried would fail) and give bitwise the results of calls that take
+// their own scratch.
+TEST(Attention, CallerScratchIsReusedAcrossCalls) {
+  for (const Shape& s : {Shape{.B = 2, .NH = 3, .HS = 20, .Tq = 150, .Tkv = 150, .packed = true},
+                         Shape{.B = 4, .NH = 8, .HS = 16, .Tq = 70, .Tkv = 70, .packed = true},
+                         Shape{.B = 1, .NH = 2, .HS = 12, .Tq = 5, .Tkv = 130, .q_pos0 = 125, .pad = 3}}) {
+    for (int n : {1, 2}) {
+      ScopedThreads threads(n);
+      Problem p = make_problem(s, 960);
+      const std::vector<float> dout = random_vec(p.o_size(), 961);
+      const Result ref = run(p, dout, false);
+
+      MemoryPool pool("caller");
+      cpu::AttnWorkspace ws(pool);
+      const int64_t need =
+          std::max(cpu::attention_workspace_bytes(p.a, false, n), cpu::attention_workspace_bytes(p.a, true, n));
+      ws.reserve(need);
+      EXPECT_EQ(ws.bytes(), need);
+      EXPECT_EQ(pool.current(MemTag::workspace), need);
+      NotHostAllocator device_memory;
+      MemoryPool device_pool("device", &device_memory);
+      p.a.pool = &device_pool;
+      p.a = ws.args(p.a);
+      for (int rep = 0; rep < 3; ++rep) {
+        const Result r = run(p, dout, false);
+        EXPECT_EQ(r.out, ref.out) << s.Tq << " queries, " << n << " threads, call " << rep;
+        EXPECT_EQ(r.lse, ref.lse);
+        EXPECT_EQ(r.dq, ref.dq);
+        EXPECT_EQ(r.dk, ref.dk);
+        EXPECT_EQ(r.dv, ref.dv);
+      }
+      EXPECT_EQ(pool.total_allocations(), 1);
+      EXPECT_EQ(device_pool.total_allocations(), 0);
+    }
+  }
+}
+
+// An AttnWorkspace only grows, and gives its block back before taking a larger one (the pool never
+// holds both); use() grows it to a call's size; args() before any reservation is refused.
+TEST(Attention, WorkspaceGrowsOnlyWhenAskedForMore) {
+  MemoryPool pool("ws");
+  cpu::AttnWorkspace ws(pool);
+  const AttnArgs a = make_problem({.B = 1, .NH = 2, .HS = 8, .Tq = 70, .Tkv = 70}, 965).a;
+  try {
+    ws.args(a);
+    ADD_FAILURE() << "args() of an empty workspace accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("nothing reserved"), std::string::npos) << e.what();
+  }
+  ws.reserve(4096);
+  ws.reserve(1024);
+  EXPECT_EQ(ws.bytes(), 4096);
+  EXPECT_EQ(pool.allocations(MemTag::workspace), 1);
+  ws.reserve(8192);
+  EXPECT_EQ(ws.bytes(), 8192);
+  EXPECT_EQ(pool.allocations(MemTag::workspace), 2);
+  EXPECT_EQ(pool.current(MemTag::workspace), 8192);
+  EXPECT_EQ(pool.peak(MemTag::workspace), 8192);
+  ws.release();
+  EXPECT_EQ(pool.current(MemTag::workspace), 0);
+  ScopedThreads threads(2);
+  const AttnArgs b = ws.use(a, true);
+  EXPECT_EQ(ws.bytes(), cpu::attention_workspace_bytes(a, true, 2));
+  EXPECT_EQ(b.scratch_bytes, ws.bytes());
+  EXPECT_NE(b.scratch, nullptr);
+  ws.use(a, false);  // the forward call needs less: nothing new
+  EXPECT_EQ(pool.allocations(MemTag::workspace), 3);
+}
+
+// A caller's scratch smaller than the call needs is refused with both sizes in the message; the
+// exact size is enough. Scratch bytes without a pointer are refused by field name.
+TEST(Attention, RefusesTooSmallScratchNamingTheSizes) {
+  const Problem p = make_problem({.B = 2, .NH = 3, .HS = 20, .Tq = 150, .Tkv = 150, .packed = true}, 970);
+  const std::vector<float> dout = random_vec(p.o_size(), 971);
+  for (int n : {1, 2}) {
+    ScopedThreads threads(n);
+    const int64_t fwd = cpu::attention_workspace_bytes(p.a, false, n);
+    const int64_t bwd = cpu::attention_workspace_bytes(p.a, true, n);
+    ASSERT_LT(fwd, bwd);
+    std::vector<float> buf(size_t(bwd) / sizeof(float));
+    std::vector<float> out(size_t(p.o_size())), lse(size_t(p.a.B * p.a.NH * p.a.Tq));
+    std::vector<float> dqkv(size_t(p.q_size()));
+    const int64_t C = p.a.NH * p.a.HS;
+    auto expect_refusal = [&](const AttnArgs& a, bool backward, int64_t given, int64_t need) {
+      try {
+        if (backward)
+          cpu::attention_backward(dqkv.data(), dqkv.data() + C, dqkv.data() + 2 * C, dout.data(), p.q(), p.k(), p.v(),
+                                  out.data(), lse.data(), a);
+        else
+          cpu::attention_forward(out.data(), lse.data(), p.q(), p.k(), p.v(), a);
+        ADD_FAILURE() << given << " bytes of scratch accepted for a call needing " << need;
+      } catch (const Error& e) {
+        const std::string m = e.what();
+        EXPECT_NE(m.find("AttnArgs.scratch_bytes = " + std::to_string(given)), std::string::npos) << m;
+        EXPECT_NE(m.find(std::to_string(need) + " bytes"), std::string::npos) << m;
+      }
+    };
+    AttnArgs a = p.a;
+    a.scratch = buf.data();
+    a.scratch_bytes = fwd - 4;
+    expect_refusal(a, false, fwd - 4, fwd);
+    a.scratch_bytes = fwd;  // exactly enough for forward, too small for backward
+    EXPECT_NO_THROW(cpu::attention_forward(out.data(), lse.data(), p.q(), p.k(), p.v(), a));
+    expect_refusal(a, true, fwd, bwd);
+    a.scratch_bytes = bwd;
+    EXPECT_NO_THROW(cpu::attention_backward(dqkv.data(), dqkv.data() + C, dqkv.data() + 2 * C, dout.data(), p.q(),
+                                            p.k(), p.v(), out.data(), lse.data(), a));
+    a.scratch = nullptr;
+    try {
+      cpu::attention_forward(out.data(), lse.data(), p.q(), p.k(), p.v(), a);
+      ADD_FAILURE() << "scratch_bytes without scratch accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("AttnArgs.scratch is null"), std::string::npos) << e.what();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace loom::test

@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <omp.h>
+
 #include <cmath>
 #include <vector>
 
@@ -93,6 +95,52 @@ TEST_P(RingAttentionVsFull, ForwardAndBackwardMatchOneCall) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cp, RingAttentionVsFull, testing::Values(2, 3, 4));
+
+// A pass reserves the attention scratch once for all its chunk-pair calls (the larger of a
+// forward and a backward call): passes after the first allocate nothing. Given a caller's
+// workspace, the ring runs its calls in it (same results) and release() leaves it to the caller.
+TEST(RingAttention, ReusesItsBuffersAndScratchAcrossPasses) {
+  const int cp = 2;
+  const int64_t B = 2, T = 48, NH = 3, HS = 8, C = NH * HS, Tl = T / cp, Tc = Tl / 2;
+  const parallel::cp::RingShape shape{B, T, NH, HS};
+  comm::run_ranks(cp, [&](comm::Comm& g) {
+    std::vector<float> qkv(size_t(B * Tl * 3 * C)), dout(size_t(B * Tl * C));
+    for (size_t i = 0; i < qkv.size(); ++i) qkv[i] = 2.0f * uniform_at(4, uint64_t(g.rank()), i) - 1.0f;
+    for (size_t i = 0; i < dout.size(); ++i) dout[i] = 2.0f * uniform_at(5, uint64_t(g.rank()), i) - 1.0f;
+    std::vector<float> out(size_t(B * Tl * C)), lse(size_t(B * 2 * NH * Tc)), dqkv(qkv.size());
+    const int64_t scratch = parallel::cp::RingAttention::workspace_bytes(shape, cp, omp_get_max_threads());
+    EXPECT_GT(scratch, 0);
+
+    MemoryPool pool("rank");
+    parallel::cp::RingAttention ring(pool);
+    ring.forward(g, out.data(), lse.data(), qkv.data(), shape);
+    ring.backward(g, dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), shape);
+    const int64_t taken = pool.total_allocations();
+    for (int pass = 0; pass < 2; ++pass) {
+      ring.forward(g, out.data(), lse.data(), qkv.data(), shape);
+      ring.backward(g, dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), shape);
+    }
+    EXPECT_EQ(pool.total_allocations(), taken);
+    // Held: the partial output and log-sum-exp and the attention scratch (workspace), the K/V
+    // blocks and their gradients (comm).
+    EXPECT_EQ(pool.current(MemTag::workspace), 4 * (Tc * C + NH * Tc) + scratch);
+    EXPECT_EQ(ring.buffer_bytes(), pool.total_current());
+
+    MemoryPool pool2("rank");
+    cpu::AttnWorkspace shared(pool2);
+    parallel::cp::RingAttention ring2(pool2, &shared);
+    std::vector<float> out2(out.size()), lse2(lse.size()), dqkv2(dqkv.size());
+    ring2.forward(g, out2.data(), lse2.data(), qkv.data(), shape);
+    ring2.backward(g, dqkv2.data(), dout.data(), qkv.data(), out2.data(), lse2.data(), shape);
+    EXPECT_EQ(out2, out);
+    EXPECT_EQ(lse2, lse);
+    EXPECT_EQ(dqkv2, dqkv);
+    EXPECT_EQ(shared.bytes(), scratch);
+    EXPECT_EQ(ring2.buffer_bytes() + shared.bytes(), pool2.total_current());
+    ring2.release();
+    EXPECT_EQ(pool2.total_current(), scratch);
+  }, one_thread());
+}
 
 model::GPTConfig tiny() { return model::gpt_preset("gpt2-tiny"); }
 

@@ -5,7 +5,9 @@
 // sequence and context parallelism and dp x pp x tp; the activation pool peaks at the checker's
 // bound.
 #include <gtest/gtest.h>
+#include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -15,8 +17,10 @@
 
 #include "comm/threads.h"
 #include "core/error.h"
+#include "kernels/cpu/attention.h"
 #include "model/gpt.h"
 #include "optim/adamw.h"
+#include "parallel/context/ring_attention.h"
 #include "parallel/mesh.h"
 #include "parallel/pipeline/executor.h"
 
@@ -363,6 +367,72 @@ TEST(PipelineExecutor, ZeroBubbleSplitBackwardEqualsOneFOneBBitwise) {
       }
       EXPECT_EQ(bi, m);
       EXPECT_EQ(w, m);
+    }
+  }
+}
+
+// Records the size of every block a pool takes, to find one buffer among a rank's allocations.
+class SizeRecorder final : public Allocator {
+ public:
+  void* allocate(size_t bytes) override {
+    {
+      std::lock_guard lk(mu_);
+      sizes_.push_back(bytes);
+    }
+    return cpu_allocator().allocate(bytes);
+  }
+  void deallocate(void* p, size_t bytes) override { cpu_allocator().deallocate(p, bytes); }
+  Device device() const override { return Device::cpu; }
+  int64_t count(size_t bytes) const {
+    std::lock_guard lk(mu_);
+    return std::count(sizes_.begin(), sizes_.end(), bytes);
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::vector<size_t> sizes_;
+};
+
+// The attention kernel's scratch is one buffer per pipeline rank, shared by its chunks and by
+// every micro-batch replica of them (blocks, or ParallelGPT stages under tp / cp), and taken
+// once: over three steps of four micro-batches each rank allocates one block of its size.
+TEST(PipelineMemory, AttentionScratchIsOneBufferPerRank) {
+  const int p = 2, m = 4;
+  for (Layout lay : {Layout{}, Layout{.tp = 2}, Layout{.cp = 2}}) {
+    for (Kind k : {Kind::one_f_one_b, Kind::zb_h1, Kind::interleaved}) {
+      SCOPED_TRACE(fmt::format("{} tp={} cp={}", kind_name(k), lay.tp, lay.cp));
+      const ScheduleSpec spec{k, p, k == Kind::interleaved ? 2 : 1, m};
+      const Data d = make_data(1, int(tiny().vocab_size));
+      Mesh mesh = Mesh::standard(p, 1, lay.cp, lay.tp);
+      comm::run_ranks(p * lay.tp * lay.cp, [&](comm::Comm& w) {
+        auto pp = split_comm(mesh, w, {"pp"});
+        auto tpc = split_comm(mesh, w, {"tp"});
+        auto cpc = split_comm(mesh, w, {"cp"});
+        SizeRecorder rec;
+        MemoryPool pool("rank" + std::to_string(w.rank()), &rec);
+        ExecutorOptions o;
+        o.schedule = spec;
+        o.adamw = adamw();
+        o.tp = lay.tp;
+        o.cp = lay.cp;
+        PipelineExecutor ex(tiny(), o, *pp, nullptr, pool, {tpc.get(), cpc.get()});
+        for (int s = 0; s < 3; ++s) ex.step(d.tokens[size_t(s)], d.targets[size_t(s)]);
+        // The largest call of a micro-batch [b, kT] on this rank's heads: one chunk pair under cp.
+        const model::GPTConfig cfg = tiny();
+        const int64_t b = kBatch / m, NHl = cfg.n_head / lay.tp, HS = cfg.n_embd / cfg.n_head;
+        const int threads = omp_get_max_threads();
+        int64_t bytes = 0;
+        if (lay.cp > 1) {
+          bytes = cp::RingAttention::workspace_bytes({b, kT, NHl, HS}, lay.cp, threads);
+        } else {
+          cpu::AttnArgs a;
+          a.B = b, a.NH = NHl, a.HS = HS, a.Tq = a.Tkv = kT;
+          a.q_stride = a.kv_stride = 3 * NHl * HS, a.o_stride = NHl * HS;
+          bytes = std::max(cpu::attention_workspace_bytes(a, false, threads),
+                           cpu::attention_workspace_bytes(a, true, threads));
+        }
+        EXPECT_EQ(rec.count(size_t(bytes)), 1) << "rank " << w.rank() << ", " << bytes << " bytes";
+      });
     }
   }
 }
