@@ -12,9 +12,14 @@ cd "$build"
 args=("$@")
 ((${#args[@]})) || args=(-LE "long|torch")
 if ! ctest --output-on-failure -j"$jobs" "${args[@]}"; then
-  # The failures' output is buried among hundreds of lines above: run the failed tests once more,
-  # one at a time, so their output ends the log. The suite has failed either way.
-  echo "=== failed tests, run again one at a time for their output ==="
+  # The failures' output is buried among hundreds of lines above. Keep it, run the failed tests
+  # once more one at a time (does a failure repeat alone?), then end the log with what failed.
+  # The suite has failed either way.
+  log=Testing/Temporary/LastTest.log
+  failed=$(awk '/^[0-9]+\/[0-9]+ Testing: /{b=""} {b=b $0 "\n"} /^Test Failed/{f=1} / time elapsed: /{if (f) printf "%s", b; f=0}' "$log")
+  echo "=== the failed tests, run again one at a time ==="
   ctest --rerun-failed --output-on-failure -j1 || true
+  echo "=== the failed tests' output from the suite's run ==="
+  printf '%s\n' "$failed"
   exit 8
 fi
