@@ -37,42 +37,19 @@ void run_case(const AttnCase& cs) {
   // GPU: packed -> one [B, T, 3C] buffer for q|k|v and one for dq|dk|dv; otherwise separate
   // [B, T, C + pad] buffers.
   const loom::cuda::AttnArgs ga = attn_gpu_args(cs, l);
-  const size_t nkv = size_t(cs.packed ? 1 : l.nkv);
-  DeviceBuffer<bf16> d_q{size_t(l.nq)}, d_k{nkv}, d_v{nkv};
-  DeviceBuffer<bf16> d_out{size_t(l.no)}, d_dout{size_t(l.no)};
-  DeviceBuffer<float> d_lse{size_t(l.nlse)};
-  DeviceBuffer<bf16> d_dq{size_t(l.nq)}, d_dk{nkv}, d_dv{nkv};
   const size_t ws_bytes = loom::cuda::attention_backward_workspace_bytes(ga);
-  DeviceBuffer<char> d_ws{std::max<size_t>(ws_bytes, 1)};
-  upload_bf16(d_q, in.q);
-  if (!cs.packed) {
-    upload_bf16(d_k, in.k);
-    upload_bf16(d_v, in.v);
-  }
-  upload_bf16(d_dout, in.dout);
-  const bf16* gq = d_q.get();
-  const bf16* gk = cs.packed ? gq + C : d_k.get();
-  const bf16* gv = cs.packed ? gq + 2 * C : d_v.get();
-  bf16* gdq = d_dq.get();
-  bf16* gdk = cs.packed ? gdq + C : d_dk.get();
-  bf16* gdv = cs.packed ? gdq + 2 * C : d_dv.get();
-
-  std::vector<float> out, lse, dq, dk, dv;
+  AttnDevice d(cs, l, in, ws_bytes);
+  const std::vector<float>& out = d.h_out;
+  const std::vector<float>& lse = d.h_lse;
+  const std::vector<float>& dq = d.h_dq;
+  const std::vector<float>& dk = d.h_dk;
+  const std::vector<float>& dv = d.h_dv;
   auto run_and_fetch = [&]() {
-    for (auto* b : {&d_out, &d_dq, &d_dk, &d_dv}) b->poison();
-    d_lse.poison();
-    d_ws.poison();
-    loom::cuda::attention_forward(d_out.get(), d_lse.get(), gq, gk, gv, ga, nullptr);
-    loom::cuda::attention_backward(gdq, gdk, gdv, d_dout.get(), gq, gk, gv, d_out.get(), d_lse.get(), ga, d_ws.get(),
-                                   nullptr);
-    LOOM_CUDA_CHECK(cudaDeviceSynchronize());
-    out = download_bf16(d_out);
-    lse = d_lse.download();
-    dq = download_bf16(d_dq);
-    if (!cs.packed) {
-      dk = download_bf16(d_dk);
-      dv = download_bf16(d_dv);
-    }
+    d.run([&] {
+      loom::cuda::attention_forward(d.out.get(), d.lse.get(), d.gq, d.gk, d.gv, ga, nullptr);
+      loom::cuda::attention_backward(d.gdq, d.gdk, d.gdv, d.dout.get(), d.gq, d.gk, d.gv, d.out.get(), d.lse.get(), ga,
+                                     d.ws.get(), nullptr);
+    });
   };
   ASSERT_NO_THROW(run_and_fetch());
 

@@ -24,6 +24,7 @@
 #include "core/dtype.h"
 #include "core/rng.h"
 #include "kernels/cpu/attention.h"
+#include "cuda_test_util.h"
 #include "kernels/cuda/attention.cuh"
 
 namespace loom::test {
@@ -249,5 +250,57 @@ inline bool attn_same_bits(const std::vector<float>& a, const std::vector<float>
     if (std::memcmp(&a[size_t(i)], &b[size_t(i)], sizeof(float)) != 0) return false;
   return true;
 }
+
+// One case on the GPU: the inputs uploaded, room for every output and a workspace of ws_bytes,
+// the q/k/v and dq/dk/dv pointers of the case's layout (packed: the thirds of one [B, T, 3C]
+// buffer each), and the outputs fetched by run(). run() first poisons every output and the
+// workspace, so an element the kernels leave unwritten shows as NaN.
+struct AttnDevice {
+  AttnDevice(const AttnCase& cs, const AttnLayout& l, const AttnInputs& in, size_t ws_bytes)
+      : packed(cs.packed),
+        q(size_t(l.nq)), k(nkv(cs, l)), v(nkv(cs, l)), out(size_t(l.no)), dout(size_t(l.no)), dq(size_t(l.nq)),
+        dk(nkv(cs, l)), dv(nkv(cs, l)), lse(size_t(l.nlse)), ws(std::max<size_t>(ws_bytes, 1)) {
+    upload_bf16(q, in.q);
+    if (!packed) {
+      upload_bf16(k, in.k);
+      upload_bf16(v, in.v);
+    }
+    upload_bf16(dout, in.dout);
+    gq = q.get();
+    gk = packed ? gq + l.C : k.get();
+    gv = packed ? gq + 2 * l.C : v.get();
+    gdq = dq.get();
+    gdk = packed ? gdq + l.C : dk.get();
+    gdv = packed ? gdq + 2 * l.C : dv.get();
+  }
+  // Poisons the outputs and the workspace, runs kernels() (the forward and backward calls),
+  // synchronises and downloads out, lse, dq and (not packed) dk, dv into the host vectors.
+  template <class Kernels>
+  void run(Kernels&& kernels) {
+    for (auto* b : {&out, &dq, &dk, &dv}) b->poison();
+    lse.poison();
+    ws.poison();
+    kernels();
+    LOOM_CUDA_CHECK(cudaDeviceSynchronize());
+    h_out = download_bf16(out);
+    h_lse = lse.download();
+    h_dq = download_bf16(dq);
+    if (!packed) {
+      h_dk = download_bf16(dk);
+      h_dv = download_bf16(dv);
+    }
+  }
+
+  bool packed;
+  DeviceBuffer<dbf16> q, k, v, out, dout, dq, dk, dv;
+  DeviceBuffer<float> lse;
+  DeviceBuffer<char> ws;
+  const dbf16 *gq = nullptr, *gk = nullptr, *gv = nullptr;
+  dbf16 *gdq = nullptr, *gdk = nullptr, *gdv = nullptr;
+  std::vector<float> h_out, h_lse, h_dq, h_dk, h_dv;
+
+ private:
+  static size_t nkv(const AttnCase& cs, const AttnLayout& l) { return size_t(cs.packed ? 1 : l.nkv); }
+};
 
 }  // namespace loom::test
