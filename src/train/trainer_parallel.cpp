@@ -21,7 +21,6 @@
 #include "model/tp_gpt.h"
 #include "optim/adamw.h"
 #include "parallel/data/replica_optimizer.h"
-#include "parallel/data/zero1.h"
 #include "parallel/data/flat_layout.h"
 #include "parallel/mesh.h"
 #include "parallel/pipeline/executor.h"
@@ -136,8 +135,8 @@ class Engine {
 };
 
 // Tensor / sequence / context parallel (ParallelGPT) with data parallelism over dp: gradients
-// all-reduced and full AdamW moments on every dp rank (parallel.zero = 0), or ZeRO-1 (moments
-// sharded over dp x cp, parallel/data/zero1.h).
+// reduced over dp x cp by parallel::ReplicaOptimizer, with full AdamW moments on every rank
+// (parallel.zero = 0) or ZeRO-1's moments sharded over dp x cp.
 class TensorEngine : public Engine {
  public:
   TensorEngine(const TrainConfig& cfg, const model::GPTConfig& mc, const optim::AdamWConfig& oc,

@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "kernels/cpu/adamw.h"
 #include "parallel/data/flat_layout.h"
 
 namespace loom::parallel {
@@ -49,11 +50,8 @@ double ReplicaOptimizer::reduce_gradients() {
     const int64_t n = p->grad_full.numel();
     if (opt_.replicas > 1)
       for (int64_t j = 0; j < n; ++j) g[j] *= inv;
-    if (!opt_.in_norm[i]) continue;
-    const float* lg = p->grad.f32();  // the logical elements (a padded vocabulary's rows are zero)
-    double s = 0;
-    for (int64_t j = 0; j < p->grad.numel(); ++j) s += double(lg[j]) * double(lg[j]);
-    sq += s;
+    // The logical elements (a padded vocabulary's rows are zero), as AdamW counts them.
+    if (opt_.in_norm[i]) sq += cpu::sum_squares(p->grad.f32(), p->grad.numel());
   }
   return sq;
 }
