@@ -68,15 +68,15 @@ int main(int argc, char** argv) {
     double seconds = 0, tp_bytes = 0, other_bytes = 0;
     comm::run_ranks(2, [&](comm::Comm& world) {
       parallel::MeshComms mc(parallel::Mesh::standard(1, l.dp, l.cp, l.tp), world);
-      parallel::CountingComm tpc(mc["tp"]), cpc(mc["cp"]), dpc(mc["dp"]);
+      parallel::CountingComm tpc(mc["tp"]), cpc(mc["cp"]), dpc(mc["dp"]), dcpc(mc.get({"dp", "cp"}));
       MemoryPool pool("rank");
       model::ParallelGPT m(cfg, {&tpc, &cpc}, {.sp = l.sp}, pool);
-      // The data-parallel reduction over dp x cp (here one of the two is 1): cp partial sums
-      // added, dp replicas averaged; a parameter replicated over tp counts on tp rank 0.
+      // The data-parallel reduction over dp x cp: cp partial sums added, dp replicas averaged; a
+      // parameter replicated over tp counts on tp rank 0.
       parallel::ReplicaOptimizer::Options ro;
       ro.replicas = l.dp;
       for (auto& sp : m.sharded()) ro.in_norm.push_back(!sp->replicated || mc.coord("tp") == 0);
-      parallel::ReplicaOptimizer opt(m.parameters(), l.cp > 1 ? &cpc : &dpc, ro, {}, pool);
+      parallel::ReplicaOptimizer opt(m.parameters(), &dcpc, ro, {}, pool);
       const int64_t Bl = a.batch / l.dp;
       Tensor tok = Tensor::empty({Bl, a.seq}, DType::i32, MemTag::workspace, pool);
       Tensor tgt = Tensor::empty({Bl, a.seq}, DType::i32, MemTag::workspace, pool);
@@ -93,7 +93,7 @@ int main(int argc, char** argv) {
       };
       step();
       world.barrier();
-      tpc.reset(), cpc.reset(), dpc.reset();
+      tpc.reset(), cpc.reset(), dpc.reset(), dcpc.reset();
       const auto t0 = std::chrono::steady_clock::now();
       for (int s = 0; s < a.steps; ++s) step();
       world.barrier();
@@ -101,7 +101,7 @@ int main(int argc, char** argv) {
       if (world.rank() == 0) {
         seconds = dt;
         tp_bytes = tpc.counts().wire_bytes / a.steps;
-        other_bytes = (cpc.counts().wire_bytes + dpc.counts().wire_bytes) / a.steps;
+        other_bytes = (cpc.counts().wire_bytes + dpc.counts().wire_bytes + dcpc.counts().wire_bytes) / a.steps;
       }
     });
     const double t = l.tp, formula = l.tp > 1 ? 4.0 * 8 * a.batch * a.seq * a.embd * (t - 1) / t * a.layers : 0;

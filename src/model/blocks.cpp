@@ -142,7 +142,7 @@ cpu::AttnArgs TransformerBlock::attention_args(int64_t B, int64_t T) const {
 
 int64_t TransformerBlock::attention_workspace_bytes(int64_t B, int64_t T, int threads) const {
   const cpu::AttnArgs aa = attention_args(B, T);
-  return std::max(cpu::attention_workspace_bytes(aa, false, threads), cpu::attention_workspace_bytes(aa, true, threads));
+  return cpu::attention_training_workspace_bytes(aa, threads);
 }
 
 void TransformerBlock::forward(const float* x, int64_t B, int64_t T, cpu::AttnWorkspace* attn) {

@@ -279,29 +279,12 @@ static size_t find_spec(const std::vector<ParamSpec>& specs, const std::string& 
 }
 
 void GPTCuda::set_parameter(const std::string& name, const float* values) {
-  const size_t i = find_spec(specs_, name);
-  LOOM_CUDA_CHECK(cudaMemcpyAsync(master_ + offsets_[i], values, size_t(specs_[i].numel()) * sizeof(float),
-                                  cudaMemcpyHostToDevice, stream_));
-  refresh_bf16();  // synchronises the stream, so `values` may be freed on return
+  upload(master_, name, values);
+  refresh_bf16();
 }
 
-std::vector<float> GPTCuda::parameter(const std::string& name) const {
-  const size_t i = find_spec(specs_, name);
-  std::vector<float> out(size_t(specs_[i].numel()));
-  LOOM_CUDA_CHECK(
-      cudaMemcpyAsync(out.data(), master_ + offsets_[i], out.size() * sizeof(float), cudaMemcpyDeviceToHost, stream_));
-  LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  return out;
-}
-
-std::vector<float> GPTCuda::gradient(const std::string& name) const {
-  const size_t i = find_spec(specs_, name);
-  std::vector<float> out(size_t(specs_[i].numel()));
-  LOOM_CUDA_CHECK(
-      cudaMemcpyAsync(out.data(), grads_ + offsets_[i], out.size() * sizeof(float), cudaMemcpyDeviceToHost, stream_));
-  LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  return out;
-}
+std::vector<float> GPTCuda::parameter(const std::string& name) const { return download(master_, name); }
+std::vector<float> GPTCuda::gradient(const std::string& name) const { return download(grads_, name); }
 
 std::vector<float> GPTCuda::logits() const {
   const int64_t n = opt_.B * opt_.T * cfg_.padded_vocab();
@@ -508,16 +491,18 @@ float GPTCuda::forward(const int32_t* tokens, const int32_t* targets) {
 
 float GPTCuda::forward_backward(const int32_t* tokens, const int32_t* targets) {
   upload_batch(tokens, targets);
-  LOOM_CUDA_CHECK(cudaMemsetAsync(grads_, 0, size_t(total_) * sizeof(float), stream_));
-  enqueue_forward(true);
-  enqueue_backward();
+  zero_grad();
+  enqueue_micro();
   return read_loss();
 }
 
 void GPTCuda::enqueue_step() {
-  LOOM_CUDA_CHECK(cudaMemsetAsync(grads_, 0, size_t(total_) * sizeof(float), stream_));
-  enqueue_forward(true);
-  enqueue_backward();
+  zero_grad();
+  enqueue_micro();
+  enqueue_update();
+}
+
+void GPTCuda::enqueue_update() {
   adamw_->launch(stream_);
   LOOM_CUDA_CHECK(cudaMemcpyAsync(h_stats_ + 1, adamw_->norm_and_scale(), 2 * sizeof(float), cudaMemcpyDeviceToHost,
                                   stream_));
@@ -574,9 +559,7 @@ float GPTCuda::accumulate(const int32_t* tokens, const int32_t* targets) {
 
 float GPTCuda::optimizer_step(float lr, int64_t step, float grad_scale) {
   set_adamw_hyper(lr, step, grad_scale);
-  adamw_->launch(stream_);
-  LOOM_CUDA_CHECK(cudaMemcpyAsync(h_stats_ + 1, adamw_->norm_and_scale(), 2 * sizeof(float), cudaMemcpyDeviceToHost,
-                                  stream_));
+  enqueue_update();
   LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
   return h_stats_[1];
 }

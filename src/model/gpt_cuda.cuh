@@ -110,6 +110,7 @@ class GPTCuda {
   void enqueue_backward();
   void enqueue_step();   // zero grads, forward (fused loss grad), backward, optimizer
   void enqueue_micro();  // forward (fused loss grad), backward: accumulate()'s work
+  void enqueue_update(); // AdamW over the gradients, its norm and clip scale copied to h_stats_[1..2]
   // Runs `enqueue` eagerly without cuda_graph and the first time either graph would be captured
   // (library handles and algorithm choices are made outside any capture); else replays `exec`,
   // capturing it first when there is none or when its baked-in dloss is not the batch's.

@@ -293,7 +293,7 @@ int64_t ParallelGPT::attention_workspace_bytes(int64_t B, int64_t T, int threads
   cpu::AttnArgs aa;
   aa.B = B, aa.NH = NHl, aa.HS = HS, aa.Tq = aa.Tkv = T;
   aa.q_stride = aa.kv_stride = 3 * NHl * HS, aa.o_stride = NHl * HS;
-  return std::max(cpu::attention_workspace_bytes(aa, false, threads), cpu::attention_workspace_bytes(aa, true, threads));
+  return cpu::attention_training_workspace_bytes(aa, threads);
 }
 
 int64_t ParallelGPT::saved_activation_bytes(int64_t B, int64_t T) const {

@@ -196,6 +196,8 @@ TrainResult run_training_cuda(const TrainConfig& cfg, const TrainOptions& opt) {
         st.loss += gpt.accumulate(x.data(), y.data());
       }
       st.loss /= double(cfg.grad_accum);
+      // A non-finite loss stops the run before the optimizer touches the weights, as on the CPU.
+      if (!std::isfinite(st.loss)) return st;
       // The update, its clipping and the norm are the mean gradient's, as on the CPU.
       st.grad_norm = gpt.optimizer_step(lr, optimizer_steps + 1, 1.0f / float(cfg.grad_accum));
     }

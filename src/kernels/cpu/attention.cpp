@@ -356,6 +356,10 @@ int64_t attention_workspace_bytes(const AttnArgs& a, bool backward, int threads)
   return a.B == 0 || a.Tq == 0 ? 0 : forward_plan(a, threads).bytes();
 }
 
+int64_t attention_training_workspace_bytes(const AttnArgs& a, int threads) {
+  return std::max(attention_workspace_bytes(a, false, threads), attention_workspace_bytes(a, true, threads));
+}
+
 void AttnWorkspace::reserve(int64_t bytes) {
   LOOM_CHECK(bytes >= 0, "attention workspace: cannot reserve {} bytes", bytes);
   if (bytes <= bytes_) return;

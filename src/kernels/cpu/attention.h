@@ -49,6 +49,8 @@ struct AttnArgs {
 //   backward: min(threads, units) (2 * 64 HS + 3 * 64 HSp + (2 + [G == 1]) Tq HSp + Tq + 2 * 64 * 64)
 //             + [G > 1] G B NH Tq HSp.
 int64_t attention_workspace_bytes(const AttnArgs& a, bool backward, int threads);
+// The larger of the forward and backward call's: a training step's attention scratch.
+int64_t attention_training_workspace_bytes(const AttnArgs& a, int threads);
 
 // Attention scratch that a caller keeps across calls: one allocation from a pool under tag
 // workspace that only grows, so calls sized up front for the largest of them allocate once.

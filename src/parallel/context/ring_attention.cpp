@@ -108,7 +108,7 @@ constexpr int kTagKV = 101, kTagDKV = 102;
 int64_t RingAttention::workspace_bytes(const RingShape& s, int P, int threads) {
   check_sequence(s.T, P, "ring attention");
   const cpu::AttnArgs a = chunk_args(s, s.T / P / 2, 0, 0);
-  return std::max(cpu::attention_workspace_bytes(a, false, threads), cpu::attention_workspace_bytes(a, true, threads));
+  return cpu::attention_training_workspace_bytes(a, threads);
 }
 
 void RingAttention::forward(comm::Comm& g, float* out, float* lse, const float* qkv, const RingShape& s) {

@@ -557,14 +557,16 @@ StepResult PipelineExecutor::step(const Tensor& tokens, const Tensor& targets, d
     I.ws_dres = Tensor::empty({b, T, C}, DType::f32, MemTag::workspace, I.pool);
     I.ws_bufC = Tensor::empty({b, T, C}, DType::f32, MemTag::workspace, I.pool);
     I.ws_buf4C = Tensor::empty({b, T, 4 * C}, DType::f32, MemTag::workspace, I.pool);
+    // The attention scratch for this shape's largest call, the same for every block: sized once
+    // from this rank's first transformer block (ParallelGPT stages size it in their forward).
+    for (Chunk& ch : I.chunks) {
+      const int64_t e = std::max<int64_t>(ch.first, 1);
+      if (e >= std::min<int64_t>(ch.last, I.cfg.n_layer + 1)) continue;
+      I.attn.reserve(static_cast<const model::TransformerBlock*>(ch.all[0]->blocks[size_t(e - ch.first)].get())
+                         ->attention_workspace_bytes(b, T, omp_get_max_threads()));
+      break;
+    }
   }
-  // The attention scratch for this step's largest call, taken once (ParallelGPT stages size it in
-  // their forward).
-  if (!I.tensor)
-    for (Chunk& ch : I.chunks)
-      for (int64_t e = std::max<int64_t>(ch.first, 1); e < std::min<int64_t>(ch.last, I.cfg.n_layer + 1); ++e)
-        I.attn.reserve(static_cast<const model::TransformerBlock*>(ch.all[0]->blocks[size_t(e - ch.first)].get())
-                           ->attention_workspace_bytes(b, T, omp_get_max_threads()));
   I.optimizer->zero_grad();
   I.losses.assign(size_t(m), 0.0);
   I.peak_slots = 0;

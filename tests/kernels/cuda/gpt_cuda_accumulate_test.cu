@@ -76,7 +76,10 @@ TEST(GPTCudaAccumulate, GradientIsTheSumOverMicroBatches) {
   }
   // forward_backward zeroes the accumulated gradients first.
   EXPECT_FLOAT_EQ(acc.forward_backward(t1.data(), y1.data()), l1);
-  EXPECT_LE(rel_err(acc.gradient("wpe.weight"), g1[1]), kTol);
+  size_t wpe = 0;
+  while (wpe < ref.specs().size() && ref.specs()[wpe].name != "wpe.weight") ++wpe;
+  ASSERT_LT(wpe, ref.specs().size());
+  EXPECT_LE(rel_err(acc.gradient("wpe.weight"), g1[wpe]), kTol);
 }
 
 TEST(GPTCudaAccumulate, OptimizerStepMatchesTrainStep) {
