@@ -3,8 +3,16 @@
 // each rank's idle fraction (the median over the steps after the first) next to the checker's
 // simulation with the model's op costs and the theory, (p - 1) / (m + p - 1) of the step for
 // GPipe and 1F1B ((p - 1) / m of the work). Optionally writes a Chrome trace and a PNG per kind
-// (of the last step).
-//   bench_pipeline [p] [m] [n_layer] [steps] [--trace PREFIX]
+// (of the last step; with one thread per rank, also a PNG of its replay).
+//
+// When each rank runs one thread, it also replays the step's instruction lists with each
+// compute's measured thread CPU time (checker.h's replay): the timeline on one dedicated core per
+// rank. On a host with at least p free cores the wall-clock figures are the measurement and the
+// replay a cross-check (they agree within about 0.01 at p = 2 on 2 cores). With fewer cores than
+// ranks the rank threads share them, every compute stretches while others run, and the wall-clock
+// figures say little; the replay still describes the schedule: a thread's CPU time does not count
+// the time it waits for a core.
+//   bench_pipeline [p] [m] [n_layer] [steps] [--trace PREFIX] [--threads-per-rank N]
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -13,9 +21,11 @@
 #include <string>
 
 #include <fmt/format.h>
+#include <omp.h>
 
 #include "comm/threads.h"
 #include "model/config.h"
+#include "parallel/pipeline/checker.h"
 #include "parallel/pipeline/executor.h"
 
 using namespace loom;
@@ -25,19 +35,26 @@ int main(int argc, char** argv) {
   int p = 4, m = 8, L = 8, steps = 3;
   std::string prefix;
   std::vector<int> pos;
+  comm::RunOptions run;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--trace" && i + 1 < argc) prefix = argv[++i];
+    else if (a == "--threads-per-rank" && i + 1 < argc) run.threads_per_rank = std::atoi(argv[++i]);
     else pos.push_back(std::atoi(argv[i]));
   }
   if (pos.size() > 0) p = pos[0];
   if (pos.size() > 1) m = pos[1];
   if (pos.size() > 2) L = pos[2];
   if (pos.size() > 3) steps = pos[3];
-  if (p < 1 || m < 1 || L < 1 || steps < 1) {
-    std::fprintf(stderr, "usage: bench_pipeline [p] [m] [n_layer] [steps] [--trace PREFIX] (all >= 1)\n");
+  if (p < 1 || m < 1 || L < 1 || steps < 1 || run.threads_per_rank < 0) {
+    std::fprintf(stderr,
+                 "usage: bench_pipeline [p] [m] [n_layer] [steps] [--trace PREFIX] [--threads-per-rank N] (all >= 1)\n");
     return 2;
   }
+  const int per_rank = run.threads_per_rank > 0 ? run.threads_per_rank : std::max(1, omp_get_max_threads() / p);
+  const bool replayable = per_rank == 1;
+  const int cores = omp_get_num_procs();
+  const bool shared = p * per_rank > cores;  // the wall clock then stretches every compute
   model::GPTConfig cfg;
   cfg.name = "bench-pipeline";
   cfg.n_layer = L;
@@ -46,9 +63,14 @@ int main(int argc, char** argv) {
   cfg.vocab_size = 256;
   cfg.block_size = 64;
   const int64_t B = 2 * m, T = 64;
-  std::printf("p=%d m=%d n_layer=%d C=%lld B=%lld T=%lld, %d steps (median of all but the first)\n", p, m, L,
-              (long long)cfg.n_embd, (long long)B, (long long)T, steps);
-  std::printf("%-12s %-40s %s\n", "kind", "idle fraction per rank (measured)", "simulated (model's op costs)");
+  std::printf("p=%d m=%d n_layer=%d C=%lld B=%lld T=%lld, %d steps (median of all but the first), %d thread(s) per "
+              "rank on %d core(s)\n",
+              p, m, L, (long long)cfg.n_embd, (long long)B, (long long)T, steps, per_rank, cores);
+  if (shared)
+    std::printf("%d rank threads on %d cores: the wall-clock column stretches with the sharing; the replay's "
+                "figures stand for one core per rank\n", p * per_rank, cores);
+  std::printf("%-12s %-36s %-36s %s\n", "kind", "idle per rank (wall clock)", "idle per rank (CPU-time replay)",
+              "simulated (model's op costs)");
   for (Kind k : {Kind::gpipe, Kind::one_f_one_b, Kind::interleaved, Kind::zb_h1}) {
     const int v = k == Kind::interleaved ? 2 : 1;
     if (k == Kind::interleaved && (m % p || L + 2 < p * v)) continue;
@@ -69,6 +91,7 @@ int main(int argc, char** argv) {
     Tensor x = Tensor::empty({B, T}, DType::i32, MemTag::activations);
     for (int64_t i = 0; i < x.numel(); ++i) x.i32()[i] = int32_t(rng() % 256);
     double sim_idle = 0;
+    Schedule schedule;
     comm::run_ranks(p, [&](comm::Comm& w) {
       MemoryPool pool(fmt::format("r{}", w.rank()));
       PipelineExecutor ex(cfg, o, w, nullptr, pool);
@@ -77,28 +100,43 @@ int main(int argc, char** argv) {
         std::lock_guard lk(mu);
         per_step[size_t(s)][size_t(w.rank())] = ex.trace();
       }
-      if (w.rank() == 0) sim_idle = ex.checked().idle_fraction(0);
-    });
+      if (w.rank() == 0) {
+        sim_idle = ex.checked().idle_fraction(0);
+        schedule = ex.schedule();
+      }
+    }, run);
     // Median over the measured steps (the first one warms the pools up).
-    std::vector<std::vector<double>> fr(static_cast<size_t>(p));
+    std::vector<std::vector<double>> fr(static_cast<size_t>(p)), rp(static_cast<size_t>(p));
     for (int st = steps > 1 ? 1 : 0; st < steps; ++st) {
       const std::vector<double> f = idle_fractions(per_step[size_t(st)]);
-      for (int r = 0; r < p; ++r) fr[size_t(r)].push_back(f[size_t(r)]);
+      const CheckResult re = replay(schedule, compute_seconds(per_step[size_t(st)], /*cpu=*/true));
+      for (int r = 0; r < p; ++r) {
+        fr[size_t(r)].push_back(f[size_t(r)]);
+        rp[size_t(r)].push_back(re.idle_fraction(r));
+      }
     }
-    std::vector<double> idle;
-    for (auto& v : fr) {
-      std::sort(v.begin(), v.end());
-      idle.push_back(v[v.size() / 2]);
-    }
-    std::string s;
-    for (double f : idle) s += fmt::format("{:.3f} ", f);
-    std::printf("%-12s %-40s %.3f\n", std::string(kind_name(k)).c_str(), s.c_str(), sim_idle);
+    auto medians = [](std::vector<std::vector<double>>& per_rank_values) {
+      std::string s;
+      for (auto& v : per_rank_values) {
+        std::sort(v.begin(), v.end());
+        s += fmt::format("{:.3f} ", v[v.size() / 2]);
+      }
+      return s;
+    };
+    const std::string wall = medians(fr), replayed = replayable ? medians(rp) : "- (ranks run several threads)";
+    std::printf("%-12s %-36s %-36s %.3f\n", std::string(kind_name(k)).c_str(), wall.c_str(), replayed.c_str(), sim_idle);
     if (!prefix.empty()) {
       const auto& trace = per_step.back();
       const std::string base = prefix + "_" + std::string(kind_name(k));
       write_chrome_trace(base + ".json", trace);
       std::string why;
       draw_png(base + ".png", trace_timeline(fmt::format("{} p={} m={} (measured)", kind_name(k), p, m), trace), &why);
+      if (replayable) {
+        const CheckResult re = replay(schedule, compute_seconds(trace, /*cpu=*/true));
+        Timeline tl = schedule_timeline(schedule, re);
+        tl.title = fmt::format("{} p={} m={} (replayed from CPU times, one core per rank)", kind_name(k), p, m);
+        draw_png(base + "_replay.png", tl, &why);
+      }
     }
   }
   std::printf("theory (GPipe, 1F1B): idle = (p-1)/(m+p-1) = %.3f; interleaved (v=2): %.3f\n",

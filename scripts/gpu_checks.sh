@@ -23,7 +23,11 @@ mkdir -p "$out"
 env_run() { "$root/scripts/gpu_env.sh" "$bundle" "$@"; }
 step_device() { nvidia-smi; }
 step_cuda() { env_run test_cuda; }
-step_pipeline() { env_run bench_pipeline 4 8 8 11 && env_run bench_pipeline 2 8 8 11; }
+# One thread per rank first: wall clock and CPU-time replay side by side at p = 4 on free cores.
+step_pipeline() {
+  env_run bench_pipeline 4 8 8 11 --threads-per-rank 1 && env_run bench_pipeline 4 8 8 11 &&
+    env_run bench_pipeline 2 8 8 11
+}
 step_flash() { env_run bench_flash; }
 step_train() {
   local a

@@ -1,6 +1,7 @@
 #include "parallel/pipeline/checker.h"
 
 #include <algorithm>
+#include <cmath>
 #include <deque>
 #include <map>
 #include <fmt/format.h>
@@ -38,7 +39,9 @@ struct State {
 // receive waits for its message (posted time + transfer); the optimizer step waits until the
 // rank's messages were received. Validity under blocking transfers implies this completes (a
 // non-blocking send only removes waits), and each instruction ends no later than when blocking.
-void time_eager(const Schedule& sch, const OpCosts& costs, CheckResult& res) {
+// duration(r, i, in): how long compute instruction i of rank r takes.
+template <class Duration>
+void time_eager(const Schedule& sch, double transfer, double step_cost, const Duration& duration, CheckResult& res) {
   const int p = sch.p();
   std::vector<size_t> pc(size_t(p), 0);
   std::vector<double> clock(size_t(p), 0.0);
@@ -59,7 +62,7 @@ void time_eager(const Schedule& sch, const OpCosts& costs, CheckResult& res) {
         const Instr& in = list[pc[size_t(r)]];
         double start = clock[size_t(r)], end = start;
         if (in.op == Op::send_act || in.op == Op::send_grad) {
-          posted[{r, in.peer}].push_back(start + costs.transfer);
+          posted[{r, in.peer}].push_back(start + transfer);
           ++unreceived[size_t(r)];
         } else if (in.op == Op::recv_act || in.op == Op::recv_grad) {
           auto& q = posted[{in.peer, r}];
@@ -71,10 +74,11 @@ void time_eager(const Schedule& sch, const OpCosts& costs, CheckResult& res) {
         } else if (in.op == Op::optimizer_step) {
           if (unreceived[size_t(r)] > 0) break;  // its sends are waited for first
           start = std::max(start, taken[size_t(r)]);
-          end = start + costs.of(in.op);
+          end = start + step_cost;
         } else {
-          end = start + costs.of(in.op);
-          tl.busy += costs.of(in.op);
+          const double d = duration(r, pc[size_t(r)], in);
+          end = start + d;
+          tl.busy += d;
         }
         tl.start[pc[size_t(r)]] = start;
         tl.end[pc[size_t(r)]] = end;
@@ -281,7 +285,30 @@ CheckResult check(const Schedule& sch, const OpCosts& costs, Timing timing) {
     res.makespan = std::max(res.makespan, clock[size_t(r)]);
   }
   res.ok = true;
-  if (timing == Timing::eager_sends) time_eager(sch, costs, res);
+  if (timing == Timing::eager_sends)
+    time_eager(sch, costs.transfer, costs.of(Op::optimizer_step),
+               [&](int, size_t, const Instr& in) { return costs.of(in.op); }, res);
+  return res;
+}
+
+CheckResult replay(const Schedule& sch, const std::vector<std::vector<double>>& compute_seconds) {
+  CheckResult res = check(sch, {}, Timing::blocking);
+  LOOM_CHECK(res.ok, "pipeline replay: schedule {} p={} v={} m={} is invalid: {}", kind_name(sch.spec.kind), sch.p(),
+             sch.v(), sch.m(), res.error);
+  LOOM_CHECK(int(compute_seconds.size()) == sch.p(), "pipeline replay: {} ranks of durations for p = {}",
+             compute_seconds.size(), sch.p());
+  // Index of each instruction among its rank's computes.
+  std::vector<std::vector<size_t>> nth(size_t(sch.p()));
+  for (int r = 0; r < sch.p(); ++r) {
+    size_t k = 0;
+    for (const Instr& in : sch.ranks[size_t(r)]) nth[size_t(r)].push_back(is_compute(in.op) ? k++ : 0);
+    LOOM_CHECK(compute_seconds[size_t(r)].size() == k, "pipeline replay: rank {} has {} computes but {} durations", r,
+               k, compute_seconds[size_t(r)].size());
+    for (double d : compute_seconds[size_t(r)])
+      LOOM_CHECK(std::isfinite(d) && d >= 0, "pipeline replay: rank {} has a duration of {}", r, d);
+  }
+  time_eager(sch, 0.0, 0.0,
+             [&](int r, size_t i, const Instr&) { return compute_seconds[size_t(r)][nth[size_t(r)][i]]; }, res);
   return res;
 }
 

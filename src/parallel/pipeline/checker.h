@@ -49,6 +49,12 @@ enum class Timing : uint8_t {
 };
 
 CheckResult check(const Schedule& sch, const OpCosts& costs = {}, Timing timing = Timing::eager_sends);
+// The timeline of a valid schedule run as the executor runs it (eager sends, free transfers) with
+// measured durations: compute_seconds[r][k] is how long rank r's k-th compute instruction (in list
+// order) took. With durations measured as each rank thread's CPU time, this is the timeline the
+// schedule has on one dedicated core per rank, measured on a host with fewer cores than ranks.
+// Throws naming the rank when the durations do not match the lists.
+CheckResult replay(const Schedule& sch, const std::vector<std::vector<double>>& compute_seconds);
 // Throws a loom::Error with the checker's message when the schedule is invalid.
 CheckResult check_or_throw(const Schedule& sch, const OpCosts& costs = {}, Timing timing = Timing::eager_sends);
 

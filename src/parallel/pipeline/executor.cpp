@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <ctime>
 #include <fstream>
 #include <limits>
 #include <map>
@@ -89,6 +90,12 @@ void ExecutorOptions::validate() const {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+double thread_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+}
 
 // One micro-batch's copy of a chunk: blocks that share the chunk's parameters but hold their own
 // saved activations, the received input and output gradient.
@@ -577,7 +584,7 @@ StepResult PipelineExecutor::step(const Tensor& tokens, const Tensor& targets, d
   StepResult res;
   for (const Instr& in : sch_.ranks[size_t(I.rank)]) {
     if (!I.in_flight.empty()) I.reap_sends();
-    const double start = secs();
+    const double start = secs(), cpu0 = thread_cpu_seconds();
     switch (in.op) {
       case Op::forward: I.forward(in.mb, in.chunk, tokens, targets); break;
       case Op::backward:
@@ -603,7 +610,7 @@ StepResult PipelineExecutor::step(const Tensor& tokens, const Tensor& targets, d
         break;
       }
     }
-    if (is_compute(in.op)) trace_.push_back({in.op, in.mb, in.chunk, start, secs()});
+    if (is_compute(in.op)) trace_.push_back({in.op, in.mb, in.chunk, start, secs(), thread_cpu_seconds() - cpu0});
   }
   peak_slots_ = I.peak_slots;
   // The loss lives on the head's rank: mean over micro-batches, shared with the pipeline and
@@ -653,6 +660,15 @@ Timeline trace_timeline(const std::string& title, const std::vector<std::vector<
   for (size_t r = 0; r < ranks.size(); ++r)
     for (auto& e : ranks[r]) tl.rows[r].push_back({e.start - t0, e.end - t0, e.op, e.mb, e.chunk});
   return tl;
+}
+
+std::vector<std::vector<double>> compute_seconds(const std::vector<std::vector<TraceEvent>>& ranks, bool cpu) {
+  std::vector<std::vector<double>> out;
+  for (auto& r : ranks) {
+    out.emplace_back();
+    for (auto& e : r) out.back().push_back(cpu ? e.cpu : e.end - e.start);
+  }
+  return out;
 }
 
 std::vector<double> idle_fractions(const std::vector<std::vector<TraceEvent>>& ranks) {

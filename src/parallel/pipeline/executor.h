@@ -89,11 +89,13 @@ struct StepResult {
   double grad_norm = 0;    // global, before clipping
 };
 
-// One compute of the last step on this rank, in seconds since the step began.
+// One compute of the last step on this rank, in seconds since the step began; cpu: the CPU time
+// of the rank's own thread over it (all of the compute's work when the rank runs one thread).
 struct TraceEvent {
   Op op;
   int mb, chunk;
   double start, end;
+  double cpu = 0;
 };
 
 class PipelineExecutor {
@@ -149,5 +151,8 @@ void write_chrome_trace(const std::string& path, const std::vector<std::vector<T
 Timeline trace_timeline(const std::string& title, const std::vector<std::vector<TraceEvent>>& ranks);
 // Idle fraction of each rank over the span of all ranks' events: 1 - busy / span.
 std::vector<double> idle_fractions(const std::vector<std::vector<TraceEvent>>& ranks);
+// Each rank's compute durations in list order, as replay (checker.h) takes them: the events' CPU
+// time (cpu = true) or wall time.
+std::vector<std::vector<double>> compute_seconds(const std::vector<std::vector<TraceEvent>>& ranks, bool cpu);
 
 }  // namespace loom::parallel::pipeline

@@ -115,7 +115,8 @@ struct RunResult {
   std::map<std::string, double> param_diff2;  // per parameter (copies suffixed "#copy")
   std::vector<int> peak_in_flight, bound;
   std::vector<int64_t> act_peak, act_per_mb;
-  std::vector<std::vector<TraceEvent>> trace;
+  std::vector<std::vector<TraceEvent>> trace;  // last step's
+  Schedule schedule;                            // the lists the executor ran
 };
 
 // Mesh dimensions besides pp.
@@ -169,6 +170,7 @@ RunResult run(const ScheduleSpec& spec, Layout lay) {
         out.act_peak[size_t(pi)] = pool.peak(MemTag::activations) - before;
         out.act_per_mb[size_t(pi)] = spec.virtual_stages == 1 ? ex.activation_bytes_per_micro_batch(0, kBatch / spec.micro_batches, kT) : 0;
         out.trace[size_t(pi)] = ex.trace();
+        if (pi == 0) out.schedule = ex.schedule();
       }
     }
     std::lock_guard lk(mu);
@@ -367,6 +369,36 @@ TEST(PipelineExecutor, ZeroBubbleSplitBackwardEqualsOneFOneBBitwise) {
       }
       EXPECT_EQ(bi, m);
       EXPECT_EQ(w, m);
+    }
+  }
+}
+
+// The trace holds one event per compute of the rank's list, in order, with the rank thread's CPU
+// time (never more than the event's wall time): enough to replay the step on dedicated cores
+// (bench_pipeline does so on hosts with fewer cores than ranks).
+TEST(PipelineExecutor, TraceCarriesEachComputesCpuTimeForTheReplay) {
+  for (Kind k : {Kind::one_f_one_b, Kind::zb_h1}) {
+    const int p = 2, m = 4;
+    RunResult r = run({k, p, 1, m}, {});
+    for (int s = 0; s < p; ++s) {
+      std::vector<Op> want, got;
+      for (const Instr& in : r.schedule.ranks[size_t(s)])
+        if (is_compute(in.op)) want.push_back(in.op);
+      double cpu = 0;
+      for (const TraceEvent& e : r.trace[size_t(s)]) {
+        got.push_back(e.op);
+        EXPECT_GE(e.cpu, 0.0);
+        EXPECT_LE(e.cpu, e.end - e.start + 1e-3) << "more CPU time than wall time (1 ms clock slack)";
+        cpu += e.cpu;
+      }
+      EXPECT_EQ(got, want) << kind_name(k) << " rank " << s;
+      EXPECT_GT(cpu, 0.0) << kind_name(k) << " rank " << s;
+    }
+    const CheckResult re = replay(r.schedule, compute_seconds(r.trace, /*cpu=*/true));
+    ASSERT_TRUE(re.ok);
+    for (int s = 0; s < p; ++s) {
+      EXPECT_GT(re.idle_fraction(s), 0.0) << kind_name(k) << ": every rank idles in the ramp up or down";
+      EXPECT_LT(re.idle_fraction(s), 1.0);
     }
   }
 }

@@ -221,5 +221,60 @@ TEST(PipelineChecker, RejectsOtherBreakage) {
   EXPECT_NE(r.error.find("optimizer step before"), std::string::npos) << r.error;
 }
 
+// Replay with durations per instruction: the op costs themselves reproduce the checker's timeline
+// for every kind, and a slow stage stretches the pipeline as it must.
+TEST(PipelineReplay, OpCostDurationsGiveTheCheckersTimeline) {
+  const OpCosts c{1.0, 2.0, 1.08, 0.92};
+  for (Kind k : {Kind::gpipe, Kind::one_f_one_b, Kind::interleaved, Kind::zb_h1}) {
+    const Schedule sch = generate({k, 4, k == Kind::interleaved ? 2 : 1, 8}, c);
+    const CheckResult want = check_or_throw(sch, c);
+    std::vector<std::vector<double>> d(4);
+    for (int r = 0; r < 4; ++r)
+      for (const Instr& in : sch.ranks[size_t(r)])
+        if (is_compute(in.op)) d[size_t(r)].push_back(c.of(in.op));
+    const CheckResult got = replay(sch, d);
+    ASSERT_TRUE(got.ok);
+    EXPECT_DOUBLE_EQ(got.makespan, want.makespan) << kind_name(k);
+    for (int r = 0; r < 4; ++r) {
+      EXPECT_DOUBLE_EQ(got.idle_fraction(r), want.idle_fraction(r)) << kind_name(k) << " rank " << r;
+      EXPECT_EQ(got.ranks[size_t(r)].start, want.ranks[size_t(r)].start) << kind_name(k) << " rank " << r;
+    }
+  }
+}
+
+TEST(PipelineReplay, DurationsOfEachComputeAreHonoured) {
+  // One micro-batch through two stages: F0, F1, B1, B0 in sequence.
+  const Schedule sch = generate({Kind::gpipe, 2, 1, 1});
+  const CheckResult r = replay(sch, {{0.5, 4.0}, {1.0, 2.0}});  // rank 0: F, B; rank 1: F, B
+  EXPECT_DOUBLE_EQ(r.makespan, 0.5 + 1.0 + 2.0 + 4.0);
+  EXPECT_DOUBLE_EQ(r.idle_fraction(0), 1.0 - 4.5 / 7.5);
+  EXPECT_DOUBLE_EQ(r.idle_fraction(1), 1.0 - 3.0 / 7.5);
+  // 1F1B at p = 4, m = 8 with stage 2 twice as slow: the pipeline runs at stage 2's pace, so
+  // the other stages idle at least half of its busy time.
+  const Schedule f = generate({Kind::one_f_one_b, 4, 1, 8});
+  std::vector<std::vector<double>> d(4);
+  for (int k = 0; k < 4; ++k)
+    for (const Instr& in : f.ranks[size_t(k)])
+      if (is_compute(in.op)) d[size_t(k)].push_back((in.op == Op::forward ? 1.0 : 2.0) * (k == 2 ? 2.0 : 1.0));
+  const CheckResult s = replay(f, d);
+  EXPECT_GE(s.makespan, 8 * 6.0);
+  for (int k : {0, 1, 3}) EXPECT_GE(s.idle_fraction(k), 0.5) << k;
+}
+
+TEST(PipelineReplay, RefusesDurationsThatDoNotMatchTheLists) {
+  const Schedule sch = generate({Kind::one_f_one_b, 2, 1, 2});
+  try {
+    replay(sch, {{1, 1, 1, 1}, {1, 1, 1}});
+    FAIL() << "a missing duration was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 1 has 4 computes but 3 durations"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(replay(sch, {{1, 1, 1, 1}}), Error);
+  EXPECT_THROW(replay(sch, {{1, 1, 1, -1}, {1, 1, 1, 1}}), Error);
+  Schedule broken = sch;
+  broken.ranks[1].erase(broken.ranks[1].begin());  // its first recv
+  EXPECT_THROW(replay(broken, {{1, 1, 1, 1}, {1, 1, 1, 1}}), Error);
+}
+
 }  // namespace
 }  // namespace loom::parallel::pipeline
