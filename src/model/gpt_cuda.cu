@@ -133,7 +133,7 @@ void GPTCuda::build(uint64_t seed) {
   LOOM_CHECK(C % 8 == 0 && HS % 8 == 0, "GPTCuda config '{}': n_embd {} and head size {} must be multiples of 8",
              cfg_.name.c_str(), C, HS);
   if (opt_.attention != CudaAttention::gemm)
-    LOOM_CHECK(HS == 64 || HS == 128, "GPTCuda: {} attention needs head size 64 or 128, got {} (use gemm attention)",
+    LOOM_CHECK(cuda::flash_head_size_supported(HS), "GPTCuda: {} attention needs head size 64 or 128, got {} (use gemm attention)",
                opt_.attention == CudaAttention::flash ? "flash" : "cudnn", HS);
 
   for (const ParamSpec& s : specs_) {

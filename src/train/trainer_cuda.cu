@@ -15,6 +15,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "kernels/cuda/allocator.cuh"
+#include "kernels/cuda/attention.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/matmul.cuh"
 #include "model/gpt.h"
@@ -95,8 +96,8 @@ TrainResult run_training_cuda(const TrainConfig& cfg, const TrainOptions& opt) {
   model::GPTCudaOptions go;
   go.B = mb;
   go.T = T;
-  go.attention = mc.head_size() == 64 || mc.head_size() == 128 ? model::CudaAttention::flash
-                                                               : model::CudaAttention::gemm;
+  go.attention = cuda::flash_head_size_supported(mc.head_size()) ? model::CudaAttention::flash
+                                                                  : model::CudaAttention::gemm;
   go.cuda_graph = true;
   go.lr = cfg.lr;
   go.beta1 = cfg.beta1;

@@ -696,7 +696,7 @@ template <> struct Tiles<128> {
 };
 
 void check_args(const AttnArgs& a, const void* const* ptrs, int n_ptrs, const char* what) {
-  LOOM_CHECK(a.HS == 64 || a.HS == 128, "{}: head size HS = {} is not supported (64 or 128)", what, a.HS);
+  LOOM_CHECK(flash_head_size_supported(a.HS), "{}: head size HS = {} is not supported (64 or 128)", what, a.HS);
   LOOM_CHECK(a.B >= 0 && a.NH >= 0 && a.Tq >= 0 && a.Tkv >= 0, "{}: negative size (B {}, NH {}, Tq {}, Tkv {})",
              what, a.B, a.NH, a.Tq, a.Tkv);
   const int64_t C = a.NH * a.HS;

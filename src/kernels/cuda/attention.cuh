@@ -10,8 +10,11 @@
 
 namespace loom::cuda {
 
+// The head sizes the kernels are built for (their tiles are specialised per head size).
+constexpr bool flash_head_size_supported(int64_t HS) { return HS == 64 || HS == 128; }
+
 struct AttnArgs {
-  int64_t B = 0, NH = 0, HS = 0;   // HS in {64, 128}
+  int64_t B = 0, NH = 0, HS = 0;   // flash_head_size_supported(HS)
   int64_t Tq = 0, Tkv = 0;
   int64_t q_stride = 0, kv_stride = 0, o_stride = 0;
   int64_t q_pos0 = 0, kv_pos0 = 0;

@@ -325,41 +325,41 @@ double measure_gemm_peak_bf16(MemoryPool& pool, cudaStream_t stream, int64_t n, 
   std::vector<bf16> host(elems);
   for (size_t i = 0; i < elems; ++i)
     host[i] = __float2bfloat16(float(int((i * 2654435761u) >> 7 & 255) - 128) / 128.f);  // exact in bf16
-  auto* a = static_cast<bf16*>(pool.allocate(bytes, MemTag::workspace));
-  auto* b = static_cast<bf16*>(pool.allocate(bytes, MemTag::workspace));
-  auto* c = static_cast<bf16*>(pool.allocate(bytes, MemTag::workspace));
-  cudaEvent_t e0 = nullptr, e1 = nullptr;
-  double rate = 0;
-  try {
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(a, host.data(), bytes, cudaMemcpyHostToDevice, stream));
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(b, host.data(), bytes, cudaMemcpyHostToDevice, stream));
-    LOOM_CUDA_CHECK(cudaEventCreate(&e0));
-    LOOM_CUDA_CHECK(cudaEventCreate(&e1));
-    auto gemm = [&] { gemm_bf16(false, true, n, n, n, 1.f, a, n, b, n, 0.f, c, n, false, stream); };
-    for (int i = 0; i < 3; ++i) gemm();
-    LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));
-    int64_t iters = 0;
-    float ms = 0;
-    LOOM_CUDA_CHECK(cudaEventRecord(e0, stream));
-    while (ms < seconds * 1e3) {
-      for (int i = 0; i < 10; ++i) gemm();
-      iters += 10;
-      LOOM_CUDA_CHECK(cudaEventRecord(e1, stream));
-      LOOM_CUDA_CHECK(cudaEventSynchronize(e1));
-      LOOM_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+  // The buffers and events are released on every path, after the stream drained.
+  struct Scratch {
+    MemoryPool& pool;
+    cudaStream_t stream;
+    size_t bytes;
+    bf16* buf[3] = {};
+    cudaEvent_t ev[2] = {};
+    ~Scratch() {
+      cudaStreamSynchronize(stream);
+      for (cudaEvent_t e : ev)
+        if (e) cudaEventDestroy(e);
+      for (bf16* p : buf)
+        if (p) pool.deallocate(p, bytes, MemTag::workspace);
     }
-    rate = 2.0 * double(n) * double(n) * double(n) * double(iters) / (double(ms) * 1e-3);
-  } catch (...) {
-    if (e0) cudaEventDestroy(e0);
-    if (e1) cudaEventDestroy(e1);
-    cudaStreamSynchronize(stream);
-    for (auto* p : {c, b, a}) pool.deallocate(p, bytes, MemTag::workspace);
-    throw;
+  } s{pool, stream, bytes};
+  for (bf16*& p : s.buf) p = static_cast<bf16*>(pool.allocate(bytes, MemTag::workspace));
+  bf16 *a = s.buf[0], *b = s.buf[1], *c = s.buf[2];
+  LOOM_CUDA_CHECK(cudaMemcpyAsync(a, host.data(), bytes, cudaMemcpyHostToDevice, stream));
+  LOOM_CUDA_CHECK(cudaMemcpyAsync(b, host.data(), bytes, cudaMemcpyHostToDevice, stream));
+  LOOM_CUDA_CHECK(cudaEventCreate(&s.ev[0]));
+  LOOM_CUDA_CHECK(cudaEventCreate(&s.ev[1]));
+  auto gemm = [&] { gemm_bf16(false, true, n, n, n, 1.f, a, n, b, n, 0.f, c, n, false, stream); };
+  for (int i = 0; i < 3; ++i) gemm();
+  LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));
+  int64_t iters = 0;
+  float ms = 0;
+  LOOM_CUDA_CHECK(cudaEventRecord(s.ev[0], stream));
+  while (ms < seconds * 1e3) {
+    for (int i = 0; i < 10; ++i) gemm();
+    iters += 10;
+    LOOM_CUDA_CHECK(cudaEventRecord(s.ev[1], stream));
+    LOOM_CUDA_CHECK(cudaEventSynchronize(s.ev[1]));
+    LOOM_CUDA_CHECK(cudaEventElapsedTime(&ms, s.ev[0], s.ev[1]));
   }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  for (auto* p : {c, b, a}) pool.deallocate(p, bytes, MemTag::workspace);
-  return rate;
+  return 2.0 * double(n) * double(n) * double(n) * double(iters) / (double(ms) * 1e-3);
 }
 
 }  // namespace loom::cuda

@@ -27,6 +27,17 @@ ReplicaOptimizer::ReplicaOptimizer(std::vector<model::Parameter*> params, comm::
     zo.in_norm = opt_.in_norm;
     zero1_ = std::make_unique<Zero1Optimizer>(params_, *group_, adam, pool, zo);
   } else {
+    // Across ranks the gradients become views of one flat buffer, reduced by one all-reduce
+    // instead of one per parameter (a GPT-2 stage has about 150, many of them a few hundred
+    // floats: the per-collective latency, not the bytes, would dominate).
+    if (group_ && group_->size() > 1) {
+      const FlatLayout lay = FlatLayout::build(params_, 1);  // checks every parameter is allocated
+      flat_grads_ = Tensor::zeros({lay.n_pad}, DType::f32, MemTag::grads, pool);
+      for (const FlatParam& f : lay.params) {
+        std::memcpy(flat_grads_.f32() + f.offset, f.param->grad_full.f32(), size_t(f.alloc) * sizeof(float));
+        point_at_flat(*f.param, flat_grads_, f.offset, f.alloc, /*grad=*/true);
+      }
+    }
     adam_ = std::make_unique<optim::AdamW>(params_, adam, pool);
   }
 }
@@ -35,24 +46,24 @@ ReplicaOptimizer::~ReplicaOptimizer() = default;
 
 void ReplicaOptimizer::zero_grad() {
   if (zero1_) return zero1_->zero_grad();
+  if (flat_grads_.defined()) return flat_grads_.zero_();
   for (model::Parameter* p : params_) p->grad_full.zero_();
 }
 
 double ReplicaOptimizer::reduce_gradients() {
   if (zero1_) return sum_over_ranks(*group_, zero1_->reduce_gradients());
-  const bool reduce = group_ && group_->size() > 1;
-  const float inv = 1.0f / float(opt_.replicas);
-  double sq = 0;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    model::Parameter* p = params_[i];
-    if (reduce) group_->all_reduce(p->grad_full);
-    float* g = p->grad_full.f32();
-    const int64_t n = p->grad_full.numel();
-    if (opt_.replicas > 1)
-      for (int64_t j = 0; j < n; ++j) g[j] *= inv;
-    // The logical elements (a padded vocabulary's rows are zero), as AdamW counts them.
-    if (opt_.in_norm[i]) sq += cpu::sum_squares(p->grad.f32(), p->grad.numel());
+  if (flat_grads_.defined()) {
+    group_->all_reduce(flat_grads_);
+    if (opt_.replicas > 1) {
+      const float inv = 1.0f / float(opt_.replicas);
+      float* g = flat_grads_.f32();
+      for (int64_t j = 0, n = flat_grads_.numel(); j < n; ++j) g[j] *= inv;
+    }
   }
+  double sq = 0;
+  for (size_t i = 0; i < params_.size(); ++i)
+    // The logical elements (a padded vocabulary's rows are zero), as AdamW counts them.
+    if (opt_.in_norm[i]) sq += cpu::sum_squares(params_[i]->grad.f32(), params_[i]->grad.numel());
   return sq;
 }
 

@@ -4,7 +4,8 @@
 // leaves them so). Either way the group's gradients are summed and divided by `replicas` (the dp
 // size): the cp partial sums add up and the dp replicas average, in one collective.
 //
-//   zero_stage 0: an all-reduce over the group, then AdamW with full moments on every rank;
+//   zero_stage 0: an all-reduce over the group, then AdamW with full moments on every rank (the
+//                 gradients are views of one flat buffer, so the all-reduce is one collective);
 //   zero_stage 1: ZeRO-1's reduce-scatter over the group, AdamW on this rank's shard of the
 //                 moments, then the parameters' all-gather (parallel/data/zero1.h).
 //
@@ -24,6 +25,7 @@
 
 #include "comm/comm.h"
 #include "core/memory.h"
+#include "core/tensor.h"
 #include "model/param.h"
 #include "optim/adamw.h"
 #include "parallel/data/zero1.h"
@@ -70,6 +72,7 @@ class ReplicaOptimizer {
   comm::Comm* group_;
   Options opt_;
   std::unique_ptr<optim::AdamW> adam_;     // zero_stage 0
+  Tensor flat_grads_;                      // zero_stage 0 over a group: every gradient's storage
   std::unique_ptr<Zero1Optimizer> zero1_;  // zero_stage 1
 };
 
