@@ -97,6 +97,32 @@ struct ParallelGPT::Weights {
   std::vector<std::array<ShardedParameter*, 12>> layers;  // the stage's blocks, in order
 };
 
+// The scratch of one forward or backward call: two [N, C] buffers, [N, 4 Cl], [N, Cl] and the
+// cross-entropy statistics [3N] (tag workspace). A model and its replicas share one (a rank runs
+// one of them at a time), so a pipeline stage takes it once, not once per micro-batch; each
+// model's Impl holds handles to the buffers it uses.
+struct ParallelGPT::Scratch {
+  int64_t N = -1;
+  Tensor wA, wB, buf4, datty, ce;
+  void forward(MemoryPool& pool, int64_t rows, int64_t C, bool head) {
+    if (rows != N) {
+      *this = Scratch{};
+      N = rows;
+      wA = Tensor::empty({N, C}, DType::f32, MemTag::workspace, pool);
+      wB = Tensor::empty({N, C}, DType::f32, MemTag::workspace, pool);
+    }
+    if (head && !ce.defined()) ce = Tensor::empty({3 * N}, DType::f32, MemTag::workspace, pool);
+  }
+  // rows: the backward's micro-batch rows (a model keeps handles to its forward's buffers, so a
+  // shape change in between only re-sizes the shared ones).
+  void backward(MemoryPool& pool, int64_t rows, int64_t C, int64_t Cl) {
+    if (rows != N) forward(pool, rows, C, false);
+    if (buf4.defined()) return;
+    buf4 = Tensor::empty({N, 4 * Cl}, DType::f32, MemTag::workspace, pool);
+    datty = Tensor::empty({N, Cl}, DType::f32, MemTag::workspace, pool);
+  }
+};
+
 struct ParallelGPT::Impl {
   struct Layer {
     ShardedParameter* p[12] = {};
@@ -140,15 +166,16 @@ struct ParallelGPT::Impl {
   Tensor targets;                    // i32 [N]
   bool holds_dlogits = false, can_backward = false;
   float dloss = 0;
-  // Workspace (tag workspace): two [N, C] buffers, [N, 4 Cl], [N, Cl], the residual gradient
-  // [Ns, C] and the cross-entropy statistics [3N].
+  // Workspace (tag workspace): the shared scratch's buffers (Scratch), and this model's residual
+  // gradient [Ns, C] (the previous stage reads it after the backward).
   Tensor wA, wB, buf4, datty, dres, ce;
   parallel::cp::RingAttention ring;
 };
 
 ParallelGPT::ParallelGPT(const GPTConfig& cfg, ParallelGroups groups, ParallelOptions opts, MemoryPool& pool,
                          uint64_t seed)
-    : cfg_(cfg), g_(groups), opts_(opts), pool_(pool), w_(std::make_shared<Weights>()) {
+    : cfg_(cfg), g_(groups), opts_(opts), pool_(pool), w_(std::make_shared<Weights>()),
+      scratch_(std::make_shared<Scratch>()) {
   cfg_.validate("model config '" + cfg_.name + "'");
   const int64_t n_el = cfg_.n_layer + 2;
   first_ = opts_.first;
@@ -225,7 +252,7 @@ ParallelGPT::ParallelGPT(const GPTConfig& cfg, ParallelGroups groups, ParallelOp
 
 ParallelGPT::ParallelGPT(const ParallelGPT& o, ReplicaOf)
     : cfg_(o.cfg_), g_(o.g_), opts_(o.opts_), pool_(o.pool_), tp_(o.tp_), tpr_(o.tpr_), cp_(o.cp_), cpr_(o.cpr_),
-      Vs_(o.Vs_), first_(o.first_), last_(o.last_), w_(o.w_), attn_(o.attn_),
+      Vs_(o.Vs_), first_(o.first_), last_(o.last_), w_(o.w_), scratch_(o.scratch_), attn_(o.attn_),
       impl_(std::make_unique<Impl>(o.pool_, *o.w_, *o.attn_)) {}
 
 std::unique_ptr<ParallelGPT> ParallelGPT::replica() const {
@@ -311,6 +338,7 @@ void ParallelGPT::release_activations() {
   }
   m.tokens = m.emb_out = m.lnf = m.lnf_mean = m.lnf_rstd = m.logits = m.losses = m.targets = Tensor();
   m.wA = m.wB = m.buf4 = m.datty = m.dres = m.ce = Tensor();
+  if (!opts_.attention_workspace) *scratch_ = Scratch{};  // a caller that keeps scratch runs the next micro-batch
   m.deferred.clear();
   m.def_dres = m.def_dfull = Tensor();
   m.x0 = nullptr;
@@ -392,10 +420,11 @@ float ParallelGPT::forward_stage(const Tensor& tokens, const Tensor& targets, co
       m.logits = act({N, Vs_}, DType::f32, pool_);
       m.losses = act({B, Tl}, DType::f32, pool_);
       m.targets = act({N}, DType::i32, pool_);
-      m.ce = Tensor::empty({3 * N}, DType::f32, MemTag::workspace, pool_);
     }
-    m.wA = Tensor::empty({N, C}, DType::f32, MemTag::workspace, pool_);
-    m.wB = Tensor::empty({N, C}, DType::f32, MemTag::workspace, pool_);
+  }
+  if (!m.wA.defined()) {
+    scratch_->forward(pool_, N, C, has_head());
+    m.wA = scratch_->wA, m.wB = scratch_->wB, m.ce = scratch_->ce;
   }
   // The attention scratch for every layer's forward and backward calls, taken once.
   if (!m.layers.empty()) attn_->reserve(attention_workspace_bytes(B, T, omp_get_max_threads()));
@@ -539,10 +568,10 @@ void ParallelGPT::backward_stage(const float* grad_output, bool input_only) {
   const bool sp = opts_.sp && tp_ > 1;
   comm::Comm* tpg = tp_ > 1 ? g_.tp : nullptr;
   if (!m.buf4.defined()) {
-    m.buf4 = Tensor::empty({N, 4 * Cl}, DType::f32, MemTag::workspace, pool_);
-    m.datty = Tensor::empty({N, Cl}, DType::f32, MemTag::workspace, pool_);
-    m.dres = Tensor::empty({Ns, C}, DType::f32, MemTag::workspace, pool_);
+    scratch_->backward(pool_, N, C, Cl);
+    m.buf4 = scratch_->buf4, m.datty = scratch_->datty;
   }
+  if (!m.dres.defined()) m.dres = Tensor::empty({Ns, C}, DType::f32, MemTag::workspace, pool_);
   m.deferred.clear();
   float* dres = m.dres.f32();  // f32 [Ns, C] gradient of the residual stream (own rows)
   float* wA = m.wA.f32();

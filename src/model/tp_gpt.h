@@ -60,7 +60,9 @@ struct ParallelOptions {
   int64_t first = 0, last = -1;   // chain elements [first, last) of a pipeline stage (last < 0: all)
   // The attention kernel's scratch, kept by the caller (a pipeline rank's, shared by all its
   // stages and replicas; it must outlive the model); null: the model keeps its own, which its
-  // replicas share and release_activations frees.
+  // replicas share and release_activations frees. With a caller's, the model's other scratch
+  // buffers (shared with its replicas) also stay allocated across release_activations: the
+  // caller runs micro-batch after micro-batch.
   cpu::AttnWorkspace* attention_workspace = nullptr;
 };
 
@@ -86,8 +88,8 @@ class ParallelGPT {
   ParallelGPT(const ParallelGPT&) = delete;
   ParallelGPT& operator=(const ParallelGPT&) = delete;
 
-  // Another model over the same parameters, with its own activations and workspace (a pipeline
-  // stage's micro-batch in flight) except the attention scratch, which it shares with this one.
+  // Another model over the same parameters, with its own activations (a pipeline stage's
+  // micro-batch in flight); it shares this one's scratch buffers and attention scratch.
   // The parameters belong to this object, which must outlive it.
   std::unique_ptr<ParallelGPT> replica() const;
 
@@ -156,6 +158,7 @@ class ParallelGPT {
 
  private:
   struct Weights;
+  struct Scratch;
   struct Impl;
   struct ReplicaOf {};
   ParallelGPT(const ParallelGPT& primary, ReplicaOf);
@@ -168,6 +171,7 @@ class ParallelGPT {
   int tp_ = 1, tpr_ = 0, cp_ = 1, cpr_ = 0;
   int64_t Vs_ = 0, first_ = 0, last_ = 0;
   std::shared_ptr<Weights> w_;
+  std::shared_ptr<Scratch> scratch_;              // shared with the replicas
   std::unique_ptr<cpu::AttnWorkspace> own_attn_;  // without ParallelOptions::attention_workspace
   cpu::AttnWorkspace* attn_ = nullptr;            // the one in use: the caller's, own_attn_ or the primary's
   std::unique_ptr<Impl> impl_;

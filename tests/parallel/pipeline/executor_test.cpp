@@ -403,6 +403,38 @@ TEST(PipelineExecutor, TraceCarriesEachComputesCpuTimeForTheReplay) {
   }
 }
 
+// Under tp a stage's micro-batch replicas share one set of scratch buffers (the two [N, C]
+// buffers, [N, 4 Cl], [N, Cl] and the cross-entropy statistics), taken in the first step. After
+// it, each micro-batch's backward takes only its own residual gradient (the buffer the previous
+// stage receives), on every chunk: m per chunk and step.
+TEST(PipelineMemory, TensorParallelStagesShareTheirScratchAcrossMicroBatches) {
+  const int p = 2, m = 4;
+  for (bool sp : {false, true}) {
+    for (Kind k : {Kind::one_f_one_b, Kind::interleaved}) {
+      SCOPED_TRACE(fmt::format("{} tp=2{}", kind_name(k), sp ? " sp" : ""));
+      const int v = k == Kind::interleaved ? 2 : 1;
+      const ScheduleSpec spec{k, p, v, m};
+      const Data d = make_data(1, int(tiny().vocab_size));
+      Mesh mesh = Mesh::standard(p, 1, 1, 2);
+      comm::run_ranks(p * 2, [&](comm::Comm& w) {
+        auto pp = split_comm(mesh, w, {"pp"});
+        auto tpc = split_comm(mesh, w, {"tp"});
+        MemoryPool pool("rank" + std::to_string(w.rank()));
+        ExecutorOptions o;
+        o.schedule = spec;
+        o.adamw = adamw();
+        o.tp = 2;
+        o.sp = sp;
+        PipelineExecutor ex(tiny(), o, *pp, nullptr, pool, {tpc.get(), nullptr});
+        ex.step(d.tokens[0], d.targets[0]);
+        const int64_t before = pool.allocations(MemTag::workspace);
+        for (int s = 1; s < 3; ++s) ex.step(d.tokens[size_t(s)], d.targets[size_t(s)]);
+        EXPECT_EQ(pool.allocations(MemTag::workspace) - before, 2 * m * v) << "rank " << w.rank();
+      });
+    }
+  }
+}
+
 // Records the size of every block a pool takes, to find one buffer among a rank's allocations.
 class SizeRecorder final : public Allocator {
  public:
