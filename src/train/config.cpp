@@ -38,6 +38,7 @@ const Field kFields[] = {
     F("train.grad_accum", grad_accum, "micro-steps per optimizer step"),
     F("train.seed", seed, "seed of initialisation and data order"),
     F("train.device", device, "cpu, or cuda: one GPU (a build with -DLOOM_CUDA=ON; no parallel dimension > 1)"),
+    F("train.cuda_graph", cuda_graph, "with train.device cuda: run each step as one CUDA graph (false: kernel by kernel, for debugging)"),
     F("train.threads", threads, "CPU threads (0: all cores)"),
     F("train.log_every", log_every, "steps between metric lines"),
     F("train.eval_every", eval_every, "steps between validation losses (0: never)"),

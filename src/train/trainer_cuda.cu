@@ -98,7 +98,7 @@ TrainResult run_training_cuda(const TrainConfig& cfg, const TrainOptions& opt) {
   go.T = T;
   go.attention = cuda::flash_head_size_supported(mc.head_size()) ? model::CudaAttention::flash
                                                                   : model::CudaAttention::gemm;
-  go.cuda_graph = true;
+  go.cuda_graph = cfg.cuda_graph;
   go.lr = cfg.lr;
   go.beta1 = cfg.beta1;
   go.beta2 = cfg.beta2;

@@ -77,11 +77,13 @@ TEST(TrainConfig, TomlRoundTrip) {
   c.out_dir = "runs/with \"quotes\" and \\";
   c.sp = true;
   c.seed = 99;
+  c.cuda_graph = false;
   TmpFile f(config_to_toml(c));
   TrainConfig d = load_config(f.path, {});
   EXPECT_EQ(config_to_toml(c), config_to_toml(d));
   EXPECT_EQ(d.out_dir, c.out_dir);
-  EXPECT_EQ(config_fields().size(), 47u);
+  EXPECT_FALSE(d.cuda_graph);
+  EXPECT_EQ(config_fields().size(), 48u);
 }
 
 // train.device = "cuda": every combination the GPU trainer lacks is refused naming the field, in

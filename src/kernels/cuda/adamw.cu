@@ -43,6 +43,9 @@ __global__ void adamw_kernel(const AdamWTensor* tensors, const Chunk* chunks, in
                              const float* stats) {
   const Chunk ck = chunks[blockIdx.x];
   const AdamWTensor t = tensors[ck.tensor];
+  // A non-finite norm (an overflow or a NaN in some gradient) leaves parameters and moments as
+  // they were, as the CPU optimizer refuses the step; the caller sees the norm and stops.
+  if (!isfinite(stats[0])) return;
   const Hyper h = *hp;
   const float scale = stats[1];
   const int64_t end = min(t.n, ck.start + chunk);
@@ -108,6 +111,9 @@ void MultiTensorAdamW::set_hyper(const AdamWHyper& h) {
   // The norm is the scaled gradient's: sqrt(sum of squares) * grad_scale holds for grad_scale > 0.
   LOOM_CHECK(std::isfinite(h.grad_scale) && h.grad_scale > 0.f, "AdamW: grad_scale must be positive and finite, got {}",
              h.grad_scale);
+  LOOM_CHECK(std::isfinite(h.lr) && h.lr >= 0.f, "AdamW: lr must be finite and >= 0, got {}", h.lr);
+  LOOM_CHECK(std::isfinite(h.eps) && h.eps > 0.f, "AdamW: eps must be finite and > 0, got {}", h.eps);
+  LOOM_CHECK(std::isfinite(h.max_norm), "AdamW: max_norm must be finite, got {}", h.max_norm);
   h_hyper_->lr = h.lr;
   h_hyper_->beta1 = h.beta1;
   h_hyper_->beta2 = h.beta2;

@@ -41,6 +41,9 @@ void batched_gemm(cudaStream_t stream, bool trans_a, bool trans_b, int64_t M, in
                   int64_t sc, bool c_f32, int64_t batch) {
   CublasState& s = cublas();
   LOOM_CUBLAS_V2_CHECK(cublasSetStream(s.handle, stream));
+  // cublasSetStream resets the handle to cuBLAS's own workspace pool: point it at loom's again,
+  // so the GEMMs (and a CUDA graph capturing them) use the pool's fixed buffer.
+  LOOM_CUBLAS_V2_CHECK(cublasSetWorkspace(s.handle, s.workspace, kCublasWorkspace));
   const float beta = 0.f;
   LOOM_CUBLAS_V2_CHECK(cublasGemmStridedBatchedEx(
       s.handle, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, int(N), int(M), int(K),

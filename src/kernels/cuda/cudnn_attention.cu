@@ -58,6 +58,9 @@ void cudnn_attention_check(const AttnArgs& a) {
              "cuDNN attention: B, NH, Tq and Tkv must be at least 1 (B = {}, NH = {}, Tq = {}, Tkv = {})", a.B, a.NH,
              a.Tq, a.Tkv);
   LOOM_CHECK(a.HS == 64 || a.HS == 128, "cuDNN attention: head size HS = {} is not supported (64 or 128)", a.HS);
+  LOOM_CHECK(a.Tq > 1 || a.Tkv > 1,
+             "cuDNN attention: Tq = 1 and Tkv = 1 (one query, one key) is a shape cuDNN's attention backward does "
+             "not take; loom's own kernels (attention_forward) do");
   const int64_t C = a.NH * a.HS;
   LOOM_CHECK(a.q_stride >= C && a.kv_stride >= C && a.o_stride >= C,
              "cuDNN attention: row strides (q_stride = {}, kv_stride = {}, o_stride = {}) must be at least NH * HS = {}",
@@ -243,8 +246,6 @@ class GraphBuilder {
   void matmul(cudnnBackendDescriptor_t a, cudnnBackendDescriptor_t b, cudnnBackendDescriptor_t c) {
     Desc mm(CUDNN_BACKEND_MATMUL_DESCRIPTOR, "matmul");
     mm.set_dtype(CUDNN_ATTR_MATMUL_COMP_TYPE, CUDNN_DATA_FLOAT);
-    const double padding = 0.0;
-    mm.set(CUDNN_ATTR_MATMUL_PADDING_VALUE, CUDNN_TYPE_DOUBLE, 1, &padding);
     mm.finalize();
     Desc op(CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR, "matmul operation");
     op.set_desc(CUDNN_ATTR_OPERATION_MATMUL_ADESC, a);

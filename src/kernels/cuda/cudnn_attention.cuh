@@ -17,7 +17,8 @@
 //
 // Supported (checked before any device work, loom::Error naming the field otherwise): bf16, HS 64
 // or 128, causal masks aligned at the first query and key (q_pos0 == kv_pos0: query t sees keys
-// s <= t) or no mask, any Tq and Tkv >= 1, row strides >= NH * HS and multiples of 8 elements;
+// s <= t) or no mask, any Tq and Tkv >= 1 but not both 1 (cuDNN's backward does not take one query
+// and one key), row strides >= NH * HS and multiples of 8 elements;
 // pointers (q, k, v, out, lse, dout, dq, dk, dv, workspace) 16-byte aligned. The constructor also
 // refuses cuDNN releases before 9.16 (they need workarounds this path does not build), and a
 // shape no cuDNN engine takes is a loom::Error naming the graph and cuDNN's message.

@@ -25,6 +25,14 @@ inline bool have_cuda_device() {
   return n > 0;
 }
 
+// n token ids in [0, V) from seed.
+inline std::vector<int32_t> random_tokens(int64_t n, int64_t V, uint32_t seed) {
+  std::mt19937 g(seed);
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  for (auto& x : t) x = int32_t(g() % uint32_t(V));
+  return t;
+}
+
 #define LOOM_REQUIRE_GPU()                                                      \
   do {                                                                          \
     if (!::loom::test::have_cuda_device()) GTEST_SKIP() << "no CUDA device: skipped"; \

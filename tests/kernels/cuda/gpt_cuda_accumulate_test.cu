@@ -21,13 +21,6 @@ namespace {
 
 constexpr double kTol = 1e-4;
 
-std::vector<int32_t> random_tokens(int64_t n, int64_t V, uint32_t seed) {
-  std::mt19937 g(seed);
-  std::vector<int32_t> t(static_cast<size_t>(n));
-  for (auto& x : t) x = int32_t(g() % uint32_t(V));
-  return t;
-}
-
 model::GPTConfig small_config() {
   model::GPTConfig cfg = model::gpt_preset("gpt2-tiny");
   cfg.n_layer = 2;
