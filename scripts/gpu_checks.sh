@@ -4,7 +4,10 @@
 #   scripts/gpu_checks.sh BUNDLE_DIR OUT_DIR [STEP...]
 # Steps (default: all, in this order):
 #   device    nvidia-smi's view of the GPU
-#   cuda      every test of test_cuda (kernels against the CPU ops, cuDNN attention, the model, NCCL)
+#   cuda      every test of test_cuda (kernels against the CPU ops, cuDNN attention, the model, NCCL);
+#             when cuDNN's tests fail, they run again with cuDNN's own log (why an engine was refused)
+#   memcheck  compute-sanitizer's memcheck over small attention cases of both paths and a graphed
+#             training step (writes past a buffer that the NaN-poisoned outputs cannot show)
 #   pipeline  bench_pipeline at p = 4 and p = 2 (CPU threads: the host's cores, one rank per core)
 #   flash     bench_flash: loom's flash attention and loom's cuDNN path, same inputs
 #   train     train_gpt2_cuda GPT-2 124M, B = 16, T = 1024, with flash and with cuDNN attention
@@ -18,11 +21,23 @@ bundle=$1
 out=$2
 shift 2
 steps=("$@")
-[[ ${#steps[@]} -gt 0 ]] || steps=(device cuda pipeline flash train loom)
+[[ ${#steps[@]} -gt 0 ]] || steps=(device cuda memcheck pipeline flash train loom)
 mkdir -p "$out"
 env_run() { "$root/scripts/gpu_env.sh" "$bundle" "$@"; }
 step_device() { nvidia-smi; }
-step_cuda() { env_run test_cuda; }
+step_cuda() {
+  env_run test_cuda && return 0
+  echo "== cuDNN attention again, with cuDNN's log"
+  CUDNN_LOGLEVEL_DBG=2 CUDNN_LOGDEST_DBG=stderr env_run test_cuda --gtest_filter='CudnnAttention.*' 2>&1 | tail -400
+  return 1
+}
+step_memcheck() {
+  local cs=compute-sanitizer
+  command -v "$cs" >/dev/null || cs=/usr/local/cuda/bin/compute-sanitizer
+  [[ -x "$(command -v "$cs")" ]] || { echo "compute-sanitizer not found"; return 1; }
+  env_run "$cs" --tool memcheck --leak-check no --error-exitcode 3 test_cuda \
+    --gtest_filter='CudaAttention.CausalHs64OddLength:CudaAttention.ExplicitScaleAndShortSequence:CudnnAttention.CausalHs64OddLength:CudnnAttention.ExplicitScaleAndShortSequences:GPTCuda.GraphRecapturesWhenTheCountedTargetsChange'
+}
 # One thread per rank first: wall clock and CPU-time replay side by side at p = 4 on free cores.
 step_pipeline() {
   env_run bench_pipeline 4 8 8 11 --threads-per-rank 1 && env_run bench_pipeline 4 8 8 11 &&
@@ -54,8 +69,8 @@ run_step() {
 }
 for s in "${steps[@]}"; do
   case "$s" in
-    device|cuda|pipeline|flash|train|loom) run_step "$s" ;;
-    *) echo "gpu_checks: unknown step '$s' (device, cuda, pipeline, flash, train, loom)" >&2; exit 2 ;;
+    device|cuda|memcheck|pipeline|flash|train|loom) run_step "$s" ;;
+    *) echo "gpu_checks: unknown step '$s' (device, cuda, memcheck, pipeline, flash, train, loom)" >&2; exit 2 ;;
   esac
 done
 exit $failed
