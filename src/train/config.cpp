@@ -6,15 +6,17 @@
 #include <utility>
 #include <variant>
 #include <algorithm>
+#include <fmt/ranges.h>
 #include <toml++/toml.h>
 
 #include "core/error.h"
+#include "parallel/pipeline/executor.h"
 
 namespace loom::train {
 
 namespace {
 
-using Value = std::variant<int64_t*, uint64_t*, float*, bool*, std::string*>;
+using Value = std::variant<int64_t*, uint64_t*, float*, bool*, std::string*, std::vector<int64_t>*>;
 
 struct Field {
   const char* key;
@@ -71,6 +73,7 @@ const Field kFields[] = {
     F("parallel.bucket_mb", bucket_mb, "data-parallel gradient bucket size in MiB"),
     F("parallel.schedule", schedule, "pipeline schedule when parallel.pp > 1: gpipe, 1f1b, interleaved or zb-h1"),
     F("parallel.virtual_stages", virtual_stages, "model chunks per pipeline rank under the interleaved schedule (>= 2)"),
+    F("parallel.stage_layers", stage_layers, "transformer blocks of each pipeline stage in order (of each model chunk under interleaved; the first also holds the embedding, the last the head); []: balanced by cost"),
     F("parallel.timeout_s", timeout_s, "communicator timeout in seconds: a rank waiting longer in one collective fails the job"),
 };
 #undef F
@@ -86,7 +89,8 @@ std::string type_name(const Value& v) {
     case 0: case 1: return "int";
     case 2: return "float";
     case 3: return "bool";
-    default: return "string";
+    case 4: return "string";
+    default: return "int list";
   }
 }
 
@@ -102,6 +106,7 @@ std::string value_str(const Value& v) {
       return e + "\"";
     }
     else if constexpr (std::is_same_v<T, bool>) return *p ? "true" : "false";
+    else if constexpr (std::is_same_v<T, std::vector<int64_t>>) return fmt::format("[{}]", fmt::join(*p, ", "));
     else return fmt::format("{}", *p);
   }, v);
 }
@@ -148,10 +153,22 @@ void set_from_node(const Value& v, const toml::node& n, const std::string& where
       *std::get<3>(v) = *x;
       break;
     }
-    default: {
+    case 4: {
       auto x = n.value_exact<std::string>();
       if (!x) bad(node_type());
       *std::get<4>(v) = *x;
+      break;
+    }
+    default: {
+      const toml::array* a = n.as_array();
+      if (!a) bad(node_type());
+      std::vector<int64_t> list;
+      for (const toml::node& e : *a) {
+        auto x = e.value_exact<int64_t>();
+        if (!x) throw Error(fmt::format("{}: expected int list, entry {} is not an integer", where, list.size()));
+        list.push_back(*x);
+      }
+      *std::get<5>(v) = std::move(list);
     }
   }
 }
@@ -165,8 +182,10 @@ void set_from_text(const Value& v, const std::string& text, const std::string& w
     return;
   }
   toml::table t;
+  // An int list also reads without brackets: --parallel.stage_layers 3,5,4
+  const bool list = v.index() == 5 && (text.empty() || text.front() != '[');
   try {
-    t = toml::parse("x = " + text);
+    t = toml::parse("x = " + (list ? "[" + text + "]" : text));
   } catch (const toml::parse_error&) {
     throw Error(fmt::format("{}: cannot parse '{}' as {}", where, text, type_name(v)));
   }
@@ -251,6 +270,18 @@ void TrainConfig::validate(const std::string& where) const {
        "parallel.schedule", fmt::format("'{}' is not one of gpipe, 1f1b, interleaved, zb-h1", schedule));
   need(virtual_stages >= 2, "parallel.virtual_stages", fmt::format("must be at least 2, got {}", virtual_stages));
   need(comm == "threads" || comm == "mpi", "parallel.comm", fmt::format("'{}' is not threads or mpi", comm));
+  if (!stage_layers.empty()) {
+    need(pp > 1, "parallel.stage_layers", "needs pipeline stages (parallel.pp > 1)");
+    const int64_t chunks = schedule == "interleaved" ? virtual_stages : 1;
+    need(int64_t(stage_layers.size()) == pp * chunks, "parallel.stage_layers",
+         fmt::format("has {} entries for {} pipeline stages{}", stage_layers.size(), pp * chunks,
+                     chunks > 1 ? fmt::format(" (parallel.pp {} x parallel.virtual_stages {})", pp, chunks) : ""));
+    try {
+      (void)parallel::pipeline::cuts_from_stage_layers(stage_layers, model(0).n_layer, "parallel.stage_layers");
+    } catch (const Error& e) {
+      throw Error(fmt::format("{}: {}", where, e.what()));
+    }
+  }
   try {
     (void)model::gpt_preset(model_preset);
   } catch (const Error& e) {

@@ -54,6 +54,7 @@ struct TrainConfig {
   float timeout_s = 300.0f;                // a rank waiting longer in one collective fails the job
   std::string schedule = "1f1b";           // pipeline schedule (pp > 1): gpipe | 1f1b | interleaved | zb-h1
   int64_t virtual_stages = 2;              // model chunks per pipeline rank under the interleaved schedule
+  std::vector<int64_t> stage_layers;       // blocks per (virtual) pipeline stage; empty: balanced by cost
 
   // The model configuration these fields describe (vocab from the data when vocab_size is 0).
   model::GPTConfig model(int64_t data_vocab) const;
@@ -66,7 +67,7 @@ struct TrainConfig {
 // A field of the schema, for parsing, errors and the config reference.
 struct FieldInfo {
   std::string key;   // "optim.lr"
-  std::string type;  // "int", "float", "string", "bool"
+  std::string type;  // "int", "float", "string", "bool", "int list"
   std::string help;
   std::string default_value;
 };

@@ -279,14 +279,15 @@ class PipelineEngine : public Engine {
   PipelineEngine(const TrainConfig& cfg, const model::GPTConfig& mc, const optim::AdamWConfig& oc,
                  parallel::MeshComms& comms, data::Loader& train, MemoryPool& pool)
       : cfg_(cfg), mc_(comms), train_(train), pp_(comms["pp"]), dp_(comms["dp"]), tp_(comms["tp"]),
-        exec_(mc, options(cfg, oc), comms["pp"], comms["dp"].size() > 1 ? &comms["dp"] : nullptr, pool,
+        exec_(mc, options(cfg, oc, mc.n_layer), comms["pp"], comms["dp"].size() > 1 ? &comms["dp"] : nullptr, pool,
               {&comms["tp"], &comms["cp"], &comms.get({"dp", "cp"})}) {
     local_ = cfg.batch_size / dp_.size();
+    n_layer_ = mc.n_layer;
     x_ = Tensor::empty({local_, cfg.seq_len}, DType::i32, MemTag::workspace, pool);
     y_ = Tensor::empty({local_, cfg.seq_len}, DType::i32, MemTag::workspace, pool);
   }
 
-  static pipe::ExecutorOptions options(const TrainConfig& cfg, const optim::AdamWConfig& oc) {
+  static pipe::ExecutorOptions options(const TrainConfig& cfg, const optim::AdamWConfig& oc, int64_t n_layer) {
     pipe::ExecutorOptions o;
     o.schedule.kind = pipe::parse_kind(cfg.schedule, "parallel.schedule");
     o.schedule.stages = int(cfg.pp);
@@ -299,6 +300,8 @@ class PipelineEngine : public Engine {
     o.adamw = oc;
     o.seed = cfg.seed;
     o.seq_len = cfg.seq_len;
+    if (!cfg.stage_layers.empty())
+      o.cuts = pipe::cuts_from_stage_layers(cfg.stage_layers, n_layer, "parallel.stage_layers");
     return o;
   }
 
@@ -460,8 +463,16 @@ class PipelineEngine : public Engine {
 
   std::string describe() const override {
     const auto& sp = exec_.schedule().spec;
-    return fmt::format("pp {} ({}, m = {}{}) x dp {}{}{}", sp.stages, pipe::kind_name(sp.kind), sp.micro_batches,
-                       sp.virtual_stages > 1 ? fmt::format(", v = {}", sp.virtual_stages) : "", dp_.size(),
+    // Blocks per virtual stage, in order (chain element e is block e - 1 for 1 <= e <= n_layer).
+    const std::vector<int64_t>& cuts = exec_.cuts();
+    std::string blocks;
+    for (size_t k = 0; k + 1 < cuts.size(); ++k) {
+      const int64_t lo = std::max<int64_t>(cuts[k], 1), hi = std::min<int64_t>(cuts[k + 1], n_layer_ + 1);
+      blocks += fmt::format("{}{}", k ? "," : "", std::max<int64_t>(hi - lo, 0));
+    }
+    return fmt::format("pp {} ({}, m = {}{}, blocks {}) x dp {}{}{}", sp.stages, pipe::kind_name(sp.kind),
+                       sp.micro_batches, sp.virtual_stages > 1 ? fmt::format(", v = {}", sp.virtual_stages) : "",
+                       blocks, dp_.size(),
                        exec_.optimizer().sharded() ? " (ZeRO-1)" : "",
                        cfg_.tp > 1 || cfg_.cp > 1 || cfg_.sp
                            ? fmt::format(" x tp {}{} x cp {}", cfg_.tp, cfg_.sp ? " + sp" : "", cfg_.cp)
@@ -477,7 +488,7 @@ class PipelineEngine : public Engine {
   comm::Comm& dp_;
   comm::Comm& tp_;
   pipe::PipelineExecutor exec_;
-  int64_t local_ = 0;
+  int64_t local_ = 0, n_layer_ = 0;
   Tensor x_, y_;  // i32 [B / dp, T]
 };
 

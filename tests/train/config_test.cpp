@@ -2,6 +2,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 
 #include "core/error.h"
 #include "train/config.h"
@@ -67,6 +68,14 @@ TEST(TrainConfig, ErrorsNameFileAndField) {
   EXPECT_NE(m.find("--optim.lr"), std::string::npos) << m;
   m = error_of("", {"optim.nope=1"});
   EXPECT_NE(m.find("unknown key '--optim.nope'"), std::string::npos) << m;
+  // An int list: a TOML array of integers, on the command line with or without brackets.
+  m = error_of("[parallel]\nstage_layers = [1, \"two\"]\n");
+  EXPECT_NE(m.find("parallel.stage_layers: expected int list, entry 1 is not an integer"), std::string::npos) << m;
+  m = error_of("[parallel]\nstage_layers = 3\n");
+  EXPECT_NE(m.find("parallel.stage_layers: expected int list, got an integer"), std::string::npos) << m;
+  EXPECT_EQ(load_config("", {"parallel.pp=2", "model.n_layer=8", "parallel.stage_layers=3,5"}).stage_layers, (std::vector<int64_t>{3, 5}));
+  EXPECT_EQ(load_config("", {"parallel.pp=2", "model.n_layer=8", "parallel.stage_layers=[1, 7]"}).stage_layers,
+            (std::vector<int64_t>{1, 7}));
   EXPECT_THROW(collect_overrides({"--train.steps"}), Error);
   EXPECT_THROW(collect_overrides({"stray"}), Error);
 }
@@ -78,12 +87,28 @@ TEST(TrainConfig, TomlRoundTrip) {
   c.sp = true;
   c.seed = 99;
   c.cuda_graph = false;
+  c.pp = 3;
+  c.n_layer = 8;
+  c.stage_layers = {3, 1, 4};
   TmpFile f(config_to_toml(c));
   TrainConfig d = load_config(f.path, {});
   EXPECT_EQ(config_to_toml(c), config_to_toml(d));
   EXPECT_EQ(d.out_dir, c.out_dir);
   EXPECT_FALSE(d.cuda_graph);
-  EXPECT_EQ(config_fields().size(), 48u);
+  EXPECT_EQ(d.stage_layers, (std::vector<int64_t>{3, 1, 4}));
+  EXPECT_EQ(config_fields().size(), 49u);
+}
+
+// The README's config reference lists every field with its type and default, as
+// `loom train --help-config` prints them.
+TEST(TrainConfig, ReadmeListsEveryField) {
+  std::ifstream f(std::string(LOOM_SOURCE_DIR) + "/README.md");
+  ASSERT_TRUE(f.good()) << "README.md not found under " << LOOM_SOURCE_DIR;
+  const std::string readme((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  for (const FieldInfo& fi : config_fields()) {
+    const std::string row = fmt::format("| `{}` | {} | `{}` |", fi.key, fi.type, fi.default_value);
+    EXPECT_NE(readme.find(row), std::string::npos) << "README.md lacks the row starting " << row;
+  }
 }
 
 // train.device = "cuda": every combination the GPU trainer lacks is refused naming the field, in

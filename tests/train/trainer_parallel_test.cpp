@@ -131,6 +131,36 @@ TEST_F(TrainParallel, PipelineMatchesSingleDevice) {
   expect_same_checkpoint("pp2");
 }
 
+// Stages cut by a layer list (parallel.stage_layers) instead of by cost, down to a first stage
+// holding the embedding alone and a last one holding the head alone.
+TEST_F(TrainParallel, PipelineStagesFromALayerListMatchSingleDevice) {
+  if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
+  expect_same_losses("pp2_layers_0_2", "--parallel.pp 2 --parallel.stage_layers 0,2");
+  expect_same_losses("pp2_layers_2_0", "--parallel.pp 2 --parallel.stage_layers [2,0] --parallel.schedule zb-h1");
+  expect_same_checkpoint("pp2_layers_2_0");
+  // The run's header names the blocks of each stage (not --quiet here).
+  CmdRun run = sh(fmt::format("{} train --data.dir {} --train.out_dir {} --model.n_layer 2 --model.n_head 4 "
+                              "--model.n_embd 32 --data.seq_len 16 --train.batch_size 4 --train.steps 1 "
+                              "--train.eval_every 0 --train.sample_tokens 0 --parallel.pp 2 "
+                              "--parallel.stage_layers 0,2",
+                              kLoom, (root_ / "data").string(), (root_ / "pp2_layers_shown").string()));
+  EXPECT_EQ(run.status, 0) << run.output;
+  EXPECT_NE(run.output.find("blocks 0,2"), std::string::npos) << run.output;
+  for (const auto& [layout, says] : std::vector<std::pair<std::string, std::string>>{
+           {"--parallel.pp 2 --parallel.stage_layers 1,2", "add up to 3 blocks but the model has n_layer = 2"},
+           {"--parallel.pp 2 --parallel.stage_layers 2", "has 1 entries for 2 pipeline stages"},
+           {"--parallel.pp 2 --parallel.schedule interleaved --parallel.stage_layers 1,1",
+            "has 2 entries for 4 pipeline stages"},
+           {"--parallel.stage_layers 1,1", "needs pipeline stages"},
+           {"--parallel.pp 2 --parallel.stage_layers 3,-1", "entry 1 is -1"},
+           {"--parallel.pp 2 --parallel.stage_layers 1,x", "cannot parse"}}) {
+    CmdRun bad = train("bad_layers", layout);
+    EXPECT_NE(bad.status, 0) << layout;
+    EXPECT_NE(bad.output.find("parallel.stage_layers"), std::string::npos) << layout << "\n" << bad.output;
+    EXPECT_NE(bad.output.find(says), std::string::npos) << layout << "\n" << bad.output;
+  }
+}
+
 TEST_F(TrainParallel, PipelineTimesDataParallelMatchesSingleDevice) {
   if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
   expect_same_losses("pp2_dp2", "--parallel.pp 2 --parallel.dp 2");

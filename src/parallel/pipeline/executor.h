@@ -144,6 +144,13 @@ class PipelineExecutor {
   int peak_slots_ = 0;
 };
 
+// Chain boundaries (ExecutorOptions::cuts) from the transformer blocks of each virtual stage in
+// order. The first stage also holds the embedding and the last the head, so those two may hold no
+// block; every other stage holds at least one, and the blocks add up to n_layer. Throws naming
+// `field` and the entry.
+std::vector<int64_t> cuts_from_stage_layers(const std::vector<int64_t>& layers, int64_t n_layer,
+                                            const std::string& field);
+
 // Chrome trace (chrome://tracing, Perfetto) of per-rank timelines: one process, one thread per
 // rank, a complete event per compute. Throws naming the path when it cannot be written.
 void write_chrome_trace(const std::string& path, const std::vector<std::vector<TraceEvent>>& ranks);

@@ -435,6 +435,26 @@ TEST(PipelineMemory, TensorParallelStagesShareTheirScratchAcrossMicroBatches) {
   }
 }
 
+// A layer list becomes chain boundaries: element 0 is the embedding, 1..n_layer the blocks,
+// n_layer + 1 the head.
+TEST(PipelineExecutor, StageLayersBecomeChainBoundaries) {
+  EXPECT_EQ(cuts_from_stage_layers({2, 1, 3}, 6, "f"), (std::vector<int64_t>{0, 3, 4, 8}));
+  EXPECT_EQ(cuts_from_stage_layers({0, 6}, 6, "f"), (std::vector<int64_t>{0, 1, 8}));
+  EXPECT_EQ(cuts_from_stage_layers({6, 0}, 6, "f"), (std::vector<int64_t>{0, 7, 8}));
+  auto error = [](const std::vector<int64_t>& l, int64_t n) -> std::string {
+    try {
+      cuts_from_stage_layers(l, n, "parallel.stage_layers");
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  EXPECT_NE(error({2, 0, 4}, 6).find("parallel.stage_layers: entry 1 is 0"), std::string::npos) << error({2, 0, 4}, 6);
+  EXPECT_NE(error({3, 4}, 6).find("add up to 7 blocks but the model has n_layer = 6"), std::string::npos);
+  EXPECT_NE(error({7, -1}, 6).find("entry 1 is -1"), std::string::npos);
+  EXPECT_NE(error({6}, 6).find("at least 2"), std::string::npos);
+}
+
 // Records the size of every block a pool takes, to find one buffer among a rank's allocations.
 class SizeRecorder final : public Allocator {
  public:
