@@ -51,7 +51,7 @@ int main(int argc, char** argv) {
                  "usage: bench_pipeline [p] [m] [n_layer] [steps] [--trace PREFIX] [--threads-per-rank N] (all >= 1)\n");
     return 2;
   }
-  const int per_rank = run.threads_per_rank > 0 ? run.threads_per_rank : std::max(1, omp_get_max_threads() / p);
+  const int per_rank = comm::threads_per_rank(p, run);
   const bool replayable = per_rank == 1;
   const int cores = omp_get_num_procs();
   const bool shared = p * per_rank > cores;  // the wall clock then stretches every compute
@@ -106,13 +106,14 @@ int main(int argc, char** argv) {
       }
     }, run);
     // Median over the measured steps (the first one warms the pools up).
-    std::vector<std::vector<double>> fr(static_cast<size_t>(p)), rp(static_cast<size_t>(p));
+    std::vector<std::vector<double>> fr(static_cast<size_t>(p)), rp(static_cast<size_t>(p)), busy(static_cast<size_t>(p));
     for (int st = steps > 1 ? 1 : 0; st < steps; ++st) {
       const std::vector<double> f = idle_fractions(per_step[size_t(st)]);
       const CheckResult re = replay(schedule, compute_seconds(per_step[size_t(st)], /*cpu=*/true));
       for (int r = 0; r < p; ++r) {
         fr[size_t(r)].push_back(f[size_t(r)]);
         rp[size_t(r)].push_back(re.idle_fraction(r));
+        busy[size_t(r)].push_back(1e3 * re.ranks[size_t(r)].busy);
       }
     }
     auto medians = [](std::vector<std::vector<double>>& per_rank_values) {
@@ -125,6 +126,15 @@ int main(int argc, char** argv) {
     };
     const std::string wall = medians(fr), replayed = replayable ? medians(rp) : "- (ranks run several threads)";
     std::printf("%-12s %-36s %-36s %.3f\n", std::string(kind_name(k)).c_str(), wall.c_str(), replayed.c_str(), sim_idle);
+    // Each rank's compute per step: a stage heavier than the others sets the pipeline's pace.
+    if (replayable) {
+      std::string b;
+      for (auto& v : busy) {
+        std::sort(v.begin(), v.end());
+        b += fmt::format("{:.1f} ", v[v.size() / 2]);
+      }
+      std::printf("%-12s busy per rank (CPU ms per step): %s\n", "", b.c_str());
+    }
     if (!prefix.empty()) {
       const auto& trace = per_step.back();
       const std::string base = prefix + "_" + std::string(kind_name(k));

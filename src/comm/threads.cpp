@@ -715,10 +715,14 @@ void ThreadWorld::fail(int rank, const std::string& what) {
 
 int ThreadWorld::failed_rank() const { return state_->failed.load(); }
 
+int threads_per_rank(int n, const RunOptions& opts) {
+  return opts.threads_per_rank > 0 ? opts.threads_per_rank : std::max(1, omp_get_max_threads() / std::max(1, n));
+}
+
 void run_ranks(int n, const std::function<void(Comm&)>& fn, const RunOptions& opts) {
   LOOM_CHECK(n >= 1, "run_ranks: need at least one rank, got {}", n);
   ThreadWorld world(n, opts.comm);
-  int per_rank = opts.threads_per_rank > 0 ? opts.threads_per_rank : std::max(1, omp_get_max_threads() / n);
+  const int per_rank = threads_per_rank(n, opts);
   std::vector<std::exception_ptr> errors(static_cast<size_t>(n));
   std::vector<std::unique_ptr<Comm>> comms(static_cast<size_t>(n));
   for (int r = 0; r < n; ++r) comms[size_t(r)] = world.comm(r);

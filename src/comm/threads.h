@@ -61,6 +61,9 @@ struct RunOptions {
   int threads_per_rank = 0;
 };
 
+// The OpenMP threads each of n ranks gets under `opts` (see RunOptions::threads_per_rank).
+int threads_per_rank(int n, const RunOptions& opts = {});
+
 // Runs fn(comm) on n threads, one per rank, and returns when all are done. If ranks throw, the
 // exception of the first rank that failed is rethrown (the others' are consequences of it).
 void run_ranks(int n, const std::function<void(Comm&)>& fn, const RunOptions& opts = {});

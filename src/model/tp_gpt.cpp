@@ -97,29 +97,31 @@ struct ParallelGPT::Weights {
   std::vector<std::array<ShardedParameter*, 12>> layers;  // the stage's blocks, in order
 };
 
-// The scratch of one forward or backward call: two [N, C] buffers, [N, 4 Cl], [N, Cl] and the
-// cross-entropy statistics [3N] (tag workspace). A model and its replicas share one (a rank runs
-// one of them at a time), so a pipeline stage takes it once, not once per micro-batch; each
-// model's Impl holds handles to the buffers it uses.
+// The scratch of one forward or backward call: two [N, C] buffers, [N, 4 Cl], [N, Cl], the
+// cross-entropy statistics [3N] and the residual-stream gradient [Ns, C] (tag workspace). A model
+// and its replicas share one (a rank runs one of them at a time), so a pipeline stage takes it
+// once, not once per micro-batch; each model's Impl holds handles to the buffers it uses.
 struct ParallelGPT::Scratch {
-  int64_t N = -1;
-  Tensor wA, wB, buf4, datty, ce;
-  void forward(MemoryPool& pool, int64_t rows, int64_t C, bool head) {
-    if (rows != N) {
+  int64_t N = -1, Ns = -1;
+  Tensor wA, wB, buf4, datty, ce, dres;
+  // rows: the micro-batch's rows N, own: the rows of the residual stream this rank holds (Ns).
+  void forward(MemoryPool& pool, int64_t rows, int64_t own, int64_t C, bool head) {
+    if (rows != N || own != Ns) {
       *this = Scratch{};
-      N = rows;
+      N = rows, Ns = own;
       wA = Tensor::empty({N, C}, DType::f32, MemTag::workspace, pool);
       wB = Tensor::empty({N, C}, DType::f32, MemTag::workspace, pool);
     }
     if (head && !ce.defined()) ce = Tensor::empty({3 * N}, DType::f32, MemTag::workspace, pool);
   }
-  // rows: the backward's micro-batch rows (a model keeps handles to its forward's buffers, so a
-  // shape change in between only re-sizes the shared ones).
-  void backward(MemoryPool& pool, int64_t rows, int64_t C, int64_t Cl) {
-    if (rows != N) forward(pool, rows, C, false);
+  // A model keeps handles to its forward's buffers, so a shape change in between only re-sizes
+  // the shared ones.
+  void backward(MemoryPool& pool, int64_t rows, int64_t own, int64_t C, int64_t Cl) {
+    if (rows != N || own != Ns) forward(pool, rows, own, C, false);
     if (buf4.defined()) return;
     buf4 = Tensor::empty({N, 4 * Cl}, DType::f32, MemTag::workspace, pool);
     datty = Tensor::empty({N, Cl}, DType::f32, MemTag::workspace, pool);
+    dres = Tensor::empty({Ns, C}, DType::f32, MemTag::workspace, pool);
   }
 };
 
@@ -166,8 +168,7 @@ struct ParallelGPT::Impl {
   Tensor targets;                    // i32 [N]
   bool holds_dlogits = false, can_backward = false;
   float dloss = 0;
-  // Workspace (tag workspace): the shared scratch's buffers (Scratch), and this model's residual
-  // gradient [Ns, C] (the previous stage reads it after the backward).
+  // Workspace (tag workspace): handles to the shared scratch's buffers (Scratch).
   Tensor wA, wB, buf4, datty, dres, ce;
   parallel::cp::RingAttention ring;
 };
@@ -423,7 +424,7 @@ float ParallelGPT::forward_stage(const Tensor& tokens, const Tensor& targets, co
     }
   }
   if (!m.wA.defined()) {
-    scratch_->forward(pool_, N, C, has_head());
+    scratch_->forward(pool_, N, Ns, C, has_head());
     m.wA = scratch_->wA, m.wB = scratch_->wB, m.ce = scratch_->ce;
   }
   // The attention scratch for every layer's forward and backward calls, taken once.
@@ -568,10 +569,9 @@ void ParallelGPT::backward_stage(const float* grad_output, bool input_only) {
   const bool sp = opts_.sp && tp_ > 1;
   comm::Comm* tpg = tp_ > 1 ? g_.tp : nullptr;
   if (!m.buf4.defined()) {
-    scratch_->backward(pool_, N, C, Cl);
-    m.buf4 = scratch_->buf4, m.datty = scratch_->datty;
+    scratch_->backward(pool_, N, Ns, C, Cl);
+    m.buf4 = scratch_->buf4, m.datty = scratch_->datty, m.dres = scratch_->dres;
   }
-  if (!m.dres.defined()) m.dres = Tensor::empty({Ns, C}, DType::f32, MemTag::workspace, pool_);
   m.deferred.clear();
   float* dres = m.dres.f32();  // f32 [Ns, C] gradient of the residual stream (own rows)
   float* wA = m.wA.f32();

@@ -131,7 +131,7 @@ class ParallelGPT {
   void backward_stage(const float* grad_output, bool input_only = false);
   void backward_weight();
   // f32 [stream_rows, C] gradient of the stage's input after backward_stage (stages without the
-  // embedding); valid until the next backward or release.
+  // embedding); valid until the next backward of this model or of a replica, or the release.
   const float* input_grad() const;
   // After the last backward of a step: sums the sp-partial gradients (LayerNorm weights, wpe)
   // over tp. The cp ranks then hold partial sums of their shards' gradients: the data-parallel

@@ -10,7 +10,7 @@
 #include <toml++/toml.h>
 
 #include "core/error.h"
-#include "parallel/pipeline/executor.h"
+#include "parallel/pipeline/stage_layers.h"
 
 namespace loom::train {
 
@@ -41,7 +41,7 @@ const Field kFields[] = {
     F("train.seed", seed, "seed of initialisation and data order"),
     F("train.device", device, "cpu, or cuda: one GPU (a build with -DLOOM_CUDA=ON; no parallel dimension > 1)"),
     F("train.cuda_graph", cuda_graph, "with train.device cuda: run each step as one CUDA graph (false: kernel by kernel, for debugging)"),
-    F("train.threads", threads, "CPU threads (0: all cores)"),
+    F("train.threads", threads, "CPU threads per process (0: all cores; under mpi, the host's cores shared among its processes)"),
     F("train.log_every", log_every, "steps between metric lines"),
     F("train.eval_every", eval_every, "steps between validation losses (0: never)"),
     F("train.eval_batches", eval_batches, "validation batches per evaluation"),
@@ -183,7 +183,8 @@ void set_from_text(const Value& v, const std::string& text, const std::string& w
   }
   toml::table t;
   // An int list also reads without brackets: --parallel.stage_layers 3,5,4
-  const bool list = v.index() == 5 && (text.empty() || text.front() != '[');
+  const size_t first = text.find_first_not_of(" \t");
+  const bool list = v.index() == 5 && (first == std::string::npos || text[first] != '[');
   try {
     t = toml::parse("x = " + (list ? "[" + text + "]" : text));
   } catch (const toml::parse_error&) {
@@ -270,6 +271,11 @@ void TrainConfig::validate(const std::string& where) const {
        "parallel.schedule", fmt::format("'{}' is not one of gpipe, 1f1b, interleaved, zb-h1", schedule));
   need(virtual_stages >= 2, "parallel.virtual_stages", fmt::format("must be at least 2, got {}", virtual_stages));
   need(comm == "threads" || comm == "mpi", "parallel.comm", fmt::format("'{}' is not threads or mpi", comm));
+  try {
+    (void)model::gpt_preset(model_preset);
+  } catch (const Error& e) {
+    throw Error(fmt::format("{}: model.preset: {}", where, e.what()));
+  }
   if (!stage_layers.empty()) {
     need(pp > 1, "parallel.stage_layers", "needs pipeline stages (parallel.pp > 1)");
     const int64_t chunks = schedule == "interleaved" ? virtual_stages : 1;
@@ -281,11 +287,6 @@ void TrainConfig::validate(const std::string& where) const {
     } catch (const Error& e) {
       throw Error(fmt::format("{}: {}", where, e.what()));
     }
-  }
-  try {
-    (void)model::gpt_preset(model_preset);
-  } catch (const Error& e) {
-    throw Error(fmt::format("{}: model.preset: {}", where, e.what()));
   }
   need(device == "cpu" || device == "cuda", "train.device", fmt::format("'{}' is not cpu or cuda", device));
   if (device == "cuda") validate_cuda(where);

@@ -12,6 +12,8 @@
 #include <map>
 #include <memory>
 
+#include <fmt/ranges.h>
+
 #include "comm/threads.h"
 #include "core/error.h"
 #include "data/loader.h"
@@ -463,13 +465,7 @@ class PipelineEngine : public Engine {
 
   std::string describe() const override {
     const auto& sp = exec_.schedule().spec;
-    // Blocks per virtual stage, in order (chain element e is block e - 1 for 1 <= e <= n_layer).
-    const std::vector<int64_t>& cuts = exec_.cuts();
-    std::string blocks;
-    for (size_t k = 0; k + 1 < cuts.size(); ++k) {
-      const int64_t lo = std::max<int64_t>(cuts[k], 1), hi = std::min<int64_t>(cuts[k + 1], n_layer_ + 1);
-      blocks += fmt::format("{}{}", k ? "," : "", std::max<int64_t>(hi - lo, 0));
-    }
+    const std::string blocks = fmt::format("{}", fmt::join(pipe::stage_layers_from_cuts(exec_.cuts(), n_layer_), ","));
     return fmt::format("pp {} ({}, m = {}{}, blocks {}) x dp {}{}{}", sp.stages, pipe::kind_name(sp.kind),
                        sp.micro_batches, sp.virtual_stages > 1 ? fmt::format(", v = {}", sp.virtual_stages) : "",
                        blocks, dp_.size(),

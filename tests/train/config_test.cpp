@@ -99,15 +99,15 @@ TEST(TrainConfig, TomlRoundTrip) {
   EXPECT_EQ(config_fields().size(), 49u);
 }
 
-// The README's config reference lists every field with its type and default, as
+// The README's config reference has a row for every field with its type, default and help, as
 // `loom train --help-config` prints them.
 TEST(TrainConfig, ReadmeListsEveryField) {
   std::ifstream f(std::string(LOOM_SOURCE_DIR) + "/README.md");
   ASSERT_TRUE(f.good()) << "README.md not found under " << LOOM_SOURCE_DIR;
   const std::string readme((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
   for (const FieldInfo& fi : config_fields()) {
-    const std::string row = fmt::format("| `{}` | {} | `{}` |", fi.key, fi.type, fi.default_value);
-    EXPECT_NE(readme.find(row), std::string::npos) << "README.md lacks the row starting " << row;
+    const std::string row = fmt::format("| `{}` | {} | `{}` | {} |", fi.key, fi.type, fi.default_value, fi.help);
+    EXPECT_NE(readme.find(row), std::string::npos) << "README.md lacks the row " << row;
   }
 }
 

@@ -152,13 +152,18 @@ TEST_F(TrainParallel, PipelineStagesFromALayerListMatchSingleDevice) {
            {"--parallel.pp 2 --parallel.schedule interleaved --parallel.stage_layers 1,1",
             "has 2 entries for 4 pipeline stages"},
            {"--parallel.stage_layers 1,1", "needs pipeline stages"},
-           {"--parallel.pp 2 --parallel.stage_layers 3,-1", "entry 1 is -1"},
+           {"--parallel.pp 2 --parallel.stage_layers 2,-1", "entry 1 is -1"},
+           {"--parallel.pp 2 --parallel.stage_layers 3,-1", "entry 0 is 3, more than the model's n_layer = 2"},
            {"--parallel.pp 2 --parallel.stage_layers 1,x", "cannot parse"}}) {
     CmdRun bad = train("bad_layers", layout);
     EXPECT_NE(bad.status, 0) << layout;
     EXPECT_NE(bad.output.find("parallel.stage_layers"), std::string::npos) << layout << "\n" << bad.output;
     EXPECT_NE(bad.output.find(says), std::string::npos) << layout << "\n" << bad.output;
   }
+  // The layer list is checked against the model after the preset is known.
+  CmdRun preset = train("bad_layers", "--model.preset gpt9 --parallel.pp 2 --parallel.stage_layers 1,1");
+  EXPECT_NE(preset.status, 0);
+  EXPECT_NE(preset.output.find("model.preset: unknown model 'gpt9'"), std::string::npos) << preset.output;
 }
 
 TEST_F(TrainParallel, PipelineTimesDataParallelMatchesSingleDevice) {

@@ -238,8 +238,7 @@ DataParallel::DataParallel(model::GPT& gpt, comm::Comm& dp, const optim::AdamWCo
     if (o_.zero >= 2) detach_from_flat(*f.param, true);
   }
   if (o_.zero <= 1) {
-    grads_ = Tensor::zeros({n_pad_}, DType::f32, MemTag::grads, pool);
-    for (FlatParam& f : lay_.params) point_at_flat(*f.param, grads_, f.offset, f.alloc, true);
+    grads_ = flatten_parameters(lay_, /*grad=*/true, MemTag::grads, pool);
   } else {
     grads_ = Tensor::zeros({shard_}, DType::f32, MemTag::grads, pool);
   }

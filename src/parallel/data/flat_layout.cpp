@@ -1,6 +1,7 @@
 #include "parallel/data/flat_layout.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "core/error.h"
 
@@ -68,6 +69,16 @@ void point_at_flat(model::Parameter& p, const Tensor& buf, int64_t offset, int64
     p.value_full = t;
     p.value = logical;
   }
+}
+
+Tensor flatten_parameters(const FlatLayout& lay, bool grad, MemTag tag, MemoryPool& pool) {
+  Tensor buf = Tensor::zeros({lay.n_pad}, DType::f32, tag, pool);
+  for (const FlatParam& f : lay.params) {
+    const Tensor& src = grad ? f.param->grad_full : f.param->value_full;
+    if (src.defined()) std::memcpy(buf.f32() + f.offset, src.f32(), size_t(f.alloc) * sizeof(float));
+    point_at_flat(*f.param, buf, f.offset, f.alloc, grad);
+  }
+  return buf;
 }
 
 void detach_from_flat(model::Parameter& p, bool grad) {

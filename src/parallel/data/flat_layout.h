@@ -49,6 +49,9 @@ struct FlatLayout {
 // f32 buffer `buf` from element `offset`: value_full / grad_full see the allocation (padding
 // rows included), value / grad its logical rows.
 void point_at_flat(model::Parameter& p, const Tensor& buf, int64_t offset, int64_t alloc, bool grad);
+// A flat f32 buffer [n_pad] (tag `tag`, from pool) holding the parameters' current values (grad =
+// false) or gradients, which then become views of it (point_at_flat); padding and gaps are zero.
+Tensor flatten_parameters(const FlatLayout& lay, bool grad, MemTag tag, MemoryPool& pool);
 // Drops a parameter's value or gradient tensors (where a shard or bucket holds them instead).
 void detach_from_flat(model::Parameter& p, bool grad);
 

@@ -30,14 +30,8 @@ ReplicaOptimizer::ReplicaOptimizer(std::vector<model::Parameter*> params, comm::
     // Across ranks the gradients become views of one flat buffer, reduced by one all-reduce
     // instead of one per parameter (a GPT-2 stage has about 150, many of them a few hundred
     // floats: the per-collective latency, not the bytes, would dominate).
-    if (group_ && group_->size() > 1) {
-      const FlatLayout lay = FlatLayout::build(params_, 1);  // checks every parameter is allocated
-      flat_grads_ = Tensor::zeros({lay.n_pad}, DType::f32, MemTag::grads, pool);
-      for (const FlatParam& f : lay.params) {
-        std::memcpy(flat_grads_.f32() + f.offset, f.param->grad_full.f32(), size_t(f.alloc) * sizeof(float));
-        point_at_flat(*f.param, flat_grads_, f.offset, f.alloc, /*grad=*/true);
-      }
-    }
+    if (group_ && group_->size() > 1)  // (the layout checks every parameter is allocated)
+      flat_grads_ = flatten_parameters(FlatLayout::build(params_, 1), /*grad=*/true, MemTag::grads, pool);
     adam_ = std::make_unique<optim::AdamW>(params_, adam, pool);
   }
 }

@@ -21,14 +21,8 @@ Zero1Optimizer::Zero1Optimizer(std::vector<model::Parameter*> params, comm::Comm
     LOOM_CHECK(!p || seen.insert(p).second, "zero-1: parameter '{}' is listed twice", p->spec.name);
   lay_ = FlatLayout::build(params_, world_);  // checks every parameter is allocated
 
-  values_ = Tensor::zeros({lay_.n_pad}, DType::f32, MemTag::params, pool);
-  for (const FlatParam& f : lay_.params)
-    std::memcpy(values_.f32() + f.offset, f.param->value_full.f32(), size_t(f.alloc) * sizeof(float));
-  grads_ = Tensor::zeros({lay_.n_pad}, DType::f32, MemTag::grads, pool);
-  for (const FlatParam& f : lay_.params) {
-    point_at_flat(*f.param, values_, f.offset, f.alloc, false);
-    point_at_flat(*f.param, grads_, f.offset, f.alloc, true);
-  }
+  values_ = flatten_parameters(lay_, /*grad=*/false, MemTag::params, pool);
+  grads_ = flatten_parameters(lay_, /*grad=*/true, MemTag::grads, pool);
   opt_ = std::make_unique<optim::ShardedAdamW>(lay_.segments(opt.in_norm), shard_begin(), shard_begin() + lay_.shard,
                                                adam, pool);
 }

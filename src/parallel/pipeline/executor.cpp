@@ -91,11 +91,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double thread_cpu_seconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
-}
 
 // One micro-batch's copy of a chunk: blocks that share the chunk's parameters but hold their own
 // saved activations, the received input and output gradient.
@@ -630,26 +625,6 @@ StepResult PipelineExecutor::step(const Tensor& tokens, const Tensor& targets, d
   return res;
 }
 
-std::vector<int64_t> cuts_from_stage_layers(const std::vector<int64_t>& layers, int64_t n_layer,
-                                            const std::string& field) {
-  const int64_t V = int64_t(layers.size());
-  LOOM_CHECK(V >= 2, "{}: needs an entry per pipeline stage (at least 2), got {}", field, V);
-  int64_t sum = 0;
-  for (int64_t i = 0; i < V; ++i) {
-    const int64_t l = layers[size_t(i)];
-    LOOM_CHECK(l >= 0, "{}: entry {} is {} (blocks cannot be negative)", field, i, l);
-    LOOM_CHECK(l >= 1 || i == 0 || i == V - 1, "{}: entry {} is 0: a stage between the first (embedding) and the "
-               "last (head) needs at least one block", field, i);
-    sum += l;
-  }
-  LOOM_CHECK(sum == n_layer, "{}: the entries add up to {} blocks but the model has n_layer = {}", field, sum, n_layer);
-  std::vector<int64_t> cuts{0};
-  int64_t at = 1;  // past the embedding
-  for (int64_t i = 0; i + 1 < V; ++i) cuts.push_back(at += layers[size_t(i)]);
-  cuts.push_back(n_layer + 2);
-  return cuts;
-}
-
 void write_chrome_trace(const std::string& path, const std::vector<std::vector<TraceEvent>>& ranks) {
   nlohmann::json ev = nlohmann::json::array();
   for (size_t r = 0; r < ranks.size(); ++r) {
@@ -680,6 +655,12 @@ Timeline trace_timeline(const std::string& title, const std::vector<std::vector<
   for (size_t r = 0; r < ranks.size(); ++r)
     for (auto& e : ranks[r]) tl.rows[r].push_back({e.start - t0, e.end - t0, e.op, e.mb, e.chunk});
   return tl;
+}
+
+double thread_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
 }
 
 std::vector<std::vector<double>> compute_seconds(const std::vector<std::vector<TraceEvent>>& ranks, bool cpu) {

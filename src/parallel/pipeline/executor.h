@@ -52,6 +52,7 @@
 #include "parallel/pipeline/checker.h"
 #include "parallel/pipeline/draw.h"
 #include "parallel/pipeline/schedule.h"
+#include "parallel/pipeline/stage_layers.h"
 
 namespace loom::parallel::pipeline {
 
@@ -144,13 +145,6 @@ class PipelineExecutor {
   int peak_slots_ = 0;
 };
 
-// Chain boundaries (ExecutorOptions::cuts) from the transformer blocks of each virtual stage in
-// order. The first stage also holds the embedding and the last the head, so those two may hold no
-// block; every other stage holds at least one, and the blocks add up to n_layer. Throws naming
-// `field` and the entry.
-std::vector<int64_t> cuts_from_stage_layers(const std::vector<int64_t>& layers, int64_t n_layer,
-                                            const std::string& field);
-
 // Chrome trace (chrome://tracing, Perfetto) of per-rank timelines: one process, one thread per
 // rank, a complete event per compute. Throws naming the path when it cannot be written.
 void write_chrome_trace(const std::string& path, const std::vector<std::vector<TraceEvent>>& ranks);
@@ -158,6 +152,9 @@ void write_chrome_trace(const std::string& path, const std::vector<std::vector<T
 Timeline trace_timeline(const std::string& title, const std::vector<std::vector<TraceEvent>>& ranks);
 // Idle fraction of each rank over the span of all ranks' events: 1 - busy / span.
 std::vector<double> idle_fractions(const std::vector<std::vector<TraceEvent>>& ranks);
+// The CPU time of the calling thread, in seconds: the clock of TraceEvent::cpu. It does not
+// advance while the thread sleeps or waits for a core.
+double thread_cpu_seconds();
 // Each rank's compute durations in list order, as replay (checker.h) takes them: the events' CPU
 // time (cpu = true) or wall time.
 std::vector<std::vector<double>> compute_seconds(const std::vector<std::vector<TraceEvent>>& ranks, bool cpu);

@@ -17,6 +17,7 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "parallel/data/param_set_util.h"
+#include "parallel/tensor/counting_comm.h"
 
 using namespace loom;
 
@@ -74,14 +75,19 @@ TEST_P(ReplicaOptimizerTest, AddsCpPartialSumsAndAveragesReplicas) {
     o.zero_stage = zero_stage;
     o.replicas = kReplicas;
     for (const test::ParamSpec& s : test::param_set()) o.in_norm.push_back(s.in_norm);
-    parallel::ReplicaOptimizer opt(raw(ps), &c, o, test::clipping_adamw(), pool);
+    parallel::CountingComm cc(c);
+    parallel::ReplicaOptimizer opt(raw(ps), &cc, o, test::clipping_adamw(), pool);
     EXPECT_EQ(opt.sharded(), zero_stage == 1);
     Result& r = got[size_t(c.rank())];
     for (int s = 0; s < kSteps; ++s) {
       opt.zero_grad();
       for (size_t k = 0; k < ps.size(); ++k)
         for (int64_t j = 0; j < ps[k]->spec.numel(); ++j) ps[k]->grad.f32()[j] = grad_at(s, c.rank(), k, j);
+      const int64_t calls = cc.counts().calls;
       const double norm = std::sqrt(opt.reduce_gradients());
+      // Every gradient in one collective (ZeRO 0: an all-reduce of the flat buffer; ZeRO-1: its
+      // reduce-scatter, then the norm's all-gather of one double per rank).
+      EXPECT_EQ(cc.counts().calls - calls, zero_stage == 0 ? 1 : 2) << "step " << s;
       r.norms.push_back(norm);
       opt.step(norm);
     }

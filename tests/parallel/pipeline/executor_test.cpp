@@ -8,12 +8,14 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <mutex>
 #include <random>
+#include <thread>
 
 #include "comm/threads.h"
 #include "core/error.h"
@@ -376,6 +378,17 @@ TEST(PipelineExecutor, ZeroBubbleSplitBackwardEqualsOneFOneBBitwise) {
 // The trace holds one event per compute of the rank's list, in order, with the rank thread's CPU
 // time (never more than the event's wall time): enough to replay the step on dedicated cores
 // (bench_pipeline does so on hosts with fewer cores than ranks).
+TEST(PipelineExecutor, ThreadCpuClockSkipsSleepsAndCountsWork) {
+  double c0 = thread_cpu_seconds();
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_LT(thread_cpu_seconds() - c0, 0.02) << "100 ms asleep";
+  c0 = thread_cpu_seconds();
+  const auto w0 = std::chrono::steady_clock::now();
+  volatile double x = 0;
+  while (std::chrono::steady_clock::now() - w0 < std::chrono::milliseconds(100)) x = x + 1;
+  EXPECT_GT(thread_cpu_seconds() - c0, 0.02) << "100 ms of work (at least a fifth of it on a core)";
+}
+
 TEST(PipelineExecutor, TraceCarriesEachComputesCpuTimeForTheReplay) {
   for (Kind k : {Kind::one_f_one_b, Kind::zb_h1}) {
     const int p = 2, m = 4;
@@ -404,9 +417,8 @@ TEST(PipelineExecutor, TraceCarriesEachComputesCpuTimeForTheReplay) {
 }
 
 // Under tp a stage's micro-batch replicas share one set of scratch buffers (the two [N, C]
-// buffers, [N, 4 Cl], [N, Cl] and the cross-entropy statistics), taken in the first step. After
-// it, each micro-batch's backward takes only its own residual gradient (the buffer the previous
-// stage receives), on every chunk: m per chunk and step.
+// buffers, [N, 4 Cl], [N, Cl], the cross-entropy statistics and the residual-stream gradient),
+// taken in the first step: after it, no step takes a workspace buffer.
 TEST(PipelineMemory, TensorParallelStagesShareTheirScratchAcrossMicroBatches) {
   const int p = 2, m = 4;
   for (bool sp : {false, true}) {
@@ -429,7 +441,7 @@ TEST(PipelineMemory, TensorParallelStagesShareTheirScratchAcrossMicroBatches) {
         ex.step(d.tokens[0], d.targets[0]);
         const int64_t before = pool.allocations(MemTag::workspace);
         for (int s = 1; s < 3; ++s) ex.step(d.tokens[size_t(s)], d.targets[size_t(s)]);
-        EXPECT_EQ(pool.allocations(MemTag::workspace) - before, 2 * m * v) << "rank " << w.rank();
+        EXPECT_EQ(pool.allocations(MemTag::workspace) - before, 0) << "rank " << w.rank();
       });
     }
   }
@@ -441,6 +453,8 @@ TEST(PipelineExecutor, StageLayersBecomeChainBoundaries) {
   EXPECT_EQ(cuts_from_stage_layers({2, 1, 3}, 6, "f"), (std::vector<int64_t>{0, 3, 4, 8}));
   EXPECT_EQ(cuts_from_stage_layers({0, 6}, 6, "f"), (std::vector<int64_t>{0, 1, 8}));
   EXPECT_EQ(cuts_from_stage_layers({6, 0}, 6, "f"), (std::vector<int64_t>{0, 7, 8}));
+  for (const std::vector<int64_t>& l : {std::vector<int64_t>{2, 1, 3}, {0, 6}, {6, 0}, {1, 1, 1, 1, 1, 1}})
+    EXPECT_EQ(stage_layers_from_cuts(cuts_from_stage_layers(l, 6, "f"), 6), l);
   auto error = [](const std::vector<int64_t>& l, int64_t n) -> std::string {
     try {
       cuts_from_stage_layers(l, n, "parallel.stage_layers");
@@ -451,7 +465,9 @@ TEST(PipelineExecutor, StageLayersBecomeChainBoundaries) {
   };
   EXPECT_NE(error({2, 0, 4}, 6).find("parallel.stage_layers: entry 1 is 0"), std::string::npos) << error({2, 0, 4}, 6);
   EXPECT_NE(error({3, 4}, 6).find("add up to 7 blocks but the model has n_layer = 6"), std::string::npos);
-  EXPECT_NE(error({7, -1}, 6).find("entry 1 is -1"), std::string::npos);
+  EXPECT_NE(error({6, -1}, 6).find("entry 1 is -1"), std::string::npos);
+  EXPECT_NE(error({int64_t(1) << 62, int64_t(1) << 62}, 6).find("entry 0 is 4611686018427387904, more than"),
+            std::string::npos);  // refused before any sum could overflow
   EXPECT_NE(error({6}, 6).find("at least 2"), std::string::npos);
 }
 
