@@ -146,7 +146,7 @@ struct ParallelGPT::Impl {
     Tensor dout_copy, inp_copy;                   // f32, tag workspace, when the source is transient
     int64_t M = 0, K = 0, N = 0;
   };
-  Impl(MemoryPool& pool, const Weights& w, cpu::AttnWorkspace& attn) : ring(pool, &attn) {
+  explicit Impl(const Weights& w) {
     wte = w.wte, wpe = w.wpe, lnf_w = w.lnf_w, lnf_b = w.lnf_b, lm_head = w.lm_head;
     layers.resize(w.layers.size());
     for (size_t l = 0; l < layers.size(); ++l)
@@ -170,7 +170,6 @@ struct ParallelGPT::Impl {
   float dloss = 0;
   // Workspace (tag workspace): handles to the shared scratch's buffers (Scratch).
   Tensor wA, wB, buf4, datty, dres, ce;
-  parallel::cp::RingAttention ring;
 };
 
 ParallelGPT::ParallelGPT(const GPTConfig& cfg, ParallelGroups groups, ParallelOptions opts, MemoryPool& pool,
@@ -247,14 +246,15 @@ ParallelGPT::ParallelGPT(const GPTConfig& cfg, ParallelGroups groups, ParallelOp
     own_attn_ = std::make_unique<cpu::AttnWorkspace>(pool_);
     attn_ = own_attn_.get();
   }
-  impl_ = std::make_unique<Impl>(pool_, m, *attn_);
+  ring_ = std::make_shared<parallel::cp::RingAttention>(pool_, attn_);
+  impl_ = std::make_unique<Impl>(m);
   init_weights(seed);
 }
 
 ParallelGPT::ParallelGPT(const ParallelGPT& o, ReplicaOf)
     : cfg_(o.cfg_), g_(o.g_), opts_(o.opts_), pool_(o.pool_), tp_(o.tp_), tpr_(o.tpr_), cp_(o.cp_), cpr_(o.cpr_),
-      Vs_(o.Vs_), first_(o.first_), last_(o.last_), w_(o.w_), scratch_(o.scratch_), attn_(o.attn_),
-      impl_(std::make_unique<Impl>(o.pool_, *o.w_, *o.attn_)) {}
+      Vs_(o.Vs_), first_(o.first_), last_(o.last_), w_(o.w_), scratch_(o.scratch_), attn_(o.attn_), ring_(o.ring_),
+      impl_(std::make_unique<Impl>(*o.w_)) {}
 
 std::unique_ptr<ParallelGPT> ParallelGPT::replica() const {
   return std::unique_ptr<ParallelGPT>(new ParallelGPT(*this, ReplicaOf{}));
@@ -343,7 +343,7 @@ void ParallelGPT::release_activations() {
   m.deferred.clear();
   m.def_dres = m.def_dfull = Tensor();
   m.x0 = nullptr;
-  m.ring.release();
+  if (!opts_.attention_workspace) ring_->release();
   if (own_attn_) own_attn_->release();
   m.B = m.T = m.Tl = m.N = m.Ns = m.r0 = 0;
   m.holds_dlogits = m.can_backward = false;
@@ -469,7 +469,7 @@ float ParallelGPT::forward_stage(const Tensor& tokens, const Tensor& targets, co
     }
     cpu::matmul_forward(L.qkv.f32(), lnfull, L.w(QKV_W), L.w(QKV_B), N, C, 3 * Cl);
     if (cp_ > 1) {
-      m.ring.forward(*g_.cp, L.atty.f32(), L.lse.f32(), L.qkv.f32(), {B, T, NHl, HS});
+      ring_->forward(*g_.cp, L.atty.f32(), L.lse.f32(), L.qkv.f32(), {B, T, NHl, HS});
     } else {
       cpu::AttnArgs aa;
       aa.B = B, aa.NH = NHl, aa.HS = HS, aa.Tq = aa.Tkv = T;
@@ -658,7 +658,7 @@ void ParallelGPT::backward_stage(const float* grad_output, bool input_only) {
            Cl, C);
     float* dqkv = b4;  // f32 [N, 3 Cl] in the [N, 4 Cl] buffer
     if (cp_ > 1) {
-      m.ring.backward(*g_.cp, dqkv, m.datty.f32(), L.qkv.f32(), L.atty.f32(), L.lse.f32(), {B, T, NHl, HS});
+      ring_->backward(*g_.cp, dqkv, m.datty.f32(), L.qkv.f32(), L.atty.f32(), L.lse.f32(), {B, T, NHl, HS});
     } else {
       cpu::AttnArgs aa;
       aa.B = B, aa.NH = NHl, aa.HS = HS, aa.Tq = aa.Tkv = T;

@@ -45,6 +45,10 @@
 #include "model/gpt.h"
 #include "model/param.h"
 
+namespace loom::parallel::cp {
+class RingAttention;
+}
+
 namespace loom::model {
 
 struct ParallelGroups {
@@ -89,7 +93,8 @@ class ParallelGPT {
   ParallelGPT& operator=(const ParallelGPT&) = delete;
 
   // Another model over the same parameters, with its own activations (a pipeline stage's
-  // micro-batch in flight); it shares this one's scratch buffers and attention scratch.
+  // micro-batch in flight); it shares this one's scratch buffers, ring attention (cp) and
+  // attention scratch: one of them computes at a time.
   // The parameters belong to this object, which must outlive it.
   std::unique_ptr<ParallelGPT> replica() const;
 
@@ -174,6 +179,7 @@ class ParallelGPT {
   std::shared_ptr<Scratch> scratch_;              // shared with the replicas
   std::unique_ptr<cpu::AttnWorkspace> own_attn_;  // without ParallelOptions::attention_workspace
   cpu::AttnWorkspace* attn_ = nullptr;            // the one in use: the caller's, own_attn_ or the primary's
+  std::shared_ptr<parallel::cp::RingAttention> ring_;  // cp > 1: its K/V blocks, shared with the replicas
   std::unique_ptr<Impl> impl_;
 };
 

@@ -416,28 +416,31 @@ TEST(PipelineExecutor, TraceCarriesEachComputesCpuTimeForTheReplay) {
   }
 }
 
-// Under tp a stage's micro-batch replicas share one set of scratch buffers (the two [N, C]
-// buffers, [N, 4 Cl], [N, Cl], the cross-entropy statistics and the residual-stream gradient),
-// taken in the first step: after it, no step takes a workspace buffer.
-TEST(PipelineMemory, TensorParallelStagesShareTheirScratchAcrossMicroBatches) {
+// Under tp or cp a stage's micro-batch replicas share one set of scratch buffers (the two [N, C]
+// buffers, [N, 4 Cl], [N, Cl], the cross-entropy statistics, the residual-stream gradient and
+// the ring's partial outputs), taken in the first step: after it, no step takes a workspace
+// buffer.
+TEST(PipelineMemory, TensorAndContextParallelStagesShareTheirScratchAcrossMicroBatches) {
   const int p = 2, m = 4;
-  for (bool sp : {false, true}) {
+  for (Layout lay : {Layout{.tp = 2}, Layout{.tp = 2, .sp = true}, Layout{.cp = 2}}) {
     for (Kind k : {Kind::one_f_one_b, Kind::interleaved}) {
-      SCOPED_TRACE(fmt::format("{} tp=2{}", kind_name(k), sp ? " sp" : ""));
+      SCOPED_TRACE(fmt::format("{} tp={}{} cp={}", kind_name(k), lay.tp, lay.sp ? " sp" : "", lay.cp));
       const int v = k == Kind::interleaved ? 2 : 1;
       const ScheduleSpec spec{k, p, v, m};
       const Data d = make_data(1, int(tiny().vocab_size));
-      Mesh mesh = Mesh::standard(p, 1, 1, 2);
-      comm::run_ranks(p * 2, [&](comm::Comm& w) {
+      Mesh mesh = Mesh::standard(p, 1, lay.cp, lay.tp);
+      comm::run_ranks(p * lay.tp * lay.cp, [&](comm::Comm& w) {
         auto pp = split_comm(mesh, w, {"pp"});
         auto tpc = split_comm(mesh, w, {"tp"});
+        auto cpc = split_comm(mesh, w, {"cp"});
         MemoryPool pool("rank" + std::to_string(w.rank()));
         ExecutorOptions o;
         o.schedule = spec;
         o.adamw = adamw();
-        o.tp = 2;
-        o.sp = sp;
-        PipelineExecutor ex(tiny(), o, *pp, nullptr, pool, {tpc.get(), nullptr});
+        o.tp = lay.tp;
+        o.cp = lay.cp;
+        o.sp = lay.sp;
+        PipelineExecutor ex(tiny(), o, *pp, nullptr, pool, {tpc.get(), cpc.get()});
         ex.step(d.tokens[0], d.targets[0]);
         const int64_t before = pool.allocations(MemTag::workspace);
         for (int s = 1; s < 3; ++s) ex.step(d.tokens[size_t(s)], d.targets[size_t(s)]);
