@@ -35,6 +35,13 @@ inline std::string locate_loom() {
 
 inline const std::string kLoom = locate_loom();
 
+// Skips the test when the loom executable is not built.
+#define LOOM_REQUIRE_LOOM()                                                                         \
+  do {                                                                                              \
+    if (!std::filesystem::exists(::loom::test::kLoom))                                              \
+      GTEST_SKIP() << "the loom executable is not built at " << ::loom::test::kLoom << " (ninja loom)"; \
+  } while (0)
+
 struct CmdRun {
   int status = -1;
   std::string output;

@@ -34,7 +34,7 @@ CliRun loom_cli(const std::string& args) {
 }  // namespace
 
 TEST(BenchTrainCli, MemoryByTagEqualsTheDeclarations) {
-  if (!fs::exists(kLoom)) GTEST_SKIP() << kLoom << " is not built (ninja loom)";
+  LOOM_REQUIRE_LOOM();
   for (int threads : {1, 2}) {
     const CliRun r = loom_cli("bench train --model gpt2-tiny --batch 2 --seq 48 --steps 1 --warmup 1 "
                               "--gemm-seconds 0.01 --threads " + std::to_string(threads));

@@ -16,7 +16,7 @@ namespace fs = std::filesystem;
 
 TEST(TrainCli, DeviceCudaIsDispatchedOrRefused) {
   using loom::test::kLoom;
-  if (!fs::exists(kLoom)) GTEST_SKIP() << kLoom << " is not built (ninja loom)";
+  LOOM_REQUIRE_LOOM();
   const fs::path dir = fs::temp_directory_path() / ("loom_train_device_cli_" + std::to_string(::getpid()));
   fs::create_directories(dir);
   const std::string data = (dir / "no_data").string();

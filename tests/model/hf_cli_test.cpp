@@ -37,7 +37,7 @@ struct TmpDir {
 }  // namespace
 
 TEST(HfCli, ConvertGenerateAndErrors) {
-  if (!fs::exists(kLoom)) GTEST_SKIP() << kLoom << " is not built (ninja loom)";
+  LOOM_REQUIRE_LOOM();
   const fs::path dump = fs::path(LOOM_SOURCE_DIR) / "tests/model/hf_gpt2_tiny";
   TmpDir d;
   const std::string run = (d.p / "run").string(), hf = (d.p / "hf").string();

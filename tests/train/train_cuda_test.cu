@@ -78,11 +78,6 @@ struct Fixture {
   }
 };
 
-#define LOOM_REQUIRE_LOOM()                                                            \
-  do {                                                                                 \
-    if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom; \
-  } while (0)
-
 // Every step of `want` in [first, last] is in `got` within rel relative.
 void expect_close(const std::map<int64_t, double>& got, const std::map<int64_t, double>& want, int64_t first,
                   int64_t last, double rel, const std::string& what) {

@@ -35,7 +35,7 @@ std::string find_mpirun() {
 
 #define SKIP_WITHOUT_MPI()                                                                           \
   do {                                                                                               \
-    if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;         \
+    LOOM_REQUIRE_LOOM();                                                                             \
     if (!kHaveMpi) GTEST_SKIP() << "loom was built without MPI";                                     \
     if (find_mpirun().empty()) GTEST_SKIP() << "mpirun not found; install OpenMPI to test the mpi backend"; \
   } while (0)

@@ -54,22 +54,22 @@ class TrainParallelResume : public MeshTrainFixture {
 }  // namespace
 
 TEST_F(TrainParallelResume, TensorSequenceParallelResumesBitIdentically) {
-  if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
+  LOOM_REQUIRE_LOOM();
   expect_bit_identical_resume("tp2_sp", "--parallel.tp 2 --parallel.sp true", 1);
 }
 
 TEST_F(TrainParallelResume, ContextParallelResumesBitIdentically) {
-  if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
+  LOOM_REQUIRE_LOOM();
   expect_bit_identical_resume("cp2", "--parallel.cp 2", 0);
 }
 
 TEST_F(TrainParallelResume, PipelineTimesDataParallelResumesBitIdentically) {
-  if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
+  LOOM_REQUIRE_LOOM();
   expect_bit_identical_resume("pp2_dp2", "--parallel.pp 2 --parallel.schedule 1f1b --parallel.dp 2", 1);
 }
 
 TEST_F(TrainParallelResume, ZeroOneWithTensorParallelResumesBitIdentically) {
-  if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
+  LOOM_REQUIRE_LOOM();
   expect_bit_identical_resume("tp2_dp2_zero1", "--parallel.tp 2 --parallel.dp 2 --parallel.zero 1", 1);
   // Moments sharded over dp x cp (4 ranks).
   expect_bit_identical_resume("cp2_dp2_zero1", "--parallel.cp 2 --parallel.dp 2 --parallel.zero 1", 2);
@@ -77,34 +77,34 @@ TEST_F(TrainParallelResume, ZeroOneWithTensorParallelResumesBitIdentically) {
 
 // The 4D layout dp 2 x pp 2 x tp 2 resumes bit-identically too.
 TEST_F(TrainParallelResume, DataPipelineTensorResumesBitIdentically) {
-  if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
+  LOOM_REQUIRE_LOOM();
   expect_bit_identical_resume("dp2_pp2_tp2", "--parallel.dp 2 --parallel.pp 2 --parallel.tp 2", 3);
   expect_bit_identical_resume("dp2_pp2_zero1", "--parallel.dp 2 --parallel.pp 2 --parallel.zero 1", 2);
 }
 
 TEST_F(TrainParallelResume, TensorParallelCheckpointResumesUnderPipeline) {
-  if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
+  LOOM_REQUIRE_LOOM();
   run_interrupted("tp2_to_pp2", "--parallel.tp 2", 1);
   resume("tp2_to_pp2", "--parallel.pp 2 --parallel.schedule 1f1b");
   expect_losses_near_reference("tp2_to_pp2", "tp=2 steps 1-5, pp=2 steps 6-10");
 }
 
 TEST_F(TrainParallelResume, SingleDeviceCheckpointResumesUnderTensorParallel) {
-  if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
+  LOOM_REQUIRE_LOOM();
   run_interrupted("single_to_tp2", "", 0);
   resume("single_to_tp2", "--parallel.tp 2");
   expect_losses_near_reference("single_to_tp2", "single device steps 1-5, tp=2 steps 6-10");
 }
 
 TEST_F(TrainParallelResume, PipelineCheckpointResumesUnderDataParallel) {
-  if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
+  LOOM_REQUIRE_LOOM();
   run_interrupted("pp2_to_dp2", "--parallel.pp 2", 1);
   resume("pp2_to_dp2", "--parallel.dp 2");
   expect_losses_near_reference("pp2_to_dp2", "pp=2 steps 1-5, dp=2 steps 6-10");
 }
 
 TEST_F(TrainParallelResume, CheckpointOfAnotherModelIsRefusedNamingTheField) {
-  if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
+  LOOM_REQUIRE_LOOM();
   CmdRun first = train("other_model", "--parallel.tp 2 --train.steps 1");
   ASSERT_EQ(first.status, 0) << first.output;
   for (const std::string layout : {"--parallel.tp 2", "--parallel.pp 2", ""}) {

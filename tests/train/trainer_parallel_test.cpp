@@ -81,23 +81,23 @@ class TrainParallel : public MeshTrainFixture {
 }  // namespace
 
 TEST_F(TrainParallel, TensorParallelMatchesSingleDevice) {
-  if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
+  LOOM_REQUIRE_LOOM();
   expect_same_losses("tp2", "--parallel.tp 2");
   expect_same_checkpoint("tp2");
 }
 
 TEST_F(TrainParallel, SequenceParallelMatchesSingleDevice) {
-  if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
+  LOOM_REQUIRE_LOOM();
   expect_same_losses("tp2_sp", "--parallel.tp 2 --parallel.sp true");
 }
 
 TEST_F(TrainParallel, ContextParallelMatchesSingleDevice) {
-  if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
+  LOOM_REQUIRE_LOOM();
   expect_same_losses("cp2", "--parallel.cp 2");
 }
 
 TEST_F(TrainParallel, TensorTimesDataParallelMatchesSingleDevice) {
-  if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
+  LOOM_REQUIRE_LOOM();
   expect_same_losses("tp2_dp2", "--parallel.tp 2 --parallel.dp 2");
   expect_same_checkpoint("tp2_dp2");
 }
@@ -105,28 +105,28 @@ TEST_F(TrainParallel, TensorTimesDataParallelMatchesSingleDevice) {
 // ZeRO-1 over dp (moments sharded, gathered over dp for the checkpoint) composed with tensor,
 // sequence and context parallelism, 20 steps.
 TEST_F(TrainParallel, ZeroOneWithTensorParallelMatchesSingleDevice) {
-  if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
+  LOOM_REQUIRE_LOOM();
   expect_same_losses("tp2_dp2_zero1", "--parallel.tp 2 --parallel.dp 2 --parallel.zero 1", 20);
   expect_same_checkpoint("tp2_dp2_zero1", 20);
   expect_same_moments("tp2_dp2_zero1", ref_dir(20), kTol);
 }
 
 TEST_F(TrainParallel, ZeroOneWithSequenceParallelMatchesSingleDevice) {
-  if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
+  LOOM_REQUIRE_LOOM();
   expect_same_losses("tp2_sp_dp2_zero1", "--parallel.tp 2 --parallel.sp true --parallel.dp 2 --parallel.zero 1", 20);
   expect_same_checkpoint("tp2_sp_dp2_zero1", 20);
   expect_same_moments("tp2_sp_dp2_zero1", ref_dir(20), kTol);
 }
 
 TEST_F(TrainParallel, ZeroOneWithContextParallelMatchesSingleDevice) {
-  if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
+  LOOM_REQUIRE_LOOM();
   expect_same_losses("cp2_dp2_zero1", "--parallel.cp 2 --parallel.dp 2 --parallel.zero 1", 20);
   expect_same_checkpoint("cp2_dp2_zero1", 20);
   expect_same_moments("cp2_dp2_zero1", ref_dir(20), kTol);
 }
 
 TEST_F(TrainParallel, PipelineMatchesSingleDevice) {
-  if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
+  LOOM_REQUIRE_LOOM();
   expect_same_losses("pp2", "--parallel.pp 2 --parallel.schedule 1f1b");
   expect_same_checkpoint("pp2");
 }
@@ -134,7 +134,7 @@ TEST_F(TrainParallel, PipelineMatchesSingleDevice) {
 // Stages cut by a layer list (parallel.stage_layers) instead of by cost, down to a first stage
 // holding the embedding alone and a last one holding the head alone.
 TEST_F(TrainParallel, PipelineStagesFromALayerListMatchSingleDevice) {
-  if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
+  LOOM_REQUIRE_LOOM();
   expect_same_losses("pp2_layers_0_2", "--parallel.pp 2 --parallel.stage_layers 0,2");
   expect_same_losses("pp2_layers_2_0", "--parallel.pp 2 --parallel.stage_layers [2,0] --parallel.schedule zb-h1");
   expect_same_checkpoint("pp2_layers_2_0");
@@ -167,14 +167,14 @@ TEST_F(TrainParallel, PipelineStagesFromALayerListMatchSingleDevice) {
 }
 
 TEST_F(TrainParallel, PipelineTimesDataParallelMatchesSingleDevice) {
-  if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
+  LOOM_REQUIRE_LOOM();
   expect_same_losses("pp2_dp2", "--parallel.pp 2 --parallel.dp 2");
 }
 
 // Pipelines with ZeRO-1 (each stage's moments sharded over its dp replicas), alone and in the 4D
 // layout, 20 steps.
 TEST_F(TrainParallel, ZeroOneWithPipelineMatchesSingleDevice) {
-  if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
+  LOOM_REQUIRE_LOOM();
   expect_same_losses("pp2_dp2_zero1", "--parallel.pp 2 --parallel.dp 2 --parallel.zero 1", 20);
   expect_same_checkpoint("pp2_dp2_zero1", 20);
   expect_same_moments("pp2_dp2_zero1", ref_dir(20), kTol);
@@ -189,19 +189,19 @@ TEST_F(TrainParallel, ZeroOneWithPipelineMatchesSingleDevice) {
 // The 4D layout: dp 2 x pp 2 x tp 2 (8 ranks), and pipeline stages with sequence and context
 // parallelism inside.
 TEST_F(TrainParallel, DataPipelineTensorMatchesSingleDevice) {
-  if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
+  LOOM_REQUIRE_LOOM();
   expect_same_losses("dp2_pp2_tp2", "--parallel.dp 2 --parallel.pp 2 --parallel.tp 2");
   expect_same_checkpoint("dp2_pp2_tp2");
 }
 
 TEST_F(TrainParallel, PipelineWithSequenceAndContextParallelMatchesSingleDevice) {
-  if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
+  LOOM_REQUIRE_LOOM();
   expect_same_losses("pp2_tp2_sp", "--parallel.pp 2 --parallel.tp 2 --parallel.sp true --parallel.schedule zb-h1");
   expect_same_losses("pp2_cp2", "--parallel.pp 2 --parallel.cp 2 --parallel.schedule gpipe");
 }
 
 TEST_F(TrainParallel, UnsupportedCombinationsAreRefusedNamingTheFields) {
-  if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
+  LOOM_REQUIRE_LOOM();
   for (const char* layout : {"--parallel.tp 2 --parallel.dp 2 --parallel.zero 2", "--parallel.cp 2 --parallel.zero 3",
                              "--parallel.tp 2 --parallel.sp true --parallel.zero 2",
                              "--parallel.pp 2 --parallel.zero 2"}) {
