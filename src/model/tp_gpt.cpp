@@ -260,6 +260,16 @@ std::unique_ptr<ParallelGPT> ParallelGPT::replica() const {
   return std::unique_ptr<ParallelGPT>(new ParallelGPT(*this, ReplicaOf{}));
 }
 
+void ParallelGPT::share_scratch_with(const ParallelGPT& other) {
+  LOOM_CHECK(opts_.attention_workspace && opts_.attention_workspace == other.opts_.attention_workspace,
+             "model '{}': stages share scratch only with the same caller-kept attention scratch", cfg_.name);
+  LOOM_CHECK(g_.tp == other.g_.tp && g_.cp == other.g_.cp && opts_.sp == other.opts_.sp,
+             "model '{}': stages share scratch only within the same tp / cp groups and sp", cfg_.name);
+  LOOM_CHECK(impl_->N == 0, "model '{}': share_scratch_with after a forward", cfg_.name);
+  scratch_ = other.scratch_;
+  ring_ = other.ring_;
+}
+
 ParallelGPT::~ParallelGPT() = default;
 
 const std::vector<Parameter*>& ParallelGPT::parameters() const { return w_->list; }

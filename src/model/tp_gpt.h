@@ -97,6 +97,11 @@ class ParallelGPT {
   // attention scratch: one of them computes at a time.
   // The parameters belong to this object, which must outlive it.
   std::unique_ptr<ParallelGPT> replica() const;
+  // From now on this model (and replicas made after) uses `other`'s scratch buffers and ring
+  // attention, e.g. another model chunk of the same pipeline rank: a rank runs one compute at a
+  // time. Both must keep the caller's attention scratch (ParallelOptions::attention_workspace)
+  // and the same groups, sp and sequence length; call it before the first forward.
+  void share_scratch_with(const ParallelGPT& other);
 
   const GPTConfig& config() const { return cfg_; }
   int tp() const { return tp_; }

@@ -476,6 +476,8 @@ PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOp
       po.last = ch.last;
       po.attention_workspace = &I.attn;
       s->stage = std::make_unique<model::ParallelGPT>(cfg, groups, po, pool, opt.seed);
+      // One compute at a time on this rank: the chunks share one set of call buffers.
+      if (&ch != &I.chunks.front()) s->stage->share_scratch_with(*I.chunks.front().all[0]->stage);
       for (model::Parameter* prm : s->stage->parameters()) I.params.push_back(prm);
       for (auto& sh : s->stage->sharded()) {
         I.sharded.push_back(sh.get());

@@ -466,10 +466,13 @@ class SizeRecorder final : public Allocator {
 // every micro-batch replica of them (blocks, or ParallelGPT stages under tp / cp), and taken
 // once: over three steps of four micro-batches each rank allocates one block of its size. The
 // other scratch (the blocks' and ParallelGPT's call buffers, the ring's partial outputs) is taken
-// in the first step and shared by the micro-batches from then on.
+// in the first step and shared by the micro-batches and the model chunks from then on.
 TEST(PipelineMemory, ScratchIsTakenOncePerRank) {
   const int p = 2, m = 4;
   for (Layout lay : {Layout{}, Layout{.tp = 2}, Layout{.tp = 2, .sp = true}, Layout{.cp = 2}}) {
+    // Per kind and rank: the workspace allocations and peak of the first step.
+    std::map<Kind, std::map<int, std::pair<int64_t, int64_t>>> first_step;
+    std::mutex mu;
     for (Kind k : {Kind::one_f_one_b, Kind::zb_h1, Kind::interleaved}) {
       SCOPED_TRACE(fmt::format("{} tp={}{} cp={}", kind_name(k), lay.tp, lay.sp ? " sp" : "", lay.cp));
       const ScheduleSpec spec{k, p, k == Kind::interleaved ? 2 : 1, m};
@@ -490,6 +493,10 @@ TEST(PipelineMemory, ScratchIsTakenOncePerRank) {
         PipelineExecutor ex(tiny(), o, *pp, nullptr, pool, {tpc.get(), cpc.get()});
         ex.step(d.tokens[0], d.targets[0]);
         const int64_t before = pool.allocations(MemTag::workspace);
+        {
+          std::lock_guard lk(mu);
+          first_step[k][w.rank()] = {before, pool.peak(MemTag::workspace)};
+        }
         for (int s = 1; s < 3; ++s) ex.step(d.tokens[size_t(s)], d.targets[size_t(s)]);
         // Nor does any other scratch come back after the first step: blocks and ParallelGPT
         // stages share theirs across micro-batches. (ZB-H1 keeps each micro-batch's inputs of its
@@ -512,6 +519,10 @@ TEST(PipelineMemory, ScratchIsTakenOncePerRank) {
         EXPECT_EQ(rec.count(size_t(bytes)), 1) << "rank " << w.rank() << ", " << bytes << " bytes";
       });
     }
+    // The model chunks of a rank share it too: interleaved (two chunks per rank) takes what
+    // 1F1B (one chunk) takes.
+    EXPECT_EQ(first_step[Kind::interleaved], first_step[Kind::one_f_one_b])
+        << "tp=" << lay.tp << " cp=" << lay.cp << (lay.sp ? " sp" : "");
   }
 }
 
