@@ -7,7 +7,7 @@
 #   VOCAB_DIR  GPT-2's encoder.json + vocab.bpe (default: ../shared/data/gpt2 beside the checkout)
 # The npm packages are installed once into BUILD_DIR/npm-peer (or $LOOM_NPM_DIR), where the long
 # test tests/data/tokenizer_long_test.cpp also finds them. The corpus is the King James Bible
-# (Debian package bible-kjv-text) plus the system's licence texts; $LOOM_TOKENIZER_CORPUS names
+# (Debian package bible-kjv) plus the system's licence texts; $LOOM_TOKENIZER_CORPUS names
 # another file instead. Exit status: 0 when every peer's ids equal loom's, 1 otherwise.
 set -euo pipefail
 
@@ -42,7 +42,7 @@ if [[ -z "${LOOM_TOKENIZER_CORPUS:-}" && ! -s "$corpus" ]]; then
   fi
 fi
 bytes=$(wc -c < "$corpus")
-(( bytes >= 1000000 )) || { echo "tokenizer_vs_npm: corpus $corpus has only $bytes bytes (install bible-kjv-text)" >&2; exit 2; }
+(( bytes >= 1000000 )) || { echo "tokenizer_vs_npm: corpus $corpus has only $bytes bytes (install bible-kjv)" >&2; exit 2; }
 
 echo "corpus: $corpus ($bytes bytes); $(nproc) cores; load average $(cut -d' ' -f1-3 /proc/loadavg)"
 status=0

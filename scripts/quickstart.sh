@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job: install dependencies, build loom, install a public-domain corpus from Debian (the
-# King James Bible, package bible-kjv-text), train a byte-level BPE vocabulary and token shards
+# King James Bible, package bible-kjv), train a byte-level BPE vocabulary and token shards
 # from it, then train a ~10M-parameter GPT on the CPU for a few minutes and print a sample.
 # Extra arguments are passed to `loom train` (e.g. --train.steps 50).
 set -euo pipefail

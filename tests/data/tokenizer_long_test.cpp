@@ -162,7 +162,7 @@ TEST_F(NpmPeer, EnglishCorpus) {
     for (const auto& f : files) text += slurp(f);
   }
   if (text.size() < (size_t(1) << 20)) {
-    GTEST_SKIP() << "no English corpus (the bible program of bible-kjv-text, or the system's "
+    GTEST_SKIP() << "no English corpus (the bible program of bible-kjv, or the system's "
                     "common-licenses); skipping";
   }
   const fs::path file = kWork / "english.txt";

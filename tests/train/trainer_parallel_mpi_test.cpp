@@ -127,13 +127,13 @@ TEST_F(TrainParallelMpi, ProcessCountOtherThanTheMeshIsRefused) {
 }
 
 // The 4D layout dp 2 x pp 2 x tp 2 on the README's corpus (the King James Bible of Debian's
-// bible-kjv-text, tokenised by `loom prepare` with a trained vocabulary), 8 ranks: as threads
+// bible-kjv, tokenised by `loom prepare` with a trained vocabulary), 8 ranks: as threads
 // and as 8 processes under mpirun, with bit-identical losses. A GPT smaller than the README's
 // keeps it to seconds.
 TEST_F(TrainParallelMpi, FourDimensionalRunOnTheReadmeCorpusEqualsUnderThreadsAndMpi) {
   SKIP_WITHOUT_MPI();
   if (::access("/usr/bin/bible", X_OK) != 0)
-    GTEST_SKIP() << "the README corpus is not installed (apt-get install bible-kjv-text)";
+    GTEST_SKIP() << "the README corpus is not installed (apt-get install bible-kjv; scripts/install_deps.sh does)";
   const fs::path dir = root_ / "kjv";
   fs::create_directories(dir);
   CmdRun text = sh(fmt::format("bible -f 'Genesis 1:1-Revelation 22:21' | sed -E 's/^[0-9]?[A-Za-z]+[0-9]+:[0-9]+ //' "
