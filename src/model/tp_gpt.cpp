@@ -325,13 +325,19 @@ int64_t ParallelGPT::head_saved_bytes(int64_t B, int64_t T) const {
   return F * (Ns * (cfg_.n_embd + 2) + N * (Vs_ + 1)) + I * N;
 }
 
-int64_t ParallelGPT::attention_workspace_bytes(int64_t B, int64_t T, int threads) const {
-  const int64_t NHl = cfg_.n_head / tp_, HS = cfg_.n_embd / cfg_.n_head;
-  if (cp_ > 1) return parallel::cp::RingAttention::workspace_bytes({B, T, NHl, HS}, cp_, threads);
+cpu::AttnArgs ParallelGPT::attention_args(int64_t B, int64_t T) const {
+  const int64_t NHl = cfg_.n_head / tp_, Cl = cfg_.n_embd / tp_;
   cpu::AttnArgs aa;
-  aa.B = B, aa.NH = NHl, aa.HS = HS, aa.Tq = aa.Tkv = T;
-  aa.q_stride = aa.kv_stride = 3 * NHl * HS, aa.o_stride = NHl * HS;
-  return cpu::attention_training_workspace_bytes(aa, threads);
+  aa.B = B, aa.NH = NHl, aa.HS = cfg_.n_embd / cfg_.n_head, aa.Tq = aa.Tkv = T;
+  aa.q_stride = aa.kv_stride = 3 * Cl, aa.o_stride = Cl;
+  return aa;
+}
+
+int64_t ParallelGPT::attention_workspace_bytes(int64_t B, int64_t T, int threads) const {
+  if (cp_ > 1)
+    return parallel::cp::RingAttention::workspace_bytes({B, T, cfg_.n_head / tp_, cfg_.n_embd / cfg_.n_head}, cp_,
+                                                        threads);
+  return cpu::attention_training_workspace_bytes(attention_args(B, T), threads);
 }
 
 int64_t ParallelGPT::saved_activation_bytes(int64_t B, int64_t T) const {
@@ -349,12 +355,14 @@ void ParallelGPT::release_activations() {
   }
   m.tokens = m.emb_out = m.lnf = m.lnf_mean = m.lnf_rstd = m.logits = m.losses = m.targets = Tensor();
   m.wA = m.wB = m.buf4 = m.datty = m.dres = m.ce = Tensor();
-  if (!opts_.attention_workspace) *scratch_ = Scratch{};  // a caller that keeps scratch runs the next micro-batch
   m.deferred.clear();
   m.def_dres = m.def_dfull = Tensor();
   m.x0 = nullptr;
-  if (!opts_.attention_workspace) ring_->release();
-  if (own_attn_) own_attn_->release();
+  if (own_attn_) {  // scratch is this model's to free; a caller that keeps it runs the next micro-batch
+    *scratch_ = Scratch{};
+    ring_->release();
+    own_attn_->release();
+  }
   m.B = m.T = m.Tl = m.N = m.Ns = m.r0 = 0;
   m.holds_dlogits = m.can_backward = false;
 }
@@ -481,10 +489,7 @@ float ParallelGPT::forward_stage(const Tensor& tokens, const Tensor& targets, co
     if (cp_ > 1) {
       ring_->forward(*g_.cp, L.atty.f32(), L.lse.f32(), L.qkv.f32(), {B, T, NHl, HS});
     } else {
-      cpu::AttnArgs aa;
-      aa.B = B, aa.NH = NHl, aa.HS = HS, aa.Tq = aa.Tkv = T;
-      aa.q_stride = aa.kv_stride = 3 * Cl, aa.o_stride = Cl;
-      aa = attn_->use(aa, false);
+      const cpu::AttnArgs aa = attn_->use(attention_args(B, T), false);
       const float* q = L.qkv.f32();
       cpu::attention_forward(L.atty.f32(), L.lse.f32(), q, q + Cl, q + 2 * Cl, aa);
     }
@@ -670,10 +675,7 @@ void ParallelGPT::backward_stage(const float* grad_output, bool input_only) {
     if (cp_ > 1) {
       ring_->backward(*g_.cp, dqkv, m.datty.f32(), L.qkv.f32(), L.atty.f32(), L.lse.f32(), {B, T, NHl, HS});
     } else {
-      cpu::AttnArgs aa;
-      aa.B = B, aa.NH = NHl, aa.HS = HS, aa.Tq = aa.Tkv = T;
-      aa.q_stride = aa.kv_stride = 3 * Cl, aa.o_stride = Cl;
-      aa = attn_->use(aa, true);
+      const cpu::AttnArgs aa = attn_->use(attention_args(B, T), true);
       const float* q = L.qkv.f32();
       cpu::attention_backward(dqkv, dqkv + Cl, dqkv + 2 * Cl, m.datty.f32(), q, q + Cl, q + 2 * Cl, L.atty.f32(),
                               L.lse.f32(), aa);

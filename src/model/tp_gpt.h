@@ -64,9 +64,9 @@ struct ParallelOptions {
   int64_t first = 0, last = -1;   // chain elements [first, last) of a pipeline stage (last < 0: all)
   // The attention kernel's scratch, kept by the caller (a pipeline rank's, shared by all its
   // stages and replicas; it must outlive the model); null: the model keeps its own, which its
-  // replicas share and release_activations frees. With a caller's, the model's other scratch
-  // buffers (shared with its replicas) also stay allocated across release_activations: the
-  // caller runs micro-batch after micro-batch.
+  // replicas share and its release_activations frees together with the other scratch buffers.
+  // With a caller's, those buffers (shared with the replicas) stay allocated across
+  // release_activations: the caller runs micro-batch after micro-batch.
   cpu::AttnWorkspace* attention_workspace = nullptr;
 };
 
@@ -100,7 +100,7 @@ class ParallelGPT {
   // From now on this model (and replicas made after) uses `other`'s scratch buffers and ring
   // attention, e.g. another model chunk of the same pipeline rank: a rank runs one compute at a
   // time. Both must keep the caller's attention scratch (ParallelOptions::attention_workspace)
-  // and the same groups, sp and sequence length; call it before the first forward.
+  // and the same groups and sp; call it before the first forward.
   void share_scratch_with(const ParallelGPT& other);
 
   const GPTConfig& config() const { return cfg_; }
@@ -167,6 +167,8 @@ class ParallelGPT {
   int64_t attention_workspace_bytes(int64_t B, int64_t T, int threads) const;
 
  private:
+  // The attention kernel's arguments at [B, T] on this rank's heads (packed qkv rows).
+  cpu::AttnArgs attention_args(int64_t B, int64_t T) const;
   struct Weights;
   struct Scratch;
   struct Impl;

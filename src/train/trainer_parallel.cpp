@@ -26,6 +26,7 @@
 #include "parallel/data/flat_layout.h"
 #include "parallel/mesh.h"
 #include "parallel/pipeline/executor.h"
+#include "parallel/pipeline/stage_layers.h"
 #include "train/checkpoint.h"
 #include "train/checkpoint_io.h"
 #include "train/safetensors.h"

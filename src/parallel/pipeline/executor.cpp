@@ -91,7 +91,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-
 // One micro-batch's copy of a chunk: blocks that share the chunk's parameters but hold their own
 // saved activations, the received input and output gradient.
 struct Slot {

@@ -52,7 +52,6 @@
 #include "parallel/pipeline/checker.h"
 #include "parallel/pipeline/draw.h"
 #include "parallel/pipeline/schedule.h"
-#include "parallel/pipeline/stage_layers.h"
 
 namespace loom::parallel::pipeline {
 

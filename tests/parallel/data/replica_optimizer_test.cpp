@@ -109,15 +109,12 @@ TEST_P(ReplicaOptimizerTest, AddsCpPartialSumsAndAveragesReplicas) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(ZeroStage, ReplicaOptimizerTest, ::testing::Values(0, 1),
-                         [](const auto& info) { return "zero" + std::to_string(info.param); });
-
-TEST(ReplicaOptimizer, LoadedMomentsAreTheOnesGathered) {
+TEST_P(ReplicaOptimizerTest, LoadedMomentsAreTheOnesGathered) {
   comm::run_ranks(2, [&](comm::Comm& c) {
     MemoryPool pool("rank");
     auto ps = test::make_param_set(pool);
     parallel::ReplicaOptimizer::Options o;
-    o.zero_stage = 1;
+    o.zero_stage = GetParam();
     parallel::ReplicaOptimizer opt(raw(ps), &c, o, test::clipping_adamw(), pool);
     const int64_t n = ps[2]->spec.numel();
     const size_t len = static_cast<size_t>(n);
@@ -129,6 +126,9 @@ TEST(ReplicaOptimizer, LoadedMomentsAreTheOnesGathered) {
     EXPECT_EQ(v, v2);
   });
 }
+
+INSTANTIATE_TEST_SUITE_P(ZeroStage, ReplicaOptimizerTest, ::testing::Values(0, 1),
+                         [](const auto& info) { return "zero" + std::to_string(info.param); });
 
 TEST(ReplicaOptimizer, RefusesBadOptions) {
   comm::run_ranks(4, [&](comm::Comm& c) {

@@ -25,6 +25,7 @@
 #include "parallel/context/ring_attention.h"
 #include "parallel/mesh.h"
 #include "parallel/pipeline/executor.h"
+#include "parallel/pipeline/stage_layers.h"
 
 namespace loom::parallel::pipeline {
 namespace {
@@ -501,7 +502,9 @@ TEST(PipelineMemory, ScratchIsTakenOncePerRank) {
         // Nor does any other scratch come back after the first step: blocks and ParallelGPT
         // stages share theirs across micro-batches. (ZB-H1 keeps each micro-batch's inputs of its
         // deferred weight gradients from Bi to W, which it must.)
-        if (k != Kind::zb_h1) EXPECT_EQ(pool.allocations(MemTag::workspace) - before, 0) << "rank " << w.rank();
+        if (k != Kind::zb_h1) {
+          EXPECT_EQ(pool.allocations(MemTag::workspace) - before, 0) << "rank " << w.rank();
+        }
         // The largest call of a micro-batch [b, kT] on this rank's heads: one chunk pair under cp.
         const model::GPTConfig cfg = tiny();
         const int64_t b = kBatch / m, NHl = cfg.n_head / lay.tp, HS = cfg.n_embd / cfg.n_head;
