@@ -2,6 +2,7 @@
 // output, loom with stdout and stderr apart, and the metrics a training run writes.
 #pragma once
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <cstdio>
@@ -41,6 +42,21 @@ inline const std::string kLoom = locate_loom();
     if (!std::filesystem::exists(::loom::test::kLoom))                                              \
       GTEST_SKIP() << "the loom executable is not built at " << ::loom::test::kLoom << " (ninja loom)"; \
   } while (0)
+
+// The first executable `name` on PATH, or "" when there is none.
+inline std::string find_in_path(const std::string& name) {
+  const char* path = std::getenv("PATH");
+  const std::string p = path ? path : "";
+  size_t start = 0;
+  while (start <= p.size()) {
+    size_t end = p.find(':', start);
+    if (end == std::string::npos) end = p.size();
+    const std::filesystem::path cand = std::filesystem::path(p.substr(start, end - start)) / name;
+    if (end > start && ::access(cand.c_str(), X_OK) == 0) return cand.string();
+    start = end + 1;
+  }
+  return "";
+}
 
 struct CmdRun {
   int status = -1;

@@ -476,7 +476,21 @@ MpiSession::MpiSession(int* argc, char*** argv) {
   MPI_Comm host;
   LOOM_MPI(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &host));
   MPI_Comm_size(host, &local_size_);
+  MPI_Comm_rank(host, &local_rank_);
   MPI_Comm_free(&host);
+}
+
+int mpi_local_rank() {
+  int init = 0;
+  MPI_Initialized(&init);
+  LOOM_CHECK(init, "mpi_local_rank: MPI is not initialised");
+  int rank = 0, local = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm host;
+  LOOM_MPI(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &host));
+  MPI_Comm_rank(host, &local);
+  MPI_Comm_free(&host);
+  return local;
 }
 
 MpiSession::~MpiSession() {

@@ -87,6 +87,11 @@ class GPTCuda {
   void zero_grad();
   float accumulate(const int32_t* tokens, const int32_t* targets);
   float optimizer_step(float lr, int64_t step, float grad_scale = 1.f);
+  // The flat f32 gradient buffer, flat_elements() long (every parameter's gradient, padding
+  // included, at its offset), for summing data-parallel replicas' gradients in one collective
+  // between accumulate() and optimizer_step(), ordered on stream().
+  float* gradient_buffer() { return grads_; }
+  int64_t flat_elements() const { return total_; }
 
   // AdamW moments of one parameter (host f32, spec.numel() elements), for checkpoints; throws
   // naming it. The step count is the caller's: train_step and optimizer_step take it.

@@ -39,7 +39,7 @@ const Field kFields[] = {
     F("train.batch_size", batch_size, "sequences per optimizer step (global batch)"),
     F("train.grad_accum", grad_accum, "micro-steps per optimizer step"),
     F("train.seed", seed, "seed of initialisation and data order"),
-    F("train.device", device, "cpu, or cuda: one GPU (a build with -DLOOM_CUDA=ON; no parallel dimension > 1)"),
+    F("train.device", device, "cpu, or cuda: GPUs (a build with -DLOOM_CUDA=ON; data parallelism only, one process per GPU rank)"),
     F("train.cuda_graph", cuda_graph, "with train.device cuda: run each step as one CUDA graph (false: kernel by kernel, for debugging)"),
     F("train.threads", threads, "CPU threads per process (0: all cores; under mpi, the host's cores shared among its processes)"),
     F("train.log_every", log_every, "steps between metric lines"),
@@ -68,7 +68,7 @@ const Field kFields[] = {
     F("parallel.cp", cp, "context-parallel ranks"),
     F("parallel.sp", sp, "sequence parallelism within the tensor-parallel group"),
     F("parallel.zero", zero, "ZeRO stage 0-3 (1 only with tp/cp/sp/pp)"),
-    F("parallel.comm", comm, "communicator backend: threads or mpi (one process per rank: mpirun -n pp x dp x cp x tp)"),
+    F("parallel.comm", comm, "communicator backend: threads, mpi (one process per rank: mpirun -n pp x dp x cp x tp), or nccl (train.device cuda: mpi processes whose gradients NCCL reduces)"),
     F("parallel.offload", offload, "ZeRO-Offload: optimizer state and update in host memory"),
     F("parallel.bucket_mb", bucket_mb, "data-parallel gradient bucket size in MiB"),
     F("parallel.schedule", schedule, "pipeline schedule when parallel.pp > 1: gpipe, 1f1b, interleaved or zb-h1"),
@@ -270,7 +270,11 @@ void TrainConfig::validate(const std::string& where) const {
   need(schedule == "gpipe" || schedule == "1f1b" || schedule == "interleaved" || schedule == "zb-h1",
        "parallel.schedule", fmt::format("'{}' is not one of gpipe, 1f1b, interleaved, zb-h1", schedule));
   need(virtual_stages >= 2, "parallel.virtual_stages", fmt::format("must be at least 2, got {}", virtual_stages));
-  need(comm == "threads" || comm == "mpi", "parallel.comm", fmt::format("'{}' is not threads or mpi", comm));
+  need(comm == "threads" || comm == "mpi" || comm == "nccl", "parallel.comm",
+       fmt::format("'{}' is not threads, mpi or nccl", comm));
+  need(comm != "nccl" || device == "cuda", "parallel.comm",
+       fmt::format("nccl reduces GPU buffers: it needs train.device = \"cuda\" (got \"{}\"); on the CPU use mpi",
+                   device));
   try {
     (void)model::gpt_preset(model_preset);
   } catch (const Error& e) {
@@ -297,17 +301,26 @@ void TrainConfig::validate_cuda(const std::string& where) const {
     throw Error(fmt::format("{}: {}: {}", where, field, msg));
   };
   const char* gpu = "with train.device = \"cuda\"";
-  // The GPU trainer runs one model on one device: no parallel dimension, no sharded optimizer.
-  const std::pair<const char*, int64_t> dims[] = {{"parallel.dp", dp}, {"parallel.tp", tp}, {"parallel.pp", pp},
-                                                  {"parallel.cp", cp}};
+  // The GPU trainer runs whole model replicas, one per GPU or several sharing one: data
+  // parallelism only, every replica with the whole optimizer state.
+  const std::pair<const char*, int64_t> dims[] = {{"parallel.tp", tp}, {"parallel.pp", pp}, {"parallel.cp", cp}};
   for (const auto& [field, n] : dims)
-    if (n != 1) refuse(field, fmt::format("must be 1 {} (the GPU trainer runs on one GPU), got {}", gpu, n));
+    if (n != 1)
+      refuse(field, fmt::format("must be 1 {} (the GPU trainer runs whole model replicas: data parallelism, "
+                                "parallel.dp), got {}",
+                                gpu, n));
   if (sp) refuse("parallel.sp", fmt::format("must be false {} (it needs tensor-parallel ranks)", gpu));
   if (zero != 0)
-    refuse("parallel.zero", fmt::format("must be 0 {} (ZeRO shards over data-parallel ranks), got {}", gpu, zero));
+    refuse("parallel.zero", fmt::format("must be 0 {} (every GPU replica keeps the whole optimizer state), got {}",
+                                        gpu, zero));
   if (offload) refuse("parallel.offload", fmt::format("must be false {} (the optimizer state stays on the GPU)", gpu));
-  if (comm != "threads")
-    refuse("parallel.comm", fmt::format("must be \"threads\" {} (the GPU trainer is one process), got \"{}\"", gpu, comm));
+  // Ranks as threads of one process would share its CUDA state (the device pool, the cuBLASLt
+  // workspace): GPU ranks are processes.
+  if (dp > 1 && comm == "threads")
+    refuse("parallel.comm",
+           fmt::format("must be mpi or nccl {} and parallel.dp = {} (one process per GPU rank: mpirun -n {} loom train "
+                       "... --parallel.comm nccl); threads runs one GPU rank",
+                       gpu, dp, dp));
   // The GPU model (model::GPTCuda): widths that are multiples of 8 (vectors of 8 bf16). Flash
   // attention takes head sizes 64 and 128; other head sizes use the GEMM attention. (Its tied
   // embeddings are what every training config builds.)

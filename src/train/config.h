@@ -48,7 +48,7 @@ struct TrainConfig {
   int64_t dp = 1, tp = 1, pp = 1, cp = 1;
   bool sp = false;
   int64_t zero = 0;
-  std::string comm = "threads";            // threads | mpi
+  std::string comm = "threads";            // threads | mpi | nccl (train.device cuda)
   bool offload = false;                    // ZeRO-Offload: optimizer state and update in host memory
   float bucket_mb = 25.0f;                 // data-parallel gradient bucket size (MiB)
   float timeout_s = 300.0f;                // a rank waiting longer in one collective fails the job

@@ -5,6 +5,8 @@
 #include <cuda_runtime.h>
 #include <omp.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -18,6 +20,10 @@
 #include "kernels/cuda/attention.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/matmul.cuh"
+#include "parallel/data/flat_layout.h"
+#include "comm/mpi_comm.h"
+#include "comm/nccl_comm.h"
+#include "comm/threads.h"
 #include "model/gpt.h"
 #include "model/gpt_cuda.cuh"
 #include "train/checkpoint.h"
@@ -29,6 +35,8 @@ namespace fs = std::filesystem;
 namespace loom::train {
 
 namespace {
+
+using parallel::sum_over_ranks;
 
 // The GPU model's training state in the checkpoint layout: for each parameter, in the model's
 // order, "param/<name>", "adam_m/<name>", "adam_v/<name>" as host f32 tensors of its logical shape.
@@ -65,31 +73,25 @@ void upload_state(model::GPTCuda& gpt, const std::vector<NamedTensor>& state) {
   }
 }
 
-}  // namespace
-
-TrainResult run_training_cuda(const TrainConfig& cfg, const TrainOptions& opt) {
-  const std::string where = opt.config_path.empty() ? "config" : opt.config_path;
-  LOOM_CHECK(cfg.device == "cuda", "{}: train.device is '{}', not cuda", where, cfg.device);
-  cfg.validate_cuda(where);
-  LOOM_CHECK(opt.trace_path.empty(), "--trace: the GPU trainer (train.device = \"cuda\") writes no trace");
-  int devices = 0;
-  const cudaError_t derr = cudaGetDeviceCount(&devices);
-  if (derr != cudaSuccess || devices == 0) {
-    cudaGetLastError();
-    throw Error(fmt::format("{}: train.device = \"cuda\" but no CUDA device is visible ({})", where,
-                            derr != cudaSuccess ? cudaGetErrorString(derr) : "the device count is 0"));
-  }
-  if (cfg.threads > 0) omp_set_num_threads(int(cfg.threads));
+// One rank of the GPU trainer: the whole model replica on `device`, the rank's share of every
+// batch (rank r of dp takes sequences r * B / dp .. (r + 1) * B / dp of the global batch, as the
+// CPU trainers do), gradients summed over the replicas by `dcomm` (null with dp = 1).
+TrainResult train_cuda_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Comm& world, int device,
+                            const FaultInjection& fault) {
+  const int rank = world.rank(), dp = world.size();
+  const bool lead = rank == 0;
   auto say = [&](const std::string& s) {
-    if (!opt.quiet) std::printf("%s\n", s.c_str()), std::fflush(stdout);
+    if (lead && !opt.quiet) std::printf("%s\n", s.c_str()), std::fflush(stdout);
   };
-  const FaultInjection fault = FaultInjection::from_env(1);
+  LOOM_CUDA_CHECK(cudaSetDevice(device));
 
   RunData run_data = open_run_data(cfg, opt.config_path);
   data::Loader& train = run_data.train;
   std::unique_ptr<data::Loader>& val = run_data.val;
   const model::GPTConfig mc = run_data.model;
-  const int64_t mb = cfg.batch_size / cfg.grad_accum, T = cfg.seq_len;
+  // Sequences per rank, per micro-batch, and in a validation batch (the CPU trainers' shapes).
+  const int64_t local = cfg.batch_size / dp, mb = local / cfg.grad_accum, val_mb = cfg.batch_size / cfg.grad_accum;
+  const int64_t T = cfg.seq_len;
 
   MemoryPool& pool = cuda::device_pool();
   MemoryPool host_pool("host");
@@ -108,12 +110,23 @@ TrainResult run_training_cuda(const TrainConfig& cfg, const TrainOptions& opt) {
   model::GPTCuda gpt(mc, go, pool, cfg.seed);
   LrSchedule sched{cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps, cfg.lr_schedule};
 
+  // The gradients' collective, on the model's stream (ordered after the backward's kernels).
+  std::unique_ptr<comm::Comm> dcomm;
+  if (dp > 1) {
+    comm::DeviceCommOptions dco;
+    dco.path = cfg.comm == "nccl" ? comm::DevicePath::nccl : comm::DevicePath::automatic;
+    dco.device = device;
+    dco.stream = gpt.stream();
+    dcomm = comm::make_device_comm(world.split(0, rank), dco);  // collective
+  }
+
   TrainResult res;
   fs::path out_dir(cfg.out_dir);
-  fs::create_directories(out_dir);
+  if (lead) fs::create_directories(out_dir);
   const std::string metrics_path = (out_dir / "metrics.jsonl").string();
   int64_t start_step = 0, optimizer_steps = 0;
   if (opt.resume) {
+    // Every rank reads the checkpoint: the replicas start equal.
     const std::string ckpt = latest_checkpoint(cfg.out_dir);
     if (ckpt.empty()) {
       say(fmt::format("resume: no checkpoint in {}, starting from step 0", cfg.out_dir));
@@ -125,50 +138,55 @@ TrainResult run_training_cuda(const TrainConfig& cfg, const TrainOptions& opt) {
       upload_state(gpt, state);
       start_step = meta.step;
       optimizer_steps = meta.optimizer_steps;
-      truncate_metrics(metrics_path, start_step);
+      if (lead) truncate_metrics(metrics_path, start_step);
       say(fmt::format("resumed from {} (step {})", ckpt, start_step));
     }
   }
-  if (start_step == 0 && fs::exists(metrics_path)) fs::remove(metrics_path);
+  if (lead && start_step == 0 && fs::exists(metrics_path)) fs::remove(metrics_path);
+  world.barrier();  // rank 0 has prepared the output directory
 
-  std::unique_ptr<data::Tokenizer> tok = load_run_tokenizer(cfg);
+  std::unique_ptr<data::Tokenizer> tok = lead ? load_run_tokenizer(cfg) : nullptr;
   cudaDeviceProp prop{};
-  int dev = 0;
-  LOOM_CUDA_CHECK(cudaGetDevice(&dev));
-  LOOM_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-  say(fmt::format("model {} | {:.2f}M parameters | cuda:{} {} | micro-batch {} x {}, grad_accum {} | {} attention | "
-                  "CUDA graphs",
-                  mc.str(), double(gpt.num_parameters()) / 1e6, dev, prop.name, mb, T, cfg.grad_accum,
-                  gpt.flash_attention() ? "flash" : "GEMM"));
-  const double peak = cuda::measure_gemm_peak_bf16(pool, gpt.stream());
+  LOOM_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  say(fmt::format("model {} | {:.2f}M parameters | cuda:{} {}{} | micro-batch {} x {}, grad_accum {} | {} attention "
+                  "| {}",
+                  mc.str(), double(gpt.num_parameters()) / 1e6, device, prop.name,
+                  dp > 1 ? fmt::format(" | dp {} ({} processes, gradients reduced by {})", dp, world.backend(),
+                                       comm::device_path_name(comm::device_comm_path(*dcomm)))
+                         : "",
+                  mb, T, cfg.grad_accum, gpt.flash_attention() ? "flash" : "GEMM",
+                  cfg.cuda_graph ? "CUDA graphs" : "no CUDA graphs"));
+  // The job's GEMM rate: every rank measures at once, so ranks sharing a GPU share its rate.
+  world.barrier();
+  const double peak = sum_over_ranks(world, cuda::measure_gemm_peak_bf16(pool, gpt.stream()));
   res.last_val_loss = NAN;
-  res.unigram_val_loss = unigram_loss(train, val.get(), mc.vocab_size);
-  say(fmt::format("data {} | train {} tokens{} | unigram baseline loss {:.4f} | bf16 GEMM peak {:.1f} TFLOP/s",
+  res.unigram_val_loss = lead ? unigram_loss(train, val.get(), mc.vocab_size) : NAN;
+  say(fmt::format("data {} | train {} tokens{} | unigram baseline loss {:.4f} | bf16 GEMM peak {:.1f} TFLOP/s{}",
                   cfg.data_dir, train.total_tokens(), val ? fmt::format(", val {} tokens", val->total_tokens()) : "",
-                  res.unigram_val_loss, peak / 1e12));
+                  res.unigram_val_loss, peak / 1e12, dp > 1 ? " (all ranks)" : ""));
 
   std::vector<int32_t> x(size_t(mb * T)), y(size_t(mb * T));  // i32 [mb, T]
-  RunLog log(cfg, metrics_path, start_step, true, opt.quiet, mc.flops_per_token(T), peak,
-             res.unigram_val_loss);
+  RunLog log(cfg, metrics_path, start_step, lead, opt.quiet, mc.flops_per_token(T), peak, res.unigram_val_loss);
 
-  // The mean loss over the first eval_batches validation batches of the micro-batch shape (the
-  // CPU trainer's validation batch, batch_size / grad_accum sequences).
+  // The mean loss over the first eval_batches validation batches of the CPU trainers' shape
+  // (batch_size / grad_accum sequences, this rank's share of each), averaged over the ranks.
   auto evaluate = [&]() -> double {
     if (!val) return NAN;
-    const int64_t n = std::min(cfg.eval_batches, val->val_batches(mb));
+    const int64_t n = std::min(cfg.eval_batches, val->val_batches(val_mb));
     if (n == 0) return NAN;
     double sum = 0;
     for (int64_t i = 0; i < n; ++i) {
-      val->val_batch(i, mb, 0, mb, x.data(), y.data());
+      val->val_batch(i, val_mb, rank * mb, mb, x.data(), y.data());
       sum += gpt.forward(x.data(), y.data());
     }
-    return sum / double(n);
+    return sum_over_ranks(world, sum) / double(n * dp);
   };
-  // Samples run on the CPU model (train/sample.h) with a copy of the current weights.
+  // Samples run on rank 0's CPU model (train/sample.h) with a copy of the current weights (every
+  // replica holds the same).
   std::unique_ptr<MemoryPool> cpu_pool;
   std::unique_ptr<model::GPT> cpu_model;
   auto sample = [&](int64_t step) -> std::string {
-    if (cfg.sample_tokens == 0) return "";
+    if (cfg.sample_tokens == 0 || !lead) return "";
     if (!cpu_model) {
       cpu_pool = std::make_unique<MemoryPool>("cpu:sample");
       cpu_model = std::make_unique<model::GPT>(mc, *cpu_pool, cfg.seed);
@@ -176,31 +194,41 @@ TrainResult run_training_cuda(const TrainConfig& cfg, const TrainOptions& opt) {
     for (model::Parameter* p : cpu_model->parameters()) copy_into(p->value, gpt.parameter(p->spec.name));
     return sample_text(cfg, *cpu_model, sample_prompt(cfg, tok.get(), train, val.get()), step, tok.get());
   };
+  // Rank 0 writes; the barrier keeps every rank from starting the next step (and perhaps failing
+  // in it, which ends the job) before the checkpoint is on disk.
   auto checkpoint = [&](int64_t step) {
-    std::vector<NamedTensor> state = host_state(gpt, host_pool);
-    download_state(gpt, state);
-    save_checkpoint(out_dir.string(), checkpoint_meta(cfg, mc, step, optimizer_steps), state, cfg.keep_checkpoints);
+    if (lead) {
+      std::vector<NamedTensor> state = host_state(gpt, host_pool);
+      download_state(gpt, state);
+      save_checkpoint(out_dir.string(), checkpoint_meta(cfg, mc, step, optimizer_steps), state,
+                      cfg.keep_checkpoints);
+    }
+    world.barrier();
   };
 
   pool.reset_peaks();
   RunHooks hooks;
   hooks.step = [&](int64_t step, float lr) {
     RunHooks::StepOut st;
-    if (cfg.grad_accum == 1) {
+    if (cfg.grad_accum == 1 && dp == 1) {
       train.train_batch(step, cfg.batch_size, 0, mb, x.data(), y.data());
       st.loss = gpt.train_step(x.data(), y.data(), lr, optimizer_steps + 1);
       st.grad_norm = gpt.last_grad_norm();
     } else {
       gpt.zero_grad();
       for (int64_t micro = 0; micro < cfg.grad_accum; ++micro) {
-        train.train_batch(step, cfg.batch_size, micro * mb, mb, x.data(), y.data());
+        train.train_batch(step, cfg.batch_size, rank * local + micro * mb, mb, x.data(), y.data());
         st.loss += gpt.accumulate(x.data(), y.data());
       }
       st.loss /= double(cfg.grad_accum);
-      // A non-finite loss stops the run before the optimizer touches the weights, as on the CPU.
+      if (dp > 1) st.loss = sum_over_ranks(world, st.loss) / double(dp);
+      // A non-finite loss stops the run before the optimizer touches the weights, as on the CPU
+      // (every rank sees the same mean loss, so every rank stops).
       if (!std::isfinite(st.loss)) return st;
-      // The update, its clipping and the norm are the mean gradient's, as on the CPU.
-      st.grad_norm = gpt.optimizer_step(lr, optimizer_steps + 1, 1.0f / float(cfg.grad_accum));
+      // The replicas' gradient sums added; the update, its clipping and the norm are then the
+      // mean gradient's over every micro-batch of every rank, as on the CPU.
+      if (dcomm) dcomm->all_reduce(gpt.gradient_buffer(), gpt.flat_elements(), DType::f32, comm::ReduceOp::sum);
+      st.grad_norm = gpt.optimizer_step(lr, optimizer_steps + 1, 1.0f / float(cfg.grad_accum * dp));
     }
     ++optimizer_steps;
     return st;
@@ -208,10 +236,10 @@ TrainResult run_training_cuda(const TrainConfig& cfg, const TrainOptions& opt) {
   hooks.evaluate = evaluate;
   hooks.sample = sample;
   hooks.checkpoint = checkpoint;
-  run_steps(cfg, log, sched, fault, 0, 1, start_step, val != nullptr, hooks, res);
+  run_steps(cfg, log, sched, fault, rank, dp, start_step, val != nullptr, hooks, res);
   for (int t = 0; t < kNumMemTags; ++t) res.peak_bytes[size_t(t)] = pool.peak(MemTag(t));
-  say(fmt::format("GPU memory (peak): params {} | grads {} | optimizer {} | activations {} | workspace {}",
-                  format_bytes(res.peak_bytes[size_t(MemTag::params)]),
+  say(fmt::format("GPU memory{} (peak): params {} | grads {} | optimizer {} | activations {} | workspace {}",
+                  dp > 1 ? " of rank 0" : "", format_bytes(res.peak_bytes[size_t(MemTag::params)]),
                   format_bytes(res.peak_bytes[size_t(MemTag::grads)]),
                   format_bytes(res.peak_bytes[size_t(MemTag::optimizer)]),
                   format_bytes(res.peak_bytes[size_t(MemTag::activations)]),
@@ -220,6 +248,59 @@ TrainResult run_training_cuda(const TrainConfig& cfg, const TrainOptions& opt) {
   if (!res.last_sample.empty()) say(fmt::format("--- sample ---\n{}\n---", res.last_sample));
   log.finish((out_dir / "loss.png").string(), fmt::format("loom: {} on {} (cuda)", mc.name, cfg.data_dir));
   return res;
+}
+
+// The number of visible GPUs; throws when there is none.
+int visible_devices(const std::string& where) {
+  int devices = 0;
+  const cudaError_t derr = cudaGetDeviceCount(&devices);
+  if (derr != cudaSuccess || devices == 0) {
+    cudaGetLastError();
+    throw Error(fmt::format("{}: train.device = \"cuda\" but no CUDA device is visible ({})", where,
+                            derr != cudaSuccess ? cudaGetErrorString(derr) : "the device count is 0"));
+  }
+  return devices;
+}
+
+}  // namespace
+
+TrainResult run_training_cuda(const TrainConfig& cfg, const TrainOptions& opt) {
+  const std::string where = opt.config_path.empty() ? "config" : opt.config_path;
+  LOOM_CHECK(cfg.device == "cuda", "{}: train.device is '{}', not cuda", where, cfg.device);
+  cfg.validate_cuda(where);
+  LOOM_CHECK(opt.trace_path.empty(), "--trace: the GPU trainer (train.device = \"cuda\") writes no trace");
+  const int dp = int(cfg.dp);
+  comm::CommOptions co;
+  co.timeout = std::chrono::milliseconds(std::max<int64_t>(1, std::llround(double(cfg.timeout_s) * 1000.0)));
+  const FaultInjection fault = FaultInjection::from_env(dp);
+  if (cfg.comm == "mpi" || cfg.comm == "nccl") {
+    // One process per rank; a host's processes take its GPUs in turn (several share one when
+    // there are more processes than GPUs: their gradients then go through host memory).
+    return run_mpi_rank(cfg, where, dp, fmt::format("parallel.dp is {}", dp), co,
+                        [&](comm::Comm& world, std::function<void(const std::string&)> on_fail) {
+                          try {
+#ifdef LOOM_HAVE_MPI
+                            const int local = comm::mpi_local_rank();
+#else
+                            const int local = 0;  // (run_mpi_rank refuses first)
+#endif
+                            const int device = local % visible_devices(where);
+                            return train_cuda_rank(cfg, opt, world, device, fault);
+                          } catch (const std::exception& e) {
+                            on_fail(e.what());
+                            throw;
+                          }
+                        });
+  }
+  // threads: one rank (validate_cuda), on the current device.
+  const int devices = visible_devices(where);
+  int device = 0;
+  LOOM_CUDA_CHECK(cudaGetDevice(&device));
+  LOOM_CHECK(device < devices, "cuda: current device {} of {}", device, devices);
+  if (cfg.threads > 0) omp_set_num_threads(int(cfg.threads));
+  comm::ThreadWorld world(1, co);
+  auto c = world.comm(0);
+  return train_cuda_rank(cfg, opt, *c, device, fault);
 }
 
 }  // namespace loom::train

@@ -1,20 +1,30 @@
-// The training loop on one GPU (train.device = "cuda", in builds with CUDA): model::GPTCuda
+// The training loop on GPUs (train.device = "cuda", in builds with CUDA): model::GPTCuda
 // (bf16 compute, f32 master weights and AdamW moments, the step captured as CUDA graphs) fed by
 // the CPU trainer's data pipeline, with its LR schedule, validation, samples, checkpoints,
 // metrics and progress line (train/run_util.h):
-//   - one micro-batch shape B x T, B = train.batch_size / train.grad_accum, T = data.seq_len;
-//     grad_accum 1 replays one graph per step (forward, backward, update); grad_accum > 1 zeroes
-//     the gradients, replays a forward + backward graph that accumulates once per micro-batch,
-//     then runs the update on the accumulated gradients times 1 / grad_accum;
-//   - validation: the mean loss of forward-only passes over validation batches of that shape;
-//   - samples: the weights copied into a CPU model::GPT, sampled as on the CPU;
+//   - data parallelism over parallel.dp processes (parallel.comm mpi or nccl, under mpirun; the
+//     threads backend runs one rank): each holds a whole replica on the GPU local rank % GPUs of
+//     its host, trains on its share of every batch (the CPU trainers' split), and the replicas'
+//     gradients are summed by a device communicator (comm/nccl_comm.h: NCCL when every process
+//     has a GPU of its own, else staged through host memory; nccl requires the former) before
+//     the update, which every replica then applies alike. Rank 0 writes metrics, samples and
+//     checkpoints; a failing rank ends the job naming it;
+//   - one micro-batch shape B x T, B = train.batch_size / (parallel.dp x train.grad_accum),
+//     T = data.seq_len; with grad_accum 1 and one rank each step replays one graph (forward,
+//     backward, update); else the gradients are zeroed, a forward + backward graph that
+//     accumulates is replayed once per micro-batch, the ranks' sums are added, and the update runs
+//     on them times 1 / (grad_accum x dp);
+//   - validation: the mean loss of forward-only passes over the CPU trainers' validation batches
+//     (each rank its share);
+//   - samples: rank 0's weights copied into a CPU model::GPT, sampled as on the CPU;
 //   - checkpoints in the CPU format (train/checkpoint.h): the f32 master weights and both
 //     moments, so a GPU checkpoint loads in `loom generate` and resumes on the CPU, and a CPU
 //     checkpoint resumes here;
-//   - MFU against the bf16 GEMM rate of this GPU, measured at start (cuda::measure_gemm_peak_bf16).
+//   - MFU against the bf16 GEMM rate of the job's GPUs, measured at start by every rank at once
+//     and summed (cuda::measure_gemm_peak_bf16; ranks sharing a GPU share its rate).
 // Not bit-identical from run to run: the token-embedding gradient and flash attention's dq are
 // summed with f32 atomics (kernels/cuda/embedding.cuh, attention.cuh), so a resumed run matches
-// the uninterrupted one to rounding. LOOM_FAULT_INJECT (train/trainer.h) works with rank 0.
+// the uninterrupted one to rounding. LOOM_FAULT_INJECT (train/trainer.h) names any rank.
 #pragma once
 #include "train/config.h"
 #include "train/trainer.h"

@@ -23,6 +23,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "cli_util.h"
 #include "comm/nccl_comm.h"
 #include "comm/threads.h"
 #include "core/dtype.h"
@@ -35,6 +36,7 @@ namespace loom::comm {
 namespace {
 
 using ::testing::HasSubstr;
+using ::loom::test::find_in_path;
 
 // The environment variable that turns NcclMpiDriver.StagedCollectives on (set by the launcher).
 constexpr const char* kDriverEnv = "LOOM_NCCL_TEST_MPI_DRIVER";
@@ -421,20 +423,6 @@ struct Launch {
   int status = -1;
   std::string output;
 };
-
-std::string find_in_path(const std::string& name) {
-  const char* path = std::getenv("PATH");
-  std::string p = path ? path : "";
-  size_t start = 0;
-  while (start <= p.size()) {
-    size_t end = p.find(':', start);
-    if (end == std::string::npos) end = p.size();
-    std::filesystem::path cand = std::filesystem::path(p.substr(start, end - start)) / name;
-    if (end > start && ::access(cand.c_str(), X_OK) == 0) return cand.string();
-    start = end + 1;
-  }
-  return "";
-}
 
 Launch launch_driver(int n, int limit_s) {
   Launch l;

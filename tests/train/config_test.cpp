@@ -123,14 +123,16 @@ TEST(TrainConfig, CudaDeviceRefusalsNameTheField) {
   };
   const std::string cuda = "[train]\ndevice = \"cuda\"\n";
   expect_refused("[train]\ndevice = \"gpu\"\n", "train.device", "'gpu' is not cpu or cuda");
-  expect_refused(cuda + "[parallel]\ndp = 2\n", "parallel.dp", "must be 1");
+  // GPU ranks are processes: dp > 1 needs mpi or nccl.
+  expect_refused(cuda + "[parallel]\ndp = 2\n", "parallel.comm", "must be mpi or nccl");
   expect_refused(cuda + "[parallel]\ntp = 2\n", "parallel.tp", "must be 1");
   expect_refused(cuda + "[parallel]\npp = 2\n", "parallel.pp", "must be 1");
   expect_refused(cuda + "[parallel]\ncp = 2\n", "parallel.cp", "must be 1");
   expect_refused(cuda + "[parallel]\nsp = true\n", "parallel.sp");
   expect_refused(cuda + "[parallel]\nzero = 1\n", "parallel.zero", "must be 0");
   expect_refused(cuda + "[parallel]\noffload = true\n", "parallel.offload");
-  expect_refused(cuda + "[parallel]\ncomm = \"mpi\"\n", "parallel.comm");
+  expect_refused("[parallel]\ncomm = \"nccl\"\n", "parallel.comm", "needs train.device = \"cuda\"");
+  expect_refused(cuda + "[parallel]\ncomm = \"gloo\"\n", "parallel.comm", "'gloo' is not threads, mpi or nccl");
   expect_refused(cuda + "[model]\nn_embd = 36\nn_head = 2\n", "model.n_embd", "multiple of 8");
   expect_refused(cuda + "[model]\nn_embd = 96\nn_head = 8\n", "model.n_head", "96 / 8 = 12");
   // From the command line alone too.
@@ -140,8 +142,10 @@ TEST(TrainConfig, CudaDeviceRefusalsNameTheField) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("command line: parallel.zero: "), std::string::npos) << e.what();
   }
-  // A config the GPU trainer takes (head size 16 uses the GEMM attention, 64 flash).
-  for (const char* model : {"", "[model]\nn_embd = 128\nn_head = 2\n"}) {
+  // Configs the GPU trainer takes (head size 16 uses the GEMM attention, 64 flash; data
+  // parallelism over mpi or nccl processes).
+  for (const char* model : {"", "[model]\nn_embd = 128\nn_head = 2\n", "[parallel]\ndp = 2\ncomm = \"nccl\"\n",
+                            "[parallel]\ndp = 4\ncomm = \"mpi\"\n"}) {
     TmpFile f(cuda + model);
 #ifdef LOOM_HAVE_CUDA
     EXPECT_EQ(load_config(f.path, {}).device, "cuda");
@@ -159,14 +163,14 @@ TEST(TrainConfig, RunTrainingChecksTheDevice) {
   c.data_dir = (fs::temp_directory_path() / fmt::format("loom_no_data_{}", ::getpid())).string();
   c.out_dir = c.data_dir + "_out";
   c.device = "cuda";
-  c.dp = 2;
+  c.tp = 2;
   try {
     run_training(c, {});
     ADD_FAILURE() << "no error";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("parallel.dp"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("parallel.tp"), std::string::npos) << e.what();
   }
-  c.dp = 1;
+  c.tp = 1;
   try {
     run_training(c, {});
     ADD_FAILURE() << "no error";

@@ -1,8 +1,8 @@
 // `loom train --train.device cuda` end to end, through the loom executable, on the tiny pattern
-// corpus (tests/cli_util.h): losses against the CPU trainer, resume from a checkpoint, and
+// corpus (tests/cli_util.h): losses against the CPU trainer, resume from a checkpoint,
 // checkpoints that cross devices (resumed on the other device, loaded by `loom generate` on the
-// CPU). Skipped without a GPU, except the GPU trainer's config checks. Host code only: compiled
-// by the C++ compiler.
+// CPU), and data parallelism over GPU processes under mpirun against one GPU. Skipped without a
+// GPU, except the GPU trainer's config checks. Host code only: compiled by the C++ compiler.
 //
 // Tolerances:
 //  - GPU against CPU, 2e-2 relative on every step's loss and on the validation loss: the GPU
@@ -17,9 +17,19 @@
 //    attention's dq (kernels/cuda/embedding.cuh, attention.cuh). Those change last bits (about
 //    1e-7 relative) of a few gradients per step, and through the bf16 rounding of the weights'
 //    compute copies a few weights by one bf16 step; over ten steps that stays far below 1e-3.
+//  - Data-parallel GPU processes against one GPU, 1e-3 relative, for the same reason: two
+//    processes with grad_accum a against one with 2a run the same micro-batches (the ranks' shares
+//    are the single run's micro-batches) in the same shapes, so they differ where the sums' order
+//    does: the atomics above, and the replicas' gradients added after their backward instead of
+//    accumulated into one buffer during it. Validation covers the same sequences in the same
+//    shapes too (one validation batch of twice the sequences, split over the ranks, against two).
+//    Ranks training on the same sequences instead of their own shares are caught by far: on this
+//    corpus a batch of 4 sequences against 8 moves the losses by 2-7% from step 4 on; a wrong
+//    gradient scale (a factor dp) by the norms.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <map>
@@ -34,6 +44,7 @@
 #include "core/error.h"
 #include "data/loader.h"
 #include "kernels/cuda/cuda_test_util.h"
+#include "train/checkpoint.h"
 #include "train/config.h"
 #include "train/trainer_cuda.h"
 
@@ -49,6 +60,7 @@ constexpr double kResumeTol = 1e-3;  // resumed GPU run against the uninterrupte
 // so it differs more than the loss; 1e-1 still catches a wrong accumulation scale (a factor of
 // grad_accum = 2 is a 50-100% difference), which the losses barely show under AdamW and clipping.
 constexpr double kNormTol = 1e-1;
+constexpr double kDpTol = 1e-3;  // data-parallel GPU processes against one GPU (see the top of the file)
 
 struct Fixture {
   fs::path root, data;
@@ -116,10 +128,14 @@ TEST(CudaTrain, RunTrainingCudaChecksTheConfig) {
     }
     return "";
   };
-  c.dp = 2;
+  c.dp = 2;  // ranks as threads: GPU ranks must be processes
   std::string m = message();
-  EXPECT_NE(m.find("parallel.dp"), std::string::npos) << m;
+  EXPECT_NE(m.find("parallel.comm"), std::string::npos) << m;
   c.dp = 1;
+  c.tp = 2;
+  m = message();
+  EXPECT_NE(m.find("parallel.tp"), std::string::npos) << m;
+  c.tp = 1;
   m = message();
   EXPECT_TRUE(m.find("no CUDA device") != std::string::npos || m.find(c.data_dir) != std::string::npos) << m;
   c.device = "cpu";
@@ -211,6 +227,113 @@ TEST(CudaTrain, CheckpointsResumeOnTheOtherDevice) {
   expect_close(f.metrics("gpu_cut", "loss"), f.metrics("gpu_full", "loss"), 11, 20, kCpuTol, "GPU -> CPU loss");
   expect_close(f.metrics("gpu_cut", "val_loss"), f.metrics("gpu_full", "val_loss"), 20, 20, kCpuTol,
                "GPU -> CPU val_loss");
+}
+
+// `timeout ... mpirun -n n` for the loom command that follows ("" without MPI or mpirun):
+// shared-memory transport without cross-process memory attach (often forbidden in containers),
+// the processes unbound (each runs its own OpenMP threads).
+std::string gpu_mpirun(int n, bool with_fault = false) {
+#ifndef LOOM_HAVE_MPI
+  (void)n, (void)with_fault;
+  return "";
+#else
+  const std::string mpirun = find_in_path("mpirun");
+  if (mpirun.empty()) return "";
+  return fmt::format("OMPI_MCA_btl_vader_single_copy_mechanism=none timeout -k 10 240 {} {}--oversubscribe "
+                     "--bind-to none {}-n {}",
+                     mpirun, ::geteuid() == 0 ? "--allow-run-as-root " : "", with_fault ? "-x LOOM_FAULT_INJECT " : "",
+                     n);
+#endif
+}
+
+int gpu_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
+  cudaGetLastError();
+  return n;
+}
+
+// Data parallelism on GPUs: two processes under mpirun, each on its share of every batch, against
+// one GPU running the same micro-batches (grad_accum 2a against a), for a = 1 and 2. On a host
+// with one GPU the two processes share it and their gradients are summed through host memory
+// (the staged path); with two GPUs each takes its own and NCCL sums them.
+TEST(CudaTrain, DataParallelProcessesMatchOneGpu) {
+  LOOM_REQUIRE_GPU();
+  LOOM_REQUIRE_LOOM();
+  const std::string mpirun = gpu_mpirun(2);
+  if (mpirun.empty()) GTEST_SKIP() << "needs loom built with MPI and mpirun on PATH";
+  Fixture f("dp");
+  const char* path = gpu_count() >= 2 ? "nccl" : "staged";
+  for (int accum : {1, 2}) {
+    SCOPED_TRACE(fmt::format("grad_accum {} on 2 processes", accum));
+    const std::string one = fmt::format("one{}", accum), two = fmt::format("dp{}", accum);
+    CliRun a = f.train("cuda", one, fmt::format("--quiet --train.grad_accum {}", 2 * accum));
+    ASSERT_EQ(a.code, 0) << a.err;
+    CliRun b = f.train("cuda", two,
+                       fmt::format("--train.grad_accum {} --train.eval_batches 1 --parallel.dp 2 --parallel.comm mpi",
+                                   accum),
+                       mpirun);
+    ASSERT_EQ(b.code, 0) << b.out << b.err;
+    EXPECT_NE(b.out.find(fmt::format("dp 2 (mpi processes, gradients reduced by {})", path)), std::string::npos)
+        << b.out;
+    const auto l1 = f.metrics(one, "loss"), l2 = f.metrics(two, "loss");
+    ASSERT_EQ(l1.size(), 20u);
+    ASSERT_EQ(l2.size(), 20u) << "one metrics line per step, from rank 0 only";
+    expect_close(l2, l1, 1, 20, kDpTol, "loss");
+    ASSERT_EQ(f.metrics(two, "val_loss").size(), 2u);
+    expect_close(f.metrics(two, "val_loss"), f.metrics(one, "val_loss"), 10, 20, kDpTol, "val_loss");
+    expect_close(f.metrics(two, "grad_norm"), f.metrics(one, "grad_norm"), 1, 20, kDpTol, "grad_norm");
+    EXPECT_LT(l2.at(20), l2.at(1) - 0.5) << "the data-parallel run did not learn";
+  }
+  // It resumes from its checkpoint (every rank reads it) and goes on.
+  CliRun r = f.train("cuda", "dp2",
+                     "--quiet --train.grad_accum 2 --train.eval_batches 1 --parallel.dp 2 --parallel.comm mpi "
+                     "--resume --train.steps 25",
+                     mpirun);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_EQ(f.metrics("dp2", "loss").size(), 25u);
+}
+
+// parallel.comm = nccl asks for NCCL itself: refused (naming the ranks and the shared GPU) when
+// the processes would share a GPU, and on a host with two GPUs taken.
+TEST(CudaTrain, NcclCommNeedsAGpuPerProcess) {
+  LOOM_REQUIRE_GPU();
+  LOOM_REQUIRE_LOOM();
+  const std::string mpirun = gpu_mpirun(2);
+  if (mpirun.empty()) GTEST_SKIP() << "needs loom built with MPI and mpirun on PATH";
+  Fixture f("nccl");
+  CliRun r = f.train("cuda", "run", "--quiet --train.steps 4 --parallel.dp 2 --parallel.comm nccl", mpirun);
+  if (gpu_count() >= 2) {
+    ASSERT_EQ(r.code, 0) << r.out << r.err;
+    EXPECT_EQ(f.metrics("run", "loss").size(), 4u);
+  } else {
+    EXPECT_NE(r.code, 0);
+    EXPECT_NE(r.err.find("share GPU"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("of 2 failed"), std::string::npos) << r.err;
+  }
+}
+
+// A rank that throws ends every process of the job with an error naming it, and the checkpoint
+// written before stays.
+TEST(CudaTrain, DataParallelRankThatThrowsEndsTheJobNamingIt) {
+  LOOM_REQUIRE_GPU();
+  LOOM_REQUIRE_LOOM();
+  const std::string mpirun = gpu_mpirun(2, true);
+  if (mpirun.empty()) GTEST_SKIP() << "needs loom built with MPI and mpirun on PATH";
+  Fixture f("dp_throw");
+  const auto t0 = std::chrono::steady_clock::now();
+  CliRun r = f.train("cuda", "run",
+                     "--quiet --parallel.dp 2 --parallel.comm mpi --parallel.timeout_s 60 --train.checkpoint_every 2",
+                     "LOOM_FAULT_INJECT=rank=1,step=4,kind=throw " + mpirun);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_NE(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.code, 124) << "hang: killed by the test's deadline\n" << r.err;
+  EXPECT_LT(s, 45.0) << "not aborted by the failure (the communicator timeout is 60 s)";
+  EXPECT_NE(r.err.find("loom: rank 1 of 2 failed"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("fails on purpose at step 4"), std::string::npos) << r.err;
+  const std::string ckpt = train::latest_checkpoint((f.root / "run").string());
+  ASSERT_FALSE(ckpt.empty()) << r.err;
+  EXPECT_EQ(train::read_checkpoint_meta(ckpt).step, 2);
 }
 
 TEST(CudaTrain, GpuCheckpointLoadsInCpuGenerate) {
