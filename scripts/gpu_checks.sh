@@ -11,7 +11,8 @@
 #   pipeline  bench_pipeline at p = 4 and p = 2 (CPU threads: the host's cores, one rank per core)
 #   flash     bench_flash: loom's flash attention and loom's cuDNN path, same inputs
 #   train     train_gpt2_cuda GPT-2 124M, B = 16, T = 1024, with flash and with cuDNN attention
-#   loom      `loom train --train.device cuda` on a small corpus made from the repository's text
+#   loom      `loom train --train.device cuda` on a small corpus made from the repository's text,
+#             `loom generate` on its checkpoint, and the same run as two data-parallel processes
 # Each step writes OUT_DIR/<step>.log and its exit status to OUT_DIR/status; a failing step does
 # not stop the others, and the script exits non-zero if any failed.
 set -uo pipefail
@@ -55,7 +56,15 @@ step_loom() {
   env_run loom prepare "$corpus/text.txt" --out "$corpus/data" --vocab-size 512 &&
     env_run loom train "$root/configs/kjv-10m.toml" --data.dir "$corpus/data" --train.device cuda \
       --train.steps 40 --train.eval_every 20 --train.checkpoint_every 20 --train.out_dir "$out/run" &&
-    env_run loom generate "$out/run" --prompt "The " --tokens 20
+    env_run loom generate "$out/run" --prompt "The " --tokens 20 || return 1
+  # Data parallelism: two processes (sharing the GPU on a one-GPU host: gradients staged through
+  # host memory; one GPU each elsewhere: NCCL).
+  command -v mpirun >/dev/null || { echo "mpirun not found: data-parallel run skipped"; return 0; }
+  local root_flag=""
+  [[ $(id -u) -eq 0 ]] && root_flag=--allow-run-as-root
+  OMPI_MCA_btl_vader_single_copy_mechanism=none env_run mpirun $root_flag --oversubscribe --bind-to none -n 2 \
+    loom train "$root/configs/kjv-10m.toml" --data.dir "$corpus/data" --train.device cuda --parallel.dp 2 \
+    --parallel.comm mpi --train.steps 40 --train.eval_every 20 --train.checkpoint_every 20 --train.out_dir "$out/run_dp2"
 }
 failed=0
 run_step() {
