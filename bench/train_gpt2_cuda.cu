@@ -3,7 +3,11 @@
 //
 //   train_gpt2_cuda [--model gpt2-124m] [-B 16] [-T 1024] [--steps 30] [--warmup 5]
 //                   [--attention flash|gemm|cudnn] [--no-graph] [--lr 6e-4] [--seed 1337] [--json]
-//                   [--dump FILE]
+//                   [--dump FILE] [--profile N]
+//
+// --profile N runs N more steps kernel by kernel with CUDA events between the parts of the step
+// (kernels/cuda/profile.cuh) and prints each part's time per step, its share and, for GEMMs and
+// attention, its TFLOP/s; the parts' sum against the graphed step time shows the launch overhead.
 //
 // Tokens are uniform random ids (a fixed seed): the step's cost does not depend on the data.
 // FLOPs per token, as nanoGPT's estimate_mfu: 6 N + 12 L H Q T with N the parameters without
@@ -25,6 +29,7 @@
 #include "kernels/cuda/allocator.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/matmul.cuh"
+#include "kernels/cuda/profile.cuh"
 #include "model/gpt_cuda.cuh"
 #include "train/safetensors.h"
 
@@ -40,12 +45,13 @@ struct Args {
   float lr = 6e-4f;
   uint64_t seed = 1337;
   std::string dump;
+  int64_t profile = 0;
 };
 
 [[noreturn]] void usage(const std::string& msg) {
   std::fprintf(stderr,
                "train_gpt2_cuda: %s\nusage: train_gpt2_cuda [--model NAME] [-B N] [-T N] [--steps N] [--warmup N] "
-               "[--attention flash|gemm|cudnn] [--no-graph] [--lr X] [--seed N] [--json] [--dump FILE]\n",
+               "[--attention flash|gemm|cudnn] [--no-graph] [--lr X] [--seed N] [--json] [--dump FILE] [--profile N]\n",
                msg.c_str());
   std::exit(2);
 }
@@ -75,6 +81,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--lr") a.lr = std::stof(val());
     else if (k == "--seed") a.seed = uint64_t(num(val()));
     else if (k == "--dump") a.dump = val();
+    else if (k == "--profile") a.profile = num(val());
     else usage("unknown option " + k);
   }
   if (a.attention != "flash" && a.attention != "gemm" && a.attention != "cudnn")
@@ -121,6 +128,35 @@ void write_dump(model::GPTCuda& gpt, const Args& a, const std::vector<int32_t>& 
   w.set_metadata("attention", a.attention);
   w.write(a.dump);
   std::printf("dump %s: loss %.6f (fused-gradient pass %.6f)\n", a.dump.c_str(), loss, loss2);
+}
+
+// One line per part: ms per step, share of the profiled step, TFLOP/s where it declared FLOPs;
+// then the parts' sum against the graphed step (graph_ms). With json, one JSON object instead.
+void print_profile(const cuda::StepProfile& prof, double graph_ms, bool json) {
+  const double n = double(prof.steps()), total = prof.total_ms() / n;
+  if (json) {
+    std::printf("{\"profile_steps\": %lld, \"profile_ms\": %.4f, \"graph_step_ms\": %.4f, \"parts\": [",
+                (long long)prof.steps(), total, graph_ms);
+    for (size_t i = 0; i < prof.parts().size(); ++i) {
+      const auto& p = prof.parts()[i];
+      std::printf("%s{\"part\": \"%s\", \"ms\": %.4f, \"tflops\": %.2f}", i ? ", " : "", p.name.c_str(), p.ms / n,
+                  p.flops > 0 ? p.flops / (p.ms * 1e-3) / 1e12 : 0.0);
+    }
+    std::printf("]}\n");
+    return;
+  }
+  std::printf("\nstep parts, kernel by kernel (%lld steps; CUDA events between the parts):\n", (long long)prof.steps());
+  std::printf("%-40s %10s %7s %9s\n", "part", "ms/step", "share", "TFLOP/s");
+  for (const auto& p : prof.parts()) {
+    const double ms = p.ms / n;
+    if (p.flops > 0)
+      std::printf("%-40s %10.3f %6.1f%% %9.1f\n", p.name.c_str(), ms, 100.0 * ms / total, p.flops / (p.ms * 1e-3) / 1e12);
+    else
+      std::printf("%-40s %10.3f %6.1f%% %9s\n", p.name.c_str(), ms, 100.0 * ms / total, "");
+  }
+  std::printf("%-40s %10.3f (the graphed step: %.3f ms; the parts include the GPU's idle time while the host "
+              "launched their kernels one by one)\n",
+              "sum", total, graph_ms);
 }
 
 }  // namespace
@@ -170,6 +206,17 @@ int main(int argc, char** argv) {
       if (!a.json && (s <= 3 || s % 10 == 0))
         std::printf("step %4lld loss %.4f norm %.3f %.2f ms\n", (long long)s, loss, gpt.last_grad_norm(), t);
     }
+    // The parts of the step, kernel by kernel.
+    cuda::StepProfile prof(gpt.stream());
+    if (a.profile > 0) {
+      gpt.set_profile(&prof);
+      for (int64_t i = 0; i < a.profile; ++i) {
+        prof.start();
+        gpt.train_step(tok.data(), tgt.data(), a.lr, a.warmup + a.steps + 1 + i);
+        prof.finish();
+      }
+      gpt.set_profile(nullptr);
+    }
     // Host time around the step (the token upload and loss read-back included) is what a user
     // sees; device events cover the same span since each step synchronises.
     std::vector<double> sorted = ms;
@@ -203,6 +250,7 @@ int main(int argc, char** argv) {
                   (long long)a.steps, mean, tps, tflops, 100.0 * tflops / 989.0, 100.0 * tflops / peak_tflops,
                   peak_tflops, first_loss, last_loss, report.c_str());
     }
+    if (a.profile > 0) print_profile(prof, med, a.json);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "train_gpt2_cuda: %s\n", e.what());
     return 1;

@@ -10,7 +10,8 @@
 #             training step (writes past a buffer that the NaN-poisoned outputs cannot show)
 #   pipeline  bench_pipeline at p = 4 and p = 2 (CPU threads: the host's cores, one rank per core)
 #   flash     bench_flash: loom's flash attention and loom's cuDNN path, same inputs
-#   train     train_gpt2_cuda GPT-2 124M, B = 16, T = 1024, with flash and with cuDNN attention
+#   train     train_gpt2_cuda GPT-2 124M, B = 16, T = 1024, with flash (and the time of each part of
+#             the step) and with cuDNN attention
 #   loom      `loom train --train.device cuda` on a small corpus made from the repository's text,
 #             `loom generate` on its checkpoint, and the same run as two data-parallel processes
 # Each step writes OUT_DIR/<step>.log and its exit status to OUT_DIR/status; a failing step does
@@ -46,8 +47,8 @@ step_pipeline() {
 }
 step_flash() { env_run bench_flash; }
 step_train() {
-  local a
-  for a in flash cudnn; do env_run train_gpt2_cuda -B 16 -T 1024 --steps 20 --warmup 5 --attention "$a" || return 1; done
+  env_run train_gpt2_cuda -B 16 -T 1024 --steps 20 --warmup 5 --attention flash --profile 5 || return 1
+  env_run train_gpt2_cuda -B 16 -T 1024 --steps 20 --warmup 5 --attention cudnn
 }
 step_loom() {
   local corpus="$out/corpus"

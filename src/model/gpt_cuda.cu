@@ -13,6 +13,7 @@
 #include "kernels/cuda/gelu.cuh"
 #include "kernels/cuda/layernorm.cuh"
 #include "kernels/cuda/matmul.cuh"
+#include "kernels/cuda/profile.cuh"
 
 namespace loom::model {
 
@@ -328,13 +329,18 @@ void GPTCuda::enqueue_forward(bool fused_loss_grad) {
   cudaStream_t s = stream_;
   auto W = [&](size_t i) { return wbf_ + offsets_[i]; };
 
+  // FLOPs of the marks: 2 per multiply-add of each GEMM; attention as FlashAttention-2 counts
+  // it (causal: half of 4 B T^2 C), its backward 2.5 times that.
+  const double gemm = 2.0 * double(BT) * double(C), attn = 2.0 * double(B) * double(T) * double(T) * double(C);
   cuda::embedding_forward(a.x[0], d_tokens_, W(0), W(1), B, T, C, V, s);
   cuda::layernorm_forward(a.layers[0].ln1, a.layers[0].ln1_mean, a.layers[0].ln1_rstd, a.x[0], W(2 + kLn1W),
                           W(2 + kLn1B), BT, C, s, eps);
+  mark("fwd embedding + layernorm");
   for (int64_t l = 0; l < L; ++l) {
     Acts::Layer& y = a.layers[size_t(l)];
     const size_t p = size_t(2 + kPerLayer * l);
     cuda::matmul_forward({y.qkv, nullptr, y.ln1, W(p + kQkvW), W(p + kQkvB), BT, C, 3 * C, false}, s);
+    mark("fwd qkv matmul", gemm * 3 * double(C));
     if (opt_.attention == CudaAttention::gemm) {
       cuda::attn_gemm_forward(y.atty, y.att, y.qkv, {B, T, NH, HS}, a.attn_ws, s);
     } else if (opt_.attention == CudaAttention::cudnn) {
@@ -349,11 +355,16 @@ void GPTCuda::enqueue_forward(bool fused_loss_grad) {
       args.o_stride = C;
       cuda::attention_forward(y.atty, y.lse, y.qkv, y.qkv + C, y.qkv + 2 * C, args, s);
     }
+    mark("fwd attention", attn);
     cuda::matmul_forward({a.proj, nullptr, y.atty, W(p + kAttnProjW), W(p + kAttnProjB), BT, C, C, false}, s);
+    mark("fwd attn-proj matmul", gemm * double(C));
     cuda::residual_layernorm_forward(y.x2, y.ln2, y.ln2_mean, y.ln2_rstd, a.x[size_t(l)], a.proj, W(p + kLn2W),
                                      W(p + kLn2B), BT, C, s, eps);
+    mark("fwd residual + layernorm");
     cuda::matmul_forward({y.fch_gelu, y.fch, y.ln2, W(p + kFcW), W(p + kFcB), BT, C, 4 * C, true}, s);
+    mark("fwd fc matmul + gelu", gemm * 4 * double(C));
     cuda::matmul_forward({a.proj, nullptr, y.fch_gelu, W(p + kMlpProjW), W(p + kMlpProjB), BT, 4 * C, C, false}, s);
+    mark("fwd mlp-proj matmul", gemm * 4 * double(C));
     if (l + 1 < L) {
       Acts::Layer& z = a.layers[size_t(l + 1)];
       const size_t q = p + kPerLayer;
@@ -364,15 +375,18 @@ void GPTCuda::enqueue_forward(bool fused_loss_grad) {
       cuda::residual_layernorm_forward(a.x[size_t(L)], a.lnf, a.lnf_mean, a.lnf_rstd, y.x2, a.proj, W(f), W(f + 1), BT,
                                        C, s, eps);
     }
+    mark("fwd residual + layernorm");
   }
   // logits [BT, Vp] = lnf @ wte^T (tied; padding rows of wte are zero, so padding logits are 0)
   cuda::matmul_forward({a.logits, nullptr, a.lnf, W(0), nullptr, BT, C, Vp, false}, s);
+  mark("fwd logits matmul", gemm * double(Vp));
   if (fused_loss_grad)
     cuda::crossentropy_forward_backward(a.losses, a.logits, a.logits, d_targets_, dloss_, BT, V, Vp, s);
   else
     cuda::crossentropy_forward(a.losses, a.logits, d_targets_, BT, V, Vp, s);
   mean_loss_kernel<<<1, 1024, 0, s>>>(d_loss_, a.losses, BT, dloss_);
   LOOM_CUDA_LAUNCH_CHECK();
+  mark(fused_loss_grad ? "fwd cross-entropy + dlogits" : "fwd cross-entropy");
 }
 
 void GPTCuda::enqueue_backward() {
@@ -383,6 +397,7 @@ void GPTCuda::enqueue_backward() {
   auto W = [&](size_t i) { return wbf_ + offsets_[i]; };
   auto G = [&](size_t i) { return grads_ + offsets_[i]; };
   const size_t f = size_t(2 + kPerLayer * L);
+  const double gemm = 4.0 * double(BT) * double(C), attn = 5.0 * double(B) * double(T) * double(T) * double(C);
 
   // lm_head (tied with wte): dlnf = dlogits @ wte; dwte += dlogits^T @ lnf
   cuda::MatmulBwdArgs head;
@@ -395,8 +410,10 @@ void GPTCuda::enqueue_backward() {
   head.K = C;
   head.N = Vp;
   cuda::matmul_backward(head, s);
+  mark("bwd logits matmul", gemm * double(Vp));
   cuda::layernorm_backward(a.dres, G(f), G(f + 1), a.dln, a.x[size_t(L)], W(f), a.lnf_mean, a.lnf_rstd, BT, C, false,
                            a.ln_scratch, s);
+  mark("bwd layernorm");
   for (int64_t l = L - 1; l >= 0; --l) {
     Acts::Layer& y = a.layers[size_t(l)];
     const size_t p = size_t(2 + kPerLayer * l);
@@ -415,6 +432,7 @@ void GPTCuda::enqueue_backward() {
     fcp.dbias_scratch = a.dbias_scratch;
     cuda::matmul_backward(fcp, s);
     if (!opt_.fuse_dgelu) cuda::gelu_backward(a.dbig, y.fch, a.dbig, BT * 4 * C, s);
+    mark("bwd mlp-proj matmul + dgelu", gemm * 4 * double(C));
     cuda::MatmulBwdArgs fc;
     fc.dinp = a.dln;
     fc.dweight = G(p + kFcW);
@@ -427,8 +445,10 @@ void GPTCuda::enqueue_backward() {
     fc.N = 4 * C;
     fc.dbias_scratch = a.dbias_scratch;
     cuda::matmul_backward(fc, s);
+    mark("bwd fc matmul", gemm * 4 * double(C));
     cuda::layernorm_backward(a.dres, G(p + kLn2W), G(p + kLn2B), a.dln, y.x2, W(p + kLn2W), y.ln2_mean, y.ln2_rstd, BT,
                              C, true, a.ln_scratch, s);
+    mark("bwd layernorm");
     // Attention projection: dres is now d x2.
     cuda::MatmulBwdArgs proj;
     proj.dinp = a.dln;
@@ -442,6 +462,7 @@ void GPTCuda::enqueue_backward() {
     proj.N = C;
     proj.dbias_scratch = a.dbias_scratch;
     cuda::matmul_backward(proj, s);
+    mark("bwd attn-proj matmul", gemm * double(C));
     bf16* dqkv = a.dbig;  // [BT, 3C]
     if (opt_.attention == CudaAttention::gemm) {
       cuda::attn_gemm_backward(dqkv, y.att, a.dln, y.qkv, {B, T, NH, HS}, a.attn_ws, s);
@@ -459,6 +480,7 @@ void GPTCuda::enqueue_backward() {
       cuda::attention_backward(dqkv, dqkv + C, dqkv + 2 * C, a.dln, y.qkv, y.qkv + C, y.qkv + 2 * C, y.atty, y.lse,
                                args, a.attn_ws, s);
     }
+    mark("bwd attention", attn);
     cuda::MatmulBwdArgs qkv;
     qkv.dinp = a.dln;
     qkv.dweight = G(p + kQkvW);
@@ -471,10 +493,13 @@ void GPTCuda::enqueue_backward() {
     qkv.N = 3 * C;
     qkv.dbias_scratch = a.dbias_scratch;
     cuda::matmul_backward(qkv, s);
+    mark("bwd qkv matmul", gemm * 3 * double(C));
     cuda::layernorm_backward(a.dres, G(p + kLn1W), G(p + kLn1B), a.dln, a.x[size_t(l)], W(p + kLn1W), y.ln1_mean,
                              y.ln1_rstd, BT, C, true, a.ln_scratch, s);
+    mark("bwd layernorm");
   }
   cuda::embedding_backward(G(0), G(1), a.dres, d_tokens_, B, T, C, V, s);
+  mark("bwd embedding");
 }
 
 float GPTCuda::read_loss() {
@@ -498,6 +523,7 @@ float GPTCuda::forward_backward(const int32_t* tokens, const int32_t* targets) {
 
 void GPTCuda::enqueue_step() {
   zero_grad();
+  mark("upload batch + zero grads");
   enqueue_micro();
   enqueue_update();
 }
@@ -506,6 +532,11 @@ void GPTCuda::enqueue_update() {
   adamw_->launch(stream_);
   LOOM_CUDA_CHECK(cudaMemcpyAsync(h_stats_ + 1, adamw_->norm_and_scale(), 2 * sizeof(float), cudaMemcpyDeviceToHost,
                                   stream_));
+  mark("adamw (norm, clip, update, bf16 copy)");
+}
+
+void GPTCuda::mark(const char* part, double flops) {
+  if (prof_) prof_->mark(part, flops);
 }
 
 void GPTCuda::set_adamw_hyper(float lr, int64_t step, float grad_scale) {
@@ -530,7 +561,7 @@ void GPTCuda::run_graphed(cudaGraphExec_t& exec, float& exec_dloss, void (GPTCud
     LOOM_CUDA_CHECK(cudaGraphExecDestroy(exec));
     exec = nullptr;
   }
-  if (!opt_.cuda_graph || !warmed_) {
+  if (!opt_.cuda_graph || !warmed_ || prof_) {
     (this->*enqueue)();
     warmed_ = true;
     return;

@@ -23,6 +23,7 @@
 
 namespace loom::cuda {
 class CudnnAttention;
+class StepProfile;
 }
 
 namespace loom::model {
@@ -101,6 +102,11 @@ class GPTCuda {
   void set_exp_avg_sq(const std::string& name, const float* values);
   bool flash_attention() const { return opt_.attention == CudaAttention::flash; }
 
+  // Times the parts of each step (kernels/cuda/profile.cuh) while set: every part of the forward,
+  // backward and update marks `p` on stream() with its FLOPs; the caller opens and closes each
+  // step (p->start(), p->finish()). While set, nothing runs as a CUDA graph. nullptr: off.
+  void set_profile(cuda::StepProfile* p) { prof_ = p; }
+
   // f32 [B, T, Vp] copy of the last forward()'s bf16 logits (padding columns included).
   std::vector<float> logits() const;
   MemoryPool& pool() const { return pool_; }
@@ -125,6 +131,7 @@ class GPTCuda {
   void upload(float* base, const std::string& name, const float* values);
   float read_loss();
   void refresh_bf16();
+  void mark(const char* part, double flops = 0);  // prof_'s mark, when set
   void* alloc(size_t bytes, MemTag tag);
 
   GPTConfig cfg_;
@@ -159,6 +166,7 @@ class GPTCuda {
   cudaGraphExec_t micro_graph_ = nullptr;  // accumulate(): forward + backward, no zeroing, no update
   float micro_graph_dloss_ = 0.f;          // dloss baked into micro_graph_
   bool warmed_ = false;      // an eager step has run (before the first capture)
+  cuda::StepProfile* prof_ = nullptr;
 };
 
 }  // namespace loom::model

@@ -1,6 +1,6 @@
 // The GPU GPT-2 step: against the PyTorch reference dump (tests/data, written by
-// scripts/torch_reference.py in float64/f32), flash vs GEMM and cuDNN attention, CUDA graph vs eager, memory
-// tags and input errors. The model computes in bf16 with f32 accumulation and f32 master weights,
+// scripts/torch_reference.py in float64/f32), flash vs GEMM and cuDNN attention, CUDA graph vs eager, the
+// step profile, memory tags and input errors. The model computes in bf16 with f32 accumulation and f32 master weights,
 // so tolerances are bf16-compounded over the whole network:
 //   loss 5e-3 relative, logits 2e-2 (norm), every parameter gradient 5e-2 (norm), the global
 //   gradient norm 2e-2, AdamW step losses 2e-2 absolute.
@@ -8,12 +8,16 @@
 
 #include <cmath>
 #include <filesystem>
+#include <set>
+#include <string>
 
 #include "cuda_test_util.h"
 #include "kernels/cuda/allocator.cuh"
+#include "kernels/cuda/attention.cuh"
 #include "kernels/cuda/attn_gemm.cuh"
 #include "kernels/cuda/cudnn_attention.cuh"
 #include "kernels/cuda/matmul.cuh"
+#include "kernels/cuda/profile.cuh"
 #include "model/gpt_cuda.cuh"
 #include "train/safetensors.h"
 
@@ -219,6 +223,59 @@ TEST(GPTCuda, GraphRecapturesWhenTheCountedTargetsChange) {
   }
   for (const model::ParamSpec& sp : g.specs())
     EXPECT_LE(rel_err(g.parameter(sp.name), e.parameter(sp.name)), 1e-4) << sp.name;
+}
+
+// The step's parts, timed by events (kernels/cuda/profile.cuh): every part of the forward,
+// backward and update is marked with a positive time, the marked FLOPs add up to the model's
+// GEMM and attention FLOPs exactly, profiling runs the same math as eager launches, and the
+// model goes back to graphs afterwards.
+TEST(GPTCuda, StepProfileCoversTheStep) {
+  LOOM_REQUIRE_GPU();
+  model::GPTConfig cfg = model::gpt_preset("gpt2-tiny");
+  model::GPTCudaOptions o;
+  o.B = 2;
+  o.T = 64;
+  o.attention = cuda::flash_head_size_supported(cfg.head_size()) ? model::CudaAttention::flash
+                                                                  : model::CudaAttention::gemm;
+  o.lr = 3e-3f;
+  auto tok = random_tokens(o.B * o.T, cfg.vocab_size, 31), tgt = random_tokens(o.B * o.T, cfg.vocab_size, 32);
+  model::GPTCuda g(cfg, o, cuda::device_pool(), 17);  // graphs on
+  o.cuda_graph = false;
+  model::GPTCuda e(cfg, o, cuda::device_pool(), 17);
+  cuda::StepProfile prof(g.stream());
+  g.set_profile(&prof);
+  for (int s = 1; s <= 2; ++s) {
+    prof.start();
+    const float lg = g.train_step(tok.data(), tgt.data(), o.lr, s);
+    prof.finish();
+    EXPECT_NEAR(lg, e.train_step(tok.data(), tgt.data(), o.lr, s), 1e-4) << "step " << s;
+  }
+  g.set_profile(nullptr);
+  EXPECT_EQ(prof.steps(), 2);
+  std::set<std::string> names;
+  double flops = 0;
+  for (const auto& p : prof.parts()) {
+    names.insert(p.name);
+    EXPECT_GT(p.ms, 0.0) << p.name;
+    flops += p.flops;
+  }
+  for (const char* want : {"upload batch + zero grads", "fwd embedding + layernorm", "fwd qkv matmul", "fwd attention",
+                           "fwd attn-proj matmul", "fwd residual + layernorm", "fwd fc matmul + gelu",
+                           "fwd mlp-proj matmul", "fwd logits matmul", "fwd cross-entropy + dlogits",
+                           "bwd logits matmul", "bwd layernorm", "bwd mlp-proj matmul + dgelu", "bwd fc matmul",
+                           "bwd attn-proj matmul", "bwd attention", "bwd qkv matmul", "bwd embedding",
+                           "adamw (norm, clip, update, bf16 copy)"})
+    EXPECT_EQ(names.count(want), 1u) << want;
+  EXPECT_EQ(names.size(), 19u);
+  // Per step: GEMMs 2 FLOPs per multiply-add forward, twice that backward; attention 2 B T^2 C
+  // forward (causal) and 2.5 times that backward, per layer.
+  const double B = double(o.B), T = double(o.T), C = double(cfg.n_embd), L = double(cfg.n_layer);
+  const double Vp = double(cfg.padded_vocab());
+  const double want = 6.0 * B * T * (L * 12.0 * C * C + C * Vp) + L * 7.0 * B * T * T * C;
+  EXPECT_NEAR(flops / 2.0, want, 1e-9 * want);
+  EXPECT_GT(prof.total_ms(), 0.0);
+  EXPECT_TRUE(std::isfinite(g.train_step(tok.data(), tgt.data(), o.lr, 3)));  // graphed again
+  EXPECT_EQ(prof.steps(), 2);
 }
 
 TEST(GPTCuda, MemoryIsTaggedAndReturned) {

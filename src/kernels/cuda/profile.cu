@@ -1,0 +1,66 @@
+#include "kernels/cuda/profile.cuh"
+
+#include <cstring>
+
+#include "kernels/cuda/common.cuh"
+
+namespace loom::cuda {
+
+StepProfile::StepProfile(cudaStream_t stream) : stream_(stream) {}
+
+StepProfile::~StepProfile() {
+  for (cudaEvent_t e : events_) cudaEventDestroy(e);  // no throwing from a destructor
+}
+
+cudaEvent_t StepProfile::event(size_t i) {
+  while (events_.size() <= i) {
+    cudaEvent_t e = nullptr;
+    LOOM_CUDA_CHECK(cudaEventCreate(&e));
+    events_.push_back(e);
+  }
+  return events_[i];
+}
+
+size_t StepProfile::part_index(const char* name) {
+  for (size_t i = 0; i < parts_.size(); ++i)
+    if (parts_[i].name == name) return i;
+  parts_.push_back({name, 0, 0});
+  return parts_.size() - 1;
+}
+
+void StepProfile::start() {
+  LOOM_CHECK(!open_, "StepProfile: start() while a step is open");
+  pending_.clear();
+  pending_flops_.clear();
+  LOOM_CUDA_CHECK(cudaEventRecord(event(0), stream_));
+  open_ = true;
+}
+
+void StepProfile::mark(const char* part, double flops) {
+  if (!open_) return;
+  const size_t i = part_index(part);
+  LOOM_CUDA_CHECK(cudaEventRecord(event(pending_.size() + 1), stream_));
+  pending_.push_back(i);
+  pending_flops_.push_back(flops);
+}
+
+void StepProfile::finish() {
+  LOOM_CHECK(open_, "StepProfile: finish() without start()");
+  open_ = false;
+  LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  for (size_t k = 0; k < pending_.size(); ++k) {
+    float ms = 0;
+    LOOM_CUDA_CHECK(cudaEventElapsedTime(&ms, events_[k], events_[k + 1]));
+    parts_[pending_[k]].ms += ms;
+    parts_[pending_[k]].flops += pending_flops_[k];
+  }
+  ++steps_;
+}
+
+double StepProfile::total_ms() const {
+  double t = 0;
+  for (const Part& p : parts_) t += p.ms;
+  return t;
+}
+
+}  // namespace loom::cuda

@@ -1,0 +1,53 @@
+// Where a GPU step's time goes, without a profiler: CUDA events recorded on one stream between
+// the parts of the step (mark), and the time between consecutive events charged to the part that
+// ends there. Kernels of one stream run in order, so an interval is the part's kernels plus any
+// idle time of the GPU while the host launched them: profile eager launches (no CUDA graph) and
+// compare the parts' sum with the graphed step's time to see the launch overhead.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace loom::cuda {
+
+class StepProfile {
+ public:
+  struct Part {
+    std::string name;
+    double ms = 0;     // summed over the profiled steps
+    double flops = 0;  // declared by the marks, summed over the profiled steps
+  };
+
+  explicit StepProfile(cudaStream_t stream);
+  ~StepProfile();
+  StepProfile(const StepProfile&) = delete;
+  StepProfile& operator=(const StepProfile&) = delete;
+
+  // Opens a step: records its first event. Throws if a step is open.
+  void start();
+  // The work queued on the stream since the previous mark (or start) belongs to `part`, which did
+  // `flops` floating-point operations. No-op outside a step.
+  void mark(const char* part, double flops = 0);
+  // Closes the step: waits for the stream and adds the intervals to the parts.
+  void finish();
+  bool open() const { return open_; }
+
+  const std::vector<Part>& parts() const { return parts_; }  // in the order first marked
+  int64_t steps() const { return steps_; }
+  double total_ms() const;  // all parts, all steps
+
+ private:
+  cudaStream_t stream_;
+  std::vector<cudaEvent_t> events_;  // reused across steps; [0] is the start
+  std::vector<size_t> pending_;      // part index of each mark of the open step
+  std::vector<double> pending_flops_;
+  std::vector<Part> parts_;
+  int64_t steps_ = 0;
+  bool open_ = false;
+  size_t part_index(const char* name);
+  cudaEvent_t event(size_t i);
+};
+
+}  // namespace loom::cuda
