@@ -476,7 +476,6 @@ MpiSession::MpiSession(int* argc, char*** argv) {
   MPI_Comm host;
   LOOM_MPI(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &host));
   MPI_Comm_size(host, &local_size_);
-  MPI_Comm_rank(host, &local_rank_);
   MPI_Comm_free(&host);
 }
 

@@ -36,8 +36,6 @@ class MpiSession {
   int size() const { return size_; }
   // Processes of the job on this host (MPI_COMM_TYPE_SHARED).
   int local_size() const { return local_size_; }
-  // This process's place among them (0 .. local_size - 1): which of the host's GPUs it takes.
-  int local_rank() const { return local_rank_; }
   // Whether MPI granted MPI_THREAD_MULTIPLE (needed to use communicators from several threads).
   bool thread_multiple() const { return thread_multiple_; }
 
@@ -47,11 +45,10 @@ class MpiSession {
   int rank_ = 0;
   int size_ = 1;
   int local_size_ = 1;
-  int local_rank_ = 0;
 };
 
-// MpiSession::local_rank without a session at hand (MPI must be initialised; collective over
-// MPI_COMM_WORLD).
+// This process's place among the job's processes on its host (0 .. local_size - 1): which of
+// the host's GPUs it takes. MPI must be initialised; collective over MPI_COMM_WORLD.
 int mpi_local_rank();
 
 // A communicator over MPI_COMM_WORLD (MPI must be initialised).

@@ -1,6 +1,6 @@
 // The nccl backend: collectives on CUDA device buffers, one GPU per rank, bootstrapped over a host
-// communicator (normally the mpi backend: `mpirun -n N loom train CONFIG --device cuda --comm
-// nccl`). Exists in CUDA builds (LOOM_HAVE_CUDA); NCCL itself is used when loom found it
+// communicator (normally the mpi backend: `mpirun -n N loom train CONFIG --train.device cuda
+// --parallel.dp N --parallel.comm nccl`). Exists in CUDA builds (LOOM_HAVE_CUDA); NCCL itself is used when loom found it
 // (LOOM_HAVE_NCCL). This header declares it either way, so guard uses with LOOM_HAVE_CUDA.
 //
 // A device communicator wraps a host communicator and takes one of two paths, chosen when it is

@@ -272,9 +272,6 @@ void TrainConfig::validate(const std::string& where) const {
   need(virtual_stages >= 2, "parallel.virtual_stages", fmt::format("must be at least 2, got {}", virtual_stages));
   need(comm == "threads" || comm == "mpi" || comm == "nccl", "parallel.comm",
        fmt::format("'{}' is not threads, mpi or nccl", comm));
-  need(comm != "nccl" || device == "cuda", "parallel.comm",
-       fmt::format("nccl reduces GPU buffers: it needs train.device = \"cuda\" (got \"{}\"); on the CPU use mpi",
-                   device));
   try {
     (void)model::gpt_preset(model_preset);
   } catch (const Error& e) {
@@ -293,6 +290,9 @@ void TrainConfig::validate(const std::string& where) const {
     }
   }
   need(device == "cpu" || device == "cuda", "train.device", fmt::format("'{}' is not cpu or cuda", device));
+  need(comm != "nccl" || device == "cuda", "parallel.comm",
+       fmt::format("nccl reduces GPU buffers: it needs train.device = \"cuda\" (got \"{}\"); on the CPU use mpi",
+                   device));
   if (device == "cuda") validate_cuda(where);
 }
 

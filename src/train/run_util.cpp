@@ -43,8 +43,8 @@ TrainResult run_mpi_rank(const TrainConfig& cfg, const std::string& where, int w
     comm::mpi_abort(fmt::format("loom: rank {} of {} failed: {}", r, world_size, what));
   });
 #else
-  (void)cfg, (void)world_size, (void)count, (void)co, (void)rank;
-  throw Error(fmt::format("{}: parallel.comm = \"mpi\" needs loom built with MPI", where));
+  (void)world_size, (void)count, (void)co, (void)rank;
+  throw Error(fmt::format("{}: parallel.comm = \"{}\" needs loom built with MPI", where, cfg.comm));
 #endif
 }
 

@@ -27,7 +27,7 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t);
 
-// Under mpirun (parallel.comm = "mpi"): checks that mpirun started `world_size` processes
+// Under mpirun (parallel.comm = "mpi", or "nccl" for GPU ranks): checks that mpirun started `world_size` processes
 // (`count` says which fields make that number, e.g. "parallel.dp is 2"), applies train.threads,
 // and runs `rank` on this process's rank of the MPI world with a failure hook that aborts the
 // whole job naming the rank. Without MPI in the build it throws naming `where`.

@@ -181,18 +181,27 @@ TrainResult train_cuda_rank(const TrainConfig& cfg, const TrainOptions& opt, com
     }
     return sum_over_ranks(world, sum) / double(n * dp);
   };
-  // Samples run on rank 0's CPU model (train/sample.h) with a copy of the current weights (every
-  // replica holds the same).
+  // Samples run on a CPU model (train/sample.h) with a copy of the current weights. Every rank
+  // samples, as in the CPU data-parallel trainer: the replicas hold the same weights, so they
+  // draw the same text, and no rank waits for rank 0's sampling in the next step's collectives
+  // (where parallel.timeout_s would count it). The prompt is rank 0's (it alone loaded the
+  // tokenizer), broadcast.
   std::unique_ptr<MemoryPool> cpu_pool;
   std::unique_ptr<model::GPT> cpu_model;
   auto sample = [&](int64_t step) -> std::string {
-    if (cfg.sample_tokens == 0 || !lead) return "";
+    if (cfg.sample_tokens == 0) return "";
     if (!cpu_model) {
       cpu_pool = std::make_unique<MemoryPool>("cpu:sample");
       cpu_model = std::make_unique<model::GPT>(mc, *cpu_pool, cfg.seed);
     }
     for (model::Parameter* p : cpu_model->parameters()) copy_into(p->value, gpt.parameter(p->spec.name));
-    return sample_text(cfg, *cpu_model, sample_prompt(cfg, tok.get(), train, val.get()), step, tok.get());
+    std::vector<int32_t> prompt;
+    if (lead) prompt = sample_prompt(cfg, tok.get(), train, val.get());
+    int32_t np = int32_t(prompt.size());
+    world.broadcast(&np, 1, DType::i32, 0);
+    prompt.resize(size_t(np));
+    world.broadcast(prompt.data(), np, DType::i32, 0);
+    return sample_text(cfg, *cpu_model, prompt, step, tok.get());
   };
   // Rank 0 writes; the barrier keeps every rank from starting the next step (and perhaps failing
   // in it, which ends the job) before the checkpoint is on disk.

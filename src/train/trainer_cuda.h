@@ -5,10 +5,10 @@
 //   - data parallelism over parallel.dp processes (parallel.comm mpi or nccl, under mpirun; the
 //     threads backend runs one rank): each holds a whole replica on the GPU local rank % GPUs of
 //     its host, trains on its share of every batch (the CPU trainers' split), and the replicas'
-//     gradients are summed by a device communicator (comm/nccl_comm.h: NCCL when every process
-//     has a GPU of its own, else staged through host memory; nccl requires the former) before
-//     the update, which every replica then applies alike. Rank 0 writes metrics, samples and
-//     checkpoints; a failing rank ends the job naming it;
+//     gradients are summed by a device communicator (comm/nccl_comm.h: NCCL when the build has
+//     it and every process has a GPU of its own, else staged through host memory; parallel.comm
+//     nccl requires NCCL) before the update, which every replica then applies alike. Rank 0
+//     writes metrics and checkpoints and prints samples; a failing rank ends the job naming it;
 //   - one micro-batch shape B x T, B = train.batch_size / (parallel.dp x train.grad_accum),
 //     T = data.seq_len; with grad_accum 1 and one rank each step replays one graph (forward,
 //     backward, update); else the gradients are zeroed, a forward + backward graph that
@@ -16,7 +16,7 @@
 //     on them times 1 / (grad_accum x dp);
 //   - validation: the mean loss of forward-only passes over the CPU trainers' validation batches
 //     (each rank its share);
-//   - samples: rank 0's weights copied into a CPU model::GPT, sampled as on the CPU;
+//   - samples: the weights copied into a CPU model::GPT, sampled as on the CPU;
 //   - checkpoints in the CPU format (train/checkpoint.h): the f32 master weights and both
 //     moments, so a GPU checkpoint loads in `loom generate` and resumes on the CPU, and a CPU
 //     checkpoint resumes here;

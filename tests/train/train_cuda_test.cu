@@ -25,7 +25,10 @@
 //    shapes too (one validation batch of twice the sequences, split over the ranks, against two).
 //    Ranks training on the same sequences instead of their own shares are caught by far: on this
 //    corpus a batch of 4 sequences against 8 moves the losses by 2-7% from step 4 on; a wrong
-//    gradient scale (a factor dp) by the norms.
+//    gradient scale (a factor dp) by the norms. The gradient norms get 1e-2: a norm adds up the
+//    squares of many gradients each carrying that noise, and late in the run, with the
+//    gradients small, the noise weighs more (the CPU comparison gives the norms 5 times the
+//    losses' tolerance for the same reason); a factor dp is still 100 times that.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -44,6 +47,7 @@
 #include "core/error.h"
 #include "data/loader.h"
 #include "kernels/cuda/cuda_test_util.h"
+#include "comm/nccl_comm.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
 #include "train/trainer_cuda.h"
@@ -60,7 +64,8 @@ constexpr double kResumeTol = 1e-3;  // resumed GPU run against the uninterrupte
 // so it differs more than the loss; 1e-1 still catches a wrong accumulation scale (a factor of
 // grad_accum = 2 is a 50-100% difference), which the losses barely show under AdamW and clipping.
 constexpr double kNormTol = 1e-1;
-constexpr double kDpTol = 1e-3;  // data-parallel GPU processes against one GPU (see the top of the file)
+constexpr double kDpTol = 1e-3;      // data-parallel GPU processes against one GPU (see the top of the file)
+constexpr double kDpNormTol = 1e-2;  // and their gradient norms
 
 struct Fixture {
   fs::path root, data;
@@ -263,7 +268,7 @@ TEST(CudaTrain, DataParallelProcessesMatchOneGpu) {
   const std::string mpirun = gpu_mpirun(2);
   if (mpirun.empty()) GTEST_SKIP() << "needs loom built with MPI and mpirun on PATH";
   Fixture f("dp");
-  const char* path = gpu_count() >= 2 ? "nccl" : "staged";
+  const char* path = comm::nccl_available() && gpu_count() >= 2 ? "nccl" : "staged";
   for (int accum : {1, 2}) {
     SCOPED_TRACE(fmt::format("grad_accum {} on 2 processes", accum));
     const std::string one = fmt::format("one{}", accum), two = fmt::format("dp{}", accum);
@@ -282,7 +287,7 @@ TEST(CudaTrain, DataParallelProcessesMatchOneGpu) {
     expect_close(l2, l1, 1, 20, kDpTol, "loss");
     ASSERT_EQ(f.metrics(two, "val_loss").size(), 2u);
     expect_close(f.metrics(two, "val_loss"), f.metrics(one, "val_loss"), 10, 20, kDpTol, "val_loss");
-    expect_close(f.metrics(two, "grad_norm"), f.metrics(one, "grad_norm"), 1, 20, kDpTol, "grad_norm");
+    expect_close(f.metrics(two, "grad_norm"), f.metrics(one, "grad_norm"), 1, 20, kDpNormTol, "grad_norm");
     EXPECT_LT(l2.at(20), l2.at(1) - 0.5) << "the data-parallel run did not learn";
   }
   // It resumes from its checkpoint (every rank reads it) and goes on.
@@ -294,8 +299,9 @@ TEST(CudaTrain, DataParallelProcessesMatchOneGpu) {
   EXPECT_EQ(f.metrics("dp2", "loss").size(), 25u);
 }
 
-// parallel.comm = nccl asks for NCCL itself: refused (naming the ranks and the shared GPU) when
-// the processes would share a GPU, and on a host with two GPUs taken.
+// parallel.comm = nccl asks for NCCL itself: taken on a host with two GPUs; refused, naming the
+// ranks and the GPU they share, when the processes would share one; refused as well by a build
+// without NCCL.
 TEST(CudaTrain, NcclCommNeedsAGpuPerProcess) {
   LOOM_REQUIRE_GPU();
   LOOM_REQUIRE_LOOM();
@@ -303,7 +309,10 @@ TEST(CudaTrain, NcclCommNeedsAGpuPerProcess) {
   if (mpirun.empty()) GTEST_SKIP() << "needs loom built with MPI and mpirun on PATH";
   Fixture f("nccl");
   CliRun r = f.train("cuda", "run", "--quiet --train.steps 4 --parallel.dp 2 --parallel.comm nccl", mpirun);
-  if (gpu_count() >= 2) {
+  if (!comm::nccl_available()) {
+    EXPECT_NE(r.code, 0);
+    EXPECT_NE(r.err.find("built without NCCL"), std::string::npos) << r.err;
+  } else if (gpu_count() >= 2) {
     ASSERT_EQ(r.code, 0) << r.out << r.err;
     EXPECT_EQ(f.metrics("run", "loss").size(), 4u);
   } else {
