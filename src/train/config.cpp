@@ -41,6 +41,7 @@ const Field kFields[] = {
     F("train.seed", seed, "seed of initialisation and data order"),
     F("train.device", device, "cpu, or cuda: GPUs (a build with -DLOOM_CUDA=ON; data parallelism only, one process per GPU rank)"),
     F("train.cuda_graph", cuda_graph, "with train.device cuda: run each step as one CUDA graph (false: kernel by kernel, for debugging)"),
+    F("train.cuda_attention", cuda_attention, "with train.device cuda: flash (loom's kernels), cudnn (cuDNN's fused attention), gemm (probabilities materialised), or auto (flash for head sizes 64 and 128, else gemm)"),
     F("train.threads", threads, "CPU threads per process (0: all cores; under mpi, the host's cores shared among its processes)"),
     F("train.log_every", log_every, "steps between metric lines"),
     F("train.eval_every", eval_every, "steps between validation losses (0: never)"),
@@ -290,6 +291,8 @@ void TrainConfig::validate(const std::string& where) const {
     }
   }
   need(device == "cpu" || device == "cuda", "train.device", fmt::format("'{}' is not cpu or cuda", device));
+  need(cuda_attention == "auto" || cuda_attention == "flash" || cuda_attention == "cudnn" || cuda_attention == "gemm",
+       "train.cuda_attention", fmt::format("'{}' is not auto, flash, cudnn or gemm", cuda_attention));
   need(comm != "nccl" || device == "cuda", "parallel.comm",
        fmt::format("nccl reduces GPU buffers: it needs train.device = \"cuda\" (got \"{}\"); on the CPU use mpi",
                    device));
@@ -332,6 +335,11 @@ void TrainConfig::validate_cuda(const std::string& where) const {
   if (shaped && m.head_size() % 8 != 0)
     refuse("model.n_head", fmt::format("the head size n_embd / n_head = {} / {} = {} must be a multiple of 8 {}",
                                        m.n_embd, m.n_head, m.head_size(), gpu));
+  if (shaped && (cuda_attention == "flash" || cuda_attention == "cudnn") && m.head_size() != 64 &&
+      m.head_size() != 128)
+    refuse("train.cuda_attention",
+           fmt::format("{} takes head sizes 64 and 128, and n_embd / n_head = {} / {} = {} (use gemm or auto)",
+                       cuda_attention, m.n_embd, m.n_head, m.head_size()));
   // Last: a config the GPU trainer would refuse anyway is told why first, in any build.
 #ifndef LOOM_HAVE_CUDA
   refuse("train.device", "\"cuda\" needs loom built with CUDA: reconfigure with `cmake -DLOOM_CUDA=ON` (the CUDA "

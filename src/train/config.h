@@ -26,6 +26,7 @@ struct TrainConfig {
   uint64_t seed = 1337;
   std::string device = "cpu";              // cpu | cuda (one GPU: needs a CUDA build, no parallel dimension)
   bool cuda_graph = true;                  // device cuda: each step one CUDA graph (false: eager launches)
+  std::string cuda_attention = "auto";     // device cuda: auto | flash | cudnn | gemm
   int64_t threads = 0;                     // per process; 0: all cores (under mpi: shared by the host's processes)
   int64_t log_every = 10;
   int64_t eval_every = 100;                // 0: never

@@ -19,6 +19,7 @@
 #include "kernels/cuda/allocator.cuh"
 #include "kernels/cuda/attention.cuh"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/cudnn_attention.cuh"
 #include "kernels/cuda/matmul.cuh"
 #include "parallel/data/flat_layout.h"
 #include "comm/mpi_comm.h"
@@ -98,8 +99,14 @@ TrainResult train_cuda_rank(const TrainConfig& cfg, const TrainOptions& opt, com
   model::GPTCudaOptions go;
   go.B = mb;
   go.T = T;
-  go.attention = cuda::flash_head_size_supported(mc.head_size()) ? model::CudaAttention::flash
-                                                                  : model::CudaAttention::gemm;
+  go.attention = cfg.cuda_attention == "cudnn"   ? model::CudaAttention::cudnn
+                 : cfg.cuda_attention == "gemm"  ? model::CudaAttention::gemm
+                 : cfg.cuda_attention == "flash" ? model::CudaAttention::flash
+                 : cuda::flash_head_size_supported(mc.head_size()) ? model::CudaAttention::flash
+                                                                   : model::CudaAttention::gemm;
+  if (go.attention == model::CudaAttention::cudnn && !cuda::cudnn_available())
+    throw Error(fmt::format("{}: train.cuda_attention: cudnn needs loom built with cuDNN (CMake did not find libcudnn)",
+                            opt.config_path.empty() ? "config" : opt.config_path));
   go.cuda_graph = cfg.cuda_graph;
   go.lr = cfg.lr;
   go.beta1 = cfg.beta1;
@@ -154,7 +161,10 @@ TrainResult train_cuda_rank(const TrainConfig& cfg, const TrainOptions& opt, com
                   dp > 1 ? fmt::format(" | dp {} ({} processes, gradients reduced by {})", dp, world.backend(),
                                        comm::device_path_name(comm::device_comm_path(*dcomm)))
                          : "",
-                  mb, T, cfg.grad_accum, gpt.flash_attention() ? "flash" : "GEMM",
+                  mb, T, cfg.grad_accum,
+                  go.attention == model::CudaAttention::flash   ? "flash"
+                  : go.attention == model::CudaAttention::cudnn ? "cuDNN"
+                                                                : "GEMM",
                   cfg.cuda_graph ? "CUDA graphs" : "no CUDA graphs"));
   // The job's GEMM rate: every rank measures at once, so ranks sharing a GPU share its rate.
   world.barrier();

@@ -96,7 +96,7 @@ TEST(TrainConfig, TomlRoundTrip) {
   EXPECT_EQ(d.out_dir, c.out_dir);
   EXPECT_FALSE(d.cuda_graph);
   EXPECT_EQ(d.stage_layers, (std::vector<int64_t>{3, 1, 4}));
-  EXPECT_EQ(config_fields().size(), 49u);
+  EXPECT_EQ(config_fields().size(), 50u);
 }
 
 // The README's config reference has a row for every field with its type, default and help, as
@@ -135,6 +135,9 @@ TEST(TrainConfig, CudaDeviceRefusalsNameTheField) {
   expect_refused(cuda + "[parallel]\ncomm = \"gloo\"\n", "parallel.comm", "'gloo' is not threads, mpi or nccl");
   expect_refused(cuda + "[model]\nn_embd = 36\nn_head = 2\n", "model.n_embd", "multiple of 8");
   expect_refused(cuda + "[model]\nn_embd = 96\nn_head = 8\n", "model.n_head", "96 / 8 = 12");
+  expect_refused("[train]\ncuda_attention = \"xformers\"\n", "train.cuda_attention", "not auto, flash, cudnn or gemm");
+  expect_refused(cuda + "cuda_attention = \"cudnn\"\n[model]\nn_embd = 128\nn_head = 4\n", "train.cuda_attention",
+                 "128 / 4 = 32");
   // From the command line alone too.
   try {
     load_config("", collect_overrides({"--train.device", "cuda", "--parallel.zero=1"}));
@@ -145,7 +148,9 @@ TEST(TrainConfig, CudaDeviceRefusalsNameTheField) {
   // Configs the GPU trainer takes (head size 16 uses the GEMM attention, 64 flash; data
   // parallelism over mpi or nccl processes).
   for (const char* model : {"", "[model]\nn_embd = 128\nn_head = 2\n", "[parallel]\ndp = 2\ncomm = \"nccl\"\n",
-                            "[parallel]\ndp = 4\ncomm = \"mpi\"\n"}) {
+                            "[parallel]\ndp = 4\ncomm = \"mpi\"\n",
+                            "cuda_attention = \"cudnn\"\n[model]\nn_embd = 128\nn_head = 2\n",
+                            "cuda_attention = \"gemm\"\n"}) {
     TmpFile f(cuda + model);
 #ifdef LOOM_HAVE_CUDA
     EXPECT_EQ(load_config(f.path, {}).device, "cuda");

@@ -1,7 +1,8 @@
 // `loom train --train.device cuda` end to end, through the loom executable, on the tiny pattern
 // corpus (tests/cli_util.h): losses against the CPU trainer, resume from a checkpoint,
 // checkpoints that cross devices (resumed on the other device, loaded by `loom generate` on the
-// CPU), and data parallelism over GPU processes under mpirun against one GPU. Skipped without a
+// CPU), cuDNN's attention against loom's, and data parallelism over GPU processes under mpirun
+// against one GPU. Skipped without a
 // GPU, except the GPU trainer's config checks. Host code only: compiled by the C++ compiler.
 //
 // Tolerances:
@@ -48,6 +49,7 @@
 #include "data/loader.h"
 #include "kernels/cuda/cuda_test_util.h"
 #include "comm/nccl_comm.h"
+#include "kernels/cuda/cudnn_attention.cuh"
 #include "train/checkpoint.h"
 #include "train/config.h"
 #include "train/trainer_cuda.h"
@@ -232,6 +234,26 @@ TEST(CudaTrain, CheckpointsResumeOnTheOtherDevice) {
   expect_close(f.metrics("gpu_cut", "loss"), f.metrics("gpu_full", "loss"), 11, 20, kCpuTol, "GPU -> CPU loss");
   expect_close(f.metrics("gpu_cut", "val_loss"), f.metrics("gpu_full", "val_loss"), 20, 20, kCpuTol,
                "GPU -> CPU val_loss");
+}
+
+// train.cuda_attention = cudnn trains like loom's flash attention, with the loss tolerance of the
+// CPU comparison: the two kernels both compute in bf16 with f32 accumulation but round
+// differently in every attention output (other tiling, other exponentials), a systematic
+// difference of the kind bf16 against f32 is, confined to attention.
+TEST(CudaTrain, CudnnAttentionTrainsLikeFlash) {
+  LOOM_REQUIRE_GPU();
+  LOOM_REQUIRE_LOOM();
+  if (!cuda::cudnn_available()) GTEST_SKIP() << "loom built without cuDNN";
+  Fixture f("cudnn");
+  CliRun a = f.train("cuda", "flash", "--quiet --train.cuda_attention flash");
+  ASSERT_EQ(a.code, 0) << a.err;
+  CliRun b = f.train("cuda", "cudnn", "--train.cuda_attention cudnn");
+  ASSERT_EQ(b.code, 0) << b.err;
+  EXPECT_NE(b.out.find("| cuDNN attention |"), std::string::npos) << b.out;
+  const auto la = f.metrics("flash", "loss"), lb = f.metrics("cudnn", "loss");
+  ASSERT_EQ(lb.size(), 20u);
+  expect_close(lb, la, 1, 20, kCpuTol, "loss");
+  expect_close(f.metrics("cudnn", "val_loss"), f.metrics("flash", "val_loss"), 10, 20, kCpuTol, "val_loss");
 }
 
 // `timeout ... mpirun -n n` for the loom command that follows ("" without MPI or mpirun):
