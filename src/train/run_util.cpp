@@ -246,6 +246,17 @@ std::unique_ptr<data::Tokenizer> load_run_tokenizer(const TrainConfig& cfg) {
   return std::make_unique<data::Tokenizer>(data::Tokenizer::from_dir(dir.string()));
 }
 
+std::vector<int32_t> shared_sample_prompt(comm::Comm& world, const TrainConfig& cfg, const data::Tokenizer* tok,
+                                          const data::Loader& train, const data::Loader* val) {
+  std::vector<int32_t> prompt;
+  if (world.rank() == 0) prompt = sample_prompt(cfg, tok, train, val);
+  int32_t n = int32_t(prompt.size());
+  world.broadcast(&n, 1, DType::i32, 0);
+  prompt.resize(size_t(n));
+  world.broadcast(prompt.data(), n, DType::i32, 0);
+  return prompt;
+}
+
 std::vector<int32_t> sample_prompt(const TrainConfig& cfg, const data::Tokenizer* tok, const data::Loader& train,
                                    const data::Loader* val) {
   std::vector<int32_t> prompt;

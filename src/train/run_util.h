@@ -101,6 +101,9 @@ std::unique_ptr<data::Tokenizer> load_run_tokenizer(const TrainConfig& cfg);
 // (or of training).
 std::vector<int32_t> sample_prompt(const TrainConfig& cfg, const data::Tokenizer* tok, const data::Loader& train,
                                    const data::Loader* val);
+// Collective over `world`: rank 0's sample_prompt (it alone loads the tokenizer), on every rank.
+std::vector<int32_t> shared_sample_prompt(comm::Comm& world, const TrainConfig& cfg, const data::Tokenizer* tok,
+                                          const data::Loader& train, const data::Loader* val);
 // A sample of train.sample_tokens tokens after `prompt` at `step` (seeded by it), as text (token
 // ids without a tokenizer).
 std::string sample_text(const TrainConfig& cfg, model::GPT& gpt, const std::vector<int32_t>& prompt, int64_t step,

@@ -139,15 +139,8 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
     };
     auto sample = [&](int64_t step) -> std::string {
       if (cfg.sample_tokens == 0) return "";
-      // Every rank samples (ZeRO-3 forwards are collective); the prompt must not depend on the
-      // tokenizer only rank 0 loaded, so rank 0's is broadcast.
-      std::vector<int32_t> prompt;
-      if (lead) prompt = sample_prompt(cfg, tok.get(), train, val.get());
-      int32_t np = int32_t(prompt.size());
-      world.broadcast(&np, 1, DType::i32, 0);
-      prompt.resize(size_t(np));
-      world.broadcast(prompt.data(), np, DType::i32, 0);
-      return sample_text(cfg, gpt, prompt, step, tok.get());
+      // Every rank samples (ZeRO-3 forwards are collective), from rank 0's prompt.
+      return sample_text(cfg, gpt, shared_sample_prompt(world, cfg, tok.get(), train, val.get()), step, tok.get());
     };
     auto checkpoint = [&](int64_t step) {
       auto full = ddp.gather_full_state();  // collective

@@ -205,13 +205,8 @@ TrainResult train_cuda_rank(const TrainConfig& cfg, const TrainOptions& opt, com
       cpu_model = std::make_unique<model::GPT>(mc, *cpu_pool, cfg.seed);
     }
     for (model::Parameter* p : cpu_model->parameters()) copy_into(p->value, gpt.parameter(p->spec.name));
-    std::vector<int32_t> prompt;
-    if (lead) prompt = sample_prompt(cfg, tok.get(), train, val.get());
-    int32_t np = int32_t(prompt.size());
-    world.broadcast(&np, 1, DType::i32, 0);
-    prompt.resize(size_t(np));
-    world.broadcast(prompt.data(), np, DType::i32, 0);
-    return sample_text(cfg, *cpu_model, prompt, step, tok.get());
+    return sample_text(cfg, *cpu_model, shared_sample_prompt(world, cfg, tok.get(), train, val.get()), step,
+                       tok.get());
   };
   // Rank 0 writes; the barrier keeps every rank from starting the next step (and perhaps failing
   // in it, which ends the job) before the checkpoint is on disk.
