@@ -1,6 +1,9 @@
-// Multi-tensor AdamW with global-norm clipping against a double reference of PyTorch's AdamW.
-// Tolerance: parameters and moments 1e-5 relative (f32 arithmetic); the bf16 copy is exactly the
-// rounded f32 parameter; the norm 1e-5.
+// Multi-tensor AdamW with global-norm clipping against the CPU op (kernels/cpu/adamw.h:
+// sum_squares, clip_scale, adamw_update; PyTorch's AdamW) and a double reference. Tolerances:
+// parameters and moments 1e-5 relative (f32 arithmetic); the update itself (new minus old
+// parameter) 1e-4: it is about lr = 1e-2 of a parameter, so the parameter bound checks it only to
+// about 1e-3, while f32 parameters of magnitude about 1 carry it to about 6e-6; the bf16 copy is
+// exactly the rounded f32 parameter; the norm 1e-5.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -8,6 +11,7 @@
 #include "cuda_test_util.h"
 #include "kernels/cuda/adamw.cuh"
 #include "kernels/cuda/allocator.cuh"
+#include "kernels/cpu/adamw.h"
 
 using namespace loom;
 using namespace loom::test;
@@ -65,13 +69,20 @@ TEST(AdamW, MultiTensorWithClipping) {
     float stats[2];
     LOOM_CUDA_CHECK(cudaMemcpy(stats, opt.norm_and_scale(), sizeof(stats), cudaMemcpyDeviceToHost));
 
-    double ss = 0;
-    for (auto& x : h)
+    double ss = 0, cpu_ss = 0;
+    for (auto& x : h) {
       for (float g : x.g) ss += double(g) * g;
+      cpu_ss += cpu::sum_squares(x.g.data(), int64_t(x.g.size()));
+    }
     const double norm = std::sqrt(ss) * hp.grad_scale;
     const double scale = hp.grad_scale * std::min(1.0, hp.max_norm / (norm + 1e-6));
     EXPECT_NEAR(stats[0], norm, 1e-5 * norm);
     EXPECT_NEAR(stats[1], scale, 1e-5 * scale);
+    // The CPU op's norm and clip scale.
+    const double cpu_norm = std::sqrt(cpu_ss) * hp.grad_scale;
+    const float cpu_scale = hp.grad_scale * cpu::clip_scale(cpu_norm, hp.max_norm);
+    EXPECT_NEAR(stats[0], cpu_norm, 1e-5 * cpu_norm);
+    EXPECT_NEAR(stats[1], cpu_scale, 1e-5 * cpu_scale);
     ASSERT_LT(scale, hp.grad_scale) << "the test must exercise clipping";
     const double bc1 = 1 - std::pow(0.9, 3), bc2 = 1 - std::pow(0.95, 3);
     size_t k = 0;
@@ -87,18 +98,116 @@ TEST(AdamW, MultiTensorWithClipping) {
         rp[j] = p;
       }
       auto p = bufs[k]->download();
-      const double ep = rel_err(p, rp), em = rel_err(bufs[k + 2]->download(), rm), ev = rel_err(bufs[k + 3]->download(), rv);
+      const auto gm = bufs[k + 2]->download(), gv = bufs[k + 3]->download();
+      const double ep = rel_err(p, rp), em = rel_err(gm, rm), ev = rel_err(gv, rv);
       EXPECT_LE(ep, 1e-5) << "tensor " << i;
       EXPECT_LE(em, 1e-5) << "tensor " << i;
       EXPECT_LE(ev, 1e-5) << "tensor " << i;
+      // The CPU op from the same state.
+      std::vector<float> cp = h[i].p, cm = h[i].m, cv = h[i].v;
+      cpu::AdamWArgs ca;
+      ca.lr = hp.lr;
+      ca.beta1 = hp.beta1;
+      ca.beta2 = hp.beta2;
+      ca.eps = hp.eps;
+      ca.weight_decay = wd[i];
+      ca.step = hp.step;
+      ca.grad_scale = cpu_scale;
+      cpu::adamw_update(cp.data(), h[i].g.data(), cm.data(), cv.data(), int64_t(cp.size()), ca);
+      std::vector<double> du(p.size()), cu(p.size());
+      for (size_t j = 0; j < p.size(); ++j) {
+        du[j] = double(p[j]) - h[i].p[j];
+        cu[j] = double(cp[j]) - h[i].p[j];
+      }
+      const double cep = rel_err(p, cp), cem = rel_err(gm, cm), cev = rel_err(gv, cv), ceu = rel_err(du, cu);
+      EXPECT_LE(cep, 1e-5) << "tensor " << i;
+      EXPECT_LE(cem, 1e-5) << "tensor " << i;
+      EXPECT_LE(cev, 1e-5) << "tensor " << i;
+      EXPECT_LE(ceu, 1e-4) << "tensor " << i << ": the update";
       auto pb = download_bf16(*pbf[i]);
       int64_t mism = 0;
       for (size_t j = 0; j < p.size(); ++j) mism += pb[j] != round_bf16(p[j]);
       EXPECT_EQ(mism, 0) << "tensor " << i << ": bf16 copy";
-      std::printf("adamw tensor %zu (n=%ld): param %.2e m %.2e v %.2e\n", i, long(sizes[i]), ep, em, ev);
+      std::printf("adamw tensor %zu (n=%ld): param %.2e m %.2e v %.2e | against the CPU op: param %.2e m %.2e v "
+                  "%.2e update %.2e\n",
+                  i, long(sizes[i]), ep, em, ev, cep, cem, cev, ceu);
     }
   }
   EXPECT_EQ(pool.current(MemTag::optimizer), before) << "tables are returned to the pool";
+}
+
+// Without clipping (max_norm 0) and without a bf16 copy, two launches with new hyperparameters
+// each time (as a replayed graph runs them), against the CPU op applied twice.
+TEST(AdamW, TwoLaunchesWithoutClippingOrCopy) {
+  LOOM_REQUIRE_GPU();
+  const std::vector<int64_t> sizes{70001, 5};
+  std::vector<std::vector<float>> p, g, m, v;
+  std::vector<std::unique_ptr<DeviceBuffer<float>>> bufs;
+  std::vector<cuda::AdamWTensor> ts;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    const size_t n = size_t(sizes[i]);
+    p.push_back(random_f32(n, uint32_t(40 + i)));
+    g.push_back(random_f32(n, uint32_t(50 + i), 0.3f));
+    m.push_back(random_f32(n, uint32_t(60 + i), 0.01f));
+    v.push_back(random_f32(n, uint32_t(70 + i), 0.01f));
+    for (auto& x : v.back()) x = x * x;
+    cuda::AdamWTensor t;
+    for (auto* src : {&p.back(), &g.back(), &m.back(), &v.back()}) {
+      bufs.push_back(std::make_unique<DeviceBuffer<float>>(n));
+      bufs.back()->upload(*src);
+    }
+    const size_t k = bufs.size();
+    t.param = bufs[k - 4]->get();
+    t.grad = bufs[k - 3]->get();
+    t.m = bufs[k - 2]->get();
+    t.v = bufs[k - 1]->get();
+    t.n = sizes[i];
+    t.weight_decay = i == 0 ? 0.1f : 0.f;
+    ts.push_back(t);
+  }
+  cuda::MultiTensorAdamW opt(ts, cuda::device_pool());
+  auto cp = p, cm = m, cv = v;
+  const float lrs[] = {1e-2f, 5e-3f};
+  for (int launch = 0; launch < 2; ++launch) {
+    cuda::AdamWHyper hp;
+    hp.lr = lrs[launch];
+    hp.step = 7 + launch;
+    hp.max_norm = 0.f;
+    hp.grad_scale = 0.25f;
+    opt.set_hyper(hp);
+    opt.launch(nullptr);
+    LOOM_CUDA_CHECK(cudaDeviceSynchronize());
+    float stats[2];
+    LOOM_CUDA_CHECK(cudaMemcpy(stats, opt.norm_and_scale(), sizeof(stats), cudaMemcpyDeviceToHost));
+    EXPECT_EQ(stats[1], hp.grad_scale) << "no clipping with max_norm 0";
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      cpu::AdamWArgs ca;
+      ca.lr = hp.lr;
+      ca.beta1 = hp.beta1;
+      ca.beta2 = hp.beta2;
+      ca.eps = hp.eps;
+      ca.weight_decay = ts[i].weight_decay;
+      ca.step = hp.step;
+      ca.grad_scale = hp.grad_scale;
+      cpu::adamw_update(cp[i].data(), g[i].data(), cm[i].data(), cv[i].data(), sizes[i], ca);
+    }
+  }
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    const auto gp = bufs[4 * i]->download();
+    std::vector<double> du(gp.size()), cu(gp.size());
+    for (size_t j = 0; j < gp.size(); ++j) {
+      du[j] = double(gp[j]) - p[i][j];
+      cu[j] = double(cp[i][j]) - p[i][j];
+    }
+    const double ep = rel_err(gp, cp[i]), em = rel_err(bufs[4 * i + 2]->download(), cm[i]),
+                 ev = rel_err(bufs[4 * i + 3]->download(), cv[i]), eu = rel_err(du, cu);
+    EXPECT_LE(ep, 1e-5) << "tensor " << i;
+    EXPECT_LE(em, 1e-5) << "tensor " << i;
+    EXPECT_LE(ev, 1e-5) << "tensor " << i;
+    EXPECT_LE(eu, 1e-4) << "tensor " << i << ": the updates";
+    std::printf("adamw two launches, tensor %zu (n=%ld): param %.2e m %.2e v %.2e updates %.2e\n", i,
+                long(sizes[i]), ep, em, ev, eu);
+  }
 }
 
 TEST(AdamW, RejectsBadHyperparameters) {

@@ -1,11 +1,16 @@
-// Fused softmax + cross-entropy against double on the same bf16 logits. Tolerances: losses (f32)
-// 1e-4 relative per row; dlogits (bf16) 5e-3 in norm; padding and ignored rows exactly zero.
+// Fused softmax + cross-entropy against the CPU op (kernels/cpu/crossentropy.h, f32 on the same
+// bf16 logits) and against double; outputs NaN-poisoned first. Tolerances: losses (f32) 1e-4
+// relative per row; dlogits (bf16) 5e-3 in norm (one bf16 rounding, about 2e-3 relative), and
+// every element against the CPU op within 8e-3 of its own magnitude (one bf16 rounding is at
+// most 2^-8 = 3.9e-3 relative; the norm alone is dominated by the target columns); padding and
+// ignored rows exactly zero.
 #include <gtest/gtest.h>
 
 #include <cmath>
 
 #include "cuda_test_util.h"
 #include "kernels/cuda/crossentropy.cuh"
+#include "kernels/cpu/crossentropy.h"
 
 using namespace loom;
 using namespace loom::test;
@@ -61,8 +66,26 @@ void run_case(int64_t N, int64_t V, int64_t Vp, bool in_place) {
   EXPECT_EQ(nonzero_pad, 0) << "padding columns and ignored rows must get zero gradient";
   const double ed = rel_err(d, ref_d);
   EXPECT_LE(ed, 5e-3);
-  std::printf("crossentropy N=%ld V=%ld Vp=%ld%s: loss worst rel %.2e dlogits %.2e\n", long(N), long(V), long(Vp),
-              in_place ? " (in place)" : "", worst, ed);
+  // The CPU op on the same logits.
+  std::vector<float> c_loss(static_cast<size_t>(N)), c_d(logits.size());
+  cpu::crossentropy_forward_backward(c_loss.data(), c_d.data(), logits.data(), tgt.data(), dloss, N, V, Vp);
+  double c_worst_loss = 0, c_worst_elem = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    c_worst_loss = std::max(c_worst_loss, std::fabs(double(l2[size_t(i)]) - c_loss[size_t(i)]) /
+                                              std::max(1e-6, std::fabs(double(c_loss[size_t(i)]))));
+    for (int64_t j = 0; j < Vp; ++j) {
+      const double want = c_d[size_t(i * Vp + j)], got = d[size_t(i * Vp + j)];
+      const double e = want == 0 ? std::fabs(got) : std::fabs(got - want) / std::fabs(want);
+      c_worst_elem = std::max(c_worst_elem, e);
+    }
+  }
+  const double cd = rel_err(d, c_d);
+  EXPECT_LE(c_worst_loss, 1e-4);
+  EXPECT_LE(cd, 5e-3);
+  EXPECT_LE(c_worst_elem, 8e-3);
+  std::printf("crossentropy N=%ld V=%ld Vp=%ld%s: loss worst rel %.2e dlogits %.2e | against the CPU op: loss %.2e "
+              "dlogits %.2e, worst element %.2e\n",
+              long(N), long(V), long(Vp), in_place ? " (in place)" : "", worst, ed, c_worst_loss, cd, c_worst_elem);
 }
 
 }  // namespace

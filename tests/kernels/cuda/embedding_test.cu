@@ -1,9 +1,11 @@
-// Embedding: forward is exact (one bf16 rounding of the sum, as on the host); backward against
-// double with tolerance 1e-5 (f32 sums of bf16 values; atomics change only the order).
+// Embedding against the CPU op (kernels/cpu/embedding.h, f32 on the same bf16 tables) and double:
+// forward is exact (one bf16 rounding of the sum, as on the host); backward within 1e-5 (f32 sums
+// of bf16 values; atomics change only the order), onto existing random gradients.
 #include <gtest/gtest.h>
 
 #include "cuda_test_util.h"
 #include "kernels/cuda/embedding.cuh"
+#include "kernels/cpu/embedding.h"
 
 using namespace loom;
 using namespace loom::test;
@@ -39,6 +41,11 @@ TEST(Embedding, ForwardBackward) {
         bad += o[size_t((b * T + t) * C + c)] != ref;
       }
   EXPECT_EQ(bad, 0);
+  std::vector<float> c_out(size_t(B * T * C));
+  cpu::embedding_forward(c_out.data(), tok.data(), wte.data(), wpe.data(), B, T, C, V, pos0);
+  int64_t bad_cpu = 0;
+  for (size_t i = 0; i < c_out.size(); ++i) bad_cpu += o[i] != round_bf16(c_out[i]);
+  EXPECT_EQ(bad_cpu, 0) << "against the CPU op, rounded to bf16";
 
   cuda::embedding_backward(gwte.get(), gwpe.get(), dout_b.get(), dtok.get(), B, T, C, V, nullptr, pos0);
   std::vector<double> rwte(dwte0.begin(), dwte0.end()), rwpe(dwpe0.begin(), dwpe0.end());
@@ -48,10 +55,23 @@ TEST(Embedding, ForwardBackward) {
         rwte[size_t(tok[size_t(b * T + t)] * C + c)] += dout[size_t((b * T + t) * C + c)];
         rwpe[size_t((pos0 + t) * C + c)] += dout[size_t((b * T + t) * C + c)];
       }
-  const double ewte = rel_err(gwte.download(), rwte), ewpe = rel_err(gwpe.download(), rwpe);
+  const auto got_wte = gwte.download(), got_wpe = gwpe.download();
+  const double ewte = rel_err(got_wte, rwte), ewpe = rel_err(got_wpe, rwpe);
   EXPECT_LE(ewte, 1e-5);
   EXPECT_LE(ewpe, 1e-5);
-  std::printf("embedding: forward exact, dwte %.2e dwpe %.2e\n", ewte, ewpe);
+  std::vector<float> c_wte = dwte0, c_wpe = dwpe0;
+  cpu::embedding_backward(c_wte.data(), c_wpe.data(), dout.data(), tok.data(), B, T, C, V, pos0);
+  const double cwte = rel_err(got_wte, c_wte), cwpe = rel_err(got_wpe, c_wpe);
+  EXPECT_LE(cwte, 1e-5);
+  EXPECT_LE(cwpe, 1e-5);
+  // The token-table gradient alone.
+  gwte.upload(dwte0);
+  cuda::embedding_backward(gwte.get(), nullptr, dout_b.get(), dtok.get(), B, T, C, V, nullptr, pos0);
+  const double cwte_alone = rel_err(gwte.download(), c_wte);
+  EXPECT_LE(cwte_alone, 1e-5);
+  std::printf("embedding: forward exact, dwte %.2e dwpe %.2e | against the CPU op: forward exact, dwte %.2e dwpe "
+              "%.2e, dwte alone %.2e\n",
+              ewte, ewpe, cwte, cwpe, cwte_alone);
 }
 
 TEST(Embedding, BadTokensAreCaughtOnTheHost) {

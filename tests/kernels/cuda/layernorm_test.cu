@@ -1,11 +1,15 @@
-// LayerNorm (+ fused residual add) against double on the same bf16 inputs. Tolerances: bf16
-// outputs 5e-3; f32 statistics and parameter gradients 1e-4.
+// LayerNorm (+ fused residual add) against the CPU op (kernels/cpu/layernorm.h: f32 with double
+// statistics, on the same bf16-rounded inputs) and against double. Outputs are NaN-poisoned
+// before each call, so an unwritten element fails. Tolerances (||out - ref|| / ||ref||): bf16
+// outputs 5e-3 (one bf16 rounding, about 2e-3 relative, on top of f32 arithmetic); f32
+// statistics and parameter gradients 1e-4 (f32 sums of a few thousand terms in another order).
 #include <gtest/gtest.h>
 
 #include <cmath>
 
 #include "cuda_test_util.h"
 #include "kernels/cuda/layernorm.cuh"
+#include "kernels/cpu/layernorm.h"
 
 using namespace loom;
 using namespace loom::test;
@@ -56,12 +60,22 @@ TEST_P(LayerNormTest, ForwardAndResidual) {
   EXPECT_LE(e_out, 5e-3);
   EXPECT_LE(e_mean, 1e-4);
   EXPECT_LE(e_rstd, 1e-4);
+  // The CPU op on the same inputs.
+  std::vector<float> c_out(a.size()), c_mean(static_cast<size_t>(N)), c_rstd(static_cast<size_t>(N));
+  cpu::layernorm_forward(c_out.data(), c_mean.data(), c_rstd.data(), a.data(), w.data(), b.data(), N, C);
+  const double ce_out = rel_err(download_bf16(dout), c_out), ce_mean = rel_err(dmean.download(), c_mean),
+               ce_rstd = rel_err(drstd.download(), c_rstd);
+  EXPECT_LE(ce_out, 5e-3);
+  EXPECT_LE(ce_mean, 1e-4);
+  EXPECT_LE(ce_rstd, 1e-4);
 
   // Fused: residual = bf16(a + a2) exactly as rounding on the host; out = LN(residual).
   std::vector<float> sum(a.size());
   for (size_t i = 0; i < a.size(); ++i) sum[i] = round_bf16(a[i] + a2[i]);
   dout.poison();
   dres.poison();
+  dmean.poison();
+  drstd.poison();
   cuda::residual_layernorm_forward(dres.get(), dout.get(), dmean.get(), drstd.get(), da.get(), da2.get(), dw.get(),
                                    db.get(), N, C, nullptr);
   auto res = download_bf16(dres);
@@ -71,15 +85,32 @@ TEST_P(LayerNormTest, ForwardAndResidual) {
   LnRef r2 = ln_ref(sum, w, b, N, C);
   const double e_fused = rel_err(download_bf16(dout), r2.out);
   EXPECT_LE(e_fused, 5e-3);
+  // Its statistics (the backward uses them) and output against the CPU op on the summed residual.
+  std::vector<float> c2_out(a.size()), c2_mean(static_cast<size_t>(N)), c2_rstd(static_cast<size_t>(N));
+  cpu::layernorm_forward(c2_out.data(), c2_mean.data(), c2_rstd.data(), sum.data(), w.data(), b.data(), N, C);
+  const double ce_fused = rel_err(download_bf16(dout), c2_out), ce_fmean = rel_err(dmean.download(), c2_mean),
+               ce_frstd = rel_err(drstd.download(), c2_rstd);
+  EXPECT_LE(ce_fused, 5e-3);
+  EXPECT_LE(ce_fmean, 1e-4);
+  EXPECT_LE(ce_frstd, 1e-4);
+  EXPECT_LE(rel_err(dmean.download(), r2.mean), 1e-4);
+  EXPECT_LE(rel_err(drstd.download(), r2.rstd), 1e-4);
   // In place: residual aliases a.
+  dout.poison();
+  dmean.poison();
+  drstd.poison();
   cuda::residual_layernorm_forward(da.get(), dout.get(), dmean.get(), drstd.get(), da.get(), da2.get(), dw.get(),
                                    db.get(), N, C, nullptr);
   auto res2 = download_bf16(da);
   mismatches = 0;
   for (size_t i = 0; i < sum.size(); ++i) mismatches += res2[i] != sum[i];
   EXPECT_EQ(mismatches, 0) << "in place";
-  std::printf("layernorm N=%ld C=%ld: out %.2e mean %.2e rstd %.2e fused %.2e\n", long(N), long(C), e_out, e_mean,
-              e_rstd, e_fused);
+  EXPECT_LE(rel_err(download_bf16(dout), c2_out), 5e-3) << "in place";
+  EXPECT_LE(rel_err(dmean.download(), c2_mean), 1e-4) << "in place";
+  EXPECT_LE(rel_err(drstd.download(), c2_rstd), 1e-4) << "in place";
+  std::printf("layernorm N=%ld C=%ld: out %.2e mean %.2e rstd %.2e fused %.2e | against the CPU op: out %.2e mean "
+              "%.2e rstd %.2e, fused out %.2e mean %.2e rstd %.2e\n",
+              long(N), long(C), e_out, e_mean, e_rstd, e_fused, ce_out, ce_mean, ce_rstd, ce_fused, ce_fmean, ce_frstd);
 }
 
 TEST_P(LayerNormTest, Backward) {
@@ -129,20 +160,36 @@ TEST_P(LayerNormTest, Backward) {
   scratch.poison();
   cuda::layernorm_backward(ddx.get(), ddw.get(), ddb.get(), ddy.get(), dx.get(), dw.get(), dmean.get(), drstd.get(), N, C,
                            false, scratch.get(), nullptr);
-  const double e_dx = rel_err(download_bf16(ddx), ref_dx), e_dw = rel_err(ddw.download(), ref_dw),
-               e_db = rel_err(ddb.download(), ref_db);
+  const auto got_dx = download_bf16(ddx), got_dw = ddw.download(), got_db = ddb.download();
+  const double e_dx = rel_err(got_dx, ref_dx), e_dw = rel_err(got_dw, ref_dw), e_db = rel_err(got_db, ref_db);
   EXPECT_LE(e_dx, 5e-3);
   EXPECT_LE(e_dw, 1e-4);
   EXPECT_LE(e_db, 1e-4);
+  // The CPU op on the same inputs and statistics, accumulating onto the same parameter gradients.
+  std::vector<float> c_dx(x.size()), c_dw = dw0, c_db = db0;
+  cpu::layernorm_backward(c_dx.data(), c_dw.data(), c_db.data(), dy.data(), x.data(), w.data(), mean.data(),
+                          rstd.data(), N, C);
+  const double ce_dx = rel_err(got_dx, c_dx), ce_dw = rel_err(got_dw, c_dw), ce_db = rel_err(got_db, c_db);
+  EXPECT_LE(ce_dx, 5e-3);
+  EXPECT_LE(ce_dw, 1e-4);
+  EXPECT_LE(ce_db, 1e-4);
   // accumulate: dx = dx0 + LN backward
   upload_bf16(ddx, dx0);
   cuda::layernorm_backward(ddx.get(), nullptr, nullptr, ddy.get(), dx.get(), dw.get(), dmean.get(), drstd.get(), N, C, true,
                            scratch.get(), nullptr);
   std::vector<double> ref_acc(ref_dx.size());
   for (size_t i = 0; i < ref_acc.size(); ++i) ref_acc[i] = ref_dx[i] + dx0[i];
-  const double e_acc = rel_err(download_bf16(ddx), ref_acc);
+  const auto got_acc = download_bf16(ddx);
+  const double e_acc = rel_err(got_acc, ref_acc);
   EXPECT_LE(e_acc, 5e-3);
-  std::printf("layernorm bwd N=%ld C=%ld: dx %.2e dw %.2e db %.2e dx+= %.2e\n", long(N), long(C), e_dx, e_dw, e_db, e_acc);
+  std::vector<float> c_acc = dx0;
+  cpu::layernorm_backward(c_acc.data(), nullptr, nullptr, dy.data(), x.data(), w.data(), mean.data(), rstd.data(), N, C,
+                          true);
+  const double ce_acc = rel_err(got_acc, c_acc);
+  EXPECT_LE(ce_acc, 5e-3);
+  std::printf("layernorm bwd N=%ld C=%ld: dx %.2e dw %.2e db %.2e dx+= %.2e | against the CPU op: %.2e %.2e %.2e "
+              "%.2e\n",
+              long(N), long(C), e_dx, e_dw, e_db, e_acc, ce_dx, ce_dw, ce_db, ce_acc);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, LayerNormTest,

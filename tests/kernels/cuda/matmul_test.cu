@@ -1,6 +1,8 @@
-// cuBLASLt matmul against a double-precision reference on the same bf16-rounded inputs.
-// Tolerances (||out - ref|| / ||ref||): bf16 outputs 5e-3 (one bf16 rounding of each output is
-// about 2e-3 relative), f32 outputs 1e-4 (f32 accumulation of exact bf16 products).
+// cuBLASLt matmul against the CPU op (kernels/cpu/matmul.h, gelu.h: f32 on the same bf16-rounded
+// inputs) and against a double-precision reference. Tolerances (||out - ref|| / ||ref||, the
+// outputs NaN-poisoned first so an unwritten element fails): bf16 outputs 5e-3 (one bf16 rounding
+// of each output is about 2e-3 relative), f32 outputs 1e-4 (f32 accumulation of exact bf16
+// products, in another order than the CPU's).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -9,6 +11,8 @@
 #include "cuda_test_util.h"
 #include "kernels/cuda/allocator.cuh"
 #include "kernels/cuda/matmul.cuh"
+#include "kernels/cpu/gelu.h"
+#include "kernels/cpu/matmul.h"
 
 using namespace loom;
 using namespace loom::test;
@@ -71,12 +75,41 @@ TEST_P(MatmulTest, ForwardBiasAndGelu) {
   cuda::matmul_forward({d_out.get(), d_pre.get(), d_inp.get(), d_w.get(), d_b.get(), M, K, N, true}, nullptr);
   std::vector<double> ref_gelu(ref.size());
   for (size_t i = 0; i < ref.size(); ++i) ref_gelu[i] = gelu_ref(ref[i]);
-  const double e_pre = rel_err(download_bf16(d_pre), ref);
-  const double e_gelu = rel_err(download_bf16(d_out), ref_gelu);
+  const auto got_pre = download_bf16(d_pre), got_gelu = download_bf16(d_out);
+  const double e_pre = rel_err(got_pre, ref);
+  const double e_gelu = rel_err(got_gelu, ref_gelu);
   EXPECT_LE(e_pre, kTolBf16);
   EXPECT_LE(e_gelu, kTolBf16);
-  std::printf("matmul fwd M=%ld K=%ld N=%ld: bias %.2e nobias %.2e pre_gelu %.2e gelu %.2e\n", long(M), long(K),
-              long(N), e_bias, e_nobias, e_pre, e_gelu);
+
+  // The CPU op on the same inputs: linear with and without bias, then GELU.
+  std::vector<float> cpu_out(size_t(M * N)), cpu_nb(size_t(M * N)), cpu_gelu(size_t(M * N));
+  cpu::matmul_forward(cpu_out.data(), inp.data(), w.data(), b.data(), M, K, N);
+  cpu::matmul_forward(cpu_nb.data(), inp.data(), w.data(), nullptr, M, K, N);
+  cpu::gelu_forward(cpu_gelu.data(), cpu_out.data(), M * N);
+  d_out.poison();
+  cuda::matmul_forward({d_out.get(), nullptr, d_inp.get(), d_w.get(), d_b.get(), M, K, N, false}, nullptr);
+  const double c_bias = rel_err(download_bf16(d_out), cpu_out);
+  d_out.poison();
+  cuda::matmul_forward({d_out.get(), nullptr, d_inp.get(), d_w.get(), nullptr, M, K, N, false}, nullptr);
+  const double c_nobias = rel_err(download_bf16(d_out), cpu_nb);
+  const double c_pre = rel_err(got_pre, cpu_out), c_gelu = rel_err(got_gelu, cpu_gelu);
+  EXPECT_LE(c_bias, kTolBf16);
+  EXPECT_LE(c_nobias, kTolBf16);
+  EXPECT_LE(c_pre, kTolBf16);
+  EXPECT_LE(c_gelu, kTolBf16);
+  // The GELU epilogue without a bias.
+  d_out.poison();
+  d_pre.poison();
+  cuda::matmul_forward({d_out.get(), d_pre.get(), d_inp.get(), d_w.get(), nullptr, M, K, N, true}, nullptr);
+  std::vector<float> cpu_gelu_nb(size_t(M * N));
+  cpu::gelu_forward(cpu_gelu_nb.data(), cpu_nb.data(), M * N);
+  const double c_gelu_nb = rel_err(download_bf16(d_out), cpu_gelu_nb), c_pre_nb = rel_err(download_bf16(d_pre), cpu_nb);
+  EXPECT_LE(c_gelu_nb, kTolBf16);
+  EXPECT_LE(c_pre_nb, kTolBf16);
+  std::printf("matmul fwd M=%ld K=%ld N=%ld: bias %.2e nobias %.2e pre_gelu %.2e gelu %.2e | against the CPU op: "
+              "%.2e %.2e %.2e %.2e, gelu without bias %.2e (pre %.2e)\n",
+              long(M), long(K), long(N), e_bias, e_nobias, e_pre, e_gelu, c_bias, c_nobias, c_pre, c_gelu, c_gelu_nb,
+              c_pre_nb);
 }
 
 TEST_P(MatmulTest, Backward) {
@@ -122,12 +155,40 @@ TEST_P(MatmulTest, Backward) {
         ref_dw[size_t(j * K + k)] += g * inp[size_t(i * K + k)];
       }
     }
-  const double e_dinp = rel_err(download_bf16(d_dinp), ref_dinp);
-  const double e_dw = rel_err(d_dw.download(), ref_dw);
-  const double e_db = rel_err(d_db.download(), ref_db);
+  const auto got_dinp = download_bf16(d_dinp), got_dw = d_dw.download(), got_db = d_db.download();
+  const double e_dinp = rel_err(got_dinp, ref_dinp);
+  const double e_dw = rel_err(got_dw, ref_dw);
+  const double e_db = rel_err(got_db, ref_db);
   EXPECT_LE(e_dinp, kTolBf16);
   EXPECT_LE(e_dw, kTolF32);
   EXPECT_LE(e_db, kTolF32);
+  // The CPU op on the same inputs, accumulating onto the same existing gradients.
+  std::vector<float> cpu_dinp(size_t(M * K)), cpu_dw = dw0, cpu_db = db0;
+  cpu::matmul_backward(cpu_dinp.data(), cpu_dw.data(), cpu_db.data(), dout.data(), inp.data(), w.data(), M, K, N);
+  const double c_dinp = rel_err(got_dinp, cpu_dinp), c_dw = rel_err(got_dw, cpu_dw), c_db = rel_err(got_db, cpu_db);
+  EXPECT_LE(c_dinp, kTolBf16);
+  EXPECT_LE(c_dw, kTolF32);
+  EXPECT_LE(c_db, kTolF32);
+
+  // The bias gradient alone (no weight gradient, so not from the GEMM's epilogue: the bias_grad
+  // kernel), and bias_grad called directly; both accumulate onto db0.
+  d_db.upload(db0);
+  scratch.poison();
+  cuda::MatmulBwdArgs bo;
+  bo.dbias = d_db.get();
+  bo.dout = d_dout.get();
+  bo.M = M;
+  bo.K = K;
+  bo.N = N;
+  bo.dbias_scratch = scratch.get();
+  cuda::matmul_backward(bo, nullptr);
+  const double c_db_alone = rel_err(d_db.download(), cpu_db);
+  EXPECT_LE(c_db_alone, kTolF32);
+  d_db.upload(db0);
+  scratch.poison();
+  cuda::bias_grad(d_db.get(), d_dout.get(), M, N, scratch.get(), nullptr);
+  const double c_bias_grad = rel_err(d_db.download(), cpu_db);
+  EXPECT_LE(c_bias_grad, kTolF32);
 
   // DGELU epilogue: dinp = (dout @ W) * gelu'(pre)
   d_dinp.poison();
@@ -142,10 +203,17 @@ TEST_P(MatmulTest, Backward) {
   cuda::matmul_backward(g, nullptr);
   std::vector<double> ref_dg(ref_dinp.size());
   for (size_t i = 0; i < ref_dg.size(); ++i) ref_dg[i] = ref_dinp[i] * gelu_grad_ref(pre[i]);
-  const double e_dgelu = rel_err(download_bf16(d_dinp), ref_dg);
+  const auto got_dg = download_bf16(d_dinp);
+  const double e_dgelu = rel_err(got_dg, ref_dg);
   EXPECT_LE(e_dgelu, kTolBf16);
-  std::printf("matmul bwd M=%ld K=%ld N=%ld: dinp %.2e dweight %.2e dbias %.2e dinp*dgelu %.2e\n", long(M), long(K),
-              long(N), e_dinp, e_dw, e_db, e_dgelu);
+  std::vector<float> cpu_dg(cpu_dinp.size());
+  cpu::gelu_backward(cpu_dg.data(), pre.data(), cpu_dinp.data(), M * K);
+  const double c_dgelu = rel_err(got_dg, cpu_dg);
+  EXPECT_LE(c_dgelu, kTolBf16);
+  std::printf("matmul bwd M=%ld K=%ld N=%ld: dinp %.2e dweight %.2e dbias %.2e dinp*dgelu %.2e | against the CPU op: "
+              "%.2e %.2e %.2e %.2e, dbias alone %.2e, bias_grad %.2e\n",
+              long(M), long(K), long(N), e_dinp, e_dw, e_db, e_dgelu, c_dinp, c_dw, c_db, c_dgelu, c_db_alone,
+              c_bias_grad);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, MatmulTest,
