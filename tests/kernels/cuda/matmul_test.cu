@@ -242,8 +242,22 @@ TEST(Matmul, GemmBf16AllTransposes) {
       DeviceBuffer<float> dC(size_t(M * N));
       dC.poison();
       cuda::gemm_bf16(ta, tb, M, N, K, 0.5f, dA.get(), ta ? M : K, dB.get(), tb ? K : N, 0.f, dC.get(), N, true, nullptr);
-      const double e = rel_err(dC.download(), ref);
+      const auto got = dC.download();
+      const double e = rel_err(got, ref);
       EXPECT_LE(e, kTolF32) << "trans_a=" << ta << " trans_b=" << tb;
+      // The CPU op (cpu::gemm) on the same operands.
+      std::vector<float> c(size_t(M * N));
+      cpu::gemm(ta, tb, M, N, K, 0.5f, A.data(), ta ? M : K, B.data(), tb ? K : N, 0.f, c.data(), N);
+      EXPECT_LE(rel_err(got, c), kTolF32) << "against the CPU op, trans_a=" << ta << " trans_b=" << tb;
+      // bf16 output accumulating onto an existing C (beta = 1).
+      auto C0 = random_bf16_values(size_t(M * N), uint32_t(23 + 2 * ta + tb));
+      DeviceBuffer<dbf16> dCb(C0.size());
+      upload_bf16(dCb, C0);
+      cuda::gemm_bf16(ta, tb, M, N, K, 0.5f, dA.get(), ta ? M : K, dB.get(), tb ? K : N, 1.f, dCb.get(), N, false,
+                      nullptr);
+      std::vector<float> cb = C0;
+      cpu::gemm(ta, tb, M, N, K, 0.5f, A.data(), ta ? M : K, B.data(), tb ? K : N, 1.f, cb.data(), N);
+      EXPECT_LE(rel_err(download_bf16(dCb), cb), kTolBf16) << "bf16 output, beta 1, trans_a=" << ta << " trans_b=" << tb;
     }
 }
 
