@@ -25,6 +25,10 @@ shift 2
 steps=("$@")
 [[ ${#steps[@]} -gt 0 ]] || steps=(device cuda memcheck pipeline flash train loom)
 mkdir -p "$out"
+{
+  date -u +"gpu_checks %Y-%m-%d %H:%M UTC"
+  [[ -f "$bundle/COMMIT" ]] && sed 's/^/bundle: /' "$bundle/COMMIT"
+} | tee -a "$out/status"
 env_run() { "$root/scripts/gpu_env.sh" "$bundle" "$@"; }
 step_device() { nvidia-smi; }
 step_cuda() {

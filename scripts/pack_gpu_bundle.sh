@@ -28,4 +28,10 @@ for lib in $(ldd "$bundle"/bin/* 2>/dev/null | awk '/=>/ {print $3}' | sort -u);
     libfreetype.so*|libxcb*.so*|libX*.so*|libbrotli*.so*|libbsd.so*|libmd.so*|libOpenCL.so*) xz -T2 -1 -c "$lib" > "$bundle/lib/$(basename "$lib").xz" ;;
   esac
 done
+# Provenance for the results: the commit the bundle was built from (and whether the tree had changes).
+{
+  git -C "$root" rev-parse HEAD 2>/dev/null || echo "unknown commit"
+  [[ -z "$(git -C "$root" status --porcelain 2>/dev/null)" ]] || echo "with uncommitted changes"
+  date -u +"built %Y-%m-%d %H:%M UTC"
+} > "$bundle/COMMIT"
 du -sh "$bundle"
