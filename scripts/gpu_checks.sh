@@ -30,7 +30,12 @@ mkdir -p "$out"
   [[ -f "$bundle/COMMIT" ]] && sed 's/^/bundle: /' "$bundle/COMMIT"
 } | tee -a "$out/status"
 env_run() { "$root/scripts/gpu_env.sh" "$bundle" "$@"; }
-step_device() { nvidia-smi; }
+step_device() {
+  nvidia-smi
+  # Where the bundle's executables find the CUDA libraries (a missing one stops every step).
+  env_run bash -c 'echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"; ldd "$(command -v test_cuda)" | grep -E "cudnn|nccl|cublas|cudart|mpi|not found"'
+  ! env_run bash -c 'ldd "$(command -v test_cuda)"' | grep -q "not found"
+}
 step_cuda() {
   env_run test_cuda && return 0
   echo "== cuDNN attention again, with cuDNN's log"

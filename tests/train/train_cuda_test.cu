@@ -241,9 +241,8 @@ TEST(CudaTrain, CheckpointsResumeOnTheOtherDevice) {
 // differently in every attention output (other tiling, other exponentials), a systematic
 // difference of the kind bf16 against f32 is, confined to attention.
 TEST(CudaTrain, CudnnAttentionTrainsLikeFlash) {
-  LOOM_REQUIRE_GPU();
+  LOOM_REQUIRE_CUDNN();
   LOOM_REQUIRE_LOOM();
-  if (!cuda::cudnn_available()) GTEST_SKIP() << "loom built without cuDNN";
   Fixture f("cudnn");
   CliRun a = f.train("cuda", "flash", "--quiet --train.cuda_attention flash");
   ASSERT_EQ(a.code, 0) << a.err;
@@ -358,7 +357,7 @@ TEST(CudaTrain, DataParallelRankThatThrowsEndsTheJobNamingIt) {
                      "LOOM_FAULT_INJECT=rank=1,step=4,kind=throw " + mpirun);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_NE(r.code, 0) << r.out << r.err;
-  EXPECT_NE(r.code, 124) << "hang: killed by the test's deadline\n" << r.err;
+  EXPECT_TRUE(r.code != 124 && r.code != 137) << "hang: killed by the test's deadline\n" << r.err;
   EXPECT_LT(s, 45.0) << "not aborted by the failure (the communicator timeout is 60 s)";
   EXPECT_NE(r.err.find("loom: rank 1 of 2 failed"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("fails on purpose at step 4"), std::string::npos) << r.err;

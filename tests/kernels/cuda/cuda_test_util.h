@@ -13,6 +13,7 @@
 
 #include "core/dtype.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/cudnn_attention.cuh"
 
 namespace loom::test {
 
@@ -36,6 +37,17 @@ inline std::vector<int32_t> random_tokens(int64_t n, int64_t V, uint32_t seed) {
 #define LOOM_REQUIRE_GPU()                                                      \
   do {                                                                          \
     if (!::loom::test::have_cuda_device()) GTEST_SKIP() << "no CUDA device: skipped"; \
+  } while (0)
+
+// A GPU and loom's cuDNN path: a build with cuDNN, and at run time a cuDNN it takes (9.16 or
+// later; older ones are refused by CudnnAttention's constructor).
+#define LOOM_REQUIRE_CUDNN()                                                                          \
+  do {                                                                                                \
+    LOOM_REQUIRE_GPU();                                                                               \
+    if (!::loom::cuda::cudnn_available()) GTEST_SKIP() << "loom built without cuDNN: skipped";        \
+    if (::loom::cuda::cudnn_runtime_version() < 91600)                                                \
+      GTEST_SKIP() << "cuDNN " << ::loom::cuda::cudnn_runtime_version()                               \
+                   << " at run time: loom's cuDNN path needs 9.16 (91600) or later";                  \
   } while (0)
 
 template <class T>

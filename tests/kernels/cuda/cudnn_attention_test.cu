@@ -26,11 +26,6 @@ using loom::cuda::bf16;
 using loom::test::AttnCase;
 using loom::test::DeviceBuffer;
 
-#define REQUIRE_GPU_AND_CUDNN()                                                                     \
-  do {                                                                                              \
-    LOOM_REQUIRE_GPU();                                                                             \
-    if (!loom::cuda::cudnn_available()) GTEST_SKIP() << "loom built without cuDNN: skipped";       \
-  } while (0)
 
 void run_case(const AttnCase& cs) {
   using namespace loom::test;
@@ -82,19 +77,19 @@ void run_case(const AttnCase& cs) {
 }
 
 TEST(CudnnAttention, CausalHs64OddLength) {
-  REQUIRE_GPU_AND_CUDNN();
+  LOOM_REQUIRE_CUDNN();
   run_case({"hs64 causal B=2 T=333", 2, 3, 64, 333, 333, true});
 }
 
 TEST(CudnnAttention, CausalHs128Packed) {
-  REQUIRE_GPU_AND_CUDNN();
+  LOOM_REQUIRE_CUDNN();
   AttnCase c{"hs128 causal packed qkv B=2 T=300", 2, 2, 128, 300, 300, true};
   c.packed = true;
   run_case(c);
 }
 
 TEST(CudnnAttention, CausalMultiplesOf128) {
-  REQUIRE_GPU_AND_CUDNN();
+  LOOM_REQUIRE_CUDNN();
   AttnCase c{"hs64 causal packed qkv B=1 T=1024", 1, 2, 64, 1024, 1024, true};
   c.packed = true;
   run_case(c);
@@ -102,21 +97,21 @@ TEST(CudnnAttention, CausalMultiplesOf128) {
 }
 
 TEST(CudnnAttention, CausalLongOddLengthPadded) {
-  REQUIRE_GPU_AND_CUDNN();
+  LOOM_REQUIRE_CUDNN();
   AttnCase c{"hs128 causal B=1 T=1100 padded", 1, 2, 128, 1100, 1100, true};
   c.pad = 16;
   run_case(c);
 }
 
 TEST(CudnnAttention, CausalUnequalLengths) {
-  REQUIRE_GPU_AND_CUDNN();
+  LOOM_REQUIRE_CUDNN();
   // Top-left aligned: query t sees keys 0..t; queries past the last key see every key.
   run_case({"hs64 causal Tq=200 Tkv=130", 2, 2, 64, 200, 130, true});
   run_case({"hs128 causal Tq=100 Tkv=256", 1, 2, 128, 100, 256, true});
 }
 
 TEST(CudnnAttention, NonCausalCrossLengthsPadded) {
-  REQUIRE_GPU_AND_CUDNN();
+  LOOM_REQUIRE_CUDNN();
   AttnCase c{"hs64 non-causal Tq=150 Tkv=290 padded", 1, 2, 64, 150, 290, false};
   c.pad = 24;
   run_case(c);
@@ -126,7 +121,7 @@ TEST(CudnnAttention, NonCausalCrossLengthsPadded) {
 }
 
 TEST(CudnnAttention, ExplicitScaleAndShortSequences) {
-  REQUIRE_GPU_AND_CUDNN();
+  LOOM_REQUIRE_CUDNN();
   AttnCase c{"hs128 causal scale=0.2 T=513", 1, 1, 128, 513, 513, true};
   c.scale = 0.2f;
   run_case(c);
@@ -139,7 +134,7 @@ TEST(CudnnAttention, ExplicitScaleAndShortSequences) {
 }
 
 TEST(CudnnAttention, RefusesMisalignedPointersAndMissingWorkspace) {
-  REQUIRE_GPU_AND_CUDNN();
+  LOOM_REQUIRE_CUDNN();
   loom::cuda::AttnArgs a;
   a.B = 1, a.NH = 1, a.HS = 64, a.Tq = a.Tkv = 128, a.q_stride = a.kv_stride = a.o_stride = 64;
   loom::cuda::CudnnAttention att(a);
