@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <memory>
+#include <vector>
 
 #include "cuda_test_util.h"
 #include "kernels/cuda/adamw.cuh"
@@ -16,40 +18,61 @@
 using namespace loom;
 using namespace loom::test;
 
-TEST(AdamW, MultiTensorWithClipping) {
-  LOOM_REQUIRE_GPU();
-  const std::vector<int64_t> sizes{7, 300000, 65536, 1, 4099};
-  const float wd[] = {0.1f, 0.1f, 0.f, 0.f, 0.05f};
+namespace {
+
+// Random optimizer states of the given sizes (seeded by seed + 10 i + 1..4; second moments
+// non-negative) on the host and the device, as MultiTensorAdamW's tensor list; with_bf16 adds a
+// NaN-poisoned bf16 copy to each tensor.
+struct States {
   struct Host {
     std::vector<float> p, g, m, v;
   };
   std::vector<Host> h;
-  std::vector<std::unique_ptr<DeviceBuffer<float>>> bufs;
+  std::vector<std::unique_ptr<DeviceBuffer<float>>> bufs;  // p, g, m, v of each tensor
   std::vector<std::unique_ptr<DeviceBuffer<dbf16>>> pbf;
   std::vector<cuda::AdamWTensor> ts;
-  for (size_t i = 0; i < sizes.size(); ++i) {
-    const size_t n = size_t(sizes[i]);
-    Host x{random_f32(n, uint32_t(10 * i + 1)), random_f32(n, uint32_t(10 * i + 2), 0.3f),
-           random_f32(n, uint32_t(10 * i + 3), 0.01f), random_f32(n, uint32_t(10 * i + 4), 0.01f)};
-    for (auto& v : x.v) v = v * v;  // second moments are non-negative
-    cuda::AdamWTensor t;
-    for (auto* src : {&x.p, &x.g, &x.m, &x.v}) {
-      bufs.push_back(std::make_unique<DeviceBuffer<float>>(n));
-      bufs.back()->upload(*src);
+
+  States(const std::vector<int64_t>& sizes, const std::vector<float>& wd, uint32_t seed, bool with_bf16) {
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      const size_t n = size_t(sizes[i]);
+      const uint32_t s = seed + uint32_t(10 * i);
+      Host x{random_f32(n, s + 1), random_f32(n, s + 2, 0.3f), random_f32(n, s + 3, 0.01f),
+             random_f32(n, s + 4, 0.01f)};
+      for (auto& v : x.v) v = v * v;
+      for (auto* src : {&x.p, &x.g, &x.m, &x.v}) {
+        bufs.push_back(std::make_unique<DeviceBuffer<float>>(n));
+        bufs.back()->upload(*src);
+      }
+      const size_t k = bufs.size();
+      cuda::AdamWTensor t;
+      t.param = bufs[k - 4]->get();
+      t.grad = bufs[k - 3]->get();
+      t.m = bufs[k - 2]->get();
+      t.v = bufs[k - 1]->get();
+      if (with_bf16) {
+        pbf.push_back(std::make_unique<DeviceBuffer<dbf16>>(n));
+        pbf.back()->poison();
+        t.param_bf16 = pbf.back()->get();
+      }
+      t.n = sizes[i];
+      t.weight_decay = wd[i];
+      ts.push_back(t);
+      h.push_back(std::move(x));
     }
-    const size_t k = bufs.size();
-    t.param = bufs[k - 4]->get();
-    t.grad = bufs[k - 3]->get();
-    t.m = bufs[k - 2]->get();
-    t.v = bufs[k - 1]->get();
-    pbf.push_back(std::make_unique<DeviceBuffer<dbf16>>(n));
-    pbf.back()->poison();
-    t.param_bf16 = pbf.back()->get();
-    t.n = sizes[i];
-    t.weight_decay = wd[i];
-    ts.push_back(t);
-    h.push_back(std::move(x));
   }
+};
+
+}  // namespace
+
+TEST(AdamW, MultiTensorWithClipping) {
+  LOOM_REQUIRE_GPU();
+  const std::vector<int64_t> sizes{7, 300000, 65536, 1, 4099};
+  const std::vector<float> wd{0.1f, 0.1f, 0.f, 0.f, 0.05f};
+  States st(sizes, wd, 0, true);
+  const auto& h = st.h;
+  const auto& bufs = st.bufs;
+  const auto& pbf = st.pbf;
+  const auto& ts = st.ts;
   MemoryPool& pool = cuda::device_pool();
   const int64_t before = pool.current(MemTag::optimizer);
   {
@@ -141,29 +164,15 @@ TEST(AdamW, MultiTensorWithClipping) {
 TEST(AdamW, TwoLaunchesWithoutClippingOrCopy) {
   LOOM_REQUIRE_GPU();
   const std::vector<int64_t> sizes{70001, 5};
+  States st(sizes, {0.1f, 0.f}, 40, false);
+  const auto& bufs = st.bufs;
+  const auto& ts = st.ts;
   std::vector<std::vector<float>> p, g, m, v;
-  std::vector<std::unique_ptr<DeviceBuffer<float>>> bufs;
-  std::vector<cuda::AdamWTensor> ts;
-  for (size_t i = 0; i < sizes.size(); ++i) {
-    const size_t n = size_t(sizes[i]);
-    p.push_back(random_f32(n, uint32_t(40 + i)));
-    g.push_back(random_f32(n, uint32_t(50 + i), 0.3f));
-    m.push_back(random_f32(n, uint32_t(60 + i), 0.01f));
-    v.push_back(random_f32(n, uint32_t(70 + i), 0.01f));
-    for (auto& x : v.back()) x = x * x;
-    cuda::AdamWTensor t;
-    for (auto* src : {&p.back(), &g.back(), &m.back(), &v.back()}) {
-      bufs.push_back(std::make_unique<DeviceBuffer<float>>(n));
-      bufs.back()->upload(*src);
-    }
-    const size_t k = bufs.size();
-    t.param = bufs[k - 4]->get();
-    t.grad = bufs[k - 3]->get();
-    t.m = bufs[k - 2]->get();
-    t.v = bufs[k - 1]->get();
-    t.n = sizes[i];
-    t.weight_decay = i == 0 ? 0.1f : 0.f;
-    ts.push_back(t);
+  for (const auto& x : st.h) {
+    p.push_back(x.p);
+    g.push_back(x.g);
+    m.push_back(x.m);
+    v.push_back(x.v);
   }
   cuda::MultiTensorAdamW opt(ts, cuda::device_pool());
   auto cp = p, cm = m, cv = v;
