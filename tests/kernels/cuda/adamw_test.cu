@@ -6,6 +6,7 @@
 // exactly the rounded f32 parameter; the norm 1e-5.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <memory>
 #include <vector>
@@ -62,6 +63,16 @@ struct States {
   }
 };
 
+// One launch with hyperparameters hp; returns the norm and the scale it applied.
+std::array<float, 2> launch(cuda::MultiTensorAdamW& opt, const cuda::AdamWHyper& hp) {
+  opt.set_hyper(hp);
+  opt.launch(nullptr);
+  LOOM_CUDA_CHECK(cudaDeviceSynchronize());
+  std::array<float, 2> stats{};
+  LOOM_CUDA_CHECK(cudaMemcpy(stats.data(), opt.norm_and_scale(), sizeof(stats), cudaMemcpyDeviceToHost));
+  return stats;
+}
+
 }  // namespace
 
 TEST(AdamW, MultiTensorWithClipping) {
@@ -86,11 +97,7 @@ TEST(AdamW, MultiTensorWithClipping) {
     hp.step = 3;
     hp.max_norm = 1.0f;
     hp.grad_scale = 0.5f;
-    opt.set_hyper(hp);
-    opt.launch(nullptr);
-    LOOM_CUDA_CHECK(cudaDeviceSynchronize());
-    float stats[2];
-    LOOM_CUDA_CHECK(cudaMemcpy(stats, opt.norm_and_scale(), sizeof(stats), cudaMemcpyDeviceToHost));
+    const std::array<float, 2> stats = launch(opt, hp);
 
     double ss = 0, cpu_ss = 0;
     for (auto& x : h) {
@@ -177,17 +184,13 @@ TEST(AdamW, TwoLaunchesWithoutClippingOrCopy) {
   cuda::MultiTensorAdamW opt(ts, cuda::device_pool());
   auto cp = p, cm = m, cv = v;
   const float lrs[] = {1e-2f, 5e-3f};
-  for (int launch = 0; launch < 2; ++launch) {
+  for (int call = 0; call < 2; ++call) {
     cuda::AdamWHyper hp;
-    hp.lr = lrs[launch];
-    hp.step = 7 + launch;
+    hp.lr = lrs[call];
+    hp.step = 7 + call;
     hp.max_norm = 0.f;
     hp.grad_scale = 0.25f;
-    opt.set_hyper(hp);
-    opt.launch(nullptr);
-    LOOM_CUDA_CHECK(cudaDeviceSynchronize());
-    float stats[2];
-    LOOM_CUDA_CHECK(cudaMemcpy(stats, opt.norm_and_scale(), sizeof(stats), cudaMemcpyDeviceToHost));
+    const std::array<float, 2> stats = launch(opt, hp);
     EXPECT_EQ(stats[1], hp.grad_scale) << "no clipping with max_norm 0";
     for (size_t i = 0; i < sizes.size(); ++i) {
       cpu::AdamWArgs ca;
