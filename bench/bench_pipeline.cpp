@@ -109,7 +109,7 @@ int main(int argc, char** argv) {
     std::vector<std::vector<double>> fr(static_cast<size_t>(p)), rp(static_cast<size_t>(p)), busy(static_cast<size_t>(p));
     for (int st = steps > 1 ? 1 : 0; st < steps; ++st) {
       const std::vector<double> f = idle_fractions(per_step[size_t(st)]);
-      const CheckResult re = replay(schedule, compute_seconds(per_step[size_t(st)], /*cpu=*/true));
+      const CheckResult re = replay(schedule, compute_seconds(per_step[size_t(st)]));
       for (int r = 0; r < p; ++r) {
         fr[size_t(r)].push_back(f[size_t(r)]);
         rp[size_t(r)].push_back(re.idle_fraction(r));
@@ -142,7 +142,7 @@ int main(int argc, char** argv) {
       std::string why;
       draw_png(base + ".png", trace_timeline(fmt::format("{} p={} m={} (measured)", kind_name(k), p, m), trace), &why);
       if (replayable) {
-        const CheckResult re = replay(schedule, compute_seconds(trace, /*cpu=*/true));
+        const CheckResult re = replay(schedule, compute_seconds(trace));
         Timeline tl = schedule_timeline(schedule, re);
         tl.title = fmt::format("{} p={} m={} (replayed from CPU times, one core per rank)", kind_name(k), p, m);
         draw_png(base + "_replay.png", tl, &why);

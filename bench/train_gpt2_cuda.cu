@@ -168,9 +168,7 @@ int main(int argc, char** argv) {
     model::GPTCudaOptions o;
     o.B = a.B;
     o.T = a.T;
-    o.attention = a.attention == "flash"   ? model::CudaAttention::flash
-                  : a.attention == "cudnn" ? model::CudaAttention::cudnn
-                                           : model::CudaAttention::gemm;
+    o.attention = model::cuda_attention_from_name(a.attention);
     o.cuda_graph = a.graph;
     o.lr = a.lr;
     MemoryPool& pool = cuda::device_pool();

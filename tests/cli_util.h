@@ -58,6 +58,21 @@ inline std::string find_in_path(const std::string& name) {
   return "";
 }
 
+// `timeout ... mpirun ... -n n` to put before a loom command, or "" when mpirun is not on PATH or
+// loom was built without MPI:
+// shared-memory transport without cross-process memory attach (often forbidden in containers),
+// the processes unbound (each runs its own OpenMP threads), LOOM_FAULT_INJECT forwarded when asked.
+inline std::string mpirun_prefix(int n, bool with_fault = false) {
+#ifndef LOOM_HAVE_MPI
+  return "";
+#endif
+  const std::string mpirun = find_in_path("mpirun");
+  if (mpirun.empty()) return "";
+  return "OMPI_MCA_btl_vader_single_copy_mechanism=none timeout -k 10 240 " + mpirun +
+         (::geteuid() == 0 ? " --allow-run-as-root" : "") + " --oversubscribe --bind-to none" +
+         (with_fault ? " -x LOOM_FAULT_INJECT" : "") + " -n " + std::to_string(n);
+}
+
 struct CmdRun {
   int status = -1;
   std::string output;

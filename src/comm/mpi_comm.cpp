@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "comm/reduce.h"
@@ -460,6 +461,22 @@ class MpiComm final : public Comm {
 
 }  // namespace
 
+namespace {
+
+// (rank, size) of this process among the job's processes on its host. Collective.
+std::pair<int, int> host_ranks() {
+  int rank = 0, local = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm host;
+  LOOM_MPI(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &host));
+  MPI_Comm_rank(host, &local);
+  MPI_Comm_size(host, &size);
+  MPI_Comm_free(&host);
+  return {local, size};
+}
+
+}  // namespace
+
 MpiSession::MpiSession(int* argc, char*** argv) {
   int init = 0;
   MPI_Initialized(&init);
@@ -473,23 +490,14 @@ MpiSession::MpiSession(int* argc, char*** argv) {
   thread_multiple_ = provided >= MPI_THREAD_MULTIPLE;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
   MPI_Comm_size(MPI_COMM_WORLD, &size_);
-  MPI_Comm host;
-  LOOM_MPI(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &host));
-  MPI_Comm_size(host, &local_size_);
-  MPI_Comm_free(&host);
+  local_size_ = host_ranks().second;
 }
 
 int mpi_local_rank() {
   int init = 0;
   MPI_Initialized(&init);
   LOOM_CHECK(init, "mpi_local_rank: MPI is not initialised");
-  int rank = 0, local = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm host;
-  LOOM_MPI(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &host));
-  MPI_Comm_rank(host, &local);
-  MPI_Comm_free(&host);
-  return local;
+  return host_ranks().first;
 }
 
 MpiSession::~MpiSession() {

@@ -121,6 +121,17 @@ GPTCuda::GPTCuda(const GPTConfig& cfg, const GPTCudaOptions& opt, MemoryPool& po
   }
 }
 
+CudaAttention cuda_attention_from_name(const std::string& name) {
+  if (name == "flash") return CudaAttention::flash;
+  if (name == "gemm") return CudaAttention::gemm;
+  if (name == "cudnn") return CudaAttention::cudnn;
+  LOOM_FAIL("attention '{}' is not flash, gemm or cudnn", name);
+}
+
+const char* cuda_attention_name(CudaAttention a) {
+  return a == CudaAttention::flash ? "flash" : a == CudaAttention::cudnn ? "cudnn" : "gemm";
+}
+
 void GPTCuda::build(uint64_t seed) {
   LOOM_CHECK(pool_.device() == Device::cuda, "GPTCuda: pool '{}' is not a device pool", pool_.name().c_str());
   specs_ = cuda_param_specs(cfg_);
@@ -135,7 +146,7 @@ void GPTCuda::build(uint64_t seed) {
              cfg_.name.c_str(), C, HS);
   if (opt_.attention != CudaAttention::gemm)
     LOOM_CHECK(cuda::flash_head_size_supported(HS), "GPTCuda: {} attention needs head size 64 or 128, got {} (use gemm attention)",
-               opt_.attention == CudaAttention::flash ? "flash" : "cudnn", HS);
+               cuda_attention_name(opt_.attention), HS);
 
   for (const ParamSpec& s : specs_) {
     offsets_.push_back(total_);
@@ -571,6 +582,7 @@ void GPTCuda::run_graphed(cudaGraphExec_t& exec, float& exec_dloss, void (GPTCud
     exec_dloss = dloss_;
   }
   LOOM_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
+  ++graph_launches_;
 }
 
 float GPTCuda::train_step(const int32_t* tokens, const int32_t* targets, float lr, int64_t step) {

@@ -35,6 +35,11 @@ enum class CudaAttention : uint8_t {
           // head sizes 64 and 128, needs a build with cuDNN
 };
 
+// "flash", "gemm", "cudnn" (the names train.cuda_attention and train_gpt2_cuda take); throws
+// naming the value otherwise.
+CudaAttention cuda_attention_from_name(const std::string& name);
+const char* cuda_attention_name(CudaAttention a);
+
 struct GPTCudaOptions {
   int64_t B = 8, T = 1024;  // micro-batch: activations are allocated for exactly this shape
   CudaAttention attention = CudaAttention::flash;
@@ -100,12 +105,13 @@ class GPTCuda {
   std::vector<float> exp_avg_sq(const std::string& name) const;
   void set_exp_avg(const std::string& name, const float* values);
   void set_exp_avg_sq(const std::string& name, const float* values);
-  bool flash_attention() const { return opt_.attention == CudaAttention::flash; }
 
   // Times the parts of each step (kernels/cuda/profile.cuh) while set: every part of the forward,
   // backward and update marks `p` on stream() with its FLOPs; the caller opens and closes each
   // step (p->start(), p->finish()). While set, nothing runs as a CUDA graph. nullptr: off.
   void set_profile(cuda::StepProfile* p) { prof_ = p; }
+  // CUDA graph replays so far (train_step, accumulate): what the work of a step ran as.
+  int64_t graph_launches() const { return graph_launches_; }
 
   // f32 [B, T, Vp] copy of the last forward()'s bf16 logits (padding columns included).
   std::vector<float> logits() const;
@@ -167,6 +173,7 @@ class GPTCuda {
   float micro_graph_dloss_ = 0.f;          // dloss baked into micro_graph_
   bool warmed_ = false;      // an eager step has run (before the first capture)
   cuda::StepProfile* prof_ = nullptr;
+  int64_t graph_launches_ = 0;
 };
 
 }  // namespace loom::model

@@ -24,7 +24,7 @@ struct TrainConfig {
   int64_t batch_size = 8;                  // sequences per optimizer step (global batch)
   int64_t grad_accum = 1;                  // micro-steps per optimizer step (batch_size divisible)
   uint64_t seed = 1337;
-  std::string device = "cpu";              // cpu | cuda (one GPU: needs a CUDA build, no parallel dimension)
+  std::string device = "cpu";              // cpu | cuda (GPUs, data parallelism only: needs a CUDA build)
   bool cuda_graph = true;                  // device cuda: each step one CUDA graph (false: eager launches)
   std::string cuda_attention = "auto";     // device cuda: auto | flash | cudnn | gemm
   int64_t threads = 0;                     // per process; 0: all cores (under mpi: shared by the host's processes)

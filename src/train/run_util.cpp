@@ -48,10 +48,16 @@ TrainResult run_mpi_rank(const TrainConfig& cfg, const std::string& where, int w
 #endif
 }
 
-double job_gemm_peak(comm::Comm& world) {
+double job_gemm_peak(comm::Comm& world, const std::function<double()>& measure) {
   world.barrier();
-  const double rate = cpu::measure_gemm_peak_gflops(1024, 0.3) * 1e9;
+  const double rate = measure ? measure() : cpu::measure_gemm_peak_gflops(1024, 0.3) * 1e9;
   return parallel::sum_over_ranks(world, rate);
+}
+
+comm::CommOptions comm_options(const TrainConfig& cfg) {
+  comm::CommOptions co;
+  co.timeout = std::chrono::milliseconds(std::max<int64_t>(1, std::llround(double(cfg.timeout_s) * 1000.0)));
+  return co;
 }
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }

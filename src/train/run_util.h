@@ -38,8 +38,12 @@ TrainResult run_mpi_rank(const TrainConfig& cfg, const std::string& where, int w
 // The GEMM rate of the whole job in FLOP/s, the peak against which model-FLOPs utilisation is
 // reported: every rank measures at once with its own threads (so ranks that share cores share
 // them here as in training, and ranks on other hosts add theirs) and the rates are added.
-// Collective over world.
-double job_gemm_peak(comm::Comm& world);
+// Collective over world. `measure` is one rank's rate in FLOP/s (default: the CPU's f32 GEMM rate;
+// the GPU trainer passes its GPU's bf16 rate, so ranks sharing a GPU share it).
+double job_gemm_peak(comm::Comm& world, const std::function<double()>& measure = {});
+
+// The communicators' options of a run: parallel.timeout_s.
+comm::CommOptions comm_options(const TrainConfig& cfg);
 
 // "1h02m", "3m05s", "42s" ("?" for a negative or non-finite time).
 std::string human_time(double seconds);

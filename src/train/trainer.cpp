@@ -221,8 +221,7 @@ TrainResult run_training(const TrainConfig& cfg, const TrainOptions& opt) {
   LOOM_CHECK(cfg.device == "cpu", "{}: train.device: '{}' is not cpu or cuda", where, cfg.device);
   if (needs_mesh(cfg)) return run_training_mesh(cfg, opt);  // tp / sp / cp / pp: trainer_parallel.cpp
   const int dp = int(cfg.dp);
-  comm::CommOptions co;
-  co.timeout = std::chrono::milliseconds(std::max<int64_t>(1, std::llround(double(cfg.timeout_s) * 1000.0)));
+  const comm::CommOptions co = comm_options(cfg);
   const FaultInjection fault = FaultInjection::from_env(dp);
   if (cfg.comm == "mpi")
     return run_mpi_rank(cfg, where, dp, fmt::format("parallel.dp is {}", dp), co,

@@ -1,8 +1,8 @@
 // The training loop, on one device or data-parallel over dp ranks (threads of this process, or one
 // process each under mpirun with parallel.comm = mpi), with ZeRO stages and offload: deterministic batches, LR schedule, gradient accumulation,
 // clipping, AdamW, periodic validation, text samples, checkpoints (with bit-identical resume),
-// a live progress line, metrics as JSONL and a loss-curve PNG at the end. The same loop on one GPU
-// (train.device = "cuda") is train/trainer_cuda.h's run_training_cuda, in builds with CUDA only;
+// a live progress line, metrics as JSONL and a loss-curve PNG at the end. The same loop on GPUs
+// (train.device = "cuda", data-parallel) is train/trainer_cuda.h's run_training_cuda, in builds with CUDA only;
 // `loom train` picks it by train.device, and run_training refuses "cuda" naming the field.
 // Testing aid: LOOM_FAULT_INJECT="rank=R,step=S,kind=throw|exit|kill" makes rank R throw, _Exit(3) or SIGKILL itself at the start of step S.
 #pragma once

@@ -77,8 +77,8 @@ void upload_state(model::GPTCuda& gpt, const std::vector<NamedTensor>& state) {
 // One rank of the GPU trainer: the whole model replica on `device`, the rank's share of every
 // batch (rank r of dp takes sequences r * B / dp .. (r + 1) * B / dp of the global batch, as the
 // CPU trainers do), gradients summed over the replicas by `dcomm` (null with dp = 1).
-TrainResult train_cuda_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Comm& world, int device,
-                            const FaultInjection& fault) {
+TrainResult train_cuda_rank(const TrainConfig& cfg, const TrainOptions& opt, const std::string& where,
+                            comm::Comm& world, int device, const FaultInjection& fault) {
   const int rank = world.rank(), dp = world.size();
   const bool lead = rank == 0;
   auto say = [&](const std::string& s) {
@@ -99,14 +99,12 @@ TrainResult train_cuda_rank(const TrainConfig& cfg, const TrainOptions& opt, com
   model::GPTCudaOptions go;
   go.B = mb;
   go.T = T;
-  go.attention = cfg.cuda_attention == "cudnn"   ? model::CudaAttention::cudnn
-                 : cfg.cuda_attention == "gemm"  ? model::CudaAttention::gemm
-                 : cfg.cuda_attention == "flash" ? model::CudaAttention::flash
+  go.attention = cfg.cuda_attention != "auto" ? model::cuda_attention_from_name(cfg.cuda_attention)
                  : cuda::flash_head_size_supported(mc.head_size()) ? model::CudaAttention::flash
                                                                    : model::CudaAttention::gemm;
   if (go.attention == model::CudaAttention::cudnn && !cuda::cudnn_available())
     throw Error(fmt::format("{}: train.cuda_attention: cudnn needs loom built with cuDNN (CMake did not find libcudnn)",
-                            opt.config_path.empty() ? "config" : opt.config_path));
+                            where));
   go.cuda_graph = cfg.cuda_graph;
   go.lr = cfg.lr;
   go.beta1 = cfg.beta1;
@@ -161,14 +159,9 @@ TrainResult train_cuda_rank(const TrainConfig& cfg, const TrainOptions& opt, com
                   dp > 1 ? fmt::format(" | dp {} ({} processes, gradients reduced by {})", dp, world.backend(),
                                        comm::device_path_name(comm::device_comm_path(*dcomm)))
                          : "",
-                  mb, T, cfg.grad_accum,
-                  go.attention == model::CudaAttention::flash   ? "flash"
-                  : go.attention == model::CudaAttention::cudnn ? "cuDNN"
-                                                                : "GEMM",
+                  mb, T, cfg.grad_accum, model::cuda_attention_name(go.attention),
                   cfg.cuda_graph ? "CUDA graphs" : "no CUDA graphs"));
-  // The job's GEMM rate: every rank measures at once, so ranks sharing a GPU share its rate.
-  world.barrier();
-  const double peak = sum_over_ranks(world, cuda::measure_gemm_peak_bf16(pool, gpt.stream()));
+  const double peak = job_gemm_peak(world, [&] { return cuda::measure_gemm_peak_bf16(pool, gpt.stream()); });
   res.last_val_loss = NAN;
   res.unigram_val_loss = lead ? unigram_loss(train, val.get(), mc.vocab_size) : NAN;
   say(fmt::format("data {} | train {} tokens{} | unigram baseline loss {:.4f} | bf16 GEMM peak {:.1f} TFLOP/s{}",
@@ -284,8 +277,7 @@ TrainResult run_training_cuda(const TrainConfig& cfg, const TrainOptions& opt) {
   cfg.validate_cuda(where);
   LOOM_CHECK(opt.trace_path.empty(), "--trace: the GPU trainer (train.device = \"cuda\") writes no trace");
   const int dp = int(cfg.dp);
-  comm::CommOptions co;
-  co.timeout = std::chrono::milliseconds(std::max<int64_t>(1, std::llround(double(cfg.timeout_s) * 1000.0)));
+  const comm::CommOptions co = comm_options(cfg);
   const FaultInjection fault = FaultInjection::from_env(dp);
   if (cfg.comm == "mpi" || cfg.comm == "nccl") {
     // One process per rank; a host's processes take its GPUs in turn (several share one when
@@ -299,7 +291,7 @@ TrainResult run_training_cuda(const TrainConfig& cfg, const TrainOptions& opt) {
                             const int local = 0;  // (run_mpi_rank refuses first)
 #endif
                             const int device = local % visible_devices(where);
-                            return train_cuda_rank(cfg, opt, world, device, fault);
+                            return train_cuda_rank(cfg, opt, where, world, device, fault);
                           } catch (const std::exception& e) {
                             on_fail(e.what());
                             throw;
@@ -314,7 +306,7 @@ TrainResult run_training_cuda(const TrainConfig& cfg, const TrainOptions& opt) {
   if (cfg.threads > 0) omp_set_num_threads(int(cfg.threads));
   comm::ThreadWorld world(1, co);
   auto c = world.comm(0);
-  return train_cuda_rank(cfg, opt, *c, device, fault);
+  return train_cuda_rank(cfg, opt, where, *c, device, fault);
 }
 
 }  // namespace loom::train

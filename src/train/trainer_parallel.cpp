@@ -696,8 +696,7 @@ TrainResult run_training_mesh(const TrainConfig& cfg, const TrainOptions& opt) {
   if (cfg.tp > 1 && cfg.n_head > 0 && cfg.n_head % cfg.tp != 0)
     throw Error(fmt::format("{}: model.n_head = {} is not divisible by parallel.tp = {}", where, cfg.n_head, cfg.tp));
   const int world = int(cfg.pp * cfg.dp * cfg.cp * cfg.tp);
-  comm::CommOptions co;
-  co.timeout = std::chrono::milliseconds(std::max<int64_t>(1, std::llround(double(cfg.timeout_s) * 1000.0)));
+  const comm::CommOptions co = comm_options(cfg);
   const FaultInjection fault = FaultInjection::from_env(world);
   if (cfg.comm == "mpi")  // one process per mesh rank, the mesh over the MPI world (Mesh::standard order)
     return run_mpi_rank(cfg, where, world,

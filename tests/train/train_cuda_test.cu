@@ -248,35 +248,11 @@ TEST(CudaTrain, CudnnAttentionTrainsLikeFlash) {
   ASSERT_EQ(a.code, 0) << a.err;
   CliRun b = f.train("cuda", "cudnn", "--train.cuda_attention cudnn");
   ASSERT_EQ(b.code, 0) << b.err;
-  EXPECT_NE(b.out.find("| cuDNN attention |"), std::string::npos) << b.out;
+  EXPECT_NE(b.out.find("| cudnn attention |"), std::string::npos) << b.out;
   const auto la = f.metrics("flash", "loss"), lb = f.metrics("cudnn", "loss");
   ASSERT_EQ(lb.size(), 20u);
   expect_close(lb, la, 1, 20, kCpuTol, "loss");
   expect_close(f.metrics("cudnn", "val_loss"), f.metrics("flash", "val_loss"), 10, 20, kCpuTol, "val_loss");
-}
-
-// `timeout ... mpirun -n n` for the loom command that follows ("" without MPI or mpirun):
-// shared-memory transport without cross-process memory attach (often forbidden in containers),
-// the processes unbound (each runs its own OpenMP threads).
-std::string gpu_mpirun(int n, bool with_fault = false) {
-#ifndef LOOM_HAVE_MPI
-  (void)n, (void)with_fault;
-  return "";
-#else
-  const std::string mpirun = find_in_path("mpirun");
-  if (mpirun.empty()) return "";
-  return fmt::format("OMPI_MCA_btl_vader_single_copy_mechanism=none timeout -k 10 240 {} {}--oversubscribe "
-                     "--bind-to none {}-n {}",
-                     mpirun, ::geteuid() == 0 ? "--allow-run-as-root " : "", with_fault ? "-x LOOM_FAULT_INJECT " : "",
-                     n);
-#endif
-}
-
-int gpu_count() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
-  cudaGetLastError();
-  return n;
 }
 
 // Data parallelism on GPUs: two processes under mpirun, each on its share of every batch, against
@@ -286,10 +262,10 @@ int gpu_count() {
 TEST(CudaTrain, DataParallelProcessesMatchOneGpu) {
   LOOM_REQUIRE_GPU();
   LOOM_REQUIRE_LOOM();
-  const std::string mpirun = gpu_mpirun(2);
+  const std::string mpirun = mpirun_prefix(2);
   if (mpirun.empty()) GTEST_SKIP() << "needs loom built with MPI and mpirun on PATH";
   Fixture f("dp");
-  const char* path = comm::nccl_available() && gpu_count() >= 2 ? "nccl" : "staged";
+  const char* path = comm::nccl_available() && cuda_device_count() >= 2 ? "nccl" : "staged";
   for (int accum : {1, 2}) {
     SCOPED_TRACE(fmt::format("grad_accum {} on 2 processes", accum));
     const std::string one = fmt::format("one{}", accum), two = fmt::format("dp{}", accum);
@@ -311,7 +287,7 @@ TEST(CudaTrain, DataParallelProcessesMatchOneGpu) {
     expect_close(f.metrics(two, "grad_norm"), f.metrics(one, "grad_norm"), 1, 20, kDpNormTol, "grad_norm");
     EXPECT_LT(l2.at(20), l2.at(1) - 0.5) << "the data-parallel run did not learn";
   }
-  // It resumes from its checkpoint (every rank reads it) and goes on.
+  // It resumes from its checkpoint and goes on.
   CliRun r = f.train("cuda", "dp2",
                      "--quiet --train.grad_accum 2 --train.eval_batches 1 --parallel.dp 2 --parallel.comm mpi "
                      "--resume --train.steps 25",
@@ -326,14 +302,14 @@ TEST(CudaTrain, DataParallelProcessesMatchOneGpu) {
 TEST(CudaTrain, NcclCommNeedsAGpuPerProcess) {
   LOOM_REQUIRE_GPU();
   LOOM_REQUIRE_LOOM();
-  const std::string mpirun = gpu_mpirun(2);
+  const std::string mpirun = mpirun_prefix(2);
   if (mpirun.empty()) GTEST_SKIP() << "needs loom built with MPI and mpirun on PATH";
   Fixture f("nccl");
   CliRun r = f.train("cuda", "run", "--quiet --train.steps 4 --parallel.dp 2 --parallel.comm nccl", mpirun);
   if (!comm::nccl_available()) {
     EXPECT_NE(r.code, 0);
     EXPECT_NE(r.err.find("built without NCCL"), std::string::npos) << r.err;
-  } else if (gpu_count() >= 2) {
+  } else if (cuda_device_count() >= 2) {
     ASSERT_EQ(r.code, 0) << r.out << r.err;
     EXPECT_EQ(f.metrics("run", "loss").size(), 4u);
   } else {
@@ -348,7 +324,7 @@ TEST(CudaTrain, NcclCommNeedsAGpuPerProcess) {
 TEST(CudaTrain, DataParallelRankThatThrowsEndsTheJobNamingIt) {
   LOOM_REQUIRE_GPU();
   LOOM_REQUIRE_LOOM();
-  const std::string mpirun = gpu_mpirun(2, true);
+  const std::string mpirun = mpirun_prefix(2, true);
   if (mpirun.empty()) GTEST_SKIP() << "needs loom built with MPI and mpirun on PATH";
   Fixture f("dp_throw");
   const auto t0 = std::chrono::steady_clock::now();

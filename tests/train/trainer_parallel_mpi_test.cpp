@@ -27,24 +27,12 @@ constexpr bool kHaveMpi = true;
 constexpr bool kHaveMpi = false;
 #endif
 
-std::string find_mpirun() {
-  for (const char* d : {"/usr/bin/mpirun", "/usr/local/bin/mpirun"})
-    if (::access(d, X_OK) == 0) return d;
-  return "";
-}
-
 #define SKIP_WITHOUT_MPI()                                                                           \
   do {                                                                                               \
     LOOM_REQUIRE_LOOM();                                                                             \
     if (!kHaveMpi) GTEST_SKIP() << "loom was built without MPI";                                     \
-    if (find_mpirun().empty()) GTEST_SKIP() << "mpirun not found; install OpenMPI to test the mpi backend"; \
+    if (mpirun_prefix(1).empty()) GTEST_SKIP() << "mpirun not found; install OpenMPI to test the mpi backend"; \
   } while (0)
-
-// `timeout ... mpirun -n n` (the loom command follows); with_fault forwards LOOM_FAULT_INJECT.
-std::string mpirun_prefix(int n, bool with_fault = false) {
-  return fmt::format("timeout -k 10 240 {} {}--oversubscribe {}-n {}", find_mpirun(),
-                     ::geteuid() == 0 ? "--allow-run-as-root " : "", with_fault ? "-x LOOM_FAULT_INJECT " : "", n);
-}
 
 class TrainParallelMpi : public MeshTrainFixture {
  protected:

@@ -27,8 +27,7 @@ CublasState& cublas() {
   static CublasState* s = [] {
     auto* st = new CublasState();
     LOOM_CUBLAS_V2_CHECK(cublasCreate(&st->handle));
-    st->workspace = device_pool().allocate(kCublasWorkspace, MemTag::workspace);
-    LOOM_CUBLAS_V2_CHECK(cublasSetWorkspace(st->handle, st->workspace, kCublasWorkspace));
+    st->workspace = device_pool().allocate(kCublasWorkspace, MemTag::workspace);  // set at every call
     return st;
   }();
   return *s;

@@ -1,7 +1,5 @@
 #include "kernels/cuda/profile.cuh"
 
-#include <cstring>
-
 #include "kernels/cuda/common.cuh"
 
 namespace loom::cuda {
@@ -31,7 +29,6 @@ size_t StepProfile::part_index(const char* name) {
 void StepProfile::start() {
   LOOM_CHECK(!open_, "StepProfile: start() while a step is open");
   pending_.clear();
-  pending_flops_.clear();
   LOOM_CUDA_CHECK(cudaEventRecord(event(0), stream_));
   open_ = true;
 }
@@ -40,8 +37,7 @@ void StepProfile::mark(const char* part, double flops) {
   if (!open_) return;
   const size_t i = part_index(part);
   LOOM_CUDA_CHECK(cudaEventRecord(event(pending_.size() + 1), stream_));
-  pending_.push_back(i);
-  pending_flops_.push_back(flops);
+  pending_.emplace_back(i, flops);
 }
 
 void StepProfile::finish() {
@@ -51,8 +47,9 @@ void StepProfile::finish() {
   for (size_t k = 0; k < pending_.size(); ++k) {
     float ms = 0;
     LOOM_CUDA_CHECK(cudaEventElapsedTime(&ms, events_[k], events_[k + 1]));
-    parts_[pending_[k]].ms += ms;
-    parts_[pending_[k]].flops += pending_flops_[k];
+    Part& p = parts_[pending_[k].first];
+    p.ms += ms;
+    p.flops += pending_[k].second;
   }
   ++steps_;
 }

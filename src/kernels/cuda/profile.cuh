@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace loom::cuda {
@@ -32,7 +33,6 @@ class StepProfile {
   void mark(const char* part, double flops = 0);
   // Closes the step: waits for the stream and adds the intervals to the parts.
   void finish();
-  bool open() const { return open_; }
 
   const std::vector<Part>& parts() const { return parts_; }  // in the order first marked
   int64_t steps() const { return steps_; }
@@ -41,8 +41,8 @@ class StepProfile {
  private:
   cudaStream_t stream_;
   std::vector<cudaEvent_t> events_;  // reused across steps; [0] is the start
-  std::vector<size_t> pending_;      // part index of each mark of the open step
-  std::vector<double> pending_flops_;
+  // (part index, FLOPs) of each mark of the open step
+  std::vector<std::pair<size_t, double>> pending_;
   std::vector<Part> parts_;
   int64_t steps_ = 0;
   bool open_ = false;

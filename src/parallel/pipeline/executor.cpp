@@ -580,7 +580,8 @@ StepResult PipelineExecutor::step(const Tensor& tokens, const Tensor& targets, d
   StepResult res;
   for (const Instr& in : sch_.ranks[size_t(I.rank)]) {
     if (!I.in_flight.empty()) I.reap_sends();
-    const double start = secs(), cpu0 = thread_cpu_seconds();
+    const bool compute = is_compute(in.op);  // only computes are traced: sends and receives read no clock
+    const double start = compute ? secs() : 0, cpu0 = compute ? thread_cpu_seconds() : 0;
     switch (in.op) {
       case Op::forward: I.forward(in.mb, in.chunk, tokens, targets); break;
       case Op::backward:
@@ -606,7 +607,7 @@ StepResult PipelineExecutor::step(const Tensor& tokens, const Tensor& targets, d
         break;
       }
     }
-    if (is_compute(in.op)) trace_.push_back({in.op, in.mb, in.chunk, start, secs(), thread_cpu_seconds() - cpu0});
+    if (compute) trace_.push_back({in.op, in.mb, in.chunk, start, secs(), thread_cpu_seconds() - cpu0});
   }
   peak_slots_ = I.peak_slots;
   // The loss lives on the head's rank: mean over micro-batches, shared with the pipeline and
@@ -664,11 +665,11 @@ double thread_cpu_seconds() {
   return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
 }
 
-std::vector<std::vector<double>> compute_seconds(const std::vector<std::vector<TraceEvent>>& ranks, bool cpu) {
+std::vector<std::vector<double>> compute_seconds(const std::vector<std::vector<TraceEvent>>& ranks) {
   std::vector<std::vector<double>> out;
   for (auto& r : ranks) {
     out.emplace_back();
-    for (auto& e : r) out.back().push_back(cpu ? e.cpu : e.end - e.start);
+    for (auto& e : r) out.back().push_back(e.cpu);
   }
   return out;
 }

@@ -155,7 +155,7 @@ std::vector<double> idle_fractions(const std::vector<std::vector<TraceEvent>>& r
 // advance while the thread sleeps or waits for a core.
 double thread_cpu_seconds();
 // Each rank's compute durations in list order, as replay (checker.h) takes them: the events' CPU
-// time (cpu = true) or wall time.
-std::vector<std::vector<double>> compute_seconds(const std::vector<std::vector<TraceEvent>>& ranks, bool cpu);
+// time.
+std::vector<std::vector<double>> compute_seconds(const std::vector<std::vector<TraceEvent>>& ranks);
 
 }  // namespace loom::parallel::pipeline

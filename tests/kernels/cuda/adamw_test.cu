@@ -73,6 +73,20 @@ std::array<float, 2> launch(cuda::MultiTensorAdamW& opt, const cuda::AdamWHyper&
   return stats;
 }
 
+// The CPU op's arguments for the GPU's hyperparameters hp, weight decay wd and the gradient scale
+// the GPU applied (clipping included).
+cpu::AdamWArgs cpu_args(const cuda::AdamWHyper& hp, float wd, float scale) {
+  cpu::AdamWArgs a;
+  a.lr = hp.lr;
+  a.beta1 = hp.beta1;
+  a.beta2 = hp.beta2;
+  a.eps = hp.eps;
+  a.weight_decay = wd;
+  a.step = hp.step;
+  a.grad_scale = scale;
+  return a;
+}
+
 }  // namespace
 
 TEST(AdamW, MultiTensorWithClipping) {
@@ -135,15 +149,8 @@ TEST(AdamW, MultiTensorWithClipping) {
       EXPECT_LE(ev, 1e-5) << "tensor " << i;
       // The CPU op from the same state.
       std::vector<float> cp = h[i].p, cm = h[i].m, cv = h[i].v;
-      cpu::AdamWArgs ca;
-      ca.lr = hp.lr;
-      ca.beta1 = hp.beta1;
-      ca.beta2 = hp.beta2;
-      ca.eps = hp.eps;
-      ca.weight_decay = wd[i];
-      ca.step = hp.step;
-      ca.grad_scale = cpu_scale;
-      cpu::adamw_update(cp.data(), h[i].g.data(), cm.data(), cv.data(), int64_t(cp.size()), ca);
+      cpu::adamw_update(cp.data(), h[i].g.data(), cm.data(), cv.data(), int64_t(cp.size()),
+                        cpu_args(hp, wd[i], cpu_scale));
       std::vector<double> du(p.size()), cu(p.size());
       for (size_t j = 0; j < p.size(); ++j) {
         du[j] = double(p[j]) - h[i].p[j];
@@ -193,15 +200,8 @@ TEST(AdamW, TwoLaunchesWithoutClippingOrCopy) {
     const std::array<float, 2> stats = launch(opt, hp);
     EXPECT_EQ(stats[1], hp.grad_scale) << "no clipping with max_norm 0";
     for (size_t i = 0; i < sizes.size(); ++i) {
-      cpu::AdamWArgs ca;
-      ca.lr = hp.lr;
-      ca.beta1 = hp.beta1;
-      ca.beta2 = hp.beta2;
-      ca.eps = hp.eps;
-      ca.weight_decay = ts[i].weight_decay;
-      ca.step = hp.step;
-      ca.grad_scale = hp.grad_scale;
-      cpu::adamw_update(cp[i].data(), g[i].data(), cm[i].data(), cv[i].data(), sizes[i], ca);
+      cpu::adamw_update(cp[i].data(), g[i].data(), cm[i].data(), cv[i].data(), sizes[i],
+                        cpu_args(hp, ts[i].weight_decay, hp.grad_scale));
     }
   }
   for (size_t i = 0; i < sizes.size(); ++i) {

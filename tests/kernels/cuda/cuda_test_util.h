@@ -17,14 +17,16 @@
 
 namespace loom::test {
 
-inline bool have_cuda_device() {
+inline int cuda_device_count() {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {
     cudaGetLastError();
-    return false;
+    return 0;
   }
-  return n > 0;
+  return n;
 }
+
+inline bool have_cuda_device() { return cuda_device_count() > 0; }
 
 // n token ids in [0, V) from seed.
 inline std::vector<int32_t> random_tokens(int64_t n, int64_t V, uint32_t seed) {

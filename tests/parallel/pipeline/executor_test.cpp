@@ -408,7 +408,7 @@ TEST(PipelineExecutor, TraceCarriesEachComputesCpuTimeForTheReplay) {
       EXPECT_EQ(got, want) << kind_name(k) << " rank " << s;
       EXPECT_GT(cpu, 0.0) << kind_name(k) << " rank " << s;
     }
-    const CheckResult re = replay(r.schedule, compute_seconds(r.trace, /*cpu=*/true));
+    const CheckResult re = replay(r.schedule, compute_seconds(r.trace));
     ASSERT_TRUE(re.ok);
     for (int s = 0; s < p; ++s) {
       EXPECT_GT(re.idle_fraction(s), 0.0) << kind_name(k) << ": every rank idles in the ramp up or down";
