@@ -2,7 +2,7 @@
 """GPT-2 124M training speed in PyTorch (nanoGPT-style) next to loom's CUDA step, in one run.
 
   python3 bench/nanogpt_torch.py [--loom-bin train_gpt2_cuda] [-B 16] [-T 1024] [--steps 30]
-                                 [--warmup 5] [--modes eager,compile,loom] [--json-out FILE]
+                                 [--warmup 5] [--modes loom-flash,loom-cudnn,eager,compile] [--json-out FILE]
   python3 bench/nanogpt_torch.py --parity DUMP   # compare a loom dump (train_gpt2_cuda --dump)
 
 The PyTorch model is nanoGPT's GPT (LayerNorm with bias, tanh GELU, tied wte/lm_head, vocabulary
@@ -226,7 +226,8 @@ def main():
     ap.add_argument("-T", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--modes", default="loom,eager,compile")
+    ap.add_argument("--modes", default="loom,eager,compile",
+                    help="comma separated: loom (or loom-flash, loom-cudnn, loom-gemm: that attention path), eager, compile")
     ap.add_argument("--loom-extra", default="", help="extra arguments for the loom binary, space separated")
     ap.add_argument("--json-out", default="")
     ap.add_argument("--parity", default="")
@@ -240,8 +241,12 @@ def main():
     print(f"device {dev}, torch {torch.__version__}, measured bf16 8192^3 matmul {peak / 1e12:.1f} TFLOP/s", flush=True)
     results = []
     for mode in a.modes.split(","):
-        if mode == "loom":
-            r = bench_loom(a.loom_bin, a.B, a.T, a.steps, a.warmup, a.loom_extra.split() if a.loom_extra else [])
+        if mode == "loom" or mode.startswith("loom-"):
+            # loom-flash, loom-cudnn, loom-gemm: the attention path (train_gpt2_cuda --attention)
+            extra = a.loom_extra.split() if a.loom_extra else []
+            if mode.startswith("loom-"):
+                extra += ["--attention", mode[len("loom-"):]]
+            r = bench_loom(a.loom_bin, a.B, a.T, a.steps, a.warmup, extra)
         else:
             try:
                 r = bench_torch(mode, a.B, a.T, a.steps, a.warmup)

@@ -132,6 +132,12 @@ const char* cuda_attention_name(CudaAttention a) {
   return a == CudaAttention::flash ? "flash" : a == CudaAttention::cudnn ? "cudnn" : "gemm";
 }
 
+CudaAttention auto_cuda_attention(int64_t head_size) {
+  const bool hs = head_size == 64 || head_size == 128;
+  if (hs && cuda::cudnn_available() && cuda::cudnn_runtime_version() >= 91600) return CudaAttention::cudnn;
+  return cuda::flash_head_size_supported(head_size) ? CudaAttention::flash : CudaAttention::gemm;
+}
+
 void GPTCuda::build(uint64_t seed) {
   LOOM_CHECK(pool_.device() == Device::cuda, "GPTCuda: pool '{}' is not a device pool", pool_.name().c_str());
   specs_ = cuda_param_specs(cfg_);
@@ -222,7 +228,15 @@ void GPTCuda::build(uint64_t seed) {
     args.q_stride = args.kv_stride = 3 * C;
     args.o_stride = C;
     if (opt_.attention == CudaAttention::cudnn) {
-      cudnn_attn_ = std::make_unique<cuda::CudnnAttention>(args);
+      try {
+        cudnn_attn_ = std::make_unique<cuda::CudnnAttention>(args);
+      } catch (const Error& e) {
+        if (!opt_.cudnn_falls_back_to_flash || !cuda::flash_head_size_supported(HS)) throw;
+        attention_note_ = e.what();
+        opt_.attention = CudaAttention::flash;
+      }
+    }
+    if (cudnn_attn_) {
       a.attn_ws_bytes = std::max(cudnn_attn_->forward_workspace_bytes(), cudnn_attn_->backward_workspace_bytes());
     } else {
       a.attn_ws_bytes = cuda::attention_backward_workspace_bytes(args);

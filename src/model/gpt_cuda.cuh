@@ -40,10 +40,19 @@ enum class CudaAttention : uint8_t {
 CudaAttention cuda_attention_from_name(const std::string& name);
 const char* cuda_attention_name(CudaAttention a);
 
+// What train.cuda_attention = auto takes for a head size on this build and host: cudnn where loom
+// was built with cuDNN, the cuDNN loaded at run time is one the path takes (9.16 or newer) and the
+// head size is 64 or 128 (on an H100 it ran GPT-2 124M's training step 6% faster than flash,
+// bench/results/2026-11-23-h100-checks); else flash for head sizes 64 and 128; else gemm.
+CudaAttention auto_cuda_attention(int64_t head_size);
+
 struct GPTCudaOptions {
   int64_t B = 8, T = 1024;  // micro-batch: activations are allocated for exactly this shape
   CudaAttention attention = CudaAttention::flash;
   bool cuda_graph = true;    // capture forward + backward + optimizer once, replay every step
+  // With attention = cudnn: when cuDNN plans no engine for this shape, use flash instead of
+  // throwing (auto's choice; options().attention and attention_note() then say so).
+  bool cudnn_falls_back_to_flash = false;
   bool fuse_dgelu = true;    // GELU backward in the GEMM epilogue (else a separate kernel)
   float lr = 6e-4f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0.1f;
   float grad_clip = 1.0f;    // global-norm clipping; <= 0 disables
@@ -64,6 +73,8 @@ class GPTCuda {
 
   const GPTConfig& config() const { return cfg_; }
   const GPTCudaOptions& options() const { return opt_; }
+  // Why the attention differs from the one asked for (cuDNN's refusal), or "".
+  const std::string& attention_note() const { return attention_note_; }
   const std::vector<ParamSpec>& specs() const { return specs_; }
   int64_t num_parameters() const;  // logical elements (no vocabulary padding)
 
@@ -142,6 +153,7 @@ class GPTCuda {
 
   GPTConfig cfg_;
   GPTCudaOptions opt_;
+  std::string attention_note_;
   MemoryPool& pool_;
   std::vector<ParamSpec> specs_;
   std::vector<int64_t> offsets_;  // element offset of each spec in the flat parameter buffers

@@ -41,7 +41,7 @@ const Field kFields[] = {
     F("train.seed", seed, "seed of initialisation and data order"),
     F("train.device", device, "cpu, or cuda: GPUs (a build with -DLOOM_CUDA=ON; data parallelism only, one process per GPU rank)"),
     F("train.cuda_graph", cuda_graph, "with train.device cuda: run each step as one CUDA graph (false: kernel by kernel, for debugging)"),
-    F("train.cuda_attention", cuda_attention, "with train.device cuda: flash (loom's kernels), cudnn (cuDNN's fused attention), gemm (probabilities materialised), or auto (flash for head sizes 64 and 128, else gemm)"),
+    F("train.cuda_attention", cuda_attention, "with train.device cuda: flash (loom's kernels), cudnn (cuDNN's fused attention), gemm (probabilities materialised), or auto (cudnn where loom has cuDNN 9.16 or newer and the head size is 64 or 128, else flash for those head sizes, else gemm)"),
     F("train.threads", threads, "CPU threads per process (0: all cores; under mpi, the host's cores shared among its processes)"),
     F("train.log_every", log_every, "steps between metric lines"),
     F("train.eval_every", eval_every, "steps between validation losses (0: never)"),

@@ -99,9 +99,10 @@ TrainResult train_cuda_rank(const TrainConfig& cfg, const TrainOptions& opt, con
   model::GPTCudaOptions go;
   go.B = mb;
   go.T = T;
-  go.attention = cfg.cuda_attention != "auto" ? model::cuda_attention_from_name(cfg.cuda_attention)
-                 : cuda::flash_head_size_supported(mc.head_size()) ? model::CudaAttention::flash
-                                                                   : model::CudaAttention::gemm;
+  const bool auto_attention = cfg.cuda_attention == "auto";
+  go.attention = auto_attention ? model::auto_cuda_attention(mc.head_size())
+                                : model::cuda_attention_from_name(cfg.cuda_attention);
+  go.cudnn_falls_back_to_flash = auto_attention;
   if (go.attention == model::CudaAttention::cudnn && !cuda::cudnn_available())
     throw Error(fmt::format("{}: train.cuda_attention: cudnn needs loom built with cuDNN (CMake did not find libcudnn)",
                             where));
@@ -159,8 +160,11 @@ TrainResult train_cuda_rank(const TrainConfig& cfg, const TrainOptions& opt, con
                   dp > 1 ? fmt::format(" | dp {} ({} processes, gradients reduced by {})", dp, world.backend(),
                                        comm::device_path_name(comm::device_comm_path(*dcomm)))
                          : "",
-                  mb, T, cfg.grad_accum, model::cuda_attention_name(go.attention),
+                  mb, T, cfg.grad_accum, model::cuda_attention_name(gpt.options().attention),
                   cfg.cuda_graph ? "CUDA graphs" : "no CUDA graphs"));
+  if (!gpt.attention_note().empty())
+    say(fmt::format("train.cuda_attention auto: flash, as cuDNN took no engine for this shape ({})",
+                    gpt.attention_note()));
   const double peak = job_gemm_peak(world, [&] { return cuda::measure_gemm_peak_bf16(pool, gpt.stream()); });
   res.last_val_loss = NAN;
   res.unigram_val_loss = lead ? unigram_loss(train, val.get(), mc.vocab_size) : NAN;

@@ -4,7 +4,7 @@
 namespace loom::cuda {
 namespace {
 
-constexpr int kWarps = 4;  // rows in flight per block (one warp per row)
+constexpr int kWarps = 4;  // the forward's rows per block (one warp per row)
 
 __device__ __forceinline__ void load8(float (&f)[8], const bf16* p) {
   bf16x8 v = *reinterpret_cast<const bf16x8*>(p);
@@ -75,19 +75,26 @@ __global__ void layernorm_forward_kernel(bf16* residual, bf16* out, float* mean_
   }
 }
 
-// One warp per row, rows strided over the grid; each warp keeps its own dweight/dbias partials in
-// shared memory (f32 [kWarps][2][C]); the block sums its warps in order into partial[block].
+// The backward kernel's shape: kBwdWarps warps per block, one warp per row, rows strided over the
+// grid. Each warp keeps its own dweight/dbias partial sums in shared memory, f32 [kBwdWarps][2][C],
+// stored "lane-major": the value of column c = 8 g + i (g the 8-column group a lane loads with one
+// 16-byte access, i in 0..7) at index i * (C / 8) + g. A warp's 32 lanes then touch 32 consecutive
+// words (no bank conflicts); in column order they would hit 4 banks, 8 lanes each. The block sums
+// its warps in order into partial[block] (same index order); the reduce kernel maps back to columns.
+constexpr int kBwdWarps = 8;
+
 __global__ void layernorm_backward_kernel(bf16* dinp, float* __restrict__ partial, const bf16* __restrict__ dout,
                                           const bf16* __restrict__ inp, const bf16* __restrict__ weight,
                                           const float* __restrict__ mean, const float* __restrict__ rstd, int64_t N,
                                           int64_t C, bool accumulate) {
-  extern __shared__ float sh[];  // [kWarps][2][C]
+  extern __shared__ float sh[];  // [kBwdWarps][2][C], lane-major
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t G = C / 8;
   float* dw = sh + int64_t(warp) * 2 * C;
   float* db = dw + C;
   for (int64_t c = lane; c < 2 * C; c += 32) dw[c] = 0.f;
   __syncwarp();
-  for (int64_t row = int64_t(blockIdx.x) * kWarps + warp; row < N; row += int64_t(gridDim.x) * kWarps) {
+  for (int64_t row = int64_t(blockIdx.x) * kBwdWarps + warp; row < N; row += int64_t(gridDim.x) * kBwdWarps) {
     const float m = mean[row], rs = rstd[row];
     const bf16* x = inp + row * C;
     const bf16* dy = dout + row * C;
@@ -97,14 +104,15 @@ __global__ void layernorm_backward_kernel(bf16* dinp, float* __restrict__ partia
       load8(f, x + c);
       load8(g, dy + c);
       load8(w, weight + c);
+      const int64_t grp = c / 8;
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         const float xh = (f[i] - m) * rs;
         const float dn = g[i] * w[i];
         s_dy += dn;
         s_dyx += dn * xh;
-        dw[c + i] += g[i] * xh;
-        db[c + i] += g[i];
+        dw[i * G + grp] += g[i] * xh;
+        db[i * G + grp] += g[i];
       }
     }
     const float mean_dn = warp_sum(s_dy) / float(C);
@@ -129,25 +137,63 @@ __global__ void layernorm_backward_kernel(bf16* dinp, float* __restrict__ partia
   for (int64_t c = threadIdx.x; c < 2 * C; c += blockDim.x) {
     float s = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) s += sh[int64_t(w) * 2 * C + c];
+    for (int w = 0; w < kBwdWarps; ++w) s += sh[int64_t(w) * 2 * C + c];
     partial[int64_t(blockIdx.x) * 2 * C + c] = s;
   }
 }
 
-__global__ void layernorm_backward_reduce_kernel(float* dweight, float* dbias, const float* partial, int64_t blocks,
-                                                 int64_t C) {
-  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= 2 * C) return;
+// Sums partial[blocks][2C] over the blocks for every index: a block takes 32 consecutive indices
+// (coalesced loads), its kReduceRows thread rows take the partial blocks r, r + kReduceRows, ...,
+// and row 0 adds the rows' sums in order (a fixed order: deterministic). Writes dweight and dbias
+// at their columns.
+constexpr int kReduceRows = 16;
+
+__global__ void layernorm_backward_reduce_kernel(float* dweight, float* dbias, const float* __restrict__ partial,
+                                                 int64_t blocks, int64_t C) {
+  __shared__ float rows[kReduceRows][33];
+  const int64_t idx = int64_t(blockIdx.x) * 32 + threadIdx.x;
   float s = 0.f;
-  for (int64_t b = 0; b < blocks; ++b) s += partial[b * 2 * C + c];
-  if (c < C) {
-    if (dweight) dweight[c] += s;
+  if (idx < 2 * C)
+    for (int64_t b = threadIdx.y; b < blocks; b += kReduceRows) s += partial[b * 2 * C + idx];
+  rows[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y != 0 || idx >= 2 * C) return;
+  for (int r = 1; r < kReduceRows; ++r) s += rows[r][threadIdx.x];
+  const int64_t k = idx < C ? idx : idx - C;  // lane-major index within dweight's or dbias's half
+  const int64_t col = (k % (C / 8)) * 8 + k / (C / 8);
+  if (idx < C) {
+    if (dweight) dweight[col] += s;
   } else if (dbias) {
-    dbias[c - C] += s;
+    dbias[col] += s;
   }
 }
 
-int64_t backward_blocks(int64_t N) { return std::min<int64_t>(ceil_div(N, kWarps), 2 * int64_t(num_sms())); }
+size_t backward_shmem(int64_t C) { return size_t(kBwdWarps) * 2 * size_t(C) * sizeof(float); }
+
+// Blocks per SM the backward kernel can hold at C (shared memory is what limits it), at most 2:
+// 16 warps per SM keep enough loads in flight, and more blocks only add partial sums to reduce.
+int backward_blocks_per_sm(int64_t C) {
+  static int64_t cached_c = -1;
+  static int cached = 1;
+  if (C != cached_c) {
+    const size_t shmem = backward_shmem(C);
+    if (shmem > 48 * 1024)
+      LOOM_CUDA_CHECK(cudaFuncSetAttribute(layernorm_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           int(shmem)));
+    int n = 0;
+    LOOM_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, layernorm_backward_kernel, kBwdWarps * 32, shmem));
+    LOOM_CHECK(n > 0, "layernorm_backward: C = {} needs {} bytes of shared memory per block, more than an SM has", C,
+               shmem);
+    cached = std::min(n, 2);
+    cached_c = C;
+  }
+  return cached;
+}
+
+int64_t backward_blocks(int64_t N, int64_t C) {
+  return std::min<int64_t>(ceil_div(N, kBwdWarps), int64_t(backward_blocks_per_sm(C)) * num_sms());
+}
 
 void check_sizes(const char* what, int64_t N, int64_t C) {
   LOOM_CHECK(N >= 0 && C > 0 && C % 8 == 0, "{}: C = {} must be a positive multiple of 8 (N = {})", what, C, N);
@@ -183,21 +229,12 @@ void layernorm_backward(bf16* dinp, float* dweight, float* dbias, const bf16* do
   check_sizes("layernorm_backward", N, C);
   LOOM_CHECK(dinp && scratch, "layernorm_backward: dinp and scratch must be set");
   if (N == 0) return;
-  const int64_t blocks = backward_blocks(N);
-  const size_t shmem = size_t(kWarps) * 2 * size_t(C) * sizeof(float);
-  if (shmem > 48 * 1024) {
-    static size_t raised = 0;
-    if (shmem > raised) {
-      LOOM_CUDA_CHECK(cudaFuncSetAttribute(layernorm_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           int(shmem)));
-      raised = shmem;
-    }
-  }
-  layernorm_backward_kernel<<<unsigned(blocks), kWarps * 32, shmem, stream>>>(dinp, scratch, dout, inp, weight, mean,
-                                                                             rstd, N, C, accumulate);
+  const int64_t blocks = backward_blocks(N, C);
+  layernorm_backward_kernel<<<unsigned(blocks), kBwdWarps * 32, backward_shmem(C), stream>>>(
+      dinp, scratch, dout, inp, weight, mean, rstd, N, C, accumulate);
   LOOM_CUDA_LAUNCH_CHECK();
-  layernorm_backward_reduce_kernel<<<unsigned(ceil_div(2 * C, 256)), 256, 0, stream>>>(dweight, dbias, scratch, blocks,
-                                                                                      C);
+  layernorm_backward_reduce_kernel<<<unsigned(ceil_div(2 * C, 32)), dim3(32, kReduceRows), 0, stream>>>(
+      dweight, dbias, scratch, blocks, C);
   LOOM_CUDA_LAUNCH_CHECK();
 }
 

@@ -3,7 +3,11 @@
 
 #include <cublasLt.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
 #include <map>
 #include <mutex>
 #include <set>
@@ -70,6 +74,87 @@ struct LtCall {
   bool try_only = false;  // return false instead of failing when no algorithm supports the call
 };
 
+// GEMM tuning (LOOM_GEMM_TUNE: unset or 1 = on, 0 = off, 2 = on and print each choice to stderr):
+// the first time a problem is seen, cuBLASLt's heuristic offers up to kTuneCandidates algorithms
+// and each is timed on the call's own operands; the fastest is kept for the problem when it beats
+// the heuristic's first choice by more than kTuneMargin (else the first choice stays, so noise
+// does not pick). Not while the stream is being captured into a graph (the heuristic's first
+// choice then), nor for calls that no algorithm supports.
+constexpr int kTuneCandidates = 8;
+constexpr double kTuneMargin = 0.03;
+
+int gemm_tuning() {
+  static const int mode = [] {
+    const char* e = std::getenv("LOOM_GEMM_TUNE");
+    if (!e || !*e) return 1;
+    const std::string v(e);
+    LOOM_CHECK(v == "0" || v == "1" || v == "2", "LOOM_GEMM_TUNE='{}': must be 0 (off), 1 (on) or 2 (on, verbose)", v);
+    return std::stoi(v);
+  }();
+  return mode;
+}
+
+// Median milliseconds of kRuns launches of `algo` for call c writing D (c.D or a scratch copy), or
+// infinity when the algorithm does not run the call.
+double time_algo(LtState& s, const LtCall& c, void* D, cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t la,
+                 cublasLtMatrixLayout_t lb, cublasLtMatrixLayout_t ld, const cublasLtMatmulAlgo_t& algo,
+                 cudaStream_t stream, cudaEvent_t e0, cudaEvent_t e1) {
+  constexpr int kRuns = 5;
+  auto run = [&] {
+    return cublasLtMatmul(s.handle, op, &c.alpha, c.A, la, c.B, lb, &c.beta, D, ld, D, ld, &algo, s.workspace,
+                          kWorkspaceBytes, stream);
+  };
+  if (run() != CUBLAS_STATUS_SUCCESS) return INFINITY;  // warm-up (and: does it run at all)
+  std::vector<double> ms;
+  for (int i = 0; i < kRuns; ++i) {
+    LOOM_CUDA_CHECK(cudaEventRecord(e0, stream));
+    if (run() != CUBLAS_STATUS_SUCCESS) return INFINITY;
+    LOOM_CUDA_CHECK(cudaEventRecord(e1, stream));
+    LOOM_CUDA_CHECK(cudaEventSynchronize(e1));
+    float t = 0.f;
+    LOOM_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
+    ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[kRuns / 2];
+}
+
+cublasLtMatmulAlgo_t fastest_algo(LtState& s, const LtCall& c, cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t la,
+                                  cublasLtMatrixLayout_t lb, cublasLtMatrixLayout_t ld,
+                                  const cublasLtMatmulHeuristicResult_t* res, int found, cudaStream_t stream) {
+  if (found < 2) return res[0].algo;
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  LOOM_CUDA_CHECK(cudaStreamIsCapturing(stream, &cap));
+  if (cap != cudaStreamCaptureStatusNone) return res[0].algo;
+  // Timed in place when the call overwrites D (the real call then writes it again); an
+  // accumulating call (beta != 0) is timed on a scratch copy so that D is added to once.
+  void* D = c.D;
+  size_t scratch_bytes = 0;
+  if (c.beta != 0.f) {
+    scratch_bytes = size_t(c.ldd) * size_t(c.n) * (c.d_f32 ? 4 : 2);
+    D = device_pool().allocate(scratch_bytes, MemTag::workspace);
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(D, c.D, scratch_bytes, cudaMemcpyDeviceToDevice, stream));
+  }
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+  LOOM_CUDA_CHECK(cudaEventCreate(&e0));
+  LOOM_CUDA_CHECK(cudaEventCreate(&e1));
+  std::vector<double> ms(size_t(found), INFINITY);
+  for (int i = 0; i < found; ++i) ms[size_t(i)] = time_algo(s, c, D, op, la, lb, ld, res[i].algo, stream, e0, e1);
+  LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  if (scratch_bytes) device_pool().deallocate(D, scratch_bytes, MemTag::workspace);
+  int best = 0;
+  for (int i = 1; i < found; ++i)
+    if (ms[size_t(i)] < ms[size_t(best)]) best = i;
+  if (!(ms[size_t(best)] < ms[0] * (1.0 - kTuneMargin))) best = 0;
+  if (gemm_tuning() == 2)
+    std::fprintf(stderr, "gemm tune m=%lld n=%lld k=%lld ta=%d tb=%d epilogue=%d beta=%g: heuristic %.4f ms, %d of %d "
+                 "taken, %.4f ms\n", (long long)c.m, (long long)c.n, (long long)c.k, int(c.ta), int(c.tb),
+                 int(c.epilogue), double(c.beta), ms[0], best, found, ms[size_t(best)]);
+  return res[best].algo;
+}
+
 bool lt_matmul(const LtCall& c, cudaStream_t stream) {
   LtState& s = lt();
   cublasLtMatmulDesc_t op = nullptr;
@@ -115,9 +200,10 @@ bool lt_matmul(const LtCall& c, cudaStream_t stream) {
       LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &b32, 4));
       LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &d32, 4));
       LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &d32, 4));
-      cublasLtMatmulHeuristicResult_t res{};
+      cublasLtMatmulHeuristicResult_t res[kTuneCandidates]{};
       int found = 0;
-      cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(s.handle, op, la, lb, ld, ld, pref, 1, &res, &found);
+      const int want = gemm_tuning() != 0 ? kTuneCandidates : 1;
+      cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(s.handle, op, la, lb, ld, ld, pref, want, res, &found);
       cublasLtMatmulPreferenceDestroy(pref);
       if ((st != CUBLAS_STATUS_SUCCESS || found == 0) && c.try_only) {
         s.unsupported.insert(key);
@@ -127,7 +213,7 @@ bool lt_matmul(const LtCall& c, cudaStream_t stream) {
                   "epilogue={} (status {})", c.m, c.n, c.k, c.ta, c.tb, c.lda, c.ldb, c.ldd, c.d_f32,
                   int(c.epilogue), int(st));
       } else {
-        algo = res.algo;
+        algo = fastest_algo(s, c, op, la, lb, ld, res, found, stream);
         s.algos.emplace(key, algo);
       }
     }
