@@ -62,6 +62,78 @@ __global__ void __launch_bounds__(kThreads) crossentropy_kernel(float* losses, b
   }
 }
 
+// With dlogits, where the row fits in shared memory: the row is read from device memory once and
+// kept in shared memory (bf16, Vp x 2 bytes) for the max, the sum of exponentials and the gradient,
+// three passes with two block reductions between them. crossentropy_kernel reads each row twice:
+// the second read comes from L2 at best, and with GPT-2's 50304 columns the rows in flight are
+// about as large as an H100's L2. Same arithmetic per element as crossentropy_kernel but for the
+// max, taken exactly before the exponentials instead of online.
+__global__ void __launch_bounds__(kThreads) crossentropy_staged_kernel(float* losses, bf16* dlogits,
+                                                                      const bf16* logits, const int32_t* targets,
+                                                                      float dloss, int64_t V, int64_t Vp) {
+  extern __shared__ __align__(16) unsigned char staged[];
+  bf16* xs = reinterpret_cast<bf16*>(staged);
+  __shared__ float sh[32];
+  const int64_t row = blockIdx.x;
+  const bf16* x = logits + row * Vp;
+  const int32_t target = targets[row];
+  float m = -INFINITY;
+  for (int64_t c = int64_t(threadIdx.x) * 8; c < Vp; c += kThreads * 8) {
+    const bf16x8 v = *reinterpret_cast<const bf16x8*>(x + c);
+    *reinterpret_cast<bf16x8*>(xs + c) = v;
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if (c + i < V) m = fmaxf(m, __bfloat162float(v.v[i]));
+  }
+  const float M = block_max(m, sh);
+  // Each thread reads back only the chunks it wrote; block_max's barriers order the target's read.
+  float s = 0.f;
+  for (int64_t c = int64_t(threadIdx.x) * 8; c < Vp; c += kThreads * 8) {
+    const bf16x8 v = *reinterpret_cast<const bf16x8*>(xs + c);
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if (c + i < V) s += __expf(__bfloat162float(v.v[i]) - M);
+  }
+  const float S = block_sum(s, sh);
+  const float lse = M + logf(S);
+  const bool ignored = target == -1;
+  const bool valid = target >= 0 && target < V;
+  if (threadIdx.x == 0 && losses) losses[row] = ignored ? 0.f : (valid ? lse - __bfloat162float(xs[target]) : NAN);
+  bf16* dx = dlogits + row * Vp;
+  const float inv_s = 1.f / S;
+  for (int64_t c = int64_t(threadIdx.x) * 8; c < Vp; c += kThreads * 8) {
+    const bf16x8 v = *reinterpret_cast<const bf16x8*>(xs + c);
+    bf16x8 o;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int64_t col = c + i;
+      float g = 0.f;
+      if (!ignored && col < V) {
+        const float p = __expf(__bfloat162float(v.v[i]) - M) * inv_s;
+        g = valid ? dloss * (p - (col == target ? 1.f : 0.f)) : NAN;
+      }
+      o.v[i] = __float2bfloat16(g);
+    }
+    *reinterpret_cast<bf16x8*>(dx + c) = o;
+  }
+}
+
+// Whether crossentropy_staged_kernel takes rows of Vp columns on this device (raising its shared
+// memory limit the first time).
+bool staged_fits(int64_t Vp) {
+  static int64_t raised = 0;
+  const size_t bytes = size_t(Vp) * sizeof(bf16);
+  if (int64_t(bytes) <= raised) return true;
+  int device = 0, optin = 0;
+  LOOM_CUDA_CHECK(cudaGetDevice(&device));
+  LOOM_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  if (bytes + 32 * sizeof(float) > size_t(optin)) return false;
+  LOOM_CUDA_CHECK(
+      cudaFuncSetAttribute(crossentropy_staged_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+  raised = int64_t(bytes);
+  return true;
+}
+
 void check_args(const char* what, int64_t V, int64_t Vp) {
   LOOM_CHECK(V > 0 && V <= Vp && Vp % 8 == 0, "{}: need 0 < V <= Vp with Vp a multiple of 8 (V = {}, Vp = {})", what, V,
              Vp);
@@ -82,7 +154,12 @@ void crossentropy_forward_backward(float* losses, bf16* dlogits, const bf16* log
   check_args("crossentropy_forward_backward", V, Vp);
   LOOM_CHECK(dlogits, "crossentropy_forward_backward: dlogits is null");
   if (N == 0) return;
-  crossentropy_kernel<<<unsigned(N), kThreads, 0, stream>>>(losses, dlogits, logits, targets, dloss, V, Vp);
+  if (staged_fits(Vp)) {
+    crossentropy_staged_kernel<<<unsigned(N), kThreads, size_t(Vp) * sizeof(bf16), stream>>>(losses, dlogits, logits,
+                                                                                           targets, dloss, V, Vp);
+  } else {
+    crossentropy_kernel<<<unsigned(N), kThreads, 0, stream>>>(losses, dlogits, logits, targets, dloss, V, Vp);
+  }
   LOOM_CUDA_LAUNCH_CHECK();
 }
 

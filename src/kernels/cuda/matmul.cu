@@ -4,6 +4,7 @@
 #include <cublasLt.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -34,6 +35,7 @@ struct LtState {
   // Heuristic choices by problem description (shapes, types, epilogue, alignments).
   std::map<std::vector<int64_t>, cublasLtMatmulAlgo_t> algos;
   std::set<std::vector<int64_t>> unsupported;  // try_only calls no algorithm supports
+  std::map<std::vector<int64_t>, int> bias_paths;  // weight + bias gradient: 1 epilogue, 0 separate
 };
 
 LtState& lt() {
@@ -94,38 +96,42 @@ int gemm_tuning() {
   return mode;
 }
 
-// Median milliseconds of kRuns launches of `algo` for call c writing D (c.D or a scratch copy), or
-// infinity when the algorithm does not run the call.
-double time_algo(LtState& s, const LtCall& c, void* D, cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t la,
-                 cublasLtMatrixLayout_t lb, cublasLtMatrixLayout_t ld, const cublasLtMatmulAlgo_t& algo,
-                 cudaStream_t stream, cudaEvent_t e0, cudaEvent_t e1) {
-  constexpr int kRuns = 5;
-  auto run = [&] {
-    return cublasLtMatmul(s.handle, op, &c.alpha, c.A, la, c.B, lb, &c.beta, D, ld, D, ld, &algo, s.workspace,
-                          kWorkspaceBytes, stream);
-  };
-  if (run() != CUBLAS_STATUS_SUCCESS) return INFINITY;  // warm-up (and: does it run at all)
+// Median milliseconds of `run` (which enqueues work on stream and returns false when it cannot
+// run) over kTuneRuns launches after one warm-up; infinity when it cannot run.
+template <class Run>
+double median_ms(Run&& run, cudaStream_t stream) {
+  constexpr int kTuneRuns = 5;
+  if (!run()) return INFINITY;
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+  LOOM_CUDA_CHECK(cudaEventCreate(&e0));
+  LOOM_CUDA_CHECK(cudaEventCreate(&e1));
   std::vector<double> ms;
-  for (int i = 0; i < kRuns; ++i) {
+  for (int i = 0; i < kTuneRuns && ms.size() == size_t(i); ++i) {
     LOOM_CUDA_CHECK(cudaEventRecord(e0, stream));
-    if (run() != CUBLAS_STATUS_SUCCESS) return INFINITY;
+    const bool ok = run();
     LOOM_CUDA_CHECK(cudaEventRecord(e1, stream));
     LOOM_CUDA_CHECK(cudaEventSynchronize(e1));
     float t = 0.f;
     LOOM_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
-    ms.push_back(t);
+    if (ok) ms.push_back(t);
   }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  if (ms.size() != size_t(kTuneRuns)) return INFINITY;
   std::sort(ms.begin(), ms.end());
-  return ms[kRuns / 2];
+  return ms[kTuneRuns / 2];
+}
+
+bool stream_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  LOOM_CUDA_CHECK(cudaStreamIsCapturing(stream, &cap));
+  return cap != cudaStreamCaptureStatusNone;
 }
 
 cublasLtMatmulAlgo_t fastest_algo(LtState& s, const LtCall& c, cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t la,
                                   cublasLtMatrixLayout_t lb, cublasLtMatrixLayout_t ld,
                                   const cublasLtMatmulHeuristicResult_t* res, int found, cudaStream_t stream) {
-  if (found < 2) return res[0].algo;
-  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
-  LOOM_CUDA_CHECK(cudaStreamIsCapturing(stream, &cap));
-  if (cap != cudaStreamCaptureStatusNone) return res[0].algo;
+  if (found < 2 || stream_capturing(stream)) return res[0].algo;
   // Timed in place when the call overwrites D (the real call then writes it again); an
   // accumulating call (beta != 0) is timed on a scratch copy so that D is added to once.
   void* D = c.D;
@@ -135,14 +141,15 @@ cublasLtMatmulAlgo_t fastest_algo(LtState& s, const LtCall& c, cublasLtMatmulDes
     D = device_pool().allocate(scratch_bytes, MemTag::workspace);
     LOOM_CUDA_CHECK(cudaMemcpyAsync(D, c.D, scratch_bytes, cudaMemcpyDeviceToDevice, stream));
   }
-  cudaEvent_t e0 = nullptr, e1 = nullptr;
-  LOOM_CUDA_CHECK(cudaEventCreate(&e0));
-  LOOM_CUDA_CHECK(cudaEventCreate(&e1));
   std::vector<double> ms(size_t(found), INFINITY);
-  for (int i = 0; i < found; ++i) ms[size_t(i)] = time_algo(s, c, D, op, la, lb, ld, res[i].algo, stream, e0, e1);
+  for (int i = 0; i < found; ++i)
+    ms[size_t(i)] = median_ms(
+        [&] {
+          return cublasLtMatmul(s.handle, op, &c.alpha, c.A, la, c.B, lb, &c.beta, D, ld, D, ld, &res[i].algo,
+                                s.workspace, kWorkspaceBytes, stream) == CUBLAS_STATUS_SUCCESS;
+        },
+        stream);
   LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
   if (scratch_bytes) device_pool().deallocate(D, scratch_bytes, MemTag::workspace);
   int best = 0;
   for (int i = 1; i < found; ++i)
@@ -241,31 +248,58 @@ bool lt_matmul(const LtCall& c, cudaStream_t stream) {
   return run == CUBLAS_STATUS_SUCCESS;
 }
 
-constexpr int kBiasCols = 512;  // columns per block (256 threads x 2)
+// Bias gradient (column sums of a bf16 [M, N] matrix) in two deterministic kernels. The first
+// splits the rows into R chunks (grid y) and the columns into tiles of kBiasCols (grid x); a block
+// is kBiasRows rows of 32 threads, each thread summing 8 adjacent columns (one 16-byte load per
+// row) over the rows r = its row, + kBiasRows, ... of its chunk; the block adds its rows in order
+// into partial[chunk, col]. The second sums the R chunks in order.
+constexpr int kBiasCols = 256;  // 32 threads x 8 columns
+constexpr int kBiasRows = 8;
 
-int64_t bias_row_chunks(int64_t M) { return std::min<int64_t>(64, ceil_div(M, 32)); }
+int64_t bias_row_chunks(int64_t M) { return std::min<int64_t>(64, ceil_div(M, 64)); }
 
-// partial[r, col] = sum of x[rows of chunk r, col]; each thread owns two adjacent columns.
-__global__ void bias_grad_partial_kernel(float* partial, const bf16* x, int64_t M, int64_t N, int64_t rows_per_chunk) {
-  const int64_t col = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 2;
-  const int64_t r = blockIdx.y;
-  if (col >= N) return;
-  const int64_t r0 = r * rows_per_chunk, r1 = min(M, r0 + rows_per_chunk);
-  float s0 = 0.f, s1 = 0.f;
-  for (int64_t i = r0; i < r1; ++i) {
-    __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(x + i * N + col);
-    s0 += __bfloat162float(v.x);
-    s1 += __bfloat162float(v.y);
+__global__ void bias_grad_partial_kernel(float* partial, const bf16* __restrict__ x, int64_t M, int64_t N,
+                                         int64_t rows_per_chunk) {
+  __shared__ float sums[kBiasRows][kBiasCols + 1];
+  const int64_t col = int64_t(blockIdx.x) * kBiasCols + threadIdx.x * 8;
+  const int64_t r0 = int64_t(blockIdx.y) * rows_per_chunk, r1 = min(M, r0 + rows_per_chunk);
+  float s[8] = {};
+  if (col < N) {
+#pragma unroll 4
+    for (int64_t i = r0 + threadIdx.y; i < r1; i += kBiasRows) {
+      const bf16x8 v = *reinterpret_cast<const bf16x8*>(x + i * N + col);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) s[k] += __bfloat162float(v.v[k]);
+    }
   }
-  partial[r * N + col] = s0;
-  partial[r * N + col + 1] = s1;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) sums[threadIdx.y][threadIdx.x * 8 + k] = s[k];
+  __syncthreads();
+  // 256 threads, one column of the tile each: the rows' sums in order.
+  const int t = threadIdx.y * 32 + threadIdx.x;
+  const int64_t c = int64_t(blockIdx.x) * kBiasCols + t;
+  if (c >= N) return;
+  float total = 0.f;
+#pragma unroll
+  for (int r = 0; r < kBiasRows; ++r) total += sums[r][t];
+  partial[int64_t(blockIdx.y) * N + c] = total;
 }
 
-__global__ void bias_grad_reduce_kernel(float* dbias, const float* partial, int64_t R, int64_t N) {
-  const int64_t col = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (col >= N) return;
+// dbias[col] += the sum over r of partial[r, col]: a block takes 32 columns (coalesced loads) and
+// kReduceRows thread rows, each summing the chunks r, r + kReduceRows, ...; row 0 adds the rows in
+// order.
+constexpr int kReduceRows = 16;
+
+__global__ void bias_grad_reduce_kernel(float* dbias, const float* __restrict__ partial, int64_t R, int64_t N) {
+  __shared__ float rows[kReduceRows][33];
+  const int64_t col = int64_t(blockIdx.x) * 32 + threadIdx.x;
   float s = 0.f;
-  for (int64_t r = 0; r < R; ++r) s += partial[r * N + col];
+  if (col < N)
+    for (int64_t r = threadIdx.y; r < R; r += kReduceRows) s += partial[r * N + col];
+  rows[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y != 0 || col >= N) return;
+  for (int r = 1; r < kReduceRows; ++r) s += rows[r][threadIdx.x];
   dbias[col] += s;
 }
 
@@ -274,22 +308,86 @@ __global__ void accumulate_kernel(float* dst, const float* src, int64_t n) {
   if (i < n) dst[i] += src[i];
 }
 
+std::atomic<BiasGradPath> bias_grad_path{BiasGradPath::tuned};
+
+// The weight gradient c (accumulating, f32) with the bias gradient from the GEMM's BGRADB epilogue
+// (column sums of dout into scratch, then added: the epilogue writes rather than accumulates);
+// false, with nothing run, when no algorithm takes the call.
+bool run_dweight_bgradb(const MatmulBwdArgs& a, const LtCall& c, float* dbias, cudaStream_t stream) {
+  LtCall cb = c;
+  cb.epilogue = CUBLASLT_EPILOGUE_BGRADB;
+  cb.bias = a.dbias_scratch;
+  cb.bias_f32 = true;
+  cb.try_only = true;
+  if (!lt_matmul(cb, stream)) return false;
+  accumulate_kernel<<<unsigned(ceil_div(a.N, 256)), 256, 0, stream>>>(dbias, a.dbias_scratch, a.N);
+  LOOM_CUDA_LAUNCH_CHECK();
+  return true;
+}
+
+// Weight and bias gradient together: through the epilogue (run_dweight_bgradb), or a plain GEMM
+// and bias_grad after it. The epilogue saves a pass over dout but rules out the split-K
+// algorithms that a weight gradient with few output tiles and a long K (GPT-2's: K = B T) runs
+// fastest with. So the first time a problem is seen (with GEMM tuning on, the stream not being
+// captured) both are timed on scratch outputs and the faster is kept for the problem; otherwise
+// the epilogue, where an algorithm takes it. Returns true when the epilogue ran the call.
+bool fused_bias_grad(const MatmulBwdArgs& a, const LtCall& c, cudaStream_t stream) {
+  LtState& s = lt();
+  const std::vector<int64_t> key{a.M, a.N, a.K, alignment_of(a.inp), alignment_of(a.dout), alignment_of(a.dweight)};
+  const BiasGradPath forced = bias_grad_path.load();
+  if (forced != BiasGradPath::tuned) return forced == BiasGradPath::epilogue && run_dweight_bgradb(a, c, a.dbias, stream);
+  int choice = -1;  // 1: epilogue, 0: separate
+  {
+    std::lock_guard lk(s.mu);
+    auto it = s.bias_paths.find(key);
+    if (it != s.bias_paths.end()) choice = it->second;
+  }
+  if (choice < 0 && gemm_tuning() != 0 && !stream_capturing(stream)) {
+    const size_t w_floats = size_t(a.K) * size_t(a.N);
+    auto* w = static_cast<float*>(device_pool().allocate((w_floats + size_t(a.N)) * sizeof(float), MemTag::workspace));
+    float* db = w + w_floats;
+    LOOM_CUDA_CHECK(cudaMemsetAsync(w, 0, (w_floats + size_t(a.N)) * sizeof(float), stream));
+    LtCall cw = c;
+    cw.D = w;
+    const double fused = median_ms([&] { return run_dweight_bgradb(a, cw, db, stream); }, stream);
+    const double separate = median_ms(
+        [&] {
+          lt_matmul(cw, stream);
+          bias_grad(db, a.dout, a.M, a.N, a.dbias_scratch, stream);
+          return true;
+        },
+        stream);
+    LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));
+    device_pool().deallocate(w, (w_floats + size_t(a.N)) * sizeof(float), MemTag::workspace);
+    choice = fused < separate * (1.0 + kTuneMargin) ? 1 : 0;
+    if (gemm_tuning() == 2)
+      std::fprintf(stderr, "gemm tune dweight+dbias M=%lld N=%lld K=%lld: epilogue %.4f ms, GEMM + bias_grad %.4f ms: %s\n",
+                   (long long)a.M, (long long)a.N, (long long)a.K, fused, separate, choice ? "epilogue" : "separate");
+    std::lock_guard lk(s.mu);
+    s.bias_paths.emplace(key, choice);
+  }
+  if (choice == 0) return false;
+  return run_dweight_bgradb(a, c, a.dbias, stream);
+}
+
 }  // namespace
 
 void matmul_init() { (void)lt(); }
 
+void set_bias_grad_path(BiasGradPath p) { bias_grad_path.store(p); }
+
 int64_t matmul_dbias_scratch_floats(int64_t N) { return 64 * N; }
 
 void bias_grad(float* dbias, const bf16* x, int64_t M, int64_t N, float* scratch, cudaStream_t stream) {
-  LOOM_CHECK(N % 2 == 0, "bias_grad: N = {} must be even", N);
+  LOOM_CHECK(N % 8 == 0, "bias_grad: N = {} must be a multiple of 8", N);
   LOOM_CHECK(scratch != nullptr, "bias_grad: scratch is null");
   if (M == 0 || N == 0) return;
   const int64_t R = bias_row_chunks(M);
   const int64_t rows = ceil_div(M, R);
   dim3 grid(unsigned(ceil_div(N, kBiasCols)), unsigned(R));
-  bias_grad_partial_kernel<<<grid, kBiasCols / 2, 0, stream>>>(scratch, x, M, N, rows);
+  bias_grad_partial_kernel<<<grid, dim3(32, kBiasRows), 0, stream>>>(scratch, x, M, N, rows);
   LOOM_CUDA_LAUNCH_CHECK();
-  bias_grad_reduce_kernel<<<unsigned(ceil_div(N, 256)), 256, 0, stream>>>(dbias, scratch, R, N);
+  bias_grad_reduce_kernel<<<unsigned(ceil_div(N, 32)), dim3(32, kReduceRows), 0, stream>>>(dbias, scratch, R, N);
   LOOM_CUDA_LAUNCH_CHECK();
 }
 
@@ -358,23 +456,9 @@ void matmul_backward(const MatmulBwdArgs& a, cudaStream_t stream) {
     c.ldd = a.K;
     c.d_f32 = true;
     c.beta = 1.f;
-    bool fused_bias = false;
-    if (a.dbias && a.dbias_scratch) {
-      // Bias gradient from the GEMM's epilogue (column sums of dout, the B operand here) into
-      // scratch, then added: the epilogue writes rather than accumulates.
-      LtCall cb = c;
-      cb.epilogue = CUBLASLT_EPILOGUE_BGRADB;
-      cb.bias = a.dbias_scratch;
-      cb.bias_f32 = true;
-      cb.try_only = true;
-      fused_bias = lt_matmul(cb, stream);
-      if (fused_bias) {
-        accumulate_kernel<<<unsigned(ceil_div(a.N, 256)), 256, 0, stream>>>(a.dbias, a.dbias_scratch, a.N);
-        LOOM_CUDA_LAUNCH_CHECK();
-      }
-    }
-    if (!fused_bias) lt_matmul(c, stream);
-    if (a.dbias && !fused_bias) bias_grad(a.dbias, a.dout, a.M, a.N, a.dbias_scratch, stream);
+    if (a.dbias && a.dbias_scratch && fused_bias_grad(a, c, stream)) return;
+    lt_matmul(c, stream);
+    if (a.dbias) bias_grad(a.dbias, a.dout, a.M, a.N, a.dbias_scratch, stream);
     return;
   }
   if (a.dbias) bias_grad(a.dbias, a.dout, a.M, a.N, a.dbias_scratch, stream);

@@ -38,6 +38,13 @@ struct MatmulBwdArgs {
 int64_t matmul_dbias_scratch_floats(int64_t N);
 void matmul_backward(const MatmulBwdArgs& a, cudaStream_t stream);
 
+// How matmul_backward computes a bias gradient together with a weight gradient: tuned (the
+// default: both ways timed per problem on first use, with LOOM_GEMM_TUNE on; the epilogue when
+// it is off), always the GEMM's BGRADB epilogue (where an algorithm takes it), or always a plain
+// GEMM and bias_grad. For tests and benchmarks; applies to every later call.
+enum class BiasGradPath : uint8_t { tuned, epilogue, separate };
+void set_bias_grad_path(BiasGradPath p);
+
 // dbias f32 [N] += column sums of x bf16 [M, N]; deterministic (fixed reduction order).
 void bias_grad(float* dbias, const bf16* x, int64_t M, int64_t N, float* scratch, cudaStream_t stream);
 

@@ -102,6 +102,14 @@ TEST(CrossEntropy, Gpt2Vocab) {
   run_case(64, 50257, 50304, true);
 }
 
+// A row too large for one block's shared memory (256,000 bf16 bytes; Hopper's limit is 227 KiB):
+// the forward-backward reads the row twice from device memory instead of staging it.
+TEST(CrossEntropy, VocabBeyondSharedMemory) {
+  LOOM_REQUIRE_GPU();
+  run_case(5, 127997, 128000, false);
+  run_case(5, 127997, 128000, true);
+}
+
 TEST(CrossEntropy, RejectsBadPadding) {
   LOOM_REQUIRE_GPU();
   DeviceBuffer<float> l(4);

@@ -170,6 +170,22 @@ TEST_P(MatmulTest, Backward) {
   EXPECT_LE(c_dw, kTolF32);
   EXPECT_LE(c_db, kTolF32);
 
+  // Both ways of computing the weight and bias gradients together (matmul_backward times them and
+  // keeps the faster, so the call above took either): the GEMM's epilogue, and a plain GEMM with
+  // bias_grad after it; each accumulating onto dw0 and db0.
+  for (auto path : {cuda::BiasGradPath::epilogue, cuda::BiasGradPath::separate}) {
+    cuda::set_bias_grad_path(path);
+    d_dw.upload(dw0);
+    d_db.upload(db0);
+    scratch.poison();
+    cuda::MatmulBwdArgs wb = a;
+    wb.dinp = nullptr;
+    cuda::matmul_backward(wb, nullptr);
+    EXPECT_LE(rel_err(d_dw.download(), cpu_dw), kTolF32) << "bias gradient path " << int(path);
+    EXPECT_LE(rel_err(d_db.download(), cpu_db), kTolF32) << "bias gradient path " << int(path);
+  }
+  cuda::set_bias_grad_path(cuda::BiasGradPath::tuned);
+
   // The bias gradient alone (no weight gradient, so not from the GEMM's epilogue: the bias_grad
   // kernel), and bias_grad called directly; both accumulate onto db0.
   d_db.upload(db0);
