@@ -62,7 +62,8 @@ __global__ void __launch_bounds__(kThreads) crossentropy_kernel(float* losses, b
   }
 }
 
-// With dlogits, where the row fits in shared memory: the row is read from device memory once and
+// Where the row fits in shared memory (both entry points, so that they give the same losses): the
+// row is read from device memory once and
 // kept in shared memory (bf16, Vp x 2 bytes) for the max, the sum of exponentials and the gradient,
 // three passes with two block reductions between them. crossentropy_kernel reads each row twice:
 // the second read comes from L2 at best, and with GPT-2's 50304 columns the rows in flight are
@@ -77,13 +78,26 @@ __global__ void __launch_bounds__(kThreads) crossentropy_staged_kernel(float* lo
   const int64_t row = blockIdx.x;
   const bf16* x = logits + row * Vp;
   const int32_t target = targets[row];
+  // kBatch 16-byte loads in flight per thread before the first is stored (one at a time, each
+  // store would wait for its load).
+  constexpr int kBatch = 4;
   float m = -INFINITY;
-  for (int64_t c = int64_t(threadIdx.x) * 8; c < Vp; c += kThreads * 8) {
-    const bf16x8 v = *reinterpret_cast<const bf16x8*>(x + c);
-    *reinterpret_cast<bf16x8*>(xs + c) = v;
+  for (int64_t c0 = int64_t(threadIdx.x) * 8; c0 < Vp; c0 += int64_t(kThreads) * 8 * kBatch) {
+    bf16x8 v[kBatch];
 #pragma unroll
-    for (int i = 0; i < 8; ++i)
-      if (c + i < V) m = fmaxf(m, __bfloat162float(v.v[i]));
+    for (int b = 0; b < kBatch; ++b) {
+      const int64_t c = c0 + int64_t(b) * kThreads * 8;
+      if (c < Vp) v[b] = *reinterpret_cast<const bf16x8*>(x + c);
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int64_t c = c0 + int64_t(b) * kThreads * 8;
+      if (c >= Vp) break;
+      *reinterpret_cast<bf16x8*>(xs + c) = v[b];
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        if (c + i < V) m = fmaxf(m, __bfloat162float(v[b].v[i]));
+    }
   }
   const float M = block_max(m, sh);
   // Each thread reads back only the chunks it wrote; block_max's barriers order the target's read.
@@ -99,6 +113,7 @@ __global__ void __launch_bounds__(kThreads) crossentropy_staged_kernel(float* lo
   const bool ignored = target == -1;
   const bool valid = target >= 0 && target < V;
   if (threadIdx.x == 0 && losses) losses[row] = ignored ? 0.f : (valid ? lse - __bfloat162float(xs[target]) : NAN);
+  if (!dlogits) return;
   bf16* dx = dlogits + row * Vp;
   const float inv_s = 1.f / S;
   for (int64_t c = int64_t(threadIdx.x) * 8; c < Vp; c += kThreads * 8) {
@@ -145,7 +160,12 @@ void crossentropy_forward(float* losses, const bf16* logits, const int32_t* targ
                           cudaStream_t stream) {
   check_args("crossentropy_forward", V, Vp);
   if (N == 0) return;
-  crossentropy_kernel<<<unsigned(N), kThreads, 0, stream>>>(losses, nullptr, logits, targets, 0.f, V, Vp);
+  if (staged_fits(Vp)) {
+    crossentropy_staged_kernel<<<unsigned(N), kThreads, size_t(Vp) * sizeof(bf16), stream>>>(losses, nullptr, logits,
+                                                                                           targets, 0.f, V, Vp);
+  } else {
+    crossentropy_kernel<<<unsigned(N), kThreads, 0, stream>>>(losses, nullptr, logits, targets, 0.f, V, Vp);
+  }
   LOOM_CUDA_LAUNCH_CHECK();
 }
 
