@@ -94,9 +94,14 @@ __global__ void __launch_bounds__(kThreads) crossentropy_staged_kernel(float* lo
       const int64_t c = c0 + int64_t(b) * kThreads * 8;
       if (c >= Vp) break;
       *reinterpret_cast<bf16x8*>(xs + c) = v[b];
+      if (c + 8 <= V) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i)
-        if (c + i < V) m = fmaxf(m, __bfloat162float(v[b].v[i]));
+        for (int i = 0; i < 8; ++i) m = fmaxf(m, __bfloat162float(v[b].v[i]));
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          if (c + i < V) m = fmaxf(m, __bfloat162float(v[b].v[i]));
+      }
     }
   }
   const float M = block_max(m, sh);
@@ -104,9 +109,14 @@ __global__ void __launch_bounds__(kThreads) crossentropy_staged_kernel(float* lo
   float s = 0.f;
   for (int64_t c = int64_t(threadIdx.x) * 8; c < Vp; c += kThreads * 8) {
     const bf16x8 v = *reinterpret_cast<const bf16x8*>(xs + c);
+    if (c + 8 <= V) {  // every chunk but the one holding column V: no per-element test
 #pragma unroll
-    for (int i = 0; i < 8; ++i)
-      if (c + i < V) s += __expf(__bfloat162float(v.v[i]) - M);
+      for (int i = 0; i < 8; ++i) s += __expf(__bfloat162float(v.v[i]) - M);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        if (c + i < V) s += __expf(__bfloat162float(v.v[i]) - M);
+    }
   }
   const float S = block_sum(s, sh);
   const float lse = M + logf(S);
@@ -119,15 +129,26 @@ __global__ void __launch_bounds__(kThreads) crossentropy_staged_kernel(float* lo
   for (int64_t c = int64_t(threadIdx.x) * 8; c < Vp; c += kThreads * 8) {
     const bf16x8 v = *reinterpret_cast<const bf16x8*>(xs + c);
     bf16x8 o;
+    if (valid && c + 8 <= V) {
+      // A chunk of real columns in a row with a target: dloss p, then the target's own element.
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int64_t col = c + i;
-      float g = 0.f;
-      if (!ignored && col < V) {
-        const float p = __expf(__bfloat162float(v.v[i]) - M) * inv_s;
-        g = valid ? dloss * (p - (col == target ? 1.f : 0.f)) : NAN;
+      for (int i = 0; i < 8; ++i) o.v[i] = __float2bfloat16(dloss * (__expf(__bfloat162float(v.v[i]) - M) * inv_s));
+      if (target >= c && target < c + 8) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i)  // constant indices: o stays in registers
+          if (c + i == target) o.v[i] = __float2bfloat16(dloss * (__expf(__bfloat162float(v.v[i]) - M) * inv_s - 1.f));
       }
-      o.v[i] = __float2bfloat16(g);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int64_t col = c + i;
+        float g = 0.f;
+        if (!ignored && col < V) {
+          const float p = __expf(__bfloat162float(v.v[i]) - M) * inv_s;
+          g = valid ? dloss * (p - (col == target ? 1.f : 0.f)) : NAN;
+        }
+        o.v[i] = __float2bfloat16(g);
+      }
     }
     *reinterpret_cast<bf16x8*>(dx + c) = o;
   }
