@@ -12,11 +12,12 @@ backward 2.5x forward. Times: CUDA-event medians after warm-up; backward is
 torch.autograd.grad of the output (no gradient accumulation), loom's includes its D preprocessing
 and dq conversion.
 
-  python3 bench/flash_vs_sdpa.py [--loom PATH_TO_bench_flash] [--reps N] [--json OUT.json]
+  python3 bench/flash_vs_sdpa.py [--loom "scripts/gpu_env.sh .devbundle bench_flash"] [--reps N] [--json OUT.json]
 """
 import argparse
 import json
 import re
+import shlex
 import subprocess
 import sys
 
@@ -71,7 +72,7 @@ def time_sdpa(backend, b, t, hs, warmup, reps):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--loom", default="bench_flash", help="loom's bench_flash executable")
+    ap.add_argument("--loom", default="bench_flash", help="loom's bench_flash executable (a command line: split as a shell does)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--hs", default="64,128")
@@ -95,7 +96,7 @@ def main():
                 print(f"sdpa_flash hs={hs} B={b} T={t} fwd_tflops={r['sdpa_flash'][1]:.1f} bwd_tflops={r['sdpa_flash'][3]:.1f}",
                       flush=True)
 
-    cmd = [args.loom, "--reps", str(args.reps), "--warmup", str(args.warmup), "--hs", args.hs]
+    cmd = shlex.split(args.loom) + ["--reps", str(args.reps), "--warmup", str(args.warmup), "--hs", args.hs]
     print("# running: " + " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     sys.stdout.write(proc.stdout)

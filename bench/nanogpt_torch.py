@@ -6,7 +6,7 @@
   python3 bench/nanogpt_torch.py --parity DUMP   # compare a loom dump (train_gpt2_cuda --dump)
 
 The PyTorch model is nanoGPT's GPT (LayerNorm with bias, tanh GELU, tied wte/lm_head, vocabulary
-padded to 50304) trained with bf16 autocast, F.scaled_dot_product_attention (flash), fused
+padded to 50304) trained with bf16 autocast, F.scaled_dot_product_attention (PyTorch's choice of backend, or one pinned by the mode), fused
 AdamW (lr 6e-4, betas 0.9/0.95, weight decay 0.1 on 2-D parameters) and global-norm clipping at
 1.0, on uniform random tokens, as loom's train_gpt2_cuda does.
 
@@ -16,6 +16,7 @@ against the H100 SXM dense bf16 datasheet peak (989 TFLOP/s) and against the bf1
 rate measured in this run.
 """
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -111,7 +112,27 @@ def matmul_peak():
     return 2 * n**3 * reps / (e0.elapsed_time(e1) * 1e-3)
 
 
+def sdpa_backend(name):
+    """A context that pins scaled_dot_product_attention to one backend ("flash", "cudnn",
+    "efficient"), or PyTorch's own choice (None)."""
+    if name is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                        "efficient": SDPBackend.EFFICIENT_ATTENTION}[name])
+
+
 def bench_torch(mode, B, T, steps, warmup):
+    # eager, compile, or either with an SDPA backend pinned: eager-flash, compile-cudnn, ...
+    mode, _, backend = mode.partition("-")
+    with sdpa_backend(backend or None):
+        r = bench_torch_run(mode, B, T, steps, warmup)
+    if backend:
+        r["impl"] += "-" + backend
+    return r
+
+
+def bench_torch_run(mode, B, T, steps, warmup):
     torch.manual_seed(1337)
     model = GPT().cuda()
     fpt = flops_per_token(model, T)
@@ -227,7 +248,8 @@ def main():
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--modes", default="loom,eager,compile",
-                    help="comma separated: loom (or loom-flash, loom-cudnn, loom-gemm: that attention path), eager, compile")
+                    help="comma separated: loom (or loom-flash, loom-cudnn, loom-gemm: that attention path), eager, "
+                         "compile (PyTorch's own SDPA backend; eager-cudnn, compile-flash, ...: that backend pinned)")
     ap.add_argument("--loom-extra", default="", help="extra arguments for the loom binary, space separated")
     ap.add_argument("--json-out", default="")
     ap.add_argument("--parity", default="")
@@ -257,7 +279,8 @@ def main():
         if r:
             results.append(r)
             print(json.dumps(r), flush=True)
-    base = next((r for r in results if r["impl"] == "torch-compile"), None)
+    base = next((r for r in results if r["impl"] == "torch-compile"), None) or next(
+        (r for r in results if r["impl"].startswith("torch-compile")), None)
     print(f"\nGPT-2 124M, B={a.B}, T={a.T}, bf16, {dev}; median of {a.steps} steps after {a.warmup} warm-up; "
           f"FLOPs/token 6N+12LHQT; MFU vs 989 TFLOP/s datasheet and vs {peak / 1e12:.0f} TFLOP/s measured")
     print(f"{'impl':22s} {'ms/step':>9s} {'tokens/s':>11s} {'TFLOP/s':>8s} {'MFU989':>7s} {'MFUmeas':>8s} "
