@@ -276,6 +276,10 @@ def main():
                 print(f"torch-{mode}: out of memory at B={a.B}", flush=True)
                 torch.cuda.empty_cache()
                 r = None
+            except (KeyError, RuntimeError) as e:  # an unknown mode, or an SDPA backend this GPU lacks
+                print(f"torch-{mode}: skipped: {type(e).__name__}: {e}", flush=True)
+                torch.cuda.empty_cache()
+                r = None
         if r:
             results.append(r)
             print(json.dumps(r), flush=True)

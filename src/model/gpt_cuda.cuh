@@ -50,8 +50,9 @@ struct GPTCudaOptions {
   int64_t B = 8, T = 1024;  // micro-batch: activations are allocated for exactly this shape
   CudaAttention attention = CudaAttention::flash;
   bool cuda_graph = true;    // capture forward + backward + optimizer once, replay every step
-  // With attention = cudnn: when cuDNN plans no engine for this shape, use flash instead of
-  // throwing (auto's choice; options().attention and attention_note() then say so).
+  // With attention = cudnn: when cuDNN's attention cannot be set up (no engine for this shape, an
+  // old GPU, cuDNN's own errors), use flash instead of throwing (auto's choice; options().attention
+  // and attention_note() then say so).
   bool cudnn_falls_back_to_flash = false;
   bool fuse_dgelu = true;    // GELU backward in the GEMM epilogue (else a separate kernel)
   float lr = 6e-4f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0.1f;
@@ -73,7 +74,7 @@ class GPTCuda {
 
   const GPTConfig& config() const { return cfg_; }
   const GPTCudaOptions& options() const { return opt_; }
-  // Why the attention differs from the one asked for (cuDNN's refusal), or "".
+  // Why the attention differs from the one asked for (cuDNN's error), or "".
   const std::string& attention_note() const { return attention_note_; }
   const std::vector<ParamSpec>& specs() const { return specs_; }
   int64_t num_parameters() const;  // logical elements (no vocabulary padding)

@@ -163,7 +163,7 @@ TrainResult train_cuda_rank(const TrainConfig& cfg, const TrainOptions& opt, con
                   mb, T, cfg.grad_accum, model::cuda_attention_name(gpt.options().attention),
                   cfg.cuda_graph ? "CUDA graphs" : "no CUDA graphs"));
   if (!gpt.attention_note().empty())
-    say(fmt::format("train.cuda_attention auto: flash, as cuDNN took no engine for this shape ({})",
+    say(fmt::format("train.cuda_attention auto: flash, as cuDNN's attention could not be set up: {}",
                     gpt.attention_note()));
   const double peak = job_gemm_peak(world, [&] { return cuda::measure_gemm_peak_bf16(pool, gpt.stream()); });
   res.last_val_loss = NAN;

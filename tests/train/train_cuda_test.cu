@@ -14,10 +14,14 @@
 //    by about lr) let the trajectories drift apart by a few times that.
 //  - A resumed GPU run against the uninterrupted one, 1e-3 relative: the checkpoint restores the
 //    f32 master weights, both moments and the step count exactly, so the runs differ only where
-//    the GPU sums in a varying order: f32 atomics in the token-embedding gradient and in flash
-//    attention's dq (kernels/cuda/embedding.cuh, attention.cuh). Those change last bits (about
-//    1e-7 relative) of a few gradients per step, and through the bf16 rounding of the weights'
-//    compute copies a few weights by one bf16 step; over ten steps that stays far below 1e-3.
+//    the GPU sums in a varying order: f32 atomics in the token-embedding gradient and in the
+//    attention's dq, flash's and cuDNN's (kernels/cuda/embedding.cuh, attention.cuh,
+//    cudnn_attention.cuh). Those change last bits (about 1e-7 relative) of a few gradients per
+//    step, and through the bf16 rounding of the weights' compute copies a few weights by one bf16
+//    step; over ten steps that stays far below 1e-3.
+//    Each process also times its GEMMs' candidate algorithms (LOOM_GEMM_TUNE) and may keep other
+//    ones than the run before it did: algorithms differ in how they split and order the same sums
+//    (tiles, split-K), so this too changes only last bits.
 //  - Data-parallel GPU processes against one GPU, 1e-3 relative, for the same reason: two
 //    processes with grad_accum a against one with 2a run the same micro-batches (the ranks' shares
 //    are the single run's micro-batches) in the same shapes, so they differ where the sums' order
@@ -79,8 +83,8 @@ struct Fixture {
   }
   ~Fixture() { fs::remove_all(root); }
 
-  // `loom train` of a 2-layer model with head size 64 (flash attention), 20 steps, validation at
-  // steps 10 and 20; `extra` adds or overrides flags.
+  // `loom train` of a 2-layer model with head size 64 (attention auto: cuDNN's where loom has it,
+  // else flash), 20 steps, validation at steps 10 and 20; `extra` adds or overrides flags.
   CliRun train(const std::string& device, const std::string& out, const std::string& extra = "",
                const std::string& env = "") const {
     fs::create_directories(root / "logs");
@@ -253,6 +257,28 @@ TEST(CudaTrain, CudnnAttentionTrainsLikeFlash) {
   ASSERT_EQ(lb.size(), 20u);
   expect_close(lb, la, 1, 20, kCpuTol, "loss");
   expect_close(f.metrics("cudnn", "val_loss"), f.metrics("flash", "val_loss"), 10, 20, kCpuTol, "val_loss");
+}
+
+// train.cuda_attention = auto takes cuDNN's attention where loom has a cuDNN it takes (9.16 or
+// newer), else loom's flash kernels. LOOM_GEMM_TUNE=0 (cuBLASLt's first choices, the bias
+// gradient from the epilogue) trains like the default tuned run within the resume tolerance: the
+// GEMM algorithms differ only in the order of their sums. A value other than 0, 1 or 2 is refused,
+// naming the variable.
+TEST(CudaTrain, AutoAttentionAndGemmTuning) {
+  LOOM_REQUIRE_GPU();
+  LOOM_REQUIRE_LOOM();
+  Fixture f("auto");
+  const bool cudnn = cuda::cudnn_available() && cuda::cudnn_runtime_version() >= 91600;
+  CliRun a = f.train("cuda", "tuned", "", "LOOM_GEMM_TUNE=2");
+  ASSERT_EQ(a.code, 0) << a.err;
+  EXPECT_NE(a.out.find(cudnn ? "| cudnn attention |" : "| flash attention |"), std::string::npos) << a.out;
+  EXPECT_NE(a.err.find("gemm tune "), std::string::npos) << "no GEMM was timed: " << a.err;
+  CliRun b = f.train("cuda", "untuned", "--quiet", "LOOM_GEMM_TUNE=0");
+  ASSERT_EQ(b.code, 0) << b.err;
+  expect_close(f.metrics("untuned", "loss"), f.metrics("tuned", "loss"), 1, 20, kResumeTol, "loss");
+  CliRun c = f.train("cuda", "bad", "--quiet", "LOOM_GEMM_TUNE=yes");
+  EXPECT_NE(c.code, 0);
+  EXPECT_NE(c.err.find("LOOM_GEMM_TUNE"), std::string::npos) << c.err;
 }
 
 // Data parallelism on GPUs: two processes under mpirun, each on its share of every batch, against

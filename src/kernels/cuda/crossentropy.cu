@@ -1,6 +1,9 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/crossentropy.cuh"
 
+#include <map>
+#include <mutex>
+
 namespace loom::cuda {
 namespace {
 
@@ -154,19 +157,23 @@ __global__ void __launch_bounds__(kThreads) crossentropy_staged_kernel(float* lo
   }
 }
 
-// Whether crossentropy_staged_kernel takes rows of Vp columns on this device (raising its shared
-// memory limit the first time).
+// Whether crossentropy_staged_kernel takes rows of Vp columns on the current device (raising its
+// shared memory limit there the first time).
 bool staged_fits(int64_t Vp) {
-  static int64_t raised = 0;
+  static std::mutex mu;
+  static std::map<int, int64_t> raised;  // device -> bytes the kernel's limit allows
   const size_t bytes = size_t(Vp) * sizeof(bf16);
-  if (int64_t(bytes) <= raised) return true;
-  int device = 0, optin = 0;
+  int device = 0;
   LOOM_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard lk(mu);
+  int64_t& limit = raised[device];
+  if (int64_t(bytes) <= limit) return true;
+  int optin = 0;
   LOOM_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   if (bytes + 32 * sizeof(float) > size_t(optin)) return false;
   LOOM_CUDA_CHECK(
       cudaFuncSetAttribute(crossentropy_staged_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-  raised = int64_t(bytes);
+  limit = int64_t(bytes);
   return true;
 }
 

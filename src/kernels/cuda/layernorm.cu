@@ -1,6 +1,10 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/layernorm.cuh"
 
+#include <map>
+#include <mutex>
+#include <utility>
+
 namespace loom::cuda {
 namespace {
 
@@ -75,8 +79,9 @@ __global__ void layernorm_forward_kernel(bf16* residual, bf16* out, float* mean_
   }
 }
 
-// The backward kernel's shape: kBwdWarps warps per block, one warp per row, rows strided over the
-// grid. Each warp keeps its own dweight/dbias partial sums in shared memory, f32 [kBwdWarps][2][C],
+// The backward kernel's shape: up to kBwdWarps warps per block (fewer where C is so wide that
+// their partial sums would not fit in a block's shared memory), one warp per row, rows strided over
+// the grid. Each warp keeps its own dweight/dbias partial sums in shared memory, f32 [warps][2][C],
 // stored "lane-major": the value of column c = 8 g + i (g the 8-column group a lane loads with one
 // 16-byte access, i in 0..7) at index i * (C / 8) + g. A warp's 32 lanes then touch 32 consecutive
 // words (no bank conflicts); in column order they would hit 4 banks, 8 lanes each. The block sums
@@ -87,14 +92,14 @@ __global__ void layernorm_backward_kernel(bf16* dinp, float* __restrict__ partia
                                           const bf16* __restrict__ inp, const bf16* __restrict__ weight,
                                           const float* __restrict__ mean, const float* __restrict__ rstd, int64_t N,
                                           int64_t C, bool accumulate) {
-  extern __shared__ float sh[];  // [kBwdWarps][2][C], lane-major
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  extern __shared__ float sh[];  // [warps][2][C], lane-major
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   const int64_t G = C / 8;
   float* dw = sh + int64_t(warp) * 2 * C;
   float* db = dw + C;
   for (int64_t c = lane; c < 2 * C; c += 32) dw[c] = 0.f;
   __syncwarp();
-  for (int64_t row = int64_t(blockIdx.x) * kBwdWarps + warp; row < N; row += int64_t(gridDim.x) * kBwdWarps) {
+  for (int64_t row = int64_t(blockIdx.x) * warps + warp; row < N; row += int64_t(gridDim.x) * warps) {
     const float m = mean[row], rs = rstd[row];
     const bf16* x = inp + row * C;
     const bf16* dy = dout + row * C;
@@ -136,8 +141,7 @@ __global__ void layernorm_backward_kernel(bf16* dinp, float* __restrict__ partia
   __syncthreads();
   for (int64_t c = threadIdx.x; c < 2 * C; c += blockDim.x) {
     float s = 0.f;
-#pragma unroll
-    for (int w = 0; w < kBwdWarps; ++w) s += sh[int64_t(w) * 2 * C + c];
+    for (int w = 0; w < warps; ++w) s += sh[int64_t(w) * 2 * C + c];
     partial[int64_t(blockIdx.x) * 2 * C + c] = s;
   }
 }
@@ -168,35 +172,47 @@ __global__ void layernorm_backward_reduce_kernel(float* dweight, float* dbias, c
   }
 }
 
-size_t backward_shmem(int64_t C) { return size_t(kBwdWarps) * 2 * size_t(C) * sizeof(float); }
-
-// Blocks per SM the backward kernel can hold at C (shared memory is what limits it), at most
-// kMaxBwdBlocksPerSm (32 warps per SM). On an H100 at C = 768, 2 blocks per SM (16 warps) moved
-// 51% of the DRAM bandwidth with 24% occupancy achieved (Nsight Compute); more blocks add partial
-// sums to reduce, a small cost next to the rows.
+// Blocks per SM at most (32 warps per SM at 8 warps per block). On an H100 at C = 768, 2 blocks
+// per SM (16 warps) moved 51% of the DRAM bandwidth with 24% occupancy achieved (Nsight Compute);
+// more blocks add partial sums to reduce, a small cost next to the rows.
 constexpr int kMaxBwdBlocksPerSm = 4;
 
-int backward_blocks_per_sm(int64_t C) {
-  static int64_t cached_c = -1;
-  static int cached = 1;
-  if (C != cached_c) {
-    const size_t shmem = backward_shmem(C);
-    if (shmem > 48 * 1024)
-      LOOM_CUDA_CHECK(cudaFuncSetAttribute(layernorm_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           int(shmem)));
-    int n = 0;
-    LOOM_CUDA_CHECK(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, layernorm_backward_kernel, kBwdWarps * 32, shmem));
-    LOOM_CHECK(n > 0, "layernorm_backward: C = {} needs {} bytes of shared memory per block, more than an SM has", C,
-               shmem);
-    cached = std::min(n, kMaxBwdBlocksPerSm);
-    cached_c = C;
-  }
-  return cached;
-}
+struct BackwardShape {
+  int warps = 0;          // per block
+  int blocks_per_sm = 0;  // at most kMaxBwdBlocksPerSm
+  size_t shmem = 0;       // bytes per block
+};
 
-int64_t backward_blocks(int64_t N, int64_t C) {
-  return std::min<int64_t>(ceil_div(N, kBwdWarps), int64_t(backward_blocks_per_sm(C)) * num_sms());
+// The backward's launch shape for C on the current device, worked out once per device and C
+// (raising the kernel's shared memory limit there when the block needs more than 48 KiB).
+BackwardShape backward_shape(int64_t C) {
+  static std::mutex mu;
+  static std::map<std::pair<int, int64_t>, BackwardShape> shapes;
+  int device = 0;
+  LOOM_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard lk(mu);
+  auto it = shapes.find({device, C});
+  if (it != shapes.end()) return it->second;
+  int optin = 0;
+  LOOM_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  const size_t per_warp = 2 * size_t(C) * sizeof(float);
+  BackwardShape b;
+  b.warps = int(std::min<size_t>(kBwdWarps, size_t(optin) / per_warp));
+  LOOM_CHECK(b.warps >= 1,
+             "layernorm_backward: C = {} needs {} bytes of shared memory for one warp's partial sums, more than the "
+             "{} a block can have on this GPU",
+             C, per_warp, optin);
+  b.shmem = size_t(b.warps) * per_warp;
+  if (b.shmem > 48 * 1024)
+    LOOM_CUDA_CHECK(
+        cudaFuncSetAttribute(layernorm_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(b.shmem)));
+  int n = 0;
+  LOOM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, layernorm_backward_kernel, b.warps * 32, b.shmem));
+  LOOM_CHECK(n > 0, "layernorm_backward: no block of {} warps with {} bytes of shared memory fits on an SM (C = {})",
+             b.warps, b.shmem, C);
+  b.blocks_per_sm = std::min(n, kMaxBwdBlocksPerSm);
+  shapes.emplace(std::make_pair(device, C), b);
+  return b;
 }
 
 void check_sizes(const char* what, int64_t N, int64_t C) {
@@ -233,8 +249,9 @@ void layernorm_backward(bf16* dinp, float* dweight, float* dbias, const bf16* do
   check_sizes("layernorm_backward", N, C);
   LOOM_CHECK(dinp && scratch, "layernorm_backward: dinp and scratch must be set");
   if (N == 0) return;
-  const int64_t blocks = backward_blocks(N, C);
-  layernorm_backward_kernel<<<unsigned(blocks), kBwdWarps * 32, backward_shmem(C), stream>>>(
+  const BackwardShape shape = backward_shape(C);
+  const int64_t blocks = std::min<int64_t>(ceil_div(N, shape.warps), int64_t(shape.blocks_per_sm) * num_sms());
+  layernorm_backward_kernel<<<unsigned(blocks), shape.warps * 32, shape.shmem, stream>>>(
       dinp, scratch, dout, inp, weight, mean, rstd, N, C, accumulate);
   LOOM_CUDA_LAUNCH_CHECK();
   layernorm_backward_reduce_kernel<<<unsigned(ceil_div(2 * C, 32)), dim3(32, kReduceRows), 0, stream>>>(

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <string>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <tuple>
@@ -84,6 +85,35 @@ struct LtCall {
 // choice then), nor for calls that no algorithm supports.
 constexpr int kTuneCandidates = 8;
 constexpr double kTuneMargin = 0.03;
+// An accumulating call is timed on a scratch copy of its output, and the weight + bias gradient
+// choice on scratch outputs; larger outputs than this are not timed (the heuristic's first
+// choice, and the epilogue), so that tuning never asks the pool for more than this at once. For
+// GPT-2 124M that leaves out only the tied lm_head's weight gradient (154 MB), 0.3% of the step.
+constexpr size_t kTuneScratchBytes = size_t(32) << 20;
+
+// Device scratch from the pool (workspace tag) for the length of a tuning, returned on any exit.
+struct TuneScratch {
+  void* p = nullptr;
+  size_t bytes = 0;
+  explicit TuneScratch(size_t n) : p(device_pool().allocate(n, MemTag::workspace)), bytes(n) {}
+  ~TuneScratch() { device_pool().deallocate(p, bytes, MemTag::workspace); }
+  TuneScratch(const TuneScratch&) = delete;
+  TuneScratch& operator=(const TuneScratch&) = delete;
+};
+
+struct EventPair {
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+  EventPair() {
+    LOOM_CUDA_CHECK(cudaEventCreate(&e0));
+    LOOM_CUDA_CHECK(cudaEventCreate(&e1));
+  }
+  ~EventPair() {
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+  }
+  EventPair(const EventPair&) = delete;
+  EventPair& operator=(const EventPair&) = delete;
+};
 
 int gemm_tuning() {
   static const int mode = [] {
@@ -102,21 +132,17 @@ template <class Run>
 double median_ms(Run&& run, cudaStream_t stream) {
   constexpr int kTuneRuns = 5;
   if (!run()) return INFINITY;
-  cudaEvent_t e0 = nullptr, e1 = nullptr;
-  LOOM_CUDA_CHECK(cudaEventCreate(&e0));
-  LOOM_CUDA_CHECK(cudaEventCreate(&e1));
+  EventPair ev;
   std::vector<double> ms;
   for (int i = 0; i < kTuneRuns && ms.size() == size_t(i); ++i) {
-    LOOM_CUDA_CHECK(cudaEventRecord(e0, stream));
+    LOOM_CUDA_CHECK(cudaEventRecord(ev.e0, stream));
     const bool ok = run();
-    LOOM_CUDA_CHECK(cudaEventRecord(e1, stream));
-    LOOM_CUDA_CHECK(cudaEventSynchronize(e1));
+    LOOM_CUDA_CHECK(cudaEventRecord(ev.e1, stream));
+    LOOM_CUDA_CHECK(cudaEventSynchronize(ev.e1));
     float t = 0.f;
-    LOOM_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
+    LOOM_CUDA_CHECK(cudaEventElapsedTime(&t, ev.e0, ev.e1));
     if (ok) ms.push_back(t);
   }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
   if (ms.size() != size_t(kTuneRuns)) return INFINITY;
   std::sort(ms.begin(), ms.end());
   return ms[kTuneRuns / 2];
@@ -134,12 +160,14 @@ cublasLtMatmulAlgo_t fastest_algo(LtState& s, const LtCall& c, cublasLtMatmulDes
   if (found < 2 || stream_capturing(stream)) return res[0].algo;
   // Timed in place when the call overwrites D (the real call then writes it again); an
   // accumulating call (beta != 0) is timed on a scratch copy so that D is added to once.
+  const size_t d_bytes = (size_t(c.n - 1) * size_t(c.ldd) + size_t(c.m)) * (c.d_f32 ? 4 : 2);
+  if (c.beta != 0.f && d_bytes > kTuneScratchBytes) return res[0].algo;
+  std::unique_ptr<TuneScratch> scratch;
   void* D = c.D;
-  size_t scratch_bytes = 0;
   if (c.beta != 0.f) {
-    scratch_bytes = size_t(c.ldd) * size_t(c.n) * (c.d_f32 ? 4 : 2);
-    D = device_pool().allocate(scratch_bytes, MemTag::workspace);
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(D, c.D, scratch_bytes, cudaMemcpyDeviceToDevice, stream));
+    scratch = std::make_unique<TuneScratch>(d_bytes);
+    D = scratch->p;
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(D, c.D, d_bytes, cudaMemcpyDeviceToDevice, stream));
   }
   std::vector<double> ms(size_t(found), INFINITY);
   for (int i = 0; i < found; ++i)
@@ -150,7 +178,6 @@ cublasLtMatmulAlgo_t fastest_algo(LtState& s, const LtCall& c, cublasLtMatmulDes
         },
         stream);
   LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));
-  if (scratch_bytes) device_pool().deallocate(D, scratch_bytes, MemTag::workspace);
   int best = 0;
   for (int i = 1; i < found; ++i)
     if (ms[size_t(i)] < ms[size_t(best)]) best = i;
@@ -309,6 +336,7 @@ __global__ void accumulate_kernel(float* dst, const float* src, int64_t n) {
 }
 
 std::atomic<BiasGradPath> bias_grad_path{BiasGradPath::tuned};
+std::atomic<int64_t> bias_grad_epilogue_count{0};
 
 // The weight gradient c (accumulating, f32) with the bias gradient from the GEMM's BGRADB epilogue
 // (column sums of dout into scratch, then added: the epilogue writes rather than accumulates);
@@ -322,6 +350,7 @@ bool run_dweight_bgradb(const MatmulBwdArgs& a, const LtCall& c, float* dbias, c
   if (!lt_matmul(cb, stream)) return false;
   accumulate_kernel<<<unsigned(ceil_div(a.N, 256)), 256, 0, stream>>>(dbias, a.dbias_scratch, a.N);
   LOOM_CUDA_LAUNCH_CHECK();
+  bias_grad_epilogue_count.fetch_add(1);
   return true;
 }
 
@@ -342,11 +371,13 @@ bool fused_bias_grad(const MatmulBwdArgs& a, const LtCall& c, cudaStream_t strea
     auto it = s.bias_paths.find(key);
     if (it != s.bias_paths.end()) choice = it->second;
   }
-  if (choice < 0 && gemm_tuning() != 0 && !stream_capturing(stream)) {
-    const size_t w_floats = size_t(a.K) * size_t(a.N);
-    auto* w = static_cast<float*>(device_pool().allocate((w_floats + size_t(a.N)) * sizeof(float), MemTag::workspace));
+  const size_t w_floats = size_t(a.K) * size_t(a.N);
+  const size_t scratch_bytes = (w_floats + size_t(a.N)) * sizeof(float);
+  if (choice < 0 && gemm_tuning() != 0 && scratch_bytes <= kTuneScratchBytes && !stream_capturing(stream)) {
+    TuneScratch scratch(scratch_bytes);
+    auto* w = static_cast<float*>(scratch.p);
     float* db = w + w_floats;
-    LOOM_CUDA_CHECK(cudaMemsetAsync(w, 0, (w_floats + size_t(a.N)) * sizeof(float), stream));
+    LOOM_CUDA_CHECK(cudaMemsetAsync(w, 0, scratch_bytes, stream));
     LtCall cw = c;
     cw.D = w;
     const double fused = median_ms([&] { return run_dweight_bgradb(a, cw, db, stream); }, stream);
@@ -358,7 +389,6 @@ bool fused_bias_grad(const MatmulBwdArgs& a, const LtCall& c, cudaStream_t strea
         },
         stream);
     LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));
-    device_pool().deallocate(w, (w_floats + size_t(a.N)) * sizeof(float), MemTag::workspace);
     choice = fused < separate * (1.0 + kTuneMargin) ? 1 : 0;
     if (gemm_tuning() == 2)
       std::fprintf(stderr, "gemm tune dweight+dbias M=%lld N=%lld K=%lld: epilogue %.4f ms, GEMM + bias_grad %.4f ms: %s\n",
@@ -375,6 +405,8 @@ bool fused_bias_grad(const MatmulBwdArgs& a, const LtCall& c, cudaStream_t strea
 void matmul_init() { (void)lt(); }
 
 void set_bias_grad_path(BiasGradPath p) { bias_grad_path.store(p); }
+
+int64_t bias_grad_epilogue_runs() { return bias_grad_epilogue_count.load(); }
 
 int64_t matmul_dbias_scratch_floats(int64_t N) { return 64 * N; }
 

@@ -44,6 +44,9 @@ void matmul_backward(const MatmulBwdArgs& a, cudaStream_t stream);
 // GEMM and bias_grad. For tests and benchmarks; applies to every later call.
 enum class BiasGradPath : uint8_t { tuned, epilogue, separate };
 void set_bias_grad_path(BiasGradPath p);
+// How many weight + bias gradients the epilogue has computed in this process (for tests: which
+// way a call went).
+int64_t bias_grad_epilogue_runs();
 
 // dbias f32 [N] += column sums of x bf16 [M, N]; deterministic (fixed reduction order).
 void bias_grad(float* dbias, const bf16* x, int64_t M, int64_t N, float* scratch, cudaStream_t stream);

@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <utility>
+#include <vector>
 
 #include "cuda_test_util.h"
 #include "kernels/cuda/crossentropy.cuh"
@@ -108,6 +110,38 @@ TEST(CrossEntropy, VocabBeyondSharedMemory) {
   LOOM_REQUIRE_GPU();
   run_case(5, 127997, 128000, false);
   run_case(5, 127997, 128000, true);
+}
+
+// Targets outside [0, V) other than -1 give NaN losses and NaN gradients over the real columns
+// (the model validates tokens on the host; NaN makes a miss loud); -1 gives 0 and zero gradients.
+// Both kernels: the row staged in shared memory, and the one beyond it.
+TEST(CrossEntropy, InvalidTargetsGiveNaN) {
+  LOOM_REQUIRE_GPU();
+  for (const auto& [V, Vp] : {std::pair<int64_t, int64_t>{503, 512}, {127997, 128000}}) {
+    const int64_t N = 4;
+    const std::vector<int32_t> tgt{0, int32_t(V), -2, -1};
+    const auto logits = random_bf16_values(size_t(N * Vp), 5, 3.f);
+    DeviceBuffer<dbf16> dl(logits.size()), dd(logits.size());
+    DeviceBuffer<int32_t> dt(tgt.size());
+    DeviceBuffer<float> losses{size_t(N)};
+    upload_bf16(dl, logits);
+    dt.upload(tgt);
+    dd.poison();
+    cuda::crossentropy_forward_backward(losses.get(), dd.get(), dl.get(), dt.get(), 0.25f, N, V, Vp, nullptr);
+    const auto l = losses.download();
+    const auto d = download_bf16(dd);
+    EXPECT_TRUE(std::isfinite(l[0])) << "V " << V;
+    EXPECT_TRUE(std::isnan(l[1]) && std::isnan(l[2])) << "V " << V << ": " << l[1] << " " << l[2];
+    EXPECT_EQ(l[3], 0.f) << "V " << V;
+    int64_t wrong = 0;
+    for (int64_t i = 1; i < N; ++i)
+      for (int64_t j = 0; j < Vp; ++j) {
+        const float x = d[size_t(i * Vp + j)];
+        const bool want_nan = i < 3 && j < V;
+        if (want_nan ? !std::isnan(x) : x != 0.f) ++wrong;
+      }
+    EXPECT_EQ(wrong, 0) << "V " << V;
+  }
 }
 
 TEST(CrossEntropy, RejectsBadPadding) {

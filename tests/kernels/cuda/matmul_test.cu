@@ -173,6 +173,11 @@ TEST_P(MatmulTest, Backward) {
   // Both ways of computing the weight and bias gradients together (matmul_backward times them and
   // keeps the faster, so the call above took either): the GEMM's epilogue, and a plain GEMM with
   // bias_grad after it; each accumulating onto dw0 and db0.
+  // The epilogue runs where a cuBLASLt algorithm takes it; at N = 768 (GPT-2's width, where the
+  // H100 ran it for every weight gradient of the model) it must have, not fallen back.
+  struct TunedAgain {
+    ~TunedAgain() { cuda::set_bias_grad_path(cuda::BiasGradPath::tuned); }
+  } restore;
   for (auto path : {cuda::BiasGradPath::epilogue, cuda::BiasGradPath::separate}) {
     cuda::set_bias_grad_path(path);
     d_dw.upload(dw0);
@@ -180,11 +185,14 @@ TEST_P(MatmulTest, Backward) {
     scratch.poison();
     cuda::MatmulBwdArgs wb = a;
     wb.dinp = nullptr;
+    const int64_t epilogue_runs = cuda::bias_grad_epilogue_runs();
     cuda::matmul_backward(wb, nullptr);
+    const int64_t ran_epilogue = cuda::bias_grad_epilogue_runs() - epilogue_runs;
+    if (path == cuda::BiasGradPath::separate) EXPECT_EQ(ran_epilogue, 0);
+    if (path == cuda::BiasGradPath::epilogue && N == 768) EXPECT_EQ(ran_epilogue, 1);
     EXPECT_LE(rel_err(d_dw.download(), cpu_dw), kTolF32) << "bias gradient path " << int(path);
     EXPECT_LE(rel_err(d_db.download(), cpu_db), kTolF32) << "bias gradient path " << int(path);
   }
-  cuda::set_bias_grad_path(cuda::BiasGradPath::tuned);
 
   // The bias gradient alone (no weight gradient, so not from the GEMM's epilogue: the bias_grad
   // kernel), and bias_grad called directly; both accumulate onto db0.
