@@ -9,6 +9,27 @@ namespace {
 
 constexpr int kThreads = 512;
 
+// The gradient of the 8 logits v at columns c..c+7 of a row with max M and 1 / sum of exp inv_s:
+// dloss (softmax - onehot(target)) over the real columns; 0 in the padding (col >= V) and in an
+// ignored row (target -1); NaN over the real columns for any other target outside [0, V).
+__device__ __forceinline__ bf16x8 dlogits_chunk(const bf16x8& v, int64_t c, float M, float inv_s, float dloss,
+                                                int32_t target, int64_t V) {
+  const bool ignored = target == -1;
+  const bool valid = target >= 0 && target < V;
+  bf16x8 o;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int64_t col = c + i;
+    float g = 0.f;
+    if (!ignored && col < V) {
+      const float p = __expf(__bfloat162float(v.v[i]) - M) * inv_s;
+      g = valid ? dloss * (p - (col == target ? 1.f : 0.f)) : NAN;
+    }
+    o.v[i] = __float2bfloat16(g);
+  }
+  return o;
+}
+
 // One block per row. Pass 1: per-thread online max / sum of exp over the row's first V columns,
 // combined over the block. Pass 2 (with dlogits): writes the gradient over all Vp columns.
 __global__ void __launch_bounds__(kThreads) crossentropy_kernel(float* losses, bf16* dlogits, const bf16* logits,
@@ -50,28 +71,18 @@ __global__ void __launch_bounds__(kThreads) crossentropy_kernel(float* losses, b
   const float inv_s = 1.f / S;
   for (int64_t c = int64_t(threadIdx.x) * 8; c < Vp; c += kThreads * 8) {
     bf16x8 v = *reinterpret_cast<const bf16x8*>(x + c);
-    bf16x8 o;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int64_t col = c + i;
-      float g = 0.f;
-      if (!ignored && col < V) {
-        const float p = __expf(__bfloat162float(v.v[i]) - M) * inv_s;
-        g = valid ? dloss * (p - (col == target ? 1.f : 0.f)) : NAN;
-      }
-      o.v[i] = __float2bfloat16(g);
-    }
+    const bf16x8 o = dlogits_chunk(v, c, M, inv_s, dloss, target, V);
     *reinterpret_cast<bf16x8*>(dx + c) = o;
   }
 }
 
 // Where the row fits in shared memory (both entry points, so that they give the same losses): the
-// row is read from device memory once and
-// kept in shared memory (bf16, Vp x 2 bytes) for the max, the sum of exponentials and the gradient,
-// three passes with two block reductions between them. crossentropy_kernel reads each row twice:
-// the second read comes from L2 at best, and with GPT-2's 50304 columns the rows in flight are
-// about as large as an H100's L2. Same arithmetic per element as crossentropy_kernel but for the
-// max, taken exactly before the exponentials instead of online.
+// row is read from device memory once and kept in shared memory (bf16, Vp x 2 bytes) for the max,
+// the sum of exponentials and the gradient, three passes with two block reductions between them.
+// crossentropy_kernel reads each row twice: the second read comes from L2 at best, and with
+// GPT-2's 50304 columns the rows in flight are about as large as an H100's L2. Same arithmetic per
+// element as crossentropy_kernel but for the max, taken exactly before the exponentials instead
+// of online.
 __global__ void __launch_bounds__(kThreads) crossentropy_staged_kernel(float* losses, bf16* dlogits,
                                                                       const bf16* logits, const int32_t* targets,
                                                                       float dloss, int64_t V, int64_t Vp) {
@@ -142,16 +153,7 @@ __global__ void __launch_bounds__(kThreads) crossentropy_staged_kernel(float* lo
           if (c + i == target) o.v[i] = __float2bfloat16(dloss * (__expf(__bfloat162float(v.v[i]) - M) * inv_s - 1.f));
       }
     } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int64_t col = c + i;
-        float g = 0.f;
-        if (!ignored && col < V) {
-          const float p = __expf(__bfloat162float(v.v[i]) - M) * inv_s;
-          g = valid ? dloss * (p - (col == target ? 1.f : 0.f)) : NAN;
-        }
-        o.v[i] = __float2bfloat16(g);
-      }
+      o = dlogits_chunk(v, c, M, inv_s, dloss, target, V);
     }
     *reinterpret_cast<bf16x8*>(dx + c) = o;
   }
