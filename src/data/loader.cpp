@@ -16,7 +16,12 @@ Loader::Loader(const std::string& dir, const std::string& split, int64_t seq_len
     shards_.push_back(std::make_unique<Shard>(f));
     begin_.push_back(total_);
     total_ += shards_.back()->size();
-    vocab_ = std::max(vocab_, shards_.back()->vocab_size());
+    const uint32_t v = shards_.back()->vocab_size();
+    LOOM_CHECK(vocab_ == 0 || v == vocab_,
+               "{}: vocabulary size {} differs from {}'s {}: the shards of one corpus share one tokenizer "
+               "(re-run `loom prepare`)",
+               f, v, files_.front(), vocab_);
+    vocab_ = v;
   }
   LOOM_CHECK(total_ >= uint64_t(T_) + 1, "{}: the {} split holds {} tokens, fewer than one window of {}", dir, split,
              total_, T_ + 1);

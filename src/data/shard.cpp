@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <array>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 
@@ -136,12 +137,23 @@ Shard::Shard(const std::string& path, bool verify_payload) : path_(path) {
   count_ = get<uint64_t>(map_ + 16);
   vocab_ = get<uint32_t>(map_ + 24);
   if (vocab_ == 0) fail("vocabulary size: 0");
+  if (vocab_ > uint32_t(INT32_MAX))
+    fail(fmt::format("vocabulary size: {} exceeds the largest token id a model takes ({})", vocab_, INT32_MAX));
+  if (width_ == 2 && vocab_ > 65536u)
+    fail(fmt::format("vocabulary size: {} does not fit 2-byte tokens (at most 65536)", vocab_));
   if (count_ > (map_bytes_ - kShardHeaderBytes) / width_ || kShardHeaderBytes + count_ * width_ != map_bytes_)
     fail(fmt::format("token count: header says {} tokens ({} bytes) but the file holds {} payload bytes (truncated?)",
                      count_, count_ * width_, map_bytes_ - kShardHeaderBytes));
   if (verify_payload) {
     uint32_t crc = crc32(map_ + kShardHeaderBytes, map_bytes_ - kShardHeaderBytes);
     if (crc != get<uint32_t>(map_ + 28)) fail("payload checksum: token data is corrupt");
+    // The header's promise that every token is below the vocabulary size: a shard written with
+    // another vocabulary (or by another tool) would otherwise index past the model's embedding.
+    const uint8_t* p = map_ + kShardHeaderBytes;
+    for (uint64_t i = 0; i < count_; ++i) {
+      const uint32_t t = width_ == 2 ? get<uint16_t>(p + 2 * i) : get<uint32_t>(p + 4 * i);
+      if (t >= vocab_) fail(fmt::format("token {}: id {} is not below the header's vocabulary size {}", i, t, vocab_));
+    }
   }
   ::madvise(const_cast<uint8_t*>(map_), map_bytes_, MADV_RANDOM);
 }

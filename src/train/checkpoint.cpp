@@ -101,7 +101,20 @@ std::string save_checkpoint(const std::string& dir, const CheckpointMeta& meta,
 
 std::string latest_checkpoint(const std::string& dir) {
   fs::path p = fs::path(dir) / "latest";
-  if (!fs::exists(p)) return "";
+  if (!fs::exists(p)) {
+    // No pointer (deleted, or lost): the newest complete checkpoint, which is what `latest` names
+    // after every save (a checkpoint directory appears whole, by rename, before `latest` moves).
+    std::string newest;
+    std::error_code ec;
+    if (fs::is_directory(dir, ec))
+      for (const auto& e : fs::directory_iterator(dir)) {
+        const std::string n = e.path().filename().string();
+        if (e.is_directory() && n.rfind("ckpt_", 0) == 0 && fs::exists(e.path() / "manifest.json") &&
+            fs::exists(e.path() / "state.safetensors") && n > newest)
+          newest = n;
+      }
+    return newest.empty() ? "" : (fs::path(dir) / newest).string();
+  }
   std::ifstream f(p);
   std::string name;
   std::getline(f, name);

@@ -38,8 +38,8 @@ struct CheckpointMeta {
 std::string save_checkpoint(const std::string& dir, const CheckpointMeta& meta,
                             const std::vector<NamedTensor>& tensors, int64_t keep = 2);
 
-// The checkpoint DIR/latest names ("" when DIR has none). Throws when `latest` names a missing
-// or incomplete checkpoint.
+// The checkpoint DIR/latest names; without DIR/latest, the newest complete DIR/ckpt_* ("" when
+// there is none). Throws when `latest` names a missing or incomplete checkpoint.
 std::string latest_checkpoint(const std::string& dir);
 
 // Reads the manifest of checkpoint directory `ckpt` (validated: version, fields, types).

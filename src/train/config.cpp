@@ -10,6 +10,7 @@
 #include <toml++/toml.h>
 
 #include "core/error.h"
+#include "data/unicode.h"
 #include "parallel/pipeline/stage_layers.h"
 
 namespace loom::train {
@@ -239,6 +240,24 @@ void TrainConfig::validate(const std::string& where) const {
   auto need = [&](bool ok, const char* field, const std::string& msg) {
     if (!ok) throw Error(fmt::format("{}: {}: {}", where, field, msg));
   };
+  // Strings go into the checkpoint's manifest (JSON, UTF-8 only) and the metrics: a byte that is
+  // not UTF-8 would fail the first checkpoint after the run had trained up to it.
+  auto utf8 = [](const std::string& v) {
+    const auto* p = reinterpret_cast<const uint8_t*>(v.data());
+    const auto* end = p + v.size();
+    while (p < end) {
+      uint32_t cp = 0;
+      p += data::decode_utf8(p, end, &cp);
+      if (cp >= data::kInvalidByteBase) return false;
+    }
+    return true;
+  };
+  for (const auto& [field, value] :
+       {std::pair<const char*, const std::string*>{"model.preset", &model_preset}, {"data.dir", &data_dir},
+        {"data.tokenizer", &tokenizer_dir}, {"train.device", &device}, {"train.cuda_attention", &cuda_attention},
+        {"train.sample_prompt", &sample_prompt}, {"train.out_dir", &out_dir}, {"optim.schedule", &lr_schedule},
+        {"parallel.comm", &comm}, {"parallel.schedule", &schedule}})
+    need(utf8(*value), field, "is not valid UTF-8");
   need(seq_len > 0, "data.seq_len", fmt::format("must be positive, got {}", seq_len));
   need(steps >= 0, "train.steps", fmt::format("must be non-negative, got {}", steps));
   need(batch_size > 0, "train.batch_size", fmt::format("must be positive, got {}", batch_size));

@@ -98,8 +98,13 @@ double unigram_loss(const data::Loader& train, const data::Loader* val, int64_t 
 
 RunData open_run_data(const TrainConfig& cfg, const std::string& config_path) {
   RunData r{data::Loader(cfg.data_dir, "train", cfg.seq_len, cfg.seed), nullptr, {}};
-  if (!data::list_shards(cfg.data_dir, "val").empty())
+  if (!data::list_shards(cfg.data_dir, "val").empty()) {
     r.val = std::make_unique<data::Loader>(cfg.data_dir, "val", cfg.seq_len, cfg.seed);
+    LOOM_CHECK(r.val->vocab_size() == r.train.vocab_size(),
+               "{}: the val shards' vocabulary is {} tokens, the train shards' ({}) {}: they come from different "
+               "tokenizers (re-run `loom prepare`)",
+               r.val->files().front(), r.val->vocab_size(), r.train.files().front(), r.train.vocab_size());
+  }
   r.model = cfg.model(int64_t(r.train.vocab_size()));
   r.model.validate(config_path.empty() ? "model config" : config_path + ": [model]");
   LOOM_CHECK(int64_t(r.train.vocab_size()) <= r.model.vocab_size,
@@ -107,6 +112,7 @@ RunData open_run_data(const TrainConfig& cfg, const std::string& config_path) {
              r.train.vocab_size());
   LOOM_CHECK(cfg.seq_len <= r.model.block_size, "{}: data.seq_len {} exceeds model.block_size {}", config_path,
              cfg.seq_len, r.model.block_size);
+  r.tokenizer = load_run_tokenizer(cfg, int64_t(r.train.vocab_size()));
   return r;
 }
 
@@ -149,14 +155,16 @@ void check_resume_checkpoint(const std::string& ckpt, const CheckpointMeta& meta
 void truncate_metrics(const std::string& path, int64_t last_step) {
   if (!fs::exists(path)) return;
   std::ifstream in(path);
-  std::string line, kept;
-  while (std::getline(in, line)) {
-    try {
-      auto j = nlohmann::json::parse(line);
-      if (j.contains("step") && j["step"].get<int64_t>() <= last_step) kept += line + "\n";
-    } catch (const nlohmann::json::exception&) {
-      break;  // a torn last line from a killed run
-    }
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  // Keeps the records of steps <= last_step. A line that is not a record with an integer step is
+  // kept as it is (its step is unknown: dropping it, or everything after it, would lose records),
+  // except as the last line, where it is the torn write of a killed run.
+  std::string kept;
+  for (size_t i = 0; i < lines.size(); ++i) {
+    const auto j = nlohmann::json::parse(lines[i], nullptr, false);
+    const bool record = !j.is_discarded() && j.is_object() && j.contains("step") && j["step"].is_number_integer();
+    if (record ? j["step"].get<int64_t>() <= last_step : i + 1 < lines.size()) kept += lines[i] + "\n";
   }
   std::string tmp = path + ".tmp";
   std::ofstream(tmp, std::ios::trunc) << kept;
@@ -169,9 +177,10 @@ void read_loss_points(const std::string& path, std::vector<std::pair<double, dou
   std::string line;
   while (std::getline(in, line)) {
     auto j = nlohmann::json::parse(line, nullptr, false);
-    if (j.is_discarded()) continue;
-    if (j.contains("loss")) train.push_back({j["step"].get<double>(), j["loss"].get<double>()});
-    if (j.contains("val_loss")) val.push_back({j["step"].get<double>(), j["val_loss"].get<double>()});
+    if (j.is_discarded() || !j.is_object() || !j.contains("step") || !j["step"].is_number()) continue;
+    if (j.contains("loss") && j["loss"].is_number()) train.push_back({j["step"].get<double>(), j["loss"].get<double>()});
+    if (j.contains("val_loss") && j["val_loss"].is_number())
+      val.push_back({j["step"].get<double>(), j["val_loss"].get<double>()});
   }
 }
 
@@ -246,10 +255,18 @@ optim::AdamWConfig adamw_config(const TrainConfig& cfg) {
   return oc;
 }
 
-std::unique_ptr<data::Tokenizer> load_run_tokenizer(const TrainConfig& cfg) {
+std::unique_ptr<data::Tokenizer> load_run_tokenizer(const TrainConfig& cfg, int64_t data_vocab) {
   const std::filesystem::path dir = cfg.tokenizer_dir.empty() ? cfg.data_dir : cfg.tokenizer_dir;
-  if (!std::filesystem::exists(dir / "encoder.json") || !std::filesystem::exists(dir / "vocab.bpe")) return nullptr;
-  return std::make_unique<data::Tokenizer>(data::Tokenizer::from_dir(dir.string()));
+  const bool present = std::filesystem::exists(dir / "encoder.json") && std::filesystem::exists(dir / "vocab.bpe");
+  if (!present && !cfg.tokenizer_dir.empty())
+    throw Error(fmt::format("data.tokenizer: {} has no encoder.json and vocab.bpe", dir.string()));
+  if (!present) return nullptr;
+  auto tok = std::make_unique<data::Tokenizer>(data::Tokenizer::from_dir(dir.string()));
+  if (tok->vocab_size() != data_vocab)
+    throw Error(fmt::format("{}: the tokenizer has {} tokens, but the token shards in {} were written for a "
+                            "vocabulary of {} (data.tokenizer and data.dir must belong to one `loom prepare`)",
+                            (dir / "encoder.json").string(), tok->vocab_size(), cfg.data_dir, data_vocab));
+  return tok;
 }
 
 std::vector<int32_t> shared_sample_prompt(comm::Comm& world, const TrainConfig& cfg, const data::Tokenizer* tok,

@@ -60,6 +60,7 @@ struct RunData {
   data::Loader train;
   std::unique_ptr<data::Loader> val;
   model::GPTConfig model;
+  std::unique_ptr<data::Tokenizer> tokenizer;  // load_run_tokenizer's, checked against the shards
 };
 RunData open_run_data(const TrainConfig& cfg, const std::string& config_path);
 
@@ -99,8 +100,10 @@ struct FaultInjection {
 // The pieces both trainers build from the config the same way.
 optim::AdamWConfig adamw_config(const TrainConfig& cfg);
 // GPT-2 format vocabulary (encoder.json + vocab.bpe) of data.tokenizer_dir, else of data.dir;
-// null when there is none (samples are then printed as token ids).
-std::unique_ptr<data::Tokenizer> load_run_tokenizer(const TrainConfig& cfg);
+// null when data.dir has none (samples are then printed as token ids). An error naming the files
+// when data.tokenizer names a directory without them, or when the vocabulary's size is not the
+// `data_vocab` the token shards were written for.
+std::unique_ptr<data::Tokenizer> load_run_tokenizer(const TrainConfig& cfg, int64_t data_vocab);
 // train.sample_prompt encoded (with a tokenizer), else the first 8 tokens of the validation split
 // (or of training).
 std::vector<int32_t> sample_prompt(const TrainConfig& cfg, const data::Tokenizer* tok, const data::Loader& train,

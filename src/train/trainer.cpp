@@ -99,7 +99,7 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
     world.barrier();  // rank 0 has prepared the output directory
     if (lead && start_step == 0 && fs::exists(metrics_path)) fs::remove(metrics_path);
 
-    std::unique_ptr<data::Tokenizer> tok = lead ? load_run_tokenizer(cfg) : nullptr;
+    std::unique_ptr<data::Tokenizer> tok = lead ? std::move(run_data.tokenizer) : nullptr;
 
     // Rank r reads samples [r * local, (r + 1) * local) of every step's global batch, in
     // grad_accum micro-batches of mb.

@@ -151,7 +151,7 @@ TrainResult train_cuda_rank(const TrainConfig& cfg, const TrainOptions& opt, con
   if (lead && start_step == 0 && fs::exists(metrics_path)) fs::remove(metrics_path);
   world.barrier();  // rank 0 has prepared the output directory
 
-  std::unique_ptr<data::Tokenizer> tok = lead ? load_run_tokenizer(cfg) : nullptr;
+  std::unique_ptr<data::Tokenizer> tok = lead ? std::move(run_data.tokenizer) : nullptr;
   cudaDeviceProp prop{};
   LOOM_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   say(fmt::format("model {} | {:.2f}M parameters | cuda:{} {}{} | micro-batch {} x {}, grad_accum {} | {} attention "

@@ -579,7 +579,7 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   if (lead && start_step == 0 && fs::exists(metrics_path)) fs::remove(metrics_path);
   world.barrier();  // rank 0 has prepared the output directory
 
-  std::unique_ptr<data::Tokenizer> tok = lead ? load_run_tokenizer(cfg) : nullptr;
+  std::unique_ptr<data::Tokenizer> tok = lead ? std::move(run_data.tokenizer) : nullptr;
 
   const int64_t T = cfg.seq_len, val_mb = cfg.batch_size / cfg.grad_accum;
   if (lead)

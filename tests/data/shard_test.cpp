@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -74,6 +75,35 @@ TEST(Shard, RejectsTokenOutsideVocabulary) {
   std::vector<uint32_t> toks = {1, 2, 500};
   EXPECT_THROW(write_shard((d.p / "x.bin").string(), toks, 500), Error);
   EXPECT_FALSE(fs::exists(d.p / "x.bin"));
+}
+
+// A shard whose checksums hold but whose header promises a smaller vocabulary than its tokens use
+// (another tool's shard, or a header edited with its checksum redone): refused when opened, naming
+// the file, the token and the field, before a token could index past a model's embedding.
+TEST(Shard, TokensAtOrAboveTheHeaderVocabularyAreRefused) {
+  TmpDir d;
+  const std::string path = (d.p / "train_000.bin").string();
+  auto set_header_vocab = [&](uint32_t v) {
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    char h[32];
+    f.read(h, 32);
+    std::memcpy(h + 24, &v, 4);
+    const uint32_t crc = crc32(h, 32);
+    f.seekp(24);
+    f.write(h + 24, 4);
+    f.seekp(32);
+    f.write(reinterpret_cast<const char*>(&crc), 4);
+  };
+  write_shard(path, std::vector<uint32_t>{1, 2, 3, 700, 5}, 1000);
+  set_header_vocab(600);
+  std::string msg = expect_error(path);
+  EXPECT_NE(msg.find(path + ": token 3: id 700 is not below the header's vocabulary size 600"), std::string::npos)
+      << msg;
+  set_header_vocab(70000);  // more ids than 2-byte tokens can hold
+  msg = expect_error(path);
+  EXPECT_NE(msg.find("does not fit 2-byte tokens"), std::string::npos) << msg;
+  set_header_vocab(1000);
+  EXPECT_NO_THROW(Shard s(path));
 }
 
 TEST(Shard, TruncatedFileNamesFileAndField) {

@@ -1,0 +1,177 @@
+// What a run checks before it trains, and what resuming keeps: token shards of another
+// vocabulary (val against train, a tokenizer against the shards, a missing data.tokenizer), a lost
+// `latest` pointer, metrics lines it cannot read, and config strings that are not UTF-8. Each bad
+// input is an error naming the file and the field before anything is written; resuming loses no
+// record.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "data/bpe_train.h"
+#include "data/shard.h"
+#include "train/checkpoint.h"
+#include "train/config.h"
+#include "train/run_util.h"
+
+namespace fs = std::filesystem;
+using namespace loom;
+using namespace loom::train;
+
+namespace {
+
+struct TmpDir {
+  fs::path p;
+  explicit TmpDir(const char* what) {
+    p = fs::temp_directory_path() / fmt::format("loom_run_data_{}_{}", what, ::getpid());
+    fs::remove_all(p);
+    fs::create_directories(p);
+  }
+  ~TmpDir() { fs::remove_all(p); }
+};
+
+std::vector<uint32_t> pattern(size_t n, uint32_t vocab) {
+  std::vector<uint32_t> t(n);
+  for (size_t i = 0; i < n; ++i) t[i] = uint32_t((i * 7 + i / 13) % vocab);
+  return t;
+}
+
+TrainConfig config_for(const fs::path& data) {
+  TrainConfig c;
+  c.data_dir = data.string();
+  c.seq_len = 16;
+  c.n_layer = 1;
+  c.n_head = 2;
+  c.n_embd = 32;
+  return c;
+}
+
+std::string error_of(const TrainConfig& c) {
+  try {
+    open_run_data(c, "run.toml");
+  } catch (const Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "open_run_data accepted " << c.data_dir;
+  return "";
+}
+
+std::string read_file(const fs::path& p) {
+  std::ifstream f(p);
+  std::stringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+}  // namespace
+
+TEST(RunData, ShardsOfAnotherVocabularyAreRefused) {
+  TmpDir d("vocab");
+  data::write_shard((d.p / "train_000.bin").string(), pattern(4000, 97), 97);
+  data::write_shard((d.p / "val_000.bin").string(), pattern(500, 120), 120);
+  std::string msg = error_of(config_for(d.p));
+  EXPECT_NE(msg.find((d.p / "val_000.bin").string()), std::string::npos) << msg;
+  EXPECT_NE(msg.find("train_000.bin"), std::string::npos) << msg;
+  // Two train shards that disagree.
+  fs::remove(d.p / "val_000.bin");
+  data::write_shard((d.p / "train_001.bin").string(), pattern(4000, 120), 120);
+  msg = error_of(config_for(d.p));
+  EXPECT_NE(msg.find((d.p / "train_001.bin").string()), std::string::npos) << msg;
+  EXPECT_NE(msg.find("vocabulary size 120"), std::string::npos) << msg;
+}
+
+TEST(RunData, TheTokenizerMustBeTheShards) {
+  TmpDir d("tok");
+  data::TrainOptions o;
+  o.vocab_size = 300;
+  data::BpeTrainer bt(o);
+  std::string text;
+  for (int i = 0; i < 200; ++i) text += fmt::format("the quick brown fox {} jumps over the lazy dog {}. ", i, i * 7);
+  bt.add_text(text);
+  const data::Tokenizer tok = bt.train();
+  const uint32_t v = uint32_t(tok.vocab_size());
+  fs::create_directories(d.p / "tok");
+  tok.save((d.p / "tok").string());
+
+  // The tokenizer in data.dir, as `loom prepare` leaves it: matching shards load it.
+  fs::copy(d.p / "tok", d.p / "same");
+  data::write_shard((d.p / "same" / "train_000.bin").string(), pattern(4000, v), v);
+  RunData ok = open_run_data(config_for(d.p / "same"), "run.toml");
+  ASSERT_NE(ok.tokenizer, nullptr);
+  EXPECT_EQ(ok.tokenizer->vocab_size(), int32_t(v));
+
+  // Shards of one vocabulary more than the tokenizer has: refused, naming the tokenizer's file.
+  fs::create_directories(d.p / "other");
+  data::write_shard((d.p / "other" / "train_000.bin").string(), pattern(4000, v + 1), v + 1);
+  TrainConfig c = config_for(d.p / "other");
+  c.tokenizer_dir = (d.p / "tok").string();
+  std::string msg = error_of(c);
+  EXPECT_NE(msg.find((d.p / "tok" / "encoder.json").string()), std::string::npos) << msg;
+  EXPECT_NE(msg.find(fmt::format("vocabulary of {}", v + 1)), std::string::npos) << msg;
+
+  // data.tokenizer naming a directory without a tokenizer is an error, not "no samples as text".
+  c.tokenizer_dir = (d.p / "other").string();
+  msg = error_of(c);
+  EXPECT_NE(msg.find("data.tokenizer"), std::string::npos) << msg;
+  // No tokenizer anywhere and none asked for: samples as token ids.
+  c.tokenizer_dir.clear();
+  EXPECT_EQ(open_run_data(c, "run.toml").tokenizer, nullptr);
+}
+
+TEST(Checkpoint, WithoutLatestTheNewestCompleteCheckpointIsResumed) {
+  TmpDir d("latest");
+  EXPECT_EQ(latest_checkpoint(d.p.string()), "");
+  for (const char* n : {"ckpt_00000003", "ckpt_00000006", "ckpt_00000009"}) {
+    fs::create_directories(d.p / n);
+    std::ofstream(d.p / n / "manifest.json") << "{}";
+  }
+  for (const char* n : {"ckpt_00000003", "ckpt_00000006"}) std::ofstream(d.p / n / "state.safetensors") << "x";
+  // ckpt_00000009 has no state: incomplete, never the one to resume.
+  EXPECT_EQ(latest_checkpoint(d.p.string()), (d.p / "ckpt_00000006").string());
+  std::ofstream(d.p / "latest") << "ckpt_00000003\n";
+  EXPECT_EQ(latest_checkpoint(d.p.string()), (d.p / "ckpt_00000003").string());
+}
+
+TEST(Metrics, ResumingKeepsTheLinesItCannotRead) {
+  TmpDir d("metrics");
+  const fs::path m = d.p / "metrics.jsonl";
+  std::ofstream(m) << "{\"step\": 1, \"loss\": 5.0}\n"
+                      "{\"step\": \"2\", \"loss\": 4.0}\n"  // edited by hand: its step is unknown
+                      "not json\n"
+                      "{\"step\": 3, \"loss\": 3.0}\n"
+                      "{\"step\": 4, \"loss\": 2.0}\n"
+                      "{\"step\": 5, \"lo";                 // torn by a kill
+  truncate_metrics(m.string(), 3);
+  EXPECT_EQ(read_file(m),
+            "{\"step\": 1, \"loss\": 5.0}\n"
+            "{\"step\": \"2\", \"loss\": 4.0}\n"
+            "not json\n"
+            "{\"step\": 3, \"loss\": 3.0}\n");
+  std::vector<std::pair<double, double>> train, val;
+  read_loss_points(m.string(), train, val);  // the plot skips what it cannot read
+  EXPECT_EQ(train.size(), 2u);
+}
+
+TEST(TrainConfig, StringsMustBeUtf8) {
+  TrainConfig c;
+  c.sample_prompt = "caf\xc3\xa9";  // "café": fine
+  EXPECT_NO_THROW(c.validate("run.toml"));
+  c.sample_prompt = "\xff";
+  try {
+    c.validate("run.toml");
+    ADD_FAILURE() << "accepted a prompt that is not UTF-8";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("run.toml: train.sample_prompt: is not valid UTF-8"), std::string::npos)
+        << e.what();
+  }
+  c.sample_prompt.clear();
+  c.out_dir = "runs/\xc3";  // a truncated sequence
+  EXPECT_THROW(c.validate("run.toml"), Error);
+}
