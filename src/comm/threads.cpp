@@ -8,6 +8,7 @@
 #include <cstring>
 #include <deque>
 #include <exception>
+#include <system_error>
 #include <thread>
 
 #include "comm/reduce.h"
@@ -740,7 +741,17 @@ void run_ranks(int n, const std::function<void(Comm&)>& fn, const RunOptions& op
   };
   std::vector<std::thread> threads;
   threads.reserve(size_t(n));
-  for (int r = 0; r < n; ++r) threads.emplace_back(body, r);
+  for (int r = 0; r < n; ++r) {
+    try {
+      threads.emplace_back(body, r);
+    } catch (const std::system_error& e) {
+      // The ranks already running fail at their next collective; then the job ends with this.
+      const std::string what = fmt::format("cannot start the thread of rank {} of {}: {}", r, n, e.what());
+      world.fail(r, what);
+      for (auto& t : threads) t.join();
+      throw Error(fmt::format("run_ranks: {}", what));
+    }
+  }
   for (auto& t : threads) t.join();
   int first = world.failed_rank();
   if (first >= 0) std::rethrow_exception(errors[size_t(first)]);

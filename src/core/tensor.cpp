@@ -1,12 +1,14 @@
 #include "core/tensor.h"
 
+#include <cstdint>
 #include <cstring>
 
 namespace loom {
 
 int64_t shape_numel(const Shape& s) {
   int64_t n = 1;
-  for (int64_t d : s) n *= d;
+  for (int64_t d : s)
+    if (__builtin_mul_overflow(n, d, &n)) throw Error(fmt::format("shape {} has more than 2^63 elements", shape_str(s)));
   return n;
 }
 
@@ -23,6 +25,8 @@ Storage::~Storage() { pool_->deallocate(ptr_, bytes_, tag_); }
 
 Tensor Tensor::empty(const Shape& shape, DType dtype, MemTag tag, MemoryPool& pool) {
   for (int64_t d : shape) LOOM_CHECK(d >= 0, "negative dimension in shape {}", shape_str(shape));
+  LOOM_CHECK(uint64_t(shape_numel(shape)) <= SIZE_MAX / dtype_size(dtype), "shape {} is too large to allocate",
+             shape_str(shape));
   Tensor t;
   t.shape_ = shape;
   t.dtype_ = dtype;

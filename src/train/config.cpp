@@ -1,6 +1,10 @@
 #include "train/config.h"
 
 #include <charconv>
+#include <string_view>
+#include <iterator>
+#include <filesystem>
+#include <cmath>
 #include <functional>
 #include <sstream>
 #include <utility>
@@ -113,6 +117,16 @@ std::string value_str(const Value& v) {
   }, v);
 }
 
+// Integer fields are counts and sizes; products of two or three of them (batch x sequence,
+// layers x width, dp x grad_accum) size the run's arrays and loops, so each is bounded where those
+// products cannot overflow 64 bits.
+constexpr int64_t kIntFieldMax = int64_t(1) << 31;
+
+void check_int_range(int64_t x, const std::string& where) {
+  if (x > kIntFieldMax || x < -kIntFieldMax)
+    throw Error(fmt::format("{}: {} is out of range (at most 2^31 in magnitude)", where, x));
+}
+
 // Sets a field from a TOML node; `where` is "FILE: field" for messages.
 void set_from_node(const Value& v, const toml::node& n, const std::string& where) {
   auto bad = [&](std::string_view got) {
@@ -133,6 +147,7 @@ void set_from_node(const Value& v, const toml::node& n, const std::string& where
     case 0: {
       auto x = n.value_exact<int64_t>();
       if (!x) bad(node_type());
+      check_int_range(*x, where);
       *std::get<0>(v) = *x;
       break;
     }
@@ -168,6 +183,7 @@ void set_from_node(const Value& v, const toml::node& n, const std::string& where
       for (const toml::node& e : *a) {
         auto x = e.value_exact<int64_t>();
         if (!x) throw Error(fmt::format("{}: expected int list, entry {} is not an integer", where, list.size()));
+        check_int_range(*x, fmt::format("{} entry {}", where, list.size()));
         list.push_back(*x);
       }
       *std::get<5>(v) = std::move(list);
@@ -199,6 +215,13 @@ void walk(const toml::table& t, const std::string& prefix, TrainConfig& c, const
   for (const auto& [k, node] : t) {
     std::string key = prefix.empty() ? std::string(k.str()) : prefix + "." + std::string(k.str());
     if (node.is_table()) {
+      if (const Field* f = find_field(key)) set_from_node(f->get(c), node, fmt::format("{}: {}", file, key));  // throws
+      const bool section = std::any_of(std::begin(kFields), std::end(kFields), [&](const Field& f) {
+        return std::string_view(f.key).starts_with(key + ".");
+      });
+      if (!section)
+        throw Error(fmt::format("{}:{}: unknown section [{}] (see `loom train --help-config`)", file,
+                                k.source().begin.line, key));
       walk(*node.as_table(), key, c, file);
       continue;
     }
@@ -236,9 +259,12 @@ model::GPTConfig TrainConfig::model(int64_t data_vocab) const {
   return m;
 }
 
-void TrainConfig::validate(const std::string& where) const {
+void TrainConfig::validate(const std::string& where, const std::vector<std::string>& command_line) const {
   auto need = [&](bool ok, const char* field, const std::string& msg) {
-    if (!ok) throw Error(fmt::format("{}: {}: {}", where, field, msg));
+    if (ok) return;
+    if (std::find(command_line.begin(), command_line.end(), field) != command_line.end())
+      throw Error(fmt::format("command line: --{}: {}", field, msg));
+    throw Error(fmt::format("{}: {}: {}", where, field, msg));
   };
   // Strings go into the checkpoint's manifest (JSON, UTF-8 only) and the metrics: a byte that is
   // not UTF-8 would fail the first checkpoint after the run had trained up to it.
@@ -271,6 +297,12 @@ void TrainConfig::validate(const std::string& where) const {
        "sample_tokens >= 0, sample_top_k >= 0, sample_temperature > 0");
   need(checkpoint_every >= 0, "train.checkpoint_every", "must be non-negative");
   need(keep_checkpoints >= 1, "train.keep_checkpoints", "must be at least 1");
+  for (const auto& [field, value] :
+       {std::pair<const char*, float>{"optim.lr", lr}, {"optim.min_lr", min_lr}, {"optim.beta1", beta1},
+        {"optim.beta2", beta2}, {"optim.eps", eps}, {"optim.weight_decay", weight_decay},
+        {"optim.grad_clip", grad_clip}, {"train.sample_temperature", sample_temperature},
+        {"parallel.timeout_s", timeout_s}, {"parallel.bucket_mb", bucket_mb}})
+    need(std::isfinite(value), field, fmt::format("must be a finite number, got {}", value));
   need(lr >= 0 && min_lr >= 0, "optim.lr", "learning rates must be non-negative");
   need(warmup_steps >= 0, "optim.warmup_steps", "must be non-negative");
   need(lr_schedule == "cosine" || lr_schedule == "linear" || lr_schedule == "constant", "optim.schedule",
@@ -370,6 +402,8 @@ TrainConfig load_config(const std::string& path, const std::vector<std::string>&
   TrainConfig c;
   if (!path.empty()) {
     toml::table t;
+    std::error_code ec;
+    if (std::filesystem::is_directory(path, ec)) throw Error(fmt::format("{}: is a directory, not a TOML config", path));
     try {
       t = toml::parse_file(path);
     } catch (const toml::parse_error& e) {
@@ -378,6 +412,7 @@ TrainConfig load_config(const std::string& path, const std::vector<std::string>&
     }
     walk(t, "", c, path);
   }
+  std::vector<std::string> from_command_line;
   for (const auto& o : overrides) {
     auto eq = o.find('=');
     LOOM_CHECK(eq != std::string::npos, "command line: override '{}' is not key=value", o);
@@ -385,8 +420,9 @@ TrainConfig load_config(const std::string& path, const std::vector<std::string>&
     const Field* f = find_field(key);
     if (!f) throw Error(fmt::format("command line: unknown key '--{}' (see `loom train --help-config`)", key));
     set_from_text(f->get(c), val, fmt::format("command line: --{}", key));
+    from_command_line.push_back(key);
   }
-  c.validate(path.empty() ? "command line" : path);
+  c.validate(path.empty() ? "command line" : path, from_command_line);
   return c;
 }
 

@@ -59,7 +59,8 @@ struct TrainConfig {
 
   // The model configuration these fields describe (vocab from the data when vocab_size is 0).
   model::GPTConfig model(int64_t data_vocab) const;
-  void validate(const std::string& where) const;
+  // `command_line`: the fields set by command-line flags, named as such in the messages.
+  void validate(const std::string& where, const std::vector<std::string>& command_line = {}) const;
   // The refusals of train.device = "cuda" (called by validate): a build without CUDA, any parallel
   // dimension, ZeRO, offload, and model shapes the GPU model lacks; errors name the field.
   void validate_cuda(const std::string& where) const;

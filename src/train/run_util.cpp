@@ -1,6 +1,7 @@
 #include "train/run_util.h"
 
 #include <fmt/format.h>
+#include <unistd.h>
 #include <nlohmann/json.hpp>
 #include <omp.h>
 
@@ -96,6 +97,28 @@ double unigram_loss(const data::Loader& train, const data::Loader* val, int64_t 
   return n > 0 ? nll / n : NAN;
 }
 
+// With every rank a thread of this process on the CPU, the whole job's memory is this host's. A
+// lower bound of what any layout holds at once: the f32 weights of each data-parallel replica
+// (one sharded copy under ZeRO-3) and one copy of their gradients, 4 bytes a parameter each;
+// AdamW's moments and the activations come on top. A model or a layout that far exceeds the host
+// is refused here, naming the fields, instead of being stopped by the kernel's out-of-memory
+// killer part-way through building it.
+static void check_host_memory(const TrainConfig& cfg, const model::GPTConfig& m, const std::string& config_path) {
+  if (cfg.device != "cpu" || cfg.comm != "threads") return;
+  const double C = double(m.n_embd);
+  const double params =
+      double(m.n_layer) * (12 * C * C + 13 * C) + 2 * C + (double(m.padded_vocab()) + double(m.block_size)) * C;
+  const double replicas = cfg.zero >= 3 ? 1.0 : double(cfg.dp);
+  const double need = 4 * params * (replicas + 1);
+  const double host = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
+  if (host > 0 && need > host)
+    throw Error(fmt::format("{}: model.n_layer {}, model.n_embd {}, model.block_size {} and parallel.dp {} (ZeRO {}): "
+                            "{:.3g} parameters, whose f32 weights and gradients alone take {:.1f} GiB, more than "
+                            "this host's {:.1f} GiB of memory",
+                            config_path.empty() ? "config" : config_path, m.n_layer, m.n_embd, m.block_size, cfg.dp,
+                            cfg.zero, params, need / double(1 << 30), host / double(1 << 30)));
+}
+
 RunData open_run_data(const TrainConfig& cfg, const std::string& config_path) {
   RunData r{data::Loader(cfg.data_dir, "train", cfg.seq_len, cfg.seed), nullptr, {}};
   if (!data::list_shards(cfg.data_dir, "val").empty()) {
@@ -112,6 +135,7 @@ RunData open_run_data(const TrainConfig& cfg, const std::string& config_path) {
              r.train.vocab_size());
   LOOM_CHECK(cfg.seq_len <= r.model.block_size, "{}: data.seq_len {} exceeds model.block_size {}", config_path,
              cfg.seq_len, r.model.block_size);
+  check_host_memory(cfg, r.model, config_path);
   r.tokenizer = load_run_tokenizer(cfg, int64_t(r.train.vocab_size()));
   return r;
 }

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
+#include <system_error>
 #include <thread>
 
 #include "core/error.h"
@@ -241,8 +242,20 @@ TrainResult run_training(const TrainConfig& cfg, const TrainOptions& opt) {
   std::vector<TrainResult> results(static_cast<size_t>(dp));
   std::vector<std::exception_ptr> errors(static_cast<size_t>(dp));
   std::vector<std::thread> threads;
+  threads.reserve(size_t(dp));
+  auto start = [&](int r, auto&& body) {
+    try {
+      threads.emplace_back(std::forward<decltype(body)>(body));
+    } catch (const std::system_error& e) {
+      // The ranks already running fail at their next collective; then the job ends with this.
+      const std::string what = fmt::format("cannot start the thread of rank {} of {}: {}", r, dp, e.what());
+      world.fail(r, what);
+      for (auto& t : threads) t.join();
+      throw Error(fmt::format("{}: parallel.dp {}: {}", where, dp, what));
+    }
+  };
   for (int r = 0; r < dp; ++r)
-    threads.emplace_back([&, r] {
+    start(r, [&, r] {
       try {
         auto c = world.comm(r);
         omp_set_num_threads(per_rank);

@@ -52,6 +52,40 @@ TEST(TrainConfig, IntegerAcceptedForFloat) {
   EXPECT_FLOAT_EQ(load_config(f.path, {}).lr, 1.0f);
 }
 
+// Values a TOML file or the command line can hold but a run cannot use: each refused naming the
+// file and the field, before any of it sizes an array (a batch of 2^58 sequences overflowed the
+// allocation's size; dp x grad_accum of 2^64 divided by zero; a block_size of 2^62 wrapped the
+// position table to no rows).
+TEST(TrainConfig, OutOfRangeValuesAndMisplacedTablesAreRefused) {
+  std::string m = error_of("", {"train.batch_size=288230376151711744"});
+  EXPECT_NE(m.find("--train.batch_size: 288230376151711744 is out of range"), std::string::npos) << m;
+  m = error_of("[model]\nblock_size = 4611686018427387904\n");
+  EXPECT_NE(m.find("model.block_size: 4611686018427387904 is out of range"), std::string::npos) << m;
+  m = error_of("[parallel]\nstage_layers = [1, -4294967296]\n");
+  EXPECT_NE(m.find("parallel.stage_layers entry 1: -4294967296 is out of range"), std::string::npos) << m;
+  EXPECT_EQ(load_config("", {"train.steps=2147483648"}).steps, int64_t(1) << 31);  // the bound itself
+  // A table where a value belongs, and a section that holds no field.
+  m = error_of("[optim]\nlr = {}\n");
+  EXPECT_NE(m.find("optim.lr: expected float, got a table"), std::string::npos) << m;
+  m = error_of("[modle]\n");
+  EXPECT_NE(m.find("unknown section [modle]"), std::string::npos) << m;
+  // Non-finite floats: an eps of inf made every update zero.
+  m = error_of("[optim]\neps = inf\n");
+  EXPECT_NE(m.find("optim.eps: must be a finite number, got inf"), std::string::npos) << m;
+  m = error_of("", {"optim.lr=inf"});
+  EXPECT_NE(m.find("optim.lr: must be a finite number"), std::string::npos) << m;
+  // A directory is not a config.
+  const fs::path dir = fs::temp_directory_path() / fmt::format("loom_cfg_dir_{}.toml", ::getpid());
+  fs::create_directories(dir);
+  try {
+    load_config(dir.string(), {});
+    ADD_FAILURE() << "a directory was read as a config";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(dir.string() + ": is a directory"), std::string::npos) << e.what();
+  }
+  fs::remove_all(dir);
+}
+
 TEST(TrainConfig, ErrorsNameFileAndField) {
   EXPECT_NE(error_of("[optim\nlr = 1").find("malformed TOML"), std::string::npos);
   std::string m = error_of("[optim]\nlearning_rate = 1e-3\n");

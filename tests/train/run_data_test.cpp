@@ -125,6 +125,21 @@ TEST(RunData, TheTokenizerMustBeTheShards) {
   EXPECT_EQ(open_run_data(c, "run.toml").tokenizer, nullptr);
 }
 
+// A model far beyond the host's memory is refused before any of it is allocated (a billion
+// layers ran into the kernel's out-of-memory killer 45 s into building the model).
+TEST(RunData, AModelBeyondTheHostsMemoryIsRefused) {
+  TmpDir d("host");
+  data::write_shard((d.p / "train_000.bin").string(), pattern(4000, 97), 97);
+  TrainConfig c = config_for(d.p);
+  c.n_layer = 1000000000;
+  const std::string msg = error_of(c);
+  EXPECT_NE(msg.find("run.toml: model.n_layer 1000000000"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("of memory"), std::string::npos) << msg;
+  c.n_layer = 1;
+  c.dp = 1 << 30;  // a replica per data-parallel rank
+  EXPECT_NE(error_of(c).find("parallel.dp 1073741824"), std::string::npos);
+}
+
 TEST(Checkpoint, WithoutLatestTheNewestCompleteCheckpointIsResumed) {
   TmpDir d("latest");
   EXPECT_EQ(latest_checkpoint(d.p.string()), "");
