@@ -86,7 +86,19 @@ int run_generate(const GenerateArgs& a) {
   const std::string ckpt = model::resolve_checkpoint(a.ckpt);
   const model::GPTConfig cfg = model::checkpoint_model_config(ckpt);
   std::unique_ptr<data::Tokenizer> tok;
-  if (!a.ids) tok = std::make_unique<data::Tokenizer>(data::Tokenizer::from_dir(find_tokenizer(a, ckpt)));
+  if (!a.ids) {
+    const std::string dir = find_tokenizer(a, ckpt);
+    tok = std::make_unique<data::Tokenizer>(data::Tokenizer::from_dir(dir));
+    // The same size is not the same vocabulary: ids would decode to other text.
+    const fs::path manifest = fs::path(ckpt) / "manifest.json";
+    if (fs::exists(manifest)) {
+      const std::string want = train::read_checkpoint_meta(ckpt).vocabulary;
+      if (!want.empty() && want != tok->fingerprint())
+        throw Error(fmt::format("{}: the checkpoint was trained with vocabulary {}, but the tokenizer in {} is {} "
+                                "(pass --tokenizer with the training data's directory)",
+                                manifest.string(), want, dir, tok->fingerprint()));
+    }
+  }
   std::vector<int32_t> prompt = a.ids ? parse_ids(a.prompt) : tok->encode(a.prompt);
   if (prompt.empty()) throw Error("command line: --prompt is empty (the model needs at least one token)");
   for (int32_t t : prompt)

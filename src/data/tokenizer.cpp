@@ -675,3 +675,29 @@ std::string Tokenizer::decode(std::span<const int32_t> ids) const {
 }
 
 }  // namespace loom::data
+
+namespace loom::data {
+
+std::string Tokenizer::fingerprint() const {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a, 64 bits
+  auto mix = [&](const void* p, size_t n) {
+    const auto* b = static_cast<const uint8_t*>(p);
+    for (size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 1099511628211ull;
+  };
+  auto mix_u32 = [&](uint32_t x) { mix(&x, sizeof x); };
+  mix_u32(uint32_t(vocab_size()));
+  for (int32_t id = 0; id < vocab_size(); ++id) {
+    const std::string_view t = token(id);
+    mix_u32(uint32_t(t.size()));
+    mix(t.data(), t.size());
+  }
+  mix_u32(uint32_t(merge_pairs_.size()));
+  for (const auto& [l, r] : merge_pairs_) {
+    mix_u32(uint32_t(l));
+    mix_u32(uint32_t(r));
+  }
+  for (int32_t id : special_ids_) mix_u32(uint32_t(id));
+  return fmt::format("{:016x}", h);
+}
+
+}  // namespace loom::data

@@ -64,6 +64,10 @@ class Tokenizer {
   std::string decode(std::span<const int32_t> ids) const;
 
   int32_t vocab_size() const { return int32_t(offsets_.size() - 1); }
+  // 16 hex digits identifying the vocabulary: a hash of every token's bytes in id order, the
+  // merges in rank order and the special ids. Checkpoints record it, so that a run or `loom
+  // generate` with another tokenizer of the same size is refused rather than silently misread.
+  std::string fingerprint() const;
   size_t num_merges() const { return merge_pairs_.size(); }
   // (left, right) ids of the merge with this rank.
   std::pair<int32_t, int32_t> merge(size_t rank) const { return merge_pairs_.at(rank); }

@@ -76,6 +76,7 @@ std::string save_checkpoint(const std::string& dir, const CheckpointMeta& meta,
   m["rng"] = {{"seed", meta.seed}, {"kind", "philox4x32-10 counters keyed by (seed, stream, index)"}};
   m["model"] = meta.model;
   m["config_toml"] = meta.config_toml;
+  if (!meta.vocabulary.empty()) m["vocabulary"] = meta.vocabulary;
   m["tensors"] = tensors.size();
   write_text_durably((fs::path(tmp_dir) / "manifest.json").string(), m.dump(2) + "\n");
   fsync_path(tmp_dir, true);
@@ -160,6 +161,10 @@ CheckpointMeta read_checkpoint_meta(const std::string& ckpt) {
   meta.model = field("model");
   if (!field("config_toml").is_string()) throw Error(fmt::format("{}: field 'config_toml' must be a string", path));
   meta.config_toml = m["config_toml"].get<std::string>();
+  if (m.contains("vocabulary")) {
+    if (!m["vocabulary"].is_string()) throw Error(fmt::format("{}: field 'vocabulary' must be a string", path));
+    meta.vocabulary = m["vocabulary"].get<std::string>();
+  }
   if (meta.step < 0 || meta.optimizer_steps < 0 || meta.data_position < 0)
     throw Error(fmt::format("{}: negative step counters", path));
   return meta;

@@ -31,6 +31,7 @@ struct CheckpointMeta {
   uint64_t seed = 0;             // initialisation, data order and sampling are counters on it
   nlohmann::json model;          // model config fields
   std::string config_toml;       // the training config as run
+  std::string vocabulary;        // the run's tokenizer's fingerprint ("": none, or an older checkpoint)
 };
 
 // Writes DIR/ckpt_<step> and points DIR/latest at it, then deletes all but the newest `keep`.

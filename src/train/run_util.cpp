@@ -153,7 +153,7 @@ std::string write_loss_curve(const std::string& png, const std::string& metrics_
 }
 
 void check_resume_checkpoint(const std::string& ckpt, const CheckpointMeta& meta, const TrainConfig& cfg,
-                             const model::GPTConfig& mc) {
+                             const model::GPTConfig& mc, const std::string& vocabulary) {
   const std::string manifest = (fs::path(ckpt) / "manifest.json").string();
   LOOM_CHECK(meta.seed == cfg.seed, "{}: the checkpoint's seed {} differs from train.seed {}", manifest, meta.seed,
              cfg.seed);
@@ -174,6 +174,12 @@ void check_resume_checkpoint(const std::string& ckpt, const CheckpointMeta& meta
   // Training batches are addressed by step (data/loader.h), so the data position is the step.
   LOOM_CHECK(meta.data_position == meta.step, "{}: field 'data_position' is {} but 'step' is {} (they must match)",
              manifest, meta.data_position, meta.step);
+  // The same vocabulary size is not the same vocabulary: ids would mean other text.
+  if (!meta.vocabulary.empty() && !vocabulary.empty() && meta.vocabulary != vocabulary)
+    throw Error(fmt::format("{}: the checkpoint was trained with vocabulary {}, but the tokenizer of data.dir {} (or "
+                            "data.tokenizer) is {}: its token ids mean other text (resume on the data the checkpoint "
+                            "was trained on)",
+                            manifest, meta.vocabulary, cfg.data_dir, vocabulary));
 }
 
 void truncate_metrics(const std::string& path, int64_t last_step) {
@@ -333,7 +339,7 @@ std::string sample_text(const TrainConfig& cfg, model::GPT& gpt, const std::vect
 }
 
 CheckpointMeta checkpoint_meta(const TrainConfig& cfg, const model::GPTConfig& mc, int64_t step,
-                               int64_t optimizer_steps) {
+                               int64_t optimizer_steps, const std::string& vocabulary) {
   CheckpointMeta meta;
   meta.step = step;
   meta.optimizer_steps = optimizer_steps;
@@ -341,6 +347,7 @@ CheckpointMeta checkpoint_meta(const TrainConfig& cfg, const model::GPTConfig& m
   meta.seed = cfg.seed;
   meta.model = model::gpt_config_manifest(mc);
   meta.config_toml = config_to_toml(cfg);
+  meta.vocabulary = vocabulary;
   return meta;
 }
 

@@ -73,8 +73,10 @@ std::string write_loss_curve(const std::string& png, const std::string& metrics_
 // Checks that checkpoint `ckpt` (manifest `meta`) can continue this run: the same seed and
 // model (every field of the manifest's "model" but the name), and a data position at its step.
 // Errors name the manifest and the field.
+// `vocabulary`: the fingerprint of this run's tokenizer ("" when it has none).
 void check_resume_checkpoint(const std::string& ckpt, const CheckpointMeta& meta, const TrainConfig& cfg,
-                             const model::GPTConfig& mc);
+                             const model::GPTConfig& mc,
+                             const std::string& vocabulary);
 
 // Keeps only the metric lines of steps <= last_step (a resumed run rewrites what follows).
 void truncate_metrics(const std::string& path, int64_t last_step);
@@ -117,7 +119,8 @@ std::string sample_text(const TrainConfig& cfg, model::GPT& gpt, const std::vect
                         const data::Tokenizer* tok);
 // The manifest of a checkpoint of this run at `step`.
 CheckpointMeta checkpoint_meta(const TrainConfig& cfg, const model::GPTConfig& mc, int64_t step,
-                               int64_t optimizer_steps);
+                               int64_t optimizer_steps,
+                               const std::string& vocabulary);
 
 // Rank 0's record of a run: metrics.jsonl lines, the loss points of the PNG, the progress lines
 // every train.log_every steps (tokens/s, MFU, ETA over the window since the last one). Other

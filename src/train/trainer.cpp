@@ -46,6 +46,7 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
   };
 
   RunData run_data = open_run_data(cfg, opt.config_path);
+  const std::string vocabulary = run_data.tokenizer ? run_data.tokenizer->fingerprint() : "";
   data::Loader& train = run_data.train;
   std::unique_ptr<data::Loader>& val = run_data.val;
   const model::GPTConfig mc = run_data.model;
@@ -88,7 +89,7 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
         say(fmt::format("resume: no checkpoint in {}, starting from step 0", cfg.out_dir));
       } else {
         CheckpointMeta meta = read_checkpoint_meta(ckpt);
-        check_resume_checkpoint(ckpt, meta, cfg, mc);
+        check_resume_checkpoint(ckpt, meta, cfg, mc, vocabulary);
         auto full = ddp.empty_full_state();
         load_checkpoint_tensors(ckpt, named(full));
         ddp.load_full_state(full, meta.optimizer_steps);
@@ -146,8 +147,8 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
     auto checkpoint = [&](int64_t step) {
       auto full = ddp.gather_full_state();  // collective
       if (lead)
-        save_checkpoint(out_dir.string(), checkpoint_meta(cfg, mc, step, ddp.optimizer_steps()), named(full),
-                        cfg.keep_checkpoints);
+        save_checkpoint(out_dir.string(), checkpoint_meta(cfg, mc, step, ddp.optimizer_steps(), vocabulary),
+                        named(full), cfg.keep_checkpoints);
     };
 
     pool.reset_peaks();

@@ -87,6 +87,7 @@ TrainResult train_cuda_rank(const TrainConfig& cfg, const TrainOptions& opt, con
   LOOM_CUDA_CHECK(cudaSetDevice(device));
 
   RunData run_data = open_run_data(cfg, opt.config_path);
+  const std::string vocabulary = run_data.tokenizer ? run_data.tokenizer->fingerprint() : "";
   data::Loader& train = run_data.train;
   std::unique_ptr<data::Loader>& val = run_data.val;
   const model::GPTConfig mc = run_data.model;
@@ -138,7 +139,7 @@ TrainResult train_cuda_rank(const TrainConfig& cfg, const TrainOptions& opt, con
       say(fmt::format("resume: no checkpoint in {}, starting from step 0", cfg.out_dir));
     } else {
       const CheckpointMeta meta = read_checkpoint_meta(ckpt);
-      check_resume_checkpoint(ckpt, meta, cfg, mc);
+      check_resume_checkpoint(ckpt, meta, cfg, mc, vocabulary);
       std::vector<NamedTensor> state = host_state(gpt, host_pool);
       load_checkpoint_tensors(ckpt, state);
       upload_state(gpt, state);
@@ -211,7 +212,7 @@ TrainResult train_cuda_rank(const TrainConfig& cfg, const TrainOptions& opt, con
     if (lead) {
       std::vector<NamedTensor> state = host_state(gpt, host_pool);
       download_state(gpt, state);
-      save_checkpoint(out_dir.string(), checkpoint_meta(cfg, mc, step, optimizer_steps), state,
+      save_checkpoint(out_dir.string(), checkpoint_meta(cfg, mc, step, optimizer_steps, vocabulary), state,
                       cfg.keep_checkpoints);
     }
     world.barrier();

@@ -529,6 +529,7 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   };
 
   RunData run_data = open_run_data(cfg, opt.config_path);
+  const std::string vocabulary = run_data.tokenizer ? run_data.tokenizer->fingerprint() : "";
   data::Loader& train = run_data.train;
   std::unique_ptr<data::Loader>& val = run_data.val;
   const model::GPTConfig mc = run_data.model;
@@ -556,7 +557,7 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
     CheckpointMeta meta;
     if (!ckpt.empty()) {
       meta = read_checkpoint_meta(ckpt);
-      check_resume_checkpoint(ckpt, meta, cfg, mc);
+      check_resume_checkpoint(ckpt, meta, cfg, mc, vocabulary);
     }
     int64_t step0 = ckpt.empty() ? -1 : meta.step;
     const int64_t mine = step0;
@@ -615,7 +616,7 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   auto checkpoint = [&](int64_t step) {
     engine->gather(full.get(), true);
     if (lead)
-      save_checkpoint(out_dir.string(), checkpoint_meta(cfg, mc, step, full->optimizer_steps), full->named(),
+      save_checkpoint(out_dir.string(), checkpoint_meta(cfg, mc, step, full->optimizer_steps, vocabulary), full->named(),
                       cfg.keep_checkpoints);
     world.barrier();
   };

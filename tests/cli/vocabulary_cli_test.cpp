@@ -1,0 +1,90 @@
+// A checkpoint knows its vocabulary: resuming on another corpus whose tokenizer has the same size,
+// or `loom generate` with such a tokenizer, is refused naming the manifest and the tokenizer (the
+// ids would mean other text), and nothing already written is touched. Through the loom executable
+// on two small corpora prepared by `loom prepare`.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "cli_util.h"
+#include "data/tokenizer.h"
+
+namespace fs = std::filesystem;
+using namespace loom;
+using namespace loom::test;
+
+namespace {
+
+// Text whose BPE vocabulary of 270 differs from another seed's (other words, other merges).
+void write_text(const fs::path& path, int seed) {
+  std::ofstream f(path);
+  const char* words[2][6] = {{"river", "stone", "lantern", "harbour", "meadow", "thistle"},
+                             {"copper", "violin", "glacier", "orchard", "falcon", "saffron"}};
+  for (int i = 0; i < 3000; ++i)
+    f << words[seed][i % 6] << ' ' << words[seed][(i * 7 + 3) % 6] << (i % 11 == 0 ? ".\n" : " ");
+}
+
+}  // namespace
+
+TEST(VocabularyCli, CheckpointsRefuseAnotherVocabularyOfTheSameSize) {
+  LOOM_REQUIRE_LOOM();
+  const fs::path root = fs::temp_directory_path() / fmt::format("loom_vocab_cli_{}", ::getpid());
+  fs::remove_all(root);
+  fs::create_directories(root / "logs");
+  for (int s : {0, 1}) {
+    const fs::path text = root / fmt::format("text{}.txt", s), data = root / fmt::format("data{}", s);
+    write_text(text, s);
+    CliRun p = loom_cli(fmt::format("prepare '{}' --out '{}' --vocab-size 270", text.string(), data.string()),
+                        root / "logs");
+    ASSERT_EQ(p.code, 0) << p.err;
+  }
+  const auto tok0 = data::Tokenizer::from_dir((root / "data0").string());
+  const auto tok1 = data::Tokenizer::from_dir((root / "data1").string());
+  ASSERT_EQ(tok0.vocab_size(), tok1.vocab_size()) << "the test needs two vocabularies of one size";
+  ASSERT_NE(tok0.fingerprint(), tok1.fingerprint());
+
+  const std::string run = (root / "run").string();
+  const std::string flags =
+      "--model.n_layer 1 --model.n_head 2 --model.n_embd 32 --data.seq_len 16 --train.batch_size 4 "
+      "--train.eval_every 0 --train.sample_tokens 0 --train.threads 1 --quiet";
+  CliRun a = loom_cli(fmt::format("train --data.dir '{}' --train.out_dir '{}' --train.steps 3 {}",
+                                  (root / "data0").string(), run, flags),
+                      root / "logs");
+  ASSERT_EQ(a.code, 0) << a.err;
+  const std::string metrics_before = [&] {
+    std::ifstream f(fs::path(run) / "metrics.jsonl");
+    return std::string(std::istreambuf_iterator<char>(f), {});
+  }();
+
+  // Resuming on the other corpus: refused, naming the manifest; the run's files stay as they were.
+  CliRun r = loom_cli(fmt::format("train --data.dir '{}' --train.out_dir '{}' --train.steps 6 --resume {}",
+                                  (root / "data1").string(), run, flags),
+                      root / "logs");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.err.find("manifest.json: the checkpoint was trained with vocabulary " + tok0.fingerprint()),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find(tok1.fingerprint()), std::string::npos) << r.err;
+  std::ifstream f(fs::path(run) / "metrics.jsonl");
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(f), {}), metrics_before);
+  // On its own corpus it resumes.
+  CliRun ok = loom_cli(fmt::format("train --data.dir '{}' --train.out_dir '{}' --train.steps 6 --resume {}",
+                                   (root / "data0").string(), run, flags),
+                       root / "logs");
+  EXPECT_EQ(ok.code, 0) << ok.err;
+
+  // generate: the other tokenizer is refused, the checkpoint's own (found beside its data) works.
+  CliRun g = loom_cli(fmt::format("generate '{}' --prompt 'river' --tokens 4 --tokenizer '{}'", run,
+                                  (root / "data1").string()),
+                      root / "logs");
+  EXPECT_NE(g.code, 0);
+  EXPECT_NE(g.err.find("the checkpoint was trained with vocabulary"), std::string::npos) << g.err;
+  CliRun g0 = loom_cli(fmt::format("generate '{}' --prompt 'river' --tokens 4", run), root / "logs");
+  EXPECT_EQ(g0.code, 0) << g0.err;
+  fs::remove_all(root);
+}
