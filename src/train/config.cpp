@@ -329,6 +329,16 @@ void TrainConfig::validate(const std::string& where, const std::vector<std::stri
   } catch (const Error& e) {
     throw Error(fmt::format("{}: model.preset: {}", where, e.what()));
   }
+  if (pp > 1) {
+    // The chain is the embedding, the blocks and the head: each (virtual) stage needs one element.
+    const int64_t chunks = schedule == "interleaved" ? virtual_stages : 1, elements = model(0).n_layer + 2;
+    need(pp * chunks <= elements, "parallel.pp",
+         fmt::format("{} pipeline stages{} but the model's chain has only {} elements (model.n_layer + 2)", pp * chunks,
+                     chunks > 1 ? fmt::format(" (x parallel.virtual_stages {})", chunks) : "", elements));
+    need(schedule != "interleaved" || grad_accum % pp == 0, "train.grad_accum",
+         fmt::format("the interleaved schedule needs micro-batches (train.grad_accum {}) divisible by parallel.pp {}",
+                     grad_accum, pp));
+  }
   if (!stage_layers.empty()) {
     need(pp > 1, "parallel.stage_layers", "needs pipeline stages (parallel.pp > 1)");
     const int64_t chunks = schedule == "interleaved" ? virtual_stages : 1;

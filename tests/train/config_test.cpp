@@ -74,6 +74,12 @@ TEST(TrainConfig, OutOfRangeValuesAndMisplacedTablesAreRefused) {
   EXPECT_NE(m.find("optim.eps: must be a finite number, got inf"), std::string::npos) << m;
   m = error_of("", {"optim.lr=inf"});
   EXPECT_NE(m.find("optim.lr: must be a finite number"), std::string::npos) << m;
+  // Pipeline stages the chain cannot fill, and interleaving without enough micro-batches.
+  m = error_of("", {"model.n_layer=2", "parallel.pp=8", "train.batch_size=8"});
+  EXPECT_NE(m.find("--parallel.pp: 8 pipeline stages but the model's chain has only 4 elements"), std::string::npos)
+      << m;
+  m = error_of("", {"parallel.pp=2", "parallel.schedule=interleaved", "train.grad_accum=1"});
+  EXPECT_NE(m.find("train.grad_accum"), std::string::npos) << m;
   // A directory is not a config.
   const fs::path dir = fs::temp_directory_path() / fmt::format("loom_cfg_dir_{}.toml", ::getpid());
   fs::create_directories(dir);
