@@ -720,6 +720,23 @@ int threads_per_rank(int n, const RunOptions& opts) {
   return opts.threads_per_rank > 0 ? opts.threads_per_rank : std::max(1, omp_get_max_threads() / std::max(1, n));
 }
 
+void run_rank_threads(ThreadWorld& world, const std::function<void(int)>& body, const std::string& context) {
+  const int n = world.size();
+  std::vector<std::thread> threads;
+  threads.reserve(size_t(n));
+  for (int r = 0; r < n; ++r) {
+    try {
+      threads.emplace_back(body, r);
+    } catch (const std::system_error& e) {
+      const std::string what = fmt::format("cannot start the thread of rank {} of {}: {}", r, n, e.what());
+      world.fail(r, what);
+      for (auto& t : threads) t.join();
+      throw Error(fmt::format("{}: {}", context, what));
+    }
+  }
+  for (auto& t : threads) t.join();
+}
+
 void run_ranks(int n, const std::function<void(Comm&)>& fn, const RunOptions& opts) {
   LOOM_CHECK(n >= 1, "run_ranks: need at least one rank, got {}", n);
   ThreadWorld world(n, opts.comm);
@@ -739,20 +756,7 @@ void run_ranks(int n, const std::function<void(Comm&)>& fn, const RunOptions& op
       world.fail(r, "unknown exception");
     }
   };
-  std::vector<std::thread> threads;
-  threads.reserve(size_t(n));
-  for (int r = 0; r < n; ++r) {
-    try {
-      threads.emplace_back(body, r);
-    } catch (const std::system_error& e) {
-      // The ranks already running fail at their next collective; then the job ends with this.
-      const std::string what = fmt::format("cannot start the thread of rank {} of {}: {}", r, n, e.what());
-      world.fail(r, what);
-      for (auto& t : threads) t.join();
-      throw Error(fmt::format("run_ranks: {}", what));
-    }
-  }
-  for (auto& t : threads) t.join();
+  run_rank_threads(world, body, "run_ranks");
   int first = world.failed_rank();
   if (first >= 0) std::rethrow_exception(errors[size_t(first)]);
 }

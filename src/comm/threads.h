@@ -64,6 +64,12 @@ struct RunOptions {
 // The OpenMP threads each of n ranks gets under `opts` (see RunOptions::threads_per_rank).
 int threads_per_rank(int n, const RunOptions& opts = {});
 
+// Runs body(r) on a thread for each rank r of `world` and joins them all. A thread that cannot be
+// started fails the world as its rank (the ranks already running then fail at their next
+// collective), and once they have ended a loom::Error "<context>: cannot start the thread of rank
+// r of n: ..." is thrown.
+void run_rank_threads(ThreadWorld& world, const std::function<void(int)>& body, const std::string& context);
+
 // Runs fn(comm) on n threads, one per rank, and returns when all are done. If ranks throw, the
 // exception of the first rank that failed is rethrown (the others' are consequences of it).
 void run_ranks(int n, const std::function<void(Comm&)>& fn, const RunOptions& opts = {});

@@ -101,6 +101,9 @@ std::string save_checkpoint(const std::string& dir, const CheckpointMeta& meta,
 }
 
 std::string latest_checkpoint(const std::string& dir) {
+  auto complete = [](const fs::path& c) {
+    return fs::exists(c / "manifest.json") && fs::exists(c / "state.safetensors");
+  };
   fs::path p = fs::path(dir) / "latest";
   if (!fs::exists(p)) {
     // No pointer (deleted, or lost): the newest complete checkpoint, which is what `latest` names
@@ -110,8 +113,7 @@ std::string latest_checkpoint(const std::string& dir) {
     if (fs::is_directory(dir, ec))
       for (const auto& e : fs::directory_iterator(dir)) {
         const std::string n = e.path().filename().string();
-        if (e.is_directory() && n.rfind("ckpt_", 0) == 0 && fs::exists(e.path() / "manifest.json") &&
-            fs::exists(e.path() / "state.safetensors") && n > newest)
+        if (e.is_directory() && n.rfind("ckpt_", 0) == 0 && complete(e.path()) && n > newest)
           newest = n;
       }
     return newest.empty() ? "" : (fs::path(dir) / newest).string();
@@ -122,8 +124,7 @@ std::string latest_checkpoint(const std::string& dir) {
   LOOM_CHECK(name.rfind("ckpt_", 0) == 0 && name.find('/') == std::string::npos,
              "{}: does not name a checkpoint ('{}')", p.string(), name);
   fs::path c = fs::path(dir) / name;
-  LOOM_CHECK(fs::exists(c / "manifest.json") && fs::exists(c / "state.safetensors"),
-             "{}: names {}, which is missing or incomplete", p.string(), c.string());
+  LOOM_CHECK(complete(c), "{}: names {}, which is missing or incomplete", p.string(), c.string());
   return c.string();
 }
 

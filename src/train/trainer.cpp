@@ -10,8 +10,6 @@
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
-#include <system_error>
-#include <thread>
 
 #include "core/error.h"
 #include "data/loader.h"
@@ -242,34 +240,23 @@ TrainResult run_training(const TrainConfig& cfg, const TrainOptions& opt) {
   comm::ThreadWorld world(dp, co);
   std::vector<TrainResult> results(static_cast<size_t>(dp));
   std::vector<std::exception_ptr> errors(static_cast<size_t>(dp));
-  std::vector<std::thread> threads;
-  threads.reserve(size_t(dp));
-  auto start = [&](int r, auto&& body) {
-    try {
-      threads.emplace_back(std::forward<decltype(body)>(body));
-    } catch (const std::system_error& e) {
-      // The ranks already running fail at their next collective; then the job ends with this.
-      const std::string what = fmt::format("cannot start the thread of rank {} of {}: {}", r, dp, e.what());
-      world.fail(r, what);
-      for (auto& t : threads) t.join();
-      throw Error(fmt::format("{}: parallel.dp {}: {}", where, dp, what));
-    }
-  };
-  for (int r = 0; r < dp; ++r)
-    start(r, [&, r] {
-      try {
-        auto c = world.comm(r);
-        omp_set_num_threads(per_rank);
-        results[size_t(r)] = train_rank(cfg, opt, *c, fault, [&](const std::string& what) { world.fail(r, what); });
-      } catch (const std::exception& e) {
-        world.fail(r, e.what());
-        errors[size_t(r)] = std::current_exception();
-      } catch (...) {
-        world.fail(r, "unknown exception");
-        errors[size_t(r)] = std::current_exception();
-      }
-    });
-  for (auto& t : threads) t.join();
+  comm::run_rank_threads(
+      world,
+      [&](int r) {
+        try {
+          auto c = world.comm(r);
+          omp_set_num_threads(per_rank);
+          results[size_t(r)] =
+              train_rank(cfg, opt, *c, fault, [&](const std::string& what) { world.fail(r, what); });
+        } catch (const std::exception& e) {
+          world.fail(r, e.what());
+          errors[size_t(r)] = std::current_exception();
+        } catch (...) {
+          world.fail(r, "unknown exception");
+          errors[size_t(r)] = std::current_exception();
+        }
+      },
+      fmt::format("{}: parallel.dp {}", where, dp));
   int failed = world.failed_rank();
   if (failed >= 0) {
     try {
