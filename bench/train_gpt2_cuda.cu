@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "kernels/cuda/allocator.cuh"
+#include "kernels/cuda/backend.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/matmul.cuh"
 #include "kernels/cuda/profile.cuh"
@@ -230,7 +231,7 @@ int main(int argc, char** argv) {
     // The training's memory figures are taken before the GEMM measurement borrows its operands.
     const MemStats st = pool.stats();
     const std::string report = pool.report();
-    const double peak_tflops = cuda::measure_gemm_peak_bf16(pool, gpt.stream()) / 1e12;
+    const double peak_tflops = cuda::measure_gemm_peak_bf16(gpt.backend().blas(), gpt.stream()) / 1e12;
     if (a.json) {
       std::printf("{\"impl\": \"loom\", \"device\": \"%s\", \"model\": \"%s\", \"B\": %lld, \"T\": %lld, "
                   "\"attention\": \"%s\", \"graph\": %s, \"steps\": %lld, \"step_ms_median\": %.4f, "

@@ -6,8 +6,9 @@
 #   device    nvidia-smi's view of the GPU
 #   cuda      every test of test_cuda (kernels against the CPU ops, cuDNN attention, the model, NCCL);
 #             when cuDNN's tests fail, they run again with cuDNN's own log (why an engine was refused)
-#   memcheck  compute-sanitizer's memcheck over small attention cases of both paths and a graphed
-#             training step (writes past a buffer that the NaN-poisoned outputs cannot show)
+#   memcheck  compute-sanitizer's memcheck over the CUDA backend's op-parity suite, small attention
+#             cases of both paths and a graphed training step (writes past a buffer that the
+#             NaN-poisoned outputs cannot show)
 #   pipeline  bench_pipeline at p = 4 and p = 2 (CPU threads: the host's cores, one rank per core)
 #   flash     bench_flash: loom's flash attention and loom's cuDNN path, same inputs
 #   train     train_gpt2_cuda GPT-2 124M, B = 16, T = 1024, with flash (and the time of each part of
@@ -47,7 +48,7 @@ step_memcheck() {
   command -v "$cs" >/dev/null || cs=/usr/local/cuda/bin/compute-sanitizer
   [[ -x "$(command -v "$cs")" ]] || { echo "compute-sanitizer not found"; return 1; }
   env_run "$cs" --tool memcheck --leak-check no --error-exitcode 3 test_cuda \
-    --gtest_filter='CudaAttention.CausalHs64OddLength:CudaAttention.ExplicitScaleAndShortSequence:CudnnAttention.CausalHs64OddLength:CudnnAttention.ExplicitScaleAndShortSequences:GPTCuda.GraphRecapturesWhenTheCountedTargetsChange'
+    --gtest_filter='Cuda/BackendParity.*:CudaAttention.CausalHs64OddLength:CudaAttention.ExplicitScaleAndShortSequence:CudnnAttention.CausalHs64OddLength:CudnnAttention.ExplicitScaleAndShortSequences:GPTCuda.GraphRecapturesWhenTheCountedTargetsChange'
 }
 # One thread per rank first: wall clock and CPU-time replay side by side at p = 4 on free cores.
 step_pipeline() {

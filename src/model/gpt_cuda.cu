@@ -7,6 +7,7 @@
 
 #include "kernels/cuda/attention.cuh"
 #include "kernels/cuda/attn_gemm.cuh"
+#include "kernels/cuda/backend.cuh"
 #include "kernels/cuda/crossentropy.cuh"
 #include "kernels/cuda/cudnn_attention.cuh"
 #include "kernels/cuda/embedding.cuh"
@@ -143,7 +144,13 @@ void GPTCuda::build(uint64_t seed) {
   specs_ = cuda_param_specs(cfg_);
   // Every copy and memset of the model runs on its own (non-blocking) stream, so it is ordered
   // with the model's kernels; the legacy default stream would not be.
-  LOOM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  // The CUDA state (stream, BLAS handles and workspaces, tuned algorithms) is the backend
+  // instance's, made on the current device over the model's pool.
+  BackendOptions bo;
+  LOOM_CUDA_CHECK(cudaGetDevice(&bo.device_index));
+  bo.pool = &pool_;
+  backend_ = std::make_unique<cuda::CudaBackend>(bo);
+  stream_ = backend_->stream();
   const int64_t B = opt_.B, T = opt_.T, C = cfg_.n_embd, L = cfg_.n_layer, NH = cfg_.n_head, HS = cfg_.head_size();
   const int64_t Vp = cfg_.padded_vocab(), BT = B * T;
   LOOM_CHECK(B > 0 && T > 0 && T <= cfg_.block_size, "GPTCuda options: need B > 0 and 0 < T <= block_size {} (B={} T={})",
@@ -250,8 +257,7 @@ void GPTCuda::build(uint64_t seed) {
   LOOM_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&h_tokens_), size_t(2 * BT) * sizeof(int32_t)));
   LOOM_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&h_stats_), 3 * sizeof(float)));
   std::memset(h_stats_, 0, 3 * sizeof(float));
-  cuda::matmul_init();
-  if (opt_.attention == CudaAttention::gemm) cuda::attn_gemm_init();
+  if (opt_.attention == CudaAttention::gemm) (void)backend_->blas().cublas();
   LOOM_CUDA_CHECK(cudaDeviceSynchronize());  // the optimizer's tables were copied on the default stream
   init_weights(seed);
 }
@@ -263,13 +269,13 @@ void GPTCuda::release() {
   if (micro_graph_) cudaGraphExecDestroy(micro_graph_);
   if (stream_) cudaStreamSynchronize(stream_);
   cudnn_attn_.reset();  // its cuDNN handle runs on stream_
-  if (stream_) cudaStreamDestroy(stream_);
   cudaFreeHost(h_tokens_);
   cudaFreeHost(h_stats_);
   adamw_.reset();
   for (auto it = allocations_.rbegin(); it != allocations_.rend(); ++it)
     pool_.deallocate(it->first, it->second.first, it->second.second);
   allocations_.clear();
+  backend_.reset();  // the stream and the BLAS state, last
   graph_ = micro_graph_ = nullptr;
   stream_ = nullptr;
   h_tokens_ = nullptr;
@@ -348,6 +354,7 @@ void GPTCuda::upload_batch(const int32_t* tokens, const int32_t* targets) {
 
 void GPTCuda::enqueue_forward(bool fused_loss_grad) {
   Acts& a = *acts_;
+  cuda::Blas& blas = backend_->blas();
   const int64_t B = opt_.B, T = opt_.T, C = cfg_.n_embd, L = cfg_.n_layer, NH = cfg_.n_head, HS = cfg_.head_size();
   const int64_t V = cfg_.vocab_size, Vp = cfg_.padded_vocab(), BT = B * T;
   const float eps = cfg_.ln_eps;
@@ -364,10 +371,10 @@ void GPTCuda::enqueue_forward(bool fused_loss_grad) {
   for (int64_t l = 0; l < L; ++l) {
     Acts::Layer& y = a.layers[size_t(l)];
     const size_t p = size_t(2 + kPerLayer * l);
-    cuda::matmul_forward({y.qkv, nullptr, y.ln1, W(p + kQkvW), W(p + kQkvB), BT, C, 3 * C, false}, s);
+    cuda::matmul_forward(blas, {y.qkv, nullptr, y.ln1, W(p + kQkvW), W(p + kQkvB), BT, C, 3 * C, false}, s);
     mark("fwd qkv matmul", gemm * 3 * double(C));
     if (opt_.attention == CudaAttention::gemm) {
-      cuda::attn_gemm_forward(y.atty, y.att, y.qkv, {B, T, NH, HS}, a.attn_ws, s);
+      cuda::attn_gemm_forward(blas, y.atty, y.att, y.qkv, {B, T, NH, HS}, a.attn_ws, s);
     } else if (opt_.attention == CudaAttention::cudnn) {
       cudnn_attn_->forward(y.atty, y.lse, y.qkv, y.qkv + C, y.qkv + 2 * C, a.attn_ws, s);
     } else {
@@ -381,14 +388,14 @@ void GPTCuda::enqueue_forward(bool fused_loss_grad) {
       cuda::attention_forward(y.atty, y.lse, y.qkv, y.qkv + C, y.qkv + 2 * C, args, s);
     }
     mark("fwd attention", attn);
-    cuda::matmul_forward({a.proj, nullptr, y.atty, W(p + kAttnProjW), W(p + kAttnProjB), BT, C, C, false}, s);
+    cuda::matmul_forward(blas, {a.proj, nullptr, y.atty, W(p + kAttnProjW), W(p + kAttnProjB), BT, C, C, false}, s);
     mark("fwd attn-proj matmul", gemm * double(C));
     cuda::residual_layernorm_forward(y.x2, y.ln2, y.ln2_mean, y.ln2_rstd, a.x[size_t(l)], a.proj, W(p + kLn2W),
                                      W(p + kLn2B), BT, C, s, eps);
     mark("fwd residual + layernorm");
-    cuda::matmul_forward({y.fch_gelu, y.fch, y.ln2, W(p + kFcW), W(p + kFcB), BT, C, 4 * C, true}, s);
+    cuda::matmul_forward(blas, {y.fch_gelu, y.fch, y.ln2, W(p + kFcW), W(p + kFcB), BT, C, 4 * C, true}, s);
     mark("fwd fc matmul + gelu", gemm * 4 * double(C));
-    cuda::matmul_forward({a.proj, nullptr, y.fch_gelu, W(p + kMlpProjW), W(p + kMlpProjB), BT, 4 * C, C, false}, s);
+    cuda::matmul_forward(blas, {a.proj, nullptr, y.fch_gelu, W(p + kMlpProjW), W(p + kMlpProjB), BT, 4 * C, C, false}, s);
     mark("fwd mlp-proj matmul", gemm * 4 * double(C));
     if (l + 1 < L) {
       Acts::Layer& z = a.layers[size_t(l + 1)];
@@ -403,7 +410,7 @@ void GPTCuda::enqueue_forward(bool fused_loss_grad) {
     mark("fwd residual + layernorm");
   }
   // logits [BT, Vp] = lnf @ wte^T (tied; padding rows of wte are zero, so padding logits are 0)
-  cuda::matmul_forward({a.logits, nullptr, a.lnf, W(0), nullptr, BT, C, Vp, false}, s);
+  cuda::matmul_forward(blas, {a.logits, nullptr, a.lnf, W(0), nullptr, BT, C, Vp, false}, s);
   mark("fwd logits matmul", gemm * double(Vp));
   if (fused_loss_grad)
     cuda::crossentropy_forward_backward(a.losses, a.logits, a.logits, d_targets_, dloss_, BT, V, Vp, s);
@@ -416,6 +423,7 @@ void GPTCuda::enqueue_forward(bool fused_loss_grad) {
 
 void GPTCuda::enqueue_backward() {
   Acts& a = *acts_;
+  cuda::Blas& blas = backend_->blas();
   const int64_t B = opt_.B, T = opt_.T, C = cfg_.n_embd, L = cfg_.n_layer, NH = cfg_.n_head, HS = cfg_.head_size();
   const int64_t V = cfg_.vocab_size, Vp = cfg_.padded_vocab(), BT = B * T;
   cudaStream_t s = stream_;
@@ -434,7 +442,7 @@ void GPTCuda::enqueue_backward() {
   head.M = BT;
   head.K = C;
   head.N = Vp;
-  cuda::matmul_backward(head, s);
+  cuda::matmul_backward(blas, head, s);
   mark("bwd logits matmul", gemm * double(Vp));
   cuda::layernorm_backward(a.dres, G(f), G(f + 1), a.dln, a.x[size_t(L)], W(f), a.lnf_mean, a.lnf_rstd, BT, C, false,
                            a.ln_scratch, s);
@@ -455,7 +463,7 @@ void GPTCuda::enqueue_backward() {
     fcp.K = 4 * C;
     fcp.N = C;
     fcp.dbias_scratch = a.dbias_scratch;
-    cuda::matmul_backward(fcp, s);
+    cuda::matmul_backward(blas, fcp, s);
     if (!opt_.fuse_dgelu) cuda::gelu_backward(a.dbig, y.fch, a.dbig, BT * 4 * C, s);
     mark("bwd mlp-proj matmul + dgelu", gemm * 4 * double(C));
     cuda::MatmulBwdArgs fc;
@@ -469,7 +477,7 @@ void GPTCuda::enqueue_backward() {
     fc.K = C;
     fc.N = 4 * C;
     fc.dbias_scratch = a.dbias_scratch;
-    cuda::matmul_backward(fc, s);
+    cuda::matmul_backward(blas, fc, s);
     mark("bwd fc matmul", gemm * 4 * double(C));
     cuda::layernorm_backward(a.dres, G(p + kLn2W), G(p + kLn2B), a.dln, y.x2, W(p + kLn2W), y.ln2_mean, y.ln2_rstd, BT,
                              C, true, a.ln_scratch, s);
@@ -486,11 +494,11 @@ void GPTCuda::enqueue_backward() {
     proj.K = C;
     proj.N = C;
     proj.dbias_scratch = a.dbias_scratch;
-    cuda::matmul_backward(proj, s);
+    cuda::matmul_backward(blas, proj, s);
     mark("bwd attn-proj matmul", gemm * double(C));
     bf16* dqkv = a.dbig;  // [BT, 3C]
     if (opt_.attention == CudaAttention::gemm) {
-      cuda::attn_gemm_backward(dqkv, y.att, a.dln, y.qkv, {B, T, NH, HS}, a.attn_ws, s);
+      cuda::attn_gemm_backward(blas, dqkv, y.att, a.dln, y.qkv, {B, T, NH, HS}, a.attn_ws, s);
     } else if (opt_.attention == CudaAttention::cudnn) {
       cudnn_attn_->backward(dqkv, dqkv + C, dqkv + 2 * C, a.dln, y.qkv, y.qkv + C, y.qkv + 2 * C, y.atty, y.lse,
                             a.attn_ws, s);
@@ -517,7 +525,7 @@ void GPTCuda::enqueue_backward() {
     qkv.K = C;
     qkv.N = 3 * C;
     qkv.dbias_scratch = a.dbias_scratch;
-    cuda::matmul_backward(qkv, s);
+    cuda::matmul_backward(blas, qkv, s);
     mark("bwd qkv matmul", gemm * 3 * double(C));
     cuda::layernorm_backward(a.dres, G(p + kLn1W), G(p + kLn1B), a.dln, a.x[size_t(l)], W(p + kLn1W), y.ln1_mean,
                              y.ln1_rstd, BT, C, true, a.ln_scratch, s);

@@ -22,6 +22,7 @@
 #include "model/param_specs.h"
 
 namespace loom::cuda {
+class CudaBackend;
 class CudnnAttention;
 class StepProfile;
 }
@@ -129,6 +130,8 @@ class GPTCuda {
   std::vector<float> logits() const;
   MemoryPool& pool() const { return pool_; }
   cudaStream_t stream() const { return stream_; }
+  // The backend instance that holds this model's CUDA state (its stream and BLAS state).
+  cuda::CudaBackend& backend() const { return *backend_; }
 
  private:
   struct Layer;
@@ -179,7 +182,8 @@ class GPTCuda {
   float dloss_ = 0.f;             // 1 / number of counted targets of the current batch
   int64_t counted_ = 0;
 
-  cudaStream_t stream_ = nullptr;
+  std::unique_ptr<cuda::CudaBackend> backend_;
+  cudaStream_t stream_ = nullptr;  // backend_'s
   cudaGraphExec_t graph_ = nullptr;
   float graph_dloss_ = 0.f;  // dloss baked into the captured graph
   cudaGraphExec_t micro_graph_ = nullptr;  // accumulate(): forward + backward, no zeroing, no update

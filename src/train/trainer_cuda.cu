@@ -18,6 +18,7 @@
 #include "core/error.h"
 #include "kernels/cuda/allocator.cuh"
 #include "kernels/cuda/attention.cuh"
+#include "kernels/cuda/backend.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cudnn_attention.cuh"
 #include "kernels/cuda/matmul.cuh"
@@ -166,7 +167,7 @@ TrainResult train_cuda_rank(const TrainConfig& cfg, const TrainOptions& opt, con
   if (!gpt.attention_note().empty())
     say(fmt::format("train.cuda_attention auto: flash, as cuDNN's attention could not be set up: {}",
                     gpt.attention_note()));
-  const double peak = job_gemm_peak(world, [&] { return cuda::measure_gemm_peak_bf16(pool, gpt.stream()); });
+  const double peak = job_gemm_peak(world, [&] { return cuda::measure_gemm_peak_bf16(gpt.backend().blas(), gpt.stream()); });
   res.last_val_loss = NAN;
   res.unigram_val_loss = lead ? unigram_loss(train, val.get(), mc.vocab_size) : NAN;
   say(fmt::format("data {} | train {} tokens{} | unigram baseline loss {:.4f} | bf16 GEMM peak {:.1f} TFLOP/s{}",

@@ -5,7 +5,7 @@
 
 #include <cmath>
 
-#include "kernels/cuda/allocator.cuh"
+#include "kernels/cuda/matmul.cuh"
 
 #define LOOM_CUBLAS_V2_CHECK(expr)                                                                 \
   do {                                                                                             \
@@ -16,36 +16,19 @@
 namespace loom::cuda {
 namespace {
 
-constexpr size_t kCublasWorkspace = size_t(32) << 20;
-
-struct CublasState {
-  cublasHandle_t handle = nullptr;
-  void* workspace = nullptr;
-};
-
-CublasState& cublas() {
-  static CublasState* s = [] {
-    auto* st = new CublasState();
-    LOOM_CUBLAS_V2_CHECK(cublasCreate(&st->handle));
-    st->workspace = device_pool().allocate(kCublasWorkspace, MemTag::workspace);  // set at every call
-    return st;
-  }();
-  return *s;
-}
-
 // Row-major batched GEMM C[M, N] = alpha op(A) op(B), batch stride per operand, through the
 // column-major library (C^T = op(B)^T op(A)^T).
-void batched_gemm(cudaStream_t stream, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+void batched_gemm(Blas& blas, cudaStream_t stream, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
                   const bf16* A, int64_t lda, int64_t sa, const bf16* B, int64_t ldb, int64_t sb, void* C, int64_t ldc,
                   int64_t sc, bool c_f32, int64_t batch) {
-  CublasState& s = cublas();
-  LOOM_CUBLAS_V2_CHECK(cublasSetStream(s.handle, stream));
+  cublasHandle_t handle = blas.cublas();
+  LOOM_CUBLAS_V2_CHECK(cublasSetStream(handle, stream));
   // cublasSetStream resets the handle to cuBLAS's own workspace pool: point it at loom's again,
   // so the GEMMs (and a CUDA graph capturing them) use the pool's fixed buffer.
-  LOOM_CUBLAS_V2_CHECK(cublasSetWorkspace(s.handle, s.workspace, kCublasWorkspace));
+  LOOM_CUBLAS_V2_CHECK(cublasSetWorkspace(handle, blas.cublas_workspace(), kBlasCublasWorkspaceBytes));
   const float beta = 0.f;
   LOOM_CUBLAS_V2_CHECK(cublasGemmStridedBatchedEx(
-      s.handle, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, int(N), int(M), int(K),
+      handle, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, int(N), int(M), int(K),
       &alpha, B, CUDA_R_16BF, int(ldb), sb, A, CUDA_R_16BF, int(lda), sa, &beta, C, c_f32 ? CUDA_R_32F : CUDA_R_16BF,
       int(ldc), sc, int(batch), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
@@ -166,14 +149,12 @@ unsigned blocks_for(int64_t n, int per) { return unsigned(ceil_div(n, per)); }
 
 }  // namespace
 
-void attn_gemm_init() { (void)cublas(); }
-
 size_t attn_gemm_workspace_bytes(const AttnGemmShape& s) {
   const int64_t n = s.B * s.NH * s.T * s.HS;
   return (size_t(7 * n) * sizeof(bf16) + 255) / 256 * 256 + size_t(s.B * s.NH * s.T * s.T) * sizeof(float);
 }
 
-void attn_gemm_forward(bf16* out, bf16* att, const bf16* qkv, const AttnGemmShape& s, void* workspace,
+void attn_gemm_forward(Blas& blas, bf16* out, bf16* att, const bf16* qkv, const AttnGemmShape& s, void* workspace,
                        cudaStream_t stream) {
   check_shape("attn_gemm_forward", s);
   Work w = carve(workspace, s);
@@ -183,16 +164,16 @@ void attn_gemm_forward(bf16* out, bf16* att, const bf16* qkv, const AttnGemmShap
   LOOM_CUDA_LAUNCH_CHECK();
   const float scale = 1.f / std::sqrt(float(HS));
   // scores[T, T] = scale * q k^T
-  batched_gemm(stream, false, true, T, T, HS, scale, w.q, HS, T * HS, w.k, HS, T * HS, w.scores, T, T * T, true, BH);
+  batched_gemm(blas, stream, false, true, T, T, HS, scale, w.q, HS, T * HS, w.k, HS, T * HS, w.scores, T, T * T, true, BH);
   causal_softmax_kernel<<<blocks_for(BH * T, 8), 256, 0, stream>>>(att, w.scores, BH * T, T);
   LOOM_CUDA_LAUNCH_CHECK();
   // y[T, HS] = att v
-  batched_gemm(stream, false, false, T, HS, T, 1.f, att, T, T * T, w.v, HS, T * HS, w.y, HS, T * HS, false, BH);
+  batched_gemm(blas, stream, false, false, T, HS, T, 1.f, att, T, T * T, w.v, HS, T * HS, w.y, HS, T * HS, false, BH);
   merge_heads_kernel<<<blocks_for(vec, 256), 256, 0, stream>>>(out, C, w.y, s.B, T, s.NH, HS);
   LOOM_CUDA_LAUNCH_CHECK();
 }
 
-void attn_gemm_backward(bf16* dqkv, bf16* att, const bf16* dout, const bf16* qkv, const AttnGemmShape& s,
+void attn_gemm_backward(Blas& blas, bf16* dqkv, bf16* att, const bf16* dout, const bf16* qkv, const AttnGemmShape& s,
                         void* workspace, cudaStream_t stream) {
   check_shape("attn_gemm_backward", s);
   Work w = carve(workspace, s);
@@ -203,15 +184,15 @@ void attn_gemm_backward(bf16* dqkv, bf16* att, const bf16* dout, const bf16* qkv
   split_one_kernel<<<blocks_for(vec, 256), 256, 0, stream>>>(w.y, dout, s.B, T, s.NH, HS);
   LOOM_CUDA_LAUNCH_CHECK();
   // dP[T, T] = dy v^T (f32)
-  batched_gemm(stream, false, true, T, T, HS, 1.f, w.y, HS, T * HS, w.v, HS, T * HS, w.scores, T, T * T, true, BH);
+  batched_gemm(blas, stream, false, true, T, T, HS, 1.f, w.y, HS, T * HS, w.v, HS, T * HS, w.scores, T, T * T, true, BH);
   // dv[T, HS] = P^T dy
-  batched_gemm(stream, true, false, T, HS, T, 1.f, att, T, T * T, w.y, HS, T * HS, w.dv, HS, T * HS, false, BH);
+  batched_gemm(blas, stream, true, false, T, HS, T, 1.f, att, T, T * T, w.y, HS, T * HS, w.dv, HS, T * HS, false, BH);
   const float scale = 1.f / std::sqrt(float(HS));
   causal_softmax_backward_kernel<<<blocks_for(BH * T, 8), 256, 0, stream>>>(att, w.scores, BH * T, T, scale);
   LOOM_CUDA_LAUNCH_CHECK();
   // dq[T, HS] = dS k; dk[T, HS] = dS^T q
-  batched_gemm(stream, false, false, T, HS, T, 1.f, att, T, T * T, w.k, HS, T * HS, w.dq, HS, T * HS, false, BH);
-  batched_gemm(stream, true, false, T, HS, T, 1.f, att, T, T * T, w.q, HS, T * HS, w.dk, HS, T * HS, false, BH);
+  batched_gemm(blas, stream, false, false, T, HS, T, 1.f, att, T, T * T, w.k, HS, T * HS, w.dq, HS, T * HS, false, BH);
+  batched_gemm(blas, stream, true, false, T, HS, T, 1.f, att, T, T * T, w.q, HS, T * HS, w.dk, HS, T * HS, false, BH);
   merge_heads_kernel<<<blocks_for(vec, 256), 256, 0, stream>>>(dqkv, 3 * C, w.dq, s.B, T, s.NH, HS);
   LOOM_CUDA_LAUNCH_CHECK();
   merge_heads_kernel<<<blocks_for(vec, 256), 256, 0, stream>>>(dqkv + C, 3 * C, w.dk, s.B, T, s.NH, HS);

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/matmul.cuh"
 
 namespace loom::cuda {
 
@@ -21,15 +22,14 @@ size_t attn_gemm_workspace_bytes(const AttnGemmShape& s);
 
 // out bf16 [B, T, C]; att bf16 [B, NH, T, T] (softmax probabilities, zero above the diagonal,
 // saved for the backward); qkv bf16 [B, T, 3C].
-void attn_gemm_forward(bf16* out, bf16* att, const bf16* qkv, const AttnGemmShape& s, void* workspace,
+void attn_gemm_forward(Blas& blas, bf16* out, bf16* att, const bf16* qkv, const AttnGemmShape& s, void* workspace,
                        cudaStream_t stream);
 
 // dqkv bf16 [B, T, 3C] written; dout bf16 [B, T, C]; att as saved by the forward (overwritten:
 // it holds the scores' gradient afterwards).
-void attn_gemm_backward(bf16* dqkv, bf16* att, const bf16* dout, const bf16* qkv, const AttnGemmShape& s,
+void attn_gemm_backward(Blas& blas, bf16* dqkv, bf16* att, const bf16* dout, const bf16* qkv, const AttnGemmShape& s,
                         void* workspace, cudaStream_t stream);
 
-// Creates the cuBLAS handle and its workspace; call before capturing a CUDA graph.
-void attn_gemm_init();
+// The batched products run on blas.cublas() (make it before capturing a CUDA graph).
 
 }  // namespace loom::cuda

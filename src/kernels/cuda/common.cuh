@@ -66,7 +66,7 @@ __device__ __forceinline__ float block_max(float x, float* shared) {
 }
 #endif  // __CUDACC__
 
-// The number of streaming multiprocessors of the current device (cached per process).
+// The number of streaming multiprocessors of the current device (cached per device).
 int num_sms();
 
 }  // namespace loom::cuda

@@ -2,6 +2,7 @@
 #include "kernels/cuda/matmul.cuh"
 
 #include <cublasLt.h>
+#include <cublas_v2.h>
 
 #include <algorithm>
 #include <atomic>
@@ -16,7 +17,6 @@
 #include <tuple>
 #include <vector>
 
-#include "kernels/cuda/allocator.cuh"
 
 #define LOOM_CUBLAS_CHECK(expr)                                                                  \
   do {                                                                                           \
@@ -29,25 +29,69 @@ namespace {
 
 constexpr size_t kWorkspaceBytes = size_t(32) << 20;
 
-struct LtState {
+constexpr size_t kCublasWorkspaceBytes = kBlasCublasWorkspaceBytes;
+
+}  // namespace
+
+struct Blas::State {
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;
+  cublasHandle_t cublas = nullptr;
+  void* cublas_workspace = nullptr;
   std::mutex mu;
   // Heuristic choices by problem description (shapes, types, epilogue, alignments).
   std::map<std::vector<int64_t>, cublasLtMatmulAlgo_t> algos;
   std::set<std::vector<int64_t>> unsupported;  // try_only calls no algorithm supports
   std::map<std::vector<int64_t>, int> bias_paths;  // weight + bias gradient: 1 epilogue, 0 separate
+  std::atomic<BiasGradPath> bias_grad_path{BiasGradPath::tuned};
+  std::atomic<int64_t> epilogue_runs{0};
 };
 
-LtState& lt() {
-  static LtState* s = [] {
-    auto* st = new LtState();
-    LOOM_CUBLAS_CHECK(cublasLtCreate(&st->handle));
-    st->workspace = device_pool().allocate(kWorkspaceBytes, MemTag::workspace);
-    return st;
-  }();
-  return *s;
+Blas::Blas(MemoryPool& pool) : pool_(pool), s_(std::make_unique<State>()) {
+  LOOM_CHECK(pool.device() == Device::cuda, "Blas: pool '{}' is not a device pool", pool.name().c_str());
+  LOOM_CUDA_CHECK(cudaGetDevice(&device_));
+  LOOM_CUBLAS_CHECK(cublasLtCreate(&s_->handle));
+  try {
+    s_->workspace = pool_.allocate(kWorkspaceBytes, MemTag::workspace);
+  } catch (...) {
+    cublasLtDestroy(s_->handle);
+    throw;
+  }
 }
+
+Blas::~Blas() {
+  if (s_->cublas) cublasDestroy(s_->cublas);
+  if (s_->cublas_workspace) pool_.deallocate(s_->cublas_workspace, kCublasWorkspaceBytes, MemTag::workspace);
+  cublasLtDestroy(s_->handle);
+  pool_.deallocate(s_->workspace, kWorkspaceBytes, MemTag::workspace);
+}
+
+cublasContext* Blas::cublas() {
+  std::lock_guard lk(s_->mu);
+  if (!s_->cublas) {
+    s_->cublas_workspace = pool_.allocate(kCublasWorkspaceBytes, MemTag::workspace);
+    if (cublasCreate(&s_->cublas) != CUBLAS_STATUS_SUCCESS) {
+      pool_.deallocate(s_->cublas_workspace, kCublasWorkspaceBytes, MemTag::workspace);
+      s_->cublas_workspace = nullptr;
+      s_->cublas = nullptr;
+      LOOM_FAIL("cuBLAS: cublasCreate failed on device {}", device_);
+    }
+  }
+  return s_->cublas;
+}
+
+void* Blas::cublas_workspace() {
+  (void)cublas();
+  return s_->cublas_workspace;
+}
+
+void Blas::set_bias_grad_path(BiasGradPath p) { s_->bias_grad_path.store(p); }
+BiasGradPath Blas::bias_grad_path() const { return s_->bias_grad_path.load(); }
+int64_t Blas::bias_grad_epilogue_runs() const { return s_->epilogue_runs.load(); }
+
+namespace {
+
+using LtState = Blas::State;
 
 int alignment_of(const void* p) {
   uintptr_t u = reinterpret_cast<uintptr_t>(p);
@@ -93,10 +137,11 @@ constexpr size_t kTuneScratchBytes = size_t(32) << 20;
 
 // Device scratch from the pool (workspace tag) for the length of a tuning, returned on any exit.
 struct TuneScratch {
+  MemoryPool& pool;
   void* p = nullptr;
   size_t bytes = 0;
-  explicit TuneScratch(size_t n) : p(device_pool().allocate(n, MemTag::workspace)), bytes(n) {}
-  ~TuneScratch() { device_pool().deallocate(p, bytes, MemTag::workspace); }
+  TuneScratch(MemoryPool& pool, size_t n) : pool(pool), p(pool.allocate(n, MemTag::workspace)), bytes(n) {}
+  ~TuneScratch() { pool.deallocate(p, bytes, MemTag::workspace); }
   TuneScratch(const TuneScratch&) = delete;
   TuneScratch& operator=(const TuneScratch&) = delete;
 };
@@ -154,7 +199,7 @@ bool stream_capturing(cudaStream_t stream) {
   return cap != cudaStreamCaptureStatusNone;
 }
 
-cublasLtMatmulAlgo_t fastest_algo(LtState& s, const LtCall& c, cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t la,
+cublasLtMatmulAlgo_t fastest_algo(Blas& blas, LtState& s, const LtCall& c, cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t la,
                                   cublasLtMatrixLayout_t lb, cublasLtMatrixLayout_t ld,
                                   const cublasLtMatmulHeuristicResult_t* res, int found, cudaStream_t stream) {
   if (found < 2 || stream_capturing(stream)) return res[0].algo;
@@ -165,7 +210,7 @@ cublasLtMatmulAlgo_t fastest_algo(LtState& s, const LtCall& c, cublasLtMatmulDes
   std::unique_ptr<TuneScratch> scratch;
   void* D = c.D;
   if (c.beta != 0.f) {
-    scratch = std::make_unique<TuneScratch>(d_bytes);
+    scratch = std::make_unique<TuneScratch>(blas.pool(), d_bytes);
     D = scratch->p;
     LOOM_CUDA_CHECK(cudaMemcpyAsync(D, c.D, d_bytes, cudaMemcpyDeviceToDevice, stream));
   }
@@ -189,8 +234,8 @@ cublasLtMatmulAlgo_t fastest_algo(LtState& s, const LtCall& c, cublasLtMatmulDes
   return res[best].algo;
 }
 
-bool lt_matmul(const LtCall& c, cudaStream_t stream) {
-  LtState& s = lt();
+bool lt_matmul(Blas& blas, const LtCall& c, cudaStream_t stream) {
+  LtState& s = blas.state();
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t la = nullptr, lb = nullptr, ld = nullptr;
   LOOM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -247,7 +292,7 @@ bool lt_matmul(const LtCall& c, cudaStream_t stream) {
                   "epilogue={} (status {})", c.m, c.n, c.k, c.ta, c.tb, c.lda, c.ldb, c.ldd, c.d_f32,
                   int(c.epilogue), int(st));
       } else {
-        algo = fastest_algo(s, c, op, la, lb, ld, res, found, stream);
+        algo = fastest_algo(blas, s, c, op, la, lb, ld, res, found, stream);
         s.algos.emplace(key, algo);
       }
     }
@@ -335,22 +380,19 @@ __global__ void accumulate_kernel(float* dst, const float* src, int64_t n) {
   if (i < n) dst[i] += src[i];
 }
 
-std::atomic<BiasGradPath> bias_grad_path{BiasGradPath::tuned};
-std::atomic<int64_t> bias_grad_epilogue_count{0};
-
 // The weight gradient c (accumulating, f32) with the bias gradient from the GEMM's BGRADB epilogue
 // (column sums of dout into scratch, then added: the epilogue writes rather than accumulates);
 // false, with nothing run, when no algorithm takes the call.
-bool run_dweight_bgradb(const MatmulBwdArgs& a, const LtCall& c, float* dbias, cudaStream_t stream) {
+bool run_dweight_bgradb(Blas& blas, const MatmulBwdArgs& a, const LtCall& c, float* dbias, cudaStream_t stream) {
   LtCall cb = c;
   cb.epilogue = CUBLASLT_EPILOGUE_BGRADB;
   cb.bias = a.dbias_scratch;
   cb.bias_f32 = true;
   cb.try_only = true;
-  if (!lt_matmul(cb, stream)) return false;
+  if (!lt_matmul(blas, cb, stream)) return false;
   accumulate_kernel<<<unsigned(ceil_div(a.N, 256)), 256, 0, stream>>>(dbias, a.dbias_scratch, a.N);
   LOOM_CUDA_LAUNCH_CHECK();
-  bias_grad_epilogue_count.fetch_add(1);
+  blas.state().epilogue_runs.fetch_add(1);
   return true;
 }
 
@@ -360,11 +402,12 @@ bool run_dweight_bgradb(const MatmulBwdArgs& a, const LtCall& c, float* dbias, c
 // fastest with. So the first time a problem is seen (with GEMM tuning on, the stream not being
 // captured) both are timed on scratch outputs and the faster is kept for the problem; otherwise
 // the epilogue, where an algorithm takes it. Returns true when the epilogue ran the call.
-bool fused_bias_grad(const MatmulBwdArgs& a, const LtCall& c, cudaStream_t stream) {
-  LtState& s = lt();
+bool fused_bias_grad(Blas& blas, const MatmulBwdArgs& a, const LtCall& c, cudaStream_t stream) {
+  LtState& s = blas.state();
   const std::vector<int64_t> key{a.M, a.N, a.K, alignment_of(a.inp), alignment_of(a.dout), alignment_of(a.dweight)};
-  const BiasGradPath forced = bias_grad_path.load();
-  if (forced != BiasGradPath::tuned) return forced == BiasGradPath::epilogue && run_dweight_bgradb(a, c, a.dbias, stream);
+  const BiasGradPath forced = blas.bias_grad_path();
+  if (forced != BiasGradPath::tuned)
+    return forced == BiasGradPath::epilogue && run_dweight_bgradb(blas, a, c, a.dbias, stream);
   int choice = -1;  // 1: epilogue, 0: separate
   {
     std::lock_guard lk(s.mu);
@@ -374,16 +417,16 @@ bool fused_bias_grad(const MatmulBwdArgs& a, const LtCall& c, cudaStream_t strea
   const size_t w_floats = size_t(a.K) * size_t(a.N);
   const size_t scratch_bytes = (w_floats + size_t(a.N)) * sizeof(float);
   if (choice < 0 && gemm_tuning() != 0 && scratch_bytes <= kTuneScratchBytes && !stream_capturing(stream)) {
-    TuneScratch scratch(scratch_bytes);
+    TuneScratch scratch(blas.pool(), scratch_bytes);
     auto* w = static_cast<float*>(scratch.p);
     float* db = w + w_floats;
     LOOM_CUDA_CHECK(cudaMemsetAsync(w, 0, scratch_bytes, stream));
     LtCall cw = c;
     cw.D = w;
-    const double fused = median_ms([&] { return run_dweight_bgradb(a, cw, db, stream); }, stream);
+    const double fused = median_ms([&] { return run_dweight_bgradb(blas, a, cw, db, stream); }, stream);
     const double separate = median_ms(
         [&] {
-          lt_matmul(cw, stream);
+          lt_matmul(blas, cw, stream);
           bias_grad(db, a.dout, a.M, a.N, a.dbias_scratch, stream);
           return true;
         },
@@ -397,16 +440,10 @@ bool fused_bias_grad(const MatmulBwdArgs& a, const LtCall& c, cudaStream_t strea
     s.bias_paths.emplace(key, choice);
   }
   if (choice == 0) return false;
-  return run_dweight_bgradb(a, c, a.dbias, stream);
+  return run_dweight_bgradb(blas, a, c, a.dbias, stream);
 }
 
 }  // namespace
-
-void matmul_init() { (void)lt(); }
-
-void set_bias_grad_path(BiasGradPath p) { bias_grad_path.store(p); }
-
-int64_t bias_grad_epilogue_runs() { return bias_grad_epilogue_count.load(); }
 
 int64_t matmul_dbias_scratch_floats(int64_t N) { return 64 * N; }
 
@@ -423,7 +460,7 @@ void bias_grad(float* dbias, const bf16* x, int64_t M, int64_t N, float* scratch
   LOOM_CUDA_LAUNCH_CHECK();
 }
 
-void matmul_forward(const MatmulFwdArgs& a, cudaStream_t stream) {
+void matmul_forward(Blas& blas, const MatmulFwdArgs& a, cudaStream_t stream) {
   LOOM_CHECK(a.out && a.inp && a.weight, "matmul_forward: out, inp and weight must be set");
   LOOM_CHECK(a.M > 0 && a.K > 0 && a.N > 0, "matmul_forward: bad sizes M={} K={} N={}", a.M, a.K, a.N);
   LOOM_CHECK(a.K % 8 == 0 && a.N % 8 == 0, "matmul_forward: K={} and N={} must be multiples of 8", a.K, a.N);
@@ -448,10 +485,10 @@ void matmul_forward(const MatmulFwdArgs& a, cudaStream_t stream) {
   } else {
     c.epilogue = a.bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
   }
-  lt_matmul(c, stream);
+  lt_matmul(blas, c, stream);
 }
 
-void matmul_backward(const MatmulBwdArgs& a, cudaStream_t stream) {
+void matmul_backward(Blas& blas, const MatmulBwdArgs& a, cudaStream_t stream) {
   LOOM_CHECK(a.dout, "matmul_backward: dout must be set");
   LOOM_CHECK(a.K % 8 == 0 && a.N % 8 == 0, "matmul_backward: K={} and N={} must be multiples of 8", a.K, a.N);
   if (a.dinp) {
@@ -466,12 +503,14 @@ void matmul_backward(const MatmulBwdArgs& a, cudaStream_t stream) {
     c.ldb = a.N;
     c.D = a.dinp;
     c.ldd = a.K;
+    LOOM_CHECK(!(a.accumulate_dinp && a.dinp_gelu_pre), "matmul_backward: accumulate_dinp with dinp_gelu_pre");
+    if (a.accumulate_dinp) c.beta = 1.f;
     if (a.dinp_gelu_pre) {
       c.epilogue = CUBLASLT_EPILOGUE_DGELU;
       c.aux = const_cast<bf16*>(a.dinp_gelu_pre);
       c.ld_aux = a.K;
     }
-    lt_matmul(c, stream);
+    lt_matmul(blas, c, stream);
   }
   if (a.dweight) {
     LOOM_CHECK(a.inp, "matmul_backward: dweight needs inp");
@@ -488,15 +527,15 @@ void matmul_backward(const MatmulBwdArgs& a, cudaStream_t stream) {
     c.ldd = a.K;
     c.d_f32 = true;
     c.beta = 1.f;
-    if (a.dbias && a.dbias_scratch && fused_bias_grad(a, c, stream)) return;
-    lt_matmul(c, stream);
+    if (a.dbias && a.dbias_scratch && fused_bias_grad(blas, a, c, stream)) return;
+    lt_matmul(blas, c, stream);
     if (a.dbias) bias_grad(a.dbias, a.dout, a.M, a.N, a.dbias_scratch, stream);
     return;
   }
   if (a.dbias) bias_grad(a.dbias, a.dout, a.M, a.N, a.dbias_scratch, stream);
 }
 
-void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A,
+void gemm_bf16(Blas& blas, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A,
                int64_t lda, const bf16* B, int64_t ldb, float beta, void* C, int64_t ldc, bool c_f32,
                cudaStream_t stream) {
   LtCall c;
@@ -514,10 +553,11 @@ void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, floa
   c.d_f32 = c_f32;
   c.alpha = alpha;
   c.beta = beta;
-  lt_matmul(c, stream);
+  lt_matmul(blas, c, stream);
 }
 
-double measure_gemm_peak_bf16(MemoryPool& pool, cudaStream_t stream, int64_t n, double seconds) {
+double measure_gemm_peak_bf16(Blas& blas, cudaStream_t stream, int64_t n, double seconds) {
+  MemoryPool& pool = blas.pool();
   LOOM_CHECK(n > 0 && n <= 65536, "measure_gemm_peak_bf16: n = {} must be in [1, 65536]", n);
   LOOM_CHECK(seconds > 0 && std::isfinite(seconds), "measure_gemm_peak_bf16: seconds = {} must be positive",
              seconds);
@@ -548,7 +588,7 @@ double measure_gemm_peak_bf16(MemoryPool& pool, cudaStream_t stream, int64_t n, 
   LOOM_CUDA_CHECK(cudaMemcpyAsync(b, host.data(), bytes, cudaMemcpyHostToDevice, stream));
   LOOM_CUDA_CHECK(cudaEventCreate(&s.ev[0]));
   LOOM_CUDA_CHECK(cudaEventCreate(&s.ev[1]));
-  auto gemm = [&] { gemm_bf16(false, true, n, n, n, 1.f, a, n, b, n, 0.f, c, n, false, stream); };
+  auto gemm = [&] { gemm_bf16(blas, false, true, n, n, n, 1.f, a, n, b, n, 0.f, c, n, false, stream); };
   for (int i = 0; i < 3; ++i) gemm();
   LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));
   int64_t iters = 0;

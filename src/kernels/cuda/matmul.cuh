@@ -5,11 +5,57 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <memory>
 
 #include "core/memory.h"
 #include "kernels/cuda/common.cuh"
 
+struct cublasContext;  // cublas_v2.h's cublasHandle_t is a cublasContext*
+
 namespace loom::cuda {
+
+// How matmul_backward computes a bias gradient together with a weight gradient: tuned (the
+// default: both ways timed per problem on first use, with LOOM_GEMM_TUNE on; the epilogue when
+// it is off), always the GEMM's BGRADB epilogue (where an algorithm takes it), or always a plain
+// GEMM and bias_grad. For tests and benchmarks.
+enum class BiasGradPath : uint8_t { tuned, epilogue, separate };
+
+// The BLAS state of one backend instance, on the device that was current when it was made: the
+// cuBLASLt handle and its 32 MiB workspace, the algorithm chosen (and timed) per problem, the
+// bias-gradient path chosen per problem, and, made on first use, a cuBLAS handle with a workspace
+// of its own (the GEMM attention's batched products). Workspaces come from `pool` (a device pool)
+// under tag workspace. One instance serves one thread at a time; ranks that are threads each keep
+// their own, so no handle, workspace or cache is shared between streams.
+constexpr size_t kBlasCublasWorkspaceBytes = size_t(32) << 20;
+
+class Blas {
+ public:
+  explicit Blas(MemoryPool& pool);
+  ~Blas();
+  Blas(const Blas&) = delete;
+  Blas& operator=(const Blas&) = delete;
+
+  MemoryPool& pool() const { return pool_; }
+  int device() const { return device_; }
+  // The cuBLAS handle (created, with its workspace, on the first call: make it before capturing a
+  // CUDA graph) and its workspace.
+  cublasContext* cublas();
+  void* cublas_workspace();
+  // Applies to this instance's later calls.
+  void set_bias_grad_path(BiasGradPath p);
+  BiasGradPath bias_grad_path() const;
+  // How many weight + bias gradients the epilogue has computed through this instance (for tests:
+  // which way a call went).
+  int64_t bias_grad_epilogue_runs() const;
+
+  struct State;
+  State& state() { return *s_; }
+
+ private:
+  MemoryPool& pool_;
+  int device_ = 0;
+  std::unique_ptr<State> s_;
+};
 
 struct MatmulFwdArgs {
   bf16* out = nullptr;         // bf16 [M, N]; with gelu: gelu(inp @ W^T + bias)
@@ -20,7 +66,7 @@ struct MatmulFwdArgs {
   int64_t M = 0, K = 0, N = 0;
   bool gelu = false;           // tanh-form GELU epilogue (needs pre_gelu for the backward)
 };
-void matmul_forward(const MatmulFwdArgs& a, cudaStream_t stream);
+void matmul_forward(Blas& blas, const MatmulFwdArgs& a, cudaStream_t stream);
 
 struct MatmulBwdArgs {
   bf16* dinp = nullptr;          // bf16 [M, K] written = dout @ W (null to skip)
@@ -34,19 +80,10 @@ struct MatmulBwdArgs {
   const bf16* dinp_gelu_pre = nullptr;
   int64_t M = 0, K = 0, N = 0;
   float* dbias_scratch = nullptr;  // f32, at least matmul_dbias_scratch_floats(N) (when dbias)
+  bool accumulate_dinp = false;    // dinp += dout @ W instead of = (not with dinp_gelu_pre)
 };
 int64_t matmul_dbias_scratch_floats(int64_t N);
-void matmul_backward(const MatmulBwdArgs& a, cudaStream_t stream);
-
-// How matmul_backward computes a bias gradient together with a weight gradient: tuned (the
-// default: both ways timed per problem on first use, with LOOM_GEMM_TUNE on; the epilogue when
-// it is off), always the GEMM's BGRADB epilogue (where an algorithm takes it), or always a plain
-// GEMM and bias_grad. For tests and benchmarks; applies to every later call.
-enum class BiasGradPath : uint8_t { tuned, epilogue, separate };
-void set_bias_grad_path(BiasGradPath p);
-// How many weight + bias gradients the epilogue has computed in this process (for tests: which
-// way a call went).
-int64_t bias_grad_epilogue_runs();
+void matmul_backward(Blas& blas, const MatmulBwdArgs& a, cudaStream_t stream);
 
 // dbias f32 [N] += column sums of x bf16 [M, N]; deterministic (fixed reduction order).
 void bias_grad(float* dbias, const bf16* x, int64_t M, int64_t N, float* scratch, cudaStream_t stream);
@@ -54,7 +91,7 @@ void bias_grad(float* dbias, const bf16* x, int64_t M, int64_t N, float* scratch
 // Plain GEMM on row-major bf16 operands with f32 or bf16 output:
 // C[M, N] = alpha * op(A) @ op(B) + beta * C. A is [M, K] (or [K, M] when trans_a), B is [K, N]
 // (or [N, K] when trans_b). C is f32 when c_f32, else bf16.
-void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A,
+void gemm_bf16(Blas& blas, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A,
                int64_t lda, const bf16* B, int64_t ldb, float beta, void* C, int64_t ldc, bool c_f32,
                cudaStream_t stream);
 
@@ -62,11 +99,7 @@ void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, floa
 // through gemm_bf16 (bf16 operands and output, f32 accumulation: the kernels the linear layers
 // run), timed with events on `stream` over about `seconds` after a warm-up. The operands hold a
 // fixed pattern of values in [-1, 1) (tensor cores draw less power on zeros, which would flatter
-// the rate); their 3 n^2 bf16 come from `pool` under the workspace tag and are given back.
-double measure_gemm_peak_bf16(MemoryPool& pool, cudaStream_t stream, int64_t n = 4096, double seconds = 0.25);
-
-// The cuBLASLt workspace (32 MiB, from the device pool under the workspace tag) is created at first
-// use; call this before capturing a CUDA graph so nothing is allocated during capture.
-void matmul_init();
+// the rate); their 3 n^2 bf16 come from blas.pool() under the workspace tag and are given back.
+double measure_gemm_peak_bf16(Blas& blas, cudaStream_t stream, int64_t n = 4096, double seconds = 0.25);
 
 }  // namespace loom::cuda

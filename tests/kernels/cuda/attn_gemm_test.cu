@@ -93,7 +93,7 @@ TEST(AttnGemm, ForwardBackward) {
     att.poison();
     dqkv.poison();
     ws.poison();
-    cuda::attn_gemm_forward(out.get(), att.get(), dqkv_in.get(), s, ws.get(), nullptr);
+    cuda::attn_gemm_forward(test_blas(), out.get(), att.get(), dqkv_in.get(), s, ws.get(), nullptr);
     const auto got_out = download_bf16(out), got_att = download_bf16(att);
     const double eo = rel_err(got_out, r.out), ea = rel_err(got_att, r.att);
     int64_t above = 0;
@@ -101,7 +101,7 @@ TEST(AttnGemm, ForwardBackward) {
       for (int64_t t = 0; t < T; ++t)
         for (int64_t j = t + 1; j < T; ++j) above += got_att[size_t((bh * T + t) * T + j)] != 0.f;
     EXPECT_EQ(above, 0) << "probabilities above the diagonal must be zero";
-    cuda::attn_gemm_backward(dqkv.get(), att.get(), ddout.get(), dqkv_in.get(), s, ws.get(), nullptr);
+    cuda::attn_gemm_backward(test_blas(), dqkv.get(), att.get(), ddout.get(), dqkv_in.get(), s, ws.get(), nullptr);
     const auto got_dqkv = download_bf16(dqkv);
     const double eg = rel_err(got_dqkv, r.dqkv);
     EXPECT_LE(eo, 1e-2);

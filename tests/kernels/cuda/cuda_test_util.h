@@ -8,11 +8,14 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <vector>
 
 #include "core/dtype.h"
+#include "kernels/cuda/allocator.cuh"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/matmul.cuh"
 #include "kernels/cuda/cudnn_attention.cuh"
 
 namespace loom::test {
@@ -27,6 +30,14 @@ inline int cuda_device_count() {
 }
 
 inline bool have_cuda_device() { return cuda_device_count() > 0; }
+
+// The BLAS state the op tests run their GEMMs with: one per test thread, over the device pool,
+// made on first use and kept (with its workspace) for the thread's life.
+inline cuda::Blas& test_blas() {
+  thread_local std::unique_ptr<cuda::Blas> b;
+  if (!b) b = std::make_unique<cuda::Blas>(cuda::device_pool());
+  return *b;
+}
 
 // n token ids in [0, V) from seed.
 inline std::vector<int32_t> random_tokens(int64_t n, int64_t V, uint32_t seed) {

@@ -290,10 +290,8 @@ TEST(GPTCuda, StepProfileCoversTheStep) {
 TEST(GPTCuda, MemoryIsTaggedAndReturned) {
   LOOM_REQUIRE_GPU();
   MemoryPool& pool = cuda::device_pool();
-  // The GEMM libraries' workspaces live for the process (taken on first use): take them first, so
-  // that in a fresh process they are not counted as the model's.
-  cuda::matmul_init();
-  cuda::attn_gemm_init();
+  // The GEMM libraries' handles and workspaces are the model's own (its backend instance's): they
+  // are taken with the model and given back with it.
   const MemStats before = pool.stats();
   model::GPTConfig cfg = model::gpt_preset("gpt2-tiny");
   {
@@ -307,6 +305,8 @@ TEST(GPTCuda, MemoryIsTaggedAndReturned) {
     EXPECT_GE(pool.current(MemTag::grads) - before.current[int(MemTag::grads)], n * 4);
     EXPECT_GE(pool.current(MemTag::optimizer) - before.current[int(MemTag::optimizer)], n * 8);
     EXPECT_GT(pool.current(MemTag::activations), before.current[int(MemTag::activations)]);
+    // cuBLASLt's and (GEMM attention) cuBLAS's workspaces, 32 MiB each.
+    EXPECT_GE(pool.current(MemTag::workspace) - before.current[int(MemTag::workspace)], int64_t(64) << 20);
   }
   for (int t = 0; t < kNumMemTags; ++t) EXPECT_EQ(pool.current(MemTag(t)), before.current[t]) << mem_tag_name(MemTag(t));
 }

@@ -60,19 +60,19 @@ TEST_P(MatmulTest, ForwardBiasAndGelu) {
   const auto ref = linear_ref(inp, w, &b, M, K, N);
 
   d_out.poison();
-  cuda::matmul_forward({d_out.get(), nullptr, d_inp.get(), d_w.get(), d_b.get(), M, K, N, false}, nullptr);
+  cuda::matmul_forward(test_blas(), {d_out.get(), nullptr, d_inp.get(), d_w.get(), d_b.get(), M, K, N, false}, nullptr);
   const double e_bias = rel_err(download_bf16(d_out), ref);
   EXPECT_LE(e_bias, kTolBf16);
 
   d_out.poison();
-  cuda::matmul_forward({d_out.get(), nullptr, d_inp.get(), d_w.get(), nullptr, M, K, N, false}, nullptr);
+  cuda::matmul_forward(test_blas(), {d_out.get(), nullptr, d_inp.get(), d_w.get(), nullptr, M, K, N, false}, nullptr);
   const auto ref_nb = linear_ref(inp, w, nullptr, M, K, N);
   const double e_nobias = rel_err(download_bf16(d_out), ref_nb);
   EXPECT_LE(e_nobias, kTolBf16);
 
   d_out.poison();
   d_pre.poison();
-  cuda::matmul_forward({d_out.get(), d_pre.get(), d_inp.get(), d_w.get(), d_b.get(), M, K, N, true}, nullptr);
+  cuda::matmul_forward(test_blas(), {d_out.get(), d_pre.get(), d_inp.get(), d_w.get(), d_b.get(), M, K, N, true}, nullptr);
   std::vector<double> ref_gelu(ref.size());
   for (size_t i = 0; i < ref.size(); ++i) ref_gelu[i] = gelu_ref(ref[i]);
   const auto got_pre = download_bf16(d_pre), got_gelu = download_bf16(d_out);
@@ -87,10 +87,10 @@ TEST_P(MatmulTest, ForwardBiasAndGelu) {
   cpu::matmul_forward(cpu_nb.data(), inp.data(), w.data(), nullptr, M, K, N);
   cpu::gelu_forward(cpu_gelu.data(), cpu_out.data(), M * N);
   d_out.poison();
-  cuda::matmul_forward({d_out.get(), nullptr, d_inp.get(), d_w.get(), d_b.get(), M, K, N, false}, nullptr);
+  cuda::matmul_forward(test_blas(), {d_out.get(), nullptr, d_inp.get(), d_w.get(), d_b.get(), M, K, N, false}, nullptr);
   const double c_bias = rel_err(download_bf16(d_out), cpu_out);
   d_out.poison();
-  cuda::matmul_forward({d_out.get(), nullptr, d_inp.get(), d_w.get(), nullptr, M, K, N, false}, nullptr);
+  cuda::matmul_forward(test_blas(), {d_out.get(), nullptr, d_inp.get(), d_w.get(), nullptr, M, K, N, false}, nullptr);
   const double c_nobias = rel_err(download_bf16(d_out), cpu_nb);
   const double c_pre = rel_err(got_pre, cpu_out), c_gelu = rel_err(got_gelu, cpu_gelu);
   EXPECT_LE(c_bias, kTolBf16);
@@ -100,7 +100,7 @@ TEST_P(MatmulTest, ForwardBiasAndGelu) {
   // The GELU epilogue without a bias.
   d_out.poison();
   d_pre.poison();
-  cuda::matmul_forward({d_out.get(), d_pre.get(), d_inp.get(), d_w.get(), nullptr, M, K, N, true}, nullptr);
+  cuda::matmul_forward(test_blas(), {d_out.get(), d_pre.get(), d_inp.get(), d_w.get(), nullptr, M, K, N, true}, nullptr);
   std::vector<float> cpu_gelu_nb(size_t(M * N));
   cpu::gelu_forward(cpu_gelu_nb.data(), cpu_nb.data(), M * N);
   const double c_gelu_nb = rel_err(download_bf16(d_out), cpu_gelu_nb), c_pre_nb = rel_err(download_bf16(d_pre), cpu_nb);
@@ -143,7 +143,7 @@ TEST_P(MatmulTest, Backward) {
   a.K = K;
   a.N = N;
   a.dbias_scratch = scratch.get();
-  cuda::matmul_backward(a, nullptr);
+  cuda::matmul_backward(test_blas(), a, nullptr);
 
   std::vector<double> ref_dinp(size_t(M * K), 0.0), ref_dw(dw0.begin(), dw0.end()), ref_db(db0.begin(), db0.end());
   for (int64_t i = 0; i < M; ++i)
@@ -176,18 +176,18 @@ TEST_P(MatmulTest, Backward) {
   // The epilogue runs where a cuBLASLt algorithm takes it; at N = 768 (GPT-2's width, where the
   // H100 ran it for every weight gradient of the model) it must have, not fallen back.
   struct TunedAgain {
-    ~TunedAgain() { cuda::set_bias_grad_path(cuda::BiasGradPath::tuned); }
+    ~TunedAgain() { test_blas().set_bias_grad_path(cuda::BiasGradPath::tuned); }
   } restore;
   for (auto path : {cuda::BiasGradPath::epilogue, cuda::BiasGradPath::separate}) {
-    cuda::set_bias_grad_path(path);
+    test_blas().set_bias_grad_path(path);
     d_dw.upload(dw0);
     d_db.upload(db0);
     scratch.poison();
     cuda::MatmulBwdArgs wb = a;
     wb.dinp = nullptr;
-    const int64_t epilogue_runs = cuda::bias_grad_epilogue_runs();
-    cuda::matmul_backward(wb, nullptr);
-    const int64_t ran_epilogue = cuda::bias_grad_epilogue_runs() - epilogue_runs;
+    const int64_t epilogue_runs = test_blas().bias_grad_epilogue_runs();
+    cuda::matmul_backward(test_blas(), wb, nullptr);
+    const int64_t ran_epilogue = test_blas().bias_grad_epilogue_runs() - epilogue_runs;
     if (path == cuda::BiasGradPath::separate) EXPECT_EQ(ran_epilogue, 0);
     if (path == cuda::BiasGradPath::epilogue && N == 768) EXPECT_EQ(ran_epilogue, 1);
     EXPECT_LE(rel_err(d_dw.download(), cpu_dw), kTolF32) << "bias gradient path " << int(path);
@@ -205,7 +205,7 @@ TEST_P(MatmulTest, Backward) {
   bo.K = K;
   bo.N = N;
   bo.dbias_scratch = scratch.get();
-  cuda::matmul_backward(bo, nullptr);
+  cuda::matmul_backward(test_blas(), bo, nullptr);
   const double c_db_alone = rel_err(d_db.download(), cpu_db);
   EXPECT_LE(c_db_alone, kTolF32);
   d_db.upload(db0);
@@ -224,7 +224,7 @@ TEST_P(MatmulTest, Backward) {
   g.M = M;
   g.K = K;
   g.N = N;
-  cuda::matmul_backward(g, nullptr);
+  cuda::matmul_backward(test_blas(), g, nullptr);
   std::vector<double> ref_dg(ref_dinp.size());
   for (size_t i = 0; i < ref_dg.size(); ++i) ref_dg[i] = ref_dinp[i] * gelu_grad_ref(pre[i]);
   const auto got_dg = download_bf16(d_dinp);
@@ -265,7 +265,7 @@ TEST(Matmul, GemmBf16AllTransposes) {
         }
       DeviceBuffer<float> dC(size_t(M * N));
       dC.poison();
-      cuda::gemm_bf16(ta, tb, M, N, K, 0.5f, dA.get(), ta ? M : K, dB.get(), tb ? K : N, 0.f, dC.get(), N, true, nullptr);
+      cuda::gemm_bf16(test_blas(), ta, tb, M, N, K, 0.5f, dA.get(), ta ? M : K, dB.get(), tb ? K : N, 0.f, dC.get(), N, true, nullptr);
       const auto got = dC.download();
       const double e = rel_err(got, ref);
       EXPECT_LE(e, kTolF32) << "trans_a=" << ta << " trans_b=" << tb;
@@ -277,7 +277,7 @@ TEST(Matmul, GemmBf16AllTransposes) {
       auto C0 = random_bf16_values(size_t(M * N), uint32_t(23 + 2 * ta + tb));
       DeviceBuffer<dbf16> dCb(C0.size());
       upload_bf16(dCb, C0);
-      cuda::gemm_bf16(ta, tb, M, N, K, 0.5f, dA.get(), ta ? M : K, dB.get(), tb ? K : N, 1.f, dCb.get(), N, false,
+      cuda::gemm_bf16(test_blas(), ta, tb, M, N, K, 0.5f, dA.get(), ta ? M : K, dB.get(), tb ? K : N, 1.f, dCb.get(), N, false,
                       nullptr);
       std::vector<float> cb = C0;
       cpu::gemm(ta, tb, M, N, K, 0.5f, A.data(), ta ? M : K, B.data(), tb ? K : N, 1.f, cb.data(), N);
@@ -288,8 +288,8 @@ TEST(Matmul, GemmBf16AllTransposes) {
 TEST(Matmul, RejectsBadShapes) {
   LOOM_REQUIRE_GPU();
   DeviceBuffer<dbf16> x(64);
-  EXPECT_THROW(cuda::matmul_forward({x.get(), nullptr, x.get(), x.get(), nullptr, 4, 6, 8, false}, nullptr), Error);
-  EXPECT_THROW(cuda::matmul_forward({x.get(), nullptr, x.get(), x.get(), nullptr, 4, 8, 8, true}, nullptr), Error);
+  EXPECT_THROW(cuda::matmul_forward(test_blas(), {x.get(), nullptr, x.get(), x.get(), nullptr, 4, 6, 8, false}, nullptr), Error);
+  EXPECT_THROW(cuda::matmul_forward(test_blas(), {x.get(), nullptr, x.get(), x.get(), nullptr, 4, 8, 8, true}, nullptr), Error);
 }
 
 // The bf16 GEMM rate that MFU is reported against: arguments are checked before any device work;
@@ -297,9 +297,17 @@ TEST(Matmul, RejectsBadShapes) {
 // figure) and the operands are given back to the pool.
 TEST(Matmul, GemmPeakMeasurement) {
   MemoryPool host("host");
+  try {
+    cuda::Blas b(host);
+    ADD_FAILURE() << "a BLAS state over a host pool was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("not a device pool"), std::string::npos) << e.what();
+  }
+  LOOM_REQUIRE_GPU();
+  cuda::Blas& blas = test_blas();  // its cuBLASLt workspace stays allocated: take it before counting
   auto message = [&](int64_t n, double seconds) -> std::string {
     try {
-      cuda::measure_gemm_peak_bf16(host, nullptr, n, seconds);
+      cuda::measure_gemm_peak_bf16(blas, nullptr, n, seconds);
     } catch (const Error& e) {
       return e.what();
     }
@@ -307,12 +315,9 @@ TEST(Matmul, GemmPeakMeasurement) {
   };
   EXPECT_NE(message(0, 0.1).find("n = 0"), std::string::npos) << message(0, 0.1);
   EXPECT_NE(message(256, 0.0).find("seconds = 0"), std::string::npos) << message(256, 0.0);
-  EXPECT_NE(message(256, 0.1).find("not a device pool"), std::string::npos) << message(256, 0.1);
-  LOOM_REQUIRE_GPU();
-  MemoryPool& pool = cuda::device_pool();
-  cuda::matmul_init();  // the cuBLASLt workspace stays allocated: take it before counting
+  MemoryPool& pool = blas.pool();
   const int64_t before = pool.current(MemTag::workspace);
-  const double rate = cuda::measure_gemm_peak_bf16(pool, nullptr, 1024, 0.05);
+  const double rate = cuda::measure_gemm_peak_bf16(blas, nullptr, 1024, 0.05);
   EXPECT_GT(rate, 1e12);
   EXPECT_LT(rate, 5e15);
   EXPECT_EQ(pool.current(MemTag::workspace), before);

@@ -1,0 +1,100 @@
+#include "core/backend.h"
+
+#include <array>
+#include <mutex>
+#include <vector>
+
+#include "core/error.h"
+
+namespace loom {
+
+std::string_view op_name(Op op) {
+  switch (op) {
+    case Op::linear: return "linear";
+    case Op::layernorm: return "layernorm";
+    case Op::attention: return "attention";
+    case Op::crossentropy: return "crossentropy";
+    case Op::embedding: return "embedding";
+    case Op::gelu: return "gelu";
+    case Op::add: return "add";
+    case Op::adamw: return "adamw";
+    case Op::copy: return "copy";
+    case Op::count: break;
+  }
+  return "?";
+}
+
+std::string_view attn_kernel_name(AttnKernel k) {
+  switch (k) {
+    case AttnKernel::automatic: return "auto";
+    case AttnKernel::tiled: return "tiled";
+    case AttnKernel::flash: return "flash";
+    case AttnKernel::cudnn: return "cudnn";
+    case AttnKernel::gemm: return "gemm";
+  }
+  return "?";
+}
+
+AttnKernel attn_kernel_from_name(std::string_view name) {
+  for (AttnKernel k : {AttnKernel::automatic, AttnKernel::tiled, AttnKernel::flash, AttnKernel::cudnn, AttnKernel::gemm})
+    if (attn_kernel_name(k) == name) return k;
+  LOOM_FAIL("attention kernel '{}': expected auto, tiled, flash, cudnn or gemm", name);
+}
+
+void Backend::upload(void* dst, DType dtype, const float* host, int64_t n) {
+  copy({.dst = dst, .dst_dtype = dtype, .dst_host = false, .src = host, .src_dtype = DType::f32, .src_host = true, .n = n});
+  synchronize();
+}
+
+void Backend::download(float* host, const void* src, DType dtype, int64_t n) {
+  copy({.dst = host, .dst_dtype = DType::f32, .dst_host = true, .src = src, .src_dtype = dtype, .src_host = false, .n = n});
+  synchronize();
+}
+
+namespace {
+
+struct Entry {
+  BackendFactory factory = nullptr;
+  BackendProbe probe = nullptr;
+};
+
+struct Registry {
+  std::mutex mu;
+  std::array<Entry, 2> entries{};  // by Device
+};
+
+Registry& registry() {
+  static Registry* r = new Registry();  // leaked on purpose: backends register from static initialisers
+  return *r;
+}
+
+Entry entry(Device d) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  return r.entries.at(size_t(d));
+}
+
+}  // namespace
+
+void register_backend(Device device, BackendFactory factory, BackendProbe probe) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.entries.at(size_t(device)) = {factory, probe};
+}
+
+bool backend_available(Device device, std::string* why) {
+  const Entry e = entry(device);
+  if (!e.factory) {
+    if (why) *why = fmt::format("this build of loom has no {} backend", device_name(device));
+    return false;
+  }
+  return !e.probe || e.probe(why);
+}
+
+std::unique_ptr<Backend> make_backend(Device device, const BackendOptions& opt) {
+  std::string why;
+  LOOM_CHECK(backend_available(device, &why), "no {} backend: {}", device_name(device), why);
+  return entry(device).factory(opt);
+}
+
+}  // namespace loom

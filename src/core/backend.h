@@ -1,0 +1,297 @@
+// The device backend: every op the model's blocks need, each taking one options struct, behind one
+// interface that the CPU (kernels/cpu/backend.cpp) and the CUDA (kernels/cuda/backend.cuh)
+// implementations provide, and a registry that makes one for a device.
+//
+// Buffers are raw pointers into the backend's memory: activations (inputs, outputs, weights as the
+// ops read them) are of the op's `dtype`, which the backend must support (supports(op, dtype));
+// parameter gradients, LayerNorm statistics, attention's log-sum-exp and losses are always f32.
+// Everything a backend keeps between calls (library handles, workspaces, tuned algorithms, launch
+// caches, planned attention graphs, its stream) belongs to the instance, never to the process: one
+// instance per rank, so ranks may be threads of one process, sharing a device or not.
+//
+// Ops run in order on the backend's queue (the calling thread on the CPU, the instance's stream on
+// CUDA); synchronize() waits for them. On CUDA the ops only enqueue work, so a sequence of them
+// can be captured as a CUDA graph: prepare() every shape first (it allocates what the calls will
+// need), then nothing is allocated inside the capture.
+//
+// This header is also read by nvcc in C++17 mode: no C++20 here.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/memory.h"
+#include "core/tensor.h"
+
+namespace loom {
+
+enum class Op : uint8_t { linear, layernorm, attention, crossentropy, embedding, gelu, add, adamw, copy, count };
+constexpr int kNumOps = int(Op::count);
+std::string_view op_name(Op op);
+
+// out [M, N] = inp [M, K] @ weight [N, K]^T (+ bias [N]); with gelu, out = gelu(that) (tanh form)
+// and pre_gelu receives the value before the GELU (what the backward needs).
+struct LinearForward {
+  DType dtype = DType::f32;
+  void* out = nullptr;
+  void* pre_gelu = nullptr;     // with gelu: [M, N]
+  const void* inp = nullptr;
+  const void* weight = nullptr;
+  const void* bias = nullptr;   // or null
+  int64_t M = 0, K = 0, N = 0;
+  bool gelu = false;
+};
+
+// dinp [M, K] = dout [M, N] @ weight (+= with accumulate_dinp); dweight f32 [N, K] += dout^T @ inp;
+// dbias f32 [N] += column sums of dout. Any of dinp, dweight, dbias may be null. With gelu_pre
+// ([M, K], the pre-GELU value that produced inp), dinp = (dout @ weight) * gelu'(gelu_pre): the
+// backward through the GELU in front of this linear layer (not with accumulate_dinp).
+struct LinearBackward {
+  DType dtype = DType::f32;
+  void* dinp = nullptr;
+  bool accumulate_dinp = false;
+  float* dweight = nullptr;
+  float* dbias = nullptr;
+  const void* dout = nullptr;
+  const void* inp = nullptr;
+  const void* weight = nullptr;
+  const void* gelu_pre = nullptr;
+  int64_t M = 0, K = 0, N = 0;
+};
+
+// out [N, C] = (x - mean) * rstd * weight + bias with mean, rstd f32 [N] saved (either may be null
+// when no backward follows; bias may be null). x is inp, or, with residual_b set, the residual sum
+// residual_out = inp + residual_b (rounded to dtype; residual_out may alias inp).
+struct LayerNormForward {
+  DType dtype = DType::f32;
+  void* out = nullptr;
+  float* mean = nullptr;
+  float* rstd = nullptr;
+  const void* inp = nullptr;
+  const void* residual_b = nullptr;
+  void* residual_out = nullptr;
+  const void* weight = nullptr;
+  const void* bias = nullptr;
+  int64_t N = 0, C = 0;
+  float eps = 1e-5f;
+};
+
+// dinp [N, C] (= or += with accumulate), dweight, dbias f32 [C] +=; inp is the LayerNorm's input
+// (the residual sum when the forward had one). dweight and dbias may be null.
+struct LayerNormBackward {
+  DType dtype = DType::f32;
+  void* dinp = nullptr;
+  bool accumulate = false;
+  float* dweight = nullptr;
+  float* dbias = nullptr;
+  const void* dout = nullptr;
+  const void* inp = nullptr;
+  const void* weight = nullptr;
+  const float* mean = nullptr;
+  const float* rstd = nullptr;
+  int64_t N = 0, C = 0;
+};
+
+// Which attention kernels run: the backend's default (CPU: tiled; CUDA: cuDNN where loom has it
+// and the shape is one it takes, else flash for head sizes 64 and 128, else GEMM), or one by name.
+enum class AttnKernel : uint8_t { automatic, tiled, flash, cudnn, gemm };
+std::string_view attn_kernel_name(AttnKernel k);
+AttnKernel attn_kernel_from_name(std::string_view name);  // throws naming the value
+
+// The geometry of one causal (or full) multi-head attention call: element (b, t, h, d) of X is at
+// X[(b * T + t) * stride + h * HS + d] with T that tensor's sequence length. Causal mask: key
+// position kv_pos0 + s is visible to query position q_pos0 + t iff kv_pos0 + s <= q_pos0 + t.
+struct AttnShape {
+  int64_t B = 0, NH = 0, HS = 0;
+  int64_t Tq = 0, Tkv = 0;
+  int64_t q_stride = 0, kv_stride = 0, o_stride = 0;
+  int64_t q_pos0 = 0, kv_pos0 = 0;
+  bool causal = true;
+  float scale = 0;  // 0: 1 / sqrt(HS)
+};
+
+// out = softmax(q k^T scale, mask) v; lse f32 [B, NH, Tq] (natural log of each row's sum of exp of
+// the scaled scores). With the GEMM kernels, probs (dtype [B, NH, Tq, Tkv], attention_probs_bytes)
+// receives the probabilities the backward reads; the others save lse only.
+struct AttentionForward {
+  DType dtype = DType::f32;
+  AttnShape shape;
+  void* out = nullptr;
+  float* lse = nullptr;
+  void* probs = nullptr;
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+};
+
+// dq (q_stride), dk, dv (kv_stride) from dout (o_stride) and the forward's out and lse (and probs).
+// Written, or added with accumulate (ring attention's several contributions). With the GEMM
+// kernels, dq, dk and dv must be the q, k, v columns of one packed [B, T, 3 NH HS] buffer, and
+// probs is overwritten.
+struct AttentionBackward {
+  DType dtype = DType::f32;
+  AttnShape shape;
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  bool accumulate = false;
+  const void* dout = nullptr;
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const void* out = nullptr;
+  const float* lse = nullptr;
+  void* probs = nullptr;
+};
+
+// losses f32 [N] = -log softmax(logits[n, :V])[targets[n]] over logits [N, Vp] (columns [V, Vp)
+// are padding, masked); targets i32 [N], -1 ignored (loss 0). With dlogits, the same pass writes
+// dlogits [N, Vp] = dloss * (softmax - onehot), zeros in padding and ignored rows (dlogits may
+// alias logits). losses may be null when dlogits is set.
+struct CrossEntropy {
+  DType dtype = DType::f32;
+  float* losses = nullptr;
+  void* dlogits = nullptr;
+  const void* logits = nullptr;
+  const int32_t* targets = nullptr;
+  float dloss = 1.f;
+  int64_t N = 0, V = 0, Vp = 0;
+};
+
+// out [B, T, C] = wte[tokens[b, t]] + wpe[pos0 + t] (wpe may be null: no position table).
+struct EmbeddingForward {
+  DType dtype = DType::f32;
+  void* out = nullptr;
+  const int32_t* tokens = nullptr;
+  const void* wte = nullptr;
+  const void* wpe = nullptr;
+  int64_t B = 0, T = 0, C = 0, V = 0, pos0 = 0;
+};
+
+// dwte f32 [V, C] += scatter of dout by token; dwpe f32 [maxT, C] += sum over the batch. Either may
+// be null.
+struct EmbeddingBackward {
+  DType dtype = DType::f32;
+  float* dwte = nullptr;
+  float* dwpe = nullptr;
+  const void* dout = nullptr;
+  const int32_t* tokens = nullptr;
+  int64_t B = 0, T = 0, C = 0, V = 0, pos0 = 0;
+};
+
+// One tensor of a multi-tensor AdamW: f32 master weights, gradient and moments of n elements, and
+// the compute copy the ops read (in the backend's compute dtype; null when the master is that).
+struct AdamWTensor {
+  float* param = nullptr;
+  void* compute = nullptr;
+  const float* grad = nullptr;
+  float* m = nullptr;
+  float* v = nullptr;
+  int64_t n = 0;
+  float weight_decay = 0.f;  // decoupled, multiplied by lr
+};
+
+struct AdamWHyper {
+  double lr = 3e-4, beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
+  int64_t step = 1;        // 1-based, for bias correction
+  float max_norm = 0.f;    // global-norm clipping threshold; <= 0 disables
+  float grad_scale = 1.f;  // applied to every gradient before the norm and clipping
+};
+
+// AdamW over a fixed list of tensors (PyTorch torch.optim.AdamW semantics): one pass for the
+// global gradient norm (after grad_scale), the clip scale min(1, max_norm / (norm + 1e-6)), then
+// every tensor's update and its compute copy refreshed.
+class AdamWPlan {
+ public:
+  virtual ~AdamWPlan() = default;
+  // Enqueues the update with these hyperparameters (on CUDA the values are copied into the
+  // enqueued work, so a captured step replays with the values of the last step() call before
+  // replay; step() must not be called while an earlier launch may still be running).
+  virtual void step(const AdamWHyper& h) = 0;
+  // The gradient norm (after grad_scale, before clipping) of the last step; waits for it.
+  virtual double grad_norm() = 0;
+};
+
+// dst[i] = src[i], converting between dtypes (f32 and bf16; same dtypes copy bytes), from and to
+// host or device memory of this backend.
+struct Copy {
+  void* dst = nullptr;
+  DType dst_dtype = DType::f32;
+  bool dst_host = false;
+  const void* src = nullptr;
+  DType src_dtype = DType::f32;
+  bool src_host = false;
+  int64_t n = 0;
+};
+
+struct BackendOptions {
+  int device_index = 0;          // CUDA: the GPU ordinal
+  MemoryPool* pool = nullptr;    // where the backend allocates (a pool of its device); null: its own
+  AttnKernel attention = AttnKernel::automatic;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual Device device() const = 0;
+  virtual std::string name() const = 0;  // "cpu", "cuda:0 (NVIDIA H100 80GB HBM3)"
+  // The dtype the blocks keep activations and compute copies of parameters in.
+  virtual DType compute_dtype() const = 0;
+  virtual bool supports(Op op, DType dtype) const = 0;
+  virtual MemoryPool& pool() = 0;
+  // The attention kernels this instance runs (after `automatic` was resolved for the last shape).
+  virtual AttnKernel attention_kernel(const AttnShape& s) const = 0;
+  // Why the kernel differs from the one asked for (e.g. cuDNN could not plan the shape), or "".
+  virtual std::string attention_note() const { return {}; }
+
+  virtual void linear_forward(const LinearForward& a) = 0;
+  virtual void linear_backward(const LinearBackward& a) = 0;
+  virtual void layernorm_forward(const LayerNormForward& a) = 0;
+  virtual void layernorm_backward(const LayerNormBackward& a) = 0;
+  // Allocates what calls of this shape will need (workspaces, planned graphs) so that the calls
+  // themselves allocate nothing: call it before capturing them into a graph.
+  virtual void prepare_attention(DType dtype, const AttnShape& s) = 0;
+  // Bytes of the probabilities the GEMM kernels save ([B, NH, Tq, Tkv] of dtype); 0 for others.
+  virtual int64_t attention_probs_bytes(DType dtype, const AttnShape& s) const = 0;
+  // Bytes of scratch calls of this shape keep in the instance (tag workspace) once prepared.
+  virtual int64_t attention_workspace_bytes(DType dtype, const AttnShape& s) const = 0;
+  virtual void attention_forward(const AttentionForward& a) = 0;
+  virtual void attention_backward(const AttentionBackward& a) = 0;
+  virtual void crossentropy(const CrossEntropy& a) = 0;
+  virtual void embedding_forward(const EmbeddingForward& a) = 0;
+  virtual void embedding_backward(const EmbeddingBackward& a) = 0;
+  // out = gelu(inp), [n] (out may alias inp).
+  virtual void gelu_forward(DType dtype, void* out, const void* inp, int64_t n) = 0;
+  // dinp = dout * gelu'(inp), [n] (dinp may alias dout).
+  virtual void gelu_backward(DType dtype, void* dinp, const void* inp, const void* dout, int64_t n) = 0;
+  // out = a + b, [n] (out may alias a or b).
+  virtual void add(DType dtype, void* out, const void* a, const void* b, int64_t n) = 0;
+  virtual std::unique_ptr<AdamWPlan> plan_adamw(const std::vector<AdamWTensor>& tensors) = 0;
+  virtual void copy(const Copy& a) = 0;
+  virtual void fill_zero(void* dst, int64_t bytes) = 0;
+  // Waits for every op enqueued so far.
+  virtual void synchronize() = 0;
+
+  // An uninitialised tensor from pool() under tag.
+  Tensor empty(const Shape& shape, DType dtype, MemTag tag) { return Tensor::empty(shape, dtype, tag, pool()); }
+  // Host values -> device (converting from f32 into dtype) and back, synchronously.
+  void upload(void* dst, DType dtype, const float* host, int64_t n);
+  void download(float* host, const void* src, DType dtype, int64_t n);
+};
+
+// The registry: each backend compiled into the program registers a factory for its device, and a
+// probe that says whether it can start here (CUDA: a GPU is present).
+using BackendFactory = std::unique_ptr<Backend> (*)(const BackendOptions& opt);
+using BackendProbe = bool (*)(std::string* why);
+void register_backend(Device device, BackendFactory factory, BackendProbe probe = nullptr);
+// Whether a backend for `device` is in this program and can start; `why` receives the reason when
+// not.
+bool backend_available(Device device, std::string* why = nullptr);
+// A new instance; throws naming the device when none is registered or it cannot start.
+std::unique_ptr<Backend> make_backend(Device device, const BackendOptions& opt = {});
+
+}  // namespace loom

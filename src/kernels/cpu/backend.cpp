@@ -1,0 +1,225 @@
+#include "kernels/cpu/backend.h"
+
+#include <cmath>
+#include <cstring>
+
+#include <omp.h>
+
+#include "core/error.h"
+#include "kernels/cpu/adamw.h"
+#include "kernels/cpu/crossentropy.h"
+#include "kernels/cpu/embedding.h"
+#include "kernels/cpu/gelu.h"
+#include "kernels/cpu/layernorm.h"
+#include "kernels/cpu/matmul.h"
+#include "kernels/cpu/residual.h"
+
+namespace loom::cpu {
+
+namespace {
+
+const float* f(const void* p) { return static_cast<const float*>(p); }
+float* f(void* p) { return static_cast<float*>(p); }
+
+AttnArgs attn_args(const AttnShape& s) {
+  AttnArgs a;
+  a.B = s.B;
+  a.NH = s.NH;
+  a.HS = s.HS;
+  a.Tq = s.Tq;
+  a.Tkv = s.Tkv;
+  a.q_stride = s.q_stride;
+  a.kv_stride = s.kv_stride;
+  a.o_stride = s.o_stride;
+  a.q_pos0 = s.q_pos0;
+  a.kv_pos0 = s.kv_pos0;
+  a.causal = s.causal;
+  a.scale = s.scale;
+  return a;
+}
+
+class CpuAdamW final : public AdamWPlan {
+ public:
+  explicit CpuAdamW(std::vector<AdamWTensor> t) : t_(std::move(t)) {
+    for (const AdamWTensor& x : t_) {
+      LOOM_CHECK(x.param && x.grad && x.m && x.v && x.n >= 0, "adamw plan: a tensor without param, grad or moments");
+      LOOM_CHECK(!x.compute || x.compute == x.param, "adamw plan: the CPU computes in f32 (no separate compute copy)");
+    }
+  }
+  void step(const AdamWHyper& h) override {
+    LOOM_CHECK(h.grad_scale > 0 && std::isfinite(h.grad_scale), "adamw: grad_scale {} must be positive", h.grad_scale);
+    double sq = 0;
+    for (const AdamWTensor& x : t_) sq += sum_squares(x.grad, x.n);
+    norm_ = double(h.grad_scale) * std::sqrt(sq);
+    LOOM_CHECK(std::isfinite(norm_), "adamw: gradient norm is {} at step {}", norm_, h.step);
+    const float clip = clip_scale(norm_, h.max_norm);
+    for (const AdamWTensor& x : t_) {
+      AdamWArgs a;
+      a.lr = h.lr;
+      a.beta1 = h.beta1;
+      a.beta2 = h.beta2;
+      a.eps = h.eps;
+      a.weight_decay = x.weight_decay;
+      a.step = h.step;
+      a.grad_scale = h.grad_scale * clip;
+      adamw_update(x.param, x.grad, x.m, x.v, x.n, a);
+    }
+  }
+  double grad_norm() override { return norm_; }
+
+ private:
+  std::vector<AdamWTensor> t_;
+  double norm_ = 0;
+};
+
+void convert(void* dst, DType dt, const void* src, DType st, int64_t n) {
+  if (dt == st) {
+    std::memcpy(dst, src, size_t(n) * dtype_size(dt));
+  } else if (dt == DType::f32 && st == DType::bf16) {
+    bf16_to_f32(static_cast<float*>(dst), static_cast<const bf16*>(src), n);
+  } else if (dt == DType::bf16 && st == DType::f32) {
+    f32_to_bf16(static_cast<bf16*>(dst), static_cast<const float*>(src), n);
+  } else {
+    LOOM_FAIL("copy: no conversion from {} to {}", dtype_name(st), dtype_name(dt));
+  }
+}
+
+}  // namespace
+
+CpuBackend::CpuBackend(const BackendOptions& opt) : pool_(opt.pool ? opt.pool : &default_cpu_pool()) {
+  LOOM_CHECK(pool_->device() == Device::cpu, "cpu backend: pool '{}' is not a host pool", pool_->name());
+  LOOM_CHECK(opt.attention == AttnKernel::automatic || opt.attention == AttnKernel::tiled,
+             "cpu backend: attention kernel '{}' runs on CUDA only (the CPU has 'tiled')", attn_kernel_name(opt.attention));
+  attn_ws_ = std::make_unique<AttnWorkspace>(*pool_);
+}
+
+bool CpuBackend::supports(Op op, DType dtype) const {
+  // Copies also move i32 (token ids, targets) between host and device, without conversion.
+  if (op == Op::copy) return dtype == DType::f32 || dtype == DType::bf16 || dtype == DType::i32;
+  return dtype == DType::f32;
+}
+
+void CpuBackend::check(Op op, DType dtype) const {
+  LOOM_CHECK(supports(op, dtype), "cpu backend: {} in {} is not supported (f32 only)", op_name(op), dtype_name(dtype));
+}
+
+void CpuBackend::linear_forward(const LinearForward& a) {
+  check(Op::linear, a.dtype);
+  if (!a.gelu) {
+    matmul_forward(f(a.out), f(a.inp), f(a.weight), f(a.bias), a.M, a.K, a.N);
+    return;
+  }
+  LOOM_CHECK(a.pre_gelu, "linear_forward: gelu needs pre_gelu");
+  matmul_forward(f(a.pre_gelu), f(a.inp), f(a.weight), f(a.bias), a.M, a.K, a.N);
+  cpu::gelu_forward(f(a.out), f(a.pre_gelu), a.M * a.N);
+}
+
+void CpuBackend::linear_backward(const LinearBackward& a) {
+  check(Op::linear, a.dtype);
+  LOOM_CHECK(!(a.gelu_pre && a.accumulate_dinp), "linear_backward: gelu_pre with accumulate_dinp");
+  matmul_backward(f(a.dinp), a.dweight, a.dbias, f(a.dout), f(a.inp), f(a.weight), a.M, a.K, a.N, a.accumulate_dinp);
+  if (a.gelu_pre && a.dinp) cpu::gelu_backward(f(a.dinp), f(a.gelu_pre), f(a.dinp), a.M * a.K);
+}
+
+void CpuBackend::layernorm_forward(const LayerNormForward& a) {
+  check(Op::layernorm, a.dtype);
+  const float* x = f(a.inp);
+  if (a.residual_b) {
+    LOOM_CHECK(a.residual_out, "layernorm_forward: residual_b without residual_out");
+    residual_forward(f(a.residual_out), f(a.inp), f(a.residual_b), a.N * a.C);
+    x = f(a.residual_out);
+  }
+  cpu::layernorm_forward(f(a.out), a.mean, a.rstd, x, f(a.weight), f(a.bias), a.N, a.C, a.eps);
+}
+
+void CpuBackend::layernorm_backward(const LayerNormBackward& a) {
+  check(Op::layernorm, a.dtype);
+  cpu::layernorm_backward(f(a.dinp), a.dweight, a.dbias, f(a.dout), f(a.inp), f(a.weight), a.mean, a.rstd, a.N, a.C,
+                          a.accumulate);
+}
+
+int64_t CpuBackend::attention_workspace_bytes(DType dtype, const AttnShape& s) const {
+  check(Op::attention, dtype);
+  return attention_training_workspace_bytes(attn_args(s), omp_get_max_threads());
+}
+
+void CpuBackend::prepare_attention(DType dtype, const AttnShape& s) {
+  attn_ws_->reserve(attention_workspace_bytes(dtype, s));
+}
+
+void CpuBackend::attention_forward(const AttentionForward& a) {
+  check(Op::attention, a.dtype);
+  const AttnArgs args = attn_ws_->use(attn_args(a.shape), false);
+  cpu::attention_forward(f(a.out), a.lse, f(a.q), f(a.k), f(a.v), args);
+}
+
+void CpuBackend::attention_backward(const AttentionBackward& a) {
+  check(Op::attention, a.dtype);
+  const AttnArgs args = attn_ws_->use(attn_args(a.shape), true);
+  cpu::attention_backward(f(a.dq), f(a.dk), f(a.dv), f(a.dout), f(a.q), f(a.k), f(a.v), f(a.out), a.lse, args,
+                          a.accumulate);
+}
+
+void CpuBackend::crossentropy(const CrossEntropy& a) {
+  check(Op::crossentropy, a.dtype);
+  if (a.dlogits) {
+    crossentropy_forward_backward(a.losses, f(a.dlogits), f(a.logits), a.targets, a.dloss, a.N, a.V, a.Vp);
+  } else {
+    LOOM_CHECK(a.losses, "crossentropy: neither losses nor dlogits");
+    crossentropy_forward(a.losses, f(a.logits), a.targets, a.N, a.V, a.Vp);
+  }
+}
+
+void CpuBackend::embedding_forward(const EmbeddingForward& a) {
+  check(Op::embedding, a.dtype);
+  cpu::embedding_forward(f(a.out), a.tokens, f(a.wte), f(a.wpe), a.B, a.T, a.C, a.V, a.pos0);
+}
+
+void CpuBackend::embedding_backward(const EmbeddingBackward& a) {
+  check(Op::embedding, a.dtype);
+  cpu::embedding_backward(a.dwte, a.dwpe, f(a.dout), a.tokens, a.B, a.T, a.C, a.V, a.pos0);
+}
+
+void CpuBackend::gelu_forward(DType dtype, void* out, const void* inp, int64_t n) {
+  check(Op::gelu, dtype);
+  cpu::gelu_forward(f(out), f(inp), n);
+}
+
+void CpuBackend::gelu_backward(DType dtype, void* dinp, const void* inp, const void* dout, int64_t n) {
+  check(Op::gelu, dtype);
+  cpu::gelu_backward(f(dinp), f(inp), f(dout), n);
+}
+
+void CpuBackend::add(DType dtype, void* out, const void* a, const void* b, int64_t n) {
+  check(Op::add, dtype);
+  residual_forward(f(out), f(a), f(b), n);
+}
+
+std::unique_ptr<AdamWPlan> CpuBackend::plan_adamw(const std::vector<AdamWTensor>& tensors) {
+  return std::make_unique<CpuAdamW>(tensors);
+}
+
+void CpuBackend::copy(const Copy& a) {
+  check(Op::copy, a.dst_dtype);
+  check(Op::copy, a.src_dtype);
+  LOOM_CHECK(a.n >= 0, "copy: negative size {}", a.n);
+  convert(a.dst, a.dst_dtype, a.src, a.src_dtype, a.n);
+}
+
+void CpuBackend::fill_zero(void* dst, int64_t bytes) {
+  LOOM_CHECK(bytes >= 0, "fill_zero: negative size {}", bytes);
+  std::memset(dst, 0, size_t(bytes));
+}
+
+}  // namespace loom::cpu
+
+// Registration (core/backend.h). The symbol below is named on the link line of every program that
+// links loom_lib (CMakeLists.txt), so this file, and with it the registration, is never dropped.
+extern "C" {
+int loom_cpu_backend_anchor = [] {
+  loom::register_backend(loom::Device::cpu, [](const loom::BackendOptions& opt) -> std::unique_ptr<loom::Backend> {
+    return std::make_unique<loom::cpu::CpuBackend>(opt);
+  });
+  return 1;
+}();
+}

@@ -1,0 +1,53 @@
+// The CPU backend (core/backend.h) over the kernels of this folder: f32 compute, the calling
+// thread's OpenMP team, the tiled attention with its scratch kept by the instance.
+#pragma once
+#include <memory>
+
+#include "core/backend.h"
+#include "kernels/cpu/attention.h"
+
+namespace loom::cpu {
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(const BackendOptions& opt = {});
+
+  Device device() const override { return Device::cpu; }
+  std::string name() const override { return "cpu"; }
+  DType compute_dtype() const override { return DType::f32; }
+  bool supports(Op op, DType dtype) const override;
+  MemoryPool& pool() override { return *pool_; }
+  AttnKernel attention_kernel(const AttnShape&) const override { return AttnKernel::tiled; }
+
+  void linear_forward(const LinearForward& a) override;
+  void linear_backward(const LinearBackward& a) override;
+  void layernorm_forward(const LayerNormForward& a) override;
+  void layernorm_backward(const LayerNormBackward& a) override;
+  void prepare_attention(DType dtype, const AttnShape& s) override;
+  int64_t attention_probs_bytes(DType, const AttnShape&) const override { return 0; }
+  // The larger of one forward and one backward call's scratch on the calling thread's team
+  // (cpu::attention_training_workspace_bytes).
+  int64_t attention_workspace_bytes(DType dtype, const AttnShape& s) const override;
+  void attention_forward(const AttentionForward& a) override;
+  void attention_backward(const AttentionBackward& a) override;
+  void crossentropy(const CrossEntropy& a) override;
+  void embedding_forward(const EmbeddingForward& a) override;
+  void embedding_backward(const EmbeddingBackward& a) override;
+  void gelu_forward(DType dtype, void* out, const void* inp, int64_t n) override;
+  void gelu_backward(DType dtype, void* dinp, const void* inp, const void* dout, int64_t n) override;
+  void add(DType dtype, void* out, const void* a, const void* b, int64_t n) override;
+  std::unique_ptr<AdamWPlan> plan_adamw(const std::vector<AdamWTensor>& tensors) override;
+  void copy(const Copy& a) override;
+  void fill_zero(void* dst, int64_t bytes) override;
+  void synchronize() override {}
+
+  // The attention scratch every call of this instance uses (tag workspace of pool()).
+  AttnWorkspace& attention_scratch() { return *attn_ws_; }
+
+ private:
+  void check(Op op, DType dtype) const;
+  MemoryPool* pool_;
+  std::unique_ptr<AttnWorkspace> attn_ws_;
+};
+
+}  // namespace loom::cpu

@@ -1,0 +1,529 @@
+#include "kernels/cuda/backend.cuh"
+
+#include <cmath>
+#include <cstring>
+
+#include "core/error.h"
+#include "kernels/cuda/adamw.cuh"
+#include "kernels/cuda/attention.cuh"
+#include "kernels/cuda/attn_gemm.cuh"
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/crossentropy.cuh"
+#include "kernels/cuda/cudnn_attention.cuh"
+#include "kernels/cuda/embedding.cuh"
+#include "kernels/cuda/gelu.cuh"
+#include "kernels/cuda/layernorm.cuh"
+
+namespace loom::cuda {
+
+namespace {
+
+const bf16* h(const void* p) { return static_cast<const bf16*>(p); }
+bf16* h(void* p) { return static_cast<bf16*>(p); }
+
+AttnArgs attn_args(const AttnShape& s) {
+  AttnArgs a;
+  a.B = s.B;
+  a.NH = s.NH;
+  a.HS = s.HS;
+  a.Tq = s.Tq;
+  a.Tkv = s.Tkv;
+  a.q_stride = s.q_stride;
+  a.kv_stride = s.kv_stride;
+  a.o_stride = s.o_stride;
+  a.q_pos0 = s.q_pos0;
+  a.kv_pos0 = s.kv_pos0;
+  a.causal = s.causal;
+  a.scale = s.scale;
+  return a;
+}
+
+// The GEMM kernels take GPT-2's packed self-attention only: q, k, v the columns of one
+// [B, T, 3C] buffer, the output [B, T, C], causal from position 0, the default scale.
+bool gemm_takes(const AttnShape& s) {
+  const int64_t C = s.NH * s.HS;
+  return s.Tq == s.Tkv && s.q_stride == 3 * C && s.kv_stride == 3 * C && s.o_stride == C && s.q_pos0 == 0 &&
+         s.kv_pos0 == 0 && s.causal && (s.scale == 0.f || s.scale == 1.f / std::sqrt(float(s.HS))) && s.HS % 8 == 0;
+}
+
+__global__ void add_bf16_kernel(bf16* out, const bf16* a, const bf16* b, int64_t n) {
+  const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
+  if (i + 8 <= n) {
+    const bf16x8 x = *reinterpret_cast<const bf16x8*>(a + i), y = *reinterpret_cast<const bf16x8*>(b + i);
+    bf16x8 o;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) o.v[k] = __float2bfloat16(__bfloat162float(x.v[k]) + __bfloat162float(y.v[k]));
+    *reinterpret_cast<bf16x8*>(out + i) = o;
+  } else {
+    for (int64_t j = i; j < n; ++j) out[j] = __float2bfloat16(__bfloat162float(a[j]) + __bfloat162float(b[j]));
+  }
+}
+
+__global__ void f32_to_bf16_kernel(bf16* out, const float* in, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = __float2bfloat16(in[i]);
+}
+
+__global__ void bf16_to_f32_kernel(float* out, const bf16* in, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = __bfloat162float(in[i]);
+}
+
+bool capturing(cudaStream_t s) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  LOOM_CUDA_CHECK(cudaStreamIsCapturing(s, &st));
+  return st != cudaStreamCaptureStatusNone;
+}
+
+class CudaAdamW final : public AdamWPlan {
+ public:
+  CudaAdamW(const std::vector<loom::AdamWTensor>& t, MemoryPool& pool, cudaStream_t stream, int device)
+      : stream_(stream), device_(device) {
+    std::vector<cuda::AdamWTensor> list;
+    list.reserve(t.size());
+    for (const loom::AdamWTensor& x : t) {
+      LOOM_CHECK(x.param && x.grad && x.m && x.v && x.n >= 0, "adamw plan: a tensor without param, grad or moments");
+      cuda::AdamWTensor y;
+      y.param = x.param;
+      y.param_bf16 = static_cast<bf16*>(x.compute);
+      y.grad = x.grad;
+      y.m = x.m;
+      y.v = x.v;
+      y.n = x.n;
+      y.weight_decay = x.weight_decay;
+      list.push_back(y);
+    }
+    impl_ = std::make_unique<MultiTensorAdamW>(std::move(list), pool);
+  }
+  void step(const loom::AdamWHyper& hp) override {
+    LOOM_CUDA_CHECK(cudaSetDevice(device_));
+    // The hyperparameters are read from pinned memory by the enqueued work: the last launch must
+    // have read them before they change.
+    LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    cuda::AdamWHyper x;
+    x.lr = float(hp.lr);
+    x.beta1 = float(hp.beta1);
+    x.beta2 = float(hp.beta2);
+    x.eps = float(hp.eps);
+    x.step = hp.step;
+    x.max_norm = hp.max_norm;
+    x.grad_scale = hp.grad_scale;
+    impl_->set_hyper(x);
+    impl_->launch(stream_);
+  }
+  double grad_norm() override {
+    LOOM_CUDA_CHECK(cudaSetDevice(device_));
+    float v[2] = {0.f, 0.f};
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(v, impl_->norm_and_scale(), sizeof(v), cudaMemcpyDeviceToHost, stream_));
+    LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return double(v[0]);
+  }
+
+ private:
+  cudaStream_t stream_;
+  int device_;
+  std::unique_ptr<MultiTensorAdamW> impl_;
+};
+
+}  // namespace
+
+struct CudaBackend::Plan {
+  AttnKernel kernel = AttnKernel::flash;
+  std::unique_ptr<CudnnAttention> cudnn;
+  size_t workspace = 0;  // bytes the forward and backward calls need
+};
+
+CudaBackend::CudaBackend(const BackendOptions& opt) : device_(opt.device_index), requested_(opt.attention) {
+  int count = 0;
+  LOOM_CUDA_CHECK(cudaGetDeviceCount(&count));
+  LOOM_CHECK(device_ >= 0 && device_ < count, "cuda backend: device {} does not exist ({} GPUs)", device_, count);
+  LOOM_CHECK(requested_ != AttnKernel::tiled, "cuda backend: attention kernel 'tiled' is the CPU's (CUDA: flash, cudnn, gemm)");
+  activate();
+  cudaDeviceProp prop{};
+  LOOM_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_));
+  name_ = "cuda:" + std::to_string(device_) + " (" + prop.name + ")";
+  if (opt.pool) {
+    LOOM_CHECK(opt.pool->device() == Device::cuda, "cuda backend: pool '{}' is not a device pool", opt.pool->name().c_str());
+    pool_ = opt.pool;
+  } else {
+    own_alloc_ = std::make_unique<ArenaAllocator>(size_t(256) << 20, device_);
+    own_pool_ = std::make_unique<MemoryPool>("cuda:" + std::to_string(device_), own_alloc_.get());
+    pool_ = own_pool_.get();
+  }
+  // Every copy and memset runs on the instance's own non-blocking stream, ordered with its kernels.
+  LOOM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  try {
+    blas_ = std::make_unique<Blas>(*pool_);
+  } catch (...) {
+    cudaStreamDestroy(stream_);
+    throw;
+  }
+}
+
+CudaBackend::~CudaBackend() {
+  cudaSetDevice(device_);
+  cudaStreamSynchronize(stream_);
+  plans_.clear();
+  if (dbias_scratch_) pool_->deallocate(dbias_scratch_, dbias_bytes_, MemTag::workspace);
+  if (ln_scratch_) pool_->deallocate(ln_scratch_, ln_bytes_, MemTag::workspace);
+  if (attn_ws_) pool_->deallocate(attn_ws_, attn_ws_bytes_, MemTag::workspace);
+  blas_.reset();
+  cudaStreamDestroy(stream_);
+}
+
+void CudaBackend::activate() const { LOOM_CUDA_CHECK(cudaSetDevice(device_)); }
+
+bool CudaBackend::supports(Op op, DType dtype) const {
+  // Copies also move i32 (token ids, targets) between host and device, without conversion.
+  if (op == Op::copy) return dtype == DType::f32 || dtype == DType::bf16 || dtype == DType::i32;
+  return dtype == DType::bf16;
+}
+
+void CudaBackend::check(Op op, DType dtype) const {
+  LOOM_CHECK(supports(op, dtype), "cuda backend: {} in {} is not supported (bf16 with f32 accumulation)", op_name(op),
+             dtype_name(dtype));
+  activate();
+}
+
+void CudaBackend::synchronize() {
+  activate();
+  LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void* CudaBackend::grow(void*& p, size_t& have, size_t bytes, const char* what) {
+  if (bytes <= have) return p;
+  LOOM_CHECK(!capturing(stream_),
+             "cuda backend: {} needs {} bytes of scratch while a CUDA graph is being captured (run the step once "
+             "before capturing it)",
+             what, bytes);
+  LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old buffer may still be in use
+  if (p) pool_->deallocate(p, have, MemTag::workspace);
+  p = nullptr;
+  have = 0;
+  p = pool_->allocate(bytes, MemTag::workspace);
+  have = bytes;
+  return p;
+}
+
+void CudaBackend::linear_forward(const LinearForward& a) {
+  check(Op::linear, a.dtype);
+  MatmulFwdArgs m;
+  m.out = h(a.out);
+  m.pre_gelu = h(a.pre_gelu);
+  m.inp = h(a.inp);
+  m.weight = h(a.weight);
+  m.bias = h(a.bias);
+  m.M = a.M;
+  m.K = a.K;
+  m.N = a.N;
+  m.gelu = a.gelu;
+  matmul_forward(*blas_, m, stream_);
+}
+
+void CudaBackend::linear_backward(const LinearBackward& a) {
+  check(Op::linear, a.dtype);
+  LOOM_CHECK(!(a.gelu_pre && a.accumulate_dinp), "linear_backward: gelu_pre with accumulate_dinp");
+  MatmulBwdArgs m;
+  m.dinp = h(a.dinp);
+  m.accumulate_dinp = a.accumulate_dinp;
+  m.dweight = a.dweight;
+  m.dbias = a.dbias;
+  m.dout = h(a.dout);
+  m.inp = h(a.inp);
+  m.weight = h(a.weight);
+  m.dinp_gelu_pre = h(a.gelu_pre);
+  m.M = a.M;
+  m.K = a.K;
+  m.N = a.N;
+  if (a.dbias)
+    m.dbias_scratch = static_cast<float*>(
+        grow(dbias_scratch_, dbias_bytes_, size_t(matmul_dbias_scratch_floats(a.N)) * sizeof(float), "the bias gradient"));
+  matmul_backward(*blas_, m, stream_);
+}
+
+void CudaBackend::layernorm_forward(const LayerNormForward& a) {
+  check(Op::layernorm, a.dtype);
+  LOOM_CHECK(a.weight && a.bias, "cuda layernorm_forward: weight and bias must be set");
+  if (a.residual_b) {
+    LOOM_CHECK(a.residual_out, "layernorm_forward: residual_b without residual_out");
+    residual_layernorm_forward(h(a.residual_out), h(a.out), a.mean, a.rstd, h(a.inp), h(a.residual_b), h(a.weight),
+                               h(a.bias), a.N, a.C, stream_, a.eps);
+  } else {
+    cuda::layernorm_forward(h(a.out), a.mean, a.rstd, h(a.inp), h(a.weight), h(a.bias), a.N, a.C, stream_, a.eps);
+  }
+}
+
+void CudaBackend::layernorm_backward(const LayerNormBackward& a) {
+  check(Op::layernorm, a.dtype);
+  LOOM_CHECK(a.dweight && a.dbias, "cuda layernorm_backward: dweight and dbias must be set");
+  auto* scratch = static_cast<float*>(
+      grow(ln_scratch_, ln_bytes_, size_t(layernorm_backward_scratch_floats(a.C)) * sizeof(float), "the LayerNorm backward"));
+  cuda::layernorm_backward(h(a.dinp), a.dweight, a.dbias, h(a.dout), h(a.inp), h(a.weight), a.mean, a.rstd, a.N, a.C,
+                           a.accumulate, scratch, stream_);
+}
+
+CudaBackend::ShapeKey CudaBackend::key(const AttnShape& s) {
+  int32_t scale_bits = 0;
+  std::memcpy(&scale_bits, &s.scale, sizeof(scale_bits));
+  return {s.B, s.NH, s.HS, s.Tq, s.Tkv, s.q_stride, s.kv_stride, s.o_stride, s.q_pos0, s.kv_pos0, s.causal, scale_bits};
+}
+
+const CudaBackend::Plan* CudaBackend::find_plan(const AttnShape& s) const {
+  auto it = plans_.find(key(s));
+  return it == plans_.end() ? nullptr : it->second.get();
+}
+
+AttnKernel CudaBackend::resolve(const AttnShape& s, std::string* note) const {
+  const bool flash_ok = flash_head_size_supported(s.HS);
+  if (requested_ == AttnKernel::automatic) {
+    if (flash_ok && cudnn_available() && cudnn_runtime_version() >= 91600) {
+      try {
+        cudnn_attention_check(attn_args(s));
+        return AttnKernel::cudnn;
+      } catch (const Error& e) {
+        if (note) *note = e.what();
+      }
+    }
+    if (flash_ok) return AttnKernel::flash;
+    LOOM_CHECK(gemm_takes(s), "cuda attention: head size {} needs the GEMM kernels, which take packed causal "
+               "self-attention only", s.HS);
+    return AttnKernel::gemm;
+  }
+  if (requested_ == AttnKernel::flash)
+    LOOM_CHECK(flash_ok, "cuda attention: flash needs head size 64 or 128, got {}", s.HS);
+  if (requested_ == AttnKernel::gemm)
+    LOOM_CHECK(gemm_takes(s), "cuda attention: the GEMM kernels take packed causal self-attention only");
+  if (requested_ == AttnKernel::cudnn) cudnn_attention_check(attn_args(s));
+  return requested_;
+}
+
+AttnKernel CudaBackend::attention_kernel(const AttnShape& s) const {
+  if (const Plan* p = find_plan(s)) return p->kernel;
+  return resolve(s, nullptr);
+}
+
+CudaBackend::Plan& CudaBackend::plan(const AttnShape& s) {
+  auto it = plans_.find(key(s));
+  if (it != plans_.end()) return *it->second;
+  LOOM_CHECK(!capturing(stream_), "cuda attention: a new shape while a CUDA graph is being captured (prepare it first)");
+  auto p = std::make_unique<Plan>();
+  std::string note;
+  p->kernel = resolve(s, &note);
+  const AttnArgs args = attn_args(s);
+  if (p->kernel == AttnKernel::cudnn) {
+    try {
+      p->cudnn = std::make_unique<CudnnAttention>(args);
+    } catch (const Error& e) {
+      // automatic falls back to flash when cuDNN cannot plan the shape; asked for by name it fails.
+      if (requested_ != AttnKernel::automatic) throw;
+      note = e.what();
+      p->kernel = AttnKernel::flash;
+    }
+  }
+  if (!note.empty()) attention_note_ = note;
+  if (p->kernel == AttnKernel::cudnn)
+    p->workspace = std::max(p->cudnn->forward_workspace_bytes(), p->cudnn->backward_workspace_bytes());
+  else if (p->kernel == AttnKernel::flash)
+    p->workspace = attention_backward_workspace_bytes(args);
+  else
+    p->workspace = attn_gemm_workspace_bytes({s.B, s.Tq, s.NH, s.HS});
+  grow(attn_ws_, attn_ws_bytes_, p->workspace, "attention");
+  return *plans_.emplace(key(s), std::move(p)).first->second;
+}
+
+void CudaBackend::prepare_attention(DType dtype, const AttnShape& s) {
+  check(Op::attention, dtype);
+  (void)plan(s);
+}
+
+int64_t CudaBackend::attention_probs_bytes(DType dtype, const AttnShape& s) const {
+  check(Op::attention, dtype);
+  if (attention_kernel(s) != AttnKernel::gemm) return 0;
+  return s.B * s.NH * s.Tq * s.Tkv * int64_t(sizeof(bf16));
+}
+
+int64_t CudaBackend::attention_workspace_bytes(DType dtype, const AttnShape& s) const {
+  check(Op::attention, dtype);
+  if (const Plan* p = find_plan(s)) return int64_t(p->workspace);
+  const AttnKernel k = resolve(s, nullptr);
+  if (k == AttnKernel::gemm) return int64_t(attn_gemm_workspace_bytes({s.B, s.Tq, s.NH, s.HS}));
+  if (k == AttnKernel::flash) return int64_t(attention_backward_workspace_bytes(attn_args(s)));
+  CudnnAttention probe(attn_args(s));  // cuDNN's own scratch is known once planned
+  return int64_t(std::max(probe.forward_workspace_bytes(), probe.backward_workspace_bytes()));
+}
+
+void CudaBackend::attention_forward(const AttentionForward& a) {
+  check(Op::attention, a.dtype);
+  Plan& p = plan(a.shape);
+  const AttnArgs args = attn_args(a.shape);
+  switch (p.kernel) {
+    case AttnKernel::cudnn:
+      p.cudnn->forward(h(a.out), a.lse, h(a.q), h(a.k), h(a.v), attn_ws_, stream_);
+      break;
+    case AttnKernel::gemm: {
+      const int64_t C = a.shape.NH * a.shape.HS;
+      LOOM_CHECK(a.probs && a.k == h(a.q) + C && a.v == h(a.q) + 2 * C,
+                 "cuda attention (gemm): q, k, v must be one packed [B, T, 3C] buffer and probs set");
+      attn_gemm_forward(*blas_, h(a.out), h(a.probs), h(a.q), {a.shape.B, a.shape.Tq, a.shape.NH, a.shape.HS}, attn_ws_,
+                        stream_);
+      break;
+    }
+    default:
+      cuda::attention_forward(h(a.out), a.lse, h(a.q), h(a.k), h(a.v), args, stream_);
+  }
+}
+
+void CudaBackend::attention_backward(const AttentionBackward& a) {
+  check(Op::attention, a.dtype);
+  LOOM_CHECK(!a.accumulate, "cuda attention_backward: accumulate is not supported (the kernels write dq, dk, dv)");
+  Plan& p = plan(a.shape);
+  const AttnArgs args = attn_args(a.shape);
+  switch (p.kernel) {
+    case AttnKernel::cudnn:
+      p.cudnn->backward(h(a.dq), h(a.dk), h(a.dv), h(a.dout), h(a.q), h(a.k), h(a.v), h(a.out), a.lse, attn_ws_, stream_);
+      break;
+    case AttnKernel::gemm: {
+      const int64_t C = a.shape.NH * a.shape.HS;
+      LOOM_CHECK(a.probs && a.k == h(a.q) + C && a.v == h(a.q) + 2 * C && a.dk == h(a.dq) + C && a.dv == h(a.dq) + 2 * C,
+                 "cuda attention (gemm): q, k, v and dq, dk, dv must be packed [B, T, 3C] buffers and probs set");
+      attn_gemm_backward(*blas_, h(a.dq), h(a.probs), h(a.dout), h(a.q), {a.shape.B, a.shape.Tq, a.shape.NH, a.shape.HS},
+                         attn_ws_, stream_);
+      break;
+    }
+    default:
+      cuda::attention_backward(h(a.dq), h(a.dk), h(a.dv), h(a.dout), h(a.q), h(a.k), h(a.v), h(a.out), a.lse, args,
+                               attn_ws_, stream_);
+  }
+}
+
+void CudaBackend::crossentropy(const CrossEntropy& a) {
+  check(Op::crossentropy, a.dtype);
+  if (a.dlogits)
+    crossentropy_forward_backward(a.losses, h(a.dlogits), h(a.logits), a.targets, a.dloss, a.N, a.V, a.Vp, stream_);
+  else
+    crossentropy_forward(a.losses, h(a.logits), a.targets, a.N, a.V, a.Vp, stream_);
+}
+
+void CudaBackend::embedding_forward(const EmbeddingForward& a) {
+  check(Op::embedding, a.dtype);
+  LOOM_CHECK(a.wpe, "cuda embedding_forward: a position table is required");
+  cuda::embedding_forward(h(a.out), a.tokens, h(a.wte), h(a.wpe), a.B, a.T, a.C, a.V, stream_, a.pos0);
+}
+
+void CudaBackend::embedding_backward(const EmbeddingBackward& a) {
+  check(Op::embedding, a.dtype);
+  cuda::embedding_backward(a.dwte, a.dwpe, h(a.dout), a.tokens, a.B, a.T, a.C, a.V, stream_, a.pos0);
+}
+
+void CudaBackend::gelu_forward(DType dtype, void* out, const void* inp, int64_t n) {
+  check(Op::gelu, dtype);
+  cuda::gelu_forward(h(out), h(inp), n, stream_);
+}
+
+void CudaBackend::gelu_backward(DType dtype, void* dinp, const void* inp, const void* dout, int64_t n) {
+  check(Op::gelu, dtype);
+  cuda::gelu_backward(h(dinp), h(inp), h(dout), n, stream_);
+}
+
+void CudaBackend::add(DType dtype, void* out, const void* a, const void* b, int64_t n) {
+  check(Op::add, dtype);
+  LOOM_CHECK(n >= 0, "add: negative size {}", n);
+  if (n == 0) return;
+  LOOM_CHECK(reinterpret_cast<uintptr_t>(out) % 16 == 0 && reinterpret_cast<uintptr_t>(a) % 16 == 0 &&
+                 reinterpret_cast<uintptr_t>(b) % 16 == 0,
+             "cuda add: buffers must be 16-byte aligned");
+  add_bf16_kernel<<<unsigned(ceil_div(ceil_div(n, 8), 256)), 256, 0, stream_>>>(h(out), h(a), h(b), n);
+  LOOM_CUDA_LAUNCH_CHECK();
+}
+
+std::unique_ptr<AdamWPlan> CudaBackend::plan_adamw(const std::vector<loom::AdamWTensor>& tensors) {
+  activate();
+  return std::make_unique<CudaAdamW>(tensors, *pool_, stream_, device_);
+}
+
+void CudaBackend::copy(const Copy& a) {
+  check(Op::copy, a.dst_dtype);
+  check(Op::copy, a.src_dtype);
+  LOOM_CHECK(a.n >= 0, "copy: negative size {}", a.n);
+  if (a.n == 0) return;
+  const size_t n = size_t(a.n);
+  if (a.dst_host && a.src_host) {
+    std::vector<float> tmp;
+    if (a.dst_dtype == a.src_dtype) {
+      std::memcpy(a.dst, a.src, n * dtype_size(a.dst_dtype));
+    } else if (a.dst_dtype == DType::f32) {
+      loom::bf16_to_f32(static_cast<float*>(a.dst), static_cast<const loom::bf16*>(a.src), a.n);
+    } else {
+      loom::f32_to_bf16(static_cast<loom::bf16*>(a.dst), static_cast<const float*>(a.src), a.n);
+    }
+    return;
+  }
+  if (a.src_host) {  // host -> device: convert on the host first
+    std::vector<char> tmp;
+    const void* src = a.src;
+    if (a.dst_dtype != a.src_dtype) {
+      tmp.resize(n * dtype_size(a.dst_dtype));
+      if (a.dst_dtype == DType::bf16)
+        loom::f32_to_bf16(reinterpret_cast<loom::bf16*>(tmp.data()), static_cast<const float*>(a.src), a.n);
+      else
+        loom::bf16_to_f32(reinterpret_cast<float*>(tmp.data()), static_cast<const loom::bf16*>(a.src), a.n);
+      src = tmp.data();
+    }
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(a.dst, src, n * dtype_size(a.dst_dtype), cudaMemcpyHostToDevice, stream_));
+    LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return;
+  }
+  if (a.dst_host) {  // device -> host: convert on the host after
+    std::vector<char> tmp;
+    void* dst = a.dst;
+    if (a.dst_dtype != a.src_dtype) {
+      tmp.resize(n * dtype_size(a.src_dtype));
+      dst = tmp.data();
+    }
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(dst, a.src, n * dtype_size(a.src_dtype), cudaMemcpyDeviceToHost, stream_));
+    LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    if (a.dst_dtype != a.src_dtype) {
+      if (a.dst_dtype == DType::f32)
+        loom::bf16_to_f32(static_cast<float*>(a.dst), reinterpret_cast<const loom::bf16*>(tmp.data()), a.n);
+      else
+        loom::f32_to_bf16(static_cast<loom::bf16*>(a.dst), reinterpret_cast<const float*>(tmp.data()), a.n);
+    }
+    return;
+  }
+  if (a.dst_dtype == a.src_dtype) {
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(a.dst, a.src, n * dtype_size(a.dst_dtype), cudaMemcpyDeviceToDevice, stream_));
+  } else if (a.dst_dtype == DType::bf16) {
+    f32_to_bf16_kernel<<<unsigned(ceil_div(a.n, 256)), 256, 0, stream_>>>(h(a.dst), static_cast<const float*>(a.src), a.n);
+    LOOM_CUDA_LAUNCH_CHECK();
+  } else {
+    bf16_to_f32_kernel<<<unsigned(ceil_div(a.n, 256)), 256, 0, stream_>>>(static_cast<float*>(a.dst), h(a.src), a.n);
+    LOOM_CUDA_LAUNCH_CHECK();
+  }
+}
+
+void CudaBackend::fill_zero(void* dst, int64_t bytes) {
+  activate();
+  LOOM_CHECK(bytes >= 0, "fill_zero: negative size {}", bytes);
+  LOOM_CUDA_CHECK(cudaMemsetAsync(dst, 0, size_t(bytes), stream_));
+}
+
+}  // namespace loom::cuda
+
+// Registration (core/backend.h); the anchor keeps this file in every program that links loom_cuda.
+extern "C" {
+int loom_cuda_backend_anchor = [] {
+  loom::register_backend(
+      loom::Device::cuda,
+      [](const loom::BackendOptions& opt) -> std::unique_ptr<loom::Backend> {
+        return std::make_unique<loom::cuda::CudaBackend>(opt);
+      },
+      [](std::string* why) {
+        int count = 0;
+        const cudaError_t err = cudaGetDeviceCount(&count);
+        if (err == cudaSuccess && count > 0) return true;
+        if (why) *why = err == cudaSuccess ? std::string("no CUDA device") : std::string(cudaGetErrorString(err));
+        return false;
+      });
+  return 1;
+}();
+}

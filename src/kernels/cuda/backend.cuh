@@ -1,0 +1,98 @@
+// The CUDA backend (core/backend.h): bf16 compute with f32 accumulation, f32 gradients and master
+// weights, over the kernels of this folder. An instance owns everything it keeps between calls:
+// its device pool (or the caller's), its stream, its BLAS state (cuBLASLt and cuBLAS handles,
+// workspaces, tuned algorithms: cuda::Blas), the scratch of the bias-gradient and LayerNorm
+// reductions, the attention workspace and the cuDNN attention plans per shape. Two instances share
+// nothing, so ranks that are threads of one process each make their own, on one GPU or several.
+//
+// Ops enqueue on stream() and return; buffers passed to them are device memory of this instance's
+// device (token ids and targets included). Scratch grows on demand: run a step once before
+// capturing it into a CUDA graph (growing during a capture is refused), or prepare the shapes.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "core/backend.h"
+#include "kernels/cuda/allocator.cuh"
+#include "kernels/cuda/matmul.cuh"
+
+namespace loom::cuda {
+
+class CudnnAttention;
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(const BackendOptions& opt = {});
+  ~CudaBackend() override;
+  CudaBackend(const CudaBackend&) = delete;
+  CudaBackend& operator=(const CudaBackend&) = delete;
+
+  Device device() const override { return Device::cuda; }
+  std::string name() const override { return name_; }
+  DType compute_dtype() const override { return DType::bf16; }
+  bool supports(Op op, DType dtype) const override;
+  MemoryPool& pool() override { return *pool_; }
+  AttnKernel attention_kernel(const AttnShape& s) const override;
+  std::string attention_note() const override { return attention_note_; }
+
+  void linear_forward(const LinearForward& a) override;
+  void linear_backward(const LinearBackward& a) override;
+  void layernorm_forward(const LayerNormForward& a) override;
+  void layernorm_backward(const LayerNormBackward& a) override;
+  void prepare_attention(DType dtype, const AttnShape& s) override;
+  int64_t attention_probs_bytes(DType dtype, const AttnShape& s) const override;
+  int64_t attention_workspace_bytes(DType dtype, const AttnShape& s) const override;
+  void attention_forward(const AttentionForward& a) override;
+  void attention_backward(const AttentionBackward& a) override;
+  void crossentropy(const CrossEntropy& a) override;
+  void embedding_forward(const EmbeddingForward& a) override;
+  void embedding_backward(const EmbeddingBackward& a) override;
+  void gelu_forward(DType dtype, void* out, const void* inp, int64_t n) override;
+  void gelu_backward(DType dtype, void* dinp, const void* inp, const void* dout, int64_t n) override;
+  void add(DType dtype, void* out, const void* a, const void* b, int64_t n) override;
+  std::unique_ptr<AdamWPlan> plan_adamw(const std::vector<loom::AdamWTensor>& tensors) override;
+  // Copies that read or write host memory wait for the stream (host buffers may go at return).
+  void copy(const Copy& a) override;
+  void fill_zero(void* dst, int64_t bytes) override;
+  void synchronize() override;
+
+  int device_index() const { return device_; }
+  cudaStream_t stream() const { return stream_; }
+  Blas& blas() { return *blas_; }
+
+ private:
+  struct Plan;  // one attention shape: the kernel that runs it, cuDNN's plan, the workspace it needs
+  using ShapeKey = std::vector<int64_t>;
+  static ShapeKey key(const AttnShape& s);
+  Plan& plan(const AttnShape& s);
+  const Plan* find_plan(const AttnShape& s) const;
+  AttnKernel resolve(const AttnShape& s, std::string* note) const;
+  // Device scratch of at least `bytes` (tag workspace), grown outside graph captures only.
+  void* grow(void*& p, size_t& have, size_t bytes, const char* what);
+  void activate() const;  // makes this instance's device current on the calling thread
+  void check(Op op, DType dtype) const;
+
+  int device_ = 0;
+  std::string name_;
+  std::unique_ptr<ArenaAllocator> own_alloc_;
+  std::unique_ptr<MemoryPool> own_pool_;
+  MemoryPool* pool_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  std::unique_ptr<Blas> blas_;
+  AttnKernel requested_ = AttnKernel::automatic;
+  std::string attention_note_;
+  std::map<ShapeKey, std::unique_ptr<Plan>> plans_;
+  void* dbias_scratch_ = nullptr;
+  size_t dbias_bytes_ = 0;
+  void* ln_scratch_ = nullptr;
+  size_t ln_bytes_ = 0;
+  void* attn_ws_ = nullptr;
+  size_t attn_ws_bytes_ = 0;
+};
+
+}  // namespace loom::cuda

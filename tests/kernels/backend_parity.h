@@ -1,0 +1,522 @@
+// Op parity of a backend (core/backend.h) against double-precision references written here from
+// each op's definition: the same suite for every backend, instantiated per device by
+// backend_parity_test.cpp (cpu) and cuda/backend_parity_test.cu (cuda; skipped without a GPU).
+//
+// Inputs are random values rounded to bf16, so a bf16 backend reads exactly the values the
+// reference uses. Outputs are poisoned (NaN) before each op, so an unwritten element fails.
+// Tolerances, ||got - ref|| / ||ref||:
+//   f32 backend (CPU): 1e-5 everywhere (f32 arithmetic on exact inputs, another summation order);
+//   bf16 backend (CUDA): 1e-2 for outputs stored in bf16 (one bf16 rounding is about 2e-3, and
+//   the attention backward recomputes probabilities in bf16), 1e-3 for f32 outputs (parameter
+//   gradients, statistics, log-sum-exp, losses: f32 accumulation of exact bf16 products).
+#pragma once
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/backend.h"
+#include "core/dtype.h"
+#include "core/error.h"
+
+namespace loom::test {
+
+inline std::vector<float> bf16_random(int64_t n, uint32_t seed, float scale = 1.f) {
+  std::mt19937 g(seed);
+  std::uniform_real_distribution<float> u(-scale, scale);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& x : v) x = bf16_to_f32(f32_to_bf16(u(g)));
+  return v;
+}
+
+inline double rel_norm_err(const std::vector<float>& got, const std::vector<double>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (!std::isfinite(got[i])) return std::numeric_limits<double>::infinity();
+    num += (double(got[i]) - ref[i]) * (double(got[i]) - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+inline double gelu_d(double x) { return 0.5 * x * (1 + std::tanh(std::sqrt(2 / M_PI) * (x + 0.044715 * x * x * x))); }
+inline double gelu_grad_d(double x) {
+  const double k = std::sqrt(2 / M_PI), u = k * (x + 0.044715 * x * x * x), t = std::tanh(u);
+  return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * k * (1 + 3 * 0.044715 * x * x);
+}
+
+// A buffer of the backend's memory: uploaded from f32 values (converted to dtype), downloaded as
+// f32, poisoned with NaN.
+struct DevBuf {
+  Backend* be = nullptr;
+  Tensor t;
+  DType dtype = DType::f32;
+  int64_t n = 0;
+  DevBuf(Backend& b, int64_t n_, DType dt) : be(&b), dtype(dt), n(n_) {
+    t = b.empty({std::max<int64_t>(n_, 1)}, dt, MemTag::workspace);
+  }
+  DevBuf(Backend& b, const std::vector<float>& v, DType dt) : DevBuf(b, int64_t(v.size()), dt) { set(v); }
+  void set(const std::vector<float>& v) { be->upload(t.raw(), dtype, v.data(), int64_t(v.size())); }
+  void poison() { set(std::vector<float>(static_cast<size_t>(n), std::numeric_limits<float>::quiet_NaN())); }
+  std::vector<float> get() const {
+    std::vector<float> v(static_cast<size_t>(n));
+    be->download(v.data(), t.raw(), dtype, n);
+    return v;
+  }
+  void* p() const { return t.raw(); }
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(t.raw());
+  }
+};
+
+class BackendParity : public ::testing::TestWithParam<Device> {
+ protected:
+  void SetUp() override {
+    std::string why;
+    if (!backend_available(GetParam(), &why)) GTEST_SKIP() << device_name(GetParam()) << " backend: " << why;
+    be_ = make_backend(GetParam());
+    dt_ = be_->compute_dtype();
+    bf16_ = dt_ == DType::bf16;
+  }
+  Backend& be() { return *be_; }
+  double tol_out() const { return bf16_ ? 1e-2 : 1e-5; }
+  double tol_f32() const { return bf16_ ? 1e-3 : 1e-5; }
+  std::unique_ptr<Backend> be_;
+  DType dt_ = DType::f32;
+  bool bf16_ = false;
+};
+
+inline std::vector<double> linear_ref(const std::vector<float>& x, const std::vector<float>& w, const float* bias,
+                                      int64_t M, int64_t K, int64_t N) {
+  std::vector<double> o(static_cast<size_t>(M * N));
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) {
+      double s = bias ? bias[j] : 0.0;
+      for (int64_t k = 0; k < K; ++k) s += double(x[size_t(i * K + k)]) * w[size_t(j * K + k)];
+      o[size_t(i * N + j)] = s;
+    }
+  return o;
+}
+
+TEST_P(BackendParity, LinearForward) {
+  const int64_t M = 48, K = 64, N = 40;
+  auto x = bf16_random(M * K, 1), w = bf16_random(N * K, 2, 0.2f), b = bf16_random(N, 3, 0.5f);
+  DevBuf dx(be(), x, dt_), dw(be(), w, dt_), db(be(), b, dt_), out(be(), M * N, dt_), pre(be(), M * N, dt_);
+  const auto ref = linear_ref(x, w, b.data(), M, K, N);
+  for (bool with_bias : {true, false}) {
+    out.poison();
+    be().linear_forward({.dtype = dt_, .out = out.p(), .inp = dx.p(), .weight = dw.p(),
+                         .bias = with_bias ? db.p() : nullptr, .M = M, .K = K, .N = N});
+    auto r = with_bias ? ref : linear_ref(x, w, nullptr, M, K, N);
+    EXPECT_LE(rel_norm_err(out.get(), r), tol_out()) << "bias " << with_bias;
+  }
+  out.poison();
+  pre.poison();
+  be().linear_forward({.dtype = dt_, .out = out.p(), .pre_gelu = pre.p(), .inp = dx.p(), .weight = dw.p(),
+                       .bias = db.p(), .M = M, .K = K, .N = N, .gelu = true});
+  std::vector<double> g(ref.size());
+  for (size_t i = 0; i < g.size(); ++i) g[i] = gelu_d(ref[i]);
+  EXPECT_LE(rel_norm_err(pre.get(), ref), tol_out()) << "pre_gelu";
+  EXPECT_LE(rel_norm_err(out.get(), g), tol_out()) << "gelu output";
+}
+
+TEST_P(BackendParity, LinearBackward) {
+  const int64_t M = 64, K = 48, N = 32;
+  auto x = bf16_random(M * K, 4), w = bf16_random(N * K, 5, 0.2f), dy = bf16_random(M * N, 6);
+  auto pre = bf16_random(M * K, 7, 2.f), dw0 = bf16_random(N * K, 8), db0 = bf16_random(N, 9), dx0 = bf16_random(M * K, 10);
+  DevBuf dx(be(), x, dt_), dw(be(), w, dt_), ddy(be(), dy, dt_), dpre(be(), pre, dt_);
+  DevBuf din(be(), M * K, dt_), gw(be(), dw0, DType::f32), gb(be(), db0, DType::f32);
+  // references: dinp = dy @ W; dW = dw0 + dy^T x; db = db0 + colsum(dy)
+  std::vector<double> rdin(static_cast<size_t>(M * K)), rdw(static_cast<size_t>(N * K)), rdb(static_cast<size_t>(N));
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t k = 0; k < K; ++k) {
+      double s = 0;
+      for (int64_t j = 0; j < N; ++j) s += double(dy[size_t(i * N + j)]) * w[size_t(j * K + k)];
+      rdin[size_t(i * K + k)] = s;
+    }
+  for (int64_t j = 0; j < N; ++j) {
+    double sb = db0[size_t(j)];
+    for (int64_t i = 0; i < M; ++i) sb += dy[size_t(i * N + j)];
+    rdb[size_t(j)] = sb;
+    for (int64_t k = 0; k < K; ++k) {
+      double s = dw0[size_t(j * K + k)];
+      for (int64_t i = 0; i < M; ++i) s += double(dy[size_t(i * N + j)]) * x[size_t(i * K + k)];
+      rdw[size_t(j * K + k)] = s;
+    }
+  }
+  din.poison();
+  be().linear_backward({.dtype = dt_, .dinp = din.p(), .dweight = gw.as<float>(), .dbias = gb.as<float>(),
+                        .dout = ddy.p(), .inp = dx.p(), .weight = dw.p(), .M = M, .K = K, .N = N});
+  EXPECT_LE(rel_norm_err(din.get(), rdin), tol_out()) << "dinp";
+  EXPECT_LE(rel_norm_err(gw.get(), rdw), tol_f32()) << "dweight";
+  EXPECT_LE(rel_norm_err(gb.get(), rdb), tol_f32()) << "dbias";
+
+  // dinp accumulated onto dx0, and through the GELU that made inp from pre.
+  din.set(dx0);
+  be().linear_backward({.dtype = dt_, .dinp = din.p(), .accumulate_dinp = true, .dout = ddy.p(), .weight = dw.p(),
+                        .M = M, .K = K, .N = N});
+  std::vector<double> acc(rdin.size()), through(rdin.size());
+  for (size_t i = 0; i < acc.size(); ++i) {
+    acc[i] = rdin[i] + dx0[i];
+    through[i] = rdin[i] * gelu_grad_d(pre[i]);
+  }
+  EXPECT_LE(rel_norm_err(din.get(), acc), tol_out()) << "accumulated dinp";
+  din.poison();
+  be().linear_backward({.dtype = dt_, .dinp = din.p(), .dout = ddy.p(), .weight = dw.p(), .gelu_pre = dpre.p(),
+                        .M = M, .K = K, .N = N});
+  EXPECT_LE(rel_norm_err(din.get(), through), tol_out()) << "dinp through the GELU";
+}
+
+TEST_P(BackendParity, LayerNormWithResidual) {
+  const int64_t N = 37, C = 64;
+  auto a = bf16_random(N * C, 11, 2.f), b = bf16_random(N * C, 12), w = bf16_random(C, 13), bias = bf16_random(C, 14);
+  auto dy = bf16_random(N * C, 15), dx0 = bf16_random(N * C, 16);
+  DevBuf da(be(), a, dt_), dbb(be(), b, dt_), dw(be(), w, dt_), dbias(be(), bias, dt_), out(be(), N * C, dt_),
+      res(be(), N * C, dt_), mean(be(), N, DType::f32), rstd(be(), N, DType::f32), ddy(be(), dy, dt_),
+      din(be(), dx0, dt_), gw(be(), C, DType::f32), gb(be(), C, DType::f32);
+  gw.set(std::vector<float>(static_cast<size_t>(C), 0.f));
+  gb.set(std::vector<float>(static_cast<size_t>(C), 0.f));
+  for (bool residual : {false, true}) {
+    out.poison();
+    res.poison();
+    mean.poison();
+    rstd.poison();
+    be().layernorm_forward({.dtype = dt_, .out = out.p(), .mean = mean.as<float>(), .rstd = rstd.as<float>(),
+                            .inp = da.p(), .residual_b = residual ? dbb.p() : nullptr,
+                            .residual_out = residual ? res.p() : nullptr, .weight = dw.p(), .bias = dbias.p(), .N = N,
+                            .C = C});
+    // The reference normalises the residual sum as the backend stored it (rounded to its dtype).
+    std::vector<float> xin = a;
+    if (residual) {
+      std::vector<double> rs(static_cast<size_t>(N * C));
+      for (size_t i = 0; i < rs.size(); ++i) rs[i] = double(a[i]) + b[i];
+      auto got = res.get();
+      EXPECT_LE(rel_norm_err(got, rs), tol_out()) << "residual sum";
+      xin = got;
+    }
+    std::vector<double> ro(static_cast<size_t>(N * C)), rm(static_cast<size_t>(N)), rr(static_cast<size_t>(N));
+    for (int64_t i = 0; i < N; ++i) {
+      double m = 0, v = 0;
+      for (int64_t c = 0; c < C; ++c) m += xin[size_t(i * C + c)];
+      m /= double(C);
+      for (int64_t c = 0; c < C; ++c) v += (xin[size_t(i * C + c)] - m) * (xin[size_t(i * C + c)] - m);
+      const double r = 1.0 / std::sqrt(v / double(C) + 1e-5);
+      rm[size_t(i)] = m;
+      rr[size_t(i)] = r;
+      for (int64_t c = 0; c < C; ++c) ro[size_t(i * C + c)] = (xin[size_t(i * C + c)] - m) * r * w[size_t(c)] + bias[size_t(c)];
+    }
+    EXPECT_LE(rel_norm_err(out.get(), ro), tol_out()) << "out, residual " << residual;
+    EXPECT_LE(rel_norm_err(mean.get(), rm), tol_f32()) << "mean, residual " << residual;
+    EXPECT_LE(rel_norm_err(rstd.get(), rr), tol_f32()) << "rstd, residual " << residual;
+    if (!residual) continue;
+    // Backward on the residual sum, accumulating into din (= dx0 on entry).
+    be().layernorm_backward({.dtype = dt_, .dinp = din.p(), .accumulate = true, .dweight = gw.as<float>(),
+                             .dbias = gb.as<float>(), .dout = ddy.p(), .inp = res.p(), .weight = dw.p(),
+                             .mean = mean.as<float>(), .rstd = rstd.as<float>(), .N = N, .C = C});
+    std::vector<double> rdx(static_cast<size_t>(N * C)), rgw(static_cast<size_t>(C), 0.0), rgb(static_cast<size_t>(C), 0.0);
+    for (int64_t i = 0; i < N; ++i) {
+      double s1 = 0, s2 = 0;
+      for (int64_t c = 0; c < C; ++c) {
+        const double xh = (xin[size_t(i * C + c)] - rm[size_t(i)]) * rr[size_t(i)], g = dy[size_t(i * C + c)];
+        s1 += g * w[size_t(c)];
+        s2 += g * w[size_t(c)] * xh;
+        rgw[size_t(c)] += g * xh;
+        rgb[size_t(c)] += g;
+      }
+      for (int64_t c = 0; c < C; ++c) {
+        const double xh = (xin[size_t(i * C + c)] - rm[size_t(i)]) * rr[size_t(i)];
+        rdx[size_t(i * C + c)] =
+            dx0[size_t(i * C + c)] + rr[size_t(i)] * (dy[size_t(i * C + c)] * w[size_t(c)] - s1 / double(C) - xh * s2 / double(C));
+      }
+    }
+    EXPECT_LE(rel_norm_err(din.get(), rdx), tol_out()) << "dinp (accumulated)";
+    EXPECT_LE(rel_norm_err(gw.get(), rgw), tol_f32()) << "dweight";
+    EXPECT_LE(rel_norm_err(gb.get(), rgb), tol_f32()) << "dbias";
+  }
+}
+
+// Packed causal self-attention (qkv [B, T, 3C]) with head size 64, the size every CUDA kernel
+// takes, at an odd length.
+TEST_P(BackendParity, Attention) {
+  const int64_t B = 2, NH = 2, HS = 64, T = 37, C = NH * HS;
+  auto qkv = bf16_random(B * T * 3 * C, 17), dy = bf16_random(B * T * C, 18);
+  AttnShape s{.B = B, .NH = NH, .HS = HS, .Tq = T, .Tkv = T, .q_stride = 3 * C, .kv_stride = 3 * C, .o_stride = C};
+  be().prepare_attention(dt_, s);
+  const int64_t probs_bytes = be().attention_probs_bytes(dt_, s);
+  DevBuf dqkv(be(), qkv, dt_), out(be(), B * T * C, dt_), lse(be(), B * NH * T, DType::f32), ddy(be(), dy, dt_),
+      grad(be(), B * T * 3 * C, dt_);
+  Tensor probs = probs_bytes ? be().empty({probs_bytes / 2}, DType::u16, MemTag::workspace) : Tensor();
+  out.poison();
+  lse.poison();
+  grad.poison();
+  const char* q = static_cast<const char*>(dqkv.p());
+  const size_t es = dtype_size(dt_);
+  be().attention_forward({.dtype = dt_, .shape = s, .out = out.p(), .lse = lse.as<float>(),
+                          .probs = probs.defined() ? probs.raw() : nullptr, .q = q, .k = q + C * es, .v = q + 2 * C * es});
+  char* g = static_cast<char*>(grad.p());
+  be().attention_backward({.dtype = dt_, .shape = s, .dq = g, .dk = g + C * es, .dv = g + 2 * C * es, .dout = ddy.p(),
+                           .q = q, .k = q + C * es, .v = q + 2 * C * es, .out = out.p(), .lse = lse.as<float>(),
+                           .probs = probs.defined() ? probs.raw() : nullptr});
+  // Reference in double.
+  std::vector<double> ro(static_cast<size_t>(B * T * C)), rl(static_cast<size_t>(B * NH * T)), rg(static_cast<size_t>(B * T * 3 * C), 0.0);
+  const double scale = 1.0 / std::sqrt(double(HS));
+  auto at = [&](int64_t b, int64_t t, int64_t part, int64_t h, int64_t d) {
+    return size_t((b * T + t) * 3 * C + part * C + h * HS + d);
+  };
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < NH; ++h)
+      for (int64_t t = 0; t < T; ++t) {
+        std::vector<double> p(static_cast<size_t>(t + 1));
+        double mx = -1e300;
+        for (int64_t u = 0; u <= t; ++u) {
+          double sc = 0;
+          for (int64_t d = 0; d < HS; ++d) sc += double(qkv[at(b, t, 0, h, d)]) * qkv[at(b, u, 1, h, d)];
+          p[size_t(u)] = sc * scale;
+          mx = std::max(mx, p[size_t(u)]);
+        }
+        double z = 0;
+        for (auto& v : p) z += (v = std::exp(v - mx));
+        rl[size_t((b * NH + h) * T + t)] = mx + std::log(z);
+        for (auto& v : p) v /= z;
+        std::vector<double> dp(static_cast<size_t>(t + 1));
+        double dsum = 0;
+        for (int64_t u = 0; u <= t; ++u) {
+          double dpu = 0;
+          for (int64_t d = 0; d < HS; ++d) {
+            const double vv = qkv[at(b, u, 2, h, d)];
+            ro[size_t((b * T + t) * C + h * HS + d)] += p[size_t(u)] * vv;
+            dpu += double(dy[size_t((b * T + t) * C + h * HS + d)]) * vv;
+            rg[at(b, u, 2, h, d)] += p[size_t(u)] * dy[size_t((b * T + t) * C + h * HS + d)];
+          }
+          dp[size_t(u)] = dpu;
+          dsum += p[size_t(u)] * dpu;
+        }
+        for (int64_t u = 0; u <= t; ++u) {
+          const double ds = p[size_t(u)] * (dp[size_t(u)] - dsum) * scale;
+          for (int64_t d = 0; d < HS; ++d) {
+            rg[at(b, t, 0, h, d)] += ds * qkv[at(b, u, 1, h, d)];
+            rg[at(b, u, 1, h, d)] += ds * qkv[at(b, t, 0, h, d)];
+          }
+        }
+      }
+  EXPECT_LE(rel_norm_err(out.get(), ro), tol_out()) << "out (" << attn_kernel_name(be().attention_kernel(s)) << ")";
+  if (!probs.defined()) {
+    EXPECT_LE(rel_norm_err(lse.get(), rl), tol_f32()) << "lse";
+  }
+  EXPECT_LE(rel_norm_err(grad.get(), rg), tol_out()) << "dq, dk, dv (" << attn_kernel_name(be().attention_kernel(s)) << ")";
+}
+
+TEST_P(BackendParity, CrossEntropy) {
+  const int64_t N = 21, V = 1000, Vp = 1024;
+  auto logits = bf16_random(N * Vp, 19, 4.f);
+  std::vector<int32_t> tg(static_cast<size_t>(N));
+  for (int64_t i = 0; i < N; ++i) tg[size_t(i)] = int32_t((i * 397) % V);
+  tg[3] = -1;  // ignored
+  std::vector<float> tgf(tg.begin(), tg.end());
+  DevBuf dl(be(), logits, dt_), loss(be(), N, DType::f32), grad(be(), N * Vp, dt_);
+  Tensor targets = be().empty({N}, DType::i32, MemTag::workspace);
+  be().copy({.dst = targets.raw(), .dst_dtype = DType::i32, .src = tg.data(), .src_dtype = DType::i32, .src_host = true, .n = N});
+  const float dloss = 1.f / float(N - 1);
+  std::vector<double> rl(static_cast<size_t>(N)), rg(static_cast<size_t>(N * Vp), 0.0);
+  for (int64_t i = 0; i < N; ++i) {
+    if (tg[size_t(i)] < 0) continue;
+    double mx = -1e300, z = 0;
+    for (int64_t v = 0; v < V; ++v) mx = std::max(mx, double(logits[size_t(i * Vp + v)]));
+    for (int64_t v = 0; v < V; ++v) z += std::exp(logits[size_t(i * Vp + v)] - mx);
+    rl[size_t(i)] = mx + std::log(z) - logits[size_t(i * Vp + tg[size_t(i)])];
+    for (int64_t v = 0; v < V; ++v)
+      rg[size_t(i * Vp + v)] = dloss * (std::exp(logits[size_t(i * Vp + v)] - mx) / z - (v == tg[size_t(i)] ? 1.0 : 0.0));
+  }
+  loss.poison();
+  be().crossentropy({.dtype = dt_, .losses = loss.as<float>(), .logits = dl.p(), .targets = targets.i32(), .N = N,
+                     .V = V, .Vp = Vp});
+  EXPECT_LE(rel_norm_err(loss.get(), rl), tol_f32()) << "losses";
+  loss.poison();
+  grad.poison();
+  be().crossentropy({.dtype = dt_, .losses = loss.as<float>(), .dlogits = grad.p(), .logits = dl.p(),
+                     .targets = targets.i32(), .dloss = dloss, .N = N, .V = V, .Vp = Vp});
+  EXPECT_LE(rel_norm_err(loss.get(), rl), tol_f32()) << "losses with dlogits";
+  const auto got = grad.get();
+  EXPECT_LE(rel_norm_err(got, rg), tol_out()) << "dlogits";
+  for (int64_t v = 0; v < Vp; ++v) EXPECT_EQ(got[size_t(3 * Vp + v)], 0.f) << "ignored row, column " << v;
+  for (int64_t v = V; v < Vp; ++v) EXPECT_EQ(got[size_t(v)], 0.f) << "padding column " << v;
+}
+
+TEST_P(BackendParity, EmbeddingGeluAdd) {
+  const int64_t B = 2, T = 9, C = 64, V = 50, maxT = 16, pos0 = 3;
+  auto wte = bf16_random(V * C, 20), wpe = bf16_random(maxT * C, 21), dy = bf16_random(B * T * C, 22);
+  std::vector<int32_t> tok(static_cast<size_t>(B * T));
+  for (size_t i = 0; i < tok.size(); ++i) tok[i] = int32_t((i * 7) % 5);  // repeated ids: scattered sums
+  DevBuf dwte(be(), wte, dt_), dwpe(be(), wpe, dt_), out(be(), B * T * C, dt_), ddy(be(), dy, dt_),
+      gte(be(), V * C, DType::f32), gpe(be(), maxT * C, DType::f32);
+  Tensor tokens = be().empty({B * T}, DType::i32, MemTag::workspace);
+  be().copy({.dst = tokens.raw(), .dst_dtype = DType::i32, .src = tok.data(), .src_dtype = DType::i32, .src_host = true,
+             .n = B * T});
+  gte.set(std::vector<float>(static_cast<size_t>(V * C), 0.f));
+  gpe.set(std::vector<float>(static_cast<size_t>(maxT * C), 0.f));
+  out.poison();
+  be().embedding_forward({.dtype = dt_, .out = out.p(), .tokens = tokens.i32(), .wte = dwte.p(), .wpe = dwpe.p(),
+                          .B = B, .T = T, .C = C, .V = V, .pos0 = pos0});
+  be().embedding_backward({.dtype = dt_, .dwte = gte.as<float>(), .dwpe = gpe.as<float>(), .dout = ddy.p(),
+                           .tokens = tokens.i32(), .B = B, .T = T, .C = C, .V = V, .pos0 = pos0});
+  std::vector<double> ro(static_cast<size_t>(B * T * C)), rte(static_cast<size_t>(V * C), 0.0), rpe(static_cast<size_t>(maxT * C), 0.0);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t c = 0; c < C; ++c) {
+        const size_t i = size_t((b * T + t) * C + c);
+        const int64_t id = tok[size_t(b * T + t)];
+        ro[i] = double(wte[size_t(id * C + c)]) + wpe[size_t((pos0 + t) * C + c)];
+        rte[size_t(id * C + c)] += dy[i];
+        rpe[size_t((pos0 + t) * C + c)] += dy[i];
+      }
+  EXPECT_LE(rel_norm_err(out.get(), ro), tol_out()) << "embedding out";
+  EXPECT_LE(rel_norm_err(gte.get(), rte), tol_f32()) << "dwte";
+  EXPECT_LE(rel_norm_err(gpe.get(), rpe), tol_f32()) << "dwpe";
+
+  const int64_t n = 1003;  // not a multiple of 8: the tail too
+  auto x = bf16_random(n, 23, 3.f), y = bf16_random(n, 24);
+  DevBuf dx(be(), x, dt_), dyy(be(), y, dt_), o(be(), n, dt_);
+  std::vector<double> rg(static_cast<size_t>(n)), rgb(static_cast<size_t>(n)), rs(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    rg[size_t(i)] = gelu_d(x[size_t(i)]);
+    rgb[size_t(i)] = y[size_t(i)] * gelu_grad_d(x[size_t(i)]);
+    rs[size_t(i)] = double(x[size_t(i)]) + y[size_t(i)];
+  }
+  o.poison();
+  be().gelu_forward(dt_, o.p(), dx.p(), n);
+  EXPECT_LE(rel_norm_err(o.get(), rg), tol_out()) << "gelu";
+  o.poison();
+  be().gelu_backward(dt_, o.p(), dx.p(), dyy.p(), n);
+  EXPECT_LE(rel_norm_err(o.get(), rgb), tol_out()) << "gelu backward";
+  o.poison();
+  be().add(dt_, o.p(), dx.p(), dyy.p(), n);
+  EXPECT_LE(rel_norm_err(o.get(), rs), tol_out()) << "add";
+}
+
+// Two tensors, clipping active, against PyTorch's AdamW written out in double; the compute copy
+// (bf16 backends) is refreshed from the updated master weights.
+TEST_P(BackendParity, AdamWPlan) {
+  const int64_t n0 = 3000, n1 = 77;
+  const std::vector<int64_t> ns{n0, n1};
+  std::vector<std::vector<float>> p, g, m, v;
+  for (int i = 0; i < 2; ++i) {
+    p.push_back(bf16_random(ns[size_t(i)], uint32_t(30 + i)));
+    g.push_back(bf16_random(ns[size_t(i)], uint32_t(40 + i), 2.f));
+    m.push_back(bf16_random(ns[size_t(i)], uint32_t(50 + i), 0.1f));
+    auto vv = bf16_random(ns[size_t(i)], uint32_t(60 + i), 0.01f);
+    for (float& x : vv) x = std::fabs(x);
+    v.push_back(vv);
+  }
+  std::vector<std::unique_ptr<DevBuf>> bufs;
+  std::vector<AdamWTensor> ts;
+  std::vector<DevBuf*> compute;
+  for (int i = 0; i < 2; ++i) {
+    auto mk = [&](const std::vector<float>& x, DType dt) {
+      bufs.push_back(std::make_unique<DevBuf>(be(), x, dt));
+      return bufs.back().get();
+    };
+    DevBuf *bp = mk(p[size_t(i)], DType::f32), *bg = mk(g[size_t(i)], DType::f32), *bm = mk(m[size_t(i)], DType::f32),
+           *bv = mk(v[size_t(i)], DType::f32);
+    DevBuf* bc = bf16_ ? mk(std::vector<float>(static_cast<size_t>(ns[size_t(i)]), std::nanf("")), dt_) : nullptr;
+    compute.push_back(bc);
+    ts.push_back({.param = bp->as<float>(), .compute = bc ? bc->p() : nullptr, .grad = bg->as<float>(),
+                  .m = bm->as<float>(), .v = bv->as<float>(), .n = ns[size_t(i)], .weight_decay = i == 0 ? 0.1f : 0.f});
+  }
+  auto plan = be().plan_adamw(ts);
+  const AdamWHyper h{.lr = 1e-2, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .step = 3, .max_norm = 1.f, .grad_scale = 0.5f};
+  plan->step(h);
+  double sq = 0;
+  for (auto& gg : g)
+    for (float x : gg) sq += double(x) * 0.5 * double(x) * 0.5;
+  const double norm = std::sqrt(sq), clip = std::min(1.0, 1.0 / (norm + 1e-6));
+  EXPECT_NEAR(plan->grad_norm(), norm, norm * tol_f32()) << "gradient norm";
+  for (int i = 0; i < 2; ++i) {
+    std::vector<double> rp(static_cast<size_t>(ns[size_t(i)]));
+    const double wd = i == 0 ? 0.1 : 0.0, bc1 = 1 - std::pow(0.9, 3), bc2 = 1 - std::pow(0.95, 3);
+    for (int64_t k = 0; k < ns[size_t(i)]; ++k) {
+      const double gr = double(g[size_t(i)][size_t(k)]) * 0.5 * clip;
+      const double mm = 0.9 * m[size_t(i)][size_t(k)] + 0.1 * gr, vv = 0.95 * v[size_t(i)][size_t(k)] + 0.05 * gr * gr;
+      double pp = double(p[size_t(i)][size_t(k)]) * (1 - 1e-2 * wd);
+      pp -= 1e-2 / bc1 * mm / (std::sqrt(vv) / std::sqrt(bc2) + 1e-8);
+      rp[size_t(k)] = pp;
+    }
+    EXPECT_LE(rel_norm_err(bufs[size_t(i * (bf16_ ? 5 : 4))]->get(), rp), 1e-6) << "master weights of tensor " << i;
+    if (compute[size_t(i)]) {
+      EXPECT_LE(rel_norm_err(compute[size_t(i)]->get(), rp), 5e-3) << "compute copy of tensor " << i;
+    }
+  }
+}
+
+TEST_P(BackendParity, CopiesAndRefusals) {
+  const int64_t n = 517;
+  auto x = bf16_random(n, 70);
+  DevBuf a(be(), x, DType::f32), b(be(), n, DType::bf16), c(be(), n, DType::f32);
+  be().copy({.dst = b.p(), .dst_dtype = DType::bf16, .src = a.p(), .src_dtype = DType::f32, .n = n});
+  be().copy({.dst = c.p(), .dst_dtype = DType::f32, .src = b.p(), .src_dtype = DType::bf16, .n = n});
+  EXPECT_EQ(c.get(), x) << "f32 -> bf16 -> f32 of bf16 values is exact";
+  be().fill_zero(c.p(), n * 4);
+  EXPECT_EQ(c.get(), std::vector<float>(static_cast<size_t>(n), 0.f));
+  // An op in a dtype the backend does not compute in is refused, naming the op and the dtype.
+  const DType other = bf16_ ? DType::f32 : DType::bf16;
+  EXPECT_FALSE(be().supports(Op::linear, other));
+  try {
+    be().linear_forward({.dtype = other, .out = c.p(), .inp = a.p(), .weight = a.p(), .M = 1, .K = 8, .N = 8});
+    ADD_FAILURE() << "linear in " << dtype_name(other) << " was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("linear"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(std::string(dtype_name(other))), std::string::npos) << e.what();
+  }
+}
+
+// Backend instances share no state: two threads, each with its own instance, run the same linear
+// layer forward and backward (GEMM tuning, scratch growth and all) at once and get what one
+// instance gets alone (within the tolerances: tuning may choose another algorithm, and so another
+// summation order, per instance).
+TEST_P(BackendParity, InstancesOnThreadsAgree) {
+  const int64_t M = 256, K = 128, N = 192;
+  auto x = bf16_random(M * K, 80), w = bf16_random(N * K, 81, 0.2f), b = bf16_random(N, 82), dy = bf16_random(M * N, 83);
+  auto run = [&](Backend& bk) {
+    DevBuf dx(bk, x, dt_), dw(bk, w, dt_), db(bk, b, dt_), dd(bk, dy, dt_), out(bk, M * N, dt_), din(bk, M * K, dt_),
+        gw(bk, std::vector<float>(static_cast<size_t>(N * K), 0.f), DType::f32), gb(bk, std::vector<float>(static_cast<size_t>(N), 0.f), DType::f32);
+    for (int rep = 0; rep < 3; ++rep) {
+      bk.linear_forward({.dtype = dt_, .out = out.p(), .inp = dx.p(), .weight = dw.p(), .bias = db.p(), .M = M, .K = K, .N = N});
+      bk.linear_backward({.dtype = dt_, .dinp = din.p(), .dweight = gw.as<float>(), .dbias = gb.as<float>(),
+                          .dout = dd.p(), .inp = dx.p(), .weight = dw.p(), .M = M, .K = K, .N = N});
+    }
+    std::vector<std::vector<float>> r{out.get(), din.get(), gw.get(), gb.get()};
+    return r;
+  };
+  const auto alone = run(be());
+  std::vector<std::vector<float>> got[2];
+  std::string err[2];
+  std::thread th[2];
+  for (int i = 0; i < 2; ++i)
+    th[i] = std::thread([&, i] {
+      try {
+        auto inst = make_backend(GetParam());
+        got[i] = run(*inst);
+      } catch (const std::exception& e) {
+        err[i] = e.what();
+      }
+    });
+  for (auto& t : th) t.join();
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_EQ(err[i], "") << "thread " << i;
+    // The weight and bias gradients may take another summation order when a tuned algorithm or
+    // the bias path differs between instances; the output and dinp GEMMs too. Equal within the
+    // f32 tolerance, and the outputs within one bf16 rounding.
+    for (size_t k = 0; k < alone.size(); ++k) {
+      std::vector<double> ref(alone[k].begin(), alone[k].end());
+      EXPECT_LE(rel_norm_err(got[i][k], ref), k < 2 ? tol_out() : tol_f32()) << "thread " << i << ", output " << k;
+    }
+  }
+}
+
+}  // namespace loom::test
