@@ -257,8 +257,10 @@ class Backend {
   virtual void prepare_attention(DType dtype, const AttnShape& s) = 0;
   // Bytes of the probabilities the GEMM kernels save ([B, NH, Tq, Tkv] of dtype); 0 for others.
   virtual int64_t attention_probs_bytes(DType dtype, const AttnShape& s) const = 0;
-  // Bytes of scratch calls of this shape keep in the instance (tag workspace) once prepared.
-  virtual int64_t attention_workspace_bytes(DType dtype, const AttnShape& s) const = 0;
+  // Bytes of scratch calls of this shape keep in the instance (tag workspace) once prepared: the
+  // larger of one forward and one backward call's. On the CPU it depends on the OpenMP team
+  // that runs the calls: `threads` of them (0: the calling thread's team).
+  virtual int64_t attention_workspace_bytes(DType dtype, const AttnShape& s, int threads = 0) const = 0;
   virtual void attention_forward(const AttentionForward& a) = 0;
   virtual void attention_backward(const AttentionBackward& a) = 0;
   virtual void crossentropy(const CrossEntropy& a) = 0;
@@ -273,6 +275,9 @@ class Backend {
   virtual std::unique_ptr<AdamWPlan> plan_adamw(const std::vector<AdamWTensor>& tensors) = 0;
   virtual void copy(const Copy& a) = 0;
   virtual void fill_zero(void* dst, int64_t bytes) = 0;
+  // Gives back the scratch the instance keeps between calls (attention workspace and the like);
+  // later calls take it again.
+  virtual void release_workspace() = 0;
   // Waits for every op enqueued so far.
   virtual void synchronize() = 0;
 

@@ -1,16 +1,21 @@
 #include "model/gpt.h"
 
-#include <omp.h>
-
 #include <cmath>
 
 namespace loom::model {
 
-GPT::GPT(const GPTConfig& cfg, MemoryPool& pool, uint64_t seed) : cfg_(cfg), pool_(pool), attn_ws_(pool) {
+GPT::GPT(const GPTConfig& cfg, Backend& be, uint64_t seed) : cfg_(cfg), be_(be), pool_(be.pool()) { build(seed); }
+
+GPT::GPT(const GPTConfig& cfg, MemoryPool& pool, uint64_t seed)
+    : cfg_(cfg), own_be_(make_backend(pool.device(), {.pool = &pool})), be_(*own_be_), pool_(pool) {
+  build(seed);
+}
+
+void GPT::build(uint64_t seed) {
   cfg_.validate("model config '" + cfg_.name + "'");
-  embedding_ = std::make_unique<Embedding>(cfg_, pool);
-  for (int64_t l = 0; l < cfg_.n_layer; ++l) blocks_.push_back(std::make_unique<TransformerBlock>(cfg_, l, pool));
-  head_ = std::make_unique<Head>(cfg_, &embedding_->wte(), pool);
+  embedding_ = std::make_unique<Embedding>(cfg_, be_);
+  for (int64_t l = 0; l < cfg_.n_layer; ++l) blocks_.push_back(std::make_unique<TransformerBlock>(cfg_, l, be_));
+  head_ = std::make_unique<Head>(cfg_, &embedding_->wte(), be_);
   for (ChainBlock* b : chain())
     for (Parameter* p : b->parameters()) params_.push_back(p);
   init_weights(seed);
@@ -30,7 +35,11 @@ Parameter& GPT::parameter(std::string_view name) const {
 }
 
 void GPT::init_weights(uint64_t seed) {
-  for (Parameter* p : params_) p->initialise(seed);
+  for (Parameter* p : params_) p->initialise(seed, &be_);
+}
+
+void GPT::refresh_compute() {
+  for (Parameter* p : params_) p->refresh_compute(be_);
 }
 
 int64_t GPT::num_parameters() const {
@@ -64,7 +73,7 @@ int64_t GPT::workspace_bytes(int64_t B, int64_t T, int threads) const {
   // dres [B, T, C] + bufC [B, T, C] + buf4C [B, T, 4C], held from the first backward on, and the
   // attention kernel's scratch, held from the first forward on (the same for every block; the
   // larger of forward and backward).
-  const int64_t scratch = int64_t(sizeof(float)) * B * T * cfg_.n_embd * 6;
+  const int64_t scratch = int64_t(dtype_size(be_.compute_dtype())) * B * T * cfg_.n_embd * 6;
   return scratch + (blocks_.empty() ? 0 : blocks_[0]->attention_workspace_bytes(B, T, threads));
 }
 
@@ -93,22 +102,18 @@ float GPT::forward(const Tensor& tokens, const Tensor& targets, const ForwardOpt
   can_backward_ = false;
   const int64_t L = cfg_.n_layer;
   // The blocks' attention scratch, sized once for the largest call: with targets a backward may
-  // follow, so the larger of the forward and backward call.
-  if (L > 0) {
-    const int threads = omp_get_max_threads();
-    attn_ws_.reserve(targets.defined()
-                         ? blocks_[0]->attention_workspace_bytes(B, T, threads)
-                         : cpu::attention_workspace_bytes(blocks_[0]->attention_args(B, T), false, threads));
-  }
+  // follow, so the larger of the forward and backward call (without, the forward calls take what
+  // they need).
+  if (L > 0 && targets.defined()) be_.prepare_attention(be_.compute_dtype(), blocks_[0]->attention_shape(B, T));
   if (hooks_) hooks_->before_forward(0);
   embedding_->forward(tokens.i32(), B, T);
   if (hooks_) hooks_->after_forward(0);
-  const float* x = embedding_->out().f32();
+  const void* x = embedding_->out().raw();
   for (int64_t l = 0; l < L; ++l) {
     if (hooks_) hooks_->before_forward(l + 1);
-    blocks_[size_t(l)]->forward(x, B, T, &attn_ws_);
+    blocks_[size_t(l)]->forward(x, B, T);
     if (hooks_) hooks_->after_forward(l + 1);
-    x = blocks_[size_t(l)]->out().f32();
+    x = blocks_[size_t(l)]->out().raw();
   }
   dloss_scale_ = opt.dloss_scale;
   if (hooks_) hooks_->before_forward(L + 1);
@@ -123,12 +128,13 @@ void GPT::backward() {
   LOOM_CHECK(can_backward_, "model '{}': backward needs a forward with targets first", cfg_.name);
   const int64_t B = B_, T = T_, C = cfg_.n_embd;
   if (!ws_dres_.defined()) {
-    ws_dres_ = Tensor::empty({B, T, C}, DType::f32, MemTag::workspace, pool_);
-    ws_bufC_ = Tensor::empty({B, T, C}, DType::f32, MemTag::workspace, pool_);
-    ws_buf4C_ = Tensor::empty({B, T, 4 * C}, DType::f32, MemTag::workspace, pool_);
+    const DType dt = be_.compute_dtype();
+    ws_dres_ = be_.empty({B, T, C}, dt, MemTag::workspace);
+    ws_bufC_ = be_.empty({B, T, C}, dt, MemTag::workspace);
+    ws_buf4C_ = be_.empty({B, T, 4 * C}, dt, MemTag::workspace);
   }
-  BackwardScratch s{ws_dres_.f32(), ws_bufC_.f32(), ws_buf4C_.f32(), &attn_ws_};
-  auto input_of = [&](int64_t l) { return l == 0 ? embedding_->out().f32() : blocks_[size_t(l - 1)]->out().f32(); };
+  BackwardScratch s{ws_dres_.raw(), ws_bufC_.raw(), ws_buf4C_.raw()};
+  auto input_of = [&](int64_t l) { return l == 0 ? embedding_->out().raw() : blocks_[size_t(l - 1)]->out().raw(); };
   const int64_t L = cfg_.n_layer;
   if (hooks_) hooks_->before_backward(L + 1);
   head_->backward(input_of(L), s, dloss_scale_);
@@ -145,14 +151,19 @@ void GPT::backward() {
 }
 
 void GPT::zero_grad() {
-  for (Parameter* p : params_)
-    if (p->grad_full.defined()) p->grad_full.zero_();
+  for (Parameter* p : params_) {
+    if (!p->grad_full.defined()) continue;
+    if (p->grad_full.device() == Device::cpu)
+      p->grad_full.zero_();
+    else
+      be_.fill_zero(p->grad_full.raw(), int64_t(p->grad_full.nbytes()));
+  }
 }
 
 void GPT::release_activations() {
   for (ChainBlock* b : chain()) b->release_activations();
   ws_dres_ = ws_bufC_ = ws_buf4C_ = Tensor();
-  attn_ws_.release();
+  be_.release_workspace();
   B_ = T_ = 0;
   can_backward_ = false;
 }

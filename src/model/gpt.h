@@ -7,6 +7,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/backend.h"
 #include "core/memory.h"
 #include "core/tensor.h"
 #include "model/blocks.h"
@@ -42,15 +43,19 @@ struct ChainHooks {
 
 class GPT {
  public:
-  // Allocates parameters (tag params) and zeroed gradients (tag grads) from pool and initialises
-  // them from seed as nanoGPT does: N(0, 0.02), residual projections N(0, 0.02 / sqrt(2 L)),
-  // biases 0, LayerNorm weights 1.
+  // Allocates parameters (tag params, with their compute copies where the backend computes in
+  // another dtype) and zeroed gradients (tag grads) from the backend's pool and initialises them
+  // from seed as nanoGPT does: N(0, 0.02), residual projections N(0, 0.02 / sqrt(2 L)), biases 0,
+  // LayerNorm weights 1. The backend (not owned) must outlive the model.
+  GPT(const GPTConfig& cfg, Backend& be, uint64_t seed = 1337);
+  // The same on a backend of its own over `pool` (for the pool's device: the CPU's, or GPU 0).
   GPT(const GPTConfig& cfg, MemoryPool& pool, uint64_t seed = 1337);
   GPT(const GPT&) = delete;
   GPT& operator=(const GPT&) = delete;
 
   const GPTConfig& config() const { return cfg_; }
   MemoryPool& pool() const { return pool_; }
+  Backend& backend() const { return be_; }
 
   // Every parameter once, in Hugging Face order (wte, wpe, h.0..., ln_f[, lm_head]).
   const std::vector<Parameter*>& parameters() const { return params_; }
@@ -59,16 +64,21 @@ class GPT {
   int64_t num_parameters() const;               // logical elements (no vocabulary padding)
   int64_t num_nonembedding_parameters() const;  // all but wte, wpe (and an untied lm_head)
 
-  // tokens i32 [B, T]; targets i32 [B, T] or an undefined Tensor (no loss). Returns the mean loss
-  // over the targets that are not -1 (NaN without targets). T <= block_size.
+  // tokens i32 [B, T] and targets i32 [B, T] (or an undefined Tensor: no loss) in host memory.
+  // Returns the mean loss over the targets that are not -1 (NaN without targets). T <= block_size.
   float forward(const Tensor& tokens, const Tensor& targets, const ForwardOptions& opt = {});
   // Accumulates parameter gradients of the last forward (which needs targets).
   void backward();
   // Zeroes every allocated gradient (those a ZeRO layout has detached are skipped).
   void zero_grad();
+  // Copies the master weights into the compute copies the ops read, after the master weights were
+  // changed outside the backend's optimizer (loading, an update on the host). Nothing where the
+  // backend computes in f32.
+  void refresh_compute();
   // Hooks around each chain block (nullptr: none); not owned.
   void set_hooks(ChainHooks* hooks) { hooks_ = hooks; }
-  // f32 [B, T, Vp] of the last forward without fuse_backward (columns >= vocab_size are padding).
+  // [B, T, Vp] in the compute dtype (f32 on the CPU) of the last forward without fuse_backward
+  // (columns >= vocab_size are padding).
   const Tensor& logits() const { return head_->logits(); }
   const Tensor& losses() const { return head_->losses(); }  // f32 [B, T]
 
@@ -87,19 +97,22 @@ class GPT {
   int64_t saved_activation_bytes(int64_t B, int64_t T) const;  // sum over the chain
   // Peak workspace of a training step at [B, T] when the attention kernel runs on `threads`
   // OpenMP threads (omp_get_max_threads() of the calling thread):
-  //   24 * B * T * C                       backward scratch: dres [B, T, C], bufC [B, T, C],
-  //                                        buf4C [B, T, 4C] in f32, kept from the first backward on
-  //   + max(attention_workspace_bytes(forward), attention_workspace_bytes(backward))
-  //                                        the attention kernel's scratch, one buffer kept from the
-  //                                        first forward with targets on and shared by every
-  //                                        block's calls (cpu::attention_workspace_bytes with the
-  //                                        blocks' shapes).
+  //   6 * B * T * C * e                    backward scratch: dres [B, T, C], bufC [B, T, C],
+  //                                        buf4C [B, T, 4C] in the compute dtype (e bytes; 24 B T C
+  //                                        on the CPU), kept from the first backward on
+  //   + the backend's attention scratch    one buffer kept from the first forward with targets on
+  //                                        and shared by every block's calls: the larger of the
+  //                                        forward and backward call's
+  //                                        (Backend::attention_workspace_bytes).
   // Every step reaches it, the first included. A forward without targets keeps only the forward
   // call's attention scratch.
   int64_t workspace_bytes(int64_t B, int64_t T, int threads) const;
 
  private:
+  void build(uint64_t seed);
   GPTConfig cfg_;
+  std::unique_ptr<Backend> own_be_;  // the pool constructor's
+  Backend& be_;
   MemoryPool& pool_;
   std::unique_ptr<Embedding> embedding_;
   std::vector<std::unique_ptr<TransformerBlock>> blocks_;
@@ -109,8 +122,7 @@ class GPT {
   float dloss_scale_ = 1.0f;
   bool can_backward_ = false;
   ChainHooks* hooks_ = nullptr;
-  Tensor ws_dres_, ws_bufC_, ws_buf4C_;  // f32 [B, T, C], [B, T, C], [B, T, 4C] (tag workspace)
-  cpu::AttnWorkspace attn_ws_;           // every block's attention scratch (tag workspace)
+  Tensor ws_dres_, ws_bufC_, ws_buf4C_;  // [B, T, C], [B, T, C], [B, T, 4C] (tag workspace)
 };
 
 }  // namespace loom::model

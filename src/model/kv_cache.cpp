@@ -1,141 +1,89 @@
 #include "model/kv_cache.h"
 
-#include <omp.h>
-
 #include <algorithm>
-#include <cstring>
 #include <string>
 
 #include "core/error.h"
-#include "kernels/cpu/attention.h"
-#include "kernels/cpu/embedding.h"
-#include "kernels/cpu/gelu.h"
-#include "kernels/cpu/layernorm.h"
-#include "kernels/cpu/matmul.h"
-#include "kernels/cpu/residual.h"
 
 namespace loom::model {
 
 namespace {
-// One sequence's attention call: Tq queries from position pos against the Tkv = pos + Tq cached
-// keys, q in the packed qkv rows, K and V in the cache rows.
-cpu::AttnArgs decoder_args(const GPTConfig& cfg, int64_t Tq, int64_t pos) {
+// One sequence's largest attention call: every cached position as queries and keys.
+AttnShape decoder_shape(const GPTConfig& cfg, int64_t t_max) {
   const int64_t C = cfg.n_embd;
-  cpu::AttnArgs aa;
-  aa.B = 1;
-  aa.NH = cfg.n_head;
-  aa.HS = C / cfg.n_head;
-  aa.Tq = Tq;
-  aa.Tkv = pos + Tq;
-  aa.q_stride = 3 * C;
-  aa.kv_stride = C;
-  aa.o_stride = C;
-  aa.q_pos0 = pos;
-  aa.kv_pos0 = 0;
-  return aa;
+  return {.B = 1, .NH = cfg.n_head, .HS = C / cfg.n_head, .Tq = t_max, .Tkv = t_max, .q_stride = 3 * C,
+          .kv_stride = C, .o_stride = C};
 }
 }  // namespace
 
-KVCache::KVCache(const GPTConfig& cfg, int64_t B, int64_t t_max, MemoryPool& pool)
+KVCache::KVCache(const GPTConfig& cfg, int64_t B, int64_t t_max, Backend& be)
     : B_(B), t_max_(t_max), C_(cfg.n_embd) {
   LOOM_CHECK(B > 0, "KV cache: batch must be positive, got {}", B);
   LOOM_CHECK(t_max > 0 && t_max <= cfg.block_size, "KV cache: capacity {} must be in [1, block_size {}]", t_max,
              cfg.block_size);
   for (int64_t l = 0; l < cfg.n_layer; ++l) {
-    k_.push_back(Tensor::empty({B, t_max, C_}, DType::f32, MemTag::activations, pool));
-    v_.push_back(Tensor::empty({B, t_max, C_}, DType::f32, MemTag::activations, pool));
+    k_.push_back(be.empty({B, t_max, C_}, be.compute_dtype(), MemTag::activations));
+    v_.push_back(be.empty({B, t_max, C_}, be.compute_dtype(), MemTag::activations));
   }
 }
 
-int64_t KVCache::bytes() const { return 2 * int64_t(k_.size()) * B_ * t_max_ * C_ * int64_t(sizeof(float)); }
+int64_t KVCache::bytes() const {
+  return k_.empty() ? 0 : 2 * int64_t(k_.size()) * int64_t(k_[0].nbytes());
+}
 
 CachedDecoder::CachedDecoder(const GPT& gpt, int64_t B, int64_t t_max)
-    : gpt_(gpt), cfg_(gpt.config()), pool_(gpt.pool()), cache_(cfg_, B, t_max > 0 ? t_max : cfg_.block_size, pool_),
-      attn_(pool_) {}
-
-int64_t CachedDecoder::attention_workspace_bytes(int threads) const {
-  return cpu::attention_workspace_bytes(decoder_args(cfg_, cache_.t_max_, 0), false, threads);
+    : gpt_(gpt), cfg_(gpt.config()), be_(gpt.backend()), cache_(cfg_, B, t_max > 0 ? t_max : cfg_.block_size, be_) {
+  const std::vector<ChainBlock*> chain = gpt.chain();
+  emb_ = chain.front()->replica(MemTag::workspace);
+  head_ = chain.back()->replica(MemTag::workspace);
+  if (cfg_.n_layer > 0) layer_ = chain[1]->replica(MemTag::workspace);
 }
 
-void CachedDecoder::ensure_scratch(int64_t T, int64_t rows_out) {
-  const int64_t B = cache_.B_, C = cfg_.n_embd;
-  if (T != T_) {
-    auto ws = [&](const Shape& s) { return Tensor::empty(s, DType::f32, MemTag::workspace, pool_); };
-    x_ = ln_ = qkv_ = atty_ = fch_ = lse_ = Tensor();
-    x_ = ws({B, T, C});
-    ln_ = ws({B, T, C});
-    qkv_ = ws({B, T, 3 * C});
-    atty_ = ws({B, T, C});
-    fch_ = ws({B, T, 4 * C});
-    lse_ = ws({cfg_.n_head, T});
-    T_ = T;
-  }
-  if (rows_out != rows_out_) {
-    lnf_ = logits_ = Tensor();
-    lnf_ = Tensor::empty({rows_out, C}, DType::f32, MemTag::workspace, pool_);
-    logits_ = Tensor::empty({rows_out, cfg_.padded_vocab()}, DType::f32, MemTag::workspace, pool_);
-    rows_out_ = rows_out;
-  }
+int64_t CachedDecoder::attention_workspace_bytes(int threads) const {
+  return be_.attention_workspace_bytes(be_.compute_dtype(), decoder_shape(cfg_, cache_.t_max_), threads);
 }
 
 const Tensor& CachedDecoder::forward(const int32_t* tokens, int64_t T, bool all_logits) {
-  const int64_t B = cache_.B_, C = cfg_.n_embd, BT = B * T, pos = cache_.len_;
+  const int64_t B = cache_.B_, C = cfg_.n_embd, pos = cache_.len_;
   LOOM_CHECK(T > 0, "decoder: no tokens to run");
   LOOM_CHECK(pos + T <= cache_.t_max_, "decoder: positions [{}, {}) exceed the cache capacity {}", pos, pos + T,
              cache_.t_max_);
-  const int64_t rows_out = all_logits ? BT : B;
-  ensure_scratch(T, rows_out);
-  attn_.reserve(attention_workspace_bytes(omp_get_max_threads()));  // once: no call needs more
-  auto w = [&](const std::string& name) -> const float* { return gpt_.parameter(name).value.f32(); };
-
-  float* x = x_.f32();      // f32 [B, T, C] residual stream
-  float* ln = ln_.f32();    // f32 [B, T, C]
-  float* qkv = qkv_.f32();  // f32 [B, T, 3C]
-  float* atty = atty_.f32();
-  float* fch = fch_.f32();  // f32 [B, T, 4C]
-  cpu::embedding_forward(x, tokens, w("wte.weight"), w("wpe.weight"), B, T, C, cfg_.vocab_size, pos);
-
+  if (!reserved_ && cfg_.n_layer > 0) {  // once: no call this cache allows needs more
+    be_.prepare_attention(be_.compute_dtype(), decoder_shape(cfg_, cache_.t_max_));
+    reserved_ = true;
+  }
+  auto& emb = static_cast<Embedding&>(*emb_);
+  emb.forward(tokens, B, T, pos);
+  const void* x = emb.out().raw();
+  const std::vector<ChainBlock*> chain = gpt_.chain();
   for (int64_t l = 0; l < cfg_.n_layer; ++l) {
-    const std::string p = "h." + std::to_string(l) + ".";
-    cpu::layernorm_forward(ln, nullptr, nullptr, x, w(p + "ln_1.weight"), w(p + "ln_1.bias"), BT, C, cfg_.ln_eps);
-    cpu::matmul_forward(qkv, ln, w(p + "attn.c_attn.weight"), w(p + "attn.c_attn.bias"), BT, C, 3 * C);
-    // Append this call's keys and values at positions [pos, pos + T) of every sequence.
-    float* kc = cache_.k(l);  // f32 [B, T_max, C]
-    float* vc = cache_.v(l);
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t t = 0; t < T; ++t) {
-        const float* row = qkv + (b * T + t) * 3 * C;
-        std::memcpy(kc + (b * cache_.t_max_ + pos + t) * C, row + C, size_t(C) * sizeof(float));
-        std::memcpy(vc + (b * cache_.t_max_ + pos + t) * C, row + 2 * C, size_t(C) * sizeof(float));
-      }
-    const cpu::AttnArgs aa = attn_.args(decoder_args(cfg_, T, pos));
-    for (int64_t b = 0; b < B; ++b)
-      cpu::attention_forward(atty + b * T * C, lse_.f32(), qkv + b * T * 3 * C, kc + b * cache_.t_max_ * C,
-                             vc + b * cache_.t_max_ * C, aa);
-    // x += c_proj(atty); x += mlp(ln_2(x)). ln holds the projection before the residual add.
-    cpu::matmul_forward(ln, atty, w(p + "attn.c_proj.weight"), w(p + "attn.c_proj.bias"), BT, C, C);
-    cpu::residual_forward(x, x, ln, BT * C);
-    cpu::layernorm_forward(ln, nullptr, nullptr, x, w(p + "ln_2.weight"), w(p + "ln_2.bias"), BT, C, cfg_.ln_eps);
-    cpu::matmul_forward(fch, ln, w(p + "mlp.c_fc.weight"), w(p + "mlp.c_fc.bias"), BT, C, 4 * C);
-    cpu::gelu_forward(fch, fch, BT * 4 * C);
-    cpu::matmul_forward(ln, fch, w(p + "mlp.c_proj.weight"), w(p + "mlp.c_proj.bias"), BT, 4 * C, C);
-    cpu::residual_forward(x, x, ln, BT * C);
+    auto& blk = static_cast<TransformerBlock&>(*layer_);
+    blk.use_parameters_of(static_cast<const TransformerBlock&>(*chain[size_t(l + 1)]));
+    const KVStep kv{.k = cache_.k(l), .v = cache_.v(l), .t_max = cache_.t_max_, .pos = pos};
+    blk.forward(x, B, T, &kv);
+    x = blk.out().raw();
   }
   cache_.len_ = pos + T;
 
   // Head: ln_f and lm_head over every position or only the last one of each sequence.
-  const float* head_in = x;
-  if (!all_logits) {
+  auto& head = static_cast<Head&>(*head_);
+  const DType dt = be_.compute_dtype();
+  if (all_logits) {
+    head.forward(x, nullptr, B, T, false, 1.0f);
+  } else {
+    if (!last_.defined() || last_.size(0) != B) last_ = be_.empty({B, 1, C}, dt, MemTag::workspace);
+    const size_t es = dtype_size(dt);
     for (int64_t b = 0; b < B; ++b)
-      std::memcpy(ln + b * C, x + (b * T + T - 1) * C, size_t(C) * sizeof(float));
-    head_in = ln;
+      be_.copy({.dst = static_cast<char*>(last_.raw()) + b * C * int64_t(es), .dst_dtype = dt,
+                .src = static_cast<const char*>(x) + (b * T + T - 1) * C * int64_t(es), .src_dtype = dt, .n = C});
+    head.forward(last_.raw(), nullptr, B, 1, false, 1.0f);
   }
-  cpu::layernorm_forward(lnf_.f32(), nullptr, nullptr, head_in, w("ln_f.weight"), w("ln_f.bias"), rows_out, C,
-                         cfg_.ln_eps);
-  const Parameter& lm_head = gpt_.parameter(cfg_.tied_embeddings ? "wte.weight" : "lm_head.weight");
-  cpu::matmul_forward(logits_.f32(), lnf_.f32(), lm_head.value_full.f32(), nullptr, rows_out, C,
-                      cfg_.padded_vocab());
-  return logits_;
+  const Tensor& logits = head.logits();
+  if (logits.device() == Device::cpu && logits.dtype() == DType::f32) return logits;
+  if (!host_logits_.defined() || host_logits_.shape() != logits.shape())
+    host_logits_ = Tensor::empty(logits.shape(), DType::f32, MemTag::workspace, default_cpu_pool());
+  be_.download(host_logits_.f32(), logits.raw(), logits.dtype(), logits.numel());
+  return host_logits_;
 }
 
 std::vector<int32_t> generate_cached(const GPT& gpt, const std::vector<int32_t>& prompt, int64_t max_new_tokens,

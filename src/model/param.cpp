@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cstring>
 
+#include <vector>
+
+#include "core/backend.h"
 #include "core/rng.h"
 
 namespace loom::model {
@@ -45,10 +48,46 @@ void Parameter::allocate(MemoryPool& pool) {
   }
 }
 
-void Parameter::initialise(uint64_t seed) {
+void Parameter::allocate(Backend& be) {
+  if (be.device() == Device::cpu && be.compute_dtype() == DType::f32) {
+    allocate(be.pool());
+    return;
+  }
+  Shape full = spec.shape;
+  if (!full.empty()) full[0] = std::max(spec.alloc_rows, full[0]);
+  value_full = be.empty(full, DType::f32, MemTag::params);
+  grad_full = be.empty(full, DType::f32, MemTag::grads);
+  be.fill_zero(value_full.raw(), int64_t(value_full.nbytes()));
+  be.fill_zero(grad_full.raw(), int64_t(grad_full.nbytes()));
+  const bool scalar = spec.shape.empty();
+  value = scalar ? value_full : value_full.slice0(0, spec.shape[0]);
+  grad = scalar ? grad_full : grad_full.slice0(0, spec.shape[0]);
+  if (be.compute_dtype() != DType::f32) {
+    compute_full = be.empty(full, be.compute_dtype(), MemTag::params);
+    be.fill_zero(compute_full.raw(), int64_t(compute_full.nbytes()));
+    compute = scalar ? compute_full : compute_full.slice0(0, spec.shape[0]);
+  }
+}
+
+void Parameter::initialise(uint64_t seed, Backend* be) {
   LOOM_CHECK(value.defined(), "parameter '{}' is not allocated", spec.name);
-  value_full.zero_();
-  init_values(spec, seed, value.f32(), 0, spec.numel());
+  if (value.device() == Device::cpu) {
+    value_full.zero_();
+    init_values(spec, seed, value.f32(), 0, spec.numel());
+    if (be) refresh_compute(*be);
+    return;
+  }
+  LOOM_CHECK(be != nullptr, "parameter '{}': initialising device memory needs its backend", spec.name);
+  std::vector<float> host(size_t(value_full.numel()), 0.0f);
+  init_values(spec, seed, host.data(), 0, spec.numel());
+  be->upload(value_full.raw(), DType::f32, host.data(), int64_t(host.size()));
+  refresh_compute(*be);
+}
+
+void Parameter::refresh_compute(Backend& be) {
+  if (!compute_full.defined()) return;
+  be.copy({.dst = compute_full.raw(), .dst_dtype = compute_full.dtype(), .src = value_full.raw(),
+           .src_dtype = DType::f32, .n = value_full.numel()});
 }
 
 }  // namespace loom::model

@@ -8,6 +8,10 @@
 #include "core/memory.h"
 #include "core/tensor.h"
 
+namespace loom {
+class Backend;
+}
+
 namespace loom::model {
 
 enum class Init : uint8_t { normal, zeros, ones };
@@ -26,16 +30,30 @@ struct ParamSpec {
 
 struct Parameter {
   ParamSpec spec;
-  Tensor value;       // f32 spec.shape (the first shape[0] rows of value_full)
+  Tensor value;       // f32 spec.shape (the first shape[0] rows of value_full): the master weights
   Tensor grad;        // f32 spec.shape, accumulated by backward
   Tensor value_full;  // f32 [alloc_rows, ...], padding rows zero
   Tensor grad_full;   // f32 [alloc_rows, ...]
+  // A copy of the master weights in the backend's compute dtype (tag params), where that is not
+  // f32; refreshed from the master weights by refresh_compute (or by the optimizer's update).
+  // Undefined where the ops read the master weights themselves.
+  Tensor compute;       // spec.shape
+  Tensor compute_full;  // [alloc_rows, ...]
+  // What the ops read: the compute copy, or the master weights.
+  const Tensor& weights() const { return compute.defined() ? compute : value; }
+  const Tensor& weights_full() const { return compute_full.defined() ? compute_full : value_full; }
 
-  // Allocates value (tag params) and grad (tag grads, zeroed) from pool.
+  // Allocates value (tag params) and grad (tag grads, zeroed) from a host pool; compute is value.
   void allocate(MemoryPool& pool);
+  // The same from the backend's pool (its device), with a compute copy where the backend computes
+  // in another dtype than f32.
+  void allocate(Backend& be);
   // value[i] for the global element indices [first, first + n) of the full tensor, drawn from
-  // fill_normal(seed, stream_of(name), index); padding rows are zeroed.
-  void initialise(uint64_t seed);
+  // fill_normal(seed, stream_of(name), index); padding rows are zeroed. Parameters on a device
+  // are drawn on the host and uploaded through `be`, and their compute copy refreshed.
+  void initialise(uint64_t seed, Backend* be = nullptr);
+  // compute_full = value_full in the compute dtype (nothing where they are the same tensor).
+  void refresh_compute(Backend& be);
 };
 
 // Fills out[0, n) with the initial values of global elements [first, first + n) of spec.

@@ -1,3 +1,4 @@
+#include "kernels/cpu/backend.h"
 #include "model/gpt.h"
 
 #include <gtest/gtest.h>
@@ -211,7 +212,8 @@ TEST(GPT, AttentionScratchIsTakenOncePerShape) {
   gpt.forward(small.tokens, Tensor());
   const model::TransformerBlock& blk = gpt.block(0);
   EXPECT_EQ(pool.current(MemTag::workspace),
-            cpu::attention_workspace_bytes(blk.attention_args(1, 8), false, omp_get_max_threads()));
+            cpu::attention_workspace_bytes(cpu::CpuBackend::attn_args(blk.attention_shape(1, 8)), false,
+                                           omp_get_max_threads()));
   gpt.release_activations();
   EXPECT_EQ(pool.current(MemTag::workspace), 0);
 }

@@ -21,7 +21,9 @@ namespace {
 const float* f(const void* p) { return static_cast<const float*>(p); }
 float* f(void* p) { return static_cast<float*>(p); }
 
-AttnArgs attn_args(const AttnShape& s) {
+}  // namespace
+
+AttnArgs CpuBackend::attn_args(const AttnShape& s) {
   AttnArgs a;
   a.B = s.B;
   a.NH = s.NH;
@@ -37,6 +39,8 @@ AttnArgs attn_args(const AttnShape& s) {
   a.scale = s.scale;
   return a;
 }
+
+namespace {
 
 class CpuAdamW final : public AdamWPlan {
  public:
@@ -138,9 +142,9 @@ void CpuBackend::layernorm_backward(const LayerNormBackward& a) {
                           a.accumulate);
 }
 
-int64_t CpuBackend::attention_workspace_bytes(DType dtype, const AttnShape& s) const {
+int64_t CpuBackend::attention_workspace_bytes(DType dtype, const AttnShape& s, int threads) const {
   check(Op::attention, dtype);
-  return attention_training_workspace_bytes(attn_args(s), omp_get_max_threads());
+  return attention_training_workspace_bytes(attn_args(s), threads > 0 ? threads : omp_get_max_threads());
 }
 
 void CpuBackend::prepare_attention(DType dtype, const AttnShape& s) {

@@ -27,7 +27,7 @@ class CpuBackend final : public Backend {
   int64_t attention_probs_bytes(DType, const AttnShape&) const override { return 0; }
   // The larger of one forward and one backward call's scratch on the calling thread's team
   // (cpu::attention_training_workspace_bytes).
-  int64_t attention_workspace_bytes(DType dtype, const AttnShape& s) const override;
+  int64_t attention_workspace_bytes(DType dtype, const AttnShape& s, int threads = 0) const override;
   void attention_forward(const AttentionForward& a) override;
   void attention_backward(const AttentionBackward& a) override;
   void crossentropy(const CrossEntropy& a) override;
@@ -39,10 +39,13 @@ class CpuBackend final : public Backend {
   std::unique_ptr<AdamWPlan> plan_adamw(const std::vector<AdamWTensor>& tensors) override;
   void copy(const Copy& a) override;
   void fill_zero(void* dst, int64_t bytes) override;
+  void release_workspace() override { attn_ws_->release(); }
   void synchronize() override {}
 
   // The attention scratch every call of this instance uses (tag workspace of pool()).
   AttnWorkspace& attention_scratch() { return *attn_ws_; }
+  // The CPU kernel's arguments for a shape (for tests and callers of the kernels themselves).
+  static AttnArgs attn_args(const AttnShape& s);
 
  private:
   void check(Op op, DType dtype) const;

@@ -342,7 +342,7 @@ int64_t CudaBackend::attention_probs_bytes(DType dtype, const AttnShape& s) cons
   return s.B * s.NH * s.Tq * s.Tkv * int64_t(sizeof(bf16));
 }
 
-int64_t CudaBackend::attention_workspace_bytes(DType dtype, const AttnShape& s) const {
+int64_t CudaBackend::attention_workspace_bytes(DType dtype, const AttnShape& s, int) const {
   check(Op::attention, dtype);
   if (const Plan* p = find_plan(s)) return int64_t(p->workspace);
   const AttnKernel k = resolve(s, nullptr);
@@ -498,6 +498,18 @@ void CudaBackend::copy(const Copy& a) {
   } else {
     bf16_to_f32_kernel<<<unsigned(ceil_div(a.n, 256)), 256, 0, stream_>>>(static_cast<float*>(a.dst), h(a.src), a.n);
     LOOM_CUDA_LAUNCH_CHECK();
+  }
+}
+
+void CudaBackend::release_workspace() {
+  activate();
+  LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  plans_.clear();
+  for (auto [p, n] : {std::make_pair(&dbias_scratch_, &dbias_bytes_), std::make_pair(&ln_scratch_, &ln_bytes_),
+                      std::make_pair(&attn_ws_, &attn_ws_bytes_)}) {
+    if (*p) pool_->deallocate(*p, *n, MemTag::workspace);
+    *p = nullptr;
+    *n = 0;
   }
 }
 

@@ -46,7 +46,7 @@ class CudaBackend final : public Backend {
   void layernorm_backward(const LayerNormBackward& a) override;
   void prepare_attention(DType dtype, const AttnShape& s) override;
   int64_t attention_probs_bytes(DType dtype, const AttnShape& s) const override;
-  int64_t attention_workspace_bytes(DType dtype, const AttnShape& s) const override;
+  int64_t attention_workspace_bytes(DType dtype, const AttnShape& s, int threads = 0) const override;
   void attention_forward(const AttentionForward& a) override;
   void attention_backward(const AttentionBackward& a) override;
   void crossentropy(const CrossEntropy& a) override;
@@ -59,6 +59,8 @@ class CudaBackend final : public Backend {
   // Copies that read or write host memory wait for the stream (host buffers may go at return).
   void copy(const Copy& a) override;
   void fill_zero(void* dst, int64_t bytes) override;
+  // Frees the bias-gradient, LayerNorm and attention scratch and forgets the attention plans.
+  void release_workspace() override;
   void synchronize() override;
 
   int device_index() const { return device_; }

@@ -16,6 +16,7 @@
 #include "core/error.h"
 #include "kernels/cpu/attention.h"
 #include "model/blocks.h"
+#include "model/param_specs.h"
 #include "model/tp_gpt.h"
 #include "parallel/data/flat_layout.h"
 #include "parallel/data/replica_optimizer.h"
@@ -124,9 +125,11 @@ struct PipelineExecutor::Impl {
   bool tensor = false;    // chunks are model::ParallelGPT stages (tp, sp or cp > 1)
   int64_t rows = 0;       // rows of a stage-boundary tensor for the current micro-batch shape
   model::Parameter* tied = nullptr;  // this rank's wte (or copy) that ties across first and last stage
-  // The attention kernel's scratch (tag workspace), like the backward scratch below one per rank:
-  // only one micro-batch computes at a time, so every chunk and every micro-batch replica of it
-  // (blocks, or ParallelGPT stages through ParallelOptions::attention_workspace) shares it.
+  // The rank's backend over its pool: the chain blocks' ops, and their attention scratch (tag
+  // workspace) which, like the backward scratch below, is one per rank: only one micro-batch
+  // computes at a time, so every chunk and every micro-batch replica of it shares it.
+  std::unique_ptr<Backend> be;
+  // The attention kernel's scratch of ParallelGPT stages (ParallelOptions::attention_workspace).
   cpu::AttnWorkspace attn;
   std::vector<Chunk> chunks;
   std::vector<model::Parameter*> params;  // primaries, in chain order, then the wte copy
@@ -152,12 +155,12 @@ struct PipelineExecutor::Impl {
 
   Impl(const model::GPTConfig& c, const ExecutorOptions& o, comm::Comm& p, comm::Comm* d, model::ParallelGroups g,
        MemoryPool& pl)
-      : cfg(c), opt(o), pp(p), dp(d), groups(g), pool(pl), attn(pl) {}
+      : cfg(c), opt(o), pp(p), dp(d), groups(g), pool(pl), be(make_backend(pl.device(), {.pool = &pl})), attn(pl) {}
 
   std::unique_ptr<model::ChainBlock> make_block(int64_t e) {
-    if (e == 0) return std::make_unique<model::Embedding>(cfg, pool);
-    if (e <= cfg.n_layer) return std::make_unique<model::TransformerBlock>(cfg, e - 1, pool);
-    return std::make_unique<model::Head>(cfg, wte, pool);
+    if (e == 0) return std::make_unique<model::Embedding>(cfg, *be);
+    if (e <= cfg.n_layer) return std::make_unique<model::TransformerBlock>(cfg, e - 1, *be);
+    return std::make_unique<model::Head>(cfg, wte, *be);
   }
 
   Slot* acquire(Chunk& ch, int mb) {
@@ -170,13 +173,8 @@ struct PipelineExecutor::Impl {
       ch.all.push_back(std::move(s));
     } else if (ch.free.empty()) {
       auto s = std::make_unique<Slot>();
-      for (int64_t e = ch.first; e < ch.last; ++e) {
-        auto blk = make_block(e);
-        // Share the chunk's parameters (the first slot's): the replica's own are dropped.
-        std::vector<model::Parameter*> mine = blk->parameters(), prim = ch.all[0]->blocks[size_t(e - ch.first)]->parameters();
-        for (size_t i = 0; i < mine.size(); ++i) *mine[i] = *prim[i];
-        s->blocks.push_back(std::move(blk));
-      }
+      // Replicas over the chunk's parameters (the first slot's), with activations of their own.
+      for (int64_t e = ch.first; e < ch.last; ++e) s->blocks.push_back(ch.all[0]->blocks[size_t(e - ch.first)]->replica());
       ch.free.push_back(s.get());
       ch.all.push_back(std::move(s));
     }
@@ -257,7 +255,7 @@ struct PipelineExecutor::Impl {
         x = emb->out().f32();
       } else if (e <= cfg.n_layer) {
         auto* tb = static_cast<model::TransformerBlock*>(blk);
-        tb->forward(x, b, T, &attn);
+        tb->forward(x, b, T);
         x = tb->out().f32();
       } else {
         auto* head = static_cast<model::Head*>(blk);
@@ -288,7 +286,7 @@ struct PipelineExecutor::Impl {
       s.backward_done = true;
       return;
     }
-    model::BackwardScratch ws{ws_dres.f32(), ws_bufC.f32(), ws_buf4C.f32(), &attn};
+    model::BackwardScratch ws{ws_dres.f32(), ws_bufC.f32(), ws_buf4C.f32()};
     if (ch.last <= cfg.n_layer + 1) std::memcpy(ws.dres, s.grad_in.f32(), size_t(n) * sizeof(float));
     const float dscale = 1.0f / float(opt.schedule.micro_batches);
     for (int64_t e = ch.last - 1; e >= ch.first; --e) {
@@ -492,8 +490,7 @@ PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOp
     return;
   }
   if (cfg.tied_embeddings && owns_head && !owns_embedding) {
-    model::Embedding spec_source(cfg, pool);  // for the exact wte spec
-    I.wte_copy = std::make_unique<model::Parameter>(model::Parameter{spec_source.wte().spec, {}, {}, {}, {}});
+    I.wte_copy = std::make_unique<model::Parameter>(model::Parameter{model::embedding_param_specs(cfg)[0], {}, {}, {}, {}});
     I.wte_copy->allocate(pool);
     I.wte_copy->initialise(opt.seed);
     I.wte = I.wte_copy.get();
@@ -565,8 +562,8 @@ StepResult PipelineExecutor::step(const Tensor& tokens, const Tensor& targets, d
     for (Chunk& ch : I.chunks) {
       const int64_t e = std::max<int64_t>(ch.first, 1);
       if (e >= std::min<int64_t>(ch.last, I.cfg.n_layer + 1)) continue;
-      I.attn.reserve(static_cast<const model::TransformerBlock*>(ch.all[0]->blocks[size_t(e - ch.first)].get())
-                         ->attention_workspace_bytes(b, T, omp_get_max_threads()));
+      I.be->prepare_attention(DType::f32, static_cast<const model::TransformerBlock*>(
+                                              ch.all[0]->blocks[size_t(e - ch.first)].get())->attention_shape(b, T));
       break;
     }
   }
