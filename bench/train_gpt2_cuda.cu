@@ -1,13 +1,15 @@
-// Trains GPT-2 on one GPU with loom's CUDA step and reports tokens/s and MFU; optionally writes a
+// Trains GPT-2 on one GPU (the one model, model/gpt.h, on the CUDA backend, its steps run by
+// train::StepRunner as CUDA graphs) and reports tokens/s and MFU; optionally writes a
 // parity dump (weights, batch, logits, gradients) for bench/nanogpt_torch.py --parity.
 //
 //   train_gpt2_cuda [--model gpt2-124m] [-B 16] [-T 1024] [--steps 30] [--warmup 5]
 //                   [--attention flash|gemm|cudnn] [--no-graph] [--lr 6e-4] [--seed 1337] [--json]
 //                   [--dump FILE] [--profile N]
 //
-// --profile N runs N more steps kernel by kernel with CUDA events between the parts of the step
-// (kernels/cuda/profile.cuh) and prints each part's time per step, its share and, for GEMMs and
-// attention, its TFLOP/s; the parts' sum against the graphed step time shows the launch overhead.
+// --profile N runs N more steps op by op with CUDA events between the backend's ops (the backend
+// reports each op and its FLOPs to kernels/cuda/profile.cuh) and prints each kind of op's time per
+// step, its share and, for GEMMs and attention, its TFLOP/s; the parts' sum against the graphed
+// step time shows the launch overhead.
 //
 // Tokens are uniform random ids (a fixed seed): the step's cost does not depend on the data.
 // FLOPs per token, as nanoGPT's estimate_mfu: 6 N + 12 L H Q T with N the parameters without
@@ -31,8 +33,9 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/matmul.cuh"
 #include "kernels/cuda/profile.cuh"
-#include "model/gpt_cuda.cuh"
+#include "model/gpt.h"
 #include "train/safetensors.h"
+#include "train/step_runner.h"
 
 using namespace loom;
 
@@ -97,21 +100,24 @@ std::vector<int32_t> random_tokens(int64_t n, int64_t V, uint64_t seed) {
   return t;
 }
 
-void write_dump(model::GPTCuda& gpt, const Args& a, const std::vector<int32_t>& tok, const std::vector<int32_t>& tgt) {
+void write_dump(train::StepRunner& run, const Args& a, const std::vector<int32_t>& tok, const std::vector<int32_t>& tgt) {
+  model::GPT& gpt = run.model();
   const model::GPTConfig& cfg = gpt.config();
   const int64_t B = a.B, T = a.T, V = cfg.vocab_size, Vp = cfg.padded_vocab();
-  const float loss = gpt.forward(tok.data(), tgt.data());
-  std::vector<float> lp = gpt.logits();
+  const float loss = run.forward(tok.data(), tgt.data());
+  std::vector<float> lp(static_cast<size_t>(gpt.logits().numel()));
+  run.backend().download(lp.data(), gpt.logits().raw(), gpt.logits().dtype(), gpt.logits().numel());
   std::vector<float> logits(static_cast<size_t>(B * T * V));
   for (int64_t i = 0; i < B * T; ++i)
     std::memcpy(&logits[size_t(i * V)], &lp[size_t(i * Vp)], size_t(V) * sizeof(float));
-  const float loss2 = gpt.forward_backward(tok.data(), tgt.data());
+  const float loss2 = run.forward_backward(tok.data(), tgt.data());
   std::vector<std::vector<float>> keep;
   train::SafetensorsWriter w;
-  for (const model::ParamSpec& s : gpt.specs()) {
-    keep.push_back(gpt.parameter(s.name));
+  for (const model::Parameter* p : gpt.parameters()) {
+    const model::ParamSpec& s = p->spec;
+    keep.push_back(run.parameter(s.name));
     w.add("param." + s.name, DType::f32, s.shape, keep.back().data());
-    keep.push_back(gpt.gradient(s.name));
+    keep.push_back(run.gradient(s.name));
     w.add("grad." + s.name, DType::f32, s.shape, keep.back().data());
   }
   w.add("tokens", DType::i32, {B, T}, tok.data());
@@ -166,19 +172,15 @@ int main(int argc, char** argv) {
   const Args a = parse(argc, argv);
   try {
     model::GPTConfig cfg = model::gpt_preset(a.model);
-    model::GPTCudaOptions o;
-    o.B = a.B;
-    o.T = a.T;
-    o.attention = model::cuda_attention_from_name(a.attention);
-    o.cuda_graph = a.graph;
-    o.lr = a.lr;
     MemoryPool& pool = cuda::device_pool();
-    model::GPTCuda gpt(cfg, o, pool, a.seed);
+    cuda::CudaBackend be({.pool = &pool, .attention = attn_kernel_from_name(a.attention)});
+    model::GPT gpt(cfg, be, a.seed);
+    train::StepRunner run(gpt, {.B = a.B, .T = a.T, .graphs = a.graph});
     const int64_t BT = a.B * a.T;
     auto data = random_tokens(BT + 1, cfg.vocab_size, a.seed + 1);
     std::vector<int32_t> tok(data.begin(), data.begin() + BT), tgt(data.begin() + 1, data.end());
     if (!a.dump.empty()) {
-      write_dump(gpt, a, tok, tgt);
+      write_dump(run, a, tok, tgt);
       return 0;
     }
     const double flops_per_token = cfg.flops_per_token(a.T);
@@ -189,9 +191,9 @@ int main(int argc, char** argv) {
     std::vector<double> ms;
     float first_loss = 0, last_loss = 0;
     for (int64_t s = 1; s <= a.warmup + a.steps; ++s) {
-      LOOM_CUDA_CHECK(cudaEventRecord(e0, gpt.stream()));
-      const float loss = gpt.train_step(tok.data(), tgt.data(), a.lr, s);
-      LOOM_CUDA_CHECK(cudaEventRecord(e1, gpt.stream()));
+      LOOM_CUDA_CHECK(cudaEventRecord(e0, be.stream()));
+      const float loss = run.train_step(tok.data(), tgt.data(), a.lr, s);
+      LOOM_CUDA_CHECK(cudaEventRecord(e1, be.stream()));
       LOOM_CUDA_CHECK(cudaEventSynchronize(e1));
       float t = 0;
       LOOM_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
@@ -203,18 +205,18 @@ int main(int argc, char** argv) {
       }
       if (s > a.warmup) ms.push_back(t);
       if (!a.json && (s <= 3 || s % 10 == 0))
-        std::printf("step %4lld loss %.4f norm %.3f %.2f ms\n", (long long)s, loss, gpt.last_grad_norm(), t);
+        std::printf("step %4lld loss %.4f norm %.3f %.2f ms\n", (long long)s, loss, run.last_grad_norm(), t);
     }
     // The parts of the step, kernel by kernel.
-    cuda::StepProfile prof(gpt.stream());
+    cuda::StepProfile prof(be.stream());
     if (a.profile > 0) {
-      gpt.set_profile(&prof);
+      be.set_observer(&prof);  // the runner then launches op by op (no graph)
       for (int64_t i = 0; i < a.profile; ++i) {
         prof.start();
-        gpt.train_step(tok.data(), tgt.data(), a.lr, a.warmup + a.steps + 1 + i);
+        run.train_step(tok.data(), tgt.data(), a.lr, a.warmup + a.steps + 1 + i);
         prof.finish();
       }
-      gpt.set_profile(nullptr);
+      be.set_observer(nullptr);
     }
     // Host time around the step (the token upload and loss read-back included) is what a user
     // sees; device events cover the same span since each step synchronises.
@@ -231,7 +233,7 @@ int main(int argc, char** argv) {
     // The training's memory figures are taken before the GEMM measurement borrows its operands.
     const MemStats st = pool.stats();
     const std::string report = pool.report();
-    const double peak_tflops = cuda::measure_gemm_peak_bf16(gpt.backend().blas(), gpt.stream()) / 1e12;
+    const double peak_tflops = cuda::measure_gemm_peak_bf16(be.blas(), be.stream()) / 1e12;
     if (a.json) {
       std::printf("{\"impl\": \"loom\", \"device\": \"%s\", \"model\": \"%s\", \"B\": %lld, \"T\": %lld, "
                   "\"attention\": \"%s\", \"graph\": %s, \"steps\": %lld, \"step_ms_median\": %.4f, "

@@ -48,7 +48,7 @@ step_memcheck() {
   command -v "$cs" >/dev/null || cs=/usr/local/cuda/bin/compute-sanitizer
   [[ -x "$(command -v "$cs")" ]] || { echo "compute-sanitizer not found"; return 1; }
   env_run "$cs" --tool memcheck --leak-check no --error-exitcode 3 test_cuda \
-    --gtest_filter='Cuda/BackendParity.*:CudaAttention.CausalHs64OddLength:CudaAttention.ExplicitScaleAndShortSequence:CudnnAttention.CausalHs64OddLength:CudnnAttention.ExplicitScaleAndShortSequences:GPTCuda.GraphRecapturesWhenTheCountedTargetsChange'
+    --gtest_filter='Cuda/BackendParity.*:CudaAttention.CausalHs64OddLength:CudaAttention.ExplicitScaleAndShortSequence:CudnnAttention.CausalHs64OddLength:CudnnAttention.ExplicitScaleAndShortSequences:StepRunnerGraph.RecapturesWhenTheCountedTargetsChange'
 }
 # One thread per rank first: wall clock and CPU-time replay side by side at p = 4 on free cores.
 step_pipeline() {

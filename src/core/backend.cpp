@@ -18,6 +18,7 @@ std::string_view op_name(Op op) {
     case Op::gelu: return "gelu";
     case Op::add: return "add";
     case Op::adamw: return "adamw";
+    case Op::sum: return "sum";
     case Op::copy: return "copy";
     case Op::count: break;
   }
@@ -50,6 +51,10 @@ void Backend::download(float* host, const void* src, DType dtype, int64_t n) {
   copy({.dst = host, .dst_dtype = DType::f32, .dst_host = true, .src = src, .src_dtype = dtype, .src_host = false, .n = n});
   synchronize();
 }
+
+void Backend::begin_capture() { LOOM_FAIL("the {} backend cannot capture graphs", name()); }
+
+std::unique_ptr<Graph> Backend::end_capture() { LOOM_FAIL("the {} backend cannot capture graphs", name()); }
 
 namespace {
 

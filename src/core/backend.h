@@ -28,7 +28,7 @@
 
 namespace loom {
 
-enum class Op : uint8_t { linear, layernorm, attention, crossentropy, embedding, gelu, add, adamw, copy, count };
+enum class Op : uint8_t { linear, layernorm, attention, crossentropy, embedding, gelu, add, adamw, copy, sum, count };
 constexpr int kNumOps = int(Op::count);
 std::string_view op_name(Op op);
 
@@ -207,12 +207,34 @@ struct AdamWHyper {
 class AdamWPlan {
  public:
   virtual ~AdamWPlan() = default;
-  // Enqueues the update with these hyperparameters (on CUDA the values are copied into the
-  // enqueued work, so a captured step replays with the values of the last step() call before
-  // replay; step() must not be called while an earlier launch may still be running).
-  virtual void step(const AdamWHyper& h) = 0;
-  // The gradient norm (after grad_scale, before clipping) of the last step; waits for it.
+  // The hyperparameters of the next launch (host only; waits for the previous launch, which reads
+  // them from host memory on CUDA).
+  virtual void set_hyper(const AdamWHyper& h) = 0;
+  // Enqueues the update with the hyperparameters set last. On CUDA it can be captured in a graph:
+  // a replay updates with the values of the last set_hyper before it.
+  virtual void launch() = 0;
+  void step(const AdamWHyper& h) {
+    set_hyper(h);
+    launch();
+  }
+  // The gradient norm (after grad_scale, before clipping) of the last launch; waits for it.
   virtual double grad_norm() = 0;
+};
+
+// A recorded sequence of ops, replayed as one launch (CUDA graphs).
+class Graph {
+ public:
+  virtual ~Graph() = default;
+  virtual void replay() = 0;
+};
+
+// Told after each op what it was and how many floating-point operations it did (matrix products
+// and attention: 2 per multiply-add; attention as FlashAttention-2 counts it), to break a step's
+// time down without a profiler (kernels/cuda/profile.cuh).
+class OpObserver {
+ public:
+  virtual ~OpObserver() = default;
+  virtual void op_done(const char* what, double flops) = 0;
 };
 
 // dst[i] = src[i], converting between dtypes (f32 and bf16; same dtypes copy bytes), from and to
@@ -272,6 +294,8 @@ class Backend {
   virtual void gelu_backward(DType dtype, void* dinp, const void* inp, const void* dout, int64_t n) = 0;
   // out = a + b, [n] (out may alias a or b).
   virtual void add(DType dtype, void* out, const void* a, const void* b, int64_t n) = 0;
+  // out[0] = scale * (x[0] + ... + x[n - 1]), f32 in this backend's memory, in a fixed order.
+  virtual void sum(const float* x, int64_t n, float scale, float* out) = 0;
   virtual std::unique_ptr<AdamWPlan> plan_adamw(const std::vector<AdamWTensor>& tensors) = 0;
   virtual void copy(const Copy& a) = 0;
   virtual void fill_zero(void* dst, int64_t bytes) = 0;
@@ -281,11 +305,30 @@ class Backend {
   // Waits for every op enqueued so far.
   virtual void synchronize() = 0;
 
+  // Whether sequences of ops can be captured and replayed (CUDA graphs).
+  virtual bool can_capture() const { return false; }
+  // Records the ops enqueued from here to end_capture instead of running them. Every buffer,
+  // workspace and plan they use must exist already (run the sequence once first): an op that
+  // would allocate during a capture is an error.
+  virtual void begin_capture();
+  virtual std::unique_ptr<Graph> end_capture();
+  // Ops report to `o` (not owned; null: none) from now on, where the backend supports it (CUDA).
+  void set_observer(OpObserver* o) { observer_ = o; }
+  OpObserver* observer() const { return observer_; }
+
   // An uninitialised tensor from pool() under tag.
   Tensor empty(const Shape& shape, DType dtype, MemTag tag) { return Tensor::empty(shape, dtype, tag, pool()); }
   // Host values -> device (converting from f32 into dtype) and back, synchronously.
   void upload(void* dst, DType dtype, const float* host, int64_t n);
   void download(float* host, const void* src, DType dtype, int64_t n);
+
+ protected:
+  void observed(const char* what, double flops = 0) {
+    if (observer_) observer_->op_done(what, flops);
+  }
+
+ private:
+  OpObserver* observer_ = nullptr;
 };
 
 // The registry: each backend compiled into the program registers a factory for its device, and a

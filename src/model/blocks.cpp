@@ -60,11 +60,11 @@ void Embedding::release_activations() {
   B_ = T_ = 0;
 }
 
-void Embedding::forward(const int32_t* tokens, int64_t B, int64_t T, int64_t pos0) {
+void Embedding::forward(const int32_t* tokens, int64_t B, int64_t T, int64_t pos0, bool on_device) {
   const int64_t C = cfg_.n_embd;
   LOOM_CHECK(pos0 >= 0 && pos0 + T <= cfg_.block_size, "embedding: positions [{}, {}) exceed block_size {}", pos0,
              pos0 + T, cfg_.block_size);
-  if (be_->device() != Device::cpu)  // the CPU kernel checks the ids itself; a GPU's reads them unchecked
+  if (be_->device() != Device::cpu && !on_device)  // the CPU kernel checks the ids itself; a GPU's reads them unchecked
     for (int64_t i = 0; i < B * T; ++i)
       LOOM_CHECK(tokens[i] >= 0 && tokens[i] < cfg_.vocab_size,
                  "embedding: token id {} at index {} is outside the vocabulary [0, {})", tokens[i], i, cfg_.vocab_size);
@@ -76,8 +76,8 @@ void Embedding::forward(const int32_t* tokens, int64_t B, int64_t T, int64_t pos
     T_ = T;
   }
   pos0_ = pos0;
-  be_->copy({.dst = tokens_.raw(), .dst_dtype = DType::i32, .src = tokens, .src_dtype = DType::i32, .src_host = true,
-             .n = B * T});
+  be_->copy({.dst = tokens_.raw(), .dst_dtype = DType::i32, .src = tokens, .src_dtype = DType::i32,
+             .src_host = !on_device, .n = B * T});
   be_->embedding_forward({.dtype = dt_, .out = out_.raw(), .tokens = tokens_.i32(), .wte = wte().weights().raw(),
                           .wpe = wpe().weights().raw(), .B = B, .T = T, .C = C, .V = cfg_.vocab_size, .pos0 = pos0});
 }
@@ -357,7 +357,7 @@ void Head::release_activations() {
 }
 
 double Head::forward(const void* x, const int32_t* targets, int64_t B, int64_t T, bool fuse_backward,
-                     float dloss_scale) {
+                     float dloss_scale, const DeviceTargets* dev) {
   const int64_t C = cfg_.n_embd, V = cfg_.vocab_size, Vp = cfg_.padded_vocab(), BT = B * T;
   if (B != B_ || T != T_) {
     release_activations();
@@ -380,16 +380,25 @@ double Head::forward(const void* x, const int32_t* targets, int64_t B, int64_t T
   counted_ = 0;
   if (!has_targets_) return std::numeric_limits<double>::quiet_NaN();
 
-  for (int64_t i = 0; i < BT; ++i) {
-    LOOM_CHECK(targets[i] >= -1 && targets[i] < V, "head: target {} at index {} is outside [-1, {})", targets[i], i, V);
-    counted_ += targets[i] >= 0;
+  if (dev) {
+    counted_ = dev->counted;
+  } else {
+    for (int64_t i = 0; i < BT; ++i) {
+      LOOM_CHECK(targets[i] >= -1 && targets[i] < V, "head: target {} at index {} is outside [-1, {})", targets[i], i, V);
+      counted_ += targets[i] >= 0;
+    }
   }
-  be_->copy({.dst = targets_.raw(), .dst_dtype = DType::i32, .src = targets, .src_dtype = DType::i32, .src_host = true,
-             .n = BT});
+  be_->copy({.dst = targets_.raw(), .dst_dtype = DType::i32, .src = targets, .src_dtype = DType::i32,
+             .src_host = dev == nullptr, .n = BT});
   const float dloss = counted_ ? dloss_scale / float(counted_) : 0.0f;
   be_->crossentropy({.dtype = dt_, .losses = losses_.f32(), .dlogits = fuse_backward ? logits_.raw() : nullptr,
                      .logits = logits_.raw(), .targets = targets_.i32(), .dloss = dloss, .N = BT, .V = V, .Vp = Vp});
   holds_dlogits_ = fuse_backward;
+  if (dev) {
+    LOOM_CHECK(dev->loss_out, "head: a device batch needs loss_out");
+    be_->sum(losses_.f32(), BT, counted_ ? 1.0f / float(counted_) : 0.0f, dev->loss_out);
+    return std::numeric_limits<double>::quiet_NaN();
+  }
   std::vector<float> host;
   const float* losses = losses_.f32();
   if (losses_.device() != Device::cpu) {

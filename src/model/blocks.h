@@ -31,6 +31,13 @@ struct BackwardScratch {
   void* buf4C = nullptr;  // [B, T, 4C] (also holds dqkv [B, T, 3C])
 };
 
+// The head's targets in the backend's memory (a device batch): counted on the host by the caller,
+// the mean loss written to loss_out (f32 [1] in the backend's memory) instead of returned.
+struct DeviceTargets {
+  int64_t counted = 0;
+  float* loss_out = nullptr;
+};
+
 // Incremental decoding with a key/value cache (model/kv_cache.h): a forward of T new tokens at
 // positions [pos, pos + T) of each of B sequences appends their keys and values to the layer's
 // cache rows and attends over every cached position.
@@ -94,8 +101,9 @@ class Embedding final : public ChainBlock {
   std::unique_ptr<ChainBlock> replica(MemTag tag = MemTag::activations) const override;
 
   // tokens i32 [B, T] in host memory (validated, copied to the backend's memory and saved for
-  // backward), at positions [pos0, pos0 + T); the output is out().
-  void forward(const int32_t* tokens, int64_t B, int64_t T, int64_t pos0 = 0);
+  // backward), or with on_device in the backend's memory (copied as they are), at positions
+  // [pos0, pos0 + T); the output is out().
+  void forward(const int32_t* tokens, int64_t B, int64_t T, int64_t pos0 = 0, bool on_device = false);
   // dout [B, T, C]: accumulates into the wte and wpe gradients.
   void backward(const void* dout);
   // Split backward: the embedding has no input gradient, so backward_input only keeps dout and
@@ -206,9 +214,10 @@ class Head final : public ChainBlock {
   // x [B, T, C]. With targets (host i32 [B, T], -1 ignored), computes the per-position losses and
   // returns their mean over counted positions; with `fuse_backward` the logits buffer is turned
   // into dlogits in the same pass (scaled by dloss_scale / count), so backward needs no second
-  // softmax and logits() is no longer available. Without targets returns NaN.
+  // softmax and logits() is no longer available. Without targets returns NaN. With `dev`, the
+  // targets are in the backend's memory: the mean goes to dev->loss_out and NaN is returned.
   double forward(const void* x, const int32_t* targets, int64_t B, int64_t T, bool fuse_backward,
-                 float dloss_scale);
+                 float dloss_scale, const DeviceTargets* dev = nullptr);
   // Writes d(x) into s.dres; accumulates into the ln_f and lm_head gradients.
   void backward(const void* x, const BackwardScratch& s, float dloss_scale);
   // Split backward, together bit-identical to backward: backward_input writes d(x) into s.dres

@@ -105,8 +105,19 @@ float GPT::forward(const Tensor& tokens, const Tensor& targets, const ForwardOpt
   // follow, so the larger of the forward and backward call (without, the forward calls take what
   // they need).
   if (L > 0 && targets.defined()) be_.prepare_attention(be_.compute_dtype(), blocks_[0]->attention_shape(B, T));
+  // A device batch (ForwardOptions::loss_out): tokens and targets in the backend's memory.
+  const bool on_device = opt.loss_out != nullptr;
+  if (on_device) {
+    LOOM_CHECK(tokens.device() == be_.device() && targets.defined() && targets.device() == be_.device(),
+               "model '{}': a device batch needs tokens and targets in the {} backend's memory", cfg_.name, be_.name());
+    LOOM_CHECK(opt.counted >= 0 && opt.counted <= B * T, "model '{}': a device batch needs counted in [0, {}], got {}",
+               cfg_.name, B * T, opt.counted);
+  } else {
+    LOOM_CHECK(tokens.device() == Device::cpu && (!targets.defined() || targets.device() == Device::cpu),
+               "model '{}': tokens and targets in device memory need ForwardOptions::loss_out", cfg_.name);
+  }
   if (hooks_) hooks_->before_forward(0);
-  embedding_->forward(tokens.i32(), B, T);
+  embedding_->forward(tokens.i32(), B, T, 0, on_device);
   if (hooks_) hooks_->after_forward(0);
   const void* x = embedding_->out().raw();
   for (int64_t l = 0; l < L; ++l) {
@@ -117,8 +128,9 @@ float GPT::forward(const Tensor& tokens, const Tensor& targets, const ForwardOpt
   }
   dloss_scale_ = opt.dloss_scale;
   if (hooks_) hooks_->before_forward(L + 1);
+  const DeviceTargets dev{opt.counted, opt.loss_out};
   double loss = head_->forward(x, targets.defined() ? targets.i32() : nullptr, B, T, opt.fuse_backward,
-                               opt.dloss_scale);
+                               opt.dloss_scale, on_device ? &dev : nullptr);
   if (hooks_) hooks_->after_forward(L + 1);
   can_backward_ = targets.defined();
   return float(loss);

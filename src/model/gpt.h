@@ -27,6 +27,13 @@ struct ForwardOptions {
   // The gradient of the objective with respect to the mean loss of this call (1 / k for a
   // mean over k accumulated micro-batches).
   float dloss_scale = 1.0f;
+  // A device batch, when loss_out is set: tokens and targets (both required) are in the backend's
+  // memory and nothing is read, checked or counted on the host, so the call can be captured in a
+  // graph. counted is the number of targets that are not -1 (the caller counted them), loss_out
+  // where the mean loss goes (f32 [1] in the backend's memory); forward then returns NaN without
+  // waiting for the device.
+  int64_t counted = -1;
+  float* loss_out = nullptr;
 };
 
 // Called around each chain block's forward and backward; i indexes chain(): 0 = embedding,
@@ -64,8 +71,9 @@ class GPT {
   int64_t num_parameters() const;               // logical elements (no vocabulary padding)
   int64_t num_nonembedding_parameters() const;  // all but wte, wpe (and an untied lm_head)
 
-  // tokens i32 [B, T] and targets i32 [B, T] (or an undefined Tensor: no loss) in host memory.
-  // Returns the mean loss over the targets that are not -1 (NaN without targets). T <= block_size.
+  // tokens i32 [B, T] and targets i32 [B, T] (or an undefined Tensor: no loss) in host memory,
+  // or, both, in the backend's memory (see ForwardOptions::counted). Returns the mean loss over
+  // the targets that are not -1 (NaN without targets). T <= block_size.
   float forward(const Tensor& tokens, const Tensor& targets, const ForwardOptions& opt = {});
   // Accumulates parameter gradients of the last forward (which needs targets).
   void backward();

@@ -385,7 +385,7 @@ void TrainConfig::validate_cuda(const std::string& where) const {
            fmt::format("must be mpi or nccl {} and parallel.dp = {} (one process per GPU rank: mpirun -n {} loom train "
                        "... --parallel.comm nccl); threads runs one GPU rank",
                        gpu, dp, dp));
-  // The GPU model (model::GPTCuda): widths that are multiples of 8 (vectors of 8 bf16). Flash
+  // The CUDA backend's kernels: widths that are multiples of 8 (vectors of 8 bf16). Flash
   // attention takes head sizes 64 and 128; other head sizes use the GEMM attention. (Its tied
   // embeddings are what every training config builds.)
   const model::GPTConfig m = model(0);

@@ -27,7 +27,7 @@
 #include "comm/nccl_comm.h"
 #include "comm/threads.h"
 #include "model/gpt.h"
-#include "model/gpt_cuda.cuh"
+#include "train/step_runner.h"
 #include "train/checkpoint.h"
 #include "train/run_util.h"
 #include "train/schedule.h"
@@ -40,11 +40,12 @@ namespace {
 
 using parallel::sum_over_ranks;
 
-// The GPU model's training state in the checkpoint layout: for each parameter, in the model's
-// order, "param/<name>", "adam_m/<name>", "adam_v/<name>" as host f32 tensors of its logical shape.
-std::vector<NamedTensor> host_state(const model::GPTCuda& gpt, MemoryPool& host) {
+// The model's training state in the checkpoint layout: for each parameter, in the model's order,
+// "param/<name>", "adam_m/<name>", "adam_v/<name>" as host f32 tensors of its logical shape.
+std::vector<NamedTensor> host_state(model::GPT& gpt, MemoryPool& host) {
   std::vector<NamedTensor> state;
-  for (const model::ParamSpec& s : gpt.specs()) {
+  for (const model::Parameter* p : gpt.parameters()) {
+    const model::ParamSpec& s = p->spec;
     state.push_back({"param/" + s.name, Tensor::empty(s.shape, DType::f32, MemTag::workspace, host)});
     state.push_back({"adam_m/" + s.name, Tensor::empty(s.shape, DType::f32, MemTag::workspace, host)});
     state.push_back({"adam_v/" + s.name, Tensor::empty(s.shape, DType::f32, MemTag::workspace, host)});
@@ -57,21 +58,23 @@ void copy_into(const Tensor& t, const std::vector<float>& v) {
   std::memcpy(t.f32(), v.data(), v.size() * sizeof(float));
 }
 
-void download_state(model::GPTCuda& gpt, const std::vector<NamedTensor>& state) {
-  for (size_t i = 0; i < gpt.specs().size(); ++i) {
-    const std::string& n = gpt.specs()[i].name;
-    copy_into(state[3 * i].tensor, gpt.parameter(n));
-    copy_into(state[3 * i + 1].tensor, gpt.exp_avg(n));
-    copy_into(state[3 * i + 2].tensor, gpt.exp_avg_sq(n));
+void download_state(train::StepRunner& run, const std::vector<NamedTensor>& state) {
+  const auto& params = run.model().parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const std::string& n = params[i]->spec.name;
+    copy_into(state[3 * i].tensor, run.parameter(n));
+    copy_into(state[3 * i + 1].tensor, run.exp_avg(n));
+    copy_into(state[3 * i + 2].tensor, run.exp_avg_sq(n));
   }
 }
 
-void upload_state(model::GPTCuda& gpt, const std::vector<NamedTensor>& state) {
-  for (size_t i = 0; i < gpt.specs().size(); ++i) {
-    const std::string& n = gpt.specs()[i].name;
-    gpt.set_parameter(n, state[3 * i].tensor.f32());
-    gpt.set_exp_avg(n, state[3 * i + 1].tensor.f32());
-    gpt.set_exp_avg_sq(n, state[3 * i + 2].tensor.f32());
+void upload_state(train::StepRunner& run, const std::vector<NamedTensor>& state) {
+  const auto& params = run.model().parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const std::string& n = params[i]->spec.name;
+    run.set_parameter(n, state[3 * i].tensor.f32());
+    run.set_exp_avg(n, state[3 * i + 1].tensor.f32());
+    run.set_exp_avg_sq(n, state[3 * i + 2].tensor.f32());
   }
 }
 
@@ -98,24 +101,19 @@ TrainResult train_cuda_rank(const TrainConfig& cfg, const TrainOptions& opt, con
 
   MemoryPool& pool = cuda::device_pool();
   MemoryPool host_pool("host");
-  model::GPTCudaOptions go;
-  go.B = mb;
-  go.T = T;
-  const bool auto_attention = cfg.cuda_attention == "auto";
-  go.attention = auto_attention ? model::auto_cuda_attention(mc.head_size())
-                                : model::cuda_attention_from_name(cfg.cuda_attention);
-  go.cudnn_falls_back_to_flash = auto_attention;
-  if (go.attention == model::CudaAttention::cudnn && !cuda::cudnn_available())
+  const AttnKernel attention = attn_kernel_from_name(cfg.cuda_attention);
+  if (attention == AttnKernel::cudnn && !cuda::cudnn_available())
     throw Error(fmt::format("{}: train.cuda_attention: cudnn needs loom built with cuDNN (CMake did not find libcudnn)",
                             where));
-  go.cuda_graph = cfg.cuda_graph;
-  go.lr = cfg.lr;
-  go.beta1 = cfg.beta1;
-  go.beta2 = cfg.beta2;
-  go.eps = cfg.eps;
-  go.weight_decay = cfg.weight_decay;
-  go.grad_clip = cfg.grad_clip;
-  model::GPTCuda gpt(mc, go, pool, cfg.seed);
+  // The one model (model/gpt.h) on this rank's CUDA backend, its steps run by a StepRunner.
+  cuda::CudaBackend be({.device_index = device, .pool = &pool, .attention = attention});
+  model::GPT gpt(mc, be, cfg.seed);
+  StepRunner run(gpt, {.B = mb, .T = T, .graphs = cfg.cuda_graph, .beta1 = cfg.beta1, .beta2 = cfg.beta2,
+                       .eps = cfg.eps, .weight_decay = cfg.weight_decay, .grad_clip = cfg.grad_clip});
+  // The attention kernel for the step's shape, chosen (and, for cuDNN, planned) now so that it
+  // can be named below.
+  const AttnShape attn_shape = static_cast<const model::TransformerBlock*>(gpt.chain().at(1))->attention_shape(mb, T);
+  if (mc.n_layer > 0) be.prepare_attention(DType::bf16, attn_shape);
   LrSchedule sched{cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps, cfg.lr_schedule};
 
   // The gradients' collective, on the model's stream (ordered after the backward's kernels).
@@ -124,7 +122,7 @@ TrainResult train_cuda_rank(const TrainConfig& cfg, const TrainOptions& opt, con
     comm::DeviceCommOptions dco;
     dco.path = cfg.comm == "nccl" ? comm::DevicePath::nccl : comm::DevicePath::automatic;
     dco.device = device;
-    dco.stream = gpt.stream();
+    dco.stream = be.stream();
     dcomm = comm::make_device_comm(world.split(0, rank), dco);  // collective
   }
 
@@ -143,7 +141,7 @@ TrainResult train_cuda_rank(const TrainConfig& cfg, const TrainOptions& opt, con
       check_resume_checkpoint(ckpt, meta, cfg, mc, vocabulary);
       std::vector<NamedTensor> state = host_state(gpt, host_pool);
       load_checkpoint_tensors(ckpt, state);
-      upload_state(gpt, state);
+      upload_state(run, state);
       start_step = meta.step;
       optimizer_steps = meta.optimizer_steps;
       if (lead) truncate_metrics(metrics_path, start_step);
@@ -162,12 +160,13 @@ TrainResult train_cuda_rank(const TrainConfig& cfg, const TrainOptions& opt, con
                   dp > 1 ? fmt::format(" | dp {} ({} processes, gradients reduced by {})", dp, world.backend(),
                                        comm::device_path_name(comm::device_comm_path(*dcomm)))
                          : "",
-                  mb, T, cfg.grad_accum, model::cuda_attention_name(gpt.options().attention),
+                  mb, T, cfg.grad_accum,
+                  mc.n_layer > 0 ? std::string(attn_kernel_name(be.attention_kernel(attn_shape))) : "no",
                   cfg.cuda_graph ? "CUDA graphs" : "no CUDA graphs"));
-  if (!gpt.attention_note().empty())
+  if (!be.attention_note().empty())
     say(fmt::format("train.cuda_attention auto: flash, as cuDNN's attention could not be set up: {}",
-                    gpt.attention_note()));
-  const double peak = job_gemm_peak(world, [&] { return cuda::measure_gemm_peak_bf16(gpt.backend().blas(), gpt.stream()); });
+                    be.attention_note()));
+  const double peak = job_gemm_peak(world, [&] { return cuda::measure_gemm_peak_bf16(be.blas(), be.stream()); });
   res.last_val_loss = NAN;
   res.unigram_val_loss = lead ? unigram_loss(train, val.get(), mc.vocab_size) : NAN;
   say(fmt::format("data {} | train {} tokens{} | unigram baseline loss {:.4f} | bf16 GEMM peak {:.1f} TFLOP/s{}",
@@ -186,7 +185,7 @@ TrainResult train_cuda_rank(const TrainConfig& cfg, const TrainOptions& opt, con
     double sum = 0;
     for (int64_t i = 0; i < n; ++i) {
       val->val_batch(i, val_mb, rank * mb, mb, x.data(), y.data());
-      sum += gpt.forward(x.data(), y.data());
+      sum += run.forward(x.data(), y.data());
     }
     return sum_over_ranks(world, sum) / double(n * dp);
   };
@@ -203,7 +202,7 @@ TrainResult train_cuda_rank(const TrainConfig& cfg, const TrainOptions& opt, con
       cpu_pool = std::make_unique<MemoryPool>("cpu:sample");
       cpu_model = std::make_unique<model::GPT>(mc, *cpu_pool, cfg.seed);
     }
-    for (model::Parameter* p : cpu_model->parameters()) copy_into(p->value, gpt.parameter(p->spec.name));
+    for (model::Parameter* p : cpu_model->parameters()) copy_into(p->value, run.parameter(p->spec.name));
     return sample_text(cfg, *cpu_model, shared_sample_prompt(world, cfg, tok.get(), train, val.get()), step,
                        tok.get());
   };
@@ -212,7 +211,7 @@ TrainResult train_cuda_rank(const TrainConfig& cfg, const TrainOptions& opt, con
   auto checkpoint = [&](int64_t step) {
     if (lead) {
       std::vector<NamedTensor> state = host_state(gpt, host_pool);
-      download_state(gpt, state);
+      download_state(run, state);
       save_checkpoint(out_dir.string(), checkpoint_meta(cfg, mc, step, optimizer_steps, vocabulary), state,
                       cfg.keep_checkpoints);
     }
@@ -225,13 +224,13 @@ TrainResult train_cuda_rank(const TrainConfig& cfg, const TrainOptions& opt, con
     RunHooks::StepOut st;
     if (cfg.grad_accum == 1 && dp == 1) {
       train.train_batch(step, cfg.batch_size, 0, mb, x.data(), y.data());
-      st.loss = gpt.train_step(x.data(), y.data(), lr, optimizer_steps + 1);
-      st.grad_norm = gpt.last_grad_norm();
+      st.loss = run.train_step(x.data(), y.data(), lr, optimizer_steps + 1);
+      st.grad_norm = run.last_grad_norm();
     } else {
-      gpt.zero_grad();
+      run.zero_grad();
       for (int64_t micro = 0; micro < cfg.grad_accum; ++micro) {
         train.train_batch(step, cfg.batch_size, rank * local + micro * mb, mb, x.data(), y.data());
-        st.loss += gpt.accumulate(x.data(), y.data());
+        st.loss += run.accumulate(x.data(), y.data());
       }
       st.loss /= double(cfg.grad_accum);
       if (dp > 1) st.loss = sum_over_ranks(world, st.loss) / double(dp);
@@ -240,8 +239,11 @@ TrainResult train_cuda_rank(const TrainConfig& cfg, const TrainOptions& opt, con
       if (!std::isfinite(st.loss)) return st;
       // The replicas' gradient sums added; the update, its clipping and the norm are then the
       // mean gradient's over every micro-batch of every rank, as on the CPU.
-      if (dcomm) dcomm->all_reduce(gpt.gradient_buffer(), gpt.flat_elements(), DType::f32, comm::ReduceOp::sum);
-      st.grad_norm = gpt.optimizer_step(lr, optimizer_steps + 1, 1.0f / float(cfg.grad_accum * dp));
+      // (One collective per parameter, in the model's order, on the backend's stream.)
+      if (dcomm)
+        for (model::Parameter* p : gpt.parameters())
+          dcomm->all_reduce(p->grad_full.raw(), p->grad_full.numel(), DType::f32, comm::ReduceOp::sum);
+      st.grad_norm = run.optimizer_step(lr, optimizer_steps + 1, 1.0f / float(cfg.grad_accum * dp));
     }
     ++optimizer_steps;
     return st;

@@ -1,5 +1,6 @@
-// The training loop on GPUs (train.device = "cuda", in builds with CUDA): model::GPTCuda
-// (bf16 compute, f32 master weights and AdamW moments, the step captured as CUDA graphs) fed by
+// The training loop on GPUs (train.device = "cuda", in builds with CUDA): the one model
+// (model/gpt.h) on a CUDA backend (bf16 compute, f32 master weights and AdamW moments), its steps
+// run by train::StepRunner (captured as CUDA graphs and replayed), fed by
 // the CPU trainer's data pipeline, with its LR schedule, validation, samples, checkpoints,
 // metrics and progress line (train/run_util.h):
 //   - data parallelism over parallel.dp processes (parallel.comm mpi or nccl, under mpirun; the

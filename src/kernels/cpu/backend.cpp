@@ -50,8 +50,12 @@ class CpuAdamW final : public AdamWPlan {
       LOOM_CHECK(!x.compute || x.compute == x.param, "adamw plan: the CPU computes in f32 (no separate compute copy)");
     }
   }
-  void step(const AdamWHyper& h) override {
+  void set_hyper(const AdamWHyper& h) override {
     LOOM_CHECK(h.grad_scale > 0 && std::isfinite(h.grad_scale), "adamw: grad_scale {} must be positive", h.grad_scale);
+    h_ = h;
+  }
+  void launch() override {
+    const AdamWHyper& h = h_;
     double sq = 0;
     for (const AdamWTensor& x : t_) sq += sum_squares(x.grad, x.n);
     norm_ = double(h.grad_scale) * std::sqrt(sq);
@@ -73,6 +77,7 @@ class CpuAdamW final : public AdamWPlan {
 
  private:
   std::vector<AdamWTensor> t_;
+  AdamWHyper h_;
   double norm_ = 0;
 };
 
@@ -197,6 +202,13 @@ void CpuBackend::gelu_backward(DType dtype, void* dinp, const void* inp, const v
 void CpuBackend::add(DType dtype, void* out, const void* a, const void* b, int64_t n) {
   check(Op::add, dtype);
   residual_forward(f(out), f(a), f(b), n);
+}
+
+void CpuBackend::sum(const float* x, int64_t n, float scale, float* out) {
+  LOOM_CHECK(n >= 0, "sum: negative size {}", n);
+  double s = 0;
+  for (int64_t i = 0; i < n; ++i) s += x[i];
+  *out = float(double(scale) * s);
 }
 
 std::unique_ptr<AdamWPlan> CpuBackend::plan_adamw(const std::vector<AdamWTensor>& tensors) {

@@ -36,6 +36,7 @@ class CpuBackend final : public Backend {
   void gelu_forward(DType dtype, void* out, const void* inp, int64_t n) override;
   void gelu_backward(DType dtype, void* dinp, const void* inp, const void* dout, int64_t n) override;
   void add(DType dtype, void* out, const void* a, const void* b, int64_t n) override;
+  void sum(const float* x, int64_t n, float scale, float* out) override;
   std::unique_ptr<AdamWPlan> plan_adamw(const std::vector<AdamWTensor>& tensors) override;
   void copy(const Copy& a) override;
   void fill_zero(void* dst, int64_t bytes) override;

@@ -69,6 +69,23 @@ __global__ void bf16_to_f32_kernel(float* out, const bf16* in, int64_t n) {
   if (i < n) out[i] = __bfloat162float(in[i]);
 }
 
+// out[0] = scale * sum(x): one block, a fixed order (each thread a strided partial sum, then the
+// block's fixed-order reduction).
+__global__ void sum_kernel(float* out, const float* x, int64_t n, float scale) {
+  __shared__ float shared[32];
+  float s = 0.f;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) s += x[i];
+  s = block_sum(s, shared);
+  if (threadIdx.x == 0) out[0] = scale * s;
+}
+
+// FlashAttention-2's count: 4 B NH Tq Tkv HS for the two products, halved under a causal mask
+// over a square block.
+double attention_flops(const AttnShape& s) {
+  const double f = 4.0 * double(s.B) * double(s.NH) * double(s.HS) * double(s.Tq) * double(s.Tkv);
+  return s.causal && s.Tq == s.Tkv ? 0.5 * f : f;
+}
+
 bool capturing(cudaStream_t s) {
   cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
   LOOM_CUDA_CHECK(cudaStreamIsCapturing(s, &st));
@@ -77,8 +94,8 @@ bool capturing(cudaStream_t s) {
 
 class CudaAdamW final : public AdamWPlan {
  public:
-  CudaAdamW(const std::vector<loom::AdamWTensor>& t, MemoryPool& pool, cudaStream_t stream, int device)
-      : stream_(stream), device_(device) {
+  CudaAdamW(const std::vector<loom::AdamWTensor>& t, MemoryPool& pool, cudaStream_t stream, int device, Backend* be)
+      : stream_(stream), device_(device), be_(be) {
     std::vector<cuda::AdamWTensor> list;
     list.reserve(t.size());
     for (const loom::AdamWTensor& x : t) {
@@ -95,7 +112,7 @@ class CudaAdamW final : public AdamWPlan {
     }
     impl_ = std::make_unique<MultiTensorAdamW>(std::move(list), pool);
   }
-  void step(const loom::AdamWHyper& hp) override {
+  void set_hyper(const loom::AdamWHyper& hp) override {
     LOOM_CUDA_CHECK(cudaSetDevice(device_));
     // The hyperparameters are read from pinned memory by the enqueued work: the last launch must
     // have read them before they change.
@@ -109,7 +126,10 @@ class CudaAdamW final : public AdamWPlan {
     x.max_norm = hp.max_norm;
     x.grad_scale = hp.grad_scale;
     impl_->set_hyper(x);
+  }
+  void launch() override {
     impl_->launch(stream_);
+    if (be_->observer()) be_->observer()->op_done("adamw", 0);
   }
   double grad_norm() override {
     LOOM_CUDA_CHECK(cudaSetDevice(device_));
@@ -122,6 +142,7 @@ class CudaAdamW final : public AdamWPlan {
  private:
   cudaStream_t stream_;
   int device_;
+  Backend* be_;
   std::unique_ptr<MultiTensorAdamW> impl_;
 };
 
@@ -171,7 +192,46 @@ CudaBackend::~CudaBackend() {
   cudaStreamDestroy(stream_);
 }
 
-void CudaBackend::activate() const { LOOM_CUDA_CHECK(cudaSetDevice(device_)); }
+void CudaBackend::activate() const {
+  int current = -1;
+  LOOM_CUDA_CHECK(cudaGetDevice(&current));
+  if (current != device_) LOOM_CUDA_CHECK(cudaSetDevice(device_));
+}
+
+bool CudaBackend::capturing() const { return cuda::capturing(stream_); }
+
+namespace {
+class CudaGraph final : public Graph {
+ public:
+  CudaGraph(cudaGraphExec_t exec, cudaStream_t stream, int device) : exec_(exec), stream_(stream), device_(device) {}
+  ~CudaGraph() override { cudaGraphExecDestroy(exec_); }
+  void replay() override {
+    LOOM_CUDA_CHECK(cudaSetDevice(device_));
+    LOOM_CUDA_CHECK(cudaGraphLaunch(exec_, stream_));
+  }
+
+ private:
+  cudaGraphExec_t exec_;
+  cudaStream_t stream_;
+  int device_;
+};
+}  // namespace
+
+void CudaBackend::begin_capture() {
+  activate();
+  LOOM_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+}
+
+std::unique_ptr<Graph> CudaBackend::end_capture() {
+  activate();
+  cudaGraph_t g = nullptr;
+  LOOM_CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t err = cudaGraphInstantiate(&exec, g, 0);
+  cudaGraphDestroy(g);
+  LOOM_CUDA_CHECK(err);
+  return std::make_unique<CudaGraph>(exec, stream_, device_);
+}
 
 bool CudaBackend::supports(Op op, DType dtype) const {
   // Copies also move i32 (token ids, targets) between host and device, without conversion.
@@ -185,6 +245,14 @@ void CudaBackend::check(Op op, DType dtype) const {
   activate();
 }
 
+void CudaBackend::sum(const float* x, int64_t n, float scale, float* out) {
+  activate();
+  LOOM_CHECK(n >= 0, "sum: negative size {}", n);
+  sum_kernel<<<1, 1024, 0, stream_>>>(out, x, n, scale);
+  LOOM_CUDA_LAUNCH_CHECK();
+  observed("sum");
+}
+
 void CudaBackend::synchronize() {
   activate();
   LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -192,7 +260,7 @@ void CudaBackend::synchronize() {
 
 void* CudaBackend::grow(void*& p, size_t& have, size_t bytes, const char* what) {
   if (bytes <= have) return p;
-  LOOM_CHECK(!capturing(stream_),
+  LOOM_CHECK(!capturing(),
              "cuda backend: {} needs {} bytes of scratch while a CUDA graph is being captured (run the step once "
              "before capturing it)",
              what, bytes);
@@ -218,6 +286,7 @@ void CudaBackend::linear_forward(const LinearForward& a) {
   m.N = a.N;
   m.gelu = a.gelu;
   matmul_forward(*blas_, m, stream_);
+  observed(a.gelu ? "linear forward + gelu" : "linear forward", 2.0 * double(a.M) * double(a.N) * double(a.K));
 }
 
 void CudaBackend::linear_backward(const LinearBackward& a) {
@@ -239,6 +308,8 @@ void CudaBackend::linear_backward(const LinearBackward& a) {
     m.dbias_scratch = static_cast<float*>(
         grow(dbias_scratch_, dbias_bytes_, size_t(matmul_dbias_scratch_floats(a.N)) * sizeof(float), "the bias gradient"));
   matmul_backward(*blas_, m, stream_);
+  const double gemm = 2.0 * double(a.M) * double(a.N) * double(a.K);
+  observed(a.gelu_pre ? "linear backward + dgelu" : "linear backward", (a.dinp ? gemm : 0.0) + (a.dweight ? gemm : 0.0));
 }
 
 void CudaBackend::layernorm_forward(const LayerNormForward& a) {
@@ -251,6 +322,7 @@ void CudaBackend::layernorm_forward(const LayerNormForward& a) {
   } else {
     cuda::layernorm_forward(h(a.out), a.mean, a.rstd, h(a.inp), h(a.weight), h(a.bias), a.N, a.C, stream_, a.eps);
   }
+  observed(a.residual_b ? "residual + layernorm forward" : "layernorm forward");
 }
 
 void CudaBackend::layernorm_backward(const LayerNormBackward& a) {
@@ -260,6 +332,7 @@ void CudaBackend::layernorm_backward(const LayerNormBackward& a) {
       grow(ln_scratch_, ln_bytes_, size_t(layernorm_backward_scratch_floats(a.C)) * sizeof(float), "the LayerNorm backward"));
   cuda::layernorm_backward(h(a.dinp), a.dweight, a.dbias, h(a.dout), h(a.inp), h(a.weight), a.mean, a.rstd, a.N, a.C,
                            a.accumulate, scratch, stream_);
+  observed("layernorm backward");
 }
 
 CudaBackend::ShapeKey CudaBackend::key(const AttnShape& s) {
@@ -305,7 +378,7 @@ AttnKernel CudaBackend::attention_kernel(const AttnShape& s) const {
 CudaBackend::Plan& CudaBackend::plan(const AttnShape& s) {
   auto it = plans_.find(key(s));
   if (it != plans_.end()) return *it->second;
-  LOOM_CHECK(!capturing(stream_), "cuda attention: a new shape while a CUDA graph is being captured (prepare it first)");
+  LOOM_CHECK(!capturing(), "cuda attention: a new shape while a CUDA graph is being captured (prepare it first)");
   auto p = std::make_unique<Plan>();
   std::string note;
   p->kernel = resolve(s, &note);
@@ -371,6 +444,7 @@ void CudaBackend::attention_forward(const AttentionForward& a) {
     default:
       cuda::attention_forward(h(a.out), a.lse, h(a.q), h(a.k), h(a.v), args, stream_);
   }
+  observed("attention forward", attention_flops(a.shape));
 }
 
 void CudaBackend::attention_backward(const AttentionBackward& a) {
@@ -394,6 +468,7 @@ void CudaBackend::attention_backward(const AttentionBackward& a) {
       cuda::attention_backward(h(a.dq), h(a.dk), h(a.dv), h(a.dout), h(a.q), h(a.k), h(a.v), h(a.out), a.lse, args,
                                attn_ws_, stream_);
   }
+  observed("attention backward", 2.5 * attention_flops(a.shape));
 }
 
 void CudaBackend::crossentropy(const CrossEntropy& a) {
@@ -402,17 +477,20 @@ void CudaBackend::crossentropy(const CrossEntropy& a) {
     crossentropy_forward_backward(a.losses, h(a.dlogits), h(a.logits), a.targets, a.dloss, a.N, a.V, a.Vp, stream_);
   else
     crossentropy_forward(a.losses, h(a.logits), a.targets, a.N, a.V, a.Vp, stream_);
+  observed(a.dlogits ? "cross-entropy + dlogits" : "cross-entropy");
 }
 
 void CudaBackend::embedding_forward(const EmbeddingForward& a) {
   check(Op::embedding, a.dtype);
   LOOM_CHECK(a.wpe, "cuda embedding_forward: a position table is required");
   cuda::embedding_forward(h(a.out), a.tokens, h(a.wte), h(a.wpe), a.B, a.T, a.C, a.V, stream_, a.pos0);
+  observed("embedding forward");
 }
 
 void CudaBackend::embedding_backward(const EmbeddingBackward& a) {
   check(Op::embedding, a.dtype);
   cuda::embedding_backward(a.dwte, a.dwpe, h(a.dout), a.tokens, a.B, a.T, a.C, a.V, stream_, a.pos0);
+  observed("embedding backward");
 }
 
 void CudaBackend::gelu_forward(DType dtype, void* out, const void* inp, int64_t n) {
@@ -434,11 +512,12 @@ void CudaBackend::add(DType dtype, void* out, const void* a, const void* b, int6
              "cuda add: buffers must be 16-byte aligned");
   add_bf16_kernel<<<unsigned(ceil_div(ceil_div(n, 8), 256)), 256, 0, stream_>>>(h(out), h(a), h(b), n);
   LOOM_CUDA_LAUNCH_CHECK();
+  observed("residual add");
 }
 
 std::unique_ptr<AdamWPlan> CudaBackend::plan_adamw(const std::vector<loom::AdamWTensor>& tensors) {
   activate();
-  return std::make_unique<CudaAdamW>(tensors, *pool_, stream_, device_);
+  return std::make_unique<CudaAdamW>(tensors, *pool_, stream_, device_, this);
 }
 
 void CudaBackend::copy(const Copy& a) {

@@ -55,6 +55,7 @@ class CudaBackend final : public Backend {
   void gelu_forward(DType dtype, void* out, const void* inp, int64_t n) override;
   void gelu_backward(DType dtype, void* dinp, const void* inp, const void* dout, int64_t n) override;
   void add(DType dtype, void* out, const void* a, const void* b, int64_t n) override;
+  void sum(const float* x, int64_t n, float scale, float* out) override;
   std::unique_ptr<AdamWPlan> plan_adamw(const std::vector<loom::AdamWTensor>& tensors) override;
   // Copies that read or write host memory wait for the stream (host buffers may go at return).
   void copy(const Copy& a) override;
@@ -62,8 +63,13 @@ class CudaBackend final : public Backend {
   // Frees the bias-gradient, LayerNorm and attention scratch and forgets the attention plans.
   void release_workspace() override;
   void synchronize() override;
+  // CUDA graphs of the instance's stream (thread-local capture mode).
+  bool can_capture() const override { return true; }
+  void begin_capture() override;
+  std::unique_ptr<Graph> end_capture() override;
 
   int device_index() const { return device_; }
+  bool capturing() const;
   cudaStream_t stream() const { return stream_; }
   Blas& blas() { return *blas_; }
 

@@ -11,9 +11,12 @@
 #include <utility>
 #include <vector>
 
+#include "core/backend.h"
+
 namespace loom::cuda {
 
-class StepProfile {
+// As a backend's OpObserver (Backend::set_observer), every op marks itself.
+class StepProfile final : public OpObserver {
  public:
   struct Part {
     std::string name;
@@ -31,6 +34,7 @@ class StepProfile {
   // The work queued on the stream since the previous mark (or start) belongs to `part`, which did
   // `flops` floating-point operations. No-op outside a step.
   void mark(const char* part, double flops = 0);
+  void op_done(const char* what, double flops) override { mark(what, flops); }
   // Closes the step: waits for the stream and adds the intervals to the parts.
   void finish();
 
