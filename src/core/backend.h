@@ -32,8 +32,9 @@ enum class Op : uint8_t { linear, layernorm, attention, crossentropy, embedding,
 constexpr int kNumOps = int(Op::count);
 std::string_view op_name(Op op);
 
-// out [M, N] = inp [M, K] @ weight [N, K]^T (+ bias [N]); with gelu, out = gelu(that) (tanh form)
-// and pre_gelu receives the value before the GELU (what the backward needs).
+// out [M, N] = inp [M, K] @ weight [N, K]^T (+ bias [N]) (+ residual [M, N]); with gelu,
+// out = gelu(that) (tanh form, no residual) and pre_gelu receives the value before the GELU (what
+// the backward needs). The residual add is part of the GEMM where the backend can (its epilogue).
 struct LinearForward {
   DType dtype = DType::f32;
   void* out = nullptr;
@@ -43,6 +44,7 @@ struct LinearForward {
   const void* bias = nullptr;   // or null
   int64_t M = 0, K = 0, N = 0;
   bool gelu = false;
+  const void* residual = nullptr;  // or null; must not alias out
 };
 
 // dinp [M, K] = dout [M, N] @ weight (+= with accumulate_dinp); dweight f32 [N, K] += dout^T @ inp;
@@ -253,6 +255,7 @@ struct BackendOptions {
   int device_index = 0;          // CUDA: the GPU ordinal
   MemoryPool* pool = nullptr;    // where the backend allocates (a pool of its device); null: its own
   AttnKernel attention = AttnKernel::automatic;
+  int gemm_tune = -1;  // CUDA: GEMM algorithm tuning, 0 off, 1 on, 2 verbose; -1: LOOM_GEMM_TUNE
 };
 
 class Backend {

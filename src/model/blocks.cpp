@@ -36,13 +36,27 @@ Parameter& ChainBlock::add_param(ParamSpec spec) {
 ChainBlock::ChainBlock(const ChainBlock& primary, MemTag tag)
     : params_(primary.params_), be_(primary.be_), pool_(primary.pool_), dt_(primary.dt_), act_tag_(tag) {}
 
+void ChainBlock::allocate_param(Parameter& p) {
+  p.allocate(*be_, arena_ ? arena_->take(p.spec.alloc_numel()) : Tensor());
+}
+
+Tensor GradArena::take(int64_t n) {
+  constexpr int64_t kAlign = 64;  // f32 elements: 256 bytes
+  const int64_t start = (offset + kAlign - 1) / kAlign * kAlign;
+  LOOM_CHECK(flat.defined() && start + n <= flat.numel(), "gradient arena: {} elements at {} of {}", n, start,
+             flat.defined() ? flat.numel() : 0);
+  offset = start + n;
+  return flat.slice0(start, n);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Embedding
 
-Embedding::Embedding(const GPTConfig& cfg, Backend& be) : ChainBlock(be), cfg_(cfg) {
+Embedding::Embedding(const GPTConfig& cfg, Backend& be, GradArena* arena) : ChainBlock(be, arena), cfg_(cfg) {
   const std::vector<ParamSpec> specs = embedding_param_specs(cfg);
   params_.reserve(specs.size());
-  for (const ParamSpec& spec : specs) add_param(spec).allocate(be);
+  for (const ParamSpec& spec : specs) allocate_param(add_param(spec));
+  arena_ = nullptr;
 }
 
 std::unique_ptr<ChainBlock> Embedding::replica(MemTag tag) const {
@@ -108,14 +122,15 @@ void Embedding::backward_weight() {
 // ---------------------------------------------------------------------------------------------
 // TransformerBlock
 
-TransformerBlock::TransformerBlock(const GPTConfig& cfg, int64_t layer, Backend& be)
-    : ChainBlock(be), cfg_(cfg), layer_(layer) {
+TransformerBlock::TransformerBlock(const GPTConfig& cfg, int64_t layer, Backend& be, GradArena* arena)
+    : ChainBlock(be, arena), cfg_(cfg), layer_(layer) {
   // Order and names as Hugging Face GPT-2 (weights here in Linear layout [out, in]); the
   // LN1_W ... MLP_PROJ_B indices are model::BlockParam's.
   const std::vector<ParamSpec> specs = block_param_specs(cfg, layer);
   params_.reserve(specs.size());
   for (const ParamSpec& spec : specs) add_param(spec);
-  for (auto& q : params_) q.allocate(be);
+  for (auto& q : params_) allocate_param(q);
+  arena_ = nullptr;
 }
 
 std::unique_ptr<ChainBlock> TransformerBlock::replica(MemTag tag) const {
@@ -235,9 +250,9 @@ void TransformerBlock::forward(const void* x, int64_t B, int64_t T, const KVStep
                           .bias = w(LN2_B), .N = BT, .C = C, .eps = cfg_.ln_eps});
   be_->linear_forward({.dtype = dt_, .out = a_.fch_gelu.raw(), .pre_gelu = a_.fch.raw(), .inp = a_.ln2.raw(),
                        .weight = w(FC_W), .bias = w(FC_B), .M = BT, .K = C, .N = 4 * C, .gelu = true});
+  // out = res2 + c_proj(fch_gelu): the residual add in the GEMM where the backend fuses it.
   be_->linear_forward({.dtype = dt_, .out = out_.raw(), .inp = a_.fch_gelu.raw(), .weight = w(MLP_PROJ_W),
-                       .bias = w(MLP_PROJ_B), .M = BT, .K = 4 * C, .N = C});
-  be_->add(dt_, out_.raw(), out_.raw(), a_.res2.raw(), BT * C);
+                       .bias = w(MLP_PROJ_B), .M = BT, .K = 4 * C, .N = C, .residual = a_.res2.raw()});
 }
 
 void TransformerBlock::backward(const void* x, const BackwardScratch& s) {
@@ -330,10 +345,12 @@ void TransformerBlock::backward_weight() {
 // ---------------------------------------------------------------------------------------------
 // Head
 
-Head::Head(const GPTConfig& cfg, Parameter* tied, Backend& be) : ChainBlock(be), cfg_(cfg), lm_head_(tied) {
+Head::Head(const GPTConfig& cfg, Parameter* tied, Backend& be, GradArena* arena)
+    : ChainBlock(be, arena), cfg_(cfg), lm_head_(tied) {
   const std::vector<ParamSpec> specs = head_param_specs(cfg);
   params_.reserve(specs.size());
-  for (const ParamSpec& spec : specs) add_param(spec).allocate(be);
+  for (const ParamSpec& spec : specs) allocate_param(add_param(spec));
+  arena_ = nullptr;
   if (!cfg.tied_embeddings) lm_head_ = &params_.back();
   LOOM_CHECK(lm_head_ != nullptr, "head: tied embeddings need the wte parameter");
   LOOM_CHECK(lm_head_->value_full.size(0) == cfg.padded_vocab(), "head: lm_head has {} rows, expected {}",

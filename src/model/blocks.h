@@ -38,6 +38,15 @@ struct DeviceTargets {
   float* loss_out = nullptr;
 };
 
+// One f32 buffer that a model's gradients are slices of (tag grads): zeroed by one fill and summed
+// over replicas by one collective. Blocks take their parameters' gradients from it in order.
+struct GradArena {
+  Tensor flat;         // f32 [total]
+  int64_t offset = 0;  // elements handed out so far
+  // The next n elements (starting on a 256-byte boundary).
+  Tensor take(int64_t n);
+};
+
 // Incremental decoding with a key/value cache (model/kv_cache.h): a forward of T new tokens at
 // positions [pos, pos + T) of each of B sequences appends their keys and values to the layer's
 // cache rows and attends over every cached position.
@@ -78,7 +87,9 @@ class ChainBlock {
   Backend& backend() const { return *be_; }
 
  protected:
-  explicit ChainBlock(Backend& be) : be_(&be), pool_(&be.pool()), dt_(be.compute_dtype()) {}
+  ChainBlock(Backend& be, GradArena* arena) : be_(&be), pool_(&be.pool()), dt_(be.compute_dtype()), arena_(arena) {}
+  // Allocates p (ChainBlock's parameters, with their gradients from the arena when there is one).
+  void allocate_param(Parameter& p);
   ChainBlock(const ChainBlock& primary, MemTag tag);  // replica(): the primary's parameters
   std::vector<Parameter> params_;
   Parameter& add_param(ParamSpec spec);
@@ -89,12 +100,13 @@ class ChainBlock {
   MemoryPool* pool_;
   DType dt_;  // the compute dtype: activations and compute copies
   MemTag act_tag_ = MemTag::activations;
+  GradArena* arena_ = nullptr;  // the model's, while it builds its blocks (null: gradients of their own)
 };
 
 // Token and position embeddings: out = wte[token] + wpe[position].
 class Embedding final : public ChainBlock {
  public:
-  Embedding(const GPTConfig& cfg, Backend& be);
+  Embedding(const GPTConfig& cfg, Backend& be, GradArena* arena = nullptr);
   std::string name() const override { return "embedding"; }
   std::vector<SavedActivation> saved_activations(int64_t B, int64_t T) const override;
   void release_activations() override;
@@ -127,7 +139,7 @@ class Embedding final : public ChainBlock {
 // Pre-LayerNorm GPT-2 block: x + attn(ln_1(x)), then + mlp(ln_2(.)), tanh-GELU MLP of width 4C.
 class TransformerBlock final : public ChainBlock {
  public:
-  TransformerBlock(const GPTConfig& cfg, int64_t layer, Backend& be);
+  TransformerBlock(const GPTConfig& cfg, int64_t layer, Backend& be, GradArena* arena = nullptr);
   std::string name() const override { return "h." + std::to_string(layer_); }
   std::vector<SavedActivation> saved_activations(int64_t B, int64_t T) const override;
   void release_activations() override;
@@ -204,7 +216,7 @@ class TransformerBlock final : public ChainBlock {
 class Head final : public ChainBlock {
  public:
   // lm_head is `tied` (wte's value and gradient, [Vp, C]) when the config ties embeddings.
-  Head(const GPTConfig& cfg, Parameter* tied, Backend& be);
+  Head(const GPTConfig& cfg, Parameter* tied, Backend& be, GradArena* arena = nullptr);
   std::string name() const override { return "head"; }
   std::vector<SavedActivation> saved_activations(int64_t B, int64_t T) const override;
   void release_activations() override;

@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "model/param_specs.h"
+
 namespace loom::model {
 
 GPT::GPT(const GPTConfig& cfg, Backend& be, uint64_t seed) : cfg_(cfg), be_(be), pool_(be.pool()) { build(seed); }
@@ -13,9 +15,22 @@ GPT::GPT(const GPTConfig& cfg, MemoryPool& pool, uint64_t seed)
 
 void GPT::build(uint64_t seed) {
   cfg_.validate("model config '" + cfg_.name + "'");
-  embedding_ = std::make_unique<Embedding>(cfg_, be_);
-  for (int64_t l = 0; l < cfg_.n_layer; ++l) blocks_.push_back(std::make_unique<TransformerBlock>(cfg_, l, be_));
-  head_ = std::make_unique<Head>(cfg_, &embedding_->wte(), be_);
+  // On a device every gradient is a slice of one buffer: one fill zeroes them (a graphed step's
+  // one memset instead of one per parameter) and one collective sums them over replicas. On the
+  // CPU each keeps its own allocation, which data parallelism lays out itself.
+  GradArena arena;
+  GradArena* a = nullptr;
+  if (be_.device() != Device::cpu) {
+    int64_t total = 0;
+    for (const ParamSpec& s : gpt_param_specs(cfg_)) total = (total + 63) / 64 * 64 + s.alloc_numel();
+    arena.flat = be_.empty({total}, DType::f32, MemTag::grads);
+    be_.fill_zero(arena.flat.raw(), int64_t(arena.flat.nbytes()));
+    grads_ = arena.flat;
+    a = &arena;
+  }
+  embedding_ = std::make_unique<Embedding>(cfg_, be_, a);
+  for (int64_t l = 0; l < cfg_.n_layer; ++l) blocks_.push_back(std::make_unique<TransformerBlock>(cfg_, l, be_, a));
+  head_ = std::make_unique<Head>(cfg_, &embedding_->wte(), be_, a);
   for (ChainBlock* b : chain())
     for (Parameter* p : b->parameters()) params_.push_back(p);
   init_weights(seed);
@@ -163,6 +178,10 @@ void GPT::backward() {
 }
 
 void GPT::zero_grad() {
+  if (grads_.defined()) {
+    be_.fill_zero(grads_.raw(), int64_t(grads_.nbytes()));
+    return;
+  }
   for (Parameter* p : params_) {
     if (!p->grad_full.defined()) continue;
     if (p->grad_full.device() == Device::cpu)

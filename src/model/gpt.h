@@ -79,6 +79,9 @@ class GPT {
   void backward();
   // Zeroes every allocated gradient (those a ZeRO layout has detached are skipped).
   void zero_grad();
+  // On a device: the one f32 buffer every parameter's gradient is a slice of (padding between them
+  // zero), for summing replicas' gradients in one collective. Undefined on the CPU.
+  const Tensor& flat_gradients() const { return grads_; }
   // Copies the master weights into the compute copies the ops read, after the master weights were
   // changed outside the backend's optimizer (loading, an update on the host). Nothing where the
   // backend computes in f32.
@@ -131,6 +134,7 @@ class GPT {
   bool can_backward_ = false;
   ChainHooks* hooks_ = nullptr;
   Tensor ws_dres_, ws_bufC_, ws_buf4C_;  // [B, T, C], [B, T, C], [B, T, 4C] (tag workspace)
+  Tensor grads_;  // f32: every gradient, on devices (flat_gradients)
 };
 
 }  // namespace loom::model

@@ -48,17 +48,23 @@ void Parameter::allocate(MemoryPool& pool) {
   }
 }
 
-void Parameter::allocate(Backend& be) {
-  if (be.device() == Device::cpu && be.compute_dtype() == DType::f32) {
+void Parameter::allocate(Backend& be, const Tensor& grad_storage) {
+  if (be.device() == Device::cpu && be.compute_dtype() == DType::f32 && !grad_storage.defined()) {
     allocate(be.pool());
     return;
   }
   Shape full = spec.shape;
   if (!full.empty()) full[0] = std::max(spec.alloc_rows, full[0]);
   value_full = be.empty(full, DType::f32, MemTag::params);
-  grad_full = be.empty(full, DType::f32, MemTag::grads);
   be.fill_zero(value_full.raw(), int64_t(value_full.nbytes()));
-  be.fill_zero(grad_full.raw(), int64_t(grad_full.nbytes()));
+  if (grad_storage.defined()) {
+    LOOM_CHECK(grad_storage.dtype() == DType::f32 && grad_storage.numel() >= spec.alloc_numel(),
+               "parameter '{}': gradient storage of {} elements for {}", spec.name, grad_storage.numel(), spec.alloc_numel());
+    grad_full = grad_storage.slice0(0, spec.alloc_numel()).view(full);
+  } else {
+    grad_full = be.empty(full, DType::f32, MemTag::grads);
+    be.fill_zero(grad_full.raw(), int64_t(grad_full.nbytes()));
+  }
   const bool scalar = spec.shape.empty();
   value = scalar ? value_full : value_full.slice0(0, spec.shape[0]);
   grad = scalar ? grad_full : grad_full.slice0(0, spec.shape[0]);

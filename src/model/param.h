@@ -46,8 +46,9 @@ struct Parameter {
   // Allocates value (tag params) and grad (tag grads, zeroed) from a host pool; compute is value.
   void allocate(MemoryPool& pool);
   // The same from the backend's pool (its device), with a compute copy where the backend computes
-  // in another dtype than f32.
-  void allocate(Backend& be);
+  // in another dtype than f32. With grad_storage (f32, at least alloc_numel() elements, zeroed) the
+  // gradient lives there instead of in an allocation of its own.
+  void allocate(Backend& be, const Tensor& grad_storage = Tensor());
   // value[i] for the global element indices [first, first + n) of the full tensor, drawn from
   // fill_normal(seed, stream_of(name), index); padding rows are zeroed. Parameters on a device
   // are drawn on the host and uploaded through `be`, and their compute copy refreshed.

@@ -239,10 +239,9 @@ TrainResult train_cuda_rank(const TrainConfig& cfg, const TrainOptions& opt, con
       if (!std::isfinite(st.loss)) return st;
       // The replicas' gradient sums added; the update, its clipping and the norm are then the
       // mean gradient's over every micro-batch of every rank, as on the CPU.
-      // (One collective per parameter, in the model's order, on the backend's stream.)
+      // (One collective over the model's one gradient buffer, on the backend's stream.)
       if (dcomm)
-        for (model::Parameter* p : gpt.parameters())
-          dcomm->all_reduce(p->grad_full.raw(), p->grad_full.numel(), DType::f32, comm::ReduceOp::sum);
+        dcomm->all_reduce(gpt.flat_gradients().raw(), gpt.flat_gradients().numel(), DType::f32, comm::ReduceOp::sum);
       st.grad_norm = run.optimizer_step(lr, optimizer_steps + 1, 1.0f / float(cfg.grad_accum * dp));
     }
     ++optimizer_steps;

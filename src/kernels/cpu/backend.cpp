@@ -116,8 +116,10 @@ void CpuBackend::linear_forward(const LinearForward& a) {
   check(Op::linear, a.dtype);
   if (!a.gelu) {
     matmul_forward(f(a.out), f(a.inp), f(a.weight), f(a.bias), a.M, a.K, a.N);
+    if (a.residual) residual_forward(f(a.out), f(a.out), f(a.residual), a.M * a.N);
     return;
   }
+  LOOM_CHECK(!a.residual, "linear_forward: a residual with gelu");
   LOOM_CHECK(a.pre_gelu, "linear_forward: gelu needs pre_gelu");
   matmul_forward(f(a.pre_gelu), f(a.inp), f(a.weight), f(a.bias), a.M, a.K, a.N);
   cpu::gelu_forward(f(a.out), f(a.pre_gelu), a.M * a.N);

@@ -174,7 +174,7 @@ CudaBackend::CudaBackend(const BackendOptions& opt) : device_(opt.device_index),
   // Every copy and memset runs on the instance's own non-blocking stream, ordered with its kernels.
   LOOM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   try {
-    blas_ = std::make_unique<Blas>(*pool_);
+    blas_ = std::make_unique<Blas>(*pool_, opt.gemm_tune);
   } catch (...) {
     cudaStreamDestroy(stream_);
     throw;
@@ -285,6 +285,7 @@ void CudaBackend::linear_forward(const LinearForward& a) {
   m.K = a.K;
   m.N = a.N;
   m.gelu = a.gelu;
+  m.residual = h(a.residual);
   matmul_forward(*blas_, m, stream_);
   observed(a.gelu ? "linear forward + gelu" : "linear forward", 2.0 * double(a.M) * double(a.N) * double(a.K));
 }

@@ -31,6 +31,8 @@ constexpr size_t kWorkspaceBytes = size_t(32) << 20;
 
 constexpr size_t kCublasWorkspaceBytes = kBlasCublasWorkspaceBytes;
 
+int gemm_tuning();  // LOOM_GEMM_TUNE, below
+
 }  // namespace
 
 struct Blas::State {
@@ -45,10 +47,13 @@ struct Blas::State {
   std::map<std::vector<int64_t>, int> bias_paths;  // weight + bias gradient: 1 epilogue, 0 separate
   std::atomic<BiasGradPath> bias_grad_path{BiasGradPath::tuned};
   std::atomic<int64_t> epilogue_runs{0};
+  int tune = 1;  // GEMM tuning: 0 off, 1 on, 2 on and verbose
 };
 
-Blas::Blas(MemoryPool& pool) : pool_(pool), s_(std::make_unique<State>()) {
+Blas::Blas(MemoryPool& pool, int tune) : pool_(pool), s_(std::make_unique<State>()) {
   LOOM_CHECK(pool.device() == Device::cuda, "Blas: pool '{}' is not a device pool", pool.name().c_str());
+  LOOM_CHECK(tune >= -1 && tune <= 2, "Blas: GEMM tuning mode {} (0 off, 1 on, 2 verbose, -1 LOOM_GEMM_TUNE)", tune);
+  s_->tune = tune >= 0 ? tune : gemm_tuning();
   LOOM_CUDA_CHECK(cudaGetDevice(&device_));
   LOOM_CUBLAS_CHECK(cublasLtCreate(&s_->handle));
   try {
@@ -111,6 +116,7 @@ struct LtCall {
   int64_t ldb = 0;
   void* D = nullptr;
   int64_t ldd = 0;
+  const void* C = nullptr;  // when set, the input C (D's layout) that beta scales; else D itself
   bool d_f32 = false;
   float alpha = 1.f, beta = 0.f;
   cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
@@ -206,10 +212,11 @@ cublasLtMatmulAlgo_t fastest_algo(Blas& blas, LtState& s, const LtCall& c, cubla
   // Timed in place when the call overwrites D (the real call then writes it again); an
   // accumulating call (beta != 0) is timed on a scratch copy so that D is added to once.
   const size_t d_bytes = (size_t(c.n - 1) * size_t(c.ldd) + size_t(c.m)) * (c.d_f32 ? 4 : 2);
-  if (c.beta != 0.f && d_bytes > kTuneScratchBytes) return res[0].algo;
+  const bool accumulates = c.beta != 0.f && !c.C;
+  if (accumulates && d_bytes > kTuneScratchBytes) return res[0].algo;
   std::unique_ptr<TuneScratch> scratch;
   void* D = c.D;
-  if (c.beta != 0.f) {
+  if (accumulates) {
     scratch = std::make_unique<TuneScratch>(blas.pool(), d_bytes);
     D = scratch->p;
     LOOM_CUDA_CHECK(cudaMemcpyAsync(D, c.D, d_bytes, cudaMemcpyDeviceToDevice, stream));
@@ -218,7 +225,7 @@ cublasLtMatmulAlgo_t fastest_algo(Blas& blas, LtState& s, const LtCall& c, cubla
   for (int i = 0; i < found; ++i)
     ms[size_t(i)] = median_ms(
         [&] {
-          return cublasLtMatmul(s.handle, op, &c.alpha, c.A, la, c.B, lb, &c.beta, D, ld, D, ld, &res[i].algo,
+          return cublasLtMatmul(s.handle, op, &c.alpha, c.A, la, c.B, lb, &c.beta, c.C ? c.C : D, ld, D, ld, &res[i].algo,
                                 s.workspace, kWorkspaceBytes, stream) == CUBLAS_STATUS_SUCCESS;
         },
         stream);
@@ -227,7 +234,7 @@ cublasLtMatmulAlgo_t fastest_algo(Blas& blas, LtState& s, const LtCall& c, cubla
   for (int i = 1; i < found; ++i)
     if (ms[size_t(i)] < ms[size_t(best)]) best = i;
   if (!(ms[size_t(best)] < ms[0] * (1.0 - kTuneMargin))) best = 0;
-  if (gemm_tuning() == 2)
+  if (s.tune == 2)
     std::fprintf(stderr, "gemm tune m=%lld n=%lld k=%lld ta=%d tb=%d epilogue=%d beta=%g: heuristic %.4f ms, %d of %d "
                  "taken, %.4f ms\n", (long long)c.m, (long long)c.n, (long long)c.k, int(c.ta), int(c.tb),
                  int(c.epilogue), double(c.beta), ms[0], best, found, ms[size_t(best)]);
@@ -258,8 +265,9 @@ bool lt_matmul(Blas& blas, const LtCall& c, cudaStream_t stream) {
 
   const int al_a = alignment_of(c.A), al_b = alignment_of(c.B), al_d = alignment_of(c.D);
   const int al_bias = c.bias ? alignment_of(c.bias) : 256;
+  const int al_c = c.C ? alignment_of(c.C) : 0;
   std::vector<int64_t> key{c.ta, c.tb, c.m, c.n, c.k, c.lda, c.ldb, c.ldd, c.d_f32, int64_t(c.epilogue),
-                           c.bias != nullptr, c.bias_f32, c.ld_aux, al_a, al_b, al_d, al_bias, c.beta != 0.f};
+                           c.bias != nullptr, c.bias_f32, c.ld_aux, al_a, al_b, al_d, al_bias, c.beta != 0.f, al_c};
   cublasLtMatmulAlgo_t algo;
   bool found_none = false;
   {
@@ -281,7 +289,7 @@ bool lt_matmul(Blas& blas, const LtCall& c, cudaStream_t stream) {
       LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &d32, 4));
       cublasLtMatmulHeuristicResult_t res[kTuneCandidates]{};
       int found = 0;
-      const int want = gemm_tuning() != 0 ? kTuneCandidates : 1;
+      const int want = s.tune != 0 ? kTuneCandidates : 1;
       cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(s.handle, op, la, lb, ld, ld, pref, want, res, &found);
       cublasLtMatmulPreferenceDestroy(pref);
       if ((st != CUBLAS_STATUS_SUCCESS || found == 0) && c.try_only) {
@@ -304,7 +312,7 @@ bool lt_matmul(Blas& blas, const LtCall& c, cudaStream_t stream) {
     cublasLtMatmulDescDestroy(op);
     return false;
   }
-  const cublasStatus_t run = cublasLtMatmul(s.handle, op, &c.alpha, c.A, la, c.B, lb, &c.beta, c.D, ld, c.D, ld, &algo,
+  const cublasStatus_t run = cublasLtMatmul(s.handle, op, &c.alpha, c.A, la, c.B, lb, &c.beta, c.C ? c.C : c.D, ld, c.D, ld, &algo,
                                             s.workspace, kWorkspaceBytes, stream);
   if (run == CUBLAS_STATUS_NOT_SUPPORTED && c.try_only) {
     std::lock_guard lk(s.mu);
@@ -416,7 +424,7 @@ bool fused_bias_grad(Blas& blas, const MatmulBwdArgs& a, const LtCall& c, cudaSt
   }
   const size_t w_floats = size_t(a.K) * size_t(a.N);
   const size_t scratch_bytes = (w_floats + size_t(a.N)) * sizeof(float);
-  if (choice < 0 && gemm_tuning() != 0 && scratch_bytes <= kTuneScratchBytes && !stream_capturing(stream)) {
+  if (choice < 0 && s.tune != 0 && scratch_bytes <= kTuneScratchBytes && !stream_capturing(stream)) {
     TuneScratch scratch(blas.pool(), scratch_bytes);
     auto* w = static_cast<float*>(scratch.p);
     float* db = w + w_floats;
@@ -433,7 +441,7 @@ bool fused_bias_grad(Blas& blas, const MatmulBwdArgs& a, const LtCall& c, cudaSt
         stream);
     LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));
     choice = fused < separate * (1.0 + kTuneMargin) ? 1 : 0;
-    if (gemm_tuning() == 2)
+    if (s.tune == 2)
       std::fprintf(stderr, "gemm tune dweight+dbias M=%lld N=%lld K=%lld: epilogue %.4f ms, GEMM + bias_grad %.4f ms: %s\n",
                    (long long)a.M, (long long)a.N, (long long)a.K, fused, separate, choice ? "epilogue" : "separate");
     std::lock_guard lk(s.mu);
@@ -465,6 +473,7 @@ void matmul_forward(Blas& blas, const MatmulFwdArgs& a, cudaStream_t stream) {
   LOOM_CHECK(a.M > 0 && a.K > 0 && a.N > 0, "matmul_forward: bad sizes M={} K={} N={}", a.M, a.K, a.N);
   LOOM_CHECK(a.K % 8 == 0 && a.N % 8 == 0, "matmul_forward: K={} and N={} must be multiples of 8", a.K, a.N);
   LOOM_CHECK(!a.gelu || a.pre_gelu, "matmul_forward: the GELU epilogue needs pre_gelu");
+  LOOM_CHECK(!(a.gelu && a.residual), "matmul_forward: a residual with the GELU epilogue");
   LtCall c;
   c.ta = true;
   c.tb = false;
@@ -484,6 +493,10 @@ void matmul_forward(Blas& blas, const MatmulFwdArgs& a, cudaStream_t stream) {
     c.ld_aux = a.N;
   } else {
     c.epilogue = a.bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+  }
+  if (a.residual) {  // D = W x + bias + residual: the residual read as the GEMM's C
+    c.C = a.residual;
+    c.beta = 1.f;
   }
   lt_matmul(blas, c, stream);
 }

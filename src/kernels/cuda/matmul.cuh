@@ -30,7 +30,8 @@ constexpr size_t kBlasCublasWorkspaceBytes = size_t(32) << 20;
 
 class Blas {
  public:
-  explicit Blas(MemoryPool& pool);
+  // tune: GEMM tuning for this instance (0 off, 1 on, 2 on and verbose; -1: LOOM_GEMM_TUNE).
+  explicit Blas(MemoryPool& pool, int tune = -1);
   ~Blas();
   Blas(const Blas&) = delete;
   Blas& operator=(const Blas&) = delete;
@@ -65,6 +66,7 @@ struct MatmulFwdArgs {
   const bf16* bias = nullptr;  // bf16 [N] or null
   int64_t M = 0, K = 0, N = 0;
   bool gelu = false;           // tanh-form GELU epilogue (needs pre_gelu for the backward)
+  const bf16* residual = nullptr;  // bf16 [M, N] added to the output in the epilogue (not with gelu)
 };
 void matmul_forward(Blas& blas, const MatmulFwdArgs& a, cudaStream_t stream);
 
