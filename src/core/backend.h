@@ -115,6 +115,25 @@ struct AttnShape {
   float scale = 0;  // 0: 1 / sqrt(HS)
 };
 
+// A kernel's own argument struct of the same fields (cpu::AttnArgs, cuda::AttnArgs) from a shape.
+template <class Args>
+Args attn_args_of(const AttnShape& s) {
+  Args a;
+  a.B = s.B;
+  a.NH = s.NH;
+  a.HS = s.HS;
+  a.Tq = s.Tq;
+  a.Tkv = s.Tkv;
+  a.q_stride = s.q_stride;
+  a.kv_stride = s.kv_stride;
+  a.o_stride = s.o_stride;
+  a.q_pos0 = s.q_pos0;
+  a.kv_pos0 = s.kv_pos0;
+  a.causal = s.causal;
+  a.scale = s.scale;
+  return a;
+}
+
 // out = softmax(q k^T scale, mask) v; lse f32 [B, NH, Tq] (natural log of each row's sum of exp of
 // the scaled scores). With the GEMM kernels, probs (dtype [B, NH, Tq, Tkv], attention_probs_bytes)
 // receives the probabilities the backward reads; the others save lse only.

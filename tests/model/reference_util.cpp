@@ -7,10 +7,12 @@
 #include <string>
 #include <vector>
 
+#include "core/backend.h"
 #include "core/memory.h"
 #include "model/gpt.h"
 #include "optim/adamw.h"
 #include "train/safetensors.h"
+#include "train/step_runner.h"
 
 namespace loom::test {
 
@@ -32,7 +34,7 @@ double rel_norm(const float* a, const float* b, int64_t n) {
 
 }  // namespace
 
-void check_gpt_reference(const std::string& path, const ReferenceTolerance& tol) {
+void check_gpt_reference(const std::string& path, const ReferenceTolerance& tol, Device device) {
   train::SafetensorsReader r(path);
   ASSERT_EQ(r.meta("format"), "loom-gpt-reference") << path;
   ASSERT_EQ(r.meta("version"), kReferenceVersion) << path << ": regenerate with scripts/torch_reference.py";
@@ -48,9 +50,19 @@ void check_gpt_reference(const std::string& path, const ReferenceTolerance& tol)
   const int64_t V = cfg.vocab_size, Vp = cfg.padded_vocab();
 
   MemoryPool pool("reference");
-  model::GPT gpt(cfg, pool);
-  for (model::Parameter* p : gpt.parameters())
-    r.read_into("param." + p->spec.name, p->value.raw(), p->value.nbytes(), DType::f32, p->spec.shape);
+  std::unique_ptr<Backend> be = device == Device::cpu ? make_backend(device, {.pool = &pool}) : make_backend(device);
+  model::GPT gpt(cfg, *be);
+  for (model::Parameter* p : gpt.parameters()) {
+    const std::vector<float> v = r.read_f32("param." + p->spec.name);
+    ASSERT_EQ(int64_t(v.size()), p->spec.numel()) << p->spec.name;
+    be->upload(p->value.raw(), DType::f32, v.data(), p->spec.numel());
+  }
+  gpt.refresh_compute();
+  auto host = [&](const Tensor& t) {
+    std::vector<float> v(static_cast<size_t>(t.numel()));
+    be->download(v.data(), t.raw(), t.dtype(), t.numel());
+    return v;
+  };
   MemoryPool io("reference-io");
   Tensor tokens = r.load("tokens", MemTag::workspace, io);
   Tensor targets = r.load("targets", MemTag::workspace, io);
@@ -65,7 +77,8 @@ void check_gpt_reference(const std::string& path, const ReferenceTolerance& tol)
   std::vector<float> ref_logits = r.read_f32("logits");  // f32 [B, T, V]
   ASSERT_EQ(int64_t(ref_logits.size()), B * T * V);
   std::vector<float> logits(size_t(B * T * V));  // loom's [B, T, Vp] without the padding columns
-  const float* lp = gpt.logits().f32();
+  const std::vector<float> lpv = host(gpt.logits());
+  const float* lp = lpv.data();
   for (int64_t i = 0; i < B * T; ++i)
     for (int64_t j = 0; j < V; ++j) logits[size_t(i * V + j)] = lp[i * Vp + j];
   double pad_max = 0;
@@ -77,12 +90,14 @@ void check_gpt_reference(const std::string& path, const ReferenceTolerance& tol)
 
   // Backward: every parameter gradient.
   gpt.backward();
-  double worst = 0;
+  double worst = 0, sum_sq = 0;
   std::string worst_name;
   for (model::Parameter* p : gpt.parameters()) {
     std::vector<float> ref = r.read_f32("grad." + p->spec.name);
     ASSERT_EQ(int64_t(ref.size()), p->spec.numel()) << p->spec.name;
-    const double e = rel_norm(p->grad.f32(), ref.data(), p->spec.numel());
+    const std::vector<float> g = host(p->grad);
+    for (float x : g) sum_sq += double(x) * x;
+    const double e = rel_norm(g.data(), ref.data(), p->spec.numel());
     EXPECT_LE(e, tol.grad_rel) << "gradient of " << p->spec.name;
     if (e > worst) {
       worst = e;
@@ -96,8 +111,7 @@ void check_gpt_reference(const std::string& path, const ReferenceTolerance& tol)
   oc.eps = meta_double(r, "eps");
   oc.weight_decay = meta_double(r, "weight_decay");
   oc.max_norm = float(meta_double(r, "max_norm"));
-  optim::AdamW opt(gpt.parameters(), oc, pool);
-  const double norm = std::sqrt(opt.grad_sum_squares());
+  const double norm = std::sqrt(sum_sq);
   const double ref_norm = std::stod(r.meta("grad_norm"));
   EXPECT_LE(std::fabs(norm - ref_norm) / ref_norm, tol.grad_rel) << "global gradient norm";
 
@@ -106,18 +120,32 @@ void check_gpt_reference(const std::string& path, const ReferenceTolerance& tol)
   ASSERT_EQ(int64_t(ref_steps.size()), steps);
   double step_err = 0;
   std::string losses;
+  std::unique_ptr<optim::AdamW> opt;
+  std::unique_ptr<train::StepRunner> run;
+  if (device == Device::cpu)
+    opt = std::make_unique<optim::AdamW>(gpt.parameters(), oc, pool);
+  else
+    run = std::make_unique<train::StepRunner>(gpt, train::StepOptions{.B = B, .T = T, .beta1 = oc.beta1,
+                                                                      .beta2 = oc.beta2, .eps = oc.eps,
+                                                                      .weight_decay = oc.weight_decay,
+                                                                      .grad_clip = oc.max_norm});
   for (int64_t s = 0; s < steps; ++s) {
-    gpt.zero_grad();
-    const float l = gpt.forward(tokens, targets, {.fuse_backward = true});
-    gpt.backward();
-    opt.step();
+    float l = 0;
+    if (opt) {
+      gpt.zero_grad();
+      l = gpt.forward(tokens, targets, {.fuse_backward = true});
+      gpt.backward();
+      opt->step();
+    } else {
+      l = run->train_step(tokens.i32(), targets.i32(), oc.lr, s + 1);
+    }
     EXPECT_LE(std::fabs(double(l) - ref_steps[size_t(s)]), tol.step_loss_abs) << "step " << s;
     step_err = std::max(step_err, std::fabs(double(l) - ref_steps[size_t(s)]));
     losses += fmt::format(" {:.5f}", l);
   }
-  std::printf("[reference %s] loss %.7f (ref %.7f, rel err %.2e); logits rel err %.2e; worst grad rel err %.2e (%s);"
+  std::printf("[reference %s on %s] loss %.7f (ref %.7f, rel err %.2e); logits rel err %.2e; worst grad rel err %.2e (%s);"
               " grad norm %.6f (ref %.6f); %lld AdamW step losses%s, max abs err %.2e\n",
-              cfg.name.c_str(), double(loss), double(ref_loss), loss_err, logits_err, worst, worst_name.c_str(), norm,
+              cfg.name.c_str(), be->name().c_str(), double(loss), double(ref_loss), loss_err, logits_err, worst, worst_name.c_str(), norm,
               ref_norm, (long long)steps, losses.c_str(), step_err);
 }
 

@@ -2,6 +2,8 @@
 #pragma once
 #include <string>
 
+#include "core/memory.h"
+
 namespace loom::test {
 
 struct ReferenceTolerance {
@@ -11,9 +13,11 @@ struct ReferenceTolerance {
   double step_loss_abs = 1e-4;  // |loss_i - ref_i| for each AdamW step
 };
 
-// Loads the dump's weights into a fresh model, checks loss, logits, every gradient and the losses
-// of the dump's AdamW steps with GoogleTest assertions, and prints the errors it measured.
-void check_gpt_reference(const std::string& path, const ReferenceTolerance& tol);
+// Loads the dump's weights into a fresh model on a backend of `device`, checks loss, logits, every
+// gradient and the losses of the dump's AdamW steps (the optimizer each device's trainer runs:
+// optim::AdamW on the CPU, train::StepRunner's multi-tensor AdamW, as CUDA graphs, elsewhere) with
+// GoogleTest assertions, and prints the errors it measured.
+void check_gpt_reference(const std::string& path, const ReferenceTolerance& tol, Device device = Device::cpu);
 
 // The format version this loom reads (the dump's __metadata__ "version").
 inline constexpr const char* kReferenceVersion = "1";

@@ -23,22 +23,7 @@ float* f(void* p) { return static_cast<float*>(p); }
 
 }  // namespace
 
-AttnArgs CpuBackend::attn_args(const AttnShape& s) {
-  AttnArgs a;
-  a.B = s.B;
-  a.NH = s.NH;
-  a.HS = s.HS;
-  a.Tq = s.Tq;
-  a.Tkv = s.Tkv;
-  a.q_stride = s.q_stride;
-  a.kv_stride = s.kv_stride;
-  a.o_stride = s.o_stride;
-  a.q_pos0 = s.q_pos0;
-  a.kv_pos0 = s.kv_pos0;
-  a.causal = s.causal;
-  a.scale = s.scale;
-  return a;
-}
+AttnArgs CpuBackend::attn_args(const AttnShape& s) { return attn_args_of<AttnArgs>(s); }
 
 namespace {
 

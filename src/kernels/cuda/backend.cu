@@ -21,22 +21,7 @@ namespace {
 const bf16* h(const void* p) { return static_cast<const bf16*>(p); }
 bf16* h(void* p) { return static_cast<bf16*>(p); }
 
-AttnArgs attn_args(const AttnShape& s) {
-  AttnArgs a;
-  a.B = s.B;
-  a.NH = s.NH;
-  a.HS = s.HS;
-  a.Tq = s.Tq;
-  a.Tkv = s.Tkv;
-  a.q_stride = s.q_stride;
-  a.kv_stride = s.kv_stride;
-  a.o_stride = s.o_stride;
-  a.q_pos0 = s.q_pos0;
-  a.kv_pos0 = s.kv_pos0;
-  a.causal = s.causal;
-  a.scale = s.scale;
-  return a;
-}
+AttnArgs attn_args(const AttnShape& s) { return attn_args_of<AttnArgs>(s); }
 
 // The GEMM kernels take GPT-2's packed self-attention only: q, k, v the columns of one
 // [B, T, 3C] buffer, the output [B, T, C], causal from position 0, the default scale.
