@@ -19,5 +19,8 @@ fi
 if [[ ! -s data/kjv/train_000.bin ]]; then
   "$build/loom" prepare data/kjv/kjv.txt --out data/kjv --vocab-size 4096 --val-fraction 0.05
 fi
-"$build/loom" train configs/kjv-10m.toml "$@"
+# Each run of this script starts the run over (--overwrite), unless it is asked to --resume.
+fresh=(--overwrite)
+for arg in "$@"; do [[ $arg == --resume || $arg == --overwrite ]] && fresh=(); done
+"$build/loom" train configs/kjv-10m.toml "${fresh[@]}" "$@"
 echo "loss curve: runs/kjv-10m/loss.png   metrics: runs/kjv-10m/metrics.jsonl"

@@ -1,5 +1,6 @@
-// loom train CONFIG.toml [--section.field value ...] [--resume]
+// loom train CONFIG.toml [--section.field value ...] [--resume | --overwrite]
 #include <cstdio>
+#include <filesystem>
 
 #include "cli/command.h"
 #include "core/error.h"
@@ -15,6 +16,7 @@ namespace {
 struct TrainArgs {
   std::string config;
   bool resume = false;
+  bool overwrite = false;
   bool help_config = false;
   bool quiet = false;
   std::string trace;
@@ -27,6 +29,8 @@ Registrar reg{Command{
       sub.footer("Arguments: [CONFIG.toml] [--section.field VALUE | --section.field=VALUE]...\n"
                  "The TOML file is optional: defaults and overrides alone work.");
       sub.add_flag("--resume", a->resume, "continue from OUT_DIR/latest, bit-identically");
+      sub.add_flag("--overwrite", a->overwrite, "start over in an OUT_DIR that holds another run (its checkpoints "
+                   "and metrics are replaced)");
       sub.add_flag("--help-config", a->help_config, "list every config field with its type and default");
       sub.add_flag("--quiet", a->quiet, "no progress lines");
       sub.add_option("--trace", a->trace, "write a Chrome trace of every rank (compute, collectives, waits) to FILE");
@@ -51,6 +55,23 @@ Registrar reg{Command{
           }
         }
         train::TrainConfig cfg = train::load_config(a->config, train::collect_overrides(overrides));
+        if (a->resume && a->overwrite) throw Error("command line: --resume and --overwrite exclude each other");
+        // A run that starts from step 0 in a directory of another run would replace its
+        // checkpoints and metrics: only when asked to.
+        if (!a->resume && !a->overwrite) {
+          namespace fs = std::filesystem;
+          std::error_code ec;
+          std::string held;
+          if (fs::exists(fs::path(cfg.out_dir) / "metrics.jsonl", ec)) held = "metrics.jsonl";
+          if (fs::exists(fs::path(cfg.out_dir) / "latest", ec)) held = "latest";
+          if (fs::is_directory(cfg.out_dir, ec))
+            for (const auto& e : fs::directory_iterator(cfg.out_dir, ec))
+              if (e.path().filename().string().rfind("ckpt_", 0) == 0) held = e.path().filename().string();
+          if (!held.empty())
+            throw Error(fmt::format("train.out_dir {} holds a run ({}): --resume to continue it, --overwrite to "
+                                    "replace it, or another train.out_dir (nothing was changed)",
+                                    cfg.out_dir, held));
+        }
         train::TrainOptions opt;
         opt.resume = a->resume;
         opt.quiet = a->quiet;

@@ -2,12 +2,18 @@
 //   state.safetensors  parameters ("param/<name>") and AdamW moments ("adam_m/<name>",
 //                      "adam_v/<name>"), f32, logical shapes
 //   manifest.json      format version, step, optimizer step count, data position, RNG seed and
-//                      counters, the model config and the full training config (TOML text)
+//                      counters, the model config, the full training config (TOML text) and the
+//                      CRC-32 of every tensor's bytes
+//   manifest.crc32     the CRC-32 of manifest.json's bytes (decimal)
 // A checkpoint is written into a temporary directory, every file fsynced, the directory renamed
-// to its final name and fsynced, and only then DIR/latest (a one-line file naming it) replaced
-// through rename: a crash at any moment leaves `latest` naming a complete checkpoint.
+// to its final name and fsynced, read back and verified, and only then DIR/latest (a one-line
+// file naming it) replaced through rename and older checkpoints deleted: a crash at any moment
+// leaves `latest` naming a complete checkpoint, and no checkpoint goes before a newer one is known
+// good. Loading checks every checksum and the manifest's step against the directory's name, and
+// refuses parameters that are not finite. Version 1 checkpoints (no checksums) still load.
 #pragma once
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -17,7 +23,7 @@
 
 namespace loom::train {
 
-constexpr int kCheckpointVersion = 1;
+constexpr int kCheckpointVersion = 2;
 
 struct NamedTensor {
   std::string name;
@@ -32,6 +38,7 @@ struct CheckpointMeta {
   nlohmann::json model;          // model config fields
   std::string config_toml;       // the training config as run
   std::string vocabulary;        // the run's tokenizer's fingerprint ("": none, or an older checkpoint)
+  std::map<std::string, uint32_t> checksums;  // CRC-32 of each tensor's bytes (empty: version 1)
 };
 
 // Writes DIR/ckpt_<step> and points DIR/latest at it, then deletes all but the newest `keep`.
@@ -43,11 +50,22 @@ std::string save_checkpoint(const std::string& dir, const CheckpointMeta& meta,
 // there is none). Throws when `latest` names a missing or incomplete checkpoint.
 std::string latest_checkpoint(const std::string& dir);
 
+// Reads every tensor of checkpoint `ckpt` and checks it against the manifest's checksums (and the
+// manifest against its own); throws naming the file and what differs.
+void verify_checkpoint(const std::string& ckpt);
+
+// The checkpoint a run in DIR resumes from: the one `latest` names, or, when it fails
+// verification (or `latest` is unreadable), the newest older complete checkpoint that passes,
+// each one passed over described in `notes` (for the run to say). "" when DIR holds none; throws,
+// with every reason, when checkpoints exist but none verifies (nothing is started over).
+std::string resume_checkpoint(const std::string& dir, std::vector<std::string>* notes);
+
 // Reads the manifest of checkpoint directory `ckpt` (validated: version, fields, types).
 CheckpointMeta read_checkpoint_meta(const std::string& ckpt);
 
 // Copies every tensor of `into` from checkpoint `ckpt`, checking that each exists with the
-// expected dtype and shape; errors name the file and the tensor.
+// expected dtype and shape, that its bytes have the manifest's checksum, and that parameters
+// ("param/...") are finite; errors name the file and the tensor (and the first bad index).
 void load_checkpoint_tensors(const std::string& ckpt, const std::vector<NamedTensor>& into);
 
 }  // namespace loom::train

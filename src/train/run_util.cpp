@@ -1,13 +1,17 @@
 #include "train/run_util.h"
 
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/file.h>
 #include <unistd.h>
 #include <nlohmann/json.hpp>
 #include <omp.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cerrno>
 #include <csignal>
+#include <cstring>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -157,6 +161,12 @@ void check_resume_checkpoint(const std::string& ckpt, const CheckpointMeta& meta
   const std::string manifest = (fs::path(ckpt) / "manifest.json").string();
   LOOM_CHECK(meta.seed == cfg.seed, "{}: the checkpoint's seed {} differs from train.seed {}", manifest, meta.seed,
              cfg.seed);
+  // A run that ended before the checkpoint's step has nothing to continue: say so rather than
+  // exit having done nothing.
+  if (meta.step > cfg.steps)
+    throw Error(fmt::format("train.steps is {} but the checkpoint {} is at step {}: --resume continues up to "
+                            "train.steps (raise it to train on; nothing was changed)",
+                            cfg.steps, ckpt, meta.step));
   const model::GPTConfig c = model::gpt_config_from_manifest(meta.model, manifest);
   auto same = [&](const char* field, auto have, auto want) {
     if (have != want)
@@ -180,6 +190,26 @@ void check_resume_checkpoint(const std::string& ckpt, const CheckpointMeta& meta
                             "data.tokenizer) is {}: its token ids mean other text (resume on the data the checkpoint "
                             "was trained on)",
                             manifest, meta.vocabulary, cfg.data_dir, vocabulary));
+}
+
+RunDirLock::RunDirLock(const std::string& dir) {
+  const std::string path = (fs::path(dir) / ".lock").string();
+  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd_ < 0) throw Error(fmt::format("{}: cannot create the run's lock file: {}", path, std::strerror(errno)));
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    ::close(fd_);
+    fd_ = -1;
+    if (err == EWOULDBLOCK)
+      throw Error(fmt::format("train.out_dir {} is in use by another run (it holds {}); wait for it to end or "
+                              "choose another train.out_dir",
+                              dir, path));
+    throw Error(fmt::format("{}: cannot lock: {}", path, std::strerror(err)));
+  }
+}
+
+RunDirLock::~RunDirLock() {
+  if (fd_ >= 0) ::close(fd_);  // closing releases the lock
 }
 
 void truncate_metrics(const std::string& path, int64_t last_step) {

@@ -81,6 +81,20 @@ void check_resume_checkpoint(const std::string& ckpt, const CheckpointMeta& meta
 // Keeps only the metric lines of steps <= last_step (a resumed run rewrites what follows).
 void truncate_metrics(const std::string& path, int64_t last_step);
 
+// An exclusive lock on DIR/.lock (flock) for the life of the object: a second run writing into the
+// same train.out_dir at once is refused naming the directory, before it changes anything. Held by
+// the rank that writes (rank 0); released when the process ends, however it ends.
+class RunDirLock {
+ public:
+  explicit RunDirLock(const std::string& dir);
+  ~RunDirLock();
+  RunDirLock(const RunDirLock&) = delete;
+  RunDirLock& operator=(const RunDirLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
+
 // The (step, loss) and (step, val_loss) points of a metrics file (for the curve of a resumed run).
 void read_loss_points(const std::string& path, std::vector<std::pair<double, double>>& train,
                       std::vector<std::pair<double, double>>& val);

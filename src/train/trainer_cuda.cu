@@ -129,11 +129,15 @@ TrainResult train_cuda_rank(const TrainConfig& cfg, const TrainOptions& opt, con
   TrainResult res;
   fs::path out_dir(cfg.out_dir);
   if (lead) fs::create_directories(out_dir);
+  // The writing rank holds the run directory for the whole run (a second run into it is refused).
+  std::unique_ptr<RunDirLock> dir_lock = lead ? std::make_unique<RunDirLock>(out_dir.string()) : nullptr;
   const std::string metrics_path = (out_dir / "metrics.jsonl").string();
   int64_t start_step = 0, optimizer_steps = 0;
   if (opt.resume) {
     // Every rank reads the checkpoint: the replicas start equal.
-    const std::string ckpt = latest_checkpoint(cfg.out_dir);
+    std::vector<std::string> notes;
+    const std::string ckpt = resume_checkpoint(cfg.out_dir, &notes);
+    for (const std::string& n : notes) say("resume: " + n);
     if (ckpt.empty()) {
       say(fmt::format("resume: no checkpoint in {}, starting from step 0", cfg.out_dir));
     } else {

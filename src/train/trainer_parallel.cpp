@@ -546,6 +546,8 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   TrainResult res;
   fs::path out_dir(cfg.out_dir);
   if (lead) fs::create_directories(out_dir);
+  // The writing rank holds the run directory for the whole run (a second run into it is refused).
+  std::unique_ptr<RunDirLock> dir_lock = lead ? std::make_unique<RunDirLock>(out_dir.string()) : nullptr;
   const std::string metrics_path = (out_dir / "metrics.jsonl").string();
   int64_t start_step = 0;
   if (opt.resume) {
@@ -553,7 +555,9 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
     // Megatron, this assumes train.out_dir is on a filesystem every rank sees. Rank 0's step is
     // broadcast so a rank that found another checkpoint (or none) is an error, not a silent
     // divergence.
-    const std::string ckpt = latest_checkpoint(cfg.out_dir);
+    std::vector<std::string> notes;
+    const std::string ckpt = resume_checkpoint(cfg.out_dir, &notes);
+    for (const std::string& n : notes) say("resume: " + n);
     CheckpointMeta meta;
     if (!ckpt.empty()) {
       meta = read_checkpoint_meta(ckpt);

@@ -1,0 +1,122 @@
+// `loom train --resume` when the run's checkpoints are not what the command expects: the newest
+// checkpoint corrupt (resumed from the one before, said, and the run ends as the uninterrupted one
+// does), and a train.steps below the checkpoint's step (refused naming the field; nothing changed).
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "cli_util.h"
+#include "train/run_util.h"
+
+namespace fs = std::filesystem;
+using namespace loom;
+using namespace loom::test;
+
+namespace {
+
+std::string slurp(const fs::path& p) {
+  std::ifstream f(p);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
+struct RunFixture {
+  fs::path root;
+  std::string flags;
+  RunFixture() : root(fs::temp_directory_path() / fmt::format("loom_resume_cli_{}", ::getpid())) {
+    fs::remove_all(root);
+    fs::create_directories(root / "logs");
+    write_pattern_corpus(root / "data");
+    flags = fmt::format(
+        "--data.dir '{}' --model.n_layer 1 --model.n_head 2 --model.n_embd 32 --data.seq_len 16 "
+        "--train.batch_size 4 --train.eval_every 0 --train.sample_tokens 0 --train.threads 1 --quiet "
+        "--train.checkpoint_every 2 --train.keep_checkpoints 2 --optim.warmup_steps 2",
+        (root / "data").string());
+  }
+  ~RunFixture() { fs::remove_all(root); }
+  CliRun train(const fs::path& out, int steps, bool resume) {
+    return loom_cli(fmt::format("train {} --train.out_dir '{}' --train.steps {}{}", flags, out.string(), steps,
+                                resume ? " --resume" : ""),
+                    root / "logs");
+  }
+};
+
+}  // namespace
+
+TEST(ResumeCli, CorruptNewestCheckpointResumesFromThePreviousOne) {
+  LOOM_REQUIRE_LOOM();
+  RunFixture r;
+  CliRun whole = r.train(r.root / "whole", 6, false);
+  ASSERT_EQ(whole.code, 0) << whole.err;
+  const fs::path run = r.root / "run";
+  CliRun first = r.train(run, 4, false);
+  ASSERT_EQ(first.code, 0) << first.err;
+  ASSERT_TRUE(fs::exists(run / "ckpt_00000002") && fs::exists(run / "ckpt_00000004"));
+  // One byte of the step-4 checkpoint's tensor data.
+  const fs::path st = run / "ckpt_00000004" / "state.safetensors";
+  {
+    std::fstream f(st, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(std::streamoff(fs::file_size(st) - 100));
+    char c = 0;
+    f.read(&c, 1);
+    c = char(c ^ 0x40);
+    f.seekp(std::streamoff(fs::file_size(st) - 100));
+    f.write(&c, 1);
+  }
+  CliRun resumed = loom_cli(fmt::format("train {} --train.out_dir '{}' --train.steps 6 --resume", r.flags, run.string()),
+                            r.root / "logs");
+  ASSERT_EQ(resumed.code, 0) << resumed.err;
+  // (--quiet keeps the progress lines out; the run's losses say where it resumed.)
+  const auto want = read_metrics(r.root / "whole" / "metrics.jsonl", "loss");
+  const auto got = read_metrics(run / "metrics.jsonl", "loss");
+  ASSERT_EQ(got.size(), want.size());
+  for (const auto& [step, loss] : want) EXPECT_EQ(got.at(step), loss) << "step " << step;
+}
+
+TEST(ResumeCli, FewerStepsThanTheCheckpointIsRefused) {
+  LOOM_REQUIRE_LOOM();
+  RunFixture r;
+  const fs::path run = r.root / "run";
+  CliRun first = r.train(run, 4, false);
+  ASSERT_EQ(first.code, 0) << first.err;
+  const std::string metrics = slurp(run / "metrics.jsonl");
+  CliRun fewer = r.train(run, 2, true);
+  EXPECT_NE(fewer.code, 0);
+  EXPECT_NE(fewer.err.find("train.steps is 2 but the checkpoint"), std::string::npos) << fewer.err;
+  EXPECT_NE(fewer.err.find("is at step 4"), std::string::npos) << fewer.err;
+  EXPECT_EQ(slurp(run / "metrics.jsonl"), metrics);
+  EXPECT_TRUE(fs::exists(run / "ckpt_00000004"));
+}
+
+// A run started without --resume in a directory that holds a run is refused, naming both ways on
+// (nothing changes); --overwrite starts over there. A directory another run is writing is refused
+// whatever the flags.
+TEST(ResumeCli, ADirectoryWithARunIsNotReplacedUnlessAsked) {
+  LOOM_REQUIRE_LOOM();
+  RunFixture r;
+  const fs::path run = r.root / "run";
+  CliRun first = r.train(run, 2, false);
+  ASSERT_EQ(first.code, 0) << first.err;
+  const std::string metrics = slurp(run / "metrics.jsonl");
+  CliRun again = r.train(run, 2, false);
+  EXPECT_NE(again.code, 0);
+  EXPECT_NE(again.err.find("holds a run"), std::string::npos) << again.err;
+  EXPECT_NE(again.err.find("--resume"), std::string::npos) << again.err;
+  EXPECT_NE(again.err.find("--overwrite"), std::string::npos) << again.err;
+  EXPECT_EQ(slurp(run / "metrics.jsonl"), metrics);
+  CliRun over = loom_cli(fmt::format("train {} --train.out_dir '{}' --train.steps 2 --overwrite", r.flags, run.string()),
+                         r.root / "logs");
+  EXPECT_EQ(over.code, 0) << over.err;
+  {
+    train::RunDirLock held(run.string());  // another run writing there
+    CliRun busy = r.train(run, 4, true);
+    EXPECT_NE(busy.code, 0);
+    EXPECT_NE(busy.err.find("is in use by another run"), std::string::npos) << busy.err;
+  }
+  CliRun free = r.train(run, 4, true);
+  EXPECT_EQ(free.code, 0) << free.err;
+}

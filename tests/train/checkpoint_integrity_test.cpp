@@ -1,0 +1,242 @@
+// Checkpoint integrity: every tensor's bytes and the manifest itself carry a CRC-32 that loading
+// checks; a manifest's step must be its directory's; parameters must be finite; resuming passes
+// over a checkpoint that fails verification to the newest one that passes, saying so; and 100
+// random single-byte changes to a checkpoint (tensor data and header, manifest, its checksum,
+// `latest`) each either load bit-identically (the byte was padding) or are refused naming a file
+// of the checkpoint, never loaded with changed values.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "data/shard.h"
+#include "train/checkpoint.h"
+
+namespace fs = std::filesystem;
+using namespace loom;
+
+namespace {
+
+struct Fixture {
+  fs::path dir;
+  MemoryPool pool{"ckpt-test"};
+  std::vector<train::NamedTensor> tensors;
+  explicit Fixture(const std::string& name) : dir(fs::temp_directory_path() / ("loom_ckpt_" + name + "_" + std::to_string(::getpid()))) {
+    fs::remove_all(dir);
+    std::mt19937 g(7);
+    std::normal_distribution<float> d(0.f, 1.f);
+    for (const char* n : {"param/a", "param/b", "adam_m/a", "adam_m/b", "adam_v/a", "adam_v/b"}) {
+      Tensor t = Tensor::empty({37, 5}, DType::f32, MemTag::workspace, pool);
+      for (int64_t i = 0; i < t.numel(); ++i) t.f32()[i] = d(g);
+      tensors.push_back({n, t});
+    }
+  }
+  ~Fixture() { fs::remove_all(dir); }
+  train::CheckpointMeta meta(int64_t step) const {
+    train::CheckpointMeta m;
+    m.step = m.data_position = m.optimizer_steps = step;
+    m.seed = 5;
+    m.model = {{"n_layer", 1}};
+    m.config_toml = "x = 1\n";
+    return m;
+  }
+  std::vector<train::NamedTensor> empty_like() {
+    std::vector<train::NamedTensor> v;
+    for (const auto& t : tensors) v.push_back({t.name, Tensor::empty(t.tensor.shape(), DType::f32, MemTag::workspace, pool)});
+    return v;
+  }
+};
+
+void flip_byte(const fs::path& file, size_t offset, uint8_t mask) {
+  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(std::streamoff(offset));
+  char c = 0;
+  f.read(&c, 1);
+  c = char(uint8_t(c) ^ mask);
+  f.seekp(std::streamoff(offset));
+  f.write(&c, 1);
+}
+
+bool same(const std::vector<train::NamedTensor>& a, const std::vector<train::NamedTensor>& b) {
+  for (size_t i = 0; i < a.size(); ++i)
+    if (std::memcmp(a[i].tensor.raw(), b[i].tensor.raw(), a[i].tensor.nbytes()) != 0) return false;
+  return true;
+}
+
+}  // namespace
+
+TEST(CheckpointIntegrity, ChecksumsAreWrittenAndLoadingChecksThem) {
+  Fixture f("sums");
+  const std::string c = train::save_checkpoint(f.dir.string(), f.meta(3), f.tensors);
+  const train::CheckpointMeta m = train::read_checkpoint_meta(c);
+  ASSERT_EQ(m.checksums.size(), f.tensors.size());
+  EXPECT_EQ(m.checksums.at("param/a"), data::crc32(f.tensors[0].tensor.raw(), f.tensors[0].tensor.nbytes()));
+  EXPECT_TRUE(fs::exists(fs::path(c) / "manifest.crc32"));
+  auto got = f.empty_like();
+  train::load_checkpoint_tensors(c, got);
+  EXPECT_TRUE(same(got, f.tensors));
+  train::verify_checkpoint(c);
+
+  // One bit of param/b's data: the load names the file and the tensor.
+  const fs::path st = fs::path(c) / "state.safetensors";
+  flip_byte(st, fs::file_size(st) - 5 * 37 * 4 * 4 - 3, 0x10);  // inside param/b (the 2nd of 6 tensors of 740 bytes)
+  try {
+    train::load_checkpoint_tensors(c, got);
+    ADD_FAILURE() << "a corrupted tensor was loaded";
+  } catch (const Error& e) {
+    const std::string w = e.what();
+    EXPECT_NE(w.find("state.safetensors"), std::string::npos) << w;
+    EXPECT_NE(w.find("'param/b' is corrupt"), std::string::npos) << w;
+  }
+  EXPECT_THROW(train::verify_checkpoint(c), Error);
+}
+
+// The newest checkpoint is corrupt: resuming takes the one before, with a note naming what was
+// passed over; with no good checkpoint at all, resuming is refused (not started over).
+TEST(CheckpointIntegrity, ResumeFallsBackToThePreviousGoodCheckpoint) {
+  Fixture f("fallback");
+  const std::string c1 = train::save_checkpoint(f.dir.string(), f.meta(1), f.tensors, 2);
+  f.tensors[0].tensor.f32()[0] += 1.f;
+  const std::string c2 = train::save_checkpoint(f.dir.string(), f.meta(2), f.tensors, 2);
+  std::vector<std::string> notes;
+  EXPECT_EQ(train::resume_checkpoint(f.dir.string(), &notes), c2);
+  EXPECT_TRUE(notes.empty());
+  flip_byte(fs::path(c2) / "state.safetensors", fs::file_size(fs::path(c2) / "state.safetensors") - 1, 0x01);
+  EXPECT_EQ(train::resume_checkpoint(f.dir.string(), &notes), c1);
+  ASSERT_EQ(notes.size(), 1u);
+  EXPECT_NE(notes[0].find(c2), std::string::npos) << notes[0];
+  flip_byte(fs::path(c1) / "manifest.json", 10, 0x01);
+  try {
+    train::resume_checkpoint(f.dir.string(), &notes);
+    ADD_FAILURE() << "resumed with no good checkpoint";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no checkpoint to resume from passes verification"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(train::resume_checkpoint((f.dir / "nothing_here").string(), &notes), "");
+}
+
+// A manifest whose step is not its directory's (consistently rewritten, checksum included) is not
+// believed.
+TEST(CheckpointIntegrity, ManifestStepMustMatchItsDirectory) {
+  Fixture f("step");
+  const std::string c = train::save_checkpoint(f.dir.string(), f.meta(20), f.tensors);
+  const fs::path mp = fs::path(c) / "manifest.json";
+  nlohmann::json m = nlohmann::json::parse(std::ifstream(mp));
+  m["step"] = 3;
+  const std::string text = m.dump(2) + "\n";
+  std::ofstream(mp, std::ios::trunc) << text;
+  std::ofstream(fs::path(c) / "manifest.crc32", std::ios::trunc) << data::crc32(text.data(), text.size()) << "\n";
+  try {
+    train::read_checkpoint_meta(c);
+    ADD_FAILURE() << "a manifest of step 3 in the directory of step 20 was read";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("field 'step' is 3 but the checkpoint directory is named for step 20"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+// Weights that are not finite: not written (the earlier checkpoints stay), and not loaded from a
+// checkpoint whose checksums agree with them (another writer's).
+TEST(CheckpointIntegrity, NonFiniteParametersAreRefused) {
+  Fixture f("nan");
+  const std::string good = train::save_checkpoint(f.dir.string(), f.meta(1), f.tensors);
+  f.tensors[1].tensor.f32()[17] = std::nanf("");
+  try {
+    train::save_checkpoint(f.dir.string(), f.meta(2), f.tensors);
+    ADD_FAILURE() << "NaN weights were written";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("parameter 'b' holds nan at index 17"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(fs::exists(f.dir / "ckpt_00000002"));
+  std::vector<std::string> notes;
+  EXPECT_EQ(train::resume_checkpoint(f.dir.string(), &notes), good);
+  // The good checkpoint's param/b made NaN at 17, checksum and manifest checksum rewritten to match.
+  const fs::path st = fs::path(good) / "state.safetensors";
+  {
+    std::fstream io(st, std::ios::in | std::ios::out | std::ios::binary);
+    io.seekp(std::streamoff(fs::file_size(st) - 2960 - 740 + 17 * 4));
+    const float nan = std::nanf("");
+    io.write(reinterpret_cast<const char*>(&nan), 4);
+  }
+  const fs::path mp = fs::path(good) / "manifest.json";
+  nlohmann::json m = nlohmann::json::parse(std::ifstream(mp));
+  m["checksums"]["param/b"] = data::crc32(f.tensors[1].tensor.raw(), f.tensors[1].tensor.nbytes());
+  const std::string text = m.dump(2) + "\n";
+  std::ofstream(mp, std::ios::trunc) << text;
+  std::ofstream(fs::path(good) / "manifest.crc32", std::ios::trunc) << data::crc32(text.data(), text.size()) << "\n";
+  auto got = f.empty_like();
+  try {
+    train::load_checkpoint_tensors(good, got);
+    ADD_FAILURE() << "NaN weights were loaded";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("parameter 'b' holds nan at index 17"), std::string::npos) << e.what();
+  }
+}
+
+// Checkpoints written before checksums (version 1) still load.
+TEST(CheckpointIntegrity, VersionOneCheckpointsStillLoad) {
+  Fixture f("v1");
+  const std::string c = train::save_checkpoint(f.dir.string(), f.meta(4), f.tensors);
+  const fs::path mp = fs::path(c) / "manifest.json";
+  nlohmann::json m = nlohmann::json::parse(std::ifstream(mp));
+  m["version"] = 1;
+  m.erase("checksums");
+  std::ofstream(mp, std::ios::trunc) << m.dump(2) << "\n";
+  fs::remove(fs::path(c) / "manifest.crc32");
+  auto got = f.empty_like();
+  train::load_checkpoint_tensors(c, got);
+  EXPECT_TRUE(same(got, f.tensors));
+  EXPECT_TRUE(train::read_checkpoint_meta(c).checksums.empty());
+}
+
+// 100 single-byte changes at random places of a checkpoint's files: each either resumes with the
+// same step and tensors, bit for bit, or is refused with loom's error naming a file of the run.
+TEST(CheckpointIntegrity, RandomByteChangesLoadIdenticallyOrAreRefused) {
+  Fixture f("corrupt");
+  const std::string pristine = (f.dir / "pristine").string();
+  train::save_checkpoint(pristine, f.meta(6), f.tensors);
+  std::mt19937 g(2026);
+  int refused = 0, identical = 0;
+  const std::vector<std::string> files{"ckpt_00000006/state.safetensors", "ckpt_00000006/manifest.json",
+                                       "ckpt_00000006/manifest.crc32", "latest"};
+  for (int trial = 0; trial < 100; ++trial) {
+    const fs::path run = f.dir / ("run" + std::to_string(trial));
+    fs::copy(pristine, run, fs::copy_options::recursive);
+    // State data half the time (most of the bytes), the small files the rest.
+    const std::string rel = files[trial % 2 == 0 ? 0 : 1 + size_t(g() % 3)];
+    const fs::path target = run / rel;
+    const size_t at = size_t(g() % fs::file_size(target));
+    const uint8_t mask = uint8_t(1 + g() % 255);
+    flip_byte(target, at, mask);
+    try {
+      std::vector<std::string> notes;
+      const std::string c = train::resume_checkpoint(run.string(), &notes);
+      ASSERT_FALSE(c.empty()) << rel << " byte " << at;
+      const train::CheckpointMeta m = train::read_checkpoint_meta(c);
+      auto got = f.empty_like();
+      train::load_checkpoint_tensors(c, got);
+      EXPECT_EQ(m.step, 6) << rel << " byte " << at;
+      EXPECT_EQ(m.data_position, 6) << rel << " byte " << at;
+      EXPECT_TRUE(same(got, f.tensors)) << "changed values loaded: " << rel << " byte " << at;
+      ++identical;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(run.string()), std::string::npos)
+          << rel << " byte " << at << ": the error names no file of the run: " << e.what();
+      ++refused;
+    }
+    fs::remove_all(run);
+  }
+  EXPECT_EQ(refused + identical, 100);
+  EXPECT_GT(refused, 50);
+  std::printf("[corruption] 100 single-byte changes: %d refused naming the file, %d loaded bit-identically\n", refused,
+              identical);
+}
