@@ -64,6 +64,21 @@ void flip_byte(const fs::path& file, size_t offset, uint8_t mask) {
   f.write(&c, 1);
 }
 
+// Rewrites checkpoint c's manifest through `change`, with its checksum file to match (a writer
+// that is consistent, but not loom), or without one when `checksum` is false.
+template <class Change>
+void rewrite_manifest(const std::string& c, Change&& change, bool checksum = true) {
+  const fs::path mp = fs::path(c) / "manifest.json";
+  nlohmann::json m = nlohmann::json::parse(std::ifstream(mp));
+  change(m);
+  const std::string text = m.dump(2) + "\n";
+  std::ofstream(mp, std::ios::trunc) << text;
+  if (checksum)
+    std::ofstream(fs::path(c) / "manifest.crc32", std::ios::trunc) << data::crc32(text.data(), text.size()) << "\n";
+  else
+    fs::remove(fs::path(c) / "manifest.crc32");
+}
+
 bool same(const std::vector<train::NamedTensor>& a, const std::vector<train::NamedTensor>& b) {
   for (size_t i = 0; i < a.size(); ++i)
     if (std::memcmp(a[i].tensor.raw(), b[i].tensor.raw(), a[i].tensor.nbytes()) != 0) return false;
@@ -128,12 +143,7 @@ TEST(CheckpointIntegrity, ResumeFallsBackToThePreviousGoodCheckpoint) {
 TEST(CheckpointIntegrity, ManifestStepMustMatchItsDirectory) {
   Fixture f("step");
   const std::string c = train::save_checkpoint(f.dir.string(), f.meta(20), f.tensors);
-  const fs::path mp = fs::path(c) / "manifest.json";
-  nlohmann::json m = nlohmann::json::parse(std::ifstream(mp));
-  m["step"] = 3;
-  const std::string text = m.dump(2) + "\n";
-  std::ofstream(mp, std::ios::trunc) << text;
-  std::ofstream(fs::path(c) / "manifest.crc32", std::ios::trunc) << data::crc32(text.data(), text.size()) << "\n";
+  rewrite_manifest(c, [](nlohmann::json& m) { m["step"] = 3; });
   try {
     train::read_checkpoint_meta(c);
     ADD_FAILURE() << "a manifest of step 3 in the directory of step 20 was read";
@@ -167,12 +177,9 @@ TEST(CheckpointIntegrity, NonFiniteParametersAreRefused) {
     const float nan = std::nanf("");
     io.write(reinterpret_cast<const char*>(&nan), 4);
   }
-  const fs::path mp = fs::path(good) / "manifest.json";
-  nlohmann::json m = nlohmann::json::parse(std::ifstream(mp));
-  m["checksums"]["param/b"] = data::crc32(f.tensors[1].tensor.raw(), f.tensors[1].tensor.nbytes());
-  const std::string text = m.dump(2) + "\n";
-  std::ofstream(mp, std::ios::trunc) << text;
-  std::ofstream(fs::path(good) / "manifest.crc32", std::ios::trunc) << data::crc32(text.data(), text.size()) << "\n";
+  rewrite_manifest(good, [&](nlohmann::json& m) {
+    m["checksums"]["param/b"] = data::crc32(f.tensors[1].tensor.raw(), f.tensors[1].tensor.nbytes());
+  });
   auto got = f.empty_like();
   try {
     train::load_checkpoint_tensors(good, got);
@@ -186,12 +193,13 @@ TEST(CheckpointIntegrity, NonFiniteParametersAreRefused) {
 TEST(CheckpointIntegrity, VersionOneCheckpointsStillLoad) {
   Fixture f("v1");
   const std::string c = train::save_checkpoint(f.dir.string(), f.meta(4), f.tensors);
-  const fs::path mp = fs::path(c) / "manifest.json";
-  nlohmann::json m = nlohmann::json::parse(std::ifstream(mp));
-  m["version"] = 1;
-  m.erase("checksums");
-  std::ofstream(mp, std::ios::trunc) << m.dump(2) << "\n";
-  fs::remove(fs::path(c) / "manifest.crc32");
+  rewrite_manifest(
+      c,
+      [](nlohmann::json& m) {
+        m["version"] = 1;
+        m.erase("checksums");
+      },
+      /*checksum=*/false);
   auto got = f.empty_like();
   train::load_checkpoint_tensors(c, got);
   EXPECT_TRUE(same(got, f.tensors));
