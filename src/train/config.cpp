@@ -8,6 +8,7 @@
 #include <functional>
 #include <sstream>
 #include <utility>
+#include <thread>
 #include <variant>
 #include <algorithm>
 #include <fmt/ranges.h>
@@ -291,6 +292,13 @@ void TrainConfig::validate(const std::string& where, const std::vector<std::stri
   need(batch_size % grad_accum == 0, "train.grad_accum",
        fmt::format("batch_size {} is not divisible by grad_accum {}", batch_size, grad_accum));
   need(threads >= 0, "train.threads", "must be non-negative");
+  // OpenMP teams far beyond the cores only thrash, and libgomp crashes trying to start hundreds of
+  // thousands of threads: at most 8 per core of this host.
+  {
+    const int64_t cores = std::max<int64_t>(1, int64_t(std::thread::hardware_concurrency()));
+    need(threads <= 8 * cores, "train.threads",
+         fmt::format("{} is more than 8 per core of this host ({} cores; 0 takes them all)", threads, cores));
+  }
   need(log_every > 0, "train.log_every", "must be positive");
   need(eval_every >= 0 && eval_batches > 0, "train.eval_every", "eval_every >= 0 and eval_batches > 0");
   need(sample_tokens >= 0 && sample_top_k >= 0 && sample_temperature > 0, "train.sample_*",

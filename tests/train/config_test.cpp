@@ -64,6 +64,9 @@ TEST(TrainConfig, OutOfRangeValuesAndMisplacedTablesAreRefused) {
   m = error_of("[parallel]\nstage_layers = [1, -4294967296]\n");
   EXPECT_NE(m.find("parallel.stage_layers entry 1: -4294967296 is out of range"), std::string::npos) << m;
   EXPECT_EQ(load_config("", {"train.steps=2147483648"}).steps, int64_t(1) << 31);  // the bound itself
+  // Threads beyond 8 per core (libgomp crashed starting 100000 of them).
+  m = error_of("", {"train.threads=100000"});
+  EXPECT_NE(m.find("train.threads: 100000 is more than 8 per core of this host"), std::string::npos) << m;
   // A table where a value belongs, and a section that holds no field.
   m = error_of("[optim]\nlr = {}\n");
   EXPECT_NE(m.find("optim.lr: expected float, got a table"), std::string::npos) << m;
