@@ -1,6 +1,7 @@
 // loom tokenizer {train, encode, decode}: byte-level BPE vocabularies in GPT-2's file format.
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <iterator>
@@ -25,6 +26,9 @@ std::string read_input(const std::string& path) {
   if (path == "-") {
     return std::string(std::istreambuf_iterator<char>(std::cin), {});
   }
+  std::error_code ec;
+  // A folder opens as a stream that reads nothing: it would encode as empty text, exit 0.
+  if (std::filesystem::is_directory(path, ec)) throw Error(fmt::format("{}: is a directory, not a file", path));
   std::ifstream f(path, std::ios::binary);
   if (!f) throw Error(fmt::format("{}: cannot open file", path));
   std::ostringstream ss;
