@@ -5,6 +5,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <cmath>
+#include <limits>
 #include <map>
 #include <set>
 
@@ -102,7 +104,14 @@ GPTConfig gpt_config_from_hf(const json& j, const std::string& where) {
   if (j.contains("layer_norm_epsilon")) {
     if (!j["layer_norm_epsilon"].is_number())
       throw Error(fmt::format("{}: field 'layer_norm_epsilon' must be a number", where));
-    c.ln_eps = j["layer_norm_epsilon"].get<float>();
+    const double eps = j["layer_norm_epsilon"].get<double>();
+    // loom keeps epsilon as an f32: a value that does not fit one (inf, or 0 after rounding) would
+    // be written into a manifest that loom then refuses.
+    if (!(eps > 0) || !std::isfinite(float(eps)) || !(float(eps) > 0.f))
+      throw Error(fmt::format("{}: field 'layer_norm_epsilon' is {}: it must be positive and fit a 32-bit float "
+                              "(at most {:.6g})",
+                              where, eps, double(std::numeric_limits<float>::max())));
+    c.ln_eps = float(eps);
   }
   if (j.contains("activation_function")) {
     const json& a = j["activation_function"];

@@ -311,6 +311,12 @@ TEST(HfGpt2, BadConfigNamesTheField) {
   EXPECT_NE(error_for([](auto& j) { j["model_type"] = "llama"; }).find("'model_type'"), std::string::npos);
   EXPECT_NE(error_for([](auto& j) { j["scale_attn_by_inverse_layer_idx"] = true; }).find("scale_attn_by_inverse"),
             std::string::npos);
+  // An epsilon that overflows f32 (or rounds to 0 in it) would be written into a manifest loom then
+  // refuses: refused here, naming the field.
+  EXPECT_NE(error_for([](auto& j) { j["layer_norm_epsilon"] = 1e300; }).find("cfg.json: field 'layer_norm_epsilon' is"),
+            std::string::npos);
+  EXPECT_NE(error_for([](auto& j) { j["layer_norm_epsilon"] = 1e-60; }).find("'layer_norm_epsilon'"), std::string::npos);
+  EXPECT_NE(error_for([](auto& j) { j["layer_norm_epsilon"] = -1e-5; }).find("'layer_norm_epsilon'"), std::string::npos);
   // n_ctx stands in for n_positions in old configs.
   nlohmann::json old = good;
   old.erase("n_positions");
