@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <sys/file.h>
 #include <unistd.h>
 #include <nlohmann/json.hpp>
@@ -154,6 +155,65 @@ std::string write_loss_curve(const std::string& png, const std::string& metrics_
   std::string why;
   if (plot_png(png, title, series, "loss (nats/token)", &why)) return fmt::format("wrote {} and {}", metrics_path, png);
   return fmt::format("wrote {} ({})", metrics_path, why);
+}
+
+void check_ranks_agree(comm::Comm& world, const TrainConfig& cfg, const RunData& data) {
+  if (world.size() == 1) return;
+  // What each rank was started with, item by item: every config field, then the resolved model
+  // and the data.
+  std::vector<std::pair<std::string, std::string>> items;
+  std::string section;
+  const std::string toml = config_to_toml(cfg);
+  for (size_t pos = 0; pos < toml.size();) {
+    size_t eol = toml.find('\n', pos);
+    if (eol == std::string::npos) eol = toml.size();
+    const std::string line = toml.substr(pos, eol - pos);
+    pos = eol + 1;
+    if (line.size() > 2 && line.front() == '[' && line.back() == ']') {
+      section = line.substr(1, line.size() - 2);
+    } else if (const size_t eq = line.find(" = "); eq != std::string::npos) {
+      items.emplace_back(section + "." + line.substr(0, eq), line.substr(eq + 3));
+    }
+  }
+  items.emplace_back("the model (as resolved from the config and the data)", data.model.str());
+  items.emplace_back("the data's vocabulary", data.tokenizer ? data.tokenizer->fingerprint() : "");
+  items.emplace_back("the data's training tokens", std::to_string(data.train.total_tokens()));
+  items.emplace_back("the data's validation tokens", data.val ? std::to_string(data.val->total_tokens()) : "none");
+  auto hash = [](const std::string& s) {  // FNV-1a, 64 bits
+    uint64_t h = 1469598103934665603ull;
+    for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+    return h;
+  };
+  const int n = world.size(), me = world.rank();
+  // First the number of items (the same loom on every rank has the same), then the hashes.
+  const int32_t count = int32_t(items.size());
+  std::vector<int32_t> counts(static_cast<size_t>(n));
+  world.all_gather(&count, counts.data(), n, DType::i32);
+  for (int r = 0; r < n; ++r)
+    if (counts[size_t(r)] != counts[0])
+      throw Error(fmt::format("ranks disagree before the first step: rank {} compares {} items of its config and "
+                              "data, rank 0 {} (every rank must run the same loom)",
+                              r, counts[size_t(r)], counts[0]));
+  std::vector<uint32_t> mine(2 * items.size()), all(2 * items.size() * size_t(n));
+  for (size_t i = 0; i < items.size(); ++i) {
+    const uint64_t h = hash(items[i].second);
+    mine[2 * i] = uint32_t(h);
+    mine[2 * i + 1] = uint32_t(h >> 32);
+  }
+  world.all_gather(mine.data(), all.data(), int64_t(all.size()), DType::u32);
+  for (size_t i = 0; i < items.size(); ++i) {
+    std::vector<int> differ;
+    for (int r = 1; r < n; ++r) {
+      const size_t at = size_t(r) * mine.size() + 2 * i;
+      if (all[at] != all[2 * i] || all[at + 1] != all[2 * i + 1]) differ.push_back(r);
+    }
+    if (differ.empty()) continue;
+    const bool mine_differs = std::find(differ.begin(), differ.end(), me) != differ.end();
+    throw Error(fmt::format("ranks disagree before the first step: {} on rank{} {} differs from rank 0's{} (every "
+                            "rank must be started with the same config, model and data)",
+                            items[i].first, differ.size() > 1 ? "s" : "", fmt::join(differ, ", "),
+                            mine_differs || me == 0 ? fmt::format(" (this rank, {}, has {})", me, items[i].second) : ""));
+  }
 }
 
 void check_resume_checkpoint(const std::string& ckpt, const CheckpointMeta& meta, const TrainConfig& cfg,

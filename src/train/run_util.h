@@ -64,6 +64,13 @@ struct RunData {
 };
 RunData open_run_data(const TrainConfig& cfg, const std::string& config_path);
 
+// Before the first step, every rank of `world` compares what it was started with: every config
+// field, the model it resolved, and its data (vocabulary fingerprint, token counts). A hash per
+// item is gathered once; any difference is refused on every rank alike, naming the item and the
+// ranks that differ from rank 0 (ranks started differently would otherwise train diverging
+// replicas, or crash inside a collective of mismatched sizes). A collective: call it first.
+void check_ranks_agree(comm::Comm& world, const TrainConfig& cfg, const RunData& data);
+
 // Writes the loss-curve PNG `png` (train loss, validation loss, the unigram baseline as a line)
 // and returns the line to print about it and the metrics file.
 std::string write_loss_curve(const std::string& png, const std::string& metrics_path, const std::string& title,

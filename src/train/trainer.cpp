@@ -44,6 +44,7 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
   };
 
   RunData run_data = open_run_data(cfg, opt.config_path);
+  check_ranks_agree(world, cfg, run_data);  // before any other collective
   const std::string vocabulary = run_data.tokenizer ? run_data.tokenizer->fingerprint() : "";
   data::Loader& train = run_data.train;
   std::unique_ptr<data::Loader>& val = run_data.val;
