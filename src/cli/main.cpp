@@ -1,4 +1,5 @@
 // loom: train transformer language models on one CPU, one GPU, or many of either.
+#include <csignal>
 #include <cstdio>
 #include <map>
 
@@ -13,6 +14,9 @@ std::vector<Command>& commands() {
 }  // namespace loom::cli
 
 int main(int argc, char** argv) {
+  // A write past the file-size limit (ulimit -f) then fails with EFBIG, which loom reports with the
+  // file, instead of the signal ending the process mid-write.
+  std::signal(SIGXFSZ, SIG_IGN);
   CLI::App app{"loom: train transformer language models on CPUs and GPUs"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "loom 0.1.0");

@@ -36,10 +36,16 @@ void write_text_durably(const std::string& path, const std::string& text) {
   std::string tmp = path + ".tmp";
   {
     std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (!f) throw Error(fmt::format("{}: cannot create", tmp));
+    if (!f) throw Error(fmt::format("{}: cannot create: {}", tmp, std::strerror(errno)));
     f << text;
     f.flush();
-    if (!f) throw Error(fmt::format("{}: write failed", tmp));
+    if (!f) {
+      const int err = errno;
+      f.close();
+      std::error_code ec;
+      fs::remove(tmp, ec);
+      throw Error(fmt::format("{}: write failed: {}", tmp, err ? std::strerror(err) : "unknown reason"));
+    }
   }
   fsync_path(tmp, false);
   if (std::rename(tmp.c_str(), path.c_str()) != 0)
@@ -98,40 +104,51 @@ std::string save_checkpoint(const std::string& dir, const CheckpointMeta& meta,
   std::string tmp_dir = (fs::path(dir) / (".tmp_" + ckpt_name(meta.step))).string();
   fs::remove_all(tmp_dir);
   fs::create_directories(tmp_dir);
+  // A failed write (a full disk, a file-size limit) leaves nothing behind: the partial checkpoint is
+  // removed, `latest` and the earlier checkpoints stay as they were.
+  try {
 
-  SafetensorsWriter w;
-  nlohmann::json checksums = nlohmann::json::object();
-  for (const auto& t : tensors) {
-    w.add(t.name, t.tensor);
-    checksums[t.name] = data::crc32(t.tensor.raw(), t.tensor.nbytes());
+    SafetensorsWriter w;
+    nlohmann::json checksums = nlohmann::json::object();
+    for (const auto& t : tensors) {
+      w.add(t.name, t.tensor);
+      checksums[t.name] = data::crc32(t.tensor.raw(), t.tensor.nbytes());
+    }
+    w.set_metadata("format", "loom-checkpoint");
+    w.set_metadata("version", std::to_string(kCheckpointVersion));
+    std::string st_path = (fs::path(tmp_dir) / "state.safetensors").string();
+    w.write(st_path);
+    fsync_path(st_path, false);
+    // LOOM_CHECKPOINT_PAUSE_MS widens the window between the two files of a checkpoint, so tests
+    // that kill the process at random moments land inside checkpoint writes often.
+    if (const char* pause = std::getenv("LOOM_CHECKPOINT_PAUSE_MS"))
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(pause)));
+
+    nlohmann::json m;
+    m["format"] = "loom-checkpoint";
+    m["version"] = kCheckpointVersion;
+    m["step"] = meta.step;
+    m["optimizer_steps"] = meta.optimizer_steps;
+    m["data_position"] = meta.data_position;
+    m["rng"] = {{"seed", meta.seed}, {"kind", "philox4x32-10 counters keyed by (seed, stream, index)"}};
+    m["model"] = meta.model;
+    m["config_toml"] = meta.config_toml;
+    if (!meta.vocabulary.empty()) m["vocabulary"] = meta.vocabulary;
+    m["tensors"] = tensors.size();
+    m["checksums"] = checksums;
+    const std::string manifest = m.dump(2) + "\n";
+    write_text_durably((fs::path(tmp_dir) / "manifest.json").string(), manifest);
+    write_text_durably((fs::path(tmp_dir) / "manifest.crc32").string(),
+                       std::to_string(data::crc32(manifest.data(), manifest.size())) + "\n");
+    fsync_path(tmp_dir, true);
+  } catch (const Error& e) {
+    std::error_code ec;
+    fs::remove_all(tmp_dir, ec);
+    throw Error(fmt::format("the checkpoint of step {} could not be written (removed; {}): {}", meta.step,
+                            fs::exists(fs::path(dir) / "latest") ? "the earlier checkpoints are kept"
+                                                                 : "there is no earlier checkpoint",
+                            e.what()));
   }
-  w.set_metadata("format", "loom-checkpoint");
-  w.set_metadata("version", std::to_string(kCheckpointVersion));
-  std::string st_path = (fs::path(tmp_dir) / "state.safetensors").string();
-  w.write(st_path);
-  fsync_path(st_path, false);
-  // LOOM_CHECKPOINT_PAUSE_MS widens the window between the two files of a checkpoint, so tests
-  // that kill the process at random moments land inside checkpoint writes often.
-  if (const char* pause = std::getenv("LOOM_CHECKPOINT_PAUSE_MS"))
-    std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(pause)));
-
-  nlohmann::json m;
-  m["format"] = "loom-checkpoint";
-  m["version"] = kCheckpointVersion;
-  m["step"] = meta.step;
-  m["optimizer_steps"] = meta.optimizer_steps;
-  m["data_position"] = meta.data_position;
-  m["rng"] = {{"seed", meta.seed}, {"kind", "philox4x32-10 counters keyed by (seed, stream, index)"}};
-  m["model"] = meta.model;
-  m["config_toml"] = meta.config_toml;
-  if (!meta.vocabulary.empty()) m["vocabulary"] = meta.vocabulary;
-  m["tensors"] = tensors.size();
-  m["checksums"] = checksums;
-  const std::string manifest = m.dump(2) + "\n";
-  write_text_durably((fs::path(tmp_dir) / "manifest.json").string(), manifest);
-  write_text_durably((fs::path(tmp_dir) / "manifest.crc32").string(),
-                     std::to_string(data::crc32(manifest.data(), manifest.size())) + "\n");
-  fsync_path(tmp_dir, true);
 
   fs::remove_all(final_dir);  // a previous run's checkpoint of the same step
   fs::rename(tmp_dir, final_dir);

@@ -1,6 +1,7 @@
 #include "train/safetensors.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -263,7 +264,13 @@ void SafetensorsWriter::write(const std::string& path) const {
     f.write(header.data(), std::streamsize(header.size()));
     for (const auto& it : items_) f.write(static_cast<const char*>(it.data), std::streamsize(it.nbytes));
     f.flush();
-    if (!f) throw Error(fmt::format("{}: write failed", tmp));
+    if (!f) {
+      const int err = errno;  // the failed write's (the stream keeps no reason of its own)
+      f.close();
+      std::error_code rm;
+      std::filesystem::remove(tmp, rm);  // a partial file only takes space
+      throw Error(fmt::format("{}: write failed: {}", tmp, err ? std::strerror(err) : "unknown reason"));
+    }
   }
   std::error_code ec;
   std::filesystem::rename(tmp, path, ec);

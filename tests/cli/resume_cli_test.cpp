@@ -120,3 +120,31 @@ TEST(ResumeCli, ADirectoryWithARunIsNotReplacedUnlessAsked) {
   CliRun free = r.train(run, 4, true);
   EXPECT_EQ(free.code, 0) << free.err;
 }
+
+// A checkpoint that cannot be written (here a file-size limit, `ulimit -f`, standing in for a full
+// disk): the run stops with an error naming the file and the reason, the partial checkpoint is
+// removed, and `latest` still names the earlier checkpoint, from which the run then resumes.
+TEST(ResumeCli, AFailedCheckpointWriteKeepsTheEarlierOnes) {
+  LOOM_REQUIRE_LOOM();
+  RunFixture r;
+  const fs::path run = r.root / "run";
+  CliRun first = r.train(run, 2, false);
+  ASSERT_EQ(first.code, 0) << first.err;
+  ASSERT_TRUE(fs::exists(run / "ckpt_00000002"));
+  const uintmax_t ckpt_bytes = fs::file_size(run / "ckpt_00000002" / "state.safetensors");
+  // A limit (in 1024-byte blocks) above every other file the run writes, below a checkpoint.
+  const uintmax_t blocks = ckpt_bytes / 1024 / 2;
+  ASSERT_GT(blocks, 16u) << "the checkpoint must be much larger than the metrics";
+  CmdRun limited = sh(fmt::format("ulimit -f {} && '{}' train {} --train.out_dir '{}' --train.steps 4 --resume", blocks,
+                                  kLoom, r.flags, run.string()));
+  EXPECT_NE(limited.status, 0) << limited.output;
+  EXPECT_NE(limited.output.find("state.safetensors"), std::string::npos) << limited.output;
+  EXPECT_NE(limited.output.find("File too large"), std::string::npos) << limited.output;
+  EXPECT_NE(limited.output.find("the earlier checkpoints are kept"), std::string::npos) << limited.output;
+  for (const auto& e : fs::directory_iterator(run))
+    EXPECT_EQ(e.path().filename().string().rfind(".tmp", 0), std::string::npos) << "left behind: " << e.path();
+  EXPECT_EQ(slurp(run / "latest"), "ckpt_00000002\n");
+  CliRun resumed = r.train(run, 4, true);
+  EXPECT_EQ(resumed.code, 0) << resumed.err;
+  EXPECT_EQ(slurp(run / "latest"), "ckpt_00000004\n");
+}
