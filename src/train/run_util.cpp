@@ -286,8 +286,22 @@ void truncate_metrics(const std::string& path, int64_t last_step) {
     const bool record = !j.is_discarded() && j.is_object() && j.contains("step") && j["step"].is_number_integer();
     if (record ? j["step"].get<int64_t>() <= last_step : i + 1 < lines.size()) kept += lines[i] + "\n";
   }
-  std::string tmp = path + ".tmp";
-  std::ofstream(tmp, std::ios::trunc) << kept;
+  // Through a temporary copy that must be written whole before it replaces the file: on a full
+  // disk the history stays as it was.
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << kept;
+    out.flush();
+    if (!out) {
+      const int err = errno;
+      out.close();
+      std::error_code ec;
+      fs::remove(tmp, ec);
+      throw Error(fmt::format("{}: cannot rewrite the metrics for the resume ({}); {} is unchanged", tmp,
+                              err ? std::strerror(err) : "write failed", path));
+    }
+  }
   fs::rename(tmp, path);
 }
 
@@ -467,13 +481,23 @@ void RunLog::record(int64_t done, double loss, float lr, double grad_norm, doubl
                       {"time_s", seconds_since(t_start_)}};
   metrics_ << j.dump() << "\n";
   metrics_.flush();
+  check_metrics_write();
   train_pts_.push_back({double(done), loss});
+}
+
+// A metrics line that could not be written stops the run at once (the history would have a hole),
+// naming the file and the reason.
+void RunLog::check_metrics_write() {
+  if (metrics_) return;
+  const int err = errno;
+  throw Error(fmt::format("{}: cannot write the metrics: {}", metrics_path_, err ? std::strerror(err) : "write failed"));
 }
 
 void RunLog::record_val(int64_t done, double val_loss) {
   if (lead_) {
     metrics_ << nlohmann::json{{"step", done}, {"val_loss", val_loss}}.dump() << "\n";
     metrics_.flush();
+    check_metrics_write();
     val_pts_.push_back({double(done), val_loss});
   }
   say(fmt::format("step {:>6} | val loss {:.4f} (unigram {:.4f})", done, val_loss, unigram_));

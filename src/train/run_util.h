@@ -161,6 +161,7 @@ class RunLog {
   void finish(const std::string& png, const std::string& title);
 
  private:
+  void check_metrics_write();
   const TrainConfig& cfg_;
   std::string metrics_path_;
   int64_t start_step_;

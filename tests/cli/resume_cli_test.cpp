@@ -148,3 +148,17 @@ TEST(ResumeCli, AFailedCheckpointWriteKeepsTheEarlierOnes) {
   EXPECT_EQ(resumed.code, 0) << resumed.err;
   EXPECT_EQ(slurp(run / "latest"), "ckpt_00000004\n");
 }
+
+// A metrics line that cannot be written stops the run at once, naming metrics.jsonl and the reason
+// (the writes failed silently until the final checkpoint did).
+TEST(ResumeCli, AFailedMetricsWriteStopsTheRun) {
+  LOOM_REQUIRE_LOOM();
+  RunFixture r;
+  const fs::path run = r.root / "run";
+  CmdRun limited = sh(fmt::format("ulimit -f 2 && '{}' train {} --train.out_dir '{}' --train.steps 60 "
+                                  "--train.log_every 1 --train.checkpoint_every 0",
+                                  kLoom, r.flags, run.string()));
+  EXPECT_NE(limited.status, 0) << limited.output;
+  EXPECT_NE(limited.output.find("metrics.jsonl: cannot write the metrics: File too large"), std::string::npos)
+      << limited.output;
+}
