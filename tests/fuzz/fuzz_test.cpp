@@ -16,6 +16,8 @@
 #include "data/shard.h"
 #include "data/tokenizer.h"
 #include "fuzz/harness.h"
+#include "train/checkpoint.h"
+#include "train/config.h"
 #include "train/safetensors.h"
 
 namespace fs = std::filesystem;
@@ -115,6 +117,20 @@ TEST(FuzzHarness, SeedsAreAccepted) {
     EXPECT_NO_THROW(loom::data::Shard sh(p.string()));
     fs::remove(p);
   }
+  for (const Bytes& s : seeds("manifest")) {  // mode byte, then manifest.json of ckpt_00000003
+    const fs::path dir = fs::temp_directory_path() / ("loom_fuzz_test_" + std::to_string(::getpid())) / "ckpt_00000003";
+    fs::create_directories(dir);
+    const Bytes text = s.substr(1);
+    std::ofstream(dir / "manifest.json", std::ios::binary) << text;
+    if (s[0] & 1) std::ofstream(dir / "manifest.crc32") << loom::data::crc32(text.data(), text.size()) << "\n";
+    EXPECT_NO_THROW(loom::train::read_checkpoint_meta(dir.string()));
+    fs::remove_all(dir.parent_path());
+  }
+  for (const Bytes& s : seeds("config")) {
+    const fs::path p = write_tmp("config.toml", s);
+    EXPECT_NO_THROW(loom::train::load_config(p.string(), {}));
+    fs::remove(p);
+  }
   for (const Bytes& s : seeds("vocab")) {
     const size_t cut = s.find('\0');
     ASSERT_NE(cut, Bytes::npos);
@@ -128,3 +144,5 @@ TEST(FuzzHarness, SeedsAreAccepted) {
 TEST(FuzzHarness, SafetensorsMutations) { drive("safetensors", loom::fuzz::safetensors, 1000); }
 TEST(FuzzHarness, ShardMutations) { drive("shard", loom::fuzz::shard, 1000); }
 TEST(FuzzHarness, VocabMutations) { drive("vocab", loom::fuzz::vocab, 500); }
+TEST(FuzzHarness, ManifestMutations) { drive("manifest", loom::fuzz::manifest, 1000); }
+TEST(FuzzHarness, ConfigMutations) { drive("config", loom::fuzz::config, 500); }

@@ -22,4 +22,14 @@ int shard(const uint8_t* data, size_t size);
 // byte into the two files. An accepted vocabulary must decode what it encodes.
 int vocab(const uint8_t* data, size_t size);
 
+// Checkpoint manifests (train/checkpoint.h): the input is written as the manifest.json of a
+// checkpoint directory named for step 3. The first byte chooses whether a matching
+// manifest.crc32 is written beside it (to get past the manifest's checksum to its fields). An
+// accepted manifest has non-negative counters, step 3, and 32-bit checksums.
+int manifest(const uint8_t* data, size_t size);
+
+// Training configs (train/config.h): the input is the TOML file. An accepted config must write
+// back (config_to_toml) to a file that loads to the same TOML.
+int config(const uint8_t* data, size_t size);
+
 }  // namespace loom::fuzz

@@ -15,6 +15,8 @@
 #include "core/error.h"
 #include "data/shard.h"
 #include "data/tokenizer.h"
+#include "train/checkpoint.h"
+#include "train/config.h"
 #include "train/safetensors.h"
 
 namespace loom::fuzz {
@@ -32,7 +34,8 @@ void check(bool ok, const char* what) {
 struct ScratchFiles {
   std::vector<std::string> paths;
   ~ScratchFiles() {
-    for (const auto& p : paths) std::remove(p.c_str());
+    std::error_code ec;
+    for (const auto& p : paths) std::filesystem::remove_all(p, ec);
   }
 };
 
@@ -110,6 +113,42 @@ int shard(const uint8_t* data, size_t size) {
       for (size_t i = 0; i < toks.size(); ++i) check(uint32_t(toks[i]) == s.at(i), "read and at disagree");
     });
   }
+  return 0;
+}
+
+int manifest(const uint8_t* data, size_t size) {
+  static const std::string dir = scratch_path("run") + "/ckpt_00000003";
+  static const bool made = [] {
+    std::filesystem::create_directories(dir);
+    return true;
+  }();
+  (void)made;
+  if (size == 0) return 0;
+  const std::string_view text(reinterpret_cast<const char*>(data) + 1, size - 1);
+  write_file(dir + "/manifest.json", text.data(), text.size());
+  std::error_code ec;
+  std::filesystem::remove(dir + "/manifest.crc32", ec);
+  if (data[0] & 1) {
+    const std::string crc = std::to_string(data::crc32(text.data(), text.size())) + "\n";
+    write_file(dir + "/manifest.crc32", crc.data(), crc.size());
+  }
+  expect_clean([&] {
+    const train::CheckpointMeta m = train::read_checkpoint_meta(dir);
+    check(m.step == 3, "accepted a manifest whose step is not its directory's");
+    check(m.optimizer_steps >= 0 && m.data_position >= 0, "accepted negative counters");
+  });
+  return 0;
+}
+
+int config(const uint8_t* data, size_t size) {
+  static const std::string path = scratch_path("config.toml"), again = scratch_path("config_again.toml");
+  write_file(path, reinterpret_cast<const char*>(data), size);
+  expect_clean([&] {
+    const train::TrainConfig c = train::load_config(path, {});
+    const std::string toml = train::config_to_toml(c);
+    write_file(again, toml.data(), toml.size());
+    check(train::config_to_toml(train::load_config(again, {})) == toml, "a written config loads differently");
+  });
   return 0;
 }
 
