@@ -67,6 +67,17 @@ TEST(TrainConfig, OutOfRangeValuesAndMisplacedTablesAreRefused) {
   // A NUL in a table header (toml++ tripped an internal assertion on it; found by fuzz_config).
   m = error_of(std::string("[\0\0model]\npreset = \"gpt2-tiny\"\n", 31));
   EXPECT_NE(m.find(":1:2: control character 0x00 (not a TOML text file)"), std::string::npos) << m;
+  // A non-ASCII character where TOML expects a key or whitespace (U+FE7F sent toml++ to an
+  // "unreachable" branch; found by fuzz_config); inside strings and comments any character is fine.
+  m = error_of("\xef\xb9\xbf\n");
+  EXPECT_NE(m.find(":1:1: a non-ASCII character outside a string or comment"), std::string::npos) << m;
+  {
+    TmpFile ok("# caf\xc3\xa9 \xef\xb9\xbf\n[train]\nsample_prompt = \"\xef\xb9\xbf caf\xc3\xa9 \\\" '\"\n"
+               "out_dir = '''runs/x'''\n[optim]\nschedule = \"\"\"cosine\"\"\"\n");
+    const TrainConfig c = load_config(ok.path, {});
+    EXPECT_EQ(c.sample_prompt, "\xef\xb9\xbf caf\xc3\xa9 \" '");
+    EXPECT_EQ(c.out_dir, "runs/x");
+  }
   // Threads beyond 8 per core (libgomp crashed starting 100000 of them).
   m = error_of("", {"train.threads=100000"});
   EXPECT_NE(m.find("train.threads: 100000 is more than 8 per core of this host"), std::string::npos) << m;
