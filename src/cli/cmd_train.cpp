@@ -5,6 +5,7 @@
 #include "cli/command.h"
 #include "core/error.h"
 #include "train/config.h"
+#include "train/run_util.h"
 #include "train/trainer.h"
 #ifdef LOOM_HAVE_CUDA
 #include "train/trainer_cuda.h"
@@ -29,8 +30,8 @@ Registrar reg{Command{
       sub.footer("Arguments: [CONFIG.toml] [--section.field VALUE | --section.field=VALUE]...\n"
                  "The TOML file is optional: defaults and overrides alone work.");
       sub.add_flag("--resume", a->resume, "continue from OUT_DIR/latest, bit-identically");
-      sub.add_flag("--overwrite", a->overwrite, "start over in an OUT_DIR that holds another run (its checkpoints "
-                   "and metrics are replaced)");
+      sub.add_flag("--overwrite", a->overwrite, "start over in an OUT_DIR that holds another run (its checkpoints, "
+                   "metrics and loss plot are deleted first)");
       sub.add_flag("--help-config", a->help_config, "list every config field with its type and default");
       sub.add_flag("--quiet", a->quiet, "no progress lines");
       sub.add_option("--trace", a->trace, "write a Chrome trace of every rank (compute, collectives, waits) to FILE");
@@ -71,6 +72,18 @@ Registrar reg{Command{
             throw Error(fmt::format("train.out_dir {} holds a run ({}): --resume to continue it, --overwrite to "
                                     "replace it, or another train.out_dir (nothing was changed)",
                                     cfg.out_dir, held));
+        }
+        // --overwrite: the old run's checkpoints go first (left there, they would count as the newest
+        // in the retention and in a later --resume), under the run directory's lock.
+        if (a->overwrite && std::filesystem::is_directory(cfg.out_dir)) {
+          namespace fs = std::filesystem;
+          train::RunDirLock lock(cfg.out_dir);
+          for (const auto& e : fs::directory_iterator(cfg.out_dir)) {
+            const std::string n = e.path().filename().string();
+            if (n == "latest" || n == "metrics.jsonl" || n == "loss.png" || n.rfind("ckpt_", 0) == 0 ||
+                n.rfind(".tmp_ckpt_", 0) == 0)
+              fs::remove_all(e.path());
+          }
         }
         train::TrainOptions opt;
         opt.resume = a->resume;

@@ -11,8 +11,9 @@
 //
 // Ops run in order on the backend's queue (the calling thread on the CPU, the instance's stream on
 // CUDA); synchronize() waits for them. On CUDA the ops only enqueue work, so a sequence of them
-// can be captured as a CUDA graph: prepare() every shape first (it allocates what the calls will
-// need), then nothing is allocated inside the capture.
+// can be captured as a CUDA graph: run the sequence once eagerly first (its scratch, attention
+// plans, BLAS handles and tuned algorithms are made then); an op that would allocate while a
+// capture is under way is an error, and memory_epoch() says when captured graphs went stale.
 //
 // This header is also read by nvcc in C++17 mode: no C++20 here.
 #pragma once
@@ -65,8 +66,9 @@ struct LinearBackward {
 };
 
 // out [N, C] = (x - mean) * rstd * weight + bias with mean, rstd f32 [N] saved (either may be null
-// when no backward follows; bias may be null). x is inp, or, with residual_b set, the residual sum
-// residual_out = inp + residual_b (rounded to dtype; residual_out may alias inp).
+// when no backward follows; on the CPU bias may be null too, CUDA needs it). x is inp, or, with
+// residual_b set, the residual sum residual_out = inp + residual_b (rounded to dtype;
+// residual_out may alias inp).
 struct LayerNormForward {
   DType dtype = DType::f32;
   void* out = nullptr;
@@ -82,7 +84,8 @@ struct LayerNormForward {
 };
 
 // dinp [N, C] (= or += with accumulate), dweight, dbias f32 [C] +=; inp is the LayerNorm's input
-// (the residual sum when the forward had one). dweight and dbias may be null.
+// (the residual sum when the forward had one). On the CPU dweight and dbias may be null; CUDA
+// needs both.
 struct LayerNormBackward {
   DType dtype = DType::f32;
   void* dinp = nullptr;
@@ -149,7 +152,7 @@ struct AttentionForward {
 };
 
 // dq (q_stride), dk, dv (kv_stride) from dout (o_stride) and the forward's out and lse (and probs).
-// Written, or added with accumulate (ring attention's several contributions). With the GEMM
+// Written, or on the CPU added with accumulate (ring attention's several contributions). With the GEMM
 // kernels, dq, dk and dv must be the q, k, v columns of one packed [B, T, 3 NH HS] buffer, and
 // probs is overwritten.
 struct AttentionBackward {
@@ -182,7 +185,8 @@ struct CrossEntropy {
   int64_t N = 0, V = 0, Vp = 0;
 };
 
-// out [B, T, C] = wte[tokens[b, t]] + wpe[pos0 + t] (wpe may be null: no position table).
+// out [B, T, C] = wte[tokens[b, t]] + wpe[pos0 + t] (on the CPU wpe may be null: no position
+// table; CUDA needs one).
 struct EmbeddingForward {
   DType dtype = DType::f32;
   void* out = nullptr;
@@ -334,6 +338,9 @@ class Backend {
   // would allocate during a capture is an error.
   virtual void begin_capture();
   virtual std::unique_ptr<Graph> end_capture();
+  // Counts the times the instance freed or moved memory that enqueued ops may point at (its
+  // scratch, its plans): a captured graph recorded under another count must not be replayed.
+  uint64_t memory_epoch() const { return epoch_; }
   // Ops report to `o` (not owned; null: none) from now on, where the backend supports it (CUDA).
   void set_observer(OpObserver* o) { observer_ = o; }
   OpObserver* observer() const { return observer_; }
@@ -348,9 +355,11 @@ class Backend {
   void observed(const char* what, double flops = 0) {
     if (observer_) observer_->op_done(what, flops);
   }
+  void memory_moved() { ++epoch_; }
 
  private:
   OpObserver* observer_ = nullptr;
+  uint64_t epoch_ = 0;
 };
 
 // The registry: each backend compiled into the program registers a factory for its device, and a

@@ -195,6 +195,7 @@ void GPT::release_activations() {
   for (ChainBlock* b : chain()) b->release_activations();
   ws_dres_ = ws_bufC_ = ws_buf4C_ = Tensor();
   be_.release_workspace();
+  ++activation_epoch_;
   B_ = T_ = 0;
   can_backward_ = false;
 }

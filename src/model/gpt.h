@@ -95,6 +95,9 @@ class GPT {
 
   // Drops saved activations and the backward and attention workspace (reallocated when needed).
   void release_activations();
+  // Counts release_activations calls (and so the new shapes forward was given): graphs captured
+  // over the activations of another count point at freed memory.
+  uint64_t activation_epoch() const { return activation_epoch_; }
 
   // The chain, for schedules, checkpointing and tests.
   Embedding& embedding() { return *embedding_; }
@@ -116,7 +119,8 @@ class GPT {
   //                                        forward and backward call's
   //                                        (Backend::attention_workspace_bytes).
   // Every step reaches it, the first included. A forward without targets keeps only the forward
-  // call's attention scratch.
+  // call's attention scratch. (On CUDA the backend instance also keeps the LayerNorm and
+  // bias-gradient reductions' scratch and its BLAS handles' workspaces, 32 MiB each.)
   int64_t workspace_bytes(int64_t B, int64_t T, int threads) const;
 
  private:
@@ -135,6 +139,7 @@ class GPT {
   ChainHooks* hooks_ = nullptr;
   Tensor ws_dres_, ws_bufC_, ws_buf4C_;  // [B, T, C], [B, T, C], [B, T, 4C] (tag workspace)
   Tensor grads_;  // f32: every gradient, on devices (flat_gradients)
+  uint64_t activation_epoch_ = 0;
 };
 
 }  // namespace loom::model

@@ -141,28 +141,20 @@ std::string save_checkpoint(const std::string& dir, const CheckpointMeta& meta,
     write_text_durably((fs::path(tmp_dir) / "manifest.crc32").string(),
                        std::to_string(data::crc32(manifest.data(), manifest.size())) + "\n");
     fsync_path(tmp_dir, true);
-  } catch (const Error& e) {
+    // Read back before it replaces anything, anything points at it, or an older checkpoint goes.
+    verify_checkpoint(tmp_dir);
+  } catch (const std::exception& e) {
     std::error_code ec;
     fs::remove_all(tmp_dir, ec);
     throw Error(fmt::format("the checkpoint of step {} could not be written (removed; {}): {}", meta.step,
-                            fs::exists(fs::path(dir) / "latest") ? "the earlier checkpoints are kept"
-                                                                 : "there is no earlier checkpoint",
+                            fs::exists(fs::path(dir) / "latest", ec) ? "the earlier checkpoints are kept"
+                                                                     : "there is no earlier checkpoint",
                             e.what()));
   }
 
   fs::remove_all(final_dir);  // a previous run's checkpoint of the same step
   fs::rename(tmp_dir, final_dir);
   fsync_path(dir, true);
-  // Read back before anything points at it or an older checkpoint goes.
-  try {
-    verify_checkpoint(final_dir);
-  } catch (const Error& e) {
-    std::error_code ec;
-    fs::remove_all(final_dir, ec);
-    throw Error(fmt::format("checkpoint of step {} did not read back as written (removed; the earlier checkpoints "
-                            "are kept): {}",
-                            meta.step, e.what()));
-  }
   write_text_durably((fs::path(dir) / "latest").string(), ckpt_name(meta.step) + "\n");
   fsync_path(dir, true);
 
@@ -322,7 +314,9 @@ std::string resume_checkpoint(const std::string& dir, std::vector<std::string>* 
       const std::string n = e.path().filename().string();
       if (e.is_directory() && step_of_name(n) >= 0 && complete(e.path())) all.push_back((fs::path(dir) / n).string());
     }
-  std::sort(all.rbegin(), all.rend());  // newest first (zero-padded step numbers)
+  std::sort(all.begin(), all.end(), [](const std::string& a, const std::string& b) {  // newest first, by step
+    return step_of_name(fs::path(a).filename().string()) > step_of_name(fs::path(b).filename().string());
+  });
   for (const std::string& c : all)
     if (candidates.empty() || fs::path(c) != fs::path(candidates[0])) candidates.push_back(c);
   for (const std::string& c : candidates) {

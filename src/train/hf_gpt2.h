@@ -21,6 +21,7 @@
 #include "core/tensor.h"
 #include "model/config.h"
 #include "model/gpt.h"
+#include "train/hf_config.h"
 
 // Declared in loom::model (these are the model's own file formats) but kept under train/, since
 // they write and read loom checkpoints (train/checkpoint.h) and model/ depends on nothing above it.
@@ -34,15 +35,6 @@ struct HfKey {
 HfKey hf_key(const std::string& loom_name);
 // The shape Hugging Face stores parameter `spec` with (Conv1D weights transposed).
 Shape hf_shape(const ParamSpec& spec);
-
-// GPTConfig from a GPT-2 config.json (n_layer, n_head, n_embd, vocab_size, n_positions or n_ctx,
-// layer_norm_epsilon, activation_function, tie_word_embeddings). Configurations loom cannot run
-// the same way (another activation, n_inner != 4 n_embd, cross-attention, attention scaled by layer
-// index) are refused. Errors name `where` and the field.
-GPTConfig gpt_config_from_hf(const nlohmann::json& j, const std::string& where);
-GPTConfig read_hf_config(const std::string& path);
-// The config.json transformers reads for `cfg` (dropout 0: loom trains without it).
-nlohmann::json hf_config_json(const GPTConfig& cfg);
 
 // Copies Hugging Face GPT-2 weights from safetensors file `path` into `gpt`, whose config must
 // match the file's tensors (wrong shapes, non-float dtypes, missing or unknown tensors are

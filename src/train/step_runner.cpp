@@ -69,6 +69,10 @@ void StepRunner::enqueue(Kind k) {
 }
 
 void StepRunner::run(Kind k) {
+  if (graphs_[k] && (graph_epochs_[k][0] != be_.memory_epoch() || graph_epochs_[k][1] != gpt_.activation_epoch())) {
+    graphs_[k].reset();
+    warmed_[k] = false;  // (an eager run first: it may take the memory anew)
+  }
   // Eagerly: without graphs, the first time (allocations, plans, tuning), and while an observer
   // profiles the ops (a replay would not report them).
   if (!opt_.graphs || !be_.can_capture() || be_.observer() || !warmed_[k]) {
@@ -90,6 +94,8 @@ void StepRunner::run(Kind k) {
     }
     graphs_[k] = be_.end_capture();
     graph_counted_[k] = counted_;
+    graph_epochs_[k][0] = be_.memory_epoch();
+    graph_epochs_[k][1] = gpt_.activation_epoch();
   }
   graphs_[k]->replay();
   ++graph_launches_;

@@ -95,6 +95,9 @@ class StepRunner {
   int64_t counted_ = 0;
   std::unique_ptr<Graph> graphs_[kKinds];
   int64_t graph_counted_[kKinds] = {-1, -1};  // the count baked into each graph
+  // The backend's memory epoch and the model's activation epoch each graph was captured under: a
+  // graph whose memory has since been freed or moved is dropped and the step warmed again.
+  uint64_t graph_epochs_[kKinds][2] = {{0, 0}, {0, 0}};
   bool warmed_[kKinds] = {false, false};
   int64_t graph_launches_ = 0;
   float grad_norm_ = 0;

@@ -108,9 +108,17 @@ TEST(ResumeCli, ADirectoryWithARunIsNotReplacedUnlessAsked) {
   EXPECT_NE(again.err.find("--resume"), std::string::npos) << again.err;
   EXPECT_NE(again.err.find("--overwrite"), std::string::npos) << again.err;
   EXPECT_EQ(slurp(run / "metrics.jsonl"), metrics);
+  // The old run's checkpoints go with --overwrite: a 4-step run replaced by a 2-step one leaves no
+  // ckpt_00000004 for the retention or a later --resume to take as the newest.
+  CliRun longer = loom_cli(fmt::format("train {} --train.out_dir '{}' --train.steps 4 --overwrite", r.flags, run.string()),
+                           r.root / "logs");
+  ASSERT_EQ(longer.code, 0) << longer.err;
+  ASSERT_TRUE(fs::exists(run / "ckpt_00000004"));
   CliRun over = loom_cli(fmt::format("train {} --train.out_dir '{}' --train.steps 2 --overwrite", r.flags, run.string()),
                          r.root / "logs");
   EXPECT_EQ(over.code, 0) << over.err;
+  EXPECT_FALSE(fs::exists(run / "ckpt_00000004"));
+  EXPECT_EQ(slurp(run / "latest"), "ckpt_00000002\n");
   {
     train::RunDirLock held(run.string());  // another run writing there
     CliRun busy = r.train(run, 4, true);

@@ -113,6 +113,7 @@ class CudaAdamW final : public AdamWPlan {
     impl_->set_hyper(x);
   }
   void launch() override {
+    LOOM_CUDA_CHECK(cudaSetDevice(device_));
     impl_->launch(stream_);
     if (be_->observer()) be_->observer()->op_done("adamw", 0);
   }
@@ -251,6 +252,7 @@ void* CudaBackend::grow(void*& p, size_t& have, size_t bytes, const char* what) 
              what, bytes);
   LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old buffer may still be in use
   if (p) pool_->deallocate(p, have, MemTag::workspace);
+  memory_moved();
   p = nullptr;
   have = 0;
   p = pool_->allocate(bytes, MemTag::workspace);
@@ -510,6 +512,8 @@ void CudaBackend::copy(const Copy& a) {
   check(Op::copy, a.dst_dtype);
   check(Op::copy, a.src_dtype);
   LOOM_CHECK(a.n >= 0, "copy: negative size {}", a.n);
+  LOOM_CHECK(a.dst_dtype == a.src_dtype || (a.dst_dtype != DType::i32 && a.src_dtype != DType::i32),
+             "copy: no conversion from {} to {}", dtype_name(a.src_dtype), dtype_name(a.dst_dtype));
   if (a.n == 0) return;
   const size_t n = size_t(a.n);
   if (a.dst_host && a.src_host) {
@@ -570,6 +574,7 @@ void CudaBackend::release_workspace() {
   activate();
   LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
   plans_.clear();
+  memory_moved();
   for (auto [p, n] : {std::make_pair(&dbias_scratch_, &dbias_bytes_), std::make_pair(&ln_scratch_, &ln_bytes_),
                       std::make_pair(&attn_ws_, &attn_ws_bytes_)}) {
     if (*p) pool_->deallocate(*p, *n, MemTag::workspace);

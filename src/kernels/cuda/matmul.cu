@@ -283,9 +283,10 @@ bool lt_matmul(Blas& blas, const LtCall& c, cudaStream_t stream) {
       size_t ws = kWorkspaceBytes;
       LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
       uint32_t a32 = uint32_t(al_a), b32 = uint32_t(al_b), d32 = uint32_t(al_d);
+      const uint32_t c32 = c.C ? uint32_t(std::min(al_c, al_d)) : d32;  // a separate C may be less aligned
       LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &a32, 4));
       LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &b32, 4));
-      LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &d32, 4));
+      LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &c32, 4));
       LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &d32, 4));
       cublasLtMatmulHeuristicResult_t res[kTuneCandidates]{};
       int found = 0;

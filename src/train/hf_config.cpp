@@ -1,0 +1,117 @@
+#include "train/hf_config.h"
+
+#include <cmath>
+#include <fstream>
+#include <limits>
+
+#include "core/error.h"
+
+namespace loom::model {
+
+using json = nlohmann::json;
+
+namespace {
+double shortest(float f) { return std::stod(fmt::format("{}", f)); }
+}  // namespace
+
+GPTConfig gpt_config_from_hf(const json& j, const std::string& where) {
+  if (!j.is_object()) throw Error(fmt::format("{}: config must be a JSON object", where));
+  auto integer = [&](const char* key, bool required, int64_t fallback) -> int64_t {
+    if (!j.contains(key) || j[key].is_null()) {
+      if (required) throw Error(fmt::format("{}: missing field '{}'", where, key));
+      return fallback;
+    }
+    if (!j[key].is_number_integer()) throw Error(fmt::format("{}: field '{}' must be an integer", where, key));
+    return j[key].get<int64_t>();
+  };
+  if (j.contains("model_type") && j["model_type"] != "gpt2")
+    throw Error(fmt::format("{}: field 'model_type' is {}, loom imports gpt2", where, j["model_type"].dump()));
+  GPTConfig c;
+  c.name = "hf-gpt2";
+  c.n_layer = integer("n_layer", true, 0);
+  c.n_head = integer("n_head", true, 0);
+  c.n_embd = integer("n_embd", true, 0);
+  c.vocab_size = integer("vocab_size", true, 0);
+  const bool has_positions = j.contains("n_positions") && !j["n_positions"].is_null();
+  c.block_size = integer(has_positions ? "n_positions" : "n_ctx", true, 0);
+  if (j.contains("layer_norm_epsilon")) {
+    if (!j["layer_norm_epsilon"].is_number())
+      throw Error(fmt::format("{}: field 'layer_norm_epsilon' must be a number", where));
+    const double eps = j["layer_norm_epsilon"].get<double>();
+    // loom keeps epsilon as an f32: a value that does not fit one (inf, or 0 after rounding) would
+    // be written into a manifest that loom then refuses.
+    if (!(eps > 0) || !std::isfinite(float(eps)) || !(float(eps) > 0.f))
+      throw Error(fmt::format("{}: field 'layer_norm_epsilon' is {}: it must be positive and fit a 32-bit float "
+                              "(at most {:.6g})",
+                              where, eps, double(std::numeric_limits<float>::max())));
+    c.ln_eps = float(eps);
+  }
+  if (j.contains("activation_function")) {
+    const json& a = j["activation_function"];
+    if (!a.is_string() || (a != "gelu_new" && a != "gelu_pytorch_tanh"))
+      throw Error(fmt::format("{}: field 'activation_function' is {}; loom's GPT-2 uses the tanh GELU "
+                              "(gelu_new or gelu_pytorch_tanh)", where, a.dump()));
+  }
+  if (j.contains("tie_word_embeddings")) {
+    if (!j["tie_word_embeddings"].is_boolean())
+      throw Error(fmt::format("{}: field 'tie_word_embeddings' must be true or false", where));
+    c.tied_embeddings = j["tie_word_embeddings"].get<bool>();
+  }
+  const int64_t n_inner = integer("n_inner", false, 4 * c.n_embd);
+  if (n_inner != 4 * c.n_embd)
+    throw Error(fmt::format("{}: field 'n_inner' is {}; loom's MLP is 4 * n_embd = {} wide", where, n_inner,
+                            4 * c.n_embd));
+  auto refuse_true = [&](const char* key, const char* why) {
+    if (j.contains(key) && j[key].is_boolean() && j[key].get<bool>())
+      throw Error(fmt::format("{}: field '{}' is true; {}", where, key, why));
+  };
+  refuse_true("add_cross_attention", "loom's GPT-2 has no cross-attention");
+  refuse_true("scale_attn_by_inverse_layer_idx", "loom scales attention by 1/sqrt(head size) only");
+  if (j.contains("scale_attn_weights") && j["scale_attn_weights"].is_boolean() && !j["scale_attn_weights"].get<bool>())
+    throw Error(fmt::format("{}: field 'scale_attn_weights' is false; loom always scales by 1/sqrt(head size)", where));
+  c.validate(where);
+  return c;
+}
+
+GPTConfig read_hf_config(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) throw Error(fmt::format("{}: cannot open config", path));
+  json j;
+  try {
+    j = json::parse(f);
+  } catch (const json::exception& e) {
+    throw Error(fmt::format("{}: malformed JSON: {}", path, e.what()));
+  }
+  return gpt_config_from_hf(j, path);
+}
+
+json hf_config_json(const GPTConfig& c) {
+  json j = {{"architectures", {"GPT2LMHeadModel"}},
+            {"model_type", "gpt2"},
+            {"activation_function", "gelu_new"},
+            {"n_layer", c.n_layer},
+            {"n_head", c.n_head},
+            {"n_embd", c.n_embd},
+            {"n_inner", nullptr},
+            {"vocab_size", c.vocab_size},
+            {"n_positions", c.block_size},
+            {"n_ctx", c.block_size},
+            {"layer_norm_epsilon", shortest(c.ln_eps)},
+            {"initializer_range", shortest(c.init_std)},
+            {"resid_pdrop", 0.0},
+            {"embd_pdrop", 0.0},
+            {"attn_pdrop", 0.0},
+            {"scale_attn_weights", true},
+            {"scale_attn_by_inverse_layer_idx", false},
+            {"reorder_and_upcast_attn", false},
+            {"tie_word_embeddings", c.tied_embeddings},
+            {"use_cache", true},
+            {"torch_dtype", "float32"}};
+  if (c.vocab_size == 50257) {  // GPT-2's own vocabulary: <|endoftext|> is 50256
+    j["bos_token_id"] = 50256;
+    j["eos_token_id"] = 50256;
+  }
+  return j;
+}
+
+}  // namespace loom::model
