@@ -18,6 +18,7 @@
 #include "fuzz/harness.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
+#include "train/hf_config.h"
 #include "train/safetensors.h"
 
 namespace fs = std::filesystem;
@@ -126,6 +127,11 @@ TEST(FuzzHarness, SeedsAreAccepted) {
     EXPECT_NO_THROW(loom::train::read_checkpoint_meta(dir.string()));
     fs::remove_all(dir.parent_path());
   }
+  for (const Bytes& s : seeds("hf_config")) {
+    const fs::path p = write_tmp("hf_config.json", s);
+    EXPECT_NO_THROW(loom::model::read_hf_config(p.string()));
+    fs::remove(p);
+  }
   for (const Bytes& s : seeds("config")) {
     const fs::path p = write_tmp("config.toml", s);
     EXPECT_NO_THROW(loom::train::load_config(p.string(), {}));
@@ -146,3 +152,4 @@ TEST(FuzzHarness, ShardMutations) { drive("shard", loom::fuzz::shard, 1000); }
 TEST(FuzzHarness, VocabMutations) { drive("vocab", loom::fuzz::vocab, 500); }
 TEST(FuzzHarness, ManifestMutations) { drive("manifest", loom::fuzz::manifest, 1000); }
 TEST(FuzzHarness, ConfigMutations) { drive("config", loom::fuzz::config, 500); }
+TEST(FuzzHarness, HfConfigMutations) { drive("hf_config", loom::fuzz::hf_config, 1000); }

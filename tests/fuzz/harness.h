@@ -32,4 +32,8 @@ int manifest(const uint8_t* data, size_t size);
 // back (config_to_toml) to a file that loads to the same TOML.
 int config(const uint8_t* data, size_t size);
 
+// Hugging Face GPT-2 config.json (train/hf_config.h). An accepted config must write back
+// (hf_config_json) to JSON that reads as the same model.
+int hf_config(const uint8_t* data, size_t size);
+
 }  // namespace loom::fuzz

@@ -17,6 +17,7 @@
 #include "data/tokenizer.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
+#include "train/hf_config.h"
 #include "train/safetensors.h"
 
 namespace loom::fuzz {
@@ -148,6 +149,19 @@ int config(const uint8_t* data, size_t size) {
     const std::string toml = train::config_to_toml(c);
     write_file(again, toml.data(), toml.size());
     check(train::config_to_toml(train::load_config(again, {})) == toml, "a written config loads differently");
+  });
+  return 0;
+}
+
+int hf_config(const uint8_t* data, size_t size) {
+  static const std::string path = scratch_path("hf_config.json");
+  write_file(path, reinterpret_cast<const char*>(data), size);
+  expect_clean([&] {
+    const model::GPTConfig c = model::read_hf_config(path);
+    const model::GPTConfig d = model::gpt_config_from_hf(model::hf_config_json(c), "written back");
+    check(c.n_layer == d.n_layer && c.n_head == d.n_head && c.n_embd == d.n_embd && c.vocab_size == d.vocab_size &&
+              c.block_size == d.block_size && c.tied_embeddings == d.tied_embeddings && c.ln_eps == d.ln_eps,
+          "a written config.json reads as another model");
   });
   return 0;
 }
