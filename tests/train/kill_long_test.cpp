@@ -23,7 +23,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_util.h"
-#include "data/shard.h"
+#include "noisy_corpus.h"
 #include "train/checkpoint.h"
 
 extern char** environ;
@@ -115,12 +115,7 @@ struct Corpus {
   std::string data;
   explicit Corpus(const std::string& name) : root(fs::temp_directory_path() / fmt::format("loom_kill_{}_{}", name, ::getpid())) {
     fs::remove_all(root);
-    fs::create_directories(root / "data");
-    std::mt19937 g(5);
-    std::vector<uint32_t> toks(20000);
-    for (size_t i = 0; i < toks.size(); ++i) toks[i] = (g() % 4 == 0) ? g() % 97 : uint32_t((i * 7) % 97);
-    data::write_shard((root / "data" / "train_000.bin").string(), toks, 97);
-    data::write_shard((root / "data" / "val_000.bin").string(), std::vector<uint32_t>(toks.begin(), toks.begin() + 2000), 97);
+    write_noisy_pattern_corpus(root / "data");
     data = (root / "data").string();
   }
   ~Corpus() { fs::remove_all(root); }

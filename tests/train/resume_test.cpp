@@ -15,7 +15,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "data/shard.h"
+#include "noisy_corpus.h"
 #include "train/checkpoint.h"
 #include "train/safetensors.h"
 
@@ -72,13 +72,7 @@ TEST(Resume, SigkillAtRandomMomentsThenResumeIsBitIdentical) {
   if (!fs::exists(kLoom)) GTEST_SKIP() << "the loom executable is not built at " << kLoom;
   fs::path root = fs::temp_directory_path() / fmt::format("loom_resume_{}", ::getpid());
   fs::remove_all(root);
-  fs::create_directories(root / "data");
-  // A corpus with structure (a noisy repeating pattern), vocabulary 97.
-  std::mt19937 g(5);
-  std::vector<uint32_t> toks(20000);
-  for (size_t i = 0; i < toks.size(); ++i) toks[i] = (g() % 4 == 0) ? g() % 97 : uint32_t((i * 7) % 97);
-  data::write_shard((root / "data" / "train_000.bin").string(), toks, 97);
-  data::write_shard((root / "data" / "val_000.bin").string(), std::vector<uint32_t>(toks.begin(), toks.begin() + 2000), 97);
+  test::write_noisy_pattern_corpus(root / "data");
   std::string data = (root / "data").string();
 
   std::string ref = (root / "ref").string();
