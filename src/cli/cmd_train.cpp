@@ -4,6 +4,7 @@
 
 #include "cli/command.h"
 #include "core/error.h"
+#include "train/checkpoint.h"
 #include "train/config.h"
 #include "train/run_util.h"
 #include "train/trainer.h"
@@ -60,14 +61,7 @@ Registrar reg{Command{
         // A run that starts from step 0 in a directory of another run would replace its
         // checkpoints and metrics: only when asked to.
         if (!a->resume && !a->overwrite) {
-          namespace fs = std::filesystem;
-          std::error_code ec;
-          std::string held;
-          if (fs::exists(fs::path(cfg.out_dir) / "metrics.jsonl", ec)) held = "metrics.jsonl";
-          if (fs::exists(fs::path(cfg.out_dir) / "latest", ec)) held = "latest";
-          if (fs::is_directory(cfg.out_dir, ec))
-            for (const auto& e : fs::directory_iterator(cfg.out_dir, ec))
-              if (e.path().filename().string().rfind("ckpt_", 0) == 0) held = e.path().filename().string();
+          const std::string held = train::run_marker(cfg.out_dir);
           if (!held.empty())
             throw Error(fmt::format("train.out_dir {} holds a run ({}): --resume to continue it, --overwrite to "
                                     "replace it, or another train.out_dir (nothing was changed)",

@@ -40,9 +40,16 @@ void ChainBlock::allocate_param(Parameter& p) {
   p.allocate(*be_, arena_ ? arena_->take(p.spec.alloc_numel()) : Tensor());
 }
 
+int64_t GradArena::aligned(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+int64_t GradArena::elements(const std::vector<ParamSpec>& specs) {
+  int64_t total = 0;
+  for (const ParamSpec& s : specs) total = aligned(total) + s.alloc_numel();
+  return total;
+}
+
 Tensor GradArena::take(int64_t n) {
-  constexpr int64_t kAlign = 64;  // f32 elements: 256 bytes
-  const int64_t start = (offset + kAlign - 1) / kAlign * kAlign;
+  const int64_t start = aligned(offset);
   LOOM_CHECK(flat.defined() && start + n <= flat.numel(), "gradient arena: {} elements at {} of {}", n, start,
              flat.defined() ? flat.numel() : 0);
   offset = start + n;
@@ -78,7 +85,7 @@ void Embedding::forward(const int32_t* tokens, int64_t B, int64_t T, int64_t pos
   const int64_t C = cfg_.n_embd;
   LOOM_CHECK(pos0 >= 0 && pos0 + T <= cfg_.block_size, "embedding: positions [{}, {}) exceed block_size {}", pos0,
              pos0 + T, cfg_.block_size);
-  if (be_->device() != Device::cpu && !on_device)  // the CPU kernel checks the ids itself; a GPU's reads them unchecked
+  if (!on_device)  // (a GPU's kernel reads the ids unchecked; a device batch was checked by its caller)
     for (int64_t i = 0; i < B * T; ++i)
       LOOM_CHECK(tokens[i] >= 0 && tokens[i] < cfg_.vocab_size,
                  "embedding: token id {} at index {} is outside the vocabulary [0, {})", tokens[i], i, cfg_.vocab_size);

@@ -45,6 +45,12 @@ struct GradArena {
   int64_t offset = 0;  // elements handed out so far
   // The next n elements (starting on a 256-byte boundary).
   Tensor take(int64_t n);
+  // Elements an arena needs for parameters `specs` taken in order.
+  static int64_t elements(const std::vector<ParamSpec>& specs);
+
+ private:
+  static constexpr int64_t kAlign = 64;  // f32 elements: 256 bytes
+  static int64_t aligned(int64_t n);
 };
 
 // Incremental decoding with a key/value cache (model/kv_cache.h): a forward of T new tokens at

@@ -21,9 +21,7 @@ void GPT::build(uint64_t seed) {
   GradArena arena;
   GradArena* a = nullptr;
   if (be_.device() != Device::cpu) {
-    int64_t total = 0;
-    for (const ParamSpec& s : gpt_param_specs(cfg_)) total = (total + 63) / 64 * 64 + s.alloc_numel();
-    arena.flat = be_.empty({total}, DType::f32, MemTag::grads);
+    arena.flat = be_.empty({GradArena::elements(gpt_param_specs(cfg_))}, DType::f32, MemTag::grads);
     be_.fill_zero(arena.flat.raw(), int64_t(arena.flat.nbytes()));
     grads_ = arena.flat;
     a = &arena;

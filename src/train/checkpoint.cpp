@@ -281,6 +281,16 @@ void load_checkpoint_tensors(const std::string& ckpt, const std::vector<NamedTen
   }
 }
 
+std::string run_marker(const std::string& dir) {
+  std::error_code ec;
+  for (const char* f : {"latest", "metrics.jsonl"})
+    if (fs::exists(fs::path(dir) / f, ec)) return f;
+  if (fs::is_directory(dir, ec))
+    for (const auto& e : fs::directory_iterator(dir, ec))
+      if (e.path().filename().string().rfind("ckpt_", 0) == 0) return e.path().filename().string();
+  return "";
+}
+
 void verify_checkpoint(const std::string& ckpt) {
   const CheckpointMeta meta = read_checkpoint_meta(ckpt);
   const std::string file = (fs::path(ckpt) / "state.safetensors").string();

@@ -50,6 +50,10 @@ std::string save_checkpoint(const std::string& dir, const CheckpointMeta& meta,
 // there is none). Throws when `latest` names a missing or incomplete checkpoint.
 std::string latest_checkpoint(const std::string& dir);
 
+// What in DIR shows that a run is there ("latest", "metrics.jsonl" or a "ckpt_*" directory), or
+// "" when nothing does (or DIR does not exist).
+std::string run_marker(const std::string& dir);
+
 // Reads every tensor of checkpoint `ckpt` and checks it against the manifest's checksums (and the
 // manifest against its own); throws naming the file and what differs.
 void verify_checkpoint(const std::string& ckpt);

@@ -63,11 +63,9 @@ void load_checkpoint_params(const std::string& ckpt, GPT& gpt) {
 }
 
 std::string save_initial_checkpoint(const GPT& gpt, const std::string& dir, uint64_t seed) {
-  bool holds = fs::exists(fs::path(dir) / "latest");
-  if (fs::is_directory(dir))
-    for (const auto& e : fs::directory_iterator(dir)) holds = holds || e.path().filename().string().rfind("ckpt_", 0) == 0;
-  if (holds)
-    throw Error(fmt::format("{}: already holds checkpoints; choose a new directory (nothing was written)", dir));
+  const std::string held = train::run_marker(dir);
+  if (!held.empty())
+    throw Error(fmt::format("{}: already holds a run ({}); choose a new directory (nothing was written)", dir, held));
   std::vector<train::NamedTensor> state;
   for (Parameter* p : gpt.parameters()) {
     Tensor zeros = Tensor::zeros(p->spec.shape, DType::f32, MemTag::optimizer);  // f32 [param shape]

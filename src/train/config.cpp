@@ -533,18 +533,23 @@ std::vector<std::string> collect_overrides(const std::vector<std::string>& args)
   return out;
 }
 
-std::string config_to_toml(const TrainConfig& cfg) {
+std::vector<std::pair<std::string, std::string>> config_values(const TrainConfig& cfg) {
   TrainConfig c = cfg;
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& f : kFields) out.emplace_back(f.key, value_str(f.get(c)));
+  return out;
+}
+
+std::string config_to_toml(const TrainConfig& cfg) {
   std::string out, section;
-  for (const auto& f : kFields) {
-    std::string key = f.key;
+  for (const auto& [key, value] : config_values(cfg)) {
     auto dot = key.find('.');
     std::string sec = key.substr(0, dot), name = key.substr(dot + 1);
     if (sec != section) {
       out += fmt::format("{}[{}]\n", out.empty() ? "" : "\n", sec);
       section = sec;
     }
-    out += fmt::format("{} = {}\n", name, value_str(f.get(c)));
+    out += fmt::format("{} = {}\n", name, value);
   }
   return out;
 }

@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "model/config.h"
@@ -74,6 +75,8 @@ struct FieldInfo {
   std::string default_value;
 };
 std::vector<FieldInfo> config_fields();
+// Every field of `c` as (key, value written as in TOML), in the schema's order.
+std::vector<std::pair<std::string, std::string>> config_values(const TrainConfig& c);
 
 // Parses `path` (may be empty: defaults only), then applies the overrides ("optim.lr=1e-3" or the
 // pair "--optim.lr", "1e-3" already joined by the caller as "optim.lr=1e-3").

@@ -161,20 +161,7 @@ void check_ranks_agree(comm::Comm& world, const TrainConfig& cfg, const RunData&
   if (world.size() == 1) return;
   // What each rank was started with, item by item: every config field, then the resolved model
   // and the data.
-  std::vector<std::pair<std::string, std::string>> items;
-  std::string section;
-  const std::string toml = config_to_toml(cfg);
-  for (size_t pos = 0; pos < toml.size();) {
-    size_t eol = toml.find('\n', pos);
-    if (eol == std::string::npos) eol = toml.size();
-    const std::string line = toml.substr(pos, eol - pos);
-    pos = eol + 1;
-    if (line.size() > 2 && line.front() == '[' && line.back() == ']') {
-      section = line.substr(1, line.size() - 2);
-    } else if (const size_t eq = line.find(" = "); eq != std::string::npos) {
-      items.emplace_back(section + "." + line.substr(0, eq), line.substr(eq + 3));
-    }
-  }
+  std::vector<std::pair<std::string, std::string>> items = config_values(cfg);
   items.emplace_back("the model (as resolved from the config and the data)", data.model.str());
   items.emplace_back("the data's vocabulary", data.tokenizer ? data.tokenizer->fingerprint() : "");
   items.emplace_back("the data's training tokens", std::to_string(data.train.total_tokens()));

@@ -3,8 +3,8 @@
 // dump (tests/data/gpt2_tiny_reference.safetensors, written by scripts/torch_reference.py) and
 // against itself through the KV-cache decoder. Host code only (compiled by the C++ compiler);
 // skipped without a GPU. Tolerances are those of the bf16 model (bf16 activations compounded over
-// the network): loss 5e-3 relative, logits 2e-2 (norm), every parameter gradient and the global
-// gradient norm 5e-2 (norm), AdamW step losses 2e-2 absolute; decoder logits against the full
+// the network): loss 5e-3 relative, logits 2e-2 (norm), every parameter gradient 5e-2 (norm), the
+// global gradient norm 2e-2, AdamW step losses 2e-2 absolute; decoder logits against the full
 // forward's 2e-2 (norm: the same bf16 ops on other row counts).
 #include <gtest/gtest.h>
 
@@ -60,8 +60,9 @@ TEST(GPTOnCuda, MatchesPyTorchReference) {
   REQUIRE_CUDA_BACKEND();
   const std::string path = std::string(LOOM_SOURCE_DIR) + "/tests/data/gpt2_tiny_reference.safetensors";
   if (!std::filesystem::exists(path)) GTEST_SKIP() << path << " is missing (scripts/torch_reference.py writes it)";
-  test::check_gpt_reference(path, {.loss_rel = 5e-3, .logits_rel = 2e-2, .grad_rel = 5e-2, .step_loss_abs = 2e-2},
-                            Device::cuda);
+  test::check_gpt_reference(
+      path, {.loss_rel = 5e-3, .logits_rel = 2e-2, .grad_rel = 5e-2, .grad_norm_rel = 2e-2, .step_loss_abs = 2e-2},
+      Device::cuda);
 }
 
 // Head size 64 (the flash and cuDNN kernels): the same model on the CPU (f32) and on CUDA (bf16)

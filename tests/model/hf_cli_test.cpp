@@ -84,7 +84,7 @@ TEST(HfCli, ConvertGenerateAndErrors) {
   // a checkpoint that does not exist leaves the export.
   r = loom_cli("convert --from hf --to loom '" + (dump / "model.safetensors").string() + "' '" + run + "'", d.p);
   EXPECT_EQ(r.code, 1);
-  EXPECT_NE(r.err.find("already holds checkpoints"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("already holds a run ("), std::string::npos) << r.err;
   r = loom_cli("convert --from loom --to hf '" + (d.p / "missing").string() + "' '" + hf + "'", d.p);
   EXPECT_EQ(r.code, 1);
   EXPECT_EQ(fs::file_size(hf + "/model.safetensors"), before);

@@ -10,6 +10,7 @@ struct ReferenceTolerance {
   double loss_rel = 1e-5;       // |loss - ref| / |ref|
   double logits_rel = 1e-5;     // ||l - ref|| / ||ref||
   double grad_rel = 1e-4;       // ||g - ref|| / ||ref||, every parameter
+  double grad_norm_rel = 1e-4;  // |norm - ref| / ref, the global gradient norm
   double step_loss_abs = 1e-4;  // |loss_i - ref_i| for each AdamW step
 };
 

@@ -5,9 +5,10 @@
 // The same model run as CUDA graphs and op by op launches the same kernels in the same order (GEMM
 // tuning off in both instances, so both run cuBLASLt's first choice); only the f32 atomics of the
 // token-embedding gradient may add in another order (last bits of a few gradients), so step losses
-// agree within kGraphLossTol = 1e-3 absolute and the parameters, all together, within 1e-4
-// relative after a dozen AdamW steps. (Not tensor by tensor: AdamW turns the rounding noise of a
-// gradient that is zero but for rounding, the key bias's, into updates of up to lr.)
+// agree within kGraphLossTol = 1e-3 absolute, and the parameters within 1e-4 relative: tensor by
+// tensor after five AdamW steps, all together after a dozen (AdamW turns the rounding noise of a
+// gradient that is zero but for rounding, the key bias's, into updates of up to lr, which a dozen
+// steps add up in that one tensor).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -113,7 +114,14 @@ TEST(StepRunnerGraph, RecapturesWhenTheCountedTargetsChange) {
     EXPECT_NEAR(lg, le, kGraphLossTol) << "step " << s;
   }
   EXPECT_EQ(m.g->graph_launches(), 4);
-  EXPECT_LE(params_err(*m.g, *m.e), 1e-4);
+  // After five steps tensor by tensor, as the per-device model's test was (the noise AdamW makes of
+  // the key bias's gradient stays small over so few steps).
+  for (const model::Parameter* p : m.mg->parameters()) {
+    const std::vector<float> a = m.g->parameter(p->spec.name), b = m.e->parameter(p->spec.name);
+    double num = 0, den = 0;
+    for (size_t i = 0; i < b.size(); ++i) num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]), den += double(b[i]) * b[i];
+    EXPECT_LE(std::sqrt(num / den), 1e-4) << p->spec.name;
+  }
 }
 
 // The step's breakdown by op (the backend reports every op to a cuda::StepProfile): every kind of
