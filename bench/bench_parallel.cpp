@@ -15,7 +15,7 @@
 
 #include "comm/threads.h"
 #include "core/rng.h"
-#include "model/tp_gpt.h"
+#include "model/gpt.h"
 #include "parallel/data/flat_layout.h"
 #include "parallel/data/replica_optimizer.h"
 #include "parallel/mesh.h"
@@ -70,12 +70,12 @@ int main(int argc, char** argv) {
       parallel::MeshComms mc(parallel::Mesh::standard(1, l.dp, l.cp, l.tp), world);
       parallel::CountingComm tpc(mc["tp"]), cpc(mc["cp"]), dpc(mc["dp"]), dcpc(mc.get({"dp", "cp"}));
       MemoryPool pool("rank");
-      model::ParallelGPT m(cfg, {&tpc, &cpc}, {.sp = l.sp}, pool);
+      model::GPT m(cfg, pool, 1337, {.groups = {&tpc, &cpc}, .sp = l.sp});
       // The data-parallel reduction over dp x cp: cp partial sums added, dp replicas averaged; a
       // parameter replicated over tp counts on tp rank 0.
       parallel::ReplicaOptimizer::Options ro;
       ro.replicas = l.dp;
-      for (auto& sp : m.sharded()) ro.in_norm.push_back(!sp->replicated || mc.coord("tp") == 0);
+      for (const model::Parameter* p : m.parameters()) ro.in_norm.push_back(p->shard.split || mc.coord("tp") == 0);
       parallel::ReplicaOptimizer opt(m.parameters(), &dcpc, ro, {}, pool);
       const int64_t Bl = a.batch / l.dp;
       Tensor tok = Tensor::empty({Bl, a.seq}, DType::i32, MemTag::workspace, pool);

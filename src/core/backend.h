@@ -185,8 +185,11 @@ struct CrossEntropy {
   int64_t N = 0, V = 0, Vp = 0;
 };
 
-// out [B, T, C] = wte[tokens[b, t]] + wpe[pos0 + t] (on the CPU wpe may be null: no position
-// table; CUDA needs one).
+// out [B, T, C] = wte[tokens[b, t]] + wpe[position of t], the position pos0 + t, or positions[t]
+// (i32 [T] in this backend's memory) where given (on the CPU wpe may be null: no position table;
+// CUDA needs one). Token ids are checked against [0, V). A vocabulary split (vocab_rows > 0, the
+// CPU only): wte holds rows [vocab_begin, vocab_begin + vocab_rows) of the table, and a token
+// outside them gives a zero row (before the position's).
 struct EmbeddingForward {
   DType dtype = DType::f32;
   void* out = nullptr;
@@ -194,10 +197,12 @@ struct EmbeddingForward {
   const void* wte = nullptr;
   const void* wpe = nullptr;
   int64_t B = 0, T = 0, C = 0, V = 0, pos0 = 0;
+  const int32_t* positions = nullptr;
+  int64_t vocab_begin = 0, vocab_rows = 0;
 };
 
-// dwte f32 [V, C] += scatter of dout by token; dwpe f32 [maxT, C] += sum over the batch. Either may
-// be null.
+// dwte f32 [V, C] (or [vocab_rows, C]) += scatter of dout by token; dwpe f32 [maxT, C] += sum over
+// the batch by position. Either may be null. Positions and the vocabulary split as the forward's.
 struct EmbeddingBackward {
   DType dtype = DType::f32;
   float* dwte = nullptr;
@@ -205,6 +210,8 @@ struct EmbeddingBackward {
   const void* dout = nullptr;
   const int32_t* tokens = nullptr;
   int64_t B = 0, T = 0, C = 0, V = 0, pos0 = 0;
+  const int32_t* positions = nullptr;
+  int64_t vocab_begin = 0, vocab_rows = 0;
 };
 
 // One tensor of a multi-tensor AdamW: f32 master weights, gradient and moments of n elements, and

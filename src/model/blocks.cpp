@@ -6,6 +6,9 @@
 #include <cstring>
 #include <limits>
 
+#include "parallel/context/ring_attention.h"
+#include "parallel/tensor/vocab_parallel.h"
+
 namespace loom::model {
 
 namespace {
@@ -27,14 +30,19 @@ std::vector<Parameter*> ChainBlock::parameters() {
   return out;
 }
 
-Parameter& ChainBlock::add_param(ParamSpec spec) {
-  LOOM_CHECK(params_.size() < params_.capacity(), "parameter '{}' added past the reserved count", spec.name);
-  params_.push_back(Parameter{std::move(spec), {}, {}, {}, {}, {}, {}});
+Parameter& ChainBlock::add_param(Parameter p) {
+  LOOM_CHECK(params_.size() < params_.capacity(), "parameter '{}' added past the reserved count", p.spec.name);
+  params_.push_back(std::move(p));
   return params_.back();
 }
 
+ChainBlock::ChainBlock(Backend& be, const BlockOptions& o)
+    : be_(&be), pool_(&be.pool()), dt_(be.compute_dtype()), arena_(o.arena),
+      par_(o.parallel ? o.parallel : std::make_shared<ChainParallel>(be)) {}
+
 ChainBlock::ChainBlock(const ChainBlock& primary, MemTag tag)
-    : params_(primary.params_), be_(primary.be_), pool_(primary.pool_), dt_(primary.dt_), act_tag_(tag) {}
+    : params_(primary.params_), be_(primary.be_), pool_(primary.pool_), dt_(primary.dt_), act_tag_(tag),
+      par_(primary.par_) {}
 
 void ChainBlock::allocate_param(Parameter& p) {
   p.allocate(*be_, arena_ ? arena_->take(p.spec.alloc_numel()) : Tensor());
@@ -59,10 +67,18 @@ Tensor GradArena::take(int64_t n) {
 // ---------------------------------------------------------------------------------------------
 // Embedding
 
-Embedding::Embedding(const GPTConfig& cfg, Backend& be, GradArena* arena) : ChainBlock(be, arena), cfg_(cfg) {
+Parameter Embedding::wte_param(const GPTConfig& cfg, const ChainParallel& par) {
+  return par.vocab_split(embedding_param_specs(cfg)[0], cfg);
+}
+
+Embedding::Embedding(const GPTConfig& cfg, Backend& be, const BlockOptions& o) : ChainBlock(be, o), cfg_(cfg) {
+  par_->check(cfg, "model config '" + cfg.name + "'");
   const std::vector<ParamSpec> specs = embedding_param_specs(cfg);
   params_.reserve(specs.size());
-  for (const ParamSpec& spec : specs) allocate_param(add_param(spec));
+  // wte by vocabulary rows; wpe whole on every tp rank: each computes its whole gradient from the
+  // full output gradient, so it needs no reduction over tp.
+  allocate_param(add_param(wte_param(cfg, *par_)));
+  allocate_param(add_param(par_->whole(specs[1], false)));
   arena_ = nullptr;
 }
 
@@ -71,7 +87,10 @@ std::unique_ptr<ChainBlock> Embedding::replica(MemTag tag) const {
 }
 
 std::vector<SavedActivation> Embedding::saved_activations(int64_t B, int64_t T) const {
-  return {{"embedding.tokens", DType::i32, {B, T}}, {"embedding.out", dt_, {B, T, cfg_.n_embd}}};
+  const ChainParallel& P = *par_;
+  const int64_t Tl = T / P.cp(), C = cfg_.n_embd;
+  const Shape out = P.sp_active() ? Shape{P.own_rows(B, T), C} : Shape{B, Tl, C};
+  return {{"embedding.tokens", DType::i32, {B, Tl}}, {"embedding.out", dt_, out}};
 }
 
 void Embedding::release_activations() {
@@ -82,41 +101,63 @@ void Embedding::release_activations() {
 }
 
 void Embedding::forward(const int32_t* tokens, int64_t B, int64_t T, int64_t pos0, bool on_device) {
+  ChainParallel& P = *par_;
   const int64_t C = cfg_.n_embd;
   LOOM_CHECK(pos0 >= 0 && pos0 + T <= cfg_.block_size, "embedding: positions [{}, {}) exceed block_size {}", pos0,
              pos0 + T, cfg_.block_size);
+  LOOM_CHECK(!on_device || P.single(), "embedding: a device batch runs on one device (tp = cp = 1)");
+  LOOM_CHECK(pos0 == 0 || P.cp() == 1, "embedding: positions from {} under context parallelism", pos0);
+  P.check_sequence(T, "model '" + cfg_.name + "'");
   if (!on_device)  // (a GPU's kernel reads the ids unchecked; a device batch was checked by its caller)
     for (int64_t i = 0; i < B * T; ++i)
       LOOM_CHECK(tokens[i] >= 0 && tokens[i] < cfg_.vocab_size,
                  "embedding: token id {} at index {} is outside the vocabulary [0, {})", tokens[i], i, cfg_.vocab_size);
+  const int64_t Tl = T / P.cp(), N = P.rows(B, T);
   if (B != B_ || T != T_) {
     release_activations();
-    tokens_ = act({B, T}, DType::i32);
-    out_ = act({B, T, C}, dt_);
+    tokens_ = act({B, Tl}, DType::i32);
+    out_ = P.sp_active() ? act({P.own_rows(B, T), C}, dt_) : act({B, Tl, C}, dt_);
     B_ = B;
     T_ = T;
   }
   pos0_ = pos0;
-  be_->copy({.dst = tokens_.raw(), .dst_dtype = DType::i32, .src = tokens, .src_dtype = DType::i32,
-             .src_host = !on_device, .n = B * T});
-  be_->embedding_forward({.dtype = dt_, .out = out_.raw(), .tokens = tokens_.i32(), .wte = wte().weights().raw(),
-                          .wpe = wpe().weights().raw(), .B = B, .T = T, .C = C, .V = cfg_.vocab_size, .pos0 = pos0});
+  if (P.cp() > 1) {
+    parallel::cp::slice_sequence(tokens, tokens_.i32(), B, T, P.cp(), P.cp_rank());
+  } else {
+    be_->copy({.dst = tokens_.raw(), .dst_dtype = DType::i32, .src = tokens, .src_dtype = DType::i32,
+               .src_host = !on_device, .n = B * T});
+  }
+  // Under tp each rank looks up its vocabulary rows (zero rows for the others' tokens) and rank 0
+  // adds the positions; the sum over tp (reduce-scattered under sp) is the embedding, each row's
+  // token and position values meeting exactly as on one device.
+  const bool split = P.tp() > 1;
+  void* dst = P.sp_active() ? P.partial_buffer(N, C) : out_.raw();
+  be_->embedding_forward({.dtype = dt_, .out = dst, .tokens = tokens_.i32(), .wte = wte().weights().raw(),
+                          .wpe = P.tp_rank() == 0 ? wpe().weights().raw() : nullptr, .B = B, .T = Tl, .C = C,
+                          .V = cfg_.vocab_size, .pos0 = pos0, .positions = P.cp() > 1 ? P.positions(T) : nullptr,
+                          .vocab_begin = split ? P.vocab_begin(cfg_) : 0, .vocab_rows = split ? P.vocab_rows(cfg_) : 0});
+  P.reduce(dst, out_.raw(), N, C);
 }
 
 void Embedding::backward(const void* dout) {
   LOOM_CHECK(out_.defined(), "embedding: backward before forward");
-  be_->embedding_backward({.dtype = dt_, .dwte = wte().grad.f32(), .dwpe = wpe().grad.f32(), .dout = dout,
-                           .tokens = tokens_.i32(), .B = B_, .T = T_, .C = cfg_.n_embd, .V = cfg_.vocab_size,
-                           .pos0 = pos0_});
+  ChainParallel& P = *par_;
+  const int64_t C = cfg_.n_embd, N = P.rows(B_, T_);
+  const bool split = P.tp() > 1;
+  // Both tables from the output gradient of every token row (gathered under sp).
+  be_->embedding_backward({.dtype = dt_, .dwte = wte().grad.f32(), .dwpe = wpe().grad.f32(), .dout = P.gather(dout, N, C),
+                           .tokens = tokens_.i32(), .B = B_, .T = T_ / P.cp(), .C = C, .V = cfg_.vocab_size,
+                           .pos0 = pos0_, .positions = P.cp() > 1 ? P.positions(T_) : nullptr,
+                           .vocab_begin = split ? P.vocab_begin(cfg_) : 0, .vocab_rows = split ? P.vocab_rows(cfg_) : 0});
 }
 
 int64_t Embedding::deferred_gradient_bytes(int64_t B, int64_t T) const {
-  return B * T * cfg_.n_embd * int64_t(esize());
+  return par_->own_rows(B, T) * cfg_.n_embd * int64_t(esize());
 }
 
 void Embedding::backward_input(const void* dout) {
   LOOM_CHECK(out_.defined(), "embedding: backward_input before forward");
-  dout_ = work({B_, T_, cfg_.n_embd});
+  dout_ = work(out_.shape());
   be_->copy({.dst = dout_.raw(), .dst_dtype = dt_, .src = dout, .src_dtype = dt_, .n = dout_.numel()});
 }
 
@@ -129,13 +170,29 @@ void Embedding::backward_weight() {
 // ---------------------------------------------------------------------------------------------
 // TransformerBlock
 
-TransformerBlock::TransformerBlock(const GPTConfig& cfg, int64_t layer, Backend& be, GradArena* arena)
-    : ChainBlock(be, arena), cfg_(cfg), layer_(layer) {
+TransformerBlock::TransformerBlock(const GPTConfig& cfg, int64_t layer, Backend& be, const BlockOptions& o)
+    : ChainBlock(be, o), cfg_(cfg), layer_(layer) {
+  const ChainParallel& P = *par_;
+  P.check(cfg, "model config '" + cfg.name + "'");
   // Order and names as Hugging Face GPT-2 (weights here in Linear layout [out, in]); the
-  // LN1_W ... MLP_PROJ_B indices are model::BlockParam's.
-  const std::vector<ParamSpec> specs = block_param_specs(cfg, layer);
+  // LN1_W ... MLP_PROJ_B indices are model::BlockParam's. Under tp: c_attn and c_fc split by
+  // output rows (column-parallel; c_attn's q, k and v each by heads), the c_projs by input columns
+  // (row-parallel); LayerNorms and the c_proj biases whole on every rank.
+  std::vector<ParamSpec> specs = block_param_specs(cfg, layer);
   params_.reserve(specs.size());
-  for (const ParamSpec& spec : specs) add_param(spec);
+  auto sp = [&](int i) { return std::move(specs[size_t(i)]); };
+  add_param(P.whole(sp(LN1_W), true));
+  add_param(P.whole(sp(LN1_B), true));
+  add_param(P.rows_split(sp(QKV_W), 3));
+  add_param(P.rows_split(sp(QKV_B), 3));
+  add_param(P.columns_split(sp(ATTN_PROJ_W)));
+  add_param(P.whole(sp(ATTN_PROJ_B), false));
+  add_param(P.whole(sp(LN2_W), true));
+  add_param(P.whole(sp(LN2_B), true));
+  add_param(P.rows_split(sp(FC_W), 1));
+  add_param(P.rows_split(sp(FC_B), 1));
+  add_param(P.columns_split(sp(MLP_PROJ_W)));
+  add_param(P.whole(sp(MLP_PROJ_B), false));
   for (auto& q : params_) allocate_param(q);
   arena_ = nullptr;
 }
@@ -145,28 +202,37 @@ std::unique_ptr<ChainBlock> TransformerBlock::replica(MemTag tag) const {
 }
 
 AttnShape TransformerBlock::attention_shape(int64_t B, int64_t T) const {
-  const int64_t C = cfg_.n_embd;
-  return {.B = B, .NH = cfg_.n_head, .HS = C / cfg_.n_head, .Tq = T, .Tkv = T, .q_stride = 3 * C,
-          .kv_stride = 3 * C, .o_stride = C};
+  const ChainParallel& P = *par_;
+  const int64_t Cl = cfg_.n_embd / P.tp(), T1 = P.cp() > 1 ? T / (2 * P.cp()) : T;
+  return {.B = P.cp() > 1 ? 1 : B, .NH = cfg_.n_head / P.tp(), .HS = cfg_.n_embd / cfg_.n_head, .Tq = T1, .Tkv = T1,
+          .q_stride = 3 * Cl, .kv_stride = 3 * Cl, .o_stride = Cl};
 }
 
 int64_t TransformerBlock::attention_workspace_bytes(int64_t B, int64_t T, int threads) const {
+  const ChainParallel& P = *par_;
+  if (P.cp() > 1)
+    return parallel::cp::RingAttention::workspace_bytes(
+        {B, T, cfg_.n_head / P.tp(), cfg_.n_embd / cfg_.n_head}, P.cp(), threads);
   return be_->attention_workspace_bytes(dt_, attention_shape(B, T), threads);
 }
 
 std::vector<SavedActivation> TransformerBlock::saved_activations(int64_t B, int64_t T) const {
-  const int64_t C = cfg_.n_embd;
+  const ChainParallel& P = *par_;
+  const int64_t C = cfg_.n_embd, Cl = C / P.tp(), NHl = cfg_.n_head / P.tp(), Tl = T / P.cp();
   const std::string p = name() + ".";
   const DType f = DType::f32, a = dt_;
   // Per token: 16 C activations + 4 f32 statistics, plus n_head log-sum-exps; a T x T attention
-  // matrix only where the backend's attention keeps one (the GEMM kernels).
-  std::vector<SavedActivation> v{{p + "ln1", a, {B, T, C}},      {p + "ln1_mean", f, {B, T}},   {p + "ln1_rstd", f, {B, T}},
-                                 {p + "qkv", a, {B, T, 3 * C}},  {p + "atty", a, {B, T, C}},    {p + "lse", f, {B, cfg_.n_head, T}},
-                                 {p + "res2", a, {B, T, C}},     {p + "ln2", a, {B, T, C}},     {p + "ln2_mean", f, {B, T}},
-                                 {p + "ln2_rstd", f, {B, T}},    {p + "fch", a, {B, T, 4 * C}}, {p + "fch_gelu", a, {B, T, 4 * C}},
-                                 {p + "out", a, {B, T, C}}};
-  const int64_t probs = be_->attention_probs_bytes(dt_, attention_shape(B, T));
-  if (probs > 0) v.push_back({p + "probs", a, {B, cfg_.n_head, T, T}});
+  // matrix only where the backend's attention keeps one (the GEMM kernels). Under tp the rank's
+  // heads and MLP columns; under sp the stream side (LayerNorms, residuals) of its own rows.
+  const Shape st = P.sp_active() ? Shape{P.own_rows(B, T), C} : Shape{B, Tl, C};
+  const Shape rows = P.sp_active() ? Shape{P.own_rows(B, T)} : Shape{B, Tl};
+  std::vector<SavedActivation> v{{p + "ln1", a, st},              {p + "ln1_mean", f, rows},    {p + "ln1_rstd", f, rows},
+                                 {p + "qkv", a, {B, Tl, 3 * Cl}}, {p + "atty", a, {B, Tl, Cl}}, {p + "lse", f, {B, NHl, Tl}},
+                                 {p + "res2", a, st},             {p + "ln2", a, st},           {p + "ln2_mean", f, rows},
+                                 {p + "ln2_rstd", f, rows},       {p + "fch", a, {B, Tl, 4 * Cl}}, {p + "fch_gelu", a, {B, Tl, 4 * Cl}},
+                                 {p + "out", a, st}};
+  const int64_t probs = P.cp() > 1 ? 0 : be_->attention_probs_bytes(dt_, attention_shape(B, T));
+  if (probs > 0) v.push_back({p + "probs", a, {B, NHl, T, T}});
   return v;
 }
 
@@ -185,23 +251,27 @@ void TransformerBlock::use_parameters_of(const TransformerBlock& other) {
 
 void TransformerBlock::allocate(int64_t B, int64_t T, bool probs) {
   if (B == B_ && T == T_) return;
-  const int64_t C = cfg_.n_embd, NH = cfg_.n_head;
   release_activations();
-  const DType f = DType::f32;
-  a_.ln1 = act({B, T, C}, dt_);
-  a_.ln1_mean = act({B, T}, f);
-  a_.ln1_rstd = act({B, T}, f);
-  a_.qkv = act({B, T, 3 * C}, dt_);
-  a_.atty = act({B, T, C}, dt_);
-  a_.lse = act({B, NH, T}, f);
-  a_.res2 = act({B, T, C}, dt_);
-  a_.ln2 = act({B, T, C}, dt_);
-  a_.ln2_mean = act({B, T}, f);
-  a_.ln2_rstd = act({B, T}, f);
-  a_.fch = act({B, T, 4 * C}, dt_);
-  a_.fch_gelu = act({B, T, 4 * C}, dt_);
-  out_ = act({B, T, C}, dt_);
-  if (probs && be_->attention_probs_bytes(dt_, attention_shape(B, T)) > 0) a_.probs = act({B, NH, T, T}, dt_);
+  for (const SavedActivation& s : saved_activations(B, T)) {
+    if (s.name.ends_with(".probs") && !probs) continue;
+    Tensor t = act(s.shape, s.dtype);
+    const std::string what = s.name.substr(s.name.rfind('.') + 1);
+    if (what == "ln1") a_.ln1 = t;
+    else if (what == "ln1_mean") a_.ln1_mean = t;
+    else if (what == "ln1_rstd") a_.ln1_rstd = t;
+    else if (what == "qkv") a_.qkv = t;
+    else if (what == "atty") a_.atty = t;
+    else if (what == "lse") a_.lse = t;
+    else if (what == "res2") a_.res2 = t;
+    else if (what == "ln2") a_.ln2 = t;
+    else if (what == "ln2_mean") a_.ln2_mean = t;
+    else if (what == "ln2_rstd") a_.ln2_rstd = t;
+    else if (what == "fch") a_.fch = t;
+    else if (what == "fch_gelu") a_.fch_gelu = t;
+    else if (what == "out") out_ = t;
+    else if (what == "probs") a_.probs = t;
+    else LOOM_FAIL("{}: no buffer for saved activation '{}'", name(), s.name);
+  }
   B_ = B;
   T_ = T;
 }
@@ -234,144 +304,180 @@ void TransformerBlock::attend_cached(const KVStep& kv) {
 // x may be out() itself (a decoder's residual stream in place): x is last read by the residual
 // add before ln_2, and out is first written by the MLP's c_proj after it.
 void TransformerBlock::forward(const void* x, int64_t B, int64_t T, const KVStep* kv) {
-  const int64_t C = cfg_.n_embd, BT = B * T;
+  ChainParallel& P = *par_;
+  LOOM_CHECK(!kv || P.single(), "{}: cached decoding runs on one device (tp = cp = 1)", name());
+  P.check_sequence(T, name());
+  const int64_t C = cfg_.n_embd, Cl = C / P.tp(), N = P.rows(B, T), Ns = P.own_rows(B, T);
+  const size_t es = esize();
   allocate(B, T, /*probs=*/kv == nullptr);
   be_->layernorm_forward({.dtype = dt_, .out = a_.ln1.raw(), .mean = a_.ln1_mean.f32(), .rstd = a_.ln1_rstd.f32(),
-                          .inp = x, .weight = w(LN1_W), .bias = w(LN1_B), .N = BT, .C = C, .eps = cfg_.ln_eps});
-  be_->linear_forward({.dtype = dt_, .out = a_.qkv.raw(), .inp = a_.ln1.raw(), .weight = w(QKV_W), .bias = w(QKV_B),
-                       .M = BT, .K = C, .N = 3 * C});
+                          .inp = x, .weight = w(LN1_W), .bias = w(LN1_B), .N = Ns, .C = C, .eps = cfg_.ln_eps});
+  // c_attn, column-parallel: every token row (gathered under sp), this rank's heads.
+  be_->linear_forward({.dtype = dt_, .out = a_.qkv.raw(), .inp = P.gather(a_.ln1.raw(), N, C), .weight = w(QKV_W),
+                       .bias = w(QKV_B), .M = N, .K = C, .N = 3 * Cl});
   if (kv) {
     attend_cached(*kv);
+  } else if (P.cp() > 1) {
+    P.ring().forward(*P.cp_group(), a_.atty.f32(), a_.lse.f32(), a_.qkv.f32(),
+                     {B, T, cfg_.n_head / P.tp(), C / cfg_.n_head});
   } else {
     const char* qkv = at(a_.qkv, 0);
-    const size_t es = esize();
     be_->attention_forward({.dtype = dt_, .shape = attention_shape(B, T), .out = a_.atty.raw(), .lse = a_.lse.f32(),
                             .probs = a_.probs.defined() ? a_.probs.raw() : nullptr, .q = qkv,
-                            .k = qkv + C * int64_t(es), .v = qkv + 2 * C * int64_t(es)});
+                            .k = qkv + Cl * int64_t(es), .v = qkv + 2 * Cl * int64_t(es)});
   }
-  // res2 = x + c_proj(atty), then ln_2 of it: one pass where the backend fuses the residual add.
-  be_->linear_forward({.dtype = dt_, .out = a_.res2.raw(), .inp = a_.atty.raw(), .weight = w(ATTN_PROJ_W),
-                       .bias = w(ATTN_PROJ_B), .M = BT, .K = C, .N = C});
+  // c_proj, row-parallel: partial sums over tp (the bias added once, by tp rank 0), summed
+  // (reduce-scattered to the own rows under sp). res2 = x + that, then ln_2 of it: one pass where
+  // the backend fuses the residual add.
+  const void* bias0 = P.tp_rank() == 0 ? w(ATTN_PROJ_B) : nullptr;
+  void* part = P.sp_active() ? P.partial_buffer(N, C) : a_.res2.raw();
+  be_->linear_forward({.dtype = dt_, .out = part, .inp = a_.atty.raw(), .weight = w(ATTN_PROJ_W), .bias = bias0,
+                       .M = N, .K = Cl, .N = C});
+  P.reduce(part, a_.res2.raw(), N, C);
   be_->layernorm_forward({.dtype = dt_, .out = a_.ln2.raw(), .mean = a_.ln2_mean.f32(), .rstd = a_.ln2_rstd.f32(),
                           .inp = a_.res2.raw(), .residual_b = x, .residual_out = a_.res2.raw(), .weight = w(LN2_W),
-                          .bias = w(LN2_B), .N = BT, .C = C, .eps = cfg_.ln_eps});
-  be_->linear_forward({.dtype = dt_, .out = a_.fch_gelu.raw(), .pre_gelu = a_.fch.raw(), .inp = a_.ln2.raw(),
-                       .weight = w(FC_W), .bias = w(FC_B), .M = BT, .K = C, .N = 4 * C, .gelu = true});
-  // out = res2 + c_proj(fch_gelu): the residual add in the GEMM where the backend fuses it.
-  be_->linear_forward({.dtype = dt_, .out = out_.raw(), .inp = a_.fch_gelu.raw(), .weight = w(MLP_PROJ_W),
-                       .bias = w(MLP_PROJ_B), .M = BT, .K = 4 * C, .N = C, .residual = a_.res2.raw()});
+                          .bias = w(LN2_B), .N = Ns, .C = C, .eps = cfg_.ln_eps});
+  be_->linear_forward({.dtype = dt_, .out = a_.fch_gelu.raw(), .pre_gelu = a_.fch.raw(), .inp = P.gather(a_.ln2.raw(), N, C),
+                       .weight = w(FC_W), .bias = w(FC_B), .M = N, .K = C, .N = 4 * Cl, .gelu = true});
+  if (P.tp() == 1) {
+    // out = res2 + c_proj(fch_gelu): the residual add in the GEMM where the backend fuses it.
+    be_->linear_forward({.dtype = dt_, .out = out_.raw(), .inp = a_.fch_gelu.raw(), .weight = w(MLP_PROJ_W),
+                         .bias = w(MLP_PROJ_B), .M = N, .K = 4 * C, .N = C, .residual = a_.res2.raw()});
+    return;
+  }
+  part = P.sp_active() ? P.partial_buffer(N, C) : out_.raw();
+  be_->linear_forward({.dtype = dt_, .out = part, .inp = a_.fch_gelu.raw(), .weight = w(MLP_PROJ_W),
+                       .bias = P.tp_rank() == 0 ? w(MLP_PROJ_B) : nullptr, .M = N, .K = 4 * Cl, .N = C});
+  P.reduce(part, out_.raw(), N, C);
+  be_->add(dt_, out_.raw(), out_.raw(), a_.res2.raw(), Ns * C);
 }
 
 void TransformerBlock::backward(const void* x, const BackwardScratch& s) {
   LOOM_CHECK(out_.defined(), "{}: backward before forward", name());
-  const int64_t C = cfg_.n_embd, B = B_, T = T_, BT = B * T;
-  const size_t es = esize();
-  const char* qkv = at(a_.qkv, 0);
-  char* dqkv = static_cast<char*>(s.buf4C);  // [B, T, 3C] in the [B, T, 4C] buffer
-
-  // MLP branch; s.dres = d(out) = d(res2) through the residual. The c_proj backward also goes
-  // back through the GELU (into d(fch)).
-  be_->linear_backward({.dtype = dt_, .dinp = s.buf4C, .dweight = g(MLP_PROJ_W), .dbias = g(MLP_PROJ_B), .dout = s.dres,
-                        .inp = a_.fch_gelu.raw(), .weight = w(MLP_PROJ_W), .gelu_pre = a_.fch.raw(), .M = BT,
-                        .K = 4 * C, .N = C});
-  be_->linear_backward({.dtype = dt_, .dinp = s.bufC, .dweight = g(FC_W), .dbias = g(FC_B), .dout = s.buf4C,
-                        .inp = a_.ln2.raw(), .weight = w(FC_W), .M = BT, .K = C, .N = 4 * C});
-  be_->layernorm_backward({.dtype = dt_, .dinp = s.dres, .accumulate = true, .dweight = g(LN2_W), .dbias = g(LN2_B),
-                           .dout = s.bufC, .inp = a_.res2.raw(), .weight = w(LN2_W), .mean = a_.ln2_mean.f32(),
-                           .rstd = a_.ln2_rstd.f32(), .N = BT, .C = C});
-  // Attention branch; s.dres = d(res2) = d(x) through the residual.
-  be_->linear_backward({.dtype = dt_, .dinp = s.bufC, .dweight = g(ATTN_PROJ_W), .dbias = g(ATTN_PROJ_B),
-                        .dout = s.dres, .inp = a_.atty.raw(), .weight = w(ATTN_PROJ_W), .M = BT, .K = C, .N = C});
-  be_->attention_backward({.dtype = dt_, .shape = attention_shape(B, T), .dq = dqkv, .dk = dqkv + C * int64_t(es),
-                           .dv = dqkv + 2 * C * int64_t(es), .dout = s.bufC, .q = qkv, .k = qkv + C * int64_t(es),
-                           .v = qkv + 2 * C * int64_t(es), .out = a_.atty.raw(), .lse = a_.lse.f32(),
-                           .probs = a_.probs.defined() ? a_.probs.raw() : nullptr});
-  be_->linear_backward({.dtype = dt_, .dinp = s.bufC, .dweight = g(QKV_W), .dbias = g(QKV_B), .dout = dqkv,
-                        .inp = a_.ln1.raw(), .weight = w(QKV_W), .M = BT, .K = C, .N = 3 * C});
-  be_->layernorm_backward({.dtype = dt_, .dinp = s.dres, .accumulate = true, .dweight = g(LN1_W), .dbias = g(LN1_B),
-                           .dout = s.bufC, .inp = x, .weight = w(LN1_W), .mean = a_.ln1_mean.f32(),
-                           .rstd = a_.ln1_rstd.f32(), .N = BT, .C = C});
+  run_backward(x, s, false);
 }
 
 int64_t TransformerBlock::deferred_gradient_bytes(int64_t B, int64_t T) const {
-  return B * T * 9 * cfg_.n_embd * int64_t(esize());  // dout C + dfch 4C + dres2 C + dqkv 3C
+  const ChainParallel& P = *par_;
+  const int64_t C = cfg_.n_embd, Cl = C / P.tp();
+  return P.rows(B, T) * (2 * C + 7 * Cl) * int64_t(esize());  // dout C + dfch 4Cl + dres2 C + dqkv 3Cl
 }
 
-// The same op calls as backward with the weight GEMMs and bias sums moved to backward_weight:
-// each gradient is produced by the same operations on the same values.
 void TransformerBlock::backward_input(const void* x, const BackwardScratch& s) {
   LOOM_CHECK(out_.defined(), "{}: backward_input before forward", name());
   LOOM_CHECK(!d_.dout.defined(), "{}: backward_input twice without backward_weight", name());
-  const int64_t C = cfg_.n_embd, B = B_, T = T_, BT = B * T;
+  run_backward(x, s, true);
+}
+
+// The backward, or (defer) its input-gradient part with the weight GEMMs and bias sums moved to
+// backward_weight: each gradient is produced by the same operations on the same values.
+void TransformerBlock::run_backward(const void* x, const BackwardScratch& s, bool defer) {
+  ChainParallel& P = *par_;
+  const int64_t C = cfg_.n_embd, Cl = C / P.tp(), B = B_, T = T_, N = P.rows(B, T), Ns = P.own_rows(B, T);
   const size_t es = esize();
-  d_.dout = work({B, T, C});
-  d_.dfch = work({B, T, 4 * C});
-  d_.dres2 = work({B, T, C});
-  d_.dqkv = work({B, T, 3 * C});
-  const char* qkv = at(a_.qkv, 0);
-  char* dqkv = at(d_.dqkv, 0);
+  if (defer) {
+    d_.dout = work({N, C});
+    d_.dfch = work({N, 4 * Cl});
+    d_.dres2 = work({N, C});
+    d_.dqkv = work({N, 3 * Cl});
+  }
   auto keep = [&](Tensor& dst, const void* src) {
     be_->copy({.dst = dst.raw(), .dst_dtype = dt_, .src = src, .src_dtype = dt_, .n = dst.numel()});
   };
+  auto wg = [&](int i) { return defer ? nullptr : g(i); };  // a weight or bias gradient computed now
+  const char* qkv = at(a_.qkv, 0);
+  char* dqkv = defer ? at(d_.dqkv, 0) : static_cast<char*>(s.buf4C);  // [N, 3Cl] (in the [N, 4Cl] buffer)
 
-  // MLP branch; s.dres = d(out) = d(res2) through the residual.
-  keep(d_.dout, s.dres);
-  be_->linear_backward({.dtype = dt_, .dinp = s.buf4C, .dout = s.dres, .weight = w(MLP_PROJ_W), .M = BT, .K = 4 * C, .N = C});
-  be_->gelu_backward(dt_, d_.dfch.raw(), a_.fch.raw(), s.buf4C, BT * 4 * C);
-  be_->linear_backward({.dtype = dt_, .dinp = s.bufC, .dout = d_.dfch.raw(), .weight = w(FC_W), .M = BT, .K = C, .N = 4 * C});
+  // MLP branch; s.dres = d(out) = d(res2) through the residual. The output gradient of the
+  // row-parallel c_proj is every token row's (gathered under sp). Its backward also goes back
+  // through the GELU (into d(fch)).
+  const void* dout = P.gather(s.dres, N, C);
+  if (defer) {
+    keep(d_.dout, dout);
+    be_->linear_backward({.dtype = dt_, .dinp = s.buf4C, .dout = dout, .weight = w(MLP_PROJ_W), .M = N, .K = 4 * Cl, .N = C});
+    be_->gelu_backward(dt_, d_.dfch.raw(), a_.fch.raw(), s.buf4C, N * 4 * Cl);
+  } else {
+    be_->linear_backward({.dtype = dt_, .dinp = s.buf4C, .dweight = g(MLP_PROJ_W), .dbias = g(MLP_PROJ_B), .dout = dout,
+                          .inp = a_.fch_gelu.raw(), .weight = w(MLP_PROJ_W), .gelu_pre = a_.fch.raw(), .M = N,
+                          .K = 4 * Cl, .N = C});
+  }
+  // c_fc, column-parallel: its input gradient is a partial sum over tp.
+  be_->linear_backward({.dtype = dt_, .dinp = s.bufC, .dweight = wg(FC_W), .dbias = wg(FC_B),
+                        .dout = defer ? d_.dfch.raw() : s.buf4C, .inp = defer ? nullptr : P.gather(a_.ln2.raw(), N, C),
+                        .weight = w(FC_W), .M = N, .K = C, .N = 4 * Cl});
   be_->layernorm_backward({.dtype = dt_, .dinp = s.dres, .accumulate = true, .dweight = g(LN2_W), .dbias = g(LN2_B),
-                           .dout = s.bufC, .inp = a_.res2.raw(), .weight = w(LN2_W), .mean = a_.ln2_mean.f32(),
-                           .rstd = a_.ln2_rstd.f32(), .N = BT, .C = C});
+                           .dout = P.reduce_input_grad(s.bufC, N, C), .inp = a_.res2.raw(), .weight = w(LN2_W),
+                           .mean = a_.ln2_mean.f32(), .rstd = a_.ln2_rstd.f32(), .N = Ns, .C = C});
   // Attention branch; s.dres = d(res2) = d(x) through the residual.
-  keep(d_.dres2, s.dres);
-  be_->linear_backward({.dtype = dt_, .dinp = s.bufC, .dout = s.dres, .weight = w(ATTN_PROJ_W), .M = BT, .K = C, .N = C});
-  be_->attention_backward({.dtype = dt_, .shape = attention_shape(B, T), .dq = dqkv, .dk = dqkv + C * int64_t(es),
-                           .dv = dqkv + 2 * C * int64_t(es), .dout = s.bufC, .q = qkv, .k = qkv + C * int64_t(es),
-                           .v = qkv + 2 * C * int64_t(es), .out = a_.atty.raw(), .lse = a_.lse.f32(),
-                           .probs = a_.probs.defined() ? a_.probs.raw() : nullptr});
-  be_->linear_backward({.dtype = dt_, .dinp = s.bufC, .dout = dqkv, .weight = w(QKV_W), .M = BT, .K = C, .N = 3 * C});
+  dout = P.gather(s.dres, N, C);
+  if (defer) keep(d_.dres2, dout);
+  be_->linear_backward({.dtype = dt_, .dinp = s.bufC, .dweight = wg(ATTN_PROJ_W), .dbias = wg(ATTN_PROJ_B), .dout = dout,
+                        .inp = a_.atty.raw(), .weight = w(ATTN_PROJ_W), .M = N, .K = Cl, .N = C});
+  if (P.cp() > 1) {
+    P.ring().backward(*P.cp_group(), reinterpret_cast<float*>(dqkv), static_cast<const float*>(s.bufC), a_.qkv.f32(),
+                      a_.atty.f32(), a_.lse.f32(), {B, T, cfg_.n_head / P.tp(), C / cfg_.n_head});
+  } else {
+    be_->attention_backward({.dtype = dt_, .shape = attention_shape(B, T), .dq = dqkv, .dk = dqkv + Cl * int64_t(es),
+                             .dv = dqkv + 2 * Cl * int64_t(es), .dout = s.bufC, .q = qkv, .k = qkv + Cl * int64_t(es),
+                             .v = qkv + 2 * Cl * int64_t(es), .out = a_.atty.raw(), .lse = a_.lse.f32(),
+                             .probs = a_.probs.defined() ? a_.probs.raw() : nullptr});
+  }
+  be_->linear_backward({.dtype = dt_, .dinp = s.bufC, .dweight = wg(QKV_W), .dbias = wg(QKV_B), .dout = dqkv,
+                        .inp = defer ? nullptr : P.gather(a_.ln1.raw(), N, C), .weight = w(QKV_W), .M = N, .K = C,
+                        .N = 3 * Cl});
   be_->layernorm_backward({.dtype = dt_, .dinp = s.dres, .accumulate = true, .dweight = g(LN1_W), .dbias = g(LN1_B),
-                           .dout = s.bufC, .inp = x, .weight = w(LN1_W), .mean = a_.ln1_mean.f32(),
-                           .rstd = a_.ln1_rstd.f32(), .N = BT, .C = C});
+                           .dout = P.reduce_input_grad(s.bufC, N, C), .inp = x, .weight = w(LN1_W),
+                           .mean = a_.ln1_mean.f32(), .rstd = a_.ln1_rstd.f32(), .N = Ns, .C = C});
 }
 
 void TransformerBlock::backward_weight() {
   LOOM_CHECK(d_.dout.defined(), "{}: backward_weight without backward_input", name());
-  const int64_t C = cfg_.n_embd, BT = B_ * T_;
+  ChainParallel& P = *par_;
+  const int64_t C = cfg_.n_embd, Cl = C / P.tp(), N = P.rows(B_, T_);
   be_->linear_backward({.dtype = dt_, .dweight = g(MLP_PROJ_W), .dbias = g(MLP_PROJ_B), .dout = d_.dout.raw(),
-                        .inp = a_.fch_gelu.raw(), .M = BT, .K = 4 * C, .N = C});
-  be_->linear_backward({.dtype = dt_, .dweight = g(FC_W), .dbias = g(FC_B), .dout = d_.dfch.raw(), .inp = a_.ln2.raw(),
-                        .M = BT, .K = C, .N = 4 * C});
+                        .inp = a_.fch_gelu.raw(), .M = N, .K = 4 * Cl, .N = C});
+  be_->linear_backward({.dtype = dt_, .dweight = g(FC_W), .dbias = g(FC_B), .dout = d_.dfch.raw(),
+                        .inp = P.gather(a_.ln2.raw(), N, C), .M = N, .K = C, .N = 4 * Cl});
   be_->linear_backward({.dtype = dt_, .dweight = g(ATTN_PROJ_W), .dbias = g(ATTN_PROJ_B), .dout = d_.dres2.raw(),
-                        .inp = a_.atty.raw(), .M = BT, .K = C, .N = C});
-  be_->linear_backward({.dtype = dt_, .dweight = g(QKV_W), .dbias = g(QKV_B), .dout = d_.dqkv.raw(), .inp = a_.ln1.raw(),
-                        .M = BT, .K = C, .N = 3 * C});
+                        .inp = a_.atty.raw(), .M = N, .K = Cl, .N = C});
+  be_->linear_backward({.dtype = dt_, .dweight = g(QKV_W), .dbias = g(QKV_B), .dout = d_.dqkv.raw(),
+                        .inp = P.gather(a_.ln1.raw(), N, C), .M = N, .K = C, .N = 3 * Cl});
   d_ = Deferred{};
 }
 
 // ---------------------------------------------------------------------------------------------
 // Head
 
-Head::Head(const GPTConfig& cfg, Parameter* tied, Backend& be, GradArena* arena)
-    : ChainBlock(be, arena), cfg_(cfg), lm_head_(tied) {
-  const std::vector<ParamSpec> specs = head_param_specs(cfg);
+Head::Head(const GPTConfig& cfg, Parameter* tied, Backend& be, const BlockOptions& o)
+    : ChainBlock(be, o), cfg_(cfg), lm_head_(tied) {
+  const ChainParallel& P = *par_;
+  std::vector<ParamSpec> specs = head_param_specs(cfg);
   params_.reserve(specs.size());
-  for (const ParamSpec& spec : specs) allocate_param(add_param(spec));
+  allocate_param(add_param(P.whole(specs[0], true)));
+  allocate_param(add_param(P.whole(specs[1], true)));
+  if (!cfg.tied_embeddings) {
+    allocate_param(add_param(P.vocab_split(specs[2], cfg)));
+    lm_head_ = &params_.back();
+  }
   arena_ = nullptr;
-  if (!cfg.tied_embeddings) lm_head_ = &params_.back();
   LOOM_CHECK(lm_head_ != nullptr, "head: tied embeddings need the wte parameter");
-  LOOM_CHECK(lm_head_->value_full.size(0) == cfg.padded_vocab(), "head: lm_head has {} rows, expected {}",
-             lm_head_->value_full.size(0), cfg.padded_vocab());
+  LOOM_CHECK(lm_head_->value_full.size(0) == P.vocab_rows(cfg), "head: lm_head has {} rows, expected {}",
+             lm_head_->value_full.size(0), P.vocab_rows(cfg));
 }
 
 std::unique_ptr<ChainBlock> Head::replica(MemTag tag) const { return std::unique_ptr<ChainBlock>(new Head(*this, tag)); }
 
 std::vector<SavedActivation> Head::saved_activations(int64_t B, int64_t T) const {
+  const ChainParallel& P = *par_;
   const DType f = DType::f32;
-  // The logits buffer holds dlogits after the fused loss, so there is one [B, T, Vp] buffer.
-  return {{"head.lnf", dt_, {B, T, cfg_.n_embd}}, {"head.lnf_mean", f, {B, T}}, {"head.lnf_rstd", f, {B, T}},
-          {"head.logits", dt_, {B, T, cfg_.padded_vocab()}}, {"head.losses", f, {B, T}},
-          {"head.targets", DType::i32, {B, T}}};
+  const int64_t C = cfg_.n_embd, Tl = T / P.cp();
+  const Shape st = P.sp_active() ? Shape{P.own_rows(B, T), C} : Shape{B, Tl, C};
+  const Shape rows = P.sp_active() ? Shape{P.own_rows(B, T)} : Shape{B, Tl};
+  // The logits buffer holds dlogits after the fused loss, so there is one [B, T, Vp] buffer (the
+  // rank's vocabulary columns under tp).
+  return {{"head.lnf", dt_, st}, {"head.lnf_mean", f, rows}, {"head.lnf_rstd", f, rows},
+          {"head.logits", dt_, {B, Tl, P.vocab_rows(cfg_)}}, {"head.losses", f, {B, Tl}},
+          {"head.targets", DType::i32, {B, Tl}}};
 }
 
 void Head::release_activations() {
@@ -380,25 +486,46 @@ void Head::release_activations() {
   has_targets_ = holds_dlogits_ = weight_pending_ = false;
 }
 
+void Head::loss(bool with_dlogits, float dloss) {
+  ChainParallel& P = *par_;
+  const int64_t N = P.rows(B_, T_);
+  if (P.tp() == 1) {
+    be_->crossentropy({.dtype = dt_, .losses = losses_.f32(), .dlogits = with_dlogits ? logits_.raw() : nullptr,
+                       .logits = logits_.raw(), .targets = targets_.i32(), .dloss = dloss, .N = N,
+                       .V = cfg_.vocab_size, .Vp = P.vocab_rows(cfg_)});
+    return;
+  }
+  // The rows' max, sum of exponentials and target logit reduced over tp: no rank holds whole rows.
+  parallel::tp::VocabCEArgs ca;
+  ca.N = N, ca.Vs = P.vocab_rows(cfg_), ca.v0 = P.vocab_begin(cfg_), ca.V = cfg_.vocab_size, ca.dloss = dloss;
+  parallel::tp::vocab_cross_entropy(P.tp_group(), losses_.f32(), with_dlogits ? logits_.f32() : nullptr, logits_.f32(),
+                                    targets_.i32(), P.loss_statistics(N), ca);
+}
+
 double Head::forward(const void* x, const int32_t* targets, int64_t B, int64_t T, bool fuse_backward,
                      float dloss_scale, const DeviceTargets* dev) {
-  const int64_t C = cfg_.n_embd, V = cfg_.vocab_size, Vp = cfg_.padded_vocab(), BT = B * T;
+  ChainParallel& P = *par_;
+  const int64_t C = cfg_.n_embd, V = cfg_.vocab_size, Vs = P.vocab_rows(cfg_), N = P.rows(B, T), Ns = P.own_rows(B, T);
+  LOOM_CHECK(!dev || P.single(), "head: a device batch runs on one device (tp = cp = 1)");
+  P.check_sequence(T, "head");
   if (B != B_ || T != T_) {
     release_activations();
-    lnf_ = act({B, T, C}, dt_);
-    lnf_mean_ = act({B, T}, DType::f32);
-    lnf_rstd_ = act({B, T}, DType::f32);
-    logits_ = act({B, T, Vp}, dt_);
-    losses_ = act({B, T}, DType::f32);
-    targets_ = act({B, T}, DType::i32);
+    const std::vector<SavedActivation> sa = saved_activations(B, T);
+    lnf_ = act(sa[0].shape, dt_);
+    lnf_mean_ = act(sa[1].shape, DType::f32);
+    lnf_rstd_ = act(sa[2].shape, DType::f32);
+    logits_ = act(sa[3].shape, dt_);
+    losses_ = act(sa[4].shape, DType::f32);
+    targets_ = act(sa[5].shape, DType::i32);
     B_ = B;
     T_ = T;
   }
   be_->layernorm_forward({.dtype = dt_, .out = lnf_.raw(), .mean = lnf_mean_.f32(), .rstd = lnf_rstd_.f32(), .inp = x,
-                          .weight = params_[0].weights().raw(), .bias = params_[1].weights().raw(), .N = BT, .C = C,
+                          .weight = params_[0].weights().raw(), .bias = params_[1].weights().raw(), .N = Ns, .C = C,
                           .eps = cfg_.ln_eps});
-  be_->linear_forward({.dtype = dt_, .out = logits_.raw(), .inp = lnf_.raw(), .weight = lm_head_->weights_full().raw(),
-                       .M = BT, .K = C, .N = Vp});
+  // lm_head, column-parallel over the vocabulary: every token row, the rank's vocabulary columns.
+  be_->linear_forward({.dtype = dt_, .out = logits_.raw(), .inp = P.gather(lnf_.raw(), N, C),
+                       .weight = lm_head_->weights_full().raw(), .M = N, .K = C, .N = Vs});
   holds_dlogits_ = false;
   has_targets_ = targets != nullptr;
   counted_ = 0;
@@ -407,31 +534,38 @@ double Head::forward(const void* x, const int32_t* targets, int64_t B, int64_t T
   if (dev) {
     counted_ = dev->counted;
   } else {
-    for (int64_t i = 0; i < BT; ++i) {
+    for (int64_t i = 0; i < B * T; ++i) {
       LOOM_CHECK(targets[i] >= -1 && targets[i] < V, "head: target {} at index {} is outside [-1, {})", targets[i], i, V);
-      counted_ += targets[i] >= 0;
+      counted_ += targets[i] >= 0;  // the whole sequence's (every cp rank's) count
     }
   }
-  be_->copy({.dst = targets_.raw(), .dst_dtype = DType::i32, .src = targets, .src_dtype = DType::i32,
-             .src_host = dev == nullptr, .n = BT});
+  if (P.cp() > 1)
+    parallel::cp::slice_sequence(targets, targets_.i32(), B, T, P.cp(), P.cp_rank());
+  else
+    be_->copy({.dst = targets_.raw(), .dst_dtype = DType::i32, .src = targets, .src_dtype = DType::i32,
+               .src_host = dev == nullptr, .n = N});
   const float dloss = counted_ ? dloss_scale / float(counted_) : 0.0f;
-  be_->crossentropy({.dtype = dt_, .losses = losses_.f32(), .dlogits = fuse_backward ? logits_.raw() : nullptr,
-                     .logits = logits_.raw(), .targets = targets_.i32(), .dloss = dloss, .N = BT, .V = V, .Vp = Vp});
+  loss(fuse_backward, dloss);
   holds_dlogits_ = fuse_backward;
   if (dev) {
     LOOM_CHECK(dev->loss_out, "head: a device batch needs loss_out");
-    be_->sum(losses_.f32(), BT, counted_ ? 1.0f / float(counted_) : 0.0f, dev->loss_out);
+    be_->sum(losses_.f32(), N, counted_ ? 1.0f / float(counted_) : 0.0f, dev->loss_out);
     return std::numeric_limits<double>::quiet_NaN();
   }
   std::vector<float> host;
   const float* losses = losses_.f32();
   if (losses_.device() != Device::cpu) {
-    host.resize(size_t(BT));
-    be_->download(host.data(), losses_.raw(), DType::f32, BT);
+    host.resize(size_t(N));
+    be_->download(host.data(), losses_.raw(), DType::f32, N);
     losses = host.data();
   }
   double sum = 0;
-  for (int64_t i = 0; i < BT; ++i) sum += losses[i];
+  for (int64_t i = 0; i < N; ++i) sum += losses[i];
+  if (P.cp() > 1) {  // the sum over the whole sequence
+    float s = float(sum);
+    P.cp_group()->all_reduce(&s, 1, DType::f32);
+    sum = s;
+  }
   return counted_ ? sum / double(counted_) : 0.0;
 }
 
@@ -444,26 +578,27 @@ void Head::backward(const void* x, const BackwardScratch& s, float dloss_scale) 
 
 void Head::backward_input(const void* x, const BackwardScratch& s, float dloss_scale) {
   LOOM_CHECK(logits_.defined() && has_targets_, "head: backward_input needs a forward with targets");
-  const int64_t C = cfg_.n_embd, V = cfg_.vocab_size, Vp = cfg_.padded_vocab(), BT = B_ * T_;
+  ChainParallel& P = *par_;
+  const int64_t C = cfg_.n_embd, N = P.rows(B_, T_), Ns = P.own_rows(B_, T_);
   if (!holds_dlogits_) {
-    const float dloss = counted_ ? dloss_scale / float(counted_) : 0.0f;
-    be_->crossentropy({.dtype = dt_, .losses = losses_.f32(), .dlogits = logits_.raw(), .logits = logits_.raw(),
-                       .targets = targets_.i32(), .dloss = dloss, .N = BT, .V = V, .Vp = Vp});
+    loss(true, counted_ ? dloss_scale / float(counted_) : 0.0f);
     holds_dlogits_ = true;
   }
   be_->linear_backward({.dtype = dt_, .dinp = s.bufC, .dout = logits_.raw(), .weight = lm_head_->weights_full().raw(),
-                        .M = BT, .K = C, .N = Vp});
+                        .M = N, .K = C, .N = P.vocab_rows(cfg_)});
   be_->layernorm_backward({.dtype = dt_, .dinp = s.dres, .dweight = params_[0].grad.f32(),
-                           .dbias = params_[1].grad.f32(), .dout = s.bufC, .inp = x, .weight = params_[0].weights().raw(),
-                           .mean = lnf_mean_.f32(), .rstd = lnf_rstd_.f32(), .N = BT, .C = C});
+                           .dbias = params_[1].grad.f32(), .dout = P.reduce_input_grad(s.bufC, N, C), .inp = x,
+                           .weight = params_[0].weights().raw(), .mean = lnf_mean_.f32(), .rstd = lnf_rstd_.f32(),
+                           .N = Ns, .C = C});
   weight_pending_ = true;
 }
 
 void Head::backward_weight() {
   LOOM_CHECK(weight_pending_, "head: backward_weight without backward_input");
-  const int64_t C = cfg_.n_embd, Vp = cfg_.padded_vocab(), BT = B_ * T_;
-  be_->linear_backward({.dtype = dt_, .dweight = lm_head_->grad_full.f32(), .dout = logits_.raw(), .inp = lnf_.raw(),
-                        .M = BT, .K = C, .N = Vp});
+  ChainParallel& P = *par_;
+  const int64_t C = cfg_.n_embd, N = P.rows(B_, T_);
+  be_->linear_backward({.dtype = dt_, .dweight = lm_head_->grad_full.f32(), .dout = logits_.raw(),
+                        .inp = P.gather(lnf_.raw(), N, C), .M = N, .K = C, .N = P.vocab_rows(cfg_)});
   weight_pending_ = false;
 }
 

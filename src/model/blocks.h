@@ -8,6 +8,13 @@
 // saved output, so nothing is stored twice. Backward passes the residual-stream gradient through
 // one shared buffer. replica() makes another block over the same parameters with activations of
 // its own (a pipeline's micro-batches in flight, a decoder).
+//
+// Every block is parallel-aware (model/parallel.h): over a ChainParallel with tp, sp or cp > 1 it
+// holds its part of each parameter, runs column- and row-parallel linears, the vocabulary-parallel
+// embedding and loss, sequence-parallel LayerNorms and ring attention; at size 1 those are the
+// single-device ops. Token rows: a block's input and output are this rank's rows of the residual
+// stream ([B, T, C] on one device; own(B, T) of the B T / cp rows under sp); B and T passed to
+// forward are the micro-batch's (T the full sequence length).
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -20,16 +27,19 @@
 #include "model/config.h"
 #include "model/param.h"
 #include "model/param_specs.h"
+#include "model/parallel.h"
 
 namespace loom::model {
 
 // Scratch of backward, shared by all blocks (tag workspace), in the backend's compute dtype; see
-// GPT::workspace_bytes.
+// GPT::workspace_bytes. Under tp / cp: dres holds the rank's stream rows, bufC and buf4C its N = B
+// T / cp token rows ([N, C] and [N, 4C / tp]).
 struct BackwardScratch {
   void* dres = nullptr;   // [B, T, C]: gradient of the residual stream, updated in place
   void* bufC = nullptr;   // [B, T, C]
   void* buf4C = nullptr;  // [B, T, 4C] (also holds dqkv [B, T, 3C])
 };
+
 
 // The head's targets in the backend's memory (a device batch): counted on the host by the caller,
 // the mean loss written to loss_out (f32 [1] in the backend's memory) instead of returned.
@@ -51,6 +61,12 @@ struct GradArena {
  private:
   static constexpr int64_t kAlign = 64;  // f32 elements: 256 bytes
   static int64_t aligned(int64_t n);
+};
+
+// How a block is built: where its gradients live and the layout it runs in.
+struct BlockOptions {
+  GradArena* arena = nullptr;  // the model's gradient arena (null: gradients of their own)
+  std::shared_ptr<ChainParallel> parallel;  // null: the single device
 };
 
 // Incremental decoding with a key/value cache (model/kv_cache.h): a forward of T new tokens at
@@ -91,14 +107,15 @@ class ChainBlock {
   // yet; its activations are allocated under `tag` (activations, or workspace for inference).
   virtual std::unique_ptr<ChainBlock> replica(MemTag tag = MemTag::activations) const = 0;
   Backend& backend() const { return *be_; }
+  ChainParallel& parallel() const { return *par_; }
 
  protected:
-  ChainBlock(Backend& be, GradArena* arena) : be_(&be), pool_(&be.pool()), dt_(be.compute_dtype()), arena_(arena) {}
+  ChainBlock(Backend& be, const BlockOptions& o);
   // Allocates p (ChainBlock's parameters, with their gradients from the arena when there is one).
   void allocate_param(Parameter& p);
   ChainBlock(const ChainBlock& primary, MemTag tag);  // replica(): the primary's parameters
   std::vector<Parameter> params_;
-  Parameter& add_param(ParamSpec spec);
+  Parameter& add_param(Parameter p);
   Tensor act(const Shape& s, DType t) const { return Tensor::empty(s, t, act_tag_, *pool_); }
   Tensor work(const Shape& s) const { return Tensor::empty(s, dt_, MemTag::workspace, *pool_); }
   size_t esize() const { return dtype_size(dt_); }
@@ -107,20 +124,24 @@ class ChainBlock {
   DType dt_;  // the compute dtype: activations and compute copies
   MemTag act_tag_ = MemTag::activations;
   GradArena* arena_ = nullptr;  // the model's, while it builds its blocks (null: gradients of their own)
+  std::shared_ptr<ChainParallel> par_;  // shared by the chain's blocks and their replicas
 };
 
 // Token and position embeddings: out = wte[token] + wpe[position].
 class Embedding final : public ChainBlock {
  public:
-  Embedding(const GPTConfig& cfg, Backend& be, GradArena* arena = nullptr);
+  Embedding(const GPTConfig& cfg, Backend& be, const BlockOptions& o = {});
+  // wte as `par` holds it (its vocabulary rows under tp), not allocated: the embedding's, or a
+  // pipeline stage's copy for a tied lm_head.
+  static Parameter wte_param(const GPTConfig& cfg, const ChainParallel& par);
   std::string name() const override { return "embedding"; }
   std::vector<SavedActivation> saved_activations(int64_t B, int64_t T) const override;
   void release_activations() override;
   std::unique_ptr<ChainBlock> replica(MemTag tag = MemTag::activations) const override;
 
   // tokens i32 [B, T] in host memory (validated, copied to the backend's memory and saved for
-  // backward), or with on_device in the backend's memory (copied as they are), at positions
-  // [pos0, pos0 + T); the output is out().
+  // backward; under cp the rank's positions), or with on_device in the backend's memory (copied as
+  // they are; one device only), at positions [pos0, pos0 + T); the output is out().
   void forward(const int32_t* tokens, int64_t B, int64_t T, int64_t pos0 = 0, bool on_device = false);
   // dout [B, T, C]: accumulates into the wte and wpe gradients.
   void backward(const void* dout);
@@ -137,15 +158,15 @@ class Embedding final : public ChainBlock {
   Embedding(const Embedding& primary, MemTag tag) : ChainBlock(primary, tag), cfg_(primary.cfg_) {}
   GPTConfig cfg_;
   int64_t B_ = 0, T_ = 0, pos0_ = 0;
-  Tensor tokens_;  // i32 [B, T]
-  Tensor out_;     // [B, T, C]
-  Tensor dout_;    // [B, T, C] between backward_input and backward_weight (tag workspace)
+  Tensor tokens_;     // i32 [B, T / cp]
+  Tensor out_;        // [B, T, C] (the rank's stream rows)
+  Tensor dout_;       // [B, T, C] between backward_input and backward_weight (tag workspace)
 };
 
 // Pre-LayerNorm GPT-2 block: x + attn(ln_1(x)), then + mlp(ln_2(.)), tanh-GELU MLP of width 4C.
 class TransformerBlock final : public ChainBlock {
  public:
-  TransformerBlock(const GPTConfig& cfg, int64_t layer, Backend& be, GradArena* arena = nullptr);
+  TransformerBlock(const GPTConfig& cfg, int64_t layer, Backend& be, const BlockOptions& o = {});
   std::string name() const override { return "h." + std::to_string(layer_); }
   std::vector<SavedActivation> saved_activations(int64_t B, int64_t T) const override;
   void release_activations() override;
@@ -167,10 +188,12 @@ class TransformerBlock final : public ChainBlock {
   // From now on this block computes with `other`'s parameters (shared tensors) and name: a
   // decoder runs every layer through one block and one set of buffers.
   void use_parameters_of(const TransformerBlock& other);
-  // The attention call of a training step at [B, T] (packed qkv).
+  // The attention call of a training step at [B, T] (packed qkv, this rank's heads; one chunk
+  // pair of the ring under cp).
   AttnShape attention_shape(int64_t B, int64_t T) const;
-  // The attention kernel's scratch (tag workspace, kept by the backend): the larger of its forward
-  // and backward call at [B, T] on `threads` OpenMP threads (0: the calling thread's).
+  // The attention kernel's scratch (tag workspace, kept by the backend, or under cp by the ring):
+  // the larger of its forward and backward call at [B, T] on `threads` OpenMP threads (0: the
+  // calling thread's).
   int64_t attention_workspace_bytes(int64_t B, int64_t T, int threads = 0) const;
 
   // Output gradients of the linear layers, held between backward_input and backward_weight.
@@ -204,6 +227,8 @@ class TransformerBlock final : public ChainBlock {
   TransformerBlock(const TransformerBlock& primary, MemTag tag)
       : ChainBlock(primary, tag), cfg_(primary.cfg_), layer_(primary.layer_) {}
   void allocate(int64_t B, int64_t T, bool probs);
+  // backward, or with defer backward_input (the weight GEMMs kept for backward_weight).
+  void run_backward(const void* x, const BackwardScratch& s, bool defer);
   // The decode branch of forward's attention: append the new keys and values, attend over the cache.
   void attend_cached(const KVStep& kv);
   GPTConfig cfg_;
@@ -222,7 +247,7 @@ class TransformerBlock final : public ChainBlock {
 class Head final : public ChainBlock {
  public:
   // lm_head is `tied` (wte's value and gradient, [Vp, C]) when the config ties embeddings.
-  Head(const GPTConfig& cfg, Parameter* tied, Backend& be, GradArena* arena = nullptr);
+  Head(const GPTConfig& cfg, Parameter* tied, Backend& be, const BlockOptions& o = {});
   std::string name() const override { return "head"; }
   std::vector<SavedActivation> saved_activations(int64_t B, int64_t T) const override;
   void release_activations() override;
@@ -230,7 +255,8 @@ class Head final : public ChainBlock {
   std::unique_ptr<ChainBlock> replica(MemTag tag = MemTag::activations) const override;
 
   // x [B, T, C]. With targets (host i32 [B, T], -1 ignored), computes the per-position losses and
-  // returns their mean over counted positions; with `fuse_backward` the logits buffer is turned
+  // returns their mean over counted positions (of the whole sequence under cp; collective over the
+  // tp and cp groups); with `fuse_backward` the logits buffer is turned
   // into dlogits in the same pass (scaled by dloss_scale / count), so backward needs no second
   // softmax and logits() is no longer available. Without targets returns NaN. With `dev`, the
   // targets are in the backend's memory: the mean goes to dev->loss_out and NaN is returned.
@@ -244,9 +270,9 @@ class Head final : public ChainBlock {
   void backward_input(const void* x, const BackwardScratch& s, float dloss_scale);
   void backward_weight();
   // [B, T, Vp] in the compute dtype: logits after a forward without fuse_backward (columns >= V
-  // are padding).
+  // are padding); under tp the rank's vocabulary columns [B, T / cp, Vp / tp].
   const Tensor& logits() const;
-  const Tensor& losses() const { return losses_; }  // f32 [B, T]
+  const Tensor& losses() const { return losses_; }  // f32 [B, T] (under cp the rank's positions)
   bool holds_dlogits() const { return holds_dlogits_; }
   int64_t counted() const { return counted_; }
 
@@ -263,7 +289,9 @@ class Head final : public ChainBlock {
   Tensor losses_;                     // f32 [B, T]
   Tensor targets_;                    // i32 [B, T]
   bool has_targets_ = false, holds_dlogits_ = false, weight_pending_ = false;
-  int64_t counted_ = 0;
+  int64_t counted_ = 0;  // of the whole sequence (all cp ranks)
+  // The loss over tp > 1 (the vocabulary-parallel cross-entropy), or the fused one.
+  void loss(bool with_dlogits, float dloss);
 };
 
 }  // namespace loom::model

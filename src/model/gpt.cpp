@@ -6,15 +6,21 @@
 
 namespace loom::model {
 
-GPT::GPT(const GPTConfig& cfg, Backend& be, uint64_t seed) : cfg_(cfg), be_(be), pool_(be.pool()) { build(seed); }
+GPT::GPT(const GPTConfig& cfg, Backend& be, uint64_t seed, const ModelLayout& layout)
+    : cfg_(cfg), layout_(layout), be_(be), pool_(be.pool()) {
+  build(seed);
+}
 
-GPT::GPT(const GPTConfig& cfg, MemoryPool& pool, uint64_t seed)
-    : cfg_(cfg), own_be_(make_backend(pool.device(), {.pool = &pool})), be_(*own_be_), pool_(pool) {
+GPT::GPT(const GPTConfig& cfg, MemoryPool& pool, uint64_t seed, const ModelLayout& layout)
+    : cfg_(cfg), layout_(layout), own_be_(make_backend(pool.device(), {.pool = &pool})), be_(*own_be_), pool_(pool) {
   build(seed);
 }
 
 void GPT::build(uint64_t seed) {
   cfg_.validate("model config '" + cfg_.name + "'");
+  if (layout_.activation_budget < 0)
+    throw Error(fmt::format("model '{}': activation_budget = {} must be >= 0", cfg_.name, layout_.activation_budget));
+  par_ = std::make_shared<ChainParallel>(be_, layout_.groups, layout_.sp);
   // On a device every gradient is a slice of one buffer: one fill zeroes them (a graphed step's
   // one memset instead of one per parameter) and one collective sums them over replicas. On the
   // CPU each keeps its own allocation, which data parallelism lays out itself.
@@ -26,9 +32,10 @@ void GPT::build(uint64_t seed) {
     grads_ = arena.flat;
     a = &arena;
   }
-  embedding_ = std::make_unique<Embedding>(cfg_, be_, a);
-  for (int64_t l = 0; l < cfg_.n_layer; ++l) blocks_.push_back(std::make_unique<TransformerBlock>(cfg_, l, be_, a));
-  head_ = std::make_unique<Head>(cfg_, &embedding_->wte(), be_, a);
+  const BlockOptions bo{.arena = a, .parallel = par_};
+  embedding_ = std::make_unique<Embedding>(cfg_, be_, bo);
+  for (int64_t l = 0; l < cfg_.n_layer; ++l) blocks_.push_back(std::make_unique<TransformerBlock>(cfg_, l, be_, bo));
+  head_ = std::make_unique<Head>(cfg_, &embedding_->wte(), be_, bo);
   for (ChainBlock* b : chain())
     for (Parameter* p : b->parameters()) params_.push_back(p);
   init_weights(seed);
@@ -86,8 +93,13 @@ int64_t GPT::workspace_bytes(int64_t B, int64_t T, int threads) const {
   // dres [B, T, C] + bufC [B, T, C] + buf4C [B, T, 4C], held from the first backward on, and the
   // attention kernel's scratch, held from the first forward on (the same for every block; the
   // larger of forward and backward).
-  const int64_t scratch = int64_t(dtype_size(be_.compute_dtype())) * B * T * cfg_.n_embd * 6;
-  return scratch + (blocks_.empty() ? 0 : blocks_[0]->attention_workspace_bytes(B, T, threads));
+  const ChainParallel& P = *par_;
+  const int64_t C = cfg_.n_embd, N = P.rows(B, T), Ns = P.own_rows(B, T), e = int64_t(dtype_size(be_.compute_dtype()));
+  int64_t bytes = e * (Ns * C + N * C + N * 4 * C / P.tp());
+  if (P.sp_active()) bytes += e * (2 * N * C + Ns * C);  // gathered rows, partial sums, own-row gradients
+  if (P.tp() > 1) bytes += int64_t(sizeof(float)) * 3 * N;  // the vocabulary-parallel loss's statistics
+  if (P.cp() > 1) bytes += int64_t(sizeof(int32_t)) * (T / P.cp());  // the rows' positions
+  return bytes + (blocks_.empty() ? 0 : blocks_[0]->attention_workspace_bytes(B, T, threads));
 }
 
 void check_batch(const GPTConfig& cfg, const Tensor& tokens, const Tensor& targets, bool need_targets) {
@@ -117,7 +129,15 @@ float GPT::forward(const Tensor& tokens, const Tensor& targets, const ForwardOpt
   // The blocks' attention scratch, sized once for the largest call: with targets a backward may
   // follow, so the larger of the forward and backward call (without, the forward calls take what
   // they need).
-  if (L > 0 && targets.defined()) be_.prepare_attention(be_.compute_dtype(), blocks_[0]->attention_shape(B, T));
+  par_->check_sequence(T, "model '" + cfg_.name + "'");
+  if (layout_.activation_budget > 0 && saved_activation_bytes(B, T) > layout_.activation_budget)
+    throw Error(fmt::format("model '{}': micro-batch [{}, {}] needs {} of saved activations per rank, over the "
+                            "activation budget of {} (tp={}{}, cp={})",
+                            cfg_.name, B, T, format_bytes(saved_activation_bytes(B, T)),
+                            format_bytes(layout_.activation_budget), par_->tp(), par_->sp_active() ? " sp" : "",
+                            par_->cp()));
+  if (L > 0 && targets.defined() && par_->cp() == 1)
+    be_.prepare_attention(be_.compute_dtype(), blocks_[0]->attention_shape(B, T));
   // A device batch (ForwardOptions::loss_out): tokens and targets in the backend's memory.
   const bool on_device = opt.loss_out != nullptr;
   if (on_device) {
@@ -154,9 +174,11 @@ void GPT::backward() {
   const int64_t B = B_, T = T_, C = cfg_.n_embd;
   if (!ws_dres_.defined()) {
     const DType dt = be_.compute_dtype();
-    ws_dres_ = be_.empty({B, T, C}, dt, MemTag::workspace);
-    ws_bufC_ = be_.empty({B, T, C}, dt, MemTag::workspace);
-    ws_buf4C_ = be_.empty({B, T, 4 * C}, dt, MemTag::workspace);
+    const ChainParallel& P = *par_;
+    const int64_t N = P.rows(B, T), Ns = P.own_rows(B, T);
+    ws_dres_ = be_.empty(P.single() ? Shape{B, T, C} : Shape{Ns, C}, dt, MemTag::workspace);
+    ws_bufC_ = be_.empty(P.single() ? Shape{B, T, C} : Shape{N, C}, dt, MemTag::workspace);
+    ws_buf4C_ = be_.empty(P.single() ? Shape{B, T, 4 * C} : Shape{N, 4 * C / P.tp()}, dt, MemTag::workspace);
   }
   BackwardScratch s{ws_dres_.raw(), ws_bufC_.raw(), ws_buf4C_.raw()};
   auto input_of = [&](int64_t l) { return l == 0 ? embedding_->out().raw() : blocks_[size_t(l - 1)]->out().raw(); };
@@ -189,9 +211,17 @@ void GPT::zero_grad() {
   }
 }
 
+void GPT::finish_gradients() {
+  comm::Comm* tp = par_->tp_group();
+  if (!tp) return;
+  for (Parameter* p : params_)
+    if (p->shard.sp_partial) tp->all_reduce(p->grad.f32(), p->spec.numel(), DType::f32);
+}
+
 void GPT::release_activations() {
   for (ChainBlock* b : chain()) b->release_activations();
   ws_dres_ = ws_bufC_ = ws_buf4C_ = Tensor();
+  par_->release();
   be_.release_workspace();
   ++activation_epoch_;
   B_ = T_ = 0;

@@ -1,6 +1,16 @@
 // GPT-2: the chain Embedding -> n_layer x TransformerBlock -> Head with explicit forward and
 // backward, parameters named as Hugging Face GPT-2, and an exact declaration of its memory:
 // params, grads, saved activations (per block) and backward workspace, each under its pool tag.
+//
+// On one device, or one rank's part over tensor / sequence / context parallel groups
+// (model/parallel.h): every rank of a tp x cp group passes the same full micro-batch and gets the
+// same loss. Training a step there (per rank):
+//   model.zero_grad(); loss = model.forward(tokens, targets, {.fuse_backward = true});
+//   model.backward(); model.finish_gradients();      // sp-partial sums over tp
+//   double sq = opt.reduce_gradients();              // sums over cp, mean over dp
+//   opt.step(std::sqrt(sum_over_ranks(tp, sq)));     // global norm
+// with opt = parallel::ReplicaOptimizer(model.parameters(), &dp_cp_group, {.replicas = dp,
+// .in_norm = whole parameters on tp rank 0 only}, ...): each rank updates its own parts.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -40,6 +50,14 @@ struct ForwardOptions {
 // 1..n_layer = transformer blocks, n_layer + 1 = head. Data parallelism uses them to gather ZeRO-3
 // parameters just before a block runs (and free them after) and to launch a gradient bucket's
 // reduction as soon as backward has finished writing it.
+// The layout a model runs in on this rank.
+struct ModelLayout {
+  ParallelGroups groups;          // tp and cp groups (null: size 1)
+  bool sp = false;                // sequence parallel within tp
+  int64_t activation_budget = 0;  // saved-activation bytes allowed per rank (0: unlimited); a
+                                  // forward that would need more throws before allocating
+};
+
 struct ChainHooks {
   virtual ~ChainHooks() = default;
   virtual void before_forward(int64_t i) {}
@@ -54,15 +72,16 @@ class GPT {
   // another dtype) and zeroed gradients (tag grads) from the backend's pool and initialises them
   // from seed as nanoGPT does: N(0, 0.02), residual projections N(0, 0.02 / sqrt(2 L)), biases 0,
   // LayerNorm weights 1. The backend (not owned) must outlive the model.
-  GPT(const GPTConfig& cfg, Backend& be, uint64_t seed = 1337);
+  GPT(const GPTConfig& cfg, Backend& be, uint64_t seed = 1337, const ModelLayout& layout = {});
   // The same on a backend of its own over `pool` (for the pool's device: the CPU's, or GPU 0).
-  GPT(const GPTConfig& cfg, MemoryPool& pool, uint64_t seed = 1337);
+  GPT(const GPTConfig& cfg, MemoryPool& pool, uint64_t seed = 1337, const ModelLayout& layout = {});
   GPT(const GPT&) = delete;
   GPT& operator=(const GPT&) = delete;
 
   const GPTConfig& config() const { return cfg_; }
   MemoryPool& pool() const { return pool_; }
   Backend& backend() const { return be_; }
+  ChainParallel& parallel() const { return *par_; }
 
   // Every parameter once, in Hugging Face order (wte, wpe, h.0..., ln_f[, lm_head]).
   const std::vector<Parameter*>& parameters() const { return params_; }
@@ -79,6 +98,10 @@ class GPT {
   void backward();
   // Zeroes every allocated gradient (those a ZeRO layout has detached are skipped).
   void zero_grad();
+  // After the last backward of a step: sums the sp-partial gradients (LayerNorm weights) over tp.
+  // The cp ranks then hold partial sums of every gradient: the data-parallel reduction over
+  // dp x cp adds them (parallel::ReplicaOptimizer), one collective for both.
+  void finish_gradients();
   // On a device: the one f32 buffer every parameter's gradient is a slice of (padding between them
   // zero), for summing replicas' gradients in one collective. Undefined on the CPU.
   const Tensor& flat_gradients() const { return grads_; }
@@ -91,7 +114,7 @@ class GPT {
   // [B, T, Vp] in the compute dtype (f32 on the CPU) of the last forward without fuse_backward
   // (columns >= vocab_size are padding).
   const Tensor& logits() const { return head_->logits(); }
-  const Tensor& losses() const { return head_->losses(); }  // f32 [B, T]
+  const Tensor& losses() const { return head_->losses(); }  // f32 [B, T] (under cp [B, T / cp])
 
   // Drops saved activations and the backward and attention workspace (reallocated when needed).
   void release_activations();
@@ -121,14 +144,19 @@ class GPT {
   // Every step reaches it, the first included. A forward without targets keeps only the forward
   // call's attention scratch. (On CUDA the backend instance also keeps the LayerNorm and
   // bias-gradient reductions' scratch and its BLAS handles' workspaces, 32 MiB each.)
+  // Under tp / sp / cp the backward scratch holds the rank's rows (model/blocks.h), and the chain's
+  // shared buffers (ChainParallel: gathers and partial sums under sp, the vocabulary-parallel
+  // loss's statistics, ring attention's blocks) come on top.
   int64_t workspace_bytes(int64_t B, int64_t T, int threads) const;
 
  private:
   void build(uint64_t seed);
   GPTConfig cfg_;
+  ModelLayout layout_;
   std::unique_ptr<Backend> own_be_;  // the pool constructor's
   Backend& be_;
   MemoryPool& pool_;
+  std::shared_ptr<ChainParallel> par_;
   std::unique_ptr<Embedding> embedding_;
   std::vector<std::unique_ptr<TransformerBlock>> blocks_;
   std::unique_ptr<Head> head_;

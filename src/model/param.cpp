@@ -75,17 +75,34 @@ void Parameter::allocate(Backend& be, const Tensor& grad_storage) {
   }
 }
 
+ParamSpec Parameter::global() const {
+  ParamSpec g = spec;
+  if (!shard.global_shape.empty()) g.shape = shard.global_shape;
+  return g;
+}
+
+std::vector<ShardSegment> Parameter::segments() const {
+  if (!shard.split) return {{0, 0, spec.numel()}};
+  return shard.segments;
+}
+
 void Parameter::initialise(uint64_t seed, Backend* be) {
   LOOM_CHECK(value.defined(), "parameter '{}' is not allocated", spec.name);
+  const ParamSpec full = global();
+  // A part of the full tensor draws exactly its elements; the rest (a vocabulary split's padding)
+  // stays zero.
+  auto fill = [&](float* dst) {
+    for (const ShardSegment& s : segments()) init_values(full, seed, dst + s.local, s.global, s.n);
+  };
   if (value.device() == Device::cpu) {
     value_full.zero_();
-    init_values(spec, seed, value.f32(), 0, spec.numel());
+    fill(value.f32());
     if (be) refresh_compute(*be);
     return;
   }
   LOOM_CHECK(be != nullptr, "parameter '{}': initialising device memory needs its backend", spec.name);
   std::vector<float> host(size_t(value_full.numel()), 0.0f);
-  init_values(spec, seed, host.data(), 0, spec.numel());
+  fill(host.data());
   be->upload(value_full.raw(), DType::f32, host.data(), int64_t(host.size()));
   refresh_compute(*be);
 }

@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "core/memory.h"
 #include "core/tensor.h"
@@ -28,8 +29,24 @@ struct ParamSpec {
   int64_t alloc_numel() const;  // numel including padding rows
 };
 
+// Elements [local, local + n) of a parameter's tensor are elements [global, global + n) of the
+// full tensor.
+struct ShardSegment {
+  int64_t local = 0, global = 0, n = 0;
+};
+
+// Where a parameter's tensor lies in the model's full tensor of that name, under tensor
+// parallelism (model/parallel.h). The default is the whole tensor.
+struct Sharding {
+  Shape global_shape;                  // the full tensor's logical shape (empty: spec.shape)
+  std::vector<ShardSegment> segments;  // where the tensor lies in the full one (empty: all of it)
+  bool split = false;       // a part of the full tensor (else the whole, the same on every tp rank)
+  bool sp_partial = false;  // under sequence parallelism its gradient is a partial sum over tp
+  bool tied_copy = false;   // a pipeline stage's copy of wte for its tied lm_head
+};
+
 struct Parameter {
-  ParamSpec spec;
+  ParamSpec spec;  // name and initialisation of the full tensor; shape of this rank's part
   Tensor value;       // f32 spec.shape (the first shape[0] rows of value_full): the master weights
   Tensor grad;        // f32 spec.shape, accumulated by backward
   Tensor value_full;  // f32 [alloc_rows, ...], padding rows zero
@@ -55,6 +72,12 @@ struct Parameter {
   void initialise(uint64_t seed, Backend* be = nullptr);
   // compute_full = value_full in the compute dtype (nothing where they are the same tensor).
   void refresh_compute(Backend& be);
+
+  Sharding shard;
+  // The full tensor's spec (spec with the global shape).
+  ParamSpec global() const;
+  // This tensor's segments of the full one ({0, 0, numel} when it is the whole tensor).
+  std::vector<ShardSegment> segments() const;
 };
 
 // Fills out[0, n) with the initial values of global elements [first, first + n) of spec.

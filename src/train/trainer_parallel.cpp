@@ -20,7 +20,7 @@
 #include "data/shard.h"
 #include "data/tokenizer.h"
 #include "model/gpt.h"
-#include "model/tp_gpt.h"
+#include "model/parallel.h"
 #include "optim/adamw.h"
 #include "parallel/data/replica_optimizer.h"
 #include "parallel/data/flat_layout.h"
@@ -110,13 +110,25 @@ class CheckpointTensors {
   std::vector<float> buf_;
 };
 
-// A shard's part of a full checkpoint tensor into dst f32 [n] (the rest, a vocabulary split's
+// A parameter's part of a full checkpoint tensor into dst f32 [n] (the rest, a vocabulary split's
 // zero padding, zeroed).
-void read_shard(CheckpointTensors& ckpt, const char* kind, const model::ShardedParameter& p, float* dst, int64_t n) {
-  const std::vector<float>& full = ckpt.read(kind, p.global.name, p.global.shape);
+void read_shard(CheckpointTensors& ckpt, const char* kind, const model::Parameter& p, float* dst, int64_t n) {
+  const model::ParamSpec g = p.global();
+  const std::vector<float>& full = ckpt.read(kind, g.name, g.shape);
   std::fill(dst, dst + n, 0.0f);
-  for (const model::ShardSegment& s : p.segments)
+  for (const model::ShardSegment& s : p.segments())
     std::memcpy(dst + s.local, full.data() + s.global, size_t(s.n) * sizeof(float));
+}
+
+// The full tensor of parameter p on every rank of tp from each rank's part `src` (a sum over tp of
+// zero-filled buffers into which every rank wrote its part, a whole tensor by tp rank 0 only, so
+// values arrive unchanged) into out.
+void assemble(comm::Comm& tp, const model::Parameter& p, const float* src, std::vector<float>& out) {
+  out.assign(size_t(p.global().numel()), 0.0f);
+  if (p.shard.split || tp.rank() == 0)
+    for (const model::ShardSegment& sg : p.segments())
+      std::memcpy(out.data() + sg.global, src + sg.local, size_t(sg.n) * sizeof(float));
+  tp.all_reduce(out.data(), int64_t(out.size()), DType::f32);
 }
 
 // One rank's model, optimizer and step under either layout.
@@ -137,7 +149,8 @@ class Engine {
   virtual std::vector<pipe::TraceEvent> trace() const { return {}; }
 };
 
-// Tensor / sequence / context parallel (ParallelGPT) with data parallelism over dp: gradients
+// Tensor / sequence / context parallel (model::GPT over the tp and cp groups) with data
+// parallelism over dp: gradients
 // reduced over dp x cp by parallel::ReplicaOptimizer, with full AdamW moments on every rank
 // (parallel.zero = 0) or ZeRO-1's moments sharded over dp x cp.
 class TensorEngine : public Engine {
@@ -145,7 +158,8 @@ class TensorEngine : public Engine {
   TensorEngine(const TrainConfig& cfg, const model::GPTConfig& mc, const optim::AdamWConfig& oc,
                parallel::MeshComms& comms, data::Loader& train, MemoryPool& pool)
       : cfg_(cfg), mc_(comms), train_(train), pool_(pool), dp_(comms["dp"]), tp_(comms["tp"]),
-        dpcp_(comms.get({"dp", "cp"})), model_(mc, {&comms["tp"], &comms["cp"]}, {.sp = cfg.sp}, pool, cfg.seed) {
+        dpcp_(comms.get({"dp", "cp"})),
+        model_(mc, pool, cfg.seed, {.groups = {&comms["tp"], &comms["cp"]}, .sp = cfg.sp}) {
     // Gradients reduced over dp x cp in one collective: the cp ranks of a replica hold partial
     // sums (added), the dp replicas average. Under ZeRO-1 the moments are sharded over that
     // group, like Megatron's distributed optimizer. A parameter replicated over tp counts in the
@@ -153,7 +167,7 @@ class TensorEngine : public Engine {
     parallel::ReplicaOptimizer::Options ro;
     ro.zero_stage = int(cfg.zero);
     ro.replicas = dp_.size();
-    for (const auto& p : model_.sharded()) ro.in_norm.push_back(!p->replicated || tp_.rank() == 0);
+    for (const model::Parameter* p : model_.parameters()) ro.in_norm.push_back(p->shard.split || tp_.rank() == 0);
     opt_ = std::make_unique<parallel::ReplicaOptimizer>(model_.parameters(), &dpcp_, ro, oc, pool);
     const int64_t dp = dp_.size();
     local_ = cfg.batch_size / dp;
@@ -204,30 +218,26 @@ class TensorEngine : public Engine {
     const bool lead_replica = mc_.coord("dp") == 0 && mc_.coord("cp") == 0;
     if (!lead_replica && !(opt_->sharded() && with_moments)) return;
     if (full && with_moments) full->ensure_moments();
-    const auto& sh = model_.sharded();
+    const auto& ps = model_.parameters();
     std::vector<float> buf, m, v;
-    for (size_t i = 0; i < sh.size(); ++i) {
-      const model::ShardedParameter& p = *sh[i];
-      const float *mi = nullptr, *vi = nullptr;  // this shard's full moments
+    for (size_t i = 0; i < ps.size(); ++i) {
+      const model::Parameter& p = *ps[i];
+      const float *mi = nullptr, *vi = nullptr;  // this part's full moments
       if (with_moments) {
-        m.resize(size_t(p.shard.spec.numel()));
-        v.resize(size_t(p.shard.spec.numel()));
+        m.resize(size_t(p.spec.numel()));
+        v.resize(size_t(p.spec.numel()));
         opt_->gather_moments(i, m.data(), v.data());  // collective over dp x cp under ZeRO-1
         mi = m.data(), vi = v.data();
       }
       if (!lead_replica) continue;
-      const int64_t n = p.global.numel();
-      model::Parameter* dst = full ? &full->param(p.global.name, n) : nullptr;
-      const size_t di = full ? full->index.at(p.global.name) : 0;
+      const int64_t n = p.global().numel();
+      model::Parameter* dst = full ? &full->param(p.spec.name, n) : nullptr;
+      const size_t di = full ? full->index.at(p.spec.name) : 0;
       auto one = [&](const float* src, float* out) {
-        buf.assign(size_t(n), 0.0f);
-        if (!p.replicated || tp_.rank() == 0)
-          for (const model::ShardSegment& s : p.segments)
-            std::memcpy(buf.data() + s.global, src + s.local, size_t(s.n) * sizeof(float));
-        tp_.all_reduce(buf.data(), n, DType::f32);
+        assemble(tp_, p, src, buf);
         if (out) std::memcpy(out, buf.data(), size_t(n) * sizeof(float));
       };
-      one(p.shard.value.f32(), dst ? dst->value.f32() : nullptr);
+      one(p.value.f32(), dst ? dst->value.f32() : nullptr);
       if (with_moments) {
         one(mi, full ? full->exp_avg[di].f32() : nullptr);
         one(vi, full ? full->exp_avg_sq[di].f32() : nullptr);
@@ -239,16 +249,16 @@ class TensorEngine : public Engine {
   // Each shard (and its moments) takes its segments of the full tensor; the rest of a shard is
   // the zero padding of a vocabulary split, which stays zero in training.
   void load(CheckpointTensors& ckpt, int64_t optimizer_steps) override {
-    const auto& sh = model_.sharded();
+    const auto& ps = model_.parameters();
     const auto& opt_params = opt_->parameters();
     std::vector<float> m, v;
-    for (size_t i = 0; i < sh.size(); ++i) {
-      const model::ShardedParameter& p = *sh[i];
-      LOOM_CHECK(opt_params[i] == &p.shard, "load: the optimizer's parameter {} is not shard '{}'", i, p.global.name);
-      const int64_t n = p.shard.spec.numel();
+    for (size_t i = 0; i < ps.size(); ++i) {
+      model::Parameter& p = *ps[i];
+      LOOM_CHECK(opt_params[i] == &p, "load: the optimizer's parameter {} is not '{}'", i, p.spec.name);
+      const int64_t n = p.spec.numel();
       m.resize(size_t(n));
       v.resize(size_t(n));
-      read_shard(ckpt, "param", p, p.shard.value.f32(), p.shard.value.numel());
+      read_shard(ckpt, "param", p, p.value.f32(), p.value.numel());
       read_shard(ckpt, "adam_m", p, m.data(), n);
       read_shard(ckpt, "adam_v", p, v.data(), n);
       opt_->load_moments(i, m.data(), v.data());  // under ZeRO-1 this rank keeps its dp x cp part
@@ -257,7 +267,8 @@ class TensorEngine : public Engine {
   }
 
   std::string describe() const override {
-    return fmt::format("tp {}{} x cp {} x dp {}{}", model_.tp(), model_.sp() ? " + sp" : "", model_.cp(), dp_.size(),
+    const model::ChainParallel& P = model_.parallel();
+    return fmt::format("tp {}{} x cp {} x dp {}{}", P.tp(), P.sp() ? " + sp" : "", P.cp(), dp_.size(),
                        opt_->sharded() ? " (ZeRO-1)" : "");
   }
 
@@ -269,7 +280,7 @@ class TensorEngine : public Engine {
   comm::Comm& dp_;
   comm::Comm& tp_;
   comm::Comm& dpcp_;  // the data-parallel reduction's group
-  model::ParallelGPT model_;
+  model::GPT model_;
   std::unique_ptr<parallel::ReplicaOptimizer> opt_;
   int64_t local_ = 0, mb_ = 0;
   Tensor x_, y_;  // i32 [mb, T]
@@ -346,7 +357,6 @@ class PipelineEngine : public Engine {
     const auto ps = exec_.parameters();
     for (size_t i = 0; i < ps.size(); ++i)
       if (!exec_.is_copy(ps[i])) mine.push_back(i);
-    const auto sharded = exec_.sharded();
     // Full tensors of this stage's parameters: value, and the moments when with_moments.
     struct Full {
       std::string name;
@@ -363,16 +373,11 @@ class PipelineEngine : public Engine {
       }
       if (!lead_replica) continue;
       auto one = [&](const float* src, std::vector<float>& out) {
-        if (sharded.empty()) {
+        if (tp_.size() == 1) {
           out.assign(src, src + p.spec.numel());
           return;
         }
-        const model::ShardedParameter& sp = *sharded[i];
-        out.assign(size_t(sp.global.numel()), 0.0f);
-        if (!sp.replicated || tp_.rank() == 0)
-          for (const model::ShardSegment& sg : sp.segments)
-            std::memcpy(out.data() + sg.global, src + sg.local, size_t(sg.n) * sizeof(float));
-        tp_.all_reduce(out.data(), int64_t(out.size()), DType::f32);
+        assemble(tp_, p, src, out);
       };
       Full f;
       f.name = p.spec.name;
@@ -442,17 +447,16 @@ class PipelineEngine : public Engine {
   // Under tp / cp each stage's shard takes its segments of the full tensor.
   void load(CheckpointTensors& ckpt, int64_t optimizer_steps) override {
     const auto ps = exec_.parameters();
-    const auto sharded = exec_.sharded();
     parallel::ReplicaOptimizer& opt = exec_.optimizer();
     std::vector<float> m, v;
     for (size_t i = 0; i < ps.size(); ++i) {
       const int64_t n = ps[i]->spec.numel();
       m.resize(size_t(n));
       v.resize(size_t(n));
-      if (!sharded.empty()) {
-        read_shard(ckpt, "param", *sharded[i], ps[i]->value.f32(), n);
-        read_shard(ckpt, "adam_m", *sharded[i], m.data(), n);
-        read_shard(ckpt, "adam_v", *sharded[i], v.data(), n);
+      if (ps[i]->shard.split) {
+        read_shard(ckpt, "param", *ps[i], ps[i]->value.f32(), n);
+        read_shard(ckpt, "adam_m", *ps[i], m.data(), n);
+        read_shard(ckpt, "adam_v", *ps[i], v.data(), n);
       } else {
         ckpt.read_into("param", ps[i]->spec.name, ps[i]->value);
         const Shape& sh = ps[i]->spec.shape;

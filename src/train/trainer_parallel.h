@@ -2,7 +2,7 @@
 // this process (parallel.comm = "threads") or one process each under mpirun (parallel.comm =
 // "mpi", the process count must equal the product):
 //   - tensor / sequence / context parallelism (parallel.tp, parallel.sp, parallel.cp) with
-//     model::ParallelGPT, gradients averaged over parallel.dp with a plain all-reduce, or with
+//     model::GPT over the tp and cp groups, gradients averaged over parallel.dp with a plain all-reduce, or with
 //     ZeRO-1 (parallel.zero = 1: parallel::Zero1Optimizer, AdamW moments sharded over dp x cp);
 //   - pipeline parallelism (parallel.pp) with parallel::pipeline::PipelineExecutor, train.grad_accum
 //     micro-batches per step under parallel.schedule (gpipe | 1f1b | interleaved | zb-h1), data

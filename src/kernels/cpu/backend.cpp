@@ -168,12 +168,14 @@ void CpuBackend::crossentropy(const CrossEntropy& a) {
 
 void CpuBackend::embedding_forward(const EmbeddingForward& a) {
   check(Op::embedding, a.dtype);
-  cpu::embedding_forward(f(a.out), a.tokens, f(a.wte), f(a.wpe), a.B, a.T, a.C, a.V, a.pos0);
+  cpu::embedding_forward(f(a.out), a.tokens, f(a.wte), f(a.wpe), a.B, a.T, a.C, a.V,
+                         {.pos0 = a.pos0, .positions = a.positions, .v0 = a.vocab_begin, .Vs = a.vocab_rows});
 }
 
 void CpuBackend::embedding_backward(const EmbeddingBackward& a) {
   check(Op::embedding, a.dtype);
-  cpu::embedding_backward(a.dwte, a.dwpe, f(a.dout), a.tokens, a.B, a.T, a.C, a.V, a.pos0);
+  cpu::embedding_backward(a.dwte, a.dwpe, f(a.dout), a.tokens, a.B, a.T, a.C, a.V,
+                          {.pos0 = a.pos0, .positions = a.positions, .v0 = a.vocab_begin, .Vs = a.vocab_rows});
 }
 
 void CpuBackend::gelu_forward(DType dtype, void* out, const void* inp, int64_t n) {

@@ -471,12 +471,16 @@ void CudaBackend::crossentropy(const CrossEntropy& a) {
 void CudaBackend::embedding_forward(const EmbeddingForward& a) {
   check(Op::embedding, a.dtype);
   LOOM_CHECK(a.wpe, "cuda embedding_forward: a position table is required");
+  LOOM_CHECK(!a.positions && a.vocab_rows == 0, "cuda embedding_forward: position lists and vocabulary splits "
+             "(tensor / context parallelism) are not implemented on CUDA yet");
   cuda::embedding_forward(h(a.out), a.tokens, h(a.wte), h(a.wpe), a.B, a.T, a.C, a.V, stream_, a.pos0);
   observed("embedding forward");
 }
 
 void CudaBackend::embedding_backward(const EmbeddingBackward& a) {
   check(Op::embedding, a.dtype);
+  LOOM_CHECK(!a.positions && a.vocab_rows == 0, "cuda embedding_backward: position lists and vocabulary splits "
+             "(tensor / context parallelism) are not implemented on CUDA yet");
   cuda::embedding_backward(a.dwte, a.dwpe, h(a.dout), a.tokens, a.B, a.T, a.C, a.V, stream_, a.pos0);
   observed("embedding backward");
 }

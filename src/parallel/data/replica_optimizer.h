@@ -1,6 +1,6 @@
 // The optimizer of one model replica's parameters on a rank of its data-parallel group, the one
 // place that reduces a step's gradients over data parallelism: over dp, or over dp x cp when the
-// context-parallel ranks of a replica hold partial sums of its gradients (model::ParallelGPT
+// context-parallel ranks of a replica hold partial sums of its gradients (model::GPT over tp / cp groups
 // leaves them so). Either way the group's gradients are summed and divided by `replicas` (the dp
 // size): the cp partial sums add up and the dp replicas average, in one collective.
 //

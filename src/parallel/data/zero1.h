@@ -1,6 +1,6 @@
 // ZeRO stage 1 over any list of this rank's parameters and a data-parallel communicator: the
 // parameters and gradients stay whole on every dp rank, the AdamW moments are sharded over dp.
-// It knows nothing of the model: tensor/sequence/context-parallel shards (model::ParallelGPT),
+// It knows nothing of the model: tensor/sequence/context-parallel parts (model::GPT over tp / cp),
 // a pipeline stage's parameters or a whole model::GPT are all "a list of parameters".
 //
 // Layout: the parameters, in the given order, in one flat f32 buffer (flat_layout.h): each at

@@ -14,10 +14,9 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
-#include "kernels/cpu/attention.h"
 #include "model/blocks.h"
 #include "model/param_specs.h"
-#include "model/tp_gpt.h"
+#include "model/parallel.h"
 #include "parallel/data/flat_layout.h"
 #include "parallel/data/replica_optimizer.h"
 
@@ -96,8 +95,7 @@ using Clock = std::chrono::steady_clock;
 // saved activations, the received input and output gradient.
 struct Slot {
   std::vector<std::unique_ptr<model::ChainBlock>> blocks;
-  std::unique_ptr<model::ParallelGPT> stage;  // instead of blocks under tensor / context parallelism
-  // Stage boundary tensors hold `rows` rows of C: b T, or this rank's share under tp + sp / cp.
+  // Stage boundary tensors hold `rows` rows of C: b T, or this rank's share under sp / cp.
   Tensor input;    // f32 [rows, C] (tag activations), chunks after the first virtual stage
   Tensor grad_in;  // f32 [rows, C] (tag comm) gradient of the chunk's output
   const float* output = nullptr;  // f32 [rows, C] the last block's out (chunks without the head)
@@ -122,23 +120,22 @@ struct PipelineExecutor::Impl {
   model::ParallelGroups groups;
   MemoryPool& pool;
   int rank = 0;
-  bool tensor = false;    // chunks are model::ParallelGPT stages (tp, sp or cp > 1)
   int64_t rows = 0;       // rows of a stage-boundary tensor for the current micro-batch shape
   model::Parameter* tied = nullptr;  // this rank's wte (or copy) that ties across first and last stage
   // The rank's backend over its pool: the chain blocks' ops, and their attention scratch (tag
   // workspace) which, like the backward scratch below, is one per rank: only one micro-batch
   // computes at a time, so every chunk and every micro-batch replica of it shares it.
   std::unique_ptr<Backend> be;
-  // The attention kernel's scratch of ParallelGPT stages (ParallelOptions::attention_workspace).
-  cpu::AttnWorkspace attn;
+  // The tp / sp / cp layout of every chunk's blocks, and the buffers they share (one compute at a
+  // time on this rank).
+  std::shared_ptr<model::ChainParallel> par;
   std::vector<Chunk> chunks;
   std::vector<model::Parameter*> params;  // primaries, in chain order, then the wte copy
   std::unique_ptr<model::Parameter> wte_copy;
   model::Parameter* copy = nullptr;                 // the wte copy among params (null: none)
-  std::vector<const model::ShardedParameter*> sharded;  // tensor mode: parallel to params
   model::Parameter* wte = nullptr;  // the wte this rank's head ties to
   std::unique_ptr<parallel::ReplicaOptimizer> optimizer;  // reduces over dp (x cp) and steps
-  Tensor ws_dres, ws_bufC, ws_buf4C;  // f32 [b, T, C], [b, T, C], [b, T, 4C] (tag workspace)
+  Tensor ws_dres, ws_bufC, ws_buf4C;  // f32 [rows, C], [N, C], [N, 4C / tp] (tag workspace; N = b T / cp)
   std::map<std::pair<int, int>, Tensor> grad_out;  // (mb, chunk) -> f32 [b, T, C] (tag comm) to send
   // Sends in flight: transfers are non-blocking on the sender's side, so a rank goes on computing
   // while its activation or gradient waits for the receiver. Each keeps its buffer (the gradient's
@@ -155,23 +152,20 @@ struct PipelineExecutor::Impl {
 
   Impl(const model::GPTConfig& c, const ExecutorOptions& o, comm::Comm& p, comm::Comm* d, model::ParallelGroups g,
        MemoryPool& pl)
-      : cfg(c), opt(o), pp(p), dp(d), groups(g), pool(pl), be(make_backend(pl.device(), {.pool = &pl})), attn(pl) {}
+      : cfg(c), opt(o), pp(p), dp(d), groups(g), pool(pl), be(make_backend(pl.device(), {.pool = &pl})),
+        par(std::make_shared<model::ChainParallel>(*be, g, o.sp)) {}
 
   std::unique_ptr<model::ChainBlock> make_block(int64_t e) {
-    if (e == 0) return std::make_unique<model::Embedding>(cfg, *be);
-    if (e <= cfg.n_layer) return std::make_unique<model::TransformerBlock>(cfg, e - 1, *be);
-    return std::make_unique<model::Head>(cfg, wte, *be);
+    const model::BlockOptions bo{.parallel = par};
+    if (e == 0) return std::make_unique<model::Embedding>(cfg, *be, bo);
+    if (e <= cfg.n_layer) return std::make_unique<model::TransformerBlock>(cfg, e - 1, *be, bo);
+    return std::make_unique<model::Head>(cfg, wte, *be, bo);
   }
 
   Slot* acquire(Chunk& ch, int mb) {
     auto it = ch.active.find(mb);
     if (it != ch.active.end()) return it->second;
-    if (ch.free.empty() && tensor) {
-      auto s = std::make_unique<Slot>();
-      s->stage = ch.all[0]->stage->replica();
-      ch.free.push_back(s.get());
-      ch.all.push_back(std::move(s));
-    } else if (ch.free.empty()) {
+    if (ch.free.empty()) {
       auto s = std::make_unique<Slot>();
       // Replicas over the chunk's parameters (the first slot's), with activations of their own.
       for (int64_t e = ch.first; e < ch.last; ++e) s->blocks.push_back(ch.all[0]->blocks[size_t(e - ch.first)]->replica());
@@ -212,7 +206,6 @@ struct PipelineExecutor::Impl {
     finish_send(0, mb, int(&ch - chunks.data()));
     Slot* s = ch.active.at(mb);
     for (auto& blk : s->blocks) blk->release_activations();
-    if (s->stage) s->stage->release_activations();
     s->input = Tensor();
     s->grad_in = Tensor();
     s->output = nullptr;
@@ -238,15 +231,6 @@ struct PipelineExecutor::Impl {
       x = s.input.f32();
     }
     const float dscale = 1.0f / float(opt.schedule.micro_batches);
-    if (tensor) {
-      model::ForwardOptions fo;
-      fo.fuse_backward = true;
-      fo.dloss_scale = dscale;
-      const float l = s.stage->forward_stage(tokens.slice0(mb * b, b), targets.slice0(mb * b, b), x, fo);
-      if (s.stage->has_head()) losses[size_t(mb)] = l;
-      s.output = s.stage->has_head() ? nullptr : s.stage->stage_output();
-      return;
-    }
     for (int64_t e = ch.first; e < ch.last; ++e) {
       model::ChainBlock* blk = s.blocks[size_t(e - ch.first)].get();
       if (e == 0) {
@@ -275,17 +259,6 @@ struct PipelineExecutor::Impl {
     if (ch.last <= cfg.n_layer + 1)  // no head: the output gradient came from the next stage
       LOOM_CHECK(s.grad_in.defined(), "pipeline executor: rank {}: backward of micro-batch {} before its output "
                  "gradient arrived", rank, mb);
-    if (tensor) {
-      s.stage->backward_stage(s.grad_in.defined() ? s.grad_in.f32() : nullptr, input_only);
-      s.grad_in = Tensor();
-      if (ch.first > 0) {
-        Tensor g = Tensor::empty({rows, cfg.n_embd}, DType::f32, MemTag::comm, pool);
-        std::memcpy(g.f32(), s.stage->input_grad(), size_t(n) * sizeof(float));
-        grad_out[{mb, c}] = std::move(g);
-      }
-      s.backward_done = true;
-      return;
-    }
     model::BackwardScratch ws{ws_dres.f32(), ws_bufC.f32(), ws_buf4C.f32()};
     if (ch.last <= cfg.n_layer + 1) std::memcpy(ws.dres, s.grad_in.f32(), size_t(n) * sizeof(float));
     const float dscale = 1.0f / float(opt.schedule.micro_batches);
@@ -312,7 +285,7 @@ struct PipelineExecutor::Impl {
     }
     s.grad_in = Tensor();  // consumed
     if (ch.first > 0) {
-      Tensor g = Tensor::empty({b, T, cfg.n_embd}, DType::f32, MemTag::comm, pool);
+      Tensor g = Tensor::empty({rows, cfg.n_embd}, DType::f32, MemTag::comm, pool);
       std::memcpy(g.f32(), ws.dres, size_t(n) * sizeof(float));
       grad_out[{mb, c}] = std::move(g);
     }
@@ -326,10 +299,6 @@ struct PipelineExecutor::Impl {
     Slot& s = slot_of(ch, mb, "backward_weight");
     LOOM_CHECK(s.backward_done, "pipeline executor: rank {}: weight gradient of micro-batch {} before its input "
                "gradient", rank, mb);
-    if (tensor) {
-      s.stage->backward_weight();
-      return;
-    }
     for (int64_t e = ch.last - 1; e >= ch.first; --e) {
       model::ChainBlock* blk = s.blocks[size_t(e - ch.first)].get();
       if (e == 0) static_cast<model::Embedding*>(blk)->backward_weight();
@@ -390,7 +359,7 @@ struct PipelineExecutor::Impl {
     const int tpr = groups.tp ? groups.tp->rank() : 0;
     for (size_t i = 0; i < params.size(); ++i) {
       bool counts = params[i] != copy;
-      if (tensor && sharded[i]->replicated && tpr != 0) counts = false;
+      if (!params[i]->shard.split && tpr != 0) counts = false;
       ro.in_norm.push_back(counts);
     }
     optimizer = std::make_unique<parallel::ReplicaOptimizer>(params, group, ro, opt.adamw, pool);
@@ -398,10 +367,11 @@ struct PipelineExecutor::Impl {
 
   StepResult optimizer_step(double lr) {
     StepResult res;
-    // Tensor-parallel stages: the sp-partial gradients summed over tp (the cp partial sums are
+    // Sequence parallelism: the sp-partial gradients summed over tp (the cp partial sums are
     // added by the data-parallel reduction below).
-    if (tensor)
-      for (Chunk& ch : chunks) ch.all[0]->stage->finish_gradients();
+    if (comm::Comm* tpg = par->tp_group())
+      for (model::Parameter* p : params)
+        if (p->shard.sp_partial) tpg->all_reduce(p->grad.f32(), p->spec.numel(), DType::f32);
     // Tied embeddings: the first and last stages add their wte gradients (a + b == b + a, so
     // both copies get bit-identical sums). Under tp the two hold the same vocabulary rows.
     if (tied) {
@@ -417,7 +387,7 @@ struct PipelineExecutor::Impl {
     // Mean over dp (sum over cp); the norm adds this rank's counted sums over tp (tensor stages),
     // then over the pipeline.
     double sq = optimizer->reduce_gradients();
-    if (tensor && groups.tp) sq = sum_over_ranks(*groups.tp, sq);
+    if (comm::Comm* tpg = par->tp_group()) sq = sum_over_ranks(*tpg, sq);
     res.grad_norm = std::sqrt(sum_over_ranks(pp, sq));
     optimizer->step(res.grad_norm, lr);
     return res;
@@ -436,7 +406,7 @@ PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOp
              "and {} ranks", opt.tp, opt.cp, tp_size, cp_size);
   Impl& I = *impl_;
   I.rank = pp.rank();
-  I.tensor = opt.tp > 1 || opt.cp > 1 || opt.sp;
+  I.par->check(cfg, "model config '" + cfg.name + "'");
   LOOM_CHECK(opt.seq_len >= 0 && opt.seq_len <= cfg.block_size, "pipeline executor: seq_len = {} outside [0, "
              "block_size = {}]", opt.seq_len, cfg.block_size);
   const int64_t T = opt.seq_len > 0 ? opt.seq_len : cfg.block_size;
@@ -462,35 +432,10 @@ PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOp
     ch.last = cuts_[size_t(ch.vs + 1)];
     I.chunks.push_back(std::move(ch));
   }
-  if (I.tensor) {
-    // Each chunk is a model::ParallelGPT stage; a head without the embedding keeps its own copy
-    // of the wte shard (the same vocabulary rows as pipeline rank 0's at this tp rank).
-    for (Chunk& ch : I.chunks) {
-      auto s = std::make_unique<Slot>();
-      model::ParallelOptions po;
-      po.sp = opt.sp;
-      po.first = ch.first;
-      po.last = ch.last;
-      po.attention_workspace = &I.attn;
-      s->stage = std::make_unique<model::ParallelGPT>(cfg, groups, po, pool, opt.seed);
-      // One compute at a time on this rank: the chunks share one set of call buffers.
-      if (&ch != &I.chunks.front()) s->stage->share_scratch_with(*I.chunks.front().all[0]->stage);
-      for (model::Parameter* prm : s->stage->parameters()) I.params.push_back(prm);
-      for (auto& sh : s->stage->sharded()) {
-        I.sharded.push_back(sh.get());
-        if (sh->tied_copy) I.copy = &sh->shard;
-      }
-      if (cfg.tied_embeddings && p > 1 && (owns_embedding != owns_head) && s->stage->tied_wte() &&
-          (s->stage->has_embedding() || s->stage->has_head()))
-        I.tied = &s->stage->tied_wte()->shard;
-      ch.free.push_back(s.get());
-      ch.all.push_back(std::move(s));
-    }
-    I.make_optimizer(pool);
-    return;
-  }
   if (cfg.tied_embeddings && owns_head && !owns_embedding) {
-    I.wte_copy = std::make_unique<model::Parameter>(model::Parameter{model::embedding_param_specs(cfg)[0], {}, {}, {}, {}});
+    // The same vocabulary rows as pipeline rank 0's wte at this tp rank.
+    I.wte_copy = std::make_unique<model::Parameter>(model::Embedding::wte_param(cfg, *I.par));
+    I.wte_copy->shard.tied_copy = true;
     I.wte_copy->allocate(pool);
     I.wte_copy->initialise(opt.seed);
     I.wte = I.wte_copy.get();
@@ -519,15 +464,12 @@ PipelineExecutor::~PipelineExecutor() = default;
 
 std::vector<model::Parameter*> PipelineExecutor::parameters() const { return impl_->params; }
 bool PipelineExecutor::is_copy(const model::Parameter* p) const { return p != nullptr && p == impl_->copy; }
-std::vector<const model::ShardedParameter*> PipelineExecutor::sharded() const { return impl_->sharded; }
 parallel::ReplicaOptimizer& PipelineExecutor::optimizer() const { return *impl_->optimizer; }
 
 int64_t PipelineExecutor::activation_bytes_per_micro_batch(int chunk, int64_t b, int64_t T) const {
   const Chunk& ch = impl_->chunks.at(size_t(chunk));
-  const model::ParallelGPT* st = ch.all[0]->stage.get();
-  const int64_t rows = st ? st->stream_rows(b, T) : b * T;
+  const int64_t rows = impl_->par->own_rows(b, T);
   int64_t bytes = ch.first > 0 ? rows * impl_->cfg.n_embd * int64_t(sizeof(float)) : 0;
-  if (st) bytes += st->saved_activation_bytes(b, T);
   for (auto& blk : ch.all[0]->blocks) bytes += blk->saved_activation_bytes(b, T);
   return bytes;
 }
@@ -547,19 +489,21 @@ StepResult PipelineExecutor::step(const Tensor& tokens, const Tensor& targets, d
   if (I.opt.cp > 1)
     LOOM_CHECK(T % (2 * I.opt.cp) == 0, "pipeline executor: sequence length {} is not divisible by 2 x cp = {}", T,
                2 * I.opt.cp);
-  I.rows = I.tensor ? I.chunks[0].all[0]->stage->stream_rows(b, T) : b * T;
-  if (I.tensor) {
+  I.rows = I.par->own_rows(b, T);
+  if (b != I.b || T != I.T) {
     I.b = b;
     I.T = T;
-  } else if (b != I.b || T != I.T) {
-    I.b = b;
-    I.T = T;
-    I.ws_dres = Tensor::empty({b, T, C}, DType::f32, MemTag::workspace, I.pool);
-    I.ws_bufC = Tensor::empty({b, T, C}, DType::f32, MemTag::workspace, I.pool);
-    I.ws_buf4C = Tensor::empty({b, T, 4 * C}, DType::f32, MemTag::workspace, I.pool);
+    const int64_t N = I.par->rows(b, T);
+    I.ws_dres = Tensor();
+    I.ws_bufC = Tensor();
+    I.ws_buf4C = Tensor();
+    I.ws_dres = Tensor::empty({I.rows, C}, DType::f32, MemTag::workspace, I.pool);
+    I.ws_bufC = Tensor::empty({N, C}, DType::f32, MemTag::workspace, I.pool);
+    I.ws_buf4C = Tensor::empty({N, 4 * C / I.opt.tp}, DType::f32, MemTag::workspace, I.pool);
     // The attention scratch for this shape's largest call, the same for every block: sized once
-    // from this rank's first transformer block (ParallelGPT stages size it in their forward).
+    // from this rank's first transformer block (under cp the ring keeps its own).
     for (Chunk& ch : I.chunks) {
+      if (I.opt.cp > 1) break;
       const int64_t e = std::max<int64_t>(ch.first, 1);
       if (e >= std::min<int64_t>(ch.last, I.cfg.n_layer + 1)) continue;
       I.be->prepare_attention(DType::f32, static_cast<const model::TransformerBlock*>(

@@ -20,11 +20,11 @@
 // (Megatron's embedding group), so both copies take the same update.
 //
 // Composition: data parallelism through a dp communicator (gradients averaged after the
-// pipeline flush). Tensor, sequence and context parallelism through tp / cp groups: each chunk
-// is then a model::ParallelGPT stage over the chunk's chain elements (one replica per micro-batch
-// in flight, sharing the parameters), and the tensors passed between stages are this rank's rows
-// of the residual stream (B T / cp, or its sp share), sent to the same (tp, cp) coordinate of
-// the next stage: the pipeline communicator joins exactly those ranks. After the flush the
+// pipeline flush). Tensor, sequence and context parallelism through tp / cp groups: the chunks'
+// blocks then hold this rank's parts of their parameters (model/parallel.h), and the tensors
+// passed between stages are this rank's rows of the residual stream (B T / cp, or its sp share),
+// sent to the same (tp, cp) coordinate of the next stage: the pipeline communicator joins
+// exactly those ranks. After the flush the
 // stages sum their sp-partial gradients over tp, the tied wte shards of the first and last stage
 // are added, one reduction over dp x cp (groups.dp_cp, needed when both are > 1) adds the cp
 // partial sums and averages the dp replicas (parallel::ReplicaOptimizer), and the norm is summed
@@ -46,7 +46,7 @@
 #include "core/tensor.h"
 #include "model/config.h"
 #include "model/param.h"
-#include "model/tp_gpt.h"
+#include "model/parallel.h"
 #include "optim/adamw.h"
 #include "parallel/data/replica_optimizer.h"
 #include "parallel/pipeline/checker.h"
@@ -118,12 +118,10 @@ class PipelineExecutor {
   const Schedule& schedule() const { return sch_; }
   const CheckResult& checked() const { return checked_; }
   const std::vector<int64_t>& cuts() const { return cuts_; }
-  // This rank's parameters (a last-stage copy of a tied wte included, flagged by is_copy).
+  // This rank's parameters (a last-stage copy of a tied wte included, flagged by is_copy), each
+  // with where it lies in its full tensor (Parameter::shard).
   std::vector<model::Parameter*> parameters() const;
   bool is_copy(const model::Parameter* p) const;
-  // Under tp / sp / cp: where each of parameters() lies in its full tensor (same order); empty
-  // otherwise (parameters are then full tensors).
-  std::vector<const model::ShardedParameter*> sharded() const;
   // The optimizer over parameters() (moments by the same index), for checkpoints: ZeRO-1's when
   // zero_stage = 1 and the stage has replicas (dp or cp > 1).
   parallel::ReplicaOptimizer& optimizer() const;

@@ -15,7 +15,7 @@
 #include "core/rng.h"
 #include "kernels/cpu/attention.h"
 #include "model/gpt.h"
-#include "model/tp_gpt.h"
+#include "model/gpt.h"
 #include "optim/adamw.h"
 #include "parallel/data/replica_optimizer.h"
 
@@ -156,7 +156,7 @@ std::vector<float> train(int cp, int64_t B, int64_t T, int64_t budget, int64_t* 
   std::vector<float> losses(5);
   comm::run_ranks(cp, [&](comm::Comm& g) {
     MemoryPool pool("rank");
-    model::ParallelGPT m(tiny(), {nullptr, &g}, {.activation_budget = budget}, pool);
+    model::GPT m(tiny(), pool, 1337, {.groups = {nullptr, &g}, .activation_budget = budget});
     // The cp ranks hold partial sums of the gradients: one replica over the cp group.
     parallel::ReplicaOptimizer::Options ro;
     ro.replicas = 1;
@@ -181,7 +181,7 @@ TEST(ContextParallel, TrainsASequenceOneRanksBudgetRefuses) {
   const int64_t B = 2, T = 64;
   // The budget: what one rank needs at half the sequence length.
   MemoryPool probe;
-  model::ParallelGPT one(tiny(), {}, {}, probe);
+  model::GPT one(tiny(), probe);
   const int64_t budget = one.saved_activation_bytes(B, T / 2);
   ASSERT_GT(one.saved_activation_bytes(B, T), budget);
   try {

@@ -182,26 +182,18 @@ RunResult run(const ScheduleSpec& spec, Layout lay) {
     EXPECT_EQ(losses, out.losses.empty() ? losses : out.losses) << "rank " << w.rank();
     if (dpc->rank() != 0 || cpc->rank() != 0) return;
     const auto params = ex.parameters();
-    const auto sharded = ex.sharded();
     for (size_t k = 0; k < params.size(); ++k) {
       model::Parameter* prm = params[k];
       const std::vector<float>& r = ref.params.at(prm->spec.name);
       double d2 = 0, r2 = 0;
-      if (sharded.empty()) {
-        for (int64_t i = 0; i < prm->value.numel(); ++i) {
-          const double a = prm->value.f32()[i], b = r[size_t(i)];
+      // This rank's segments of the full tensor (a whole one counted on tp rank 0).
+      if (!prm->shard.split && ti != 0) continue;
+      for (const model::ShardSegment& sg : prm->segments())
+        for (int64_t i = 0; i < sg.n; ++i) {
+          const double a = prm->value.f32()[sg.local + i], b = r[size_t(sg.global + i)];
           d2 += (a - b) * (a - b);
           r2 += b * b;
         }
-      } else {  // this rank's segments of the full tensor (a replicated one counted on tp rank 0)
-        if (sharded[k]->replicated && ti != 0) continue;
-        for (const model::ShardSegment& sg : sharded[k]->segments)
-          for (int64_t i = 0; i < sg.n; ++i) {
-            const double a = prm->value.f32()[sg.local + i], b = r[size_t(sg.global + i)];
-            d2 += (a - b) * (a - b);
-            r2 += b * b;
-          }
-      }
       out.param_diff2[prm->spec.name + (ex.is_copy(prm) ? "#copy" : "") + (ti ? "#tp" + std::to_string(ti) : "")] += d2;
       if (ex.is_copy(prm)) {
         out.copy_diff2 += d2 / r2;
@@ -464,9 +456,9 @@ class SizeRecorder final : public Allocator {
 };
 
 // The attention kernel's scratch is one buffer per pipeline rank, shared by its chunks and by
-// every micro-batch replica of them (blocks, or ParallelGPT stages under tp / cp), and taken
+// every micro-batch replica of them (blocks, under tp / cp too), and taken
 // once: over three steps of four micro-batches each rank allocates one block of its size. The
-// other scratch (the blocks' and ParallelGPT's call buffers, the ring's partial outputs) is taken
+// other scratch (the blocks' shared buffers, the ring's partial outputs) is taken
 // in the first step and shared by the micro-batches and the model chunks from then on.
 TEST(PipelineMemory, ScratchIsTakenOncePerRank) {
   const int p = 2, m = 4;
@@ -499,7 +491,7 @@ TEST(PipelineMemory, ScratchIsTakenOncePerRank) {
           first_step[k][w.rank()] = {before, pool.peak(MemTag::workspace)};
         }
         for (int s = 1; s < 3; ++s) ex.step(d.tokens[size_t(s)], d.targets[size_t(s)]);
-        // Nor does any other scratch come back after the first step: blocks and ParallelGPT
+        // Nor does any other scratch come back after the first step: blocks
         // stages share theirs across micro-batches. (ZB-H1 keeps each micro-batch's inputs of its
         // deferred weight gradients from Bi to W, which it must.)
         if (k != Kind::zb_h1) {

@@ -25,7 +25,7 @@
 
 #include "comm/threads.h"
 #include "core/rng.h"
-#include "model/tp_gpt.h"
+#include "model/gpt.h"
 #include "parallel/mesh.h"
 #include "parallel/tensor/counting_comm.h"
 #include "parallel/tensor/memory_util.h"
@@ -70,7 +70,7 @@ TEST(TensorParallelTraffic, BytesPerStepFollowTheClosedForm) {
       comm::run_ranks(t, [&](comm::Comm& c) {
         parallel::CountingComm tpc(c);
         MemoryPool pool("rank");
-        model::ParallelGPT m(cfg, {&tpc, nullptr}, {.sp = sp}, pool);
+        model::GPT m(cfg, pool, 1337, {.groups = {&tpc, nullptr}, .sp = sp});
         Tensor tok = Tensor::empty({B, T}, DType::i32, MemTag::workspace, pool);
         fill_batch(tok, cfg.vocab_size);
         tpc.reset();

@@ -4,7 +4,7 @@
 
 #include "comm/threads.h"
 #include "core/rng.h"
-#include "model/tp_gpt.h"
+#include "model/gpt.h"
 #include "parallel/mesh.h"
 
 namespace loom::testing_tp {
@@ -21,26 +21,26 @@ void check_activation_formula(const model::GPTConfig& cfg, const MemCase& mc, in
   comm::run_ranks(mc.tp * mc.cp, [&](comm::Comm& c) {
     parallel::MeshComms comms(parallel::Mesh::standard(1, 1, mc.cp, mc.tp), c);
     MemoryPool pool("rank");
-    model::ParallelGPT m(cfg, {&comms["tp"], &comms["cp"]}, {.sp = mc.sp}, pool);
+    model::GPT m(cfg, pool, 1337, {.groups = {&comms["tp"], &comms["cp"]}, .sp = mc.sp});
     Tensor tok = Tensor::empty({b, S}, DType::i32, MemTag::workspace, pool);
     for (int64_t i = 0; i < tok.numel(); ++i)
       tok.i32()[i] = int32_t(uniform_at(7, 1, uint64_t(i)) * float(cfg.vocab_size));
     m.forward(tok, tok);
     const double s = double(S) / mc.cp, h = double(cfg.n_embd), a = double(cfg.n_head);
     const int tsp = mc.sp ? mc.tp : 1;
-    const double Vs = double(m.vocab_shard_rows());
+    const double Vs = double(m.parallel().vocab_rows(cfg));
     const double expect = 4 * s * b + 4 * s * b * h / tsp +
                           double(cfg.n_layer) * layer_formula(s, b, h, a, mc.tp, mc.sp) +
                           4 * s * b * (h + 2) / tsp + 4 * s * b * (Vs + 1) + 4 * s * b;
     EXPECT_EQ(double(pool.current(MemTag::activations)), expect);
     EXPECT_EQ(pool.current(MemTag::activations), m.saved_activation_bytes(b, S));
-    EXPECT_EQ(double(m.block_saved_bytes(b, S)), layer_formula(s, b, h, a, mc.tp, mc.sp));
+    EXPECT_EQ(double(m.block(0).saved_activation_bytes(b, S)), layer_formula(s, b, h, a, mc.tp, mc.sp));
     if (mc.sp) {  // Korthikanti's tp + sp claim: every per-layer activation divided by t
-      EXPECT_EQ(double(m.block_saved_bytes(b, S)) * mc.tp, layer_formula(s, b, h, a, 1, false));
+      EXPECT_EQ(double(m.block(0).saved_activation_bytes(b, S)) * mc.tp, layer_formula(s, b, h, a, 1, false));
     }
     if (c.rank() == 0)
       std::printf("  %s tp=%d cp=%d sp=%d: per layer %s, total saved activations %s per rank\n", cfg.name.c_str(),
-                  mc.tp, mc.cp, int(mc.sp), format_bytes(m.block_saved_bytes(b, S)).c_str(),
+                  mc.tp, mc.cp, int(mc.sp), format_bytes(m.block(0).saved_activation_bytes(b, S)).c_str(),
                   format_bytes(pool.current(MemTag::activations)).c_str());
   }, one);
 }

@@ -1,5 +1,5 @@
 // The saved-activation closed forms of memory_comm_test.cpp, checked against the pools of a
-// ParallelGPT at any config (the default suite uses a small width, the long suite GPT-2 124M).
+// model::GPT over tp / cp groups at any config (the default suite uses a small width, the long suite GPT-2 124M).
 #pragma once
 #include "model/config.h"
 

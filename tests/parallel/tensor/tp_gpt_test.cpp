@@ -18,7 +18,6 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "model/gpt.h"
-#include "model/tp_gpt.h"
 #include "optim/adamw.h"
 #include "parallel/data/replica_optimizer.h"
 #include "parallel/data/zero1.h"
@@ -123,7 +122,7 @@ RunResult parallel_run(const Layout& l) {
   comm::run_ranks(world, [&](comm::Comm& c) {
     parallel::MeshComms mc(parallel::Mesh::standard(1, l.dp, l.cp, l.tp), c);
     MemoryPool pool("rank" + std::to_string(c.rank()));
-    model::ParallelGPT m(tiny(l.vocab), {&mc["tp"], &mc["cp"]}, {.sp = l.sp}, pool);
+    model::GPT m(tiny(l.vocab), pool, 1337, {.groups = {&mc["tp"], &mc["cp"]}, .sp = l.sp});
     RankMemory& mem = r.memory[size_t(c.rank())];
     for (auto* p : m.parameters()) mem.alloc_sum += (p->spec.alloc_numel() + 15) / 16 * 16;
     // Reduced over dp x cp, as the trainer does (Megatron's distributed optimizer group): the cp
@@ -131,7 +130,7 @@ RunResult parallel_run(const Layout& l) {
     parallel::ReplicaOptimizer::Options ro;
     ro.zero_stage = l.zero;
     ro.replicas = mc["dp"].size();
-    for (auto& sp : m.sharded()) ro.in_norm.push_back(!sp->replicated || mc.coord("tp") == 0);
+    for (const model::Parameter* p : m.parameters()) ro.in_norm.push_back(p->shard.split || mc.coord("tp") == 0);
     parallel::ReplicaOptimizer opt(m.parameters(), &mc.get({"dp", "cp"}), ro, adam(), pool);
     if (parallel::Zero1Optimizer* zero1 = opt.zero1()) {
       mem.n_pad = zero1->flat_elements();
@@ -159,11 +158,11 @@ RunResult parallel_run(const Layout& l) {
     mem.optimizer = pool.peak(MemTag::optimizer);
     if (mc.coord("dp") != 0 || mc.coord("cp") != 0) return;
     std::lock_guard lock(mu);
-    for (auto& sp : m.sharded()) {
-      if (sp->replicated && mc.coord("tp") != 0) continue;
-      auto& full = r.params.at(sp->global.name);
-      for (const auto& seg : sp->segments)
-        std::copy_n(sp->shard.value.f32() + seg.local, seg.n, full.begin() + seg.global);
+    for (const model::Parameter* p : m.parameters()) {
+      if (!p->shard.split && mc.coord("tp") != 0) continue;
+      auto& full = r.params.at(p->spec.name);
+      for (const auto& seg : p->segments())
+        std::copy_n(p->value.f32() + seg.local, seg.n, full.begin() + seg.global);
     }
   }, one_thread());
   return r;
@@ -245,30 +244,30 @@ INSTANTIATE_TEST_SUITE_P(
                     Layout{.dp = 2, .cp = 2, .tp = 2, .sp = true, .vocab = 130, .zero = 1}),
     layout_name);
 
-TEST(ParallelGPT, RefusesHeadsNotDivisibleByTp) {
+TEST(TensorParallelGPT, RefusesHeadsNotDivisibleByTp) {
   EXPECT_THROW(
       {
         comm::run_ranks(3, [](comm::Comm& c) {
           MemoryPool pool;
-          model::ParallelGPT m(tiny(503), {&c, nullptr}, {}, pool);  // 4 heads over tp = 3
+          model::GPT m(tiny(503), pool, 1337, {.groups = {&c, nullptr}});  // 4 heads over tp = 3
         });
       },
       Error);
   try {
     comm::run_ranks(3, [](comm::Comm& c) {
       MemoryPool pool;
-      model::ParallelGPT m(tiny(503), {&c, nullptr}, {}, pool);
+      model::GPT m(tiny(503), pool, 1337, {.groups = {&c, nullptr}});
     });
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("n_head = 4 is not divisible by tp = 3"), std::string::npos) << e.what();
   }
 }
 
-TEST(ParallelGPT, RefusesSequenceNotSplittableOverCp) {
+TEST(TensorParallelGPT, RefusesSequenceNotSplittableOverCp) {
   try {
     comm::run_ranks(2, [](comm::Comm& c) {
       MemoryPool pool;
-      model::ParallelGPT m(tiny(503), {nullptr, &c}, {}, pool);
+      model::GPT m(tiny(503), pool, 1337, {.groups = {nullptr, &c}});
       Tensor tok = Tensor::zeros({1, 30}, DType::i32, MemTag::workspace, pool);  // 30 % 4 != 0
       m.forward(tok, tok);
     });
@@ -280,21 +279,22 @@ TEST(ParallelGPT, RefusesSequenceNotSplittableOverCp) {
   }
 }
 
-TEST(ParallelGPT, ShardsCoverEveryParameterOnceAndPadTheVocabulary) {
+TEST(TensorParallelGPT, ShardsCoverEveryParameterOnceAndPadTheVocabulary) {
   comm::run_ranks(4, [](comm::Comm& c) {
     MemoryPool pool;
-    model::ParallelGPT m(tiny(503), {&c, nullptr}, {}, pool);
-    EXPECT_EQ(m.vocab_shard_rows(), 128);  // padded vocabulary 512 over 4
-    auto& wte = m.sharded("wte.weight");
+    model::GPT m(tiny(503), pool, 1337, {.groups = {&c, nullptr}});
+    EXPECT_EQ(m.parallel().vocab_rows(m.config()), 128);  // padded vocabulary 512 over 4
+    auto& wte = m.parameter("wte.weight");
     const int64_t real = std::min<int64_t>(128, 503 - 128 * c.rank());
-    ASSERT_EQ(wte.segments.size(), 1u);
-    EXPECT_EQ(wte.segments[0].n, real * 64);
+    ASSERT_EQ(wte.segments().size(), 1u);
+    EXPECT_EQ(wte.segments()[0].n, real * 64);
     // Padding rows are zero.
-    for (int64_t i = real * 64; i < 128 * 64; ++i) ASSERT_EQ(wte.shard.value.f32()[i], 0.0f);
-    auto& qkv = m.sharded("h.0.attn.c_attn.weight");
-    EXPECT_EQ(qkv.shard.spec.shape, (Shape{48, 64}));  // one head of q, k and v
-    EXPECT_EQ(qkv.segments.size(), 3u);
-    EXPECT_EQ(qkv.segments[1].global, (64 + 16 * c.rank()) * 64);
+    for (int64_t i = real * 64; i < 128 * 64; ++i) ASSERT_EQ(wte.value.f32()[i], 0.0f);
+    auto& qkv = m.parameter("h.0.attn.c_attn.weight");
+    EXPECT_EQ(qkv.spec.shape, (Shape{48, 64}));  // one head of q, k and v
+    EXPECT_EQ(qkv.global().shape, (Shape{192, 64}));
+    EXPECT_EQ(qkv.segments().size(), 3u);
+    EXPECT_EQ(qkv.segments()[1].global, (64 + 16 * c.rank()) * 64);
   });
 }
 

@@ -1,0 +1,171 @@
+#include "model/parallel.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "core/error.h"
+#include "parallel/context/ring_attention.h"
+#include "parallel/tensor/mappings.h"
+#include "parallel/tensor/vocab_parallel.h"
+
+namespace loom::model {
+
+namespace tpm = parallel::tp;
+
+ChainParallel::ChainParallel(Backend& be) : be_(be) {}
+
+ChainParallel::ChainParallel(Backend& be, ParallelGroups groups, bool sp) : be_(be), g_(groups), sp_(sp) {
+  tp_ = tpm::group_size(g_.tp);
+  tpr_ = tpm::group_rank(g_.tp);
+  cp_ = tpm::group_size(g_.cp);
+  cpr_ = tpm::group_rank(g_.cp);
+  if ((tp_ > 1 || cp_ > 1) && (be.device() != Device::cpu || be.compute_dtype() != DType::f32))
+    throw Error(fmt::format("tensor / context parallelism (tp = {}, cp = {}) runs on the CPU backend; the {} backend "
+                            "has no tp / cp collectives yet",
+                            tp_, cp_, be.name()));
+}
+
+ChainParallel::~ChainParallel() = default;
+
+void ChainParallel::check(const GPTConfig& cfg, const std::string& where) const {
+  if (cfg.n_head % tp_ != 0)
+    throw Error(fmt::format("{}: n_head = {} is not divisible by tp = {} (attention is split by heads; choose tp "
+                            "dividing the head count)",
+                            where, cfg.n_head, tp_));
+}
+
+void ChainParallel::check_sequence(int64_t T, const std::string& where) const {
+  parallel::cp::check_sequence(T, cp_, where.c_str());
+}
+
+int64_t ChainParallel::vocab_rows(const GPTConfig& cfg) const {
+  return tp_ == 1 ? cfg.padded_vocab() : tpm::vocab_shard_rows(cfg.padded_vocab(), tp_);
+}
+
+comm::Range ChainParallel::own(int64_t B, int64_t T) const {
+  const int64_t N = rows(B, T);
+  return sp_active() ? tpm::sp_rows(N, tp_, tpr_) : comm::Range{0, N};
+}
+
+Parameter ChainParallel::whole(ParamSpec spec, bool sp_partial) const {
+  Parameter p;
+  p.spec = std::move(spec);
+  p.shard.sp_partial = sp_partial && sp_active();
+  return p;
+}
+
+Parameter ChainParallel::rows_split(ParamSpec spec, int sections) const {
+  if (tp_ == 1) return whole(std::move(spec), false);
+  const int64_t R = spec.shape[0], K = spec.shape.size() > 1 ? spec.shape[1] : 1;
+  const int64_t Rs = R / sections, Rl = Rs / tp_;
+  Parameter p;
+  p.shard.global_shape = spec.shape;
+  p.shard.split = true;
+  for (int s = 0; s < sections; ++s) p.shard.segments.push_back({s * Rl * K, (s * Rs + tpr_ * Rl) * K, Rl * K});
+  spec.shape[0] = sections * Rl;
+  spec.alloc_rows = spec.shape[0];
+  p.spec = std::move(spec);
+  return p;
+}
+
+Parameter ChainParallel::columns_split(ParamSpec spec) const {
+  if (tp_ == 1) return whole(std::move(spec), false);
+  const int64_t R = spec.shape[0], K = spec.shape[1], Kl = K / tp_;
+  Parameter p;
+  p.shard.global_shape = spec.shape;
+  p.shard.split = true;
+  for (int64_t i = 0; i < R; ++i) p.shard.segments.push_back({i * Kl, i * K + tpr_ * Kl, Kl});
+  spec.shape = {R, Kl};
+  spec.alloc_rows = R;
+  p.spec = std::move(spec);
+  return p;
+}
+
+Parameter ChainParallel::vocab_split(ParamSpec spec, const GPTConfig& cfg) const {
+  if (tp_ == 1) return whole(std::move(spec), false);
+  // Rows [v0, v0 + Vs) of the padded vocabulary; rows >= V are zero padding.
+  const int64_t V = spec.shape[0], C = spec.shape[1], Vs = vocab_rows(cfg), v0 = vocab_begin(cfg);
+  const int64_t real = std::clamp<int64_t>(V - v0, 0, Vs);
+  Parameter p;
+  p.shard.global_shape = spec.shape;
+  p.shard.split = true;
+  if (real > 0) p.shard.segments.push_back({0, v0 * C, real * C});
+  spec.shape = {Vs, C};
+  spec.alloc_rows = Vs;
+  p.spec = std::move(spec);
+  return p;
+}
+
+void* ChainParallel::scratch(Tensor& t, int64_t n) {
+  if (!t.defined() || t.numel() < n) {
+    t = Tensor();
+    t = be_.empty({n}, be_.compute_dtype(), MemTag::workspace);
+  }
+  return t.raw();
+}
+
+const void* ChainParallel::gather(const void* own, int64_t N, int64_t C) {
+  if (!sp_active()) return own;
+  float* full = static_cast<float*>(scratch(gathered_, N * C));
+  tpm::gather_rows_forward(g_.tp, static_cast<const float*>(own), full, N, C);
+  return full;
+}
+
+void ChainParallel::reduce(void* partial, void* out, int64_t N, int64_t C) {
+  if (tp_ == 1) return;
+  if (sp_active()) {
+    tpm::scatter_rows_forward(g_.tp, static_cast<const float*>(partial), static_cast<float*>(out), N, C);
+    return;
+  }
+  LOOM_CHECK(partial == out, "tensor parallel reduce: without sp the partial sums are reduced in place");
+  tpm::reduce_forward(g_.tp, static_cast<float*>(out), N * C);
+}
+
+const void* ChainParallel::reduce_input_grad(void* partial, int64_t N, int64_t C) {
+  if (tp_ == 1) return partial;
+  if (!sp_active()) {
+    tpm::copy_backward(g_.tp, static_cast<float*>(partial), N * C);
+    return partial;
+  }
+  const int64_t Ns = tpm::sp_rows(N, tp_, tpr_).size();
+  float* own = static_cast<float*>(scratch(own_grad_, std::max<int64_t>(Ns, 1) * C));
+  tpm::gather_rows_backward(g_.tp, static_cast<const float*>(partial), own, N, C);
+  return own;
+}
+
+void* ChainParallel::partial_buffer(int64_t N, int64_t C) { return scratch(partial_, N * C); }
+
+float* ChainParallel::loss_statistics(int64_t N) {
+  if (!stats_.defined() || stats_.numel() < 3 * N) {
+    stats_ = Tensor();
+    stats_ = be_.empty({3 * N}, DType::f32, MemTag::workspace);
+  }
+  return stats_.f32();
+}
+
+const int32_t* ChainParallel::positions(int64_t T) {
+  if (T != positions_T_) {
+    const int64_t Tl = T / cp_;
+    positions_ = Tensor();
+    positions_ = be_.empty({Tl}, DType::i32, MemTag::workspace);
+    std::vector<int32_t> host(static_cast<size_t>(Tl));
+    for (int64_t t = 0; t < Tl; ++t) host[size_t(t)] = int32_t(parallel::cp::global_position(t, T, cp_, cpr_));
+    be_.copy({.dst = positions_.raw(), .dst_dtype = DType::i32, .src = host.data(), .src_dtype = DType::i32,
+              .src_host = true, .n = Tl});
+    positions_T_ = T;
+  }
+  return positions_.i32();
+}
+
+parallel::cp::RingAttention& ChainParallel::ring() {
+  if (!ring_) ring_ = std::make_unique<parallel::cp::RingAttention>(be_.pool());
+  return *ring_;
+}
+
+void ChainParallel::release() {
+  gathered_ = partial_ = own_grad_ = stats_ = positions_ = Tensor();
+  positions_T_ = 0;
+  if (ring_) ring_->release();
+}
+
+}  // namespace loom::model
