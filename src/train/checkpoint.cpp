@@ -271,14 +271,33 @@ CheckpointMeta read_checkpoint_meta(const std::string& ckpt) {
   return meta;
 }
 
+struct CheckpointReader::Impl {
+  CheckpointMeta meta;
+  std::string file;
+  SafetensorsReader reader;
+  explicit Impl(const std::string& ckpt)
+      : meta(read_checkpoint_meta(ckpt)), file((fs::path(ckpt) / "state.safetensors").string()), reader(file) {}
+};
+
+CheckpointReader::CheckpointReader(const std::string& ckpt) : impl_(std::make_unique<Impl>(ckpt)) {}
+CheckpointReader::~CheckpointReader() = default;
+
+void CheckpointReader::read_into(const std::string& name, const Tensor& t) {
+  impl_->reader.read_into(name, t.raw(), t.nbytes(), t.dtype(), t.shape());
+  check_tensor(impl_->file, name, t.raw(), t.nbytes(), t.dtype(), impl_->meta);
+}
+
+const std::vector<float>& CheckpointReader::read(const std::string& name, const Shape& shape) {
+  buf_.resize(size_t(shape_numel(shape)));
+  const size_t bytes = buf_.size() * sizeof(float);
+  impl_->reader.read_into(name, buf_.data(), bytes, DType::f32, shape);
+  check_tensor(impl_->file, name, buf_.data(), bytes, DType::f32, impl_->meta);
+  return buf_;
+}
+
 void load_checkpoint_tensors(const std::string& ckpt, const std::vector<NamedTensor>& into) {
-  const CheckpointMeta meta = read_checkpoint_meta(ckpt);
-  const std::string file = (fs::path(ckpt) / "state.safetensors").string();
-  SafetensorsReader r(file);
-  for (const auto& t : into) {
-    r.read_into(t.name, t.tensor.raw(), t.tensor.nbytes(), t.tensor.dtype(), t.tensor.shape());
-    check_tensor(file, t.name, t.tensor.raw(), t.tensor.nbytes(), t.tensor.dtype(), meta);
-  }
+  CheckpointReader r(ckpt);
+  for (const auto& t : into) r.read_into(t.name, t.tensor);
 }
 
 std::string run_marker(const std::string& dir) {

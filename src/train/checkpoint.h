@@ -14,6 +14,7 @@
 #pragma once
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -71,5 +72,22 @@ CheckpointMeta read_checkpoint_meta(const std::string& ckpt);
 // expected dtype and shape, that its bytes have the manifest's checksum, and that parameters
 // ("param/...") are finite; errors name the file and the tensor (and the first bad index).
 void load_checkpoint_tensors(const std::string& ckpt, const std::vector<NamedTensor>& into);
+
+// The tensors of checkpoint `ckpt` read one at a time (a rank takes its parts of the full
+// tensors), each checked as load_checkpoint_tensors does.
+class CheckpointReader {
+ public:
+  explicit CheckpointReader(const std::string& ckpt);
+  ~CheckpointReader();
+  // Tensor `name` into t (its dtype and shape expected).
+  void read_into(const std::string& name, const Tensor& t);
+  // Tensor `name`, f32 of `shape`, into a buffer kept until the next call.
+  const std::vector<float>& read(const std::string& name, const Shape& shape);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  std::vector<float> buf_;
+};
 
 }  // namespace loom::train

@@ -2,27 +2,34 @@
 #include "train/run_util.h"
 
 #include <omp.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
+#include <cstring>
 #include <filesystem>
+#include <functional>
+#include <map>
 #include <memory>
 
+#include <fmt/ranges.h>
+
+#include "comm/threads.h"
 #include "core/error.h"
 #include "data/loader.h"
 #include "data/tokenizer.h"
 #include "model/gpt.h"
+#include "model/param_specs.h"
 #include "optim/adamw.h"
-#include "comm/threads.h"
 #include "parallel/data/data_parallel.h"
+#include "parallel/data/replica_optimizer.h"
 #include "parallel/data/trace.h"
+#include "parallel/mesh.h"
+#include "parallel/pipeline/executor.h"
+#include "parallel/pipeline/stage_layers.h"
 #include "train/checkpoint.h"
 #include "train/checkpoint_io.h"
 #include "train/schedule.h"
-#include "train/trainer_parallel.h"
 
 namespace fs = std::filesystem;
 
@@ -30,14 +37,517 @@ namespace loom::train {
 
 namespace {
 
-// Everything one rank does. Rank 0 prints, writes metrics and checkpoints; every rank runs the
-// same collectives in the same order (evaluation and samples included: ZeRO-3 gathers parameters
-// inside forward). on_fail runs before any of this rank's objects are destroyed when it throws,
-// so the other ranks are released at once (threads: the world is marked failed; mpi: the job is
-// aborted) instead of waiting for the communicator's timeout.
-TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Comm& world, const FaultInjection& fault,
-                       const std::function<void(const std::string&)>& on_fail) {
-  const int rank = world.rank(), dp = world.size();
+namespace pipe = parallel::pipeline;
+using parallel::sum_over_ranks;
+
+struct StepOut {
+  double loss = 0, grad_norm = 0;
+};
+
+// Every parameter's full tensor (and the AdamW moments), in the checkpoint names of the single
+// device ("param/<name>", "adam_m/<name>", "adam_v/<name>"): assembled on rank 0 for a checkpoint
+// or a sample, empty elsewhere.
+struct FullState {
+  std::vector<NamedTensor> tensors;
+  int64_t optimizer_steps = 0;
+};
+
+// A parameter's part of a full checkpoint tensor into dst f32 [n] (the rest, a vocabulary split's
+// zero padding, zeroed).
+void read_part(CheckpointReader& ckpt, const char* kind, const model::Parameter& p, float* dst, int64_t n) {
+  const model::ParamSpec g = p.global();
+  const std::vector<float>& full = ckpt.read(std::string(kind) + "/" + g.name, g.shape);
+  std::fill(dst, dst + n, 0.0f);
+  for (const model::ShardSegment& s : p.segments())
+    std::memcpy(dst + s.local, full.data() + s.global, size_t(s.n) * sizeof(float));
+}
+
+// The full tensor of parameter p on every rank of tp from each rank's part `src`: a sum over tp of
+// zero-filled buffers into which every rank wrote its part (a whole tensor by tp rank 0 only), so
+// values arrive unchanged.
+void assemble(comm::Comm& tp, const model::Parameter& p, const float* src, std::vector<float>& out) {
+  out.assign(size_t(p.global().numel()), 0.0f);
+  if (p.shard.split || tp.rank() == 0)
+    for (const model::ShardSegment& sg : p.segments())
+      std::memcpy(out.data() + sg.global, src + sg.local, size_t(sg.n) * sizeof(float));
+  tp.all_reduce(out.data(), int64_t(out.size()), DType::f32);
+}
+
+Tensor host_tensor(const std::vector<float>& v, const Shape& shape, MemoryPool& pool) {
+  Tensor t = Tensor::empty(shape, DType::f32, MemTag::workspace, pool);
+  std::memcpy(t.f32(), v.data(), v.size() * sizeof(float));
+  return t;
+}
+
+// A single-device model from the "param/" tensors of a full state (rank 0's samples and a
+// pipeline's validation); it lives in `pool` while the caller keeps it.
+std::unique_ptr<model::GPT> model_from(const model::GPTConfig& mc, const FullState& st, MemoryPool& pool) {
+  auto gpt = std::make_unique<model::GPT>(mc, pool);
+  std::map<std::string, const Tensor*> by_name;
+  for (const NamedTensor& t : st.tensors) by_name[t.name] = &t.tensor;
+  for (model::Parameter* p : gpt->parameters()) {
+    auto it = by_name.find("param/" + p->spec.name);
+    LOOM_CHECK(it != by_name.end(), "gathered state: no tensor for parameter '{}'", p->spec.name);
+    LOOM_CHECK(it->second->numel() == p->spec.numel(), "gathered state: parameter '{}' has {} elements, expected {}",
+               p->spec.name, it->second->numel(), p->spec.numel());
+    std::memcpy(p->value.f32(), it->second->f32(), size_t(p->spec.numel()) * sizeof(float));
+  }
+  return gpt;
+}
+
+// One rank's model, optimizer and step under a layout.
+class Engine {
+ public:
+  virtual ~Engine() = default;
+  // One optimizer step on training batch `step` at learning rate lr; the mean loss of the global
+  // batch (every rank).
+  virtual StepOut step(int64_t step, float lr) = 0;
+  // Mean validation loss of n single-device batches of val_mb sequences (every rank, or rank 0).
+  virtual double evaluate(data::Loader& val, int64_t n, int64_t val_mb) = 0;
+  // Collective: rank 0 receives every parameter's full tensor (and the moments when with_moments).
+  virtual FullState gather(bool with_moments) = 0;
+  // The inverse, on every rank: this rank's part of every parameter and of both AdamW moments
+  // from the checkpoint's full tensors, and the optimizer's step count (not collective).
+  virtual void load(CheckpointReader& ckpt, int64_t optimizer_steps) = 0;
+  // The model every rank samples from (collectively) when each rank holds a whole single-device
+  // model (data parallelism alone); null: samples come from the state gathered on rank 0.
+  virtual model::GPT* sampling_model() { return nullptr; }
+  virtual std::string describe() const = 0;
+  // After the run: a summary line beyond the pools' peaks ("" for none), the result's counters.
+  virtual std::string summary(TrainResult& res) { (void)res; return ""; }
+  // Collective: writes the trace of the run (rank 0 writes the file).
+  virtual void write_trace(comm::Comm& world, const std::string& path) = 0;
+};
+
+// Data parallelism over dp (ZeRO 0-3, offload, buckets reduced during backward), composed with
+// tensor / sequence / context parallelism: model::GPT over this rank's tp and cp groups, and
+// parallel::DataParallel over the dp x cp group (the cp ranks of a replica hold partial sums of
+// its gradients, which the reduction adds; each rank scales its loss by 1 / dp, so the dp replicas
+// average), with the gradient norm summed over tp.
+class ChainEngine : public Engine {
+ public:
+  ChainEngine(const TrainConfig& cfg, const model::GPTConfig& mc, const optim::AdamWConfig& oc,
+              parallel::MeshComms& comms, data::Loader& train, MemoryPool& pool, MemoryPool& host_pool, bool trace)
+      : cfg_(cfg), mc_(comms), train_(train), pool_(pool), dp_(comms["dp"]), tp_(comms["tp"]),
+        trace_(comms.world().rank(), trace),
+        model_(mc, pool, cfg.seed, {.groups = {&comms["tp"], &comms["cp"]}, .sp = cfg.sp}),
+        ddp_(model_, comms.get({"dp", "cp"}), oc, options(cfg, comms, host_pool, trace_, model_)) {
+    local_ = cfg.batch_size / dp_.size();
+    mb_ = local_ / cfg.grad_accum;
+    x_ = Tensor::empty({mb_, cfg.seq_len}, DType::i32, MemTag::workspace, pool);
+    y_ = Tensor::empty({mb_, cfg.seq_len}, DType::i32, MemTag::workspace, pool);
+  }
+
+  static parallel::DataParallelOptions options(const TrainConfig& cfg, parallel::MeshComms& comms,
+                                               MemoryPool& host_pool, parallel::Trace& trace, model::GPT& model) {
+    parallel::DataParallelOptions o;
+    o.zero = int(cfg.zero);
+    o.offload = cfg.offload;
+    o.host_pool = &host_pool;
+    o.bucket_bytes = std::max<int64_t>(1, int64_t(double(cfg.bucket_mb) * 1024 * 1024));
+    o.trace = trace.enabled() ? &trace : nullptr;
+    o.norm_group = &comms["tp"];
+    // A parameter whole on every tp rank counts in the norm on tp rank 0.
+    for (const model::Parameter* p : model.parameters()) o.in_norm.push_back(p->shard.split || comms.coord("tp") == 0);
+    return o;
+  }
+
+  StepOut step(int64_t step, float lr) override {
+    const int dp = dp_.size();
+    ddp_.zero_grad();
+    double loss = 0;
+    // Rank r of dp reads samples [r local, (r + 1) local) of every step's global batch, in
+    // grad_accum micro-batches; the tp and cp ranks of a replica read the same ones.
+    for (int64_t micro = 0; micro < cfg_.grad_accum; ++micro) {
+      train_.train_batch(step, cfg_.batch_size, dp_.rank() * local_ + micro * mb_, mb_, x_.i32(), y_.i32());
+      model::ForwardOptions fo;
+      fo.fuse_backward = true;
+      fo.dloss_scale = 1.0f / float(cfg_.grad_accum * dp);
+      ddp_.set_last_micro(micro + 1 == cfg_.grad_accum);
+      loss += model_.forward(x_, y_, fo);
+      model_.backward();
+    }
+    StepOut out;
+    out.loss = sum_over_ranks(dp_, loss / double(cfg_.grad_accum)) / double(dp);
+    // A non-finite loss stops the run before the optimizer touches the weights.
+    if (!std::isfinite(out.loss)) return out;
+    out.grad_norm = ddp_.step(lr).grad_norm;
+    return out;
+  }
+
+  // Each dp rank evaluates its share of every validation batch; the mean over dp is the mean of
+  // the single-device batches.
+  double evaluate(data::Loader& val, int64_t n, int64_t val_mb) override {
+    const int dp = dp_.size();
+    const int64_t vl = val_mb / dp, T = cfg_.seq_len;
+    Tensor vx = Tensor::empty({vl, T}, DType::i32, MemTag::workspace, pool_);
+    Tensor vy = Tensor::empty({vl, T}, DType::i32, MemTag::workspace, pool_);
+    double sum = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      val.val_batch(i, val_mb, dp_.rank() * vl, vl, vx.i32(), vy.i32());
+      sum += model_.forward(vx, vy);
+    }
+    model_.release_activations();
+    return sum_over_ranks(dp_, sum) / double(n * dp);
+  }
+
+  // Every rank of the dp x cp group gathers the flat state (collective); the replica with dp = cp
+  // = 0 then assembles each full tensor over tp on its tp rank 0 (world rank 0).
+  FullState gather(bool with_moments) override {
+    FullState st;
+    st.optimizer_steps = ddp_.optimizer_steps();
+    full_ = ddp_.gather_full_state();
+    if (mc_.coord("dp") != 0 || mc_.coord("cp") != 0) return st;
+    const auto& ps = model_.parameters();
+    std::vector<float> buf;
+    for (size_t i = 0; i < ps.size(); ++i) {
+      const model::Parameter& p = *ps[i];
+      const std::string& n = p.spec.name;
+      const std::pair<const char*, const Tensor*> kinds[] = {
+          {"param/", &full_.params}, {"adam_m/", &full_.exp_avg}, {"adam_v/", &full_.exp_avg_sq}};
+      for (const auto& [kind, flat] : kinds) {
+        if (!with_moments && flat != &full_.params) continue;
+        const Tensor part = ddp_.param_view(*flat, i);
+        if (tp_.size() == 1) {  // the part is the full tensor
+          st.tensors.push_back({kind + n, part});
+          continue;
+        }
+        assemble(tp_, p, part.f32(), buf);
+        if (tp_.rank() == 0) st.tensors.push_back({kind + n, host_tensor(buf, p.global().shape, pool_)});
+      }
+    }
+    if (tp_.rank() != 0) st.tensors.clear();
+    return st;
+  }
+
+  void load(CheckpointReader& ckpt, int64_t optimizer_steps) override {
+    auto full = ddp_.empty_full_state();
+    const auto& ps = model_.parameters();
+    for (size_t i = 0; i < ps.size(); ++i) {
+      const model::Parameter& p = *ps[i];
+      const std::pair<const char*, const Tensor*> kinds[] = {
+          {"param", &full.params}, {"adam_m", &full.exp_avg}, {"adam_v", &full.exp_avg_sq}};
+      for (const auto& [kind, flat] : kinds) {
+        Tensor part = ddp_.param_view(*flat, i);
+        if (p.shard.split)
+          read_part(ckpt, kind, p, part.f32(), part.numel());
+        else
+          ckpt.read_into(std::string(kind) + "/" + p.spec.name, part);
+      }
+    }
+    ddp_.load_full_state(full, optimizer_steps);
+  }
+
+  model::GPT* sampling_model() override { return model_.parallel().single() ? &model_ : nullptr; }
+
+  std::string describe() const override {
+    const model::ChainParallel& P = model_.parallel();
+    std::string s = fmt::format("dp {}", dp_.size());
+    if (!P.single() || P.sp()) s += fmt::format(" x tp {}{} x cp {}", P.tp(), P.sp() ? " + sp" : "", P.cp());
+    return s + fmt::format(" | ZeRO {}{}", cfg_.zero, cfg_.offload ? " + offload" : "");
+  }
+
+  std::string summary(TrainResult& res) override {
+    const auto& cs = ddp_.comm_stats();
+    res.reduce_busy_s = cs.reduce_busy_s;
+    res.reduce_exposed_s = cs.reduce_wait_s;
+    res.gather_s = cs.gather_s;
+    if (mc_.get({"dp", "cp"}).size() == 1) return "";
+    return fmt::format("gradient reduction {:.3f} s, {:.3f} s exposed ({:.0f}% hidden behind backward) | parameter "
+                       "gathers {:.3f} s",
+                       cs.reduce_busy_s, cs.reduce_wait_s,
+                       cs.reduce_busy_s > 0 ? 100.0 * cs.hidden_s() / cs.reduce_busy_s : 0.0, cs.gather_s);
+  }
+
+  void write_trace(comm::Comm& world, const std::string& path) override {
+    const std::string json = parallel::gather_trace(world, trace_);
+    if (world.rank() == 0) parallel::write_text_file(path, json);
+  }
+
+ private:
+  const TrainConfig& cfg_;
+  parallel::MeshComms& mc_;
+  data::Loader& train_;
+  MemoryPool& pool_;
+  comm::Comm& dp_;
+  comm::Comm& tp_;
+  parallel::Trace trace_;
+  model::GPT model_;
+  parallel::DataParallel ddp_;
+  parallel::DataParallel::FullState full_;  // the last gather's flat state (its tensors are views)
+  int64_t local_ = 0, mb_ = 0;
+  Tensor x_, y_;  // i32 [mb, T]
+};
+
+// Puts a full state's tensors in the single device's order (every parameter's value and moments,
+// in GPT::parameters() order), so every layout writes the same file.
+void order_like_single_device(const model::GPTConfig& mc, std::vector<NamedTensor>& tensors) {
+  std::map<std::string, size_t> rank;
+  size_t k = 0;
+  for (const model::ParamSpec& s : model::gpt_param_specs(mc))
+    for (const char* kind : {"param/", "adam_m/", "adam_v/"}) rank[kind + s.name] = k++;
+  for (const NamedTensor& t : tensors)
+    LOOM_CHECK(rank.count(t.name), "gathered state: '{}' is not a tensor of model '{}'", t.name, mc.name);
+  std::stable_sort(tensors.begin(), tensors.end(),
+                   [&](const NamedTensor& a, const NamedTensor& b) { return rank.at(a.name) < rank.at(b.name); });
+}
+
+// Pipeline parallel (PipelineExecutor) with data parallelism through its dp communicator, and
+// tensor / sequence / context parallelism inside each stage.
+class PipelineEngine : public Engine {
+ public:
+  PipelineEngine(const TrainConfig& cfg, const model::GPTConfig& mc, const optim::AdamWConfig& oc,
+                 parallel::MeshComms& comms, data::Loader& train, MemoryPool& pool)
+      : cfg_(cfg), mc_(comms), model_cfg_(mc), train_(train), pool_(pool), pp_(comms["pp"]), dp_(comms["dp"]),
+        tp_(comms["tp"]),
+        exec_(mc, options(cfg, oc, mc.n_layer), comms["pp"], comms["dp"].size() > 1 ? &comms["dp"] : nullptr, pool,
+              {&comms["tp"], &comms["cp"], &comms.get({"dp", "cp"})}) {
+    local_ = cfg.batch_size / dp_.size();
+    n_layer_ = mc.n_layer;
+    x_ = Tensor::empty({local_, cfg.seq_len}, DType::i32, MemTag::workspace, pool);
+    y_ = Tensor::empty({local_, cfg.seq_len}, DType::i32, MemTag::workspace, pool);
+  }
+
+  static pipe::ExecutorOptions options(const TrainConfig& cfg, const optim::AdamWConfig& oc, int64_t n_layer) {
+    pipe::ExecutorOptions o;
+    o.schedule.kind = pipe::parse_kind(cfg.schedule, "parallel.schedule");
+    o.schedule.stages = int(cfg.pp);
+    o.schedule.virtual_stages = o.schedule.kind == pipe::Kind::interleaved ? int(cfg.virtual_stages) : 1;
+    o.schedule.micro_batches = int(cfg.grad_accum);
+    o.tp = int(cfg.tp);
+    o.cp = int(cfg.cp);
+    o.sp = cfg.sp;
+    o.zero_stage = int(cfg.zero);
+    o.adamw = oc;
+    o.seed = cfg.seed;
+    o.seq_len = cfg.seq_len;
+    if (!cfg.stage_layers.empty())
+      o.cuts = pipe::cuts_from_stage_layers(cfg.stage_layers, n_layer, "parallel.stage_layers");
+    return o;
+  }
+
+  StepOut step(int64_t step, float lr) override {
+    train_.train_batch(step, cfg_.batch_size, dp_.rank() * local_, local_, x_.i32(), y_.i32());
+    pipe::StepResult r = exec_.step(x_, y_, lr);
+    return {double(r.loss), r.grad_norm};
+  }
+
+  // Rank 0 evaluates a single-device model of the gathered parameters, held for the evaluation
+  // only (the executor has no forward-only pass).
+  double evaluate(data::Loader& val, int64_t n, int64_t val_mb) override {
+    FullState st = gather(false);
+    if (mc_.world().rank() != 0) return NAN;
+    MemoryPool eval_pool("cpu:eval");
+    auto gpt = model_from(model_cfg_, st, eval_pool);
+    st = FullState{};
+    const int64_t T = cfg_.seq_len;
+    Tensor vx = Tensor::empty({val_mb, T}, DType::i32, MemTag::workspace, eval_pool);
+    Tensor vy = Tensor::empty({val_mb, T}, DType::i32, MemTag::workspace, eval_pool);
+    double sum = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      val.val_batch(i, val_mb, 0, val_mb, vx.i32(), vy.i32());
+      sum += gpt->forward(vx, vy);
+    }
+    return sum / double(n);
+  }
+
+  // The pipeline of the replica with dp = cp = 0 takes part. Under tp each stage first assembles
+  // its full tensors over the tp group (a sum of zero-filled buffers into which every rank wrote
+  // its part, a whole tensor by tp rank 0 only); then tp rank 0's pipeline (world rank 0's)
+  // moves them: pipeline rank k > 0 sends, for each of its parameters (the last stage's copy of a
+  // tied wte skipped), its name, size and tensors to pipeline rank 0.
+  FullState gather(bool with_moments) override {
+    parallel::ReplicaOptimizer& opt = exec_.optimizer();
+    FullState st;
+    st.optimizer_steps = opt.steps_taken();
+    // Under ZeRO-1 every rank of the stage's dp x cp group first takes part in gathering the
+    // moments.
+    const bool lead_replica = mc_.coord("dp") == 0 && mc_.coord("cp") == 0;
+    if (!lead_replica && !(opt.sharded() && with_moments)) return st;
+    std::vector<size_t> mine;
+    const auto ps = exec_.parameters();
+    for (size_t i = 0; i < ps.size(); ++i)
+      if (!exec_.is_copy(ps[i])) mine.push_back(i);
+    // Full tensors of this stage's parameters: value, and the moments when with_moments.
+    struct Full {
+      std::string name;
+      Shape shape;
+      std::vector<float> v, m, s;
+    };
+    std::vector<Full> fulls;
+    std::vector<float> gm, gv;  // this parameter's full moments
+    for (size_t i : mine) {
+      const model::Parameter& p = *ps[i];
+      if (with_moments) {  // collective over dp x cp under ZeRO-1
+        gm.resize(size_t(p.spec.numel()));
+        gv.resize(size_t(p.spec.numel()));
+        opt.gather_moments(i, gm.data(), gv.data());
+      }
+      if (!lead_replica) continue;
+      auto one = [&](const float* src, std::vector<float>& out) {
+        if (tp_.size() == 1) {
+          out.assign(src, src + p.spec.numel());
+          return;
+        }
+        assemble(tp_, p, src, out);
+      };
+      Full f;
+      f.name = p.spec.name;
+      f.shape = p.global().shape;
+      one(p.value.f32(), f.v);
+      if (with_moments) {
+        one(gm.data(), f.m);
+        one(gv.data(), f.s);
+      }
+      fulls.push_back(std::move(f));
+    }
+    if (!lead_replica || tp_.rank() != 0) return st;
+    std::map<std::string, Shape> shapes;
+    for (const model::ParamSpec& s : model::gpt_param_specs(model_cfg_)) shapes[s.name] = s.shape;
+    auto store = [&](const std::string& name, int64_t n, const float* v, const float* m, const float* s) {
+      auto it = shapes.find(name);
+      LOOM_CHECK(it != shapes.end() && shape_numel(it->second) == n, "gather: parameter '{}' of {} elements is not "
+                 "one of model '{}'", name, n, model_cfg_.name);
+      auto add = [&](const char* kind, const float* src) {
+        Tensor t = Tensor::empty(it->second, DType::f32, MemTag::workspace, pool_);
+        std::memcpy(t.f32(), src, size_t(n) * sizeof(float));
+        st.tensors.push_back({kind + name, t});
+      };
+      add("param/", v);
+      if (with_moments) {
+        add("adam_m/", m);
+        add("adam_v/", s);
+      }
+    };
+    const int tag = 7;
+    if (pp_.rank() != 0) {
+      int32_t count = int32_t(fulls.size());
+      pp_.send(&count, 1, DType::i32, 0, tag);
+      for (const Full& f : fulls) {
+        const int64_t n = int64_t(f.v.size());
+        int32_t head[2] = {int32_t(f.name.size()), int32_t(n)};
+        pp_.send(head, 2, DType::i32, 0, tag);
+        std::vector<int32_t> chars(f.name.begin(), f.name.end());
+        pp_.send(chars.data(), int64_t(chars.size()), DType::i32, 0, tag);
+        pp_.send(f.v.data(), n, DType::f32, 0, tag);
+        if (with_moments) {
+          pp_.send(f.m.data(), n, DType::f32, 0, tag);
+          pp_.send(f.s.data(), n, DType::f32, 0, tag);
+        }
+      }
+      return st;
+    }
+    for (const Full& f : fulls) store(f.name, int64_t(f.v.size()), f.v.data(), f.m.data(), f.s.data());
+    std::vector<float> v, m, s;
+    for (int src = 1; src < pp_.size(); ++src) {
+      int32_t count = 0;
+      pp_.recv(&count, 1, DType::i32, src, tag);
+      for (int32_t k = 0; k < count; ++k) {
+        int32_t head[2];
+        pp_.recv(head, 2, DType::i32, src, tag);
+        std::vector<int32_t> chars(static_cast<size_t>(head[0]));
+        pp_.recv(chars.data(), head[0], DType::i32, src, tag);
+        std::string name(chars.begin(), chars.end());
+        v.resize(size_t(head[1]));
+        pp_.recv(v.data(), head[1], DType::f32, src, tag);
+        if (with_moments) {
+          m.resize(size_t(head[1]));
+          s.resize(size_t(head[1]));
+          pp_.recv(m.data(), head[1], DType::f32, src, tag);
+          pp_.recv(s.data(), head[1], DType::f32, src, tag);
+        }
+        store(name, head[1], v.data(), m.data(), s.data());
+      }
+    }
+    order_like_single_device(model_cfg_, st.tensors);
+    return st;
+  }
+
+  // Each of this rank's parameters by name: the last stage's copy of a tied wte takes wte (both
+  // copies always take the same update, so their moments are wte's too). Under tp each stage's
+  // part takes its segments of the full tensor.
+  void load(CheckpointReader& ckpt, int64_t optimizer_steps) override {
+    const auto ps = exec_.parameters();
+    parallel::ReplicaOptimizer& opt = exec_.optimizer();
+    std::vector<float> m, v;
+    for (size_t i = 0; i < ps.size(); ++i) {
+      const int64_t n = ps[i]->spec.numel();
+      m.resize(size_t(n));
+      v.resize(size_t(n));
+      read_part(ckpt, "param", *ps[i], ps[i]->value.f32(), n);
+      read_part(ckpt, "adam_m", *ps[i], m.data(), n);
+      read_part(ckpt, "adam_v", *ps[i], v.data(), n);
+      opt.load_moments(i, m.data(), v.data());  // under ZeRO-1 each rank keeps its part
+    }
+    opt.set_steps_taken(optimizer_steps);
+  }
+
+  std::string describe() const override {
+    const auto& sp = exec_.schedule().spec;
+    const std::string blocks = fmt::format("{}", fmt::join(pipe::stage_layers_from_cuts(exec_.cuts(), n_layer_), ","));
+    return fmt::format("pp {} ({}, m = {}{}, blocks {}) x dp {}{}{}", sp.stages, pipe::kind_name(sp.kind),
+                       sp.micro_batches, sp.virtual_stages > 1 ? fmt::format(", v = {}", sp.virtual_stages) : "",
+                       blocks, dp_.size(), exec_.optimizer().sharded() ? " (ZeRO-1)" : "",
+                       cfg_.tp > 1 || cfg_.cp > 1 || cfg_.sp
+                           ? fmt::format(" x tp {}{} x cp {}", cfg_.tp, cfg_.sp ? " + sp" : "", cfg_.cp)
+                           : "");
+  }
+
+  void write_trace(comm::Comm& world, const std::string& path) override;
+
+ private:
+  const TrainConfig& cfg_;
+  parallel::MeshComms& mc_;
+  model::GPTConfig model_cfg_;
+  data::Loader& train_;
+  MemoryPool& pool_;
+  comm::Comm& pp_;
+  comm::Comm& dp_;
+  comm::Comm& tp_;
+  pipe::PipelineExecutor exec_;
+  int64_t local_ = 0, n_layer_ = 0;
+  Tensor x_, y_;  // i32 [B / dp, T]
+};
+
+// Every rank's pipeline trace events on rank 0 (rank order; the others get an empty list): each
+// event travels as five doubles (op, micro-batch, chunk, start, end) in a gather over `world`,
+// so it works whether the ranks are threads or processes.
+std::vector<std::vector<pipe::TraceEvent>> gather_traces(comm::Comm& world, const std::vector<pipe::TraceEvent>& mine) {
+  constexpr int64_t kFields = 5;
+  const int n = world.size();
+  std::vector<double> send;
+  for (const pipe::TraceEvent& e : mine)
+    for (double v : {double(int(e.op)), double(e.mb), double(e.chunk), e.start, e.end}) send.push_back(v);
+  // Counts and values travel as pairs of u32 words (one 64-bit value each).
+  int64_t my_count = int64_t(mine.size());
+  std::vector<int64_t> counts(static_cast<size_t>(n));
+  world.all_gather(&my_count, counts.data(), 2 * int64_t(n), DType::u32);
+  std::vector<int64_t> words(static_cast<size_t>(n));
+  int64_t total = 0;
+  for (int r = 0; r < n; ++r) total += words[size_t(r)] = 2 * kFields * counts[size_t(r)];
+  std::vector<double> all(static_cast<size_t>(total / 2));
+  world.all_gather_v(send.data(), all.data(), words, DType::u32);
+  std::vector<std::vector<pipe::TraceEvent>> out;
+  if (world.rank() != 0) return out;
+  out.resize(size_t(n));
+  const double* v = all.data();
+  for (int r = 0; r < n; ++r)
+    for (int64_t k = 0; k < counts[size_t(r)]; ++k, v += kFields)
+      out[size_t(r)].push_back({pipe::Op(int(v[0])), int(v[1]), int(v[2]), v[3], v[4]});
+  return out;
+}
+
+void PipelineEngine::write_trace(comm::Comm& world, const std::string& path) {
+  auto traces = gather_traces(world, exec_.trace());  // collective
+  if (world.rank() == 0) pipe::write_chrome_trace(path, traces);
+}
+
+// Everything one rank does; rank 0 prints and writes files. Every rank runs the same collectives
+// in the same order.
+TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, parallel::MeshComms& comms,
+                            const FaultInjection& fault) {
+  comm::Comm& world = comms.world();
+  const int rank = world.rank(), ranks = world.size();
   const bool lead = rank == 0;
   auto say = [&](const std::string& s) {
     if (lead && !opt.quiet) std::printf("%s\n", s.c_str()), std::fflush(stdout);
@@ -51,166 +561,150 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
   const model::GPTConfig mc = run_data.model;
 
   MemoryPool pool(fmt::format("cpu:{}", rank)), host_pool(fmt::format("host:{}", rank));
-  model::GPT gpt(mc, pool, cfg.seed);
   const optim::AdamWConfig oc = adamw_config(cfg);
-  parallel::Trace trace(rank, !opt.trace_path.empty());
-  parallel::DataParallelOptions dpo;
-  dpo.zero = int(cfg.zero);
-  dpo.offload = cfg.offload;
-  dpo.host_pool = &host_pool;
-  dpo.bucket_bytes = std::max<int64_t>(1, int64_t(double(cfg.bucket_mb) * 1024 * 1024));
-  dpo.trace = trace.enabled() ? &trace : nullptr;
-  parallel::DataParallel ddp(gpt, world, oc, dpo);
+  std::unique_ptr<Engine> engine;
+  if (cfg.pp > 1)
+    engine = std::make_unique<PipelineEngine>(cfg, mc, oc, comms, train, pool);
+  else
+    engine = std::make_unique<ChainEngine>(cfg, mc, oc, comms, train, pool, host_pool, !opt.trace_path.empty());
   LrSchedule sched{cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps, cfg.lr_schedule};
 
   TrainResult res;
+  fs::path out_dir(cfg.out_dir);
+  if (lead) fs::create_directories(out_dir);
+  // The writing rank holds the run directory for the whole run (a second run into it is refused).
+  std::unique_ptr<RunDirLock> dir_lock = lead ? std::make_unique<RunDirLock>(out_dir.string()) : nullptr;
+  const std::string metrics_path = (out_dir / "metrics.jsonl").string();
+  int64_t start_step = 0;
+  if (opt.resume) {
+    // Every rank reads the checkpoint itself and keeps its own part of each full tensor: like
+    // Megatron, this assumes train.out_dir is on a filesystem every rank sees. Rank 0's step is
+    // broadcast so a rank that found another checkpoint (or none) is an error, not a silent
+    // divergence.
+    std::vector<std::string> notes;
+    const std::string ckpt = resume_checkpoint(cfg.out_dir, &notes);
+    for (const std::string& n : notes) say("resume: " + n);
+    CheckpointMeta meta;
+    if (!ckpt.empty()) {
+      meta = read_checkpoint_meta(ckpt);
+      check_resume_checkpoint(ckpt, meta, cfg, mc, vocabulary);
+    }
+    int64_t step0 = ckpt.empty() ? -1 : meta.step;
+    const int64_t mine = step0;
+    world.broadcast(&step0, 2, DType::u32, 0);
+    LOOM_CHECK(step0 == mine,
+               "resume: rank {} found {} in {} but rank 0 {} (train.out_dir must be on a filesystem every rank "
+               "shares)",
+               rank, mine < 0 ? "no checkpoint" : fmt::format("the checkpoint of step {}", mine), cfg.out_dir,
+               step0 < 0 ? "none" : fmt::format("the one of step {}", step0));
+    if (ckpt.empty()) {
+      say(fmt::format("resume: no checkpoint in {}, starting from step 0", cfg.out_dir));
+    } else {
+      CheckpointReader reader(ckpt);
+      engine->load(reader, meta.optimizer_steps);
+      start_step = meta.step;
+      if (lead) truncate_metrics(metrics_path, start_step);
+      say(fmt::format("resumed from {} (step {})", ckpt, start_step));
+    }
+  }
+  if (lead && start_step == 0 && fs::exists(metrics_path)) fs::remove(metrics_path);
+  world.barrier();  // rank 0 has prepared the output directory
+
+  std::unique_ptr<data::Tokenizer> tok = lead ? std::move(run_data.tokenizer) : nullptr;
+
+  const int64_t T = cfg.seq_len, val_mb = cfg.batch_size / cfg.grad_accum;
+  int64_t num_parameters = 0;
+  for (const model::ParamSpec& s : model::gpt_param_specs(mc)) num_parameters += s.numel();
+  say(fmt::format("model {} | {:.2f}M parameters | {} ({}, {} ranks) | {} threads per rank", mc.str(),
+                  double(num_parameters) / 1e6, engine->describe(), world.backend(), ranks,
+                  omp_get_max_threads()));
+  const double peak = job_gemm_peak(world);
+  res.last_val_loss = NAN;
+  res.unigram_val_loss = lead ? unigram_loss(train, val.get(), mc.vocab_size) : NAN;
+  say(fmt::format("data {} | train {} tokens{} | unigram baseline loss {:.4f} | GEMM peak {:.1f} GFLOP/s", cfg.data_dir,
+                  train.total_tokens(), val ? fmt::format(", val {} tokens", val->total_tokens()) : "",
+                  res.unigram_val_loss, peak / 1e9));
+
+  RunLog log(cfg, metrics_path, start_step, lead, opt.quiet, mc.flops_per_token(T), peak, res.unigram_val_loss);
+
+  auto evaluate = [&]() -> double {
+    if (!val) return NAN;
+    const int64_t n = std::min(cfg.eval_batches, val->val_batches(val_mb));
+    if (n == 0) return NAN;
+    return engine->evaluate(*val, n, val_mb);
+  };
+  // Collective. Where every rank holds a whole model, every rank samples (ZeRO-3 forwards are
+  // collective) from rank 0's prompt; otherwise rank 0 samples from a single-device model of the
+  // gathered parameters, held for the sample only.
+  auto sample = [&](int64_t step) -> std::string {
+    if (cfg.sample_tokens == 0) return "";
+    if (model::GPT* gpt = engine->sampling_model())
+      return sample_text(cfg, *gpt, shared_sample_prompt(world, cfg, tok.get(), train, val.get()), step, tok.get());
+    FullState st = engine->gather(false);
+    if (!lead) return "";
+    MemoryPool sample_pool("cpu:sample");
+    auto gpt = model_from(mc, st, sample_pool);
+    st = FullState{};
+    return sample_text(cfg, *gpt, sample_prompt(cfg, tok.get(), train, val.get()), step, tok.get());
+  };
+  // Collective, ending in a barrier: no rank starts the next step before rank 0 has the whole
+  // checkpoint on disk, so a rank that fails in that step cannot cut the gather (or the write)
+  // short and lose the checkpoint.
+  auto checkpoint = [&](int64_t step) {
+    FullState st = engine->gather(true);
+    if (lead)
+      save_checkpoint(out_dir.string(), checkpoint_meta(cfg, mc, step, st.optimizer_steps, vocabulary), st.tensors,
+                      cfg.keep_checkpoints);
+    world.barrier();
+  };
+
+  pool.reset_peaks();
+  host_pool.reset_peaks();
+  RunHooks hooks;
+  hooks.step = [&](int64_t step, float lr) {
+    StepOut st = engine->step(step, lr);
+    return RunHooks::StepOut{st.loss, st.grad_norm};
+  };
+  hooks.evaluate = evaluate;
+  hooks.sample = sample;
+  hooks.checkpoint = checkpoint;
+  run_steps(cfg, log, sched, fault, rank, ranks, start_step, val != nullptr, hooks, res);
+  for (int t = 0; t < kNumMemTags; ++t) {
+    res.peak_bytes[size_t(t)] = pool.peak(MemTag(t));
+    res.host_peak_bytes[size_t(t)] = host_pool.peak(MemTag(t));
+  }
+  const std::string comm_line = engine->summary(res);
+  say(fmt::format("memory of rank 0 (peak): params {} | grads {} | optimizer {}{} | activations {}{}",
+                  format_bytes(res.peak_bytes[size_t(MemTag::params)]), format_bytes(res.peak_bytes[size_t(MemTag::grads)]),
+                  format_bytes(res.peak_bytes[size_t(MemTag::optimizer)]),
+                  cfg.offload ? fmt::format(" (host: optimizer {})", format_bytes(res.host_peak_bytes[size_t(MemTag::optimizer)])) : "",
+                  format_bytes(res.peak_bytes[size_t(MemTag::activations)]),
+                  comm_line.empty() ? "" : " | " + comm_line));
+  res.last_sample = sample(cfg.steps);
+  if (!res.last_sample.empty()) say(fmt::format("--- sample ---\n{}\n---", res.last_sample));
+  if (!opt.trace_path.empty()) {
+    engine->write_trace(world, opt.trace_path);  // collective
+    say(fmt::format("wrote trace {} (every rank)", opt.trace_path));
+  }
+  log.finish((out_dir / "loss.png").string(), fmt::format("loom: {} on {}", mc.name, cfg.data_dir));
+  return res;
+}
+
+// train_mesh_rank over the mesh of cfg on `world`. on_fail runs before the communicators are
+// destroyed when the rank throws (threads: the world is marked failed; mpi: the job is aborted
+// naming the rank), so no other rank waits for the communicator's timeout; what else the rank
+// held is only memory.
+TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Comm& world, const FaultInjection& fault,
+                       const std::function<void(const std::string&)>& on_fail) {
+  std::unique_ptr<parallel::MeshComms> comms;
   try {
-    // Checkpoints hold the full (gathered) parameters and moments in the single-device format,
-    // so one written under any dp / ZeRO stage loads under any other.
-    auto named = [&](const parallel::DataParallel::FullState& fs) {
-      std::vector<NamedTensor> state;
-      for (size_t i = 0; i < gpt.parameters().size(); ++i) {
-        const std::string& n = gpt.parameters()[i]->spec.name;
-        state.push_back({"param/" + n, ddp.param_view(fs.params, i)});
-        state.push_back({"adam_m/" + n, ddp.param_view(fs.exp_avg, i)});
-        state.push_back({"adam_v/" + n, ddp.param_view(fs.exp_avg_sq, i)});
-      }
-      return state;
-    };
-
-    fs::path out_dir(cfg.out_dir);
-    if (lead) fs::create_directories(out_dir);
-    // The writing rank holds the run directory for the whole run (a second run into it is refused).
-    std::unique_ptr<RunDirLock> dir_lock = lead ? std::make_unique<RunDirLock>(out_dir.string()) : nullptr;
-    std::string metrics_path = (out_dir / "metrics.jsonl").string();
-    int64_t start_step = 0;
-    if (opt.resume) {
-      std::vector<std::string> notes;
-      std::string ckpt = resume_checkpoint(cfg.out_dir, &notes);
-      for (const std::string& n : notes) say("resume: " + n);
-      if (ckpt.empty()) {
-        say(fmt::format("resume: no checkpoint in {}, starting from step 0", cfg.out_dir));
-      } else {
-        CheckpointMeta meta = read_checkpoint_meta(ckpt);
-        check_resume_checkpoint(ckpt, meta, cfg, mc, vocabulary);
-        auto full = ddp.empty_full_state();
-        load_checkpoint_tensors(ckpt, named(full));
-        ddp.load_full_state(full, meta.optimizer_steps);
-        start_step = meta.step;
-        if (lead) truncate_metrics(metrics_path, start_step);
-        say(fmt::format("resumed from {} (step {})", ckpt, start_step));
-      }
-    }
-    world.barrier();  // rank 0 has prepared the output directory
-    if (lead && start_step == 0 && fs::exists(metrics_path)) fs::remove(metrics_path);
-
-    std::unique_ptr<data::Tokenizer> tok = lead ? std::move(run_data.tokenizer) : nullptr;
-
-    // Rank r reads samples [r * local, (r + 1) * local) of every step's global batch, in
-    // grad_accum micro-batches of mb.
-    const int64_t local = cfg.batch_size / dp, mb = local / cfg.grad_accum, T = cfg.seq_len;
-    const int64_t val_mb = cfg.batch_size / cfg.grad_accum;  // the single-device validation batch
-    say(fmt::format("model {} | {:.2f}M parameters | dp {} ({}) | ZeRO {}{} | {} threads per rank", mc.str(),
-                    double(gpt.num_parameters()) / 1e6, dp, world.backend(), cfg.zero, cfg.offload ? " + offload" : "",
-                    omp_get_max_threads()));
-    const double peak = job_gemm_peak(world);
-    res.last_val_loss = NAN;
-    res.unigram_val_loss = lead ? unigram_loss(train, val.get(), mc.vocab_size) : NAN;
-    say(fmt::format("data {} | train {} tokens{} | unigram baseline loss {:.4f} | GEMM peak {:.1f} GFLOP/s",
-                    cfg.data_dir, train.total_tokens(), val ? fmt::format(", val {} tokens", val->total_tokens()) : "",
-                    res.unigram_val_loss, peak / 1e9));
-
-    Tensor x = Tensor::empty({mb, T}, DType::i32, MemTag::workspace, pool);
-    Tensor y = Tensor::empty({mb, T}, DType::i32, MemTag::workspace, pool);
-    RunLog log(cfg, metrics_path, start_step, lead, opt.quiet, gpt.config().flops_per_token(T), peak,
-               res.unigram_val_loss);
-
-    // Each rank evaluates its share of every validation batch; the mean over ranks is the mean
-    // of the single-device batches.
-    auto evaluate = [&]() -> double {
-      if (!val) return NAN;
-      int64_t n = std::min(cfg.eval_batches, val->val_batches(val_mb));
-      if (n == 0) return NAN;
-      const int64_t vl = val_mb / dp;
-      Tensor vx = Tensor::empty({vl, T}, DType::i32, MemTag::workspace, pool);
-      Tensor vy = Tensor::empty({vl, T}, DType::i32, MemTag::workspace, pool);
-      double sum = 0;
-      for (int64_t i = 0; i < n; ++i) {
-        val->val_batch(i, val_mb, rank * vl, vl, vx.i32(), vy.i32());
-        sum += gpt.forward(vx, vy);
-      }
-      gpt.release_activations();
-      return ddp.sum_over_ranks(sum) / double(n * dp);
-    };
-    auto sample = [&](int64_t step) -> std::string {
-      if (cfg.sample_tokens == 0) return "";
-      // Every rank samples (ZeRO-3 forwards are collective), from rank 0's prompt.
-      return sample_text(cfg, gpt, shared_sample_prompt(world, cfg, tok.get(), train, val.get()), step, tok.get());
-    };
-    auto checkpoint = [&](int64_t step) {
-      auto full = ddp.gather_full_state();  // collective
-      if (lead)
-        save_checkpoint(out_dir.string(), checkpoint_meta(cfg, mc, step, ddp.optimizer_steps(), vocabulary),
-                        named(full), cfg.keep_checkpoints);
-    };
-
-    pool.reset_peaks();
-    host_pool.reset_peaks();
-    ddp.reset_comm_stats();
-    RunHooks hooks;
-    hooks.step = [&](int64_t step, float lr) {
-      ddp.zero_grad();
-      double loss = 0;
-      for (int64_t micro = 0; micro < cfg.grad_accum; ++micro) {
-        train.train_batch(step, cfg.batch_size, rank * local + micro * mb, mb, x.i32(), y.i32());
-        model::ForwardOptions fo;
-        fo.fuse_backward = true;
-        fo.dloss_scale = 1.0f / float(cfg.grad_accum * dp);
-        ddp.set_last_micro(micro + 1 == cfg.grad_accum);
-        loss += gpt.forward(x, y, fo);
-        gpt.backward();
-      }
-      loss = ddp.sum_over_ranks(loss / double(cfg.grad_accum)) / double(dp);
-      // A non-finite loss stops the run before the optimizer touches the weights.
-      if (!std::isfinite(loss)) return RunHooks::StepOut{loss, 0.0};
-      return RunHooks::StepOut{loss, ddp.step(lr).grad_norm};
-    };
-    hooks.evaluate = evaluate;
-    hooks.sample = sample;
-    hooks.checkpoint = checkpoint;
-    run_steps(cfg, log, sched, fault, rank, dp, start_step, val != nullptr, hooks, res);
-    for (int t = 0; t < kNumMemTags; ++t) {
-      res.peak_bytes[size_t(t)] = pool.peak(MemTag(t));
-      res.host_peak_bytes[size_t(t)] = host_pool.peak(MemTag(t));
-    }
-    const auto& cs = ddp.comm_stats();
-    res.reduce_busy_s = cs.reduce_busy_s;
-    res.reduce_exposed_s = cs.reduce_wait_s;
-    res.gather_s = cs.gather_s;
-    if (dp > 1)
-      say(fmt::format("memory per rank (peak): params {} | grads {} | optimizer {}{} | gradient reduction {:.3f} s, "
-                      "{:.3f} s exposed ({:.0f}% hidden behind backward) | parameter gathers {:.3f} s",
-                      format_bytes(res.peak_bytes[size_t(MemTag::params)]),
-                      format_bytes(res.peak_bytes[size_t(MemTag::grads)]),
-                      format_bytes(res.peak_bytes[size_t(MemTag::optimizer)]),
-                      cfg.offload ? fmt::format(" (host: optimizer {})", format_bytes(res.host_peak_bytes[size_t(MemTag::optimizer)])) : "",
-                      cs.reduce_busy_s, cs.reduce_wait_s,
-                      cs.reduce_busy_s > 0 ? 100.0 * cs.hidden_s() / cs.reduce_busy_s : 0.0, cs.gather_s));
-    res.last_sample = sample(cfg.steps);
-    if (!res.last_sample.empty()) say(fmt::format("--- sample ---\n{}\n---", res.last_sample));
-    if (!opt.trace_path.empty()) {
-      std::string json = parallel::gather_trace(world, trace);
-      if (lead) {
-        parallel::write_text_file(opt.trace_path, json);
-        say(fmt::format("wrote trace {}", opt.trace_path));
-      }
-    }
-    log.finish((out_dir / "loss.png").string(), fmt::format("loom: {} on {}", mc.name, cfg.data_dir));
+    comms = std::make_unique<parallel::MeshComms>(
+        parallel::Mesh::standard(int(cfg.pp), int(cfg.dp), int(cfg.cp), int(cfg.tp)), world);
+    return train_mesh_rank(cfg, opt, *comms, fault);
   } catch (const std::exception& e) {
     on_fail(e.what());
     throw;
   }
-  return res;
 }
 
 }  // namespace
@@ -219,55 +713,72 @@ TrainResult run_training(const TrainConfig& cfg, const TrainOptions& opt) {
   const std::string where = opt.config_path.empty() ? "config" : opt.config_path;
   if (cfg.device == "cuda") {
     cfg.validate_cuda(where);  // throws naming the field, and in a build without CUDA
-    throw Error(fmt::format("{}: train.device = \"cuda\": run_training runs the CPU trainers; the GPU trainer is "
+    throw Error(fmt::format("{}: train.device = \"cuda\": run_training runs the CPU trainer; the GPU trainer is "
                             "train::run_training_cuda (train/trainer_cuda.h), which `loom train` runs for this device",
                             where));
   }
   LOOM_CHECK(cfg.device == "cpu", "{}: train.device: '{}' is not cpu or cuda", where, cfg.device);
-  if (needs_mesh(cfg)) return run_training_mesh(cfg, opt);  // tp / sp / cp / pp: trainer_parallel.cpp
-  const int dp = int(cfg.dp);
+  if (cfg.pp > 1 && cfg.zero >= 2)
+    throw Error(fmt::format("{}: parallel.zero = {} is not supported with parallel.pp = {} (pipelines compose with "
+                            "ZeRO stage 0 or 1: stages 2 and 3 shard the gradients and parameters every "
+                            "micro-batch needs whole); set parallel.zero = 0 or 1",
+                            where, cfg.zero, cfg.pp));
+  if (cfg.pp > 1 && cfg.offload)
+    throw Error(fmt::format("{}: parallel.offload is not supported with parallel.pp = {} (offload runs with data, "
+                            "tensor, sequence and context parallelism); set parallel.offload = false",
+                            where, cfg.pp));
+  if (cfg.cp > 1 && cfg.seq_len % (2 * cfg.cp) != 0)
+    throw Error(fmt::format("{}: data.seq_len = {} must be divisible by 2 x parallel.cp = {} (each rank takes two "
+                            "chunks of every sequence)",
+                            where, cfg.seq_len, 2 * cfg.cp));
+  if (cfg.tp > 1 && cfg.n_head > 0 && cfg.n_head % cfg.tp != 0)
+    throw Error(fmt::format("{}: model.n_head = {} is not divisible by parallel.tp = {}", where, cfg.n_head, cfg.tp));
+  const int world = int(cfg.pp * cfg.dp * cfg.cp * cfg.tp);
   const comm::CommOptions co = comm_options(cfg);
-  const FaultInjection fault = FaultInjection::from_env(dp);
-  if (cfg.comm == "mpi")
-    return run_mpi_rank(cfg, where, dp, fmt::format("parallel.dp is {}", dp), co,
-                        [&](comm::Comm& world, std::function<void(const std::string&)> on_fail) {
-                          return train_rank(cfg, opt, world, fault, on_fail);
+  const FaultInjection fault = FaultInjection::from_env(world);
+  if (cfg.comm == "mpi")  // one process per mesh rank, the mesh over the MPI world (Mesh::standard order)
+    return run_mpi_rank(cfg, where, world,
+                        world == int(cfg.dp)
+                            ? fmt::format("parallel.dp is {}", world)
+                            : fmt::format("parallel.pp x parallel.dp x parallel.cp x parallel.tp = {} x {} x {} x {} = {}",
+                                          cfg.pp, cfg.dp, cfg.cp, cfg.tp, world),
+                        co, [&](comm::Comm& w, std::function<void(const std::string&)> on_fail) {
+                          return train_rank(cfg, opt, w, fault, on_fail);
                         });
   // Ranks as threads: each gets its share of the cores (at least one).
   const int total_threads = cfg.threads > 0 ? int(cfg.threads) : omp_get_max_threads();
-  const int per_rank = std::max(1, total_threads / dp);
-  if (dp == 1) {
+  const int per_rank = std::max(1, total_threads / world);
+  if (world == 1) {
     omp_set_num_threads(per_rank);
-    comm::ThreadWorld world(1, co);
-    auto c = world.comm(0);
+    comm::ThreadWorld one(1, co);
+    auto c = one.comm(0);
     return train_rank(cfg, opt, *c, fault, [](const std::string&) {});
   }
-  comm::ThreadWorld world(dp, co);
-  std::vector<TrainResult> results(static_cast<size_t>(dp));
-  std::vector<std::exception_ptr> errors(static_cast<size_t>(dp));
+  comm::ThreadWorld tw(world, co);
+  std::vector<TrainResult> results(static_cast<size_t>(world));
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(world));
   comm::run_rank_threads(
-      world,
+      tw,
       [&](int r) {
         try {
-          auto c = world.comm(r);
+          auto c = tw.comm(r);
           omp_set_num_threads(per_rank);
-          results[size_t(r)] =
-              train_rank(cfg, opt, *c, fault, [&](const std::string& what) { world.fail(r, what); });
+          results[size_t(r)] = train_rank(cfg, opt, *c, fault, [&](const std::string& what) { tw.fail(r, what); });
         } catch (const std::exception& e) {
-          world.fail(r, e.what());
+          tw.fail(r, e.what());
           errors[size_t(r)] = std::current_exception();
         } catch (...) {
-          world.fail(r, "unknown exception");
+          tw.fail(r, "unknown exception");
           errors[size_t(r)] = std::current_exception();
         }
       },
-      fmt::format("{}: parallel.dp {}", where, dp));
-  int failed = world.failed_rank();
+      fmt::format("{}: {} ranks", where, world));
+  const int failed = tw.failed_rank();
   if (failed >= 0) {
     try {
       std::rethrow_exception(errors[size_t(failed)]);
     } catch (const std::exception& e) {
-      throw Error(fmt::format("rank {} of {} failed: {}", failed, dp, e.what()));
+      throw Error(fmt::format("rank {} of {} failed: {}", failed, world, e.what()));
     }
   }
   return results[0];

@@ -244,7 +244,9 @@ DataParallel::DataParallel(model::GPT& gpt, comm::Comm& dp, const optim::AdamWCo
   }
 
   // Optimizer over the logical elements of this rank's optimizer range.
-  std::vector<optim::FlatSegment> segs = lay_.segments();
+  LOOM_CHECK(o_.in_norm.empty() || o_.in_norm.size() == params.size(),
+             "data parallel: in_norm has {} entries for {} parameters", o_.in_norm.size(), params.size());
+  std::vector<optim::FlatSegment> segs = lay_.segments(o_.in_norm);
   const int64_t ob = o_.zero == 0 ? 0 : int64_t(rank_) * shard_, oe = o_.zero == 0 ? n_pad_ : ob + shard_;
   MemoryPool& state_pool = o_.offload ? *o_.host_pool : pool;
   opt_ = std::make_unique<optim::ShardedAdamW>(std::move(segs), ob, oe, adam, state_pool);
@@ -438,9 +440,21 @@ optim::StepStats DataParallel::step(double lr) {
   finish_reductions();
   const int64_t n = opt_->end() - opt_->begin();
   float* g = grad_shard();
+  comm::Comm* tp = o_.norm_group && o_.norm_group->size() > 1 ? o_.norm_group : nullptr;
+  if (tp) {  // sequence parallelism's partial sums over tp, on this rank's range
+    const int64_t ob = opt_->begin();
+    for (const FlatParam& f : lay_.params) {
+      if (!f.param->shard.sp_partial) continue;
+      const int64_t b = std::max(f.offset, ob), e = std::min(f.offset + f.numel, opt_->end());
+      if (b < e) tp->all_reduce(g + (b - ob), e - b, DType::f32);
+    }
+  }
   double sq = opt_->grad_sum_squares(g);
-  // Stage 0 holds every reduced gradient on every rank; otherwise the shards add up.
-  double norm = std::sqrt(o_.zero == 0 ? sq : sum_over_ranks(sq));
+  // Stage 0 holds every reduced gradient on every rank; otherwise the shards add up; then the
+  // tp ranks' parts.
+  if (o_.zero != 0) sq = sum_over_ranks(sq);
+  if (tp) sq = parallel::sum_over_ranks(*tp, sq);
+  double norm = std::sqrt(sq);
   auto t0 = Trace::Clock::now();
   optim::StepStats st;
   if (o_.offload) {

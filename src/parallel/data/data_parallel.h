@@ -36,6 +36,15 @@
 // divisible by dp * grad_accum). Gradient clipping uses the norm over all shards (sums of squares
 // in double, added in rank order). Reductions follow the comm contract, so threads and mpi give
 // bit-identical results.
+//
+// Composed with tensor / sequence / context parallelism (a model::GPT over tp and cp groups): the
+// communicator is then the dp x cp group of one tp rank (the cp ranks hold partial sums of the
+// gradients of the same replica, which the reduction adds; the model is this tp rank's part, laid
+// out and sharded like a whole one), norm_group the tp group (the norm adds every tp rank's sum of
+// squares; a parameter whole on every tp rank counts on tp rank 0 only, in_norm), and the
+// gradients that sequence parallelism leaves as partial sums over tp (Parameter::shard.sp_partial)
+// are summed over norm_group after the data-parallel reduction, on each rank's optimizer range.
+// Every tp rank has the same layout, so those ranges line up.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -60,6 +69,10 @@ struct DataParallelOptions {
   int64_t bucket_bytes = 25 << 20;    // gradient bucket size (at least one chain block each)
   bool overlap = true;                // reductions on the communication thread during backward
   Trace* trace = nullptr;             // events of this rank (nullptr: none)
+  // Model parallelism (see above): the tp group of this rank (null: none), and per parameter in
+  // GPT::parameters() order whether it counts in the norm here (empty: all).
+  comm::Comm* norm_group = nullptr;
+  std::vector<bool> in_norm;
 };
 
 struct GradBucket {

@@ -1,9 +1,10 @@
 // Parallel equals single-device: tp in {1, 2, 4}, sp on and off, cp in {1, 2, 4}, with dp = 2
-// (world up to 8, ranks as threads), the optimizer AdamW after an all-reduce over dp or ZeRO-1
-// (parallel/data/zero1.h). 20 AdamW steps of the tiny GPT (vocabulary 503: not divisible by tp)
-// must give per-step losses within 1e-5 relative of model::GPT and final parameters within
-// ||p - p_ref|| / ||p_ref|| <= 1e-5, over all parameters and for each one. Under ZeRO-1 every
-// rank's peak bytes of parameters, gradients and optimizer state equal the formulas of zero1.h.
+// (world up to 8, ranks as threads), data parallelism over dp x cp as the trainer runs it
+// (parallel::DataParallel: ZeRO 0-3, optimizer offload). 20 AdamW steps of the tiny GPT
+// (vocabulary 503: not divisible by tp) must give per-step losses within 1e-5 relative of
+// model::GPT and final parameters within ||p - p_ref|| / ||p_ref|| <= 1e-5, over all parameters
+// and for each one. Every rank's peak bytes of parameters, gradients and optimizer state (device
+// and host pools) equal the formulas of data_parallel.h.
 #include <gtest/gtest.h>
 
 #include <omp.h>
@@ -19,8 +20,7 @@
 #include "core/rng.h"
 #include "model/gpt.h"
 #include "optim/adamw.h"
-#include "parallel/data/replica_optimizer.h"
-#include "parallel/data/zero1.h"
+#include "parallel/data/data_parallel.h"
 #include "parallel/mesh.h"
 
 using namespace loom;
@@ -34,13 +34,14 @@ struct Layout {
   bool sp = false;
   int64_t B = 4, T = 64;  // global batch per step
   int64_t vocab = 503;
-  int zero = 0;  // ZeRO stage over dp: 0 (all-reduce, full moments) or 1
+  int zero = 0;  // ZeRO stage over dp x cp, 0-3
+  bool offload = false;  // AdamW state and update in the host pool
 };
 
 std::string layout_name(const testing::TestParamInfo<Layout>& i) {
   const Layout& l = i.param;
-  return fmt::format("dp{}_cp{}_tp{}{}_B{}_T{}_V{}{}", l.dp, l.cp, l.tp, l.sp ? "_sp" : "", l.B, l.T, l.vocab,
-                     l.zero ? fmt::format("_zero{}", l.zero) : "");
+  return fmt::format("dp{}_cp{}_tp{}{}_B{}_T{}_V{}{}{}", l.dp, l.cp, l.tp, l.sp ? "_sp" : "", l.B, l.T, l.vocab,
+                     l.zero ? fmt::format("_zero{}", l.zero) : "", l.offload ? "_offload" : "");
 }
 
 model::GPTConfig tiny(int64_t vocab) {
@@ -66,8 +67,10 @@ void batch(int step, int64_t B, int64_t T, int64_t V, Tensor& tok, Tensor& tgt) 
 
 // Peak bytes of one rank during the steps, and the formulas' inputs.
 struct RankMemory {
-  int64_t params = 0, grads = 0, optimizer = 0;
-  int64_t n_pad = 0, shard = 0;  // ZeRO-1's N_pad and S
+  int64_t params = 0, grads = 0, optimizer = 0;                 // the model's pool
+  int64_t host_params = 0, host_grads = 0, host_optimizer = 0;  // the host pool (offload)
+  int64_t n_pad = 0, shard = 0;  // N_pad and S
+  int64_t bucket_peak = 0, max_use = 0;  // G and U
   int64_t alloc_sum = 0;         // sum over the rank's parameters of alloc_numel rounded up to 16
 };
 
@@ -126,28 +129,34 @@ RunResult parallel_run(const Layout& l) {
     RankMemory& mem = r.memory[size_t(c.rank())];
     for (auto* p : m.parameters()) mem.alloc_sum += (p->spec.alloc_numel() + 15) / 16 * 16;
     // Reduced over dp x cp, as the trainer does (Megatron's distributed optimizer group): the cp
-    // partial sums are added and the dp replicas averaged; replicated over tp: counted on tp rank 0.
-    parallel::ReplicaOptimizer::Options ro;
-    ro.zero_stage = l.zero;
-    ro.replicas = mc["dp"].size();
-    for (const model::Parameter* p : m.parameters()) ro.in_norm.push_back(p->shard.split || mc.coord("tp") == 0);
-    parallel::ReplicaOptimizer opt(m.parameters(), &mc.get({"dp", "cp"}), ro, adam(), pool);
-    if (parallel::Zero1Optimizer* zero1 = opt.zero1()) {
-      mem.n_pad = zero1->flat_elements();
-      mem.shard = zero1->shard_elements();
-    }
+    // partial sums are added and the dp replicas averaged (each rank's loss scaled by 1 / dp);
+    // whole over tp: counted in the norm on tp rank 0.
+    MemoryPool host("host" + std::to_string(c.rank()));
+    parallel::DataParallelOptions o;
+    o.zero = l.zero;
+    o.offload = l.offload;
+    o.host_pool = &host;
+    o.bucket_bytes = 64 << 10;  // several buckets
+    o.norm_group = &mc["tp"];
+    for (const model::Parameter* p : m.parameters()) o.in_norm.push_back(p->shard.split || mc.coord("tp") == 0);
+    parallel::DataParallel ddp(m, mc.get({"dp", "cp"}), adam(), o);
+    mem.n_pad = ddp.flat_elements();
+    mem.shard = ddp.shard_elements();
+    mem.bucket_peak = ddp.bucket_peak_elements();
+    mem.max_use = ddp.max_block_use_elements();
     pool.reset_peaks();
+    host.reset_peaks();
     const int64_t Bl = l.B / l.dp;
     const int dpr = mc.coord("dp");
     Tensor tok = Tensor::empty({l.B, l.T}, DType::i32, MemTag::workspace, pool);
     Tensor tgt = Tensor::empty({l.B, l.T}, DType::i32, MemTag::workspace, pool);
     for (int s = 0; s < kSteps; ++s) {
       batch(s, l.B, l.T, l.vocab, tok, tgt);
-      m.zero_grad();
-      float loss = m.forward(tok.slice0(dpr * Bl, Bl), tgt.slice0(dpr * Bl, Bl), {.fuse_backward = true});
+      ddp.zero_grad();
+      float loss = m.forward(tok.slice0(dpr * Bl, Bl), tgt.slice0(dpr * Bl, Bl),
+                             {.fuse_backward = true, .dloss_scale = 1.0f / float(l.dp)});
       m.backward();
-      m.finish_gradients();
-      opt.step(std::sqrt(parallel::sum_over_ranks(mc["tp"], opt.reduce_gradients())));
+      ddp.step(-1.0);
       comm::Comm& dp = mc["dp"];
       dp.all_reduce(&loss, 1, DType::f32);
       loss /= float(dp.size());
@@ -156,13 +165,19 @@ RunResult parallel_run(const Layout& l) {
     mem.params = pool.peak(MemTag::params);
     mem.grads = pool.peak(MemTag::grads);
     mem.optimizer = pool.peak(MemTag::optimizer);
+    mem.host_params = host.peak(MemTag::params);
+    mem.host_grads = host.peak(MemTag::grads);
+    mem.host_optimizer = host.peak(MemTag::optimizer);
+    const parallel::DataParallel::FullState full = ddp.gather_full_state();  // collective over dp x cp
     if (mc.coord("dp") != 0 || mc.coord("cp") != 0) return;
     std::lock_guard lock(mu);
-    for (const model::Parameter* p : m.parameters()) {
+    const auto& ps = m.parameters();
+    for (size_t i = 0; i < ps.size(); ++i) {
+      const model::Parameter* p = ps[i];
       if (!p->shard.split && mc.coord("tp") != 0) continue;
-      auto& full = r.params.at(p->spec.name);
-      for (const auto& seg : p->segments())
-        std::copy_n(p->value.f32() + seg.local, seg.n, full.begin() + seg.global);
+      const Tensor v = ddp.param_view(full.params, i);
+      auto& dst = r.params.at(p->spec.name);
+      for (const auto& seg : p->segments()) std::copy_n(v.f32() + seg.local, seg.n, dst.begin() + seg.global);
     }
   }, one_thread());
   return r;
@@ -205,23 +220,29 @@ TEST_P(ParallelEquivalence, LossesAndParametersMatchSingleDevice) {
   }
   const double rel_all = std::sqrt(d2 / n2);
   EXPECT_LE(rel_all, 1e-5);
-  if (l.zero == 1) {
-    // zero1.h over the d = dp cp ranks of the group: params 4 N_pad, grads 4 N_pad, optimizer
-    // 8 S on every rank, with N_pad = round_up(sum_i round_up(alloc_i, 16), 16 d) and S = N_pad / d.
-    const int64_t d = int64_t(l.dp) * l.cp;
-    for (size_t w = 0; w < par.memory.size(); ++w) {
-      const RankMemory& mem = par.memory[w];
-      const int64_t n_pad = (mem.alloc_sum + 16 * d - 1) / (16 * d) * (16 * d), S = n_pad / d;
-      EXPECT_EQ(mem.n_pad, n_pad) << "rank " << w;
-      EXPECT_EQ(mem.shard, S) << "rank " << w;
-      EXPECT_EQ(mem.params, 4 * n_pad) << "rank " << w;
-      EXPECT_EQ(mem.grads, 4 * n_pad) << "rank " << w;
-      EXPECT_EQ(mem.optimizer, 8 * S) << "rank " << w;
-      if (w == 0)
-        std::printf("  zero-1 rank 0: params %lld, grads %lld, optimizer %lld bytes (N_pad %lld, S %lld)\n",
-                    (long long)mem.params, (long long)mem.grads, (long long)mem.optimizer, (long long)n_pad,
-                    (long long)S);
-    }
+  // data_parallel.h over the d = dp cp ranks of the group, with N_pad = round_up(sum_i
+  // round_up(alloc_i, 16), 16 d), S = N_pad / d, P_N = 4 N_pad, P_S = 4 S:
+  //   stage 0: params P_N, grads P_N, optimizer 2 P_N      stage 1: P_N, P_N, 2 P_S
+  //   stage 2: P_N, P_S + 4 G, 2 P_S                       stage 3: P_S + 4 U, P_S + 4 G, 2 P_S
+  // and with offload the optimizer 2 P_opt, a master copy P_opt and a gradient copy P_opt in the
+  // host pool instead (P_opt = P_N at stage 0, else P_S).
+  const int64_t d = int64_t(l.dp) * l.cp;
+  for (size_t w = 0; w < par.memory.size(); ++w) {
+    const RankMemory& mem = par.memory[w];
+    const int64_t n_pad = (mem.alloc_sum + 16 * d - 1) / (16 * d) * (16 * d), S = n_pad / d;
+    const int64_t PN = 4 * n_pad, PS = 4 * S, Popt = l.zero == 0 ? PN : PS;
+    EXPECT_EQ(mem.n_pad, n_pad) << "rank " << w;
+    EXPECT_EQ(mem.shard, S) << "rank " << w;
+    EXPECT_EQ(mem.params, l.zero == 3 ? PS + 4 * mem.max_use : PN) << "rank " << w;
+    EXPECT_EQ(mem.grads, l.zero >= 2 ? PS + 4 * mem.bucket_peak : PN) << "rank " << w;
+    EXPECT_EQ(mem.optimizer, l.offload ? 0 : 2 * Popt) << "rank " << w;
+    EXPECT_EQ(mem.host_optimizer, l.offload ? 2 * Popt : 0) << "rank " << w;
+    EXPECT_EQ(mem.host_params, l.offload ? Popt : 0) << "rank " << w;
+    EXPECT_EQ(mem.host_grads, l.offload ? Popt : 0) << "rank " << w;
+    if (w == 0)
+      std::printf("  rank 0: params %lld, grads %lld, optimizer %lld (host %lld) bytes (N_pad %lld, S %lld)\n",
+                  (long long)mem.params, (long long)mem.grads, (long long)mem.optimizer,
+                  (long long)mem.host_optimizer, (long long)n_pad, (long long)S);
   }
   std::printf("  losses: max rel diff %.2e (final loss %.6f); params: ||p - p_ref|| / ||p_ref|| = %.2e, worst %s %.2e\n",
               worst_loss, ref.losses.back(), rel_all, worst_name.c_str(), worst_param);
@@ -241,7 +262,14 @@ INSTANTIATE_TEST_SUITE_P(
                     // ZeRO-1 over dp: tp, tp + sp, cp, and all three with V = 130.
                     Layout{.dp = 2, .tp = 2, .zero = 1}, Layout{.dp = 2, .tp = 2, .sp = true, .zero = 1},
                     Layout{.dp = 2, .cp = 2, .zero = 1},
-                    Layout{.dp = 2, .cp = 2, .tp = 2, .sp = true, .vocab = 130, .zero = 1}),
+                    Layout{.dp = 2, .cp = 2, .tp = 2, .sp = true, .vocab = 130, .zero = 1},
+                    // ZeRO-2 and -3 and offload with tp, sp and cp.
+                    Layout{.dp = 2, .tp = 2, .zero = 2}, Layout{.dp = 2, .tp = 2, .sp = true, .zero = 3},
+                    Layout{.dp = 2, .cp = 2, .zero = 3}, Layout{.dp = 1, .cp = 2, .tp = 2, .zero = 2},
+                    Layout{.dp = 2, .cp = 2, .tp = 2, .sp = true, .vocab = 130, .zero = 3},
+                    Layout{.dp = 2, .tp = 2, .zero = 0, .offload = true},
+                    Layout{.dp = 2, .tp = 2, .sp = true, .zero = 3, .offload = true},
+                    Layout{.dp = 2, .cp = 2, .zero = 2, .offload = true}),
     layout_name);
 
 TEST(TensorParallelGPT, RefusesHeadsNotDivisibleByTp) {
