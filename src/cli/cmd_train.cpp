@@ -9,7 +9,6 @@
 #include "train/run_util.h"
 #include "train/trainer.h"
 #ifdef LOOM_HAVE_CUDA
-#include "train/trainer_cuda.h"
 #endif
 
 namespace loom::cli {
@@ -84,14 +83,8 @@ Registrar reg{Command{
         opt.quiet = a->quiet;
         opt.trace_path = a->trace;
         opt.config_path = a->config.empty() ? "command line" : a->config;
-#ifdef LOOM_HAVE_CUDA
-        if (cfg.device == "cuda") {
-          train::run_training_cuda(cfg, opt);  // train/trainer_cuda.cu (loom_cuda)
-          return 0;
-        }
-#endif
-        // The CPU trainers; a build without CUDA refuses train.device = "cuda" (load_config
-        // already did, naming the field and how to build with CUDA).
+        // One trainer for every device (a build without CUDA refuses train.device = "cuda":
+        // load_config already did, naming the field and how to build with CUDA).
         train::run_training(cfg, opt);
         return 0;
       };

@@ -1,4 +1,5 @@
 #include "train/trainer.h"
+#include "train/engine.h"
 #include "train/run_util.h"
 
 #include <omp.h>
@@ -39,18 +40,6 @@ namespace {
 
 namespace pipe = parallel::pipeline;
 using parallel::sum_over_ranks;
-
-struct StepOut {
-  double loss = 0, grad_norm = 0;
-};
-
-// Every parameter's full tensor (and the AdamW moments), in the checkpoint names of the single
-// device ("param/<name>", "adam_m/<name>", "adam_v/<name>"): assembled on rank 0 for a checkpoint
-// or a sample, empty elsewhere.
-struct FullState {
-  std::vector<NamedTensor> tensors;
-  int64_t optimizer_steps = 0;
-};
 
 // A parameter's part of a full checkpoint tensor into dst f32 [n] (the rest, a vocabulary split's
 // zero padding, zeroed).
@@ -95,28 +84,17 @@ std::unique_ptr<model::GPT> model_from(const model::GPTConfig& mc, const FullSta
   return gpt;
 }
 
-// One rank's model, optimizer and step under a layout.
-class Engine {
+// The CPU's engines (the loop runs whatever train/engine.h's interface offers).
+class CpuEngine : public Engine {
  public:
-  virtual ~Engine() = default;
-  // One optimizer step on training batch `step` at learning rate lr; the mean loss of the global
-  // batch (every rank).
-  virtual StepOut step(int64_t step, float lr) = 0;
-  // Mean validation loss of n single-device batches of val_mb sequences (every rank, or rank 0).
-  virtual double evaluate(data::Loader& val, int64_t n, int64_t val_mb) = 0;
-  // Collective: rank 0 receives every parameter's full tensor (and the moments when with_moments).
-  virtual FullState gather(bool with_moments) = 0;
-  // The inverse, on every rank: this rank's part of every parameter and of both AdamW moments
-  // from the checkpoint's full tensors, and the optimizer's step count (not collective).
-  virtual void load(CheckpointReader& ckpt, int64_t optimizer_steps) = 0;
-  // The model every rank samples from (collectively) when each rank holds a whole single-device
-  // model (data parallelism alone); null: samples come from the state gathered on rank 0.
-  virtual model::GPT* sampling_model() { return nullptr; }
-  virtual std::string describe() const = 0;
-  // After the run: a summary line beyond the pools' peaks ("" for none), the result's counters.
-  virtual std::string summary(TrainResult& res) { (void)res; return ""; }
-  // Collective: writes the trace of the run (rank 0 writes the file).
-  virtual void write_trace(comm::Comm& world, const std::string& path) = 0;
+  CpuEngine(MemoryPool& pool, MemoryPool* host) : pool_(pool), host_(host) {}
+  double gemm_peak(comm::Comm& world) override { return job_gemm_peak(world); }
+  MemoryPool& pool() override { return pool_; }
+  MemoryPool* host_pool() override { return host_; }
+
+ protected:
+  MemoryPool& pool_;
+  MemoryPool* host_;
 };
 
 // Data parallelism over dp (ZeRO 0-3, offload, buckets reduced during backward), composed with
@@ -124,11 +102,11 @@ class Engine {
 // parallel::DataParallel over the dp x cp group (the cp ranks of a replica hold partial sums of
 // its gradients, which the reduction adds; each rank scales its loss by 1 / dp, so the dp replicas
 // average), with the gradient norm summed over tp.
-class ChainEngine : public Engine {
+class ChainEngine : public CpuEngine {
  public:
   ChainEngine(const TrainConfig& cfg, const model::GPTConfig& mc, const optim::AdamWConfig& oc,
               parallel::MeshComms& comms, data::Loader& train, MemoryPool& pool, MemoryPool& host_pool, bool trace)
-      : cfg_(cfg), mc_(comms), train_(train), pool_(pool), dp_(comms["dp"]), tp_(comms["tp"]),
+      : CpuEngine(pool, &host_pool), cfg_(cfg), mc_(comms), train_(train), dp_(comms["dp"]), tp_(comms["tp"]),
         trace_(comms.world().rank(), trace),
         model_(mc, pool, cfg.seed, {.groups = {&comms["tp"], &comms["cp"]}, .sp = cfg.sp}),
         ddp_(model_, comms.get({"dp", "cp"}), oc, options(cfg, comms, host_pool, trace_, model_)) {
@@ -268,7 +246,6 @@ class ChainEngine : public Engine {
   const TrainConfig& cfg_;
   parallel::MeshComms& mc_;
   data::Loader& train_;
-  MemoryPool& pool_;
   comm::Comm& dp_;
   comm::Comm& tp_;
   parallel::Trace trace_;
@@ -294,11 +271,11 @@ void order_like_single_device(const model::GPTConfig& mc, std::vector<NamedTenso
 
 // Pipeline parallel (PipelineExecutor) with data parallelism through its dp communicator, and
 // tensor / sequence / context parallelism inside each stage.
-class PipelineEngine : public Engine {
+class PipelineEngine : public CpuEngine {
  public:
   PipelineEngine(const TrainConfig& cfg, const model::GPTConfig& mc, const optim::AdamWConfig& oc,
                  parallel::MeshComms& comms, data::Loader& train, MemoryPool& pool)
-      : cfg_(cfg), mc_(comms), model_cfg_(mc), train_(train), pool_(pool), pp_(comms["pp"]), dp_(comms["dp"]),
+      : CpuEngine(pool, nullptr), cfg_(cfg), mc_(comms), model_cfg_(mc), train_(train), pp_(comms["pp"]), dp_(comms["dp"]),
         tp_(comms["tp"]),
         exec_(mc, options(cfg, oc, mc.n_layer), comms["pp"], comms["dp"].size() > 1 ? &comms["dp"] : nullptr, pool,
               {&comms["tp"], &comms["cp"], &comms.get({"dp", "cp"})}) {
@@ -500,7 +477,6 @@ class PipelineEngine : public Engine {
   parallel::MeshComms& mc_;
   model::GPTConfig model_cfg_;
   data::Loader& train_;
-  MemoryPool& pool_;
   comm::Comm& pp_;
   comm::Comm& dp_;
   comm::Comm& tp_;
@@ -542,6 +518,18 @@ void PipelineEngine::write_trace(comm::Comm& world, const std::string& path) {
   if (world.rank() == 0) pipe::write_chrome_trace(path, traces);
 }
 
+std::map<std::string, EngineFactory>& engines() {
+  static std::map<std::string, EngineFactory> m;
+  return m;
+}
+
+}  // namespace
+
+void register_engine(const std::string& device, EngineFactory factory) { engines()[device] = factory; }
+bool engine_available(const std::string& device) { return device == "cpu" || engines().count(device) > 0; }
+
+namespace {
+
 // Everything one rank does; rank 0 prints and writes files. Every rank runs the same collectives
 // in the same order.
 TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, parallel::MeshComms& comms,
@@ -563,10 +551,17 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   MemoryPool pool(fmt::format("cpu:{}", rank)), host_pool(fmt::format("host:{}", rank));
   const optim::AdamWConfig oc = adamw_config(cfg);
   std::unique_ptr<Engine> engine;
-  if (cfg.pp > 1)
+  const std::string where = opt.config_path.empty() ? "config" : opt.config_path;
+  if (cfg.device != "cpu") {
+    auto it = engines().find(cfg.device);
+    LOOM_CHECK(it != engines().end(), "{}: train.device = \"{}\": this build has no trainer for it", where, cfg.device);
+    engine = it->second({cfg, opt, where, mc, comms, train});
+  } else if (cfg.pp > 1) {
     engine = std::make_unique<PipelineEngine>(cfg, mc, oc, comms, train, pool);
-  else
+  } else {
     engine = std::make_unique<ChainEngine>(cfg, mc, oc, comms, train, pool, host_pool, !opt.trace_path.empty());
+  }
+  for (const std::string& n : engine->notes()) say(n);
   LrSchedule sched{cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps, cfg.lr_schedule};
 
   TrainResult res;
@@ -618,12 +613,13 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   say(fmt::format("model {} | {:.2f}M parameters | {} ({}, {} ranks) | {} threads per rank", mc.str(),
                   double(num_parameters) / 1e6, engine->describe(), world.backend(), ranks,
                   omp_get_max_threads()));
-  const double peak = job_gemm_peak(world);
+  const double peak = engine->gemm_peak(world);
   res.last_val_loss = NAN;
   res.unigram_val_loss = lead ? unigram_loss(train, val.get(), mc.vocab_size) : NAN;
-  say(fmt::format("data {} | train {} tokens{} | unigram baseline loss {:.4f} | GEMM peak {:.1f} GFLOP/s", cfg.data_dir,
+  say(fmt::format("data {} | train {} tokens{} | unigram baseline loss {:.4f} | {} {}", cfg.data_dir,
                   train.total_tokens(), val ? fmt::format(", val {} tokens", val->total_tokens()) : "",
-                  res.unigram_val_loss, peak / 1e9));
+                  res.unigram_val_loss, engine->peak_name(),
+                  peak >= 1e12 ? fmt::format("{:.1f} TFLOP/s", peak / 1e12) : fmt::format("{:.1f} GFLOP/s", peak / 1e9)));
 
   RunLog log(cfg, metrics_path, start_step, lead, opt.quiet, mc.flops_per_token(T), peak, res.unigram_val_loss);
 
@@ -658,8 +654,10 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
     world.barrier();
   };
 
-  pool.reset_peaks();
-  host_pool.reset_peaks();
+  MemoryPool& peaks = engine->pool();
+  MemoryPool* host_peaks = engine->host_pool();
+  peaks.reset_peaks();
+  if (host_peaks) host_peaks->reset_peaks();
   RunHooks hooks;
   hooks.step = [&](int64_t step, float lr) {
     StepOut st = engine->step(step, lr);
@@ -670,8 +668,8 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   hooks.checkpoint = checkpoint;
   run_steps(cfg, log, sched, fault, rank, ranks, start_step, val != nullptr, hooks, res);
   for (int t = 0; t < kNumMemTags; ++t) {
-    res.peak_bytes[size_t(t)] = pool.peak(MemTag(t));
-    res.host_peak_bytes[size_t(t)] = host_pool.peak(MemTag(t));
+    res.peak_bytes[size_t(t)] = peaks.peak(MemTag(t));
+    res.host_peak_bytes[size_t(t)] = host_peaks ? host_peaks->peak(MemTag(t)) : 0;
   }
   const std::string comm_line = engine->summary(res);
   say(fmt::format("memory of rank 0 (peak): params {} | grads {} | optimizer {}{} | activations {}{}",
@@ -686,7 +684,8 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
     engine->write_trace(world, opt.trace_path);  // collective
     say(fmt::format("wrote trace {} (every rank)", opt.trace_path));
   }
-  log.finish((out_dir / "loss.png").string(), fmt::format("loom: {} on {}", mc.name, cfg.data_dir));
+  log.finish((out_dir / "loss.png").string(),
+             fmt::format("loom: {} on {}{}", mc.name, cfg.data_dir, cfg.device == "cpu" ? "" : " (" + cfg.device + ")"));
   return res;
 }
 
@@ -711,13 +710,14 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
 
 TrainResult run_training(const TrainConfig& cfg, const TrainOptions& opt) {
   const std::string where = opt.config_path.empty() ? "config" : opt.config_path;
+  LOOM_CHECK(cfg.device == "cpu" || cfg.device == "cuda", "{}: train.device: '{}' is not cpu or cuda", where,
+             cfg.device);
   if (cfg.device == "cuda") {
     cfg.validate_cuda(where);  // throws naming the field, and in a build without CUDA
-    throw Error(fmt::format("{}: train.device = \"cuda\": run_training runs the CPU trainer; the GPU trainer is "
-                            "train::run_training_cuda (train/trainer_cuda.h), which `loom train` runs for this device",
-                            where));
+    LOOM_CHECK(engine_available("cuda"), "{}: train.device = \"cuda\": this program was linked without loom's CUDA "
+               "trainer (loom_cuda)", where);
+    LOOM_CHECK(opt.trace_path.empty(), "--trace: train.device = \"cuda\" writes no trace");
   }
-  LOOM_CHECK(cfg.device == "cpu", "{}: train.device: '{}' is not cpu or cuda", where, cfg.device);
   if (cfg.pp > 1 && cfg.zero >= 2)
     throw Error(fmt::format("{}: parallel.zero = {} is not supported with parallel.pp = {} (pipelines compose with "
                             "ZeRO stage 0 or 1: stages 2 and 3 shard the gradients and parameters every "
@@ -736,7 +736,7 @@ TrainResult run_training(const TrainConfig& cfg, const TrainOptions& opt) {
   const int world = int(cfg.pp * cfg.dp * cfg.cp * cfg.tp);
   const comm::CommOptions co = comm_options(cfg);
   const FaultInjection fault = FaultInjection::from_env(world);
-  if (cfg.comm == "mpi")  // one process per mesh rank, the mesh over the MPI world (Mesh::standard order)
+  if (cfg.comm == "mpi" || cfg.comm == "nccl")  // one process per mesh rank (Mesh::standard order)
     return run_mpi_rank(cfg, where, world,
                         world == int(cfg.dp)
                             ? fmt::format("parallel.dp is {}", world)

@@ -1,10 +1,24 @@
-// The training loop, on one device or data-parallel over dp ranks (threads of this process, or one
-// process each under mpirun with parallel.comm = mpi), with ZeRO stages and offload: deterministic batches, LR schedule, gradient accumulation,
-// clipping, AdamW, periodic validation, text samples, checkpoints (with bit-identical resume),
-// a live progress line, metrics as JSONL and a loss-curve PNG at the end. The same loop on GPUs
-// (train.device = "cuda", data-parallel) is train/trainer_cuda.h's run_training_cuda, in builds with CUDA only;
-// `loom train` picks it by train.device, and run_training refuses "cuda" naming the field.
-// Testing aid: LOOM_FAULT_INJECT="rank=R,step=S,kind=throw|exit|kill" makes rank R throw, _Exit(3) or SIGKILL itself at the start of step S.
+// The training loop, the one for every device and layout: deterministic batches, LR schedule,
+// gradient accumulation, clipping, AdamW, periodic validation, text samples, checkpoints (with
+// bit-identical resume), a live progress line, metrics as JSONL and a loss-curve PNG at the end.
+// Ranks are threads of this process (parallel.comm = threads) or one process each under mpirun
+// (mpi, or nccl for GPU ranks). What runs a step is an engine (train/engine.h):
+//   - CPU, the mesh pp x dp x cp x tp (Mesh::standard): data parallelism over dp (ZeRO 0-3,
+//     offload, gradient buckets reduced during backward) composed with tensor, sequence and
+//     context parallelism (model::GPT over the tp and cp groups, reduced over dp x cp); or
+//     pipeline parallelism (parallel::pipeline::PipelineExecutor, train.grad_accum micro-batches
+//     under parallel.schedule) with dp (ZeRO 0 or 1) and tp / sp / cp inside each stage;
+//   - CUDA (train.device = "cuda", in builds with CUDA; train/engine_cuda.cu): the model on one
+//     GPU per rank, steps as CUDA graphs, data parallelism over GPU processes.
+// Rank 0 prints and writes metrics.jsonl, validation losses, the loss PNG and checkpoints: full
+// tensors in the single-device format (tensor-parallel parts, ZeRO shards and pipeline stages
+// gathered to rank 0 while it writes), so they load under any layout and device. --resume: every
+// rank reads the latest checkpoint (train.out_dir on a filesystem all ranks share) and takes its
+// own part of each full tensor, so a run continues bit-identically under its own layout and,
+// within rounding, under another. A rank that fails ends the whole run with an error naming it
+// (mpi: the job is aborted).
+// Testing aid: LOOM_FAULT_INJECT="rank=R,step=S,kind=throw|exit|kill" makes rank R throw, _Exit(3)
+// or SIGKILL itself at the start of step S.
 #pragma once
 #include <cstdint>
 #include <functional>

@@ -56,7 +56,7 @@
 #include "kernels/cuda/cudnn_attention.cuh"
 #include "train/checkpoint.h"
 #include "train/config.h"
-#include "train/trainer_cuda.h"
+#include "train/trainer.h"
 
 namespace fs = std::filesystem;
 using namespace loom;
@@ -123,7 +123,7 @@ std::vector<int32_t> ints_of(const std::string& s) {
 
 }  // namespace
 
-// run_training_cuda takes configs that did not come through load_config: what the GPU trainer
+// run_training takes configs that did not come through load_config: what the GPU trainer
 // lacks is refused naming the field, and a machine without a GPU is told so (with one, the run
 // stops at the missing data directory). Needs no GPU.
 TEST(CudaTrain, RunTrainingCudaChecksTheConfig) {
@@ -133,7 +133,7 @@ TEST(CudaTrain, RunTrainingCudaChecksTheConfig) {
   c.device = "cuda";
   auto message = [&]() -> std::string {
     try {
-      train::run_training_cuda(c, {});
+      train::run_training(c, {});
     } catch (const Error& e) {
       return e.what();
     }
@@ -149,7 +149,7 @@ TEST(CudaTrain, RunTrainingCudaChecksTheConfig) {
   c.tp = 1;
   m = message();
   EXPECT_TRUE(m.find("no CUDA device") != std::string::npos || m.find(c.data_dir) != std::string::npos) << m;
-  c.device = "cpu";
+  c.device = "gpu";
   m = message();
   EXPECT_NE(m.find("train.device"), std::string::npos) << m;
   fs::remove_all(c.out_dir);

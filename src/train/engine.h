@@ -1,0 +1,85 @@
+// One rank's model, optimizer and step under a layout on a device, as the one training loop
+// (train/trainer.cpp: data, schedule, progress line, validation, samples, metrics, checkpoints,
+// resume, failure naming) drives it. The CPU's engines (every layout of the mesh) live in
+// trainer.cpp; a device's engine registers itself by train.device from its own file (CUDA's:
+// train/engine_cuda.cu, in builds with CUDA).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/comm.h"
+#include "core/memory.h"
+#include "data/loader.h"
+#include "model/config.h"
+#include "model/gpt.h"
+#include "parallel/mesh.h"
+#include "train/checkpoint.h"
+#include "train/config.h"
+#include "train/trainer.h"
+
+namespace loom::train {
+
+struct StepOut {
+  double loss = 0, grad_norm = 0;
+};
+
+// Every parameter's full tensor (and the AdamW moments), in the checkpoint names of the single
+// device ("param/<name>", "adam_m/<name>", "adam_v/<name>", in GPT::parameters() order):
+// assembled on rank 0 for a checkpoint or a sample, empty elsewhere.
+struct FullState {
+  std::vector<NamedTensor> tensors;
+  int64_t optimizer_steps = 0;
+};
+
+class Engine {
+ public:
+  virtual ~Engine() = default;
+  // "model ... | <describe> (<comm>, N ranks) | ..." in the run's header.
+  virtual std::string describe() const = 0;
+  // Lines the run prints after its header (notes on choices made for the user), if any.
+  virtual std::vector<std::string> notes() const { return {}; }
+  // The job's GEMM rate in FLOP/s for MFU, and what it is ("GEMM peak", "bf16 GEMM peak");
+  // collective over world.
+  virtual double gemm_peak(comm::Comm& world) = 0;
+  virtual std::string peak_name() const { return "GEMM peak"; }
+  // One optimizer step on training batch `step` at learning rate lr; the mean loss of the global
+  // batch (every rank).
+  virtual StepOut step(int64_t step, float lr) = 0;
+  // Mean validation loss of n single-device batches of val_mb sequences (every rank, or rank 0).
+  virtual double evaluate(data::Loader& val, int64_t n, int64_t val_mb) = 0;
+  // Collective: rank 0 receives every parameter's full tensor (and the moments when with_moments).
+  virtual FullState gather(bool with_moments) = 0;
+  // The inverse, on every rank: this rank's part of every parameter and of both AdamW moments
+  // from the checkpoint's full tensors, and the optimizer's step count (not collective).
+  virtual void load(CheckpointReader& ckpt, int64_t optimizer_steps) = 0;
+  // The model every rank samples from (collectively) when each rank holds a whole model it can
+  // sample on the CPU (refreshed from the engine's weights); null: samples come from the state
+  // gathered on rank 0.
+  virtual model::GPT* sampling_model() { return nullptr; }
+  // The pools whose peaks the run reports (the model's, and the host pool of offloaded state).
+  virtual MemoryPool& pool() = 0;
+  virtual MemoryPool* host_pool() { return nullptr; }
+  // After the run: more of the summary line ("" for none), and the result's counters.
+  virtual std::string summary(TrainResult& res) { (void)res; return ""; }
+  // Collective: writes the trace of the run (rank 0 writes the file).
+  virtual void write_trace(comm::Comm& world, const std::string& path) = 0;
+};
+
+struct EngineArgs {
+  const TrainConfig& cfg;
+  const TrainOptions& opt;
+  const std::string& where;  // the config, for messages
+  const model::GPTConfig& model;
+  parallel::MeshComms& comms;
+  data::Loader& train;
+};
+using EngineFactory = std::unique_ptr<Engine> (*)(const EngineArgs& a);
+
+// Registers the engine of train.device `device` (from a static initialiser in its file).
+void register_engine(const std::string& device, EngineFactory factory);
+// Whether this program has an engine for train.device `device`.
+bool engine_available(const std::string& device);
+
+}  // namespace loom::train

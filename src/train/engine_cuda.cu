@@ -1,0 +1,275 @@
+// The training engine on GPUs (train.device = "cuda", in builds with CUDA; train/engine.h), run
+// by the one training loop (train/trainer.cpp). Host code only (CUDA runtime calls, no kernels):
+// compiled by the C++ compiler, like comm/nccl_comm.cu, so it shares the C++20 trainer headers.
+//
+//   - the one model (model/gpt.h) on a CUDA backend (bf16 compute, f32 master weights and AdamW
+//     moments), its steps run by train::StepRunner (captured as CUDA graphs and replayed);
+//   - data parallelism over parallel.dp processes (parallel.comm mpi or nccl, under mpirun; the
+//     threads backend runs one rank): each holds a whole replica on the GPU local rank % GPUs of
+//     its host, trains on its share of every batch (the CPU engines' split), and the replicas'
+//     gradients are summed by a device communicator (comm/nccl_comm.h: NCCL when the build has
+//     it and every process has a GPU of its own, else staged through host memory; parallel.comm
+//     nccl requires NCCL) before the update, which every replica then applies alike;
+//   - one micro-batch shape B x T, B = train.batch_size / (parallel.dp x train.grad_accum),
+//     T = data.seq_len; with grad_accum 1 and one rank each step replays one graph (forward,
+//     backward, update); else the gradients are zeroed, a forward + backward graph that
+//     accumulates is replayed once per micro-batch, the ranks' sums are added, and the update runs
+//     on them times 1 / (grad_accum x dp);
+//   - validation: forward-only passes over the CPU engines' validation batches (each rank its
+//     share); samples: the weights copied into a CPU model::GPT, sampled as on the CPU;
+//   - checkpoints in the CPU format (train/checkpoint.h): the f32 master weights and both
+//     moments, so a GPU checkpoint loads in `loom generate` and resumes on the CPU, and a CPU
+//     checkpoint resumes here;
+//   - MFU against the bf16 GEMM rate of the job's GPUs, measured at start by every rank at once
+//     and summed (cuda::measure_gemm_peak_bf16; ranks sharing a GPU share its rate).
+// Not bit-identical from run to run: the token-embedding gradient and flash attention's dq are
+// summed with f32 atomics (kernels/cuda/embedding.cuh, attention.cuh), so a resumed run matches
+// the uninterrupted one to rounding.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "comm/mpi_comm.h"
+#include "comm/nccl_comm.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "kernels/cuda/allocator.cuh"
+#include "kernels/cuda/backend.cuh"
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/cudnn_attention.cuh"
+#include "kernels/cuda/matmul.cuh"
+#include "model/gpt.h"
+#include "parallel/data/flat_layout.h"
+#include "train/engine.h"
+#include "train/run_util.h"
+#include "train/step_runner.h"
+
+namespace loom::train {
+
+namespace {
+
+using parallel::sum_over_ranks;
+
+// The GPU of this process: with MPI processes, a host's processes take its GPUs in turn (several
+// share one when there are more processes than GPUs: their gradients then go through host
+// memory); otherwise the current device.
+int rank_device(const TrainConfig& cfg, const std::string& where) {
+  int devices = 0;
+  const cudaError_t derr = cudaGetDeviceCount(&devices);
+  if (derr != cudaSuccess || devices == 0) {
+    cudaGetLastError();
+    throw Error(fmt::format("{}: train.device = \"cuda\" but no CUDA device is visible ({})", where,
+                            derr != cudaSuccess ? cudaGetErrorString(derr) : "the device count is 0"));
+  }
+  if (cfg.comm == "mpi" || cfg.comm == "nccl") {
+#ifdef LOOM_HAVE_MPI
+    return comm::mpi_local_rank() % devices;
+#endif
+  }
+  int device = 0;
+  LOOM_CUDA_CHECK(cudaGetDevice(&device));
+  LOOM_CHECK(device < devices, "cuda: current device {} of {}", device, devices);
+  return device;
+}
+
+void copy_into(const Tensor& t, const std::vector<float>& v) {
+  LOOM_CHECK(int64_t(v.size()) == t.numel(), "GPU state: {} values for a tensor of {}", v.size(), t.numel());
+  std::memcpy(t.f32(), v.data(), v.size() * sizeof(float));
+}
+
+class CudaEngine : public Engine {
+ public:
+  explicit CudaEngine(const EngineArgs& a)
+      : cfg_(a.cfg), mc_(a.model), world_(a.comms["dp"]), train_(a.train), device_(rank_device(a.cfg, a.where)),
+        be_(backend(a, device_)), gpt_(a.model, *be_, a.cfg.seed),
+        run_(gpt_, {.B = micro_batch(a.cfg, a.comms["dp"].size()), .T = a.cfg.seq_len, .graphs = a.cfg.cuda_graph,
+                    .beta1 = a.cfg.beta1, .beta2 = a.cfg.beta2, .eps = a.cfg.eps,
+                    .weight_decay = a.cfg.weight_decay, .grad_clip = a.cfg.grad_clip}),
+        host_("host") {
+    const int dp = world_.size();
+    local_ = cfg_.batch_size / dp;
+    mb_ = micro_batch(cfg_, dp);
+    x_.resize(size_t(mb_ * cfg_.seq_len));
+    y_.resize(size_t(mb_ * cfg_.seq_len));
+    // The attention kernel for the step's shape, chosen (and, for cuDNN, planned) now so that it
+    // can be named in the header.
+    if (mc_.n_layer > 0) {
+      attn_shape_ = gpt_.block(0).attention_shape(mb_, cfg_.seq_len);
+      be_->prepare_attention(DType::bf16, attn_shape_);
+    }
+    // The gradients' collective, on the model's stream (ordered after the backward's kernels).
+    if (dp > 1) {
+      comm::DeviceCommOptions dco;
+      dco.path = cfg_.comm == "nccl" ? comm::DevicePath::nccl : comm::DevicePath::automatic;
+      dco.device = device_;
+      dco.stream = be_->stream();
+      dcomm_ = comm::make_device_comm(world_.split(0, world_.rank()), dco);  // collective
+    }
+  }
+
+  static int64_t micro_batch(const TrainConfig& cfg, int dp) { return cfg.batch_size / dp / cfg.grad_accum; }
+
+  static std::unique_ptr<cuda::CudaBackend> backend(const EngineArgs& a, int device) {
+    LOOM_CUDA_CHECK(cudaSetDevice(device));
+    const AttnKernel attention = attn_kernel_from_name(a.cfg.cuda_attention);
+    if (attention == AttnKernel::cudnn && !cuda::cudnn_available())
+      throw Error(fmt::format("{}: train.cuda_attention: cudnn needs loom built with cuDNN (CMake did not find "
+                              "libcudnn)",
+                              a.where));
+    return std::make_unique<cuda::CudaBackend>(
+        BackendOptions{.device_index = device, .pool = &cuda::device_pool(), .attention = attention});
+  }
+
+  std::string describe() const override {
+    cudaDeviceProp prop{};
+    LOOM_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_));
+    const int dp = world_.size();
+    return fmt::format("cuda:{} {}{} | micro-batch {} x {}, grad_accum {} | {} attention | {}", device_, prop.name,
+                       dp > 1 ? fmt::format(" | dp {} ({} processes, gradients reduced by {})", dp, world_.backend(),
+                                            comm::device_path_name(comm::device_comm_path(*dcomm_)))
+                              : "",
+                       mb_, cfg_.seq_len, cfg_.grad_accum,
+                       mc_.n_layer > 0 ? std::string(attn_kernel_name(be_->attention_kernel(attn_shape_))) : "no",
+                       cfg_.cuda_graph ? "CUDA graphs" : "no CUDA graphs");
+  }
+
+  std::vector<std::string> notes() const override {
+    if (be_->attention_note().empty()) return {};
+    return {fmt::format("train.cuda_attention auto: flash, as cuDNN's attention could not be set up: {}",
+                        be_->attention_note())};
+  }
+
+  double gemm_peak(comm::Comm& world) override {
+    return job_gemm_peak(world, [&] { return cuda::measure_gemm_peak_bf16(be_->blas(), be_->stream()); });
+  }
+  std::string peak_name() const override { return world_.size() > 1 ? "bf16 GEMM peak (all ranks)" : "bf16 GEMM peak"; }
+
+  StepOut step(int64_t step, float lr) override {
+    const int dp = world_.size();
+    StepOut st;
+    if (cfg_.grad_accum == 1 && dp == 1) {
+      train_.train_batch(step, cfg_.batch_size, 0, mb_, x_.data(), y_.data());
+      st.loss = run_.train_step(x_.data(), y_.data(), lr, optimizer_steps_ + 1);
+      st.grad_norm = run_.last_grad_norm();
+    } else {
+      run_.zero_grad();
+      for (int64_t micro = 0; micro < cfg_.grad_accum; ++micro) {
+        train_.train_batch(step, cfg_.batch_size, world_.rank() * local_ + micro * mb_, mb_, x_.data(), y_.data());
+        st.loss += run_.accumulate(x_.data(), y_.data());
+      }
+      st.loss /= double(cfg_.grad_accum);
+      if (dp > 1) st.loss = sum_over_ranks(world_, st.loss) / double(dp);
+      // A non-finite loss stops the run before the optimizer touches the weights, as on the CPU
+      // (every rank sees the same mean loss, so every rank stops).
+      if (!std::isfinite(st.loss)) return st;
+      // The replicas' gradient sums added (one collective over the model's one gradient buffer,
+      // on the backend's stream); the update, its clipping and the norm are then the mean
+      // gradient's over every micro-batch of every rank, as on the CPU.
+      if (dcomm_)
+        dcomm_->all_reduce(gpt_.flat_gradients().raw(), gpt_.flat_gradients().numel(), DType::f32, comm::ReduceOp::sum);
+      st.grad_norm = run_.optimizer_step(lr, optimizer_steps_ + 1, 1.0f / float(cfg_.grad_accum * dp));
+    }
+    ++optimizer_steps_;
+    return st;
+  }
+
+  // Each rank its share (of the micro-batch's size) of every validation batch, averaged over the
+  // ranks.
+  double evaluate(data::Loader& val, int64_t n, int64_t val_mb) override {
+    double sum = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      val.val_batch(i, val_mb, world_.rank() * mb_, mb_, x_.data(), y_.data());
+      sum += run_.forward(x_.data(), y_.data());
+    }
+    return sum_over_ranks(world_, sum) / double(n * world_.size());
+  }
+
+  // Rank 0 downloads its replica (the replicas are equal); nothing to gather.
+  FullState gather(bool with_moments) override {
+    FullState st;
+    st.optimizer_steps = optimizer_steps_;
+    if (world_.rank() != 0) return st;
+    for (const model::Parameter* p : gpt_.parameters()) {
+      const model::ParamSpec& s = p->spec;
+      auto add = [&](const std::string& kind, const std::vector<float>& v) {
+        Tensor t = Tensor::empty(s.shape, DType::f32, MemTag::workspace, host_);
+        copy_into(t, v);
+        st.tensors.push_back({kind + s.name, t});
+      };
+      add("param/", run_.parameter(s.name));
+      if (with_moments) {
+        add("adam_m/", run_.exp_avg(s.name));
+        add("adam_v/", run_.exp_avg_sq(s.name));
+      }
+    }
+    return st;
+  }
+
+  // Every rank reads the checkpoint: the replicas start equal.
+  void load(CheckpointReader& ckpt, int64_t optimizer_steps) override {
+    for (const model::Parameter* p : gpt_.parameters()) {
+      const model::ParamSpec& s = p->spec;
+      run_.set_parameter(s.name, ckpt.read("param/" + s.name, s.shape).data());
+      run_.set_exp_avg(s.name, ckpt.read("adam_m/" + s.name, s.shape).data());
+      run_.set_exp_avg_sq(s.name, ckpt.read("adam_v/" + s.name, s.shape).data());
+    }
+    optimizer_steps_ = optimizer_steps;
+  }
+
+  // Every rank samples from a CPU copy of its weights, as in the CPU data-parallel runs: the
+  // replicas hold the same weights, so they draw the same text, and no rank waits for rank 0's
+  // sampling in the next step's collectives.
+  model::GPT* sampling_model() override {
+    if (!cpu_model_) {
+      cpu_pool_ = std::make_unique<MemoryPool>("cpu:sample");
+      cpu_model_ = std::make_unique<model::GPT>(mc_, *cpu_pool_, cfg_.seed);
+    }
+    for (model::Parameter* p : cpu_model_->parameters()) copy_into(p->value, run_.parameter(p->spec.name));
+    return cpu_model_.get();
+  }
+
+  MemoryPool& pool() override { return cuda::device_pool(); }
+
+  std::string summary(TrainResult& res) override {
+    return fmt::format("workspace {} (GPU)", format_bytes(res.peak_bytes[size_t(MemTag::workspace)]));
+  }
+
+  void write_trace(comm::Comm&, const std::string&) override {
+    LOOM_FAIL("--trace: train.device = \"cuda\" writes no trace");
+  }
+
+ private:
+  const TrainConfig& cfg_;
+  model::GPTConfig mc_;
+  comm::Comm& world_;  // the dp group (the whole world: the GPU engine runs data parallelism alone)
+  data::Loader& train_;
+  int device_ = 0;
+  std::unique_ptr<cuda::CudaBackend> be_;
+  model::GPT gpt_;
+  StepRunner run_;
+  MemoryPool host_;
+  std::unique_ptr<comm::Comm> dcomm_;
+  AttnShape attn_shape_;
+  int64_t local_ = 0, mb_ = 0, optimizer_steps_ = 0;
+  std::vector<int32_t> x_, y_;  // i32 [mb, T]
+  std::unique_ptr<MemoryPool> cpu_pool_;
+  std::unique_ptr<model::GPT> cpu_model_;
+};
+
+}  // namespace
+
+}  // namespace loom::train
+
+// Registration (train/engine.h); the anchor keeps this file in every program that links loom_cuda.
+extern "C" {
+int loom_cuda_engine_anchor = [] {
+  loom::train::register_engine(
+      "cuda", [](const loom::train::EngineArgs& a) -> std::unique_ptr<loom::train::Engine> {
+        return std::make_unique<loom::train::CudaEngine>(a);
+      });
+  return 0;
+}();
+}
