@@ -165,9 +165,19 @@ DataParallel::DataParallel(model::GPT& gpt, comm::Comm& dp, const optim::AdamWCo
       if (lay_.params[i].param == wte) uses_[size_t(nchain - 1)].push_back(int(i));
     std::sort(uses_.back().begin(), uses_.back().end());
   }
-  for (const auto& u : uses_) {
+  // The contiguous flat ranges each block reads (parameters in flat order, each with its
+  // alignment gap), and U: the most elements a block's gather holds.
+  runs_.assign(size_t(nchain), {});
+  for (int c = 0; c < nchain; ++c) {
+    auto& r = runs_[size_t(c)];
+    for (int i : uses_[size_t(c)]) {
+      const FlatParam& f = lay_.params[size_t(i)];
+      const int64_t b = f.offset, e = f.offset + round_up(f.alloc, kFlatAlign);
+      if (!r.empty() && r.back().second == b) r.back().second = e;
+      else r.push_back({b, e});
+    }
     int64_t n = 0;
-    for (int i : u) n += lay_.params[size_t(i)].alloc;
+    for (const auto& [b, e] : r) n += e - b;
     max_use_ = std::max(max_use_, n);
   }
 
@@ -373,19 +383,25 @@ void DataParallel::finish_reductions() {
 }
 
 void DataParallel::gather_block(int64_t c, const char* phase) {
-  const auto& use = uses_[size_t(c)];
+  // One all-gather per contiguous flat range the block reads (its own parameters are one range;
+  // a tied head adds wte's), not one per parameter: a collective's cost here is mostly its
+  // latency.
+  const auto& runs = runs_[size_t(c)];
   int64_t total = 0;
-  for (int i : use) total += lay_.params[size_t(i)].alloc;
+  for (const auto& [b, e] : runs) total += e - b;
   auto t0 = Trace::Clock::now();
   block_params_ = Tensor::empty({std::max<int64_t>(total, 1)}, DType::f32, MemTag::params, gpt_.pool());
+  const int64_t mine = int64_t(rank_) * shard_;
   int64_t at = 0;
-  for (int i : use) {
-    FlatParam& f = lay_.params[size_t(i)];
-    std::vector<int64_t> counts = shard_counts(f.offset, f.offset + f.alloc);
-    const int64_t lo = std::max(f.offset, int64_t(rank_) * shard_) - int64_t(rank_) * shard_;
-    comm_.all_gather_v(params_.f32() + std::max<int64_t>(lo, 0), block_params_.f32() + at, counts, DType::f32);
-    point_at_flat(*f.param, block_params_, at, f.alloc, false);
-    at += f.alloc;
+  for (const auto& [b, e] : runs) {
+    const std::vector<int64_t> counts = shard_counts(b, e);
+    const int64_t lo = std::max<int64_t>(std::max(b, mine) - mine, 0);
+    comm_.all_gather_v(params_.f32() + lo, block_params_.f32() + at, counts, DType::f32);
+    for (int i : uses_[size_t(c)]) {
+      FlatParam& f = lay_.params[size_t(i)];
+      if (f.offset >= b && f.offset < e) point_at_flat(*f.param, block_params_, at + (f.offset - b), f.alloc, false);
+    }
+    at += e - b;
   }
   auto t1 = Trace::Clock::now();
   stats_.gather_s += seconds(t1 - t0);

@@ -19,8 +19,8 @@
 //   stage 2: params P_N,            grads P_S + 4 G,           optimizer 2 P_S
 //   stage 3: params P_S + 4 U,      grads P_S + 4 G,           optimizer 2 P_S
 // where G = bucket_peak_elements() (the most bucket elements alive at once, see below) and
-// U = max over chain blocks of the elements the block uses (its own parameters, plus wte for a
-// tied head). Stage 2/3 bucket buffers are allocated when the first block writing into the bucket
+// U = max over chain blocks of the flat elements the block gathers (its own parameters, plus wte
+// for a tied head, each with its alignment to 16 elements): one all-gather per contiguous range. Stage 2/3 bucket buffers are allocated when the first block writing into the bucket
 // starts its backward (the embedding bucket when a tied head starts) and freed when a later bucket
 // is allocated once its reduction has finished, keeping at most the newest launched bucket alive:
 // so G is a function of the bucket layout only, never of timing.
@@ -172,6 +172,7 @@ class DataParallel final : public model::ChainHooks {
   std::vector<LiveBucket> live_;
   std::vector<std::vector<int>> uses_;     // chain block -> parameter indices it reads and writes
   std::vector<std::vector<int>> writes_;   // chain block -> bucket indices it writes
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> runs_;  // chain block -> flat ranges it reads
   std::vector<int> acquire_order_;         // bucket indices in the order acquired this backward
   int64_t n_pad_ = 0, shard_ = 0, bucket_peak_ = 0, max_use_ = 0;
   Tensor params_;       // f32 [N_pad] (stages 0-2) or [S] (stage 3), tag params
