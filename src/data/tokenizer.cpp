@@ -411,6 +411,15 @@ void Tokenizer::build(const std::vector<std::pair<int32_t, int32_t>>& merges,
       special_flag_[id] = 1;
     }
   }
+  // Tokens longer than a byte that no merge makes are special tokens (<|endoftext|>), matched only
+  // literally. A vocabulary of many such tokens and no merges at all has lost its merges: it would
+  // encode every text byte by byte.
+  constexpr size_t kSpecialsWithoutMerges = 64;
+  if (merges.empty() && special_ids_.size() > kSpecialsWithoutMerges)
+    bad_input(fmt::format("{}: no merges, but {} holds {} tokens longer than one byte that no merge makes (a "
+                          "byte-level BPE vocabulary lists the merges that make its tokens; only special tokens such "
+                          "as <|endoftext|> come from none): the merges file is missing its merges",
+                          where, vocab_where, special_ids_.size()));
   build_special_index();
   // A word that is itself a token usually encodes to that token; remember where that holds so
   // encoding can skip the merge loop for it (and stay exact where it does not).

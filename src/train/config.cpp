@@ -514,7 +514,17 @@ TrainConfig load_config(const std::string& path, const std::vector<std::string>&
     from_command_line.push_back(key);
   }
   c.validate(path.empty() ? "command line" : path, from_command_line);
+  c.from_command_line = from_command_line;
   return c;
+}
+
+std::string TrainConfig::origin(const std::vector<std::string>& fields, const std::string& where) const {
+  std::string flags;
+  for (const std::string& f : fields)
+    if (std::find(from_command_line.begin(), from_command_line.end(), f) != from_command_line.end())
+      flags += (flags.empty() ? "--" : ", --") + f;
+  if (flags.empty()) return where.empty() ? "config" : where;
+  return "command line (" + flags + ")";
 }
 
 std::vector<std::string> collect_overrides(const std::vector<std::string>& args) {

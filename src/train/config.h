@@ -62,6 +62,11 @@ struct TrainConfig {
   model::GPTConfig model(int64_t data_vocab) const;
   // `command_line`: the fields set by command-line flags, named as such in the messages.
   void validate(const std::string& where, const std::vector<std::string>& command_line = {}) const;
+  // The fields load_config set from command-line flags (not part of the config's values).
+  std::vector<std::string> from_command_line;
+  // Where `fields` came from, for a message about them: "command line: --a.b 1" when one was set
+  // by a flag, else `where` (the config file).
+  std::string origin(const std::vector<std::string>& fields, const std::string& where) const;
   // The refusals of train.device = "cuda" (called by validate): a build without CUDA, any parallel
   // dimension, ZeRO, offload, and model shapes the GPU model lacks; errors name the field.
   void validate_cuda(const std::string& where) const;

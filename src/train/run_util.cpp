@@ -104,24 +104,41 @@ double unigram_loss(const data::Loader& train, const data::Loader* val, int64_t 
 
 // With every rank a thread of this process on the CPU, the whole job's memory is this host's. A
 // lower bound of what any layout holds at once: the f32 weights of each data-parallel replica
-// (one sharded copy under ZeRO-3) and one copy of their gradients, 4 bytes a parameter each;
-// AdamW's moments and the activations come on top. A model or a layout that far exceeds the host
-// is refused here, naming the fields, instead of being stopped by the kernel's out-of-memory
-// killer part-way through building it.
+// (one sharded copy under ZeRO-3) and one copy of their gradients, 4 bytes a parameter each; and
+// for one micro-batch of every data-parallel rank, its token ids and targets (i32) and the head's
+// logits over the padded vocabulary (f32; tensor parallelism splits them, it does not shrink
+// them). AdamW's moments and the other activations come on top. A model, batch or layout that
+// far exceeds the host is refused here, naming the fields (and whether a flag set them), instead
+// of failing to allocate part-way through building it or stopped by the kernel's out-of-memory
+// killer.
 static void check_host_memory(const TrainConfig& cfg, const model::GPTConfig& m, const std::string& config_path) {
   if (cfg.device != "cpu" || cfg.comm != "threads") return;
+  const double host = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
+  if (host <= 0) return;
   const double C = double(m.n_embd);
   const double params =
       double(m.n_layer) * (12 * C * C + 13 * C) + 2 * C + (double(m.padded_vocab()) + double(m.block_size)) * C;
   const double replicas = cfg.zero >= 3 ? 1.0 : double(cfg.dp);
   const double need = 4 * params * (replicas + 1);
-  const double host = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
-  if (host > 0 && need > host)
+  if (need > host)
     throw Error(fmt::format("{}: model.n_layer {}, model.n_embd {}, model.block_size {} and parallel.dp {} (ZeRO {}): "
                             "{:.3g} parameters, whose f32 weights and gradients alone take {:.1f} GiB, more than "
                             "this host's {:.1f} GiB of memory",
-                            config_path.empty() ? "config" : config_path, m.n_layer, m.n_embd, m.block_size, cfg.dp,
-                            cfg.zero, params, need / double(1 << 30), host / double(1 << 30)));
+                            cfg.origin({"model.n_layer", "model.n_embd", "model.block_size", "model.vocab_size",
+                                        "model.preset", "parallel.dp", "parallel.zero"},
+                                       config_path),
+                            m.n_layer, m.n_embd, m.block_size, cfg.dp, cfg.zero, params, need / double(1 << 30),
+                            host / double(1 << 30)));
+  const double tokens = double(cfg.batch_size / cfg.grad_accum) * double(cfg.seq_len);  // one micro-batch, all dp ranks
+  const double batch = tokens * (8.0 + 4.0 * double(m.padded_vocab()));
+  if (batch > host)
+    throw Error(fmt::format("{}: train.batch_size {} / train.grad_accum {} sequences of data.seq_len {}: a micro-batch "
+                            "of {:.3g} tokens, whose token ids and logits (vocabulary {}) alone take {:.1f} GiB, more "
+                            "than this host's {:.1f} GiB of memory",
+                            cfg.origin({"train.batch_size", "train.grad_accum", "data.seq_len", "model.vocab_size"},
+                                       config_path),
+                            cfg.batch_size, cfg.grad_accum, cfg.seq_len, tokens, m.padded_vocab(),
+                            batch / double(1 << 30), host / double(1 << 30)));
 }
 
 RunData open_run_data(const TrainConfig& cfg, const std::string& config_path) {

@@ -486,6 +486,25 @@ TEST_F(BadFiles, CharacterOutsideByteAlphabet) {
   error("vocab.bpe:12:", "U+0200");
 }
 
+// A vocabulary of merged tokens whose merges file lost its merges would encode byte by byte: it is
+// refused; one of bytes and special tokens only needs none and loads.
+TEST_F(BadFiles, MergesFileWithoutMerges) {
+  TrainOptions opt;
+  opt.vocab_size = 256 + 100 + 1;
+  BpeTrainer trainer(opt);
+  trainer.add_text(std::string(kCorpus) + kCorpus);
+  trainer.train().save(dir_.string());
+  ASSERT_GT(Tokenizer::from_dir(dir_.string()).vocab_size(), 256 + 64 + 1);
+  write("vocab.bpe", "#version: 0.2\n");
+  error("vocab.bpe", "no merges, but");
+  TrainOptions bytes;
+  bytes.vocab_size = 256 + 1;
+  BpeTrainer only(bytes);
+  only.add_text(kCorpus);
+  only.train().save(dir_.string());
+  EXPECT_NO_THROW(Tokenizer::from_dir(dir_.string()));
+}
+
 TEST_F(BadFiles, EncoderNotJson) {
   write("encoder.json", "{\"a\": 1,");
   error("encoder.json", "not valid JSON");
