@@ -24,6 +24,7 @@ struct StepStats {
   double grad_norm = 0;    // global L2 norm of the gradients before clipping
   float clip_scale = 1.0f; // the factor the gradients were multiplied by
   int64_t step = 0;        // 1-based step just taken
+  bool skipped = false;    // the update was not applied (a non-finite gradient norm or loss)
 };
 
 class AdamW {

@@ -61,6 +61,7 @@ const Field kFields[] = {
     F("train.sample_prompt", sample_prompt, "text the samples continue (\"\": the start of the validation split)"),
     F("train.checkpoint_every", checkpoint_every, "steps between checkpoints (0: at the end only)"),
     F("train.keep_checkpoints", keep_checkpoints, "checkpoints kept (older ones are deleted)"),
+    F("train.skip_nonfinite", skip_nonfinite, "steps with a non-finite loss or gradient norm skipped (no update) in a row before the run stops (0: stop at the first)"),
     F("train.out_dir", out_dir, "directory for checkpoints, metrics.jsonl and loss.png"),
     F("optim.lr", lr, "peak learning rate"),
     F("optim.min_lr", min_lr, "final learning rate of the decay"),
@@ -307,6 +308,7 @@ void TrainConfig::validate(const std::string& where, const std::vector<std::stri
        "sample_tokens >= 0, sample_top_k >= 0, sample_temperature > 0");
   need(checkpoint_every >= 0, "train.checkpoint_every", "must be non-negative");
   need(keep_checkpoints >= 1, "train.keep_checkpoints", "must be at least 1");
+  need(skip_nonfinite >= 0, "train.skip_nonfinite", fmt::format("must be non-negative, got {}", skip_nonfinite));
   for (const auto& [field, value] :
        {std::pair<const char*, float>{"optim.lr", lr}, {"optim.min_lr", min_lr}, {"optim.beta1", beta1},
         {"optim.beta2", beta2}, {"optim.eps", eps}, {"optim.weight_decay", weight_decay},

@@ -39,6 +39,7 @@ struct TrainConfig {
   std::string sample_prompt;               // text the samples continue ("": the first val tokens)
   int64_t checkpoint_every = 0;            // 0: only at the end
   int64_t keep_checkpoints = 2;
+  int64_t skip_nonfinite = 3;  // steps with a non-finite loss or gradient skipped in a row before the run stops
   std::string out_dir = "runs/default";
   // [optim]
   float lr = 6e-4f, min_lr = 6e-5f;

@@ -23,6 +23,10 @@ namespace loom::train {
 
 struct StepOut {
   double loss = 0, grad_norm = 0;
+  // The update was not applied (a non-finite loss or gradient norm; the same on every rank), and
+  // where the first non-finite value is (a weight, a block's forward output or a gradient).
+  bool skipped = false;
+  std::string nonfinite;
 };
 
 // Every parameter's full tensor (and the AdamW moments), in the checkpoint names of the single
@@ -65,6 +69,9 @@ class Engine {
   virtual std::string summary(TrainResult& res) { (void)res; return ""; }
   // Collective: writes the trace of the run (rank 0 writes the file).
   virtual void write_trace(comm::Comm& world, const std::string& path) = 0;
+  // Testing aid (LOOM_FAULT_INJECT kind=nan | nan_weight): the next step's gradients, or this
+  // rank's weights from now on, get a NaN. false: the engine has no such aid.
+  virtual bool poison(const std::string& kind) { (void)kind; return false; }
 };
 
 struct EngineArgs {

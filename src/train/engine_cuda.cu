@@ -164,7 +164,10 @@ class CudaEngine : public Engine {
       if (dp > 1) st.loss = sum_over_ranks(world_, st.loss) / double(dp);
       // A non-finite loss stops the run before the optimizer touches the weights, as on the CPU
       // (every rank sees the same mean loss, so every rank stops).
-      if (!std::isfinite(st.loss)) return st;
+      if (!std::isfinite(st.loss)) {
+        st.skipped = true;  // (no update has run)
+        return st;
+      }
       // The replicas' gradient sums added (one collective over the model's one gradient buffer,
       // on the backend's stream); the update, its clipping and the norm are then the mean
       // gradient's over every micro-batch of every rank, as on the CPU.

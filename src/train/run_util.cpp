@@ -328,7 +328,8 @@ FaultInjection FaultInjection::from_env(int ranks) {
   if (!env || !*env) return f;
   const std::string spec = env;
   auto bad = [&](const std::string& why) {
-    return Error(fmt::format("LOOM_FAULT_INJECT='{}': {} (expected rank=R,step=S,kind=throw|exit|kill)", spec, why));
+    return Error(fmt::format("LOOM_FAULT_INJECT='{}': {} (expected rank=R,step=S,kind=throw|exit|kill|nan|nan_weight)",
+                             spec, why));
   };
   auto number = [&](const std::string& key, const std::string& v) -> int64_t {
     size_t used = 0;
@@ -360,7 +361,8 @@ FaultInjection FaultInjection::from_env(int ranks) {
       if (f.step < 1) throw bad(fmt::format("step {} is not positive", f.step));
       has_step = true;
     } else if (key == "kind") {
-      if (val != "throw" && val != "exit" && val != "kill") throw bad(fmt::format("unknown kind '{}'", val));
+      if (val != "throw" && val != "exit" && val != "kill" && val != "nan" && val != "nan_weight")
+        throw bad(fmt::format("unknown kind '{}'", val));
       f.kind = val;
     } else {
       throw bad(fmt::format("unknown key '{}'", key));
@@ -371,8 +373,9 @@ FaultInjection FaultInjection::from_env(int ranks) {
   return f;
 }
 
-void FaultInjection::maybe_fire(int r, int ranks, int64_t at) const {
-  if (r != rank || at != step) return;
+std::string FaultInjection::maybe_fire(int r, int ranks, int64_t at) const {
+  if (r != rank || at != step) return "";
+  if (kind == "nan" || kind == "nan_weight") return kind;
   std::string what = fmt::format("LOOM_FAULT_INJECT: rank {} of {} fails on purpose at step {} ({})", r, ranks, at, kind);
   if (kind == "throw") throw Error(what);
   std::fflush(stdout);
@@ -380,6 +383,7 @@ void FaultInjection::maybe_fire(int r, int ranks, int64_t at) const {
   std::fflush(stderr);
   if (kind == "exit") std::_Exit(3);
   std::raise(SIGKILL);
+  return "";
 }
 
 optim::AdamWConfig adamw_config(const TrainConfig& cfg) {
@@ -497,6 +501,15 @@ void RunLog::check_metrics_write() {
   throw Error(fmt::format("{}: cannot write the metrics: {}", metrics_path_, err ? std::strerror(err) : "write failed"));
 }
 
+void RunLog::record_skip(int64_t done, float lr, double dt) {
+  train_time_ += dt;
+  if (!lead_) return;
+  metrics_ << nlohmann::json{{"step", done}, {"skipped", true}, {"lr", lr}, {"time_s", seconds_since(t_start_)}}.dump()
+           << "\n";
+  metrics_.flush();
+  check_metrics_write();
+}
+
 void RunLog::record_val(int64_t done, double val_loss) {
   if (lead_) {
     metrics_ << nlohmann::json{{"step", done}, {"val_loss", val_loss}}.dump() << "\n";
@@ -525,24 +538,41 @@ void RunLog::finish(const std::string& png, const std::string& title) {
 
 void run_steps(const TrainConfig& cfg, RunLog& log, const LrSchedule& sched, const FaultInjection& fault, int rank,
                int ranks, int64_t start_step, bool has_val, const RunHooks& hooks, TrainResult& res) {
+  int64_t skipped_in_a_row = 0;
   for (int64_t step = start_step; step < cfg.steps; ++step) {
-    fault.maybe_fire(rank, ranks, step + 1);
+    const std::string poison = fault.maybe_fire(rank, ranks, step + 1);
+    if (!poison.empty()) {
+      LOOM_CHECK(hooks.poison, "LOOM_FAULT_INJECT kind={}: this trainer has no such aid", poison);
+      hooks.poison(poison);
+    }
     auto t0 = Clock::now();
     const float lr = sched.at(step);
     const RunHooks::StepOut st = hooks.step(step, lr);
-    LOOM_CHECK(std::isfinite(st.loss), "step {}: the loss is {} (diverged); lower optim.lr or raise optim.warmup_steps",
-               step + 1, st.loss);
-    LOOM_CHECK(std::isfinite(st.grad_norm), "step {}: the gradient norm is {} (diverged); lower optim.lr or raise "
-               "optim.warmup_steps", step + 1, st.grad_norm);
     const int64_t done = step + 1;
-    log.record(done, st.loss, lr, st.grad_norm, seconds_since(t0));
-    res.last_loss = st.loss;
+    if (st.skipped || !std::isfinite(st.loss) || !std::isfinite(st.grad_norm)) {
+      const std::string what = fmt::format("step {}: the loss is {:.6g} and the gradient norm {:.6g}{}", done, st.loss,
+                                           st.grad_norm, st.nonfinite.empty() ? "" : "; first non-finite: " + st.nonfinite);
+      LOOM_CHECK(st.skipped, "{} (diverged, and the update could not be skipped); lower optim.lr or raise "
+                 "optim.warmup_steps", what);
+      ++skipped_in_a_row;
+      if (skipped_in_a_row > cfg.skip_nonfinite)
+        throw Error(fmt::format("{}: {} steps in a row not finite (train.skip_nonfinite = {}): diverged; lower "
+                                "optim.lr or raise optim.warmup_steps (the checkpoints before are kept)",
+                                what, skipped_in_a_row, cfg.skip_nonfinite));
+      log.say(fmt::format("{}: step skipped, no update ({} of train.skip_nonfinite = {} in a row)", what,
+                          skipped_in_a_row, cfg.skip_nonfinite));
+      log.record_skip(done, lr, seconds_since(t0));
+    } else {
+      skipped_in_a_row = 0;
+      log.record(done, st.loss, lr, st.grad_norm, seconds_since(t0));
+      res.last_loss = st.loss;
+    }
     res.steps_done = done;
     if (cfg.eval_every > 0 && (done % cfg.eval_every == 0 || done == cfg.steps) && has_val) {
       res.last_val_loss = hooks.evaluate();
       log.record_val(done, res.last_val_loss);
     }
-    log.progress(done, st.loss, lr, st.grad_norm);
+    if (skipped_in_a_row == 0) log.progress(done, st.loss, lr, st.grad_norm);
     if (cfg.sample_every > 0 && done % cfg.sample_every == 0 && done != cfg.steps)
       log.say(fmt::format("--- sample at step {} ---\n{}\n---", done, hooks.sample(done)));
     if ((cfg.checkpoint_every > 0 && done % cfg.checkpoint_every == 0) || done == cfg.steps) hooks.checkpoint(done);

@@ -106,18 +106,20 @@ class RunDirLock {
 void read_loss_points(const std::string& path, std::vector<std::pair<double, double>>& train,
                       std::vector<std::pair<double, double>>& val);
 
-// A failure injected on purpose (LOOM_FAULT_INJECT="rank=R,step=S,kind=throw|exit|kill", a
-// testing aid): rank R of the run's `ranks` fails at the start of step S (1-based) by throwing,
-// exiting (_Exit(3)) or being killed (SIGKILL).
+// A failure injected on purpose (LOOM_FAULT_INJECT="rank=R,step=S,kind=K", a testing aid): rank R
+// of the run's `ranks` fails at the start of step S (1-based) by throwing, exiting (_Exit(3)) or
+// being killed (SIGKILL), or its step S gets a NaN in its gradients (kind=nan) or in its weights
+// from then on (kind=nan_weight).
 struct FaultInjection {
   int rank = -1;  // -1: none
   int64_t step = 0;
-  std::string kind;  // throw | exit | kill
+  std::string kind;  // throw | exit | kill | nan | nan_weight
 
   // Parses LOOM_FAULT_INJECT (none when unset or empty); errors name the variable.
   static FaultInjection from_env(int ranks);
-  // Fires when rank r of `ranks` starts step `step`.
-  void maybe_fire(int r, int ranks, int64_t step) const;
+  // Fires when rank r of `ranks` starts step `step`: throws, exits or is killed; returns the NaN
+  // kind for the step to apply ("" for none).
+  std::string maybe_fire(int r, int ranks, int64_t step) const;
 };
 
 // The pieces both trainers build from the config the same way.
@@ -153,6 +155,8 @@ class RunLog {
   // After each optimizer step (dt: its seconds).
   void record(int64_t done, double loss, float lr, double grad_norm, double dt);
   void record_val(int64_t done, double val_loss);
+  // A step skipped for a non-finite loss or norm: its metrics line says so (no loss).
+  void record_skip(int64_t done, float lr, double dt);
   // The progress line when due (every log_every steps, the first after the start, the last).
   void progress(int64_t done, double loss, float lr, double grad_norm);
   void say(const std::string& line) const;
@@ -179,16 +183,21 @@ class RunLog {
 struct RunHooks {
   struct StepOut {
     double loss = 0, grad_norm = 0;  // the step's mean loss over the global batch; the norm before clipping
+    bool skipped = false;            // a non-finite loss or norm: the update was not applied
+    std::string nonfinite;           // where the first non-finite value was found
   };
   std::function<StepOut(int64_t step, float lr)> step;  // one optimizer step (step is 0-based)
+  std::function<void(const std::string& kind)> poison;  // a fault injection's NaN (nan, nan_weight)
   std::function<double()> evaluate;                     // the mean validation loss
   std::function<std::string(int64_t done)> sample;      // a sample's text ("" when none is wanted)
   std::function<void(int64_t done)> checkpoint;         // writes the checkpoint of step `done`
 };
 
 // The training loop of every trainer, steps start_step .. cfg.steps: at each, the injected fault
-// (rank `rank` of `ranks`), the step at the schedule's learning rate (its loss and gradient norm
-// must be finite: a diverged run stops with an error naming the step), the metrics, validation
+// (rank `rank` of `ranks`), the step at the schedule's learning rate (a step whose loss or
+// gradient norm is not finite was skipped by the engine, said with where the first non-finite
+// value was; after train.skip_nonfinite of them in a row, or one the engine could not skip, the
+// run stops with an error naming the step and that place), the metrics, validation
 // every train.eval_every steps and at the end (when there is validation data), the progress line,
 // a sample every train.sample_every steps (not at the end, which the trainer samples after its
 // summary), a checkpoint every train.checkpoint_every steps and at the end. Fills res's

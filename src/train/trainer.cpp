@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 
@@ -147,10 +148,52 @@ class ChainEngine : public CpuEngine {
     }
     StepOut out;
     out.loss = sum_over_ranks(dp_, loss / double(cfg_.grad_accum)) / double(dp);
-    // A non-finite loss stops the run before the optimizer touches the weights.
-    if (!std::isfinite(out.loss)) return out;
-    out.grad_norm = ddp_.step(lr).grad_norm;
+    // A non-finite loss or gradient norm (the same on every rank) skips the update.
+    const optim::StepStats st = ddp_.step(lr, !std::isfinite(out.loss));
+    out.grad_norm = st.grad_norm;
+    out.skipped = st.skipped;
+    if (st.skipped) out.nonfinite = locate_nonfinite();
     return out;
+  }
+
+  // Collective over the world: where the first non-finite value of the step is, the same answer
+  // on every rank: a weight (in parameter order), else a block's forward output (in chain order),
+  // else a gradient (in parameter order); each rank looks at what it holds, and the earliest
+  // finding of any rank wins.
+  std::string locate_nonfinite() {
+    constexpr int kStride = 1 << 20;
+    int code = 3 * kStride;
+    if (int i = ddp_.first_nonfinite(false); i >= 0) {
+      code = i;
+    } else {
+      const auto chain = model_.chain();
+      for (size_t c = 0; c + 1 < chain.size() && code == 3 * kStride; ++c) {
+        const Tensor& out = c == 0 ? model_.embedding().out() : model_.block(int64_t(c) - 1).out();
+        if (!out.defined()) continue;
+        const float* v = out.f32();
+        for (int64_t k = 0; k < out.numel(); ++k)
+          if (!std::isfinite(v[k])) {
+            code = kStride + int(c);
+            break;
+          }
+      }
+      if (code == 3 * kStride)
+        if (int i = ddp_.first_nonfinite(true); i >= 0) code = 2 * kStride + i;
+    }
+    float neg = -float(code);  // codes below 2^24 are exact in f32
+    mc_.world().all_reduce(&neg, 1, DType::f32, comm::ReduceOp::max);
+    code = int(-neg);
+    const auto& ps = model_.parameters();
+    if (code < kStride) return fmt::format("the weights of {}", ps.at(size_t(code))->spec.name);
+    if (code < 2 * kStride) return fmt::format("the forward output of {}", model_.chain().at(size_t(code - kStride))->name());
+    if (code < 3 * kStride) return fmt::format("the gradient of {}", ps.at(size_t(code - 2 * kStride))->spec.name);
+    return "no weight, forward output or gradient (the loss alone)";
+  }
+
+  bool poison(const std::string& kind) override {
+    if (kind == "nan") ddp_.poison_gradients();
+    else ddp_.poison_parameters();
+    return true;
   }
 
   // Each dp rank evaluates its share of every validation batch; the mean over dp is the mean of
@@ -306,7 +349,9 @@ class PipelineEngine : public CpuEngine {
   StepOut step(int64_t step, float lr) override {
     train_.train_batch(step, cfg_.batch_size, dp_.rank() * local_, local_, x_.i32(), y_.i32());
     pipe::StepResult r = exec_.step(x_, y_, lr);
-    return {double(r.loss), r.grad_norm};
+    StepOut out{double(r.loss), r.grad_norm};
+    out.skipped = r.skipped;
+    return out;
   }
 
   // Rank 0 evaluates a single-device model of the gathered parameters, held for the evaluation
@@ -471,6 +516,13 @@ class PipelineEngine : public CpuEngine {
   }
 
   void write_trace(comm::Comm& world, const std::string& path) override;
+
+  // nan_weight only: this rank's first parameter (its first element) becomes NaN.
+  bool poison(const std::string& kind) override {
+    if (kind != "nan_weight" || exec_.parameters().empty()) return false;
+    exec_.parameters()[0]->value.f32()[0] = std::numeric_limits<float>::quiet_NaN();
+    return true;
+  }
 
  private:
   const TrainConfig& cfg_;
@@ -661,7 +713,11 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   RunHooks hooks;
   hooks.step = [&](int64_t step, float lr) {
     StepOut st = engine->step(step, lr);
-    return RunHooks::StepOut{st.loss, st.grad_norm};
+    return RunHooks::StepOut{st.loss, st.grad_norm, st.skipped, st.nonfinite};
+  };
+  hooks.poison = [&](const std::string& kind) {
+    LOOM_CHECK(engine->poison(kind), "LOOM_FAULT_INJECT kind={}: the {} engine has no such aid", kind,
+               engine->describe());
   };
   hooks.evaluate = evaluate;
   hooks.sample = sample;

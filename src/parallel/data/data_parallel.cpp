@@ -7,6 +7,7 @@
 #include <deque>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <mutex>
 #include <thread>
 
@@ -452,10 +453,12 @@ void DataParallel::after_backward(int64_t c) {
 
 double DataParallel::sum_over_ranks(double x) { return parallel::sum_over_ranks(comm_, x); }
 
-optim::StepStats DataParallel::step(double lr) {
+optim::StepStats DataParallel::step(double lr, bool skip) {
   finish_reductions();
   const int64_t n = opt_->end() - opt_->begin();
   float* g = grad_shard();
+  if (poison_ && n > 0) g[0] = std::numeric_limits<float>::quiet_NaN();
+  poison_ = false;
   comm::Comm* tp = o_.norm_group && o_.norm_group->size() > 1 ? o_.norm_group : nullptr;
   if (tp) {  // sequence parallelism's partial sums over tp, on this rank's range
     const int64_t ob = opt_->begin();
@@ -471,6 +474,18 @@ optim::StepStats DataParallel::step(double lr) {
   if (o_.zero != 0) sq = sum_over_ranks(sq);
   if (tp) sq = parallel::sum_over_ranks(*tp, sq);
   double norm = std::sqrt(sq);
+  // Every rank of the group and of the tp group takes the same decision: at stage 0 each rank
+  // computed the norm of its own (equal) reduced gradients.
+  float bad = skip || !std::isfinite(norm) ? 1.0f : 0.0f;
+  comm_.all_reduce(&bad, 1, DType::f32, comm::ReduceOp::max);
+  if (tp) tp->all_reduce(&bad, 1, DType::f32, comm::ReduceOp::max);
+  if (bad != 0.0f) {
+    optim::StepStats st;
+    st.grad_norm = std::isfinite(norm) ? norm : std::numeric_limits<double>::quiet_NaN();
+    st.step = opt_->steps_taken();
+    st.skipped = true;
+    return st;
+  }
   auto t0 = Trace::Clock::now();
   optim::StepStats st;
   if (o_.offload) {
@@ -489,6 +504,25 @@ optim::StepStats DataParallel::step(double lr) {
     if (o_.trace) o_.trace->add("all_gather params", TraceStream::comm, t1, t2);
   }
   return st;
+}
+
+int DataParallel::first_nonfinite(bool gradients) const {
+  // The flat range this rank holds and where it starts.
+  const float* data = gradients ? const_cast<DataParallel*>(this)->grad_shard()
+                                : const_cast<DataParallel*>(this)->params_.f32();
+  const int64_t b = gradients ? opt_->begin() : (o_.zero == 3 ? int64_t(rank_) * shard_ : 0);
+  const int64_t e = gradients ? opt_->end() : b + params_.numel();
+  for (size_t i = 0; i < lay_.params.size(); ++i) {
+    const FlatParam& f = lay_.params[i];
+    const int64_t lo = std::max(f.offset, b), hi = std::min(f.offset + f.numel, e);
+    for (int64_t k = lo; k < hi; ++k)
+      if (!std::isfinite(data[k - b])) return int(i);
+  }
+  return -1;
+}
+
+void DataParallel::poison_parameters() {
+  if (params_.numel() > 0) params_.f32()[0] = std::numeric_limits<float>::quiet_NaN();
 }
 
 Tensor DataParallel::param_view(const Tensor& flat, size_t i) const {

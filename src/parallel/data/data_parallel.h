@@ -108,8 +108,18 @@ class DataParallel final : public model::ChainHooks {
   // gradient shard.
   void set_last_micro(bool last) { last_micro_ = last; }
   // Waits for the reductions, clips by the global norm and updates; the parameters are then
-  // identical on every rank (stages 0-2) or in every shard (stage 3).
-  optim::StepStats step(double lr);
+  // identical on every rank (stages 0-2) or in every shard (stage 3). With `skip` (every rank
+  // passes the same), or when the gradient norm is not finite on any rank of the group or of
+  // norm_group, nothing is updated on any of them (StepStats::skipped).
+  optim::StepStats step(double lr, bool skip = false);
+  // The first non-finite element, in flat order, of this rank's parameters (what it holds: all of
+  // them, or its shard under ZeRO-3) or of its reduced gradients (its optimizer range) after a
+  // step: the parameter's index in GPT::parameters() order, -1 when every element is finite.
+  int first_nonfinite(bool gradients) const;
+  // Testing aid: the next step's reduced gradient gets a NaN on this rank (its first element);
+  // this rank's first parameter element becomes NaN now.
+  void poison_gradients() { poison_ = true; }
+  void poison_parameters();
 
   // Sum of x over the ranks, in double, added in rank order (bit-identical on every rank).
   double sum_over_ranks(double x);
@@ -182,6 +192,7 @@ class DataParallel final : public model::ChainHooks {
   std::unique_ptr<optim::ShardedAdamW> opt_;
   std::unique_ptr<Worker> worker_;
   bool last_micro_ = true;
+  bool poison_ = false;
   CommStats stats_;
   Trace::Clock::time_point block_t0_;
 };

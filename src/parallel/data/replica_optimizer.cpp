@@ -1,5 +1,7 @@
 #include "parallel/data/replica_optimizer.h"
 
+#include <cmath>
+
 #include <cstring>
 
 #include "core/error.h"
@@ -62,6 +64,14 @@ double ReplicaOptimizer::reduce_gradients() {
 }
 
 optim::StepStats ReplicaOptimizer::step(double global_norm, double lr) {
+  // The global norm is the same on every rank: a non-finite one skips the update everywhere.
+  if (!std::isfinite(global_norm)) {
+    optim::StepStats st;
+    st.grad_norm = global_norm;
+    st.step = steps_taken();
+    st.skipped = true;
+    return st;
+  }
   return zero1_ ? zero1_->step(global_norm, lr) : adam_->step_with_norm(global_norm, lr);
 }
 

@@ -52,7 +52,8 @@ class ReplicaOptimizer {
   // Collective over the group: see above.
   double reduce_gradients();
   // AdamW with the global norm (clipping) at learning rate lr (the configured one when lr < 0);
-  // collective over the group under ZeRO-1.
+  // collective over the group under ZeRO-1. A non-finite norm (the same on every rank) skips
+  // the update (StepStats::skipped).
   optim::StepStats step(double global_norm, double lr = -1.0);
 
   // The full moments of parameter i (its logical elements, f32 [numel] each): collective over the

@@ -389,7 +389,7 @@ struct PipelineExecutor::Impl {
     double sq = optimizer->reduce_gradients();
     if (comm::Comm* tpg = par->tp_group()) sq = sum_over_ranks(*tpg, sq);
     res.grad_norm = std::sqrt(sum_over_ranks(pp, sq));
-    optimizer->step(res.grad_norm, lr);
+    res.skipped = optimizer->step(res.grad_norm, lr).skipped;
     return res;
   }
 };
@@ -545,6 +545,7 @@ StepResult PipelineExecutor::step(const Tensor& tokens, const Tensor& targets, d
         I.finish_sends();
         StepResult r = I.optimizer_step(lr);
         res.grad_norm = r.grad_norm;
+        res.skipped = r.skipped;
         break;
       }
     }

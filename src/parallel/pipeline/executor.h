@@ -87,6 +87,7 @@ struct ExecutorOptions {
 struct StepResult {
   float loss = 0;          // mean over the global batch (every rank)
   double grad_norm = 0;    // global, before clipping
+  bool skipped = false;    // not finite: no update (every rank)
 };
 
 // One compute of the last step on this rank, in seconds since the step began; cpu: the CPU time

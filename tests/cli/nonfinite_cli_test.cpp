@@ -1,0 +1,90 @@
+// A step whose loss or gradient norm is not finite is skipped (no update), said with where the
+// first non-finite value was, and written to metrics.jsonl as skipped; after train.skip_nonfinite
+// of them in a row the run stops with an error naming the step, the place and the field, keeping
+// the checkpoints before. NaNs come from LOOM_FAULT_INJECT (kind=nan: one step's gradients;
+// kind=nan_weight: a weight from then on), on one rank of several layouts.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "cli_util.h"
+
+namespace fs = std::filesystem;
+using namespace loom::test;
+
+namespace {
+
+struct NanRun {
+  fs::path root;
+  NanRun() : root(fs::temp_directory_path() / fmt::format("loom_nonfinite_cli_{}", ::getpid())) {
+    fs::remove_all(root);
+    fs::create_directories(root / "logs");
+    write_pattern_corpus(root / "data");
+  }
+  ~NanRun() { fs::remove_all(root); }
+  CliRun train(const std::string& out, const std::string& args, const std::string& fault) {
+    return loom_cli(fmt::format("train --data.dir '{}' --train.out_dir '{}' --model.n_layer 1 --model.n_head 2 "
+                                "--model.n_embd 32 --data.seq_len 16 --train.batch_size 4 --train.steps 6 "
+                                "--train.eval_every 0 --train.sample_tokens 0 --train.threads 2 "
+                                "--train.checkpoint_every 2 --overwrite {}",
+                                (root / "data").string(), (root / out).string(), args),
+                    root / "logs", fault.empty() ? "" : "LOOM_FAULT_INJECT=" + fault);
+  }
+  std::string metrics(const std::string& out) {
+    std::ifstream f(root / out / "metrics.jsonl");
+    return std::string(std::istreambuf_iterator<char>(f), {});
+  }
+};
+
+}  // namespace
+
+TEST(NonFiniteCli, OneBadStepIsSkippedAndTheRunGoesOn) {
+  LOOM_REQUIRE_LOOM();
+  NanRun r;
+  for (const std::string layout : {"", "--parallel.dp 2 --parallel.zero 3", "--parallel.tp 2 --parallel.dp 2"}) {
+    SCOPED_TRACE(layout);
+    CliRun run = r.train("transient", layout, layout.empty() ? "rank=0,step=3,kind=nan" : "rank=1,step=3,kind=nan");
+    ASSERT_EQ(run.code, 0) << run.out << run.err;
+    EXPECT_NE(run.out.find("step 3: the loss is"), std::string::npos) << run.out;
+    EXPECT_NE(run.out.find("first non-finite: the gradient of"), std::string::npos) << run.out;
+    EXPECT_NE(run.out.find("step skipped, no update (1 of train.skip_nonfinite = 3 in a row)"), std::string::npos)
+        << run.out;
+    const std::string m = r.metrics("transient");
+    EXPECT_NE(m.find("\"skipped\":true"), std::string::npos) << m;
+    EXPECT_NE(m.find("\"step\":6"), std::string::npos) << m;
+    EXPECT_TRUE(fs::exists(r.root / "transient" / "ckpt_00000006"));
+  }
+}
+
+TEST(NonFiniteCli, ABadWeightStopsTheRunAfterTheSkipsAllowed) {
+  LOOM_REQUIRE_LOOM();
+  NanRun r;
+  for (const std::string layout : {"", "--parallel.dp 2", "--parallel.tp 2"}) {
+    SCOPED_TRACE(layout);
+    CliRun run = r.train("persistent", layout + " --train.skip_nonfinite 1", "rank=0,step=3,kind=nan_weight");
+    EXPECT_NE(run.code, 0) << run.out;
+    EXPECT_NE(run.err.find("step 4: the loss is nan"), std::string::npos) << run.err;
+    EXPECT_NE(run.err.find("first non-finite: the weights of wte.weight"), std::string::npos) << run.err;
+    EXPECT_NE(run.err.find("2 steps in a row not finite (train.skip_nonfinite = 1)"), std::string::npos) << run.err;
+    EXPECT_TRUE(fs::exists(r.root / "persistent" / "ckpt_00000002"));
+    EXPECT_FALSE(fs::exists(r.root / "persistent" / "ckpt_00000004"));
+  }
+  // A pipeline whose first stage's wte (not its last stage's copy, which the head reads) holds a
+  // NaN that these batches never look up trains on finite losses; the checkpoint refuses to keep
+  // the weight, and the run stops naming it.
+  CliRun pipe = r.train("pipeline", "--parallel.pp 2", "rank=0,step=3,kind=nan_weight");
+  EXPECT_NE(pipe.code, 0);
+  EXPECT_NE(pipe.err.find("not writing the checkpoint of step 4: parameter 'wte.weight' holds nan"), std::string::npos)
+      << pipe.err;
+  EXPECT_TRUE(fs::exists(r.root / "pipeline" / "ckpt_00000002"));
+  // skip_nonfinite = 0: the first one stops the run.
+  CliRun first = r.train("first", "--train.skip_nonfinite 0", "rank=0,step=3,kind=nan");
+  EXPECT_NE(first.code, 0);
+  EXPECT_NE(first.err.find("step 3: the loss is"), std::string::npos) << first.err;
+  EXPECT_NE(first.err.find("1 steps in a row not finite (train.skip_nonfinite = 0)"), std::string::npos) << first.err;
+}
