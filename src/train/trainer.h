@@ -17,8 +17,9 @@
 // own part of each full tensor, so a run continues bit-identically under its own layout and,
 // within rounding, under another. A rank that fails ends the whole run with an error naming it
 // (mpi: the job is aborted).
-// Testing aid: LOOM_FAULT_INJECT="rank=R,step=S,kind=throw|exit|kill" makes rank R throw, _Exit(3)
-// or SIGKILL itself at the start of step S.
+// Testing aid: LOOM_FAULT_INJECT="rank=R,step=S,kind=throw|exit|kill|nan|nan_weight" makes rank R
+// throw, _Exit(3) or SIGKILL itself at the start of step S, or puts a NaN into its gradients of
+// step S (nan) or into its weights from step S on (nan_weight).
 #pragma once
 #include <cstdint>
 #include <functional>
