@@ -175,6 +175,12 @@ class CudaEngine : public Engine {
         dcomm_->all_reduce(gpt_.flat_gradients().raw(), gpt_.flat_gradients().numel(), DType::f32, comm::ReduceOp::sum);
       st.grad_norm = run_.optimizer_step(lr, optimizer_steps_ + 1, 1.0f / float(cfg_.grad_accum * dp));
     }
+    // The update kernel leaves parameters and moments as they were when the norm is not finite
+    // (kernels/cuda/adamw.cu): the step was skipped, and AdamW's step count stays.
+    if (!std::isfinite(st.grad_norm)) {
+      st.skipped = true;
+      return st;
+    }
     ++optimizer_steps_;
     return st;
   }
