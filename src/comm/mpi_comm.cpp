@@ -1,5 +1,9 @@
 #include "comm/mpi_comm.h"
 
+#include <chrono>
+
+#include <atomic>
+
 #include <mpi.h>
 
 #include <algorithm>
@@ -52,6 +56,79 @@ void check_mpi(int rc, const char* call) {
 #define LOOM_MPI(call) check_mpi((call), #call)
 
 std::string seconds(std::chrono::milliseconds t) { return fmt::format("{:g} s", t.count() / 1000.0); }
+
+// A duplicate of the world made when the session starts, on which a rank whose collective timed
+// out tells every other rank so (see abort_timed_out).
+MPI_Comm g_health = MPI_COMM_NULL;
+constexpr int kHealthTag = 31001;
+
+// Once per process: two threads of a rank (the compute thread and a communication thread) can
+// fail at once; the first one says why and aborts the job, a later one waits for that (two
+// concurrent MPI_Abort calls crash inside Open MPI, and a second message would only repeat or
+// confuse the first).
+std::atomic<bool> g_aborting{false};
+[[noreturn]] void wait_for_the_abort() {
+  for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+}
+
+// A collective of this rank timed out (`text` says which and what it waited for). The ranks
+// waiting on a stalled one time out at about the same moment, and a rank waiting on a healthy
+// rank that itself waits would name that healthy rank. So each rank that times out tells all the
+// others, listens for a grace period, and only the lowest of the ranks that timed out speaks: it
+// names the ranks that did not time out (stalled, dead, or stuck outside any collective) and
+// aborts the job. Exactly one message, and it blames no rank that was waiting like itself.
+[[noreturn]] void abort_timed_out(int me, const std::string& text, std::chrono::milliseconds timeout) {
+  if (g_aborting.exchange(true)) wait_for_the_abort();
+  int size = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  std::vector<int> timed{me};
+  const auto grace = std::clamp(timeout / 4, std::chrono::milliseconds(500), std::chrono::milliseconds(5000));
+  if (g_health != MPI_COMM_NULL && size > 1) {
+    static int token = 0;
+    token = me;
+    std::vector<MPI_Request> sent(size_t(size), MPI_REQUEST_NULL);
+    for (int r = 0; r < size; ++r)
+      if (r != me) MPI_Isend(&token, 1, MPI_INT, r, kHealthTag, g_health, &sent[size_t(r)]);
+    const auto until = std::chrono::steady_clock::now() + grace;
+    while (std::chrono::steady_clock::now() < until) {
+      int flag = 0;
+      MPI_Status st;
+      MPI_Iprobe(MPI_ANY_SOURCE, kHealthTag, g_health, &flag, &st);
+      if (!flag) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        continue;
+      }
+      int who = -1;
+      MPI_Recv(&who, 1, MPI_INT, st.MPI_SOURCE, kHealthTag, g_health, MPI_STATUS_IGNORE);
+      if (std::find(timed.begin(), timed.end(), st.MPI_SOURCE) == timed.end()) timed.push_back(st.MPI_SOURCE);
+    }
+    std::sort(timed.begin(), timed.end());
+    // Another rank that timed out speaks; should its abort not come, say this rank's own.
+    if (timed.front() != me) std::this_thread::sleep_for(3 * grace);
+  }
+  std::vector<int> quiet;
+  for (int r = 0; r < size; ++r)
+    if (std::find(timed.begin(), timed.end(), r) == timed.end()) quiet.push_back(r);
+  auto list = [](const std::vector<int>& v) {
+    std::string out;
+    for (size_t i = 0; i < v.size(); ++i) out += fmt::format("{}{}", i ? ", " : "", v[i]);
+    return out;
+  };
+  std::string verdict;
+  if (size == 1)
+    verdict = "";
+  else if (quiet.empty())
+    verdict = fmt::format("; every rank timed out waiting (a deadlock, or parallel.timeout_s is shorter than a step)");
+  else
+    verdict = fmt::format("; rank{} {} timed out waiting in collectives and rank{} {} did not: {} stalled or dead",
+                          timed.size() > 1 ? "s" : "", list(timed), quiet.size() > 1 ? "s" : "", list(quiet),
+                          quiet.size() > 1 ? "one of them is" : fmt::format("rank {} is", quiet[0]));
+  std::fprintf(stderr, "loom: rank %d (mpi): %s%s; aborting the job\n", me, text.c_str(), verdict.c_str());
+  std::fflush(stderr);
+  std::fflush(stdout);
+  MPI_Abort(MPI_COMM_WORLD, 2);
+  std::_Exit(2);
+}
 
 int mod(int a, int n) { return ((a % n) + n) % n; }
 
@@ -320,9 +397,10 @@ class MpiComm final : public Comm {
       }
       if (flag) return;
       if (it >= kSpin) std::this_thread::yield();
-      if ((it & 63) == 0 && Clock::now() >= deadline_) {
-        fatal(fmt::format("{} timed out after {}: {}", what_, seconds(opts_.timeout), waiting_for()));
-      }
+      if ((it & 63) == 0 && Clock::now() >= deadline_)
+        abort_timed_out(world_rank(), fmt::format("{} timed out after {}: {}", what_, seconds(opts_.timeout),
+                                                  waiting_for()),
+                        opts_.timeout);
     }
   }
 
@@ -488,6 +566,7 @@ MpiSession::MpiSession(int* argc, char*** argv) {
     MPI_Query_thread(&provided);
   }
   thread_multiple_ = provided >= MPI_THREAD_MULTIPLE;
+  if (g_health == MPI_COMM_NULL) LOOM_MPI(MPI_Comm_dup(MPI_COMM_WORLD, &g_health));
   MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
   MPI_Comm_size(MPI_COMM_WORLD, &size_);
   local_size_ = host_ranks().second;
@@ -517,6 +596,7 @@ std::unique_ptr<Comm> mpi_world(CommOptions opts) {
 }
 
 void mpi_abort(const std::string& msg, int code) {
+  if (g_aborting.exchange(true)) wait_for_the_abort();  // another thread of this rank is aborting
   std::fprintf(stderr, "%s\n", msg.c_str());
   std::fflush(stderr);
   std::fflush(stdout);

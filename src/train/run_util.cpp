@@ -1,5 +1,8 @@
 #include "train/run_util.h"
 
+#include <chrono>
+#include <thread>
+
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -328,7 +331,7 @@ FaultInjection FaultInjection::from_env(int ranks) {
   if (!env || !*env) return f;
   const std::string spec = env;
   auto bad = [&](const std::string& why) {
-    return Error(fmt::format("LOOM_FAULT_INJECT='{}': {} (expected rank=R,step=S,kind=throw|exit|kill|nan|nan_weight)",
+    return Error(fmt::format("LOOM_FAULT_INJECT='{}': {} (expected rank=R,step=S,kind=throw|exit|kill|stall|nan|nan_weight)",
                              spec, why));
   };
   auto number = [&](const std::string& key, const std::string& v) -> int64_t {
@@ -361,7 +364,7 @@ FaultInjection FaultInjection::from_env(int ranks) {
       if (f.step < 1) throw bad(fmt::format("step {} is not positive", f.step));
       has_step = true;
     } else if (key == "kind") {
-      if (val != "throw" && val != "exit" && val != "kill" && val != "nan" && val != "nan_weight")
+      if (val != "throw" && val != "exit" && val != "kill" && val != "stall" && val != "nan" && val != "nan_weight")
         throw bad(fmt::format("unknown kind '{}'", val));
       f.kind = val;
     } else {
@@ -382,6 +385,8 @@ std::string FaultInjection::maybe_fire(int r, int ranks, int64_t at) const {
   std::fprintf(stderr, "loom: %s\n", what.c_str());
   std::fflush(stderr);
   if (kind == "exit") std::_Exit(3);
+  if (kind == "stall")  // alive but silent: its peers' collectives time out waiting for it
+    for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
   std::raise(SIGKILL);
   return "";
 }

@@ -107,13 +107,13 @@ void read_loss_points(const std::string& path, std::vector<std::pair<double, dou
                       std::vector<std::pair<double, double>>& val);
 
 // A failure injected on purpose (LOOM_FAULT_INJECT="rank=R,step=S,kind=K", a testing aid): rank R
-// of the run's `ranks` fails at the start of step S (1-based) by throwing, exiting (_Exit(3)) or
-// being killed (SIGKILL), or its step S gets a NaN in its gradients (kind=nan) or in its weights
+// of the run's `ranks` fails at the start of step S (1-based) by throwing, exiting (_Exit(3)),
+// being killed (SIGKILL) or stalling (sleeping for ever), or its step S gets a NaN in its gradients (kind=nan) or in its weights
 // from then on (kind=nan_weight).
 struct FaultInjection {
   int rank = -1;  // -1: none
   int64_t step = 0;
-  std::string kind;  // throw | exit | kill | nan | nan_weight
+  std::string kind;  // throw | exit | kill | stall | nan | nan_weight
 
   // Parses LOOM_FAULT_INJECT (none when unset or empty); errors name the variable.
   static FaultInjection from_env(int ranks);

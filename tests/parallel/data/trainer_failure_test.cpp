@@ -364,6 +364,14 @@ TEST_F(TrainerFailure, MpiStalledRankEndsTheJobAtTheTimeout) {
   // Whichever waiting rank times out first names the stalled one among what it can know: its
   // neighbour exactly, or the ranks its data passes through round the ring.
   EXPECT_TRUE(names_suspect(out, 1)) << out;
+  // One message for the job (the ranks that timed out agree on who speaks), naming the rank that
+  // did not time out, and no crash inside MPI from two aborts at once.
+  size_t messages = 0;
+  for (size_t at = out.find("timed out after"); at != std::string::npos; at = out.find("timed out after", at + 1))
+    ++messages;
+  EXPECT_EQ(messages, 1u) << out;
+  EXPECT_NE(out.find("and rank 1 did not: rank 1 is stalled or dead"), std::string::npos) << out;
+  EXPECT_EQ(out.find("corruption"), std::string::npos) << out;
   std::printf("[ mpi stall ] stopped rank 1; mpirun exit %d %.2f s later (timeout %g s)\n", job.status(), after,
               timeout_s);
 }
