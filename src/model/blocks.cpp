@@ -249,28 +249,34 @@ void TransformerBlock::use_parameters_of(const TransformerBlock& other) {
   layer_ = other.layer_;
 }
 
+void TransformerBlock::drop_saved() {
+  a_ = Saved{};
+  d_ = Deferred{};
+}
+
+// The saved activations of [B, T] (after drop_saved only those missing).
 void TransformerBlock::allocate(int64_t B, int64_t T, bool probs) {
-  if (B == B_ && T == T_) return;
-  release_activations();
+  if (B != B_ || T != T_) release_activations();
   for (const SavedActivation& s : saved_activations(B, T)) {
     if (s.name.ends_with(".probs") && !probs) continue;
-    Tensor t = act(s.shape, s.dtype);
     const std::string what = s.name.substr(s.name.rfind('.') + 1);
-    if (what == "ln1") a_.ln1 = t;
-    else if (what == "ln1_mean") a_.ln1_mean = t;
-    else if (what == "ln1_rstd") a_.ln1_rstd = t;
-    else if (what == "qkv") a_.qkv = t;
-    else if (what == "atty") a_.atty = t;
-    else if (what == "lse") a_.lse = t;
-    else if (what == "res2") a_.res2 = t;
-    else if (what == "ln2") a_.ln2 = t;
-    else if (what == "ln2_mean") a_.ln2_mean = t;
-    else if (what == "ln2_rstd") a_.ln2_rstd = t;
-    else if (what == "fch") a_.fch = t;
-    else if (what == "fch_gelu") a_.fch_gelu = t;
-    else if (what == "out") out_ = t;
-    else if (what == "probs") a_.probs = t;
-    else LOOM_FAIL("{}: no buffer for saved activation '{}'", name(), s.name);
+    Tensor* t = what == "ln1"        ? &a_.ln1
+                : what == "ln1_mean" ? &a_.ln1_mean
+                : what == "ln1_rstd" ? &a_.ln1_rstd
+                : what == "qkv"      ? &a_.qkv
+                : what == "atty"     ? &a_.atty
+                : what == "lse"      ? &a_.lse
+                : what == "res2"     ? &a_.res2
+                : what == "ln2"      ? &a_.ln2
+                : what == "ln2_mean" ? &a_.ln2_mean
+                : what == "ln2_rstd" ? &a_.ln2_rstd
+                : what == "fch"      ? &a_.fch
+                : what == "fch_gelu" ? &a_.fch_gelu
+                : what == "out"      ? &out_
+                : what == "probs"    ? &a_.probs
+                                     : nullptr;
+    LOOM_CHECK(t, "{}: no buffer for saved activation '{}'", name(), s.name);
+    if (!t->defined()) *t = act(s.shape, s.dtype);
   }
   B_ = B;
   T_ = T;

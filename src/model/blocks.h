@@ -170,6 +170,9 @@ class TransformerBlock final : public ChainBlock {
   std::string name() const override { return "h." + std::to_string(layer_); }
   std::vector<SavedActivation> saved_activations(int64_t B, int64_t T) const override;
   void release_activations() override;
+  // Frees what forward saved for backward except the output (activation recomputation: the next
+  // block still reads it); the next forward at the same shape allocates them again.
+  void drop_saved();
   std::unique_ptr<ChainBlock> replica(MemTag tag = MemTag::activations) const override;
 
   // x [B, T, C] (must stay valid until backward: it is the previous block's output). With kv,

@@ -158,6 +158,12 @@ float GPT::forward(const Tensor& tokens, const Tensor& targets, const ForwardOpt
     blocks_[size_t(l)]->forward(x, B, T);
     if (hooks_) hooks_->after_forward(l + 1);
     x = blocks_[size_t(l)]->out().raw();
+    // A recomputed segment keeps only its input and its last block's output: each block drops
+    // what it saved, and the output before it once it has been read.
+    const int s = plan_.segment_of(l);
+    if (s < 0) continue;
+    blocks_[size_t(l)]->drop_saved();
+    if (l > plan_.segments[size_t(s)].first) blocks_[size_t(l - 1)]->release_activations();
   }
   dloss_scale_ = opt.dloss_scale;
   if (hooks_) hooks_->before_forward(L + 1);
@@ -187,9 +193,19 @@ void GPT::backward() {
   head_->backward(input_of(L), s, dloss_scale_);
   if (hooks_) hooks_->after_backward(L + 1);
   for (int64_t l = L - 1; l >= 0; --l) {
+    const int seg = plan_.segment_of(l);
+    if (seg >= 0 && l == plan_.segments[size_t(seg)].second) {
+      // The segment runs forward again from its kept input, saving everything.
+      for (int64_t m = plan_.segments[size_t(seg)].first; m <= l; ++m) {
+        if (hooks_) hooks_->before_forward(m + 1);
+        blocks_[size_t(m)]->forward(input_of(m), B, T);
+        if (hooks_) hooks_->after_forward(m + 1);
+      }
+    }
     if (hooks_) hooks_->before_backward(l + 1);
     blocks_[size_t(l)]->backward(input_of(l), s);
     if (hooks_) hooks_->after_backward(l + 1);
+    if (seg >= 0) blocks_[size_t(l)]->release_activations();  // its output's readers are done
   }
   if (hooks_) hooks_->before_backward(0);
   embedding_->backward(s.dres);
@@ -209,6 +225,32 @@ void GPT::zero_grad() {
     else
       be_.fill_zero(p->grad_full.raw(), int64_t(p->grad_full.nbytes()));
   }
+}
+
+void GPT::set_recompute(const RecomputePlan& plan) {
+  LOOM_CHECK(plan.blocks == cfg_.n_layer, "model '{}': a recompute plan for {} blocks, the model has {}", cfg_.name,
+             plan.blocks, cfg_.n_layer);
+  release_activations();
+  plan_ = plan;
+}
+
+ChainMemory GPT::chain_memory(int64_t B, int64_t T) const {
+  ChainMemory c;
+  c.fixed = double(embedding_->saved_activation_bytes(B, T) + head_->saved_activation_bytes(B, T));
+  for (const auto& b : blocks_) {
+    c.full.push_back(double(b->saved_activation_bytes(B, T)));
+    double out = 0;
+    for (const SavedActivation& a : b->saved_activations(B, T))
+      if (a.name.ends_with(".out")) out = double(a.bytes());
+    c.out.push_back(out);
+    c.forward.push_back(1.0);  // identical blocks: the cost in units of one block's forward
+  }
+  return c;
+}
+
+int64_t GPT::activation_peak_bytes(int64_t B, int64_t T) const {
+  if (plan_.segments.empty()) return saved_activation_bytes(B, T);
+  return int64_t(plan_peak(plan_, chain_memory(B, T)));
 }
 
 void GPT::finish_gradients() {

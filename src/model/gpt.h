@@ -23,6 +23,7 @@
 #include "model/blocks.h"
 #include "model/config.h"
 #include "model/param.h"
+#include "model/recompute.h"
 
 namespace loom::model {
 
@@ -111,6 +112,16 @@ class GPT {
   void refresh_compute();
   // Hooks around each chain block (nullptr: none); not owned.
   void set_hooks(ChainHooks* hooks) { hooks_ = hooks; }
+  // Activation recomputation (model/recompute.h): from the next forward on, the plan's segments
+  // keep only their inputs and run forward again in backward (bit-identical results).
+  void set_recompute(const RecomputePlan& plan);
+  const RecomputePlan& recompute() const { return plan_; }
+  // The chain's declared activation bytes at [B, T] for the planner (each transformer block's
+  // saved bytes, its output's, its relative forward cost; the embedding's and head's).
+  ChainMemory chain_memory(int64_t B, int64_t T) const;
+  // The peak saved-activation bytes of a training step at [B, T] under the recompute plan (the
+  // sum over the chain without one): what the activations pool reaches.
+  int64_t activation_peak_bytes(int64_t B, int64_t T) const;
   // [B, T, Vp] in the compute dtype (f32 on the CPU) of the last forward without fuse_backward
   // (columns >= vocab_size are padding).
   const Tensor& logits() const { return head_->logits(); }
@@ -165,6 +176,7 @@ class GPT {
   float dloss_scale_ = 1.0f;
   bool can_backward_ = false;
   ChainHooks* hooks_ = nullptr;
+  RecomputePlan plan_;
   Tensor ws_dres_, ws_bufC_, ws_buf4C_;  // [B, T, C], [B, T, C], [B, T, 4C] (tag workspace)
   Tensor grads_;  // f32: every gradient, on devices (flat_gradients)
   uint64_t activation_epoch_ = 0;

@@ -85,6 +85,9 @@ const Field kFields[] = {
     F("parallel.virtual_stages", virtual_stages, "model chunks per pipeline rank under the interleaved schedule (>= 2)"),
     F("parallel.stage_layers", stage_layers, "transformer blocks of each pipeline stage in order (of each model chunk under interleaved; the first also holds the embedding, the last the head); []: balanced by cost"),
     F("parallel.timeout_s", timeout_s, "communicator timeout in seconds: a rank waiting longer in one collective fails the job"),
+    F("memory.recompute", recompute, "activation recomputation: none, full (every block keeps only its input), every-k (segments of memory.recompute_every blocks), sqrt (segments of sqrt(n_layer)) or optimal (the least recompute that fits memory.activation_budget)"),
+    F("memory.recompute_every", recompute_every, "blocks per recomputed segment under memory.recompute = every-k"),
+    F("memory.activation_budget", activation_budget, "saved-activation bytes allowed per rank (memory.recompute = optimal plans for it; any plan over it is refused; 0: none)"),
 };
 #undef F
 
@@ -309,6 +312,18 @@ void TrainConfig::validate(const std::string& where, const std::vector<std::stri
   need(checkpoint_every >= 0, "train.checkpoint_every", "must be non-negative");
   need(keep_checkpoints >= 1, "train.keep_checkpoints", "must be at least 1");
   need(skip_nonfinite >= 0, "train.skip_nonfinite", fmt::format("must be non-negative, got {}", skip_nonfinite));
+  {
+    bool known = false;
+    for (const char* r : {"none", "full", "every-k", "sqrt", "optimal"}) known = known || recompute == r;
+    need(known, "memory.recompute", fmt::format("must be none, full, every-k, sqrt or optimal, got '{}'", recompute));
+  }
+  need(recompute_every >= 1, "memory.recompute_every", fmt::format("must be at least 1, got {}", recompute_every));
+  need(activation_budget >= 0, "memory.activation_budget", fmt::format("must be non-negative, got {}", activation_budget));
+  need(recompute != "optimal" || activation_budget > 0, "memory.activation_budget",
+       "memory.recompute = optimal plans for a budget: set memory.activation_budget (bytes per rank)");
+  need(recompute == "none" || pp == 1, "memory.recompute",
+       fmt::format("'{}' is not available with parallel.pp = {} yet (pipeline stages keep every activation)", recompute,
+                   pp));
   for (const auto& [field, value] :
        {std::pair<const char*, float>{"optim.lr", lr}, {"optim.min_lr", min_lr}, {"optim.beta1", beta1},
         {"optim.beta2", beta2}, {"optim.eps", eps}, {"optim.weight_decay", weight_decay},
@@ -390,6 +405,10 @@ void TrainConfig::validate_cuda(const std::string& where) const {
     refuse("parallel.zero", fmt::format("must be 0 {} (every GPU replica keeps the whole optimizer state), got {}",
                                         gpu, zero));
   if (offload) refuse("parallel.offload", fmt::format("must be false {} (the optimizer state stays on the GPU)", gpu));
+  if (recompute != "none")
+    refuse("memory.recompute", fmt::format("must be none {} for now (the CUDA step is one captured graph whose "
+                                           "buffers stay allocated), got '{}'",
+                                           gpu, recompute));
   // Ranks as threads of one process would share its CUDA state (the device pool, the cuBLASLt
   // workspace): GPU ranks are processes.
   if (dp > 1 && comm == "threads")

@@ -58,6 +58,10 @@ struct TrainConfig {
   std::string schedule = "1f1b";           // pipeline schedule (pp > 1): gpipe | 1f1b | interleaved | zb-h1
   int64_t virtual_stages = 2;              // model chunks per pipeline rank under the interleaved schedule
   std::vector<int64_t> stage_layers;       // blocks per (virtual) pipeline stage; empty: balanced by cost
+  // [memory]
+  std::string recompute = "none";          // none | full | every-k | sqrt | optimal (model/recompute.h)
+  int64_t recompute_every = 2;             // every-k's k
+  int64_t activation_budget = 0;           // saved-activation bytes per rank (optimal's budget; 0: none)
 
   // The model configuration these fields describe (vocab from the data when vocab_size is 0).
   model::GPTConfig model(int64_t data_vocab) const;

@@ -115,6 +115,34 @@ class ChainEngine : public CpuEngine {
     mb_ = local_ / cfg.grad_accum;
     x_ = Tensor::empty({mb_, cfg.seq_len}, DType::i32, MemTag::workspace, pool);
     y_ = Tensor::empty({mb_, cfg.seq_len}, DType::i32, MemTag::workspace, pool);
+    plan_recompute_for_run();
+  }
+
+  // memory.recompute at the micro-batch shape, from the blocks' declarations; a plan over
+  // memory.activation_budget is refused naming the fields.
+  void plan_recompute_for_run() {
+    const model::ChainMemory c = model_.chain_memory(mb_, cfg_.seq_len);
+    const model::Recompute policy = model::recompute_from_name(cfg_.recompute, "memory.recompute");
+    const model::RecomputePlan plan =
+        model::plan_recompute(policy, c, cfg_.recompute_every, double(cfg_.activation_budget));
+    const double peak = model::plan_peak(plan, c), without = model::plan_peak(model::RecomputePlan{int64_t(c.full.size()), {}}, c);
+    if (cfg_.activation_budget > 0 && peak > double(cfg_.activation_budget))
+      throw Error(fmt::format("memory.activation_budget: {} per rank, but memory.recompute = {} needs {} of saved "
+                              "activations at the micro-batch [{}, {}] (memory.recompute = optimal plans for the budget)",
+                              format_bytes(cfg_.activation_budget), cfg_.recompute, format_bytes(int64_t(peak)), mb_,
+                              cfg_.seq_len));
+    model_.set_recompute(plan);
+    if (policy == model::Recompute::none) return;
+    const int64_t R = plan.recomputed_blocks(), L = int64_t(c.full.size());
+    note_ = fmt::format("recompute {}: {} run forward again in backward ({} of {} blocks: about {:.0f}% more of their "
+                        "work) | saved activations per rank {} (without recomputation {})",
+                        cfg_.recompute, plan.describe(), R, L, L > 0 ? 100.0 * double(R) / (3.0 * double(L)) : 0.0,
+                        format_bytes(int64_t(peak)), format_bytes(int64_t(without)));
+  }
+
+  std::vector<std::string> notes() const override {
+    if (note_.empty()) return {};
+    return {note_};
   }
 
   static parallel::DataParallelOptions options(const TrainConfig& cfg, parallel::MeshComms& comms,
@@ -295,6 +323,7 @@ class ChainEngine : public CpuEngine {
   model::GPT model_;
   parallel::DataParallel ddp_;
   parallel::DataParallel::FullState full_;  // the last gather's flat state (its tensors are views)
+  std::string note_;                         // the recompute plan, said at the start
   int64_t local_ = 0, mb_ = 0;
   Tensor x_, y_;  // i32 [mb, T]
 };

@@ -117,6 +117,10 @@ TEST(TrainConfig, ErrorsNameFileAndField) {
   EXPECT_NE(m.find("train.steps: expected int, got a string"), std::string::npos) << m;
   m = error_of("[train]\nbatch_size = 6\ngrad_accum = 4\n");
   EXPECT_NE(m.find("train.grad_accum"), std::string::npos) << m;
+  m = error_of("[memory]\nrecompute = \"some\"\n");
+  EXPECT_NE(m.find("memory.recompute: must be none, full, every-k, sqrt or optimal, got 'some'"), std::string::npos) << m;
+  m = error_of("[memory]\nrecompute = \"optimal\"\n");
+  EXPECT_NE(m.find("memory.activation_budget"), std::string::npos) << m;
   m = error_of("[train]\nskip_nonfinite = -1\n");
   EXPECT_NE(m.find("train.skip_nonfinite: must be non-negative, got -1"), std::string::npos) << m;
   m = error_of("[parallel]\nzero = 4\n");
@@ -155,7 +159,7 @@ TEST(TrainConfig, TomlRoundTrip) {
   EXPECT_EQ(d.out_dir, c.out_dir);
   EXPECT_FALSE(d.cuda_graph);
   EXPECT_EQ(d.stage_layers, (std::vector<int64_t>{3, 1, 4}));
-  EXPECT_EQ(config_fields().size(), 51u);
+  EXPECT_EQ(config_fields().size(), 54u);
 }
 
 // The README's config reference has a row for every field with its type, default and help, as

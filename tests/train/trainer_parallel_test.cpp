@@ -141,6 +141,22 @@ TEST_F(TrainParallel, ZeroTwoThreeAndOffloadWithTensorSequenceContextMatchSingle
   }
 }
 
+// Activation recomputation composes with every layout of the one chain: ZeRO-3's gathers run
+// again for the recomputed forward, tensor / sequence / context parallel blocks recompute their
+// collectives.
+TEST_F(TrainParallel, RecomputationWithEveryLayoutMatchesSingleDevice) {
+  LOOM_REQUIRE_LOOM();
+  expect_same_losses("recompute_full", "--memory.recompute full");
+  expect_same_checkpoint("recompute_full");
+  expect_same_losses("recompute_full_dp2_zero3", "--memory.recompute full --parallel.dp 2 --parallel.zero 3");
+  expect_same_losses("recompute_sqrt_tp2_sp", "--memory.recompute sqrt --parallel.tp 2 --parallel.sp true");
+  expect_same_losses("recompute_every_cp2", "--memory.recompute every-k --memory.recompute_every 2 --parallel.cp 2");
+  expect_same_checkpoint("recompute_every_cp2");
+  CmdRun pp = train("recompute_pp", "--memory.recompute full --parallel.pp 2");
+  EXPECT_NE(pp.status, 0);
+  EXPECT_NE(pp.output.find("memory.recompute"), std::string::npos) << pp.output;
+}
+
 TEST_F(TrainParallel, PipelineMatchesSingleDevice) {
   LOOM_REQUIRE_LOOM();
   expect_same_losses("pp2", "--parallel.pp 2 --parallel.schedule 1f1b");
