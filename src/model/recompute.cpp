@@ -42,6 +42,14 @@ int64_t RecomputePlan::recomputed_blocks() const {
 
 std::string RecomputePlan::describe() const {
   if (segments.empty()) return "none";
+  // Segments of one length, end to end: "h.0-h.11 in segments of 1 block".
+  const int64_t k = segments[0].second - segments[0].first + 1;
+  bool uniform = segments.size() > 1;
+  for (size_t s = 1; s < segments.size() && uniform; ++s)
+    uniform = segments[s].first == segments[s - 1].second + 1 && segments[s].second - segments[s].first + 1 == k;
+  if (uniform)
+    return fmt::format("h.{}-h.{} in segments of {} block{}", segments.front().first, segments.back().second, k,
+                       k > 1 ? "s" : "");
   std::string out;
   for (const auto& [a, b] : segments)
     out += fmt::format("{}{}", out.empty() ? "" : ", ", a == b ? fmt::format("h.{}", a) : fmt::format("h.{}-h.{}", a, b));

@@ -115,6 +115,7 @@ TEST(Recompute, EveryPolicyTrainsBitIdenticallyAndPeaksAsDeclared) {
                 (long long)r.peak_activations, (long long)none.peak_activations);
   }
   EXPECT_EQ(plan_recompute(Recompute::sqrt, c).describe(), "h.0-h.2, h.3-h.4");
+  EXPECT_EQ(plan_recompute(Recompute::full, c).describe(), "h.0-h.4 in segments of 1 block");
   EXPECT_EQ(plan_recompute(Recompute::full, c).recomputed_blocks(), 5);
 }
 
