@@ -226,11 +226,16 @@ std::vector<SavedActivation> TransformerBlock::saved_activations(int64_t B, int6
   // heads and MLP columns; under sp the stream side (LayerNorms, residuals) of its own rows.
   const Shape st = P.sp_active() ? Shape{P.own_rows(B, T), C} : Shape{B, Tl, C};
   const Shape rows = P.sp_active() ? Shape{P.own_rows(B, T)} : Shape{B, Tl};
+  // (Selective recomputation keeps neither atty nor lse: backward computes them again.)
   std::vector<SavedActivation> v{{p + "ln1", a, st},              {p + "ln1_mean", f, rows},    {p + "ln1_rstd", f, rows},
                                  {p + "qkv", a, {B, Tl, 3 * Cl}}, {p + "atty", a, {B, Tl, Cl}}, {p + "lse", f, {B, NHl, Tl}},
                                  {p + "res2", a, st},             {p + "ln2", a, st},           {p + "ln2_mean", f, rows},
                                  {p + "ln2_rstd", f, rows},       {p + "fch", a, {B, Tl, 4 * Cl}}, {p + "fch_gelu", a, {B, Tl, 4 * Cl}},
                                  {p + "out", a, st}};
+  if (selective_)
+    v.erase(std::remove_if(v.begin(), v.end(),
+                           [](const SavedActivation& s) { return s.name.ends_with(".atty") || s.name.ends_with(".lse"); }),
+            v.end());
   const int64_t probs = P.cp() > 1 ? 0 : be_->attention_probs_bytes(dt_, attention_shape(B, T));
   if (probs > 0) v.push_back({p + "probs", a, {B, NHl, T, T}});
   return v;
@@ -321,23 +326,24 @@ void TransformerBlock::forward(const void* x, int64_t B, int64_t T, const KVStep
   // c_attn, column-parallel: every token row (gathered under sp), this rank's heads.
   be_->linear_forward({.dtype = dt_, .out = a_.qkv.raw(), .inp = P.gather(a_.ln1.raw(), N, C), .weight = w(QKV_W),
                        .bias = w(QKV_B), .M = N, .K = C, .N = 3 * Cl});
+  // Selective recomputation: the attention's output and log-sum-exps live in workspace for the
+  // c_proj below and are computed again in backward.
+  Tensor atty = a_.atty, lse = a_.lse;
   if (kv) {
     attend_cached(*kv);
-  } else if (P.cp() > 1) {
-    P.ring().forward(*P.cp_group(), a_.atty.f32(), a_.lse.f32(), a_.qkv.f32(),
-                     {B, T, cfg_.n_head / P.tp(), C / cfg_.n_head});
   } else {
-    const char* qkv = at(a_.qkv, 0);
-    be_->attention_forward({.dtype = dt_, .shape = attention_shape(B, T), .out = a_.atty.raw(), .lse = a_.lse.f32(),
-                            .probs = a_.probs.defined() ? a_.probs.raw() : nullptr, .q = qkv,
-                            .k = qkv + Cl * int64_t(es), .v = qkv + 2 * Cl * int64_t(es)});
+    if (selective_) {
+      atty = work({B, T / P.cp(), Cl});
+      lse = Tensor::empty({B, cfg_.n_head / P.tp(), T / P.cp()}, DType::f32, MemTag::workspace, *pool_);
+    }
+    attend(atty, lse, B, T);
   }
   // c_proj, row-parallel: partial sums over tp (the bias added once, by tp rank 0), summed
   // (reduce-scattered to the own rows under sp). res2 = x + that, then ln_2 of it: one pass where
   // the backend fuses the residual add.
   const void* bias0 = P.tp_rank() == 0 ? w(ATTN_PROJ_B) : nullptr;
   void* part = P.sp_active() ? P.partial_buffer(N, C) : a_.res2.raw();
-  be_->linear_forward({.dtype = dt_, .out = part, .inp = a_.atty.raw(), .weight = w(ATTN_PROJ_W), .bias = bias0,
+  be_->linear_forward({.dtype = dt_, .out = part, .inp = atty.raw(), .weight = w(ATTN_PROJ_W), .bias = bias0,
                        .M = N, .K = Cl, .N = C});
   P.reduce(part, a_.res2.raw(), N, C);
   be_->layernorm_forward({.dtype = dt_, .out = a_.ln2.raw(), .mean = a_.ln2_mean.f32(), .rstd = a_.ln2_rstd.f32(),
@@ -358,6 +364,28 @@ void TransformerBlock::forward(const void* x, int64_t B, int64_t T, const KVStep
   be_->add(dt_, out_.raw(), out_.raw(), a_.res2.raw(), Ns * C);
 }
 
+// The attention of a training step from the saved qkv into out and lse (ring attention under cp).
+void TransformerBlock::attend(const Tensor& out, const Tensor& lse, int64_t B, int64_t T) {
+  ChainParallel& P = *par_;
+  const int64_t C = cfg_.n_embd, Cl = C / P.tp();
+  const size_t es = esize();
+  if (P.cp() > 1) {
+    P.ring().forward(*P.cp_group(), out.f32(), lse.f32(), a_.qkv.f32(), {B, T, cfg_.n_head / P.tp(), C / cfg_.n_head});
+    return;
+  }
+  const char* qkv = at(a_.qkv, 0);
+  be_->attention_forward({.dtype = dt_, .shape = attention_shape(B, T), .out = out.raw(), .lse = lse.f32(),
+                          .probs = a_.probs.defined() ? a_.probs.raw() : nullptr, .q = qkv,
+                          .k = qkv + Cl * int64_t(es), .v = qkv + 2 * Cl * int64_t(es)});
+}
+
+void TransformerBlock::set_selective(bool on) {
+  LOOM_CHECK(!on || be_->attention_probs_bytes(dt_, attention_shape(1, 2 * par_->cp())) == 0,
+             "{}: selective recomputation needs an attention kernel that keeps no probabilities", name());
+  release_activations();
+  selective_ = on;
+}
+
 void TransformerBlock::backward(const void* x, const BackwardScratch& s) {
   LOOM_CHECK(out_.defined(), "{}: backward before forward", name());
   run_backward(x, s, false);
@@ -366,7 +394,8 @@ void TransformerBlock::backward(const void* x, const BackwardScratch& s) {
 int64_t TransformerBlock::deferred_gradient_bytes(int64_t B, int64_t T) const {
   const ChainParallel& P = *par_;
   const int64_t C = cfg_.n_embd, Cl = C / P.tp();
-  return P.rows(B, T) * (2 * C + 7 * Cl) * int64_t(esize());  // dout C + dfch 4Cl + dres2 C + dqkv 3Cl
+  // dout C + dfch 4Cl + dres2 C + dqkv 3Cl (+ atty Cl under selective recomputation)
+  return P.rows(B, T) * (2 * C + 7 * Cl + (selective_ ? Cl : 0)) * int64_t(esize());
 }
 
 void TransformerBlock::backward_input(const void* x, const BackwardScratch& s) {
@@ -391,6 +420,14 @@ void TransformerBlock::run_backward(const void* x, const BackwardScratch& s, boo
     be_->copy({.dst = dst.raw(), .dst_dtype = dt_, .src = src, .src_dtype = dt_, .n = dst.numel()});
   };
   auto wg = [&](int i) { return defer ? nullptr : g(i); };  // a weight or bias gradient computed now
+  // Selective recomputation: the attention's output and log-sum-exps again, from the saved qkv.
+  Tensor atty = a_.atty, lse = a_.lse;
+  if (selective_) {
+    atty = work({B, T / P.cp(), Cl});
+    lse = Tensor::empty({B, cfg_.n_head / P.tp(), T / P.cp()}, DType::f32, MemTag::workspace, *pool_);
+    attend(atty, lse, B, T);
+    if (defer) d_.atty = atty;  // for the deferred c_proj weight gradient
+  }
   const char* qkv = at(a_.qkv, 0);
   char* dqkv = defer ? at(d_.dqkv, 0) : static_cast<char*>(s.buf4C);  // [N, 3Cl] (in the [N, 4Cl] buffer)
 
@@ -418,14 +455,14 @@ void TransformerBlock::run_backward(const void* x, const BackwardScratch& s, boo
   dout = P.gather(s.dres, N, C);
   if (defer) keep(d_.dres2, dout);
   be_->linear_backward({.dtype = dt_, .dinp = s.bufC, .dweight = wg(ATTN_PROJ_W), .dbias = wg(ATTN_PROJ_B), .dout = dout,
-                        .inp = a_.atty.raw(), .weight = w(ATTN_PROJ_W), .M = N, .K = Cl, .N = C});
+                        .inp = atty.raw(), .weight = w(ATTN_PROJ_W), .M = N, .K = Cl, .N = C});
   if (P.cp() > 1) {
     P.ring().backward(*P.cp_group(), reinterpret_cast<float*>(dqkv), static_cast<const float*>(s.bufC), a_.qkv.f32(),
-                      a_.atty.f32(), a_.lse.f32(), {B, T, cfg_.n_head / P.tp(), C / cfg_.n_head});
+                      atty.f32(), lse.f32(), {B, T, cfg_.n_head / P.tp(), C / cfg_.n_head});
   } else {
     be_->attention_backward({.dtype = dt_, .shape = attention_shape(B, T), .dq = dqkv, .dk = dqkv + Cl * int64_t(es),
                              .dv = dqkv + 2 * Cl * int64_t(es), .dout = s.bufC, .q = qkv, .k = qkv + Cl * int64_t(es),
-                             .v = qkv + 2 * Cl * int64_t(es), .out = a_.atty.raw(), .lse = a_.lse.f32(),
+                             .v = qkv + 2 * Cl * int64_t(es), .out = atty.raw(), .lse = lse.f32(),
                              .probs = a_.probs.defined() ? a_.probs.raw() : nullptr});
   }
   be_->linear_backward({.dtype = dt_, .dinp = s.bufC, .dweight = wg(QKV_W), .dbias = wg(QKV_B), .dout = dqkv,
@@ -445,7 +482,7 @@ void TransformerBlock::backward_weight() {
   be_->linear_backward({.dtype = dt_, .dweight = g(FC_W), .dbias = g(FC_B), .dout = d_.dfch.raw(),
                         .inp = P.gather(a_.ln2.raw(), N, C), .M = N, .K = C, .N = 4 * Cl});
   be_->linear_backward({.dtype = dt_, .dweight = g(ATTN_PROJ_W), .dbias = g(ATTN_PROJ_B), .dout = d_.dres2.raw(),
-                        .inp = a_.atty.raw(), .M = N, .K = Cl, .N = C});
+                        .inp = (selective_ ? d_.atty : a_.atty).raw(), .M = N, .K = Cl, .N = C});
   be_->linear_backward({.dtype = dt_, .dweight = g(QKV_W), .dbias = g(QKV_B), .dout = d_.dqkv.raw(),
                         .inp = P.gather(a_.ln1.raw(), N, C), .M = N, .K = C, .N = 3 * Cl});
   d_ = Deferred{};

@@ -173,6 +173,9 @@ class TransformerBlock final : public ChainBlock {
   // Frees what forward saved for backward except the output (activation recomputation: the next
   // block still reads it); the next forward at the same shape allocates them again.
   void drop_saved();
+  // Selective recomputation (Korthikanti et al. 2022): the attention's output and log-sum-exps
+  // are not saved but computed again from the saved qkv in backward (bit-identical).
+  void set_selective(bool on);
   std::unique_ptr<ChainBlock> replica(MemTag tag = MemTag::activations) const override;
 
   // x [B, T, C] (must stay valid until backward: it is the previous block's output). With kv,
@@ -205,6 +208,7 @@ class TransformerBlock final : public ChainBlock {
     Tensor dfch;   // [B, T, 4C] d(mlp.c_fc output), before the GELU
     Tensor dres2;  // [B, T, C]  d(attn.c_proj output) = d(res2)
     Tensor dqkv;   // [B, T, 3C] d(attn.c_attn output)
+    Tensor atty;   // [B, T, C] the recomputed attention output (selective recomputation)
   };
   const Deferred& deferred() const { return d_; }
 
@@ -228,10 +232,15 @@ class TransformerBlock final : public ChainBlock {
     LN2_W = kLn2W, LN2_B = kLn2B, FC_W = kFcW, FC_B = kFcB, MLP_PROJ_W = kMlpProjW, MLP_PROJ_B = kMlpProjB
   };
   TransformerBlock(const TransformerBlock& primary, MemTag tag)
-      : ChainBlock(primary, tag), cfg_(primary.cfg_), layer_(primary.layer_) {}
+      : ChainBlock(primary, tag), cfg_(primary.cfg_), layer_(primary.layer_) {
+    selective_ = primary.selective_;
+  }
   void allocate(int64_t B, int64_t T, bool probs);
   // backward, or with defer backward_input (the weight GEMMs kept for backward_weight).
   void run_backward(const void* x, const BackwardScratch& s, bool defer);
+  // The training step's attention from the saved qkv into out [B, T, C] and lse.
+  void attend(const Tensor& out, const Tensor& lse, int64_t B, int64_t T);
+  bool selective_ = false;
   // The decode branch of forward's attention: append the new keys and values, attend over the cache.
   void attend_cached(const KVStep& kv);
   GPTConfig cfg_;

@@ -232,6 +232,7 @@ void GPT::set_recompute(const RecomputePlan& plan) {
              plan.blocks, cfg_.n_layer);
   release_activations();
   plan_ = plan;
+  for (auto& b : blocks_) b->set_selective(plan.selective);
 }
 
 ChainMemory GPT::chain_memory(int64_t B, int64_t T) const {

@@ -16,14 +16,17 @@ std::string_view recompute_name(Recompute r) {
     case Recompute::every_k: return "every-k";
     case Recompute::sqrt: return "sqrt";
     case Recompute::optimal: return "optimal";
+    case Recompute::selective: return "selective";
   }
   return "?";
 }
 
 Recompute recompute_from_name(std::string_view name, const std::string& field) {
-  for (Recompute r : {Recompute::none, Recompute::full, Recompute::every_k, Recompute::sqrt, Recompute::optimal})
+  for (Recompute r : {Recompute::none, Recompute::full, Recompute::every_k, Recompute::sqrt, Recompute::optimal,
+                      Recompute::selective})
     if (recompute_name(r) == name) return r;
-  throw Error(fmt::format("{}: '{}' is not a recompute policy (none, full, every-k, sqrt or optimal)", field, name));
+  throw Error(
+      fmt::format("{}: '{}' is not a recompute policy (none, full, every-k, sqrt, optimal or selective)", field, name));
 }
 
 int RecomputePlan::segment_of(int64_t l) const {
@@ -41,6 +44,7 @@ int64_t RecomputePlan::recomputed_blocks() const {
 }
 
 std::string RecomputePlan::describe() const {
+  if (selective) return "every block's attention output";
   if (segments.empty()) return "none";
   // Segments of one length, end to end: "h.0-h.11 in segments of 1 block".
   const int64_t k = segments[0].second - segments[0].first + 1;
@@ -133,9 +137,11 @@ RecomputePlan plan_recompute(Recompute policy, const ChainMemory& c, int64_t eve
              "recompute: the chain's sizes and costs disagree ({}, {}, {} blocks)", c.full.size(), c.out.size(),
              c.forward.size());
   switch (policy) {
-    case Recompute::none: {
+    case Recompute::none:
+    case Recompute::selective: {
       RecomputePlan p;
       p.blocks = L;
+      p.selective = policy == Recompute::selective;
       return p;
     }
     case Recompute::full: return segments_of(L, 1);

@@ -20,7 +20,10 @@
 // input, Megatron-LM's full recomputation with one layer per group); every-k (segments of k =
 // memory.recompute_every blocks, Megatron's "uniform" method); sqrt (k = ceil(sqrt(L)), Chen's
 // sqrt(n) segments); optimal (the plan of least recompute time whose peak fits
-// memory.activation_budget, solved exactly by a dynamic program; see plan_recompute).
+// memory.activation_budget, solved exactly by a dynamic program; see plan_recompute); selective
+// (Korthikanti et al. 2022: no segments; every block keeps all but the attention's output and
+// log-sum-exps, which backward computes again from the saved q, k, v: loom's attention kernels
+// keep no T x T matrix, so this is the part of the attention a block can drop).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -30,7 +33,7 @@
 
 namespace loom::model {
 
-enum class Recompute : uint8_t { none, full, every_k, sqrt, optimal };
+enum class Recompute : uint8_t { none, full, every_k, sqrt, optimal, selective };
 std::string_view recompute_name(Recompute r);
 // Throws naming `field` and the choices.
 Recompute recompute_from_name(std::string_view name, const std::string& field);
@@ -38,6 +41,7 @@ Recompute recompute_from_name(std::string_view name, const std::string& field);
 struct RecomputePlan {
   int64_t blocks = 0;                                   // L
   std::vector<std::pair<int64_t, int64_t>> segments;    // [first, last] block indices, in order
+  bool selective = false;  // every block computes its attention output again in backward
   bool recomputed(int64_t l) const;
   // The segment holding block l (its index in segments), or -1.
   int segment_of(int64_t l) const;

@@ -85,7 +85,7 @@ const Field kFields[] = {
     F("parallel.virtual_stages", virtual_stages, "model chunks per pipeline rank under the interleaved schedule (>= 2)"),
     F("parallel.stage_layers", stage_layers, "transformer blocks of each pipeline stage in order (of each model chunk under interleaved; the first also holds the embedding, the last the head); []: balanced by cost"),
     F("parallel.timeout_s", timeout_s, "communicator timeout in seconds: a rank waiting longer in one collective fails the job"),
-    F("memory.recompute", recompute, "activation recomputation: none, full (every block keeps only its input), every-k (segments of memory.recompute_every blocks), sqrt (segments of sqrt(n_layer)) or optimal (the least recompute that fits memory.activation_budget)"),
+    F("memory.recompute", recompute, "activation recomputation: none, full (every block keeps only its input), every-k (segments of memory.recompute_every blocks), sqrt (segments of sqrt(n_layer)), optimal (the least recompute that fits memory.activation_budget) or selective (every block's attention output)"),
     F("memory.recompute_every", recompute_every, "blocks per recomputed segment under memory.recompute = every-k"),
     F("memory.activation_budget", activation_budget, "saved-activation bytes allowed per rank (memory.recompute = optimal plans for it; any plan over it is refused; 0: none)"),
 };
@@ -314,8 +314,9 @@ void TrainConfig::validate(const std::string& where, const std::vector<std::stri
   need(skip_nonfinite >= 0, "train.skip_nonfinite", fmt::format("must be non-negative, got {}", skip_nonfinite));
   {
     bool known = false;
-    for (const char* r : {"none", "full", "every-k", "sqrt", "optimal"}) known = known || recompute == r;
-    need(known, "memory.recompute", fmt::format("must be none, full, every-k, sqrt or optimal, got '{}'", recompute));
+    for (const char* r : {"none", "full", "every-k", "sqrt", "optimal", "selective"}) known = known || recompute == r;
+    need(known, "memory.recompute",
+         fmt::format("must be none, full, every-k, sqrt, optimal or selective, got '{}'", recompute));
   }
   need(recompute_every >= 1, "memory.recompute_every", fmt::format("must be at least 1, got {}", recompute_every));
   need(activation_budget >= 0, "memory.activation_budget", fmt::format("must be non-negative, got {}", activation_budget));

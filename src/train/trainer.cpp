@@ -125,15 +125,22 @@ class ChainEngine : public CpuEngine {
     const model::Recompute policy = model::recompute_from_name(cfg_.recompute, "memory.recompute");
     const model::RecomputePlan plan =
         model::plan_recompute(policy, c, cfg_.recompute_every, double(cfg_.activation_budget));
-    const double peak = model::plan_peak(plan, c), without = model::plan_peak(model::RecomputePlan{int64_t(c.full.size()), {}}, c);
+    const double without = model::plan_peak(model::RecomputePlan{int64_t(c.full.size()), {}, false}, c);
+    model_.set_recompute(plan);
+    const double peak = double(model_.activation_peak_bytes(mb_, cfg_.seq_len));
     if (cfg_.activation_budget > 0 && peak > double(cfg_.activation_budget))
       throw Error(fmt::format("memory.activation_budget: {} per rank, but memory.recompute = {} needs {} of saved "
                               "activations at the micro-batch [{}, {}] (memory.recompute = optimal plans for the budget)",
                               format_bytes(cfg_.activation_budget), cfg_.recompute, format_bytes(int64_t(peak)), mb_,
                               cfg_.seq_len));
-    model_.set_recompute(plan);
     if (policy == model::Recompute::none) return;
     const int64_t R = plan.recomputed_blocks(), L = int64_t(c.full.size());
+    if (plan.selective) {
+      note_ = fmt::format("recompute selective: every block computes its attention output again in backward | saved "
+                          "activations per rank {} (without recomputation {})",
+                          format_bytes(int64_t(peak)), format_bytes(int64_t(without)));
+      return;
+    }
     note_ = fmt::format("recompute {}: {} run forward again in backward ({} of {} blocks: about {:.0f}% more of their "
                         "work) | saved activations per rank {} (without recomputation {})",
                         cfg_.recompute, plan.describe(), R, L, L > 0 ? 100.0 * double(R) / (3.0 * double(L)) : 0.0,

@@ -103,7 +103,8 @@ TEST(Recompute, EveryPolicyTrainsBitIdenticallyAndPeaksAsDeclared) {
            {"every-2", plan_recompute(Recompute::every_k, c, 2)},
            {"sqrt", plan_recompute(Recompute::sqrt, c)},
            {"optimal", plan_recompute(Recompute::optimal, c, 2, (plan_peak(plan_recompute(Recompute::full, c), c) +
-                                                                 double(none.declared)) / 2)}}) {
+                                                                 double(none.declared)) / 2)},
+           {"selective", plan_recompute(Recompute::selective, c)}}) {
     SCOPED_TRACE(name + ": " + plan.describe());
     const Trained r = train(&plan);
     EXPECT_EQ(r.losses, none.losses);
@@ -117,6 +118,12 @@ TEST(Recompute, EveryPolicyTrainsBitIdenticallyAndPeaksAsDeclared) {
   EXPECT_EQ(plan_recompute(Recompute::sqrt, c).describe(), "h.0-h.2, h.3-h.4");
   EXPECT_EQ(plan_recompute(Recompute::full, c).describe(), "h.0-h.4 in segments of 1 block");
   EXPECT_EQ(plan_recompute(Recompute::full, c).recomputed_blocks(), 5);
+  // Selective: every block saves all but its attention output and log-sum-exps.
+  const int64_t B = 2, T = 32, C = 64, NH = 4;
+  EXPECT_EQ(plan_peak(RecomputePlan{5, {}, false}, c) - double(train(nullptr, 0).none_declared), 0.0);
+  GPT sel(five_blocks(), probe);
+  sel.set_recompute(plan_recompute(Recompute::selective, c));
+  EXPECT_EQ(shapes.saved_activation_bytes(B, T) - sel.saved_activation_bytes(B, T), 5 * 4 * (B * T * C + B * NH * T));
 }
 
 TEST(Recompute, OptimalIsTheLeastCostThatFitsAmongEveryPlan) {

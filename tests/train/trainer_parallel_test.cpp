@@ -151,6 +151,7 @@ TEST_F(TrainParallel, RecomputationWithEveryLayoutMatchesSingleDevice) {
   expect_same_losses("recompute_full_dp2_zero3", "--memory.recompute full --parallel.dp 2 --parallel.zero 3");
   expect_same_losses("recompute_sqrt_tp2_sp", "--memory.recompute sqrt --parallel.tp 2 --parallel.sp true");
   expect_same_losses("recompute_every_cp2", "--memory.recompute every-k --memory.recompute_every 2 --parallel.cp 2");
+  expect_same_losses("recompute_selective_tp2_cp2", "--memory.recompute selective --parallel.tp 2 --parallel.cp 2");
   expect_same_checkpoint("recompute_every_cp2");
   CmdRun pp = train("recompute_pp", "--memory.recompute full --parallel.pp 2");
   EXPECT_NE(pp.status, 0);
