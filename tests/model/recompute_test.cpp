@@ -127,9 +127,20 @@ TEST(Recompute, EveryPolicyTrainsBitIdenticallyAndPeaksAsDeclared) {
 }
 
 TEST(Recompute, OptimalIsTheLeastCostThatFitsAmongEveryPlan) {
-  for (int64_t L : {1, 3, 5, 7})
-    for (double o : {1.0, 4.0})
-      for (double budget : {30.0, 45.0, 60.0, 80.0, 120.0}) {
+  struct Case {
+    int64_t L;
+    std::vector<double> outs, budgets;
+  };
+  // Chains up to 12 blocks (3^12 plans); F = 16, the embedding and head 5.
+  const std::vector<Case> cases{{1, {1, 4}, {10, 30}},
+                                {3, {1, 4}, {30, 45, 60}},
+                                {5, {1, 4}, {30, 45, 60, 80, 120}},
+                                {7, {1, 4}, {45, 60, 80, 120}},
+                                {12, {2}, {60, 110, 180}}};
+  for (const Case& cs : cases)
+    for (double o : cs.outs)
+      for (double budget : cs.budgets) {
+        const int64_t L = cs.L;
         const ChainMemory c = identical(L, 16.0, o, 5.0);
         double best_cost = std::numeric_limits<double>::infinity(), best_peak = 0;
         every_plan(L, [&](const RecomputePlan& p) {
