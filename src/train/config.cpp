@@ -322,8 +322,9 @@ void TrainConfig::validate(const std::string& where, const std::vector<std::stri
   need(activation_budget >= 0, "memory.activation_budget", fmt::format("must be non-negative, got {}", activation_budget));
   need(recompute != "optimal" || activation_budget > 0, "memory.activation_budget",
        "memory.recompute = optimal plans for a budget: set memory.activation_budget (bytes per rank)");
-  need(recompute == "none" || pp == 1, "memory.recompute",
-       fmt::format("'{}' is not available with parallel.pp = {} yet (pipeline stages keep every activation)", recompute,
+  need(recompute != "optimal" || pp == 1, "memory.recompute",
+       fmt::format("optimal is not available with parallel.pp = {} yet (it plans for the whole model; choose full, "
+                   "every-k, sqrt or selective for the stages)",
                    pp));
   for (const auto& [field, value] :
        {std::pair<const char*, float>{"optim.lr", lr}, {"optim.min_lr", min_lr}, {"optim.beta1", beta1},

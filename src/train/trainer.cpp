@@ -377,6 +377,8 @@ class PipelineEngine : public CpuEngine {
     o.adamw = oc;
     o.seed = cfg.seed;
     o.seq_len = cfg.seq_len;
+    o.recompute = model::recompute_from_name(cfg.recompute, "memory.recompute");
+    o.recompute_every = cfg.recompute_every;
     if (!cfg.stage_layers.empty())
       o.cuts = pipe::cuts_from_stage_layers(cfg.stage_layers, n_layer, "parallel.stage_layers");
     return o;

@@ -153,9 +153,27 @@ TEST_F(TrainParallel, RecomputationWithEveryLayoutMatchesSingleDevice) {
   expect_same_losses("recompute_every_cp2", "--memory.recompute every-k --memory.recompute_every 2 --parallel.cp 2");
   expect_same_losses("recompute_selective_tp2_cp2", "--memory.recompute selective --parallel.tp 2 --parallel.cp 2");
   expect_same_checkpoint("recompute_every_cp2");
-  CmdRun pp = train("recompute_pp", "--memory.recompute full --parallel.pp 2");
+  // Pipeline stages recompute their own blocks, under every schedule (zero bubble's split
+  // backward keeps the recomputed activations for the deferred weight gradients).
+  expect_same_losses("recompute_full_pp2", "--memory.recompute full --parallel.pp 2 --parallel.schedule 1f1b");
+  expect_same_checkpoint("recompute_full_pp2");
+  expect_same_losses("recompute_every_pp2_zb", "--memory.recompute every-k --parallel.pp 2 --parallel.schedule zb-h1");
+  expect_same_losses("recompute_selective_pp2_tp2",
+                     "--memory.recompute selective --parallel.pp 2 --parallel.tp 2 --parallel.schedule interleaved");
+  // Bit-identical to the same layout without recomputation: losses, parameters and moments.
+  for (const auto& [name, layout] : std::vector<std::pair<std::string, std::string>>{
+           {"dp2_zero3", "--parallel.dp 2 --parallel.zero 3"},
+           {"tp2_sp", "--parallel.tp 2 --parallel.sp true"},
+           {"pp2_zb", "--parallel.pp 2 --parallel.schedule zb-h1"}}) {
+    ASSERT_EQ(train("bits_none_" + name, layout).status, 0) << layout;
+    ASSERT_EQ(train("bits_full_" + name, layout + " --memory.recompute full").status, 0) << layout;
+    expect_identical_metrics("bits_none_" + name, "bits_full_" + name, {"loss", "grad_norm", "val_loss"});
+    expect_identical_checkpoints("bits_none_" + name, "bits_full_" + name);
+  }
+  CmdRun pp = train("recompute_pp", "--memory.recompute optimal --memory.activation_budget 1000000 --parallel.pp 2");
   EXPECT_NE(pp.status, 0);
-  EXPECT_NE(pp.output.find("memory.recompute"), std::string::npos) << pp.output;
+  EXPECT_NE(pp.output.find("memory.recompute: optimal is not available with parallel.pp"), std::string::npos)
+      << pp.output;
 }
 
 TEST_F(TrainParallel, PipelineMatchesSingleDevice) {

@@ -105,6 +105,14 @@ struct Slot {
 struct Chunk {
   int vs = 0;
   int64_t first = 0, last = 0;  // chain elements [first, last)
+  // Recomputed segments of the chunk's elements [first, last] (transformer blocks only), by
+  // chain element.
+  std::vector<std::pair<int64_t, int64_t>> segments;
+  int segment_of(int64_t e) const {
+    for (size_t s = 0; s < segments.size(); ++s)
+      if (e >= segments[s].first && e <= segments[s].second) return int(s);
+    return -1;
+  }
   std::vector<std::unique_ptr<Slot>> all;
   std::vector<Slot*> free;
   std::map<int, Slot*> active;  // by micro-batch
@@ -241,6 +249,12 @@ struct PipelineExecutor::Impl {
         auto* tb = static_cast<model::TransformerBlock*>(blk);
         tb->forward(x, b, T);
         x = tb->out().f32();
+        // A recomputed segment keeps only its input and its last block's output.
+        const int sg = ch.segment_of(e);
+        if (sg >= 0) {
+          tb->drop_saved();
+          if (e > ch.segments[size_t(sg)].first) s.blocks[size_t(e - 1 - ch.first)]->release_activations();
+        }
       } else {
         auto* head = static_cast<model::Head*>(blk);
         losses[size_t(mb)] = head->forward(x, targets.i32() + mb * b * T, b, T, /*fuse_backward=*/true, dscale);
@@ -262,16 +276,22 @@ struct PipelineExecutor::Impl {
     model::BackwardScratch ws{ws_dres.f32(), ws_bufC.f32(), ws_buf4C.f32()};
     if (ch.last <= cfg.n_layer + 1) std::memcpy(ws.dres, s.grad_in.f32(), size_t(n) * sizeof(float));
     const float dscale = 1.0f / float(opt.schedule.micro_batches);
-    for (int64_t e = ch.last - 1; e >= ch.first; --e) {
+    auto input_of = [&](int64_t e) -> const float* {  // the element's input
       const size_t k = size_t(e - ch.first);
-      const float* x_in = nullptr;  // the element's input
       if (k > 0) {
         model::ChainBlock* prev = s.blocks[k - 1].get();
-        x_in = e - 1 == 0 ? static_cast<model::Embedding*>(prev)->out().f32()
+        return e - 1 == 0 ? static_cast<model::Embedding*>(prev)->out().f32()
                           : static_cast<model::TransformerBlock*>(prev)->out().f32();
-      } else if (e > 0) {
-        x_in = s.input.f32();
       }
+      return e > 0 ? s.input.f32() : nullptr;
+    };
+    for (int64_t e = ch.last - 1; e >= ch.first; --e) {
+      const size_t k = size_t(e - ch.first);
+      const int sg = ch.segment_of(e);
+      if (sg >= 0 && e == ch.segments[size_t(sg)].second)  // the segment runs forward again first
+        for (int64_t m = ch.segments[size_t(sg)].first; m <= e; ++m)
+          static_cast<model::TransformerBlock*>(s.blocks[size_t(m - ch.first)].get())->forward(input_of(m), b, T);
+      const float* x_in = input_of(e);
       model::ChainBlock* blk = s.blocks[k].get();
       if (input_only) {
         if (e == 0) static_cast<model::Embedding*>(blk)->backward_input(ws.dres);
@@ -281,6 +301,7 @@ struct PipelineExecutor::Impl {
         if (e == 0) static_cast<model::Embedding*>(blk)->backward(ws.dres);
         else if (e <= cfg.n_layer) static_cast<model::TransformerBlock*>(blk)->backward(x_in, ws);
         else static_cast<model::Head*>(blk)->backward(x_in, ws, dscale);
+        if (sg >= 0) blk->release_activations();  // (the split backward keeps them for backward_weight)
       }
     }
     s.grad_in = Tensor();  // consumed
@@ -455,6 +476,23 @@ PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOp
     ch.all.push_back(std::move(s));
   }
   if (I.wte_copy) I.params.push_back(I.wte_copy.get());
+  // Each chunk's recomputed segments over its transformer blocks (a selective plan marks the
+  // blocks instead; their micro-batch replicas copy the mark).
+  LOOM_CHECK(opt.recompute != model::Recompute::optimal, "pipeline executor: the optimal recompute policy plans for a "
+             "whole model, not for pipeline stages (choose full, every-k, sqrt or selective)");
+  for (Chunk& ch : I.chunks) {
+    const int64_t b0 = std::max<int64_t>(ch.first, 1), b1 = std::min<int64_t>(ch.last, cfg.n_layer + 1);
+    if (b1 <= b0) continue;
+    model::ChainMemory cm;
+    cm.full.assign(size_t(b1 - b0), 1.0);
+    cm.out.assign(size_t(b1 - b0), 1.0);
+    cm.forward.assign(size_t(b1 - b0), 1.0);
+    const model::RecomputePlan plan = model::plan_recompute(opt.recompute, cm, opt.recompute_every);
+    for (const auto& [a, z] : plan.segments) ch.segments.push_back({b0 + a, b0 + z});
+    if (plan.selective)
+      for (int64_t e = b0; e < b1; ++e)
+        static_cast<model::TransformerBlock*>(ch.all[0]->blocks[size_t(e - ch.first)].get())->set_selective(true);
+  }
   I.copy = I.wte_copy.get();
   if (cfg.tied_embeddings && p > 1 && owns_embedding != owns_head) I.tied = I.wte;
   I.make_optimizer(pool);

@@ -47,6 +47,7 @@
 #include "model/config.h"
 #include "model/param.h"
 #include "model/parallel.h"
+#include "model/recompute.h"
 #include "optim/adamw.h"
 #include "parallel/data/replica_optimizer.h"
 #include "parallel/pipeline/checker.h"
@@ -80,6 +81,10 @@ struct ExecutorOptions {
   int zero_stage = 0;               // ZeRO 0, or 1 (AdamW moments sharded over dp)
   int64_t seq_len = 0;              // the run's sequence length, for the schedule's op costs and the
                                     // balanced cuts (0: the model's block_size)
+  // Activation recomputation of each chunk's transformer blocks (model/recompute.h: none, full,
+  // every_k with recompute_every, sqrt, selective; optimal is a trainer's choice, not here).
+  model::Recompute recompute = model::Recompute::none;
+  int64_t recompute_every = 2;
   // Refuses unsupported combinations with an error naming the field.
   void validate() const;
 };
