@@ -44,7 +44,27 @@ Allocator& cpu_allocator() {
 
 MemoryPool::MemoryPool(std::string name, Allocator* alloc) : name_(std::move(name)), alloc_(alloc) {}
 
+void MemoryPool::set_limit(int64_t bytes, std::string field) {
+  LOOM_CHECK(bytes >= 0, "{}: a memory limit must be non-negative, got {}", field, bytes);
+  std::lock_guard lk(mu_);
+  limit_ = bytes;
+  limit_field_ = std::move(field);
+}
+
 void* MemoryPool::allocate(size_t bytes, MemTag tag) {
+  if (limit_ > 0) {
+    std::lock_guard lk(mu_);
+    if (s_.total_current + int64_t(bytes) > limit_) {
+      std::string held;
+      for (int t = 0; t < kNumMemTags; ++t)
+        if (s_.current[t] > 0)
+          held += fmt::format("{}{} {}", held.empty() ? "" : ", ", mem_tag_name(MemTag(t)), format_bytes(s_.current[t]));
+      throw Error(fmt::format("{}: {} more bytes of {} ({}) would take pool '{}' to {}, over the limit of {} (it holds {})",
+                              limit_field_, bytes, mem_tag_name(tag), format_bytes(int64_t(bytes)), name_,
+                              format_bytes(s_.total_current + int64_t(bytes)), format_bytes(limit_),
+                              held.empty() ? "nothing" : held));
+    }
+  }
   void* p = alloc_->allocate(bytes);
   std::lock_guard lk(mu_);
   int i = int(tag);

@@ -61,6 +61,10 @@ class MemoryPool {
   MemStats stats() const;
   // Peaks restart from the current values (for measuring one phase, e.g. one training step).
   void reset_peaks();
+  // An allocation that would take the pool's total above `bytes` (0: no limit) throws loom::Error
+  // naming `field`, the tag, what the pool holds and the limit, before allocating.
+  void set_limit(int64_t bytes, std::string field);
+  int64_t limit() const { return limit_; }
 
   Device device() const { return alloc_->device(); }
   const std::string& name() const { return name_; }
@@ -72,6 +76,8 @@ class MemoryPool {
   Allocator* alloc_;
   mutable std::mutex mu_;
   MemStats s_;
+  int64_t limit_ = 0;
+  std::string limit_field_;
 };
 
 // The process-wide default CPU pool, for code that has no rank of its own (tools, tests).

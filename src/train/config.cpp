@@ -61,6 +61,7 @@ const Field kFields[] = {
     F("train.sample_prompt", sample_prompt, "text the samples continue (\"\": the start of the validation split)"),
     F("train.checkpoint_every", checkpoint_every, "steps between checkpoints (0: at the end only)"),
     F("train.keep_checkpoints", keep_checkpoints, "checkpoints kept (older ones are deleted)"),
+    F("train.memory_limit", memory_limit, "bytes loom may allocate per rank (its model pool: parameters, gradients, optimizer state, activations, workspace, communication buffers; 0: no limit); a layout that cannot fit is refused before its first step, naming the tag"),
     F("train.skip_nonfinite", skip_nonfinite, "steps with a non-finite loss or gradient norm skipped (no update) in a row before the run stops (0: stop at the first)"),
     F("train.out_dir", out_dir, "directory for checkpoints, metrics.jsonl and loss.png"),
     F("optim.lr", lr, "peak learning rate"),
@@ -312,6 +313,7 @@ void TrainConfig::validate(const std::string& where, const std::vector<std::stri
   need(checkpoint_every >= 0, "train.checkpoint_every", "must be non-negative");
   need(keep_checkpoints >= 1, "train.keep_checkpoints", "must be at least 1");
   need(skip_nonfinite >= 0, "train.skip_nonfinite", fmt::format("must be non-negative, got {}", skip_nonfinite));
+  need(memory_limit >= 0, "train.memory_limit", fmt::format("must be non-negative, got {}", memory_limit));
   {
     bool known = false;
     for (const char* r : {"none", "full", "every-k", "sqrt", "optimal", "selective"}) known = known || recompute == r;

@@ -39,7 +39,8 @@ struct TrainConfig {
   std::string sample_prompt;               // text the samples continue ("": the first val tokens)
   int64_t checkpoint_every = 0;            // 0: only at the end
   int64_t keep_checkpoints = 2;
-  int64_t skip_nonfinite = 3;  // steps with a non-finite loss or gradient skipped in a row before the run stops
+  int64_t skip_nonfinite = 3;
+  int64_t memory_limit = 0;  // bytes loom may hold per rank (its pool; 0: no limit)  // steps with a non-finite loss or gradient skipped in a row before the run stops
   std::string out_dir = "runs/default";
   // [optim]
   float lr = 6e-4f, min_lr = 6e-5f;

@@ -128,6 +128,20 @@ class ChainEngine : public CpuEngine {
     const double without = model::plan_peak(model::RecomputePlan{int64_t(c.full.size()), {}, false}, c);
     model_.set_recompute(plan);
     const double peak = double(model_.activation_peak_bytes(mb_, cfg_.seq_len));
+    // The rest of a step's need, before its first allocation: the activations' declared peak and
+    // the backward and attention workspace on top of what the pool already holds.
+    if (pool_.limit() > 0) {
+      const int64_t held = pool_.total_current();
+      const int64_t ws = model_.workspace_bytes(mb_, cfg_.seq_len, omp_get_max_threads());
+      if (held + int64_t(peak) + ws > pool_.limit())
+        throw Error(fmt::format("train.memory_limit: {} per rank, but this rank needs {}: it holds {} (parameters, "
+                                "gradients, optimizer state) and a step at the micro-batch [{}, {}] adds activations {} "
+                                "(memory.recompute = {}) and workspace {}; a layout that splits the model (tp, pp, "
+                                "ZeRO-3), recomputation or a smaller micro-batch fits it",
+                                format_bytes(pool_.limit()), format_bytes(held + int64_t(peak) + ws),
+                                format_bytes(held), mb_, cfg_.seq_len, format_bytes(int64_t(peak)), cfg_.recompute,
+                                format_bytes(ws)));
+    }
     if (cfg_.activation_budget > 0 && peak > double(cfg_.activation_budget))
       throw Error(fmt::format("memory.activation_budget: {} per rank, but memory.recompute = {} needs {} of saved "
                               "activations at the micro-batch [{}, {}] (memory.recompute = optimal plans for the budget)",
@@ -639,6 +653,8 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   const model::GPTConfig mc = run_data.model;
 
   MemoryPool pool(fmt::format("cpu:{}", rank)), host_pool(fmt::format("host:{}", rank));
+  // Every allocation of the rank's model pool is checked against the limit before it is made.
+  pool.set_limit(cfg.memory_limit, "train.memory_limit");
   const optim::AdamWConfig oc = adamw_config(cfg);
   std::unique_ptr<Engine> engine;
   const std::string where = opt.config_path.empty() ? "config" : opt.config_path;
@@ -766,11 +782,11 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
     res.host_peak_bytes[size_t(t)] = host_peaks ? host_peaks->peak(MemTag(t)) : 0;
   }
   const std::string comm_line = engine->summary(res);
-  say(fmt::format("memory of rank 0 (peak): params {} | grads {} | optimizer {}{} | activations {}{}",
+  say(fmt::format("memory of rank 0 (peak): params {} | grads {} | optimizer {}{} | activations {} | all tags {}{}",
                   format_bytes(res.peak_bytes[size_t(MemTag::params)]), format_bytes(res.peak_bytes[size_t(MemTag::grads)]),
                   format_bytes(res.peak_bytes[size_t(MemTag::optimizer)]),
                   cfg.offload ? fmt::format(" (host: optimizer {})", format_bytes(res.host_peak_bytes[size_t(MemTag::optimizer)])) : "",
-                  format_bytes(res.peak_bytes[size_t(MemTag::activations)]),
+                  format_bytes(res.peak_bytes[size_t(MemTag::activations)]), format_bytes(peaks.total_peak()),
                   comm_line.empty() ? "" : " | " + comm_line));
   res.last_sample = sample(cfg.steps);
   if (!res.last_sample.empty()) say(fmt::format("--- sample ---\n{}\n---", res.last_sample));

@@ -159,7 +159,7 @@ TEST(TrainConfig, TomlRoundTrip) {
   EXPECT_EQ(d.out_dir, c.out_dir);
   EXPECT_FALSE(d.cuda_graph);
   EXPECT_EQ(d.stage_layers, (std::vector<int64_t>{3, 1, 4}));
-  EXPECT_EQ(config_fields().size(), 54u);
+  EXPECT_EQ(config_fields().size(), 55u);
 }
 
 // The README's config reference has a row for every field with its type, default and help, as

@@ -308,7 +308,13 @@ TEST_F(TrainerFailure, MpiRankKilledEndsTheJobWithinTheTimeout) {
   EXPECT_LT(after_kill, timeout_s) << out;
   // mpirun's report: "process rank 1 with PID ... exited on signal 9 (Killed)".
   EXPECT_NE(out.find("process rank 1 "), std::string::npos) << out;
-  for (auto [rank, pid] : ranks) EXPECT_FALSE(alive(pid)) << "rank " << rank << " (pid " << pid << ") still runs";
+  // mpirun may return while its daemons are still ending the other ranks: each must be gone
+  // within a few seconds (no rank outlives the job).
+  for (auto [rank, pid] : ranks) {
+    const auto gone_by = Clock::now() + std::chrono::seconds(5);
+    while (alive(pid) && Clock::now() < gone_by) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    EXPECT_FALSE(alive(pid)) << "rank " << rank << " (pid " << pid << ") still runs 5 s after the job ended";
+  }
 
   // Nothing already written is lost: `latest` names a complete checkpoint, and it resumes.
   auto meta = last_checkpoint(out_dir);
