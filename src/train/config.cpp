@@ -313,7 +313,6 @@ void TrainConfig::validate(const std::string& where, const std::vector<std::stri
   need(checkpoint_every >= 0, "train.checkpoint_every", "must be non-negative");
   need(keep_checkpoints >= 1, "train.keep_checkpoints", "must be at least 1");
   need(skip_nonfinite >= 0, "train.skip_nonfinite", fmt::format("must be non-negative, got {}", skip_nonfinite));
-  need(memory_limit >= 0, "train.memory_limit", fmt::format("must be non-negative, got {}", memory_limit));
   {
     bool known = false;
     for (const char* r : {"none", "full", "every-k", "sqrt", "optimal", "selective"}) known = known || recompute == r;
@@ -321,7 +320,11 @@ void TrainConfig::validate(const std::string& where, const std::vector<std::stri
          fmt::format("must be none, full, every-k, sqrt, optimal or selective, got '{}'", recompute));
   }
   need(recompute_every >= 1, "memory.recompute_every", fmt::format("must be at least 1, got {}", recompute_every));
-  need(activation_budget >= 0, "memory.activation_budget", fmt::format("must be non-negative, got {}", activation_budget));
+  // (Byte sizes are unsigned fields: 0 to 2^63, unlike the counts' 2^31.)
+  need(memory_limit <= (uint64_t(1) << 50), "train.memory_limit",
+       fmt::format("must be at most 2^50 bytes (1 PiB), got {}", memory_limit));
+  need(activation_budget <= (uint64_t(1) << 50), "memory.activation_budget",
+       fmt::format("must be at most 2^50 bytes (1 PiB), got {}", activation_budget));
   need(recompute != "optimal" || activation_budget > 0, "memory.activation_budget",
        "memory.recompute = optimal plans for a budget: set memory.activation_budget (bytes per rank)");
   need(recompute != "optimal" || pp == 1, "memory.recompute",

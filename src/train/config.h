@@ -39,8 +39,8 @@ struct TrainConfig {
   std::string sample_prompt;               // text the samples continue ("": the first val tokens)
   int64_t checkpoint_every = 0;            // 0: only at the end
   int64_t keep_checkpoints = 2;
-  int64_t skip_nonfinite = 3;
-  int64_t memory_limit = 0;  // bytes loom may hold per rank (its pool; 0: no limit)  // steps with a non-finite loss or gradient skipped in a row before the run stops
+  int64_t skip_nonfinite = 3;   // steps with a non-finite loss or gradient skipped in a row before the run stops
+  uint64_t memory_limit = 0;    // bytes loom may hold per rank (its model pool; 0: no limit)
   std::string out_dir = "runs/default";
   // [optim]
   float lr = 6e-4f, min_lr = 6e-5f;
@@ -62,7 +62,7 @@ struct TrainConfig {
   // [memory]
   std::string recompute = "none";          // none | full | every-k | sqrt | optimal (model/recompute.h)
   int64_t recompute_every = 2;             // every-k's k
-  int64_t activation_budget = 0;           // saved-activation bytes per rank (optimal's budget; 0: none)
+  uint64_t activation_budget = 0;          // saved-activation bytes per rank (optimal's budget; 0: none)
 
   // The model configuration these fields describe (vocab from the data when vocab_size is 0).
   model::GPTConfig model(int64_t data_vocab) const;

@@ -145,7 +145,7 @@ class ChainEngine : public CpuEngine {
     if (cfg_.activation_budget > 0 && peak > double(cfg_.activation_budget))
       throw Error(fmt::format("memory.activation_budget: {} per rank, but memory.recompute = {} needs {} of saved "
                               "activations at the micro-batch [{}, {}] (memory.recompute = optimal plans for the budget)",
-                              format_bytes(cfg_.activation_budget), cfg_.recompute, format_bytes(int64_t(peak)), mb_,
+                              format_bytes(int64_t(cfg_.activation_budget)), cfg_.recompute, format_bytes(int64_t(peak)), mb_,
                               cfg_.seq_len));
     if (policy == model::Recompute::none) return;
     const int64_t R = plan.recomputed_blocks(), L = int64_t(c.full.size());
@@ -266,6 +266,8 @@ class ChainEngine : public CpuEngine {
   FullState gather(bool with_moments) override {
     FullState st;
     st.optimizer_steps = ddp_.optimizer_steps();
+    model_.release_activations();  // what the gather holds takes their place
+    full_ = parallel::DataParallel::FullState{};
     full_ = ddp_.gather_full_state();
     if (mc_.coord("dp") != 0 || mc_.coord("cp") != 0) return st;
     const auto& ps = model_.parameters();
@@ -654,7 +656,7 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
 
   MemoryPool pool(fmt::format("cpu:{}", rank)), host_pool(fmt::format("host:{}", rank));
   // Every allocation of the rank's model pool is checked against the limit before it is made.
-  pool.set_limit(cfg.memory_limit, "train.memory_limit");
+  pool.set_limit(int64_t(cfg.memory_limit), "train.memory_limit");
   const optim::AdamWConfig oc = adamw_config(cfg);
   std::unique_ptr<Engine> engine;
   const std::string where = opt.config_path.empty() ? "config" : opt.config_path;

@@ -539,6 +539,13 @@ DataParallel::FullState DataParallel::empty_full_state() const {
 }
 
 DataParallel::FullState DataParallel::gather_full_state() {
+  if (o_.zero == 0) {  // every rank holds it all already: the live buffers themselves, no copy
+    FullState s;
+    s.params = params_;
+    s.exp_avg = opt_->exp_avg();
+    s.exp_avg_sq = opt_->exp_avg_sq();
+    return s;
+  }
   FullState s = empty_full_state();
   if (o_.zero == 3) comm_.all_gather(params_.f32(), s.params.f32(), n_pad_, DType::f32);
   else std::memcpy(s.params.f32(), params_.f32(), size_t(n_pad_) * 4);

@@ -125,7 +125,8 @@ class DataParallel final : public model::ChainHooks {
   double sum_over_ranks(double x);
 
   // Full (gathered) state for checkpoints, collective: flat f32 [N_pad] copies of the parameters
-  // and of both moments (tag workspace, from the model's pool).
+  // and of both moments (tag workspace, from the model's pool); at stage 0 the live buffers
+  // themselves (read them before the next step).
   struct FullState {
     Tensor params, exp_avg, exp_avg_sq;
   };
