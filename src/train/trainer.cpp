@@ -3,6 +3,7 @@
 #include "train/run_util.h"
 
 #include <omp.h>
+#include <sys/resource.h>
 
 #include <chrono>
 #include <cmath>
@@ -784,11 +785,18 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
     res.host_peak_bytes[size_t(t)] = host_peaks ? host_peaks->peak(MemTag(t)) : 0;
   }
   const std::string comm_line = engine->summary(res);
-  say(fmt::format("memory of rank 0 (peak): params {} | grads {} | optimizer {}{} | activations {} | all tags {}{}",
+  // Beside the pool's accounting, what the process really held: its peak resident set (every rank
+  // of the process when ranks are threads).
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  const int64_t rss = int64_t(usage.ru_maxrss) * 1024;
+  say(fmt::format("memory of rank 0 (peak): params {} | grads {} | optimizer {}{} | activations {} | all tags {} | "
+                  "process peak RSS {} ({}){}",
                   format_bytes(res.peak_bytes[size_t(MemTag::params)]), format_bytes(res.peak_bytes[size_t(MemTag::grads)]),
                   format_bytes(res.peak_bytes[size_t(MemTag::optimizer)]),
                   cfg.offload ? fmt::format(" (host: optimizer {})", format_bytes(res.host_peak_bytes[size_t(MemTag::optimizer)])) : "",
                   format_bytes(res.peak_bytes[size_t(MemTag::activations)]), format_bytes(peaks.total_peak()),
+                  format_bytes(rss), cfg.comm == "threads" && ranks > 1 ? fmt::format("all {} ranks", ranks) : "rank 0",
                   comm_line.empty() ? "" : " | " + comm_line));
   res.last_sample = sample(cfg.steps);
   if (!res.last_sample.empty()) say(fmt::format("--- sample ---\n{}\n---", res.last_sample));
