@@ -15,6 +15,7 @@
 #include <system_error>
 #include <vector>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "data/shard.h"
@@ -136,5 +137,26 @@ inline void write_pattern_corpus(const std::filesystem::path& dir) {
   data::write_shard((dir / "train_000.bin").string(), toks, 97);
   data::write_shard((dir / "val_000.bin").string(), std::vector<uint32_t>(toks.begin(), toks.begin() + 2000), 97);
 }
+
+// A scratch directory for a test's runs of `loom train`: ROOT/data holds the pattern corpus,
+// ROOT/logs the runs' captured output; removed at the end.
+struct TrainScratch {
+  std::filesystem::path root;
+  explicit TrainScratch(const std::string& name)
+      : root(std::filesystem::temp_directory_path() / (name + "_" + std::to_string(::getpid()))) {
+    std::filesystem::remove_all(root);
+    std::filesystem::create_directories(root / "logs");
+    write_pattern_corpus(root / "data");
+  }
+  ~TrainScratch() { std::filesystem::remove_all(root); }
+  TrainScratch(const TrainScratch&) = delete;
+  TrainScratch& operator=(const TrainScratch&) = delete;
+  // `loom train --data.dir ROOT/data --train.out_dir ROOT/OUT ARGS`, with `env` in front.
+  CliRun train(const std::string& out, const std::string& args, const std::string& env = "") const {
+    return loom_cli(fmt::format("train --data.dir '{}' --train.out_dir '{}' {}", (root / "data").string(),
+                                (root / out).string(), args),
+                    root / "logs", env);
+  }
+};
 
 }  // namespace loom::test

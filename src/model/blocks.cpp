@@ -261,6 +261,7 @@ void TransformerBlock::drop_saved() {
 
 // The saved activations of [B, T] (after drop_saved only those missing).
 void TransformerBlock::allocate(int64_t B, int64_t T, bool probs) {
+  if (B == B_ && T == T_ && a_.ln1.defined()) return;  // (a forward without recomputation)
   if (B != B_ || T != T_) release_activations();
   for (const SavedActivation& s : saved_activations(B, T)) {
     if (s.name.ends_with(".probs") && !probs) continue;
@@ -317,7 +318,6 @@ void TransformerBlock::attend_cached(const KVStep& kv) {
 void TransformerBlock::forward(const void* x, int64_t B, int64_t T, const KVStep* kv) {
   ChainParallel& P = *par_;
   LOOM_CHECK(!kv || P.single(), "{}: cached decoding runs on one device (tp = cp = 1)", name());
-  P.check_sequence(T, name());
   const int64_t C = cfg_.n_embd, Cl = C / P.tp(), N = P.rows(B, T), Ns = P.own_rows(B, T);
   const size_t es = esize();
   allocate(B, T, /*probs=*/kv == nullptr);
@@ -550,7 +550,6 @@ double Head::forward(const void* x, const int32_t* targets, int64_t B, int64_t T
   ChainParallel& P = *par_;
   const int64_t C = cfg_.n_embd, V = cfg_.vocab_size, Vs = P.vocab_rows(cfg_), N = P.rows(B, T), Ns = P.own_rows(B, T);
   LOOM_CHECK(!dev || P.single(), "head: a device batch runs on one device (tp = cp = 1)");
-  P.check_sequence(T, "head");
   if (B != B_ || T != T_) {
     release_activations();
     const std::vector<SavedActivation> sa = saved_activations(B, T);

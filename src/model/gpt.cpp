@@ -129,7 +129,6 @@ float GPT::forward(const Tensor& tokens, const Tensor& targets, const ForwardOpt
   // The blocks' attention scratch, sized once for the largest call: with targets a backward may
   // follow, so the larger of the forward and backward call (without, the forward calls take what
   // they need).
-  par_->check_sequence(T, "model '" + cfg_.name + "'");
   if (layout_.activation_budget > 0 && saved_activation_bytes(B, T) > layout_.activation_budget)
     throw Error(fmt::format("model '{}': micro-batch [{}, {}] needs {} of saved activations per rank, over the "
                             "activation budget of {} (tp={}{}, cp={})",

@@ -21,10 +21,15 @@ std::string_view recompute_name(Recompute r) {
   return "?";
 }
 
-Recompute recompute_from_name(std::string_view name, const std::string& field) {
+std::optional<Recompute> recompute_parse(std::string_view name) {
   for (Recompute r : {Recompute::none, Recompute::full, Recompute::every_k, Recompute::sqrt, Recompute::optimal,
                       Recompute::selective})
     if (recompute_name(r) == name) return r;
+  return std::nullopt;
+}
+
+Recompute recompute_from_name(std::string_view name, const std::string& field) {
+  if (auto r = recompute_parse(name)) return *r;
   throw Error(
       fmt::format("{}: '{}' is not a recompute policy (none, full, every-k, sqrt, optimal or selective)", field, name));
 }
@@ -97,21 +102,21 @@ RecomputePlan optimal_identical(int64_t L, double F, double o, double K, double 
   p.blocks = L;
   if (double(L) * F <= K) return p;  // nothing to recompute
   const double inf = std::numeric_limits<double>::infinity();
-  double least = inf;  // the least peak of the blocks over all plans (every block recomputed)
+  double least = inf;  // the least peak of the blocks over all plans
   // h[s][r]: the least max over segments s, s+1, ... of (s' o + their F) covering r blocks, the
   // segment s' preceded by s' others (each keeping its output); choice[s][r]: its first length.
+  // It does not depend on how many blocks are recomputed in all, so one table serves every R.
+  std::vector<std::vector<double>> h(size_t(L + 1), std::vector<double>(size_t(L + 1), inf));
+  std::vector<std::vector<int64_t>> choice(size_t(L + 1), std::vector<int64_t>(size_t(L + 1), 0));
+  for (int64_t s = L; s >= 0; --s) {
+    h[size_t(s)][0] = 0;
+    for (int64_t r = 1; r <= L - s; ++r)
+      for (int64_t k = 1; k <= r; ++k) {
+        const double v = std::max(double(s) * o + double(k) * F, h[size_t(s + 1)][size_t(r - k)]);
+        if (v < h[size_t(s)][size_t(r)]) h[size_t(s)][size_t(r)] = v, choice[size_t(s)][size_t(r)] = k;
+      }
+  }
   for (int64_t R = 1; R <= L; ++R) {
-    std::vector<std::vector<double>> h(size_t(R + 1), std::vector<double>(size_t(R + 1), inf));
-    std::vector<std::vector<int64_t>> choice(size_t(R + 1), std::vector<int64_t>(size_t(R + 1), 0));
-    for (int64_t s = R; s >= 0; --s) {
-      h[size_t(s)][0] = 0;
-      if (s == R) continue;
-      for (int64_t r = 1; r <= R - s; ++r)
-        for (int64_t k = 1; k <= r; ++k) {
-          const double v = std::max(double(s) * o + double(k) * F, h[size_t(s + 1)][size_t(r - k)]);
-          if (v < h[size_t(s)][size_t(r)]) h[size_t(s)][size_t(r)] = v, choice[size_t(s)][size_t(r)] = k;
-        }
-    }
     least = std::min(least, double(L - R) * F + h[0][size_t(R)]);
     if (double(L - R) * F + h[0][size_t(R)] > K) continue;
     int64_t at = 0;

@@ -26,6 +26,7 @@
 // keep no T x T matrix, so this is the part of the attention a block can drop).
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -35,6 +36,8 @@ namespace loom::model {
 
 enum class Recompute : uint8_t { none, full, every_k, sqrt, optimal, selective };
 std::string_view recompute_name(Recompute r);
+// The policy of that name, or nullopt.
+std::optional<Recompute> recompute_parse(std::string_view name);
 // Throws naming `field` and the choices.
 Recompute recompute_from_name(std::string_view name, const std::string& field);
 

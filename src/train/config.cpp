@@ -1,4 +1,5 @@
 #include "train/config.h"
+#include "model/recompute.h"
 
 #include <charconv>
 #include <cstring>
@@ -313,12 +314,8 @@ void TrainConfig::validate(const std::string& where, const std::vector<std::stri
   need(checkpoint_every >= 0, "train.checkpoint_every", "must be non-negative");
   need(keep_checkpoints >= 1, "train.keep_checkpoints", "must be at least 1");
   need(skip_nonfinite >= 0, "train.skip_nonfinite", fmt::format("must be non-negative, got {}", skip_nonfinite));
-  {
-    bool known = false;
-    for (const char* r : {"none", "full", "every-k", "sqrt", "optimal", "selective"}) known = known || recompute == r;
-    need(known, "memory.recompute",
-         fmt::format("must be none, full, every-k, sqrt, optimal or selective, got '{}'", recompute));
-  }
+  need(model::recompute_parse(recompute).has_value(), "memory.recompute",
+       fmt::format("must be none, full, every-k, sqrt, optimal or selective, got '{}'", recompute));
   need(recompute_every >= 1, "memory.recompute_every", fmt::format("must be at least 1, got {}", recompute_every));
   // (Byte sizes are unsigned fields: 0 to 2^63, unlike the counts' 2^31.)
   need(memory_limit <= (uint64_t(1) << 50), "train.memory_limit",

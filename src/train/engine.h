@@ -17,17 +17,10 @@
 #include "parallel/mesh.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
+#include "train/run_util.h"
 #include "train/trainer.h"
 
 namespace loom::train {
-
-struct StepOut {
-  double loss = 0, grad_norm = 0;
-  // The update was not applied (a non-finite loss or gradient norm; the same on every rank), and
-  // where the first non-finite value is (a weight, a block's forward output or a gradient).
-  bool skipped = false;
-  std::string nonfinite;
-};
 
 // Every parameter's full tensor (and the AdamW moments), in the checkpoint names of the single
 // device ("param/<name>", "adam_m/<name>", "adam_v/<name>", in GPT::parameters() order):

@@ -552,7 +552,7 @@ void run_steps(const TrainConfig& cfg, RunLog& log, const LrSchedule& sched, con
     }
     auto t0 = Clock::now();
     const float lr = sched.at(step);
-    const RunHooks::StepOut st = hooks.step(step, lr);
+    const StepOut st = hooks.step(step, lr);
     const int64_t done = step + 1;
     if (st.skipped || !std::isfinite(st.loss) || !std::isfinite(st.grad_norm)) {
       const std::string what = fmt::format("step {}: the loss is {:.6g} and the gradient norm {:.6g}{}", done, st.loss,

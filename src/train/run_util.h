@@ -178,14 +178,19 @@ class RunLog {
   int64_t window_steps_ = 0;
 };
 
+// One optimizer step's outcome: the mean loss over the global batch and the gradient norm before
+// clipping (every rank); whether the update was skipped (a non-finite loss or norm, the same on
+// every rank) and where the first non-finite value was (a weight, a block's forward output or a
+// gradient; "" when not located).
+struct StepOut {
+  double loss = 0, grad_norm = 0;
+  bool skipped = false;
+  std::string nonfinite;
+};
+
 // What one trainer does at each point of the run; run_steps calls them at the config's cadence.
 // Each is collective exactly when the trainer's own work is (every rank calls every hook).
 struct RunHooks {
-  struct StepOut {
-    double loss = 0, grad_norm = 0;  // the step's mean loss over the global batch; the norm before clipping
-    bool skipped = false;            // a non-finite loss or norm: the update was not applied
-    std::string nonfinite;           // where the first non-finite value was found
-  };
   std::function<StepOut(int64_t step, float lr)> step;  // one optimizer step (step is 0-based)
   std::function<void(const std::string& kind)> poison;  // a fault injection's NaN (nan, nan_weight)
   std::function<double()> evaluate;                     // the mean validation loss

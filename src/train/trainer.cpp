@@ -768,10 +768,7 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   peaks.reset_peaks();
   if (host_peaks) host_peaks->reset_peaks();
   RunHooks hooks;
-  hooks.step = [&](int64_t step, float lr) {
-    StepOut st = engine->step(step, lr);
-    return RunHooks::StepOut{st.loss, st.grad_norm, st.skipped, st.nonfinite};
-  };
+  hooks.step = [&](int64_t step, float lr) { return engine->step(step, lr); };
   hooks.poison = [&](const std::string& kind) {
     LOOM_CHECK(engine->poison(kind), "LOOM_FAULT_INJECT kind={}: the {} engine has no such aid", kind,
                engine->describe());

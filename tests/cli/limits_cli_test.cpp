@@ -17,19 +17,9 @@ using namespace loom::test;
 
 namespace {
 
-struct Limits {
-  fs::path root;
-  Limits() : root(fs::temp_directory_path() / fmt::format("loom_limits_cli_{}", ::getpid())) {
-    fs::remove_all(root);
-    fs::create_directories(root / "logs");
-    write_pattern_corpus(root / "data");
-  }
-  ~Limits() { fs::remove_all(root); }
-  CliRun train(const std::string& args) {
-    return loom_cli(fmt::format("train {} --data.dir '{}' --train.out_dir '{}' --train.steps 1 --quiet", args,
-                                (root / "data").string(), (root / "out").string()),
-                    root / "logs");
-  }
+struct Limits : TrainScratch {
+  Limits() : TrainScratch("loom_limits_cli") {}
+  CliRun train(const std::string& args) { return TrainScratch::train("out", args + " --train.steps 1 --quiet"); }
 };
 
 }  // namespace

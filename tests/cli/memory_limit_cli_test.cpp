@@ -18,20 +18,13 @@ using namespace loom::test;
 
 namespace {
 
-struct LimitRun {
-  fs::path root;
-  LimitRun() : root(fs::temp_directory_path() / fmt::format("loom_memory_limit_cli_{}", ::getpid())) {
-    fs::remove_all(root);
-    fs::create_directories(root / "logs");
-    write_pattern_corpus(root / "data");
-  }
-  ~LimitRun() { fs::remove_all(root); }
+struct LimitRun : TrainScratch {
+  LimitRun() : TrainScratch("loom_memory_limit_cli") {}
   CliRun train(const std::string& args) {
-    return loom_cli(fmt::format("train --data.dir '{}' --train.out_dir '{}' --model.n_layer 4 --model.n_head 4 "
-                                "--model.n_embd 64 --data.seq_len 64 --train.batch_size 16 --train.steps 2 "
-                                "--train.eval_every 0 --train.sample_tokens 0 --train.threads 4 --overwrite {}",
-                                (root / "data").string(), (root / "out").string(), args),
-                    root / "logs");
+    return TrainScratch::train("out",
+                               "--model.n_layer 4 --model.n_head 4 --model.n_embd 64 --data.seq_len 64 "
+                               "--train.batch_size 16 --train.steps 2 --train.eval_every 0 --train.sample_tokens 0 "
+                               "--train.threads 4 --overwrite " + args);
   }
   // The run's "all tags" peak of rank 0, in bytes.
   static double all_tags(const std::string& out) {

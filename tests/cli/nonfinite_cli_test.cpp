@@ -19,21 +19,14 @@ using namespace loom::test;
 
 namespace {
 
-struct NanRun {
-  fs::path root;
-  NanRun() : root(fs::temp_directory_path() / fmt::format("loom_nonfinite_cli_{}", ::getpid())) {
-    fs::remove_all(root);
-    fs::create_directories(root / "logs");
-    write_pattern_corpus(root / "data");
-  }
-  ~NanRun() { fs::remove_all(root); }
+struct NanRun : TrainScratch {
+  NanRun() : TrainScratch("loom_nonfinite_cli") {}
   CliRun train(const std::string& out, const std::string& args, const std::string& fault) {
-    return loom_cli(fmt::format("train --data.dir '{}' --train.out_dir '{}' --model.n_layer 1 --model.n_head 2 "
-                                "--model.n_embd 32 --data.seq_len 16 --train.batch_size 4 --train.steps 6 "
-                                "--train.eval_every 0 --train.sample_tokens 0 --train.threads 2 "
-                                "--train.checkpoint_every 2 --overwrite {}",
-                                (root / "data").string(), (root / out).string(), args),
-                    root / "logs", fault.empty() ? "" : "LOOM_FAULT_INJECT=" + fault);
+    return TrainScratch::train(out,
+                               "--model.n_layer 1 --model.n_head 2 --model.n_embd 32 --data.seq_len 16 "
+                               "--train.batch_size 4 --train.steps 6 --train.eval_every 0 --train.sample_tokens 0 "
+                               "--train.threads 2 --train.checkpoint_every 2 --overwrite " + args,
+                               fault.empty() ? "" : "LOOM_FAULT_INJECT=" + fault);
   }
   std::string metrics(const std::string& out) {
     std::ifstream f(root / out / "metrics.jsonl");

@@ -277,12 +277,12 @@ DataParallel::~DataParallel() {
   worker_.reset();  // joins the communication thread after its queued work
 }
 
-float* DataParallel::param_shard() {
+float* DataParallel::param_shard() const {
   if (o_.zero == 3) return params_.f32();
   return params_.f32() + (o_.zero == 0 ? 0 : int64_t(rank_) * shard_);
 }
 
-float* DataParallel::grad_shard() {
+float* DataParallel::grad_shard() const {
   if (o_.zero >= 2) return grads_.f32();
   return grads_.f32() + (o_.zero == 0 ? 0 : int64_t(rank_) * shard_);
 }
@@ -508,8 +508,7 @@ optim::StepStats DataParallel::step(double lr, bool skip) {
 
 int DataParallel::first_nonfinite(bool gradients) const {
   // The flat range this rank holds and where it starts.
-  const float* data = gradients ? const_cast<DataParallel*>(this)->grad_shard()
-                                : const_cast<DataParallel*>(this)->params_.f32();
+  const float* data = gradients ? grad_shard() : params_.f32();
   const int64_t b = gradients ? opt_->begin() : (o_.zero == 3 ? int64_t(rank_) * shard_ : 0);
   const int64_t e = gradients ? opt_->end() : b + params_.numel();
   for (size_t i = 0; i < lay_.params.size(); ++i) {

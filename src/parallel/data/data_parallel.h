@@ -170,8 +170,8 @@ class DataParallel final : public model::ChainHooks {
   void gather_block(int64_t c, const char* phase);
   void release_block(int64_t c);
   void point_grads(size_t b);
-  float* grad_shard();
-  float* param_shard();
+  float* grad_shard() const;  // (into grads_ / params_, whose storage this object owns)
+  float* param_shard() const;
   std::vector<int64_t> shard_counts(int64_t begin, int64_t end) const;
 
   model::GPT& gpt_;

@@ -508,7 +508,16 @@ int64_t PipelineExecutor::activation_bytes_per_micro_batch(int chunk, int64_t b,
   const Chunk& ch = impl_->chunks.at(size_t(chunk));
   const int64_t rows = impl_->par->own_rows(b, T);
   int64_t bytes = ch.first > 0 ? rows * impl_->cfg.n_embd * int64_t(sizeof(float)) : 0;
-  for (auto& blk : ch.all[0]->blocks) bytes += blk->saved_activation_bytes(b, T);
+  for (int64_t e = ch.first; e < ch.last; ++e) {
+    const model::ChainBlock& blk = *ch.all[0]->blocks[size_t(e - ch.first)];
+    const int sg = ch.segment_of(e);
+    if (sg < 0) {
+      bytes += blk.saved_activation_bytes(b, T);
+    } else if (e == ch.segments[size_t(sg)].second) {  // a recomputed segment keeps its last output
+      for (const model::SavedActivation& a : blk.saved_activations(b, T))
+        if (a.name.ends_with(".out")) bytes += a.bytes();
+    }
+  }
   return bytes;
 }
 

@@ -134,8 +134,9 @@ class PipelineExecutor {
   const std::vector<TraceEvent>& trace() const { return trace_; }
   // Most micro-batch chunks whose activations were held at once during the last step.
   int peak_in_flight() const { return peak_slots_; }
-  // Saved-activation bytes of one micro-batch on chunk c (declared by the blocks, plus the
-  // received input).
+  // Saved-activation bytes of one micro-batch on chunk c between its forward and backward
+  // (declared by the blocks, plus the received input; a recomputed segment keeps only its last
+  // output).
   int64_t activation_bytes_per_micro_batch(int chunk, int64_t b, int64_t T) const;
 
  private:
