@@ -44,9 +44,7 @@ int run_convert(const ConvertArgs& a) {
     if (!a.config.empty()) throw Error("command line: --config applies to --from hf only");
     const std::string ckpt = model::resolve_checkpoint(a.in);
     const model::GPTConfig cfg = model::checkpoint_model_config(ckpt);
-    model::GPT gpt(cfg, pool);
-    model::load_checkpoint_params(ckpt, gpt);
-    model::save_hf_gpt2(gpt, a.out);
+    model::save_hf_gpt2_from_checkpoint(ckpt, a.out);  // tensor by tensor, never the whole model
     std::printf("%s: model.safetensors + config.json from %s (%s)\n", a.out.c_str(), ckpt.c_str(), cfg.str().c_str());
     return 0;
   }

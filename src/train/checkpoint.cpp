@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 #include <cmath>
 
@@ -89,71 +90,197 @@ void check_tensor(const std::string& file, const std::string& name, const void* 
 
 }  // namespace
 
-std::string save_checkpoint(const std::string& dir, const CheckpointMeta& meta,
-                            const std::vector<NamedTensor>& tensors, int64_t keep) {
-  // Weights that are not finite are not worth keeping, and must not push a good checkpoint out.
-  for (const auto& t : tensors)
-    if (t.name.rfind("param/", 0) == 0 && t.tensor.dtype() == DType::f32)
-      for (int64_t i = 0; i < t.tensor.numel(); ++i)
-        if (!std::isfinite(t.tensor.f32()[i]))
-          throw Error(fmt::format("{}: not writing the checkpoint of step {}: parameter '{}' holds {} at index {} "
-                                  "(the earlier checkpoints are kept)",
-                                  dir, meta.step, t.name.substr(6), t.tensor.f32()[i], i));
-  fs::create_directories(dir);
-  std::string final_dir = (fs::path(dir) / ckpt_name(meta.step)).string();
-  std::string tmp_dir = (fs::path(dir) / (".tmp_" + ckpt_name(meta.step))).string();
-  fs::remove_all(tmp_dir);
-  fs::create_directories(tmp_dir);
-  // A failed write (a full disk, a file-size limit) leaves nothing behind: the partial checkpoint is
-  // removed, `latest` and the earlier checkpoints stay as they were.
+
+namespace {
+
+std::string rank_file(int r) { return fmt::format("rank_{:05d}.safetensors", r); }
+std::string rank_index(int r) { return fmt::format("rank_{:05d}.json", r); }
+
+bool complete_checkpoint(const fs::path& c) {
+  std::error_code ec;
+  return fs::exists(c / "manifest.json", ec) &&
+         (fs::exists(c / "state.safetensors", ec) || fs::exists(c / rank_file(0), ec));
+}
+
+// The slices of one tensor in a rank's file, in file order.
+struct IndexedTensor {
+  uint32_t crc = 0;
+  std::vector<std::pair<int64_t, int64_t>> slices;  // [first element, elements] of the full tensor
+};
+using RankIndex = std::map<std::string, IndexedTensor>;
+
+RankIndex parse_index(const std::string& path, const std::string& text) {
+  nlohmann::json j;
   try {
-
-    SafetensorsWriter w;
-    nlohmann::json checksums = nlohmann::json::object();
-    for (const auto& t : tensors) {
-      w.add(t.name, t.tensor);
-      checksums[t.name] = data::crc32(t.tensor.raw(), t.tensor.nbytes());
-    }
-    w.set_metadata("format", "loom-checkpoint");
-    w.set_metadata("version", std::to_string(kCheckpointVersion));
-    std::string st_path = (fs::path(tmp_dir) / "state.safetensors").string();
-    w.write(st_path);
-    fsync_path(st_path, false);
-    // LOOM_CHECKPOINT_PAUSE_MS widens the window between the two files of a checkpoint, so tests
-    // that kill the process at random moments land inside checkpoint writes often.
-    if (const char* pause = std::getenv("LOOM_CHECKPOINT_PAUSE_MS"))
-      std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(pause)));
-
-    nlohmann::json m;
-    m["format"] = "loom-checkpoint";
-    m["version"] = kCheckpointVersion;
-    m["step"] = meta.step;
-    m["optimizer_steps"] = meta.optimizer_steps;
-    m["data_position"] = meta.data_position;
-    m["rng"] = {{"seed", meta.seed}, {"kind", "philox4x32-10 counters keyed by (seed, stream, index)"}};
-    m["model"] = meta.model;
-    m["config_toml"] = meta.config_toml;
-    if (!meta.vocabulary.empty()) m["vocabulary"] = meta.vocabulary;
-    m["tensors"] = tensors.size();
-    m["checksums"] = checksums;
-    const std::string manifest = m.dump(2) + "\n";
-    write_text_durably((fs::path(tmp_dir) / "manifest.json").string(), manifest);
-    write_text_durably((fs::path(tmp_dir) / "manifest.crc32").string(),
-                       std::to_string(data::crc32(manifest.data(), manifest.size())) + "\n");
-    fsync_path(tmp_dir, true);
-    // Read back before it replaces anything, anything points at it, or an older checkpoint goes.
-    verify_checkpoint(tmp_dir);
-  } catch (const std::exception& e) {
-    std::error_code ec;
-    fs::remove_all(tmp_dir, ec);
-    throw Error(fmt::format("the checkpoint of step {} could not be written (removed; {}): {}", meta.step,
-                            fs::exists(fs::path(dir) / "latest", ec) ? "the earlier checkpoints are kept"
-                                                                     : "there is no earlier checkpoint",
-                            e.what()));
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(fmt::format("{}: malformed JSON: {}", path, e.what()));
   }
+  LOOM_CHECK(j.is_object() && j.contains("tensors") && j["tensors"].is_object(), "{}: no object 'tensors'", path);
+  RankIndex idx;
+  for (auto it = j["tensors"].begin(); it != j["tensors"].end(); ++it) {
+    const auto& t = it.value();
+    LOOM_CHECK(t.is_object() && t.contains("crc32") && t["crc32"].is_number_unsigned() && t.contains("slices") &&
+                   t["slices"].is_array(),
+               "{}: tensor '{}' needs 'crc32' and 'slices'", path, it.key());
+    IndexedTensor x;
+    x.crc = uint32_t(t["crc32"].get<uint64_t>());
+    for (const auto& s : t["slices"]) {
+      LOOM_CHECK(s.is_array() && s.size() == 2 && s[0].is_number_integer() && s[1].is_number_integer() &&
+                     s[0].get<int64_t>() >= 0 && s[1].get<int64_t>() > 0,
+                 "{}: tensor '{}': a slice must be [first element, elements > 0]", path, it.key());
+      x.slices.emplace_back(s[0].get<int64_t>(), s[1].get<int64_t>());
+    }
+    idx[it.key()] = std::move(x);
+  }
+  return idx;
+}
 
+// Writes rank r's part into directory tmp: its data file (fsynced), then its index (durably),
+// then reads the data back against the index. Returns the index's CRC-32.
+uint32_t write_part(const std::string& tmp, int r, int64_t step, const std::vector<TensorInfo>& tensors,
+                    const std::vector<Slice>& mine) {
+  std::map<std::string, const TensorInfo*> known;
+  for (const TensorInfo& t : tensors) known[t.name] = &t;
+  // Slices grouped by tensor (in the order of `tensors`), each group in the order given.
+  std::map<std::string, std::vector<const Slice*>> by_name;
+  for (const Slice& s : mine) {
+    auto it = known.find(s.name);
+    LOOM_CHECK(it != known.end(), "checkpoint of step {}: rank {} has a slice of '{}', which is not a tensor of it",
+               step, r, s.name);
+    LOOM_CHECK(s.n > 0 && s.global >= 0 && s.global + s.n <= shape_numel(it->second->shape) && s.data,
+               "checkpoint of step {}: rank {}'s slice [{}, {}) of '{}' is not inside its {} elements", step, r,
+               s.global, s.global + s.n, s.name, shape_numel(it->second->shape));
+    if (s.name.rfind("param/", 0) == 0)
+      for (int64_t i = 0; i < s.n; ++i)
+        if (!std::isfinite(s.data[i]))
+          throw Error(fmt::format("not writing the checkpoint of step {}: parameter '{}' holds {} at index {}", step,
+                                  s.name.substr(6), s.data[i], s.global + i));
+    by_name[s.name].push_back(&s);
+  }
+  SafetensorsWriter w;
+  nlohmann::json index = nlohmann::json::object();
+  for (const TensorInfo& t : tensors) {
+    auto it = by_name.find(t.name);
+    if (it == by_name.end()) continue;
+    std::vector<std::pair<const void*, size_t>> pieces;
+    nlohmann::json slices = nlohmann::json::array();
+    uint32_t crc = 0;
+    int64_t total = 0, last_end = -1;
+    for (const Slice* s : it->second) {
+      pieces.emplace_back(s->data, size_t(s->n) * sizeof(float));
+      crc = data::crc32(s->data, size_t(s->n) * sizeof(float), crc);
+      if (s->global == last_end) {  // continues the previous slice in the full tensor too
+        slices.back()[1] = slices.back()[1].get<int64_t>() + s->n;
+      } else {
+        slices.push_back({s->global, s->n});
+      }
+      last_end = s->global + s->n;
+      total += s->n;
+    }
+    w.add_pieces(t.name, DType::f32, {total}, std::move(pieces));
+    index[t.name] = {{"crc32", crc}, {"slices", slices}};
+  }
+  w.set_metadata("format", "loom-checkpoint");
+  w.set_metadata("version", std::to_string(kCheckpointVersion));
+  w.set_metadata("rank", std::to_string(r));
+  const std::string data_path = (fs::path(tmp) / rank_file(r)).string();
+  w.write(data_path);
+  fsync_path(data_path, false);
+  // LOOM_CHECKPOINT_PAUSE_MS widens the window between the files of a checkpoint, so tests that
+  // kill a process at random moments land inside checkpoint writes often.
+  if (const char* pause = std::getenv("LOOM_CHECKPOINT_PAUSE_MS"))
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(pause)));
+  const std::string text = nlohmann::json{{"format", "loom-checkpoint-index"},
+                                          {"rank", r},
+                                          {"file", rank_file(r)},
+                                          {"tensors", index}}
+                               .dump(1) + "\n";
+  write_text_durably((fs::path(tmp) / rank_index(r)).string(), text);
+  // Read back what was written before anything depends on it.
+  SafetensorsReader back(data_path);
+  std::vector<char> buf;
+  for (const auto& [name, x] : parse_index(rank_index(r), text)) {
+    const SafetensorsEntry& e = back.entry(name);
+    buf.resize(std::max<size_t>(e.nbytes(), 1));
+    back.read_range(name, 0, buf.data(), e.nbytes());
+    LOOM_CHECK(data::crc32(buf.data(), e.nbytes()) == x.crc, "{}: tensor '{}' does not read back as written",
+               data_path, name);
+  }
+  return data::crc32(text.data(), text.size());
+}
+
+// Every element of every tensor in exactly one slice of the ranks' indices; throws naming the first
+// tensor that has a gap, an overlap, or is unknown.
+void check_cover(const std::string& ckpt, const std::vector<TensorInfo>& tensors,
+                 const std::vector<RankIndex>& indices) {
+  std::map<std::string, std::vector<std::pair<int64_t, int64_t>>> all;
+  for (const TensorInfo& t : tensors) all[t.name];
+  for (size_t r = 0; r < indices.size(); ++r)
+    for (const auto& [name, x] : indices[r]) {
+      auto it = all.find(name);
+      LOOM_CHECK(it != all.end(), "{}: {} holds '{}', which the manifest does not list", ckpt, rank_index(int(r)),
+                 name);
+      it->second.insert(it->second.end(), x.slices.begin(), x.slices.end());
+    }
+  for (const TensorInfo& t : tensors) {
+    auto& v = all[t.name];
+    std::sort(v.begin(), v.end());
+    int64_t next = 0;
+    for (const auto& [g, n] : v) {
+      LOOM_CHECK(g == next, "{}: tensor '{}': elements [{}, {}) are {}", ckpt, t.name, std::min(g, next),
+                 std::max(g, next), g > next ? "in no rank's slices" : "in two ranks' slices");
+      next = g + n;
+    }
+    LOOM_CHECK(next == shape_numel(t.shape), "{}: tensor '{}': the slices end at element {} of {}", ckpt, t.name,
+               next, shape_numel(t.shape));
+  }
+}
+
+std::string manifest_text(const CheckpointMeta& meta) {
+  nlohmann::json m;
+  m["format"] = "loom-checkpoint";
+  m["version"] = kCheckpointVersion;
+  m["step"] = meta.step;
+  m["optimizer_steps"] = meta.optimizer_steps;
+  m["data_position"] = meta.data_position;
+  m["rng"] = {{"seed", meta.seed}, {"kind", "philox4x32-10 counters keyed by (seed, stream, index)"}};
+  m["model"] = meta.model;
+  m["config_toml"] = meta.config_toml;
+  if (!meta.vocabulary.empty()) m["vocabulary"] = meta.vocabulary;
+  nlohmann::json tensors = nlohmann::json::array();
+  for (const TensorInfo& t : meta.tensors) tensors.push_back({{"name", t.name}, {"shape", t.shape}});
+  m["tensors"] = tensors;
+  nlohmann::json shards = nlohmann::json::array();
+  for (const auto& [file, crc] : meta.shards) shards.push_back({{"index", file}, {"crc32", crc}});
+  m["shards"] = shards;
+  return m.dump(2) + "\n";
+}
+
+// Rank 0, after every rank's part is durable in tmp: checks the cover, writes the manifest, renames
+// tmp to DIR/ckpt_<step>, replaces `latest` and deletes all but the newest `keep` checkpoints.
+std::string commit(const std::string& dir, const std::string& tmp, CheckpointMeta meta,
+                   const std::vector<TensorInfo>& tensors, const std::vector<uint32_t>& index_crcs, int64_t keep) {
+  std::vector<RankIndex> indices;
+  meta.shards.clear();
+  for (size_t r = 0; r < index_crcs.size(); ++r) {
+    const std::string path = (fs::path(tmp) / rank_index(int(r))).string();
+    const std::string text = read_file(path);
+    LOOM_CHECK(data::crc32(text.data(), text.size()) == index_crcs[r], "{}: changed after rank {} wrote it", path, r);
+    indices.push_back(parse_index(path, text));
+    meta.shards.emplace_back(rank_index(int(r)), index_crcs[r]);
+  }
+  check_cover(tmp, tensors, indices);
+  meta.tensors = tensors;
+  const std::string manifest = manifest_text(meta);
+  write_text_durably((fs::path(tmp) / "manifest.json").string(), manifest);
+  write_text_durably((fs::path(tmp) / "manifest.crc32").string(),
+                     std::to_string(data::crc32(manifest.data(), manifest.size())) + "\n");
+  fsync_path(tmp, true);
+
+  const std::string final_dir = (fs::path(dir) / ckpt_name(meta.step)).string();
   fs::remove_all(final_dir);  // a previous run's checkpoint of the same step
-  fs::rename(tmp_dir, final_dir);
+  fs::rename(tmp, final_dir);
   fsync_path(dir, true);
   write_text_durably((fs::path(dir) / "latest").string(), ckpt_name(meta.step) + "\n");
   fsync_path(dir, true);
@@ -171,10 +298,107 @@ std::string save_checkpoint(const std::string& dir, const CheckpointMeta& meta,
   return final_dir;
 }
 
+std::string failure(const std::string& dir, int64_t step, const std::string& why) {
+  std::error_code ec;
+  return fmt::format("the checkpoint of step {} could not be written (removed; {}): {}", step,
+                     fs::exists(fs::path(dir) / "latest", ec) ? "the earlier checkpoints are kept"
+                                                              : "there is no earlier checkpoint",
+                     why);
+}
+
+// Collective over c: rank `from`'s text `mine` on every rank (at most 4000 characters).
+std::string share_text(comm::Comm& c, int from, const std::string& mine) {
+  int32_t n = c.rank() == from ? int32_t(std::min<size_t>(mine.size(), 4000)) : 0;
+  c.broadcast(&n, 1, DType::i32, from);
+  std::vector<int32_t> chars(static_cast<size_t>(n));
+  if (c.rank() == from)
+    for (size_t i = 0; i < chars.size(); ++i) chars[i] = int32_t(static_cast<unsigned char>(mine[i]));
+  c.broadcast(chars.data(), n, DType::i32, from);
+  return std::string(chars.begin(), chars.end());
+}
+
+}  // namespace
+
+std::string save_checkpoint(comm::Comm& world, const std::string& dir, const CheckpointMeta& meta,
+                            const std::vector<TensorInfo>& tensors, const std::vector<Slice>& mine, int64_t keep) {
+  const int r = world.rank(), n = world.size();
+  const std::string tmp = (fs::path(dir) / (".tmp_" + ckpt_name(meta.step))).string();
+  std::string why;
+  // Rank 0 prepares the temporary directory; every rank learns whether it could.
+  uint32_t ok = 1;
+  if (r == 0) {
+    try {
+      fs::create_directories(dir);
+      fs::remove_all(tmp);
+      fs::create_directories(tmp);
+    } catch (const std::exception& e) {
+      ok = 0;
+      why = e.what();
+    }
+  }
+  world.broadcast(&ok, 1, DType::u32, 0);
+  if (!ok) throw Error(failure(dir, meta.step, r == 0 ? why : "rank 0 could not create its directory"));
+  // Every rank writes its part; then all learn who failed and what each index's checksum is.
+  uint32_t mine_state[2] = {1, 0};
+  try {
+    mine_state[1] = write_part(tmp, r, meta.step, tensors, mine);
+  } catch (const std::exception& e) {
+    mine_state[0] = 0;
+    why = e.what();
+  }
+  std::vector<uint32_t> states(2 * size_t(n));
+  world.all_gather(mine_state, states.data(), 2 * int64_t(n), DType::u32);
+  int failed = -1;
+  for (int k = 0; k < n && failed < 0; ++k)
+    if (!states[2 * size_t(k)]) failed = k;
+  std::string path;
+  if (failed < 0 && r == 0) {
+    std::vector<uint32_t> crcs(static_cast<size_t>(n));
+    for (int k = 0; k < n; ++k) crcs[size_t(k)] = states[2 * size_t(k) + 1];
+    try {
+      path = commit(dir, tmp, meta, tensors, crcs, keep);
+    } catch (const std::exception& e) {
+      ok = 0;
+      why = e.what();
+    }
+  }
+  if (failed >= 0 || !ok) {
+    std::error_code ec;
+    if (r == 0) fs::remove_all(tmp, ec);
+  }
+  if (failed < 0) world.broadcast(&ok, 1, DType::u32, 0);
+  if (failed >= 0)  // every rank says what the first rank that failed found
+    throw Error(failure(dir, meta.step, fmt::format("rank {}: {}", failed, share_text(world, failed, why))));
+  if (!ok) throw Error(failure(dir, meta.step, r == 0 ? why : "rank 0 could not commit it"));
+  return (fs::path(dir) / ckpt_name(meta.step)).string();
+}
+
+std::string save_checkpoint(const std::string& dir, const CheckpointMeta& meta,
+                            const std::vector<NamedTensor>& tensors, int64_t keep) {
+  std::vector<TensorInfo> infos;
+  std::vector<Slice> slices;
+  for (const NamedTensor& t : tensors) {
+    LOOM_CHECK(t.tensor.dtype() == DType::f32 && t.tensor.device() == Device::cpu,
+               "checkpoint: tensor '{}' must be f32 in host memory", t.name);
+    infos.push_back({t.name, t.tensor.shape()});
+    if (t.tensor.numel() > 0) slices.push_back({t.name, 0, t.tensor.numel(), t.tensor.f32()});
+  }
+  const std::string tmp = (fs::path(dir) / (".tmp_" + ckpt_name(meta.step))).string();
+  try {
+    fs::create_directories(dir);
+    fs::remove_all(tmp);
+    fs::create_directories(tmp);
+    const uint32_t crc = write_part(tmp, 0, meta.step, infos, slices);
+    return commit(dir, tmp, meta, infos, {crc}, keep);
+  } catch (const std::exception& e) {
+    std::error_code ec;
+    fs::remove_all(tmp, ec);
+    throw Error(failure(dir, meta.step, e.what()));
+  }
+}
+
 std::string latest_checkpoint(const std::string& dir) {
-  auto complete = [](const fs::path& c) {
-    return fs::exists(c / "manifest.json") && fs::exists(c / "state.safetensors");
-  };
+  const auto complete = complete_checkpoint;
   fs::path p = fs::path(dir) / "latest";
   if (!fs::exists(p)) {
     // No pointer (deleted, or lost): the newest complete checkpoint, which is what `latest` names
@@ -232,8 +456,8 @@ CheckpointMeta read_checkpoint_meta(const std::string& ckpt) {
   };
   if (field("format") != "loom-checkpoint") throw Error(fmt::format("{}: field 'format' is not loom-checkpoint", path));
   const int64_t version = integer("version");
-  if (version != 1 && version != kCheckpointVersion)
-    throw Error(fmt::format("{}: field 'version' is {}, this loom reads 1 and {}", path, version, kCheckpointVersion));
+  if (version < 1 || version > kCheckpointVersion)
+    throw Error(fmt::format("{}: field 'version' is {}, this loom reads 1 to {}", path, version, kCheckpointVersion));
   CheckpointMeta meta;
   meta.step = integer("step");
   meta.optimizer_steps = integer("optimizer_steps");
@@ -251,7 +475,32 @@ CheckpointMeta read_checkpoint_meta(const std::string& ckpt) {
   }
   if (meta.step < 0 || meta.optimizer_steps < 0 || meta.data_position < 0)
     throw Error(fmt::format("{}: negative step counters", path));
-  if (version >= 2) {
+  if (version >= 3) {
+    const auto& tensors = field("tensors");
+    if (!tensors.is_array()) throw Error(fmt::format("{}: field 'tensors' must be an array", path));
+    for (const auto& t : tensors) {
+      if (!t.is_object() || !t.contains("name") || !t["name"].is_string() || !t.contains("shape") ||
+          !t["shape"].is_array())
+        throw Error(fmt::format("{}: each of 'tensors' needs a string 'name' and an array 'shape'", path));
+      TensorInfo info{t["name"].get<std::string>(), {}};
+      for (const auto& d : t["shape"]) {
+        if (!d.is_number_integer() || d.get<int64_t>() < 0 || d.get<int64_t>() > (int64_t(1) << 40))
+          throw Error(fmt::format("{}: tensor '{}': a dimension must be an integer in [0, 2^40]", path, info.name));
+        info.shape.push_back(d.get<int64_t>());
+      }
+      meta.tensors.push_back(std::move(info));
+    }
+    const auto& shards = field("shards");
+    if (!shards.is_array() || shards.empty()) throw Error(fmt::format("{}: field 'shards' must be a non-empty array", path));
+    for (size_t r = 0; r < shards.size(); ++r) {
+      const auto& x = shards[r];
+      if (!x.is_object() || !x.contains("index") || x["index"] != rank_index(int(r)) || !x.contains("crc32") ||
+          !x["crc32"].is_number_unsigned() || x["crc32"].get<uint64_t>() > 0xffffffffull)
+        throw Error(fmt::format("{}: shards[{}] must be {{\"index\": \"{}\", \"crc32\": <32-bit unsigned>}}", path, r,
+                                rank_index(int(r))));
+      meta.shards.emplace_back(rank_index(int(r)), uint32_t(x["crc32"].get<uint64_t>()));
+    }
+  } else if (version >= 2) {
     const auto& sums = field("checksums");
     if (!sums.is_object()) throw Error(fmt::format("{}: field 'checksums' must be an object", path));
     for (auto it = sums.begin(); it != sums.end(); ++it) {
@@ -271,28 +520,131 @@ CheckpointMeta read_checkpoint_meta(const std::string& ckpt) {
   return meta;
 }
 
-struct CheckpointReader::Impl {
-  CheckpointMeta meta;
-  std::string file;
-  SafetensorsReader reader;
-  explicit Impl(const std::string& ckpt)
-      : meta(read_checkpoint_meta(ckpt)), file((fs::path(ckpt) / "state.safetensors").string()), reader(file) {}
+// A stored piece of a full tensor: `n` elements from element `global`, at element `offset` of
+// tensor `name` in data file `file`.
+struct StoredPiece {
+  size_t file = 0;
+  int64_t global = 0, n = 0, offset = 0;
 };
 
-CheckpointReader::CheckpointReader(const std::string& ckpt) : impl_(std::make_unique<Impl>(ckpt)) {}
-CheckpointReader::~CheckpointReader() = default;
+struct CheckpointReader::Impl {
+  std::string ckpt;
+  bool verify;
+  CheckpointMeta meta;
+  std::map<std::string, Shape> shapes;
+  // Version 3: the data files, each tensor's pieces sorted by `global`, the CRC-32 of each
+  // (file, tensor) and which of them have been checked.
+  std::vector<std::unique_ptr<SafetensorsReader>> files;
+  std::vector<RankIndex> indices;
+  std::map<std::string, std::vector<StoredPiece>> pieces;
+  std::set<std::pair<size_t, std::string>> checked;
+  // Versions 1 and 2: state.safetensors, and the last tensor read whole.
+  std::unique_ptr<SafetensorsReader> state;
+  std::string cached;
+  std::vector<float> cache;
 
-void CheckpointReader::read_into(const std::string& name, const Tensor& t) {
-  impl_->reader.read_into(name, t.raw(), t.nbytes(), t.dtype(), t.shape());
-  check_tensor(impl_->file, name, t.raw(), t.nbytes(), t.dtype(), impl_->meta);
+  Impl(const std::string& c, bool v) : ckpt(c), verify(v), meta(read_checkpoint_meta(c)) {
+    if (meta.shards.empty()) {
+      state = std::make_unique<SafetensorsReader>((fs::path(ckpt) / "state.safetensors").string());
+      for (const SafetensorsEntry& e : state->entries()) shapes[e.name] = e.shape;
+      return;
+    }
+    for (const TensorInfo& t : meta.tensors) shapes[t.name] = t.shape;
+    for (size_t r = 0; r < meta.shards.size(); ++r) {
+      const std::string path = (fs::path(ckpt) / meta.shards[r].first).string();
+      const std::string text = read_file(path);
+      const uint32_t crc = data::crc32(text.data(), text.size());
+      LOOM_CHECK(crc == meta.shards[r].second, "{}: corrupt: its checksum is {} but the manifest says {}", path, crc,
+                 meta.shards[r].second);
+      indices.push_back(parse_index(path, text));
+      files.push_back(std::make_unique<SafetensorsReader>((fs::path(ckpt) / rank_file(int(r))).string()));
+      for (const auto& [name, x] : indices.back()) {
+        LOOM_CHECK(shapes.count(name), "{}: holds '{}', which the manifest does not list", path, name);
+        const SafetensorsEntry& e = files.back()->entry(name);
+        int64_t off = 0;
+        for (const auto& [g, n] : x.slices) {
+          pieces[name].push_back({r, g, n, off});
+          off += n;
+        }
+        LOOM_CHECK(e.dtype == DType::f32 && e.numel() == off, "{}: tensor '{}' is not f32 of the {} elements {} lists",
+                   files.back()->path(), name, off, path);
+      }
+    }
+    for (auto& [name, v] : pieces)
+      std::sort(v.begin(), v.end(), [](const StoredPiece& a, const StoredPiece& b) { return a.global < b.global; });
+  }
+
+  const Shape& shape(const std::string& name) const {
+    auto it = shapes.find(name);
+    LOOM_CHECK(it != shapes.end(), "{}: the checkpoint has no tensor '{}'", ckpt, name);
+    return it->second;
+  }
+
+  // Checks data file f's tensor `name` against its checksum, once.
+  void check_stored(size_t f, const std::string& name) {
+    if (!verify || !checked.insert({f, name}).second) return;
+    const SafetensorsEntry& e = files[f]->entry(name);
+    std::vector<char> buf(std::max<size_t>(e.nbytes(), 1));
+    files[f]->read_range(name, 0, buf.data(), e.nbytes());
+    const uint32_t crc = data::crc32(buf.data(), e.nbytes());
+    LOOM_CHECK(crc == indices[f].at(name).crc,
+               "{}: tensor '{}' is corrupt: its bytes have checksum {} but {} says {}", files[f]->path(), name, crc,
+               rank_index(int(f)), indices[f].at(name).crc);
+  }
+
+  void read(const std::string& name, int64_t global, int64_t n, float* dst) {
+    const int64_t numel = shape_numel(shape(name));
+    LOOM_CHECK(global >= 0 && n >= 0 && global + n <= numel, "{}: tensor '{}' has {} elements, cannot read [{}, {})",
+               ckpt, name, numel, global, global + n);
+    if (n == 0) return;
+    if (state) {  // versions 1 and 2: the whole tensor, checked, kept for the next read
+      if (cached != name) {
+        cached.clear();
+        cache.resize(size_t(numel));
+        const size_t bytes = cache.size() * sizeof(float);
+        state->read_into(name, cache.data(), bytes, DType::f32, shape(name));
+        check_tensor(state->path(), name, cache.data(), bytes, DType::f32, meta);
+        cached = name;
+      }
+      std::memcpy(dst, cache.data() + global, size_t(n) * sizeof(float));
+      return;
+    }
+    const auto& v = pieces.at(name);
+    // The first piece ending after `global`.
+    auto it = std::upper_bound(v.begin(), v.end(), global,
+                               [](int64_t g, const StoredPiece& p) { return g < p.global + p.n; });
+    int64_t at = global;
+    for (; at < global + n && it != v.end(); ++it) {
+      LOOM_CHECK(it->global <= at, "{}: tensor '{}': element {} is in no rank's file", ckpt, name, at);
+      const int64_t k = std::min(global + n, it->global + it->n) - at;
+      check_stored(it->file, name);
+      files[it->file]->read_range(name, uint64_t(it->offset + (at - it->global)) * sizeof(float), dst + (at - global),
+                                  size_t(k) * sizeof(float));
+      at += k;
+    }
+    LOOM_CHECK(at == global + n, "{}: tensor '{}': element {} is in no rank's file", ckpt, name, at);
+    if (name.rfind("param/", 0) == 0)
+      for (int64_t i = 0; i < n; ++i)
+        LOOM_CHECK(std::isfinite(dst[i]), "{}: parameter '{}' holds {} at index {} (weights must be finite)", ckpt,
+                   name.substr(6), dst[i], global + i);
+  }
+};
+
+CheckpointReader::CheckpointReader(const std::string& ckpt, bool verify)
+    : impl_(std::make_unique<Impl>(ckpt, verify)) {}
+CheckpointReader::~CheckpointReader() = default;
+const CheckpointMeta& CheckpointReader::meta() const { return impl_->meta; }
+Shape CheckpointReader::shape(const std::string& name) const { return impl_->shape(name); }
+
+void CheckpointReader::read(const std::string& name, int64_t global, int64_t n, float* dst) {
+  impl_->read(name, global, n, dst);
 }
 
-const std::vector<float>& CheckpointReader::read(const std::string& name, const Shape& shape) {
-  buf_.resize(size_t(shape_numel(shape)));
-  const size_t bytes = buf_.size() * sizeof(float);
-  impl_->reader.read_into(name, buf_.data(), bytes, DType::f32, shape);
-  check_tensor(impl_->file, name, buf_.data(), bytes, DType::f32, impl_->meta);
-  return buf_;
+void CheckpointReader::read_into(const std::string& name, const Tensor& t) {
+  const Shape& s = impl_->shape(name);
+  LOOM_CHECK(t.dtype() == DType::f32 && t.shape() == s, "{}: tensor '{}' has shape {}, expected f32 {}", impl_->ckpt,
+             name, shape_str(s), shape_str(t.shape()));
+  impl_->read(name, 0, t.numel(), t.f32());
 }
 
 void load_checkpoint_tensors(const std::string& ckpt, const std::vector<NamedTensor>& into) {
@@ -310,25 +662,54 @@ std::string run_marker(const std::string& dir) {
   return "";
 }
 
-void verify_checkpoint(const std::string& ckpt) {
+void verify_checkpoint(const std::string& ckpt, int part, int parts) {
   const CheckpointMeta meta = read_checkpoint_meta(ckpt);
-  const std::string file = (fs::path(ckpt) / "state.safetensors").string();
-  SafetensorsReader r(file);
   std::vector<char> buf;
-  for (const SafetensorsEntry& e : r.entries()) {
-    const size_t bytes = size_t(shape_numel(e.shape)) * dtype_size(e.dtype);
-    buf.resize(std::max<size_t>(bytes, 1));
-    r.read_into(e.name, buf.data(), bytes, e.dtype, e.shape);
-    check_tensor(file, e.name, buf.data(), bytes, e.dtype, meta);
+  if (meta.shards.empty()) {  // versions 1 and 2: one file of full tensors
+    const std::string file = (fs::path(ckpt) / "state.safetensors").string();
+    SafetensorsReader r(file);
+    for (const auto& [name, crc] : meta.checksums)
+      LOOM_CHECK(r.contains(name), "{}: tensor '{}' of the manifest is missing", file, name);
+    if (part != 0) return;
+    for (const SafetensorsEntry& e : r.entries()) {
+      const size_t bytes = size_t(shape_numel(e.shape)) * dtype_size(e.dtype);
+      buf.resize(std::max<size_t>(bytes, 1));
+      r.read_into(e.name, buf.data(), bytes, e.dtype, e.shape);
+      check_tensor(file, e.name, buf.data(), bytes, e.dtype, meta);
+    }
+    return;
   }
-  for (const auto& [name, crc] : meta.checksums)
-    LOOM_CHECK(r.contains(name), "{}: tensor '{}' of the manifest is missing", file, name);
+  CheckpointReader reader(ckpt, /*verify=*/false);  // every index against the manifest
+  std::vector<RankIndex> indices;
+  for (size_t r = 0; r < meta.shards.size(); ++r) {
+    const std::string path = (fs::path(ckpt) / meta.shards[r].first).string();
+    indices.push_back(parse_index(path, read_file(path)));
+  }
+  check_cover(ckpt, meta.tensors, indices);
+  for (size_t r = 0; r < indices.size(); ++r) {
+    if (int(r % size_t(std::max(parts, 1))) != part) continue;
+    const std::string file = (fs::path(ckpt) / rank_file(int(r))).string();
+    SafetensorsReader f(file);
+    for (const auto& [name, x] : indices[r]) {
+      const SafetensorsEntry& e = f.entry(name);
+      buf.resize(std::max<size_t>(e.nbytes(), 1));
+      f.read_range(name, 0, buf.data(), e.nbytes());
+      const uint32_t crc = data::crc32(buf.data(), e.nbytes());
+      LOOM_CHECK(crc == x.crc, "{}: tensor '{}' is corrupt: its bytes have checksum {} but {} says {}", file, name, crc,
+                 rank_index(int(r)), x.crc);
+      if (name.rfind("param/", 0) == 0) {
+        const float* v = reinterpret_cast<const float*>(buf.data());
+        int64_t i = 0;
+        for (const auto& [g, n] : x.slices)
+          for (int64_t k = 0; k < n; ++k, ++i)
+            LOOM_CHECK(std::isfinite(v[i]), "{}: parameter '{}' holds {} at index {} (weights must be finite)", file,
+                       name.substr(6), v[i], g + k);
+      }
+    }
+  }
 }
 
-std::string resume_checkpoint(const std::string& dir, std::vector<std::string>* notes) {
-  auto complete = [](const fs::path& c) {
-    return fs::exists(c / "manifest.json") && fs::exists(c / "state.safetensors");
-  };
+std::string resume_checkpoint(const std::string& dir, std::vector<std::string>* notes, comm::Comm* world) {
   std::vector<std::string> candidates, reasons;
   try {
     const std::string latest = latest_checkpoint(dir);
@@ -341,22 +722,37 @@ std::string resume_checkpoint(const std::string& dir, std::vector<std::string>* 
   if (fs::is_directory(dir, ec))
     for (const auto& e : fs::directory_iterator(dir)) {
       const std::string n = e.path().filename().string();
-      if (e.is_directory() && step_of_name(n) >= 0 && complete(e.path())) all.push_back((fs::path(dir) / n).string());
+      if (e.is_directory() && step_of_name(n) >= 0 && complete_checkpoint(e.path()))
+        all.push_back((fs::path(dir) / n).string());
     }
   std::sort(all.begin(), all.end(), [](const std::string& a, const std::string& b) {  // newest first, by step
     return step_of_name(fs::path(a).filename().string()) > step_of_name(fs::path(b).filename().string());
   });
   for (const std::string& c : all)
     if (candidates.empty() || fs::path(c) != fs::path(candidates[0])) candidates.push_back(c);
+  const int part = world ? world->rank() : 0, parts = world ? world->size() : 1;
   for (const std::string& c : candidates) {
+    std::string why;
     try {
-      verify_checkpoint(c);
+      verify_checkpoint(c, part, parts);
+    } catch (const Error& e) {
+      why = e.what();
+    }
+    if (world && parts > 1) {  // the lowest rank that found a fault says what it was
+      std::vector<int32_t> bad(static_cast<size_t>(parts));
+      const int32_t mine = why.empty() ? 0 : int32_t(std::min<size_t>(why.size(), 4000));
+      world->all_gather(&mine, bad.data(), parts, DType::i32);
+      int who = -1;
+      for (int k = 0; k < parts && who < 0; ++k)
+        if (bad[size_t(k)]) who = k;
+      if (who >= 0) why = share_text(*world, who, why);
+    }
+    if (why.empty()) {
       if (notes)
         for (const std::string& r : reasons) notes->push_back("passed over: " + r);
       return c;
-    } catch (const Error& e) {
-      reasons.push_back(e.what());
     }
+    reasons.push_back(why);
   }
   if (candidates.empty() && reasons.empty()) return "";
   std::string all_reasons;

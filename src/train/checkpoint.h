@@ -1,16 +1,26 @@
-// Checkpoints: one directory per checkpoint, DIR/ckpt_<step>/ with
-//   state.safetensors  parameters ("param/<name>") and AdamW moments ("adam_m/<name>",
-//                      "adam_v/<name>"), f32, logical shapes
-//   manifest.json      format version, step, optimizer step count, data position, RNG seed and
-//                      counters, the model config, the full training config (TOML text) and the
-//                      CRC-32 of every tensor's bytes
-//   manifest.crc32     the CRC-32 of manifest.json's bytes (decimal)
-// A checkpoint is written into a temporary directory, every file fsynced, the directory renamed
-// to its final name and fsynced, read back and verified, and only then DIR/latest (a one-line
-// file naming it) replaced through rename and older checkpoints deleted: a crash at any moment
-// leaves `latest` naming a complete checkpoint, and no checkpoint goes before a newer one is known
-// good. Loading checks every checksum and the manifest's step against the directory's name, and
-// refuses parameters that are not finite. Version 1 checkpoints (no checksums) still load.
+// Checkpoints: one directory per checkpoint, DIR/ckpt_<step>/, written by every rank at once
+// (version 3):
+//   rank_<r>.safetensors  rank r's slices: per checkpoint tensor it holds part of, one 1-D f32
+//                         tensor of that name, its slices one after another
+//   rank_<r>.json         rank r's index: per tensor, its slices as [first element, elements] of
+//                         the full tensor (row-major flat indices), in file order, and the CRC-32
+//                         of the tensor's bytes in the file
+//   manifest.json         format version, step, optimizer step count, data position, RNG seed and
+//                         counters, the model config, the full training config (TOML text), every
+//                         full tensor's name and shape ("param/<name>", "adam_m/<name>",
+//                         "adam_v/<name>", f32, logical shapes) and each rank index's CRC-32
+//   manifest.crc32        the CRC-32 of manifest.json's bytes (decimal)
+// Together the slices of all ranks cover every element of every tensor exactly once (checked
+// before the checkpoint is committed), so no rank ever holds a full tensor it does not own, and
+// any layout reads back just the elements it needs (reshard on load).
+// Commit: every rank writes its files into DIR/.tmp_ckpt_<step>, fsyncs and reads them back;
+// when every rank has succeeded rank 0 checks the cover, writes the manifest, renames the
+// directory to its final name, fsyncs, and only then replaces DIR/latest (a one-line file naming
+// it) through rename and deletes older checkpoints: a crash of any rank at any moment leaves
+// `latest` naming a complete checkpoint, and no checkpoint goes before a newer one is known good.
+// Loading checks every checksum and the manifest's step against the directory's name, and
+// refuses parameters that are not finite. Versions 1 and 2 (one state.safetensors of full
+// tensors, written by rank 0) still load.
 #pragma once
 #include <cstdint>
 #include <map>
@@ -20,15 +30,31 @@
 
 #include <nlohmann/json.hpp>
 
+#include "comm/comm.h"
 #include "core/tensor.h"
 
 namespace loom::train {
 
-constexpr int kCheckpointVersion = 2;
+constexpr int kCheckpointVersion = 3;
 
 struct NamedTensor {
   std::string name;
   Tensor tensor;  // f32, CPU
+};
+
+// A run of one checkpoint tensor's elements in a rank's memory: `n` elements of tensor `name` from
+// its flat (row-major) element `global` on, at `data`.
+struct Slice {
+  std::string name;
+  int64_t global = 0;
+  int64_t n = 0;
+  const float* data = nullptr;
+};
+
+// A full tensor of the checkpoint: its name and logical shape (f32).
+struct TensorInfo {
+  std::string name;
+  Shape shape;
 };
 
 struct CheckpointMeta {
@@ -39,11 +65,21 @@ struct CheckpointMeta {
   nlohmann::json model;          // model config fields
   std::string config_toml;       // the training config as run
   std::string vocabulary;        // the run's tokenizer's fingerprint ("": none, or an older checkpoint)
-  std::map<std::string, uint32_t> checksums;  // CRC-32 of each tensor's bytes (empty: version 1)
+  std::map<std::string, uint32_t> checksums;  // version 2: CRC-32 of each tensor's bytes (version 1: none)
+  std::vector<TensorInfo> tensors;            // version 3: every full tensor
+  std::vector<std::pair<std::string, uint32_t>> shards;  // version 3: each rank's index file and its CRC-32
 };
 
-// Writes DIR/ckpt_<step> and points DIR/latest at it, then deletes all but the newest `keep`.
-// Returns the checkpoint's path.
+// Collective over `world` (every rank of the run): each rank writes `mine`, its slices of the full
+// tensors `tensors` (the same list on every rank; over all ranks the slices cover every element of
+// every tensor once), then rank 0 commits DIR/ckpt_<step>, points DIR/latest at it and deletes all
+// but the newest `keep`. Slices of parameters ("param/...") must be finite. Every rank returns the
+// checkpoint's path, or throws when any rank failed (naming it; nothing of the new checkpoint is
+// left, `latest` and the earlier checkpoints are kept). meta.tensors and meta.shards are filled in.
+std::string save_checkpoint(comm::Comm& world, const std::string& dir, const CheckpointMeta& meta,
+                            const std::vector<TensorInfo>& tensors, const std::vector<Slice>& mine,
+                            int64_t keep = 2);
+// One writer, whole tensors (the same files as a one-rank run).
 std::string save_checkpoint(const std::string& dir, const CheckpointMeta& meta,
                             const std::vector<NamedTensor>& tensors, int64_t keep = 2);
 
@@ -55,15 +91,19 @@ std::string latest_checkpoint(const std::string& dir);
 // "" when nothing does (or DIR does not exist).
 std::string run_marker(const std::string& dir);
 
-// Reads every tensor of checkpoint `ckpt` and checks it against the manifest's checksums (and the
-// manifest against its own); throws naming the file and what differs.
-void verify_checkpoint(const std::string& ckpt);
+// Checks checkpoint `ckpt`: the manifest against its own checksum, each rank index against the
+// manifest's, that the slices cover every tensor once, and the stored bytes of every tensor
+// against its checksum (parameters finite); throws naming the file and what differs. With
+// parts > 1 only the data files i with i % parts == part are read (the rest is checked on every
+// part), so that the ranks of a run share the reading.
+void verify_checkpoint(const std::string& ckpt, int part = 0, int parts = 1);
 
 // The checkpoint a run in DIR resumes from: the one `latest` names, or, when it fails
 // verification (or `latest` is unreadable), the newest older complete checkpoint that passes,
 // each one passed over described in `notes` (for the run to say). "" when DIR holds none; throws,
-// with every reason, when checkpoints exist but none verifies (nothing is started over).
-std::string resume_checkpoint(const std::string& dir, std::vector<std::string>* notes);
+// with every reason, when checkpoints exist but none verifies (nothing is started over). With
+// `world`, collective: its ranks share the verification and agree on the outcome.
+std::string resume_checkpoint(const std::string& dir, std::vector<std::string>* notes, comm::Comm* world = nullptr);
 
 // Reads the manifest of checkpoint directory `ckpt` (validated: version, fields, types).
 CheckpointMeta read_checkpoint_meta(const std::string& ckpt);
@@ -73,21 +113,25 @@ CheckpointMeta read_checkpoint_meta(const std::string& ckpt);
 // ("param/...") are finite; errors name the file and the tensor (and the first bad index).
 void load_checkpoint_tensors(const std::string& ckpt, const std::vector<NamedTensor>& into);
 
-// The tensors of checkpoint `ckpt` read one at a time (a rank takes its parts of the full
-// tensors), each checked as load_checkpoint_tensors does.
+// Any elements of the full tensors of checkpoint `ckpt`, of any version, reading only the stored
+// pieces that hold them (a rank takes its part under any layout). Parameters read are checked to
+// be finite; with `verify`, each stored piece's checksum is checked the first time any of it is
+// read (the trainer verifies a checkpoint whole before loading it, and passes false).
 class CheckpointReader {
  public:
-  explicit CheckpointReader(const std::string& ckpt);
+  explicit CheckpointReader(const std::string& ckpt, bool verify = true);
   ~CheckpointReader();
-  // Tensor `name` into t (its dtype and shape expected).
+  const CheckpointMeta& meta() const;
+  // The full tensor's shape; throws naming the checkpoint when it has no tensor `name`.
+  Shape shape(const std::string& name) const;
+  // Elements [global, global + n) of tensor `name` into dst.
+  void read(const std::string& name, int64_t global, int64_t n, float* dst);
+  // The whole tensor `name` into t (f32, its shape expected).
   void read_into(const std::string& name, const Tensor& t);
-  // Tensor `name`, f32 of `shape`, into a buffer kept until the next call.
-  const std::vector<float>& read(const std::string& name, const Shape& shape);
 
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
-  std::vector<float> buf_;
 };
 
 }  // namespace loom::train

@@ -22,11 +22,19 @@
 
 namespace loom::train {
 
-// Every parameter's full tensor (and the AdamW moments), in the checkpoint names of the single
-// device ("param/<name>", "adam_m/<name>", "adam_v/<name>", in GPT::parameters() order):
-// assembled on rank 0 for a checkpoint or a sample, empty elsewhere.
+// Every parameter's full tensor, in the checkpoint names of the single device ("param/<name>", in
+// GPT::parameters() order): assembled on rank 0 for a sample or a pipeline's evaluation, empty
+// elsewhere.
 struct FullState {
   std::vector<NamedTensor> tensors;
+};
+
+// This rank's part of a checkpoint: slices of the full tensors (train/checkpoint.h) that point
+// into the engine's state, or into `storage` (host copies of state held elsewhere); valid until
+// the next step. Over all ranks the slices cover every tensor once.
+struct CheckpointPart {
+  std::vector<Slice> slices;
+  std::vector<std::vector<float>> storage;
   int64_t optimizer_steps = 0;
 };
 
@@ -44,12 +52,16 @@ class Engine {
   // One optimizer step on training batch `step` at learning rate lr; the mean loss of the global
   // batch (every rank).
   virtual StepOut step(int64_t step, float lr) = 0;
-  // Mean validation loss of n single-device batches of val_mb sequences (every rank, or rank 0).
+  // Mean validation loss of n single-device batches of val_mb sequences, on every rank (collective).
   virtual double evaluate(data::Loader& val, int64_t n, int64_t val_mb) = 0;
-  // Collective: rank 0 receives every parameter's full tensor (and the moments when with_moments).
-  virtual FullState gather(bool with_moments) = 0;
-  // The inverse, on every rank: this rank's part of every parameter and of both AdamW moments
-  // from the checkpoint's full tensors, and the optimizer's step count (not collective).
+  // Collective: rank 0 receives every parameter's full tensor (the samples of a model-parallel run).
+  virtual FullState gather_params() = 0;
+  // This rank's slices of every parameter and both AdamW moments, and the optimizer's step count
+  // (not collective; every rank writes its part of the checkpoint).
+  virtual CheckpointPart checkpoint_part() = 0;
+  // The inverse, on every rank: this rank's part of every parameter and of both AdamW moments,
+  // read from the checkpoint (only the elements it holds), and the optimizer's step count (not
+  // collective).
   virtual void load(CheckpointReader& ckpt, int64_t optimizer_steps) = 0;
   // The model every rank samples from (collectively) when each rank holds a whole model it can
   // sample on the CPU (refreshed from the engine's weights); null: samples come from the state

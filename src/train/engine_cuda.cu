@@ -197,33 +197,48 @@ class CudaEngine : public Engine {
   }
 
   // Rank 0 downloads its replica (the replicas are equal); nothing to gather.
-  FullState gather(bool with_moments) override {
+  FullState gather_params() override {
     FullState st;
-    st.optimizer_steps = optimizer_steps_;
     if (world_.rank() != 0) return st;
     for (const model::Parameter* p : gpt_.parameters()) {
-      const model::ParamSpec& s = p->spec;
-      auto add = [&](const std::string& kind, const std::vector<float>& v) {
-        Tensor t = Tensor::empty(s.shape, DType::f32, MemTag::workspace, host_);
-        copy_into(t, v);
-        st.tensors.push_back({kind + s.name, t});
-      };
-      add("param/", run_.parameter(s.name));
-      if (with_moments) {
-        add("adam_m/", run_.exp_avg(s.name));
-        add("adam_v/", run_.exp_avg_sq(s.name));
-      }
+      Tensor t = Tensor::empty(p->spec.shape, DType::f32, MemTag::workspace, host_);
+      copy_into(t, run_.parameter(p->spec.name));
+      st.tensors.push_back({"param/" + p->spec.name, t});
     }
     return st;
   }
 
+  // The replicas are equal: rank r downloads and writes the parameters i with i % ranks == r, so
+  // the ranks share the writing.
+  CheckpointPart checkpoint_part() override {
+    CheckpointPart out;
+    out.optimizer_steps = optimizer_steps_;
+    const auto& ps = gpt_.parameters();
+    for (size_t i = size_t(world_.rank()); i < ps.size(); i += size_t(world_.size())) {
+      const model::ParamSpec& s = ps[i]->spec;
+      const std::pair<const char*, std::vector<float>> kinds[] = {{"param/", run_.parameter(s.name)},
+                                                                  {"adam_m/", run_.exp_avg(s.name)},
+                                                                  {"adam_v/", run_.exp_avg_sq(s.name)}};
+      for (const auto& [kind, v] : kinds) {
+        out.storage.push_back(v);
+        out.slices.push_back({kind + s.name, 0, s.numel(), out.storage.back().data()});
+      }
+    }
+    return out;
+  }
+
   // Every rank reads the checkpoint: the replicas start equal.
   void load(CheckpointReader& ckpt, int64_t optimizer_steps) override {
+    std::vector<float> v;
     for (const model::Parameter* p : gpt_.parameters()) {
       const model::ParamSpec& s = p->spec;
-      run_.set_parameter(s.name, ckpt.read("param/" + s.name, s.shape).data());
-      run_.set_exp_avg(s.name, ckpt.read("adam_m/" + s.name, s.shape).data());
-      run_.set_exp_avg_sq(s.name, ckpt.read("adam_v/" + s.name, s.shape).data());
+      v.resize(size_t(s.numel()));
+      ckpt.read("param/" + s.name, 0, s.numel(), v.data());
+      run_.set_parameter(s.name, v.data());
+      ckpt.read("adam_m/" + s.name, 0, s.numel(), v.data());
+      run_.set_exp_avg(s.name, v.data());
+      ckpt.read("adam_v/" + s.name, 0, s.numel(), v.data());
+      run_.set_exp_avg_sq(s.name, v.data());
     }
     optimizer_steps_ = optimizer_steps;
   }

@@ -11,6 +11,9 @@
 #include <set>
 
 #include "core/error.h"
+#include "model/param_specs.h"
+#include "train/checkpoint.h"
+#include "train/checkpoint_io.h"
 #include "train/safetensors.h"
 
 namespace fs = std::filesystem;
@@ -130,23 +133,21 @@ void load_hf_gpt2(const std::string& path, GPT& gpt) {
   }
 }
 
-void save_hf_gpt2(const GPT& gpt, const std::string& out_dir) {
+void save_hf_gpt2(const GPTConfig& cfg, const std::function<void(const ParamSpec&, float*)>& values,
+                  const std::string& out_dir) {
   std::error_code ec;
   fs::create_directories(out_dir, ec);
   if (ec) throw Error(fmt::format("{}: cannot create directory: {}", out_dir, ec.message()));
   train::SafetensorsWriter w;
-  std::vector<std::vector<float>> transposed;  // kept alive until write()
-  transposed.reserve(gpt.parameters().size());
-  for (Parameter* p : gpt.parameters()) {
-    const HfKey k = hf_key(p->spec.name);
-    const Shape shape = hf_shape(p->spec);
-    if (k.conv1d) {
-      transposed.emplace_back(size_t(p->spec.numel()));
-      transpose_2d(p->value.f32(), transposed.back().data(), p->spec.shape[0], p->spec.shape[1]);
-      w.add(k.name, DType::f32, shape, transposed.back().data());
-    } else {
-      w.add(k.name, DType::f32, shape, p->value.f32());
-    }
+  for (const ParamSpec& spec : gpt_param_specs(cfg)) {
+    const HfKey k = hf_key(spec.name);
+    w.add_lazy(k.name, DType::f32, hf_shape(spec), [spec, conv1d = k.conv1d, &values](void* dst) {
+      float* out = static_cast<float*>(dst);
+      if (!conv1d) return values(spec, out);
+      std::vector<float> v(size_t(spec.numel()));
+      values(spec, v.data());
+      transpose_2d(v.data(), out, spec.shape[0], spec.shape[1]);
+    });
   }
   w.set_metadata("format", "pt");  // transformers refuses safetensors files without it
   const std::string st = (fs::path(out_dir) / "model.safetensors").string();
@@ -154,7 +155,7 @@ void save_hf_gpt2(const GPT& gpt, const std::string& out_dir) {
   // Both files complete under temporary names before either replaces what is there.
   w.write(st + ".partial");
   try {
-    write_file_atomically(cj + ".partial", hf_config_json(gpt.config()).dump(2) + "\n");
+    write_file_atomically(cj + ".partial", hf_config_json(cfg).dump(2) + "\n");
   } catch (...) {
     fs::remove(st + ".partial", ec);
     throw;
@@ -163,6 +164,25 @@ void save_hf_gpt2(const GPT& gpt, const std::string& out_dir) {
   if (ec) throw Error(fmt::format("{}: cannot rename from {}.partial: {}", st, st, ec.message()));
   fs::rename(cj + ".partial", cj, ec);
   if (ec) throw Error(fmt::format("{}: cannot rename from {}.partial: {}", cj, cj, ec.message()));
+}
+
+void save_hf_gpt2(const GPT& gpt, const std::string& out_dir) {
+  std::map<std::string, const Parameter*> by_name;
+  for (const Parameter* p : gpt.parameters()) by_name[p->spec.name] = p;
+  save_hf_gpt2(
+      gpt.config(),
+      [&](const ParamSpec& spec, float* dst) {
+        const Parameter* p = by_name.at(spec.name);
+        std::memcpy(dst, p->value.f32(), size_t(spec.numel()) * sizeof(float));
+      },
+      out_dir);
+}
+
+void save_hf_gpt2_from_checkpoint(const std::string& ckpt, const std::string& out_dir) {
+  train::CheckpointReader r(ckpt);
+  save_hf_gpt2(
+      checkpoint_model_config(ckpt),
+      [&](const ParamSpec& spec, float* dst) { r.read("param/" + spec.name, 0, spec.numel(), dst); }, out_dir);
 }
 
 }  // namespace loom::model

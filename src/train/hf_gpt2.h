@@ -13,6 +13,7 @@
 // {"format": "pt"}) and a config.json of model_type "gpt2" with activation "gelu_new" (tanh GELU).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -41,9 +42,16 @@ Shape hf_shape(const ParamSpec& spec);
 // errors naming the file and the tensor). F32, F16 and BF16 tensors are read (as f32).
 void load_hf_gpt2(const std::string& path, GPT& gpt);
 
-// Writes out_dir/model.safetensors and out_dir/config.json. Both are written under temporary
-// names first and renamed only when complete, so files already there survive a failure.
+// Writes out_dir/model.safetensors and out_dir/config.json of a model of config cfg whose
+// parameters `values` gives one at a time (values(spec, dst): f32 [spec.numel()] in loom's
+// layout), so no more than one tensor is in memory. Both files are written under temporary names
+// first and renamed only when complete, so files already there survive a failure.
+void save_hf_gpt2(const GPTConfig& cfg, const std::function<void(const ParamSpec&, float*)>& values,
+                  const std::string& out_dir);
+// The same of a model in memory, and of loom checkpoint `ckpt` (any version, however many ranks
+// wrote it: each tensor is assembled from its slices as it is written).
 void save_hf_gpt2(const GPT& gpt, const std::string& out_dir);
+void save_hf_gpt2_from_checkpoint(const std::string& ckpt, const std::string& out_dir);
 
 // f32 [rows, cols] -> f32 [cols, rows].
 void transpose_2d(const float* in, float* out, int64_t rows, int64_t cols);

@@ -202,6 +202,17 @@ void SafetensorsReader::read_into(const std::string& name, void* dst, size_t byt
   if (!f) bad(path_, fmt::format("tensor '{}': short read", name));
 }
 
+void SafetensorsReader::read_range(const std::string& name, uint64_t offset, void* dst, size_t bytes) const {
+  const SafetensorsEntry& e = entry(name);
+  if (offset > e.nbytes() || bytes > e.nbytes() - offset)
+    bad(path_, fmt::format("tensor '{}' has {} bytes, cannot read {} from byte {}", name, e.nbytes(), bytes, offset));
+  std::ifstream f(path_, std::ios::binary);
+  if (!f) bad(path_, "cannot open file");
+  f.seekg(std::streamoff(data_start_ + e.begin + offset));
+  f.read(static_cast<char*>(dst), std::streamsize(bytes));
+  if (!f) bad(path_, fmt::format("tensor '{}': short read", name));
+}
+
 Tensor SafetensorsReader::load(const std::string& name, MemTag tag, MemoryPool& pool) const {
   const SafetensorsEntry& e = entry(name);
   Tensor t = Tensor::empty(e.shape, e.dtype, tag, pool);
@@ -231,7 +242,32 @@ void SafetensorsWriter::add(const std::string& name, DType dtype, const Shape& s
   for (int64_t d : shape) LOOM_CHECK(d >= 0, "safetensors: tensor '{}' has a negative dimension", name);
   size_t n = size_t(shape_numel(shape)) * dtype_size(dtype);
   LOOM_CHECK(n == 0 || data != nullptr, "safetensors: tensor '{}' has no data", name);
-  items_.push_back(Item{name, dtype, shape, data, n, Tensor()});
+  items_.push_back(Item{name, dtype, shape, {{data, n}}, n, {}, Tensor()});
+}
+
+void SafetensorsWriter::add_lazy(const std::string& name, DType dtype, const Shape& shape,
+                                 std::function<void(void* dst)> fill) {
+  LOOM_CHECK(!name.empty() && name != "__metadata__", "safetensors: invalid tensor name '{}'", name);
+  for (const auto& it : items_) LOOM_CHECK(it.name != name, "safetensors: tensor '{}' added twice", name);
+  for (int64_t d : shape) LOOM_CHECK(d >= 0, "safetensors: tensor '{}' has a negative dimension", name);
+  const size_t n = size_t(shape_numel(shape)) * dtype_size(dtype);
+  items_.push_back(Item{name, dtype, shape, {}, n, std::move(fill), Tensor()});
+}
+
+void SafetensorsWriter::add_pieces(const std::string& name, DType dtype, const Shape& shape,
+                                   std::vector<std::pair<const void*, size_t>> pieces) {
+  LOOM_CHECK(!name.empty() && name != "__metadata__", "safetensors: invalid tensor name '{}'", name);
+  for (const auto& it : items_) LOOM_CHECK(it.name != name, "safetensors: tensor '{}' added twice", name);
+  for (int64_t d : shape) LOOM_CHECK(d >= 0, "safetensors: tensor '{}' has a negative dimension", name);
+  const size_t n = size_t(shape_numel(shape)) * dtype_size(dtype);
+  size_t have = 0;
+  for (const auto& [data, bytes] : pieces) {
+    LOOM_CHECK(bytes == 0 || data != nullptr, "safetensors: tensor '{}' has a piece without data", name);
+    have += bytes;
+  }
+  LOOM_CHECK(have == n, "safetensors: tensor '{}' of shape {} needs {} bytes, its pieces hold {}", name,
+             shape_str(shape), n, have);
+  items_.push_back(Item{name, dtype, shape, std::move(pieces), n, {}, Tensor()});
 }
 
 void SafetensorsWriter::add(const std::string& name, const Tensor& t) {
@@ -262,7 +298,15 @@ void SafetensorsWriter::write(const std::string& path) const {
     write_le64(lenbuf, header.size());
     f.write(reinterpret_cast<const char*>(lenbuf), 8);
     f.write(header.data(), std::streamsize(header.size()));
-    for (const auto& it : items_) f.write(static_cast<const char*>(it.data), std::streamsize(it.nbytes));
+    std::vector<char> buf;
+    for (const auto& it : items_) {
+      if (it.fill) {
+        buf.assign(std::max<size_t>(it.nbytes, 1), 0);
+        it.fill(buf.data());
+        f.write(buf.data(), std::streamsize(it.nbytes));
+      }
+      for (const auto& [data, bytes] : it.pieces) f.write(static_cast<const char*>(data), std::streamsize(bytes));
+    }
     f.flush();
     if (!f) {
       const int err = errno;  // the failed write's (the stream keeps no reason of its own)

@@ -4,8 +4,10 @@
 // the header completely before any tensor is read and names the file and tensor in every error.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/dtype.h"
@@ -46,6 +48,8 @@ class SafetensorsReader {
   // Copies tensor `name` into dst, which must hold exactly its bytes; checks dtype and shape
   // (an empty expected shape skips the shape check).
   void read_into(const std::string& name, void* dst, size_t bytes, DType dtype, const Shape& expect = {}) const;
+  // Copies `bytes` bytes of tensor `name` from byte `offset` of its data into dst.
+  void read_range(const std::string& name, uint64_t offset, void* dst, size_t bytes) const;
   // A new tensor from `pool` under `tag` holding tensor `name`.
   Tensor load(const std::string& name, MemTag tag, MemoryPool& pool = default_cpu_pool()) const;
   // Tensor `name` as f32 values in a host vector (f32, bf16, f16 tensors), for tests and tools.
@@ -65,6 +69,12 @@ class SafetensorsWriter {
   // and unchanged until write(); an added Tensor is kept alive by the writer.
   void add(const std::string& name, DType dtype, const Shape& shape, const void* data);
   void add(const std::string& name, const Tensor& t);
+  // A tensor whose bytes `fill` writes into a buffer of its size when write() comes to it (one
+  // such tensor in memory at a time).
+  void add_lazy(const std::string& name, DType dtype, const Shape& shape, std::function<void(void* dst)> fill);
+  // A tensor whose bytes are `pieces` (pointer, bytes) one after another (their sum its size).
+  void add_pieces(const std::string& name, DType dtype, const Shape& shape,
+                  std::vector<std::pair<const void*, size_t>> pieces);
   void set_metadata(const std::string& key, const std::string& value);
   // Writes the file (through a temporary name and a rename, so readers never see half a file).
   void write(const std::string& path) const;
@@ -74,8 +84,9 @@ class SafetensorsWriter {
     std::string name;
     DType dtype;
     Shape shape;
-    const void* data;
+    std::vector<std::pair<const void*, size_t>> pieces;
     size_t nbytes;
+    std::function<void(void*)> fill;  // instead of pieces
     Tensor keep;  // holds the storage of an added Tensor
   };
   std::vector<Item> items_;

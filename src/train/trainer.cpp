@@ -43,14 +43,41 @@ namespace {
 namespace pipe = parallel::pipeline;
 using parallel::sum_over_ranks;
 
-// A parameter's part of a full checkpoint tensor into dst f32 [n] (the rest, a vocabulary split's
-// zero padding, zeroed).
-void read_part(CheckpointReader& ckpt, const char* kind, const model::Parameter& p, float* dst, int64_t n) {
-  const model::ParamSpec g = p.global();
-  const std::vector<float>& full = ckpt.read(std::string(kind) + "/" + g.name, g.shape);
-  std::fill(dst, dst + n, 0.0f);
-  for (const model::ShardSegment& s : p.segments())
-    std::memcpy(dst + s.local, full.data() + s.global, size_t(s.n) * sizeof(float));
+// Calls f(global, n, local) for each run of the elements [lb, le) of parameter p's part (indices
+// into its local tensor) that lies in the full tensor, at the full tensor's element `global` (a
+// vocabulary split's padding lies nowhere).
+template <class F>
+void for_global(const model::Parameter& p, int64_t lb, int64_t le, F&& f) {
+  for (const model::ShardSegment& s : p.segments()) {
+    const int64_t lo = std::max(lb, s.local), hi = std::min(le, s.local + s.n);
+    if (lo < hi) f(s.global + (lo - s.local), hi - lo, lo);
+  }
+}
+
+// The checkpoint slices of `kind` ("param/", "adam_m/", "adam_v/") of p's local elements [lb, le),
+// which lie at data.
+void add_slices(std::vector<Slice>& out, const char* kind, const model::Parameter& p, int64_t lb, int64_t le,
+                const float* data) {
+  const std::string name = kind + p.global().name;
+  for_global(p, lb, le, [&](int64_t g, int64_t n, int64_t local) { out.push_back({name, g, n, data + (local - lb)}); });
+}
+
+// The inverse: p's local elements [lb, le) of `kind` from the checkpoint into data (the padding
+// zeroed).
+void read_slices(CheckpointReader& ckpt, const char* kind, const model::Parameter& p, int64_t lb, int64_t le,
+                 float* data) {
+  std::fill(data, data + (le - lb), 0.0f);
+  const std::string name = kind + p.global().name;
+  for_global(p, lb, le, [&](int64_t g, int64_t n, int64_t local) { ckpt.read(name, g, n, data + (local - lb)); });
+}
+
+// Every full tensor of a checkpoint of model mc: each parameter's value and moments, in
+// GPT::parameters() order, so every layout writes the same list.
+std::vector<TensorInfo> checkpoint_tensors(const model::GPTConfig& mc) {
+  std::vector<TensorInfo> out;
+  for (const model::ParamSpec& s : model::gpt_param_specs(mc))
+    for (const char* kind : {"param/", "adam_m/", "adam_v/"}) out.push_back({kind + s.name, s.shape});
+  return out;
 }
 
 // The full tensor of parameter p on every rank of tp from each rank's part `src`: a sum over tp of
@@ -70,8 +97,8 @@ Tensor host_tensor(const std::vector<float>& v, const Shape& shape, MemoryPool& 
   return t;
 }
 
-// A single-device model from the "param/" tensors of a full state (rank 0's samples and a
-// pipeline's validation); it lives in `pool` while the caller keeps it.
+// A single-device model from the "param/" tensors of a full state (rank 0's samples of a
+// model-parallel run); it lives in `pool` while the caller keeps it.
 std::unique_ptr<model::GPT> model_from(const model::GPTConfig& mc, const FullState& st, MemoryPool& pool) {
   auto gpt = std::make_unique<model::GPT>(mc, pool);
   std::map<std::string, const Tensor*> by_name;
@@ -262,11 +289,10 @@ class ChainEngine : public CpuEngine {
     return sum_over_ranks(dp_, sum) / double(n * dp);
   }
 
-  // Every rank of the dp x cp group gathers the flat state (collective); the replica with dp = cp
-  // = 0 then assembles each full tensor over tp on its tp rank 0 (world rank 0).
-  FullState gather(bool with_moments) override {
+  // Every rank of the dp x cp group gathers the flat parameters (collective); the replica with
+  // dp = cp = 0 then assembles each full tensor over tp on its tp rank 0 (world rank 0).
+  FullState gather_params() override {
     FullState st;
-    st.optimizer_steps = ddp_.optimizer_steps();
     model_.release_activations();  // what the gather holds takes their place
     full_ = parallel::DataParallel::FullState{};
     full_ = ddp_.gather_full_state();
@@ -275,40 +301,51 @@ class ChainEngine : public CpuEngine {
     std::vector<float> buf;
     for (size_t i = 0; i < ps.size(); ++i) {
       const model::Parameter& p = *ps[i];
-      const std::string& n = p.spec.name;
-      const std::pair<const char*, const Tensor*> kinds[] = {
-          {"param/", &full_.params}, {"adam_m/", &full_.exp_avg}, {"adam_v/", &full_.exp_avg_sq}};
-      for (const auto& [kind, flat] : kinds) {
-        if (!with_moments && flat != &full_.params) continue;
-        const Tensor part = ddp_.param_view(*flat, i);
-        if (tp_.size() == 1) {  // the part is the full tensor
-          st.tensors.push_back({kind + n, part});
-          continue;
-        }
-        assemble(tp_, p, part.f32(), buf);
-        if (tp_.rank() == 0) st.tensors.push_back({kind + n, host_tensor(buf, p.global().shape, pool_)});
+      const Tensor part = ddp_.param_view(full_.params, i);
+      if (tp_.size() == 1) {  // the part is the full tensor
+        st.tensors.push_back({"param/" + p.spec.name, part});
+        continue;
       }
+      assemble(tp_, p, part.f32(), buf);
+      if (tp_.rank() == 0) st.tensors.push_back({"param/" + p.spec.name, host_tensor(buf, p.global().shape, pool_)});
     }
     if (tp_.rank() != 0) st.tensors.clear();
     return st;
   }
 
-  void load(CheckpointReader& ckpt, int64_t optimizer_steps) override {
-    auto full = ddp_.empty_full_state();
-    const auto& ps = model_.parameters();
-    for (size_t i = 0; i < ps.size(); ++i) {
-      const model::Parameter& p = *ps[i];
-      const std::pair<const char*, const Tensor*> kinds[] = {
-          {"param", &full.params}, {"adam_m", &full.exp_avg}, {"adam_v", &full.exp_avg_sq}};
-      for (const auto& [kind, flat] : kinds) {
-        Tensor part = ddp_.param_view(*flat, i);
-        if (p.shard.split)
-          read_part(ckpt, kind, p, part.f32(), part.numel());
-        else
-          ckpt.read_into(std::string(kind) + "/" + p.spec.name, part);
-      }
+  // Each rank writes its shard of the dp x cp group's flat layout (the ZeRO shard; under ZeRO-0,
+  // where every rank holds everything, the same split shares the writing); a tensor whole on every
+  // tp rank is written by tp rank 0.
+  CheckpointPart checkpoint_part() override {
+    CheckpointPart out;
+    out.optimizer_steps = ddp_.optimizer_steps();
+    const parallel::DataParallel::LocalState st = ddp_.local_state();
+    const int64_t b = st.shard_begin, e = st.shard_end;
+    for (const parallel::FlatParam& f : ddp_.layout()) {
+      const model::Parameter& p = *f.param;
+      const int64_t lo = std::max(b, f.offset), hi = std::min(e, f.offset + f.numel);
+      if (lo >= hi || (!p.shard.split && tp_.rank() != 0)) continue;
+      const int64_t lb = lo - f.offset, le = hi - f.offset;
+      add_slices(out.slices, "param/", p, lb, le, st.params + (lo - st.params_begin));
+      add_slices(out.slices, "adam_m/", p, lb, le, st.exp_avg + (lo - st.opt_begin));
+      add_slices(out.slices, "adam_v/", p, lb, le, st.exp_avg_sq + (lo - st.opt_begin));
     }
-    ddp_.load_full_state(full, optimizer_steps);
+    return out;
+  }
+
+  // Each rank reads what it holds: the parameters (all, or its ZeRO-3 shard) and its moments.
+  void load(CheckpointReader& ckpt, int64_t optimizer_steps) override {
+    const parallel::DataParallel::LocalState st = ddp_.local_state();
+    auto read = [&](const char* kind, int64_t b, int64_t e, float* base) {
+      for (const parallel::FlatParam& f : ddp_.layout()) {
+        const int64_t lo = std::max(b, f.offset), hi = std::min(e, f.offset + f.numel);
+        if (lo < hi) read_slices(ckpt, kind, *f.param, lo - f.offset, hi - f.offset, base + (lo - b));
+      }
+    };
+    read("param/", st.params_begin, st.params_end, st.params);
+    read("adam_m/", st.opt_begin, st.opt_end, st.exp_avg);
+    read("adam_v/", st.opt_begin, st.opt_end, st.exp_avg_sq);
+    ddp_.state_loaded(optimizer_steps);
   }
 
   model::GPT* sampling_model() override { return model_.parallel().single() ? &model_ : nullptr; }
@@ -351,19 +388,6 @@ class ChainEngine : public CpuEngine {
   int64_t local_ = 0, mb_ = 0;
   Tensor x_, y_;  // i32 [mb, T]
 };
-
-// Puts a full state's tensors in the single device's order (every parameter's value and moments,
-// in GPT::parameters() order), so every layout writes the same file.
-void order_like_single_device(const model::GPTConfig& mc, std::vector<NamedTensor>& tensors) {
-  std::map<std::string, size_t> rank;
-  size_t k = 0;
-  for (const model::ParamSpec& s : model::gpt_param_specs(mc))
-    for (const char* kind : {"param/", "adam_m/", "adam_v/"}) rank[kind + s.name] = k++;
-  for (const NamedTensor& t : tensors)
-    LOOM_CHECK(rank.count(t.name), "gathered state: '{}' is not a tensor of model '{}'", t.name, mc.name);
-  std::stable_sort(tensors.begin(), tensors.end(),
-                   [&](const NamedTensor& a, const NamedTensor& b) { return rank.at(a.name) < rank.at(b.name); });
-}
 
 // Pipeline parallel (PipelineExecutor) with data parallelism through its dp communicator, and
 // tensor / sequence / context parallelism inside each stage.
@@ -409,92 +433,55 @@ class PipelineEngine : public CpuEngine {
     return out;
   }
 
-  // Rank 0 evaluates a single-device model of the gathered parameters, held for the evaluation
-  // only (the executor has no forward-only pass).
+  // On the mesh itself: groups of m validation batches go through the pipeline's forwards
+  // together, micro-batch j of a group holding this replica's rows of batch i + j (a last group
+  // short of m repeats its last batch, whose loss is not counted), so every batch's mean loss is
+  // the single device's.
   double evaluate(data::Loader& val, int64_t n, int64_t val_mb) override {
-    FullState st = gather(false);
-    if (mc_.world().rank() != 0) return NAN;
-    MemoryPool eval_pool("cpu:eval");
-    auto gpt = model_from(model_cfg_, st, eval_pool);
-    st = FullState{};
-    const int64_t T = cfg_.seq_len;
-    Tensor vx = Tensor::empty({val_mb, T}, DType::i32, MemTag::workspace, eval_pool);
-    Tensor vy = Tensor::empty({val_mb, T}, DType::i32, MemTag::workspace, eval_pool);
+    const int64_t m = cfg_.grad_accum, vl = val_mb / dp_.size(), T = cfg_.seq_len;
+    Tensor vx = Tensor::empty({m * vl, T}, DType::i32, MemTag::workspace, pool_);
+    Tensor vy = Tensor::empty({m * vl, T}, DType::i32, MemTag::workspace, pool_);
     double sum = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      val.val_batch(i, val_mb, 0, val_mb, vx.i32(), vy.i32());
-      sum += gpt->forward(vx, vy);
+    for (int64_t i = 0; i < n; i += m) {
+      for (int64_t j = 0; j < m; ++j)
+        val.val_batch(std::min(i + j, n - 1), val_mb, dp_.rank() * vl, vl, vx.i32() + j * vl * T,
+                      vy.i32() + j * vl * T);
+      const std::vector<double> l = exec_.evaluate(vx, vy);
+      for (int64_t j = 0; j < m && i + j < n; ++j) sum += l[size_t(j)];
     }
     return sum / double(n);
   }
 
   // The pipeline of the replica with dp = cp = 0 takes part. Under tp each stage first assembles
-  // its full tensors over the tp group (a sum of zero-filled buffers into which every rank wrote
-  // its part, a whole tensor by tp rank 0 only); then tp rank 0's pipeline (world rank 0's)
-  // moves them: pipeline rank k > 0 sends, for each of its parameters (the last stage's copy of a
-  // tied wte skipped), its name, size and tensors to pipeline rank 0.
-  FullState gather(bool with_moments) override {
-    parallel::ReplicaOptimizer& opt = exec_.optimizer();
+  // its full tensors over the tp group; then tp rank 0's pipeline (world rank 0's) moves them:
+  // pipeline rank k > 0 sends, for each of its parameters (the last stage's copy of a tied wte
+  // skipped), its name, size and values to pipeline rank 0.
+  FullState gather_params() override {
     FullState st;
-    st.optimizer_steps = opt.steps_taken();
-    // Under ZeRO-1 every rank of the stage's dp x cp group first takes part in gathering the
-    // moments.
-    const bool lead_replica = mc_.coord("dp") == 0 && mc_.coord("cp") == 0;
-    if (!lead_replica && !(opt.sharded() && with_moments)) return st;
-    std::vector<size_t> mine;
-    const auto ps = exec_.parameters();
-    for (size_t i = 0; i < ps.size(); ++i)
-      if (!exec_.is_copy(ps[i])) mine.push_back(i);
-    // Full tensors of this stage's parameters: value, and the moments when with_moments.
+    if (mc_.coord("dp") != 0 || mc_.coord("cp") != 0) return st;
     struct Full {
       std::string name;
-      Shape shape;
-      std::vector<float> v, m, s;
+      std::vector<float> v;
     };
     std::vector<Full> fulls;
-    std::vector<float> gm, gv;  // this parameter's full moments
-    for (size_t i : mine) {
-      const model::Parameter& p = *ps[i];
-      if (with_moments) {  // collective over dp x cp under ZeRO-1
-        gm.resize(size_t(p.spec.numel()));
-        gv.resize(size_t(p.spec.numel()));
-        opt.gather_moments(i, gm.data(), gv.data());
-      }
-      if (!lead_replica) continue;
-      auto one = [&](const float* src, std::vector<float>& out) {
-        if (tp_.size() == 1) {
-          out.assign(src, src + p.spec.numel());
-          return;
-        }
-        assemble(tp_, p, src, out);
-      };
-      Full f;
-      f.name = p.spec.name;
-      f.shape = p.global().shape;
-      one(p.value.f32(), f.v);
-      if (with_moments) {
-        one(gm.data(), f.m);
-        one(gv.data(), f.s);
-      }
+    for (const model::Parameter* p : exec_.parameters()) {
+      if (exec_.is_copy(p)) continue;
+      Full f{p->spec.name, {}};
+      if (tp_.size() == 1) f.v.assign(p->value.f32(), p->value.f32() + p->spec.numel());
+      else assemble(tp_, *p, p->value.f32(), f.v);
       fulls.push_back(std::move(f));
     }
-    if (!lead_replica || tp_.rank() != 0) return st;
+    if (tp_.rank() != 0) return st;
     std::map<std::string, Shape> shapes;
     for (const model::ParamSpec& s : model::gpt_param_specs(model_cfg_)) shapes[s.name] = s.shape;
-    auto store = [&](const std::string& name, int64_t n, const float* v, const float* m, const float* s) {
+    std::map<std::string, Tensor> got;
+    auto store = [&](const std::string& name, int64_t n, const float* v) {
       auto it = shapes.find(name);
       LOOM_CHECK(it != shapes.end() && shape_numel(it->second) == n, "gather: parameter '{}' of {} elements is not "
                  "one of model '{}'", name, n, model_cfg_.name);
-      auto add = [&](const char* kind, const float* src) {
-        Tensor t = Tensor::empty(it->second, DType::f32, MemTag::workspace, pool_);
-        std::memcpy(t.f32(), src, size_t(n) * sizeof(float));
-        st.tensors.push_back({kind + name, t});
-      };
-      add("param/", v);
-      if (with_moments) {
-        add("adam_m/", m);
-        add("adam_v/", s);
-      }
+      Tensor t = Tensor::empty(it->second, DType::f32, MemTag::workspace, pool_);
+      std::memcpy(t.f32(), v, size_t(n) * sizeof(float));
+      got[name] = t;
     };
     const int tag = 7;
     if (pp_.rank() != 0) {
@@ -507,15 +494,11 @@ class PipelineEngine : public CpuEngine {
         std::vector<int32_t> chars(f.name.begin(), f.name.end());
         pp_.send(chars.data(), int64_t(chars.size()), DType::i32, 0, tag);
         pp_.send(f.v.data(), n, DType::f32, 0, tag);
-        if (with_moments) {
-          pp_.send(f.m.data(), n, DType::f32, 0, tag);
-          pp_.send(f.s.data(), n, DType::f32, 0, tag);
-        }
       }
       return st;
     }
-    for (const Full& f : fulls) store(f.name, int64_t(f.v.size()), f.v.data(), f.m.data(), f.s.data());
-    std::vector<float> v, m, s;
+    for (const Full& f : fulls) store(f.name, int64_t(f.v.size()), f.v.data());
+    std::vector<float> v;
     for (int src = 1; src < pp_.size(); ++src) {
       int32_t count = 0;
       pp_.recv(&count, 1, DType::i32, src, tag);
@@ -527,34 +510,51 @@ class PipelineEngine : public CpuEngine {
         std::string name(chars.begin(), chars.end());
         v.resize(size_t(head[1]));
         pp_.recv(v.data(), head[1], DType::f32, src, tag);
-        if (with_moments) {
-          m.resize(size_t(head[1]));
-          s.resize(size_t(head[1]));
-          pp_.recv(m.data(), head[1], DType::f32, src, tag);
-          pp_.recv(s.data(), head[1], DType::f32, src, tag);
-        }
-        store(name, head[1], v.data(), m.data(), s.data());
+        store(name, head[1], v.data());
       }
     }
-    order_like_single_device(model_cfg_, st.tensors);
+    for (const model::ParamSpec& s : model::gpt_param_specs(model_cfg_)) {  // the single device's order
+      auto it = got.find(s.name);
+      LOOM_CHECK(it != got.end(), "gather: no stage holds parameter '{}'", s.name);
+      st.tensors.push_back({"param/" + s.name, it->second});
+    }
     return st;
   }
 
-  // Each of this rank's parameters by name: the last stage's copy of a tied wte takes wte (both
-  // copies always take the same update, so their moments are wte's too). Under tp each stage's
-  // part takes its segments of the full tensor.
+  // Each stage's parameters (the last stage's copy of a tied wte skipped: the first stage writes
+  // wte) are written by the replica with dp = cp = 0, their moments by the rank holding them
+  // (every rank of the stage's dp x cp group under ZeRO-1); a tensor whole on every tp rank by
+  // tp rank 0.
+  CheckpointPart checkpoint_part() override {
+    parallel::ReplicaOptimizer& opt = exec_.optimizer();
+    CheckpointPart out;
+    out.optimizer_steps = opt.steps_taken();
+    const bool lead_replica = mc_.coord("dp") == 0 && mc_.coord("cp") == 0;
+    const auto ps = exec_.parameters();
+    for (size_t i = 0; i < ps.size(); ++i) {
+      const model::Parameter& p = *ps[i];
+      if (exec_.is_copy(ps[i]) || (!p.shard.split && tp_.rank() != 0)) continue;
+      if (lead_replica) add_slices(out.slices, "param/", p, 0, p.spec.numel(), p.value.f32());
+      if (!lead_replica && !opt.sharded()) continue;
+      const parallel::MomentPart m = opt.moment_part(i);
+      if (m.begin == m.end) continue;
+      add_slices(out.slices, "adam_m/", p, m.begin, m.end, m.exp_avg);
+      add_slices(out.slices, "adam_v/", p, m.begin, m.end, m.exp_avg_sq);
+    }
+    return out;
+  }
+
+  // Each of this rank's parameters by name (the last stage's copy of a tied wte reads wte: both
+  // copies always take the same update, so their moments are wte's too), and the moments it holds.
   void load(CheckpointReader& ckpt, int64_t optimizer_steps) override {
     const auto ps = exec_.parameters();
     parallel::ReplicaOptimizer& opt = exec_.optimizer();
-    std::vector<float> m, v;
     for (size_t i = 0; i < ps.size(); ++i) {
-      const int64_t n = ps[i]->spec.numel();
-      m.resize(size_t(n));
-      v.resize(size_t(n));
-      read_part(ckpt, "param", *ps[i], ps[i]->value.f32(), n);
-      read_part(ckpt, "adam_m", *ps[i], m.data(), n);
-      read_part(ckpt, "adam_v", *ps[i], v.data(), n);
-      opt.load_moments(i, m.data(), v.data());  // under ZeRO-1 each rank keeps its part
+      read_slices(ckpt, "param/", *ps[i], 0, ps[i]->spec.numel(), ps[i]->value.f32());
+      const parallel::MomentPart m = opt.moment_part(i);
+      if (m.begin == m.end) continue;
+      read_slices(ckpt, "adam_m/", *ps[i], m.begin, m.end, m.exp_avg);
+      read_slices(ckpt, "adam_v/", *ps[i], m.begin, m.end, m.exp_avg_sq);
     }
     opt.set_steps_taken(optimizer_steps);
   }
@@ -681,12 +681,12 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   const std::string metrics_path = (out_dir / "metrics.jsonl").string();
   int64_t start_step = 0;
   if (opt.resume) {
-    // Every rank reads the checkpoint itself and keeps its own part of each full tensor: like
+    // Every rank reads just the elements it holds, from whichever ranks' files hold them: like
     // Megatron, this assumes train.out_dir is on a filesystem every rank sees. Rank 0's step is
     // broadcast so a rank that found another checkpoint (or none) is an error, not a silent
     // divergence.
     std::vector<std::string> notes;
-    const std::string ckpt = resume_checkpoint(cfg.out_dir, &notes);
+    const std::string ckpt = resume_checkpoint(cfg.out_dir, &notes, &world);  // collective
     for (const std::string& n : notes) say("resume: " + n);
     CheckpointMeta meta;
     if (!ckpt.empty()) {
@@ -704,7 +704,7 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
     if (ckpt.empty()) {
       say(fmt::format("resume: no checkpoint in {}, starting from step 0", cfg.out_dir));
     } else {
-      CheckpointReader reader(ckpt);
+      CheckpointReader reader(ckpt, /*verify=*/false);  // verified whole by resume_checkpoint
       engine->load(reader, meta.optimizer_steps);
       start_step = meta.step;
       if (lead) truncate_metrics(metrics_path, start_step);
@@ -745,22 +745,21 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
     if (cfg.sample_tokens == 0) return "";
     if (model::GPT* gpt = engine->sampling_model())
       return sample_text(cfg, *gpt, shared_sample_prompt(world, cfg, tok.get(), train, val.get()), step, tok.get());
-    FullState st = engine->gather(false);
+    FullState st = engine->gather_params();
     if (!lead) return "";
     MemoryPool sample_pool("cpu:sample");
     auto gpt = model_from(mc, st, sample_pool);
     st = FullState{};
     return sample_text(cfg, *gpt, sample_prompt(cfg, tok.get(), train, val.get()), step, tok.get());
   };
-  // Collective, ending in a barrier: no rank starts the next step before rank 0 has the whole
-  // checkpoint on disk, so a rank that fails in that step cannot cut the gather (or the write)
-  // short and lose the checkpoint.
+  // Collective: every rank writes its part and no rank starts the next step before the checkpoint
+  // is committed (or every rank has learnt that it was not), so a rank that fails in that step
+  // cannot cut the write short and lose the checkpoint.
+  const std::vector<TensorInfo> ckpt_tensors = checkpoint_tensors(mc);
   auto checkpoint = [&](int64_t step) {
-    FullState st = engine->gather(true);
-    if (lead)
-      save_checkpoint(out_dir.string(), checkpoint_meta(cfg, mc, step, st.optimizer_steps, vocabulary), st.tensors,
-                      cfg.keep_checkpoints);
-    world.barrier();
+    CheckpointPart part = engine->checkpoint_part();
+    save_checkpoint(world, out_dir.string(), checkpoint_meta(cfg, mc, step, part.optimizer_steps, vocabulary),
+                    ckpt_tensors, part.slices, cfg.keep_checkpoints);
   };
 
   MemoryPool& peaks = engine->pool();

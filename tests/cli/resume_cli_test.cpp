@@ -57,7 +57,7 @@ TEST(ResumeCli, CorruptNewestCheckpointResumesFromThePreviousOne) {
   ASSERT_EQ(first.code, 0) << first.err;
   ASSERT_TRUE(fs::exists(run / "ckpt_00000002") && fs::exists(run / "ckpt_00000004"));
   // One byte of the step-4 checkpoint's tensor data.
-  const fs::path st = run / "ckpt_00000004" / "state.safetensors";
+  const fs::path st = run / "ckpt_00000004" / "rank_00000.safetensors";
   {
     std::fstream f(st, std::ios::in | std::ios::out | std::ios::binary);
     f.seekg(std::streamoff(fs::file_size(st) - 100));
@@ -139,14 +139,14 @@ TEST(ResumeCli, AFailedCheckpointWriteKeepsTheEarlierOnes) {
   CliRun first = r.train(run, 2, false);
   ASSERT_EQ(first.code, 0) << first.err;
   ASSERT_TRUE(fs::exists(run / "ckpt_00000002"));
-  const uintmax_t ckpt_bytes = fs::file_size(run / "ckpt_00000002" / "state.safetensors");
+  const uintmax_t ckpt_bytes = fs::file_size(run / "ckpt_00000002" / "rank_00000.safetensors");
   // A limit (in 1024-byte blocks) above every other file the run writes, below a checkpoint.
   const uintmax_t blocks = ckpt_bytes / 1024 / 2;
   ASSERT_GT(blocks, 16u) << "the checkpoint must be much larger than the metrics";
   CmdRun limited = sh(fmt::format("ulimit -f {} && '{}' train {} --train.out_dir '{}' --train.steps 4 --resume", blocks,
                                   kLoom, r.flags, run.string()));
   EXPECT_NE(limited.status, 0) << limited.output;
-  EXPECT_NE(limited.output.find("state.safetensors"), std::string::npos) << limited.output;
+  EXPECT_NE(limited.output.find("rank_00000.safetensors"), std::string::npos) << limited.output;
   EXPECT_NE(limited.output.find("File too large"), std::string::npos) << limited.output;
   EXPECT_NE(limited.output.find("the earlier checkpoints are kept"), std::string::npos) << limited.output;
   for (const auto& e : fs::directory_iterator(run))

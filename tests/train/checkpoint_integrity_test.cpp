@@ -1,5 +1,5 @@
-// Checkpoint integrity: every tensor's bytes and the manifest itself carry a CRC-32 that loading
-// checks; a manifest's step must be its directory's; parameters must be finite; resuming passes
+// Checkpoint integrity: every stored tensor's bytes, every rank's index and the manifest itself
+// carry a CRC-32 that loading checks; a manifest's step must be its directory's; parameters must be finite; resuming passes
 // over a checkpoint that fails verification to the newest one that passes, saying so; and 100
 // random single-byte changes to a checkpoint (tensor data and header, manifest, its checksum,
 // `latest`) each either load bit-identically (the byte was padding) or are refused naming a file
@@ -13,11 +13,13 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
 #include "data/shard.h"
 #include "train/checkpoint.h"
+#include "train/safetensors.h"
 
 namespace fs = std::filesystem;
 using namespace loom;
@@ -91,8 +93,12 @@ TEST(CheckpointIntegrity, ChecksumsAreWrittenAndLoadingChecksThem) {
   Fixture f("sums");
   const std::string c = train::save_checkpoint(f.dir.string(), f.meta(3), f.tensors);
   const train::CheckpointMeta m = train::read_checkpoint_meta(c);
-  ASSERT_EQ(m.checksums.size(), f.tensors.size());
-  EXPECT_EQ(m.checksums.at("param/a"), data::crc32(f.tensors[0].tensor.raw(), f.tensors[0].tensor.nbytes()));
+  ASSERT_EQ(m.tensors.size(), f.tensors.size());
+  ASSERT_EQ(m.shards.size(), 1u);
+  const nlohmann::json index = nlohmann::json::parse(std::ifstream(fs::path(c) / "rank_00000.json"));
+  EXPECT_EQ(index["tensors"]["param/a"]["crc32"].get<uint32_t>(),
+            data::crc32(f.tensors[0].tensor.raw(), f.tensors[0].tensor.nbytes()));
+  EXPECT_EQ(index["tensors"]["param/a"]["slices"], nlohmann::json::parse("[[0, 185]]"));
   EXPECT_TRUE(fs::exists(fs::path(c) / "manifest.crc32"));
   auto got = f.empty_like();
   train::load_checkpoint_tensors(c, got);
@@ -100,14 +106,14 @@ TEST(CheckpointIntegrity, ChecksumsAreWrittenAndLoadingChecksThem) {
   train::verify_checkpoint(c);
 
   // One bit of param/b's data: the load names the file and the tensor.
-  const fs::path st = fs::path(c) / "state.safetensors";
+  const fs::path st = fs::path(c) / "rank_00000.safetensors";
   flip_byte(st, fs::file_size(st) - 5 * 37 * 4 * 4 - 3, 0x10);  // inside param/b (the 2nd of 6 tensors of 740 bytes)
   try {
     train::load_checkpoint_tensors(c, got);
     ADD_FAILURE() << "a corrupted tensor was loaded";
   } catch (const Error& e) {
     const std::string w = e.what();
-    EXPECT_NE(w.find("state.safetensors"), std::string::npos) << w;
+    EXPECT_NE(w.find("rank_00000.safetensors"), std::string::npos) << w;
     EXPECT_NE(w.find("'param/b' is corrupt"), std::string::npos) << w;
   }
   EXPECT_THROW(train::verify_checkpoint(c), Error);
@@ -123,7 +129,7 @@ TEST(CheckpointIntegrity, ResumeFallsBackToThePreviousGoodCheckpoint) {
   std::vector<std::string> notes;
   EXPECT_EQ(train::resume_checkpoint(f.dir.string(), &notes), c2);
   EXPECT_TRUE(notes.empty());
-  flip_byte(fs::path(c2) / "state.safetensors", fs::file_size(fs::path(c2) / "state.safetensors") - 1, 0x01);
+  flip_byte(fs::path(c2) / "rank_00000.safetensors", fs::file_size(fs::path(c2) / "rank_00000.safetensors") - 1, 0x01);
   EXPECT_EQ(train::resume_checkpoint(f.dir.string(), &notes), c1);
   ASSERT_EQ(notes.size(), 1u);
   EXPECT_NE(notes[0].find(c2), std::string::npos) << notes[0];
@@ -169,17 +175,21 @@ TEST(CheckpointIntegrity, NonFiniteParametersAreRefused) {
   EXPECT_FALSE(fs::exists(f.dir / "ckpt_00000002"));
   std::vector<std::string> notes;
   EXPECT_EQ(train::resume_checkpoint(f.dir.string(), &notes), good);
-  // The good checkpoint's param/b made NaN at 17, checksum and manifest checksum rewritten to match.
-  const fs::path st = fs::path(good) / "state.safetensors";
+  // The good checkpoint's param/b made NaN at 17, its checksum, the index's and the manifest's
+  // rewritten to match.
+  const fs::path st = fs::path(good) / "rank_00000.safetensors";
   {
     std::fstream io(st, std::ios::in | std::ios::out | std::ios::binary);
     io.seekp(std::streamoff(fs::file_size(st) - 2960 - 740 + 17 * 4));
     const float nan = std::nanf("");
     io.write(reinterpret_cast<const char*>(&nan), 4);
   }
-  rewrite_manifest(good, [&](nlohmann::json& m) {
-    m["checksums"]["param/b"] = data::crc32(f.tensors[1].tensor.raw(), f.tensors[1].tensor.nbytes());
-  });
+  const fs::path ip = fs::path(good) / "rank_00000.json";
+  nlohmann::json index = nlohmann::json::parse(std::ifstream(ip));
+  index["tensors"]["param/b"]["crc32"] = data::crc32(f.tensors[1].tensor.raw(), f.tensors[1].tensor.nbytes());
+  const std::string itext = index.dump(1) + "\n";
+  std::ofstream(ip, std::ios::trunc) << itext;
+  rewrite_manifest(good, [&](nlohmann::json& m) { m["shards"][0]["crc32"] = data::crc32(itext.data(), itext.size()); });
   auto got = f.empty_like();
   try {
     train::load_checkpoint_tensors(good, got);
@@ -189,21 +199,40 @@ TEST(CheckpointIntegrity, NonFiniteParametersAreRefused) {
   }
 }
 
-// Checkpoints written before checksums (version 1) still load.
-TEST(CheckpointIntegrity, VersionOneCheckpointsStillLoad) {
+// Checkpoints of one state.safetensors written by rank 0 (version 2, with checksums, and version
+// 1, before them) still load, and a version 2 checksum still catches a changed byte.
+TEST(CheckpointIntegrity, VersionOneAndTwoCheckpointsStillLoad) {
   Fixture f("v1");
-  const std::string c = train::save_checkpoint(f.dir.string(), f.meta(4), f.tensors);
-  rewrite_manifest(
-      c,
-      [](nlohmann::json& m) {
-        m["version"] = 1;
-        m.erase("checksums");
-      },
-      /*checksum=*/false);
-  auto got = f.empty_like();
-  train::load_checkpoint_tensors(c, got);
-  EXPECT_TRUE(same(got, f.tensors));
-  EXPECT_TRUE(train::read_checkpoint_meta(c).checksums.empty());
+  for (int version : {1, 2}) {
+    const fs::path c = f.dir / fmt::format("v{}", version) / "ckpt_00000004";
+    fs::create_directories(c);
+    train::SafetensorsWriter w;
+    nlohmann::json sums = nlohmann::json::object();
+    for (const auto& t : f.tensors) {
+      w.add(t.name, t.tensor);
+      sums[t.name] = data::crc32(t.tensor.raw(), t.tensor.nbytes());
+    }
+    w.write((c / "state.safetensors").string());
+    nlohmann::json m = {{"format", "loom-checkpoint"}, {"version", version}, {"step", 4}, {"optimizer_steps", 4},
+                        {"data_position", 4}, {"rng", {{"seed", 5}}}, {"model", {{"n_layer", 1}}},
+                        {"config_toml", ""}, {"tensors", 6}};
+    if (version == 2) m["checksums"] = sums;
+    const std::string text = m.dump(2) + "\n";
+    std::ofstream(c / "manifest.json") << text;
+    if (version == 2) std::ofstream(c / "manifest.crc32") << data::crc32(text.data(), text.size()) << "\n";
+    auto got = f.empty_like();
+    train::load_checkpoint_tensors(c.string(), got);
+    EXPECT_TRUE(same(got, f.tensors)) << "version " << version;
+    EXPECT_EQ(train::read_checkpoint_meta(c.string()).checksums.empty(), version == 1);
+    EXPECT_EQ(train::resume_checkpoint(c.parent_path().string(), nullptr), c.string());
+    train::CheckpointReader r(c.string());
+    float x[3];
+    r.read("param/b", 7, 3, x);
+    EXPECT_EQ(std::memcmp(x, f.tensors[1].tensor.f32() + 7, sizeof(x)), 0);
+  }
+  const fs::path st = f.dir / "v2" / "ckpt_00000004" / "state.safetensors";
+  flip_byte(st, fs::file_size(st) - 1, 0x04);
+  EXPECT_THROW(train::verify_checkpoint((f.dir / "v2" / "ckpt_00000004").string()), Error);
 }
 
 // 100 single-byte changes at random places of a checkpoint's files: each either resumes with the
@@ -214,13 +243,13 @@ TEST(CheckpointIntegrity, RandomByteChangesLoadIdenticallyOrAreRefused) {
   train::save_checkpoint(pristine, f.meta(6), f.tensors);
   std::mt19937 g(2026);
   int refused = 0, identical = 0;
-  const std::vector<std::string> files{"ckpt_00000006/state.safetensors", "ckpt_00000006/manifest.json",
-                                       "ckpt_00000006/manifest.crc32", "latest"};
+  const std::vector<std::string> files{"ckpt_00000006/rank_00000.safetensors", "ckpt_00000006/manifest.json",
+                                       "ckpt_00000006/manifest.crc32", "ckpt_00000006/rank_00000.json", "latest"};
   for (int trial = 0; trial < 100; ++trial) {
     const fs::path run = f.dir / ("run" + std::to_string(trial));
     fs::copy(pristine, run, fs::copy_options::recursive);
     // State data half the time (most of the bytes), the small files the rest.
-    const std::string rel = files[trial % 2 == 0 ? 0 : 1 + size_t(g() % 3)];
+    const std::string rel = files[trial % 2 == 0 ? 0 : 1 + size_t(g() % 4)];
     const fs::path target = run / rel;
     const size_t at = size_t(g() % fs::file_size(target));
     const uint8_t mask = uint8_t(1 + g() % 255);

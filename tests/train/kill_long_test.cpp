@@ -225,3 +225,96 @@ TEST(KillSuite, MpiRandomRank) {
   setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "none", 1);
   kill_suite(c, "mpi", 20, launch, victim, true);
 }
+
+// A 4-rank job (dp 2 x tp 2 under mpirun: every rank writes its own part of each checkpoint) with
+// one random rank killed at a random moment inside a checkpoint write, 20 times: every time the
+// job ends naming the rank, `latest` names the newest complete checkpoint, which verifies and is
+// the one --resume takes; the run then resumed to the end has every loss of the uninterrupted run.
+TEST(KillSuite, MpiRankKilledInsideFourRankCheckpointWrites) {
+  LOOM_REQUIRE_LOOM();
+  if (mpirun_prefix(4).empty()) GTEST_SKIP() << "mpirun not found or loom built without MPI";
+  Corpus c("mpi4");
+  setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "none", 1);
+  auto launch = [&](const std::string& out, const std::string& log) {
+    std::vector<std::string> a{"mpirun"};
+    if (::geteuid() == 0) a.push_back("--allow-run-as-root");
+    for (const char* f : {"--oversubscribe", "--bind-to", "none", "-x", "OMPI_MCA_btl_vader_single_copy_mechanism",
+                          "-x", "LOOM_CHECKPOINT_PAUSE_MS", "-n", "4", kLoom.c_str()})
+      a.push_back(f);
+    for (auto& f : flags(c.data, out)) a.push_back(f);
+    for (const char* f : {"--parallel.dp", "2", "--parallel.tp", "2", "--parallel.comm", "mpi"}) a.push_back(f);
+    return spawn(a, log);
+  };
+  setenv("LOOM_CHECKPOINT_PAUSE_MS", "0", 1);
+  const std::string ref = (c.root / "ref").string();
+  ASSERT_EQ(wait_exit(launch(ref, (c.root / "ref.log").string())), 0) << slurp(c.root / "ref.log");
+  const auto want = losses(ref);
+  ASSERT_EQ(want.count(16), 1u);
+  // Each rank pauses this long between its data file and its index: the window the kills aim at.
+  const int pause_ms = 300;
+  setenv("LOOM_CHECKPOINT_PAUSE_MS", std::to_string(pause_ms).c_str(), 1);
+  std::mt19937 rng(4);
+  int kills = 0, episodes = 0;
+  auto newest_complete = [](const std::string& out) {
+    std::string best;
+    for (const auto& e : fs::directory_iterator(out)) {
+      const std::string n = e.path().filename().string();
+      if (e.is_directory() && n.rfind("ckpt_", 0) == 0 && n > best) best = n;
+    }
+    return best.empty() ? "" : (fs::path(out) / best).string();
+  };
+  while (kills < 20 && episodes < 10) {
+    const std::string out = (c.root / fmt::format("run{}", episodes++)).string();
+    for (int attempt = 0; attempt < 12 && kills < 20; ++attempt) {
+      const std::string log = (c.root / "attempt.log").string();
+      const auto launched = fs::file_time_type::clock::now();
+      const pid_t job = launch(out, log);
+      // Wait for a checkpoint write this attempt began, then kill a rank somewhere inside it.
+      bool writing = false;
+      int status = 0;
+      pid_t done = 0;
+      for (int i = 0; i < 12000 && !writing && done == 0; ++i) {
+        std::error_code ec;
+        for (auto& e : fs::directory_iterator(out, ec))
+          if (e.path().filename().string().rfind(".tmp_ckpt_", 0) == 0 && fs::last_write_time(e.path(), ec) >= launched)
+            writing = true;
+        if (!writing) {
+          done = waitpid(job, &status, WNOHANG);
+          std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        }
+      }
+      if (done != 0) break;  // the run finished: the next episode starts a new one
+      ASSERT_TRUE(writing) << "no checkpoint write began within a minute\n" << slurp(log);
+      std::this_thread::sleep_for(std::chrono::milliseconds(int64_t(rng() % uint64_t(pause_ms))));
+      const auto ranks = rank_pids(job);
+      ASSERT_FALSE(ranks.empty());
+      const auto& [rank, pid] = ranks[rng() % ranks.size()];
+      kill(pid, SIGKILL);
+      const int code = wait_exit(job);
+      ASSERT_NE(code, 0) << "the job survived the kill of rank " << rank;
+      ++kills;
+      const std::string text = slurp(log);
+      EXPECT_NE(text.find(fmt::format("rank {}", rank)), std::string::npos)
+          << "the job's output does not name rank " << rank << ":\n" << text;
+      // `latest` names the newest complete checkpoint; it verifies, and resuming takes it.
+      const std::string newest = newest_complete(out);
+      EXPECT_EQ(train::latest_checkpoint(out), newest) << "kill " << kills;
+      if (!newest.empty()) {
+        EXPECT_NO_THROW(train::verify_checkpoint(newest)) << newest;
+        std::vector<std::string> notes;
+        EXPECT_EQ(train::resume_checkpoint(out, &notes), newest) << "kill " << kills;
+        EXPECT_TRUE(notes.empty());
+      }
+    }
+    setenv("LOOM_CHECKPOINT_PAUSE_MS", "0", 1);  // the rest of the run without kills
+    const std::string log = (c.root / "finish.log").string();
+    ASSERT_EQ(wait_exit(launch(out, log)), 0) << slurp(log);
+    EXPECT_EQ(losses(out), want) << "episode " << episodes;
+    setenv("LOOM_CHECKPOINT_PAUSE_MS", std::to_string(pause_ms).c_str(), 1);
+  }
+  unsetenv("LOOM_CHECKPOINT_PAUSE_MS");
+  std::printf("[mpi4] %d SIGKILLs of a random rank inside 4-rank checkpoint writes over %d runs; `latest` the newest "
+              "complete checkpoint every time, every resumed run equal to the uninterrupted one\n",
+              kills, episodes);
+  EXPECT_GE(kills, 20);
+}

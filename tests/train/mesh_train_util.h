@@ -18,6 +18,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "checkpoint_util.h"
 #include "cli_util.h"
 #include "data/shard.h"
 #include "train/checkpoint.h"
@@ -62,8 +63,9 @@ class MeshTrainFixture : public ::testing::Test {
   static std::map<int64_t, double> metric(const std::string& out, const char* key) {
     return read_metrics(root_ / out / "metrics.jsonl", key);
   }
-  static std::string state(const std::string& out) {
-    return train::latest_checkpoint((root_ / out).string()) + "/state.safetensors";
+  // Every full tensor of the latest checkpoint of root/out.
+  static std::map<std::string, std::vector<float>> state(const std::string& out) {
+    return checkpoint_tensors(train::latest_checkpoint((root_ / out).string()));
   }
   // The single-device reference of a run length, run once for the suite.
   static std::string ref_dir(int steps) { return steps == 10 ? "ref" : fmt::format("ref{}", steps); }
@@ -75,10 +77,12 @@ class MeshTrainFixture : public ::testing::Test {
   }
 
   // Every loss and validation loss of root/out within 1e-5 relative of the single-device run's.
-  static void expect_losses_near_reference(const std::string& out, const std::string& what, int steps = 10) {
-    ensure_reference(steps);
+  // (`ref`: another run of `steps` steps to compare with instead.)
+  static void expect_losses_near_reference(const std::string& out, const std::string& what, int steps = 10,
+                                           const std::string& ref = "") {
+    if (ref.empty()) ensure_reference(steps);
     for (const char* key : {"loss", "val_loss"}) {
-      auto want = metric(ref_dir(steps), key), got = metric(out, key);
+      auto want = metric(ref.empty() ? ref_dir(steps) : ref, key), got = metric(out, key);
       ASSERT_EQ(got.size(), want.size()) << what << " " << key;
       ASSERT_EQ(want.size(), size_t(std::string(key) == "loss" ? steps : steps / 5));
       double worst = 0;
@@ -125,13 +129,13 @@ class MeshTrainFixture : public ::testing::Test {
     auto ma = train::read_checkpoint_meta(ca), mb = train::read_checkpoint_meta(cb);
     EXPECT_EQ(ma.step, mb.step);
     EXPECT_EQ(ma.optimizer_steps, mb.optimizer_steps);
-    train::SafetensorsReader x(ca + "/state.safetensors"), y(cb + "/state.safetensors");
-    ASSERT_EQ(x.entries().size(), y.entries().size());
-    for (const auto& e : x.entries()) {
-      ASSERT_TRUE(y.contains(e.name)) << b << " lacks " << e.name;
-      auto u = x.read_f32(e.name), v = y.read_f32(e.name);
-      ASSERT_EQ(u.size(), v.size()) << e.name;
-      EXPECT_EQ(std::memcmp(u.data(), v.data(), u.size() * sizeof(float)), 0) << e.name << " differs";
+    const auto x = checkpoint_tensors(ca), y = checkpoint_tensors(cb);
+    ASSERT_EQ(x.size(), y.size());
+    for (const auto& [name, u] : x) {
+      ASSERT_TRUE(y.count(name)) << b << " lacks " << name;
+      const auto& v = y.at(name);
+      ASSERT_EQ(u.size(), v.size()) << name;
+      EXPECT_EQ(std::memcmp(u.data(), v.data(), u.size() * sizeof(float)), 0) << name << " differs";
     }
   }
 

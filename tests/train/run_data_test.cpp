@@ -147,7 +147,8 @@ TEST(Checkpoint, WithoutLatestTheNewestCompleteCheckpointIsResumed) {
     fs::create_directories(d.p / n);
     std::ofstream(d.p / n / "manifest.json") << "{}";
   }
-  for (const char* n : {"ckpt_00000003", "ckpt_00000006"}) std::ofstream(d.p / n / "state.safetensors") << "x";
+  std::ofstream(d.p / "ckpt_00000003" / "state.safetensors") << "x";      // version 2: one file
+  std::ofstream(d.p / "ckpt_00000006" / "rank_00000.safetensors") << "x";  // version 3: rank files
   // ckpt_00000009 has no state: incomplete, never the one to resume.
   EXPECT_EQ(latest_checkpoint(d.p.string()), (d.p / "ckpt_00000006").string());
   std::ofstream(d.p / "latest") << "ckpt_00000003\n";

@@ -21,19 +21,19 @@ class TrainParallel : public MeshTrainFixture {
   // The final checkpoint holds the same tensor names as the single-device one, with parameters
   // within 1e-5 relative (each and all).
   void expect_same_checkpoint(const std::string& out, int steps = 10) {
-    train::SafetensorsReader want(state(ref_dir(steps))), got(state(out));
-    ASSERT_EQ(got.entries().size(), want.entries().size());
+    const auto want = state(ref_dir(steps)), got = state(out);
+    ASSERT_EQ(got.size(), want.size());
     double d2 = 0, r2 = 0, worst = 0;
-    for (const auto& e : want.entries()) {
-      ASSERT_TRUE(got.contains(e.name)) << out << " lacks " << e.name;
-      if (e.name.rfind("param/", 0) != 0) continue;
-      auto a = got.read_f32(e.name), b = want.read_f32(e.name);
-      ASSERT_EQ(a.size(), b.size()) << e.name;
+    for (const auto& [name, b] : want) {
+      ASSERT_TRUE(got.count(name)) << out << " lacks " << name;
+      if (name.rfind("param/", 0) != 0) continue;
+      const auto& a = got.at(name);
+      ASSERT_EQ(a.size(), b.size()) << name;
       // The key part of c_attn.bias adds q . b_k to every score of a query row, which softmax
       // cancels: its gradient is exactly zero, what the kernels compute is rounding noise that
       // AdamW normalises into full-size steps, different for any summation order. It counts in
       // the norm over all parameters but is not compared on its own.
-      const bool key_bias = e.name.ends_with("attn.c_attn.bias");
+      const bool key_bias = name.ends_with("attn.c_attn.bias");
       const size_t C = a.size() / 3;
       double pd = 0, pr = 0;
       for (size_t i = 0; i < a.size(); ++i) {
@@ -46,7 +46,7 @@ class TrainParallel : public MeshTrainFixture {
       }
       const double rel = std::sqrt(pd / pr);
       worst = std::max(worst, rel);
-      EXPECT_LE(rel, kTol) << out << " " << e.name;
+      EXPECT_LE(rel, kTol) << out << " " << name;
     }
     EXPECT_LE(std::sqrt(d2 / r2), kTol) << out;
     std::printf("%-44s checkpoint ||p - p_ref|| / ||p_ref|| = %.2e (worst parameter %.2e)\n", out.c_str(),
@@ -56,15 +56,15 @@ class TrainParallel : public MeshTrainFixture {
   // The final checkpoint's AdamW moments (adam_m/, adam_v/): ||m - m_ref|| / ||m_ref|| over all
   // parameters, for each moment, against another run's checkpoint.
   void expect_same_moments(const std::string& out, const std::string& ref, double tol) {
-    train::SafetensorsReader want(state(ref)), got(state(out));
+    const auto want = state(ref), got = state(out);
     for (const std::string prefix : {"adam_m/", "adam_v/"}) {
       double d2 = 0, r2 = 0;
       int n = 0;
-      for (const auto& e : want.entries()) {
-        if (e.name.rfind(prefix, 0) != 0) continue;
-        ASSERT_TRUE(got.contains(e.name)) << out << " lacks " << e.name;
-        auto a = got.read_f32(e.name), b = want.read_f32(e.name);
-        ASSERT_EQ(a.size(), b.size()) << e.name;
+      for (const auto& [name, b] : want) {
+        if (name.rfind(prefix, 0) != 0) continue;
+        ASSERT_TRUE(got.count(name)) << out << " lacks " << name;
+        const auto& a = got.at(name);
+        ASSERT_EQ(a.size(), b.size()) << name;
         for (size_t i = 0; i < a.size(); ++i) d2 += (double(a[i]) - b[i]) * (double(a[i]) - b[i]), r2 += double(b[i]) * b[i];
         ++n;
       }

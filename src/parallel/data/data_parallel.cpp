@@ -529,14 +529,6 @@ Tensor DataParallel::param_view(const Tensor& flat, size_t i) const {
   return flat.slice0(f.offset, f.numel).view(f.param->spec.shape);
 }
 
-DataParallel::FullState DataParallel::empty_full_state() const {
-  FullState s;
-  s.params = Tensor::zeros({n_pad_}, DType::f32, MemTag::workspace, gpt_.pool());
-  s.exp_avg = Tensor::zeros({n_pad_}, DType::f32, MemTag::workspace, gpt_.pool());
-  s.exp_avg_sq = Tensor::zeros({n_pad_}, DType::f32, MemTag::workspace, gpt_.pool());
-  return s;
-}
-
 DataParallel::FullState DataParallel::gather_full_state() {
   if (o_.zero == 0) {  // every rank holds it all already: the live buffers themselves, no copy
     FullState s;
@@ -545,7 +537,10 @@ DataParallel::FullState DataParallel::gather_full_state() {
     s.exp_avg_sq = opt_->exp_avg_sq();
     return s;
   }
-  FullState s = empty_full_state();
+  FullState s;
+  s.params = Tensor::zeros({n_pad_}, DType::f32, MemTag::workspace, gpt_.pool());
+  s.exp_avg = Tensor::zeros({n_pad_}, DType::f32, MemTag::workspace, gpt_.pool());
+  s.exp_avg_sq = Tensor::zeros({n_pad_}, DType::f32, MemTag::workspace, gpt_.pool());
   if (o_.zero == 3) comm_.all_gather(params_.f32(), s.params.f32(), n_pad_, DType::f32);
   else std::memcpy(s.params.f32(), params_.f32(), size_t(n_pad_) * 4);
   if (o_.zero == 0) {
@@ -558,13 +553,22 @@ DataParallel::FullState DataParallel::gather_full_state() {
   return s;
 }
 
-void DataParallel::load_full_state(const FullState& s, int64_t optimizer_steps) {
-  const int64_t p0 = o_.zero == 3 ? int64_t(rank_) * shard_ : 0;
-  std::memcpy(params_.f32(), s.params.f32() + p0, size_t(params_.numel()) * 4);
-  const int64_t ob = opt_->begin(), n = opt_->end() - opt_->begin();
-  std::memcpy(opt_->exp_avg().f32(), s.exp_avg.f32() + ob, size_t(n) * 4);
-  std::memcpy(opt_->exp_avg_sq().f32(), s.exp_avg_sq.f32() + ob, size_t(n) * 4);
-  if (o_.offload) std::memcpy(host_params_.f32(), param_shard(), size_t(n) * 4);
+DataParallel::LocalState DataParallel::local_state() {
+  LocalState s;
+  s.params_begin = o_.zero == 3 ? int64_t(rank_) * shard_ : 0;
+  s.params_end = s.params_begin + params_.numel();
+  s.params = params_.f32();
+  s.opt_begin = opt_->begin();
+  s.opt_end = opt_->end();
+  s.exp_avg = opt_->exp_avg().f32();
+  s.exp_avg_sq = opt_->exp_avg_sq().f32();
+  s.shard_begin = int64_t(rank_) * shard_;
+  s.shard_end = s.shard_begin + shard_;
+  return s;
+}
+
+void DataParallel::state_loaded(int64_t optimizer_steps) {
+  if (o_.offload) std::memcpy(host_params_.f32(), param_shard(), size_t(opt_->end() - opt_->begin()) * 4);
   opt_->set_steps_taken(optimizer_steps);
 }
 

@@ -131,9 +131,20 @@ class DataParallel final : public model::ChainHooks {
     Tensor params, exp_avg, exp_avg_sq;
   };
   FullState gather_full_state();
-  // Zeroed full-state tensors for loading; then load_full_state takes this rank's part.
-  FullState empty_full_state() const;
-  void load_full_state(const FullState& s, int64_t optimizer_steps);
+  // What this rank holds, as flat ranges of the layout (for checkpoints, which each rank writes
+  // and reads in place): the parameters [params_begin, params_end) at `params` (all of them, or
+  // the shard under ZeRO-3) and both moments [opt_begin, opt_end) (all, or the shard under ZeRO
+  // 1-3); [shard_begin, shard_end) is this rank's shard, inside both, the part it writes.
+  struct LocalState {
+    int64_t params_begin = 0, params_end = 0, opt_begin = 0, opt_end = 0, shard_begin = 0, shard_end = 0;
+    float* params = nullptr;
+    float* exp_avg = nullptr;
+    float* exp_avg_sq = nullptr;
+  };
+  LocalState local_state();
+  // After a checkpoint was read into local_state()'s buffers: the optimizer's step count, and the
+  // offloaded master copy refreshed from the parameters.
+  void state_loaded(int64_t optimizer_steps);
   // The logical part of parameter i in a flat tensor: f32 with the parameter's spec shape.
   Tensor param_view(const Tensor& flat, size_t i) const;
 

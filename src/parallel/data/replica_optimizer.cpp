@@ -75,20 +75,11 @@ optim::StepStats ReplicaOptimizer::step(double global_norm, double lr) {
   return zero1_ ? zero1_->step(global_norm, lr) : adam_->step_with_norm(global_norm, lr);
 }
 
-void ReplicaOptimizer::gather_moments(size_t i, float* exp_avg, float* exp_avg_sq) {
-  if (zero1_) return zero1_->gather_moments(i, exp_avg, exp_avg_sq);
-  const Tensor& m = adam_->exp_avg(i);
-  const Tensor& v = adam_->exp_avg_sq(i);
-  std::memcpy(exp_avg, m.f32(), m.nbytes());
-  std::memcpy(exp_avg_sq, v.f32(), v.nbytes());
-}
-
-void ReplicaOptimizer::load_moments(size_t i, const float* exp_avg, const float* exp_avg_sq) {
-  if (zero1_) return zero1_->load_moments(i, exp_avg, exp_avg_sq);
+MomentPart ReplicaOptimizer::moment_part(size_t i) {
+  if (zero1_) return zero1_->moment_part(i);
   Tensor& m = adam_->exp_avg(i);
   Tensor& v = adam_->exp_avg_sq(i);
-  std::memcpy(m.f32(), exp_avg, m.nbytes());
-  std::memcpy(v.f32(), exp_avg_sq, v.nbytes());
+  return {0, m.numel(), m.f32(), v.f32()};
 }
 
 int64_t ReplicaOptimizer::steps_taken() const { return zero1_ ? zero1_->steps_taken() : adam_->steps_taken(); }

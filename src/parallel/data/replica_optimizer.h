@@ -56,12 +56,8 @@ class ReplicaOptimizer {
   // the update (StepStats::skipped).
   optim::StepStats step(double global_norm, double lr = -1.0);
 
-  // The full moments of parameter i (its logical elements, f32 [numel] each): collective over the
-  // group under ZeRO-1, a copy otherwise.
-  void gather_moments(size_t i, float* exp_avg, float* exp_avg_sq);
-  // This rank takes its part of parameter i's full moments (no communication).
-  void load_moments(size_t i, const float* exp_avg, const float* exp_avg_sq);
-
+  // The moments of parameter i this rank holds (for checkpoints, written and read in place).
+  MomentPart moment_part(size_t i);
   const std::vector<model::Parameter*>& parameters() const { return params_; }
   bool sharded() const { return zero1_ != nullptr; }
   Zero1Optimizer* zero1() const { return zero1_.get(); }  // ZeRO-1's state (null at stage 0)

@@ -52,30 +52,12 @@ optim::StepStats Zero1Optimizer::step(double global_norm, double lr) {
   return st;
 }
 
-void Zero1Optimizer::gather_moments(size_t i, float* exp_avg, float* exp_avg_sq) {
-  const FlatParam& f = flat(i);
-  const std::vector<int64_t> counts = lay_.shard_counts(f.offset, f.offset + f.numel);
-  // This rank's part starts at the later of the parameter's and the shard's first element.
-  const int64_t local = std::clamp<int64_t>(f.offset - shard_begin(), 0, lay_.shard);
-  dp_.all_gather_v(opt_->exp_avg().f32() + local, exp_avg, counts, DType::f32);
-  dp_.all_gather_v(opt_->exp_avg_sq().f32() + local, exp_avg_sq, counts, DType::f32);
-}
-
-void Zero1Optimizer::load_moments(size_t i, const float* exp_avg, const float* exp_avg_sq) {
+MomentPart Zero1Optimizer::moment_part(size_t i) {
   const FlatParam& f = flat(i);
   const int64_t b = std::max(f.offset, shard_begin()), e = std::min(f.offset + f.numel, shard_begin() + lay_.shard);
-  if (b >= e) return;
-  std::memcpy(opt_->exp_avg().f32() + (b - shard_begin()), exp_avg + (b - f.offset), size_t(e - b) * sizeof(float));
-  std::memcpy(opt_->exp_avg_sq().f32() + (b - shard_begin()), exp_avg_sq + (b - f.offset),
-              size_t(e - b) * sizeof(float));
-}
-
-void Zero1Optimizer::scatter_moments(size_t i, float* exp_avg, float* exp_avg_sq, int root) {
-  const FlatParam& f = flat(i);
-  LOOM_CHECK(root >= 0 && root < world_, "zero-1: scatter root {} is not a rank of the {} dp ranks", root, world_);
-  dp_.broadcast(exp_avg, f.numel, DType::f32, root);
-  dp_.broadcast(exp_avg_sq, f.numel, DType::f32, root);
-  load_moments(i, exp_avg, exp_avg_sq);
+  if (b >= e) return {};
+  return {b - f.offset, e - f.offset, opt_->exp_avg().f32() + (b - shard_begin()),
+          opt_->exp_avg_sq().f32() + (b - shard_begin())};
 }
 
 }  // namespace loom::parallel

@@ -53,6 +53,14 @@
 
 namespace loom::parallel {
 
+// The part of one parameter's AdamW moments a rank holds: its logical elements [begin, end) (of
+// the rank's part of the parameter) at exp_avg and exp_avg_sq (empty when begin == end).
+struct MomentPart {
+  int64_t begin = 0, end = 0;
+  float* exp_avg = nullptr;
+  float* exp_avg_sq = nullptr;
+};
+
 struct Zero1Options {
   // Per parameter, in the constructor's order: whether its gradient counts in this rank's sum
   // of squares (empty: every parameter counts).
@@ -83,14 +91,8 @@ class Zero1Optimizer {
   // learning rate lr (the configured one when lr < 0), then all-gathers the parameters.
   optim::StepStats step(double global_norm, double lr = -1.0);
 
-  // Full moments of parameter i (its logical elements, f32 [numel]).
-  // gather: collective over dp, every rank receives them (exp_avg, exp_avg_sq: [numel] each).
-  void gather_moments(size_t i, float* exp_avg, float* exp_avg_sq);
-  // load: this rank takes its part of the full moments it is given (no communication).
-  void load_moments(size_t i, const float* exp_avg, const float* exp_avg_sq);
-  // scatter: collective over dp; rank `root`'s full moments are sent to every rank (the buffers
-  // of the others, [numel] each, are overwritten with them) and each keeps its part.
-  void scatter_moments(size_t i, float* exp_avg, float* exp_avg_sq, int root);
+  // The moments of parameter i in this rank's shard (for checkpoints, written and read in place).
+  MomentPart moment_part(size_t i);
 
   const std::vector<model::Parameter*>& parameters() const { return params_; }
   const FlatLayout& layout() const { return lay_; }

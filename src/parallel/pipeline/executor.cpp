@@ -157,6 +157,7 @@ struct PipelineExecutor::Impl {
   int64_t b = 0, T = 0;
   int active_slots = 0, peak_slots = 0;
   std::vector<double> losses;  // per micro-batch (last stage)
+  bool evaluating = false;     // evaluate(): forwards only (no fused loss gradient)
 
   Impl(const model::GPTConfig& c, const ExecutorOptions& o, comm::Comm& p, comm::Comm* d, model::ParallelGroups g,
        MemoryPool& pl)
@@ -257,7 +258,7 @@ struct PipelineExecutor::Impl {
         }
       } else {
         auto* head = static_cast<model::Head*>(blk);
-        losses[size_t(mb)] = head->forward(x, targets.i32() + mb * b * T, b, T, /*fuse_backward=*/true, dscale);
+        losses[size_t(mb)] = head->forward(x, targets.i32() + mb * b * T, b, T, /*fuse_backward=*/!evaluating, dscale);
         x = nullptr;
       }
     }
@@ -521,7 +522,7 @@ int64_t PipelineExecutor::activation_bytes_per_micro_batch(int chunk, int64_t b,
   return bytes;
 }
 
-StepResult PipelineExecutor::step(const Tensor& tokens, const Tensor& targets, double lr) {
+void PipelineExecutor::prepare(const Tensor& tokens, const Tensor& targets) {
   Impl& I = *impl_;
   const int m = sch_.m();
   LOOM_CHECK(tokens.defined() && tokens.dim() == 2 && tokens.dtype() == DType::i32,
@@ -558,6 +559,41 @@ StepResult PipelineExecutor::step(const Tensor& tokens, const Tensor& targets, d
       break;
     }
   }
+}
+
+std::vector<double> PipelineExecutor::evaluate(const Tensor& tokens, const Tensor& targets) {
+  Impl& I = *impl_;
+  const int m = sch_.m();
+  prepare(tokens, targets);
+  I.losses.assign(size_t(m), 0.0);
+  I.evaluating = true;
+  for (const Instr& in : sch_.ranks[size_t(I.rank)]) {
+    if (!I.in_flight.empty()) I.reap_sends();
+    switch (in.op) {
+      case Op::forward: I.forward(in.mb, in.chunk, tokens, targets); break;
+      case Op::send_act: I.send_act(in.mb, in.chunk, in.peer); break;
+      case Op::recv_act: I.recv_act(in.mb, in.chunk, in.peer); break;
+      case Op::backward:
+      case Op::backward_weight: I.release(I.chunks[size_t(in.chunk)], in.mb); break;
+      default: break;  // no gradients, no update
+    }
+  }
+  I.finish_sends();
+  I.evaluating = false;
+  // The losses live on the head's rank; every pipeline rank gets them, averaged over replicas.
+  std::vector<float> l(I.losses.begin(), I.losses.end());
+  I.pp.broadcast(l.data(), m, DType::f32, sch_.rank_of(sch_.num_virtual_stages() - 1));
+  if (I.dp && I.dp->size() > 1) {
+    I.dp->all_reduce(l.data(), m, DType::f32);
+    for (float& x : l) x /= float(I.dp->size());
+  }
+  return std::vector<double>(l.begin(), l.end());
+}
+
+StepResult PipelineExecutor::step(const Tensor& tokens, const Tensor& targets, double lr) {
+  Impl& I = *impl_;
+  const int m = sch_.m();
+  prepare(tokens, targets);
   I.optimizer->zero_grad();
   I.losses.assign(size_t(m), 0.0);
   I.peak_slots = 0;

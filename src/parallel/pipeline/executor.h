@@ -121,6 +121,12 @@ class PipelineExecutor {
   // configured one).
   StepResult step(const Tensor& tokens, const Tensor& targets, double lr = -1.0);
 
+  // Validation: the loss of each of the m micro-batches of (tokens, targets) (as in step), without
+  // a backward or an update: the schedule's forwards, sends and receives only, each micro-batch's
+  // activations released where its backward would run. Averaged over the dp replicas; every rank
+  // gets all m.
+  std::vector<double> evaluate(const Tensor& tokens, const Tensor& targets);
+
   const Schedule& schedule() const { return sch_; }
   const CheckResult& checked() const { return checked_; }
   const std::vector<int64_t>& cuts() const { return cuts_; }
@@ -140,6 +146,9 @@ class PipelineExecutor {
   int64_t activation_bytes_per_micro_batch(int chunk, int64_t b, int64_t T) const;
 
  private:
+  // Checks the batch and sizes the workspaces for its micro-batch shape.
+  void prepare(const Tensor& tokens, const Tensor& targets);
+
   struct Impl;
   std::unique_ptr<Impl> impl_;
   Schedule sch_;

@@ -1,5 +1,7 @@
 #include "parallel/data/param_set_util.h"
 
+#include <algorithm>
+
 #include <cmath>
 
 #include "core/rng.h"
@@ -55,6 +57,28 @@ double rel_dist(const std::vector<std::vector<float>>& a, const std::vector<std:
     for (size_t j = 0; j < b[k].size(); ++j)
       d += (double(a[k][j]) - b[k][j]) * (double(a[k][j]) - b[k][j]), n += double(b[k][j]) * b[k][j];
   return std::sqrt(d / n);
+}
+
+void gather_moments(const parallel::MomentPart& part, comm::Comm& dp, int64_t numel, float* exp_avg,
+                    float* exp_avg_sq) {
+  const int64_t mine = part.end - part.begin;
+  std::vector<int64_t> counts(static_cast<size_t>(dp.size()));
+  dp.all_gather(&mine, counts.data(), 2 * int64_t(dp.size()), DType::u32);  // an int64 as two words
+  int64_t sum = 0;
+  for (int64_t c : counts) sum += c;
+  if (sum == numel * dp.size()) {  // every rank holds all of it
+    std::copy_n(part.exp_avg, numel, exp_avg);
+    std::copy_n(part.exp_avg_sq, numel, exp_avg_sq);
+    return;
+  }
+  float none = 0;
+  dp.all_gather_v(mine ? part.exp_avg : &none, exp_avg, counts, DType::f32);
+  dp.all_gather_v(mine ? part.exp_avg_sq : &none, exp_avg_sq, counts, DType::f32);
+}
+
+void load_moments(const parallel::MomentPart& part, const float* exp_avg, const float* exp_avg_sq) {
+  std::copy(exp_avg + part.begin, exp_avg + part.end, part.exp_avg);
+  std::copy(exp_avg_sq + part.begin, exp_avg_sq + part.end, part.exp_avg_sq);
 }
 
 }  // namespace loom::test

@@ -3,6 +3,8 @@
 // straddling shard boundaries, one left out of the norm as a replicated copy counted on another
 // rank), per-rank gradients, an AdamW config that clips every step, and a relative distance.
 #pragma once
+#include "comm/comm.h"
+#include "parallel/data/zero1.h"
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -32,5 +34,12 @@ std::vector<model::Parameter*> raw(const std::vector<std::unique_ptr<model::Para
 float grad_at(uint64_t seed, int s, int r, size_t k, int64_t j);
 // ||a - b|| / ||b|| over all elements of per-parameter lists.
 double rel_dist(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b);
+
+// The full moments (f32 [numel] each) of a parameter whose parts (MomentPart, one per rank of dp,
+// in rank order) its ranks hold; collective over dp. A part that is the whole parameter on every
+// rank (no sharding) is copied.
+void gather_moments(const parallel::MomentPart& part, comm::Comm& dp, int64_t numel, float* exp_avg, float* exp_avg_sq);
+// The inverse: this rank's part from the full moments (no communication).
+void load_moments(const parallel::MomentPart& part, const float* exp_avg, const float* exp_avg_sq);
 
 }  // namespace loom::test

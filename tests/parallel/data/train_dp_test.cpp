@@ -47,9 +47,9 @@ class TrainDp : public ::testing::Test {
   std::map<int64_t, double> losses(const std::string& out, const char* key = "loss") const {
     return test::read_metrics(root_ / out / "metrics.jsonl", key);
   }
+  // Every rank file of the checkpoint of `step` (the same layout writes the same files).
   std::string ckpt_bytes(const std::string& out, int step) const {
-    std::ifstream f(root_ / out / fmt::format("ckpt_{}", step) / "state.safetensors", std::ios::binary);
-    return std::string(std::istreambuf_iterator<char>(f), {});
+    return test::checkpoint_bytes((root_ / out / fmt::format("ckpt_{:08d}", step)).string());
   }
   fs::path root_;
 };
@@ -79,6 +79,7 @@ TEST_F(TrainDp, ThreadsAndMpiAreBitIdentical) {
     ASSERT_EQ(lt.size(), 6u);
     EXPECT_EQ(lt, lm) << "zero " << zero;
     EXPECT_EQ(losses(a, "val_loss"), losses(b, "val_loss")) << "zero " << zero;
+    ASSERT_FALSE(ckpt_bytes(a, 6).empty()) << a << " has no checkpoint of step 6";
     EXPECT_EQ(ckpt_bytes(a, 6), ckpt_bytes(b, 6)) << "zero " << zero;
   }
 #endif

@@ -119,7 +119,7 @@ RankOut run_rank(comm::Comm& dp) {
     o.result.params.emplace_back(ps[k]->value.f32(), ps[k]->value.f32() + n);
     for (int64_t j = n; j < ps[k]->value_full.numel(); ++j) o.padding_zero &= ps[k]->value_full.f32()[j] == 0.0f;
     std::vector<float> m(static_cast<size_t>(n)), v(static_cast<size_t>(n));
-    opt.gather_moments(k, m.data(), v.data());
+    test::gather_moments(opt.moment_part(k), dp, n, m.data(), v.data());
     o.result.exp_avg.push_back(m);
     o.result.exp_avg_sq.push_back(v);
     int parts = 0;
@@ -208,9 +208,11 @@ TEST(Zero1Moments, ScatteredMomentsContinueTheRunExactly) {
     for (size_t k = 0; k < a.size(); ++k) {
       const int64_t n = a[k]->spec.numel();
       std::vector<float> m(static_cast<size_t>(n)), v(static_cast<size_t>(n));
-      oa.gather_moments(k, m.data(), v.data());
+      test::gather_moments(oa.moment_part(k), c, n, m.data(), v.data());
       if (c.rank() != 1) std::fill(m.begin(), m.end(), NAN), std::fill(v.begin(), v.end(), NAN);
-      ob.scatter_moments(k, m.data(), v.data(), 1);
+      c.broadcast(m.data(), n, DType::f32, 1);  // rank 1's moments to every rank, each keeps its part
+      c.broadcast(v.data(), n, DType::f32, 1);
+      test::load_moments(ob.moment_part(k), m.data(), v.data());
       std::copy_n(a[k]->value_full.f32(), a[k]->value_full.numel(), b[k]->value_full.f32());
     }
     ob.set_steps_taken(oa.steps_taken());
