@@ -3,7 +3,8 @@
 # parallelism that splits memory", acceptance 1): GPT-2 124M shapes (12 layers, 768 wide, 12 heads)
 # over a vocabulary of 4096, B=4, T=128, a few steps with a validation pass and a checkpoint at the
 # end (the sample is off: samples of a model-parallel run still assemble the weights on rank 0).
-# One process per rank under mpirun, each measured by GNU time -v.
+# One process per rank under mpirun, each measured by GNU time -v; beside it, the seconds the
+# run's last checkpoint took (every rank writing its part, read back, committed).
 #
 #   bench/rss_layouts.sh [DATA_DIR] [LAYOUT ...]
 #
@@ -32,10 +33,10 @@ as_root=()
 [[ $(id -u) == 0 ]] && as_root=(--allow-run-as-root)
 common=(--data.dir "$data" --model.n_layer 12 --model.n_head 12 --model.n_embd 768 --model.vocab_size 4096
         --data.seq_len 128 --train.batch_size 4 --train.steps 2 --train.eval_every 2 --train.eval_batches 1
-        --train.sample_tokens 0 --train.checkpoint_every 2 --train.threads 1 --parallel.comm mpi --quiet)
+        --train.sample_tokens 0 --train.checkpoint_every 2 --train.threads 1 --parallel.comm mpi)
 single_kb=
-echo "| layout | ranks | peak RSS per process (MB) | largest / single device |"
-echo "|---|---|---|---|"
+echo "| layout | ranks | peak RSS per process (MB) | largest / single device | checkpoint write (s) |"
+echo "|---|---|---|---|---|"
 for spec in "${layouts[@]}"; do
   name=${spec%%:*}
   flags=${spec#*:}
@@ -63,5 +64,6 @@ for spec in "${layouts[@]}"; do
   [[ -z $single_kb ]] && single_kb=$max
   mbs=$(printf '%s\n' "${kbs[@]}" | awk '{printf "%s%.0f", (NR > 1 ? " / " : ""), $1 / 1024}')
   ratio=$(awk -v a="$max" -v b="$single_kb" 'BEGIN {printf "%.2f", a / b}')
-  echo "| $name ${flags:+(\`$flags\`)} | $ranks | $mbs | $ratio |"
+  ckpt=$(sed -nE 's/^checkpoints: .* in ([0-9.]+) s$/\1/p' "$out/log")
+  echo "| $name ${flags:+(\`$flags\`)} | $ranks | $mbs | $ratio | ${ckpt:-?} |"
 done

@@ -37,7 +37,7 @@ Parameter& ChainBlock::add_param(Parameter p) {
 }
 
 ChainBlock::ChainBlock(Backend& be, const BlockOptions& o)
-    : be_(&be), pool_(&be.pool()), dt_(be.compute_dtype()), arena_(o.arena),
+    : be_(&be), pool_(&be.pool()), dt_(be.compute_dtype()), arena_(o.arena), defer_(o.defer_parameters),
       par_(o.parallel ? o.parallel : std::make_shared<ChainParallel>(be)) {}
 
 ChainBlock::ChainBlock(const ChainBlock& primary, MemTag tag)
@@ -45,6 +45,7 @@ ChainBlock::ChainBlock(const ChainBlock& primary, MemTag tag)
       par_(primary.par_) {}
 
 void ChainBlock::allocate_param(Parameter& p) {
+  if (defer_) return;
   p.allocate(*be_, arena_ ? arena_->take(p.spec.alloc_numel()) : Tensor());
 }
 
@@ -504,8 +505,8 @@ Head::Head(const GPTConfig& cfg, Parameter* tied, Backend& be, const BlockOption
   }
   arena_ = nullptr;
   LOOM_CHECK(lm_head_ != nullptr, "head: tied embeddings need the wte parameter");
-  LOOM_CHECK(lm_head_->value_full.size(0) == P.vocab_rows(cfg), "head: lm_head has {} rows, expected {}",
-             lm_head_->value_full.size(0), P.vocab_rows(cfg));
+  const int64_t rows = std::max(lm_head_->spec.alloc_rows, lm_head_->spec.shape.at(0));
+  LOOM_CHECK(rows == P.vocab_rows(cfg), "head: lm_head has {} rows, expected {}", rows, P.vocab_rows(cfg));
 }
 
 std::unique_ptr<ChainBlock> Head::replica(MemTag tag) const { return std::unique_ptr<ChainBlock>(new Head(*this, tag)); }

@@ -67,6 +67,7 @@ struct GradArena {
 struct BlockOptions {
   GradArena* arena = nullptr;  // the model's gradient arena (null: gradients of their own)
   std::shared_ptr<ChainParallel> parallel;  // null: the single device
+  bool defer_parameters = false;  // declare the parameters only (ModelLayout::defer_parameters)
 };
 
 // Incremental decoding with a key/value cache (model/kv_cache.h): a forward of T new tokens at
@@ -124,6 +125,7 @@ class ChainBlock {
   DType dt_;  // the compute dtype: activations and compute copies
   MemTag act_tag_ = MemTag::activations;
   GradArena* arena_ = nullptr;  // the model's, while it builds its blocks (null: gradients of their own)
+  bool defer_ = false;          // parameters declared only, placed by whoever takes them over
   std::shared_ptr<ChainParallel> par_;  // shared by the chain's blocks and their replicas
 };
 

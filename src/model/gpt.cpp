@@ -18,6 +18,9 @@ GPT::GPT(const GPTConfig& cfg, MemoryPool& pool, uint64_t seed, const ModelLayou
 
 void GPT::build(uint64_t seed) {
   cfg_.validate("model config '" + cfg_.name + "'");
+  seed_ = seed;
+  LOOM_CHECK(!layout_.defer_parameters || be_.device() == Device::cpu,
+             "model '{}': deferred parameters are for CPU models", cfg_.name);
   if (layout_.activation_budget < 0)
     throw Error(fmt::format("model '{}': activation_budget = {} must be >= 0", cfg_.name, layout_.activation_budget));
   par_ = std::make_shared<ChainParallel>(be_, layout_.groups, layout_.sp);
@@ -32,13 +35,13 @@ void GPT::build(uint64_t seed) {
     grads_ = arena.flat;
     a = &arena;
   }
-  const BlockOptions bo{.arena = a, .parallel = par_};
+  const BlockOptions bo{.arena = a, .parallel = par_, .defer_parameters = layout_.defer_parameters};
   embedding_ = std::make_unique<Embedding>(cfg_, be_, bo);
   for (int64_t l = 0; l < cfg_.n_layer; ++l) blocks_.push_back(std::make_unique<TransformerBlock>(cfg_, l, be_, bo));
   head_ = std::make_unique<Head>(cfg_, &embedding_->wte(), be_, bo);
   for (ChainBlock* b : chain())
     for (Parameter* p : b->parameters()) params_.push_back(p);
-  init_weights(seed);
+  if (!layout_.defer_parameters) init_weights(seed);
 }
 
 std::vector<ChainBlock*> GPT::chain() const {

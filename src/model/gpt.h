@@ -57,6 +57,11 @@ struct ModelLayout {
   bool sp = false;                // sequence parallel within tp
   int64_t activation_budget = 0;  // saved-activation bytes allowed per rank (0: unlimited); a
                                   // forward that would need more throws before allocating
+  // The parameters are declared (spec, sharding) but neither allocated nor initialised: whoever
+  // takes them over (parallel::DataParallel) places them and draws their values
+  // (Parameter::initialise_part with seed()), so no rank ever holds a full copy it then drops
+  // (a CPU model only).
+  bool defer_parameters = false;
 };
 
 struct ChainHooks {
@@ -88,6 +93,8 @@ class GPT {
   const std::vector<Parameter*>& parameters() const { return params_; }
   Parameter& parameter(std::string_view name) const;  // throws naming the parameter
   void init_weights(uint64_t seed);
+  // The seed the parameters are drawn from.
+  uint64_t seed() const { return seed_; }
   int64_t num_parameters() const;               // logical elements (no vocabulary padding)
   int64_t num_nonembedding_parameters() const;  // all but wte, wpe (and an untied lm_head)
 
@@ -162,6 +169,7 @@ class GPT {
 
  private:
   void build(uint64_t seed);
+  uint64_t seed_ = 0;
   GPTConfig cfg_;
   ModelLayout layout_;
   std::unique_ptr<Backend> own_be_;  // the pool constructor's

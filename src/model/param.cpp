@@ -107,6 +107,15 @@ void Parameter::initialise(uint64_t seed, Backend* be) {
   refresh_compute(*be);
 }
 
+void Parameter::initialise_part(uint64_t seed, int64_t begin, int64_t n, float* dst) const {
+  std::fill(dst, dst + n, 0.0f);
+  const ParamSpec full = global();
+  for (const ShardSegment& s : segments()) {
+    const int64_t lo = std::max(begin, s.local), hi = std::min(begin + n, s.local + s.n);
+    if (lo < hi) init_values(full, seed, dst + (lo - begin), s.global + (lo - s.local), hi - lo);
+  }
+}
+
 void Parameter::refresh_compute(Backend& be) {
   if (!compute_full.defined()) return;
   be.copy({.dst = compute_full.raw(), .dst_dtype = compute_full.dtype(), .src = value_full.raw(),

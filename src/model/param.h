@@ -66,6 +66,9 @@ struct Parameter {
   // in another dtype than f32. With grad_storage (f32, at least alloc_numel() elements, zeroed) the
   // gradient lives there instead of in an allocation of its own.
   void allocate(Backend& be, const Tensor& grad_storage = Tensor());
+  // The initial values of this rank's elements [begin, begin + n) (indices into value_full) into
+  // dst: the elements initialise() draws there, zero for padding. Needs no storage of its own.
+  void initialise_part(uint64_t seed, int64_t begin, int64_t n, float* dst) const;
   // value[i] for the global element indices [first, first + n) of the full tensor, drawn from
   // fill_normal(seed, stream_of(name), index); padding rows are zeroed. Parameters on a device
   // are drawn on the host and uploaded through `be`, and their compute copy refreshed.

@@ -137,7 +137,7 @@ class ChainEngine : public CpuEngine {
               parallel::MeshComms& comms, data::Loader& train, MemoryPool& pool, MemoryPool& host_pool, bool trace)
       : CpuEngine(pool, &host_pool), cfg_(cfg), mc_(comms), train_(train), dp_(comms["dp"]), tp_(comms["tp"]),
         trace_(comms.world().rank(), trace),
-        model_(mc, pool, cfg.seed, {.groups = {&comms["tp"], &comms["cp"]}, .sp = cfg.sp}),
+        model_(mc, pool, cfg.seed, {.groups = {&comms["tp"], &comms["cp"]}, .sp = cfg.sp, .defer_parameters = true}),
         ddp_(model_, comms.get({"dp", "cp"}), oc, options(cfg, comms, host_pool, trace_, model_)) {
     local_ = cfg.batch_size / dp_.size();
     mb_ = local_ / cfg.grad_accum;
@@ -757,9 +757,12 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   // cannot cut the write short and lose the checkpoint.
   const std::vector<TensorInfo> ckpt_tensors = checkpoint_tensors(mc);
   auto checkpoint = [&](int64_t step) {
+    const auto t0 = std::chrono::steady_clock::now();
     CheckpointPart part = engine->checkpoint_part();
     save_checkpoint(world, out_dir.string(), checkpoint_meta(cfg, mc, step, part.optimizer_steps, vocabulary),
                     ckpt_tensors, part.slices, cfg.keep_checkpoints);
+    ++res.checkpoints;
+    res.last_checkpoint_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   };
 
   MemoryPool& peaks = engine->pool();
@@ -794,6 +797,12 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
                   format_bytes(res.peak_bytes[size_t(MemTag::activations)]), format_bytes(peaks.total_peak()),
                   format_bytes(rss), cfg.comm == "threads" && ranks > 1 ? fmt::format("all {} ranks", ranks) : "rank 0",
                   comm_line.empty() ? "" : " | " + comm_line));
+  if (res.checkpoints > 0) {
+    int64_t bytes = 0;
+    for (const TensorInfo& t : ckpt_tensors) bytes += shape_numel(t.shape) * int64_t(sizeof(float));
+    say(fmt::format("checkpoints: {} written by {} rank{} in parallel, the last ({}) in {:.2f} s", res.checkpoints,
+                    ranks, ranks > 1 ? "s" : "", format_bytes(bytes), res.last_checkpoint_s));
+  }
   res.last_sample = sample(cfg.steps);
   if (!res.last_sample.empty()) say(fmt::format("--- sample ---\n{}\n---", res.last_sample));
   if (!opt.trace_path.empty()) {

@@ -52,6 +52,10 @@ struct TrainResult {
   // the compute thread waited for (the rest was hidden behind backward).
   double reduce_busy_s = 0, reduce_exposed_s = 0, gather_s = 0;
   double train_seconds = 0;   // wall time of the training steps
+  // Checkpoints written by this run, and the seconds of the last (every rank's part written, read
+  // back and committed).
+  int64_t checkpoints = 0;
+  double last_checkpoint_s = 0;
 };
 
 TrainResult run_training(const TrainConfig& cfg, const TrainOptions& opt);

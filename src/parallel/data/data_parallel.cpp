@@ -241,7 +241,11 @@ DataParallel::DataParallel(model::GPT& gpt, comm::Comm& dp, const optim::AdamWCo
   params_ = Tensor::zeros({plen}, DType::f32, MemTag::params, pool);
   for (const FlatParam& f : lay_.params) {
     int64_t b = std::max(f.offset, p0), e = std::min(f.offset + f.alloc, p0 + plen);
-    if (b < e) std::memcpy(params_.f32() + (b - p0), f.param->value_full.f32() + (b - f.offset), size_t(e - b) * 4);
+    if (b >= e) continue;
+    if (f.param->value_full.defined())
+      std::memcpy(params_.f32() + (b - p0), f.param->value_full.f32() + (b - f.offset), size_t(e - b) * 4);
+    else  // deferred (model::ModelLayout::defer_parameters): drawn here, the part this rank keeps only
+      f.param->initialise_part(gpt_.seed(), b - f.offset, e - b, params_.f32() + (b - p0));
   }
   for (FlatParam& f : lay_.params) {
     if (o_.zero == 3) detach_from_flat(*f.param, false);

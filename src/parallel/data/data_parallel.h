@@ -94,7 +94,8 @@ class DataParallel final : public model::ChainHooks {
  public:
   // Takes over the model's parameters and gradients (their tensors become views of the flat
   // buffers, or are detached where sharded); the model's current values are the starting point
-  // (identical on every rank). Collective over `dp` (the communication thread's communicator is
+  // (identical on every rank), or, for a model with deferred parameters
+  // (ModelLayout::defer_parameters), the values drawn from its seed for just what this rank keeps. Collective over `dp` (the communication thread's communicator is
   // split from it). `gpt` and `dp` must outlive this object.
   DataParallel(model::GPT& gpt, comm::Comm& dp, const optim::AdamWConfig& adam, const DataParallelOptions& opt);
   ~DataParallel() override;

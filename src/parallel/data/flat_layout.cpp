@@ -21,15 +21,15 @@ FlatLayout FlatLayout::build(const std::vector<model::Parameter*>& params, int w
   for (size_t i = 0; i < params.size(); ++i) {
     model::Parameter* p = params[i];
     LOOM_CHECK(p != nullptr, "flat layout: parameter {} is null", i);
-    LOOM_CHECK(p->value_full.defined(), "flat layout: parameter '{}' has no value allocated", p->spec.name);
     FlatParam f;
     f.param = p;
     f.offset = off;
     f.alloc = p->spec.alloc_numel();
     f.numel = p->spec.numel();
     f.chain = chains.empty() ? 0 : chains[i];
-    LOOM_CHECK(p->value_full.numel() == f.alloc, "flat layout: parameter '{}' holds {} elements, its spec {}",
-               p->spec.name, p->value_full.numel(), f.alloc);
+    // (A deferred parameter, model::ModelLayout::defer_parameters, has no storage yet.)
+    LOOM_CHECK(!p->value_full.defined() || p->value_full.numel() == f.alloc,
+               "flat layout: parameter '{}' holds {} elements, its spec {}", p->spec.name, p->value_full.numel(), f.alloc);
     l.params.push_back(f);
     off += round_up(f.alloc, kFlatAlign);
   }

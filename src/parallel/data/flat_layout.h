@@ -35,7 +35,8 @@ struct FlatLayout {
   int world = 1;
 
   // Lays out `params` in order; chains[i] (when given, one per parameter) is recorded as the
-  // owning chain block. Throws on a null or unallocated parameter, naming it.
+  // owning chain block. Throws on a null parameter or one whose storage does not match its spec,
+  // naming it (a parameter without storage is laid out by its spec).
   static FlatLayout build(const std::vector<model::Parameter*>& params, int world,
                           const std::vector<int>& chains = {});
   // Elements of the flat range [begin, end) in each rank's shard (world entries).

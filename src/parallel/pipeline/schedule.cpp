@@ -243,12 +243,12 @@ std::vector<std::vector<Timed>> zb_h1_orders(const Schedule& sch, const OpCosts&
       out[size_t(r)].push_back(tm);
     }
     if (all_done) break;
-    // Next event: the earliest time after t at which a rank frees up or an op ends.
+    // Next event: the earliest time after t at which a rank frees up. (Every op ends when its rank
+    // frees up: while an end lies ahead its rank's free time is that end, so the free times are
+    // all the events there are.)
     double next = inf;
     for (double f : free)
       if (f > t) next = std::min(next, f);
-    for (double x : e.t)
-      if (x > t && x < next) next = x;
     LOOM_CHECK(next < inf, "pipeline schedule: zb-h1 for p={} m={} cannot make progress", p, m);
     t = next;
   }

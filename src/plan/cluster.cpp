@@ -1,0 +1,110 @@
+#include "plan/cluster.h"
+
+#include <filesystem>
+
+#include <fmt/format.h>
+#include <toml++/toml.h>
+
+#include "core/error.h"
+
+namespace loom::plan {
+
+namespace {
+
+Cluster builtin(const std::string& name) {
+  Cluster c;
+  c.name = name;
+  if (name == "a100-80gb") {
+    // efficiency: calibrated once, against Megatron-LM 2021's Table 1 (the value that minimises the
+    // worst error over its ten rows, tests/plan/planner_test.cpp). The H100 and H200 profiles keep
+    // an uncalibrated 0.5 until measured runs calibrate them.
+    c.device = {"A100 80GB SXM", 312e12, 19.5e12, 0.63, 0, 80e9, 2.0e12};
+    c.per_node = 8;
+    c.intra = {300e9, 5e-6};
+    c.inter = {25e9, 10e-6};
+  } else if (name == "h100-sxm") {
+    c.device = {"H100 SXM", 989e12, 67e12, 0.5, 0, 80e9, 3.35e12};
+    c.per_node = 8;
+    c.intra = {450e9, 5e-6};
+    c.inter = {50e9, 10e-6};
+  } else if (name == "h200") {
+    c.device = {"H200", 989e12, 67e12, 0.5, 0, 141e9, 4.8e12};
+    c.per_node = 8;
+    c.intra = {450e9, 5e-6};
+    c.inter = {50e9, 10e-6};
+  } else if (name == "cpu") {
+    // A modest host's defaults; `loom calibrate` replaces them with measured ones.
+    c.device = {"cpu", 100e9, 100e9, 0.6, 0, 16e9, 20e9};
+    c.per_node = 64;
+    c.intra = {5e9, 20e-6};
+    c.inter = {1e9, 50e-6};
+  } else {
+    throw Error(fmt::format("cluster '{}': not a built-in (a100-80gb, h100-sxm, h200, cpu) nor a file", name));
+  }
+  return c;
+}
+
+}  // namespace
+
+Cluster read_cluster(const std::string& path) {
+  toml::table t;
+  try {
+    t = toml::parse_file(path);
+  } catch (const toml::parse_error& e) {
+    throw Error(fmt::format("{}: {} (line {})", path, e.description(), e.source().begin.line));
+  }
+  std::string base = "a100-80gb";
+  if (auto b = t["base"]) {
+    if (!b.is_string()) throw Error(fmt::format("{}: base must be the name of a built-in", path));
+    base = b.as_string()->get();
+  }
+  Cluster c = builtin(base);
+  c.name = std::filesystem::path(path).stem().string();
+  auto number = [&](const toml::node& v, const std::string& field) -> double {
+    double x = 0;
+    if (v.is_integer()) x = double(v.as_integer()->get());
+    else if (v.is_floating_point()) x = v.as_floating_point()->get();
+    else throw Error(fmt::format("{}: {} must be a number", path, field));
+    if (!(x > 0)) throw Error(fmt::format("{}: {} must be positive, got {}", path, field, x));
+    return x;
+  };
+  for (auto&& [k, v] : t) {
+    const std::string key(k.str());
+    if (key == "base") continue;
+    const toml::table* tab = v.as_table();
+    if (!tab || (key != "device" && key != "cluster"))
+      throw Error(fmt::format("{}: unknown entry '{}' (tables: [device], [cluster]; key: base)", path, key));
+    for (auto&& [fk, fv] : *tab) {
+      const std::string f(fk.str()), field = key + "." + f;
+      if (key == "device" && f == "name") {
+        if (!fv.is_string()) throw Error(fmt::format("{}: device.name must be a string", path));
+        c.device.name = fv.as_string()->get();
+      } else if (key == "device" && f == "peak_tflops_bf16") c.device.peak_bf16 = number(fv, field) * 1e12;
+      else if (key == "device" && f == "peak_tflops_f32") c.device.peak_f32 = number(fv, field) * 1e12;
+      else if (key == "device" && f == "efficiency") c.device.efficiency = number(fv, field);
+      else if (key == "device" && f == "gemm_half") c.device.gemm_half = number(fv, field);
+      else if (key == "device" && f == "memory_gb") c.device.memory = number(fv, field) * 1e9;
+      else if (key == "device" && f == "memory_gbs") c.device.memory_bw = number(fv, field) * 1e9;
+      else if (key == "cluster" && f == "gpus_per_node") c.per_node = int(number(fv, field));
+      else if (key == "cluster" && f == "intra_gbs") c.intra.bandwidth = number(fv, field) * 1e9;
+      else if (key == "cluster" && f == "intra_latency_us") c.intra.latency = number(fv, field) * 1e-6;
+      else if (key == "cluster" && f == "inter_gbs") c.inter.bandwidth = number(fv, field) * 1e9;
+      else if (key == "cluster" && f == "inter_latency_us") c.inter.latency = number(fv, field) * 1e-6;
+      else
+        throw Error(fmt::format("{}: unknown field {} (device: name, peak_tflops_bf16, peak_tflops_f32, efficiency, "
+                                "gemm_half, memory_gb, memory_gbs; cluster: gpus_per_node, intra_gbs, intra_latency_us, "
+                                "inter_gbs, inter_latency_us)",
+                                path, field));
+    }
+  }
+  if (c.device.efficiency > 1)
+    throw Error(fmt::format("{}: device.efficiency must be a share of peak in (0, 1], got {}", path, c.device.efficiency));
+  return c;
+}
+
+Cluster cluster_named(const std::string& name) {
+  if (std::filesystem::exists(name) && !std::filesystem::is_directory(name)) return read_cluster(name);
+  return builtin(name);
+}
+
+}  // namespace loom::plan

@@ -1,0 +1,55 @@
+// What the planner knows of the hardware: a device (peak FLOP/s per dtype, the fraction of it
+// the transformer's matrix products reach, memory and its bandwidth) and the cluster around it
+// (devices per node, the link inside a node and between nodes: bandwidth per device and latency).
+//
+// Built in: a100-80gb (A100 80GB SXM, DGX A100: NVLink/NVSwitch 300 GB/s per GPU per direction,
+// 8 x 200 Gb/s HDR InfiniBand per node = 25 GB/s per GPU), h100-sxm and h200 (DGX H100/H200:
+// NVLink 450 GB/s, 8 x 400 Gb/s NDR = 50 GB/s per GPU), and cpu (this host's one process per
+// rank with shared memory between ranks; its rates come from `loom calibrate` when it has run).
+// Peaks are the vendors' dense figures; `efficiency` is the one calibrated number: the share of
+// peak the matrix products reach end to end.
+//
+// A cluster file is TOML:
+//   [device]  name, peak_tflops_bf16, peak_tflops_f32, efficiency, gemm_half, memory_gb, memory_gbs
+//   [cluster] gpus_per_node, intra_gbs, intra_latency_us, inter_gbs, inter_latency_us
+// with GB = 10^9 bytes; every field of a built-in can be given, the rest come from `base` (a
+// built-in's name, default a100-80gb).
+#pragma once
+#include <string>
+
+namespace loom::plan {
+
+struct Device {
+  std::string name;
+  double peak_bf16 = 0;     // FLOP/s, dense
+  double peak_f32 = 0;      // FLOP/s
+  double efficiency = 0.5;  // share of peak large matrix products reach
+  // Smaller products reach less: a product of n output elements (rows x columns on one device)
+  // runs at efficiency x n / (n + gemm_half) (0: no size effect).
+  double gemm_half = 0;
+  double memory = 0;        // bytes
+  double memory_bw = 0;     // bytes/s
+};
+
+struct Link {
+  double bandwidth = 0;  // bytes/s per device, each direction
+  double latency = 0;    // seconds per message
+};
+
+struct Cluster {
+  std::string name;
+  Device device;
+  int per_node = 8;  // devices per node
+  Link intra, inter;
+  // The link between ranks `stride` apart in a group of `size` consecutive strides: inside a node
+  // when the group's span fits one.
+  const Link& link(int stride, int size) const {
+    return int64_t(stride) * size <= per_node ? intra : inter;
+  }
+};
+
+// A built-in by name (a100-80gb, h100-sxm, h200, cpu), or a cluster file; throws naming it.
+Cluster cluster_named(const std::string& name_or_path);
+Cluster read_cluster(const std::string& path);
+
+}  // namespace loom::plan

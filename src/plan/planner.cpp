@@ -1,0 +1,453 @@
+#include "plan/planner.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "parallel/pipeline/checker.h"
+
+namespace loom::plan {
+
+namespace pipe = parallel::pipeline;
+
+std::string Layout::str() const {
+  std::string s = fmt::format("dp={},tp={},pp={}", dp, tp, pp);
+  if (v > 1) s += fmt::format(",v={}", v);
+  if (cp > 1) s += fmt::format(",cp={}", cp);
+  if (sp) s += ",sp=1";
+  s += fmt::format(",mbs={}", mbs);
+  if (pp > 1) s += fmt::format(",schedule={}", pipe::kind_name(schedule));
+  s += fmt::format(",recompute={},zero={}", model::recompute_name(recompute), zero);
+  return s;
+}
+
+Layout parse_layout(const std::string& text, const std::string& where) {
+  Layout l;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    if (item.empty()) continue;
+    const size_t eq = item.find('=');
+    if (eq == std::string::npos)
+      throw Error(fmt::format("{}: '{}' is not key=value (keys: dp, tp, pp, v, cp, sp, mbs, schedule, recompute, zero)",
+                              where, item));
+    const std::string k = item.substr(0, eq), v = item.substr(eq + 1);
+    auto integer = [&](int64_t lo) -> int64_t {
+      size_t used = 0;
+      int64_t x = 0;
+      try {
+        x = std::stoll(v, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (used != v.size() || v.empty() || x < lo || x > (int64_t(1) << 30))
+        throw Error(fmt::format("{}: {}={} must be an integer in [{}, 2^30]", where, k, v, lo));
+      return x;
+    };
+    if (k == "dp") l.dp = int(integer(1));
+    else if (k == "tp") l.tp = int(integer(1));
+    else if (k == "pp") l.pp = int(integer(1));
+    else if (k == "v") l.v = int(integer(1));
+    else if (k == "cp") l.cp = int(integer(1));
+    else if (k == "sp") l.sp = integer(0) != 0;
+    else if (k == "mbs") l.mbs = integer(1);
+    else if (k == "zero") {
+      l.zero = int(integer(0));
+      if (l.zero > 3) throw Error(fmt::format("{}: zero={} must be 0, 1, 2 or 3", where, l.zero));
+    } else if (k == "schedule") l.schedule = pipe::parse_kind(v, where + ": schedule");
+    else if (k == "recompute") {
+      l.recompute = model::recompute_from_name(v, where + ": recompute");
+      if (l.recompute != model::Recompute::none && l.recompute != model::Recompute::selective &&
+          l.recompute != model::Recompute::full)
+        throw Error(fmt::format("{}: recompute={}: the planner models none, selective and full", where, v));
+    } else
+      throw Error(fmt::format("{}: unknown key '{}' (keys: dp, tp, pp, v, cp, sp, mbs, schedule, recompute, zero)",
+                              where, k));
+  }
+  return l;
+}
+
+namespace {
+
+struct Bytes {
+  double weight, grad, optimizer, act;
+};
+
+Bytes bytes_of(Precision p) {
+  if (p == Precision::f32) return {4, 4, 8, 4};
+  return {2, 2, 12, 2};
+}
+
+// Parameters one device of a stage holds: the stage's layers (tensor-parallel matrices split, norms
+// whole), plus the embedding on the first stage and the head on the last (a tied head's copy of
+// wte where the pipeline has more than one stage).
+struct StageParams {
+  double first = 0, last = 0;
+  double max() const { return std::max(first, last); }
+};
+
+StageParams stage_params(const ModelSpec& m, const Layout& L, double layers_per_stage) {
+  const double norms = double(m.bias ? 2 * m.hidden : m.hidden);
+  const double layer = (double(m.layer_params()) - 2 * norms) / L.tp + 2 * norms;
+  const double wte = double(m.vocab * m.hidden) / L.tp;
+  const double emb = wte + (m.learned_positions ? double(m.seq * m.hidden) : 0.0);
+  const double head = norms + (m.tied ? (L.pp > 1 ? wte : 0.0) : wte);
+  StageParams s;
+  s.first = layers_per_stage * layer + emb + (L.pp == 1 ? head : 0.0);
+  s.last = L.pp == 1 ? s.first : layers_per_stage * layer + head;
+  return s;
+}
+
+// Saved activation bytes of one layer for one micro-batch on one device.
+double layer_activation_bytes(const Job& job, const Layout& L) {
+  const ModelSpec& m = job.model;
+  const double tokens = double(L.mbs) * double(m.seq) / L.cp, h = double(m.hidden), t = L.tp;
+  const double kvd = double(m.kv() * m.head_dim()), ffn = double(m.ffn_size());
+  const bool full = L.recompute == model::Recompute::full, selective = L.recompute == model::Recompute::selective;
+  if (job.precision == Precision::f32) {
+    // loom's declarations (TransformerBlock::saved_activations): the stream side (ln1, res2, ln2,
+    // out and four f32 row statistics) whole or, under sp, the rank's rows; the rest split by tp.
+    const double stream = 4 * (4 * h) + 4 * 4;
+    const double split = 4 * ((h + 2 * kvd) + h + 2 * (m.swiglu ? 1.5 : 1.0) * ffn) + 4 * double(m.heads);
+    const double attn_kept = 4 * h + 4 * double(m.heads);  // atty and the log-sum-exps
+    if (full) return tokens * 4 * h / (L.sp ? t : 1.0);
+    return tokens * (stream / (L.sp ? t : 1.0) + (split - (selective ? attn_kept : 0.0)) / t);
+  }
+  // Korthikanti et al. 2022 (16-bit): per token 10 h on the stream side, the projections' inputs
+  // and outputs split by tp, and the attention scores' 5 a s (kept only without flash attention).
+  const double stream = 10 * h;
+  const double split = 2 * (h + 2 * kvd) + 2 * h + (m.swiglu ? 6.0 : 4.0) * ffn;
+  const double scores = 5.0 * double(m.heads) * double(m.seq);
+  if (full) return tokens * 2 * h / (L.sp ? t : 1.0);
+  return tokens * (stream / (L.sp ? t : 1.0) + split / t + (selective ? 0.0 : scores / t));
+}
+
+// A ring all-reduce of `bytes` over n ranks on `link`.
+double all_reduce_s(double bytes, int n, const Link& link) {
+  if (n <= 1) return 0.0;
+  return 2.0 * (n - 1) / n * bytes / link.bandwidth + 2.0 * (n - 1) * link.latency;
+}
+
+std::string invalid(const Job& job, const Layout& L) {
+  const ModelSpec& m = job.model;
+  if (L.devices() != job.devices)
+    return fmt::format("dp x tp x pp x cp = {} is not the {} devices", L.devices(), job.devices);
+  if (m.heads % L.tp != 0) return fmt::format("{} heads are not divisible by tp = {}", m.heads, L.tp);
+  if (m.kv() % L.tp != 0 && L.tp % m.kv() != 0)
+    return fmt::format("{} key/value heads neither divide nor are divided by tp = {}", m.kv(), L.tp);
+  if (L.sp && L.tp == 1) return "sp needs tp > 1";
+  if (m.seq % (2 * L.cp) != 0 && L.cp > 1) return fmt::format("seq {} is not divisible by 2 x cp = {}", m.seq, 2 * L.cp);
+  if (job.global_batch % (int64_t(L.dp) * L.mbs) != 0)
+    return fmt::format("global batch {} is not divisible by dp x mbs = {}", job.global_batch, int64_t(L.dp) * L.mbs);
+  if (L.pp == 1 && L.v > 1) return "v > 1 needs a pipeline";
+  if (L.pp > 1 && (L.v > 1) != (L.schedule == pipe::Kind::interleaved))
+    return "the interleaved schedule, and only it, has v > 1";
+  if (m.layers % (int64_t(L.pp) * L.v) != 0)
+    return fmt::format("{} layers do not split evenly into pp x v = {} chunks", m.layers, L.pp * L.v);
+  const int64_t micro = job.global_batch / (int64_t(L.dp) * L.mbs);
+  if (L.pp > 1 && L.schedule == pipe::Kind::interleaved && micro % L.pp != 0)
+    return fmt::format("interleaving needs the {} micro-batches divisible by pp = {}", micro, L.pp);
+  if (L.pp > 1 && L.zero >= 2) return "pipelines compose with ZeRO 0 or 1";
+  return "";
+}
+
+}  // namespace
+
+double model_state_bytes(double params, Precision precision, int zero, int shards) {
+  const Bytes B = bytes_of(precision);
+  return params * (B.weight / (zero >= 3 ? shards : 1) + B.grad / (zero >= 2 ? shards : 1) +
+                   B.optimizer / (zero >= 1 ? shards : 1));
+}
+
+Estimate estimate(const Job& job, const Layout& L, bool simulate) {
+  Estimate e;
+  e.layout = L;
+  e.why_not = invalid(job, L);
+  if (!e.why_not.empty()) return e;
+  const ModelSpec& m = job.model;
+  const Device& dev = job.cluster.device;
+  const Bytes B = bytes_of(job.precision);
+  const int64_t micro = job.global_batch / (int64_t(L.dp) * L.mbs);
+  e.micro_batches = micro;
+  const double lps = double(m.layers) / L.pp;  // layers per stage
+  const int shard = L.dp * L.cp;               // ZeRO shards over the data-parallel group (x cp)
+
+  // Memory.
+  const StageParams sp = stage_params(m, L, lps);
+  const double P = sp.max();
+  e.memory["params"] = P * B.weight / (L.zero >= 3 ? shard : 1);
+  e.memory["grads"] = P * B.grad / (L.zero >= 2 ? shard : 1);
+  e.memory["optimizer"] = P * B.optimizer / (L.zero >= 1 ? shard : 1);
+
+  // Pipeline: per-chunk durations, then the schedule's makespan and in-flight chunks.
+  const double tokens = double(L.mbs) * double(m.seq) / L.cp;
+  // The layer's products have tokens rows and about h / tp columns on a device.
+  const double gemm_out = tokens * double(m.hidden) / L.tp;
+  const double rate = (job.precision == Precision::f32 ? dev.peak_f32 : dev.peak_bf16) * dev.efficiency *
+                      (dev.gemm_half > 0 ? gemm_out / (gemm_out + dev.gemm_half) : 1.0);
+  // Element-wise traffic per token of a layer's forward, in elements: on the stream side about 15 h
+  // (two norms, two residual adds, two dropouts; whole on every tp rank unless sp), the
+  // activation function over the feed-forward width, and without flash attention 4.5 a s over the
+  // scores (softmax, mask, dropout); backward moves twice as much.
+  const double stream_elems = 15.0 * double(m.hidden) / (L.sp ? L.tp : 1);
+  const double split_elems = (m.swiglu ? 3.0 : 2.0) * double(m.ffn_size()) / L.tp;
+  const double score_elems = job.flash_attention ? 0.0 : 4.5 * double(m.heads) * double(m.seq) / L.tp;
+  const double elem_f = tokens * (stream_elems + split_elems + score_elems) * B.act / dev.memory_bw;
+  const double score_f = tokens * score_elems * B.act / dev.memory_bw;
+  const double layer_f = tokens * m.layer_forward_flops_per_token() / L.tp / rate + elem_f;
+  const double attn_core_f = tokens * 4.0 * double(m.seq) * double(m.hidden) / L.tp / rate + score_f;
+  const double head_f = tokens * m.head_forward_flops_per_token() / L.tp / rate;
+  double recompute_f = 0;  // per layer, run again in backward
+  if (L.recompute == model::Recompute::full) recompute_f = layer_f;
+  else if (L.recompute == model::Recompute::selective) recompute_f = attn_core_f;
+  // Tensor parallelism: 2 all-reduces (or all-gather + reduce-scatter) of the layer's output per
+  // forward and 2 per backward, on the link the tp group spans; a full recomputation repeats the
+  // forward's. Context parallelism: the ring passes each rank's keys and values cp - 1 times.
+  const Link& tp_link = job.cluster.link(1, L.tp);
+  const double act_msg = tokens * double(m.hidden) * B.act;
+  const double tp_ar = all_reduce_s(act_msg, L.tp, tp_link);
+  const double tp_layer_f = 2 * tp_ar, tp_layer_b = 2 * tp_ar + (L.recompute == model::Recompute::full ? 2 * tp_ar : 0);
+  const Link& cp_link = job.cluster.link(L.tp, L.cp);
+  const double kv_msg = tokens * 2.0 * double(m.kv() * m.head_dim()) / double(std::min<int64_t>(L.tp, m.kv())) * B.act;
+  const double cp_layer = L.cp > 1 ? (L.cp - 1) * (kv_msg / cp_link.bandwidth + cp_link.latency) : 0.0;
+  // The busiest stage: the first carries the embedding (negligible FLOPs), the last the head.
+  const double stage_f_compute = lps * layer_f + head_f;
+  const double stage_b_compute = 2 * stage_f_compute + lps * recompute_f;
+  const double stage_f_comm = lps * (tp_layer_f + cp_layer), stage_b_comm = lps * (tp_layer_b + cp_layer);
+  const double t_f = stage_f_compute + stage_f_comm, t_b = stage_b_compute + stage_b_comm;
+  // Point-to-point between stages: the activation (split over tp: the scatter/gather of
+  // Megatron-LM) on the link between ranks tp x cp x dp apart.
+  const Link& pp_link = job.cluster.link(L.tp * L.cp * L.dp, L.pp);
+  const double p2p = L.pp > 1 ? act_msg / L.tp / pp_link.bandwidth + pp_link.latency : 0.0;
+  double makespan = 0, in_flight = 1;
+  if (L.pp == 1) {
+    makespan = double(micro) * (t_f + t_b);
+  } else {
+    const int v = L.v;
+    const double cf = t_f / v, cb = t_b / v;
+    if (simulate) {
+      // The schedule's own lists, simulated with these durations. Past a few rounds of p
+      // micro-batches a schedule repeats itself, so its makespan grows by the same amount per
+      // micro-batch: for long steps two shorter ones are simulated (3p and 4p micro-batches) and
+      // the makespan extended along that line (what the planner costs is then linear in p, not
+      // in the step's micro-batches).
+      pipe::OpCosts costs;
+      costs.forward = cf;
+      costs.backward = cb;
+      costs.backward_input = cb / 2;
+      costs.backward_weight = cb / 2;
+      costs.transfer = p2p;
+      // The order is chosen for the computes (free transfers: placing transfers by simulating them
+      // costs time quadratic in the lists); the timing includes the transfers.
+      pipe::OpCosts order = costs;
+      order.transfer = 0;
+      auto run = [&](int64_t mb) {
+        pipe::ScheduleSpec spec;
+        spec.kind = L.schedule;
+        spec.stages = L.pp;
+        spec.virtual_stages = v;
+        spec.micro_batches = int(mb);
+        const pipe::Schedule sch = pipe::generate(spec, order);
+        return pipe::check_or_throw(sch, costs);
+      };
+      auto peak_of = [&](const pipe::CheckResult& r) {
+        int peak = 0;
+        for (const auto& rt : r.ranks) peak = std::max(peak, rt.peak_in_flight);
+        return double(peak) / v;  // in whole stages' worth of micro-batches
+      };
+      const int64_t m1 = 3 * int64_t(L.pp), m2 = 4 * int64_t(L.pp);
+      if (micro <= m2) {
+        const pipe::CheckResult r = run(micro);
+        makespan = r.makespan;
+        in_flight = peak_of(r);
+      } else {
+        const pipe::CheckResult a = run(m1), b = run(m2);
+        makespan = b.makespan + double(micro - m2) * (b.makespan - a.makespan) / double(m2 - m1);
+        in_flight = peak_of(b);
+      }
+    } else {
+      const double p = L.pp, mm = double(micro);
+      switch (L.schedule) {
+        case pipe::Kind::gpipe: makespan = (mm + p - 1) * (t_f + t_b), in_flight = mm; break;
+        case pipe::Kind::one_f_one_b: makespan = (mm + p - 1) * (t_f + t_b), in_flight = std::min(mm, p); break;
+        case pipe::Kind::interleaved:
+          makespan = (mm * v + p - 1) * (cf + cb);
+          in_flight = std::min(mm, p * (1.0 + (p - 1) / (p * v)));
+          break;
+        case pipe::Kind::zb_h1: makespan = (mm + (p - 1) / 3.0) * (t_f + t_b), in_flight = std::min(mm, p); break;
+      }
+      makespan += 2 * (p - 1) * p2p;
+    }
+  }
+  e.peak_in_flight = in_flight;
+  // Activations: the stage's layers for each micro-batch in flight; the head's f32 logits and the
+  // embedding output; under full recomputation one layer's whole set while it is recomputed.
+  Layout whole = L;
+  whole.recompute = model::Recompute::none;
+  const double per_layer = layer_activation_bytes(job, L);
+  e.memory["activations"] = in_flight * lps * per_layer +
+                            (L.recompute == model::Recompute::full ? layer_activation_bytes(job, whole) : 0.0) +
+                            tokens * double(m.vocab) / L.tp * 4 + tokens * double(m.hidden) * B.act;
+  e.memory_total = 0;
+  for (const auto& [tag, b] : e.memory) e.memory_total += b;
+  e.fits = e.memory_total <= 0.9 * dev.memory;
+  if (!e.fits)
+    e.why_not = fmt::format("needs {:.1f} GB per device, 90% of {:.0f} GB is usable", e.memory_total / 1e9,
+                            dev.memory / 1e9);
+
+  // The step: the busiest stage's compute and communication inside the makespan.
+  const double mm = double(micro);
+  e.compute_s = mm * (stage_f_compute + stage_b_compute - lps * recompute_f);
+  e.recompute_s = mm * lps * recompute_f;
+  e.tp_comm_s = mm * (stage_f_comm + stage_b_comm);
+  e.pp_comm_s = L.pp > 1 ? mm * 2 * p2p : 0.0;
+  e.bubble_s = std::max(0.0, makespan - mm * (t_f + t_b) - e.pp_comm_s);
+  // Data parallelism over dp x cp: the gradients' ring reduction (ZeRO-3 gathers the weights again
+  // in forward and backward: 1.5x the volume), after the flush in a pipeline, overlapped with the
+  // last micro-batch's backward otherwise.
+  const Link& dp_link = job.cluster.link(L.tp, shard);
+  const double grad_bytes = P * B.grad;
+  e.dp_comm_s = all_reduce_s(grad_bytes, shard, dp_link) * (L.zero >= 3 ? 1.5 : 1.0);
+  if (L.pp > 1) e.dp_exposed_s = e.dp_comm_s;
+  else e.dp_exposed_s = std::max(e.dp_comm_s - 0.9 * t_b, 0.1 * e.dp_comm_s);
+  // The optimizer reads and writes its state, the weights and the gradients once.
+  const double opt_params = P / (L.zero >= 1 ? shard : 1);
+  e.optimizer_s = opt_params * 2 * (B.weight + B.grad + B.optimizer) / dev.memory_bw;
+  e.step_s = makespan + e.dp_exposed_s + e.optimizer_s;
+  const double step_tokens = double(job.global_batch) * double(m.seq);
+  e.tokens_per_s = step_tokens / e.step_s;
+  const double model_flops = m.model_flops(step_tokens);
+  double extra = 0;
+  if (L.recompute == model::Recompute::full) extra = step_tokens * m.layers * m.layer_forward_flops_per_token();
+  else if (L.recompute == model::Recompute::selective) extra = step_tokens * m.layers * 4.0 * m.seq * m.hidden;
+  e.model_tflops = model_flops / (e.step_s * job.devices) / 1e12;
+  e.hardware_tflops = (model_flops + extra) / (e.step_s * job.devices) / 1e12;
+  e.mfu = e.model_tflops * 1e12 / (job.precision == Precision::f32 ? dev.peak_f32 : dev.peak_bf16);
+  return e;
+}
+
+SearchResult search(const Job& job, const SearchOptions& opt) {
+  const auto t0 = std::chrono::steady_clock::now();
+  SearchResult res;
+  const ModelSpec& m = job.model;
+  std::vector<int> divisors;
+  for (int d = 1; d <= job.devices; ++d)
+    if (job.devices % d == 0) divisors.push_back(d);
+  std::vector<Estimate> fitting;
+  for (int tp : divisors) {
+    if ((opt.tp && tp != opt.tp) || tp > job.cluster.per_node || m.heads % tp != 0) continue;
+    for (int pp : divisors) {
+      if ((opt.pp && pp != opt.pp) || (job.devices / tp) % pp != 0 || m.layers % pp != 0) continue;
+      for (int cp : {1, 2, 4, 8}) {
+        if ((opt.cp && cp != opt.cp) || (!opt.cp && cp > 1 && m.seq < 8192)) continue;
+        if ((job.devices / tp / pp) % cp != 0) continue;
+        const int dp = job.devices / tp / pp / cp;
+        if (job.global_batch % dp != 0) continue;
+        for (int64_t mbs : {1, 2, 4, 8, 16}) {
+          if ((opt.mbs && mbs != opt.mbs) || (job.global_batch / dp) % mbs != 0) continue;
+          std::vector<std::pair<pipe::Kind, int>> scheds;
+          if (pp == 1) scheds.push_back({pipe::Kind::one_f_one_b, 1});
+          else
+            for (pipe::Kind k : opt.schedules) {
+              if (k != pipe::Kind::interleaved) scheds.push_back({k, 1});
+              else
+                for (int v : {2, 3, 4, 6, 8})
+                  if (m.layers % (int64_t(pp) * v) == 0) scheds.push_back({k, v});
+            }
+          for (auto [kind, v] : scheds)
+            for (model::Recompute rc : opt.recomputes)
+              for (int zero : opt.zeros) {
+                if ((opt.zero >= 0 && zero != opt.zero) || (pp > 1 && zero >= 2)) continue;
+                for (bool sp : {false, true}) {
+                  if ((sp && tp == 1) || (opt.sp >= 0 && sp != (opt.sp == 1))) continue;
+                  Layout L;
+                  L.dp = dp, L.tp = tp, L.pp = pp, L.cp = cp, L.v = v, L.sp = sp, L.mbs = mbs, L.schedule = kind;
+                  L.recompute = rc, L.zero = zero;
+                  ++res.considered;
+                  Estimate e = estimate(job, L, /*simulate=*/false);
+                  if (!e.why_not.empty() || !e.fits) continue;
+                  ++res.fitting;
+                  fitting.push_back(std::move(e));
+                }
+              }
+        }
+      }
+    }
+  }
+  // Fastest first; of equally fast layouts, the one needing least memory.
+  auto faster = [](const Estimate& a, const Estimate& b) {
+    if (a.step_s != b.step_s) return a.step_s < b.step_s;
+    return a.memory_total < b.memory_total;
+  };
+  std::sort(fitting.begin(), fitting.end(), faster);
+  // The closed forms rank; the schedules' own simulation decides among the leaders.
+  const size_t keep = std::min(fitting.size(), size_t(std::max(opt.top, 1)) * 3);
+  for (size_t i = 0; i < keep; ++i) res.best.push_back(estimate(job, fitting[i].layout, /*simulate=*/true));
+  std::erase_if(res.best, [](const Estimate& e) { return !e.fits; });
+  std::stable_sort(res.best.begin(), res.best.end(), faster);
+  if (res.best.size() > size_t(opt.top)) res.best.resize(size_t(opt.top));
+  res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return res;
+}
+
+std::string format_table(const Job& job, const std::vector<Estimate>& es) {
+  std::string s = fmt::format("{:<64} {:>9} {:>10} {:>7} {:>6} {:>8} {:>8} {:>8} {:>8} {:>9}\n", "layout", "step s",
+                              "tokens/s", "TFLOP/s", "MFU", "compute", "bubble", "comm", "recomp", "memory GB");
+  for (const Estimate& e : es) {
+    const double comm = e.tp_comm_s + e.pp_comm_s + e.dp_exposed_s;
+    s += fmt::format("{:<64} {:>9.3f} {:>10.0f} {:>7.1f} {:>5.1f}% {:>8.3f} {:>8.3f} {:>8.3f} {:>8.3f} {:>9.1f}{}\n",
+                     e.layout.str(), e.step_s, e.tokens_per_s, e.model_tflops, 100 * e.mfu, e.compute_s, e.bubble_s,
+                     comm, e.recompute_s, e.memory_total / 1e9, e.fits ? "" : "  (does not fit: " + e.why_not + ")");
+  }
+  (void)job;
+  return s;
+}
+
+std::string explain(const std::vector<Estimate>& r) {
+  if (r.empty()) return "no layout fits.\n";
+  const Estimate& a = r[0];
+  std::string s = fmt::format("{} is fastest: {:.3f} s a step, {:.1f}% MFU.\n", a.layout.str(), a.step_s, 100 * a.mfu);
+  for (size_t i = 1; i < r.size(); ++i) {
+    const Estimate& b = r[i];
+    struct Part {
+      const char* what;
+      double d;
+    } parts[] = {{"pipeline bubble", b.bubble_s - a.bubble_s},
+                 {"tensor/context-parallel communication", b.tp_comm_s - a.tp_comm_s},
+                 {"exposed data-parallel communication", b.dp_exposed_s - a.dp_exposed_s},
+                 {"recomputation", b.recompute_s - a.recompute_s},
+                 {"compute", b.compute_s - a.compute_s},
+                 {"pipeline transfers", b.pp_comm_s - a.pp_comm_s}};
+    std::sort(std::begin(parts), std::end(parts), [](const Part& x, const Part& y) { return x.d > y.d; });
+    s += fmt::format("  over {} ({:.3f} s, +{:.1f}%): it spends {:.3f} s more on {}", b.layout.str(), b.step_s,
+                     100 * (b.step_s / a.step_s - 1), parts[0].d, parts[0].what);
+    if (parts[1].d > 0.01 * b.step_s) s += fmt::format(" and {:.3f} s more on {}", parts[1].d, parts[1].what);
+    s += ".\n";
+  }
+  return s;
+}
+
+std::string to_json(const Estimate& e) {
+  nlohmann::json j;
+  j["layout"] = e.layout.str();
+  j["fits"] = e.fits;
+  if (!e.why_not.empty()) j["why_not"] = e.why_not;
+  j["step_time_s"] = e.step_s;
+  j["tokens_per_s"] = e.tokens_per_s;
+  j["tflops_per_gpu"] = e.model_tflops;
+  j["hardware_tflops_per_gpu"] = e.hardware_tflops;
+  j["mfu"] = e.mfu;
+  j["micro_batches"] = e.micro_batches;
+  j["memory_bytes_per_gpu"] = e.memory;
+  j["time_s"] = {{"compute", e.compute_s},       {"recompute", e.recompute_s}, {"tp_comm", e.tp_comm_s},
+                 {"pp_comm", e.pp_comm_s},       {"bubble", e.bubble_s},       {"dp_exposed", e.dp_exposed_s},
+                 {"dp_comm", e.dp_comm_s},       {"optimizer", e.optimizer_s}};
+  return j.dump(2);
+}
+
+}  // namespace loom::plan

@@ -1,0 +1,130 @@
+// The planner: for a model on a cluster, each layout's per-device memory by tag and step time
+// (compute, recomputation, exposed communication, pipeline bubble), and a search over layouts.
+//
+// Memory per device (bytes). Model state of the parameters a device holds, P (its tensor-parallel
+// part of its pipeline stage's layers, plus the embedding or head its stage carries), by
+// precision: `mixed` as ZeRO and Megatron-LM account it (16-bit weights and gradients, 12 bytes of
+// f32 master weights and Adam moments per parameter), `f32` as loom's CPU trainer holds it (f32
+// weights, gradients and moments: 4 + 4 + 8). ZeRO 1 divides the optimizer state by dp, 2 the
+// gradients too, 3 the weights too. Activations of one micro-batch and layer follow Korthikanti et
+// al. 2022 for 16-bit training (s b h (34 + 5 a s / h), with tensor parallelism
+// s b h (10 + 24 / t + 5 a s / (h t)), with sequence parallelism s b h (34 + 5 a s / h) / t; selective
+// recomputation drops the 5 a s / h term; full recomputation keeps the layer's input, 2 s b h, /t
+// under sp) and, for f32, loom's own declarations (the blocks' saved tensors, model/blocks.h); a
+// pipeline stage holds them for the micro-batches its schedule keeps in flight (the schedule's own
+// instruction lists, simulated by the checker), plus f32 logits on the last stage.
+//
+// Time per step. Each micro-batch's forward and backward (2x) of a stage's layers: the matrix
+// products at the device's calibrated rate, the element-wise kernels (norms, residual adds,
+// activation functions, dropout, and without flash attention the scores' softmax, mask and
+// dropout) at its memory bandwidth; full recomputation adding a forward, selective the attention
+// core's; tensor
+// parallelism's all-reduces (2 per layer forward, 2 backward; all-gather plus reduce-scatter of
+// the same volume under sp) on the link its group spans; the pipeline's point-to-point transfers;
+// the schedule's makespan from the real instruction lists (checker's simulation with these
+// durations); data parallelism's gradient reduction (ring: 2 (d-1)/d of the gradient bytes; ZeRO-3
+// gathers the weights again in forward and backward: 1.5x), exposed after the pipeline flush when
+// pp > 1 and hidden behind backward otherwise except what backward cannot cover; and the
+// optimizer's pass over its state at memory bandwidth.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "model/recompute.h"
+#include "parallel/pipeline/schedule.h"
+#include "plan/cluster.h"
+#include "plan/model.h"
+
+namespace loom::plan {
+
+enum class Precision : uint8_t { mixed, f32 };
+
+struct Layout {
+  int dp = 1, tp = 1, pp = 1, v = 1, cp = 1;
+  bool sp = false;
+  int64_t mbs = 1;  // micro-batch size (sequences)
+  parallel::pipeline::Kind schedule = parallel::pipeline::Kind::one_f_one_b;
+  model::Recompute recompute = model::Recompute::none;  // none, selective or full
+  int zero = 0;
+  int devices() const { return dp * tp * pp * cp; }
+  // "dp=8,tp=8,pp=4,v=2,cp=1,sp=1,mbs=1,schedule=interleaved,recompute=selective,zero=1"
+  std::string str() const;
+};
+// Parses Layout::str()'s form (any subset of the keys; the rest default). Errors name `where`
+// and the key.
+Layout parse_layout(const std::string& s, const std::string& where = "--layout");
+
+struct Job {
+  ModelSpec model;
+  Cluster cluster;
+  int devices = 1;
+  int64_t global_batch = 1;  // sequences per step
+  Precision precision = Precision::mixed;
+  // Fused (flash) attention: the attention scores are neither stored nor passed through memory
+  // (false: as Megatron-LM in 2021, softmax, mask and dropout over a s^2 scores per sequence).
+  bool flash_attention = true;
+};
+
+struct Estimate {
+  Layout layout;
+  int64_t micro_batches = 1;              // per pipeline and step
+  std::map<std::string, double> memory;   // bytes per device by tag: params, grads, optimizer, activations
+  double memory_total = 0;
+  bool fits = false;
+  std::string why_not;                    // "" when it fits (or the layout is valid)
+  double step_s = 0;
+  double compute_s = 0, recompute_s = 0;  // the busiest stage's compute over the step
+  double tp_comm_s = 0, pp_comm_s = 0;    // inside the pipeline's makespan
+  double bubble_s = 0;                    // makespan - the busiest stage's busy time
+  double dp_exposed_s = 0, dp_comm_s = 0, optimizer_s = 0;
+  double tokens_per_s = 0;
+  double model_tflops = 0;     // model FLOPs per device per second (3 forwards' worth), TFLOP/s
+  double hardware_tflops = 0;  // with what recomputation runs again (Megatron-LM's figure)
+  double mfu = 0;              // model FLOPs over the device's peak
+  double peak_in_flight = 0;   // micro-batch chunks the busiest stage keeps
+};
+
+// Model-state bytes per device (weights, gradients, optimizer state) of `params` parameters
+// under ZeRO stage `zero` over `shards` data-parallel ranks.
+double model_state_bytes(double params, Precision precision, int zero, int shards);
+
+// The estimate of one layout (invalid ones come back with fits = false and why_not). With
+// `simulate`, the pipeline's makespan and in-flight count come from the schedule's instruction
+// lists; without, from the closed forms (for searching).
+Estimate estimate(const Job& job, const Layout& layout, bool simulate = true);
+
+struct SearchOptions {
+  int top = 5;
+  // Fix an axis (0: search it).
+  int tp = 0, pp = 0, cp = 0;
+  int64_t mbs = 0;
+  int zero = -1;
+  int sp = -1;  // -1: both, 0: off, 1: on (where tp > 1)
+  // Schedules, recompute policies and ZeRO stages the search tries.
+  std::vector<parallel::pipeline::Kind> schedules{parallel::pipeline::Kind::one_f_one_b,
+                                                  parallel::pipeline::Kind::interleaved,
+                                                  parallel::pipeline::Kind::zb_h1};
+  std::vector<model::Recompute> recomputes{model::Recompute::none, model::Recompute::selective,
+                                           model::Recompute::full};
+  std::vector<int> zeros{0, 1, 2, 3};
+};
+
+struct SearchResult {
+  std::vector<Estimate> best;  // fastest first, each simulated
+  int64_t considered = 0, fitting = 0;
+  double seconds = 0;
+};
+
+SearchResult search(const Job& job, const SearchOptions& opt = {});
+
+// Why the first estimate beats each of the others, in words.
+std::string explain(const std::vector<Estimate>& ranked);
+// A table of estimates (one per line).
+std::string format_table(const Job& job, const std::vector<Estimate>& e);
+// {"step_time_s", "tokens_per_s", "tflops_per_gpu", "hardware_tflops_per_gpu", "mfu",
+//  "memory_bytes_per_gpu": {tag: bytes}, "fits", ...} of one estimate.
+std::string to_json(const Estimate& e);
+
+}  // namespace loom::plan
