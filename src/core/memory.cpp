@@ -1,5 +1,7 @@
 #include "core/memory.h"
 
+#include <sys/mman.h>
+
 #include <cstdlib>
 #include <new>
 
@@ -23,16 +25,31 @@ std::string_view mem_tag_name(MemTag t) {
 std::string_view device_name(Device d) { return d == Device::cpu ? "cpu" : "cuda"; }
 
 namespace {
+// Host memory. Blocks of 1 MiB and more are mapped from the kernel and unmapped when freed, so
+// the process's resident set follows the pools' accounting: through malloc, freed large blocks
+// stay in the heap once glibc's adaptive threshold has moved past them, and a run that allocates
+// and frees buffers every step (ZeRO's buckets) grows its resident set far beyond what it holds.
 class CpuAllocator final : public Allocator {
  public:
+  static constexpr size_t kMapped = size_t(1) << 20;
   void* allocate(size_t bytes) override {
     if (bytes == 0) return nullptr;
     size_t rounded = (bytes + 63) / 64 * 64;
+    if (rounded >= kMapped) {
+      void* p = ::mmap(nullptr, rounded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED) throw Error(fmt::format("out of host memory allocating {} bytes", bytes));
+      return p;
+    }
     void* p = std::aligned_alloc(64, rounded);
     if (!p) throw Error(fmt::format("out of host memory allocating {} bytes", bytes));
     return p;
   }
-  void deallocate(void* p, size_t) override { std::free(p); }
+  void deallocate(void* p, size_t bytes) override {
+    if (!p) return;
+    const size_t rounded = (bytes + 63) / 64 * 64;
+    if (rounded >= kMapped) ::munmap(p, rounded);
+    else std::free(p);
+  }
   Device device() const override { return Device::cpu; }
 };
 }  // namespace

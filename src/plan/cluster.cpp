@@ -1,11 +1,14 @@
 #include "plan/cluster.h"
 
+#include <omp.h>
+
 #include <filesystem>
 
 #include <fmt/format.h>
 #include <toml++/toml.h>
 
 #include "core/error.h"
+#include "plan/calibration.h"
 
 namespace loom::plan {
 
@@ -104,7 +107,17 @@ Cluster read_cluster(const std::string& path) {
 
 Cluster cluster_named(const std::string& name) {
   if (std::filesystem::exists(name) && !std::filesystem::is_directory(name)) return read_cluster(name);
-  return builtin(name);
+  Cluster c = builtin(name);
+  if (name == "cpu")  // this host's measured rates, where `loom calibrate` has run
+    if (const auto p = cached_profile(omp_get_max_threads())) {
+      c.device.name = fmt::format("{} ({} threads, calibrated {})", p->cpu, p->threads, p->date);
+      c.device.peak_f32 = p->gemm_peak;
+      c.device.peak_bf16 = p->gemm_peak;
+      c.device.efficiency = p->gemm_typical > 0 ? p->gemm_typical / p->gemm_peak : 1.0;
+      if (p->memory_bw > 0) c.device.memory_bw = p->memory_bw;
+      if (p->allreduce_bw > 0) c.intra = {p->allreduce_bw, p->allreduce_latency};
+    }
+  return c;
 }
 
 }  // namespace loom::plan

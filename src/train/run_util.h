@@ -40,7 +40,8 @@ TrainResult run_mpi_rank(const TrainConfig& cfg, const std::string& where, int w
 // them here as in training, and ranks on other hosts add theirs) and the rates are added.
 // Collective over world. `measure` is one rank's rate in FLOP/s (default: the CPU's f32 GEMM rate;
 // the GPU trainer passes its GPU's bf16 rate, so ranks sharing a GPU share it).
-double job_gemm_peak(comm::Comm& world, const std::function<double()>& measure = {});
+// (source: where the figure came from, "measured now" or "calibrated <date> by <who>".)
+double job_gemm_peak(comm::Comm& world, const std::function<double()>& measure = {}, std::string* source = nullptr);
 
 // The communicators' options of a run: parallel.timeout_s.
 comm::CommOptions comm_options(const TrainConfig& cfg);
@@ -166,6 +167,9 @@ class RunLog {
 
  private:
   void check_metrics_write();
+  // Model FLOPs over the peak; a peak below what the steps reach is raised to it (said once).
+  double mfu(double tokens_per_s);
+  bool raised_ = false;
   const TrainConfig& cfg_;
   std::string metrics_path_;
   int64_t start_step_;

@@ -117,13 +117,15 @@ std::unique_ptr<model::GPT> model_from(const model::GPTConfig& mc, const FullSta
 class CpuEngine : public Engine {
  public:
   CpuEngine(MemoryPool& pool, MemoryPool* host) : pool_(pool), host_(host) {}
-  double gemm_peak(comm::Comm& world) override { return job_gemm_peak(world); }
+  double gemm_peak(comm::Comm& world) override { return job_gemm_peak(world, {}, &peak_source_); }
+  std::string peak_name() const override { return fmt::format("GEMM peak ({})", peak_source_); }
   MemoryPool& pool() override { return pool_; }
   MemoryPool* host_pool() override { return host_; }
 
  protected:
   MemoryPool& pool_;
   MemoryPool* host_;
+  std::string peak_source_;
 };
 
 // Data parallelism over dp (ZeRO 0-3, offload, buckets reduced during backward), composed with

@@ -395,7 +395,12 @@ void DataParallel::gather_block(int64_t c, const char* phase) {
   int64_t total = 0;
   for (const auto& [b, e] : runs) total += e - b;
   auto t0 = Trace::Clock::now();
-  block_params_ = Tensor::empty({std::max<int64_t>(total, 1)}, DType::f32, MemTag::params, gpt_.pool());
+  // One buffer of the largest block's size serves every block (allocated once: a buffer per block
+  // and step would be mapped and unmapped hundreds of times a step).
+  if (!block_params_.defined())
+    block_params_ = Tensor::empty({std::max<int64_t>(max_use_, 1)}, DType::f32, MemTag::params, gpt_.pool());
+  LOOM_CHECK(total <= max_use_, "data parallel: block {} gathers {} elements, more than the {} planned", c, total,
+             max_use_);
   const int64_t mine = int64_t(rank_) * shard_;
   int64_t at = 0;
   for (const auto& [b, e] : runs) {
@@ -416,7 +421,6 @@ void DataParallel::gather_block(int64_t c, const char* phase) {
 
 void DataParallel::release_block(int64_t c) {
   for (int i : uses_[size_t(c)]) detach_from_flat(*lay_.params[size_t(i)].param, false);
-  block_params_ = Tensor();
 }
 
 void DataParallel::before_forward(int64_t c) {

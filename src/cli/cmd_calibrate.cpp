@@ -1,0 +1,46 @@
+// loom calibrate: measure this host once (GEMM rate over transformer shapes, memory bandwidth, the
+// threads backend's all-reduce) and cache it (src/plan/calibration.h), so every MFU `loom train`
+// prints is a share of a rate measured on a quiet host, and `loom plan --cluster cpu` plans with
+// this host's figures.
+#include <omp.h>
+
+#include <cstdio>
+#include <memory>
+
+#include "cli/command.h"
+#include "plan/calibration.h"
+
+namespace loom::cli {
+namespace {
+
+struct CalibrateArgs {
+  int threads = 0;
+  double seconds = 0.5;
+};
+
+Registrar reg{Command{
+    "calibrate", "measure this host's GEMM rate, memory bandwidth and all-reduce, and cache them",
+    [](CLI::App& sub) -> std::function<int()> {
+      auto a = std::make_shared<CalibrateArgs>();
+      sub.add_option("--threads", a->threads, "OpenMP threads per rank to measure with (default: all)")
+          ->check(CLI::Range(1, 4096));
+      sub.add_option("--seconds", a->seconds, "least time per GEMM shape")->capture_default_str()->check(
+          CLI::Range(0.01, 60.0));
+      return [a]() -> int {
+        const int threads = a->threads > 0 ? a->threads : omp_get_max_threads();
+        const plan::HostProfile p = plan::calibrate_host(threads, a->seconds);
+        std::printf("%s, %d cores, %d threads\n", p.cpu.c_str(), p.cores, p.threads);
+        std::printf("  f32 GEMM over transformer shapes: best %.1f GFLOP/s, median %.1f GFLOP/s\n", p.gemm_peak / 1e9,
+                    p.gemm_typical / 1e9);
+        std::printf("  memory copy: %.1f GB/s\n", p.memory_bw / 1e9);
+        std::printf("  all-reduce, threads backend, 2 ranks: %.1f us latency, %.2f GB/s\n", p.allreduce_latency * 1e6,
+                    p.allreduce_bw / 1e9);
+        plan::save_profile(p);
+        std::printf("cached in %s (loom train's MFU and loom plan --cluster cpu use it)\n",
+                    plan::calibration_path().c_str());
+        return 0;
+      };
+    }}};
+
+}  // namespace
+}  // namespace loom::cli

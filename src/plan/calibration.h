@@ -1,0 +1,43 @@
+// This host's measured rates, cached across runs: the GEMM rate the MFU that `loom train` prints
+// is a share of, and the `cpu` profile `loom plan` uses.
+//
+// `loom calibrate` measures, for the OpenMP threads a rank runs: the f32 GEMM rate over the
+// matrix shapes of transformer layers (each repeated until two rounds agree within 2%; the best
+// shape's rate is the peak, the median's share of it the efficiency), the memory bandwidth (copy),
+// and the threads backend's all-reduce latency and bandwidth between two ranks. The cache,
+// calibration.json under $LOOM_CACHE_DIR (else $XDG_CACHE_HOME/loom, else ~/.cache/loom), keeps one
+// entry per CPU model, core count and thread count. A training run that finds no entry measures
+// the GEMM rate briefly itself and records it; a later run takes the larger of its own quick
+// measurement and the cached figure, so a run on a busy host does not divide by a rate measured
+// while the host was busy.
+#pragma once
+#include <optional>
+#include <string>
+
+namespace loom::plan {
+
+struct HostProfile {
+  std::string cpu;            // the CPU's model name (/proc/cpuinfo)
+  int cores = 0;              // logical cores online
+  int threads = 0;            // OpenMP threads the rates were measured with
+  double gemm_peak = 0;       // FLOP/s, f32: the best transformer shape's sustained rate
+  double gemm_typical = 0;    // FLOP/s, f32: the median shape's
+  double memory_bw = 0;       // bytes/s, copy (read + write counted)
+  double allreduce_latency = 0;    // seconds, threads backend, 2 ranks, small messages
+  double allreduce_bw = 0;         // bytes/s of buffer reduced, large messages
+  std::string source;         // "loom calibrate" or "a training run's quick measurement"
+  std::string date;           // YYYY-MM-DD
+};
+
+std::string host_cpu_name();
+int host_cores();
+// The cache file's path (its directory need not exist).
+std::string calibration_path();
+// The cached entry of this host for `threads` threads, if any (an unreadable cache is ignored).
+std::optional<HostProfile> cached_profile(int threads);
+// Adds or replaces p's entry (same cpu, cores and threads) in the cache, written atomically.
+void save_profile(const HostProfile& p);
+// Measures this host with `threads` OpenMP threads (seconds: the least time per GEMM shape).
+HostProfile calibrate_host(int threads, double seconds = 0.5);
+
+}  // namespace loom::plan

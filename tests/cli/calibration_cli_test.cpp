@@ -1,0 +1,96 @@
+// The GEMM peak behind the MFU `loom train` prints: a host calibration (src/plan/calibration.h)
+// is reused across runs when it is the larger figure, and no MFU above 100% is ever printed or
+// recorded (a peak below what the steps reach, measured while the host was busy, is raised to it
+// and the run says so). `loom calibrate` writes the cache it reads.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+
+#include <fmt/format.h>
+
+#include "cli_util.h"
+#include "plan/calibration.h"
+#include "train/run_util.h"
+
+namespace fs = std::filesystem;
+using namespace loom;
+using namespace loom::test;
+
+namespace {
+
+struct CacheDir {
+  fs::path dir = fs::temp_directory_path() / fmt::format("loom_calibration_{}", ::getpid());
+  CacheDir() {
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+    setenv("LOOM_CACHE_DIR", dir.c_str(), 1);
+  }
+  ~CacheDir() {
+    unsetenv("LOOM_CACHE_DIR");
+    fs::remove_all(dir);
+  }
+};
+
+const char* kSmall =
+    "--model.n_layer 1 --model.n_head 2 --model.n_embd 32 --data.seq_len 16 --train.batch_size 2 --train.steps 3 "
+    "--train.eval_every 0 --train.sample_tokens 0 --train.threads 1 --train.log_every 1";
+
+}  // namespace
+
+// A cached calibration larger than the quick measurement is the peak, and the header says so.
+TEST(CalibrationCli, ACachedCalibrationIsThePeakWhenLarger) {
+  LOOM_REQUIRE_LOOM();
+  CacheDir cache;
+  TrainScratch s("loom_calibration_cli");
+  plan::HostProfile p;
+  p.cpu = plan::host_cpu_name();
+  p.cores = plan::host_cores();
+  p.threads = 1;
+  p.gemm_peak = 1e15;  // far above any CPU: every MFU is tiny
+  p.source = "the test";
+  p.date = "2026-01-02";
+  plan::save_profile(p);
+  CliRun r = s.train("cached", kSmall, fmt::format("LOOM_CACHE_DIR='{}'", cache.dir.string()));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("GEMM peak (calibrated 2026-01-02 by the test) 1000.0 TFLOP/s"), std::string::npos) << r.out;
+  for (const auto& [step, mfu] : read_metrics(s.root / "cached" / "metrics.jsonl", "mfu")) EXPECT_LT(mfu, 1e-3);
+}
+
+// A peak below what the steps reach (as measured on a busy host) never yields an MFU above 100%.
+TEST(CalibrationCli, NoMfuAboveOneHundredPercent) {
+  TrainScratch s("loom_calibration_mfu");
+  train::TrainConfig cfg;
+  cfg.steps = 3;
+  cfg.batch_size = 2;
+  cfg.seq_len = 16;
+  cfg.log_every = 1;
+  const std::string metrics = (s.root / "metrics.jsonl").string();
+  {
+    // 1 FLOP/s of peak: every step is "faster than the peak".
+    train::RunLog log(cfg, metrics, 0, /*lead=*/true, /*quiet=*/true, /*flops_per_token=*/1e6, /*peak=*/1.0, 5.0);
+    for (int64_t step = 1; step <= 3; ++step) log.record(step, 4.0, 1e-3f, 1.0, 0.01 * double(step));
+  }
+  const auto mfu = read_metrics(s.root / "metrics.jsonl", "mfu");
+  ASSERT_EQ(mfu.size(), 3u);
+  for (const auto& [step, m] : mfu) EXPECT_LE(m, 1.0) << "step " << step;
+  EXPECT_DOUBLE_EQ(mfu.at(1), 1.0);  // the first step raises the peak to its own rate
+  EXPECT_LT(mfu.at(3), 1.0);         // later, slower steps are a share of it
+}
+
+// loom calibrate measures and caches this host; the cache holds one entry per thread count.
+TEST(CalibrationCli, CalibrateWritesTheCache) {
+  LOOM_REQUIRE_LOOM();
+  CacheDir cache;
+  CliRun r = loom_cli("calibrate --threads 1 --seconds 0.02", cache.dir,
+                      fmt::format("LOOM_CACHE_DIR='{}'", cache.dir.string()));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("f32 GEMM over transformer shapes"), std::string::npos) << r.out;
+  const auto p = plan::cached_profile(1);
+  ASSERT_TRUE(p.has_value());
+  EXPECT_GT(p->gemm_peak, 1e8);
+  EXPECT_GE(p->gemm_peak, p->gemm_typical);
+  EXPECT_GT(p->memory_bw, 1e8);
+  EXPECT_EQ(p->source, "loom calibrate");
+  EXPECT_FALSE(plan::cached_profile(7).has_value());
+}
