@@ -22,6 +22,8 @@ mkdir -p "$bundle/bin" "$bundle/lib"
 for exe in "$build"/loom "$build"/tests/test_cuda "$build"/bench_* "$build"/train_*; do
   [[ -x "$exe" && -f "$exe" ]] && cp "$exe" "$bundle/bin/"
 done
+# loom loads its CUDA code from the plugin beside it (core/backend.h: load_cuda_plugin).
+cp "$build"/libloom_cuda.so "$bundle/bin/"
 for lib in $(ldd "$bundle"/bin/* 2>/dev/null | awk '/=>/ {print $3}' | sort -u); do
   case "$(basename "$lib")" in
     libdnnl.so*|libbenchmark.so*|libtomlplusplus.so*|libcairo.so*|libpixman-1.so*|libfontconfig.so*|\

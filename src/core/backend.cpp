@@ -1,5 +1,11 @@
 #include "core/backend.h"
 
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <mutex>
+
 #include <array>
 #include <mutex>
 #include <vector>
@@ -87,7 +93,47 @@ void register_backend(Device device, BackendFactory factory, BackendProbe probe)
   r.entries.at(size_t(device)) = {factory, probe};
 }
 
+bool load_cuda_plugin(std::string* why) {
+  static std::once_flag once;
+  static bool loaded = false;
+  static std::string reason;
+  std::call_once(once, [] {
+#ifdef LOOM_HAVE_CUDA
+    std::string path;
+    if (const char* p = std::getenv("LOOM_CUDA_PLUGIN"); p && *p) {
+      path = p;
+    } else {
+      std::error_code ec;
+      const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+      path = ((ec ? std::filesystem::path(".") : exe.parent_path()) / "libloom_cuda.so").string();
+    }
+    if (!std::filesystem::exists(path)) {
+      reason = fmt::format("{}: the CUDA plugin is missing (built with loom in CUDA builds; LOOM_CUDA_PLUGIN names "
+                           "another)", path);
+      return;
+    }
+    if (!::dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL)) {
+      const char* e = ::dlerror();
+      reason = fmt::format("{}: cannot load the CUDA plugin: {}", path, e ? e : "unknown reason");
+      return;
+    }
+    loaded = true;
+#else
+    reason = "this build of loom has no CUDA (configure with the CUDA toolkit installed)";
+#endif
+  });
+  if (!loaded && why) *why = reason;
+  return loaded;
+}
+
 bool backend_available(Device device, std::string* why) {
+  if (device == Device::cuda && !entry(device).factory) {
+    std::string reason;
+    if (!load_cuda_plugin(&reason)) {
+      if (why) *why = reason;
+      return false;
+    }
+  }
   const Entry e = entry(device);
   if (!e.factory) {
     if (why) *why = fmt::format("this build of loom has no {} backend", device_name(device));

@@ -369,6 +369,12 @@ class Backend {
   uint64_t epoch_ = 0;
 };
 
+// Loads the CUDA plugin (libloom_cuda.so beside the executable, or the file LOOM_CUDA_PLUGIN
+// names) once, registering the CUDA backend and trainer: the loom executable maps the CUDA
+// libraries only when a run asks for the GPU. Programs linked with the CUDA code (tests,
+// benchmarks) have it registered already. False, with the reason, when it cannot be loaded.
+bool load_cuda_plugin(std::string* why = nullptr);
+
 // The registry: each backend compiled into the program registers a factory for its device, and a
 // probe that says whether it can start here (CUDA: a GPU is present).
 using BackendFactory = std::unique_ptr<Backend> (*)(const BackendOptions& opt);

@@ -635,7 +635,11 @@ std::map<std::string, EngineFactory>& engines() {
 }  // namespace
 
 void register_engine(const std::string& device, EngineFactory factory) { engines()[device] = factory; }
-bool engine_available(const std::string& device) { return device == "cpu" || engines().count(device) > 0; }
+bool engine_available(const std::string& device) {
+  if (device == "cpu") return true;
+  if (device == "cuda" && !engines().count(device)) load_cuda_plugin();  // registers it
+  return engines().count(device) > 0;
+}
 
 namespace {
 
@@ -664,6 +668,7 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   std::unique_ptr<Engine> engine;
   const std::string where = opt.config_path.empty() ? "config" : opt.config_path;
   if (cfg.device != "cpu") {
+    engine_available(cfg.device);  // (loads the CUDA plugin where it is not linked in)
     auto it = engines().find(cfg.device);
     LOOM_CHECK(it != engines().end(), "{}: train.device = \"{}\": this build has no trainer for it", where, cfg.device);
     engine = it->second({cfg, opt, where, mc, comms, train});
@@ -841,8 +846,11 @@ TrainResult run_training(const TrainConfig& cfg, const TrainOptions& opt) {
              cfg.device);
   if (cfg.device == "cuda") {
     cfg.validate_cuda(where);  // throws naming the field, and in a build without CUDA
-    LOOM_CHECK(engine_available("cuda"), "{}: train.device = \"cuda\": this program was linked without loom's CUDA "
-               "trainer (loom_cuda)", where);
+    if (!engine_available("cuda")) {
+      std::string why = "it was linked without loom's CUDA trainer";
+      load_cuda_plugin(&why);
+      throw Error(fmt::format("{}: train.device = \"cuda\": this program has no CUDA trainer: {}", where, why));
+    }
     LOOM_CHECK(opt.trace_path.empty(), "--trace: train.device = \"cuda\" writes no trace");
   }
   if (cfg.pp > 1 && cfg.zero >= 2)
