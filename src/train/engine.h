@@ -63,9 +63,9 @@ class Engine {
   // read from the checkpoint (only the elements it holds), and the optimizer's step count (not
   // collective).
   virtual void load(CheckpointReader& ckpt, int64_t optimizer_steps) = 0;
-  // The model every rank samples from (collectively) when each rank holds a whole model it can
-  // sample on the CPU (refreshed from the engine's weights); null: samples come from the state
-  // gathered on rank 0.
+  // The model every rank samples from (collectively) when each rank holds a model it can sample
+  // on the CPU: a whole one, or its tensor-parallel part (refreshed from the engine's weights);
+  // null: samples come from the weights gathered on rank 0.
   virtual model::GPT* sampling_model() { return nullptr; }
   // The pools whose peaks the run reports (the model's, and the host pool of offloaded state).
   virtual MemoryPool& pool() = 0;

@@ -34,12 +34,23 @@ std::vector<int32_t> sample_recompute(model::GPT& gpt, const std::vector<int32_t
   LOOM_CHECK(!prompt.empty(), "sampling needs a prompt of at least one token");
   const auto& cfg = gpt.config();
   std::vector<int32_t> ctx = prompt, out;
+  std::vector<float> full;  // the gathered row under tensor parallelism
   for (int64_t n = 0; n < opt.max_new_tokens; ++n) {
     int64_t T = std::min<int64_t>(int64_t(ctx.size()), cfg.block_size);
     Tensor tokens = Tensor::empty({1, T}, DType::i32, MemTag::workspace, gpt.pool());
     std::copy(ctx.end() - T, ctx.end(), tokens.i32());
     gpt.forward(tokens, Tensor());
-    const float* row = gpt.logits().f32() + (T - 1) * cfg.padded_vocab();
+    // Under tensor parallelism each rank holds its vocabulary columns of the logits: the last row's
+    // parts, gathered over tp in rank order, are the whole padded row (every rank then draws the
+    // same token).
+    const model::ChainParallel& P = gpt.parallel();
+    const int64_t Vr = P.vocab_rows(cfg);
+    const float* row = gpt.logits().f32() + (T - 1) * Vr;
+    if (comm::Comm* tp = P.tp_group()) {
+      full.resize(size_t(Vr) * size_t(tp->size()));
+      tp->all_gather(row, full.data(), int64_t(full.size()), DType::f32);
+      row = full.data();
+    }
     int32_t next = sample_logits(row, cfg.vocab_size, opt, uint64_t(ctx.size()));
     ctx.push_back(next);
     out.push_back(next);

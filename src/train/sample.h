@@ -20,7 +20,8 @@ struct SampleOptions {
 int32_t sample_logits(const float* logits, int64_t V, const SampleOptions& opt, uint64_t index);
 
 // Continues `prompt` (not empty) by running the model on the last block_size tokens for each new
-// token. Returns only the new tokens.
+// token. Returns only the new tokens. A tensor-parallel model (not context or sequence parallel)
+// samples on its tp ranks together: collective over its tp group.
 std::vector<int32_t> sample_recompute(model::GPT& gpt, const std::vector<int32_t>& prompt, const SampleOptions& opt);
 
 }  // namespace loom::train

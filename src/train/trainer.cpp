@@ -350,7 +350,13 @@ class ChainEngine : public CpuEngine {
     ddp_.state_loaded(optimizer_steps);
   }
 
-  model::GPT* sampling_model() override { return model_.parallel().single() ? &model_ : nullptr; }
+  // Every rank samples on the model itself (collectively under ZeRO-3 and tensor parallelism);
+  // context and sequence parallelism split the prompt's positions, which an arbitrary prompt
+  // length does not divide, so their samples come from weights assembled on rank 0.
+  model::GPT* sampling_model() override {
+    const model::ChainParallel& P = model_.parallel();
+    return P.cp() == 1 && !P.sp() ? &model_ : nullptr;
+  }
 
   std::string describe() const override {
     const model::ChainParallel& P = model_.parallel();
@@ -430,9 +436,38 @@ class PipelineEngine : public CpuEngine {
   StepOut step(int64_t step, float lr) override {
     train_.train_batch(step, cfg_.batch_size, dp_.rank() * local_, local_, x_.i32(), y_.i32());
     pipe::StepResult r = exec_.step(x_, y_, lr);
-    StepOut out{double(r.loss), r.grad_norm};
-    out.skipped = r.skipped;
+    StepOut out{double(r.loss), r.grad_norm, r.skipped, ""};
+    if (r.skipped) out.nonfinite = locate_nonfinite();
     return out;
+  }
+
+  // Collective over the world: the first non-finite weight, else gradient, in the single device's
+  // parameter order, the same answer on every rank (each stage looks at its own parameters; the
+  // stages' activations are gone after the flush, so forward outputs are not looked at).
+  std::string locate_nonfinite() {
+    constexpr int kStride = 1 << 20;
+    std::map<std::string, int> order;
+    const std::vector<model::ParamSpec> specs = model::gpt_param_specs(model_cfg_);
+    for (size_t i = 0; i < specs.size(); ++i) order[specs[i].name] = int(i);
+    auto finite = [](const Tensor& t) {
+      if (!t.defined()) return true;
+      const float* v = t.f32();
+      for (int64_t k = 0; k < t.numel(); ++k)
+        if (!std::isfinite(v[k])) return false;
+      return true;
+    };
+    int code = 2 * kStride;
+    for (const model::Parameter* p : exec_.parameters()) {
+      const int i = order.at(p->spec.name);
+      if (!finite(p->value)) code = std::min(code, i);
+      else if (!finite(p->grad)) code = std::min(code, kStride + i);
+    }
+    float neg = -float(code);  // codes below 2^24 are exact in f32
+    mc_.world().all_reduce(&neg, 1, DType::f32, comm::ReduceOp::max);
+    code = int(-neg);
+    if (code < kStride) return fmt::format("the weights of {}", specs.at(size_t(code)).name);
+    if (code < 2 * kStride) return fmt::format("the gradient of {}", specs.at(size_t(code - kStride)).name);
+    return "no weight or gradient (the loss alone)";
   }
 
   // On the mesh itself: groups of m validation batches go through the pipeline's forwards

@@ -75,6 +75,12 @@ TEST(NonFiniteCli, ABadWeightStopsTheRunAfterTheSkipsAllowed) {
   EXPECT_NE(pipe.err.find("not writing the checkpoint of step 4: parameter 'wte.weight' holds nan"), std::string::npos)
       << pipe.err;
   EXPECT_TRUE(fs::exists(r.root / "pipeline" / "ckpt_00000002"));
+  // A NaN in a weight the last stage reads: the loss is NaN, the steps are skipped, and the place
+  // is found on the stage that holds it.
+  CliRun last = r.train("pipeline_last", "--parallel.pp 2 --train.skip_nonfinite 1", "rank=1,step=3,kind=nan_weight");
+  EXPECT_NE(last.code, 0);
+  EXPECT_NE(last.err.find("step 4: the loss is nan"), std::string::npos) << last.err;
+  EXPECT_NE(last.err.find("first non-finite: the weights of ln_f.weight"), std::string::npos) << last.err;
   // skip_nonfinite = 0: the first one stops the run.
   CliRun first = r.train("first", "--train.skip_nonfinite 0", "rank=0,step=3,kind=nan");
   EXPECT_NE(first.code, 0);

@@ -1,0 +1,37 @@
+// Text samples of a tensor-parallel run come from the mesh itself (each rank's vocabulary columns
+// gathered for the last position), not from weights assembled on rank 0: the sample a tp = 2 run
+// prints is the single device's, token for token, as are its losses within rounding.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "cli_util.h"
+
+using namespace loom::test;
+
+namespace {
+
+std::string sample_of(const std::string& out) {
+  const size_t a = out.find("--- sample ---");
+  if (a == std::string::npos) return "";
+  const size_t b = out.find("\n---", a + 14);
+  return out.substr(a, b == std::string::npos ? std::string::npos : b - a);
+}
+
+}  // namespace
+
+TEST(SampleCli, TensorParallelSamplesOnTheMeshAsTheSingleDevice) {
+  LOOM_REQUIRE_LOOM();
+  TrainScratch s("loom_sample_cli");
+  const std::string flags =
+      "--model.n_layer 2 --model.n_head 4 --model.n_embd 32 --data.seq_len 16 --train.batch_size 4 --train.steps 4 "
+      "--train.eval_every 0 --train.sample_tokens 16 --train.sample_top_k 1 --train.threads 2";
+  CliRun one = s.train("single", flags);
+  ASSERT_EQ(one.code, 0) << one.err;
+  for (const std::string layout : {"--parallel.tp 2", "--parallel.tp 2 --parallel.dp 2 --parallel.zero 3"}) {
+    CliRun tp = s.train("tp", flags + " --overwrite " + layout);
+    ASSERT_EQ(tp.code, 0) << layout << "\n" << tp.err;
+    EXPECT_FALSE(sample_of(one.out).empty()) << one.out;
+    EXPECT_EQ(sample_of(tp.out), sample_of(one.out)) << layout;
+  }
+}
