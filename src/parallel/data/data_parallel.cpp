@@ -214,21 +214,32 @@ DataParallel::DataParallel(model::GPT& gpt, comm::Comm& dp, const optim::AdamWCo
     }
   live_.assign(buckets_.size(), {});
 
-  // G: replay the allocation policy of acquire_bucket / launch_bucket over one backward.
+  // G: replay the allocation policy of acquire_bucket / launch_bucket over one backward, placing
+  // each bucket in one arena at the lowest offset no bucket alive with it uses (first fit): the
+  // buckets then reuse the same memory every micro-batch instead of mapping fresh pages.
   {
-    std::vector<int> state(buckets_.size(), 0);  // 0 free, 1 acquired, 2 launched
+    std::vector<int> state(buckets_.size(), 0);  // 0 free, 1 acquired, 2 launched, 3 freed
     std::vector<int> launched;
-    int64_t live = 0;
+    std::vector<int> alive;  // buckets holding arena space
+    bucket_offset_.assign(buckets_.size(), 0);
+    auto size_of = [&](int b) { return buckets_[size_t(b)].end - buckets_[size_t(b)].begin; };
     for (int c = nchain - 1; c >= 0; --c) {
       for (int b : writes_[size_t(c)]) {
         if (state[size_t(b)] != 0) continue;
         for (size_t k = 0; k + 1 < launched.size(); ++k)
-          if (state[size_t(launched[k])] == 2)
-            live -= buckets_[size_t(launched[k])].end - buckets_[size_t(launched[k])].begin,
-                state[size_t(launched[k])] = 3;
-        live += buckets_[size_t(b)].end - buckets_[size_t(b)].begin;
+          if (state[size_t(launched[k])] == 2) state[size_t(launched[k])] = 3;
+        std::erase_if(alive, [&](int a) { return state[size_t(a)] == 3; });
+        std::sort(alive.begin(), alive.end(),
+                  [&](int x, int y) { return bucket_offset_[size_t(x)] < bucket_offset_[size_t(y)]; });
+        int64_t at = 0;
+        for (int a : alive) {
+          if (bucket_offset_[size_t(a)] - at >= size_of(b)) break;
+          at = std::max(at, bucket_offset_[size_t(a)] + size_of(a));
+        }
+        bucket_offset_[size_t(b)] = at;
+        alive.push_back(b);
+        bucket_peak_ = std::max(bucket_peak_, at + size_of(b));
         state[size_t(b)] = 1;
-        bucket_peak_ = std::max(bucket_peak_, live);
       }
       for (size_t b = 0; b < buckets_.size(); ++b)
         if (buckets_[b].last_writer == c) state[b] = 2, launched.push_back(int(b));
@@ -322,7 +333,10 @@ void DataParallel::acquire_bucket(size_t b) {
             [&](size_t x, size_t y) { return live_[x].ticket < live_[y].ticket; });
   for (size_t k = 0; k + 1 < launched.size(); ++k) free_bucket(launched[k]);
   const GradBucket& g = buckets_[b];
-  l.buf = Tensor::zeros({g.end - g.begin}, DType::f32, MemTag::grads, gpt_.pool());
+  if (!bucket_arena_.defined())
+    bucket_arena_ = Tensor::empty({std::max<int64_t>(bucket_peak_, 1)}, DType::f32, MemTag::grads, gpt_.pool());
+  l.buf = bucket_arena_.slice0(bucket_offset_[b], g.end - g.begin);
+  l.buf.zero_();
   l.freed = false;
   acquire_order_.push_back(int(b));
   point_grads(b);
@@ -387,29 +401,50 @@ void DataParallel::finish_reductions() {
   worker_->reset_busy();
 }
 
-void DataParallel::gather_block(int64_t c, const char* phase) {
+void DataParallel::gather_into(int64_t c, int buf, comm::Comm& comm) {
   // One all-gather per contiguous flat range the block reads (its own parameters are one range;
   // a tied head adds wte's), not one per parameter: a collective's cost here is mostly its
   // latency.
-  const auto& runs = runs_[size_t(c)];
-  int64_t total = 0;
-  for (const auto& [b, e] : runs) total += e - b;
-  auto t0 = Trace::Clock::now();
-  // One buffer of the largest block's size serves every block (allocated once: a buffer per block
-  // and step would be mapped and unmapped hundreds of times a step).
-  if (!block_params_.defined())
-    block_params_ = Tensor::empty({std::max<int64_t>(max_use_, 1)}, DType::f32, MemTag::params, gpt_.pool());
-  LOOM_CHECK(total <= max_use_, "data parallel: block {} gathers {} elements, more than the {} planned", c, total,
-             max_use_);
   const int64_t mine = int64_t(rank_) * shard_;
   int64_t at = 0;
-  for (const auto& [b, e] : runs) {
+  for (const auto& [b, e] : runs_[size_t(c)]) {
     const std::vector<int64_t> counts = shard_counts(b, e);
     const int64_t lo = std::max<int64_t>(std::max(b, mine) - mine, 0);
-    comm_.all_gather_v(params_.f32() + lo, block_params_.f32() + at, counts, DType::f32);
+    comm.all_gather_v(params_.f32() + lo, block_buf_[buf].f32() + at, counts, DType::f32);
+    at += e - b;
+  }
+}
+
+void DataParallel::gather_block(int64_t c, const char* phase, bool backward) {
+  int64_t total = 0;
+  for (const auto& [b, e] : runs_[size_t(c)]) total += e - b;
+  LOOM_CHECK(total <= max_use_, "data parallel: block {} gathers {} elements, more than the {} planned", c, total,
+             max_use_);
+  // The two buffers of U elements, allocated once (a buffer per block and step would be mapped and
+  // unmapped hundreds of times a step).
+  for (Tensor& t : block_buf_)
+    if (!t.defined()) t = Tensor::empty({std::max<int64_t>(max_use_, 1)}, DType::f32, MemTag::params, gpt_.pool());
+  auto t0 = Trace::Clock::now();
+  if (prefetch_block_ >= 0) {  // the prefetch in flight: this block's, or one this order skipped
+    worker_->wait(prefetch_ticket_);
+    held_[prefetch_buf_] = prefetch_block_;
+    prefetch_block_ = -1;
+  }
+  int buf = -1;
+  for (int k = 0; k < 2; ++k)
+    if (held_[k] == c) buf = k;
+  if (buf < 0) {  // not at hand: gathered now, into the buffer the last block did not use
+    buf = held_[0] == -1 ? 0 : (held_[1] == -1 ? 1 : 1 - cur_buf_);
+    held_[buf] = -1;
+    gather_into(c, buf, comm_);
+    held_[buf] = c;
+  }
+  cur_buf_ = buf;
+  int64_t at = 0;
+  for (const auto& [b, e] : runs_[size_t(c)]) {
     for (int i : uses_[size_t(c)]) {
       FlatParam& f = lay_.params[size_t(i)];
-      if (f.offset >= b && f.offset < e) point_at_flat(*f.param, block_params_, at + (f.offset - b), f.alloc, false);
+      if (f.offset >= b && f.offset < e) point_at_flat(*f.param, block_buf_[buf], at + (f.offset - b), f.alloc, false);
     }
     at += e - b;
   }
@@ -417,6 +452,19 @@ void DataParallel::gather_block(int64_t c, const char* phase) {
   stats_.gather_s += seconds(t1 - t0);
   if (o_.trace) o_.trace->add(fmt::format("all_gather {} {}", phase, gpt_.chain()[size_t(c)]->name()),
                               TraceStream::comm, t0, t1);
+  // The next block of this direction, into the other buffer, on the communication thread.
+  const int64_t next = backward ? c - 1 : c + 1;
+  const int64_t nchain = int64_t(runs_.size());
+  if (next >= 0 && next < nchain) {
+    const int other = 1 - buf;
+    if (held_[other] != next) {
+      held_[other] = -1;
+      prefetch_block_ = next;
+      prefetch_buf_ = other;
+      prefetch_ticket_ = worker_->submit(fmt::format("prefetch {}", gpt_.chain()[size_t(next)]->name()),
+                                         [this, next, other](comm::Comm& wc) { gather_into(next, other, wc); });
+    }
+  }
 }
 
 void DataParallel::release_block(int64_t c) {
@@ -424,7 +472,7 @@ void DataParallel::release_block(int64_t c) {
 }
 
 void DataParallel::before_forward(int64_t c) {
-  if (o_.zero == 3) gather_block(c, "fwd");
+  if (o_.zero == 3) gather_block(c, "fwd", /*backward=*/false);
   block_t0_ = Trace::Clock::now();
 }
 
@@ -435,7 +483,7 @@ void DataParallel::after_forward(int64_t c) {
 }
 
 void DataParallel::before_backward(int64_t c) {
-  if (o_.zero == 3) gather_block(c, "bwd");
+  if (o_.zero == 3) gather_block(c, "bwd", /*backward=*/true);
   for (int b : writes_[size_t(c)]) acquire_bucket(size_t(b));
   block_t0_ = Trace::Clock::now();
 }
@@ -463,6 +511,9 @@ double DataParallel::sum_over_ranks(double x) { return parallel::sum_over_ranks(
 
 optim::StepStats DataParallel::step(double lr, bool skip) {
   finish_reductions();
+  // The update changes every shard: what the buffers hold is stale (and a prefetch is over).
+  if (prefetch_block_ >= 0) worker_->wait(prefetch_ticket_), prefetch_block_ = -1;
+  held_[0] = held_[1] = -1;
   const int64_t n = opt_->end() - opt_->begin();
   float* g = grad_shard();
   if (poison_ && n > 0) g[0] = std::numeric_limits<float>::quiet_NaN();
@@ -529,6 +580,7 @@ int DataParallel::first_nonfinite(bool gradients) const {
 }
 
 void DataParallel::poison_parameters() {
+  held_[0] = held_[1] = -1;
   if (params_.numel() > 0) params_.f32()[0] = std::numeric_limits<float>::quiet_NaN();
 }
 
@@ -576,6 +628,7 @@ DataParallel::LocalState DataParallel::local_state() {
 }
 
 void DataParallel::state_loaded(int64_t optimizer_steps) {
+  held_[0] = held_[1] = -1;  // the gathered blocks are of the weights before
   if (o_.offload) std::memcpy(host_params_.f32(), param_shard(), size_t(opt_->end() - opt_->begin()) * 4);
   opt_->set_steps_taken(optimizer_steps);
 }

@@ -17,13 +17,22 @@
 //   stage 0: params P_N,            grads P_N,                 optimizer 2 P_N
 //   stage 1: params P_N,            grads P_N,                 optimizer 2 P_S
 //   stage 2: params P_N,            grads P_S + 4 G,           optimizer 2 P_S
-//   stage 3: params P_S + 4 U,      grads P_S + 4 G,           optimizer 2 P_S
-// where G = bucket_peak_elements() (the most bucket elements alive at once, see below) and
+//   stage 3: params P_S + 8 U,      grads P_S + 4 G,           optimizer 2 P_S
+// where G = bucket_peak_elements() (the arena the buckets live in, see below) and
 // U = max over chain blocks of the flat elements the block gathers (its own parameters, plus wte
-// for a tied head, each with its alignment to 16 elements): one all-gather per contiguous range. Stage 2/3 bucket buffers are allocated when the first block writing into the bucket
+// for a tied head, each with its alignment to 16 elements): one all-gather per contiguous range,
+// into one of two buffers of U elements: while a block computes from one, the next block's
+// gather (the next in forward order during forward, the previous during backward) runs on the
+// communication thread into the other (FSDP's forward and backward prefetch). A block whose
+// gathered weights are still in a buffer from the same step (the head, from forward to backward)
+// is not gathered again; a block asked for out of that order (recomputation, evaluation) is
+// gathered there and then. Stage 2/3 bucket buffers are allocated when the first block writing into the bucket
 // starts its backward (the embedding bucket when a tied head starts) and freed when a later bucket
-// is allocated once its reduction has finished, keeping at most the newest launched bucket alive:
-// so G is a function of the bucket layout only, never of timing.
+// is allocated once its reduction has finished, keeping at most the newest launched bucket alive.
+// Each bucket has a fixed place in one arena of G elements, found by replaying that policy over
+// one backward (first fit: the lowest offset no bucket alive with it uses), so G is at least the
+// most bucket elements alive at once, a function of the bucket layout only, never of timing; the
+// arena is allocated at the first backward and reused by every one after.
 // With offload the optimizer moments (2 P_opt), an f32 master copy of the updated parameters
 // (P_opt) and a gradient staging copy (P_opt) live in the host pool instead (tags optimizer,
 // params, grads), P_opt = P_N for stage 0 and P_S otherwise; the update runs there and the
@@ -179,7 +188,7 @@ class DataParallel final : public model::ChainHooks {
   void launch_bucket(size_t b);
   void free_bucket(size_t b);
   void finish_reductions();
-  void gather_block(int64_t c, const char* phase);
+  void gather_block(int64_t c, const char* phase, bool backward);
   void release_block(int64_t c);
   void point_grads(size_t b);
   float* grad_shard() const;  // (into grads_ / params_, whose storage this object owns)
@@ -198,9 +207,18 @@ class DataParallel final : public model::ChainHooks {
   std::vector<std::vector<std::pair<int64_t, int64_t>>> runs_;  // chain block -> flat ranges it reads
   std::vector<int> acquire_order_;         // bucket indices in the order acquired this backward
   int64_t n_pad_ = 0, shard_ = 0, bucket_peak_ = 0, max_use_ = 0;
+  std::vector<int64_t> bucket_offset_;  // stage 2/3: each bucket's place in the arena
+  Tensor bucket_arena_;                 // f32 [G], tag grads (stages 2/3)
   Tensor params_;       // f32 [N_pad] (stages 0-2) or [S] (stage 3), tag params
   Tensor grads_;        // f32 [N_pad] (stages 0/1) or [S] (stages 2/3), tag grads
-  Tensor block_params_; // f32 gathered parameters of the running block (stage 3), tag params
+  // Stage 3: two buffers of U elements (tag params); which block each holds (-1: none, or stale),
+  // the one the running block uses, and the gather in flight into the other.
+  Tensor block_buf_[2];
+  int64_t held_[2] = {-1, -1};
+  int cur_buf_ = 0;
+  int64_t prefetch_block_ = -1, prefetch_ticket_ = -1;
+  int prefetch_buf_ = 0;
+  void gather_into(int64_t c, int buf, comm::Comm& comm);
   Tensor host_params_, host_grads_;  // f32 [P_opt] in the host pool (offload)
   std::unique_ptr<optim::ShardedAdamW> opt_;
   std::unique_ptr<Worker> worker_;
