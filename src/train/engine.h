@@ -67,6 +67,13 @@ class Engine {
   // on the CPU: a whole one, or its tensor-parallel part (refreshed from the engine's weights);
   // null: samples come from the weights gathered on rank 0.
   virtual model::GPT* sampling_model() { return nullptr; }
+  // Where the engine samples on the mesh without a model::GPT (a pipeline's stages): whether it
+  // can, and the logits of a context's last position, the whole padded row (collective).
+  virtual bool samples_on_mesh() const { return false; }
+  virtual std::vector<float> last_logits(const std::vector<int32_t>& context) {
+    (void)context;
+    return {};
+  }
   // The pools whose peaks the run reports (the model's, and the host pool of offloaded state).
   virtual MemoryPool& pool() = 0;
   virtual MemoryPool* host_pool() { return nullptr; }

@@ -455,18 +455,31 @@ std::vector<int32_t> sample_prompt(const TrainConfig& cfg, const data::Tokenizer
   return prompt;
 }
 
-std::string sample_text(const TrainConfig& cfg, model::GPT& gpt, const std::vector<int32_t>& prompt, int64_t step,
-                        const data::Tokenizer* tok) {
+namespace {
+SampleOptions sample_options(const TrainConfig& cfg, int64_t step) {
   SampleOptions so;
   so.max_new_tokens = cfg.sample_tokens;
   so.temperature = cfg.sample_temperature;
   so.top_k = cfg.sample_top_k;
   so.seed = cfg.seed + uint64_t(step);
-  const std::vector<int32_t> out = sample_recompute(gpt, prompt, so);
+  return so;
+}
+std::string as_text(const std::vector<int32_t>& prompt, const std::vector<int32_t>& out, const data::Tokenizer* tok) {
   if (tok) return tok->decode(prompt) + tok->decode(out);
   std::string s;
   for (int32_t t : out) s += std::to_string(t) + " ";
   return s;
+}
+}  // namespace
+
+std::string sample_text(const TrainConfig& cfg, model::GPT& gpt, const std::vector<int32_t>& prompt, int64_t step,
+                        const data::Tokenizer* tok) {
+  return as_text(prompt, sample_recompute(gpt, prompt, sample_options(cfg, step)), tok);
+}
+
+std::string sample_text(const TrainConfig& cfg, const LastLogits& logits, int64_t block_size, int64_t vocab,
+                        const std::vector<int32_t>& prompt, int64_t step, const data::Tokenizer* tok) {
+  return as_text(prompt, sample_with(logits, block_size, vocab, prompt, sample_options(cfg, step)), tok);
 }
 
 CheckpointMeta checkpoint_meta(const TrainConfig& cfg, const model::GPTConfig& mc, int64_t step,

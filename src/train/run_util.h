@@ -18,6 +18,7 @@
 #include "model/config.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
+#include "train/sample.h"
 #include "train/schedule.h"
 #include "train/trainer.h"
 
@@ -141,6 +142,9 @@ std::vector<int32_t> shared_sample_prompt(comm::Comm& world, const TrainConfig& 
 // ids without a tokenizer).
 std::string sample_text(const TrainConfig& cfg, model::GPT& gpt, const std::vector<int32_t>& prompt, int64_t step,
                         const data::Tokenizer* tok);
+// The same from any logits of a context (a pipeline's stages; collective as `logits` is).
+std::string sample_text(const TrainConfig& cfg, const LastLogits& logits, int64_t block_size, int64_t vocab,
+                        const std::vector<int32_t>& prompt, int64_t step, const data::Tokenizer* tok);
 // The manifest of a checkpoint of this run at `step`.
 CheckpointMeta checkpoint_meta(const TrainConfig& cfg, const model::GPTConfig& mc, int64_t step,
                                int64_t optimizer_steps,

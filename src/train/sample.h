@@ -2,6 +2,7 @@
 // drawn from counter-based random numbers keyed by (seed, position), so a sample is reproducible.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "model/gpt.h"
@@ -18,6 +19,13 @@ struct SampleOptions {
 
 // Picks the next token from logits f32 [V] (one draw keyed by (seed, index)).
 int32_t sample_logits(const float* logits, int64_t V, const SampleOptions& opt, uint64_t index);
+
+// The logits of the last position of a context: the whole (padded) vocabulary row.
+using LastLogits = std::function<std::vector<float>(const std::vector<int32_t>& context)>;
+// Continues `prompt` (not empty), asking `logits` about the last block_size tokens for each new
+// token. Returns only the new tokens.
+std::vector<int32_t> sample_with(const LastLogits& logits, int64_t block_size, int64_t vocab,
+                                 const std::vector<int32_t>& prompt, const SampleOptions& opt);
 
 // Continues `prompt` (not empty) by running the model on the last block_size tokens for each new
 // token. Returns only the new tokens. A tensor-parallel model (not context or sequence parallel)

@@ -596,6 +596,15 @@ class PipelineEngine : public CpuEngine {
     opt.set_steps_taken(optimizer_steps);
   }
 
+  // Samples run through the stages (forward only, the context as one micro-batch); under cp or sp
+  // the context's positions are split, which its length need not divide.
+  bool samples_on_mesh() const override { return cfg_.cp == 1 && !cfg_.sp; }
+  std::vector<float> last_logits(const std::vector<int32_t>& context) override {
+    Tensor t = Tensor::empty({1, int64_t(context.size())}, DType::i32, MemTag::workspace, pool_);
+    std::copy(context.begin(), context.end(), t.i32());
+    return exec_.last_logits(t);
+  }
+
   std::string describe() const override {
     const auto& sp = exec_.schedule().spec;
     const std::string blocks = fmt::format("{}", fmt::join(pipe::stage_layers_from_cuts(exec_.cuts(), n_layer_), ","));
@@ -787,6 +796,10 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
     if (cfg.sample_tokens == 0) return "";
     if (model::GPT* gpt = engine->sampling_model())
       return sample_text(cfg, *gpt, shared_sample_prompt(world, cfg, tok.get(), train, val.get()), step, tok.get());
+    if (engine->samples_on_mesh())
+      return sample_text(
+          cfg, [&](const std::vector<int32_t>& ctx) { return engine->last_logits(ctx); }, mc.block_size, mc.vocab_size,
+          shared_sample_prompt(world, cfg, tok.get(), train, val.get()), step, tok.get());
     FullState st = engine->gather_params();
     if (!lead) return "";
     MemoryPool sample_pool("cpu:sample");

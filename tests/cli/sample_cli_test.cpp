@@ -1,6 +1,7 @@
-// Text samples of a tensor-parallel run come from the mesh itself (each rank's vocabulary columns
-// gathered for the last position), not from weights assembled on rank 0: the sample a tp = 2 run
-// prints is the single device's, token for token, as are its losses within rounding.
+// Text samples of tensor-parallel and pipeline runs come from the mesh itself (the context run
+// forward through the stages as one micro-batch, each tp rank's vocabulary columns gathered for
+// the last position), not from weights assembled on rank 0: the greedy sample each layout prints
+// is the single device's, token for token.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -20,7 +21,7 @@ std::string sample_of(const std::string& out) {
 
 }  // namespace
 
-TEST(SampleCli, TensorParallelSamplesOnTheMeshAsTheSingleDevice) {
+TEST(SampleCli, TensorAndPipelineParallelSampleOnTheMeshAsTheSingleDevice) {
   LOOM_REQUIRE_LOOM();
   TrainScratch s("loom_sample_cli");
   const std::string flags =
@@ -28,7 +29,10 @@ TEST(SampleCli, TensorParallelSamplesOnTheMeshAsTheSingleDevice) {
       "--train.eval_every 0 --train.sample_tokens 16 --train.sample_top_k 1 --train.threads 2";
   CliRun one = s.train("single", flags);
   ASSERT_EQ(one.code, 0) << one.err;
-  for (const std::string layout : {"--parallel.tp 2", "--parallel.tp 2 --parallel.dp 2 --parallel.zero 3"}) {
+  for (const std::string layout :
+       {"--parallel.tp 2", "--parallel.tp 2 --parallel.dp 2 --parallel.zero 3", "--parallel.pp 2",
+        "--parallel.pp 2 --parallel.tp 2 --parallel.dp 2",
+        "--parallel.pp 2 --parallel.schedule interleaved --parallel.virtual_stages 2 --train.grad_accum 2"}) {
     CliRun tp = s.train("tp", flags + " --overwrite " + layout);
     ASSERT_EQ(tp.code, 0) << layout << "\n" << tp.err;
     EXPECT_FALSE(sample_of(one.out).empty()) << one.out;

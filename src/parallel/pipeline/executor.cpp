@@ -258,7 +258,8 @@ struct PipelineExecutor::Impl {
         }
       } else {
         auto* head = static_cast<model::Head*>(blk);
-        losses[size_t(mb)] = head->forward(x, targets.i32() + mb * b * T, b, T, /*fuse_backward=*/!evaluating, dscale);
+        losses[size_t(mb)] = head->forward(x, targets.defined() ? targets.i32() + mb * b * T : nullptr, b, T,
+                                           /*fuse_backward=*/!evaluating, dscale);
         x = nullptr;
       }
     }
@@ -533,10 +534,15 @@ void PipelineExecutor::prepare(const Tensor& tokens, const Tensor& targets) {
   LOOM_CHECK(B % m == 0, "pipeline executor: batch size {} is not divisible by micro_batches = {}", B, m);
   LOOM_CHECK(T >= 1 && T <= I.cfg.block_size, "pipeline executor: sequence length {} outside [1, block_size = {}]", T,
              I.cfg.block_size);
-  const int64_t b = B / m, C = I.cfg.n_embd;
   if (I.opt.cp > 1)
     LOOM_CHECK(T % (2 * I.opt.cp) == 0, "pipeline executor: sequence length {} is not divisible by 2 x cp = {}", T,
                2 * I.opt.cp);
+  shape(B / m, T);
+}
+
+void PipelineExecutor::shape(int64_t b, int64_t T) {
+  Impl& I = *impl_;
+  const int64_t C = I.cfg.n_embd;
   I.rows = I.par->own_rows(b, T);
   if (b != I.b || T != I.T) {
     I.b = b;
@@ -588,6 +594,46 @@ std::vector<double> PipelineExecutor::evaluate(const Tensor& tokens, const Tenso
     for (float& x : l) x /= float(I.dp->size());
   }
   return std::vector<double>(l.begin(), l.end());
+}
+
+std::vector<float> PipelineExecutor::last_logits(const Tensor& context) {
+  Impl& I = *impl_;
+  LOOM_CHECK(context.defined() && context.dim() == 2 && context.size(0) == 1 && context.dtype() == DType::i32,
+             "pipeline executor: a context is i32 [1, T]");
+  const int64_t T = context.size(1);
+  LOOM_CHECK(T >= 1 && T <= I.cfg.block_size, "pipeline executor: context of {} tokens outside [1, block_size = {}]", T,
+             I.cfg.block_size);
+  LOOM_CHECK(I.opt.cp == 1 && !I.opt.sp, "pipeline executor: logits of a context under cp or sp (its positions are "
+             "split, and a context's length need not divide)");
+  shape(1, T);
+  I.evaluating = true;
+  // The context as one micro-batch, through the virtual stages in order: each receives the
+  // previous stage's output, runs forward, and sends its own on.
+  const int V = sch_.num_virtual_stages();
+  for (int vs = 0; vs < V; ++vs) {
+    if (sch_.rank_of(vs) != I.rank) continue;
+    const int c = sch_.chunk_of(vs);
+    if (vs > 0) I.recv_act(0, c, sch_.rank_of(vs - 1));
+    I.forward(0, c, context, Tensor());
+    if (vs + 1 < V) I.send_act(0, c, sch_.rank_of(vs + 1));
+  }
+  I.finish_sends();
+  // The head's rank holds the logits (its vocabulary columns under tp): the last row, whole.
+  const int head_rank = sch_.rank_of(V - 1);
+  const int64_t Vr = I.par->vocab_rows(I.cfg), tp = I.opt.tp;
+  std::vector<float> row(size_t(Vr * tp));
+  if (I.rank == head_rank) {
+    Chunk& last = I.chunks[size_t(sch_.chunk_of(V - 1))];
+    const auto* head = static_cast<const model::Head*>(I.slot_of(last, 0, "logits").blocks.back().get());
+    const float* l = head->logits().f32() + (T - 1) * Vr;
+    if (comm::Comm* g = I.par->tp_group()) g->all_gather(l, row.data(), int64_t(row.size()), DType::f32);
+    else std::copy(l, l + Vr, row.begin());
+  }
+  I.pp.broadcast(row.data(), int64_t(row.size()), DType::f32, head_rank);
+  for (Chunk& ch : I.chunks)
+    if (ch.active.count(0)) I.release(ch, 0);
+  I.evaluating = false;
+  return row;
 }
 
 StepResult PipelineExecutor::step(const Tensor& tokens, const Tensor& targets, double lr) {

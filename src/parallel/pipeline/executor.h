@@ -127,6 +127,11 @@ class PipelineExecutor {
   // gets all m.
   std::vector<double> evaluate(const Tensor& tokens, const Tensor& targets);
 
+  // Sampling: the logits of the last position of `context` (i32 [1, T], the same on every rank of
+  // the pipeline), run forward through the stages as one micro-batch; every rank gets the whole
+  // padded row (the head's vocabulary columns gathered over tp). Not under cp or sp.
+  std::vector<float> last_logits(const Tensor& context);
+
   const Schedule& schedule() const { return sch_; }
   const CheckResult& checked() const { return checked_; }
   const std::vector<int64_t>& cuts() const { return cuts_; }
@@ -146,8 +151,10 @@ class PipelineExecutor {
   int64_t activation_bytes_per_micro_batch(int chunk, int64_t b, int64_t T) const;
 
  private:
-  // Checks the batch and sizes the workspaces for its micro-batch shape.
+  // Checks the batch and sizes the workspaces for its micro-batch shape (shape: for micro-batches
+  // of b sequences of T tokens).
   void prepare(const Tensor& tokens, const Tensor& targets);
+  void shape(int64_t b, int64_t T);
 
   struct Impl;
   std::unique_ptr<Impl> impl_;
