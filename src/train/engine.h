@@ -22,13 +22,6 @@
 
 namespace loom::train {
 
-// Every parameter's full tensor, in the checkpoint names of the single device ("param/<name>", in
-// GPT::parameters() order): assembled on rank 0 for a sample or a pipeline's evaluation, empty
-// elsewhere.
-struct FullState {
-  std::vector<NamedTensor> tensors;
-};
-
 // This rank's part of a checkpoint: slices of the full tensors (train/checkpoint.h) that point
 // into the engine's state, or into `storage` (host copies of state held elsewhere); valid until
 // the next step. Over all ranks the slices cover every tensor once.
@@ -54,8 +47,6 @@ class Engine {
   virtual StepOut step(int64_t step, float lr) = 0;
   // Mean validation loss of n single-device batches of val_mb sequences, on every rank (collective).
   virtual double evaluate(data::Loader& val, int64_t n, int64_t val_mb) = 0;
-  // Collective: rank 0 receives every parameter's full tensor (the samples of a model-parallel run).
-  virtual FullState gather_params() = 0;
   // This rank's slices of every parameter and both AdamW moments, and the optimizer's step count
   // (not collective; every rank writes its part of the checkpoint).
   virtual CheckpointPart checkpoint_part() = 0;
@@ -63,9 +54,9 @@ class Engine {
   // read from the checkpoint (only the elements it holds), and the optimizer's step count (not
   // collective).
   virtual void load(CheckpointReader& ckpt, int64_t optimizer_steps) = 0;
-  // The model every rank samples from (collectively) when each rank holds a model it can sample
-  // on the CPU: a whole one, or its tensor-parallel part (refreshed from the engine's weights);
-  // null: samples come from the weights gathered on rank 0.
+  // The model every rank samples from (collectively) when each rank holds a model::GPT it can
+  // sample on the CPU: a whole one, or its part under model parallelism (refreshed from the
+  // engine's weights); null: the engine samples through last_logits.
   virtual model::GPT* sampling_model() { return nullptr; }
   // Where the engine samples on the mesh without a model::GPT (a pipeline's stages): whether it
   // can, and the logits of a context's last position, the whole padded row (collective).

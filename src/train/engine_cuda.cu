@@ -196,18 +196,6 @@ class CudaEngine : public Engine {
     return sum_over_ranks(world_, sum) / double(n * world_.size());
   }
 
-  // Rank 0 downloads its replica (the replicas are equal); nothing to gather.
-  FullState gather_params() override {
-    FullState st;
-    if (world_.rank() != 0) return st;
-    for (const model::Parameter* p : gpt_.parameters()) {
-      Tensor t = Tensor::empty(p->spec.shape, DType::f32, MemTag::workspace, host_);
-      copy_into(t, run_.parameter(p->spec.name));
-      st.tensors.push_back({"param/" + p->spec.name, t});
-    }
-    return st;
-  }
-
   // The replicas are equal: rank r downloads and writes the parameters i with i % ranks == r, so
   // the ranks share the writing.
   CheckpointPart checkpoint_part() override {

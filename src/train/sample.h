@@ -27,9 +27,18 @@ using LastLogits = std::function<std::vector<float>(const std::vector<int32_t>& 
 std::vector<int32_t> sample_with(const LastLogits& logits, int64_t block_size, int64_t vocab,
                                  const std::vector<int32_t>& prompt, const SampleOptions& opt);
 
+// The logits of a context's last position, the whole padded row, on every rank of a model split
+// by P: `forward` runs the model on tokens i32 [1, T'] and returns this rank's logits (its rows,
+// its vocabulary columns). Under cp or sp the context is padded on the right to a length they
+// divide (a causal model's logits at a position ignore later tokens); the row is taken from the
+// cp rank holding the position and gathered over tp. Collective over P's cp and tp groups.
+std::vector<float> last_position_logits(const model::ChainParallel& P, const model::GPTConfig& cfg,
+                                        const std::vector<int32_t>& context,
+                                        const std::function<const float*(const Tensor& tokens)>& forward);
+
 // Continues `prompt` (not empty) by running the model on the last block_size tokens for each new
-// token. Returns only the new tokens. A tensor-parallel model (not context or sequence parallel)
-// samples on its tp ranks together: collective over its tp group.
+// token. Returns only the new tokens. A model split by tensor, sequence or context parallelism
+// samples on its ranks together (collective over its groups).
 std::vector<int32_t> sample_recompute(model::GPT& gpt, const std::vector<int32_t>& prompt, const SampleOptions& opt);
 
 }  // namespace loom::train

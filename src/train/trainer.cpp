@@ -6,6 +6,7 @@
 #include <sys/resource.h>
 
 #include <chrono>
+#include <numeric>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -78,39 +79,6 @@ std::vector<TensorInfo> checkpoint_tensors(const model::GPTConfig& mc) {
   for (const model::ParamSpec& s : model::gpt_param_specs(mc))
     for (const char* kind : {"param/", "adam_m/", "adam_v/"}) out.push_back({kind + s.name, s.shape});
   return out;
-}
-
-// The full tensor of parameter p on every rank of tp from each rank's part `src`: a sum over tp of
-// zero-filled buffers into which every rank wrote its part (a whole tensor by tp rank 0 only), so
-// values arrive unchanged.
-void assemble(comm::Comm& tp, const model::Parameter& p, const float* src, std::vector<float>& out) {
-  out.assign(size_t(p.global().numel()), 0.0f);
-  if (p.shard.split || tp.rank() == 0)
-    for (const model::ShardSegment& sg : p.segments())
-      std::memcpy(out.data() + sg.global, src + sg.local, size_t(sg.n) * sizeof(float));
-  tp.all_reduce(out.data(), int64_t(out.size()), DType::f32);
-}
-
-Tensor host_tensor(const std::vector<float>& v, const Shape& shape, MemoryPool& pool) {
-  Tensor t = Tensor::empty(shape, DType::f32, MemTag::workspace, pool);
-  std::memcpy(t.f32(), v.data(), v.size() * sizeof(float));
-  return t;
-}
-
-// A single-device model from the "param/" tensors of a full state (rank 0's samples of a
-// model-parallel run); it lives in `pool` while the caller keeps it.
-std::unique_ptr<model::GPT> model_from(const model::GPTConfig& mc, const FullState& st, MemoryPool& pool) {
-  auto gpt = std::make_unique<model::GPT>(mc, pool);
-  std::map<std::string, const Tensor*> by_name;
-  for (const NamedTensor& t : st.tensors) by_name[t.name] = &t.tensor;
-  for (model::Parameter* p : gpt->parameters()) {
-    auto it = by_name.find("param/" + p->spec.name);
-    LOOM_CHECK(it != by_name.end(), "gathered state: no tensor for parameter '{}'", p->spec.name);
-    LOOM_CHECK(it->second->numel() == p->spec.numel(), "gathered state: parameter '{}' has {} elements, expected {}",
-               p->spec.name, it->second->numel(), p->spec.numel());
-    std::memcpy(p->value.f32(), it->second->f32(), size_t(p->spec.numel()) * sizeof(float));
-  }
-  return gpt;
 }
 
 // The CPU's engines (the loop runs whatever train/engine.h's interface offers).
@@ -291,30 +259,6 @@ class ChainEngine : public CpuEngine {
     return sum_over_ranks(dp_, sum) / double(n * dp);
   }
 
-  // Every rank of the dp x cp group gathers the flat parameters (collective); the replica with
-  // dp = cp = 0 then assembles each full tensor over tp on its tp rank 0 (world rank 0).
-  FullState gather_params() override {
-    FullState st;
-    model_.release_activations();  // what the gather holds takes their place
-    full_ = parallel::DataParallel::FullState{};
-    full_ = ddp_.gather_full_state();
-    if (mc_.coord("dp") != 0 || mc_.coord("cp") != 0) return st;
-    const auto& ps = model_.parameters();
-    std::vector<float> buf;
-    for (size_t i = 0; i < ps.size(); ++i) {
-      const model::Parameter& p = *ps[i];
-      const Tensor part = ddp_.param_view(full_.params, i);
-      if (tp_.size() == 1) {  // the part is the full tensor
-        st.tensors.push_back({"param/" + p.spec.name, part});
-        continue;
-      }
-      assemble(tp_, p, part.f32(), buf);
-      if (tp_.rank() == 0) st.tensors.push_back({"param/" + p.spec.name, host_tensor(buf, p.global().shape, pool_)});
-    }
-    if (tp_.rank() != 0) st.tensors.clear();
-    return st;
-  }
-
   // Each rank writes its shard of the dp x cp group's flat layout (the ZeRO shard; under ZeRO-0,
   // where every rank holds everything, the same split shares the writing); a tensor whole on every
   // tp rank is written by tp rank 0.
@@ -350,13 +294,8 @@ class ChainEngine : public CpuEngine {
     ddp_.state_loaded(optimizer_steps);
   }
 
-  // Every rank samples on the model itself (collectively under ZeRO-3 and tensor parallelism);
-  // context and sequence parallelism split the prompt's positions, which an arbitrary prompt
-  // length does not divide, so their samples come from weights assembled on rank 0.
-  model::GPT* sampling_model() override {
-    const model::ChainParallel& P = model_.parallel();
-    return P.cp() == 1 && !P.sp() ? &model_ : nullptr;
-  }
+  // Every rank samples on the model itself (collectively under ZeRO-3 and model parallelism).
+  model::GPT* sampling_model() override { return &model_; }
 
   std::string describe() const override {
     const model::ChainParallel& P = model_.parallel();
@@ -391,7 +330,6 @@ class ChainEngine : public CpuEngine {
   parallel::Trace trace_;
   model::GPT model_;
   parallel::DataParallel ddp_;
-  parallel::DataParallel::FullState full_;  // the last gather's flat state (its tensors are views)
   std::string note_;                         // the recompute plan, said at the start
   int64_t local_ = 0, mb_ = 0;
   Tensor x_, y_;  // i32 [mb, T]
@@ -489,75 +427,6 @@ class PipelineEngine : public CpuEngine {
     return sum / double(n);
   }
 
-  // The pipeline of the replica with dp = cp = 0 takes part. Under tp each stage first assembles
-  // its full tensors over the tp group; then tp rank 0's pipeline (world rank 0's) moves them:
-  // pipeline rank k > 0 sends, for each of its parameters (the last stage's copy of a tied wte
-  // skipped), its name, size and values to pipeline rank 0.
-  FullState gather_params() override {
-    FullState st;
-    if (mc_.coord("dp") != 0 || mc_.coord("cp") != 0) return st;
-    struct Full {
-      std::string name;
-      std::vector<float> v;
-    };
-    std::vector<Full> fulls;
-    for (const model::Parameter* p : exec_.parameters()) {
-      if (exec_.is_copy(p)) continue;
-      Full f{p->spec.name, {}};
-      if (tp_.size() == 1) f.v.assign(p->value.f32(), p->value.f32() + p->spec.numel());
-      else assemble(tp_, *p, p->value.f32(), f.v);
-      fulls.push_back(std::move(f));
-    }
-    if (tp_.rank() != 0) return st;
-    std::map<std::string, Shape> shapes;
-    for (const model::ParamSpec& s : model::gpt_param_specs(model_cfg_)) shapes[s.name] = s.shape;
-    std::map<std::string, Tensor> got;
-    auto store = [&](const std::string& name, int64_t n, const float* v) {
-      auto it = shapes.find(name);
-      LOOM_CHECK(it != shapes.end() && shape_numel(it->second) == n, "gather: parameter '{}' of {} elements is not "
-                 "one of model '{}'", name, n, model_cfg_.name);
-      Tensor t = Tensor::empty(it->second, DType::f32, MemTag::workspace, pool_);
-      std::memcpy(t.f32(), v, size_t(n) * sizeof(float));
-      got[name] = t;
-    };
-    const int tag = 7;
-    if (pp_.rank() != 0) {
-      int32_t count = int32_t(fulls.size());
-      pp_.send(&count, 1, DType::i32, 0, tag);
-      for (const Full& f : fulls) {
-        const int64_t n = int64_t(f.v.size());
-        int32_t head[2] = {int32_t(f.name.size()), int32_t(n)};
-        pp_.send(head, 2, DType::i32, 0, tag);
-        std::vector<int32_t> chars(f.name.begin(), f.name.end());
-        pp_.send(chars.data(), int64_t(chars.size()), DType::i32, 0, tag);
-        pp_.send(f.v.data(), n, DType::f32, 0, tag);
-      }
-      return st;
-    }
-    for (const Full& f : fulls) store(f.name, int64_t(f.v.size()), f.v.data());
-    std::vector<float> v;
-    for (int src = 1; src < pp_.size(); ++src) {
-      int32_t count = 0;
-      pp_.recv(&count, 1, DType::i32, src, tag);
-      for (int32_t k = 0; k < count; ++k) {
-        int32_t head[2];
-        pp_.recv(head, 2, DType::i32, src, tag);
-        std::vector<int32_t> chars(static_cast<size_t>(head[0]));
-        pp_.recv(chars.data(), head[0], DType::i32, src, tag);
-        std::string name(chars.begin(), chars.end());
-        v.resize(size_t(head[1]));
-        pp_.recv(v.data(), head[1], DType::f32, src, tag);
-        store(name, head[1], v.data());
-      }
-    }
-    for (const model::ParamSpec& s : model::gpt_param_specs(model_cfg_)) {  // the single device's order
-      auto it = got.find(s.name);
-      LOOM_CHECK(it != got.end(), "gather: no stage holds parameter '{}'", s.name);
-      st.tensors.push_back({"param/" + s.name, it->second});
-    }
-    return st;
-  }
-
   // Each stage's parameters (the last stage's copy of a tied wte skipped: the first stage writes
   // wte) are written by the replica with dp = cp = 0, their moments by the rank holding them
   // (every rank of the stage's dp x cp group under ZeRO-1); a tensor whole on every tp rank by
@@ -596,13 +465,18 @@ class PipelineEngine : public CpuEngine {
     opt.set_steps_taken(optimizer_steps);
   }
 
-  // Samples run through the stages (forward only, the context as one micro-batch); under cp or sp
-  // the context's positions are split, which its length need not divide.
-  bool samples_on_mesh() const override { return cfg_.cp == 1 && !cfg_.sp; }
+  // Samples run through the stages (forward only, the context as one micro-batch), padded on the
+  // right to a length cp and sp divide: a causal model's logits at a position ignore later tokens
+  // (as train::last_position_logits does for one chain).
+  bool samples_on_mesh() const override { return true; }
   std::vector<float> last_logits(const std::vector<int32_t>& context) override {
-    Tensor t = Tensor::empty({1, int64_t(context.size())}, DType::i32, MemTag::workspace, pool_);
-    std::copy(context.begin(), context.end(), t.i32());
-    return exec_.last_logits(t);
+    const int64_t unit = std::lcm<int64_t>(cfg_.cp > 1 ? 2 * cfg_.cp : 1, cfg_.sp && cfg_.tp > 1 ? cfg_.tp : 1);
+    const int64_t room = model_cfg_.block_size / unit * unit;
+    const int64_t skip = int64_t(context.size()) > room ? int64_t(context.size()) - room : 0;
+    const int64_t T = int64_t(context.size()) - skip, Tp = (T + unit - 1) / unit * unit;
+    Tensor t = Tensor::zeros({1, Tp}, DType::i32, MemTag::workspace, pool_);
+    std::copy(context.begin() + skip, context.end(), t.i32());
+    return exec_.last_logits(t, T - 1);
   }
 
   std::string describe() const override {
@@ -789,23 +663,17 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
     if (n == 0) return NAN;
     return engine->evaluate(*val, n, val_mb);
   };
-  // Collective. Where every rank holds a whole model, every rank samples (ZeRO-3 forwards are
-  // collective) from rank 0's prompt; otherwise rank 0 samples from a single-device model of the
-  // gathered parameters, held for the sample only.
+  // Collective: every rank samples from rank 0's prompt on the mesh itself (its model::GPT under
+  // data, tensor, sequence and context parallelism; a pipeline's stages): no rank assembles the
+  // weights.
   auto sample = [&](int64_t step) -> std::string {
     if (cfg.sample_tokens == 0) return "";
     if (model::GPT* gpt = engine->sampling_model())
       return sample_text(cfg, *gpt, shared_sample_prompt(world, cfg, tok.get(), train, val.get()), step, tok.get());
-    if (engine->samples_on_mesh())
-      return sample_text(
-          cfg, [&](const std::vector<int32_t>& ctx) { return engine->last_logits(ctx); }, mc.block_size, mc.vocab_size,
-          shared_sample_prompt(world, cfg, tok.get(), train, val.get()), step, tok.get());
-    FullState st = engine->gather_params();
-    if (!lead) return "";
-    MemoryPool sample_pool("cpu:sample");
-    auto gpt = model_from(mc, st, sample_pool);
-    st = FullState{};
-    return sample_text(cfg, *gpt, sample_prompt(cfg, tok.get(), train, val.get()), step, tok.get());
+    LOOM_CHECK(engine->samples_on_mesh(), "{}: this engine cannot sample", engine->describe());
+    return sample_text(
+        cfg, [&](const std::vector<int32_t>& ctx) { return engine->last_logits(ctx); }, mc.block_size, mc.vocab_size,
+        shared_sample_prompt(world, cfg, tok.get(), train, val.get()), step, tok.get());
   };
   // Collective: every rank writes its part and no rank starts the next step before the checkpoint
   // is committed (or every rank has learnt that it was not), so a rank that fails in that step

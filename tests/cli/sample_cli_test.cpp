@@ -1,7 +1,8 @@
-// Text samples of tensor-parallel and pipeline runs come from the mesh itself (the context run
-// forward through the stages as one micro-batch, each tp rank's vocabulary columns gathered for
-// the last position), not from weights assembled on rank 0: the greedy sample each layout prints
-// is the single device's, token for token.
+// Text samples of every layout come from the mesh itself (a pipeline runs the context forward
+// through its stages as one micro-batch; under cp and sp the context is padded on the right to a
+// length they divide; the last position's row is taken from the cp rank holding it and each tp
+// rank's vocabulary columns gathered), not from weights assembled on rank 0: the greedy sample
+// each layout prints is the single device's, token for token.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -21,7 +22,7 @@ std::string sample_of(const std::string& out) {
 
 }  // namespace
 
-TEST(SampleCli, TensorAndPipelineParallelSampleOnTheMeshAsTheSingleDevice) {
+TEST(SampleCli, EveryLayoutSamplesOnTheMeshAsTheSingleDevice) {
   LOOM_REQUIRE_LOOM();
   TrainScratch s("loom_sample_cli");
   const std::string flags =
@@ -32,7 +33,8 @@ TEST(SampleCli, TensorAndPipelineParallelSampleOnTheMeshAsTheSingleDevice) {
   for (const std::string layout :
        {"--parallel.tp 2", "--parallel.tp 2 --parallel.dp 2 --parallel.zero 3", "--parallel.pp 2",
         "--parallel.pp 2 --parallel.tp 2 --parallel.dp 2",
-        "--parallel.pp 2 --parallel.schedule interleaved --parallel.virtual_stages 2 --train.grad_accum 2"}) {
+        "--parallel.pp 2 --parallel.schedule interleaved --parallel.virtual_stages 2 --train.grad_accum 2",
+        "--parallel.cp 2", "--parallel.tp 2 --parallel.sp true", "--parallel.pp 2 --parallel.cp 2 --parallel.tp 2 --parallel.sp true"}) {
     CliRun tp = s.train("tp", flags + " --overwrite " + layout);
     ASSERT_EQ(tp.code, 0) << layout << "\n" << tp.err;
     EXPECT_FALSE(sample_of(one.out).empty()) << one.out;

@@ -1,5 +1,7 @@
 #include "parallel/pipeline/executor.h"
 
+#include "parallel/context/ring_attention.h"
+
 #include <omp.h>
 
 #include <algorithm>
@@ -596,15 +598,17 @@ std::vector<double> PipelineExecutor::evaluate(const Tensor& tokens, const Tenso
   return std::vector<double>(l.begin(), l.end());
 }
 
-std::vector<float> PipelineExecutor::last_logits(const Tensor& context) {
+std::vector<float> PipelineExecutor::last_logits(const Tensor& context, int64_t position) {
   Impl& I = *impl_;
   LOOM_CHECK(context.defined() && context.dim() == 2 && context.size(0) == 1 && context.dtype() == DType::i32,
              "pipeline executor: a context is i32 [1, T]");
   const int64_t T = context.size(1);
   LOOM_CHECK(T >= 1 && T <= I.cfg.block_size, "pipeline executor: context of {} tokens outside [1, block_size = {}]", T,
              I.cfg.block_size);
-  LOOM_CHECK(I.opt.cp == 1 && !I.opt.sp, "pipeline executor: logits of a context under cp or sp (its positions are "
-             "split, and a context's length need not divide)");
+  LOOM_CHECK(position >= 0 && position < T, "pipeline executor: position {} outside the context of {}", position, T);
+  if (I.opt.cp > 1)
+    LOOM_CHECK(T % (2 * I.opt.cp) == 0, "pipeline executor: a context of {} tokens is not divisible by 2 x cp = {}", T,
+               2 * I.opt.cp);
   shape(1, T);
   I.evaluating = true;
   // The context as one micro-batch, through the virtual stages in order: each receives the
@@ -618,16 +622,25 @@ std::vector<float> PipelineExecutor::last_logits(const Tensor& context) {
     if (vs + 1 < V) I.send_act(0, c, sch_.rank_of(vs + 1));
   }
   I.finish_sends();
-  // The head's rank holds the logits (its vocabulary columns under tp): the last row, whole.
+  // The head's rank holds the logits (its rows under cp, its vocabulary columns under tp): the
+  // row of `position` from the cp rank that holds it, gathered over tp, then to every stage.
   const int head_rank = sch_.rank_of(V - 1);
-  const int64_t Vr = I.par->vocab_rows(I.cfg), tp = I.opt.tp;
-  std::vector<float> row(size_t(Vr * tp));
+  const model::ChainParallel& P = *I.par;
+  const int64_t Vr = P.vocab_rows(I.cfg), tp = I.opt.tp, cp = I.opt.cp;
+  std::vector<float> row(static_cast<size_t>(Vr * tp)), mine(static_cast<size_t>(Vr));
   if (I.rank == head_rank) {
     Chunk& last = I.chunks[size_t(sch_.chunk_of(V - 1))];
     const auto* head = static_cast<const model::Head*>(I.slot_of(last, 0, "logits").blocks.back().get());
-    const float* l = head->logits().f32() + (T - 1) * Vr;
-    if (comm::Comm* g = I.par->tp_group()) g->all_gather(l, row.data(), int64_t(row.size()), DType::f32);
-    else std::copy(l, l + Vr, row.begin());
+    int owner = 0;
+    int64_t local = position;
+    if (cp > 1)
+      for (int r = 0; r < cp; ++r)
+        for (int64_t t = 0; t < T / cp; ++t)
+          if (parallel::cp::global_position(t, T, int(cp), r) == position) owner = r, local = t;
+    if (P.cp_rank() == owner) std::copy_n(head->logits().f32() + local * Vr, Vr, mine.begin());
+    if (comm::Comm* g = P.cp_group()) g->broadcast(mine.data(), Vr, DType::f32, owner);
+    if (comm::Comm* g = P.tp_group()) g->all_gather(mine.data(), row.data(), int64_t(row.size()), DType::f32);
+    else row = mine;
   }
   I.pp.broadcast(row.data(), int64_t(row.size()), DType::f32, head_rank);
   for (Chunk& ch : I.chunks)

@@ -127,10 +127,11 @@ class PipelineExecutor {
   // gets all m.
   std::vector<double> evaluate(const Tensor& tokens, const Tensor& targets);
 
-  // Sampling: the logits of the last position of `context` (i32 [1, T], the same on every rank of
-  // the pipeline), run forward through the stages as one micro-batch; every rank gets the whole
-  // padded row (the head's vocabulary columns gathered over tp). Not under cp or sp.
-  std::vector<float> last_logits(const Tensor& context);
+  // Sampling: the logits of `position` of `context` (i32 [1, T], the same on every rank of the
+  // pipeline; under cp, T divisible by 2 cp), run forward through the stages as one micro-batch;
+  // every rank gets the whole padded row (from the cp rank holding the position, the head's
+  // vocabulary columns gathered over tp).
+  std::vector<float> last_logits(const Tensor& context, int64_t position);
 
   const Schedule& schedule() const { return sch_; }
   const CheckResult& checked() const { return checked_; }
