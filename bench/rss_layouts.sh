@@ -35,7 +35,7 @@ common=(--data.dir "$data" --model.n_layer 12 --model.n_head 12 --model.n_embd 7
         --data.seq_len 128 --train.batch_size 4 --train.steps 2 --train.eval_every 2 --train.eval_batches 1
         --train.sample_tokens 0 --train.checkpoint_every 2 --train.threads 1 --parallel.comm mpi)
 single_kb=
-echo "| layout | ranks | peak RSS per process (MB) | largest / single device | checkpoint write (s) |"
+echo "| layout | ranks | peak RSS per process (MiB) | largest / single device | checkpoint write (s) |"
 echo "|---|---|---|---|---|"
 for spec in "${layouts[@]}"; do
   name=${spec%%:*}

@@ -83,6 +83,7 @@ const Field kFields[] = {
     F("parallel.comm", comm, "communicator backend: threads, mpi (one process per rank: mpirun -n pp x dp x cp x tp), or nccl (train.device cuda: mpi processes whose gradients NCCL reduces)"),
     F("parallel.offload", offload, "ZeRO-Offload: optimizer state and update in host memory"),
     F("parallel.bucket_mb", bucket_mb, "data-parallel gradient bucket size in MiB"),
+    F("parallel.prefetch", prefetch, "ZeRO-3: gather the next block's weights while a block computes (one more buffer of the largest block)"),
     F("parallel.schedule", schedule, "pipeline schedule when parallel.pp > 1: gpipe, 1f1b, interleaved or zb-h1"),
     F("parallel.virtual_stages", virtual_stages, "model chunks per pipeline rank under the interleaved schedule (>= 2)"),
     F("parallel.stage_layers", stage_layers, "transformer blocks of each pipeline stage in order (of each model chunk under interleaved; the first also holds the embedding, the last the head); []: balanced by cost"),

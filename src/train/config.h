@@ -55,6 +55,7 @@ struct TrainConfig {
   std::string comm = "threads";            // threads | mpi | nccl (train.device cuda)
   bool offload = false;                    // ZeRO-Offload: optimizer state and update in host memory
   float bucket_mb = 25.0f;                 // data-parallel gradient bucket size (MiB)
+  bool prefetch = true;                    // ZeRO-3: gather the next block while one computes
   float timeout_s = 300.0f;                // a rank waiting longer in one collective fails the job
   std::string schedule = "1f1b";           // pipeline schedule (pp > 1): gpipe | 1f1b | interleaved | zb-h1
   int64_t virtual_stages = 2;              // model chunks per pipeline rank under the interleaved schedule

@@ -171,6 +171,7 @@ class ChainEngine : public CpuEngine {
     o.offload = cfg.offload;
     o.host_pool = &host_pool;
     o.bucket_bytes = std::max<int64_t>(1, int64_t(double(cfg.bucket_mb) * 1024 * 1024));
+    o.prefetch = cfg.prefetch;
     o.trace = trace.enabled() ? &trace : nullptr;
     o.norm_group = &comms["tp"];
     // A parameter whole on every tp rank counts in the norm on tp rank 0.
@@ -263,6 +264,7 @@ class ChainEngine : public CpuEngine {
   // where every rank holds everything, the same split shares the writing); a tensor whole on every
   // tp rank is written by tp rank 0.
   CheckpointPart checkpoint_part() override {
+    model_.release_activations();  // the write's buffers take their place, not add to them
     CheckpointPart out;
     out.optimizer_steps = ddp_.optimizer_steps();
     const parallel::DataParallel::LocalState st = ddp_.local_state();

@@ -153,13 +153,15 @@ TEST(TrainConfig, TomlRoundTrip) {
   c.pp = 3;
   c.n_layer = 8;
   c.stage_layers = {3, 1, 4};
+  c.prefetch = false;
   TmpFile f(config_to_toml(c));
   TrainConfig d = load_config(f.path, {});
   EXPECT_EQ(config_to_toml(c), config_to_toml(d));
   EXPECT_EQ(d.out_dir, c.out_dir);
   EXPECT_FALSE(d.cuda_graph);
   EXPECT_EQ(d.stage_layers, (std::vector<int64_t>{3, 1, 4}));
-  EXPECT_EQ(config_fields().size(), 55u);
+  EXPECT_FALSE(d.prefetch);
+  EXPECT_EQ(config_fields().size(), 56u);
 }
 
 // The README's config reference has a row for every field with its type, default and help, as

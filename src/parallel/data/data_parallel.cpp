@@ -422,8 +422,9 @@ void DataParallel::gather_block(int64_t c, const char* phase, bool backward) {
              max_use_);
   // The two buffers of U elements, allocated once (a buffer per block and step would be mapped and
   // unmapped hundreds of times a step).
-  for (Tensor& t : block_buf_)
-    if (!t.defined()) t = Tensor::empty({std::max<int64_t>(max_use_, 1)}, DType::f32, MemTag::params, gpt_.pool());
+  for (int k = 0; k < (o_.prefetch ? 2 : 1); ++k)
+    if (!block_buf_[k].defined())
+      block_buf_[k] = Tensor::empty({std::max<int64_t>(max_use_, 1)}, DType::f32, MemTag::params, gpt_.pool());
   auto t0 = Trace::Clock::now();
   if (prefetch_block_ >= 0) {  // the prefetch in flight: this block's, or one this order skipped
     worker_->wait(prefetch_ticket_);
@@ -434,7 +435,7 @@ void DataParallel::gather_block(int64_t c, const char* phase, bool backward) {
   for (int k = 0; k < 2; ++k)
     if (held_[k] == c) buf = k;
   if (buf < 0) {  // not at hand: gathered now, into the buffer the last block did not use
-    buf = held_[0] == -1 ? 0 : (held_[1] == -1 ? 1 : 1 - cur_buf_);
+    buf = !o_.prefetch ? 0 : held_[0] == -1 ? 0 : (held_[1] == -1 ? 1 : 1 - cur_buf_);
     held_[buf] = -1;
     gather_into(c, buf, comm_);
     held_[buf] = c;
@@ -455,7 +456,7 @@ void DataParallel::gather_block(int64_t c, const char* phase, bool backward) {
   // The next block of this direction, into the other buffer, on the communication thread.
   const int64_t next = backward ? c - 1 : c + 1;
   const int64_t nchain = int64_t(runs_.size());
-  if (next >= 0 && next < nchain) {
+  if (o_.prefetch && next >= 0 && next < nchain) {
     const int other = 1 - buf;
     if (held_[other] != next) {
       held_[other] = -1;

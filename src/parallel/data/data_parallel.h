@@ -18,6 +18,7 @@
 //   stage 1: params P_N,            grads P_N,                 optimizer 2 P_S
 //   stage 2: params P_N,            grads P_S + 4 G,           optimizer 2 P_S
 //   stage 3: params P_S + 8 U,      grads P_S + 4 G,           optimizer 2 P_S
+//            (P_S + 4 U without prefetch: DataParallelOptions::prefetch = false)
 // where G = bucket_peak_elements() (the arena the buckets live in, see below) and
 // U = max over chain blocks of the flat elements the block gathers (its own parameters, plus wte
 // for a tied head, each with its alignment to 16 elements): one all-gather per contiguous range,
@@ -77,6 +78,7 @@ struct DataParallelOptions {
   MemoryPool* host_pool = nullptr;    // required with offload
   int64_t bucket_bytes = 25 << 20;    // gradient bucket size (at least one chain block each)
   bool overlap = true;                // reductions on the communication thread during backward
+  bool prefetch = true;               // stage 3: the next block's gather during the current one
   Trace* trace = nullptr;             // events of this rank (nullptr: none)
   // Model parallelism (see above): the tp group of this rank (null: none), and per parameter in
   // GPT::parameters() order whether it counts in the norm here (empty: all).

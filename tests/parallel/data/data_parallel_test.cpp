@@ -89,7 +89,8 @@ struct MemPeaks {
 };
 
 // One rank's training: samples [r B/dp, (r+1) B/dp) of each step, in `accum` micro-batches.
-RunResult train_rank(comm::Comm& c, int zero, bool offload, int64_t accum, int64_t bucket_bytes, MemPeaks* mem) {
+RunResult train_rank(comm::Comm& c, int zero, bool offload, int64_t accum, int64_t bucket_bytes, MemPeaks* mem,
+                     bool prefetch = true) {
   const int dp = c.size();
   MemoryPool pool(fmt::format("cpu:{}", c.rank())), host(fmt::format("host:{}", c.rank()));
   model::GPT gpt(tiny(), pool, 1234);
@@ -98,6 +99,7 @@ RunResult train_rank(comm::Comm& c, int zero, bool offload, int64_t accum, int64
   o.offload = offload;
   o.host_pool = &host;
   o.bucket_bytes = bucket_bytes;
+  o.prefetch = prefetch;
   parallel::DataParallel ddp(gpt, c, adam_cfg(), o);
   const int64_t local = kB / dp, mb = local / accum, V = tiny().vocab_size;
   Tensor x = Tensor::empty({mb, kT}, DType::i32, MemTag::workspace, pool);
@@ -142,13 +144,14 @@ RunResult train_rank(comm::Comm& c, int zero, bool offload, int64_t accum, int64
 }
 
 std::vector<RunResult> run_dp(int dp, int zero, bool offload, int64_t accum, int64_t bucket_bytes,
-                              std::vector<MemPeaks>* mem = nullptr) {
+                              std::vector<MemPeaks>* mem = nullptr, bool prefetch = true) {
   std::vector<RunResult> out(static_cast<size_t>(dp));
   if (mem) mem->assign(size_t(dp), {});
   comm::RunOptions ro;
   ro.comm.timeout = std::chrono::milliseconds(60'000);
   comm::run_ranks(dp, [&](comm::Comm& c) {
-    out[size_t(c.rank())] = train_rank(c, zero, offload, accum, bucket_bytes, mem ? &(*mem)[size_t(c.rank())] : nullptr);
+    out[size_t(c.rank())] =
+        train_rank(c, zero, offload, accum, bucket_bytes, mem ? &(*mem)[size_t(c.rank())] : nullptr, prefetch);
   }, ro);
   return out;
 }
@@ -259,6 +262,20 @@ TEST(DataParallel, PeakMemoryEqualsZeroFormulas) {
         EXPECT_EQ(m.host_grads, offload ? 4 * P : 0) << what;
       }
     }
+}
+
+// ZeRO-3's prefetch (the next block gathered while the current computes, into a second buffer of
+// U elements) changes when weights arrive, not what is computed: the same parameters to the bit,
+// and one buffer less without it.
+TEST(DataParallel, ZeroThreePrefetchChangesNothingButOneBuffer) {
+  omp_set_num_threads(1);
+  std::vector<MemPeaks> with, without;
+  const auto a = run_dp(4, 3, false, 2, 1, &with, true);
+  const auto b = run_dp(4, 3, false, 2, 1, &without, false);
+  for (size_t r = 0; r < a.size(); ++r) {
+    EXPECT_EQ(a[r].params, b[r].params) << "rank " << r;
+    EXPECT_EQ(with[r].params - without[r].params, 4 * with[r].U) << "rank " << r;
+  }
 }
 
 TEST(DataParallel, RankThatThrowsStopsEveryRankWithItsNumber) {
