@@ -30,11 +30,12 @@ Cluster builtin(const std::string& name) {
     c.per_node = 8;
     c.intra = {450e9, 5e-6};
     c.inter = {50e9, 10e-6};
-  } else if (name == "h200") {
-    c.device = {"H200", 989e12, 67e12, 0.5, 0, 141e9, 4.8e12};
-    c.per_node = 8;
-    c.intra = {450e9, 5e-6};
-    c.inter = {50e9, 10e-6};
+  } else if (name == "h200") {  // an H100 SXM's compute and links with more, faster memory
+    c = builtin("h100-sxm");
+    c.name = name;
+    c.device.name = "H200";
+    c.device.memory = 141e9;
+    c.device.memory_bw = 4.8e12;
   } else if (name == "cpu") {
     // A modest host's defaults; `loom calibrate` replaces them with measured ones.
     c.device = {"cpu", 100e9, 100e9, 0.6, 0, 16e9, 20e9};
