@@ -725,8 +725,9 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   if (res.checkpoints > 0) {
     int64_t bytes = 0;
     for (const TensorInfo& t : ckpt_tensors) bytes += shape_numel(t.shape) * int64_t(sizeof(float));
-    say(fmt::format("checkpoints: {} written by {} rank{} in parallel, the last ({}) in {:.2f} s", res.checkpoints,
-                    ranks, ranks > 1 ? "s" : "", format_bytes(bytes), res.last_checkpoint_s));
+    say(fmt::format("checkpoints: {} written{}, the last ({}) in {:.2f} s", res.checkpoints,
+                    ranks > 1 ? fmt::format(" by {} ranks in parallel", ranks) : "", format_bytes(bytes),
+                    res.last_checkpoint_s));
   }
   res.last_sample = sample(cfg.steps);
   if (!res.last_sample.empty()) say(fmt::format("--- sample ---\n{}\n---", res.last_sample));
