@@ -1,9 +1,17 @@
 #include "core/tensor.h"
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
 namespace loom {
+
+int64_t first_nonfinite(const float* v, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    if (!std::isfinite(v[i])) return i;
+  return -1;
+}
+
 
 int64_t shape_numel(const Shape& s) {
   int64_t n = 1;

@@ -16,6 +16,8 @@ namespace loom {
 using Shape = std::vector<int64_t>;
 int64_t shape_numel(const Shape& s);
 std::string shape_str(const Shape& s);
+// The index of the first element of v[0, n) that is NaN or infinite, or -1 when all are finite.
+int64_t first_nonfinite(const float* v, int64_t n);
 
 class Storage {
  public:

@@ -14,7 +14,6 @@ namespace loom::model {
 namespace {
 constexpr int64_t I = sizeof(int32_t);
 
-const char* at(const Tensor& t, int64_t elems) { return static_cast<const char*>(t.raw()) + elems * int64_t(dtype_size(t.dtype())); }
 char* at(Tensor& t, int64_t elems) { return static_cast<char*>(t.raw()) + elems * int64_t(dtype_size(t.dtype())); }
 }  // namespace
 
@@ -320,7 +319,6 @@ void TransformerBlock::forward(const void* x, int64_t B, int64_t T, const KVStep
   ChainParallel& P = *par_;
   LOOM_CHECK(!kv || P.single(), "{}: cached decoding runs on one device (tp = cp = 1)", name());
   const int64_t C = cfg_.n_embd, Cl = C / P.tp(), N = P.rows(B, T), Ns = P.own_rows(B, T);
-  const size_t es = esize();
   allocate(B, T, /*probs=*/kv == nullptr);
   be_->layernorm_forward({.dtype = dt_, .out = a_.ln1.raw(), .mean = a_.ln1_mean.f32(), .rstd = a_.ln1_rstd.f32(),
                           .inp = x, .weight = w(LN1_W), .bias = w(LN1_B), .N = Ns, .C = C, .eps = cfg_.ln_eps});

@@ -1,6 +1,7 @@
 #include "model/parallel.h"
 
 #include <algorithm>
+#include <numeric>
 #include <vector>
 
 #include "core/error.h"
@@ -36,6 +37,31 @@ void ChainParallel::check(const GPTConfig& cfg, const std::string& where) const 
 
 void ChainParallel::check_sequence(int64_t T, const std::string& where) const {
   parallel::cp::check_sequence(T, cp_, where.c_str());
+}
+
+int64_t ChainParallel::sequence_unit() const {
+  return std::lcm<int64_t>(cp_ > 1 ? 2 * cp_ : 1, sp_active() ? tp_ : 1);
+}
+
+std::vector<float> ChainParallel::logits_row(const float* logits, int64_t T, int64_t position,
+                                             const GPTConfig& cfg) const {
+  check_sequence(T, "logits_row");
+  LOOM_CHECK(position >= 0 && position < T, "logits_row: position {} outside a sequence of {}", position, T);
+  const int64_t Vr = vocab_rows(cfg);
+  int owner = 0;
+  int64_t local = position;
+  if (cp_ > 1)
+    for (int r = 0; r < cp_; ++r)
+      for (int64_t t = 0; t < T / cp_; ++t)
+        if (parallel::cp::global_position(t, T, cp_, r) == position) owner = r, local = t;
+  std::vector<float> mine(static_cast<size_t>(Vr));
+  if (cpr_ == owner) std::copy_n(logits + local * Vr, Vr, mine.begin());
+  if (comm::Comm* g = cp_group()) g->broadcast(mine.data(), Vr, DType::f32, owner);
+  comm::Comm* tp = tp_group();
+  if (!tp) return mine;
+  std::vector<float> row(static_cast<size_t>(Vr * tp_));
+  tp->all_gather(mine.data(), row.data(), int64_t(row.size()), DType::f32);
+  return row;
 }
 
 int64_t ChainParallel::vocab_rows(const GPTConfig& cfg) const {

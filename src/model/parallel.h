@@ -69,6 +69,14 @@ class ChainParallel {
   // rank's first.
   int64_t vocab_rows(const GPTConfig& cfg) const;
   int64_t vocab_begin(const GPTConfig& cfg) const { return int64_t(tpr_) * vocab_rows(cfg); }
+  // Sampling. The length a sequence must be a multiple of here (2 cp under cp, tp under sp, their
+  // least common multiple under both; 1 on one device).
+  int64_t sequence_unit() const;
+  // From this rank's logits [T / cp, vocab_rows] of one sequence of T tokens: the whole padded
+  // row of `position`, on every rank (the cp rank holding the position sends its row, the tp
+  // ranks' vocabulary columns are gathered). Collective over the cp and tp groups.
+  std::vector<float> logits_row(const float* logits, int64_t T, int64_t position, const GPTConfig& cfg) const;
+
   // Token rows of a micro-batch [B, T] (T global) on this rank: B T / cp; and the rows of the
   // residual stream it holds: all of them, or its share under sp.
   int64_t rows(int64_t B, int64_t T) const { return B * (T / cp_); }

@@ -88,32 +88,26 @@ std::vector<ShardSegment> Parameter::segments() const {
 
 void Parameter::initialise(uint64_t seed, Backend* be) {
   LOOM_CHECK(value.defined(), "parameter '{}' is not allocated", spec.name);
-  const ParamSpec full = global();
-  // A part of the full tensor draws exactly its elements; the rest (a vocabulary split's padding)
-  // stays zero.
-  auto fill = [&](float* dst) {
-    for (const ShardSegment& s : segments()) init_values(full, seed, dst + s.local, s.global, s.n);
-  };
   if (value.device() == Device::cpu) {
-    value_full.zero_();
-    fill(value.f32());
+    initialise_part(seed, 0, value_full.numel(), value_full.f32());
     if (be) refresh_compute(*be);
     return;
   }
   LOOM_CHECK(be != nullptr, "parameter '{}': initialising device memory needs its backend", spec.name);
-  std::vector<float> host(size_t(value_full.numel()), 0.0f);
-  fill(host.data());
+  std::vector<float> host(size_t(value_full.numel()));
+  initialise_part(seed, 0, int64_t(host.size()), host.data());
   be->upload(value_full.raw(), DType::f32, host.data(), int64_t(host.size()));
   refresh_compute(*be);
 }
 
 void Parameter::initialise_part(uint64_t seed, int64_t begin, int64_t n, float* dst) const {
+  // A part of the full tensor draws exactly its elements; the rest (a vocabulary split's padding)
+  // stays zero.
   std::fill(dst, dst + n, 0.0f);
   const ParamSpec full = global();
-  for (const ShardSegment& s : segments()) {
-    const int64_t lo = std::max(begin, s.local), hi = std::min(begin + n, s.local + s.n);
-    if (lo < hi) init_values(full, seed, dst + (lo - begin), s.global + (lo - s.local), hi - lo);
-  }
+  for_each_global(begin, begin + n, [&](int64_t g, int64_t k, int64_t local) {
+    init_values(full, seed, dst + (local - begin), g, k);
+  });
 }
 
 void Parameter::refresh_compute(Backend& be) {

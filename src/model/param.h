@@ -2,6 +2,7 @@
 // model allocated for it. Initialisation is a pure function of (seed, name, global element index),
 // so a later sharded layout can initialise exactly its shard of the same full tensor.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -81,6 +82,16 @@ struct Parameter {
   ParamSpec global() const;
   // This tensor's segments of the full one ({0, 0, numel} when it is the whole tensor).
   std::vector<ShardSegment> segments() const;
+  // Calls f(global, n, local) for each run of this tensor's elements [begin, end) (local indices)
+  // that lies in the full tensor, starting at the full tensor's element `global` (a vocabulary
+  // split's padding lies nowhere).
+  template <class F>
+  void for_each_global(int64_t begin, int64_t end, F&& f) const {
+    for (const ShardSegment& s : segments()) {
+      const int64_t lo = std::max(begin, s.local), hi = std::min(end, s.local + s.n);
+      if (lo < hi) f(s.global + (lo - s.local), hi - lo, lo);
+    }
+  }
 };
 
 // Fills out[0, n) with the initial values of global elements [first, first + n) of spec.

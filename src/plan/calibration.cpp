@@ -81,24 +81,12 @@ nlohmann::json read_cache() {
   }
 }
 
-// The best sustained rate of C[M, N] = A[M, K] B[K, N]: rounds of calls, each round at least
-// `seconds` / 4, until two rounds agree within 2% (at most 8).
+// The best sustained rate of C[M, N] = A[M, K] B[K, N] (the kernel's own measurement, in rounds
+// of at least `seconds` / 4), once two rounds agree within 2% (at most 8).
 double gemm_rate(int64_t M, int64_t N, int64_t K, double seconds) {
-  std::vector<float> a(size_t(M * K)), b(size_t(K * N)), c(size_t(M * N));
-  for (size_t i = 0; i < a.size(); ++i) a[i] = float(int(i % 97) - 48) * (1.f / 64.f);
-  for (size_t i = 0; i < b.size(); ++i) b[i] = float(int(i % 89) - 44) * (1.f / 64.f);
-  const double flops = 2.0 * double(M) * double(N) * double(K);
-  auto call = [&] { cpu::gemm(false, false, M, N, K, 1.f, a.data(), K, b.data(), N, 0.f, c.data(), N); };
-  call();  // warm-up
   double best = 0, last = 0;
   for (int round = 0; round < 8; ++round) {
-    int calls = 0;
-    const auto t0 = Clock::now();
-    do {
-      call();
-      ++calls;
-    } while (since(t0) < seconds / 4);
-    const double rate = flops * calls / since(t0);
+    const double rate = cpu::measure_gemm_gflops(M, N, K, seconds / 4) * 1e9;
     best = std::max(best, rate);
     if (round > 0 && std::abs(rate - last) <= 0.02 * std::max(rate, last)) break;
     last = rate;

@@ -83,24 +83,17 @@ Bytes bytes_of(Precision p) {
   return {2, 2, 12, 2};
 }
 
-// Parameters one device of a stage holds: the stage's layers (tensor-parallel matrices split, norms
-// whole), plus the embedding on the first stage and the head on the last (a tied head's copy of
-// wte where the pipeline has more than one stage).
-struct StageParams {
-  double first = 0, last = 0;
-  double max() const { return std::max(first, last); }
-};
-
-StageParams stage_params(const ModelSpec& m, const Layout& L, double layers_per_stage) {
+// Parameters one device of the larger of the first and last stage holds: the stage's layers
+// (tensor-parallel matrices split, norms whole), plus the embedding on the first stage and the
+// head on the last (a tied head's copy of wte where the pipeline has more than one stage).
+double stage_params(const ModelSpec& m, const Layout& L, double layers_per_stage) {
   const double norms = double(m.bias ? 2 * m.hidden : m.hidden);
   const double layer = (double(m.layer_params()) - 2 * norms) / L.tp + 2 * norms;
   const double wte = double(m.vocab * m.hidden) / L.tp;
   const double emb = wte + (m.learned_positions ? double(m.seq * m.hidden) : 0.0);
   const double head = norms + (m.tied ? (L.pp > 1 ? wte : 0.0) : wte);
-  StageParams s;
-  s.first = layers_per_stage * layer + emb + (L.pp == 1 ? head : 0.0);
-  s.last = L.pp == 1 ? s.first : layers_per_stage * layer + head;
-  return s;
+  if (L.pp == 1) return layers_per_stage * layer + emb + head;
+  return layers_per_stage * layer + std::max(emb, head);
 }
 
 // Saved activation bytes of one layer for one micro-batch on one device.
@@ -158,10 +151,10 @@ std::string invalid(const Job& job, const Layout& L) {
 
 }  // namespace
 
-double model_state_bytes(double params, Precision precision, int zero, int shards) {
+ModelState model_state(double params, Precision precision, int zero, int shards) {
   const Bytes B = bytes_of(precision);
-  return params * (B.weight / (zero >= 3 ? shards : 1) + B.grad / (zero >= 2 ? shards : 1) +
-                   B.optimizer / (zero >= 1 ? shards : 1));
+  return {params * B.weight / (zero >= 3 ? shards : 1), params * B.grad / (zero >= 2 ? shards : 1),
+          params * B.optimizer / (zero >= 1 ? shards : 1)};
 }
 
 Estimate estimate(const Job& job, const Layout& L, bool simulate) {
@@ -178,11 +171,11 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   const int shard = L.dp * L.cp;               // ZeRO shards over the data-parallel group (x cp)
 
   // Memory.
-  const StageParams sp = stage_params(m, L, lps);
-  const double P = sp.max();
-  e.memory["params"] = P * B.weight / (L.zero >= 3 ? shard : 1);
-  e.memory["grads"] = P * B.grad / (L.zero >= 2 ? shard : 1);
-  e.memory["optimizer"] = P * B.optimizer / (L.zero >= 1 ? shard : 1);
+  const double P = stage_params(m, L, lps);
+  const ModelState state = model_state(P, job.precision, L.zero, shard);
+  e.memory["params"] = state.params;
+  e.memory["grads"] = state.grads;
+  e.memory["optimizer"] = state.optimizer;
 
   // Pipeline: per-chunk durations, then the schedule's makespan and in-flight chunks.
   const double tokens = double(L.mbs) * double(m.seq) / L.cp;

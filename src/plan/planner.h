@@ -86,9 +86,13 @@ struct Estimate {
   double peak_in_flight = 0;   // micro-batch chunks the busiest stage keeps
 };
 
-// Model-state bytes per device (weights, gradients, optimizer state) of `params` parameters
-// under ZeRO stage `zero` over `shards` data-parallel ranks.
-double model_state_bytes(double params, Precision precision, int zero, int shards);
+// Model-state bytes per device of `params` parameters under ZeRO stage `zero` over `shards`
+// data-parallel ranks, by tag.
+struct ModelState {
+  double params = 0, grads = 0, optimizer = 0;
+  double total() const { return params + grads + optimizer; }
+};
+ModelState model_state(double params, Precision precision, int zero, int shards);
 
 // The estimate of one layout (invalid ones come back with fits = false and why_not). With
 // `simulate`, the pipeline's makespan and in-flight count come from the schedule's instruction

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <set>
 
 #include <cmath>
@@ -69,6 +70,15 @@ int64_t step_of_name(const std::string& name) {
   return std::stoll(name.substr(5));
 }
 
+// A parameter's values v[0, n), elements [first, first + n) of its full tensor, must be finite:
+// throws naming the file, the parameter and the first bad index (other tensors pass).
+void check_finite(const std::string& file, const std::string& name, const float* v, int64_t n, int64_t first) {
+  if (name.rfind("param/", 0) != 0) return;
+  const int64_t i = first_nonfinite(v, n);
+  LOOM_CHECK(i < 0, "{}: parameter '{}' holds {} at index {} (weights must be finite)", file, name.substr(6), v[i],
+             first + i);
+}
+
 // Checks the bytes of one tensor of checkpoint file `file` against the manifest's checksum, and a
 // parameter's values for finiteness.
 void check_tensor(const std::string& file, const std::string& name, const void* data, size_t bytes, DType dtype,
@@ -80,18 +90,8 @@ void check_tensor(const std::string& file, const std::string& name, const void* 
     LOOM_CHECK(crc == it->second, "{}: tensor '{}' is corrupt: its bytes have checksum {} but the manifest says {}",
                file, name, crc, it->second);
   }
-  if (name.rfind("param/", 0) == 0 && dtype == DType::f32) {
-    const float* v = static_cast<const float*>(data);
-    for (size_t i = 0; i < bytes / sizeof(float); ++i)
-      LOOM_CHECK(std::isfinite(v[i]), "{}: parameter '{}' holds {} at index {} (weights must be finite)", file,
-                 name.substr(6), v[i], i);
-  }
+  if (dtype == DType::f32) check_finite(file, name, static_cast<const float*>(data), int64_t(bytes / sizeof(float)), 0);
 }
-
-}  // namespace
-
-
-namespace {
 
 std::string rank_file(int r) { return fmt::format("rank_{:05d}.safetensors", r); }
 std::string rank_index(int r) { return fmt::format("rank_{:05d}.json", r); }
@@ -136,6 +136,22 @@ RankIndex parse_index(const std::string& path, const std::string& text) {
   return idx;
 }
 
+// The CRC-32 of tensor `name` of data file f, read in pieces of at most 4 MiB (no copy of the
+// tensor is held); `each` (when given) sees every piece's values and the element they start at.
+uint32_t scan_stored(const SafetensorsReader& f, const std::string& name,
+                     const std::function<void(const float* v, int64_t n, int64_t at)>& each = {}) {
+  const SafetensorsEntry& e = f.entry(name);
+  std::vector<float> buf(std::min<uint64_t>(e.nbytes() / sizeof(float), uint64_t(1) << 20));
+  uint32_t crc = 0;
+  for (uint64_t at = 0; at < e.nbytes(); at += buf.size() * sizeof(float)) {
+    const size_t n = size_t(std::min<uint64_t>(buf.size() * sizeof(float), e.nbytes() - at));
+    f.read_range(name, at, buf.data(), n);
+    crc = data::crc32(buf.data(), n, crc);
+    if (each) each(buf.data(), int64_t(n / sizeof(float)), int64_t(at / sizeof(float)));
+  }
+  return crc;
+}
+
 // Writes rank r's part into directory tmp: its data file (fsynced), then its index (durably),
 // then reads the data back against the index. Returns the index's CRC-32.
 uint32_t write_part(const std::string& tmp, int r, int64_t step, const std::vector<TensorInfo>& tensors,
@@ -151,11 +167,9 @@ uint32_t write_part(const std::string& tmp, int r, int64_t step, const std::vect
     LOOM_CHECK(s.n > 0 && s.global >= 0 && s.global + s.n <= shape_numel(it->second->shape) && s.data,
                "checkpoint of step {}: rank {}'s slice [{}, {}) of '{}' is not inside its {} elements", step, r,
                s.global, s.global + s.n, s.name, shape_numel(it->second->shape));
-    if (s.name.rfind("param/", 0) == 0)
-      for (int64_t i = 0; i < s.n; ++i)
-        if (!std::isfinite(s.data[i]))
-          throw Error(fmt::format("not writing the checkpoint of step {}: parameter '{}' holds {} at index {}", step,
-                                  s.name.substr(6), s.data[i], s.global + i));
+    if (const int64_t i = s.name.rfind("param/", 0) == 0 ? first_nonfinite(s.data, s.n) : -1; i >= 0)
+      throw Error(fmt::format("not writing the checkpoint of step {}: parameter '{}' holds {} at index {}", step,
+                              s.name.substr(6), s.data[i], s.global + i));
     by_name[s.name].push_back(&s);
   }
   SafetensorsWriter w;
@@ -197,20 +211,10 @@ uint32_t write_part(const std::string& tmp, int r, int64_t step, const std::vect
                                           {"tensors", index}}
                                .dump(1) + "\n";
   write_text_durably((fs::path(tmp) / rank_index(r)).string(), text);
-  // Read back what was written before anything depends on it (in pieces of at most 4 MiB: the
-  // check holds no copy of a tensor).
+  // Read back what was written before anything depends on it.
   SafetensorsReader back(data_path);
-  std::vector<char> buf(size_t(4) << 20);
-  for (const auto& [name, x] : parse_index(rank_index(r), text)) {
-    const SafetensorsEntry& e = back.entry(name);
-    uint32_t crc = 0;
-    for (uint64_t at = 0; at < e.nbytes(); at += buf.size()) {
-      const size_t n = size_t(std::min<uint64_t>(buf.size(), e.nbytes() - at));
-      back.read_range(name, at, buf.data(), n);
-      crc = data::crc32(buf.data(), n, crc);
-    }
-    LOOM_CHECK(crc == x.crc, "{}: tensor '{}' does not read back as written", data_path, name);
-  }
+  for (const auto& [name, x] : parse_index(rank_index(r), text))
+    LOOM_CHECK(scan_stored(back, name) == x.crc, "{}: tensor '{}' does not read back as written", data_path, name);
   return data::crc32(text.data(), text.size());
 }
 
@@ -256,7 +260,8 @@ std::string manifest_text(const CheckpointMeta& meta) {
   for (const TensorInfo& t : meta.tensors) tensors.push_back({{"name", t.name}, {"shape", t.shape}});
   m["tensors"] = tensors;
   nlohmann::json shards = nlohmann::json::array();
-  for (const auto& [file, crc] : meta.shards) shards.push_back({{"index", file}, {"crc32", crc}});
+  for (size_t r = 0; r < meta.index_crcs.size(); ++r)
+    shards.push_back({{"index", rank_index(int(r))}, {"crc32", meta.index_crcs[r]}});
   m["shards"] = shards;
   return m.dump(2) + "\n";
 }
@@ -266,15 +271,14 @@ std::string manifest_text(const CheckpointMeta& meta) {
 std::string commit(const std::string& dir, const std::string& tmp, CheckpointMeta meta,
                    const std::vector<TensorInfo>& tensors, const std::vector<uint32_t>& index_crcs, int64_t keep) {
   std::vector<RankIndex> indices;
-  meta.shards.clear();
   for (size_t r = 0; r < index_crcs.size(); ++r) {
     const std::string path = (fs::path(tmp) / rank_index(int(r))).string();
     const std::string text = read_file(path);
     LOOM_CHECK(data::crc32(text.data(), text.size()) == index_crcs[r], "{}: changed after rank {} wrote it", path, r);
     indices.push_back(parse_index(path, text));
-    meta.shards.emplace_back(rank_index(int(r)), index_crcs[r]);
   }
   check_cover(tmp, tensors, indices);
+  meta.index_crcs = index_crcs;
   meta.tensors = tensors;
   const std::string manifest = manifest_text(meta);
   write_text_durably((fs::path(tmp) / "manifest.json").string(), manifest);
@@ -310,70 +314,64 @@ std::string failure(const std::string& dir, int64_t step, const std::string& why
                      why);
 }
 
-// Collective over c: rank `from`'s text `mine` on every rank (at most 4000 characters).
-std::string share_text(comm::Comm& c, int from, const std::string& mine) {
-  int32_t n = c.rank() == from ? int32_t(std::min<size_t>(mine.size(), 4000)) : 0;
-  c.broadcast(&n, 1, DType::i32, from);
-  std::vector<int32_t> chars(static_cast<size_t>(n));
-  if (c.rank() == from)
-    for (size_t i = 0; i < chars.size(); ++i) chars[i] = int32_t(static_cast<unsigned char>(mine[i]));
-  c.broadcast(chars.data(), n, DType::i32, from);
-  return std::string(chars.begin(), chars.end());
+// Collective over c: the lowest rank whose `why` is not empty and its `why` (at most 4000
+// characters), on every rank; {-1, ""} when every rank's is empty.
+std::pair<int, std::string> first_failure(comm::Comm& c, const std::string& why) {
+  const int n = c.size();
+  std::vector<int32_t> lengths(static_cast<size_t>(n));
+  const int32_t mine = int32_t(std::min<size_t>(why.size(), 4000));
+  c.all_gather(&mine, lengths.data(), n, DType::i32);
+  int who = 0;
+  while (who < n && lengths[size_t(who)] == 0) ++who;
+  if (who == n) return {-1, ""};
+  std::vector<int32_t> chars(static_cast<size_t>(lengths[size_t(who)]));
+  if (c.rank() == who)
+    for (size_t i = 0; i < chars.size(); ++i) chars[i] = int32_t(static_cast<unsigned char>(why[i]));
+  c.broadcast(chars.data(), int64_t(chars.size()), DType::i32, who);
+  return {who, std::string(chars.begin(), chars.end())};
+}
+
+// DIR/.tmp_ckpt_<step>, made empty.
+std::string prepare_tmp(const std::string& dir, int64_t step) {
+  const std::string tmp = (fs::path(dir) / (".tmp_" + ckpt_name(step))).string();
+  fs::create_directories(dir);
+  fs::remove_all(tmp);
+  fs::create_directories(tmp);
+  return tmp;
 }
 
 }  // namespace
 
 std::string save_checkpoint(comm::Comm& world, const std::string& dir, const CheckpointMeta& meta,
                             const std::vector<TensorInfo>& tensors, const std::vector<Slice>& mine, int64_t keep) {
-  const int r = world.rank(), n = world.size();
+  const int r = world.rank();
   const std::string tmp = (fs::path(dir) / (".tmp_" + ckpt_name(meta.step))).string();
+  // Rank 0 prepares the temporary directory; every rank writes its part; at each point every rank
+  // learns whether a rank failed and what it found, and every rank throws naming it.
   std::string why;
-  // Rank 0 prepares the temporary directory; every rank learns whether it could.
-  uint32_t ok = 1;
-  if (r == 0) {
+  auto attempt = [&](auto&& fn) {
     try {
-      fs::create_directories(dir);
-      fs::remove_all(tmp);
-      fs::create_directories(tmp);
+      fn();
     } catch (const std::exception& e) {
-      ok = 0;
       why = e.what();
     }
-  }
-  world.broadcast(&ok, 1, DType::u32, 0);
-  if (!ok) throw Error(failure(dir, meta.step, r == 0 ? why : "rank 0 could not create its directory"));
-  // Every rank writes its part; then all learn who failed and what each index's checksum is.
-  uint32_t mine_state[2] = {1, 0};
-  try {
-    mine_state[1] = write_part(tmp, r, meta.step, tensors, mine);
-  } catch (const std::exception& e) {
-    mine_state[0] = 0;
-    why = e.what();
-  }
-  std::vector<uint32_t> states(2 * size_t(n));
-  world.all_gather(mine_state, states.data(), 2 * int64_t(n), DType::u32);
-  int failed = -1;
-  for (int k = 0; k < n && failed < 0; ++k)
-    if (!states[2 * size_t(k)]) failed = k;
-  std::string path;
-  if (failed < 0 && r == 0) {
-    std::vector<uint32_t> crcs(static_cast<size_t>(n));
-    for (int k = 0; k < n; ++k) crcs[size_t(k)] = states[2 * size_t(k) + 1];
-    try {
-      path = commit(dir, tmp, meta, tensors, crcs, keep);
-    } catch (const std::exception& e) {
-      ok = 0;
-      why = e.what();
-    }
-  }
-  if (failed >= 0 || !ok) {
+  };
+  auto check = [&] {
+    const auto [who, reason] = first_failure(world, why);
+    if (who < 0) return;
     std::error_code ec;
     if (r == 0) fs::remove_all(tmp, ec);
-  }
-  if (failed < 0) world.broadcast(&ok, 1, DType::u32, 0);
-  if (failed >= 0)  // every rank says what the first rank that failed found
-    throw Error(failure(dir, meta.step, fmt::format("rank {}: {}", failed, share_text(world, failed, why))));
-  if (!ok) throw Error(failure(dir, meta.step, r == 0 ? why : "rank 0 could not commit it"));
+    throw Error(failure(dir, meta.step, fmt::format("rank {}: {}", who, reason)));
+  };
+  if (r == 0) attempt([&] { prepare_tmp(dir, meta.step); });
+  check();
+  uint32_t crc = 0;
+  attempt([&] { crc = write_part(tmp, r, meta.step, tensors, mine); });
+  check();
+  std::vector<uint32_t> crcs(static_cast<size_t>(world.size()));
+  world.all_gather(&crc, crcs.data(), world.size(), DType::u32);
+  if (r == 0) attempt([&] { commit(dir, tmp, meta, tensors, crcs, keep); });
+  check();
   return (fs::path(dir) / ckpt_name(meta.step)).string();
 }
 
@@ -387,22 +385,18 @@ std::string save_checkpoint(const std::string& dir, const CheckpointMeta& meta,
     infos.push_back({t.name, t.tensor.shape()});
     if (t.tensor.numel() > 0) slices.push_back({t.name, 0, t.tensor.numel(), t.tensor.f32()});
   }
-  const std::string tmp = (fs::path(dir) / (".tmp_" + ckpt_name(meta.step))).string();
+  std::string tmp;
   try {
-    fs::create_directories(dir);
-    fs::remove_all(tmp);
-    fs::create_directories(tmp);
-    const uint32_t crc = write_part(tmp, 0, meta.step, infos, slices);
-    return commit(dir, tmp, meta, infos, {crc}, keep);
+    tmp = prepare_tmp(dir, meta.step);
+    return commit(dir, tmp, meta, infos, {write_part(tmp, 0, meta.step, infos, slices)}, keep);
   } catch (const std::exception& e) {
     std::error_code ec;
-    fs::remove_all(tmp, ec);
+    if (!tmp.empty()) fs::remove_all(tmp, ec);
     throw Error(failure(dir, meta.step, e.what()));
   }
 }
 
 std::string latest_checkpoint(const std::string& dir) {
-  const auto complete = complete_checkpoint;
   fs::path p = fs::path(dir) / "latest";
   if (!fs::exists(p)) {
     // No pointer (deleted, or lost): the newest complete checkpoint, which is what `latest` names
@@ -412,7 +406,7 @@ std::string latest_checkpoint(const std::string& dir) {
     if (fs::is_directory(dir, ec))
       for (const auto& e : fs::directory_iterator(dir)) {
         const std::string n = e.path().filename().string();
-        if (e.is_directory() && n.rfind("ckpt_", 0) == 0 && complete(e.path()) && n > newest)
+        if (e.is_directory() && n.rfind("ckpt_", 0) == 0 && complete_checkpoint(e.path()) && n > newest)
           newest = n;
       }
     return newest.empty() ? "" : (fs::path(dir) / newest).string();
@@ -423,7 +417,7 @@ std::string latest_checkpoint(const std::string& dir) {
   LOOM_CHECK(name.rfind("ckpt_", 0) == 0 && name.find('/') == std::string::npos,
              "{}: does not name a checkpoint ('{}')", p.string(), name);
   fs::path c = fs::path(dir) / name;
-  LOOM_CHECK(complete(c), "{}: names {}, which is missing or incomplete", p.string(), c.string());
+  LOOM_CHECK(complete_checkpoint(c), "{}: names {}, which is missing or incomplete", p.string(), c.string());
   return c.string();
 }
 
@@ -502,7 +496,7 @@ CheckpointMeta read_checkpoint_meta(const std::string& ckpt) {
           !x["crc32"].is_number_unsigned() || x["crc32"].get<uint64_t>() > 0xffffffffull)
         throw Error(fmt::format("{}: shards[{}] must be {{\"index\": \"{}\", \"crc32\": <32-bit unsigned>}}", path, r,
                                 rank_index(int(r))));
-      meta.shards.emplace_back(rank_index(int(r)), uint32_t(x["crc32"].get<uint64_t>()));
+      meta.index_crcs.push_back(uint32_t(x["crc32"].get<uint64_t>()));
     }
   } else if (version >= 2) {
     const auto& sums = field("checksums");
@@ -548,18 +542,18 @@ struct CheckpointReader::Impl {
   std::vector<float> cache;
 
   Impl(const std::string& c, bool v) : ckpt(c), verify(v), meta(read_checkpoint_meta(c)) {
-    if (meta.shards.empty()) {
+    if (meta.index_crcs.empty()) {
       state = std::make_unique<SafetensorsReader>((fs::path(ckpt) / "state.safetensors").string());
       for (const SafetensorsEntry& e : state->entries()) shapes[e.name] = e.shape;
       return;
     }
     for (const TensorInfo& t : meta.tensors) shapes[t.name] = t.shape;
-    for (size_t r = 0; r < meta.shards.size(); ++r) {
-      const std::string path = (fs::path(ckpt) / meta.shards[r].first).string();
+    for (size_t r = 0; r < meta.index_crcs.size(); ++r) {
+      const std::string path = (fs::path(ckpt) / rank_index(int(r))).string();
       const std::string text = read_file(path);
       const uint32_t crc = data::crc32(text.data(), text.size());
-      LOOM_CHECK(crc == meta.shards[r].second, "{}: corrupt: its checksum is {} but the manifest says {}", path, crc,
-                 meta.shards[r].second);
+      LOOM_CHECK(crc == meta.index_crcs[r], "{}: corrupt: its checksum is {} but the manifest says {}", path, crc,
+                 meta.index_crcs[r]);
       indices.push_back(parse_index(path, text));
       files.push_back(std::make_unique<SafetensorsReader>((fs::path(ckpt) / rank_file(int(r))).string()));
       for (const auto& [name, x] : indices.back()) {
@@ -584,16 +578,46 @@ struct CheckpointReader::Impl {
     return it->second;
   }
 
-  // Checks data file f's tensor `name` against its checksum, once.
-  void check_stored(size_t f, const std::string& name) {
-    if (!verify || !checked.insert({f, name}).second) return;
-    const SafetensorsEntry& e = files[f]->entry(name);
-    std::vector<char> buf(std::max<size_t>(e.nbytes(), 1));
-    files[f]->read_range(name, 0, buf.data(), e.nbytes());
-    const uint32_t crc = data::crc32(buf.data(), e.nbytes());
-    LOOM_CHECK(crc == indices[f].at(name).crc,
-               "{}: tensor '{}' is corrupt: its bytes have checksum {} but {} says {}", files[f]->path(), name, crc,
-               rank_index(int(f)), indices[f].at(name).crc);
+  // Checks data file f's tensor `name` against its checksum (and, with `finite`, a parameter's
+  // values), once when reading.
+  void check_stored(size_t f, const std::string& name, bool finite = false) {
+    const IndexedTensor& x = indices[f].at(name);
+    // A value's element in the full tensor: the file holds the slices one after another.
+    auto global_of = [&](int64_t k) {
+      for (const auto& [g, n] : x.slices) {
+        if (k < n) return g + k;
+        k -= n;
+      }
+      return int64_t(-1);
+    };
+    const uint32_t crc = scan_stored(*files[f], name, [&](const float* v, int64_t n, int64_t at) {
+      if (!finite || name.rfind("param/", 0) != 0) return;
+      if (const int64_t i = first_nonfinite(v, n); i >= 0)
+        check_finite(files[f]->path(), name, v + i, 1, global_of(at + i));
+    });
+    LOOM_CHECK(crc == x.crc, "{}: tensor '{}' is corrupt: its bytes have checksum {} but {} says {}", files[f]->path(),
+               name, crc, rank_index(int(f)), x.crc);
+  }
+
+  // The verification of verify_checkpoint: version 3's cover, and the data files i with
+  // i % parts == part whole; versions 1 and 2, their one file.
+  void verify_all(int part, int parts) {
+    if (state) {  // versions 1 and 2: one file of full tensors, checked whole by part 0
+      for (const auto& [name, crc] : meta.checksums)
+        LOOM_CHECK(state->contains(name), "{}: tensor '{}' of the manifest is missing", state->path(), name);
+      if (part != 0) return;
+      std::vector<char> buf;
+      for (const SafetensorsEntry& e : state->entries()) {
+        buf.resize(std::max<size_t>(e.nbytes(), 1));
+        state->read_into(e.name, buf.data(), e.nbytes(), e.dtype, e.shape);
+        check_tensor(state->path(), e.name, buf.data(), e.nbytes(), e.dtype, meta);
+      }
+      return;
+    }
+    check_cover(ckpt, meta.tensors, indices);
+    for (size_t f = 0; f < files.size(); ++f)
+      if (int(f % size_t(std::max(parts, 1))) == part)
+        for (const auto& [name, x] : indices[f]) check_stored(f, name, /*finite=*/true);
   }
 
   void read(const std::string& name, int64_t global, int64_t n, float* dst) {
@@ -621,16 +645,13 @@ struct CheckpointReader::Impl {
     for (; at < global + n && it != v.end(); ++it) {
       LOOM_CHECK(it->global <= at, "{}: tensor '{}': element {} is in no rank's file", ckpt, name, at);
       const int64_t k = std::min(global + n, it->global + it->n) - at;
-      check_stored(it->file, name);
+      if (verify && checked.insert({it->file, name}).second) check_stored(it->file, name);
       files[it->file]->read_range(name, uint64_t(it->offset + (at - it->global)) * sizeof(float), dst + (at - global),
                                   size_t(k) * sizeof(float));
       at += k;
     }
     LOOM_CHECK(at == global + n, "{}: tensor '{}': element {} is in no rank's file", ckpt, name, at);
-    if (name.rfind("param/", 0) == 0)
-      for (int64_t i = 0; i < n; ++i)
-        LOOM_CHECK(std::isfinite(dst[i]), "{}: parameter '{}' holds {} at index {} (weights must be finite)", ckpt,
-                   name.substr(6), dst[i], global + i);
+    check_finite(ckpt, name, dst, n, global);
   }
 };
 
@@ -667,50 +688,8 @@ std::string run_marker(const std::string& dir) {
 }
 
 void verify_checkpoint(const std::string& ckpt, int part, int parts) {
-  const CheckpointMeta meta = read_checkpoint_meta(ckpt);
-  std::vector<char> buf;
-  if (meta.shards.empty()) {  // versions 1 and 2: one file of full tensors
-    const std::string file = (fs::path(ckpt) / "state.safetensors").string();
-    SafetensorsReader r(file);
-    for (const auto& [name, crc] : meta.checksums)
-      LOOM_CHECK(r.contains(name), "{}: tensor '{}' of the manifest is missing", file, name);
-    if (part != 0) return;
-    for (const SafetensorsEntry& e : r.entries()) {
-      const size_t bytes = size_t(shape_numel(e.shape)) * dtype_size(e.dtype);
-      buf.resize(std::max<size_t>(bytes, 1));
-      r.read_into(e.name, buf.data(), bytes, e.dtype, e.shape);
-      check_tensor(file, e.name, buf.data(), bytes, e.dtype, meta);
-    }
-    return;
-  }
-  CheckpointReader reader(ckpt, /*verify=*/false);  // every index against the manifest
-  std::vector<RankIndex> indices;
-  for (size_t r = 0; r < meta.shards.size(); ++r) {
-    const std::string path = (fs::path(ckpt) / meta.shards[r].first).string();
-    indices.push_back(parse_index(path, read_file(path)));
-  }
-  check_cover(ckpt, meta.tensors, indices);
-  for (size_t r = 0; r < indices.size(); ++r) {
-    if (int(r % size_t(std::max(parts, 1))) != part) continue;
-    const std::string file = (fs::path(ckpt) / rank_file(int(r))).string();
-    SafetensorsReader f(file);
-    for (const auto& [name, x] : indices[r]) {
-      const SafetensorsEntry& e = f.entry(name);
-      buf.resize(std::max<size_t>(e.nbytes(), 1));
-      f.read_range(name, 0, buf.data(), e.nbytes());
-      const uint32_t crc = data::crc32(buf.data(), e.nbytes());
-      LOOM_CHECK(crc == x.crc, "{}: tensor '{}' is corrupt: its bytes have checksum {} but {} says {}", file, name, crc,
-                 rank_index(int(r)), x.crc);
-      if (name.rfind("param/", 0) == 0) {
-        const float* v = reinterpret_cast<const float*>(buf.data());
-        int64_t i = 0;
-        for (const auto& [g, n] : x.slices)
-          for (int64_t k = 0; k < n; ++k, ++i)
-            LOOM_CHECK(std::isfinite(v[i]), "{}: parameter '{}' holds {} at index {} (weights must be finite)", file,
-                       name.substr(6), v[i], g + k);
-      }
-    }
-  }
+  CheckpointReader reader(ckpt, /*verify=*/false);  // the manifest, and every index against it
+  reader.impl_->verify_all(part, parts);
 }
 
 std::string resume_checkpoint(const std::string& dir, std::vector<std::string>* notes, comm::Comm* world) {
@@ -742,15 +721,7 @@ std::string resume_checkpoint(const std::string& dir, std::vector<std::string>* 
     } catch (const Error& e) {
       why = e.what();
     }
-    if (world && parts > 1) {  // the lowest rank that found a fault says what it was
-      std::vector<int32_t> bad(static_cast<size_t>(parts));
-      const int32_t mine = why.empty() ? 0 : int32_t(std::min<size_t>(why.size(), 4000));
-      world->all_gather(&mine, bad.data(), parts, DType::i32);
-      int who = -1;
-      for (int k = 0; k < parts && who < 0; ++k)
-        if (bad[size_t(k)]) who = k;
-      if (who >= 0) why = share_text(*world, who, why);
-    }
+    if (world && parts > 1) why = first_failure(*world, why).second;  // the lowest rank that found a fault
     if (why.empty()) {
       if (notes)
         for (const std::string& r : reasons) notes->push_back("passed over: " + r);

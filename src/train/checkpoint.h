@@ -67,7 +67,7 @@ struct CheckpointMeta {
   std::string vocabulary;        // the run's tokenizer's fingerprint ("": none, or an older checkpoint)
   std::map<std::string, uint32_t> checksums;  // version 2: CRC-32 of each tensor's bytes (version 1: none)
   std::vector<TensorInfo> tensors;            // version 3: every full tensor
-  std::vector<std::pair<std::string, uint32_t>> shards;  // version 3: each rank's index file and its CRC-32
+  std::vector<uint32_t> index_crcs;           // version 3: the CRC-32 of rank r's index (rank_<r>.json)
 };
 
 // Collective over `world` (every rank of the run): each rank writes `mine`, its slices of the full
@@ -75,7 +75,7 @@ struct CheckpointMeta {
 // every tensor once), then rank 0 commits DIR/ckpt_<step>, points DIR/latest at it and deletes all
 // but the newest `keep`. Slices of parameters ("param/...") must be finite. Every rank returns the
 // checkpoint's path, or throws when any rank failed (naming it; nothing of the new checkpoint is
-// left, `latest` and the earlier checkpoints are kept). meta.tensors and meta.shards are filled in.
+// left, `latest` and the earlier checkpoints are kept). meta.tensors and meta.index_crcs are filled in.
 std::string save_checkpoint(comm::Comm& world, const std::string& dir, const CheckpointMeta& meta,
                             const std::vector<TensorInfo>& tensors, const std::vector<Slice>& mine,
                             int64_t keep = 2);
@@ -130,6 +130,7 @@ class CheckpointReader {
   void read_into(const std::string& name, const Tensor& t);
 
  private:
+  friend void verify_checkpoint(const std::string& ckpt, int part, int parts);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

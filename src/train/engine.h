@@ -18,6 +18,7 @@
 #include "train/checkpoint.h"
 #include "train/config.h"
 #include "train/run_util.h"
+#include "train/sample.h"
 #include "train/trainer.h"
 
 namespace loom::train {
@@ -54,17 +55,9 @@ class Engine {
   // read from the checkpoint (only the elements it holds), and the optimizer's step count (not
   // collective).
   virtual void load(CheckpointReader& ckpt, int64_t optimizer_steps) = 0;
-  // The model every rank samples from (collectively) when each rank holds a model::GPT it can
-  // sample on the CPU: a whole one, or its part under model parallelism (refreshed from the
-  // engine's weights); null: the engine samples through last_logits.
-  virtual model::GPT* sampling_model() { return nullptr; }
-  // Where the engine samples on the mesh without a model::GPT (a pipeline's stages): whether it
-  // can, and the logits of a context's last position, the whole padded row (collective).
-  virtual bool samples_on_mesh() const { return false; }
-  virtual std::vector<float> last_logits(const std::vector<int32_t>& context) {
-    (void)context;
-    return {};
-  }
+  // Collective: the tokens that continue `prompt` (the same on every rank), drawn on the mesh
+  // itself: no rank assembles the weights.
+  virtual std::vector<int32_t> sample(const std::vector<int32_t>& prompt, const SampleOptions& opt) = 0;
   // The pools whose peaks the run reports (the model's, and the host pool of offloaded state).
   virtual MemoryPool& pool() = 0;
   virtual MemoryPool* host_pool() { return nullptr; }

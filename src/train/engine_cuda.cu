@@ -234,13 +234,13 @@ class CudaEngine : public Engine {
   // Every rank samples from a CPU copy of its weights, as in the CPU data-parallel runs: the
   // replicas hold the same weights, so they draw the same text, and no rank waits for rank 0's
   // sampling in the next step's collectives.
-  model::GPT* sampling_model() override {
+  std::vector<int32_t> sample(const std::vector<int32_t>& prompt, const SampleOptions& opt) override {
     if (!cpu_model_) {
       cpu_pool_ = std::make_unique<MemoryPool>("cpu:sample");
       cpu_model_ = std::make_unique<model::GPT>(mc_, *cpu_pool_, cfg_.seed);
     }
     for (model::Parameter* p : cpu_model_->parameters()) copy_into(p->value, run_.parameter(p->spec.name));
-    return cpu_model_.get();
+    return sample_recompute(*cpu_model_, prompt, opt);
   }
 
   MemoryPool& pool() override { return cuda::device_pool(); }

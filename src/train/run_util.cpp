@@ -159,7 +159,7 @@ static void check_host_memory(const TrainConfig& cfg, const model::GPTConfig& m,
 }
 
 RunData open_run_data(const TrainConfig& cfg, const std::string& config_path) {
-  RunData r{data::Loader(cfg.data_dir, "train", cfg.seq_len, cfg.seed), nullptr, {}};
+  RunData r{data::Loader(cfg.data_dir, "train", cfg.seq_len, cfg.seed), nullptr, {}, nullptr};
   if (!data::list_shards(cfg.data_dir, "val").empty()) {
     r.val = std::make_unique<data::Loader>(cfg.data_dir, "val", cfg.seq_len, cfg.seed);
     LOOM_CHECK(r.val->vocab_size() == r.train.vocab_size(),
@@ -455,7 +455,6 @@ std::vector<int32_t> sample_prompt(const TrainConfig& cfg, const data::Tokenizer
   return prompt;
 }
 
-namespace {
 SampleOptions sample_options(const TrainConfig& cfg, int64_t step) {
   SampleOptions so;
   so.max_new_tokens = cfg.sample_tokens;
@@ -464,22 +463,13 @@ SampleOptions sample_options(const TrainConfig& cfg, int64_t step) {
   so.seed = cfg.seed + uint64_t(step);
   return so;
 }
-std::string as_text(const std::vector<int32_t>& prompt, const std::vector<int32_t>& out, const data::Tokenizer* tok) {
+
+std::string sample_as_text(const std::vector<int32_t>& prompt, const std::vector<int32_t>& out,
+                           const data::Tokenizer* tok) {
   if (tok) return tok->decode(prompt) + tok->decode(out);
   std::string s;
   for (int32_t t : out) s += std::to_string(t) + " ";
   return s;
-}
-}  // namespace
-
-std::string sample_text(const TrainConfig& cfg, model::GPT& gpt, const std::vector<int32_t>& prompt, int64_t step,
-                        const data::Tokenizer* tok) {
-  return as_text(prompt, sample_recompute(gpt, prompt, sample_options(cfg, step)), tok);
-}
-
-std::string sample_text(const TrainConfig& cfg, const LastLogits& logits, int64_t block_size, int64_t vocab,
-                        const std::vector<int32_t>& prompt, int64_t step, const data::Tokenizer* tok) {
-  return as_text(prompt, sample_with(logits, block_size, vocab, prompt, sample_options(cfg, step)), tok);
 }
 
 CheckpointMeta checkpoint_meta(const TrainConfig& cfg, const model::GPTConfig& mc, int64_t step,

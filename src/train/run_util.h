@@ -138,13 +138,12 @@ std::vector<int32_t> sample_prompt(const TrainConfig& cfg, const data::Tokenizer
 // Collective over `world`: rank 0's sample_prompt (it alone loads the tokenizer), on every rank.
 std::vector<int32_t> shared_sample_prompt(comm::Comm& world, const TrainConfig& cfg, const data::Tokenizer* tok,
                                           const data::Loader& train, const data::Loader* val);
-// A sample of train.sample_tokens tokens after `prompt` at `step` (seeded by it), as text (token
-// ids without a tokenizer).
-std::string sample_text(const TrainConfig& cfg, model::GPT& gpt, const std::vector<int32_t>& prompt, int64_t step,
-                        const data::Tokenizer* tok);
-// The same from any logits of a context (a pipeline's stages; collective as `logits` is).
-std::string sample_text(const TrainConfig& cfg, const LastLogits& logits, int64_t block_size, int64_t vocab,
-                        const std::vector<int32_t>& prompt, int64_t step, const data::Tokenizer* tok);
+// The sampling options of train.sample_* at `step` (seeded by it).
+SampleOptions sample_options(const TrainConfig& cfg, int64_t step);
+// A prompt and its sampled continuation as text (token ids without a tokenizer: the
+// continuation's only).
+std::string sample_as_text(const std::vector<int32_t>& prompt, const std::vector<int32_t>& out,
+                           const data::Tokenizer* tok);
 // The manifest of a checkpoint of this run at `step`.
 CheckpointMeta checkpoint_meta(const TrainConfig& cfg, const model::GPTConfig& mc, int64_t step,
                                int64_t optimizer_steps,

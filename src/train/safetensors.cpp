@@ -236,33 +236,29 @@ std::vector<float> SafetensorsReader::read_f32(const std::string& name) const {
   return out;
 }
 
-void SafetensorsWriter::add(const std::string& name, DType dtype, const Shape& shape, const void* data) {
+size_t SafetensorsWriter::check_new(const std::string& name, DType dtype, const Shape& shape) const {
   LOOM_CHECK(!name.empty() && name != "__metadata__", "safetensors: invalid tensor name '{}'", name);
   for (const auto& it : items_) LOOM_CHECK(it.name != name, "safetensors: tensor '{}' added twice", name);
   for (int64_t d : shape) LOOM_CHECK(d >= 0, "safetensors: tensor '{}' has a negative dimension", name);
-  size_t n = size_t(shape_numel(shape)) * dtype_size(dtype);
-  LOOM_CHECK(n == 0 || data != nullptr, "safetensors: tensor '{}' has no data", name);
-  items_.push_back(Item{name, dtype, shape, {{data, n}}, n, {}, Tensor()});
+  return size_t(shape_numel(shape)) * dtype_size(dtype);
+}
+
+void SafetensorsWriter::add(const std::string& name, DType dtype, const Shape& shape, const void* data) {
+  add_pieces(name, dtype, shape, {{data, size_t(shape_numel(shape)) * dtype_size(dtype)}});
 }
 
 void SafetensorsWriter::add_lazy(const std::string& name, DType dtype, const Shape& shape,
                                  std::function<void(void* dst)> fill) {
-  LOOM_CHECK(!name.empty() && name != "__metadata__", "safetensors: invalid tensor name '{}'", name);
-  for (const auto& it : items_) LOOM_CHECK(it.name != name, "safetensors: tensor '{}' added twice", name);
-  for (int64_t d : shape) LOOM_CHECK(d >= 0, "safetensors: tensor '{}' has a negative dimension", name);
-  const size_t n = size_t(shape_numel(shape)) * dtype_size(dtype);
+  const size_t n = check_new(name, dtype, shape);
   items_.push_back(Item{name, dtype, shape, {}, n, std::move(fill), Tensor()});
 }
 
 void SafetensorsWriter::add_pieces(const std::string& name, DType dtype, const Shape& shape,
                                    std::vector<std::pair<const void*, size_t>> pieces) {
-  LOOM_CHECK(!name.empty() && name != "__metadata__", "safetensors: invalid tensor name '{}'", name);
-  for (const auto& it : items_) LOOM_CHECK(it.name != name, "safetensors: tensor '{}' added twice", name);
-  for (int64_t d : shape) LOOM_CHECK(d >= 0, "safetensors: tensor '{}' has a negative dimension", name);
-  const size_t n = size_t(shape_numel(shape)) * dtype_size(dtype);
+  const size_t n = check_new(name, dtype, shape);
   size_t have = 0;
   for (const auto& [data, bytes] : pieces) {
-    LOOM_CHECK(bytes == 0 || data != nullptr, "safetensors: tensor '{}' has a piece without data", name);
+    LOOM_CHECK(bytes == 0 || data != nullptr, "safetensors: tensor '{}' has no data", name);
     have += bytes;
   }
   LOOM_CHECK(have == n, "safetensors: tensor '{}' of shape {} needs {} bytes, its pieces hold {}", name,

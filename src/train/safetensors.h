@@ -80,6 +80,8 @@ class SafetensorsWriter {
   void write(const std::string& path) const;
 
  private:
+  // Checks a new tensor's name (not empty, not taken) and shape; its bytes.
+  size_t check_new(const std::string& name, DType dtype, const Shape& shape) const;
   struct Item {
     std::string name;
     DType dtype;

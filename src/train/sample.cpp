@@ -5,7 +5,6 @@
 #include <numeric>
 
 #include "core/error.h"
-#include "parallel/context/ring_attention.h"
 #include "core/rng.h"
 
 namespace loom::train {
@@ -47,49 +46,25 @@ std::vector<int32_t> sample_with(const LastLogits& logits, int64_t block_size, i
   return out;
 }
 
-std::vector<float> last_position_logits(const model::ChainParallel& P, const model::GPTConfig& cfg,
-                                        const std::vector<int32_t>& context,
-                                        const std::function<const float*(const Tensor& tokens)>& forward) {
-  // Context and sequence parallelism split the positions: the context is padded on the right to a
-  // length they divide. A causal model's logits at a position do not depend on later tokens, so
-  // the padding changes nothing the sample reads.
-  const int cp = P.cp();
-  const int64_t unit = std::lcm<int64_t>(cp > 1 ? 2 * cp : 1, P.sp_active() ? P.tp() : 1);
+Tensor padded_context(const std::vector<int32_t>& context, int64_t block_size, int64_t unit, int64_t* position) {
   int64_t T = int64_t(context.size());
-  const int64_t room = cfg.block_size / unit * unit;  // the longest split length the model takes
-  const int64_t skip = T > room ? T - room : 0;       // (only where block_size itself is not split)
+  const int64_t room = block_size / unit * unit;   // the longest split length the model takes
+  const int64_t skip = T > room ? T - room : 0;    // (only where block_size itself is not split)
   T -= skip;
-  const int64_t Tp = (T + unit - 1) / unit * unit;
-  Tensor tokens = Tensor::zeros({1, Tp}, DType::i32, MemTag::workspace, default_cpu_pool());
+  Tensor tokens = Tensor::zeros({1, (T + unit - 1) / unit * unit}, DType::i32, MemTag::workspace);
   std::copy(context.begin() + skip, context.end(), tokens.i32());
-  const float* logits = forward(tokens);
-  const int64_t Vr = P.vocab_rows(cfg);
-  // The row of position T - 1: on the cp rank that holds it, at its local index.
-  std::vector<float> mine(static_cast<size_t>(Vr));
-  int owner = 0;
-  int64_t local = T - 1;
-  if (cp > 1) {
-    const int64_t Tl = Tp / cp;
-    for (int r = 0; r < cp; ++r)
-      for (int64_t t = 0; t < Tl; ++t)
-        if (parallel::cp::global_position(t, Tp, cp, r) == T - 1) owner = r, local = t;
-  }
-  if (P.cp_rank() == owner) std::copy(logits + local * Vr, logits + (local + 1) * Vr, mine.begin());
-  if (comm::Comm* g = P.cp_group()) g->broadcast(mine.data(), Vr, DType::f32, owner);
-  // Each tp rank holds its vocabulary columns: gathered in rank order, the whole padded row.
-  std::vector<float> full(size_t(Vr) * size_t(P.tp()));
-  if (comm::Comm* tp = P.tp_group()) tp->all_gather(mine.data(), full.data(), int64_t(full.size()), DType::f32);
-  else full = std::move(mine);
-  return full;
+  *position = T - 1;
+  return tokens;
 }
 
 std::vector<int32_t> sample_recompute(model::GPT& gpt, const std::vector<int32_t>& prompt, const SampleOptions& opt) {
   const auto& cfg = gpt.config();
+  const model::ChainParallel& P = gpt.parallel();
   auto logits = [&](const std::vector<int32_t>& ctx) {
-    return last_position_logits(gpt.parallel(), cfg, ctx, [&](const Tensor& tokens) {
-      gpt.forward(tokens, Tensor());
-      return gpt.logits().f32();
-    });
+    int64_t position = 0;
+    const Tensor tokens = padded_context(ctx, cfg.block_size, P.sequence_unit(), &position);
+    gpt.forward(tokens, Tensor());
+    return P.logits_row(gpt.logits().f32(), tokens.size(1), position, cfg);
   };
   std::vector<int32_t> out = sample_with(logits, cfg.block_size, cfg.vocab_size, prompt, opt);
   gpt.release_activations();

@@ -27,14 +27,11 @@ using LastLogits = std::function<std::vector<float>(const std::vector<int32_t>& 
 std::vector<int32_t> sample_with(const LastLogits& logits, int64_t block_size, int64_t vocab,
                                  const std::vector<int32_t>& prompt, const SampleOptions& opt);
 
-// The logits of a context's last position, the whole padded row, on every rank of a model split
-// by P: `forward` runs the model on tokens i32 [1, T'] and returns this rank's logits (its rows,
-// its vocabulary columns). Under cp or sp the context is padded on the right to a length they
-// divide (a causal model's logits at a position ignore later tokens); the row is taken from the
-// cp rank holding the position and gathered over tp. Collective over P's cp and tp groups.
-std::vector<float> last_position_logits(const model::ChainParallel& P, const model::GPTConfig& cfg,
-                                        const std::vector<int32_t>& context,
-                                        const std::function<const float*(const Tensor& tokens)>& forward);
+// A context as one sequence i32 [1, T'] that a model split in sequence units of `unit` takes:
+// its last tokens up to the longest such length within block_size, padded on the right with
+// zeros to a multiple of `unit`. A causal model's logits at a position ignore later tokens, so the
+// padding changes nothing at *position, the context's last token.
+Tensor padded_context(const std::vector<int32_t>& context, int64_t block_size, int64_t unit, int64_t* position);
 
 // Continues `prompt` (not empty) by running the model on the last block_size tokens for each new
 // token. Returns only the new tokens. A model split by tensor, sequence or context parallelism

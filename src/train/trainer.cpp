@@ -6,7 +6,6 @@
 #include <sys/resource.h>
 
 #include <chrono>
-#include <numeric>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -44,23 +43,12 @@ namespace {
 namespace pipe = parallel::pipeline;
 using parallel::sum_over_ranks;
 
-// Calls f(global, n, local) for each run of the elements [lb, le) of parameter p's part (indices
-// into its local tensor) that lies in the full tensor, at the full tensor's element `global` (a
-// vocabulary split's padding lies nowhere).
-template <class F>
-void for_global(const model::Parameter& p, int64_t lb, int64_t le, F&& f) {
-  for (const model::ShardSegment& s : p.segments()) {
-    const int64_t lo = std::max(lb, s.local), hi = std::min(le, s.local + s.n);
-    if (lo < hi) f(s.global + (lo - s.local), hi - lo, lo);
-  }
-}
-
 // The checkpoint slices of `kind` ("param/", "adam_m/", "adam_v/") of p's local elements [lb, le),
 // which lie at data.
 void add_slices(std::vector<Slice>& out, const char* kind, const model::Parameter& p, int64_t lb, int64_t le,
                 const float* data) {
   const std::string name = kind + p.global().name;
-  for_global(p, lb, le, [&](int64_t g, int64_t n, int64_t local) { out.push_back({name, g, n, data + (local - lb)}); });
+  p.for_each_global(lb, le, [&](int64_t g, int64_t n, int64_t local) { out.push_back({name, g, n, data + (local - lb)}); });
 }
 
 // The inverse: p's local elements [lb, le) of `kind` from the checkpoint into data (the padding
@@ -69,7 +57,7 @@ void read_slices(CheckpointReader& ckpt, const char* kind, const model::Paramete
                  float* data) {
   std::fill(data, data + (le - lb), 0.0f);
   const std::string name = kind + p.global().name;
-  for_global(p, lb, le, [&](int64_t g, int64_t n, int64_t local) { ckpt.read(name, g, n, data + (local - lb)); });
+  p.for_each_global(lb, le, [&](int64_t g, int64_t n, int64_t local) { ckpt.read(name, g, n, data + (local - lb)); });
 }
 
 // Every full tensor of a checkpoint of model mc: each parameter's value and moments, in
@@ -217,20 +205,12 @@ class ChainEngine : public CpuEngine {
       const auto chain = model_.chain();
       for (size_t c = 0; c + 1 < chain.size() && code == 3 * kStride; ++c) {
         const Tensor& out = c == 0 ? model_.embedding().out() : model_.block(int64_t(c) - 1).out();
-        if (!out.defined()) continue;
-        const float* v = out.f32();
-        for (int64_t k = 0; k < out.numel(); ++k)
-          if (!std::isfinite(v[k])) {
-            code = kStride + int(c);
-            break;
-          }
+        if (out.defined() && first_nonfinite(out.f32(), out.numel()) >= 0) code = kStride + int(c);
       }
       if (code == 3 * kStride)
         if (int i = ddp_.first_nonfinite(true); i >= 0) code = 2 * kStride + i;
     }
-    float neg = -float(code);  // codes below 2^24 are exact in f32
-    mc_.world().all_reduce(&neg, 1, DType::f32, comm::ReduceOp::max);
-    code = int(-neg);
+    code = parallel::min_over_ranks(mc_.world(), code);
     const auto& ps = model_.parameters();
     if (code < kStride) return fmt::format("the weights of {}", ps.at(size_t(code))->spec.name);
     if (code < 2 * kStride) return fmt::format("the forward output of {}", model_.chain().at(size_t(code - kStride))->name());
@@ -296,8 +276,10 @@ class ChainEngine : public CpuEngine {
     ddp_.state_loaded(optimizer_steps);
   }
 
-  // Every rank samples on the model itself (collectively under ZeRO-3 and model parallelism).
-  model::GPT* sampling_model() override { return &model_; }
+  // On the model itself (collectively under ZeRO-3 and model parallelism).
+  std::vector<int32_t> sample(const std::vector<int32_t>& prompt, const SampleOptions& opt) override {
+    return sample_recompute(model_, prompt, opt);
+  }
 
   std::string describe() const override {
     const model::ChainParallel& P = model_.parallel();
@@ -389,22 +371,14 @@ class PipelineEngine : public CpuEngine {
     std::map<std::string, int> order;
     const std::vector<model::ParamSpec> specs = model::gpt_param_specs(model_cfg_);
     for (size_t i = 0; i < specs.size(); ++i) order[specs[i].name] = int(i);
-    auto finite = [](const Tensor& t) {
-      if (!t.defined()) return true;
-      const float* v = t.f32();
-      for (int64_t k = 0; k < t.numel(); ++k)
-        if (!std::isfinite(v[k])) return false;
-      return true;
-    };
+    auto finite = [](const Tensor& t) { return !t.defined() || first_nonfinite(t.f32(), t.numel()) < 0; };
     int code = 2 * kStride;
     for (const model::Parameter* p : exec_.parameters()) {
       const int i = order.at(p->spec.name);
       if (!finite(p->value)) code = std::min(code, i);
       else if (!finite(p->grad)) code = std::min(code, kStride + i);
     }
-    float neg = -float(code);  // codes below 2^24 are exact in f32
-    mc_.world().all_reduce(&neg, 1, DType::f32, comm::ReduceOp::max);
-    code = int(-neg);
+    code = parallel::min_over_ranks(mc_.world(), code);
     if (code < kStride) return fmt::format("the weights of {}", specs.at(size_t(code)).name);
     if (code < 2 * kStride) return fmt::format("the gradient of {}", specs.at(size_t(code - kStride)).name);
     return "no weight or gradient (the loss alone)";
@@ -467,18 +441,15 @@ class PipelineEngine : public CpuEngine {
     opt.set_steps_taken(optimizer_steps);
   }
 
-  // Samples run through the stages (forward only, the context as one micro-batch), padded on the
-  // right to a length cp and sp divide: a causal model's logits at a position ignore later tokens
-  // (as train::last_position_logits does for one chain).
-  bool samples_on_mesh() const override { return true; }
-  std::vector<float> last_logits(const std::vector<int32_t>& context) override {
-    const int64_t unit = std::lcm<int64_t>(cfg_.cp > 1 ? 2 * cfg_.cp : 1, cfg_.sp && cfg_.tp > 1 ? cfg_.tp : 1);
-    const int64_t room = model_cfg_.block_size / unit * unit;
-    const int64_t skip = int64_t(context.size()) > room ? int64_t(context.size()) - room : 0;
-    const int64_t T = int64_t(context.size()) - skip, Tp = (T + unit - 1) / unit * unit;
-    Tensor t = Tensor::zeros({1, Tp}, DType::i32, MemTag::workspace, pool_);
-    std::copy(context.begin() + skip, context.end(), t.i32());
-    return exec_.last_logits(t, T - 1);
+  // Through the stages: each context forward as one micro-batch, in the sequence units of the
+  // stages' cp and sp.
+  std::vector<int32_t> sample(const std::vector<int32_t>& prompt, const SampleOptions& opt) override {
+    auto logits = [&](const std::vector<int32_t>& ctx) {
+      int64_t position = 0;
+      const Tensor t = padded_context(ctx, model_cfg_.block_size, exec_.parallel().sequence_unit(), &position);
+      return exec_.last_logits(t, position);
+    };
+    return sample_with(logits, model_cfg_.block_size, model_cfg_.vocab_size, prompt, opt);
   }
 
   std::string describe() const override {
@@ -670,12 +641,8 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   // weights.
   auto sample = [&](int64_t step) -> std::string {
     if (cfg.sample_tokens == 0) return "";
-    if (model::GPT* gpt = engine->sampling_model())
-      return sample_text(cfg, *gpt, shared_sample_prompt(world, cfg, tok.get(), train, val.get()), step, tok.get());
-    LOOM_CHECK(engine->samples_on_mesh(), "{}: this engine cannot sample", engine->describe());
-    return sample_text(
-        cfg, [&](const std::vector<int32_t>& ctx) { return engine->last_logits(ctx); }, mc.block_size, mc.vocab_size,
-        shared_sample_prompt(world, cfg, tok.get(), train, val.get()), step, tok.get());
+    const std::vector<int32_t> prompt = shared_sample_prompt(world, cfg, tok.get(), train, val.get());
+    return sample_as_text(prompt, engine->sample(prompt, sample_options(cfg, step)), tok.get());
   };
   // Collective: every rank writes its part and no rank starts the next step before the checkpoint
   // is committed (or every rank has learnt that it was not), so a rank that fails in that step

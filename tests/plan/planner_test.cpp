@@ -53,7 +53,7 @@ TEST(Planner, ZeroTableOneModelStatesToThePrintedDigits) {
     for (int k = 0; k < 3; ++k)
       for (int stage = 1; stage <= 3; ++stage) {
         // A model of exactly Psi parameters: one layer of Psi parameters' worth, seen whole.
-        const double state = plan::model_state_bytes(psi[k], plan::Precision::mixed, stage, dps[r]);
+        const double state = plan::model_state(psi[k], plan::Precision::mixed, stage, dps[r]).total();
         EXPECT_EQ(paper_digits(state / 1e9), want[r][k * 3 + stage - 1])
             << "Psi " << psi[k] << " Nd " << dps[r] << " stage " << stage << ": " << state / 1e9 << " GB";
       }

@@ -55,6 +55,23 @@ pid_t spawn(const std::vector<std::string>& args, const std::string& log) {
   return pid;
 }
 
+// `mpirun -n ranks loom <train flags> <layout> --parallel.comm mpi`, passing on the environment
+// the tests set (the checkpoint pause, and shared memory without single-copy transfers).
+pid_t spawn_mpi(int ranks, const std::vector<std::string>& train, const std::vector<std::string>& layout,
+                const std::string& log) {
+  std::vector<std::string> a{"mpirun"};
+  if (::geteuid() == 0) a.push_back("--allow-run-as-root");
+  for (const std::string f : {"--oversubscribe", "--bind-to", "none", "-x", "OMPI_MCA_btl_vader_single_copy_mechanism",
+                              "-x", "LOOM_CHECKPOINT_PAUSE_MS", "-n"})
+    a.push_back(f);
+  a.push_back(std::to_string(ranks));
+  a.push_back(kLoom);
+  a.insert(a.end(), train.begin(), train.end());
+  a.insert(a.end(), layout.begin(), layout.end());
+  for (const char* f : {"--parallel.comm", "mpi"}) a.push_back(f);
+  return spawn(a, log);
+}
+
 int wait_exit(pid_t pid) {
   int status = 0;
   waitpid(pid, &status, 0);
@@ -207,14 +224,7 @@ TEST(KillSuite, MpiRandomRank) {
   if (mpirun_prefix(2).empty()) GTEST_SKIP() << "mpirun not found or loom built without MPI";
   Corpus c("mpi");
   auto launch = [&](const std::string& out, const std::string& log) {
-    std::vector<std::string> a{"mpirun"};
-    if (::geteuid() == 0) a.push_back("--allow-run-as-root");
-    for (const char* f : {"--oversubscribe", "--bind-to", "none", "-x", "OMPI_MCA_btl_vader_single_copy_mechanism",
-                          "-x", "LOOM_CHECKPOINT_PAUSE_MS", "-n", "2", kLoom.c_str()})
-      a.push_back(f);
-    for (auto& f : flags(c.data, out)) a.push_back(f);
-    for (const char* f : {"--parallel.dp", "2", "--parallel.comm", "mpi"}) a.push_back(f);
-    return spawn(a, log);
+    return spawn_mpi(2, flags(c.data, out), {"--parallel.dp", "2"}, log);
   };
   auto victim = [](pid_t job, std::mt19937& rng) -> std::pair<pid_t, int> {
     const auto ranks = rank_pids(job);
@@ -236,14 +246,7 @@ TEST(KillSuite, MpiRankKilledInsideFourRankCheckpointWrites) {
   Corpus c("mpi4");
   setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "none", 1);
   auto launch = [&](const std::string& out, const std::string& log) {
-    std::vector<std::string> a{"mpirun"};
-    if (::geteuid() == 0) a.push_back("--allow-run-as-root");
-    for (const char* f : {"--oversubscribe", "--bind-to", "none", "-x", "OMPI_MCA_btl_vader_single_copy_mechanism",
-                          "-x", "LOOM_CHECKPOINT_PAUSE_MS", "-n", "4", kLoom.c_str()})
-      a.push_back(f);
-    for (auto& f : flags(c.data, out)) a.push_back(f);
-    for (const char* f : {"--parallel.dp", "2", "--parallel.tp", "2", "--parallel.comm", "mpi"}) a.push_back(f);
-    return spawn(a, log);
+    return spawn_mpi(4, flags(c.data, out), {"--parallel.dp", "2", "--parallel.tp", "2"}, log);
   };
   setenv("LOOM_CHECKPOINT_PAUSE_MS", "0", 1);
   const std::string ref = (c.root / "ref").string();

@@ -22,8 +22,10 @@ void matmul_forward(float* out, const float* inp, const float* weight, const flo
 void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                      const float* weight, int64_t M, int64_t K, int64_t N, bool accumulate_dinp = false);
 
-// Measured fp32 GEMM rate of this machine in GFLOP/s for the calling thread's team
-// (square-ish sizes typical of the model), used as the peak in model-FLOPs utilisation.
+// Measured fp32 GEMM rate of this machine in GFLOP/s for the calling thread's team: the best
+// sustained rate (over windows of 3 calls, for at least `seconds`) of C[M, N] = A[M, K] B[K, N].
+double measure_gemm_gflops(int64_t M, int64_t N, int64_t K, double seconds = 1.0);
+// The same for square n x n products, the peak of model-FLOPs utilisation.
 double measure_gemm_peak_gflops(int64_t n = 1536, double seconds = 1.0);
 
 }  // namespace loom::cpu

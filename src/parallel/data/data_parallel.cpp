@@ -574,8 +574,7 @@ int DataParallel::first_nonfinite(bool gradients) const {
   for (size_t i = 0; i < lay_.params.size(); ++i) {
     const FlatParam& f = lay_.params[i];
     const int64_t lo = std::max(f.offset, b), hi = std::min(f.offset + f.numel, e);
-    for (int64_t k = lo; k < hi; ++k)
-      if (!std::isfinite(data[k - b])) return int(i);
+    if (lo < hi && loom::first_nonfinite(data + (lo - b), hi - lo) >= 0) return int(i);
   }
   return -1;
 }
@@ -598,19 +597,14 @@ DataParallel::FullState DataParallel::gather_full_state() {
     s.exp_avg_sq = opt_->exp_avg_sq();
     return s;
   }
-  FullState s;
-  s.params = Tensor::zeros({n_pad_}, DType::f32, MemTag::workspace, gpt_.pool());
-  s.exp_avg = Tensor::zeros({n_pad_}, DType::f32, MemTag::workspace, gpt_.pool());
-  s.exp_avg_sq = Tensor::zeros({n_pad_}, DType::f32, MemTag::workspace, gpt_.pool());
+  FullState s;  // (every element is written below)
+  s.params = Tensor::empty({n_pad_}, DType::f32, MemTag::workspace, gpt_.pool());
+  s.exp_avg = Tensor::empty({n_pad_}, DType::f32, MemTag::workspace, gpt_.pool());
+  s.exp_avg_sq = Tensor::empty({n_pad_}, DType::f32, MemTag::workspace, gpt_.pool());
   if (o_.zero == 3) comm_.all_gather(params_.f32(), s.params.f32(), n_pad_, DType::f32);
   else std::memcpy(s.params.f32(), params_.f32(), size_t(n_pad_) * 4);
-  if (o_.zero == 0) {
-    std::memcpy(s.exp_avg.f32(), opt_->exp_avg().f32(), size_t(n_pad_) * 4);
-    std::memcpy(s.exp_avg_sq.f32(), opt_->exp_avg_sq().f32(), size_t(n_pad_) * 4);
-  } else {
-    comm_.all_gather(opt_->exp_avg().f32(), s.exp_avg.f32(), n_pad_, DType::f32);
-    comm_.all_gather(opt_->exp_avg_sq().f32(), s.exp_avg_sq.f32(), n_pad_, DType::f32);
-  }
+  comm_.all_gather(opt_->exp_avg().f32(), s.exp_avg.f32(), n_pad_, DType::f32);
+  comm_.all_gather(opt_->exp_avg_sq().f32(), s.exp_avg_sq.f32(), n_pad_, DType::f32);
   return s;
 }
 

@@ -136,9 +136,10 @@ class DataParallel final : public model::ChainHooks {
   // Sum of x over the ranks, in double, added in rank order (bit-identical on every rank).
   double sum_over_ranks(double x);
 
-  // Full (gathered) state for checkpoints, collective: flat f32 [N_pad] copies of the parameters
-  // and of both moments (tag workspace, from the model's pool); at stage 0 the live buffers
-  // themselves (read them before the next step).
+  // The replica's whole flat state on every rank, collective, to inspect (the tests compare it
+  // with one device; checkpoints use local_state and never gather): flat f32 [N_pad] copies of
+  // the parameters and of both moments (tag workspace, from the model's pool); at stage 0 the
+  // live buffers themselves (read them before the next step).
   struct FullState {
     Tensor params, exp_avg, exp_avg_sq;
   };

@@ -86,6 +86,13 @@ void detach_from_flat(model::Parameter& p, bool grad) {
   else p.value_full = p.value = Tensor();
 }
 
+int min_over_ranks(comm::Comm& c, int x) {
+  LOOM_CHECK(x >= 0 && x < (1 << 24), "min_over_ranks: {} is not exact in f32", x);
+  float neg = -float(x);  // the comm reduces floating point: as the maximum of its negation
+  c.all_reduce(&neg, 1, DType::f32, comm::ReduceOp::max);
+  return int(-neg);
+}
+
 double sum_over_ranks(comm::Comm& c, double x) {
   if (c.size() == 1) return x;
   std::vector<double> all(static_cast<size_t>(c.size()));

@@ -59,5 +59,7 @@ void detach_from_flat(model::Parameter& p, bool grad);
 // Sum of one double per rank of `c`, added in rank order: the same bits on every rank (for
 // combining gradient sums of squares over dp and then over model-parallel groups).
 double sum_over_ranks(comm::Comm& c, double x);
+// The least of one int per rank of `c` (below 2^24), on every rank.
+int min_over_ranks(comm::Comm& c, int x);
 
 }  // namespace loom::parallel

@@ -1,7 +1,5 @@
 #include "parallel/pipeline/executor.h"
 
-#include "parallel/context/ring_attention.h"
-
 #include <omp.h>
 
 #include <algorithm>
@@ -107,14 +105,13 @@ struct Slot {
 struct Chunk {
   int vs = 0;
   int64_t first = 0, last = 0;  // chain elements [first, last)
-  // Recomputed segments of the chunk's elements [first, last] (transformer blocks only), by
-  // chain element.
-  std::vector<std::pair<int64_t, int64_t>> segments;
-  int segment_of(int64_t e) const {
-    for (size_t s = 0; s < segments.size(); ++s)
-      if (e >= segments[s].first && e <= segments[s].second) return int(s);
-    return -1;
-  }
+  // The recompute plan of the chunk's transformer blocks, the first of which is chain element b0:
+  // the segment holding element e, and a segment's first and last elements.
+  model::RecomputePlan plan;
+  int64_t b0 = 0;
+  int segment_of(int64_t e) const { return plan.segment_of(e - b0); }
+  int64_t segment_first(int s) const { return b0 + plan.segments[size_t(s)].first; }
+  int64_t segment_last(int s) const { return b0 + plan.segments[size_t(s)].second; }
   std::vector<std::unique_ptr<Slot>> all;
   std::vector<Slot*> free;
   std::map<int, Slot*> active;  // by micro-batch
@@ -256,7 +253,7 @@ struct PipelineExecutor::Impl {
         const int sg = ch.segment_of(e);
         if (sg >= 0) {
           tb->drop_saved();
-          if (e > ch.segments[size_t(sg)].first) s.blocks[size_t(e - 1 - ch.first)]->release_activations();
+          if (e > ch.segment_first(sg)) s.blocks[size_t(e - 1 - ch.first)]->release_activations();
         }
       } else {
         auto* head = static_cast<model::Head*>(blk);
@@ -292,8 +289,8 @@ struct PipelineExecutor::Impl {
     for (int64_t e = ch.last - 1; e >= ch.first; --e) {
       const size_t k = size_t(e - ch.first);
       const int sg = ch.segment_of(e);
-      if (sg >= 0 && e == ch.segments[size_t(sg)].second)  // the segment runs forward again first
-        for (int64_t m = ch.segments[size_t(sg)].first; m <= e; ++m)
+      if (sg >= 0 && e == ch.segment_last(sg))  // the segment runs forward again first
+        for (int64_t m = ch.segment_first(sg); m <= e; ++m)
           static_cast<model::TransformerBlock*>(s.blocks[size_t(m - ch.first)].get())->forward(input_of(m), b, T);
       const float* x_in = input_of(e);
       model::ChainBlock* blk = s.blocks[k].get();
@@ -491,9 +488,9 @@ PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOp
     cm.full.assign(size_t(b1 - b0), 1.0);
     cm.out.assign(size_t(b1 - b0), 1.0);
     cm.forward.assign(size_t(b1 - b0), 1.0);
-    const model::RecomputePlan plan = model::plan_recompute(opt.recompute, cm, opt.recompute_every);
-    for (const auto& [a, z] : plan.segments) ch.segments.push_back({b0 + a, b0 + z});
-    if (plan.selective)
+    ch.plan = model::plan_recompute(opt.recompute, cm, opt.recompute_every);
+    ch.b0 = b0;
+    if (ch.plan.selective)
       for (int64_t e = b0; e < b1; ++e)
         static_cast<model::TransformerBlock*>(ch.all[0]->blocks[size_t(e - ch.first)].get())->set_selective(true);
   }
@@ -517,7 +514,7 @@ int64_t PipelineExecutor::activation_bytes_per_micro_batch(int chunk, int64_t b,
     const int sg = ch.segment_of(e);
     if (sg < 0) {
       bytes += blk.saved_activation_bytes(b, T);
-    } else if (e == ch.segments[size_t(sg)].second) {  // a recomputed segment keeps its last output
+    } else if (e == ch.segment_last(sg)) {  // a recomputed segment keeps its last output
       for (const model::SavedActivation& a : blk.saved_activations(b, T))
         if (a.name.ends_with(".out")) bytes += a.bytes();
     }
@@ -598,6 +595,8 @@ std::vector<double> PipelineExecutor::evaluate(const Tensor& tokens, const Tenso
   return std::vector<double>(l.begin(), l.end());
 }
 
+const model::ChainParallel& PipelineExecutor::parallel() const { return *impl_->par; }
+
 std::vector<float> PipelineExecutor::last_logits(const Tensor& context, int64_t position) {
   Impl& I = *impl_;
   LOOM_CHECK(context.defined() && context.dim() == 2 && context.size(0) == 1 && context.dtype() == DType::i32,
@@ -622,25 +621,14 @@ std::vector<float> PipelineExecutor::last_logits(const Tensor& context, int64_t 
     if (vs + 1 < V) I.send_act(0, c, sch_.rank_of(vs + 1));
   }
   I.finish_sends();
-  // The head's rank holds the logits (its rows under cp, its vocabulary columns under tp): the
-  // row of `position` from the cp rank that holds it, gathered over tp, then to every stage.
+  // The head's stage holds the logits: the row of `position` there (from its cp and tp ranks),
+  // then to every stage.
   const int head_rank = sch_.rank_of(V - 1);
-  const model::ChainParallel& P = *I.par;
-  const int64_t Vr = P.vocab_rows(I.cfg), tp = I.opt.tp, cp = I.opt.cp;
-  std::vector<float> row(static_cast<size_t>(Vr * tp)), mine(static_cast<size_t>(Vr));
+  std::vector<float> row(static_cast<size_t>(I.par->vocab_rows(I.cfg) * I.opt.tp));
   if (I.rank == head_rank) {
     Chunk& last = I.chunks[size_t(sch_.chunk_of(V - 1))];
     const auto* head = static_cast<const model::Head*>(I.slot_of(last, 0, "logits").blocks.back().get());
-    int owner = 0;
-    int64_t local = position;
-    if (cp > 1)
-      for (int r = 0; r < cp; ++r)
-        for (int64_t t = 0; t < T / cp; ++t)
-          if (parallel::cp::global_position(t, T, int(cp), r) == position) owner = r, local = t;
-    if (P.cp_rank() == owner) std::copy_n(head->logits().f32() + local * Vr, Vr, mine.begin());
-    if (comm::Comm* g = P.cp_group()) g->broadcast(mine.data(), Vr, DType::f32, owner);
-    if (comm::Comm* g = P.tp_group()) g->all_gather(mine.data(), row.data(), int64_t(row.size()), DType::f32);
-    else row = mine;
+    row = I.par->logits_row(head->logits().f32(), T, position, I.cfg);
   }
   I.pp.broadcast(row.data(), int64_t(row.size()), DType::f32, head_rank);
   for (Chunk& ch : I.chunks)

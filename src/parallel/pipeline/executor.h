@@ -132,6 +132,8 @@ class PipelineExecutor {
   // every rank gets the whole padded row (from the cp rank holding the position, the head's
   // vocabulary columns gathered over tp).
   std::vector<float> last_logits(const Tensor& context, int64_t position);
+  // This rank's stage's parallel layout (tp, cp, sp groups).
+  const model::ChainParallel& parallel() const;
 
   const Schedule& schedule() const { return sch_; }
   const CheckResult& checked() const { return checked_; }
