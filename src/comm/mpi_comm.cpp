@@ -29,6 +29,8 @@ constexpr int kSpin = 2000;
 // Ring messages are cut into pieces of this many elements (1 MiB of f32) and each piece is
 // combined as soon as it arrives, while it is still in cache.
 constexpr int64_t kSegment = int64_t(1) << 18;
+// Pieces of a ring step's last receive in flight at once.
+constexpr int64_t kWindow = 4;
 
 MPI_Datatype mpi_type(DType dt) {
   switch (dt) {
@@ -442,11 +444,17 @@ class MpiComm final : public Comm {
     const size_t es = dtype_size(dt);
     int64_t maxc = 0;
     for (int i = 0; i < n; ++i) maxc = std::max(maxc, offs[size_t(i) + 1] - offs[size_t(i)]);
-    // Two f32 partial buffers alternate: one is sent while the other receives and is combined in
-    // place. bf16 inputs arrive as bf16 on the first step (buffer c).
-    float* partial[2] = {scratch_[0].get<float>(opts_.pool, size_t(maxc) * 4),
-                         scratch_[1].get<float>(opts_.pool, size_t(maxc) * 4)};
-    char* first_in = dt == DType::f32 ? nullptr : scratch_[2].get<char>(opts_.pool, size_t(maxc) * es);
+    // Two f32 partial buffers alternate over the steps before the last: one is sent while the
+    // other receives and is combined in place (bf16 inputs arrive as bf16 on the first step, in
+    // buffer c). The last step's pieces are combined straight into out, so they are received into
+    // a window of kWindow pieces rather than a whole chunk: two ranks need no chunk-sized buffer.
+    float* partial[2] = {nullptr, nullptr};
+    if (n > 2)
+      partial[0] = scratch_[0].get<float>(opts_.pool, size_t(maxc) * 4),
+      partial[1] = scratch_[1].get<float>(opts_.pool, size_t(maxc) * 4);
+    char* first_in = dt == DType::f32 || n == 2 ? nullptr : scratch_[2].get<char>(opts_.pool, size_t(maxc) * es);
+    char* window = scratch_[3].get<char>(opts_.pool, size_t(kWindow * kSegment) * 4 + (dt == DType::f32 ? 0 : size_t(kSegment) * 4));
+    float* staged = reinterpret_cast<float*>(window + size_t(kWindow * kSegment) * 4);  // non-f32 last step
     auto cnt = [&](int i) { return offs[size_t(i) + 1] - offs[size_t(i)]; };
     auto segments = [](int64_t count) { return std::max<int64_t>(1, (count + kSegment - 1) / kSegment); };
     std::vector<MPI_Request> rreqs, sreqs;
@@ -456,31 +464,42 @@ class MpiComm final : public Comm {
       float* rx = partial[s & 1];
       const float* tx = partial[(s + 1) & 1];
       DType rdt = first ? dt : DType::f32;
-      char* rbuf = first && dt != DType::f32 ? first_in : reinterpret_cast<char*>(rx);
+      const size_t res = dtype_size(rdt);
+      char* rbuf = last ? window : first && dt != DType::f32 ? first_in : reinterpret_cast<char*>(rx);
       const char* sbuf = first ? send + size_t(offs[size_t(sc)]) * es : reinterpret_cast<const char*>(tx);
       DType sdt = first ? dt : DType::f32;
-      // Pieces of kSegment elements, so each is combined while it is still in cache.
-      for (int64_t k = 0, nr = segments(cnt(rc)); k < nr; ++k) {
-        int64_t o = k * kSegment, len = std::min(kSegment, cnt(rc) - o);
-        irecv(rbuf + size_t(o) * dtype_size(rdt), len, rdt, prev, 0, coll_, rreqs);
-      }
+      // Pieces of kSegment elements, so each is combined while it is still in cache; piece k of
+      // the last step lands in window slot k % kWindow, posted when the slot's last piece is done.
+      const int64_t nr = segments(cnt(rc));
+      auto piece = [&](int64_t k) { return std::pair{k * kSegment, std::min(kSegment, cnt(rc) - k * kSegment)}; };
+      auto post = [&](int64_t k) {
+        auto [o, len] = piece(k);
+        char* at = last ? window + size_t(k % kWindow) * size_t(kSegment) * res : rbuf + size_t(o) * res;
+        irecv(at, len, rdt, prev, 0, coll_, rreqs);
+      };
+      for (int64_t k = 0; k < (last ? std::min<int64_t>(nr, kWindow) : nr); ++k) post(k);
       for (int64_t k = 0, ns = segments(cnt(sc)); k < ns; ++k) {
         int64_t o = k * kSegment, len = std::min(kSegment, cnt(sc) - o);
         isend(sbuf + size_t(o) * dtype_size(sdt), len, sdt, next, 0, coll_, sreqs);
       }
       auto waiting = [&] { return no_data_message("ring", s, 2 * (n - 1)); };
       const char* own = send + size_t(offs[size_t(rc)]) * es;
-      for (size_t k = 0; k < rreqs.size(); ++k) {
-        wait_requests(&rreqs[k], 1, nullptr, waiting);
-        int64_t o = int64_t(k) * kSegment, len = std::min(kSegment, cnt(rc) - o);
-        const char* in = rbuf + size_t(o) * dtype_size(rdt);
+      for (int64_t k = 0; k < nr; ++k) {
+        wait_requests(&rreqs[size_t(k)], 1, nullptr, waiting);
+        auto [o, len] = piece(k);
         const char* mine = own + size_t(o) * es;
-        if (last && dt == DType::f32) {
+        if (!last) {
+          detail::combine(rx + o, rbuf + size_t(o) * res, rdt, mine, dt, len, op);
+          continue;
+        }
+        const char* in = window + size_t(k % kWindow) * size_t(kSegment) * res;
+        if (dt == DType::f32) {
           detail::combine(static_cast<float*>(out) + o, in, rdt, mine, dt, len, op);
         } else {
-          detail::combine(rx + o, in, rdt, mine, dt, len, op);
-          if (last) detail::store_f32(static_cast<char*>(out) + size_t(o) * es, dt, rx + o, len);
+          detail::combine(staged, in, rdt, mine, dt, len, op);
+          detail::store_f32(static_cast<char*>(out) + size_t(o) * es, dt, staged, len);
         }
+        if (k + kWindow < nr) post(k + kWindow);
       }
       rreqs.clear();
       wait_all(sreqs, nullptr, [&] {
@@ -534,7 +553,7 @@ class MpiComm final : public Comm {
   std::vector<int> world_ranks_;
   std::string what_;
   Clock::time_point deadline_{};
-  Scratch scratch_[3];  // ring partials (2 x f32) and bf16 first-step input
+  Scratch scratch_[4];  // ring partials (2 x f32), bf16 first-step input, the last step's window
 };
 
 }  // namespace

@@ -10,13 +10,14 @@
 //     under parallel.schedule) with dp (ZeRO 0 or 1) and tp / sp / cp inside each stage;
 //   - CUDA (train.device = "cuda", in builds with CUDA; train/engine_cuda.cu): the model on one
 //     GPU per rank, steps as CUDA graphs, data parallelism over GPU processes.
-// Rank 0 prints and writes metrics.jsonl, validation losses, the loss PNG and checkpoints: full
-// tensors in the single-device format (tensor-parallel parts, ZeRO shards and pipeline stages
-// gathered to rank 0 while it writes), so they load under any layout and device. --resume: every
-// rank reads the latest checkpoint (train.out_dir on a filesystem all ranks share) and takes its
-// own part of each full tensor, so a run continues bit-identically under its own layout and,
-// within rounding, under another. A rank that fails ends the whole run with an error naming it
-// (mpi: the job is aborted).
+// Rank 0 prints and writes metrics.jsonl, validation losses and the loss PNG. Checkpoints are
+// sharded (train/checkpoint.h): every rank writes its own slices of the parameters and AdamW
+// moments, rank 0 commits the manifest once every part is durable; no rank assembles the model.
+// --resume: every rank reads only the elements it holds from the latest checkpoint (train.out_dir
+// on a filesystem all ranks share), whatever layout wrote it, so a run continues bit-identically
+// under its own layout and, within rounding, under another. Validation and samples run on the
+// mesh itself. A rank that fails ends the whole run with an error naming it (mpi: the job is
+// aborted).
 // Testing aid: LOOM_FAULT_INJECT="rank=R,step=S,kind=throw|exit|kill|nan|nan_weight" makes rank R
 // throw, _Exit(3) or SIGKILL itself at the start of step S, or puts a NaN into its gradients of
 // step S (nan) or into its weights from step S on (nan_weight).

@@ -9,6 +9,7 @@
 #include <functional>
 #include <limits>
 #include <mutex>
+#include <numeric>
 #include <thread>
 
 #include "core/error.h"
@@ -212,37 +213,73 @@ DataParallel::DataParallel(model::GPT& gpt, comm::Comm& dp, const optim::AdamWCo
       }
       if (w) writes_[size_t(c)].push_back(int(b));
     }
+  // A tied head writes wte's gradient first in the backward and the embedding last. Under ZeRO
+  // 2/3, where a bucket is reduce-scattered into the shard (which adds), the head's part gets a
+  // bucket of its own, reduced right after the head: otherwise the embedding's bucket would be
+  // held from the first block of the backward to the last. (Stages 0/1 all-reduce the full
+  // gradient in place once, so there the bucket stays shared.)
+  if (o_.zero >= 2 && gpt.config().tied_embeddings && nchain > 1) {
+    const int head = nchain - 1;
+    model::Parameter* wte = &gpt.embedding().wte();
+    for (size_t i = 0; i < lay_.params.size(); ++i) {
+      const FlatParam& f = lay_.params[i];
+      if (f.param != wte) continue;
+      auto holds = [&](int b) { return f.offset >= buckets_[size_t(b)].begin && f.offset < buckets_[size_t(b)].end; };
+      auto& hw = writes_[size_t(head)];
+      const auto shared = std::find_if(hw.begin(), hw.end(), holds);
+      const bool own = std::count(buckets_[size_t(*shared)].blocks.begin(), buckets_[size_t(*shared)].blocks.end(),
+                                  head) > 0;
+      if (own) break;  // wte shares a bucket with the head's own parameters: nothing held longer
+      hw.erase(shared);
+      hw.push_back(int(buckets_.size()));
+      buckets_.push_back(GradBucket{f.offset, f.offset + round_up(f.alloc, kFlatAlign), {head}, head});
+    }
+  }
   live_.assign(buckets_.size(), {});
 
-  // G: replay the allocation policy of acquire_bucket / launch_bucket over one backward, placing
-  // each bucket in one arena at the lowest offset no bucket alive with it uses (first fit): the
-  // buckets then reuse the same memory every micro-batch instead of mapping fresh pages.
+  // G: replay the allocation policy of acquire_bucket / launch_bucket over one backward to learn
+  // when each bucket holds memory (from its acquisition to the acquisition that frees it), then
+  // place the buckets in one arena, largest first, each at the lowest offset no bucket alive with
+  // it uses: the buckets reuse the same memory every micro-batch instead of mapping fresh pages,
+  // and with a few sizes (blocks, embedding, head) the arena is the most held at once.
   {
-    std::vector<int> state(buckets_.size(), 0);  // 0 free, 1 acquired, 2 launched, 3 freed
+    const int nb = int(buckets_.size());
+    std::vector<int> state(static_cast<size_t>(nb), 0);  // 0 free, 1 acquired, 2 launched, 3 freed
+    std::vector<int64_t> from(size_t(nb), 0), to(size_t(nb), INT64_MAX);
     std::vector<int> launched;
-    std::vector<int> alive;  // buckets holding arena space
-    bucket_offset_.assign(buckets_.size(), 0);
-    auto size_of = [&](int b) { return buckets_[size_t(b)].end - buckets_[size_t(b)].begin; };
+    int64_t t = 0;
     for (int c = nchain - 1; c >= 0; --c) {
       for (int b : writes_[size_t(c)]) {
         if (state[size_t(b)] != 0) continue;
+        ++t;
         for (size_t k = 0; k + 1 < launched.size(); ++k)
-          if (state[size_t(launched[k])] == 2) state[size_t(launched[k])] = 3;
-        std::erase_if(alive, [&](int a) { return state[size_t(a)] == 3; });
-        std::sort(alive.begin(), alive.end(),
-                  [&](int x, int y) { return bucket_offset_[size_t(x)] < bucket_offset_[size_t(y)]; });
-        int64_t at = 0;
-        for (int a : alive) {
-          if (bucket_offset_[size_t(a)] - at >= size_of(b)) break;
-          at = std::max(at, bucket_offset_[size_t(a)] + size_of(a));
-        }
-        bucket_offset_[size_t(b)] = at;
-        alive.push_back(b);
-        bucket_peak_ = std::max(bucket_peak_, at + size_of(b));
+          if (state[size_t(launched[k])] == 2) state[size_t(launched[k])] = 3, to[size_t(launched[k])] = t;
+        from[size_t(b)] = t;
         state[size_t(b)] = 1;
       }
-      for (size_t b = 0; b < buckets_.size(); ++b)
-        if (buckets_[b].last_writer == c) state[b] = 2, launched.push_back(int(b));
+      for (int b = 0; b < nb; ++b)
+        if (buckets_[size_t(b)].last_writer == c) state[size_t(b)] = 2, launched.push_back(b);
+    }
+    auto size_of = [&](int b) { return buckets_[size_t(b)].end - buckets_[size_t(b)].begin; };
+    std::vector<int> order(static_cast<size_t>(nb));
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return size_of(x) > size_of(y); });
+    bucket_offset_.assign(size_t(nb), 0);
+    std::vector<int> placed;
+    for (int b : order) {
+      std::vector<int> beside;  // placed buckets alive at the same time, by offset
+      for (int a : placed)
+        if (from[size_t(a)] < to[size_t(b)] && from[size_t(b)] < to[size_t(a)]) beside.push_back(a);
+      std::sort(beside.begin(), beside.end(),
+                [&](int x, int y) { return bucket_offset_[size_t(x)] < bucket_offset_[size_t(y)]; });
+      int64_t at = 0;
+      for (int a : beside) {
+        if (bucket_offset_[size_t(a)] - at >= size_of(b)) break;
+        at = std::max(at, bucket_offset_[size_t(a)] + size_of(a));
+      }
+      bucket_offset_[size_t(b)] = at;
+      placed.push_back(b);
+      bucket_peak_ = std::max(bucket_peak_, at + size_of(b));
     }
   }
 
@@ -352,9 +389,13 @@ void DataParallel::free_bucket(size_t b) {
     stats_.reduce_wait_s += seconds(t1 - t0);
     if (o_.trace) o_.trace->add("wait bucket " + std::to_string(b), TraceStream::wait, t0, t1);
   }
+  // Only the gradients that point here: wte's may already point at the embedding's bucket while
+  // the tied head's is freed.
   const GradBucket& g = buckets_[b];
   for (FlatParam& f : lay_.params)
-    if (f.offset >= g.begin && f.offset < g.end) detach_from_flat(*f.param, true);
+    if (f.offset >= g.begin && f.offset < g.end && f.param->grad_full.defined() &&
+        f.param->grad_full.f32() == l.buf.f32() + (f.offset - g.begin))
+      detach_from_flat(*f.param, true);
   l.buf = Tensor();
   l.freed = true;
 }

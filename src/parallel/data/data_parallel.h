@@ -27,12 +27,15 @@
 // communication thread into the other (FSDP's forward and backward prefetch). A block whose
 // gathered weights are still in a buffer from the same step (the head, from forward to backward)
 // is not gathered again; a block asked for out of that order (recomputation, evaluation) is
-// gathered there and then. Stage 2/3 bucket buffers are allocated when the first block writing into the bucket
-// starts its backward (the embedding bucket when a tied head starts) and freed when a later bucket
-// is allocated once its reduction has finished, keeping at most the newest launched bucket alive.
-// Each bucket has a fixed place in one arena of G elements, found by replaying that policy over
-// one backward (first fit: the lowest offset no bucket alive with it uses), so G is at least the
-// most bucket elements alive at once, a function of the bucket layout only, never of timing; the
+// gathered there and then. Stage 2/3 bucket buffers are allocated when the first block writing
+// into the bucket starts its backward and freed when a later bucket is allocated once its
+// reduction has finished, keeping at most the newest launched bucket alive. A tied head's part of
+// wte's gradient has a bucket of its own (stages 2/3; reduce-scattered after the head, and the
+// embedding's part after the embedding, both adding into the shard), so the embedding's bucket is
+// not held through the whole backward. Each bucket has a fixed place in one arena of G elements:
+// the policy is replayed over one backward for each bucket's lifetime, and the buckets are placed
+// largest first at the lowest offset no bucket alive with them uses, so G is a function of the
+// bucket layout only, never of timing (for GPT-2 it is the two largest blocks' buckets); the
 // arena is allocated at the first backward and reused by every one after.
 // With offload the optimizer moments (2 P_opt), an f32 master copy of the updated parameters
 // (P_opt) and a gradient staging copy (P_opt) live in the host pool instead (tags optimizer,

@@ -232,14 +232,16 @@ TEST(DataParallel, PeakMemoryEqualsZeroFormulas) {
       std::vector<MemPeaks> mem;
       run_dp(dp, zero, offload, 1, 1, &mem);  // one bucket per chain block
       const int64_t N_pad = (N + 16 * dp - 1) / (16 * dp) * (16 * dp), S = N_pad / dp;
-      // Buckets (backward order): head (+ the flat tail padding), h.1, h.0, embedding.
-      // Allocation order: head, embedding (the tied head writes wte), h.1 (head's bucket still
-      // in flight), then h.0 after freeing head's; placed first fit in one arena: head at 0, the
-      // embedding after it, h.1 after that, and h.0, which head's freed H elements cannot hold,
-      // after h.1: G = H + emb + 2 blk (the most alive at once is max(H + emb + blk, emb + 2 blk)).
+      // Buckets (backward order): head (+ the flat tail padding), h.1, h.0, embedding, and the
+      // tied head's own bucket for wte. Lifetimes: head and tied from the head's backward, head
+      // freed when h.1 is acquired (only the newest launched bucket stays in flight), tied when
+      // h.0 is, h.1 when the embedding is. Placed largest first at the lowest free offset: h.1 at
+      // 0, h.0 beside it, the embedding at 0 (h.1 is gone), tied beside h.1, head at 0 (h.1 not
+      // yet acquired): G = 2 blk, the most held at once.
       const int64_t H = head + N_pad - N;
-      ASSERT_LT(H, blk);
-      const int64_t G = H + emb + 2 * blk;
+      ASSERT_LT(H + Vp * C, blk);
+      ASSERT_LT(emb, blk);
+      const int64_t G = 2 * blk;
       // U: the tied head uses ln_f and wte; the embedding uses wte and wpe (unrounded sizes).
       const int64_t U = std::max({Vp * C + Tb * C, Vp * C + 2 * C, 12 * C * C + 13 * C});
       const int64_t P = zero == 0 ? N_pad : S;
