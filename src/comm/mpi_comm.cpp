@@ -398,7 +398,10 @@ class MpiComm final : public Comm {
         fatal(fmt::format("{} failed: {} (mismatched counts between ranks?)", what_, detail));
       }
       if (flag) return;
-      if (it >= kSpin) std::this_thread::yield();
+      // Past the spin, sleep between polls (20 us, doubling to 0.5 ms): a waiting thread that
+      // only yields stays runnable and takes CPU from the computing threads when ranks share
+      // cores (a communication thread waiting through a whole backward).
+      if (it >= kSpin) std::this_thread::sleep_for(std::chrono::microseconds(std::min<long>(500, 20L << std::min<long>(5, (it - kSpin) / 8))));
       if ((it & 63) == 0 && Clock::now() >= deadline_)
         abort_timed_out(world_rank(), fmt::format("{} timed out after {}: {}", what_, seconds(opts_.timeout),
                                                   waiting_for()),

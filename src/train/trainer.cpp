@@ -358,6 +358,12 @@ class PipelineEngine : public CpuEngine {
   StepOut step(int64_t step, float lr) override {
     train_.train_batch(step, cfg_.batch_size, dp_.rank() * local_, local_, x_.i32(), y_.i32());
     pipe::StepResult r = exec_.step(x_, y_, lr);
+    // Where this stage waited: the span of its computes less their time (the bubble, and
+    // transfers not hidden behind compute).
+    double busy = 0, span = 0;
+    for (const pipe::TraceEvent& e : exec_.trace()) busy += e.end - e.start, span = std::max(span, e.end);
+    idle_s_ += span - busy;
+    span_s_ += span;
     StepOut out{double(r.loss), r.grad_norm, r.skipped, ""};
     if (r.skipped) out.nonfinite = locate_nonfinite();
     return out;
@@ -465,6 +471,14 @@ class PipelineEngine : public CpuEngine {
 
   void write_trace(comm::Comm& world, const std::string& path) override;
 
+  std::string summary(TrainResult& res) override {
+    (void)res;
+    const int r = pp_.rank();
+    return fmt::format("pipeline idle {:.3f} s ({:.1f}% of the steps; the schedule's bubble {:.1f}%) on stage {}",
+                       idle_s_, span_s_ > 0 ? 100.0 * idle_s_ / span_s_ : 0.0,
+                       100.0 * exec_.checked().idle_fraction(r), r);
+  }
+
   // nan_weight only: this rank's first parameter (its first element) becomes NaN.
   bool poison(const std::string& kind) override {
     if (kind != "nan_weight" || exec_.parameters().empty()) return false;
@@ -482,6 +496,7 @@ class PipelineEngine : public CpuEngine {
   comm::Comm& tp_;
   pipe::PipelineExecutor exec_;
   int64_t local_ = 0, n_layer_ = 0;
+  double idle_s_ = 0, span_s_ = 0;  // over the run's steps: this stage's waits, and the span of its computes
   Tensor x_, y_;  // i32 [B / dp, T]
 };
 

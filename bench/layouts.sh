@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# Tokens/s of each parallel layout against the single device on the same cores, in one run, on
+# the threads backend and under MPI (issue "Parallel efficiency"): `loom train` on the same data,
+# model and global batch for every layout; a layout of R ranks gets CORES / R threads per rank, the
+# single device all CORES. Beside each figure, what the layout spends per step outside compute:
+# exposed gradient reduction and parameter gathers (data parallelism), and for a pipeline its
+# idle time against the schedule's own bubble.
+#
+#   bench/layouts.sh [DATA_DIR] [LAYOUT ...]
+#
+# DATA_DIR holds token shards (scripts/quickstart.sh makes data/kjv, vocabulary 4096). LAYOUTs are
+# "name:flags" (default: the issue's table). Environment: CORES (default 2), STEPS (default 6),
+# WARMUP (steps not timed, default 2), MODEL_FLAGS (default GPT-2 124M shapes over the data's
+# vocabulary), BATCH (default 8), SEQ (default 128), BACKENDS (default "threads mpi").
+# Prints a markdown table; tokens/s is the mean over the timed steps of metrics.jsonl.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+loom=${LOOM:-$root/build/loom}
+data=${1:-$root/data/kjv}
+shift || true
+[[ -x $loom ]] || { echo "$loom: not built (ninja -C build loom)" >&2; exit 1; }
+[[ -s $data/train_000.bin ]] || { echo "$data: no token shards (run scripts/quickstart.sh first)" >&2; exit 1; }
+cores=${CORES:-2}
+steps=${STEPS:-6}
+warmup=${WARMUP:-2}
+batch=${BATCH:-8}
+seq=${SEQ:-128}
+backends=(${BACKENDS:-threads mpi})
+model_flags=${MODEL_FLAGS:---model.n_layer 12 --model.n_head 12 --model.n_embd 768 --model.vocab_size 4096}
+for b in "${backends[@]}"; do
+  [[ $b == threads || $b == mpi ]] || { echo "BACKENDS: '$b' is not threads or mpi" >&2; exit 1; }
+  [[ $b == mpi ]] && ! command -v mpirun >/dev/null && { echo "mpirun not found (apt-get install openmpi-bin)" >&2; exit 1; }
+done
+(( warmup < steps )) || { echo "WARMUP ($warmup) must be below STEPS ($steps)" >&2; exit 1; }
+
+layouts=("$@")
+if [[ ${#layouts[@]} -eq 0 ]]; then
+  layouts=("single:" "dp2:--parallel.dp 2" "dp2-zero3:--parallel.dp 2 --parallel.zero 3" "tp2:--parallel.tp 2"
+           "tp2-sp:--parallel.tp 2 --parallel.sp true" "cp2:--parallel.cp 2"
+           "pp2:--parallel.pp 2 --train.grad_accum 4")
+fi
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+as_root=()
+[[ $(id -u) == 0 ]] && as_root=(--allow-run-as-root)
+# shellcheck disable=SC2206
+common=(--data.dir "$data" $model_flags --data.seq_len "$seq" --train.batch_size "$batch" --train.steps "$steps"
+        --train.eval_every 0 --train.sample_tokens 0 --train.checkpoint_every 0)
+
+# mean tokens/s over the steps after the warm-up, from a run's metrics.jsonl
+tokens_per_s() {
+  python3 -c 'import json,sys
+w=int(sys.argv[2]); v=[json.loads(l)["tokens_per_s"] for l in open(sys.argv[1])][w:]
+print("%.1f" % (sum(v)/len(v)))' "$1" "$warmup"
+}
+# what the run's memory line says about communication, per step
+comm_cost() {
+  local log=$1
+  python3 - "$log" "$steps" <<'EOF'
+import re, sys
+text = open(sys.argv[1]).read(); steps = int(sys.argv[2])
+out = []
+m = re.search(r"gradient reduction ([0-9.]+) s, ([0-9.]+) s exposed", text)
+if m: out.append("reduction exposed %.0f ms" % (1e3 * float(m.group(2)) / steps))
+m = re.search(r"parameter gathers ([0-9.]+) s", text)
+if m and float(m.group(1)) > 0: out.append("gathers %.0f ms" % (1e3 * float(m.group(1)) / steps))
+m = re.search(r"pipeline idle ([0-9.]+) s \(([0-9.]+)% of the steps; the schedule's bubble ([0-9.]+)%\)", text)
+if m: out.append("idle %s%% (bubble %s%%)" % (m.group(2), m.group(3)))
+print(", ".join(out) if out else "-")
+EOF
+}
+
+declare -A single_tps
+header="| layout | ranks x threads |"
+rule="|---|---|"
+for b in "${backends[@]}"; do header+=" $b tokens/s | $b vs single | $b per step outside compute |"; rule+="---|---|---|"; done
+[[ " ${backends[*]} " == *" threads "* && " ${backends[*]} " == *" mpi "* ]] && { header+=" mpi / threads |"; rule+="---|"; }
+echo "$header"
+echo "$rule"
+for spec in "${layouts[@]}"; do
+  name=${spec%%:*}
+  flags=${spec#*:}
+  ranks=1
+  for axis in dp tp pp cp; do
+    n=$(sed -nE "s/.*--parallel\.$axis ([0-9]+).*/\1/p" <<<"$flags")
+    ranks=$((ranks * ${n:-1}))
+  done
+  threads=$((cores / ranks))
+  (( threads >= 1 )) || threads=1
+  row="| $name ${flags:+(\`$flags\`)} | $ranks x $threads |"
+  declare -A tps=()
+  for b in "${backends[@]}"; do
+    out=$work/$name-$b
+    mkdir -p "$out"
+    # shellcheck disable=SC2086
+    if [[ $b == threads ]]; then
+      cmd=("$loom" train "${common[@]}" --train.out_dir "$out/run" --train.threads "$threads" --parallel.comm threads $flags)
+    else
+      cmd=(mpirun "${as_root[@]}" --oversubscribe --bind-to none -n "$ranks" "$loom" train "${common[@]}" --train.out_dir "$out/run"
+           --train.threads "$threads" --parallel.comm mpi $flags)
+    fi
+    if ! "${cmd[@]}" >"$out/log" 2>&1; then
+      echo "$name ($b): failed" >&2
+      cat "$out/log" >&2
+      exit 1
+    fi
+    tps[$b]=$(tokens_per_s "$out/run/metrics.jsonl")
+    [[ $name == single ]] && single_tps[$b]=${tps[$b]}
+    ratio=$(awk -v a="${tps[$b]}" -v s="${single_tps[$b]:-${tps[$b]}}" 'BEGIN {printf "%.2f", a / s}')
+    row+=" ${tps[$b]} | $ratio | $(comm_cost "$out/log") |"
+  done
+  if [[ -n ${tps[threads]:-} && -n ${tps[mpi]:-} ]]; then
+    row+=" $(awk -v m="${tps[mpi]}" -v t="${tps[threads]}" -v sm="${single_tps[mpi]}" -v st="${single_tps[threads]}" \
+             'BEGIN {printf "%.2f", (m / sm) / (t / st)}') |"
+  fi
+  echo "$row"
+done
