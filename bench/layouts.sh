@@ -12,7 +12,8 @@
 # "name:flags" (default: the issue's table). Environment: CORES (default 2), STEPS (default 6),
 # WARMUP (steps not timed, default 2), MODEL_FLAGS (default GPT-2 124M shapes over the data's
 # vocabulary), BATCH (default 8), SEQ (default 128), BACKENDS (default "threads mpi").
-# Prints a markdown table; tokens/s is the mean over the timed steps of metrics.jsonl.
+# REPEAT (default 2). Prints a markdown table; a run's tokens/s is the mean over its timed steps
+# (metrics.jsonl).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 loom=${LOOM:-$root/build/loom}
@@ -39,6 +40,7 @@ if [[ ${#layouts[@]} -eq 0 ]]; then
            "tp2-sp:--parallel.tp 2 --parallel.sp true" "cp2:--parallel.cp 2"
            "pp2:--parallel.pp 2 --train.grad_accum 4")
 fi
+declare -A ranks_of
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 as_root=()
@@ -70,48 +72,69 @@ print(", ".join(out) if out else "-")
 EOF
 }
 
-declare -A single_tps
+# Every (layout, backend) run REPEAT times, round robin (so a slow spell of the host spreads over
+# all layouts); each figure is the mean of its runs, with their spread. The single device has no
+# communication, so its runs under both backends form one baseline.
+repeat=${REPEAT:-2}
+declare -A tps_runs cost
+names=()
+for spec in "${layouts[@]}"; do names+=("${spec%%:*}"); done
+for ((k = 1; k <= repeat; ++k)); do
+  for spec in "${layouts[@]}"; do
+    name=${spec%%:*}
+    flags=${spec#*:}
+    ranks=1
+    for axis in dp tp pp cp; do
+      n=$(sed -nE "s/.*--parallel\.$axis ([0-9]+).*/\1/p" <<<"$flags")
+      ranks=$((ranks * ${n:-1}))
+    done
+    threads=$((cores / ranks))
+    (( threads >= 1 )) || threads=1
+    ranks_of[$name]="$ranks x $threads"
+    for b in "${backends[@]}"; do
+      out=$work/$name-$b-$k
+      mkdir -p "$out"
+      # shellcheck disable=SC2086
+      if [[ $b == threads ]]; then
+        cmd=("$loom" train "${common[@]}" --train.out_dir "$out/run" --train.threads "$threads" --parallel.comm threads $flags)
+      else
+        cmd=(mpirun "${as_root[@]}" --oversubscribe --bind-to none -n "$ranks" "$loom" train "${common[@]}" --train.out_dir "$out/run"
+             --train.threads "$threads" --parallel.comm mpi $flags)
+      fi
+      if ! "${cmd[@]}" >"$out/log" 2>&1; then
+        echo "$name ($b): failed" >&2
+        cat "$out/log" >&2
+        exit 1
+      fi
+      tps_runs[$name,$b]+="$(tokens_per_s "$out/run/metrics.jsonl") "
+      cost[$name,$b]=$(comm_cost "$out/log")
+    done
+  done
+done
+
+mean() { awk '{s = 0; for (i = 1; i <= NF; ++i) s += $i; printf "%.1f", s / NF}' <<<"$1"; }
+spread() { awk '{lo = $1; hi = $1; for (i = 2; i <= NF; ++i) { if ($i < lo) lo = $i; if ($i > hi) hi = $i }; printf "%.0f-%.0f", lo, hi}' <<<"$1"; }
+single_all=
+for b in "${backends[@]}"; do single_all+="${tps_runs[${names[0]},$b]}"; done
+base=$(mean "$single_all")
+echo "Baseline: ${names[0]}, $(mean "$single_all") tokens/s (runs: $single_all)"
+echo
 header="| layout | ranks x threads |"
 rule="|---|---|"
-for b in "${backends[@]}"; do header+=" $b tokens/s | $b vs single | $b per step outside compute |"; rule+="---|---|---|"; done
-[[ " ${backends[*]} " == *" threads "* && " ${backends[*]} " == *" mpi "* ]] && { header+=" mpi / threads |"; rule+="---|"; }
+for b in "${backends[@]}"; do header+=" $b tokens/s (runs) | $b vs single | $b per step outside compute |"; rule+="---|---|---|"; done
+both=0
+[[ " ${backends[*]} " == *" threads "* && " ${backends[*]} " == *" mpi "* ]] && both=1
+(( both )) && { header+=" mpi / threads |"; rule+="---|"; }
 echo "$header"
 echo "$rule"
 for spec in "${layouts[@]}"; do
   name=${spec%%:*}
   flags=${spec#*:}
-  ranks=1
-  for axis in dp tp pp cp; do
-    n=$(sed -nE "s/.*--parallel\.$axis ([0-9]+).*/\1/p" <<<"$flags")
-    ranks=$((ranks * ${n:-1}))
-  done
-  threads=$((cores / ranks))
-  (( threads >= 1 )) || threads=1
-  row="| $name ${flags:+(\`$flags\`)} | $ranks x $threads |"
-  declare -A tps=()
+  row="| $name ${flags:+(\`$flags\`)} | ${ranks_of[$name]} |"
   for b in "${backends[@]}"; do
-    out=$work/$name-$b
-    mkdir -p "$out"
-    # shellcheck disable=SC2086
-    if [[ $b == threads ]]; then
-      cmd=("$loom" train "${common[@]}" --train.out_dir "$out/run" --train.threads "$threads" --parallel.comm threads $flags)
-    else
-      cmd=(mpirun "${as_root[@]}" --oversubscribe --bind-to none -n "$ranks" "$loom" train "${common[@]}" --train.out_dir "$out/run"
-           --train.threads "$threads" --parallel.comm mpi $flags)
-    fi
-    if ! "${cmd[@]}" >"$out/log" 2>&1; then
-      echo "$name ($b): failed" >&2
-      cat "$out/log" >&2
-      exit 1
-    fi
-    tps[$b]=$(tokens_per_s "$out/run/metrics.jsonl")
-    [[ $name == single ]] && single_tps[$b]=${tps[$b]}
-    ratio=$(awk -v a="${tps[$b]}" -v s="${single_tps[$b]:-${tps[$b]}}" 'BEGIN {printf "%.2f", a / s}')
-    row+=" ${tps[$b]} | $ratio | $(comm_cost "$out/log") |"
+    m=$(mean "${tps_runs[$name,$b]}")
+    row+=" $m ($(spread "${tps_runs[$name,$b]}")) | $(awk -v a="$m" -v s="$base" 'BEGIN {printf "%.2f", a / s}') | ${cost[$name,$b]} |"
   done
-  if [[ -n ${tps[threads]:-} && -n ${tps[mpi]:-} ]]; then
-    row+=" $(awk -v m="${tps[mpi]}" -v t="${tps[threads]}" -v sm="${single_tps[mpi]}" -v st="${single_tps[threads]}" \
-             'BEGIN {printf "%.2f", (m / sm) / (t / st)}') |"
-  fi
+  (( both )) && row+=" $(awk -v m="$(mean "${tps_runs[$name,mpi]}")" -v t="$(mean "${tps_runs[$name,threads]}")" 'BEGIN {printf "%.2f", m / t}') |"
   echo "$row"
 done

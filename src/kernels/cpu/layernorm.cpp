@@ -99,4 +99,64 @@ void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* 
   }
 }
 
+void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N, int64_t C,
+                     float eps) {
+  LOOM_CHECK(N >= 0 && C > 0, "rmsnorm_forward: bad size N={} C={}", N, C);
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* x = inp + n * C;  // f32 [C]
+    float* y = out + n * C;        // f32 [C]
+    double q = 0.0;
+#pragma omp simd reduction(+ : q)
+    for (int64_t c = 0; c < C; ++c) q += double(x[c]) * double(x[c]);
+    const float r = float(1.0 / std::sqrt(q / double(C) + double(eps)));
+#pragma omp simd
+    for (int64_t c = 0; c < C; ++c) y[c] = x[c] * r * weight[c];
+    if (rstd) rstd[n] = r;
+  }
+}
+
+void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
+                      const float* rstd, int64_t N, int64_t C, bool accumulate_dinp) {
+  LOOM_CHECK(N >= 0 && C > 0, "rmsnorm_backward: bad size N={} C={}", N, C);
+  if (dinp) {
+    // dinp = rstd * (dnorm - xhat * mean(dnorm * xhat)), dnorm = dout * weight, xhat = x * rstd.
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      const float* x = inp + n * C;
+      const float* dy = dout + n * C;
+      float* dx = dinp + n * C;
+      const float r = rstd[n];
+      float sum_dn_xhat = 0.f;
+#pragma omp simd reduction(+ : sum_dn_xhat)
+      for (int64_t c = 0; c < C; ++c) sum_dn_xhat += dy[c] * weight[c] * (x[c] * r);
+      const float mean_dn_xhat = sum_dn_xhat / float(C);
+      if (accumulate_dinp) {
+#pragma omp simd
+        for (int64_t c = 0; c < C; ++c) dx[c] += r * (dy[c] * weight[c] - (x[c] * r) * mean_dn_xhat);
+      } else {
+#pragma omp simd
+        for (int64_t c = 0; c < C; ++c) dx[c] = r * (dy[c] * weight[c] - (x[c] * r) * mean_dn_xhat);
+      }
+    }
+  }
+  if (dweight) {
+    constexpr int64_t kBlock = 64;
+    const int64_t nblocks = (C + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const int64_t c0 = b * kBlock, len = std::min(kBlock, C - c0);
+      float acc[kBlock] = {};
+      for (int64_t n = 0; n < N; ++n) {
+        const float* x = inp + n * C + c0;
+        const float* dy = dout + n * C + c0;
+        const float r = rstd[n];
+#pragma omp simd
+        for (int64_t c = 0; c < len; ++c) acc[c] += dy[c] * (x[c] * r);
+      }
+      for (int64_t c = 0; c < len; ++c) dweight[c0 + c] += acc[c];
+    }
+  }
+}
+
 }  // namespace loom::cpu
