@@ -214,6 +214,8 @@ struct Plan {
   int64_t bytes() const { return (shared + int64_t(team) * per_thread) * int64_t(sizeof(float)); }
 };
 
+int64_t kv_heads(const AttnArgs& a) { return a.NKV > 0 ? a.NKV : a.NH; }
+
 int team_for(int threads, int64_t units) { return int(std::clamp<int64_t>(units, 1, threads)); }
 
 Plan<5> forward_plan(const AttnArgs& a, int threads) {
@@ -236,15 +238,15 @@ Plan<5> forward_plan(const AttnArgs& a, int threads) {
 
 Plan<11> backward_plan(const AttnArgs& a, int threads) {
   const int64_t HS = a.HS, HSp = round_up8(HS), Tq = a.Tq, Tkv = a.Tkv;
-  const int64_t BNH = a.B * a.NH;
+  const int64_t BNH = a.B * a.NH, BNKV = a.B * kv_heads(a);
   const int64_t nkt = (Tkv + kTileK - 1) / kTileK;
   Plan<11> p;
-  // Key tiles of a (b, h) are dealt round-robin to G groups (balanced under the causal mask).
-  p.split = BNH >= kMinBackwardUnits
+  // Key tiles of a (b, kv head) are dealt round-robin to G groups (balanced under the causal mask).
+  p.split = BNKV >= kMinBackwardUnits
                 ? 1
-                : std::clamp<int64_t>((kMinBackwardUnits + BNH - 1) / BNH, 1, std::max<int64_t>(nkt, 1));
+                : std::clamp<int64_t>((kMinBackwardUnits + BNKV - 1) / BNKV, 1, std::max<int64_t>(nkt, 1));
   const int64_t G = p.split;
-  p.units = BNH * G;
+  p.units = BNKV * G;
   p.team = team_for(threads, p.units);
   // kt, vt f32 [HS, knp]: K and V tile transposed; kp f32 [kn, HSp]: K tile * scale;
   // qall, doall f32 [Tq, HSp]: Q * scale and dO of the (b, h); dsum_bh f32 [Tq]: D = rowsum(dO * O);
@@ -340,9 +342,11 @@ void check_args(const AttnArgs& a, const char* fn) {
              "{}: AttnArgs.B, Tq and Tkv must not be negative (B={}, Tq={}, Tkv={})", fn, a.B, a.Tq, a.Tkv);
   LOOM_CHECK(a.NH > 0 && a.HS > 0, "{}: AttnArgs.NH and AttnArgs.HS must be positive (NH={}, HS={})", fn,
              a.NH, a.HS);
-  const int64_t C = a.NH * a.HS;
+  LOOM_CHECK(a.NKV >= 0 && (a.NKV == 0 || a.NH % a.NKV == 0),
+             "{}: AttnArgs.NKV={} must divide NH={} (grouped-query attention)", fn, a.NKV, a.NH);
+  const int64_t C = a.NH * a.HS, Ckv = kv_heads(a) * a.HS;
   LOOM_CHECK(a.q_stride >= C, "{}: AttnArgs.q_stride={} is smaller than NH*HS={}", fn, a.q_stride, C);
-  LOOM_CHECK(a.kv_stride >= C, "{}: AttnArgs.kv_stride={} is smaller than NH*HS={}", fn, a.kv_stride, C);
+  LOOM_CHECK(a.kv_stride >= Ckv, "{}: AttnArgs.kv_stride={} is smaller than NKV*HS={}", fn, a.kv_stride, Ckv);
   LOOM_CHECK(a.o_stride >= C, "{}: AttnArgs.o_stride={} is smaller than NH*HS={}", fn, a.o_stride, C);
   LOOM_CHECK(std::isfinite(a.scale), "{}: AttnArgs.scale={} is not finite", fn, a.scale);
 }
@@ -396,7 +400,7 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
   LOOM_CHECK(out && lse && q, "attention_forward: out, lse and q must not be null");
   LOOM_CHECK(a.Tkv == 0 || (k && v), "attention_forward: k and v must not be null when Tkv={} > 0", a.Tkv);
 
-  const int64_t NH = a.NH, HS = a.HS, Tq = a.Tq, Tkv = a.Tkv;
+  const int64_t NH = a.NH, HS = a.HS, Tq = a.Tq, Tkv = a.Tkv, group = NH / kv_heads(a);
   const int64_t HSp = round_up8(HS);
   const float scale = resolve_scale(a);
   const int64_t nqt = (Tq + kTileQ - 1) / kTileQ;
@@ -420,7 +424,7 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < units; ++u) {
       const int64_t bh = u / chunks;
-      const int64_t b = bh / NH, h = bh % NH;
+      const int64_t b = bh / NH, h = bh % NH, hk = h / group;
       int64_t packed = 0;  // rows of kall / vall filled
       for (int64_t qti = u % chunks; qti < nqt; qti += chunks) {
         const int64_t q0 = qti * kTileQ, qn = std::min(kTileQ, Tq - q0), qnp = round_up8(qn);
@@ -431,8 +435,8 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
         const int64_t kend = a.causal ? std::clamp<int64_t>(qpos0 + qn - 1 - a.kv_pos0 + 1, 0, Tkv) : Tkv;
 
         if (packed < kend) {
-          const Rows kr{k + (b * Tkv + packed) * a.kv_stride + h * HS, a.kv_stride};
-          const Rows vr{v + (b * Tkv + packed) * a.kv_stride + h * HS, a.kv_stride};
+          const Rows kr{k + (b * Tkv + packed) * a.kv_stride + hk * HS, a.kv_stride};
+          const Rows vr{v + (b * Tkv + packed) * a.kv_stride + hk * HS, a.kv_stride};
           pack_rows(kall + packed * HSp, HSp, kr, kend - packed, HS);
           pack_rows(vall + packed * HSp, HSp, vr, kend - packed, HS);
           packed = kend;
@@ -520,6 +524,7 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
              "attention_backward: dk, dv, k and v must not be null when Tkv={} > 0", a.Tkv);
 
   const int64_t B = a.B, NH = a.NH, HS = a.HS, Tq = a.Tq, Tkv = a.Tkv;
+  const int64_t NKV = kv_heads(a), group = NH / NKV;
   const int64_t BNH = B * NH;
   const int64_t HSp = round_up8(HS);
   const float scale = resolve_scale(a);
@@ -543,84 +548,91 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < units; ++u) {
-      const int64_t bh = u / G, g = u % G;
-      const int64_t b = bh / NH, h = bh % NH;
-      float* dqa = G == 1 ? dq_own : dq_part + (g * BNH + bh) * Tq * HSp;  // f32 [Tq, HSp]
-      std::fill(dqa, dqa + Tq * HSp, 0.f);
-      const float* lse_bh = lse + bh * Tq;
-      pack_rows(qall, HSp, Rows{q + b * Tq * a.q_stride + h * HS, a.q_stride}, Tq, HS, scale);
-      const Rows dor{dout + b * Tq * a.o_stride + h * HS, a.o_stride};
-      const Rows outr{out + b * Tq * a.o_stride + h * HS, a.o_stride};
-      pack_rows(doall, HSp, dor, Tq, HS);
-      for (int64_t t = 0; t < Tq; ++t) dsum_bh[t] = dot(doall + t * HSp, outr.row(t), HS);
+      // A unit owns key tiles g, g + G, ... of one (b, kv head) and runs the query heads that read
+      // them one after another: the first writes dK and dV (or adds with accumulate), the others
+      // add, in head order, so the sums do not depend on the thread count.
+      const int64_t bhk = u / G, g = u % G;
+      const int64_t b = bhk / NKV, hk = bhk % NKV;
+      for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+        const bool first_head = h == hk * group;
+        const int64_t bh = b * NH + h;
+        float* dqa = G == 1 ? dq_own : dq_part + (g * BNH + bh) * Tq * HSp;  // f32 [Tq, HSp]
+        std::fill(dqa, dqa + Tq * HSp, 0.f);
+        const float* lse_bh = lse + bh * Tq;
+        pack_rows(qall, HSp, Rows{q + b * Tq * a.q_stride + h * HS, a.q_stride}, Tq, HS, scale);
+        const Rows dor{dout + b * Tq * a.o_stride + h * HS, a.o_stride};
+        const Rows outr{out + b * Tq * a.o_stride + h * HS, a.o_stride};
+        pack_rows(doall, HSp, dor, Tq, HS);
+        for (int64_t t = 0; t < Tq; ++t) dsum_bh[t] = dot(doall + t * HSp, outr.row(t), HS);
 
-      for (int64_t kt_i = g; kt_i < nkt; kt_i += G) {
-        const int64_t k0 = kt_i * kTileK, kn = std::min(kTileK, Tkv - k0), knp = round_up8(kn);
-        const Rows kr{k + (b * Tkv + k0) * a.kv_stride + h * HS, a.kv_stride};
-        const Rows vr{v + (b * Tkv + k0) * a.kv_stride + h * HS, a.kv_stride};
-        pack_transposed(kt, knp, kr, kn, HS);
-        pack_transposed(vt, knp, vr, kn, HS);
-        pack_rows(kp, HSp, kr, kn, HS, scale);
-        std::fill(dkt, dkt + kn * HSp, 0.f);
-        std::fill(dvt, dvt + kn * HSp, 0.f);
-        // The first query that sees a key of this tile.
-        const int64_t qstart = a.causal ? std::clamp<int64_t>(a.kv_pos0 + k0 - a.q_pos0, 0, Tq) : 0;
+        for (int64_t kt_i = g; kt_i < nkt; kt_i += G) {
+          const int64_t k0 = kt_i * kTileK, kn = std::min(kTileK, Tkv - k0), knp = round_up8(kn);
+          const Rows kr{k + (b * Tkv + k0) * a.kv_stride + hk * HS, a.kv_stride};
+          const Rows vr{v + (b * Tkv + k0) * a.kv_stride + hk * HS, a.kv_stride};
+          pack_transposed(kt, knp, kr, kn, HS);
+          pack_transposed(vt, knp, vr, kn, HS);
+          pack_rows(kp, HSp, kr, kn, HS, scale);
+          std::fill(dkt, dkt + kn * HSp, 0.f);
+          std::fill(dvt, dvt + kn * HSp, 0.f);
+          // The first query that sees a key of this tile.
+          const int64_t qstart = a.causal ? std::clamp<int64_t>(a.kv_pos0 + k0 - a.q_pos0, 0, Tq) : 0;
 
-        for (int64_t q0 = qstart; q0 < Tq; q0 += kTileQ) {
-          const int64_t qn = std::min(kTileQ, Tq - q0);
-          const float* qp = qall + q0 * HSp;    // f32 [qn, HSp]
-          const float* dop = doall + q0 * HSp;  // f32 [qn, HSp]
-          // Query i sees keys j <= i + last0. Blocks right of the band stay unwritten and are masked.
-          const int64_t last0 = a.q_pos0 + q0 - a.kv_pos0 - k0;
-          const Band s_band = a.causal ? Band{.col_hi = last0} : Band{};
-          const Band kv_band = a.causal ? Band{.k_lo = -last0} : Band{};
-          const Band q_band = a.causal ? Band{.k_hi = last0} : Band{};
-          // s [qn, knp] = (q scale) k^T (into p), dp [qn, knp] = dout v^T (into ds)
-          tile_gemm(qn, knp, HS, qp, HSp, 1, kt, knp, p, kTileK, false, s_band);
-          tile_gemm(qn, knp, HS, dop, HSp, 1, vt, knp, ds, kTileK, false, s_band);
-          for (int64_t r = 0; r < qn; ++r) {
-            float* pr = p + r * kTileK;
-            float* dsr = ds + r * kTileK;
-            const float l = lse_bh[q0 + r];
-            const int64_t nvis = l == kNegInf ? 0 : visible_keys(a, a.q_pos0 + q0 + r, k0, kn);
-            const v8f lv = splat(l), dr = splat(dsum_bh[q0 + r]);
-            for (int64_t j = 0; j < knp; j += 8) {
-              const v8i keep = (iota + splati(int32_t(j))) < splati(int32_t(nvis));
-              // p = exp(s - lse) where visible, else 0; ds = p (dp - D) (the scale is in the packed q and k)
-              const v8f pj = select(keep, exp8(load8(pr + j) - lv), splat(0.f));
-              store8(pr + j, pj);
-              store8(dsr + j, select(keep, pj * (load8(dsr + j) - dr), splat(0.f)));
+          for (int64_t q0 = qstart; q0 < Tq; q0 += kTileQ) {
+            const int64_t qn = std::min(kTileQ, Tq - q0);
+            const float* qp = qall + q0 * HSp;    // f32 [qn, HSp]
+            const float* dop = doall + q0 * HSp;  // f32 [qn, HSp]
+            // Query i sees keys j <= i + last0. Blocks right of the band stay unwritten and are masked.
+            const int64_t last0 = a.q_pos0 + q0 - a.kv_pos0 - k0;
+            const Band s_band = a.causal ? Band{.col_hi = last0} : Band{};
+            const Band kv_band = a.causal ? Band{.k_lo = -last0} : Band{};
+            const Band q_band = a.causal ? Band{.k_hi = last0} : Band{};
+            // s [qn, knp] = (q scale) k^T (into p), dp [qn, knp] = dout v^T (into ds)
+            tile_gemm(qn, knp, HS, qp, HSp, 1, kt, knp, p, kTileK, false, s_band);
+            tile_gemm(qn, knp, HS, dop, HSp, 1, vt, knp, ds, kTileK, false, s_band);
+            for (int64_t r = 0; r < qn; ++r) {
+              float* pr = p + r * kTileK;
+              float* dsr = ds + r * kTileK;
+              const float l = lse_bh[q0 + r];
+              const int64_t nvis = l == kNegInf ? 0 : visible_keys(a, a.q_pos0 + q0 + r, k0, kn);
+              const v8f lv = splat(l), dr = splat(dsum_bh[q0 + r]);
+              for (int64_t j = 0; j < knp; j += 8) {
+                const v8i keep = (iota + splati(int32_t(j))) < splati(int32_t(nvis));
+                // p = exp(s - lse) where visible, else 0; ds = p (dp - D) (the scale is in the packed q and k)
+                const v8f pj = select(keep, exp8(load8(pr + j) - lv), splat(0.f));
+                store8(pr + j, pj);
+                store8(dsr + j, select(keep, pj * (load8(dsr + j) - dr), splat(0.f)));
+              }
+            }
+            // dv [kn, HSp] += p^T dout; dk [kn, HSp] += ds^T (q scale); dq [qn, HSp] += ds (k scale)
+            tile_gemm(kn, HSp, qn, p, 1, kTileK, dop, HSp, dvt, HSp, true, kv_band);
+            tile_gemm(kn, HSp, qn, ds, 1, kTileK, qp, HSp, dkt, HSp, true, kv_band);
+            tile_gemm(qn, HSp, kn, ds, kTileK, 1, kp, HSp, dqa + q0 * HSp, HSp, true, q_band);
+          }
+          for (int64_t j = 0; j < kn; ++j) {
+            float* dkr = dk + (b * Tkv + k0 + j) * a.kv_stride + hk * HS;
+            float* dvr = dv + (b * Tkv + k0 + j) * a.kv_stride + hk * HS;
+            const float* sk = dkt + j * HSp;
+            const float* sv = dvt + j * HSp;
+            if (accumulate || !first_head) {
+              for (int64_t d = 0; d < HS; ++d) dkr[d] += sk[d], dvr[d] += sv[d];
+            } else {
+              std::memcpy(dkr, sk, size_t(HS) * sizeof(float));
+              std::memcpy(dvr, sv, size_t(HS) * sizeof(float));
             }
           }
-          // dv [kn, HSp] += p^T dout; dk [kn, HSp] += ds^T (q scale); dq [qn, HSp] += ds (k scale)
-          tile_gemm(kn, HSp, qn, p, 1, kTileK, dop, HSp, dvt, HSp, true, kv_band);
-          tile_gemm(kn, HSp, qn, ds, 1, kTileK, qp, HSp, dkt, HSp, true, kv_band);
-          tile_gemm(qn, HSp, kn, ds, kTileK, 1, kp, HSp, dqa + q0 * HSp, HSp, true, q_band);
         }
-        for (int64_t j = 0; j < kn; ++j) {
-          float* dkr = dk + (b * Tkv + k0 + j) * a.kv_stride + h * HS;
-          float* dvr = dv + (b * Tkv + k0 + j) * a.kv_stride + h * HS;
-          const float* sk = dkt + j * HSp;
-          const float* sv = dvt + j * HSp;
-          if (accumulate) {
-            for (int64_t d = 0; d < HS; ++d) dkr[d] += sk[d], dvr[d] += sv[d];
-          } else {
-            std::memcpy(dkr, sk, size_t(HS) * sizeof(float));
-            std::memcpy(dvr, sv, size_t(HS) * sizeof(float));
+        if (G == 1) {
+          for (int64_t t = 0; t < Tq; ++t) {
+            float* dst = dq + (b * Tq + t) * a.q_stride + h * HS;
+            const float* src = dqa + t * HSp;
+            if (accumulate) {
+              for (int64_t d = 0; d < HS; ++d) dst[d] += src[d];
+            } else {
+              std::memcpy(dst, src, size_t(HS) * sizeof(float));
+            }
           }
         }
-      }
-      if (G == 1) {
-        for (int64_t t = 0; t < Tq; ++t) {
-          float* dst = dq + (b * Tq + t) * a.q_stride + h * HS;
-          const float* src = dqa + t * HSp;
-          if (accumulate) {
-            for (int64_t d = 0; d < HS; ++d) dst[d] += src[d];
-          } else {
-            std::memcpy(dst, src, size_t(HS) * sizeof(float));
-          }
-        }
-      }
+      }  // query heads of the kv head
     }
   }
 

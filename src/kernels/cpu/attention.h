@@ -23,8 +23,11 @@ namespace loom::cpu {
 // Row-strided views of Q, K, V and O: element (b, t, h, d) of X is at
 // X[(b * T + t) * stride + h * HS + d] with T the sequence length of that tensor. Packed GPT-2
 // qkv [B, T, 3C] is q = qkv, k = qkv + C, v = qkv + 2C with stride 3C.
+// Grouped-query attention (Ainslie et al. 2023): with NKV key/value heads (NH a multiple of NKV),
+// query head h reads key/value head h / (NH / NKV); K and V rows hold NKV heads.
 struct AttnArgs {
   int64_t B = 0, NH = 0, HS = 0;
+  int64_t NKV = 0;                  // key/value heads; 0 means NH (multi-head attention)
   int64_t Tq = 0, Tkv = 0;         // query and key/value lengths
   int64_t q_stride = 0, kv_stride = 0, o_stride = 0;
   int64_t q_pos0 = 0, kv_pos0 = 0;  // global positions of the first query / key (causal mask:
@@ -43,8 +46,9 @@ struct AttnArgs {
 // (backward = true) call with these arguments uses when the calling thread's
 // omp_get_max_threads() is `threads`; 0 for a call with nothing to compute. With
 // HSp = HS rounded up to 8, units = B NH chunks in forward (chunks = clamp(ceil(4 threads / (B NH)),
-// 1, query tiles)) and B NH G in backward (G = 1 from 32 (b, h) pairs on, else
-// min(ceil(32 / (B NH)), key tiles)), and every buffer rounded up to 16 floats, it is 4 bytes times
+// 1, query tiles)) and B NKV G in backward (a unit owns its key/value head's key tiles and runs
+// the query heads that read them in order; G = 1 from 32 (b, kv head) pairs on, else
+// min(ceil(32 / (B NKV)), key tiles)), and every buffer rounded up to 16 floats, it is 4 bytes times
 //   forward:  min(threads, units) (64 HS + 2 Tkv HSp + 64 * 64 + 64 HSp)
 //   backward: min(threads, units) (2 * 64 HS + 3 * 64 HSp + (2 + [G == 1]) Tq HSp + Tq + 2 * 64 * 64)
 //             + [G > 1] G B NH Tq HSp.

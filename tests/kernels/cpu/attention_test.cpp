@@ -455,11 +455,74 @@ int64_t documented_workspace_bytes(const AttnArgs& a, bool backward, int64_t thr
     const int64_t team = std::min(threads, BNH * chunks);
     return 4 * team * (pad(64 * HS) + 2 * pad(Tkv * HSp) + pad(64 * 64) + pad(64 * HSp));
   }
-  const int64_t G = BNH >= 32 ? 1 : std::clamp<int64_t>(ceil_div(32, BNH), 1, std::max<int64_t>(ceil_div(Tkv, 64), 1));
-  const int64_t team = std::min(threads, BNH * G);
+  const int64_t BNKV = a.B * (a.NKV > 0 ? a.NKV : a.NH);
+  const int64_t G =
+      BNKV >= 32 ? 1 : std::clamp<int64_t>(ceil_div(32, BNKV), 1, std::max<int64_t>(ceil_div(Tkv, 64), 1));
+  const int64_t team = std::min(threads, BNKV * G);
   const int64_t per_thread = 2 * pad(64 * HS) + 3 * pad(64 * HSp) + (G == 1 ? 3 : 2) * pad(Tq * HSp) + pad(Tq) +
                              2 * pad(64 * 64);
   return 4 * (team * per_thread + (G > 1 ? pad(G * BNH * Tq * HSp) : 0));
+}
+
+// Grouped-query attention equals multi-head attention over K and V with each key/value head
+// repeated for the query heads that read it, bit for bit: the same outputs and dQ, and dK, dV the
+// repeated heads' gradients added in head order. Both backward paths (dQ by key-tile groups with
+// few (b, kv head) pairs, whole with many), any thread count, and a workspace as documented.
+TEST(Attention, GroupedQueryEqualsRepeatedKeyValueHeads) {
+  for (const auto& [B, NH, NKV, T] : std::vector<std::array<int64_t, 4>>{{2, 6, 2, 130}, {4, 16, 8, 70}, {1, 4, 1, 65}}) {
+    const int64_t HS = 12, Cq = NH * HS, Ckv = NKV * HS, group = NH / NKV;
+    AttnArgs g;
+    g.B = B, g.NH = NH, g.NKV = NKV, g.HS = HS, g.Tq = g.Tkv = T;
+    g.q_stride = g.o_stride = Cq;
+    g.kv_stride = Ckv;
+    const auto q = random_vec(B * T * Cq, 71, -2.f, 2.f), k = random_vec(B * T * Ckv, 72, -2.f, 2.f);
+    const auto v = random_vec(B * T * Ckv, 73), dout = random_vec(B * T * Cq, 74);
+    // K and V with every head repeated `group` times: multi-head attention's inputs.
+    std::vector<float> kr(size_t(B * T * Cq)), vr(size_t(B * T * Cq));
+    for (int64_t r = 0; r < B * T; ++r)
+      for (int64_t h = 0; h < NH; ++h)
+        for (int64_t d = 0; d < HS; ++d) {
+          kr[size_t(r * Cq + h * HS + d)] = k[size_t(r * Ckv + (h / group) * HS + d)];
+          vr[size_t(r * Cq + h * HS + d)] = v[size_t(r * Ckv + (h / group) * HS + d)];
+        }
+    AttnArgs m = g;
+    m.NKV = 0;
+    m.kv_stride = Cq;
+    auto call = [&](const AttnArgs& a, const float* kk, const float* vv, int64_t ckv, int threads) {
+      ScopedThreads st(threads);
+      std::vector<float> out(size_t(B * T * Cq)), lse(size_t(B * NH * T)), dq(size_t(B * T * Cq));
+      std::vector<float> dk(size_t(B * T * ckv)), dv(size_t(B * T * ckv));
+      cpu::attention_forward(out.data(), lse.data(), q.data(), kk, vv, a);
+      cpu::attention_backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), kk, vv, out.data(), lse.data(), a);
+      return std::array<std::vector<float>, 5>{out, lse, dq, dk, dv};
+    };
+    const auto mha = call(m, kr.data(), vr.data(), Cq, 2);
+    for (int threads : {1, 2, 3}) {
+      const auto gqa = call(g, k.data(), v.data(), Ckv, threads);
+      const std::string what = fmt::format("B={} NH={} NKV={} T={} threads={}", B, NH, NKV, T, threads);
+      EXPECT_EQ(gqa[0], mha[0]) << what << ": out";
+      EXPECT_EQ(gqa[1], mha[1]) << what << ": lse";
+      EXPECT_EQ(gqa[2], mha[2]) << what << ": dq";
+      for (int which : {3, 4}) {
+        std::vector<float> want(size_t(B * T * Ckv), 0.f);
+        for (int64_t r = 0; r < B * T; ++r)
+          for (int64_t h = 0; h < NH; ++h)
+            for (int64_t d = 0; d < HS; ++d) {
+              float& w = want[size_t(r * Ckv + (h / group) * HS + d)];
+              const float x = mha[size_t(which)][size_t(r * Cq + h * HS + d)];
+              w = h % group == 0 ? x : w + x;
+            }
+        EXPECT_EQ(gqa[size_t(which)], want) << what << (which == 3 ? ": dk" : ": dv");
+      }
+    }
+    for (int threads : {1, 3})
+      EXPECT_EQ(cpu::attention_workspace_bytes(g, true, threads), documented_workspace_bytes(g, true, threads));
+  }
+  AttnArgs bad;
+  bad.B = 1, bad.NH = 6, bad.NKV = 4, bad.HS = 8, bad.Tq = bad.Tkv = 4, bad.q_stride = bad.o_stride = 48,
+  bad.kv_stride = 32;
+  std::vector<float> buf(1024);
+  EXPECT_THROW(cpu::attention_forward(buf.data(), buf.data(), buf.data(), buf.data(), buf.data(), bad), Error);
 }
 
 // Each call takes its scratch from AttnArgs.pool under tag workspace: the pool's peak during one forward or
