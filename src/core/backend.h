@@ -29,7 +29,9 @@
 
 namespace loom {
 
-enum class Op : uint8_t { linear, layernorm, attention, crossentropy, embedding, gelu, add, adamw, copy, sum, count };
+enum class Op : uint8_t {
+  linear, layernorm, attention, crossentropy, embedding, gelu, add, adamw, copy, sum, rmsnorm, rope, swiglu, count
+};
 constexpr int kNumOps = int(Op::count);
 std::string_view op_name(Op op);
 
@@ -68,7 +70,8 @@ struct LinearBackward {
 // out [N, C] = (x - mean) * rstd * weight + bias with mean, rstd f32 [N] saved (either may be null
 // when no backward follows; on the CPU bias may be null too, CUDA needs it). x is inp, or, with
 // residual_b set, the residual sum residual_out = inp + residual_b (rounded to dtype;
-// residual_out may alias inp).
+// residual_out may alias inp). With rms (Op::rmsnorm, the Llama family's RMSNorm): out = x * rstd
+// * weight, rstd = 1 / sqrt(mean(x^2) + eps), no mean and no bias (both null).
 struct LayerNormForward {
   DType dtype = DType::f32;
   void* out = nullptr;
@@ -81,11 +84,12 @@ struct LayerNormForward {
   const void* bias = nullptr;
   int64_t N = 0, C = 0;
   float eps = 1e-5f;
+  bool rms = false;
 };
 
 // dinp [N, C] (= or += with accumulate), dweight, dbias f32 [C] +=; inp is the LayerNorm's input
 // (the residual sum when the forward had one). On the CPU dweight and dbias may be null; CUDA
-// needs both.
+// needs both. With rms, the RMSNorm's: no mean and no dbias.
 struct LayerNormBackward {
   DType dtype = DType::f32;
   void* dinp = nullptr;
@@ -98,6 +102,7 @@ struct LayerNormBackward {
   const float* mean = nullptr;
   const float* rstd = nullptr;
   int64_t N = 0, C = 0;
+  bool rms = false;
 };
 
 // Which attention kernels run: the backend's default (CPU: tiled; CUDA: cuDNN where loom has it
@@ -214,6 +219,30 @@ struct EmbeddingBackward {
   int64_t vocab_begin = 0, vocab_rows = 0;
 };
 
+// Llama 3's rotary frequency scaling (`rope_scaling` of rope_type "llama3" in a Hugging Face
+// config); factor 0 leaves the frequencies as they are.
+struct RopeScaling {
+  double factor = 0;
+  double low_freq_factor = 1, high_freq_factor = 4;
+  int64_t original_max_position = 8192;
+};
+// inv_freq [HS / 2] = base^(-2 i / HS), then scaled as Llama 3 does; throws naming a bad value.
+std::vector<double> rope_inv_freq(int64_t HS, double base, const RopeScaling& scaling = RopeScaling());
+
+// Rotary position embeddings (Su et al. 2021) in Hugging Face's Llama layout: within each of the NH
+// heads of HS elements at x[(b * T + t) * stride + h * HS + d], elements i and i + HS / 2 are
+// rotated by the angle (pos0 + t, or positions[t]) * inv_freq[i]; with inverse by the opposite
+// angle (the backward: the input's gradient is the output's rotated back). In place. positions
+// i32 [T] in this backend's memory; inv_freq [HS / 2] on the host (rope_inv_freq).
+struct Rope {
+  DType dtype = DType::f32;
+  void* x = nullptr;
+  int64_t B = 0, T = 0, NH = 0, HS = 0, stride = 0, pos0 = 0;
+  const int32_t* positions = nullptr;
+  const double* inv_freq = nullptr;
+  bool inverse = false;
+};
+
 // One tensor of a multi-tensor AdamW: f32 master weights, gradient and moments of n elements, and
 // the compute copy the ops read (in the backend's compute dtype; null when the master is that).
 struct AdamWTensor {
@@ -325,6 +354,11 @@ class Backend {
   virtual void gelu_forward(DType dtype, void* out, const void* inp, int64_t n) = 0;
   // dinp = dout * gelu'(inp), [n] (dinp may alias dout).
   virtual void gelu_backward(DType dtype, void* dinp, const void* inp, const void* dout, int64_t n) = 0;
+  virtual void rope(const Rope& a) = 0;
+  // SwiGLU: out [N, H] = silu(gate) * up, inp [N, 2 H] holding gate in columns [0, H) and up in
+  // [H, 2 H) of each row; the backward writes dinp [N, 2 H] (may alias inp) from dout [N, H].
+  virtual void swiglu_forward(DType dtype, void* out, const void* inp, int64_t N, int64_t H) = 0;
+  virtual void swiglu_backward(DType dtype, void* dinp, const void* dout, const void* inp, int64_t N, int64_t H) = 0;
   // out = a + b, [n] (out may alias a or b).
   virtual void add(DType dtype, void* out, const void* a, const void* b, int64_t n) = 0;
   // out[0] = scale * (x[0] + ... + x[n - 1]), f32 in this backend's memory, in a fixed order.

@@ -13,6 +13,8 @@
 #include "kernels/cpu/layernorm.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/residual.h"
+#include "kernels/cpu/rope.h"
+#include "kernels/cpu/swiglu.h"
 
 namespace loom::cpu {
 
@@ -118,20 +120,43 @@ void CpuBackend::linear_backward(const LinearBackward& a) {
 }
 
 void CpuBackend::layernorm_forward(const LayerNormForward& a) {
-  check(Op::layernorm, a.dtype);
+  check(a.rms ? Op::rmsnorm : Op::layernorm, a.dtype);
+  LOOM_CHECK(!a.rms || (!a.mean && !a.bias), "rmsnorm_forward: no mean and no bias (mean and bias must be null)");
   const float* x = f(a.inp);
   if (a.residual_b) {
     LOOM_CHECK(a.residual_out, "layernorm_forward: residual_b without residual_out");
     residual_forward(f(a.residual_out), f(a.inp), f(a.residual_b), a.N * a.C);
     x = f(a.residual_out);
   }
-  cpu::layernorm_forward(f(a.out), a.mean, a.rstd, x, f(a.weight), f(a.bias), a.N, a.C, a.eps);
+  if (a.rms) cpu::rmsnorm_forward(f(a.out), a.rstd, x, f(a.weight), a.N, a.C, a.eps);
+  else cpu::layernorm_forward(f(a.out), a.mean, a.rstd, x, f(a.weight), f(a.bias), a.N, a.C, a.eps);
 }
 
 void CpuBackend::layernorm_backward(const LayerNormBackward& a) {
-  check(Op::layernorm, a.dtype);
+  check(a.rms ? Op::rmsnorm : Op::layernorm, a.dtype);
+  if (a.rms) {
+    LOOM_CHECK(!a.dbias && !a.mean, "rmsnorm_backward: no mean and no bias (mean and dbias must be null)");
+    cpu::rmsnorm_backward(f(a.dinp), a.dweight, f(a.dout), f(a.inp), f(a.weight), a.rstd, a.N, a.C, a.accumulate);
+    return;
+  }
   cpu::layernorm_backward(f(a.dinp), a.dweight, a.dbias, f(a.dout), f(a.inp), f(a.weight), a.mean, a.rstd, a.N, a.C,
                           a.accumulate);
+}
+
+void CpuBackend::rope(const Rope& a) {
+  check(Op::rope, a.dtype);
+  LOOM_CHECK(a.inv_freq, "rope: inv_freq is null");
+  cpu::rope_apply(f(a.x), a.B, a.T, a.NH, a.HS, a.stride, a.inv_freq, a.pos0, a.positions, a.inverse);
+}
+
+void CpuBackend::swiglu_forward(DType dtype, void* out, const void* inp, int64_t N, int64_t H) {
+  check(Op::swiglu, dtype);
+  cpu::swiglu_forward(f(out), f(inp), N, H);
+}
+
+void CpuBackend::swiglu_backward(DType dtype, void* dinp, const void* dout, const void* inp, int64_t N, int64_t H) {
+  check(Op::swiglu, dtype);
+  cpu::swiglu_backward(f(dinp), f(dout), f(inp), N, H);
 }
 
 int64_t CpuBackend::attention_workspace_bytes(DType dtype, const AttnShape& s, int threads) const {

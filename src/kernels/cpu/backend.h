@@ -35,6 +35,9 @@ class CpuBackend final : public Backend {
   void embedding_backward(const EmbeddingBackward& a) override;
   void gelu_forward(DType dtype, void* out, const void* inp, int64_t n) override;
   void gelu_backward(DType dtype, void* dinp, const void* inp, const void* dout, int64_t n) override;
+  void rope(const Rope& a) override;
+  void swiglu_forward(DType dtype, void* out, const void* inp, int64_t N, int64_t H) override;
+  void swiglu_backward(DType dtype, void* dinp, const void* dout, const void* inp, int64_t N, int64_t H) override;
   void add(DType dtype, void* out, const void* a, const void* b, int64_t n) override;
   void sum(const float* x, int64_t n, float scale, float* out) override;
   std::unique_ptr<AdamWPlan> plan_adamw(const std::vector<AdamWTensor>& tensors) override;

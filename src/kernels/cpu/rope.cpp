@@ -4,40 +4,11 @@
 #include "kernels/cpu/rope.h"
 
 #include <cmath>
-#include <numbers>
+#include <vector>
 
 #include "core/error.h"
 
 namespace loom::cpu {
-
-std::vector<double> rope_inv_freq(int64_t HS, double base, const RopeScaling& s) {
-  LOOM_CHECK(HS > 0 && HS % 2 == 0, "rope: the head size must be even, got {}", HS);
-  LOOM_CHECK(base > 1, "rope: the base must exceed 1, got {}", base);
-  const int64_t half = HS / 2;
-  std::vector<double> f(static_cast<size_t>(half));
-  for (int64_t i = 0; i < half; ++i) f[size_t(i)] = std::pow(base, -double(2 * i) / double(HS));
-  if (s.factor > 0) {
-    LOOM_CHECK(s.high_freq_factor > s.low_freq_factor && s.original_max_position > 0,
-               "rope scaling: high_freq_factor ({}) must exceed low_freq_factor ({}) and the original length ({}) "
-               "be positive",
-               s.high_freq_factor, s.low_freq_factor, s.original_max_position);
-    // Wavelengths longer than original / low_freq_factor are slowed by factor, those shorter than
-    // original / high_freq_factor kept, and the ones between blended smoothly.
-    const double low_wavelen = double(s.original_max_position) / s.low_freq_factor;
-    const double high_wavelen = double(s.original_max_position) / s.high_freq_factor;
-    for (double& x : f) {
-      const double wavelen = 2 * std::numbers::pi / x;
-      if (wavelen > low_wavelen) {
-        x /= s.factor;
-      } else if (wavelen >= high_wavelen) {
-        const double smooth = (double(s.original_max_position) / wavelen - s.low_freq_factor) /
-                              (s.high_freq_factor - s.low_freq_factor);
-        x = (1 - smooth) * x / s.factor + smooth * x;
-      }
-    }
-  }
-  return f;
-}
 
 void rope_apply(float* x, int64_t B, int64_t T, int64_t NH, int64_t HS, int64_t stride, const double* inv_freq,
                 int64_t pos0, const int32_t* positions, bool inverse) {

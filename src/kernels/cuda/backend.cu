@@ -222,10 +222,14 @@ std::unique_ptr<Graph> CudaBackend::end_capture() {
 bool CudaBackend::supports(Op op, DType dtype) const {
   // Copies also move i32 (token ids, targets) between host and device, without conversion.
   if (op == Op::copy) return dtype == DType::f32 || dtype == DType::bf16 || dtype == DType::i32;
+  // The Llama family's ops have CPU kernels only so far.
+  if (op == Op::rmsnorm || op == Op::rope || op == Op::swiglu) return false;
   return dtype == DType::bf16;
 }
 
 void CudaBackend::check(Op op, DType dtype) const {
+  LOOM_CHECK(op != Op::rmsnorm && op != Op::rope && op != Op::swiglu,
+             "cuda backend: {} has no GPU kernel yet (the Llama family's ops run on the CPU backend)", op_name(op));
   LOOM_CHECK(supports(op, dtype), "cuda backend: {} in {} is not supported (bf16 with f32 accumulation)", op_name(op),
              dtype_name(dtype));
   activate();
@@ -301,7 +305,7 @@ void CudaBackend::linear_backward(const LinearBackward& a) {
 }
 
 void CudaBackend::layernorm_forward(const LayerNormForward& a) {
-  check(Op::layernorm, a.dtype);
+  check(a.rms ? Op::rmsnorm : Op::layernorm, a.dtype);
   LOOM_CHECK(a.weight && a.bias, "cuda layernorm_forward: weight and bias must be set");
   if (a.residual_b) {
     LOOM_CHECK(a.residual_out, "layernorm_forward: residual_b without residual_out");
@@ -314,7 +318,7 @@ void CudaBackend::layernorm_forward(const LayerNormForward& a) {
 }
 
 void CudaBackend::layernorm_backward(const LayerNormBackward& a) {
-  check(Op::layernorm, a.dtype);
+  check(a.rms ? Op::rmsnorm : Op::layernorm, a.dtype);
   LOOM_CHECK(a.dweight && a.dbias, "cuda layernorm_backward: dweight and dbias must be set");
   auto* scratch = static_cast<float*>(
       grow(ln_scratch_, ln_bytes_, size_t(layernorm_backward_scratch_floats(a.C)) * sizeof(float), "the LayerNorm backward"));
@@ -483,6 +487,14 @@ void CudaBackend::embedding_backward(const EmbeddingBackward& a) {
              "(tensor / context parallelism) are not implemented on CUDA yet");
   cuda::embedding_backward(a.dwte, a.dwpe, h(a.dout), a.tokens, a.B, a.T, a.C, a.V, stream_, a.pos0);
   observed("embedding backward");
+}
+
+void CudaBackend::rope(const Rope& a) { check(Op::rope, a.dtype); }
+
+void CudaBackend::swiglu_forward(DType dtype, void*, const void*, int64_t, int64_t) { check(Op::swiglu, dtype); }
+
+void CudaBackend::swiglu_backward(DType dtype, void*, const void*, const void*, int64_t, int64_t) {
+  check(Op::swiglu, dtype);
 }
 
 void CudaBackend::gelu_forward(DType dtype, void* out, const void* inp, int64_t n) {

@@ -7,6 +7,7 @@
 #include <numbers>
 #include <vector>
 
+#include "core/backend.h"
 #include "core/error.h"
 #include "kernels/cpu/kernel_test_util.h"
 #include "kernels/cpu/layernorm.h"
@@ -128,12 +129,12 @@ std::vector<double> ref_rope(const std::vector<double>& x, int64_t B, int64_t T,
 
 TEST(Rope, InverseFrequenciesAreTheDefinitionAndLlama3Scaling) {
   const int64_t HS = 64;
-  const std::vector<double> f = cpu::rope_inv_freq(HS, 10000.0);
+  const std::vector<double> f = rope_inv_freq(HS, 10000.0);
   ASSERT_EQ(f.size(), 32u);
   for (int64_t i = 0; i < 32; ++i) EXPECT_DOUBLE_EQ(f[size_t(i)], 1.0 / std::pow(10000.0, double(2 * i) / double(HS)));
   // Llama 3.1's published scaling (factor 8, low 1, high 4, original 8192), each band by hand.
-  cpu::RopeScaling s{8.0, 1.0, 4.0, 8192};
-  const std::vector<double> g = cpu::rope_inv_freq(HS, 500000.0, s);
+  RopeScaling s{8.0, 1.0, 4.0, 8192};
+  const std::vector<double> g = rope_inv_freq(HS, 500000.0, s);
   int kept = 0, slowed = 0, blended = 0;
   for (int64_t i = 0; i < 32; ++i) {
     const double base = 1.0 / std::pow(500000.0, double(2 * i) / double(HS));
@@ -153,13 +154,13 @@ TEST(Rope, InverseFrequenciesAreTheDefinitionAndLlama3Scaling) {
   EXPECT_GT(kept, 0);
   EXPECT_GT(slowed, 0);
   EXPECT_GT(blended, 0);
-  EXPECT_THROW(cpu::rope_inv_freq(63, 10000.0), Error);
+  EXPECT_THROW(rope_inv_freq(63, 10000.0), Error);
 }
 
 TEST(Rope, RotatesTheHeadsOfAStridedBufferAndTheInverseUndoesIt) {
   // Q and K as columns of a packed [B, T, 3 C] buffer: only the rotated columns change.
   const int64_t B = 2, T = 9, NH = 3, HS = 8, C = NH * HS, stride = 3 * C;
-  const std::vector<double> inv = cpu::rope_inv_freq(HS, 10000.0);
+  const std::vector<double> inv = rope_inv_freq(HS, 10000.0);
   auto buf = random_vec(B * T * stride, 31);
   for (const bool with_positions : {false, true}) {
     std::vector<int32_t> positions(static_cast<size_t>(T));
@@ -187,7 +188,7 @@ TEST(Rope, RotatesTheHeadsOfAStridedBufferAndTheInverseUndoesIt) {
 TEST(Rope, BackwardIsTheGradientOfTheForward) {
   // d/dx sum(rope(x) * dy) = rope^T(dy) = the inverse rotation of dy.
   const int64_t B = 1, T = 5, NH = 2, HS = 6, stride = NH * HS;
-  const std::vector<double> inv = cpu::rope_inv_freq(HS, 10000.0);
+  const std::vector<double> inv = rope_inv_freq(HS, 10000.0);
   const std::vector<double> x = to_double(random_vec(B * T * stride, 41));
   const std::vector<float> dy = random_vec(B * T * stride, 42);
   std::vector<int64_t> pos{3, 4, 5, 6, 7};
