@@ -205,7 +205,7 @@ class MpiComm final : public Comm {
     auto offs = offsets(equal_split(count));
     char* b = static_cast<char*>(buf);
     ring_reduce_scatter(b, offs, dt, op, b + size_t(offs[size_t(rank_)]) * dtype_size(dt));
-    ring_all_gather(b, offs, dt);
+    ring_all_gather(b, offs, dt, /*after_reduce=*/true);
   }
 
   void do_reduce_scatter(const void* send, void* recv, std::span<const int64_t> counts, DType dt,
@@ -401,7 +401,10 @@ class MpiComm final : public Comm {
       // Past the spin, sleep between polls (20 us, doubling to 0.5 ms): a waiting thread that
       // only yields stays runnable and takes CPU from the computing threads when ranks share
       // cores (a communication thread waiting through a whole backward).
-      if (it >= kSpin) std::this_thread::sleep_for(std::chrono::microseconds(std::min<long>(500, 20L << std::min<long>(5, (it - kSpin) / 8))));
+      if (it >= kSpin) {
+        const long doublings = std::min<long>(5, (it - kSpin) / 8);
+        std::this_thread::sleep_for(std::chrono::microseconds(std::min<long>(500, 20L << doublings)));
+      }
       if ((it & 63) == 0 && Clock::now() >= deadline_)
         abort_timed_out(world_rank(), fmt::format("{} timed out after {}: {}", what_, seconds(opts_.timeout),
                                                   waiting_for()),
@@ -529,7 +532,10 @@ class MpiComm final : public Comm {
   }
 
   // Ring all-gather in place: buf holds this rank's chunk at offs[r]; step s passes chunk r-s on.
-  void ring_all_gather(char* buf, const std::vector<int64_t>& offs, DType dt) {
+  // after_reduce: the second half of an all-reduce, whose steps are numbered on from the
+  // reduce-scatter's; the chunk a rank waits for was reduced round the whole ring, so any rank
+  // may be the one holding it up.
+  void ring_all_gather(char* buf, const std::vector<int64_t>& offs, DType dt, bool after_reduce = false) {
     const int n = size_, r = rank_;
     const int next = mod(r + 1, n), prev = mod(r - 1, n);
     const size_t es = dtype_size(dt);
@@ -541,9 +547,11 @@ class MpiComm final : public Comm {
       isend(buf + size_t(offs[size_t(sc)]) * es, cnt(sc), dt, next, 1, coll_, sreqs);
       // The receive and the send are waited for apart, so a rank blocked on a stalled receiver
       // names the receiver rather than its own sender.
-      wait_all(rreqs, nullptr, [&] { return no_data_message("gather", s, n - 1); });
+      const int step = after_reduce ? n - 1 + s : s, steps = after_reduce ? 2 * (n - 1) : n - 1;
+      const char* phase = after_reduce ? "ring" : "gather";
+      wait_all(rreqs, nullptr, [&] { return no_data_message(phase, step, steps); });
       wait_all(sreqs, nullptr, [&] {
-        return fmt::format("gather step {} of {}: rank {} did not take the data", s + 1, n - 1,
+        return fmt::format("{} step {} of {}: rank {} did not take the data", phase, step + 1, steps,
                            world_ranks_[size_t(next)]);
       });
     }

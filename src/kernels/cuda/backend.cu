@@ -13,6 +13,7 @@
 #include "kernels/cuda/embedding.cuh"
 #include "kernels/cuda/gelu.cuh"
 #include "kernels/cuda/layernorm.cuh"
+#include "kernels/cuda/llama.cuh"
 
 namespace loom::cuda {
 
@@ -222,14 +223,10 @@ std::unique_ptr<Graph> CudaBackend::end_capture() {
 bool CudaBackend::supports(Op op, DType dtype) const {
   // Copies also move i32 (token ids, targets) between host and device, without conversion.
   if (op == Op::copy) return dtype == DType::f32 || dtype == DType::bf16 || dtype == DType::i32;
-  // The Llama family's ops have CPU kernels only so far.
-  if (op == Op::rmsnorm || op == Op::rope || op == Op::swiglu) return false;
   return dtype == DType::bf16;
 }
 
 void CudaBackend::check(Op op, DType dtype) const {
-  LOOM_CHECK(op != Op::rmsnorm && op != Op::rope && op != Op::swiglu,
-             "cuda backend: {} has no GPU kernel yet (the Llama family's ops run on the CPU backend)", op_name(op));
   LOOM_CHECK(supports(op, dtype), "cuda backend: {} in {} is not supported (bf16 with f32 accumulation)", op_name(op),
              dtype_name(dtype));
   activate();
@@ -306,25 +303,25 @@ void CudaBackend::linear_backward(const LinearBackward& a) {
 
 void CudaBackend::layernorm_forward(const LayerNormForward& a) {
   check(a.rms ? Op::rmsnorm : Op::layernorm, a.dtype);
-  LOOM_CHECK(a.weight && a.bias, "cuda layernorm_forward: weight and bias must be set");
   if (a.residual_b) {
     LOOM_CHECK(a.residual_out, "layernorm_forward: residual_b without residual_out");
     residual_layernorm_forward(h(a.residual_out), h(a.out), a.mean, a.rstd, h(a.inp), h(a.residual_b), h(a.weight),
-                               h(a.bias), a.N, a.C, stream_, a.eps);
+                               h(a.bias), a.N, a.C, stream_, a.eps, a.rms);
   } else {
-    cuda::layernorm_forward(h(a.out), a.mean, a.rstd, h(a.inp), h(a.weight), h(a.bias), a.N, a.C, stream_, a.eps);
+    cuda::layernorm_forward(h(a.out), a.mean, a.rstd, h(a.inp), h(a.weight), h(a.bias), a.N, a.C, stream_, a.eps, a.rms);
   }
-  observed(a.residual_b ? "residual + layernorm forward" : "layernorm forward");
+  observed(a.rms ? (a.residual_b ? "residual + rmsnorm forward" : "rmsnorm forward")
+                 : (a.residual_b ? "residual + layernorm forward" : "layernorm forward"));
 }
 
 void CudaBackend::layernorm_backward(const LayerNormBackward& a) {
   check(a.rms ? Op::rmsnorm : Op::layernorm, a.dtype);
-  LOOM_CHECK(a.dweight && a.dbias, "cuda layernorm_backward: dweight and dbias must be set");
+  LOOM_CHECK(a.dweight && (a.rms || a.dbias), "cuda layernorm_backward: dweight and dbias (LayerNorm) must be set");
   auto* scratch = static_cast<float*>(
       grow(ln_scratch_, ln_bytes_, size_t(layernorm_backward_scratch_floats(a.C)) * sizeof(float), "the LayerNorm backward"));
   cuda::layernorm_backward(h(a.dinp), a.dweight, a.dbias, h(a.dout), h(a.inp), h(a.weight), a.mean, a.rstd, a.N, a.C,
-                           a.accumulate, scratch, stream_);
-  observed("layernorm backward");
+                           a.accumulate, scratch, stream_, a.rms);
+  observed(a.rms ? "rmsnorm backward" : "layernorm backward");
 }
 
 CudaBackend::ShapeKey CudaBackend::key(const AttnShape& s) {
@@ -489,12 +486,22 @@ void CudaBackend::embedding_backward(const EmbeddingBackward& a) {
   observed("embedding backward");
 }
 
-void CudaBackend::rope(const Rope& a) { check(Op::rope, a.dtype); }
+void CudaBackend::rope(const Rope& a) {
+  check(Op::rope, a.dtype);
+  cuda::rope(h(a.x), a.B, a.T, a.NH, a.HS, a.stride, a.inv_freq, a.pos0, a.positions, a.inverse, stream_);
+  observed("rope");
+}
 
-void CudaBackend::swiglu_forward(DType dtype, void*, const void*, int64_t, int64_t) { check(Op::swiglu, dtype); }
-
-void CudaBackend::swiglu_backward(DType dtype, void*, const void*, const void*, int64_t, int64_t) {
+void CudaBackend::swiglu_forward(DType dtype, void* out, const void* inp, int64_t N, int64_t H) {
   check(Op::swiglu, dtype);
+  cuda::swiglu_forward(h(out), h(inp), N, H, stream_);
+  observed("swiglu forward");
+}
+
+void CudaBackend::swiglu_backward(DType dtype, void* dinp, const void* dout, const void* inp, int64_t N, int64_t H) {
+  check(Op::swiglu, dtype);
+  cuda::swiglu_backward(h(dinp), h(dout), h(inp), N, H, stream_);
+  observed("swiglu backward");
 }
 
 void CudaBackend::gelu_forward(DType dtype, void* out, const void* inp, int64_t n) {

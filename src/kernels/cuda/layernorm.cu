@@ -28,7 +28,7 @@ __device__ __forceinline__ void store8(bf16* p, const float (&f)[8]) {
 __global__ void layernorm_forward_kernel(bf16* residual, bf16* out, float* mean_out,
                                          float* rstd_out, const bf16* a, const bf16* a2,
                                          const bf16* __restrict__ weight, const bf16* __restrict__ bias, int64_t N,
-                                         int64_t C, float eps) {
+                                         int64_t C, float eps, bool rms) {
   const int lane = threadIdx.x % 32;
   const int64_t row = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (row >= N) return;
@@ -55,7 +55,7 @@ __global__ void layernorm_forward_kernel(bf16* residual, bf16* out, float* mean_
   }
   const bf16* xr = x2 ? res : x;  // the row as normalised (written by this warp's own lanes)
   __syncwarp();
-  const float mean = warp_sum(sum) / float(C);
+  const float mean = rms ? 0.f : warp_sum(sum) / float(C);  // RMSNorm: the mean of squares below
   float var = 0.f;
   for (int64_t c = lane * 8; c < C; c += 256) {
     float f[8];
@@ -65,10 +65,10 @@ __global__ void layernorm_forward_kernel(bf16* residual, bf16* out, float* mean_
   }
   const float rstd = rsqrtf(warp_sum(var) / float(C) + eps);
   for (int64_t c = lane * 8; c < C; c += 256) {
-    float f[8], w[8], b[8], o[8];
+    float f[8], w[8], b[8] = {}, o[8];
     load8(f, xr + c);
     load8(w, weight + c);
-    load8(b, bias + c);
+    if (bias) load8(b, bias + c);
 #pragma unroll
     for (int i = 0; i < 8; ++i) o[i] = (f[i] - mean) * rstd * w[i] + b[i];
     store8(out + row * C + c, o);
@@ -91,7 +91,7 @@ constexpr int kBwdWarps = 8;
 __global__ void layernorm_backward_kernel(bf16* dinp, float* __restrict__ partial, const bf16* __restrict__ dout,
                                           const bf16* __restrict__ inp, const bf16* __restrict__ weight,
                                           const float* __restrict__ mean, const float* __restrict__ rstd, int64_t N,
-                                          int64_t C, bool accumulate) {
+                                          int64_t C, bool accumulate, bool rms) {
   extern __shared__ float sh[];  // [warps][2][C], lane-major
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   const int64_t G = C / 8;
@@ -100,7 +100,7 @@ __global__ void layernorm_backward_kernel(bf16* dinp, float* __restrict__ partia
   for (int64_t c = lane; c < 2 * C; c += 32) dw[c] = 0.f;
   __syncwarp();
   for (int64_t row = int64_t(blockIdx.x) * warps + warp; row < N; row += int64_t(gridDim.x) * warps) {
-    const float m = mean[row], rs = rstd[row];
+    const float m = rms ? 0.f : mean[row], rs = rstd[row];
     const bf16* x = inp + row * C;
     const bf16* dy = dout + row * C;
     float s_dy = 0.f, s_dyx = 0.f;
@@ -120,7 +120,7 @@ __global__ void layernorm_backward_kernel(bf16* dinp, float* __restrict__ partia
         db[i * G + grp] += g[i];
       }
     }
-    const float mean_dn = warp_sum(s_dy) / float(C);
+    const float mean_dn = rms ? 0.f : warp_sum(s_dy) / float(C);
     const float mean_dnx = warp_sum(s_dyx) / float(C);
     bf16* dx = dinp + row * C;
     for (int64_t c = lane * 8; c < C; c += 256) {
@@ -222,22 +222,26 @@ void check_sizes(const char* what, int64_t N, int64_t C) {
 }  // namespace
 
 void layernorm_forward(bf16* out, float* mean, float* rstd, const bf16* inp, const bf16* weight, const bf16* bias,
-                       int64_t N, int64_t C, cudaStream_t stream, float eps) {
+                       int64_t N, int64_t C, cudaStream_t stream, float eps, bool rms) {
   check_sizes("layernorm_forward", N, C);
+  LOOM_CHECK(weight && (rms ? !bias && !mean : bias != nullptr),
+             "layernorm_forward: weight and bias must be set (RMSNorm: weight only, no bias and no mean)");
   if (N == 0) return;
   layernorm_forward_kernel<<<unsigned(ceil_div(N, kWarps)), kWarps * 32, 0, stream>>>(
-      nullptr, out, mean, rstd, inp, nullptr, weight, bias, N, C, eps);
+      nullptr, out, mean, rstd, inp, nullptr, weight, bias, N, C, eps, rms);
   LOOM_CUDA_LAUNCH_CHECK();
 }
 
 void residual_layernorm_forward(bf16* residual, bf16* out, float* mean, float* rstd, const bf16* a, const bf16* b,
                                 const bf16* weight, const bf16* bias, int64_t N, int64_t C, cudaStream_t stream,
-                                float eps) {
+                                float eps, bool rms) {
   check_sizes("residual_layernorm_forward", N, C);
   LOOM_CHECK(residual && a && b, "residual_layernorm_forward: residual, a and b must be set");
+  LOOM_CHECK(weight && (rms ? !bias && !mean : bias != nullptr),
+             "residual_layernorm_forward: weight and bias must be set (RMSNorm: weight only, no bias and no mean)");
   if (N == 0) return;
   layernorm_forward_kernel<<<unsigned(ceil_div(N, kWarps)), kWarps * 32, 0, stream>>>(
-      residual, out, mean, rstd, a, b, weight, bias, N, C, eps);
+      residual, out, mean, rstd, a, b, weight, bias, N, C, eps, rms);
   LOOM_CUDA_LAUNCH_CHECK();
 }
 
@@ -245,14 +249,16 @@ int64_t layernorm_backward_scratch_floats(int64_t C) { return kMaxBwdBlocksPerSm
 
 void layernorm_backward(bf16* dinp, float* dweight, float* dbias, const bf16* dout, const bf16* inp,
                         const bf16* weight, const float* mean, const float* rstd, int64_t N, int64_t C,
-                        bool accumulate, float* scratch, cudaStream_t stream) {
+                        bool accumulate, float* scratch, cudaStream_t stream, bool rms) {
   check_sizes("layernorm_backward", N, C);
   LOOM_CHECK(dinp && scratch, "layernorm_backward: dinp and scratch must be set");
+  LOOM_CHECK(rms ? !mean && !dbias : mean != nullptr,
+             "layernorm_backward: mean must be set (RMSNorm: no mean and no dbias)");
   if (N == 0) return;
   const BackwardShape shape = backward_shape(C);
   const int64_t blocks = std::min<int64_t>(ceil_div(N, shape.warps), int64_t(shape.blocks_per_sm) * num_sms());
   layernorm_backward_kernel<<<unsigned(blocks), shape.warps * 32, shape.shmem, stream>>>(
-      dinp, scratch, dout, inp, weight, mean, rstd, N, C, accumulate);
+      dinp, scratch, dout, inp, weight, mean, rstd, N, C, accumulate, rms);
   LOOM_CUDA_LAUNCH_CHECK();
   layernorm_backward_reduce_kernel<<<unsigned(ceil_div(2 * C, 32)), dim3(32, kReduceRows), 0, stream>>>(
       dweight, dbias, scratch, blocks, C);
