@@ -16,6 +16,8 @@
 # (metrics.jsonl).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=bench/layout_util.sh
+source "$root/bench/layout_util.sh"
 loom=${LOOM:-$root/build/loom}
 data=${1:-$root/data/kjv}
 shift || true
@@ -40,11 +42,9 @@ if [[ ${#layouts[@]} -eq 0 ]]; then
            "tp2-sp:--parallel.tp 2 --parallel.sp true" "cp2:--parallel.cp 2"
            "pp2:--parallel.pp 2 --train.grad_accum 4")
 fi
-declare -A ranks_of
+declare -A shape_of
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-as_root=()
-[[ $(id -u) == 0 ]] && as_root=(--allow-run-as-root)
 # shellcheck disable=SC2206
 common=(--data.dir "$data" $model_flags --data.seq_len "$seq" --train.batch_size "$batch" --train.steps "$steps"
         --train.eval_every 0 --train.sample_tokens 0 --train.checkpoint_every 0)
@@ -83,14 +83,10 @@ for ((k = 1; k <= repeat; ++k)); do
   for spec in "${layouts[@]}"; do
     name=${spec%%:*}
     flags=${spec#*:}
-    ranks=1
-    for axis in dp tp pp cp; do
-      n=$(sed -nE "s/.*--parallel\.$axis ([0-9]+).*/\1/p" <<<"$flags")
-      ranks=$((ranks * ${n:-1}))
-    done
+    ranks=$(ranks_of "$flags")
     threads=$((cores / ranks))
     (( threads >= 1 )) || threads=1
-    ranks_of[$name]="$ranks x $threads"
+    shape_of[$name]="$ranks x $threads"
     for b in "${backends[@]}"; do
       out=$work/$name-$b-$k
       mkdir -p "$out"
@@ -130,7 +126,7 @@ echo "$rule"
 for spec in "${layouts[@]}"; do
   name=${spec%%:*}
   flags=${spec#*:}
-  row="| $name ${flags:+(\`$flags\`)} | ${ranks_of[$name]} |"
+  row="| $name ${flags:+(\`$flags\`)} | ${shape_of[$name]} |"
   for b in "${backends[@]}"; do
     m=$(mean "${tps_runs[$name,$b]}")
     row+=" $m ($(spread "${tps_runs[$name,$b]}")) | $(awk -v a="$m" -v s="$base" 'BEGIN {printf "%.2f", a / s}') | ${cost[$name,$b]} |"

@@ -12,6 +12,8 @@
 # data/kjv). LAYOUTs are "name:flags" (default: the acceptance's layouts). Prints a markdown table.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=bench/layout_util.sh
+source "$root/bench/layout_util.sh"
 loom=${LOOM:-$root/build/loom}
 data=${1:-$root/data/kjv}
 shift || true
@@ -29,8 +31,6 @@ if [[ ${#layouts[@]} -eq 0 ]]; then
 fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-as_root=()
-[[ $(id -u) == 0 ]] && as_root=(--allow-run-as-root)
 common=(--data.dir "$data" --model.n_layer 12 --model.n_head 12 --model.n_embd 768 --model.vocab_size 4096
         --data.seq_len 128 --train.batch_size 4 --train.steps 2 --train.eval_every 2 --train.eval_batches 1
         --train.sample_tokens 0 --train.checkpoint_every 2 --train.threads 1 --parallel.comm mpi)
@@ -40,12 +40,7 @@ echo "|---|---|---|---|---|"
 for spec in "${layouts[@]}"; do
   name=${spec%%:*}
   flags=${spec#*:}
-  # Ranks: the product of dp, tp, pp and cp in the flags.
-  ranks=1
-  for axis in dp tp pp cp; do
-    n=$(sed -nE "s/.*--parallel\.$axis ([0-9]+).*/\1/p" <<<"$flags")
-    ranks=$((ranks * ${n:-1}))
-  done
+  ranks=$(ranks_of "$flags")
   out=$work/$name
   mkdir -p "$out"
   # shellcheck disable=SC2086

@@ -1,7 +1,7 @@
-// LayerNorm over the last dimension. Forward: one row per iteration, mean and variance
-// accumulated in double (two passes over a row that sits in L1). Backward: dinp row by row, then
-// dweight/dbias by column blocks that walk the rows in order, so every sum has a fixed order
-// whatever the thread count.
+// LayerNorm and RMSNorm over the last dimension, one code for both (RMSNorm: no mean, no bias).
+// Forward: one row per iteration, mean and variance (or the mean of squares) accumulated in double
+// (two passes over a row that sits in L1). Backward: dinp row by row, then dweight/dbias by column
+// blocks that walk the rows in order, so every sum has a fixed order whatever the thread count.
 #include "kernels/cpu/layernorm.h"
 
 #include <algorithm>
@@ -10,18 +10,23 @@
 #include "core/error.h"
 
 namespace loom::cpu {
+namespace {
 
-void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
-                       const float* bias, int64_t N, int64_t C, float eps) {
-  LOOM_CHECK(N >= 0 && C > 0, "layernorm_forward: bad size N={} C={}", N, C);
+template <bool kRms>
+void norm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight, const float* bias,
+                  int64_t N, int64_t C, float eps) {
+  LOOM_CHECK(N >= 0 && C > 0, "{}_forward: bad size N={} C={}", kRms ? "rmsnorm" : "layernorm", N, C);
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     const float* x = inp + n * C;  // f32 [C]
     float* y = out + n * C;        // f32 [C]
-    double s = 0.0;
+    double m = 0.0;
+    if constexpr (!kRms) {
+      double s = 0.0;
 #pragma omp simd reduction(+ : s)
-    for (int64_t c = 0; c < C; ++c) s += double(x[c]);
-    const double m = s / double(C);
+      for (int64_t c = 0; c < C; ++c) s += double(x[c]);
+      m = s / double(C);
+    }
     double v = 0.0;
 #pragma omp simd reduction(+ : v)
     for (int64_t c = 0; c < C; ++c) {
@@ -42,23 +47,25 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, c
   }
 }
 
-void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                        const float* weight, const float* mean, const float* rstd, int64_t N, int64_t C,
-                        bool accumulate_dinp) {
-  LOOM_CHECK(N >= 0 && C > 0, "layernorm_backward: bad size N={} C={}", N, C);
+template <bool kRms>
+void norm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp, const float* weight,
+                   const float* mean, const float* rstd, int64_t N, int64_t C, bool accumulate_dinp) {
+  LOOM_CHECK(N >= 0 && C > 0, "{}_backward: bad size N={} C={}", kRms ? "rmsnorm" : "layernorm", N, C);
+  auto mean_of = [&](int64_t n) { return kRms ? 0.f : mean[n]; };
   if (dinp) {
-    // dinp = rstd * (dnorm - mean(dnorm) - xhat * mean(dnorm * xhat)), dnorm = dout * weight.
+    // dinp = rstd * (dnorm - mean(dnorm) - xhat * mean(dnorm * xhat)), dnorm = dout * weight
+    // (RMSNorm: no mean(dnorm) term, xhat = x * rstd).
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; ++n) {
       const float* x = inp + n * C;
       const float* dy = dout + n * C;
       float* dx = dinp + n * C;
-      const float m = mean[n], r = rstd[n];
+      const float m = mean_of(n), r = rstd[n];
       float sum_dn = 0.f, sum_dn_xhat = 0.f;
 #pragma omp simd reduction(+ : sum_dn, sum_dn_xhat)
       for (int64_t c = 0; c < C; ++c) {
         const float dn = dy[c] * weight[c];
-        sum_dn += dn;
+        if constexpr (!kRms) sum_dn += dn;
         sum_dn_xhat += dn * ((x[c] - m) * r);
       }
       const float mean_dn = sum_dn / float(C), mean_dn_xhat = sum_dn_xhat / float(C);
@@ -84,7 +91,7 @@ void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* 
       for (int64_t n = 0; n < N; ++n) {
         const float* x = inp + n * C + c0;
         const float* dy = dout + n * C + c0;
-        const float m = mean[n], r = rstd[n];
+        const float m = mean_of(n), r = rstd[n];
 #pragma omp simd
         for (int64_t c = 0; c < len; ++c) {
           acc_w[c] += dy[c] * ((x[c] - m) * r);
@@ -99,64 +106,27 @@ void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* 
   }
 }
 
+}  // namespace
+
+void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
+                       const float* bias, int64_t N, int64_t C, float eps) {
+  norm_forward<false>(out, mean, rstd, inp, weight, bias, N, C, eps);
+}
+
+void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                        const float* weight, const float* mean, const float* rstd, int64_t N, int64_t C,
+                        bool accumulate_dinp) {
+  norm_backward<false>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C, accumulate_dinp);
+}
+
 void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N, int64_t C,
                      float eps) {
-  LOOM_CHECK(N >= 0 && C > 0, "rmsnorm_forward: bad size N={} C={}", N, C);
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; ++n) {
-    const float* x = inp + n * C;  // f32 [C]
-    float* y = out + n * C;        // f32 [C]
-    double q = 0.0;
-#pragma omp simd reduction(+ : q)
-    for (int64_t c = 0; c < C; ++c) q += double(x[c]) * double(x[c]);
-    const float r = float(1.0 / std::sqrt(q / double(C) + double(eps)));
-#pragma omp simd
-    for (int64_t c = 0; c < C; ++c) y[c] = x[c] * r * weight[c];
-    if (rstd) rstd[n] = r;
-  }
+  norm_forward<true>(out, nullptr, rstd, inp, weight, nullptr, N, C, eps);
 }
 
 void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
                       const float* rstd, int64_t N, int64_t C, bool accumulate_dinp) {
-  LOOM_CHECK(N >= 0 && C > 0, "rmsnorm_backward: bad size N={} C={}", N, C);
-  if (dinp) {
-    // dinp = rstd * (dnorm - xhat * mean(dnorm * xhat)), dnorm = dout * weight, xhat = x * rstd.
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; ++n) {
-      const float* x = inp + n * C;
-      const float* dy = dout + n * C;
-      float* dx = dinp + n * C;
-      const float r = rstd[n];
-      float sum_dn_xhat = 0.f;
-#pragma omp simd reduction(+ : sum_dn_xhat)
-      for (int64_t c = 0; c < C; ++c) sum_dn_xhat += dy[c] * weight[c] * (x[c] * r);
-      const float mean_dn_xhat = sum_dn_xhat / float(C);
-      if (accumulate_dinp) {
-#pragma omp simd
-        for (int64_t c = 0; c < C; ++c) dx[c] += r * (dy[c] * weight[c] - (x[c] * r) * mean_dn_xhat);
-      } else {
-#pragma omp simd
-        for (int64_t c = 0; c < C; ++c) dx[c] = r * (dy[c] * weight[c] - (x[c] * r) * mean_dn_xhat);
-      }
-    }
-  }
-  if (dweight) {
-    constexpr int64_t kBlock = 64;
-    const int64_t nblocks = (C + kBlock - 1) / kBlock;
-#pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < nblocks; ++b) {
-      const int64_t c0 = b * kBlock, len = std::min(kBlock, C - c0);
-      float acc[kBlock] = {};
-      for (int64_t n = 0; n < N; ++n) {
-        const float* x = inp + n * C + c0;
-        const float* dy = dout + n * C + c0;
-        const float r = rstd[n];
-#pragma omp simd
-        for (int64_t c = 0; c < len; ++c) acc[c] += dy[c] * (x[c] * r);
-      }
-      for (int64_t c = 0; c < len; ++c) dweight[c0 + c] += acc[c];
-    }
-  }
+  norm_backward<true>(dinp, dweight, nullptr, dout, inp, weight, nullptr, rstd, N, C, accumulate_dinp);
 }
 
 }  // namespace loom::cpu

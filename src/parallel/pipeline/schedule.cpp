@@ -63,7 +63,10 @@ std::string Schedule::str() const {
   std::string out;
   for (size_t r = 0; r < ranks.size(); ++r) {
     out += fmt::format("rank {}:", r);
-    for (const Instr& in : ranks[r]) out += " " + to_string(in);
+    for (const Instr& in : ranks[r]) {
+      out += ' ';
+      out += to_string(in);
+    }
     out += "\n";
   }
   return out;
