@@ -18,11 +18,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 # shellcheck source=bench/layout_util.sh
 source "$root/bench/layout_util.sh"
-loom=${LOOM:-$root/build/loom}
-data=${1:-$root/data/kjv}
 shift || true
-[[ -x $loom ]] || { echo "$loom: not built (ninja -C build loom)" >&2; exit 1; }
-[[ -s $data/train_000.bin ]] || { echo "$data: no token shards (run scripts/quickstart.sh first)" >&2; exit 1; }
 cores=${CORES:-2}
 steps=${STEPS:-6}
 warmup=${WARMUP:-2}

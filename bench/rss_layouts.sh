@@ -14,11 +14,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 # shellcheck source=bench/layout_util.sh
 source "$root/bench/layout_util.sh"
-loom=${LOOM:-$root/build/loom}
-data=${1:-$root/data/kjv}
 shift || true
-[[ -x $loom ]] || { echo "$loom: not built (ninja -C build loom)" >&2; exit 1; }
-[[ -s $data/train_000.bin ]] || { echo "$data: no token shards (run scripts/quickstart.sh first)" >&2; exit 1; }
 command -v mpirun >/dev/null || { echo "mpirun not found (apt-get install openmpi-bin)" >&2; exit 1; }
 [[ -x /usr/bin/time ]] || { echo "/usr/bin/time not found (apt-get install time)" >&2; exit 1; }
 
