@@ -191,9 +191,13 @@ void kill_suite(const Corpus& c, const char* name, int want, Launch&& launch, Vi
       if (had_checkpoint && metric_lines(out) <= lines_before) ++during_resume;  // died before its first new step
       // Whatever moment the kill hit, `latest` (if any) names a checkpoint that verifies.
       const std::string ckpt = train::latest_checkpoint(out);
-      if (!ckpt.empty()) EXPECT_NO_THROW(train::verify_checkpoint(ckpt)) << ckpt;
+      if (!ckpt.empty()) {
+        EXPECT_NO_THROW(train::verify_checkpoint(ckpt)) << ckpt;
+      }
     }
-    if (episode_kills > 0) EXPECT_EQ(losses(out), want_losses) << name << " episode " << episodes;
+    if (episode_kills > 0) {
+      EXPECT_EQ(losses(out), want_losses) << name << " episode " << episodes;
+    }
   }
   unsetenv("LOOM_CHECKPOINT_PAUSE_MS");
   std::printf("[%s] %d SIGKILLs (%d inside checkpoint writes, %d inside resumes) over %d episodes; every resumed run "
