@@ -459,8 +459,10 @@ class MpiComm final : public Comm {
       partial[0] = scratch_[0].get<float>(opts_.pool, size_t(maxc) * 4),
       partial[1] = scratch_[1].get<float>(opts_.pool, size_t(maxc) * 4);
     char* first_in = dt == DType::f32 || n == 2 ? nullptr : scratch_[2].get<char>(opts_.pool, size_t(maxc) * es);
-    char* window = scratch_[3].get<char>(opts_.pool, size_t(kWindow * kSegment) * 4 + (dt == DType::f32 ? 0 : size_t(kSegment) * 4));
-    float* staged = reinterpret_cast<float*>(window + size_t(kWindow * kSegment) * 4);  // non-f32 last step
+    // The window, then (non-f32 inputs) one f32 piece the last step combines into before storing.
+    const size_t window_bytes = size_t(kWindow * kSegment) * 4;
+    char* window = scratch_[3].get<char>(opts_.pool, window_bytes + (dt == DType::f32 ? 0 : size_t(kSegment) * 4));
+    float* staged = dt == DType::f32 ? nullptr : reinterpret_cast<float*>(window + window_bytes);
     auto cnt = [&](int i) { return offs[size_t(i) + 1] - offs[size_t(i)]; };
     auto segments = [](int64_t count) { return std::max<int64_t>(1, (count + kSegment - 1) / kSegment); };
     std::vector<MPI_Request> rreqs, sreqs;

@@ -9,6 +9,9 @@ namespace loom::cpu {
 // converting them permutes the q and k projections' rows. inv_freq: loom::rope_inv_freq
 // (core/backend.h).
 
+// The largest head size rope_apply takes.
+constexpr int64_t kRopeMaxHead = 512;
+
 // Rotates in place the NH heads of HS elements at x[(b * T + t) * stride + h * HS + d] by the
 // angle of position pos0 + t, or positions[t] where given (i32 [T]); with inverse, by the opposite
 // angle (the backward: the rotation is orthogonal, so the input's gradient is the output's rotated

@@ -220,19 +220,19 @@ DataParallel::DataParallel(model::GPT& gpt, comm::Comm& dp, const optim::AdamWCo
   // gradient in place once, so there the bucket stays shared.)
   if (o_.zero >= 2 && gpt.config().tied_embeddings && nchain > 1) {
     const int head = nchain - 1;
-    model::Parameter* wte = &gpt.embedding().wte();
-    for (size_t i = 0; i < lay_.params.size(); ++i) {
-      const FlatParam& f = lay_.params[i];
-      if (f.param != wte) continue;
-      auto holds = [&](int b) { return f.offset >= buckets_[size_t(b)].begin && f.offset < buckets_[size_t(b)].end; };
-      auto& hw = writes_[size_t(head)];
-      const auto shared = std::find_if(hw.begin(), hw.end(), holds);
-      const bool own = std::count(buckets_[size_t(*shared)].blocks.begin(), buckets_[size_t(*shared)].blocks.end(),
-                                  head) > 0;
-      if (own) break;  // wte shares a bucket with the head's own parameters: nothing held longer
-      hw.erase(shared);
-      hw.push_back(int(buckets_.size()));
-      buckets_.push_back(GradBucket{f.offset, f.offset + round_up(f.alloc, kFlatAlign), {head}, head});
+    const auto wte = std::find_if(lay_.params.begin(), lay_.params.end(),
+                                  [&](const FlatParam& f) { return f.param == &gpt.embedding().wte(); });
+    LOOM_CHECK(wte != lay_.params.end(), "data parallel: a tied model without wte in its flat layout");
+    auto& hw = writes_[size_t(head)];
+    const auto shared = std::find_if(hw.begin(), hw.end(), [&](int b) {
+      return wte->offset >= buckets_[size_t(b)].begin && wte->offset < buckets_[size_t(b)].end;
+    });
+    LOOM_CHECK(shared != hw.end(), "data parallel: the tied head writes no bucket holding wte");
+    const std::vector<int>& owners = buckets_[size_t(*shared)].blocks;
+    // Unless wte shares a bucket with the head's own parameters (nothing is then held longer).
+    if (std::find(owners.begin(), owners.end(), head) == owners.end()) {
+      *shared = int(buckets_.size());
+      buckets_.push_back(GradBucket{wte->offset, wte->offset + round_up(wte->alloc, kFlatAlign), {head}, head});
     }
   }
   live_.assign(buckets_.size(), {});
