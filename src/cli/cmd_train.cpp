@@ -1,4 +1,5 @@
 // loom train CONFIG.toml [--section.field value ...] [--resume | --overwrite]
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 
@@ -38,8 +39,12 @@ Registrar reg{Command{
       sub.allow_extras();
       return [a, &sub]() -> int {
         if (a->help_config) {
-          for (const auto& f : train::config_fields())
-            std::printf("--%-26s %-6s %-14s %s\n", f.key.c_str(), f.type.c_str(), f.default_value.c_str(), f.help.c_str());
+          const std::vector<train::FieldInfo> fields = train::config_fields();
+          int width = 0;
+          for (const auto& f : fields) width = std::max(width, int(f.key.size()));
+          for (const auto& f : fields)
+            std::printf("--%-*s %-6s %-14s %s\n", width, f.key.c_str(), f.type.c_str(), f.default_value.c_str(),
+                        f.help.c_str());
           return 0;
         }
         // The config path is the one argument that is neither "--key", "--key=value" nor the

@@ -121,9 +121,23 @@ struct AttnShape {
   int64_t q_pos0 = 0, kv_pos0 = 0;
   bool causal = true;
   float scale = 0;  // 0: 1 / sqrt(HS)
+  // Grouped-query attention: NKV key/value heads (dividing NH; query head h reads key/value head
+  // h / (NH / NKV)), so K and V rows hold NKV heads. 0: NH.
+  int64_t NKV = 0;
+  int64_t kv_heads() const { return NKV > 0 ? NKV : NH; }
 };
 
-// A kernel's own argument struct of the same fields (cpu::AttnArgs, cuda::AttnArgs) from a shape.
+namespace detail {
+template <class A>
+auto set_kv_heads(A& a, int64_t n, int) -> decltype(a.NKV = n, void()) {
+  a.NKV = n;
+}
+template <class A>
+void set_kv_heads(A&, int64_t, long) {}
+}  // namespace detail
+
+// A kernel's own argument struct of the same fields (cpu::AttnArgs, cuda::AttnArgs) from a shape
+// (NKV where the struct has it).
 template <class Args>
 Args attn_args_of(const AttnShape& s) {
   Args a;
@@ -139,6 +153,7 @@ Args attn_args_of(const AttnShape& s) {
   a.kv_pos0 = s.kv_pos0;
   a.causal = s.causal;
   a.scale = s.scale;
+  detail::set_kv_heads(a, s.NKV, 0);
   return a;
 }
 
@@ -191,8 +206,8 @@ struct CrossEntropy {
 };
 
 // out [B, T, C] = wte[tokens[b, t]] + wpe[position of t], the position pos0 + t, or positions[t]
-// (i32 [T] in this backend's memory) where given (on the CPU wpe may be null: no position table;
-// CUDA needs one). Token ids are checked against [0, V). A vocabulary split (vocab_rows > 0, the
+// (i32 [T] in this backend's memory) where given; wpe may be null (no position table: rotary
+// positions). Token ids are checked against [0, V). A vocabulary split (vocab_rows > 0, the
 // CPU only): wte holds rows [vocab_begin, vocab_begin + vocab_rows) of the table, and a token
 // outside them gives a zero row (before the position's).
 struct EmbeddingForward {

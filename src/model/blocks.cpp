@@ -17,6 +17,11 @@ constexpr int64_t I = sizeof(int32_t);
 char* at(Tensor& t, int64_t elems) { return static_cast<char*>(t.raw()) + elems * int64_t(dtype_size(t.dtype())); }
 }  // namespace
 
+int64_t wide_columns(const GPTConfig& cfg, int tp) {
+  const int64_t mlp = cfg.fc_rows() / tp + (cfg.mlp == Mlp::swiglu ? cfg.ffn() / tp : 0);
+  return std::max(cfg.qkv_rows() / tp, mlp);
+}
+
 int64_t ChainBlock::saved_activation_bytes(int64_t B, int64_t T) const {
   int64_t n = 0;
   for (const SavedActivation& a : saved_activations(B, T)) n += a.bytes();
@@ -75,10 +80,10 @@ Embedding::Embedding(const GPTConfig& cfg, Backend& be, const BlockOptions& o) :
   par_->check(cfg, "model config '" + cfg.name + "'");
   const std::vector<ParamSpec> specs = embedding_param_specs(cfg);
   params_.reserve(specs.size());
-  // wte by vocabulary rows; wpe whole on every tp rank: each computes its whole gradient from the
-  // full output gradient, so it needs no reduction over tp.
+  // wte by vocabulary rows; wpe (learned positions) whole on every tp rank: each computes its
+  // whole gradient from the full output gradient, so it needs no reduction over tp.
   allocate_param(add_param(wte_param(cfg, *par_)));
-  allocate_param(add_param(par_->whole(specs[1], false)));
+  if (specs.size() > 1) allocate_param(add_param(par_->whole(specs[1], false)));
   arena_ = nullptr;
 }
 
@@ -133,7 +138,7 @@ void Embedding::forward(const int32_t* tokens, int64_t B, int64_t T, int64_t pos
   const bool split = P.tp() > 1;
   void* dst = P.sp_active() ? P.partial_buffer(N, C) : out_.raw();
   be_->embedding_forward({.dtype = dt_, .out = dst, .tokens = tokens_.i32(), .wte = wte().weights().raw(),
-                          .wpe = P.tp_rank() == 0 ? wpe().weights().raw() : nullptr, .B = B, .T = Tl, .C = C,
+                          .wpe = P.tp_rank() == 0 && wpe() ? wpe()->weights().raw() : nullptr, .B = B, .T = Tl, .C = C,
                           .V = cfg_.vocab_size, .pos0 = pos0, .positions = P.cp() > 1 ? P.positions(T) : nullptr,
                           .vocab_begin = split ? P.vocab_begin(cfg_) : 0, .vocab_rows = split ? P.vocab_rows(cfg_) : 0});
   P.reduce(dst, out_.raw(), N, C);
@@ -145,7 +150,8 @@ void Embedding::backward(const void* dout) {
   const int64_t C = cfg_.n_embd, N = P.rows(B_, T_);
   const bool split = P.tp() > 1;
   // Both tables from the output gradient of every token row (gathered under sp).
-  be_->embedding_backward({.dtype = dt_, .dwte = wte().grad.f32(), .dwpe = wpe().grad.f32(), .dout = P.gather(dout, N, C),
+  be_->embedding_backward({.dtype = dt_, .dwte = wte().grad.f32(), .dwpe = wpe() ? wpe()->grad.f32() : nullptr,
+                           .dout = P.gather(dout, N, C),
                            .tokens = tokens_.i32(), .B = B_, .T = T_ / P.cp(), .C = C, .V = cfg_.vocab_size,
                            .pos0 = pos0_, .positions = P.cp() > 1 ? P.positions(T_) : nullptr,
                            .vocab_begin = split ? P.vocab_begin(cfg_) : 0, .vocab_rows = split ? P.vocab_rows(cfg_) : 0});
@@ -175,26 +181,48 @@ TransformerBlock::TransformerBlock(const GPTConfig& cfg, int64_t layer, Backend&
   const ChainParallel& P = *par_;
   P.check(cfg, "model config '" + cfg.name + "'");
   // Order and names as Hugging Face GPT-2 (weights here in Linear layout [out, in]); the
-  // LN1_W ... MLP_PROJ_B indices are model::BlockParam's. Under tp: c_attn and c_fc split by
-  // output rows (column-parallel; c_attn's q, k and v each by heads), the c_projs by input columns
-  // (row-parallel); LayerNorms and the c_proj biases whole on every rank.
+  // LN1_W ... MLP_PROJ_B indices are model::BlockParam's (a config without biases has fewer
+  // parameters: idx_ maps the roles to them). Under tp: c_attn and c_fc split by output rows
+  // (column-parallel; c_attn's q, k and v each by heads, c_fc's SwiGLU gate and up each by
+  // columns of F), the c_projs by input columns (row-parallel); norms and the c_proj biases whole
+  // on every rank.
+  const int64_t HS = cfg.head_size();
+  const std::vector<int64_t> qkv_sections = {cfg.n_head * HS, cfg.kv_heads() * HS, cfg.kv_heads() * HS};
+  const int fc_sections = cfg.mlp == Mlp::swiglu ? 2 : 1;
   std::vector<ParamSpec> specs = block_param_specs(cfg, layer);
   params_.reserve(specs.size());
-  auto sp = [&](int i) { return std::move(specs[size_t(i)]); };
-  add_param(P.whole(sp(LN1_W), true));
-  add_param(P.whole(sp(LN1_B), true));
-  add_param(P.rows_split(sp(QKV_W), 3));
-  add_param(P.rows_split(sp(QKV_B), 3));
-  add_param(P.columns_split(sp(ATTN_PROJ_W)));
-  add_param(P.whole(sp(ATTN_PROJ_B), false));
-  add_param(P.whole(sp(LN2_W), true));
-  add_param(P.whole(sp(LN2_B), true));
-  add_param(P.rows_split(sp(FC_W), 1));
-  add_param(P.rows_split(sp(FC_B), 1));
-  add_param(P.columns_split(sp(MLP_PROJ_W)));
-  add_param(P.whole(sp(MLP_PROJ_B), false));
+  size_t next = 0;
+  for (int i = 0; i < kBlockParams; ++i) {
+    if (!block_param_present(cfg, BlockParam(i))) {
+      idx_[i] = -1;
+      continue;
+    }
+    ParamSpec spec = std::move(specs.at(next++));
+    idx_[i] = int(params_.size());
+    switch (i) {
+      case LN1_W: case LN1_B: case LN2_W: case LN2_B: add_param(P.whole(std::move(spec), true)); break;
+      case QKV_W: case QKV_B: add_param(P.rows_split(std::move(spec), qkv_sections)); break;
+      case FC_W: case FC_B: add_param(P.rows_split(std::move(spec), fc_sections)); break;
+      case ATTN_PROJ_W: case MLP_PROJ_W: add_param(P.columns_split(std::move(spec))); break;
+      default: add_param(P.whole(std::move(spec), false));  // the c_proj biases
+    }
+  }
   for (auto& q : params_) allocate_param(q);
   arena_ = nullptr;
+  if (cfg.position == Position::rope)
+    inv_freq_ = rope_inv_freq(HS, cfg.rope_theta,
+                              {cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                               cfg.rope_original_max_position});
+}
+
+void TransformerBlock::rotate(void* qkv, int64_t B, int64_t T, int64_t pos0, bool inverse) {
+  if (inv_freq_.empty()) return;
+  ChainParallel& P = *par_;
+  const int64_t HS = cfg_.head_size(), heads = (cfg_.n_head + cfg_.kv_heads()) / P.tp();
+  // The rank's query heads and key heads are adjacent in each row: one call rotates both.
+  be_->rope({.dtype = dt_, .x = qkv, .B = B, .T = T / P.cp(), .NH = heads, .HS = HS,
+             .stride = cfg_.qkv_rows() / P.tp(), .pos0 = pos0, .positions = P.cp() > 1 ? P.positions(T) : nullptr,
+             .inv_freq = inv_freq_.data(), .inverse = inverse});
 }
 
 std::unique_ptr<ChainBlock> TransformerBlock::replica(MemTag tag) const {
@@ -203,39 +231,44 @@ std::unique_ptr<ChainBlock> TransformerBlock::replica(MemTag tag) const {
 
 AttnShape TransformerBlock::attention_shape(int64_t B, int64_t T) const {
   const ChainParallel& P = *par_;
-  const int64_t Cl = cfg_.n_embd / P.tp(), T1 = P.cp() > 1 ? T / (2 * P.cp()) : T;
-  return {.B = P.cp() > 1 ? 1 : B, .NH = cfg_.n_head / P.tp(), .HS = cfg_.n_embd / cfg_.n_head, .Tq = T1, .Tkv = T1,
-          .q_stride = 3 * Cl, .kv_stride = 3 * Cl, .o_stride = Cl};
+  const int64_t Cl = cfg_.n_embd / P.tp(), Ql = cfg_.qkv_rows() / P.tp(), T1 = P.cp() > 1 ? T / (2 * P.cp()) : T;
+  return {.B = P.cp() > 1 ? 1 : B, .NH = cfg_.n_head / P.tp(), .HS = cfg_.head_size(), .Tq = T1, .Tkv = T1,
+          .q_stride = Ql, .kv_stride = Ql, .o_stride = Cl, .NKV = cfg_.kv_heads() / P.tp()};
 }
 
 int64_t TransformerBlock::attention_workspace_bytes(int64_t B, int64_t T, int threads) const {
   const ChainParallel& P = *par_;
   if (P.cp() > 1)
     return parallel::cp::RingAttention::workspace_bytes(
-        {B, T, cfg_.n_head / P.tp(), cfg_.n_embd / cfg_.n_head}, P.cp(), threads);
+        {B, T, cfg_.n_head / P.tp(), cfg_.head_size(), cfg_.kv_heads() / P.tp()}, P.cp(), threads);
   return be_->attention_workspace_bytes(dt_, attention_shape(B, T), threads);
 }
 
 std::vector<SavedActivation> TransformerBlock::saved_activations(int64_t B, int64_t T) const {
   const ChainParallel& P = *par_;
   const int64_t C = cfg_.n_embd, Cl = C / P.tp(), NHl = cfg_.n_head / P.tp(), Tl = T / P.cp();
+  const int64_t Ql = cfg_.qkv_rows() / P.tp(), FCl = cfg_.fc_rows() / P.tp(), Fl = cfg_.ffn() / P.tp();
   const std::string p = name() + ".";
   const DType f = DType::f32, a = dt_;
-  // Per token: 16 C activations + 4 f32 statistics, plus n_head log-sum-exps; a T x T attention
-  // matrix only where the backend's attention keeps one (the GEMM kernels). Under tp the rank's
-  // heads and MLP columns; under sp the stream side (LayerNorms, residuals) of its own rows.
+  // Per token, GPT-2: 16 C activations + 4 f32 statistics, plus n_head log-sum-exps; a T x T
+  // attention matrix only where the backend's attention keeps one (the GEMM kernels). Under tp the
+  // rank's heads and MLP columns; under sp the stream side (norms, residuals) of its own rows.
+  // RMSNorm saves no means.
   const Shape st = P.sp_active() ? Shape{P.own_rows(B, T), C} : Shape{B, Tl, C};
   const Shape rows = P.sp_active() ? Shape{P.own_rows(B, T)} : Shape{B, Tl};
-  // (Selective recomputation keeps neither atty nor lse: backward computes them again.)
-  std::vector<SavedActivation> v{{p + "ln1", a, st},              {p + "ln1_mean", f, rows},    {p + "ln1_rstd", f, rows},
-                                 {p + "qkv", a, {B, Tl, 3 * Cl}}, {p + "atty", a, {B, Tl, Cl}}, {p + "lse", f, {B, NHl, Tl}},
-                                 {p + "res2", a, st},             {p + "ln2", a, st},           {p + "ln2_mean", f, rows},
-                                 {p + "ln2_rstd", f, rows},       {p + "fch", a, {B, Tl, 4 * Cl}}, {p + "fch_gelu", a, {B, Tl, 4 * Cl}},
+  std::vector<SavedActivation> v{{p + "ln1", a, st},           {p + "ln1_mean", f, rows},    {p + "ln1_rstd", f, rows},
+                                 {p + "qkv", a, {B, Tl, Ql}},  {p + "atty", a, {B, Tl, Cl}}, {p + "lse", f, {B, NHl, Tl}},
+                                 {p + "res2", a, st},          {p + "ln2", a, st},           {p + "ln2_mean", f, rows},
+                                 {p + "ln2_rstd", f, rows},    {p + "fch", a, {B, Tl, FCl}}, {p + "fch_gelu", a, {B, Tl, Fl}},
                                  {p + "out", a, st}};
-  if (selective_)
-    v.erase(std::remove_if(v.begin(), v.end(),
-                           [](const SavedActivation& s) { return s.name.ends_with(".atty") || s.name.ends_with(".lse"); }),
-            v.end());
+  // (Selective recomputation keeps neither atty nor lse: backward computes them again.)
+  const bool rms = this->rms();
+  v.erase(std::remove_if(v.begin(), v.end(),
+                         [&](const SavedActivation& s) {
+                           return (selective_ && (s.name.ends_with(".atty") || s.name.ends_with(".lse"))) ||
+                                  (rms && s.name.ends_with("_mean"));
+                         }),
+          v.end());
   const int64_t probs = P.cp() > 1 ? 0 : be_->attention_probs_bytes(dt_, attention_shape(B, T));
   if (probs > 0) v.push_back({p + "probs", a, {B, NHl, T, T}});
   return v;
@@ -252,6 +285,7 @@ void TransformerBlock::use_parameters_of(const TransformerBlock& other) {
   LOOM_CHECK(other.be_ == be_ && other.params_.size() == params_.size(), "{}: parameters of another model", name());
   params_ = other.params_;
   layer_ = other.layer_;
+  std::copy(std::begin(other.idx_), std::end(other.idx_), std::begin(idx_));
 }
 
 void TransformerBlock::drop_saved() {
@@ -289,27 +323,29 @@ void TransformerBlock::allocate(int64_t B, int64_t T, bool probs) {
 }
 
 void TransformerBlock::attend_cached(const KVStep& kv) {
-  const int64_t B = B_, T = T_, C = cfg_.n_embd, pos = kv.pos;
+  const int64_t B = B_, T = T_, C = cfg_.n_embd, Q = cfg_.qkv_rows(), Ckv = cfg_.kv_heads() * cfg_.head_size();
+  const int64_t pos = kv.pos;
   LOOM_CHECK(kv.k && kv.v && pos >= 0 && pos + T <= kv.t_max, "{}: cached positions [{}, {}) exceed the cache of {}",
              name(), pos, pos + T, kv.t_max);
-  const size_t es = esize();
+  const int64_t es = int64_t(esize());
   auto* kc = static_cast<char*>(kv.k);
   auto* vc = static_cast<char*>(kv.v);
-  // Append this call's keys and values at positions [pos, pos + T) of every sequence.
+  // Append this call's keys and values (rotated keys with rotary positions) at positions
+  // [pos, pos + T) of every sequence.
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t) {
-      const char* row = at(a_.qkv, (b * T + t) * 3 * C);
-      const int64_t dst = (b * kv.t_max + pos + t) * C;
-      be_->copy({.dst = kc + dst * int64_t(es), .dst_dtype = dt_, .src = row + C * int64_t(es), .src_dtype = dt_, .n = C});
-      be_->copy({.dst = vc + dst * int64_t(es), .dst_dtype = dt_, .src = row + 2 * C * int64_t(es), .src_dtype = dt_, .n = C});
+      const char* row = at(a_.qkv, (b * T + t) * Q);
+      const int64_t dst = (b * kv.t_max + pos + t) * Ckv;
+      be_->copy({.dst = kc + dst * es, .dst_dtype = dt_, .src = row + C * es, .src_dtype = dt_, .n = Ckv});
+      be_->copy({.dst = vc + dst * es, .dst_dtype = dt_, .src = row + (C + Ckv) * es, .src_dtype = dt_, .n = Ckv});
     }
   // One sequence at a time: its T queries at positions [pos, pos + T) against its pos + T keys.
-  const AttnShape s{.B = 1, .NH = cfg_.n_head, .HS = C / cfg_.n_head, .Tq = T, .Tkv = pos + T, .q_stride = 3 * C,
-                    .kv_stride = C, .o_stride = C, .q_pos0 = pos, .kv_pos0 = 0};
+  const AttnShape s{.B = 1, .NH = cfg_.n_head, .HS = cfg_.head_size(), .Tq = T, .Tkv = pos + T, .q_stride = Q,
+                    .kv_stride = Ckv, .o_stride = C, .q_pos0 = pos, .kv_pos0 = 0, .NKV = cfg_.kv_heads()};
   for (int64_t b = 0; b < B; ++b) {
-    const char* q = at(a_.qkv, b * T * 3 * C);
+    const char* q = at(a_.qkv, b * T * Q);
     be_->attention_forward({.dtype = dt_, .shape = s, .out = at(a_.atty, b * T * C), .lse = a_.lse.f32() + b * cfg_.n_head * T,
-                            .q = q, .k = kc + b * kv.t_max * C * int64_t(es), .v = vc + b * kv.t_max * C * int64_t(es)});
+                            .q = q, .k = kc + b * kv.t_max * Ckv * es, .v = vc + b * kv.t_max * Ckv * es});
   }
 }
 
@@ -319,12 +355,17 @@ void TransformerBlock::forward(const void* x, int64_t B, int64_t T, const KVStep
   ChainParallel& P = *par_;
   LOOM_CHECK(!kv || P.single(), "{}: cached decoding runs on one device (tp = cp = 1)", name());
   const int64_t C = cfg_.n_embd, Cl = C / P.tp(), N = P.rows(B, T), Ns = P.own_rows(B, T);
+  const int64_t Ql = cfg_.qkv_rows() / P.tp(), FCl = cfg_.fc_rows() / P.tp(), Fl = cfg_.ffn() / P.tp();
   allocate(B, T, /*probs=*/kv == nullptr);
-  be_->layernorm_forward({.dtype = dt_, .out = a_.ln1.raw(), .mean = a_.ln1_mean.f32(), .rstd = a_.ln1_rstd.f32(),
-                          .inp = x, .weight = w(LN1_W), .bias = w(LN1_B), .N = Ns, .C = C, .eps = cfg_.ln_eps});
-  // c_attn, column-parallel: every token row (gathered under sp), this rank's heads.
+  const bool rms = this->rms();
+  be_->layernorm_forward({.dtype = dt_, .out = a_.ln1.raw(), .mean = rms ? nullptr : a_.ln1_mean.f32(),
+                          .rstd = a_.ln1_rstd.f32(), .inp = x, .weight = w(LN1_W), .bias = w(LN1_B), .N = Ns, .C = C,
+                          .eps = cfg_.ln_eps, .rms = rms});
+  // c_attn, column-parallel: every token row (gathered under sp), this rank's heads; then the
+  // rotary embedding of its queries and keys.
   be_->linear_forward({.dtype = dt_, .out = a_.qkv.raw(), .inp = P.gather(a_.ln1.raw(), N, C), .weight = w(QKV_W),
-                       .bias = w(QKV_B), .M = N, .K = C, .N = 3 * Cl});
+                       .bias = w(QKV_B), .M = N, .K = C, .N = Ql});
+  rotate(a_.qkv.raw(), B, T, kv ? kv->pos : 0, false);
   // Selective recomputation: the attention's output and log-sum-exps live in workspace for the
   // c_proj below and are computed again in backward.
   Tensor atty = a_.atty, lse = a_.lse;
@@ -345,20 +386,28 @@ void TransformerBlock::forward(const void* x, int64_t B, int64_t T, const KVStep
   be_->linear_forward({.dtype = dt_, .out = part, .inp = atty.raw(), .weight = w(ATTN_PROJ_W), .bias = bias0,
                        .M = N, .K = Cl, .N = C});
   P.reduce(part, a_.res2.raw(), N, C);
-  be_->layernorm_forward({.dtype = dt_, .out = a_.ln2.raw(), .mean = a_.ln2_mean.f32(), .rstd = a_.ln2_rstd.f32(),
-                          .inp = a_.res2.raw(), .residual_b = x, .residual_out = a_.res2.raw(), .weight = w(LN2_W),
-                          .bias = w(LN2_B), .N = Ns, .C = C, .eps = cfg_.ln_eps});
-  be_->linear_forward({.dtype = dt_, .out = a_.fch_gelu.raw(), .pre_gelu = a_.fch.raw(), .inp = P.gather(a_.ln2.raw(), N, C),
-                       .weight = w(FC_W), .bias = w(FC_B), .M = N, .K = C, .N = 4 * Cl, .gelu = true});
+  be_->layernorm_forward({.dtype = dt_, .out = a_.ln2.raw(), .mean = rms ? nullptr : a_.ln2_mean.f32(),
+                          .rstd = a_.ln2_rstd.f32(), .inp = a_.res2.raw(), .residual_b = x,
+                          .residual_out = a_.res2.raw(), .weight = w(LN2_W), .bias = w(LN2_B), .N = Ns, .C = C,
+                          .eps = cfg_.ln_eps, .rms = rms});
+  if (cfg_.mlp == Mlp::swiglu) {
+    be_->linear_forward({.dtype = dt_, .out = a_.fch.raw(), .inp = P.gather(a_.ln2.raw(), N, C), .weight = w(FC_W),
+                         .bias = w(FC_B), .M = N, .K = C, .N = FCl});
+    be_->swiglu_forward(dt_, a_.fch_gelu.raw(), a_.fch.raw(), N, Fl);
+  } else {
+    be_->linear_forward({.dtype = dt_, .out = a_.fch_gelu.raw(), .pre_gelu = a_.fch.raw(),
+                         .inp = P.gather(a_.ln2.raw(), N, C), .weight = w(FC_W), .bias = w(FC_B), .M = N, .K = C,
+                         .N = FCl, .gelu = true});
+  }
   if (P.tp() == 1) {
     // out = res2 + c_proj(fch_gelu): the residual add in the GEMM where the backend fuses it.
     be_->linear_forward({.dtype = dt_, .out = out_.raw(), .inp = a_.fch_gelu.raw(), .weight = w(MLP_PROJ_W),
-                         .bias = w(MLP_PROJ_B), .M = N, .K = 4 * C, .N = C, .residual = a_.res2.raw()});
+                         .bias = w(MLP_PROJ_B), .M = N, .K = Fl, .N = C, .residual = a_.res2.raw()});
     return;
   }
   part = P.sp_active() ? P.partial_buffer(N, C) : out_.raw();
   be_->linear_forward({.dtype = dt_, .out = part, .inp = a_.fch_gelu.raw(), .weight = w(MLP_PROJ_W),
-                       .bias = P.tp_rank() == 0 ? w(MLP_PROJ_B) : nullptr, .M = N, .K = 4 * Cl, .N = C});
+                       .bias = P.tp_rank() == 0 ? w(MLP_PROJ_B) : nullptr, .M = N, .K = Fl, .N = C});
   P.reduce(part, out_.raw(), N, C);
   be_->add(dt_, out_.raw(), out_.raw(), a_.res2.raw(), Ns * C);
 }
@@ -366,16 +415,16 @@ void TransformerBlock::forward(const void* x, int64_t B, int64_t T, const KVStep
 // The attention of a training step from the saved qkv into out and lse (ring attention under cp).
 void TransformerBlock::attend(const Tensor& out, const Tensor& lse, int64_t B, int64_t T) {
   ChainParallel& P = *par_;
-  const int64_t C = cfg_.n_embd, Cl = C / P.tp();
-  const size_t es = esize();
+  const int64_t HS = cfg_.head_size(), NHl = cfg_.n_head / P.tp(), NKVl = cfg_.kv_heads() / P.tp();
+  const int64_t es = int64_t(esize());
   if (P.cp() > 1) {
-    P.ring().forward(*P.cp_group(), out.f32(), lse.f32(), a_.qkv.f32(), {B, T, cfg_.n_head / P.tp(), C / cfg_.n_head});
+    P.ring().forward(*P.cp_group(), out.f32(), lse.f32(), a_.qkv.f32(), {B, T, NHl, HS, NKVl});
     return;
   }
   const char* qkv = at(a_.qkv, 0);
   be_->attention_forward({.dtype = dt_, .shape = attention_shape(B, T), .out = out.raw(), .lse = lse.f32(),
                           .probs = a_.probs.defined() ? a_.probs.raw() : nullptr, .q = qkv,
-                          .k = qkv + Cl * int64_t(es), .v = qkv + 2 * Cl * int64_t(es)});
+                          .k = qkv + NHl * HS * es, .v = qkv + (NHl + NKVl) * HS * es});
 }
 
 void TransformerBlock::set_selective(bool on) {
@@ -392,9 +441,9 @@ void TransformerBlock::backward(const void* x, const BackwardScratch& s) {
 
 int64_t TransformerBlock::deferred_gradient_bytes(int64_t B, int64_t T) const {
   const ChainParallel& P = *par_;
-  const int64_t C = cfg_.n_embd, Cl = C / P.tp();
-  // dout C + dfch 4Cl + dres2 C + dqkv 3Cl (+ atty Cl under selective recomputation)
-  return P.rows(B, T) * (2 * C + 7 * Cl + (selective_ ? Cl : 0)) * int64_t(esize());
+  const int64_t C = cfg_.n_embd, Cl = C / P.tp(), Ql = cfg_.qkv_rows() / P.tp(), FCl = cfg_.fc_rows() / P.tp();
+  // dout C + dfch FCl + dres2 C + dqkv Ql (+ atty Cl under selective recomputation)
+  return P.rows(B, T) * (2 * C + FCl + Ql + (selective_ ? Cl : 0)) * int64_t(esize());
 }
 
 void TransformerBlock::backward_input(const void* x, const BackwardScratch& s) {
@@ -408,12 +457,15 @@ void TransformerBlock::backward_input(const void* x, const BackwardScratch& s) {
 void TransformerBlock::run_backward(const void* x, const BackwardScratch& s, bool defer) {
   ChainParallel& P = *par_;
   const int64_t C = cfg_.n_embd, Cl = C / P.tp(), B = B_, T = T_, N = P.rows(B, T), Ns = P.own_rows(B, T);
-  const size_t es = esize();
+  const int64_t HS = cfg_.head_size(), NHl = cfg_.n_head / P.tp(), NKVl = cfg_.kv_heads() / P.tp();
+  const int64_t Ql = cfg_.qkv_rows() / P.tp(), FCl = cfg_.fc_rows() / P.tp(), Fl = cfg_.ffn() / P.tp();
+  const int64_t es = int64_t(esize());
+  const bool rms = this->rms(), swiglu = cfg_.mlp == Mlp::swiglu;
   if (defer) {
     d_.dout = work({N, C});
-    d_.dfch = work({N, 4 * Cl});
+    d_.dfch = work({N, FCl});
     d_.dres2 = work({N, C});
-    d_.dqkv = work({N, 3 * Cl});
+    d_.dqkv = work({N, Ql});
   }
   auto keep = [&](Tensor& dst, const void* src) {
     be_->copy({.dst = dst.raw(), .dst_dtype = dt_, .src = src, .src_dtype = dt_, .n = dst.numel()});
@@ -428,62 +480,74 @@ void TransformerBlock::run_backward(const void* x, const BackwardScratch& s, boo
     if (defer) d_.atty = atty;  // for the deferred c_proj weight gradient
   }
   const char* qkv = at(a_.qkv, 0);
-  char* dqkv = defer ? at(d_.dqkv, 0) : static_cast<char*>(s.buf4C);  // [N, 3Cl] (in the [N, 4Cl] buffer)
+  char* dqkv = defer ? at(d_.dqkv, 0) : static_cast<char*>(s.buf4C);  // [N, Ql] (in the wide buffer)
 
   // MLP branch; s.dres = d(out) = d(res2) through the residual. The output gradient of the
   // row-parallel c_proj is every token row's (gathered under sp). Its backward also goes back
-  // through the GELU (into d(fch)).
+  // through the GELU or the SwiGLU (into d(fch)).
   const void* dout = P.gather(s.dres, N, C);
-  if (defer) {
-    keep(d_.dout, dout);
-    be_->linear_backward({.dtype = dt_, .dinp = s.buf4C, .dout = dout, .weight = w(MLP_PROJ_W), .M = N, .K = 4 * Cl, .N = C});
-    be_->gelu_backward(dt_, d_.dfch.raw(), a_.fch.raw(), s.buf4C, N * 4 * Cl);
+  if (defer) keep(d_.dout, dout);
+  void* dfch = defer ? d_.dfch.raw() : s.buf4C;  // [N, FCl]
+  if (swiglu) {
+    // d(c_proj input) [N, Fl] beside d(fch) in the wide buffer, then back through the SwiGLU.
+    void* dact = static_cast<char*>(s.buf4C) + N * FCl * es;
+    be_->linear_backward({.dtype = dt_, .dinp = dact, .dweight = wg(MLP_PROJ_W), .dbias = wg(MLP_PROJ_B), .dout = dout,
+                          .inp = defer ? nullptr : a_.fch_gelu.raw(), .weight = w(MLP_PROJ_W), .M = N, .K = Fl, .N = C});
+    be_->swiglu_backward(dt_, dfch, dact, a_.fch.raw(), N, Fl);
+  } else if (defer) {
+    be_->linear_backward({.dtype = dt_, .dinp = s.buf4C, .dout = dout, .weight = w(MLP_PROJ_W), .M = N, .K = Fl, .N = C});
+    be_->gelu_backward(dt_, d_.dfch.raw(), a_.fch.raw(), s.buf4C, N * Fl);
   } else {
     be_->linear_backward({.dtype = dt_, .dinp = s.buf4C, .dweight = g(MLP_PROJ_W), .dbias = g(MLP_PROJ_B), .dout = dout,
                           .inp = a_.fch_gelu.raw(), .weight = w(MLP_PROJ_W), .gelu_pre = a_.fch.raw(), .M = N,
-                          .K = 4 * Cl, .N = C});
+                          .K = Fl, .N = C});
   }
   // c_fc, column-parallel: its input gradient is a partial sum over tp.
-  be_->linear_backward({.dtype = dt_, .dinp = s.bufC, .dweight = wg(FC_W), .dbias = wg(FC_B),
-                        .dout = defer ? d_.dfch.raw() : s.buf4C, .inp = defer ? nullptr : P.gather(a_.ln2.raw(), N, C),
-                        .weight = w(FC_W), .M = N, .K = C, .N = 4 * Cl});
+  be_->linear_backward({.dtype = dt_, .dinp = s.bufC, .dweight = wg(FC_W), .dbias = wg(FC_B), .dout = dfch,
+                        .inp = defer ? nullptr : P.gather(a_.ln2.raw(), N, C), .weight = w(FC_W), .M = N, .K = C,
+                        .N = FCl});
   be_->layernorm_backward({.dtype = dt_, .dinp = s.dres, .accumulate = true, .dweight = g(LN2_W), .dbias = g(LN2_B),
                            .dout = P.reduce_input_grad(s.bufC, N, C), .inp = a_.res2.raw(), .weight = w(LN2_W),
-                           .mean = a_.ln2_mean.f32(), .rstd = a_.ln2_rstd.f32(), .N = Ns, .C = C});
+                           .mean = rms ? nullptr : a_.ln2_mean.f32(), .rstd = a_.ln2_rstd.f32(), .N = Ns, .C = C,
+                           .rms = rms});
   // Attention branch; s.dres = d(res2) = d(x) through the residual.
   dout = P.gather(s.dres, N, C);
   if (defer) keep(d_.dres2, dout);
   be_->linear_backward({.dtype = dt_, .dinp = s.bufC, .dweight = wg(ATTN_PROJ_W), .dbias = wg(ATTN_PROJ_B), .dout = dout,
                         .inp = atty.raw(), .weight = w(ATTN_PROJ_W), .M = N, .K = Cl, .N = C});
+  const int64_t ko = NHl * HS * es, vo = (NHl + NKVl) * HS * es;  // byte offsets of k and v in a row
   if (P.cp() > 1) {
     P.ring().backward(*P.cp_group(), reinterpret_cast<float*>(dqkv), static_cast<const float*>(s.bufC), a_.qkv.f32(),
-                      atty.f32(), lse.f32(), {B, T, cfg_.n_head / P.tp(), C / cfg_.n_head});
+                      atty.f32(), lse.f32(), {B, T, NHl, HS, NKVl});
   } else {
-    be_->attention_backward({.dtype = dt_, .shape = attention_shape(B, T), .dq = dqkv, .dk = dqkv + Cl * int64_t(es),
-                             .dv = dqkv + 2 * Cl * int64_t(es), .dout = s.bufC, .q = qkv, .k = qkv + Cl * int64_t(es),
-                             .v = qkv + 2 * Cl * int64_t(es), .out = atty.raw(), .lse = lse.f32(),
-                             .probs = a_.probs.defined() ? a_.probs.raw() : nullptr});
+    be_->attention_backward({.dtype = dt_, .shape = attention_shape(B, T), .dq = dqkv, .dk = dqkv + ko, .dv = dqkv + vo,
+                             .dout = s.bufC, .q = qkv, .k = qkv + ko, .v = qkv + vo, .out = atty.raw(),
+                             .lse = lse.f32(), .probs = a_.probs.defined() ? a_.probs.raw() : nullptr});
   }
+  // The gradients of the rotated queries and keys, rotated back: those of c_attn's outputs.
+  rotate(dqkv, B, T, 0, true);
   be_->linear_backward({.dtype = dt_, .dinp = s.bufC, .dweight = wg(QKV_W), .dbias = wg(QKV_B), .dout = dqkv,
                         .inp = defer ? nullptr : P.gather(a_.ln1.raw(), N, C), .weight = w(QKV_W), .M = N, .K = C,
-                        .N = 3 * Cl});
+                        .N = Ql});
   be_->layernorm_backward({.dtype = dt_, .dinp = s.dres, .accumulate = true, .dweight = g(LN1_W), .dbias = g(LN1_B),
                            .dout = P.reduce_input_grad(s.bufC, N, C), .inp = x, .weight = w(LN1_W),
-                           .mean = a_.ln1_mean.f32(), .rstd = a_.ln1_rstd.f32(), .N = Ns, .C = C});
+                           .mean = rms ? nullptr : a_.ln1_mean.f32(), .rstd = a_.ln1_rstd.f32(), .N = Ns, .C = C,
+                           .rms = rms});
 }
 
 void TransformerBlock::backward_weight() {
   LOOM_CHECK(d_.dout.defined(), "{}: backward_weight without backward_input", name());
   ChainParallel& P = *par_;
   const int64_t C = cfg_.n_embd, Cl = C / P.tp(), N = P.rows(B_, T_);
+  const int64_t Ql = cfg_.qkv_rows() / P.tp(), FCl = cfg_.fc_rows() / P.tp(), Fl = cfg_.ffn() / P.tp();
   be_->linear_backward({.dtype = dt_, .dweight = g(MLP_PROJ_W), .dbias = g(MLP_PROJ_B), .dout = d_.dout.raw(),
-                        .inp = a_.fch_gelu.raw(), .M = N, .K = 4 * Cl, .N = C});
+                        .inp = a_.fch_gelu.raw(), .M = N, .K = Fl, .N = C});
   be_->linear_backward({.dtype = dt_, .dweight = g(FC_W), .dbias = g(FC_B), .dout = d_.dfch.raw(),
-                        .inp = P.gather(a_.ln2.raw(), N, C), .M = N, .K = C, .N = 4 * Cl});
+                        .inp = P.gather(a_.ln2.raw(), N, C), .M = N, .K = C, .N = FCl});
   be_->linear_backward({.dtype = dt_, .dweight = g(ATTN_PROJ_W), .dbias = g(ATTN_PROJ_B), .dout = d_.dres2.raw(),
                         .inp = (selective_ ? d_.atty : a_.atty).raw(), .M = N, .K = Cl, .N = C});
   be_->linear_backward({.dtype = dt_, .dweight = g(QKV_W), .dbias = g(QKV_B), .dout = d_.dqkv.raw(),
-                        .inp = P.gather(a_.ln1.raw(), N, C), .M = N, .K = C, .N = 3 * Cl});
+                        .inp = P.gather(a_.ln1.raw(), N, C), .M = N, .K = C, .N = Ql});
   d_ = Deferred{};
 }
 
@@ -496,9 +560,9 @@ Head::Head(const GPTConfig& cfg, Parameter* tied, Backend& be, const BlockOption
   std::vector<ParamSpec> specs = head_param_specs(cfg);
   params_.reserve(specs.size());
   allocate_param(add_param(P.whole(specs[0], true)));
-  allocate_param(add_param(P.whole(specs[1], true)));
+  if (cfg.norm == Norm::layernorm) allocate_param(add_param(P.whole(specs[1], true)));
   if (!cfg.tied_embeddings) {
-    allocate_param(add_param(P.vocab_split(specs[2], cfg)));
+    allocate_param(add_param(P.vocab_split(specs.back(), cfg)));
     lm_head_ = &params_.back();
   }
   arena_ = nullptr;
@@ -516,10 +580,12 @@ std::vector<SavedActivation> Head::saved_activations(int64_t B, int64_t T) const
   const Shape st = P.sp_active() ? Shape{P.own_rows(B, T), C} : Shape{B, Tl, C};
   const Shape rows = P.sp_active() ? Shape{P.own_rows(B, T)} : Shape{B, Tl};
   // The logits buffer holds dlogits after the fused loss, so there is one [B, T, Vp] buffer (the
-  // rank's vocabulary columns under tp).
-  return {{"head.lnf", dt_, st}, {"head.lnf_mean", f, rows}, {"head.lnf_rstd", f, rows},
-          {"head.logits", dt_, {B, Tl, P.vocab_rows(cfg_)}}, {"head.losses", f, {B, Tl}},
-          {"head.targets", DType::i32, {B, Tl}}};
+  // rank's vocabulary columns under tp). RMSNorm saves no means.
+  std::vector<SavedActivation> v = {{"head.lnf", dt_, st}, {"head.lnf_mean", f, rows}, {"head.lnf_rstd", f, rows},
+                                    {"head.logits", dt_, {B, Tl, P.vocab_rows(cfg_)}}, {"head.losses", f, {B, Tl}},
+                                    {"head.targets", DType::i32, {B, Tl}}};
+  if (cfg_.norm == Norm::rmsnorm) v.erase(v.begin() + 1);
+  return v;
 }
 
 void Head::release_activations() {
@@ -551,19 +617,21 @@ double Head::forward(const void* x, const int32_t* targets, int64_t B, int64_t T
   LOOM_CHECK(!dev || P.single(), "head: a device batch runs on one device (tp = cp = 1)");
   if (B != B_ || T != T_) {
     release_activations();
-    const std::vector<SavedActivation> sa = saved_activations(B, T);
-    lnf_ = act(sa[0].shape, dt_);
-    lnf_mean_ = act(sa[1].shape, DType::f32);
-    lnf_rstd_ = act(sa[2].shape, DType::f32);
-    logits_ = act(sa[3].shape, dt_);
-    losses_ = act(sa[4].shape, DType::f32);
-    targets_ = act(sa[5].shape, DType::i32);
+    for (const SavedActivation& a : saved_activations(B, T)) {
+      Tensor* t = a.name == "head.lnf"        ? &lnf_
+                  : a.name == "head.lnf_mean" ? &lnf_mean_
+                  : a.name == "head.lnf_rstd" ? &lnf_rstd_
+                  : a.name == "head.logits"   ? &logits_
+                  : a.name == "head.losses"   ? &losses_
+                                              : &targets_;
+      *t = act(a.shape, a.dtype);
+    }
     B_ = B;
     T_ = T;
   }
-  be_->layernorm_forward({.dtype = dt_, .out = lnf_.raw(), .mean = lnf_mean_.f32(), .rstd = lnf_rstd_.f32(), .inp = x,
-                          .weight = params_[0].weights().raw(), .bias = params_[1].weights().raw(), .N = Ns, .C = C,
-                          .eps = cfg_.ln_eps});
+  be_->layernorm_forward({.dtype = dt_, .out = lnf_.raw(), .mean = lnf_mean_.defined() ? lnf_mean_.f32() : nullptr,
+                          .rstd = lnf_rstd_.f32(), .inp = x, .weight = params_[0].weights().raw(), .bias = norm_bias(),
+                          .N = Ns, .C = C, .eps = cfg_.ln_eps, .rms = cfg_.norm == Norm::rmsnorm});
   // lm_head, column-parallel over the vocabulary: every token row, the rank's vocabulary columns.
   be_->linear_forward({.dtype = dt_, .out = logits_.raw(), .inp = P.gather(lnf_.raw(), N, C),
                        .weight = lm_head_->weights_full().raw(), .M = N, .K = C, .N = Vs});
@@ -627,10 +695,10 @@ void Head::backward_input(const void* x, const BackwardScratch& s, float dloss_s
   }
   be_->linear_backward({.dtype = dt_, .dinp = s.bufC, .dout = logits_.raw(), .weight = lm_head_->weights_full().raw(),
                         .M = N, .K = C, .N = P.vocab_rows(cfg_)});
-  be_->layernorm_backward({.dtype = dt_, .dinp = s.dres, .dweight = params_[0].grad.f32(),
-                           .dbias = params_[1].grad.f32(), .dout = P.reduce_input_grad(s.bufC, N, C), .inp = x,
-                           .weight = params_[0].weights().raw(), .mean = lnf_mean_.f32(), .rstd = lnf_rstd_.f32(),
-                           .N = Ns, .C = C});
+  be_->layernorm_backward({.dtype = dt_, .dinp = s.dres, .dweight = params_[0].grad.f32(), .dbias = norm_bias_grad(),
+                           .dout = P.reduce_input_grad(s.bufC, N, C), .inp = x, .weight = params_[0].weights().raw(),
+                           .mean = lnf_mean_.defined() ? lnf_mean_.f32() : nullptr, .rstd = lnf_rstd_.f32(), .N = Ns,
+                           .C = C, .rms = cfg_.norm == Norm::rmsnorm});
   weight_pending_ = true;
 }
 

@@ -1,4 +1,4 @@
-// The GPT-2 chain: Embedding -> n_layer x TransformerBlock -> Head, written once for every
+// The model's chain: Embedding -> n_layer x TransformerBlock -> Head, written once for every
 // device: each block calls a backend (core/backend.h), never a kernel, and keeps its activations
 // in the backend's compute dtype (f32 on the CPU, bf16 on CUDA; statistics, log-sum-exps and
 // losses in f32, token ids in i32). Each block has explicit forward and backward, owns its
@@ -7,7 +7,9 @@
 // the model checks the declaration against the pool. A block's input is the previous block's
 // saved output, so nothing is stored twice. Backward passes the residual-stream gradient through
 // one shared buffer. replica() makes another block over the same parameters with activations of
-// its own (a pipeline's micro-batches in flight, a decoder).
+// its own (a pipeline's micro-batches in flight, a decoder). The GPT-2 and Llama families are
+// options of these blocks (model/config.h): LayerNorm or RMSNorm, learned positions or rotary
+// embeddings on the queries and keys, GELU MLP or SwiGLU, grouped-query attention, biases or none.
 //
 // Every block is parallel-aware (model/parallel.h): over a ChainParallel with tp, sp or cp > 1 it
 // holds its part of each parameter, runs column- and row-parallel linears, the vocabulary-parallel
@@ -16,6 +18,8 @@
 // stream ([B, T, C] on one device; own(B, T) of the B T / cp rows under sp); B and T passed to
 // forward are the micro-batch's (T the full sequence length).
 #pragma once
+#include <algorithm>
+#include <iterator>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -33,12 +37,16 @@ namespace loom::model {
 
 // Scratch of backward, shared by all blocks (tag workspace), in the backend's compute dtype; see
 // GPT::workspace_bytes. Under tp / cp: dres holds the rank's stream rows, bufC and buf4C its N = B
-// T / cp token rows ([N, C] and [N, 4C / tp]).
+// T / cp token rows ([N, C] and [N, wide_columns]).
 struct BackwardScratch {
   void* dres = nullptr;   // [B, T, C]: gradient of the residual stream, updated in place
   void* bufC = nullptr;   // [B, T, C]
-  void* buf4C = nullptr;  // [B, T, 4C] (also holds dqkv [B, T, 3C])
+  void* buf4C = nullptr;  // [B, T, wide_columns(cfg, tp)]: dqkv, and the MLP's gradients
 };
+// Columns of BackwardScratch::buf4C per token row on a rank of a tp group: the widest of dqkv
+// (qkv_rows / tp) and the MLP's backward (c_fc's output gradient, fc_rows / tp, and under SwiGLU
+// the gradient of its F / tp outputs beside it). 4C / tp for GPT-2.
+int64_t wide_columns(const GPTConfig& cfg, int tp);
 
 
 // The head's targets in the backend's memory (a device batch): counted on the host by the caller,
@@ -129,7 +137,8 @@ class ChainBlock {
   std::shared_ptr<ChainParallel> par_;  // shared by the chain's blocks and their replicas
 };
 
-// Token and position embeddings: out = wte[token] + wpe[position].
+// Token and position embeddings: out = wte[token] + wpe[position] (wte[token] with rotary
+// positions, which the blocks apply).
 class Embedding final : public ChainBlock {
  public:
   Embedding(const GPTConfig& cfg, Backend& be, const BlockOptions& o = {});
@@ -154,7 +163,7 @@ class Embedding final : public ChainBlock {
   int64_t deferred_gradient_bytes(int64_t B, int64_t T) const override;
   const Tensor& out() const { return out_; }  // [B, T, C]
   Parameter& wte() { return params_[0]; }
-  Parameter& wpe() { return params_[1]; }
+  Parameter* wpe() { return params_.size() > 1 ? &params_[1] : nullptr; }  // null with rotary positions
 
  private:
   Embedding(const Embedding& primary, MemTag tag) : ChainBlock(primary, tag), cfg_(primary.cfg_) {}
@@ -165,7 +174,10 @@ class Embedding final : public ChainBlock {
   Tensor dout_;       // [B, T, C] between backward_input and backward_weight (tag workspace)
 };
 
-// Pre-LayerNorm GPT-2 block: x + attn(ln_1(x)), then + mlp(ln_2(.)), tanh-GELU MLP of width 4C.
+// Pre-norm block: x + attn(ln_1(x)), then + mlp(ln_2(.)). GPT-2: LayerNorms, tanh-GELU MLP of
+// width F = 4C, biases. Llama: RMSNorms, rotary embeddings on q and k after c_attn (saved rotated;
+// backward rotates dq and dk back), grouped-query attention, SwiGLU MLP (c_fc -> [gate | up],
+// silu(gate) * up), no biases.
 class TransformerBlock final : public ChainBlock {
  public:
   TransformerBlock(const GPTConfig& cfg, int64_t layer, Backend& be, const BlockOptions& o = {});
@@ -207,24 +219,24 @@ class TransformerBlock final : public ChainBlock {
   // Output gradients of the linear layers, held between backward_input and backward_weight.
   struct Deferred {
     Tensor dout;   // [B, T, C]  d(mlp.c_proj output) = d(out)
-    Tensor dfch;   // [B, T, 4C] d(mlp.c_fc output), before the GELU
+    Tensor dfch;   // [B, T, fc_rows] d(mlp.c_fc output), before the GELU or SwiGLU
     Tensor dres2;  // [B, T, C]  d(attn.c_proj output) = d(res2)
-    Tensor dqkv;   // [B, T, 3C] d(attn.c_attn output)
+    Tensor dqkv;   // [B, T, qkv_rows] d(attn.c_attn output) (before the rotation)
     Tensor atty;   // [B, T, C] the recomputed attention output (selective recomputation)
   };
   const Deferred& deferred() const { return d_; }
 
   // Named intermediates of the last forward (for dumps and tests).
   struct Saved {
-    Tensor ln1, ln1_mean, ln1_rstd;  // [B, T, C], f32 [B, T], f32 [B, T]
-    Tensor qkv;                      // [B, T, 3C]
+    Tensor ln1, ln1_mean, ln1_rstd;  // [B, T, C], f32 [B, T], f32 [B, T] (no mean for RMSNorm)
+    Tensor qkv;                      // [B, T, qkv_rows] (q and k rotated with rotary positions)
     Tensor atty;                     // [B, T, C] attention output before c_proj
     Tensor lse;                      // f32 [B, NH, T] attention log-sum-exp
     Tensor probs;                    // [B, NH, T, T] attention probabilities (GEMM attention only)
     Tensor res2;                     // [B, T, C] x + attention branch
     Tensor ln2, ln2_mean, ln2_rstd;  // [B, T, C], f32 [B, T], f32 [B, T]
-    Tensor fch;                      // [B, T, 4C] c_fc output (GELU input)
-    Tensor fch_gelu;                 // [B, T, 4C]
+    Tensor fch;                      // [B, T, fc_rows] c_fc output (GELU or SwiGLU input)
+    Tensor fch_gelu;                 // [B, T, F] the activation's output (c_proj's input)
   };
   const Saved& saved() const { return a_; }
 
@@ -234,8 +246,9 @@ class TransformerBlock final : public ChainBlock {
     LN2_W = kLn2W, LN2_B = kLn2B, FC_W = kFcW, FC_B = kFcB, MLP_PROJ_W = kMlpProjW, MLP_PROJ_B = kMlpProjB
   };
   TransformerBlock(const TransformerBlock& primary, MemTag tag)
-      : ChainBlock(primary, tag), cfg_(primary.cfg_), layer_(primary.layer_) {
+      : ChainBlock(primary, tag), cfg_(primary.cfg_), layer_(primary.layer_), inv_freq_(primary.inv_freq_) {
     selective_ = primary.selective_;
+    std::copy(std::begin(primary.idx_), std::end(primary.idx_), std::begin(idx_));
   }
   void allocate(int64_t B, int64_t T, bool probs);
   // backward, or with defer backward_input (the weight GEMMs kept for backward_weight).
@@ -251,8 +264,14 @@ class TransformerBlock final : public ChainBlock {
   Saved a_;
   Deferred d_;
   Tensor out_;  // [B, T, C] x + attention branch + MLP branch
-  const void* w(int i) const { return params_[size_t(i)].weights().raw(); }
-  float* g(int i) { return params_[size_t(i)].grad.f32(); }
+  int idx_[kBlockParams];         // BlockParam -> position in params_ (-1: the config has none)
+  std::vector<double> inv_freq_;  // rotary frequencies [HS / 2] (rotary positions only)
+  // Rotates this rank's q and k heads of qkv [B, T / cp, qkv_rows / tp] (inverse: back, for
+  // their gradients) at positions pos0 + t (or the rank's positions under cp).
+  void rotate(void* qkv, int64_t B, int64_t T, int64_t pos0, bool inverse);
+  bool rms() const { return cfg_.norm == Norm::rmsnorm; }
+  const void* w(int i) const { return idx_[i] < 0 ? nullptr : params_[size_t(idx_[i])].weights().raw(); }
+  float* g(int i) { return idx_[i] < 0 ? nullptr : params_[size_t(idx_[i])].grad.f32(); }
 };
 
 // Final LayerNorm, lm_head (tied to wte unless configured otherwise) and the fused
@@ -260,7 +279,8 @@ class TransformerBlock final : public ChainBlock {
 // dlogits, so the head saves one [B, T, Vp] buffer.
 class Head final : public ChainBlock {
  public:
-  // lm_head is `tied` (wte's value and gradient, [Vp, C]) when the config ties embeddings.
+  // lm_head is `tied` (wte's value and gradient, [Vp, C]) when the config ties embeddings. The
+  // final norm is the blocks' kind (LayerNorm, or RMSNorm without a bias).
   Head(const GPTConfig& cfg, Parameter* tied, Backend& be, const BlockOptions& o = {});
   std::string name() const override { return "head"; }
   std::vector<SavedActivation> saved_activations(int64_t B, int64_t T) const override;
@@ -296,7 +316,9 @@ class Head final : public ChainBlock {
     if (!cfg_.tied_embeddings) lm_head_ = &params_.back();
   }
   GPTConfig cfg_;
-  Parameter* lm_head_;  // wte when tied, else params_[2]
+  Parameter* lm_head_;  // wte when tied, else params_.back()
+  const void* norm_bias() const { return cfg_.norm == Norm::layernorm ? params_[1].weights().raw() : nullptr; }
+  float* norm_bias_grad() { return cfg_.norm == Norm::layernorm ? params_[1].grad.f32() : nullptr; }
   int64_t B_ = 0, T_ = 0;
   Tensor lnf_, lnf_mean_, lnf_rstd_;  // [B, T, C], f32 [B, T], f32 [B, T]
   Tensor logits_;                     // [B, T, Vp], or dlogits after fuse_backward / backward

@@ -93,12 +93,12 @@ int64_t GPT::saved_activation_bytes(int64_t B, int64_t T) const {
 }
 
 int64_t GPT::workspace_bytes(int64_t B, int64_t T, int threads) const {
-  // dres [B, T, C] + bufC [B, T, C] + buf4C [B, T, 4C], held from the first backward on, and the
+  // dres [B, T, C] + bufC [B, T, C] + buf4C [B, T, wide], held from the first backward on, and the
   // attention kernel's scratch, held from the first forward on (the same for every block; the
   // larger of forward and backward).
   const ChainParallel& P = *par_;
   const int64_t C = cfg_.n_embd, N = P.rows(B, T), Ns = P.own_rows(B, T), e = int64_t(dtype_size(be_.compute_dtype()));
-  int64_t bytes = e * (Ns * C + N * C + N * 4 * C / P.tp());
+  int64_t bytes = e * (Ns * C + N * C + N * wide_columns(cfg_, P.tp()));
   if (P.sp_active()) bytes += e * (2 * N * C + Ns * C);  // gathered rows, partial sums, own-row gradients
   if (P.tp() > 1) bytes += int64_t(sizeof(float)) * 3 * N;  // the vocabulary-parallel loss's statistics
   if (P.cp() > 1) bytes += int64_t(sizeof(int32_t)) * (T / P.cp());  // the rows' positions
@@ -186,7 +186,8 @@ void GPT::backward() {
     const int64_t N = P.rows(B, T), Ns = P.own_rows(B, T);
     ws_dres_ = be_.empty(P.single() ? Shape{B, T, C} : Shape{Ns, C}, dt, MemTag::workspace);
     ws_bufC_ = be_.empty(P.single() ? Shape{B, T, C} : Shape{N, C}, dt, MemTag::workspace);
-    ws_buf4C_ = be_.empty(P.single() ? Shape{B, T, 4 * C} : Shape{N, 4 * C / P.tp()}, dt, MemTag::workspace);
+    ws_buf4C_ = be_.empty(P.single() ? Shape{B, T, wide_columns(cfg_, 1)} : Shape{N, wide_columns(cfg_, P.tp())}, dt,
+                          MemTag::workspace);
   }
   BackwardScratch s{ws_dres_.raw(), ws_bufC_.raw(), ws_buf4C_.raw()};
   auto input_of = [&](int64_t l) { return l == 0 ? embedding_->out().raw() : blocks_[size_t(l - 1)]->out().raw(); };

@@ -10,14 +10,13 @@ namespace loom::model {
 namespace {
 // One sequence's largest attention call: every cached position as queries and keys.
 AttnShape decoder_shape(const GPTConfig& cfg, int64_t t_max) {
-  const int64_t C = cfg.n_embd;
-  return {.B = 1, .NH = cfg.n_head, .HS = C / cfg.n_head, .Tq = t_max, .Tkv = t_max, .q_stride = 3 * C,
-          .kv_stride = C, .o_stride = C};
+  return {.B = 1, .NH = cfg.n_head, .HS = cfg.head_size(), .Tq = t_max, .Tkv = t_max, .q_stride = cfg.qkv_rows(),
+          .kv_stride = cfg.kv_heads() * cfg.head_size(), .o_stride = cfg.n_embd, .NKV = cfg.kv_heads()};
 }
 }  // namespace
 
 KVCache::KVCache(const GPTConfig& cfg, int64_t B, int64_t t_max, Backend& be)
-    : B_(B), t_max_(t_max), C_(cfg.n_embd) {
+    : B_(B), t_max_(t_max), C_(cfg.kv_heads() * cfg.head_size()) {
   LOOM_CHECK(B > 0, "KV cache: batch must be positive, got {}", B);
   LOOM_CHECK(t_max > 0 && t_max <= cfg.block_size, "KV cache: capacity {} must be in [1, block_size {}]", t_max,
              cfg.block_size);

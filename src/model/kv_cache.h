@@ -36,7 +36,7 @@ class KVCache {
 
  private:
   friend class CachedDecoder;
-  int64_t B_, t_max_, C_, len_ = 0;
+  int64_t B_, t_max_, C_, len_ = 0;  // C_: a cached row's width, the key/value heads'
   std::vector<Tensor> k_, v_;
 };
 

@@ -33,6 +33,14 @@ void ChainParallel::check(const GPTConfig& cfg, const std::string& where) const 
     throw Error(fmt::format("{}: n_head = {} is not divisible by tp = {} (attention is split by heads; choose tp "
                             "dividing the head count)",
                             where, cfg.n_head, tp_));
+  if (cfg.kv_heads() % tp_ != 0)
+    throw Error(fmt::format("{}: n_kv_head = {} is not divisible by tp = {} (the key/value heads are split over tp; "
+                            "replicating them where tp exceeds their count is not supported yet: choose tp dividing "
+                            "n_kv_head)",
+                            where, cfg.kv_heads(), tp_));
+  if (cfg.ffn() % tp_ != 0)
+    throw Error(fmt::format("{}: ffn_hidden = {} is not divisible by tp = {} (the feed-forward is split by columns)",
+                            where, cfg.ffn(), tp_));
 }
 
 void ChainParallel::check_sequence(int64_t T, const std::string& where) const {
@@ -90,6 +98,27 @@ Parameter ChainParallel::rows_split(ParamSpec spec, int sections) const {
   for (int s = 0; s < sections; ++s) p.shard.segments.push_back({s * Rl * K, (s * Rs + tpr_ * Rl) * K, Rl * K});
   spec.shape[0] = sections * Rl;
   spec.alloc_rows = spec.shape[0];
+  p.spec = std::move(spec);
+  return p;
+}
+
+Parameter ChainParallel::rows_split(ParamSpec spec, const std::vector<int64_t>& section_rows) const {
+  if (tp_ == 1) return whole(std::move(spec), false);
+  const int64_t K = spec.shape.size() > 1 ? spec.shape[1] : 1;
+  Parameter p;
+  p.shard.global_shape = spec.shape;
+  p.shard.split = true;
+  int64_t global = 0, local = 0;
+  for (const int64_t Rs : section_rows) {
+    LOOM_CHECK(Rs % tp_ == 0, "parameter '{}': a section of {} rows does not split over tp = {}", spec.name, Rs, tp_);
+    const int64_t Rl = Rs / tp_;
+    p.shard.segments.push_back({local * K, (global + tpr_ * Rl) * K, Rl * K});
+    global += Rs;
+    local += Rl;
+  }
+  LOOM_CHECK(global == spec.shape[0], "parameter '{}': sections of {} rows for {}", spec.name, global, spec.shape[0]);
+  spec.shape[0] = local;
+  spec.alloc_rows = local;
   p.spec = std::move(spec);
   return p;
 }

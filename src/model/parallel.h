@@ -22,6 +22,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "comm/comm.h"
 #include "core/backend.h"
@@ -61,7 +62,8 @@ class ChainParallel {
   comm::Comm* tp_group() const { return tp_ > 1 ? g_.tp : nullptr; }
   comm::Comm* cp_group() const { return cp_ > 1 ? g_.cp : nullptr; }
 
-  // Checks a model config against the layout (heads divisible by tp), naming `where`.
+  // Checks a model config against the layout (query heads, key/value heads and the feed-forward's
+  // width divisible by tp), naming `where`.
   void check(const GPTConfig& cfg, const std::string& where) const;
   // Checks a micro-batch's sequence length (divisible by 2 cp), naming `where`.
   void check_sequence(int64_t T, const std::string& where) const;
@@ -89,6 +91,9 @@ class ChainParallel {
   // (row-parallel weights), or vocabulary rows.
   Parameter whole(ParamSpec spec, bool sp_partial) const;
   Parameter rows_split(ParamSpec spec, int sections) const;
+  // The same with sections of the given row counts (c_attn under grouped-query attention: the
+  // queries' rows, then the keys' and the values'), each split over tp.
+  Parameter rows_split(ParamSpec spec, const std::vector<int64_t>& section_rows) const;
   Parameter columns_split(ParamSpec spec) const;
   Parameter vocab_split(ParamSpec spec, const GPTConfig& cfg) const;
 

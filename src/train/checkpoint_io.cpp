@@ -9,10 +9,29 @@ namespace fs = std::filesystem;
 
 namespace loom::model {
 
+// The architecture options are written for every model; a manifest without them (GPT-2's, before
+// the options existed) reads as GPT-2.
 nlohmann::json gpt_config_manifest(const GPTConfig& c) {
-  return {{"name", c.name},         {"n_layer", c.n_layer},       {"n_head", c.n_head},
-          {"n_embd", c.n_embd},     {"vocab_size", c.vocab_size}, {"block_size", c.block_size},
-          {"tied_embeddings", c.tied_embeddings}, {"ln_eps", c.ln_eps}};
+  return {{"name", c.name},
+          {"n_layer", c.n_layer},
+          {"n_head", c.n_head},
+          {"n_embd", c.n_embd},
+          {"vocab_size", c.vocab_size},
+          {"block_size", c.block_size},
+          {"tied_embeddings", c.tied_embeddings},
+          {"ln_eps", c.ln_eps},
+          {"norm", std::string(norm_name(c.norm))},
+          {"mlp", std::string(mlp_name(c.mlp))},
+          {"position", std::string(position_name(c.position))},
+          {"n_kv_head", c.kv_heads()},
+          {"ffn_hidden", c.ffn()},
+          {"bias", c.bias},
+          {"rope_theta", c.rope_theta},
+          {"rope_scaling",
+           {{"factor", c.rope_scaling_factor},
+            {"low_freq_factor", c.rope_low_freq_factor},
+            {"high_freq_factor", c.rope_high_freq_factor},
+            {"original_max_position", c.rope_original_max_position}}}};
 }
 
 GPTConfig gpt_config_from_manifest(const nlohmann::json& m, const std::string& where) {
@@ -37,6 +56,38 @@ GPTConfig gpt_config_from_manifest(const nlohmann::json& m, const std::string& w
   if (m.contains("ln_eps")) {
     if (!m["ln_eps"].is_number()) throw Error(fmt::format("{}: field 'model.ln_eps' must be a number", where));
     c.ln_eps = m["ln_eps"].get<float>();
+  }
+  auto text = [&](const char* key) -> std::string {
+    if (!m[key].is_string()) throw Error(fmt::format("{}: field 'model.{}' must be a string", where, key));
+    return m[key].get<std::string>();
+  };
+  auto number = [&](const nlohmann::json& j, const std::string& key) -> double {
+    if (!j.is_number()) throw Error(fmt::format("{}: field 'model.{}' must be a number", where, key));
+    return j.get<double>();
+  };
+  const std::string field = where + ": field";
+  if (m.contains("norm")) c.norm = norm_from_name(text("norm"), field + " 'model.norm'");
+  if (m.contains("mlp")) c.mlp = mlp_from_name(text("mlp"), field + " 'model.mlp'");
+  if (m.contains("position")) c.position = position_from_name(text("position"), field + " 'model.position'");
+  if (m.contains("n_kv_head")) c.n_kv_head = integer("n_kv_head");
+  if (m.contains("ffn_hidden")) c.ffn_hidden = integer("ffn_hidden");
+  if (m.contains("bias")) {
+    if (!m["bias"].is_boolean()) throw Error(fmt::format("{}: field 'model.bias' must be true or false", where));
+    c.bias = m["bias"].get<bool>();
+  }
+  if (m.contains("rope_theta")) c.rope_theta = number(m["rope_theta"], "rope_theta");
+  if (m.contains("rope_scaling")) {
+    const nlohmann::json& r = m["rope_scaling"];
+    if (!r.is_object()) throw Error(fmt::format("{}: field 'model.rope_scaling' must be an object", where));
+    if (r.contains("factor")) c.rope_scaling_factor = number(r["factor"], "rope_scaling.factor");
+    if (r.contains("low_freq_factor")) c.rope_low_freq_factor = number(r["low_freq_factor"], "rope_scaling.low_freq_factor");
+    if (r.contains("high_freq_factor"))
+      c.rope_high_freq_factor = number(r["high_freq_factor"], "rope_scaling.high_freq_factor");
+    if (r.contains("original_max_position")) {
+      if (!r["original_max_position"].is_number_integer())
+        throw Error(fmt::format("{}: field 'model.rope_scaling.original_max_position' must be an integer", where));
+      c.rope_original_max_position = r["original_max_position"].get<int64_t>();
+    }
   }
   c.validate(where + ": model");
   return c;

@@ -25,7 +25,8 @@ namespace loom::train {
 
 namespace {
 
-using Value = std::variant<int64_t*, uint64_t*, float*, bool*, std::string*, std::vector<int64_t>*>;
+using Value =
+    std::variant<int64_t*, uint64_t*, float*, bool*, std::string*, std::vector<int64_t>*, std::optional<bool>*>;
 
 struct Field {
   const char* key;
@@ -35,12 +36,25 @@ struct Field {
 
 #define F(key, member, help) Field{key, help, [](TrainConfig& c) -> Value { return &c.member; }}
 const Field kFields[] = {
-    F("model.preset", model_preset, "model preset: gpt2-tiny, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1558m"),
+    F("model.preset", model_preset, "model preset: gpt2-tiny, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1558m; the Llama family: llama-tiny, llama-10m, smollm-135m, tinyllama-1.1b"),
     F("model.n_layer", n_layer, "transformer blocks (0: the preset's)"),
     F("model.n_head", n_head, "attention heads (0: the preset's)"),
     F("model.n_embd", n_embd, "embedding width (0: the preset's)"),
     F("model.block_size", block_size, "longest sequence, rows of wpe (0: the preset's, at least seq_len)"),
     F("model.vocab_size", vocab_size, "vocabulary size (0: the data's)"),
+    F("model.norm", norm, "layernorm (GPT-2) or rmsnorm (Llama) (\"\": the preset's)"),
+    F("model.mlp", mlp, "feed-forward: gelu (GPT-2's tanh-GELU MLP) or swiglu (Llama's gated SiLU) (\"\": the preset's)"),
+    F("model.position", position, "positions: learned (a wpe table) or rope (rotary embeddings of queries and keys) (\"\": the preset's)"),
+    F("model.n_kv_head", n_kv_head, "key/value heads, dividing n_head: grouped-query attention (0: the preset's; the presets' 0 is n_head)"),
+    F("model.ffn_hidden", ffn_hidden, "the feed-forward's hidden width (0: the preset's; the GPT-2 presets' is 4 n_embd)"),
+    F("model.bias", bias, "biases in the linear layers (unset: the preset's; GPT-2 true, Llama false)"),
+    F("model.tied_embeddings", tied_embeddings, "the lm_head shares wte (unset: the preset's)"),
+    F("model.norm_eps", norm_eps, "epsilon of the LayerNorms or RMSNorms (0: the preset's, 1e-5)"),
+    F("model.rope_theta", rope_theta, "rotary base (0: the preset's, 10000)"),
+    F("model.rope_scaling_factor", rope_scaling_factor, "Llama 3 rotary frequency scaling factor (0: none)"),
+    F("model.rope_low_freq_factor", rope_low_freq_factor, "Llama 3 rotary scaling's low_freq_factor (0: 1)"),
+    F("model.rope_high_freq_factor", rope_high_freq_factor, "Llama 3 rotary scaling's high_freq_factor (0: 4)"),
+    F("model.rope_original_max_position", rope_original_max_position, "Llama 3 rotary scaling's original context (0: 8192)"),
     F("data.dir", data_dir, "directory of train_*.bin / val_*.bin token shards (loom prepare)"),
     F("data.tokenizer", tokenizer_dir, "directory with encoder.json + vocab.bpe for text samples (\"\": data.dir)"),
     F("data.seq_len", seq_len, "tokens per training sequence"),
@@ -104,7 +118,7 @@ std::string type_name(const Value& v) {
   switch (v.index()) {
     case 0: case 1: return "int";
     case 2: return "float";
-    case 3: return "bool";
+    case 3: case 6: return "bool";
     case 4: return "string";
     default: return "int list";
   }
@@ -122,6 +136,7 @@ std::string value_str(const Value& v) {
       return e + "\"";
     }
     else if constexpr (std::is_same_v<T, bool>) return *p ? "true" : "false";
+    else if constexpr (std::is_same_v<T, std::optional<bool>>) return p->has_value() ? (**p ? "true" : "false") : "";
     else if constexpr (std::is_same_v<T, std::vector<int64_t>>) return fmt::format("[{}]", fmt::join(*p, ", "));
     else return fmt::format("{}", *p);
   }, v);
@@ -184,6 +199,12 @@ void set_from_node(const Value& v, const toml::node& n, const std::string& where
       auto x = n.value_exact<std::string>();
       if (!x) bad(node_type());
       *std::get<4>(v) = *x;
+      break;
+    }
+    case 6: {
+      auto x = n.value_exact<bool>();
+      if (!x) bad(node_type());
+      *std::get<6>(v) = *x;
       break;
     }
     default: {
@@ -265,7 +286,23 @@ model::GPTConfig TrainConfig::model(int64_t data_vocab) const {
   else m.block_size = std::max(m.block_size, seq_len);
   if (vocab_size) m.vocab_size = vocab_size;
   else if (data_vocab > 0) m.vocab_size = data_vocab;
-  if (n_layer || n_head || n_embd || vocab_size) m.name = "custom";
+  // Names were checked by validate; an unchecked config gets the same error here.
+  if (!norm.empty()) m.norm = model::norm_from_name(norm, "model.norm");
+  if (!mlp.empty()) m.mlp = model::mlp_from_name(mlp, "model.mlp");
+  if (!position.empty()) m.position = model::position_from_name(position, "model.position");
+  if (n_kv_head) m.n_kv_head = n_kv_head;
+  if (ffn_hidden) m.ffn_hidden = ffn_hidden;
+  if (bias) m.bias = *bias;
+  if (tied_embeddings) m.tied_embeddings = *tied_embeddings;
+  if (norm_eps > 0) m.ln_eps = norm_eps;
+  if (rope_theta > 0) m.rope_theta = rope_theta;
+  if (rope_scaling_factor > 0) m.rope_scaling_factor = rope_scaling_factor;
+  if (rope_low_freq_factor > 0) m.rope_low_freq_factor = rope_low_freq_factor;
+  if (rope_high_freq_factor > 0) m.rope_high_freq_factor = rope_high_freq_factor;
+  if (rope_original_max_position > 0) m.rope_original_max_position = rope_original_max_position;
+  if (n_layer || n_head || n_embd || vocab_size || !norm.empty() || !mlp.empty() || !position.empty() || n_kv_head ||
+      ffn_hidden || bias || tied_embeddings)
+    m.name = "custom";
   return m;
 }
 
@@ -361,6 +398,21 @@ void TrainConfig::validate(const std::string& where, const std::vector<std::stri
   } catch (const Error& e) {
     throw Error(fmt::format("{}: model.preset: {}", where, e.what()));
   }
+  need(norm.empty() || norm == "layernorm" || norm == "rmsnorm", "model.norm",
+       fmt::format("'{}' is not layernorm or rmsnorm", norm));
+  need(mlp.empty() || mlp == "gelu" || mlp == "swiglu", "model.mlp", fmt::format("'{}' is not gelu or swiglu", mlp));
+  need(position.empty() || position == "learned" || position == "rope", "model.position",
+       fmt::format("'{}' is not learned or rope", position));
+  need(n_kv_head >= 0, "model.n_kv_head", fmt::format("must be non-negative, got {}", n_kv_head));
+  need(ffn_hidden >= 0, "model.ffn_hidden", fmt::format("must be non-negative, got {}", ffn_hidden));
+  for (const auto& [field, v] : {std::pair<const char*, float>{"model.norm_eps", norm_eps},
+                                 {"model.rope_theta", rope_theta},
+                                 {"model.rope_scaling_factor", rope_scaling_factor},
+                                 {"model.rope_low_freq_factor", rope_low_freq_factor},
+                                 {"model.rope_high_freq_factor", rope_high_freq_factor}})
+    need(v >= 0 && std::isfinite(v), field, fmt::format("must be non-negative (0: the preset's), got {}", v));
+  need(rope_original_max_position >= 0, "model.rope_original_max_position",
+       fmt::format("must be non-negative, got {}", rope_original_max_position));
   if (pp > 1) {
     // The chain is the embedding, the blocks and the head: each (virtual) stage needs one element.
     const int64_t chunks = schedule == "interleaved" ? virtual_stages : 1, elements = model(0).n_layer + 2;
@@ -585,6 +637,7 @@ std::string config_to_toml(const TrainConfig& cfg) {
       out += fmt::format("{}[{}]\n", out.empty() ? "" : "\n", sec);
       section = sec;
     }
+    if (value.empty()) continue;  // an unset optional field
     out += fmt::format("{} = {}\n", name, value);
   }
   return out;

@@ -3,6 +3,7 @@
 // are errors that name the file (or "command line") and the field.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -16,6 +17,13 @@ struct TrainConfig {
   std::string model_preset = "gpt2-tiny";  // a preset name; the fields below override it when set
   int64_t n_layer = 0, n_head = 0, n_embd = 0, block_size = 0;  // 0: the preset's value
   int64_t vocab_size = 0;                  // 0: the data's vocabulary size
+  // Architecture options (model/config.h); "", 0 or unset: the preset's.
+  std::string norm, mlp, position;         // layernorm | rmsnorm; gelu | swiglu; learned | rope
+  int64_t n_kv_head = 0, ffn_hidden = 0;
+  std::optional<bool> bias, tied_embeddings;
+  float norm_eps = 0, rope_theta = 0;
+  float rope_scaling_factor = 0, rope_low_freq_factor = 0, rope_high_freq_factor = 0;
+  int64_t rope_original_max_position = 0;
   // [data]
   std::string data_dir = "data";           // train_*.bin and val_*.bin from `loom prepare`
   std::string tokenizer_dir;               // encoder.json + vocab.bpe, for text samples ("" = data_dir)

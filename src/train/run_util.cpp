@@ -133,8 +133,10 @@ static void check_host_memory(const TrainConfig& cfg, const model::GPTConfig& m,
   const double host = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
   if (host <= 0) return;
   const double C = double(m.n_embd);
-  const double params =
-      double(m.n_layer) * (12 * C * C + 13 * C) + 2 * C + (double(m.padded_vocab()) + double(m.block_size)) * C;
+  const double params = double(m.nonembedding_parameters()) +
+                        (double(m.padded_vocab()) * (m.tied_embeddings ? 1 : 2) +
+                         (m.position == model::Position::learned ? double(m.block_size) : 0.0)) *
+                            C;
   const double replicas = cfg.zero >= 3 ? 1.0 : double(cfg.dp);
   const double need = 4 * params * (replicas + 1);
   if (need > host)
@@ -262,6 +264,14 @@ void check_resume_checkpoint(const std::string& ckpt, const CheckpointMeta& meta
   same("block_size", c.block_size, mc.block_size);
   same("tied_embeddings", c.tied_embeddings, mc.tied_embeddings);
   if (meta.model.contains("ln_eps")) same("ln_eps", c.ln_eps, mc.ln_eps);
+  same("norm", model::norm_name(c.norm), model::norm_name(mc.norm));
+  same("mlp", model::mlp_name(c.mlp), model::mlp_name(mc.mlp));
+  same("position", model::position_name(c.position), model::position_name(mc.position));
+  same("n_kv_head", c.kv_heads(), mc.kv_heads());
+  same("ffn_hidden", c.ffn(), mc.ffn());
+  same("bias", c.bias, mc.bias);
+  same("rope_theta", c.rope_theta, mc.rope_theta);
+  same("rope_scaling_factor", c.rope_scaling_factor, mc.rope_scaling_factor);
   // Training batches are addressed by step (data/loader.h), so the data position is the step.
   LOOM_CHECK(meta.data_position == meta.step, "{}: field 'data_position' is {} but 'step' is {} (they must match)",
              manifest, meta.data_position, meta.step);

@@ -65,17 +65,12 @@ TEST(GPTOnCuda, MatchesPyTorchReference) {
       Device::cuda);
 }
 
-// Head size 64 (the flash and cuDNN kernels): the same model on the CPU (f32) and on CUDA (bf16)
-// from one seed gives the same loss and gradients within the bf16 tolerances, with every attention
-// kernel the CUDA backend has; the KV-cache decoder on CUDA gives the full forward's logits.
-TEST(GPTOnCuda, MatchesTheCpuModelWithEveryAttentionKernel) {
-  REQUIRE_CUDA_BACKEND();
-  model::GPTConfig cfg = model::gpt_preset("gpt2-tiny");
-  cfg.n_layer = 2;
-  cfg.n_head = 2;
-  cfg.n_embd = 128;
-  cfg.block_size = 64;
-  cfg.vocab_size = 300;
+namespace {
+
+// The same model on the CPU (f32) and on CUDA (bf16) from one seed gives the same loss and
+// gradients within the bf16 tolerances, with each of `kernels`; the KV-cache decoder on CUDA gives
+// the full forward's logits.
+void check_against_cpu(const model::GPTConfig& cfg, const std::vector<AttnKernel>& kernels) {
   const int64_t B = 2, T = 48;
   std::mt19937 rng(3);
   std::vector<int32_t> tokens(size_t(B * T)), targets(size_t(B * T));
@@ -89,7 +84,7 @@ TEST(GPTOnCuda, MatchesTheCpuModelWithEveryAttentionKernel) {
   const float ref_loss = ref.forward(tok, tgt, {.fuse_backward = true});
   ref.backward();
 
-  for (AttnKernel k : {AttnKernel::automatic, AttnKernel::flash, AttnKernel::gemm}) {
+  for (AttnKernel k : kernels) {
     auto be = make_backend(Device::cuda, {.attention = k});
     model::GPT gpt(cfg, *be, 11);
     gpt.zero_grad();
@@ -124,4 +119,36 @@ TEST(GPTOnCuda, MatchesTheCpuModelWithEveryAttentionKernel) {
     want.insert(want.end(), full.begin() + t * Vp, full.begin() + (t + 1) * Vp);
   }
   EXPECT_LE(rel_err(got, want), 2e-2) << "decoder logits against the full forward";
+}
+
+}  // namespace
+
+// Head size 64 (the flash and cuDNN kernels), every attention kernel the CUDA backend has.
+TEST(GPTOnCuda, MatchesTheCpuModelWithEveryAttentionKernel) {
+  REQUIRE_CUDA_BACKEND();
+  model::GPTConfig cfg = model::gpt_preset("gpt2-tiny");
+  cfg.n_layer = 2;
+  cfg.n_head = 2;
+  cfg.n_embd = 128;
+  cfg.block_size = 64;
+  cfg.vocab_size = 300;
+  check_against_cpu(cfg, {AttnKernel::automatic, AttnKernel::flash, AttnKernel::gemm});
+}
+
+// The Llama family (RMSNorm, rotary embeddings, SwiGLU, no biases, untied head) with grouped-query
+// attention (4 query heads on 2 key/value heads, head size 64: loom's flash kernels; automatic
+// picks them too, cuDNN's graphs being multi-head only) and, separately, with multi-head attention
+// on every kernel.
+TEST(LlamaOnCuda, MatchesTheCpuModel) {
+  REQUIRE_CUDA_BACKEND();
+  model::GPTConfig cfg = model::gpt_preset("llama-tiny");
+  cfg.n_embd = 256;
+  cfg.n_head = 4;
+  cfg.n_kv_head = 2;
+  cfg.ffn_hidden = 344;
+  cfg.block_size = 64;
+  cfg.vocab_size = 300;
+  check_against_cpu(cfg, {AttnKernel::automatic, AttnKernel::flash});
+  cfg.n_kv_head = 4;
+  check_against_cpu(cfg, {AttnKernel::automatic, AttnKernel::flash, AttnKernel::gemm});
 }

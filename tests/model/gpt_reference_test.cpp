@@ -12,3 +12,14 @@ TEST(GPTReference, TinyMatchesPyTorch) {
   loom::test::ReferenceTolerance tol;  // loss 1e-5 rel, logits 1e-5, grads 1e-4, step losses 1e-4 abs
   loom::test::check_gpt_reference(path, tol);
 }
+
+// The Llama family (RMSNorm, rotary embeddings, grouped-query attention with 2 key/value heads for
+// 4 query heads, SwiGLU of width 176, no biases, untied lm_head) against PyTorch on the committed
+// dump written by scripts/torch_llama_reference.py --model llama-tiny (L=2, C=64, V=503, B=4,
+// T=32), at the GPT-2 reference's tolerances.
+TEST(LlamaReference, TinyMatchesPyTorch) {
+  const std::string path = std::string(LOOM_SOURCE_DIR) + "/tests/data/llama_tiny_reference.safetensors";
+  ASSERT_TRUE(std::filesystem::exists(path)) << path << " is missing (scripts/torch_llama_reference.py writes it)";
+  loom::test::ReferenceTolerance tol;  // loss 1e-5 rel, logits 1e-5, grads 1e-4, step losses 1e-4 abs
+  loom::test::check_gpt_reference(path, tol);
+}

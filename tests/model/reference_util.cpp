@@ -46,6 +46,20 @@ void check_gpt_reference(const std::string& path, const ReferenceTolerance& tol,
   cfg.n_embd = meta_int(r, "n_embd");
   cfg.vocab_size = meta_int(r, "vocab_size");
   cfg.block_size = meta_int(r, "block_size");
+  // The architecture options (a Llama-family dump, scripts/torch_llama_reference.py); a GPT-2
+  // dump has none.
+  const auto& m = r.metadata();
+  auto has = [&](const char* key) { return m.count(key) != 0; };
+  if (has("norm")) cfg.norm = model::norm_from_name(r.meta("norm"), path);
+  if (has("mlp")) cfg.mlp = model::mlp_from_name(r.meta("mlp"), path);
+  if (has("position")) cfg.position = model::position_from_name(r.meta("position"), path);
+  if (has("n_kv_head")) cfg.n_kv_head = meta_int(r, "n_kv_head");
+  if (has("ffn_hidden")) cfg.ffn_hidden = meta_int(r, "ffn_hidden");
+  if (has("bias")) cfg.bias = r.meta("bias") == "true";
+  if (has("tied_embeddings")) cfg.tied_embeddings = r.meta("tied_embeddings") == "true";
+  if (has("rope_theta")) cfg.rope_theta = meta_double(r, "rope_theta");
+  if (has("ln_eps")) cfg.ln_eps = float(meta_double(r, "ln_eps"));
+  cfg.validate(path);
   const int64_t B = meta_int(r, "batch"), T = meta_int(r, "seq"), steps = meta_int(r, "steps");
   const int64_t V = cfg.vocab_size, Vp = cfg.padded_vocab();
 

@@ -154,6 +154,9 @@ TEST(TrainConfig, TomlRoundTrip) {
   c.n_layer = 8;
   c.stage_layers = {3, 1, 4};
   c.prefetch = false;
+  c.bias = false;  // an optional field set; tied_embeddings stays unset
+  c.norm = "rmsnorm";
+  c.rope_theta = 500000.f;
   TmpFile f(config_to_toml(c));
   TrainConfig d = load_config(f.path, {});
   EXPECT_EQ(config_to_toml(c), config_to_toml(d));
@@ -161,7 +164,11 @@ TEST(TrainConfig, TomlRoundTrip) {
   EXPECT_FALSE(d.cuda_graph);
   EXPECT_EQ(d.stage_layers, (std::vector<int64_t>{3, 1, 4}));
   EXPECT_FALSE(d.prefetch);
-  EXPECT_EQ(config_fields().size(), 56u);
+  EXPECT_EQ(d.bias, std::optional<bool>(false));
+  EXPECT_FALSE(d.tied_embeddings.has_value());
+  EXPECT_EQ(d.norm, "rmsnorm");
+  EXPECT_EQ(d.rope_theta, 500000.f);
+  EXPECT_EQ(config_fields().size(), 69u);
 }
 
 // The README's config reference has a row for every field with its type, default and help, as

@@ -27,6 +27,7 @@ struct FwdParams {
   int64_t q_pos0, kv_pos0;
   bool causal;
   float scale_log2;  // softmax scale * log2(e)
+  int64_t group;     // query heads per key/value head (grouped-query attention; 1: multi-head)
 };
 
 struct BwdParams {
@@ -40,6 +41,7 @@ struct BwdParams {
   int64_t q_pos0, kv_pos0;
   bool causal;
   float scale, scale_log2;
+  int64_t group;  // query heads per key/value head; a block runs all of its key/value head's
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -153,8 +155,8 @@ __global__ void __launch_bounds__(NW * 32, MT == 1 ? 1 : 2) attn_fwd_kernel(cons
   const int64_t bh = blockIdx.x, b = bh / p.NH, h = bh % p.NH;
   const int64_t m0 = int64_t(gridDim.y - 1 - blockIdx.y) * BM;  // heaviest causal tiles first
   const bf16* qg = p.q + (b * p.Tq + m0) * p.q_stride + h * HS;
-  const bf16* kg = p.k + b * p.Tkv * p.kv_stride + h * HS;
-  const bf16* vg = p.v + b * p.Tkv * p.kv_stride + h * HS;
+  const bf16* kg = p.k + b * p.Tkv * p.kv_stride + (h / p.group) * HS;
+  const bf16* vg = p.v + b * p.Tkv * p.kv_stride + (h / p.group) * HS;
 
   int64_t kv_end = p.Tkv;
   if (p.causal) {
@@ -405,7 +407,9 @@ constexpr int bwd_smem_bytes() {
          16 * KM * NW * (BM + 8) * int(sizeof(bf16)) + 4 * BM * int(sizeof(float));
 }
 
-// One block per (bh, tile of BN keys); loops over tiles of BM queries.
+// One block per (b, key/value head, tile of BN keys); loops over tiles of BM queries of each of the
+// key/value head's `group` query heads (one under multi-head attention), so dK and dV sum every
+// query head that reads the keys.
 template <int HS, int BM, int NW, int KM>
 __global__ void __launch_bounds__(NW * 32, KM == 1 ? 1 : 2) attn_bwd_kernel(const BwdParams p) {
   constexpr int WN = 16 * KM, BN = WN * NW, P = HS + 8, PS = BM + 8, NT = NW * 32;
@@ -426,24 +430,28 @@ __global__ void __launch_bounds__(NW * 32, KM == 1 ? 1 : 2) attn_bwd_kernel(cons
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane >> 2, tig = lane & 3;
-  const int64_t bh = blockIdx.x, b = bh / p.NH, h = bh % p.NH;
+  const int64_t NKV = p.NH / p.group;
+  const int64_t bk = blockIdx.x, b = bk / NKV, hk = bk % NKV;  // (batch row, key/value head)
   const int64_t n0 = int64_t(blockIdx.y) * BN;
-  const bf16* qg = p.q + b * p.Tq * p.q_stride + h * HS;
-  const bf16* dog = p.dout + b * p.Tq * p.o_stride + h * HS;
-  const float* lseg = p.lse + bh * p.Tq;
-  const float* dsg = p.dsum + bh * p.Tq;
-  float* dqg = p.dq_acc + bh * p.Tq * HS;
+  // Query head j of the group: its rows of q, dout, lse, D and the dQ accumulator.
+  auto head_of = [&](int64_t j) { return b * p.NH + hk * p.group + j; };  // index into B * NH
+  auto q_of = [&](int64_t j) { return p.q + b * p.Tq * p.q_stride + (hk * p.group + j) * HS; };
+  auto do_of = [&](int64_t j) { return p.dout + b * p.Tq * p.o_stride + (hk * p.group + j) * HS; };
 
   // First query that sees key n0.
   int64_t q_begin = 0;
   if (p.causal && p.kv_pos0 + n0 - p.q_pos0 > 0) q_begin = p.kv_pos0 + n0 - p.q_pos0;
   const int m_first = int(q_begin / BM);
   const int m_tiles = q_begin < p.Tq ? int((p.Tq + BM - 1) / BM) : m_first;
+  // Iteration it: query head it / n_m of the group, query tile m_first + it % n_m.
+  const int n_m = m_tiles - m_first, iters = n_m * int(p.group);
 
-  auto load_q_tile = [&](int m, int buf) {
-    const int64_t m0 = int64_t(m) * BM;
-    load_rows<HS, P, NT>(sQ + buf * BM * P, qg + m0 * p.q_stride, p.q_stride, BM, p.Tq - m0, tid);
-    load_rows<HS, P, NT>(sdO + buf * BM * P, dog + m0 * p.o_stride, p.o_stride, BM, p.Tq - m0, tid);
+  auto load_q_tile = [&](int it, int buf) {
+    const int64_t j = it / n_m, m0 = int64_t(m_first + it % n_m) * BM;
+    load_rows<HS, P, NT>(sQ + buf * BM * P, q_of(j) + m0 * p.q_stride, p.q_stride, BM, p.Tq - m0, tid);
+    load_rows<HS, P, NT>(sdO + buf * BM * P, do_of(j) + m0 * p.o_stride, p.o_stride, BM, p.Tq - m0, tid);
+    const float* lseg = p.lse + head_of(j) * p.Tq;
+    const float* dsg = p.dsum + head_of(j) * p.Tq;
     for (int i = tid; i < BM; i += NT) {
       const bool ok = m0 + i < p.Tq;
       sL[buf * BM + i] = ok ? lseg[m0 + i] * kLog2e : 0.f;
@@ -451,9 +459,9 @@ __global__ void __launch_bounds__(NW * 32, KM == 1 ? 1 : 2) attn_bwd_kernel(cons
     }
   };
 
-  load_rows<HS, P, NT>(sK, p.k + (b * p.Tkv + n0) * p.kv_stride + h * HS, p.kv_stride, BN, p.Tkv - n0, tid);
-  load_rows<HS, P, NT>(sV, p.v + (b * p.Tkv + n0) * p.kv_stride + h * HS, p.kv_stride, BN, p.Tkv - n0, tid);
-  if (m_first < m_tiles) load_q_tile(m_first, 0);
+  load_rows<HS, P, NT>(sK, p.k + (b * p.Tkv + n0) * p.kv_stride + hk * HS, p.kv_stride, BN, p.Tkv - n0, tid);
+  load_rows<HS, P, NT>(sV, p.v + (b * p.Tkv + n0) * p.kv_stride + hk * HS, p.kv_stride, BN, p.Tkv - n0, tid);
+  if (iters > 0) load_q_tile(0, 0);
   cp_async_commit();
 
   float dk[KM][DT][4], dv[KM][DT][4];  // f32 [WN, HS] accumulators of this warp's keys
@@ -466,11 +474,12 @@ __global__ void __launch_bounds__(NW * 32, KM == 1 ? 1 : 2) attn_bwd_kernel(cons
   const bf16* wK = sK + warp * WN * P;  // this warp's keys
   const bf16* wV = sV + warp * WN * P;
 
-  for (int m = m_first; m < m_tiles; ++m) {
-    const int cur = (m - m_first) & 1;
+  for (int it = 0; it < iters; ++it) {
+    const int cur = it & 1, m = m_first + it % n_m;
+    float* dqg = p.dq_acc + head_of(it / n_m) * p.Tq * HS;
     cp_async_wait_all();
-    __syncthreads();  // tile m landed; the previous tile's buffers and sdS are free
-    if (m + 1 < m_tiles) load_q_tile(m + 1, cur ^ 1);
+    __syncthreads();  // tile it landed; the previous tile's buffers and sdS are free
+    if (it + 1 < iters) load_q_tile(it + 1, cur ^ 1);
     cp_async_commit();
     const bf16* cQ = sQ + cur * BM * P;
     const bf16* cdO = sdO + cur * BM * P;
@@ -651,8 +660,8 @@ __global__ void __launch_bounds__(NW * 32, KM == 1 ? 1 : 2) attn_bwd_kernel(cons
   }
   __syncwarp();
   const int64_t row0 = n0 + warp * WN;
-  bf16* dkg = p.dk + (b * p.Tkv + row0) * p.kv_stride + h * HS;
-  bf16* dvg = p.dv + (b * p.Tkv + row0) * p.kv_stride + h * HS;
+  bf16* dkg = p.dk + (b * p.Tkv + row0) * p.kv_stride + hk * HS;
+  bf16* dvg = p.dv + (b * p.Tkv + row0) * p.kv_stride + hk * HS;
   for (int i = lane; i < WN * (HS / 8); i += 32) {
     const int r = i / (HS / 8), c = i % (HS / 8);
     if (row0 + r < p.Tkv) {
@@ -699,10 +708,11 @@ void check_args(const AttnArgs& a, const void* const* ptrs, int n_ptrs, const ch
   LOOM_CHECK(flash_head_size_supported(a.HS), "{}: head size HS = {} is not supported (64 or 128)", what, a.HS);
   LOOM_CHECK(a.B >= 0 && a.NH >= 0 && a.Tq >= 0 && a.Tkv >= 0, "{}: negative size (B {}, NH {}, Tq {}, Tkv {})",
              what, a.B, a.NH, a.Tq, a.Tkv);
-  const int64_t C = a.NH * a.HS;
-  LOOM_CHECK(a.q_stride >= C && a.kv_stride >= C && a.o_stride >= C,
-             "{}: row strides (q {}, kv {}, o {}) must be at least NH * HS = {}", what, a.q_stride, a.kv_stride,
-             a.o_stride, C);
+  const int64_t C = a.NH * a.HS, NKV = a.NKV > 0 ? a.NKV : a.NH;
+  LOOM_CHECK(NKV >= 1 && a.NH % NKV == 0, "{}: NKV = {} key/value heads must divide NH = {}", what, NKV, a.NH);
+  LOOM_CHECK(a.q_stride >= C && a.kv_stride >= NKV * a.HS && a.o_stride >= C,
+             "{}: row strides (q {}, kv {}, o {}) must be at least NH * HS = {} (kv: NKV * HS = {})", what, a.q_stride,
+             a.kv_stride, a.o_stride, C, NKV * a.HS);
   LOOM_CHECK(a.q_stride % 8 == 0 && a.kv_stride % 8 == 0 && a.o_stride % 8 == 0,
              "{}: row strides (q {}, kv {}, o {}) must be multiples of 8 elements (16-byte rows)", what, a.q_stride,
              a.kv_stride, a.o_stride);
@@ -744,7 +754,7 @@ void launch_bwd(const BwdParams& p, bf16* dq, float* dsum, float* dq_acc, const 
     LOOM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const int64_t n_tiles = ceil_div(p.Tkv, BN);
     LOOM_CHECK(n_tiles <= 65535, "attention_backward: Tkv = {} is too long", p.Tkv);
-    kernel<<<dim3(unsigned(B * p.NH), unsigned(n_tiles)), NW * 32, smem, stream>>>(p);
+    kernel<<<dim3(unsigned(B * (p.NH / p.group)), unsigned(n_tiles)), NW * 32, smem, stream>>>(p);
     LOOM_CUDA_LAUNCH_CHECK();
   }
   if (rows > 0) {
@@ -767,7 +777,7 @@ void attention_forward(bf16* out, float* lse, const bf16* q, const bf16* k, cons
   if (a.B * a.NH == 0 || a.Tq == 0) return;
   LOOM_CHECK(reinterpret_cast<uintptr_t>(lse) % 4 == 0, "attention_forward: lse is not 4-byte aligned");
   FwdParams p{out, lse, q, k, v, a.NH, a.Tq, a.Tkv, a.q_stride, a.kv_stride, a.o_stride, a.q_pos0, a.kv_pos0,
-              a.causal, resolve_scale(a) * kLog2e};
+              a.causal, resolve_scale(a) * kLog2e, a.NH / (a.NKV > 0 ? a.NKV : a.NH)};
   if (a.HS == 64)
     launch_fwd<64>(p, a.B * a.NH, a.Tq, stream);
   else
@@ -789,7 +799,7 @@ void attention_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf
   float* dq_acc = reinterpret_cast<float*>(static_cast<char*>(workspace) + align_up(rows * sizeof(float)));
   const float scale = resolve_scale(a);
   BwdParams p{dk, dv, dq_acc, dsum, lse, q, k, v, dout, a.NH, a.Tq, a.Tkv, a.q_stride, a.kv_stride, a.o_stride,
-              a.q_pos0, a.kv_pos0, a.causal, scale, scale * kLog2e};
+              a.q_pos0, a.kv_pos0, a.causal, scale, scale * kLog2e, a.NH / (a.NKV > 0 ? a.NKV : a.NH)};
   if (a.HS == 64)
     launch_bwd<64>(p, dq, dsum, dq_acc, dout, out, a.B, a.o_stride, stream);
   else

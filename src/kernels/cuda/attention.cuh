@@ -20,10 +20,13 @@ struct AttnArgs {
   int64_t q_pos0 = 0, kv_pos0 = 0;
   bool causal = true;
   float scale = 0;                  // 0 means 1 / sqrt(HS)
+  int64_t NKV = 0;                  // key/value heads (grouped-query attention, dividing NH); 0: NH
 };
 
-// Requirements (checked, loom::Error otherwise): HS 64 or 128; row strides at least NH * HS and
-// multiples of 8 elements; q, k, v, out, dout, dq, dk, dv and the workspace 16-byte aligned.
+// Grouped-query attention: query head h reads key/value head h / (NH / NKV); dk and dv sum over
+// the query heads of their key/value head (each written once, no atomics).
+// Requirements (checked, loom::Error otherwise): HS 64 or 128; row strides at least NH * HS (kv:
+// NKV * HS) and multiples of 8 elements; q, k, v, out, dout, dq, dk, dv and the workspace 16-byte aligned.
 // Causal mask: key position kv_pos0 + s is visible to query position q_pos0 + t iff
 // kv_pos0 + s <= q_pos0 + t. A query row with no visible key gets out = 0, lse = -inf, dq = 0.
 

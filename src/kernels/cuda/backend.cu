@@ -28,7 +28,7 @@ AttnArgs attn_args(const AttnShape& s) { return attn_args_of<AttnArgs>(s); }
 // [B, T, 3C] buffer, the output [B, T, C], causal from position 0, the default scale.
 bool gemm_takes(const AttnShape& s) {
   const int64_t C = s.NH * s.HS;
-  return s.Tq == s.Tkv && s.q_stride == 3 * C && s.kv_stride == 3 * C && s.o_stride == C && s.q_pos0 == 0 &&
+  return s.kv_heads() == s.NH && s.Tq == s.Tkv && s.q_stride == 3 * C && s.kv_stride == 3 * C && s.o_stride == C && s.q_pos0 == 0 &&
          s.kv_pos0 == 0 && s.causal && (s.scale == 0.f || s.scale == 1.f / std::sqrt(float(s.HS))) && s.HS % 8 == 0;
 }
 
@@ -327,7 +327,8 @@ void CudaBackend::layernorm_backward(const LayerNormBackward& a) {
 CudaBackend::ShapeKey CudaBackend::key(const AttnShape& s) {
   int32_t scale_bits = 0;
   std::memcpy(&scale_bits, &s.scale, sizeof(scale_bits));
-  return {s.B, s.NH, s.HS, s.Tq, s.Tkv, s.q_stride, s.kv_stride, s.o_stride, s.q_pos0, s.kv_pos0, s.causal, scale_bits};
+  return {s.B,      s.NH,      s.HS,     s.Tq,         s.Tkv,      s.q_stride, s.kv_stride,
+          s.o_stride, s.q_pos0, s.kv_pos0, s.causal, scale_bits, s.kv_heads()};
 }
 
 const CudaBackend::Plan* CudaBackend::find_plan(const AttnShape& s) const {
@@ -471,7 +472,6 @@ void CudaBackend::crossentropy(const CrossEntropy& a) {
 
 void CudaBackend::embedding_forward(const EmbeddingForward& a) {
   check(Op::embedding, a.dtype);
-  LOOM_CHECK(a.wpe, "cuda embedding_forward: a position table is required");
   LOOM_CHECK(!a.positions && a.vocab_rows == 0, "cuda embedding_forward: position lists and vocabulary splits "
              "(tensor / context parallelism) are not implemented on CUDA yet");
   cuda::embedding_forward(h(a.out), a.tokens, h(a.wte), h(a.wpe), a.B, a.T, a.C, a.V, stream_, a.pos0);

@@ -58,6 +58,10 @@ void cudnn_attention_check(const AttnArgs& a) {
              "cuDNN attention: B, NH, Tq and Tkv must be at least 1 (B = {}, NH = {}, Tq = {}, Tkv = {})", a.B, a.NH,
              a.Tq, a.Tkv);
   LOOM_CHECK(a.HS == 64 || a.HS == 128, "cuDNN attention: head size HS = {} is not supported (64 or 128)", a.HS);
+  LOOM_CHECK(a.NKV == 0 || a.NKV == a.NH,
+             "cuDNN attention: loom's cuDNN graphs take multi-head attention (NKV = NH), got NKV = {} key/value heads "
+             "for NH = {}; loom's flash kernels take grouped-query attention",
+             a.NKV, a.NH);
   LOOM_CHECK(a.Tq > 1 || a.Tkv > 1,
              "cuDNN attention: Tq = 1 and Tkv = 1 (one query, one key) is a shape cuDNN's attention backward does "
              "not take; loom's own kernels (attention_forward) do");

@@ -18,9 +18,13 @@ __global__ void embedding_forward_kernel(bf16* out, const int32_t* tokens, const
     for (int i = 0; i < 8; ++i) o.v[i] = __float2bfloat16(NAN);
   } else {
     bf16x8 a = *reinterpret_cast<const bf16x8*>(wte + int64_t(tok) * C + c);
-    bf16x8 p = *reinterpret_cast<const bf16x8*>(wpe + (pos0 + t) * C + c);
+    if (wpe) {
+      bf16x8 p = *reinterpret_cast<const bf16x8*>(wpe + (pos0 + t) * C + c);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) o.v[i] = __float2bfloat16(__bfloat162float(a.v[i]) + __bfloat162float(p.v[i]));
+      for (int i = 0; i < 8; ++i) o.v[i] = __float2bfloat16(__bfloat162float(a.v[i]) + __bfloat162float(p.v[i]));
+    } else {
+      o = a;  // rotary positions: the blocks add no table
+    }
   }
   *reinterpret_cast<bf16x8*>(out + bt * C + c) = o;
 }

@@ -9,7 +9,7 @@
 namespace loom::cuda {
 
 // out bf16 [B, T, C] = wte[tokens[b, t]] + wpe[pos0 + t]; tokens i32 [B, T] (device), wte bf16
-// [V, C], wpe bf16 [maxT, C]. C must be a multiple of 8. Token ids are validated by the caller
+// [V, C], wpe bf16 [maxT, C] (null: no position table). C must be a multiple of 8. Token ids are validated by the caller
 // (they come from the host); a row whose id is outside [0, V) is written as NaN, never read out of
 // bounds.
 void embedding_forward(bf16* out, const int32_t* tokens, const bf16* wte, const bf16* wpe, int64_t B, int64_t T,

@@ -46,8 +46,8 @@ RingAttention::RingAttention(MemoryPool& pool, cpu::AttnWorkspace* attn) : pool_
 }
 
 void RingAttention::ensure(const RingShape& s, int P, bool backward) {
-  const int64_t C = s.NH * s.HS, Tl = s.T / P, Tc = Tl / 2;
-  const Shape kv{s.B, Tl, 2 * C};
+  const int64_t C = s.NH * s.HS, Ck = s.kv_heads() * s.HS, Tl = s.T / P, Tc = Tl / 2;
+  const Shape kv{s.B, Tl, 2 * Ck};
   for (Tensor& t : kv_)
     if (!t.defined() || t.shape() != kv) t = Tensor::empty(kv, DType::f32, MemTag::comm, pool_);
   if (backward) {
@@ -93,8 +93,9 @@ cpu::AttnArgs chunk_args(const RingShape& s, int64_t Tc, int64_t cq, int64_t ck)
   a.NH = s.NH;
   a.HS = s.HS;
   a.Tq = a.Tkv = Tc;
-  a.q_stride = 3 * s.NH * s.HS;
-  a.kv_stride = 2 * s.NH * s.HS;
+  a.NKV = s.kv_heads();
+  a.q_stride = s.row();
+  a.kv_stride = 2 * s.kv_heads() * s.HS;
   a.o_stride = s.NH * s.HS;
   a.q_pos0 = cq * Tc;
   a.kv_pos0 = ck * Tc;
@@ -115,11 +116,11 @@ void RingAttention::forward(comm::Comm& g, float* out, float* lse, const float* 
   const int P = g.size(), r = g.rank();
   check_sequence(s.T, P, "ring attention");
   LOOM_CHECK(P > 1, "ring attention needs a cp group of two or more ranks");
-  const int64_t C = s.NH * s.HS, Tl = s.T / P, Tc = Tl / 2, rows = s.B * Tl;
+  const int64_t C = s.NH * s.HS, Ck = s.kv_heads() * s.HS, Q = s.row(), Tl = s.T / P, Tc = Tl / 2, rows = s.B * Tl;
   ensure(s, P, false);
   attn_->reserve(workspace_bytes(s, P, omp_get_max_threads()));
   float* kv0 = kv_[0].f32();
-  for (int64_t n = 0; n < rows; ++n) std::memcpy(kv0 + n * 2 * C, qkv + n * 3 * C + C, size_t(2 * C) * sizeof(float));
+  for (int64_t n = 0; n < rows; ++n) std::memcpy(kv0 + n * 2 * Ck, qkv + n * Q + C, size_t(2 * Ck) * sizeof(float));
   int cur = 0;
   for (int j = 0; j < P; ++j) {
     const int src = (r - j + P) % P;
@@ -132,21 +133,21 @@ void RingAttention::forward(comm::Comm& g, float* out, float* lse, const float* 
         const bool first = j == 0 && hk == 0;
         const cpu::AttnArgs a = attn_->args(chunk_args(s, Tc, cq, ck));
         for (int64_t b = 0; b < s.B; ++b) {
-          const float* q = qkv + (b * Tl + hq * Tc) * 3 * C;
-          const float* k = kv + (b * Tl + hk * Tc) * 2 * C;
+          const float* q = qkv + (b * Tl + hq * Tc) * Q;
+          const float* k = kv + (b * Tl + hk * Tc) * 2 * Ck;
           float* o = out + (b * Tl + hq * Tc) * C;
           float* l = lse + (b * 2 + hq) * s.NH * Tc;
           if (first) {
-            cpu::attention_forward(o, l, q, k, k + C, a);
+            cpu::attention_forward(o, l, q, k, k + Ck, a);
           } else {
-            cpu::attention_forward(o_part_.f32(), lse_part_.f32(), q, k, k + C, a);
+            cpu::attention_forward(o_part_.f32(), lse_part_.f32(), q, k, k + Ck, a);
             merge(o, l, o_part_.f32(), lse_part_.f32(), Tc, s.NH, s.HS);
           }
         }
       }
     }
     if (j + 1 < P) {
-      g.sendrecv(kv_[cur].f32(), rows * 2 * C, (r + 1) % P, kv_[1 - cur].f32(), rows * 2 * C, (r - 1 + P) % P,
+      g.sendrecv(kv_[cur].f32(), rows * 2 * Ck, (r + 1) % P, kv_[1 - cur].f32(), rows * 2 * Ck, (r - 1 + P) % P,
                  DType::f32, kTagKV);
       cur = 1 - cur;
     }
@@ -158,13 +159,13 @@ void RingAttention::backward(comm::Comm& g, float* dqkv, const float* dout, cons
   const int P = g.size(), r = g.rank();
   check_sequence(s.T, P, "ring attention");
   LOOM_CHECK(P > 1, "ring attention needs a cp group of two or more ranks");
-  const int64_t C = s.NH * s.HS, Tl = s.T / P, Tc = Tl / 2, rows = s.B * Tl;
+  const int64_t C = s.NH * s.HS, Ck = s.kv_heads() * s.HS, Q = s.row(), Tl = s.T / P, Tc = Tl / 2, rows = s.B * Tl;
   ensure(s, P, true);
   attn_->reserve(workspace_bytes(s, P, omp_get_max_threads()));
   float* kv0 = kv_[0].f32();
   for (int64_t n = 0; n < rows; ++n) {
-    std::memcpy(kv0 + n * 2 * C, qkv + n * 3 * C + C, size_t(2 * C) * sizeof(float));
-    std::memset(dqkv + n * 3 * C, 0, size_t(C) * sizeof(float));  // dq accumulates over the ring
+    std::memcpy(kv0 + n * 2 * Ck, qkv + n * Q + C, size_t(2 * Ck) * sizeof(float));
+    std::memset(dqkv + n * Q, 0, size_t(C) * sizeof(float));  // dq accumulates over the ring
   }
   dkv_[0].zero_();
   int cur = 0;
@@ -180,23 +181,23 @@ void RingAttention::backward(comm::Comm& g, float* dqkv, const float* dout, cons
         const cpu::AttnArgs a = attn_->args(chunk_args(s, Tc, cq, ck));
         for (int64_t b = 0; b < s.B; ++b) {
           const int64_t qo = b * Tl + hq * Tc, ko = b * Tl + hk * Tc;
-          const float* k = kv + ko * 2 * C;
-          float* dk = dkv + ko * 2 * C;
-          cpu::attention_backward(dqkv + qo * 3 * C, dk, dk + C, dout + qo * C, qkv + qo * 3 * C, k, k + C,
-                                  out + qo * C, lse + (b * 2 + hq) * s.NH * Tc, a, /*accumulate=*/true);
+          const float* k = kv + ko * 2 * Ck;
+          float* dk = dkv + ko * 2 * Ck;
+          cpu::attention_backward(dqkv + qo * Q, dk, dk + Ck, dout + qo * C, qkv + qo * Q, k, k + Ck, out + qo * C,
+                                  lse + (b * 2 + hq) * s.NH * Tc, a, /*accumulate=*/true);
         }
       }
     }
     // The block and its gradient move on; after the last step the gradient goes home.
     const int nxt = (r + 1) % P, prv = (r - 1 + P) % P;
     if (j + 1 < P)
-      g.sendrecv(kv_[cur].f32(), rows * 2 * C, nxt, kv_[1 - cur].f32(), rows * 2 * C, prv, DType::f32, kTagKV);
-    g.sendrecv(dkv_[cur].f32(), rows * 2 * C, nxt, dkv_[1 - cur].f32(), rows * 2 * C, prv, DType::f32, kTagDKV);
+      g.sendrecv(kv_[cur].f32(), rows * 2 * Ck, nxt, kv_[1 - cur].f32(), rows * 2 * Ck, prv, DType::f32, kTagKV);
+    g.sendrecv(dkv_[cur].f32(), rows * 2 * Ck, nxt, dkv_[1 - cur].f32(), rows * 2 * Ck, prv, DType::f32, kTagDKV);
     cur = 1 - cur;
   }
   const float* dkv = dkv_[cur].f32();
   for (int64_t n = 0; n < rows; ++n)
-    std::memcpy(dqkv + n * 3 * C + C, dkv + n * 2 * C, size_t(2 * C) * sizeof(float));
+    std::memcpy(dqkv + n * Q + C, dkv + n * 2 * Ck, size_t(2 * Ck) * sizeof(float));
 }
 
 int64_t RingAttention::buffer_bytes() const {

@@ -34,6 +34,9 @@ struct RingShape {
   int64_t T = 0;   // global sequence length (divisible by 2 cp)
   int64_t NH = 0;  // heads held by this rank
   int64_t HS = 0;  // head size
+  int64_t NKV = 0; // key/value heads held by this rank (grouped-query attention); 0: NH
+  int64_t kv_heads() const { return NKV > 0 ? NKV : NH; }
+  int64_t row() const { return (NH + 2 * kv_heads()) * HS; }  // a qkv row: q | k | v
 };
 
 class RingAttention {
@@ -44,10 +47,10 @@ class RingAttention {
   // for its chunk-pair calls (workspace_bytes) before the first one.
   explicit RingAttention(MemoryPool& pool, cpu::AttnWorkspace* attn = nullptr);
 
-  // qkv f32 [B, Tl, 3 NH HS] (q | k | v per row, this rank's heads); out f32 [B, Tl, NH HS];
+  // qkv f32 [B, Tl, (NH + 2 NKV) HS] (q | k | v per row, this rank's heads); out f32 [B, Tl, NH HS];
   // lse f32 [B, 2, NH, Tc] (per local chunk). Collective over g.
   void forward(comm::Comm& g, float* out, float* lse, const float* qkv, const RingShape& s);
-  // dqkv f32 [B, Tl, 3 NH HS] is written; dout, out, lse as the forward's.
+  // dqkv f32 [B, Tl, (NH + 2 NKV) HS] is written; dout, out, lse as the forward's.
   void backward(comm::Comm& g, float* dqkv, const float* dout, const float* qkv, const float* out,
                 const float* lse, const RingShape& s);
 
@@ -65,8 +68,8 @@ class RingAttention {
   MemoryPool& pool_;
   std::unique_ptr<cpu::AttnWorkspace> own_attn_;  // when no caller's workspace is given
   cpu::AttnWorkspace* attn_;
-  Tensor kv_[2];      // f32 [B, Tl, 2 NH HS]: the K/V block in hand and the one arriving (tag comm)
-  Tensor dkv_[2];     // f32 [B, Tl, 2 NH HS]: its accumulated gradient, in hand and arriving (tag comm)
+  Tensor kv_[2];      // f32 [B, Tl, 2 NKV HS]: the K/V block in hand and the one arriving (tag comm)
+  Tensor dkv_[2];     // f32 [B, Tl, 2 NKV HS]: its accumulated gradient, in hand and arriving (tag comm)
   Tensor o_part_;     // f32 [Tc, NH HS] one chunk pair's output (tag workspace)
   Tensor lse_part_;   // f32 [NH, Tc] (tag workspace)
 };

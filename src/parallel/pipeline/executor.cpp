@@ -24,16 +24,21 @@ namespace loom::parallel::pipeline {
 
 std::vector<double> chain_costs(const model::GPTConfig& cfg, int64_t T) {
   const double C = double(cfg.n_embd), V = double(cfg.padded_vocab()), t = double(T);
+  // A block's matmuls per token: c_attn, attn.c_proj, c_fc and mlp.c_proj (24 C^2 for GPT-2).
+  const double matmul = 2.0 * double(cfg.qkv_rows() * cfg.n_embd + cfg.n_embd * cfg.n_embd +
+                                     cfg.fc_rows() * cfg.n_embd + cfg.n_embd * cfg.ffn());
   std::vector<double> c;
   c.push_back(C);                                    // embedding: a gather and an add
-  for (int64_t l = 0; l < cfg.n_layer; ++l) c.push_back(24.0 * C * C + 4.0 * t * C);  // matmuls + attention
+  for (int64_t l = 0; l < cfg.n_layer; ++l) c.push_back(matmul + 4.0 * t * C);  // matmuls + attention
   c.push_back(2.0 * C * V + 5.0 * V);                // lm_head and the softmax
   return c;
 }
 
 OpCosts op_costs(const model::GPTConfig& cfg, int64_t T) {
   const double C = double(cfg.n_embd), t = double(T);
-  const double matmul = 24.0 * C * C, forward = matmul + 4.0 * t * C;
+  const double matmul = 2.0 * double(cfg.qkv_rows() * cfg.n_embd + cfg.n_embd * cfg.n_embd +
+                                     cfg.fc_rows() * cfg.n_embd + cfg.n_embd * cfg.ffn()),
+               forward = matmul + 4.0 * t * C;
   OpCosts c;
   c.forward = 1.0;
   c.backward_input = (matmul + 8.0 * t * C) / forward;
@@ -552,7 +557,7 @@ void PipelineExecutor::shape(int64_t b, int64_t T) {
     I.ws_buf4C = Tensor();
     I.ws_dres = Tensor::empty({I.rows, C}, DType::f32, MemTag::workspace, I.pool);
     I.ws_bufC = Tensor::empty({N, C}, DType::f32, MemTag::workspace, I.pool);
-    I.ws_buf4C = Tensor::empty({N, 4 * C / I.opt.tp}, DType::f32, MemTag::workspace, I.pool);
+    I.ws_buf4C = Tensor::empty({N, model::wide_columns(I.cfg, I.opt.tp)}, DType::f32, MemTag::workspace, I.pool);
     // The attention scratch for this shape's largest call, the same for every block: sized once
     // from this rank's first transformer block (under cp the ring keeps its own).
     for (Chunk& ch : I.chunks) {

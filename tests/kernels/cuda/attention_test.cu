@@ -60,8 +60,8 @@ void run_case(const AttnCase& cs) {
   EXPECT_EQ(attn_padding_written(out, cs.B * cs.Tq, l.o_stride, C), 0) << "out: elements written in the row padding";
   if (!cs.packed) {
     EXPECT_EQ(attn_padding_written(dq, cs.B * cs.Tq, l.q_stride, C), 0) << "dq: elements written in the padding";
-    EXPECT_EQ(attn_padding_written(dk, cs.B * cs.Tkv, l.kv_stride, C), 0) << "dk: elements written in the padding";
-    EXPECT_EQ(attn_padding_written(dv, cs.B * cs.Tkv, l.kv_stride, C), 0) << "dv: elements written in the padding";
+    EXPECT_EQ(attn_padding_written(dk, cs.B * cs.Tkv, l.kv_stride, l.Ckv), 0) << "dk: elements written in the padding";
+    EXPECT_EQ(attn_padding_written(dv, cs.B * cs.Tkv, l.kv_stride, l.Ckv), 0) << "dv: elements written in the padding";
   }
 
   // A second run must give the same forward bits and the same dk, dv bits (dq accumulates with
@@ -71,7 +71,7 @@ void run_case(const AttnCase& cs) {
   EXPECT_TRUE(attn_same_bits(out1, out)) << "forward output differs between two runs";
   EXPECT_TRUE(attn_same_bits(lse1, lse)) << "lse differs between two runs";
   if (cs.packed) {
-    std::vector<int64_t> kv = attn_elements(cs.B, cs.Tkv, l.kv_stride, C, 2 * C);  // k and v thirds
+    std::vector<int64_t> kv = attn_elements(cs.B, cs.Tkv, l.kv_stride, C, 2 * l.Ckv);  // k and v
     EXPECT_TRUE(attn_same_bits(dq1, dq, kv)) << "dk/dv differ between two runs";
   } else {
     EXPECT_TRUE(attn_same_bits(dk1, dk)) << "dk differs between two runs";
@@ -89,6 +89,27 @@ TEST(CudaAttention, CausalHs128PackedQkv) {
   AttnCase c{"hs128 causal packed qkv T=300", 2, 2, 128, 300, 300, true};
   c.packed = true;
   run_case(c);
+}
+
+// Grouped-query attention: 8 query heads on 2 key/value heads (each backward block sums dK and dV
+// over its 4 query heads), separate buffers with row padding and the packed q|k|v layout of a
+// Llama block; HS 128 with 2 query heads per key/value head; one key/value head for all (MQA).
+TEST(CudaAttention, GroupedQueryHeads) {
+  LOOM_REQUIRE_GPU();
+  AttnCase c{"hs64 gqa 8/2 causal T=333 padded", 2, 8, 64, 333, 333, true};
+  c.NKV = 2;
+  c.pad = 8;
+  run_case(c);
+  AttnCase d{"hs64 gqa 8/2 causal packed T=200", 2, 8, 64, 200, 200, true};
+  d.NKV = 2;
+  d.packed = true;
+  run_case(d);
+  AttnCase e{"hs128 gqa 4/2 causal T=130", 1, 4, 128, 130, 130, true};
+  e.NKV = 2;
+  run_case(e);
+  AttnCase f{"hs64 mqa 6/1 non-causal Tq=70 Tkv=90", 2, 6, 64, 70, 90, false};
+  f.NKV = 1;
+  run_case(f);
 }
 
 TEST(CudaAttention, CausalHs64PackedQkvLong) {

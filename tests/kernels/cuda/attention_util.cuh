@@ -45,18 +45,22 @@ struct AttnCase {
   // Every row sees exactly one key (Tkv = 1): dq and dk are zero in exact arithmetic, so they are
   // checked absolutely (|x| <= 1e-5) rather than against a rounding-noise reference.
   bool zero_dqdk = false;
+  int64_t NKV = 0;  // key/value heads (grouped-query attention); 0: NH
 };
 
 // Row strides and element counts of a case's buffers: q (the whole q|k|v buffer when packed), k
 // and v, out and dout, lse f32 [B, NH, Tq].
 struct AttnLayout {
   int64_t C, q_stride, kv_stride, o_stride, nq, nkv, no, nlse;
+  int64_t Ckv;  // NKV * HS: the width of k and v
 };
 
 inline AttnLayout attn_layout(const AttnCase& cs) {
   AttnLayout l;
   l.C = cs.NH * cs.HS;
-  l.q_stride = l.kv_stride = cs.packed ? 3 * l.C : l.C + cs.pad;
+  l.Ckv = (cs.NKV > 0 ? cs.NKV : cs.NH) * cs.HS;
+  l.q_stride = cs.packed ? l.C + 2 * l.Ckv : l.C + cs.pad;
+  l.kv_stride = cs.packed ? l.C + 2 * l.Ckv : l.Ckv + cs.pad;
   l.o_stride = l.C + cs.pad;
   l.nq = cs.B * cs.Tq * l.q_stride;
   l.nkv = cs.B * cs.Tkv * l.kv_stride;
@@ -69,7 +73,7 @@ inline cpu::AttnArgs attn_cpu_args(const AttnCase& cs, const AttnLayout& l) {
   cpu::AttnArgs a;
   a.B = cs.B, a.NH = cs.NH, a.HS = cs.HS, a.Tq = cs.Tq, a.Tkv = cs.Tkv;
   a.q_stride = l.q_stride, a.kv_stride = l.kv_stride, a.o_stride = l.o_stride;
-  a.q_pos0 = cs.q_pos0, a.kv_pos0 = cs.kv_pos0, a.causal = cs.causal, a.scale = cs.scale;
+  a.q_pos0 = cs.q_pos0, a.kv_pos0 = cs.kv_pos0, a.causal = cs.causal, a.scale = cs.scale, a.NKV = cs.NKV;
   return a;
 }
 
@@ -77,7 +81,7 @@ inline cuda::AttnArgs attn_gpu_args(const AttnCase& cs, const AttnLayout& l) {
   cuda::AttnArgs a;
   a.B = cs.B, a.NH = cs.NH, a.HS = cs.HS, a.Tq = cs.Tq, a.Tkv = cs.Tkv;
   a.q_stride = l.q_stride, a.kv_stride = l.kv_stride, a.o_stride = l.o_stride;
-  a.q_pos0 = cs.q_pos0, a.kv_pos0 = cs.kv_pos0, a.causal = cs.causal, a.scale = cs.scale;
+  a.q_pos0 = cs.q_pos0, a.kv_pos0 = cs.kv_pos0, a.causal = cs.causal, a.scale = cs.scale, a.NKV = cs.NKV;
   return a;
 }
 
@@ -101,7 +105,8 @@ inline AttnInputs attn_inputs(const AttnCase& cs, const AttnLayout& l, uint64_t 
   if (cs.packed) {
     const std::vector<float> v = attn_uniform_bf16(l.nq, seed, 3, -1.f, 1.f);
     for (int64_t r = 0; r < cs.B * cs.Tq; ++r)
-      for (int64_t c = 2 * l.C; c < 3 * l.C; ++c) in.q[size_t(r * l.q_stride + c)] = v[size_t(r * l.q_stride + c)];
+      for (int64_t c = l.C + l.Ckv; c < l.C + 2 * l.Ckv; ++c)
+        in.q[size_t(r * l.q_stride + c)] = v[size_t(r * l.q_stride + c)];
   } else {
     in.k = attn_uniform_bf16(l.nkv, seed, 2, -2.f, 2.f);
     in.v = attn_uniform_bf16(l.nkv, seed, 3, -1.f, 1.f);
@@ -119,7 +124,7 @@ inline AttnReference attn_reference(const AttnCase& cs, const AttnLayout& l, con
   const cpu::AttnArgs a = attn_cpu_args(cs, l);
   const float* q = in.q.data();
   const float* k = cs.packed ? q + l.C : in.k.data();
-  const float* v = cs.packed ? q + 2 * l.C : in.v.data();
+  const float* v = cs.packed ? q + l.C + l.Ckv : in.v.data();
   AttnReference r;
   r.out.assign(size_t(l.no), 0.f);
   r.lse.assign(size_t(l.nlse), 0.f);
@@ -128,7 +133,7 @@ inline AttnReference attn_reference(const AttnCase& cs, const AttnLayout& l, con
   r.dk.assign(cs.packed ? 0 : size_t(l.nkv), 0.f);
   r.dv.assign(cs.packed ? 0 : size_t(l.nkv), 0.f);
   float* dk = cs.packed ? r.dq.data() + l.C : r.dk.data();
-  float* dv = cs.packed ? r.dq.data() + 2 * l.C : r.dv.data();
+  float* dv = cs.packed ? r.dq.data() + l.C + l.Ckv : r.dv.data();
   cpu::attention_backward(r.dq.data(), dk, dv, in.dout.data(), q, k, v, r.out.data(), r.lse.data(), a);
   return r;
 }
@@ -185,8 +190,8 @@ inline void attn_expect_outputs(const AttnCase& cs, const AttnLayout& l, const A
                                 const std::vector<float>& out, const std::vector<float>& dq,
                                 const std::vector<float>& dk, const std::vector<float>& dv) {
   const std::vector<int64_t> q_idx = attn_elements(cs.B, cs.Tq, l.q_stride, 0, l.C);
-  const std::vector<int64_t> k_idx = attn_elements(cs.B, cs.Tkv, l.kv_stride, cs.packed ? l.C : 0, l.C);
-  const std::vector<int64_t> v_idx = attn_elements(cs.B, cs.Tkv, l.kv_stride, cs.packed ? 2 * l.C : 0, l.C);
+  const std::vector<int64_t> k_idx = attn_elements(cs.B, cs.Tkv, l.kv_stride, cs.packed ? l.C : 0, l.Ckv);
+  const std::vector<int64_t> v_idx = attn_elements(cs.B, cs.Tkv, l.kv_stride, cs.packed ? l.C + l.Ckv : 0, l.Ckv);
   const std::vector<int64_t> o_idx = attn_elements(cs.B, cs.Tq, l.o_stride, 0, l.C);
   const std::vector<float>& gdk = cs.packed ? dq : dk;
   const std::vector<float>& gdv = cs.packed ? dq : dv;
@@ -268,10 +273,10 @@ struct AttnDevice {
     upload_bf16(dout, in.dout);
     gq = q.get();
     gk = packed ? gq + l.C : k.get();
-    gv = packed ? gq + 2 * l.C : v.get();
+    gv = packed ? gq + l.C + l.Ckv : v.get();
     gdq = dq.get();
     gdk = packed ? gdq + l.C : dk.get();
-    gdv = packed ? gdq + 2 * l.C : dv.get();
+    gdv = packed ? gdq + l.C + l.Ckv : dv.get();
   }
   // Poisons the outputs and the workspace, runs kernels() (the forward and backward calls),
   // synchronises and downloads out, lse, dq and (not packed) dk, dv into the host vectors.

@@ -65,8 +65,8 @@ void run_case(const AttnCase& cs) {
   EXPECT_EQ(attn_padding_written(out, cs.B * cs.Tq, l.o_stride, C), 0) << "out: row padding written";
   if (!cs.packed) {
     EXPECT_EQ(attn_padding_written(dq, cs.B * cs.Tq, l.q_stride, C), 0) << "dq: row padding written";
-    EXPECT_EQ(attn_padding_written(dk, cs.B * cs.Tkv, l.kv_stride, C), 0) << "dk: row padding written";
-    EXPECT_EQ(attn_padding_written(dv, cs.B * cs.Tkv, l.kv_stride, C), 0) << "dv: row padding written";
+    EXPECT_EQ(attn_padding_written(dk, cs.B * cs.Tkv, l.kv_stride, l.Ckv), 0) << "dk: row padding written";
+    EXPECT_EQ(attn_padding_written(dv, cs.B * cs.Tkv, l.kv_stride, l.Ckv), 0) << "dv: row padding written";
   }
 
   // The forward pass is deterministic: a second run gives the same bits.

@@ -1,0 +1,196 @@
+#!/usr/bin/python3
+"""Writes a versioned Llama-family reference dump from plain PyTorch (fp32) for loom's parity tests.
+
+The model is written here from the architecture's definition (Touvron et al. 2023; Hugging Face's
+LlamaForCausalLM), not from loom: pre-norm blocks with RMSNorm (x / sqrt(mean(x^2) + eps) * w),
+rotary position embeddings on queries and keys (each head's element i paired with element
+i + head_size / 2, angle position * theta^(-2i / head_size)), grouped-query causal attention
+(each key/value head serves n_head / n_kv_head query heads), a SwiGLU feed-forward
+(down(silu(gate(x)) * up(x))), no biases, a final RMSNorm and an untied lm_head. The script keeps
+q, k, v, gate and up as separate matrices and writes them in loom's fused layout when it saves:
+attn.c_attn.weight = [q; k; v] (rows), mlp.c_fc.weight = [gate; up], mlp.c_proj.weight = down,
+attn.c_proj.weight = o, ln_1 / ln_2 / ln_f the RMSNorm weights, lm_head.weight.
+
+It draws its own weights from a torch seed (RMSNorm weights perturbed away from 1), runs forward
+and backward on one batch, then trains the same batch for a number of AdamW steps (decay on
+matrices only, global-norm clipping). Output: the format of scripts/torch_reference.py
+(param.<name>, grad.<name>, tokens, targets, logits, loss, step_losses) with the architecture
+options in __metadata__. Run with Debian's python3-torch:
+  /usr/bin/python3 scripts/torch_llama_reference.py --model llama-tiny --out tests/data/llama_tiny_reference.safetensors
+"""
+import argparse
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from torch_reference import FORMAT, VERSION, write_safetensors
+
+# name: (n_layer, n_head, n_kv_head, n_embd, ffn_hidden, vocab_size, block_size, batch, seq)
+PRESETS = {
+    "llama-tiny": (2, 4, 2, 64, 176, 503, 64, 4, 32),
+}
+THETA = 10000.0
+EPS = 1e-5
+
+
+def init(shape, gen, kind):
+    t = torch.empty(shape, dtype=torch.float32)
+    if kind == "norm":
+        t.normal_(1.0, 0.1, generator=gen)
+    else:
+        t.normal_(0.0, 0.02, generator=gen)
+    return t.requires_grad_(True)
+
+
+def make_params(L, H, KV, C, Fh, V, gen):
+    hs = C // H
+    P = {"embed": init((V, C), gen, "w")}
+    for i in range(L):
+        P[f"{i}.attn_norm"] = init((C,), gen, "norm")
+        P[f"{i}.q"] = init((H * hs, C), gen, "w")
+        P[f"{i}.k"] = init((KV * hs, C), gen, "w")
+        P[f"{i}.v"] = init((KV * hs, C), gen, "w")
+        P[f"{i}.o"] = init((C, H * hs), gen, "w")
+        P[f"{i}.ffn_norm"] = init((C,), gen, "norm")
+        P[f"{i}.gate"] = init((Fh, C), gen, "w")
+        P[f"{i}.up"] = init((Fh, C), gen, "w")
+        P[f"{i}.down"] = init((C, Fh), gen, "w")
+    P["norm"] = init((C,), gen, "norm")
+    P["lm_head"] = init((V, C), gen, "w")
+    return P
+
+
+def rms_norm(x, w):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary(x, T, hs):
+    """x [B, heads, T, hs] rotated by the angle of each position."""
+    inv_freq = 1.0 / (THETA ** (torch.arange(0, hs, 2, dtype=torch.float64) / hs))
+    angles = torch.arange(T, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().float(), emb.sin().float()
+    return x * cos + rotate_half(x) * sin
+
+
+def llama_forward(P, tokens, targets, L, H, KV):
+    B, T = tokens.shape
+    C = P["embed"].shape[1]
+    hs = C // H
+    x = P["embed"][tokens]
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    for i in range(L):
+        h = rms_norm(x, P[f"{i}.attn_norm"])
+        q = F.linear(h, P[f"{i}.q"]).view(B, T, H, hs).transpose(1, 2)
+        k = F.linear(h, P[f"{i}.k"]).view(B, T, KV, hs).transpose(1, 2)
+        v = F.linear(h, P[f"{i}.v"]).view(B, T, KV, hs).transpose(1, 2)
+        q, k = rotary(q, T, hs), rotary(k, T, hs)
+        k = k.repeat_interleave(H // KV, dim=1)
+        v = v.repeat_interleave(H // KV, dim=1)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))
+        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
+        x = x + F.linear(y, P[f"{i}.o"])
+        h = rms_norm(x, P[f"{i}.ffn_norm"])
+        x = x + F.linear(F.silu(F.linear(h, P[f"{i}.gate"])) * F.linear(h, P[f"{i}.up"]), P[f"{i}.down"])
+    x = rms_norm(x, P["norm"])
+    logits = F.linear(x, P["lm_head"])
+    loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+    return logits, loss
+
+
+def loom_layout(T, L):
+    """(loom name, tensor) in loom's parameter order, from a dict of this script's tensors."""
+    out = [("wte.weight", T["embed"])]
+    for i in range(L):
+        p = f"h.{i}."
+        out += [
+            (p + "ln_1.weight", T[f"{i}.attn_norm"]),
+            (p + "attn.c_attn.weight", torch.cat([T[f"{i}.q"], T[f"{i}.k"], T[f"{i}.v"]], dim=0)),
+            (p + "attn.c_proj.weight", T[f"{i}.o"]),
+            (p + "ln_2.weight", T[f"{i}.ffn_norm"]),
+            (p + "mlp.c_fc.weight", torch.cat([T[f"{i}.gate"], T[f"{i}.up"]], dim=0)),
+            (p + "mlp.c_proj.weight", T[f"{i}.down"]),
+        ]
+    out += [("ln_f.weight", T["norm"]), ("lm_head.weight", T["lm_head"])]
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="llama-tiny", choices=sorted(PRESETS))
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--beta1", type=float, default=0.9)
+    ap.add_argument("--beta2", type=float, default=0.95)
+    ap.add_argument("--eps", type=float, default=1e-8)
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--max-norm", type=float, default=1.0)
+    ap.add_argument("--ignored", type=int, default=1, help="targets set to -1 (ignored by the loss)")
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+
+    torch.set_num_threads(a.threads)
+    L, H, KV, C, Fh, V, block, B, T = PRESETS[a.model]
+    if T > block:
+        sys.exit(f"seq {T} exceeds block_size {block}")
+    gen = torch.Generator().manual_seed(a.seed)
+    P = make_params(L, H, KV, C, Fh, V, gen)
+    seq = torch.randint(0, V, (B, T + 1), generator=gen)
+    tokens = seq[:, :-1].to(torch.int32).contiguous()
+    targets = seq[:, 1:].to(torch.int32).contiguous()
+    flat = targets.view(-1)
+    for j in torch.randperm(B * T, generator=gen)[: a.ignored]:
+        flat[j] = -1
+    initial = {n: t.detach().clone() for n, t in P.items()}
+
+    logits, loss = llama_forward(P, tokens.long(), targets.long(), L, H, KV)
+    loss.backward()
+    grads = {n: t.grad.detach().clone() for n, t in P.items()}
+    grad_norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads.values()))
+
+    decay = [t for t in P.values() if t.dim() >= 2]
+    no_decay = [t for t in P.values() if t.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": a.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps)
+    step_losses = []
+    for _ in range(a.steps):
+        opt.zero_grad(set_to_none=True)
+        _, l = llama_forward(P, tokens.long(), targets.long(), L, H, KV)
+        step_losses.append(float(l))
+        l.backward()
+        if a.max_norm > 0:
+            torch.nn.utils.clip_grad_norm_(list(P.values()), a.max_norm)
+        opt.step()
+
+    tensors = [("tokens", tokens), ("targets", targets), ("logits", logits), ("loss", loss.detach().reshape(())),
+               ("step_losses", torch.tensor(step_losses, dtype=torch.float32))]
+    tensors += [("param." + n, t) for n, t in loom_layout(initial, L)]
+    tensors += [("grad." + n, t) for n, t in loom_layout(grads, L)]
+    meta = {
+        "format": FORMAT, "version": VERSION, "model": a.model,
+        "n_layer": str(L), "n_head": str(H), "n_embd": str(C), "vocab_size": str(V), "block_size": str(block),
+        "norm": "rmsnorm", "mlp": "swiglu", "position": "rope", "n_kv_head": str(KV), "ffn_hidden": str(Fh),
+        "bias": "false", "tied_embeddings": "false", "rope_theta": repr(THETA), "ln_eps": repr(EPS),
+        "batch": str(B), "seq": str(T), "seed": str(a.seed), "steps": str(a.steps),
+        "lr": repr(a.lr), "beta1": repr(a.beta1), "beta2": repr(a.beta2), "eps": repr(a.eps),
+        "weight_decay": repr(a.weight_decay), "max_norm": repr(a.max_norm), "grad_norm": repr(grad_norm),
+        "torch_version": torch.__version__,
+    }
+    write_safetensors(a.out, tensors, meta)
+    print(f"{a.out}: {a.model} B={B} T={T} loss {float(loss):.6f} grad_norm {grad_norm:.6f} "
+          f"step losses {' '.join(f'{x:.5f}' for x in step_losses)}")
+
+
+if __name__ == "__main__":
+    main()
