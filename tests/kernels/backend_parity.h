@@ -319,24 +319,27 @@ TEST_P(BackendParity, LlamaOps) {
              .stride = 3 * Cq, .pos0 = 7, .inv_freq = inv.data(), .inverse = true});
   EXPECT_LE(rel_norm_err(dq.get(), std::vector<double>(qkv.begin(), qkv.end())), tol_out()) << "rope and back";
 
-  // SwiGLU.
-  auto gu = bf16_random(N * 2 * H, 27, 3.f), gy = bf16_random(N * H, 28);
-  DevBuf dgu(be(), gu, dt_), dout(be(), N * H, dt_), dgy(be(), gy, dt_), dgin(be(), N * 2 * H, dt_);
-  dout.poison();
-  dgin.poison();
-  be().swiglu_forward(dt_, dout.p(), dgu.p(), N, H);
-  be().swiglu_backward(dt_, dgin.p(), dgy.p(), dgu.p(), N, H);
-  std::vector<double> so(static_cast<size_t>(N * H)), sd(static_cast<size_t>(N * 2 * H));
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t j = 0; j < H; ++j) {
-      const double g = gu[size_t(n * 2 * H + j)], u = gu[size_t(n * 2 * H + H + j)], d = gy[size_t(n * H + j)];
-      const double sg = 1 / (1 + std::exp(-g));
-      so[size_t(n * H + j)] = g * sg * u;
-      sd[size_t(n * 2 * H + j)] = d * u * sg * (1 + g * (1 - sg));
-      sd[size_t(n * 2 * H + H + j)] = d * g * sg;
-    }
-  EXPECT_LE(rel_norm_err(dout.get(), so), tol_out()) << "swiglu out";
-  EXPECT_LE(rel_norm_err(dgin.get(), sd), tol_out()) << "swiglu dinp";
+  // SwiGLU, at a width of whole 8-element vectors (H) and one that is not (12: the CUDA
+  // backend's element-wise path).
+  for (const int64_t Hs : {H, int64_t(12)}) {
+    auto gu = bf16_random(N * 2 * Hs, 27, 3.f), gy = bf16_random(N * Hs, 28);
+    DevBuf dgu(be(), gu, dt_), dout(be(), N * Hs, dt_), dgy(be(), gy, dt_), dgin(be(), N * 2 * Hs, dt_);
+    dout.poison();
+    dgin.poison();
+    be().swiglu_forward(dt_, dout.p(), dgu.p(), N, Hs);
+    be().swiglu_backward(dt_, dgin.p(), dgy.p(), dgu.p(), N, Hs);
+    std::vector<double> so(static_cast<size_t>(N * Hs)), sd(static_cast<size_t>(N * 2 * Hs));
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t j = 0; j < Hs; ++j) {
+        const double g = gu[size_t(n * 2 * Hs + j)], u = gu[size_t(n * 2 * Hs + Hs + j)], d = gy[size_t(n * Hs + j)];
+        const double sg = 1 / (1 + std::exp(-g));
+        so[size_t(n * Hs + j)] = g * sg * u;
+        sd[size_t(n * 2 * Hs + j)] = d * u * sg * (1 + g * (1 - sg));
+        sd[size_t(n * 2 * Hs + Hs + j)] = d * g * sg;
+      }
+    EXPECT_LE(rel_norm_err(dout.get(), so), tol_out()) << "swiglu out, H = " << Hs;
+    EXPECT_LE(rel_norm_err(dgin.get(), sd), tol_out()) << "swiglu dinp, H = " << Hs;
+  }
 }
 
 // Packed causal self-attention (qkv [B, T, 3C]) with head size 64, the size every CUDA kernel
