@@ -33,6 +33,13 @@ namespace {
 constexpr int kSteps = 20;
 constexpr int64_t kBatch = 8, kT = 8;  // per data-parallel replica
 
+// The Llama variant of tiny() while a LlamaScope lives (PipelineLlama's tests).
+bool g_llama = false;
+struct LlamaScope {
+  LlamaScope() { g_llama = true; }
+  ~LlamaScope() { g_llama = false; }
+};
+
 model::GPTConfig tiny() {
   model::GPTConfig c;
   c.name = "pipeline-tiny";
@@ -41,6 +48,17 @@ model::GPTConfig tiny() {
   c.n_embd = 32;
   c.vocab_size = 97;
   c.block_size = 16;
+  if (g_llama) {  // RMSNorm, rotary positions, SwiGLU, 4 query heads on 2 key/value heads, untied
+    c.name = "pipeline-llama";
+    c.n_head = 4;
+    c.n_kv_head = 2;
+    c.ffn_hidden = 64;
+    c.norm = model::Norm::rmsnorm;
+    c.mlp = model::Mlp::swiglu;
+    c.position = model::Position::rope;
+    c.bias = false;
+    c.tied_embeddings = false;
+  }
   return c;
 }
 
@@ -80,8 +98,9 @@ struct Reference {
 };
 
 Reference reference(int dp) {
-  static std::map<int, Reference> cache;
-  if (cache.count(dp)) return cache[dp];
+  static std::map<std::pair<int, bool>, Reference> cache;
+  const std::pair<int, bool> key{dp, g_llama};
+  if (cache.count(key)) return cache[key];
   MemoryPool pool("ref");
   model::GPT gpt(tiny(), pool, 1337);
   optim::AdamW opt(gpt.parameters(), adamw(), pool);
@@ -108,7 +127,7 @@ Reference reference(int dp) {
   }
   // The comparison means something only if training moved the parameters far beyond 1e-5.
   EXPECT_GT(std::sqrt(moved2 / init2), 1e-2);
-  return cache[dp] = r;
+  return cache[key] = r;
 }
 
 struct RunResult {
@@ -314,6 +333,17 @@ TEST(PipelineComposed, ZeroOne) {
     expect_equivalent({k, 2, v, 4}, {.dp = 2, .zero = 1});
   }
   expect_equivalent({Kind::one_f_one_b, 2, 1, 4}, {.dp = 2, .tp = 2, .sp = true, .zero = 1});
+}
+
+// The Llama family through the pipeline: every schedule alone, with tp x sp x dp and ZeRO-1, with
+// cp, and at p = 4 with tp.
+TEST(PipelineLlama, EveryScheduleAndComposedLayouts) {
+  LlamaScope llama;
+  for (Kind k : {Kind::gpipe, Kind::one_f_one_b, Kind::interleaved, Kind::zb_h1})
+    expect_equivalent({k, 2, k == Kind::interleaved ? 2 : 1, 4}, {});
+  expect_equivalent({Kind::one_f_one_b, 2, 1, 4}, {.dp = 2, .tp = 2, .sp = true, .zero = 1});
+  expect_equivalent({Kind::one_f_one_b, 2, 1, 4}, {.cp = 2});
+  expect_equivalent({Kind::zb_h1, 4, 1, 8}, {.tp = 2});
 }
 
 // Under tensor parallelism too, ZB-H1's split backward adds exactly what 1F1B's fused one does.

@@ -1,7 +1,9 @@
 // Parallel equals single-device: tp in {1, 2, 4}, sp on and off, cp in {1, 2, 4}, with dp = 2
 // (world up to 8, ranks as threads), data parallelism over dp x cp as the trainer runs it
 // (parallel::DataParallel: ZeRO 0-3, optimizer offload). 20 AdamW steps of the tiny GPT
-// (vocabulary 503: not divisible by tp) must give per-step losses within 1e-5 relative of
+// (vocabulary 503: not divisible by tp), and of the tiny Llama (llama-tiny: RMSNorm, rotary
+// positions, SwiGLU, 2 key/value heads for 4 query heads, no biases, untied head), must give
+// per-step losses within 1e-5 relative of
 // model::GPT and final parameters within ||p - p_ref|| / ||p_ref|| <= 1e-5, over all parameters
 // and for each one. Every rank's peak bytes of parameters, gradients and optimizer state (device
 // and host pools) equal the formulas of data_parallel.h.
@@ -36,16 +38,18 @@ struct Layout {
   int64_t vocab = 503;
   int zero = 0;  // ZeRO stage over dp x cp, 0-3
   bool offload = false;  // AdamW state and update in the host pool
+  bool llama = false;    // llama-tiny instead of gpt2-tiny
 };
 
 std::string layout_name(const testing::TestParamInfo<Layout>& i) {
   const Layout& l = i.param;
-  return fmt::format("dp{}_cp{}_tp{}{}_B{}_T{}_V{}{}{}", l.dp, l.cp, l.tp, l.sp ? "_sp" : "", l.B, l.T, l.vocab,
-                     l.zero ? fmt::format("_zero{}", l.zero) : "", l.offload ? "_offload" : "");
+  return fmt::format("{}dp{}_cp{}_tp{}{}_B{}_T{}_V{}{}{}", l.llama ? "llama_" : "", l.dp, l.cp, l.tp,
+                     l.sp ? "_sp" : "", l.B, l.T, l.vocab, l.zero ? fmt::format("_zero{}", l.zero) : "",
+                     l.offload ? "_offload" : "");
 }
 
-model::GPTConfig tiny(int64_t vocab) {
-  model::GPTConfig c = model::gpt_preset("gpt2-tiny");
+model::GPTConfig tiny(int64_t vocab, bool llama = false) {
+  model::GPTConfig c = model::gpt_preset(llama ? "llama-tiny" : "gpt2-tiny");
   c.vocab_size = vocab;
   return c;
 }
@@ -89,12 +93,12 @@ comm::RunOptions one_thread() {
 }
 
 RunResult reference(const Layout& l) {
-  static std::map<std::tuple<int64_t, int64_t, int64_t>, RunResult> cache;
-  auto key = std::make_tuple(l.B, l.T, l.vocab);
+  static std::map<std::tuple<int64_t, int64_t, int64_t, bool>, RunResult> cache;
+  auto key = std::make_tuple(l.B, l.T, l.vocab, l.llama);
   if (auto it = cache.find(key); it != cache.end()) return it->second;
   omp_set_num_threads(1);
   MemoryPool pool("ref");
-  model::GPT gpt(tiny(l.vocab), pool);
+  model::GPT gpt(tiny(l.vocab, l.llama), pool);
   optim::AdamW opt(gpt.parameters(), adam(), pool);
   Tensor tok = Tensor::empty({l.B, l.T}, DType::i32, MemTag::workspace, pool);
   Tensor tgt = Tensor::empty({l.B, l.T}, DType::i32, MemTag::workspace, pool);
@@ -117,7 +121,7 @@ RunResult parallel_run(const Layout& l) {
   RunResult r;
   r.losses.assign(kSteps, 0.0);
   {
-    model::GPT shapes(tiny(l.vocab), default_cpu_pool());
+    model::GPT shapes(tiny(l.vocab, l.llama), default_cpu_pool());
     for (auto* p : shapes.parameters()) r.params[p->spec.name] = std::vector<float>(size_t(p->spec.numel()), NAN);
   }
   r.memory.assign(size_t(world), {});
@@ -125,7 +129,7 @@ RunResult parallel_run(const Layout& l) {
   comm::run_ranks(world, [&](comm::Comm& c) {
     parallel::MeshComms mc(parallel::Mesh::standard(1, l.dp, l.cp, l.tp), c);
     MemoryPool pool("rank" + std::to_string(c.rank()));
-    model::GPT m(tiny(l.vocab), pool, 1337, {.groups = {&mc["tp"], &mc["cp"]}, .sp = l.sp});
+    model::GPT m(tiny(l.vocab, l.llama), pool, 1337, {.groups = {&mc["tp"], &mc["cp"]}, .sp = l.sp});
     RankMemory& mem = r.memory[size_t(c.rank())];
     for (auto* p : m.parameters()) mem.alloc_sum += (p->spec.alloc_numel() + 15) / 16 * 16;
     // Reduced over dp x cp, as the trainer does (Megatron's distributed optimizer group): the cp
@@ -269,7 +273,13 @@ INSTANTIATE_TEST_SUITE_P(
                     Layout{.dp = 2, .cp = 2, .tp = 2, .sp = true, .vocab = 130, .zero = 3},
                     Layout{.dp = 2, .tp = 2, .zero = 0, .offload = true},
                     Layout{.dp = 2, .tp = 2, .sp = true, .zero = 3, .offload = true},
-                    Layout{.dp = 2, .cp = 2, .zero = 2, .offload = true}),
+                    Layout{.dp = 2, .cp = 2, .zero = 2, .offload = true},
+                    // The Llama family (grouped-query attention: tp splits the 2 key/value heads).
+                    Layout{.llama = true}, Layout{.tp = 2, .llama = true},
+                    Layout{.tp = 2, .sp = true, .llama = true}, Layout{.cp = 2, .llama = true},
+                    Layout{.dp = 2, .cp = 2, .tp = 2, .sp = true, .vocab = 130, .zero = 1, .llama = true},
+                    Layout{.dp = 2, .tp = 2, .zero = 3, .llama = true},
+                    Layout{.dp = 2, .cp = 2, .zero = 2, .offload = true, .llama = true}),
     layout_name);
 
 TEST(TensorParallelGPT, RefusesHeadsNotDivisibleByTp) {
