@@ -15,9 +15,14 @@ It draws its own weights from a torch seed (RMSNorm weights perturbed away from 
 and backward on one batch, then trains the same batch for a number of AdamW steps (decay on
 matrices only, global-norm clipping). Output: the format of scripts/torch_reference.py
 (param.<name>, grad.<name>, tokens, targets, logits, loss, step_losses) with the architecture
-options in __metadata__. Run with Debian's python3-torch:
-  /usr/bin/python3 scripts/torch_llama_reference.py --model llama-tiny --out tests/data/llama_tiny_reference.safetensors
+options in __metadata__. With --hf-out DIR it also writes the initial weights as a Hugging Face
+LlamaForCausalLM checkpoint (the hub's key names, f32, two shards and model.safetensors.index.json,
+and config.json), for the conversion tests. Run with Debian's python3-torch:
+  /usr/bin/python3 scripts/torch_llama_reference.py --model llama-tiny \
+      --out tests/data/llama_tiny_reference.safetensors --hf-out tests/model/hf_llama_tiny
 """
+import json
+import os
 import argparse
 import math
 import sys
@@ -123,10 +128,55 @@ def loom_layout(T, L):
     return out
 
 
+def hf_layout(T, L):
+    """(Hugging Face LlamaForCausalLM key, tensor) of this script's tensors."""
+    out = [("model.embed_tokens.weight", T["embed"])]
+    for i in range(L):
+        p = f"model.layers.{i}."
+        out += [
+            (p + "input_layernorm.weight", T[f"{i}.attn_norm"]),
+            (p + "self_attn.q_proj.weight", T[f"{i}.q"]),
+            (p + "self_attn.k_proj.weight", T[f"{i}.k"]),
+            (p + "self_attn.v_proj.weight", T[f"{i}.v"]),
+            (p + "self_attn.o_proj.weight", T[f"{i}.o"]),
+            (p + "post_attention_layernorm.weight", T[f"{i}.ffn_norm"]),
+            (p + "mlp.gate_proj.weight", T[f"{i}.gate"]),
+            (p + "mlp.up_proj.weight", T[f"{i}.up"]),
+            (p + "mlp.down_proj.weight", T[f"{i}.down"]),
+        ]
+    out += [("model.norm.weight", T["norm"]), ("lm_head.weight", T["lm_head"])]
+    return out
+
+
+def write_hf(out_dir, tensors, L, H, KV, C, Fh, V, block):
+    os.makedirs(out_dir, exist_ok=True)
+    half = len(tensors) // 2
+    shards = [tensors[:half], tensors[half:]]
+    weight_map, total = {}, 0
+    for k, shard in enumerate(shards):
+        name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        write_safetensors(os.path.join(out_dir, name), shard, {"format": "pt"})
+        for key, t in shard:
+            weight_map[key] = name
+            total += t.numel() * 4
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": C, "intermediate_size": Fh, "num_hidden_layers": L, "num_attention_heads": H,
+        "num_key_value_heads": KV, "vocab_size": V, "max_position_embeddings": block, "rms_norm_eps": EPS,
+        "rope_theta": THETA, "rope_scaling": None, "attention_bias": False, "mlp_bias": False,
+        "tie_word_embeddings": False, "torch_dtype": "float32",
+    }
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="llama-tiny", choices=sorted(PRESETS))
     ap.add_argument("--out", required=True)
+    ap.add_argument("--hf-out", help="also write the initial weights as a Hugging Face checkpoint here")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -188,6 +238,8 @@ def main():
         "torch_version": torch.__version__,
     }
     write_safetensors(a.out, tensors, meta)
+    if a.hf_out:
+        write_hf(a.hf_out, hf_layout(initial, L), L, H, KV, C, Fh, V, block)
     print(f"{a.out}: {a.model} B={B} T={T} loss {float(loss):.6f} grad_norm {grad_norm:.6f} "
           f"step losses {' '.join(f'{x:.5f}' for x in step_losses)}")
 

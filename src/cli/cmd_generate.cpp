@@ -5,8 +5,8 @@
 #include <filesystem>
 #include <memory>
 #include <sstream>
-#include <toml++/toml.h>
 
+#include "cli/checkpoint_tokenizer.h"
 #include "cli/command.h"
 #include "core/error.h"
 #include "core/memory.h"
@@ -30,33 +30,6 @@ struct GenerateArgs {
   int32_t stop_id = -1;
   bool ids = false, no_cache = false, quiet = false;
 };
-
-bool has_vocab(const fs::path& d) {
-  return (fs::exists(d / "encoder.json") && fs::exists(d / "vocab.bpe")) ||
-         (fs::exists(d / "vocab.json") && fs::exists(d / "merges.txt"));
-}
-
-// --tokenizer, else the data.tokenizer / data.dir of the training config in the manifest.
-std::string find_tokenizer(const GenerateArgs& a, const std::string& ckpt) {
-  if (!a.tokenizer.empty()) {
-    if (!has_vocab(a.tokenizer))
-      throw Error(fmt::format("{}: no encoder.json + vocab.bpe (or vocab.json + merges.txt) in --tokenizer", a.tokenizer));
-    return a.tokenizer;
-  }
-  const train::CheckpointMeta meta = train::read_checkpoint_meta(ckpt);
-  if (!meta.config_toml.empty()) {
-    try {
-      toml::table t = toml::parse(meta.config_toml);
-      for (const char* key : {"tokenizer", "dir"})
-        if (auto v = t["data"][key].value<std::string>(); v && !v->empty() && has_vocab(*v)) return *v;
-    } catch (const toml::parse_error& e) {
-      throw Error(fmt::format("{}: field 'config_toml' is not valid TOML: {}",
-                              (fs::path(ckpt) / "manifest.json").string(), e.description()));
-    }
-  }
-  throw Error(fmt::format("{}: no tokenizer found beside the training data; pass --tokenizer DIR, or --ids to give "
-                          "and print token ids", ckpt));
-}
 
 std::vector<int32_t> parse_ids(const std::string& s) {
   std::string t = s;
@@ -86,19 +59,7 @@ int run_generate(const GenerateArgs& a) {
   const std::string ckpt = model::resolve_checkpoint(a.ckpt);
   const model::GPTConfig cfg = model::checkpoint_model_config(ckpt);
   std::unique_ptr<data::Tokenizer> tok;
-  if (!a.ids) {
-    const std::string dir = find_tokenizer(a, ckpt);
-    tok = std::make_unique<data::Tokenizer>(data::Tokenizer::from_dir(dir));
-    // The same size is not the same vocabulary: ids would decode to other text.
-    const fs::path manifest = fs::path(ckpt) / "manifest.json";
-    if (fs::exists(manifest)) {
-      const std::string want = train::read_checkpoint_meta(ckpt).vocabulary;
-      if (!want.empty() && want != tok->fingerprint())
-        throw Error(fmt::format("{}: the checkpoint was trained with vocabulary {}, but the tokenizer in {} is {} "
-                                "(pass --tokenizer with the training data's directory)",
-                                manifest.string(), want, dir, tok->fingerprint()));
-    }
-  }
+  if (!a.ids) tok = std::make_unique<data::Tokenizer>(checkpoint_tokenizer(ckpt, a.tokenizer));
   std::vector<int32_t> prompt = a.ids ? parse_ids(a.prompt) : tok->encode(a.prompt);
   if (prompt.empty()) throw Error("command line: --prompt is empty (the model needs at least one token)");
   for (int32_t t : prompt)

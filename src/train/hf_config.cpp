@@ -73,6 +73,83 @@ GPTConfig gpt_config_from_hf(const json& j, const std::string& where) {
   return c;
 }
 
+bool is_llama(const GPTConfig& c) {
+  return c.norm == Norm::rmsnorm && c.mlp == Mlp::swiglu && c.position == Position::rope;
+}
+
+GPTConfig llama_config_from_hf(const json& j, const std::string& where) {
+  if (!j.is_object()) throw Error(fmt::format("{}: config must be a JSON object", where));
+  auto has = [&](const char* key) { return j.contains(key) && !j[key].is_null(); };
+  auto integer = [&](const char* key, bool required, int64_t fallback) -> int64_t {
+    if (!has(key)) {
+      if (required) throw Error(fmt::format("{}: missing field '{}'", where, key));
+      return fallback;
+    }
+    if (!j[key].is_number_integer()) throw Error(fmt::format("{}: field '{}' must be an integer", where, key));
+    return j[key].get<int64_t>();
+  };
+  auto number = [&](const json& o, const char* key, double fallback) -> double {
+    if (!o.contains(key) || o[key].is_null()) return fallback;
+    if (!o[key].is_number()) throw Error(fmt::format("{}: field '{}' must be a number", where, key));
+    return o[key].get<double>();
+  };
+  auto boolean = [&](const char* key, bool fallback) -> bool {
+    if (!has(key)) return fallback;
+    if (!j[key].is_boolean()) throw Error(fmt::format("{}: field '{}' must be true or false", where, key));
+    return j[key].get<bool>();
+  };
+  if (has("model_type") && j["model_type"] != "llama")
+    throw Error(fmt::format("{}: field 'model_type' is {}, expected llama", where, j["model_type"].dump()));
+  GPTConfig c;
+  c.name = "hf-llama";
+  c.norm = Norm::rmsnorm;
+  c.mlp = Mlp::swiglu;
+  c.position = Position::rope;
+  c.n_layer = integer("num_hidden_layers", true, 0);
+  c.n_head = integer("num_attention_heads", true, 0);
+  c.n_embd = integer("hidden_size", true, 0);
+  c.n_kv_head = integer("num_key_value_heads", false, c.n_head);
+  c.ffn_hidden = integer("intermediate_size", true, 0);
+  c.vocab_size = integer("vocab_size", true, 0);
+  c.block_size = integer("max_position_embeddings", true, 0);
+  if (has("hidden_act") && j["hidden_act"] != "silu")
+    throw Error(fmt::format("{}: field 'hidden_act' is {}; loom's SwiGLU gates with silu", where, j["hidden_act"].dump()));
+  if (c.n_head > 0 && has("head_dim") && integer("head_dim", false, 0) * c.n_head != c.n_embd)
+    throw Error(fmt::format("{}: field 'head_dim' is {}; loom's heads are hidden_size / num_attention_heads = {} wide",
+                            where, integer("head_dim", false, 0), c.n_embd / c.n_head));
+  if (integer("pretraining_tp", false, 1) != 1)
+    throw Error(fmt::format("{}: field 'pretraining_tp' is {}; loom computes the projections whole (1)", where,
+                            integer("pretraining_tp", false, 1)));
+  const bool attention_bias = boolean("attention_bias", false), mlp_bias = boolean("mlp_bias", false);
+  if (attention_bias != mlp_bias)
+    throw Error(fmt::format("{}: fields 'attention_bias' ({}) and 'mlp_bias' ({}) differ; loom's model.bias covers "
+                            "every linear layer alike",
+                            where, attention_bias, mlp_bias));
+  c.bias = attention_bias;
+  c.tied_embeddings = boolean("tie_word_embeddings", false);
+  const double eps = number(j, "rms_norm_eps", 1e-6);
+  if (!(eps > 0) || !std::isfinite(float(eps)) || !(float(eps) > 0.f))
+    throw Error(fmt::format("{}: field 'rms_norm_eps' is {}: it must be positive and fit a 32-bit float", where, eps));
+  c.ln_eps = float(eps);
+  c.rope_theta = number(j, "rope_theta", 10000.0);
+  if (has("rope_scaling")) {
+    const json& r = j["rope_scaling"];
+    if (!r.is_object()) throw Error(fmt::format("{}: field 'rope_scaling' must be an object or null", where));
+    const json type = r.contains("rope_type") ? r["rope_type"] : (r.contains("type") ? r["type"] : json());
+    if (type != "llama3")
+      throw Error(fmt::format("{}: field 'rope_scaling' has rope_type {}; loom implements llama3 (or none)", where,
+                              type.dump()));
+    c.rope_scaling_factor = number(r, "factor", 0);
+    c.rope_low_freq_factor = number(r, "low_freq_factor", 1);
+    c.rope_high_freq_factor = number(r, "high_freq_factor", 4);
+    if (!r.contains("original_max_position_embeddings") || !r["original_max_position_embeddings"].is_number_integer())
+      throw Error(fmt::format("{}: field 'rope_scaling.original_max_position_embeddings' must be an integer", where));
+    c.rope_original_max_position = r["original_max_position_embeddings"].get<int64_t>();
+  }
+  c.validate(where);
+  return c;
+}
+
 GPTConfig read_hf_config(const std::string& path) {
   std::ifstream f(path);
   if (!f) throw Error(fmt::format("{}: cannot open config", path));
@@ -82,10 +159,48 @@ GPTConfig read_hf_config(const std::string& path) {
   } catch (const json::exception& e) {
     throw Error(fmt::format("{}: malformed JSON: {}", path, e.what()));
   }
+  if (j.is_object() && j.contains("model_type") && j["model_type"] == "llama") return llama_config_from_hf(j, path);
+  if (j.is_object() && j.contains("model_type") && j["model_type"] != "gpt2")
+    throw Error(fmt::format("{}: field 'model_type' is {}; loom imports gpt2 and llama", path, j["model_type"].dump()));
   return gpt_config_from_hf(j, path);
 }
 
 json hf_config_json(const GPTConfig& c) {
+  if (is_llama(c)) {
+    json j = {{"architectures", {"LlamaForCausalLM"}},
+              {"model_type", "llama"},
+              {"hidden_act", "silu"},
+              {"hidden_size", c.n_embd},
+              {"intermediate_size", c.ffn()},
+              {"num_hidden_layers", c.n_layer},
+              {"num_attention_heads", c.n_head},
+              {"num_key_value_heads", c.kv_heads()},
+              {"head_dim", c.head_size()},
+              {"vocab_size", c.vocab_size},
+              {"max_position_embeddings", c.block_size},
+              {"rms_norm_eps", shortest(c.ln_eps)},
+              {"rope_theta", c.rope_theta},
+              {"rope_scaling", nullptr},
+              {"attention_bias", c.bias},
+              {"mlp_bias", c.bias},
+              {"attention_dropout", 0.0},
+              {"pretraining_tp", 1},
+              {"initializer_range", shortest(c.init_std)},
+              {"tie_word_embeddings", c.tied_embeddings},
+              {"use_cache", true},
+              {"torch_dtype", "float32"}};
+    if (c.rope_scaling_factor > 0)
+      j["rope_scaling"] = {{"rope_type", "llama3"},
+                           {"factor", c.rope_scaling_factor},
+                           {"low_freq_factor", c.rope_low_freq_factor},
+                           {"high_freq_factor", c.rope_high_freq_factor},
+                           {"original_max_position_embeddings", c.rope_original_max_position}};
+    return j;
+  }
+  if (!c.is_gpt2())
+    throw Error(fmt::format("model '{}' ({}) is neither GPT-2's architecture nor Llama's (RMSNorm, SwiGLU and rotary "
+                            "positions together): no Hugging Face model type holds it",
+                            c.name, c.str()));
   json j = {{"architectures", {"GPT2LMHeadModel"}},
             {"model_type", "gpt2"},
             {"activation_function", "gelu_new"},

@@ -13,7 +13,14 @@
 #include <fstream>
 #include <sstream>
 
+#include <cmath>
+
+#include <nlohmann/json.hpp>
+
 #include "cli_util.h"
+#include "data/shard.h"
+#include "model/gpt.h"
+#include "train/checkpoint_io.h"
 #include "train/safetensors.h"
 
 namespace fs = std::filesystem;
@@ -93,4 +100,61 @@ TEST(HfCli, ConvertGenerateAndErrors) {
   r = loom_cli("generate '" + run + "' --prompt 'hello' --tokens 3", d.p);
   EXPECT_EQ(r.code, 1);
   EXPECT_NE(r.err.find("--tokenizer"), std::string::npos) << r.err;
+}
+
+// The Llama family through the CLI: the PyTorch reference's Hugging Face checkpoint (a directory
+// of two shards and an index) converts into a run, loom eval gives the loss of every window of a
+// token shard as the model's forward does window by window (the windows' shared boundary tokens,
+// a shorter last window, several windows per batch), the run exports back to shards, and eval's
+// bad arguments are one-line errors.
+TEST(HfCli, LlamaConvertEvalAndExport) {
+  LOOM_REQUIRE_LOOM();
+  const fs::path dir = fs::path(LOOM_SOURCE_DIR) / "tests/model/hf_llama_tiny";
+  TmpDir d;
+  const std::string run = (d.p / "run").string(), hf = (d.p / "hf").string();
+  CliRun r = loom_cli("convert --from hf --to loom '" + dir.string() + "' '" + run + "'", d.p);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("n_kv_head=2"), std::string::npos) << r.out;
+
+  // 1000 tokens: windows of 64 predictions share their boundary token; 999 = 15 x 64 + 39.
+  std::vector<uint32_t> ids(1000);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = uint32_t((i * 7919 + 13) % 503);
+  const std::string shard = (d.p / "val_000.bin").string();
+  loom::data::write_shard(shard, ids, 503);
+  r = loom_cli("eval '" + run + "' --tokens '" + shard + "' --seq 64 --batch 4 --json", d.p);
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j.at("predicted"), 999);
+  EXPECT_EQ(j.at("windows"), 16);
+  // The same windows one at a time through the model.
+  loom::MemoryPool pool("cpu:0");
+  const std::string ckpt = loom::model::resolve_checkpoint(run);
+  loom::model::GPT gpt(loom::model::checkpoint_model_config(ckpt), pool);
+  loom::model::load_checkpoint_params(ckpt, gpt);
+  double sum = 0;
+  for (int64_t start = 0; start < 999; start += 64) {
+    const int64_t L = std::min<int64_t>(64, 999 - start);
+    loom::Tensor x = loom::Tensor::empty({1, L}, loom::DType::i32, loom::MemTag::workspace, pool);
+    loom::Tensor y = loom::Tensor::empty({1, L}, loom::DType::i32, loom::MemTag::workspace, pool);
+    for (int64_t t = 0; t < L; ++t) x.i32()[t] = int32_t(ids[size_t(start + t)]), y.i32()[t] = int32_t(ids[size_t(start + t + 1)]);
+    sum += double(gpt.forward(x, y)) * double(L);
+  }
+  EXPECT_NEAR(j.at("loss").get<double>(), sum / 999, 1e-5 * sum / 999);
+  EXPECT_NEAR(j.at("perplexity").get<double>(), std::exp(sum / 999), 1e-4 * std::exp(sum / 999));
+
+  r = loom_cli("convert --from loom --to hf '" + run + "' '" + hf + "' --max-shard-mb 0.2", d.p);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(fs::exists(hf + "/model.safetensors.index.json"));
+
+  for (const auto& [args, want] : std::vector<std::pair<std::string, std::string>>{
+           {"eval '" + run + "'", "give one of --text FILE"},
+           {"eval '" + run + "' --tokens '" + shard + "' --text x", "give one of --text FILE"},
+           {"eval '" + run + "' --tokens '" + shard + "' --seq 65", "--seq 65 exceeds the model's block_size 64"},
+           {"eval '" + run + "' --tokens '" + (d.p / "none.bin").string() + "'", "none.bin"},
+           {"eval '" + run + "' --text '" + shard + "'", "no tokenizer found"}}) {
+    r = loom_cli(args, d.p);
+    EXPECT_EQ(r.code, 1) << args;
+    EXPECT_NE(r.err.find(want), std::string::npos) << args << ": " << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  }
 }

@@ -1,0 +1,125 @@
+// loom eval CKPT (--text FILE | --tokens FILE) [--tokenizer DIR] [--seq N] [--batch B] [--json]:
+// the loss and perplexity of a checkpoint (either family) on a file.
+//
+// The tokens (the text encoded with the checkpoint's tokenizer, or a loom token shard written by
+// `loom prepare`) are cut into consecutive windows of --seq + 1 tokens sharing their boundary
+// token (each window predicts its last --seq tokens from the ones before them, as training does);
+// the last window may be shorter. The loss is the mean cross-entropy over every predicted token,
+// the perplexity its exponential. Windows run --batch at a time on the CPU in f32.
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <sstream>
+
+#include "cli/checkpoint_tokenizer.h"
+#include "cli/command.h"
+#include "core/error.h"
+#include "core/memory.h"
+#include "data/shard.h"
+#include "model/gpt.h"
+#include "train/checkpoint_io.h"
+
+namespace loom::cli {
+namespace {
+
+struct EvalArgs {
+  std::string ckpt, text, tokens, tokenizer;
+  int64_t seq = 0, batch = 8;
+  bool json = false;
+};
+
+std::vector<int32_t> read_tokens(const EvalArgs& a, const std::string& ckpt, const model::GPTConfig& cfg) {
+  std::vector<int32_t> ids;
+  if (!a.text.empty()) {
+    std::ifstream f(a.text, std::ios::binary);
+    if (!f) throw Error(fmt::format("{}: cannot open --text", a.text));
+    std::ostringstream ss;
+    ss << f.rdbuf();
+    const data::Tokenizer tok = checkpoint_tokenizer(ckpt, a.tokenizer);
+    if (tok.vocab_size() > cfg.vocab_size)
+      throw Error(fmt::format("tokenizer has {} tokens but {} has a vocabulary of {}", tok.vocab_size(), ckpt,
+                              cfg.vocab_size));
+    ids = tok.encode(ss.str());
+  } else {
+    const data::Shard shard(a.tokens);
+    if (int64_t(shard.vocab_size()) > cfg.vocab_size)
+      throw Error(fmt::format("{}: its vocabulary has {} tokens but {} has a vocabulary of {}", a.tokens,
+                              shard.vocab_size(), ckpt, cfg.vocab_size));
+    ids.resize(size_t(shard.size()));
+    shard.read(0, shard.size(), ids.data());
+  }
+  return ids;
+}
+
+int run_eval(const EvalArgs& a) {
+  if (a.text.empty() == a.tokens.empty())
+    throw Error("command line: give one of --text FILE (encoded with the checkpoint's tokenizer) and --tokens FILE "
+                "(a loom token shard)");
+  if (a.batch <= 0) throw Error(fmt::format("command line: --batch must be positive, got {}", a.batch));
+  const std::string ckpt = model::resolve_checkpoint(a.ckpt);
+  const model::GPTConfig cfg = model::checkpoint_model_config(ckpt);
+  const int64_t T = a.seq > 0 ? a.seq : cfg.block_size;
+  if (T > cfg.block_size)
+    throw Error(fmt::format("command line: --seq {} exceeds the model's block_size {}", T, cfg.block_size));
+  const std::vector<int32_t> ids = read_tokens(a, ckpt, cfg);
+  const std::string file = a.text.empty() ? a.tokens : a.text;
+  if (ids.size() < 2)
+    throw Error(fmt::format("{}: {} token{}; the loss needs at least two", file, ids.size(), ids.size() == 1 ? "" : "s"));
+
+  MemoryPool pool("cpu:0");
+  model::GPT gpt(cfg, pool);
+  model::load_checkpoint_params(ckpt, gpt);
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t n = int64_t(ids.size());
+  double sum = 0;
+  int64_t counted = 0, windows = 0;
+  // Full windows of T predictions, B at a time, then the shorter last one alone.
+  const int64_t full = (n - 1) / T, rest = (n - 1) % T;
+  auto run = [&](int64_t first_window, int64_t B, int64_t L) {
+    Tensor x = Tensor::empty({B, L}, DType::i32, MemTag::workspace, pool);
+    Tensor y = Tensor::empty({B, L}, DType::i32, MemTag::workspace, pool);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t start = (first_window + b) * T;
+      std::copy_n(ids.begin() + start, L, x.i32() + b * L);
+      std::copy_n(ids.begin() + start + 1, L, y.i32() + b * L);
+    }
+    sum += double(gpt.forward(x, y)) * double(B * L);
+    counted += B * L;
+    windows += B;
+  };
+  for (int64_t w = 0; w < full; w += a.batch) run(w, std::min(a.batch, full - w), T);
+  if (rest > 0) run(full, 1, rest);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double loss = sum / double(counted), ppl = std::exp(loss);
+  if (a.json) {
+    std::printf("{\"checkpoint\": \"%s\", \"file\": \"%s\", \"tokens\": %lld, \"predicted\": %lld, \"windows\": %lld, "
+                "\"seq\": %lld, \"loss\": %.6f, \"perplexity\": %.6f, \"seconds\": %.3f}\n",
+                ckpt.c_str(), file.c_str(), (long long)n, (long long)counted, (long long)windows, (long long)T, loss,
+                ppl, s);
+  } else {
+    std::printf("%s on %s: %lld tokens, %lld predicted in %lld windows of up to %lld | loss %.4f | perplexity %.3f | "
+                "%.0f tokens/s\n",
+                ckpt.c_str(), file.c_str(), (long long)n, (long long)counted, (long long)windows, (long long)T, loss,
+                ppl, s > 0 ? double(counted) / s : 0.0);
+  }
+  return 0;
+}
+
+Registrar reg{Command{
+    "eval", "loss and perplexity of a checkpoint on a text file or a token shard",
+    [](CLI::App& sub) -> std::function<int()> {
+      auto a = std::make_shared<EvalArgs>();
+      sub.add_option("checkpoint", a->ckpt, "checkpoint directory, or a run directory with 'latest'")->required();
+      sub.add_option("--text", a->text, "a text file, encoded with the checkpoint's tokenizer");
+      sub.add_option("--tokens", a->tokens, "a loom token shard (loom prepare's train_*.bin / val_*.bin)");
+      sub.add_option("--tokenizer", a->tokenizer, "directory with the tokenizer (default: the training data's)");
+      sub.add_option("--seq", a->seq, "predicted tokens per window (default: the model's block_size)");
+      sub.add_option("--batch", a->batch, "windows per forward pass");
+      sub.add_flag("--json", a->json, "one JSON line instead of the summary");
+      return [a]() { return run_eval(*a); };
+    }}};
+
+}  // namespace
+}  // namespace loom::cli
