@@ -125,7 +125,7 @@ int bench_train(const BenchTrainOptions& o) {
                                          gpt.saved_activation_bytes(B, T), gpt.workspace_bytes(B, T, threads), 0};
   const char* what[kNumMemTags] = {"parameters (wte padded to the padded vocabulary)", "gradients",
                                    "AdamW exp_avg + exp_avg_sq", "saved activations (sum over the chain)",
-                                   "backward scratch 24*B*T*C + attention scratch", "no communication"};
+                                   "backward scratch 4*B*T*(2C + wide) + attention scratch", "no communication"};
   MemStats stats = pool.stats();
   bool all_equal = true;
   int64_t declared_total = 0;
@@ -141,10 +141,10 @@ int bench_train(const BenchTrainOptions& o) {
   std::printf("  %-12s %12s | %12s  (sum of the declarations)\n", "total", format_bytes(stats.total_peak).c_str(),
               format_bytes(declared_total).c_str());
   const int64_t attn_scratch = gpt.block(0).attention_workspace_bytes(B, T, threads);
-  std::printf("workspace: %lld bytes = backward scratch %lld (dres [B,T,C], bufC [B,T,C], buf4C [B,T,4C] in f32) + "
-              "attention scratch %lld (the larger of one forward and one backward call, %d threads)\n",
+  std::printf("workspace: %lld bytes = backward scratch %lld (dres [B,T,C], bufC [B,T,C], buf4C [B,T,wide = %lld] in "
+              "f32) + attention scratch %lld (the larger of one forward and one backward call, %d threads)\n",
               (long long)gpt.workspace_bytes(B, T, threads), (long long)(gpt.workspace_bytes(B, T, threads) - attn_scratch),
-              (long long)attn_scratch, threads);
+              (long long)model::wide_columns(cfg, 1), (long long)attn_scratch, threads);
   std::printf("RESULT model=%s batch=%lld seq=%lld threads=%d tokens_per_s=%.2f ms_per_step=%.1f "
               "gemm_peak_gflops=%.1f mfu=%.4f memory_matches=%d\n",
               cfg.name.c_str(), (long long)B, (long long)T, threads, tok_s, ms, peak, achieved / peak, all_equal);
