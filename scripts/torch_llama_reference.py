@@ -35,6 +35,7 @@ from torch_reference import FORMAT, VERSION, write_safetensors
 # name: (n_layer, n_head, n_kv_head, n_embd, ffn_hidden, vocab_size, block_size, batch, seq)
 PRESETS = {
     "llama-tiny": (2, 4, 2, 64, 176, 503, 64, 4, 32),
+    "llama-small": (4, 8, 2, 256, 688, 1000, 128, 2, 64),  # the labelled torch test's larger shape
 }
 THETA = 10000.0
 EPS = 1e-5

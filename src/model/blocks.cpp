@@ -17,9 +17,15 @@ constexpr int64_t I = sizeof(int32_t);
 char* at(Tensor& t, int64_t elems) { return static_cast<char*>(t.raw()) + elems * int64_t(dtype_size(t.dtype())); }
 }  // namespace
 
+int64_t local_kv_heads(const GPTConfig& cfg, int tp) { return cfg.kv_heads() >= tp ? cfg.kv_heads() / tp : 1; }
+
+int64_t local_qkv_rows(const GPTConfig& cfg, int tp) {
+  return (cfg.n_head / tp + 2 * local_kv_heads(cfg, tp)) * cfg.head_size();
+}
+
 int64_t wide_columns(const GPTConfig& cfg, int tp) {
   const int64_t mlp = cfg.fc_rows() / tp + (cfg.mlp == Mlp::swiglu ? cfg.ffn() / tp : 0);
-  return std::max(cfg.qkv_rows() / tp, mlp);
+  return std::max(local_qkv_rows(cfg, tp), mlp);
 }
 
 int64_t ChainBlock::saved_activation_bytes(int64_t B, int64_t T) const {
@@ -178,7 +184,7 @@ void Embedding::backward_weight() {
 
 TransformerBlock::TransformerBlock(const GPTConfig& cfg, int64_t layer, Backend& be, const BlockOptions& o)
     : ChainBlock(be, o), cfg_(cfg), layer_(layer) {
-  const ChainParallel& P = *par_;
+  ChainParallel& P = *par_;
   P.check(cfg, "model config '" + cfg.name + "'");
   // Order and names as Hugging Face GPT-2 (weights here in Linear layout [out, in]); the
   // LN1_W ... MLP_PROJ_B indices are model::BlockParam's (a config without biases has fewer
@@ -187,7 +193,8 @@ TransformerBlock::TransformerBlock(const GPTConfig& cfg, int64_t layer, Backend&
   // columns of F), the c_projs by input columns (row-parallel); norms and the c_proj biases whole
   // on every rank.
   const int64_t HS = cfg.head_size();
-  const std::vector<int64_t> qkv_sections = {cfg.n_head * HS, cfg.kv_heads() * HS, cfg.kv_heads() * HS};
+  const std::vector<ChainParallel::Section> qkv_sections = {
+      {cfg.n_head, HS}, {cfg.kv_heads(), HS}, {cfg.kv_heads(), HS}};
   const int fc_sections = cfg.mlp == Mlp::swiglu ? 2 : 1;
   std::vector<ParamSpec> specs = block_param_specs(cfg, layer);
   params_.reserve(specs.size());
@@ -218,10 +225,10 @@ TransformerBlock::TransformerBlock(const GPTConfig& cfg, int64_t layer, Backend&
 void TransformerBlock::rotate(void* qkv, int64_t B, int64_t T, int64_t pos0, bool inverse) {
   if (inv_freq_.empty()) return;
   ChainParallel& P = *par_;
-  const int64_t HS = cfg_.head_size(), heads = (cfg_.n_head + cfg_.kv_heads()) / P.tp();
+  const int64_t HS = cfg_.head_size(), heads = cfg_.n_head / P.tp() + local_kv_heads(cfg_, P.tp());
   // The rank's query heads and key heads are adjacent in each row: one call rotates both.
   be_->rope({.dtype = dt_, .x = qkv, .B = B, .T = T / P.cp(), .NH = heads, .HS = HS,
-             .stride = cfg_.qkv_rows() / P.tp(), .pos0 = pos0, .positions = P.cp() > 1 ? P.positions(T) : nullptr,
+             .stride = local_qkv_rows(cfg_, P.tp()), .pos0 = pos0, .positions = P.cp() > 1 ? P.positions(T) : nullptr,
              .inv_freq = inv_freq_.data(), .inverse = inverse});
 }
 
@@ -231,23 +238,23 @@ std::unique_ptr<ChainBlock> TransformerBlock::replica(MemTag tag) const {
 
 AttnShape TransformerBlock::attention_shape(int64_t B, int64_t T) const {
   const ChainParallel& P = *par_;
-  const int64_t Cl = cfg_.n_embd / P.tp(), Ql = cfg_.qkv_rows() / P.tp(), T1 = P.cp() > 1 ? T / (2 * P.cp()) : T;
+  const int64_t Cl = cfg_.n_embd / P.tp(), Ql = local_qkv_rows(cfg_, P.tp()), T1 = P.cp() > 1 ? T / (2 * P.cp()) : T;
   return {.B = P.cp() > 1 ? 1 : B, .NH = cfg_.n_head / P.tp(), .HS = cfg_.head_size(), .Tq = T1, .Tkv = T1,
-          .q_stride = Ql, .kv_stride = Ql, .o_stride = Cl, .NKV = cfg_.kv_heads() / P.tp()};
+          .q_stride = Ql, .kv_stride = Ql, .o_stride = Cl, .NKV = local_kv_heads(cfg_, P.tp())};
 }
 
 int64_t TransformerBlock::attention_workspace_bytes(int64_t B, int64_t T, int threads) const {
   const ChainParallel& P = *par_;
   if (P.cp() > 1)
     return parallel::cp::RingAttention::workspace_bytes(
-        {B, T, cfg_.n_head / P.tp(), cfg_.head_size(), cfg_.kv_heads() / P.tp()}, P.cp(), threads);
+        {B, T, cfg_.n_head / P.tp(), cfg_.head_size(), local_kv_heads(cfg_, P.tp())}, P.cp(), threads);
   return be_->attention_workspace_bytes(dt_, attention_shape(B, T), threads);
 }
 
 std::vector<SavedActivation> TransformerBlock::saved_activations(int64_t B, int64_t T) const {
   const ChainParallel& P = *par_;
   const int64_t C = cfg_.n_embd, Cl = C / P.tp(), NHl = cfg_.n_head / P.tp(), Tl = T / P.cp();
-  const int64_t Ql = cfg_.qkv_rows() / P.tp(), FCl = cfg_.fc_rows() / P.tp(), Fl = cfg_.ffn() / P.tp();
+  const int64_t Ql = local_qkv_rows(cfg_, P.tp()), FCl = cfg_.fc_rows() / P.tp(), Fl = cfg_.ffn() / P.tp();
   const std::string p = name() + ".";
   const DType f = DType::f32, a = dt_;
   // Per token, GPT-2: 16 C activations + 4 f32 statistics, plus n_head log-sum-exps; a T x T
@@ -355,7 +362,7 @@ void TransformerBlock::forward(const void* x, int64_t B, int64_t T, const KVStep
   ChainParallel& P = *par_;
   LOOM_CHECK(!kv || P.single(), "{}: cached decoding runs on one device (tp = cp = 1)", name());
   const int64_t C = cfg_.n_embd, Cl = C / P.tp(), N = P.rows(B, T), Ns = P.own_rows(B, T);
-  const int64_t Ql = cfg_.qkv_rows() / P.tp(), FCl = cfg_.fc_rows() / P.tp(), Fl = cfg_.ffn() / P.tp();
+  const int64_t Ql = local_qkv_rows(cfg_, P.tp()), FCl = cfg_.fc_rows() / P.tp(), Fl = cfg_.ffn() / P.tp();
   allocate(B, T, /*probs=*/kv == nullptr);
   const bool rms = this->rms();
   be_->layernorm_forward({.dtype = dt_, .out = a_.ln1.raw(), .mean = rms ? nullptr : a_.ln1_mean.f32(),
@@ -415,7 +422,7 @@ void TransformerBlock::forward(const void* x, int64_t B, int64_t T, const KVStep
 // The attention of a training step from the saved qkv into out and lse (ring attention under cp).
 void TransformerBlock::attend(const Tensor& out, const Tensor& lse, int64_t B, int64_t T) {
   ChainParallel& P = *par_;
-  const int64_t HS = cfg_.head_size(), NHl = cfg_.n_head / P.tp(), NKVl = cfg_.kv_heads() / P.tp();
+  const int64_t HS = cfg_.head_size(), NHl = cfg_.n_head / P.tp(), NKVl = local_kv_heads(cfg_, P.tp());
   const int64_t es = int64_t(esize());
   if (P.cp() > 1) {
     P.ring().forward(*P.cp_group(), out.f32(), lse.f32(), a_.qkv.f32(), {B, T, NHl, HS, NKVl});
@@ -441,7 +448,7 @@ void TransformerBlock::backward(const void* x, const BackwardScratch& s) {
 
 int64_t TransformerBlock::deferred_gradient_bytes(int64_t B, int64_t T) const {
   const ChainParallel& P = *par_;
-  const int64_t C = cfg_.n_embd, Cl = C / P.tp(), Ql = cfg_.qkv_rows() / P.tp(), FCl = cfg_.fc_rows() / P.tp();
+  const int64_t C = cfg_.n_embd, Cl = C / P.tp(), Ql = local_qkv_rows(cfg_, P.tp()), FCl = cfg_.fc_rows() / P.tp();
   // dout C + dfch FCl + dres2 C + dqkv Ql (+ atty Cl under selective recomputation)
   return P.rows(B, T) * (2 * C + FCl + Ql + (selective_ ? Cl : 0)) * int64_t(esize());
 }
@@ -457,8 +464,8 @@ void TransformerBlock::backward_input(const void* x, const BackwardScratch& s) {
 void TransformerBlock::run_backward(const void* x, const BackwardScratch& s, bool defer) {
   ChainParallel& P = *par_;
   const int64_t C = cfg_.n_embd, Cl = C / P.tp(), B = B_, T = T_, N = P.rows(B, T), Ns = P.own_rows(B, T);
-  const int64_t HS = cfg_.head_size(), NHl = cfg_.n_head / P.tp(), NKVl = cfg_.kv_heads() / P.tp();
-  const int64_t Ql = cfg_.qkv_rows() / P.tp(), FCl = cfg_.fc_rows() / P.tp(), Fl = cfg_.ffn() / P.tp();
+  const int64_t HS = cfg_.head_size(), NHl = cfg_.n_head / P.tp(), NKVl = local_kv_heads(cfg_, P.tp());
+  const int64_t Ql = local_qkv_rows(cfg_, P.tp()), FCl = cfg_.fc_rows() / P.tp(), Fl = cfg_.ffn() / P.tp();
   const int64_t es = int64_t(esize());
   const bool rms = this->rms(), swiglu = cfg_.mlp == Mlp::swiglu;
   if (defer) {
@@ -539,7 +546,7 @@ void TransformerBlock::backward_weight() {
   LOOM_CHECK(d_.dout.defined(), "{}: backward_weight without backward_input", name());
   ChainParallel& P = *par_;
   const int64_t C = cfg_.n_embd, Cl = C / P.tp(), N = P.rows(B_, T_);
-  const int64_t Ql = cfg_.qkv_rows() / P.tp(), FCl = cfg_.fc_rows() / P.tp(), Fl = cfg_.ffn() / P.tp();
+  const int64_t Ql = local_qkv_rows(cfg_, P.tp()), FCl = cfg_.fc_rows() / P.tp(), Fl = cfg_.ffn() / P.tp();
   be_->linear_backward({.dtype = dt_, .dweight = g(MLP_PROJ_W), .dbias = g(MLP_PROJ_B), .dout = d_.dout.raw(),
                         .inp = a_.fch_gelu.raw(), .M = N, .K = Fl, .N = C});
   be_->linear_backward({.dtype = dt_, .dweight = g(FC_W), .dbias = g(FC_B), .dout = d_.dfch.raw(),

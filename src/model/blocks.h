@@ -47,6 +47,10 @@ struct BackwardScratch {
 // (qkv_rows / tp) and the MLP's backward (c_fc's output gradient, fc_rows / tp, and under SwiGLU
 // the gradient of its F / tp outputs beside it). 4C / tp for GPT-2.
 int64_t wide_columns(const GPTConfig& cfg, int tp);
+// Key/value heads on a rank of a tp group (n_kv_head / tp, or 1 where they are replicated) and its
+// rows of c_attn (its query heads', then those keys' and values').
+int64_t local_kv_heads(const GPTConfig& cfg, int tp);
+int64_t local_qkv_rows(const GPTConfig& cfg, int tp);
 
 
 // The head's targets in the backend's memory (a device batch): counted on the host by the caller,

@@ -33,10 +33,9 @@ void ChainParallel::check(const GPTConfig& cfg, const std::string& where) const 
     throw Error(fmt::format("{}: n_head = {} is not divisible by tp = {} (attention is split by heads; choose tp "
                             "dividing the head count)",
                             where, cfg.n_head, tp_));
-  if (cfg.kv_heads() % tp_ != 0)
-    throw Error(fmt::format("{}: n_kv_head = {} is not divisible by tp = {} (the key/value heads are split over tp; "
-                            "replicating them where tp exceeds their count is not supported yet: choose tp dividing "
-                            "n_kv_head)",
+  if (cfg.kv_heads() % tp_ != 0 && tp_ % cfg.kv_heads() != 0)
+    throw Error(fmt::format("{}: n_kv_head = {} and tp = {}: the key/value heads are split over tp where tp divides "
+                            "them and replicated where they divide tp; choose tp a divisor or a multiple of n_kv_head",
                             where, cfg.kv_heads(), tp_));
   if (cfg.ffn() % tp_ != 0)
     throw Error(fmt::format("{}: ffn_hidden = {} is not divisible by tp = {} (the feed-forward is split by columns)",
@@ -102,19 +101,37 @@ Parameter ChainParallel::rows_split(ParamSpec spec, int sections) const {
   return p;
 }
 
-Parameter ChainParallel::rows_split(ParamSpec spec, const std::vector<int64_t>& section_rows) const {
+comm::Comm* ChainParallel::shared_group(int size) {
+  auto it = shared_.find(size);
+  if (it != shared_.end()) return it->second.get();
+  // Ranks r with the same r / size hold the same replicated head.
+  return (shared_[size] = g_.tp->split(tpr_ / size, tpr_)).get();
+}
+
+Parameter ChainParallel::rows_split(ParamSpec spec, const std::vector<Section>& sections) {
   if (tp_ == 1) return whole(std::move(spec), false);
   const int64_t K = spec.shape.size() > 1 ? spec.shape[1] : 1;
   Parameter p;
   p.shard.global_shape = spec.shape;
   p.shard.split = true;
   int64_t global = 0, local = 0;
-  for (const int64_t Rs : section_rows) {
-    LOOM_CHECK(Rs % tp_ == 0, "parameter '{}': a section of {} rows does not split over tp = {}", spec.name, Rs, tp_);
-    const int64_t Rl = Rs / tp_;
-    p.shard.segments.push_back({local * K, (global + tpr_ * Rl) * K, Rl * K});
+  for (const Section& sec : sections) {
+    const int64_t Rs = sec.heads * sec.head_rows;
+    if (sec.heads % tp_ == 0) {
+      const int64_t Rl = Rs / tp_;
+      p.shard.segments.push_back({local * K, (global + tpr_ * Rl) * K, Rl * K});
+      local += Rl;
+    } else {
+      LOOM_CHECK(tp_ % sec.heads == 0, "parameter '{}': {} heads neither split over nor divide tp = {}", spec.name,
+                 sec.heads, tp_);
+      const int group = tp_ / int(sec.heads);
+      const int64_t head = tpr_ / group;
+      p.shard.segments.push_back({local * K, (global + head * sec.head_rows) * K, sec.head_rows * K,
+                                  /*shared=*/true, /*replica=*/tpr_ % group != 0});
+      p.shard.shared_group = shared_group(group);
+      local += sec.head_rows;
+    }
     global += Rs;
-    local += Rl;
   }
   LOOM_CHECK(global == spec.shape[0], "parameter '{}': sections of {} rows for {}", spec.name, global, spec.shape[0]);
   spec.shape[0] = local;

@@ -2,8 +2,11 @@
 // share there. Every block takes one (model/blocks.h); at size 1 each mapping is the identity and
 // the blocks run exactly the single-device ops.
 //
-// Tensor parallel (tp): attention's c_attn column-parallel by heads, c_proj row-parallel; the
-// MLP's c_fc column-parallel, c_proj row-parallel; wte (and lm_head) split by vocabulary rows,
+// Tensor parallel (tp): attention's c_attn column-parallel by heads (under grouped-query attention
+// the key/value heads are split too, or, where tp exceeds their count, each replicated on tp /
+// n_kv_head ranks whose partial gradients are summed over that group: ShardSegment::shared), c_proj
+// row-parallel; the MLP's c_fc column-parallel (SwiGLU's gate and up each by columns), c_proj
+// row-parallel; wte (and lm_head) split by vocabulary rows,
 // with a vocabulary-parallel embedding and cross-entropy (no rank materialises full logits). A
 // head count that tp does not divide is refused; any vocabulary is padded (masked) to tp shards.
 // Sequence parallel (sp, within tp): LayerNorms and residual regions hold rows own(B, T) of the
@@ -21,6 +24,7 @@
 // the CPU. (A device backend is refused with tp or cp > 1 until its collectives exist.)
 #pragma once
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -91,9 +95,16 @@ class ChainParallel {
   // (row-parallel weights), or vocabulary rows.
   Parameter whole(ParamSpec spec, bool sp_partial) const;
   Parameter rows_split(ParamSpec spec, int sections) const;
-  // The same with sections of the given row counts (c_attn under grouped-query attention: the
-  // queries' rows, then the keys' and the values'), each split over tp.
-  Parameter rows_split(ParamSpec spec, const std::vector<int64_t>& section_rows) const;
+  // The same with sections of `heads` heads of `head_rows` rows each (c_attn under grouped-query
+  // attention: the queries' heads, then the keys' and the values'), each split over tp by heads;
+  // a section of fewer heads than tp (tp a multiple of them) is replicated instead: rank r holds
+  // head r / (tp / heads), shared with the other ranks holding it (Sharding::shared_group).
+  struct Section {
+    int64_t heads = 0, head_rows = 0;
+  };
+  Parameter rows_split(ParamSpec spec, const std::vector<Section>& sections);
+  // Heads of a section of `heads` on this rank: heads / tp, or 1 where replicated.
+  int64_t local_heads(int64_t heads) const { return heads >= tp_ ? heads / tp_ : 1; }
   Parameter columns_split(ParamSpec spec) const;
   Parameter vocab_split(ParamSpec spec, const GPTConfig& cfg) const;
 
@@ -130,6 +141,10 @@ class ChainParallel {
   Tensor positions_;                      // i32 [T / cp] (tag workspace)
   int64_t positions_T_ = 0;
   std::unique_ptr<parallel::cp::RingAttention> ring_;
+  // The groups of tp ranks holding the same replicated head, by group size (created collectively
+  // over tp the first time a size is asked for).
+  std::map<int, std::unique_ptr<comm::Comm>> shared_;
+  comm::Comm* shared_group(int size);
 };
 
 }  // namespace loom::model

@@ -1,5 +1,7 @@
 #include "model/param.h"
 
+#include "comm/comm.h"
+
 #include <algorithm>
 #include <cstring>
 
@@ -84,6 +86,28 @@ ParamSpec Parameter::global() const {
 std::vector<ShardSegment> Parameter::segments() const {
   if (!shard.split) return {{0, 0, spec.numel()}};
   return shard.segments;
+}
+
+std::vector<std::pair<int64_t, int64_t>> Parameter::norm_ranges() const {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  int64_t at = 0;
+  if (shard.split)
+    for (const ShardSegment& s : shard.segments)
+      if (s.replica) {
+        if (s.local > at) out.push_back({at, s.local});
+        at = s.local + s.n;
+      }
+  if (spec.numel() > at) out.push_back({at, spec.numel()});
+  return out;
+}
+
+void Parameter::sum_shared_gradients(int64_t begin, int64_t end, float* grad) const {
+  if (!shard.shared_group) return;
+  for (const ShardSegment& s : shard.segments) {
+    if (!s.shared) continue;
+    const int64_t lo = std::max(begin, s.local), hi = std::min(end, s.local + s.n);
+    if (lo < hi) shard.shared_group->all_reduce(grad + (lo - begin), hi - lo, DType::f32);
+  }
 }
 
 void Parameter::initialise(uint64_t seed, Backend* be) {

@@ -13,6 +13,9 @@
 namespace loom {
 class Backend;
 }
+namespace loom::comm {
+class Comm;
+}
 
 namespace loom::model {
 
@@ -34,6 +37,11 @@ struct ParamSpec {
 // full tensor.
 struct ShardSegment {
   int64_t local = 0, global = 0, n = 0;
+  // Held by several ranks of the tp group (key/value heads replicated where tp exceeds their
+  // count): its gradient is a partial sum over Sharding::shared_group, and on all but the first
+  // of them it is a replica, read from checkpoints but not written and not counted in the norm.
+  bool shared = false;
+  bool replica = false;
 };
 
 // Where a parameter's tensor lies in the model's full tensor of that name, under tensor
@@ -44,6 +52,7 @@ struct Sharding {
   bool split = false;       // a part of the full tensor (else the whole, the same on every tp rank)
   bool sp_partial = false;  // under sequence parallelism its gradient is a partial sum over tp
   bool tied_copy = false;   // a pipeline stage's copy of wte for its tied lm_head
+  comm::Comm* shared_group = nullptr;  // the ranks holding its shared segments (not owned)
 };
 
 struct Parameter {
@@ -84,14 +93,23 @@ struct Parameter {
   std::vector<ShardSegment> segments() const;
   // Calls f(global, n, local) for each run of this tensor's elements [begin, end) (local indices)
   // that lies in the full tensor, starting at the full tensor's element `global` (a vocabulary
-  // split's padding lies nowhere).
+  // split's padding lies nowhere); with owned_only, not the replicas of shared segments.
   template <class F>
-  void for_each_global(int64_t begin, int64_t end, F&& f) const {
+  void for_each_global(int64_t begin, int64_t end, F&& f, bool owned_only = false) const {
     for (const ShardSegment& s : segments()) {
+      if (owned_only && s.replica) continue;
       const int64_t lo = std::max(begin, s.local), hi = std::min(end, s.local + s.n);
       if (lo < hi) f(s.global + (lo - s.local), hi - lo, lo);
     }
   }
+  // The local ranges [begin, end) of elements [0, numel) that count in the gradient norm: all
+  // but replicas, in order.
+  std::vector<std::pair<int64_t, int64_t>> norm_ranges() const;
+  // Sums the shared segments' gradients over shared_group, on the local elements [begin, end)
+  // whose gradient lies at grad (grad[0] is element begin). Collective over shared_group; nothing
+  // for a parameter without shared segments.
+  void sum_shared_gradients(int64_t begin, int64_t end, float* grad) const;
+  bool has_shared() const { return shard.shared_group != nullptr; }
 };
 
 // Fills out[0, n) with the initial values of global elements [first, first + n) of spec.

@@ -48,7 +48,10 @@ using parallel::sum_over_ranks;
 void add_slices(std::vector<Slice>& out, const char* kind, const model::Parameter& p, int64_t lb, int64_t le,
                 const float* data) {
   const std::string name = kind + p.global().name;
-  p.for_each_global(lb, le, [&](int64_t g, int64_t n, int64_t local) { out.push_back({name, g, n, data + (local - lb)}); });
+  // (A replicated key/value head is written by the first rank holding it.)
+  p.for_each_global(
+      lb, le, [&](int64_t g, int64_t n, int64_t local) { out.push_back({name, g, n, data + (local - lb)}); },
+      /*owned_only=*/true);
 }
 
 // The inverse: p's local elements [lb, le) of `kind` from the checkpoint into data (the padding

@@ -38,3 +38,16 @@ TEST(GPTReferenceTorch, Gpt2_124mMatchesPyTorch) {
   tol.step_loss_abs = 1e-3;  // loss 1e-5 rel, logits 1e-5, grads 1e-4 as for the tiny model
   loom::test::check_gpt_reference(path, tol);
 }
+
+// The Llama family at a larger shape than the committed dump (L=4, 8 query heads on 2 key/value
+// heads, C=256, SwiGLU 688, V=1000, B=2, T=64), drawn fresh by scripts/torch_llama_reference.py.
+TEST(LlamaReferenceTorch, SmallMatchesPyTorch) {
+  if (std::system((std::string(kPython) + " -c 'import torch' >/dev/null 2>&1").c_str()) != 0)
+    GTEST_SKIP() << kPython << " cannot import torch (install Debian's python3-torch)";
+  const std::string path = std::string(LOOM_BINARY_DIR) + "/llama_small_reference.safetensors";
+  const std::string cmd = std::string("cd ") + LOOM_SOURCE_DIR + "/scripts && " + kPython +
+                          " torch_llama_reference.py --model llama-small --seed 77 --out " + path + " > /dev/null";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << "failed: " << cmd;
+  loom::test::ReferenceTolerance tol;  // loss 1e-5 rel, logits 1e-5, grads 1e-4, step losses 1e-4 abs
+  loom::test::check_gpt_reference(path, tol);
+}

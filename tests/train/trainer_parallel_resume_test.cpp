@@ -122,6 +122,11 @@ TEST_F(TrainParallelResume, CheckpointsReshardBetweenLayouts) {
   const std::string ga1 = " --train.grad_accum 1";
   CmdRun ref = train("ref_ga1", ga1);
   ASSERT_EQ(ref.status, 0) << ref.output;
+  // The Llama family with 2 key/value heads: under tp 4 each is replicated on two ranks, whose
+  // first writes it.
+  const std::string llama = " --model.preset llama-tiny";
+  CmdRun ref_llama = train("ref_llama", llama);
+  ASSERT_EQ(ref_llama.status, 0) << ref_llama.output;
   const struct {
     std::string name, from, to, ref;
   } pairs[] = {
@@ -131,6 +136,9 @@ TEST_F(TrainParallelResume, CheckpointsReshardBetweenLayouts) {
       {"cp2tp2_to_pp2dp2", "--parallel.cp 2 --parallel.tp 2", "--parallel.pp 2 --parallel.dp 2", ""},
       {"ipp2_to_tp2", "--parallel.pp 2 --parallel.schedule interleaved --parallel.virtual_stages 2", "--parallel.tp 2",
        ""},
+      {"llama_tp4_to_tp2dp2", "--parallel.tp 4" + llama, "--parallel.tp 2 --parallel.dp 2 --parallel.zero 2" + llama,
+       "ref_llama"},
+      {"llama_single_to_tp4pp2", llama, "--parallel.tp 4 --parallel.pp 2 --parallel.sp true" + llama, "ref_llama"},
   };
   for (const auto& p : pairs) {
     run_interrupted(p.name, p.from, 0);

@@ -564,9 +564,11 @@ optim::StepStats DataParallel::step(double lr, bool skip) {
   if (tp) {  // sequence parallelism's partial sums over tp, on this rank's range
     const int64_t ob = opt_->begin();
     for (const FlatParam& f : lay_.params) {
-      if (!f.param->shard.sp_partial) continue;
       const int64_t b = std::max(f.offset, ob), e = std::min(f.offset + f.numel, opt_->end());
-      if (b < e) tp->all_reduce(g + (b - ob), e - b, DType::f32);
+      if (b >= e) continue;
+      if (f.param->shard.sp_partial) tp->all_reduce(g + (b - ob), e - b, DType::f32);
+      // Replicated key/value heads: summed over the tp ranks holding them.
+      f.param->sum_shared_gradients(b - f.offset, e - f.offset, g + (b - ob));
     }
   }
   double sq = opt_->grad_sum_squares(g);

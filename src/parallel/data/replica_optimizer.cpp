@@ -59,7 +59,8 @@ double ReplicaOptimizer::reduce_gradients() {
   double sq = 0;
   for (size_t i = 0; i < params_.size(); ++i)
     // The logical elements (a padded vocabulary's rows are zero), as AdamW counts them.
-    if (opt_.in_norm[i]) sq += cpu::sum_squares(params_[i]->grad.f32(), params_[i]->grad.numel());
+    if (opt_.in_norm[i])
+      for (const auto& [b, e] : params_[i]->norm_ranges()) sq += cpu::sum_squares(params_[i]->grad.f32() + b, e - b);
   return sq;
 }
 

@@ -344,6 +344,10 @@ TEST(PipelineLlama, EveryScheduleAndComposedLayouts) {
   expect_equivalent({Kind::one_f_one_b, 2, 1, 4}, {.dp = 2, .tp = 2, .sp = true, .zero = 1});
   expect_equivalent({Kind::one_f_one_b, 2, 1, 4}, {.cp = 2});
   expect_equivalent({Kind::zb_h1, 4, 1, 8}, {.tp = 2});
+  // tp = 4 over 2 key/value heads (replicated on 2 ranks each), with ZeRO-1 over dp.
+  expect_equivalent({Kind::one_f_one_b, 2, 1, 4}, {.tp = 4});
+  expect_equivalent({Kind::interleaved, 2, 2, 4}, {.tp = 4, .sp = true});
+  expect_equivalent({Kind::zb_h1, 2, 1, 4}, {.dp = 2, .tp = 2, .zero = 1});
 }
 
 // Under tensor parallelism too, ZB-H1's split backward adds exactly what 1F1B's fused one does.

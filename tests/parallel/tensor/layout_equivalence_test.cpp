@@ -80,6 +80,7 @@ struct RankMemory {
 
 struct RunResult {
   std::vector<double> losses;
+  std::vector<double> norms;  // the global gradient norm before clipping, per step
   std::map<std::string, std::vector<float>> params;  // full tensors by name
   std::vector<RankMemory> memory;                    // by world rank
 };
@@ -108,7 +109,7 @@ RunResult reference(const Layout& l) {
     gpt.zero_grad();
     r.losses.push_back(gpt.forward(tok, tgt, {.fuse_backward = true}));
     gpt.backward();
-    opt.step();
+    r.norms.push_back(opt.step().grad_norm);
   }
   for (auto* p : gpt.parameters())
     r.params[p->spec.name] = std::vector<float>(p->value.f32(), p->value.f32() + p->spec.numel());
@@ -120,6 +121,7 @@ RunResult parallel_run(const Layout& l) {
   const int world = l.dp * l.cp * l.tp;
   RunResult r;
   r.losses.assign(kSteps, 0.0);
+  r.norms.assign(kSteps, 0.0);
   {
     model::GPT shapes(tiny(l.vocab, l.llama), default_cpu_pool());
     for (auto* p : shapes.parameters()) r.params[p->spec.name] = std::vector<float>(size_t(p->spec.numel()), NAN);
@@ -160,7 +162,8 @@ RunResult parallel_run(const Layout& l) {
       float loss = m.forward(tok.slice0(dpr * Bl, Bl), tgt.slice0(dpr * Bl, Bl),
                              {.fuse_backward = true, .dloss_scale = 1.0f / float(l.dp)});
       m.backward();
-      ddp.step(-1.0);
+      const double norm = ddp.step(-1.0).grad_norm;
+      if (c.rank() == 0) r.norms[size_t(s)] = norm;
       comm::Comm& dp = mc["dp"];
       dp.all_reduce(&loss, 1, DType::f32);
       loss /= float(dp.size());
@@ -197,6 +200,9 @@ TEST_P(ParallelEquivalence, LossesAndParametersMatchSingleDevice) {
     const double rel = std::abs(par.losses[size_t(s)] - ref.losses[size_t(s)]) / std::abs(ref.losses[size_t(s)]);
     worst_loss = std::max(worst_loss, rel);
     EXPECT_LE(rel, 1e-5) << "step " << s << ": " << par.losses[size_t(s)] << " vs " << ref.losses[size_t(s)];
+    // The gradient norm counts every element once (replicas and tp-whole copies on one rank).
+    EXPECT_LE(std::abs(par.norms[size_t(s)] - ref.norms[size_t(s)]) / ref.norms[size_t(s)], 1e-5)
+        << "step " << s << ": gradient norm " << par.norms[size_t(s)] << " vs " << ref.norms[size_t(s)];
   }
   double d2 = 0, n2 = 0, worst_param = 0;
   std::string worst_name;
@@ -279,7 +285,13 @@ INSTANTIATE_TEST_SUITE_P(
                     Layout{.tp = 2, .sp = true, .llama = true}, Layout{.cp = 2, .llama = true},
                     Layout{.dp = 2, .cp = 2, .tp = 2, .sp = true, .vocab = 130, .zero = 1, .llama = true},
                     Layout{.dp = 2, .tp = 2, .zero = 3, .llama = true},
-                    Layout{.dp = 2, .cp = 2, .zero = 2, .offload = true, .llama = true}),
+                    Layout{.dp = 2, .cp = 2, .zero = 2, .offload = true, .llama = true},
+                    // tp = 4 over 2 key/value heads: each is replicated on 2 ranks.
+                    Layout{.tp = 4, .llama = true}, Layout{.tp = 4, .sp = true, .llama = true},
+                    Layout{.cp = 2, .tp = 4, .sp = true, .llama = true},
+                    Layout{.dp = 2, .tp = 4, .zero = 1, .llama = true},
+                    Layout{.dp = 2, .tp = 4, .sp = true, .zero = 3, .llama = true},
+                    Layout{.dp = 2, .tp = 4, .zero = 2, .offload = true, .llama = true}),
     layout_name);
 
 TEST(TensorParallelGPT, RefusesHeadsNotDivisibleByTp) {
@@ -299,6 +311,38 @@ TEST(TensorParallelGPT, RefusesHeadsNotDivisibleByTp) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("n_head = 4 is not divisible by tp = 3"), std::string::npos) << e.what();
   }
+}
+
+// Key/value heads that tp neither divides nor is a multiple of (6 query heads on 2 over tp = 3) are refused naming both; 8 query heads on 2 over tp = 4
+// replicate each key/value head on two ranks.
+TEST(TensorParallelGPT, RefusesKeyValueHeadsTpCannotSplitOrReplicate) {
+  model::GPTConfig c = tiny(503, true);
+  c.n_head = 6;
+  c.n_embd = 96;
+  c.n_kv_head = 2;
+  c.ffn_hidden = 192;
+  std::string msg;
+  try {
+    comm::run_ranks(3, [&](comm::Comm& comm) {
+      MemoryPool pool;
+      model::GPT m(c, pool, 1337, {.groups = {&comm, nullptr}});
+    });
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  EXPECT_NE(msg.find("n_kv_head = 2 and tp = 3"), std::string::npos) << msg;
+  c.n_head = 8;
+  c.n_embd = 64;
+  comm::run_ranks(4, [&](comm::Comm& comm) {
+    MemoryPool pool;
+    model::GPT m(c, pool, 1337, {.groups = {&comm, nullptr}});
+    const model::Parameter& qkv = m.parameter("h.0.attn.c_attn.weight");
+    ASSERT_EQ(qkv.shard.segments.size(), 3u);  // 2 query heads, 1 key head, 1 value head
+    EXPECT_TRUE(qkv.shard.segments[1].shared);
+    EXPECT_EQ(qkv.shard.segments[1].replica, comm.rank() % 2 == 1);
+    EXPECT_EQ(qkv.shard.segments[1].global, (64 + (comm.rank() / 2) * 8) * 64);
+    EXPECT_EQ(qkv.shard.shared_group->size(), 2);
+  });
 }
 
 TEST(TensorParallelGPT, RefusesSequenceNotSplittableOverCp) {
