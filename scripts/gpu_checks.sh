@@ -64,11 +64,16 @@ step_train() {
   env_run train_gpt2_cuda -B 16 -T 1024 --steps 20 --warmup 5 --attention flash --profile 5 || return 1
   env_run train_gpt2_cuda -B 16 -T 1024 --steps 20 --warmup 5 --attention cudnn
 }
-step_loom() {
-  local corpus="$out/corpus"
+# A small corpus from the repository's text, prepared with a 512-token vocabulary into DIR/data.
+make_corpus() {
+  local corpus=$1
   mkdir -p "$corpus"
   cat "$root"/README.md "$root"/bench/README.md "$root"/src/*/*.h "$root"/src/*/*/*.h > "$corpus/text.txt"
-  env_run loom prepare "$corpus/text.txt" --out "$corpus/data" --vocab-size 512 &&
+  env_run loom prepare "$corpus/text.txt" --out "$corpus/data" --vocab-size 512
+}
+step_loom() {
+  local corpus="$out/corpus"
+  make_corpus "$corpus" &&
     env_run loom train "$root/configs/kjv-10m.toml" --data.dir "$corpus/data" --train.device cuda \
       --train.steps 40 --train.eval_every 20 --train.checkpoint_every 20 --train.out_dir "$out/run" &&
     env_run loom generate "$out/run" --prompt "The " --tokens 20 || return 1
@@ -88,9 +93,7 @@ step_llama() {
     env_run train_gpt2_cuda --model smollm-135m -B 16 -T 1024 --steps 20 --warmup 5 --attention flash || return 1
   done
   local corpus="$out/corpus_llama"
-  mkdir -p "$corpus"
-  cat "$root"/README.md "$root"/bench/README.md "$root"/src/*/*.h "$root"/src/*/*/*.h > "$corpus/text.txt"
-  env_run loom prepare "$corpus/text.txt" --out "$corpus/data" --vocab-size 512 &&
+  make_corpus "$corpus" &&
     env_run loom train "$root/configs/kjv-llama-10m.toml" --data.dir "$corpus/data" --train.device cuda \
       --train.steps 40 --train.eval_every 20 --train.checkpoint_every 20 --train.out_dir "$out/run_llama" &&
     env_run loom generate "$out/run_llama" --prompt "The " --tokens 20

@@ -30,7 +30,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from torch_reference import FORMAT, VERSION, write_safetensors
+from torch_reference import FORMAT, VERSION, add_training_args, make_batch, run_reference, training_meta, write_safetensors
 
 # name: (n_layer, n_head, n_kv_head, n_embd, ffn_hidden, vocab_size, block_size, batch, seq)
 PRESETS = {
@@ -178,16 +178,7 @@ def main():
     ap.add_argument("--model", default="llama-tiny", choices=sorted(PRESETS))
     ap.add_argument("--out", required=True)
     ap.add_argument("--hf-out", help="also write the initial weights as a Hugging Face checkpoint here")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--beta1", type=float, default=0.9)
-    ap.add_argument("--beta2", type=float, default=0.95)
-    ap.add_argument("--eps", type=float, default=1e-8)
-    ap.add_argument("--weight-decay", type=float, default=0.1)
-    ap.add_argument("--max-norm", type=float, default=1.0)
-    ap.add_argument("--ignored", type=int, default=1, help="targets set to -1 (ignored by the loss)")
-    ap.add_argument("--threads", type=int, default=2)
+    add_training_args(ap)
     a = ap.parse_args()
 
     torch.set_num_threads(a.threads)
@@ -196,33 +187,9 @@ def main():
         sys.exit(f"seq {T} exceeds block_size {block}")
     gen = torch.Generator().manual_seed(a.seed)
     P = make_params(L, H, KV, C, Fh, V, gen)
-    seq = torch.randint(0, V, (B, T + 1), generator=gen)
-    tokens = seq[:, :-1].to(torch.int32).contiguous()
-    targets = seq[:, 1:].to(torch.int32).contiguous()
-    flat = targets.view(-1)
-    for j in torch.randperm(B * T, generator=gen)[: a.ignored]:
-        flat[j] = -1
-    initial = {n: t.detach().clone() for n, t in P.items()}
-
-    logits, loss = llama_forward(P, tokens.long(), targets.long(), L, H, KV)
-    loss.backward()
-    grads = {n: t.grad.detach().clone() for n, t in P.items()}
-    grad_norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads.values()))
-
-    decay = [t for t in P.values() if t.dim() >= 2]
-    no_decay = [t for t in P.values() if t.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": a.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps)
-    step_losses = []
-    for _ in range(a.steps):
-        opt.zero_grad(set_to_none=True)
-        _, l = llama_forward(P, tokens.long(), targets.long(), L, H, KV)
-        step_losses.append(float(l))
-        l.backward()
-        if a.max_norm > 0:
-            torch.nn.utils.clip_grad_norm_(list(P.values()), a.max_norm)
-        opt.step()
+    tokens, targets = make_batch(gen, B, T, V, a.ignored)
+    initial, logits, loss, grads, grad_norm, step_losses = run_reference(
+        P, lambda P, x, y: llama_forward(P, x, y, L, H, KV), tokens, targets, a)
 
     tensors = [("tokens", tokens), ("targets", targets), ("logits", logits), ("loss", loss.detach().reshape(())),
                ("step_losses", torch.tensor(step_losses, dtype=torch.float32))]
@@ -233,10 +200,7 @@ def main():
         "n_layer": str(L), "n_head": str(H), "n_embd": str(C), "vocab_size": str(V), "block_size": str(block),
         "norm": "rmsnorm", "mlp": "swiglu", "position": "rope", "n_kv_head": str(KV), "ffn_hidden": str(Fh),
         "bias": "false", "tied_embeddings": "false", "rope_theta": repr(THETA), "ln_eps": repr(EPS),
-        "batch": str(B), "seq": str(T), "seed": str(a.seed), "steps": str(a.steps),
-        "lr": repr(a.lr), "beta1": repr(a.beta1), "beta2": repr(a.beta2), "eps": repr(a.eps),
-        "weight_decay": repr(a.weight_decay), "max_norm": repr(a.max_norm), "grad_norm": repr(grad_norm),
-        "torch_version": torch.__version__,
+        **training_meta(a, B, T, grad_norm),
     }
     write_safetensors(a.out, tensors, meta)
     if a.hf_out:

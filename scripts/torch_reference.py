@@ -113,12 +113,8 @@ def write_safetensors(path, tensors, metadata):
             f.write(b)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="gpt2-tiny", choices=sorted(PRESETS))
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--batch", type=int)
-    ap.add_argument("--seq", type=int)
+def add_training_args(ap):
+    """The options of the reference's batch and AdamW steps (shared with torch_llama_reference.py)."""
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -129,6 +125,59 @@ def main():
     ap.add_argument("--max-norm", type=float, default=1.0)
     ap.add_argument("--ignored", type=int, default=1, help="targets set to -1 (ignored by the loss)")
     ap.add_argument("--threads", type=int, default=2)
+
+
+def make_batch(gen, B, T, V, ignored):
+    """Random tokens and their next tokens, i32 [B, T], `ignored` targets set to -1."""
+    seq = torch.randint(0, V, (B, T + 1), generator=gen)
+    tokens = seq[:, :-1].to(torch.int32).contiguous()
+    targets = seq[:, 1:].to(torch.int32).contiguous()
+    flat = targets.view(-1)
+    for j in torch.randperm(B * T, generator=gen)[:ignored]:
+        flat[j] = -1
+    return tokens, targets
+
+
+def run_reference(P, forward, tokens, targets, a):
+    """forward(P, tokens, targets) -> (logits, loss) on the initial weights, backward, then a.steps
+    AdamW steps on the same batch (decay on matrices only, global-norm clipping). Returns the
+    initial weights, logits, loss, gradients, gradient norm and the steps' losses."""
+    initial = {n: t.detach().clone() for n, t in P.items()}
+    logits, loss = forward(P, tokens.long(), targets.long())
+    loss.backward()
+    grads = {n: t.grad.detach().clone() for n, t in P.items()}
+    grad_norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads.values()))
+    decay = [t for t in P.values() if t.dim() >= 2]
+    no_decay = [t for t in P.values() if t.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": a.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps)
+    step_losses = []
+    for _ in range(a.steps):
+        opt.zero_grad(set_to_none=True)
+        _, l = forward(P, tokens.long(), targets.long())
+        step_losses.append(float(l))
+        l.backward()
+        if a.max_norm > 0:
+            torch.nn.utils.clip_grad_norm_(list(P.values()), a.max_norm)
+        opt.step()
+    return initial, logits, loss, grads, grad_norm, step_losses
+
+
+def training_meta(a, B, T, grad_norm):
+    return {"batch": str(B), "seq": str(T), "seed": str(a.seed), "steps": str(a.steps),
+            "lr": repr(a.lr), "beta1": repr(a.beta1), "beta2": repr(a.beta2), "eps": repr(a.eps),
+            "weight_decay": repr(a.weight_decay), "max_norm": repr(a.max_norm), "grad_norm": repr(grad_norm),
+            "torch_version": torch.__version__}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="gpt2-tiny", choices=sorted(PRESETS))
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batch", type=int)
+    ap.add_argument("--seq", type=int)
+    add_training_args(ap)
     a = ap.parse_args()
 
     torch.set_num_threads(a.threads)
@@ -140,33 +189,9 @@ def main():
     gen = torch.Generator().manual_seed(a.seed)
     specs = param_specs(L, C, V, block)
     P = init_params(specs, L, gen)
-    seq = torch.randint(0, V, (B, T + 1), generator=gen)
-    tokens = seq[:, :-1].to(torch.int32).contiguous()
-    targets = seq[:, 1:].to(torch.int32).contiguous()
-    flat = targets.view(-1)
-    for j in torch.randperm(B * T, generator=gen)[: a.ignored]:
-        flat[j] = -1
-    initial = {n: t.detach().clone() for n, t in P.items()}
-
-    logits, loss = gpt_forward(P, tokens.long(), targets.long(), L, H)
-    loss.backward()
-    grads = {n: t.grad.detach().clone() for n, t in P.items()}
-    grad_norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads.values()))
-
-    decay = [P[n] for n, s, _ in specs if len(s) >= 2]
-    no_decay = [P[n] for n, s, _ in specs if len(s) < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": a.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps)
-    step_losses = []
-    for _ in range(a.steps):
-        opt.zero_grad(set_to_none=True)
-        _, l = gpt_forward(P, tokens.long(), targets.long(), L, H)
-        step_losses.append(float(l))
-        l.backward()
-        if a.max_norm > 0:
-            torch.nn.utils.clip_grad_norm_(list(P.values()), a.max_norm)
-        opt.step()
+    tokens, targets = make_batch(gen, B, T, V, a.ignored)
+    initial, logits, loss, grads, grad_norm, step_losses = run_reference(
+        P, lambda P, x, y: gpt_forward(P, x, y, L, H), tokens, targets, a)
 
     tensors = [("tokens", tokens), ("targets", targets), ("logits", logits), ("loss", loss.detach().reshape(())),
                ("step_losses", torch.tensor(step_losses, dtype=torch.float32))]
@@ -175,10 +200,7 @@ def main():
     meta = {
         "format": FORMAT, "version": VERSION, "model": a.model,
         "n_layer": str(L), "n_head": str(H), "n_embd": str(C), "vocab_size": str(V), "block_size": str(block),
-        "batch": str(B), "seq": str(T), "seed": str(a.seed), "steps": str(a.steps),
-        "lr": repr(a.lr), "beta1": repr(a.beta1), "beta2": repr(a.beta2), "eps": repr(a.eps),
-        "weight_decay": repr(a.weight_decay), "max_norm": repr(a.max_norm), "grad_norm": repr(grad_norm),
-        "torch_version": torch.__version__,
+        **training_meta(a, B, T, grad_norm),
     }
     write_safetensors(a.out, tensors, meta)
     print(f"{a.out}: {a.model} B={B} T={T} loss {float(loss):.6f} grad_norm {grad_norm:.6f} "
