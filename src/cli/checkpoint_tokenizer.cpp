@@ -10,17 +10,12 @@ namespace fs = std::filesystem;
 
 namespace loom::cli {
 
-namespace {
-bool has_vocab(const fs::path& d) {
-  return (fs::exists(d / "encoder.json") && fs::exists(d / "vocab.bpe")) ||
-         (fs::exists(d / "vocab.json") && fs::exists(d / "merges.txt"));
-}
-}  // namespace
 
 std::string checkpoint_tokenizer_dir(const std::string& ckpt, const std::string& explicit_dir) {
   if (!explicit_dir.empty()) {
-    if (!has_vocab(explicit_dir))
-      throw Error(fmt::format("{}: no encoder.json + vocab.bpe (or vocab.json + merges.txt) in --tokenizer",
+    if (!data::Tokenizer::dir_has_tokenizer(explicit_dir))
+      throw Error(fmt::format("{}: no encoder.json + vocab.bpe, tokenizer.json, or vocab.json + merges.txt in "
+                              "--tokenizer",
                               explicit_dir));
     return explicit_dir;
   }
@@ -29,7 +24,8 @@ std::string checkpoint_tokenizer_dir(const std::string& ckpt, const std::string&
     try {
       toml::table t = toml::parse(meta.config_toml);
       for (const char* key : {"tokenizer", "dir"})
-        if (auto v = t["data"][key].value<std::string>(); v && !v->empty() && has_vocab(*v)) return *v;
+        if (auto v = t["data"][key].value<std::string>(); v && !v->empty() && data::Tokenizer::dir_has_tokenizer(*v))
+          return *v;
     } catch (const toml::parse_error& e) {
       throw Error(fmt::format("{}: field 'config_toml' is not valid TOML: {}",
                               (fs::path(ckpt) / "manifest.json").string(), e.description()));

@@ -8,8 +8,8 @@
 
 namespace loom::cli {
 
-// The directory holding the tokenizer files (encoder.json + vocab.bpe, or vocab.json +
-// merges.txt); throws naming the checkpoint, or the --tokenizer directory, when there is none.
+// The directory holding the tokenizer files (encoder.json + vocab.bpe, tokenizer.json, or
+// vocab.json + merges.txt); throws naming the checkpoint, or the --tokenizer directory, when there is none.
 std::string checkpoint_tokenizer_dir(const std::string& ckpt, const std::string& explicit_dir);
 // That tokenizer, refused when its vocabulary is not the one the checkpoint was trained with.
 data::Tokenizer checkpoint_tokenizer(const std::string& ckpt, const std::string& explicit_dir);

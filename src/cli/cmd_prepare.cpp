@@ -56,7 +56,7 @@ Registrar reg{Command{
       auto a = std::make_shared<PrepareArgs>();
       sub.add_option("inputs", a->inputs, "text files ('-' reads standard input)")->required();
       sub.add_option("--out", a->out, "output directory for shards (and the trained vocabulary)")->required();
-      sub.add_option("--tokenizer", a->tokenizer, "directory with encoder.json + vocab.bpe to use as is (e.g. GPT-2's)");
+      sub.add_option("--tokenizer", a->tokenizer, "directory with encoder.json + vocab.bpe or tokenizer.json to use as is (e.g. GPT-2's, Llama 3's)");
       sub.add_option("--vocab-size", a->vocab_size, "size of the vocabulary to train when no --tokenizer is given")
           ->check(CLI::Range(257, 1 << 24));
       sub.add_option("--val-fraction", a->val_fraction, "fraction of the tokens (the end of the text) kept for validation")

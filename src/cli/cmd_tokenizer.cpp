@@ -212,7 +212,7 @@ Command make_command() {
         CLI::App* e = app.add_subcommand(
             "encode", "print the token ids of each input (files, --text or stdin), one line each");
         e->add_option("--vocab", enc->vocab,
-                      "folder with encoder.json + vocab.bpe (or vocab.json + merges.txt)")
+                      "folder with encoder.json + vocab.bpe, tokenizer.json, or vocab.json + merges.txt")
             ->required();
         e->add_option("--text", enc->text, "encode this text");
         e->add_option("--out", enc->out, "write the ids here instead of stdout");

@@ -102,4 +102,108 @@ class PreTokenizer {
   const uint8_t* end_;
 };
 
+// Llama 3's pre-tokeniser (tiktoken's cl100k pattern, as Llama 3's tokenizer.json gives it), the
+// same kind of state machine: it splits text exactly as
+//
+//   (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|
+//   \s*[\r\n]+|\s+(?!\S)|\s+
+//
+// does (leftmost alternative first, greedy with backtracking), with \s = White_Space and the
+// contractions' case folded in ASCII.
+class Llama3PreTokenizer {
+ public:
+  explicit Llama3PreTokenizer(std::string_view text)
+      : p_(reinterpret_cast<const uint8_t*>(text.data())), end_(p_ + text.size()) {}
+
+  bool next(std::string_view* piece) {
+    if (p_ >= end_) return false;
+    const uint8_t* start = p_;
+    p_ = piece_end(p_);
+    *piece = std::string_view(reinterpret_cast<const char*>(start), size_t(p_ - start));
+    return true;
+  }
+
+ private:
+  CharClass at(const uint8_t* q, size_t* len) const {
+    if (*q < 0x80) {
+      *len = 1;
+      return static_cast<CharClass>(detail::kAsciiClass[*q]);
+    }
+    uint32_t cp;
+    *len = decode_utf8(q, end_, &cp);
+    return char_class(cp);
+  }
+  const uint8_t* run_end(const uint8_t* q, CharClass c) const {
+    while (q < end_) {
+      size_t l;
+      if (at(q, &l) != c) break;
+      q += l;
+    }
+    return q;
+  }
+  static bool newline(uint8_t b) { return b == '\r' || b == '\n'; }
+  static uint8_t lower(uint8_t b) { return b >= 'A' && b <= 'Z' ? uint8_t(b + 32) : b; }
+
+  const uint8_t* piece_end(const uint8_t* q) const {
+    // (?i:'s|'t|'re|'ve|'m|'ll|'d)
+    if (*q == '\'' && q + 1 < end_) {
+      const uint8_t c1 = lower(q[1]);
+      if (c1 == 's' || c1 == 't' || c1 == 'm' || c1 == 'd') return q + 2;
+      if (q + 2 < end_) {
+        const uint8_t c2 = lower(q[2]);
+        if ((c1 == 'r' && c2 == 'e') || (c1 == 'v' && c2 == 'e') || (c1 == 'l' && c2 == 'l')) return q + 3;
+      }
+    }
+    size_t len;
+    const CharClass c = at(q, &len);
+    // [^\r\n\p{L}\p{N}]?\p{L}+
+    if (c == CharClass::kLetter) return run_end(q + len, CharClass::kLetter);
+    if (c != CharClass::kNumber && !newline(*q) && q + len < end_) {
+      size_t l1;
+      if (at(q + len, &l1) == CharClass::kLetter) return run_end(q + len + l1, CharClass::kLetter);
+    }
+    // \p{N}{1,3}
+    if (c == CharClass::kNumber) {
+      const uint8_t* r = q + len;
+      for (int k = 1; k < 3 && r < end_; ++k) {
+        size_t l;
+        if (at(r, &l) != CharClass::kNumber) break;
+        r += l;
+      }
+      return r;
+    }
+    //  ?[^\s\p{L}\p{N}]+[\r\n]*
+    const uint8_t* s = q;
+    if (*q == ' ' && q + 1 < end_) {
+      size_t l1;
+      if (at(q + 1, &l1) == CharClass::kOther) s = q + 1;
+    }
+    size_t ls;
+    if (at(s, &ls) == CharClass::kOther) {
+      const uint8_t* r = run_end(s + ls, CharClass::kOther);
+      while (r < end_ && newline(*r)) ++r;
+      return r;
+    }
+    // q is white space. \s*[\r\n]+: up to the run's last CR or LF.
+    const uint8_t* last_nl = nullptr;
+    const uint8_t* last = q;
+    const uint8_t* r = q;
+    while (r < end_) {
+      size_t l;
+      if (at(r, &l) != CharClass::kSpace) break;
+      if (newline(*r)) last_nl = r;
+      last = r;
+      r += l;
+    }
+    if (last_nl) return last_nl + 1;
+    // \s+(?!\S): a run followed by more text leaves its last code point to the next piece, unless
+    // it is one long (then \s+ takes it).
+    if (r == end_ || last == q) return r;
+    return last;
+  }
+
+  const uint8_t* p_;
+  const uint8_t* end_;
+};
+
 }  // namespace loom::data

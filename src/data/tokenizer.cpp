@@ -330,17 +330,25 @@ Tokenizer Tokenizer::from_files(const std::string& vocab_json, const std::string
   return t;
 }
 
+bool Tokenizer::dir_has_tokenizer(const std::string& dir) {
+  namespace fs = std::filesystem;
+  const fs::path d(dir);
+  return (fs::exists(d / "encoder.json") && fs::exists(d / "vocab.bpe")) || fs::exists(d / "tokenizer.json") ||
+         (fs::exists(d / "vocab.json") && fs::exists(d / "merges.txt"));
+}
+
 Tokenizer Tokenizer::from_dir(const std::string& dir) {
   namespace fs = std::filesystem;
   const fs::path d(dir);
   if (fs::exists(d / "encoder.json") && fs::exists(d / "vocab.bpe")) {
     return from_files((d / "encoder.json").string(), (d / "vocab.bpe").string());
   }
+  if (fs::exists(d / "tokenizer.json")) return from_tokenizer_json((d / "tokenizer.json").string());
   if (fs::exists(d / "vocab.json") && fs::exists(d / "merges.txt")) {
     return from_files((d / "vocab.json").string(), (d / "merges.txt").string());
   }
-  bad_input(fmt::format("{}: no tokenizer here (expected encoder.json + vocab.bpe, or vocab.json "
-                        "+ merges.txt)", dir));
+  bad_input(fmt::format("{}: no tokenizer here (expected encoder.json + vocab.bpe, tokenizer.json, or "
+                        "vocab.json + merges.txt)", dir));
 }
 
 Tokenizer Tokenizer::from_parts(std::vector<std::string> tokens,
@@ -421,8 +429,13 @@ void Tokenizer::build(const std::vector<std::pair<int32_t, int32_t>>& merges,
                           "as <|endoftext|> come from none): the merges file is missing its merges",
                           where, vocab_where, special_ids_.size()));
   build_special_index();
+  compute_whole();
+}
+
+void Tokenizer::compute_whole() {
   // A word that is itself a token usually encodes to that token; remember where that holds so
   // encoding can skip the merge loop for it (and stay exact where it does not).
+  const int32_t n = vocab_size();
   whole_.assign(size_t(n), 0);
   BpeScratch scratch;
   std::vector<int32_t> work;
@@ -434,6 +447,14 @@ void Tokenizer::build(const std::vector<std::pair<int32_t, int32_t>>& merges,
     const size_t m = bpe_merge(merges_, work.data(), work.size(), scratch);
     whole_[id] = m == 1 && work[0] == id;
   }
+}
+
+void Tokenizer::set_special(const std::vector<int32_t>& ids) {
+  special_ids_ = ids;
+  special_flag_.assign(size_t(vocab_size()), 0);
+  for (int32_t id : ids) special_flag_[size_t(id)] = 1;
+  build_special_index();
+  compute_whole();
 }
 
 void Tokenizer::build_special_index() {
@@ -478,6 +499,7 @@ void Tokenizer::save(const std::string& dir) const {
   fs::create_directories(dir, ec);
   if (ec) bad_input(fmt::format("{}: cannot create directory: {}", dir, ec.message()));
   const fs::path d(dir);
+  if (pre_ != PreTokenization::gpt2 || ignore_merges_) return save_tokenizer_json((d / "tokenizer.json").string());
   {
     std::string out = "{";
     for (int32_t id = 0; id < vocab_size(); ++id) {
@@ -530,7 +552,7 @@ void Tokenizer::encode_piece(std::string_view piece, EncodeCache& c,
     return;
   }
   const uint64_t h = hash_bytes(piece);
-  if (const int32_t* id = vocab_.find(piece, h); id && whole_[*id]) {
+  if (const int32_t* id = vocab_.find(piece, h); id && (whole_[*id] || (ignore_merges_ && !special_flag_[*id]))) {
     out->push_back(*id);
     return;
   }
@@ -553,8 +575,13 @@ void Tokenizer::encode_piece(std::string_view piece, EncodeCache& c,
 
 void Tokenizer::encode_ordinary(std::string_view text, EncodeCache& cache,
                                 std::vector<int32_t>* out) const {
-  PreTokenizer pre(text);
   std::string_view piece;
+  if (pre_ == PreTokenization::llama3) {
+    Llama3PreTokenizer pre(text);
+    while (pre.next(&piece)) encode_piece(piece, cache, out);
+    return;
+  }
+  PreTokenizer pre(text);
   while (pre.next(&piece)) encode_piece(piece, cache, out);
 }
 
@@ -599,7 +626,13 @@ std::vector<std::pair<size_t, size_t>> Tokenizer::split_for_threads(std::string_
     const auto x = uint8_t(text[b - 1]), y = uint8_t(text[b]);
     if (x >= 0x80 || y >= 0x80 || x == '\'') return false;
     const uint8_t cx = cls(x), cy = cls(y);
-    if (cx == uint8_t(CharClass::kSpace) || cy == uint8_t(CharClass::kSpace) || cx == cy) return false;
+    if (pre_ == PreTokenization::llama3) {
+      // Llama 3's pattern ends a piece after a letter or digit followed by another class (a run of
+      // letters or of up to 3 digits stops there; no piece starts with a letter or digit prefix).
+      if ((cx != uint8_t(CharClass::kLetter) && cx != uint8_t(CharClass::kNumber)) || cx == cy) return false;
+    } else if (cx == uint8_t(CharClass::kSpace) || cy == uint8_t(CharClass::kSpace) || cx == cy) {
+      return false;
+    }
     if (allow_special && special_max_len_ > 1) {
       const std::string_view near = text.substr(0, b + special_max_len_);
       for (size_t from = b >= special_max_len_ ? b - special_max_len_ + 1 : 0;;) {
@@ -706,7 +739,192 @@ std::string Tokenizer::fingerprint() const {
     mix_u32(uint32_t(r));
   }
   for (int32_t id : special_ids_) mix_u32(uint32_t(id));
+  // (GPT-2's pre-tokenisation with merges applied adds nothing, so its fingerprints stay those
+  // that checkpoints already record.)
+  if (pre_ != PreTokenization::gpt2 || ignore_merges_) {
+    mix_u32(uint32_t(pre_));
+    mix_u32(uint32_t(ignore_merges_));
+  }
   return fmt::format("{:016x}", h);
+}
+
+}  // namespace loom::data
+
+namespace loom::data {
+
+namespace {
+
+// The patterns of the Split pre-tokenisers loom implements, as tokenizer.json files write them.
+constexpr std::string_view kLlama3Pattern =
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|"
+    "\\s+(?!\\S)|\\s+";
+constexpr std::string_view kGpt2Pattern = "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
+
+}  // namespace
+
+Tokenizer Tokenizer::from_tokenizer_json(const std::string& path) {
+  using json = nlohmann::json;
+  json j;
+  try {
+    j = json::parse(read_file(path));
+  } catch (const json::exception& e) {
+    bad_input(fmt::format("{}: malformed JSON: {}", path, e.what()));
+  }
+  auto field = [&](const std::string& f) { return fmt::format("{}: field '{}'", path, f); };
+  if (!j.is_object() || !j.contains("model") || !j["model"].is_object()) bad_input(field("model") + " is missing");
+  const json& m = j["model"];
+  if (m.value("type", std::string()) != "BPE")
+    bad_input(field("model.type") + fmt::format(" is {}; loom reads byte-level BPE models (\"BPE\")",
+                                                m.contains("type") ? m["type"].dump() : "missing"));
+  if (m.value("byte_fallback", false))
+    bad_input(field("model.byte_fallback") + " is true (a SentencePiece-style model); loom reads byte-level BPE");
+  if (j.contains("normalizer") && !j["normalizer"].is_null())
+    bad_input(field("normalizer") + fmt::format(" is {}; loom's tokenizer applies none", j["normalizer"].dump()));
+  // The pre-tokeniser: GPT-2's ByteLevel regex, or a Split on one of the two patterns then a
+  // ByteLevel without its own regex.
+  PreTokenization pre = PreTokenization::gpt2;
+  const json pt = j.value("pre_tokenizer", json());
+  auto byte_level = [&](const json& b, bool want_regex) {
+    return b.is_object() && b.value("type", std::string()) == "ByteLevel" && !b.value("add_prefix_space", false) &&
+           b.value("use_regex", true) == want_regex;
+  };
+  bool ok = byte_level(pt, true);
+  if (!ok && pt.is_object() && pt.value("type", std::string()) == "Sequence" && pt.contains("pretokenizers") &&
+      pt["pretokenizers"].is_array() && pt["pretokenizers"].size() == 2) {
+    const json& split = pt["pretokenizers"][0];
+    const std::string pattern = split.value("pattern", json::object()).value("Regex", std::string());
+    if (split.value("type", std::string()) == "Split" && split.value("behavior", std::string()) == "Isolated" &&
+        !split.value("invert", false) && byte_level(pt["pretokenizers"][1], false)) {
+      if (pattern == kLlama3Pattern) ok = true, pre = PreTokenization::llama3;
+      if (pattern == kGpt2Pattern) ok = true;
+    }
+  }
+  if (!ok)
+    bad_input(field("pre_tokenizer") + fmt::format(" is {}; loom implements GPT-2's byte-level pattern and Llama 3's "
+                                                   "(a Split on its regex, then ByteLevel)",
+                                                   pt.dump().substr(0, 300)));
+  // The tokens by id: the vocabulary's (GPT-2's byte-to-character alphabet) and the added tokens
+  // (their text as it is).
+  if (!m.contains("vocab") || !m["vocab"].is_object()) bad_input(field("model.vocab") + " is missing");
+  std::vector<std::string> tokens;
+  auto place = [&](int64_t id, std::string bytes, const std::string& what) {
+    if (id < 0 || id > int64_t(INT32_MAX) - 1) bad_input(fmt::format("{}: id {} is out of range", what, id));
+    if (size_t(id) >= tokens.size()) tokens.resize(size_t(id) + 1);
+    std::string& slot = tokens[size_t(id)];
+    if (!slot.empty() && slot != bytes)
+      bad_input(fmt::format("{}: id {} is also token \"{}\"", what, id, printable(slot)));
+    slot = std::move(bytes);
+  };
+  for (const auto& [key, v] : m["vocab"].items()) {
+    const std::string what = field("model.vocab") + fmt::format(" token \"{}\"", printable(key));
+    if (!v.is_number_integer()) bad_input(what + ": the id must be an integer");
+    std::string bytes;
+    uint32_t bad = 0;
+    if (!chars_to_bytes(key, &bytes, &bad) || bytes.empty())
+      bad_input(what + fmt::format(": {} is not in the byte-level alphabet", describe_char(bad)));
+    place(v.get<int64_t>(), std::move(bytes), what);
+  }
+  std::vector<int32_t> special;
+  if (j.contains("added_tokens")) {
+    if (!j["added_tokens"].is_array()) bad_input(field("added_tokens") + " must be an array");
+    for (const json& a : j["added_tokens"]) {
+      if (!a.is_object() || !a.contains("id") || !a["id"].is_number_integer() || !a.contains("content") ||
+          !a["content"].is_string() || a["content"].get<std::string>().empty())
+        bad_input(field("added_tokens") + fmt::format(": entry {} needs an integer id and a non-empty content",
+                                                      a.dump().substr(0, 200)));
+      const int64_t id = a["id"].get<int64_t>();
+      place(id, a["content"].get<std::string>(), field("added_tokens") + fmt::format(" id {}", id));
+      if (a.value("special", false)) special.push_back(int32_t(id));
+    }
+  }
+  for (size_t id = 0; id < tokens.size(); ++id)
+    if (tokens[id].empty())
+      bad_input(field("model.vocab") + fmt::format(": no token has id {} (of 0..{})", id, tokens.size() - 1));
+  // Merges in rank order: "left right" strings or [left, right] pairs.
+  if (!m.contains("merges") || !m["merges"].is_array()) bad_input(field("model.merges") + " is missing");
+  FlatStringMap<int32_t> ids(tokens.size());
+  for (size_t id = 0; id < tokens.size(); ++id) ids.insert(tokens[id], int32_t(id));
+  std::vector<std::pair<int32_t, int32_t>> merges;
+  merges.reserve(m["merges"].size());
+  for (const json& e : m["merges"]) {
+    std::string l, r;
+    if (e.is_string()) {
+      const std::string s = e.get<std::string>();
+      const size_t sp = s.find(' ');
+      if (sp == std::string::npos) bad_input(field("model.merges") + fmt::format(": \"{}\" is not two tokens", printable(s)));
+      l = s.substr(0, sp), r = s.substr(sp + 1);
+    } else if (e.is_array() && e.size() == 2 && e[0].is_string() && e[1].is_string()) {
+      l = e[0].get<std::string>(), r = e[1].get<std::string>();
+    } else {
+      bad_input(field("model.merges") + fmt::format(": {} is not a merge", e.dump().substr(0, 200)));
+    }
+    int32_t lr[2];
+    for (int k = 0; k < 2; ++k) {
+      std::string bytes;
+      uint32_t bad = 0;
+      const std::string& side = k == 0 ? l : r;
+      const int32_t* id = chars_to_bytes(side, &bytes, &bad) ? ids.find(bytes, hash_bytes(bytes)) : nullptr;
+      if (!id)
+        bad_input(field("model.merges") + fmt::format(" {}: \"{}\" is not a token of the vocabulary", merges.size() + 1,
+                                                      printable(side)));
+      lr[k] = *id;
+    }
+    merges.emplace_back(lr[0], lr[1]);
+  }
+  Tokenizer t;
+  try {
+    t = from_parts(std::move(tokens), merges, {});
+  } catch (const Error& e) {
+    bad_input(fmt::format("{}: {}", path, e.what()));
+  }
+  t.pre_ = pre;
+  t.ignore_merges_ = m.value("ignore_merges", false);
+  t.set_special(special);
+  return t;
+}
+
+void Tokenizer::save_tokenizer_json(const std::string& path) const {
+  using json = nlohmann::json;
+  json vocab = json::object(), added = json::array(), merges = json::array();
+  for (int32_t id = 0; id < vocab_size(); ++id) {
+    if (is_special(id)) {
+      added.push_back({{"id", id}, {"content", std::string(token(id))}, {"single_word", false}, {"lstrip", false},
+                       {"rstrip", false}, {"normalized", false}, {"special", true}});
+      continue;
+    }
+    vocab[bytes_to_chars(token(id))] = id;
+  }
+  for (const auto& [l, r] : merge_pairs_) merges.push_back(bytes_to_chars(token(l)) + " " + bytes_to_chars(token(r)));
+  json byte_level = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", false}};
+  json pre = {{"type", "Sequence"},
+              {"pretokenizers",
+               {{{"type", "Split"},
+                 {"pattern", {{"Regex", std::string(pre_ == PreTokenization::llama3 ? kLlama3Pattern : kGpt2Pattern)}}},
+                 {"behavior", "Isolated"},
+                 {"invert", false}},
+                byte_level}}};
+  const json j = {{"version", "1.0"},
+                  {"truncation", nullptr},
+                  {"padding", nullptr},
+                  {"added_tokens", added},
+                  {"normalizer", nullptr},
+                  {"pre_tokenizer", pre},
+                  {"post_processor", nullptr},
+                  {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}}},
+                  {"model",
+                   {{"type", "BPE"},
+                    {"dropout", nullptr},
+                    {"unk_token", nullptr},
+                    {"continuing_subword_prefix", nullptr},
+                    {"end_of_word_suffix", nullptr},
+                    {"fuse_unk", false},
+                    {"byte_fallback", false},
+                    {"ignore_merges", ignore_merges_},
+                    {"vocab", vocab},
+                    {"merges", merges}}}};
+  std::ofstream f(path, std::ios::binary);
+  f << j.dump();
+  if (!f) bad_input(fmt::format("{}: write error", path));
 }
 
 }  // namespace loom::data

@@ -1,7 +1,8 @@
-// Byte-level BPE tokenizer (GPT-2's scheme): text is split by GPT-2's pre-tokenisation pattern,
-// each piece's bytes become byte tokens, and ranked merges join them. Reads and writes GPT-2's
-// encoder.json + vocab.bpe (the same files as Hugging Face's vocab.json + merges.txt) and
-// encodes exactly as GPT-2 does. decode(encode(x)) == x for any bytes, invalid UTF-8 included.
+// Byte-level BPE tokenizer (GPT-2's scheme): text is split by a pre-tokenisation pattern (GPT-2's,
+// or Llama 3's), each piece's bytes become byte tokens, and ranked merges join them. Reads and
+// writes GPT-2's encoder.json + vocab.bpe (the same files as Hugging Face's vocab.json +
+// merges.txt) and Hugging Face's tokenizer.json of a byte-level BPE model, and encodes exactly as
+// GPT-2 / Llama 3 do. decode(encode(x)) == x for any bytes, invalid UTF-8 included.
 #pragma once
 #include <cstdint>
 #include <span>
@@ -40,12 +41,24 @@ class EncodeCache {
   size_t max_words_;
 };
 
+// How text is cut into pieces before BPE (data/bpe_pretokenize.h).
+enum class PreTokenization : uint8_t { gpt2, llama3 };
+
 class Tokenizer {
  public:
+  // Hugging Face's tokenizer.json of a byte-level BPE model: model.vocab and model.merges (either
+  // form), model.ignore_merges (a piece that is a token is that token), added_tokens (the special
+  // ones matched whole), and a pre_tokenizer of GPT-2's pattern (ByteLevel with use_regex) or of
+  // Llama 3's (a Split on its regex, then ByteLevel without). Anything else (byte_fallback, a
+  // normalizer, other patterns) is refused naming the file and the field.
+  static Tokenizer from_tokenizer_json(const std::string& path);
   // GPT-2's encoder.json + vocab.bpe, or Hugging Face's vocab.json + merges.txt (same formats).
   static Tokenizer from_files(const std::string& vocab_json, const std::string& merges_txt);
-  // A folder holding encoder.json + vocab.bpe or vocab.json + merges.txt.
+  // A folder holding encoder.json + vocab.bpe, tokenizer.json, or vocab.json + merges.txt (in
+  // that order of preference).
   static Tokenizer from_dir(const std::string& dir);
+  // Whether dir holds files from_dir reads.
+  static bool dir_has_tokenizer(const std::string& dir);
   // tokens: the bytes of every id (all 256 single bytes among them); merges: (left, right) ids in
   // rank order, each joining into the token with the concatenated bytes; special: ids of tokens
   // that are matched whole in text (when allowed) and never produced by merges.
@@ -53,7 +66,8 @@ class Tokenizer {
                               const std::vector<std::pair<int32_t, int32_t>>& merges,
                               const std::vector<int32_t>& special);
 
-  // Writes dir/encoder.json and dir/vocab.bpe in GPT-2's format.
+  // Writes dir/encoder.json and dir/vocab.bpe in GPT-2's format, or dir/tokenizer.json where the
+  // pre-tokenisation is not GPT-2's or merges are ignored (what GPT-2's files cannot say).
   void save(const std::string& dir) const;
 
   std::vector<int32_t> encode(std::string_view text, const EncodeOptions& opt = {}) const;
@@ -78,6 +92,8 @@ class Tokenizer {
   const MergeTable& merge_table() const { return merges_; }
   const std::vector<int32_t>& special_ids() const { return special_ids_; }
   bool is_special(int32_t id) const;
+  PreTokenization pre_tokenization() const { return pre_; }
+  bool ignore_merges() const { return ignore_merges_; }
   // Makes text a special token: an existing non-merge token is marked, otherwise a new id is
   // appended. Returns its id.
   int32_t add_special(std::string_view text);
@@ -87,6 +103,10 @@ class Tokenizer {
   void build(const std::vector<std::pair<int32_t, int32_t>>& merges,
              const std::string& vocab_where, const std::string& merges_where);
   void build_special_index();
+  // Makes exactly `ids` the special tokens (tokenizer.json's added special tokens).
+  void set_special(const std::vector<int32_t>& ids);
+  void compute_whole();
+  void save_tokenizer_json(const std::string& path) const;
   void encode_ordinary(std::string_view text, EncodeCache& cache, std::vector<int32_t>* out) const;
   void encode_piece(std::string_view piece, EncodeCache& cache, std::vector<int32_t>* out) const;
   // Position and id of the first special token at or after from, or {npos, -1}.
@@ -106,6 +126,8 @@ class Tokenizer {
   std::vector<std::pair<std::string, int32_t>> special_by_length_;  // longest first
   bool special_first_byte_[256] = {};
   size_t special_max_len_ = 0;
+  PreTokenization pre_ = PreTokenization::gpt2;
+  bool ignore_merges_ = false;  // a piece that is a token encodes to it (Llama 3)
 };
 
 // GPT-2's reversible map from bytes to printable characters used in encoder.json / vocab.bpe.

@@ -56,7 +56,7 @@ const Field kFields[] = {
     F("model.rope_high_freq_factor", rope_high_freq_factor, "Llama 3 rotary scaling's high_freq_factor (0: 4)"),
     F("model.rope_original_max_position", rope_original_max_position, "Llama 3 rotary scaling's original context (0: 8192)"),
     F("data.dir", data_dir, "directory of train_*.bin / val_*.bin token shards (loom prepare)"),
-    F("data.tokenizer", tokenizer_dir, "directory with encoder.json + vocab.bpe for text samples (\"\": data.dir)"),
+    F("data.tokenizer", tokenizer_dir, "directory with the tokenizer (encoder.json + vocab.bpe, or tokenizer.json) for text samples (\"\": data.dir)"),
     F("data.seq_len", seq_len, "tokens per training sequence"),
     F("train.steps", steps, "optimizer steps"),
     F("train.batch_size", batch_size, "sequences per optimizer step (global batch)"),

@@ -428,15 +428,16 @@ optim::AdamWConfig adamw_config(const TrainConfig& cfg) {
 
 std::unique_ptr<data::Tokenizer> load_run_tokenizer(const TrainConfig& cfg, int64_t data_vocab) {
   const std::filesystem::path dir = cfg.tokenizer_dir.empty() ? cfg.data_dir : cfg.tokenizer_dir;
-  const bool present = std::filesystem::exists(dir / "encoder.json") && std::filesystem::exists(dir / "vocab.bpe");
+  const bool present = data::Tokenizer::dir_has_tokenizer(dir.string());
   if (!present && !cfg.tokenizer_dir.empty())
-    throw Error(fmt::format("data.tokenizer: {} has no encoder.json and vocab.bpe", dir.string()));
+    throw Error(fmt::format("data.tokenizer: {} has no tokenizer (encoder.json + vocab.bpe, or tokenizer.json)",
+                            dir.string()));
   if (!present) return nullptr;
   auto tok = std::make_unique<data::Tokenizer>(data::Tokenizer::from_dir(dir.string()));
   if (tok->vocab_size() != data_vocab)
     throw Error(fmt::format("{}: the tokenizer has {} tokens, but the token shards in {} were written for a "
                             "vocabulary of {} (data.tokenizer and data.dir must belong to one `loom prepare`)",
-                            (dir / "encoder.json").string(), tok->vocab_size(), cfg.data_dir, data_vocab));
+                            dir.string(), tok->vocab_size(), cfg.data_dir, data_vocab));
   return tok;
 }
 

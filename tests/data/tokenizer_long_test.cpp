@@ -176,5 +176,20 @@ TEST_F(NpmPeer, MultilingualText) {
   compare(file, {"gpt-tokenizer", "js-tiktoken"});
 }
 
+// Llama 3's tokenizer (its 128K vocabulary and pattern from llama3-tokenizer-js, written out as
+// a tokenizer.json that @huggingface/tokenizers reads too) on tests/data/multilingual.txt and a
+// few MB of text: loom's ids (one thread and two) equal both peers' and decode back to the text
+// (bench/llama3_tokenizer_vs_npm.sh, which prints each one's MB/s).
+TEST(NpmPeerLlama3, MatchesBothPeers) {
+  if (!have_node()) GTEST_SKIP() << "node is not installed; skipping the npm comparison";
+  if (!fs::exists(npm_dir() / "node_modules" / "llama3-tokenizer-js") ||
+      !fs::exists(npm_dir() / "node_modules" / "@huggingface" / "tokenizers"))
+    GTEST_SKIP() << "npm peers not installed in " << npm_dir().string()
+                 << " (run bench/llama3_tokenizer_vs_npm.sh BUILD_DIR once, or set LOOM_NPM_DIR)";
+  const std::string cmd = "LOOM_NPM_DIR='" + npm_dir().string() + "' '" + (kSource / "bench/llama3_tokenizer_vs_npm.sh").string() +
+                          "' '" + std::string(LOOM_BINARY_DIR) + "'";
+  EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+}
+
 }  // namespace
 }  // namespace loom::data

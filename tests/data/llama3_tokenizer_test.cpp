@@ -1,0 +1,180 @@
+// Llama 3's pre-tokenisation and Hugging Face tokenizer.json files. The expected splits are what
+// Llama 3's pattern gives under JavaScript's regex engine (the form llama3-tokenizer-js runs); the
+// whole 128K tokenizer against llama3-tokenizer-js and @huggingface/tokenizers is the long test
+// NpmPeer.Llama3MatchesBothPeers (bench/llama3_tokenizer_vs_npm.sh).
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "data/bpe_pretokenize.h"
+#include "data/tokenizer.h"
+
+namespace fs = std::filesystem;
+using namespace loom;
+using namespace loom::data;
+
+namespace {
+
+std::vector<std::string> split(std::string_view text) {
+  Llama3PreTokenizer p(text);
+  std::vector<std::string> out;
+  std::string_view piece;
+  while (p.next(&piece)) out.emplace_back(piece);
+  return out;
+}
+
+// A byte-level tokenizer.json: the 256 bytes, the merges "a b", "ab c", "h e", "he l", and the
+// token "xyz" that no merge makes, "<|eot|>" special; Llama 3's pre-tokeniser unless `pre` is given.
+nlohmann::json tiny_json(bool ignore_merges) {
+  using json = nlohmann::json;
+  json vocab = json::object();
+  for (int b = 0; b < 256; ++b) {
+    std::string key;
+    const uint32_t cp = gpt2_byte_to_char(uint8_t(b));
+    if (cp < 0x80) key += char(cp);
+    else key += char(0xC0 | (cp >> 6)), key += char(0x80 | (cp & 0x3F));
+    vocab[key] = b;
+  }
+  vocab["ab"] = 256;
+  vocab["abc"] = 257;
+  vocab["he"] = 258;
+  vocab["hel"] = 259;
+  vocab["xyz"] = 260;
+  const std::string pattern =
+      "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|"
+      "\\s+(?!\\S)|\\s+";
+  return {{"added_tokens", {{{"id", 261}, {"content", "<|eot|>"}, {"special", true}}}},
+          {"normalizer", nullptr},
+          {"pre_tokenizer",
+           {{"type", "Sequence"},
+            {"pretokenizers",
+             {{{"type", "Split"}, {"pattern", {{"Regex", pattern}}}, {"behavior", "Isolated"}, {"invert", false}},
+              {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", false}}}}}},
+          {"model",
+           {{"type", "BPE"},
+            {"byte_fallback", false},
+            {"ignore_merges", ignore_merges},
+            {"vocab", vocab},
+            {"merges", {"a b", {"ab", "c"}, "h e", "he l"}}}}};
+}
+
+struct TmpDir {
+  fs::path p;
+  TmpDir() {
+    static int n = 0;
+    p = fs::temp_directory_path() / fmt::format("loom_llama3_tok_{}_{}", ::getpid(), n++);
+    fs::create_directories(p);
+  }
+  ~TmpDir() { fs::remove_all(p); }
+};
+
+std::string write_json(const fs::path& dir, const nlohmann::json& j) {
+  const std::string path = (dir / "tokenizer.json").string();
+  std::ofstream(path) << j.dump();
+  return path;
+}
+
+}  // namespace
+
+TEST(Llama3PreTokenizer, SplitsAsThePattern) {
+  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {"Hello world!", {"Hello", " world", "!"}},
+      {"It'S THE DOG'S", {"It", "'S", " THE", " DOG", "'S"}},
+      {"12345 678", {"123", "45", " ", "678"}},
+      {"(hello) $5", {"(hello", ")", " $", "5"}},
+      {"a  \n  b", {"a", "  \n", " ", " b"}},
+      {"x\r\n\r\ny", {"x", "\r\n\r\n", "y"}},
+      {"  lead", {" ", " lead"}},
+      {"end  ", {"end", "  "}},
+      {"\thello\tworld", {"\thello", "\tworld"}},
+      {"don't-stop", {"don", "'t", "-stop"}},
+      {"l'\xC3\xA9t\xC3\xA9 \xC3\xA9t\xC3\xA9", {"l", "'\xC3\xA9t\xC3\xA9", " \xC3\xA9t\xC3\xA9"}},
+      {"\xE4\xB8\xAD\xE6\x96\x87\xE5\xAD\x97\xE7\xAC\xA6", {"\xE4\xB8\xAD\xE6\x96\x87\xE5\xAD\x97\xE7\xAC\xA6"}},
+      {"1a2b", {"1", "a", "2", "b"}},
+      {"a1b2", {"a", "1", "b", "2"}},
+      {".\n\nNext", {".\n\n", "Next"}},
+      {" !!!\n", {" !!!\n"}},
+      {"x \n", {"x", " \n"}},
+      {"\xF0\x9F\xA6\x99\xF0\x9F\x94\xA5 ok", {"\xF0\x9F\xA6\x99\xF0\x9F\x94\xA5", " ok"}},
+  };
+  for (const auto& [text, want] : cases) EXPECT_EQ(split(text), want) << text;
+}
+
+TEST(TokenizerJson, ReadsLlama3StyleFilesAndIgnoreMerges) {
+  TmpDir d;
+  const Tokenizer t = Tokenizer::from_tokenizer_json(write_json(d.p, tiny_json(true)));
+  EXPECT_EQ(t.pre_tokenization(), PreTokenization::llama3);
+  EXPECT_TRUE(t.ignore_merges());
+  EXPECT_EQ(t.vocab_size(), 262);
+  EXPECT_TRUE(t.is_special(261));
+  EXPECT_FALSE(t.is_special(260));  // no merge makes "xyz", but only added special tokens are special
+  // "abc" by merges, "xyz" whole under ignore_merges, "hello" -> "hel" + l + o; the special
+  // spelling only with allow_special.
+  // Pieces 'abc', ' xyz', ' hello': a piece is looked up whole (' xyz' is no token, so its bytes
+  // stay), and merges join inside it (' ', 'hel', 'l', 'o').
+  EXPECT_EQ(t.encode("abc xyz hello"), (std::vector<int32_t>{257, ' ', 'x', 'y', 'z', ' ', 259, 'l', 'o'}));
+  EXPECT_EQ(t.encode("xyz"), (std::vector<int32_t>{260}));
+  EXPECT_EQ(t.encode("hello"), (std::vector<int32_t>{259, 'l', 'o'}));
+  EXPECT_EQ(t.encode("ab<|eot|>", {.allow_special = true}), (std::vector<int32_t>{256, 261}));
+  EXPECT_EQ(t.decode(t.encode("ab<|eot|>")), "ab<|eot|>");
+  // Without ignore_merges the whole-token shortcut is taken only where merges give the token.
+  const Tokenizer m = Tokenizer::from_tokenizer_json(write_json(d.p, tiny_json(false)));
+  EXPECT_EQ(m.encode("xyz"), (std::vector<int32_t>{'x', 'y', 'z'}));
+  EXPECT_NE(m.fingerprint(), t.fingerprint());
+  // Saved (as tokenizer.json: GPT-2's files cannot hold the pattern) and read back: the same.
+  TmpDir s;
+  t.save(s.p.string());
+  EXPECT_TRUE(fs::exists(s.p / "tokenizer.json"));
+  EXPECT_FALSE(fs::exists(s.p / "encoder.json"));
+  const Tokenizer back = Tokenizer::from_dir(s.p.string());
+  EXPECT_EQ(back.fingerprint(), t.fingerprint());
+  EXPECT_EQ(back.encode("abc xyz hello <|eot|>", {.allow_special = true}),
+            t.encode("abc xyz hello <|eot|>", {.allow_special = true}));
+}
+
+TEST(TokenizerJson, BadFilesNameTheField) {
+  TmpDir d;
+  auto expect_error = [&](nlohmann::json j, const std::string& want) {
+    const std::string path = write_json(d.p, j);
+    try {
+      (void)Tokenizer::from_tokenizer_json(path);
+      ADD_FAILURE() << "no error, want " << want;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+    }
+  };
+  auto j = tiny_json(true);
+  j["model"]["type"] = "Unigram";
+  expect_error(j, "field 'model.type' is \"Unigram\"");
+  j = tiny_json(true);
+  j["model"]["byte_fallback"] = true;
+  expect_error(j, "field 'model.byte_fallback'");
+  j = tiny_json(true);
+  j["normalizer"] = {{"type", "NFC"}};
+  expect_error(j, "field 'normalizer'");
+  j = tiny_json(true);
+  j["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = "\\s+";
+  expect_error(j, "field 'pre_tokenizer'");
+  j = tiny_json(true);
+  j["model"]["vocab"].erase("ab");
+  expect_error(j, "no token has id 256");
+  j = tiny_json(true);
+  j["model"]["merges"].push_back("q zz");
+  expect_error(j, "\"zz\" is not a token of the vocabulary");
+  j = tiny_json(true);
+  j["added_tokens"][0]["id"] = 256;
+  expect_error(j, "id 256 is also token \"ab\"");
+  std::ofstream(d.p / "tokenizer.json") << "{\"model\": ";
+  try {
+    (void)Tokenizer::from_tokenizer_json((d.p / "tokenizer.json").string());
+    ADD_FAILURE() << "no error for truncated JSON";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("malformed JSON"), std::string::npos) << e.what();
+  }
+}
