@@ -5,6 +5,10 @@
 //     llama3-tokenizer-js ships (the 128,000 tokens, the merges in rank order, the 256 special
 //     tokens, Llama 3's pre-tokenisation regex and ignore_merges, as Meta's tokenizer.json has
 //     them), so that loom and @huggingface/tokenizers read the same tokenizer;
+//   node llama3_tokenizer_peer.mjs NPM_DIR export-digits IN_DIR OUT_DIR
+//     the same vocabulary and merges under SmolLM's pre-tokenisation (Digits with
+//     individual_digits, then ByteLevel with GPT-2's regex; merges not ignored), a second
+//     pre-tokeniser to hold loom and @huggingface/tokenizers to;
 //   node llama3_tokenizer_peer.mjs NPM_DIR encode LIBRARY TOKENIZER_JSON INPUT OUTPUT
 //     encodes INPUT with LIBRARY (llama3-tokenizer-js | @huggingface/tokenizers, the latter from
 //     TOKENIZER_JSON), no begin/end-of-text tokens added (special-token spellings in the text are
@@ -48,6 +52,17 @@ if (mode === 'export') {
   fs.writeFileSync(path.join(rest[0], 'tokenizer.json'), JSON.stringify(json));
   console.error(`llama3-tokenizer-js ${version('llama3-tokenizer-js')}: ${nBase} tokens, ${merges.length} merges, ` +
                 `${added.length} special tokens -> ${path.join(rest[0], 'tokenizer.json')}`);
+  process.exit(0);
+}
+
+if (mode === 'export-digits') {
+  const json = JSON.parse(fs.readFileSync(path.join(rest[0], 'tokenizer.json'), 'utf8'));
+  json.pre_tokenizer = { type: 'Sequence', pretokenizers: [
+    { type: 'Digits', individual_digits: true },
+    { type: 'ByteLevel', add_prefix_space: false, trim_offsets: true, use_regex: true } ] };
+  json.model.ignore_merges = false;
+  fs.mkdirSync(rest[1], { recursive: true });
+  fs.writeFileSync(path.join(rest[1], 'tokenizer.json'), JSON.stringify(json));
   process.exit(0);
 }
 

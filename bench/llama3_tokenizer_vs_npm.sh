@@ -2,7 +2,8 @@
 # Llama 3's tokenizer: `loom tokenizer encode` side by side with llama3-tokenizer-js (which ships
 # Llama 3's 128K vocabulary and pattern) and @huggingface/tokenizers (which reads tokenizer.json
 # files, here the one exported from llama3-tokenizer-js's data), on a multilingual test text and on
-# a few MB of text: every id equal, and MB/s of each.
+# a few MB of text: every id equal, and MB/s of each. Then the same vocabulary under SmolLM's
+# pre-tokenisation (each digit alone, GPT-2's pattern between) against @huggingface/tokenizers.
 #
 # usage: bench/llama3_tokenizer_vs_npm.sh [BUILD_DIR]
 # The npm packages are installed once into BUILD_DIR/npm-peer (or $LOOM_NPM_DIR), and Llama 3's
@@ -32,6 +33,8 @@ if [[ ! -d "$npm_dir/node_modules/llama3-tokenizer-js" || ! -d "$npm_dir/node_mo
   npm install --prefix "$npm_dir" --no-audit --no-fund --silent llama3-tokenizer-js@1.2.0 @huggingface/tokenizers@0.2.0
 fi
 [[ -s "$vocab/tokenizer.json" ]] || node "$here/llama3_tokenizer_peer.mjs" "$npm_dir" export "$vocab"
+digits="$npm_dir/llama3-digits"
+[[ -s "$digits/tokenizer.json" ]] || node "$here/llama3_tokenizer_peer.mjs" "$npm_dir" export-digits "$vocab" "$digits"
 
 corpus="${LOOM_TOKENIZER_CORPUS:-$work/llama3_corpus.txt}"
 if [[ -z "${LOOM_TOKENIZER_CORPUS:-}" && ! -s "$corpus" ]]; then
@@ -45,8 +48,10 @@ fi
 
 echo "$(nproc) cores; load average $(cut -d' ' -f1-3 /proc/loadavg)"
 status=0
-for text in "$multi" "$corpus"; do
-  name=$(basename "$text" .txt)
+# compare NAME TOKENIZER_DIR TEXT PEER...
+compare() {
+  local name=$1 vocab=$2 text=$3
+  shift 3
   echo "$name: $(wc -c < "$text") bytes"
   "$loom" tokenizer encode --vocab "$vocab" --allow-special --stats --out "$work/$name.loom.ids" "$text"
   "$loom" tokenizer encode --vocab "$vocab" --allow-special --stats --threads 2 --out "$work/$name.loom2.ids" "$text"
@@ -54,7 +59,7 @@ for text in "$multi" "$corpus"; do
     echo "MISMATCH: loom with 2 threads differs from 1 thread on $name" >&2
     status=1
   fi
-  for p in "${peers[@]}"; do
+  for p in "$@"; do
     out="$work/$name.$(echo "$p" | tr -d '@' | tr '/' '_').ids"
     node "$here/llama3_tokenizer_peer.mjs" "$npm_dir" encode "$p" "$vocab/tokenizer.json" "$text" "$out"
     if cmp -s "$work/$name.loom.ids" "$out"; then
@@ -71,5 +76,12 @@ for text in "$multi" "$corpus"; do
     echo "MISMATCH: decode(encode($name)) differs from the text" >&2
     status=1
   fi
+}
+for text in "$multi" "$corpus"; do
+  compare "$(basename "$text" .txt)" "$vocab" "$text" "${peers[@]}"
+done
+echo "SmolLM's pre-tokenisation on Llama 3's vocabulary:"
+for text in "$multi" "$corpus"; do
+  compare "$(basename "$text" .txt).digits" "$digits" "$text" @huggingface/tokenizers
 done
 exit $status

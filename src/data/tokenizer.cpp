@@ -581,6 +581,23 @@ void Tokenizer::encode_ordinary(std::string_view text, EncodeCache& cache,
     while (pre.next(&piece)) encode_piece(piece, cache, out);
     return;
   }
+  if (pre_ == PreTokenization::gpt2_digits) {
+    // Each ASCII digit alone; GPT-2's pattern on the text between them.
+    size_t i = 0;
+    while (i < text.size()) {
+      if (text[i] >= '0' && text[i] <= '9') {
+        encode_piece(text.substr(i, 1), cache, out);
+        ++i;
+        continue;
+      }
+      size_t j = i;
+      while (j < text.size() && !(text[j] >= '0' && text[j] <= '9')) ++j;
+      PreTokenizer pre(text.substr(i, j - i));
+      while (pre.next(&piece)) encode_piece(piece, cache, out);
+      i = j;
+    }
+    return;
+  }
   PreTokenizer pre(text);
   while (pre.next(&piece)) encode_piece(piece, cache, out);
 }
@@ -790,6 +807,11 @@ Tokenizer Tokenizer::from_tokenizer_json(const std::string& path) {
   };
   bool ok = byte_level(pt, true);
   if (!ok && pt.is_object() && pt.value("type", std::string()) == "Sequence" && pt.contains("pretokenizers") &&
+      pt["pretokenizers"].is_array() && pt["pretokenizers"].size() == 2 &&
+      pt["pretokenizers"][0].value("type", std::string()) == "Digits" &&
+      pt["pretokenizers"][0].value("individual_digits", false) && byte_level(pt["pretokenizers"][1], true))
+    ok = true, pre = PreTokenization::gpt2_digits;
+  if (!ok && pt.is_object() && pt.value("type", std::string()) == "Sequence" && pt.contains("pretokenizers") &&
       pt["pretokenizers"].is_array() && pt["pretokenizers"].size() == 2) {
     const json& split = pt["pretokenizers"][0];
     const std::string pattern = split.value("pattern", json::object()).value("Regex", std::string());
@@ -903,6 +925,11 @@ void Tokenizer::save_tokenizer_json(const std::string& path) const {
                  {"behavior", "Isolated"},
                  {"invert", false}},
                 byte_level}}};
+  if (pre_ == PreTokenization::gpt2_digits) {
+    byte_level["use_regex"] = true;
+    pre = {{"type", "Sequence"},
+           {"pretokenizers", {{{"type", "Digits"}, {"individual_digits", true}}, byte_level}}};
+  }
   const json j = {{"version", "1.0"},
                   {"truncation", nullptr},
                   {"padding", nullptr},

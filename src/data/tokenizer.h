@@ -41,15 +41,18 @@ class EncodeCache {
   size_t max_words_;
 };
 
-// How text is cut into pieces before BPE (data/bpe_pretokenize.h).
-enum class PreTokenization : uint8_t { gpt2, llama3 };
+// How text is cut into pieces before BPE (data/bpe_pretokenize.h): GPT-2's pattern; Llama 3's;
+// GPT-2's within runs of text between ASCII digits, each digit a piece of its own (SmolLM's
+// Digits(individual_digits) then ByteLevel).
+enum class PreTokenization : uint8_t { gpt2, llama3, gpt2_digits };
 
 class Tokenizer {
  public:
   // Hugging Face's tokenizer.json of a byte-level BPE model: model.vocab and model.merges (either
   // form), model.ignore_merges (a piece that is a token is that token), added_tokens (the special
-  // ones matched whole), and a pre_tokenizer of GPT-2's pattern (ByteLevel with use_regex) or of
-  // Llama 3's (a Split on its regex, then ByteLevel without). Anything else (byte_fallback, a
+  // ones matched whole), and a pre_tokenizer of GPT-2's pattern (ByteLevel with use_regex), of
+  // Llama 3's (a Split on its regex, then ByteLevel without), or SmolLM's (Digits with
+  // individual_digits, then ByteLevel with use_regex). Anything else (byte_fallback, a
   // normalizer, other patterns) is refused naming the file and the field.
   static Tokenizer from_tokenizer_json(const std::string& path);
   // GPT-2's encoder.json + vocab.bpe, or Hugging Face's vocab.json + merges.txt (same formats).

@@ -137,6 +137,26 @@ TEST(TokenizerJson, ReadsLlama3StyleFilesAndIgnoreMerges) {
             t.encode("abc xyz hello <|eot|>", {.allow_special = true}));
 }
 
+// SmolLM's pre-tokenisation: each ASCII digit alone, GPT-2's pattern on the text between (so " 12"
+// is " ", "1", "2", not GPT-2's " 12"); saved and read back the same.
+TEST(TokenizerJson, DigitsThenByteLevel) {
+  TmpDir d;
+  auto j = tiny_json(false);
+  j["pre_tokenizer"] = {{"type", "Sequence"},
+                        {"pretokenizers",
+                         {{{"type", "Digits"}, {"individual_digits", true}},
+                          {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", true}}}}};
+  const Tokenizer t = Tokenizer::from_tokenizer_json(write_json(d.p, j));
+  EXPECT_EQ(t.pre_tokenization(), PreTokenization::gpt2_digits);
+  EXPECT_EQ(t.encode("ab 12abc"), (std::vector<int32_t>{256, ' ', '1', '2', 257}));
+  EXPECT_EQ(t.encode("he7l"), (std::vector<int32_t>{258, '7', 'l'}));
+  TmpDir s;
+  t.save(s.p.string());
+  const Tokenizer back = Tokenizer::from_dir(s.p.string());
+  EXPECT_EQ(back.pre_tokenization(), PreTokenization::gpt2_digits);
+  EXPECT_EQ(back.fingerprint(), t.fingerprint());
+}
+
 TEST(TokenizerJson, BadFilesNameTheField) {
   TmpDir d;
   auto expect_error = [&](nlohmann::json j, const std::string& want) {
