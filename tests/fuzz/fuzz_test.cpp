@@ -137,6 +137,11 @@ TEST(FuzzHarness, SeedsAreAccepted) {
     EXPECT_NO_THROW(loom::train::load_config(p.string(), {}));
     fs::remove(p);
   }
+  for (const Bytes& s : seeds("tokenizer_json")) {
+    const fs::path p = write_tmp("tokenizer.json", s);
+    EXPECT_NO_THROW(loom::data::Tokenizer::from_tokenizer_json(p.string()));
+    fs::remove(p);
+  }
   for (const Bytes& s : seeds("vocab")) {
     const size_t cut = s.find('\0');
     ASSERT_NE(cut, Bytes::npos);
@@ -153,3 +158,4 @@ TEST(FuzzHarness, VocabMutations) { drive("vocab", loom::fuzz::vocab, 500); }
 TEST(FuzzHarness, ManifestMutations) { drive("manifest", loom::fuzz::manifest, 1000); }
 TEST(FuzzHarness, ConfigMutations) { drive("config", loom::fuzz::config, 500); }
 TEST(FuzzHarness, HfConfigMutations) { drive("hf_config", loom::fuzz::hf_config, 1000); }
+TEST(FuzzHarness, TokenizerJsonMutations) { drive("tokenizer_json", loom::fuzz::tokenizer_json, 300); }

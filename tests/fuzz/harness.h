@@ -35,5 +35,8 @@ int config(const uint8_t* data, size_t size);
 // Hugging Face GPT-2 config.json (train/hf_config.h). An accepted config must write back
 // (hf_config_json) to JSON that reads as the same model.
 int hf_config(const uint8_t* data, size_t size);
+// A Hugging Face tokenizer.json: read, then every text it encodes decodes back, and a saved copy
+// reads back to the same fingerprint.
+int tokenizer_json(const uint8_t* data, size_t size);
 
 }  // namespace loom::fuzz

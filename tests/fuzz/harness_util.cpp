@@ -158,10 +158,30 @@ int hf_config(const uint8_t* data, size_t size) {
   write_file(path, reinterpret_cast<const char*>(data), size);
   expect_clean([&] {
     const model::GPTConfig c = model::read_hf_config(path);
-    const model::GPTConfig d = model::gpt_config_from_hf(model::hf_config_json(c), "written back");
+    // GPT-2's or Llama's config.json, by the model it read.
+    const nlohmann::json j = model::hf_config_json(c);
+    const model::GPTConfig d = model::is_llama(c) ? model::llama_config_from_hf(j, "written back")
+                                                  : model::gpt_config_from_hf(j, "written back");
     check(c.n_layer == d.n_layer && c.n_head == d.n_head && c.n_embd == d.n_embd && c.vocab_size == d.vocab_size &&
-              c.block_size == d.block_size && c.tied_embeddings == d.tied_embeddings && c.ln_eps == d.ln_eps,
+              c.block_size == d.block_size && c.tied_embeddings == d.tied_embeddings && c.ln_eps == d.ln_eps &&
+              c.kv_heads() == d.kv_heads() && c.ffn() == d.ffn() && c.bias == d.bias && c.rope_theta == d.rope_theta &&
+              c.rope_scaling_factor == d.rope_scaling_factor,
           "a written config.json reads as another model");
+  });
+  return 0;
+}
+
+int tokenizer_json(const uint8_t* data, size_t size) {
+  static const std::string path = scratch_path("tokenizer.json");
+  static const std::string saved = scratch_path("tokenizer_json_saved");
+  write_file(path, reinterpret_cast<const char*>(data), size);
+  expect_clean([&] {
+    const data::Tokenizer t = data::Tokenizer::from_tokenizer_json(path);
+    check(t.vocab_size() >= 256, "accepted a vocabulary without all 256 bytes");
+    const std::string text = "Hello, world! It's 2024 \xe2\x80\x94 caf\xc3\xa9 \xff\xfe bytes.\n  spaced 12345";
+    check(t.decode(t.encode(text)) == text, "decode(encode(x)) != x");
+    t.save(saved);
+    check(data::Tokenizer::from_dir(saved).fingerprint() == t.fingerprint(), "a saved tokenizer reads back as another");
   });
   return 0;
 }
