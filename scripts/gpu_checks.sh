@@ -18,7 +18,8 @@
 #   llama     the Llama family on the GPU: train_gpt2_cuda at SmolLM-135M's shapes against GPT-2
 #             124M (B = 16, T = 1024, loom's flash attention for both; two alternating rounds), and
 #             the quickstart's Llama sibling (configs/kjv-llama-10m.toml) trained with
-#             `loom train --train.device cuda` and sampled
+#             `loom train --train.device cuda`, sampled, resumed, and evaluated with `loom eval` on
+#             both devices
 # Each step writes OUT_DIR/<step>.log and its exit status to OUT_DIR/status; a failing step does
 # not stop the others, and the script exits non-zero if any failed.
 set -uo pipefail
@@ -96,7 +97,17 @@ step_llama() {
   make_corpus "$corpus" &&
     env_run loom train "$root/configs/kjv-llama-10m.toml" --data.dir "$corpus/data" --train.device cuda \
       --train.steps 40 --train.eval_every 20 --train.checkpoint_every 20 --train.out_dir "$out/run_llama" &&
-    env_run loom generate "$out/run_llama" --prompt "The " --tokens 20
+    env_run loom generate "$out/run_llama" --prompt "The " --tokens 20 || return 1
+  # Resumed on the GPU, and the checkpoint's loss on the validation shard on both devices (bf16
+  # against f32: within 1e-2 relative).
+  env_run loom train "$root/configs/kjv-llama-10m.toml" --data.dir "$corpus/data" --train.device cuda \
+    --train.steps 60 --train.eval_every 20 --train.checkpoint_every 20 --train.out_dir "$out/run_llama" --resume || return 1
+  local gpu cpu
+  gpu=$(env_run loom eval "$out/run_llama" --tokens "$corpus/data/val_000.bin" --seq 128 --device cuda --json) || return 1
+  cpu=$(env_run loom eval "$out/run_llama" --tokens "$corpus/data/val_000.bin" --seq 128 --device cpu --json) || return 1
+  echo "$gpu"
+  echo "$cpu"
+  python3 -c "import json,sys; g=json.loads(sys.argv[1])['loss']; c=json.loads(sys.argv[2])['loss']; print(f'eval loss cuda {g:.5f} cpu {c:.5f} rel {abs(g-c)/c:.2e}'); sys.exit(abs(g-c)/c > 1e-2)" "$gpu" "$cpu"
 }
 failed=0
 run_step() {

@@ -1,11 +1,12 @@
-// loom eval CKPT (--text FILE | --tokens FILE) [--tokenizer DIR] [--seq N] [--batch B] [--json]:
-// the loss and perplexity of a checkpoint (either family) on a file.
+// loom eval CKPT (--text FILE | --tokens FILE) [--tokenizer DIR] [--seq N] [--batch B]
+// [--device cpu|cuda] [--json]: the loss and perplexity of a checkpoint (either family) on a file.
 //
 // The tokens (the text encoded with the checkpoint's tokenizer, or a loom token shard written by
 // `loom prepare`) are cut into consecutive windows of --seq + 1 tokens sharing their boundary
 // token (each window predicts its last --seq tokens from the ones before them, as training does);
 // the last window may be shorter. The loss is the mean cross-entropy over every predicted token,
-// the perplexity its exponential. Windows run --batch at a time on the CPU in f32.
+// the perplexity its exponential. Windows run --batch at a time, on the CPU in f32 or on a GPU in
+// bf16 (the checkpoint's f32 weights uploaded, the CUDA backend's default attention).
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -15,6 +16,7 @@
 
 #include "cli/checkpoint_tokenizer.h"
 #include "cli/command.h"
+#include "core/backend.h"
 #include "core/error.h"
 #include "core/memory.h"
 #include "data/shard.h"
@@ -25,7 +27,7 @@ namespace loom::cli {
 namespace {
 
 struct EvalArgs {
-  std::string ckpt, text, tokens, tokenizer;
+  std::string ckpt, text, tokens, tokenizer, device = "cpu";
   int64_t seq = 0, batch = 8;
   bool json = false;
 };
@@ -69,8 +71,22 @@ int run_eval(const EvalArgs& a) {
     throw Error(fmt::format("{}: {} token{}; the loss needs at least two", file, ids.size(), ids.size() == 1 ? "" : "s"));
 
   MemoryPool pool("cpu:0");
-  model::GPT gpt(cfg, pool);
-  model::load_checkpoint_params(ckpt, gpt);
+  model::GPT host(cfg, pool);
+  model::load_checkpoint_params(ckpt, host);
+  std::unique_ptr<Backend> be;
+  std::unique_ptr<model::GPT> dev;
+  if (a.device == "cuda") {
+    std::string why;
+    if (!backend_available(Device::cuda, &why)) throw Error(fmt::format("command line: --device cuda: {}", why));
+    be = make_backend(Device::cuda);
+    dev = std::make_unique<model::GPT>(cfg, *be);
+    for (size_t i = 0; i < host.parameters().size(); ++i) {
+      const model::Parameter* p = host.parameters()[i];
+      be->upload(dev->parameters()[i]->value.raw(), DType::f32, p->value.f32(), p->spec.numel());
+    }
+    dev->refresh_compute();
+  }
+  model::GPT& gpt = dev ? *dev : host;
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t n = int64_t(ids.size());
   double sum = 0;
@@ -94,10 +110,10 @@ int run_eval(const EvalArgs& a) {
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const double loss = sum / double(counted), ppl = std::exp(loss);
   if (a.json) {
-    std::printf("{\"checkpoint\": \"%s\", \"file\": \"%s\", \"tokens\": %lld, \"predicted\": %lld, \"windows\": %lld, "
-                "\"seq\": %lld, \"loss\": %.6f, \"perplexity\": %.6f, \"seconds\": %.3f}\n",
-                ckpt.c_str(), file.c_str(), (long long)n, (long long)counted, (long long)windows, (long long)T, loss,
-                ppl, s);
+    std::printf("{\"checkpoint\": \"%s\", \"file\": \"%s\", \"device\": \"%s\", \"tokens\": %lld, \"predicted\": %lld, "
+                "\"windows\": %lld, \"seq\": %lld, \"loss\": %.6f, \"perplexity\": %.6f, \"seconds\": %.3f}\n",
+                ckpt.c_str(), file.c_str(), a.device.c_str(), (long long)n, (long long)counted, (long long)windows,
+                (long long)T, loss, ppl, s);
   } else {
     std::printf("%s on %s: %lld tokens, %lld predicted in %lld windows of up to %lld | loss %.4f | perplexity %.3f | "
                 "%.0f tokens/s\n",
@@ -117,6 +133,8 @@ Registrar reg{Command{
       sub.add_option("--tokenizer", a->tokenizer, "directory with the tokenizer (default: the training data's)");
       sub.add_option("--seq", a->seq, "predicted tokens per window (default: the model's block_size)");
       sub.add_option("--batch", a->batch, "windows per forward pass");
+      sub.add_option("--device", a->device, "cpu (f32) or cuda (bf16; a build with CUDA)")
+          ->check(CLI::IsMember({"cpu", "cuda"}));
       sub.add_flag("--json", a->json, "one JSON line instead of the summary");
       return [a]() { return run_eval(*a); };
     }}};
