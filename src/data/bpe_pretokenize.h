@@ -18,16 +18,19 @@
 
 namespace loom::data {
 
-class PreTokenizer {
+// The walk over a text that both pre-tokenisers share: Derived::piece_end(q) gives the end of the
+// piece starting at q.
+template <class Derived>
+class PieceSplitter {
  public:
-  explicit PreTokenizer(std::string_view text)
+  explicit PieceSplitter(std::string_view text)
       : p_(reinterpret_cast<const uint8_t*>(text.data())), begin_(p_), end_(p_ + text.size()) {}
 
   // Stores the next piece in *piece and returns true; false at the end of the text.
   bool next(std::string_view* piece) {
     if (p_ >= end_) return false;
     const uint8_t* start = p_;
-    p_ = piece_end(p_);
+    p_ = static_cast<const Derived*>(this)->piece_end(p_);
     *piece = std::string_view(reinterpret_cast<const char*>(start), size_t(p_ - start));
     return true;
   }
@@ -35,7 +38,7 @@ class PreTokenizer {
   // Byte offset of the next piece in the text.
   size_t offset() const { return size_t(p_ - begin_); }
 
- private:
+ protected:
   // Class and length of the code point at q (q < end_).
   CharClass at(const uint8_t* q, size_t* len) const {
     if (*q < 0x80) {
@@ -60,6 +63,18 @@ class PreTokenizer {
       q += len;
     }
   }
+
+  const uint8_t* p_;
+  const uint8_t* begin_;
+  const uint8_t* end_;
+};
+
+class PreTokenizer : public PieceSplitter<PreTokenizer> {
+ public:
+  using PieceSplitter::PieceSplitter;
+
+ private:
+  friend class PieceSplitter<PreTokenizer>;
 
   const uint8_t* piece_end(const uint8_t* q) const {
     const uint8_t b = *q;
@@ -96,10 +111,6 @@ class PreTokenizer {
     if (r == end_ || last == q) return r;
     return last;
   }
-
-  const uint8_t* p_;
-  const uint8_t* begin_;
-  const uint8_t* end_;
 };
 
 // Llama 3's pre-tokeniser (tiktoken's cl100k pattern, as Llama 3's tokenizer.json gives it), the
@@ -110,37 +121,12 @@ class PreTokenizer {
 //
 // does (leftmost alternative first, greedy with backtracking), with \s = White_Space and the
 // contractions' case folded in ASCII.
-class Llama3PreTokenizer {
+class Llama3PreTokenizer : public PieceSplitter<Llama3PreTokenizer> {
  public:
-  explicit Llama3PreTokenizer(std::string_view text)
-      : p_(reinterpret_cast<const uint8_t*>(text.data())), end_(p_ + text.size()) {}
-
-  bool next(std::string_view* piece) {
-    if (p_ >= end_) return false;
-    const uint8_t* start = p_;
-    p_ = piece_end(p_);
-    *piece = std::string_view(reinterpret_cast<const char*>(start), size_t(p_ - start));
-    return true;
-  }
+  using PieceSplitter::PieceSplitter;
 
  private:
-  CharClass at(const uint8_t* q, size_t* len) const {
-    if (*q < 0x80) {
-      *len = 1;
-      return static_cast<CharClass>(detail::kAsciiClass[*q]);
-    }
-    uint32_t cp;
-    *len = decode_utf8(q, end_, &cp);
-    return char_class(cp);
-  }
-  const uint8_t* run_end(const uint8_t* q, CharClass c) const {
-    while (q < end_) {
-      size_t l;
-      if (at(q, &l) != c) break;
-      q += l;
-    }
-    return q;
-  }
+  friend class PieceSplitter<Llama3PreTokenizer>;
   static bool newline(uint8_t b) { return b == '\r' || b == '\n'; }
   static uint8_t lower(uint8_t b) { return b >= 'A' && b <= 'Z' ? uint8_t(b + 32) : b; }
 
@@ -201,9 +187,6 @@ class Llama3PreTokenizer {
     if (r == end_ || last == q) return r;
     return last;
   }
-
-  const uint8_t* p_;
-  const uint8_t* end_;
 };
 
 }  // namespace loom::data

@@ -437,7 +437,11 @@ std::unique_ptr<data::Tokenizer> load_run_tokenizer(const TrainConfig& cfg, int6
   if (tok->vocab_size() != data_vocab)
     throw Error(fmt::format("{}: the tokenizer has {} tokens, but the token shards in {} were written for a "
                             "vocabulary of {} (data.tokenizer and data.dir must belong to one `loom prepare`)",
-                            dir.string(), tok->vocab_size(), cfg.data_dir, data_vocab));
+                            (std::filesystem::exists(dir / "encoder.json")     ? dir / "encoder.json"
+                             : std::filesystem::exists(dir / "tokenizer.json") ? dir / "tokenizer.json"
+                                                                               : dir / "vocab.json")
+                                .string(),
+                            tok->vocab_size(), cfg.data_dir, data_vocab));
   return tok;
 }
 
