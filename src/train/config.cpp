@@ -272,7 +272,8 @@ std::vector<FieldInfo> config_fields() {
   std::vector<FieldInfo> out;
   for (const auto& f : kFields) {
     Value v = f.get(defaults);
-    out.push_back({f.key, type_name(v), f.help, value_str(v)});
+    const std::string value = value_str(v);
+    out.push_back({f.key, type_name(v), f.help, value.empty() && v.index() == 6 ? "(unset)" : value});
   }
   return out;
 }
