@@ -19,8 +19,8 @@ using namespace loom::model;
 
 namespace {
 
-GPTConfig five_blocks() {
-  GPTConfig c = gpt_preset("gpt2-tiny");
+GPTConfig five_blocks(const char* preset = "gpt2-tiny") {
+  GPTConfig c = gpt_preset(preset);
   c.n_layer = 5;
   return c;
 }
@@ -31,9 +31,9 @@ struct Trained {
   int64_t peak_activations = 0, declared = 0, none_declared = 0;
 };
 
-Trained train(const RecomputePlan* plan, int steps = 20) {
+Trained train(const RecomputePlan* plan, int steps = 20, const GPTConfig& cfg = five_blocks()) {
   MemoryPool pool("recompute");
-  GPT gpt(five_blocks(), pool);
+  GPT gpt(cfg, pool);
   if (plan) gpt.set_recompute(*plan);
   optim::AdamW opt(gpt.parameters(), {}, pool);
   const int64_t B = 2, T = 32;
@@ -92,11 +92,13 @@ void every_plan(int64_t L, const std::function<void(const RecomputePlan&)>& fn) 
 
 }  // namespace
 
-TEST(Recompute, EveryPolicyTrainsBitIdenticallyAndPeaksAsDeclared) {
-  const Trained none = train(nullptr);
+// Every policy against none, for a model of either family (the Llama's blocks rotate q and k and
+// gate the MLP, so a recomputed block must run those again too).
+void expect_every_policy_bit_identical(const GPTConfig& cfg) {
+  const Trained none = train(nullptr, 20, cfg);
   EXPECT_EQ(none.peak_activations, none.declared);
   MemoryPool probe;
-  GPT shapes(five_blocks(), probe);
+  GPT shapes(cfg, probe);
   const ChainMemory c = shapes.chain_memory(2, 32);
   for (const auto& [name, plan] : std::vector<std::pair<std::string, RecomputePlan>>{
            {"full", plan_recompute(Recompute::full, c)},
@@ -105,16 +107,24 @@ TEST(Recompute, EveryPolicyTrainsBitIdenticallyAndPeaksAsDeclared) {
            {"optimal", plan_recompute(Recompute::optimal, c, 2, (plan_peak(plan_recompute(Recompute::full, c), c) +
                                                                  double(none.declared)) / 2)},
            {"selective", plan_recompute(Recompute::selective, c)}}) {
-    SCOPED_TRACE(name + ": " + plan.describe());
-    const Trained r = train(&plan);
+    SCOPED_TRACE(cfg.name + " " + name + ": " + plan.describe());
+    const Trained r = train(&plan, 20, cfg);
     EXPECT_EQ(r.losses, none.losses);
     ASSERT_EQ(r.params.size(), none.params.size());
     for (size_t i = 0; i < r.params.size(); ++i) EXPECT_EQ(r.params[i], none.params[i]) << "parameter " << i;
     EXPECT_EQ(r.peak_activations, r.declared);
     EXPECT_LT(r.peak_activations, none.peak_activations);
-    std::printf("  %-8s %-22s peak activations %lld of %lld bytes\n", name.c_str(), plan.describe().c_str(),
-                (long long)r.peak_activations, (long long)none.peak_activations);
+    std::printf("  %-10s %-8s %-22s peak activations %lld of %lld bytes\n", cfg.name.c_str(), name.c_str(),
+                plan.describe().c_str(), (long long)r.peak_activations, (long long)none.peak_activations);
   }
+}
+
+TEST(Recompute, EveryPolicyTrainsBitIdenticallyAndPeaksAsDeclared) {
+  expect_every_policy_bit_identical(five_blocks());
+  expect_every_policy_bit_identical(five_blocks("llama-tiny"));
+  MemoryPool probe;
+  GPT shapes(five_blocks(), probe);
+  const ChainMemory c = shapes.chain_memory(2, 32);
   EXPECT_EQ(plan_recompute(Recompute::sqrt, c).describe(), "h.0-h.2, h.3-h.4");
   EXPECT_EQ(plan_recompute(Recompute::full, c).describe(), "h.0-h.4 in segments of 1 block");
   EXPECT_EQ(plan_recompute(Recompute::full, c).recomputed_blocks(), 5);
