@@ -26,23 +26,15 @@ peers=(llama3-tokenizer-js @huggingface/tokenizers)
 [[ -x "$loom" ]] || { echo "llama3_tokenizer_vs_npm: no loom executable in $build (ninja -C $build loom)" >&2; exit 2; }
 command -v node > /dev/null || { echo "llama3_tokenizer_vs_npm: node is not installed" >&2; exit 2; }
 mkdir -p "$work"
-if [[ ! -d "$npm_dir/node_modules/llama3-tokenizer-js" || ! -d "$npm_dir/node_modules/@huggingface/tokenizers" ]]; then
-  echo "installing npm peers into $npm_dir ..."
-  mkdir -p "$npm_dir"
-  [[ -f "$npm_dir/package.json" ]] || echo '{"private": true}' > "$npm_dir/package.json"
-  npm install --prefix "$npm_dir" --no-audit --no-fund --silent llama3-tokenizer-js@1.2.0 @huggingface/tokenizers@0.2.0
-fi
+source "$here/npm_peer_util.sh"
+npm_peers "$npm_dir" llama3-tokenizer-js@1.2.0 @huggingface/tokenizers@0.2.0
 [[ -s "$vocab/tokenizer.json" ]] || node "$here/llama3_tokenizer_peer.mjs" "$npm_dir" export "$vocab"
 digits="$npm_dir/llama3-digits"
 [[ -s "$digits/tokenizer.json" ]] || node "$here/llama3_tokenizer_peer.mjs" "$npm_dir" export-digits "$vocab" "$digits"
 
 corpus="${LOOM_TOKENIZER_CORPUS:-$work/llama3_corpus.txt}"
 if [[ -z "${LOOM_TOKENIZER_CORPUS:-}" && ! -s "$corpus" ]]; then
-  : > "$corpus"
-  if command -v bible > /dev/null; then bible gen1:1-rev22:21 >> "$corpus"; fi
-  if [[ -d /usr/share/common-licenses ]]; then
-    find /usr/share/common-licenses -maxdepth 1 -type f | LC_ALL=C sort | xargs cat >> "$corpus"
-  fi
+  english_corpus "$corpus"
   for _ in $(seq 200); do cat "$multi" >> "$corpus"; done
 fi
 

@@ -26,21 +26,11 @@ peers=(gpt-tokenizer js-tiktoken)
 command -v node > /dev/null || { echo "tokenizer_vs_npm: node is not installed" >&2; exit 2; }
 mkdir -p "$work"
 
-if [[ ! -d "$npm_dir/node_modules/gpt-tokenizer" || ! -d "$npm_dir/node_modules/js-tiktoken" ]]; then
-  echo "installing npm peers into $npm_dir ..."
-  mkdir -p "$npm_dir"
-  [[ -f "$npm_dir/package.json" ]] || echo '{"private": true}' > "$npm_dir/package.json"
-  npm install --prefix "$npm_dir" --no-audit --no-fund --silent gpt-tokenizer@4 js-tiktoken@1
-fi
+source "$here/npm_peer_util.sh"
+npm_peers "$npm_dir" gpt-tokenizer@4 js-tiktoken@1
 
 corpus="${LOOM_TOKENIZER_CORPUS:-$work/corpus.txt}"
-if [[ -z "${LOOM_TOKENIZER_CORPUS:-}" && ! -s "$corpus" ]]; then
-  : > "$corpus"
-  if command -v bible > /dev/null; then bible gen1:1-rev22:21 >> "$corpus"; fi
-  if [[ -d /usr/share/common-licenses ]]; then
-    find /usr/share/common-licenses -maxdepth 1 -type f | LC_ALL=C sort | xargs cat >> "$corpus"
-  fi
-fi
+[[ -n "${LOOM_TOKENIZER_CORPUS:-}" ]] || english_corpus "$corpus"
 bytes=$(wc -c < "$corpus")
 (( bytes >= 1000000 )) || { echo "tokenizer_vs_npm: corpus $corpus has only $bytes bytes (install bible-kjv)" >&2; exit 2; }
 
