@@ -152,9 +152,10 @@ class GPT {
   int64_t saved_activation_bytes(int64_t B, int64_t T) const;  // sum over the chain
   // Peak workspace of a training step at [B, T] when the attention kernel runs on `threads`
   // OpenMP threads (omp_get_max_threads() of the calling thread):
-  //   6 * B * T * C * e                    backward scratch: dres [B, T, C], bufC [B, T, C],
-  //                                        buf4C [B, T, 4C] in the compute dtype (e bytes; 24 B T C
-  //                                        on the CPU), kept from the first backward on
+  //   B * T * (2 C + wide) * e             backward scratch: dres [B, T, C], bufC [B, T, C],
+  //                                        buf4C [B, T, wide] (wide_columns: 4C for GPT-2, so 24 B T C
+  //                                        bytes on the CPU) in the compute dtype (e bytes), kept
+  //                                        from the first backward on
   //   + the backend's attention scratch    one buffer kept from the first forward with targets on
   //                                        and shared by every block's calls: the larger of the
   //                                        forward and backward call's
@@ -185,7 +186,7 @@ class GPT {
   bool can_backward_ = false;
   ChainHooks* hooks_ = nullptr;
   RecomputePlan plan_;
-  Tensor ws_dres_, ws_bufC_, ws_buf4C_;  // [B, T, C], [B, T, C], [B, T, 4C] (tag workspace)
+  Tensor ws_dres_, ws_bufC_, ws_buf4C_;  // [B, T, C], [B, T, C], [B, T, wide] (tag workspace)
   Tensor grads_;  // f32: every gradient, on devices (flat_gradients)
   uint64_t activation_epoch_ = 0;
 };
