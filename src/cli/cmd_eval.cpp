@@ -21,6 +21,7 @@
 #include "core/memory.h"
 #include "data/shard.h"
 #include "model/gpt.h"
+#include "train/checkpoint.h"
 #include "train/checkpoint_io.h"
 
 namespace loom::cli {
@@ -70,23 +71,30 @@ int run_eval(const EvalArgs& a) {
   if (ids.size() < 2)
     throw Error(fmt::format("{}: {} token{}; the loss needs at least two", file, ids.size(), ids.size() == 1 ? "" : "s"));
 
+  // The model on its device, its weights read from the checkpoint tensor by tensor (a GPU's
+  // uploaded from one host buffer).
   MemoryPool pool("cpu:0");
-  model::GPT host(cfg, pool);
-  model::load_checkpoint_params(ckpt, host);
   std::unique_ptr<Backend> be;
-  std::unique_ptr<model::GPT> dev;
   if (a.device == "cuda") {
     std::string why;
     if (!backend_available(Device::cuda, &why)) throw Error(fmt::format("command line: --device cuda: {}", why));
     be = make_backend(Device::cuda);
-    dev = std::make_unique<model::GPT>(cfg, *be);
-    for (size_t i = 0; i < host.parameters().size(); ++i) {
-      const model::Parameter* p = host.parameters()[i];
-      be->upload(dev->parameters()[i]->value.raw(), DType::f32, p->value.f32(), p->spec.numel());
-    }
-    dev->refresh_compute();
+  } else {
+    be = make_backend(Device::cpu, {.pool = &pool});
   }
-  model::GPT& gpt = dev ? *dev : host;
+  model::GPT gpt(cfg, *be);
+  if (a.device == "cuda") {
+    train::CheckpointReader r(ckpt);
+    std::vector<float> buf;
+    for (model::Parameter* p : gpt.parameters()) {
+      buf.resize(size_t(p->spec.numel()));
+      r.read("param/" + p->spec.name, 0, p->spec.numel(), buf.data());
+      be->upload(p->value.raw(), DType::f32, buf.data(), p->spec.numel());
+    }
+    gpt.refresh_compute();
+  } else {
+    model::load_checkpoint_params(ckpt, gpt);
+  }
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t n = int64_t(ids.size());
   double sum = 0;

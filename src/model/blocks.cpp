@@ -195,7 +195,8 @@ TransformerBlock::TransformerBlock(const GPTConfig& cfg, int64_t layer, Backend&
   const int64_t HS = cfg.head_size();
   const std::vector<ChainParallel::Section> qkv_sections = {
       {cfg.n_head, HS}, {cfg.kv_heads(), HS}, {cfg.kv_heads(), HS}};
-  const int fc_sections = cfg.mlp == Mlp::swiglu ? 2 : 1;
+  // c_fc's F columns (twice under SwiGLU: gate, then up), each split over tp as rows of one.
+  const std::vector<ChainParallel::Section> fc_sections(cfg.mlp == Mlp::swiglu ? 2 : 1, {cfg.ffn(), 1});
   std::vector<ParamSpec> specs = block_param_specs(cfg, layer);
   params_.reserve(specs.size());
   size_t next = 0;

@@ -260,10 +260,7 @@ int64_t GPT::activation_peak_bytes(int64_t B, int64_t T) const {
 void GPT::finish_gradients() {
   comm::Comm* tp = par_->tp_group();
   if (!tp) return;
-  for (Parameter* p : params_) {
-    if (p->shard.sp_partial) tp->all_reduce(p->grad.f32(), p->spec.numel(), DType::f32);
-    p->sum_shared_gradients(0, p->spec.numel(), p->grad.f32());  // replicated key/value heads
-  }
+  for (Parameter* p : params_) p->sum_partial_gradients(0, p->spec.numel(), p->grad.f32(), tp);
 }
 
 void GPT::release_activations() {

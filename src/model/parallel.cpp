@@ -87,20 +87,6 @@ Parameter ChainParallel::whole(ParamSpec spec, bool sp_partial) const {
   return p;
 }
 
-Parameter ChainParallel::rows_split(ParamSpec spec, int sections) const {
-  if (tp_ == 1) return whole(std::move(spec), false);
-  const int64_t R = spec.shape[0], K = spec.shape.size() > 1 ? spec.shape[1] : 1;
-  const int64_t Rs = R / sections, Rl = Rs / tp_;
-  Parameter p;
-  p.shard.global_shape = spec.shape;
-  p.shard.split = true;
-  for (int s = 0; s < sections; ++s) p.shard.segments.push_back({s * Rl * K, (s * Rs + tpr_ * Rl) * K, Rl * K});
-  spec.shape[0] = sections * Rl;
-  spec.alloc_rows = spec.shape[0];
-  p.spec = std::move(spec);
-  return p;
-}
-
 comm::Comm* ChainParallel::shared_group(int size) {
   auto it = shared_.find(size);
   if (it != shared_.end()) return it->second.get();

@@ -90,21 +90,18 @@ class ChainParallel {
   int64_t own_rows(int64_t B, int64_t T) const { return own(B, T).size(); }
 
   // The parameter `spec` as this rank holds it: whole (replicated over tp; sp_partial: its
-  // gradient is a partial sum under sp), rows of `sections` equal sections split over tp
-  // (column-parallel weights and biases; q | k | v for c_attn), columns split over tp
-  // (row-parallel weights), or vocabulary rows.
+  // gradient is a partial sum under sp), rows split over tp (column-parallel weights and biases),
+  // columns split over tp (row-parallel weights), or vocabulary rows.
   Parameter whole(ParamSpec spec, bool sp_partial) const;
-  Parameter rows_split(ParamSpec spec, int sections) const;
-  // The same with sections of `heads` heads of `head_rows` rows each (c_attn under grouped-query
-  // attention: the queries' heads, then the keys' and the values'), each split over tp by heads;
-  // a section of fewer heads than tp (tp a multiple of them) is replicated instead: rank r holds
-  // head r / (tp / heads), shared with the other ranks holding it (Sharding::shared_group).
+  // Rows in consecutive sections (c_attn: the queries' heads, then the keys' and the values';
+  // SwiGLU's c_fc: the gate's F rows, then the up projection's), each of `heads` heads of
+  // `head_rows` rows split over tp by heads; a section of fewer heads than tp (tp a multiple of
+  // them) is replicated instead: rank r holds head r / (tp / heads), shared with the other ranks
+  // holding it (ShardSegment::shared, Sharding::shared_group).
   struct Section {
     int64_t heads = 0, head_rows = 0;
   };
   Parameter rows_split(ParamSpec spec, const std::vector<Section>& sections);
-  // Heads of a section of `heads` on this rank: heads / tp, or 1 where replicated.
-  int64_t local_heads(int64_t heads) const { return heads >= tp_ ? heads / tp_ : 1; }
   Parameter columns_split(ParamSpec spec) const;
   Parameter vocab_split(ParamSpec spec, const GPTConfig& cfg) const;
 

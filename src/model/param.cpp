@@ -101,7 +101,8 @@ std::vector<std::pair<int64_t, int64_t>> Parameter::norm_ranges() const {
   return out;
 }
 
-void Parameter::sum_shared_gradients(int64_t begin, int64_t end, float* grad) const {
+void Parameter::sum_partial_gradients(int64_t begin, int64_t end, float* grad, comm::Comm* tp) const {
+  if (shard.sp_partial && tp && end > begin) tp->all_reduce(grad, end - begin, DType::f32);
   if (!shard.shared_group) return;
   for (const ShardSegment& s : shard.segments) {
     if (!s.shared) continue;

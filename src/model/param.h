@@ -105,10 +105,11 @@ struct Parameter {
   // The local ranges [begin, end) of elements [0, numel) that count in the gradient norm: all
   // but replicas, in order.
   std::vector<std::pair<int64_t, int64_t>> norm_ranges() const;
-  // Sums the shared segments' gradients over shared_group, on the local elements [begin, end)
-  // whose gradient lies at grad (grad[0] is element begin). Collective over shared_group; nothing
-  // for a parameter without shared segments.
-  void sum_shared_gradients(int64_t begin, int64_t end, float* grad) const;
+  // Completes this rank's partial gradient sums on the local elements [begin, end) whose gradient
+  // lies at grad (grad[0] is element begin): over tp where sequence parallelism left them partial
+  // (shard.sp_partial), and the shared segments' over shared_group (replicated key/value heads).
+  // Collective over those groups; nothing for a parameter with neither.
+  void sum_partial_gradients(int64_t begin, int64_t end, float* grad, comm::Comm* tp) const;
   bool has_shared() const { return shard.shared_group != nullptr; }
 };
 

@@ -561,14 +561,11 @@ optim::StepStats DataParallel::step(double lr, bool skip) {
   if (poison_ && n > 0) g[0] = std::numeric_limits<float>::quiet_NaN();
   poison_ = false;
   comm::Comm* tp = o_.norm_group && o_.norm_group->size() > 1 ? o_.norm_group : nullptr;
-  if (tp) {  // sequence parallelism's partial sums over tp, on this rank's range
+  if (tp) {  // partial sums within tp (sp's, replicated key/value heads'), on this rank's range
     const int64_t ob = opt_->begin();
     for (const FlatParam& f : lay_.params) {
       const int64_t b = std::max(f.offset, ob), e = std::min(f.offset + f.numel, opt_->end());
-      if (b >= e) continue;
-      if (f.param->shard.sp_partial) tp->all_reduce(g + (b - ob), e - b, DType::f32);
-      // Replicated key/value heads: summed over the tp ranks holding them.
-      f.param->sum_shared_gradients(b - f.offset, e - f.offset, g + (b - ob));
+      if (b < e) f.param->sum_partial_gradients(b - f.offset, e - f.offset, g + (b - ob), tp);
     }
   }
   double sq = opt_->grad_sum_squares(g);

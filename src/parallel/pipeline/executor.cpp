@@ -394,14 +394,10 @@ struct PipelineExecutor::Impl {
 
   StepResult optimizer_step(double lr) {
     StepResult res;
-    // Sequence parallelism: the sp-partial gradients summed over tp (the cp partial sums are
-    // added by the data-parallel reduction below).
-    // Replicated key/value heads: their gradients summed over the tp ranks holding them.
+    // The partial sums within tp: sequence parallelism's over tp, replicated key/value heads' over
+    // the ranks holding them (the cp partial sums are added by the data-parallel reduction below).
     if (comm::Comm* tpg = par->tp_group())
-      for (model::Parameter* p : params) {
-        if (p->shard.sp_partial) tpg->all_reduce(p->grad.f32(), p->spec.numel(), DType::f32);
-        p->sum_shared_gradients(0, p->spec.numel(), p->grad.f32());
-      }
+      for (model::Parameter* p : params) p->sum_partial_gradients(0, p->spec.numel(), p->grad.f32(), tpg);
     // Tied embeddings: the first and last stages add their wte gradients (a + b == b + a, so
     // both copies get bit-identical sums). Under tp the two hold the same vocabulary rows.
     if (tied) {
