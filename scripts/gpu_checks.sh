@@ -16,10 +16,14 @@
 #   loom      `loom train --train.device cuda` on a small corpus made from the repository's text,
 #             `loom generate` on its checkpoint, and the same run as two data-parallel processes
 #   llama     the Llama family on the GPU: train_gpt2_cuda at SmolLM-135M's shapes against GPT-2
-#             124M (B = 16, T = 1024, loom's flash attention for both; two alternating rounds), and
+#             124M (B = 16, T = 1024, cuDNN attention for both, grouped-query for SmolLM; two
+#             alternating rounds, then one with loom's flash attention for both), and
 #             the quickstart's Llama sibling (configs/kjv-llama-10m.toml) trained with
 #             `loom train --train.device cuda`, sampled, resumed, and evaluated with `loom eval` on
 #             both devices
+#   gap       GPT-2 124M (the vocabulary of data/kjv, or of the small corpus) trained 30 steps from the
+#             same seed on the same batches on the GPU (bf16) and on the host's CPU (f32): the two
+#             loss curves side by side, and their largest relative difference
 # Each step writes OUT_DIR/<step>.log and its exit status to OUT_DIR/status; a failing step does
 # not stop the others, and the script exits non-zero if any failed.
 set -uo pipefail
@@ -89,9 +93,9 @@ step_loom() {
 }
 step_llama() {
   local r
-  for r in 1 2; do
-    env_run train_gpt2_cuda --model gpt2-124m -B 16 -T 1024 --steps 20 --warmup 5 --attention flash || return 1
-    env_run train_gpt2_cuda --model smollm-135m -B 16 -T 1024 --steps 20 --warmup 5 --attention flash || return 1
+  for r in cudnn cudnn flash; do
+    env_run train_gpt2_cuda --model gpt2-124m -B 16 -T 1024 --steps 20 --warmup 5 --attention $r || return 1
+    env_run train_gpt2_cuda --model smollm-135m -B 16 -T 1024 --steps 20 --warmup 5 --attention $r || return 1
   done
   local corpus="$out/corpus_llama"
   make_corpus "$corpus" &&
@@ -109,6 +113,29 @@ step_llama() {
   echo "$cpu"
   python3 -c "import json,sys; g=json.loads(sys.argv[1])['loss']; c=json.loads(sys.argv[2])['loss']; print(f'eval loss cuda {g:.5f} cpu {c:.5f} rel {abs(g-c)/c:.2e}'); sys.exit(abs(g-c)/c > 1e-2)" "$gpu" "$cpu"
 }
+step_gap() {
+  local d="$root/data/kjv"
+  if [[ ! -f "$d/train_000.bin" ]]; then
+    make_corpus "$out/corpus_gap" || return 1
+    d="$out/corpus_gap/data"
+  fi
+  local dev
+  for dev in cuda cpu; do
+    env_run loom train --data.dir "$d" --model.preset gpt2-124m --data.seq_len 256 --train.batch_size 8 \
+      --train.steps 30 --train.eval_every 0 --train.sample_tokens 0 --train.device $dev \
+      --train.threads "$(nproc)" --train.out_dir "/tmp/loom_gap_$dev" || return 1
+  done
+  python3 - /tmp/loom_gap_cuda/metrics.jsonl /tmp/loom_gap_cpu/metrics.jsonl <<'PY'
+import json, sys
+rows = [[json.loads(l) for l in open(f) if '"loss"' in l] for f in sys.argv[1:]]
+worst = 0.0
+for g, c in zip(*rows):
+    rel = abs(g["loss"] - c["loss"]) / c["loss"]
+    worst = max(worst, rel)
+    print(f'step {g["step"]:3d}  cuda {g["loss"]:.5f}  cpu {c["loss"]:.5f}  rel {rel:.2e}  grad_norm {g["grad_norm"]:.4f} / {c["grad_norm"]:.4f}')
+print(f"largest relative loss difference {worst:.2e}")
+PY
+}
 failed=0
 run_step() {
   local name=$1
@@ -121,8 +148,8 @@ run_step() {
 }
 for s in "${steps[@]}"; do
   case "$s" in
-    device|cuda|memcheck|pipeline|flash|train|loom|llama) run_step "$s" ;;
-    *) echo "gpu_checks: unknown step '$s' (device, cuda, memcheck, pipeline, flash, train, loom, llama)" >&2; exit 2 ;;
+    device|cuda|memcheck|pipeline|flash|train|loom|llama|gap) run_step "$s" ;;
+    *) echo "gpu_checks: unknown step '$s' (device, cuda, memcheck, pipeline, flash, train, loom, llama, gap)" >&2; exit 2 ;;
   esac
 done
 exit $failed

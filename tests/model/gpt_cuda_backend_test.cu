@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "core/backend.h"
+#include "kernels/cuda/cudnn_attention.cuh"
 #include "model/gpt.h"
 #include "model/kv_cache.h"
 #include "model/reference_util.h"
@@ -136,9 +137,9 @@ TEST(GPTOnCuda, MatchesTheCpuModelWithEveryAttentionKernel) {
 }
 
 // The Llama family (RMSNorm, rotary embeddings, SwiGLU, no biases, untied head) with grouped-query
-// attention (4 query heads on 2 key/value heads, head size 64: loom's flash kernels; automatic
-// picks them too, cuDNN's graphs being multi-head only) and, separately, with multi-head attention
-// on every kernel.
+// attention (4 query heads on 2 key/value heads, head size 64: cuDNN's graphs, which automatic
+// picks where cuDNN is built in, and loom's flash kernels) and, separately, with multi-head
+// attention on every kernel.
 TEST(LlamaOnCuda, MatchesTheCpuModel) {
   REQUIRE_CUDA_BACKEND();
   model::GPTConfig cfg = model::gpt_preset("llama-tiny");
@@ -149,6 +150,7 @@ TEST(LlamaOnCuda, MatchesTheCpuModel) {
   cfg.block_size = 64;
   cfg.vocab_size = 300;
   check_against_cpu(cfg, {AttnKernel::automatic, AttnKernel::flash});
+  if (loom::cuda::cudnn_available()) check_against_cpu(cfg, {AttnKernel::cudnn});
   cfg.n_kv_head = 4;
   check_against_cpu(cfg, {AttnKernel::automatic, AttnKernel::flash, AttnKernel::gemm});
 }

@@ -4,7 +4,8 @@
 //
 // The graphs follow the operation patterns cuDNN's runtime-fusion SDPA engines recognise:
 //
-// forward (Q [B,NH,Tq,HS], K^T [B,NH,HS,Tkv], V [B,NH,Tkv,HS] bf16 views of loom's row layout):
+// forward (Q [B,NH,Tq,HS], K^T [B,NKV,HS,Tkv], V [B,NKV,Tkv,HS] bf16 views of loom's row layout;
+// with grouped-query attention, NKV < NH, the matmuls broadcast each key/value head over its group):
 //   S  = matmul(Q, K^T)                     f32 virtual [B,NH,Tq,Tkv]
 //   S1 = S * scale                           (scale: f32 by-value scalar)
 //   causal: row = gen_index(S1, axis 2), col = gen_index(S1, axis 3) (int32),
@@ -21,6 +22,7 @@
 //   dV = matmul(reshape(P) -> P^T bf16, dO)
 //   dS = (matmul(dO, V^T) - Dsum) * P * scale
 //   dK = matmul(reshape(dS) -> dS^T bf16, Q)
+//   (NKV < NH: dV and dK per query head are virtual [B,NH,Tkv,HS] tensors, reduce_add into NKV heads)
 //   dQacc = matmul(dS, reshape(K^T) -> K)   f32 [B,NH,Tq,HS], in the workspace; dQ = identity(dQacc)
 #include "kernels/cuda/cudnn_attention.cuh"
 
@@ -47,8 +49,9 @@ namespace loom::cuda {
 namespace {
 
 std::string shape_string(const AttnArgs& a) {
-  return fmt::format("B={}, NH={}, HS={}, Tq={}, Tkv={}, causal={}, strides q/kv/o={}/{}/{}", a.B, a.NH, a.HS,
-                     a.Tq, a.Tkv, a.causal ? 1 : 0, a.q_stride, a.kv_stride, a.o_stride);
+  return fmt::format("B={}, NH={}, NKV={}, HS={}, Tq={}, Tkv={}, causal={}, strides q/kv/o={}/{}/{}", a.B, a.NH,
+                     a.NKV > 0 ? a.NKV : a.NH, a.HS, a.Tq, a.Tkv, a.causal ? 1 : 0, a.q_stride, a.kv_stride,
+                     a.o_stride);
 }
 
 }  // namespace
@@ -58,17 +61,16 @@ void cudnn_attention_check(const AttnArgs& a) {
              "cuDNN attention: B, NH, Tq and Tkv must be at least 1 (B = {}, NH = {}, Tq = {}, Tkv = {})", a.B, a.NH,
              a.Tq, a.Tkv);
   LOOM_CHECK(a.HS == 64 || a.HS == 128, "cuDNN attention: head size HS = {} is not supported (64 or 128)", a.HS);
-  LOOM_CHECK(a.NKV == 0 || a.NKV == a.NH,
-             "cuDNN attention: loom's cuDNN graphs take multi-head attention (NKV = NH), got NKV = {} key/value heads "
-             "for NH = {}; loom's flash kernels take grouped-query attention",
-             a.NKV, a.NH);
+  LOOM_CHECK(a.NKV >= 0 && (a.NKV == 0 || a.NH % a.NKV == 0),
+             "cuDNN attention: NKV = {} key/value heads must divide NH = {} query heads", a.NKV, a.NH);
   LOOM_CHECK(a.Tq > 1 || a.Tkv > 1,
              "cuDNN attention: Tq = 1 and Tkv = 1 (one query, one key) is a shape cuDNN's attention backward does "
              "not take; loom's own kernels (attention_forward) do");
-  const int64_t C = a.NH * a.HS;
-  LOOM_CHECK(a.q_stride >= C && a.kv_stride >= C && a.o_stride >= C,
-             "cuDNN attention: row strides (q_stride = {}, kv_stride = {}, o_stride = {}) must be at least NH * HS = {}",
-             a.q_stride, a.kv_stride, a.o_stride, C);
+  const int64_t C = a.NH * a.HS, Ckv = (a.NKV > 0 ? a.NKV : a.NH) * a.HS;
+  LOOM_CHECK(a.q_stride >= C && a.o_stride >= C && a.kv_stride >= Ckv,
+             "cuDNN attention: row strides (q_stride = {}, o_stride = {}) must be at least NH * HS = {} and kv_stride = "
+             "{} at least NKV * HS = {}",
+             a.q_stride, a.o_stride, C, a.kv_stride, Ckv);
   LOOM_CHECK(a.q_stride % 8 == 0 && a.kv_stride % 8 == 0 && a.o_stride % 8 == 0,
              "cuDNN attention: row strides (q_stride = {}, kv_stride = {}, o_stride = {}) must be multiples of 8 "
              "elements (16-byte rows)",
@@ -440,15 +442,19 @@ struct CudnnAttention::Impl {
   static Dims bhsd_strides(int64_t T, int64_t stride, int64_t HS) { return {T * stride, HS, stride, 1}; }
   static Dims bhds_strides(int64_t T, int64_t stride, int64_t HS) { return {T * stride, HS, 1, stride}; }
 
+  int64_t kv_heads() const { return a.NKV > 0 ? a.NKV : a.NH; }
+
   void build_forward() {
-    const int64_t B = a.B, NH = a.NH, HS = a.HS, Tq = a.Tq, Tkv = a.Tkv;
+    const int64_t B = a.B, NH = a.NH, NKV = kv_heads(), HS = a.HS, Tq = a.Tq, Tkv = a.Tkv;
     fwd_ops = std::make_unique<GraphBuilder>("forward attention graph");
     GraphBuilder& g = *fwd_ops;
     const Dims s_dims{B, NH, Tq, Tkv}, s_strides{NH * Tq * Tkv, Tq * Tkv, Tkv, 1};
     const Dims r_dims{B, NH, Tq, 1}, r_strides{NH * Tq, Tq, 1, 1};
     auto q = g.tensor(kQ, CUDNN_DATA_BFLOAT16, {B, NH, Tq, HS}, bhsd_strides(Tq, a.q_stride, HS));
-    auto kt = g.tensor(kK, CUDNN_DATA_BFLOAT16, {B, NH, HS, Tkv}, bhds_strides(Tkv, a.kv_stride, HS));
-    auto v = g.tensor(kV, CUDNN_DATA_BFLOAT16, {B, NH, Tkv, HS}, bhsd_strides(Tkv, a.kv_stride, HS));
+    // Grouped-query attention: K and V have NKV heads; the matmuls broadcast each over the NH / NKV
+    // query heads of its group.
+    auto kt = g.tensor(kK, CUDNN_DATA_BFLOAT16, {B, NKV, HS, Tkv}, bhds_strides(Tkv, a.kv_stride, HS));
+    auto v = g.tensor(kV, CUDNN_DATA_BFLOAT16, {B, NKV, Tkv, HS}, bhsd_strides(Tkv, a.kv_stride, HS));
     auto o = g.tensor(kO, CUDNN_DATA_BFLOAT16, {B, NH, Tq, HS}, bhsd_strides(Tq, a.o_stride, HS));
     auto stats = g.tensor(kStats, CUDNN_DATA_FLOAT, r_dims, r_strides);
     auto scale_t = g.scalar(kScale);
@@ -479,7 +485,7 @@ struct CudnnAttention::Impl {
   }
 
   void build_backward() {
-    const int64_t B = a.B, NH = a.NH, HS = a.HS, Tq = a.Tq, Tkv = a.Tkv;
+    const int64_t B = a.B, NH = a.NH, NKV = kv_heads(), HS = a.HS, Tq = a.Tq, Tkv = a.Tkv;
     bwd_ops = std::make_unique<GraphBuilder>("backward attention graph");
     GraphBuilder& g = *bwd_ops;
     const Dims s_dims{B, NH, Tq, Tkv}, s_strides{NH * Tq * Tkv, Tq * Tkv, Tkv, 1};
@@ -487,14 +493,23 @@ struct CudnnAttention::Impl {
     const Dims r_dims{B, NH, Tq, 1}, r_strides{NH * Tq, Tq, 1, 1};
     const Dims qd_dims{B, NH, Tq, HS}, packed_q{NH * Tq * HS, Tq * HS, HS, 1};
     auto q = g.tensor(kQ, CUDNN_DATA_BFLOAT16, qd_dims, bhsd_strides(Tq, a.q_stride, HS));
-    auto kt = g.tensor(kK, CUDNN_DATA_BFLOAT16, {B, NH, HS, Tkv}, bhds_strides(Tkv, a.kv_stride, HS));
-    auto vt = g.tensor(kV, CUDNN_DATA_BFLOAT16, {B, NH, HS, Tkv}, bhds_strides(Tkv, a.kv_stride, HS));
+    auto kt = g.tensor(kK, CUDNN_DATA_BFLOAT16, {B, NKV, HS, Tkv}, bhds_strides(Tkv, a.kv_stride, HS));
+    auto vt = g.tensor(kV, CUDNN_DATA_BFLOAT16, {B, NKV, HS, Tkv}, bhds_strides(Tkv, a.kv_stride, HS));
     auto o = g.tensor(kO, CUDNN_DATA_BFLOAT16, qd_dims, bhsd_strides(Tq, a.o_stride, HS));
     auto dout = g.tensor(kDO, CUDNN_DATA_BFLOAT16, qd_dims, bhsd_strides(Tq, a.o_stride, HS));
     auto stats = g.tensor(kStats, CUDNN_DATA_FLOAT, r_dims, r_strides);
     auto dq = g.tensor(kDQ, CUDNN_DATA_BFLOAT16, qd_dims, bhsd_strides(Tq, a.q_stride, HS));
-    auto dk = g.tensor(kDK, CUDNN_DATA_BFLOAT16, {B, NH, Tkv, HS}, bhsd_strides(Tkv, a.kv_stride, HS));
-    auto dv = g.tensor(kDV, CUDNN_DATA_BFLOAT16, {B, NH, Tkv, HS}, bhsd_strides(Tkv, a.kv_stride, HS));
+    auto dk = g.tensor(kDK, CUDNN_DATA_BFLOAT16, {B, NKV, Tkv, HS}, bhsd_strides(Tkv, a.kv_stride, HS));
+    auto dv = g.tensor(kDV, CUDNN_DATA_BFLOAT16, {B, NKV, Tkv, HS}, bhsd_strides(Tkv, a.kv_stride, HS));
+    // Grouped-query attention: dK and dV per query head (virtual, packed [B, NH, Tkv, HS]), summed
+    // over each group's query heads by a reduction into the NKV heads.
+    const Dims full_kv_dims{B, NH, Tkv, HS}, full_kv_strides{NH * Tkv * HS, Tkv * HS, HS, 1};
+    auto grad_per_query_head = [&](cudnnBackendDescriptor_t grad) {
+      return NKV == NH ? grad : g.virt(CUDNN_DATA_BFLOAT16, full_kv_dims, full_kv_strides);
+    };
+    auto reduce_over_group = [&](cudnnBackendDescriptor_t full, cudnnBackendDescriptor_t grad) {
+      if (full != grad) g.reduction(CUDNN_REDUCE_TENSOR_ADD, full, grad);
+    };
     auto scale_t = g.scalar(kScale);
     auto one_t = g.scalar(kOne);
     auto dsum = g.tensor(kDsum, CUDNN_DATA_FLOAT, r_dims, r_strides);
@@ -521,7 +536,9 @@ struct CudnnAttention::Impl {
     // dV = P^T dO
     auto pt = g.virt(CUDNN_DATA_BFLOAT16, st_dims, st_strides);
     g.reshape(p, pt);
-    g.matmul(pt, dout, dv);
+    auto dv_full = grad_per_query_head(dv);
+    g.matmul(pt, dout, dv_full);
+    reduce_over_group(dv_full, dv);
 
     // dS = (dO V^T - Dsum) * P * scale
     auto dp = g.virt(CUDNN_DATA_FLOAT, s_dims, s_strides);
@@ -536,10 +553,12 @@ struct CudnnAttention::Impl {
     // dK = dS^T Q
     auto dst = g.virt(CUDNN_DATA_BFLOAT16, st_dims, st_strides);
     g.reshape(ds, dst);
-    g.matmul(dst, q, dk);
+    auto dk_full = grad_per_query_head(dk);
+    g.matmul(dst, q, dk_full);
+    reduce_over_group(dk_full, dk);
 
     // dQ = dS K, accumulated in f32
-    auto k = g.virt(CUDNN_DATA_FLOAT, {B, NH, Tkv, HS}, bhsd_strides(Tkv, a.kv_stride, HS));
+    auto k = g.virt(CUDNN_DATA_FLOAT, {B, NKV, Tkv, HS}, bhsd_strides(Tkv, a.kv_stride, HS));
     g.reshape(kt, k);
     g.matmul(ds, k, dqacc);
     g.unary(CUDNN_POINTWISE_IDENTITY, dqacc, dq);

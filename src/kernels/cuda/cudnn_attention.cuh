@@ -15,10 +15,14 @@
 // f32 [B, NH, Tq], the natural log of each row's sum of exp of the scaled scores (cuDNN's softmax
 // stats are exactly that: max + log(sum(exp(s - max)))).
 //
+// Grouped-query attention: NKV key/value heads dividing NH (query head h reads key/value head
+// h / (NH / NKV)); the backward computes dK and dV per query head inside the fused graph and sums
+// each group's into its key/value head.
+//
 // Supported (checked before any device work, loom::Error naming the field otherwise): bf16, HS 64
-// or 128, causal masks aligned at the first query and key (q_pos0 == kv_pos0: query t sees keys
+// or 128, NKV dividing NH, causal masks aligned at the first query and key (q_pos0 == kv_pos0: query t sees keys
 // s <= t) or no mask, any Tq and Tkv >= 1 but not both 1 (cuDNN's backward does not take one query
-// and one key), row strides >= NH * HS and multiples of 8 elements;
+// and one key), row strides >= NH * HS (kv: NKV * HS) and multiples of 8 elements;
 // pointers (q, k, v, out, lse, dout, dq, dk, dv, workspace) 16-byte aligned. The constructor also
 // refuses cuDNN releases before 9.16 (they need workarounds this path does not build), and a
 // shape no cuDNN engine takes is a loom::Error naming the graph and cuDNN's message.

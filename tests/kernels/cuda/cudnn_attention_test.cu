@@ -76,6 +76,31 @@ void run_case(const AttnCase& cs) {
   EXPECT_TRUE(attn_same_bits(lse1, lse)) << "lse differs between runs";
 }
 
+// Grouped-query attention: the same cases as loom's flash kernels take (CudaAttention.
+// GroupedQueryHeads): 8 query heads on 2 key/value heads padded and in a Llama block's packed
+// q|k|v rows, HS 128 with groups of 2, SmolLM-135M's 9 on 3, and one key/value head (MQA).
+TEST(CudnnAttention, GroupedQueryHeads) {
+  LOOM_REQUIRE_CUDNN();
+  AttnCase c{"hs64 gqa 8/2 causal T=333 padded", 2, 8, 64, 333, 333, true};
+  c.NKV = 2;
+  c.pad = 8;
+  run_case(c);
+  AttnCase d{"hs64 gqa 8/2 causal packed T=200", 2, 8, 64, 200, 200, true};
+  d.NKV = 2;
+  d.packed = true;
+  run_case(d);
+  AttnCase e{"hs128 gqa 4/2 causal T=130", 1, 4, 128, 130, 130, true};
+  e.NKV = 2;
+  run_case(e);
+  AttnCase s{"hs64 gqa 9/3 causal packed T=256 (SmolLM-135M's heads)", 2, 9, 64, 256, 256, true};
+  s.NKV = 3;
+  s.packed = true;
+  run_case(s);
+  AttnCase f{"hs64 mqa 6/1 non-causal Tq=70 Tkv=90", 2, 6, 64, 70, 90, false};
+  f.NKV = 1;
+  run_case(f);
+}
+
 TEST(CudnnAttention, CausalHs64OddLength) {
   LOOM_REQUIRE_CUDNN();
   run_case({"hs64 causal B=2 T=333", 2, 3, 64, 333, 333, true});
@@ -194,6 +219,14 @@ TEST(CudnnAttention, RefusesUnsupportedArguments) {
   EXPECT_NE(message(b).find("Tq = 1 and Tkv = 1"), std::string::npos) << message(b);
   b.Tkv = 2;
   EXPECT_EQ(message(b), "");
+
+  b = a;
+  b.NH = 6, b.NKV = 4, b.q_stride = b.o_stride = 384, b.kv_stride = 256;  // 4 key/value heads do not divide 6
+  EXPECT_NE(message(b).find("NKV = 4"), std::string::npos) << message(b);
+  b.NKV = 3, b.kv_stride = 192;  // groups of 2: k and v rows need only NKV * HS
+  EXPECT_EQ(message(b), "");
+  b.kv_stride = 184;
+  EXPECT_NE(message(b).find("NKV * HS = 192"), std::string::npos) << message(b);
 
   b = a;
   b.Tkv = 0;
