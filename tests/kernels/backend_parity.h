@@ -246,12 +246,12 @@ TEST_P(BackendParity, LayerNormWithResidual) {
 // embeddings on the K columns of a packed qkv buffer and back, SwiGLU forward and backward. A
 // backend without them must refuse each by name.
 TEST_P(BackendParity, LlamaOps) {
-  const int64_t N = 37, C = 64, H = 40;
+  const int64_t N = 37, C0 = 64, H = 40;
   if (!be().supports(Op::rmsnorm, dt_)) {
     for (Op op : {Op::rope, Op::swiglu}) EXPECT_FALSE(be().supports(op, dt_)) << op_name(op);
-    DevBuf x(be(), N * C, dt_), w(be(), C, dt_);
+    DevBuf x(be(), N * C0, dt_), w(be(), C0, dt_);
     try {
-      be().layernorm_forward({.dtype = dt_, .out = x.p(), .inp = x.p(), .weight = w.p(), .N = N, .C = C, .rms = true});
+      be().layernorm_forward({.dtype = dt_, .out = x.p(), .inp = x.p(), .weight = w.p(), .N = N, .C = C0, .rms = true});
       ADD_FAILURE() << "rmsnorm ran on a backend that says it does not support it";
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("rmsnorm"), std::string::npos) << e.what();
@@ -259,65 +259,74 @@ TEST_P(BackendParity, LlamaOps) {
     EXPECT_THROW(be().swiglu_forward(dt_, x.p(), x.p(), 2, 4), Error);
     return;
   }
-  // RMSNorm of a + b.
-  auto a = bf16_random(N * C, 21, 2.f), b = bf16_random(N * C, 22), w = bf16_random(C, 23), dy = bf16_random(N * C, 24);
-  auto dx0 = bf16_random(N * C, 25);
-  DevBuf da(be(), a, dt_), dbb(be(), b, dt_), dw(be(), w, dt_), out(be(), N * C, dt_), res(be(), N * C, dt_),
-      rstd(be(), N, DType::f32), ddy(be(), dy, dt_), din(be(), dx0, dt_), gw(be(), C, DType::f32);
-  gw.set(std::vector<float>(static_cast<size_t>(C), 0.f));
-  out.poison();
-  rstd.poison();
-  be().layernorm_forward({.dtype = dt_, .out = out.p(), .rstd = rstd.as<float>(), .inp = da.p(), .residual_b = dbb.p(),
-                          .residual_out = res.p(), .weight = dw.p(), .N = N, .C = C, .rms = true});
-  const std::vector<float> xin = res.get();
-  std::vector<double> ro(static_cast<size_t>(N * C)), rr(static_cast<size_t>(N)), rdx(static_cast<size_t>(N * C));
-  std::vector<double> rgw(static_cast<size_t>(C), 0.0);
-  for (int64_t i = 0; i < N; ++i) {
-    double q = 0;
-    for (int64_t c = 0; c < C; ++c) q += double(xin[size_t(i * C + c)]) * xin[size_t(i * C + c)];
-    const double r = 1.0 / std::sqrt(q / double(C) + 1e-5);
-    rr[size_t(i)] = r;
-    double s = 0;
-    for (int64_t c = 0; c < C; ++c) {
-      const double xh = xin[size_t(i * C + c)] * r, g = dy[size_t(i * C + c)];
-      ro[size_t(i * C + c)] = xh * w[size_t(c)];
-      s += g * w[size_t(c)] * xh;
-      rgw[size_t(c)] += g * xh;
-    }
-    for (int64_t c = 0; c < C; ++c)
-      rdx[size_t(i * C + c)] = dx0[size_t(i * C + c)] +
-                               r * (dy[size_t(i * C + c)] * w[size_t(c)] - xin[size_t(i * C + c)] * r * s / double(C));
-  }
-  EXPECT_LE(rel_norm_err(out.get(), ro), tol_out()) << "rmsnorm out";
-  EXPECT_LE(rel_norm_err(rstd.get(), rr), tol_f32()) << "rmsnorm rstd";
-  be().layernorm_backward({.dtype = dt_, .dinp = din.p(), .accumulate = true, .dweight = gw.as<float>(), .dout = ddy.p(),
-                           .inp = res.p(), .weight = dw.p(), .rstd = rstd.as<float>(), .N = N, .C = C, .rms = true});
-  EXPECT_LE(rel_norm_err(din.get(), rdx), tol_out()) << "rmsnorm dinp (accumulated)";
-  EXPECT_LE(rel_norm_err(gw.get(), rgw), tol_f32()) << "rmsnorm dweight";
-  EXPECT_THROW(be().layernorm_forward({.dtype = dt_, .out = out.p(), .inp = da.p(), .weight = dw.p(), .bias = dw.p(),
-                                       .N = N, .C = C, .rms = true}),
-               Error);
-
-  // Rotary embeddings on the K columns of qkv [B, T, 3 NH HS] at positions 7, 8, ...
-  const int64_t B = 2, T = 5, NH = 2, HS = 16, Cq = NH * HS;
-  const std::vector<double> inv = rope_inv_freq(HS, 10000.0);
-  auto qkv = bf16_random(B * T * 3 * Cq, 26);
-  DevBuf dq(be(), qkv, dt_);
-  be().rope({.dtype = dt_, .x = static_cast<char*>(dq.p()) + Cq * dtype_size(dt_), .B = B, .T = T, .NH = NH, .HS = HS,
-             .stride = 3 * Cq, .pos0 = 7, .inv_freq = inv.data()});
-  std::vector<double> want(qkv.begin(), qkv.end());
-  for (int64_t r = 0; r < B * T; ++r)
-    for (int64_t h = 0; h < NH; ++h)
-      for (int64_t i = 0; i < HS / 2; ++i) {
-        const double ang = double(7 + r % T) * inv[size_t(i)];
-        const size_t lo = size_t(r * 3 * Cq + Cq + h * HS + i), hi = lo + size_t(HS / 2);
-        want[lo] = qkv[lo] * std::cos(ang) - qkv[hi] * std::sin(ang);
-        want[hi] = qkv[hi] * std::cos(ang) + qkv[lo] * std::sin(ang);
+  // RMSNorm of a + b, at two widths (64, and SmolLM-135M's 576: a CUDA lane's third chunk of the
+  // row part-filled).
+  for (const int64_t C : {C0, int64_t(576)}) {
+    SCOPED_TRACE("rmsnorm C = " + std::to_string(C));
+    auto a = bf16_random(N * C, 21, 2.f), b = bf16_random(N * C, 22), w = bf16_random(C, 23), dy = bf16_random(N * C, 24);
+    auto dx0 = bf16_random(N * C, 25);
+    DevBuf da(be(), a, dt_), dbb(be(), b, dt_), dw(be(), w, dt_), out(be(), N * C, dt_), res(be(), N * C, dt_),
+        rstd(be(), N, DType::f32), ddy(be(), dy, dt_), din(be(), dx0, dt_), gw(be(), C, DType::f32);
+    gw.set(std::vector<float>(static_cast<size_t>(C), 0.f));
+    out.poison();
+    rstd.poison();
+    be().layernorm_forward({.dtype = dt_, .out = out.p(), .rstd = rstd.as<float>(), .inp = da.p(), .residual_b = dbb.p(),
+                            .residual_out = res.p(), .weight = dw.p(), .N = N, .C = C, .rms = true});
+    const std::vector<float> xin = res.get();
+    std::vector<double> ro(static_cast<size_t>(N * C)), rr(static_cast<size_t>(N)), rdx(static_cast<size_t>(N * C));
+    std::vector<double> rgw(static_cast<size_t>(C), 0.0);
+    for (int64_t i = 0; i < N; ++i) {
+      double q = 0;
+      for (int64_t c = 0; c < C; ++c) q += double(xin[size_t(i * C + c)]) * xin[size_t(i * C + c)];
+      const double r = 1.0 / std::sqrt(q / double(C) + 1e-5);
+      rr[size_t(i)] = r;
+      double s = 0;
+      for (int64_t c = 0; c < C; ++c) {
+        const double xh = xin[size_t(i * C + c)] * r, g = dy[size_t(i * C + c)];
+        ro[size_t(i * C + c)] = xh * w[size_t(c)];
+        s += g * w[size_t(c)] * xh;
+        rgw[size_t(c)] += g * xh;
       }
-  EXPECT_LE(rel_norm_err(dq.get(), want), tol_out()) << "rope";
-  be().rope({.dtype = dt_, .x = static_cast<char*>(dq.p()) + Cq * dtype_size(dt_), .B = B, .T = T, .NH = NH, .HS = HS,
-             .stride = 3 * Cq, .pos0 = 7, .inv_freq = inv.data(), .inverse = true});
-  EXPECT_LE(rel_norm_err(dq.get(), std::vector<double>(qkv.begin(), qkv.end())), tol_out()) << "rope and back";
+      for (int64_t c = 0; c < C; ++c)
+        rdx[size_t(i * C + c)] = dx0[size_t(i * C + c)] +
+                                 r * (dy[size_t(i * C + c)] * w[size_t(c)] - xin[size_t(i * C + c)] * r * s / double(C));
+    }
+    EXPECT_LE(rel_norm_err(out.get(), ro), tol_out()) << "rmsnorm out";
+    EXPECT_LE(rel_norm_err(rstd.get(), rr), tol_f32()) << "rmsnorm rstd";
+    be().layernorm_backward({.dtype = dt_, .dinp = din.p(), .accumulate = true, .dweight = gw.as<float>(), .dout = ddy.p(),
+                             .inp = res.p(), .weight = dw.p(), .rstd = rstd.as<float>(), .N = N, .C = C, .rms = true});
+    EXPECT_LE(rel_norm_err(din.get(), rdx), tol_out()) << "rmsnorm dinp (accumulated)";
+    EXPECT_LE(rel_norm_err(gw.get(), rgw), tol_f32()) << "rmsnorm dweight";
+    EXPECT_THROW(be().layernorm_forward({.dtype = dt_, .out = out.p(), .inp = da.p(), .weight = dw.p(), .bias = dw.p(),
+                                         .N = N, .C = C, .rms = true}),
+                 Error);
+
+  }
+
+  // Rotary embeddings on the K columns of qkv [B, T, 3 NH HS] at positions 7, 8, ..., at head sizes
+  // 16 and 24 (the CUDA backend's 8-pair vector path and its element path).
+  for (const int64_t HS : {int64_t(16), int64_t(24)}) {
+    SCOPED_TRACE("rope HS = " + std::to_string(HS));
+    const int64_t B = 2, T = 5, NH = 2, Cq = NH * HS;
+    const std::vector<double> inv = rope_inv_freq(HS, 10000.0);
+    auto qkv = bf16_random(B * T * 3 * Cq, 26);
+    DevBuf dq(be(), qkv, dt_);
+    be().rope({.dtype = dt_, .x = static_cast<char*>(dq.p()) + Cq * dtype_size(dt_), .B = B, .T = T, .NH = NH, .HS = HS,
+               .stride = 3 * Cq, .pos0 = 7, .inv_freq = inv.data()});
+    std::vector<double> want(qkv.begin(), qkv.end());
+    for (int64_t r = 0; r < B * T; ++r)
+      for (int64_t h = 0; h < NH; ++h)
+        for (int64_t i = 0; i < HS / 2; ++i) {
+          const double ang = double(7 + r % T) * inv[size_t(i)];
+          const size_t lo = size_t(r * 3 * Cq + Cq + h * HS + i), hi = lo + size_t(HS / 2);
+          want[lo] = qkv[lo] * std::cos(ang) - qkv[hi] * std::sin(ang);
+          want[hi] = qkv[hi] * std::cos(ang) + qkv[lo] * std::sin(ang);
+        }
+    EXPECT_LE(rel_norm_err(dq.get(), want), tol_out()) << "rope";
+    be().rope({.dtype = dt_, .x = static_cast<char*>(dq.p()) + Cq * dtype_size(dt_), .B = B, .T = T, .NH = NH, .HS = HS,
+               .stride = 3 * Cq, .pos0 = 7, .inv_freq = inv.data(), .inverse = true});
+    EXPECT_LE(rel_norm_err(dq.get(), std::vector<double>(qkv.begin(), qkv.end())), tol_out()) << "rope and back";
+  }
 
   // SwiGLU, at a width of whole 8-element vectors (H) and one that is not (12: the CUDA
   // backend's element-wise path).

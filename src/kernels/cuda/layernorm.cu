@@ -3,6 +3,7 @@
 
 #include <map>
 #include <mutex>
+#include <tuple>
 #include <utility>
 
 namespace loom::cuda {
@@ -79,25 +80,100 @@ __global__ void layernorm_forward_kernel(bf16* residual, bf16* out, float* mean_
   }
 }
 
-// The backward kernel's shape: up to kBwdWarps warps per block (fewer where C is so wide that
+// The same for rows of at most 256 CH columns, held in registers: each lane loads its CH 16-byte
+// groups of the row (and of a2) at once, so the row is read from memory once and the loads of a
+// warp are all in flight together (the kernel above reads the row three times, a group at a time).
+// Same arithmetic, in the same order per lane, as the kernel above.
+template <int CH>
+__global__ void __launch_bounds__(kWarps * 32)
+    layernorm_forward_cached_kernel(bf16* residual, bf16* out, float* mean_out, float* rstd_out, const bf16* a,
+                                    const bf16* a2, const bf16* __restrict__ weight, const bf16* __restrict__ bias,
+                                    int64_t N, int64_t C, float eps, bool rms) {
+  const int lane = threadIdx.x % 32;
+  const int64_t row = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
+  if (row >= N) return;
+  float f[CH][8];
+#pragma unroll
+  for (int k = 0; k < CH; ++k) {
+    const int64_t c = (lane + 32 * k) * 8;
+    if (c < C) load8(f[k], a + row * C + c);
+  }
+  if (a2) {
+    float g[CH][8];
+#pragma unroll
+    for (int k = 0; k < CH; ++k) {
+      const int64_t c = (lane + 32 * k) * 8;
+      if (c < C) load8(g[k], a2 + row * C + c);
+    }
+#pragma unroll
+    for (int k = 0; k < CH; ++k) {
+      const int64_t c = (lane + 32 * k) * 8;
+      if (c >= C) continue;
+      bf16x8 r;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        r.v[i] = __float2bfloat16(f[k][i] + g[k][i]);
+        f[k][i] = __bfloat162float(r.v[i]);
+      }
+      *reinterpret_cast<bf16x8*>(residual + row * C + c) = r;
+    }
+  }
+  float sum = 0.f;
+#pragma unroll
+  for (int k = 0; k < CH; ++k)
+    if ((lane + 32 * k) * 8 < C)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sum += f[k][i];
+  const float mean = rms ? 0.f : warp_sum(sum) / float(C);
+  float var = 0.f;
+#pragma unroll
+  for (int k = 0; k < CH; ++k)
+    if ((lane + 32 * k) * 8 < C)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) var += (f[k][i] - mean) * (f[k][i] - mean);
+  const float rstd = rsqrtf(warp_sum(var) / float(C) + eps);
+#pragma unroll
+  for (int k = 0; k < CH; ++k) {
+    const int64_t c = (lane + 32 * k) * 8;
+    if (c >= C) continue;
+    float w[8], b[8] = {}, o[8];
+    load8(w, weight + c);
+    if (bias) load8(b, bias + c);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o[i] = (f[k][i] - mean) * rstd * w[i] + b[i];
+    store8(out + row * C + c, o);
+  }
+  if (lane == 0) {
+    if (mean_out) mean_out[row] = mean;
+    if (rstd_out) rstd_out[row] = rstd;
+  }
+}
+
+// Rows of up to kMaxCachedChunks * 256 columns take the register-cached kernels.
+constexpr int kMaxCachedChunks = 4;
+
+// The backward kernels' shape: up to kBwdWarps warps per block (fewer where C is so wide that
 // their partial sums would not fit in a block's shared memory), one warp per row, rows strided over
-// the grid. Each warp keeps its own dweight/dbias partial sums in shared memory, f32 [warps][2][C],
-// stored "lane-major": the value of column c = 8 g + i (g the 8-column group a lane loads with one
-// 16-byte access, i in 0..7) at index i * (C / 8) + g. A warp's 32 lanes then touch 32 consecutive
-// words (no bank conflicts); in column order they would hit 4 banks, 8 lanes each. The block sums
-// its warps in order into partial[block] (same index order); the reduce kernel maps back to columns.
+// the grid. Each warp keeps its own dweight (and, with a bias, dbias) partial sums in shared
+// memory, f32 [warps][sums][C], stored "lane-major": the value of column c = 8 g + i (g the
+// 8-column group a lane loads with one 16-byte access, i in 0..7) at index i * (C / 8) + g. A
+// warp's 32 lanes then touch 32 consecutive words (no bank conflicts); in column order they would
+// hit 4 banks, 8 lanes each. The block sums its warps in order into partial[block] (same index
+// order); the reduce kernel maps back to columns.
 constexpr int kBwdWarps = 8;
 
-__global__ void layernorm_backward_kernel(bf16* dinp, float* __restrict__ partial, const bf16* __restrict__ dout,
-                                          const bf16* __restrict__ inp, const bf16* __restrict__ weight,
-                                          const float* __restrict__ mean, const float* __restrict__ rstd, int64_t N,
-                                          int64_t C, bool accumulate, bool rms) {
-  extern __shared__ float sh[];  // [warps][2][C], lane-major
+// Any C: the row is read twice, a 16-byte group at a time.
+__global__ void __launch_bounds__(kBwdWarps * 32)
+    layernorm_backward_kernel(bf16* dinp, float* __restrict__ partial, const bf16* __restrict__ dout,
+                              const bf16* __restrict__ inp, const bf16* __restrict__ weight,
+                              const float* __restrict__ mean, const float* __restrict__ rstd, int64_t N, int64_t C,
+                              int sums, bool accumulate, bool rms) {
+  extern __shared__ float sh[];  // [warps][sums][C], lane-major
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   const int64_t G = C / 8;
-  float* dw = sh + int64_t(warp) * 2 * C;
-  float* db = dw + C;
-  for (int64_t c = lane; c < 2 * C; c += 32) dw[c] = 0.f;
+  float* dw = sh + int64_t(warp) * sums * C;
+  float* db = dw + C;  // sums == 2
+  for (int64_t c = lane; c < sums * C; c += 32) dw[c] = 0.f;
   __syncwarp();
   for (int64_t row = int64_t(blockIdx.x) * warps + warp; row < N; row += int64_t(gridDim.x) * warps) {
     const float m = rms ? 0.f : mean[row], rs = rstd[row];
@@ -117,7 +193,7 @@ __global__ void layernorm_backward_kernel(bf16* dinp, float* __restrict__ partia
         s_dy += dn;
         s_dyx += dn * xh;
         dw[i * G + grp] += g[i] * xh;
-        db[i * G + grp] += g[i];
+        if (sums == 2) db[i * G + grp] += g[i];
       }
     }
     const float mean_dn = rms ? 0.f : warp_sum(s_dy) / float(C);
@@ -139,31 +215,105 @@ __global__ void layernorm_backward_kernel(bf16* dinp, float* __restrict__ partia
     }
   }
   __syncthreads();
-  for (int64_t c = threadIdx.x; c < 2 * C; c += blockDim.x) {
+  for (int64_t c = threadIdx.x; c < sums * C; c += blockDim.x) {
     float s = 0.f;
-    for (int w = 0; w < warps; ++w) s += sh[int64_t(w) * 2 * C + c];
-    partial[int64_t(blockIdx.x) * 2 * C + c] = s;
+    for (int w = 0; w < warps; ++w) s += sh[int64_t(w) * sums * C + c];
+    partial[int64_t(blockIdx.x) * sums * C + c] = s;
   }
 }
 
-// Sums partial[blocks][2C] over the blocks for every index: a block takes 32 consecutive indices
-// (coalesced loads), its kReduceRows thread rows take the partial blocks r, r + kReduceRows, ...,
-// and row 0 adds the rows' sums in order (a fixed order: deterministic). Writes dweight and dbias
-// at their columns.
+// Rows of at most 256 CH columns: each lane loads its CH groups of x, dout (and dinp when
+// accumulating) at once and keeps them in registers, so the row is read from memory once with all
+// of a warp's loads in flight together. The same arithmetic in the same order as the kernel above
+// (the same bits).
+template <int CH>
+__global__ void __launch_bounds__(kBwdWarps * 32)
+    layernorm_backward_cached_kernel(bf16* dinp, float* __restrict__ partial, const bf16* __restrict__ dout,
+                                     const bf16* __restrict__ inp, const bf16* __restrict__ weight,
+                                     const float* __restrict__ mean, const float* __restrict__ rstd, int64_t N,
+                                     int64_t C, int sums, bool accumulate, bool rms) {
+  extern __shared__ float sh[];  // [warps][sums][C], lane-major
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const int64_t G = C / 8;
+  float* dw = sh + int64_t(warp) * sums * C;
+  float* db = dw + C;  // sums == 2
+  for (int64_t c = lane; c < sums * C; c += 32) dw[c] = 0.f;
+  __syncwarp();
+  for (int64_t row = int64_t(blockIdx.x) * warps + warp; row < N; row += int64_t(gridDim.x) * warps) {
+    const float m = rms ? 0.f : mean[row], rs = rstd[row];
+    const bf16* x = inp + row * C;
+    const bf16* dy = dout + row * C;
+    bf16* dx = dinp + row * C;
+    float f[CH][8], g[CH][8], o[CH][8];
+#pragma unroll
+    for (int k = 0; k < CH; ++k) {
+      const int64_t c = (lane + 32 * k) * 8;
+      if (c >= C) continue;
+      load8(f[k], x + c);
+      load8(g[k], dy + c);
+      if (accumulate) load8(o[k], dx + c);
+    }
+    float s_dy = 0.f, s_dyx = 0.f;
+#pragma unroll
+    for (int k = 0; k < CH; ++k) {
+      const int64_t grp = lane + 32 * k;
+      if (grp * 8 >= C) continue;
+      float w[8];
+      load8(w, weight + grp * 8);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float xh = (f[k][i] - m) * rs;
+        const float dn = g[k][i] * w[i];
+        s_dy += dn;
+        s_dyx += dn * xh;
+        dw[i * G + grp] += g[k][i] * xh;
+        if (sums == 2) db[i * G + grp] += g[k][i];
+      }
+    }
+    const float mean_dn = rms ? 0.f : warp_sum(s_dy) / float(C);
+    const float mean_dnx = warp_sum(s_dyx) / float(C);
+#pragma unroll
+    for (int k = 0; k < CH; ++k) {
+      const int64_t c = (lane + 32 * k) * 8;
+      if (c >= C) continue;
+      float w[8];
+      load8(w, weight + c);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float xh = (f[k][i] - m) * rs;
+        const float v = (g[k][i] * w[i] - mean_dn - xh * mean_dnx) * rs;
+        o[k][i] = accumulate ? o[k][i] + v : v;
+      }
+      store8(dx + c, o[k]);
+    }
+  }
+  __syncthreads();
+  for (int64_t c = threadIdx.x; c < sums * C; c += blockDim.x) {
+    float s = 0.f;
+    for (int w = 0; w < warps; ++w) s += sh[int64_t(w) * sums * C + c];
+    partial[int64_t(blockIdx.x) * sums * C + c] = s;
+  }
+}
+
+// Sums partial[blocks][sums C] over the blocks for every index: a block takes 32 consecutive
+// indices (coalesced loads), its kReduceRows thread rows take the partial blocks r, r + kReduceRows,
+// ..., and row 0 adds the rows' sums in order (a fixed order: deterministic). Writes dweight (and
+// dbias) at their columns.
 constexpr int kReduceRows = 16;
 
 __global__ void layernorm_backward_reduce_kernel(float* dweight, float* dbias, const float* __restrict__ partial,
-                                                 int64_t blocks, int64_t C) {
+                                                 int64_t blocks, int64_t C, int sums) {
   __shared__ float rows[kReduceRows][33];
   const int64_t idx = int64_t(blockIdx.x) * 32 + threadIdx.x;
+  const int64_t width = sums * C;
   float s = 0.f;
-  if (idx < 2 * C)
-    for (int64_t b = threadIdx.y; b < blocks; b += kReduceRows) s += partial[b * 2 * C + idx];
+  if (idx < width)
+    for (int64_t b = threadIdx.y; b < blocks; b += kReduceRows) s += partial[b * width + idx];
   rows[threadIdx.y][threadIdx.x] = s;
   __syncthreads();
-  if (threadIdx.y != 0 || idx >= 2 * C) return;
+  if (threadIdx.y != 0 || idx >= width) return;
   for (int r = 1; r < kReduceRows; ++r) s += rows[r][threadIdx.x];
-  const int64_t k = idx < C ? idx : idx - C;  // lane-major index within dweight's or dbias's half
+  const int64_t k = idx < C ? idx : idx - C;  // lane-major index within dweight's or dbias's part
   const int64_t col = (k % (C / 8)) * 8 + k / (C / 8);
   if (idx < C) {
     if (dweight) dweight[col] += s;
@@ -173,30 +323,48 @@ __global__ void layernorm_backward_reduce_kernel(float* dweight, float* dbias, c
 }
 
 // Blocks per SM at most (32 warps per SM at 8 warps per block). On an H100 at C = 768, 2 blocks
-// per SM (16 warps) moved 51% of the DRAM bandwidth with 24% occupancy achieved (Nsight Compute);
-// more blocks add partial sums to reduce, a small cost next to the rows.
+// per SM (16 warps) of the uncached kernel moved 51% of the DRAM bandwidth with 24% occupancy
+// achieved (Nsight Compute); more blocks add partial sums to reduce, a small cost next to the rows.
 constexpr int kMaxBwdBlocksPerSm = 4;
 
+using BackwardKernel = void (*)(bf16*, float*, const bf16*, const bf16*, const bf16*, const float*, const float*,
+                                int64_t, int64_t, int, bool, bool);
+
+// The kernel for C: the register-cached one for its number of 256-column chunks, else the uncached.
+BackwardKernel backward_kernel(int64_t C) {
+  switch ((C + 255) / 256) {
+    case 1: return layernorm_backward_cached_kernel<1>;
+    case 2: return layernorm_backward_cached_kernel<2>;
+    case 3: return layernorm_backward_cached_kernel<3>;
+    case 4: return layernorm_backward_cached_kernel<4>;
+    default: return layernorm_backward_kernel;
+  }
+}
+static_assert(kMaxCachedChunks == 4, "backward_kernel and the forward's dispatch list the cached widths");
+
 struct BackwardShape {
+  BackwardKernel kernel = nullptr;
   int warps = 0;          // per block
   int blocks_per_sm = 0;  // at most kMaxBwdBlocksPerSm
   size_t shmem = 0;       // bytes per block
 };
 
-// The backward's launch shape for C on the current device, worked out once per device and C
-// (raising the kernel's shared memory limit there when the block needs more than 48 KiB).
-BackwardShape backward_shape(int64_t C) {
+// The backward's launch shape for C (and sums: 2 with dbias, else 1) on the current device, worked
+// out once per device, C and sums (raising the kernel's shared memory limit there when the block
+// needs more than 48 KiB).
+BackwardShape backward_shape(int64_t C, int sums) {
   static std::mutex mu;
-  static std::map<std::pair<int, int64_t>, BackwardShape> shapes;
+  static std::map<std::tuple<int, int64_t, int>, BackwardShape> shapes;
   int device = 0;
   LOOM_CUDA_CHECK(cudaGetDevice(&device));
   std::lock_guard lk(mu);
-  auto it = shapes.find({device, C});
+  auto it = shapes.find({device, C, sums});
   if (it != shapes.end()) return it->second;
   int optin = 0;
   LOOM_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  const size_t per_warp = 2 * size_t(C) * sizeof(float);
+  const size_t per_warp = size_t(sums) * size_t(C) * sizeof(float);
   BackwardShape b;
+  b.kernel = backward_kernel(C);
   b.warps = int(std::min<size_t>(kBwdWarps, size_t(optin) / per_warp));
   LOOM_CHECK(b.warps >= 1,
              "layernorm_backward: C = {} needs {} bytes of shared memory for one warp's partial sums, more than the "
@@ -204,15 +372,44 @@ BackwardShape backward_shape(int64_t C) {
              C, per_warp, optin);
   b.shmem = size_t(b.warps) * per_warp;
   if (b.shmem > 48 * 1024)
-    LOOM_CUDA_CHECK(
-        cudaFuncSetAttribute(layernorm_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(b.shmem)));
+    LOOM_CUDA_CHECK(cudaFuncSetAttribute(b.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(b.shmem)));
   int n = 0;
-  LOOM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, layernorm_backward_kernel, b.warps * 32, b.shmem));
+  LOOM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, b.kernel, b.warps * 32, b.shmem));
   LOOM_CHECK(n > 0, "layernorm_backward: no block of {} warps with {} bytes of shared memory fits on an SM (C = {})",
              b.warps, b.shmem, C);
   b.blocks_per_sm = std::min(n, kMaxBwdBlocksPerSm);
-  shapes.emplace(std::make_pair(device, C), b);
+  shapes.emplace(std::make_tuple(device, C, sums), b);
   return b;
+}
+
+// The forward for C: the register-cached kernel for its number of 256-column chunks, else the
+// uncached one.
+void launch_forward(bf16* residual, bf16* out, float* mean, float* rstd, const bf16* a, const bf16* a2,
+                    const bf16* weight, const bf16* bias, int64_t N, int64_t C, float eps, bool rms,
+                    cudaStream_t stream) {
+  const unsigned grid = unsigned(ceil_div(N, kWarps));
+  switch ((C + 255) / 256) {
+    case 1:
+      layernorm_forward_cached_kernel<1>
+          <<<grid, kWarps * 32, 0, stream>>>(residual, out, mean, rstd, a, a2, weight, bias, N, C, eps, rms);
+      break;
+    case 2:
+      layernorm_forward_cached_kernel<2>
+          <<<grid, kWarps * 32, 0, stream>>>(residual, out, mean, rstd, a, a2, weight, bias, N, C, eps, rms);
+      break;
+    case 3:
+      layernorm_forward_cached_kernel<3>
+          <<<grid, kWarps * 32, 0, stream>>>(residual, out, mean, rstd, a, a2, weight, bias, N, C, eps, rms);
+      break;
+    case 4:
+      layernorm_forward_cached_kernel<4>
+          <<<grid, kWarps * 32, 0, stream>>>(residual, out, mean, rstd, a, a2, weight, bias, N, C, eps, rms);
+      break;
+    default:
+      layernorm_forward_kernel<<<grid, kWarps * 32, 0, stream>>>(residual, out, mean, rstd, a, a2, weight, bias, N,
+                                                                 C, eps, rms);
+  }
+  LOOM_CUDA_LAUNCH_CHECK();
 }
 
 void check_sizes(const char* what, int64_t N, int64_t C) {
@@ -227,9 +424,7 @@ void layernorm_forward(bf16* out, float* mean, float* rstd, const bf16* inp, con
   LOOM_CHECK(weight && (rms ? !bias && !mean : bias != nullptr),
              "layernorm_forward: weight and bias must be set (RMSNorm: weight only, no bias and no mean)");
   if (N == 0) return;
-  layernorm_forward_kernel<<<unsigned(ceil_div(N, kWarps)), kWarps * 32, 0, stream>>>(
-      nullptr, out, mean, rstd, inp, nullptr, weight, bias, N, C, eps, rms);
-  LOOM_CUDA_LAUNCH_CHECK();
+  launch_forward(nullptr, out, mean, rstd, inp, nullptr, weight, bias, N, C, eps, rms, stream);
 }
 
 void residual_layernorm_forward(bf16* residual, bf16* out, float* mean, float* rstd, const bf16* a, const bf16* b,
@@ -240,9 +435,7 @@ void residual_layernorm_forward(bf16* residual, bf16* out, float* mean, float* r
   LOOM_CHECK(weight && (rms ? !bias && !mean : bias != nullptr),
              "residual_layernorm_forward: weight and bias must be set (RMSNorm: weight only, no bias and no mean)");
   if (N == 0) return;
-  layernorm_forward_kernel<<<unsigned(ceil_div(N, kWarps)), kWarps * 32, 0, stream>>>(
-      residual, out, mean, rstd, a, b, weight, bias, N, C, eps, rms);
-  LOOM_CUDA_LAUNCH_CHECK();
+  launch_forward(residual, out, mean, rstd, a, b, weight, bias, N, C, eps, rms, stream);
 }
 
 int64_t layernorm_backward_scratch_floats(int64_t C) { return kMaxBwdBlocksPerSm * int64_t(num_sms()) * 2 * C; }
@@ -255,13 +448,14 @@ void layernorm_backward(bf16* dinp, float* dweight, float* dbias, const bf16* do
   LOOM_CHECK(rms ? !mean && !dbias : mean != nullptr,
              "layernorm_backward: mean must be set (RMSNorm: no mean and no dbias)");
   if (N == 0) return;
-  const BackwardShape shape = backward_shape(C);
+  const int sums = dbias ? 2 : 1;  // without a bias (RMSNorm) no dbias partial sums
+  const BackwardShape shape = backward_shape(C, sums);
   const int64_t blocks = std::min<int64_t>(ceil_div(N, shape.warps), int64_t(shape.blocks_per_sm) * num_sms());
-  layernorm_backward_kernel<<<unsigned(blocks), shape.warps * 32, shape.shmem, stream>>>(
-      dinp, scratch, dout, inp, weight, mean, rstd, N, C, accumulate, rms);
+  shape.kernel<<<unsigned(blocks), shape.warps * 32, shape.shmem, stream>>>(dinp, scratch, dout, inp, weight, mean,
+                                                                            rstd, N, C, sums, accumulate, rms);
   LOOM_CUDA_LAUNCH_CHECK();
-  layernorm_backward_reduce_kernel<<<unsigned(ceil_div(2 * C, 32)), dim3(32, kReduceRows), 0, stream>>>(
-      dweight, dbias, scratch, blocks, C);
+  layernorm_backward_reduce_kernel<<<unsigned(ceil_div(sums * C, 32)), dim3(32, kReduceRows), 0, stream>>>(
+      dweight, dbias, scratch, blocks, C, sums);
   LOOM_CUDA_LAUNCH_CHECK();
 }
 
