@@ -193,9 +193,9 @@ TEST_P(LayerNormTest, Backward) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, LayerNormTest,
-                         // Widths of every kernel: rows held in registers in 1 (8, 64), 2 (264: a part-filled
-                         // second chunk), 3 (576: SmolLM's, part-filled; 768) and 4 (1024) chunks of 256
-                         // columns, and wider rows read twice (1600).
+                         // Widths of every forward kernel: rows held in registers in 1 (8, 64), 2 (264: a
+                         // part-filled second chunk), 3 (576: SmolLM's, part-filled; 768) and 4 (1024) chunks
+                         // of 256 columns, and wider rows read three times (1600).
                          ::testing::Values(std::make_pair(int64_t(1), int64_t(8)), std::make_pair(int64_t(37), int64_t(64)),
                                            std::make_pair(int64_t(129), int64_t(264)),
                                            std::make_pair(int64_t(333), int64_t(576)),
