@@ -29,6 +29,7 @@ struct BenchTrainOptions {
   int threads = 0;  // 0: OpenMP's default
   int steps = 5, warmup = 1;
   uint64_t seed = 1337;
+  std::string precision = "f32";  // f32, or bf16: the linear layers' products (train.precision)
   double gemm_seconds = 1.0;
   // Data parallelism (ranks as threads): any of these selects the data-parallel benchmark.
   int dp = 1, zero = 0;
@@ -50,6 +51,10 @@ int bench_train(const BenchTrainOptions& o) {
   if (o.steps <= 0 || o.warmup < 0)
     throw Error(fmt::format("bench train: --steps must be positive and --warmup non-negative"));
   if (o.threads < 0) throw Error(fmt::format("bench train: --threads must be non-negative, got {}", o.threads));
+  if (o.precision != "f32" && o.precision != "bf16")
+    throw Error(fmt::format("bench train: --precision must be f32 or bf16, got '{}'", o.precision));
+  if (o.precision == "bf16" && !cpu_bf16_missing().empty())
+    throw Error(fmt::format("bench train: --precision bf16 needs {}", cpu_bf16_missing()));
   if (o.threads > 0) omp_set_num_threads(o.threads);
   const int threads = omp_get_max_threads();
   const int64_t B = o.batch, T = o.seq, C = cfg.n_embd, L = cfg.n_layer, V = cfg.vocab_size;
@@ -62,7 +67,9 @@ int bench_train(const BenchTrainOptions& o) {
   std::printf("GEMM peak (measured now, fp32 1536^3, %d threads): %.1f GFLOP/s\n", threads, peak);
 
   MemoryPool pool("bench");
-  model::GPT gpt(cfg, pool, o.seed);
+  model::GPT gpt(cfg, pool, o.seed, {.matmul = o.precision == "bf16" ? DType::bf16 : DType::f32});
+  std::printf("precision %s (%s)\n", o.precision.c_str(),
+              o.precision == "bf16" ? "the linear layers' products in bf16 with f32 accumulation" : "f32 throughout");
   optim::AdamWConfig oc;  // lr 6e-4, betas (0.9, 0.95), eps 1e-8, wd 0.1 on matrices, clip 1.0
   optim::AdamW opt(gpt.parameters(), oc, pool);
 
@@ -168,6 +175,9 @@ Registrar reg{Command{
       train->add_option("--steps", o->steps, "timed steps")->capture_default_str();
       train->add_option("--warmup", o->warmup, "untimed steps first")->capture_default_str();
       train->add_option("--seed", o->seed, "initialisation and data seed")->capture_default_str();
+      train->add_option("--precision", o->precision,
+                        "f32, or bf16: the linear layers' products in bf16 with f32 accumulation (AVX512-BF16 or AMX)")
+          ->capture_default_str();
       train->add_option("--gemm-seconds", o->gemm_seconds, "time spent measuring the GEMM peak")
           ->capture_default_str();
       train->add_option("--dp", o->dp, "data-parallel ranks (threads); > 1 times data-parallel steps")

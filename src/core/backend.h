@@ -330,6 +330,9 @@ struct BackendOptions {
   MemoryPool* pool = nullptr;    // where the backend allocates (a pool of its device); null: its own
   AttnKernel attention = AttnKernel::automatic;
   int gemm_tune = -1;  // CUDA: GEMM algorithm tuning, 0 off, 1 on, 2 verbose; -1: LOOM_GEMM_TUNE
+  // CPU: the linear layers' GEMM inputs, f32, or bf16 with f32 accumulation (train.precision =
+  // bf16; needs AVX512-BF16 or AMX-BF16). Activations, weights and gradients stay f32.
+  DType matmul = DType::f32;
 };
 
 class Backend {

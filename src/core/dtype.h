@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <string_view>
 
 namespace loom {
@@ -51,6 +52,10 @@ inline bf16 f32_to_bf16(float f) {
   u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
   return bf16{uint16_t(u >> 16)};
 }
+
+// "" when this CPU computes bf16 dot products in hardware (AVX512-BF16, or AMX-BF16); otherwise
+// what it lacks, for messages ("AVX512-BF16 or AMX-BF16 (this CPU has AVX-512 without them)").
+std::string cpu_bf16_missing();
 
 void bf16_to_f32(float* out, const bf16* in, int64_t n);
 void f32_to_bf16(bf16* out, const float* in, int64_t n);

@@ -12,7 +12,7 @@ GPT::GPT(const GPTConfig& cfg, Backend& be, uint64_t seed, const ModelLayout& la
 }
 
 GPT::GPT(const GPTConfig& cfg, MemoryPool& pool, uint64_t seed, const ModelLayout& layout)
-    : cfg_(cfg), layout_(layout), own_be_(make_backend(pool.device(), {.pool = &pool})), be_(*own_be_), pool_(pool) {
+    : cfg_(cfg), layout_(layout), own_be_(make_backend(pool.device(), {.pool = &pool, .matmul = layout.matmul})), be_(*own_be_), pool_(pool) {
   build(seed);
 }
 

@@ -62,6 +62,9 @@ struct ModelLayout {
   // (Parameter::initialise_part with seed()), so no rank ever holds a full copy it then drops
   // (a CPU model only).
   bool defer_parameters = false;
+  // The CPU backend's matmul inputs when the model makes its own backend (the pool constructor):
+  // f32, or bf16 with f32 accumulation (BackendOptions::matmul).
+  DType matmul = DType::f32;
 };
 
 struct ChainHooks {

@@ -1,4 +1,5 @@
 #include "train/config.h"
+
 #include "model/recompute.h"
 
 #include <charconv>
@@ -65,6 +66,7 @@ const Field kFields[] = {
     F("train.device", device, "cpu, or cuda: GPUs (a build with -DLOOM_CUDA=ON; data parallelism only, one process per GPU rank)"),
     F("train.cuda_graph", cuda_graph, "with train.device cuda: run each step as one CUDA graph (false: kernel by kernel, for debugging)"),
     F("train.cuda_attention", cuda_attention, "with train.device cuda: flash (loom's kernels), cudnn (cuDNN's fused attention), gemm (probabilities materialised), or auto (cudnn where loom has cuDNN 9.16 or newer and the head size is 64 or 128, else flash for those head sizes, else gemm)"),
+    F("train.precision", precision, "auto (f32 on the CPU, bf16 on CUDA), f32, or bf16: on the CPU the linear layers' products in bf16 with f32 accumulation, weights, activations and gradients in f32 (needs AVX512-BF16 or AMX-BF16); on CUDA bf16 compute with f32 master weights and moments. fp16 (with loss scaling) is not built yet"),
     F("train.threads", threads, "CPU threads per process (0: all cores; under mpi, the host's cores shared among its processes)"),
     F("train.log_every", log_every, "steps between metric lines"),
     F("train.eval_every", eval_every, "steps between validation losses (0: never)"),
@@ -329,7 +331,7 @@ void TrainConfig::validate(const std::string& where, const std::vector<std::stri
   for (const auto& [field, value] :
        {std::pair<const char*, const std::string*>{"model.preset", &model_preset}, {"data.dir", &data_dir},
         {"data.tokenizer", &tokenizer_dir}, {"train.device", &device}, {"train.cuda_attention", &cuda_attention},
-        {"train.sample_prompt", &sample_prompt}, {"train.out_dir", &out_dir}, {"optim.schedule", &lr_schedule},
+        {"train.precision", &precision}, {"train.sample_prompt", &sample_prompt}, {"train.out_dir", &out_dir}, {"optim.schedule", &lr_schedule},
         {"parallel.comm", &comm}, {"parallel.schedule", &schedule}})
     need(utf8(*value), field, "is not valid UTF-8");
   need(seq_len > 0, "data.seq_len", fmt::format("must be positive, got {}", seq_len));
@@ -439,6 +441,18 @@ void TrainConfig::validate(const std::string& where, const std::vector<std::stri
   need(device == "cpu" || device == "cuda", "train.device", fmt::format("'{}' is not cpu or cuda", device));
   need(cuda_attention == "auto" || cuda_attention == "flash" || cuda_attention == "cudnn" || cuda_attention == "gemm",
        "train.cuda_attention", fmt::format("'{}' is not auto, flash, cudnn or gemm", cuda_attention));
+  need(precision == "auto" || precision == "f32" || precision == "bf16" || precision == "fp16", "train.precision",
+       fmt::format("'{}' is not auto, f32, bf16 or fp16", precision));
+  need(precision != "fp16", "train.precision",
+       "fp16 (with dynamic loss scaling) is not built yet; bf16 needs no loss scaling");
+  if (device == "cpu" && precision == "bf16") {
+    const std::string missing = cpu_bf16_missing();
+    need(missing.empty(), "train.precision",
+         fmt::format("bf16 on the CPU needs {}; use f32 (or auto) on this CPU", missing));
+  }
+  need(!(device == "cuda" && precision == "f32"), "train.precision",
+       "f32 with train.device = \"cuda\": the CUDA engine computes in bf16 (f32 master weights and moments); use "
+       "bf16 or auto");
   need(comm != "nccl" || device == "cuda", "parallel.comm",
        fmt::format("nccl reduces GPU buffers: it needs train.device = \"cuda\" (got \"{}\"); on the CPU use mpi",
                    device));

@@ -2,6 +2,7 @@
 // line (`--optim.lr 1e-3` or `--optim.lr=1e-3`). Unknown keys, wrong types and out-of-range values
 // are errors that name the file (or "command line") and the field.
 #pragma once
+#include "core/dtype.h"
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -36,6 +37,9 @@ struct TrainConfig {
   std::string device = "cpu";              // cpu | cuda (GPUs, data parallelism only: needs a CUDA build)
   bool cuda_graph = true;                  // device cuda: each step one CUDA graph (false: eager launches)
   std::string cuda_attention = "auto";     // device cuda: auto | flash | cudnn | gemm
+  std::string precision = "auto";          // auto (the device's) | f32 | bf16 | fp16
+  // The CPU backend's matmul inputs for train.precision (BackendOptions::matmul).
+  DType cpu_matmul() const { return device == "cpu" && precision == "bf16" ? DType::bf16 : DType::f32; }
   int64_t threads = 0;                     // per process; 0: all cores (under mpi: shared by the host's processes)
   int64_t log_every = 10;
   int64_t eval_every = 100;                // 0: never

@@ -98,7 +98,9 @@ class ChainEngine : public CpuEngine {
               parallel::MeshComms& comms, data::Loader& train, MemoryPool& pool, MemoryPool& host_pool, bool trace)
       : CpuEngine(pool, &host_pool), cfg_(cfg), mc_(comms), train_(train), dp_(comms["dp"]), tp_(comms["tp"]),
         trace_(comms.world().rank(), trace),
-        model_(mc, pool, cfg.seed, {.groups = {&comms["tp"], &comms["cp"]}, .sp = cfg.sp, .defer_parameters = true}),
+        model_(mc, pool, cfg.seed,
+               {.groups = {&comms["tp"], &comms["cp"]}, .sp = cfg.sp, .defer_parameters = true,
+                .matmul = cfg.cpu_matmul()}),
         ddp_(model_, comms.get({"dp", "cp"}), oc, options(cfg, comms, host_pool, trace_, model_)) {
     local_ = cfg.batch_size / dp_.size();
     mb_ = local_ / cfg.grad_accum;
@@ -353,6 +355,7 @@ class PipelineEngine : public CpuEngine {
     o.seq_len = cfg.seq_len;
     o.recompute = model::recompute_from_name(cfg.recompute, "memory.recompute");
     o.recompute_every = cfg.recompute_every;
+    o.matmul = cfg.cpu_matmul();
     if (!cfg.stage_layers.empty())
       o.cuts = pipe::cuts_from_stage_layers(cfg.stage_layers, n_layer, "parallel.stage_layers");
     return o;

@@ -87,6 +87,9 @@ CpuBackend::CpuBackend(const BackendOptions& opt) : pool_(opt.pool ? opt.pool : 
   LOOM_CHECK(opt.attention == AttnKernel::automatic || opt.attention == AttnKernel::tiled,
              "cpu backend: attention kernel '{}' runs on CUDA only (the CPU has 'tiled')", attn_kernel_name(opt.attention));
   attn_ws_ = std::make_unique<AttnWorkspace>(*pool_);
+  LOOM_CHECK(opt.matmul == DType::f32 || opt.matmul == DType::bf16,
+             "cpu backend: matmuls in {} (f32, or bf16 with f32 accumulation)", dtype_name(opt.matmul));
+  if (opt.matmul == DType::bf16) bf16_ = std::make_unique<Bf16Matmul>(*pool_);
 }
 
 bool CpuBackend::supports(Op op, DType dtype) const {
@@ -101,21 +104,29 @@ void CpuBackend::check(Op op, DType dtype) const {
 
 void CpuBackend::linear_forward(const LinearForward& a) {
   check(Op::linear, a.dtype);
+  auto mm = [&](float* out) {
+    if (bf16_) bf16_->forward(out, f(a.inp), f(a.weight), f(a.bias), a.M, a.K, a.N);
+    else matmul_forward(out, f(a.inp), f(a.weight), f(a.bias), a.M, a.K, a.N);
+  };
   if (!a.gelu) {
-    matmul_forward(f(a.out), f(a.inp), f(a.weight), f(a.bias), a.M, a.K, a.N);
+    mm(f(a.out));
     if (a.residual) residual_forward(f(a.out), f(a.out), f(a.residual), a.M * a.N);
     return;
   }
   LOOM_CHECK(!a.residual, "linear_forward: a residual with gelu");
   LOOM_CHECK(a.pre_gelu, "linear_forward: gelu needs pre_gelu");
-  matmul_forward(f(a.pre_gelu), f(a.inp), f(a.weight), f(a.bias), a.M, a.K, a.N);
+  mm(f(a.pre_gelu));
   cpu::gelu_forward(f(a.out), f(a.pre_gelu), a.M * a.N);
 }
 
 void CpuBackend::linear_backward(const LinearBackward& a) {
   check(Op::linear, a.dtype);
   LOOM_CHECK(!(a.gelu_pre && a.accumulate_dinp), "linear_backward: gelu_pre with accumulate_dinp");
-  matmul_backward(f(a.dinp), a.dweight, a.dbias, f(a.dout), f(a.inp), f(a.weight), a.M, a.K, a.N, a.accumulate_dinp);
+  if (bf16_)
+    bf16_->backward(f(a.dinp), a.dweight, a.dbias, f(a.dout), f(a.inp), f(a.weight), a.M, a.K, a.N,
+                    a.accumulate_dinp);
+  else
+    matmul_backward(f(a.dinp), a.dweight, a.dbias, f(a.dout), f(a.inp), f(a.weight), a.M, a.K, a.N, a.accumulate_dinp);
   if (a.gelu_pre && a.dinp) cpu::gelu_backward(f(a.dinp), f(a.gelu_pre), f(a.dinp), a.M * a.K);
 }
 

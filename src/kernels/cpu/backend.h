@@ -5,6 +5,7 @@
 
 #include "core/backend.h"
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/matmul.h"
 
 namespace loom::cpu {
 
@@ -13,7 +14,7 @@ class CpuBackend final : public Backend {
   explicit CpuBackend(const BackendOptions& opt = {});
 
   Device device() const override { return Device::cpu; }
-  std::string name() const override { return "cpu"; }
+  std::string name() const override { return bf16_ ? "cpu (bf16 matmuls)" : "cpu"; }
   DType compute_dtype() const override { return DType::f32; }
   bool supports(Op op, DType dtype) const override;
   MemoryPool& pool() override { return *pool_; }
@@ -55,6 +56,7 @@ class CpuBackend final : public Backend {
   void check(Op op, DType dtype) const;
   MemoryPool* pool_;
   std::unique_ptr<AttnWorkspace> attn_ws_;
+  std::unique_ptr<Bf16Matmul> bf16_;  // with BackendOptions::matmul = bf16
 };
 
 }  // namespace loom::cpu

@@ -5,13 +5,19 @@
 #include "kernels/cpu/matmul.h"
 
 #include <oneapi/dnnl/dnnl.h>
+#include <oneapi/dnnl/dnnl.hpp>
 #include <omp.h>
 
 #include <algorithm>
 #include <chrono>
+#include <map>
+#include <unordered_map>
+#include <tuple>
 #include <vector>
 
+#include "core/dtype.h"
 #include "core/error.h"
+#include "core/tensor.h"
 
 namespace loom::cpu {
 
@@ -82,6 +88,106 @@ void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dou
   // dweight [N, K] += dout^T [N, M] @ inp [M, K]
   if (dweight) gemm(true, false, N, K, M, 1.f, dout, N, inp, K, 1.f, dweight, K);
   if (dbias && M > 0) column_sums_accumulate(dbias, dout, M, N);
+}
+
+struct Bf16Matmul::Impl {
+  MemoryPool& pool;
+  dnnl::engine eng{dnnl::engine::kind::cpu, 0};
+  dnnl::stream strm{eng};
+  // Primitives by (trans_a, trans_b, M, N, K, accumulate, bias).
+  std::map<std::tuple<bool, bool, int64_t, int64_t, int64_t, bool, bool>, dnnl::matmul::primitive_desc> pds;
+  std::map<std::tuple<bool, bool, int64_t, int64_t, int64_t, bool, bool>, dnnl::matmul> prims;
+  Tensor a16, b16, c16, scratch;  // bf16 copies of the operands; oneDNN's scratch (bytes)
+
+  explicit Impl(MemoryPool& p) : pool(p) {}
+
+  // t holds at least n elements of dtype (grown, never shrunk: the largest layer's size).
+  void reserve(Tensor& t, int64_t n, DType dtype) {
+    if (t.numel() >= n) return;
+    t = Tensor();
+    t = Tensor::empty({n}, dtype, MemTag::workspace, pool);
+  }
+  const uint16_t* to_bf16(Tensor& t, const float* x, int64_t n) {
+    reserve(t, n, DType::bf16);
+    f32_to_bf16(reinterpret_cast<bf16*>(t.raw()), x, n);
+    return static_cast<const uint16_t*>(t.raw());
+  }
+
+  // C [M, N] (= or += by accumulate) op(A) @ op(B) (+ bias [N]): A [M, K] or, with trans_a, [K, M];
+  // B [K, N] or, with trans_b, [N, K]; row-major, bf16 A and B, f32 C and bias.
+  void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const uint16_t* A, const uint16_t* B,
+            const float* bias, bool accumulate, float* C) {
+    using dt = dnnl::memory::data_type;
+    const auto key = std::make_tuple(trans_a, trans_b, M, N, K, accumulate, bias != nullptr);
+    const dnnl::memory::desc ad({M, K}, dt::bf16, trans_a ? dnnl::memory::dims{1, M} : dnnl::memory::dims{K, 1});
+    const dnnl::memory::desc bd({K, N}, dt::bf16, trans_b ? dnnl::memory::dims{1, K} : dnnl::memory::dims{N, 1});
+    const dnnl::memory::desc cd({M, N}, dt::f32, dnnl::memory::dims{N, 1});
+    const dnnl::memory::desc biasd({1, N}, dt::f32, dnnl::memory::dims{N, 1});
+    auto it = prims.find(key);
+    if (it == prims.end()) {
+      dnnl::primitive_attr attr;
+      attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+      if (accumulate) {
+        dnnl::post_ops po;
+        po.append_sum(1.f);
+        attr.set_post_ops(po);
+      }
+      try {
+        const dnnl::matmul::desc md = bias ? dnnl::matmul::desc(ad, bd, biasd, cd) : dnnl::matmul::desc(ad, bd, cd);
+        dnnl::matmul::primitive_desc pd(md, attr, eng);
+        pds.emplace(key, pd);
+        it = prims.emplace(key, dnnl::matmul(pd)).first;
+      } catch (const dnnl::error& e) {
+        LOOM_FAIL("bf16 matmul: oneDNN has no matmul for M={} N={} K={} (trans_a={}, trans_b={}): {}", M, N, K,
+                  trans_a, trans_b, e.what());
+      }
+    }
+    const dnnl::matmul::primitive_desc& pd = pds.at(key);
+    const int64_t ws = int64_t(pd.scratchpad_desc().get_size());
+    reserve(scratch, std::max<int64_t>(ws, 1), DType::u16);  // bytes: u16 elements, twice what is needed
+    std::unordered_map<int, dnnl::memory> args{
+        {DNNL_ARG_SRC, dnnl::memory(ad, eng, const_cast<uint16_t*>(A))},
+        {DNNL_ARG_WEIGHTS, dnnl::memory(bd, eng, const_cast<uint16_t*>(B))},
+        {DNNL_ARG_DST, dnnl::memory(cd, eng, C)},
+        {DNNL_ARG_SCRATCHPAD, dnnl::memory(pd.scratchpad_desc(), eng, scratch.raw())}};
+    if (bias) args.emplace(DNNL_ARG_BIAS, dnnl::memory(biasd, eng, const_cast<float*>(bias)));
+    it->second.execute(strm, args);
+    strm.wait();
+  }
+};
+
+Bf16Matmul::Bf16Matmul(MemoryPool& pool) {
+  const std::string missing = cpu_bf16_missing();
+  LOOM_CHECK(missing.empty(), "bf16 matmul: needs a CPU with {}", missing);
+  impl_ = std::make_unique<Impl>(pool);
+}
+
+Bf16Matmul::~Bf16Matmul() = default;
+
+void Bf16Matmul::forward(float* out, const float* inp, const float* weight, const float* bias, int64_t M, int64_t K,
+                         int64_t N) {
+  LOOM_CHECK(M >= 0 && K >= 0 && N >= 0, "matmul_forward (bf16): negative size M={} K={} N={}", M, K, N);
+  if (M == 0 || N == 0) return;
+  if (K == 0) return matmul_forward(out, inp, weight, bias, M, K, N);  // no product: the f32 path's zeros and bias
+  Impl& m = *impl_;
+  const uint16_t* a = m.to_bf16(m.a16, inp, M * K);
+  const uint16_t* b = m.to_bf16(m.b16, weight, N * K);
+  // out [M, N] = inp [M, K] @ weight [N, K]^T + bias
+  m.gemm(false, true, M, N, K, a, b, bias, false, out);
+}
+
+void Bf16Matmul::backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                          const float* weight, int64_t M, int64_t K, int64_t N, bool accumulate_dinp) {
+  LOOM_CHECK(M >= 0 && K >= 0 && N >= 0, "matmul_backward (bf16): negative size M={} K={} N={}", M, K, N);
+  if (M == 0 || K == 0 || N == 0)
+    return matmul_backward(dinp, dweight, dbias, dout, inp, weight, M, K, N, accumulate_dinp);
+  Impl& m = *impl_;
+  const uint16_t* g = (dinp || dweight) ? m.to_bf16(m.c16, dout, M * N) : nullptr;
+  // dinp [M, K] = dout [M, N] @ weight [N, K]
+  if (dinp) m.gemm(false, false, M, K, N, g, m.to_bf16(m.b16, weight, N * K), nullptr, accumulate_dinp, dinp);
+  // dweight [N, K] += dout^T [N, M] @ inp [M, K]
+  if (dweight) m.gemm(true, false, N, K, M, g, m.to_bf16(m.a16, inp, M * K), nullptr, true, dweight);
+  if (dbias) column_sums_accumulate(dbias, dout, M, N);
 }
 
 double measure_gemm_gflops(int64_t M, int64_t N, int64_t K, double seconds) {

@@ -1,6 +1,10 @@
 // Matrix multiply with bias, PyTorch Linear layout (weight [out, in]).
 #pragma once
 #include <cstdint>
+#include <memory>
+#include <string>
+
+#include "core/memory.h"
 
 namespace loom::cpu {
 
@@ -21,6 +25,28 @@ void matmul_forward(float* out, const float* inp, const float* weight, const flo
 // may be null to skip it. dbias sums columns in a fixed order (thread-count independent).
 void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                      const float* weight, int64_t M, int64_t K, int64_t N, bool accumulate_dinp = false);
+
+// The linear layers' GEMMs with bf16 inputs and f32 accumulation and outputs (mixed precision as
+// autocast does it: f32 weights, activations and gradients, rounded to bf16 on their way into a
+// product), through oneDNN's matmul primitive (its AVX512-BF16 / AMX kernels). Same contract as
+// matmul_forward / matmul_backward. Each instance keeps its primitives (one per shape), the bf16
+// copies of its operands and oneDNN's scratch (tag workspace of `pool`); one instance per rank
+// thread. Refuses (loom::Error) a CPU without bf16 dot products (core/dtype.h: cpu_bf16_missing).
+class Bf16Matmul {
+ public:
+  explicit Bf16Matmul(MemoryPool& pool);
+  ~Bf16Matmul();
+  Bf16Matmul(const Bf16Matmul&) = delete;
+  Bf16Matmul& operator=(const Bf16Matmul&) = delete;
+
+  void forward(float* out, const float* inp, const float* weight, const float* bias, int64_t M, int64_t K, int64_t N);
+  void backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp, const float* weight,
+                int64_t M, int64_t K, int64_t N, bool accumulate_dinp = false);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 // Measured fp32 GEMM rate of this machine in GFLOP/s for the calling thread's team: the best
 // sustained rate (over windows of 3 calls, for at least `seconds`) of C[M, N] = A[M, K] B[K, N].

@@ -165,7 +165,7 @@ struct PipelineExecutor::Impl {
 
   Impl(const model::GPTConfig& c, const ExecutorOptions& o, comm::Comm& p, comm::Comm* d, model::ParallelGroups g,
        MemoryPool& pl)
-      : cfg(c), opt(o), pp(p), dp(d), groups(g), pool(pl), be(make_backend(pl.device(), {.pool = &pl})),
+      : cfg(c), opt(o), pp(p), dp(d), groups(g), pool(pl), be(make_backend(pl.device(), {.pool = &pl, .matmul = o.matmul})),
         par(std::make_shared<model::ChainParallel>(*be, g, o.sp)) {}
 
   std::unique_ptr<model::ChainBlock> make_block(int64_t e) {

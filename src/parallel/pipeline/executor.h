@@ -85,6 +85,7 @@ struct ExecutorOptions {
   // every_k with recompute_every, sqrt, selective; optimal is a trainer's choice, not here).
   model::Recompute recompute = model::Recompute::none;
   int64_t recompute_every = 2;
+  DType matmul = DType::f32;  // the CPU backend's matmul inputs (BackendOptions::matmul)
   // Refuses unsupported combinations with an error naming the field.
   void validate() const;
 };

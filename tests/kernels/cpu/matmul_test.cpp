@@ -12,7 +12,9 @@
 #include <thread>
 #include <vector>
 
+#include "core/dtype.h"
 #include "core/error.h"
+#include "core/memory.h"
 #include "kernels/cpu/kernel_test_util.h"
 
 using namespace loom;
@@ -284,4 +286,63 @@ TEST(Matmul, MeasuredPeakIsPlausible) {
   // be arbitrarily loaded while the test runs).
   EXPECT_TRUE(std::isfinite(g));
   EXPECT_GT(g, 0.0);
+}
+
+// bf16 matmuls (train.precision = bf16): inputs rounded to bf16, products summed in f32. Against
+// double on the same bf16-rounded inputs: the products of two bf16 values are exact in f32, so
+// what is left is f32 summation, as in the f32 GEMM (kAtol, kRtol). Odd sizes, the bias, and both
+// accumulating outputs.
+namespace {
+std::vector<float> round_bf16(std::vector<float> v) {
+  for (float& x : v) x = bf16_to_f32(f32_to_bf16(x));
+  return v;
+}
+}  // namespace
+
+TEST(Bf16Matmul, MatchesDoubleOnRoundedInputs) {
+  const std::string missing = cpu_bf16_missing();
+  if (!missing.empty()) {
+    try {
+      cpu::Bf16Matmul refused(default_cpu_pool());
+      ADD_FAILURE() << "a bf16 matmul without bf16 dot products was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("AVX512-BF16"), std::string::npos) << e.what();
+    }
+    GTEST_SKIP() << "this CPU lacks " << missing;
+  }
+  MemoryPool pool("bf16-test");
+  cpu::Bf16Matmul mm(pool);
+  for (const Sizes s : {Sizes{37, 53, 71}, Sizes{128, 96, 768}, Sizes{1, 8, 3}}) {
+    const int64_t M = s.M, N = s.N, K = s.K;
+    SCOPED_TRACE(::testing::Message() << "M=" << M << " N=" << N << " K=" << K);
+    const auto x = random_vec(M * K, 11), w = random_vec(N * K, 12), b = random_vec(N, 13), dy = random_vec(M * N, 14);
+    const auto xr = round_bf16(x), wr = round_bf16(w), dyr = round_bf16(dy);
+    // forward: out = x w^T + b
+    std::vector<float> out(size_t(M * N), NAN);
+    mm.forward(out.data(), x.data(), w.data(), b.data(), M, K, N);
+    std::vector<double> want(size_t(M * N));
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) want[size_t(i * N + j)] = b[size_t(j)];
+    ref_gemm(false, true, M, N, K, 1.0, xr, K, wr, K, 1.0, want, N);
+    EXPECT_TRUE(all_close(out, want, kAtol, kRtol)) << "forward";
+    // backward, accumulating onto dinp and dweight; dbias from the f32 dout
+    auto dx = random_vec(M * K, 15), dw = random_vec(N * K, 16), db = random_vec(N, 17);
+    std::vector<double> want_dx(dx.begin(), dx.end()), want_dw(dw.begin(), dw.end()), want_db(db.begin(), db.end());
+    mm.backward(dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), M, K, N, true);
+    ref_gemm(false, false, M, K, N, 1.0, dyr, N, wr, K, 1.0, want_dx, K);
+    ref_gemm(true, false, N, K, M, 1.0, dyr, N, xr, K, 1.0, want_dw, K);
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) want_db[size_t(j)] += dy[size_t(i * N + j)];
+    EXPECT_TRUE(all_close(dx, want_dx, kAtol, kRtol)) << "dinp (accumulated)";
+    EXPECT_TRUE(all_close(dw, want_dw, kAtol, kRtol)) << "dweight";
+    EXPECT_TRUE(all_close(db, want_db, kAtol, kRtol)) << "dbias";
+    // dinp written, not accumulated
+    std::vector<float> dx2(size_t(M * K), NAN);
+    mm.backward(dx2.data(), nullptr, nullptr, dy.data(), x.data(), w.data(), M, K, N, false);
+    std::vector<double> want_dx2(size_t(M * K), 0.0);
+    ref_gemm(false, false, M, K, N, 1.0, dyr, N, wr, K, 0.0, want_dx2, K);
+    EXPECT_TRUE(all_close(dx2, want_dx2, kAtol, kRtol)) << "dinp";
+  }
+  // Every byte it holds is the pool's (tag workspace).
+  EXPECT_GT(pool.current(MemTag::workspace), 0);
 }
