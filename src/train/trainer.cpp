@@ -21,6 +21,7 @@
 #include "core/error.h"
 #include "data/loader.h"
 #include "data/tokenizer.h"
+#include "kernels/cpu/matmul.h"
 #include "model/gpt.h"
 #include "model/param_specs.h"
 #include "optim/adamw.h"
@@ -75,15 +76,24 @@ std::vector<TensorInfo> checkpoint_tensors(const model::GPTConfig& mc) {
 // The CPU's engines (the loop runs whatever train/engine.h's interface offers).
 class CpuEngine : public Engine {
  public:
-  CpuEngine(MemoryPool& pool, MemoryPool* host) : pool_(pool), host_(host) {}
-  double gemm_peak(comm::Comm& world) override { return job_gemm_peak(world, {}, &peak_source_); }
-  std::string peak_name() const override { return fmt::format("GEMM peak ({})", peak_source_); }
+  CpuEngine(MemoryPool& pool, MemoryPool* host, DType matmul) : pool_(pool), host_(host), matmul_(matmul) {}
+  // With bf16 matmuls the MFU is against the bf16 GEMM rate, measured now (f32: the larger of now
+  // and the host's calibration).
+  double gemm_peak(comm::Comm& world) override {
+    if (matmul_ == DType::bf16)
+      return job_gemm_peak(world, [] { return cpu::measure_bf16_gemm_peak_gflops(1024, 0.3) * 1e9; }, &peak_source_);
+    return job_gemm_peak(world, {}, &peak_source_);
+  }
+  std::string peak_name() const override {
+    return fmt::format("{}GEMM peak ({})", matmul_ == DType::bf16 ? "bf16 " : "", peak_source_);
+  }
   MemoryPool& pool() override { return pool_; }
   MemoryPool* host_pool() override { return host_; }
 
  protected:
   MemoryPool& pool_;
   MemoryPool* host_;
+  DType matmul_;
   std::string peak_source_;
 };
 
@@ -96,7 +106,7 @@ class ChainEngine : public CpuEngine {
  public:
   ChainEngine(const TrainConfig& cfg, const model::GPTConfig& mc, const optim::AdamWConfig& oc,
               parallel::MeshComms& comms, data::Loader& train, MemoryPool& pool, MemoryPool& host_pool, bool trace)
-      : CpuEngine(pool, &host_pool), cfg_(cfg), mc_(comms), train_(train), dp_(comms["dp"]), tp_(comms["tp"]),
+      : CpuEngine(pool, &host_pool, cfg.cpu_matmul()), cfg_(cfg), mc_(comms), train_(train), dp_(comms["dp"]), tp_(comms["tp"]),
         trace_(comms.world().rank(), trace),
         model_(mc, pool, cfg.seed,
                {.groups = {&comms["tp"], &comms["cp"]}, .sp = cfg.sp, .defer_parameters = true,
@@ -330,7 +340,7 @@ class PipelineEngine : public CpuEngine {
  public:
   PipelineEngine(const TrainConfig& cfg, const model::GPTConfig& mc, const optim::AdamWConfig& oc,
                  parallel::MeshComms& comms, data::Loader& train, MemoryPool& pool)
-      : CpuEngine(pool, nullptr), cfg_(cfg), mc_(comms), model_cfg_(mc), train_(train), pp_(comms["pp"]), dp_(comms["dp"]),
+      : CpuEngine(pool, nullptr, cfg.cpu_matmul()), cfg_(cfg), mc_(comms), model_cfg_(mc), train_(train), pp_(comms["pp"]), dp_(comms["dp"]),
         tp_(comms["tp"]),
         exec_(mc, options(cfg, oc, mc.n_layer), comms["pp"], comms["dp"].size() > 1 ? &comms["dp"] : nullptr, pool,
               {&comms["tp"], &comms["cp"], &comms.get({"dp", "cp"})}) {
@@ -638,9 +648,10 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   const int64_t T = cfg.seq_len, val_mb = cfg.batch_size / cfg.grad_accum;
   int64_t num_parameters = 0;
   for (const model::ParamSpec& s : model::gpt_param_specs(mc)) num_parameters += s.numel();
-  say(fmt::format("model {} | {:.2f}M parameters | {} ({}, {} ranks) | {} threads per rank", mc.str(),
-                  double(num_parameters) / 1e6, engine->describe(), world.backend(), ranks,
-                  omp_get_max_threads()));
+  const std::string precision = cfg.precision != "auto" ? cfg.precision : cfg.device == "cuda" ? "bf16" : "f32";
+  say(fmt::format("model {} | {:.2f}M parameters | {} ({}, {} ranks) | {} threads per rank | precision {}{}", mc.str(),
+                  double(num_parameters) / 1e6, engine->describe(), world.backend(), ranks, omp_get_max_threads(),
+                  precision, cfg.device == "cpu" && precision == "bf16" ? " (matmuls; f32 accumulation)" : ""));
   const double peak = engine->gemm_peak(world);
   res.last_val_loss = NAN;
   res.unigram_val_loss = lead ? unigram_loss(train, val.get(), mc.vocab_size) : NAN;

@@ -53,5 +53,8 @@ class Bf16Matmul {
 double measure_gemm_gflops(int64_t M, int64_t N, int64_t K, double seconds = 1.0);
 // The same for square n x n products, the peak of model-FLOPs utilisation.
 double measure_gemm_peak_gflops(int64_t n = 1536, double seconds = 1.0);
+// The bf16 matmuls' rate (Bf16Matmul::forward, its f32 -> bf16 rounding of the operands included)
+// for square n x n products, measured the same way; needs cpu_bf16_missing() == "".
+double measure_bf16_gemm_peak_gflops(int64_t n = 1536, double seconds = 1.0);
 
 }  // namespace loom::cpu
