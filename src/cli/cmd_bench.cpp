@@ -63,8 +63,11 @@ int bench_train(const BenchTrainOptions& o) {
   std::printf("batch %lld x seq %lld = %lld tokens/step, %d threads, %d warm-up + %d timed steps\n", (long long)B,
               (long long)T, (long long)(B * T), threads, o.warmup, o.steps);
   std::fflush(stdout);
-  const double peak = cpu::measure_gemm_peak_gflops(1536, o.gemm_seconds);
-  std::printf("GEMM peak (measured now, fp32 1536^3, %d threads): %.1f GFLOP/s\n", threads, peak);
+  // MFU against the rate of the products' own precision.
+  const bool bf16 = o.precision == "bf16";
+  const double peak = bf16 ? cpu::measure_bf16_gemm_peak_gflops(1536, o.gemm_seconds)
+                           : cpu::measure_gemm_peak_gflops(1536, o.gemm_seconds);
+  std::printf("GEMM peak (measured now, %s 1536^3, %d threads): %.1f GFLOP/s\n", bf16 ? "bf16" : "fp32", threads, peak);
 
   MemoryPool pool("bench");
   model::GPT gpt(cfg, pool, o.seed, {.matmul = o.precision == "bf16" ? DType::bf16 : DType::f32});

@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <cstring>
+
 #include "core/memory.h"
 #include "core/rng.h"
 #include "core/tensor.h"
@@ -57,6 +59,23 @@ TEST(DType, Bf16RoundToNearestEven) {
   EXPECT_EQ(bf16_to_f32(f32_to_bf16(1.0f + 3.0f / 256)), 1.0f + 4.0f / 256);
   float nan = std::numeric_limits<float>::quiet_NaN();
   EXPECT_TRUE(std::isnan(bf16_to_f32(f32_to_bf16(nan))));
+}
+
+// The array conversion (vectorised, no branches) gives the scalar one's bits for every kind of
+// value: ties both ways, signs, zeros, subnormals, the largest finite values (which round to
+// infinity), infinities and NaNs of both signs and payloads; over the parallel threshold too.
+TEST(DType, Bf16ArrayConversionEqualsTheScalarOne) {
+  std::vector<uint32_t> bits = {0x3f800000u, 0x3f808000u, 0x3f818000u, 0xbf808000u, 0x00000000u, 0x80000000u,
+                                0x00000001u, 0x007fffffu, 0x7f7fffffu, 0xff7fffffu, 0x7f800000u, 0xff800000u,
+                                0x7fc00000u, 0xffc00001u, 0x7f800001u, 0x7fbfffffu};
+  for (uint32_t i = 0; i < 300000; ++i) bits.push_back(i * 2654435761u);
+  std::vector<float> in(bits.size());
+  std::memcpy(in.data(), bits.data(), bits.size() * 4);
+  std::vector<bf16> out(in.size());
+  f32_to_bf16(out.data(), in.data(), int64_t(in.size()));
+  int64_t differ = 0;
+  for (size_t i = 0; i < in.size(); ++i) differ += out[i].bits != f32_to_bf16(in[i]).bits;
+  EXPECT_EQ(differ, 0);
 }
 
 TEST(Rng, PureFunctionOfSeedStreamIndex) {
