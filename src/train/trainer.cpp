@@ -10,12 +10,14 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <limits>
 #include <map>
 #include <memory>
 
 #include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
 
 #include "comm/threads.h"
 #include "core/error.h"
@@ -706,6 +708,43 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   for (int t = 0; t < kNumMemTags; ++t) {
     res.peak_bytes[size_t(t)] = peaks.peak(MemTag(t));
     res.host_peak_bytes[size_t(t)] = host_peaks ? host_peaks->peak(MemTag(t)) : 0;
+  }
+  // Every rank's peaks by tag (a collective): printed by rank 0 when the mesh has several ranks,
+  // and written to OUT_DIR/memory.json with each rank's mesh coordinates, so a layout's split of
+  // the memory can be checked rank by rank (the planner's predictions are compared against it).
+  constexpr int kFields = 2 * kNumMemTags + 1;  // device pool peaks by tag, host pool's, total peak
+  std::vector<uint64_t> mine(kFields), all(size_t(kFields) * size_t(ranks));
+  for (int t = 0; t < kNumMemTags; ++t) {
+    mine[size_t(t)] = uint64_t(res.peak_bytes[size_t(t)]);
+    mine[size_t(kNumMemTags + t)] = uint64_t(res.host_peak_bytes[size_t(t)]);
+  }
+  mine[size_t(2 * kNumMemTags)] = uint64_t(peaks.total_peak());
+  world.all_gather(mine.data(), all.data(), 2 * int64_t(all.size()), DType::u32);  // 64-bit values as 32-bit pairs
+  if (lead) {
+    nlohmann::json j;
+    j["ranks"] = nlohmann::json::array();
+    for (int r = 0; r < ranks; ++r) {
+      const uint64_t* v = all.data() + size_t(r) * kFields;
+      nlohmann::json peak, host, coords;
+      for (int t = 0; t < kNumMemTags; ++t) {
+        peak[std::string(mem_tag_name(MemTag(t)))] = v[t];
+        if (v[kNumMemTags + t] > 0) host[std::string(mem_tag_name(MemTag(t)))] = v[kNumMemTags + t];
+      }
+      for (const char* d : {"pp", "dp", "cp", "tp"}) coords[d] = comms.mesh().coord(r, d);
+      nlohmann::json row{{"rank", r}, {"coords", coords}, {"peak_bytes", peak}, {"all_tags_peak_bytes", v[2 * kNumMemTags]}};
+      if (!host.empty()) row["host_peak_bytes"] = host;
+      j["ranks"].push_back(row);
+      if (ranks > 1)
+        say(fmt::format("memory of rank {} (pp {} dp {} cp {} tp {}, peak): params {} | grads {} | optimizer {} | "
+                        "activations {} | workspace {} | comm {} | all tags {}",
+                        r, coords["pp"].get<int>(), coords["dp"].get<int>(), coords["cp"].get<int>(),
+                        coords["tp"].get<int>(), format_bytes(int64_t(v[0])), format_bytes(int64_t(v[1])),
+                        format_bytes(int64_t(v[2])), format_bytes(int64_t(v[3])), format_bytes(int64_t(v[4])),
+                        format_bytes(int64_t(v[5])), format_bytes(int64_t(v[2 * kNumMemTags]))));
+    }
+    std::ofstream f(out_dir / "memory.json");
+    f << j.dump(1) << "\n";
+    if (!f) throw Error(fmt::format("{}: could not write {}", where, (out_dir / "memory.json").string()));
   }
   const std::string comm_line = engine->summary(res);
   // Beside the pool's accounting, what the process really held: its peak resident set (every rank

@@ -6,10 +6,12 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <regex>
 #include <string>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include "cli_util.h"
 
@@ -56,6 +58,22 @@ TEST(MemoryLimitCli, ALimitTheSingleDeviceExceedsIsMetBySplittingLayouts) {
     CliRun split = r.train(fmt::format("--train.memory_limit {} {}", limit, layout));
     EXPECT_EQ(split.code, 0) << layout << "\n" << split.err;
     EXPECT_LE(LimitRun::all_tags(split.out), double(limit)) << layout << "\n" << split.out;
+    // Every rank's peaks (memory.json, and a line each in the output): all four under the limit,
+    // each with its mesh coordinates.
+    std::ifstream in(r.root / "out" / "memory.json");
+    ASSERT_TRUE(in.good()) << layout;
+    const nlohmann::json j = nlohmann::json::parse(in);
+    ASSERT_EQ(j["ranks"].size(), 4u) << layout;
+    int along = 0;
+    for (int rk = 0; rk < 4; ++rk) {
+      const nlohmann::json& row = j["ranks"][size_t(rk)];
+      EXPECT_EQ(row["rank"].get<int>(), rk);
+      EXPECT_LE(row["all_tags_peak_bytes"].get<double>(), double(limit)) << layout << " rank " << rk;
+      EXPECT_GT(row["peak_bytes"]["params"].get<double>(), 0) << layout << " rank " << rk;
+      for (const char* d : {"pp", "dp", "tp"}) along += row["coords"][d].get<int>();
+      EXPECT_NE(split.out.find(fmt::format("memory of rank {} (", rk)), std::string::npos) << split.out;
+    }
+    EXPECT_EQ(along, 0 + 1 + 2 + 3) << "the four ranks' coordinates along the split dimension: " << j.dump();
   }
 }
 
