@@ -38,14 +38,14 @@ if [[ ${#layouts[@]} -eq 0 ]]; then
     "tp=4,sp=1|--parallel.tp 4 --parallel.sp true"
     "cp=2|--parallel.cp 2"
     "cp=2,tp=2,sp=1|--parallel.cp 2 --parallel.tp 2 --parallel.sp true"
-    "pp=2,mbs=4,schedule=1f1b|--parallel.pp 2 --train.grad_accum 4 --parallel.schedule 1f1b"
-    "pp=2,mbs=4,schedule=gpipe|--parallel.pp 2 --train.grad_accum 4 --parallel.schedule gpipe"
-    "pp=2,v=2,mbs=4,schedule=interleaved|--parallel.pp 2 --train.grad_accum 4 --parallel.schedule interleaved --parallel.virtual_stages 2"
-    "pp=2,mbs=4,schedule=zb-h1|--parallel.pp 2 --train.grad_accum 4 --parallel.schedule zb-h1"
-    "pp=4,mbs=4,schedule=1f1b|--parallel.pp 4 --train.grad_accum 4 --parallel.schedule 1f1b"
+    "pp=2,schedule=1f1b|--parallel.pp 2 --train.grad_accum 4 --parallel.schedule 1f1b"
+    "pp=2,schedule=gpipe|--parallel.pp 2 --train.grad_accum 4 --parallel.schedule gpipe"
+    "pp=2,v=2,schedule=interleaved|--parallel.pp 2 --train.grad_accum 4 --parallel.schedule interleaved --parallel.virtual_stages 2"
+    "pp=2,schedule=zb-h1|--parallel.pp 2 --train.grad_accum 4 --parallel.schedule zb-h1"
+    "pp=4,schedule=1f1b|--parallel.pp 4 --train.grad_accum 4 --parallel.schedule 1f1b"
     "dp=2,tp=2,zero=1|--parallel.dp 2 --parallel.tp 2 --parallel.zero 1"
-    "dp=2,pp=2,mbs=4,zero=1|--parallel.dp 2 --parallel.pp 2 --train.grad_accum 4 --parallel.zero 1"
-    "tp=2,pp=2,mbs=4|--parallel.tp 2 --parallel.pp 2 --train.grad_accum 4"
+    "dp=2,pp=2,zero=1|--parallel.dp 2 --parallel.pp 2 --train.grad_accum 4 --parallel.zero 1"
+    "tp=2,pp=2|--parallel.tp 2 --parallel.pp 2 --train.grad_accum 4"
     "dp=1,recompute=full|--memory.recompute full"
     "tp=2,sp=1,recompute=selective|--parallel.tp 2 --parallel.sp true --memory.recompute selective"
     "dp=2,zero=3,recompute=full|--parallel.dp 2 --parallel.zero 3 --memory.recompute full"
@@ -71,6 +71,12 @@ for entry in "${layouts[@]}"; do
   plan_layout=${entry%%|*}
   flags=${entry#*|}
   ranks=$(ranks_of "$flags")
+  # The micro-batch the run uses: batch / (dp x grad_accum), unless the layout names one.
+  if [[ $plan_layout != *mbs=* ]]; then
+    dp=$(sed -nE 's/.*--parallel\.dp ([0-9]+).*/\1/p' <<<"$flags")
+    ga=$(sed -nE 's/.*--train\.grad_accum ([0-9]+).*/\1/p' <<<"$flags")
+    plan_layout="$plan_layout,mbs=$((batch / ${dp:-1} / ${ga:-1}))"
+  fi
   threads=$((cores / ranks)); [[ $threads -ge 1 ]] || threads=1
   out="$work/run"
   rm -rf "$out"
