@@ -192,10 +192,21 @@ void Bf16Matmul::backward(float* dinp, float* dweight, float* dbias, const float
 
 namespace {
 
-// The best sustained rate of run_once (over windows of 3 consecutive calls, for at least
-// `seconds`) in GFLOP/s, so one lucky call does not count as the peak.
+// The best sustained rate in GFLOP/s of product(a, b, c) computing C [M, N] from A [M, K] and B
+// (K x N values) on smooth f32 operands (no denormals, no overflow): over windows of 3 consecutive
+// calls, for at least `seconds`, so one lucky call does not count as the peak.
 template <class F>
-double sustained_gflops(double flops, double seconds, F run_once) {
+double sustained_gflops(int64_t M, int64_t N, int64_t K, double seconds, F product) {
+  std::vector<float> a(size_t(M * K)), b(size_t(K * N)), c(size_t(M * N), 0.f);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = float(int(i % 97) - 48) * (1.f / 64.f);
+  for (size_t i = 0; i < b.size(); ++i) b[i] = float(int(i % 89) - 44) * (1.f / 64.f);
+  using clock = std::chrono::steady_clock;
+  auto run_once = [&] {
+    auto t0 = clock::now();
+    product(a.data(), b.data(), c.data());
+    return std::chrono::duration<double>(clock::now() - t0).count();
+  };
+  const double flops = 2.0 * double(M) * double(N) * double(K);
   run_once();  // warm-up: page faults, oneDNN's JIT, thread start
   double best = 0.0, window = 0.0, elapsed = 0.0;
   int in_window = 0;
@@ -216,15 +227,8 @@ double sustained_gflops(double flops, double seconds, F run_once) {
 
 double measure_gemm_gflops(int64_t M, int64_t N, int64_t K, double seconds) {
   LOOM_CHECK(M > 0 && N > 0 && K > 0, "measure_gemm_gflops: [{}, {}, {}] must be positive", M, N, K);
-  // f32 operands with smooth values (no denormals, no overflow).
-  std::vector<float> a(size_t(M * K)), b(size_t(K * N)), c(size_t(M * N), 0.f);
-  for (size_t i = 0; i < a.size(); ++i) a[i] = float(int(i % 97) - 48) * (1.f / 64.f);
-  for (size_t i = 0; i < b.size(); ++i) b[i] = float(int(i % 89) - 44) * (1.f / 64.f);
-  using clock = std::chrono::steady_clock;
-  return sustained_gflops(2.0 * double(M) * double(N) * double(K), seconds, [&] {
-    auto t0 = clock::now();
-    gemm(false, false, M, N, K, 1.f, a.data(), K, b.data(), N, 0.f, c.data(), N);
-    return std::chrono::duration<double>(clock::now() - t0).count();
+  return sustained_gflops(M, N, K, seconds, [&](const float* a, const float* b, float* c) {
+    gemm(false, false, M, N, K, 1.f, a, K, b, N, 0.f, c, N);
   });
 }
 
@@ -232,15 +236,8 @@ double measure_bf16_gemm_peak_gflops(int64_t n, double seconds) {
   LOOM_CHECK(n > 0, "measure_bf16_gemm_peak_gflops: n = {} must be positive", n);
   MemoryPool pool("bf16-peak");
   Bf16Matmul mm(pool);
-  std::vector<float> a(size_t(n * n)), b(size_t(n * n)), c(size_t(n * n), 0.f);
-  for (size_t i = 0; i < a.size(); ++i) a[i] = float(int(i % 97) - 48) * (1.f / 64.f);
-  for (size_t i = 0; i < b.size(); ++i) b[i] = float(int(i % 89) - 44) * (1.f / 64.f);
-  using clock = std::chrono::steady_clock;
-  return sustained_gflops(2.0 * double(n) * double(n) * double(n), seconds, [&] {
-    auto t0 = clock::now();
-    mm.forward(c.data(), a.data(), b.data(), nullptr, n, n, n);
-    return std::chrono::duration<double>(clock::now() - t0).count();
-  });
+  return sustained_gflops(n, n, n, seconds,
+                          [&](const float* a, const float* b, float* c) { mm.forward(c, a, b, nullptr, n, n, n); });
 }
 
 double measure_gemm_peak_gflops(int64_t n, double seconds) { return measure_gemm_gflops(n, n, n, seconds); }

@@ -297,28 +297,14 @@ BackwardShape backward_shape(int64_t C, int sums) {
 void launch_forward(bf16* residual, bf16* out, float* mean, float* rstd, const bf16* a, const bf16* a2,
                     const bf16* weight, const bf16* bias, int64_t N, int64_t C, float eps, bool rms,
                     cudaStream_t stream) {
-  const unsigned grid = unsigned(ceil_div(N, kWarps));
-  switch ((C + 255) / 256) {
-    case 1:
-      layernorm_forward_cached_kernel<1>
-          <<<grid, kWarps * 32, 0, stream>>>(residual, out, mean, rstd, a, a2, weight, bias, N, C, eps, rms);
-      break;
-    case 2:
-      layernorm_forward_cached_kernel<2>
-          <<<grid, kWarps * 32, 0, stream>>>(residual, out, mean, rstd, a, a2, weight, bias, N, C, eps, rms);
-      break;
-    case 3:
-      layernorm_forward_cached_kernel<3>
-          <<<grid, kWarps * 32, 0, stream>>>(residual, out, mean, rstd, a, a2, weight, bias, N, C, eps, rms);
-      break;
-    case 4:
-      layernorm_forward_cached_kernel<4>
-          <<<grid, kWarps * 32, 0, stream>>>(residual, out, mean, rstd, a, a2, weight, bias, N, C, eps, rms);
-      break;
-    default:
-      layernorm_forward_kernel<<<grid, kWarps * 32, 0, stream>>>(residual, out, mean, rstd, a, a2, weight, bias, N,
-                                                                 C, eps, rms);
-  }
+  using Kernel = void (*)(bf16*, bf16*, float*, float*, const bf16*, const bf16*, const bf16*, const bf16*, int64_t,
+                         int64_t, float, bool);
+  constexpr Kernel cached[] = {layernorm_forward_cached_kernel<1>, layernorm_forward_cached_kernel<2>,
+                               layernorm_forward_cached_kernel<3>, layernorm_forward_cached_kernel<4>};
+  const int64_t chunks = (C + 255) / 256;
+  const Kernel k = chunks <= 4 ? cached[chunks - 1] : layernorm_forward_kernel;
+  k<<<unsigned(ceil_div(N, kWarps)), kWarps * 32, 0, stream>>>(residual, out, mean, rstd, a, a2, weight, bias, N, C,
+                                                                 eps, rms);
   LOOM_CUDA_LAUNCH_CHECK();
 }
 

@@ -91,25 +91,11 @@ TEST(CudaAttention, CausalHs128PackedQkv) {
   run_case(c);
 }
 
-// Grouped-query attention: 8 query heads on 2 key/value heads (each backward block sums dK and dV
-// over its 4 query heads), separate buffers with row padding and the packed q|k|v layout of a
-// Llama block; HS 128 with 2 query heads per key/value head; one key/value head for all (MQA).
+// Grouped-query attention (attention_util.cuh's cases): each backward block sums dK and dV over its
+// group's query heads.
 TEST(CudaAttention, GroupedQueryHeads) {
   LOOM_REQUIRE_GPU();
-  AttnCase c{"hs64 gqa 8/2 causal T=333 padded", 2, 8, 64, 333, 333, true};
-  c.NKV = 2;
-  c.pad = 8;
-  run_case(c);
-  AttnCase d{"hs64 gqa 8/2 causal packed T=200", 2, 8, 64, 200, 200, true};
-  d.NKV = 2;
-  d.packed = true;
-  run_case(d);
-  AttnCase e{"hs128 gqa 4/2 causal T=130", 1, 4, 128, 130, 130, true};
-  e.NKV = 2;
-  run_case(e);
-  AttnCase f{"hs64 mqa 6/1 non-causal Tq=70 Tkv=90", 2, 6, 64, 70, 90, false};
-  f.NKV = 1;
-  run_case(f);
+  for (const AttnCase& c : loom::test::gqa_cases()) run_case(c);
 }
 
 TEST(CudaAttention, CausalHs64PackedQkvLong) {

@@ -48,6 +48,24 @@ struct AttnCase {
   int64_t NKV = 0;  // key/value heads (grouped-query attention); 0: NH
 };
 
+// Grouped-query attention, the cases loom's flash kernels and cuDNN's graphs both take: 8 query
+// heads on 2 key/value heads with row padding and in a Llama block's packed q|k|v rows (each dK/dV
+// sums 4 query heads), HS 128 with groups of 2, SmolLM-135M's 9 on 3 (packed), and one key/value
+// head for all (MQA), non-causal with Tq != Tkv.
+inline std::vector<AttnCase> gqa_cases() {
+  AttnCase padded{"hs64 gqa 8/2 causal T=333 padded", 2, 8, 64, 333, 333, true};
+  padded.NKV = 2, padded.pad = 8;
+  AttnCase packed{"hs64 gqa 8/2 causal packed T=200", 2, 8, 64, 200, 200, true};
+  packed.NKV = 2, packed.packed = true;
+  AttnCase hs128{"hs128 gqa 4/2 causal T=130", 1, 4, 128, 130, 130, true};
+  hs128.NKV = 2;
+  AttnCase smollm{"hs64 gqa 9/3 causal packed T=256 (SmolLM-135M's heads)", 2, 9, 64, 256, 256, true};
+  smollm.NKV = 3, smollm.packed = true;
+  AttnCase mqa{"hs64 mqa 6/1 non-causal Tq=70 Tkv=90", 2, 6, 64, 70, 90, false};
+  mqa.NKV = 1;
+  return {padded, packed, hs128, smollm, mqa};
+}
+
 // Row strides and element counts of a case's buffers: q (the whole q|k|v buffer when packed), k
 // and v, out and dout, lse f32 [B, NH, Tq].
 struct AttnLayout {

@@ -76,29 +76,11 @@ void run_case(const AttnCase& cs) {
   EXPECT_TRUE(attn_same_bits(lse1, lse)) << "lse differs between runs";
 }
 
-// Grouped-query attention: the same cases as loom's flash kernels take (CudaAttention.
-// GroupedQueryHeads): 8 query heads on 2 key/value heads padded and in a Llama block's packed
-// q|k|v rows, HS 128 with groups of 2, SmolLM-135M's 9 on 3, and one key/value head (MQA).
+// Grouped-query attention: the cases loom's flash kernels take (attention_util.cuh), SmolLM-135M's
+// 9 query heads on 3 among them.
 TEST(CudnnAttention, GroupedQueryHeads) {
   LOOM_REQUIRE_CUDNN();
-  AttnCase c{"hs64 gqa 8/2 causal T=333 padded", 2, 8, 64, 333, 333, true};
-  c.NKV = 2;
-  c.pad = 8;
-  run_case(c);
-  AttnCase d{"hs64 gqa 8/2 causal packed T=200", 2, 8, 64, 200, 200, true};
-  d.NKV = 2;
-  d.packed = true;
-  run_case(d);
-  AttnCase e{"hs128 gqa 4/2 causal T=130", 1, 4, 128, 130, 130, true};
-  e.NKV = 2;
-  run_case(e);
-  AttnCase s{"hs64 gqa 9/3 causal packed T=256 (SmolLM-135M's heads)", 2, 9, 64, 256, 256, true};
-  s.NKV = 3;
-  s.packed = true;
-  run_case(s);
-  AttnCase f{"hs64 mqa 6/1 non-causal Tq=70 Tkv=90", 2, 6, 64, 70, 90, false};
-  f.NKV = 1;
-  run_case(f);
+  for (const AttnCase& c : loom::test::gqa_cases()) run_case(c);
 }
 
 TEST(CudnnAttention, CausalHs64OddLength) {
