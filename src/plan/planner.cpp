@@ -126,6 +126,68 @@ double all_reduce_s(double bytes, int n, const Link& link) {
   return 2.0 * (n - 1) / n * bytes / link.bandwidth + 2.0 * (n - 1) * link.latency;
 }
 
+// loom's CPU engine (f32), beyond the model state and the saved activations, as its pools hold it:
+//   workspace: the backward scratch GPT::workspace_bytes declares (dres and bufC [N, h], buf4C [N,
+//     wide]; under sp the gathered rows and partial sums, under tp the vocabulary-parallel loss's
+//     row statistics, under cp the rows' positions; the attention kernel's own scratch, a few
+//     hundred KiB, is left out);
+//   ZeRO-3: two gather buffers of U elements, U the block with the most parameters (the
+//     embedding, a layer, or a tied head's wte);
+//   ZeRO-2/3: the gradient buckets' arena G: the chain's blocks in backward order cut into buckets
+//     of at least bucket_bytes, a tied head's wte part a bucket of its own where it does not share
+//     the head's; at most two alive at once (DataParallel keeps the newest launched one), so G is
+//     the largest sum of two buckets acquired one after the other (one bucket: its size);
+//   a pipeline with tied embeddings: the first and last stages exchange wte's gradient through a
+//     buffer of its size (tag comm); context parallelism: ring attention's two key/value blocks and
+//     two gradient blocks of the rank's rows (tag comm).
+struct CpuExtras {
+  double workspace = 0, gather = 0, buckets = 0, comm = 0;
+};
+
+CpuExtras cpu_extras(const Job& job, const Layout& L) {
+  const ModelSpec& m = job.model;
+  CpuExtras x;
+  const double h = double(m.hidden), tp = L.tp;
+  const double N = double(L.mbs) * double(m.seq) / L.cp, Ns = L.sp ? N / tp : N;
+  const double q_local = double(m.heads) / tp * double(m.head_dim());
+  const double kv_local = std::max(1.0, double(m.kv()) / tp) * double(m.head_dim());
+  const double ffn = double(m.ffn_size());
+  const double wide = std::max(q_local + 2 * kv_local, (m.swiglu ? 2 * ffn : ffn) / tp + (m.swiglu ? ffn / tp : 0.0));
+  x.workspace = 4 * (Ns * h + N * h + N * wide);
+  if (L.sp) x.workspace += 4 * (2 * N * h + Ns * h);
+  if (L.tp > 1) x.workspace += 4 * 3 * N;
+  if (L.cp > 1) x.workspace += 4 * double(m.seq) / L.cp;
+  const double norms = double(m.bias ? 2 * m.hidden : m.hidden);
+  const double layer = (double(m.layer_params()) - 2 * norms) / tp + 2 * norms;
+  const double wte = double(m.vocab) * h / tp;
+  const double emb = wte + (m.learned_positions ? double(m.seq) * h : 0.0);
+  const double head_own = norms + (m.tied ? 0.0 : wte);
+  const int shard = L.dp * L.cp;
+  if (L.zero >= 3 && shard > 1) x.gather = 2 * 4 * std::max({emb, layer, head_own + (m.tied ? wte : 0.0)});
+  if (L.zero >= 2 && shard > 1) {
+    constexpr double kBucketBytes = 25.0 * 1024 * 1024;  // parallel.bucket_mb's default
+    std::vector<double> blocks{head_own};
+    for (int64_t l = 0; l < m.layers; ++l) blocks.push_back(layer);
+    blocks.push_back(emb);
+    std::vector<double> buckets;
+    double cur = 0;
+    bool open = false, head_shares_wte = false;
+    for (size_t b = 0; b < blocks.size(); ++b) {
+      cur += blocks[b], open = true;
+      if (b + 1 == blocks.size() && buckets.empty()) head_shares_wte = true;  // one bucket holds all
+      if (cur * 4 >= kBucketBytes) buckets.push_back(cur), cur = 0, open = false;
+    }
+    if (open) buckets.push_back(cur);
+    if (m.tied && !head_shares_wte) buckets.insert(buckets.begin() + 1, wte);
+    double g = buckets.front();
+    for (size_t b = 0; b + 1 < buckets.size(); ++b) g = std::max(g, buckets[b] + buckets[b + 1]);
+    x.buckets = 4 * g;
+  }
+  if (L.pp > 1 && m.tied) x.comm = 4 * wte;
+  if (L.cp > 1) x.comm += 4 * 4 * N * 2 * kv_local;  // ring attention's key/value blocks and their gradients, double-buffered
+  return x;
+}
+
 std::string invalid(const Job& job, const Layout& L) {
   const ModelSpec& m = job.model;
   if (L.devices() != job.devices)
@@ -286,6 +348,13 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   e.memory["activations"] = in_flight * lps * per_layer +
                             (L.recompute == model::Recompute::full ? layer_activation_bytes(job, whole) : 0.0) +
                             tokens * double(m.vocab) / L.tp * 4 + tokens * double(m.hidden) * B.act;
+  if (job.precision == Precision::f32) {
+    const CpuExtras x = cpu_extras(job, L);
+    e.memory["workspace"] = x.workspace;
+    e.memory["params"] += x.gather;
+    e.memory["grads"] += x.buckets;
+    if (x.comm > 0) e.memory["comm"] = x.comm;
+  }
   e.memory_total = 0;
   for (const auto& [tag, b] : e.memory) e.memory_total += b;
   e.fits = e.memory_total <= 0.9 * dev.memory;
