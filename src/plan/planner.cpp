@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <map>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -10,6 +11,7 @@
 
 #include "core/error.h"
 #include "parallel/pipeline/checker.h"
+#include "parallel/pipeline/executor.h"
 
 namespace loom::plan {
 
@@ -188,6 +190,76 @@ CpuExtras cpu_extras(const Job& job, const Layout& L) {
   return x;
 }
 
+// loom's model config for a model spec (what the pipeline's cost-balanced cuts are made from).
+model::GPTConfig gpt_config_of(const ModelSpec& m) {
+  model::GPTConfig g;
+  g.name = m.name;
+  g.n_layer = m.layers;
+  g.n_head = m.heads;
+  g.n_embd = m.hidden;
+  g.vocab_size = m.vocab;
+  g.block_size = m.seq;
+  g.tied_embeddings = m.tied;
+  g.n_kv_head = m.kv_heads;
+  g.ffn_hidden = m.ffn;
+  g.mlp = m.swiglu ? model::Mlp::swiglu : model::Mlp::gelu;
+  g.bias = m.bias;
+  g.position = m.learned_positions ? model::Position::learned : model::Position::rope;
+  if (!m.bias) g.norm = model::Norm::rmsnorm;
+  return g;
+}
+
+std::map<std::string, double> pipeline_rank_memory(const Job& job, const Layout& L, const std::vector<int>& rank_in_flight,
+                                                   double in_flight, const CpuExtras& x) {
+  const ModelSpec& m = job.model;
+  const int parts = L.pp * L.v;
+  const std::vector<int64_t> cuts = pipe::balance_chain(pipe::chain_costs(gpt_config_of(m), m.seq), parts);
+  const double h = double(m.hidden), tp = L.tp;
+  const double tokens = double(L.mbs) * double(m.seq) / L.cp, rows = L.sp ? tokens / tp : tokens;
+  const double norms = double(m.bias ? 2 * m.hidden : m.hidden);
+  const double layer = (double(m.layer_params()) - 2 * norms) / tp + 2 * norms;
+  const double wte = double(m.vocab) * h / tp;
+  const double emb = wte + (m.learned_positions ? double(m.seq) * h : 0.0);
+  const double head = norms + wte;  // its own lm_head, or (tied, several stages) its copy of wte
+  const double per_layer = layer_activation_bytes(job, L);
+  Layout whole = L;
+  whole.recompute = model::Recompute::none;
+  const double recompute_extra = L.recompute == model::Recompute::full ? layer_activation_bytes(job, whole) : 0.0;
+  const Bytes B = bytes_of(job.precision);
+  std::map<std::string, double> best;
+  double best_total = -1;
+  for (int r = 0; r < L.pp; ++r) {
+    double params = 0, act_per_mb = 0, grad_in = 0;
+    bool first = false, last = false;
+    for (int k = 0; k < L.v; ++k) {
+      const int c = r + k * L.pp;
+      const int64_t e0 = cuts[size_t(c)], e1 = cuts[size_t(c + 1)];
+      if (e0 > 0) act_per_mb += 4 * rows * h;  // the received input
+      if (c + 1 < parts) grad_in += 4 * rows * h;
+      for (int64_t e = e0; e < e1; ++e) {
+        if (e == 0) params += emb, act_per_mb += 4 * tokens * h, first = true;
+        else if (e <= m.layers) params += layer, act_per_mb += per_layer;
+        else params += head, act_per_mb += 4 * tokens * double(m.vocab) / tp, last = true;
+      }
+    }
+    const double held = rank_in_flight.size() == size_t(L.pp) ? double(rank_in_flight[size_t(r)]) : in_flight * L.v;
+    std::map<std::string, double> t;
+    t["params"] = params * B.weight;
+    t["grads"] = params * B.grad;
+    t["optimizer"] = params * B.optimizer / (L.zero >= 1 ? L.dp * L.cp : 1);
+    t["activations"] = held / L.v * act_per_mb + recompute_extra;
+    t["workspace"] = x.workspace;
+    // The wte gradient exchange runs after the flush, when the activations and the received
+    // gradients are gone: it adds to the peak only what it exceeds them by.
+    const double exchange = (first || last) && m.tied ? 4 * wte : 0.0;
+    t["comm"] = std::max(held / L.v * grad_in, exchange - t["activations"]);
+    double total = 0;
+    for (const auto& [tag, b] : t) total += b;
+    if (total > best_total) best_total = total, best = t;
+  }
+  return best;
+}
+
 std::string invalid(const Job& job, const Layout& L) {
   const ModelSpec& m = job.model;
   if (L.devices() != job.devices)
@@ -280,6 +352,7 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   const Link& pp_link = job.cluster.link(L.tp * L.cp * L.dp, L.pp);
   const double p2p = L.pp > 1 ? act_msg / L.tp / pp_link.bandwidth + pp_link.latency : 0.0;
   double makespan = 0, in_flight = 1;
+  std::vector<int> rank_in_flight;  // (micro-batch, chunk) pairs each pipeline rank holds at most (simulated)
   if (L.pp == 1) {
     makespan = double(micro) * (t_f + t_b);
   } else {
@@ -312,7 +385,8 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
       };
       auto peak_of = [&](const pipe::CheckResult& r) {
         int peak = 0;
-        for (const auto& rt : r.ranks) peak = std::max(peak, rt.peak_in_flight);
+        rank_in_flight.clear();
+        for (const auto& rt : r.ranks) peak = std::max(peak, rt.peak_in_flight), rank_in_flight.push_back(rt.peak_in_flight);
         return double(peak) / v;  // in whole stages' worth of micro-batches
       };
       const int64_t m1 = 3 * int64_t(L.pp), m2 = 4 * int64_t(L.pp);
@@ -354,6 +428,15 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
     e.memory["params"] += x.gather;
     e.memory["grads"] += x.buckets;
     if (x.comm > 0) e.memory["comm"] = x.comm;
+    if (L.pp > 1) {
+      // The fullest pipeline rank as loom's executor lays it out: its chunks cut by cost
+      // (pipeline::balance_chain over chain_costs, the embedding, each block and the head), the
+      // micro-batches each rank keeps in flight under the schedule (simulated; without a
+      // simulation the closed form above), the received gradient buffers of those in flight. Its
+      // tags add up to its peak (comm: what the transfers add to it).
+      const std::map<std::string, double> r = pipeline_rank_memory(job, L, rank_in_flight, in_flight, x);
+      e.memory = r;
+    }
   }
   e.memory_total = 0;
   for (const auto& [tag, b] : e.memory) e.memory_total += b;
