@@ -2,8 +2,9 @@
 # The planner against measured runs ("local truth", issue "How to choose"): for each layout, `loom
 # train` on the threads backend (every rank's pool peaks by tag from OUT/memory.json; the step time
 # as the median of its timed steps from metrics.jsonl) beside `loom plan --layout ... --json` for
-# the same model, global batch and sequence on the `cpu` cluster; the error of the predicted peak
-# memory of the fullest rank and of the step time, then their median and worst.
+# the same model, global batch and sequence on the `cpu` cluster (this host, calibrated first with
+# `loom calibrate`; its ranks share the cores); the error of the predicted peak memory of the
+# fullest rank and of the step time, then their median and worst.
 #
 #   bench/plan_truth.sh [DATA_DIR] [LAYOUT ...]
 #
@@ -62,6 +63,9 @@ heads = $heads
 vocab = $vocab
 seq = $seq
 TOML
+# The planner's `cpu` cluster is this host as `loom calibrate` measured it (cached per CPU and thread
+# count): measure it now, with every core.
+"$loom" calibrate --threads "$cores" > "$work/calibrate.log" 2>&1 || { cat "$work/calibrate.log" >&2; exit 1; }
 echo "model: L=$layers, H=$heads, C=$embd, V=$vocab, T=$seq, global batch $batch; $cores cores; $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')"
 echo
 echo "| layout | ranks | measured peak (fullest rank) | predicted | error | measured step | predicted | error |"

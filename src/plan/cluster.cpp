@@ -40,6 +40,7 @@ Cluster builtin(const std::string& name) {
     // A modest host's defaults; `loom calibrate` replaces them with measured ones.
     c.device = {"cpu", 100e9, 100e9, 0.6, 0, 16e9, 20e9};
     c.per_node = 64;
+    c.shared_host = true;
     c.intra = {5e9, 20e-6};
     c.inter = {1e9, 50e-6};
   } else {

@@ -40,6 +40,9 @@ struct Cluster {
   std::string name;
   Device device;
   int per_node = 8;  // devices per node
+  // The devices of a node are ranks sharing one host's cores and memory (the cpu cluster): a
+  // node's ranks divide its compute rate and memory bandwidth among them.
+  bool shared_host = false;
   Link intra, inter;
   // The link between ranks `stride` apart in a group of `size` consecutive strides: inside a node
   // when the group's span fits one.

@@ -297,7 +297,12 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   e.why_not = invalid(job, L);
   if (!e.why_not.empty()) return e;
   const ModelSpec& m = job.model;
-  const Device& dev = job.cluster.device;
+  // On a shared host (the cpu cluster) each rank gets its share of the host's rates.
+  Device dev = job.cluster.device;
+  if (job.cluster.shared_host) {
+    const double share = double(std::min(job.devices, job.cluster.per_node));
+    dev.peak_f32 /= share, dev.peak_bf16 /= share, dev.memory_bw /= share;
+  }
   const Bytes B = bytes_of(job.precision);
   const int64_t micro = job.global_batch / (int64_t(L.dp) * L.mbs);
   e.micro_batches = micro;
