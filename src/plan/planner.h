@@ -12,7 +12,12 @@
 // recomputation drops the 5 a s / h term; full recomputation keeps the layer's input, 2 s b h, /t
 // under sp) and, for f32, loom's own declarations (the blocks' saved tensors, model/blocks.h); a
 // pipeline stage holds them for the micro-batches its schedule keeps in flight (the schedule's own
-// instruction lists, simulated by the checker), plus f32 logits on the last stage.
+// instruction lists, simulated by the checker), plus f32 logits on the last stage. For f32 the
+// model also counts what loom's CPU pools hold beside them (the backward scratch, ZeRO-3's gather
+// buffers, ZeRO-2/3's bucket arena, ring attention's blocks) and, for a pipeline, the fullest rank
+// as the executor lays it out (stages cut by cost, each rank's simulated in-flight micro-batches);
+// bench/plan_truth.sh compares it with measured runs. On a shared host (the cpu cluster) the
+// node's ranks divide its calibrated rates.
 //
 // Time per step. Each micro-batch's forward and backward (2x) of a stage's layers: the matrix
 // products at the device's calibrated rate, the element-wise kernels (norms, residual adds,
