@@ -53,8 +53,6 @@ int bench_train(const BenchTrainOptions& o) {
   if (o.threads < 0) throw Error(fmt::format("bench train: --threads must be non-negative, got {}", o.threads));
   if (o.precision != "f32" && o.precision != "bf16")
     throw Error(fmt::format("bench train: --precision must be f32 or bf16, got '{}'", o.precision));
-  if (o.precision == "bf16" && !cpu_bf16_missing().empty())
-    throw Error(fmt::format("bench train: --precision bf16 needs {}", cpu_bf16_missing()));
   if (o.threads > 0) omp_set_num_threads(o.threads);
   const int threads = omp_get_max_threads();
   const int64_t B = o.batch, T = o.seq, C = cfg.n_embd, L = cfg.n_layer, V = cfg.vocab_size;
@@ -70,7 +68,9 @@ int bench_train(const BenchTrainOptions& o) {
   std::printf("GEMM peak (measured now, %s 1536^3, %d threads): %.1f GFLOP/s\n", bf16 ? "bf16" : "fp32", threads, peak);
 
   MemoryPool pool("bench");
-  model::GPT gpt(cfg, pool, o.seed, {.matmul = o.precision == "bf16" ? DType::bf16 : DType::f32});
+  model::ModelLayout layout;
+  layout.matmul = o.precision == "bf16" ? DType::bf16 : DType::f32;
+  model::GPT gpt(cfg, pool, o.seed, layout);
   std::printf("precision %s (%s)\n", o.precision.c_str(),
               o.precision == "bf16" ? "the linear layers' products in bf16 with f32 accumulation" : "f32 throughout");
   optim::AdamWConfig oc;  // lr 6e-4, betas (0.9, 0.95), eps 1e-8, wd 0.1 on matrices, clip 1.0

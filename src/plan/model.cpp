@@ -78,6 +78,24 @@ ModelSpec from_gpt(const model::GPTConfig& c, int64_t seq) {
   return m;
 }
 
+model::GPTConfig to_gpt(const ModelSpec& m) {
+  model::GPTConfig g;
+  g.name = m.name;
+  g.n_layer = m.layers;
+  g.n_head = m.heads;
+  g.n_embd = m.hidden;
+  g.vocab_size = m.vocab;
+  g.block_size = m.seq;
+  g.tied_embeddings = m.tied;
+  g.n_kv_head = m.kv_heads;
+  g.ffn_hidden = m.ffn;
+  g.mlp = m.swiglu ? model::Mlp::swiglu : model::Mlp::gelu;
+  g.bias = m.bias;
+  g.position = m.learned_positions ? model::Position::learned : model::Position::rope;
+  if (!m.bias) g.norm = model::Norm::rmsnorm;
+  return g;
+}
+
 ModelSpec read_model(const std::string& path) {
   toml::table t;
   try {

@@ -53,6 +53,8 @@ struct ModelSpec {
 
 // A GPT-2 family model as loom builds it (model::GPTConfig) at training sequence length seq.
 ModelSpec from_gpt(const model::GPTConfig& c, int64_t seq);
+// The inverse: the model loom would build for a spec (block_size = seq; no biases means RMSNorm).
+model::GPTConfig to_gpt(const ModelSpec& m);
 // A model file: a TOML table [model] with layers, hidden, heads and vocab (required), seq,
 // kv_heads, ffn, swiglu, tied, bias, learned_positions (optional). Errors name the file and field.
 ModelSpec read_model(const std::string& path);

@@ -85,17 +85,34 @@ Bytes bytes_of(Precision p) {
   return {2, 2, 12, 2};
 }
 
-// Parameters one device of the larger of the first and last stage holds: the stage's layers
-// (tensor-parallel matrices split, norms whole), plus the embedding on the first stage and the
-// head on the last (a tied head's copy of wte where the pipeline has more than one stage).
+// Parameters one device holds of each kind of chain block under tensor parallelism (matrices and
+// the vocabulary split, norms whole).
+struct BlockParams {
+  double layer = 0;  // a transformer layer
+  double wte = 0;    // the token embedding (and an untied lm_head, or a tied head's copy: as large)
+  double emb = 0;    // the embedding block: wte, and wpe when learned
+  double norms = 0;  // the final norm (weight, and bias where the model has biases)
+  // The head's own parameters: the final norm, and lm_head when untied (a tied head reads wte).
+  double head_own(const ModelSpec& m) const { return norms + (m.tied ? 0.0 : wte); }
+};
+
+BlockParams block_params(const ModelSpec& m, int tp) {
+  BlockParams b;
+  b.norms = double(m.bias ? 2 * m.hidden : m.hidden);
+  b.layer = (double(m.layer_params()) - 2 * b.norms) / tp + 2 * b.norms;
+  b.wte = double(m.vocab) * double(m.hidden) / tp;
+  b.emb = b.wte + (m.learned_positions ? double(m.seq) * double(m.hidden) : 0.0);
+  return b;
+}
+
+// Parameters one device of the larger of the first and last stage holds: the stage's layers,
+// plus the embedding on the first stage and the head on the last (a tied head's copy of wte where
+// the pipeline has more than one stage).
 double stage_params(const ModelSpec& m, const Layout& L, double layers_per_stage) {
-  const double norms = double(m.bias ? 2 * m.hidden : m.hidden);
-  const double layer = (double(m.layer_params()) - 2 * norms) / L.tp + 2 * norms;
-  const double wte = double(m.vocab * m.hidden) / L.tp;
-  const double emb = wte + (m.learned_positions ? double(m.seq * m.hidden) : 0.0);
-  const double head = norms + (m.tied ? (L.pp > 1 ? wte : 0.0) : wte);
-  if (L.pp == 1) return layers_per_stage * layer + emb + head;
-  return layers_per_stage * layer + std::max(emb, head);
+  const BlockParams b = block_params(m, L.tp);
+  const double head = b.head_own(m) + (m.tied && L.pp > 1 ? b.wte : 0.0);
+  if (L.pp == 1) return layers_per_stage * b.layer + b.emb + head;
+  return layers_per_stage * b.layer + std::max(b.emb, head);
 }
 
 // Saved activation bytes of one layer for one micro-batch on one device.
@@ -159,11 +176,8 @@ CpuExtras cpu_extras(const Job& job, const Layout& L) {
   if (L.sp) x.workspace += 4 * (2 * N * h + Ns * h);
   if (L.tp > 1) x.workspace += 4 * 3 * N;
   if (L.cp > 1) x.workspace += 4 * double(m.seq) / L.cp;
-  const double norms = double(m.bias ? 2 * m.hidden : m.hidden);
-  const double layer = (double(m.layer_params()) - 2 * norms) / tp + 2 * norms;
-  const double wte = double(m.vocab) * h / tp;
-  const double emb = wte + (m.learned_positions ? double(m.seq) * h : 0.0);
-  const double head_own = norms + (m.tied ? 0.0 : wte);
+  const BlockParams bp = block_params(m, L.tp);
+  const double layer = bp.layer, wte = bp.wte, emb = bp.emb, head_own = bp.head_own(m);
   const int shard = L.dp * L.cp;
   if (L.zero >= 3 && shard > 1) x.gather = 2 * 4 * std::max({emb, layer, head_own + (m.tied ? wte : 0.0)});
   if (L.zero >= 2 && shard > 1) {
@@ -190,37 +204,16 @@ CpuExtras cpu_extras(const Job& job, const Layout& L) {
   return x;
 }
 
-// loom's model config for a model spec (what the pipeline's cost-balanced cuts are made from).
-model::GPTConfig gpt_config_of(const ModelSpec& m) {
-  model::GPTConfig g;
-  g.name = m.name;
-  g.n_layer = m.layers;
-  g.n_head = m.heads;
-  g.n_embd = m.hidden;
-  g.vocab_size = m.vocab;
-  g.block_size = m.seq;
-  g.tied_embeddings = m.tied;
-  g.n_kv_head = m.kv_heads;
-  g.ffn_hidden = m.ffn;
-  g.mlp = m.swiglu ? model::Mlp::swiglu : model::Mlp::gelu;
-  g.bias = m.bias;
-  g.position = m.learned_positions ? model::Position::learned : model::Position::rope;
-  if (!m.bias) g.norm = model::Norm::rmsnorm;
-  return g;
-}
-
 std::map<std::string, double> pipeline_rank_memory(const Job& job, const Layout& L, const std::vector<int>& rank_in_flight,
                                                    double in_flight, const CpuExtras& x) {
   const ModelSpec& m = job.model;
   const int parts = L.pp * L.v;
-  const std::vector<int64_t> cuts = pipe::balance_chain(pipe::chain_costs(gpt_config_of(m), m.seq), parts);
+  const std::vector<int64_t> cuts = pipe::balance_chain(pipe::chain_costs(to_gpt(m), m.seq), parts);
   const double h = double(m.hidden), tp = L.tp;
   const double tokens = double(L.mbs) * double(m.seq) / L.cp, rows = L.sp ? tokens / tp : tokens;
-  const double norms = double(m.bias ? 2 * m.hidden : m.hidden);
-  const double layer = (double(m.layer_params()) - 2 * norms) / tp + 2 * norms;
-  const double wte = double(m.vocab) * h / tp;
-  const double emb = wte + (m.learned_positions ? double(m.seq) * h : 0.0);
-  const double head = norms + wte;  // its own lm_head, or (tied, several stages) its copy of wte
+  const BlockParams bp = block_params(m, L.tp);
+  const double layer = bp.layer, wte = bp.wte, emb = bp.emb;
+  const double head = bp.head_own(m) + (m.tied ? wte : 0.0);  // a tied head's copy of wte (several stages)
   const double per_layer = layer_activation_bytes(job, L);
   Layout whole = L;
   whole.recompute = model::Recompute::none;

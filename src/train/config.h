@@ -38,8 +38,10 @@ struct TrainConfig {
   bool cuda_graph = true;                  // device cuda: each step one CUDA graph (false: eager launches)
   std::string cuda_attention = "auto";     // device cuda: auto | flash | cudnn | gemm
   std::string precision = "auto";          // auto (the device's) | f32 | bf16 | fp16
+  // train.precision with auto resolved: the device's (f32 on the CPU, bf16 on CUDA).
+  std::string run_precision() const { return precision != "auto" ? precision : device == "cuda" ? "bf16" : "f32"; }
   // The CPU backend's matmul inputs for train.precision (BackendOptions::matmul).
-  DType cpu_matmul() const { return device == "cpu" && precision == "bf16" ? DType::bf16 : DType::f32; }
+  DType cpu_matmul() const { return device == "cpu" && run_precision() == "bf16" ? DType::bf16 : DType::f32; }
   int64_t threads = 0;                     // per process; 0: all cores (under mpi: shared by the host's processes)
   int64_t log_every = 10;
   int64_t eval_every = 100;                // 0: never

@@ -650,7 +650,7 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   const int64_t T = cfg.seq_len, val_mb = cfg.batch_size / cfg.grad_accum;
   int64_t num_parameters = 0;
   for (const model::ParamSpec& s : model::gpt_param_specs(mc)) num_parameters += s.numel();
-  const std::string precision = cfg.precision != "auto" ? cfg.precision : cfg.device == "cuda" ? "bf16" : "f32";
+  const std::string precision = cfg.run_precision();
   say(fmt::format("model {} | {:.2f}M parameters | {} ({}, {} ranks) | {} threads per rank | precision {}{}", mc.str(),
                   double(num_parameters) / 1e6, engine->describe(), world.backend(), ranks, omp_get_max_threads(),
                   precision, cfg.device == "cpu" && precision == "bf16" ? " (matmuls; f32 accumulation)" : ""));
@@ -726,21 +726,21 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
     for (int r = 0; r < ranks; ++r) {
       const uint64_t* v = all.data() + size_t(r) * kFields;
       nlohmann::json peak, host, coords;
+      std::string tags;
       for (int t = 0; t < kNumMemTags; ++t) {
-        peak[std::string(mem_tag_name(MemTag(t)))] = v[t];
-        if (v[kNumMemTags + t] > 0) host[std::string(mem_tag_name(MemTag(t)))] = v[kNumMemTags + t];
+        const std::string name(mem_tag_name(MemTag(t)));
+        peak[name] = v[t];
+        if (v[kNumMemTags + t] > 0) host[name] = v[kNumMemTags + t];
+        tags += fmt::format("{} {} | ", name, format_bytes(int64_t(v[t])));
       }
       for (const char* d : {"pp", "dp", "cp", "tp"}) coords[d] = comms.mesh().coord(r, d);
       nlohmann::json row{{"rank", r}, {"coords", coords}, {"peak_bytes", peak}, {"all_tags_peak_bytes", v[2 * kNumMemTags]}};
       if (!host.empty()) row["host_peak_bytes"] = host;
       j["ranks"].push_back(row);
       if (ranks > 1)
-        say(fmt::format("memory of rank {} (pp {} dp {} cp {} tp {}, peak): params {} | grads {} | optimizer {} | "
-                        "activations {} | workspace {} | comm {} | all tags {}",
-                        r, coords["pp"].get<int>(), coords["dp"].get<int>(), coords["cp"].get<int>(),
-                        coords["tp"].get<int>(), format_bytes(int64_t(v[0])), format_bytes(int64_t(v[1])),
-                        format_bytes(int64_t(v[2])), format_bytes(int64_t(v[3])), format_bytes(int64_t(v[4])),
-                        format_bytes(int64_t(v[5])), format_bytes(int64_t(v[2 * kNumMemTags]))));
+        say(fmt::format("memory of rank {} (pp {} dp {} cp {} tp {}, peak): {}all tags {}", r, coords["pp"].get<int>(),
+                        coords["dp"].get<int>(), coords["cp"].get<int>(), coords["tp"].get<int>(), tags,
+                        format_bytes(int64_t(v[2 * kNumMemTags]))));
     }
     std::ofstream f(out_dir / "memory.json");
     f << j.dump(1) << "\n";

@@ -94,10 +94,13 @@ struct Bf16Matmul::Impl {
   MemoryPool& pool;
   dnnl::engine eng{dnnl::engine::kind::cpu, 0};
   dnnl::stream strm{eng};
+  struct Prim {
+    dnnl::matmul::primitive_desc pd;
+    dnnl::matmul mm;
+  };
   // Primitives by (trans_a, trans_b, M, N, K, accumulate, bias).
-  std::map<std::tuple<bool, bool, int64_t, int64_t, int64_t, bool, bool>, dnnl::matmul::primitive_desc> pds;
-  std::map<std::tuple<bool, bool, int64_t, int64_t, int64_t, bool, bool>, dnnl::matmul> prims;
-  Tensor a16, b16, c16, scratch;  // bf16 copies of the operands; oneDNN's scratch (bytes)
+  std::map<std::tuple<bool, bool, int64_t, int64_t, int64_t, bool, bool>, Prim> prims;
+  Tensor a16, b16, c16, scratch;  // bf16 copies of the operands; oneDNN's scratch (in 2-byte elements)
 
   explicit Impl(MemoryPool& p) : pool(p) {}
 
@@ -135,23 +138,21 @@ struct Bf16Matmul::Impl {
       try {
         const dnnl::matmul::desc md = bias ? dnnl::matmul::desc(ad, bd, biasd, cd) : dnnl::matmul::desc(ad, bd, cd);
         dnnl::matmul::primitive_desc pd(md, attr, eng);
-        pds.emplace(key, pd);
-        it = prims.emplace(key, dnnl::matmul(pd)).first;
+        it = prims.emplace(key, Prim{pd, dnnl::matmul(pd)}).first;
       } catch (const dnnl::error& e) {
         LOOM_FAIL("bf16 matmul: oneDNN has no matmul for M={} N={} K={} (trans_a={}, trans_b={}): {}", M, N, K,
                   trans_a, trans_b, e.what());
       }
     }
-    const dnnl::matmul::primitive_desc& pd = pds.at(key);
-    const int64_t ws = int64_t(pd.scratchpad_desc().get_size());
-    reserve(scratch, std::max<int64_t>(ws, 1), DType::u16);  // bytes: u16 elements, twice what is needed
+    const dnnl::matmul::primitive_desc& pd = it->second.pd;
+    reserve(scratch, std::max<int64_t>((int64_t(pd.scratchpad_desc().get_size()) + 1) / 2, 1), DType::u16);
     std::unordered_map<int, dnnl::memory> args{
         {DNNL_ARG_SRC, dnnl::memory(ad, eng, const_cast<uint16_t*>(A))},
         {DNNL_ARG_WEIGHTS, dnnl::memory(bd, eng, const_cast<uint16_t*>(B))},
         {DNNL_ARG_DST, dnnl::memory(cd, eng, C)},
         {DNNL_ARG_SCRATCHPAD, dnnl::memory(pd.scratchpad_desc(), eng, scratch.raw())}};
     if (bias) args.emplace(DNNL_ARG_BIAS, dnnl::memory(biasd, eng, const_cast<float*>(bias)));
-    it->second.execute(strm, args);
+    it->second.mm.execute(strm, args);
     strm.wait();
   }
 };

@@ -2,7 +2,6 @@
 #pragma once
 #include <cstdint>
 #include <memory>
-#include <string>
 
 #include "core/memory.h"
 
