@@ -17,7 +17,7 @@
 #include "core/rng.h"
 #include "model/gpt.h"
 #include "parallel/data/flat_layout.h"
-#include "parallel/data/replica_optimizer.h"
+#include "parallel/data/data_parallel.h"
 #include "parallel/mesh.h"
 #include "parallel/tensor/counting_comm.h"
 
@@ -71,12 +71,14 @@ int main(int argc, char** argv) {
       parallel::CountingComm tpc(mc["tp"]), cpc(mc["cp"]), dpc(mc["dp"]), dcpc(mc.get({"dp", "cp"}));
       MemoryPool pool("rank");
       model::GPT m(cfg, pool, 1337, {.groups = {&tpc, &cpc}, .sp = l.sp});
-      // The data-parallel reduction over dp x cp: cp partial sums added, dp replicas averaged; a
-      // parameter replicated over tp counts on tp rank 0.
-      parallel::ReplicaOptimizer::Options ro;
-      ro.replicas = l.dp;
-      for (const model::Parameter* p : m.parameters()) ro.in_norm.push_back(p->shard.split || mc.coord("tp") == 0);
-      parallel::ReplicaOptimizer opt(m.parameters(), &dcpc, ro, {}, pool);
+      // The data-parallel reduction over dp x cp: cp partial sums added, dp replicas averaged (each
+      // rank's loss scaled by 1 / dp); a parameter replicated over tp counts on tp rank 0. Every
+      // reduction at the end of the backward (no overlap), as the collectives are what is counted.
+      parallel::DataParallelOptions dpo;
+      dpo.overlap = false;
+      dpo.norm_group = &tpc;
+      for (const model::Parameter* p : m.parameters()) dpo.in_norm.push_back(p->shard.split || mc.coord("tp") == 0);
+      parallel::DataParallel opt(m, dcpc, {}, dpo);
       const int64_t Bl = a.batch / l.dp;
       Tensor tok = Tensor::empty({Bl, a.seq}, DType::i32, MemTag::workspace, pool);
       Tensor tgt = Tensor::empty({Bl, a.seq}, DType::i32, MemTag::workspace, pool);
@@ -85,11 +87,10 @@ int main(int argc, char** argv) {
         tgt.i32()[i] = int32_t(uniform_at(uint64_t(mc.coord("dp")), 2, uint64_t(i)) * float(a.vocab));
       }
       auto step = [&] {
-        m.zero_grad();
-        m.forward(tok, tgt, {.fuse_backward = true});
+        opt.zero_grad();
+        m.forward(tok, tgt, {.fuse_backward = true, .dloss_scale = 1.0f / float(l.dp)});
         m.backward();
-        m.finish_gradients();
-        opt.step(std::sqrt(parallel::sum_over_ranks(tpc, opt.reduce_gradients())));
+        opt.step(-1.0);
       };
       step();
       world.barrier();

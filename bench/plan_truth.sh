@@ -46,6 +46,8 @@ if [[ ${#layouts[@]} -eq 0 ]]; then
     "pp=4,schedule=1f1b|--parallel.pp 4 --train.grad_accum 4 --parallel.schedule 1f1b"
     "dp=2,tp=2,zero=1|--parallel.dp 2 --parallel.tp 2 --parallel.zero 1"
     "dp=2,pp=2,zero=1|--parallel.dp 2 --parallel.pp 2 --train.grad_accum 4 --parallel.zero 1"
+    "dp=2,pp=2,zero=2|--parallel.dp 2 --parallel.pp 2 --train.grad_accum 4 --parallel.zero 2"
+    "dp=2,pp=2,zero=3|--parallel.dp 2 --parallel.pp 2 --train.grad_accum 4 --parallel.zero 3"
     "tp=2,pp=2|--parallel.tp 2 --parallel.pp 2 --train.grad_accum 4"
     "dp=1,recompute=full|--memory.recompute full"
     "tp=2,sp=1,recompute=selective|--parallel.tp 2 --parallel.sp true --memory.recompute selective"

@@ -36,14 +36,14 @@ int64_t ChainBlock::saved_activation_bytes(int64_t B, int64_t T) const {
 
 std::vector<Parameter*> ChainBlock::parameters() {
   std::vector<Parameter*> out;
-  for (auto& p : params_) out.push_back(&p);
+  for (auto& p : params()) out.push_back(&p);
   return out;
 }
 
 Parameter& ChainBlock::add_param(Parameter p) {
-  LOOM_CHECK(params_.size() < params_.capacity(), "parameter '{}' added past the reserved count", p.spec.name);
-  params_.push_back(std::move(p));
-  return params_.back();
+  LOOM_CHECK(params().size() < params().capacity(), "parameter '{}' added past the reserved count", p.spec.name);
+  params().push_back(std::move(p));
+  return params().back();
 }
 
 ChainBlock::ChainBlock(Backend& be, const BlockOptions& o)
@@ -51,7 +51,7 @@ ChainBlock::ChainBlock(Backend& be, const BlockOptions& o)
       par_(o.parallel ? o.parallel : std::make_shared<ChainParallel>(be)) {}
 
 ChainBlock::ChainBlock(const ChainBlock& primary, MemTag tag)
-    : params_(primary.params_), be_(primary.be_), pool_(primary.pool_), dt_(primary.dt_), act_tag_(tag),
+    : shared_params_(primary.shared_params_), be_(primary.be_), pool_(primary.pool_), dt_(primary.dt_), act_tag_(tag),
       par_(primary.par_) {}
 
 void ChainBlock::allocate_param(Parameter& p) {
@@ -85,7 +85,7 @@ Parameter Embedding::wte_param(const GPTConfig& cfg, const ChainParallel& par) {
 Embedding::Embedding(const GPTConfig& cfg, Backend& be, const BlockOptions& o) : ChainBlock(be, o), cfg_(cfg) {
   par_->check(cfg, "model config '" + cfg.name + "'");
   const std::vector<ParamSpec> specs = embedding_param_specs(cfg);
-  params_.reserve(specs.size());
+  params().reserve(specs.size());
   // wte by vocabulary rows; wpe (learned positions) whole on every tp rank: each computes its
   // whole gradient from the full output gradient, so it needs no reduction over tp.
   allocate_param(add_param(wte_param(cfg, *par_)));
@@ -198,7 +198,7 @@ TransformerBlock::TransformerBlock(const GPTConfig& cfg, int64_t layer, Backend&
   // c_fc's F columns (twice under SwiGLU: gate, then up), each split over tp as rows of one.
   const std::vector<ChainParallel::Section> fc_sections(cfg.mlp == Mlp::swiglu ? 2 : 1, {cfg.ffn(), 1});
   std::vector<ParamSpec> specs = block_param_specs(cfg, layer);
-  params_.reserve(specs.size());
+  params().reserve(specs.size());
   size_t next = 0;
   for (int i = 0; i < kBlockParams; ++i) {
     if (!block_param_present(cfg, BlockParam(i))) {
@@ -206,7 +206,7 @@ TransformerBlock::TransformerBlock(const GPTConfig& cfg, int64_t layer, Backend&
       continue;
     }
     ParamSpec spec = std::move(specs.at(next++));
-    idx_[i] = int(params_.size());
+    idx_[i] = int(params().size());
     switch (i) {
       case LN1_W: case LN1_B: case LN2_W: case LN2_B: add_param(P.whole(std::move(spec), true)); break;
       case QKV_W: case QKV_B: add_param(P.rows_split(std::move(spec), qkv_sections)); break;
@@ -215,7 +215,7 @@ TransformerBlock::TransformerBlock(const GPTConfig& cfg, int64_t layer, Backend&
       default: add_param(P.whole(std::move(spec), false));  // the c_proj biases
     }
   }
-  for (auto& q : params_) allocate_param(q);
+  for (auto& q : params()) allocate_param(q);
   arena_ = nullptr;
   if (cfg.position == Position::rope)
     inv_freq_ = rope_inv_freq(HS, cfg.rope_theta,
@@ -290,8 +290,8 @@ void TransformerBlock::release_activations() {
 }
 
 void TransformerBlock::use_parameters_of(const TransformerBlock& other) {
-  LOOM_CHECK(other.be_ == be_ && other.params_.size() == params_.size(), "{}: parameters of another model", name());
-  params_ = other.params_;
+  LOOM_CHECK(other.be_ == be_ && other.params().size() == params().size(), "{}: parameters of another model", name());
+  shared_params_ = other.shared_params_;  // (a decoder's one replica, moved from layer to layer)
   layer_ = other.layer_;
   std::copy(std::begin(other.idx_), std::end(other.idx_), std::begin(idx_));
 }
@@ -566,12 +566,12 @@ Head::Head(const GPTConfig& cfg, Parameter* tied, Backend& be, const BlockOption
     : ChainBlock(be, o), cfg_(cfg), lm_head_(tied) {
   const ChainParallel& P = *par_;
   std::vector<ParamSpec> specs = head_param_specs(cfg);
-  params_.reserve(specs.size());
+  params().reserve(specs.size());
   allocate_param(add_param(P.whole(specs[0], true)));
   if (cfg.norm == Norm::layernorm) allocate_param(add_param(P.whole(specs[1], true)));
   if (!cfg.tied_embeddings) {
     allocate_param(add_param(P.vocab_split(specs.back(), cfg)));
-    lm_head_ = &params_.back();
+    lm_head_ = &params().back();
   }
   arena_ = nullptr;
   LOOM_CHECK(lm_head_ != nullptr, "head: tied embeddings need the wte parameter");
@@ -638,7 +638,7 @@ double Head::forward(const void* x, const int32_t* targets, int64_t B, int64_t T
     T_ = T;
   }
   be_->layernorm_forward({.dtype = dt_, .out = lnf_.raw(), .mean = lnf_mean_.defined() ? lnf_mean_.f32() : nullptr,
-                          .rstd = lnf_rstd_.f32(), .inp = x, .weight = params_[0].weights().raw(), .bias = norm_bias(),
+                          .rstd = lnf_rstd_.f32(), .inp = x, .weight = params()[0].weights().raw(), .bias = norm_bias(),
                           .N = Ns, .C = C, .eps = cfg_.ln_eps, .rms = cfg_.norm == Norm::rmsnorm});
   // lm_head, column-parallel over the vocabulary: every token row, the rank's vocabulary columns.
   be_->linear_forward({.dtype = dt_, .out = logits_.raw(), .inp = P.gather(lnf_.raw(), N, C),
@@ -703,8 +703,8 @@ void Head::backward_input(const void* x, const BackwardScratch& s, float dloss_s
   }
   be_->linear_backward({.dtype = dt_, .dinp = s.bufC, .dout = logits_.raw(), .weight = lm_head_->weights_full().raw(),
                         .M = N, .K = C, .N = P.vocab_rows(cfg_)});
-  be_->layernorm_backward({.dtype = dt_, .dinp = s.dres, .dweight = params_[0].grad.f32(), .dbias = norm_bias_grad(),
-                           .dout = P.reduce_input_grad(s.bufC, N, C), .inp = x, .weight = params_[0].weights().raw(),
+  be_->layernorm_backward({.dtype = dt_, .dinp = s.dres, .dweight = params()[0].grad.f32(), .dbias = norm_bias_grad(),
+                           .dout = P.reduce_input_grad(s.bufC, N, C), .inp = x, .weight = params()[0].weights().raw(),
                            .mean = lnf_mean_.defined() ? lnf_mean_.f32() : nullptr, .rstd = lnf_rstd_.f32(), .N = Ns,
                            .C = C, .rms = cfg_.norm == Norm::rmsnorm});
   weight_pending_ = true;

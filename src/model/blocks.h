@@ -127,7 +127,11 @@ class ChainBlock {
   // Allocates p (ChainBlock's parameters, with their gradients from the arena when there is one).
   void allocate_param(Parameter& p);
   ChainBlock(const ChainBlock& primary, MemTag tag);  // replica(): the primary's parameters
-  std::vector<Parameter> params_;
+  // The block's parameters: one list shared by the primary and its replicas, so that whoever
+  // places them (data parallelism re-points a ZeRO-2 bucket's gradients or a ZeRO-3 gather's
+  // weights before each block runs) places them for every micro-batch's replica at once.
+  std::shared_ptr<std::vector<Parameter>> shared_params_ = std::make_shared<std::vector<Parameter>>();
+  std::vector<Parameter>& params() const { return *shared_params_; }
   Parameter& add_param(Parameter p);
   Tensor act(const Shape& s, DType t) const { return Tensor::empty(s, t, act_tag_, *pool_); }
   Tensor work(const Shape& s) const { return Tensor::empty(s, dt_, MemTag::workspace, *pool_); }
@@ -166,8 +170,8 @@ class Embedding final : public ChainBlock {
   void backward_weight();
   int64_t deferred_gradient_bytes(int64_t B, int64_t T) const override;
   const Tensor& out() const { return out_; }  // [B, T, C]
-  Parameter& wte() { return params_[0]; }
-  Parameter* wpe() { return params_.size() > 1 ? &params_[1] : nullptr; }  // null with rotary positions
+  Parameter& wte() { return params()[0]; }
+  Parameter* wpe() { return params().size() > 1 ? &params()[1] : nullptr; }  // null with rotary positions
 
  private:
   Embedding(const Embedding& primary, MemTag tag) : ChainBlock(primary, tag), cfg_(primary.cfg_) {}
@@ -245,7 +249,7 @@ class TransformerBlock final : public ChainBlock {
   const Saved& saved() const { return a_; }
 
  private:
-  enum : int {  // positions in params_ (model/param_specs.h)
+  enum : int {  // positions in params() (model/param_specs.h)
     LN1_W = kLn1W, LN1_B = kLn1B, QKV_W = kQkvW, QKV_B = kQkvB, ATTN_PROJ_W = kAttnProjW, ATTN_PROJ_B = kAttnProjB,
     LN2_W = kLn2W, LN2_B = kLn2B, FC_W = kFcW, FC_B = kFcB, MLP_PROJ_W = kMlpProjW, MLP_PROJ_B = kMlpProjB
   };
@@ -268,14 +272,14 @@ class TransformerBlock final : public ChainBlock {
   Saved a_;
   Deferred d_;
   Tensor out_;  // [B, T, C] x + attention branch + MLP branch
-  int idx_[kBlockParams];         // BlockParam -> position in params_ (-1: the config has none)
+  int idx_[kBlockParams];         // BlockParam -> position in params() (-1: the config has none)
   std::vector<double> inv_freq_;  // rotary frequencies [HS / 2] (rotary positions only)
   // Rotates this rank's q and k heads of qkv [B, T / cp, qkv_rows / tp] (inverse: back, for
   // their gradients) at positions pos0 + t (or the rank's positions under cp).
   void rotate(void* qkv, int64_t B, int64_t T, int64_t pos0, bool inverse);
   bool rms() const { return cfg_.norm == Norm::rmsnorm; }
-  const void* w(int i) const { return idx_[i] < 0 ? nullptr : params_[size_t(idx_[i])].weights().raw(); }
-  float* g(int i) { return idx_[i] < 0 ? nullptr : params_[size_t(idx_[i])].grad.f32(); }
+  const void* w(int i) const { return idx_[i] < 0 ? nullptr : params()[size_t(idx_[i])].weights().raw(); }
+  float* g(int i) { return idx_[i] < 0 ? nullptr : params()[size_t(idx_[i])].grad.f32(); }
 };
 
 // Final LayerNorm, lm_head (tied to wte unless configured otherwise) and the fused
@@ -317,12 +321,12 @@ class Head final : public ChainBlock {
  private:
   Head(const Head& primary, MemTag tag)
       : ChainBlock(primary, tag), cfg_(primary.cfg_), lm_head_(primary.lm_head_) {
-    if (!cfg_.tied_embeddings) lm_head_ = &params_.back();
+    if (!cfg_.tied_embeddings) lm_head_ = &params().back();
   }
   GPTConfig cfg_;
-  Parameter* lm_head_;  // wte when tied, else params_.back()
-  const void* norm_bias() const { return cfg_.norm == Norm::layernorm ? params_[1].weights().raw() : nullptr; }
-  float* norm_bias_grad() { return cfg_.norm == Norm::layernorm ? params_[1].grad.f32() : nullptr; }
+  Parameter* lm_head_;  // wte when tied, else params().back()
+  const void* norm_bias() const { return cfg_.norm == Norm::layernorm ? params()[1].weights().raw() : nullptr; }
+  float* norm_bias_grad() { return cfg_.norm == Norm::layernorm ? params()[1].grad.f32() : nullptr; }
   int64_t B_ = 0, T_ = 0;
   Tensor lnf_, lnf_mean_, lnf_rstd_;  // [B, T, C], f32 [B, T], f32 [B, T]
   Tensor logits_;                     // [B, T, Vp], or dlogits after fuse_backward / backward

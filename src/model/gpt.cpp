@@ -257,12 +257,6 @@ int64_t GPT::activation_peak_bytes(int64_t B, int64_t T) const {
   return int64_t(plan_peak(plan_, chain_memory(B, T)));
 }
 
-void GPT::finish_gradients() {
-  comm::Comm* tp = par_->tp_group();
-  if (!tp) return;
-  for (Parameter* p : params_) p->sum_partial_gradients(0, p->spec.numel(), p->grad.f32(), tp);
-}
-
 void GPT::release_activations() {
   for (ChainBlock* b : chain()) b->release_activations();
   ws_dres_ = ws_bufC_ = ws_buf4C_ = Tensor();

@@ -4,13 +4,13 @@
 //
 // On one device, or one rank's part over tensor / sequence / context parallel groups
 // (model/parallel.h): every rank of a tp x cp group passes the same full micro-batch and gets the
-// same loss. Training a step there (per rank):
-//   model.zero_grad(); loss = model.forward(tokens, targets, {.fuse_backward = true});
-//   model.backward(); model.finish_gradients();      // sp-partial sums over tp
-//   double sq = opt.reduce_gradients();              // sums over cp, mean over dp
-//   opt.step(std::sqrt(sum_over_ranks(tp, sq)));     // global norm
-// with opt = parallel::ReplicaOptimizer(model.parameters(), &dp_cp_group, {.replicas = dp,
-// .in_norm = whole parameters on tp rank 0 only}, ...): each rank updates its own parts.
+// same loss. Training a step there (per rank), with data parallelism over the dp x cp group
+// (parallel::DataParallel: it takes over the parameters and runs as this model's ChainHooks):
+//   ddp.zero_grad();
+//   loss = model.forward(tokens, targets, {.fuse_backward = true, .dloss_scale = 1.0f / dp});
+//   model.backward();   // buckets reduced over dp x cp as backward goes: sums over cp, over dp
+//   ddp.step(lr);       // sp-partial sums over tp, the global norm over dp x cp and tp, AdamW
+// where each rank updates its own parts.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -109,10 +109,6 @@ class GPT {
   void backward();
   // Zeroes every allocated gradient (those a ZeRO layout has detached are skipped).
   void zero_grad();
-  // After the last backward of a step: sums the sp-partial gradients (LayerNorm weights) over tp.
-  // The cp ranks then hold partial sums of every gradient: the data-parallel reduction over
-  // dp x cp adds them (parallel::ReplicaOptimizer), one collective for both.
-  void finish_gradients();
   // On a device: the one f32 buffer every parameter's gradient is a slice of (padding between them
   // zero), for summing replicas' gradients in one collective. Undefined on the CPU.
   const Tensor& flat_gradients() const { return grads_; }

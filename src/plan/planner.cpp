@@ -156,12 +156,35 @@ double all_reduce_s(double bytes, int n, const Link& link) {
 //     of at least bucket_bytes, a tied head's wte part a bucket of its own where it does not share
 //     the head's; at most two alive at once (DataParallel keeps the newest launched one), so G is
 //     the largest sum of two buckets acquired one after the other (one bucket: its size);
-//   a pipeline with tied embeddings: the first and last stages exchange wte's gradient through a
-//     buffer of its size (tag comm); context parallelism: ring attention's two key/value blocks and
+//   a pipeline with tied embeddings: the first and last stages exchange wte's reduced gradient in
+//     pieces of at most a bucket (tag comm; under ZeRO 2/3 each piece is first gathered over the
+//     stage's group into a second buffer); context parallelism: ring attention's two key/value blocks and
 //     two gradient blocks of the rank's rows (tag comm).
 struct CpuExtras {
-  double workspace = 0, gather = 0, buckets = 0, comm = 0;
+  double workspace = 0, gather = 0, buckets = 0, comm = 0, exchange = 0;
 };
+
+constexpr double kBucketBytes = 25.0 * 1024 * 1024;  // parallel.bucket_mb's default
+
+// G in elements for one range of blocks a backward runs over (sizes in backward order): buckets of
+// at least kBucketBytes, a tied head's wte (wte > 0) a bucket of its own where it does not share
+// the head's; the largest bucket or sum of two acquired one after the other.
+double bucket_arena(const std::vector<double>& blocks, double wte) {
+  std::vector<double> buckets;
+  double cur = 0;
+  bool open = false, head_shares_wte = false;
+  for (size_t b = 0; b < blocks.size(); ++b) {
+    cur += blocks[b], open = true;
+    if (b + 1 == blocks.size() && buckets.empty()) head_shares_wte = true;  // one bucket holds all
+    if (cur * 4 >= kBucketBytes) buckets.push_back(cur), cur = 0, open = false;
+  }
+  if (open) buckets.push_back(cur);
+  if (buckets.empty()) return 0;
+  if (wte > 0 && !head_shares_wte) buckets.insert(buckets.begin() + 1, wte);
+  double g = buckets.front();
+  for (size_t b = 0; b + 1 < buckets.size(); ++b) g = std::max(g, buckets[b] + buckets[b + 1]);
+  return g;
+}
 
 CpuExtras cpu_extras(const Job& job, const Layout& L) {
   const ModelSpec& m = job.model;
@@ -181,25 +204,15 @@ CpuExtras cpu_extras(const Job& job, const Layout& L) {
   const int shard = L.dp * L.cp;
   if (L.zero >= 3 && shard > 1) x.gather = 2 * 4 * std::max({emb, layer, head_own + (m.tied ? wte : 0.0)});
   if (L.zero >= 2 && shard > 1) {
-    constexpr double kBucketBytes = 25.0 * 1024 * 1024;  // parallel.bucket_mb's default
     std::vector<double> blocks{head_own};
     for (int64_t l = 0; l < m.layers; ++l) blocks.push_back(layer);
     blocks.push_back(emb);
-    std::vector<double> buckets;
-    double cur = 0;
-    bool open = false, head_shares_wte = false;
-    for (size_t b = 0; b < blocks.size(); ++b) {
-      cur += blocks[b], open = true;
-      if (b + 1 == blocks.size() && buckets.empty()) head_shares_wte = true;  // one bucket holds all
-      if (cur * 4 >= kBucketBytes) buckets.push_back(cur), cur = 0, open = false;
-    }
-    if (open) buckets.push_back(cur);
-    if (m.tied && !head_shares_wte) buckets.insert(buckets.begin() + 1, wte);
-    double g = buckets.front();
-    for (size_t b = 0; b + 1 < buckets.size(); ++b) g = std::max(g, buckets[b] + buckets[b + 1]);
-    x.buckets = 4 * g;
+    x.buckets = 4 * bucket_arena(blocks, m.tied ? wte : 0.0);
   }
-  if (L.pp > 1 && m.tied) x.comm = 4 * wte;
+  // A pipeline's tied wte: its reduced gradient goes between the first and last stages in pieces
+  // of at most a bucket, received into one buffer (and under ZeRO 2/3 gathered into another).
+  if (L.pp > 1 && m.tied) x.exchange = 4 * std::min(wte, kBucketBytes / 4) * (L.zero >= 2 && shard > 1 ? 2 : 1);
+  x.comm = x.exchange;
   if (L.cp > 1) x.comm += 4 * 4 * N * 2 * kv_local;  // ring attention's key/value blocks and their gradients, double-buffered
   return x;
 }
@@ -221,30 +234,40 @@ std::map<std::string, double> pipeline_rank_memory(const Job& job, const Layout&
   const Bytes B = bytes_of(job.precision);
   std::map<std::string, double> best;
   double best_total = -1;
+  const int shard = L.dp * L.cp;
   for (int r = 0; r < L.pp; ++r) {
-    double params = 0, act_per_mb = 0, grad_in = 0;
+    double params = 0, act_per_mb = 0, grad_in = 0, largest = 0, arena = 0;
     bool first = false, last = false;
     for (int k = 0; k < L.v; ++k) {
       const int c = r + k * L.pp;
       const int64_t e0 = cuts[size_t(c)], e1 = cuts[size_t(c + 1)];
       if (e0 > 0) act_per_mb += 4 * rows * h;  // the received input
       if (c + 1 < parts) grad_in += 4 * rows * h;
-      for (int64_t e = e0; e < e1; ++e) {
-        if (e == 0) params += emb, act_per_mb += 4 * tokens * h, first = true;
-        else if (e <= m.layers) params += layer, act_per_mb += per_layer;
-        else params += head, act_per_mb += 4 * tokens * double(m.vocab) / tp, last = true;
+      std::vector<double> backward_order;
+      for (int64_t e = e1 - 1; e >= e0; --e) {
+        const double n = e == 0 ? emb : e <= m.layers ? layer : head;
+        params += n, largest = std::max(largest, n), backward_order.push_back(n);
+        if (e == 0) act_per_mb += 4 * tokens * h, first = true;
+        else if (e <= m.layers) act_per_mb += per_layer;
+        else act_per_mb += 4 * tokens * double(m.vocab) / tp, last = true;
       }
+      // Each chunk's backward waits for its buckets at its end: the arena is the fullest chunk's.
+      arena = std::max(arena, bucket_arena(backward_order, 0.0));
     }
     const double held = rank_in_flight.size() == size_t(L.pp) ? double(rank_in_flight[size_t(r)]) : in_flight * L.v;
     std::map<std::string, double> t;
-    t["params"] = params * B.weight;
-    t["grads"] = params * B.grad;
-    t["optimizer"] = params * B.optimizer / (L.zero >= 1 ? L.dp * L.cp : 1);
+    // The stage's data parallelism (parallel::DataParallel over its blocks, the wte copy the
+    // head's): ZeRO-3 keeps its shard and two gather buffers of the largest block, ZeRO 2/3 the
+    // gradients' shard and its bucket arena.
+    const bool split = shard > 1;
+    t["params"] = L.zero >= 3 && split ? params * B.weight / shard + 2 * 4 * largest : params * B.weight;
+    t["grads"] = L.zero >= 2 && split ? params * B.grad / shard + 4 * arena : params * B.grad;
+    t["optimizer"] = params * B.optimizer / (L.zero >= 1 ? shard : 1);
     t["activations"] = held / L.v * act_per_mb + recompute_extra;
     t["workspace"] = x.workspace;
     // The wte gradient exchange runs after the flush, when the activations and the received
     // gradients are gone: it adds to the peak only what it exceeds them by.
-    const double exchange = (first || last) && m.tied ? 4 * wte : 0.0;
+    const double exchange = (first || last) ? x.exchange : 0.0;
     t["comm"] = std::max(held / L.v * grad_in, exchange - t["activations"]);
     double total = 0;
     for (const auto& [tag, b] : t) total += b;
@@ -272,7 +295,8 @@ std::string invalid(const Job& job, const Layout& L) {
   const int64_t micro = job.global_batch / (int64_t(L.dp) * L.mbs);
   if (L.pp > 1 && L.schedule == pipe::Kind::interleaved && micro % L.pp != 0)
     return fmt::format("interleaving needs the {} micro-batches divisible by pp = {}", micro, L.pp);
-  if (L.pp > 1 && L.zero >= 2) return "pipelines compose with ZeRO 0 or 1";
+  if (L.pp > 1 && L.zero >= 2 && L.schedule == pipe::Kind::zb_h1)
+    return "ZeRO 2 and 3 do not compose with the zb-h1 schedule";
   return "";
 }
 
@@ -456,6 +480,12 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   const Link& dp_link = job.cluster.link(L.tp, shard);
   const double grad_bytes = P * B.grad;
   e.dp_comm_s = all_reduce_s(grad_bytes, shard, dp_link) * (L.zero >= 3 ? 1.5 : 1.0);
+  // A pipeline stage under ZeRO 2/3 reduce-scatters its gradients after every micro-batch's
+  // backward (half an all-reduce each), and under ZeRO-3 gathers its weights for every
+  // micro-batch's forward and backward (half each); ZeRO-2 all-gathers the updated weights once.
+  if (L.pp > 1 && L.zero >= 2 && shard > 1)
+    e.dp_comm_s = all_reduce_s(grad_bytes, shard, dp_link) * 0.5 * (double(micro) * (L.zero >= 3 ? 3.0 : 1.0) +
+                                                                      (L.zero == 2 ? 1.0 : 0.0));
   if (L.pp > 1) e.dp_exposed_s = e.dp_comm_s;
   else e.dp_exposed_s = std::max(e.dp_comm_s - 0.9 * t_b, 0.1 * e.dp_comm_s);
   // The optimizer reads and writes its state, the weights and the gradients once.
@@ -505,7 +535,7 @@ SearchResult search(const Job& job, const SearchOptions& opt) {
           for (auto [kind, v] : scheds)
             for (model::Recompute rc : opt.recomputes)
               for (int zero : opt.zeros) {
-                if ((opt.zero >= 0 && zero != opt.zero) || (pp > 1 && zero >= 2)) continue;
+                if ((opt.zero >= 0 && zero != opt.zero) || (pp > 1 && zero >= 2 && kind == pipe::Kind::zb_h1)) continue;
                 for (bool sp : {false, true}) {
                   if ((sp && tp == 1) || (opt.sp >= 0 && sp != (opt.sp == 1))) continue;
                   Layout L;

@@ -28,7 +28,7 @@
 #include "model/param_specs.h"
 #include "optim/adamw.h"
 #include "parallel/data/data_parallel.h"
-#include "parallel/data/replica_optimizer.h"
+#include "parallel/data/data_parallel.h"
 #include "parallel/data/trace.h"
 #include "parallel/mesh.h"
 #include "parallel/pipeline/executor.h"
@@ -73,6 +73,45 @@ std::vector<TensorInfo> checkpoint_tensors(const model::GPTConfig& mc) {
   for (const model::ParamSpec& s : model::gpt_param_specs(mc))
     for (const char* kind : {"param/", "adam_m/", "adam_v/"}) out.push_back({kind + s.name, s.shape});
   return out;
+}
+
+// A rank's part of a checkpoint from its data parallelism: its shard of the dp (x cp) group's flat
+// layout, parameters and both moments (the ZeRO shard; under ZeRO-0, where every rank holds
+// everything, the same split shares the writing); `skip` says which parameters another rank
+// writes (a tensor whole on every tp rank: tp rank 0's; a pipeline's wte copy: the first stage's).
+CheckpointPart data_parallel_part(parallel::DataParallel& ddp,
+                                  const std::function<bool(const model::Parameter&)>& skip) {
+  CheckpointPart out;
+  out.optimizer_steps = ddp.optimizer_steps();
+  const parallel::DataParallel::LocalState st = ddp.local_state();
+  const int64_t b = st.shard_begin, e = st.shard_end;
+  for (const parallel::FlatParam& f : ddp.layout()) {
+    const model::Parameter& p = *f.param;
+    const int64_t lo = std::max(b, f.offset), hi = std::min(e, f.offset + f.numel);
+    if (lo >= hi || skip(p)) continue;
+    const int64_t lb = lo - f.offset, le = hi - f.offset;
+    add_slices(out.slices, "param/", p, lb, le, st.params + (lo - st.params_begin));
+    add_slices(out.slices, "adam_m/", p, lb, le, st.exp_avg + (lo - st.opt_begin));
+    add_slices(out.slices, "adam_v/", p, lb, le, st.exp_avg_sq + (lo - st.opt_begin));
+  }
+  return out;
+}
+
+// The inverse: each rank reads what it holds, the parameters (all, or its ZeRO-3 shard) and its
+// moments, by each parameter's global name (a pipeline's wte copy reads wte: both always take the
+// same update, so their moments are wte's too).
+void load_data_parallel(parallel::DataParallel& ddp, CheckpointReader& ckpt, int64_t optimizer_steps) {
+  const parallel::DataParallel::LocalState st = ddp.local_state();
+  auto read = [&](const char* kind, int64_t b, int64_t e, float* base) {
+    for (const parallel::FlatParam& f : ddp.layout()) {
+      const int64_t lo = std::max(b, f.offset), hi = std::min(e, f.offset + f.numel);
+      if (lo < hi) read_slices(ckpt, kind, *f.param, lo - f.offset, hi - f.offset, base + (lo - b));
+    }
+  };
+  read("param/", st.params_begin, st.params_end, st.params);
+  read("adam_m/", st.opt_begin, st.opt_end, st.exp_avg);
+  read("adam_v/", st.opt_begin, st.opt_end, st.exp_avg_sq);
+  ddp.state_loaded(optimizer_steps);
 }
 
 // The CPU's engines (the loop runs whatever train/engine.h's interface offers).
@@ -257,40 +296,14 @@ class ChainEngine : public CpuEngine {
     return sum_over_ranks(dp_, sum) / double(n * dp);
   }
 
-  // Each rank writes its shard of the dp x cp group's flat layout (the ZeRO shard; under ZeRO-0,
-  // where every rank holds everything, the same split shares the writing); a tensor whole on every
-  // tp rank is written by tp rank 0.
   CheckpointPart checkpoint_part() override {
     model_.release_activations();  // the write's buffers take their place, not add to them
-    CheckpointPart out;
-    out.optimizer_steps = ddp_.optimizer_steps();
-    const parallel::DataParallel::LocalState st = ddp_.local_state();
-    const int64_t b = st.shard_begin, e = st.shard_end;
-    for (const parallel::FlatParam& f : ddp_.layout()) {
-      const model::Parameter& p = *f.param;
-      const int64_t lo = std::max(b, f.offset), hi = std::min(e, f.offset + f.numel);
-      if (lo >= hi || (!p.shard.split && tp_.rank() != 0)) continue;
-      const int64_t lb = lo - f.offset, le = hi - f.offset;
-      add_slices(out.slices, "param/", p, lb, le, st.params + (lo - st.params_begin));
-      add_slices(out.slices, "adam_m/", p, lb, le, st.exp_avg + (lo - st.opt_begin));
-      add_slices(out.slices, "adam_v/", p, lb, le, st.exp_avg_sq + (lo - st.opt_begin));
-    }
-    return out;
+    const int tpr = tp_.rank();
+    return data_parallel_part(ddp_, [tpr](const model::Parameter& p) { return !p.shard.split && tpr != 0; });
   }
 
-  // Each rank reads what it holds: the parameters (all, or its ZeRO-3 shard) and its moments.
   void load(CheckpointReader& ckpt, int64_t optimizer_steps) override {
-    const parallel::DataParallel::LocalState st = ddp_.local_state();
-    auto read = [&](const char* kind, int64_t b, int64_t e, float* base) {
-      for (const parallel::FlatParam& f : ddp_.layout()) {
-        const int64_t lo = std::max(b, f.offset), hi = std::min(e, f.offset + f.numel);
-        if (lo < hi) read_slices(ckpt, kind, *f.param, lo - f.offset, hi - f.offset, base + (lo - b));
-      }
-    };
-    read("param/", st.params_begin, st.params_end, st.params);
-    read("adam_m/", st.opt_begin, st.opt_end, st.exp_avg);
-    read("adam_v/", st.opt_begin, st.opt_end, st.exp_avg_sq);
-    ddp_.state_loaded(optimizer_steps);
+    load_data_parallel(ddp_, ckpt, optimizer_steps);
   }
 
   // On the model itself (collectively under ZeRO-3 and model parallelism).
@@ -341,11 +354,11 @@ class ChainEngine : public CpuEngine {
 class PipelineEngine : public CpuEngine {
  public:
   PipelineEngine(const TrainConfig& cfg, const model::GPTConfig& mc, const optim::AdamWConfig& oc,
-                 parallel::MeshComms& comms, data::Loader& train, MemoryPool& pool)
-      : CpuEngine(pool, nullptr, cfg.cpu_matmul()), cfg_(cfg), mc_(comms), model_cfg_(mc), train_(train), pp_(comms["pp"]), dp_(comms["dp"]),
+                 parallel::MeshComms& comms, data::Loader& train, MemoryPool& pool, MemoryPool& host_pool)
+      : CpuEngine(pool, &host_pool, cfg.cpu_matmul()), cfg_(cfg), mc_(comms), model_cfg_(mc), train_(train), pp_(comms["pp"]), dp_(comms["dp"]),
         tp_(comms["tp"]),
         exec_(mc, options(cfg, oc, mc.n_layer), comms["pp"], comms["dp"].size() > 1 ? &comms["dp"] : nullptr, pool,
-              {&comms["tp"], &comms["cp"], &comms.get({"dp", "cp"})}) {
+              {&comms["tp"], &comms["cp"], &comms.get({"dp", "cp"})}, &host_pool) {
     local_ = cfg.batch_size / dp_.size();
     n_layer_ = mc.n_layer;
     x_ = Tensor::empty({local_, cfg.seq_len}, DType::i32, MemTag::workspace, pool);
@@ -362,6 +375,9 @@ class PipelineEngine : public CpuEngine {
     o.cp = int(cfg.cp);
     o.sp = cfg.sp;
     o.zero_stage = int(cfg.zero);
+    o.offload = cfg.offload;
+    o.bucket_bytes = std::max<int64_t>(1, int64_t(double(cfg.bucket_mb) * 1024 * 1024));
+    o.prefetch = cfg.prefetch;
     o.adamw = oc;
     o.seed = cfg.seed;
     o.seq_len = cfg.seq_len;
@@ -388,20 +404,19 @@ class PipelineEngine : public CpuEngine {
   }
 
   // Collective over the world: the first non-finite weight, else gradient, in the single device's
-  // parameter order, the same answer on every rank (each stage looks at its own parameters; the
-  // stages' activations are gone after the flush, so forward outputs are not looked at).
+  // parameter order, the same answer on every rank (each rank looks at what it holds of its
+  // stage's parameters; the stages' activations are gone after the flush, so forward outputs are
+  // not looked at).
   std::string locate_nonfinite() {
     constexpr int kStride = 1 << 20;
     std::map<std::string, int> order;
     const std::vector<model::ParamSpec> specs = model::gpt_param_specs(model_cfg_);
     for (size_t i = 0; i < specs.size(); ++i) order[specs[i].name] = int(i);
-    auto finite = [](const Tensor& t) { return !t.defined() || first_nonfinite(t.f32(), t.numel()) < 0; };
+    parallel::DataParallel& ddp = exec_.data_parallel();
+    const auto& lay = ddp.layout();
     int code = 2 * kStride;
-    for (const model::Parameter* p : exec_.parameters()) {
-      const int i = order.at(p->spec.name);
-      if (!finite(p->value)) code = std::min(code, i);
-      else if (!finite(p->grad)) code = std::min(code, kStride + i);
-    }
+    if (int i = ddp.first_nonfinite(false); i >= 0) code = order.at(lay.at(size_t(i)).param->spec.name);
+    else if (int g = ddp.first_nonfinite(true); g >= 0) code = kStride + order.at(lay.at(size_t(g)).param->spec.name);
     code = parallel::min_over_ranks(mc_.world(), code);
     if (code < kStride) return fmt::format("the weights of {}", specs.at(size_t(code)).name);
     if (code < 2 * kStride) return fmt::format("the gradient of {}", specs.at(size_t(code - kStride)).name);
@@ -427,42 +442,17 @@ class PipelineEngine : public CpuEngine {
     return sum / double(n);
   }
 
-  // Each stage's parameters (the last stage's copy of a tied wte skipped: the first stage writes
-  // wte) are written by the replica with dp = cp = 0, their moments by the rank holding them
-  // (every rank of the stage's dp x cp group under ZeRO-1); a tensor whole on every tp rank by
-  // tp rank 0.
+  // Each rank writes its shard of its stage's flat layout (a last stage's wte copy left to the
+  // first stage).
   CheckpointPart checkpoint_part() override {
-    parallel::ReplicaOptimizer& opt = exec_.optimizer();
-    CheckpointPart out;
-    out.optimizer_steps = opt.steps_taken();
-    const bool lead_replica = mc_.coord("dp") == 0 && mc_.coord("cp") == 0;
-    const auto ps = exec_.parameters();
-    for (size_t i = 0; i < ps.size(); ++i) {
-      const model::Parameter& p = *ps[i];
-      if (exec_.is_copy(ps[i]) || (!p.shard.split && tp_.rank() != 0)) continue;
-      if (lead_replica) add_slices(out.slices, "param/", p, 0, p.spec.numel(), p.value.f32());
-      if (!lead_replica && !opt.sharded()) continue;
-      const parallel::MomentPart m = opt.moment_part(i);
-      if (m.begin == m.end) continue;
-      add_slices(out.slices, "adam_m/", p, m.begin, m.end, m.exp_avg);
-      add_slices(out.slices, "adam_v/", p, m.begin, m.end, m.exp_avg_sq);
-    }
-    return out;
+    const int tpr = tp_.rank();
+    return data_parallel_part(exec_.data_parallel(), [tpr](const model::Parameter& p) {
+      return p.shard.tied_copy || (!p.shard.split && tpr != 0);
+    });
   }
 
-  // Each of this rank's parameters by name (the last stage's copy of a tied wte reads wte: both
-  // copies always take the same update, so their moments are wte's too), and the moments it holds.
   void load(CheckpointReader& ckpt, int64_t optimizer_steps) override {
-    const auto ps = exec_.parameters();
-    parallel::ReplicaOptimizer& opt = exec_.optimizer();
-    for (size_t i = 0; i < ps.size(); ++i) {
-      read_slices(ckpt, "param/", *ps[i], 0, ps[i]->spec.numel(), ps[i]->value.f32());
-      const parallel::MomentPart m = opt.moment_part(i);
-      if (m.begin == m.end) continue;
-      read_slices(ckpt, "adam_m/", *ps[i], m.begin, m.end, m.exp_avg);
-      read_slices(ckpt, "adam_v/", *ps[i], m.begin, m.end, m.exp_avg_sq);
-    }
-    opt.set_steps_taken(optimizer_steps);
+    load_data_parallel(exec_.data_parallel(), ckpt, optimizer_steps);
   }
 
   // Through the stages: each context forward as one micro-batch, in the sequence units of the
@@ -481,7 +471,10 @@ class PipelineEngine : public CpuEngine {
     const std::string blocks = fmt::format("{}", fmt::join(pipe::stage_layers_from_cuts(exec_.cuts(), n_layer_), ","));
     return fmt::format("pp {} ({}, m = {}{}, blocks {}) x dp {}{}{}", sp.stages, pipe::kind_name(sp.kind),
                        sp.micro_batches, sp.virtual_stages > 1 ? fmt::format(", v = {}", sp.virtual_stages) : "",
-                       blocks, dp_.size(), exec_.optimizer().sharded() ? " (ZeRO-1)" : "",
+                       blocks, dp_.size(),
+                       cfg_.zero > 0 || cfg_.offload
+                           ? fmt::format(" (ZeRO {}{})", cfg_.zero, cfg_.offload ? " + offload" : "")
+                           : "",
                        cfg_.tp > 1 || cfg_.cp > 1 || cfg_.sp
                            ? fmt::format(" x tp {}{} x cp {}", cfg_.tp, cfg_.sp ? " + sp" : "", cfg_.cp)
                            : "");
@@ -497,10 +490,9 @@ class PipelineEngine : public CpuEngine {
                        100.0 * exec_.checked().idle_fraction(r), r);
   }
 
-  // nan_weight only: this rank's first parameter (its first element) becomes NaN.
   bool poison(const std::string& kind) override {
-    if (kind != "nan_weight" || exec_.parameters().empty()) return false;
-    exec_.parameters()[0]->value.f32()[0] = std::numeric_limits<float>::quiet_NaN();
+    if (kind == "nan") exec_.data_parallel().poison_gradients();
+    else exec_.data_parallel().poison_parameters();
     return true;
   }
 
@@ -597,7 +589,7 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
     LOOM_CHECK(it != engines().end(), "{}: train.device = \"{}\": this build has no trainer for it", where, cfg.device);
     engine = it->second({cfg, opt, where, mc, comms, train});
   } else if (cfg.pp > 1) {
-    engine = std::make_unique<PipelineEngine>(cfg, mc, oc, comms, train, pool);
+    engine = std::make_unique<PipelineEngine>(cfg, mc, oc, comms, train, pool, host_pool);
   } else {
     engine = std::make_unique<ChainEngine>(cfg, mc, oc, comms, train, pool, host_pool, !opt.trace_path.empty());
   }
@@ -810,15 +802,12 @@ TrainResult run_training(const TrainConfig& cfg, const TrainOptions& opt) {
     }
     LOOM_CHECK(opt.trace_path.empty(), "--trace: train.device = \"cuda\" writes no trace");
   }
-  if (cfg.pp > 1 && cfg.zero >= 2)
-    throw Error(fmt::format("{}: parallel.zero = {} is not supported with parallel.pp = {} (pipelines compose with "
-                            "ZeRO stage 0 or 1: stages 2 and 3 shard the gradients and parameters every "
-                            "micro-batch needs whole); set parallel.zero = 0 or 1",
-                            where, cfg.zero, cfg.pp));
-  if (cfg.pp > 1 && cfg.offload)
-    throw Error(fmt::format("{}: parallel.offload is not supported with parallel.pp = {} (offload runs with data, "
-                            "tensor, sequence and context parallelism); set parallel.offload = false",
-                            where, cfg.pp));
+  if (cfg.pp > 1 && cfg.zero >= 2 && pipe::parse_kind(cfg.schedule, "parallel.schedule") == pipe::Kind::zb_h1)
+    throw Error(fmt::format("{}: parallel.zero = {} does not compose with parallel.schedule = \"zb-h1\": the zero-bubble "
+                            "schedule computes a block's gradients in two passes with other micro-batches' work "
+                            "between them, so a gradient bucket reduce-scattered every micro-batch would be held "
+                            "across them; set parallel.zero = 0 or 1, or another schedule (gpipe, 1f1b, interleaved)",
+                            where, cfg.zero));
   if (cfg.cp > 1 && cfg.seq_len % (2 * cfg.cp) != 0)
     throw Error(fmt::format("{}: data.seq_len = {} must be divisible by 2 x parallel.cp = {} (each rank takes two "
                             "chunks of every sequence)",

@@ -1,6 +1,6 @@
 // The planner's memory per rank against what loom's pools reach (issue "How to choose", local
 // truth): for layouts of data, tensor (with sp), context and pipeline parallelism (GPipe and 1F1B,
-// composed with dp and tp), ZeRO stages and recomputation, `loom plan --layout ... --precision f32
+// composed with dp (ZeRO 1-3) and tp), ZeRO stages and recomputation, `loom plan --layout ... --precision f32
 // --cluster cpu --json` predicts the fullest rank's peak, all tags, within 5% of `loom train`'s
 // OUT/memory.json (measured within 2.4% on a 4-layer model; the attention kernel's own scratch is
 // what the prediction leaves out). Not in the list: ZB-H1 (10% under: its deferred weight
@@ -43,6 +43,8 @@ TEST(PlanTruthCli, PredictedPeakMemoryPerRankIsWithinFivePercentOfTheMeasured) {
       {"pp=2,schedule=gpipe,mbs=4", "--parallel.pp 2 --train.grad_accum 4 --parallel.schedule gpipe", 2},
       {"pp=4,schedule=1f1b,mbs=4", "--parallel.pp 4 --train.grad_accum 4 --parallel.schedule 1f1b", 4},
       {"dp=2,pp=2,zero=1,mbs=2", "--parallel.dp 2 --parallel.pp 2 --train.grad_accum 4 --parallel.zero 1", 4},
+      {"dp=2,pp=2,zero=2,mbs=2", "--parallel.dp 2 --parallel.pp 2 --train.grad_accum 4 --parallel.zero 2", 4},
+      {"dp=2,pp=2,zero=3,mbs=2", "--parallel.dp 2 --parallel.pp 2 --train.grad_accum 4 --parallel.zero 3", 4},
       {"tp=2,pp=2,mbs=4", "--parallel.tp 2 --parallel.pp 2 --train.grad_accum 4", 4},
   };
   for (const Case& c : cases) {

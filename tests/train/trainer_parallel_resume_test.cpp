@@ -113,6 +113,13 @@ TEST_F(TrainParallelResume, ZeroThreeResumesBitIdentically) {
   expect_bit_identical_resume("dp2_zero3", "--parallel.dp 2 --parallel.zero 3", 1);
 }
 
+// And in a pipeline, where each stage's ranks write and read their shards of the stage (the last
+// stage's copy of the tied wte read from wte).
+TEST_F(TrainParallelResume, PipelineZeroThreeResumesBitIdentically) {
+  LOOM_REQUIRE_LOOM();
+  expect_bit_identical_resume("pp2_dp2_zero3", "--parallel.pp 2 --parallel.dp 2 --parallel.zero 3", 3);
+}
+
 // A checkpoint written under one layout resumes under another: the pairs of the resharding
 // acceptance, each from its own interrupted run.
 TEST_F(TrainParallelResume, CheckpointsReshardBetweenLayouts) {
@@ -133,6 +140,9 @@ TEST_F(TrainParallelResume, CheckpointsReshardBetweenLayouts) {
       {"pp2tp2_to_dp4z3", "--parallel.pp 2 --parallel.tp 2" + ga1, "--parallel.dp 4 --parallel.zero 3" + ga1, "ref_ga1"},
       {"single_to_tp4", "", "--parallel.tp 4", ""},
       {"dp2z3_to_single", "--parallel.dp 2 --parallel.zero 3", "", ""},
+      {"pp2dp2z2_to_tp2dp2z3", "--parallel.pp 2 --parallel.dp 2 --parallel.zero 2",
+       "--parallel.tp 2 --parallel.dp 2 --parallel.zero 3",
+       ""},
       {"cp2tp2_to_pp2dp2", "--parallel.cp 2 --parallel.tp 2", "--parallel.pp 2 --parallel.dp 2", ""},
       {"ipp2_to_tp2", "--parallel.pp 2 --parallel.schedule interleaved --parallel.virtual_stages 2", "--parallel.tp 2",
        ""},

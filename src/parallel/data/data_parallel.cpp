@@ -133,27 +133,56 @@ class DataParallel::Worker {
 };
 
 
+DataChain DataChain::of(model::GPT& gpt) {
+  DataChain d;
+  d.blocks = gpt.chain();
+  for (model::ChainBlock* b : d.blocks) d.owned.push_back(b->parameters());
+  if (gpt.config().tied_embeddings) d.tied = &gpt.embedding().wte();
+  d.pool = &gpt.pool();
+  d.seed = gpt.seed();
+  std::vector<model::Parameter*> in_chain;
+  for (const auto& o : d.owned) in_chain.insert(in_chain.end(), o.begin(), o.end());
+  LOOM_CHECK(in_chain == gpt.parameters(), "data parallel: the chain's parameters differ from the model's list "
+             "(order or number)");
+  return d;
+}
+
 DataParallel::DataParallel(model::GPT& gpt, comm::Comm& dp, const optim::AdamWConfig& adam,
                            const DataParallelOptions& opt)
-    : gpt_(gpt), comm_(dp), o_(opt), rank_(dp.rank()), world_(dp.size()) {
+    : DataParallel(DataChain::of(gpt), dp, adam, opt) {
+  gpt_ = &gpt;
+  gpt.set_hooks(this);
+}
+
+bool DataParallel::range_start(int64_t c) const {
+  return std::binary_search(chain_.range_starts.begin(), chain_.range_starts.end(), int(c));
+}
+
+int64_t DataParallel::range_end(int64_t c) const {
+  auto it = std::upper_bound(chain_.range_starts.begin(), chain_.range_starts.end(), int(c));
+  return it == chain_.range_starts.end() ? int64_t(chain_.blocks.size()) : int64_t(*it);
+}
+
+DataParallel::DataParallel(DataChain chain, comm::Comm& dp, const optim::AdamWConfig& adam,
+                           const DataParallelOptions& opt)
+    : chain_(std::move(chain)), comm_(dp), o_(opt), rank_(dp.rank()), world_(dp.size()) {
   LOOM_CHECK(o_.zero >= 0 && o_.zero <= 3, "data parallel: ZeRO stage must be 0-3, got {}", o_.zero);
   LOOM_CHECK(o_.bucket_bytes > 0, "data parallel: bucket size must be positive, got {} bytes", o_.bucket_bytes);
   LOOM_CHECK(!o_.offload || o_.host_pool, "data parallel: offload needs a host pool");
-  MemoryPool& pool = gpt.pool();
-  const auto chain = gpt.chain();
-  const int nchain = int(chain.size());
-  const auto& params = gpt.parameters();
+  LOOM_CHECK(chain_.pool != nullptr, "data parallel: the chain has no pool");
+  LOOM_CHECK(chain_.owned.size() == chain_.blocks.size(), "data parallel: {} blocks but {} parameter lists",
+             chain_.blocks.size(), chain_.owned.size());
+  LOOM_CHECK(!chain_.range_starts.empty() && chain_.range_starts.front() == 0 &&
+                 std::is_sorted(chain_.range_starts.begin(), chain_.range_starts.end()),
+             "data parallel: the backward ranges must start at block 0 and ascend");
+  MemoryPool& pool = *chain_.pool;
+  const int nchain = int(chain_.blocks.size());
 
-  // Flat layout in parameter order; every parameter belongs to exactly one chain block.
+  // Flat layout in chain order; every parameter belongs to exactly one chain block.
   std::vector<model::Parameter*> in_chain;
   std::vector<int> chain_of;
   for (int c = 0; c < nchain; ++c)
-    for (model::Parameter* p : chain[size_t(c)]->parameters()) in_chain.push_back(p), chain_of.push_back(c);
-  LOOM_CHECK(in_chain.size() == params.size(), "data parallel: the chain owns {} parameters, the model lists {}",
-             in_chain.size(), params.size());
-  for (size_t i = 0; i < in_chain.size(); ++i)
-    LOOM_CHECK(in_chain[i] == params[i], "data parallel: parameter order differs from the chain's at '{}'",
-               params[i]->spec.name);
+    for (model::Parameter* p : chain_.owned[size_t(c)]) in_chain.push_back(p), chain_of.push_back(c);
   lay_ = FlatLayout::build(in_chain, world_, chain_of);
   n_pad_ = lay_.n_pad;
   shard_ = lay_.shard;
@@ -161,8 +190,8 @@ DataParallel::DataParallel(model::GPT& gpt, comm::Comm& dp, const optim::AdamWCo
   // What each chain block reads and writes: its own parameters, and wte for a tied head.
   uses_.assign(size_t(nchain), {});
   for (size_t i = 0; i < lay_.params.size(); ++i) uses_[size_t(lay_.params[i].chain)].push_back(int(i));
-  if (gpt.config().tied_embeddings) {
-    model::Parameter* wte = &gpt.embedding().wte();
+  if (chain_.tied) {
+    model::Parameter* wte = chain_.tied;
     for (size_t i = 0; i < lay_.params.size(); ++i)
       if (lay_.params[i].param == wte) uses_[size_t(nchain - 1)].push_back(int(i));
     std::sort(uses_.back().begin(), uses_.back().end());
@@ -194,15 +223,18 @@ DataParallel::DataParallel(model::GPT& gpt, comm::Comm& dp, const optim::AdamWCo
   bool open = false;
   for (int c = nchain - 1; c >= 0; --c) {
     auto [b, e] = block_range(c);
-    if (b >= e) continue;
-    if (!open) cur = GradBucket{b, e, {}, c}, open = true;
-    cur.begin = b;
-    cur.blocks.push_back(c);
-    cur.last_writer = c;
-    if ((cur.end - cur.begin) * int64_t(sizeof(float)) >= o_.bucket_bytes) buckets_.push_back(cur), open = false;
+    if (b < e) {
+      if (!open) cur = GradBucket{b, e, {}, c}, open = true;
+      cur.begin = b;
+      cur.blocks.push_back(c);
+      cur.last_writer = c;
+      if ((cur.end - cur.begin) * int64_t(sizeof(float)) >= o_.bucket_bytes) buckets_.push_back(cur), open = false;
+    }
+    if (open && range_start(c)) buckets_.push_back(cur), open = false;  // no bucket spans two ranges
   }
   if (open) buckets_.push_back(cur);
-  buckets_.front().end = n_pad_;  // the tail padding rides with the first bucket (the head's)
+  LOOM_CHECK(!buckets_.empty(), "data parallel: the chain has no parameters");
+  buckets_.front().end = n_pad_;  // the tail padding rides with the first bucket (the last block's)
   writes_.assign(size_t(nchain), {});
   for (size_t b = 0; b < buckets_.size(); ++b)
     for (int c = 0; c < nchain; ++c) {
@@ -218,10 +250,10 @@ DataParallel::DataParallel(model::GPT& gpt, comm::Comm& dp, const optim::AdamWCo
   // bucket of its own, reduced right after the head: otherwise the embedding's bucket would be
   // held from the first block of the backward to the last. (Stages 0/1 all-reduce the full
   // gradient in place once, so there the bucket stays shared.)
-  if (o_.zero >= 2 && gpt.config().tied_embeddings && nchain > 1) {
+  if (o_.zero >= 2 && chain_.tied && nchain > 1) {
     const int head = nchain - 1;
     const auto wte = std::find_if(lay_.params.begin(), lay_.params.end(),
-                                  [&](const FlatParam& f) { return f.param == &gpt.embedding().wte(); });
+                                  [&](const FlatParam& f) { return f.param == chain_.tied; });
     LOOM_CHECK(wte != lay_.params.end(), "data parallel: a tied model without wte in its flat layout");
     auto& hw = writes_[size_t(head)];
     const auto shared = std::find_if(hw.begin(), hw.end(), [&](int b) {
@@ -259,6 +291,12 @@ DataParallel::DataParallel(model::GPT& gpt, comm::Comm& dp, const optim::AdamWCo
       }
       for (int b = 0; b < nb; ++b)
         if (buckets_[size_t(b)].last_writer == c) state[size_t(b)] = 2, launched.push_back(b);
+      if (range_start(c)) {  // the range's backward ends: its buckets are waited for and freed
+        ++t;
+        for (int b : launched)
+          if (state[size_t(b)] == 2) state[size_t(b)] = 3, to[size_t(b)] = t;
+        launched.clear();
+      }
     }
     auto size_of = [&](int b) { return buckets_[size_t(b)].end - buckets_[size_t(b)].begin; };
     std::vector<int> order(static_cast<size_t>(nb));
@@ -293,7 +331,7 @@ DataParallel::DataParallel(model::GPT& gpt, comm::Comm& dp, const optim::AdamWCo
     if (f.param->value_full.defined())
       std::memcpy(params_.f32() + (b - p0), f.param->value_full.f32() + (b - f.offset), size_t(e - b) * 4);
     else  // deferred (model::ModelLayout::defer_parameters): drawn here, the part this rank keeps only
-      f.param->initialise_part(gpt_.seed(), b - f.offset, e - b, params_.f32() + (b - p0));
+      f.param->initialise_part(chain_.seed, b - f.offset, e - b, params_.f32() + (b - p0));
   }
   for (FlatParam& f : lay_.params) {
     if (o_.zero == 3) detach_from_flat(*f.param, false);
@@ -307,8 +345,8 @@ DataParallel::DataParallel(model::GPT& gpt, comm::Comm& dp, const optim::AdamWCo
   }
 
   // Optimizer over the logical elements of this rank's optimizer range.
-  LOOM_CHECK(o_.in_norm.empty() || o_.in_norm.size() == params.size(),
-             "data parallel: in_norm has {} entries for {} parameters", o_.in_norm.size(), params.size());
+  LOOM_CHECK(o_.in_norm.empty() || o_.in_norm.size() == in_chain.size(),
+             "data parallel: in_norm has {} entries for {} parameters", o_.in_norm.size(), in_chain.size());
   std::vector<optim::FlatSegment> segs = lay_.segments(o_.in_norm);
   const int64_t ob = o_.zero == 0 ? 0 : int64_t(rank_) * shard_, oe = o_.zero == 0 ? n_pad_ : ob + shard_;
   MemoryPool& state_pool = o_.offload ? *o_.host_pool : pool;
@@ -321,11 +359,10 @@ DataParallel::DataParallel(model::GPT& gpt, comm::Comm& dp, const optim::AdamWCo
 
   // Collective: every rank splits the same way, so the worker communicators pair up.
   worker_ = std::make_unique<Worker>(comm_.split(0, rank_), o_.trace, o_.overlap);
-  gpt_.set_hooks(this);
 }
 
 DataParallel::~DataParallel() {
-  gpt_.set_hooks(nullptr);
+  if (gpt_) gpt_->set_hooks(nullptr);
   worker_.reset();  // joins the communication thread after its queued work
 }
 
@@ -371,7 +408,7 @@ void DataParallel::acquire_bucket(size_t b) {
   for (size_t k = 0; k + 1 < launched.size(); ++k) free_bucket(launched[k]);
   const GradBucket& g = buckets_[b];
   if (!bucket_arena_.defined())
-    bucket_arena_ = Tensor::empty({std::max<int64_t>(bucket_peak_, 1)}, DType::f32, MemTag::grads, gpt_.pool());
+    bucket_arena_ = Tensor::empty({std::max<int64_t>(bucket_peak_, 1)}, DType::f32, MemTag::grads, *chain_.pool);
   l.buf = bucket_arena_.slice0(bucket_offset_[b], g.end - g.begin);
   l.buf.zero_();
   l.freed = false;
@@ -465,7 +502,7 @@ void DataParallel::gather_block(int64_t c, const char* phase, bool backward) {
   // unmapped hundreds of times a step).
   for (int k = 0; k < (o_.prefetch ? 2 : 1); ++k)
     if (!block_buf_[k].defined())
-      block_buf_[k] = Tensor::empty({std::max<int64_t>(max_use_, 1)}, DType::f32, MemTag::params, gpt_.pool());
+      block_buf_[k] = Tensor::empty({std::max<int64_t>(max_use_, 1)}, DType::f32, MemTag::params, *chain_.pool);
   auto t0 = Trace::Clock::now();
   if (prefetch_block_ >= 0) {  // the prefetch in flight: this block's, or one this order skipped
     worker_->wait(prefetch_ticket_);
@@ -492,18 +529,18 @@ void DataParallel::gather_block(int64_t c, const char* phase, bool backward) {
   }
   auto t1 = Trace::Clock::now();
   stats_.gather_s += seconds(t1 - t0);
-  if (o_.trace) o_.trace->add(fmt::format("all_gather {} {}", phase, gpt_.chain()[size_t(c)]->name()),
+  if (o_.trace) o_.trace->add(fmt::format("all_gather {} {}", phase, chain_.blocks[size_t(c)]->name()),
                               TraceStream::comm, t0, t1);
   // The next block of this direction, into the other buffer, on the communication thread.
+  // (Within the block's range: what runs after the range is the caller's schedule.)
   const int64_t next = backward ? c - 1 : c + 1;
-  const int64_t nchain = int64_t(runs_.size());
-  if (o_.prefetch && next >= 0 && next < nchain) {
+  if (o_.prefetch && (backward ? !range_start(c) : next < range_end(c))) {
     const int other = 1 - buf;
     if (held_[other] != next) {
       held_[other] = -1;
       prefetch_block_ = next;
       prefetch_buf_ = other;
-      prefetch_ticket_ = worker_->submit(fmt::format("prefetch {}", gpt_.chain()[size_t(next)]->name()),
+      prefetch_ticket_ = worker_->submit(fmt::format("prefetch {}", chain_.blocks[size_t(next)]->name()),
                                          [this, next, other](comm::Comm& wc) { gather_into(next, other, wc); });
     }
   }
@@ -519,7 +556,7 @@ void DataParallel::before_forward(int64_t c) {
 }
 
 void DataParallel::after_forward(int64_t c) {
-  if (o_.trace) o_.trace->add("fwd " + gpt_.chain()[size_t(c)]->name(), TraceStream::compute, block_t0_,
+  if (o_.trace) o_.trace->add("fwd " + chain_.blocks[size_t(c)]->name(), TraceStream::compute, block_t0_,
                               Trace::Clock::now());
   if (o_.zero == 3) release_block(c);
 }
@@ -531,12 +568,12 @@ void DataParallel::before_backward(int64_t c) {
 }
 
 void DataParallel::after_backward(int64_t c) {
-  if (o_.trace) o_.trace->add("bwd " + gpt_.chain()[size_t(c)]->name(), TraceStream::compute, block_t0_,
+  if (o_.trace) o_.trace->add("bwd " + chain_.blocks[size_t(c)]->name(), TraceStream::compute, block_t0_,
                               Trace::Clock::now());
   if (o_.zero == 3) release_block(c);
   for (size_t b = 0; b < buckets_.size(); ++b)
     if (buckets_[b].last_writer == c) launch_bucket(b);
-  if (c == 0 && o_.zero >= 2) {
+  if (range_start(c) && o_.zero >= 2) {
     // The micro-batch's backward is over: its buckets become free for the next one.
     worker_->wait_all();
     for (size_t b = 0; b < live_.size(); ++b) {
@@ -544,8 +581,43 @@ void DataParallel::after_backward(int64_t c) {
       live_[b].acquired = false;
     }
     acquire_order_.clear();
-  } else if (c == 0) {
-    for (auto& l : live_) l.acquired = false;
+  } else if (range_start(c)) {
+    for (size_t b = 0; b < live_.size(); ++b)
+      if (buckets_[b].last_writer >= c && buckets_[b].last_writer < range_end(c)) live_[b].acquired = false;
+  }
+}
+
+void DataParallel::add_peer_gradient(const model::Parameter* param, comm::Comm& link, int peer) {
+  finish_reductions();
+  const auto f = std::find_if(lay_.params.begin(), lay_.params.end(),
+                              [&](const FlatParam& x) { return x.param == param; });
+  LOOM_CHECK(f != lay_.params.end(), "data parallel: add_peer_gradient: '{}' is not in this layout",
+             param ? param->spec.name : "null");
+  // The pieces travel in the same order on both sides: [k, k + piece) of the parameter's logical
+  // elements, piece the same on both (bucket_bytes and the group size are).
+  const int64_t numel = f->numel, piece = std::max<int64_t>(o_.bucket_bytes / 4, 1);
+  const int64_t gb = o_.zero >= 2 ? int64_t(rank_) * shard_ : 0;  // the flat element grads_ starts at
+  const int64_t ge = o_.zero >= 2 ? gb + shard_ : n_pad_;
+  Tensor mine, theirs;
+  for (int64_t k = 0; k < numel; k += piece) {
+    const int64_t n = std::min(piece, numel - k), b = f->offset + k, e = b + n;
+    if (!theirs.defined()) {
+      theirs = Tensor::empty({std::min(piece, numel)}, DType::f32, MemTag::comm, *chain_.pool);
+      if (o_.zero >= 2) mine = Tensor::empty({std::min(piece, numel)}, DType::f32, MemTag::comm, *chain_.pool);
+    }
+    const float* send = grads_.f32() + (b - gb);  // stages 0/1: every reduced element is here
+    if (o_.zero >= 2) {  // this rank's part of the piece, gathered over the group
+      const std::vector<int64_t> counts = shard_counts(b, e);
+      const int64_t lo = std::min(std::max(b, gb), ge);
+      comm_.all_gather_v(grads_.f32() + (lo - gb), mine.f32(), counts, DType::f32);
+      send = mine.f32();
+    }
+    link.sendrecv(send, n, peer, theirs.f32(), n, peer, DType::f32, 1);
+    const int64_t lo = std::max(b, gb), hi = std::min(e, ge);
+    if (hi <= lo) continue;
+    float* g = grads_.f32() + (lo - gb);
+    const float* o = theirs.f32() + (lo - b);
+    for (int64_t i = 0; i < hi - lo; ++i) g[i] += o[i];
   }
 }
 
@@ -573,12 +645,15 @@ optim::StepStats DataParallel::step(double lr, bool skip) {
   // tp ranks' parts.
   if (o_.zero != 0) sq = sum_over_ranks(sq);
   if (tp) sq = parallel::sum_over_ranks(*tp, sq);
+  comm::Comm* pp = o_.stage_group && o_.stage_group->size() > 1 ? o_.stage_group : nullptr;
+  if (pp) sq = parallel::sum_over_ranks(*pp, sq);
   double norm = std::sqrt(sq);
   // Every rank of the group and of the tp group takes the same decision: at stage 0 each rank
   // computed the norm of its own (equal) reduced gradients.
   float bad = skip || !std::isfinite(norm) ? 1.0f : 0.0f;
   comm_.all_reduce(&bad, 1, DType::f32, comm::ReduceOp::max);
   if (tp) tp->all_reduce(&bad, 1, DType::f32, comm::ReduceOp::max);
+  if (pp) pp->all_reduce(&bad, 1, DType::f32, comm::ReduceOp::max);
   if (bad != 0.0f) {
     optim::StepStats st;
     st.grad_norm = std::isfinite(norm) ? norm : std::numeric_limits<double>::quiet_NaN();
@@ -638,9 +713,9 @@ DataParallel::FullState DataParallel::gather_full_state() {
     return s;
   }
   FullState s;  // (every element is written below)
-  s.params = Tensor::empty({n_pad_}, DType::f32, MemTag::workspace, gpt_.pool());
-  s.exp_avg = Tensor::empty({n_pad_}, DType::f32, MemTag::workspace, gpt_.pool());
-  s.exp_avg_sq = Tensor::empty({n_pad_}, DType::f32, MemTag::workspace, gpt_.pool());
+  s.params = Tensor::empty({n_pad_}, DType::f32, MemTag::workspace, *chain_.pool);
+  s.exp_avg = Tensor::empty({n_pad_}, DType::f32, MemTag::workspace, *chain_.pool);
+  s.exp_avg_sq = Tensor::empty({n_pad_}, DType::f32, MemTag::workspace, *chain_.pool);
   if (o_.zero == 3) comm_.all_gather(params_.f32(), s.params.f32(), n_pad_, DType::f32);
   else std::memcpy(s.params.f32(), params_.f32(), size_t(n_pad_) * 4);
   comm_.all_gather(opt_->exp_avg().f32(), s.exp_avg.f32(), n_pad_, DType::f32);

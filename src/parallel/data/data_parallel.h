@@ -50,6 +50,16 @@
 // in double, added in rank order). Reductions follow the comm contract, so threads and mpi give
 // bit-identical results.
 //
+// The chain it works on (DataChain): a whole model::GPT's (embedding, blocks, head), or a pipeline
+// stage's chunks of it (parallel/pipeline/executor.h), whose caller runs the hooks around each
+// block. A backward runs over one contiguous range of the chain's blocks at a time, from its last
+// block to its first: the whole chain for a model, a chunk for a pipeline stage, whose
+// micro-batches' backwards interleave with other work. Buckets never cross such a range; at the
+// end of each backward of a range under ZeRO 2/3 its buckets' reductions are waited for and the
+// arena is free again. A pipeline's last stage holds a copy of a tied wte as a parameter of its
+// head (DataChain::owned); the two stages' reduced gradients of it are added by
+// add_peer_gradient.
+//
 // Composed with tensor / sequence / context parallelism (a model::GPT over tp and cp groups): the
 // communicator is then the dp x cp group of one tp rank (the cp ranks hold partial sums of the
 // gradients of the same replica, which the reduction adds; the model is this tp rank's part, laid
@@ -75,6 +85,21 @@
 
 namespace loom::parallel {
 
+// The blocks data parallelism takes over, in chain order, with the parameters each owns (placed in
+// the flat layout in this order: every parameter belongs to exactly one block).
+struct DataChain {
+  std::vector<model::ChainBlock*> blocks;
+  std::vector<std::vector<model::Parameter*>> owned;  // per block
+  // The first block of each range a backward runs over (ascending; {0} for a whole model).
+  std::vector<int> range_starts = {0};
+  // wte, owned by block 0 and also read (and its gradient written) by the last block, a tied head
+  // (null: none).
+  model::Parameter* tied = nullptr;
+  MemoryPool* pool = nullptr;
+  uint64_t seed = 0;  // deferred parameters are drawn from it (Parameter::initialise_part)
+  static DataChain of(model::GPT& gpt);
+};
+
 struct DataParallelOptions {
   int zero = 0;                       // ZeRO stage 0-3
   bool offload = false;               // optimizer state and update in host_pool
@@ -87,6 +112,9 @@ struct DataParallelOptions {
   // GPT::parameters() order whether it counts in the norm here (empty: all).
   comm::Comm* norm_group = nullptr;
   std::vector<bool> in_norm;
+  // The pipeline's communicator (null: none): the norm's sums of squares and the decision to skip
+  // a step are also over it (after norm_group).
+  comm::Comm* stage_group = nullptr;
 };
 
 struct GradBucket {
@@ -112,6 +140,9 @@ class DataParallel final : public model::ChainHooks {
   // (ModelLayout::defer_parameters), the values drawn from its seed for just what this rank keeps. Collective over `dp` (the communication thread's communicator is
   // split from it). `gpt` and `dp` must outlive this object.
   DataParallel(model::GPT& gpt, comm::Comm& dp, const optim::AdamWConfig& adam, const DataParallelOptions& opt);
+  // Over any chain (a pipeline stage's): the caller runs the ChainHooks around each block's
+  // forward and backward, with the block's index in chain.blocks.
+  DataParallel(DataChain chain, comm::Comm& dp, const optim::AdamWConfig& adam, const DataParallelOptions& opt);
   ~DataParallel() override;
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;
@@ -136,6 +167,16 @@ class DataParallel final : public model::ChainHooks {
   void poison_gradients() { poison_ = true; }
   void poison_parameters();
 
+  // Waits for the step's gradient reductions (step() does it too): this rank's reduced gradients
+  // are then final.
+  void finish_reductions();
+  // Collective with `peer` over `link` (the other end holds a DataParallel over a group of the
+  // same size, whose parameter `peer_param` is the same tensor as `param` here, in its own layout):
+  // after finish_reductions, adds the peer's reduced gradient of it into this rank's, so both get
+  // the same bits (a + b == b + a). A pipeline's tied wte: its first and last stages. Under ZeRO
+  // 2/3 each side holds only its shard, laid out differently on the two sides: the tensor goes
+  // over in pieces of at most bucket_bytes, each gathered over the group first.
+  void add_peer_gradient(const model::Parameter* param, comm::Comm& link, int peer);
   // Sum of x over the ranks, in double, added in rank order (bit-identical on every rank).
   double sum_over_ranks(double x);
 
@@ -193,7 +234,6 @@ class DataParallel final : public model::ChainHooks {
   void acquire_bucket(size_t b);
   void launch_bucket(size_t b);
   void free_bucket(size_t b);
-  void finish_reductions();
   void gather_block(int64_t c, const char* phase, bool backward);
   void release_block(int64_t c);
   void point_grads(size_t b);
@@ -201,7 +241,11 @@ class DataParallel final : public model::ChainHooks {
   float* param_shard() const;
   std::vector<int64_t> shard_counts(int64_t begin, int64_t end) const;
 
-  model::GPT& gpt_;
+  bool range_start(int64_t c) const;
+  int64_t range_end(int64_t c) const;  // one past the last block of c's range
+
+  model::GPT* gpt_ = nullptr;  // the model whose hooks this is (null: the caller runs them)
+  DataChain chain_;
   comm::Comm& comm_;
   DataParallelOptions o_;
   int rank_ = 0, world_ = 1;

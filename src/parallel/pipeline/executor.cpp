@@ -18,7 +18,7 @@
 #include "model/param_specs.h"
 #include "model/parallel.h"
 #include "parallel/data/flat_layout.h"
-#include "parallel/data/replica_optimizer.h"
+#include "parallel/data/data_parallel.h"
 
 namespace loom::parallel::pipeline {
 
@@ -86,9 +86,12 @@ void validate_cuts(const std::vector<int64_t>& cuts, int64_t n, int parts, const
 void ExecutorOptions::validate() const {
   schedule.validate();
   LOOM_CHECK(tp >= 1 && cp >= 1, "pipeline executor: tp = {} and cp = {} must be >= 1", tp, cp);
-  LOOM_CHECK(zero_stage == 0 || zero_stage == 1, "pipeline executor: zero_stage = {}: pipelines compose with ZeRO "
-             "stage 0 or 1 (stages 2 and 3 shard gradients and parameters that every micro-batch needs whole)",
+  LOOM_CHECK(zero_stage >= 0 && zero_stage <= 3, "pipeline executor: zero_stage = {} is not 0-3", zero_stage);
+  LOOM_CHECK(zero_stage < 2 || schedule.kind != Kind::zb_h1, "pipeline executor: the zero-bubble schedule composes with "
+             "ZeRO stage 0 or 1, not {}: its split backward writes a block's gradients in two passes with other "
+             "micro-batches' work between them, so a bucket reduced every micro-batch would be held across them",
              zero_stage);
+  LOOM_CHECK(bucket_bytes > 0, "pipeline executor: bucket_bytes = {} must be positive", bucket_bytes);
   adamw.validate();
 }
 
@@ -146,7 +149,12 @@ struct PipelineExecutor::Impl {
   std::unique_ptr<model::Parameter> wte_copy;
   model::Parameter* copy = nullptr;                 // the wte copy among params (null: none)
   model::Parameter* wte = nullptr;  // the wte this rank's head ties to
-  std::unique_ptr<parallel::ReplicaOptimizer> optimizer;  // reduces over dp (x cp) and steps
+  // Data parallelism over this stage's blocks (every chunk's first slot, in chain order): the
+  // reduction over dp (x cp), ZeRO 0-3, offload, and the step. base[c]: chunk c's first block's
+  // index in it.
+  std::unique_ptr<comm::Comm> self;  // a group of this rank alone, where there are no replicas
+  std::unique_ptr<parallel::DataParallel> dpar;
+  std::vector<int64_t> base;
   Tensor ws_dres, ws_bufC, ws_buf4C;  // f32 [rows, C], [N, C], [N, 4C / tp] (tag workspace; N = b T / cp)
   std::map<std::pair<int, int>, Tensor> grad_out;  // (mb, chunk) -> f32 [b, T, C] (tag comm) to send
   // Sends in flight: transfers are non-blocking on the sender's side, so a rank goes on computing
@@ -169,7 +177,8 @@ struct PipelineExecutor::Impl {
         par(std::make_shared<model::ChainParallel>(*be, g, o.sp)) {}
 
   std::unique_ptr<model::ChainBlock> make_block(int64_t e) {
-    const model::BlockOptions bo{.parallel = par};
+    // Declared only: data parallelism places the parameters (its shard of them under ZeRO-3).
+    const model::BlockOptions bo{.parallel = par, .defer_parameters = true};
     if (e == 0) return std::make_unique<model::Embedding>(cfg, *be, bo);
     if (e <= cfg.n_layer) return std::make_unique<model::TransformerBlock>(cfg, e - 1, *be, bo);
     return std::make_unique<model::Head>(cfg, wte, *be, bo);
@@ -243,9 +252,11 @@ struct PipelineExecutor::Impl {
                  rank, mb);
       x = s.input.f32();
     }
-    const float dscale = 1.0f / float(opt.schedule.micro_batches);
+    const float dscale = loss_scale();
     for (int64_t e = ch.first; e < ch.last; ++e) {
       model::ChainBlock* blk = s.blocks[size_t(e - ch.first)].get();
+      const int64_t k = local(c, e);
+      dpar->before_forward(k);
       if (e == 0) {
         auto* emb = static_cast<model::Embedding*>(blk);
         emb->forward(tokens.i32() + mb * b * T, b, T);
@@ -266,6 +277,7 @@ struct PipelineExecutor::Impl {
                                            /*fuse_backward=*/!evaluating, dscale);
         x = nullptr;
       }
+      dpar->after_forward(k);
     }
     s.output = x;
   }
@@ -281,7 +293,10 @@ struct PipelineExecutor::Impl {
                  "gradient arrived", rank, mb);
     model::BackwardScratch ws{ws_dres.f32(), ws_bufC.f32(), ws_buf4C.f32()};
     if (ch.last <= cfg.n_layer + 1) std::memcpy(ws.dres, s.grad_in.f32(), size_t(n) * sizeof(float));
-    const float dscale = 1.0f / float(opt.schedule.micro_batches);
+    const float dscale = loss_scale();
+    // Stages 0/1 reduce after the step's last micro-batch (its weight gradients, under zero
+    // bubble), 2/3 every micro-batch.
+    dpar->set_last_micro(mb + 1 == opt.schedule.micro_batches);
     auto input_of = [&](int64_t e) -> const float* {  // the element's input
       const size_t k = size_t(e - ch.first);
       if (k > 0) {
@@ -295,10 +310,16 @@ struct PipelineExecutor::Impl {
       const size_t k = size_t(e - ch.first);
       const int sg = ch.segment_of(e);
       if (sg >= 0 && e == ch.segment_last(sg))  // the segment runs forward again first
-        for (int64_t m = ch.segment_first(sg); m <= e; ++m)
+        for (int64_t m = ch.segment_first(sg); m <= e; ++m) {
+          dpar->before_forward(local(c, m));
           static_cast<model::TransformerBlock*>(s.blocks[size_t(m - ch.first)].get())->forward(input_of(m), b, T);
+          dpar->after_forward(local(c, m));
+        }
       const float* x_in = input_of(e);
       model::ChainBlock* blk = s.blocks[k].get();
+      // (The split backward's hooks are around backward_weight, where the step's gradients are
+      // completed; zero bubble composes with ZeRO 0 and 1, whose gradients stay whole.)
+      if (!input_only) dpar->before_backward(local(c, e));
       if (input_only) {
         if (e == 0) static_cast<model::Embedding*>(blk)->backward_input(ws.dres);
         else if (e <= cfg.n_layer) static_cast<model::TransformerBlock*>(blk)->backward_input(x_in, ws);
@@ -308,6 +329,7 @@ struct PipelineExecutor::Impl {
         else if (e <= cfg.n_layer) static_cast<model::TransformerBlock*>(blk)->backward(x_in, ws);
         else static_cast<model::Head*>(blk)->backward(x_in, ws, dscale);
         if (sg >= 0) blk->release_activations();  // (the split backward keeps them for backward_weight)
+        dpar->after_backward(local(c, e));
       }
     }
     s.grad_in = Tensor();  // consumed
@@ -326,11 +348,14 @@ struct PipelineExecutor::Impl {
     Slot& s = slot_of(ch, mb, "backward_weight");
     LOOM_CHECK(s.backward_done, "pipeline executor: rank {}: weight gradient of micro-batch {} before its input "
                "gradient", rank, mb);
+    dpar->set_last_micro(mb + 1 == opt.schedule.micro_batches);
     for (int64_t e = ch.last - 1; e >= ch.first; --e) {
       model::ChainBlock* blk = s.blocks[size_t(e - ch.first)].get();
+      dpar->before_backward(local(c, e));
       if (e == 0) static_cast<model::Embedding*>(blk)->backward_weight();
       else if (e <= cfg.n_layer) static_cast<model::TransformerBlock*>(blk)->backward_weight();
       else static_cast<model::Head*>(blk)->backward_weight();
+      dpar->after_backward(local(c, e));
     }
   }
 
@@ -374,54 +399,64 @@ struct PipelineExecutor::Impl {
     return has_cp ? groups.cp : has_dp ? dp : nullptr;
   }
 
-  // The optimizer over params, ZeRO-1 when asked and there are replicas to shard over (before any
-  // micro-batch slot copies the parameters: ZeRO-1 re-points them into its flat buffers). A wte
-  // copy and, under tp, a replicated parameter on tp rank > 0 do not count in this rank's part of
-  // the norm.
-  void make_optimizer(MemoryPool& pool) {
-    comm::Comm* group = replica_group();
-    parallel::ReplicaOptimizer::Options ro;
-    ro.zero_stage = opt.zero_stage == 1 && group ? 1 : 0;
-    ro.replicas = dp ? dp->size() : 1;  // over dp x cp the cp partial sums are added, not averaged
-    const int tpr = groups.tp ? groups.tp->rank() : 0;
-    for (size_t i = 0; i < params.size(); ++i) {
-      bool counts = params[i] != copy;
-      if (!params[i]->shard.split && tpr != 0) counts = false;
-      ro.in_norm.push_back(counts);
+  // Chain element e of chunk c: its block's index in the stage's data-parallel chain.
+  int64_t local(int c, int64_t e) const { return base[size_t(c)] + (e - chunks[size_t(c)].first); }
+  // Each micro-batch's loss gradient: the mean over the m micro-batches, and over the dp replicas
+  // (the data-parallel reduction sums).
+  float loss_scale() const { return 1.0f / float(opt.schedule.micro_batches * (dp ? dp->size() : 1)); }
+
+  // Data parallelism over this stage's chunks, each a range its backwards run over; the wte copy
+  // belongs to the head. A wte copy and, under tp, a parameter whole on every tp rank count in the
+  // norm on tp rank 0 only (the copy nowhere).
+  void make_data_parallel(const ExecutorOptions& o, MemoryPool* host_pool) {
+    parallel::DataChain dc;
+    for (Chunk& ch : chunks) {
+      base.push_back(int64_t(dc.blocks.size()));
+      dc.range_starts.push_back(int(dc.blocks.size()));
+      for (auto& blk : ch.all[0]->blocks) {
+        dc.blocks.push_back(blk.get());
+        dc.owned.push_back(blk->parameters());
+      }
     }
-    optimizer = std::make_unique<parallel::ReplicaOptimizer>(params, group, ro, opt.adamw, pool);
+    dc.range_starts.erase(dc.range_starts.begin());  // ({0} by default)
+    if (wte_copy) dc.owned.back().push_back(wte_copy.get());
+    dc.pool = &pool;
+    dc.seed = o.seed;
+    for (const auto& ow : dc.owned) params.insert(params.end(), ow.begin(), ow.end());
+    comm::Comm* group = replica_group();
+    if (!group) {
+      self = pp.split(pp.rank(), 0);  // collective over the pipeline
+      group = self.get();
+    }
+    parallel::DataParallelOptions d;
+    d.zero = group->size() > 1 ? o.zero_stage : 0;
+    d.offload = o.offload;
+    d.host_pool = host_pool;
+    d.bucket_bytes = o.bucket_bytes;
+    d.prefetch = o.prefetch;
+    d.norm_group = par->tp_group();
+    d.stage_group = &pp;
+    const int tpr = groups.tp ? groups.tp->rank() : 0;
+    for (model::Parameter* prm : params) d.in_norm.push_back(prm != wte_copy.get() && (prm->shard.split || tpr == 0));
+    dpar = std::make_unique<parallel::DataParallel>(std::move(dc), *group, o.adamw, d);
   }
 
   StepResult optimizer_step(double lr) {
     StepResult res;
-    // The partial sums within tp: sequence parallelism's over tp, replicated key/value heads' over
-    // the ranks holding them (the cp partial sums are added by the data-parallel reduction below).
-    if (comm::Comm* tpg = par->tp_group())
-      for (model::Parameter* p : params) p->sum_partial_gradients(0, p->spec.numel(), p->grad.f32(), tpg);
-    // Tied embeddings: the first and last stages add their wte gradients (a + b == b + a, so
-    // both copies get bit-identical sums). Under tp the two hold the same vocabulary rows.
-    if (tied) {
-      model::Parameter* w = tied;
-      const int p = pp.size();
-      Tensor other = Tensor::empty(w->grad_full.shape(), DType::f32, MemTag::comm, pool);
-      const int peer = rank == 0 ? p - 1 : 0;
-      pp.sendrecv(w->grad_full.f32(), w->grad_full.numel(), peer, other.f32(), other.numel(), peer, DType::f32, 1);
-      float* g = w->grad_full.f32();
-      const float* o = other.f32();
-      for (int64_t i = 0; i < other.numel(); ++i) g[i] += o[i];
-    }
-    // Mean over dp (sum over cp); the norm adds this rank's counted sums over tp (tensor stages),
-    // then over the pipeline.
-    double sq = optimizer->reduce_gradients();
-    if (comm::Comm* tpg = par->tp_group()) sq = sum_over_ranks(*tpg, sq);
-    res.grad_norm = std::sqrt(sum_over_ranks(pp, sq));
-    res.skipped = optimizer->step(res.grad_norm, lr).skipped;
+    // Tied embeddings: the first and last stages add their reduced wte gradients (a + b == b + a,
+    // so both copies get bit-identical sums). Under tp the two hold the same vocabulary rows.
+    if (tied) dpar->add_peer_gradient(tied, pp, rank == 0 ? pp.size() - 1 : 0);
+    // The norm adds this rank's counted sums over dp (x cp), tp and the pipeline.
+    const optim::StepStats st = dpar->step(lr < 0 ? opt.adamw.lr : lr);
+    res.grad_norm = st.grad_norm;
+    res.skipped = st.skipped;
     return res;
   }
 };
 
 PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOptions& opt, comm::Comm& pp,
-                                   comm::Comm* dp, MemoryPool& pool, model::ParallelGroups groups)
+                                   comm::Comm* dp, MemoryPool& pool, model::ParallelGroups groups,
+                                   MemoryPool* host_pool)
     : impl_(std::make_unique<Impl>(cfg, opt, pp, dp, groups, pool)) {
   opt.validate();
   cfg.validate("pipeline executor model config");
@@ -430,6 +465,7 @@ PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOp
   const int tp_size = groups.tp ? groups.tp->size() : 1, cp_size = groups.cp ? groups.cp->size() : 1;
   LOOM_CHECK(tp_size == opt.tp && cp_size == opt.cp, "pipeline executor: tp = {} and cp = {} but the groups have {} "
              "and {} ranks", opt.tp, opt.cp, tp_size, cp_size);
+  LOOM_CHECK(!opt.offload || host_pool, "pipeline executor: offload needs a host pool");
   Impl& I = *impl_;
   I.rank = pp.rank();
   I.par->check(cfg, "model config '" + cfg.name + "'");
@@ -459,28 +495,22 @@ PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOp
     I.chunks.push_back(std::move(ch));
   }
   if (cfg.tied_embeddings && owns_head && !owns_embedding) {
-    // The same vocabulary rows as pipeline rank 0's wte at this tp rank.
+    // The same vocabulary rows as pipeline rank 0's wte at this tp rank, drawn from the same seed
+    // (by data parallelism, with the stage's other parameters).
     I.wte_copy = std::make_unique<model::Parameter>(model::Embedding::wte_param(cfg, *I.par));
     I.wte_copy->shard.tied_copy = true;
-    I.wte_copy->allocate(pool);
-    I.wte_copy->initialise(opt.seed);
     I.wte = I.wte_copy.get();
   }
   for (Chunk& ch : I.chunks) {
     auto s = std::make_unique<Slot>();
     for (int64_t e = ch.first; e < ch.last; ++e) {
       auto blk = I.make_block(e);
-      for (model::Parameter* prm : blk->parameters()) {
-        prm->initialise(opt.seed);
-        I.params.push_back(prm);
-      }
       if (e == 0) I.wte = &static_cast<model::Embedding*>(blk.get())->wte();
       s->blocks.push_back(std::move(blk));
     }
     ch.free.push_back(s.get());
     ch.all.push_back(std::move(s));
   }
-  if (I.wte_copy) I.params.push_back(I.wte_copy.get());
   // Each chunk's recomputed segments over its transformer blocks (a selective plan marks the
   // blocks instead; their micro-batch replicas copy the mark).
   LOOM_CHECK(opt.recompute != model::Recompute::optimal, "pipeline executor: the optimal recompute policy plans for a "
@@ -500,14 +530,14 @@ PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOp
   }
   I.copy = I.wte_copy.get();
   if (cfg.tied_embeddings && p > 1 && owns_embedding != owns_head) I.tied = I.wte;
-  I.make_optimizer(pool);
+  I.make_data_parallel(opt, host_pool);
 }
 
 PipelineExecutor::~PipelineExecutor() = default;
 
 std::vector<model::Parameter*> PipelineExecutor::parameters() const { return impl_->params; }
 bool PipelineExecutor::is_copy(const model::Parameter* p) const { return p != nullptr && p == impl_->copy; }
-parallel::ReplicaOptimizer& PipelineExecutor::optimizer() const { return *impl_->optimizer; }
+parallel::DataParallel& PipelineExecutor::data_parallel() const { return *impl_->dpar; }
 
 int64_t PipelineExecutor::activation_bytes_per_micro_batch(int chunk, int64_t b, int64_t T) const {
   const Chunk& ch = impl_->chunks.at(size_t(chunk));
@@ -645,7 +675,7 @@ StepResult PipelineExecutor::step(const Tensor& tokens, const Tensor& targets, d
   Impl& I = *impl_;
   const int m = sch_.m();
   prepare(tokens, targets);
-  I.optimizer->zero_grad();
+  I.dpar->zero_grad();
   I.losses.assign(size_t(m), 0.0);
   I.peak_slots = 0;
   trace_.clear();

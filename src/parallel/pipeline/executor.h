@@ -24,12 +24,20 @@
 // blocks then hold this rank's parts of their parameters (model/parallel.h), and the tensors
 // passed between stages are this rank's rows of the residual stream (B T / cp, or its sp share),
 // sent to the same (tp, cp) coordinate of the next stage: the pipeline communicator joins
-// exactly those ranks. After the flush the
-// stages sum their sp-partial gradients over tp, the tied wte shards of the first and last stage
-// are added, one reduction over dp x cp (groups.dp_cp, needed when both are > 1) adds the cp
-// partial sums and averages the dp replicas (parallel::ReplicaOptimizer), and the norm is summed
-// over tp and pp. ZeRO-1 (zero_stage = 1): each stage's AdamW moments are sharded over that
-// group; stages 2 and 3 are refused.
+// exactly those ranks.
+//
+// Data parallelism is parallel::DataParallel over each stage's blocks (every chunk's, in chain
+// order; a last stage's wte copy belongs to its head) and the stage's dp x cp group (groups.dp_cp,
+// needed when both are > 1: the cp ranks hold partial sums of the gradients, the dp replicas
+// average because each micro-batch's loss is scaled by 1 / (m dp)), with every ZeRO stage and
+// offload: the executor runs its hooks around each block's forward and backward, so under ZeRO-3
+// a block's parameters are gathered just before it runs (every micro-batch, and again for its
+// backward) and under ZeRO 2/3 its gradient bucket is reduce-scattered after every micro-batch's
+// backward of the chunk; stages 0/1 reduce after the last micro-batch's. After the flush the
+// first and last stages add their reduced wte gradients (DataParallel::add_peer_gradient: piece by
+// piece, each gathered over the group under ZeRO 2/3, where the two stages' shards cover
+// different parts of wte), the sp-partial gradients are summed over tp on each rank's optimizer
+// range, and the norm is summed over dp x cp, tp and pp.
 //
 // Driving it from a trainer: one PipelineExecutor per rank, built from the pp (and dp)
 // sub-communicators of the mesh; each step call takes the replica's batch and returns the mean
@@ -49,7 +57,7 @@
 #include "model/parallel.h"
 #include "model/recompute.h"
 #include "optim/adamw.h"
-#include "parallel/data/replica_optimizer.h"
+#include "parallel/data/data_parallel.h"
 #include "parallel/pipeline/checker.h"
 #include "parallel/pipeline/draw.h"
 #include "parallel/pipeline/schedule.h"
@@ -78,7 +86,13 @@ struct ExecutorOptions {
   uint64_t seed = 1337;             // initialisation, as the single-device model's
   int tp = 1, cp = 1;               // tensor and context parallel sizes composed with pp
   bool sp = false;                  // sequence parallelism within tp
-  int zero_stage = 0;               // ZeRO 0, or 1 (AdamW moments sharded over dp)
+  // Data parallelism over the dp (x cp) group of each stage (parallel::DataParallel): ZeRO stage
+  // 0-3 (2 and 3 not with the zero-bubble schedule), optimizer offload to the host pool, gradient
+  // bucket size and ZeRO-3's prefetch.
+  int zero_stage = 0;
+  bool offload = false;
+  int64_t bucket_bytes = 25 << 20;
+  bool prefetch = true;
   int64_t seq_len = 0;              // the run's sequence length, for the schedule's op costs and the
                                     // balanced cuts (0: the model's block_size)
   // Activation recomputation of each chunk's transformer blocks (model/recompute.h: none, full,
@@ -111,8 +125,9 @@ class PipelineExecutor {
   // nullptr. Both must outlive the executor. Parameters come from `pool` (tags params, grads).
   // groups: the tensor and context parallel groups of this rank (their sizes must equal opt.tp
   // and opt.cp).
+  // host_pool: where offloaded optimizer state lives (required with opt.offload).
   PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOptions& opt, comm::Comm& pp, comm::Comm* dp,
-                   MemoryPool& pool, model::ParallelGroups groups = {});
+                   MemoryPool& pool, model::ParallelGroups groups = {}, MemoryPool* host_pool = nullptr);
   ~PipelineExecutor();
   PipelineExecutor(const PipelineExecutor&) = delete;
   PipelineExecutor& operator=(const PipelineExecutor&) = delete;
@@ -143,9 +158,9 @@ class PipelineExecutor {
   // with where it lies in its full tensor (Parameter::shard).
   std::vector<model::Parameter*> parameters() const;
   bool is_copy(const model::Parameter* p) const;
-  // The optimizer over parameters() (moments by the same index), for checkpoints: ZeRO-1's when
-  // zero_stage = 1 and the stage has replicas (dp or cp > 1).
-  parallel::ReplicaOptimizer& optimizer() const;
+  // The stage's data parallelism (its flat layout, shards and optimizer state: checkpoints read
+  // and write through it), over parameters() in the same order.
+  parallel::DataParallel& data_parallel() const;
   const std::vector<TraceEvent>& trace() const { return trace_; }
   // Most micro-batch chunks whose activations were held at once during the last step.
   int peak_in_flight() const { return peak_slots_; }

@@ -7,6 +7,7 @@ namespace loom::parallel {
 CountingComm::CountingComm(comm::Comm& inner) : comm::Comm(inner.options()), inner_(inner) {}
 
 void CountingComm::add(double wire, int64_t payload) {
+  if (parent_) return parent_->add(wire, payload);
   counts_.wire_bytes += wire;
   counts_.payload_bytes += payload;
   counts_.calls += 1;
@@ -63,6 +64,7 @@ std::unique_ptr<comm::Comm> CountingComm::do_split(int color, int key) {
   if (!sub) return nullptr;
   auto out = std::make_unique<CountingComm>(*sub);
   out->owned_ = std::move(sub);
+  out->parent_ = this;
   return out;
 }
 

@@ -7,7 +7,8 @@
 //   broadcast of n bytes                    n          (root: p-1 ... counted as n per rank)
 //   send / sendrecv                         the bytes sent
 //
-// Counts are per rank (this handle) and cumulative; reset() starts over.
+// Counts are per rank (this handle) and cumulative; reset() starts over. A communicator split
+// from this one counts into this one's counts (used from one thread at a time).
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -51,6 +52,7 @@ class CountingComm final : public comm::Comm {
   void add(double wire, int64_t payload);
   comm::Comm& inner_;
   std::unique_ptr<comm::Comm> owned_;  // a split's communicator, when this wraps one
+  CountingComm* parent_ = nullptr;     // a split counts into the communicator it was split from
   CommCounts counts_;
 };
 

@@ -17,7 +17,7 @@
 #include "model/gpt.h"
 #include "model/gpt.h"
 #include "optim/adamw.h"
-#include "parallel/data/replica_optimizer.h"
+#include "parallel/data/data_parallel.h"
 
 using namespace loom;
 
@@ -158,18 +158,15 @@ std::vector<float> train(int cp, int64_t B, int64_t T, int64_t budget, int64_t* 
     MemoryPool pool("rank");
     model::GPT m(tiny(), pool, 1337, {.groups = {nullptr, &g}, .activation_budget = budget});
     // The cp ranks hold partial sums of the gradients: one replica over the cp group.
-    parallel::ReplicaOptimizer::Options ro;
-    ro.replicas = 1;
-    parallel::ReplicaOptimizer opt(m.parameters(), &g, ro, {}, pool);
+    parallel::DataParallel opt(m, g, {}, {});
     Tensor tok = Tensor::empty({B, T}, DType::i32, MemTag::workspace, pool);
     Tensor tgt = Tensor::empty({B, T}, DType::i32, MemTag::workspace, pool);
     for (int s = 0; s < 5; ++s) {
       fill(tok, tgt, s);
-      m.zero_grad();
+      opt.zero_grad();
       float loss = m.forward(tok, tgt, {.fuse_backward = true});
       m.backward();
-      m.finish_gradients();
-      opt.step(std::sqrt(opt.reduce_gradients()));
+      opt.step(-1.0);
       if (g.rank() == 0) losses[size_t(s)] = loss;
     }
     if (g.rank() == 0 && peak_activations) *peak_activations = pool.peak(MemTag::activations);

@@ -139,13 +139,20 @@ struct RunResult {
   std::vector<int64_t> act_peak, act_per_mb;
   std::vector<std::vector<TraceEvent>> trace;  // last step's
   Schedule schedule;                            // the lists the executor ran
+  // Every rank's pool peaks by tag over the steps, and its data parallelism's sizes.
+  struct Memory {
+    int64_t params = 0, grads = 0, optimizer = 0, host_params = 0, host_grads = 0, host_optimizer = 0;
+    int64_t n_pad = 0, shard = 0, bucket_peak = 0, max_use = 0, alloc_sum = 0;
+  };
+  std::vector<Memory> memory;
 };
 
 // Mesh dimensions besides pp.
 struct Layout {
   int dp = 1, tp = 1, cp = 1;
   bool sp = false;
-  int zero = 0;  // ZeRO stage (0 or 1)
+  int zero = 0;  // ZeRO stage 0-3
+  bool offload = false;
 };
 
 RunResult run(const ScheduleSpec& spec, Layout lay) {
@@ -159,6 +166,7 @@ RunResult run(const ScheduleSpec& spec, Layout lay) {
   out.act_peak.assign(size_t(p), 0);
   out.act_per_mb.assign(size_t(p), 0);
   out.trace.resize(size_t(p));
+  out.memory.resize(size_t(world));
   std::mutex mu;
   Mesh mesh = Mesh::standard(p, dp, lay.cp, lay.tp);
   comm::run_ranks(world, [&](comm::Comm& w) {
@@ -169,7 +177,7 @@ RunResult run(const ScheduleSpec& spec, Layout lay) {
     auto dcp = split_comm(mesh, w, {"dp", "cp"});
     const int pi = pp->rank(), ti = tpc->rank();
     const int di = dpc->rank() + cpc->rank() + ti;  // 0 on the ranks that record the timeline
-    MemoryPool pool("rank" + std::to_string(w.rank()));
+    MemoryPool pool("rank" + std::to_string(w.rank())), host("host" + std::to_string(w.rank()));
     ExecutorOptions o;
     o.schedule = spec;
     o.adamw = adamw();
@@ -177,7 +185,20 @@ RunResult run(const ScheduleSpec& spec, Layout lay) {
     o.cp = lay.cp;
     o.sp = lay.sp;
     o.zero_stage = lay.zero;
-    PipelineExecutor ex(tiny(), o, *pp, dpc.get(), pool, {tpc.get(), cpc.get(), dcp.get()});
+    o.offload = lay.offload;
+    o.bucket_bytes = 16 << 10;  // several buckets per stage
+    PipelineExecutor ex(tiny(), o, *pp, dpc.get(), pool, {tpc.get(), cpc.get(), dcp.get()}, &host);
+    RunResult::Memory& mem = out.memory[size_t(w.rank())];
+    {
+      const parallel::DataParallel& ddp = ex.data_parallel();
+      mem.n_pad = ddp.flat_elements();
+      mem.shard = ddp.shard_elements();
+      mem.bucket_peak = ddp.bucket_peak_elements();
+      mem.max_use = ddp.max_block_use_elements();
+      for (const model::Parameter* prm : ex.parameters()) mem.alloc_sum += (prm->spec.alloc_numel() + 15) / 16 * 16;
+    }
+    host.reset_peaks();
+    int64_t peak_params = 0, peak_grads = 0, peak_opt = 0;
     std::vector<float> losses;
     for (int s = 0; s < kSteps; ++s) {
       Tensor x = d.tokens[size_t(s)].slice0(dpc->rank() * kBatch, kBatch);
@@ -185,6 +206,9 @@ RunResult run(const ScheduleSpec& spec, Layout lay) {
       pool.reset_peaks();
       const int64_t before = pool.current(MemTag::activations);
       losses.push_back(ex.step(x, y).loss);
+      peak_params = std::max(peak_params, pool.peak(MemTag::params));
+      peak_grads = std::max(peak_grads, pool.peak(MemTag::grads));
+      peak_opt = std::max(peak_opt, pool.peak(MemTag::optimizer));
       if (s == kSteps - 1 && di == 0) {
         std::lock_guard lk(mu);
         out.peak_in_flight[size_t(pi)] = ex.peak_in_flight();
@@ -195,6 +219,15 @@ RunResult run(const ScheduleSpec& spec, Layout lay) {
         if (pi == 0) out.schedule = ex.schedule();
       }
     }
+    mem.params = peak_params;
+    mem.grads = peak_grads;
+    mem.optimizer = peak_opt;
+    mem.host_params = host.peak(MemTag::params);
+    mem.host_grads = host.peak(MemTag::grads);
+    mem.host_optimizer = host.peak(MemTag::optimizer);
+    // The stage's parameters, whole (collective over the stage's dp x cp group: under ZeRO-3 each
+    // rank holds its shard only).
+    const parallel::DataParallel::FullState full = ex.data_parallel().gather_full_state();
     std::lock_guard lk(mu);
     if (w.rank() == 0) out.losses = losses;
     // Every other rank's losses are the same numbers.
@@ -204,12 +237,13 @@ RunResult run(const ScheduleSpec& spec, Layout lay) {
     for (size_t k = 0; k < params.size(); ++k) {
       model::Parameter* prm = params[k];
       const std::vector<float>& r = ref.params.at(prm->spec.name);
+      const Tensor value = ex.data_parallel().param_view(full.params, k);
       double d2 = 0, r2 = 0;
       // This rank's segments of the full tensor (a whole one counted on tp rank 0).
       if (!prm->shard.split && ti != 0) continue;
       for (const model::ShardSegment& sg : prm->segments())
         for (int64_t i = 0; i < sg.n; ++i) {
-          const double a = prm->value.f32()[sg.local + i], b = r[size_t(sg.global + i)];
+          const double a = value.f32()[sg.local + i], b = r[size_t(sg.global + i)];
           d2 += (a - b) * (a - b);
           r2 += b * b;
         }
@@ -226,8 +260,9 @@ RunResult run(const ScheduleSpec& spec, Layout lay) {
 }
 
 void expect_equivalent(const ScheduleSpec& spec, Layout lay) {
-  SCOPED_TRACE(fmt::format("{} p={} v={} m={} dp={} tp={}{} cp={}", kind_name(spec.kind), spec.stages,
-                           spec.virtual_stages, spec.micro_batches, lay.dp, lay.tp, lay.sp ? " sp" : "", lay.cp));
+  SCOPED_TRACE(fmt::format("{} p={} v={} m={} dp={} tp={}{} cp={} zero={}{}", kind_name(spec.kind), spec.stages,
+                           spec.virtual_stages, spec.micro_batches, lay.dp, lay.tp, lay.sp ? " sp" : "", lay.cp,
+                           lay.zero, lay.offload ? " offload" : ""));
   Reference ref = reference(lay.dp);
   RunResult r = run(spec, lay);
   ASSERT_EQ(r.losses.size(), ref.losses.size());
@@ -244,6 +279,26 @@ void expect_equivalent(const ScheduleSpec& spec, Layout lay) {
   // Tensor-level memory: the number of micro-batches whose activations were held at once is the
   // checker's bound.
   for (int k = 0; k < spec.stages; ++k) EXPECT_EQ(r.peak_in_flight[size_t(k)], r.bound[size_t(k)]) << "rank " << k;
+  // Each rank's parameters, gradients and optimizer state are data_parallel.h's formulas over its
+  // stage's parameters and its d = dp x cp group (the layout suite's check, per stage):
+  //   stage 0: params P_N, grads P_N, optimizer 2 P_N      stage 1: P_N, P_N, 2 P_S
+  //   stage 2: P_N, P_S + 4 G, 2 P_S                       stage 3: P_S + 8 U, P_S + 4 G, 2 P_S
+  // (ZeRO only where the group has replicas), with offload the optimizer 2 P_opt, a master copy
+  // and a gradient copy of P_opt in the host pool.
+  const int64_t d = int64_t(lay.dp) * lay.cp;
+  const int zero = d > 1 ? lay.zero : 0;
+  for (size_t w = 0; w < r.memory.size(); ++w) {
+    const RunResult::Memory& mem = r.memory[w];
+    const int64_t n_pad = (mem.alloc_sum + 16 * d - 1) / (16 * d) * (16 * d), S = n_pad / d;
+    const int64_t PN = 4 * n_pad, PS = 4 * S, Popt = zero == 0 ? PN : PS;
+    EXPECT_EQ(mem.n_pad, n_pad) << "rank " << w;
+    EXPECT_EQ(mem.params, zero == 3 ? PS + 8 * mem.max_use : PN) << "rank " << w;
+    EXPECT_EQ(mem.grads, zero >= 2 ? PS + 4 * mem.bucket_peak : PN) << "rank " << w;
+    EXPECT_EQ(mem.optimizer, lay.offload ? 0 : 2 * Popt) << "rank " << w;
+    EXPECT_EQ(mem.host_optimizer, lay.offload ? 2 * Popt : 0) << "rank " << w;
+    EXPECT_EQ(mem.host_params, lay.offload ? Popt : 0) << "rank " << w;
+    EXPECT_EQ(mem.host_grads, lay.offload ? Popt : 0) << "rank " << w;
+  }
 }
 
 // Interleaved with m not divisible by p has no schedule (Megatron's condition as well): the
@@ -335,6 +390,23 @@ TEST(PipelineComposed, ZeroOne) {
   expect_equivalent({Kind::one_f_one_b, 2, 1, 4}, {.dp = 2, .tp = 2, .sp = true, .zero = 1});
 }
 
+// ZeRO 2 and 3 and offload: each stage's gradients (reduce-scattered after every micro-batch's
+// backward of a chunk), parameters (gathered before each block runs) and optimizer state split
+// over its dp (x cp) group; composed with tp + sp, cp and interleaved chunks; the tied wte's two
+// copies added shard by shard.
+TEST(PipelineComposed, ZeroTwoThreeAndOffload) {
+  for (Kind k : {Kind::gpipe, Kind::one_f_one_b, Kind::interleaved}) {
+    const int v = k == Kind::interleaved ? 2 : 1;
+    expect_equivalent({k, 2, v, 4}, {.dp = 2, .zero = 2});
+    expect_equivalent({k, 2, v, 4}, {.dp = 2, .zero = 3});
+  }
+  expect_equivalent({Kind::one_f_one_b, 2, 1, 4}, {.dp = 2, .tp = 2, .sp = true, .zero = 3});
+  expect_equivalent({Kind::one_f_one_b, 2, 1, 4}, {.dp = 2, .cp = 2, .zero = 2, .offload = true});
+  expect_equivalent({Kind::interleaved, 2, 2, 4}, {.dp = 2, .tp = 2, .zero = 3, .offload = true});
+  expect_equivalent({Kind::zb_h1, 2, 1, 4}, {.dp = 2, .zero = 1, .offload = true});
+  expect_equivalent({Kind::one_f_one_b, 4, 1, 8}, {.dp = 2, .zero = 3});
+}
+
 // The Llama family through the pipeline: every schedule alone, with tp x sp x dp and ZeRO-1, with
 // cp, and at p = 4 with tp.
 TEST(PipelineLlama, EveryScheduleAndComposedLayouts) {
@@ -348,6 +420,9 @@ TEST(PipelineLlama, EveryScheduleAndComposedLayouts) {
   expect_equivalent({Kind::one_f_one_b, 2, 1, 4}, {.tp = 4});
   expect_equivalent({Kind::interleaved, 2, 2, 4}, {.tp = 4, .sp = true});
   expect_equivalent({Kind::zb_h1, 2, 1, 4}, {.dp = 2, .tp = 2, .zero = 1});
+  // Untied embeddings under ZeRO 2 and 3 with tp beyond the key/value heads.
+  expect_equivalent({Kind::one_f_one_b, 2, 1, 4}, {.dp = 2, .tp = 4, .zero = 3});
+  expect_equivalent({Kind::interleaved, 2, 2, 4}, {.dp = 2, .zero = 2, .offload = true});
 }
 
 // Under tensor parallelism too, ZB-H1's split backward adds exactly what 1F1B's fused one does.
@@ -568,9 +643,14 @@ TEST(PipelineExecutor, RefusesUnsupportedCombinations) {
       EXPECT_NE(std::string(e.what()).find("tp = 2"), std::string::npos) << e.what();
     }
     o.tp = 1;
-    o.zero_stage = 2;
+    o.zero_stage = 2;  // ZeRO 2 with the split backward
+    o.schedule.kind = Kind::zb_h1;
     EXPECT_THROW(PipelineExecutor(tiny(), o, w, nullptr, pool), Error);
+    o.schedule.kind = Kind::one_f_one_b;
     o.zero_stage = 0;
+    o.offload = true;  // but no host pool
+    EXPECT_THROW(PipelineExecutor(tiny(), o, w, nullptr, pool), Error);
+    o.offload = false;
     o.schedule.stages = 4;  // the communicator has 2 ranks
     EXPECT_THROW(PipelineExecutor(tiny(), o, w, nullptr, pool), Error);
     o.schedule.stages = 2;
