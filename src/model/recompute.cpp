@@ -69,13 +69,17 @@ double plan_peak(const RecomputePlan& p, const ChainMemory& c) {
   double kept = c.fixed, worst = 0, before = 0;
   for (size_t l = 0; l < c.full.size(); ++l)
     if (!p.recomputed(int64_t(l))) kept += c.full[l];
+  double recomputed = 0;
   for (const auto& [a, b] : p.segments) {
     double seg = 0;
     for (int64_t l = a; l <= b; ++l) seg += c.full[size_t(l)];
     worst = std::max(worst, before + seg);
     before += c.out[size_t(b)];
+    recomputed += seg;
   }
-  return kept + worst;
+  if (c.split_backward) worst = recomputed;
+  // (before: every segment's last output, which each other micro-batch in flight keeps.)
+  return c.in_flight * kept + (c.in_flight - 1) * before + worst;
 }
 
 double plan_cost(const RecomputePlan& p, const ChainMemory& c) {
@@ -94,44 +98,58 @@ RecomputePlan segments_of(int64_t L, int64_t k) {
   return p;
 }
 
-// optimal over L identical blocks (full F, output o bytes each) and K bytes for them: the fewest
-// recomputed blocks R, then the segmentation of those R blocks of least peak. The recomputed
-// segments take the first R blocks, in chain order.
-RecomputePlan optimal_identical(int64_t L, double F, double o, double K, double fixed, double budget) {
+// The least max over segments j = 0..S-1 of (j o + k_j F), the k_j >= 1 blocks of segment j
+// adding up to R (segment j is preceded by j others, each keeping its output), and the lengths.
+double least_segment_peak(int64_t S, int64_t R, double F, double o, std::vector<int64_t>* lengths) {
+  const double inf = std::numeric_limits<double>::infinity();
+  // f[j][r]: the least max over segments j..S-1 covering r blocks; k[j][r]: segment j's length.
+  std::vector<std::vector<double>> f(size_t(S + 1), std::vector<double>(size_t(R + 1), inf));
+  std::vector<std::vector<int64_t>> k(size_t(S + 1), std::vector<int64_t>(size_t(R + 1), 0));
+  f[size_t(S)][0] = 0;
+  for (int64_t j = S - 1; j >= 0; --j)
+    for (int64_t r = S - j; r <= R - j; ++r)  // room for the j segments before, each at least 1
+      for (int64_t len = 1; len <= r - (S - 1 - j); ++len) {
+        const double v = std::max(double(j) * o + double(len) * F, f[size_t(j + 1)][size_t(r - len)]);
+        if (v < f[size_t(j)][size_t(r)]) f[size_t(j)][size_t(r)] = v, k[size_t(j)][size_t(r)] = len;
+      }
+  if (lengths) {
+    lengths->clear();
+    for (int64_t j = 0, r = R; j < S; r -= lengths->back(), ++j) lengths->push_back(k[size_t(j)][size_t(r)]);
+  }
+  return f[0][size_t(R)];
+}
+
+// optimal over L identical blocks (full F, output o bytes each), A = fixed bytes and n micro-batches
+// in flight: the fewest recomputed blocks R, then the least peak over the number of segments S and
+// their lengths, the peak being (plan_peak) n (A + (L - R) F) + (n - 1) S o + the least max over the
+// segments (least_segment_peak; R F under a split backward). Where the blocks sit does not matter (they are identical): the
+// recomputed segments take the first R blocks, in chain order.
+RecomputePlan optimal_identical(int64_t L, double F, double o, double fixed, double n, bool split, double budget) {
   RecomputePlan p;
   p.blocks = L;
-  if (double(L) * F <= K) return p;  // nothing to recompute
-  const double inf = std::numeric_limits<double>::infinity();
-  double least = inf;  // the least peak of the blocks over all plans
-  // h[s][r]: the least max over segments s, s+1, ... of (s' o + their F) covering r blocks, the
-  // segment s' preceded by s' others (each keeping its output); choice[s][r]: its first length.
-  // It does not depend on how many blocks are recomputed in all, so one table serves every R.
-  std::vector<std::vector<double>> h(size_t(L + 1), std::vector<double>(size_t(L + 1), inf));
-  std::vector<std::vector<int64_t>> choice(size_t(L + 1), std::vector<int64_t>(size_t(L + 1), 0));
-  for (int64_t s = L; s >= 0; --s) {
-    h[size_t(s)][0] = 0;
-    for (int64_t r = 1; r <= L - s; ++r)
-      for (int64_t k = 1; k <= r; ++k) {
-        const double v = std::max(double(s) * o + double(k) * F, h[size_t(s + 1)][size_t(r - k)]);
-        if (v < h[size_t(s)][size_t(r)]) h[size_t(s)][size_t(r)] = v, choice[size_t(s)][size_t(r)] = k;
-      }
-  }
+  if (n * (fixed + double(L) * F) <= budget) return p;  // nothing to recompute
+  double least = std::numeric_limits<double>::infinity();  // the least peak of any plan
   for (int64_t R = 1; R <= L; ++R) {
-    least = std::min(least, double(L - R) * F + h[0][size_t(R)]);
-    if (double(L - R) * F + h[0][size_t(R)] > K) continue;
-    int64_t at = 0;
-    for (int64_t s = 0, r = R; r > 0; ++s) {
-      const int64_t k = choice[size_t(s)][size_t(r)];
-      p.segments.push_back({at, at + k - 1});
-      at += k;
-      r -= k;
+    double best = std::numeric_limits<double>::infinity();
+    int64_t best_s = 0;
+    for (int64_t S = 1; S <= R; ++S) {
+      const double peak = n * (fixed + double(L - R) * F) + (n - 1) * double(S) * o +
+                          (split ? double(R) * F : least_segment_peak(S, R, F, o, nullptr));
+      if (peak < best) best = peak, best_s = S;
     }
+    least = std::min(least, best);
+    if (best > budget) continue;
+    std::vector<int64_t> lengths;
+    least_segment_peak(best_s, R, F, o, &lengths);
+    int64_t at = 0;
+    for (int64_t len : lengths) p.segments.push_back({at, at + len - 1}), at += len;
     return p;
   }
   throw Error(fmt::format("memory.activation_budget: {} per rank is less than any recompute plan needs: the "
-                          "embedding and head take {}, and with the blocks at least {} in all",
-                          format_bytes(int64_t(budget)), format_bytes(int64_t(fixed)),
-                          format_bytes(int64_t(fixed + least))));
+                          "embedding and head take {}{}, and with the blocks at least {} in all",
+                          format_bytes(int64_t(budget)), format_bytes(int64_t(n * fixed)),
+                          n > 1 ? fmt::format(" for the {:.0f} micro-batches in flight", n) : "",
+                          format_bytes(int64_t(least))));
 }
 
 }  // namespace
@@ -161,7 +179,8 @@ RecomputePlan plan_recompute(Recompute policy, const ChainMemory& c, int64_t eve
     LOOM_CHECK(c.full[size_t(l)] == c.full[0] && c.out[size_t(l)] == c.out[0] && c.forward[size_t(l)] == c.forward[0],
                "recompute: the optimal policy solves chains of identical transformer blocks (block {} differs)", l);
   if (L == 0) return plan_recompute(Recompute::none, c);
-  return optimal_identical(L, c.full[0], c.out[0], budget - c.fixed, c.fixed, budget);
+  LOOM_CHECK(c.in_flight >= 1, "recompute: {} micro-batches in flight", c.in_flight);
+  return optimal_identical(L, c.full[0], c.out[0], c.fixed, c.in_flight, c.split_backward, budget);
 }
 
 }  // namespace loom::model

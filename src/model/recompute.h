@@ -14,7 +14,13 @@
 //   A + sum over kept blocks of F_l + max over segments s of (sum over segments t before s of
 //   o_last(t) + sum over blocks of s of F_l)
 // reached in the backward of the segment s that maximises it (segments are recomputed from the
-// last one back; those already done are freed).
+// last one back; those already done are freed). A pipeline stage holds n micro-batches at once
+// (ChainMemory::in_flight, the schedule's bound for the rank): the other n - 1 each keep their
+// share, A + the kept blocks' F_l + every segment's last output, so the peak is
+//   n (A + sum over kept blocks of F_l) + (n - 1) sum over segments t of o_last(t)
+//     + max over segments s of (sum over segments t before s of o_last(t) + sum over blocks of s of F_l)
+// and under a split backward (ChainMemory::split_backward) the last term is the recomputed blocks'
+// F_l, all held from the input-gradient pass to the weight pass.
 //
 // Policies (memory.recompute): none; full (every block a segment of its own: each keeps only its
 // input, Megatron-LM's full recomputation with one layer per group); every-k (segments of k =
@@ -59,6 +65,11 @@ struct RecomputePlan {
 struct ChainMemory {
   std::vector<double> full, out, forward;
   double fixed = 0;
+  double in_flight = 1;  // micro-batches held at once (a pipeline stage's; 1 for a whole model)
+  // A split backward (zero bubble) recomputes a segment in its input-gradient pass and keeps it
+  // for the deferred weight gradients: the micro-batch in backward then holds every recomputed
+  // block's F at once, not one segment's.
+  bool split_backward = false;
 };
 
 // The plan of `policy` for the chain (`every` is every-k's k; `budget` the optimal policy's bytes).

@@ -365,10 +365,6 @@ void TrainConfig::validate(const std::string& where, const std::vector<std::stri
        fmt::format("must be at most 2^50 bytes (1 PiB), got {}", activation_budget));
   need(recompute != "optimal" || activation_budget > 0, "memory.activation_budget",
        "memory.recompute = optimal plans for a budget: set memory.activation_budget (bytes per rank)");
-  need(recompute != "optimal" || pp == 1, "memory.recompute",
-       fmt::format("optimal is not available with parallel.pp = {} yet (it plans for the whole model; choose full, "
-                   "every-k, sqrt or selective for the stages)",
-                   pp));
   for (const auto& [field, value] :
        {std::pair<const char*, float>{"optim.lr", lr}, {"optim.min_lr", min_lr}, {"optim.beta1", beta1},
         {"optim.beta2", beta2}, {"optim.eps", eps}, {"optim.weight_decay", weight_decay},

@@ -363,6 +363,25 @@ class PipelineEngine : public CpuEngine {
     n_layer_ = mc.n_layer;
     x_ = Tensor::empty({local_, cfg.seq_len}, DType::i32, MemTag::workspace, pool);
     y_ = Tensor::empty({local_, cfg.seq_len}, DType::i32, MemTag::workspace, pool);
+    if (cfg.recompute == "optimal") {
+      // Every stage's plan, for the run's header (collective over the pipeline).
+      const float mine[3] = {float(exec_.recomputed_blocks()), float(exec_.planned_blocks()),
+                             float(exec_.planned_activation_peak() / (1 << 20))};
+      std::vector<float> all(size_t(3 * pp_.size()));
+      pp_.all_gather(mine, all.data(), int64_t(all.size()), DType::f32);
+      note_ = fmt::format("recompute optimal for memory.activation_budget {} per rank, counting the micro-batches each "
+                          "stage keeps in flight:",
+                          format_bytes(int64_t(cfg.activation_budget)));
+      for (int r = 0; r < pp_.size(); ++r)
+        note_ += fmt::format(" stage {} recomputes {:.0f} of {:.0f} blocks (saved activations up to {:.1f} MiB){}", r,
+                             all[size_t(3 * r)], all[size_t(3 * r + 1)], all[size_t(3 * r + 2)],
+                             r + 1 < pp_.size() ? ";" : "");
+    }
+  }
+
+  std::vector<std::string> notes() const override {
+    if (note_.empty()) return {};
+    return {note_};
   }
 
   static pipe::ExecutorOptions options(const TrainConfig& cfg, const optim::AdamWConfig& oc, int64_t n_layer) {
@@ -383,6 +402,8 @@ class PipelineEngine : public CpuEngine {
     o.seq_len = cfg.seq_len;
     o.recompute = model::recompute_from_name(cfg.recompute, "memory.recompute");
     o.recompute_every = cfg.recompute_every;
+    o.activation_budget = int64_t(cfg.activation_budget);
+    o.micro_batch = cfg.batch_size / cfg.dp / cfg.grad_accum;
     o.matmul = cfg.cpu_matmul();
     if (!cfg.stage_layers.empty())
       o.cuts = pipe::cuts_from_stage_layers(cfg.stage_layers, n_layer, "parallel.stage_layers");
@@ -505,6 +526,7 @@ class PipelineEngine : public CpuEngine {
   comm::Comm& dp_;
   comm::Comm& tp_;
   pipe::PipelineExecutor exec_;
+  std::string note_;  // the optimal recompute plans, said at the start
   int64_t local_ = 0, n_layer_ = 0;
   double idle_s_ = 0, span_s_ = 0;  // over the run's steps: this stage's waits, and the span of its computes
   Tensor x_, y_;  // i32 [B / dp, T]

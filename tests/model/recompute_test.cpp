@@ -147,18 +147,25 @@ TEST(Recompute, OptimalIsTheLeastCostThatFitsAmongEveryPlan) {
                                 {5, {1, 4}, {30, 45, 60, 80, 120}},
                                 {7, {1, 4}, {45, 60, 80, 120}},
                                 {12, {2}, {60, 110, 180}}};
+  // (Each budget scaled with n, so the plans differ.)
+  // n micro-batches in flight, with and without a split backward (zero bubble).
+  for (bool split : {false, true})
+  for (double n : {1.0, 2.0, 3.0})
   for (const Case& cs : cases)
     for (double o : cs.outs)
-      for (double budget : cs.budgets) {
+      for (double budget1 : cs.budgets) {
         const int64_t L = cs.L;
-        const ChainMemory c = identical(L, 16.0, o, 5.0);
+        const double budget = budget1 * (n == 1 ? 1.0 : 0.8 * n);
+        ChainMemory c = identical(L, 16.0, o, 5.0);
+        c.in_flight = n;
+        c.split_backward = split;
         double best_cost = std::numeric_limits<double>::infinity(), best_peak = 0;
         every_plan(L, [&](const RecomputePlan& p) {
           const double peak = plan_peak(p, c), cost = plan_cost(p, c);
           if (peak > budget) return;
           if (cost < best_cost || (cost == best_cost && peak < best_peak)) best_cost = cost, best_peak = peak;
         });
-        SCOPED_TRACE(fmt::format("L={} o={} budget={}", L, o, budget));
+        SCOPED_TRACE(fmt::format("L={} o={} budget={} in flight {}{}", L, o, budget, n, split ? " split" : ""));
         if (!std::isfinite(best_cost)) {
           try {
             plan_recompute(Recompute::optimal, c, 2, budget);

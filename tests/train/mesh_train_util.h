@@ -49,12 +49,12 @@ class MeshTrainFixture : public ::testing::Test {
   // `steps` steps of the tiny model into root/out, with `layout` (more options, overriding these)
   // appended; `prefix` goes before the executable (environment variables, mpirun ...).
   static CmdRun train_steps(const std::string& out, const std::string& layout, int steps,
-                            const std::string& prefix = "") {
+                            const std::string& prefix = "", bool quiet = true) {
     return sh(fmt::format(
-        "{}{} train --quiet --data.dir {} --train.out_dir {} --model.n_layer 2 --model.n_head 4 --model.n_embd 32 "
+        "{}{} train{} --data.dir {} --train.out_dir {} --model.n_layer 2 --model.n_head 4 --model.n_embd 32 "
         "--data.seq_len 16 --train.batch_size 4 --train.grad_accum 2 --train.steps {} --train.eval_every 5 "
         "--train.eval_batches 2 --train.sample_tokens 0 --train.threads 1 --optim.warmup_steps 2 --optim.lr 3e-3 {}",
-        prefix.empty() ? "" : prefix + " ", kLoom, (root_ / "data").string(), (root_ / out).string(), steps, layout));
+        prefix.empty() ? "" : prefix + " ", kLoom, quiet ? " --quiet" : "", (root_ / "data").string(), (root_ / out).string(), steps, layout));
   }
   static CmdRun train(const std::string& out, const std::string& layout, const std::string& prefix = "") {
     return train_steps(out, layout, 10, prefix);

@@ -6,8 +6,12 @@
 // an error naming the fields.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
 
 #include "train/mesh_train_util.h"
 
@@ -170,10 +174,32 @@ TEST_F(TrainParallel, RecomputationWithEveryLayoutMatchesSingleDevice) {
     expect_identical_metrics("bits_none_" + name, "bits_full_" + name, {"loss", "grad_norm", "val_loss"});
     expect_identical_checkpoints("bits_none_" + name, "bits_full_" + name);
   }
-  CmdRun pp = train("recompute_pp", "--memory.recompute optimal --memory.activation_budget 1000000 --parallel.pp 2");
-  EXPECT_NE(pp.status, 0);
-  EXPECT_NE(pp.output.find("memory.recompute: optimal is not available with parallel.pp"), std::string::npos)
-      << pp.output;
+  // optimal under a pipeline: each stage plans for the micro-batches it keeps in flight. The
+  // budget is a KiB under the fuller stage's peak without recomputation: that stage recomputes,
+  // the run says so, every rank's saved activations stay within it, and the losses are the
+  // single device's.
+  const std::string pp = "--parallel.pp 2 --parallel.schedule 1f1b";
+  ASSERT_EQ(train("optimal_pp2_none", pp).status, 0);
+  auto peaks = [&](const std::string& out) {
+    std::ifstream f(root_ / out / "memory.json");
+    const nlohmann::json j = nlohmann::json::parse(f);
+    std::vector<int64_t> v;
+    for (const auto& r : j.at("ranks")) v.push_back(r.at("peak_bytes").at("activations").get<int64_t>());
+    return v;
+  };
+  const std::vector<int64_t> none = peaks("optimal_pp2_none");
+  const int64_t budget = *std::max_element(none.begin(), none.end()) - 1024;
+  const std::string optimal = pp + fmt::format(" --memory.recompute optimal --memory.activation_budget {}", budget);
+  CmdRun shown = train_steps("optimal_pp2_shown", optimal, 10, "", /*quiet=*/false);  // the header says the plan
+  ASSERT_EQ(shown.status, 0) << shown.output;
+  EXPECT_NE(shown.output.find("recompute optimal for memory.activation_budget"), std::string::npos) << shown.output;
+  EXPECT_NE(shown.output.find("recomputes 1 of 1 blocks"), std::string::npos) << shown.output;
+  for (int64_t a : peaks("optimal_pp2_shown")) EXPECT_LE(a, budget);
+  expect_same_losses("optimal_pp2", optimal);
+  // A budget no plan fits is refused naming the field.
+  CmdRun small = train("optimal_pp2_small", pp + " --memory.recompute optimal --memory.activation_budget 1000");
+  EXPECT_NE(small.status, 0);
+  EXPECT_NE(small.output.find("memory.activation_budget"), std::string::npos) << small.output;
 }
 
 TEST_F(TrainParallel, PipelineMatchesSingleDevice) {

@@ -512,21 +512,74 @@ PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOp
     ch.all.push_back(std::move(s));
   }
   // Each chunk's recomputed segments over its transformer blocks (a selective plan marks the
-  // blocks instead; their micro-batch replicas copy the mark).
-  LOOM_CHECK(opt.recompute != model::Recompute::optimal, "pipeline executor: the optimal recompute policy plans for a "
-             "whole model, not for pipeline stages (choose full, every-k, sqrt or selective)");
+  // blocks instead; their micro-batch replicas copy the mark). optimal: the least recompute that
+  // keeps this rank's saved activations within opt.activation_budget with the micro-batches the
+  // schedule keeps in flight here (model/recompute.h), from the blocks' declarations at the
+  // micro-batch [micro_batch, T].
+  const bool optimal = opt.recompute == model::Recompute::optimal;
+  if (optimal) {
+    LOOM_CHECK(opt.activation_budget > 0, "memory.activation_budget: the optimal recompute policy needs a budget "
+               "(bytes per rank)");
+    LOOM_CHECK(opt.micro_batch > 0, "pipeline executor: the optimal recompute policy needs the micro-batch size");
+  }
+  const double in_flight = double(std::max(1, checked_.ranks[size_t(I.rank)].peak_in_flight));
+  double steady = 0, transient = 0;  // the most one chunk's micro-batch keeps, and reaches in its backward
   for (Chunk& ch : I.chunks) {
     const int64_t b0 = std::max<int64_t>(ch.first, 1), b1 = std::min<int64_t>(ch.last, cfg.n_layer + 1);
-    if (b1 <= b0) continue;
     model::ChainMemory cm;
-    cm.full.assign(size_t(b1 - b0), 1.0);
-    cm.out.assign(size_t(b1 - b0), 1.0);
-    cm.forward.assign(size_t(b1 - b0), 1.0);
-    ch.plan = model::plan_recompute(opt.recompute, cm, opt.recompute_every);
+    if (optimal) {
+      const int64_t b = opt.micro_batch;
+      cm.fixed = ch.first > 0 ? double(I.par->own_rows(b, T) * cfg.n_embd * int64_t(sizeof(float))) : 0.0;
+      for (int64_t e = ch.first; e < ch.last; ++e) {
+        const model::ChainBlock& blk = *ch.all[0]->blocks[size_t(e - ch.first)];
+        if (e < b0 || e >= b1) {
+          cm.fixed += double(blk.saved_activation_bytes(b, T));
+          continue;
+        }
+        cm.full.push_back(double(blk.saved_activation_bytes(b, T)));
+        double out = 0;
+        for (const model::SavedActivation& a : blk.saved_activations(b, T))
+          if (a.name.ends_with(".out")) out = double(a.bytes());
+        cm.out.push_back(out);
+        cm.forward.push_back(1.0);
+      }
+      cm.in_flight = in_flight;
+      cm.split_backward = sch_.spec.kind == Kind::zb_h1;
+    } else {
+      cm.full.assign(size_t(std::max<int64_t>(b1 - b0, 0)), 1.0);
+      cm.out.assign(cm.full.size(), 1.0);
+      cm.forward.assign(cm.full.size(), 1.0);
+    }
+    ch.plan = model::plan_recompute(opt.recompute, cm, opt.recompute_every, double(opt.activation_budget));
     ch.b0 = b0;
+    if (optimal) {
+      model::ChainMemory one = cm;
+      one.in_flight = 1;
+      const double reach = model::plan_peak(ch.plan, one);
+      double keeps = cm.fixed;
+      for (size_t l = 0; l < cm.full.size(); ++l)
+        keeps += ch.plan.recomputed(int64_t(l)) ? 0.0 : cm.full[l];
+      for (const auto& seg : ch.plan.segments) keeps += cm.out[size_t(seg.second)];
+      steady = std::max(steady, keeps);
+      transient = std::max(transient, reach);
+      recomputed_ += ch.plan.recomputed_blocks();
+      blocks_ += int64_t(cm.full.size());
+    }
     if (ch.plan.selective)
       for (int64_t e = b0; e < b1; ++e)
         static_cast<model::TransformerBlock*>(ch.all[0]->blocks[size_t(e - ch.first)].get())->set_selective(true);
+  }
+  if (optimal) {
+    // With one chunk per rank this is the plan's own peak; with several, every micro-batch in
+    // flight is counted at the largest chunk's share.
+    planned_peak_ = (in_flight - 1) * steady + transient;
+    LOOM_CHECK(planned_peak_ <= double(opt.activation_budget),
+               "memory.activation_budget: {} per rank, but pipeline rank {} keeps up to {:.0f} micro-batches of its "
+               "chunks in flight and needs {} of saved activations even with the least recompute plan of each chunk "
+               "({} of {} blocks recomputed); a larger budget, fewer micro-batches (train.grad_accum) or another "
+               "schedule fits",
+               format_bytes(int64_t(opt.activation_budget)), I.rank, in_flight, format_bytes(int64_t(planned_peak_)),
+               recomputed_, blocks_);
   }
   I.copy = I.wte_copy.get();
   if (cfg.tied_embeddings && p > 1 && owns_embedding != owns_head) I.tied = I.wte;

@@ -96,9 +96,14 @@ struct ExecutorOptions {
   int64_t seq_len = 0;              // the run's sequence length, for the schedule's op costs and the
                                     // balanced cuts (0: the model's block_size)
   // Activation recomputation of each chunk's transformer blocks (model/recompute.h: none, full,
-  // every_k with recompute_every, sqrt, selective; optimal is a trainer's choice, not here).
+  // every_k with recompute_every, sqrt, selective, optimal). optimal plans each chunk for
+  // activation_budget (saved-activation bytes per rank) at micro-batches of micro_batch sequences
+  // of seq_len, counting the micro-batches the schedule keeps in flight on the rank; a budget no
+  // plan fits is refused naming memory.activation_budget.
   model::Recompute recompute = model::Recompute::none;
   int64_t recompute_every = 2;
+  int64_t activation_budget = 0;
+  int64_t micro_batch = 0;
   DType matmul = DType::f32;  // the CPU backend's matmul inputs (BackendOptions::matmul)
   // Refuses unsupported combinations with an error naming the field.
   void validate() const;
@@ -164,6 +169,11 @@ class PipelineExecutor {
   const std::vector<TraceEvent>& trace() const { return trace_; }
   // Most micro-batch chunks whose activations were held at once during the last step.
   int peak_in_flight() const { return peak_slots_; }
+  // Under the optimal recompute policy: this rank's transformer blocks, how many of them are
+  // recomputed, and the saved-activation peak the plan allows for (0 under other policies).
+  int64_t recomputed_blocks() const { return recomputed_; }
+  int64_t planned_blocks() const { return blocks_; }
+  double planned_activation_peak() const { return planned_peak_; }
   // Saved-activation bytes of one micro-batch on chunk c between its forward and backward
   // (declared by the blocks, plus the received input; a recomputed segment keeps only its last
   // output).
@@ -182,6 +192,8 @@ class PipelineExecutor {
   std::vector<int64_t> cuts_;
   std::vector<TraceEvent> trace_;
   int peak_slots_ = 0;
+  int64_t recomputed_ = 0, blocks_ = 0;
+  double planned_peak_ = 0;
 };
 
 // Chrome trace (chrome://tracing, Perfetto) of per-rank timelines: one process, one thread per

@@ -137,6 +137,8 @@ struct RunResult {
   std::map<std::string, double> param_diff2;  // per parameter (copies suffixed "#copy")
   std::vector<int> peak_in_flight, bound;
   std::vector<int64_t> act_peak, act_per_mb;
+  std::vector<int64_t> recomputed;      // per stage (optimal)
+  std::vector<double> planned_peak;     // per stage (optimal)
   std::vector<std::vector<TraceEvent>> trace;  // last step's
   Schedule schedule;                            // the lists the executor ran
   // Every rank's pool peaks by tag over the steps, and its data parallelism's sizes.
@@ -153,6 +155,8 @@ struct Layout {
   bool sp = false;
   int zero = 0;  // ZeRO stage 0-3
   bool offload = false;
+  model::Recompute recompute = model::Recompute::none;
+  int64_t budget = 0;  // memory.activation_budget (optimal)
 };
 
 RunResult run(const ScheduleSpec& spec, Layout lay) {
@@ -167,6 +171,8 @@ RunResult run(const ScheduleSpec& spec, Layout lay) {
   out.act_per_mb.assign(size_t(p), 0);
   out.trace.resize(size_t(p));
   out.memory.resize(size_t(world));
+  out.recomputed.assign(size_t(p), 0);
+  out.planned_peak.assign(size_t(p), 0);
   std::mutex mu;
   Mesh mesh = Mesh::standard(p, dp, lay.cp, lay.tp);
   comm::run_ranks(world, [&](comm::Comm& w) {
@@ -187,6 +193,10 @@ RunResult run(const ScheduleSpec& spec, Layout lay) {
     o.zero_stage = lay.zero;
     o.offload = lay.offload;
     o.bucket_bytes = 16 << 10;  // several buckets per stage
+    o.recompute = lay.recompute;
+    o.activation_budget = lay.budget;
+    o.micro_batch = kBatch / spec.micro_batches;
+    if (lay.recompute == model::Recompute::optimal) o.seq_len = kT;  // the plan's shape: the run's
     PipelineExecutor ex(tiny(), o, *pp, dpc.get(), pool, {tpc.get(), cpc.get(), dcp.get()}, &host);
     RunResult::Memory& mem = out.memory[size_t(w.rank())];
     {
@@ -214,6 +224,8 @@ RunResult run(const ScheduleSpec& spec, Layout lay) {
         out.peak_in_flight[size_t(pi)] = ex.peak_in_flight();
         out.bound[size_t(pi)] = ex.checked().ranks[size_t(pi)].peak_in_flight;
         out.act_peak[size_t(pi)] = pool.peak(MemTag::activations) - before;
+        out.recomputed[size_t(pi)] = ex.recomputed_blocks();
+        out.planned_peak[size_t(pi)] = ex.planned_activation_peak();
         out.act_per_mb[size_t(pi)] = spec.virtual_stages == 1 ? ex.activation_bytes_per_micro_batch(0, kBatch / spec.micro_batches, kT) : 0;
         out.trace[size_t(pi)] = ex.trace();
         if (pi == 0) out.schedule = ex.schedule();
@@ -423,6 +435,45 @@ TEST(PipelineLlama, EveryScheduleAndComposedLayouts) {
   // Untied embeddings under ZeRO 2 and 3 with tp beyond the key/value heads.
   expect_equivalent({Kind::one_f_one_b, 2, 1, 4}, {.dp = 2, .tp = 4, .zero = 3});
   expect_equivalent({Kind::interleaved, 2, 2, 4}, {.dp = 2, .zero = 2, .offload = true});
+}
+
+// The optimal recompute policy per stage: each rank's plan keeps its saved activations within the
+// budget with the micro-batches its schedule holds in flight (GPipe all m, 1F1B up to p - rank,
+// interleaved's chunks), measured in its pool, recomputes something, and trains as the single
+// device does. The budget is 70% of the fullest rank's peak without recomputation. With one chunk
+// per rank the plan's peak is the measured one to the byte; with interleaved chunks it counts
+// every micro-batch in flight at the largest chunk's share (an upper bound).
+TEST(PipelineMemory, OptimalRecomputeFitsEachRankWithItsMicroBatchesInFlight) {
+  for (Kind k : {Kind::gpipe, Kind::one_f_one_b, Kind::interleaved, Kind::zb_h1}) {
+    const ScheduleSpec spec{k, 2, k == Kind::interleaved ? 2 : 1, 4};
+    const RunResult none = run(spec, {});
+    const int64_t budget = *std::max_element(none.act_peak.begin(), none.act_peak.end()) * 7 / 10;
+    SCOPED_TRACE(fmt::format("{}: budget {} bytes", kind_name(k), budget));
+    expect_equivalent(spec, {.recompute = model::Recompute::optimal, .budget = budget});
+    const RunResult opt = run(spec, {.recompute = model::Recompute::optimal, .budget = budget});
+    int64_t recomputed = 0;
+    for (int r = 0; r < spec.stages; ++r) {
+      EXPECT_LE(opt.act_peak[size_t(r)], budget) << "rank " << r;
+      EXPECT_LE(double(opt.act_peak[size_t(r)]), opt.planned_peak[size_t(r)]) << "rank " << r;
+      EXPECT_LE(opt.planned_peak[size_t(r)], double(budget)) << "rank " << r;
+      if (spec.virtual_stages == 1) EXPECT_EQ(double(opt.act_peak[size_t(r)]), opt.planned_peak[size_t(r)]) << "rank " << r;
+      recomputed += opt.recomputed[size_t(r)];
+      std::printf("  %s rank %d: budget %lld, without recomputation %lld, planned %.0f, measured %lld bytes; %lld "
+                  "blocks recomputed\n",
+                  std::string(kind_name(k)).c_str(), r, (long long)budget, (long long)none.act_peak[size_t(r)],
+                  opt.planned_peak[size_t(r)], (long long)opt.act_peak[size_t(r)], (long long)opt.recomputed[size_t(r)]);
+    }
+    EXPECT_GT(recomputed, 0);
+    // Same numbers as without recomputation, bit for bit.
+    EXPECT_EQ(opt.losses, none.losses);
+  }
+  // A budget no plan fits is refused on the rank that cannot fit, naming the field.
+  try {
+    run({Kind::gpipe, 2, 1, 4}, {.recompute = model::Recompute::optimal, .budget = 1000});
+    ADD_FAILURE() << "a budget of 1000 bytes was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("memory.activation_budget"), std::string::npos) << e.what();
+  }
 }
 
 // Under tensor parallelism too, ZB-H1's split backward adds exactly what 1F1B's fused one does.
