@@ -1,4 +1,4 @@
-// loom train CONFIG.toml [--section.field value ...] [--resume | --overwrite]
+// loom train CONFIG.toml [--section.field value ...] [--resume | --overwrite] [--plan auto]
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
@@ -7,6 +7,7 @@
 #include "core/error.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
+#include "train/plan_auto.h"
 #include "train/run_util.h"
 #include "train/trainer.h"
 #ifdef LOOM_HAVE_CUDA
@@ -22,6 +23,7 @@ struct TrainArgs {
   bool help_config = false;
   bool quiet = false;
   std::string trace;
+  std::string plan;
 };
 
 Registrar reg{Command{
@@ -36,6 +38,9 @@ Registrar reg{Command{
       sub.add_flag("--help-config", a->help_config, "list every config field with its type and default");
       sub.add_flag("--quiet", a->quiet, "no progress lines");
       sub.add_option("--trace", a->trace, "write a Chrome trace of every rank (compute, collectives, waits) to FILE");
+      sub.add_option("--plan", a->plan, "auto: the planner's first choice of layout for the config's number of ranks "
+                     "(pp x dp x cp x tp), model, batch and sequence length")
+          ->check(CLI::IsMember({"auto"}));
       sub.allow_extras();
       return [a, &sub]() -> int {
         if (a->help_config) {
@@ -84,6 +89,7 @@ Registrar reg{Command{
           }
         }
         train::TrainOptions opt;
+        if (a->plan == "auto") opt.plan_note = train::apply_auto_plan(cfg, a->config.empty() ? "command line" : a->config);
         opt.resume = a->resume;
         opt.quiet = a->quiet;
         opt.trace_path = a->trace;

@@ -235,8 +235,16 @@ std::map<std::string, double> pipeline_rank_memory(const Job& job, const Layout&
   std::map<std::string, double> best;
   double best_total = -1;
   const int shard = L.dp * L.cp;
+  // Zero bubble's split backward: a micro-batch between its input-gradient and weight passes keeps
+  // its recomputed blocks' whole activations (recomputed in the first pass for the second) and the
+  // output gradients of its linear layers (tag workspace: [N, h] twice, [N, ffn rows], [N, qkv] per
+  // block, the first stage's embedding [N, h]).
+  const bool zb = L.schedule == pipe::Kind::zb_h1;
+  const double qkv_local = (double(m.heads) / tp + 2.0 * std::max(1.0, double(m.kv()) / tp)) * double(m.head_dim());
+  const double fc_local = (m.swiglu ? 2.0 : 1.0) * double(m.ffn_size()) / tp;
+  const double deferred_per_layer = 4 * tokens * (2 * h + fc_local + qkv_local);
   for (int r = 0; r < L.pp; ++r) {
-    double params = 0, act_per_mb = 0, grad_in = 0, largest = 0, arena = 0;
+    double params = 0, act_per_mb = 0, grad_in = 0, largest = 0, arena = 0, layers_here = 0;
     bool first = false, last = false;
     for (int k = 0; k < L.v; ++k) {
       const int c = r + k * L.pp;
@@ -248,7 +256,7 @@ std::map<std::string, double> pipeline_rank_memory(const Job& job, const Layout&
         const double n = e == 0 ? emb : e <= m.layers ? layer : head;
         params += n, largest = std::max(largest, n), backward_order.push_back(n);
         if (e == 0) act_per_mb += 4 * tokens * h, first = true;
-        else if (e <= m.layers) act_per_mb += per_layer;
+        else if (e <= m.layers) act_per_mb += per_layer, layers_here += 1;
         else act_per_mb += 4 * tokens * double(m.vocab) / tp, last = true;
       }
       // Each chunk's backward waits for its buckets at its end: the arena is the fullest chunk's.
@@ -263,8 +271,10 @@ std::map<std::string, double> pipeline_rank_memory(const Job& job, const Layout&
     t["params"] = L.zero >= 3 && split ? params * B.weight / shard + 2 * 4 * largest : params * B.weight;
     t["grads"] = L.zero >= 2 && split ? params * B.grad / shard + 4 * arena : params * B.grad;
     t["optimizer"] = params * B.optimizer / (L.zero >= 1 ? shard : 1);
-    t["activations"] = held / L.v * act_per_mb + recompute_extra;
-    t["workspace"] = x.workspace;
+    t["activations"] = held / L.v * act_per_mb +
+                       (zb && L.recompute == model::Recompute::full ? layers_here * layer_activation_bytes(job, whole)
+                                                                     : recompute_extra);
+    t["workspace"] = x.workspace + (zb ? layers_here * deferred_per_layer + (first ? 4 * rows * h : 0.0) : 0.0);
     // The wte gradient exchange runs after the flush, when the activations and the received
     // gradients are gone: it adds to the peak only what it exceeds them by.
     const double exchange = (first || last) ? x.exchange : 0.0;

@@ -615,6 +615,7 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   } else {
     engine = std::make_unique<ChainEngine>(cfg, mc, oc, comms, train, pool, host_pool, !opt.trace_path.empty());
   }
+  if (!opt.plan_note.empty()) say(opt.plan_note);
   for (const std::string& n : engine->notes()) say(n);
   LrSchedule sched{cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps, cfg.lr_schedule};
 

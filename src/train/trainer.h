@@ -38,6 +38,7 @@ struct TrainOptions {
   bool quiet = false;         // no progress lines (tests)
   std::string config_path;    // for messages
   std::string trace_path;     // Chrome trace of every rank ("" = none)
+  std::string plan_note;      // what --plan auto chose (printed with the run's header)
 };
 
 struct TrainResult {
