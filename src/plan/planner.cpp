@@ -385,6 +385,10 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   const double p2p = L.pp > 1 ? act_msg / L.tp / pp_link.bandwidth + pp_link.latency : 0.0;
   double makespan = 0, in_flight = 1;
   std::vector<int> rank_in_flight;  // (micro-batch, chunk) pairs each pipeline rank holds at most (simulated)
+  e.chunk_costs.forward = t_f / L.v;
+  e.chunk_costs.backward = t_b / L.v;
+  e.chunk_costs.backward_input = e.chunk_costs.backward_weight = t_b / L.v / 2;
+  e.chunk_costs.transfer = p2p;
   if (L.pp == 1) {
     makespan = double(micro) * (t_f + t_b);
   } else {

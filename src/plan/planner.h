@@ -89,6 +89,10 @@ struct Estimate {
   double hardware_tflops = 0;  // with what recomputation runs again (Megatron-LM's figure)
   double mfu = 0;              // model FLOPs over the device's peak
   double peak_in_flight = 0;   // micro-batch chunks the busiest stage keeps
+  // Seconds of one micro-batch's forward and backward (and zero bubble's halves) on one chunk of
+  // the busiest stage, and of a transfer between stages: what the simulation runs the schedule's
+  // lists with (loom simulate draws it).
+  parallel::pipeline::OpCosts chunk_costs;
 };
 
 // Model-state bytes per device of `params` parameters under ZeRO stage `zero` over `shards`

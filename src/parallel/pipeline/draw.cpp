@@ -58,8 +58,9 @@ bool draw_png(const std::string& path, const Timeline& tl, std::string* why) {
     for (const Box& b : row) t1 = std::max(t1, b.end);
   if (t1 <= 0) t1 = 1;
   const int nrows = std::max<int>(1, int(tl.rows.size()));
-  const double L = 70, R = 20, T = 50, Bm = 60, row_h = 34;
-  const int width = int(std::clamp(L + R + 900.0, 400.0, 2400.0));
+  const double L = tl.labels.empty() ? 70 : 140, R = 20, T = 50, Bm = 60, row_h = 34;
+  // (Wide enough for the title at 16 px: about 9 px a character.)
+  const int width = int(std::clamp(std::max(L + R + 900.0, L + 9.0 * double(tl.title.size())), 400.0, 2400.0));
   const int height = int(T + Bm + row_h * nrows);
   const double pw = width - L - R;
   auto X = [&](double t) { return L + t / t1 * pw; };
@@ -80,7 +81,7 @@ bool draw_png(const std::string& path, const Timeline& tl, std::string* why) {
     cairo_rectangle(cr, L, y + 2, pw, row_h - 4);
     cairo_fill(cr);
     cairo_set_source_rgb(cr, 0.1, 0.1, 0.1);
-    std::string lab = fmt::format("rank {}", r);
+    std::string lab = size_t(r) < tl.labels.size() ? tl.labels[size_t(r)] : fmt::format("rank {}", r);
     cairo_move_to(cr, 8, y + row_h / 2 + 4);
     cairo_show_text(cr, lab.c_str());
     if (size_t(r) >= tl.rows.size()) continue;

@@ -20,6 +20,7 @@ struct Box {
 struct Timeline {
   std::string title;
   std::vector<std::vector<Box>> rows;  // [rank] compute boxes
+  std::vector<std::string> labels;     // per row (empty: "rank r")
 };
 
 // The compute boxes of a checked schedule's simulated timeline.
