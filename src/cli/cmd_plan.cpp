@@ -191,14 +191,14 @@ Registrar reg_simulate{Command{
         const pipe::Schedule sch = pipe::generate(spec, order);
         const pipe::CheckResult res = pipe::check_or_throw(sch, e.chunk_costs);
         pipe::Timeline tl = pipe::schedule_timeline(sch, res);
-        for (int r = 0; r < sch.p(); ++r) tl.labels.push_back(fmt::format("predicted {}", r));
+        for (int r = 0; r < sch.p(); ++r) tl.labels.push_back(fmt::format("predicted stage {}", r));
         tl.title = fmt::format("{}: predicted step {:.1f} ms", L.str(), 1e3 * res.makespan);
         if (!a->trace.empty()) {
           const pipe::Timeline m = measured_timeline(a->trace);
           double span = 0;
           for (size_t r = 0; r < m.rows.size(); ++r) {
             tl.rows.push_back(m.rows[r]);
-            tl.labels.push_back(fmt::format("measured {}", r));
+            tl.labels.push_back(fmt::format("measured rank {}", r));  // (the trace's: world ranks)
             for (const pipe::Box& b : m.rows[r]) span = std::max(span, b.end);
           }
           tl.title += fmt::format(", measured {:.1f} ms (the trace's last step)", 1e3 * span);

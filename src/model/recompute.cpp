@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 
 #include "core/error.h"
 #include "core/memory.h"
@@ -98,55 +99,81 @@ RecomputePlan segments_of(int64_t L, int64_t k) {
   return p;
 }
 
-// The least max over segments j = 0..S-1 of (j o + k_j F), the k_j >= 1 blocks of segment j
-// adding up to R (segment j is preceded by j others, each keeping its output), and the lengths.
-double least_segment_peak(int64_t S, int64_t R, double F, double o, std::vector<int64_t>* lengths) {
-  const double inf = std::numeric_limits<double>::infinity();
-  // f[j][r]: the least max over segments j..S-1 covering r blocks; k[j][r]: segment j's length.
-  std::vector<std::vector<double>> f(size_t(S + 1), std::vector<double>(size_t(R + 1), inf));
-  std::vector<std::vector<int64_t>> k(size_t(S + 1), std::vector<int64_t>(size_t(R + 1), 0));
-  f[size_t(S)][0] = 0;
-  for (int64_t j = S - 1; j >= 0; --j)
-    for (int64_t r = S - j; r <= R - j; ++r)  // room for the j segments before, each at least 1
-      for (int64_t len = 1; len <= r - (S - 1 - j); ++len) {
-        const double v = std::max(double(j) * o + double(len) * F, f[size_t(j + 1)][size_t(r - len)]);
-        if (v < f[size_t(j)][size_t(r)]) f[size_t(j)][size_t(r)] = v, k[size_t(j)][size_t(r)] = len;
-      }
-  if (lengths) {
-    lengths->clear();
-    for (int64_t j = 0, r = R; j < S; r -= lengths->back(), ++j) lengths->push_back(k[size_t(j)][size_t(r)]);
+// Segmentations of r identical blocks (F bytes each, output o) into recomputed segments j, j + 1,
+// ... (segment j is preceded by j others, each keeping its output): f[j][r] is the least max over
+// them of (j o + k_j F), k_j >= 1 the blocks of segment j, with exactly S segments in all, or any
+// number (S < 0); k[j][r] is segment j's length in it. S segments: O(S L^2); any: O(L^3).
+struct Segmentations {
+  std::vector<std::vector<double>> f;
+  std::vector<std::vector<int64_t>> k;
+  Segmentations(int64_t S, int64_t L, double F, double o) {
+    const double inf = std::numeric_limits<double>::infinity();
+    const int64_t J = S >= 0 ? S : L;  // rows 0..J
+    f.assign(size_t(J + 1), std::vector<double>(size_t(L + 1), inf));
+    k.assign(size_t(J + 1), std::vector<int64_t>(size_t(L + 1), 0));
+    for (int64_t j = 0; j <= J; ++j)
+      if (S < 0 || j == S) f[size_t(j)][0] = 0;
+    for (int64_t j = J - 1; j >= 0; --j)
+      for (int64_t r = 1; r <= L; ++r)
+        for (int64_t len = 1; len <= r; ++len) {
+          const double v = std::max(double(j) * o + double(len) * F, f[size_t(j + 1)][size_t(r - len)]);
+          if (v < f[size_t(j)][size_t(r)]) f[size_t(j)][size_t(r)] = v, k[size_t(j)][size_t(r)] = len;
+        }
   }
-  return f[0][size_t(R)];
-}
+  double least(int64_t R) const { return f[0][size_t(R)]; }
+  std::vector<int64_t> lengths(int64_t R) const {
+    std::vector<int64_t> out;
+    for (int64_t j = 0, r = R; r > 0; ++j) out.push_back(k[size_t(j)][size_t(r)]), r -= out.back();
+    return out;
+  }
+};
 
 // optimal over L identical blocks (full F, output o bytes each), A = fixed bytes and n micro-batches
 // in flight: the fewest recomputed blocks R, then the least peak over the number of segments S and
-// their lengths, the peak being (plan_peak) n (A + (L - R) F) + (n - 1) S o + the least max over the
-// segments (least_segment_peak; R F under a split backward). Where the blocks sit does not matter (they are identical): the
-// recomputed segments take the first R blocks, in chain order.
+// their lengths, the peak being (plan_peak) n (A + (L - R) F) + (n - 1) S o + the least max over
+// the segments (Segmentations), or R F under a split backward (where one segment is best). One
+// micro-batch: the number of segments is free (O(L^3)); more: each S in turn (O(L^4), L a stage's
+// blocks). Where the blocks sit does not matter (they are identical): the recomputed segments take
+// the first R blocks, in chain order.
 RecomputePlan optimal_identical(int64_t L, double F, double o, double fixed, double n, bool split, double budget) {
   RecomputePlan p;
   p.blocks = L;
   if (n * (fixed + double(L) * F) <= budget) return p;  // nothing to recompute
-  double least = std::numeric_limits<double>::infinity();  // the least peak of any plan
+  const double inf = std::numeric_limits<double>::infinity();
+  std::vector<Segmentations> by_s;  // [S - 1] (n > 1, no split backward)
+  std::unique_ptr<Segmentations> any;
+  if (split) {
+  } else if (n == 1) {
+    any = std::make_unique<Segmentations>(-1, L, F, o);
+  } else {
+    for (int64_t S = 1; S <= L; ++S) by_s.emplace_back(S, L, F, o);
+  }
+  double least = inf;  // the least peak of any plan
   for (int64_t R = 1; R <= L; ++R) {
-    double best = std::numeric_limits<double>::infinity();
-    int64_t best_s = 0;
-    for (int64_t S = 1; S <= R; ++S) {
-      const double peak = n * (fixed + double(L - R) * F) + (n - 1) * double(S) * o +
-                          (split ? double(R) * F : least_segment_peak(S, R, F, o, nullptr));
-      if (peak < best) best = peak, best_s = S;
+    const double kept = n * (fixed + double(L - R) * F);
+    double best = inf;
+    std::vector<int64_t> lengths;
+    if (split) {
+      best = kept + (n - 1) * o + double(R) * F, lengths = {R};
+    } else if (any) {
+      best = kept + any->least(R), lengths = any->lengths(R);
+    } else {
+      int64_t best_s = 0;
+      for (int64_t S = 1; S <= R; ++S) {
+        const double peak = kept + (n - 1) * double(S) * o + by_s[size_t(S - 1)].least(R);
+        if (peak < best) best = peak, best_s = S;
+      }
+      lengths = by_s[size_t(best_s - 1)].lengths(R);
     }
     least = std::min(least, best);
     if (best > budget) continue;
-    std::vector<int64_t> lengths;
-    least_segment_peak(best_s, R, F, o, &lengths);
     int64_t at = 0;
     for (int64_t len : lengths) p.segments.push_back({at, at + len - 1}), at += len;
     return p;
   }
-  throw Error(fmt::format("memory.activation_budget: {} per rank is less than any recompute plan needs: the "
-                          "embedding and head take {}{}, and with the blocks at least {} in all",
+  throw Error(fmt::format("memory.activation_budget: {} per rank is less than any recompute plan needs: what stays "
+                          "outside the transformer blocks (embedding, head, a stage's received input) takes {}{}, and "
+                          "with the blocks at least {} in all",
                           format_bytes(int64_t(budget)), format_bytes(int64_t(n * fixed)),
                           n > 1 ? fmt::format(" for the {:.0f} micro-batches in flight", n) : "",
                           format_bytes(int64_t(least))));

@@ -28,7 +28,6 @@
 #include "model/param_specs.h"
 #include "optim/adamw.h"
 #include "parallel/data/data_parallel.h"
-#include "parallel/data/data_parallel.h"
 #include "parallel/data/trace.h"
 #include "parallel/mesh.h"
 #include "parallel/pipeline/executor.h"
@@ -493,8 +492,8 @@ class PipelineEngine : public CpuEngine {
     return fmt::format("pp {} ({}, m = {}{}, blocks {}) x dp {}{}{}", sp.stages, pipe::kind_name(sp.kind),
                        sp.micro_batches, sp.virtual_stages > 1 ? fmt::format(", v = {}", sp.virtual_stages) : "",
                        blocks, dp_.size(),
-                       cfg_.zero > 0 || cfg_.offload
-                           ? fmt::format(" (ZeRO {}{})", cfg_.zero, cfg_.offload ? " + offload" : "")
+                       exec_.data_parallel().zero() > 0 || cfg_.offload
+                           ? fmt::format(" (ZeRO {}{})", exec_.data_parallel().zero(), cfg_.offload ? " + offload" : "")
                            : "",
                        cfg_.tp > 1 || cfg_.cp > 1 || cfg_.sp
                            ? fmt::format(" x tp {}{} x cp {}", cfg_.tp, cfg_.sp ? " + sp" : "", cfg_.cp)

@@ -575,7 +575,9 @@ void DataParallel::after_backward(int64_t c) {
     if (buckets_[b].last_writer == c) launch_bucket(b);
   if (range_start(c) && o_.zero >= 2) {
     // The micro-batch's backward is over: its buckets become free for the next one.
+    const auto t0 = Trace::Clock::now();
     worker_->wait_all();
+    stats_.reduce_wait_s += seconds(Trace::Clock::now() - t0);
     for (size_t b = 0; b < live_.size(); ++b) {
       free_bucket(b);
       live_[b].acquired = false;
@@ -605,12 +607,14 @@ void DataParallel::add_peer_gradient(const model::Parameter* param, comm::Comm& 
       theirs = Tensor::empty({std::min(piece, numel)}, DType::f32, MemTag::comm, *chain_.pool);
       if (o_.zero >= 2) mine = Tensor::empty({std::min(piece, numel)}, DType::f32, MemTag::comm, *chain_.pool);
     }
-    const float* send = grads_.f32() + (b - gb);  // stages 0/1: every reduced element is here
+    const float* send = nullptr;
     if (o_.zero >= 2) {  // this rank's part of the piece, gathered over the group
       const std::vector<int64_t> counts = shard_counts(b, e);
       const int64_t lo = std::min(std::max(b, gb), ge);
       comm_.all_gather_v(grads_.f32() + (lo - gb), mine.f32(), counts, DType::f32);
       send = mine.f32();
+    } else {
+      send = grads_.f32() + b;  // stages 0/1: every reduced element is here
     }
     link.sendrecv(send, n, peer, theirs.f32(), n, peer, DType::f32, 1);
     const int64_t lo = std::max(b, gb), hi = std::min(e, ge);

@@ -1,7 +1,7 @@
 // Data parallelism over a `dp` communicator, with gradient buckets reduced while backward runs
 // and ZeRO stages 0-3 plus optimizer offload.
 //
-// Flat layout (flat_layout.h). The model's parameters, in GPT::parameters() order (= chain order),
+// Flat layout (flat_layout.h). The chain's parameters, in chain order (GPT::parameters() order for a model),
 // are laid end to end in one f32 flat buffer, each at its padded allocation size (alloc_numel,
 // vocabulary padding rows included) rounded up to 16 elements; the flat length N_pad is then
 // rounded up to a multiple of 16 * dp. Rank r owns the shard [r S, (r + 1) S), S = N_pad / dp.
@@ -109,7 +109,7 @@ struct DataParallelOptions {
   bool prefetch = true;               // stage 3: the next block's gather during the current one
   Trace* trace = nullptr;             // events of this rank (nullptr: none)
   // Model parallelism (see above): the tp group of this rank (null: none), and per parameter in
-  // GPT::parameters() order whether it counts in the norm here (empty: all).
+  // the chain's order (GPT::parameters() for a model) whether it counts in the norm here (empty: all).
   comm::Comm* norm_group = nullptr;
   std::vector<bool> in_norm;
   // The pipeline's communicator (null: none): the norm's sums of squares and the decision to skip
@@ -160,7 +160,7 @@ class DataParallel final : public model::ChainHooks {
   optim::StepStats step(double lr, bool skip = false);
   // The first non-finite element, in flat order, of this rank's parameters (what it holds: all of
   // them, or its shard under ZeRO-3) or of its reduced gradients (its optimizer range) after a
-  // step: the parameter's index in GPT::parameters() order, -1 when every element is finite.
+  // step: the parameter's index in the chain's order (layout()), -1 when every element is finite.
   int first_nonfinite(bool gradients) const;
   // Testing aid: the next step's reduced gradient gets a NaN on this rank (its first element);
   // this rank's first parameter element becomes NaN now.
@@ -171,7 +171,7 @@ class DataParallel final : public model::ChainHooks {
   // are then final.
   void finish_reductions();
   // Collective with `peer` over `link` (the other end holds a DataParallel over a group of the
-  // same size, whose parameter `peer_param` is the same tensor as `param` here, in its own layout):
+  // same size with a parameter of the same tensor as `param` here, in its own layout):
   // after finish_reductions, adds the peer's reduced gradient of it into this rank's, so both get
   // the same bits (a + b == b + a). A pipeline's tied wte: its first and last stages. Under ZeRO
   // 2/3 each side holds only its shard, laid out differently on the two sides: the tensor goes

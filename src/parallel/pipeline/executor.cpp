@@ -420,6 +420,10 @@ struct PipelineExecutor::Impl {
     }
     dc.range_starts.erase(dc.range_starts.begin());  // ({0} by default)
     if (wte_copy) dc.owned.back().push_back(wte_copy.get());
+    // A rank holding both the embedding and the tied head (a pipeline of one stage) ties them as
+    // a whole model does.
+    if (!wte_copy && cfg.tied_embeddings && chunks.front().first == 0 && chunks.back().last == cfg.n_layer + 2)
+      dc.tied = wte;
     dc.pool = &pool;
     dc.seed = o.seed;
     for (const auto& ow : dc.owned) params.insert(params.end(), ow.begin(), ow.end());

@@ -8,6 +8,7 @@ CountingComm::CountingComm(comm::Comm& inner) : comm::Comm(inner.options()), inn
 
 void CountingComm::add(double wire, int64_t payload) {
   if (parent_) return parent_->add(wire, payload);
+  std::lock_guard<std::mutex> lk(mu_);  // (a split may count from another thread)
   counts_.wire_bytes += wire;
   counts_.payload_bytes += payload;
   counts_.calls += 1;

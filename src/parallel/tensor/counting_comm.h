@@ -8,10 +8,11 @@
 //   send / sendrecv                         the bytes sent
 //
 // Counts are per rank (this handle) and cumulative; reset() starts over. A communicator split
-// from this one counts into this one's counts (used from one thread at a time).
+// from this one counts into this one's counts (it must not outlive this one).
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <mutex>
 
 #include "comm/comm.h"
 
@@ -53,6 +54,7 @@ class CountingComm final : public comm::Comm {
   comm::Comm& inner_;
   std::unique_ptr<comm::Comm> owned_;  // a split's communicator, when this wraps one
   CountingComm* parent_ = nullptr;     // a split counts into the communicator it was split from
+  std::mutex mu_;                      // counts_ (a split may add from its own thread)
   CommCounts counts_;
 };
 
