@@ -543,6 +543,13 @@ void TransformerBlock::run_backward(const void* x, const BackwardScratch& s, boo
                            .rms = rms});
 }
 
+std::vector<Parameter*> TransformerBlock::input_pass_parameters() {
+  std::vector<Parameter*> out;
+  for (int i : {LN1_W, LN1_B, LN2_W, LN2_B})
+    if (idx_[i] >= 0) out.push_back(&params()[size_t(idx_[i])]);
+  return out;
+}
+
 void TransformerBlock::backward_weight() {
   LOOM_CHECK(d_.dout.defined(), "{}: backward_weight without backward_input", name());
   ChainParallel& P = *par_;
@@ -708,6 +715,12 @@ void Head::backward_input(const void* x, const BackwardScratch& s, float dloss_s
                            .mean = lnf_mean_.defined() ? lnf_mean_.f32() : nullptr, .rstd = lnf_rstd_.f32(), .N = Ns,
                            .C = C, .rms = cfg_.norm == Norm::rmsnorm});
   weight_pending_ = true;
+}
+
+std::vector<Parameter*> Head::input_pass_parameters() {
+  std::vector<Parameter*> out{&params()[0]};  // the final norm's weight, and its bias with LayerNorm
+  if (cfg_.norm == Norm::layernorm) out.push_back(&params()[1]);
+  return out;
 }
 
 void Head::backward_weight() {

@@ -116,6 +116,9 @@ class ChainBlock {
   // Split backward (zero-bubble pipelines): bytes that backward_input keeps for backward_weight
   // (the gradients feeding the deferred weight GEMMs; tag workspace, freed by backward_weight).
   virtual int64_t deferred_gradient_bytes(int64_t B, int64_t T) const { (void)B, (void)T; return 0; }
+  // The parameters whose gradients backward_input writes (the norms': cheap, computed with the
+  // input gradient); backward_weight writes the others.
+  virtual std::vector<Parameter*> input_pass_parameters() { return {}; }
   // Another block of the same kind over the same parameters (shared tensors), with no activations
   // yet; its activations are allocated under `tag` (activations, or workspace for inference).
   virtual std::unique_ptr<ChainBlock> replica(MemTag tag = MemTag::activations) const = 0;
@@ -211,6 +214,7 @@ class TransformerBlock final : public ChainBlock {
   // from those and the saved activations, then frees the deferred tensors.
   void backward_input(const void* x, const BackwardScratch& s);
   void backward_weight();
+  std::vector<Parameter*> input_pass_parameters() override;
   int64_t deferred_gradient_bytes(int64_t B, int64_t T) const override;
   const Tensor& out() const { return out_; }  // [B, T, C]
   // From now on this block computes with `other`'s parameters (shared tensors) and name: a
@@ -292,6 +296,7 @@ class Head final : public ChainBlock {
   Head(const GPTConfig& cfg, Parameter* tied, Backend& be, const BlockOptions& o = {});
   std::string name() const override { return "head"; }
   std::vector<SavedActivation> saved_activations(int64_t B, int64_t T) const override;
+  std::vector<Parameter*> input_pass_parameters() override;
   void release_activations() override;
   // A replica ties to the primary's lm_head (the same wte tensors).
   std::unique_ptr<ChainBlock> replica(MemTag tag = MemTag::activations) const override;

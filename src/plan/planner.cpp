@@ -305,8 +305,6 @@ std::string invalid(const Job& job, const Layout& L) {
   const int64_t micro = job.global_batch / (int64_t(L.dp) * L.mbs);
   if (L.pp > 1 && L.schedule == pipe::Kind::interleaved && micro % L.pp != 0)
     return fmt::format("interleaving needs the {} micro-batches divisible by pp = {}", micro, L.pp);
-  if (L.pp > 1 && L.zero >= 2 && L.schedule == pipe::Kind::zb_h1)
-    return "ZeRO 2 and 3 do not compose with the zb-h1 schedule";
   return "";
 }
 
@@ -549,7 +547,7 @@ SearchResult search(const Job& job, const SearchOptions& opt) {
           for (auto [kind, v] : scheds)
             for (model::Recompute rc : opt.recomputes)
               for (int zero : opt.zeros) {
-                if ((opt.zero >= 0 && zero != opt.zero) || (pp > 1 && zero >= 2 && kind == pipe::Kind::zb_h1)) continue;
+                if (opt.zero >= 0 && zero != opt.zero) continue;
                 for (bool sp : {false, true}) {
                   if ((sp && tp == 1) || (opt.sp >= 0 && sp != (opt.sp == 1))) continue;
                   Layout L;

@@ -824,12 +824,6 @@ TrainResult run_training(const TrainConfig& cfg, const TrainOptions& opt) {
     }
     LOOM_CHECK(opt.trace_path.empty(), "--trace: train.device = \"cuda\" writes no trace");
   }
-  if (cfg.pp > 1 && cfg.zero >= 2 && pipe::parse_kind(cfg.schedule, "parallel.schedule") == pipe::Kind::zb_h1)
-    throw Error(fmt::format("{}: parallel.zero = {} does not compose with parallel.schedule = \"zb-h1\": the zero-bubble "
-                            "schedule computes a block's gradients in two passes with other micro-batches' work "
-                            "between them, so a gradient bucket reduce-scattered every micro-batch would be held "
-                            "across them; set parallel.zero = 0 or 1, or another schedule (gpipe, 1f1b, interleaved)",
-                            where, cfg.zero));
   if (cfg.cp > 1 && cfg.seq_len % (2 * cfg.cp) != 0)
     throw Error(fmt::format("{}: data.seq_len = {} must be divisible by 2 x parallel.cp = {} (each rank takes two "
                             "chunks of every sequence)",

@@ -342,6 +342,20 @@ DataParallel::DataParallel(DataChain chain, comm::Comm& dp, const optim::AdamWCo
     grads_ = flatten_parameters(lay_, /*grad=*/true, MemTag::grads, pool);
   } else {
     grads_ = Tensor::zeros({shard_}, DType::f32, MemTag::grads, pool);
+    // A split backward's input-pass gradients: whole, in a buffer of their own for the step.
+    int64_t at = 0;
+    for (const model::Parameter* ip : chain_.input_pass) {
+      const auto f = std::find_if(lay_.params.begin(), lay_.params.end(),
+                                  [&](const FlatParam& x) { return x.param == ip; });
+      LOOM_CHECK(f != lay_.params.end(), "data parallel: input-pass parameter '{}' is not in the chain",
+                 ip->spec.name);
+      input_slots_.push_back({&*f, at});
+      at += round_up(f->alloc, kFlatAlign);
+    }
+    if (at > 0) {
+      input_grads_ = Tensor::zeros({at}, DType::f32, MemTag::grads, pool);
+      for (const auto& [f, off] : input_slots_) point_at_flat(*f->param, input_grads_, off, f->alloc, true);
+    }
   }
 
   // Optimizer over the logical elements of this rank's optimizer range.
@@ -384,13 +398,30 @@ void DataParallel::zero_grad() {
   LOOM_CHECK(std::none_of(live_.begin(), live_.end(), [](const LiveBucket& l) { return l.acquired; }),
              "data parallel: zero_grad during a backward");
   grads_.zero_();
+  if (input_grads_.defined()) input_grads_.zero_(), input_pending_ = true;
   last_micro_ = true;
 }
 
 void DataParallel::point_grads(size_t b) {
   const GradBucket& g = buckets_[b];
-  for (FlatParam& f : lay_.params)
-    if (f.offset >= g.begin && f.offset < g.end) point_at_flat(*f.param, live_[b].buf, f.offset - g.begin, f.alloc, true);
+  for (FlatParam& f : lay_.params) {
+    if (f.offset < g.begin || f.offset >= g.end) continue;
+    if (std::any_of(input_slots_.begin(), input_slots_.end(), [&](const auto& s) { return s.first == &f; }))
+      continue;  // (its gradient stays whole for the step; the bucket reduces zeros there)
+    point_at_flat(*f.param, live_[b].buf, f.offset - g.begin, f.alloc, true);
+  }
+}
+
+void DataParallel::reduce_input_pass() {
+  if (!input_pending_) return;
+  input_pending_ = false;
+  // Summed over the group, then each rank adds the part in its shard to its reduced gradients.
+  comm_.all_reduce(input_grads_.f32(), input_grads_.numel(), DType::f32);
+  const int64_t gb = int64_t(rank_) * shard_, ge = gb + shard_;
+  for (const auto& [f, off] : input_slots_) {
+    const int64_t lo = std::max(f->offset, gb), hi = std::min(f->offset + f->numel, ge);
+    for (int64_t i = lo; i < hi; ++i) grads_.f32()[i - gb] += input_grads_.f32()[off + (i - f->offset)];
+  }
 }
 
 void DataParallel::acquire_bucket(size_t b) {
@@ -477,6 +508,7 @@ void DataParallel::finish_reductions() {
   acquire_order_.clear();
   stats_.reduce_busy_s += worker_->busy_s();
   worker_->reset_busy();
+  reduce_input_pass();
 }
 
 void DataParallel::gather_into(int64_t c, int buf, comm::Comm& comm) {
@@ -563,6 +595,23 @@ void DataParallel::after_forward(int64_t c) {
 
 void DataParallel::before_backward(int64_t c) {
   if (o_.zero == 3) gather_block(c, "bwd", /*backward=*/true);
+  for (int b : writes_[size_t(c)]) acquire_bucket(size_t(b));
+  block_t0_ = Trace::Clock::now();
+}
+
+void DataParallel::before_input_backward(int64_t c) {
+  if (o_.zero == 3) gather_block(c, "bwd", /*backward=*/true);
+  block_t0_ = Trace::Clock::now();
+}
+
+void DataParallel::after_input_backward(int64_t c) {
+  if (o_.trace) o_.trace->add("bwd input " + chain_.blocks[size_t(c)]->name(), TraceStream::compute, block_t0_,
+                              Trace::Clock::now());
+  if (o_.zero == 3) release_block(c);
+}
+
+void DataParallel::before_weight_backward(int64_t c) {
+  // (No weights: the weight gradients come from the saved activations and output gradients.)
   for (int b : writes_[size_t(c)]) acquire_bucket(size_t(b));
   block_t0_ = Trace::Clock::now();
 }

@@ -16,10 +16,11 @@
 // copies), peak bytes by pool tag during training steps (the tests check these exactly):
 //   stage 0: params P_N,            grads P_N,                 optimizer 2 P_N
 //   stage 1: params P_N,            grads P_N,                 optimizer 2 P_S
-//   stage 2: params P_N,            grads P_S + 4 G,           optimizer 2 P_S
-//   stage 3: params P_S + 8 U,      grads P_S + 4 G,           optimizer 2 P_S
+//   stage 2: params P_N,            grads P_S + 4 G (+ 4 I),   optimizer 2 P_S
+//   stage 3: params P_S + 8 U,      grads P_S + 4 G (+ 4 I),   optimizer 2 P_S
 //            (P_S + 4 U without prefetch: DataParallelOptions::prefetch = false)
-// where G = bucket_peak_elements() (the arena the buckets live in, see below) and
+// where G = bucket_peak_elements() (the arena the buckets live in, see below), I =
+// input_pass_elements() (under a split backward only: DataChain::input_pass) and
 // U = max over chain blocks of the flat elements the block gathers (its own parameters, plus wte
 // for a tied head, each with its alignment to 16 elements): one all-gather per contiguous range,
 // into one of two buffers of U elements: while a block computes from one, the next block's
@@ -95,6 +96,11 @@ struct DataChain {
   // wte, owned by block 0 and also read (and its gradient written) by the last block, a tied head
   // (null: none).
   model::Parameter* tied = nullptr;
+  // Under a split backward (zero bubble): the parameters whose gradients a block's input pass
+  // writes (ChainBlock::input_pass_parameters), apart in time from its weight pass. Under ZeRO 2/3
+  // they keep a whole gradient of their own for the step (a few norms' worth), reduced at its end,
+  // instead of a bucket held from one pass to the other.
+  std::vector<model::Parameter*> input_pass;
   MemoryPool* pool = nullptr;
   uint64_t seed = 0;  // deferred parameters are drawn from it (Parameter::initialise_part)
   static DataChain of(model::GPT& gpt);
@@ -216,6 +222,15 @@ class DataParallel final : public model::ChainHooks {
   void reset_comm_stats() { stats_ = {}; }
   int zero() const { return o_.zero; }
 
+  // Zero bubble's split backward, instead of before_backward: around a block's input-gradient pass
+  // (ZeRO-3: its weights gathered, then released; it writes only DataChain::input_pass's
+  // gradients), and before its weight pass (its buckets acquired; after_backward ends the pass).
+  void before_input_backward(int64_t i);
+  void after_input_backward(int64_t i);
+  void before_weight_backward(int64_t i);
+  // Elements of the input-pass gradients kept whole under ZeRO 2/3 (0 otherwise).
+  int64_t input_pass_elements() const { return input_grads_.defined() ? input_grads_.numel() : 0; }
+
   // ChainHooks.
   void before_forward(int64_t i) override;
   void after_forward(int64_t i) override;
@@ -270,6 +285,12 @@ class DataParallel final : public model::ChainHooks {
   int prefetch_buf_ = 0;
   void gather_into(int64_t c, int buf, comm::Comm& comm);
   Tensor host_params_, host_grads_;  // f32 [P_opt] in the host pool (offload)
+  // ZeRO 2/3 under a split backward: the input-pass parameters' whole gradients (tag grads), at
+  // their offsets in it, and whether they still need their reduction this step.
+  Tensor input_grads_;
+  std::vector<std::pair<const FlatParam*, int64_t>> input_slots_;
+  bool input_pending_ = false;
+  void reduce_input_pass();
   std::unique_ptr<optim::ShardedAdamW> opt_;
   std::unique_ptr<Worker> worker_;
   bool last_micro_ = true;

@@ -87,10 +87,6 @@ void ExecutorOptions::validate() const {
   schedule.validate();
   LOOM_CHECK(tp >= 1 && cp >= 1, "pipeline executor: tp = {} and cp = {} must be >= 1", tp, cp);
   LOOM_CHECK(zero_stage >= 0 && zero_stage <= 3, "pipeline executor: zero_stage = {} is not 0-3", zero_stage);
-  LOOM_CHECK(zero_stage < 2 || schedule.kind != Kind::zb_h1, "pipeline executor: the zero-bubble schedule composes with "
-             "ZeRO stage 0 or 1, not {}: its split backward writes a block's gradients in two passes with other "
-             "micro-batches' work between them, so a bucket reduced every micro-batch would be held across them",
-             zero_stage);
   LOOM_CHECK(bucket_bytes > 0, "pipeline executor: bucket_bytes = {} must be positive", bucket_bytes);
   adamw.validate();
 }
@@ -317,9 +313,10 @@ struct PipelineExecutor::Impl {
         }
       const float* x_in = input_of(e);
       model::ChainBlock* blk = s.blocks[k].get();
-      // (The split backward's hooks are around backward_weight, where the step's gradients are
-      // completed; zero bubble composes with ZeRO 0 and 1, whose gradients stay whole.)
-      if (!input_only) dpar->before_backward(local(c, e));
+      // (The split backward's input pass writes only the norms' gradients, which data parallelism
+      // keeps whole for the step; its weight pass below completes the buckets.)
+      if (input_only) dpar->before_input_backward(local(c, e));
+      else dpar->before_backward(local(c, e));
       if (input_only) {
         if (e == 0) static_cast<model::Embedding*>(blk)->backward_input(ws.dres);
         else if (e <= cfg.n_layer) static_cast<model::TransformerBlock*>(blk)->backward_input(x_in, ws);
@@ -331,6 +328,7 @@ struct PipelineExecutor::Impl {
         if (sg >= 0) blk->release_activations();  // (the split backward keeps them for backward_weight)
         dpar->after_backward(local(c, e));
       }
+      if (input_only) dpar->after_input_backward(local(c, e));
     }
     s.grad_in = Tensor();  // consumed
     if (ch.first > 0) {
@@ -351,7 +349,7 @@ struct PipelineExecutor::Impl {
     dpar->set_last_micro(mb + 1 == opt.schedule.micro_batches);
     for (int64_t e = ch.last - 1; e >= ch.first; --e) {
       model::ChainBlock* blk = s.blocks[size_t(e - ch.first)].get();
-      dpar->before_backward(local(c, e));
+      dpar->before_weight_backward(local(c, e));
       if (e == 0) static_cast<model::Embedding*>(blk)->backward_weight();
       else if (e <= cfg.n_layer) static_cast<model::TransformerBlock*>(blk)->backward_weight();
       else static_cast<model::Head*>(blk)->backward_weight();
@@ -426,6 +424,10 @@ struct PipelineExecutor::Impl {
       dc.tied = wte;
     dc.pool = &pool;
     dc.seed = o.seed;
+    if (o.schedule.kind == Kind::zb_h1)
+      for (Chunk& ch : chunks)
+        for (auto& blk : ch.all[0]->blocks)
+          for (model::Parameter* prm : blk->input_pass_parameters()) dc.input_pass.push_back(prm);
     for (const auto& ow : dc.owned) params.insert(params.end(), ow.begin(), ow.end());
     comm::Comm* group = replica_group();
     if (!group) {

@@ -33,7 +33,9 @@
 // offload: the executor runs its hooks around each block's forward and backward, so under ZeRO-3
 // a block's parameters are gathered just before it runs (every micro-batch, and again for its
 // backward) and under ZeRO 2/3 its gradient bucket is reduce-scattered after every micro-batch's
-// backward of the chunk; stages 0/1 reduce after the last micro-batch's. After the flush the
+// backward of the chunk (under zero bubble after its weight pass; the norms' gradients its input
+// pass writes stay whole for the step and are reduced at its end); stages 0/1 reduce after the
+// last micro-batch's. After the flush the
 // first and last stages add their reduced wte gradients (DataParallel::add_peer_gradient: piece by
 // piece, each gathered over the group under ZeRO 2/3, where the two stages' shards cover
 // different parts of wte), the sp-partial gradients are summed over tp on each rank's optimizer
@@ -87,8 +89,7 @@ struct ExecutorOptions {
   int tp = 1, cp = 1;               // tensor and context parallel sizes composed with pp
   bool sp = false;                  // sequence parallelism within tp
   // Data parallelism over the dp (x cp) group of each stage (parallel::DataParallel): ZeRO stage
-  // 0-3 (2 and 3 not with the zero-bubble schedule), optimizer offload to the host pool, gradient
-  // bucket size and ZeRO-3's prefetch.
+  // 0-3, optimizer offload to the host pool, gradient bucket size and ZeRO-3's prefetch.
   int zero_stage = 0;
   bool offload = false;
   int64_t bucket_bytes = 25 << 20;

@@ -144,7 +144,7 @@ struct RunResult {
   // Every rank's pool peaks by tag over the steps, and its data parallelism's sizes.
   struct Memory {
     int64_t params = 0, grads = 0, optimizer = 0, host_params = 0, host_grads = 0, host_optimizer = 0;
-    int64_t n_pad = 0, shard = 0, bucket_peak = 0, max_use = 0, alloc_sum = 0;
+    int64_t n_pad = 0, shard = 0, bucket_peak = 0, max_use = 0, alloc_sum = 0, input_pass = 0;
   };
   std::vector<Memory> memory;
 };
@@ -205,6 +205,7 @@ RunResult run(const ScheduleSpec& spec, Layout lay) {
       mem.shard = ddp.shard_elements();
       mem.bucket_peak = ddp.bucket_peak_elements();
       mem.max_use = ddp.max_block_use_elements();
+      mem.input_pass = ddp.input_pass_elements();
       for (const model::Parameter* prm : ex.parameters()) mem.alloc_sum += (prm->spec.alloc_numel() + 15) / 16 * 16;
     }
     host.reset_peaks();
@@ -294,7 +295,7 @@ void expect_equivalent(const ScheduleSpec& spec, Layout lay) {
   // Each rank's parameters, gradients and optimizer state are data_parallel.h's formulas over its
   // stage's parameters and its d = dp x cp group (the layout suite's check, per stage):
   //   stage 0: params P_N, grads P_N, optimizer 2 P_N      stage 1: P_N, P_N, 2 P_S
-  //   stage 2: P_N, P_S + 4 G, 2 P_S                       stage 3: P_S + 8 U, P_S + 4 G, 2 P_S
+  //   stage 2: P_N, P_S + 4 G (+ 4 I), 2 P_S               stage 3: P_S + 8 U, P_S + 4 G (+ 4 I), 2 P_S
   // (ZeRO only where the group has replicas), with offload the optimizer 2 P_opt, a master copy
   // and a gradient copy of P_opt in the host pool.
   const int64_t d = int64_t(lay.dp) * lay.cp;
@@ -305,7 +306,9 @@ void expect_equivalent(const ScheduleSpec& spec, Layout lay) {
     const int64_t PN = 4 * n_pad, PS = 4 * S, Popt = zero == 0 ? PN : PS;
     EXPECT_EQ(mem.n_pad, n_pad) << "rank " << w;
     EXPECT_EQ(mem.params, zero == 3 ? PS + 8 * mem.max_use : PN) << "rank " << w;
-    EXPECT_EQ(mem.grads, zero >= 2 ? PS + 4 * mem.bucket_peak : PN) << "rank " << w;
+    // (Under zero bubble the norms' gradients, I elements, stay whole for the step.)
+    EXPECT_EQ(mem.grads, zero >= 2 ? PS + 4 * mem.bucket_peak + 4 * mem.input_pass : PN) << "rank " << w;
+    EXPECT_EQ(mem.input_pass > 0, zero >= 2 && spec.kind == Kind::zb_h1) << "rank " << w;
     EXPECT_EQ(mem.optimizer, lay.offload ? 0 : 2 * Popt) << "rank " << w;
     EXPECT_EQ(mem.host_optimizer, lay.offload ? 2 * Popt : 0) << "rank " << w;
     EXPECT_EQ(mem.host_params, lay.offload ? Popt : 0) << "rank " << w;
@@ -416,6 +419,10 @@ TEST(PipelineComposed, ZeroTwoThreeAndOffload) {
   expect_equivalent({Kind::one_f_one_b, 2, 1, 4}, {.dp = 2, .cp = 2, .zero = 2, .offload = true});
   expect_equivalent({Kind::interleaved, 2, 2, 4}, {.dp = 2, .tp = 2, .zero = 3, .offload = true});
   expect_equivalent({Kind::zb_h1, 2, 1, 4}, {.dp = 2, .zero = 1, .offload = true});
+  // Zero bubble: the weight pass completes the buckets, the norms' gradients stay whole.
+  expect_equivalent({Kind::zb_h1, 2, 1, 4}, {.dp = 2, .zero = 2});
+  expect_equivalent({Kind::zb_h1, 2, 1, 4}, {.dp = 2, .tp = 2, .sp = true, .zero = 3, .offload = true});
+  expect_equivalent({Kind::zb_h1, 4, 1, 8}, {.dp = 2, .zero = 3});
   expect_equivalent({Kind::one_f_one_b, 4, 1, 8}, {.dp = 2, .zero = 3});
 }
 
@@ -435,6 +442,7 @@ TEST(PipelineLlama, EveryScheduleAndComposedLayouts) {
   // Untied embeddings under ZeRO 2 and 3 with tp beyond the key/value heads.
   expect_equivalent({Kind::one_f_one_b, 2, 1, 4}, {.dp = 2, .tp = 4, .zero = 3});
   expect_equivalent({Kind::interleaved, 2, 2, 4}, {.dp = 2, .zero = 2, .offload = true});
+  expect_equivalent({Kind::zb_h1, 2, 1, 4}, {.dp = 2, .tp = 4, .zero = 3});
 }
 
 // The optimal recompute policy per stage: each rank's plan keeps its saved activations within the
@@ -694,11 +702,6 @@ TEST(PipelineExecutor, RefusesUnsupportedCombinations) {
       EXPECT_NE(std::string(e.what()).find("tp = 2"), std::string::npos) << e.what();
     }
     o.tp = 1;
-    o.zero_stage = 2;  // ZeRO 2 with the split backward
-    o.schedule.kind = Kind::zb_h1;
-    EXPECT_THROW(PipelineExecutor(tiny(), o, w, nullptr, pool), Error);
-    o.schedule.kind = Kind::one_f_one_b;
-    o.zero_stage = 0;
     o.offload = true;  // but no host pool
     EXPECT_THROW(PipelineExecutor(tiny(), o, w, nullptr, pool), Error);
     o.offload = false;
