@@ -32,6 +32,7 @@ Registrar reg{Command{
         std::printf("%s, %d cores, %d threads\n", p.cpu.c_str(), p.cores, p.threads);
         std::printf("  f32 GEMM over transformer shapes: best %.1f GFLOP/s, median %.1f GFLOP/s\n", p.gemm_peak / 1e9,
                     p.gemm_typical / 1e9);
+        std::printf("  f32 GEMM of a width-128 layer for 64 tokens: median %.1f GFLOP/s\n", p.gemm_small / 1e9);
         std::printf("  memory copy: %.1f GB/s\n", p.memory_bw / 1e9);
         std::printf("  all-reduce, threads backend, 2 ranks: %.1f us latency, %.2f GB/s\n", p.allreduce_latency * 1e6,
                     p.allreduce_bw / 1e9);

@@ -43,6 +43,7 @@ nlohmann::json to_json(const HostProfile& p) {
           {"threads", p.threads},
           {"gemm_peak_flops", p.gemm_peak},
           {"gemm_typical_flops", p.gemm_typical},
+          {"gemm_small_flops", p.gemm_small},
           {"memory_bytes_per_s", p.memory_bw},
           {"allreduce_latency_s", p.allreduce_latency},
           {"allreduce_bytes_per_s", p.allreduce_bw},
@@ -58,6 +59,7 @@ std::optional<HostProfile> from_json(const nlohmann::json& j) {
     p.threads = j.at("threads").get<int>();
     p.gemm_peak = j.at("gemm_peak_flops").get<double>();
     p.gemm_typical = j.value("gemm_typical_flops", 0.0);
+    p.gemm_small = j.value("gemm_small_flops", 0.0);
     p.memory_bw = j.value("memory_bytes_per_s", 0.0);
     p.allreduce_latency = j.value("allreduce_latency_s", 0.0);
     p.allreduce_bw = j.value("allreduce_bytes_per_s", 0.0);
@@ -166,6 +168,12 @@ HostProfile calibrate_host(int threads, double seconds) {
   std::sort(rates.begin(), rates.end());
   p.gemm_peak = rates.back();
   p.gemm_typical = rates[rates.size() / 2];
+  // The same four products of a width-128 layer for 64 tokens.
+  std::vector<double> small;
+  for (auto [N, K] : {std::pair{384, 128}, std::pair{128, 128}, std::pair{512, 128}, std::pair{128, 512}})
+    small.push_back(gemm_rate(64, N, K, seconds));
+  std::sort(small.begin(), small.end());
+  p.gemm_small = small[small.size() / 2];
   // Memory: a copy of 128 MiB (read and write counted), best of 5.
   {
     const size_t n = size_t(32) << 20;

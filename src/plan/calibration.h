@@ -22,6 +22,9 @@ struct HostProfile {
   int threads = 0;            // OpenMP threads the rates were measured with
   double gemm_peak = 0;       // FLOP/s, f32: the best transformer shape's sustained rate
   double gemm_typical = 0;    // FLOP/s, f32: the median shape's
+  // FLOP/s, f32: the median of a small layer's products for one short micro-batch (64 tokens,
+  // width 128): how much a product's size costs (the planner's size effect, Device::gemm_half).
+  double gemm_small = 0;
   double memory_bw = 0;       // bytes/s, copy (read + write counted)
   double allreduce_latency = 0;    // seconds, threads backend, 2 ranks, small messages
   double allreduce_bw = 0;         // bytes/s of buffer reduced, large messages

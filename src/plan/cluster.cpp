@@ -118,6 +118,10 @@ Cluster cluster_named(const std::string& name) {
       c.device.efficiency = p->gemm_typical > 0 ? p->gemm_typical / p->gemm_peak : 1.0;
       if (p->memory_bw > 0) c.device.memory_bw = p->memory_bw;
       if (p->allreduce_bw > 0) c.intra = {p->allreduce_bw, p->allreduce_latency};
+      // The size effect: a product with n = 64 x 128 outputs runs at gemm_small, a large one at
+      // gemm_typical, so gemm_typical x n / (n + half) = gemm_small.
+      if (p->gemm_small > 0 && p->gemm_typical > p->gemm_small)
+        c.device.gemm_half = 64.0 * 128.0 * (p->gemm_typical / p->gemm_small - 1.0);
     }
   return c;
 }

@@ -90,6 +90,7 @@ TEST(CalibrationCli, CalibrateWritesTheCache) {
   ASSERT_TRUE(p.has_value());
   EXPECT_GT(p->gemm_peak, 1e8);
   EXPECT_GE(p->gemm_peak, p->gemm_typical);
+  EXPECT_GT(p->gemm_small, 1e8);  // the small products' rate, for the planner's size effect
   EXPECT_GT(p->memory_bw, 1e8);
   EXPECT_EQ(p->source, "loom calibrate");
   EXPECT_FALSE(plan::cached_profile(7).has_value());
