@@ -738,4 +738,21 @@ const Tensor& Head::logits() const {
   return logits_;
 }
 
+ChainMemory chain_memory(const std::vector<ChainBlock*>& blocks, int64_t B, int64_t T) {
+  ChainMemory c;
+  for (const ChainBlock* b : blocks) {
+    if (!dynamic_cast<const TransformerBlock*>(b)) {
+      c.fixed += double(b->saved_activation_bytes(B, T));
+      continue;
+    }
+    c.full.push_back(double(b->saved_activation_bytes(B, T)));
+    double out = 0;
+    for (const SavedActivation& a : b->saved_activations(B, T))
+      if (a.name.ends_with(".out")) out = double(a.bytes());
+    c.out.push_back(out);
+    c.forward.push_back(1.0);
+  }
+  return c;
+}
+
 }  // namespace loom::model

@@ -32,6 +32,7 @@
 #include "model/param.h"
 #include "model/param_specs.h"
 #include "model/parallel.h"
+#include "model/recompute.h"
 
 namespace loom::model {
 
@@ -342,5 +343,11 @@ class Head final : public ChainBlock {
   // The loss over tp > 1 (the vocabulary-parallel cross-entropy), or the fused one.
   void loss(bool with_dlogits, float dloss);
 };
+
+// What recomputation plans over at [B, T] (model/recompute.h), for a run of chain blocks in order
+// (a whole model's, or a pipeline chunk's): each transformer block's saved bytes, its output's
+// bytes and a unit forward cost (a GPT's blocks are identical); every other block's saved bytes in
+// `fixed`.
+ChainMemory chain_memory(const std::vector<ChainBlock*>& blocks, int64_t B, int64_t T);
 
 }  // namespace loom::model

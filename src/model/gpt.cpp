@@ -238,19 +238,7 @@ void GPT::set_recompute(const RecomputePlan& plan) {
   for (auto& b : blocks_) b->set_selective(plan.selective);
 }
 
-ChainMemory GPT::chain_memory(int64_t B, int64_t T) const {
-  ChainMemory c;
-  c.fixed = double(embedding_->saved_activation_bytes(B, T) + head_->saved_activation_bytes(B, T));
-  for (const auto& b : blocks_) {
-    c.full.push_back(double(b->saved_activation_bytes(B, T)));
-    double out = 0;
-    for (const SavedActivation& a : b->saved_activations(B, T))
-      if (a.name.ends_with(".out")) out = double(a.bytes());
-    c.out.push_back(out);
-    c.forward.push_back(1.0);  // identical blocks: the cost in units of one block's forward
-  }
-  return c;
-}
+ChainMemory GPT::chain_memory(int64_t B, int64_t T) const { return model::chain_memory(chain(), B, T); }
 
 int64_t GPT::activation_peak_bytes(int64_t B, int64_t T) const {
   if (plan_.segments.empty()) return saved_activation_bytes(B, T);

@@ -66,21 +66,42 @@ std::string RecomputePlan::describe() const {
   return out;
 }
 
-double plan_peak(const RecomputePlan& p, const ChainMemory& c) {
-  double kept = c.fixed, worst = 0, before = 0;
+namespace {
+
+// A plan's terms: A + the kept blocks' F_l; every segment's last output; the backward's largest
+// need beyond the kept blocks (a segment with the outputs before it, or under a split backward
+// every recomputed block).
+struct PlanTerms {
+  double kept = 0, outs = 0, worst = 0;
+};
+
+PlanTerms plan_terms(const RecomputePlan& p, const ChainMemory& c) {
+  PlanTerms t;
+  t.kept = c.fixed;
   for (size_t l = 0; l < c.full.size(); ++l)
-    if (!p.recomputed(int64_t(l))) kept += c.full[l];
+    if (!p.recomputed(int64_t(l))) t.kept += c.full[l];
   double recomputed = 0;
   for (const auto& [a, b] : p.segments) {
     double seg = 0;
     for (int64_t l = a; l <= b; ++l) seg += c.full[size_t(l)];
-    worst = std::max(worst, before + seg);
-    before += c.out[size_t(b)];
+    t.worst = std::max(t.worst, t.outs + seg);
+    t.outs += c.out[size_t(b)];
     recomputed += seg;
   }
-  if (c.split_backward) worst = recomputed;
-  // (before: every segment's last output, which each other micro-batch in flight keeps.)
-  return c.in_flight * kept + (c.in_flight - 1) * before + worst;
+  if (c.split_backward) t.worst = recomputed;
+  return t;
+}
+
+}  // namespace
+
+double plan_peak(const RecomputePlan& p, const ChainMemory& c) {
+  const PlanTerms t = plan_terms(p, c);
+  return c.in_flight * t.kept + (c.in_flight - 1) * t.outs + t.worst;
+}
+
+double plan_kept(const RecomputePlan& p, const ChainMemory& c) {
+  const PlanTerms t = plan_terms(p, c);
+  return t.kept + t.outs;
 }
 
 double plan_cost(const RecomputePlan& p, const ChainMemory& c) {
@@ -140,14 +161,11 @@ RecomputePlan optimal_identical(int64_t L, double F, double o, double fixed, dou
   p.blocks = L;
   if (n * (fixed + double(L) * F) <= budget) return p;  // nothing to recompute
   const double inf = std::numeric_limits<double>::infinity();
-  std::vector<Segmentations> by_s;  // [S - 1] (n > 1, no split backward)
-  std::unique_ptr<Segmentations> any;
-  if (split) {
-  } else if (n == 1) {
-    any = std::make_unique<Segmentations>(-1, L, F, o);
-  } else {
+  std::unique_ptr<Segmentations> any;  // one micro-batch: any number of segments
+  std::vector<Segmentations> by_s;      // [S - 1]: more micro-batches (not under a split backward)
+  if (!split && n == 1) any = std::make_unique<Segmentations>(-1, L, F, o);
+  if (!split && n > 1)
     for (int64_t S = 1; S <= L; ++S) by_s.emplace_back(S, L, F, o);
-  }
   double least = inf;  // the least peak of any plan
   for (int64_t R = 1; R <= L; ++R) {
     const double kept = n * (fixed + double(L - R) * F);

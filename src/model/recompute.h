@@ -78,6 +78,9 @@ struct ChainMemory {
 // well as possible does not fit, naming the budget and the least peak possible.
 RecomputePlan plan_recompute(Recompute policy, const ChainMemory& c, int64_t every = 2, double budget = 0);
 double plan_peak(const RecomputePlan& p, const ChainMemory& c);
+// What one micro-batch keeps from its forward to its backward under the plan: A, the kept blocks'
+// F_l and every segment's last output (each of the n - 1 others in flight at the peak).
+double plan_kept(const RecomputePlan& p, const ChainMemory& c);
 double plan_cost(const RecomputePlan& p, const ChainMemory& c);
 
 }  // namespace loom::model

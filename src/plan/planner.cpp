@@ -269,7 +269,9 @@ std::map<std::string, double> pipeline_rank_memory(const Job& job, const Layout&
     // gradients' shard and its bucket arena.
     const bool split = shard > 1;
     t["params"] = L.zero >= 3 && split ? params * B.weight / shard + 2 * 4 * largest : params * B.weight;
-    t["grads"] = L.zero >= 2 && split ? params * B.grad / shard + 4 * arena : params * B.grad;
+    // (Under zero bubble the norms' gradients, which its input pass writes, stay whole for the step.)
+    const double whole_norms = zb ? 2 * layers_here * bp.norms + (last ? bp.norms : 0.0) : 0.0;
+    t["grads"] = L.zero >= 2 && split ? params * B.grad / shard + 4 * arena + 4 * whole_norms : params * B.grad;
     t["optimizer"] = params * B.optimizer / (L.zero >= 1 ? shard : 1);
     t["activations"] = held / L.v * act_per_mb +
                        (zb && L.recompute == model::Recompute::full ? layers_here * layer_activation_bytes(job, whole)

@@ -351,6 +351,8 @@ DataParallel::DataParallel(DataChain chain, comm::Comm& dp, const optim::AdamWCo
                  ip->spec.name);
       input_slots_.push_back({&*f, at});
       at += round_up(f->alloc, kFlatAlign);
+      keep_whole_.resize(lay_.params.size(), 0);
+      keep_whole_[size_t(f - lay_.params.begin())] = 1;
     }
     if (at > 0) {
       input_grads_ = Tensor::zeros({at}, DType::f32, MemTag::grads, pool);
@@ -404,10 +406,10 @@ void DataParallel::zero_grad() {
 
 void DataParallel::point_grads(size_t b) {
   const GradBucket& g = buckets_[b];
-  for (FlatParam& f : lay_.params) {
+  for (size_t i = 0; i < lay_.params.size(); ++i) {
+    FlatParam& f = lay_.params[i];
     if (f.offset < g.begin || f.offset >= g.end) continue;
-    if (std::any_of(input_slots_.begin(), input_slots_.end(), [&](const auto& s) { return s.first == &f; }))
-      continue;  // (its gradient stays whole for the step; the bucket reduces zeros there)
+    if (!keep_whole_.empty() && keep_whole_[i]) continue;  // whole for the step; the bucket reduces zeros there
     point_at_flat(*f.param, live_[b].buf, f.offset - g.begin, f.alloc, true);
   }
 }

@@ -289,6 +289,7 @@ class DataParallel final : public model::ChainHooks {
   // their offsets in it, and whether they still need their reduction this step.
   Tensor input_grads_;
   std::vector<std::pair<const FlatParam*, int64_t>> input_slots_;
+  std::vector<char> keep_whole_;  // per layout parameter: one of input_slots_ (empty: none)
   bool input_pending_ = false;
   void reduce_input_pass();
   std::unique_ptr<optim::ShardedAdamW> opt_;

@@ -119,6 +119,12 @@ struct Chunk {
   std::vector<std::unique_ptr<Slot>> all;
   std::vector<Slot*> free;
   std::map<int, Slot*> active;  // by micro-batch
+  // The blocks holding the chunk's parameters (its first slot's), in chain order.
+  std::vector<model::ChainBlock*> primary() const {
+    std::vector<model::ChainBlock*> out;
+    for (const auto& b : all[0]->blocks) out.push_back(b.get());
+    return out;
+  }
 };
 
 }  // namespace
@@ -143,7 +149,6 @@ struct PipelineExecutor::Impl {
   std::vector<Chunk> chunks;
   std::vector<model::Parameter*> params;  // primaries, in chain order, then the wte copy
   std::unique_ptr<model::Parameter> wte_copy;
-  model::Parameter* copy = nullptr;                 // the wte copy among params (null: none)
   model::Parameter* wte = nullptr;  // the wte this rank's head ties to
   // Data parallelism over this stage's blocks (every chunk's first slot, in chain order): the
   // reduction over dp (x cp), ZeRO 0-3, offload, and the step. base[c]: chunk c's first block's
@@ -397,6 +402,14 @@ struct PipelineExecutor::Impl {
     return has_cp ? groups.cp : has_dp ? dp : nullptr;
   }
 
+  // What the chunk's blocks save per micro-batch of [b, T], the received input (chunks after the
+  // first) among what stays outside the transformer blocks.
+  model::ChainMemory chunk_memory(const Chunk& ch, int64_t b, int64_t T) const {
+    model::ChainMemory cm = model::chain_memory(ch.primary(), b, T);
+    if (ch.first > 0) cm.fixed += double(par->own_rows(b, T) * cfg.n_embd * int64_t(sizeof(float)));
+    return cm;
+  }
+
   // Chain element e of chunk c: its block's index in the stage's data-parallel chain.
   int64_t local(int c, int64_t e) const { return base[size_t(c)] + (e - chunks[size_t(c)].first); }
   // Each micro-batch's loss gradient: the mean over the m micro-batches, and over the dp replicas
@@ -411,9 +424,11 @@ struct PipelineExecutor::Impl {
     for (Chunk& ch : chunks) {
       base.push_back(int64_t(dc.blocks.size()));
       dc.range_starts.push_back(int(dc.blocks.size()));
-      for (auto& blk : ch.all[0]->blocks) {
-        dc.blocks.push_back(blk.get());
+      for (model::ChainBlock* blk : ch.primary()) {
+        dc.blocks.push_back(blk);
         dc.owned.push_back(blk->parameters());
+        if (o.schedule.kind == Kind::zb_h1)
+          for (model::Parameter* prm : blk->input_pass_parameters()) dc.input_pass.push_back(prm);
       }
     }
     dc.range_starts.erase(dc.range_starts.begin());  // ({0} by default)
@@ -424,10 +439,6 @@ struct PipelineExecutor::Impl {
       dc.tied = wte;
     dc.pool = &pool;
     dc.seed = o.seed;
-    if (o.schedule.kind == Kind::zb_h1)
-      for (Chunk& ch : chunks)
-        for (auto& blk : ch.all[0]->blocks)
-          for (model::Parameter* prm : blk->input_pass_parameters()) dc.input_pass.push_back(prm);
     for (const auto& ow : dc.owned) params.insert(params.end(), ow.begin(), ow.end());
     comm::Comm* group = replica_group();
     if (!group) {
@@ -533,25 +544,11 @@ PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOp
   for (Chunk& ch : I.chunks) {
     const int64_t b0 = std::max<int64_t>(ch.first, 1), b1 = std::min<int64_t>(ch.last, cfg.n_layer + 1);
     model::ChainMemory cm;
-    if (optimal) {
-      const int64_t b = opt.micro_batch;
-      cm.fixed = ch.first > 0 ? double(I.par->own_rows(b, T) * cfg.n_embd * int64_t(sizeof(float))) : 0.0;
-      for (int64_t e = ch.first; e < ch.last; ++e) {
-        const model::ChainBlock& blk = *ch.all[0]->blocks[size_t(e - ch.first)];
-        if (e < b0 || e >= b1) {
-          cm.fixed += double(blk.saved_activation_bytes(b, T));
-          continue;
-        }
-        cm.full.push_back(double(blk.saved_activation_bytes(b, T)));
-        double out = 0;
-        for (const model::SavedActivation& a : blk.saved_activations(b, T))
-          if (a.name.ends_with(".out")) out = double(a.bytes());
-        cm.out.push_back(out);
-        cm.forward.push_back(1.0);
-      }
+    if (optimal) {  // (with the received input among what stays outside the blocks)
+      cm = I.chunk_memory(ch, opt.micro_batch, T);
       cm.in_flight = in_flight;
       cm.split_backward = sch_.spec.kind == Kind::zb_h1;
-    } else {
+    } else {  // (the other policies need the number of blocks only)
       cm.full.assign(size_t(std::max<int64_t>(b1 - b0, 0)), 1.0);
       cm.out.assign(cm.full.size(), 1.0);
       cm.forward.assign(cm.full.size(), 1.0);
@@ -561,13 +558,8 @@ PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOp
     if (optimal) {
       model::ChainMemory one = cm;
       one.in_flight = 1;
-      const double reach = model::plan_peak(ch.plan, one);
-      double keeps = cm.fixed;
-      for (size_t l = 0; l < cm.full.size(); ++l)
-        keeps += ch.plan.recomputed(int64_t(l)) ? 0.0 : cm.full[l];
-      for (const auto& seg : ch.plan.segments) keeps += cm.out[size_t(seg.second)];
-      steady = std::max(steady, keeps);
-      transient = std::max(transient, reach);
+      steady = std::max(steady, model::plan_kept(ch.plan, cm));
+      transient = std::max(transient, model::plan_peak(ch.plan, one));
       recomputed_ += ch.plan.recomputed_blocks();
       blocks_ += int64_t(cm.full.size());
     }
@@ -587,7 +579,6 @@ PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOp
                format_bytes(int64_t(opt.activation_budget)), I.rank, in_flight, format_bytes(int64_t(planned_peak_)),
                recomputed_, blocks_);
   }
-  I.copy = I.wte_copy.get();
   if (cfg.tied_embeddings && p > 1 && owns_embedding != owns_head) I.tied = I.wte;
   I.make_data_parallel(opt, host_pool);
 }
@@ -595,24 +586,12 @@ PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOp
 PipelineExecutor::~PipelineExecutor() = default;
 
 std::vector<model::Parameter*> PipelineExecutor::parameters() const { return impl_->params; }
-bool PipelineExecutor::is_copy(const model::Parameter* p) const { return p != nullptr && p == impl_->copy; }
+bool PipelineExecutor::is_copy(const model::Parameter* p) const { return p != nullptr && p == impl_->wte_copy.get(); }
 parallel::DataParallel& PipelineExecutor::data_parallel() const { return *impl_->dpar; }
 
 int64_t PipelineExecutor::activation_bytes_per_micro_batch(int chunk, int64_t b, int64_t T) const {
   const Chunk& ch = impl_->chunks.at(size_t(chunk));
-  const int64_t rows = impl_->par->own_rows(b, T);
-  int64_t bytes = ch.first > 0 ? rows * impl_->cfg.n_embd * int64_t(sizeof(float)) : 0;
-  for (int64_t e = ch.first; e < ch.last; ++e) {
-    const model::ChainBlock& blk = *ch.all[0]->blocks[size_t(e - ch.first)];
-    const int sg = ch.segment_of(e);
-    if (sg < 0) {
-      bytes += blk.saved_activation_bytes(b, T);
-    } else if (e == ch.segment_last(sg)) {  // a recomputed segment keeps its last output
-      for (const model::SavedActivation& a : blk.saved_activations(b, T))
-        if (a.name.ends_with(".out")) bytes += a.bytes();
-    }
-  }
-  return bytes;
+  return int64_t(model::plan_kept(ch.plan, impl_->chunk_memory(ch, b, T)));
 }
 
 void PipelineExecutor::prepare(const Tensor& tokens, const Tensor& targets) {
