@@ -16,6 +16,9 @@ void AdamWConfig::validate() const {
   check(eps > 0, "eps", eps);
   check(weight_decay >= 0 && std::isfinite(weight_decay), "weight_decay", weight_decay);
   check(std::isfinite(max_norm), "max_norm", max_norm);
+  check(galore_rank >= 0, "galore_rank", double(galore_rank));
+  check(galore_update_every >= 1, "galore_update_every", double(galore_update_every));
+  check(galore_scale > 0 && std::isfinite(galore_scale), "galore_scale", galore_scale);
 }
 
 AdamW::AdamW(std::vector<model::Parameter*> params, const AdamWConfig& cfg, MemoryPool& pool)

@@ -17,6 +17,11 @@ struct AdamWConfig {
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
   double weight_decay = 0.1;  // applied to parameters with dim >= 2 only
   float max_norm = 1.0f;      // global gradient-norm clip; <= 0 disables
+  // GaLore (optim/galore.h): the rank the gradients of transformer blocks' matrices are projected
+  // to (0: plain AdamW), the steps between projector refreshes and the projected update's scale.
+  int64_t galore_rank = 0;
+  int64_t galore_update_every = 200;
+  double galore_scale = 0.25;
   void validate() const;      // throws naming the field
 };
 

@@ -9,7 +9,7 @@ namespace loom::optim {
 
 ShardedAdamW::ShardedAdamW(std::vector<FlatSegment> segments, int64_t begin, int64_t end, const AdamWConfig& cfg,
                            MemoryPool& state_pool)
-    : cfg_(cfg), begin_(begin), end_(end) {
+    : FlatOptimizer(cfg, begin, end) {
   cfg_.validate();
   LOOM_CHECK(0 <= begin && begin <= end, "sharded adamw: bad shard [{}, {})", begin, end);
   int64_t prev = 0;
@@ -18,7 +18,7 @@ ShardedAdamW::ShardedAdamW(std::vector<FlatSegment> segments, int64_t begin, int
                s.begin, s.end);
     prev = s.end;
     int64_t b = std::max(s.begin, begin), e = std::min(s.end, end);
-    if (b < e) local_.push_back({b - begin, e - begin, s.decay, s.name, s.in_norm});
+    if (b < e) local_.push_back({b - begin, e - begin, s.decay, s.name, s.in_norm, {}});
   }
   m_ = Tensor::zeros({end - begin}, DType::f32, MemTag::optimizer, state_pool);
   v_ = Tensor::zeros({end - begin}, DType::f32, MemTag::optimizer, state_pool);

@@ -8,7 +8,9 @@
 //   manifest.json         format version, step, optimizer step count, data position, RNG seed and
 //                         counters, the model config, the full training config (TOML text), every
 //                         full tensor's name and shape ("param/<name>", "adam_m/<name>",
-//                         "adam_v/<name>", f32, logical shapes) and each rank index's CRC-32
+//                         "adam_v/<name>", f32, logical shapes; under GaLore a projected
+//                         matrix's "galore_m/<name>", "galore_v/<name>" and "galore_p/<name>"
+//                         instead of its adam_m/adam_v) and each rank index's CRC-32
 //   manifest.crc32        the CRC-32 of manifest.json's bytes (decimal)
 // Together the slices of all ranks cover every element of every tensor exactly once (checked
 // before the checkpoint is committed), so no rank ever holds a full tensor it does not own, and
@@ -124,6 +126,7 @@ class CheckpointReader {
   const CheckpointMeta& meta() const;
   // The full tensor's shape; throws naming the checkpoint when it has no tensor `name`.
   Shape shape(const std::string& name) const;
+  bool has(const std::string& name) const;
   // Elements [global, global + n) of tensor `name` into dst.
   void read(const std::string& name, int64_t global, int64_t n, float* dst);
   // The whole tensor `name` into t (f32, its shape expected).

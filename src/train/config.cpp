@@ -90,6 +90,10 @@ const Field kFields[] = {
     F("optim.beta2", beta2, "AdamW beta2"),
     F("optim.eps", eps, "AdamW epsilon"),
     F("optim.grad_clip", grad_clip, "global gradient-norm clip (0: off)"),
+    F("optim.name", optimizer, "adamw, or galore: AdamW with the moments of the transformer blocks' matrices in a low-rank subspace of their gradients, refreshed by an SVD (Zhao et al. 2024; needs parallel.tp 1 and parallel.zero 0, CPU only)"),
+    F("optim.galore_rank", galore_rank, "optim.name = galore: the rank of the projected gradients (a matrix whose smaller side is not above it keeps full AdamW)"),
+    F("optim.galore_update_every", galore_update_every, "optim.name = galore: optimizer steps between projector refreshes"),
+    F("optim.galore_scale", galore_scale, "optim.name = galore: the scale of the update projected back (alpha)"),
     F("parallel.dp", dp, "data-parallel ranks"),
     F("parallel.tp", tp, "tensor-parallel ranks"),
     F("parallel.pp", pp, "pipeline stages"),
@@ -368,7 +372,8 @@ void TrainConfig::validate(const std::string& where, const std::vector<std::stri
   for (const auto& [field, value] :
        {std::pair<const char*, float>{"optim.lr", lr}, {"optim.min_lr", min_lr}, {"optim.beta1", beta1},
         {"optim.beta2", beta2}, {"optim.eps", eps}, {"optim.weight_decay", weight_decay},
-        {"optim.grad_clip", grad_clip}, {"train.sample_temperature", sample_temperature},
+        {"optim.grad_clip", grad_clip}, {"optim.galore_scale", galore_scale},
+        {"train.sample_temperature", sample_temperature},
         {"parallel.timeout_s", timeout_s}, {"parallel.bucket_mb", bucket_mb}})
     need(std::isfinite(value), field, fmt::format("must be a finite number, got {}", value));
   need(lr >= 0 && min_lr >= 0, "optim.lr", "learning rates must be non-negative");
@@ -379,6 +384,23 @@ void TrainConfig::validate(const std::string& where, const std::vector<std::stri
   need(eps > 0, "optim.eps", "must be positive");
   need(weight_decay >= 0, "optim.weight_decay", "must be non-negative");
   need(grad_clip >= 0, "optim.grad_clip", "must be non-negative");
+  need(optimizer == "adamw" || optimizer == "galore", "optim.name",
+       fmt::format("'{}' is not adamw or galore", optimizer));
+  need(galore_rank >= 1, "optim.galore_rank", fmt::format("must be at least 1, got {}", galore_rank));
+  need(galore_update_every >= 1, "optim.galore_update_every",
+       fmt::format("must be at least 1, got {}", galore_update_every));
+  need(galore_scale > 0, "optim.galore_scale", fmt::format("must be positive, got {}", galore_scale));
+  if (optimizer == "galore") {
+    // GaLore projects whole matrices: every rank that updates one must hold all of it.
+    need(tp == 1, "parallel.tp",
+         fmt::format("optim.name = galore needs whole matrices on each rank: tensor parallelism splits them (got {})",
+                     tp));
+    need(zero == 0, "parallel.zero",
+         fmt::format("optim.name = galore needs whole matrices on each rank: ZeRO {} shards the optimizer over a "
+                     "flat buffer that cuts them; use 0",
+                     zero));
+    need(device == "cpu", "optim.name", "galore runs on the CPU only (its SVD is LAPACK's); use adamw on cuda");
+  }
   need(dp >= 1 && tp >= 1 && pp >= 1 && cp >= 1, "parallel", "dp, tp, pp, cp must be at least 1");
   need(zero >= 0 && zero <= 3, "parallel.zero", fmt::format("must be 0, 1, 2 or 3, got {}", zero));
   need(bucket_mb > 0, "parallel.bucket_mb", fmt::format("must be positive, got {}", bucket_mb));

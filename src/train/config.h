@@ -62,6 +62,10 @@ struct TrainConfig {
   std::string lr_schedule = "cosine";      // cosine | constant | linear
   float weight_decay = 0.1f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f;
   float grad_clip = 1.0f;                  // global-norm clip; 0 disables
+  std::string optimizer = "adamw";         // adamw | galore (optim/galore.h)
+  int64_t galore_rank = 128;               // GaLore's projection rank
+  int64_t galore_update_every = 200;       // steps between GaLore's projector refreshes (SVDs)
+  float galore_scale = 0.25f;              // GaLore's scale of the projected-back update
   // [parallel]
   int64_t dp = 1, tp = 1, pp = 1, cp = 1;
   bool sp = false;

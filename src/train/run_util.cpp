@@ -26,6 +26,7 @@
 #include "core/error.h"
 #include "data/shard.h"
 #include "kernels/cpu/matmul.h"
+#include "optim/galore.h"
 #include "parallel/data/flat_layout.h"
 #include "plan/calibration.h"
 #include "train/checkpoint_io.h"
@@ -272,6 +273,34 @@ void check_resume_checkpoint(const std::string& ckpt, const CheckpointMeta& meta
   same("bias", c.bias, mc.bias);
   same("rope_theta", c.rope_theta, mc.rope_theta);
   same("rope_scaling_factor", c.rope_scaling_factor, mc.rope_scaling_factor);
+  // The optimizer's state must be the one this run's optimizer keeps (after its first step:
+  // before it, every optimizer's state is zero, and a run may start any optimizer from it).
+  if (meta.optimizer_steps > 0 && meta.tensors.empty() && cfg.optimizer != "adamw")
+    throw Error(fmt::format("{}: a checkpoint of format version 1 or 2 holds AdamW's state only, but this run's "
+                            "optim.name = {} (--resume continues with the optimizer the checkpoint was written with)",
+                            manifest, cfg.optimizer));
+  if (meta.optimizer_steps > 0 && !meta.tensors.empty()) {
+    std::map<std::string, Shape> have;
+    for (const TensorInfo& t : meta.tensors) have[t.name] = t.shape;
+    const optim::AdamWConfig oc = adamw_config(cfg);
+    for (const model::ParamSpec& s : model::gpt_param_specs(mc)) {
+      const optim::GaLoreShapes g = optim::galore_shapes(s.name, s.shape, oc.galore_rank);
+      const std::string name = (g.low_rank ? "galore_m/" : "adam_m/") + s.name;
+      const Shape want = g.low_rank ? g.moments : s.shape;
+      auto it = have.find(name);
+      if (it != have.end() && it->second == want) continue;
+      const bool galore_ckpt = have.count("galore_m/" + s.name) > 0;
+      throw Error(fmt::format(
+          "{}: the checkpoint's optimizer state for '{}' is {} but this run's optim.name = {}{} keeps {} {} (--resume "
+          "continues with the optimizer the checkpoint was written with)",
+          manifest, s.name,
+          galore_ckpt ? fmt::format("GaLore's, moments {}", shape_str(have.at("galore_m/" + s.name)))
+                      : fmt::format("AdamW's, moments {}", shape_str(have.count("adam_m/" + s.name)
+                                                                         ? have.at("adam_m/" + s.name) : Shape{})),
+          cfg.optimizer, g.low_rank ? fmt::format(" (optim.galore_rank {})", cfg.galore_rank) : "",
+          g.low_rank ? "GaLore moments" : "AdamW moments", shape_str(want)));
+    }
+  }
   // Training batches are addressed by step (data/loader.h), so the data position is the step.
   LOOM_CHECK(meta.data_position == meta.step, "{}: field 'data_position' is {} but 'step' is {} (they must match)",
              manifest, meta.data_position, meta.step);
@@ -423,6 +452,11 @@ optim::AdamWConfig adamw_config(const TrainConfig& cfg) {
   oc.eps = cfg.eps;
   oc.weight_decay = cfg.weight_decay;
   oc.max_norm = cfg.grad_clip;
+  if (cfg.optimizer == "galore") {
+    oc.galore_rank = cfg.galore_rank;
+    oc.galore_update_every = cfg.galore_update_every;
+    oc.galore_scale = cfg.galore_scale;
+  }
   return oc;
 }
 

@@ -65,12 +65,38 @@ void read_slices(CheckpointReader& ckpt, const char* kind, const model::Paramete
   p.for_each_global(lb, le, [&](int64_t g, int64_t n, int64_t local) { ckpt.read(name, g, n, data + (local - lb)); });
 }
 
-// Every full tensor of a checkpoint of model mc: each parameter's value and moments, in
-// GPT::parameters() order, so every layout writes the same list.
-std::vector<TensorInfo> checkpoint_tensors(const model::GPTConfig& mc) {
+// Every full tensor of a checkpoint of model mc: each parameter's value and moments (under GaLore
+// a projected matrix's moments and projector), in GPT::parameters() order, so every layout writes
+// the same list.
+std::vector<TensorInfo> checkpoint_tensors(const model::GPTConfig& mc, const optim::AdamWConfig& oc) {
   std::vector<TensorInfo> out;
-  for (const model::ParamSpec& s : model::gpt_param_specs(mc))
-    for (const char* kind : {"param/", "adam_m/", "adam_v/"}) out.push_back({kind + s.name, s.shape});
+  for (const model::ParamSpec& s : model::gpt_param_specs(mc)) {
+    out.push_back({"param/" + s.name, s.shape});
+    const optim::GaLoreShapes g = optim::galore_shapes(s.name, s.shape, oc.galore_rank);
+    if (g.low_rank) {
+      out.push_back({"galore_m/" + s.name, g.moments});
+      out.push_back({"galore_v/" + s.name, g.moments});
+      out.push_back({"galore_p/" + s.name, g.projector});
+    } else {
+      out.push_back({"adam_m/" + s.name, s.shape});
+      out.push_back({"adam_v/" + s.name, s.shape});
+    }
+  }
+  return out;
+}
+
+// GaLore's state per parameter of a DataParallel's layout (null where it has none: AdamW).
+std::vector<optim::GaLore::State*> galore_states(parallel::DataParallel& ddp) {
+  std::vector<optim::GaLore::State*> out(ddp.layout().size(), nullptr);
+  optim::GaLore* g = ddp.galore();
+  if (!g) return out;
+  for (optim::GaLore::State& st : g->states()) {
+    const auto f = std::find_if(ddp.layout().begin(), ddp.layout().end(),
+                                [&](const parallel::FlatParam& x) { return x.offset == st.seg.begin; });
+    LOOM_CHECK(f != ddp.layout().end() && st.seg.end - st.seg.begin == f->numel,
+               "galore: state of '{}' does not match a parameter of the layout", st.seg.name);
+    out[size_t(f - ddp.layout().begin())] = &st;
+  }
   return out;
 }
 
@@ -83,15 +109,29 @@ CheckpointPart data_parallel_part(parallel::DataParallel& ddp,
   CheckpointPart out;
   out.optimizer_steps = ddp.optimizer_steps();
   const parallel::DataParallel::LocalState st = ddp.local_state();
+  const std::vector<optim::GaLore::State*> galore = galore_states(ddp);
   const int64_t b = st.shard_begin, e = st.shard_end;
-  for (const parallel::FlatParam& f : ddp.layout()) {
+  for (size_t i = 0; i < ddp.layout().size(); ++i) {
+    const parallel::FlatParam& f = ddp.layout()[i];
     const model::Parameter& p = *f.param;
+    if (skip(p)) continue;
+    const optim::GaLore::State* g = galore[i];
+    if (g && g->shapes.low_rank) {
+      // Every rank of the group holds it all (ZeRO stage 0): each writes its share of the elements.
+      for (const auto& [kind, t] : {std::pair<const char*, const Tensor*>{"galore_m/", &g->exp_avg},
+                                    {"galore_v/", &g->exp_avg_sq}, {"galore_p/", &g->projector}}) {
+        const int64_t n = t->numel(), r = ddp.rank(), w = ddp.ranks();
+        const int64_t g0 = n * r / w, g1 = n * (r + 1) / w;
+        if (g1 > g0) out.slices.push_back({kind + p.global().name, g0, g1 - g0, t->f32() + g0});
+      }
+    }
     const int64_t lo = std::max(b, f.offset), hi = std::min(e, f.offset + f.numel);
-    if (lo >= hi || skip(p)) continue;
+    if (lo >= hi) continue;
     const int64_t lb = lo - f.offset, le = hi - f.offset;
     add_slices(out.slices, "param/", p, lb, le, st.params + (lo - st.params_begin));
-    add_slices(out.slices, "adam_m/", p, lb, le, st.exp_avg + (lo - st.opt_begin));
-    add_slices(out.slices, "adam_v/", p, lb, le, st.exp_avg_sq + (lo - st.opt_begin));
+    if (g && g->shapes.low_rank) continue;
+    add_slices(out.slices, "adam_m/", p, lb, le, g ? g->exp_avg.f32() + lb : st.exp_avg + (lo - st.opt_begin));
+    add_slices(out.slices, "adam_v/", p, lb, le, g ? g->exp_avg_sq.f32() + lb : st.exp_avg_sq + (lo - st.opt_begin));
   }
   return out;
 }
@@ -108,8 +148,29 @@ void load_data_parallel(parallel::DataParallel& ddp, CheckpointReader& ckpt, int
     }
   };
   read("param/", st.params_begin, st.params_end, st.params);
-  read("adam_m/", st.opt_begin, st.opt_end, st.exp_avg);
-  read("adam_v/", st.opt_begin, st.opt_end, st.exp_avg_sq);
+  if (!ddp.galore()) {
+    read("adam_m/", st.opt_begin, st.opt_end, st.exp_avg);
+    read("adam_v/", st.opt_begin, st.opt_end, st.exp_avg_sq);
+  } else {
+    // A checkpoint at optimizer step 0 (`loom convert`'s, or another optimizer's before its first
+    // step) has no GaLore state: it starts from zero, as a fresh run does (check_resume_checkpoint
+    // refuses a later one).
+    const std::vector<optim::GaLore::State*> galore = galore_states(ddp);
+    for (size_t i = 0; i < ddp.layout().size(); ++i) {
+      optim::GaLore::State* g = galore[i];
+      if (!g) continue;
+      const model::Parameter& p = *ddp.layout()[i].param;
+      const bool low = g->shapes.low_rank;
+      for (const auto& [kind, t] : {std::pair<const char*, Tensor*>{low ? "galore_m/" : "adam_m/", &g->exp_avg},
+                                    {low ? "galore_v/" : "adam_v/", &g->exp_avg_sq},
+                                    {"galore_p/", low ? &g->projector : nullptr}}) {
+        if (!t) continue;
+        if (!ckpt.has(kind + p.global().name)) t->zero_();
+        else if (low) ckpt.read_into(kind + p.global().name, *t);
+        else read_slices(ckpt, kind, p, 0, p.spec.numel(), t->f32());
+      }
+    }
+  }
   ddp.state_loaded(optimizer_steps);
 }
 
@@ -695,7 +756,7 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   // Collective: every rank writes its part and no rank starts the next step before the checkpoint
   // is committed (or every rank has learnt that it was not), so a rank that fails in that step
   // cannot cut the write short and lose the checkpoint.
-  const std::vector<TensorInfo> ckpt_tensors = checkpoint_tensors(mc);
+  const std::vector<TensorInfo> ckpt_tensors = checkpoint_tensors(mc, oc);
   auto checkpoint = [&](int64_t step) {
     const auto t0 = std::chrono::steady_clock::now();
     CheckpointPart part = engine->checkpoint_part();

@@ -366,7 +366,18 @@ DataParallel::DataParallel(DataChain chain, comm::Comm& dp, const optim::AdamWCo
   std::vector<optim::FlatSegment> segs = lay_.segments(o_.in_norm);
   const int64_t ob = o_.zero == 0 ? 0 : int64_t(rank_) * shard_, oe = o_.zero == 0 ? n_pad_ : ob + shard_;
   MemoryPool& state_pool = o_.offload ? *o_.host_pool : pool;
-  opt_ = std::make_unique<optim::ShardedAdamW>(std::move(segs), ob, oe, adam, state_pool);
+  if (adam.galore_rank > 0) {
+    LOOM_CHECK(o_.zero == 0, "data parallel: GaLore needs every matrix whole on its rank (ZeRO stage 0), not stage {}",
+               o_.zero);
+    for (const FlatParam& f : lay_.params)
+      LOOM_CHECK(!f.param->shard.split || !optim::galore_shapes(f.param->spec.name, f.param->spec.shape,
+                                                                adam.galore_rank).low_rank,
+                 "data parallel: GaLore needs whole matrices, and '{}' is split over tensor-parallel ranks",
+                 f.param->spec.name);
+    opt_ = std::make_unique<optim::GaLore>(std::move(segs), ob, oe, adam, state_pool, pool);
+  } else {
+    opt_ = std::make_unique<optim::ShardedAdamW>(std::move(segs), ob, oe, adam, state_pool);
+  }
   if (o_.offload) {
     host_params_ = Tensor::zeros({oe - ob}, DType::f32, MemTag::params, *o_.host_pool);
     host_grads_ = Tensor::zeros({oe - ob}, DType::f32, MemTag::grads, *o_.host_pool);
@@ -763,8 +774,7 @@ DataParallel::FullState DataParallel::gather_full_state() {
   if (o_.zero == 0) {  // every rank holds it all already: the live buffers themselves, no copy
     FullState s;
     s.params = params_;
-    s.exp_avg = opt_->exp_avg();
-    s.exp_avg_sq = opt_->exp_avg_sq();
+    if (adam()) s.exp_avg = adam()->exp_avg(), s.exp_avg_sq = adam()->exp_avg_sq();
     return s;
   }
   FullState s;  // (every element is written below)
@@ -773,8 +783,8 @@ DataParallel::FullState DataParallel::gather_full_state() {
   s.exp_avg_sq = Tensor::empty({n_pad_}, DType::f32, MemTag::workspace, *chain_.pool);
   if (o_.zero == 3) comm_.all_gather(params_.f32(), s.params.f32(), n_pad_, DType::f32);
   else std::memcpy(s.params.f32(), params_.f32(), size_t(n_pad_) * 4);
-  comm_.all_gather(opt_->exp_avg().f32(), s.exp_avg.f32(), n_pad_, DType::f32);
-  comm_.all_gather(opt_->exp_avg_sq().f32(), s.exp_avg_sq.f32(), n_pad_, DType::f32);
+  comm_.all_gather(adam()->exp_avg().f32(), s.exp_avg.f32(), n_pad_, DType::f32);
+  comm_.all_gather(adam()->exp_avg_sq().f32(), s.exp_avg_sq.f32(), n_pad_, DType::f32);
   return s;
 }
 
@@ -785,8 +795,7 @@ DataParallel::LocalState DataParallel::local_state() {
   s.params = params_.f32();
   s.opt_begin = opt_->begin();
   s.opt_end = opt_->end();
-  s.exp_avg = opt_->exp_avg().f32();
-  s.exp_avg_sq = opt_->exp_avg_sq().f32();
+  if (adam()) s.exp_avg = adam()->exp_avg().f32(), s.exp_avg_sq = adam()->exp_avg_sq().f32();
   s.shard_begin = int64_t(rank_) * shard_;
   s.shard_end = s.shard_begin + shard_;
   return s;

@@ -38,6 +38,9 @@
 // largest first at the lowest offset no bucket alive with them uses, so G is a function of the
 // bucket layout only, never of timing (for GPT-2 it is the two largest blocks' buckets); the
 // arena is allocated at the first backward and reused by every one after.
+// Under GaLore (AdamWConfig::galore_rank > 0, optim/galore.h; stage 0 only) the optimizer tag
+// holds, instead of 2 P_N: 8 numel bytes per parameter it keeps in plain AdamW (no padding) and
+// 4 r (2 max(m, n) + min(m, n)) bytes per projected block matrix [m, n].
 // With offload the optimizer moments (2 P_opt), an f32 master copy of the updated parameters
 // (P_opt) and a gradient staging copy (P_opt) live in the host pool instead (tags optimizer,
 // params, grads), P_opt = P_N for stage 0 and P_S otherwise; the update runs there and the
@@ -80,6 +83,7 @@
 #include "core/tensor.h"
 #include "model/gpt.h"
 #include "optim/adamw.h"
+#include "optim/galore.h"
 #include "optim/sharded_adamw.h"
 #include "parallel/data/flat_layout.h"
 #include "parallel/data/trace.h"
@@ -189,7 +193,8 @@ class DataParallel final : public model::ChainHooks {
   // The replica's whole flat state on every rank, collective, to inspect (the tests compare it
   // with one device; checkpoints use local_state and never gather): flat f32 [N_pad] copies of
   // the parameters and of both moments (tag workspace, from the model's pool); at stage 0 the
-  // live buffers themselves (read them before the next step).
+  // live buffers themselves (read them before the next step). Under GaLore (stage 0 only) the
+  // moments are undefined: they are galore()'s.
   struct FullState {
     Tensor params, exp_avg, exp_avg_sq;
   };
@@ -201,10 +206,16 @@ class DataParallel final : public model::ChainHooks {
   struct LocalState {
     int64_t params_begin = 0, params_end = 0, opt_begin = 0, opt_end = 0, shard_begin = 0, shard_end = 0;
     float* params = nullptr;
-    float* exp_avg = nullptr;
+    float* exp_avg = nullptr;     // (null under GaLore: its state is galore()'s)
     float* exp_avg_sq = nullptr;
   };
   LocalState local_state();
+  // The optimizer: AdamW over this rank's optimizer range, or GaLore (AdamWConfig::galore_rank > 0,
+  // stage 0; null otherwise) over the whole flat buffer, its state per parameter.
+  optim::ShardedAdamW* adam() { return dynamic_cast<optim::ShardedAdamW*>(opt_.get()); }
+  optim::GaLore* galore() { return dynamic_cast<optim::GaLore*>(opt_.get()); }
+  int rank() const { return rank_; }
+  int ranks() const { return world_; }
   // After a checkpoint was read into local_state()'s buffers: the optimizer's step count, and the
   // offloaded master copy refreshed from the parameters.
   void state_loaded(int64_t optimizer_steps);
@@ -292,7 +303,7 @@ class DataParallel final : public model::ChainHooks {
   std::vector<char> keep_whole_;  // per layout parameter: one of input_slots_ (empty: none)
   bool input_pending_ = false;
   void reduce_input_pass();
-  std::unique_ptr<optim::ShardedAdamW> opt_;
+  std::unique_ptr<optim::FlatOptimizer> opt_;
   std::unique_ptr<Worker> worker_;
   bool last_micro_ = true;
   bool poison_ = false;

@@ -53,17 +53,18 @@ std::vector<optim::FlatSegment> FlatLayout::segments(const std::vector<bool>& in
     const FlatParam& f = params[i];
     const bool counted = in_norm.empty() || in_norm[i];
     if (!counted || !f.param->has_shared()) {
-      segs.push_back({f.offset, f.offset + f.numel, f.param->spec.decay(), f.param->spec.name, counted});
+      segs.push_back({f.offset, f.offset + f.numel, f.param->spec.decay(), f.param->spec.name, counted, f.param->spec.shape});
       continue;
     }
     // Replicas of shared segments (replicated key/value heads) count on their owner only.
     int64_t at = 0;
     for (const auto& [b, e] : f.param->norm_ranges()) {
-      if (b > at) segs.push_back({f.offset + at, f.offset + b, f.param->spec.decay(), f.param->spec.name, false});
-      segs.push_back({f.offset + b, f.offset + e, f.param->spec.decay(), f.param->spec.name, true});
+      if (b > at) segs.push_back({f.offset + at, f.offset + b, f.param->spec.decay(), f.param->spec.name, false, {}});
+      segs.push_back({f.offset + b, f.offset + e, f.param->spec.decay(), f.param->spec.name, true, {}});
       at = e;
     }
-    if (f.numel > at) segs.push_back({f.offset + at, f.offset + f.numel, f.param->spec.decay(), f.param->spec.name, false});
+    if (f.numel > at)
+      segs.push_back({f.offset + at, f.offset + f.numel, f.param->spec.decay(), f.param->spec.name, false, {}});
   }
   return segs;
 }

@@ -1,0 +1,53 @@
+// The optimizers data parallelism drives (parallel/data/data_parallel.h): each updates a range
+// [begin, end) of the flat f32 parameter buffer, in which every parameter's logical elements are
+// one segment. ShardedAdamW (optim/sharded_adamw.h) is element-wise, so any range of the buffer (a
+// ZeRO shard) updates alike; GaLore (optim/galore.h) needs whole matrices (ZeRO stage 0).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "optim/adamw.h"
+
+namespace loom::optim {
+
+// A run of elements of the flat buffer that belongs to one parameter's logical values.
+struct FlatSegment {
+  int64_t begin = 0, end = 0;  // flat element indices
+  bool decay = false;
+  std::string name;            // the parameter, for messages
+  bool in_norm = true;         // counted by grad_sum_squares (a replicated copy counts elsewhere)
+  Shape shape;                 // the parameter's logical shape when the segment is all of it (else empty)
+};
+
+class FlatOptimizer {
+ public:
+  FlatOptimizer(const AdamWConfig& cfg, int64_t begin, int64_t end) : cfg_(cfg), begin_(begin), end_(end) {}
+  virtual ~FlatOptimizer() = default;
+  FlatOptimizer(const FlatOptimizer&) = delete;
+  FlatOptimizer& operator=(const FlatOptimizer&) = delete;
+
+  // Sum of squares (double) of grad_shard f32 [end - begin] over this range's logical elements of
+  // the segments with in_norm, segment by segment in flat order (deterministic for any thread
+  // count).
+  virtual double grad_sum_squares(const float* grad_shard) const = 0;
+  // One step on param_shard / grad_shard f32 [end - begin] with a global gradient norm computed
+  // over all ranges (clipping), at learning rate lr (the configured one when lr < 0).
+  virtual StepStats step(float* param_shard, const float* grad_shard, double global_norm, double lr = -1.0) = 0;
+  // Bytes of optimizer state held (tag optimizer).
+  virtual int64_t state_bytes() const = 0;
+
+  int64_t begin() const { return begin_; }
+  int64_t end() const { return end_; }
+  const AdamWConfig& config() const { return cfg_; }
+  int64_t steps_taken() const { return t_; }
+  void set_steps_taken(int64_t t) { t_ = t; }
+
+ protected:
+  AdamWConfig cfg_;
+  int64_t begin_, end_;
+  int64_t t_ = 0;
+};
+
+}  // namespace loom::optim

@@ -1,0 +1,80 @@
+// GaLore (Zhao et al. 2024, "GaLore: Memory-Efficient LLM Training by Gradient Low-Rank
+// Projection"): AdamW whose moments for the matrices of the transformer blocks live in a low-rank
+// subspace of their gradients.
+//
+// For a block matrix W [m, n] (the attention and MLP linears, "h.<i>.*" of two dimensions; not the
+// embeddings or an untied head) and rank r < min(m, n): every `galore_update_every` optimizer steps
+// from the first, the step's gradient G gives a projector from its SVD G = U S V^T:
+//   m <  n: P = U[:, :r]   [m, r]   (left),  R = P^T G  [r, n]
+//   m >= n: Q = V^T[:r, :] [r, n]   (right), R = G Q^T  [m, r]
+// (the reference implementation's choice of side). Adam runs on R (both moments of R's shape,
+// kept across refreshes as the reference implementation keeps them), and the normalized step
+// N = m_hat / (sqrt(v_hat) + eps) goes back to W's space, scaled by `galore_scale`:
+//   W = W (1 - lr wd) - lr * scale * (P N  or  N Q)
+// (decoupled weight decay first, in torch.optim.AdamW's order; clipping scales G before R is
+// formed). The state per such matrix is 2 r max(m, n) moment elements and r min(m, n) projector
+// elements instead of AdamW's 2 m n. Every other parameter takes the element-wise AdamW of
+// optim/sharded_adamw.h. The singular vectors are the top eigenvectors of G's Gram matrix on its
+// smaller side, in double (LAPACK's dsyrk and dsyevr, from OpenBLAS).
+//
+// GaLore needs each matrix whole on the rank that updates it: it runs over the whole flat buffer
+// of ZeRO stage 0 (every data-parallel rank computes the same projectors from the same reduced
+// gradient), not under tensor parallelism or ZeRO 1-3, where a rank holds pieces of matrices.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/memory.h"
+#include "core/tensor.h"
+#include "optim/flat_optimizer.h"
+
+namespace loom::optim {
+
+// How GaLore treats a parameter of this name and logical shape at `rank`.
+struct GaLoreShapes {
+  bool low_rank = false;  // projected (else plain AdamW)
+  bool left = false;      // P [m, r] on the left (m < n); else Q [r, n] on the right
+  Shape moments;          // [r, n] or [m, r]
+  Shape projector;        // [m, r] or [r, n]
+};
+GaLoreShapes galore_shapes(const std::string& name, const Shape& shape, int64_t rank);
+
+// The top-r singular vectors of G [m, n] (row-major f32), in double, largest first: left:
+// U[:, :r] into out [m, r]; else V^T[:r, :] into out [r, n] (row-major). They are the top
+// eigenvectors of G G^T [m, m] (left) or G^T G [n, n] (LAPACK dsyrk + dsyevr; 5x faster than
+// dgesdd at GPT-2's shapes). Scratch from `pool` (tag workspace), freed on return. Throws naming
+// `what` when LAPACK fails.
+void top_singular_vectors(const float* G, int64_t m, int64_t n, int64_t r, bool left, float* out, MemoryPool& pool,
+                          const std::string& what);
+
+class GaLore final : public FlatOptimizer {
+ public:
+  // segments: the logical parameter elements of the flat buffer (sorted, disjoint); [begin, end)
+  // must hold every projected segment whole. State (tag optimizer) from state_pool; the
+  // projected gradient and step (tag workspace, kept) and each SVD's scratch (freed) from work_pool.
+  GaLore(std::vector<FlatSegment> segments, int64_t begin, int64_t end, const AdamWConfig& cfg,
+         MemoryPool& state_pool, MemoryPool& work_pool);
+
+  double grad_sum_squares(const float* grad_shard) const override;
+  StepStats step(float* param_shard, const float* grad_shard, double global_norm, double lr = -1.0) override;
+  int64_t state_bytes() const override;
+
+  struct State {
+    FlatSegment seg;          // range-relative
+    GaLoreShapes shapes;
+    Tensor exp_avg, exp_avg_sq;  // f32: [seg length] (plain) or shapes.moments (projected)
+    Tensor projector;            // f32 shapes.projector (projected only)
+  };
+  std::vector<State>& states() { return states_; }
+  const std::vector<State>& states() const { return states_; }
+  int64_t refreshes() const { return refreshes_; }  // SVDs taken so far by this object
+
+ private:
+  std::vector<State> states_;
+  MemoryPool& work_pool_;
+  Tensor work_r_, work_d_;  // the projected gradient and Adam's step, f32 [largest moments]
+  int64_t refreshes_ = 0;
+};
+
+}  // namespace loom::optim
