@@ -59,7 +59,7 @@ int run_convert(const ConvertArgs& a) {
     if (model::is_llama(cfg)) {
       train::CheckpointReader r(ckpt);
       model::save_hf_llama(
-          cfg, [&](const model::ParamSpec& spec, float* dst) { r.read("param/" + spec.name, 0, spec.numel(), dst); },
+          cfg, [&](const model::ParamSpec& spec, float* dst) { model::read_checkpoint_param(r, ckpt, spec, dst); },
           a.out, int64_t(a.max_shard_mb * 1024 * 1024));
     } else {
       (void)model::hf_config_json(cfg);  // a mix of the families is refused before anything is written

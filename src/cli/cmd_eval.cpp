@@ -88,7 +88,7 @@ int run_eval(const EvalArgs& a) {
     std::vector<float> buf;
     for (model::Parameter* p : gpt.parameters()) {
       buf.resize(size_t(p->spec.numel()));
-      r.read("param/" + p->spec.name, 0, p->spec.numel(), buf.data());
+      model::read_checkpoint_param(r, ckpt, p->spec, buf.data());
       be->upload(p->value.raw(), DType::f32, buf.data(), p->spec.numel());
     }
     gpt.refresh_compute();

@@ -91,6 +91,20 @@ Embedding::Embedding(const GPTConfig& cfg, Backend& be, const BlockOptions& o) :
   allocate_param(add_param(wte_param(cfg, *par_)));
   if (specs.size() > 1) allocate_param(add_param(par_->whole(specs[1], false)));
   arena_ = nullptr;
+  if (cfg.kept_tokens) {
+    LOOM_CHECK(!cfg.tied_embeddings, "embedding: a pruned input embedding needs untied embeddings (lm_head reads every "
+                                     "row of a tied wte)");
+    LOOM_CHECK(par_->tp() == 1, "embedding: a pruned input embedding runs without tensor parallelism");
+    auto row_of = std::make_shared<std::vector<int32_t>>(size_t(cfg.vocab_size), -1);
+    int32_t prev = -1, row = 0;
+    for (int32_t id : *cfg.kept_tokens) {
+      LOOM_CHECK(id > prev && id < cfg.vocab_size, "embedding: kept token ids must ascend within [0, {}), got {} after {}",
+                 cfg.vocab_size, id, prev);
+      (*row_of)[size_t(id)] = row++;
+      prev = id;
+    }
+    row_of_ = std::move(row_of);
+  }
 }
 
 std::unique_ptr<ChainBlock> Embedding::replica(MemTag tag) const {
@@ -123,6 +137,19 @@ void Embedding::forward(const int32_t* tokens, int64_t B, int64_t T, int64_t pos
     for (int64_t i = 0; i < B * T; ++i)
       LOOM_CHECK(tokens[i] >= 0 && tokens[i] < cfg_.vocab_size,
                  "embedding: token id {} at index {} is outside the vocabulary [0, {})", tokens[i], i, cfg_.vocab_size);
+  if (row_of_) {  // ids become rows of the pruned table
+    LOOM_CHECK(!on_device, "embedding: a pruned embedding takes its ids from host memory");
+    rows_.resize(size_t(B * T));
+    for (int64_t i = 0; i < B * T; ++i) {
+      const int32_t r = (*row_of_)[size_t(tokens[i])];
+      LOOM_CHECK(r >= 0,
+                 "embedding: token id {} at index {} is not among the {} tokens the pruned input embedding keeps "
+                 "(model.prune_embedding keeps those of the run's data)",
+                 tokens[i], i, cfg_.input_rows());
+      rows_[size_t(i)] = r;
+    }
+    tokens = rows_.data();
+  }
   const int64_t Tl = T / P.cp(), N = P.rows(B, T);
   if (B != B_ || T != T_) {
     release_activations();
@@ -145,7 +172,7 @@ void Embedding::forward(const int32_t* tokens, int64_t B, int64_t T, int64_t pos
   void* dst = P.sp_active() ? P.partial_buffer(N, C) : out_.raw();
   be_->embedding_forward({.dtype = dt_, .out = dst, .tokens = tokens_.i32(), .wte = wte().weights().raw(),
                           .wpe = P.tp_rank() == 0 && wpe() ? wpe()->weights().raw() : nullptr, .B = B, .T = Tl, .C = C,
-                          .V = cfg_.vocab_size, .pos0 = pos0, .positions = P.cp() > 1 ? P.positions(T) : nullptr,
+                          .V = cfg_.input_rows(), .pos0 = pos0, .positions = P.cp() > 1 ? P.positions(T) : nullptr,
                           .vocab_begin = split ? P.vocab_begin(cfg_) : 0, .vocab_rows = split ? P.vocab_rows(cfg_) : 0});
   P.reduce(dst, out_.raw(), N, C);
 }
@@ -158,7 +185,7 @@ void Embedding::backward(const void* dout) {
   // Both tables from the output gradient of every token row (gathered under sp).
   be_->embedding_backward({.dtype = dt_, .dwte = wte().grad.f32(), .dwpe = wpe() ? wpe()->grad.f32() : nullptr,
                            .dout = P.gather(dout, N, C),
-                           .tokens = tokens_.i32(), .B = B_, .T = T_ / P.cp(), .C = C, .V = cfg_.vocab_size,
+                           .tokens = tokens_.i32(), .B = B_, .T = T_ / P.cp(), .C = C, .V = cfg_.input_rows(),
                            .pos0 = pos0_, .positions = P.cp() > 1 ? P.positions(T_) : nullptr,
                            .vocab_begin = split ? P.vocab_begin(cfg_) : 0, .vocab_rows = split ? P.vocab_rows(cfg_) : 0});
 }

@@ -178,8 +178,13 @@ class Embedding final : public ChainBlock {
   Parameter* wpe() { return params().size() > 1 ? &params()[1] : nullptr; }  // null with rotary positions
 
  private:
-  Embedding(const Embedding& primary, MemTag tag) : ChainBlock(primary, tag), cfg_(primary.cfg_) {}
+  Embedding(const Embedding& primary, MemTag tag)
+      : ChainBlock(primary, tag), cfg_(primary.cfg_), row_of_(primary.row_of_) {}
   GPTConfig cfg_;
+  // With a pruned embedding (GPTConfig::kept_tokens): each token id's row of wte, -1 for the
+  // pruned ones; the remapped ids of the batch.
+  std::shared_ptr<const std::vector<int32_t>> row_of_;
+  std::vector<int32_t> rows_;
   int64_t B_ = 0, T_ = 0, pos0_ = 0;
   Tensor tokens_;     // i32 [B, T / cp]
   Tensor out_;        // [B, T, C] (the rank's stream rows)

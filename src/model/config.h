@@ -2,6 +2,7 @@
 // blocks (model/blocks.h): sizes, architecture options, presets and validation.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -47,6 +48,11 @@ struct GPTConfig {
   // Llama 3's frequency scaling (factor 0: none).
   double rope_scaling_factor = 0, rope_low_freq_factor = 1, rope_high_freq_factor = 4;
   int64_t rope_original_max_position = 8192;
+  // Embedding pruning for fine-tuning (Williams & Aletras 2023; untied only): the token ids whose
+  // rows the input embedding wte keeps, ascending (null: all of them). Ids are remapped to rows
+  // as they enter the embedding; lm_head keeps the whole vocabulary.
+  std::shared_ptr<const std::vector<int32_t>> kept_tokens;
+  int64_t input_rows() const { return kept_tokens ? int64_t(kept_tokens->size()) : vocab_size; }
 
   // The vocabulary padded to a multiple of 128: wte (and lm_head) have this many rows, the rows
   // past vocab_size are zero and the loss masks their logits.

@@ -7,7 +7,9 @@ namespace loom::model {
 
 std::vector<ParamSpec> embedding_param_specs(const GPTConfig& cfg) {
   const int64_t C = cfg.n_embd;
-  std::vector<ParamSpec> s = {{"wte.weight", {cfg.vocab_size, C}, cfg.padded_vocab(), Init::normal, cfg.init_std}};
+  // (A pruned input embedding has exactly its kept rows: ids are remapped, never padded.)
+  const int64_t rows = cfg.input_rows(), alloc = cfg.kept_tokens ? rows : cfg.padded_vocab();
+  std::vector<ParamSpec> s = {{"wte.weight", {rows, C}, alloc, Init::normal, cfg.init_std}};
   if (cfg.position == Position::learned)
     s.push_back({"wpe.weight", {cfg.block_size, C}, cfg.block_size, Init::normal, cfg.init_std});
   return s;

@@ -3,11 +3,14 @@
 // one segment. ShardedAdamW (optim/sharded_adamw.h) is element-wise, so any range of the buffer (a
 // ZeRO shard) updates alike; GaLore (optim/galore.h) needs whole matrices (ZeRO stage 0).
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "core/error.h"
 #include "core/tensor.h"
+#include "kernels/cpu/adamw.h"
 #include "optim/adamw.h"
 
 namespace loom::optim {
@@ -45,6 +48,31 @@ class FlatOptimizer {
   void set_steps_taken(int64_t t) { t_ = t; }
 
  protected:
+  // A step's start: the norm checked (`who` names the optimizer), the step counted, its stats.
+  StepStats begin_step(double global_norm, const char* who) {
+    if (!std::isfinite(global_norm))
+      throw Error(fmt::format("{}: gradient norm is {} at step {}", who, global_norm, t_ + 1));
+    ++t_;
+    StepStats st;
+    st.grad_norm = global_norm;
+    st.clip_scale = cpu::clip_scale(global_norm, cfg_.max_norm);
+    st.step = t_;
+    return st;
+  }
+  // The element-wise AdamW of a segment in this step at learning rate lr (the configured one when
+  // lr < 0).
+  cpu::AdamWArgs segment_args(double lr, bool decay, const StepStats& st) const {
+    cpu::AdamWArgs a;
+    a.lr = lr < 0 ? cfg_.lr : lr;
+    a.beta1 = cfg_.beta1;
+    a.beta2 = cfg_.beta2;
+    a.eps = cfg_.eps;
+    a.weight_decay = decay ? cfg_.weight_decay : 0.0;
+    a.step = st.step;
+    a.grad_scale = st.clip_scale;
+    return a;
+  }
+
   AdamWConfig cfg_;
   int64_t begin_, end_;
   int64_t t_ = 0;

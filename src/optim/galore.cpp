@@ -137,25 +137,29 @@ double GaLore::grad_sum_squares(const float* grad_shard) const {
   return s;
 }
 
-StepStats GaLore::step(float* param_shard, const float* grad_shard, double global_norm, double lr) {
-  if (!std::isfinite(global_norm))
-    throw Error(fmt::format("galore: gradient norm is {} at step {}", global_norm, t_ + 1));
-  ++t_;
-  StepStats st;
-  st.grad_norm = global_norm;
-  st.clip_scale = cpu::clip_scale(global_norm, cfg_.max_norm);
-  st.step = t_;
-  const double rate = lr < 0 ? cfg_.lr : lr;
-  const bool refresh = (t_ - 1) % cfg_.galore_update_every == 0;
+void GaLore::refresh_projectors(const float* grad_shard, int rank, int ranks,
+                                const std::function<void(Tensor&, int)>& share) {
+  LOOM_CHECK(refresh_due(), "galore: step {} takes no new projectors", t_ + 1);
+  LOOM_CHECK(0 <= rank && rank < ranks, "galore: rank {} of {}", rank, ranks);
+  int64_t i = 0;
   for (State& s : states_) {
-    cpu::AdamWArgs a;
-    a.lr = rate;
-    a.beta1 = cfg_.beta1;
-    a.beta2 = cfg_.beta2;
-    a.eps = cfg_.eps;
-    a.weight_decay = s.seg.decay ? cfg_.weight_decay : 0.0;
-    a.step = t_;
-    a.grad_scale = st.clip_scale;
+    if (!s.shapes.low_rank) continue;
+    const int owner = int(i++ % ranks);
+    if (owner == rank) {
+      top_singular_vectors(grad_shard + s.seg.begin, s.seg.shape[0], s.seg.shape[1], cfg_.galore_rank, s.shapes.left,
+                           s.projector.f32(), work_pool_, s.seg.name);
+      ++refreshes_;
+    }
+    share(s.projector, owner);
+  }
+  refreshed_for_ = t_ + 1;
+}
+
+StepStats GaLore::step(float* param_shard, const float* grad_shard, double global_norm, double lr) {
+  const StepStats st = begin_step(global_norm, "galore");
+  const bool refresh = (t_ - 1) % cfg_.galore_update_every == 0 && refreshed_for_ != t_;
+  for (State& s : states_) {
+    const cpu::AdamWArgs a = segment_args(lr, s.seg.decay, st);
     float* w = param_shard + s.seg.begin;
     const float* g = grad_shard + s.seg.begin;
     if (!s.shapes.low_rank) {

@@ -18,10 +18,12 @@
 // smaller side, in double (LAPACK's dsyrk and dsyevr, from OpenBLAS).
 //
 // GaLore needs each matrix whole on the rank that updates it: it runs over the whole flat buffer
-// of ZeRO stage 0 (every data-parallel rank computes the same projectors from the same reduced
-// gradient), not under tensor parallelism or ZeRO 1-3, where a rank holds pieces of matrices.
+// of ZeRO stage 0, not under tensor parallelism or ZeRO 1-3, where a rank holds pieces of
+// matrices. The data-parallel ranks, which all hold the same reduced gradient, share a refresh:
+// each projector is computed by one of them and broadcast (refresh_projectors).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -57,8 +59,18 @@ class GaLore final : public FlatOptimizer {
          MemoryPool& state_pool, MemoryPool& work_pool);
 
   double grad_sum_squares(const float* grad_shard) const override;
+  // Refreshes the projectors first when the step is due one (unless refresh_projectors did).
   StepStats step(float* param_shard, const float* grad_shard, double global_norm, double lr = -1.0) override;
   int64_t state_bytes() const override;
+
+  // Whether the next step takes new projectors.
+  bool refresh_due() const { return t_ % cfg_.galore_update_every == 0; }
+  // The next step's projectors over `ranks` holders of the same reduced gradient: this one
+  // computes those of the projected matrices i with i % ranks == rank, and share(projector,
+  // owner) makes every holder's copy the owner's (a broadcast). One computation per matrix, so
+  // the holders keep identical weights even where their LAPACK would round differently.
+  void refresh_projectors(const float* grad_shard, int rank, int ranks,
+                          const std::function<void(Tensor& projector, int owner)>& share);
 
   struct State {
     FlatSegment seg;          // range-relative
@@ -75,6 +87,7 @@ class GaLore final : public FlatOptimizer {
   MemoryPool& work_pool_;
   Tensor work_r_, work_d_;  // the projected gradient and Adam's step, f32 [largest moments]
   int64_t refreshes_ = 0;
+  int64_t refreshed_for_ = 0;  // the step whose projectors refresh_projectors took (0: none)
 };
 
 }  // namespace loom::optim

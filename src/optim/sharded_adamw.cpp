@@ -32,25 +32,10 @@ double ShardedAdamW::grad_sum_squares(const float* grad_shard) const {
 }
 
 StepStats ShardedAdamW::step(float* param_shard, const float* grad_shard, double global_norm, double lr) {
-  if (!std::isfinite(global_norm))
-    throw Error(fmt::format("adamw: gradient norm is {} at step {}", global_norm, t_ + 1));
-  ++t_;
-  StepStats st;
-  st.grad_norm = global_norm;
-  st.clip_scale = cpu::clip_scale(global_norm, cfg_.max_norm);
-  st.step = t_;
-  for (const FlatSegment& seg : local_) {
-    cpu::AdamWArgs a;
-    a.lr = lr < 0 ? cfg_.lr : lr;
-    a.beta1 = cfg_.beta1;
-    a.beta2 = cfg_.beta2;
-    a.eps = cfg_.eps;
-    a.weight_decay = seg.decay ? cfg_.weight_decay : 0.0;
-    a.step = t_;
-    a.grad_scale = st.clip_scale;
+  const StepStats st = begin_step(global_norm, "adamw");
+  for (const FlatSegment& seg : local_)
     cpu::adamw_update(param_shard + seg.begin, grad_shard + seg.begin, m_.f32() + seg.begin, v_.f32() + seg.begin,
-                      seg.end - seg.begin, a);
-  }
+                      seg.end - seg.begin, segment_args(lr, seg.decay, st));
   return st;
 }
 

@@ -1,9 +1,11 @@
 #include "train/checkpoint_io.h"
 
+#include <cmath>
 #include <filesystem>
 
 #include "core/error.h"
 #include "train/checkpoint.h"
+#include "train/safetensors.h"
 
 namespace fs = std::filesystem;
 
@@ -12,7 +14,7 @@ namespace loom::model {
 // The architecture options are written for every model; a manifest without them (GPT-2's, before
 // the options existed) reads as GPT-2.
 nlohmann::json gpt_config_manifest(const GPTConfig& c) {
-  return {{"name", c.name},
+  nlohmann::json j = {{"name", c.name},
           {"n_layer", c.n_layer},
           {"n_head", c.n_head},
           {"n_embd", c.n_embd},
@@ -32,6 +34,9 @@ nlohmann::json gpt_config_manifest(const GPTConfig& c) {
             {"low_freq_factor", c.rope_low_freq_factor},
             {"high_freq_factor", c.rope_high_freq_factor},
             {"original_max_position", c.rope_original_max_position}}}};
+  // A pruned input embedding's rows (the checkpoint's "vocab/kept" says which tokens).
+  if (c.kept_tokens) j["input_rows"] = c.input_rows();
+  return j;
 }
 
 GPTConfig gpt_config_from_manifest(const nlohmann::json& m, const std::string& where) {
@@ -107,10 +112,46 @@ GPTConfig checkpoint_model_config(const std::string& ckpt) {
   return gpt_config_from_manifest(meta.model, (fs::path(ckpt) / "manifest.json").string());
 }
 
+std::string pruned_rows_path(const std::string& run_dir) {
+  return (std::filesystem::path(run_dir) / "pruned_rows.safetensors").string();
+}
+
+void read_checkpoint_param(train::CheckpointReader& r, const std::string& ckpt, const ParamSpec& spec, float* dst) {
+  if (spec.name != "wte.weight" || !r.has("vocab/kept")) {
+    r.read("param/" + spec.name, 0, spec.numel(), dst);
+    return;
+  }
+  // A pruned fine-tune's: the rows it did not train from its run's table, then the ones it did.
+  const std::string rows = pruned_rows_path(std::filesystem::path(ckpt).parent_path().string());
+  LOOM_CHECK(std::filesystem::exists(rows),
+             "{}: missing: checkpoint {} keeps only the input embedding's trained rows (model.prune_embedding); the "
+             "others are in that file",
+             rows, ckpt);
+  const int64_t V = spec.shape[0], C = spec.shape[1];
+  train::SafetensorsReader(rows).read_into("wte.weight", dst, size_t(V * C) * sizeof(float), DType::f32, spec.shape);
+  const Shape ks = r.shape("vocab/kept"), ws = r.shape("param/wte.weight");
+  LOOM_CHECK(ks.size() == 1 && ws == (Shape{ks[0], C}), "{}: vocab/kept {} and param/wte.weight {} do not match", ckpt,
+             shape_str(ks), shape_str(ws));
+  std::vector<float> kept(static_cast<size_t>(ks[0]));
+  r.read("vocab/kept", 0, ks[0], kept.data());
+  for (int64_t j = 0; j < ks[0]; ++j) {
+    const float id = kept[size_t(j)];
+    LOOM_CHECK(id >= 0 && id < float(V) && id == std::floor(id),
+               "{}: vocab/kept[{}] = {} is not a token id of the vocabulary of {}", ckpt, j, id, V);
+    r.read("param/wte.weight", j * C, C, dst + int64_t(id) * C);
+  }
+}
+
 void load_checkpoint_params(const std::string& ckpt, GPT& gpt) {
   std::vector<train::NamedTensor> into;
-  for (Parameter* p : gpt.parameters()) into.push_back({"param/" + p->spec.name, p->value});
+  Parameter* wte = nullptr;
+  train::CheckpointReader r(ckpt);
+  for (Parameter* p : gpt.parameters()) {
+    if (p->spec.name == "wte.weight" && r.has("vocab/kept")) wte = p;
+    else into.push_back({"param/" + p->spec.name, p->value});
+  }
   train::load_checkpoint_tensors(ckpt, into);
+  if (wte) read_checkpoint_param(r, ckpt, wte->spec, wte->value.f32());
 }
 
 std::string save_initial_checkpoint(const GPT& gpt, const std::string& dir, uint64_t seed) {

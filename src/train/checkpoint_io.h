@@ -9,6 +9,7 @@
 
 #include "model/config.h"
 #include "model/gpt.h"
+#include "train/checkpoint.h"
 
 // Declared in loom::model (these are the model's own file formats) but kept under train/, since
 // they write and read loom checkpoints (train/checkpoint.h) and model/ depends on nothing above it.
@@ -27,8 +28,17 @@ std::string resolve_checkpoint(const std::string& path);
 GPTConfig checkpoint_model_config(const std::string& ckpt);
 
 // Copies "param/<name>" of every parameter of gpt from checkpoint `ckpt` (dtype and shape
-// checked; errors name the file and the tensor).
+// checked; errors name the file and the tensor). A checkpoint of a pruned fine-tune
+// (model.prune_embedding: its wte holds the rows of the tokens in "vocab/kept") is mapped back to
+// the whole vocabulary: the other rows from pruned_rows_path of its run directory.
 void load_checkpoint_params(const std::string& ckpt, GPT& gpt);
+
+// Parameter `spec`'s logical elements (f32) from checkpoint `r` (at directory `ckpt`) into dst,
+// a pruned checkpoint's wte mapped back as load_checkpoint_params does.
+void read_checkpoint_param(train::CheckpointReader& r, const std::string& ckpt, const ParamSpec& spec, float* dst);
+
+// Where a pruned fine-tune in run directory `run_dir` keeps the input embedding it started from.
+std::string pruned_rows_path(const std::string& run_dir);
 
 // Writes dir/ckpt_00000000 (parameters of gpt, zero AdamW moments, step 0, `seed`) and points
 // dir/latest at it. Refuses a directory that already holds a checkpoint, so nothing there is

@@ -56,6 +56,7 @@ const Field kFields[] = {
     F("model.rope_low_freq_factor", rope_low_freq_factor, "Llama 3 rotary scaling's low_freq_factor (0: 1)"),
     F("model.rope_high_freq_factor", rope_high_freq_factor, "Llama 3 rotary scaling's high_freq_factor (0: 4)"),
     F("model.rope_original_max_position", rope_original_max_position, "Llama 3 rotary scaling's original context (0: 8192)"),
+    F("model.prune_embedding", prune_embedding, "fine-tuning with untied embeddings: the input embedding keeps only the rows of the tokens in data.dir (and the sample prompt), with the same losses as the whole table; a run starts from a checkpoint (--resume), whose other rows it keeps in train.out_dir/pruned_rows.safetensors for export and generation"),
     F("data.dir", data_dir, "directory of train_*.bin / val_*.bin token shards (loom prepare)"),
     F("data.tokenizer", tokenizer_dir, "directory with the tokenizer (encoder.json + vocab.bpe, or tokenizer.json) for text samples (\"\": data.dir)"),
     F("data.seq_len", seq_len, "tokens per training sequence"),
@@ -390,6 +391,14 @@ void TrainConfig::validate(const std::string& where, const std::vector<std::stri
   need(galore_update_every >= 1, "optim.galore_update_every",
        fmt::format("must be at least 1, got {}", galore_update_every));
   need(galore_scale > 0, "optim.galore_scale", fmt::format("must be positive, got {}", galore_scale));
+  if (prune_embedding) {
+    // Exact only where the output layer is not the same table: a tied lm_head reads every row.
+    need(!model(0).tied_embeddings, "model.tied_embeddings",
+         "model.prune_embedding needs untied embeddings: a tied lm_head scores every token with wte's rows, so "
+         "pruning them would change the loss");
+    need(tp == 1, "parallel.tp", fmt::format("model.prune_embedding runs without tensor parallelism (got {})", tp));
+    need(device == "cpu", "model.prune_embedding", "runs on the CPU only");
+  }
   if (optimizer == "galore") {
     // GaLore projects whole matrices: every rank that updates one must hold all of it.
     need(tp == 1, "parallel.tp",

@@ -56,6 +56,7 @@ struct TrainConfig {
   int64_t skip_nonfinite = 3;   // steps with a non-finite loss or gradient skipped in a row before the run stops
   uint64_t memory_limit = 0;    // bytes loom may hold per rank (its model pool; 0: no limit)
   std::string out_dir = "runs/default";
+  bool prune_embedding = false;            // keep only the input embedding rows of the data's tokens (fine-tuning)
   // [optim]
   float lr = 6e-4f, min_lr = 6e-5f;
   int64_t warmup_steps = 100;

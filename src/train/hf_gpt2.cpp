@@ -182,7 +182,7 @@ void save_hf_gpt2_from_checkpoint(const std::string& ckpt, const std::string& ou
   train::CheckpointReader r(ckpt);
   save_hf_gpt2(
       checkpoint_model_config(ckpt),
-      [&](const ParamSpec& spec, float* dst) { r.read("param/" + spec.name, 0, spec.numel(), dst); }, out_dir);
+      [&](const ParamSpec& spec, float* dst) { read_checkpoint_param(r, ckpt, spec, dst); }, out_dir);
 }
 
 }  // namespace loom::model

@@ -179,6 +179,28 @@ RunData open_run_data(const TrainConfig& cfg, const std::string& config_path) {
              cfg.seq_len, r.model.block_size);
   check_host_memory(cfg, r.model, config_path);
   r.tokenizer = load_run_tokenizer(cfg, int64_t(r.train.vocab_size()));
+  if (cfg.prune_embedding) {
+    // The tokens the run can feed the model: its data's, and the sample prompt's.
+    std::vector<char> used(size_t(r.model.vocab_size), 0);
+    std::vector<int32_t> buf(1 << 16);
+    for (const data::Loader* l : {&r.train, r.val.get()}) {
+      if (!l) continue;
+      for (const auto& f : l->files()) {
+        data::Shard s(f, false);
+        for (uint64_t i = 0; i < s.size(); i += buf.size()) {
+          const uint64_t n = std::min<uint64_t>(buf.size(), s.size() - i);
+          s.read(i, n, buf.data());
+          for (uint64_t j = 0; j < n; ++j) used[size_t(buf[j])] = 1;
+        }
+      }
+    }
+    if (r.tokenizer && !cfg.sample_prompt.empty())
+      for (int32_t id : r.tokenizer->encode(cfg.sample_prompt)) used[size_t(id)] = 1;
+    auto kept = std::make_shared<std::vector<int32_t>>();
+    for (size_t id = 0; id < used.size(); ++id)
+      if (used[id]) kept->push_back(int32_t(id));
+    r.model.kept_tokens = std::move(kept);
+  }
   return r;
 }
 
@@ -273,6 +295,16 @@ void check_resume_checkpoint(const std::string& ckpt, const CheckpointMeta& meta
   same("bias", c.bias, mc.bias);
   same("rope_theta", c.rope_theta, mc.rope_theta);
   same("rope_scaling_factor", c.rope_scaling_factor, mc.rope_scaling_factor);
+  if (meta.model.contains("input_rows") && !cfg.prune_embedding)
+    throw Error(fmt::format("{}: the checkpoint's input embedding is pruned to {} rows (model.prune_embedding); resume "
+                            "it with --model.prune_embedding true, or export it (`loom convert`) for a run of the "
+                            "whole vocabulary",
+                            manifest, meta.model["input_rows"].dump()));
+  if (meta.model.contains("input_rows") && meta.model["input_rows"] != mc.input_rows())
+    throw Error(fmt::format("{}: the checkpoint's pruned input embedding keeps {} tokens, but data.dir {} uses {} "
+                            "(model.prune_embedding keeps the tokens of the run's data: resume on the data the run "
+                            "was pruned for)",
+                            manifest, meta.model["input_rows"].dump(), cfg.data_dir, mc.input_rows()));
   // The optimizer's state must be the one this run's optimizer keeps (after its first step:
   // before it, every optimizer's state is zero, and a run may start any optimizer from it).
   if (meta.optimizer_steps > 0 && meta.tensors.empty() && cfg.optimizer != "adamw")
@@ -288,7 +320,10 @@ void check_resume_checkpoint(const std::string& ckpt, const CheckpointMeta& meta
       const std::string name = (g.low_rank ? "galore_m/" : "adam_m/") + s.name;
       const Shape want = g.low_rank ? g.moments : s.shape;
       auto it = have.find(name);
-      if (it != have.end() && it->second == want) continue;
+      // (A pruned input embedding reads its rows from the whole vocabulary's table.)
+      const bool widened = mc.kept_tokens && s.name == "wte.weight" && it != have.end() &&
+                           it->second == Shape{mc.vocab_size, mc.n_embd};
+      if (it != have.end() && (it->second == want || widened)) continue;
       const bool galore_ckpt = have.count("galore_m/" + s.name) > 0;
       throw Error(fmt::format(
           "{}: the checkpoint's optimizer state for '{}' is {} but this run's optim.name = {}{} keeps {} {} (--resume "

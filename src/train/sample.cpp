@@ -11,10 +11,18 @@ namespace loom::train {
 
 int32_t sample_logits(const float* logits, int64_t V, const SampleOptions& opt, uint64_t index) {
   LOOM_CHECK(opt.temperature > 0, "sampling temperature must be positive, got {}", opt.temperature);
-  std::vector<int32_t> ids(static_cast<size_t>(V));
-  std::iota(ids.begin(), ids.end(), 0);
-  int64_t k = (opt.top_k > 0 && opt.top_k < V) ? opt.top_k : V;
-  if (k < V)
+  std::vector<int32_t> ids;
+  if (opt.allowed) {
+    for (int32_t id : *opt.allowed)
+      if (id < V) ids.push_back(id);
+    LOOM_CHECK(!ids.empty(), "sampling: none of the allowed tokens is in the vocabulary of {}", V);
+  } else {
+    ids.resize(static_cast<size_t>(V));
+    std::iota(ids.begin(), ids.end(), 0);
+  }
+  const int64_t n = int64_t(ids.size());
+  int64_t k = (opt.top_k > 0 && opt.top_k < n) ? opt.top_k : n;
+  if (k < n)
     std::partial_sort(ids.begin(), ids.begin() + k, ids.end(),
                       [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); });
   double mx = -INFINITY;

@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "model/gpt.h"
@@ -15,6 +16,9 @@ struct SampleOptions {
   int64_t top_k = 40;        // 0: the whole vocabulary
   uint64_t seed = 0;
   int32_t stop_token = -1;   // stop after emitting this token (-1: never)
+  // Only these token ids (ascending) are drawn (null: all): a model with a pruned input embedding
+  // can read only its kept tokens back.
+  std::shared_ptr<const std::vector<int32_t>> allowed;
 };
 
 // Picks the next token from logits f32 [V] (one draw keyed by (seed, index)).

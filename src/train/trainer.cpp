@@ -34,6 +34,7 @@
 #include "parallel/pipeline/stage_layers.h"
 #include "train/checkpoint.h"
 #include "train/checkpoint_io.h"
+#include "train/safetensors.h"
 #include "train/schedule.h"
 
 namespace fs = std::filesystem;
@@ -65,11 +66,66 @@ void read_slices(CheckpointReader& ckpt, const char* kind, const model::Paramete
   p.for_each_global(lb, le, [&](int64_t g, int64_t n, int64_t local) { ckpt.read(name, g, n, data + (local - lb)); });
 }
 
+// With a pruned input embedding (GPTConfig::kept_tokens) whose checkpoint tensor is the whole
+// vocabulary's (the fine-tune's starting point): p's local elements [lb, le) of `kind` are the
+// rows of its kept tokens there.
+void read_kept_rows(CheckpointReader& ckpt, const char* kind, const model::Parameter& p, int64_t lb, int64_t le,
+                    float* data, const std::vector<int32_t>& kept) {
+  const std::string name = kind + p.global().name;
+  const Shape full = ckpt.shape(name);
+  const int64_t C = p.spec.shape[1];
+  LOOM_CHECK(full.size() == 2 && full[1] == C && full[0] > kept.back(),
+             "{}: tensor '{}' has shape {}, which holds no row {} of width {}", ckpt.meta().model.dump(), name,
+             shape_str(full), kept.back(), C);
+  for (int64_t g = lb; g < le;) {
+    const int64_t row = g / C, col = g % C, n = std::min(le - g, C - col);
+    ckpt.read(name, int64_t(kept[size_t(row)]) * C + col, n, data + (g - lb));
+    g += n;
+  }
+}
+
+// Before a pruned fine-tune loads checkpoint `ckpt` (every rank): one of the whole vocabulary's
+// wte (its start), whose table the lead writes to train.out_dir/pruned_rows.safetensors, where
+// export and generation take the rows the run does not train (the rank holds the table while it
+// writes it, once); or one of the same pruned run, whose kept tokens must be this run's.
+void prepare_pruned_embedding(CheckpointReader& r, const std::string& ckpt, const model::GPTConfig& mc,
+                              const TrainConfig& cfg, bool lead, MemoryPool& pool) {
+  const std::vector<int32_t>& kept = *mc.kept_tokens;
+  const std::string rows_path = model::pruned_rows_path(cfg.out_dir);
+  if (r.has("vocab/kept")) {
+    std::vector<float> theirs(size_t(shape_numel(r.shape("vocab/kept"))));
+    r.read("vocab/kept", 0, int64_t(theirs.size()), theirs.data());
+    if (theirs.size() != kept.size() || !std::equal(kept.begin(), kept.end(), theirs.begin(),
+                                                    [](int32_t a, float b) { return float(a) == b; }))
+      throw Error(fmt::format("{}: its pruned input embedding keeps {} tokens, but data.dir {} uses {} others "
+                              "(model.prune_embedding keeps the tokens of the run's data: resume on the data the run "
+                              "was pruned for)",
+                              ckpt, theirs.size(), cfg.data_dir, kept.size()));
+    LOOM_CHECK(fs::exists(rows_path),
+               "{}: missing: the input embedding's rows this pruned run does not train (written when it started); "
+               "export and generation need them",
+               rows_path);
+    return;
+  }
+  const Shape full = r.shape("param/wte.weight");
+  LOOM_CHECK(full == (Shape{mc.vocab_size, mc.n_embd}), "{}: param/wte.weight has shape {}, expected [{}, {}]", ckpt,
+             shape_str(full), mc.vocab_size, mc.n_embd);
+  if (!lead) return;
+  Tensor table = Tensor::empty(full, DType::f32, MemTag::workspace, pool);
+  r.read_into("param/wte.weight", table);
+  SafetensorsWriter w;
+  w.add("wte.weight", table);
+  w.set_metadata("loom", "the input embedding at the start of a pruned fine-tune (model.prune_embedding)");
+  w.set_metadata("source", ckpt);
+  w.write(rows_path);
+}
+
 // Every full tensor of a checkpoint of model mc: each parameter's value and moments (under GaLore
 // a projected matrix's moments and projector), in GPT::parameters() order, so every layout writes
 // the same list.
 std::vector<TensorInfo> checkpoint_tensors(const model::GPTConfig& mc, const optim::AdamWConfig& oc) {
   std::vector<TensorInfo> out;
+  if (mc.kept_tokens) out.push_back({"vocab/kept", {mc.input_rows()}});  // the pruned embedding's token ids
   for (const model::ParamSpec& s : model::gpt_param_specs(mc)) {
     out.push_back({"param/" + s.name, s.shape});
     const optim::GaLoreShapes g = optim::galore_shapes(s.name, s.shape, oc.galore_rank);
@@ -139,12 +195,20 @@ CheckpointPart data_parallel_part(parallel::DataParallel& ddp,
 // The inverse: each rank reads what it holds, the parameters (all, or its ZeRO-3 shard) and its
 // moments, by each parameter's global name (a pipeline's wte copy reads wte: both always take the
 // same update, so their moments are wte's too).
-void load_data_parallel(parallel::DataParallel& ddp, CheckpointReader& ckpt, int64_t optimizer_steps) {
+// A pruned input embedding (mc.kept_tokens) reads its rows from a checkpoint of the whole
+// vocabulary (the fine-tune's start) or of the same kept tokens (the trainer checks which).
+void load_data_parallel(parallel::DataParallel& ddp, CheckpointReader& ckpt, int64_t optimizer_steps,
+                        const model::GPTConfig& mc) {
   const parallel::DataParallel::LocalState st = ddp.local_state();
+  const bool widen = mc.kept_tokens && ckpt.shape("param/wte.weight")[0] != mc.input_rows();
+  auto read_part = [&](const char* kind, const model::Parameter& p, int64_t lb, int64_t le, float* data) {
+    if (widen && !p.shard.tied_copy && p.global().name == "wte.weight") read_kept_rows(ckpt, kind, p, lb, le, data, *mc.kept_tokens);
+    else read_slices(ckpt, kind, p, lb, le, data);
+  };
   auto read = [&](const char* kind, int64_t b, int64_t e, float* base) {
     for (const parallel::FlatParam& f : ddp.layout()) {
       const int64_t lo = std::max(b, f.offset), hi = std::min(e, f.offset + f.numel);
-      if (lo < hi) read_slices(ckpt, kind, *f.param, lo - f.offset, hi - f.offset, base + (lo - b));
+      if (lo < hi) read_part(kind, *f.param, lo - f.offset, hi - f.offset, base + (lo - b));
     }
   };
   read("param/", st.params_begin, st.params_end, st.params);
@@ -167,7 +231,7 @@ void load_data_parallel(parallel::DataParallel& ddp, CheckpointReader& ckpt, int
         if (!t) continue;
         if (!ckpt.has(kind + p.global().name)) t->zero_();
         else if (low) ckpt.read_into(kind + p.global().name, *t);
-        else read_slices(ckpt, kind, p, 0, p.spec.numel(), t->f32());
+        else read_part(kind, p, 0, p.spec.numel(), t->f32());
       }
     }
   }
@@ -363,7 +427,7 @@ class ChainEngine : public CpuEngine {
   }
 
   void load(CheckpointReader& ckpt, int64_t optimizer_steps) override {
-    load_data_parallel(ddp_, ckpt, optimizer_steps);
+    load_data_parallel(ddp_, ckpt, optimizer_steps, model_.config());
   }
 
   // On the model itself (collectively under ZeRO-3 and model parallelism).
@@ -533,7 +597,7 @@ class PipelineEngine : public CpuEngine {
   }
 
   void load(CheckpointReader& ckpt, int64_t optimizer_steps) override {
-    load_data_parallel(exec_.data_parallel(), ckpt, optimizer_steps);
+    load_data_parallel(exec_.data_parallel(), ckpt, optimizer_steps, model_cfg_);
   }
 
   // Through the stages: each context forward as one micro-batch, in the sequence units of the
@@ -676,6 +740,12 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
     engine = std::make_unique<ChainEngine>(cfg, mc, oc, comms, train, pool, host_pool, !opt.trace_path.empty());
   }
   if (!opt.plan_note.empty()) say(opt.plan_note);
+  if (mc.kept_tokens)
+    say(fmt::format("model.prune_embedding: the input embedding keeps the rows of the {} of {} tokens the data uses "
+                    "({:.1f}%: {:.2f} of {:.2f} MiB of weights)",
+                    mc.input_rows(), mc.vocab_size, 100.0 * double(mc.input_rows()) / double(mc.vocab_size),
+                    double(mc.input_rows() * mc.n_embd * 4) / (1 << 20),
+                    double(mc.padded_vocab() * mc.n_embd * 4) / (1 << 20)));
   for (const std::string& n : engine->notes()) say(n);
   LrSchedule sched{cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps, cfg.lr_schedule};
 
@@ -686,6 +756,7 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   std::unique_ptr<RunDirLock> dir_lock = lead ? std::make_unique<RunDirLock>(out_dir.string()) : nullptr;
   const std::string metrics_path = (out_dir / "metrics.jsonl").string();
   int64_t start_step = 0;
+  bool pruned_start = false;  // a pruned embedding's starting point was read
   if (opt.resume) {
     // Every rank reads just the elements it holds, from whichever ranks' files hold them: like
     // Megatron, this assumes train.out_dir is on a filesystem every rank sees. Rank 0's step is
@@ -711,12 +782,17 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
       say(fmt::format("resume: no checkpoint in {}, starting from step 0", cfg.out_dir));
     } else {
       CheckpointReader reader(ckpt, /*verify=*/false);  // verified whole by resume_checkpoint
+      if (mc.kept_tokens) prepare_pruned_embedding(reader, ckpt, mc, cfg, lead, pool), pruned_start = true;
       engine->load(reader, meta.optimizer_steps);
       start_step = meta.step;
       if (lead) truncate_metrics(metrics_path, start_step);
       say(fmt::format("resumed from {} (step {})", ckpt, start_step));
     }
   }
+  if (mc.kept_tokens && !pruned_start)
+    throw Error(fmt::format("{}: model.prune_embedding fine-tunes a checkpoint: put one in train.out_dir {} (`loom "
+                            "convert`, or a run's) and pass --resume",
+                            where, cfg.out_dir));
   if (lead && start_step == 0 && fs::exists(metrics_path)) fs::remove(metrics_path);
   world.barrier();  // rank 0 has prepared the output directory
 
@@ -751,7 +827,9 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   auto sample = [&](int64_t step) -> std::string {
     if (cfg.sample_tokens == 0) return "";
     const std::vector<int32_t> prompt = shared_sample_prompt(world, cfg, tok.get(), train, val.get());
-    return sample_as_text(prompt, engine->sample(prompt, sample_options(cfg, step)), tok.get());
+    SampleOptions so = sample_options(cfg, step);
+    so.allowed = mc.kept_tokens;  // a pruned embedding reads back its kept tokens only
+    return sample_as_text(prompt, engine->sample(prompt, so), tok.get());
   };
   // Collective: every rank writes its part and no rank starts the next step before the checkpoint
   // is committed (or every rank has learnt that it was not), so a rank that fails in that step
@@ -760,6 +838,10 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   auto checkpoint = [&](int64_t step) {
     const auto t0 = std::chrono::steady_clock::now();
     CheckpointPart part = engine->checkpoint_part();
+    if (rank == 0 && mc.kept_tokens) {
+      part.storage.emplace_back(mc.kept_tokens->begin(), mc.kept_tokens->end());  // ids < 2^24: exact in f32
+      part.slices.push_back({"vocab/kept", 0, mc.input_rows(), part.storage.back().data()});
+    }
     save_checkpoint(world, out_dir.string(), checkpoint_meta(cfg, mc, step, part.optimizer_steps, vocabulary),
                     ckpt_tensors, part.slices, cfg.keep_checkpoints);
     ++res.checkpoints;

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -233,4 +234,53 @@ TEST(GaLore, NeedsEveryProjectedMatrixWholeInItsRange) {
     EXPECT_NE(std::string(e.what()).find("h.0.attn.c_proj.weight"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("ZeRO stage 0"), std::string::npos) << e.what();
   }
+}
+
+// Holders of the same gradient share the refresh: each computes its share of the projectors and
+// takes the others' (a broadcast over the data-parallel group in DataParallel); the result is one
+// holder computing them all, and the next step does not compute them again.
+TEST(GaLore, HoldersShareTheProjectorRefresh) {
+  MemoryPool pool("galore");
+  std::vector<optim::FlatSegment> segs;
+  int64_t at = 0;
+  for (int l = 0; l < 3; ++l)
+    for (const auto& [name, shape] : {std::pair<std::string, Shape>{".attn.c_attn.weight", {24, 8}},
+                                      {".mlp.c_proj.weight", {8, 20}}}) {
+      const int64_t n = shape_numel(shape);
+      segs.push_back({at, at + n, true, "h." + std::to_string(l) + name, true, shape});
+      at += n;
+    }
+  optim::AdamWConfig cfg;
+  cfg.galore_rank = 3;
+  cfg.galore_update_every = 2;
+  std::mt19937 g(9);
+  std::normal_distribution<float> d;
+  std::vector<float> grad(static_cast<size_t>(at)), w0(static_cast<size_t>(at));
+  for (auto& x : grad) x = d(g);
+  for (auto& x : w0) x = d(g);
+  optim::GaLore one(segs, 0, at, cfg, pool, pool), a(segs, 0, at, cfg, pool, pool), b(segs, 0, at, cfg, pool, pool);
+  std::vector<float> w_one = w0, w_a = w0, w_b = w0;
+  for (int step = 1; step <= 3; ++step) {
+    ASSERT_EQ(a.refresh_due(), step != 2);
+    if (a.refresh_due()) {
+      // a is rank 0 of 2, b rank 1: a computes matrices 0, 2, 4 and b 1, 3, 5; then each takes
+      // the owner's.
+      a.refresh_projectors(grad.data(), 0, 2, [](Tensor&, int) {});
+      b.refresh_projectors(grad.data(), 1, 2, [](Tensor&, int) {});
+      for (size_t i = 0; i < a.states().size(); ++i) {
+        Tensor& from = (i % 2 == 0 ? a : b).states()[i].projector;
+        Tensor& to = (i % 2 == 0 ? b : a).states()[i].projector;
+        std::memcpy(to.f32(), from.f32(), from.nbytes());
+      }
+    }
+    one.step(w_one.data(), grad.data(), 1.0);
+    a.step(w_a.data(), grad.data(), 1.0);
+    b.step(w_b.data(), grad.data(), 1.0);
+    EXPECT_EQ(std::memcmp(w_a.data(), w_one.data(), w_one.size() * 4), 0) << "step " << step;
+    EXPECT_EQ(std::memcmp(w_b.data(), w_one.data(), w_one.size() * 4), 0) << "step " << step;
+    for (auto& x : grad) x = d(g);
+  }
+  EXPECT_EQ(one.refreshes(), 12);  // 6 matrices at steps 1 and 3
+  EXPECT_EQ(a.refreshes(), 6);
+  EXPECT_EQ(b.refreshes(), 6);
 }

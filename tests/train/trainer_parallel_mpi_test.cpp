@@ -64,6 +64,13 @@ TEST_F(TrainParallelMpi, ContextTimesTensorParallelEqualsThreads) {
   expect_mpi_equals_threads("cp2_tp2", "--parallel.cp 2 --parallel.tp 2");
 }
 
+// GaLore over processes: each projector computed by one data-parallel rank and broadcast.
+TEST_F(TrainParallelMpi, GaLoreWithDataAndPipelineParallelEqualsThreads) {
+  SKIP_WITHOUT_MPI();
+  expect_mpi_equals_threads("galore_dp2_pp2", "--parallel.dp 2 --parallel.pp 2 --optim.name galore "
+                                              "--optim.galore_rank 8 --optim.galore_update_every 3");
+}
+
 TEST_F(TrainParallelMpi, PipelineTimesDataParallelEqualsThreadsAndTracesEveryRank) {
   SKIP_WITHOUT_MPI();
   const fs::path trace = root_ / "pp2_dp2_trace.json";

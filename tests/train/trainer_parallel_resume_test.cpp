@@ -14,6 +14,8 @@
 #include <fstream>
 #include <utility>
 
+#include "model/gpt.h"
+#include "train/checkpoint_io.h"
 #include "train/mesh_train_util.h"
 
 using namespace loom;
@@ -225,6 +227,90 @@ TEST_F(TrainParallelResume, GaLoreResumesBitIdenticallyAndReshards) {
   CmdRun rank = train("galore_single_cut", galore + " --optim.galore_rank 4 --resume");
   EXPECT_NE(rank.status, 0) << rank.output;
   EXPECT_NE(rank.output.find("optim.galore_rank 4"), std::string::npos) << rank.output;
+}
+
+// Embedding pruning (model.prune_embedding): a fine-tune from a checkpoint of the whole
+// vocabulary, on a corpus that uses a third of it, with the input embedding cut to the rows of
+// those tokens, gives the losses of the same fine-tune with the whole table (the untied lm_head
+// still scores every token), on one device and under pp 2 x dp 2 with ZeRO-1, while its
+// parameters, gradients and moments hold that fraction of the table's bytes. The checkpoints
+// keep the trained rows and their token ids; export and generation map them back onto the rows
+// the run started from.
+TEST_F(TrainParallelResume, PrunedEmbeddingFineTuneGivesTheWholeTablesLosses) {
+  LOOM_REQUIRE_LOOM();
+  // The fine-tuning corpus: ids 0, 3, ..., 96 only (33 of 97).
+  const fs::path sub = root_ / "data_sub";
+  fs::create_directories(sub);
+  std::mt19937 g(5);
+  std::vector<uint32_t> toks(6000);
+  for (auto& t : toks) t = 3 * (g() % 33);
+  data::write_shard((sub / "train_000.bin").string(), toks, 97);
+  data::write_shard((sub / "val_000.bin").string(), std::vector<uint32_t>(toks.begin(), toks.begin() + 1000), 97);
+  const int64_t K = 33, C = 32, Vpad = 128;
+  const std::string untied = " --model.tied_embeddings false", ft = untied + " --data.dir " + sub.string() + " --resume";
+  CmdRun base = train_steps("prune_base", untied, 3);
+  ASSERT_EQ(base.status, 0) << base.output;
+  for (const std::string layout : {"", " --parallel.pp 2 --parallel.dp 2 --parallel.zero 1"}) {
+    const std::string full = "prune_full" + std::to_string(layout.size()), cut = "prune_cut" + std::to_string(layout.size());
+    for (const std::string& d : {full, cut}) {
+      fs::remove_all(root_ / d);
+      fs::copy(root_ / "prune_base", root_ / d, fs::copy_options::recursive);
+    }
+    CmdRun a = train(full, layout + ft);
+    ASSERT_EQ(a.status, 0) << a.output;
+    CmdRun b = train(cut, layout + ft + " --model.prune_embedding true");
+    ASSERT_EQ(b.status, 0) << b.output;
+    // (Bit-identical here; the acceptance asks 1e-5.)
+    expect_identical_metrics(full, cut, {"loss", "val_loss", "grad_norm"});
+    if (!layout.empty()) continue;
+    // One device: every tag by the table's pruned rows exactly (params, grads: 4 bytes a value;
+    // the AdamW moments 8).
+    auto peaks = [&](const std::string& out) {
+      std::ifstream f(root_ / out / "memory.json");
+      return nlohmann::json::parse(f).at("ranks").at(0).at("peak_bytes");
+    };
+    const nlohmann::json pa = peaks(full), pb = peaks(cut);
+    for (const auto& [tag, per] : {std::pair<const char*, int64_t>{"params", 4}, {"grads", 4}, {"optimizer", 8}})
+      EXPECT_EQ(pa.at(tag).get<int64_t>() - pb.at(tag).get<int64_t>(), (Vpad - K) * C * per) << tag;
+    // The checkpoint: the kept rows and their ids; mapped back, the kept rows are the trained
+    // ones and the others the starting point's.
+    const std::string ckpt = train::latest_checkpoint((root_ / cut).string());
+    const auto tensors = checkpoint_tensors(ckpt);
+    ASSERT_EQ(tensors.at("vocab/kept").size(), size_t(K));
+    ASSERT_EQ(tensors.at("param/wte.weight").size(), size_t(K * C));
+    const auto start = checkpoint_tensors(train::latest_checkpoint((root_ / "prune_base").string()));
+    MemoryPool pool("export");
+    model::GPT gpt(model::checkpoint_model_config(ckpt), pool);
+    model::load_checkpoint_params(ckpt, gpt);
+    const float* wte = gpt.parameters().front()->value.f32();
+    for (int64_t id = 0; id < 97; ++id)
+      for (int64_t c = 0; c < C; ++c) {
+        const float want = id % 3 == 0 ? tensors.at("param/wte.weight")[size_t(id / 3 * C + c)]
+                                       : start.at("param/wte.weight")[size_t(id * C + c)];
+        ASSERT_EQ(wte[id * C + c], want) << "token " << id << " column " << c;
+      }
+    CmdRun gen = sh(fmt::format("{} generate {} --ids --prompt '0 3 6' --tokens 5 --quiet", kLoom, (root_ / cut).string()));
+    EXPECT_EQ(gen.status, 0) << gen.output;
+    // Exported to Hugging Face's GPT-2 layout (untied): the same whole table.
+    const fs::path hf = root_ / "prune_hf";
+    fs::remove_all(hf);
+    CmdRun exp = sh(fmt::format("{} convert --from loom --to hf {} {}", kLoom, (root_ / cut).string(), hf.string()));
+    ASSERT_EQ(exp.status, 0) << exp.output;
+    const std::vector<float> exported = train::SafetensorsReader((hf / "model.safetensors").string()).read_f32("wte.weight");
+    ASSERT_EQ(exported.size(), size_t(97 * C));
+    EXPECT_EQ(std::memcmp(exported.data(), wte, exported.size() * sizeof(float)), 0);
+  }
+  // Refused, naming the field: a tied embedding, a run without a checkpoint, a pruned checkpoint
+  // resumed without the option, a pruned run resumed on other data.
+  CmdRun tied = train("prune_tied", " --model.prune_embedding true");
+  EXPECT_NE(tied.output.find("model.tied_embeddings: model.prune_embedding needs untied embeddings"), std::string::npos)
+      << tied.output;
+  CmdRun fresh = train("prune_fresh", untied + " --model.prune_embedding true");
+  EXPECT_NE(fresh.output.find("model.prune_embedding fine-tunes a checkpoint"), std::string::npos) << fresh.output;
+  CmdRun whole = train("prune_cut0", ft + " --train.steps 12");
+  EXPECT_NE(whole.output.find("resume it with --model.prune_embedding true"), std::string::npos) << whole.output;
+  CmdRun other = train("prune_cut0", untied + " --resume --model.prune_embedding true --train.steps 12");
+  EXPECT_NE(other.output.find("but data.dir"), std::string::npos) << other.output;
 }
 
 TEST_F(TrainParallelResume, CheckpointOfAnotherModelIsRefusedNamingTheField) {

@@ -728,6 +728,10 @@ optim::StepStats DataParallel::step(double lr, bool skip) {
     return st;
   }
   auto t0 = Trace::Clock::now();
+  // GaLore's projectors: each from one rank of the group (they all hold the same reduced
+  // gradient at stage 0), broadcast to the others.
+  if (optim::GaLore* gl = galore(); gl && gl->refresh_due())
+    gl->refresh_projectors(g, rank_, world_, [&](Tensor& p, int owner) { comm_.broadcast(p, owner); });
   optim::StepStats st;
   if (o_.offload) {
     std::memcpy(host_grads_.f32(), g, size_t(n) * 4);
