@@ -409,6 +409,12 @@ void TrainConfig::validate(const std::string& where, const std::vector<std::stri
                      "flat buffer that cuts them; use 0",
                      zero));
     need(device == "cpu", "optim.name", "galore runs on the CPU only (its SVD is LAPACK's); use adamw on cuda");
+    // Every block matrix's smaller side is n_embd: a rank not below it projects nothing.
+    const int64_t C = model(0).n_embd;
+    need(galore_rank < C, "optim.galore_rank",
+         fmt::format("{} is not below the smaller side of the blocks' matrices (model.n_embd {}): GaLore would keep "
+                     "every matrix in plain AdamW",
+                     galore_rank, C));
   }
   need(dp >= 1 && tp >= 1 && pp >= 1 && cp >= 1, "parallel", "dp, tp, pp, cp must be at least 1");
   need(zero >= 0 && zero <= 3, "parallel.zero", fmt::format("must be 0, 1, 2 or 3, got {}", zero));
