@@ -3,7 +3,11 @@
 #include <sys/mman.h>
 
 #include <cstdlib>
+#include <deque>
+#include <iterator>
+#include <mutex>
 #include <new>
+#include <vector>
 
 #include "core/error.h"
 
@@ -29,13 +33,30 @@ namespace {
 // the process's resident set follows the pools' accounting: through malloc, freed large blocks
 // stay in the heap once glibc's adaptive threshold has moved past them, and a run that allocates
 // and frees buffers every step (ZeRO's buckets) grows its resident set far beyond what it holds.
+// But a fresh mapping costs a page fault per 4 KiB page on first touch (about 0.8 ms per MiB on
+// a virtual machine, 35x the cost of writing it), and recomputation frees and re-allocates a
+// block's activations at every forward: freed mapped blocks are kept for reuse by a later
+// allocation of the same size, up to kCached bytes in all (the oldest unmapped first), so the
+// resident set exceeds what the pools hold by at most that.
 class CpuAllocator final : public Allocator {
  public:
   static constexpr size_t kMapped = size_t(1) << 20;
+  static constexpr size_t kCached = size_t(64) << 20;
   void* allocate(size_t bytes) override {
     if (bytes == 0) return nullptr;
     size_t rounded = (bytes + 63) / 64 * 64;
     if (rounded >= kMapped) {
+      rounded = (rounded + kPage - 1) / kPage * kPage;
+      {
+        std::lock_guard lk(mu_);
+        for (auto it = cache_.rbegin(); it != cache_.rend(); ++it)
+          if (it->second == rounded) {
+            void* p = it->first;
+            cache_.erase(std::next(it).base());
+            cached_ -= rounded;
+            return p;
+          }
+      }
       void* p = ::mmap(nullptr, rounded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
       if (p == MAP_FAILED) throw Error(fmt::format("out of host memory allocating {} bytes", bytes));
       return p;
@@ -46,11 +67,36 @@ class CpuAllocator final : public Allocator {
   }
   void deallocate(void* p, size_t bytes) override {
     if (!p) return;
-    const size_t rounded = (bytes + 63) / 64 * 64;
-    if (rounded >= kMapped) ::munmap(p, rounded);
-    else std::free(p);
+    size_t rounded = (bytes + 63) / 64 * 64;
+    if (rounded < kMapped) {
+      std::free(p);
+      return;
+    }
+    rounded = (rounded + kPage - 1) / kPage * kPage;
+    if (rounded > kCached) {
+      ::munmap(p, rounded);
+      return;
+    }
+    std::vector<std::pair<void*, size_t>> evicted;
+    {
+      std::lock_guard lk(mu_);
+      cache_.emplace_back(p, rounded);
+      cached_ += rounded;
+      while (cached_ > kCached) {
+        evicted.push_back(cache_.front());
+        cached_ -= cache_.front().second;
+        cache_.pop_front();
+      }
+    }
+    for (const auto& [q, n] : evicted) ::munmap(q, n);
   }
   Device device() const override { return Device::cpu; }
+
+ private:
+  static constexpr size_t kPage = 4096;
+  std::mutex mu_;
+  std::deque<std::pair<void*, size_t>> cache_;  // oldest first
+  size_t cached_ = 0;
 };
 }  // namespace
 
