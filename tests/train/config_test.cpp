@@ -34,6 +34,15 @@ std::string error_of(const std::string& text, std::vector<std::string> overrides
   ADD_FAILURE() << "no error for:\n" << text;
   return "";
 }
+
+// `text` is refused naming `field` (and saying `more`, when given).
+void expect_refused(const std::string& text, const std::string& field, const std::string& more = "") {
+  const std::string m = error_of(text);
+  EXPECT_NE(m.find(": " + field + ": "), std::string::npos) << "expected the field " << field << " in: " << m;
+  if (!more.empty()) {
+    EXPECT_NE(m.find(more), std::string::npos) << m;
+  }
+}
 }  // namespace
 
 TEST(TrainConfig, ParsesFileThenOverrides) {
@@ -183,40 +192,31 @@ TEST(TrainConfig, ReadmeListsEveryField) {
   }
 }
 
-// train.device = "cuda": every combination the GPU trainer lacks is refused naming the field, in
-// any build; a build without CUDA refuses the device itself, saying how to build with it.
 // GaLore projects whole matrices to a rank below their smaller side; embedding pruning keeps the
 // loss only where lm_head is not the pruned table.
 TEST(TrainConfig, GaLoreAndEmbeddingPruningRefusalsNameTheField) {
-  auto expect_refused = [](const std::string& text, const std::string& field, const std::string& more) {
-    const std::string m = error_of(text);
-    EXPECT_NE(m.find(": " + field + ": "), std::string::npos) << "expected the field " << field << " in: " << m;
-    EXPECT_NE(m.find(more), std::string::npos) << m;
+  const std::string galore = "[optim]\nname = \"galore\"\n", rank8 = galore + "galore_rank = 8\n";
+  const std::string prune = "prune_embedding = true\n";
+  const struct {
+    std::string text, field, says;
+  } cases[] = {
+      {"[optim]\nname = \"lion\"\n", "optim.name", "'lion' is not adamw or galore"},
+      {galore + "galore_rank = 0\n", "optim.galore_rank", "at least 1"},
+      {galore + "galore_update_every = 0\n", "optim.galore_update_every", "at least 1"},
+      {galore + "galore_scale = 0.0\n", "optim.galore_scale", "must be positive"},
+      {galore + "galore_rank = 64\n[model]\npreset = \"gpt2-tiny\"\n", "optim.galore_rank", "not below the smaller side"},
+      {rank8 + "[parallel]\ntp = 2\n", "parallel.tp", "needs whole matrices"},
+      {rank8 + "[parallel]\nzero = 2\n", "parallel.zero", "needs whole matrices"},
+      {rank8 + "[train]\ndevice = \"cuda\"\n", "optim.name", "CPU only"},
+      {"[model]\npreset = \"gpt2-tiny\"\n" + prune, "model.tied_embeddings", "needs untied embeddings"},
+      {"[model]\npreset = \"llama-tiny\"\n" + prune + "[parallel]\ntp = 2\n", "parallel.tp", "without tensor parallelism"},
   };
-  const std::string galore = "[optim]\nname = \"galore\"\n";
-  expect_refused("[optim]\nname = \"lion\"\n", "optim.name", "'lion' is not adamw or galore");
-  expect_refused(galore + "galore_rank = 0\n", "optim.galore_rank", "at least 1");
-  expect_refused(galore + "galore_update_every = 0\n", "optim.galore_update_every", "at least 1");
-  expect_refused(galore + "galore_scale = 0.0\n", "optim.galore_scale", "must be positive");
-  expect_refused(galore + "galore_rank = 64\n[model]\npreset = \"gpt2-tiny\"\n", "optim.galore_rank",
-                 "not below the smaller side");
-  expect_refused(galore + "galore_rank = 8\n[parallel]\ntp = 2\n", "parallel.tp", "needs whole matrices");
-  expect_refused(galore + "galore_rank = 8\n[parallel]\nzero = 2\n", "parallel.zero", "needs whole matrices");
-  expect_refused(galore + "galore_rank = 8\n[train]\ndevice = \"cuda\"\n", "optim.name", "CPU only");
-  const std::string prune = "[model]\npreset = \"llama-tiny\"\nprune_embedding = true\n";
-  expect_refused("[model]\npreset = \"gpt2-tiny\"\nprune_embedding = true\n", "model.tied_embeddings",
-                 "needs untied embeddings");
-  expect_refused(prune + "[parallel]\ntp = 2\n", "parallel.tp", "without tensor parallelism");
+  for (const auto& c : cases) expect_refused(c.text, c.field, c.says);
 }
 
+// train.device = "cuda": every combination the GPU trainer lacks is refused naming the field, in
+// any build; a build without CUDA refuses the device itself, saying how to build with it.
 TEST(TrainConfig, CudaDeviceRefusalsNameTheField) {
-  auto expect_refused = [](const std::string& text, const std::string& field, const std::string& more = "") {
-    const std::string m = error_of(text);
-    EXPECT_NE(m.find(": " + field + ": "), std::string::npos) << "expected the field " << field << " in: " << m;
-    if (!more.empty()) {
-      EXPECT_NE(m.find(more), std::string::npos) << m;
-    }
-  };
   const std::string cuda = "[train]\ndevice = \"cuda\"\n";
   expect_refused("[train]\ndevice = \"gpu\"\n", "train.device", "'gpu' is not cpu or cuda");
   // GPU ranks are processes: dp > 1 needs mpi or nccl.
