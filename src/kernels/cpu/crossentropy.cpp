@@ -55,6 +55,16 @@ float chunk_sum_exp(const float* x, int64_t len, float shift) {
   return vec::hsum(_mm256_add_ps(a0, a1));
 }
 
+void scaled_exp_avx(float* d, const float* x, int64_t n, __m256 shift, __m256 scale) {
+  int64_t i = 0;
+  for (; i + vec::kWidth <= n; i += vec::kWidth)
+    _mm256_storeu_ps(d + i, _mm256_mul_ps(scale, vec::exp(_mm256_sub_ps(_mm256_loadu_ps(x + i), shift))));
+  if (i < n) {
+    const int64_t r = n - i;
+    vec::store_tail(d + i, _mm256_mul_ps(scale, vec::exp(_mm256_sub_ps(vec::load_tail(x + i, r, 0.f), shift))), r);
+  }
+}
+
 struct RowStats {
   float max;     // max of the row
   double sum;    // sum of exp(x - max)
@@ -81,6 +91,22 @@ float row_loss(const float* x, const RowStats& st, int32_t target) {
 }
 
 }  // namespace
+
+float row_max(const float* x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t c0 = 0; c0 < n; c0 += kChunk) m = std::max(m, chunk_max(x + c0, std::min(kChunk, n - c0)));
+  return m;
+}
+
+double row_sum_exp(const float* x, int64_t n, float shift) {
+  double sum = 0.0;
+  for (int64_t c0 = 0; c0 < n; c0 += kChunk) sum += double(chunk_sum_exp(x + c0, std::min(kChunk, n - c0), shift));
+  return sum;
+}
+
+void scaled_exp(float* d, const float* x, int64_t n, float shift, float scale) {
+  scaled_exp_avx(d, x, n, _mm256_set1_ps(shift), _mm256_set1_ps(scale));
+}
 
 void crossentropy_forward(float* losses, const float* logits, const int32_t* targets, int64_t N, int64_t V,
                           int64_t Vp) {
@@ -117,13 +143,7 @@ void crossentropy_forward_backward(float* losses, float* dlogits, const float* l
     // d = dloss * exp(x - max) / sum, then the target column gets -dloss.
     const __m256 shift = _mm256_set1_ps(st.max);
     const __m256 scale = _mm256_set1_ps(float(double(dloss) / st.sum));
-    int64_t i = 0;
-    for (; i + vec::kWidth <= V; i += vec::kWidth)
-      _mm256_storeu_ps(d + i, _mm256_mul_ps(scale, vec::exp(_mm256_sub_ps(_mm256_loadu_ps(x + i), shift))));
-    if (i < V) {
-      const int64_t r = V - i;
-      vec::store_tail(d + i, _mm256_mul_ps(scale, vec::exp(_mm256_sub_ps(vec::load_tail(x + i, r, 0.f), shift))), r);
-    }
+    scaled_exp_avx(d, x, V, shift, scale);
     // softmax(x_t) - 1, from the loss (p_t = exp(-loss)) for accuracy when p_t is close to 1.
     d[t] = float(double(dloss) * std::expm1(-(std::log(st.sum) + double(st.max) - double(x_target))));
     std::fill(d + V, d + Vp, 0.f);

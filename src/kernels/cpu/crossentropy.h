@@ -16,4 +16,11 @@ void crossentropy_forward(float* losses, const float* logits, const int32_t* tar
 void crossentropy_forward_backward(float* losses, float* dlogits, const float* logits, const int32_t* targets,
                                    float dloss, int64_t N, int64_t V, int64_t Vp);
 
+// The pieces for a vocabulary split over ranks (parallel/tensor/vocab_parallel.h), vectorised as
+// above: the max of x [n]; the sum of exp(x - shift) over x [n] (float within chunks of 2048, the
+// chunks added in double); d [n] = scale * exp(x - shift).
+float row_max(const float* x, int64_t n);
+double row_sum_exp(const float* x, int64_t n, float shift);
+void scaled_exp(float* d, const float* x, int64_t n, float shift, float scale);
+
 }  // namespace loom::cpu

@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "core/error.h"
+#include "kernels/cpu/crossentropy.h"
 
 namespace loom::parallel::tp {
 
@@ -58,21 +59,14 @@ void vocab_cross_entropy(comm::Comm* g, float* losses, float* dlogits, const flo
                               targets[n], n, a.V));
   float* mx = scratch;           // [N] row max over the whole vocabulary
   float* sums = scratch + N;     // [2N]: sum of exp(l - max), target logit
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  // The single device's fused kernel's arithmetic (kernels/cpu/crossentropy.h), on each shard.
 #pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; ++n) {
-    const float* l = logits + n * Vs;
-    float m = kNegInf;
-    for (int64_t v = 0; v < nv; ++v) m = std::max(m, l[v]);
-    mx[n] = m;
-  }
+  for (int64_t n = 0; n < N; ++n) mx[n] = cpu::row_max(logits + n * Vs, nv);
   if (multi) g->all_reduce(mx, N, DType::f32, comm::ReduceOp::max);
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     const float* l = logits + n * Vs;
-    double s = 0;
-    for (int64_t v = 0; v < nv; ++v) s += std::exp(double(l[v]) - double(mx[n]));
-    sums[n] = float(s);
+    sums[n] = float(cpu::row_sum_exp(l, nv, mx[n]));
     const int64_t t = int64_t(targets[n]) - a.v0;
     sums[N + n] = (targets[n] >= 0 && t >= 0 && t < nv) ? l[t] : 0.0f;
   }
@@ -89,11 +83,10 @@ void vocab_cross_entropy(comm::Comm* g, float* losses, float* dlogits, const flo
       std::memset(d, 0, size_t(Vs) * sizeof(float));
       continue;
     }
+    // d = dloss exp(l - max) / sum, the target column dloss (p_t - 1) from the loss as on one device.
     const int64_t t = int64_t(targets[n]) - a.v0;
-    for (int64_t v = 0; v < nv; ++v) {
-      const double p = std::exp(double(l[v]) - lse);
-      d[v] = float(double(a.dloss) * (p - (v == t ? 1.0 : 0.0)));
-    }
+    cpu::scaled_exp(d, l, nv, mx[n], float(double(a.dloss) / double(sums[n])));
+    if (t >= 0 && t < nv) d[t] = float(double(a.dloss) * std::expm1(-double(losses[n])));
     for (int64_t v = nv; v < Vs; ++v) d[v] = 0.0f;
   }
 }
