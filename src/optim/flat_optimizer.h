@@ -26,7 +26,10 @@ struct FlatSegment {
 
 class FlatOptimizer {
  public:
-  FlatOptimizer(const AdamWConfig& cfg, int64_t begin, int64_t end) : cfg_(cfg), begin_(begin), end_(end) {}
+  // segments: the logical parameter elements of the whole flat buffer (sorted, disjoint); `who`
+  // names the optimizer in errors. Keeps those in [begin, end), clipped to it and range-relative.
+  FlatOptimizer(const std::vector<FlatSegment>& segments, int64_t begin, int64_t end, const AdamWConfig& cfg,
+                const char* who);
   virtual ~FlatOptimizer() = default;
   FlatOptimizer(const FlatOptimizer&) = delete;
   FlatOptimizer& operator=(const FlatOptimizer&) = delete;
@@ -34,13 +37,16 @@ class FlatOptimizer {
   // Sum of squares (double) of grad_shard f32 [end - begin] over this range's logical elements of
   // the segments with in_norm, segment by segment in flat order (deterministic for any thread
   // count).
-  virtual double grad_sum_squares(const float* grad_shard) const = 0;
+  double grad_sum_squares(const float* grad_shard) const;
   // One step on param_shard / grad_shard f32 [end - begin] with a global gradient norm computed
   // over all ranges (clipping), at learning rate lr (the configured one when lr < 0).
   virtual StepStats step(float* param_shard, const float* grad_shard, double global_norm, double lr = -1.0) = 0;
   // Bytes of optimizer state held (tag optimizer).
   virtual int64_t state_bytes() const = 0;
 
+  // The segments in this range, range-relative (a segment cut by the range keeps its parameter's
+  // shape: its length then differs from the shape's elements).
+  const std::vector<FlatSegment>& segments() const { return segments_; }
   int64_t begin() const { return begin_; }
   int64_t end() const { return end_; }
   const AdamWConfig& config() const { return cfg_; }
@@ -75,6 +81,7 @@ class FlatOptimizer {
 
   AdamWConfig cfg_;
   int64_t begin_, end_;
+  std::vector<FlatSegment> segments_;
   int64_t t_ = 0;
 };
 

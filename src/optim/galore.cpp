@@ -89,31 +89,23 @@ void top_singular_vectors(const float* G, int64_t m, int64_t n, int64_t r, bool 
 
 GaLore::GaLore(std::vector<FlatSegment> segments, int64_t begin, int64_t end, const AdamWConfig& cfg,
                MemoryPool& state_pool, MemoryPool& work_pool)
-    : FlatOptimizer(cfg, begin, end), work_pool_(work_pool) {
-  cfg_.validate();
-  LOOM_CHECK(0 <= begin && begin <= end, "galore: bad range [{}, {})", begin, end);
-  int64_t prev = 0, most = 0;
-  for (const FlatSegment& s : segments) {
-    LOOM_CHECK(s.begin >= prev && s.end >= s.begin, "galore: segment '{}' [{}, {}) is out of order", s.name, s.begin,
-               s.end);
-    prev = s.end;
-    const int64_t b = std::max(s.begin, begin), e = std::min(s.end, end);
-    if (b >= e) continue;
+    : FlatOptimizer(segments, begin, end, cfg, "galore"), work_pool_(work_pool) {
+  int64_t most = 0;
+  for (const FlatSegment& seg : segments_) {
     State st;
-    st.seg = {b - begin, e - begin, s.decay, s.name, s.in_norm, s.shape};
-    st.shapes = galore_shapes(s.name, s.shape, cfg_.galore_rank);
+    st.shapes = galore_shapes(seg.name, seg.shape, cfg_.galore_rank);
     if (st.shapes.low_rank) {
-      LOOM_CHECK(b == s.begin && e == s.end && s.end - s.begin == shape_numel(s.shape) && s.in_norm,
+      LOOM_CHECK(seg.end - seg.begin == shape_numel(seg.shape) && seg.in_norm,
                  "galore: matrix '{}' is not whole in this rank's range [{}, {}) (GaLore needs ZeRO stage 0 and no "
                  "tensor parallelism)",
-                 s.name, begin, end);
+                 seg.name, begin, end);
       st.exp_avg = Tensor::zeros(st.shapes.moments, DType::f32, MemTag::optimizer, state_pool);
       st.exp_avg_sq = Tensor::zeros(st.shapes.moments, DType::f32, MemTag::optimizer, state_pool);
       st.projector = Tensor::zeros(st.shapes.projector, DType::f32, MemTag::optimizer, state_pool);
       most = std::max(most, shape_numel(st.shapes.moments));
     } else {
-      st.exp_avg = Tensor::zeros({e - b}, DType::f32, MemTag::optimizer, state_pool);
-      st.exp_avg_sq = Tensor::zeros({e - b}, DType::f32, MemTag::optimizer, state_pool);
+      st.exp_avg = Tensor::zeros({seg.end - seg.begin}, DType::f32, MemTag::optimizer, state_pool);
+      st.exp_avg_sq = Tensor::zeros({seg.end - seg.begin}, DType::f32, MemTag::optimizer, state_pool);
     }
     states_.push_back(std::move(st));
   }
@@ -130,24 +122,19 @@ int64_t GaLore::state_bytes() const {
   return n;
 }
 
-double GaLore::grad_sum_squares(const float* grad_shard) const {
-  double s = 0;
-  for (const State& st : states_)
-    if (st.seg.in_norm) s += cpu::sum_squares(grad_shard + st.seg.begin, st.seg.end - st.seg.begin);
-  return s;
-}
-
 void GaLore::refresh_projectors(const float* grad_shard, int rank, int ranks,
                                 const std::function<void(Tensor&, int)>& share) {
   LOOM_CHECK(refresh_due(), "galore: step {} takes no new projectors", t_ + 1);
   LOOM_CHECK(0 <= rank && rank < ranks, "galore: rank {} of {}", rank, ranks);
   int64_t i = 0;
-  for (State& s : states_) {
+  for (size_t k = 0; k < states_.size(); ++k) {
+    State& s = states_[k];
     if (!s.shapes.low_rank) continue;
+    const FlatSegment& seg = segments_[k];
     const int owner = int(i++ % ranks);
     if (owner == rank) {
-      top_singular_vectors(grad_shard + s.seg.begin, s.seg.shape[0], s.seg.shape[1], cfg_.galore_rank, s.shapes.left,
-                           s.projector.f32(), work_pool_, s.seg.name);
+      top_singular_vectors(grad_shard + seg.begin, seg.shape[0], seg.shape[1], cfg_.galore_rank, s.shapes.left,
+                           s.projector.f32(), work_pool_, seg.name);
       ++refreshes_;
     }
     share(s.projector, owner);
@@ -156,33 +143,33 @@ void GaLore::refresh_projectors(const float* grad_shard, int rank, int ranks,
 }
 
 StepStats GaLore::step(float* param_shard, const float* grad_shard, double global_norm, double lr) {
+  // A holder alone (no refresh_projectors before this step): it computes them all.
+  if (std::isfinite(global_norm) && refresh_due() && refreshed_for_ != t_ + 1)
+    refresh_projectors(grad_shard, 0, 1, [](Tensor&, int) {});
   const StepStats st = begin_step(global_norm, "galore");
-  const bool refresh = (t_ - 1) % cfg_.galore_update_every == 0 && refreshed_for_ != t_;
-  for (State& s : states_) {
-    const cpu::AdamWArgs a = segment_args(lr, s.seg.decay, st);
-    float* w = param_shard + s.seg.begin;
-    const float* g = grad_shard + s.seg.begin;
+  for (size_t k = 0; k < states_.size(); ++k) {
+    State& s = states_[k];
+    const FlatSegment& seg = segments_[k];
+    const cpu::AdamWArgs a = segment_args(lr, seg.decay, st);
+    float* w = param_shard + seg.begin;
+    const float* g = grad_shard + seg.begin;
     if (!s.shapes.low_rank) {
-      cpu::adamw_update(w, g, s.exp_avg.f32(), s.exp_avg_sq.f32(), s.seg.end - s.seg.begin, a);
+      cpu::adamw_update(w, g, s.exp_avg.f32(), s.exp_avg_sq.f32(), seg.end - seg.begin, a);
       continue;
     }
-    const int64_t m = s.seg.shape[0], n = s.seg.shape[1], r = cfg_.galore_rank;
-    float* P = s.projector.f32();
-    if (refresh) {
-      top_singular_vectors(g, m, n, r, s.shapes.left, P, work_pool_, s.seg.name);
-      ++refreshes_;
-    }
-    const int64_t k = shape_numel(s.shapes.moments);
+    const int64_t m = seg.shape[0], n = seg.shape[1], r = cfg_.galore_rank;
+    const float* P = s.projector.f32();
+    const int64_t kn = shape_numel(s.shapes.moments);
     float* R = work_r_.f32();
     float* D = work_d_.f32();
     if (s.shapes.left) cpu::gemm(true, false, r, n, m, 1.0f, P, r, g, n, 0.0f, R, n);   // P^T G [r, n]
     else cpu::gemm(false, true, m, r, n, 1.0f, g, n, P, n, 0.0f, R, r);                  // G Q^T [m, r]
     // Adam in the subspace: from D = 0 with lr 1 and no decay the kernel leaves D = -N.
-    std::fill(D, D + k, 0.0f);
+    std::fill(D, D + kn, 0.0f);
     cpu::AdamWArgs sub = a;
     sub.lr = 1.0;
     sub.weight_decay = 0.0;
-    cpu::adamw_update(D, R, s.exp_avg.f32(), s.exp_avg_sq.f32(), k, sub);
+    cpu::adamw_update(D, R, s.exp_avg.f32(), s.exp_avg_sq.f32(), kn, sub);
     if (a.weight_decay > 0) {
       const float decay = float(1.0 - a.lr * a.weight_decay);
       for (int64_t i = 0; i < m * n; ++i) w[i] *= decay;

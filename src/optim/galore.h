@@ -58,8 +58,8 @@ class GaLore final : public FlatOptimizer {
   GaLore(std::vector<FlatSegment> segments, int64_t begin, int64_t end, const AdamWConfig& cfg,
          MemoryPool& state_pool, MemoryPool& work_pool);
 
-  double grad_sum_squares(const float* grad_shard) const override;
-  // Refreshes the projectors first when the step is due one (unless refresh_projectors did).
+  // Refreshes the projectors first when the step is due one (unless refresh_projectors did: alone,
+  // as refresh_projectors(grad_shard, 0, 1, no-op)).
   StepStats step(float* param_shard, const float* grad_shard, double global_norm, double lr = -1.0) override;
   int64_t state_bytes() const override;
 
@@ -72,8 +72,8 @@ class GaLore final : public FlatOptimizer {
   void refresh_projectors(const float* grad_shard, int rank, int ranks,
                           const std::function<void(Tensor& projector, int owner)>& share);
 
+  // One per segments() entry, in its order.
   struct State {
-    FlatSegment seg;          // range-relative
     GaLoreShapes shapes;
     Tensor exp_avg, exp_avg_sq;  // f32: [seg length] (plain) or shapes.moments (projected)
     Tensor projector;            // f32 shapes.projector (projected only)

@@ -23,7 +23,6 @@ class ShardedAdamW final : public FlatOptimizer {
   ShardedAdamW(std::vector<FlatSegment> segments, int64_t begin, int64_t end, const AdamWConfig& cfg,
                MemoryPool& state_pool);
 
-  double grad_sum_squares(const float* grad_shard) const override;
   StepStats step(float* param_shard, const float* grad_shard, double global_norm, double lr = -1.0) override;
   int64_t state_bytes() const override { return 2 * (end_ - begin_) * int64_t(sizeof(float)); }
 
@@ -31,7 +30,6 @@ class ShardedAdamW final : public FlatOptimizer {
   Tensor& exp_avg_sq() { return v_; }  // f32 [end - begin]
 
  private:
-  std::vector<FlatSegment> local_;  // segments clipped to [begin, end), shard-relative
   Tensor m_, v_;
 };
 

@@ -660,6 +660,7 @@ CheckpointReader::CheckpointReader(const std::string& ckpt, bool verify)
 CheckpointReader::~CheckpointReader() = default;
 const CheckpointMeta& CheckpointReader::meta() const { return impl_->meta; }
 Shape CheckpointReader::shape(const std::string& name) const { return impl_->shape(name); }
+const std::string& CheckpointReader::path() const { return impl_->ckpt; }
 bool CheckpointReader::has(const std::string& name) const { return impl_->shapes.count(name) > 0; }
 
 void CheckpointReader::read(const std::string& name, int64_t global, int64_t n, float* dst) {

@@ -124,6 +124,7 @@ class CheckpointReader {
   explicit CheckpointReader(const std::string& ckpt, bool verify = true);
   ~CheckpointReader();
   const CheckpointMeta& meta() const;
+  const std::string& path() const;  // the checkpoint directory
   // The full tensor's shape; throws naming the checkpoint when it has no tensor `name`.
   Shape shape(const std::string& name) const;
   bool has(const std::string& name) const;

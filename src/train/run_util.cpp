@@ -94,29 +94,30 @@ std::string human_time(double s) {
   return fmt::format("{}s", t);
 }
 
+namespace {
+
+// Every token of a loader's shards, in order, a chunk at a time.
+template <class F>
+void for_each_token(const data::Loader& l, F&& f) {
+  std::vector<int32_t> buf(1 << 16);
+  for (const auto& file : l.files()) {
+    data::Shard s(file, false);
+    for (uint64_t i = 0; i < s.size(); i += buf.size()) {
+      const uint64_t n = std::min<uint64_t>(buf.size(), s.size() - i);
+      s.read(i, n, buf.data());
+      for (uint64_t j = 0; j < n; ++j) f(buf[j]);
+    }
+  }
+}
+
+}  // namespace
+
 double unigram_loss(const data::Loader& train, const data::Loader* val, int64_t vocab) {
   std::vector<double> count(size_t(vocab), 1.0);
   double total = double(vocab);
-  std::vector<int32_t> buf(1 << 16);
-  for (const auto& f : train.files()) {
-    data::Shard s(f, false);
-    for (uint64_t i = 0; i < s.size(); i += buf.size()) {
-      uint64_t n = std::min<uint64_t>(buf.size(), s.size() - i);
-      s.read(i, n, buf.data());
-      for (uint64_t j = 0; j < n; ++j) count[size_t(buf[j])] += 1;
-      total += double(n);
-    }
-  }
+  for_each_token(train, [&](int32_t t) { count[size_t(t)] += 1, total += 1; });
   double nll = 0, n = 0;
-  for (const auto& f : val ? val->files() : train.files()) {
-    data::Shard s(f, false);
-    for (uint64_t i = 0; i < s.size(); i += buf.size()) {
-      uint64_t m = std::min<uint64_t>(buf.size(), s.size() - i);
-      s.read(i, m, buf.data());
-      for (uint64_t j = 0; j < m; ++j) nll -= std::log(count[size_t(buf[j])] / total);
-      n += double(m);
-    }
-  }
+  for_each_token(val ? *val : train, [&](int32_t t) { nll -= std::log(count[size_t(t)] / total), n += 1; });
   return n > 0 ? nll / n : NAN;
 }
 
@@ -182,18 +183,8 @@ RunData open_run_data(const TrainConfig& cfg, const std::string& config_path) {
   if (cfg.prune_embedding) {
     // The tokens the run can feed the model: its data's, and the sample prompt's.
     std::vector<char> used(size_t(r.model.vocab_size), 0);
-    std::vector<int32_t> buf(1 << 16);
-    for (const data::Loader* l : {&r.train, r.val.get()}) {
-      if (!l) continue;
-      for (const auto& f : l->files()) {
-        data::Shard s(f, false);
-        for (uint64_t i = 0; i < s.size(); i += buf.size()) {
-          const uint64_t n = std::min<uint64_t>(buf.size(), s.size() - i);
-          s.read(i, n, buf.data());
-          for (uint64_t j = 0; j < n; ++j) used[size_t(buf[j])] = 1;
-        }
-      }
-    }
+    for (const data::Loader* l : {&r.train, r.val.get()})
+      if (l) for_each_token(*l, [&](int32_t t) { used[size_t(t)] = 1; });
     if (r.tokenizer && !cfg.sample_prompt.empty())
       for (int32_t id : r.tokenizer->encode(cfg.sample_prompt)) used[size_t(id)] = 1;
     auto kept = std::make_shared<std::vector<int32_t>>();

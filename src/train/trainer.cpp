@@ -75,7 +75,7 @@ void read_kept_rows(CheckpointReader& ckpt, const char* kind, const model::Param
   const Shape full = ckpt.shape(name);
   const int64_t C = p.spec.shape[1];
   LOOM_CHECK(full.size() == 2 && full[1] == C && full[0] > kept.back(),
-             "{}: tensor '{}' has shape {}, which holds no row {} of width {}", ckpt.meta().model.dump(), name,
+             "{}: tensor '{}' has shape {}, which holds no row {} of width {}", ckpt.path(), name,
              shape_str(full), kept.back(), C);
   for (int64_t g = lb; g < le;) {
     const int64_t row = g / C, col = g % C, n = std::min(le - g, C - col);
@@ -146,12 +146,13 @@ std::vector<optim::GaLore::State*> galore_states(parallel::DataParallel& ddp) {
   std::vector<optim::GaLore::State*> out(ddp.layout().size(), nullptr);
   optim::GaLore* g = ddp.galore();
   if (!g) return out;
-  for (optim::GaLore::State& st : g->states()) {
+  for (size_t k = 0; k < g->states().size(); ++k) {
+    const optim::FlatSegment& seg = g->segments()[k];  // (stage 0: the range is the whole buffer)
     const auto f = std::find_if(ddp.layout().begin(), ddp.layout().end(),
-                                [&](const parallel::FlatParam& x) { return x.offset == st.seg.begin; });
-    LOOM_CHECK(f != ddp.layout().end() && st.seg.end - st.seg.begin == f->numel,
-               "galore: state of '{}' does not match a parameter of the layout", st.seg.name);
-    out[size_t(f - ddp.layout().begin())] = &st;
+                                [&](const parallel::FlatParam& x) { return x.offset == seg.begin; });
+    LOOM_CHECK(f != ddp.layout().end() && seg.end - seg.begin == f->numel,
+               "galore: state of '{}' does not match a parameter of the layout", seg.name);
+    out[size_t(f - ddp.layout().begin())] = &g->states()[k];
   }
   return out;
 }

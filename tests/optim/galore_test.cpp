@@ -194,16 +194,18 @@ TEST(GaLore, StepsMatchTheUpdateInDouble) {
         }
     }
     // The projector's columns are orthonormal.
-    for (const auto& state : opt.states()) {
+    for (size_t k = 0; k < opt.states().size(); ++k) {
+      const optim::GaLore::State& state = opt.states()[k];
+      const optim::FlatSegment& seg = opt.segments()[k];
       if (!state.shapes.low_rank) continue;
-      const int64_t r = cfg.galore_rank, len = state.shapes.left ? state.seg.shape[0] : state.seg.shape[1];
+      const int64_t r = cfg.galore_rank, len = state.shapes.left ? seg.shape[0] : seg.shape[1];
       for (int64_t a = 0; a < r; ++a)
         for (int64_t b = 0; b < r; ++b) {
           double dot = 0;
           for (int64_t i = 0; i < len; ++i)
             dot += state.shapes.left ? double(state.projector.f32()[i * r + a]) * state.projector.f32()[i * r + b]
                                      : double(state.projector.f32()[a * len + i]) * state.projector.f32()[b * len + i];
-          EXPECT_NEAR(dot, a == b ? 1.0 : 0.0, 1e-5) << state.seg.name;
+          EXPECT_NEAR(dot, a == b ? 1.0 : 0.0, 1e-5) << seg.name;
         }
     }
     for (const auto& s : segs) {

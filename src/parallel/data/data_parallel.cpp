@@ -595,33 +595,30 @@ void DataParallel::release_block(int64_t c) {
   for (int i : uses_[size_t(c)]) detach_from_flat(*lay_.params[size_t(i)].param, false);
 }
 
-void DataParallel::before_forward(int64_t c) {
-  if (o_.zero == 3) gather_block(c, "fwd", /*backward=*/false);
+// A block's pass that reads its weights (forward, a backward's input pass): ZeRO-3 gathers them
+// before and releases them after; the pass is traced as `what` + the block's name.
+void DataParallel::begin_weight_read(int64_t c, bool backward) {
+  if (o_.zero == 3) gather_block(c, backward ? "bwd" : "fwd", backward);
   block_t0_ = Trace::Clock::now();
 }
 
-void DataParallel::after_forward(int64_t c) {
-  if (o_.trace) o_.trace->add("fwd " + chain_.blocks[size_t(c)]->name(), TraceStream::compute, block_t0_,
-                              Trace::Clock::now());
+void DataParallel::end_weight_read(int64_t c, const char* what) {
+  if (o_.trace)
+    o_.trace->add(what + chain_.blocks[size_t(c)]->name(), TraceStream::compute, block_t0_, Trace::Clock::now());
   if (o_.zero == 3) release_block(c);
 }
 
+void DataParallel::before_forward(int64_t c) { begin_weight_read(c, /*backward=*/false); }
+void DataParallel::after_forward(int64_t c) { end_weight_read(c, "fwd "); }
+
 void DataParallel::before_backward(int64_t c) {
-  if (o_.zero == 3) gather_block(c, "bwd", /*backward=*/true);
+  begin_weight_read(c, /*backward=*/true);
   for (int b : writes_[size_t(c)]) acquire_bucket(size_t(b));
   block_t0_ = Trace::Clock::now();
 }
 
-void DataParallel::before_input_backward(int64_t c) {
-  if (o_.zero == 3) gather_block(c, "bwd", /*backward=*/true);
-  block_t0_ = Trace::Clock::now();
-}
-
-void DataParallel::after_input_backward(int64_t c) {
-  if (o_.trace) o_.trace->add("bwd input " + chain_.blocks[size_t(c)]->name(), TraceStream::compute, block_t0_,
-                              Trace::Clock::now());
-  if (o_.zero == 3) release_block(c);
-}
+void DataParallel::before_input_backward(int64_t c) { begin_weight_read(c, /*backward=*/true); }
+void DataParallel::after_input_backward(int64_t c) { end_weight_read(c, "bwd input "); }
 
 void DataParallel::before_weight_backward(int64_t c) {
   // (No weights: the weight gradients come from the saved activations and output gradients.)

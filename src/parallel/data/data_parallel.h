@@ -261,6 +261,8 @@ class DataParallel final : public model::ChainHooks {
   void launch_bucket(size_t b);
   void free_bucket(size_t b);
   void gather_block(int64_t c, const char* phase, bool backward);
+  void begin_weight_read(int64_t c, bool backward);
+  void end_weight_read(int64_t c, const char* what);
   void release_block(int64_t c);
   void point_grads(size_t b);
   float* grad_shard() const;  // (into grads_ / params_, whose storage this object owns)

@@ -1,0 +1,29 @@
+#include "optim/flat_optimizer.h"
+
+#include <algorithm>
+
+namespace loom::optim {
+
+FlatOptimizer::FlatOptimizer(const std::vector<FlatSegment>& segments, int64_t begin, int64_t end,
+                             const AdamWConfig& cfg, const char* who)
+    : cfg_(cfg), begin_(begin), end_(end) {
+  cfg_.validate();
+  LOOM_CHECK(0 <= begin && begin <= end, "{}: bad range [{}, {})", who, begin, end);
+  int64_t prev = 0;
+  for (const FlatSegment& s : segments) {
+    LOOM_CHECK(s.begin >= prev && s.end >= s.begin, "{}: segment '{}' [{}, {}) is out of order", who, s.name, s.begin,
+               s.end);
+    prev = s.end;
+    const int64_t b = std::max(s.begin, begin), e = std::min(s.end, end);
+    if (b < e) segments_.push_back({b - begin, e - begin, s.decay, s.name, s.in_norm, s.shape});
+  }
+}
+
+double FlatOptimizer::grad_sum_squares(const float* grad_shard) const {
+  double s = 0;
+  for (const FlatSegment& seg : segments_)
+    if (seg.in_norm) s += cpu::sum_squares(grad_shard + seg.begin, seg.end - seg.begin);
+  return s;
+}
+
+}  // namespace loom::optim
