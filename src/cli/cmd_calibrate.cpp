@@ -19,7 +19,7 @@ struct CalibrateArgs {
 };
 
 Registrar reg{Command{
-    "calibrate", "measure this host's GEMM rate, memory bandwidth and all-reduce, and cache them",
+    "calibrate", "measure this host's GEMM rate, memory bandwidth, all-reduce and loom's other kernels, and cache them",
     [](CLI::App& sub) -> std::function<int()> {
       auto a = std::make_shared<CalibrateArgs>();
       sub.add_option("--threads", a->threads, "OpenMP threads per rank to measure with (default: all)")
@@ -36,6 +36,9 @@ Registrar reg{Command{
         std::printf("  memory copy: %.1f GB/s\n", p.memory_bw / 1e9);
         std::printf("  all-reduce, threads backend, 2 ranks: %.1f us latency, %.2f GB/s\n", p.allreduce_latency * 1e6,
                     p.allreduce_bw / 1e9);
+        for (const auto& [name, k] : p.kernels)
+          std::printf("  %-19s %7.2f us a call + %.3g ns per %s\n", name.c_str(), k.call * 1e6, k.unit * 1e9,
+                      name.rfind("attention", 0) == 0 ? "FLOP" : name == "adamw" ? "parameter" : name == "crossentropy" ? "logit" : "element");
         plan::save_profile(p);
         std::printf("cached in %s (loom train's MFU and loom plan --cluster cpu use it)\n",
                     plan::calibration_path().c_str());

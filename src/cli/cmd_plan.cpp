@@ -186,10 +186,8 @@ Registrar reg_simulate{Command{
         spec.stages = L.pp;
         spec.virtual_stages = L.pp > 1 ? L.v : 1;
         spec.micro_batches = int(e.micro_batches);
-        pipe::OpCosts order = e.chunk_costs;
-        order.transfer = 0;
-        const pipe::Schedule sch = pipe::generate(spec, order);
-        const pipe::CheckResult res = pipe::check_or_throw(sch, e.chunk_costs);
+        const pipe::Schedule sch = pipe::generate(spec, e.order_costs);
+        const pipe::CheckResult res = pipe::simulate(sch, e.rank_costs);
         pipe::Timeline tl = pipe::schedule_timeline(sch, res);
         for (int r = 0; r < sch.p(); ++r) tl.labels.push_back(fmt::format("predicted stage {}", r));
         tl.title = fmt::format("{}: predicted step {:.1f} ms", L.str(), 1e3 * res.makespan);

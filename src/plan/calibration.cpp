@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <limits>
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
@@ -17,7 +19,14 @@
 
 #include "comm/threads.h"
 #include "core/error.h"
+#include "core/memory.h"
+#include "kernels/cpu/adamw.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/crossentropy.h"
+#include "kernels/cpu/gelu.h"
+#include "kernels/cpu/layernorm.h"
 #include "kernels/cpu/matmul.h"
+#include "kernels/cpu/residual.h"
 
 namespace fs = std::filesystem;
 
@@ -37,6 +46,19 @@ std::string today() {
   return buf;
 }
 
+nlohmann::json kernels_json(const std::map<std::string, KernelCost>& k) {
+  nlohmann::json j = nlohmann::json::object();
+  for (const auto& [name, c] : k) j[name] = {{"call_s", c.call}, {"unit_s", c.unit}};
+  return j;
+}
+
+nlohmann::json linear_json(const std::vector<LinearRate>& g) {
+  nlohmann::json j = nlohmann::json::array();
+  for (const LinearRate& r : g)
+    j.push_back({{"tokens", r.tokens}, {"width", r.width}, {"forward_flops", r.forward}, {"backward_flops", r.backward}});
+  return j;
+}
+
 nlohmann::json to_json(const HostProfile& p) {
   return {{"cpu", p.cpu},
           {"cores", p.cores},
@@ -47,6 +69,8 @@ nlohmann::json to_json(const HostProfile& p) {
           {"memory_bytes_per_s", p.memory_bw},
           {"allreduce_latency_s", p.allreduce_latency},
           {"allreduce_bytes_per_s", p.allreduce_bw},
+          {"kernels", kernels_json(p.kernels)},
+          {"linear", linear_json(p.linear)},
           {"source", p.source},
           {"date", p.date}};
 }
@@ -65,6 +89,17 @@ std::optional<HostProfile> from_json(const nlohmann::json& j) {
     p.allreduce_bw = j.value("allreduce_bytes_per_s", 0.0);
     p.source = j.value("source", std::string());
     p.date = j.value("date", std::string());
+    if (j.contains("linear") && j["linear"].is_array())
+      for (const auto& r : j["linear"]) {
+        const LinearRate x{r.at("tokens").get<double>(), r.at("width").get<double>(), r.at("forward_flops").get<double>(),
+                           r.at("backward_flops").get<double>()};
+        if (x.tokens > 0 && x.width > 0 && x.forward > 0 && x.backward > 0) p.linear.push_back(x);
+      }
+    if (j.contains("kernels") && j["kernels"].is_object())
+      for (const auto& [name, c] : j["kernels"].items()) {
+        const KernelCost k{c.at("call_s").get<double>(), c.at("unit_s").get<double>()};
+        if (std::isfinite(k.call) && std::isfinite(k.unit) && k.call >= 0 && k.unit > 0) p.kernels[name] = k;
+      }
     if (!(p.gemm_peak > 0) || p.threads <= 0) return std::nullopt;
     return p;
   } catch (const nlohmann::json::exception&) {
@@ -94,6 +129,125 @@ double gemm_rate(int64_t M, int64_t N, int64_t K, double seconds) {
     last = rate;
   }
   return best;
+}
+
+// The least mean seconds per call of run() over rounds of at least `seconds` / 8 (at least one
+// call a round; the best of 3 rounds, after a warm-up call).
+template <class Run>
+double seconds_per_call(Run&& run, double seconds) {
+  run();  // warm: first-touch pages, the OpenMP team
+  double best = std::numeric_limits<double>::infinity();
+  for (int round = 0; round < 3; ++round) {
+    int calls = 0;
+    const auto t0 = Clock::now();
+    do run(), ++calls;
+    while (since(t0) < seconds / 8);
+    best = std::min(best, since(t0) / calls);
+  }
+  return best;
+}
+
+// A kernel timed at a small and a large size (units of work u1 < u2): the line through both.
+KernelCost fit(double t1, double u1, double t2, double u2) {
+  KernelCost k;
+  k.unit = std::max((t2 - t1) / (u2 - u1), t2 / u2 * 1e-3);
+  k.call = std::max(0.0, t1 - k.unit * u1);
+  return k;
+}
+
+// loom's non-GEMM CPU kernels at a small layer's sizes (64 tokens of width 128) and a large one's
+// (2048 tokens of width 768).
+std::map<std::string, KernelCost> measure_kernels(double seconds) {
+  std::map<std::string, KernelCost> out;
+  struct Size {
+    int64_t N, C, T, NH, V;
+  };
+  const Size sizes[2] = {{64, 128, 64, 4, 4096}, {2048, 768, 256, 12, 8192}};
+  double t[2][9], u[2][9];
+  for (int s = 0; s < 2; ++s) {
+    const auto [N, C, T, NH, V] = sizes[s];
+    const size_t wide = static_cast<size_t>(N * 4 * C), cols = static_cast<size_t>(C), rows = static_cast<size_t>(N);
+    std::vector<float> x(wide), y(wide), z(wide, 0.25f), w(cols, 1.0f), b(cols, 0.0f), dw(cols), db(cols), mean(rows),
+        rstd(rows);
+    for (size_t i = 0; i < x.size(); ++i) x[i] = float(i % 97) / 97.0f - 0.5f;
+    cpu::layernorm_forward(y.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), N, C);
+    t[s][0] = seconds_per_call([&] { cpu::layernorm_forward(y.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), N, C); }, seconds);
+    t[s][1] = seconds_per_call([&] {
+      cpu::layernorm_backward(z.data(), dw.data(), db.data(), y.data(), x.data(), w.data(), mean.data(), rstd.data(), N, C);
+    }, seconds);
+    u[s][0] = u[s][1] = double(N * C);
+    t[s][2] = seconds_per_call([&] { cpu::gelu_forward(y.data(), x.data(), N * 4 * C); }, seconds);
+    t[s][3] = seconds_per_call([&] { cpu::gelu_backward(z.data(), x.data(), y.data(), N * 4 * C); }, seconds);
+    u[s][2] = u[s][3] = double(N * 4 * C);
+    t[s][4] = seconds_per_call([&] { cpu::residual_forward(z.data(), x.data(), y.data(), N * C); }, seconds);
+    u[s][4] = double(N * C);
+    // Attention over B = N / T sequences of T tokens, NH heads of C / NH: qkv packed [N, 3C].
+    {
+      const int64_t B = N / T, HS = C / NH;
+      std::vector<float> qkv(static_cast<size_t>(N * 3 * C)), o(static_cast<size_t>(N * C)), lse(static_cast<size_t>(B * NH * T)), dqkv(static_cast<size_t>(N * 3 * C)),
+          dout(static_cast<size_t>(N * C), 0.01f);
+      for (size_t i = 0; i < qkv.size(); ++i) qkv[i] = float(i % 89) / 89.0f - 0.5f;
+      cpu::AttnArgs a;
+      a.B = B, a.NH = NH, a.HS = HS, a.Tq = a.Tkv = T, a.q_stride = a.kv_stride = 3 * C, a.o_stride = C;
+      MemoryPool pool("calibrate");
+      cpu::AttnWorkspace ws(pool);
+      const float *q = qkv.data(), *k = q + C, *v = q + 2 * C;
+      t[s][5] = seconds_per_call([&] { cpu::attention_forward(o.data(), lse.data(), q, k, v, ws.use(a, false)); }, seconds);
+      t[s][6] = seconds_per_call([&] {
+        cpu::attention_backward(dqkv.data(), dqkv.data() + C, dqkv.data() + 2 * C, dout.data(), q, k, v, o.data(),
+                                lse.data(), ws.use(a, true));
+      }, seconds);
+      u[s][5] = u[s][6] = 4.0 * double(N) * double(T) * double(C);
+    }
+    // The fused cross-entropy over N rows of V logits.
+    {
+      std::vector<float> logits(static_cast<size_t>(N * V)), dl(static_cast<size_t>(N * V)), losses(static_cast<size_t>(N));
+      std::vector<int32_t> targets(static_cast<size_t>(N));
+      for (size_t i = 0; i < logits.size(); ++i) logits[i] = float(i % 101) / 50.0f - 1.0f;
+      for (int64_t n = 0; n < N; ++n) targets[static_cast<size_t>(n)] = int32_t((n * 7919) % V);
+      t[s][7] = seconds_per_call([&] {
+        cpu::crossentropy_forward_backward(losses.data(), dl.data(), logits.data(), targets.data(), 1.0f / float(N), N,
+                                           V, V);
+      }, seconds);
+      u[s][7] = double(N * V);
+    }
+    // AdamW over as many parameters as the layer's matrices (12 C^2).
+    {
+      const int64_t n = 12 * C * C;
+      std::vector<float> prm(static_cast<size_t>(n), 0.1f), g(static_cast<size_t>(n), 0.01f), m1(static_cast<size_t>(n)), m2(static_cast<size_t>(n));
+      cpu::AdamWArgs args;
+      args.weight_decay = 0.1;
+      t[s][8] = seconds_per_call([&] { cpu::adamw_update(prm.data(), g.data(), m1.data(), m2.data(), n, args); }, seconds);
+      u[s][8] = double(n);
+    }
+  }
+  const char* names[9] = {"norm_forward", "norm_backward", "gelu_forward", "gelu_backward", "residual",
+                          "attention_forward", "attention_backward", "crossentropy", "adamw"};
+  for (int i = 0; i < 9; ++i) out[names[i]] = fit(t[0][i], u[0][i], t[1][i], u[1][i]);
+  return out;
+}
+
+// A transformer layer's four linears (matmul_forward / matmul_backward with bias) on a grid of
+// tokens and widths (up to a million tokens x width): their forward and backward FLOP/s.
+std::vector<LinearRate> measure_linear(double seconds) {
+  std::vector<LinearRate> out;
+  for (int64_t C : {128, 384, 1024})
+    for (int64_t M : {64, 256, 1024, 4096}) {
+      if (M * C > 1024 * 1024) continue;  // (larger points cost seconds each; the planner clamps to the grid)
+      double tf = 0, tb = 0, flops = 0;
+      for (auto [N, K] : {std::pair{3 * C, C}, std::pair{C, C}, std::pair{4 * C, C}, std::pair{C, 4 * C}}) {
+        std::vector<float> x(static_cast<size_t>(M * K), 0.1f), w(static_cast<size_t>(N * K), 0.01f),
+            b(static_cast<size_t>(N), 0.0f), y(static_cast<size_t>(M * N)), dy(static_cast<size_t>(M * N), 0.01f),
+            dx(static_cast<size_t>(M * K)), dw(static_cast<size_t>(N * K)), db(static_cast<size_t>(N));
+        tf += seconds_per_call([&] { cpu::matmul_forward(y.data(), x.data(), w.data(), b.data(), M, K, N); }, seconds / 4);
+        tb += seconds_per_call([&] {
+          cpu::matmul_backward(dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), M, K, N);
+        }, seconds / 4);
+        flops += 2.0 * double(M) * double(N) * double(K);
+      }
+      out.push_back({double(M), double(C), flops / tf, 2 * flops / tb});
+    }
+  return out;
 }
 
 }  // namespace
@@ -190,6 +344,8 @@ HostProfile calibrate_host(int threads, double seconds) {
     }
     p.memory_bw = best;
   }
+  p.kernels = measure_kernels(seconds);
+  p.linear = measure_linear(seconds);
   omp_set_num_threads(before);
   // The threads backend between two ranks: latency of 1 KiB all-reduces, bandwidth of 32 MiB ones.
   {

@@ -11,8 +11,11 @@
 // measurement and the cached figure, so a run on a busy host does not divide by a rate measured
 // while the host was busy.
 #pragma once
+#include <map>
 #include <optional>
 #include <string>
+
+#include "plan/cluster.h"
 
 namespace loom::plan {
 
@@ -28,6 +31,17 @@ struct HostProfile {
   double memory_bw = 0;       // bytes/s, copy (read + write counted)
   double allreduce_latency = 0;    // seconds, threads backend, 2 ranks, small messages
   double allreduce_bw = 0;         // bytes/s of buffer reduced, large messages
+  // loom's non-GEMM kernels, with `threads` threads: norm_forward and norm_backward (LayerNorm,
+  // per element of [N, C]), gelu_forward and gelu_backward (per element), attention_forward and
+  // attention_backward (per FLOP of the forward's 4 T C per token, causal masking not subtracted),
+  // crossentropy (the fused softmax, loss and gradient, per logit), adamw (per parameter),
+  // residual (an add of two [N, C] into a third, per element). Empty in a cache written before
+  // they were measured.
+  std::map<std::string, KernelCost> kernels;
+  // loom's linear layers over a grid of tokens (64 to 4096) and widths (128 to 1024; tokens x width
+  // at most 2^20): a layer's four products' forward and backward rates at each point
+  // (Device::linear).
+  std::vector<LinearRate> linear;
   std::string source;         // "loom calibrate" or "a training run's quick measurement"
   std::string date;           // YYYY-MM-DD
 };

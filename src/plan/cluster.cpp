@@ -41,6 +41,7 @@ Cluster builtin(const std::string& name) {
     c.device = {"cpu", 100e9, 100e9, 0.6, 0, 16e9, 20e9};
     c.per_node = 64;
     c.shared_host = true;
+    c.cores = omp_get_max_threads();
     c.intra = {5e9, 20e-6};
     c.inter = {1e9, 50e-6};
   } else {
@@ -113,6 +114,9 @@ Cluster cluster_named(const std::string& name) {
   if (name == "cpu")  // this host's measured rates, where `loom calibrate` has run
     if (const auto p = cached_profile(omp_get_max_threads())) {
       c.device.name = fmt::format("{} ({} threads, calibrated {})", p->cpu, p->threads, p->date);
+      c.cores = p->threads;
+      c.device.kernels = p->kernels;
+      c.device.linear = p->linear;
       c.device.peak_f32 = p->gemm_peak;
       c.device.peak_bf16 = p->gemm_peak;
       c.device.efficiency = p->gemm_typical > 0 ? p->gemm_typical / p->gemm_peak : 1.0;

@@ -15,9 +15,24 @@
 // with GB = 10^9 bytes; every field of a built-in can be given, the rest come from `base` (a
 // built-in's name, default a100-80gb).
 #pragma once
+#include <map>
 #include <string>
+#include <vector>
 
 namespace loom::plan {
+
+// One of loom's own CPU kernels timed at two sizes (`loom calibrate`): seconds = call + units x unit.
+struct KernelCost {
+  double call = 0;  // seconds per call beyond its work (the OpenMP team's start, small rows)
+  double unit = 0;  // seconds per unit of work (an element, a parameter or, for attention, a FLOP)
+  double seconds(double units, double calls = 1) const { return calls * call + units * unit; }
+};
+
+// A transformer layer's four linear layers (qkv, attention output, MLP up and down; bias
+// included) as loom runs them on `tokens` rows of width `width`: FLOP/s of forward and backward.
+struct LinearRate {
+  double tokens = 0, width = 0, forward = 0, backward = 0;
+};
 
 struct Device {
   std::string name;
@@ -29,6 +44,14 @@ struct Device {
   double gemm_half = 0;
   double memory = 0;        // bytes
   double memory_bw = 0;     // bytes/s
+  // Measured costs of loom's non-GEMM kernels by name (HostProfile::kernels; the calibrated cpu
+  // only): where present, the planner costs the element-wise work, attention, the cross-entropy
+  // and the optimizer with them instead of with memory_bw and the GEMM rate.
+  std::map<std::string, KernelCost> kernels;
+  // Measured rates of loom's linear layers (the calibrated cpu only): a grid over tokens and layer
+  // width of a transformer layer's four linears' forward and backward FLOP/s (LinearRate); where
+  // present, a layer's products are costed at the rate interpolated at its tokens and width.
+  std::vector<LinearRate> linear;
 };
 
 struct Link {
@@ -43,6 +66,9 @@ struct Cluster {
   // The devices of a node are ranks sharing one host's cores and memory (the cpu cluster): a
   // node's ranks divide its compute rate and memory bandwidth among them.
   bool shared_host = false;
+  // A shared host's cores (the threads its ranks' OpenMP teams share; 0: per_node): at most this
+  // many ranks compute at once at full speed, more divide the host among them.
+  int cores = 0;
   Link intra, inter;
   // The link between ranks `stride` apart in a group of `size` consecutive strides: inside a node
   // when the group's span fits one.

@@ -4,7 +4,9 @@
 #include <chrono>
 #include <cmath>
 #include <map>
+#include <mutex>
 #include <sstream>
+#include <tuple>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -288,6 +290,53 @@ std::map<std::string, double> pipeline_rank_memory(const Job& job, const Layout&
   return best;
 }
 
+// The forward and backward FLOP/s of a layer's linears at (tokens, width) from a measured grid
+// (Device::linear): bilinear in log tokens and log width, clamped to the grid's edges.
+std::pair<double, double> linear_rates(const std::vector<LinearRate>& grid, double tokens, double width) {
+  std::vector<double> ms, cs;
+  for (const LinearRate& r : grid) ms.push_back(r.tokens), cs.push_back(r.width);
+  for (auto* v : {&ms, &cs}) {
+    std::sort(v->begin(), v->end());
+    v->erase(std::unique(v->begin(), v->end()), v->end());
+  }
+  // The bracketing grid values of x in v and x's weight on the upper one (log scale).
+  auto bracket = [](const std::vector<double>& v, double x) {
+    x = std::clamp(x, v.front(), v.back());
+    size_t i = 0;
+    while (i + 2 < v.size() && x > v[i + 1]) ++i;
+    const size_t j = std::min(i + 1, v.size() - 1);
+    const double w = j == i ? 0.0 : std::log(x / v[i]) / std::log(v[j] / v[i]);
+    return std::tuple{v[i], v[j], w};
+  };
+  const auto [m0, m1, wm] = bracket(ms, tokens);
+  const auto [c0, c1, wc] = bracket(cs, width);
+  auto at = [&](double m, double c) -> const LinearRate* {
+    for (const LinearRate& r : grid)
+      if (r.tokens == m && r.width == c) return &r;
+    return nullptr;
+  };
+  double f = 0, b = 0, wsum = 0;
+  for (auto [m, c, w] : {std::tuple{m0, c0, (1 - wm) * (1 - wc)}, std::tuple{m1, c0, wm * (1 - wc)},
+                         std::tuple{m0, c1, (1 - wm) * wc}, std::tuple{m1, c1, wm * wc}})
+    if (const LinearRate* r = at(m, c); r && w > 0) f += w * std::log(r->forward), b += w * std::log(r->backward), wsum += w;
+  if (wsum <= 0) return {0.0, 0.0};  // an incomplete grid
+  return {std::exp(f / wsum), std::exp(b / wsum)};
+}
+
+// The chain's boundaries for `parts` pipeline chunks as the executor cuts it
+// (pipeline::balance_chain over pipeline::chain_costs; one part: the whole chain). Memoised: a
+// search asks for the same few cuts many times.
+std::vector<int64_t> chain_cuts(const ModelSpec& m, int parts) {
+  const std::vector<double> costs = pipe::chain_costs(to_gpt(m), m.seq);
+  if (parts <= 1) return {0, int64_t(costs.size())};
+  static std::mutex mu;
+  static std::map<std::pair<std::vector<double>, int>, std::vector<int64_t>> memo;
+  std::lock_guard lk(mu);
+  auto [it, fresh] = memo.try_emplace({costs, parts});
+  if (fresh) it->second = pipe::balance_chain(costs, parts);
+  return it->second;
+}
+
 std::string invalid(const Job& job, const Layout& L) {
   const ModelSpec& m = job.model;
   if (L.devices() != job.devices)
@@ -324,11 +373,16 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   e.why_not = invalid(job, L);
   if (!e.why_not.empty()) return e;
   const ModelSpec& m = job.model;
-  // On a shared host (the cpu cluster) each rank gets its share of the host's rates.
+  // On a shared host (the cpu cluster) the ranks divide its cores: up to `capacity` ranks compute
+  // at once, each at its share of the host's rates; with more ranks than that, the ranks that
+  // compute at the same moment divide the host among them (`crowd`: the slowdown when all do).
   Device dev = job.cluster.device;
+  double capacity = 0, crowd = 1;
   if (job.cluster.shared_host) {
-    const double share = double(std::min(job.devices, job.cluster.per_node));
-    dev.peak_f32 /= share, dev.peak_bf16 /= share, dev.memory_bw /= share;
+    const int cores = job.cluster.cores > 0 ? job.cluster.cores : job.cluster.per_node;
+    capacity = double(std::min({job.devices, job.cluster.per_node, cores}));
+    crowd = double(job.devices) / capacity;
+    dev.peak_f32 /= capacity, dev.peak_bf16 /= capacity, dev.memory_bw /= capacity;
   }
   const Bytes B = bytes_of(job.precision);
   const int64_t micro = job.global_batch / (int64_t(L.dp) * L.mbs);
@@ -358,9 +412,51 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   const double score_elems = job.flash_attention ? 0.0 : 4.5 * double(m.heads) * double(m.seq) / L.tp;
   const double elem_f = tokens * (stream_elems + split_elems + score_elems) * B.act / dev.memory_bw;
   const double score_f = tokens * score_elems * B.act / dev.memory_bw;
-  const double layer_f = tokens * m.layer_forward_flops_per_token() / L.tp / rate + elem_f;
-  const double attn_core_f = tokens * 4.0 * double(m.seq) * double(m.hidden) / L.tp / rate + score_f;
-  const double head_f = tokens * m.head_forward_flops_per_token() / L.tp / rate;
+  // A layer's forward and backward compute (seconds, one micro-batch on one device), its attention
+  // core's forward (what selective recomputation repeats); the head's and the embedding's.
+  double layer_f = 0, layer_b = 0, attn_core_f = 0, head_f = 0, head_b = 0, emb_f = 0, emb_b = 0;
+  const double attn_flops = tokens * 4.0 * double(m.seq) * double(m.hidden) / L.tp;  // forward, per layer
+  const double gemm_layer = (tokens * m.layer_forward_flops_per_token() / L.tp - attn_flops) / rate;
+  const double gemm_head = tokens * m.head_forward_flops_per_token() / L.tp / rate;
+  const auto& kernels = job.cluster.device.kernels;
+  const bool measured = job.precision == Precision::f32 && !kernels.empty() && kernels.count("attention_forward") &&
+                        kernels.count("attention_backward") && kernels.count("norm_forward") &&
+                        kernels.count("norm_backward") && kernels.count("gelu_forward") &&
+                        kernels.count("gelu_backward") && kernels.count("residual") && kernels.count("crossentropy");
+  if (measured) {
+    // loom's CPU kernels as `loom calibrate` timed them (per call + per unit, the unit cost scaled
+    // to the rank's share of the host): per layer two norms and two residual adds over the stream
+    // (the rank's rows under sp), the activation over the feed-forward width (SwiGLU's gate costed
+    // as 1.5 activations), attention (one call per ring step under cp); backward the same kernels'
+    // backward; the head's norm and fused cross-entropy over the rank's vocabulary part; the
+    // embedding a gather and an add.
+    auto k = [&](const char* name, double units, double calls = 1) {
+      const KernelCost& c = kernels.at(name);
+      return calls * c.call + units * c.unit * std::max(1.0, capacity);
+    };
+    const double Ns = L.sp ? tokens / L.tp : tokens, h = double(m.hidden);
+    // The layer's products at the rates loom's linears reach at its tokens and (per device) width.
+    const auto [rate_f, rate_b] = linear_rates(job.cluster.device.linear, tokens, h / L.tp);
+    const double layer_flops = tokens * m.layer_forward_flops_per_token() / L.tp - attn_flops;
+    const double gemm_f = rate_f > 0 ? layer_flops / (rate_f / std::max(1.0, capacity)) : gemm_layer;
+    const double gemm_b = rate_b > 0 ? 2 * layer_flops / (rate_b / std::max(1.0, capacity)) : 2 * gemm_layer;
+    const double act = tokens * double(m.ffn_size()) / L.tp * (m.swiglu ? 1.5 : 1.0);
+    attn_core_f = k("attention_forward", attn_flops, L.cp);
+    layer_f = gemm_f + attn_core_f + k("norm_forward", 2 * Ns * h, 2) + k("residual", 2 * Ns * h, 2) +
+              k("gelu_forward", act);
+    layer_b = gemm_b + k("attention_backward", attn_flops, L.cp) + k("norm_backward", 2 * Ns * h, 2) +
+              k("residual", 2 * Ns * h, 2) + k("gelu_backward", act);
+    head_f = gemm_head + k("norm_forward", Ns * h) + k("crossentropy", tokens * double(m.vocab) / L.tp);
+    head_b = 2 * gemm_head + k("norm_backward", Ns * h);
+    emb_f = emb_b = k("residual", tokens * h);
+  } else {
+    layer_f = gemm_layer + attn_flops / rate + elem_f;
+    layer_b = 2 * layer_f;
+    attn_core_f = attn_flops / rate + score_f;
+    head_f = gemm_head;
+    head_b = 2 * gemm_head;
+    emb_f = emb_b = tokens * 3.0 * double(m.hidden) * B.act / dev.memory_bw;
+  }
   double recompute_f = 0;  // per layer, run again in backward
   if (L.recompute == model::Recompute::full) recompute_f = layer_f;
   else if (L.recompute == model::Recompute::selective) recompute_f = attn_core_f;
@@ -374,23 +470,69 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   const Link& cp_link = job.cluster.link(L.tp, L.cp);
   const double kv_msg = tokens * 2.0 * double(m.kv() * m.head_dim()) / double(std::min<int64_t>(L.tp, m.kv())) * B.act;
   const double cp_layer = L.cp > 1 ? (L.cp - 1) * (kv_msg / cp_link.bandwidth + cp_link.latency) : 0.0;
-  // The busiest stage: the first carries the embedding (negligible FLOPs), the last the head.
-  const double stage_f_compute = lps * layer_f + head_f;
-  const double stage_b_compute = 2 * stage_f_compute + lps * recompute_f;
-  const double stage_f_comm = lps * (tp_layer_f + cp_layer), stage_b_comm = lps * (tp_layer_b + cp_layer);
-  const double t_f = stage_f_compute + stage_f_comm, t_b = stage_b_compute + stage_b_comm;
+  // Each chain element's seconds for one micro-batch on one device (the embedding: a gather and an
+  // add over the stream; a layer; the head), forward and backward, and of them the tensor- and
+  // context-parallel communication and what recomputation runs again.
+  struct ElemCost {
+    double f = 0, b = 0, comm_f = 0, comm_b = 0, recompute = 0;
+    ElemCost& operator+=(const ElemCost& o) {
+      f += o.f, b += o.b, comm_f += o.comm_f, comm_b += o.comm_b, recompute += o.recompute;
+      return *this;
+    }
+  };
+  ElemCost emb, layer, head;
+  emb.f = emb_f;
+  emb.b = emb_b;
+  layer.comm_f = tp_layer_f + cp_layer;
+  layer.comm_b = tp_layer_b + cp_layer;
+  layer.recompute = recompute_f;
+  layer.f = layer_f + layer.comm_f;
+  layer.b = layer_b + recompute_f + layer.comm_b;
+  head.f = head_f;
+  head.b = head_b;
+  // The stages as the executor cuts the chain (pipeline::balance_chain over the blocks' declared
+  // costs) and each rank's chunks' durations; the busiest rank's sums.
+  const int parts = L.pp * L.v;
+  const std::vector<int64_t> cuts = chain_cuts(m, parts);
+  pipe::RankCosts rank_costs;
+  rank_costs.chunk.assign(size_t(L.pp), std::vector<pipe::OpCosts>(size_t(L.v)));
+  ElemCost busiest;
+  for (int r = 0; r < L.pp; ++r) {
+    ElemCost sum;
+    for (int k = 0; k < L.v; ++k) {
+      const int c = r + k * L.pp;
+      ElemCost chunk;
+      for (int64_t el = cuts[size_t(c)]; el < cuts[size_t(c + 1)]; ++el) chunk += el == 0 ? emb : el <= m.layers ? layer : head;
+      pipe::OpCosts& oc = rank_costs.chunk[size_t(r)][size_t(k)];
+      oc.forward = chunk.f;
+      oc.backward = chunk.b;
+      oc.backward_input = oc.backward_weight = chunk.b / 2;
+      sum += chunk;
+    }
+    if (r == 0 || sum.f + sum.b > busiest.f + busiest.b) busiest = sum;
+  }
+  const double t_f = busiest.f, t_b = busiest.b;
+  const double stage_f_comm = busiest.comm_f, stage_b_comm = busiest.comm_b;
+  const double stage_recompute = busiest.recompute;
   // Point-to-point between stages: the activation (split over tp: the scatter/gather of
   // Megatron-LM) on the link between ranks tp x cp x dp apart.
   const Link& pp_link = job.cluster.link(L.tp * L.cp * L.dp, L.pp);
   const double p2p = L.pp > 1 ? act_msg / L.tp / pp_link.bandwidth + pp_link.latency : 0.0;
+  rank_costs.transfer = p2p;
+  // On a shared host `capacity` ranks compute at full speed at once; the dp x tp x cp pipelines
+  // run side by side.
+  rank_costs.capacity = capacity;
+  rank_costs.copies = L.dp * L.tp * L.cp;
   double makespan = 0, in_flight = 1;
   std::vector<int> rank_in_flight;  // (micro-batch, chunk) pairs each pipeline rank holds at most (simulated)
-  e.chunk_costs.forward = t_f / L.v;
-  e.chunk_costs.backward = t_b / L.v;
-  e.chunk_costs.backward_input = e.chunk_costs.backward_weight = t_b / L.v / 2;
-  e.chunk_costs.transfer = p2p;
+  // The schedule is generated for the busiest rank's chunk costs (free transfers), as the executor
+  // generates one schedule for every rank.
+  e.order_costs.forward = t_f / L.v;
+  e.order_costs.backward = t_b / L.v;
+  e.order_costs.backward_input = e.order_costs.backward_weight = t_b / L.v / 2;
+  e.rank_costs = rank_costs;
   if (L.pp == 1) {
-    makespan = double(micro) * (t_f + t_b);
+    makespan = double(micro) * (t_f + t_b) * crowd;
   } else {
     const int v = L.v;
     const double cf = t_f / v, cb = t_b / v;
@@ -400,24 +542,14 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
       // micro-batch: for long steps two shorter ones are simulated (3p and 4p micro-batches) and
       // the makespan extended along that line (what the planner costs is then linear in p, not
       // in the step's micro-batches).
-      pipe::OpCosts costs;
-      costs.forward = cf;
-      costs.backward = cb;
-      costs.backward_input = cb / 2;
-      costs.backward_weight = cb / 2;
-      costs.transfer = p2p;
-      // The order is chosen for the computes (free transfers: placing transfers by simulating them
-      // costs time quadratic in the lists); the timing includes the transfers.
-      pipe::OpCosts order = costs;
-      order.transfer = 0;
       auto run = [&](int64_t mb) {
         pipe::ScheduleSpec spec;
         spec.kind = L.schedule;
         spec.stages = L.pp;
         spec.virtual_stages = v;
         spec.micro_batches = int(mb);
-        const pipe::Schedule sch = pipe::generate(spec, order);
-        return pipe::check_or_throw(sch, costs);
+        const pipe::Schedule sch = pipe::generate(spec, e.order_costs);
+        return pipe::simulate(sch, rank_costs);
       };
       auto peak_of = [&](const pipe::CheckResult& r) {
         int peak = 0;
@@ -447,6 +579,13 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
         case pipe::Kind::zb_h1: makespan = (mm + (p - 1) / 3.0) * (t_f + t_b), in_flight = std::min(mm, p); break;
       }
       makespan += 2 * (p - 1) * p2p;
+      // On a shared host the ranks' work together needs the host at least this long.
+      if (capacity > 0) {
+        double work = 0;
+        for (const auto& ranks : rank_costs.chunk)
+          for (const pipe::OpCosts& oc : ranks) work += mm * (oc.forward + oc.backward);
+        makespan = std::max(makespan, work * rank_costs.copies / capacity);
+      }
     }
   }
   e.peak_in_flight = in_flight;
@@ -483,9 +622,9 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
 
   // The step: the busiest stage's compute and communication inside the makespan.
   const double mm = double(micro);
-  e.compute_s = mm * (stage_f_compute + stage_b_compute - lps * recompute_f);
-  e.recompute_s = mm * lps * recompute_f;
-  e.tp_comm_s = mm * (stage_f_comm + stage_b_comm);
+  e.compute_s = mm * (t_f + t_b - stage_f_comm - stage_b_comm - stage_recompute) * crowd;
+  e.recompute_s = mm * stage_recompute * crowd;
+  e.tp_comm_s = mm * (stage_f_comm + stage_b_comm) * crowd;
   e.pp_comm_s = L.pp > 1 ? mm * 2 * p2p : 0.0;
   e.bubble_s = std::max(0.0, makespan - mm * (t_f + t_b) - e.pp_comm_s);
   // Data parallelism over dp x cp: the gradients' ring reduction (ZeRO-3 gathers the weights again
@@ -504,7 +643,9 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   else e.dp_exposed_s = std::max(e.dp_comm_s - 0.9 * t_b, 0.1 * e.dp_comm_s);
   // The optimizer reads and writes its state, the weights and the gradients once.
   const double opt_params = P / (L.zero >= 1 ? shard : 1);
-  e.optimizer_s = opt_params * 2 * (B.weight + B.grad + B.optimizer) / dev.memory_bw;
+  e.optimizer_s = (measured && kernels.count("adamw") ? kernels.at("adamw").seconds(opt_params * std::max(1.0, capacity))
+                                                      : opt_params * 2 * (B.weight + B.grad + B.optimizer) / dev.memory_bw) *
+                  crowd;
   e.step_s = makespan + e.dp_exposed_s + e.optimizer_s;
   const double step_tokens = double(job.global_batch) * double(m.seq);
   e.tokens_per_s = step_tokens / e.step_s;
@@ -550,6 +691,7 @@ SearchResult search(const Job& job, const SearchOptions& opt) {
             for (model::Recompute rc : opt.recomputes)
               for (int zero : opt.zeros) {
                 if (opt.zero >= 0 && zero != opt.zero) continue;
+                if (opt.zero < 0 && zero > 0 && dp * cp == 1) continue;  // nothing to shard over
                 for (bool sp : {false, true}) {
                   if ((sp && tp == 1) || (opt.sp >= 0 && sp != (opt.sp == 1))) continue;
                   Layout L;

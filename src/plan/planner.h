@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "model/recompute.h"
+#include "parallel/pipeline/checker.h"
 #include "parallel/pipeline/schedule.h"
 #include "plan/cluster.h"
 #include "plan/model.h"
@@ -89,10 +90,12 @@ struct Estimate {
   double hardware_tflops = 0;  // with what recomputation runs again (Megatron-LM's figure)
   double mfu = 0;              // model FLOPs over the device's peak
   double peak_in_flight = 0;   // micro-batch chunks the busiest stage keeps
-  // Seconds of one micro-batch's forward and backward (and zero bubble's halves) on one chunk of
-  // the busiest stage, and of a transfer between stages: what the simulation runs the schedule's
-  // lists with (loom simulate draws it).
-  parallel::pipeline::OpCosts chunk_costs;
+  // What the simulation runs the schedule's lists with (loom simulate draws it): the costs the
+  // schedule is generated for (one chunk of the busiest rank, free transfers), and each rank's
+  // chunks' seconds of one micro-batch's forward and backward (and zero bubble's halves), the
+  // transfer between stages and, on a shared host, how many ranks compute at once at full speed.
+  parallel::pipeline::OpCosts order_costs;
+  parallel::pipeline::RankCosts rank_costs;
 };
 
 // Model-state bytes per device of `params` parameters under ZeRO stage `zero` over `shards`

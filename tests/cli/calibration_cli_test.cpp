@@ -92,6 +92,14 @@ TEST(CalibrationCli, CalibrateWritesTheCache) {
   EXPECT_GE(p->gemm_peak, p->gemm_typical);
   EXPECT_GT(p->gemm_small, 1e8);  // the small products' rate, for the planner's size effect
   EXPECT_GT(p->memory_bw, 1e8);
+  // loom's own kernels and the linear layers' grid, for the planner's cpu profile.
+  for (const char* k : {"norm_forward", "norm_backward", "gelu_forward", "gelu_backward", "residual", "attention_forward",
+                        "attention_backward", "crossentropy", "adamw"}) {
+    ASSERT_TRUE(p->kernels.count(k)) << k;
+    EXPECT_GT(p->kernels.at(k).unit, 0) << k;
+  }
+  EXPECT_GE(p->linear.size(), 8u);
+  for (const plan::LinearRate& x : p->linear) EXPECT_GT(x.forward, 1e8) << x.tokens << " x " << x.width;
   EXPECT_EQ(p->source, "loom calibrate");
   EXPECT_FALSE(plan::cached_profile(7).has_value());
 }

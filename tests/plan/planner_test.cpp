@@ -141,3 +141,50 @@ TEST(Planner, LayoutsParseAndBadOnesAreNamed) {
   plan::Layout wrong = plan::parse_layout("dp=2,tp=2");
   EXPECT_NE(plan::estimate(job, wrong).why_not.find("is not the 8 devices"), std::string::npos);
 }
+
+// A calibrated cpu profile: the layer's products at the linear grid's rates (interpolated between
+// its points), the non-GEMM kernels at their measured costs, and ranks beyond the host's cores
+// sharing it only while they compute (a pipeline's fill and drain run at full speed).
+TEST(Planner, CalibratedCpuProfileCostsLoomsOwnKernels) {
+  plan::ModelSpec m;
+  m.layers = 4, m.hidden = 128, m.heads = 4, m.vocab = 4096, m.seq = 64;
+  plan::Job job;
+  job.model = m;
+  job.cluster = plan::cluster_named("a100-80gb");  // only its links matter here
+  job.cluster.shared_host = true;
+  job.cluster.per_node = 64;
+  job.cluster.cores = 1;
+  plan::Device& d = job.cluster.device;
+  d.peak_f32 = d.peak_bf16 = 100e9, d.efficiency = 1, d.gemm_half = 0, d.memory_bw = 1e12;
+  for (const char* k : {"norm_forward", "norm_backward", "gelu_forward", "gelu_backward", "residual", "attention_forward",
+                        "attention_backward", "crossentropy", "adamw"})
+    d.kernels[k] = {0.0, 1e-15};  // (next to nothing)
+  // Rates 40 / 80 GFLOP/s at 256 tokens and 160 / 320 at 4096, at both widths: 1024 tokens lies
+  // halfway on the log scale, 80 / 160 GFLOP/s.
+  for (double w : {64.0, 1024.0}) {
+    d.linear.push_back({256, w, 40e9, 80e9});
+    d.linear.push_back({4096, w, 160e9, 320e9});
+  }
+  job.devices = 1, job.global_batch = 16, job.precision = plan::Precision::f32;
+  const plan::Estimate e = plan::estimate(job, plan::parse_layout("dp=1,mbs=16"));
+  ASSERT_TRUE(e.why_not.empty()) << e.why_not;
+  const double tokens = 16.0 * 64, layer_flops = tokens * 2.0 * double(m.layer_matrix_params());
+  const double head = tokens * m.head_forward_flops_per_token() / 100e9;
+  const double want = 4 * (layer_flops / 80e9 + 2 * layer_flops / 160e9) + 3 * head;
+  EXPECT_NEAR(e.compute_s, want, 1e-4 * want);
+  // A dearer kernel shows: the cross-entropy at 1 ns a logit adds 1024 x 4096 ns.
+  job.cluster.device.kernels["crossentropy"] = {0.0, 1e-9};
+  EXPECT_NEAR(plan::estimate(job, plan::parse_layout("dp=1,mbs=16")).compute_s, want + tokens * 4096 * 1e-9, 1e-4 * want);
+  // Four pipeline stages on two cores: less than the four ranks dividing the host for the whole
+  // step (four cores' worth of ranks at a quarter of the host each), more than on four cores.
+  job.devices = 4;
+  job.cluster.cores = 2;
+  const plan::Layout pp4 = plan::parse_layout("pp=4,schedule=1f1b,mbs=4");
+  const double shared = plan::estimate(job, pp4).step_s;
+  job.cluster.cores = 4;
+  const double quarter = plan::estimate(job, pp4).step_s;
+  EXPECT_LT(shared, quarter);
+  job.cluster.shared_host = false;
+  const double own = plan::estimate(job, pp4).step_s;  // every rank with the whole host's rates
+  EXPECT_GT(shared, own);
+}

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <deque>
+#include <limits>
 #include <map>
 #include <fmt/format.h>
 
@@ -309,6 +310,116 @@ CheckResult replay(const Schedule& sch, const std::vector<std::vector<double>>& 
   }
   time_eager(sch, 0.0, 0.0,
              [&](int r, size_t i, const Instr&) { return compute_seconds[size_t(r)][nth[size_t(r)][i]]; }, res);
+  return res;
+}
+
+CheckResult simulate(const Schedule& sch, const RankCosts& costs) {
+  CheckResult res = check(sch, {}, Timing::blocking);
+  LOOM_CHECK(res.ok, "pipeline simulation: schedule {} p={} v={} m={} is invalid: {}", kind_name(sch.spec.kind),
+             sch.p(), sch.v(), sch.m(), res.error);
+  const int p = sch.p();
+  LOOM_CHECK(int(costs.chunk.size()) == p, "pipeline simulation: costs for {} ranks, the schedule has {}",
+             costs.chunk.size(), p);
+  for (int r = 0; r < p; ++r) {
+    LOOM_CHECK(int(costs.chunk[size_t(r)].size()) == sch.v(), "pipeline simulation: rank {} has costs for {} chunks, not {}",
+               r, costs.chunk[size_t(r)].size(), sch.v());
+    for (const OpCosts& c : costs.chunk[size_t(r)]) c.validate();
+  }
+  LOOM_CHECK(std::isfinite(costs.transfer) && costs.transfer >= 0 && std::isfinite(costs.optimizer_step) &&
+                 costs.optimizer_step >= 0 && std::isfinite(costs.capacity) && costs.capacity >= 0 && costs.copies >= 1,
+             "pipeline simulation: transfer {}, optimizer step {}, capacity {} and copies {} must be finite and "
+             "non-negative (copies >= 1)", costs.transfer, costs.optimizer_step, costs.capacity, costs.copies);
+  auto work_of = [&](int r, const Instr& in) {
+    return in.op == Op::optimizer_step ? costs.optimizer_step : costs.chunk[size_t(r)][size_t(in.chunk)].of(in.op);
+  };
+  if (costs.capacity <= 0) {  // every rank on its own device: the executor's timing as check() gives it
+    time_eager(sch, costs.transfer, costs.optimizer_step, [&](int r, size_t, const Instr& in) { return work_of(r, in); },
+               res);
+    return res;
+  }
+  // Event simulation. Each rank is computing (remaining work, in seconds at full speed), waiting
+  // (for a message, or for its own messages to be received before the optimizer step) or done.
+  std::vector<size_t> pc(size_t(p), 0);
+  std::vector<double> ready(size_t(p), 0.0), remaining(size_t(p), -1.0), taken(size_t(p), 0.0);
+  std::vector<int> unreceived(size_t(p), 0);
+  std::map<std::pair<int, int>, std::deque<double>> posted;  // (from, to): arrival times, in order
+  for (auto& tl : res.ranks) tl.busy = 0;
+  double now = 0;
+  auto finish = [&](int r, double end) {
+    RankTimeline& tl = res.ranks[size_t(r)];
+    tl.end[pc[size_t(r)]] = end;
+    ready[size_t(r)] = end;
+    ++pc[size_t(r)];
+  };
+  for (;;) {
+    // Run every rank's non-compute instructions that can happen now, and start its next compute.
+    // (Repeated until nothing moves: a receive lets its sender's optimizer step go.)
+    double wake = std::numeric_limits<double>::infinity();  // the next time a waiting rank can go on
+    for (bool moved = true; moved;) {
+      moved = false;
+      for (int r = 0; r < p; ++r) {
+      const auto& list = sch.ranks[size_t(r)];
+      RankTimeline& tl = res.ranks[size_t(r)];
+      while (remaining[size_t(r)] < 0 && pc[size_t(r)] < list.size()) {
+        const Instr& in = list[pc[size_t(r)]];
+        tl.start[pc[size_t(r)]] = ready[size_t(r)];
+        if (in.op == Op::send_act || in.op == Op::send_grad) {
+          posted[{r, in.peer}].push_back(now + costs.transfer);
+          ++unreceived[size_t(r)];
+          finish(r, now);
+          moved = true;
+        } else if (in.op == Op::recv_act || in.op == Op::recv_grad) {
+          auto& q = posted[{in.peer, r}];
+          if (q.empty()) break;  // not sent yet
+          if (q.front() > now) {
+            wake = std::min(wake, q.front());
+            break;
+          }
+          q.pop_front();
+          taken[size_t(in.peer)] = std::max(taken[size_t(in.peer)], now);
+          --unreceived[size_t(in.peer)];
+          finish(r, now);
+          moved = true;
+        } else {
+          if (in.op == Op::optimizer_step && unreceived[size_t(r)] > 0) break;  // its sends are waited for first
+          tl.start[pc[size_t(r)]] = now;
+          remaining[size_t(r)] = work_of(r, in);
+          moved = true;
+        }
+      }
+      }
+    }
+    int computing = 0;
+    bool left = false;
+    for (int r = 0; r < p; ++r) {
+      if (remaining[size_t(r)] >= 0) ++computing;
+      if (pc[size_t(r)] < sch.ranks[size_t(r)].size()) left = true;
+    }
+    if (!left) break;
+    const double speed = computing > 0 ? std::min(1.0, costs.capacity / (double(computing) * costs.copies)) : 1.0;
+    double next = wake;
+    for (int r = 0; r < p; ++r)
+      if (remaining[size_t(r)] >= 0) next = std::min(next, now + remaining[size_t(r)] / speed);
+    LOOM_CHECK(std::isfinite(next), "pipeline simulation: {} p={} v={} m={} stalls although it is valid",
+               kind_name(sch.spec.kind), p, sch.v(), sch.m());
+    const double dt = next - now;
+    now = next;
+    for (int r = 0; r < p; ++r) {
+      if (remaining[size_t(r)] < 0) continue;
+      remaining[size_t(r)] -= dt * speed;
+      const Instr& in = sch.ranks[size_t(r)][pc[size_t(r)]];
+      if (remaining[size_t(r)] <= 1e-12 * std::max(1.0, work_of(r, in))) {
+        res.ranks[size_t(r)].busy += now - res.ranks[size_t(r)].start[pc[size_t(r)]];
+        remaining[size_t(r)] = -1;
+        finish(r, now);
+      }
+    }
+  }
+  res.makespan = 0;
+  for (int r = 0; r < p; ++r) {
+    res.ranks[size_t(r)].finish = ready[size_t(r)];
+    res.makespan = std::max(res.makespan, ready[size_t(r)]);
+  }
   return res;
 }
 

@@ -55,6 +55,29 @@ CheckResult check(const Schedule& sch, const OpCosts& costs = {}, Timing timing 
 // schedule has on one dedicated core per rank, measured on a host with fewer cores than ranks.
 // Throws naming the rank when the durations do not match the lists.
 CheckResult replay(const Schedule& sch, const std::vector<std::vector<double>>& compute_seconds);
+// What each rank's ops cost when the ranks differ (a pipeline cut by cost gives each stage its own
+// share of the chain) and, optionally, share a host's cores.
+struct RankCosts {
+  // [rank][chunk]: the compute ops' seconds on that rank for that chunk, each on a rank that runs
+  // alone (forward, backward, backward_input, backward_weight; the other fields are ignored).
+  std::vector<std::vector<OpCosts>> chunk;
+  double transfer = 0;        // seconds from a send's post to its message's arrival
+  double optimizer_step = 0;  // seconds on every rank
+  // Processor sharing: at most `capacity` ranks compute at full speed at once; when n > capacity
+  // ranks compute, each runs at capacity / n of its speed (the host's cores divided among the
+  // busy ranks, as the OS does with ranks that sleep while they wait). `copies` identical
+  // pipelines run side by side on the same host (data, tensor and context parallel replicas), so
+  // n counts each busy stage `copies` times. capacity 0: every rank has its own device.
+  double capacity = 0;
+  int copies = 1;
+};
+
+// The timeline of a schedule with per-rank costs, run as the executor runs it (eager sends):
+// validity and in-flight counts as check() proves them, times from an event simulation in which
+// the ranks that compute at the same moment share `capacity`. Throws naming the schedule when it
+// is invalid or the costs do not cover its ranks and chunks.
+CheckResult simulate(const Schedule& sch, const RankCosts& costs);
+
 // Throws a loom::Error with the checker's message when the schedule is invalid.
 CheckResult check_or_throw(const Schedule& sch, const OpCosts& costs = {}, Timing timing = Timing::eager_sends);
 

@@ -278,5 +278,82 @@ TEST(PipelineReplay, RefusesDurationsThatDoNotMatchTheLists) {
   EXPECT_THROW(replay(broken, {{1, 1, 1, 1}, {1, 1, 1, 1}}), Error);
 }
 
+// Per-rank costs on dedicated devices: the executor's timing, as replay() gives it with the same
+// durations per instruction; with a capacity of p ranks (nobody shares) the event simulation
+// gives the same timeline, transfers included.
+TEST(PipelineSimulate, PerRankCostsMatchReplayAndTheEventSimulationAgrees) {
+  for (Kind k : {Kind::gpipe, Kind::one_f_one_b, Kind::interleaved, Kind::zb_h1}) {
+    const int v = k == Kind::interleaved ? 2 : 1;
+    const Schedule sch = generate({k, 4, v, 8});
+    RankCosts rc;
+    rc.chunk.assign(4, std::vector<OpCosts>(size_t(v)));
+    std::vector<std::vector<double>> d(4);
+    for (int r = 0; r < 4; ++r) {
+      for (int c = 0; c < v; ++c) {
+        const double s = 1.0 + 0.25 * r + 0.5 * c;  // every rank and chunk its own pace
+        rc.chunk[size_t(r)][size_t(c)] = OpCosts{s, 2.1 * s, 1.2 * s, 0.9 * s};
+      }
+      for (const Instr& in : sch.ranks[size_t(r)])
+        if (is_compute(in.op)) d[size_t(r)].push_back(rc.chunk[size_t(r)][size_t(in.chunk)].of(in.op));
+    }
+    const CheckResult want = replay(sch, d);
+    const CheckResult got = simulate(sch, rc);
+    EXPECT_DOUBLE_EQ(got.makespan, want.makespan) << kind_name(k);
+    for (int r = 0; r < 4; ++r) EXPECT_EQ(got.ranks[size_t(r)].start, want.ranks[size_t(r)].start) << kind_name(k);
+    rc.transfer = 0.3;
+    const CheckResult dedicated = simulate(sch, rc);
+    EXPECT_GT(dedicated.makespan, want.makespan) << kind_name(k);
+    rc.capacity = 4;
+    const CheckResult events = simulate(sch, rc);
+    EXPECT_NEAR(events.makespan, dedicated.makespan, 1e-9 * dedicated.makespan) << kind_name(k);
+    for (int r = 0; r < 4; ++r) {
+      ASSERT_EQ(events.ranks[size_t(r)].end.size(), dedicated.ranks[size_t(r)].end.size());
+      for (size_t i = 0; i < events.ranks[size_t(r)].end.size(); ++i)
+        EXPECT_NEAR(events.ranks[size_t(r)].end[i], dedicated.ranks[size_t(r)].end[i], 1e-9) << kind_name(k) << " rank "
+                                                                                            << r << " instruction " << i;
+      EXPECT_EQ(events.ranks[size_t(r)].peak_in_flight, dedicated.ranks[size_t(r)].peak_in_flight);
+    }
+  }
+}
+
+// Processor sharing: ranks that compute at once divide `capacity` among them.
+TEST(PipelineSimulate, RanksSharingCoresDivideThem) {
+  // 1F1B over two stages on one core: some rank always computes (the other waits on it), so the
+  // step takes the two ranks' work end to end: 2 x 4 x (1 + 2) = 24.
+  const Schedule sch = generate({Kind::one_f_one_b, 2, 1, 4});
+  RankCosts rc;
+  rc.chunk.assign(2, std::vector<OpCosts>(1, OpCosts{1.0, 2.0, 1.0, 1.0}));
+  EXPECT_DOUBLE_EQ(simulate(sch, rc).makespan, 3.0 * 4 + 3.0);  // dedicated: (m + p - 1) (f + b)
+  rc.capacity = 1;
+  EXPECT_NEAR(simulate(sch, rc).makespan, 24.0, 1e-9);
+  // Two such pipelines side by side on two cores: the same.
+  rc.capacity = 2, rc.copies = 2;
+  EXPECT_NEAR(simulate(sch, rc).makespan, 24.0, 1e-9);
+  // One micro-batch through two stages never has two ranks computing at once: sharing changes
+  // nothing.
+  const Schedule one = generate({Kind::gpipe, 2, 1, 1});
+  rc.copies = 1, rc.capacity = 1;
+  EXPECT_NEAR(simulate(one, rc).makespan, 6.0, 1e-9);
+  // Four stages on two cores: between the dedicated makespan and the work over two cores, at
+  // least; the fill and drain, where fewer than three ranks compute, run at full speed.
+  const Schedule four = generate({Kind::one_f_one_b, 4, 1, 4});
+  rc.chunk.assign(4, std::vector<OpCosts>(1, OpCosts{1.0, 2.0, 1.0, 1.0}));
+  rc.capacity = 0;
+  const double dedicated = simulate(four, rc).makespan;
+  rc.capacity = 2;
+  const double shared = simulate(four, rc).makespan;
+  EXPECT_GT(shared, dedicated);
+  EXPECT_GE(shared, 4 * 4 * 3.0 / 2 - 1e-9);
+  EXPECT_LT(shared, 2 * dedicated);  // what dividing the host by four for the whole step predicts
+  // Costs that do not cover the ranks are refused naming them.
+  rc.chunk.pop_back();
+  try {
+    simulate(four, rc);
+    FAIL() << "costs for 3 of 4 ranks were accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("costs for 3 ranks, the schedule has 4"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace loom::parallel::pipeline
