@@ -69,6 +69,7 @@ nlohmann::json to_json(const HostProfile& p) {
           {"memory_bytes_per_s", p.memory_bw},
           {"allreduce_latency_s", p.allreduce_latency},
           {"allreduce_bytes_per_s", p.allreduce_bw},
+          {"crowded_sync_s", p.crowded_sync},
           {"kernels", kernels_json(p.kernels)},
           {"linear", linear_json(p.linear)},
           {"source", p.source},
@@ -87,6 +88,7 @@ std::optional<HostProfile> from_json(const nlohmann::json& j) {
     p.memory_bw = j.value("memory_bytes_per_s", 0.0);
     p.allreduce_latency = j.value("allreduce_latency_s", 0.0);
     p.allreduce_bw = j.value("allreduce_bytes_per_s", 0.0);
+    p.crowded_sync = j.value("crowded_sync_s", 0.0);
     p.source = j.value("source", std::string());
     p.date = j.value("date", std::string());
     if (j.contains("linear") && j["linear"].is_array())
@@ -239,10 +241,10 @@ std::vector<LinearRate> measure_linear(double seconds) {
         std::vector<float> x(static_cast<size_t>(M * K), 0.1f), w(static_cast<size_t>(N * K), 0.01f),
             b(static_cast<size_t>(N), 0.0f), y(static_cast<size_t>(M * N)), dy(static_cast<size_t>(M * N), 0.01f),
             dx(static_cast<size_t>(M * K)), dw(static_cast<size_t>(N * K)), db(static_cast<size_t>(N));
-        tf += seconds_per_call([&] { cpu::matmul_forward(y.data(), x.data(), w.data(), b.data(), M, K, N); }, seconds / 4);
+        tf += seconds_per_call([&] { cpu::matmul_forward(y.data(), x.data(), w.data(), b.data(), M, K, N); }, seconds);
         tb += seconds_per_call([&] {
           cpu::matmul_backward(dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), M, K, N);
-        }, seconds / 4);
+        }, seconds);
         flops += 2.0 * double(M) * double(N) * double(K);
       }
       out.push_back({double(M), double(C), flops / tf, 2 * flops / tb});
@@ -366,6 +368,36 @@ HostProfile calibrate_host(int threads, double seconds) {
     }, ro);
     p.allreduce_latency = lat;
     p.allreduce_bw = bw;
+  }
+  // Ranks beyond the cores: a synchronisation waits for ranks the OS has not scheduled yet, and
+  // for their wake-up. 2 x threads ranks of one thread each run a small product (a 256-token
+  // layer's qkv) then a 1 KiB all-reduce, against the product alone: the difference per
+  // iteration, less the all-reduce's own latency (the median of 3 pairs of runs).
+  {
+    comm::RunOptions ro;
+    ro.threads_per_rank = 1;
+    const int iters = std::max(20, int(seconds * 2000));
+    auto per_iteration = [&](bool sync) {
+      double secs = 0;
+      comm::run_ranks(2 * threads, [&](comm::Comm& c) {
+        const int64_t M = 256, C = 128, N = 384;
+        std::vector<float> x(static_cast<size_t>(M * C), 0.1f), w(static_cast<size_t>(N * C), 0.01f),
+            y(static_cast<size_t>(M * N)), red(256, 1.0f);
+        c.barrier();
+        const auto t0 = Clock::now();
+        for (int i = 0; i < iters; ++i) {
+          cpu::matmul_forward(y.data(), x.data(), w.data(), nullptr, M, C, N);
+          if (sync) c.all_reduce(red.data(), int64_t(red.size()), DType::f32);
+        }
+        c.barrier();
+        if (c.rank() == 0) secs = since(t0) / iters;
+      }, ro);
+      return secs;
+    };
+    std::vector<double> extra;
+    for (int k = 0; k < 3; ++k) extra.push_back(per_iteration(true) - per_iteration(false));
+    std::sort(extra.begin(), extra.end());
+    p.crowded_sync = std::max(0.0, extra[1] - p.allreduce_latency);
   }
   return p;
 }

@@ -31,6 +31,10 @@ struct HostProfile {
   double memory_bw = 0;       // bytes/s, copy (read + write counted)
   double allreduce_latency = 0;    // seconds, threads backend, 2 ranks, small messages
   double allreduce_bw = 0;         // bytes/s of buffer reduced, large messages
+  // Seconds each synchronisation (a collective, a received message) costs beyond its latency when
+  // the host runs twice as many one-thread ranks as `threads` (ranks wait for peers the OS has
+  // not scheduled).
+  double crowded_sync = 0;
   // loom's non-GEMM kernels, with `threads` threads: norm_forward and norm_backward (LayerNorm,
   // per element of [N, C]), gelu_forward and gelu_backward (per element), attention_forward and
   // attention_backward (per FLOP of the forward's 4 T C per token, causal masking not subtracted),

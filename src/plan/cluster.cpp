@@ -115,6 +115,7 @@ Cluster cluster_named(const std::string& name) {
     if (const auto p = cached_profile(omp_get_max_threads())) {
       c.device.name = fmt::format("{} ({} threads, calibrated {})", p->cpu, p->threads, p->date);
       c.cores = p->threads;
+      c.crowded_sync = p->crowded_sync;
       c.device.kernels = p->kernels;
       c.device.linear = p->linear;
       c.device.peak_f32 = p->gemm_peak;

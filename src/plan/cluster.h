@@ -69,6 +69,9 @@ struct Cluster {
   // A shared host's cores (the threads its ranks' OpenMP teams share; 0: per_node): at most this
   // many ranks compute at once at full speed, more divide the host among them.
   int cores = 0;
+  // A shared host's cost of one synchronisation (a collective, a received message) beyond its
+  // latency while more ranks than cores run (HostProfile::crowded_sync), in seconds.
+  double crowded_sync = 0;
   Link intra, inter;
   // The link between ranks `stride` apart in a group of `size` consecutive strides: inside a node
   // when the group's span fits one.

@@ -200,7 +200,9 @@ CpuExtras cpu_extras(const Job& job, const Layout& L) {
   x.workspace = 4 * (Ns * h + N * h + N * wide);
   if (L.sp) x.workspace += 4 * (2 * N * h + Ns * h);
   if (L.tp > 1) x.workspace += 4 * 3 * N;
-  if (L.cp > 1) x.workspace += 4 * double(m.seq) / L.cp;
+  // Under cp the rows' positions, and ring attention's partial output and log-sum-exps of a chunk
+  // pair (half the rank's rows).
+  if (L.cp > 1) x.workspace += 4 * double(m.seq) / L.cp + 4 * N / 2 * (q_local + double(m.heads) / tp);
   const BlockParams bp = block_params(m, L.tp);
   const double layer = bp.layer, wte = bp.wte, emb = bp.emb, head_own = bp.head_own(m);
   const int shard = L.dp * L.cp;
@@ -427,7 +429,7 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
     // loom's CPU kernels as `loom calibrate` timed them (per call + per unit, the unit cost scaled
     // to the rank's share of the host): per layer two norms and two residual adds over the stream
     // (the rank's rows under sp), the activation over the feed-forward width (SwiGLU's gate costed
-    // as 1.5 activations), attention (one call per ring step under cp); backward the same kernels'
+    // as 1.5 activations), attention; backward the same kernels'
     // backward; the head's norm and fused cross-entropy over the rank's vocabulary part; the
     // embedding a gather and an add.
     auto k = [&](const char* name, double units, double calls = 1) {
@@ -441,10 +443,12 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
     const double gemm_f = rate_f > 0 ? layer_flops / (rate_f / std::max(1.0, capacity)) : gemm_layer;
     const double gemm_b = rate_b > 0 ? 2 * layer_flops / (rate_b / std::max(1.0, capacity)) : 2 * gemm_layer;
     const double act = tokens * double(m.ffn_size()) / L.tp * (m.swiglu ? 1.5 : 1.0);
-    attn_core_f = k("attention_forward", attn_flops, L.cp);
+    // Attention: one call per micro-batch (per ring step under cp).
+    const double attn_calls = L.cp;
+    attn_core_f = k("attention_forward", attn_flops, attn_calls);
     layer_f = gemm_f + attn_core_f + k("norm_forward", 2 * Ns * h, 2) + k("residual", 2 * Ns * h, 2) +
               k("gelu_forward", act);
-    layer_b = gemm_b + k("attention_backward", attn_flops, L.cp) + k("norm_backward", 2 * Ns * h, 2) +
+    layer_b = gemm_b + k("attention_backward", attn_flops, attn_calls) + k("norm_backward", 2 * Ns * h, 2) +
               k("residual", 2 * Ns * h, 2) + k("gelu_backward", act);
     head_f = gemm_head + k("norm_forward", Ns * h) + k("crossentropy", tokens * double(m.vocab) / L.tp);
     head_b = 2 * gemm_head + k("norm_backward", Ns * h);
@@ -473,10 +477,12 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   // Each chain element's seconds for one micro-batch on one device (the embedding: a gather and an
   // add over the stream; a layer; the head), forward and backward, and of them the tensor- and
   // context-parallel communication and what recomputation runs again.
+  // `syncs`: how many times a micro-batch's forward and backward wait on the element's tp or cp
+  // peers (each collective or ring step).
   struct ElemCost {
-    double f = 0, b = 0, comm_f = 0, comm_b = 0, recompute = 0;
+    double f = 0, b = 0, comm_f = 0, comm_b = 0, recompute = 0, syncs = 0;
     ElemCost& operator+=(const ElemCost& o) {
-      f += o.f, b += o.b, comm_f += o.comm_f, comm_b += o.comm_b, recompute += o.recompute;
+      f += o.f, b += o.b, comm_f += o.comm_f, comm_b += o.comm_b, recompute += o.recompute, syncs += o.syncs;
       return *this;
     }
   };
@@ -486,6 +492,16 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   layer.comm_f = tp_layer_f + cp_layer;
   layer.comm_b = tp_layer_b + cp_layer;
   layer.recompute = recompute_f;
+  // Synchronisations: under tp a layer's two all-reduces each way (all-gather + reduce-scatter
+  // pairs under sp: four), repeated by a full recomputation; the head's vocabulary-parallel loss
+  // (max, sum, target logit; the input gradient) and the embedding's reduction each way; under cp
+  // the ring's cp - 1 steps each way.
+  if (L.tp > 1) {
+    layer.syncs = (L.sp ? 4 : 2) * (L.recompute == model::Recompute::full ? 3 : 2);
+    head.syncs = 4;
+    emb.syncs = 2;
+  }
+  if (L.cp > 1) layer.syncs += 2 * (L.cp - 1);
   layer.f = layer_f + layer.comm_f;
   layer.b = layer_b + recompute_f + layer.comm_b;
   head.f = head_f;
@@ -646,7 +662,24 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   e.optimizer_s = (measured && kernels.count("adamw") ? kernels.at("adamw").seconds(opt_params * std::max(1.0, capacity))
                                                       : opt_params * 2 * (B.weight + B.grad + B.optimizer) / dev.memory_bw) *
                   crowd;
-  e.step_s = makespan + e.dp_exposed_s + e.optimizer_s;
+  // Ranks beyond a shared host's cores: every synchronisation on the busiest rank's path (its
+  // elements' per micro-batch, a pipeline rank's two received messages per micro-batch, the data-
+  // parallel collectives, the loss and gradient-norm reductions of the step) waits for peers the
+  // OS has not scheduled (Cluster::crowded_sync, measured by loom calibrate).
+  if (job.cluster.shared_host && crowd > 1 && job.cluster.crowded_sync > 0) {
+    const double buckets = std::max(1.0, std::ceil(grad_bytes / kBucketBytes));
+    double step_syncs = 2;  // the loss and the gradient norm
+    if (shard > 1) {
+      const double blocks = double(m.layers) / L.pp + (L.pp == 1 ? 2.0 : 1.0);
+      if (L.zero == 0) step_syncs += buckets;
+      else if (L.zero <= 2 && !(L.pp > 1 && L.zero == 2)) step_syncs += 2 * buckets;
+      else if (L.zero == 2) step_syncs += double(micro) * buckets + 1;
+      else step_syncs += double(micro) * (2 * blocks + buckets);
+    }
+    const double per_micro = busiest.syncs + (L.pp > 1 ? 2.0 : 0.0);
+    e.sync_s = job.cluster.crowded_sync * (double(micro) * per_micro + step_syncs);
+  }
+  e.step_s = makespan + e.dp_exposed_s + e.optimizer_s + e.sync_s;
   const double step_tokens = double(job.global_batch) * double(m.seq);
   e.tokens_per_s = step_tokens / e.step_s;
   const double model_flops = m.model_flops(step_tokens);
@@ -751,7 +784,8 @@ std::string explain(const std::vector<Estimate>& r) {
                  {"exposed data-parallel communication", b.dp_exposed_s - a.dp_exposed_s},
                  {"recomputation", b.recompute_s - a.recompute_s},
                  {"compute", b.compute_s - a.compute_s},
-                 {"pipeline transfers", b.pp_comm_s - a.pp_comm_s}};
+                 {"pipeline transfers", b.pp_comm_s - a.pp_comm_s},
+                 {"waits for ranks beyond the cores", b.sync_s - a.sync_s}};
     std::sort(std::begin(parts), std::end(parts), [](const Part& x, const Part& y) { return x.d > y.d; });
     s += fmt::format("  over {} ({:.3f} s, +{:.1f}%): it spends {:.3f} s more on {}", b.layout.str(), b.step_s,
                      100 * (b.step_s / a.step_s - 1), parts[0].d, parts[0].what);
@@ -775,7 +809,7 @@ std::string to_json(const Estimate& e) {
   j["memory_bytes_per_gpu"] = e.memory;
   j["time_s"] = {{"compute", e.compute_s},       {"recompute", e.recompute_s}, {"tp_comm", e.tp_comm_s},
                  {"pp_comm", e.pp_comm_s},       {"bubble", e.bubble_s},       {"dp_exposed", e.dp_exposed_s},
-                 {"dp_comm", e.dp_comm_s},       {"optimizer", e.optimizer_s}};
+                 {"dp_comm", e.dp_comm_s},       {"optimizer", e.optimizer_s}, {"crowded_sync", e.sync_s}};
   return j.dump(2);
 }
 

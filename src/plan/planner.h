@@ -31,6 +31,16 @@
 // gathers the weights again in forward and backward: 1.5x), exposed after the pipeline flush when
 // pp > 1 and hidden behind backward otherwise except what backward cannot cover; and the
 // optimizer's pass over its state at memory bandwidth.
+//
+// The calibrated cpu cluster (f32) costs loom's own kernels as `loom calibrate` timed them: a
+// layer's linears at the rate its grid gives for the layer's tokens and per-device width, and
+// LayerNorm, GELU, the residual adds, attention, the fused cross-entropy and AdamW at their
+// measured cost per call and per unit. The pipeline's stages are cut as the executor cuts them
+// (balance_chain over the blocks' declared costs), each rank's chunks with their own durations.
+// Its ranks share the host: up to `cores` ranks compute at once, each with its share; with more
+// ranks, the schedule runs as an event simulation in which the ranks computing at one moment
+// divide the cores (pipeline::simulate), and every synchronisation on the busiest rank's path
+// costs the wait `loom calibrate` measured for ranks beyond the cores (Cluster::crowded_sync).
 #pragma once
 #include <cstdint>
 #include <map>
@@ -85,6 +95,7 @@ struct Estimate {
   double tp_comm_s = 0, pp_comm_s = 0;    // inside the pipeline's makespan
   double bubble_s = 0;                    // makespan - the busiest stage's busy time
   double dp_exposed_s = 0, dp_comm_s = 0, optimizer_s = 0;
+  double sync_s = 0;  // on a shared host with more ranks than cores: the waits for unscheduled peers
   double tokens_per_s = 0;
   double model_tflops = 0;     // model FLOPs per device per second (3 forwards' worth), TFLOP/s
   double hardware_tflops = 0;  // with what recomputation runs again (Megatron-LM's figure)

@@ -187,4 +187,15 @@ TEST(Planner, CalibratedCpuProfileCostsLoomsOwnKernels) {
   job.cluster.shared_host = false;
   const double own = plan::estimate(job, pp4).step_s;  // every rank with the whole host's rates
   EXPECT_GT(shared, own);
+  // More ranks than cores: each synchronisation on the path costs the measured wait. tp 4 with sp
+  // on two cores: per layer four all-gather / reduce-scatter pairs' eight collectives, the head's
+  // four, the embedding's two, and the step's loss and norm reductions: 4 x 8 + 4 + 2 + 2 = 40.
+  job.cluster.shared_host = true;
+  job.cluster.cores = 2;
+  job.cluster.crowded_sync = 1e-4;
+  const plan::Estimate tp4 = plan::estimate(job, plan::parse_layout("tp=4,sp=1,mbs=16"));
+  ASSERT_TRUE(tp4.why_not.empty()) << tp4.why_not;
+  EXPECT_NEAR(tp4.sync_s, 40 * 1e-4, 1e-12);
+  job.cluster.cores = 4;  // as many cores as ranks: no waits
+  EXPECT_EQ(plan::estimate(job, plan::parse_layout("tp=4,sp=1,mbs=16")).sync_s, 0.0);
 }

@@ -348,6 +348,9 @@ void check_args(const AttnArgs& a, const char* fn) {
   LOOM_CHECK(a.q_stride >= C, "{}: AttnArgs.q_stride={} is smaller than NH*HS={}", fn, a.q_stride, C);
   LOOM_CHECK(a.kv_stride >= Ckv, "{}: AttnArgs.kv_stride={} is smaller than NKV*HS={}", fn, a.kv_stride, Ckv);
   LOOM_CHECK(a.o_stride >= C, "{}: AttnArgs.o_stride={} is smaller than NH*HS={}", fn, a.o_stride, C);
+  LOOM_CHECK(a.q_batch >= 0 && a.kv_batch >= 0 && a.o_batch >= 0 && a.lse_batch >= 0,
+             "{}: AttnArgs batch strides must not be negative (q {}, kv {}, o {}, lse {})", fn, a.q_batch, a.kv_batch,
+             a.o_batch, a.lse_batch);
   LOOM_CHECK(std::isfinite(a.scale), "{}: AttnArgs.scale={} is not finite", fn, a.scale);
 }
 
@@ -428,15 +431,15 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
       int64_t packed = 0;  // rows of kall / vall filled
       for (int64_t qti = u % chunks; qti < nqt; qti += chunks) {
         const int64_t q0 = qti * kTileQ, qn = std::min(kTileQ, Tq - q0), qnp = round_up8(qn);
-        const Rows qr{q + (b * Tq + q0) * a.q_stride + h * HS, a.q_stride};
+        const Rows qr{q + b * a.q_batch_stride() + q0 * a.q_stride + h * HS, a.q_stride};
         pack_transposed(qt, qnp, qr, qn, HS, scale);
         const int64_t qpos0 = a.q_pos0 + q0;  // position of query lane 0
         // Keys beyond kend are masked for every query of this tile.
         const int64_t kend = a.causal ? std::clamp<int64_t>(qpos0 + qn - 1 - a.kv_pos0 + 1, 0, Tkv) : Tkv;
 
         if (packed < kend) {
-          const Rows kr{k + (b * Tkv + packed) * a.kv_stride + hk * HS, a.kv_stride};
-          const Rows vr{v + (b * Tkv + packed) * a.kv_stride + hk * HS, a.kv_stride};
+          const Rows kr{k + b * a.kv_batch_stride() + packed * a.kv_stride + hk * HS, a.kv_stride};
+          const Rows vr{v + b * a.kv_batch_stride() + packed * a.kv_stride + hk * HS, a.kv_stride};
           pack_rows(kall + packed * HSp, HSp, kr, kend - packed, HS);
           pack_rows(vall + packed * HSp, HSp, vr, kend - packed, HS);
           packed = kend;
@@ -496,8 +499,8 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
           tile_gemm(qn, HSp, kn, st, 1, kTileQ, vp, HSp, o, HSp, true, pv_band);
         }
         for (int64_t i = 0; i < qn; ++i) {
-          float* dst = out + (b * Tq + q0 + i) * a.o_stride + h * HS;
-          float* l = lse + (b * NH + h) * Tq + q0 + i;
+          float* dst = out + b * a.o_batch_stride() + (q0 + i) * a.o_stride + h * HS;
+          float* l = lse + b * a.lse_batch_stride() + h * Tq + q0 + i;
           if (row_sum[i] == 0.f) {  // no visible key
             std::fill(dst, dst + HS, 0.f);
             *l = kNegInf;
@@ -558,17 +561,17 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
         const int64_t bh = b * NH + h;
         float* dqa = G == 1 ? dq_own : dq_part + (g * BNH + bh) * Tq * HSp;  // f32 [Tq, HSp]
         std::fill(dqa, dqa + Tq * HSp, 0.f);
-        const float* lse_bh = lse + bh * Tq;
-        pack_rows(qall, HSp, Rows{q + b * Tq * a.q_stride + h * HS, a.q_stride}, Tq, HS, scale);
-        const Rows dor{dout + b * Tq * a.o_stride + h * HS, a.o_stride};
-        const Rows outr{out + b * Tq * a.o_stride + h * HS, a.o_stride};
+        const float* lse_bh = lse + b * a.lse_batch_stride() + h * Tq;
+        pack_rows(qall, HSp, Rows{q + b * a.q_batch_stride() + h * HS, a.q_stride}, Tq, HS, scale);
+        const Rows dor{dout + b * a.o_batch_stride() + h * HS, a.o_stride};
+        const Rows outr{out + b * a.o_batch_stride() + h * HS, a.o_stride};
         pack_rows(doall, HSp, dor, Tq, HS);
         for (int64_t t = 0; t < Tq; ++t) dsum_bh[t] = dot(doall + t * HSp, outr.row(t), HS);
 
         for (int64_t kt_i = g; kt_i < nkt; kt_i += G) {
           const int64_t k0 = kt_i * kTileK, kn = std::min(kTileK, Tkv - k0), knp = round_up8(kn);
-          const Rows kr{k + (b * Tkv + k0) * a.kv_stride + hk * HS, a.kv_stride};
-          const Rows vr{v + (b * Tkv + k0) * a.kv_stride + hk * HS, a.kv_stride};
+          const Rows kr{k + b * a.kv_batch_stride() + k0 * a.kv_stride + hk * HS, a.kv_stride};
+          const Rows vr{v + b * a.kv_batch_stride() + k0 * a.kv_stride + hk * HS, a.kv_stride};
           pack_transposed(kt, knp, kr, kn, HS);
           pack_transposed(vt, knp, vr, kn, HS);
           pack_rows(kp, HSp, kr, kn, HS, scale);
@@ -609,8 +612,8 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
             tile_gemm(qn, HSp, kn, ds, kTileK, 1, kp, HSp, dqa + q0 * HSp, HSp, true, q_band);
           }
           for (int64_t j = 0; j < kn; ++j) {
-            float* dkr = dk + (b * Tkv + k0 + j) * a.kv_stride + hk * HS;
-            float* dvr = dv + (b * Tkv + k0 + j) * a.kv_stride + hk * HS;
+            float* dkr = dk + b * a.kv_batch_stride() + (k0 + j) * a.kv_stride + hk * HS;
+            float* dvr = dv + b * a.kv_batch_stride() + (k0 + j) * a.kv_stride + hk * HS;
             const float* sk = dkt + j * HSp;
             const float* sv = dvt + j * HSp;
             if (accumulate || !first_head) {
@@ -623,7 +626,7 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
         }
         if (G == 1) {
           for (int64_t t = 0; t < Tq; ++t) {
-            float* dst = dq + (b * Tq + t) * a.q_stride + h * HS;
+            float* dst = dq + b * a.q_batch_stride() + t * a.q_stride + h * HS;
             const float* src = dqa + t * HSp;
             if (accumulate) {
               for (int64_t d = 0; d < HS; ++d) dst[d] += src[d];
@@ -641,7 +644,7 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < BNH * Tq; ++i) {
       const int64_t bh = i / Tq, t = i % Tq, b = bh / NH, h = bh % NH;
-      float* dst = dq + (b * Tq + t) * a.q_stride + h * HS;
+      float* dst = dq + b * a.q_batch_stride() + t * a.q_stride + h * HS;
       for (int64_t d = 0; d < HS; ++d) {
         float acc = accumulate ? dst[d] : 0.f;
         for (int64_t gi = 0; gi < G; ++gi) acc += dq_part[((gi * BNH + bh) * Tq + t) * HSp + d];

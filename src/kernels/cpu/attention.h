@@ -21,7 +21,8 @@ class MemoryPool;
 namespace loom::cpu {
 
 // Row-strided views of Q, K, V and O: element (b, t, h, d) of X is at
-// X[(b * T + t) * stride + h * HS + d] with T the sequence length of that tensor. Packed GPT-2
+// X[(b * T + t) * stride + h * HS + d] with T the sequence length of that tensor (or, with a batch
+// stride set, X[b * batch + t * stride + h * HS + d]). Packed GPT-2
 // qkv [B, T, 3C] is q = qkv, k = qkv + C, v = qkv + 2C with stride 3C.
 // Grouped-query attention (Ainslie et al. 2023): with NKV key/value heads (NH a multiple of NKV),
 // query head h reads key/value head h / (NH / NKV); K and V rows hold NKV heads.
@@ -30,6 +31,14 @@ struct AttnArgs {
   int64_t NKV = 0;                  // key/value heads; 0 means NH (multi-head attention)
   int64_t Tq = 0, Tkv = 0;         // query and key/value lengths
   int64_t q_stride = 0, kv_stride = 0, o_stride = 0;
+  // Elements between the first rows of consecutive batch entries of Q (and dQ), of K and V (and
+  // their gradients), of O (and dO), and of lse: 0 means packed (T x stride; NH x Tq for lse).
+  // Set, they let one call cover a piece of each of B longer sequences (ring attention's chunks).
+  int64_t q_batch = 0, kv_batch = 0, o_batch = 0, lse_batch = 0;
+  int64_t q_batch_stride() const { return q_batch ? q_batch : Tq * q_stride; }
+  int64_t kv_batch_stride() const { return kv_batch ? kv_batch : Tkv * kv_stride; }
+  int64_t o_batch_stride() const { return o_batch ? o_batch : Tq * o_stride; }
+  int64_t lse_batch_stride() const { return lse_batch ? lse_batch : NH * Tq; }
   int64_t q_pos0 = 0, kv_pos0 = 0;  // global positions of the first query / key (causal mask:
                                     // key position > query position is masked)
   bool causal = true;

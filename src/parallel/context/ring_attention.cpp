@@ -54,10 +54,10 @@ void RingAttention::ensure(const RingShape& s, int P, bool backward) {
     for (Tensor& t : dkv_)
       if (!t.defined() || t.shape() != kv) t = Tensor::empty(kv, DType::f32, MemTag::comm, pool_);
   } else {
-    if (!o_part_.defined() || o_part_.shape() != Shape{Tc, C})
-      o_part_ = Tensor::empty({Tc, C}, DType::f32, MemTag::workspace, pool_);
-    if (!lse_part_.defined() || lse_part_.shape() != Shape{s.NH, Tc})
-      lse_part_ = Tensor::empty({s.NH, Tc}, DType::f32, MemTag::workspace, pool_);
+    if (!o_part_.defined() || o_part_.shape() != Shape{s.B, Tc, C})
+      o_part_ = Tensor::empty({s.B, Tc, C}, DType::f32, MemTag::workspace, pool_);
+    if (!lse_part_.defined() || lse_part_.shape() != Shape{s.B, s.NH, Tc})
+      lse_part_ = Tensor::empty({s.B, s.NH, Tc}, DType::f32, MemTag::workspace, pool_);
   }
 }
 
@@ -86,10 +86,17 @@ void merge(float* o, float* l, const float* op, const float* lp, int64_t Tc, int
     }
 }
 
-// One chunk pair's call for one batch row (positions do not change the scratch size).
+// One chunk pair's call over every batch row: query chunk cq of each row's Tl local positions
+// against key chunk ck (positions do not change the scratch size). The batch strides step from
+// one row's chunk to the next row's: Tl rows of qkv, of the key/value block and of out, and the
+// two chunks' log-sum-exps of lse [B, 2, NH, Tc].
 cpu::AttnArgs chunk_args(const RingShape& s, int64_t Tc, int64_t cq, int64_t ck) {
   cpu::AttnArgs a;
-  a.B = 1;
+  a.B = s.B;
+  a.q_batch = 2 * Tc * s.row();
+  a.kv_batch = 2 * Tc * 2 * s.kv_heads() * s.HS;
+  a.o_batch = 2 * Tc * s.NH * s.HS;
+  a.lse_batch = 2 * s.NH * Tc;
   a.NH = s.NH;
   a.HS = s.HS;
   a.Tq = a.Tkv = Tc;
@@ -131,18 +138,19 @@ void RingAttention::forward(comm::Comm& g, float* out, float* lse, const float* 
         const int64_t ck = chunk_of(P, src, hk);
         if (ck > cq) continue;  // every key is in the future of every query
         const bool first = j == 0 && hk == 0;
-        const cpu::AttnArgs a = attn_->args(chunk_args(s, Tc, cq, ck));
-        for (int64_t b = 0; b < s.B; ++b) {
-          const float* q = qkv + (b * Tl + hq * Tc) * Q;
-          const float* k = kv + (b * Tl + hk * Tc) * 2 * Ck;
-          float* o = out + (b * Tl + hq * Tc) * C;
-          float* l = lse + (b * 2 + hq) * s.NH * Tc;
-          if (first) {
-            cpu::attention_forward(o, l, q, k, k + Ck, a);
-          } else {
-            cpu::attention_forward(o_part_.f32(), lse_part_.f32(), q, k, k + Ck, a);
-            merge(o, l, o_part_.f32(), lse_part_.f32(), Tc, s.NH, s.HS);
-          }
+        cpu::AttnArgs a = attn_->args(chunk_args(s, Tc, cq, ck));
+        const float* q = qkv + hq * Tc * Q;
+        const float* k = kv + hk * Tc * 2 * Ck;
+        float* o = out + hq * Tc * C;
+        float* l = lse + hq * s.NH * Tc;
+        if (first) {
+          cpu::attention_forward(o, l, q, k, k + Ck, a);
+        } else {
+          a.o_batch = a.lse_batch = 0;  // the partial result, packed [B, Tc, C] and [B, NH, Tc]
+          cpu::attention_forward(o_part_.f32(), lse_part_.f32(), q, k, k + Ck, a);
+          for (int64_t b = 0; b < s.B; ++b)
+            merge(o + b * Tl * C, l + b * 2 * s.NH * Tc, o_part_.f32() + b * Tc * C, lse_part_.f32() + b * s.NH * Tc, Tc,
+                  s.NH, s.HS);
         }
       }
     }
@@ -179,13 +187,11 @@ void RingAttention::backward(comm::Comm& g, float* dqkv, const float* dout, cons
         const int64_t ck = chunk_of(P, src, hk);
         if (ck > cq) continue;
         const cpu::AttnArgs a = attn_->args(chunk_args(s, Tc, cq, ck));
-        for (int64_t b = 0; b < s.B; ++b) {
-          const int64_t qo = b * Tl + hq * Tc, ko = b * Tl + hk * Tc;
-          const float* k = kv + ko * 2 * Ck;
-          float* dk = dkv + ko * 2 * Ck;
-          cpu::attention_backward(dqkv + qo * Q, dk, dk + Ck, dout + qo * C, qkv + qo * Q, k, k + Ck, out + qo * C,
-                                  lse + (b * 2 + hq) * s.NH * Tc, a, /*accumulate=*/true);
-        }
+        const int64_t qo = hq * Tc, ko = hk * Tc;
+        const float* k = kv + ko * 2 * Ck;
+        float* dk = dkv + ko * 2 * Ck;
+        cpu::attention_backward(dqkv + qo * Q, dk, dk + Ck, dout + qo * C, qkv + qo * Q, k, k + Ck, out + qo * C,
+                                lse + hq * s.NH * Tc, a, /*accumulate=*/true);
       }
     }
     // The block and its gradient move on; after the last step the gradient goes home.

@@ -70,8 +70,10 @@ class RingAttention {
   cpu::AttnWorkspace* attn_;
   Tensor kv_[2];      // f32 [B, Tl, 2 NKV HS]: the K/V block in hand and the one arriving (tag comm)
   Tensor dkv_[2];     // f32 [B, Tl, 2 NKV HS]: its accumulated gradient, in hand and arriving (tag comm)
-  Tensor o_part_;     // f32 [Tc, NH HS] one chunk pair's output (tag workspace)
-  Tensor lse_part_;   // f32 [NH, Tc] (tag workspace)
+  // One chunk pair's output over every batch row (one kernel call per pair: small chunks of many
+  // rows would cost a call each), merged into out after the call (tag workspace).
+  Tensor o_part_;     // f32 [B, Tc, NH HS]
+  Tensor lse_part_;   // f32 [B, NH, Tc]
 };
 
 }  // namespace loom::parallel::cp

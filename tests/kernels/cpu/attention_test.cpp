@@ -368,6 +368,44 @@ TEST(Attention, KeyBlocksComposeLikeOneCall) {
   EXPECT_TRUE(all_close(bdv, to_double(dv), 2e-6, 1e-5)) << "dv";
 }
 
+// Batch strides: one call over a chunk of each of B longer sequences (query rows 16..39 of each
+// sequence of 64 against key rows 0..31, the layout ring attention calls) gives what B calls of
+// one row each give, bit for bit (each (b, h) is computed alone), and writes nothing outside the
+// chunks.
+TEST(Attention, BatchStridesCoverChunksOfLongerSequences) {
+  ScopedThreads threads(2);
+  const int64_t B = 3, NH = 2, HS = 16, C = NH * HS, T = 64, q0 = 16, Tq = 24, Tkv = 32, Q = 3 * C;
+  const auto qkv = random_vec(B * T * Q, 1200, -2.f, 2.f), dout = random_vec(B * T * C, 1201);
+  AttnArgs one;
+  one.B = 1, one.NH = NH, one.HS = HS, one.Tq = Tq, one.Tkv = Tkv;
+  one.q_stride = Q, one.kv_stride = Q, one.o_stride = C;
+  one.q_pos0 = q0;
+  AttnArgs all = one;
+  all.B = B, all.q_batch = T * Q, all.kv_batch = T * Q, all.o_batch = T * C, all.lse_batch = 2 * NH * T;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> out1(size_t(B * T * C), nan), lse1(size_t(B * 2 * NH * T), nan), out(out1), lse(lse1);
+  std::vector<float> dqkv1(size_t(B * T * Q), 0.f), dqkv(dqkv1);
+  const float* q = qkv.data() + q0 * Q;
+  for (int64_t b = 0; b < B; ++b)
+    cpu::attention_forward(out1.data() + (b * T + q0) * C, lse1.data() + b * 2 * NH * T, q + b * T * Q,
+                           qkv.data() + b * T * Q + C, qkv.data() + b * T * Q + 2 * C, one);
+  cpu::attention_forward(out.data() + q0 * C, lse.data(), q, qkv.data() + C, qkv.data() + 2 * C, all);
+  for (size_t i = 0; i < out.size(); ++i) ASSERT_TRUE(out[i] == out1[i] || (std::isnan(out[i]) && std::isnan(out1[i]))) << i;
+  for (size_t i = 0; i < lse.size(); ++i) ASSERT_TRUE(lse[i] == lse1[i] || (std::isnan(lse[i]) && std::isnan(lse1[i]))) << i;
+  for (int64_t b = 0; b < B; ++b) {
+    float* d = dqkv1.data() + b * T * Q;
+    cpu::attention_backward(d + q0 * Q, d + C, d + 2 * C, dout.data() + (b * T + q0) * C, q + b * T * Q,
+                            qkv.data() + b * T * Q + C, qkv.data() + b * T * Q + 2 * C, out1.data() + (b * T + q0) * C,
+                            lse1.data() + b * 2 * NH * T, one, /*accumulate=*/true);
+  }
+  cpu::attention_backward(dqkv.data() + q0 * Q, dqkv.data() + C, dqkv.data() + 2 * C, dout.data() + q0 * C, q,
+                          qkv.data() + C, qkv.data() + 2 * C, out.data() + q0 * C, lse.data(), all, /*accumulate=*/true);
+  EXPECT_EQ(dqkv, dqkv1);
+  // A negative batch stride is refused naming it.
+  all.kv_batch = -1;
+  EXPECT_THROW(cpu::attention_forward(out.data(), lse.data(), q, qkv.data() + C, qkv.data() + 2 * C, all), Error);
+}
+
 TEST(Attention, EmptyKeyBlock) {
   const Problem p = make_problem({.B = 2, .NH = 3, .HS = 16, .Tq = 5, .Tkv = 0}, 700);
   const std::vector<float> dout = random_vec(p.o_size(), 701);

@@ -121,9 +121,9 @@ TEST(RingAttention, ReusesItsBuffersAndScratchAcrossPasses) {
       ring.backward(g, dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), shape);
     }
     EXPECT_EQ(pool.total_allocations(), taken);
-    // Held: the partial output and log-sum-exp and the attention scratch (workspace), the K/V
-    // blocks and their gradients (comm).
-    EXPECT_EQ(pool.current(MemTag::workspace), 4 * (Tc * C + NH * Tc) + scratch);
+    // Held: the partial output and log-sum-exp of a chunk pair over every batch row and the
+    // attention scratch (workspace), the K/V blocks and their gradients (comm).
+    EXPECT_EQ(pool.current(MemTag::workspace), 4 * B * (Tc * C + NH * Tc) + scratch);
     EXPECT_EQ(ring.buffer_bytes(), pool.total_current());
 
     MemoryPool pool2("rank");
