@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -238,12 +239,24 @@ std::vector<LinearRate> measure_linear(double seconds) {
       if (M * C > 1024 * 1024) continue;  // (larger points cost seconds each; the planner clamps to the grid)
       double tf = 0, tb = 0, flops = 0;
       for (auto [N, K] : {std::pair{3 * C, C}, std::pair{C, C}, std::pair{4 * C, C}, std::pair{C, 4 * C}}) {
-        std::vector<float> x(static_cast<size_t>(M * K), 0.1f), w(static_cast<size_t>(N * K), 0.01f),
-            b(static_cast<size_t>(N), 0.0f), y(static_cast<size_t>(M * N)), dy(static_cast<size_t>(M * N), 0.01f),
-            dx(static_cast<size_t>(M * K)), dw(static_cast<size_t>(N * K)), db(static_cast<size_t>(N));
-        tf += seconds_per_call([&] { cpu::matmul_forward(y.data(), x.data(), w.data(), b.data(), M, K, N); }, seconds);
+        // The activations rotate over sets that together exceed the caches (64 MiB), as a
+        // training step's do: each product reads inputs and writes outputs that are not in cache.
+        const int64_t set_floats = 2 * M * K + 2 * M * N;
+        const int64_t sets = std::clamp<int64_t>((int64_t(16) << 20) / set_floats, 1, 64);
+        std::vector<float> acts(static_cast<size_t>(sets * set_floats), 0.01f), w(static_cast<size_t>(N * K), 0.01f),
+            b(static_cast<size_t>(N), 0.0f), dw(static_cast<size_t>(N * K)), db(static_cast<size_t>(N));
+        int64_t at = 0;
+        auto next = [&] {
+          float* base = acts.data() + (at++ % sets) * set_floats;
+          return std::array<float*, 4>{base, base + M * K, base + 2 * M * K, base + 2 * M * K + M * N};  // x, dx, y, dy
+        };
+        tf += seconds_per_call([&] {
+          const auto [x, dx, y, dy] = next();
+          cpu::matmul_forward(y, x, w.data(), b.data(), M, K, N);
+        }, seconds);
         tb += seconds_per_call([&] {
-          cpu::matmul_backward(dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), M, K, N);
+          const auto [x, dx, y, dy] = next();
+          cpu::matmul_backward(dx, dw.data(), db.data(), dy, x, w.data(), M, K, N);
         }, seconds);
         flops += 2.0 * double(M) * double(N) * double(K);
       }

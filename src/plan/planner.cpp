@@ -676,7 +676,9 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
       else if (L.zero == 2) step_syncs += double(micro) * buckets + 1;
       else step_syncs += double(micro) * (2 * blocks + buckets);
     }
-    const double per_micro = busiest.syncs + (L.pp > 1 ? 2.0 : 0.0);
+    // In a pipeline the other stages' ranks compute on the cores a waiting stage leaves (the
+    // simulation gives them those cores): a stage's waits are exposed for 1 / pp of the step.
+    const double per_micro = (busiest.syncs + (L.pp > 1 ? 2.0 : 0.0)) / L.pp;
     e.sync_s = job.cluster.crowded_sync * (double(micro) * per_micro + step_syncs);
   }
   e.step_s = makespan + e.dp_exposed_s + e.optimizer_s + e.sync_s;
