@@ -43,8 +43,8 @@ struct HostProfile {
   // they were measured.
   std::map<std::string, KernelCost> kernels;
   // loom's linear layers over a grid of tokens (64 to 4096) and widths (128 to 1024; tokens x width
-  // at most 2^20): a layer's four products' forward and backward rates at each point
-  // (Device::linear).
+  // at most 2^20): a layer's four products' forward and backward rates at each point, their
+  // activations rotating over 64 MiB of buffers so that they come from memory (Device::linear).
   std::vector<LinearRate> linear;
   std::string source;         // "loom calibrate" or "a training run's quick measurement"
   std::string date;           // YYYY-MM-DD
