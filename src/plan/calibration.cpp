@@ -224,9 +224,7 @@ std::map<std::string, KernelCost> measure_kernels(double seconds) {
       u[s][8] = double(n);
     }
   }
-  const char* names[9] = {"norm_forward", "norm_backward", "gelu_forward", "gelu_backward", "residual",
-                          "attention_forward", "attention_backward", "crossentropy", "adamw"};
-  for (int i = 0; i < 9; ++i) out[names[i]] = fit(t[0][i], u[0][i], t[1][i], u[1][i]);
+  for (size_t i = 0; i < kKernelNames.size(); ++i) out[kKernelNames[i]] = fit(t[0][i], u[0][i], t[1][i], u[1][i]);
   return out;
 }
 

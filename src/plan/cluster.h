@@ -15,6 +15,7 @@
 // with GB = 10^9 bytes; every field of a built-in can be given, the rest come from `base` (a
 // built-in's name, default a100-80gb).
 #pragma once
+#include <array>
 #include <map>
 #include <string>
 #include <vector>
@@ -30,6 +31,12 @@ struct KernelCost {
 
 // A transformer layer's four linear layers (qkv, attention output, MLP up and down; bias
 // included) as loom runs them on `tokens` rows of width `width`: FLOP/s of forward and backward.
+// The kernels `loom calibrate` times (HostProfile::kernels, Device::kernels), in its order: the
+// planner uses them only when the profile has every one.
+inline constexpr std::array<const char*, 9> kKernelNames{
+    "norm_forward", "norm_backward", "gelu_forward", "gelu_backward", "residual", "attention_forward",
+    "attention_backward", "crossentropy", "adamw"};
+
 struct LinearRate {
   double tokens = 0, width = 0, forward = 0, backward = 0;
 };

@@ -295,6 +295,7 @@ std::map<std::string, double> pipeline_rank_memory(const Job& job, const Layout&
 // The forward and backward FLOP/s of a layer's linears at (tokens, width) from a measured grid
 // (Device::linear): bilinear in log tokens and log width, clamped to the grid's edges.
 std::pair<double, double> linear_rates(const std::vector<LinearRate>& grid, double tokens, double width) {
+  if (grid.empty()) return {0.0, 0.0};
   std::vector<double> ms, cs;
   for (const LinearRate& r : grid) ms.push_back(r.tokens), cs.push_back(r.width);
   for (auto* v : {&ms, &cs}) {
@@ -378,13 +379,15 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   // On a shared host (the cpu cluster) the ranks divide its cores: up to `capacity` ranks compute
   // at once, each at its share of the host's rates; with more ranks than that, the ranks that
   // compute at the same moment divide the host among them (`crowd`: the slowdown when all do).
+  // `share`: what a rank's costs measured on the whole host are multiplied by (1 on a device of
+  // its own).
   Device dev = job.cluster.device;
-  double capacity = 0, crowd = 1;
+  double capacity = 0, crowd = 1, share = 1;
   if (job.cluster.shared_host) {
     const int cores = job.cluster.cores > 0 ? job.cluster.cores : job.cluster.per_node;
-    capacity = double(std::min({job.devices, job.cluster.per_node, cores}));
+    capacity = share = double(std::min({job.devices, job.cluster.per_node, cores}));
     crowd = double(job.devices) / capacity;
-    dev.peak_f32 /= capacity, dev.peak_bf16 /= capacity, dev.memory_bw /= capacity;
+    dev.peak_f32 /= share, dev.peak_bf16 /= share, dev.memory_bw /= share;
   }
   const Bytes B = bytes_of(job.precision);
   const int64_t micro = job.global_batch / (int64_t(L.dp) * L.mbs);
@@ -421,10 +424,13 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   const double gemm_layer = (tokens * m.layer_forward_flops_per_token() / L.tp - attn_flops) / rate;
   const double gemm_head = tokens * m.head_forward_flops_per_token() / L.tp / rate;
   const auto& kernels = job.cluster.device.kernels;
-  const bool measured = job.precision == Precision::f32 && !kernels.empty() && kernels.count("attention_forward") &&
-                        kernels.count("attention_backward") && kernels.count("norm_forward") &&
-                        kernels.count("norm_backward") && kernels.count("gelu_forward") &&
-                        kernels.count("gelu_backward") && kernels.count("residual") && kernels.count("crossentropy");
+  const bool measured = job.precision == Precision::f32 &&
+                        std::all_of(kKernelNames.begin(), kKernelNames.end(), [&](const char* n) { return kernels.count(n); });
+  // A measured kernel's seconds for `units` of work in `calls` calls, on the rank's share of the host.
+  auto k = [&](const char* name, double units, double calls = 1) {
+    const KernelCost& c = kernels.at(name);
+    return calls * c.call + units * c.unit * share;
+  };
   if (measured) {
     // loom's CPU kernels as `loom calibrate` timed them (per call + per unit, the unit cost scaled
     // to the rank's share of the host): per layer two norms and two residual adds over the stream
@@ -432,16 +438,12 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
     // as 1.5 activations), attention; backward the same kernels'
     // backward; the head's norm and fused cross-entropy over the rank's vocabulary part; the
     // embedding a gather and an add.
-    auto k = [&](const char* name, double units, double calls = 1) {
-      const KernelCost& c = kernels.at(name);
-      return calls * c.call + units * c.unit * std::max(1.0, capacity);
-    };
     const double Ns = L.sp ? tokens / L.tp : tokens, h = double(m.hidden);
     // The layer's products at the rates loom's linears reach at its tokens and (per device) width.
     const auto [rate_f, rate_b] = linear_rates(job.cluster.device.linear, tokens, h / L.tp);
     const double layer_flops = tokens * m.layer_forward_flops_per_token() / L.tp - attn_flops;
-    const double gemm_f = rate_f > 0 ? layer_flops / (rate_f / std::max(1.0, capacity)) : gemm_layer;
-    const double gemm_b = rate_b > 0 ? 2 * layer_flops / (rate_b / std::max(1.0, capacity)) : 2 * gemm_layer;
+    const double gemm_f = rate_f > 0 ? layer_flops * share / rate_f : gemm_layer;
+    const double gemm_b = rate_b > 0 ? 2 * layer_flops * share / rate_b : 2 * gemm_layer;
     const double act = tokens * double(m.ffn_size()) / L.tp * (m.swiglu ? 1.5 : 1.0);
     // Attention: one call per micro-batch (per ring step under cp).
     const double attn_calls = L.cp;
@@ -513,6 +515,7 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   pipe::RankCosts rank_costs;
   rank_costs.chunk.assign(size_t(L.pp), std::vector<pipe::OpCosts>(size_t(L.v)));
   ElemCost busiest;
+  int busiest_rank = 0;
   for (int r = 0; r < L.pp; ++r) {
     ElemCost sum;
     for (int k = 0; k < L.v; ++k) {
@@ -525,7 +528,7 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
       oc.backward_input = oc.backward_weight = chunk.b / 2;
       sum += chunk;
     }
-    if (r == 0 || sum.f + sum.b > busiest.f + busiest.b) busiest = sum;
+    if (r == 0 || sum.f + sum.b > busiest.f + busiest.b) busiest = sum, busiest_rank = r;
   }
   const double t_f = busiest.f, t_b = busiest.b;
   const double stage_f_comm = busiest.comm_f, stage_b_comm = busiest.comm_b;
@@ -540,6 +543,10 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   rank_costs.capacity = capacity;
   rank_costs.copies = L.dp * L.tp * L.cp;
   double makespan = 0, in_flight = 1;
+  // How much longer the busiest rank computes than its work takes on its share alone: the ranks
+  // it shares the host with (all of them at once without a pipeline; as the simulation has it
+  // with one).
+  double slowdown = crowd;
   std::vector<int> rank_in_flight;  // (micro-batch, chunk) pairs each pipeline rank holds at most (simulated)
   // The schedule is generated for the busiest rank's chunk costs (free transfers), as the executor
   // generates one schedule for every rank.
@@ -567,6 +574,9 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
         const pipe::Schedule sch = pipe::generate(spec, e.order_costs);
         return pipe::simulate(sch, rank_costs);
       };
+      auto slowdown_of = [&](const pipe::CheckResult& r, int64_t mb) {
+        return r.ranks[size_t(busiest_rank)].busy / (double(mb) * (t_f + t_b));
+      };
       auto peak_of = [&](const pipe::CheckResult& r) {
         int peak = 0;
         rank_in_flight.clear();
@@ -578,10 +588,12 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
         const pipe::CheckResult r = run(micro);
         makespan = r.makespan;
         in_flight = peak_of(r);
+        slowdown = slowdown_of(r, micro);
       } else {
         const pipe::CheckResult a = run(m1), b = run(m2);
         makespan = b.makespan + double(micro - m2) * (b.makespan - a.makespan) / double(m2 - m1);
         in_flight = peak_of(b);
+        slowdown = slowdown_of(b, m2);
       }
     } else {
       const double p = L.pp, mm = double(micro);
@@ -638,11 +650,11 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
 
   // The step: the busiest stage's compute and communication inside the makespan.
   const double mm = double(micro);
-  e.compute_s = mm * (t_f + t_b - stage_f_comm - stage_b_comm - stage_recompute) * crowd;
-  e.recompute_s = mm * stage_recompute * crowd;
-  e.tp_comm_s = mm * (stage_f_comm + stage_b_comm) * crowd;
+  e.compute_s = mm * (t_f + t_b - stage_f_comm - stage_b_comm - stage_recompute) * slowdown;
+  e.recompute_s = mm * stage_recompute * slowdown;
+  e.tp_comm_s = mm * (stage_f_comm + stage_b_comm) * slowdown;
   e.pp_comm_s = L.pp > 1 ? mm * 2 * p2p : 0.0;
-  e.bubble_s = std::max(0.0, makespan - mm * (t_f + t_b) - e.pp_comm_s);
+  e.bubble_s = std::max(0.0, makespan - mm * (t_f + t_b) * slowdown - e.pp_comm_s);
   // Data parallelism over dp x cp: the gradients' ring reduction (ZeRO-3 gathers the weights again
   // in forward and backward: 1.5x the volume), after the flush in a pipeline, overlapped with the
   // last micro-batch's backward otherwise.
@@ -659,9 +671,8 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   else e.dp_exposed_s = std::max(e.dp_comm_s - 0.9 * t_b, 0.1 * e.dp_comm_s);
   // The optimizer reads and writes its state, the weights and the gradients once.
   const double opt_params = P / (L.zero >= 1 ? shard : 1);
-  e.optimizer_s = (measured && kernels.count("adamw") ? kernels.at("adamw").seconds(opt_params * std::max(1.0, capacity))
-                                                      : opt_params * 2 * (B.weight + B.grad + B.optimizer) / dev.memory_bw) *
-                  crowd;
+  e.optimizer_s =
+      (measured ? k("adamw", opt_params) : opt_params * 2 * (B.weight + B.grad + B.optimizer) / dev.memory_bw) * crowd;
   // Ranks beyond a shared host's cores: every synchronisation on the busiest rank's path (its
   // elements' per micro-batch, a pipeline rank's two received messages per micro-batch, the data-
   // parallel collectives, the loss and gradient-norm reductions of the step) waits for peers the
@@ -671,10 +682,10 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
     double step_syncs = 2;  // the loss and the gradient norm
     if (shard > 1) {
       const double blocks = double(m.layers) / L.pp + (L.pp == 1 ? 2.0 : 1.0);
-      if (L.zero == 0) step_syncs += buckets;
-      else if (L.zero <= 2 && !(L.pp > 1 && L.zero == 2)) step_syncs += 2 * buckets;
-      else if (L.zero == 2) step_syncs += double(micro) * buckets + 1;
-      else step_syncs += double(micro) * (2 * blocks + buckets);
+      if (L.zero == 0) step_syncs += buckets;                                        // all-reduce
+      else if (L.zero == 3) step_syncs += double(micro) * (2 * blocks + buckets);     // gathers, reduce-scatters
+      else if (L.pp > 1 && L.zero == 2) step_syncs += double(micro) * buckets + 1;  // per micro-batch, then a gather
+      else step_syncs += 2 * buckets;                                                 // reduce-scatter, all-gather
     }
     // In a pipeline the other stages' ranks compute on the cores a waiting stage leaves (the
     // simulation gives them those cores): a stage's waits are exposed for 1 / pp of the step.

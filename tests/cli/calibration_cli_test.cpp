@@ -93,8 +93,7 @@ TEST(CalibrationCli, CalibrateWritesTheCache) {
   EXPECT_GT(p->gemm_small, 1e8);  // the small products' rate, for the planner's size effect
   EXPECT_GT(p->memory_bw, 1e8);
   // loom's own kernels and the linear layers' grid, for the planner's cpu profile.
-  for (const char* k : {"norm_forward", "norm_backward", "gelu_forward", "gelu_backward", "residual", "attention_forward",
-                        "attention_backward", "crossentropy", "adamw"}) {
+  for (const char* k : plan::kKernelNames) {
     ASSERT_TRUE(p->kernels.count(k)) << k;
     EXPECT_GT(p->kernels.at(k).unit, 0) << k;
   }

@@ -156,8 +156,7 @@ TEST(Planner, CalibratedCpuProfileCostsLoomsOwnKernels) {
   job.cluster.cores = 1;
   plan::Device& d = job.cluster.device;
   d.peak_f32 = d.peak_bf16 = 100e9, d.efficiency = 1, d.gemm_half = 0, d.memory_bw = 1e12;
-  for (const char* k : {"norm_forward", "norm_backward", "gelu_forward", "gelu_backward", "residual", "attention_forward",
-                        "attention_backward", "crossentropy", "adamw"})
+  for (const char* k : plan::kKernelNames)
     d.kernels[k] = {0.0, 1e-15};  // (next to nothing)
   // Rates 40 / 80 GFLOP/s at 256 tokens and 160 / 320 at 4096, at both widths: 1024 tokens lies
   // halfway on the log scale, 80 / 160 GFLOP/s.
@@ -196,6 +195,16 @@ TEST(Planner, CalibratedCpuProfileCostsLoomsOwnKernels) {
   const plan::Estimate tp4 = plan::estimate(job, plan::parse_layout("tp=4,sp=1,mbs=16"));
   ASSERT_TRUE(tp4.why_not.empty()) << tp4.why_not;
   EXPECT_NEAR(tp4.sync_s, 40 * 1e-4, 1e-12);
+  // Sharing the cores slows the ranks down; it is no pipeline bubble. The parts add up to the
+  // step, with and without a pipeline.
+  EXPECT_EQ(tp4.bubble_s, 0.0);
+  for (const char* layout : {"tp=4,sp=1,mbs=16", "pp=4,schedule=1f1b,mbs=4"}) {
+    const plan::Estimate e4 = plan::estimate(job, plan::parse_layout(layout));
+    const double parts = e4.compute_s + e4.recompute_s + e4.tp_comm_s + e4.pp_comm_s + e4.bubble_s + e4.dp_exposed_s +
+                         e4.optimizer_s + e4.sync_s;
+    EXPECT_NEAR(parts, e4.step_s, 1e-9 * e4.step_s) << layout;
+    EXPECT_GT(e4.compute_s, 0.0) << layout;
+  }
   job.cluster.cores = 4;  // as many cores as ranks: no waits
   EXPECT_EQ(plan::estimate(job, plan::parse_layout("tp=4,sp=1,mbs=16")).sync_s, 0.0);
 }
