@@ -1,5 +1,5 @@
 // loom calibrate: measure this host once (GEMM rate over transformer shapes, memory bandwidth, the
-// threads backend's all-reduce) and cache it (src/plan/calibration.h), so every MFU `loom train`
+// threads backend's all-reduce, loom's kernels, linear layers and blocks) and cache it (src/plan/calibration.h), so every MFU `loom train`
 // prints is a share of a rate measured on a quiet host, and `loom plan --cluster cpu` plans with
 // this host's figures.
 #include <omp.h>
@@ -41,6 +41,11 @@ Registrar reg{Command{
         for (const auto& [name, k] : p.kernels)
           std::printf("  %-19s %7.2f us a call + %.3g ns per %s\n", name.c_str(), k.call * 1e6, k.unit * 1e9,
                       name.rfind("attention", 0) == 0 ? "FLOP" : name == "adamw" ? "parameter" : name == "crossentropy" ? "logit" : "element");
+        for (const plan::BlockTime& b : p.blocks)
+          std::printf("  %d rank%s at once, %4.0f tokens of width %3.0f: layer %.2f + %.2f ms, head %.2f + %.2f ms "
+                      "(forward + backward)\n",
+                      b.ranks, b.ranks == 1 ? " " : "s", b.tokens, b.width, b.layer_forward * 1e3,
+                      b.layer_backward * 1e3, b.head_forward * 1e3, b.head_backward * 1e3);
         plan::save_profile(p);
         std::printf("cached in %s (loom train's MFU and loom plan --cluster cpu use it)\n",
                     plan::calibration_path().c_str());

@@ -28,6 +28,7 @@
 #include "kernels/cpu/layernorm.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/residual.h"
+#include "model/gpt.h"
 
 namespace fs = std::filesystem;
 
@@ -60,6 +61,15 @@ nlohmann::json linear_json(const std::vector<LinearRate>& g) {
   return j;
 }
 
+nlohmann::json blocks_json(const std::vector<BlockTime>& g) {
+  nlohmann::json j = nlohmann::json::array();
+  for (const BlockTime& b : g)
+    j.push_back({{"ranks", b.ranks}, {"tokens", b.tokens}, {"width", b.width}, {"seq", b.seq}, {"vocab", b.vocab},
+                 {"layer_forward_s", b.layer_forward}, {"layer_backward_s", b.layer_backward},
+                 {"head_forward_s", b.head_forward}, {"head_backward_s", b.head_backward}, {"step_s", b.step}});
+  return j;
+}
+
 nlohmann::json to_json(const HostProfile& p) {
   return {{"cpu", p.cpu},
           {"cores", p.cores},
@@ -73,6 +83,7 @@ nlohmann::json to_json(const HostProfile& p) {
           {"crowded_sync_s", p.crowded_sync},
           {"kernels", kernels_json(p.kernels)},
           {"linear", linear_json(p.linear)},
+          {"blocks", blocks_json(p.blocks)},
           {"source", p.source},
           {"date", p.date}};
 }
@@ -97,6 +108,16 @@ std::optional<HostProfile> from_json(const nlohmann::json& j) {
         const LinearRate x{r.at("tokens").get<double>(), r.at("width").get<double>(), r.at("forward_flops").get<double>(),
                            r.at("backward_flops").get<double>()};
         if (x.tokens > 0 && x.width > 0 && x.forward > 0 && x.backward > 0) p.linear.push_back(x);
+      }
+    if (j.contains("blocks") && j["blocks"].is_array())
+      for (const auto& r : j["blocks"]) {
+        const BlockTime b{r.at("ranks").get<int>(), r.at("tokens").get<double>(), r.at("width").get<double>(),
+                          r.at("seq").get<double>(), r.at("vocab").get<double>(), r.at("layer_forward_s").get<double>(),
+                          r.at("layer_backward_s").get<double>(), r.at("head_forward_s").get<double>(),
+                          r.at("head_backward_s").get<double>(), r.value("step_s", 0.0)};
+        if (b.ranks >= 1 && b.tokens > 0 && b.width > 0 && b.seq > 0 && b.vocab > 0 && b.layer_forward > 0 &&
+            b.layer_backward > 0 && b.head_forward > 0 && b.head_backward > 0 && b.step > 0)
+          p.blocks.push_back(b);
       }
     if (j.contains("kernels") && j["kernels"].is_object())
       for (const auto& [name, c] : j["kernels"].items()) {
@@ -263,6 +284,111 @@ std::vector<LinearRate> measure_linear(double seconds) {
   return out;
 }
 
+// Seconds of each chain element's forward and backward in the last step (model::ChainHooks).
+struct BlockClock : model::ChainHooks {
+  explicit BlockClock(size_t n) : forward(n), backward(n) {}
+  std::vector<double> forward, backward;
+  Clock::time_point t0;
+  void before_forward(int64_t) override { t0 = Clock::now(); }
+  void after_forward(int64_t i) override { forward[size_t(i)] = since(t0); }
+  void before_backward(int64_t) override { t0 = Clock::now(); }
+  void after_backward(int64_t i) override { backward[size_t(i)] = since(t0); }
+};
+
+// loom's own chain as a training step runs it (zero_grad, forward with the fused loss, backward):
+// a two-layer GPT (heads of 64, feed-forward 4 x width, vocabulary 8192, sequences of 64) at the
+// linear grid's tokens (64 to 4096) and widths 128 and 384 (tokens x width at most 2^20), on 1, 2,
+// 4 ... `threads` ranks at once (threads / ranks
+// OpenMP threads each, in lockstep: a barrier before every step), each point's steps repeated for
+// at least `seconds` after two warm-up steps (at least 5). Per rank the median over steps of
+// each element (a layer: the mean of the two layers' medians) and of the step (from a barrier to
+// the barrier after backward); the slowest rank's; the whole grid twice over, the lesser of the
+// two (a slow spell of the host falls on one of them).
+std::vector<BlockTime> measure_blocks(int threads, double seconds) {
+  std::vector<BlockTime> out;
+  std::vector<int> rank_counts;
+  for (int r = 1; r < threads; r *= 2) rank_counts.push_back(r);
+  rank_counts.push_back(threads);
+  rank_counts.push_back(2 * threads);  // twice as many one-thread ranks as cores: each core's two share it
+  constexpr int64_t kLayers = 2, kSeq = 64, kVocab = 8192;
+  std::vector<std::array<double, 5>> lesser;  // per point: the lesser round's slowest rank
+  for (int round = 0; round < 2; ++round) {
+    size_t point = 0;
+    for (int ranks : rank_counts)
+      for (int64_t C : {128, 384})
+        for (int64_t N : {64, 256, 1024, 4096}) {
+          if (N * C > 1024 * 1024) continue;  // (as the linear grid; the planner clamps to the points)
+          model::GPTConfig cfg;
+          cfg.name = "calibrate";
+          cfg.n_layer = kLayers;
+          cfg.n_embd = C;
+          cfg.n_head = C / 64;
+          cfg.vocab_size = kVocab;
+          cfg.block_size = kSeq;
+          const int64_t B = N / kSeq;
+          // layer forward, backward, head forward, backward, step
+        std::vector<std::array<double, 5>> per_rank(static_cast<size_t>(ranks));
+          comm::RunOptions ro;
+          ro.threads_per_rank = std::max(1, threads / ranks);
+          comm::run_ranks(ranks, [&](comm::Comm& c) {
+            MemoryPool pool("calibrate");
+            model::GPT gpt(cfg, pool, 1337 + uint64_t(c.rank()));
+            Tensor tokens = Tensor::empty({B, kSeq}, DType::i32, MemTag::workspace, pool);
+            Tensor targets = Tensor::empty({B, kSeq}, DType::i32, MemTag::workspace, pool);
+            for (int64_t i = 0; i < N; ++i) {
+              tokens.i32()[i] = int32_t((i * 7919 + 13) % kVocab);
+              targets.i32()[i] = int32_t((i * 104729 + 7) % kVocab);
+            }
+            BlockClock clock(size_t(kLayers + 2));
+            gpt.set_hooks(&clock);
+            std::array<std::vector<double>, 5> t;
+            double timed = 0;
+            for (int step = 0;; ++step) {
+              c.barrier();
+              const auto t0 = Clock::now();
+              gpt.zero_grad();
+              gpt.forward(tokens, targets, {.fuse_backward = true});
+              gpt.backward();
+              c.barrier();  // the step ends when the slowest rank's does
+              if (step < 2) continue;
+              t[4].push_back(since(t0));
+              timed += t[4].back();
+              double lf = 0, lb = 0;
+              for (int64_t l = 1; l <= kLayers; ++l) lf += clock.forward[size_t(l)], lb += clock.backward[size_t(l)];
+              t[0].push_back(lf / kLayers);
+              t[1].push_back(lb / kLayers);
+              t[2].push_back(clock.forward[size_t(kLayers + 1)]);
+              t[3].push_back(clock.backward[size_t(kLayers + 1)]);
+              // Every rank stops after the same step: rank 0's time decides.
+              int done = t[0].size() >= 5 && timed >= seconds ? 1 : 0;
+              c.broadcast(&done, 1, DType::i32, 0);
+              if (done) break;
+            }
+            for (size_t k = 0; k < t.size(); ++k) {
+              std::sort(t[k].begin(), t[k].end());
+              per_rank[size_t(c.rank())][k] = t[k][t[k].size() / 2];
+            }
+          }, ro);
+          std::array<double, 5> slowest{};
+          for (const auto& r : per_rank)
+            for (size_t k = 0; k < r.size(); ++k) slowest[k] = std::max(slowest[k], r[k]);
+          if (round == 0) {
+            out.push_back({ranks, double(N), double(C), double(kSeq), double(kVocab)});
+            lesser.push_back(slowest);
+          } else {
+            for (size_t k = 0; k < slowest.size(); ++k) lesser[point][k] = std::min(lesser[point][k], slowest[k]);
+          }
+          ++point;
+        }
+  }
+  for (size_t i = 0; i < out.size(); ++i) {
+    const auto& v = lesser[i];
+    BlockTime& b = out[i];
+    b.layer_forward = v[0], b.layer_backward = v[1], b.head_forward = v[2], b.head_backward = v[3], b.step = v[4];
+  }
+  return out;
+}
+
 }  // namespace
 
 std::string host_cpu_name() {
@@ -360,6 +486,7 @@ HostProfile calibrate_host(int threads, double seconds) {
   p.kernels = measure_kernels(seconds);
   p.linear = measure_linear(seconds);
   omp_set_num_threads(before);
+  p.blocks = measure_blocks(threads, seconds);
   // The threads backend between two ranks: latency of 1 KiB all-reduces, bandwidth of 32 MiB ones.
   {
     comm::RunOptions ro;

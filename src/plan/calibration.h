@@ -46,6 +46,10 @@ struct HostProfile {
   // at most 2^20): a layer's four products' forward and backward rates at each point, their
   // activations rotating over 64 MiB of buffers so that they come from memory (Device::linear).
   std::vector<LinearRate> linear;
+  // loom's own chain (Device::blocks): a two-layer GPT's layer and head forward and backward at
+  // 64 to 4096 tokens x widths 128 and 384, for 1, 2, 4 ... `threads` and 2 x `threads` ranks at
+  // once.
+  std::vector<BlockTime> blocks;
   std::string source;         // "loom calibrate" or "a training run's quick measurement"
   std::string date;           // YYYY-MM-DD
 };

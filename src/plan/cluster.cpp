@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <filesystem>
+#include <utility>
 
 #include <fmt/format.h>
 #include <toml++/toml.h>
@@ -14,6 +15,15 @@ namespace loom::plan {
 
 namespace {
 
+// A built-in device: its name, dense peaks (FLOP/s), efficiency, memory and bandwidth (bytes, /s).
+Device device(std::string name, double peak_bf16, double peak_f32, double efficiency, double memory, double memory_bw) {
+  Device d;
+  d.name = std::move(name);
+  d.peak_bf16 = peak_bf16, d.peak_f32 = peak_f32, d.efficiency = efficiency;
+  d.memory = memory, d.memory_bw = memory_bw;
+  return d;
+}
+
 Cluster builtin(const std::string& name) {
   Cluster c;
   c.name = name;
@@ -21,12 +31,12 @@ Cluster builtin(const std::string& name) {
     // efficiency: calibrated once, against Megatron-LM 2021's Table 1 (the value that minimises the
     // worst error over its ten rows, tests/plan/planner_test.cpp). The H100 and H200 profiles keep
     // an uncalibrated 0.5 until measured runs calibrate them.
-    c.device = {"A100 80GB SXM", 312e12, 19.5e12, 0.63, 0, 80e9, 2.0e12};
+    c.device = device("A100 80GB SXM", 312e12, 19.5e12, 0.63, 80e9, 2.0e12);
     c.per_node = 8;
     c.intra = {300e9, 5e-6};
     c.inter = {25e9, 10e-6};
   } else if (name == "h100-sxm") {
-    c.device = {"H100 SXM", 989e12, 67e12, 0.5, 0, 80e9, 3.35e12};
+    c.device = device("H100 SXM", 989e12, 67e12, 0.5, 80e9, 3.35e12);
     c.per_node = 8;
     c.intra = {450e9, 5e-6};
     c.inter = {50e9, 10e-6};
@@ -38,7 +48,7 @@ Cluster builtin(const std::string& name) {
     c.device.memory_bw = 4.8e12;
   } else if (name == "cpu") {
     // A modest host's defaults; `loom calibrate` replaces them with measured ones.
-    c.device = {"cpu", 100e9, 100e9, 0.6, 0, 16e9, 20e9};
+    c.device = device("cpu", 100e9, 100e9, 0.6, 16e9, 20e9);
     c.per_node = 64;
     c.shared_host = true;
     c.cores = omp_get_max_threads();
@@ -118,6 +128,7 @@ Cluster cluster_named(const std::string& name) {
       c.crowded_sync = p->crowded_sync;
       c.device.kernels = p->kernels;
       c.device.linear = p->linear;
+      c.device.blocks = p->blocks;
       c.device.peak_f32 = p->gemm_peak;
       c.device.peak_bf16 = p->gemm_peak;
       c.device.efficiency = p->gemm_typical > 0 ? p->gemm_typical / p->gemm_peak : 1.0;

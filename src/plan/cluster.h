@@ -41,6 +41,19 @@ struct LinearRate {
   double tokens = 0, width = 0, forward = 0, backward = 0;
 };
 
+// loom's own chain as a training step runs it (`loom calibrate`, the cpu only): `ranks` ranks at
+// once on the host (its threads divided among them, at least one each; in lockstep as a layout's
+// ranks are), each a
+// GPT of width `width` (heads of 64, feed-forward 4 x width) on micro-batches of `tokens` tokens
+// (sequences of `seq`, vocabulary `vocab`): the slowest rank's median seconds of a transformer
+// layer's forward and backward and of the head's (final norm, logits, fused cross-entropy), and of
+// a two-layer model's step from one barrier of the ranks to the next.
+struct BlockTime {
+  int ranks = 1;
+  double tokens = 0, width = 0, seq = 0, vocab = 0;
+  double layer_forward = 0, layer_backward = 0, head_forward = 0, head_backward = 0, step = 0;
+};
+
 struct Device {
   std::string name;
   double peak_bf16 = 0;     // FLOP/s, dense
@@ -59,6 +72,12 @@ struct Device {
   // width of a transformer layer's four linears' forward and backward FLOP/s (LinearRate); where
   // present, a layer's products are costed at the rate interpolated at its tokens and width.
   std::vector<LinearRate> linear;
+  // Measured blocks (the calibrated cpu only, BlockTime): where present, the planner scales its
+  // kernel-by-kernel cost of a layer and of the head by what the same blocks measured against that
+  // cost at the calibrated points (interpolated at the layout's tokens and width, for as many ranks
+  // at once as the layout computes with): what running the kernels one after another over a
+  // step's buffers, and beside other ranks, costs beyond each kernel timed alone.
+  std::vector<BlockTime> blocks;
 };
 
 struct Link {

@@ -1,10 +1,12 @@
 #include "plan/planner.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <tuple>
 
@@ -292,12 +294,20 @@ std::map<std::string, double> pipeline_rank_memory(const Job& job, const Layout&
   return best;
 }
 
-// The forward and backward FLOP/s of a layer's linears at (tokens, width) from a measured grid
-// (Device::linear): bilinear in log tokens and log width, clamped to the grid's edges.
-std::pair<double, double> linear_rates(const std::vector<LinearRate>& grid, double tokens, double width) {
-  if (grid.empty()) return {0.0, 0.0};
+// Values measured at points of (tokens, width).
+template <size_t N>
+struct GridPoint {
+  double tokens = 0, width = 0;
+  std::array<double, N> value{};
+};
+
+// The values at (tokens, width) from a grid of points: bilinear in log tokens, log width and log
+// value, clamped to the grid's edges; nothing from an empty or incomplete grid.
+template <size_t N>
+std::optional<std::array<double, N>> interpolate(const std::vector<GridPoint<N>>& grid, double tokens, double width) {
+  if (grid.empty()) return std::nullopt;
   std::vector<double> ms, cs;
-  for (const LinearRate& r : grid) ms.push_back(r.tokens), cs.push_back(r.width);
+  for (const GridPoint<N>& r : grid) ms.push_back(r.tokens), cs.push_back(r.width);
   for (auto* v : {&ms, &cs}) {
     std::sort(v->begin(), v->end());
     v->erase(std::unique(v->begin(), v->end()), v->end());
@@ -313,17 +323,32 @@ std::pair<double, double> linear_rates(const std::vector<LinearRate>& grid, doub
   };
   const auto [m0, m1, wm] = bracket(ms, tokens);
   const auto [c0, c1, wc] = bracket(cs, width);
-  auto at = [&](double m, double c) -> const LinearRate* {
-    for (const LinearRate& r : grid)
+  auto at = [&](double m, double c) -> const GridPoint<N>* {
+    for (const GridPoint<N>& r : grid)
       if (r.tokens == m && r.width == c) return &r;
     return nullptr;
   };
-  double f = 0, b = 0, wsum = 0;
+  std::array<double, N> sum{};
+  double wsum = 0;
   for (auto [m, c, w] : {std::tuple{m0, c0, (1 - wm) * (1 - wc)}, std::tuple{m1, c0, wm * (1 - wc)},
-                         std::tuple{m0, c1, (1 - wm) * wc}, std::tuple{m1, c1, wm * wc}})
-    if (const LinearRate* r = at(m, c); r && w > 0) f += w * std::log(r->forward), b += w * std::log(r->backward), wsum += w;
-  if (wsum <= 0) return {0.0, 0.0};  // an incomplete grid
-  return {std::exp(f / wsum), std::exp(b / wsum)};
+                         std::tuple{m0, c1, (1 - wm) * wc}, std::tuple{m1, c1, wm * wc}}) {
+    const GridPoint<N>* r = at(m, c);
+    if (!r || w <= 0) continue;
+    for (size_t k = 0; k < N; ++k) sum[k] += w * std::log(r->value[k]);
+    wsum += w;
+  }
+  if (wsum <= 0) return std::nullopt;  // an incomplete grid
+  for (double& x : sum) x = std::exp(x / wsum);
+  return sum;
+}
+
+// The forward and backward FLOP/s of a layer's linears at (tokens, width) from a measured grid
+// (Device::linear); zeros without one.
+std::pair<double, double> linear_rates(const std::vector<LinearRate>& grid, double tokens, double width) {
+  std::vector<GridPoint<2>> g;
+  for (const LinearRate& r : grid) g.push_back({r.tokens, r.width, {r.forward, r.backward}});
+  const auto v = interpolate(g, tokens, width);
+  return v ? std::pair{(*v)[0], (*v)[1]} : std::pair{0.0, 0.0};
 }
 
 // The chain's boundaries for `parts` pipeline chunks as the executor cuts it
@@ -370,6 +395,147 @@ ModelState model_state(double params, Precision precision, int zero, int shards)
           params * B.optimizer / (zero >= 1 ? shards : 1)};
 }
 
+// A layer's forward and backward compute (seconds, one micro-batch of `tokens` tokens on one
+// device), its attention core's forward (what selective recomputation repeats), the head's and the
+// embedding's, kernel by kernel: `dev` has the rank's share of the device's rates, `share` what a
+// rank's costs measured on the whole device are multiplied by.
+struct ComputeCosts {
+  double layer_f = 0, layer_b = 0, attn_core_f = 0, head_f = 0, head_b = 0, emb_f = 0, emb_b = 0;
+  bool measured = false;  // loom's kernels as calibrated (else the GEMM rate and memory bandwidth)
+};
+
+ComputeCosts compute_costs(const Job& job, const ModelSpec& m, const Layout& L, const Device& dev, double share,
+                           double tokens) {
+  const Bytes B = bytes_of(job.precision);
+  // The layer's products have tokens rows and about h / tp columns on a device.
+  const double gemm_out = tokens * double(m.hidden) / L.tp;
+  const double rate = (job.precision == Precision::f32 ? dev.peak_f32 : dev.peak_bf16) * dev.efficiency *
+                      (dev.gemm_half > 0 ? gemm_out / (gemm_out + dev.gemm_half) : 1.0);
+  // Element-wise traffic per token of a layer's forward, in elements: on the stream side about 15 h
+  // (two norms, two residual adds, two dropouts; whole on every tp rank unless sp), the
+  // activation function over the feed-forward width, and without flash attention 4.5 a s over the
+  // scores (softmax, mask, dropout); backward moves twice as much.
+  const double stream_elems = 15.0 * double(m.hidden) / (L.sp ? L.tp : 1);
+  const double split_elems = (m.swiglu ? 3.0 : 2.0) * double(m.ffn_size()) / L.tp;
+  const double score_elems = job.flash_attention ? 0.0 : 4.5 * double(m.heads) * double(m.seq) / L.tp;
+  const double elem_f = tokens * (stream_elems + split_elems + score_elems) * B.act / dev.memory_bw;
+  const double score_f = tokens * score_elems * B.act / dev.memory_bw;
+  ComputeCosts c;
+  double& layer_f = c.layer_f;
+  double& layer_b = c.layer_b;
+  double& attn_core_f = c.attn_core_f;
+  double& head_f = c.head_f;
+  double& head_b = c.head_b;
+  double& emb_f = c.emb_f;
+  double& emb_b = c.emb_b;
+  const double attn_flops = tokens * 4.0 * double(m.seq) * double(m.hidden) / L.tp;  // forward, per layer
+  const double gemm_layer = (tokens * m.layer_forward_flops_per_token() / L.tp - attn_flops) / rate;
+  const double gemm_head = tokens * m.head_forward_flops_per_token() / L.tp / rate;
+  const auto& kernels = dev.kernels;
+  c.measured = job.precision == Precision::f32 &&
+               std::all_of(kKernelNames.begin(), kKernelNames.end(), [&](const char* n) { return kernels.count(n); });
+  // A measured kernel's seconds for `units` of work in `calls` calls, on the rank's share of the host.
+  auto k = [&](const char* name, double units, double calls = 1) {
+    const KernelCost& c = kernels.at(name);
+    return calls * c.call + units * c.unit * share;
+  };
+  if (c.measured) {
+    // loom's CPU kernels as `loom calibrate` timed them (per call + per unit, the unit cost scaled
+    // to the rank's share of the host): per layer two norms and two residual adds over the stream
+    // (the rank's rows under sp), the activation over the feed-forward width (SwiGLU's gate costed
+    // as 1.5 activations), attention; backward the same kernels'
+    // backward; the head's norm and fused cross-entropy over the rank's vocabulary part; the
+    // embedding a gather and an add.
+    const double Ns = L.sp ? tokens / L.tp : tokens, h = double(m.hidden);
+    // The layer's products at the rates loom's linears reach at its tokens and (per device) width.
+    const auto [rate_f, rate_b] = linear_rates(dev.linear, tokens, h / L.tp);
+    const double layer_flops = tokens * m.layer_forward_flops_per_token() / L.tp - attn_flops;
+    const double gemm_f = rate_f > 0 ? layer_flops * share / rate_f : gemm_layer;
+    const double gemm_b = rate_b > 0 ? 2 * layer_flops * share / rate_b : 2 * gemm_layer;
+    const double act = tokens * double(m.ffn_size()) / L.tp * (m.swiglu ? 1.5 : 1.0);
+    // Attention: one call per micro-batch (per ring step under cp).
+    const double attn_calls = L.cp;
+    attn_core_f = k("attention_forward", attn_flops, attn_calls);
+    layer_f = gemm_f + attn_core_f + k("norm_forward", 2 * Ns * h, 2) + k("residual", 2 * Ns * h, 2) +
+              k("gelu_forward", act);
+    layer_b = gemm_b + k("attention_backward", attn_flops, attn_calls) + k("norm_backward", 2 * Ns * h, 2) +
+              k("residual", 2 * Ns * h, 2) + k("gelu_backward", act);
+    head_f = gemm_head + k("norm_forward", Ns * h) + k("crossentropy", tokens * double(m.vocab) / L.tp);
+    head_b = 2 * gemm_head + k("norm_backward", Ns * h);
+    emb_f = emb_b = k("residual", tokens * h);
+  } else {
+    layer_f = gemm_layer + attn_flops / rate + elem_f;
+    layer_b = 2 * layer_f;
+    attn_core_f = attn_flops / rate + score_f;
+    head_f = gemm_head;
+    head_b = 2 * gemm_head;
+    emb_f = emb_b = tokens * 3.0 * double(m.hidden) * B.act / dev.memory_bw;
+  }
+  return c;
+}
+
+// What loom's own blocks take (Device::blocks, `loom calibrate`) over what compute_costs gives for
+// the same blocks: factors for a layer's forward and backward and the head's, 1 where nothing was
+// measured. The measured seconds are interpolated at (tokens, width) (log-bilinear, clamped to the
+// calibrated points) for `ranks` ranks on the host (the nearest calibrated count not above it), and
+// divided by compute_costs of the calibrated block (a GPT layer, heads of 64, and its head) at
+// the same clamped point and a 1 / ranks share of the host: the layout's own blocks then cost
+// compute_costs times these factors, which is what the calibrated blocks measured wherever the
+// layout's are the same.
+std::array<double, 4> block_factors(const Job& job, int ranks, double tokens, double width) {
+  const std::vector<BlockTime>& blocks = job.cluster.device.blocks;
+  int chosen = 0;
+  for (const BlockTime& b : blocks)
+    if (b.ranks <= ranks && b.ranks > chosen) chosen = b.ranks;
+  if (chosen == 0)
+    for (const BlockTime& b : blocks)
+      if (chosen == 0 || b.ranks < chosen) chosen = b.ranks;
+  std::vector<GridPoint<4>> grid;
+  double t_lo = 0, t_hi = 0, w_lo = 0, w_hi = 0, seq = 0, vocab = 0;
+  for (const BlockTime& b : blocks) {
+    if (b.ranks != chosen) continue;
+    grid.push_back({b.tokens, b.width, {b.layer_forward, b.layer_backward, b.head_forward, b.head_backward}});
+    t_lo = grid.size() == 1 ? b.tokens : std::min(t_lo, b.tokens), t_hi = std::max(t_hi, b.tokens);
+    w_lo = grid.size() == 1 ? b.width : std::min(w_lo, b.width), w_hi = std::max(w_hi, b.width);
+    seq = b.seq, vocab = b.vocab;
+  }
+  const auto measured = interpolate(grid, tokens, width);
+  if (!measured) return {1, 1, 1, 1};
+  tokens = std::clamp(tokens, t_lo, t_hi), width = std::clamp(width, w_lo, w_hi);
+  ModelSpec pm;
+  pm.layers = 2;
+  pm.hidden = std::max<int64_t>(1, std::llround(width));
+  pm.heads = std::max<int64_t>(1, pm.hidden / 64);
+  pm.vocab = int64_t(vocab);
+  pm.seq = int64_t(seq);
+  Device pd = job.cluster.device;
+  const double share = double(chosen);
+  pd.peak_f32 /= share, pd.peak_bf16 /= share, pd.memory_bw /= share;
+  const ComputeCosts c = compute_costs(job, pm, Layout{}, pd, share, tokens);
+  if (!c.measured) return {1, 1, 1, 1};
+  const std::array<double, 4>& t = *measured;
+  return {t[0] / c.layer_f, t[1] / c.layer_b, t[2] / c.head_f, t[3] / c.head_b};
+}
+
+// Ranks beyond a shared host's cores (`ranks` on `cores`): what their compute costs beyond dividing
+// the cores evenly (Device::blocks: a step of twice as many ranks as cores against twice the step
+// of as many as cores, the same work per rank; interpolated at (tokens, width)), raised to the
+// share of ranks beyond the cores (all of it from twice as many on); at least 1, and 1 where
+// nothing was measured.
+double crowd_factor(const Job& job, int ranks, int cores, double tokens, double width) {
+  if (ranks <= cores || cores <= 0) return 1.0;
+  std::vector<GridPoint<1>> grid;
+  for (const BlockTime& crowded : job.cluster.device.blocks) {
+    if (crowded.ranks != 2 * cores) continue;
+    for (const BlockTime& b : job.cluster.device.blocks)
+      if (b.ranks == cores && b.tokens == crowded.tokens && b.width == crowded.width)
+        grid.push_back({b.tokens, b.width, {crowded.step / (2 * b.step)}});
+  }
+  const auto c = interpolate(grid, tokens, width);
+  if (!c) return 1.0;
+  return std::pow(std::max(1.0, (*c)[0]), std::min(1.0, double(ranks - cores) / cores));
+}
+
 Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   Estimate e;
   e.layout = L;
@@ -404,65 +570,25 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
 
   // Pipeline: per-chunk durations, then the schedule's makespan and in-flight chunks.
   const double tokens = double(L.mbs) * double(m.seq) / L.cp;
-  // The layer's products have tokens rows and about h / tp columns on a device.
-  const double gemm_out = tokens * double(m.hidden) / L.tp;
-  const double rate = (job.precision == Precision::f32 ? dev.peak_f32 : dev.peak_bf16) * dev.efficiency *
-                      (dev.gemm_half > 0 ? gemm_out / (gemm_out + dev.gemm_half) : 1.0);
-  // Element-wise traffic per token of a layer's forward, in elements: on the stream side about 15 h
-  // (two norms, two residual adds, two dropouts; whole on every tp rank unless sp), the
-  // activation function over the feed-forward width, and without flash attention 4.5 a s over the
-  // scores (softmax, mask, dropout); backward moves twice as much.
-  const double stream_elems = 15.0 * double(m.hidden) / (L.sp ? L.tp : 1);
-  const double split_elems = (m.swiglu ? 3.0 : 2.0) * double(m.ffn_size()) / L.tp;
-  const double score_elems = job.flash_attention ? 0.0 : 4.5 * double(m.heads) * double(m.seq) / L.tp;
-  const double elem_f = tokens * (stream_elems + split_elems + score_elems) * B.act / dev.memory_bw;
-  const double score_f = tokens * score_elems * B.act / dev.memory_bw;
-  // A layer's forward and backward compute (seconds, one micro-batch on one device), its attention
-  // core's forward (what selective recomputation repeats); the head's and the embedding's.
-  double layer_f = 0, layer_b = 0, attn_core_f = 0, head_f = 0, head_b = 0, emb_f = 0, emb_b = 0;
-  const double attn_flops = tokens * 4.0 * double(m.seq) * double(m.hidden) / L.tp;  // forward, per layer
-  const double gemm_layer = (tokens * m.layer_forward_flops_per_token() / L.tp - attn_flops) / rate;
-  const double gemm_head = tokens * m.head_forward_flops_per_token() / L.tp / rate;
-  const auto& kernels = job.cluster.device.kernels;
-  const bool measured = job.precision == Precision::f32 &&
-                        std::all_of(kKernelNames.begin(), kKernelNames.end(), [&](const char* n) { return kernels.count(n); });
-  // A measured kernel's seconds for `units` of work in `calls` calls, on the rank's share of the host.
+  const ComputeCosts cc = compute_costs(job, m, L, dev, share, tokens);
+  const bool measured = cc.measured;
   auto k = [&](const char* name, double units, double calls = 1) {
-    const KernelCost& c = kernels.at(name);
+    const KernelCost& c = dev.kernels.at(name);
     return calls * c.call + units * c.unit * share;
   };
+  // loom's blocks as they ran beside one another (Device::blocks) against the kernels' sum.
+  // With more ranks than cores, the blocks as measured with as many ranks as cores, and what
+  // crowding the cores costs beyond dividing them.
+  std::array<double, 4> factor{1, 1, 1, 1};
   if (measured) {
-    // loom's CPU kernels as `loom calibrate` timed them (per call + per unit, the unit cost scaled
-    // to the rank's share of the host): per layer two norms and two residual adds over the stream
-    // (the rank's rows under sp), the activation over the feed-forward width (SwiGLU's gate costed
-    // as 1.5 activations), attention; backward the same kernels'
-    // backward; the head's norm and fused cross-entropy over the rank's vocabulary part; the
-    // embedding a gather and an add.
-    const double Ns = L.sp ? tokens / L.tp : tokens, h = double(m.hidden);
-    // The layer's products at the rates loom's linears reach at its tokens and (per device) width.
-    const auto [rate_f, rate_b] = linear_rates(job.cluster.device.linear, tokens, h / L.tp);
-    const double layer_flops = tokens * m.layer_forward_flops_per_token() / L.tp - attn_flops;
-    const double gemm_f = rate_f > 0 ? layer_flops * share / rate_f : gemm_layer;
-    const double gemm_b = rate_b > 0 ? 2 * layer_flops * share / rate_b : 2 * gemm_layer;
-    const double act = tokens * double(m.ffn_size()) / L.tp * (m.swiglu ? 1.5 : 1.0);
-    // Attention: one call per micro-batch (per ring step under cp).
-    const double attn_calls = L.cp;
-    attn_core_f = k("attention_forward", attn_flops, attn_calls);
-    layer_f = gemm_f + attn_core_f + k("norm_forward", 2 * Ns * h, 2) + k("residual", 2 * Ns * h, 2) +
-              k("gelu_forward", act);
-    layer_b = gemm_b + k("attention_backward", attn_flops, attn_calls) + k("norm_backward", 2 * Ns * h, 2) +
-              k("residual", 2 * Ns * h, 2) + k("gelu_backward", act);
-    head_f = gemm_head + k("norm_forward", Ns * h) + k("crossentropy", tokens * double(m.vocab) / L.tp);
-    head_b = 2 * gemm_head + k("norm_backward", Ns * h);
-    emb_f = emb_b = k("residual", tokens * h);
-  } else {
-    layer_f = gemm_layer + attn_flops / rate + elem_f;
-    layer_b = 2 * layer_f;
-    attn_core_f = attn_flops / rate + score_f;
-    head_f = gemm_head;
-    head_b = 2 * gemm_head;
-    emb_f = emb_b = tokens * 3.0 * double(m.hidden) * B.act / dev.memory_bw;
+    const int on_host = std::min(job.devices, job.cluster.per_node);
+    factor = block_factors(job, capacity > 0 ? int(capacity) : 1, tokens, double(m.hidden) / L.tp);
+    if (capacity > 0)
+      for (double& f : factor) f *= crowd_factor(job, on_host, int(capacity), tokens, double(m.hidden) / L.tp);
   }
+  const double layer_f = cc.layer_f * factor[0], layer_b = cc.layer_b * factor[1],
+               attn_core_f = cc.attn_core_f * factor[0], head_f = cc.head_f * factor[2], head_b = cc.head_b * factor[3],
+               emb_f = cc.emb_f, emb_b = cc.emb_b;
   double recompute_f = 0;  // per layer, run again in backward
   if (L.recompute == model::Recompute::full) recompute_f = layer_f;
   else if (L.recompute == model::Recompute::selective) recompute_f = attn_core_f;
@@ -667,7 +793,9 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   if (L.pp > 1 && L.zero >= 2 && shard > 1)
     e.dp_comm_s = all_reduce_s(grad_bytes, shard, dp_link) * 0.5 * (double(micro) * (L.zero >= 3 ? 3.0 : 1.0) +
                                                                       (L.zero == 2 ? 1.0 : 0.0));
-  if (L.pp > 1) e.dp_exposed_s = e.dp_comm_s;
+  // On a shared host the collectives run on the cores that compute (the threads backend's
+  // communication thread sums and copies): overlapping them with backward hides nothing.
+  if (L.pp > 1 || job.cluster.shared_host) e.dp_exposed_s = e.dp_comm_s;
   else e.dp_exposed_s = std::max(e.dp_comm_s - 0.9 * t_b, 0.1 * e.dp_comm_s);
   // The optimizer reads and writes its state, the weights and the gradients once.
   const double opt_params = P / (L.zero >= 1 ? shard : 1);
