@@ -11,7 +11,7 @@
 # LAYOUTs are "plan_layout|train_flags" (default: the table below). Environment: CORES (default 2:
 # a layout of R ranks gets CORES / R threads per rank, at least 1), STEPS (default 30), WARMUP
 # (default 10: the first steps run slower while the allocator's caches and oneDNN's kernels warm),
-# ROUNDS (default 2), LAYERS / HEADS / EMBD (default 4 / 4 / 128), BATCH (default 16), SEQ (default 64).
+# ROUNDS (default 3), LAYERS / HEADS / EMBD (default 4 / 4 / 128), BATCH (default 16), SEQ (default 64).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 # shellcheck source=bench/layout_util.sh
@@ -20,7 +20,7 @@ shift || true
 cores=${CORES:-2}
 steps=${STEPS:-30}
 warmup=${WARMUP:-10}
-rounds=${ROUNDS:-2}
+rounds=${ROUNDS:-3}
 layers=${LAYERS:-4}
 heads=${HEADS:-4}
 embd=${EMBD:-128}

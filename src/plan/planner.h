@@ -29,13 +29,20 @@
 // the schedule's makespan from the real instruction lists (checker's simulation with these
 // durations); data parallelism's gradient reduction (ring: 2 (d-1)/d of the gradient bytes; ZeRO-3
 // gathers the weights again in forward and backward: 1.5x), exposed after the pipeline flush when
-// pp > 1 and hidden behind backward otherwise except what backward cannot cover; and the
-// optimizer's pass over its state at memory bandwidth.
+// pp > 1 or on a shared host (whose collectives run on the cores that compute) and hidden behind
+// backward otherwise except what backward cannot cover; and the optimizer's pass over its state at
+// memory bandwidth.
 //
 // The calibrated cpu cluster (f32) costs loom's own kernels as `loom calibrate` timed them: a
 // layer's linears at the rate its grid gives for the layer's tokens and per-device width, and
 // LayerNorm, GELU, the residual adds, attention, the fused cross-entropy and AdamW at their
-// measured cost per call and per unit. The pipeline's stages are cut as the executor cuts them
+// measured cost per call and per unit; and it scales that sum, for a layer's forward and backward
+// and the head's, by what loom's own blocks took against the same sum when `loom calibrate` ran
+// them (Device::blocks: a two-layer GPT at the layout's tokens and per-device width, as many ranks
+// at once as the layout computes with, interpolated between the calibrated points), so what the
+// kernels cost one after another over a step's buffers and beside other ranks counts too; with
+// more ranks than cores, also what crowding costs beyond dividing the cores (a step of twice as
+// many ranks as cores against two of as many). The pipeline's stages are cut as the executor cuts them
 // (balance_chain over the blocks' declared costs), each rank's chunks with their own durations.
 // Its ranks share the host: up to `cores` ranks compute at once, each with its share; with more
 // ranks, the schedule runs as an event simulation in which the ranks computing at one moment
