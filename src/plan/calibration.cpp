@@ -309,9 +309,12 @@ struct BlockClock : model::ChainHooks {
 std::vector<BlockTime> measure_blocks(int threads, double seconds) {
   std::vector<BlockTime> out;
   std::vector<int> rank_counts;
-  for (int r = 1; r < threads; r *= 2) rank_counts.push_back(r);
-  rank_counts.push_back(threads);
-  rank_counts.push_back(2 * threads);  // twice as many one-thread ranks as cores: each core's two share it
+  // At most kMaxRanks ranks at once (each holds a model and its activations, and their work adds
+  // up): a host with more cores is measured up to that many; the planner takes the nearest count.
+  constexpr int kMaxRanks = 8;
+  for (int r = 1; r < threads && r <= kMaxRanks; r *= 2) rank_counts.push_back(r);
+  if (threads <= kMaxRanks) rank_counts.push_back(threads);
+  if (2 * threads <= kMaxRanks) rank_counts.push_back(2 * threads);  // two one-thread ranks on each core
   constexpr int64_t kLayers = 2, kSeq = 64, kVocab = 8192;
   std::vector<std::array<double, 5>> lesser;  // per point: the lesser round's slowest rank
   for (int round = 0; round < 2; ++round) {

@@ -50,7 +50,7 @@ struct HostProfile {
   std::vector<LinearRate> linear;
   // loom's own chain (Device::blocks): a two-layer GPT's layer and head forward and backward at
   // 64 to 4096 tokens x widths 128 and 384, for 1, 2, 4 ... `threads` and 2 x `threads` ranks at
-  // once.
+  // once (up to 8 ranks).
   std::vector<BlockTime> blocks;
   std::string source;         // "loom calibrate" or "a training run's quick measurement"
   std::string date;           // YYYY-MM-DD
