@@ -24,7 +24,7 @@ Registrar reg{Command{
       auto a = std::make_shared<CalibrateArgs>();
       sub.add_option("--threads", a->threads, "OpenMP threads per rank to measure with (default: all)")
           ->check(CLI::Range(1, 4096));
-      sub.add_option("--seconds", a->seconds, "least time per GEMM shape")->capture_default_str()->check(
+      sub.add_option("--seconds", a->seconds, "least time per GEMM shape (and per kernel, linear layer and block point)")->capture_default_str()->check(
           CLI::Range(0.01, 60.0));
       return [a]() -> int {
         const int threads = a->threads > 0 ? a->threads : omp_get_max_threads();

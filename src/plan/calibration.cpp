@@ -66,7 +66,7 @@ nlohmann::json blocks_json(const std::vector<BlockTime>& g) {
   for (const BlockTime& b : g)
     j.push_back({{"ranks", b.ranks}, {"tokens", b.tokens}, {"width", b.width}, {"seq", b.seq}, {"vocab", b.vocab},
                  {"layer_forward_s", b.layer_forward}, {"layer_backward_s", b.layer_backward},
-                 {"head_forward_s", b.head_forward}, {"head_backward_s", b.head_backward}, {"step_s", b.step}});
+                 {"head_forward_s", b.head_forward}, {"head_backward_s", b.head_backward}});
   return j;
 }
 
@@ -111,16 +111,18 @@ std::optional<HostProfile> from_json(const nlohmann::json& j) {
                            r.at("backward_flops").get<double>()};
         if (x.tokens > 0 && x.width > 0 && x.forward > 0 && x.backward > 0) p.linear.push_back(x);
       }
+    // A malformed entry of the measured grids is dropped, not the whole profile.
     if (j.contains("blocks") && j["blocks"].is_array())
-      for (const auto& r : j["blocks"]) {
-        const BlockTime b{r.at("ranks").get<int>(), r.at("tokens").get<double>(), r.at("width").get<double>(),
-                          r.at("seq").get<double>(), r.at("vocab").get<double>(), r.at("layer_forward_s").get<double>(),
-                          r.at("layer_backward_s").get<double>(), r.at("head_forward_s").get<double>(),
-                          r.at("head_backward_s").get<double>(), r.value("step_s", 0.0)};
-        if (b.ranks >= 1 && b.tokens > 0 && b.width > 0 && b.seq > 0 && b.vocab > 0 && b.layer_forward > 0 &&
-            b.layer_backward > 0 && b.head_forward > 0 && b.head_backward > 0 && b.step > 0)
-          p.blocks.push_back(b);
-      }
+      for (const auto& r : j["blocks"]) try {
+          const BlockTime b{r.at("ranks").get<int>(), r.at("tokens").get<double>(), r.at("width").get<double>(),
+                            r.at("seq").get<double>(), r.at("vocab").get<double>(), r.at("layer_forward_s").get<double>(),
+                            r.at("layer_backward_s").get<double>(), r.at("head_forward_s").get<double>(),
+                            r.at("head_backward_s").get<double>()};
+          if (b.ranks >= 1 && b.tokens > 0 && b.width > 0 && b.seq > 0 && b.vocab > 0 && b.layer_forward > 0 &&
+              b.layer_backward > 0 && b.head_forward > 0 && b.head_backward > 0)
+            p.blocks.push_back(b);
+        } catch (const nlohmann::json::exception&) {
+        }
     if (j.contains("kernels") && j["kernels"].is_object())
       for (const auto& [name, c] : j["kernels"].items()) {
         const KernelCost k{c.at("call_s").get<double>(), c.at("unit_s").get<double>()};
@@ -298,31 +300,27 @@ struct BlockClock : model::ChainHooks {
 };
 
 // loom's own chain as a training step runs it (zero_grad, forward with the fused loss, backward):
-// a two-layer GPT (heads of 64, feed-forward 4 x width, vocabulary 8192, sequences of 64) at the
-// linear grid's tokens (64 to 4096) and widths 128 and 384 (tokens x width at most 2^20), on 1, 2,
-// 4 ... `threads` ranks at once (threads / ranks
-// OpenMP threads each, in lockstep: a barrier before every step), each point's steps repeated for
-// at least `seconds` after two warm-up steps (at least 5). Per rank the median over steps of
-// each element (a layer: the mean of the two layers' medians) and of the step (from a barrier to
-// the barrier after backward); the slowest rank's; the whole grid twice over, the lesser of the
-// two (a slow spell of the host falls on one of them).
+// a two-layer GPT (heads of 64, feed-forward 4 x width, vocabulary 8192, sequences of 64) at 64,
+// 256 and 1024 tokens x widths 128 and 384, on 1, 2, 4 ... `threads` ranks at once, up to 8
+// (threads / ranks OpenMP threads each, in lockstep: a barrier before and after every step), each
+// point's steps repeated for at least `seconds` after two warm-up steps (at least 5). Per rank,
+// per element, the median over the steps (a layer's: of the two layers' mean); the slowest
+// rank's; the whole grid twice over, the lesser of the two (a slow spell of the host falls on
+// one of them).
 std::vector<BlockTime> measure_blocks(int threads, double seconds) {
-  std::vector<BlockTime> out;
   std::vector<int> rank_counts;
   // At most kMaxRanks ranks at once (each holds a model and its activations, and their work adds
   // up): a host with more cores is measured up to that many; the planner takes the nearest count.
   constexpr int kMaxRanks = 8;
   for (int r = 1; r < threads && r <= kMaxRanks; r *= 2) rank_counts.push_back(r);
   if (threads <= kMaxRanks) rank_counts.push_back(threads);
-  if (2 * threads <= kMaxRanks) rank_counts.push_back(2 * threads);  // two one-thread ranks on each core
   constexpr int64_t kLayers = 2, kSeq = 64, kVocab = 8192;
-  std::vector<std::array<double, 5>> lesser;  // per point: the lesser round's slowest rank
+  std::vector<BlockTime> out;
   for (int round = 0; round < 2; ++round) {
     size_t point = 0;
     for (int ranks : rank_counts)
       for (int64_t C : {128, 384})
-        for (int64_t N : {64, 256, 1024, 4096}) {
-          if (N * C > 1024 * 1024) continue;  // (as the linear grid; the planner clamps to the points)
+        for (int64_t N : {64, 256, 1024}) {
           model::GPTConfig cfg;
           cfg.name = "calibrate";
           cfg.n_layer = kLayers;
@@ -331,8 +329,8 @@ std::vector<BlockTime> measure_blocks(int threads, double seconds) {
           cfg.vocab_size = kVocab;
           cfg.block_size = kSeq;
           const int64_t B = N / kSeq;
-          // layer forward, backward, head forward, backward, step
-        std::vector<std::array<double, 5>> per_rank(static_cast<size_t>(ranks));
+          // layer forward, backward, head forward, backward: each rank's medians
+          std::vector<std::array<double, 4>> per_rank(static_cast<size_t>(ranks));
           comm::RunOptions ro;
           ro.threads_per_rank = std::max(1, threads / ranks);
           comm::run_ranks(ranks, [&](comm::Comm& c) {
@@ -346,7 +344,7 @@ std::vector<BlockTime> measure_blocks(int threads, double seconds) {
             }
             BlockClock clock(size_t(kLayers + 2));
             gpt.set_hooks(&clock);
-            std::array<std::vector<double>, 5> t;
+            std::array<std::vector<double>, 4> t;
             double timed = 0;
             for (int step = 0;; ++step) {
               c.barrier();
@@ -356,8 +354,7 @@ std::vector<BlockTime> measure_blocks(int threads, double seconds) {
               gpt.backward();
               c.barrier();  // the step ends when the slowest rank's does
               if (step < 2) continue;
-              t[4].push_back(since(t0));
-              timed += t[4].back();
+              timed += since(t0);
               double lf = 0, lb = 0;
               for (int64_t l = 1; l <= kLayers; ++l) lf += clock.forward[size_t(l)], lb += clock.backward[size_t(l)];
               t[0].push_back(lf / kLayers);
@@ -374,22 +371,21 @@ std::vector<BlockTime> measure_blocks(int threads, double seconds) {
               per_rank[size_t(c.rank())][k] = t[k][t[k].size() / 2];
             }
           }, ro);
-          std::array<double, 5> slowest{};
+          std::array<double, 4> slowest{};
           for (const auto& r : per_rank)
             for (size_t k = 0; k < r.size(); ++k) slowest[k] = std::max(slowest[k], r[k]);
           if (round == 0) {
-            out.push_back({ranks, double(N), double(C), double(kSeq), double(kVocab)});
-            lesser.push_back(slowest);
+            out.push_back({ranks, double(N), double(C), double(kSeq), double(kVocab), slowest[0], slowest[1],
+                           slowest[2], slowest[3]});
           } else {
-            for (size_t k = 0; k < slowest.size(); ++k) lesser[point][k] = std::min(lesser[point][k], slowest[k]);
+            BlockTime& o = out[point];
+            o.layer_forward = std::min(o.layer_forward, slowest[0]);
+            o.layer_backward = std::min(o.layer_backward, slowest[1]);
+            o.head_forward = std::min(o.head_forward, slowest[2]);
+            o.head_backward = std::min(o.head_backward, slowest[3]);
           }
           ++point;
         }
-  }
-  for (size_t i = 0; i < out.size(); ++i) {
-    const auto& v = lesser[i];
-    BlockTime& b = out[i];
-    b.layer_forward = v[0], b.layer_backward = v[1], b.head_forward = v[2], b.head_backward = v[3], b.step = v[4];
   }
   return out;
 }

@@ -4,7 +4,9 @@
 // `loom calibrate` measures, for the OpenMP threads a rank runs: the f32 GEMM rate over the
 // matrix shapes of transformer layers (each repeated until two rounds agree within 2%; the best
 // shape's rate is the peak, the median's share of it the efficiency), the memory bandwidth (copy),
-// and the threads backend's all-reduce latency and bandwidth between two ranks. The cache,
+// the threads backend's all-reduce latency and bandwidth between two ranks, and for the planner's
+// cpu profile loom's own kernels, linear layers and blocks and the waits of ranks beyond the cores
+// (the fields below). The cache,
 // calibration.json under $LOOM_CACHE_DIR (else $XDG_CACHE_HOME/loom, else ~/.cache/loom), keeps one
 // entry per CPU model, core count and thread count. A training run that finds no entry measures
 // the GEMM rate briefly itself and records it; a later run takes the larger of its own quick
@@ -49,8 +51,8 @@ struct HostProfile {
   // activations rotating over 64 MiB of buffers so that they come from memory (Device::linear).
   std::vector<LinearRate> linear;
   // loom's own chain (Device::blocks): a two-layer GPT's layer and head forward and backward at
-  // 64 to 4096 tokens x widths 128 and 384, for 1, 2, 4 ... `threads` and 2 x `threads` ranks at
-  // once (up to 8 ranks).
+  // 64, 256 and 1024 tokens x widths 128 and 384, for 1, 2, 4 ... `threads` ranks at once (up to
+  // 8).
   std::vector<BlockTime> blocks;
   std::string source;         // "loom calibrate" or "a training run's quick measurement"
   std::string date;           // YYYY-MM-DD

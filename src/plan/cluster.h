@@ -6,8 +6,9 @@
 // 8 x 200 Gb/s HDR InfiniBand per node = 25 GB/s per GPU), h100-sxm and h200 (DGX H100/H200:
 // NVLink 450 GB/s, 8 x 400 Gb/s NDR = 50 GB/s per GPU), and cpu (this host's one process per
 // rank with shared memory between ranks; its rates come from `loom calibrate` when it has run).
-// Peaks are the vendors' dense figures; `efficiency` is the one calibrated number: the share of
-// peak the matrix products reach end to end.
+// Peaks are the vendors' dense figures; `efficiency` is the GPU profiles' one calibrated number:
+// the share of peak the matrix products reach end to end (the cpu profile's measured kernels,
+// linear layers and blocks are below).
 //
 // A cluster file is TOML:
 //   [device]  name, peak_tflops_bf16, peak_tflops_f32, efficiency, gemm_half, memory_gb, memory_gbs
@@ -29,14 +30,14 @@ struct KernelCost {
   double seconds(double units, double calls = 1) const { return calls * call + units * unit; }
 };
 
-// A transformer layer's four linear layers (qkv, attention output, MLP up and down; bias
-// included) as loom runs them on `tokens` rows of width `width`: FLOP/s of forward and backward.
 // The kernels `loom calibrate` times (HostProfile::kernels, Device::kernels), in its order: the
 // planner uses them only when the profile has every one.
 inline constexpr std::array<const char*, 9> kKernelNames{
     "norm_forward", "norm_backward", "gelu_forward", "gelu_backward", "residual", "attention_forward",
     "attention_backward", "crossentropy", "adamw"};
 
+// A transformer layer's four linear layers (qkv, attention output, MLP up and down; bias
+// included) as loom runs them on `tokens` rows of width `width`: FLOP/s of forward and backward.
 struct LinearRate {
   double tokens = 0, width = 0, forward = 0, backward = 0;
 };
@@ -46,12 +47,11 @@ struct LinearRate {
 // ranks are), each a
 // GPT of width `width` (heads of 64, feed-forward 4 x width) on micro-batches of `tokens` tokens
 // (sequences of `seq`, vocabulary `vocab`): the slowest rank's median seconds of a transformer
-// layer's forward and backward and of the head's (final norm, logits, fused cross-entropy), and of
-// a two-layer model's step from one barrier of the ranks to the next.
+// layer's forward and backward and of the head's (final norm, logits, fused cross-entropy).
 struct BlockTime {
   int ranks = 1;
   double tokens = 0, width = 0, seq = 0, vocab = 0;
-  double layer_forward = 0, layer_backward = 0, head_forward = 0, head_backward = 0, step = 0;
+  double layer_forward = 0, layer_backward = 0, head_forward = 0, head_backward = 0;
 };
 
 struct Device {
@@ -74,9 +74,10 @@ struct Device {
   std::vector<LinearRate> linear;
   // Measured blocks (the calibrated cpu only, BlockTime): where present, the planner scales its
   // kernel-by-kernel cost of a layer and of the head by what the same blocks measured against that
-  // cost at the calibrated points (interpolated at the layout's tokens and width, for as many ranks
-  // at once as the layout computes with): what running the kernels one after another over a
-  // step's buffers, and beside other ranks, costs beyond each kernel timed alone.
+  // cost at the calibrated points (interpolated at the layout's tokens and width, clamped to the
+  // grid, for as many ranks at once as the layout computes with, at most as many as cores): what
+  // running the kernels one after another over a step's buffers, and beside other ranks, costs
+  // beyond each kernel timed alone.
   std::vector<BlockTime> blocks;
 };
 

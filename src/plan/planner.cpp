@@ -490,18 +490,25 @@ std::array<double, 4> block_factors(const Job& job, int ranks, double tokens, do
   if (chosen == 0)
     for (const BlockTime& b : blocks)
       if (chosen == 0 || b.ranks < chosen) chosen = b.ranks;
+  // The calibrated points: a full grid of tokens x widths (an incomplete one is not used, as
+  // seconds interpolated over the corners present would belong to other tokens than the model's).
   std::vector<GridPoint<4>> grid;
-  double t_lo = 0, t_hi = 0, w_lo = 0, w_hi = 0, seq = 0, vocab = 0;
+  std::vector<double> ts, ws;
+  double seq = 0, vocab = 0;
   for (const BlockTime& b : blocks) {
     if (b.ranks != chosen) continue;
     grid.push_back({b.tokens, b.width, {b.layer_forward, b.layer_backward, b.head_forward, b.head_backward}});
-    t_lo = grid.size() == 1 ? b.tokens : std::min(t_lo, b.tokens), t_hi = std::max(t_hi, b.tokens);
-    w_lo = grid.size() == 1 ? b.width : std::min(w_lo, b.width), w_hi = std::max(w_hi, b.width);
+    ts.push_back(b.tokens), ws.push_back(b.width);
     seq = b.seq, vocab = b.vocab;
   }
+  for (auto* v : {&ts, &ws}) {
+    std::sort(v->begin(), v->end());
+    v->erase(std::unique(v->begin(), v->end()), v->end());
+  }
+  if (grid.empty() || grid.size() != ts.size() * ws.size()) return {1, 1, 1, 1};
+  tokens = std::clamp(tokens, ts.front(), ts.back()), width = std::clamp(width, ws.front(), ws.back());
   const auto measured = interpolate(grid, tokens, width);
   if (!measured) return {1, 1, 1, 1};
-  tokens = std::clamp(tokens, t_lo, t_hi), width = std::clamp(width, w_lo, w_hi);
   ModelSpec pm;
   pm.layers = 2;
   pm.hidden = std::max<int64_t>(1, std::llround(width));
@@ -515,25 +522,6 @@ std::array<double, 4> block_factors(const Job& job, int ranks, double tokens, do
   if (!c.measured) return {1, 1, 1, 1};
   const std::array<double, 4>& t = *measured;
   return {t[0] / c.layer_f, t[1] / c.layer_b, t[2] / c.head_f, t[3] / c.head_b};
-}
-
-// Ranks beyond a shared host's cores (`ranks` on `cores`): what their compute costs beyond dividing
-// the cores evenly (Device::blocks: a step of twice as many ranks as cores against twice the step
-// of as many as cores, the same work per rank; interpolated at (tokens, width)), raised to the
-// share of ranks beyond the cores (all of it from twice as many on); at least 1, and 1 where
-// nothing was measured.
-double crowd_factor(const Job& job, int ranks, int cores, double tokens, double width) {
-  if (ranks <= cores || cores <= 0) return 1.0;
-  std::vector<GridPoint<1>> grid;
-  for (const BlockTime& crowded : job.cluster.device.blocks) {
-    if (crowded.ranks != 2 * cores) continue;
-    for (const BlockTime& b : job.cluster.device.blocks)
-      if (b.ranks == cores && b.tokens == crowded.tokens && b.width == crowded.width)
-        grid.push_back({b.tokens, b.width, {crowded.step / (2 * b.step)}});
-  }
-  const auto c = interpolate(grid, tokens, width);
-  if (!c) return 1.0;
-  return std::pow(std::max(1.0, (*c)[0]), std::min(1.0, double(ranks - cores) / cores));
 }
 
 Estimate estimate(const Job& job, const Layout& L, bool simulate) {
@@ -577,15 +565,11 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
     return calls * c.call + units * c.unit * share;
   };
   // loom's blocks as they ran beside one another (Device::blocks) against the kernels' sum.
-  // With more ranks than cores, the blocks as measured with as many ranks as cores, and what
-  // crowding the cores costs beyond dividing them.
-  std::array<double, 4> factor{1, 1, 1, 1};
-  if (measured) {
-    const int on_host = std::min(job.devices, job.cluster.per_node);
-    factor = block_factors(job, capacity > 0 ? int(capacity) : 1, tokens, double(m.hidden) / L.tp);
-    if (capacity > 0)
-      for (double& f : factor) f *= crowd_factor(job, on_host, int(capacity), tokens, double(m.hidden) / L.tp);
-  }
+  // (With more ranks than cores: the blocks as measured with as many ranks as cores; the schedule's
+  // simulation divides the cores among the ranks computing at once.)
+  const std::array<double, 4> factor =
+      measured ? block_factors(job, capacity > 0 ? int(capacity) : 1, tokens, double(m.hidden) / L.tp)
+               : std::array<double, 4>{1, 1, 1, 1};
   const double layer_f = cc.layer_f * factor[0], layer_b = cc.layer_b * factor[1],
                attn_core_f = cc.attn_core_f * factor[0], head_f = cc.head_f * factor[2], head_b = cc.head_b * factor[3],
                emb_f = cc.emb_f, emb_b = cc.emb_b;
@@ -805,8 +789,9 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   // elements' per micro-batch, a pipeline rank's two received messages per micro-batch, the data-
   // parallel collectives, the loss and gradient-norm reductions of the step) waits for peers the
   // OS has not scheduled: Cluster::crowded_sync each, and crowded_sync_per_work times what the
-  // rank computed since its previous one (measured by loom calibrate), which over all of them is
-  // that share of the rank's compute (of a micro-batch's where it synchronises in every one).
+  // rank did since its previous one (measured by loom calibrate), which over all of them is that
+  // share of the rank's time in its micro-batches (a pipeline stage's waits for its neighbours for
+  // 1 / pp of it, as their fixed part; with ZeRO-2/3 its data-parallel peers' for all of it).
   const Cluster& cl = job.cluster;
   if (cl.shared_host && crowd > 1 && (cl.crowded_sync > 0 || cl.crowded_sync_per_work > 0)) {
     const double buckets = std::max(1.0, std::ceil(grad_bytes / kBucketBytes));
@@ -821,8 +806,9 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
     // In a pipeline the other stages' ranks compute on the cores a waiting stage leaves (the
     // simulation gives them those cores): a stage's own waits are exposed for 1 / pp of the step.
     const double micro_syncs = (busiest.syncs + (L.pp > 1 ? 2.0 : 0.0)) / L.pp;
-    const double work = double(micro) * (t_f + t_b) * slowdown;  // the busiest rank's compute
-    const double drift = micro_dp_syncs > 0 ? work : micro_syncs > 0 ? work / L.pp : work;
+    // The busiest rank's micro-batches: compute, recomputation and its tp / cp collectives.
+    const double work = double(micro) * (t_f + t_b) * slowdown;
+    const double drift = L.pp > 1 && micro_dp_syncs == 0 ? work / L.pp : work;
     e.sync_s = cl.crowded_sync * (double(micro) * (micro_syncs + micro_dp_syncs) + step_syncs) +
                cl.crowded_sync_per_work * drift;
   }

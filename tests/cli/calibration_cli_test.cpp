@@ -99,15 +99,13 @@ TEST(CalibrationCli, CalibrateWritesTheCache) {
   }
   EXPECT_GE(p->linear.size(), 8u);
   for (const plan::LinearRate& x : p->linear) EXPECT_GT(x.forward, 1e8) << x.tokens << " x " << x.width;
-  // loom's own blocks: one rank (one thread), then two sharing it, at 64-4096 tokens of width 128
-  // and 64-1024 of 384.
-  ASSERT_EQ(p->blocks.size(), 14u);
-  for (size_t i = 0; i < p->blocks.size(); ++i) {
-    const plan::BlockTime& b = p->blocks[i];
-    EXPECT_EQ(b.ranks, i < 7 ? 1 : 2);
+  // loom's own blocks: one rank (one thread) at 64, 256 and 1024 tokens of widths 128 and 384.
+  ASSERT_EQ(p->blocks.size(), 6u);
+  for (const plan::BlockTime& b : p->blocks) {
+    EXPECT_EQ(b.ranks, 1);
     for (double t : {b.layer_forward, b.layer_backward, b.head_forward, b.head_backward}) EXPECT_GT(t, 0) << b.tokens;
   }
-  EXPECT_LT(p->blocks.front().layer_forward, p->blocks[3].layer_forward);  // 64 against 4096 tokens
+  EXPECT_LT(p->blocks.front().layer_forward, p->blocks[2].layer_forward);  // 64 against 1024 tokens
   EXPECT_EQ(p->source, "loom calibrate");
   EXPECT_FALSE(plan::cached_profile(7).has_value());
 }
