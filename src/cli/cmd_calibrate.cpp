@@ -36,9 +36,8 @@ Registrar reg{Command{
         std::printf("  memory copy: %.1f GB/s\n", p.memory_bw / 1e9);
         std::printf("  all-reduce, threads backend, 2 ranks: %.1f us latency, %.2f GB/s\n", p.allreduce_latency * 1e6,
                     p.allreduce_bw / 1e9);
-        std::printf("  a synchronisation with %d one-thread ranks on %d threads' cores: %.1f us more, + %.3f x the "
-                    "time computed since the last\n",
-                    2 * p.threads, p.threads, p.crowded_sync * 1e6, p.crowded_sync_per_work);
+        std::printf("  a synchronisation with %d one-thread ranks on %d threads' cores: %.1f us more\n", 2 * p.threads,
+                    p.threads, p.crowded_sync * 1e6);
         for (const auto& [name, k] : p.kernels)
           std::printf("  %-19s %7.2f us a call + %.3g ns per %s\n", name.c_str(), k.call * 1e6, k.unit * 1e9,
                       name.rfind("attention", 0) == 0 ? "FLOP" : name == "adamw" ? "parameter" : name == "crossentropy" ? "logit" : "element");

@@ -81,7 +81,6 @@ nlohmann::json to_json(const HostProfile& p) {
           {"allreduce_latency_s", p.allreduce_latency},
           {"allreduce_bytes_per_s", p.allreduce_bw},
           {"crowded_sync_s", p.crowded_sync},
-          {"crowded_sync_per_work", p.crowded_sync_per_work},
           {"kernels", kernels_json(p.kernels)},
           {"linear", linear_json(p.linear)},
           {"blocks", blocks_json(p.blocks)},
@@ -102,7 +101,6 @@ std::optional<HostProfile> from_json(const nlohmann::json& j) {
     p.allreduce_latency = j.value("allreduce_latency_s", 0.0);
     p.allreduce_bw = j.value("allreduce_bytes_per_s", 0.0);
     p.crowded_sync = j.value("crowded_sync_s", 0.0);
-    p.crowded_sync_per_work = j.value("crowded_sync_per_work", 0.0);
     p.source = j.value("source", std::string());
     p.date = j.value("date", std::string());
     if (j.contains("linear") && j["linear"].is_array())
@@ -509,19 +507,17 @@ HostProfile calibrate_host(int threads, double seconds) {
     p.allreduce_bw = bw;
   }
   // Ranks beyond the cores: a synchronisation waits for ranks the OS has not scheduled yet, and
-  // for their wake-up, the longer the more each computes between two of them (the ranks sharing a
-  // core drift apart by a share of their time slices). 2 x threads ranks of one thread each run a
-  // product (a 256-token layer's qkv, then a 2048-token one's) then a 1 KiB all-reduce, against
-  // the product alone: the difference per iteration, less the all-reduce's own latency (the
-  // median of 3 pairs of runs), at the two products' times: the line through both.
+  // for their wake-up. 2 x threads ranks of one thread each run a small product (a 256-token
+  // layer's qkv) then a 1 KiB all-reduce, against the product alone: the difference per
+  // iteration, less the all-reduce's own latency (the median of 3 pairs of runs).
   {
     comm::RunOptions ro;
     ro.threads_per_rank = 1;
-    // Seconds per iteration of M-token products, with or without the all-reduce.
-    auto per_iteration = [&](int64_t M, int iters, bool sync) {
+    const int iters = std::max(20, int(seconds * 2000));
+    auto per_iteration = [&](bool sync) {
       double secs = 0;
       comm::run_ranks(2 * threads, [&](comm::Comm& c) {
-        const int64_t C = 128, N = 384;
+        const int64_t M = 256, C = 128, N = 384;
         std::vector<float> x(static_cast<size_t>(M * C), 0.1f), w(static_cast<size_t>(N * C), 0.01f),
             y(static_cast<size_t>(M * N)), red(256, 1.0f);
         c.barrier();
@@ -535,21 +531,10 @@ HostProfile calibrate_host(int threads, double seconds) {
       }, ro);
       return secs;
     };
-    double work[2] = {0, 0}, wait[2] = {0, 0};
-    const int64_t sizes[2] = {256, 2048};
-    for (int s = 0; s < 2; ++s) {
-      const int iters = std::max(s == 0 ? 20 : 5, int(seconds * 2000) / (s == 0 ? 1 : 8));
-      std::vector<std::pair<double, double>> runs;  // (extra, work)
-      for (int k = 0; k < 3; ++k) {
-        const double alone = per_iteration(sizes[s], iters, false);
-        runs.push_back({per_iteration(sizes[s], iters, true) - alone, alone});
-      }
-      std::sort(runs.begin(), runs.end());
-      wait[s] = std::max(0.0, runs[1].first - p.allreduce_latency);
-      work[s] = runs[1].second;
-    }
-    p.crowded_sync_per_work = work[1] > work[0] ? std::max(0.0, (wait[1] - wait[0]) / (work[1] - work[0])) : 0.0;
-    p.crowded_sync = std::max(0.0, wait[0] - p.crowded_sync_per_work * work[0]);
+    std::vector<double> extra;
+    for (int k = 0; k < 3; ++k) extra.push_back(per_iteration(true) - per_iteration(false));
+    std::sort(extra.begin(), extra.end());
+    p.crowded_sync = std::max(0.0, extra[1] - p.allreduce_latency);
   }
   return p;
 }

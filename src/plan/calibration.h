@@ -35,10 +35,8 @@ struct HostProfile {
   double allreduce_bw = 0;         // bytes/s of buffer reduced, large messages
   // Seconds each synchronisation (a collective, a received message) costs beyond its latency when
   // the host runs twice as many one-thread ranks as `threads` (ranks wait for peers the OS has
-  // not scheduled): crowded_sync, plus crowded_sync_per_work times the seconds each rank computed
-  // since its last synchronisation.
+  // not scheduled).
   double crowded_sync = 0;
-  double crowded_sync_per_work = 0;
   // loom's non-GEMM kernels, with `threads` threads: norm_forward and norm_backward (LayerNorm,
   // per element of [N, C]), gelu_forward and gelu_backward (per element), attention_forward and
   // attention_backward (per FLOP of the forward's 4 T C per token, causal masking not subtracted),

@@ -126,7 +126,6 @@ Cluster cluster_named(const std::string& name) {
       c.device.name = fmt::format("{} ({} threads, calibrated {})", p->cpu, p->threads, p->date);
       c.cores = p->threads;
       c.crowded_sync = p->crowded_sync;
-      c.crowded_sync_per_work = p->crowded_sync_per_work;
       c.device.kernels = p->kernels;
       c.device.linear = p->linear;
       c.device.blocks = p->blocks;

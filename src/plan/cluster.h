@@ -97,10 +97,8 @@ struct Cluster {
   // many ranks compute at once at full speed, more divide the host among them.
   int cores = 0;
   // A shared host's cost of one synchronisation (a collective, a received message) beyond its
-  // latency while more ranks than cores run (HostProfile::crowded_sync), in seconds, and what it
-  // grows by per second a rank computed since its last one (crowded_sync_per_work).
+  // latency while more ranks than cores run (HostProfile::crowded_sync), in seconds.
   double crowded_sync = 0;
-  double crowded_sync_per_work = 0;
   Link intra, inter;
   // The link between ranks `stride` apart in a group of `size` consecutive strides: inside a node
   // when the group's span fits one.

@@ -788,29 +788,21 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   // Ranks beyond a shared host's cores: every synchronisation on the busiest rank's path (its
   // elements' per micro-batch, a pipeline rank's two received messages per micro-batch, the data-
   // parallel collectives, the loss and gradient-norm reductions of the step) waits for peers the
-  // OS has not scheduled: Cluster::crowded_sync each, and crowded_sync_per_work times what the
-  // rank did since its previous one (measured by loom calibrate), which over all of them is that
-  // share of the rank's time in its micro-batches (a pipeline stage's waits for its neighbours for
-  // 1 / pp of it, as their fixed part; with ZeRO-2/3 its data-parallel peers' for all of it).
-  const Cluster& cl = job.cluster;
-  if (cl.shared_host && crowd > 1 && (cl.crowded_sync > 0 || cl.crowded_sync_per_work > 0)) {
+  // OS has not scheduled (Cluster::crowded_sync, measured by loom calibrate).
+  if (job.cluster.shared_host && crowd > 1 && job.cluster.crowded_sync > 0) {
     const double buckets = std::max(1.0, std::ceil(grad_bytes / kBucketBytes));
-    double step_syncs = 2, micro_dp_syncs = 0;  // the loss and the gradient norm; per micro-batch
+    double step_syncs = 2;  // the loss and the gradient norm
     if (shard > 1) {
       const double blocks = double(m.layers) / L.pp + (L.pp == 1 ? 2.0 : 1.0);
-      if (L.zero == 0) step_syncs += buckets;                                  // all-reduce
-      else if (L.zero == 3) micro_dp_syncs = 2 * blocks + buckets;              // gathers, reduce-scatters
-      else if (L.pp > 1 && L.zero == 2) micro_dp_syncs = buckets, step_syncs += 1;  // then a gather
-      else step_syncs += 2 * buckets;                                           // reduce-scatter, all-gather
+      if (L.zero == 0) step_syncs += buckets;                                        // all-reduce
+      else if (L.zero == 3) step_syncs += double(micro) * (2 * blocks + buckets);     // gathers, reduce-scatters
+      else if (L.pp > 1 && L.zero == 2) step_syncs += double(micro) * buckets + 1;  // per micro-batch, then a gather
+      else step_syncs += 2 * buckets;                                                 // reduce-scatter, all-gather
     }
     // In a pipeline the other stages' ranks compute on the cores a waiting stage leaves (the
-    // simulation gives them those cores): a stage's own waits are exposed for 1 / pp of the step.
-    const double micro_syncs = (busiest.syncs + (L.pp > 1 ? 2.0 : 0.0)) / L.pp;
-    // The busiest rank's micro-batches: compute, recomputation and its tp / cp collectives.
-    const double work = double(micro) * (t_f + t_b) * slowdown;
-    const double drift = L.pp > 1 && micro_dp_syncs == 0 ? work / L.pp : work;
-    e.sync_s = cl.crowded_sync * (double(micro) * (micro_syncs + micro_dp_syncs) + step_syncs) +
-               cl.crowded_sync_per_work * drift;
+    // simulation gives them those cores): a stage's waits are exposed for 1 / pp of the step.
+    const double per_micro = (busiest.syncs + (L.pp > 1 ? 2.0 : 0.0)) / L.pp;
+    e.sync_s = job.cluster.crowded_sync * (double(micro) * per_micro + step_syncs);
   }
   e.step_s = makespan + e.dp_exposed_s + e.optimizer_s + e.sync_s;
   const double step_tokens = double(job.global_batch) * double(m.seq);

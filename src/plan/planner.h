@@ -47,10 +47,9 @@
 // Its ranks share the host: up to `cores` ranks compute at once, each with its share; with more
 // ranks, the schedule runs as an event simulation in which the ranks computing at one moment
 // divide the cores (pipeline::simulate), and every synchronisation on the busiest rank's path
-// costs the wait `loom calibrate` measured for ranks beyond the cores, a fixed part and a part
-// that grows with the work since the previous one (Cluster::crowded_sync, crowded_sync_per_work;
-// in a pipeline a stage's per-micro-batch waits count for 1 / pp, the other stages computing on
-// the cores it leaves).
+// costs the wait `loom calibrate` measured for ranks beyond the cores (Cluster::crowded_sync; in
+// a pipeline a stage's per-micro-batch waits count for 1 / pp, the other stages computing on the
+// cores it leaves).
 #pragma once
 #include <cstdint>
 #include <map>
