@@ -1,7 +1,7 @@
 // loom calibrate: measure this host once (GEMM rate over transformer shapes, memory bandwidth, the
-// threads backend's all-reduce, loom's kernels, linear layers and blocks) and cache it (src/plan/calibration.h), so every MFU `loom train`
-// prints is a share of a rate measured on a quiet host, and `loom plan --cluster cpu` plans with
-// this host's figures.
+// threads backend's all-reduce, loom's kernels, linear layers and blocks) and cache it
+// (src/plan/calibration.h), so every MFU `loom train` prints is a share of a rate measured on a
+// quiet host, and `loom plan --cluster cpu` plans with this host's figures.
 #include <omp.h>
 
 #include <cstdio>
@@ -24,8 +24,10 @@ Registrar reg{Command{
       auto a = std::make_shared<CalibrateArgs>();
       sub.add_option("--threads", a->threads, "OpenMP threads per rank to measure with (default: all)")
           ->check(CLI::Range(1, 4096));
-      sub.add_option("--seconds", a->seconds, "least time per GEMM shape (and per kernel, linear layer and block point)")->capture_default_str()->check(
-          CLI::Range(0.01, 60.0));
+      sub.add_option("--seconds", a->seconds,
+                     "least time per GEMM shape (and per kernel, linear layer and block point)")
+          ->capture_default_str()
+          ->check(CLI::Range(0.01, 60.0));
       return [a]() -> int {
         const int threads = a->threads > 0 ? a->threads : omp_get_max_threads();
         const plan::HostProfile p = plan::calibrate_host(threads, a->seconds);

@@ -112,10 +112,10 @@ std::optional<HostProfile> from_json(const nlohmann::json& j) {
     // A malformed entry of the measured grids is dropped, not the whole profile.
     if (j.contains("blocks") && j["blocks"].is_array())
       for (const auto& r : j["blocks"]) try {
-          const BlockTime b{r.at("ranks").get<int>(), r.at("tokens").get<double>(), r.at("width").get<double>(),
-                            r.at("seq").get<double>(), r.at("vocab").get<double>(), r.at("layer_forward_s").get<double>(),
-                            r.at("layer_backward_s").get<double>(), r.at("head_forward_s").get<double>(),
-                            r.at("head_backward_s").get<double>()};
+          auto num = [&](const char* key) { return r.at(key).get<double>(); };
+          const BlockTime b{r.at("ranks").get<int>(), num("tokens"), num("width"), num("seq"), num("vocab"),
+                            num("layer_forward_s"), num("layer_backward_s"), num("head_forward_s"),
+                            num("head_backward_s")};
           if (b.ranks >= 1 && b.tokens > 0 && b.width > 0 && b.seq > 0 && b.vocab > 0 && b.layer_forward > 0 &&
               b.layer_backward > 0 && b.head_forward > 0 && b.head_backward > 0)
             p.blocks.push_back(b);

@@ -421,14 +421,8 @@ ComputeCosts compute_costs(const Job& job, const ModelSpec& m, const Layout& L, 
   const double elem_f = tokens * (stream_elems + split_elems + score_elems) * B.act / dev.memory_bw;
   const double score_f = tokens * score_elems * B.act / dev.memory_bw;
   ComputeCosts c;
-  double& layer_f = c.layer_f;
-  double& layer_b = c.layer_b;
-  double& attn_core_f = c.attn_core_f;
-  double& head_f = c.head_f;
-  double& head_b = c.head_b;
-  double& emb_f = c.emb_f;
-  double& emb_b = c.emb_b;
-  const double attn_flops = tokens * 4.0 * double(m.seq) * double(m.hidden) / L.tp;  // forward, per layer
+  // (attention's own FLOPs, forward, per layer)
+  const double attn_flops = tokens * 4.0 * double(m.seq) * double(m.hidden) / L.tp;
   const double gemm_layer = (tokens * m.layer_forward_flops_per_token() / L.tp - attn_flops) / rate;
   const double gemm_head = tokens * m.head_forward_flops_per_token() / L.tp / rate;
   const auto& kernels = dev.kernels;
@@ -436,8 +430,7 @@ ComputeCosts compute_costs(const Job& job, const ModelSpec& m, const Layout& L, 
                std::all_of(kKernelNames.begin(), kKernelNames.end(), [&](const char* n) { return kernels.count(n); });
   // A measured kernel's seconds for `units` of work in `calls` calls, on the rank's share of the host.
   auto k = [&](const char* name, double units, double calls = 1) {
-    const KernelCost& c = kernels.at(name);
-    return calls * c.call + units * c.unit * share;
+    return kernels.at(name).seconds(units * share, calls);
   };
   if (c.measured) {
     // loom's CPU kernels as `loom calibrate` timed them (per call + per unit, the unit cost scaled
@@ -455,21 +448,21 @@ ComputeCosts compute_costs(const Job& job, const ModelSpec& m, const Layout& L, 
     const double act = tokens * double(m.ffn_size()) / L.tp * (m.swiglu ? 1.5 : 1.0);
     // Attention: one call per micro-batch (per ring step under cp).
     const double attn_calls = L.cp;
-    attn_core_f = k("attention_forward", attn_flops, attn_calls);
-    layer_f = gemm_f + attn_core_f + k("norm_forward", 2 * Ns * h, 2) + k("residual", 2 * Ns * h, 2) +
-              k("gelu_forward", act);
-    layer_b = gemm_b + k("attention_backward", attn_flops, attn_calls) + k("norm_backward", 2 * Ns * h, 2) +
-              k("residual", 2 * Ns * h, 2) + k("gelu_backward", act);
-    head_f = gemm_head + k("norm_forward", Ns * h) + k("crossentropy", tokens * double(m.vocab) / L.tp);
-    head_b = 2 * gemm_head + k("norm_backward", Ns * h);
-    emb_f = emb_b = k("residual", tokens * h);
+    c.attn_core_f = k("attention_forward", attn_flops, attn_calls);
+    c.layer_f = gemm_f + c.attn_core_f + k("norm_forward", 2 * Ns * h, 2) + k("residual", 2 * Ns * h, 2) +
+                k("gelu_forward", act);
+    c.layer_b = gemm_b + k("attention_backward", attn_flops, attn_calls) + k("norm_backward", 2 * Ns * h, 2) +
+                k("residual", 2 * Ns * h, 2) + k("gelu_backward", act);
+    c.head_f = gemm_head + k("norm_forward", Ns * h) + k("crossentropy", tokens * double(m.vocab) / L.tp);
+    c.head_b = 2 * gemm_head + k("norm_backward", Ns * h);
+    c.emb_f = c.emb_b = k("residual", tokens * h);
   } else {
-    layer_f = gemm_layer + attn_flops / rate + elem_f;
-    layer_b = 2 * layer_f;
-    attn_core_f = attn_flops / rate + score_f;
-    head_f = gemm_head;
-    head_b = 2 * gemm_head;
-    emb_f = emb_b = tokens * 3.0 * double(m.hidden) * B.act / dev.memory_bw;
+    c.layer_f = gemm_layer + attn_flops / rate + elem_f;
+    c.layer_b = 2 * c.layer_f;
+    c.attn_core_f = attn_flops / rate + score_f;
+    c.head_f = gemm_head;
+    c.head_b = 2 * gemm_head;
+    c.emb_f = c.emb_b = tokens * 3.0 * double(m.hidden) * B.act / dev.memory_bw;
   }
   return c;
 }
@@ -560,10 +553,6 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   const double tokens = double(L.mbs) * double(m.seq) / L.cp;
   const ComputeCosts cc = compute_costs(job, m, L, dev, share, tokens);
   const bool measured = cc.measured;
-  auto k = [&](const char* name, double units, double calls = 1) {
-    const KernelCost& c = dev.kernels.at(name);
-    return calls * c.call + units * c.unit * share;
-  };
   // loom's blocks as they ran beside one another (Device::blocks) against the kernels' sum.
   // (With more ranks than cores: the blocks as measured with as many ranks as cores; the schedule's
   // simulation divides the cores among the ranks computing at once.)
@@ -784,7 +773,9 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   // The optimizer reads and writes its state, the weights and the gradients once.
   const double opt_params = P / (L.zero >= 1 ? shard : 1);
   e.optimizer_s =
-      (measured ? k("adamw", opt_params) : opt_params * 2 * (B.weight + B.grad + B.optimizer) / dev.memory_bw) * crowd;
+      (measured ? dev.kernels.at("adamw").seconds(opt_params * share)
+                : opt_params * 2 * (B.weight + B.grad + B.optimizer) / dev.memory_bw) *
+      crowd;
   // Ranks beyond a shared host's cores: every synchronisation on the busiest rank's path (its
   // elements' per micro-batch, a pipeline rank's two received messages per micro-batch, the data-
   // parallel collectives, the loss and gradient-norm reductions of the step) waits for peers the

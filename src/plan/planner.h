@@ -40,10 +40,10 @@
 // and the head's, by what loom's own blocks took against the same sum when `loom calibrate` ran
 // them (Device::blocks: a two-layer GPT at the layout's tokens and per-device width, as many ranks
 // at once as the layout computes with, interpolated between the calibrated points), so what the
-// kernels cost one after another over a step's buffers and beside other ranks counts too; with
-// more ranks than cores, also what crowding costs beyond dividing the cores (a step of twice as
-// many ranks as cores against two of as many). The pipeline's stages are cut as the executor cuts them
-// (balance_chain over the blocks' declared costs), each rank's chunks with their own durations.
+// kernels cost one after another over a step's buffers and beside other ranks counts too (with
+// more ranks than cores: the blocks of as many ranks as cores). The pipeline's stages are cut as
+// the executor cuts them (balance_chain over the blocks' declared costs), each rank's chunks with
+// their own durations.
 // Its ranks share the host: up to `cores` ranks compute at once, each with its share; with more
 // ranks, the schedule runs as an event simulation in which the ranks computing at one moment
 // divide the cores (pipeline::simulate), and every synchronisation on the busiest rank's path
