@@ -109,7 +109,8 @@ std::optional<HostProfile> from_json(const nlohmann::json& j) {
                            r.at("backward_flops").get<double>()};
         if (x.tokens > 0 && x.width > 0 && x.forward > 0 && x.backward > 0) p.linear.push_back(x);
       }
-    // A malformed entry of the measured grids is dropped, not the whole profile.
+    // A malformed block entry is dropped, not the whole profile (the planner then finds the grid
+    // incomplete and leaves the blocks out).
     if (j.contains("blocks") && j["blocks"].is_array())
       for (const auto& r : j["blocks"]) try {
           auto num = [&](const char* key) { return r.at(key).get<double>(); };

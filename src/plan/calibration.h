@@ -6,9 +6,9 @@
 // shape's rate is the peak, the median's share of it the efficiency), the memory bandwidth (copy),
 // the threads backend's all-reduce latency and bandwidth between two ranks, and for the planner's
 // cpu profile loom's own kernels, linear layers and blocks and the waits of ranks beyond the cores
-// (the fields below). The cache,
-// calibration.json under $LOOM_CACHE_DIR (else $XDG_CACHE_HOME/loom, else ~/.cache/loom), keeps one
-// entry per CPU model, core count and thread count. A training run that finds no entry measures
+// (the fields below). The cache, calibration.json under $LOOM_CACHE_DIR (else
+// $XDG_CACHE_HOME/loom, else ~/.cache/loom), keeps one entry per CPU model, core count and thread
+// count. A training run that finds no entry measures
 // the GEMM rate briefly itself and records it; a later run takes the larger of its own quick
 // measurement and the cached figure, so a run on a busy host does not divide by a rate measured
 // while the host was busy.
