@@ -19,6 +19,7 @@
 #include "kernels/cpu/matmul.h"
 #include "model/gpt.h"
 #include "optim/adamw.h"
+#include "plan/calibration.h"
 
 namespace loom::cli {
 namespace {
@@ -165,8 +166,41 @@ int bench_train(const BenchTrainOptions& o) {
   return 0;
 }
 
+// loom bench pipeline-host: pipelines of one-thread ranks, more of them than cores, against the
+// planner's simulation of them (plan::check_crowded_pipeline), with this host's calibration.
+int bench_pipeline_host(int threads) {
+  if (threads <= 0) threads = omp_get_max_threads();
+  const auto p = plan::cached_profile(threads);
+  if (!p || p->source != "loom calibrate")
+    throw Error(fmt::format("bench pipeline-host: no `loom calibrate` profile for {} threads in {}: run `loom "
+                            "calibrate{}` first", threads, plan::calibration_path(),
+                            threads == omp_get_max_threads() ? "" : fmt::format(" --threads {}", threads)));
+  std::printf("loom bench pipeline-host: %s, %d cores; the calibration of %s: a woken rank runs %.0f us after its "
+              "message (%.0f us with every core busy), a shared core is balanced after %.1f ms\n",
+              p->cpu.c_str(), threads, p->date.c_str(), p->wake * 1e6, p->crowded_wake * 1e6, p->balance * 1e3);
+  std::printf("1F1B, uniform stages (backward = 2 forwards), one-thread ranks on %d cores; simulated with the cores "
+              "alone and with the host's scheduling\n", threads);
+  std::printf("%5s %5s %10s %10s %22s %22s\n", "ranks", "micro", "forward", "measured", "cores alone", "with scheduling");
+  const int c = threads;
+  struct Case {
+    int ranks, micro, products;
+  };
+  const std::vector<Case> cases = {{2 * c, 2 * c, 8},  {2 * c, 2 * c, 24}, {2 * c, 2 * c, 48},
+                                   {2 * c, 4 * c, 8},  {c + 1, 2 * c, 8},  {c, 2 * c, 8}};
+  for (const Case& k : cases) {
+    if (k.ranks < 2) continue;
+    const plan::PipelineCheck r = plan::check_crowded_pipeline(*p, k.ranks, k.micro, k.products);
+    auto err = [&](double s) { return 100.0 * (s / r.measured_s - 1.0); };
+    std::printf("%5d %5d %7.2f ms %7.1f ms %9.1f ms (%+5.1f%%) %9.1f ms (%+5.1f%%)\n", r.ranks, r.micro,
+                r.forward_s * 1e3, r.measured_s * 1e3, r.shared_s * 1e3, err(r.shared_s), r.scheduled_s * 1e3,
+                err(r.scheduled_s));
+  }
+  return 0;
+}
+
 Registrar reg{Command{
-    "bench", "benchmarks (train: time GPT-2 training steps on the CPU)", [](CLI::App& sub) -> std::function<int()> {
+    "bench", "benchmarks (train: time GPT-2 training steps on the CPU; pipeline-host: the planner's simulation of "
+    "pipelines beyond the cores)", [](CLI::App& sub) -> std::function<int()> {
       sub.require_subcommand(1);
       auto o = std::make_shared<BenchTrainOptions>();
       CLI::App* train = sub.add_subcommand("train", "time training steps: tokens/s, ms/step, MFU, memory by tag");
@@ -189,7 +223,13 @@ Registrar reg{Command{
       train->add_flag("--offload", o->offload, "ZeRO-Offload: optimizer state and update in the host pool");
       train->add_option("--bucket-mb", o->bucket_mb, "gradient bucket size in MiB (with --dp)")->capture_default_str();
       train->add_option("--trace", o->trace, "Chrome trace of every rank to FILE (with --dp)");
-      return [o, train]() -> int {
+      auto host_threads = std::make_shared<int>(0);
+      CLI::App* host = sub.add_subcommand(
+          "pipeline-host", "pipelines of one-thread ranks beyond the cores against the planner's simulation of them");
+      host->add_option("--threads", *host_threads, "the cores the ranks share (0: OpenMP's default)")
+          ->check(CLI::Range(0, 1024));
+      return [o, train, host, host_threads]() -> int {
+        if (host->parsed()) return bench_pipeline_host(*host_threads);
         if (!train->parsed()) return 1;
         if (o->dp > 1 || o->zero > 0 || o->offload) {
           BenchDpOptions d;

@@ -40,6 +40,9 @@ Registrar reg{Command{
                     p.allreduce_bw / 1e9);
         std::printf("  a synchronisation with %d one-thread ranks on %d threads' cores: %.1f us more\n", 2 * p.threads,
                     p.threads, p.crowded_sync * 1e6);
+        std::printf("  a rank asleep in a receive runs %.0f us after its message (%.0f us when every core "
+                    "computes); a thread sharing a core moves to an idle one after %.1f ms\n",
+                    p.wake * 1e6, p.crowded_wake * 1e6, p.balance * 1e3);
         for (const auto& [name, k] : p.kernels)
           std::printf("  %-19s %7.2f us a call + %.3g ns per %s\n", name.c_str(), k.call * 1e6, k.unit * 1e9,
                       name.rfind("attention", 0) == 0 ? "FLOP" : name == "adamw" ? "parameter" : name == "crossentropy" ? "logit" : "element");

@@ -1,10 +1,13 @@
 #include "plan/calibration.h"
 
 #include <omp.h>
+#include <pthread.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -13,6 +16,8 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
@@ -29,6 +34,8 @@
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/residual.h"
 #include "model/gpt.h"
+#include "parallel/pipeline/checker.h"
+#include "parallel/pipeline/schedule.h"
 
 namespace fs = std::filesystem;
 
@@ -81,6 +88,9 @@ nlohmann::json to_json(const HostProfile& p) {
           {"allreduce_latency_s", p.allreduce_latency},
           {"allreduce_bytes_per_s", p.allreduce_bw},
           {"crowded_sync_s", p.crowded_sync},
+          {"wake_s", p.wake},
+          {"crowded_wake_s", p.crowded_wake},
+          {"balance_s", p.balance},
           {"kernels", kernels_json(p.kernels)},
           {"linear", linear_json(p.linear)},
           {"blocks", blocks_json(p.blocks)},
@@ -101,6 +111,9 @@ std::optional<HostProfile> from_json(const nlohmann::json& j) {
     p.allreduce_latency = j.value("allreduce_latency_s", 0.0);
     p.allreduce_bw = j.value("allreduce_bytes_per_s", 0.0);
     p.crowded_sync = j.value("crowded_sync_s", 0.0);
+    p.wake = j.value("wake_s", 0.0);
+    p.crowded_wake = j.value("crowded_wake_s", 0.0);
+    p.balance = j.value("balance_s", 0.0);
     p.source = j.value("source", std::string());
     p.date = j.value("date", std::string());
     if (j.contains("linear") && j["linear"].is_array())
@@ -446,6 +459,87 @@ void save_profile(const HostProfile& p) {
   if (ec) throw Error(fmt::format("{}: cannot replace the calibration cache: {}", path.string(), ec.message()));
 }
 
+// The OS's scheduling of one-thread ranks, as a pipeline meets it (pipeline::RankCosts).
+//
+// The seconds from a message's post to its receiver running again, for a receiver asleep in the
+// receive (the mean of `n`): rank 0 computes for about a millisecond (so that rank 1 is asleep)
+// and sends the time it posts; `hogs` more ranks compute all the while, so that a core is idle
+// when the message arrives (threads - 2 of them) or none is (threads - 1).
+double wake_latency(int hogs, int n) {
+  double total = 0;
+  std::atomic<bool> stop{false};
+  comm::RunOptions ro;
+  ro.threads_per_rank = 1;
+  comm::run_ranks(2 + hogs, [&](comm::Comm& c) {
+    const int64_t M = 256, C = 128, N = 384;  // a 256-token layer's qkv product, ~0.1 ms
+    std::vector<float> x(static_cast<size_t>(M * C), 0.1f), w(static_cast<size_t>(N * C), 0.01f),
+        y(static_cast<size_t>(M * N));
+    if (c.rank() >= 2) {
+      while (!stop.load()) cpu::matmul_forward(y.data(), x.data(), w.data(), nullptr, M, C, N);
+      return;
+    }
+    constexpr int kWarmup = 5;
+    for (int i = 0; i < n + kWarmup; ++i) {
+      double t = 0;
+      if (c.rank() == 0) {
+        for (int k = 0; k < 8; ++k) cpu::matmul_forward(y.data(), x.data(), w.data(), nullptr, M, C, N);
+        t = std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
+        c.send(&t, 2, DType::u32, 1);  // a double as two 32-bit words
+      } else {
+        c.recv(&t, 2, DType::u32, 0);
+        if (i >= kWarmup) total += std::chrono::duration<double>(Clock::now().time_since_epoch()).count() - t;
+      }
+    }
+    if (c.rank() == 1) stop.store(true);
+  }, ro);
+  return total / n;
+}
+
+// How long a thread that shares a core with another computing thread stays there while another
+// core is idle (the OS's load balancing): both start pinned to one core, then the second may run
+// anywhere; the time until it runs elsewhere (the median of `n`; 0 where the threads cannot be
+// pinned or only one core is allowed).
+double balance_time(int n) {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  if (sched_getaffinity(0, sizeof allowed, &allowed) != 0 || CPU_COUNT(&allowed) < 2) return 0;
+  int first = 0;
+  while (!CPU_ISSET(first, &allowed)) ++first;
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(first, &one);
+  auto spin_until = [](const std::function<bool()>& done) {
+    volatile double v = 0;
+    while (!done())
+      for (int i = 0; i < 1000; ++i) v = v + i;
+  };
+  std::vector<double> lags;
+  for (int k = 0; k < n; ++k) {
+    std::atomic<bool> stop{false}, pinned{true};
+    double lag = -1;
+    std::thread hog([&] {
+      pinned = pinned && pthread_setaffinity_np(pthread_self(), sizeof one, &one) == 0;
+      spin_until([&] { return stop.load(); });
+    });
+    std::thread mover([&] {
+      pinned = pinned && pthread_setaffinity_np(pthread_self(), sizeof one, &one) == 0;
+      auto t0 = Clock::now();
+      spin_until([&] { return since(t0) > 0.02; });  // both on the one core for 20 ms
+      pinned = pinned && pthread_setaffinity_np(pthread_self(), sizeof allowed, &allowed) == 0;
+      t0 = Clock::now();
+      spin_until([&] { return sched_getcpu() != first || since(t0) > 0.2; });
+      lag = since(t0);
+      stop = true;
+    });
+    mover.join();
+    hog.join();
+    if (!pinned) return 0;
+    lags.push_back(lag);
+  }
+  std::sort(lags.begin(), lags.end());
+  return lags[lags.size() / 2];
+}
+
 HostProfile calibrate_host(int threads, double seconds) {
   LOOM_CHECK(threads >= 1, "calibrate: threads must be at least 1, got {}", threads);
   HostProfile p;
@@ -542,7 +636,86 @@ HostProfile calibrate_host(int threads, double seconds) {
     std::sort(extra.begin(), extra.end());
     p.crowded_sync = std::max(0.0, extra[1] - p.allreduce_latency);
   }
+  p.crowded_wake = wake_latency(threads - 1, 100);
+  p.wake = threads >= 2 ? wake_latency(threads - 2, 100) : p.crowded_wake;
+  p.balance = balance_time(9);
   return p;
+}
+
+PipelineCheck check_crowded_pipeline(const HostProfile& p, int ranks, int micro, int products) {
+  namespace pipe = parallel::pipeline;
+  LOOM_CHECK(ranks >= 2 && micro >= 1 && products >= 1 && p.threads >= 1,
+             "pipeline check: {} ranks, {} micro-batches, {} products and {} threads must be positive (ranks >= 2)",
+             ranks, micro, products, p.threads);
+  const int64_t M = 256, C = 128, N = 384;  // a 256-token layer's qkv product
+  auto work = [&](std::vector<float>& y, const std::vector<float>& x, const std::vector<float>& w, int n) {
+    for (int i = 0; i < n; ++i) cpu::matmul_forward(y.data(), x.data(), w.data(), nullptr, M, C, N);
+  };
+  comm::RunOptions ro;
+  ro.threads_per_rank = 1;
+  PipelineCheck out;
+  out.ranks = ranks, out.micro = micro;
+  // A forward: `products` products, timed with `threads` ranks at once (the planner's block costs
+  // are timed so too); a backward: twice as many.
+  comm::run_ranks(p.threads, [&](comm::Comm& c) {
+    std::vector<float> x(static_cast<size_t>(M * C), 0.1f), w(static_cast<size_t>(N * C), 0.01f),
+        y(static_cast<size_t>(M * N));
+    work(y, x, w, 3 * products);
+    c.barrier();
+    std::vector<double> t;
+    for (int i = 0; i < 21; ++i) {
+      const auto t0 = Clock::now();
+      work(y, x, w, products);
+      t.push_back(since(t0));
+    }
+    std::sort(t.begin(), t.end());
+    if (c.rank() == 0) out.forward_s = t[t.size() / 2];
+  }, ro);
+  pipe::OpCosts oc;
+  oc.forward = out.forward_s;
+  oc.backward = 2 * out.forward_s;
+  oc.backward_input = oc.backward_weight = out.forward_s;
+  pipe::ScheduleSpec spec;
+  spec.kind = pipe::Kind::one_f_one_b;
+  spec.stages = ranks;
+  spec.micro_batches = micro;
+  const pipe::Schedule sch = pipe::generate(spec, oc);
+  // The schedule's lists run as the executor runs them (sends posted, receives waited for, the
+  // sends finished before the step's end), 1 KiB messages; the median of 9 steps after 3.
+  std::vector<double> steps;
+  comm::run_ranks(ranks, [&](comm::Comm& c) {
+    std::vector<float> x(static_cast<size_t>(M * C), 0.1f), w(static_cast<size_t>(N * C), 0.01f),
+        y(static_cast<size_t>(M * N)), msg(256, 1.0f), in(256);
+    for (int s = 0; s < 12; ++s) {
+      std::vector<std::unique_ptr<comm::PendingSend>> sends;
+      c.barrier();
+      const auto t0 = Clock::now();
+      for (const pipe::Instr& i : sch.ranks[size_t(c.rank())]) {
+        switch (i.op) {
+          case pipe::Op::forward: work(y, x, w, products); break;
+          case pipe::Op::backward: work(y, x, w, 2 * products); break;
+          case pipe::Op::send_act:
+          case pipe::Op::send_grad: sends.push_back(c.isend(msg.data(), 256, DType::f32, i.peer)); break;
+          case pipe::Op::recv_act:
+          case pipe::Op::recv_grad: c.recv(in.data(), 256, DType::f32, i.peer); break;
+          default: break;
+        }
+      }
+      for (auto& q : sends) q->wait();
+      c.barrier();
+      if (c.rank() == 0 && s >= 3) steps.push_back(since(t0));
+    }
+  }, ro);
+  std::sort(steps.begin(), steps.end());
+  out.measured_s = steps[steps.size() / 2];
+  pipe::RankCosts rc;
+  rc.chunk.assign(size_t(ranks), std::vector<pipe::OpCosts>(1, oc));
+  rc.transfer = p.allreduce_latency;
+  rc.capacity = p.threads;
+  out.shared_s = pipe::simulate(sch, rc).makespan;
+  rc.wake = p.wake, rc.crowded_wake = p.crowded_wake, rc.balance = p.balance;
+  out.scheduled_s = pipe::simulate(sch, rc).makespan;
+  return out;
 }
 
 }  // namespace loom::plan

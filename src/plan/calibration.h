@@ -37,6 +37,13 @@ struct HostProfile {
   // the host runs twice as many one-thread ranks as `threads` (ranks wait for peers the OS has
   // not scheduled).
   double crowded_sync = 0;
+  // How the OS runs one-thread ranks, for the pipeline simulation (pipeline::RankCosts): seconds
+  // from a message's post to its receiver, asleep in the receive, running again when a core is
+  // idle (wake) or all `threads` cores compute (crowded_wake); and how long a thread that shares a
+  // core stays there while another core is idle (balance).
+  double wake = 0;
+  double crowded_wake = 0;
+  double balance = 0;
   // loom's non-GEMM kernels, with `threads` threads: norm_forward and norm_backward (LayerNorm,
   // per element of [N, C]), gelu_forward and gelu_backward (per element), attention_forward and
   // attention_backward (per FLOP of the forward's 4 T C per token, causal masking not subtracted),
@@ -66,5 +73,19 @@ std::optional<HostProfile> cached_profile(int threads);
 void save_profile(const HostProfile& p);
 // Measures this host with `threads` OpenMP threads (seconds: the least time per GEMM shape).
 HostProfile calibrate_host(int threads, double seconds = 0.5);
+
+// A pipeline of one-thread ranks on this host (1F1B, uniform stages whose forward is `products`
+// of a 256-token layer's qkv products and backward twice that, 1 KiB messages over the threads
+// backend) measured against the planner's simulation of it with the host's cores shared evenly
+// (no wake-ups, at once balanced) and with p's measured scheduling (wake, crowded_wake, balance):
+// what `loom bench pipeline-host` prints.
+struct PipelineCheck {
+  int ranks = 0, micro = 0;
+  double forward_s = 0;    // a forward, timed with p.threads ranks at once
+  double measured_s = 0;   // a step, the median of 9
+  double shared_s = 0;     // simulated: the cores shared, no scheduling costs
+  double scheduled_s = 0;  // simulated: with p's wake-ups and balancing
+};
+PipelineCheck check_crowded_pipeline(const HostProfile& p, int ranks, int micro, int products);
 
 }  // namespace loom::plan

@@ -126,6 +126,9 @@ Cluster cluster_named(const std::string& name) {
       c.device.name = fmt::format("{} ({} threads, calibrated {})", p->cpu, p->threads, p->date);
       c.cores = p->threads;
       c.crowded_sync = p->crowded_sync;
+      c.wake = p->wake;
+      c.crowded_wake = p->crowded_wake;
+      c.balance = p->balance;
       c.device.kernels = p->kernels;
       c.device.linear = p->linear;
       c.device.blocks = p->blocks;

@@ -99,6 +99,8 @@ struct Cluster {
   // A shared host's cost of one synchronisation (a collective, a received message) beyond its
   // latency while more ranks than cores run (HostProfile::crowded_sync), in seconds.
   double crowded_sync = 0;
+  // A shared host's scheduling of ranks (HostProfile::wake, crowded_wake, balance), in seconds.
+  double wake = 0, crowded_wake = 0, balance = 0;
   Link intra, inter;
   // The link between ranks `stride` apart in a group of `size` consecutive strides: inside a node
   // when the group's span fits one.

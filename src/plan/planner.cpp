@@ -641,6 +641,9 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   // run side by side.
   rank_costs.capacity = capacity;
   rank_costs.copies = L.dp * L.tp * L.cp;
+  rank_costs.wake = job.cluster.wake;
+  rank_costs.crowded_wake = job.cluster.crowded_wake;
+  rank_costs.balance = job.cluster.balance;
   double makespan = 0, in_flight = 1;
   // How much longer the busiest rank computes than its work takes on its share alone: the ranks
   // it shares the host with (all of them at once without a pipeline; as the simulation has it
@@ -777,9 +780,10 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
                 : opt_params * 2 * (B.weight + B.grad + B.optimizer) / dev.memory_bw) *
       crowd;
   // Ranks beyond a shared host's cores: every synchronisation on the busiest rank's path (its
-  // elements' per micro-batch, a pipeline rank's two received messages per micro-batch, the data-
-  // parallel collectives, the loss and gradient-norm reductions of the step) waits for peers the
-  // OS has not scheduled (Cluster::crowded_sync, measured by loom calibrate).
+  // elements' per micro-batch, the data-parallel collectives, the loss and gradient-norm
+  // reductions of the step) waits for peers the OS has not scheduled (Cluster::crowded_sync,
+  // measured by loom calibrate). (A pipeline rank's received messages: their wake-ups are in the
+  // simulation.)
   if (job.cluster.shared_host && crowd > 1 && job.cluster.crowded_sync > 0) {
     const double buckets = std::max(1.0, std::ceil(grad_bytes / kBucketBytes));
     double step_syncs = 2;  // the loss and the gradient norm
@@ -792,7 +796,7 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
     }
     // In a pipeline the other stages' ranks compute on the cores a waiting stage leaves (the
     // simulation gives them those cores): a stage's waits are exposed for 1 / pp of the step.
-    const double per_micro = (busiest.syncs + (L.pp > 1 ? 2.0 : 0.0)) / L.pp;
+    const double per_micro = busiest.syncs / L.pp;
     e.sync_s = job.cluster.crowded_sync * (double(micro) * per_micro + step_syncs);
   }
   e.step_s = makespan + e.dp_exposed_s + e.optimizer_s + e.sync_s;

@@ -658,14 +658,14 @@ class PipelineEngine : public CpuEngine {
 };
 
 // Every rank's pipeline trace events on rank 0 (rank order; the others get an empty list): each
-// event travels as five doubles (op, micro-batch, chunk, start, end) in a gather over `world`,
-// so it works whether the ranks are threads or processes.
+// event travels as six doubles (op, micro-batch, chunk, start, end, the rank thread's CPU seconds)
+// in a gather over `world`, so it works whether the ranks are threads or processes.
 std::vector<std::vector<pipe::TraceEvent>> gather_traces(comm::Comm& world, const std::vector<pipe::TraceEvent>& mine) {
-  constexpr int64_t kFields = 5;
+  constexpr int64_t kFields = 6;
   const int n = world.size();
   std::vector<double> send;
   for (const pipe::TraceEvent& e : mine)
-    for (double v : {double(int(e.op)), double(e.mb), double(e.chunk), e.start, e.end}) send.push_back(v);
+    for (double v : {double(int(e.op)), double(e.mb), double(e.chunk), e.start, e.end, e.cpu}) send.push_back(v);
   // Counts and values travel as pairs of u32 words (one 64-bit value each).
   int64_t my_count = int64_t(mine.size());
   std::vector<int64_t> counts(static_cast<size_t>(n));
@@ -681,7 +681,7 @@ std::vector<std::vector<pipe::TraceEvent>> gather_traces(comm::Comm& world, cons
   const double* v = all.data();
   for (int r = 0; r < n; ++r)
     for (int64_t k = 0; k < counts[size_t(r)]; ++k, v += kFields)
-      out[size_t(r)].push_back({pipe::Op(int(v[0])), int(v[1]), int(v[2]), v[3], v[4]});
+      out[size_t(r)].push_back({pipe::Op(int(v[0])), int(v[1]), int(v[2]), v[3], v[4], v[5]});
   return out;
 }
 

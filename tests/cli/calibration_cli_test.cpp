@@ -106,6 +106,15 @@ TEST(CalibrationCli, CalibrateWritesTheCache) {
     for (double t : {b.layer_forward, b.layer_backward, b.head_forward, b.head_backward}) EXPECT_GT(t, 0) << b.tokens;
   }
   EXPECT_LT(p->blocks.front().layer_forward, p->blocks[2].layer_forward);  // 64 against 1024 tokens
+  // The OS's scheduling of one-thread ranks (the pipeline simulation's wake-ups and balancing):
+  // measured, and bounded by the waits that measure them (0.2 s for the balance).
+  EXPECT_NE(r.out.find("a rank asleep in a receive runs"), std::string::npos) << r.out;
+  EXPECT_GT(p->wake, 0);
+  EXPECT_LT(p->wake, 0.1);
+  EXPECT_GT(p->crowded_wake, 0);
+  EXPECT_LT(p->crowded_wake, 0.1);
+  EXPECT_GE(p->balance, 0);
+  EXPECT_LE(p->balance, 0.2 + 0.05);
   EXPECT_EQ(p->source, "loom calibrate");
   EXPECT_FALSE(plan::cached_profile(7).has_value());
 }

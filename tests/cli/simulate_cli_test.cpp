@@ -6,6 +6,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <regex>
 #include <string>
 
@@ -24,6 +25,21 @@ TEST(SimulateCli, DrawsThePredictionBesideTheMeasuredTrace) {
   const std::string trace = (r.root / "pp.json").string(), dp_trace = (r.root / "dp.json").string();
   CliRun pp = r.train("pp", fmt::format("{} --parallel.pp 2 --train.grad_accum 4 --trace '{}'", model, trace));
   ASSERT_EQ(pp.code, 0) << pp.err;
+  {
+    // Each compute carries its rank thread's CPU time (at most its duration: the rest is time the
+    // OS ran another thread on its core).
+    std::ifstream f(trace);
+    const nlohmann::json j = nlohmann::json::parse(f);
+    int computes = 0;
+    for (const auto& e : j.at("traceEvents")) {
+      if (e.at("ph") != "X") continue;
+      ++computes;
+      const double cpu_ms = e.at("args").at("cpu_ms").get<double>(), dur_ms = e.at("dur").get<double>() / 1e3;
+      EXPECT_GT(cpu_ms, 0) << e.dump();
+      EXPECT_LE(cpu_ms, dur_ms + 0.05) << e.dump();  // two clocks read apart: 50 us of slack
+    }
+    EXPECT_EQ(computes, 2 * 8);  // 2 ranks x (4 forwards + 4 backwards) of the last step
+  }
   std::smatch m;
   ASSERT_TRUE(std::regex_search(pp.out, m, std::regex(R"(\(padded ([0-9]+)\))"))) << pp.out;
   std::ofstream(r.root / "model.toml") << fmt::format(

@@ -82,7 +82,10 @@ TEST_F(TrainParallelMpi, PipelineTimesDataParallelEqualsThreadsAndTracesEveryRan
   std::set<int> named, busy;
   for (const auto& e : j.at("traceEvents")) {
     if (e.at("ph") == "M") named.insert(e.at("tid").get<int>());
-    if (e.at("ph") == "X") busy.insert(e.at("tid").get<int>());
+    if (e.at("ph") == "X") {
+      busy.insert(e.at("tid").get<int>());
+      EXPECT_GT(e.at("args").at("cpu_ms").get<double>(), 0) << "a compute without its CPU time: " << e.dump();
+    }
   }
   EXPECT_EQ(named, (std::set<int>{0, 1, 2, 3}));
   EXPECT_EQ(busy, (std::set<int>{0, 1, 2, 3})) << "a rank without compute events in the trace";

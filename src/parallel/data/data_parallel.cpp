@@ -291,7 +291,8 @@ DataParallel::DataParallel(DataChain chain, comm::Comm& dp, const optim::AdamWCo
       }
       for (int b = 0; b < nb; ++b)
         if (buckets_[size_t(b)].last_writer == c) state[size_t(b)] = 2, launched.push_back(b);
-      if (range_start(c)) {  // the range's backward ends: its buckets are waited for and freed
+      if (range_start(c)) {  // the range's backward ends: its buckets are placed as if freed (a
+                             // later backward waits for any still reducing where it needs its place)
         ++t;
         for (int b : launched)
           if (state[size_t(b)] == 2) state[size_t(b)] = 3, to[size_t(b)] = t;
@@ -441,8 +442,10 @@ void DataParallel::acquire_bucket(size_t b) {
   LiveBucket& l = live_[b];
   if (l.acquired) return;
   l.acquired = true;
-  l.launched = false;
-  if (o_.zero < 2) return;
+  if (o_.zero < 2) {
+    l.launched = false;
+    return;
+  }
   // Keep at most the newest launched bucket alive: wait for and free the older ones.
   std::vector<size_t> launched;
   for (int k : acquire_order_)
@@ -450,12 +453,21 @@ void DataParallel::acquire_bucket(size_t b) {
   std::sort(launched.begin(), launched.end(),
             [&](size_t x, size_t y) { return live_[x].ticket < live_[y].ticket; });
   for (size_t k = 0; k + 1 < launched.size(); ++k) free_bucket(launched[k]);
+  // A bucket still reducing from an earlier backward (the previous micro-batch's: its reduction
+  // is waited for only when its place in the arena is needed again) where this one goes.
   const GradBucket& g = buckets_[b];
+  const int64_t lo = bucket_offset_[b], hi = lo + (g.end - g.begin);
+  for (size_t k : launched) {
+    const int64_t klo = bucket_offset_[k], khi = klo + (buckets_[k].end - buckets_[k].begin);
+    if (klo < hi && lo < khi) free_bucket(k);
+  }
+  l.launched = false;
   if (!bucket_arena_.defined())
     bucket_arena_ = Tensor::empty({std::max<int64_t>(bucket_peak_, 1)}, DType::f32, MemTag::grads, *chain_.pool);
   l.buf = bucket_arena_.slice0(bucket_offset_[b], g.end - g.begin);
   l.buf.zero_();
   l.freed = false;
+  acquire_order_.erase(std::remove(acquire_order_.begin(), acquire_order_.end(), int(b)), acquire_order_.end());
   acquire_order_.push_back(int(b));
   point_grads(b);
 }
@@ -633,15 +645,11 @@ void DataParallel::after_backward(int64_t c) {
   for (size_t b = 0; b < buckets_.size(); ++b)
     if (buckets_[b].last_writer == c) launch_bucket(b);
   if (range_start(c) && o_.zero >= 2) {
-    // The micro-batch's backward is over: its buckets become free for the next one.
-    const auto t0 = Trace::Clock::now();
-    worker_->wait_all();
-    stats_.reduce_wait_s += seconds(Trace::Clock::now() - t0);
-    for (size_t b = 0; b < live_.size(); ++b) {
-      free_bucket(b);
-      live_[b].acquired = false;
-    }
-    acquire_order_.clear();
+    // The micro-batch's backward is over: its buckets may be acquired by the next one, which
+    // waits for a reduction still in flight only where it needs that bucket's place in the arena
+    // (acquire_bucket), so a pipeline stage does not wait here for its replicas before it sends
+    // its gradient on.
+    for (size_t b = 0; b < live_.size(); ++b) live_[b].acquired = false;
   } else if (range_start(c)) {
     for (size_t b = 0; b < live_.size(); ++b)
       if (buckets_[b].last_writer >= c && buckets_[b].last_writer < range_end(c)) live_[b].acquired = false;

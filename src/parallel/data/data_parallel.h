@@ -30,7 +30,9 @@
 // is not gathered again; a block asked for out of that order (recomputation, evaluation) is
 // gathered there and then. Stage 2/3 bucket buffers are allocated when the first block writing
 // into the bucket starts its backward and freed when a later bucket is allocated once its
-// reduction has finished, keeping at most the newest launched bucket alive. A tied head's part of
+// reduction has finished, keeping at most the newest launched bucket alive; a backward's last
+// reductions are waited for only where a later backward needs their place in the arena (or at
+// the step), so a pipeline stage passes its gradient on without waiting for its replicas. A tied head's part of
 // wte's gradient has a bucket of its own (stages 2/3; reduce-scattered after the head, and the
 // embedding's part after the embedding, both adding into the shard), so the embedding's bucket is
 // not held through the whole backward. Each bucket has a fixed place in one arena of G elements:

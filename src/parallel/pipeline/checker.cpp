@@ -329,6 +329,8 @@ CheckResult simulate(const Schedule& sch, const RankCosts& costs) {
                  costs.optimizer_step >= 0 && std::isfinite(costs.capacity) && costs.capacity >= 0 && costs.copies >= 1,
              "pipeline simulation: transfer {}, optimizer step {}, capacity {} and copies {} must be finite and "
              "non-negative (copies >= 1)", costs.transfer, costs.optimizer_step, costs.capacity, costs.copies);
+  LOOM_CHECK(std::isfinite(costs.balance) && costs.balance >= 0,
+             "pipeline simulation: the cores' balance time of {} s must be finite and non-negative", costs.balance);
   auto work_of = [&](int r, const Instr& in) {
     return in.op == Op::optimizer_step ? costs.optimizer_step : costs.chunk[size_t(r)][size_t(in.chunk)].of(in.op);
   };
@@ -339,9 +341,24 @@ CheckResult simulate(const Schedule& sch, const RankCosts& costs) {
   }
   // Event simulation. Each rank is computing (remaining work, in seconds at full speed), waiting
   // (for a message, or for its own messages to be received before the optimizer step) or done.
+  // The host's cores, as the OS runs threads on them: each of this pipeline's share of the cores
+  // (capacity / copies, as `cores` cores of `core_speed`) runs the ranks computing on it, dividing
+  // itself among them. A rank that wakes from a wait goes to a core that is idle if there is one
+  // (else to the least loaded, its own when tied); a rank that computes keeps its core until an
+  // idle core takes it from a shared one, `balance` seconds after both became so (RankCosts).
+  const double share = costs.capacity / costs.copies;
+  const int cores = std::max(1, int(std::floor(share + 1e-9)));
+  const double core_speed = share / cores;
   std::vector<size_t> pc(size_t(p), 0);
   std::vector<double> ready(size_t(p), 0.0), remaining(size_t(p), -1.0), taken(size_t(p), 0.0);
   std::vector<int> unreceived(size_t(p), 0);
+  std::vector<int> core(size_t(p), -1);              // the core a rank last ran on
+  std::vector<char> slept(size_t(p), 1);             // it waited since its last compute (or has not run)
+  // In a receive it slept in: 0 until its message arrives, then when it runs again; else -1.
+  std::vector<double> resume(size_t(p), -1.0);
+  std::vector<double> placed(size_t(p), 0.0);        // when it came to its core
+  std::vector<int> on(size_t(cores), 0);             // ranks computing on each core
+  std::vector<double> idle_since(size_t(cores), 0.0), shared_since(size_t(cores), -1.0);
   std::map<std::pair<int, int>, std::deque<double>> posted;  // (from, to): arrival times, in order
   for (auto& tl : res.ranks) tl.busy = 0;
   double now = 0;
@@ -350,6 +367,29 @@ CheckResult simulate(const Schedule& sch, const RankCosts& costs) {
     tl.end[pc[size_t(r)]] = end;
     ready[size_t(r)] = end;
     ++pc[size_t(r)];
+  };
+  auto count = [&] {
+    std::fill(on.begin(), on.end(), 0);
+    for (int r = 0; r < p; ++r)
+      if (remaining[size_t(r)] >= 0) ++on[size_t(core[size_t(r)])];
+    for (int k = 0; k < cores; ++k) {
+      if (on[size_t(k)] > 0) idle_since[size_t(k)] = -1;
+      else if (idle_since[size_t(k)] < 0) idle_since[size_t(k)] = now;
+      if (on[size_t(k)] < 2) shared_since[size_t(k)] = -1;
+      else if (shared_since[size_t(k)] < 0) shared_since[size_t(k)] = now;
+    }
+  };
+  // Starts rank r's compute: a rank that waited wakes on an idle core if there is one.
+  auto start = [&](int r) {
+    count();
+    int& c = core[size_t(r)];
+    if (slept[size_t(r)] && (c < 0 || on[size_t(c)] > 0)) {
+      int best = c < 0 ? 0 : c;
+      for (int k = 0; k < cores; ++k)
+        if (on[size_t(k)] < on[size_t(best)]) best = k;
+      if (c != best) c = best, placed[size_t(r)] = now;
+    }
+    slept[size_t(r)] = 0;
   };
   for (;;) {
     // Run every rank's non-compute instructions that can happen now, and start its next compute.
@@ -370,18 +410,35 @@ CheckResult simulate(const Schedule& sch, const RankCosts& costs) {
           moved = true;
         } else if (in.op == Op::recv_act || in.op == Op::recv_grad) {
           auto& q = posted[{in.peer, r}];
-          if (q.empty()) break;  // not sent yet
-          if (q.front() > now) {
-            wake = std::min(wake, q.front());
+          // Not sent yet, or on its way: the rank sleeps, and runs again a wake-up after the
+          // message arrives (its duration as the cores are when it arrives).
+          if (q.empty() || q.front() > now) {
+            slept[size_t(r)] = 1;
+            resume[size_t(r)] = 0;  // asleep in this receive
+            if (!q.empty()) wake = std::min(wake, q.front());
             break;
           }
+          if (resume[size_t(r)] == 0) {
+            count();
+            const bool idle = std::find(on.begin(), on.end(), 0) != on.end();
+            resume[size_t(r)] = now + (idle ? costs.wake : costs.crowded_wake);
+          }
+          if (resume[size_t(r)] > now) {
+            wake = std::min(wake, resume[size_t(r)]);
+            break;
+          }
+          resume[size_t(r)] = -1;
           q.pop_front();
           taken[size_t(in.peer)] = std::max(taken[size_t(in.peer)], now);
           --unreceived[size_t(in.peer)];
           finish(r, now);
           moved = true;
         } else {
-          if (in.op == Op::optimizer_step && unreceived[size_t(r)] > 0) break;  // its sends are waited for first
+          if (in.op == Op::optimizer_step && unreceived[size_t(r)] > 0) {  // its sends are waited for first
+            slept[size_t(r)] = 1;
+            break;
+          }
+          start(r);
           tl.start[pc[size_t(r)]] = now;
           remaining[size_t(r)] = work_of(r, in);
           moved = true;
@@ -389,30 +446,53 @@ CheckResult simulate(const Schedule& sch, const RankCosts& costs) {
       }
       }
     }
-    int computing = 0;
     bool left = false;
-    for (int r = 0; r < p; ++r) {
-      if (remaining[size_t(r)] >= 0) ++computing;
-      if (pc[size_t(r)] < sch.ranks[size_t(r)].size()) left = true;
-    }
-    if (!left) break;
-    const double speed = computing > 0 ? std::min(1.0, costs.capacity / (double(computing) * costs.copies)) : 1.0;
-    double next = wake;
     for (int r = 0; r < p; ++r)
-      if (remaining[size_t(r)] >= 0) next = std::min(next, now + remaining[size_t(r)] / speed);
+      if (pc[size_t(r)] < sch.ranks[size_t(r)].size()) left = true;
+    if (!left) break;
+    // An idle core takes the rank that came last to a shared one, `balance` after both became so.
+    count();
+    double next = wake;
+    for (bool again = true; again;) {
+      again = false;
+      for (int i = 0; i < cores && !again; ++i) {
+        if (on[size_t(i)] > 0) continue;
+        for (int j = 0; j < cores && !again; ++j) {
+          if (on[size_t(j)] < 2) continue;
+          const double at = std::max(idle_since[size_t(i)], shared_since[size_t(j)]) + costs.balance;
+          if (at > now) {
+            next = std::min(next, at);
+            continue;
+          }
+          int last = -1;
+          for (int r = 0; r < p; ++r)
+            if (remaining[size_t(r)] >= 0 && core[size_t(r)] == j && (last < 0 || placed[size_t(r)] >= placed[size_t(last)]))
+              last = r;
+          core[size_t(last)] = i;
+          placed[size_t(last)] = now;
+          count();
+          again = true;
+        }
+      }
+    }
+    auto speed = [&](int r) { return core_speed / on[size_t(core[size_t(r)])]; };
+    for (int r = 0; r < p; ++r)
+      if (remaining[size_t(r)] >= 0) next = std::min(next, now + remaining[size_t(r)] / speed(r));
     LOOM_CHECK(std::isfinite(next), "pipeline simulation: {} p={} v={} m={} stalls although it is valid",
                kind_name(sch.spec.kind), p, sch.v(), sch.m());
     const double dt = next - now;
     now = next;
+    std::vector<int> done;
     for (int r = 0; r < p; ++r) {
       if (remaining[size_t(r)] < 0) continue;
-      remaining[size_t(r)] -= dt * speed;
+      remaining[size_t(r)] -= dt * speed(r);
       const Instr& in = sch.ranks[size_t(r)][pc[size_t(r)]];
-      if (remaining[size_t(r)] <= 1e-12 * std::max(1.0, work_of(r, in))) {
-        res.ranks[size_t(r)].busy += now - res.ranks[size_t(r)].start[pc[size_t(r)]];
-        remaining[size_t(r)] = -1;
-        finish(r, now);
-      }
+      if (remaining[size_t(r)] <= 1e-12 * std::max(1.0, work_of(r, in))) done.push_back(r);
+    }
+    for (int r : done) {
+      res.ranks[size_t(r)].busy += now - res.ranks[size_t(r)].start[pc[size_t(r)]];
+      remaining[size_t(r)] = -1;
+      finish(r, now);
     }
   }
   res.makespan = 0;

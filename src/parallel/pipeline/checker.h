@@ -63,18 +63,26 @@ struct RankCosts {
   std::vector<std::vector<OpCosts>> chunk;
   double transfer = 0;        // seconds from a send's post to its message's arrival
   double optimizer_step = 0;  // seconds on every rank
-  // Processor sharing: at most `capacity` ranks compute at full speed at once; when n > capacity
-  // ranks compute, each runs at capacity / n of its speed (the host's cores divided among the
-  // busy ranks, as the OS does with ranks that sleep while they wait). `copies` identical
-  // pipelines run side by side on the same host (data, tensor and context parallel replicas), so
-  // n counts each busy stage `copies` times. capacity 0: every rank has its own device.
+  // A shared host: `capacity` cores (capacity 0: every rank has its own device), on which
+  // `copies` identical pipelines run side by side (data, tensor and context parallel replicas):
+  // this pipeline has capacity / copies of them. Each rank runs on one core, which divides itself
+  // among the ranks computing on it, as the OS runs threads that sleep while they wait: a rank
+  // that wakes takes an idle core if there is one, else the least loaded (its own when tied); a
+  // rank that computes keeps its core until a core that has gone idle takes it from a shared
+  // one, `balance` seconds after both became so (the OS's load balancing).
   double capacity = 0;
   int copies = 1;
+  double balance = 0;
+  // On a shared host: how long after its message arrives a rank that sleeps in a receive runs
+  // again (the OS's wake-up): `wake` when a core is idle then, `crowded_wake` when none is. A
+  // receive whose message is already there costs neither. (loom calibrate measures all three.)
+  double wake = 0;
+  double crowded_wake = 0;
 };
 
 // The timeline of a schedule with per-rank costs, run as the executor runs it (eager sends):
 // validity and in-flight counts as check() proves them, times from an event simulation in which
-// the ranks that compute at the same moment share `capacity`. Throws naming the schedule when it
+// the ranks share the host's cores as RankCosts describes. Throws naming the schedule when it
 // is invalid or the costs do not cover its ranks and chunks.
 CheckResult simulate(const Schedule& sch, const RankCosts& costs);
 

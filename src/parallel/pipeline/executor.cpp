@@ -783,7 +783,7 @@ void write_chrome_trace(const std::string& path, const std::vector<std::vector<T
                     {"tid", r},
                     {"ts", e.start * 1e6},
                     {"dur", (e.end - e.start) * 1e6},
-                    {"args", {{"mb", e.mb}, {"chunk", e.chunk}}}});
+                    {"args", {{"mb", e.mb}, {"chunk", e.chunk}, {"cpu_ms", e.cpu * 1e3}}}});
   }
   std::ofstream f(path);
   LOOM_CHECK(f.good(), "{}: cannot write the trace", path);

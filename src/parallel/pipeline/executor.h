@@ -198,7 +198,9 @@ class PipelineExecutor {
 };
 
 // Chrome trace (chrome://tracing, Perfetto) of per-rank timelines: one process, one thread per
-// rank, a complete event per compute. Throws naming the path when it cannot be written.
+// rank, a complete event per compute (its args: micro-batch, chunk and cpu_ms, the rank thread's
+// CPU time in it: below the event's duration where the OS ran another thread on its core). Throws
+// naming the path when it cannot be written.
 void write_chrome_trace(const std::string& path, const std::vector<std::vector<TraceEvent>>& ranks);
 // Measured timeline for draw_png.
 Timeline trace_timeline(const std::string& title, const std::vector<std::vector<TraceEvent>>& ranks);

@@ -355,5 +355,64 @@ TEST(PipelineSimulate, RanksSharingCoresDivideThem) {
   }
 }
 
+// The first compute instruction of rank r at or after list index `from`.
+size_t first_compute(const Schedule& sch, int r, size_t from = 0) {
+  for (size_t i = from; i < sch.ranks[size_t(r)].size(); ++i)
+    if (is_compute(sch.ranks[size_t(r)][i].op)) return i;
+  ADD_FAILURE() << "rank " << r << " has no compute after " << from;
+  return 0;
+}
+
+// Wake-ups: a rank asleep in a receive runs `wake` after its message arrives when a core is idle
+// then, `crowded_wake` when none is; a receive whose message is there costs neither.
+TEST(PipelineSimulate, RanksAsleepInAReceiveWakeUp) {
+  // 1F1B over two stages on one core, forward 1 and backward 2 (worked through by hand):
+  // rank 1 sleeps until rank 0's first activation arrives at t = 1, while rank 0 starts its
+  // second forward on the core: a crowded wake-up, so rank 1 starts at 1 + crowded_wake. The core
+  // stays busy until rank 1's last backward ends at t = 10, when rank 0, asleep on that gradient,
+  // wakes with the core idle: its last backward starts at 10 + wake, and the step is the work,
+  // 12, plus that one wake-up.
+  const Schedule sch = generate({Kind::one_f_one_b, 2, 1, 2});
+  RankCosts rc;
+  rc.chunk.assign(2, std::vector<OpCosts>(1, OpCosts{1.0, 2.0, 1.0, 1.0}));
+  rc.capacity = 1;
+  EXPECT_NEAR(simulate(sch, rc).makespan, 12.0, 1e-9);
+  rc.wake = 0.5, rc.crowded_wake = 0.25;
+  const CheckResult r = simulate(sch, rc);
+  EXPECT_NEAR(r.makespan, 12.5, 1e-9);
+  EXPECT_NEAR(r.ranks[1].start[first_compute(sch, 1)], 1.25, 1e-9);
+  size_t last = 0;
+  for (size_t i = 0; i < sch.ranks[0].size(); ++i)
+    if (is_compute(sch.ranks[0][i].op) && sch.ranks[0][i].op != Op::optimizer_step) last = i;
+  EXPECT_NEAR(r.ranks[0].start[last], 10.5, 1e-9);
+  // On a device per rank nothing of the host's applies.
+  rc.capacity = 0;
+  EXPECT_NEAR(simulate(sch, rc).makespan, 3.0 * (2 + 1), 1e-9);
+}
+
+// Each rank runs on one core: a rank that wakes takes an idle core if there is one, else shares
+// the least loaded; a rank sharing a core moves to one that has gone idle `balance` after both
+// became so (the OS's load balancing).
+TEST(PipelineSimulate, RanksKeepTheirCoreUntilTheHostBalances) {
+  // GPipe over three stages, forward 1, on two cores (worked through by hand): at t = 2 rank 0
+  // starts its third forward on core 0, rank 1 its second on core 1, and rank 2 wakes for its
+  // first with no core idle: it shares core 0 with rank 0. At t = 3 rank 1 waits and core 1 goes
+  // idle; `balance` later rank 2 moves there. Its forward, half done at t = 3 at half speed, ends
+  // at 3.5 + balance / 2 (balance <= 1), at 4 when the shared core is never balanced in time.
+  const Schedule sch = generate({Kind::gpipe, 3, 1, 3});
+  RankCosts rc;
+  rc.chunk.assign(3, std::vector<OpCosts>(1, OpCosts{1.0, 2.0, 1.0, 1.0}));
+  rc.capacity = 2;
+  const size_t f0 = first_compute(sch, 2);
+  for (auto [balance, end] : {std::pair{0.0, 3.5}, std::pair{0.25, 3.625}, std::pair{2.0, 4.0}}) {
+    rc.balance = balance;
+    const CheckResult r = simulate(sch, rc);
+    EXPECT_NEAR(r.ranks[2].start[f0], 2.0, 1e-9) << "balance " << balance;
+    EXPECT_NEAR(r.ranks[2].end[f0], end, 1e-9) << "balance " << balance;
+  }
+  rc.balance = -1;
+  EXPECT_THROW(simulate(sch, rc), Error);
+}
+
 }  // namespace
 }  // namespace loom::parallel::pipeline
