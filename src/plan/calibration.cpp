@@ -114,6 +114,8 @@ std::optional<HostProfile> from_json(const nlohmann::json& j) {
     p.wake = j.value("wake_s", 0.0);
     p.crowded_wake = j.value("crowded_wake_s", 0.0);
     p.balance = j.value("balance_s", 0.0);
+    for (double v : {p.wake, p.crowded_wake, p.balance})
+      if (!std::isfinite(v) || v < 0) return std::nullopt;  // not an entry loom wrote
     p.source = j.value("source", std::string());
     p.date = j.value("date", std::string());
     if (j.contains("linear") && j["linear"].is_array())
@@ -462,9 +464,11 @@ void save_profile(const HostProfile& p) {
 // The OS's scheduling of one-thread ranks, as a pipeline meets it (pipeline::RankCosts).
 //
 // The seconds from a message's post to its receiver running again, for a receiver asleep in the
-// receive (the mean of `n`): rank 0 computes for about a millisecond (so that rank 1 is asleep)
-// and sends the time it posts; `hogs` more ranks compute all the while, so that a core is idle
-// when the message arrives (threads - 2 of them) or none is (threads - 1).
+// receive (the mean of `n`: what adds up over a step; the times are mostly short with an
+// occasional wait for a time slice): rank 0 computes for about a millisecond (so that rank 1 is
+// asleep), posts the time without waiting for the send (as a pipeline stage does) and computes
+// on; `hogs` more ranks compute all the while, so that a core is idle when the message arrives
+// (threads - 2 of them) or none is (threads - 1).
 double wake_latency(int hogs, int n) {
   double total = 0;
   std::atomic<bool> stop{false};
@@ -478,27 +482,37 @@ double wake_latency(int hogs, int n) {
       while (!stop.load()) cpu::matmul_forward(y.data(), x.data(), w.data(), nullptr, M, C, N);
       return;
     }
+    struct Stop {  // the hogs stop however ranks 0 and 1 end
+      std::atomic<bool>& s;
+      ~Stop() { s.store(true); }
+    } guard{stop};
     constexpr int kWarmup = 5;
+    double posted[2] = {0, 0};  // rank 0: a send's buffer stays until the next but one
+    std::unique_ptr<comm::PendingSend> sends[2];
     for (int i = 0; i < n + kWarmup; ++i) {
-      double t = 0;
       if (c.rank() == 0) {
         for (int k = 0; k < 8; ++k) cpu::matmul_forward(y.data(), x.data(), w.data(), nullptr, M, C, N);
-        t = std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
-        c.send(&t, 2, DType::u32, 1);  // a double as two 32-bit words
+        auto& slot = sends[i & 1];
+        if (slot) slot->wait();
+        posted[i & 1] = std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
+        slot = c.isend(&posted[i & 1], 2, DType::u32, 1);  // a double as two 32-bit words
       } else {
+        double t = 0;
         c.recv(&t, 2, DType::u32, 0);
         if (i >= kWarmup) total += std::chrono::duration<double>(Clock::now().time_since_epoch()).count() - t;
       }
     }
-    if (c.rank() == 1) stop.store(true);
+    for (auto& q : sends)
+      if (q) q->wait();
   }, ro);
   return total / n;
 }
 
 // How long a thread that shares a core with another computing thread stays there while another
 // core is idle (the OS's load balancing): both start pinned to one core, then the second may run
-// anywhere; the time until it runs elsewhere (the median of `n`; 0 where the threads cannot be
-// pinned or only one core is allowed).
+// anywhere; the time until it runs elsewhere (the median of `n`, at most 0.2 s: a thread not
+// moved by then counts as never moved within an op; 0 where the threads cannot be pinned or only
+// one core is allowed).
 double balance_time(int n) {
   cpu_set_t allowed;
   CPU_ZERO(&allowed);
@@ -518,14 +532,14 @@ double balance_time(int n) {
     std::atomic<bool> stop{false}, pinned{true};
     double lag = -1;
     std::thread hog([&] {
-      pinned = pinned && pthread_setaffinity_np(pthread_self(), sizeof one, &one) == 0;
+      if (pthread_setaffinity_np(pthread_self(), sizeof one, &one) != 0) pinned = false;
       spin_until([&] { return stop.load(); });
     });
     std::thread mover([&] {
-      pinned = pinned && pthread_setaffinity_np(pthread_self(), sizeof one, &one) == 0;
+      if (pthread_setaffinity_np(pthread_self(), sizeof one, &one) != 0) pinned = false;
       auto t0 = Clock::now();
       spin_until([&] { return since(t0) > 0.02; });  // both on the one core for 20 ms
-      pinned = pinned && pthread_setaffinity_np(pthread_self(), sizeof allowed, &allowed) == 0;
+      if (pthread_setaffinity_np(pthread_self(), sizeof allowed, &allowed) != 0) pinned = false;
       t0 = Clock::now();
       spin_until([&] { return sched_getcpu() != first || since(t0) > 0.2; });
       lag = since(t0);

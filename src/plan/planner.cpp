@@ -637,8 +637,8 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   const Link& pp_link = job.cluster.link(L.tp * L.cp * L.dp, L.pp);
   const double p2p = L.pp > 1 ? act_msg / L.tp / pp_link.bandwidth + pp_link.latency : 0.0;
   rank_costs.transfer = p2p;
-  // On a shared host `capacity` ranks compute at full speed at once; the dp x tp x cp pipelines
-  // run side by side.
+  // On a shared host the ranks run on `capacity` cores as the OS runs threads (wake-ups and load
+  // balancing as loom calibrate measured them); the dp x tp x cp pipelines run side by side.
   rank_costs.capacity = capacity;
   rank_costs.copies = L.dp * L.tp * L.cp;
   rank_costs.wake = job.cluster.wake;
@@ -782,8 +782,7 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   // Ranks beyond a shared host's cores: every synchronisation on the busiest rank's path (its
   // elements' per micro-batch, the data-parallel collectives, the loss and gradient-norm
   // reductions of the step) waits for peers the OS has not scheduled (Cluster::crowded_sync,
-  // measured by loom calibrate). (A pipeline rank's received messages: their wake-ups are in the
-  // simulation.)
+  // measured by loom calibrate).
   if (job.cluster.shared_host && crowd > 1 && job.cluster.crowded_sync > 0) {
     const double buckets = std::max(1.0, std::ceil(grad_bytes / kBucketBytes));
     double step_syncs = 2;  // the loss and the gradient norm
@@ -795,8 +794,11 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
       else step_syncs += 2 * buckets;                                                 // reduce-scatter, all-gather
     }
     // In a pipeline the other stages' ranks compute on the cores a waiting stage leaves (the
-    // simulation gives them those cores): a stage's waits are exposed for 1 / pp of the step.
-    const double per_micro = busiest.syncs / L.pp;
+    // simulation gives them those cores): a stage's waits are exposed for 1 / pp of the step. Its
+    // two received messages per micro-batch count among them where the simulation has no wake-ups
+    // to give them (the search's closed form, or a calibration from before they were measured).
+    const bool woken = simulate && (job.cluster.wake > 0 || job.cluster.crowded_wake > 0);
+    const double per_micro = (busiest.syncs + (L.pp > 1 && !woken ? 2.0 : 0.0)) / L.pp;
     e.sync_s = job.cluster.crowded_sync * (double(micro) * per_micro + step_syncs);
   }
   e.step_s = makespan + e.dp_exposed_s + e.optimizer_s + e.sync_s;

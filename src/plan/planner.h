@@ -44,12 +44,13 @@
 // more ranks than cores: the blocks of as many ranks as cores). The pipeline's stages are cut as
 // the executor cuts them (balance_chain over the blocks' declared costs), each rank's chunks with
 // their own durations.
-// Its ranks share the host: up to `cores` ranks compute at once, each with its share; with more
-// ranks, the schedule runs as an event simulation in which the ranks computing at one moment
-// divide the cores (pipeline::simulate), and every synchronisation on the busiest rank's path
-// costs the wait `loom calibrate` measured for ranks beyond the cores (Cluster::crowded_sync; in
-// a pipeline a stage's per-micro-batch waits count for 1 / pp, the other stages computing on the
-// cores it leaves).
+// Its ranks share the host: up to `cores` ranks compute at once, each with its share; a pipeline's
+// schedule runs as an event simulation in which each rank runs on one of the cores as the OS
+// runs threads (pipeline::simulate: wake-ups, a shared core, the load balancing, as `loom
+// calibrate` measured them), and with more ranks than cores every synchronisation on the busiest
+// rank's path costs the wait `loom calibrate` measured for ranks beyond the cores
+// (Cluster::crowded_sync; in a pipeline a stage's per-micro-batch waits count for 1 / pp, the
+// other stages computing on the cores it leaves).
 #pragma once
 #include <cstdint>
 #include <map>

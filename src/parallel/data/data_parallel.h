@@ -60,9 +60,9 @@
 // stage's chunks of it (parallel/pipeline/executor.h), whose caller runs the hooks around each
 // block. A backward runs over one contiguous range of the chain's blocks at a time, from its last
 // block to its first: the whole chain for a model, a chunk for a pipeline stage, whose
-// micro-batches' backwards interleave with other work. Buckets never cross such a range; at the
-// end of each backward of a range under ZeRO 2/3 its buckets' reductions are waited for and the
-// arena is free again. A pipeline's last stage holds a copy of a tied wte as a parameter of its
+// micro-batches' backwards interleave with other work. Buckets never cross such a range; under
+// ZeRO 2/3 a range's reductions may still run after its backward ends: the next backward that
+// needs a bucket's place in the arena waits for it there (acquire_bucket), the step for all. A pipeline's last stage holds a copy of a tied wte as a parameter of its
 // head (DataChain::owned); the two stages' reduced gradients of it are added by
 // add_peer_gradient.
 //

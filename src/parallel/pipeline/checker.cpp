@@ -329,8 +329,10 @@ CheckResult simulate(const Schedule& sch, const RankCosts& costs) {
                  costs.optimizer_step >= 0 && std::isfinite(costs.capacity) && costs.capacity >= 0 && costs.copies >= 1,
              "pipeline simulation: transfer {}, optimizer step {}, capacity {} and copies {} must be finite and "
              "non-negative (copies >= 1)", costs.transfer, costs.optimizer_step, costs.capacity, costs.copies);
-  LOOM_CHECK(std::isfinite(costs.balance) && costs.balance >= 0,
-             "pipeline simulation: the cores' balance time of {} s must be finite and non-negative", costs.balance);
+  LOOM_CHECK(std::isfinite(costs.balance) && costs.balance >= 0 && std::isfinite(costs.wake) && costs.wake >= 0 &&
+                 std::isfinite(costs.crowded_wake) && costs.crowded_wake >= 0,
+             "pipeline simulation: balance {} s, wake {} s and crowded_wake {} s must be finite and non-negative",
+             costs.balance, costs.wake, costs.crowded_wake);
   auto work_of = [&](int r, const Instr& in) {
     return in.op == Op::optimizer_step ? costs.optimizer_step : costs.chunk[size_t(r)][size_t(in.chunk)].of(in.op);
   };
@@ -341,23 +343,26 @@ CheckResult simulate(const Schedule& sch, const RankCosts& costs) {
   }
   // Event simulation. Each rank is computing (remaining work, in seconds at full speed), waiting
   // (for a message, or for its own messages to be received before the optimizer step) or done.
-  // The host's cores, as the OS runs threads on them: each of this pipeline's share of the cores
-  // (capacity / copies, as `cores` cores of `core_speed`) runs the ranks computing on it, dividing
-  // itself among them. A rank that wakes from a wait goes to a core that is idle if there is one
-  // (else to the least loaded, its own when tied); a rank that computes keeps its core until an
-  // idle core takes it from a shared one, `balance` seconds after both became so (RankCosts).
+  // The host's cores, as the OS runs threads on them: this pipeline's share of the cores
+  // (capacity / copies, as `cores` cores of `core_speed`, a rank never faster than 1) runs the
+  // ranks that hold them, each core dividing itself among its own. A rank holds its core from the
+  // compute it starts until it sleeps (a receive whose message is not there, or the step's wait
+  // for its sends) or its list ends, so a rank going from one compute to the next keeps it. A
+  // rank that wakes goes to a core that is idle if there is one (else to the least loaded, its own
+  // when tied); a rank keeps its core until an idle core takes it from a shared one, `balance`
+  // seconds after both became so (RankCosts).
   const double share = costs.capacity / costs.copies;
   const int cores = std::max(1, int(std::floor(share + 1e-9)));
   const double core_speed = share / cores;
   std::vector<size_t> pc(size_t(p), 0);
   std::vector<double> ready(size_t(p), 0.0), remaining(size_t(p), -1.0), taken(size_t(p), 0.0);
   std::vector<int> unreceived(size_t(p), 0);
-  std::vector<int> core(size_t(p), -1);              // the core a rank last ran on
-  std::vector<char> slept(size_t(p), 1);             // it waited since its last compute (or has not run)
-  // In a receive it slept in: 0 until its message arrives, then when it runs again; else -1.
+  std::vector<int> core(size_t(p), -1);   // the core a rank last ran on
+  std::vector<char> slept(size_t(p), 1);  // it slept since its last compute (or has not run): holds no core
+  // In a receive it slept in: 0 until its message arrives, then the time it runs again; else -1.
   std::vector<double> resume(size_t(p), -1.0);
-  std::vector<double> placed(size_t(p), 0.0);        // when it came to its core
-  std::vector<int> on(size_t(cores), 0);             // ranks computing on each core
+  std::vector<double> placed(size_t(p), 0.0);  // when it came to its core
+  std::vector<int> on(size_t(cores), 0);       // ranks holding each core
   std::vector<double> idle_since(size_t(cores), 0.0), shared_since(size_t(cores), -1.0);
   std::map<std::pair<int, int>, std::deque<double>> posted;  // (from, to): arrival times, in order
   for (auto& tl : res.ranks) tl.busy = 0;
@@ -368,28 +373,25 @@ CheckResult simulate(const Schedule& sch, const RankCosts& costs) {
     ready[size_t(r)] = end;
     ++pc[size_t(r)];
   };
+  auto holds = [&](int r) {
+    return !slept[size_t(r)] && core[size_t(r)] >= 0 && pc[size_t(r)] < sch.ranks[size_t(r)].size();
+  };
   auto count = [&] {
     std::fill(on.begin(), on.end(), 0);
     for (int r = 0; r < p; ++r)
-      if (remaining[size_t(r)] >= 0) ++on[size_t(core[size_t(r)])];
-    for (int k = 0; k < cores; ++k) {
-      if (on[size_t(k)] > 0) idle_since[size_t(k)] = -1;
-      else if (idle_since[size_t(k)] < 0) idle_since[size_t(k)] = now;
-      if (on[size_t(k)] < 2) shared_since[size_t(k)] = -1;
-      else if (shared_since[size_t(k)] < 0) shared_since[size_t(k)] = now;
-    }
+      if (holds(r)) ++on[size_t(core[size_t(r)])];
   };
-  // Starts rank r's compute: a rank that waited wakes on an idle core if there is one.
+  // Starts rank r's compute: a rank that slept wakes on an idle core if there is one.
   auto start = [&](int r) {
-    count();
-    int& c = core[size_t(r)];
-    if (slept[size_t(r)] && (c < 0 || on[size_t(c)] > 0)) {
+    if (slept[size_t(r)]) {
+      count();
+      int& c = core[size_t(r)];
       int best = c < 0 ? 0 : c;
       for (int k = 0; k < cores; ++k)
         if (on[size_t(k)] < on[size_t(best)]) best = k;
       if (c != best) c = best, placed[size_t(r)] = now;
+      slept[size_t(r)] = 0;
     }
-    slept[size_t(r)] = 0;
   };
   for (;;) {
     // Run every rank's non-compute instructions that can happen now, and start its next compute.
@@ -413,8 +415,8 @@ CheckResult simulate(const Schedule& sch, const RankCosts& costs) {
           // Not sent yet, or on its way: the rank sleeps, and runs again a wake-up after the
           // message arrives (its duration as the cores are when it arrives).
           if (q.empty() || q.front() > now) {
-            slept[size_t(r)] = 1;
-            resume[size_t(r)] = 0;  // asleep in this receive
+            if (!slept[size_t(r)]) slept[size_t(r)] = 1, moved = true;
+            resume[size_t(r)] = 0;
             if (!q.empty()) wake = std::min(wake, q.front());
             break;
           }
@@ -435,7 +437,7 @@ CheckResult simulate(const Schedule& sch, const RankCosts& costs) {
           moved = true;
         } else {
           if (in.op == Op::optimizer_step && unreceived[size_t(r)] > 0) {  // its sends are waited for first
-            slept[size_t(r)] = 1;
+            if (!slept[size_t(r)]) slept[size_t(r)] = 1, moved = true;
             break;
           }
           start(r);
@@ -450,8 +452,19 @@ CheckResult simulate(const Schedule& sch, const RankCosts& costs) {
     for (int r = 0; r < p; ++r)
       if (pc[size_t(r)] < sch.ranks[size_t(r)].size()) left = true;
     if (!left) break;
-    // An idle core takes the rank that came last to a shared one, `balance` after both became so.
+    // The cores as the instructions left them (every rank holding one now computes): when each
+    // became idle or shared; an idle core takes the rank that came last to a shared one, `balance`
+    // after both became so.
     count();
+    auto mark = [&] {
+      for (int k = 0; k < cores; ++k) {
+        if (on[size_t(k)] > 0) idle_since[size_t(k)] = -1;
+        else if (idle_since[size_t(k)] < 0) idle_since[size_t(k)] = now;
+        if (on[size_t(k)] < 2) shared_since[size_t(k)] = -1;
+        else if (shared_since[size_t(k)] < 0) shared_since[size_t(k)] = now;
+      }
+    };
+    mark();
     double next = wake;
     for (bool again = true; again;) {
       again = false;
@@ -466,16 +479,16 @@ CheckResult simulate(const Schedule& sch, const RankCosts& costs) {
           }
           int last = -1;
           for (int r = 0; r < p; ++r)
-            if (remaining[size_t(r)] >= 0 && core[size_t(r)] == j && (last < 0 || placed[size_t(r)] >= placed[size_t(last)]))
-              last = r;
+            if (holds(r) && core[size_t(r)] == j && (last < 0 || placed[size_t(r)] >= placed[size_t(last)])) last = r;
           core[size_t(last)] = i;
           placed[size_t(last)] = now;
           count();
+          mark();
           again = true;
         }
       }
     }
-    auto speed = [&](int r) { return core_speed / on[size_t(core[size_t(r)])]; };
+    auto speed = [&](int r) { return std::min(1.0, core_speed / on[size_t(core[size_t(r)])]); };
     for (int r = 0; r < p; ++r)
       if (remaining[size_t(r)] >= 0) next = std::min(next, now + remaining[size_t(r)] / speed(r));
     LOOM_CHECK(std::isfinite(next), "pipeline simulation: {} p={} v={} m={} stalls although it is valid",

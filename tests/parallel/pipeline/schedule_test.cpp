@@ -388,6 +388,13 @@ TEST(PipelineSimulate, RanksAsleepInAReceiveWakeUp) {
   // On a device per rank nothing of the host's applies.
   rc.capacity = 0;
   EXPECT_NEAR(simulate(sch, rc).makespan, 3.0 * (2 + 1), 1e-9);
+  rc.capacity = 1, rc.wake = -0.5;
+  try {
+    simulate(sch, rc);
+    FAIL() << "a negative wake-up was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("wake -0.5 s"), std::string::npos) << e.what();
+  }
 }
 
 // Each rank runs on one core: a rank that wakes takes an idle core if there is one, else shares
