@@ -461,6 +461,32 @@ void save_profile(const HostProfile& p) {
   if (ec) throw Error(fmt::format("{}: cannot replace the calibration cache: {}", path.string(), ec.message()));
 }
 
+// Keeps the calling thread (and the threads it starts, which inherit it) on the first `n` CPUs
+// it may run on while it lives, so that measurements of ranks beyond `n` cores are crowded on a
+// host with more; nothing where it may run on `n` or fewer already or cannot be pinned.
+class OnFirstCpus {
+ public:
+  explicit OnFirstCpus(int n) {
+    CPU_ZERO(&before_);
+    if (n < 1 || pthread_getaffinity_np(pthread_self(), sizeof before_, &before_) != 0 || CPU_COUNT(&before_) <= n)
+      return;
+    cpu_set_t first;
+    CPU_ZERO(&first);
+    for (int cpu = 0, taken = 0; cpu < CPU_SETSIZE && taken < n; ++cpu)
+      if (CPU_ISSET(cpu, &before_)) CPU_SET(cpu, &first), ++taken;
+    pinned_ = pthread_setaffinity_np(pthread_self(), sizeof first, &first) == 0;
+  }
+  ~OnFirstCpus() {
+    if (pinned_) pthread_setaffinity_np(pthread_self(), sizeof before_, &before_);
+  }
+  OnFirstCpus(const OnFirstCpus&) = delete;
+  OnFirstCpus& operator=(const OnFirstCpus&) = delete;
+
+ private:
+  cpu_set_t before_;
+  bool pinned_ = false;
+};
+
 // The OS's scheduling of one-thread ranks, as a pipeline meets it (pipeline::RankCosts).
 //
 // The seconds from a message's post to its receiver running again, for a receiver asleep in the
@@ -620,6 +646,9 @@ HostProfile calibrate_host(int threads, double seconds) {
     p.allreduce_latency = lat;
     p.allreduce_bw = bw;
   }
+  // The OS's scheduling of ranks beyond `threads` cores: on a host with more, on its first
+  // `threads` CPUs.
+  const OnFirstCpus crowd(threads);
   // Ranks beyond the cores: a synchronisation waits for ranks the OS has not scheduled yet, and
   // for their wake-up. 2 x threads ranks of one thread each run a small product (a 256-token
   // layer's qkv) then a 1 KiB all-reduce, against the product alone: the difference per

@@ -40,7 +40,8 @@ struct HostProfile {
   // How the OS runs one-thread ranks, for the pipeline simulation (pipeline::RankCosts): seconds
   // from a message's post to its receiver, asleep in the receive, running again when a core is
   // idle (wake) or all `threads` cores compute (crowded_wake); and how long a thread that shares a
-  // core stays there while another core is idle (balance).
+  // core stays there while another core is idle (balance). (These three and crowded_sync are
+  // measured on the first `threads` CPUs the process may use.)
   double wake = 0;
   double crowded_wake = 0;
   double balance = 0;
