@@ -461,6 +461,17 @@ void save_profile(const HostProfile& p) {
   if (ec) throw Error(fmt::format("{}: cannot replace the calibration cache: {}", path.string(), ec.message()));
 }
 
+// The work of the scheduling measurements: a 256-token layer's qkv product (width 128), ~0.1 ms
+// on one thread, each rank on buffers of its own.
+struct QkvProduct {
+  static constexpr int64_t M = 256, C = 128, N = 384;
+  std::vector<float> x = std::vector<float>(size_t(M * C), 0.1f), w = std::vector<float>(size_t(N * C), 0.01f),
+                     y = std::vector<float>(size_t(M * N));
+  void run(int times = 1) {
+    for (int i = 0; i < times; ++i) cpu::matmul_forward(y.data(), x.data(), w.data(), nullptr, M, C, N);
+  }
+};
+
 // Keeps the calling thread (and the threads it starts, which inherit it) on the first `n` CPUs
 // it may run on while it lives, so that measurements of ranks beyond `n` cores are crowded on a
 // host with more; nothing where it may run on `n` or fewer already or cannot be pinned.
@@ -501,11 +512,9 @@ double wake_latency(int hogs, int n) {
   comm::RunOptions ro;
   ro.threads_per_rank = 1;
   comm::run_ranks(2 + hogs, [&](comm::Comm& c) {
-    const int64_t M = 256, C = 128, N = 384;  // a 256-token layer's qkv product, ~0.1 ms
-    std::vector<float> x(static_cast<size_t>(M * C), 0.1f), w(static_cast<size_t>(N * C), 0.01f),
-        y(static_cast<size_t>(M * N));
+    QkvProduct work;
     if (c.rank() >= 2) {
-      while (!stop.load()) cpu::matmul_forward(y.data(), x.data(), w.data(), nullptr, M, C, N);
+      while (!stop.load()) work.run();
       return;
     }
     struct Stop {  // the hogs stop however ranks 0 and 1 end
@@ -517,7 +526,7 @@ double wake_latency(int hogs, int n) {
     std::unique_ptr<comm::PendingSend> sends[2];
     for (int i = 0; i < n + kWarmup; ++i) {
       if (c.rank() == 0) {
-        for (int k = 0; k < 8; ++k) cpu::matmul_forward(y.data(), x.data(), w.data(), nullptr, M, C, N);
+        work.run(8);
         auto& slot = sends[i & 1];
         if (slot) slot->wait();
         posted[i & 1] = std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
@@ -660,13 +669,12 @@ HostProfile calibrate_host(int threads, double seconds) {
     auto per_iteration = [&](bool sync) {
       double secs = 0;
       comm::run_ranks(2 * threads, [&](comm::Comm& c) {
-        const int64_t M = 256, C = 128, N = 384;
-        std::vector<float> x(static_cast<size_t>(M * C), 0.1f), w(static_cast<size_t>(N * C), 0.01f),
-            y(static_cast<size_t>(M * N)), red(256, 1.0f);
+        QkvProduct work;
+        std::vector<float> red(256, 1.0f);
         c.barrier();
         const auto t0 = Clock::now();
         for (int i = 0; i < iters; ++i) {
-          cpu::matmul_forward(y.data(), x.data(), w.data(), nullptr, M, C, N);
+          work.run();
           if (sync) c.all_reduce(red.data(), int64_t(red.size()), DType::f32);
         }
         c.barrier();
@@ -690,10 +698,7 @@ PipelineCheck check_crowded_pipeline(const HostProfile& p, int ranks, int micro,
   LOOM_CHECK(ranks >= 2 && micro >= 1 && products >= 1 && p.threads >= 1,
              "pipeline check: {} ranks, {} micro-batches, {} products and {} threads must be positive (ranks >= 2)",
              ranks, micro, products, p.threads);
-  const int64_t M = 256, C = 128, N = 384;  // a 256-token layer's qkv product
-  auto work = [&](std::vector<float>& y, const std::vector<float>& x, const std::vector<float>& w, int n) {
-    for (int i = 0; i < n; ++i) cpu::matmul_forward(y.data(), x.data(), w.data(), nullptr, M, C, N);
-  };
+  const OnFirstCpus crowd(p.threads);  // crowded as the profile's cores are, on a larger host too
   comm::RunOptions ro;
   ro.threads_per_rank = 1;
   PipelineCheck out;
@@ -701,14 +706,13 @@ PipelineCheck check_crowded_pipeline(const HostProfile& p, int ranks, int micro,
   // A forward: `products` products, timed with `threads` ranks at once (the planner's block costs
   // are timed so too); a backward: twice as many.
   comm::run_ranks(p.threads, [&](comm::Comm& c) {
-    std::vector<float> x(static_cast<size_t>(M * C), 0.1f), w(static_cast<size_t>(N * C), 0.01f),
-        y(static_cast<size_t>(M * N));
-    work(y, x, w, 3 * products);
+    QkvProduct work;
+    work.run(3 * products);
     c.barrier();
     std::vector<double> t;
     for (int i = 0; i < 21; ++i) {
       const auto t0 = Clock::now();
-      work(y, x, w, products);
+      work.run(products);
       t.push_back(since(t0));
     }
     std::sort(t.begin(), t.end());
@@ -727,16 +731,16 @@ PipelineCheck check_crowded_pipeline(const HostProfile& p, int ranks, int micro,
   // sends finished before the step's end), 1 KiB messages; the median of 9 steps after 3.
   std::vector<double> steps;
   comm::run_ranks(ranks, [&](comm::Comm& c) {
-    std::vector<float> x(static_cast<size_t>(M * C), 0.1f), w(static_cast<size_t>(N * C), 0.01f),
-        y(static_cast<size_t>(M * N)), msg(256, 1.0f), in(256);
+    QkvProduct work;
+    std::vector<float> msg(256, 1.0f), in(256);
     for (int s = 0; s < 12; ++s) {
       std::vector<std::unique_ptr<comm::PendingSend>> sends;
       c.barrier();
       const auto t0 = Clock::now();
       for (const pipe::Instr& i : sch.ranks[size_t(c.rank())]) {
         switch (i.op) {
-          case pipe::Op::forward: work(y, x, w, products); break;
-          case pipe::Op::backward: work(y, x, w, 2 * products); break;
+          case pipe::Op::forward: work.run(products); break;
+          case pipe::Op::backward: work.run(2 * products); break;
           case pipe::Op::send_act:
           case pipe::Op::send_grad: sends.push_back(c.isend(msg.data(), 256, DType::f32, i.peer)); break;
           case pipe::Op::recv_act:

@@ -453,11 +453,13 @@ void DataParallel::acquire_bucket(size_t b) {
   std::sort(launched.begin(), launched.end(),
             [&](size_t x, size_t y) { return live_[x].ticket < live_[y].ticket; });
   for (size_t k = 0; k + 1 < launched.size(); ++k) free_bucket(launched[k]);
-  // A bucket still reducing from an earlier backward (the previous micro-batch's: its reduction
-  // is waited for only when its place in the arena is needed again) where this one goes.
+  // The newest, if still reducing (an earlier backward's last bucket: its reduction is waited for
+  // only when its place in the arena is needed again, this bucket itself included), where this
+  // one goes.
   const GradBucket& g = buckets_[b];
-  const int64_t lo = bucket_offset_[b], hi = lo + (g.end - g.begin);
-  for (size_t k : launched) {
+  if (!launched.empty()) {
+    const size_t k = launched.back();
+    const int64_t lo = bucket_offset_[b], hi = lo + (g.end - g.begin);
     const int64_t klo = bucket_offset_[k], khi = klo + (buckets_[k].end - buckets_[k].begin);
     if (klo < hi && lo < khi) free_bucket(k);
   }

@@ -32,8 +32,8 @@
 // into the bucket starts its backward and freed when a later bucket is allocated once its
 // reduction has finished, keeping at most the newest launched bucket alive; a backward's last
 // reductions are waited for only where a later backward needs their place in the arena (or at
-// the step), so a pipeline stage passes its gradient on without waiting for its replicas. A tied head's part of
-// wte's gradient has a bucket of its own (stages 2/3; reduce-scattered after the head, and the
+// the step), so a pipeline stage passes its gradient on without waiting for its replicas. A tied
+// head's part of wte's gradient has a bucket of its own (stages 2/3; reduce-scattered after the head, and the
 // embedding's part after the embedding, both adding into the shard), so the embedding's bucket is
 // not held through the whole backward. Each bucket has a fixed place in one arena of G elements:
 // the policy is replayed over one backward for each bucket's lifetime, and the buckets are placed
@@ -62,8 +62,8 @@
 // block to its first: the whole chain for a model, a chunk for a pipeline stage, whose
 // micro-batches' backwards interleave with other work. Buckets never cross such a range; under
 // ZeRO 2/3 a range's reductions may still run after its backward ends: the next backward that
-// needs a bucket's place in the arena waits for it there (acquire_bucket), the step for all. A pipeline's last stage holds a copy of a tied wte as a parameter of its
-// head (DataChain::owned); the two stages' reduced gradients of it are added by
+// needs a bucket's place in the arena waits for it there (acquire_bucket), the step for all. A
+// pipeline's last stage holds a copy of a tied wte as a parameter of its head (DataChain::owned); the two stages' reduced gradients of it are added by
 // add_peer_gradient.
 //
 // Composed with tensor / sequence / context parallelism (a model::GPT over tp and cp groups): the

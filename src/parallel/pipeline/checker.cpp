@@ -381,6 +381,15 @@ CheckResult simulate(const Schedule& sch, const RankCosts& costs) {
     for (int r = 0; r < p; ++r)
       if (holds(r)) ++on[size_t(core[size_t(r)])];
   };
+  // When each core became idle or shared (from `on`, as count() left it).
+  auto mark = [&] {
+    for (int k = 0; k < cores; ++k) {
+      if (on[size_t(k)] > 0) idle_since[size_t(k)] = -1;
+      else if (idle_since[size_t(k)] < 0) idle_since[size_t(k)] = now;
+      if (on[size_t(k)] < 2) shared_since[size_t(k)] = -1;
+      else if (shared_since[size_t(k)] < 0) shared_since[size_t(k)] = now;
+    }
+  };
   // Starts rank r's compute: a rank that slept wakes on an idle core if there is one.
   auto start = [&](int r) {
     if (slept[size_t(r)]) {
@@ -456,14 +465,6 @@ CheckResult simulate(const Schedule& sch, const RankCosts& costs) {
     // became idle or shared; an idle core takes the rank that came last to a shared one, `balance`
     // after both became so.
     count();
-    auto mark = [&] {
-      for (int k = 0; k < cores; ++k) {
-        if (on[size_t(k)] > 0) idle_since[size_t(k)] = -1;
-        else if (idle_since[size_t(k)] < 0) idle_since[size_t(k)] = now;
-        if (on[size_t(k)] < 2) shared_since[size_t(k)] = -1;
-        else if (shared_since[size_t(k)] < 0) shared_since[size_t(k)] = now;
-      }
-    };
     mark();
     double next = wake;
     for (bool again = true; again;) {
