@@ -4,7 +4,11 @@
 //
 //   train_gpt2_cuda [--model gpt2-124m] [-B 16] [-T 1024] [--steps 30] [--warmup 5]
 //                   [--attention flash|gemm|cudnn] [--no-graph] [--lr 6e-4] [--seed 1337] [--json]
-//                   [--dump FILE] [--profile N]
+//                   [--dump FILE] [--profile N] [--precision bf16|fp16]
+//
+// --precision fp16 computes in f16 with dynamic loss scaling from 65536 (train/loss_scale.h, as
+// `loom train --train.precision fp16`: a step that overflows is skipped and the scale halved; the
+// steps that did are counted in the output); the measured GEMM rate is then f16's.
 //
 // --profile N runs N more steps op by op with CUDA events between the backend's ops (the backend
 // reports each op and its FLOPs to kernels/cuda/profile.cuh) and prints each kind of op's time per
@@ -15,8 +19,8 @@
 // FLOPs per token, as nanoGPT's estimate_mfu: 6 N + 12 L H Q T with N the parameters without
 // wpe (wte counted once: it is tied to the output layer), H heads of size Q, sequence length T.
 // MFU is given against the H100 SXM dense bf16 datasheet peak (989 TFLOP/s) and against this
-// GPU's bf16 GEMM rate measured after the timed steps (cuda::measure_gemm_peak_bf16, the rate
-// `loom train --train.device cuda` reports against).
+// GPU's GEMM rate in the compute dtype measured after the timed steps (cuda::measure_gemm_peak, the
+// rate `loom train --train.device cuda` reports against).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -34,6 +38,7 @@
 #include "kernels/cuda/matmul.cuh"
 #include "kernels/cuda/profile.cuh"
 #include "model/gpt.h"
+#include "train/loss_scale.h"
 #include "train/safetensors.h"
 #include "train/step_runner.h"
 
@@ -50,12 +55,14 @@ struct Args {
   uint64_t seed = 1337;
   std::string dump;
   int64_t profile = 0;
+  std::string precision = "bf16";
 };
 
 [[noreturn]] void usage(const std::string& msg) {
   std::fprintf(stderr,
                "train_gpt2_cuda: %s\nusage: train_gpt2_cuda [--model NAME] [-B N] [-T N] [--steps N] [--warmup N] "
-               "[--attention flash|gemm|cudnn] [--no-graph] [--lr X] [--seed N] [--json] [--dump FILE] [--profile N]\n",
+               "[--attention flash|gemm|cudnn] [--no-graph] [--lr X] [--seed N] [--json] [--dump FILE] [--profile N] "
+               "[--precision bf16|fp16]\n",
                msg.c_str());
   std::exit(2);
 }
@@ -86,10 +93,12 @@ Args parse(int argc, char** argv) {
     else if (k == "--seed") a.seed = uint64_t(num(val()));
     else if (k == "--dump") a.dump = val();
     else if (k == "--profile") a.profile = num(val());
+    else if (k == "--precision") a.precision = val();
     else usage("unknown option " + k);
   }
   if (a.attention != "flash" && a.attention != "gemm" && a.attention != "cudnn")
     usage("--attention must be flash, gemm or cudnn");
+  if (a.precision != "bf16" && a.precision != "fp16") usage("--precision must be bf16 or fp16");
   return a;
 }
 
@@ -173,7 +182,11 @@ int main(int argc, char** argv) {
   try {
     model::GPTConfig cfg = model::gpt_preset(a.model);
     MemoryPool& pool = cuda::device_pool();
-    cuda::CudaBackend be({.pool = &pool, .attention = attn_kernel_from_name(a.attention)});
+    const DType compute = a.precision == "fp16" ? DType::f16 : DType::bf16;
+    const bool fp16 = a.precision == "fp16";
+    train::LossScaler scaler(65536, 1000, 1);
+    int64_t overflows = 0;
+    cuda::CudaBackend be({.pool = &pool, .attention = attn_kernel_from_name(a.attention), .compute = compute});
     model::GPT gpt(cfg, be, a.seed);
     train::StepRunner run(gpt, {.B = a.B, .T = a.T, .graphs = a.graph});
     const int64_t BT = a.B * a.T;
@@ -192,7 +205,12 @@ int main(int argc, char** argv) {
     float first_loss = 0, last_loss = 0;
     for (int64_t s = 1; s <= a.warmup + a.steps; ++s) {
       LOOM_CUDA_CHECK(cudaEventRecord(e0, be.stream()));
-      const float loss = run.train_step(tok.data(), tgt.data(), a.lr, s);
+      const float loss = run.train_step(tok.data(), tgt.data(), a.lr, s, fp16 ? float(scaler.scale()) : 1.0f);
+      if (fp16) {
+        const bool overflow = !std::isfinite(run.last_grad_norm());
+        overflows += overflow;
+        scaler.update(overflow, fmt::format("step {}", s));
+      }
       LOOM_CUDA_CHECK(cudaEventRecord(e1, be.stream()));
       LOOM_CUDA_CHECK(cudaEventSynchronize(e1));
       float t = 0;
@@ -213,7 +231,8 @@ int main(int argc, char** argv) {
       be.set_observer(&prof);  // the runner then launches op by op (no graph)
       for (int64_t i = 0; i < a.profile; ++i) {
         prof.start();
-        run.train_step(tok.data(), tgt.data(), a.lr, a.warmup + a.steps + 1 + i);
+        run.train_step(tok.data(), tgt.data(), a.lr, a.warmup + a.steps + 1 + i,
+                       fp16 ? float(scaler.scale()) : 1.0f);
         prof.finish();
       }
       be.set_observer(nullptr);
@@ -233,7 +252,7 @@ int main(int argc, char** argv) {
     // The training's memory figures are taken before the GEMM measurement borrows its operands.
     const MemStats st = pool.stats();
     const std::string report = pool.report();
-    const double peak_tflops = cuda::measure_gemm_peak_bf16(be.blas(), be.stream()) / 1e12;
+    const double peak_tflops = cuda::measure_gemm_peak(be.blas(), be.stream(), compute) / 1e12;
     if (a.json) {
       std::printf("{\"impl\": \"loom\", \"device\": \"%s\", \"model\": \"%s\", \"B\": %lld, \"T\": %lld, "
                   "\"attention\": \"%s\", \"graph\": %s, \"steps\": %lld, \"step_ms_median\": %.4f, "
@@ -244,12 +263,16 @@ int main(int argc, char** argv) {
                   a.graph ? "true" : "false", (long long)a.steps, med, mean, tps, flops_per_token, tflops,
                   peak_tflops, tflops / peak_tflops, first_loss, last_loss, (long long)st.total_peak);
     } else {
-      std::printf("%s on %s: B=%lld T=%lld attention=%s graph=%d: %.2f ms/step (median of %lld; mean %.2f), "
-                  "%.0f tokens/s, %.1f TFLOP/s (MFU %.1f%% of 989, %.1f%% of the measured bf16 GEMM rate "
+      std::printf("%s on %s: B=%lld T=%lld attention=%s graph=%d precision=%s: %.2f ms/step (median of %lld; mean "
+                  "%.2f), %.0f tokens/s, %.1f TFLOP/s (MFU %.1f%% of 989, %.1f%% of the measured %s GEMM rate "
                   "%.1f TFLOP/s), loss %.4f -> %.4f\n%s",
-                  cfg.name.c_str(), prop.name, (long long)a.B, (long long)a.T, a.attention.c_str(), int(a.graph), med,
-                  (long long)a.steps, mean, tps, tflops, 100.0 * tflops / 989.0, 100.0 * tflops / peak_tflops,
-                  peak_tflops, first_loss, last_loss, report.c_str());
+                  cfg.name.c_str(), prop.name, (long long)a.B, (long long)a.T, a.attention.c_str(), int(a.graph),
+                  a.precision.c_str(), med, (long long)a.steps, mean, tps, tflops, 100.0 * tflops / 989.0,
+                  100.0 * tflops / peak_tflops, fp16 ? "f16" : "bf16", peak_tflops, first_loss, last_loss,
+                  report.c_str());
+      if (fp16)
+        std::printf("fp16: %lld of %lld steps overflowed (skipped); loss scale now %g\n", (long long)overflows,
+                    (long long)(a.warmup + a.steps), scaler.scale());
     }
     if (a.profile > 0) print_profile(prof, med, a.json);
   } catch (const std::exception& e) {

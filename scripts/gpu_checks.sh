@@ -21,6 +21,13 @@
 #             the quickstart's Llama sibling (configs/kjv-llama-10m.toml) trained with
 #             `loom train --train.device cuda`, sampled, resumed, and evaluated with `loom eval` on
 #             both devices
+#   fp16      train.precision fp16 (f16 compute, dynamic loss scaling) against bf16: GPT-2 124M's
+#             step time in each (train_gpt2_cuda, B = 16, T = 1024, two alternating rounds); the quickstart's
+#             model (configs/kjv-10m.toml) on data/kjv (or the small corpus) for 200 steps in bf16,
+#             in fp16, and in fp16 with an overflow injected at step 100 (LOOM_FAULT_INJECT
+#             kind=overflow); fp16 must track bf16 within 2% relative at every step and 0.5% over
+#             the mean of the last 50 steps, and the injected run must skip step 100, halve its
+#             scale and end within 2% of the uninterrupted fp16 run
 #   gap       GPT-2 124M (the vocabulary of data/kjv, or of the small corpus) trained 30 steps from the
 #             same seed on the same batches on the GPU (bf16) and on the host's CPU (f32): the two
 #             loss curves side by side, and their largest relative difference
@@ -33,7 +40,7 @@ bundle=$1
 out=$2
 shift 2
 steps=("$@")
-[[ ${#steps[@]} -gt 0 ]] || steps=(device cuda memcheck pipeline flash train loom llama)
+[[ ${#steps[@]} -gt 0 ]] || steps=(device cuda memcheck pipeline flash train loom llama fp16)
 mkdir -p "$out"
 {
   date -u +"gpu_checks %Y-%m-%d %H:%M UTC"
@@ -113,6 +120,55 @@ step_llama() {
   echo "$cpu"
   python3 -c "import json,sys; g=json.loads(sys.argv[1])['loss']; c=json.loads(sys.argv[2])['loss']; print(f'eval loss cuda {g:.5f} cpu {c:.5f} rel {abs(g-c)/c:.2e}'); sys.exit(abs(g-c)/c > 1e-2)" "$gpu" "$cpu"
 }
+step_fp16() {
+  # Speed: GPT-2 124M, B = 16, T = 1024, cuDNN attention, bf16 and fp16 alternating, two rounds.
+  local r p
+  for r in 1 2; do
+    for p in bf16 fp16; do
+      env_run train_gpt2_cuda -B 16 -T 1024 --steps 20 --warmup 5 --attention cudnn --precision $p || return 1
+    done
+  done
+  local d="$root/data/kjv"
+  if [[ ! -f "$d/train_000.bin" ]]; then
+    make_corpus "$out/corpus_fp16" || return 1
+    d="$out/corpus_fp16/data"
+  fi
+  local name precision fault
+  for name in bf16 fp16 fp16_overflow; do
+    precision=${name%%_*}
+    fault=""
+    [[ $name == fp16_overflow ]] && fault="rank=0,step=100,kind=overflow"
+    LOOM_FAULT_INJECT=$fault env_run loom train "$root/configs/kjv-10m.toml" --data.dir "$d" --train.device cuda \
+      --train.precision "$precision" --train.steps 200 --train.eval_every 50 --train.checkpoint_every 0 \
+      --train.sample_tokens 0 --train.out_dir "$out/run_$name" || return 1
+  done
+  python3 - "$out/run_bf16/metrics.jsonl" "$out/run_fp16/metrics.jsonl" "$out/run_fp16_overflow/metrics.jsonl" <<'PY'
+import json, sys
+def load(f):
+    rows = [json.loads(l) for l in open(f)]
+    return ({r["step"]: r["loss"] for r in rows if "loss" in r}, {r["step"]: r.get("loss_scale") for r in rows if "step" in r and ("loss" in r or r.get("skipped"))},
+            [r["step"] for r in rows if r.get("skipped")])
+(b, _, _), (h, hs, hskip), (o, os_, oskip) = load(sys.argv[1]), load(sys.argv[2]), load(sys.argv[3])
+ok = True
+rel = {s: abs(h[s] - b[s]) / b[s] for s in b if s in h}
+worst = max(rel.values())
+last = range(151, 201)
+last = [s for s in last if s in h]
+mean_b, mean_h = sum(b[s] for s in last) / len(last), sum(h[s] for s in last) / len(last)
+mean_rel = abs(mean_h - mean_b) / mean_b
+for s in (1, 2, 5, 10, 20, 50, 100, 150, 200):
+    print(f"step {s:3d}  bf16 {b[s]:.5f}  fp16 {h.get(s, float('nan')):.5f}  rel {rel.get(s, float('nan')):.2e}  "
+          f"scale {hs[s]:g}  fp16+overflow {o.get(s, float('nan')):.5f}  scale {os_[s]:g}")
+print(f"fp16 against bf16: largest relative loss difference {worst:.2e} (bound 2e-2), mean of steps 151-200 "
+      f"{mean_h:.5f} against {mean_b:.5f}: {mean_rel:.2e} (bound 5e-3); fp16 skipped steps {hskip}")
+ok &= worst <= 2e-2 and mean_rel <= 5e-3
+print(f"fp16 with an overflow injected at step 100: skipped {oskip}, scale {os_[99]:g} -> {os_[100]:g} (injected) -> "
+      f"{os_[101]:g}; step 200's loss {o[200]:.5f} against {h[200]:.5f} ({abs(o[200] - h[200]) / h[200]:.2e}, bound 2e-2)")
+ok &= 100 in oskip and os_[100] == os_[99] * 65536 and os_[101] == os_[99] / 2 and abs(o[200] - h[200]) / h[200] <= 2e-2
+sys.exit(0 if ok else 1)
+PY
+}
+
 step_gap() {
   local d="$root/data/kjv"
   if [[ ! -f "$d/train_000.bin" ]]; then
@@ -148,8 +204,8 @@ run_step() {
 }
 for s in "${steps[@]}"; do
   case "$s" in
-    device|cuda|memcheck|pipeline|flash|train|loom|llama|gap) run_step "$s" ;;
-    *) echo "gpu_checks: unknown step '$s' (device, cuda, memcheck, pipeline, flash, train, loom, llama, gap)" >&2; exit 2 ;;
+    device|cuda|memcheck|pipeline|flash|train|loom|llama|fp16|gap) run_step "$s" ;;
+    *) echo "gpu_checks: unknown step '$s' (device, cuda, memcheck, pipeline, flash, train, loom, llama, fp16, gap)" >&2; exit 2 ;;
   esac
 done
 exit $failed

@@ -333,6 +333,9 @@ struct BackendOptions {
   // CPU: the linear layers' GEMM inputs, f32, or bf16 with f32 accumulation (train.precision =
   // bf16; needs AVX512-BF16 or AMX-BF16). Activations, weights and gradients stay f32.
   DType matmul = DType::f32;
+  // CUDA: the dtype the model computes and keeps activations in, bf16 or f16 (train.precision =
+  // fp16, with loss scaling); master weights, gradients and moments stay f32. The CPU computes in f32.
+  DType compute = DType::bf16;
 };
 
 class Backend {

@@ -251,6 +251,7 @@ std::string manifest_text(const CheckpointMeta& meta) {
   m["version"] = kCheckpointVersion;
   m["step"] = meta.step;
   m["optimizer_steps"] = meta.optimizer_steps;
+  if (meta.loss_scale > 0) m["loss_scale"] = {{"scale", meta.loss_scale}, {"clean_steps", meta.loss_scale_clean}};
   m["data_position"] = meta.data_position;
   m["rng"] = {{"seed", meta.seed}, {"kind", "philox4x32-10 counters keyed by (seed, stream, index)"}};
   m["model"] = meta.model;
@@ -460,6 +461,17 @@ CheckpointMeta read_checkpoint_meta(const std::string& ckpt) {
   meta.step = integer("step");
   meta.optimizer_steps = integer("optimizer_steps");
   meta.data_position = integer("data_position");
+  if (m.contains("loss_scale")) {
+    const auto& ls = m["loss_scale"];
+    if (!ls.is_object() || !ls.contains("scale") || !ls["scale"].is_number() || !ls.contains("clean_steps") ||
+        !ls["clean_steps"].is_number_integer() || !(ls["scale"].get<double>() > 0) ||
+        !std::isfinite(ls["scale"].get<double>()) || ls["clean_steps"].get<int64_t>() < 0)
+      throw Error(fmt::format("{}: field 'loss_scale' must be {{\"scale\": a positive number, \"clean_steps\": a "
+                              "non-negative integer}}",
+                              path));
+    meta.loss_scale = ls["scale"].get<double>();
+    meta.loss_scale_clean = ls["clean_steps"].get<int64_t>();
+  }
   const auto& rng = field("rng");
   if (!rng.is_object() || !rng.contains("seed") || !rng["seed"].is_number_unsigned())
     throw Error(fmt::format("{}: field 'rng.seed' must be a non-negative integer", path));

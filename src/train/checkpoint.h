@@ -62,6 +62,8 @@ struct TensorInfo {
 struct CheckpointMeta {
   int64_t step = 0;              // optimizer steps completed
   int64_t optimizer_steps = 0;   // AdamW's bias-correction counter
+  double loss_scale = 0;         // train.precision fp16: the loss scaler's scale (0: none)
+  int64_t loss_scale_clean = 0;  // and its clean steps since the scale last changed
   int64_t data_position = 0;     // the next training step's index into the sampler
   uint64_t seed = 0;             // initialisation, data order and sampling are counters on it
   nlohmann::json model;          // model config fields

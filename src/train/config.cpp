@@ -67,7 +67,10 @@ const Field kFields[] = {
     F("train.device", device, "cpu, or cuda: GPUs (a build with -DLOOM_CUDA=ON; data parallelism only, one process per GPU rank)"),
     F("train.cuda_graph", cuda_graph, "with train.device cuda: run each step as one CUDA graph (false: kernel by kernel, for debugging)"),
     F("train.cuda_attention", cuda_attention, "with train.device cuda: flash (loom's kernels), cudnn (cuDNN's fused attention), gemm (probabilities materialised), or auto (cudnn where loom has cuDNN 9.16 or newer and the head size is 64 or 128, else flash for those head sizes, else gemm)"),
-    F("train.precision", precision, "auto (f32 on the CPU, bf16 on CUDA), f32, or bf16: on the CPU the linear layers' products in bf16 with f32 accumulation, weights, activations and gradients in f32 (needs AVX512-BF16 or AMX-BF16); on CUDA bf16 compute with f32 master weights and moments. fp16 (with loss scaling) is not built yet"),
+    F("train.precision", precision, "auto (f32 on the CPU, bf16 on CUDA), f32, or bf16: on the CPU the linear layers' products in bf16 with f32 accumulation, weights, activations and gradients in f32 (needs AVX512-BF16 or AMX-BF16); on CUDA bf16 compute with f32 master weights and moments. fp16 (train.device cuda): f16 compute with f32 master weights and moments and dynamic loss scaling (train.loss_scale_*)"),
+    F("train.loss_scale_init", loss_scale_init, "train.precision fp16: the first loss scale (the loss gradient is multiplied by it, the parameter gradients divided by it again; a step whose gradients overflow f16 is skipped and the scale halved)"),
+    F("train.loss_scale_window", loss_scale_window, "train.precision fp16: clean steps in a row after which the loss scale doubles"),
+    F("train.loss_scale_min", loss_scale_min, "train.precision fp16: the smallest loss scale; gradients that overflow f16 below it stop the run"),
     F("train.threads", threads, "CPU threads per process (0: all cores; under mpi, the host's cores shared among its processes)"),
     F("train.log_every", log_every, "steps between metric lines"),
     F("train.eval_every", eval_every, "steps between validation losses (0: never)"),
@@ -476,16 +479,23 @@ void TrainConfig::validate(const std::string& where, const std::vector<std::stri
        "train.cuda_attention", fmt::format("'{}' is not auto, flash, cudnn or gemm", cuda_attention));
   need(precision == "auto" || precision == "f32" || precision == "bf16" || precision == "fp16", "train.precision",
        fmt::format("'{}' is not auto, f32, bf16 or fp16", precision));
-  need(precision != "fp16", "train.precision",
-       "fp16 (with dynamic loss scaling) is not built yet; bf16 needs no loss scaling");
+  need(!(precision == "fp16" && device != "cuda"), "train.precision",
+       "fp16 (f16 compute with loss scaling) runs on CUDA (train.device = \"cuda\"); on the CPU use f32, or bf16 "
+       "where the CPU has AVX512-BF16 or AMX-BF16");
+  need(std::isfinite(loss_scale_init) && loss_scale_init > 0, "train.loss_scale_init",
+       fmt::format("must be positive, got {}", loss_scale_init));
+  need(loss_scale_window >= 1, "train.loss_scale_window", fmt::format("must be at least 1, got {}", loss_scale_window));
+  need(std::isfinite(loss_scale_min) && loss_scale_min > 0 && loss_scale_min <= loss_scale_init,
+       "train.loss_scale_min",
+       fmt::format("must be positive and at most train.loss_scale_init {}, got {}", loss_scale_init, loss_scale_min));
   if (device == "cpu" && precision == "bf16") {
     const std::string missing = cpu_bf16_missing();
     need(missing.empty(), "train.precision",
          fmt::format("bf16 on the CPU needs {}; use f32 (or auto) on this CPU", missing));
   }
   need(!(device == "cuda" && precision == "f32"), "train.precision",
-       "f32 with train.device = \"cuda\": the CUDA engine computes in bf16 (f32 master weights and moments); use "
-       "bf16 or auto");
+       "f32 with train.device = \"cuda\": the CUDA engine computes in bf16 (or f16 with loss scaling: fp16), with f32 "
+       "master weights and moments; use bf16, fp16 or auto");
   need(comm != "nccl" || device == "cuda", "parallel.comm",
        fmt::format("nccl reduces GPU buffers: it needs train.device = \"cuda\" (got \"{}\"); on the CPU use mpi",
                    device));

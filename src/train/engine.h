@@ -30,6 +30,8 @@ struct CheckpointPart {
   std::vector<Slice> slices;
   std::vector<std::vector<float>> storage;
   int64_t optimizer_steps = 0;
+  double loss_scale = 0;         // train.precision fp16: the loss scaler's state (0: none)
+  int64_t loss_scale_clean = 0;
 };
 
 class Engine {
@@ -55,6 +57,9 @@ class Engine {
   // read from the checkpoint (only the elements it holds), and the optimizer's step count (not
   // collective).
   virtual void load(CheckpointReader& ckpt, int64_t optimizer_steps) = 0;
+  // After load: the loss scaler's state the checkpoint kept (train.precision fp16; engines
+  // without loss scaling, and checkpoints without one, leave it).
+  virtual void load_loss_scale(double scale, int64_t clean_steps) { (void)scale, (void)clean_steps; }
   // Collective: the tokens that continue `prompt` (the same on every rank), drawn on the mesh
   // itself: no rank assembles the weights.
   virtual std::vector<int32_t> sample(const std::vector<int32_t>& prompt, const SampleOptions& opt) = 0;

@@ -2,8 +2,13 @@
 // by the one training loop (train/trainer.cpp). Host code only (CUDA runtime calls, no kernels):
 // compiled by the C++ compiler, like comm/nccl_comm.cu, so it shares the C++20 trainer headers.
 //
-//   - the one model (model/gpt.h) on a CUDA backend (bf16 compute, f32 master weights and AdamW
-//     moments), its steps run by train::StepRunner (captured as CUDA graphs and replayed);
+//   - the one model (model/gpt.h) on a CUDA backend (bf16 compute, or f16 under train.precision
+//     fp16; f32 master weights and AdamW moments), its steps run by train::StepRunner (captured as
+//     CUDA graphs and replayed);
+//   - fp16: dynamic loss scaling (train/loss_scale.h) around the step runner's loss scale: a step
+//     whose scaled gradients overflow (the norm is not finite, the loss is) is skipped by the update
+//     kernel and reported as an overflow, and the scale halves; the scale is in the metrics and
+//     the checkpoints;
 //   - data parallelism over parallel.dp processes (parallel.comm mpi or nccl, under mpirun; the
 //     threads backend runs one rank): each holds a whole replica on the GPU local rank % GPUs of
 //     its host, trains on its share of every batch (the CPU engines' split), and the replicas'
@@ -20,8 +25,8 @@
 //   - checkpoints in the CPU format (train/checkpoint.h): the f32 master weights and both
 //     moments, so a GPU checkpoint loads in `loom generate` and resumes on the CPU, and a CPU
 //     checkpoint resumes here;
-//   - MFU against the bf16 GEMM rate of the job's GPUs, measured at start by every rank at once
-//     and summed (cuda::measure_gemm_peak_bf16; ranks sharing a GPU share its rate).
+//   - MFU against the GEMM rate of the job's GPUs in the compute dtype, measured at start by every
+//     rank at once and summed (cuda::measure_gemm_peak; ranks sharing a GPU share its rate).
 // Not bit-identical from run to run: the token-embedding gradient and flash attention's dq are
 // summed with f32 atomics (kernels/cuda/embedding.cuh, attention.cuh), so a resumed run matches
 // the uninterrupted one to rounding.
@@ -44,6 +49,7 @@
 #include "model/gpt.h"
 #include "parallel/data/flat_layout.h"
 #include "train/engine.h"
+#include "train/loss_scale.h"
 #include "train/run_util.h"
 #include "train/step_runner.h"
 
@@ -89,6 +95,8 @@ class CudaEngine : public Engine {
                     .beta1 = a.cfg.beta1, .beta2 = a.cfg.beta2, .eps = a.cfg.eps,
                     .weight_decay = a.cfg.weight_decay, .grad_clip = a.cfg.grad_clip}),
         host_("host") {
+    if (a.cfg.run_precision() == "fp16")
+      scaler_ = std::make_unique<LossScaler>(a.cfg.loss_scale_init, a.cfg.loss_scale_window, a.cfg.loss_scale_min);
     const int dp = world_.size();
     local_ = cfg_.batch_size / dp;
     mb_ = micro_batch(cfg_, dp);
@@ -98,7 +106,7 @@ class CudaEngine : public Engine {
     // can be named in the header.
     if (mc_.n_layer > 0) {
       attn_shape_ = gpt_.block(0).attention_shape(mb_, cfg_.seq_len);
-      be_->prepare_attention(DType::bf16, attn_shape_);
+      be_->prepare_attention(be_->compute_dtype(), attn_shape_);
     }
     // The gradients' collective, on the model's stream (ordered after the backward's kernels).
     if (dp > 1) {
@@ -120,7 +128,10 @@ class CudaEngine : public Engine {
                               "libcudnn)",
                               a.where));
     return std::make_unique<cuda::CudaBackend>(
-        BackendOptions{.device_index = device, .pool = &cuda::device_pool(), .attention = attention});
+        BackendOptions{.device_index = device,
+                       .pool = &cuda::device_pool(),
+                       .attention = attention,
+                       .compute = a.cfg.run_precision() == "fp16" ? DType::f16 : DType::bf16});
   }
 
   std::string describe() const override {
@@ -133,7 +144,10 @@ class CudaEngine : public Engine {
                               : "",
                        mb_, cfg_.seq_len, cfg_.grad_accum,
                        mc_.n_layer > 0 ? std::string(attn_kernel_name(be_->attention_kernel(attn_shape_))) : "no",
-                       cfg_.cuda_graph ? "CUDA graphs" : "no CUDA graphs");
+                       cfg_.cuda_graph ? "CUDA graphs" : "no CUDA graphs") +
+           (scaler_ ? fmt::format(" | f16 compute, loss scale from {:g} (doubling after {} clean steps)",
+                                  cfg_.loss_scale_init, cfg_.loss_scale_window)
+                    : "");
   }
 
   std::vector<std::string> notes() const override {
@@ -143,22 +157,28 @@ class CudaEngine : public Engine {
   }
 
   double gemm_peak(comm::Comm& world) override {
-    return job_gemm_peak(world, [&] { return cuda::measure_gemm_peak_bf16(be_->blas(), be_->stream()); });
+    return job_gemm_peak(world,
+                         [&] { return cuda::measure_gemm_peak(be_->blas(), be_->stream(), be_->compute_dtype()); });
   }
-  std::string peak_name() const override { return world_.size() > 1 ? "bf16 GEMM peak (all ranks)" : "bf16 GEMM peak"; }
+  std::string peak_name() const override {
+    const std::string dt(dtype_name(be_->compute_dtype()));
+    return world_.size() > 1 ? dt + " GEMM peak (all ranks)" : dt + " GEMM peak";
+  }
 
   StepOut step(int64_t step, float lr) override {
     const int dp = world_.size();
     StepOut st;
+    const float scale = scaler_ ? float(scaler_->scale()) : 1.0f;
+    if (scaler_) st.loss_scale = scale;
     if (cfg_.grad_accum == 1 && dp == 1) {
       train_.train_batch(step, cfg_.batch_size, 0, mb_, x_.data(), y_.data());
-      st.loss = run_.train_step(x_.data(), y_.data(), lr, optimizer_steps_ + 1);
+      st.loss = run_.train_step(x_.data(), y_.data(), lr, optimizer_steps_ + 1, scale);
       st.grad_norm = run_.last_grad_norm();
     } else {
       run_.zero_grad();
       for (int64_t micro = 0; micro < cfg_.grad_accum; ++micro) {
         train_.train_batch(step, cfg_.batch_size, world_.rank() * local_ + micro * mb_, mb_, x_.data(), y_.data());
-        st.loss += run_.accumulate(x_.data(), y_.data());
+        st.loss += run_.accumulate(x_.data(), y_.data(), scale);
       }
       st.loss /= double(cfg_.grad_accum);
       if (dp > 1) st.loss = sum_over_ranks(world_, st.loss) / double(dp);
@@ -173,12 +193,17 @@ class CudaEngine : public Engine {
       // gradient's over every micro-batch of every rank, as on the CPU.
       if (dcomm_)
         dcomm_->all_reduce(gpt_.flat_gradients().raw(), gpt_.flat_gradients().numel(), DType::f32, comm::ReduceOp::sum);
-      st.grad_norm = run_.optimizer_step(lr, optimizer_steps_ + 1, 1.0f / float(cfg_.grad_accum * dp));
+      st.grad_norm = run_.optimizer_step(lr, optimizer_steps_ + 1, 1.0f / (float(cfg_.grad_accum * dp) * scale));
     }
     // The update kernel leaves parameters and moments as they were when the norm is not finite
-    // (kernels/cuda/adamw.cu): the step was skipped, and AdamW's step count stays.
-    if (!std::isfinite(st.grad_norm)) {
+    // (kernels/cuda/adamw.cu): the step was skipped, and AdamW's step count stays. Under fp16 a
+    // finite loss with such a norm is the scaled gradients' overflow (the same on every rank: the
+    // norm is the summed gradients'): the scale halves.
+    const bool finite = std::isfinite(st.grad_norm);
+    if (scaler_ && std::isfinite(st.loss)) scaler_->update(!finite, fmt::format("step {}", step + 1));
+    if (!finite) {
       st.skipped = true;
+      st.overflow = scaler_ && std::isfinite(st.loss);
       return st;
     }
     ++optimizer_steps_;
@@ -201,6 +226,10 @@ class CudaEngine : public Engine {
   CheckpointPart checkpoint_part() override {
     CheckpointPart out;
     out.optimizer_steps = optimizer_steps_;
+    if (scaler_) {
+      out.loss_scale = scaler_->scale();
+      out.loss_scale_clean = scaler_->clean_steps();
+    }
     const auto& ps = gpt_.parameters();
     for (size_t i = size_t(world_.rank()); i < ps.size(); i += size_t(world_.size())) {
       const model::ParamSpec& s = ps[i]->spec;
@@ -229,6 +258,17 @@ class CudaEngine : public Engine {
       run_.set_exp_avg_sq(s.name, v.data());
     }
     optimizer_steps_ = optimizer_steps;
+  }
+
+  void load_loss_scale(double scale, int64_t clean_steps) override {
+    if (scaler_) scaler_->restore(scale, clean_steps);
+  }
+
+  bool poison(const std::string& kind) override {
+    if (kind != "overflow") return false;
+    LOOM_CHECK(scaler_, "LOOM_FAULT_INJECT kind=overflow needs train.precision = \"fp16\" (loss scaling)");
+    scaler_->inject_overflow();
+    return true;
   }
 
   // Every rank samples from a CPU copy of its weights, as in the CPU data-parallel runs: the
@@ -264,6 +304,7 @@ class CudaEngine : public Engine {
   StepRunner run_;
   MemoryPool host_;
   std::unique_ptr<comm::Comm> dcomm_;
+  std::unique_ptr<LossScaler> scaler_;  // train.precision fp16
   AttnShape attn_shape_;
   int64_t local_ = 0, mb_ = 0, optimizer_steps_ = 0;
   std::vector<int32_t> x_, y_;  // i32 [mb, T]

@@ -410,7 +410,7 @@ FaultInjection FaultInjection::from_env(int ranks) {
   if (!env || !*env) return f;
   const std::string spec = env;
   auto bad = [&](const std::string& why) {
-    return Error(fmt::format("LOOM_FAULT_INJECT='{}': {} (expected rank=R,step=S,kind=throw|exit|kill|stall|nan|nan_weight)",
+    return Error(fmt::format("LOOM_FAULT_INJECT='{}': {} (expected rank=R,step=S,kind=throw|exit|kill|stall|nan|nan_weight|overflow)",
                              spec, why));
   };
   auto number = [&](const std::string& key, const std::string& v) -> int64_t {
@@ -443,7 +443,8 @@ FaultInjection FaultInjection::from_env(int ranks) {
       if (f.step < 1) throw bad(fmt::format("step {} is not positive", f.step));
       has_step = true;
     } else if (key == "kind") {
-      if (val != "throw" && val != "exit" && val != "kill" && val != "stall" && val != "nan" && val != "nan_weight")
+      if (val != "throw" && val != "exit" && val != "kill" && val != "stall" && val != "nan" && val != "nan_weight" &&
+          val != "overflow")
         throw bad(fmt::format("unknown kind '{}'", val));
       f.kind = val;
     } else {
@@ -457,7 +458,7 @@ FaultInjection FaultInjection::from_env(int ranks) {
 
 std::string FaultInjection::maybe_fire(int r, int ranks, int64_t at) const {
   if (r != rank || at != step) return "";
-  if (kind == "nan" || kind == "nan_weight") return kind;
+  if (kind == "nan" || kind == "nan_weight" || kind == "overflow") return kind;
   std::string what = fmt::format("LOOM_FAULT_INJECT: rank {} of {} fails on purpose at step {} ({})", r, ranks, at, kind);
   if (kind == "throw") throw Error(what);
   std::fflush(stdout);
@@ -590,7 +591,7 @@ void RunLog::say(const std::string& line) const {
   if (lead_ && !quiet_) std::printf("%s\n", line.c_str()), std::fflush(stdout);
 }
 
-void RunLog::record(int64_t done, double loss, float lr, double grad_norm, double dt) {
+void RunLog::record(int64_t done, double loss, float lr, double grad_norm, double dt, double loss_scale) {
   train_time_ += dt;
   window_time_ += dt;
   ++window_steps_;
@@ -599,6 +600,7 @@ void RunLog::record(int64_t done, double loss, float lr, double grad_norm, doubl
   nlohmann::json j = {{"step", done}, {"loss", loss}, {"lr", lr}, {"grad_norm", grad_norm},
                       {"tokens_per_s", tps}, {"mfu", mfu(tps)},
                       {"time_s", seconds_since(t_start_)}};
+  if (loss_scale > 0) j["loss_scale"] = loss_scale;
   metrics_ << j.dump() << "\n";
   metrics_.flush();
   check_metrics_write();
@@ -613,11 +615,12 @@ void RunLog::check_metrics_write() {
   throw Error(fmt::format("{}: cannot write the metrics: {}", metrics_path_, err ? std::strerror(err) : "write failed"));
 }
 
-void RunLog::record_skip(int64_t done, float lr, double dt) {
+void RunLog::record_skip(int64_t done, float lr, double dt, double loss_scale) {
   train_time_ += dt;
   if (!lead_) return;
-  metrics_ << nlohmann::json{{"step", done}, {"skipped", true}, {"lr", lr}, {"time_s", seconds_since(t_start_)}}.dump()
-           << "\n";
+  nlohmann::json j{{"step", done}, {"skipped", true}, {"lr", lr}, {"time_s", seconds_since(t_start_)}};
+  if (loss_scale > 0) j["loss_scale"] = loss_scale;
+  metrics_ << j.dump() << "\n";
   metrics_.flush();
   check_metrics_write();
 }
@@ -661,7 +664,13 @@ void run_steps(const TrainConfig& cfg, RunLog& log, const LrSchedule& sched, con
     const float lr = sched.at(step);
     const StepOut st = hooks.step(step, lr);
     const int64_t done = step + 1;
-    if (st.skipped || !std::isfinite(st.loss) || !std::isfinite(st.grad_norm)) {
+    if (st.overflow) {
+      // fp16's loss scaling: the engine skipped the update and halved the scale (it stops the
+      // run itself when the scale would fall below train.loss_scale_min).
+      log.say(fmt::format("step {}: the gradients overflow f16 at loss scale {:g}: step skipped, the scale halved",
+                          done, st.loss_scale));
+      log.record_skip(done, lr, seconds_since(t0), st.loss_scale);
+    } else if (st.skipped || !std::isfinite(st.loss) || !std::isfinite(st.grad_norm)) {
       const std::string what = fmt::format("step {}: the loss is {:.6g} and the gradient norm {:.6g}{}", done, st.loss,
                                            st.grad_norm, st.nonfinite.empty() ? "" : "; first non-finite: " + st.nonfinite);
       LOOM_CHECK(st.skipped, "{} (diverged, and the update could not be skipped); lower optim.lr or raise "
@@ -676,7 +685,7 @@ void run_steps(const TrainConfig& cfg, RunLog& log, const LrSchedule& sched, con
       log.record_skip(done, lr, seconds_since(t0));
     } else {
       skipped_in_a_row = 0;
-      log.record(done, st.loss, lr, st.grad_norm, seconds_since(t0));
+      log.record(done, st.loss, lr, st.grad_norm, seconds_since(t0), st.loss_scale);
       res.last_loss = st.loss;
     }
     res.steps_done = done;
@@ -684,7 +693,7 @@ void run_steps(const TrainConfig& cfg, RunLog& log, const LrSchedule& sched, con
       res.last_val_loss = hooks.evaluate();
       log.record_val(done, res.last_val_loss);
     }
-    if (skipped_in_a_row == 0) log.progress(done, st.loss, lr, st.grad_norm);
+    if (skipped_in_a_row == 0 && !st.overflow) log.progress(done, st.loss, lr, st.grad_norm);
     if (cfg.sample_every > 0 && done % cfg.sample_every == 0 && done != cfg.steps)
       log.say(fmt::format("--- sample at step {} ---\n{}\n---", done, hooks.sample(done)));
     if ((cfg.checkpoint_every > 0 && done % cfg.checkpoint_every == 0) || done == cfg.steps) hooks.checkpoint(done);

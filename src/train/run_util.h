@@ -111,7 +111,8 @@ void read_loss_points(const std::string& path, std::vector<std::pair<double, dou
 // A failure injected on purpose (LOOM_FAULT_INJECT="rank=R,step=S,kind=K", a testing aid): rank R
 // of the run's `ranks` fails at the start of step S (1-based) by throwing, exiting (_Exit(3)),
 // being killed (SIGKILL) or stalling (sleeping for ever), or its step S gets a NaN in its gradients (kind=nan) or in its weights
-// from then on (kind=nan_weight).
+// from then on (kind=nan_weight), or (train.precision fp16) its step S runs at a loss scale 2^16 times
+// larger, so that its gradients overflow f16 (kind=overflow: the loss scaler's recovery).
 struct FaultInjection {
   int rank = -1;  // -1: none
   int64_t step = 0;
@@ -157,10 +158,11 @@ class RunLog {
   RunLog(const TrainConfig& cfg, const std::string& metrics_path, int64_t start_step, bool lead, bool quiet,
          double flops_per_token, double peak_flops, double unigram);
   // After each optimizer step (dt: its seconds).
-  void record(int64_t done, double loss, float lr, double grad_norm, double dt);
+  // loss_scale > 0 (fp16): the step's loss scale, in the metrics line.
+  void record(int64_t done, double loss, float lr, double grad_norm, double dt, double loss_scale = 0);
   void record_val(int64_t done, double val_loss);
   // A step skipped for a non-finite loss or norm: its metrics line says so (no loss).
-  void record_skip(int64_t done, float lr, double dt);
+  void record_skip(int64_t done, float lr, double dt, double loss_scale = 0);
   // The progress line when due (every log_every steps, the first after the start, the last).
   void progress(int64_t done, double loss, float lr, double grad_norm);
   void say(const std::string& line) const;
@@ -193,6 +195,11 @@ struct StepOut {
   double loss = 0, grad_norm = 0;
   bool skipped = false;
   std::string nonfinite;
+  // train.precision fp16: the loss scale the step ran at, and whether its scaled gradients
+  // overflowed f16 (the update was skipped and the scale halved: loss scaling at work, not a
+  // divergence, so not counted against train.skip_nonfinite). 0 and false otherwise.
+  double loss_scale = 0;
+  bool overflow = false;
 };
 
 // What one trainer does at each point of the run; run_steps calls them at the config's cadence.

@@ -58,7 +58,7 @@ int64_t StepRunner::upload(const int32_t* tokens, const int32_t* targets) {
 
 void StepRunner::enqueue_micro() {
   gpt_.forward(tokens_, targets_,
-               {.fuse_backward = true, .dloss_scale = 1.0f, .counted = counted_, .loss_out = loss_.f32()});
+               {.fuse_backward = true, .dloss_scale = loss_scale_, .counted = counted_, .loss_out = loss_.f32()});
   gpt_.backward();
 }
 
@@ -80,7 +80,7 @@ void StepRunner::run(Kind k) {
     warmed_[k] = true;
     return;
   }
-  if (!graphs_[k] || graph_counted_[k] != counted_) {
+  if (!graphs_[k] || graph_counted_[k] != counted_ || graph_scale_[k] != loss_scale_) {
     graphs_[k].reset();
     be_.begin_capture();
     try {
@@ -94,6 +94,7 @@ void StepRunner::run(Kind k) {
     }
     graphs_[k] = be_.end_capture();
     graph_counted_[k] = counted_;
+    graph_scale_[k] = loss_scale_;
     graph_epochs_[k][0] = be_.memory_epoch();
     graph_epochs_[k][1] = gpt_.activation_epoch();
   }
@@ -115,15 +116,18 @@ float StepRunner::forward(const int32_t* tokens, const int32_t* targets) {
 
 float StepRunner::forward_backward(const int32_t* tokens, const int32_t* targets) {
   counted_ = upload(tokens, targets);
+  loss_scale_ = 1.0f;
   gpt_.zero_grad();
   enqueue_micro();
   return read_loss();
 }
 
-float StepRunner::train_step(const int32_t* tokens, const int32_t* targets, double lr, int64_t step) {
+float StepRunner::train_step(const int32_t* tokens, const int32_t* targets, double lr, int64_t step, float loss_scale) {
+  LOOM_CHECK(std::isfinite(loss_scale) && loss_scale > 0, "step runner: loss scale {} must be positive", loss_scale);
   counted_ = upload(tokens, targets);
+  loss_scale_ = loss_scale;
   adamw_->set_hyper({.lr = lr, .beta1 = opt_.beta1, .beta2 = opt_.beta2, .eps = opt_.eps, .step = step,
-                     .max_norm = opt_.grad_clip, .grad_scale = 1.0f});
+                     .max_norm = opt_.grad_clip, .grad_scale = 1.0f / loss_scale});
   run(kStep);
   const float loss = read_loss();
   grad_norm_ = float(adamw_->grad_norm());
@@ -132,8 +136,10 @@ float StepRunner::train_step(const int32_t* tokens, const int32_t* targets, doub
 
 void StepRunner::zero_grad() { gpt_.zero_grad(); }
 
-float StepRunner::accumulate(const int32_t* tokens, const int32_t* targets) {
+float StepRunner::accumulate(const int32_t* tokens, const int32_t* targets, float loss_scale) {
+  LOOM_CHECK(std::isfinite(loss_scale) && loss_scale > 0, "step runner: loss scale {} must be positive", loss_scale);
   counted_ = upload(tokens, targets);
+  loss_scale_ = loss_scale;
   run(kMicro);
   return read_loss();
 }

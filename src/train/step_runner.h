@@ -7,8 +7,14 @@
 // While the backend has an observer (Backend::set_observer: a step's breakdown by op) nothing
 // runs as a graph. The first call of each kind runs eagerly (it allocates the activations and scratch, plans the
 // attention and tunes the GEMMs, none of which may happen in a capture); the next one captures.
-// The loss gradient's scale (1 / the counted targets) is part of the captured work, so a batch
-// with another count of targets is captured again.
+// The loss gradient's scale (loss_scale / the counted targets) is part of the captured work, so a
+// batch with another count of targets, or a step at another loss scale, is captured again.
+//
+// Loss scaling (train.precision fp16): train_step and accumulate take the loss scale S; the loss
+// gradient is multiplied by S (the f16 activation gradients with it) and the update divides the
+// f32 parameter gradients by S again before the norm, clipping and AdamW (its grad_scale), so the
+// norm they return is the unscaled gradient's. A norm that is not finite means the scaled gradients
+// overflowed: the update kernel then leaves parameters and moments as they were.
 //
 // AdamW moments are f32 tensors of each parameter's storage (tag optimizer) in the backend's
 // memory, updated with the compute copies refreshed in the same pass.
@@ -50,14 +56,14 @@ class StepRunner {
   float forward_backward(const int32_t* tokens, const int32_t* targets);
   // One optimizer step on the batch (gradients, clipping, AdamW at lr with bias correction for
   // `step`, 1-based). Returns the mean loss before the update.
-  float train_step(const int32_t* tokens, const int32_t* targets, double lr, int64_t step);
+  float train_step(const int32_t* tokens, const int32_t* targets, double lr, int64_t step, float loss_scale = 1.0f);
   // Gradient accumulation: zero_grad(), accumulate() per micro-batch (adds the gradient of its
   // mean loss, returns that loss), optimizer_step() with grad_scale (1 / k for the mean over k
   // micro-batches; the norm, clipping and update see the scaled gradient), which returns the
   // scaled gradient's norm before clipping. Between the last accumulate and optimizer_step the
   // gradients may be summed over replicas (Parameter::grad_full, ordered on the backend's queue).
   void zero_grad();
-  float accumulate(const int32_t* tokens, const int32_t* targets);
+  float accumulate(const int32_t* tokens, const int32_t* targets, float loss_scale = 1.0f);
   float optimizer_step(double lr, int64_t step, float grad_scale = 1.0f);
   float last_grad_norm() const { return grad_norm_; }
   // Graph replays so far (what the steps ran as).
@@ -95,6 +101,8 @@ class StepRunner {
   int64_t counted_ = 0;
   std::unique_ptr<Graph> graphs_[kKinds];
   int64_t graph_counted_[kKinds] = {-1, -1};  // the count baked into each graph
+  float graph_scale_[kKinds] = {0, 0};        // and the loss scale
+  float loss_scale_ = 1.0f;                   // the loss scale of the step being enqueued
   // The backend's memory epoch and the model's activation epoch each graph was captured under: a
   // graph whose memory has since been freed or moved is dropped and the step warmed again.
   uint64_t graph_epochs_[kKinds][2] = {{0, 0}, {0, 0}};

@@ -400,6 +400,7 @@ class ChainEngine : public CpuEngine {
   }
 
   bool poison(const std::string& kind) override {
+    if (kind == "overflow") return false;  // fp16's loss scaling: the CUDA engine's
     if (kind == "nan") ddp_.poison_gradients();
     else ddp_.poison_parameters();
     return true;
@@ -637,6 +638,7 @@ class PipelineEngine : public CpuEngine {
   }
 
   bool poison(const std::string& kind) override {
+    if (kind == "overflow") return false;  // fp16's loss scaling: the CUDA engine's
     if (kind == "nan") exec_.data_parallel().poison_gradients();
     else exec_.data_parallel().poison_parameters();
     return true;
@@ -785,6 +787,7 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
       CheckpointReader reader(ckpt, /*verify=*/false);  // verified whole by resume_checkpoint
       if (mc.kept_tokens) prepare_pruned_embedding(reader, ckpt, mc, cfg, lead, pool), pruned_start = true;
       engine->load(reader, meta.optimizer_steps);
+      if (meta.loss_scale > 0) engine->load_loss_scale(meta.loss_scale, meta.loss_scale_clean);
       start_step = meta.step;
       if (lead) truncate_metrics(metrics_path, start_step);
       say(fmt::format("resumed from {} (step {})", ckpt, start_step));
@@ -843,8 +846,10 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
       part.storage.emplace_back(mc.kept_tokens->begin(), mc.kept_tokens->end());  // ids < 2^24: exact in f32
       part.slices.push_back({"vocab/kept", 0, mc.input_rows(), part.storage.back().data()});
     }
-    save_checkpoint(world, out_dir.string(), checkpoint_meta(cfg, mc, step, part.optimizer_steps, vocabulary),
-                    ckpt_tensors, part.slices, cfg.keep_checkpoints);
+    CheckpointMeta cm = checkpoint_meta(cfg, mc, step, part.optimizer_steps, vocabulary);
+    cm.loss_scale = part.loss_scale;
+    cm.loss_scale_clean = part.loss_scale_clean;
+    save_checkpoint(world, out_dir.string(), cm, ckpt_tensors, part.slices, cfg.keep_checkpoints);
     ++res.checkpoints;
     res.last_checkpoint_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   };

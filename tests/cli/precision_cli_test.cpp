@@ -84,7 +84,7 @@ TEST(PrecisionCli, ValuesTheRunCannotTakeAreRefusedByName) {
   PrecisionRun r;
   const std::pair<std::string, std::string> cases[] = {
       {"--train.precision f64", "is not auto, f32, bf16 or fp16"},
-      {"--train.precision fp16", "fp16 (with dynamic loss scaling) is not built yet"},
+      {"--train.precision fp16", "fp16 (f16 compute with loss scaling) runs on CUDA"},
       {"--train.precision f32 --train.device cuda", "the CUDA engine computes in bf16"},
   };
   for (const auto& [args, want] : cases) {

@@ -8,11 +8,15 @@
 //   f32 backend (CPU): 1e-5 everywhere (f32 arithmetic on exact inputs, another summation order);
 //   bf16 backend (CUDA): 1e-2 for outputs stored in bf16 (one bf16 rounding is about 2e-3, and
 //   the attention backward recomputes probabilities in bf16), 1e-3 for f32 outputs (parameter
-//   gradients, statistics, log-sum-exp, losses: f32 accumulation of exact bf16 products).
+//   gradients, statistics, log-sum-exp, losses: f32 accumulation of exact bf16 products);
+//   f16 backend (CUDA, train.precision fp16): the bf16 backend's tolerances (f16 rounds to 11
+//   significant bits where bf16 rounds to 8, and the inputs, all within f16's range, are exact in
+//   both), so the same bounds hold with a margin.
 #pragma once
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstdint>
 #include <limits>
 #include <memory>
@@ -76,21 +80,33 @@ struct DevBuf {
   }
 };
 
-class BackendParity : public ::testing::TestWithParam<Device> {
+// One instance of the suite: a device and the compute dtype its backend is made with (the CPU
+// computes in f32 whatever BackendOptions::compute says).
+struct ParityCase {
+  Device device = Device::cpu;
+  DType compute = DType::bf16;
+};
+
+inline std::string parity_case_name(const ::testing::TestParamInfo<ParityCase>& info) {
+  return std::string(device_name(info.param.device)) + "_" + std::string(dtype_name(info.param.compute));
+}
+
+class BackendParity : public ::testing::TestWithParam<ParityCase> {
  protected:
   void SetUp() override {
     std::string why;
-    if (!backend_available(GetParam(), &why)) GTEST_SKIP() << device_name(GetParam()) << " backend: " << why;
-    be_ = make_backend(GetParam());
+    if (!backend_available(GetParam().device, &why))
+      GTEST_SKIP() << device_name(GetParam().device) << " backend: " << why;
+    be_ = make_backend(GetParam().device, {.compute = GetParam().compute});
     dt_ = be_->compute_dtype();
-    bf16_ = dt_ == DType::bf16;
+    half_ = dt_ == DType::bf16 || dt_ == DType::f16;
   }
   Backend& be() { return *be_; }
-  double tol_out() const { return bf16_ ? 1e-2 : 1e-5; }
-  double tol_f32() const { return bf16_ ? 1e-3 : 1e-5; }
+  double tol_out() const { return half_ ? 1e-2 : 1e-5; }
+  double tol_f32() const { return half_ ? 1e-3 : 1e-5; }
   std::unique_ptr<Backend> be_;
   DType dt_ = DType::f32;
-  bool bf16_ = false;
+  bool half_ = false;  // a 16-bit compute dtype (bf16 or f16)
 };
 
 inline std::vector<double> linear_ref(const std::vector<float>& x, const std::vector<float>& w, const float* bias,
@@ -352,25 +368,26 @@ TEST_P(BackendParity, LlamaOps) {
 }
 
 // Packed causal self-attention (qkv [B, T, 3C]) with head size 64, the size every CUDA kernel
-// takes, at an odd length.
-TEST_P(BackendParity, Attention) {
+// takes, at an odd length: on the CUDA backend through each of its kernels (flash, the GEMM
+// kernels, and cuDNN's where loom has it), in the suite's compute dtype.
+inline void check_attention(Backend& be, DType dt_, double tol_out, double tol_f32) {
   const int64_t B = 2, NH = 2, HS = 64, T = 37, C = NH * HS;
   auto qkv = bf16_random(B * T * 3 * C, 17), dy = bf16_random(B * T * C, 18);
   AttnShape s{.B = B, .NH = NH, .HS = HS, .Tq = T, .Tkv = T, .q_stride = 3 * C, .kv_stride = 3 * C, .o_stride = C};
-  be().prepare_attention(dt_, s);
-  const int64_t probs_bytes = be().attention_probs_bytes(dt_, s);
-  DevBuf dqkv(be(), qkv, dt_), out(be(), B * T * C, dt_), lse(be(), B * NH * T, DType::f32), ddy(be(), dy, dt_),
-      grad(be(), B * T * 3 * C, dt_);
-  Tensor probs = probs_bytes ? be().empty({probs_bytes / 2}, DType::u16, MemTag::workspace) : Tensor();
+  be.prepare_attention(dt_, s);
+  const int64_t probs_bytes = be.attention_probs_bytes(dt_, s);
+  DevBuf dqkv(be, qkv, dt_), out(be, B * T * C, dt_), lse(be, B * NH * T, DType::f32), ddy(be, dy, dt_),
+      grad(be, B * T * 3 * C, dt_);
+  Tensor probs = probs_bytes ? be.empty({probs_bytes / 2}, DType::u16, MemTag::workspace) : Tensor();
   out.poison();
   lse.poison();
   grad.poison();
   const char* q = static_cast<const char*>(dqkv.p());
   const size_t es = dtype_size(dt_);
-  be().attention_forward({.dtype = dt_, .shape = s, .out = out.p(), .lse = lse.as<float>(),
+  be.attention_forward({.dtype = dt_, .shape = s, .out = out.p(), .lse = lse.as<float>(),
                           .probs = probs.defined() ? probs.raw() : nullptr, .q = q, .k = q + C * es, .v = q + 2 * C * es});
   char* g = static_cast<char*>(grad.p());
-  be().attention_backward({.dtype = dt_, .shape = s, .dq = g, .dk = g + C * es, .dv = g + 2 * C * es, .dout = ddy.p(),
+  be.attention_backward({.dtype = dt_, .shape = s, .dq = g, .dk = g + C * es, .dv = g + 2 * C * es, .dout = ddy.p(),
                            .q = q, .k = q + C * es, .v = q + 2 * C * es, .out = out.p(), .lse = lse.as<float>(),
                            .probs = probs.defined() ? probs.raw() : nullptr});
   // Reference in double.
@@ -415,11 +432,32 @@ TEST_P(BackendParity, Attention) {
           }
         }
       }
-  EXPECT_LE(rel_norm_err(out.get(), ro), tol_out()) << "out (" << attn_kernel_name(be().attention_kernel(s)) << ")";
+  EXPECT_LE(rel_norm_err(out.get(), ro), tol_out) << "out (" << attn_kernel_name(be.attention_kernel(s)) << ")";
   if (!probs.defined()) {
-    EXPECT_LE(rel_norm_err(lse.get(), rl), tol_f32()) << "lse";
+    EXPECT_LE(rel_norm_err(lse.get(), rl), tol_f32) << "lse";
   }
-  EXPECT_LE(rel_norm_err(grad.get(), rg), tol_out()) << "dq, dk, dv (" << attn_kernel_name(be().attention_kernel(s)) << ")";
+  EXPECT_LE(rel_norm_err(grad.get(), rg), tol_out) << "dq, dk, dv (" << attn_kernel_name(be.attention_kernel(s)) << ")";
+}
+
+TEST_P(BackendParity, Attention) {
+  if (GetParam().device != Device::cuda) {
+    check_attention(be(), dt_, tol_out(), tol_f32());
+    return;
+  }
+  for (AttnKernel k : {AttnKernel::flash, AttnKernel::gemm, AttnKernel::cudnn}) {
+    SCOPED_TRACE(attn_kernel_name(k));
+    auto inst = make_backend(GetParam().device, {.attention = k, .compute = GetParam().compute});
+    if (k == AttnKernel::cudnn) {
+      try {
+        inst->prepare_attention(dt_, {.B = 2, .NH = 2, .HS = 64, .Tq = 37, .Tkv = 37, .q_stride = 384,
+                                      .kv_stride = 384, .o_stride = 128});
+      } catch (const Error& e) {
+        std::printf("cuDNN attention not checked: %s\n", e.what());
+        continue;
+      }
+    }
+    check_attention(*inst, dt_, tol_out(), tol_f32());
+  }
 }
 
 TEST_P(BackendParity, CrossEntropy) {
@@ -533,7 +571,7 @@ TEST_P(BackendParity, AdamWPlan) {
     };
     DevBuf *bp = mk(p[size_t(i)], DType::f32), *bg = mk(g[size_t(i)], DType::f32), *bm = mk(m[size_t(i)], DType::f32),
            *bv = mk(v[size_t(i)], DType::f32);
-    DevBuf* bc = bf16_ ? mk(std::vector<float>(static_cast<size_t>(ns[size_t(i)]), std::nanf("")), dt_) : nullptr;
+    DevBuf* bc = half_ ? mk(std::vector<float>(static_cast<size_t>(ns[size_t(i)]), std::nanf("")), dt_) : nullptr;
     compute.push_back(bc);
     ts.push_back({.param = bp->as<float>(), .compute = bc ? bc->p() : nullptr, .grad = bg->as<float>(),
                   .m = bm->as<float>(), .v = bv->as<float>(), .n = ns[size_t(i)], .weight_decay = i == 0 ? 0.1f : 0.f});
@@ -556,7 +594,7 @@ TEST_P(BackendParity, AdamWPlan) {
       pp -= 1e-2 / bc1 * mm / (std::sqrt(vv) / std::sqrt(bc2) + 1e-8);
       rp[size_t(k)] = pp;
     }
-    EXPECT_LE(rel_norm_err(bufs[size_t(i * (bf16_ ? 5 : 4))]->get(), rp), 1e-6) << "master weights of tensor " << i;
+    EXPECT_LE(rel_norm_err(bufs[size_t(i * (half_ ? 5 : 4))]->get(), rp), 1e-6) << "master weights of tensor " << i;
     if (compute[size_t(i)]) {
       EXPECT_LE(rel_norm_err(compute[size_t(i)]->get(), rp), 5e-3) << "compute copy of tensor " << i;
     }
@@ -570,10 +608,17 @@ TEST_P(BackendParity, CopiesAndRefusals) {
   be().copy({.dst = b.p(), .dst_dtype = DType::bf16, .src = a.p(), .src_dtype = DType::f32, .n = n});
   be().copy({.dst = c.p(), .dst_dtype = DType::f32, .src = b.p(), .src_dtype = DType::bf16, .n = n});
   EXPECT_EQ(c.get(), x) << "f32 -> bf16 -> f32 of bf16 values is exact";
+  if (dt_ == DType::f16) {  // f16 through the device's conversion kernels and the host's, both ways
+    DevBuf h(be(), n, DType::f16), d(be(), n, DType::f32);
+    be().copy({.dst = h.p(), .dst_dtype = DType::f16, .src = a.p(), .src_dtype = DType::f32, .n = n});
+    be().copy({.dst = d.p(), .dst_dtype = DType::f32, .src = h.p(), .src_dtype = DType::f16, .n = n});
+    EXPECT_LE(rel_norm_err(d.get(), std::vector<double>(x.begin(), x.end())), 1e-3) << "f32 -> f16 -> f32";
+    EXPECT_LE(rel_norm_err(h.get(), std::vector<double>(x.begin(), x.end())), 1e-3) << "f16 downloaded as f32";
+  }
   be().fill_zero(c.p(), n * 4);
   EXPECT_EQ(c.get(), std::vector<float>(static_cast<size_t>(n), 0.f));
   // An op in a dtype the backend does not compute in is refused, naming the op and the dtype.
-  const DType other = bf16_ ? DType::f32 : DType::bf16;
+  const DType other = half_ ? DType::f32 : DType::bf16;
   EXPECT_FALSE(be().supports(Op::linear, other));
   try {
     be().linear_forward({.dtype = other, .out = c.p(), .inp = a.p(), .weight = a.p(), .M = 1, .K = 8, .N = 8});
@@ -609,7 +654,7 @@ TEST_P(BackendParity, InstancesOnThreadsAgree) {
   for (int i = 0; i < 2; ++i)
     th[i] = std::thread([&, i] {
       try {
-        auto inst = make_backend(GetParam());
+        auto inst = make_backend(GetParam().device, {.compute = GetParam().compute});
         got[i] = run(*inst);
       } catch (const std::exception& e) {
         err[i] = e.what();

@@ -2,5 +2,5 @@
 #include "backend_parity.h"
 
 namespace loom::test {
-INSTANTIATE_TEST_SUITE_P(Cpu, BackendParity, ::testing::Values(Device::cpu));
+INSTANTIATE_TEST_SUITE_P(Cpu, BackendParity, ::testing::Values(ParityCase{Device::cpu, DType::f32}), parity_case_name);
 }  // namespace loom::test

@@ -277,3 +277,25 @@ TEST(CheckpointIntegrity, RandomByteChangesLoadIdenticallyOrAreRefused) {
   std::printf("[corruption] 100 single-byte changes: %d refused naming the file, %d loaded bit-identically\n", refused,
               identical);
 }
+
+// fp16's loss scaler state travels in the manifest (absent for other runs), and a malformed one is
+// refused naming the field.
+TEST(CheckpointIntegrity, LossScaleIsKeptInTheManifest) {
+  Fixture f("loss_scale");
+  const std::string plain = train::save_checkpoint(f.dir.string(), f.meta(1), f.tensors, 10);
+  EXPECT_EQ(train::read_checkpoint_meta(plain).loss_scale, 0.0);
+  train::CheckpointMeta m = f.meta(2);
+  m.loss_scale = 2048;
+  m.loss_scale_clean = 7;
+  const std::string c = train::save_checkpoint(f.dir.string(), m, f.tensors, 10);
+  const train::CheckpointMeta back = train::read_checkpoint_meta(c);
+  EXPECT_EQ(back.loss_scale, 2048.0);
+  EXPECT_EQ(back.loss_scale_clean, 7);
+  rewrite_manifest(c, [](nlohmann::json& j) { j["loss_scale"]["scale"] = -1; });
+  try {
+    train::read_checkpoint_meta(c);
+    ADD_FAILURE() << "a negative loss scale was read";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("field 'loss_scale'"), std::string::npos) << e.what();
+  }
+}

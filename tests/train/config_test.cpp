@@ -177,7 +177,7 @@ TEST(TrainConfig, TomlRoundTrip) {
   EXPECT_FALSE(d.tied_embeddings.has_value());
   EXPECT_EQ(d.norm, "rmsnorm");
   EXPECT_EQ(d.rope_theta, 500000.f);
-  EXPECT_EQ(config_fields().size(), 75u);
+  EXPECT_EQ(config_fields().size(), 78u);
 }
 
 // The README's config reference has a row for every field with its type, default and help, as
@@ -227,6 +227,12 @@ TEST(TrainConfig, CudaDeviceRefusalsNameTheField) {
   expect_refused(cuda + "[parallel]\nsp = true\n", "parallel.sp");
   expect_refused(cuda + "[parallel]\nzero = 1\n", "parallel.zero", "must be 0");
   expect_refused(cuda + "[parallel]\noffload = true\n", "parallel.offload");
+  // fp16's loss scaling: a CUDA precision, with a positive scale, window and floor.
+  expect_refused("[train]\nprecision = \"fp16\"\n", "train.precision", "runs on CUDA");
+  expect_refused(cuda + "loss_scale_init = 0\n", "train.loss_scale_init", "must be positive");
+  expect_refused(cuda + "loss_scale_window = 0\n", "train.loss_scale_window", "must be at least 1");
+  expect_refused(cuda + "loss_scale_init = 1024\nloss_scale_min = 2048\n", "train.loss_scale_min",
+                 "at most train.loss_scale_init 1024");
   expect_refused("[parallel]\ncomm = \"nccl\"\n", "parallel.comm", "needs train.device = \"cuda\"");
   expect_refused(cuda + "[parallel]\ncomm = \"gloo\"\n", "parallel.comm", "'gloo' is not threads, mpi or nccl");
   expect_refused(cuda + "[model]\nn_embd = 36\nn_head = 2\n", "model.n_embd", "multiple of 8");

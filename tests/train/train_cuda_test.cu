@@ -37,7 +37,9 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cmath>
 #include <filesystem>
 #include <map>
@@ -211,6 +213,77 @@ TEST(CudaTrain, ResumeMatchesTheUninterruptedRun) {
     expect_close(lr, la, 1, 20, kResumeTol, "loss");
     expect_close(f.metrics(cut, "val_loss"), f.metrics(full, "val_loss"), 10, 20, kResumeTol, "val_loss");
   }
+}
+
+// train.precision fp16: f16 compute with dynamic loss scaling (train/loss_scale.h).
+//  - Losses within kCpuTol of the bf16 run and of the CPU's f32 run at every step: f16 rounds to 11
+//    significant bits where bf16 rounds to 8, so fp16 sits closer to f32 than bf16 does, and the
+//    bf16 bound (see the top of the file) holds for it too.
+//  - The scale is in every metrics line and doubles after train.loss_scale_window clean steps:
+//    1024 x 2^floor((s - 1) / 6) at step s, exactly. The scales stay small enough (the loss
+//    gradient at most 8192 / 512 counted targets = 16) that nothing overflows on its own.
+//  - An injected overflow (LOOM_FAULT_INJECT kind=overflow: step 8 at 2^16 times the scale, so the
+//    loss gradient of a target is about 2^26 / 512 = 131072, past f16's 65504) is skipped (its
+//    metrics line says so, with the scale it ran at), the scale halves to 512, and the run goes on
+//    learning: steps 1-7 equal the uninterrupted run's (kResumeTol: same work), step 20's loss is
+//    below step 9's and within 10% of the uninterrupted run's (one AdamW update of twenty missing).
+//  - A run resumed from its step-10 checkpoint continues at the checkpoint's scale and clean-step
+//    count: the same scales at steps 11-20 as the uninterrupted run.
+TEST(CudaTrain, Fp16LossScalingTracksBf16AndRecoversFromAnOverflow) {
+  LOOM_REQUIRE_GPU();
+  LOOM_REQUIRE_LOOM();
+  Fixture f("fp16");
+  const std::string fp16 = "--quiet --train.precision fp16 --train.loss_scale_init 1024 --train.loss_scale_window 6";
+  CliRun c = f.train("cpu", "cpu", "--quiet");
+  ASSERT_EQ(c.code, 0) << c.err;
+  CliRun b = f.train("cuda", "bf16", "--quiet");
+  ASSERT_EQ(b.code, 0) << b.err;
+  CliRun h = f.train("cuda", "fp16", fp16);
+  ASSERT_EQ(h.code, 0) << h.err;
+  const auto lc = f.metrics("cpu", "loss"), lb = f.metrics("bf16", "loss"), lh = f.metrics("fp16", "loss");
+  ASSERT_EQ(lh.size(), 20u);
+  expect_close(lh, lb, 1, 20, kCpuTol, "fp16 against bf16");
+  expect_close(lh, lc, 1, 20, kCpuTol, "fp16 against the CPU's f32");
+  EXPECT_LT(lh.at(20), lh.at(1) - 0.5) << "the fp16 run did not learn";
+  double worst_b = 0, worst_c = 0;
+  for (int64_t s = 1; s <= 20; ++s) {
+    worst_b = std::max(worst_b, std::abs(lh.at(s) - lb.at(s)) / lb.at(s));
+    worst_c = std::max(worst_c, std::abs(lh.at(s) - lc.at(s)) / lc.at(s));
+  }
+  std::printf("fp16: worst relative loss difference over 20 steps %.2e against bf16, %.2e against f32\n", worst_b,
+              worst_c);
+  EXPECT_TRUE(f.metrics("bf16", "loss_scale").empty()) << "a bf16 run reports a loss scale";
+  const auto sh = f.metrics("fp16", "loss_scale");
+  ASSERT_EQ(sh.size(), 20u);
+  for (int64_t s = 1; s <= 20; ++s) EXPECT_EQ(sh.at(s), 1024.0 * double(1 << ((s - 1) / 6))) << "step " << s;
+
+  CliRun o = f.train("cuda", "overflow", fp16 + " --train.loss_scale_window 1000",
+                     "LOOM_FAULT_INJECT=rank=0,step=8,kind=overflow");
+  ASSERT_EQ(o.code, 0) << o.err;
+  // Step 8's line is the skipped step's (a scale and no loss).
+  const auto lo = f.metrics("overflow", "loss"), so = f.metrics("overflow", "loss_scale");
+  ASSERT_EQ(lo.size(), 19u) << "step 8 should have no loss line";
+  EXPECT_FALSE(lo.count(8));
+  ASSERT_EQ(so.size(), 20u);
+  for (int64_t s = 1; s <= 20; ++s)
+    EXPECT_EQ(so.at(s), s < 8 ? 1024.0 : s == 8 ? 1024.0 * 65536 : 512.0) << "step " << s;
+  CliRun clean = f.train("cuda", "clean", fp16 + " --train.loss_scale_window 1000");
+  ASSERT_EQ(clean.code, 0) << clean.err;
+  const auto lclean = f.metrics("clean", "loss");
+  expect_close(lo, lclean, 1, 7, kResumeTol, "before the overflow");
+  EXPECT_LT(lo.at(20), lo.at(9)) << "no learning after the overflow";
+  EXPECT_LE(std::abs(lo.at(20) - lclean.at(20)), 0.1 * lclean.at(20))
+      << "step 20 after a skipped step: " << lo.at(20) << " against " << lclean.at(20);
+  std::printf("fp16 overflow at step 8: step 20's loss %.4f against %.4f without it\n", lo.at(20), lclean.at(20));
+
+  CliRun cut = f.train("cuda", "cut", fp16, "LOOM_FAULT_INJECT=rank=0,step=11,kind=exit");
+  ASSERT_EQ(cut.code, 3) << cut.err;
+  CliRun r = f.train("cuda", "cut", fp16 + " --resume");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto sr = f.metrics("cut", "loss_scale");
+  ASSERT_EQ(sr.size(), 20u);
+  for (int64_t s = 11; s <= 20; ++s) EXPECT_EQ(sr.at(s), sh.at(s)) << "resumed, step " << s;
+  expect_close(f.metrics("cut", "loss"), lh, 11, 20, kResumeTol, "resumed fp16 loss");
 }
 
 TEST(CudaTrain, CheckpointsResumeOnTheOtherDevice) {

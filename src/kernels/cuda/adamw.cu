@@ -60,6 +60,7 @@ __global__ void adamw_kernel(const AdamWTensor* tensors, const Chunk* chunks, in
     p -= h.lr * (m / h.bc1) / (sqrtf(v / h.bc2) + h.eps);
     t.param[i] = p;
     if (t.param_bf16) t.param_bf16[i] = __float2bfloat16(p);
+    if (t.param_f16) t.param_f16[i] = __float2half(p);
   }
 }
 

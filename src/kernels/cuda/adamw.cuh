@@ -1,5 +1,5 @@
 // Multi-tensor AdamW with f32 master weights: one launch updates every tensor of a list (and
-// refreshes each tensor's bf16 compute copy), after one global-norm pass over all gradients that
+// refreshes each tensor's bf16 or f16 compute copy), after one global-norm pass over all gradients that
 // gives the clipping scale. Hyperparameters live in device memory, copied from pinned host memory
 // by a copy that is part of the launch sequence, so the whole update can be captured in a CUDA
 // graph and replayed with a new learning rate and step each time.
@@ -17,6 +17,7 @@ namespace loom::cuda {
 struct AdamWTensor {
   float* param = nullptr;       // f32 [n] master weights
   bf16* param_bf16 = nullptr;   // bf16 [n] compute copy, rewritten after the update (may be null)
+  f16* param_f16 = nullptr;     // or an f16 [n] compute copy (train.precision fp16; may be null)
   const float* grad = nullptr;  // f32 [n]
   float* m = nullptr;           // f32 [n] first moment
   float* v = nullptr;           // f32 [n] second moment

@@ -1,16 +1,19 @@
-// Flash attention forward and backward on tensor cores (mma.sync m16n8k16, bf16 in, f32
-// accumulate), FlashAttention-2 work partitioning:
+// Flash attention forward and backward on tensor cores (mma.sync m16n8k16, bf16 or f16 in, f32
+// accumulate), FlashAttention-2 work partitioning. Every kernel is a template over the 16-bit
+// element type T (bf16 or f16; both the same fragment layouts, only the mma's input type and the
+// f32 <-> 16-bit conversions differ):
 //  - forward: one thread block per (batch*head, tile of 16*NW queries); each warp owns 16 query
 //    rows whose Q fragments stay in registers; K/V tiles stream through shared memory with
 //    cp.async double buffering; the online softmax runs in registers in base 2.
 //  - backward: D = rowsum(dO * O) first (and the f32 dQ accumulator is zeroed); then one thread
 //    block per (batch*head, tile of 16*NW keys), each warp owning 16 keys whose dK and dV stay in
 //    f32 registers while Q/dO tiles stream past; dQ contributions go to the f32 accumulator with
-//    atomics and a last kernel converts it to bf16.
+//    atomics and a last kernel converts it to T.
 // Shared-memory rows are padded by 16 bytes so that ldmatrix reads of 8 rows hit distinct banks.
 #include "kernels/cuda/attention.cuh"
 
 #include <cmath>
+#include <type_traits>
 
 namespace loom::cuda {
 namespace {
@@ -18,10 +21,11 @@ namespace {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
+template <class T>
 struct FwdParams {
-  bf16* out;
+  T* out;
   float* lse;
-  const bf16 *q, *k, *v;
+  const T *q, *k, *v;
   int64_t NH, Tq, Tkv;
   int64_t q_stride, kv_stride, o_stride;
   int64_t q_pos0, kv_pos0;
@@ -30,12 +34,13 @@ struct FwdParams {
   int64_t group;     // query heads per key/value head (grouped-query attention; 1: multi-head)
 };
 
+template <class T>
 struct BwdParams {
-  bf16 *dk, *dv;
+  T *dk, *dv;
   float* dq_acc;       // f32 [B*NH, Tq, HS], zeroed by the preprocessing kernel
   const float* dsum;   // f32 [B*NH, Tq]: D = rowsum(dout * out)
   const float* lse;    // f32 [B*NH, Tq], natural log
-  const bf16 *q, *k, *v, *dout;
+  const T *q, *k, *v, *dout;
   int64_t NH, Tq, Tkv;
   int64_t q_stride, kv_stride, o_stride;
   int64_t q_pos0, kv_pos0;
@@ -59,29 +64,67 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool pred
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const bf16* p) {
+// ldmatrix moves b16 elements, whatever the 16-bit type (bf16 or f16) behind `p`.
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_addr(p)));
 }
-__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const bf16* p) {
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_addr(p)));
 }
 
-// d (16x8 f32) += a (16x16 bf16, row) * b (16x8 bf16, col).
+template <class T>
+constexpr bool kIs16 = std::is_same_v<T, bf16> || std::is_same_v<T, f16>;
+
+// The packed pair of T (two elements in 32 bits, .x the low half).
+template <class T>
+struct Pair;
+template <>
+struct Pair<bf16> {
+  using type = __nv_bfloat162;
+};
+template <>
+struct Pair<f16> {
+  using type = __half2;
+};
+
+__device__ __forceinline__ float2 to_f32x2(__nv_bfloat162 x) { return __bfloat1622float2(x); }
+__device__ __forceinline__ float2 to_f32x2(__half2 x) { return __half22float2(x); }
+
+// d (16x8 f32) += a (16x16 T, row) * b (16x8 T, col); the fragment layouts are the same for bf16
+// and f16.
+template <class T>
 __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  static_assert(kIs16<T>, "T is bf16 or f16");
+  if constexpr (std::is_same_v<T, bf16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
 }
 
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
+// Two f32 rounded to nearest T, packed (lo in the low 16 bits): one mma A/B register.
+template <class T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  static_assert(kIs16<T>, "T is bf16 or f16");
+  if constexpr (std::is_same_v<T, bf16>) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  } else {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
 }
 
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -116,10 +159,10 @@ __device__ __forceinline__ int at_off(int lane, int pitch) {
   return ((lane & 7) + (((lane >> 4) & 1) << 3)) * pitch + ((lane >> 3) & 1) * 8;
 }
 
-// Copies `rows` rows of HS bf16 (row r of global at g + r * stride) into shared rows of pitch P,
-// zero-filling rows at or beyond `valid`.
-template <int HS, int P, int NT>
-__device__ __forceinline__ void load_rows(bf16* s, const bf16* g, int64_t stride, int rows, int64_t valid, int tid) {
+// Copies `rows` rows of HS elements of T (row r of global at g + r * stride) into shared rows of
+// pitch P, zero-filling rows at or beyond `valid`.
+template <int HS, int P, int NT, class T>
+__device__ __forceinline__ void load_rows(T* s, const T* g, int64_t stride, int rows, int64_t valid, int tid) {
   constexpr int CH = HS / 8;
   for (int i = tid; i < rows * CH; i += NT) {
     const int r = i / CH, c = i % CH;
@@ -134,29 +177,29 @@ __device__ __forceinline__ void load_rows(bf16* s, const bf16* g, int64_t stride
 // Each of the NW warps owns MT 16-row query tiles (query tile BM = 16 * MT * NW). With MT = 1
 // the warp's Q fragments stay in registers; with MT = 2 they are re-read from shared memory at
 // each step, and every K/V fragment read from shared memory feeds twice as many mma.
-template <int HS, int BN, int NW, int MT>
+template <class T, int HS, int BN, int NW, int MT>
 constexpr int fwd_smem_bytes() {
-  return (16 * MT * NW + 4 * BN) * (HS + 8) * int(sizeof(bf16));
+  return (16 * MT * NW + 4 * BN) * (HS + 8) * int(sizeof(T));
 }
 
-template <int HS, int BN, int NW, int MT>
-__global__ void __launch_bounds__(NW * 32, MT == 1 ? 1 : 2) attn_fwd_kernel(const FwdParams p) {
+template <class T, int HS, int BN, int NW, int MT>
+__global__ void __launch_bounds__(NW * 32, MT == 1 ? 1 : 2) attn_fwd_kernel(const FwdParams<T> p) {
   constexpr int WM = 16 * MT, BM = WM * NW, P = HS + 8, NT = NW * 32;
   constexpr int KT = HS / 16;  // k16 steps over the head dimension
   constexpr int NS = BN / 8;   // n8 tiles of scores per key tile
   constexpr int DT = HS / 8;   // n8 tiles of the output
   constexpr bool kQInRegs = MT == 1;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  bf16* sQ = reinterpret_cast<bf16*>(smem_raw);  // bf16 [BM][P]
-  bf16* sK = sQ + BM * P;                        // bf16 [2][BN][P]
-  bf16* sV = sK + 2 * BN * P;                    // bf16 [2][BN][P]
+  T* sQ = reinterpret_cast<T*>(smem_raw);  // T [BM][P]
+  T* sK = sQ + BM * P;                     // T [2][BN][P]
+  T* sV = sK + 2 * BN * P;                 // T [2][BN][P]
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int64_t bh = blockIdx.x, b = bh / p.NH, h = bh % p.NH;
   const int64_t m0 = int64_t(gridDim.y - 1 - blockIdx.y) * BM;  // heaviest causal tiles first
-  const bf16* qg = p.q + (b * p.Tq + m0) * p.q_stride + h * HS;
-  const bf16* kg = p.k + b * p.Tkv * p.kv_stride + (h / p.group) * HS;
-  const bf16* vg = p.v + b * p.Tkv * p.kv_stride + (h / p.group) * HS;
+  const T* qg = p.q + (b * p.Tq + m0) * p.q_stride + h * HS;
+  const T* kg = p.k + b * p.Tkv * p.kv_stride + (h / p.group) * HS;
+  const T* vg = p.v + b * p.Tkv * p.kv_stride + (h / p.group) * HS;
 
   int64_t kv_end = p.Tkv;
   if (p.causal) {
@@ -175,8 +218,8 @@ __global__ void __launch_bounds__(NW * 32, MT == 1 ? 1 : 2) attn_fwd_kernel(cons
   cp_async_wait_all();
   __syncthreads();
 
-  const bf16* wQ = sQ + warp * WM * P;  // this warp's query rows
-  uint32_t qf[kQInRegs ? KT : 1][4];    // bf16 Q fragments (MT = 1 only)
+  const T* wQ = sQ + warp * WM * P;  // this warp's query rows
+  uint32_t qf[kQInRegs ? KT : 1][4];  // T Q fragments (MT = 1 only)
   if constexpr (kQInRegs) {
 #pragma unroll
     for (int kk = 0; kk < KT; ++kk) ldsm_x4(qf[kk], wQ + kk * 16 + a_off(lane, P));
@@ -207,8 +250,8 @@ __global__ void __launch_bounds__(NW * 32, MT == 1 ? 1 : 2) attn_fwd_kernel(cons
       load_rows<HS, P, NT>(sV + buf * BN * P, vg + n1 * p.kv_stride, p.kv_stride, BN, p.Tkv - n1, tid);
     }
     cp_async_commit();
-    const bf16* cK = sK + (n & 1) * BN * P;
-    const bf16* cV = sV + (n & 1) * BN * P;
+    const T* cK = sK + (n & 1) * BN * P;
+    const T* cV = sV + (n & 1) * BN * P;
 
     float s[MT][NS][4];  // f32 [WM, BN] scores
 #pragma unroll
@@ -233,8 +276,8 @@ __global__ void __launch_bounds__(NW * 32, MT == 1 ? 1 : 2) attn_fwd_kernel(cons
         ldsm_x4(bfr, cK + j2 * 16 * P + kk * 16 + bnk_off(lane, P));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-          mma16816(s[mt][2 * j2], af[mt], bfr[0], bfr[1]);
-          mma16816(s[mt][2 * j2 + 1], af[mt], bfr[2], bfr[3]);
+          mma16816<T>(s[mt][2 * j2], af[mt], bfr[0], bfr[1]);
+          mma16816<T>(s[mt][2 * j2 + 1], af[mt], bfr[2], bfr[3]);
         }
       }
     }
@@ -295,16 +338,16 @@ __global__ void __launch_bounds__(NW * 32, MT == 1 ? 1 : 2) attn_fwd_kernel(cons
       }
     }
 
-    // O += P V, P taken from the score registers as bf16 A fragments.
+    // O += P V, P taken from the score registers as T A fragments.
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
       uint32_t a[MT][4];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        a[mt][0] = pack_bf16(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-        a[mt][1] = pack_bf16(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-        a[mt][2] = pack_bf16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-        a[mt][3] = pack_bf16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+        a[mt][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        a[mt][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        a[mt][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        a[mt][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
       }
 #pragma unroll
       for (int t2 = 0; t2 < DT / 2; ++t2) {
@@ -312,8 +355,8 @@ __global__ void __launch_bounds__(NW * 32, MT == 1 ? 1 : 2) attn_fwd_kernel(cons
         ldsm_x4_t(bfr, cV + kk * 16 * P + t2 * 16 + bkn_off(lane, P));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-          mma16816(o[mt][2 * t2], a[mt], bfr[0], bfr[1]);
-          mma16816(o[mt][2 * t2 + 1], a[mt], bfr[2], bfr[3]);
+          mma16816<T>(o[mt][2 * t2], a[mt], bfr[0], bfr[1]);
+          mma16816<T>(o[mt][2 * t2 + 1], a[mt], bfr[2], bfr[3]);
         }
       }
     }
@@ -321,7 +364,7 @@ __global__ void __launch_bounds__(NW * 32, MT == 1 ? 1 : 2) attn_fwd_kernel(cons
 
   // Normalise, write lse and stage O through this warp's rows of sQ for 16-byte stores.
   __syncwarp();  // this warp's reads of its sQ rows are done
-  bf16* sO = sQ + warp * WM * P;  // only this warp ever reads these rows
+  T* sO = sQ + warp * WM * P;  // only this warp ever reads these rows
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     float inv[2];
@@ -339,13 +382,13 @@ __global__ void __launch_bounds__(NW * 32, MT == 1 ? 1 : 2) attn_fwd_kernel(cons
 #pragma unroll
     for (int t = 0; t < DT; ++t) {
       *reinterpret_cast<uint32_t*>(sO + (mt * 16 + g) * P + t * 8 + tig * 2) =
-          pack_bf16(o[mt][t][0] * inv[0], o[mt][t][1] * inv[0]);
+          pack2<T>(o[mt][t][0] * inv[0], o[mt][t][1] * inv[0]);
       *reinterpret_cast<uint32_t*>(sO + (mt * 16 + g + 8) * P + t * 8 + tig * 2) =
-          pack_bf16(o[mt][t][2] * inv[1], o[mt][t][3] * inv[1]);
+          pack2<T>(o[mt][t][2] * inv[1], o[mt][t][3] * inv[1]);
     }
   }
   __syncwarp();
-  bf16* og = p.out + (b * p.Tq + m0 + warp * WM) * p.o_stride + h * HS;
+  T* og = p.out + (b * p.Tq + m0 + warp * WM) * p.o_stride + h * HS;
   for (int i = lane; i < WM * (HS / 8); i += 32) {
     const int r = i / (HS / 8), c = i % (HS / 8);
     if (m0 + warp * WM + r < p.Tq)
@@ -357,20 +400,20 @@ __global__ void __launch_bounds__(NW * 32, MT == 1 ? 1 : 2) attn_fwd_kernel(cons
 // Backward.
 
 // D[bh, t] = sum_d dout * out (f32), and zero the f32 dQ accumulator. One warp per (b, t, h) row.
-template <int HS>
-__global__ void attn_bwd_pre_kernel(float* dsum, float* dq_acc, const bf16* dout, const bf16* out, int64_t B,
-                                    int64_t NH, int64_t Tq, int64_t o_stride) {
+template <class T, int HS>
+__global__ void attn_bwd_pre_kernel(float* dsum, float* dq_acc, const T* dout, const T* out, int64_t B, int64_t NH,
+                                    int64_t Tq, int64_t o_stride) {
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;  // over (bh, t)
   const int lane = threadIdx.x % 32;
   if (row >= B * NH * Tq) return;
   const int64_t bh = row / Tq, t = row % Tq, b = bh / NH, h = bh % NH;
-  const bf16* dog = dout + (b * Tq + t) * o_stride + h * HS;
-  const bf16* og = out + (b * Tq + t) * o_stride + h * HS;
+  const T* dog = dout + (b * Tq + t) * o_stride + h * HS;
+  const T* og = out + (b * Tq + t) * o_stride + h * HS;
   float acc = 0.f;
 #pragma unroll
   for (int d = lane * 2; d < HS; d += 64) {
-    const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dog + d));
-    const float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(og + d));
+    const float2 x = to_f32x2(*reinterpret_cast<const typename Pair<T>::type*>(dog + d));
+    const float2 y = to_f32x2(*reinterpret_cast<const typename Pair<T>::type*>(og + d));
     acc = fmaf(x.x, y.x, fmaf(x.y, y.y, acc));
   }
 #pragma unroll
@@ -380,9 +423,9 @@ __global__ void attn_bwd_pre_kernel(float* dsum, float* dq_acc, const bf16* dout
   for (int i = lane; i < HS / 4; i += 32) z[i] = make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
-// dq (bf16, q_stride) = dq_acc * scale; one thread per 8 elements.
-template <int HS>
-__global__ void attn_bwd_dq_kernel(bf16* dq, const float* dq_acc, int64_t B, int64_t NH, int64_t Tq,
+// dq (T, q_stride) = dq_acc * scale; one thread per 8 elements.
+template <class T, int HS>
+__global__ void attn_bwd_dq_kernel(T* dq, const float* dq_acc, int64_t B, int64_t NH, int64_t Tq,
                                    int64_t q_stride, float scale) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   constexpr int CH = HS / 8;
@@ -392,26 +435,26 @@ __global__ void attn_bwd_dq_kernel(bf16* dq, const float* dq_acc, int64_t B, int
   const float4* src = reinterpret_cast<const float4*>(dq_acc + row * HS + c * 8);
   const float4 x = src[0], y = src[1];
   uint4 w;
-  w.x = pack_bf16(x.x * scale, x.y * scale);
-  w.y = pack_bf16(x.z * scale, x.w * scale);
-  w.z = pack_bf16(y.x * scale, y.y * scale);
-  w.w = pack_bf16(y.z * scale, y.w * scale);
+  w.x = pack2<T>(x.x * scale, x.y * scale);
+  w.y = pack2<T>(x.z * scale, x.w * scale);
+  w.z = pack2<T>(y.x * scale, y.y * scale);
+  w.w = pack2<T>(y.z * scale, y.w * scale);
   *reinterpret_cast<uint4*>(dq + (b * Tq + t) * q_stride + h * HS + c * 8) = w;
 }
 
 // Each of the NW warps owns KM 16-key tiles (key tile BN = 16 * KM * NW) whose dK and dV stay in
 // f32 registers; with KM = 2 every Q/dO fragment read from shared memory feeds two key tiles.
-template <int HS, int BM, int NW, int KM>
+template <class T, int HS, int BM, int NW, int KM>
 constexpr int bwd_smem_bytes() {
-  return (2 * 16 * KM * NW + 4 * BM) * (HS + 8) * int(sizeof(bf16)) +
-         16 * KM * NW * (BM + 8) * int(sizeof(bf16)) + 4 * BM * int(sizeof(float));
+  return (2 * 16 * KM * NW + 4 * BM) * (HS + 8) * int(sizeof(T)) + 16 * KM * NW * (BM + 8) * int(sizeof(T)) +
+         4 * BM * int(sizeof(float));
 }
 
 // One block per (b, key/value head, tile of BN keys); loops over tiles of BM queries of each of the
 // key/value head's `group` query heads (one under multi-head attention), so dK and dV sum every
 // query head that reads the keys.
-template <int HS, int BM, int NW, int KM>
-__global__ void __launch_bounds__(NW * 32, KM == 1 ? 1 : 2) attn_bwd_kernel(const BwdParams p) {
+template <class T, int HS, int BM, int NW, int KM>
+__global__ void __launch_bounds__(NW * 32, KM == 1 ? 1 : 2) attn_bwd_kernel(const BwdParams<T> p) {
   constexpr int WN = 16 * KM, BN = WN * NW, P = HS + 8, PS = BM + 8, NT = NW * 32;
   constexpr int KT = HS / 16, QS = BM / 8, DT = HS / 8;
   constexpr int RG = BM / 16;  // 16-row groups of the dQ tile
@@ -420,11 +463,11 @@ __global__ void __launch_bounds__(NW * 32, KM == 1 ? 1 : 2) attn_bwd_kernel(cons
   constexpr int DQT = DT / CS;  // n8 tiles of dQ per warp
   static_assert(DQT % 2 == 0, "dQ slices are whole 16-column steps");
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  bf16* sK = reinterpret_cast<bf16*>(smem_raw);  // bf16 [BN][P]
-  bf16* sV = sK + BN * P;                        // bf16 [BN][P]
-  bf16* sQ = sV + BN * P;                        // bf16 [2][BM][P]
-  bf16* sdO = sQ + 2 * BM * P;                   // bf16 [2][BM][P]
-  bf16* sdS = sdO + 2 * BM * P;                  // bf16 [BN][PS]: dS^T of the current tile
+  T* sK = reinterpret_cast<T*>(smem_raw);  // T [BN][P]
+  T* sV = sK + BN * P;                     // T [BN][P]
+  T* sQ = sV + BN * P;                     // T [2][BM][P]
+  T* sdO = sQ + 2 * BM * P;                // T [2][BM][P]
+  T* sdS = sdO + 2 * BM * P;               // T [BN][PS]: dS^T of the current tile
   float* sL = reinterpret_cast<float*>(sdS + BN * PS);  // f32 [2][BM]: lse * log2(e)
   float* sD = sL + 2 * BM;                               // f32 [2][BM]: D
 
@@ -471,8 +514,8 @@ __global__ void __launch_bounds__(NW * 32, KM == 1 ? 1 : 2) attn_bwd_kernel(cons
     for (int t = 0; t < DT; ++t)
 #pragma unroll
       for (int e = 0; e < 4; ++e) dk[km][t][e] = dv[km][t][e] = 0.f;
-  const bf16* wK = sK + warp * WN * P;  // this warp's keys
-  const bf16* wV = sV + warp * WN * P;
+  const T* wK = sK + warp * WN * P;  // this warp's keys
+  const T* wV = sV + warp * WN * P;
 
   for (int it = 0; it < iters; ++it) {
     const int cur = it & 1, m = m_first + it % n_m;
@@ -481,8 +524,8 @@ __global__ void __launch_bounds__(NW * 32, KM == 1 ? 1 : 2) attn_bwd_kernel(cons
     __syncthreads();  // tile it landed; the previous tile's buffers and sdS are free
     if (it + 1 < iters) load_q_tile(it + 1, cur ^ 1);
     cp_async_commit();
-    const bf16* cQ = sQ + cur * BM * P;
-    const bf16* cdO = sdO + cur * BM * P;
+    const T* cQ = sQ + cur * BM * P;
+    const T* cdO = sdO + cur * BM * P;
     const float* cL = sL + cur * BM;
     const float* cD = sD + cur * BM;
     const int64_t m0 = int64_t(m) * BM;
@@ -504,8 +547,8 @@ __global__ void __launch_bounds__(NW * 32, KM == 1 ? 1 : 2) attn_bwd_kernel(cons
         ldsm_x4(bfr, cQ + j2 * 16 * P + kk * 16 + bnk_off(lane, P));
 #pragma unroll
         for (int km = 0; km < KM; ++km) {
-          mma16816(s[km][2 * j2], af[km], bfr[0], bfr[1]);
-          mma16816(s[km][2 * j2 + 1], af[km], bfr[2], bfr[3]);
+          mma16816<T>(s[km][2 * j2], af[km], bfr[0], bfr[1]);
+          mma16816<T>(s[km][2 * j2 + 1], af[km], bfr[2], bfr[3]);
         }
       }
     }
@@ -539,10 +582,10 @@ __global__ void __launch_bounds__(NW * 32, KM == 1 ? 1 : 2) attn_bwd_kernel(cons
       uint32_t a[KM][4];
 #pragma unroll
       for (int km = 0; km < KM; ++km) {
-        a[km][0] = pack_bf16(s[km][2 * kk][0], s[km][2 * kk][1]);
-        a[km][1] = pack_bf16(s[km][2 * kk][2], s[km][2 * kk][3]);
-        a[km][2] = pack_bf16(s[km][2 * kk + 1][0], s[km][2 * kk + 1][1]);
-        a[km][3] = pack_bf16(s[km][2 * kk + 1][2], s[km][2 * kk + 1][3]);
+        a[km][0] = pack2<T>(s[km][2 * kk][0], s[km][2 * kk][1]);
+        a[km][1] = pack2<T>(s[km][2 * kk][2], s[km][2 * kk][3]);
+        a[km][2] = pack2<T>(s[km][2 * kk + 1][0], s[km][2 * kk + 1][1]);
+        a[km][3] = pack2<T>(s[km][2 * kk + 1][2], s[km][2 * kk + 1][3]);
       }
 #pragma unroll
       for (int t2 = 0; t2 < DT / 2; ++t2) {
@@ -550,8 +593,8 @@ __global__ void __launch_bounds__(NW * 32, KM == 1 ? 1 : 2) attn_bwd_kernel(cons
         ldsm_x4_t(bfr, cdO + kk * 16 * P + t2 * 16 + bkn_off(lane, P));
 #pragma unroll
         for (int km = 0; km < KM; ++km) {
-          mma16816(dv[km][2 * t2], a[km], bfr[0], bfr[1]);
-          mma16816(dv[km][2 * t2 + 1], a[km], bfr[2], bfr[3]);
+          mma16816<T>(dv[km][2 * t2], a[km], bfr[0], bfr[1]);
+          mma16816<T>(dv[km][2 * t2 + 1], a[km], bfr[2], bfr[3]);
         }
       }
     }
@@ -573,8 +616,8 @@ __global__ void __launch_bounds__(NW * 32, KM == 1 ? 1 : 2) attn_bwd_kernel(cons
           ldsm_x4(bfr, cdO + j2 * 16 * P + kk * 16 + bnk_off(lane, P));
 #pragma unroll
           for (int km = 0; km < KM; ++km) {
-            mma16816(dp[km][2 * j2], af[km], bfr[0], bfr[1]);
-            mma16816(dp[km][2 * j2 + 1], af[km], bfr[2], bfr[3]);
+            mma16816<T>(dp[km][2 * j2], af[km], bfr[0], bfr[1]);
+            mma16816<T>(dp[km][2 * j2 + 1], af[km], bfr[2], bfr[3]);
           }
         }
       }
@@ -591,11 +634,11 @@ __global__ void __launch_bounds__(NW * 32, KM == 1 ? 1 : 2) attn_bwd_kernel(cons
       uint32_t a[KM][4];
 #pragma unroll
       for (int km = 0; km < KM; ++km) {
-        a[km][0] = pack_bf16(s[km][2 * kk][0], s[km][2 * kk][1]);
-        a[km][1] = pack_bf16(s[km][2 * kk][2], s[km][2 * kk][3]);
-        a[km][2] = pack_bf16(s[km][2 * kk + 1][0], s[km][2 * kk + 1][1]);
-        a[km][3] = pack_bf16(s[km][2 * kk + 1][2], s[km][2 * kk + 1][3]);
-        bf16* wdS = sdS + (warp * WN + km * 16) * PS + kk * 16 + tig * 2;
+        a[km][0] = pack2<T>(s[km][2 * kk][0], s[km][2 * kk][1]);
+        a[km][1] = pack2<T>(s[km][2 * kk][2], s[km][2 * kk][3]);
+        a[km][2] = pack2<T>(s[km][2 * kk + 1][0], s[km][2 * kk + 1][1]);
+        a[km][3] = pack2<T>(s[km][2 * kk + 1][2], s[km][2 * kk + 1][3]);
+        T* wdS = sdS + (warp * WN + km * 16) * PS + kk * 16 + tig * 2;
         *reinterpret_cast<uint32_t*>(wdS + g * PS) = a[km][0];
         *reinterpret_cast<uint32_t*>(wdS + (g + 8) * PS) = a[km][1];
         *reinterpret_cast<uint32_t*>(wdS + g * PS + 8) = a[km][2];
@@ -607,8 +650,8 @@ __global__ void __launch_bounds__(NW * 32, KM == 1 ? 1 : 2) attn_bwd_kernel(cons
         ldsm_x4_t(bfr, cQ + kk * 16 * P + t2 * 16 + bkn_off(lane, P));
 #pragma unroll
         for (int km = 0; km < KM; ++km) {
-          mma16816(dk[km][2 * t2], a[km], bfr[0], bfr[1]);
-          mma16816(dk[km][2 * t2 + 1], a[km], bfr[2], bfr[3]);
+          mma16816<T>(dk[km][2 * t2], a[km], bfr[0], bfr[1]);
+          mma16816<T>(dk[km][2 * t2 + 1], a[km], bfr[2], bfr[3]);
         }
       }
     }
@@ -628,8 +671,8 @@ __global__ void __launch_bounds__(NW * 32, KM == 1 ? 1 : 2) attn_bwd_kernel(cons
         for (int t2 = 0; t2 < DQT / 2; ++t2) {
           uint32_t bfr[4];
           ldsm_x4_t(bfr, sK + kk * 16 * P + cs * (HS / CS) + t2 * 16 + bkn_off(lane, P));
-          mma16816(dq[2 * t2], af, bfr[0], bfr[1]);
-          mma16816(dq[2 * t2 + 1], af, bfr[2], bfr[3]);
+          mma16816<T>(dq[2 * t2], af, bfr[0], bfr[1]);
+          mma16816<T>(dq[2 * t2 + 1], af, bfr[2], bfr[3]);
         }
       }
       const int64_t r0 = m0 + rg * 16 + g;
@@ -645,23 +688,23 @@ __global__ void __launch_bounds__(NW * 32, KM == 1 ? 1 : 2) attn_bwd_kernel(cons
   // Write dK (scaled) and dV through this warp's rows of sK / sV.
   cp_async_wait_all();
   __syncthreads();  // every warp is done reading sK and sV
-  bf16* oK = sK + warp * WN * P;
-  bf16* oV = sV + warp * WN * P;
+  T* oK = sK + warp * WN * P;
+  T* oV = sV + warp * WN * P;
 #pragma unroll
   for (int km = 0; km < KM; ++km) {
 #pragma unroll
     for (int t = 0; t < DT; ++t) {
       const int c = t * 8 + tig * 2, r = km * 16 + g;
-      *reinterpret_cast<uint32_t*>(oK + r * P + c) = pack_bf16(dk[km][t][0] * p.scale, dk[km][t][1] * p.scale);
-      *reinterpret_cast<uint32_t*>(oK + (r + 8) * P + c) = pack_bf16(dk[km][t][2] * p.scale, dk[km][t][3] * p.scale);
-      *reinterpret_cast<uint32_t*>(oV + r * P + c) = pack_bf16(dv[km][t][0], dv[km][t][1]);
-      *reinterpret_cast<uint32_t*>(oV + (r + 8) * P + c) = pack_bf16(dv[km][t][2], dv[km][t][3]);
+      *reinterpret_cast<uint32_t*>(oK + r * P + c) = pack2<T>(dk[km][t][0] * p.scale, dk[km][t][1] * p.scale);
+      *reinterpret_cast<uint32_t*>(oK + (r + 8) * P + c) = pack2<T>(dk[km][t][2] * p.scale, dk[km][t][3] * p.scale);
+      *reinterpret_cast<uint32_t*>(oV + r * P + c) = pack2<T>(dv[km][t][0], dv[km][t][1]);
+      *reinterpret_cast<uint32_t*>(oV + (r + 8) * P + c) = pack2<T>(dv[km][t][2], dv[km][t][3]);
     }
   }
   __syncwarp();
   const int64_t row0 = n0 + warp * WN;
-  bf16* dkg = p.dk + (b * p.Tkv + row0) * p.kv_stride + hk * HS;
-  bf16* dvg = p.dv + (b * p.Tkv + row0) * p.kv_stride + hk * HS;
+  T* dkg = p.dk + (b * p.Tkv + row0) * p.kv_stride + hk * HS;
+  T* dvg = p.dv + (b * p.Tkv + row0) * p.kv_stride + hk * HS;
   for (int i = lane; i < WN * (HS / 8); i += 32) {
     const int r = i / (HS / 8), c = i % (HS / 8);
     if (row0 + r < p.Tkv) {
@@ -725,11 +768,12 @@ void check_args(const AttnArgs& a, const void* const* ptrs, int n_ptrs, const ch
 
 float resolve_scale(const AttnArgs& a) { return a.scale > 0.f ? a.scale : 1.f / std::sqrt(float(a.HS)); }
 
-template <int HS>
-void launch_fwd(const FwdParams& p, int64_t BNH, int64_t Tq, cudaStream_t stream) {
+// cudaFuncSetAttribute runs before every launch on the kernel of this (T, HS) instantiation.
+template <class T, int HS>
+void launch_fwd(const FwdParams<T>& p, int64_t BNH, int64_t Tq, cudaStream_t stream) {
   constexpr int NW = Tiles<HS>::kFwdNW, BN = Tiles<HS>::kFwdBN, MT = Tiles<HS>::kFwdMT, BM = 16 * MT * NW;
-  constexpr int smem = fwd_smem_bytes<HS, BN, NW, MT>();
-  auto kernel = attn_fwd_kernel<HS, BN, NW, MT>;
+  constexpr int smem = fwd_smem_bytes<T, HS, BN, NW, MT>();
+  auto kernel = attn_fwd_kernel<T, HS, BN, NW, MT>;
   LOOM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const int64_t m_tiles = ceil_div(Tq, BM);
   LOOM_CHECK(m_tiles <= 65535, "attention_forward: Tq = {} is too long", Tq);
@@ -737,20 +781,20 @@ void launch_fwd(const FwdParams& p, int64_t BNH, int64_t Tq, cudaStream_t stream
   LOOM_CUDA_LAUNCH_CHECK();
 }
 
-template <int HS>
-void launch_bwd(const BwdParams& p, bf16* dq, float* dsum, float* dq_acc, const bf16* dout, const bf16* out,
-                int64_t B, int64_t o_stride, cudaStream_t stream) {
+template <class T, int HS>
+void launch_bwd(const BwdParams<T>& p, T* dq, float* dsum, float* dq_acc, const T* dout, const T* out, int64_t B,
+                int64_t o_stride, cudaStream_t stream) {
   const int64_t rows = B * p.NH * p.Tq;
   if (rows > 0) {
     const int threads = 256;
-    attn_bwd_pre_kernel<HS><<<unsigned(ceil_div(rows * 32, threads)), threads, 0, stream>>>(
+    attn_bwd_pre_kernel<T, HS><<<unsigned(ceil_div(rows * 32, threads)), threads, 0, stream>>>(
         dsum, dq_acc, dout, out, B, p.NH, p.Tq, o_stride);
     LOOM_CUDA_LAUNCH_CHECK();
   }
   if (p.Tkv > 0 && B * p.NH > 0) {
     constexpr int NW = Tiles<HS>::kBwdNW, BM = Tiles<HS>::kBwdBM, KM = Tiles<HS>::kBwdKM, BN = 16 * KM * NW;
-    constexpr int smem = bwd_smem_bytes<HS, BM, NW, KM>();
-    auto kernel = attn_bwd_kernel<HS, BM, NW, KM>;
+    constexpr int smem = bwd_smem_bytes<T, HS, BM, NW, KM>();
+    auto kernel = attn_bwd_kernel<T, HS, BM, NW, KM>;
     LOOM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const int64_t n_tiles = ceil_div(p.Tkv, BN);
     LOOM_CHECK(n_tiles <= 65535, "attention_backward: Tkv = {} is too long", p.Tkv);
@@ -759,7 +803,7 @@ void launch_bwd(const BwdParams& p, bf16* dq, float* dsum, float* dq_acc, const 
   }
   if (rows > 0) {
     const int threads = 256;
-    attn_bwd_dq_kernel<HS><<<unsigned(ceil_div(rows * (HS / 8), threads)), threads, 0, stream>>>(
+    attn_bwd_dq_kernel<T, HS><<<unsigned(ceil_div(rows * (HS / 8), threads)), threads, 0, stream>>>(
         dq, dq_acc, B, p.NH, p.Tq, p.q_stride, p.scale);
     LOOM_CUDA_LAUNCH_CHECK();
   }
@@ -770,18 +814,20 @@ size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 }  // namespace
 
-void attention_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, const AttnArgs& a,
+template <class T>
+void attention_forward(T* out, float* lse, const T* q, const T* k, const T* v, const AttnArgs& a,
                        cudaStream_t stream) {
+  static_assert(kIs16<T>, "attention_forward: T is bf16 or f16");
   const void* ptrs[] = {out, q, k, v};
   check_args(a, ptrs, 4, "attention_forward");
   if (a.B * a.NH == 0 || a.Tq == 0) return;
   LOOM_CHECK(reinterpret_cast<uintptr_t>(lse) % 4 == 0, "attention_forward: lse is not 4-byte aligned");
-  FwdParams p{out, lse, q, k, v, a.NH, a.Tq, a.Tkv, a.q_stride, a.kv_stride, a.o_stride, a.q_pos0, a.kv_pos0,
-              a.causal, resolve_scale(a) * kLog2e, a.NH / (a.NKV > 0 ? a.NKV : a.NH)};
+  FwdParams<T> p{out, lse, q, k, v, a.NH, a.Tq, a.Tkv, a.q_stride, a.kv_stride, a.o_stride, a.q_pos0, a.kv_pos0,
+                 a.causal, resolve_scale(a) * kLog2e, a.NH / (a.NKV > 0 ? a.NKV : a.NH)};
   if (a.HS == 64)
-    launch_fwd<64>(p, a.B * a.NH, a.Tq, stream);
+    launch_fwd<T, 64>(p, a.B * a.NH, a.Tq, stream);
   else
-    launch_fwd<128>(p, a.B * a.NH, a.Tq, stream);
+    launch_fwd<T, 128>(p, a.B * a.NH, a.Tq, stream);
 }
 
 size_t attention_backward_workspace_bytes(const AttnArgs& a) {
@@ -789,8 +835,10 @@ size_t attention_backward_workspace_bytes(const AttnArgs& a) {
   return align_up(rows * sizeof(float)) + align_up(rows * size_t(a.HS) * sizeof(float));
 }
 
-void attention_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k, const bf16* v,
-                        const bf16* out, const float* lse, const AttnArgs& a, void* workspace, cudaStream_t stream) {
+template <class T>
+void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k, const T* v, const T* out,
+                        const float* lse, const AttnArgs& a, void* workspace, cudaStream_t stream) {
+  static_assert(kIs16<T>, "attention_backward: T is bf16 or f16");
   const void* ptrs[] = {dq, dk, dv, dout, q, k, v, out, workspace};
   check_args(a, ptrs, 9, "attention_backward");
   if (a.B * a.NH == 0) return;
@@ -798,12 +846,21 @@ void attention_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf
   float* dsum = static_cast<float*>(workspace);  // f32 [B*NH, Tq]
   float* dq_acc = reinterpret_cast<float*>(static_cast<char*>(workspace) + align_up(rows * sizeof(float)));
   const float scale = resolve_scale(a);
-  BwdParams p{dk, dv, dq_acc, dsum, lse, q, k, v, dout, a.NH, a.Tq, a.Tkv, a.q_stride, a.kv_stride, a.o_stride,
-              a.q_pos0, a.kv_pos0, a.causal, scale, scale * kLog2e, a.NH / (a.NKV > 0 ? a.NKV : a.NH)};
+  BwdParams<T> p{dk, dv, dq_acc, dsum, lse, q, k, v, dout, a.NH, a.Tq, a.Tkv, a.q_stride, a.kv_stride, a.o_stride,
+                 a.q_pos0, a.kv_pos0, a.causal, scale, scale * kLog2e, a.NH / (a.NKV > 0 ? a.NKV : a.NH)};
   if (a.HS == 64)
-    launch_bwd<64>(p, dq, dsum, dq_acc, dout, out, a.B, a.o_stride, stream);
+    launch_bwd<T, 64>(p, dq, dsum, dq_acc, dout, out, a.B, a.o_stride, stream);
   else
-    launch_bwd<128>(p, dq, dsum, dq_acc, dout, out, a.B, a.o_stride, stream);
+    launch_bwd<T, 128>(p, dq, dsum, dq_acc, dout, out, a.B, a.o_stride, stream);
 }
+
+// The two element types (explicit instantiation definitions of the header's extern declarations).
+template void attention_forward<bf16>(bf16*, float*, const bf16*, const bf16*, const bf16*, const AttnArgs&,
+                                      cudaStream_t);
+template void attention_forward<f16>(f16*, float*, const f16*, const f16*, const f16*, const AttnArgs&, cudaStream_t);
+template void attention_backward<bf16>(bf16*, bf16*, bf16*, const bf16*, const bf16*, const bf16*, const bf16*,
+                                       const bf16*, const float*, const AttnArgs&, void*, cudaStream_t);
+template void attention_backward<f16>(f16*, f16*, f16*, const f16*, const f16*, const f16*, const f16*, const f16*,
+                                      const float*, const AttnArgs&, void*, cudaStream_t);
 
 }  // namespace loom::cuda

@@ -1,4 +1,5 @@
-// loom's flash attention on the GPU: causal multi-head attention in bf16 with f32 accumulation,
+// loom's flash attention on the GPU: causal multi-head attention in bf16 or f16 (the element type
+// T of q, k, v, out and their gradients; train.precision bf16 and fp16) with f32 accumulation,
 // tiled with an online softmax (FlashAttention-2 work partitioning: each thread block owns a tile
 // of queries of one (batch, head); backward parallel over key tiles), saving only the per-row
 // log-sum-exp. Layout as the CPU op (kernels/cpu/attention.h): element (b, t, h, d) of X at
@@ -30,18 +31,30 @@ struct AttnArgs {
 // Causal mask: key position kv_pos0 + s is visible to query position q_pos0 + t iff
 // kv_pos0 + s <= q_pos0 + t. A query row with no visible key gets out = 0, lse = -inf, dq = 0.
 
-// out bf16 (o_stride) = softmax(q k^T scale) v; lse f32 [B, NH, Tq] (natural log of the row's
-// sum of exp of scaled scores). Deterministic.
-void attention_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
-                       const AttnArgs& a, cudaStream_t stream);
+// out T (o_stride) = softmax(q k^T scale) v, T bf16 or f16; lse f32 [B, NH, Tq] (natural log of
+// the row's sum of exp of scaled scores). Deterministic.
+template <class T>
+void attention_forward(T* out, float* lse, const T* q, const T* k, const T* v, const AttnArgs& a,
+                       cudaStream_t stream);
 
-// dq (q_stride), dk, dv (kv_stride) bf16 (written), from dout (o_stride), q, k, v, out, lse.
-// `workspace` holds at least attention_backward_workspace_bytes(a) bytes: f32 D = rowsum(dout *
-// out) [B, NH, Tq] and the f32 dq accumulator [B, NH, Tq, HS] (dq is summed with atomics, so its
-// last bits may differ between runs; dk and dv are deterministic).
+// dq (q_stride), dk, dv (kv_stride) T (written; T bf16 or f16, as the forward's), from dout
+// (o_stride), q, k, v, out, lse. `workspace` holds at least attention_backward_workspace_bytes(a)
+// bytes (the same for both types): f32 D = rowsum(dout * out) [B, NH, Tq] and the f32 dq
+// accumulator [B, NH, Tq, HS] (dq is summed with atomics, so its last bits may differ between
+// runs; dk and dv are deterministic).
 size_t attention_backward_workspace_bytes(const AttnArgs& a);
-void attention_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k,
-                        const bf16* v, const bf16* out, const float* lse, const AttnArgs& a, void* workspace,
-                        cudaStream_t stream);
+template <class T>
+void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k, const T* v, const T* out,
+                        const float* lse, const AttnArgs& a, void* workspace, cudaStream_t stream);
+
+// Defined (instantiated) in attention.cu for these two types only.
+extern template void attention_forward<bf16>(bf16*, float*, const bf16*, const bf16*, const bf16*, const AttnArgs&,
+                                             cudaStream_t);
+extern template void attention_forward<f16>(f16*, float*, const f16*, const f16*, const f16*, const AttnArgs&,
+                                            cudaStream_t);
+extern template void attention_backward<bf16>(bf16*, bf16*, bf16*, const bf16*, const bf16*, const bf16*, const bf16*,
+                                              const bf16*, const float*, const AttnArgs&, void*, cudaStream_t);
+extern template void attention_backward<f16>(f16*, f16*, f16*, const f16*, const f16*, const f16*, const f16*,
+                                             const f16*, const float*, const AttnArgs&, void*, cudaStream_t);
 
 }  // namespace loom::cuda

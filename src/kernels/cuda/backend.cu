@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "core/error.h"
 #include "kernels/cuda/adamw.cuh"
@@ -19,8 +20,16 @@ namespace loom::cuda {
 
 namespace {
 
-const bf16* h(const void* p) { return static_cast<const bf16*>(p); }
-bf16* h(void* p) { return static_cast<bf16*>(p); }
+// The ops' 16-bit buffers as the element type T of the call (bf16 or f16, LOOM_CUDA_DISPATCH_16).
+template <class T>
+const T* h(const void* p) {
+  return static_cast<const T*>(p);
+}
+template <class T>
+T* h(void* p) {
+  return static_cast<T*>(p);
+}
+#define LOOM_T std::remove_pointer_t<decltype(tag)>
 
 AttnArgs attn_args(const AttnShape& s) { return attn_args_of<AttnArgs>(s); }
 
@@ -32,27 +41,48 @@ bool gemm_takes(const AttnShape& s) {
          s.kv_pos0 == 0 && s.causal && (s.scale == 0.f || s.scale == 1.f / std::sqrt(float(s.HS))) && s.HS % 8 == 0;
 }
 
-__global__ void add_bf16_kernel(bf16* out, const bf16* a, const bf16* b, int64_t n) {
+template <class T>
+__global__ void add_kernel(T* out, const T* a, const T* b, int64_t n) {
   const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
   if (i + 8 <= n) {
-    const bf16x8 x = *reinterpret_cast<const bf16x8*>(a + i), y = *reinterpret_cast<const bf16x8*>(b + i);
-    bf16x8 o;
+    const Vec8<T> x = *reinterpret_cast<const Vec8<T>*>(a + i), y = *reinterpret_cast<const Vec8<T>*>(b + i);
+    Vec8<T> o;
 #pragma unroll
-    for (int k = 0; k < 8; ++k) o.v[k] = __float2bfloat16(__bfloat162float(x.v[k]) + __bfloat162float(y.v[k]));
-    *reinterpret_cast<bf16x8*>(out + i) = o;
+    for (int k = 0; k < 8; ++k) o.v[k] = from_f32<T>(to_f32(x.v[k]) + to_f32(y.v[k]));
+    *reinterpret_cast<Vec8<T>*>(out + i) = o;
   } else {
-    for (int64_t j = i; j < n; ++j) out[j] = __float2bfloat16(__bfloat162float(a[j]) + __bfloat162float(b[j]));
+    for (int64_t j = i; j < n; ++j) out[j] = from_f32<T>(to_f32(a[j]) + to_f32(b[j]));
   }
 }
 
-__global__ void f32_to_bf16_kernel(bf16* out, const float* in, int64_t n) {
+template <class T>
+__global__ void from_f32_kernel(T* out, const float* in, int64_t n) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) out[i] = __float2bfloat16(in[i]);
+  if (i < n) out[i] = from_f32<T>(in[i]);
 }
 
-__global__ void bf16_to_f32_kernel(float* out, const bf16* in, int64_t n) {
+template <class T>
+__global__ void to_f32_kernel(float* out, const T* in, int64_t n) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) out[i] = __bfloat162float(in[i]);
+  if (i < n) out[i] = to_f32(in[i]);
+}
+
+// Host conversions between f32 and a 16-bit type (the same rounding as the device's: to nearest
+// even); same-type copies as they are.
+void convert_on_host(void* dst, DType dt, const void* src, DType st, int64_t n) {
+  if (dt == st) {
+    std::memcpy(dst, src, size_t(n) * dtype_size(dt));
+  } else if (dt == DType::f32 && st == DType::bf16) {
+    loom::bf16_to_f32(static_cast<float*>(dst), static_cast<const loom::bf16*>(src), n);
+  } else if (dt == DType::bf16 && st == DType::f32) {
+    loom::f32_to_bf16(static_cast<loom::bf16*>(dst), static_cast<const float*>(src), n);
+  } else if (dt == DType::f32 && st == DType::f16) {
+    for (int64_t i = 0; i < n; ++i) static_cast<float*>(dst)[i] = __half2float(static_cast<const f16*>(src)[i]);
+  } else if (dt == DType::f16 && st == DType::f32) {
+    for (int64_t i = 0; i < n; ++i) static_cast<f16*>(dst)[i] = __float2half_rn(static_cast<const float*>(src)[i]);
+  } else {
+    LOOM_FAIL("copy: no conversion from {} to {}", dtype_name(st), dtype_name(dt));
+  }
 }
 
 // out[0] = scale * sum(x): one block, a fixed order (each thread a strided partial sum, then the
@@ -80,7 +110,8 @@ bool capturing(cudaStream_t s) {
 
 class CudaAdamW final : public AdamWPlan {
  public:
-  CudaAdamW(const std::vector<loom::AdamWTensor>& t, MemoryPool& pool, cudaStream_t stream, int device, Backend* be)
+  CudaAdamW(const std::vector<loom::AdamWTensor>& t, DType compute, MemoryPool& pool, cudaStream_t stream, int device,
+            Backend* be)
       : stream_(stream), device_(device), be_(be) {
     std::vector<cuda::AdamWTensor> list;
     list.reserve(t.size());
@@ -88,7 +119,10 @@ class CudaAdamW final : public AdamWPlan {
       LOOM_CHECK(x.param && x.grad && x.m && x.v && x.n >= 0, "adamw plan: a tensor without param, grad or moments");
       cuda::AdamWTensor y;
       y.param = x.param;
-      y.param_bf16 = static_cast<bf16*>(x.compute);
+      if (compute == DType::f16)
+        y.param_f16 = static_cast<f16*>(x.compute);
+      else
+        y.param_bf16 = static_cast<bf16*>(x.compute);
       y.grad = x.grad;
       y.m = x.m;
       y.v = x.v;
@@ -141,7 +175,11 @@ struct CudaBackend::Plan {
   size_t workspace = 0;  // bytes the forward and backward calls need
 };
 
-CudaBackend::CudaBackend(const BackendOptions& opt) : device_(opt.device_index), requested_(opt.attention) {
+CudaBackend::CudaBackend(const BackendOptions& opt)
+    : device_(opt.device_index), dtype_(opt.compute), requested_(opt.attention) {
+  LOOM_CHECK(dtype_ == DType::bf16 || dtype_ == DType::f16,
+             "cuda backend: the compute dtype must be bf16 or f16 (f32 master weights and accumulation), got {}",
+             dtype_name(dtype_));
   int count = 0;
   LOOM_CUDA_CHECK(cudaGetDeviceCount(&count));
   LOOM_CHECK(device_ >= 0 && device_ < count, "cuda backend: device {} does not exist ({} GPUs)", device_, count);
@@ -222,13 +260,14 @@ std::unique_ptr<Graph> CudaBackend::end_capture() {
 
 bool CudaBackend::supports(Op op, DType dtype) const {
   // Copies also move i32 (token ids, targets) between host and device, without conversion.
-  if (op == Op::copy) return dtype == DType::f32 || dtype == DType::bf16 || dtype == DType::i32;
-  return dtype == DType::bf16;
+  // Every op takes both 16-bit types (the model computes in compute_dtype()).
+  if (op == Op::copy) return dtype == DType::f32 || dtype == DType::bf16 || dtype == DType::f16 || dtype == DType::i32;
+  return dtype == DType::bf16 || dtype == DType::f16;
 }
 
 void CudaBackend::check(Op op, DType dtype) const {
-  LOOM_CHECK(supports(op, dtype), "cuda backend: {} in {} is not supported (bf16 with f32 accumulation)", op_name(op),
-             dtype_name(dtype));
+  LOOM_CHECK(supports(op, dtype), "cuda backend: {} in {} is not supported (bf16 or f16 with f32 accumulation)",
+             op_name(op), dtype_name(dtype));
   activate();
 }
 
@@ -264,16 +303,17 @@ void* CudaBackend::grow(void*& p, size_t& have, size_t bytes, const char* what) 
 void CudaBackend::linear_forward(const LinearForward& a) {
   check(Op::linear, a.dtype);
   MatmulFwdArgs m;
-  m.out = h(a.out);
-  m.pre_gelu = h(a.pre_gelu);
-  m.inp = h(a.inp);
-  m.weight = h(a.weight);
-  m.bias = h(a.bias);
+  m.dtype = a.dtype;
+  m.out = a.out;
+  m.pre_gelu = a.pre_gelu;
+  m.inp = a.inp;
+  m.weight = a.weight;
+  m.bias = a.bias;
   m.M = a.M;
   m.K = a.K;
   m.N = a.N;
   m.gelu = a.gelu;
-  m.residual = h(a.residual);
+  m.residual = a.residual;
   matmul_forward(*blas_, m, stream_);
   observed(a.gelu ? "linear forward + gelu" : "linear forward", 2.0 * double(a.M) * double(a.N) * double(a.K));
 }
@@ -282,14 +322,15 @@ void CudaBackend::linear_backward(const LinearBackward& a) {
   check(Op::linear, a.dtype);
   LOOM_CHECK(!(a.gelu_pre && a.accumulate_dinp), "linear_backward: gelu_pre with accumulate_dinp");
   MatmulBwdArgs m;
-  m.dinp = h(a.dinp);
+  m.dtype = a.dtype;
+  m.dinp = a.dinp;
   m.accumulate_dinp = a.accumulate_dinp;
   m.dweight = a.dweight;
   m.dbias = a.dbias;
-  m.dout = h(a.dout);
-  m.inp = h(a.inp);
-  m.weight = h(a.weight);
-  m.dinp_gelu_pre = h(a.gelu_pre);
+  m.dout = a.dout;
+  m.inp = a.inp;
+  m.weight = a.weight;
+  m.dinp_gelu_pre = a.gelu_pre;
   m.M = a.M;
   m.K = a.K;
   m.N = a.N;
@@ -303,13 +344,16 @@ void CudaBackend::linear_backward(const LinearBackward& a) {
 
 void CudaBackend::layernorm_forward(const LayerNormForward& a) {
   check(a.rms ? Op::rmsnorm : Op::layernorm, a.dtype);
-  if (a.residual_b) {
-    LOOM_CHECK(a.residual_out, "layernorm_forward: residual_b without residual_out");
-    residual_layernorm_forward(h(a.residual_out), h(a.out), a.mean, a.rstd, h(a.inp), h(a.residual_b), h(a.weight),
-                               h(a.bias), a.N, a.C, stream_, a.eps, a.rms);
-  } else {
-    cuda::layernorm_forward(h(a.out), a.mean, a.rstd, h(a.inp), h(a.weight), h(a.bias), a.N, a.C, stream_, a.eps, a.rms);
-  }
+  LOOM_CHECK(!a.residual_b || a.residual_out, "layernorm_forward: residual_b without residual_out");
+  LOOM_CUDA_DISPATCH_16(a.dtype, "layernorm_forward", [&](auto* tag) {
+    using T = LOOM_T;
+    if (a.residual_b)
+      residual_layernorm_forward(h<T>(a.residual_out), h<T>(a.out), a.mean, a.rstd, h<T>(a.inp), h<T>(a.residual_b),
+                                 h<T>(a.weight), h<T>(a.bias), a.N, a.C, stream_, a.eps, a.rms);
+    else
+      cuda::layernorm_forward(h<T>(a.out), a.mean, a.rstd, h<T>(a.inp), h<T>(a.weight), h<T>(a.bias), a.N, a.C, stream_,
+                              a.eps, a.rms);
+  });
   observed(a.rms ? (a.residual_b ? "residual + rmsnorm forward" : "rmsnorm forward")
                  : (a.residual_b ? "residual + layernorm forward" : "layernorm forward"));
 }
@@ -319,20 +363,23 @@ void CudaBackend::layernorm_backward(const LayerNormBackward& a) {
   LOOM_CHECK(a.dweight && (a.rms || a.dbias), "cuda layernorm_backward: dweight and dbias (LayerNorm) must be set");
   auto* scratch = static_cast<float*>(
       grow(ln_scratch_, ln_bytes_, size_t(layernorm_backward_scratch_floats(a.C)) * sizeof(float), "the LayerNorm backward"));
-  cuda::layernorm_backward(h(a.dinp), a.dweight, a.dbias, h(a.dout), h(a.inp), h(a.weight), a.mean, a.rstd, a.N, a.C,
-                           a.accumulate, scratch, stream_, a.rms);
+  LOOM_CUDA_DISPATCH_16(a.dtype, "layernorm_backward", [&](auto* tag) {
+    using T = LOOM_T;
+    cuda::layernorm_backward(h<T>(a.dinp), a.dweight, a.dbias, h<T>(a.dout), h<T>(a.inp), h<T>(a.weight), a.mean,
+                             a.rstd, a.N, a.C, a.accumulate, scratch, stream_, a.rms);
+  });
   observed(a.rms ? "rmsnorm backward" : "layernorm backward");
 }
 
-CudaBackend::ShapeKey CudaBackend::key(const AttnShape& s) {
+CudaBackend::ShapeKey CudaBackend::key(DType dtype, const AttnShape& s) {
   int32_t scale_bits = 0;
   std::memcpy(&scale_bits, &s.scale, sizeof(scale_bits));
   return {s.B,      s.NH,      s.HS,     s.Tq,         s.Tkv,      s.q_stride, s.kv_stride,
-          s.o_stride, s.q_pos0, s.kv_pos0, s.causal, scale_bits, s.kv_heads()};
+          s.o_stride, s.q_pos0, s.kv_pos0, s.causal, scale_bits, s.kv_heads(), int64_t(dtype)};
 }
 
-const CudaBackend::Plan* CudaBackend::find_plan(const AttnShape& s) const {
-  auto it = plans_.find(key(s));
+const CudaBackend::Plan* CudaBackend::find_plan(DType dtype, const AttnShape& s) const {
+  auto it = plans_.find(key(dtype, s));
   return it == plans_.end() ? nullptr : it->second.get();
 }
 
@@ -361,12 +408,12 @@ AttnKernel CudaBackend::resolve(const AttnShape& s, std::string* note) const {
 }
 
 AttnKernel CudaBackend::attention_kernel(const AttnShape& s) const {
-  if (const Plan* p = find_plan(s)) return p->kernel;
+  if (const Plan* p = find_plan(dtype_, s)) return p->kernel;
   return resolve(s, nullptr);
 }
 
-CudaBackend::Plan& CudaBackend::plan(const AttnShape& s) {
-  auto it = plans_.find(key(s));
+CudaBackend::Plan& CudaBackend::plan(DType dtype, const AttnShape& s) {
+  auto it = plans_.find(key(dtype, s));
   if (it != plans_.end()) return *it->second;
   LOOM_CHECK(!capturing(), "cuda attention: a new shape while a CUDA graph is being captured (prepare it first)");
   auto p = std::make_unique<Plan>();
@@ -375,7 +422,7 @@ CudaBackend::Plan& CudaBackend::plan(const AttnShape& s) {
   const AttnArgs args = attn_args(s);
   if (p->kernel == AttnKernel::cudnn) {
     try {
-      p->cudnn = std::make_unique<CudnnAttention>(args);
+      p->cudnn = std::make_unique<CudnnAttention>(args, dtype);
     } catch (const Error& e) {
       // automatic falls back to flash when cuDNN cannot plan the shape; asked for by name it fails.
       if (requested_ != AttnKernel::automatic) throw;
@@ -391,82 +438,93 @@ CudaBackend::Plan& CudaBackend::plan(const AttnShape& s) {
   else
     p->workspace = attn_gemm_workspace_bytes({s.B, s.Tq, s.NH, s.HS});
   grow(attn_ws_, attn_ws_bytes_, p->workspace, "attention");
-  return *plans_.emplace(key(s), std::move(p)).first->second;
+  return *plans_.emplace(key(dtype, s), std::move(p)).first->second;
 }
 
 void CudaBackend::prepare_attention(DType dtype, const AttnShape& s) {
   check(Op::attention, dtype);
-  (void)plan(s);
+  (void)plan(dtype, s);
 }
 
 int64_t CudaBackend::attention_probs_bytes(DType dtype, const AttnShape& s) const {
   check(Op::attention, dtype);
   if (attention_kernel(s) != AttnKernel::gemm) return 0;
-  return s.B * s.NH * s.Tq * s.Tkv * int64_t(sizeof(bf16));
+  return s.B * s.NH * s.Tq * s.Tkv * int64_t(dtype_size(dtype));
 }
 
 int64_t CudaBackend::attention_workspace_bytes(DType dtype, const AttnShape& s, int) const {
   check(Op::attention, dtype);
-  if (const Plan* p = find_plan(s)) return int64_t(p->workspace);
+  if (const Plan* p = find_plan(dtype, s)) return int64_t(p->workspace);
   const AttnKernel k = resolve(s, nullptr);
   if (k == AttnKernel::gemm) return int64_t(attn_gemm_workspace_bytes({s.B, s.Tq, s.NH, s.HS}));
   if (k == AttnKernel::flash) return int64_t(attention_backward_workspace_bytes(attn_args(s)));
-  CudnnAttention probe(attn_args(s));  // cuDNN's own scratch is known once planned
+  CudnnAttention probe(attn_args(s), dtype);  // cuDNN's own scratch is known once planned
   return int64_t(std::max(probe.forward_workspace_bytes(), probe.backward_workspace_bytes()));
 }
 
 void CudaBackend::attention_forward(const AttentionForward& a) {
   check(Op::attention, a.dtype);
-  Plan& p = plan(a.shape);
+  Plan& p = plan(a.dtype, a.shape);
   const AttnArgs args = attn_args(a.shape);
-  switch (p.kernel) {
-    case AttnKernel::cudnn:
-      p.cudnn->forward(h(a.out), a.lse, h(a.q), h(a.k), h(a.v), attn_ws_, stream_);
-      break;
-    case AttnKernel::gemm: {
-      const int64_t C = a.shape.NH * a.shape.HS;
-      LOOM_CHECK(a.probs && a.k == h(a.q) + C && a.v == h(a.q) + 2 * C,
-                 "cuda attention (gemm): q, k, v must be one packed [B, T, 3C] buffer and probs set");
-      attn_gemm_forward(*blas_, h(a.out), h(a.probs), h(a.q), {a.shape.B, a.shape.Tq, a.shape.NH, a.shape.HS}, attn_ws_,
-                        stream_);
-      break;
+  LOOM_CUDA_DISPATCH_16(a.dtype, "attention_forward", [&](auto* tag) {
+    using T = LOOM_T;
+    switch (p.kernel) {
+      case AttnKernel::cudnn:
+        p.cudnn->forward(a.out, a.lse, a.q, a.k, a.v, attn_ws_, stream_);
+        break;
+      case AttnKernel::gemm: {
+        const int64_t C = a.shape.NH * a.shape.HS;
+        LOOM_CHECK(a.probs && a.k == h<T>(a.q) + C && a.v == h<T>(a.q) + 2 * C,
+                   "cuda attention (gemm): q, k, v must be one packed [B, T, 3C] buffer and probs set");
+        attn_gemm_forward(*blas_, h<T>(a.out), h<T>(a.probs), h<T>(a.q), {a.shape.B, a.shape.Tq, a.shape.NH, a.shape.HS},
+                          attn_ws_, stream_);
+        break;
+      }
+      default:
+        cuda::attention_forward(h<T>(a.out), a.lse, h<T>(a.q), h<T>(a.k), h<T>(a.v), args, stream_);
     }
-    default:
-      cuda::attention_forward(h(a.out), a.lse, h(a.q), h(a.k), h(a.v), args, stream_);
-  }
+  });
   observed("attention forward", attention_flops(a.shape));
 }
 
 void CudaBackend::attention_backward(const AttentionBackward& a) {
   check(Op::attention, a.dtype);
   LOOM_CHECK(!a.accumulate, "cuda attention_backward: accumulate is not supported (the kernels write dq, dk, dv)");
-  Plan& p = plan(a.shape);
+  Plan& p = plan(a.dtype, a.shape);
   const AttnArgs args = attn_args(a.shape);
-  switch (p.kernel) {
-    case AttnKernel::cudnn:
-      p.cudnn->backward(h(a.dq), h(a.dk), h(a.dv), h(a.dout), h(a.q), h(a.k), h(a.v), h(a.out), a.lse, attn_ws_, stream_);
-      break;
-    case AttnKernel::gemm: {
-      const int64_t C = a.shape.NH * a.shape.HS;
-      LOOM_CHECK(a.probs && a.k == h(a.q) + C && a.v == h(a.q) + 2 * C && a.dk == h(a.dq) + C && a.dv == h(a.dq) + 2 * C,
-                 "cuda attention (gemm): q, k, v and dq, dk, dv must be packed [B, T, 3C] buffers and probs set");
-      attn_gemm_backward(*blas_, h(a.dq), h(a.probs), h(a.dout), h(a.q), {a.shape.B, a.shape.Tq, a.shape.NH, a.shape.HS},
-                         attn_ws_, stream_);
-      break;
+  LOOM_CUDA_DISPATCH_16(a.dtype, "attention_backward", [&](auto* tag) {
+    using T = LOOM_T;
+    switch (p.kernel) {
+      case AttnKernel::cudnn:
+        p.cudnn->backward(a.dq, a.dk, a.dv, a.dout, a.q, a.k, a.v, a.out, a.lse, attn_ws_, stream_);
+        break;
+      case AttnKernel::gemm: {
+        const int64_t C = a.shape.NH * a.shape.HS;
+        LOOM_CHECK(a.probs && a.k == h<T>(a.q) + C && a.v == h<T>(a.q) + 2 * C && a.dk == h<T>(a.dq) + C &&
+                       a.dv == h<T>(a.dq) + 2 * C,
+                   "cuda attention (gemm): q, k, v and dq, dk, dv must be packed [B, T, 3C] buffers and probs set");
+        attn_gemm_backward(*blas_, h<T>(a.dq), h<T>(a.probs), h<T>(a.dout), h<T>(a.q),
+                           {a.shape.B, a.shape.Tq, a.shape.NH, a.shape.HS}, attn_ws_, stream_);
+        break;
+      }
+      default:
+        cuda::attention_backward(h<T>(a.dq), h<T>(a.dk), h<T>(a.dv), h<T>(a.dout), h<T>(a.q), h<T>(a.k), h<T>(a.v),
+                                 h<T>(a.out), a.lse, args, attn_ws_, stream_);
     }
-    default:
-      cuda::attention_backward(h(a.dq), h(a.dk), h(a.dv), h(a.dout), h(a.q), h(a.k), h(a.v), h(a.out), a.lse, args,
-                               attn_ws_, stream_);
-  }
+  });
   observed("attention backward", 2.5 * attention_flops(a.shape));
 }
 
 void CudaBackend::crossentropy(const CrossEntropy& a) {
   check(Op::crossentropy, a.dtype);
-  if (a.dlogits)
-    crossentropy_forward_backward(a.losses, h(a.dlogits), h(a.logits), a.targets, a.dloss, a.N, a.V, a.Vp, stream_);
-  else
-    crossentropy_forward(a.losses, h(a.logits), a.targets, a.N, a.V, a.Vp, stream_);
+  LOOM_CUDA_DISPATCH_16(a.dtype, "crossentropy", [&](auto* tag) {
+    using T = LOOM_T;
+    if (a.dlogits)
+      crossentropy_forward_backward(a.losses, h<T>(a.dlogits), h<T>(a.logits), a.targets, a.dloss, a.N, a.V, a.Vp,
+                                    stream_);
+    else
+      crossentropy_forward(a.losses, h<T>(a.logits), a.targets, a.N, a.V, a.Vp, stream_);
+  });
   observed(a.dlogits ? "cross-entropy + dlogits" : "cross-entropy");
 }
 
@@ -474,7 +532,10 @@ void CudaBackend::embedding_forward(const EmbeddingForward& a) {
   check(Op::embedding, a.dtype);
   LOOM_CHECK(!a.positions && a.vocab_rows == 0, "cuda embedding_forward: position lists and vocabulary splits "
              "(tensor / context parallelism) are not implemented on CUDA yet");
-  cuda::embedding_forward(h(a.out), a.tokens, h(a.wte), h(a.wpe), a.B, a.T, a.C, a.V, stream_, a.pos0);
+  LOOM_CUDA_DISPATCH_16(a.dtype, "embedding_forward", [&](auto* tag) {
+    using T = LOOM_T;
+    cuda::embedding_forward(h<T>(a.out), a.tokens, h<T>(a.wte), h<T>(a.wpe), a.B, a.T, a.C, a.V, stream_, a.pos0);
+  });
   observed("embedding forward");
 }
 
@@ -482,36 +543,54 @@ void CudaBackend::embedding_backward(const EmbeddingBackward& a) {
   check(Op::embedding, a.dtype);
   LOOM_CHECK(!a.positions && a.vocab_rows == 0, "cuda embedding_backward: position lists and vocabulary splits "
              "(tensor / context parallelism) are not implemented on CUDA yet");
-  cuda::embedding_backward(a.dwte, a.dwpe, h(a.dout), a.tokens, a.B, a.T, a.C, a.V, stream_, a.pos0);
+  LOOM_CUDA_DISPATCH_16(a.dtype, "embedding_backward", [&](auto* tag) {
+    using T = LOOM_T;
+    cuda::embedding_backward(a.dwte, a.dwpe, h<T>(a.dout), a.tokens, a.B, a.T, a.C, a.V, stream_, a.pos0);
+  });
   observed("embedding backward");
 }
 
 void CudaBackend::rope(const Rope& a) {
   check(Op::rope, a.dtype);
-  cuda::rope(h(a.x), a.B, a.T, a.NH, a.HS, a.stride, a.inv_freq, a.pos0, a.positions, a.inverse, stream_);
+  LOOM_CUDA_DISPATCH_16(a.dtype, "rope", [&](auto* tag) {
+    using T = LOOM_T;
+    cuda::rope(h<T>(a.x), a.B, a.T, a.NH, a.HS, a.stride, a.inv_freq, a.pos0, a.positions, a.inverse, stream_);
+  });
   observed("rope");
 }
 
 void CudaBackend::swiglu_forward(DType dtype, void* out, const void* inp, int64_t N, int64_t H) {
   check(Op::swiglu, dtype);
-  cuda::swiglu_forward(h(out), h(inp), N, H, stream_);
+  LOOM_CUDA_DISPATCH_16(dtype, "swiglu_forward", [&](auto* tag) {
+    using T = LOOM_T;
+    cuda::swiglu_forward(h<T>(out), h<T>(inp), N, H, stream_);
+  });
   observed("swiglu forward");
 }
 
 void CudaBackend::swiglu_backward(DType dtype, void* dinp, const void* dout, const void* inp, int64_t N, int64_t H) {
   check(Op::swiglu, dtype);
-  cuda::swiglu_backward(h(dinp), h(dout), h(inp), N, H, stream_);
+  LOOM_CUDA_DISPATCH_16(dtype, "swiglu_backward", [&](auto* tag) {
+    using T = LOOM_T;
+    cuda::swiglu_backward(h<T>(dinp), h<T>(dout), h<T>(inp), N, H, stream_);
+  });
   observed("swiglu backward");
 }
 
 void CudaBackend::gelu_forward(DType dtype, void* out, const void* inp, int64_t n) {
   check(Op::gelu, dtype);
-  cuda::gelu_forward(h(out), h(inp), n, stream_);
+  LOOM_CUDA_DISPATCH_16(dtype, "gelu_forward", [&](auto* tag) {
+    using T = LOOM_T;
+    cuda::gelu_forward(h<T>(out), h<T>(inp), n, stream_);
+  });
 }
 
 void CudaBackend::gelu_backward(DType dtype, void* dinp, const void* inp, const void* dout, int64_t n) {
   check(Op::gelu, dtype);
-  cuda::gelu_backward(h(dinp), h(inp), h(dout), n, stream_);
+  LOOM_CUDA_DISPATCH_16(dtype, "gelu_backward", [&](auto* tag) {
+    using T = LOOM_T;
+    cuda::gelu_backward(h<T>(dinp), h<T>(inp), h<T>(dout), n, stream_);
+  });
 }
 
 void CudaBackend::add(DType dtype, void* out, const void* a, const void* b, int64_t n) {
@@ -521,14 +600,17 @@ void CudaBackend::add(DType dtype, void* out, const void* a, const void* b, int6
   LOOM_CHECK(reinterpret_cast<uintptr_t>(out) % 16 == 0 && reinterpret_cast<uintptr_t>(a) % 16 == 0 &&
                  reinterpret_cast<uintptr_t>(b) % 16 == 0,
              "cuda add: buffers must be 16-byte aligned");
-  add_bf16_kernel<<<unsigned(ceil_div(ceil_div(n, 8), 256)), 256, 0, stream_>>>(h(out), h(a), h(b), n);
+  LOOM_CUDA_DISPATCH_16(dtype, "add", [&](auto* tag) {
+    using T = LOOM_T;
+    add_kernel<T><<<unsigned(ceil_div(ceil_div(n, 8), 256)), 256, 0, stream_>>>(h<T>(out), h<T>(a), h<T>(b), n);
+  });
   LOOM_CUDA_LAUNCH_CHECK();
   observed("residual add");
 }
 
 std::unique_ptr<AdamWPlan> CudaBackend::plan_adamw(const std::vector<loom::AdamWTensor>& tensors) {
   activate();
-  return std::make_unique<CudaAdamW>(tensors, *pool_, stream_, device_, this);
+  return std::make_unique<CudaAdamW>(tensors, dtype_, *pool_, stream_, device_, this);
 }
 
 void CudaBackend::copy(const Copy& a) {
@@ -539,15 +621,11 @@ void CudaBackend::copy(const Copy& a) {
              "copy: no conversion from {} to {}", dtype_name(a.src_dtype), dtype_name(a.dst_dtype));
   if (a.n == 0) return;
   const size_t n = size_t(a.n);
+  LOOM_CHECK(a.dst_dtype == a.src_dtype || a.dst_dtype == DType::f32 || a.src_dtype == DType::f32,
+             "copy: no conversion from {} to {} (16-bit types convert to and from f32)", dtype_name(a.src_dtype),
+             dtype_name(a.dst_dtype));
   if (a.dst_host && a.src_host) {
-    std::vector<float> tmp;
-    if (a.dst_dtype == a.src_dtype) {
-      std::memcpy(a.dst, a.src, n * dtype_size(a.dst_dtype));
-    } else if (a.dst_dtype == DType::f32) {
-      loom::bf16_to_f32(static_cast<float*>(a.dst), static_cast<const loom::bf16*>(a.src), a.n);
-    } else {
-      loom::f32_to_bf16(static_cast<loom::bf16*>(a.dst), static_cast<const float*>(a.src), a.n);
-    }
+    convert_on_host(a.dst, a.dst_dtype, a.src, a.src_dtype, a.n);
     return;
   }
   if (a.src_host) {  // host -> device: convert on the host first
@@ -555,10 +633,7 @@ void CudaBackend::copy(const Copy& a) {
     const void* src = a.src;
     if (a.dst_dtype != a.src_dtype) {
       tmp.resize(n * dtype_size(a.dst_dtype));
-      if (a.dst_dtype == DType::bf16)
-        loom::f32_to_bf16(reinterpret_cast<loom::bf16*>(tmp.data()), static_cast<const float*>(a.src), a.n);
-      else
-        loom::bf16_to_f32(reinterpret_cast<float*>(tmp.data()), static_cast<const loom::bf16*>(a.src), a.n);
+      convert_on_host(tmp.data(), a.dst_dtype, a.src, a.src_dtype, a.n);
       src = tmp.data();
     }
     LOOM_CUDA_CHECK(cudaMemcpyAsync(a.dst, src, n * dtype_size(a.dst_dtype), cudaMemcpyHostToDevice, stream_));
@@ -574,21 +649,23 @@ void CudaBackend::copy(const Copy& a) {
     }
     LOOM_CUDA_CHECK(cudaMemcpyAsync(dst, a.src, n * dtype_size(a.src_dtype), cudaMemcpyDeviceToHost, stream_));
     LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    if (a.dst_dtype != a.src_dtype) {
-      if (a.dst_dtype == DType::f32)
-        loom::bf16_to_f32(static_cast<float*>(a.dst), reinterpret_cast<const loom::bf16*>(tmp.data()), a.n);
-      else
-        loom::f32_to_bf16(static_cast<loom::bf16*>(a.dst), reinterpret_cast<const float*>(tmp.data()), a.n);
-    }
+    if (a.dst_dtype != a.src_dtype) convert_on_host(a.dst, a.dst_dtype, tmp.data(), a.src_dtype, a.n);
     return;
   }
   if (a.dst_dtype == a.src_dtype) {
     LOOM_CUDA_CHECK(cudaMemcpyAsync(a.dst, a.src, n * dtype_size(a.dst_dtype), cudaMemcpyDeviceToDevice, stream_));
-  } else if (a.dst_dtype == DType::bf16) {
-    f32_to_bf16_kernel<<<unsigned(ceil_div(a.n, 256)), 256, 0, stream_>>>(h(a.dst), static_cast<const float*>(a.src), a.n);
+  } else if (a.src_dtype == DType::f32) {
+    LOOM_CUDA_DISPATCH_16(a.dst_dtype, "copy", [&](auto* tag) {
+      using T = LOOM_T;
+      from_f32_kernel<T><<<unsigned(ceil_div(a.n, 256)), 256, 0, stream_>>>(h<T>(a.dst), static_cast<const float*>(a.src),
+                                                                            a.n);
+    });
     LOOM_CUDA_LAUNCH_CHECK();
   } else {
-    bf16_to_f32_kernel<<<unsigned(ceil_div(a.n, 256)), 256, 0, stream_>>>(static_cast<float*>(a.dst), h(a.src), a.n);
+    LOOM_CUDA_DISPATCH_16(a.src_dtype, "copy", [&](auto* tag) {
+      using T = LOOM_T;
+      to_f32_kernel<T><<<unsigned(ceil_div(a.n, 256)), 256, 0, stream_>>>(static_cast<float*>(a.dst), h<T>(a.src), a.n);
+    });
     LOOM_CUDA_LAUNCH_CHECK();
   }
 }

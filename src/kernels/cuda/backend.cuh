@@ -1,5 +1,5 @@
-// The CUDA backend (core/backend.h): bf16 compute with f32 accumulation, f32 gradients and master
-// weights, over the kernels of this folder. An instance owns everything it keeps between calls:
+// The CUDA backend (core/backend.h): bf16 or f16 compute (BackendOptions::compute) with f32
+// accumulation, f32 gradients and master weights, over the kernels of this folder. An instance owns everything it keeps between calls:
 // its device pool (or the caller's), its stream, its BLAS state (cuBLASLt and cuBLAS handles,
 // workspaces, tuned algorithms: cuda::Blas), the scratch of the bias-gradient and LayerNorm
 // reductions, the attention workspace and the cuDNN attention plans per shape. Two instances share
@@ -34,7 +34,7 @@ class CudaBackend final : public Backend {
 
   Device device() const override { return Device::cuda; }
   std::string name() const override { return name_; }
-  DType compute_dtype() const override { return DType::bf16; }
+  DType compute_dtype() const override { return dtype_; }
   bool supports(Op op, DType dtype) const override;
   MemoryPool& pool() override { return *pool_; }
   AttnKernel attention_kernel(const AttnShape& s) const override;
@@ -79,9 +79,9 @@ class CudaBackend final : public Backend {
  private:
   struct Plan;  // one attention shape: the kernel that runs it, cuDNN's plan, the workspace it needs
   using ShapeKey = std::vector<int64_t>;
-  static ShapeKey key(const AttnShape& s);
-  Plan& plan(const AttnShape& s);
-  const Plan* find_plan(const AttnShape& s) const;
+  static ShapeKey key(DType dtype, const AttnShape& s);
+  Plan& plan(DType dtype, const AttnShape& s);
+  const Plan* find_plan(DType dtype, const AttnShape& s) const;
   AttnKernel resolve(const AttnShape& s, std::string* note) const;
   // Device scratch of at least `bytes` (tag workspace), grown outside graph captures only.
   void* grow(void*& p, size_t& have, size_t bytes, const char* what);
@@ -89,6 +89,7 @@ class CudaBackend final : public Backend {
   void check(Op op, DType dtype) const;
 
   int device_ = 0;
+  DType dtype_ = DType::bf16;  // what the model computes in (BackendOptions::compute); every op takes bf16 and f16
   std::string name_;
   std::unique_ptr<ArenaAllocator> own_alloc_;
   std::unique_ptr<MemoryPool> own_pool_;

@@ -12,40 +12,42 @@ constexpr int kThreads = 512;
 // The gradient of the 8 logits v at columns c..c+7 of a row with max M and 1 / sum of exp inv_s:
 // dloss (softmax - onehot(target)) over the real columns; 0 in the padding (col >= V) and in an
 // ignored row (target -1); NaN over the real columns for any other target outside [0, V).
-__device__ __forceinline__ bf16x8 dlogits_chunk(const bf16x8& v, int64_t c, float M, float inv_s, float dloss,
+template <class T>
+__device__ __forceinline__ Vec8<T> dlogits_chunk(const Vec8<T>& v, int64_t c, float M, float inv_s, float dloss,
                                                 int32_t target, int64_t V) {
   const bool ignored = target == -1;
   const bool valid = target >= 0 && target < V;
-  bf16x8 o;
+  Vec8<T> o;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int64_t col = c + i;
     float g = 0.f;
     if (!ignored && col < V) {
-      const float p = __expf(__bfloat162float(v.v[i]) - M) * inv_s;
+      const float p = __expf(to_f32(v.v[i]) - M) * inv_s;
       g = valid ? dloss * (p - (col == target ? 1.f : 0.f)) : NAN;
     }
-    o.v[i] = __float2bfloat16(g);
+    o.v[i] = from_f32<T>(g);
   }
   return o;
 }
 
 // One block per row. Pass 1: per-thread online max / sum of exp over the row's first V columns,
 // combined over the block. Pass 2 (with dlogits): writes the gradient over all Vp columns.
-__global__ void __launch_bounds__(kThreads) crossentropy_kernel(float* losses, bf16* dlogits, const bf16* logits,
+template <class T>
+__global__ void __launch_bounds__(kThreads) crossentropy_kernel(float* losses, T* dlogits, const T* logits,
                                                                const int32_t* targets, float dloss, int64_t V,
                                                                int64_t Vp) {
   __shared__ float sh[32];
   const int64_t row = blockIdx.x;
-  const bf16* x = logits + row * Vp;
+  const T* x = logits + row * Vp;
   const int32_t target = targets[row];
   float m = -INFINITY, s = 0.f;
   for (int64_t c = int64_t(threadIdx.x) * 8; c < Vp; c += kThreads * 8) {
-    bf16x8 v = *reinterpret_cast<const bf16x8*>(x + c);
+    Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(x + c);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       if (c + i >= V) break;
-      const float f = __bfloat162float(v.v[i]);
+      const float f = to_f32(v.v[i]);
       if (f > m) {
         s = s * __expf(m - f) + 1.f;
         m = f;
@@ -60,61 +62,62 @@ __global__ void __launch_bounds__(kThreads) crossentropy_kernel(float* losses, b
   const bool ignored = target == -1;
   const bool valid = target >= 0 && target < V;
   if (threadIdx.x == 0 && losses) {
-    losses[row] = ignored ? 0.f : (valid ? lse - __bfloat162float(x[target]) : NAN);
+    losses[row] = ignored ? 0.f : (valid ? lse - to_f32(x[target]) : NAN);
   }
   if (!dlogits) return;
   // In place (dlogits == logits): each thread rewrites only the elements it reads itself below;
   // the one element another thread reads (the target's logit, by thread 0 above) is read before
   // this barrier.
   __syncthreads();
-  bf16* dx = dlogits + row * Vp;
+  T* dx = dlogits + row * Vp;
   const float inv_s = 1.f / S;
   for (int64_t c = int64_t(threadIdx.x) * 8; c < Vp; c += kThreads * 8) {
-    bf16x8 v = *reinterpret_cast<const bf16x8*>(x + c);
-    const bf16x8 o = dlogits_chunk(v, c, M, inv_s, dloss, target, V);
-    *reinterpret_cast<bf16x8*>(dx + c) = o;
+    Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(x + c);
+    const Vec8<T> o = dlogits_chunk<T>(v, c, M, inv_s, dloss, target, V);
+    *reinterpret_cast<Vec8<T>*>(dx + c) = o;
   }
 }
 
 // Where the row fits in shared memory (both entry points, so that they give the same losses): the
-// row is read from device memory once and kept in shared memory (bf16, Vp x 2 bytes) for the max,
+// row is read from device memory once and kept in shared memory (Vp x 2 bytes) for the max,
 // the sum of exponentials and the gradient, three passes with two block reductions between them.
 // crossentropy_kernel reads each row twice: the second read comes from L2 at best, and with
 // GPT-2's 50304 columns the rows in flight are about as large as an H100's L2. Same arithmetic per
 // element as crossentropy_kernel but for the max, taken exactly before the exponentials instead
 // of online.
-__global__ void __launch_bounds__(kThreads) crossentropy_staged_kernel(float* losses, bf16* dlogits,
-                                                                      const bf16* logits, const int32_t* targets,
+template <class T>
+__global__ void __launch_bounds__(kThreads) crossentropy_staged_kernel(float* losses, T* dlogits,
+                                                                      const T* logits, const int32_t* targets,
                                                                       float dloss, int64_t V, int64_t Vp) {
   extern __shared__ __align__(16) unsigned char staged[];
-  bf16* xs = reinterpret_cast<bf16*>(staged);
+  T* xs = reinterpret_cast<T*>(staged);
   __shared__ float sh[32];
   const int64_t row = blockIdx.x;
-  const bf16* x = logits + row * Vp;
+  const T* x = logits + row * Vp;
   const int32_t target = targets[row];
   // kBatch 16-byte loads in flight per thread before the first is stored (one at a time, each
   // store would wait for its load).
   constexpr int kBatch = 4;
   float m = -INFINITY;
   for (int64_t c0 = int64_t(threadIdx.x) * 8; c0 < Vp; c0 += int64_t(kThreads) * 8 * kBatch) {
-    bf16x8 v[kBatch];
+    Vec8<T> v[kBatch];
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       const int64_t c = c0 + int64_t(b) * kThreads * 8;
-      if (c < Vp) v[b] = *reinterpret_cast<const bf16x8*>(x + c);
+      if (c < Vp) v[b] = *reinterpret_cast<const Vec8<T>*>(x + c);
     }
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       const int64_t c = c0 + int64_t(b) * kThreads * 8;
       if (c >= Vp) break;
-      *reinterpret_cast<bf16x8*>(xs + c) = v[b];
+      *reinterpret_cast<Vec8<T>*>(xs + c) = v[b];
       if (c + 8 <= V) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) m = fmaxf(m, __bfloat162float(v[b].v[i]));
+        for (int i = 0; i < 8; ++i) m = fmaxf(m, to_f32(v[b].v[i]));
       } else {
 #pragma unroll
         for (int i = 0; i < 8; ++i)
-          if (c + i < V) m = fmaxf(m, __bfloat162float(v[b].v[i]));
+          if (c + i < V) m = fmaxf(m, to_f32(v[b].v[i]));
       }
     }
   }
@@ -122,49 +125,50 @@ __global__ void __launch_bounds__(kThreads) crossentropy_staged_kernel(float* lo
   // Each thread reads back only the chunks it wrote; block_max's barriers order the target's read.
   float s = 0.f;
   for (int64_t c = int64_t(threadIdx.x) * 8; c < Vp; c += kThreads * 8) {
-    const bf16x8 v = *reinterpret_cast<const bf16x8*>(xs + c);
+    const Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(xs + c);
     if (c + 8 <= V) {  // every chunk but the one holding column V: no per-element test
 #pragma unroll
-      for (int i = 0; i < 8; ++i) s += __expf(__bfloat162float(v.v[i]) - M);
+      for (int i = 0; i < 8; ++i) s += __expf(to_f32(v.v[i]) - M);
     } else {
 #pragma unroll
       for (int i = 0; i < 8; ++i)
-        if (c + i < V) s += __expf(__bfloat162float(v.v[i]) - M);
+        if (c + i < V) s += __expf(to_f32(v.v[i]) - M);
     }
   }
   const float S = block_sum(s, sh);
   const float lse = M + logf(S);
   const bool ignored = target == -1;
   const bool valid = target >= 0 && target < V;
-  if (threadIdx.x == 0 && losses) losses[row] = ignored ? 0.f : (valid ? lse - __bfloat162float(xs[target]) : NAN);
+  if (threadIdx.x == 0 && losses) losses[row] = ignored ? 0.f : (valid ? lse - to_f32(xs[target]) : NAN);
   if (!dlogits) return;
-  bf16* dx = dlogits + row * Vp;
+  T* dx = dlogits + row * Vp;
   const float inv_s = 1.f / S;
   for (int64_t c = int64_t(threadIdx.x) * 8; c < Vp; c += kThreads * 8) {
-    const bf16x8 v = *reinterpret_cast<const bf16x8*>(xs + c);
-    bf16x8 o;
+    const Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(xs + c);
+    Vec8<T> o;
     if (valid && c + 8 <= V) {
       // A chunk of real columns in a row with a target: dloss p, then the target's own element.
 #pragma unroll
-      for (int i = 0; i < 8; ++i) o.v[i] = __float2bfloat16(dloss * (__expf(__bfloat162float(v.v[i]) - M) * inv_s));
+      for (int i = 0; i < 8; ++i) o.v[i] = from_f32<T>(dloss * (__expf(to_f32(v.v[i]) - M) * inv_s));
       if (target >= c && target < c + 8) {
 #pragma unroll
         for (int i = 0; i < 8; ++i)  // constant indices: o stays in registers
-          if (c + i == target) o.v[i] = __float2bfloat16(dloss * (__expf(__bfloat162float(v.v[i]) - M) * inv_s - 1.f));
+          if (c + i == target) o.v[i] = from_f32<T>(dloss * (__expf(to_f32(v.v[i]) - M) * inv_s - 1.f));
       }
     } else {
-      o = dlogits_chunk(v, c, M, inv_s, dloss, target, V);
+      o = dlogits_chunk<T>(v, c, M, inv_s, dloss, target, V);
     }
-    *reinterpret_cast<bf16x8*>(dx + c) = o;
+    *reinterpret_cast<Vec8<T>*>(dx + c) = o;
   }
 }
 
 // Whether crossentropy_staged_kernel takes rows of Vp columns on the current device (raising its
 // shared memory limit there the first time).
+template <class T>
 bool staged_fits(int64_t Vp) {
   static std::mutex mu;
   static std::map<int, int64_t> raised;  // device -> bytes the kernel's limit allows
-  const size_t bytes = size_t(Vp) * sizeof(bf16);
+  const size_t bytes = size_t(Vp) * sizeof(T);
   int device = 0;
   LOOM_CUDA_CHECK(cudaGetDevice(&device));
   std::lock_guard lk(mu);
@@ -174,7 +178,7 @@ bool staged_fits(int64_t Vp) {
   LOOM_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   if (bytes + 32 * sizeof(float) > size_t(optin)) return false;
   LOOM_CUDA_CHECK(
-      cudaFuncSetAttribute(crossentropy_staged_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+      cudaFuncSetAttribute(crossentropy_staged_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
   limit = int64_t(bytes);
   return true;
 }
@@ -186,31 +190,41 @@ void check_args(const char* what, int64_t V, int64_t Vp) {
 
 }  // namespace
 
-void crossentropy_forward(float* losses, const bf16* logits, const int32_t* targets, int64_t N, int64_t V, int64_t Vp,
+template <class T>
+void crossentropy_forward(float* losses, const T* logits, const int32_t* targets, int64_t N, int64_t V, int64_t Vp,
                           cudaStream_t stream) {
   check_args("crossentropy_forward", V, Vp);
   if (N == 0) return;
-  if (staged_fits(Vp)) {
-    crossentropy_staged_kernel<<<unsigned(N), kThreads, size_t(Vp) * sizeof(bf16), stream>>>(losses, nullptr, logits,
+  if (staged_fits<T>(Vp)) {
+    crossentropy_staged_kernel<T><<<unsigned(N), kThreads, size_t(Vp) * sizeof(T), stream>>>(losses, nullptr, logits,
                                                                                            targets, 0.f, V, Vp);
   } else {
-    crossentropy_kernel<<<unsigned(N), kThreads, 0, stream>>>(losses, nullptr, logits, targets, 0.f, V, Vp);
+    crossentropy_kernel<T><<<unsigned(N), kThreads, 0, stream>>>(losses, nullptr, logits, targets, 0.f, V, Vp);
   }
   LOOM_CUDA_LAUNCH_CHECK();
 }
 
-void crossentropy_forward_backward(float* losses, bf16* dlogits, const bf16* logits, const int32_t* targets, float dloss,
+template <class T>
+void crossentropy_forward_backward(float* losses, T* dlogits, const T* logits, const int32_t* targets, float dloss,
                                    int64_t N, int64_t V, int64_t Vp, cudaStream_t stream) {
   check_args("crossentropy_forward_backward", V, Vp);
   LOOM_CHECK(dlogits, "crossentropy_forward_backward: dlogits is null");
   if (N == 0) return;
-  if (staged_fits(Vp)) {
-    crossentropy_staged_kernel<<<unsigned(N), kThreads, size_t(Vp) * sizeof(bf16), stream>>>(losses, dlogits, logits,
+  if (staged_fits<T>(Vp)) {
+    crossentropy_staged_kernel<T><<<unsigned(N), kThreads, size_t(Vp) * sizeof(T), stream>>>(losses, dlogits, logits,
                                                                                            targets, dloss, V, Vp);
   } else {
-    crossentropy_kernel<<<unsigned(N), kThreads, 0, stream>>>(losses, dlogits, logits, targets, dloss, V, Vp);
+    crossentropy_kernel<T><<<unsigned(N), kThreads, 0, stream>>>(losses, dlogits, logits, targets, dloss, V, Vp);
   }
   LOOM_CUDA_LAUNCH_CHECK();
 }
+
+#define LOOM_CE_INSTANTIATE(T)                                                                                  \
+  template void crossentropy_forward<T>(float*, const T*, const int32_t*, int64_t, int64_t, int64_t, cudaStream_t);   \
+  template void crossentropy_forward_backward<T>(float*, T*, const T*, const int32_t*, float, int64_t, int64_t,       \
+                                                 int64_t, cudaStream_t);
+LOOM_CE_INSTANTIATE(bf16)
+LOOM_CE_INSTANTIATE(f16)
+#undef LOOM_CE_INSTANTIATE
 
 }  // namespace loom::cuda

@@ -1,5 +1,5 @@
 // Fused softmax + cross-entropy (+ the logits' gradient) over a vocabulary padded to Vp; columns
-// [V, Vp) are padding: masked out of the softmax and given zero gradient. bf16 logits, f32 math.
+// [V, Vp) are padding: masked out of the softmax and given zero gradient. bf16 or f16 logits, f32 math.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -9,16 +9,18 @@
 
 namespace loom::cuda {
 
-// losses f32 [N] = -log softmax(logits[n, :V])[targets[n]]; logits bf16 [N, Vp]; targets i32 [N]
+// losses f32 [N] = -log softmax(logits[n, :V])[targets[n]]; logits [N, Vp]; targets i32 [N]
 // (device). A target of -1 gives loss 0; other targets outside [0, V) give NaN (validate on the
 // host with check_token_ids). Vp must be a multiple of 8.
-void crossentropy_forward(float* losses, const bf16* logits, const int32_t* targets, int64_t N, int64_t V, int64_t Vp,
+template <class T>  // bf16 or f16
+void crossentropy_forward(float* losses, const T* logits, const int32_t* targets, int64_t N, int64_t V, int64_t Vp,
                           cudaStream_t stream);
 
-// One kernel: losses as above and dlogits bf16 [N, Vp] = dloss * (softmax - onehot), zeros in the
+// One kernel: losses as above and dlogits [N, Vp] = dloss * (softmax - onehot), zeros in the
 // padding and in ignored rows. dlogits may alias logits (in place, as the model does). losses may
 // be null.
-void crossentropy_forward_backward(float* losses, bf16* dlogits, const bf16* logits, const int32_t* targets, float dloss,
+template <class T>  // bf16 or f16
+void crossentropy_forward_backward(float* losses, T* dlogits, const T* logits, const int32_t* targets, float dloss,
                                    int64_t N, int64_t V, int64_t Vp, cudaStream_t stream);
 
 }  // namespace loom::cuda

@@ -4,8 +4,8 @@
 //
 // The graphs follow the operation patterns cuDNN's runtime-fusion SDPA engines recognise:
 //
-// forward (Q [B,NH,Tq,HS], K^T [B,NKV,HS,Tkv], V [B,NKV,Tkv,HS] bf16 views of loom's row layout;
-// with grouped-query attention, NKV < NH, the matmuls broadcast each key/value head over its group):
+// forward (Q [B,NH,Tq,HS], K^T [B,NKV,HS,Tkv], V [B,NKV,Tkv,HS] 16-bit views, "h" below: bf16 or
+// f16, of loom's row layout; with grouped-query attention, NKV < NH, the matmuls broadcast each key/value head over its group):
 //   S  = matmul(Q, K^T)                     f32 virtual [B,NH,Tq,Tkv]
 //   S1 = S * scale                           (scale: f32 by-value scalar)
 //   causal: row = gen_index(S1, axis 2), col = gen_index(S1, axis 3) (int32),
@@ -13,15 +13,15 @@
 //   M  = reduce_max(S2)                      f32 virtual [B,NH,Tq,1]
 //   E  = exp(S2 - M); Z = reduce_add(E)
 //   Stats = M + log(Z)                       f32 [B,NH,Tq,1] = loom's lse (natural log)
-//   P  = E / Z                               bf16 virtual
-//   O  = matmul(P, V)                        bf16
+//   P  = E / Z                               h virtual
+//   O  = matmul(P, V)                        h
 //
-// backward (Q, K^T, V^T, O, dO, Stats as above; dQ, dK, dV bf16):
+// backward (Q, K^T, V^T, O, dO, Stats as above; dQ, dK, dV h):
 //   Dsum = reduce_add(dO * O) * 1            f32 [B,NH,Tq,1], in the workspace
 //   S2 = matmul(Q, K^T) * scale - Stats, causal mask as forward (-inf), P = exp(S2)  f32 virtual
-//   dV = matmul(reshape(P) -> P^T bf16, dO)
+//   dV = matmul(reshape(P) -> P^T h, dO)
 //   dS = (matmul(dO, V^T) - Dsum) * P * scale
-//   dK = matmul(reshape(dS) -> dS^T bf16, Q)
+//   dK = matmul(reshape(dS) -> dS^T h, Q)
 //   (NKV < NH: dV and dK per query head are virtual [B,NH,Tkv,HS] tensors, reduce_add into NKV heads)
 //   dQacc = matmul(dS, reshape(K^T) -> K)   f32 [B,NH,Tq,HS], in the workspace; dQ = identity(dQacc)
 #include "kernels/cuda/cudnn_attention.cuh"
@@ -95,7 +95,7 @@ struct CudnnAttention::Impl {
   AttnArgs a;
 };
 
-CudnnAttention::CudnnAttention(const AttnArgs& a) {
+CudnnAttention::CudnnAttention(const AttnArgs& a, DType) {
   cudnn_attention_check(a);
   LOOM_FAIL("cuDNN attention: loom was built without cuDNN (CMake did not find libcudnn) ({})", shape_string(a));
 }
@@ -104,10 +104,10 @@ const AttnArgs& CudnnAttention::args() const { return impl_->a; }
 size_t CudnnAttention::forward_workspace_bytes() const { return 0; }
 size_t CudnnAttention::backward_workspace_bytes() const { return 0; }
 std::string CudnnAttention::describe() const { return "cuDNN not built in"; }
-void CudnnAttention::forward(bf16*, float*, const bf16*, const bf16*, const bf16*, void*, cudaStream_t) {
+void CudnnAttention::forward(void*, float*, const void*, const void*, const void*, void*, cudaStream_t) {
   LOOM_FAIL("cuDNN attention: loom was built without cuDNN");
 }
-void CudnnAttention::backward(bf16*, bf16*, bf16*, const bf16*, const bf16*, const bf16*, const bf16*, const bf16*,
+void CudnnAttention::backward(void*, void*, void*, const void*, const void*, const void*, const void*, const void*,
                               const float*, void*, cudaStream_t) {
   LOOM_FAIL("cuDNN attention: loom was built without cuDNN");
 }
@@ -416,6 +416,7 @@ size_t round_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 struct CudnnAttention::Impl {
   AttnArgs a;
+  cudnnDataType_t half = CUDNN_DATA_BFLOAT16;  // the 16-bit tensors' type (bf16 or f16)
   std::string shape;
   cudnnHandle_t handle = nullptr;
   int64_t version = 0;
@@ -450,12 +451,12 @@ struct CudnnAttention::Impl {
     GraphBuilder& g = *fwd_ops;
     const Dims s_dims{B, NH, Tq, Tkv}, s_strides{NH * Tq * Tkv, Tq * Tkv, Tkv, 1};
     const Dims r_dims{B, NH, Tq, 1}, r_strides{NH * Tq, Tq, 1, 1};
-    auto q = g.tensor(kQ, CUDNN_DATA_BFLOAT16, {B, NH, Tq, HS}, bhsd_strides(Tq, a.q_stride, HS));
+    auto q = g.tensor(kQ, half, {B, NH, Tq, HS}, bhsd_strides(Tq, a.q_stride, HS));
     // Grouped-query attention: K and V have NKV heads; the matmuls broadcast each over the NH / NKV
     // query heads of its group.
-    auto kt = g.tensor(kK, CUDNN_DATA_BFLOAT16, {B, NKV, HS, Tkv}, bhds_strides(Tkv, a.kv_stride, HS));
-    auto v = g.tensor(kV, CUDNN_DATA_BFLOAT16, {B, NKV, Tkv, HS}, bhsd_strides(Tkv, a.kv_stride, HS));
-    auto o = g.tensor(kO, CUDNN_DATA_BFLOAT16, {B, NH, Tq, HS}, bhsd_strides(Tq, a.o_stride, HS));
+    auto kt = g.tensor(kK, half, {B, NKV, HS, Tkv}, bhds_strides(Tkv, a.kv_stride, HS));
+    auto v = g.tensor(kV, half, {B, NKV, Tkv, HS}, bhsd_strides(Tkv, a.kv_stride, HS));
+    auto o = g.tensor(kO, half, {B, NH, Tq, HS}, bhsd_strides(Tq, a.o_stride, HS));
     auto stats = g.tensor(kStats, CUDNN_DATA_FLOAT, r_dims, r_strides);
     auto scale_t = g.scalar(kScale);
 
@@ -476,7 +477,7 @@ struct CudnnAttention::Impl {
     auto logz = g.virt(CUDNN_DATA_FLOAT, r_dims, r_strides);
     g.unary(CUDNN_POINTWISE_LOG, z, logz);
     g.binary(CUDNN_POINTWISE_ADD, m, logz, stats);
-    auto p = g.virt(CUDNN_DATA_BFLOAT16, s_dims, s_strides);  // the second matmul reads P in bf16
+    auto p = g.virt(half, s_dims, s_strides);  // the second matmul reads P in the 16-bit type
     g.binary(CUDNN_POINTWISE_DIV, e, z, p);
     g.matmul(p, v, o);
 
@@ -492,20 +493,20 @@ struct CudnnAttention::Impl {
     const Dims st_dims{B, NH, Tkv, Tq}, st_strides{NH * Tq * Tkv, Tq * Tkv, 1, Tkv};  // transposed view
     const Dims r_dims{B, NH, Tq, 1}, r_strides{NH * Tq, Tq, 1, 1};
     const Dims qd_dims{B, NH, Tq, HS}, packed_q{NH * Tq * HS, Tq * HS, HS, 1};
-    auto q = g.tensor(kQ, CUDNN_DATA_BFLOAT16, qd_dims, bhsd_strides(Tq, a.q_stride, HS));
-    auto kt = g.tensor(kK, CUDNN_DATA_BFLOAT16, {B, NKV, HS, Tkv}, bhds_strides(Tkv, a.kv_stride, HS));
-    auto vt = g.tensor(kV, CUDNN_DATA_BFLOAT16, {B, NKV, HS, Tkv}, bhds_strides(Tkv, a.kv_stride, HS));
-    auto o = g.tensor(kO, CUDNN_DATA_BFLOAT16, qd_dims, bhsd_strides(Tq, a.o_stride, HS));
-    auto dout = g.tensor(kDO, CUDNN_DATA_BFLOAT16, qd_dims, bhsd_strides(Tq, a.o_stride, HS));
+    auto q = g.tensor(kQ, half, qd_dims, bhsd_strides(Tq, a.q_stride, HS));
+    auto kt = g.tensor(kK, half, {B, NKV, HS, Tkv}, bhds_strides(Tkv, a.kv_stride, HS));
+    auto vt = g.tensor(kV, half, {B, NKV, HS, Tkv}, bhds_strides(Tkv, a.kv_stride, HS));
+    auto o = g.tensor(kO, half, qd_dims, bhsd_strides(Tq, a.o_stride, HS));
+    auto dout = g.tensor(kDO, half, qd_dims, bhsd_strides(Tq, a.o_stride, HS));
     auto stats = g.tensor(kStats, CUDNN_DATA_FLOAT, r_dims, r_strides);
-    auto dq = g.tensor(kDQ, CUDNN_DATA_BFLOAT16, qd_dims, bhsd_strides(Tq, a.q_stride, HS));
-    auto dk = g.tensor(kDK, CUDNN_DATA_BFLOAT16, {B, NKV, Tkv, HS}, bhsd_strides(Tkv, a.kv_stride, HS));
-    auto dv = g.tensor(kDV, CUDNN_DATA_BFLOAT16, {B, NKV, Tkv, HS}, bhsd_strides(Tkv, a.kv_stride, HS));
+    auto dq = g.tensor(kDQ, half, qd_dims, bhsd_strides(Tq, a.q_stride, HS));
+    auto dk = g.tensor(kDK, half, {B, NKV, Tkv, HS}, bhsd_strides(Tkv, a.kv_stride, HS));
+    auto dv = g.tensor(kDV, half, {B, NKV, Tkv, HS}, bhsd_strides(Tkv, a.kv_stride, HS));
     // Grouped-query attention: dK and dV per query head (virtual, packed [B, NH, Tkv, HS]), summed
     // over each group's query heads by a reduction into the NKV heads.
     const Dims full_kv_dims{B, NH, Tkv, HS}, full_kv_strides{NH * Tkv * HS, Tkv * HS, HS, 1};
     auto grad_per_query_head = [&](cudnnBackendDescriptor_t grad) {
-      return NKV == NH ? grad : g.virt(CUDNN_DATA_BFLOAT16, full_kv_dims, full_kv_strides);
+      return NKV == NH ? grad : g.virt(half, full_kv_dims, full_kv_strides);
     };
     auto reduce_over_group = [&](cudnnBackendDescriptor_t full, cudnnBackendDescriptor_t grad) {
       if (full != grad) g.reduction(CUDNN_REDUCE_TENSOR_ADD, full, grad);
@@ -534,7 +535,7 @@ struct CudnnAttention::Impl {
     g.unary(CUDNN_POINTWISE_EXP, s2, p);
 
     // dV = P^T dO
-    auto pt = g.virt(CUDNN_DATA_BFLOAT16, st_dims, st_strides);
+    auto pt = g.virt(half, st_dims, st_strides);
     g.reshape(p, pt);
     auto dv_full = grad_per_query_head(dv);
     g.matmul(pt, dout, dv_full);
@@ -551,7 +552,7 @@ struct CudnnAttention::Impl {
     g.binary(CUDNN_POINTWISE_MUL, dp2, scale_t, ds);
 
     // dK = dS^T Q
-    auto dst = g.virt(CUDNN_DATA_BFLOAT16, st_dims, st_strides);
+    auto dst = g.virt(half, st_dims, st_strides);
     g.reshape(ds, dst);
     auto dk_full = grad_per_query_head(dk);
     g.matmul(dst, q, dk_full);
@@ -573,10 +574,13 @@ struct CudnnAttention::Impl {
   }
 };
 
-CudnnAttention::CudnnAttention(const AttnArgs& a) : impl_(std::make_unique<Impl>()) {
+CudnnAttention::CudnnAttention(const AttnArgs& a, DType dtype) : impl_(std::make_unique<Impl>()) {
   cudnn_attention_check(a);
+  LOOM_CHECK(dtype == DType::bf16 || dtype == DType::f16, "cuDNN attention: dtype {} is not bf16 or f16",
+             dtype_name(dtype));
   Impl& m = *impl_;
   m.a = a;
+  m.half = dtype == DType::f16 ? CUDNN_DATA_HALF : CUDNN_DATA_BFLOAT16;
   m.shape = shape_string(a);
   m.version = cudnn_runtime_version();
   m.scale = a.scale != 0.f ? a.scale : 1.f / std::sqrt(float(a.HS));
@@ -611,7 +615,7 @@ std::string CudnnAttention::describe() const {
   return fmt::format("cuDNN {}: forward {}; backward {}", m.version, one(m.fwd), one(m.bwd));
 }
 
-void CudnnAttention::forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, void* workspace,
+void CudnnAttention::forward(void* out, float* lse, const void* q, const void* k, const void* v, void* workspace,
                              cudaStream_t stream) {
   Impl& m = *impl_;
   LOOM_CHECK(aligned16(out) && aligned16(lse) && aligned16(q) && aligned16(k) && aligned16(v),
@@ -620,7 +624,7 @@ void CudnnAttention::forward(bf16* out, float* lse, const bf16* q, const bf16* k
              "cuDNN attention forward: needs a 16-byte aligned workspace of {} bytes ({})", m.fwd.workspace, m.shape);
   cudnn_check(cudnnSetStream(m.handle, stream), "setting the stream");
   std::vector<int64_t> uids = {kQ, kK, kV, kO, kStats, kScale};
-  std::vector<void*> ptrs = {const_cast<bf16*>(q), const_cast<bf16*>(k), const_cast<bf16*>(v), out, lse, &m.scale};
+  std::vector<void*> ptrs = {const_cast<void*>(q), const_cast<void*>(k), const_cast<void*>(v), out, lse, &m.scale};
   if (m.a.causal) {
     uids.push_back(kNegInf);
     ptrs.push_back(&m.neg_inf);
@@ -628,8 +632,8 @@ void CudnnAttention::forward(bf16* out, float* lse, const bf16* q, const bf16* k
   execute(m.handle, m.fwd, uids, ptrs, workspace, "running the forward plan");
 }
 
-void CudnnAttention::backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k,
-                              const bf16* v, const bf16* out, const float* lse, void* workspace, cudaStream_t stream) {
+void CudnnAttention::backward(void* dq, void* dk, void* dv, const void* dout, const void* q, const void* k,
+                              const void* v, const void* out, const float* lse, void* workspace, cudaStream_t stream) {
   Impl& m = *impl_;
   LOOM_CHECK(aligned16(dq) && aligned16(dk) && aligned16(dv) && aligned16(dout) && aligned16(q) && aligned16(k) &&
                  aligned16(v) && aligned16(out) && aligned16(lse),
@@ -641,8 +645,8 @@ void CudnnAttention::backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, co
   void* dqacc = ws + m.bwd_ws_offset_dqacc;
   cudnn_check(cudnnSetStream(m.handle, stream), "setting the stream");
   std::vector<int64_t> uids = {kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kScale, kOne, kDsum, kDQAcc};
-  std::vector<void*> ptrs = {const_cast<bf16*>(q),   const_cast<bf16*>(k),    const_cast<bf16*>(v),
-                             const_cast<bf16*>(out), const_cast<bf16*>(dout), const_cast<float*>(lse),
+  std::vector<void*> ptrs = {const_cast<void*>(q),   const_cast<void*>(k),    const_cast<void*>(v),
+                             const_cast<void*>(out), const_cast<void*>(dout), const_cast<float*>(lse),
                              dq,                     dk,                      dv,
                              &m.scale,               &m.one,                  dsum,
                              dqacc};

@@ -52,7 +52,8 @@ void cudnn_attention_check(const AttnArgs& a);
 class CudnnAttention {
  public:
   // Builds and plans both graphs (needs a CUDA device of compute capability 8.0 or newer).
-  explicit CudnnAttention(const AttnArgs& a);
+  // dtype: the 16-bit tensors' type, bf16 or f16.
+  explicit CudnnAttention(const AttnArgs& a, DType dtype = DType::bf16);
   ~CudnnAttention();
   CudnnAttention(const CudnnAttention&) = delete;
   CudnnAttention& operator=(const CudnnAttention&) = delete;
@@ -68,15 +69,15 @@ class CudnnAttention {
   // configurations), backward engine ...".
   std::string describe() const;
 
-  // out bf16 (o_stride) and lse f32 [B, NH, Tq], as attention_forward.
-  void forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, void* workspace,
+  // out (o_stride, the dtype) and lse f32 [B, NH, Tq], as attention_forward.
+  void forward(void* out, float* lse, const void* q, const void* k, const void* v, void* workspace,
                cudaStream_t stream);
 
-  // dq (q_stride), dk, dv (kv_stride) bf16, written, from dout (o_stride), q, k, v, out and the
+  // dq (q_stride), dk, dv (kv_stride) in the dtype, written, from dout (o_stride), q, k, v, out and the
   // forward's lse, as attention_backward. dq is summed with atomics inside cuDNN, so its last bits
   // may differ between runs.
-  void backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k, const bf16* v,
-                const bf16* out, const float* lse, void* workspace, cudaStream_t stream);
+  void backward(void* dq, void* dk, void* dv, const void* dout, const void* q, const void* k, const void* v,
+                const void* out, const float* lse, void* workspace, cudaStream_t stream);
 
  private:
   struct Impl;

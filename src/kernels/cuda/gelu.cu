@@ -19,30 +19,32 @@ __device__ __forceinline__ float gelu_grad(float x) {
 }
 
 // Each thread handles 8 elements with 16-byte accesses; the tail (n % 8) element-wise.
-__global__ void gelu_forward_kernel(bf16* out, const bf16* inp, int64_t n) {
+template <class T>
+__global__ void gelu_forward_kernel(T* out, const T* inp, int64_t n) {
   const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
   if (i + 8 <= n) {
-    bf16x8 v = *reinterpret_cast<const bf16x8*>(inp + i);
+    Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(inp + i);
 #pragma unroll
-    for (int k = 0; k < 8; ++k) v.v[k] = __float2bfloat16(gelu(__bfloat162float(v.v[k])));
-    *reinterpret_cast<bf16x8*>(out + i) = v;
+    for (int k = 0; k < 8; ++k) v.v[k] = from_f32<T>(gelu(to_f32(v.v[k])));
+    *reinterpret_cast<Vec8<T>*>(out + i) = v;
   } else {
-    for (int64_t j = i; j < n; ++j) out[j] = __float2bfloat16(gelu(__bfloat162float(inp[j])));
+    for (int64_t j = i; j < n; ++j) out[j] = from_f32<T>(gelu(to_f32(inp[j])));
   }
 }
 
-__global__ void gelu_backward_kernel(bf16* dinp, const bf16* inp, const bf16* dout, int64_t n) {
+template <class T>
+__global__ void gelu_backward_kernel(T* dinp, const T* inp, const T* dout, int64_t n) {
   const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
   if (i + 8 <= n) {
-    bf16x8 x = *reinterpret_cast<const bf16x8*>(inp + i);
-    bf16x8 g = *reinterpret_cast<const bf16x8*>(dout + i);
+    Vec8<T> x = *reinterpret_cast<const Vec8<T>*>(inp + i);
+    Vec8<T> g = *reinterpret_cast<const Vec8<T>*>(dout + i);
 #pragma unroll
     for (int k = 0; k < 8; ++k)
-      g.v[k] = __float2bfloat16(__bfloat162float(g.v[k]) * gelu_grad(__bfloat162float(x.v[k])));
-    *reinterpret_cast<bf16x8*>(dinp + i) = g;
+      g.v[k] = from_f32<T>(to_f32(g.v[k]) * gelu_grad(to_f32(x.v[k])));
+    *reinterpret_cast<Vec8<T>*>(dinp + i) = g;
   } else {
     for (int64_t j = i; j < n; ++j)
-      dinp[j] = __float2bfloat16(__bfloat162float(dout[j]) * gelu_grad(__bfloat162float(inp[j])));
+      dinp[j] = from_f32<T>(to_f32(dout[j]) * gelu_grad(to_f32(inp[j])));
   }
 }
 
@@ -52,21 +54,28 @@ void check_aligned(const char* what, const void* p) {
 
 }  // namespace
 
-void gelu_forward(bf16* out, const bf16* inp, int64_t n, cudaStream_t stream) {
+template <class T>
+void gelu_forward(T* out, const T* inp, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
   check_aligned("gelu_forward", out);
   check_aligned("gelu_forward", inp);
-  gelu_forward_kernel<<<unsigned(ceil_div(ceil_div(n, 8), 256)), 256, 0, stream>>>(out, inp, n);
+  gelu_forward_kernel<T><<<unsigned(ceil_div(ceil_div(n, 8), 256)), 256, 0, stream>>>(out, inp, n);
   LOOM_CUDA_LAUNCH_CHECK();
 }
 
-void gelu_backward(bf16* dinp, const bf16* inp, const bf16* dout, int64_t n, cudaStream_t stream) {
+template <class T>
+void gelu_backward(T* dinp, const T* inp, const T* dout, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
   check_aligned("gelu_backward", dinp);
   check_aligned("gelu_backward", inp);
   check_aligned("gelu_backward", dout);
-  gelu_backward_kernel<<<unsigned(ceil_div(ceil_div(n, 8), 256)), 256, 0, stream>>>(dinp, inp, dout, n);
+  gelu_backward_kernel<T><<<unsigned(ceil_div(ceil_div(n, 8), 256)), 256, 0, stream>>>(dinp, inp, dout, n);
   LOOM_CUDA_LAUNCH_CHECK();
 }
+
+template void gelu_forward<bf16>(bf16*, const bf16*, int64_t, cudaStream_t);
+template void gelu_forward<f16>(f16*, const f16*, int64_t, cudaStream_t);
+template void gelu_backward<bf16>(bf16*, const bf16*, const bf16*, int64_t, cudaStream_t);
+template void gelu_backward<f16>(f16*, const f16*, const f16*, int64_t, cudaStream_t);
 
 }  // namespace loom::cuda

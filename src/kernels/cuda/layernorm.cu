@@ -11,31 +11,34 @@ namespace {
 
 constexpr int kWarps = 4;  // the forward's rows per block (one warp per row)
 
-__device__ __forceinline__ void load8(float (&f)[8], const bf16* p) {
-  bf16x8 v = *reinterpret_cast<const bf16x8*>(p);
+template <class T>
+__device__ __forceinline__ void load8(float (&f)[8], const T* p) {
+  Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(p);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) f[i] = __bfloat162float(v.v[i]);
+  for (int i = 0; i < 8; ++i) f[i] = to_f32(v.v[i]);
 }
 
-__device__ __forceinline__ void store8(bf16* p, const float (&f)[8]) {
-  bf16x8 v;
+template <class T>
+__device__ __forceinline__ void store8(T* p, const float (&f)[8]) {
+  Vec8<T> v;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) v.v[i] = __float2bfloat16(f[i]);
-  *reinterpret_cast<bf16x8*>(p) = v;
+  for (int i = 0; i < 8; ++i) v.v[i] = from_f32<T>(f[i]);
+  *reinterpret_cast<Vec8<T>*>(p) = v;
 }
 
-// One warp per row. With `a2` set the row is first formed as round_bf16(a + a2) and written to
-// `residual`. Statistics in f32 over the (rounded) bf16 row: mean first, then the centred variance.
-__global__ void layernorm_forward_kernel(bf16* residual, bf16* out, float* mean_out,
-                                         float* rstd_out, const bf16* a, const bf16* a2,
-                                         const bf16* __restrict__ weight, const bf16* __restrict__ bias, int64_t N,
+// One warp per row. With `a2` set the row is first formed as round(a + a2) to T and written to
+// `residual`. Statistics in f32 over the (rounded) 16-bit row: mean first, then the centred variance.
+template <class T>
+__global__ void layernorm_forward_kernel(T* residual, T* out, float* mean_out,
+                                         float* rstd_out, const T* a, const T* a2,
+                                         const T* __restrict__ weight, const T* __restrict__ bias, int64_t N,
                                          int64_t C, float eps, bool rms) {
   const int lane = threadIdx.x % 32;
   const int64_t row = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (row >= N) return;
-  const bf16* x = a + row * C;
-  const bf16* x2 = a2 ? a2 + row * C : nullptr;
-  bf16* res = residual ? residual + row * C : nullptr;
+  const T* x = a + row * C;
+  const T* x2 = a2 ? a2 + row * C : nullptr;
+  T* res = residual ? residual + row * C : nullptr;
   float sum = 0.f;
   for (int64_t c = lane * 8; c < C; c += 256) {
     float f[8];
@@ -43,18 +46,18 @@ __global__ void layernorm_forward_kernel(bf16* residual, bf16* out, float* mean_
     if (x2) {
       float g[8];
       load8(g, x2 + c);
-      bf16x8 r;
+      Vec8<T> r;
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        r.v[i] = __float2bfloat16(f[i] + g[i]);
-        f[i] = __bfloat162float(r.v[i]);
+        r.v[i] = from_f32<T>(f[i] + g[i]);
+        f[i] = to_f32(r.v[i]);
       }
-      *reinterpret_cast<bf16x8*>(res + c) = r;
+      *reinterpret_cast<Vec8<T>*>(res + c) = r;
     }
 #pragma unroll
     for (int i = 0; i < 8; ++i) sum += f[i];
   }
-  const bf16* xr = x2 ? res : x;  // the row as normalised (written by this warp's own lanes)
+  const T* xr = x2 ? res : x;  // the row as normalised (written by this warp's own lanes)
   __syncwarp();
   const float mean = rms ? 0.f : warp_sum(sum) / float(C);  // RMSNorm: the mean of squares below
   float var = 0.f;
@@ -84,10 +87,10 @@ __global__ void layernorm_forward_kernel(bf16* residual, bf16* out, float* mean_
 // groups of the row (and of a2) at once, so the row is read from memory once and the loads of a
 // warp are all in flight together (the kernel above reads the row three times, a group at a time).
 // Same arithmetic, in the same order per lane, as the kernel above.
-template <int CH>
+template <class T, int CH>
 __global__ void __launch_bounds__(kWarps * 32)
-    layernorm_forward_cached_kernel(bf16* residual, bf16* out, float* mean_out, float* rstd_out, const bf16* a,
-                                    const bf16* a2, const bf16* __restrict__ weight, const bf16* __restrict__ bias,
+    layernorm_forward_cached_kernel(T* residual, T* out, float* mean_out, float* rstd_out, const T* a,
+                                    const T* a2, const T* __restrict__ weight, const T* __restrict__ bias,
                                     int64_t N, int64_t C, float eps, bool rms) {
   const int lane = threadIdx.x % 32;
   const int64_t row = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
@@ -109,13 +112,13 @@ __global__ void __launch_bounds__(kWarps * 32)
     for (int k = 0; k < CH; ++k) {
       const int64_t c = (lane + 32 * k) * 8;
       if (c >= C) continue;
-      bf16x8 r;
+      Vec8<T> r;
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        r.v[i] = __float2bfloat16(f[k][i] + g[k][i]);
-        f[k][i] = __bfloat162float(r.v[i]);
+        r.v[i] = from_f32<T>(f[k][i] + g[k][i]);
+        f[k][i] = to_f32(r.v[i]);
       }
-      *reinterpret_cast<bf16x8*>(residual + row * C + c) = r;
+      *reinterpret_cast<Vec8<T>*>(residual + row * C + c) = r;
     }
   }
   float sum = 0.f;
@@ -162,9 +165,10 @@ constexpr int kBwdWarps = 8;
 // The row is read twice, a 16-byte group at a time (L1 serves the second read). A variant that held
 // the row in registers (as the forward does) ran 1.5x slower on an H200 at C = 576 and 768: its
 // registers left one block per SM.
+template <class T>
 __global__ void __launch_bounds__(kBwdWarps * 32)
-    layernorm_backward_kernel(bf16* dinp, float* __restrict__ partial, const bf16* __restrict__ dout,
-                              const bf16* __restrict__ inp, const bf16* __restrict__ weight,
+    layernorm_backward_kernel(T* dinp, float* __restrict__ partial, const T* __restrict__ dout,
+                              const T* __restrict__ inp, const T* __restrict__ weight,
                               const float* __restrict__ mean, const float* __restrict__ rstd, int64_t N, int64_t C,
                               int sums, bool accumulate, bool rms) {
   extern __shared__ float sh[];  // [warps][sums][C], lane-major
@@ -176,8 +180,8 @@ __global__ void __launch_bounds__(kBwdWarps * 32)
   __syncwarp();
   for (int64_t row = int64_t(blockIdx.x) * warps + warp; row < N; row += int64_t(gridDim.x) * warps) {
     const float m = rms ? 0.f : mean[row], rs = rstd[row];
-    const bf16* x = inp + row * C;
-    const bf16* dy = dout + row * C;
+    const T* x = inp + row * C;
+    const T* dy = dout + row * C;
     float s_dy = 0.f, s_dyx = 0.f;
     for (int64_t c = lane * 8; c < C; c += 256) {
       float f[8], g[8], w[8];
@@ -197,7 +201,7 @@ __global__ void __launch_bounds__(kBwdWarps * 32)
     }
     const float mean_dn = rms ? 0.f : warp_sum(s_dy) / float(C);
     const float mean_dnx = warp_sum(s_dyx) / float(C);
-    bf16* dx = dinp + row * C;
+    T* dx = dinp + row * C;
     for (int64_t c = lane * 8; c < C; c += 256) {
       float f[8], g[8], w[8], o[8];
       load8(f, x + c);
@@ -262,6 +266,7 @@ struct BackwardShape {
 // The backward's launch shape for C (and sums: 2 with dbias, else 1) on the current device, worked
 // out once per device, C and sums (raising the kernel's shared memory limit there when the block
 // needs more than 48 KiB).
+template <class T>
 BackwardShape backward_shape(int64_t C, int sums) {
   static std::mutex mu;
   static std::map<std::tuple<int, int64_t, int>, BackwardShape> shapes;
@@ -281,9 +286,9 @@ BackwardShape backward_shape(int64_t C, int sums) {
              C, per_warp, optin);
   b.shmem = size_t(b.warps) * per_warp;
   if (b.shmem > 48 * 1024)
-    LOOM_CUDA_CHECK(cudaFuncSetAttribute(layernorm_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(b.shmem)));
+    LOOM_CUDA_CHECK(cudaFuncSetAttribute(layernorm_backward_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(b.shmem)));
   int n = 0;
-  LOOM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, layernorm_backward_kernel, b.warps * 32, b.shmem));
+  LOOM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, layernorm_backward_kernel<T>, b.warps * 32, b.shmem));
   LOOM_CHECK(n > 0, "layernorm_backward: no block of {} warps with {} bytes of shared memory fits on an SM (C = {})",
              b.warps, b.shmem, C);
   b.blocks_per_sm = std::min(n, kMaxBwdBlocksPerSm);
@@ -294,15 +299,16 @@ BackwardShape backward_shape(int64_t C, int sums) {
 // The forward for C: the register-cached kernel for its number of 256-column chunks (C up to
 // 1024), else the uncached one. On an H200 the cached kernel took SmolLM-135M's 61 RMSNorms from
 // 1.44 to 1.10 ms per step (C = 576) and GPT-2 124M's 25 LayerNorms from 0.71 to 0.58 ms (C = 768).
-void launch_forward(bf16* residual, bf16* out, float* mean, float* rstd, const bf16* a, const bf16* a2,
-                    const bf16* weight, const bf16* bias, int64_t N, int64_t C, float eps, bool rms,
+template <class T>
+void launch_forward(T* residual, T* out, float* mean, float* rstd, const T* a, const T* a2,
+                    const T* weight, const T* bias, int64_t N, int64_t C, float eps, bool rms,
                     cudaStream_t stream) {
-  using Kernel = void (*)(bf16*, bf16*, float*, float*, const bf16*, const bf16*, const bf16*, const bf16*, int64_t,
+  using Kernel = void (*)(T*, T*, float*, float*, const T*, const T*, const T*, const T*, int64_t,
                          int64_t, float, bool);
-  constexpr Kernel cached[] = {layernorm_forward_cached_kernel<1>, layernorm_forward_cached_kernel<2>,
-                               layernorm_forward_cached_kernel<3>, layernorm_forward_cached_kernel<4>};
+  constexpr Kernel cached[] = {layernorm_forward_cached_kernel<T, 1>, layernorm_forward_cached_kernel<T, 2>,
+                               layernorm_forward_cached_kernel<T, 3>, layernorm_forward_cached_kernel<T, 4>};
   const int64_t chunks = (C + 255) / 256;
-  const Kernel k = chunks <= 4 ? cached[chunks - 1] : layernorm_forward_kernel;
+  const Kernel k = chunks <= 4 ? cached[chunks - 1] : layernorm_forward_kernel<T>;
   k<<<unsigned(ceil_div(N, kWarps)), kWarps * 32, 0, stream>>>(residual, out, mean, rstd, a, a2, weight, bias, N, C,
                                                                  eps, rms);
   LOOM_CUDA_LAUNCH_CHECK();
@@ -314,30 +320,33 @@ void check_sizes(const char* what, int64_t N, int64_t C) {
 
 }  // namespace
 
-void layernorm_forward(bf16* out, float* mean, float* rstd, const bf16* inp, const bf16* weight, const bf16* bias,
+template <class T>
+void layernorm_forward(T* out, float* mean, float* rstd, const T* inp, const T* weight, const T* bias,
                        int64_t N, int64_t C, cudaStream_t stream, float eps, bool rms) {
   check_sizes("layernorm_forward", N, C);
   LOOM_CHECK(weight && (rms ? !bias && !mean : bias != nullptr),
              "layernorm_forward: weight and bias must be set (RMSNorm: weight only, no bias and no mean)");
   if (N == 0) return;
-  launch_forward(nullptr, out, mean, rstd, inp, nullptr, weight, bias, N, C, eps, rms, stream);
+  launch_forward<T>(nullptr, out, mean, rstd, inp, nullptr, weight, bias, N, C, eps, rms, stream);
 }
 
-void residual_layernorm_forward(bf16* residual, bf16* out, float* mean, float* rstd, const bf16* a, const bf16* b,
-                                const bf16* weight, const bf16* bias, int64_t N, int64_t C, cudaStream_t stream,
+template <class T>
+void residual_layernorm_forward(T* residual, T* out, float* mean, float* rstd, const T* a, const T* b,
+                                const T* weight, const T* bias, int64_t N, int64_t C, cudaStream_t stream,
                                 float eps, bool rms) {
   check_sizes("residual_layernorm_forward", N, C);
   LOOM_CHECK(residual && a && b, "residual_layernorm_forward: residual, a and b must be set");
   LOOM_CHECK(weight && (rms ? !bias && !mean : bias != nullptr),
              "residual_layernorm_forward: weight and bias must be set (RMSNorm: weight only, no bias and no mean)");
   if (N == 0) return;
-  launch_forward(residual, out, mean, rstd, a, b, weight, bias, N, C, eps, rms, stream);
+  launch_forward<T>(residual, out, mean, rstd, a, b, weight, bias, N, C, eps, rms, stream);
 }
 
 int64_t layernorm_backward_scratch_floats(int64_t C) { return kMaxBwdBlocksPerSm * int64_t(num_sms()) * 2 * C; }
 
-void layernorm_backward(bf16* dinp, float* dweight, float* dbias, const bf16* dout, const bf16* inp,
-                        const bf16* weight, const float* mean, const float* rstd, int64_t N, int64_t C,
+template <class T>
+void layernorm_backward(T* dinp, float* dweight, float* dbias, const T* dout, const T* inp,
+                        const T* weight, const float* mean, const float* rstd, int64_t N, int64_t C,
                         bool accumulate, float* scratch, cudaStream_t stream, bool rms) {
   check_sizes("layernorm_backward", N, C);
   LOOM_CHECK(dinp && scratch, "layernorm_backward: dinp and scratch must be set");
@@ -345,14 +354,25 @@ void layernorm_backward(bf16* dinp, float* dweight, float* dbias, const bf16* do
              "layernorm_backward: mean must be set (RMSNorm: no mean and no dbias)");
   if (N == 0) return;
   const int sums = dbias ? 2 : 1;  // without a bias (RMSNorm) no dbias partial sums
-  const BackwardShape shape = backward_shape(C, sums);
+  const BackwardShape shape = backward_shape<T>(C, sums);
   const int64_t blocks = std::min<int64_t>(ceil_div(N, shape.warps), int64_t(shape.blocks_per_sm) * num_sms());
-  layernorm_backward_kernel<<<unsigned(blocks), shape.warps * 32, shape.shmem, stream>>>(
+  layernorm_backward_kernel<T><<<unsigned(blocks), shape.warps * 32, shape.shmem, stream>>>(
       dinp, scratch, dout, inp, weight, mean, rstd, N, C, sums, accumulate, rms);
   LOOM_CUDA_LAUNCH_CHECK();
   layernorm_backward_reduce_kernel<<<unsigned(ceil_div(sums * C, 32)), dim3(32, kReduceRows), 0, stream>>>(
       dweight, dbias, scratch, blocks, C, sums);
   LOOM_CUDA_LAUNCH_CHECK();
 }
+
+#define LOOM_LN_INSTANTIATE(T)                                                                                   \
+  template void layernorm_forward<T>(T*, float*, float*, const T*, const T*, const T*, int64_t, int64_t, cudaStream_t, \
+                                     float, bool);                                                                  \
+  template void residual_layernorm_forward<T>(T*, T*, float*, float*, const T*, const T*, const T*, const T*, int64_t, \
+                                              int64_t, cudaStream_t, float, bool);                                   \
+  template void layernorm_backward<T>(T*, float*, float*, const T*, const T*, const T*, const float*, const float*,    \
+                                      int64_t, int64_t, bool, float*, cudaStream_t, bool);
+LOOM_LN_INSTANTIATE(bf16)
+LOOM_LN_INSTANTIATE(f16)
+#undef LOOM_LN_INSTANTIATE
 
 }  // namespace loom::cuda

@@ -1,4 +1,4 @@
-// LayerNorm on bf16 rows with f32 statistics, optionally fused with the residual add that feeds it
+// LayerNorm on bf16 or f16 rows with f32 statistics, optionally fused with the residual add that feeds it
 // (GPT-2: x2 = x + attn_proj; ln_2 = LayerNorm(x2) in one pass). With rms, RMSNorm (the Llama
 // family's): out = x * rstd * weight, rstd = 1 / sqrt(mean(x^2) + eps); mean and bias null.
 #pragma once
@@ -10,23 +10,26 @@
 
 namespace loom::cuda {
 
-// out bf16 [N, C] = (inp - mean) * rstd * weight + bias; mean, rstd f32 [N] (saved for the
+// out [N, C] = (inp - mean) * rstd * weight + bias; mean, rstd f32 [N] (saved for the
 // backward). C must be a multiple of 8.
-void layernorm_forward(bf16* out, float* mean, float* rstd, const bf16* inp, const bf16* weight, const bf16* bias,
+template <class T>  // bf16 or f16
+void layernorm_forward(T* out, float* mean, float* rstd, const T* inp, const T* weight, const T* bias,
                        int64_t N, int64_t C, cudaStream_t stream, float eps = 1e-5f, bool rms = false);
 
-// residual bf16 [N, C] = a + b (rounded to bf16), then out = LayerNorm(residual) as above.
+// residual [N, C] = a + b (rounded to T), then out = LayerNorm(residual) as above.
 // residual may alias a or b.
-void residual_layernorm_forward(bf16* residual, bf16* out, float* mean, float* rstd, const bf16* a, const bf16* b,
-                                const bf16* weight, const bf16* bias, int64_t N, int64_t C, cudaStream_t stream,
+template <class T>  // bf16 or f16
+void residual_layernorm_forward(T* residual, T* out, float* mean, float* rstd, const T* a, const T* b,
+                                const T* weight, const T* bias, int64_t N, int64_t C, cudaStream_t stream,
                                 float eps = 1e-5f, bool rms = false);
 
-// dinp bf16 [N, C] (= or += by accumulate), dweight f32 [C] +=, dbias f32 [C] += (deterministic:
+// dinp [N, C] (= or += by accumulate), dweight f32 [C] +=, dbias f32 [C] += (deterministic:
 // per-block partial sums reduced in a fixed order). inp is the LayerNorm's input. scratch holds at
 // least layernorm_backward_scratch_floats(C) floats.
 int64_t layernorm_backward_scratch_floats(int64_t C);
-void layernorm_backward(bf16* dinp, float* dweight, float* dbias, const bf16* dout, const bf16* inp,
-                        const bf16* weight, const float* mean, const float* rstd, int64_t N, int64_t C,
+template <class T>  // bf16 or f16
+void layernorm_backward(T* dinp, float* dweight, float* dbias, const T* dout, const T* inp,
+                        const T* weight, const float* mean, const float* rstd, int64_t N, int64_t C,
                         bool accumulate, float* scratch, cudaStream_t stream, bool rms = false);
 
 }  // namespace loom::cuda

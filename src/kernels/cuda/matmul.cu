@@ -15,6 +15,7 @@
 #include <mutex>
 #include <set>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 
@@ -26,6 +27,11 @@
 
 namespace loom::cuda {
 namespace {
+
+bool is_f16(DType dtype, const char* what) {
+  LOOM_CHECK(dtype == DType::bf16 || dtype == DType::f16, "{}: dtype {} is not bf16 or f16", what, dtype_name(dtype));
+  return dtype == DType::f16;
+}
 
 constexpr size_t kWorkspaceBytes = size_t(32) << 20;
 
@@ -106,9 +112,10 @@ int alignment_of(const void* p) {
 }
 
 // One cuBLASLt call in column-major terms: D[m, n] = alpha op(A) op(B) + beta D, with an
-// epilogue. A and B are bf16; D is bf16 or f32.
+// epilogue. A and B are bf16 (or f16 with f16 set); D is the same type or f32.
 struct LtCall {
   bool ta = false, tb = false;
+  bool f16 = false;  // the 16-bit operands (A, B, a 16-bit D, bias, aux) are f16 instead of bf16
   int64_t m = 0, n = 0, k = 0;
   const void* A = nullptr;
   int64_t lda = 0;
@@ -121,7 +128,7 @@ struct LtCall {
   float alpha = 1.f, beta = 0.f;
   cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
   const void* bias = nullptr;
-  bool bias_f32 = false;  // bias (or bias gradient) vector in f32 instead of bf16
+  bool bias_f32 = false;  // bias (or bias gradient) vector in f32 instead of the 16-bit type
   void* aux = nullptr;
   int64_t ld_aux = 0;
   bool try_only = false;  // return false instead of failing when no algorithm supports the call
@@ -245,6 +252,7 @@ bool lt_matmul(Blas& blas, const LtCall& c, cudaStream_t stream) {
   LtState& s = blas.state();
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t la = nullptr, lb = nullptr, ld = nullptr;
+  const cudaDataType half_type = c.f16 ? CUDA_R_16F : CUDA_R_16BF;
   LOOM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   cublasOperation_t ta = c.ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb = c.tb ? CUBLAS_OP_T : CUBLAS_OP_N;
   LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
@@ -252,22 +260,23 @@ bool lt_matmul(Blas& blas, const LtCall& c, cudaStream_t stream) {
   LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &c.epilogue, sizeof(c.epilogue)));
   if (c.bias) {
     LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &c.bias, sizeof(c.bias)));
-    cudaDataType bt = c.bias_f32 ? CUDA_R_32F : CUDA_R_16BF;
+    cudaDataType bt = c.bias_f32 ? CUDA_R_32F : half_type;
     LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)));
   }
   if (c.aux) {
     LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &c.aux, sizeof(c.aux)));
     LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &c.ld_aux, sizeof(c.ld_aux)));
   }
-  LOOM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, c.ta ? c.k : c.m, c.ta ? c.m : c.k, c.lda));
-  LOOM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, c.tb ? c.n : c.k, c.tb ? c.k : c.n, c.ldb));
-  LOOM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&ld, c.d_f32 ? CUDA_R_32F : CUDA_R_16BF, c.m, c.n, c.ldd));
+  LOOM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&la, half_type, c.ta ? c.k : c.m, c.ta ? c.m : c.k, c.lda));
+  LOOM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lb, half_type, c.tb ? c.n : c.k, c.tb ? c.k : c.n, c.ldb));
+  LOOM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&ld, c.d_f32 ? CUDA_R_32F : half_type, c.m, c.n, c.ldd));
 
   const int al_a = alignment_of(c.A), al_b = alignment_of(c.B), al_d = alignment_of(c.D);
   const int al_bias = c.bias ? alignment_of(c.bias) : 256;
   const int al_c = c.C ? alignment_of(c.C) : 0;
   std::vector<int64_t> key{c.ta, c.tb, c.m, c.n, c.k, c.lda, c.ldb, c.ldd, c.d_f32, int64_t(c.epilogue),
-                           c.bias != nullptr, c.bias_f32, c.ld_aux, al_a, al_b, al_d, al_bias, c.beta != 0.f, al_c};
+                           c.bias != nullptr, c.bias_f32, c.ld_aux, al_a, al_b, al_d, al_bias, c.beta != 0.f, al_c,
+                           c.f16};
   cublasLtMatmulAlgo_t algo;
   bool found_none = false;
   {
@@ -329,7 +338,7 @@ bool lt_matmul(Blas& blas, const LtCall& c, cudaStream_t stream) {
   return run == CUBLAS_STATUS_SUCCESS;
 }
 
-// Bias gradient (column sums of a bf16 [M, N] matrix) in two deterministic kernels. The first
+// Bias gradient (column sums of a bf16 or f16 [M, N] matrix) in two deterministic kernels. The first
 // splits the rows into R chunks (grid y) and the columns into tiles of kBiasCols (grid x); a block
 // is kBiasRows rows of 32 threads, each thread summing 8 adjacent columns (one 16-byte load per
 // row) over the rows r = its row, + kBiasRows, ... of its chunk; the block adds its rows in order
@@ -339,7 +348,8 @@ constexpr int kBiasRows = 8;
 
 int64_t bias_row_chunks(int64_t M) { return std::min<int64_t>(64, ceil_div(M, 64)); }
 
-__global__ void bias_grad_partial_kernel(float* partial, const bf16* __restrict__ x, int64_t M, int64_t N,
+template <class T>
+__global__ void bias_grad_partial_kernel(float* partial, const T* __restrict__ x, int64_t M, int64_t N,
                                          int64_t rows_per_chunk) {
   __shared__ float sums[kBiasRows][kBiasCols + 1];
   const int64_t col = int64_t(blockIdx.x) * kBiasCols + threadIdx.x * 8;
@@ -348,9 +358,9 @@ __global__ void bias_grad_partial_kernel(float* partial, const bf16* __restrict_
   if (col < N) {
 #pragma unroll 4
     for (int64_t i = r0 + threadIdx.y; i < r1; i += kBiasRows) {
-      const bf16x8 v = *reinterpret_cast<const bf16x8*>(x + i * N + col);
+      const Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(x + i * N + col);
 #pragma unroll
-      for (int k = 0; k < 8; ++k) s[k] += __bfloat162float(v.v[k]);
+      for (int k = 0; k < 8; ++k) s[k] += to_f32(v.v[k]);
     }
   }
 #pragma unroll
@@ -413,7 +423,8 @@ bool run_dweight_bgradb(Blas& blas, const MatmulBwdArgs& a, const LtCall& c, flo
 // the epilogue, where an algorithm takes it. Returns true when the epilogue ran the call.
 bool fused_bias_grad(Blas& blas, const MatmulBwdArgs& a, const LtCall& c, cudaStream_t stream) {
   LtState& s = blas.state();
-  const std::vector<int64_t> key{a.M, a.N, a.K, alignment_of(a.inp), alignment_of(a.dout), alignment_of(a.dweight)};
+  const std::vector<int64_t> key{a.M,           a.N, a.K, alignment_of(a.inp), alignment_of(a.dout), alignment_of(a.dweight),
+                                 a.dtype == DType::f16};
   const BiasGradPath forced = blas.bias_grad_path();
   if (forced != BiasGradPath::tuned)
     return forced == BiasGradPath::epilogue && run_dweight_bgradb(blas, a, c, a.dbias, stream);
@@ -436,7 +447,7 @@ bool fused_bias_grad(Blas& blas, const MatmulBwdArgs& a, const LtCall& c, cudaSt
     const double separate = median_ms(
         [&] {
           lt_matmul(blas, cw, stream);
-          bias_grad(db, a.dout, a.M, a.N, a.dbias_scratch, stream);
+          bias_grad(a.dtype, db, a.dout, a.M, a.N, a.dbias_scratch, stream);
           return true;
         },
         stream);
@@ -456,17 +467,28 @@ bool fused_bias_grad(Blas& blas, const MatmulBwdArgs& a, const LtCall& c, cudaSt
 
 int64_t matmul_dbias_scratch_floats(int64_t N) { return 64 * N; }
 
-void bias_grad(float* dbias, const bf16* x, int64_t M, int64_t N, float* scratch, cudaStream_t stream) {
+template <class T>
+void bias_grad(float* dbias, const T* x, int64_t M, int64_t N, float* scratch, cudaStream_t stream) {
   LOOM_CHECK(N % 8 == 0, "bias_grad: N = {} must be a multiple of 8", N);
   LOOM_CHECK(scratch != nullptr, "bias_grad: scratch is null");
   if (M == 0 || N == 0) return;
   const int64_t R = bias_row_chunks(M);
   const int64_t rows = ceil_div(M, R);
   dim3 grid(unsigned(ceil_div(N, kBiasCols)), unsigned(R));
-  bias_grad_partial_kernel<<<grid, dim3(32, kBiasRows), 0, stream>>>(scratch, x, M, N, rows);
+  bias_grad_partial_kernel<T><<<grid, dim3(32, kBiasRows), 0, stream>>>(scratch, x, M, N, rows);
   LOOM_CUDA_LAUNCH_CHECK();
   bias_grad_reduce_kernel<<<unsigned(ceil_div(N, 32)), dim3(32, kReduceRows), 0, stream>>>(dbias, scratch, R, N);
   LOOM_CUDA_LAUNCH_CHECK();
+}
+
+template void bias_grad<bf16>(float*, const bf16*, int64_t, int64_t, float*, cudaStream_t);
+template void bias_grad<f16>(float*, const f16*, int64_t, int64_t, float*, cudaStream_t);
+
+void bias_grad(DType dtype, float* dbias, const void* x, int64_t M, int64_t N, float* scratch, cudaStream_t stream) {
+  LOOM_CUDA_DISPATCH_16(dtype, "bias_grad", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    bias_grad(dbias, static_cast<const T*>(x), M, N, scratch, stream);
+  });
 }
 
 void matmul_forward(Blas& blas, const MatmulFwdArgs& a, cudaStream_t stream) {
@@ -476,6 +498,7 @@ void matmul_forward(Blas& blas, const MatmulFwdArgs& a, cudaStream_t stream) {
   LOOM_CHECK(!a.gelu || a.pre_gelu, "matmul_forward: the GELU epilogue needs pre_gelu");
   LOOM_CHECK(!(a.gelu && a.residual), "matmul_forward: a residual with the GELU epilogue");
   LtCall c;
+  c.f16 = is_f16(a.dtype, "matmul_forward");
   c.ta = true;
   c.tb = false;
   c.m = a.N;
@@ -504,10 +527,12 @@ void matmul_forward(Blas& blas, const MatmulFwdArgs& a, cudaStream_t stream) {
 
 void matmul_backward(Blas& blas, const MatmulBwdArgs& a, cudaStream_t stream) {
   LOOM_CHECK(a.dout, "matmul_backward: dout must be set");
+  const bool f16 = is_f16(a.dtype, "matmul_backward");
   LOOM_CHECK(a.K % 8 == 0 && a.N % 8 == 0, "matmul_backward: K={} and N={} must be multiples of 8", a.K, a.N);
   if (a.dinp) {
     LOOM_CHECK(a.weight, "matmul_backward: dinp needs weight");
     LtCall c;
+    c.f16 = f16;
     c.m = a.K;
     c.n = a.M;
     c.k = a.N;
@@ -521,7 +546,7 @@ void matmul_backward(Blas& blas, const MatmulBwdArgs& a, cudaStream_t stream) {
     if (a.accumulate_dinp) c.beta = 1.f;
     if (a.dinp_gelu_pre) {
       c.epilogue = CUBLASLT_EPILOGUE_DGELU;
-      c.aux = const_cast<bf16*>(a.dinp_gelu_pre);
+      c.aux = const_cast<void*>(a.dinp_gelu_pre);
       c.ld_aux = a.K;
     }
     lt_matmul(blas, c, stream);
@@ -529,6 +554,7 @@ void matmul_backward(Blas& blas, const MatmulBwdArgs& a, cudaStream_t stream) {
   if (a.dweight) {
     LOOM_CHECK(a.inp, "matmul_backward: dweight needs inp");
     LtCall c;
+    c.f16 = f16;
     c.tb = true;
     c.m = a.K;
     c.n = a.N;
@@ -543,16 +569,17 @@ void matmul_backward(Blas& blas, const MatmulBwdArgs& a, cudaStream_t stream) {
     c.beta = 1.f;
     if (a.dbias && a.dbias_scratch && fused_bias_grad(blas, a, c, stream)) return;
     lt_matmul(blas, c, stream);
-    if (a.dbias) bias_grad(a.dbias, a.dout, a.M, a.N, a.dbias_scratch, stream);
+    if (a.dbias) bias_grad(a.dtype, a.dbias, a.dout, a.M, a.N, a.dbias_scratch, stream);
     return;
   }
-  if (a.dbias) bias_grad(a.dbias, a.dout, a.M, a.N, a.dbias_scratch, stream);
+  if (a.dbias) bias_grad(a.dtype, a.dbias, a.dout, a.M, a.N, a.dbias_scratch, stream);
 }
 
-void gemm_bf16(Blas& blas, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A,
-               int64_t lda, const bf16* B, int64_t ldb, float beta, void* C, int64_t ldc, bool c_f32,
-               cudaStream_t stream) {
+template <class T>
+void gemm(Blas& blas, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const T* A, int64_t lda,
+          const T* B, int64_t ldb, float beta, void* C, int64_t ldc, bool c_f32, cudaStream_t stream) {
   LtCall c;
+  c.f16 = std::is_same_v<T, f16>;
   c.ta = trans_b;
   c.tb = trans_a;
   c.m = N;
@@ -570,52 +597,66 @@ void gemm_bf16(Blas& blas, bool trans_a, bool trans_b, int64_t M, int64_t N, int
   lt_matmul(blas, c, stream);
 }
 
-double measure_gemm_peak_bf16(Blas& blas, cudaStream_t stream, int64_t n, double seconds) {
+template void gemm<bf16>(Blas&, bool, bool, int64_t, int64_t, int64_t, float, const bf16*, int64_t, const bf16*,
+                         int64_t, float, void*, int64_t, bool, cudaStream_t);
+template void gemm<f16>(Blas&, bool, bool, int64_t, int64_t, int64_t, float, const f16*, int64_t, const f16*, int64_t,
+                        float, void*, int64_t, bool, cudaStream_t);
+
+namespace {
+
+template <class T>
+double measure_gemm_peak_of(Blas& blas, cudaStream_t stream, int64_t n, double seconds) {
   MemoryPool& pool = blas.pool();
-  LOOM_CHECK(n > 0 && n <= 65536, "measure_gemm_peak_bf16: n = {} must be in [1, 65536]", n);
-  LOOM_CHECK(seconds > 0 && std::isfinite(seconds), "measure_gemm_peak_bf16: seconds = {} must be positive",
-             seconds);
-  LOOM_CHECK(pool.device() == Device::cuda, "measure_gemm_peak_bf16: pool '{}' is not a device pool",
-             pool.name().c_str());
-  const size_t elems = size_t(n * n), bytes = elems * sizeof(bf16);
-  std::vector<bf16> host(elems);
+  const size_t elems = size_t(n * n), bytes = elems * sizeof(T);
+  std::vector<T> host(elems);
   for (size_t i = 0; i < elems; ++i)
-    host[i] = __float2bfloat16(float(int((i * 2654435761u) >> 7 & 255) - 128) / 128.f);  // exact in bf16
+    host[i] = from_f32<T>(float(int((i * 2654435761u) >> 7 & 255) - 128) / 128.f);  // exact in bf16 and f16
   // The buffers and events are released on every path, after the stream drained.
   struct Scratch {
     MemoryPool& pool;
     cudaStream_t stream;
     size_t bytes;
-    bf16* buf[3] = {};
+    T* buf[3] = {};
     cudaEvent_t ev[2] = {};
     ~Scratch() {
       cudaStreamSynchronize(stream);
       for (cudaEvent_t e : ev)
         if (e) cudaEventDestroy(e);
-      for (bf16* p : buf)
+      for (T* p : buf)
         if (p) pool.deallocate(p, bytes, MemTag::workspace);
     }
   } s{pool, stream, bytes};
-  for (bf16*& p : s.buf) p = static_cast<bf16*>(pool.allocate(bytes, MemTag::workspace));
-  bf16 *a = s.buf[0], *b = s.buf[1], *c = s.buf[2];
+  for (T*& p : s.buf) p = static_cast<T*>(pool.allocate(bytes, MemTag::workspace));
+  T *a = s.buf[0], *b = s.buf[1], *c = s.buf[2];
   LOOM_CUDA_CHECK(cudaMemcpyAsync(a, host.data(), bytes, cudaMemcpyHostToDevice, stream));
   LOOM_CUDA_CHECK(cudaMemcpyAsync(b, host.data(), bytes, cudaMemcpyHostToDevice, stream));
   LOOM_CUDA_CHECK(cudaEventCreate(&s.ev[0]));
   LOOM_CUDA_CHECK(cudaEventCreate(&s.ev[1]));
-  auto gemm = [&] { gemm_bf16(blas, false, true, n, n, n, 1.f, a, n, b, n, 0.f, c, n, false, stream); };
-  for (int i = 0; i < 3; ++i) gemm();
+  auto run = [&] { gemm(blas, false, true, n, n, n, 1.f, a, n, b, n, 0.f, c, n, false, stream); };
+  for (int i = 0; i < 3; ++i) run();
   LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));
   int64_t iters = 0;
   float ms = 0;
   LOOM_CUDA_CHECK(cudaEventRecord(s.ev[0], stream));
   while (ms < seconds * 1e3) {
-    for (int i = 0; i < 10; ++i) gemm();
+    for (int i = 0; i < 10; ++i) run();
     iters += 10;
     LOOM_CUDA_CHECK(cudaEventRecord(s.ev[1], stream));
     LOOM_CUDA_CHECK(cudaEventSynchronize(s.ev[1]));
     LOOM_CUDA_CHECK(cudaEventElapsedTime(&ms, s.ev[0], s.ev[1]));
   }
   return 2.0 * double(n) * double(n) * double(n) * double(iters) / (double(ms) * 1e-3);
+}
+
+}  // namespace
+
+double measure_gemm_peak(Blas& blas, cudaStream_t stream, DType dtype, int64_t n, double seconds) {
+  LOOM_CHECK(n > 0 && n <= 65536, "measure_gemm_peak: n = {} must be in [1, 65536]", n);
+  LOOM_CHECK(seconds > 0 && std::isfinite(seconds), "measure_gemm_peak: seconds = {} must be positive", seconds);
+  LOOM_CHECK(blas.pool().device() == Device::cuda, "measure_gemm_peak: pool '{}' is not a device pool",
+             blas.pool().name().c_str());
+  return is_f16(dtype, "measure_gemm_peak") ? measure_gemm_peak_of<f16>(blas, stream, n, seconds)
+                                            : measure_gemm_peak_of<bf16>(blas, stream, n, seconds);
 }
 
 }  // namespace loom::cuda

@@ -3,5 +3,8 @@
 #include "../backend_parity.h"
 
 namespace loom::test {
-INSTANTIATE_TEST_SUITE_P(Cuda, BackendParity, ::testing::Values(Device::cuda));
+// bf16 (train.precision bf16, the default) and f16 (fp16, with loss scaling): the same ops.
+INSTANTIATE_TEST_SUITE_P(Cuda, BackendParity,
+                         ::testing::Values(ParityCase{Device::cuda, DType::bf16}, ParityCase{Device::cuda, DType::f16}),
+                         parity_case_name);
 }  // namespace loom::test

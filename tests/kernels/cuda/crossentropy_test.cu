@@ -147,6 +147,6 @@ TEST(CrossEntropy, InvalidTargetsGiveNaN) {
 TEST(CrossEntropy, RejectsBadPadding) {
   LOOM_REQUIRE_GPU();
   DeviceBuffer<float> l(4);
-  EXPECT_THROW(cuda::crossentropy_forward(l.get(), nullptr, nullptr, 4, 100, 99, nullptr), Error);
-  EXPECT_THROW(cuda::crossentropy_forward(l.get(), nullptr, nullptr, 4, 100, 101, nullptr), Error);
+  EXPECT_THROW(cuda::crossentropy_forward<cuda::bf16>(l.get(), nullptr, nullptr, 4, 100, 99, nullptr), Error);
+  EXPECT_THROW(cuda::crossentropy_forward<cuda::bf16>(l.get(), nullptr, nullptr, 4, 100, 101, nullptr), Error);
 }

@@ -265,7 +265,7 @@ TEST(Matmul, GemmBf16AllTransposes) {
         }
       DeviceBuffer<float> dC(size_t(M * N));
       dC.poison();
-      cuda::gemm_bf16(test_blas(), ta, tb, M, N, K, 0.5f, dA.get(), ta ? M : K, dB.get(), tb ? K : N, 0.f, dC.get(), N, true, nullptr);
+      cuda::gemm(test_blas(), ta, tb, M, N, K, 0.5f, dA.get(), ta ? M : K, dB.get(), tb ? K : N, 0.f, dC.get(), N, true, nullptr);
       const auto got = dC.download();
       const double e = rel_err(got, ref);
       EXPECT_LE(e, kTolF32) << "trans_a=" << ta << " trans_b=" << tb;
@@ -277,7 +277,7 @@ TEST(Matmul, GemmBf16AllTransposes) {
       auto C0 = random_bf16_values(size_t(M * N), uint32_t(23 + 2 * ta + tb));
       DeviceBuffer<dbf16> dCb(C0.size());
       upload_bf16(dCb, C0);
-      cuda::gemm_bf16(test_blas(), ta, tb, M, N, K, 0.5f, dA.get(), ta ? M : K, dB.get(), tb ? K : N, 1.f, dCb.get(), N, false,
+      cuda::gemm(test_blas(), ta, tb, M, N, K, 0.5f, dA.get(), ta ? M : K, dB.get(), tb ? K : N, 1.f, dCb.get(), N, false,
                       nullptr);
       std::vector<float> cb = C0;
       cpu::gemm(ta, tb, M, N, K, 0.5f, A.data(), ta ? M : K, B.data(), tb ? K : N, 1.f, cb.data(), N);
@@ -307,7 +307,7 @@ TEST(Matmul, GemmPeakMeasurement) {
   cuda::Blas& blas = test_blas();  // its cuBLASLt workspace stays allocated: take it before counting
   auto message = [&](int64_t n, double seconds) -> std::string {
     try {
-      cuda::measure_gemm_peak_bf16(blas, nullptr, n, seconds);
+      cuda::measure_gemm_peak(blas, nullptr, loom::DType::bf16, n, seconds);
     } catch (const Error& e) {
       return e.what();
     }
@@ -317,7 +317,7 @@ TEST(Matmul, GemmPeakMeasurement) {
   EXPECT_NE(message(256, 0.0).find("seconds = 0"), std::string::npos) << message(256, 0.0);
   MemoryPool& pool = blas.pool();
   const int64_t before = pool.current(MemTag::workspace);
-  const double rate = cuda::measure_gemm_peak_bf16(blas, nullptr, 1024, 0.05);
+  const double rate = cuda::measure_gemm_peak(blas, nullptr, loom::DType::bf16, 1024, 0.05);
   EXPECT_GT(rate, 1e12);
   EXPECT_LT(rate, 5e15);
   EXPECT_EQ(pool.current(MemTag::workspace), before);
