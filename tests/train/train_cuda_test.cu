@@ -395,6 +395,38 @@ TEST(CudaTrain, DataParallelProcessesMatchOneGpu) {
   EXPECT_EQ(f.metrics("dp2", "loss").size(), 25u);
 }
 
+// fp16 over two GPU processes against one GPU (grad_accum 2 there): the replicas' scaled gradients
+// are summed and unscaled by 1 / (dp x S) as the single GPU's two micro-batches are by
+// 1 / (grad_accum x S), so the losses agree within kDpTol (see the top of the file). An overflow
+// injected on rank 1 alone at step 5 reaches rank 0 through the summed gradients: both ranks skip
+// the step and halve the scale together (the single run, injected at the same step, likewise),
+// and the runs agree again after it.
+TEST(CudaTrain, Fp16DataParallelProcessesMatchOneGpu) {
+  LOOM_REQUIRE_GPU();
+  LOOM_REQUIRE_LOOM();
+  const std::string mpirun = mpirun_prefix(2);
+  if (mpirun.empty()) GTEST_SKIP() << "needs loom built with MPI and mpirun on PATH";
+  Fixture f("fp16_dp");
+  const std::string fp16 = "--quiet --train.precision fp16 --train.loss_scale_init 1024";
+  CliRun a = f.train("cuda", "one", fp16 + " --train.grad_accum 2", "LOOM_FAULT_INJECT=rank=0,step=5,kind=overflow");
+  ASSERT_EQ(a.code, 0) << a.err;
+  CliRun b = f.train("cuda", "two", fp16 + " --train.eval_batches 1 --parallel.dp 2 --parallel.comm mpi",
+                     "LOOM_FAULT_INJECT=rank=1,step=5,kind=overflow " + mpirun);
+  ASSERT_EQ(b.code, 0) << b.out << b.err;
+  const auto l1 = f.metrics("one", "loss"), l2 = f.metrics("two", "loss");
+  ASSERT_EQ(l1.size(), 19u);
+  ASSERT_EQ(l2.size(), 19u) << "step 5 skipped on every rank";
+  EXPECT_FALSE(l2.count(5));
+  expect_close(l2, l1, 1, 20, kDpTol, "loss");
+  const auto s1 = f.metrics("one", "loss_scale"), s2 = f.metrics("two", "loss_scale");
+  ASSERT_EQ(s2.size(), 20u);
+  for (int64_t s = 6; s <= 20; ++s) {
+    EXPECT_EQ(s2.at(s), 512.0) << "step " << s;
+    EXPECT_EQ(s1.at(s), 512.0) << "step " << s;
+  }
+  EXPECT_LT(l2.at(20), l2.at(1) - 0.5) << "the data-parallel fp16 run did not learn";
+}
+
 // parallel.comm = nccl asks for NCCL itself: taken on a host with two GPUs; refused, naming the
 // ranks and the GPU they share, when the processes would share one; refused as well by a build
 // without NCCL.
