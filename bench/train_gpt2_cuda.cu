@@ -99,6 +99,7 @@ Args parse(int argc, char** argv) {
   if (a.attention != "flash" && a.attention != "gemm" && a.attention != "cudnn")
     usage("--attention must be flash, gemm or cudnn");
   if (a.precision != "bf16" && a.precision != "fp16") usage("--precision must be bf16 or fp16");
+  if (!a.dump.empty() && a.precision != "bf16") usage("--dump writes the bf16 model's gradients (use --precision bf16)");
   return a;
 }
 
@@ -185,7 +186,7 @@ int main(int argc, char** argv) {
     const DType compute = a.precision == "fp16" ? DType::f16 : DType::bf16;
     const bool fp16 = a.precision == "fp16";
     train::LossScaler scaler(65536, 1000, 1);
-    int64_t overflows = 0;
+    int64_t overflows = 0, updates = 0;  // updates: AdamW's step count (an overflowed step takes none)
     cuda::CudaBackend be({.pool = &pool, .attention = attn_kernel_from_name(a.attention), .compute = compute});
     model::GPT gpt(cfg, be, a.seed);
     train::StepRunner run(gpt, {.B = a.B, .T = a.T, .graphs = a.graph});
@@ -205,9 +206,10 @@ int main(int argc, char** argv) {
     float first_loss = 0, last_loss = 0;
     for (int64_t s = 1; s <= a.warmup + a.steps; ++s) {
       LOOM_CUDA_CHECK(cudaEventRecord(e0, be.stream()));
-      const float loss = run.train_step(tok.data(), tgt.data(), a.lr, s, fp16 ? float(scaler.scale()) : 1.0f);
+      const float loss = run.train_step(tok.data(), tgt.data(), a.lr, updates + 1, fp16 ? float(scaler.scale()) : 1.0f);
+      const bool overflow = !std::isfinite(run.last_grad_norm());
+      updates += !overflow;
       if (fp16) {
-        const bool overflow = !std::isfinite(run.last_grad_norm());
         overflows += overflow;
         scaler.update(overflow, fmt::format("step {}", s));
       }
@@ -231,8 +233,8 @@ int main(int argc, char** argv) {
       be.set_observer(&prof);  // the runner then launches op by op (no graph)
       for (int64_t i = 0; i < a.profile; ++i) {
         prof.start();
-        run.train_step(tok.data(), tgt.data(), a.lr, a.warmup + a.steps + 1 + i,
-                       fp16 ? float(scaler.scale()) : 1.0f);
+        run.train_step(tok.data(), tgt.data(), a.lr, updates + 1, fp16 ? float(scaler.scale()) : 1.0f);
+        updates += std::isfinite(run.last_grad_norm());
         prof.finish();
       }
       be.set_observer(nullptr);
@@ -258,10 +260,12 @@ int main(int argc, char** argv) {
                   "\"attention\": \"%s\", \"graph\": %s, \"steps\": %lld, \"step_ms_median\": %.4f, "
                   "\"step_ms_mean\": %.4f, \"tokens_per_s\": %.1f, \"flops_per_token\": %.6e, \"tflops\": %.2f, "
                   "\"gemm_peak_tflops\": %.2f, \"mfu_measured\": %.4f, "
-                  "\"first_loss\": %.5f, \"last_loss\": %.5f, \"peak_bytes\": %lld}\n",
+                  "\"first_loss\": %.5f, \"last_loss\": %.5f, \"peak_bytes\": %lld, \"precision\": \"%s\", "
+                  "\"overflowed_steps\": %lld}\n",
                   prop.name, cfg.name.c_str(), (long long)a.B, (long long)a.T, a.attention.c_str(),
                   a.graph ? "true" : "false", (long long)a.steps, med, mean, tps, flops_per_token, tflops,
-                  peak_tflops, tflops / peak_tflops, first_loss, last_loss, (long long)st.total_peak);
+                  peak_tflops, tflops / peak_tflops, first_loss, last_loss, (long long)st.total_peak,
+                  a.precision.c_str(), (long long)overflows);
     } else {
       std::printf("%s on %s: B=%lld T=%lld attention=%s graph=%d precision=%s: %.2f ms/step (median of %lld; mean "
                   "%.2f), %.0f tokens/s, %.1f TFLOP/s (MFU %.1f%% of 989, %.1f%% of the measured %s GEMM rate "

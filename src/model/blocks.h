@@ -1,6 +1,6 @@
 // The model's chain: Embedding -> n_layer x TransformerBlock -> Head, written once for every
 // device: each block calls a backend (core/backend.h), never a kernel, and keeps its activations
-// in the backend's compute dtype (f32 on the CPU, bf16 on CUDA; statistics, log-sum-exps and
+// in the backend's compute dtype (f32 on the CPU, bf16 or f16 on CUDA; statistics, log-sum-exps and
 // losses in f32, token ids in i32). Each block has explicit forward and backward, owns its
 // parameters (f32 master weights and gradients, and their compute copies), and declares the
 // activations it saves between them (saved_activation_bytes) so memory can be predicted exactly;

@@ -465,9 +465,9 @@ CheckpointMeta read_checkpoint_meta(const std::string& ckpt) {
     const auto& ls = m["loss_scale"];
     if (!ls.is_object() || !ls.contains("scale") || !ls["scale"].is_number() || !ls.contains("clean_steps") ||
         !ls["clean_steps"].is_number_integer() || !(ls["scale"].get<double>() > 0) ||
-        !std::isfinite(ls["scale"].get<double>()) || ls["clean_steps"].get<int64_t>() < 0)
-      throw Error(fmt::format("{}: field 'loss_scale' must be {{\"scale\": a positive number, \"clean_steps\": a "
-                              "non-negative integer}}",
+        !(ls["scale"].get<double>() <= 0x1p64) || ls["clean_steps"].get<int64_t>() < 0)
+      throw Error(fmt::format("{}: field 'loss_scale' must be {{\"scale\": a positive number at most 2^64, "
+                              "\"clean_steps\": a non-negative integer}}",
                               path));
     meta.loss_scale = ls["scale"].get<double>();
     meta.loss_scale_clean = ls["clean_steps"].get<int64_t>();

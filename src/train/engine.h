@@ -41,7 +41,8 @@ class Engine {
   virtual std::string describe() const = 0;
   // Lines the run prints after its header (notes on choices made for the user), if any.
   virtual std::vector<std::string> notes() const { return {}; }
-  // The job's GEMM rate in FLOP/s for MFU, and what it is ("GEMM peak", "bf16 GEMM peak");
+  // The job's GEMM rate in FLOP/s for MFU, and what it is ("GEMM peak", "bf16 GEMM peak", "f16
+  // GEMM peak");
   // collective over world.
   virtual double gemm_peak(comm::Comm& world) = 0;
   virtual std::string peak_name() const { return "GEMM peak"; }

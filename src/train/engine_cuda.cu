@@ -145,7 +145,8 @@ class CudaEngine : public Engine {
                        mb_, cfg_.seq_len, cfg_.grad_accum,
                        mc_.n_layer > 0 ? std::string(attn_kernel_name(be_->attention_kernel(attn_shape_))) : "no",
                        cfg_.cuda_graph ? "CUDA graphs" : "no CUDA graphs") +
-           (scaler_ ? fmt::format(" | f16 compute, loss scale from {:g} (doubling after {} clean steps)",
+           (scaler_ ? fmt::format(" | f16 compute, dynamic loss scaling (from {:g}, or a resumed checkpoint's; "
+                                  "doubling after {} clean steps)",
                                   cfg_.loss_scale_init, cfg_.loss_scale_window)
                     : "");
   }
@@ -186,6 +187,7 @@ class CudaEngine : public Engine {
       // (every rank sees the same mean loss, so every rank stops).
       if (!std::isfinite(st.loss)) {
         st.skipped = true;  // (no update has run)
+        if (scaler_) scaler_->skip_step();
         return st;
       }
       // The replicas' gradient sums added (one collective over the model's one gradient buffer,
@@ -200,7 +202,10 @@ class CudaEngine : public Engine {
     // finite loss with such a norm is the scaled gradients' overflow (the same on every rank: the
     // norm is the summed gradients'): the scale halves.
     const bool finite = std::isfinite(st.grad_norm);
-    if (scaler_ && std::isfinite(st.loss)) scaler_->update(!finite, fmt::format("step {}", step + 1));
+    if (scaler_ && std::isfinite(st.loss))
+      scaler_->update(!finite, fmt::format("step {}", step + 1));
+    else if (scaler_)
+      scaler_->skip_step();
     if (!finite) {
       st.skipped = true;
       st.overflow = scaler_ && std::isfinite(st.loss);
@@ -227,7 +232,7 @@ class CudaEngine : public Engine {
     CheckpointPart out;
     out.optimizer_steps = optimizer_steps_;
     if (scaler_) {
-      out.loss_scale = scaler_->scale();
+      out.loss_scale = scaler_->base_scale();
       out.loss_scale_clean = scaler_->clean_steps();
     }
     const auto& ps = gpt_.parameters();

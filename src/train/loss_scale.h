@@ -22,7 +22,9 @@ class LossScaler {
                min);
   }
 
-  double scale() const { return scale_ * boost_; }
+  double scale() const { return scale_ * boost_; }  // what the next step runs at
+  double base_scale() const { return scale_; }       // without an injected overflow's boost: the state
+  bool boosted() const { return boost_ != 1; }
   int64_t clean_steps() const { return clean_; }  // clean steps since the last change of the scale
 
   // After a step taken at scale(): `overflowed` when its scaled gradients were not finite (the
@@ -46,6 +48,9 @@ class LossScaler {
     return scale_;
   }
 
+  // A step that could not tell (its loss was not finite): the state stays, the boost goes.
+  void skip_step() { boost_ = 1; }
+
   // A checkpoint's state (scale > 0, clean >= 0).
   void restore(double scale, int64_t clean) {
     LOOM_CHECK(std::isfinite(scale) && scale > 0 && clean >= 0, "loss scaler: bad state scale {} clean steps {}",
@@ -54,10 +59,9 @@ class LossScaler {
     clean_ = clean;
   }
 
-  // An injected overflow (LOOM_FAULT_INJECT kind=overflow): the next step alone runs at a scale
-  // 2^16 times larger, as a run started with a far too large scale would (Megatron-LM starts at
-  // 2^32); its update() then applies to the scale before the boost, so every data-parallel rank
-  // (whose gradients are summed, overflowing together) keeps the same scale.
+  // An injected overflow (LOOM_FAULT_INJECT kind=overflow, on every rank of the job): the next
+  // step alone runs at a scale 2^16 times larger, as a run started with a far too large scale
+  // would (Megatron-LM starts at 2^32); its update() then applies to the scale before the boost.
   void inject_overflow() { boost_ = 65536.0; }
 
  private:

@@ -457,8 +457,11 @@ FaultInjection FaultInjection::from_env(int ranks) {
 }
 
 std::string FaultInjection::maybe_fire(int r, int ranks, int64_t at) const {
-  if (r != rank || at != step) return "";
-  if (kind == "nan" || kind == "nan_weight" || kind == "overflow") return kind;
+  if (at != step) return "";
+  // The loss scale is the job's: an overflow is injected into the step of every rank.
+  if (kind == "overflow") return kind;
+  if (r != rank) return "";
+  if (kind == "nan" || kind == "nan_weight") return kind;
   std::string what = fmt::format("LOOM_FAULT_INJECT: rank {} of {} fails on purpose at step {} ({})", r, ranks, at, kind);
   if (kind == "throw") throw Error(what);
   std::fflush(stdout);
@@ -682,7 +685,7 @@ void run_steps(const TrainConfig& cfg, RunLog& log, const LrSchedule& sched, con
                                 what, skipped_in_a_row, cfg.skip_nonfinite));
       log.say(fmt::format("{}: step skipped, no update ({} of train.skip_nonfinite = {} in a row)", what,
                           skipped_in_a_row, cfg.skip_nonfinite));
-      log.record_skip(done, lr, seconds_since(t0));
+      log.record_skip(done, lr, seconds_since(t0), st.loss_scale);
     } else {
       skipped_in_a_row = 0;
       log.record(done, st.loss, lr, st.grad_norm, seconds_since(t0), st.loss_scale);

@@ -40,7 +40,7 @@ TrainResult run_mpi_rank(const TrainConfig& cfg, const std::string& where, int w
 // reported: every rank measures at once with its own threads (so ranks that share cores share
 // them here as in training, and ranks on other hosts add theirs) and the rates are added.
 // Collective over world. `measure` is one rank's rate in FLOP/s (default: the CPU's f32 GEMM rate;
-// the GPU trainer passes its GPU's bf16 rate, so ranks sharing a GPU share it).
+// the GPU trainer passes its GPU's rate in its compute dtype, so ranks sharing a GPU share it).
 // (source: where the figure came from, "measured now" or "calibrated <date> by <who>".)
 double job_gemm_peak(comm::Comm& world, const std::function<double()>& measure = {}, std::string* source = nullptr);
 
@@ -111,8 +111,9 @@ void read_loss_points(const std::string& path, std::vector<std::pair<double, dou
 // A failure injected on purpose (LOOM_FAULT_INJECT="rank=R,step=S,kind=K", a testing aid): rank R
 // of the run's `ranks` fails at the start of step S (1-based) by throwing, exiting (_Exit(3)),
 // being killed (SIGKILL) or stalling (sleeping for ever), or its step S gets a NaN in its gradients (kind=nan) or in its weights
-// from then on (kind=nan_weight), or (train.precision fp16) its step S runs at a loss scale 2^16 times
-// larger, so that its gradients overflow f16 (kind=overflow: the loss scaler's recovery).
+// from then on (kind=nan_weight), or (train.precision fp16) step S of every rank (the loss scale is
+// the job's) runs at a loss scale 2^16 times larger, so that its gradients overflow f16
+// (kind=overflow: the loss scaler's recovery; R must still name a rank).
 struct FaultInjection {
   int rank = -1;  // -1: none
   int64_t step = 0;
@@ -206,7 +207,7 @@ struct StepOut {
 // Each is collective exactly when the trainer's own work is (every rank calls every hook).
 struct RunHooks {
   std::function<StepOut(int64_t step, float lr)> step;  // one optimizer step (step is 0-based)
-  std::function<void(const std::string& kind)> poison;  // a fault injection's NaN (nan, nan_weight)
+  std::function<void(const std::string& kind)> poison;  // a fault injection (nan, nan_weight, overflow)
   std::function<double()> evaluate;                     // the mean validation loss
   std::function<std::string(int64_t done)> sample;      // a sample's text ("" when none is wanted)
   std::function<void(int64_t done)> checkpoint;         // writes the checkpoint of step `done`

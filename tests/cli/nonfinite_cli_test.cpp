@@ -87,3 +87,19 @@ TEST(NonFiniteCli, ABadWeightStopsTheRunAfterTheSkipsAllowed) {
   EXPECT_NE(first.err.find("step 3: the loss is"), std::string::npos) << first.err;
   EXPECT_NE(first.err.find("1 steps in a row not finite (train.skip_nonfinite = 0)"), std::string::npos) << first.err;
 }
+
+// An injected f16 overflow (kind=overflow) needs the loss scaling of train.precision fp16 on CUDA:
+// the CPU engines refuse it by name at the step it fires, without touching gradients or weights,
+// and the checkpoints before it stay.
+TEST(NonFiniteCli, AnInjectedOverflowIsRefusedWithoutLossScaling) {
+  LOOM_REQUIRE_LOOM();
+  NanRun r;
+  for (const std::string layout : {"", "--parallel.dp 2"}) {
+    SCOPED_TRACE(layout);
+    CliRun run = r.train("overflow", layout, "rank=0,step=3,kind=overflow");
+    EXPECT_NE(run.code, 0) << run.out;
+    EXPECT_NE(run.err.find("LOOM_FAULT_INJECT kind=overflow"), std::string::npos) << run.err;
+    EXPECT_NE(run.err.find("no such aid"), std::string::npos) << run.err;
+    EXPECT_TRUE(fs::exists(r.root / "overflow" / "ckpt_00000002"));
+  }
+}

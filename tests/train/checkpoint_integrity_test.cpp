@@ -291,11 +291,14 @@ TEST(CheckpointIntegrity, LossScaleIsKeptInTheManifest) {
   const train::CheckpointMeta back = train::read_checkpoint_meta(c);
   EXPECT_EQ(back.loss_scale, 2048.0);
   EXPECT_EQ(back.loss_scale_clean, 7);
-  rewrite_manifest(c, [](nlohmann::json& j) { j["loss_scale"]["scale"] = -1; });
-  try {
-    train::read_checkpoint_meta(c);
-    ADD_FAILURE() << "a negative loss scale was read";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("field 'loss_scale'"), std::string::npos) << e.what();
+  for (double bad : {-1.0, 0.0, 1e300}) {
+    rewrite_manifest(c, [bad](nlohmann::json& j) { j["loss_scale"]["scale"] = bad; });
+    try {
+      train::read_checkpoint_meta(c);
+      ADD_FAILURE() << "a loss scale of " << bad << " was read";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("field 'loss_scale'"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("manifest.json"), std::string::npos) << e.what();
+    }
   }
 }

@@ -218,7 +218,9 @@ TEST(CudaTrain, ResumeMatchesTheUninterruptedRun) {
 // train.precision fp16: f16 compute with dynamic loss scaling (train/loss_scale.h).
 //  - Losses within kCpuTol of the bf16 run and of the CPU's f32 run at every step: f16 rounds to 11
 //    significant bits where bf16 rounds to 8, so fp16 sits closer to f32 than bf16 does, and the
-//    bf16 bound (see the top of the file) holds for it too.
+//    bf16 bound (see the top of the file) holds for it too. The gradient norms within kNormTol of
+//    the CPU's: the update divides the gradients by the scale exactly once (not dividing would put
+//    them 1024 times or more above, dividing twice as far below).
 //  - The scale is in every metrics line and doubles after train.loss_scale_window clean steps:
 //    1024 x 2^floor((s - 1) / 6) at step s, exactly. The scales stay small enough (the loss
 //    gradient at most 8192 / 512 counted targets = 16) that nothing overflows on its own.
@@ -245,6 +247,7 @@ TEST(CudaTrain, Fp16LossScalingTracksBf16AndRecoversFromAnOverflow) {
   expect_close(lh, lb, 1, 20, kCpuTol, "fp16 against bf16");
   expect_close(lh, lc, 1, 20, kCpuTol, "fp16 against the CPU's f32");
   EXPECT_LT(lh.at(20), lh.at(1) - 0.5) << "the fp16 run did not learn";
+  expect_close(f.metrics("fp16", "grad_norm"), f.metrics("cpu", "grad_norm"), 1, 20, kNormTol, "fp16 grad_norm");
   double worst_b = 0, worst_c = 0;
   for (int64_t s = 1; s <= 20; ++s) {
     worst_b = std::max(worst_b, std::abs(lh.at(s) - lb.at(s)) / lb.at(s));
@@ -398,9 +401,9 @@ TEST(CudaTrain, DataParallelProcessesMatchOneGpu) {
 // fp16 over two GPU processes against one GPU (grad_accum 2 there): the replicas' scaled gradients
 // are summed and unscaled by 1 / (dp x S) as the single GPU's two micro-batches are by
 // 1 / (grad_accum x S), so the losses agree within kDpTol (see the top of the file). An overflow
-// injected on rank 1 alone at step 5 reaches rank 0 through the summed gradients: both ranks skip
-// the step and halve the scale together (the single run, injected at the same step, likewise),
-// and the runs agree again after it.
+// injected at step 5 (into every rank's step: the scale is the job's) makes both ranks skip the
+// step and halve the scale together (the single run, injected at the same step, likewise), and the
+// runs agree again after it; the gradient norms within kDpNormTol.
 TEST(CudaTrain, Fp16DataParallelProcessesMatchOneGpu) {
   LOOM_REQUIRE_GPU();
   LOOM_REQUIRE_LOOM();
@@ -418,6 +421,7 @@ TEST(CudaTrain, Fp16DataParallelProcessesMatchOneGpu) {
   ASSERT_EQ(l2.size(), 19u) << "step 5 skipped on every rank";
   EXPECT_FALSE(l2.count(5));
   expect_close(l2, l1, 1, 20, kDpTol, "loss");
+  expect_close(f.metrics("two", "grad_norm"), f.metrics("one", "grad_norm"), 1, 20, kDpNormTol, "grad_norm");
   const auto s1 = f.metrics("one", "loss_scale"), s2 = f.metrics("two", "loss_scale");
   ASSERT_EQ(s2.size(), 20u);
   for (int64_t s = 6; s <= 20; ++s) {
