@@ -130,6 +130,45 @@ TEST_P(StepRunnerSuite, AccumulationSumsTheMicroBatches) {
   }
 }
 
+// A loss scale (fp16's loss scaling: the loss gradient times S, the gradients divided by S before
+// the norm, clipping and AdamW) is undone exactly: S a power of two scales every gradient exactly
+// (no overflow or underflow at these sizes), so the losses, norms and parameters equal an
+// unscaled run's bit for bit on the f32 backend (on a 16-bit backend to the same accuracy; its
+// replays may sum in another order). Through train_step (a step at another scale is captured
+// again), and through accumulate with optimizer_step's grad_scale carrying 1 / S.
+TEST_P(StepRunnerSuite, LossScaleIsUndoneBeforeTheUpdate) {
+  const int64_t B = 2, T = 32, steps = 3;
+  auto be_a = backend(), be_b = backend();
+  model::GPT ga(cfg_, *be_a, 11), gb(cfg_, *be_b, 11);
+  train::StepRunner ra(ga, {.B = B, .T = T}), rb(gb, {.B = B, .T = T});
+  const bool exact = !bf16(*be_a) && be_a->compute_dtype() == DType::f32;
+  auto same = [&](double a, double b, const std::string& what) {
+    if (exact)
+      EXPECT_EQ(a, b) << what;
+    else
+      EXPECT_NEAR(a, b, 1e-3 * std::fabs(b)) << what;
+  };
+  for (int64_t s = 0; s < steps; ++s) {
+    const auto x = ids(B * T, uint32_t(40 + s)), y = ids(B * T, uint32_t(50 + s), true);
+    const float scale = s == 1 ? 4096.0f : 1024.0f;  // a new scale mid-run: captured again
+    same(rb.train_step(x.data(), y.data(), 1e-2, s + 1, scale), ra.train_step(x.data(), y.data(), 1e-2, s + 1),
+         "loss, step " + std::to_string(s + 1));
+    same(rb.last_grad_norm(), ra.last_grad_norm(), "norm, step " + std::to_string(s + 1));
+  }
+  const auto x = ids(B * T, 60), y = ids(B * T, 61);
+  ra.zero_grad();
+  rb.zero_grad();
+  same(rb.accumulate(x.data(), y.data(), 2048.0f), ra.accumulate(x.data(), y.data()), "accumulated loss");
+  same(rb.optimizer_step(1e-2, steps + 1, 1.0f / 2048.0f), ra.optimizer_step(1e-2, steps + 1), "accumulated norm");
+  for (model::Parameter* p : ga.parameters()) {
+    const std::vector<float> pa = ra.parameter(p->spec.name), pb = rb.parameter(p->spec.name);
+    if (exact)
+      EXPECT_EQ(pa, pb) << p->spec.name;
+    else
+      EXPECT_LE(step_rel_err(pb, pa.data(), pa.size()), 1e-2) << p->spec.name;
+  }
+}
+
 // Checkpoint state by name: what is set is what is read, and training goes on from it exactly as
 // it would have.
 TEST_P(StepRunnerSuite, StateByNameContinuesTraining) {
