@@ -99,7 +99,8 @@ Args parse(int argc, char** argv) {
   if (a.attention != "flash" && a.attention != "gemm" && a.attention != "cudnn")
     usage("--attention must be flash, gemm or cudnn");
   if (a.precision != "bf16" && a.precision != "fp16") usage("--precision must be bf16 or fp16");
-  if (!a.dump.empty() && a.precision != "bf16") usage("--dump writes the bf16 model's gradients (use --precision bf16)");
+  if (!a.dump.empty() && a.precision != "bf16")
+    usage("--dump writes the bf16 model's gradients (use --precision bf16)");
   return a;
 }
 
@@ -206,7 +207,8 @@ int main(int argc, char** argv) {
     float first_loss = 0, last_loss = 0;
     for (int64_t s = 1; s <= a.warmup + a.steps; ++s) {
       LOOM_CUDA_CHECK(cudaEventRecord(e0, be.stream()));
-      const float loss = run.train_step(tok.data(), tgt.data(), a.lr, updates + 1, fp16 ? float(scaler.scale()) : 1.0f);
+      const float scale = fp16 ? float(scaler.step_scale()) : 1.f;
+      const float loss = run.train_step(tok.data(), tgt.data(), a.lr, updates + 1, scale);
       const bool overflow = !std::isfinite(run.last_grad_norm());
       updates += !overflow;
       if (fp16) {
@@ -233,7 +235,7 @@ int main(int argc, char** argv) {
       be.set_observer(&prof);  // the runner then launches op by op (no graph)
       for (int64_t i = 0; i < a.profile; ++i) {
         prof.start();
-        run.train_step(tok.data(), tgt.data(), a.lr, updates + 1, fp16 ? float(scaler.scale()) : 1.0f);
+        run.train_step(tok.data(), tgt.data(), a.lr, updates + 1, fp16 ? float(scaler.step_scale()) : 1.f);
         updates += std::isfinite(run.last_grad_norm());
         prof.finish();
       }

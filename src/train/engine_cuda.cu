@@ -169,7 +169,7 @@ class CudaEngine : public Engine {
   StepOut step(int64_t step, float lr) override {
     const int dp = world_.size();
     StepOut st;
-    const float scale = scaler_ ? float(scaler_->scale()) : 1.0f;
+    const float scale = scaler_ ? float(scaler_->step_scale()) : 1.0f;
     if (scaler_) st.loss_scale = scale;
     if (cfg_.grad_accum == 1 && dp == 1) {
       train_.train_batch(step, cfg_.batch_size, 0, mb_, x_.data(), y_.data());
@@ -187,7 +187,6 @@ class CudaEngine : public Engine {
       // (every rank sees the same mean loss, so every rank stops).
       if (!std::isfinite(st.loss)) {
         st.skipped = true;  // (no update has run)
-        if (scaler_) scaler_->skip_step();
         return st;
       }
       // The replicas' gradient sums added (one collective over the model's one gradient buffer,
@@ -202,10 +201,7 @@ class CudaEngine : public Engine {
     // finite loss with such a norm is the scaled gradients' overflow (the same on every rank: the
     // norm is the summed gradients'): the scale halves.
     const bool finite = std::isfinite(st.grad_norm);
-    if (scaler_ && std::isfinite(st.loss))
-      scaler_->update(!finite, fmt::format("step {}", step + 1));
-    else if (scaler_)
-      scaler_->skip_step();
+    if (scaler_ && std::isfinite(st.loss)) scaler_->update(!finite, fmt::format("step {}", step + 1));
     if (!finite) {
       st.skipped = true;
       st.overflow = scaler_ && std::isfinite(st.loss);
@@ -232,7 +228,7 @@ class CudaEngine : public Engine {
     CheckpointPart out;
     out.optimizer_steps = optimizer_steps_;
     if (scaler_) {
-      out.loss_scale = scaler_->base_scale();
+      out.loss_scale = scaler_->scale();
       out.loss_scale_clean = scaler_->clean_steps();
     }
     const auto& ps = gpt_.parameters();

@@ -22,16 +22,21 @@ class LossScaler {
                min);
   }
 
-  double scale() const { return scale_ * boost_; }  // what the next step runs at
-  double base_scale() const { return scale_; }       // without an injected overflow's boost: the state
-  bool boosted() const { return boost_ != 1; }
+  double scale() const { return scale_; }         // the state (what a checkpoint keeps)
   int64_t clean_steps() const { return clean_; }  // clean steps since the last change of the scale
 
-  // After a step taken at scale(): `overflowed` when its scaled gradients were not finite (the
+  // The scale a step runs at, taken once per step: scale(), or (once) the boost of an injected
+  // overflow on top, which is used up whatever the step's outcome.
+  double step_scale() {
+    const double s = scale_ * boost_;
+    boost_ = 1;
+    return s;
+  }
+
+  // After a step: `overflowed` when its scaled gradients were not finite (the
   // engine skipped the update). Returns the scale the next step uses. Throws when an overflow
   // would take the scale below `min` (what): the gradients overflow f16 even unscaled.
   double update(bool overflowed, const std::string& what) {
-    boost_ = 1;
     if (overflowed) {
       clean_ = 0;
       if (scale_ / 2 < min_)
@@ -48,9 +53,6 @@ class LossScaler {
     return scale_;
   }
 
-  // A step that could not tell (its loss was not finite): the state stays, the boost goes.
-  void skip_step() { boost_ = 1; }
-
   // A checkpoint's state (scale > 0, clean >= 0).
   void restore(double scale, int64_t clean) {
     LOOM_CHECK(std::isfinite(scale) && scale > 0 && clean >= 0, "loss scaler: bad state scale {} clean steps {}",
@@ -61,7 +63,7 @@ class LossScaler {
 
   // An injected overflow (LOOM_FAULT_INJECT kind=overflow, on every rank of the job): the next
   // step alone runs at a scale 2^16 times larger, as a run started with a far too large scale
-  // would (Megatron-LM starts at 2^32); its update() then applies to the scale before the boost.
+  // would (Megatron-LM starts at 2^32); its update() then applies to scale(), the state.
   void inject_overflow() { boost_ = 65536.0; }
 
  private:

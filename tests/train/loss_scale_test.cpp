@@ -1,5 +1,6 @@
 // The fp16 loss scaler (train/loss_scale.h): halving on overflow, doubling after a window of clean
-// steps, the floor, an injected overflow for one step, and the checkpointed state.
+// steps, the floor, an injected overflow for one step (used up by that step whatever it gives),
+// and the checkpointed state.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -41,13 +42,18 @@ TEST(LossScaler, AnOverflowBelowTheFloorStopsTheRunNamingTheStep) {
 
 TEST(LossScaler, AnInjectedOverflowBoostsOneStepOnly) {
   LossScaler s(1024, 1000, 1);
+  EXPECT_EQ(s.step_scale(), 1024);
   s.update(false, "step 1");
   s.inject_overflow();
-  EXPECT_EQ(s.scale(), 1024.0 * 65536);  // the step the fault fires in
-  EXPECT_EQ(s.update(true, "step 2"), 512);  // halved from the scale before the boost
+  EXPECT_EQ(s.step_scale(), 1024.0 * 65536);  // the step the fault fires in
+  EXPECT_EQ(s.scale(), 1024);                 // the state (a checkpoint's) has no boost
+  EXPECT_EQ(s.update(true, "step 2"), 512);   // halved from the scale before the boost
   EXPECT_EQ(s.clean_steps(), 0);
+  EXPECT_EQ(s.step_scale(), 512);
   s.inject_overflow();
-  EXPECT_EQ(s.update(false, "step 3"), 512);  // a boosted step that did not overflow changes nothing
+  EXPECT_EQ(s.step_scale(), 512.0 * 65536);
+  EXPECT_EQ(s.step_scale(), 512);  // used up even by a step that reported nothing (a non-finite loss)
+  EXPECT_EQ(s.update(false, "step 4"), 512);
 }
 
 TEST(LossScaler, RestoresACheckpointedStateAndRefusesBadOnes) {

@@ -161,7 +161,8 @@ unsigned blocks_for(int64_t n, int per) { return unsigned(ceil_div(n, per)); }
 
 size_t attn_gemm_workspace_bytes(const AttnGemmShape& s) {
   const int64_t n = s.B * s.NH * s.T * s.HS;
-  return (size_t(7 * n) * 2 + 255) / 256 * 256 + size_t(s.B * s.NH * s.T * s.T) * sizeof(float);
+  static_assert(sizeof(bf16) == sizeof(f16));  // the same bytes for either 16-bit type
+  return (size_t(7 * n) * sizeof(bf16) + 255) / 256 * 256 + size_t(s.B * s.NH * s.T * s.T) * sizeof(float);
 }
 
 template <class E>
@@ -175,11 +176,13 @@ void attn_gemm_forward(Blas& blas, E* out, E* att, const E* qkv, const AttnGemmS
   LOOM_CUDA_LAUNCH_CHECK();
   const float scale = 1.f / std::sqrt(float(HS));
   // scores[T, T] = scale * q k^T
-  batched_gemm<E>(blas, stream, false, true, T, T, HS, scale, w.q, HS, T * HS, w.k, HS, T * HS, w.scores, T, T * T, true, BH);
+  batched_gemm<E>(blas, stream, false, true, T, T, HS, scale, w.q, HS, T * HS, w.k, HS, T * HS, w.scores, T, T * T,
+                  true, BH);
   causal_softmax_kernel<E><<<blocks_for(BH * T, 8), 256, 0, stream>>>(att, w.scores, BH * T, T);
   LOOM_CUDA_LAUNCH_CHECK();
   // y[T, HS] = att v
-  batched_gemm<E>(blas, stream, false, false, T, HS, T, 1.f, att, T, T * T, w.v, HS, T * HS, w.y, HS, T * HS, false, BH);
+  batched_gemm<E>(blas, stream, false, false, T, HS, T, 1.f, att, T, T * T, w.v, HS, T * HS, w.y, HS, T * HS, false,
+                  BH);
   merge_heads_kernel<E><<<blocks_for(vec, 256), 256, 0, stream>>>(out, C, w.y, s.B, T, s.NH, HS);
   LOOM_CUDA_LAUNCH_CHECK();
 }
@@ -196,15 +199,19 @@ void attn_gemm_backward(Blas& blas, E* dqkv, E* att, const E* dout, const E* qkv
   split_one_kernel<E><<<blocks_for(vec, 256), 256, 0, stream>>>(w.y, dout, s.B, T, s.NH, HS);
   LOOM_CUDA_LAUNCH_CHECK();
   // dP[T, T] = dy v^T (f32)
-  batched_gemm<E>(blas, stream, false, true, T, T, HS, 1.f, w.y, HS, T * HS, w.v, HS, T * HS, w.scores, T, T * T, true, BH);
+  batched_gemm<E>(blas, stream, false, true, T, T, HS, 1.f, w.y, HS, T * HS, w.v, HS, T * HS, w.scores, T, T * T,
+                  true, BH);
   // dv[T, HS] = P^T dy
-  batched_gemm<E>(blas, stream, true, false, T, HS, T, 1.f, att, T, T * T, w.y, HS, T * HS, w.dv, HS, T * HS, false, BH);
+  batched_gemm<E>(blas, stream, true, false, T, HS, T, 1.f, att, T, T * T, w.y, HS, T * HS, w.dv, HS, T * HS, false,
+                  BH);
   const float scale = 1.f / std::sqrt(float(HS));
   causal_softmax_backward_kernel<E><<<blocks_for(BH * T, 8), 256, 0, stream>>>(att, w.scores, BH * T, T, scale);
   LOOM_CUDA_LAUNCH_CHECK();
   // dq[T, HS] = dS k; dk[T, HS] = dS^T q
-  batched_gemm<E>(blas, stream, false, false, T, HS, T, 1.f, att, T, T * T, w.k, HS, T * HS, w.dq, HS, T * HS, false, BH);
-  batched_gemm<E>(blas, stream, true, false, T, HS, T, 1.f, att, T, T * T, w.q, HS, T * HS, w.dk, HS, T * HS, false, BH);
+  batched_gemm<E>(blas, stream, false, false, T, HS, T, 1.f, att, T, T * T, w.k, HS, T * HS, w.dq, HS, T * HS, false,
+                  BH);
+  batched_gemm<E>(blas, stream, true, false, T, HS, T, 1.f, att, T, T * T, w.q, HS, T * HS, w.dk, HS, T * HS, false,
+                  BH);
   merge_heads_kernel<E><<<blocks_for(vec, 256), 256, 0, stream>>>(dqkv, 3 * C, w.dq, s.B, T, s.NH, HS);
   LOOM_CUDA_LAUNCH_CHECK();
   merge_heads_kernel<E><<<blocks_for(vec, 256), 256, 0, stream>>>(dqkv + C, 3 * C, w.dk, s.B, T, s.NH, HS);

@@ -476,8 +476,8 @@ void CudaBackend::attention_forward(const AttentionForward& a) {
         const int64_t C = a.shape.NH * a.shape.HS;
         LOOM_CHECK(a.probs && a.k == h<T>(a.q) + C && a.v == h<T>(a.q) + 2 * C,
                    "cuda attention (gemm): q, k, v must be one packed [B, T, 3C] buffer and probs set");
-        attn_gemm_forward(*blas_, h<T>(a.out), h<T>(a.probs), h<T>(a.q), {a.shape.B, a.shape.Tq, a.shape.NH, a.shape.HS},
-                          attn_ws_, stream_);
+        attn_gemm_forward(*blas_, h<T>(a.out), h<T>(a.probs), h<T>(a.q),
+                          {a.shape.B, a.shape.Tq, a.shape.NH, a.shape.HS}, attn_ws_, stream_);
         break;
       }
       default:
@@ -617,13 +617,14 @@ void CudaBackend::copy(const Copy& a) {
   check(Op::copy, a.dst_dtype);
   check(Op::copy, a.src_dtype);
   LOOM_CHECK(a.n >= 0, "copy: negative size {}", a.n);
-  LOOM_CHECK(a.dst_dtype == a.src_dtype || (a.dst_dtype != DType::i32 && a.src_dtype != DType::i32),
-             "copy: no conversion from {} to {}", dtype_name(a.src_dtype), dtype_name(a.dst_dtype));
-  if (a.n == 0) return;
-  const size_t n = size_t(a.n);
-  LOOM_CHECK(a.dst_dtype == a.src_dtype || a.dst_dtype == DType::f32 || a.src_dtype == DType::f32,
+  // Conversions: between f32 and a 16-bit type only (i32 is copied as it is).
+  const bool converts = a.dst_dtype != DType::i32 && a.src_dtype != DType::i32 &&
+                        (a.dst_dtype == DType::f32) != (a.src_dtype == DType::f32);
+  LOOM_CHECK(a.dst_dtype == a.src_dtype || converts,
              "copy: no conversion from {} to {} (16-bit types convert to and from f32)", dtype_name(a.src_dtype),
              dtype_name(a.dst_dtype));
+  if (a.n == 0) return;
+  const size_t n = size_t(a.n);
   if (a.dst_host && a.src_host) {
     convert_on_host(a.dst, a.dst_dtype, a.src, a.src_dtype, a.n);
     return;
@@ -657,8 +658,8 @@ void CudaBackend::copy(const Copy& a) {
   } else if (a.src_dtype == DType::f32) {
     LOOM_CUDA_DISPATCH_16(a.dst_dtype, "copy", [&](auto* tag) {
       using T = LOOM_T;
-      from_f32_kernel<T><<<unsigned(ceil_div(a.n, 256)), 256, 0, stream_>>>(h<T>(a.dst), static_cast<const float*>(a.src),
-                                                                            a.n);
+      from_f32_kernel<T>
+          <<<unsigned(ceil_div(a.n, 256)), 256, 0, stream_>>>(h<T>(a.dst), static_cast<const float*>(a.src), a.n);
     });
     LOOM_CUDA_LAUNCH_CHECK();
   } else {

@@ -1,9 +1,10 @@
 // The CUDA backend (core/backend.h): bf16 or f16 compute (BackendOptions::compute) with f32
-// accumulation, f32 gradients and master weights, over the kernels of this folder. An instance owns everything it keeps between calls:
-// its device pool (or the caller's), its stream, its BLAS state (cuBLASLt and cuBLAS handles,
-// workspaces, tuned algorithms: cuda::Blas), the scratch of the bias-gradient and LayerNorm
-// reductions, the attention workspace and the cuDNN attention plans per shape. Two instances share
-// nothing, so ranks that are threads of one process each make their own, on one GPU or several.
+// accumulation, f32 gradients and master weights, over the kernels of this folder. An instance owns
+// everything it keeps between calls: its device pool (or the caller's), its stream, its BLAS state
+// (cuBLASLt and cuBLAS handles, workspaces, tuned algorithms: cuda::Blas), the scratch of the bias-
+// gradient and LayerNorm reductions, the attention workspace and the cuDNN attention plans per
+// shape. Two instances share nothing, so ranks that are threads of one process each make their own,
+// on one GPU or several.
 //
 // Ops enqueue on stream() and return; buffers passed to them are device memory of this instance's
 // device (token ids and targets included). Scratch grows on demand: run a step once before

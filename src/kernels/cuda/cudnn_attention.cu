@@ -5,7 +5,8 @@
 // The graphs follow the operation patterns cuDNN's runtime-fusion SDPA engines recognise:
 //
 // forward (Q [B,NH,Tq,HS], K^T [B,NKV,HS,Tkv], V [B,NKV,Tkv,HS] 16-bit views, "h" below: bf16 or
-// f16, of loom's row layout; with grouped-query attention, NKV < NH, the matmuls broadcast each key/value head over its group):
+// f16, of loom's row layout; with grouped-query attention, NKV < NH, the matmuls broadcast each
+// key/value head over its group):
 //   S  = matmul(Q, K^T)                     f32 virtual [B,NH,Tq,Tkv]
 //   S1 = S * scale                           (scale: f32 by-value scalar)
 //   causal: row = gen_index(S1, axis 2), col = gen_index(S1, axis 3) (int32),

@@ -82,7 +82,8 @@ void embedding_backward(float* dwte, float* dwpe, const E* dout, const int32_t* 
   if (B * T == 0) return;
   if (dwte) {
     const int64_t work = B * T * (C / 8);
-    embedding_backward_wte_kernel<E><<<unsigned(ceil_div(work, 256)), 256, 0, stream>>>(dwte, dout, tokens, B * T, C, V);
+    embedding_backward_wte_kernel<E>
+        <<<unsigned(ceil_div(work, 256)), 256, 0, stream>>>(dwte, dout, tokens, B * T, C, V);
     LOOM_CUDA_LAUNCH_CHECK();
   }
   if (dwpe) {

@@ -286,9 +286,11 @@ BackwardShape backward_shape(int64_t C, int sums) {
              C, per_warp, optin);
   b.shmem = size_t(b.warps) * per_warp;
   if (b.shmem > 48 * 1024)
-    LOOM_CUDA_CHECK(cudaFuncSetAttribute(layernorm_backward_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(b.shmem)));
+    LOOM_CUDA_CHECK(
+        cudaFuncSetAttribute(layernorm_backward_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(b.shmem)));
   int n = 0;
-  LOOM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, layernorm_backward_kernel<T>, b.warps * 32, b.shmem));
+  LOOM_CUDA_CHECK(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, layernorm_backward_kernel<T>, b.warps * 32, b.shmem));
   LOOM_CHECK(n > 0, "layernorm_backward: no block of {} warps with {} bytes of shared memory fits on an SM (C = {})",
              b.warps, b.shmem, C);
   b.blocks_per_sm = std::min(n, kMaxBwdBlocksPerSm);

@@ -423,7 +423,7 @@ bool run_dweight_bgradb(Blas& blas, const MatmulBwdArgs& a, const LtCall& c, flo
 // the epilogue, where an algorithm takes it. Returns true when the epilogue ran the call.
 bool fused_bias_grad(Blas& blas, const MatmulBwdArgs& a, const LtCall& c, cudaStream_t stream) {
   LtState& s = blas.state();
-  const std::vector<int64_t> key{a.M,           a.N, a.K, alignment_of(a.inp), alignment_of(a.dout), alignment_of(a.dweight),
+  const std::vector<int64_t> key{a.M, a.N, a.K, alignment_of(a.inp), alignment_of(a.dout), alignment_of(a.dweight),
                                  a.dtype == DType::f16};
   const BiasGradPath forced = blas.bias_grad_path();
   if (forced != BiasGradPath::tuned)

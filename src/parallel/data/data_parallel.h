@@ -59,12 +59,12 @@
 // The chain it works on (DataChain): a whole model::GPT's (embedding, blocks, head), or a pipeline
 // stage's chunks of it (parallel/pipeline/executor.h), whose caller runs the hooks around each
 // block. A backward runs over one contiguous range of the chain's blocks at a time, from its last
-// block to its first: the whole chain for a model, a chunk for a pipeline stage, whose
-// micro-batches' backwards interleave with other work. Buckets never cross such a range; under
-// ZeRO 2/3 a range's reductions may still run after its backward ends: the next backward that
-// needs a bucket's place in the arena waits for it there (acquire_bucket), the step for all. A
-// pipeline's last stage holds a copy of a tied wte as a parameter of its head (DataChain::owned); the two stages' reduced gradients of it are added by
-// add_peer_gradient.
+// block to its first: the whole chain for a model, a chunk for a pipeline stage, whose micro-
+// batches' backwards interleave with other work. Buckets never cross such a range; under ZeRO 2/3 a
+// range's reductions may still run after its backward ends: the next backward that needs a bucket's
+// place in the arena waits for it there (acquire_bucket), the step for all. A pipeline's last stage
+// holds a copy of a tied wte as a parameter of its head (DataChain::owned); the two stages' reduced
+// gradients of it are added by add_peer_gradient.
 //
 // Composed with tensor / sequence / context parallelism (a model::GPT over tp and cp groups): the
 // communicator is then the dp x cp group of one tp rank (the cp ranks hold partial sums of the
