@@ -73,6 +73,9 @@ class Comm {
   virtual std::string_view backend() const = 0;
   // This rank's number in the world the communicator was split from (for messages).
   virtual int world_rank() const = 0;
+  // Whether the buffers may be in a GPU's memory (a device communicator, comm/nccl_comm.h); the
+  // host backends take host memory only.
+  virtual bool device_buffers() const { return false; }
 
   std::chrono::milliseconds timeout() const { return opts_.timeout; }
   void set_timeout(std::chrono::milliseconds t) { opts_.timeout = t; }

@@ -206,6 +206,7 @@ class DeviceComm final : public Comm {
   int rank() const override { return host_->rank(); }
   int size() const override { return host_->size(); }
   std::string_view backend() const override { return path_ == DevicePath::nccl ? "nccl" : "nccl-staged"; }
+  bool device_buffers() const override { return true; }
   int world_rank() const override { return host_->world_rank(); }
   DevicePath path() const { return path_; }
 

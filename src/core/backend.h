@@ -205,6 +205,31 @@ struct CrossEntropy {
   int64_t N = 0, V = 0, Vp = 0;
 };
 
+// The same loss over a vocabulary split by columns (tensor parallelism, parallel/tensor/
+// vocab_parallel.h): this rank's logits [N, Vs] are columns [v0, v0 + Vs) of the padded
+// vocabulary (those >= V are padding). Three passes, the caller reducing `stats` (f32 [3 N], this
+// backend's memory) over the ranks between them:
+//   max     stats[n] = the max of row n's real columns here (-inf where the shard has none);
+//           then the max over the ranks;
+//   sums    stats[N + n] = sum of exp(logit - stats[n]) over them, stats[2 N + n] = the target's
+//           logit where this shard holds the target, else 0; then the sum over the ranks;
+//   finish  losses[n] = stats[n] + log(stats[N + n]) - stats[2 N + n] (0 for target -1); with
+//           dlogits (may alias logits), dloss * (softmax - onehot) over this shard's columns, 0 in
+//           its padding and in ignored rows.
+// targets i32 [N] in [-1, V) (the caller checks them).
+struct VocabCrossEntropy {
+  enum class Pass : uint8_t { max, sums, finish };
+  Pass pass = Pass::max;
+  DType dtype = DType::f32;
+  float* losses = nullptr;
+  void* dlogits = nullptr;
+  const void* logits = nullptr;
+  const int32_t* targets = nullptr;
+  float* stats = nullptr;
+  float dloss = 1.f;
+  int64_t N = 0, Vs = 0, v0 = 0, V = 0;
+};
+
 // out [B, T, C] = wte[tokens[b, t]] + wpe[position of t], the position pos0 + t, or positions[t]
 // (i32 [T] in this backend's memory) where given; wpe may be null (no position table: rotary
 // positions). Token ids are checked against [0, V). A vocabulary split (vocab_rows > 0, the
@@ -369,6 +394,7 @@ class Backend {
   virtual void attention_forward(const AttentionForward& a) = 0;
   virtual void attention_backward(const AttentionBackward& a) = 0;
   virtual void crossentropy(const CrossEntropy& a) = 0;
+  virtual void vocab_crossentropy(const VocabCrossEntropy& a) = 0;
   virtual void embedding_forward(const EmbeddingForward& a) = 0;
   virtual void embedding_backward(const EmbeddingBackward& a) = 0;
   // out = gelu(inp), [n] (out may alias inp).
@@ -392,6 +418,10 @@ class Backend {
   virtual void release_workspace() = 0;
   // Waits for every op enqueued so far.
   virtual void synchronize() = 0;
+  // The native queue the ops are enqueued on (CUDA: the instance's cudaStream_t), for work that
+  // must be ordered with them, e.g. a device communicator's collectives (comm::DeviceCommOptions::
+  // stream); null on the CPU, whose ops run on the calling thread.
+  virtual void* native_queue() const { return nullptr; }
 
   // Whether sequences of ops can be captured and replayed (CUDA graphs).
   virtual bool can_capture() const { return false; }

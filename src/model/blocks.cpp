@@ -646,10 +646,10 @@ void Head::loss(bool with_dlogits, float dloss) {
     return;
   }
   // The rows' max, sum of exponentials and target logit reduced over tp: no rank holds whole rows.
-  parallel::tp::VocabCEArgs ca;
-  ca.N = N, ca.Vs = P.vocab_rows(cfg_), ca.v0 = P.vocab_begin(cfg_), ca.V = cfg_.vocab_size, ca.dloss = dloss;
-  parallel::tp::vocab_cross_entropy(P.tp_group(), losses_.f32(), with_dlogits ? logits_.f32() : nullptr, logits_.f32(),
-                                    targets_.i32(), P.loss_statistics(N), ca);
+  parallel::tp::vocab_cross_entropy(P.tp_group(), *be_, losses_.f32(), with_dlogits ? logits_.raw() : nullptr,
+                                    logits_.raw(), targets_.i32(), P.loss_statistics(N),
+                                    {.dtype = dt_, .N = N, .Vs = P.vocab_rows(cfg_), .v0 = P.vocab_begin(cfg_),
+                                     .V = cfg_.vocab_size, .dloss = dloss});
 }
 
 double Head::forward(const void* x, const int32_t* targets, int64_t B, int64_t T, bool fuse_backward,

@@ -30,7 +30,7 @@ void GPT::build(uint64_t seed) {
   GradArena arena;
   GradArena* a = nullptr;
   if (be_.device() != Device::cpu) {
-    arena.flat = be_.empty({GradArena::elements(gpt_param_specs(cfg_))}, DType::f32, MemTag::grads);
+    arena.flat = be_.empty({arena_elements()}, DType::f32, MemTag::grads);
     be_.fill_zero(arena.flat.raw(), int64_t(arena.flat.nbytes()));
     grads_ = arena.flat;
     a = &arena;
@@ -42,6 +42,25 @@ void GPT::build(uint64_t seed) {
   for (ChainBlock* b : chain())
     for (Parameter* p : b->parameters()) params_.push_back(p);
   if (!layout_.defer_parameters) init_weights(seed);
+}
+
+int64_t GPT::arena_elements() const {
+  // This rank's parameters as the blocks cut them (their shards under tp), declared without
+  // allocating, in the order the blocks then take them from the arena.
+  const BlockOptions declare{.parallel = par_, .defer_parameters = true};
+  std::vector<ParamSpec> specs;
+  auto add = [&](ChainBlock& b) {
+    for (const Parameter* p : b.parameters()) specs.push_back(p->spec);
+  };
+  Embedding e(cfg_, be_, declare);
+  add(e);
+  for (int64_t l = 0; l < cfg_.n_layer; ++l) {
+    TransformerBlock t(cfg_, l, be_, declare);
+    add(t);
+  }
+  Head h(cfg_, &e.wte(), be_, declare);
+  add(h);
+  return GradArena::elements(specs);
 }
 
 std::vector<ChainBlock*> GPT::chain() const {

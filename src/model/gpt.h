@@ -169,6 +169,7 @@ class GPT {
 
  private:
   void build(uint64_t seed);
+  int64_t arena_elements() const;  // a device's gradient arena: this rank's parameters
   uint64_t seed_ = 0;
   GPTConfig cfg_;
   ModelLayout layout_;

@@ -20,10 +20,21 @@ ChainParallel::ChainParallel(Backend& be, ParallelGroups groups, bool sp) : be_(
   tpr_ = tpm::group_rank(g_.tp);
   cp_ = tpm::group_size(g_.cp);
   cpr_ = tpm::group_rank(g_.cp);
-  if ((tp_ > 1 || cp_ > 1) && (be.device() != Device::cpu || be.compute_dtype() != DType::f32))
-    throw Error(fmt::format("tensor / context parallelism (tp = {}, cp = {}) runs on the CPU backend; the {} backend "
-                            "has no tp / cp collectives yet",
-                            tp_, cp_, be.name()));
+  // On a device the groups' collectives take its memory (comm/nccl_comm.h's device
+  // communicators), in the compute dtype; ring attention (cp) runs on the CPU backend only.
+  if (be.device() != Device::cpu) {
+    if (cp_ > 1)
+      throw Error(fmt::format("context parallelism (cp = {}) runs on the CPU backend; the {} backend has no ring "
+                              "attention yet",
+                              cp_, be.name()));
+    if (tp_ > 1 && !g_.tp->device_buffers())
+      throw Error(fmt::format("tensor parallelism (tp = {}) on the {} backend needs a device communicator for its "
+                              "group (comm::make_device_comm), got the {} backend's",
+                              tp_, be.name(), g_.tp->backend()));
+  }
+  if (tp_ > 1 && be.compute_dtype() != DType::f32 && be.compute_dtype() != DType::bf16)
+    throw Error(fmt::format("tensor parallelism (tp = {}) computes in f32 or bf16 (the collectives' reductions), not {}",
+                            tp_, dtype_name(be.compute_dtype())));
 }
 
 ChainParallel::~ChainParallel() = default;
@@ -164,30 +175,30 @@ void* ChainParallel::scratch(Tensor& t, int64_t n) {
 
 const void* ChainParallel::gather(const void* own, int64_t N, int64_t C) {
   if (!sp_active()) return own;
-  float* full = static_cast<float*>(scratch(gathered_, N * C));
-  tpm::gather_rows_forward(g_.tp, static_cast<const float*>(own), full, N, C);
+  void* full = scratch(gathered_, N * C);
+  tpm::gather_rows_forward(g_.tp, own, full, N, C, be_.compute_dtype());
   return full;
 }
 
 void ChainParallel::reduce(void* partial, void* out, int64_t N, int64_t C) {
   if (tp_ == 1) return;
   if (sp_active()) {
-    tpm::scatter_rows_forward(g_.tp, static_cast<const float*>(partial), static_cast<float*>(out), N, C);
+    tpm::scatter_rows_forward(g_.tp, partial, out, N, C, be_.compute_dtype());
     return;
   }
   LOOM_CHECK(partial == out, "tensor parallel reduce: without sp the partial sums are reduced in place");
-  tpm::reduce_forward(g_.tp, static_cast<float*>(out), N * C);
+  tpm::reduce_forward(g_.tp, out, N * C, be_.compute_dtype());
 }
 
 const void* ChainParallel::reduce_input_grad(void* partial, int64_t N, int64_t C) {
   if (tp_ == 1) return partial;
   if (!sp_active()) {
-    tpm::copy_backward(g_.tp, static_cast<float*>(partial), N * C);
+    tpm::copy_backward(g_.tp, partial, N * C, be_.compute_dtype());
     return partial;
   }
   const int64_t Ns = tpm::sp_rows(N, tp_, tpr_).size();
-  float* own = static_cast<float*>(scratch(own_grad_, std::max<int64_t>(Ns, 1) * C));
-  tpm::gather_rows_backward(g_.tp, static_cast<const float*>(partial), own, N, C);
+  void* own = scratch(own_grad_, std::max<int64_t>(Ns, 1) * C);
+  tpm::gather_rows_backward(g_.tp, partial, own, N, C, be_.compute_dtype());
   return own;
 }
 

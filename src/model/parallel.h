@@ -20,8 +20,12 @@
 // cut by role (Parameter::shard), initialised element by element as the full tensor, so every
 // layout starts from the same weights.
 //
-// The tp and cp collectives run on host memory through comm::Comm: a backend computing in f32 on
-// the CPU. (A device backend is refused with tp or cp > 1 until its collectives exist.)
+// The tp and cp collectives run through comm::Comm on the backend's memory in its compute dtype:
+// host communicators for the CPU backend, device communicators (comm/nccl_comm.h: NCCL, or staged
+// through host memory where ranks share a GPU) for a GPU's, made on the backend's queue
+// (DeviceCommOptions::stream = Backend::native_queue(), so that a collective follows the ops
+// that wrote its buffers), whose compute dtype must then be one the reductions take (f32 or bf16). Context parallelism (ring attention) runs on the CPU backend
+// only.
 #pragma once
 #include <cstdint>
 #include <map>

@@ -501,6 +501,127 @@ TEST_P(BackendParity, CrossEntropy) {
   for (int64_t v = V; v < Vp; ++v) EXPECT_EQ(got[size_t(v)], 0.f) << "padding column " << v;
 }
 
+// The vocabulary-parallel loss's passes over four shards of a padded vocabulary (the last holds
+// padding only), the statistics reduced on the host between passes as the tp group would: the
+// losses and each shard's dlogits against the whole-row reference.
+TEST_P(BackendParity, VocabCrossEntropy) {
+  const int64_t N = 13, V = 700, Vp = 1024, shards = 4, Vs = Vp / shards;
+  auto logits = bf16_random(N * Vp, 31, 4.f);
+  std::vector<int32_t> tg(static_cast<size_t>(N));
+  for (int64_t i = 0; i < N; ++i) tg[size_t(i)] = int32_t((i * 211) % V);
+  tg[5] = -1;  // ignored
+  Tensor targets = be().empty({N}, DType::i32, MemTag::workspace);
+  be().copy({.dst = targets.raw(), .dst_dtype = DType::i32, .src = tg.data(), .src_dtype = DType::i32, .src_host = true,
+             .n = N});
+  const float dloss = 1.f / float(N - 1);
+  std::vector<double> rl(static_cast<size_t>(N), 0.0), rg(static_cast<size_t>(N * Vp), 0.0);
+  for (int64_t i = 0; i < N; ++i) {
+    if (tg[size_t(i)] < 0) continue;
+    double mx = -1e300, z = 0;
+    for (int64_t v = 0; v < V; ++v) mx = std::max(mx, double(logits[size_t(i * Vp + v)]));
+    for (int64_t v = 0; v < V; ++v) z += std::exp(logits[size_t(i * Vp + v)] - mx);
+    rl[size_t(i)] = mx + std::log(z) - logits[size_t(i * Vp + tg[size_t(i)])];
+    for (int64_t v = 0; v < V; ++v)
+      rg[size_t(i * Vp + v)] = dloss * (std::exp(logits[size_t(i * Vp + v)] - mx) / z - (v == tg[size_t(i)] ? 1.0 : 0.0));
+  }
+  std::vector<std::unique_ptr<DevBuf>> part, stats, loss;
+  for (int64_t s = 0; s < shards; ++s) {
+    std::vector<float> mine(static_cast<size_t>(N * Vs));
+    for (int64_t i = 0; i < N; ++i)
+      for (int64_t v = 0; v < Vs; ++v) mine[size_t(i * Vs + v)] = logits[size_t(i * Vp + s * Vs + v)];
+    part.push_back(std::make_unique<DevBuf>(be(), mine, dt_));
+    stats.push_back(std::make_unique<DevBuf>(be(), 3 * N, DType::f32));
+    loss.push_back(std::make_unique<DevBuf>(be(), N, DType::f32));
+    stats.back()->poison();
+    loss.back()->poison();
+  }
+  using Pass = VocabCrossEntropy::Pass;
+  auto run = [&](Pass pass) {
+    for (int64_t s = 0; s < shards; ++s)
+      be().vocab_crossentropy({.pass = pass, .dtype = dt_, .losses = loss[size_t(s)]->as<float>(),
+                               .dlogits = pass == Pass::finish ? part[size_t(s)]->p() : nullptr,
+                               .logits = part[size_t(s)]->p(), .targets = targets.i32(),
+                               .stats = stats[size_t(s)]->as<float>(), .dloss = dloss, .N = N, .Vs = Vs,
+                               .v0 = s * Vs, .V = V});
+  };
+  // The group's reduction of stats[begin, end): max or sum over the shards, on every shard.
+  auto reduce = [&](int64_t begin, int64_t end, bool max) {
+    std::vector<std::vector<float>> got;
+    for (auto& st : stats) got.push_back(st->get());
+    std::vector<float> r = got[0];
+    for (int64_t s = 1; s < shards; ++s)
+      for (int64_t i = begin; i < end; ++i)
+        r[size_t(i)] = max ? std::max(r[size_t(i)], got[size_t(s)][size_t(i)]) : r[size_t(i)] + got[size_t(s)][size_t(i)];
+    for (int64_t s = 0; s < shards; ++s) {
+      for (int64_t i = begin; i < end; ++i) got[size_t(s)][size_t(i)] = r[size_t(i)];
+      stats[size_t(s)]->set(got[size_t(s)]);
+    }
+  };
+  run(Pass::max);
+  EXPECT_EQ(stats[3]->get()[0], -std::numeric_limits<float>::infinity()) << "a shard of padding only";
+  reduce(0, N, true);
+  run(Pass::sums);
+  reduce(N, 3 * N, false);
+  run(Pass::finish);
+  std::vector<float> full(static_cast<size_t>(N * Vp));
+  for (int64_t s = 0; s < shards; ++s) {
+    EXPECT_LE(rel_norm_err(loss[size_t(s)]->get(), rl), tol_f32()) << "losses on shard " << s;
+    const auto d = part[size_t(s)]->get();
+    for (int64_t i = 0; i < N; ++i)
+      for (int64_t v = 0; v < Vs; ++v) full[size_t(i * Vp + s * Vs + v)] = d[size_t(i * Vs + v)];
+  }
+  EXPECT_LE(rel_norm_err(full, rg), tol_out()) << "dlogits";
+  for (int64_t v = 0; v < Vp; ++v) EXPECT_EQ(full[size_t(5 * Vp + v)], 0.f) << "ignored row, column " << v;
+  for (int64_t v = V; v < Vp; ++v) EXPECT_EQ(full[size_t(v)], 0.f) << "padding column " << v;
+}
+
+// The embedding of one shard of the vocabulary's rows (tensor parallelism) at listed positions
+// (context parallelism): other shards' tokens give zero rows and no gradient.
+TEST_P(BackendParity, EmbeddingVocabularyShardAtPositions) {
+  const int64_t B = 2, T = 8, C = 64, V = 50, maxT = 16, v0 = 20, Vs = 16;
+  auto wte = bf16_random(Vs * C, 25), wpe = bf16_random(maxT * C, 26), dy = bf16_random(B * T * C, 27);
+  std::vector<int32_t> tok(static_cast<size_t>(B * T)), pos{1, 2, 13, 14, 5, 6, 9, 10};
+  for (size_t i = 0; i < tok.size(); ++i) tok[i] = int32_t((i * 13) % V);
+  DevBuf dwte(be(), wte, dt_), dwpe(be(), wpe, dt_), out(be(), B * T * C, dt_), ddy(be(), dy, dt_),
+      gte(be(), Vs * C, DType::f32), gpe(be(), maxT * C, DType::f32);
+  Tensor tokens = be().empty({B * T}, DType::i32, MemTag::workspace);
+  Tensor positions = be().empty({T}, DType::i32, MemTag::workspace);
+  be().copy({.dst = tokens.raw(), .dst_dtype = DType::i32, .src = tok.data(), .src_dtype = DType::i32, .src_host = true,
+             .n = B * T});
+  be().copy({.dst = positions.raw(), .dst_dtype = DType::i32, .src = pos.data(), .src_dtype = DType::i32,
+             .src_host = true, .n = T});
+  gte.set(std::vector<float>(static_cast<size_t>(Vs * C), 0.f));
+  gpe.set(std::vector<float>(static_cast<size_t>(maxT * C), 0.f));
+  out.poison();
+  be().embedding_forward({.dtype = dt_, .out = out.p(), .tokens = tokens.i32(), .wte = dwte.p(), .wpe = dwpe.p(),
+                          .B = B, .T = T, .C = C, .V = V, .positions = positions.i32(), .vocab_begin = v0,
+                          .vocab_rows = Vs});
+  be().embedding_backward({.dtype = dt_, .dwte = gte.as<float>(), .dwpe = gpe.as<float>(), .dout = ddy.p(),
+                           .tokens = tokens.i32(), .B = B, .T = T, .C = C, .V = V, .positions = positions.i32(),
+                           .vocab_begin = v0, .vocab_rows = Vs});
+  std::vector<double> ro(static_cast<size_t>(B * T * C)), rte(static_cast<size_t>(Vs * C), 0.0),
+      rpe(static_cast<size_t>(maxT * C), 0.0);
+  int64_t mine = 0;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t row = tok[size_t(b * T + t)] - v0;
+      const bool here = row >= 0 && row < Vs;
+      mine += here;
+      for (int64_t c = 0; c < C; ++c) {
+        const size_t i = size_t((b * T + t) * C + c);
+        const int64_t p = pos[size_t(t)];
+        ro[i] = (here ? double(wte[size_t(row * C + c)]) : 0.0) + wpe[size_t(p * C + c)];
+        if (here) rte[size_t(row * C + c)] += dy[i];
+        rpe[size_t(p * C + c)] += dy[i];
+      }
+    }
+  ASSERT_GT(mine, 0);
+  ASSERT_LT(mine, B * T);  // both kinds of token
+  EXPECT_LE(rel_norm_err(out.get(), ro), tol_out()) << "embedding out";
+  EXPECT_LE(rel_norm_err(gte.get(), rte), tol_f32()) << "dwte shard";
+  EXPECT_LE(rel_norm_err(gpe.get(), rpe), tol_f32()) << "dwpe";
+}
+
 TEST_P(BackendParity, EmbeddingGeluAdd) {
   const int64_t B = 2, T = 9, C = 64, V = 50, maxT = 16, pos0 = 3;
   auto wte = bf16_random(V * C, 20), wpe = bf16_random(maxT * C, 21), dy = bf16_random(B * T * C, 22);

@@ -1,5 +1,6 @@
 #include "kernels/cpu/backend.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -199,6 +200,52 @@ void CpuBackend::crossentropy(const CrossEntropy& a) {
   } else {
     LOOM_CHECK(a.losses, "crossentropy: neither losses nor dlogits");
     crossentropy_forward(a.losses, f(a.logits), a.targets, a.N, a.V, a.Vp);
+  }
+}
+
+void CpuBackend::vocab_crossentropy(const VocabCrossEntropy& a) {
+  check(Op::crossentropy, a.dtype);
+  const int64_t N = a.N, Vs = a.Vs;
+  const int64_t nv = std::clamp<int64_t>(a.V - a.v0, 0, Vs);  // real columns of this shard
+  const float* logits = f(a.logits);
+  float* mx = a.stats;        // [N] row max over the whole vocabulary (after the max pass's reduction)
+  float* sums = a.stats + N;  // [2N]: sum of exp(l - max), target logit
+  // The single device's fused kernel's arithmetic (kernels/cpu/crossentropy.h), on each shard.
+  switch (a.pass) {
+    case VocabCrossEntropy::Pass::max:
+#pragma omp parallel for schedule(static)
+      for (int64_t n = 0; n < N; ++n) mx[n] = row_max(logits + n * Vs, nv);
+      return;
+    case VocabCrossEntropy::Pass::sums:
+#pragma omp parallel for schedule(static)
+      for (int64_t n = 0; n < N; ++n) {
+        const float* l = logits + n * Vs;
+        sums[n] = float(row_sum_exp(l, nv, mx[n]));
+        const int64_t t = int64_t(a.targets[n]) - a.v0;
+        sums[N + n] = (a.targets[n] >= 0 && t >= 0 && t < nv) ? l[t] : 0.0f;
+      }
+      return;
+    case VocabCrossEntropy::Pass::finish: break;
+  }
+  float* dlogits = f(a.dlogits);
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const bool counted = a.targets[n] >= 0;
+    const double lse = double(mx[n]) + std::log(double(sums[n]));
+    const float loss = counted ? float(lse - double(sums[N + n])) : 0.0f;
+    if (a.losses) a.losses[n] = loss;
+    if (!dlogits) continue;
+    const float* l = logits + n * Vs;
+    float* d = dlogits + n * Vs;
+    if (!counted) {
+      std::memset(d, 0, size_t(Vs) * sizeof(float));
+      continue;
+    }
+    // d = dloss exp(l - max) / sum, the target column dloss (p_t - 1) from the loss as on one device.
+    const int64_t t = int64_t(a.targets[n]) - a.v0;
+    scaled_exp(d, l, nv, mx[n], float(double(a.dloss) / double(sums[n])));
+    if (t >= 0 && t < nv) d[t] = float(double(a.dloss) * std::expm1(-double(loss)));
+    for (int64_t v = nv; v < Vs; ++v) d[v] = 0.0f;
   }
 }
 

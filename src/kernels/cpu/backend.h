@@ -32,6 +32,7 @@ class CpuBackend final : public Backend {
   void attention_forward(const AttentionForward& a) override;
   void attention_backward(const AttentionBackward& a) override;
   void crossentropy(const CrossEntropy& a) override;
+  void vocab_crossentropy(const VocabCrossEntropy& a) override;
   void embedding_forward(const EmbeddingForward& a) override;
   void embedding_backward(const EmbeddingBackward& a) override;
   void gelu_forward(DType dtype, void* out, const void* inp, int64_t n) override;

@@ -528,24 +528,32 @@ void CudaBackend::crossentropy(const CrossEntropy& a) {
   observed(a.dlogits ? "cross-entropy + dlogits" : "cross-entropy");
 }
 
+void CudaBackend::vocab_crossentropy(const VocabCrossEntropy& a) {
+  check(Op::crossentropy, a.dtype);
+  LOOM_CUDA_DISPATCH_16(a.dtype, "vocab_crossentropy", [&](auto* tag) {
+    using T = LOOM_T;
+    cuda::vocab_crossentropy(int(a.pass), a.losses, a.pass == VocabCrossEntropy::Pass::finish ? h<T>(a.dlogits) : nullptr,
+                             h<T>(a.logits), a.targets, a.stats, a.dloss, a.N, a.Vs, a.v0, a.V, stream_);
+  });
+  observed("vocabulary-parallel cross-entropy");
+}
+
 void CudaBackend::embedding_forward(const EmbeddingForward& a) {
   check(Op::embedding, a.dtype);
-  LOOM_CHECK(!a.positions && a.vocab_rows == 0, "cuda embedding_forward: position lists and vocabulary splits "
-             "(tensor / context parallelism) are not implemented on CUDA yet");
   LOOM_CUDA_DISPATCH_16(a.dtype, "embedding_forward", [&](auto* tag) {
     using T = LOOM_T;
-    cuda::embedding_forward(h<T>(a.out), a.tokens, h<T>(a.wte), h<T>(a.wpe), a.B, a.T, a.C, a.V, stream_, a.pos0);
+    cuda::embedding_forward(h<T>(a.out), a.tokens, h<T>(a.wte), h<T>(a.wpe), a.B, a.T, a.C, a.V, stream_,
+                            {.pos0 = a.pos0, .positions = a.positions, .v0 = a.vocab_begin, .Vs = a.vocab_rows});
   });
   observed("embedding forward");
 }
 
 void CudaBackend::embedding_backward(const EmbeddingBackward& a) {
   check(Op::embedding, a.dtype);
-  LOOM_CHECK(!a.positions && a.vocab_rows == 0, "cuda embedding_backward: position lists and vocabulary splits "
-             "(tensor / context parallelism) are not implemented on CUDA yet");
   LOOM_CUDA_DISPATCH_16(a.dtype, "embedding_backward", [&](auto* tag) {
     using T = LOOM_T;
-    cuda::embedding_backward(a.dwte, a.dwpe, h<T>(a.dout), a.tokens, a.B, a.T, a.C, a.V, stream_, a.pos0);
+    cuda::embedding_backward(a.dwte, a.dwpe, h<T>(a.dout), a.tokens, a.B, a.T, a.C, a.V, stream_,
+                             {.pos0 = a.pos0, .positions = a.positions, .v0 = a.vocab_begin, .Vs = a.vocab_rows});
   });
   observed("embedding backward");
 }

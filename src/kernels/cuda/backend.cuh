@@ -51,6 +51,7 @@ class CudaBackend final : public Backend {
   void attention_forward(const AttentionForward& a) override;
   void attention_backward(const AttentionBackward& a) override;
   void crossentropy(const CrossEntropy& a) override;
+  void vocab_crossentropy(const VocabCrossEntropy& a) override;
   void embedding_forward(const EmbeddingForward& a) override;
   void embedding_backward(const EmbeddingBackward& a) override;
   void gelu_forward(DType dtype, void* out, const void* inp, int64_t n) override;
@@ -67,6 +68,7 @@ class CudaBackend final : public Backend {
   // Frees the bias-gradient, LayerNorm and attention scratch and forgets the attention plans.
   void release_workspace() override;
   void synchronize() override;
+  void* native_queue() const override { return stream_; }
   // CUDA graphs of the instance's stream (thread-local capture mode).
   bool can_capture() const override { return true; }
   void begin_capture() override;

@@ -1,6 +1,7 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/crossentropy.cuh"
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 
@@ -188,7 +189,83 @@ void check_args(const char* what, int64_t V, int64_t Vp) {
              Vp);
 }
 
+// The vocabulary-parallel passes (Backend::vocab_crossentropy): one block per row of a shard's
+// Vs columns, nv of them real; element loads one at a time (any Vs).
+constexpr int kVocabThreads = 256;
+
+template <class T>
+__global__ void __launch_bounds__(kVocabThreads) vocab_ce_max_kernel(float* stats, const T* logits, int64_t Vs,
+                                                                     int64_t nv) {
+  __shared__ float sh[32];
+  const int64_t row = blockIdx.x;
+  const T* x = logits + row * Vs;
+  float m = -INFINITY;
+  for (int64_t c = threadIdx.x; c < nv; c += kVocabThreads) m = fmaxf(m, to_f32(x[c]));
+  const float M = block_max(m, sh);
+  if (threadIdx.x == 0) stats[row] = M;
+}
+
+template <class T>
+__global__ void __launch_bounds__(kVocabThreads) vocab_ce_sums_kernel(float* stats, const T* logits,
+                                                                      const int32_t* targets, int64_t N, int64_t Vs,
+                                                                      int64_t v0, int64_t nv) {
+  __shared__ float sh[32];
+  const int64_t row = blockIdx.x;
+  const T* x = logits + row * Vs;
+  const float M = stats[row];
+  float s = 0.f;
+  for (int64_t c = threadIdx.x; c < nv; c += kVocabThreads) s += expf(to_f32(x[c]) - M);
+  const float S = block_sum(s, sh);
+  if (threadIdx.x == 0) {
+    const int64_t t = int64_t(targets[row]) - v0;
+    stats[N + row] = S;
+    stats[2 * N + row] = (targets[row] >= 0 && t >= 0 && t < nv) ? to_f32(x[t]) : 0.f;
+  }
+}
+
+// In place (dlogits == logits): each thread rewrites only the elements it reads.
+template <class T>
+__global__ void __launch_bounds__(kVocabThreads) vocab_ce_finish_kernel(float* losses, T* dlogits, const T* logits,
+                                                                        const int32_t* targets, const float* stats,
+                                                                        float dloss, int64_t N, int64_t Vs,
+                                                                        int64_t v0, int64_t nv) {
+  const int64_t row = blockIdx.x;
+  const bool counted = targets[row] >= 0;
+  const float M = stats[row], S = stats[N + row];
+  const double lse = double(M) + log(double(S));
+  const float loss = counted ? float(lse - double(stats[2 * N + row])) : 0.f;
+  if (threadIdx.x == 0 && losses) losses[row] = loss;
+  if (!dlogits) return;
+  const T* x = logits + row * Vs;
+  T* d = dlogits + row * Vs;
+  const int64_t t = int64_t(targets[row]) - v0;
+  const float scale = float(double(dloss) / double(S));
+  for (int64_t c = threadIdx.x; c < Vs; c += kVocabThreads) {
+    float g = 0.f;
+    if (counted && c < nv) g = c == t ? float(double(dloss) * expm1(-double(loss))) : scale * expf(to_f32(x[c]) - M);
+    d[c] = from_f32<T>(g);
+  }
+}
+
 }  // namespace
+
+template <class T>
+void vocab_crossentropy(int pass, float* losses, T* dlogits, const T* logits, const int32_t* targets, float* stats,
+                        float dloss, int64_t N, int64_t Vs, int64_t v0, int64_t V, cudaStream_t stream) {
+  LOOM_CHECK(Vs > 0 && v0 >= 0 && V > 0, "vocab_crossentropy: columns [{}, {} + {}) of a vocabulary of {}", v0, v0, Vs,
+             V);
+  LOOM_CHECK(pass >= 0 && pass <= 2, "vocab_crossentropy: pass {} (0 max, 1 sums, 2 finish)", pass);
+  if (N == 0) return;
+  const int64_t nv = std::clamp<int64_t>(V - v0, 0, Vs);  // real columns of this shard
+  if (pass == 0)
+    vocab_ce_max_kernel<T><<<unsigned(N), kVocabThreads, 0, stream>>>(stats, logits, Vs, nv);
+  else if (pass == 1)
+    vocab_ce_sums_kernel<T><<<unsigned(N), kVocabThreads, 0, stream>>>(stats, logits, targets, N, Vs, v0, nv);
+  else
+    vocab_ce_finish_kernel<T>
+        <<<unsigned(N), kVocabThreads, 0, stream>>>(losses, dlogits, logits, targets, stats, dloss, N, Vs, v0, nv);
+  LOOM_CUDA_LAUNCH_CHECK();
+}
 
 template <class T>
 void crossentropy_forward(float* losses, const T* logits, const int32_t* targets, int64_t N, int64_t V, int64_t Vp,
@@ -222,7 +299,9 @@ void crossentropy_forward_backward(float* losses, T* dlogits, const T* logits, c
 #define LOOM_CE_INSTANTIATE(T)                                                                                  \
   template void crossentropy_forward<T>(float*, const T*, const int32_t*, int64_t, int64_t, int64_t, cudaStream_t);   \
   template void crossentropy_forward_backward<T>(float*, T*, const T*, const int32_t*, float, int64_t, int64_t,       \
-                                                 int64_t, cudaStream_t);
+                                                 int64_t, cudaStream_t);                                              \
+  template void vocab_crossentropy<T>(int, float*, T*, const T*, const int32_t*, float*, float, int64_t, int64_t,     \
+                                      int64_t, int64_t, cudaStream_t);
 LOOM_CE_INSTANTIATE(bf16)
 LOOM_CE_INSTANTIATE(f16)
 #undef LOOM_CE_INSTANTIATE

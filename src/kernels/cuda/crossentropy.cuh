@@ -23,4 +23,10 @@ template <class T>  // bf16 or f16
 void crossentropy_forward_backward(float* losses, T* dlogits, const T* logits, const int32_t* targets, float dloss,
                                    int64_t N, int64_t V, int64_t Vp, cudaStream_t stream);
 
+// Backend::vocab_crossentropy (core/backend.h) on logits [N, Vs], columns [v0, v0 + Vs) of a
+// vocabulary of V real columns: pass 0 (max), 1 (sums), 2 (finish); stats f32 [3 N] (device).
+template <class T>  // bf16 or f16
+void vocab_crossentropy(int pass, float* losses, T* dlogits, const T* logits, const int32_t* targets, float* stats,
+                        float dloss, int64_t N, int64_t Vs, int64_t v0, int64_t V, cudaStream_t stream);
+
 }  // namespace loom::cuda

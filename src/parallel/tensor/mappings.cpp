@@ -1,7 +1,5 @@
 #include "parallel/tensor/mappings.h"
 
-#include <cstring>
-
 #include "core/error.h"
 
 namespace loom::parallel::tp {
@@ -14,38 +12,36 @@ std::vector<int64_t> sp_counts(int64_t N, int64_t C, int size) {
   return counts;
 }
 
-void copy_backward(comm::Comm* g, float* dx, int64_t n) {
-  if (group_size(g) > 1) g->all_reduce(dx, n, DType::f32);
+void copy_backward(comm::Comm* g, void* dx, int64_t n, DType dt) {
+  if (group_size(g) > 1) g->all_reduce(dx, n, dt);
 }
 
-void reduce_forward(comm::Comm* g, float* x, int64_t n) {
-  if (group_size(g) > 1) g->all_reduce(x, n, DType::f32);
+void reduce_forward(comm::Comm* g, void* x, int64_t n, DType dt) {
+  if (group_size(g) > 1) g->all_reduce(x, n, dt);
 }
 
-void gather_rows_forward(comm::Comm* g, const float* local, float* full, int64_t N, int64_t C) {
+void gather_rows_forward(comm::Comm* g, const void* local, void* full, int64_t N, int64_t C, DType dt) {
   if (group_size(g) == 1) {
-    if (local != full) std::memcpy(full, local, size_t(N * C) * sizeof(float));
+    LOOM_CHECK(local == full, "gather_rows: a group of one gathers in place");
     return;
   }
-  auto counts = sp_counts(N, C, g->size());
-  g->all_gather_v(local, full, counts, DType::f32);
+  g->all_gather_v(local, full, sp_counts(N, C, g->size()), dt);
 }
 
-void gather_rows_backward(comm::Comm* g, const float* dfull, float* dlocal, int64_t N, int64_t C) {
+void gather_rows_backward(comm::Comm* g, const void* dfull, void* dlocal, int64_t N, int64_t C, DType dt) {
   if (group_size(g) == 1) {
-    if (dlocal != dfull) std::memcpy(dlocal, dfull, size_t(N * C) * sizeof(float));
+    LOOM_CHECK(dlocal == dfull, "gather_rows backward: a group of one reduces in place");
     return;
   }
-  auto counts = sp_counts(N, C, g->size());
-  g->reduce_scatter_v(dfull, dlocal, counts, DType::f32);
+  g->reduce_scatter_v(dfull, dlocal, sp_counts(N, C, g->size()), dt);
 }
 
-void scatter_rows_forward(comm::Comm* g, const float* partial, float* local, int64_t N, int64_t C) {
-  gather_rows_backward(g, partial, local, N, C);
+void scatter_rows_forward(comm::Comm* g, const void* partial, void* local, int64_t N, int64_t C, DType dt) {
+  gather_rows_backward(g, partial, local, N, C, dt);
 }
 
-void scatter_rows_backward(comm::Comm* g, const float* dlocal, float* dfull, int64_t N, int64_t C) {
-  gather_rows_forward(g, dlocal, dfull, N, C);
+void scatter_rows_backward(comm::Comm* g, const void* dlocal, void* dfull, int64_t N, int64_t C, DType dt) {
+  gather_rows_forward(g, dlocal, dfull, N, C, dt);
 }
 
 }  // namespace loom::parallel::tp

@@ -7,7 +7,9 @@
 //   gather_rows   forward: all-gather rows     backward: reduce-scatter   (sequence parallel -> GEMM)
 //   scatter_rows  forward: reduce-scatter rows backward: all-gather       (GEMM -> sequence parallel)
 //
-// Activations are row-major [N, C] f32 with N = B * T_local token rows. Under sequence
+// Activations are row-major [N, C] of `dt` (f32 or bf16: what the group's reductions take) with
+// N = B * T_local token rows, in memory the group's communicator takes (host memory, or a GPU's for
+// a device communicator, comm::Comm::device_buffers). Under sequence
 // parallelism rank r of the tp group holds rows sp_rows(N, tp, r) (comm::chunk_range: contiguous,
 // the first N % tp ranks hold one row more), so no N is refused. Every rank of the group calls
 // the same function with the same N and C. A null communicator or a group of one is the identity.
@@ -28,23 +30,23 @@ inline int group_size(const comm::Comm* c) { return c ? c->size() : 1; }
 inline int group_rank(const comm::Comm* c) { return c ? c->rank() : 0; }
 
 // copy: forward is the identity (nothing to call); backward sums the input gradient
-// x f32 [n] over the group, in place.
-void copy_backward(comm::Comm* g, float* dx, int64_t n);
+// dx [n] over the group, in place.
+void copy_backward(comm::Comm* g, void* dx, int64_t n, DType dt);
 
-// reduce: forward sums partial results f32 [n] over the group in place; backward is the
-// identity (every rank already holds the full output gradient).
-void reduce_forward(comm::Comm* g, float* x, int64_t n);
+// reduce: forward sums partial results [n] over the group in place; backward is the identity
+// (every rank already holds the full output gradient).
+void reduce_forward(comm::Comm* g, void* x, int64_t n, DType dt);
 
-// gather_rows: local f32 [rows(rank), C] -> full f32 [N, C]. local may alias full's own rows.
-void gather_rows_forward(comm::Comm* g, const float* local, float* full, int64_t N, int64_t C);
-// Its gradient: dfull f32 [N, C] (partial per rank) -> dlocal f32 [rows(rank), C], the sum over the
-// group of the rank's own rows.
-void gather_rows_backward(comm::Comm* g, const float* dfull, float* dlocal, int64_t N, int64_t C);
+// gather_rows: local [rows(rank), C] -> full [N, C]. With a group of one, local must be full.
+void gather_rows_forward(comm::Comm* g, const void* local, void* full, int64_t N, int64_t C, DType dt);
+// Its gradient: dfull [N, C] (partial per rank) -> dlocal [rows(rank), C], the sum over the group
+// of the rank's own rows. With a group of one, dlocal must be dfull.
+void gather_rows_backward(comm::Comm* g, const void* dfull, void* dlocal, int64_t N, int64_t C, DType dt);
 
-// scatter_rows: partial f32 [N, C] -> local f32 [rows(rank), C] = the sum over the group of the
-// rank's own rows (a reduce-scatter).
-void scatter_rows_forward(comm::Comm* g, const float* partial, float* local, int64_t N, int64_t C);
-// Its gradient: dlocal f32 [rows(rank), C] -> dfull f32 [N, C] (an all-gather).
-void scatter_rows_backward(comm::Comm* g, const float* dlocal, float* dfull, int64_t N, int64_t C);
+// scatter_rows: partial [N, C] -> local [rows(rank), C] = the sum over the group of the rank's own
+// rows (a reduce-scatter).
+void scatter_rows_forward(comm::Comm* g, const void* partial, void* local, int64_t N, int64_t C, DType dt);
+// Its gradient: dlocal [rows(rank), C] -> dfull [N, C] (an all-gather).
+void scatter_rows_backward(comm::Comm* g, const void* dlocal, void* dfull, int64_t N, int64_t C, DType dt);
 
 }  // namespace loom::parallel::tp

@@ -31,7 +31,7 @@ TEST(Embedding, ForwardBackward) {
   gwte.upload(dwte0);
   gwpe.upload(dwpe0);
   out.poison();
-  cuda::embedding_forward(out.get(), dtok.get(), dwte_b.get(), dwpe_b.get(), B, T, C, V, nullptr, pos0);
+  cuda::embedding_forward(out.get(), dtok.get(), dwte_b.get(), dwpe_b.get(), B, T, C, V, nullptr, {.pos0 = pos0});
   auto o = download_bf16(out);
   int64_t bad = 0;
   for (int64_t b = 0; b < B; ++b)
@@ -47,7 +47,7 @@ TEST(Embedding, ForwardBackward) {
   for (size_t i = 0; i < c_out.size(); ++i) bad_cpu += o[i] != round_bf16(c_out[i]);
   EXPECT_EQ(bad_cpu, 0) << "against the CPU op, rounded to bf16";
 
-  cuda::embedding_backward(gwte.get(), gwpe.get(), dout_b.get(), dtok.get(), B, T, C, V, nullptr, pos0);
+  cuda::embedding_backward(gwte.get(), gwpe.get(), dout_b.get(), dtok.get(), B, T, C, V, nullptr, {.pos0 = pos0});
   std::vector<double> rwte(dwte0.begin(), dwte0.end()), rwpe(dwpe0.begin(), dwpe0.end());
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t)
@@ -66,7 +66,7 @@ TEST(Embedding, ForwardBackward) {
   EXPECT_LE(cwpe, 1e-5);
   // The token-table gradient alone.
   gwte.upload(dwte0);
-  cuda::embedding_backward(gwte.get(), nullptr, dout_b.get(), dtok.get(), B, T, C, V, nullptr, pos0);
+  cuda::embedding_backward(gwte.get(), nullptr, dout_b.get(), dtok.get(), B, T, C, V, nullptr, {.pos0 = pos0});
   const double cwte_alone = rel_err(gwte.download(), c_wte);
   EXPECT_LE(cwte_alone, 1e-5);
   std::printf("embedding: forward exact, dwte %.2e dwpe %.2e | against the CPU op: forward exact, dwte %.2e dwpe "
