@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "kernels/cuda/backend.cuh"
 
 namespace loom::comm {
 
@@ -667,3 +668,14 @@ DevicePath device_comm_path(const Comm& c) {
 }
 
 }  // namespace loom::comm
+
+namespace loom::cuda {
+
+std::unique_ptr<comm::Comm> CudaBackend::buffer_comm(std::unique_ptr<comm::Comm> host) {
+  comm::DeviceCommOptions o;
+  o.device = device_index();
+  o.stream = native_queue();
+  return comm::make_device_comm(std::move(host), o);
+}
+
+}  // namespace loom::cuda

@@ -29,6 +29,10 @@
 
 namespace loom {
 
+namespace comm {
+class Comm;
+}
+
 enum class Op : uint8_t {
   linear, layernorm, attention, crossentropy, embedding, gelu, add, adamw, copy, sum, rmsnorm, rope, swiglu, count
 };
@@ -292,7 +296,7 @@ struct AdamWTensor {
   float* m = nullptr;
   float* v = nullptr;
   int64_t n = 0;
-  float weight_decay = 0.f;  // decoupled, multiplied by lr
+  double weight_decay = 0;   // decoupled, multiplied by lr
 };
 
 struct AdamWHyper {
@@ -300,11 +304,15 @@ struct AdamWHyper {
   int64_t step = 1;        // 1-based, for bias correction
   float max_norm = 0.f;    // global-norm clipping threshold; <= 0 disables
   float grad_scale = 1.f;  // applied to every gradient before the norm and clipping
+  // >= 0: the global gradient norm the caller formed (data parallelism: over every rank's shard,
+  // Backend::sum_squares and a sum over the ranks); the plan's own norm pass is skipped and this
+  // norm clips (and is what grad_norm() returns). Not finite: the update is skipped.
+  double global_norm = -1;
 };
 
 // AdamW over a fixed list of tensors (PyTorch torch.optim.AdamW semantics): one pass for the
-// global gradient norm (after grad_scale), the clip scale min(1, max_norm / (norm + 1e-6)), then
-// every tensor's update and its compute copy refreshed.
+// global gradient norm (after grad_scale; or AdamWHyper::global_norm), the clip scale
+// min(1, max_norm / (norm + 1e-6)), then every tensor's update and its compute copy refreshed.
 class AdamWPlan {
  public:
   virtual ~AdamWPlan() = default;
@@ -406,8 +414,16 @@ class Backend {
   // [H, 2 H) of each row; the backward writes dinp [N, 2 H] (may alias inp) from dout [N, H].
   virtual void swiglu_forward(DType dtype, void* out, const void* inp, int64_t N, int64_t H) = 0;
   virtual void swiglu_backward(DType dtype, void* dinp, const void* dout, const void* inp, int64_t N, int64_t H) = 0;
-  // out = a + b, [n] (out may alias a or b).
+  // out = a + b, [n] (out may alias a or b). Every backend also takes f32 (gradient sums).
   virtual void add(DType dtype, void* out, const void* a, const void* b, int64_t n) = 0;
+  // The sum of squares of the f32 values of `ranges` (this backend's memory), in double: each
+  // range's sum in a fixed order (the CPU's: cpu::sum_squares, as its optimizers form norms), the
+  // ranges' sums added in order, so the result is the same from call to call. Waits for it.
+  struct Range {
+    const float* x = nullptr;
+    int64_t n = 0;
+  };
+  virtual double sum_squares(const std::vector<Range>& ranges) = 0;
   // out[0] = scale * (x[0] + ... + x[n - 1]), f32 in this backend's memory, in a fixed order.
   virtual void sum(const float* x, int64_t n, float scale, float* out) = 0;
   virtual std::unique_ptr<AdamWPlan> plan_adamw(const std::vector<AdamWTensor>& tensors) = 0;
@@ -422,6 +438,11 @@ class Backend {
   // must be ordered with them, e.g. a device communicator's collectives (comm::DeviceCommOptions::
   // stream); null on the CPU, whose ops run on the calling thread.
   virtual void* native_queue() const { return nullptr; }
+  // Collective over `host`: a communicator over its ranks whose collectives take this backend's
+  // memory. The CPU's: host itself. A GPU's: a device communicator on this instance's queue
+  // (comm/nccl_comm.h: NCCL where every rank has a GPU of its own, else staged through host
+  // memory), which keeps host for its scalars' bootstrap and splits.
+  virtual std::unique_ptr<comm::Comm> buffer_comm(std::unique_ptr<comm::Comm> host);
 
   // Whether sequences of ops can be captured and replayed (CUDA graphs).
   virtual bool can_capture() const { return false; }

@@ -112,6 +112,9 @@ class GPT {
   // On a device: the one f32 buffer every parameter's gradient is a slice of (padding between them
   // zero), for summing replicas' gradients in one collective. Undefined on the CPU.
   const Tensor& flat_gradients() const { return grads_; }
+  // Drops that buffer once data parallelism has taken the gradients over (parallel::DataParallel
+  // points them into its own); flat_gradients() is then undefined.
+  void release_flat_gradients() { grads_ = Tensor(); }
   // Copies the master weights into the compute copies the ops read, after the master weights were
   // changed outside the backend's optimizer (loading, an update on the host). Nothing where the
   // backend computes in f32.

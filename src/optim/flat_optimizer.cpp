@@ -19,10 +19,13 @@ FlatOptimizer::FlatOptimizer(const std::vector<FlatSegment>& segments, int64_t b
   }
 }
 
-double FlatOptimizer::grad_sum_squares(const float* grad_shard) const {
-  double s = 0;
+double FlatOptimizer::grad_sum_squares(const float* grad_shard, Backend* be) const {
+  std::vector<Backend::Range> ranges;
   for (const FlatSegment& seg : segments_)
-    if (seg.in_norm) s += cpu::sum_squares(grad_shard + seg.begin, seg.end - seg.begin);
+    if (seg.in_norm) ranges.push_back({grad_shard + seg.begin, seg.end - seg.begin});
+  if (be) return be->sum_squares(ranges);
+  double s = 0;
+  for (const Backend::Range& r : ranges) s += cpu::sum_squares(r.x, r.n);
   return s;
 }
 

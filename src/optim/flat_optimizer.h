@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "core/backend.h"
 #include "core/error.h"
 #include "core/tensor.h"
 #include "kernels/cpu/adamw.h"
@@ -36,8 +37,8 @@ class FlatOptimizer {
 
   // Sum of squares (double) of grad_shard f32 [end - begin] over this range's logical elements of
   // the segments with in_norm, segment by segment in flat order (deterministic for any thread
-  // count).
-  double grad_sum_squares(const float* grad_shard) const;
+  // count): in be's memory (Backend::sum_squares), or with be null in host memory.
+  double grad_sum_squares(const float* grad_shard, Backend* be = nullptr) const;
   // One step on param_shard / grad_shard f32 [end - begin] with a global gradient norm computed
   // over all ranges (clipping), at learning rate lr (the configured one when lr < 0).
   virtual StepStats step(float* param_shard, const float* grad_shard, double global_norm, double lr = -1.0) = 0;

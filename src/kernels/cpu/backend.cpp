@@ -44,10 +44,15 @@ class CpuAdamW final : public AdamWPlan {
   }
   void launch() override {
     const AdamWHyper& h = h_;
-    double sq = 0;
-    for (const AdamWTensor& x : t_) sq += sum_squares(x.grad, x.n);
-    norm_ = double(h.grad_scale) * std::sqrt(sq);
-    LOOM_CHECK(std::isfinite(norm_), "adamw: gradient norm is {} at step {}", norm_, h.step);
+    if (h.global_norm >= 0 || !std::isfinite(h.global_norm)) {
+      norm_ = h.global_norm;  // the caller's, over every rank's shard
+      if (!std::isfinite(norm_)) return;  // the update is skipped
+    } else {
+      double sq = 0;
+      for (const AdamWTensor& x : t_) sq += sum_squares(x.grad, x.n);
+      norm_ = double(h.grad_scale) * std::sqrt(sq);
+      LOOM_CHECK(std::isfinite(norm_), "adamw: gradient norm is {} at step {}", norm_, h.step);
+    }
     const float clip = clip_scale(norm_, h.max_norm);
     for (const AdamWTensor& x : t_) {
       AdamWArgs a;
@@ -292,6 +297,12 @@ void CpuBackend::copy(const Copy& a) {
   check(Op::copy, a.src_dtype);
   LOOM_CHECK(a.n >= 0, "copy: negative size {}", a.n);
   convert(a.dst, a.dst_dtype, a.src, a.src_dtype, a.n);
+}
+
+double CpuBackend::sum_squares(const std::vector<Range>& ranges) {
+  double s = 0;
+  for (const Range& r : ranges) s += cpu::sum_squares(r.x, r.n);
+  return s;
 }
 
 void CpuBackend::fill_zero(void* dst, int64_t bytes) {

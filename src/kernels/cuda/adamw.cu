@@ -30,7 +30,8 @@ __global__ void finalize_norm_kernel(float* stats, const float* partials, int64_
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) s += partials[i];
   s = block_sum(s, sh);
   if (threadIdx.x == 0) {
-    const float norm = sqrtf(s) * h->grad_scale;
+    const bool given = !(h->global_norm < 0.f);  // (NaN and infinities included)
+    const float norm = given ? h->global_norm : sqrtf(s) * h->grad_scale;
     float scale = h->grad_scale;
     if (h->max_norm > 0.f) scale *= fminf(1.f, h->max_norm / (norm + 1e-6f));
     stats[0] = norm;
@@ -64,7 +65,60 @@ __global__ void adamw_kernel(const AdamWTensor* tensors, const Chunk* chunks, in
   }
 }
 
+// One block's share of a range: elements [blockIdx.x * per, (blockIdx.x + 1) * per), summed in
+// double over a fixed thread order.
+__global__ void range_squares_kernel(double* partials, const float* x, int64_t n, int64_t per) {
+  __shared__ double sh[kThreads];
+  const int64_t begin = int64_t(blockIdx.x) * per, end = min(n, begin + per);
+  double s = 0;
+  for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) s += double(x[i]) * double(x[i]);
+  sh[threadIdx.x] = s;
+  __syncthreads();
+  for (int w = kThreads / 2; w > 0; w /= 2) {
+    if (int(threadIdx.x) < w) sh[threadIdx.x] += sh[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) partials[blockIdx.x] = sh[0];
+}
+
 }  // namespace
+
+double sum_squares_ranges(const std::vector<const float*>& x, const std::vector<int64_t>& n, MemoryPool& pool,
+                          cudaStream_t stream) {
+  LOOM_CHECK(x.size() == n.size(), "sum_squares: {} ranges with {} sizes", x.size(), n.size());
+  constexpr int64_t kPer = int64_t(kThreads) * 64;  // elements per block
+  std::vector<int64_t> first(x.size() + 1, 0);
+  for (size_t i = 0; i < x.size(); ++i) {
+    LOOM_CHECK(n[i] >= 0 && (n[i] == 0 || x[i]), "sum_squares: range {} of {} elements at {}", i, n[i],
+               static_cast<const void*>(x[i]));
+    first[i + 1] = first[i] + ceil_div(n[i], kPer);
+  }
+  if (first.back() == 0) return 0.0;
+  const size_t bytes = size_t(first.back()) * sizeof(double);
+  double* partials = static_cast<double*>(pool.allocate(bytes, MemTag::workspace));
+  std::vector<double> host(size_t(first.back()));
+  try {
+    for (size_t i = 0; i < x.size(); ++i) {
+      if (n[i] == 0) continue;
+      range_squares_kernel<<<unsigned(first[i + 1] - first[i]), kThreads, 0, stream>>>(partials + first[i], x[i], n[i],
+                                                                                      kPer);
+      LOOM_CUDA_LAUNCH_CHECK();
+    }
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(host.data(), partials, bytes, cudaMemcpyDeviceToHost, stream));
+    LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));
+  } catch (...) {
+    pool.deallocate(partials, bytes, MemTag::workspace);
+    throw;
+  }
+  pool.deallocate(partials, bytes, MemTag::workspace);
+  double total = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    double r = 0;
+    for (int64_t k = first[i]; k < first[i + 1]; ++k) r += host[size_t(k)];
+    total += r;
+  }
+  return total;
+}
 
 MultiTensorAdamW::MultiTensorAdamW(std::vector<AdamWTensor> tensors, MemoryPool& pool)
     : pool_(pool), tensors_(std::move(tensors)) {
@@ -123,14 +177,19 @@ void MultiTensorAdamW::set_hyper(const AdamWHyper& h) {
   h_hyper_->bc2 = float(1.0 - std::pow(double(h.beta2), double(h.step)));
   h_hyper_->max_norm = h.max_norm;
   h_hyper_->grad_scale = h.grad_scale;
+  h_hyper_->global_norm = h.global_norm;
 }
 
 void MultiTensorAdamW::launch(cudaStream_t stream) {
   LOOM_CUDA_CHECK(cudaMemcpyAsync(d_hyper_, h_hyper_, sizeof(DeviceHyper), cudaMemcpyHostToDevice, stream));
   if (num_chunks_ == 0) return;
-  sum_squares_kernel<<<unsigned(num_chunks_), kThreads, 0, stream>>>(partials_, d_tensors_, d_chunks_, kChunk);
-  LOOM_CUDA_LAUNCH_CHECK();
-  finalize_norm_kernel<<<1, 1024, 0, stream>>>(stats_, partials_, num_chunks_, d_hyper_);
+  // (A norm given by the caller is decided now: a captured launch keeps the choice.)
+  const bool given = !(h_hyper_->global_norm < 0.f);
+  if (!given) {
+    sum_squares_kernel<<<unsigned(num_chunks_), kThreads, 0, stream>>>(partials_, d_tensors_, d_chunks_, kChunk);
+    LOOM_CUDA_LAUNCH_CHECK();
+  }
+  finalize_norm_kernel<<<1, 1024, 0, stream>>>(stats_, partials_, given ? 0 : num_chunks_, d_hyper_);
   LOOM_CUDA_LAUNCH_CHECK();
   adamw_kernel<<<unsigned(num_chunks_), kThreads, 0, stream>>>(d_tensors_, d_chunks_, kChunk, d_hyper_, stats_);
   LOOM_CUDA_LAUNCH_CHECK();

@@ -30,6 +30,8 @@ struct AdamWHyper {
   int64_t step = 1;        // 1-based, for bias correction
   float max_norm = 0.f;    // global-norm clipping threshold; <= 0 disables clipping
   float grad_scale = 1.f;  // > 0, applied to every gradient before the norm and clipping (1 / micro-batches)
+  // >= 0 or not finite: the global norm the caller formed (its own pass is skipped); < 0: none.
+  float global_norm = -1.f;
 };
 
 class MultiTensorAdamW {
@@ -56,7 +58,7 @@ class MultiTensorAdamW {
     int64_t start;
   };
   struct DeviceHyper {  // bc1, bc2: bias corrections 1 - beta^step
-    float lr, beta1, beta2, eps, bc1, bc2, max_norm, grad_scale;
+    float lr, beta1, beta2, eps, bc1, bc2, max_norm, grad_scale, global_norm;
   };
 
  private:
@@ -72,5 +74,10 @@ class MultiTensorAdamW {
   DeviceHyper* h_hyper_ = nullptr;  // pinned
   size_t bytes_tensors_ = 0, bytes_chunks_ = 0, bytes_partials_ = 0;
 };
+
+// Per-block partial sums of squares (double) of the f32 ranges x[i] [n[i]] (device), in a fixed
+// order: returns the sum over every range, each range's partials added in order on the host.
+double sum_squares_ranges(const std::vector<const float*>& x, const std::vector<int64_t>& n, MemoryPool& pool,
+                          cudaStream_t stream);
 
 }  // namespace loom::cuda

@@ -41,6 +41,11 @@ bool gemm_takes(const AttnShape& s) {
          s.kv_pos0 == 0 && s.causal && (s.scale == 0.f || s.scale == 1.f / std::sqrt(float(s.HS))) && s.HS % 8 == 0;
 }
 
+__global__ void add_f32_kernel(float* out, const float* a, const float* b, int64_t n) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = a[i] + b[i];
+}
+
 template <class T>
 __global__ void add_kernel(T* out, const T* a, const T* b, int64_t n) {
   const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
@@ -127,7 +132,7 @@ class CudaAdamW final : public AdamWPlan {
       y.m = x.m;
       y.v = x.v;
       y.n = x.n;
-      y.weight_decay = x.weight_decay;
+      y.weight_decay = float(x.weight_decay);
       list.push_back(y);
     }
     impl_ = std::make_unique<MultiTensorAdamW>(std::move(list), pool);
@@ -145,6 +150,7 @@ class CudaAdamW final : public AdamWPlan {
     x.step = hp.step;
     x.max_norm = hp.max_norm;
     x.grad_scale = hp.grad_scale;
+    x.global_norm = float(hp.global_norm);
     impl_->set_hyper(x);
   }
   void launch() override {
@@ -262,6 +268,7 @@ bool CudaBackend::supports(Op op, DType dtype) const {
   // Copies also move i32 (token ids, targets) between host and device, without conversion.
   // Every op takes both 16-bit types (the model computes in compute_dtype()).
   if (op == Op::copy) return dtype == DType::f32 || dtype == DType::bf16 || dtype == DType::f16 || dtype == DType::i32;
+  if (op == Op::add && dtype == DType::f32) return true;  // gradient sums
   return dtype == DType::bf16 || dtype == DType::f16;
 }
 
@@ -605,6 +612,13 @@ void CudaBackend::add(DType dtype, void* out, const void* a, const void* b, int6
   check(Op::add, dtype);
   LOOM_CHECK(n >= 0, "add: negative size {}", n);
   if (n == 0) return;
+  if (dtype == DType::f32) {  // gradient sums (data parallelism)
+    add_f32_kernel<<<unsigned(std::min<int64_t>(ceil_div(n, 256), 65536)), 256, 0, stream_>>>(
+        static_cast<float*>(out), static_cast<const float*>(a), static_cast<const float*>(b), n);
+    LOOM_CUDA_LAUNCH_CHECK();
+    observed("add");
+    return;
+  }
   LOOM_CHECK(reinterpret_cast<uintptr_t>(out) % 16 == 0 && reinterpret_cast<uintptr_t>(a) % 16 == 0 &&
                  reinterpret_cast<uintptr_t>(b) % 16 == 0,
              "cuda add: buffers must be 16-byte aligned");
@@ -614,6 +628,14 @@ void CudaBackend::add(DType dtype, void* out, const void* a, const void* b, int6
   });
   LOOM_CUDA_LAUNCH_CHECK();
   observed("residual add");
+}
+
+double CudaBackend::sum_squares(const std::vector<Range>& ranges) {
+  activate();
+  std::vector<const float*> x;
+  std::vector<int64_t> n;
+  for (const Range& r : ranges) x.push_back(r.x), n.push_back(r.n);
+  return cuda::sum_squares_ranges(x, n, *pool_, stream_);
 }
 
 std::unique_ptr<AdamWPlan> CudaBackend::plan_adamw(const std::vector<loom::AdamWTensor>& tensors) {

@@ -60,6 +60,7 @@ class CudaBackend final : public Backend {
   void swiglu_forward(DType dtype, void* out, const void* inp, int64_t N, int64_t H) override;
   void swiglu_backward(DType dtype, void* dinp, const void* dout, const void* inp, int64_t N, int64_t H) override;
   void add(DType dtype, void* out, const void* a, const void* b, int64_t n) override;
+  double sum_squares(const std::vector<Range>& ranges) override;
   void sum(const float* x, int64_t n, float scale, float* out) override;
   std::unique_ptr<AdamWPlan> plan_adamw(const std::vector<loom::AdamWTensor>& tensors) override;
   // Copies that read or write host memory wait for the stream (host buffers may go at return).
@@ -69,6 +70,8 @@ class CudaBackend final : public Backend {
   void release_workspace() override;
   void synchronize() override;
   void* native_queue() const override { return stream_; }
+  // (Defined with the device communicators, comm/nccl_comm.cu.)
+  std::unique_ptr<comm::Comm> buffer_comm(std::unique_ptr<comm::Comm> host) override;
   // CUDA graphs of the instance's stream (thread-local capture mode).
   bool can_capture() const override { return true; }
   void begin_capture() override;

@@ -138,7 +138,7 @@ DataChain DataChain::of(model::GPT& gpt) {
   d.blocks = gpt.chain();
   for (model::ChainBlock* b : d.blocks) d.owned.push_back(b->parameters());
   if (gpt.config().tied_embeddings) d.tied = &gpt.embedding().wte();
-  d.pool = &gpt.pool();
+  d.backend = &gpt.backend();
   d.seed = gpt.seed();
   std::vector<model::Parameter*> in_chain;
   for (const auto& o : d.owned) in_chain.insert(in_chain.end(), o.begin(), o.end());
@@ -152,6 +152,9 @@ DataParallel::DataParallel(model::GPT& gpt, comm::Comm& dp, const optim::AdamWCo
     : DataParallel(DataChain::of(gpt), dp, adam, opt) {
   gpt_ = &gpt;
   gpt.set_hooks(this);
+  // Every gradient now points into this object's buffers: a device model's own gradient arena
+  // is no longer read.
+  gpt.release_flat_gradients();
 }
 
 bool DataParallel::range_start(int64_t c) const {
@@ -169,14 +172,24 @@ DataParallel::DataParallel(DataChain chain, comm::Comm& dp, const optim::AdamWCo
   LOOM_CHECK(o_.zero >= 0 && o_.zero <= 3, "data parallel: ZeRO stage must be 0-3, got {}", o_.zero);
   LOOM_CHECK(o_.bucket_bytes > 0, "data parallel: bucket size must be positive, got {} bytes", o_.bucket_bytes);
   LOOM_CHECK(!o_.offload || o_.host_pool, "data parallel: offload needs a host pool");
-  LOOM_CHECK(chain_.pool != nullptr, "data parallel: the chain has no pool");
+  LOOM_CHECK(chain_.backend != nullptr, "data parallel: the chain has no backend");
   LOOM_CHECK(chain_.owned.size() == chain_.blocks.size(), "data parallel: {} blocks but {} parameter lists",
              chain_.blocks.size(), chain_.owned.size());
   LOOM_CHECK(!chain_.range_starts.empty() && chain_.range_starts.front() == 0 &&
                  std::is_sorted(chain_.range_starts.begin(), chain_.range_starts.end()),
              "data parallel: the backward ranges must start at block 0 and ascend");
-  MemoryPool& pool = *chain_.pool;
+  Backend& be = *chain_.backend;
+  be_ = &be;
+  device_ = be.device() != Device::cpu;
+  MemoryPool& pool = be.pool();
   const int nchain = int(chain_.blocks.size());
+  if (device_) {
+    if (o_.zero == 3)
+      throw Error(fmt::format("data parallel: ZeRO stage 3 runs on the CPU backend; on {} use stages 0-2",
+                              be.name()));
+    if (adam.galore_rank > 0)
+      throw Error(fmt::format("data parallel: GaLore runs on the CPU backend, not on {}", be.name()));
+  }
 
   // Flat layout in chain order; every parameter belongs to exactly one chain block.
   std::vector<model::Parameter*> in_chain;
@@ -325,14 +338,17 @@ DataParallel::DataParallel(DataChain chain, comm::Comm& dp, const optim::AdamWCo
   // Parameters: the full flat buffer (stages 0-2) or this rank's shard (stage 3).
   const int64_t p0 = o_.zero == 3 ? int64_t(rank_) * shard_ : 0;
   const int64_t plen = o_.zero == 3 ? shard_ : n_pad_;
-  params_ = Tensor::zeros({plen}, DType::f32, MemTag::params, pool);
+  params_ = be.empty({plen}, DType::f32, MemTag::params);
+  be.fill_zero(params_.raw(), int64_t(params_.nbytes()));
   for (const FlatParam& f : lay_.params) {
     int64_t b = std::max(f.offset, p0), e = std::min(f.offset + f.alloc, p0 + plen);
     if (b >= e) continue;
-    if (f.param->value_full.defined())
-      std::memcpy(params_.f32() + (b - p0), f.param->value_full.f32() + (b - f.offset), size_t(e - b) * 4);
-    else  // deferred (model::ModelLayout::defer_parameters): drawn here, the part this rank keeps only
+    if (f.param->value_full.defined()) {
+      copy_f32(params_.f32() + (b - p0), f.param->value_full.f32() + (b - f.offset), e - b);
+    } else {  // deferred (model::ModelLayout::defer_parameters, CPU models): drawn here, the part this rank keeps only
+      LOOM_CHECK(!device_, "data parallel: deferred parameters on {}", be.name());
       f.param->initialise_part(chain_.seed, b - f.offset, e - b, params_.f32() + (b - p0));
+    }
   }
   for (FlatParam& f : lay_.params) {
     if (o_.zero == 3) detach_from_flat(*f.param, false);
@@ -340,9 +356,10 @@ DataParallel::DataParallel(DataChain chain, comm::Comm& dp, const optim::AdamWCo
     if (o_.zero >= 2) detach_from_flat(*f.param, true);
   }
   if (o_.zero <= 1) {
-    grads_ = flatten_parameters(lay_, /*grad=*/true, MemTag::grads, pool);
+    grads_ = flatten_parameters(lay_, /*grad=*/true, MemTag::grads, be);
   } else {
-    grads_ = Tensor::zeros({shard_}, DType::f32, MemTag::grads, pool);
+    grads_ = be.empty({shard_}, DType::f32, MemTag::grads);
+    be.fill_zero(grads_.raw(), int64_t(grads_.nbytes()));
     // A split backward's input-pass gradients: whole, in a buffer of their own for the step.
     int64_t at = 0;
     for (const model::Parameter* ip : chain_.input_pass) {
@@ -356,7 +373,8 @@ DataParallel::DataParallel(DataChain chain, comm::Comm& dp, const optim::AdamWCo
       keep_whole_[size_t(f - lay_.params.begin())] = 1;
     }
     if (at > 0) {
-      input_grads_ = Tensor::zeros({at}, DType::f32, MemTag::grads, pool);
+      input_grads_ = be.empty({at}, DType::f32, MemTag::grads);
+      be.fill_zero(input_grads_.raw(), int64_t(input_grads_.nbytes()));
       for (const auto& [f, off] : input_slots_) point_at_flat(*f->param, input_grads_, off, f->alloc, true);
     }
   }
@@ -367,6 +385,8 @@ DataParallel::DataParallel(DataChain chain, comm::Comm& dp, const optim::AdamWCo
   std::vector<optim::FlatSegment> segs = lay_.segments(o_.in_norm);
   const int64_t ob = o_.zero == 0 ? 0 : int64_t(rank_) * shard_, oe = o_.zero == 0 ? n_pad_ : ob + shard_;
   MemoryPool& state_pool = o_.offload ? *o_.host_pool : pool;
+  if (o_.offload) host_be_ = make_backend(Device::cpu, {.pool = o_.host_pool});
+  Backend& state_be = o_.offload ? *host_be_ : be;
   if (adam.galore_rank > 0) {
     LOOM_CHECK(o_.zero == 0, "data parallel: GaLore needs every matrix whole on its rank (ZeRO stage 0), not stage {}",
                o_.zero);
@@ -377,16 +397,50 @@ DataParallel::DataParallel(DataChain chain, comm::Comm& dp, const optim::AdamWCo
                  f.param->spec.name);
     opt_ = std::make_unique<optim::GaLore>(std::move(segs), ob, oe, adam, state_pool, pool);
   } else {
-    opt_ = std::make_unique<optim::ShardedAdamW>(std::move(segs), ob, oe, adam, state_pool);
+    opt_ = std::make_unique<optim::ShardedAdamW>(std::move(segs), ob, oe, adam, state_be);
   }
   if (o_.offload) {
     host_params_ = Tensor::zeros({oe - ob}, DType::f32, MemTag::params, *o_.host_pool);
     host_grads_ = Tensor::zeros({oe - ob}, DType::f32, MemTag::grads, *o_.host_pool);
-    std::memcpy(host_params_.f32(), param_shard(), size_t(oe - ob) * 4);
+    be.copy({.dst = host_params_.raw(), .dst_host = true, .src = param_shard(), .n = oe - ob});
   }
 
-  // Collective: every rank splits the same way, so the worker communicators pair up.
-  worker_ = std::make_unique<Worker>(comm_.split(0, rank_), o_.trace, o_.overlap);
+  // Collective: every rank splits the same way, so the communicators pair up. On a device the
+  // buffers' collectives go through device communicators split from the groups.
+  buf_ = &comm_;
+  comm::Comm* tp = o_.norm_group && o_.norm_group->size() > 1 ? o_.norm_group : nullptr;
+  norm_buf_ = tp;
+  if (device_) {
+    own_buf_ = be.buffer_comm(comm_.split(0, rank_));
+    buf_ = own_buf_.get();
+    if (tp) {
+      own_norm_buf_ = be.buffer_comm(tp->split(0, tp->rank()));
+      norm_buf_ = own_norm_buf_.get();
+    }
+  }
+  worker_ = std::make_unique<Worker>(device_ ? be.buffer_comm(comm_.split(0, rank_)) : comm_.split(0, rank_), o_.trace,
+                                     o_.overlap);
+  // (The compute copies hold the parameters' values already: the model drew both.)
+}
+
+void DataParallel::add_into(float* a, const float* b, int64_t n) {
+  if (n <= 0) return;
+  if (device_) {
+    be_->add(DType::f32, a, a, b, n);
+    return;
+  }
+  // (On the CPU a plain loop: this runs on the communication thread too, beside the compute
+  // thread's OpenMP team.)
+  for (int64_t i = 0; i < n; ++i) a[i] += b[i];
+}
+
+void DataParallel::copy_f32(float* dst, const float* src, int64_t n) {
+  if (n > 0) be_->copy({.dst = dst, .src = src, .n = n});
+}
+
+void DataParallel::refresh_compute() {
+  for (const FlatParam& f : lay_.params)
+    if (f.param->value_full.defined()) f.param->refresh_compute(*be_);
 }
 
 DataParallel::~DataParallel() {
@@ -411,8 +465,9 @@ std::vector<int64_t> DataParallel::shard_counts(int64_t begin, int64_t end) cons
 void DataParallel::zero_grad() {
   LOOM_CHECK(std::none_of(live_.begin(), live_.end(), [](const LiveBucket& l) { return l.acquired; }),
              "data parallel: zero_grad during a backward");
-  grads_.zero_();
-  if (input_grads_.defined()) input_grads_.zero_(), input_pending_ = true;
+  be_->fill_zero(grads_.raw(), int64_t(grads_.nbytes()));
+  if (input_grads_.defined())
+    be_->fill_zero(input_grads_.raw(), int64_t(input_grads_.nbytes())), input_pending_ = true;
   last_micro_ = true;
 }
 
@@ -430,11 +485,11 @@ void DataParallel::reduce_input_pass() {
   if (!input_pending_) return;
   input_pending_ = false;
   // Summed over the group, then each rank adds the part in its shard to its reduced gradients.
-  comm_.all_reduce(input_grads_.f32(), input_grads_.numel(), DType::f32);
+  buf_->all_reduce(input_grads_.f32(), input_grads_.numel(), DType::f32);
   const int64_t gb = int64_t(rank_) * shard_, ge = gb + shard_;
   for (const auto& [f, off] : input_slots_) {
     const int64_t lo = std::max(f->offset, gb), hi = std::min(f->offset + f->numel, ge);
-    for (int64_t i = lo; i < hi; ++i) grads_.f32()[i - gb] += input_grads_.f32()[off + (i - f->offset)];
+    add_into(grads_.f32() + (lo - gb), input_grads_.f32() + off + (lo - f->offset), hi - lo);
   }
 }
 
@@ -465,9 +520,9 @@ void DataParallel::acquire_bucket(size_t b) {
   }
   l.launched = false;
   if (!bucket_arena_.defined())
-    bucket_arena_ = Tensor::empty({std::max<int64_t>(bucket_peak_, 1)}, DType::f32, MemTag::grads, *chain_.pool);
+    bucket_arena_ = be_->empty({std::max<int64_t>(bucket_peak_, 1)}, DType::f32, MemTag::grads);
   l.buf = bucket_arena_.slice0(bucket_offset_[b], g.end - g.begin);
-  l.buf.zero_();
+  be_->fill_zero(l.buf.raw(), int64_t(l.buf.nbytes()));
   l.freed = false;
   acquire_order_.erase(std::remove(acquire_order_.begin(), acquire_order_.end(), int(b)), acquire_order_.end());
   acquire_order_.push_back(int(b));
@@ -513,10 +568,9 @@ void DataParallel::launch_bucket(size_t b) {
     float* buf = l.buf.f32();
     float* acc = grads_.f32() + (std::max(g.begin, int64_t(rank_) * shard_) - int64_t(rank_) * shard_);
     const int64_t mine = counts[size_t(rank_)];
-    l.ticket = worker_->submit(name, [buf, acc, before, mine, counts](comm::Comm& c) {
+    l.ticket = worker_->submit(name, [this, buf, acc, before, mine, counts](comm::Comm& c) {
       c.reduce_scatter_v(buf, buf + before, counts, DType::f32);
-      const float* r = buf + before;
-      for (int64_t i = 0; i < mine; ++i) acc[i] += r[i];
+      add_into(acc, buf + before, mine);
     });
   }
   ++stats_.reductions;
@@ -561,7 +615,7 @@ void DataParallel::gather_block(int64_t c, const char* phase, bool backward) {
   // unmapped hundreds of times a step).
   for (int k = 0; k < (o_.prefetch ? 2 : 1); ++k)
     if (!block_buf_[k].defined())
-      block_buf_[k] = Tensor::empty({std::max<int64_t>(max_use_, 1)}, DType::f32, MemTag::params, *chain_.pool);
+      block_buf_[k] = be_->empty({std::max<int64_t>(max_use_, 1)}, DType::f32, MemTag::params);
   auto t0 = Trace::Clock::now();
   if (prefetch_block_ >= 0) {  // the prefetch in flight: this block's, or one this order skipped
     worker_->wait(prefetch_ticket_);
@@ -659,6 +713,8 @@ void DataParallel::after_backward(int64_t c) {
 }
 
 void DataParallel::add_peer_gradient(const model::Parameter* param, comm::Comm& link, int peer) {
+  LOOM_CHECK(!device_, "data parallel: a pipeline's tied embeddings on {} (their gradients' exchange runs on the CPU "
+             "backend only)", be_->name());
   finish_reductions();
   const auto f = std::find_if(lay_.params.begin(), lay_.params.end(),
                               [&](const FlatParam& x) { return x.param == param; });
@@ -673,8 +729,8 @@ void DataParallel::add_peer_gradient(const model::Parameter* param, comm::Comm& 
   for (int64_t k = 0; k < numel; k += piece) {
     const int64_t n = std::min(piece, numel - k), b = f->offset + k, e = b + n;
     if (!theirs.defined()) {
-      theirs = Tensor::empty({std::min(piece, numel)}, DType::f32, MemTag::comm, *chain_.pool);
-      if (o_.zero >= 2) mine = Tensor::empty({std::min(piece, numel)}, DType::f32, MemTag::comm, *chain_.pool);
+      theirs = be_->empty({std::min(piece, numel)}, DType::f32, MemTag::comm);
+      if (o_.zero >= 2) mine = be_->empty({std::min(piece, numel)}, DType::f32, MemTag::comm);
     }
     const float* send = nullptr;
     if (o_.zero >= 2) {  // this rank's part of the piece, gathered over the group
@@ -688,9 +744,7 @@ void DataParallel::add_peer_gradient(const model::Parameter* param, comm::Comm& 
     link.sendrecv(send, n, peer, theirs.f32(), n, peer, DType::f32, 1);
     const int64_t lo = std::max(b, gb), hi = std::min(e, ge);
     if (hi <= lo) continue;
-    float* g = grads_.f32() + (lo - gb);
-    const float* o = theirs.f32() + (lo - b);
-    for (int64_t i = 0; i < hi - lo; ++i) g[i] += o[i];
+    add_into(grads_.f32() + (lo - gb), theirs.f32() + (lo - b), hi - lo);
   }
 }
 
@@ -703,17 +757,20 @@ optim::StepStats DataParallel::step(double lr, bool skip) {
   held_[0] = held_[1] = -1;
   const int64_t n = opt_->end() - opt_->begin();
   float* g = grad_shard();
-  if (poison_ && n > 0) g[0] = std::numeric_limits<float>::quiet_NaN();
+  if (poison_ && n > 0) {
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    be_->copy({.dst = g, .src = &nan, .src_host = true, .n = 1});
+  }
   poison_ = false;
   comm::Comm* tp = o_.norm_group && o_.norm_group->size() > 1 ? o_.norm_group : nullptr;
   if (tp) {  // partial sums within tp (sp's, replicated key/value heads'), on this rank's range
     const int64_t ob = opt_->begin();
     for (const FlatParam& f : lay_.params) {
       const int64_t b = std::max(f.offset, ob), e = std::min(f.offset + f.numel, opt_->end());
-      if (b < e) f.param->sum_partial_gradients(b - f.offset, e - f.offset, g + (b - ob), tp);
+      if (b < e) f.param->sum_partial_gradients(b - f.offset, e - f.offset, g + (b - ob), norm_buf_);
     }
   }
-  double sq = opt_->grad_sum_squares(g);
+  double sq = opt_->grad_sum_squares(g, be_);
   // Stage 0 holds every reduced gradient on every rank; otherwise the shards add up; then the
   // tp ranks' parts.
   if (o_.zero != 0) sq = sum_over_ranks(sq);
@@ -741,20 +798,21 @@ optim::StepStats DataParallel::step(double lr, bool skip) {
     gl->refresh_projectors(g, rank_, world_, [&](Tensor& p, int owner) { comm_.broadcast(p, owner); });
   optim::StepStats st;
   if (o_.offload) {
-    std::memcpy(host_grads_.f32(), g, size_t(n) * 4);
+    be_->copy({.dst = host_grads_.raw(), .dst_host = true, .src = g, .n = n});
     st = opt_->step(host_params_.f32(), host_grads_.f32(), norm, lr);
-    std::memcpy(param_shard(), host_params_.f32(), size_t(n) * 4);
+    be_->copy({.dst = param_shard(), .src = host_params_.raw(), .src_host = true, .n = n});
   } else {
     st = opt_->step(param_shard(), g, norm, lr);
   }
   auto t1 = Trace::Clock::now();
   if (o_.trace) o_.trace->add("adamw", TraceStream::optimizer, t0, t1);
   if (o_.zero == 1 || o_.zero == 2) {
-    comm_.all_gather(params_.f32() + int64_t(rank_) * shard_, params_.f32(), n_pad_, DType::f32);
+    buf_->all_gather(params_.f32() + int64_t(rank_) * shard_, params_.f32(), n_pad_, DType::f32);
     auto t2 = Trace::Clock::now();
     stats_.gather_s += seconds(t2 - t1);
     if (o_.trace) o_.trace->add("all_gather params", TraceStream::comm, t1, t2);
   }
+  if (device_) refresh_compute();
   return st;
 }
 
@@ -763,6 +821,12 @@ int DataParallel::first_nonfinite(bool gradients) const {
   const float* data = gradients ? grad_shard() : params_.f32();
   const int64_t b = gradients ? opt_->begin() : (o_.zero == 3 ? int64_t(rank_) * shard_ : 0);
   const int64_t e = gradients ? opt_->end() : b + params_.numel();
+  std::vector<float> host;
+  if (device_) {  // looked at on the host
+    host.resize(size_t(e - b));
+    be_->copy({.dst = host.data(), .dst_host = true, .src = data, .n = e - b});
+    data = host.data();
+  }
   for (size_t i = 0; i < lay_.params.size(); ++i) {
     const FlatParam& f = lay_.params[i];
     const int64_t lo = std::max(f.offset, b), hi = std::min(f.offset + f.numel, e);
@@ -773,7 +837,10 @@ int DataParallel::first_nonfinite(bool gradients) const {
 
 void DataParallel::poison_parameters() {
   held_[0] = held_[1] = -1;
-  if (params_.numel() > 0) params_.f32()[0] = std::numeric_limits<float>::quiet_NaN();
+  if (params_.numel() == 0) return;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  be_->copy({.dst = params_.raw(), .src = &nan, .src_host = true, .n = 1});
+  if (device_) refresh_compute();
 }
 
 Tensor DataParallel::param_view(const Tensor& flat, size_t i) const {
@@ -789,13 +856,15 @@ DataParallel::FullState DataParallel::gather_full_state() {
     return s;
   }
   FullState s;  // (every element is written below)
-  s.params = Tensor::empty({n_pad_}, DType::f32, MemTag::workspace, *chain_.pool);
-  s.exp_avg = Tensor::empty({n_pad_}, DType::f32, MemTag::workspace, *chain_.pool);
-  s.exp_avg_sq = Tensor::empty({n_pad_}, DType::f32, MemTag::workspace, *chain_.pool);
-  if (o_.zero == 3) comm_.all_gather(params_.f32(), s.params.f32(), n_pad_, DType::f32);
-  else std::memcpy(s.params.f32(), params_.f32(), size_t(n_pad_) * 4);
-  comm_.all_gather(adam()->exp_avg().f32(), s.exp_avg.f32(), n_pad_, DType::f32);
-  comm_.all_gather(adam()->exp_avg_sq().f32(), s.exp_avg_sq.f32(), n_pad_, DType::f32);
+  s.params = be_->empty({n_pad_}, DType::f32, MemTag::workspace);
+  s.exp_avg = be_->empty({n_pad_}, DType::f32, MemTag::workspace);
+  s.exp_avg_sq = be_->empty({n_pad_}, DType::f32, MemTag::workspace);
+  if (o_.zero == 3) buf_->all_gather(params_.f32(), s.params.f32(), n_pad_, DType::f32);
+  else copy_f32(s.params.f32(), params_.f32(), n_pad_);
+  // (The moments are in the host pool under offload: moved over the host communicator.)
+  comm::Comm& mc = o_.offload ? comm_ : *buf_;
+  mc.all_gather(adam()->exp_avg().f32(), s.exp_avg.f32(), n_pad_, DType::f32);
+  mc.all_gather(adam()->exp_avg_sq().f32(), s.exp_avg_sq.f32(), n_pad_, DType::f32);
   return s;
 }
 
@@ -814,7 +883,9 @@ DataParallel::LocalState DataParallel::local_state() {
 
 void DataParallel::state_loaded(int64_t optimizer_steps) {
   held_[0] = held_[1] = -1;  // the gathered blocks are of the weights before
-  if (o_.offload) std::memcpy(host_params_.f32(), param_shard(), size_t(opt_->end() - opt_->begin()) * 4);
+  if (o_.offload)
+    be_->copy({.dst = host_params_.raw(), .dst_host = true, .src = param_shard(), .n = opt_->end() - opt_->begin()});
+  if (device_) refresh_compute();
   opt_->set_steps_taken(optimizer_steps);
 }
 

@@ -66,6 +66,12 @@
 // holds a copy of a tied wte as a parameter of its head (DataChain::owned); the two stages' reduced
 // gradients of it are added by add_peer_gradient.
 //
+// On a device (the chain's backend a GPU's): the same buffers in its memory, moved and summed by
+// its ops, the collectives over device communicators (Backend::buffer_comm), the norm's sums of
+// squares by Backend::sum_squares, AdamW by Backend::plan_adamw, and the compute copies the ops
+// read refreshed after every update; ZeRO-3, GaLore and a pipeline's tied embeddings run on the
+// CPU backend only (refused by name).
+//
 // Composed with tensor / sequence / context parallelism (a model::GPT over tp and cp groups): the
 // communicator is then the dp x cp group of one tp rank (the cp ranks hold partial sums of the
 // gradients of the same replica, which the reduction adds; the model is this tp rank's part, laid
@@ -81,6 +87,7 @@
 #include <vector>
 
 #include "comm/comm.h"
+#include "core/backend.h"
 #include "core/memory.h"
 #include "core/tensor.h"
 #include "model/gpt.h"
@@ -107,7 +114,10 @@ struct DataChain {
   // they keep a whole gradient of their own for the step (a few norms' worth), reduced at its end,
   // instead of a bucket held from one pass to the other.
   std::vector<model::Parameter*> input_pass;
-  MemoryPool* pool = nullptr;
+  // The backend the chain computes on: the flat buffers, buckets and optimizer state are in its
+  // memory and its ops move and update them (under offload the optimizer is on a CPU backend over
+  // the host pool).
+  Backend* backend = nullptr;
   uint64_t seed = 0;  // deferred parameters are drawn from it (Parameter::initialise_part)
   static DataChain of(model::GPT& gpt);
 };
@@ -300,6 +310,20 @@ class DataParallel final : public model::ChainHooks {
   int prefetch_buf_ = 0;
   void gather_into(int64_t c, int buf, comm::Comm& comm);
   Tensor host_params_, host_grads_;  // f32 [P_opt] in the host pool (offload)
+  Backend* be_ = nullptr;               // the chain's
+  std::unique_ptr<Backend> host_be_;    // offload: a CPU backend over the host pool
+  // The collectives on the backend's memory: comm_ and norm_group themselves on the CPU, device
+  // communicators split from them on a GPU (Backend::buffer_comm); comm_ keeps the scalars.
+  std::unique_ptr<comm::Comm> own_buf_, own_norm_buf_;
+  comm::Comm* buf_ = nullptr;
+  comm::Comm* norm_buf_ = nullptr;
+  bool device_ = false;  // the chain's memory is a device's
+  // a += b over n f32 in the backend's memory (a gradient sum).
+  void add_into(float* a, const float* b, int64_t n);
+  // An f32 copy within the backend's memory.
+  void copy_f32(float* dst, const float* src, int64_t n);
+  // The compute copies the ops read, from the master weights (nothing in f32).
+  void refresh_compute();
   // ZeRO 2/3 under a split backward: the input-pass parameters' whole gradients (tag grads), at
   // their offsets in it, and whether they still need their reduction this step.
   Tensor input_grads_;

@@ -83,11 +83,12 @@ void point_at_flat(model::Parameter& p, const Tensor& buf, int64_t offset, int64
   }
 }
 
-Tensor flatten_parameters(const FlatLayout& lay, bool grad, MemTag tag, MemoryPool& pool) {
-  Tensor buf = Tensor::zeros({lay.n_pad}, DType::f32, tag, pool);
+Tensor flatten_parameters(const FlatLayout& lay, bool grad, MemTag tag, Backend& be) {
+  Tensor buf = be.empty({lay.n_pad}, DType::f32, tag);
+  be.fill_zero(buf.raw(), int64_t(buf.nbytes()));
   for (const FlatParam& f : lay.params) {
     const Tensor& src = grad ? f.param->grad_full : f.param->value_full;
-    if (src.defined()) std::memcpy(buf.f32() + f.offset, src.f32(), size_t(f.alloc) * sizeof(float));
+    if (src.defined()) be.copy({.dst = buf.f32() + f.offset, .src = src.f32(), .n = f.alloc});
     point_at_flat(*f.param, buf, f.offset, f.alloc, grad);
   }
   return buf;

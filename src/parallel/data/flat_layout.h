@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "comm/comm.h"
+#include "core/backend.h"
 #include "core/tensor.h"
 #include "model/param.h"
 #include "optim/sharded_adamw.h"
@@ -50,9 +51,10 @@ struct FlatLayout {
 // f32 buffer `buf` from element `offset`: value_full / grad_full see the allocation (padding
 // rows included), value / grad its logical rows.
 void point_at_flat(model::Parameter& p, const Tensor& buf, int64_t offset, int64_t alloc, bool grad);
-// A flat f32 buffer [n_pad] (tag `tag`, from pool) holding the parameters' current values (grad =
-// false) or gradients, which then become views of it (point_at_flat); padding and gaps are zero.
-Tensor flatten_parameters(const FlatLayout& lay, bool grad, MemTag tag, MemoryPool& pool);
+// A flat f32 buffer [n_pad] (tag `tag`, in be's memory) holding the parameters' current values
+// (grad = false) or gradients, which then become views of it (point_at_flat); padding and gaps are
+// zero.
+Tensor flatten_parameters(const FlatLayout& lay, bool grad, MemTag tag, Backend& be);
 // Drops a parameter's value or gradient tensors (where a shard or bucket holds them instead).
 void detach_from_flat(model::Parameter& p, bool grad);
 

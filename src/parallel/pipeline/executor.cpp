@@ -437,7 +437,7 @@ struct PipelineExecutor::Impl {
     // a whole model does.
     if (!wte_copy && cfg.tied_embeddings && chunks.front().first == 0 && chunks.back().last == cfg.n_layer + 2)
       dc.tied = wte;
-    dc.pool = &pool;
+    dc.backend = be.get();
     dc.seed = o.seed;
     for (const auto& ow : dc.owned) params.insert(params.end(), ow.begin(), ow.end());
     comm::Comm* group = replica_group();
