@@ -507,26 +507,30 @@ void TrainConfig::validate_cuda(const std::string& where) const {
     throw Error(fmt::format("{}: {}: {}", where, field, msg));
   };
   const char* gpu = "with train.device = \"cuda\"";
-  // The GPU trainer runs whole model replicas, one per GPU or several sharing one: data
-  // parallelism only, every replica with the whole optimizer state.
-  const std::pair<const char*, int64_t> dims[] = {{"parallel.tp", tp}, {"parallel.pp", pp}, {"parallel.cp", cp}};
+  // The GPU runs whole replicas over dp (its replica engine, one CUDA graph per step), and tensor
+  // and sequence parallelism, ZeRO 1-2 and offload composed with dp on the mesh engine
+  // (train/engine.h). Pipeline and context parallelism and ZeRO-3 are the CPU's for now.
+  const std::pair<const char*, int64_t> dims[] = {{"parallel.pp", pp}, {"parallel.cp", cp}};
   for (const auto& [field, n] : dims)
     if (n != 1)
-      refuse(field, fmt::format("must be 1 {} (the GPU trainer runs whole model replicas: data parallelism, "
-                                "parallel.dp), got {}",
+      refuse(field, fmt::format("must be 1 {} (the GPU runs dp x tp, with sp, ZeRO 0-2 and offload; pipeline and "
+                                "context parallelism run on the CPU), got {}",
                                 gpu, n));
-  if (sp) refuse("parallel.sp", fmt::format("must be false {} (it needs tensor-parallel ranks)", gpu));
-  if (zero != 0)
-    refuse("parallel.zero", fmt::format("must be 0 {} (every GPU replica keeps the whole optimizer state), got {}",
-                                        gpu, zero));
-  if (offload) refuse("parallel.offload", fmt::format("must be false {} (the optimizer state stays on the GPU)", gpu));
+  if (zero == 3)
+    refuse("parallel.zero", fmt::format("must be 0, 1 or 2 {} (ZeRO-3's per-block gathers run on the CPU), got 3", gpu));
+  if (cuda_mesh() && run_precision() == "fp16")
+    refuse("train.precision",
+           fmt::format("fp16 {} runs whole replicas over dp (its loss scaling is the replica engine's); with "
+                       "tensor parallelism, sequence parallelism, ZeRO or offload use bf16",
+                       gpu));
   if (recompute != "none")
-    refuse("memory.recompute", fmt::format("must be none {} for now (the CUDA step is one captured graph whose "
-                                           "buffers stay allocated), got '{}'",
-                                           gpu, recompute));
-  // Ranks as threads of one process would share its CUDA state (the device pool, the cuBLASLt
-  // workspace): GPU ranks are processes.
-  if (dp > 1 && comm == "threads")
+    refuse("memory.recompute", fmt::format("must be none {} for now (recomputation runs on the CPU), got '{}'", gpu,
+                                           recompute));
+  // Whole replicas as threads of one process would share its CUDA state (the device pool, the
+  // captured graphs' memory): the replica engine's ranks are processes. The mesh engine's ranks may
+  // be threads sharing the GPU (each with a backend of its own; their collectives staged through
+  // host memory).
+  if (dp > 1 && comm == "threads" && !cuda_mesh())
     refuse("parallel.comm",
            fmt::format("must be mpi or nccl {} and parallel.dp = {} (one process per GPU rank: mpirun -n {} loom train "
                        "... --parallel.comm nccl); threads runs one GPU rank",

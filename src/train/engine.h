@@ -5,11 +5,13 @@
 // train/engine_cuda.cu, in builds with CUDA).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "comm/comm.h"
+#include "core/backend.h"
 #include "core/memory.h"
 #include "data/loader.h"
 #include "model/config.h"
@@ -85,6 +87,25 @@ struct EngineArgs {
   data::Loader& train;
 };
 using EngineFactory = std::unique_ptr<Engine> (*)(const EngineArgs& a);
+
+// A rank's device for the mesh engine (make_mesh_engine): its backend (owned by the engine from
+// then on), this rank's GEMM rate in the compute dtype (FLOP/s, measured when the run asks) and
+// its name, and the device's name for the run's header.
+struct DeviceMesh {
+  std::unique_ptr<Backend> backend;
+  std::function<double()> gemm_peak;
+  std::string peak_name;  // e.g. "bf16 GEMM peak"
+  std::string device;     // e.g. "cuda:0 NVIDIA H100 80GB HBM3"
+};
+
+// The CPU's mesh engine (train/trainer.cpp: dp x tp (+ sp) with ZeRO and offload over one chain of
+// blocks, parallel::DataParallel) on a device backend: what a device's engine hands the layouts
+// its own path does not run. Its buffers are in the device's memory; tokens, the host pool's
+// offloaded state and checkpoints' staging in host memory.
+std::unique_ptr<Engine> make_mesh_engine(const EngineArgs& a, DeviceMesh device);
+
+// The engine of train.device = "cuda" (train/engine_cuda.cu, in builds with CUDA).
+std::unique_ptr<Engine> make_cuda_engine(const EngineArgs& a);
 
 // Registers the engine of train.device `device` (from a static initialiser in its file).
 void register_engine(const std::string& device, EngineFactory factory);

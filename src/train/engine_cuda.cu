@@ -9,6 +9,8 @@
 //     whose scaled gradients overflow (the norm is not finite, the loss is) is skipped by the update
 //     kernel and reported as an overflow, and the scale halves; the scale is in the metrics and
 //     the checkpoints;
+//   - (the layouts with tensor / sequence parallelism, ZeRO or offload run the mesh engine,
+//     train/engine.h's make_mesh_engine, on the rank's GPU: make_cuda_engine below);
 //   - data parallelism over parallel.dp processes (parallel.comm mpi or nccl, under mpirun; the
 //     threads backend runs one rank): each holds a whole replica on the GPU local rank % GPUs of
 //     its host, trains on its share of every batch (the CPU engines' split), and the replicas'
@@ -315,15 +317,29 @@ class CudaEngine : public Engine {
 
 }  // namespace
 
+// Whole replicas over dp run on the replica engine above; tensor / sequence parallelism, ZeRO 1-2
+// and offload on the mesh engine (train/engine.h) over this rank's GPU.
+std::unique_ptr<Engine> make_cuda_engine(const EngineArgs& a) {
+  if (!a.cfg.cuda_mesh()) return std::make_unique<CudaEngine>(a);
+  const int device = rank_device(a.cfg, a.where);
+  std::unique_ptr<cuda::CudaBackend> be = CudaEngine::backend(a, device);
+  cuda::CudaBackend* raw = be.get();
+  cudaDeviceProp prop{};
+  LOOM_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  DeviceMesh d;
+  d.gemm_peak = [raw] { return cuda::measure_gemm_peak(raw->blas(), raw->stream(), raw->compute_dtype()); };
+  d.peak_name = std::string(dtype_name(raw->compute_dtype())) + " GEMM peak";
+  d.device = fmt::format("cuda:{} {}", device, prop.name);
+  d.backend = std::move(be);
+  return make_mesh_engine(a, std::move(d));
+}
+
 }  // namespace loom::train
 
 // Registration (train/engine.h); the anchor keeps this file in every program that links loom_cuda.
 extern "C" {
 int loom_cuda_engine_anchor = [] {
-  loom::train::register_engine(
-      "cuda", [](const loom::train::EngineArgs& a) -> std::unique_ptr<loom::train::Engine> {
-        return std::make_unique<loom::train::CudaEngine>(a);
-      });
+  loom::train::register_engine("cuda", loom::train::make_cuda_engine);
   return 0;
 }();
 }

@@ -165,7 +165,7 @@ CheckpointPart data_parallel_part(parallel::DataParallel& ddp,
                                   const std::function<bool(const model::Parameter&)>& skip) {
   CheckpointPart out;
   out.optimizer_steps = ddp.optimizer_steps();
-  const parallel::DataParallel::LocalState st = ddp.local_state();
+  const parallel::DataParallel::LocalState st = ddp.host_state();
   const std::vector<optim::GaLore::State*> galore = galore_states(ddp);
   const int64_t b = st.shard_begin, e = st.shard_end;
   for (size_t i = 0; i < ddp.layout().size(); ++i) {
@@ -200,7 +200,7 @@ CheckpointPart data_parallel_part(parallel::DataParallel& ddp,
 // vocabulary (the fine-tune's start) or of the same kept tokens (the trainer checks which).
 void load_data_parallel(parallel::DataParallel& ddp, CheckpointReader& ckpt, int64_t optimizer_steps,
                         const model::GPTConfig& mc) {
-  const parallel::DataParallel::LocalState st = ddp.local_state();
+  const parallel::DataParallel::LocalState st = ddp.host_state();
   const bool widen = mc.kept_tokens && ckpt.shape("param/wte.weight")[0] != mc.input_rows();
   auto read_part = [&](const char* kind, const model::Parameter& p, int64_t lb, int64_t le, float* data) {
     if (widen && !p.shard.tied_copy && p.global().name == "wte.weight") read_kept_rows(ckpt, kind, p, lb, le, data, *mc.kept_tokens);
@@ -236,6 +236,7 @@ void load_data_parallel(parallel::DataParallel& ddp, CheckpointReader& ckpt, int
       }
     }
   }
+  ddp.put_host_state();
   ddp.state_loaded(optimizer_steps);
 }
 
@@ -268,21 +269,40 @@ class CpuEngine : public Engine {
 // parallel::DataParallel over the dp x cp group (the cp ranks of a replica hold partial sums of
 // its gradients, which the reduction adds; each rank scales its loss by 1 / dp, so the dp replicas
 // average), with the gradient norm summed over tp.
+// On a device (make_mesh_engine): the same over the device's backend, the tp group's collectives
+// on a device communicator (Backend::buffer_comm), the tokens in host memory, samples drawn on a
+// CPU copy of the rank's part of the model over the same host groups.
 class ChainEngine : public CpuEngine {
  public:
   ChainEngine(const TrainConfig& cfg, const model::GPTConfig& mc, const optim::AdamWConfig& oc,
-              parallel::MeshComms& comms, data::Loader& train, MemoryPool& pool, MemoryPool& host_pool, bool trace)
-      : CpuEngine(pool, &host_pool, cfg.cpu_matmul()), cfg_(cfg), mc_(comms), train_(train), dp_(comms["dp"]), tp_(comms["tp"]),
-        trace_(comms.world().rank(), trace),
-        model_(mc, pool, cfg.seed,
-               {.groups = {&comms["tp"], &comms["cp"]}, .sp = cfg.sp, .defer_parameters = true,
-                .matmul = cfg.cpu_matmul()}),
+              parallel::MeshComms& comms, data::Loader& train, MemoryPool& pool, MemoryPool& host_pool, bool trace,
+              DeviceMesh dev = {})
+      : CpuEngine(dev.backend ? dev.backend->pool() : pool, &host_pool, cfg.cpu_matmul()), cfg_(cfg), mc_(comms),
+        train_(train), dp_(comms["dp"]), tp_(comms["tp"]), trace_(comms.world().rank(), trace), dev_(std::move(dev)),
+        own_be_(dev_.backend ? nullptr : make_backend(Device::cpu, {.pool = &pool, .matmul = cfg.cpu_matmul()})),
+        tp_buffers_(dev_.backend && tp_.size() > 1 ? backend().buffer_comm(tp_.split(0, tp_.rank())) : nullptr),
+        model_(mc, backend(), cfg.seed,
+               {.groups = {tp_buffers_ ? tp_buffers_.get() : &comms["tp"], &comms["cp"]}, .sp = cfg.sp,
+                .defer_parameters = !dev_.backend}),
         ddp_(model_, comms.get({"dp", "cp"}), oc, options(cfg, comms, host_pool, trace_, model_)) {
     local_ = cfg.batch_size / dp_.size();
     mb_ = local_ / cfg.grad_accum;
-    x_ = Tensor::empty({mb_, cfg.seq_len}, DType::i32, MemTag::workspace, pool);
-    y_ = Tensor::empty({mb_, cfg.seq_len}, DType::i32, MemTag::workspace, pool);
+    x_ = Tensor::empty({mb_, cfg.seq_len}, DType::i32, MemTag::workspace, io_pool());
+    y_ = Tensor::empty({mb_, cfg.seq_len}, DType::i32, MemTag::workspace, io_pool());
     plan_recompute_for_run();
+  }
+
+  Backend& backend() const { return dev_.backend ? *dev_.backend : *own_be_; }
+  // Where the batches' token ids are: the model's pool on the CPU, host memory for a device.
+  MemoryPool& io_pool() { return dev_.backend ? *host_ : pool_; }
+
+  double gemm_peak(comm::Comm& world) override {
+    if (!dev_.backend) return CpuEngine::gemm_peak(world);
+    return job_gemm_peak(world, dev_.gemm_peak);
+  }
+  std::string peak_name() const override {
+    if (!dev_.backend) return CpuEngine::peak_name();
+    return dev_.peak_name + (mc_.world().size() > 1 ? " (all ranks)" : "");
   }
 
   // memory.recompute at the micro-batch shape, from the blocks' declarations; a plan over
@@ -386,7 +406,7 @@ class ChainEngine : public CpuEngine {
       const auto chain = model_.chain();
       for (size_t c = 0; c + 1 < chain.size() && code == 3 * kStride; ++c) {
         const Tensor& out = c == 0 ? model_.embedding().out() : model_.block(int64_t(c) - 1).out();
-        if (out.defined() && first_nonfinite(out.f32(), out.numel()) >= 0) code = kStride + int(c);
+        if (out.defined() && has_nonfinite(out)) code = kStride + int(c);
       }
       if (code == 3 * kStride)
         if (int i = ddp_.first_nonfinite(true); i >= 0) code = 2 * kStride + i;
@@ -397,6 +417,14 @@ class ChainEngine : public CpuEngine {
     if (code < 2 * kStride) return fmt::format("the forward output of {}", model_.chain().at(size_t(code - kStride))->name());
     if (code < 3 * kStride) return fmt::format("the gradient of {}", ps.at(size_t(code - 2 * kStride))->spec.name);
     return "no weight, forward output or gradient (the loss alone)";
+  }
+
+  // Whether a block's output holds a non-finite value (a device's looked at on the host).
+  bool has_nonfinite(const Tensor& t) const {
+    if (t.device() == Device::cpu && t.dtype() == DType::f32) return first_nonfinite(t.f32(), t.numel()) >= 0;
+    std::vector<float> host(size_t(t.numel()));
+    backend().download(host.data(), t.raw(), t.dtype(), t.numel());
+    return first_nonfinite(host.data(), int64_t(host.size())) >= 0;
   }
 
   bool poison(const std::string& kind) override {
@@ -411,8 +439,8 @@ class ChainEngine : public CpuEngine {
   double evaluate(data::Loader& val, int64_t n, int64_t val_mb) override {
     const int dp = dp_.size();
     const int64_t vl = val_mb / dp, T = cfg_.seq_len;
-    Tensor vx = Tensor::empty({vl, T}, DType::i32, MemTag::workspace, pool_);
-    Tensor vy = Tensor::empty({vl, T}, DType::i32, MemTag::workspace, pool_);
+    Tensor vx = Tensor::empty({vl, T}, DType::i32, MemTag::workspace, io_pool());
+    Tensor vy = Tensor::empty({vl, T}, DType::i32, MemTag::workspace, io_pool());
     double sum = 0;
     for (int64_t i = 0; i < n; ++i) {
       val.val_batch(i, val_mb, dp_.rank() * vl, vl, vx.i32(), vy.i32());
@@ -432,14 +460,31 @@ class ChainEngine : public CpuEngine {
     load_data_parallel(ddp_, ckpt, optimizer_steps, model_.config());
   }
 
-  // On the model itself (collectively under ZeRO-3 and model parallelism).
+  // On the model itself (collectively under ZeRO-3 and model parallelism); on a device, on a CPU
+  // copy of the rank's part of it over the same groups (collectively too).
   std::vector<int32_t> sample(const std::vector<int32_t>& prompt, const SampleOptions& opt) override {
-    return sample_recompute(model_, prompt, opt);
+    if (!dev_.backend) return sample_recompute(model_, prompt, opt);
+    if (!cpu_model_) {
+      cpu_pool_ = std::make_unique<MemoryPool>(fmt::format("cpu:sample:{}", mc_.world().rank()));
+      cpu_model_ = std::make_unique<model::GPT>(model_.config(), *cpu_pool_, cfg_.seed,
+                                                model::ModelLayout{.groups = {&mc_["tp"], &mc_["cp"]}, .sp = cfg_.sp});
+    }
+    const auto& dst = cpu_model_->parameters();
+    const auto& src = model_.parameters();
+    for (size_t i = 0; i < src.size(); ++i) {
+      const Tensor& from = src[i]->value_full;
+      Tensor& to = dst[i]->value_full;
+      LOOM_CHECK(from.numel() == to.numel(), "sample: parameter '{}' has {} elements on the device, {} on the host",
+                 src[i]->spec.name, from.numel(), to.numel());
+      backend().download(to.f32(), from.raw(), DType::f32, from.numel());
+    }
+    return sample_recompute(*cpu_model_, prompt, opt);
   }
 
   std::string describe() const override {
     const model::ChainParallel& P = model_.parallel();
-    std::string s = fmt::format("dp {}", dp_.size());
+    std::string s = dev_.backend ? dev_.device + " | " : "";
+    s += fmt::format("dp {}", dp_.size());
     if (!P.single() || P.sp()) s += fmt::format(" x tp {}{} x cp {}", P.tp(), P.sp() ? " + sp" : "", P.cp());
     return s + fmt::format(" | ZeRO {}{}", cfg_.zero, cfg_.offload ? " + offload" : "");
   }
@@ -468,11 +513,31 @@ class ChainEngine : public CpuEngine {
   comm::Comm& dp_;
   comm::Comm& tp_;
   parallel::Trace trace_;
+  DeviceMesh dev_;                          // a device's (make_mesh_engine); empty on the CPU
+  std::unique_ptr<Backend> own_be_;         // the CPU's
+  std::unique_ptr<comm::Comm> tp_buffers_;  // a device's tp group for its memory
   model::GPT model_;
   parallel::DataParallel ddp_;
   std::string note_;                         // the recompute plan, said at the start
   int64_t local_ = 0, mb_ = 0;
   Tensor x_, y_;  // i32 [mb, T]
+  std::unique_ptr<MemoryPool> cpu_pool_;     // a device's samples: a CPU copy of the model
+  std::unique_ptr<model::GPT> cpu_model_;
+};
+
+// The mesh engine on a device: the host pool it keeps beside the device's (base-from-member: made
+// before the engine that takes it).
+struct HostPoolOf {
+  explicit HostPoolOf(int rank) : host(fmt::format("host:{}", rank)) {}
+  MemoryPool host;
+};
+
+class DeviceChainEngine final : private HostPoolOf, public ChainEngine {
+ public:
+  DeviceChainEngine(const EngineArgs& a, DeviceMesh dev)
+      : HostPoolOf(a.comms.world().rank()),
+        ChainEngine(a.cfg, a.model, adamw_config(a.cfg), a.comms, a.train, host, host, !a.opt.trace_path.empty(),
+                    std::move(dev)) {}
 };
 
 // Pipeline parallel (PipelineExecutor) with data parallelism through its dp communicator, and
@@ -698,6 +763,11 @@ std::map<std::string, EngineFactory>& engines() {
 }
 
 }  // namespace
+
+std::unique_ptr<Engine> make_mesh_engine(const EngineArgs& a, DeviceMesh device) {
+  LOOM_CHECK(device.backend, "make_mesh_engine: no backend");
+  return std::make_unique<DeviceChainEngine>(a, std::move(device));
+}
 
 void register_engine(const std::string& device, EngineFactory factory) { engines()[device] = factory; }
 bool engine_available(const std::string& device) {

@@ -219,14 +219,16 @@ TEST(TrainConfig, GaLoreAndEmbeddingPruningRefusalsNameTheField) {
 TEST(TrainConfig, CudaDeviceRefusalsNameTheField) {
   const std::string cuda = "[train]\ndevice = \"cuda\"\n";
   expect_refused("[train]\ndevice = \"gpu\"\n", "train.device", "'gpu' is not cpu or cuda");
-  // GPU ranks are processes: dp > 1 needs mpi or nccl.
+  // Whole replicas are processes: dp > 1 alone needs mpi or nccl (the mesh engine's ranks, with tp,
+  // sp, ZeRO or offload, may be threads).
   expect_refused(cuda + "[parallel]\ndp = 2\n", "parallel.comm", "must be mpi or nccl");
-  expect_refused(cuda + "[parallel]\ntp = 2\n", "parallel.tp", "must be 1");
   expect_refused(cuda + "[parallel]\npp = 2\n", "parallel.pp", "must be 1");
   expect_refused(cuda + "[parallel]\ncp = 2\n", "parallel.cp", "must be 1");
-  expect_refused(cuda + "[parallel]\nsp = true\n", "parallel.sp");
-  expect_refused(cuda + "[parallel]\nzero = 1\n", "parallel.zero", "must be 0");
-  expect_refused(cuda + "[parallel]\noffload = true\n", "parallel.offload");
+  expect_refused(cuda + "[parallel]\nzero = 3\n", "parallel.zero", "must be 0, 1 or 2");
+  expect_refused(cuda + "precision = \"fp16\"\n[parallel]\ntp = 2\n", "train.precision", "use bf16");
+  expect_refused(cuda + "precision = \"fp16\"\n[parallel]\nzero = 1\ndp = 2\ncomm = \"mpi\"\n",
+                 "train.precision", "use bf16");
+  expect_refused(cuda + "[memory]\nrecompute = \"full\"\n", "memory.recompute", "must be none");
   // fp16's loss scaling: a CUDA precision, with a positive scale, window and floor.
   expect_refused("[train]\nprecision = \"fp16\"\n", "train.precision", "runs on CUDA");
   expect_refused(cuda + "loss_scale_init = 0\n", "train.loss_scale_init", "must be positive");
@@ -242,7 +244,7 @@ TEST(TrainConfig, CudaDeviceRefusalsNameTheField) {
                  "128 / 4 = 32");
   // From the command line alone too.
   try {
-    load_config("", collect_overrides({"--train.device", "cuda", "--parallel.zero=1"}));
+    load_config("", collect_overrides({"--train.device", "cuda", "--parallel.zero=3"}));
     ADD_FAILURE() << "no error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("command line: parallel.zero: "), std::string::npos) << e.what();
@@ -252,7 +254,8 @@ TEST(TrainConfig, CudaDeviceRefusalsNameTheField) {
   for (const char* model : {"", "[model]\nn_embd = 128\nn_head = 2\n", "[parallel]\ndp = 2\ncomm = \"nccl\"\n",
                             "[parallel]\ndp = 4\ncomm = \"mpi\"\n",
                             "cuda_attention = \"cudnn\"\n[model]\nn_embd = 128\nn_head = 2\n",
-                            "cuda_attention = \"gemm\"\n"}) {
+                            "cuda_attention = \"gemm\"\n", "[parallel]\ntp = 2\n", "[parallel]\ntp = 2\nsp = true\n",
+                            "[parallel]\ndp = 2\nzero = 2\n", "[parallel]\ndp = 2\ntp = 2\nzero = 1\noffload = true\n"}) {
     TmpFile f(cuda + model);
 #ifdef LOOM_HAVE_CUDA
     EXPECT_EQ(load_config(f.path, {}).device, "cuda");
@@ -269,14 +272,14 @@ TEST(TrainConfig, RunTrainingChecksTheDevice) {
   c.data_dir = (fs::temp_directory_path() / fmt::format("loom_no_data_{}", ::getpid())).string();
   c.out_dir = c.data_dir + "_out";
   c.device = "cuda";
-  c.tp = 2;
+  c.pp = 2;
   try {
     run_training(c, {});
     ADD_FAILURE() << "no error";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("parallel.tp"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("parallel.pp"), std::string::npos) << e.what();
   }
-  c.tp = 1;
+  c.pp = 1;
   try {
     run_training(c, {});
     ADD_FAILURE() << "no error";

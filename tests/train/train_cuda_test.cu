@@ -398,6 +398,56 @@ TEST(CudaTrain, DataParallelProcessesMatchOneGpu) {
   EXPECT_EQ(f.metrics("dp2", "loss").size(), 25u);
 }
 
+// The mesh engine on the GPU (train/engine.h's make_mesh_engine: tensor / sequence parallelism,
+// ZeRO 1-2 and offload, ranks as threads sharing the GPU, their collectives staged through host
+// memory) against one GPU's replica engine on the same micro-batches (grad_accum 2 against dp 2).
+// dp x ZeRO / offload: kDpTol and kDpNormTol, the data-parallel processes' bounds (the same
+// micro-batches in the same shapes, f32 gradient sums; the norm formed in double here, in f32
+// there). tp (+ sp): kCpuTol and kNormTol, the bounds of the CPU comparison: a row-parallel
+// layer's partial products are rounded to bf16 on each rank before their sum, one more bf16
+// rounding per layer than one GPU makes, as the CPU's f32 differs by one. Each run learns, and the
+// tp x dp x ZeRO-1 run resumes from its checkpoint.
+TEST(CudaTrain, MeshLayoutsOnThreadsSharingTheGpuMatchOneGpu) {
+  LOOM_REQUIRE_GPU();
+  LOOM_REQUIRE_LOOM();
+  Fixture f("mesh");
+  CliRun a = f.train("cuda", "one", "--quiet --train.grad_accum 2");
+  ASSERT_EQ(a.code, 0) << a.err;
+  const auto l1 = f.metrics("one", "loss"), n1 = f.metrics("one", "grad_norm");
+  ASSERT_EQ(l1.size(), 20u);
+  struct Case {
+    const char* out;
+    const char* flags;
+    const char* header;  // in the run's header
+    bool tp;
+  };
+  const Case cases[] = {
+      {"tp2", "--train.grad_accum 2 --parallel.tp 2", "dp 1 x tp 2 x cp 1", true},
+      {"tp2sp", "--train.grad_accum 2 --parallel.tp 2 --parallel.sp true", "tp 2 + sp", true},
+      {"dp2z1", "--parallel.dp 2 --parallel.zero 1", "dp 2 | ZeRO 1", false},
+      {"dp2z2off", "--parallel.dp 2 --parallel.zero 2 --parallel.offload true", "ZeRO 2 + offload", false},
+      {"dp2tp2z1", "--parallel.dp 2 --parallel.tp 2 --parallel.zero 1", "dp 2 x tp 2 x cp 1 | ZeRO 1", true},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.out);
+    CliRun b = f.train("cuda", c.out, fmt::format("--train.eval_batches 2 {}", c.flags));
+    ASSERT_EQ(b.code, 0) << b.out << b.err;
+    EXPECT_NE(b.out.find("cuda:"), std::string::npos) << b.out;
+    EXPECT_NE(b.out.find(c.header), std::string::npos) << b.out;
+    const auto l2 = f.metrics(c.out, "loss"), n2 = f.metrics(c.out, "grad_norm");
+    ASSERT_EQ(l2.size(), 20u);
+    expect_close(l2, l1, 1, 20, c.tp ? kCpuTol : kDpTol, "loss");
+    expect_close(n2, n1, 1, 20, c.tp ? kNormTol : kDpNormTol, "grad_norm");
+    expect_close(f.metrics(c.out, "val_loss"), f.metrics("one", "val_loss"), 10, 20, c.tp ? kCpuTol : kDpTol,
+                 "val_loss");
+    EXPECT_LT(l2.at(20), l2.at(1) - 0.5) << "the run did not learn";
+  }
+  CliRun r = f.train("cuda", "dp2tp2z1", "--quiet --parallel.dp 2 --parallel.tp 2 --parallel.zero 1 --resume "
+                                         "--train.steps 25");
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_EQ(f.metrics("dp2tp2z1", "loss").size(), 25u);
+}
+
 // fp16 over two GPU processes against one GPU (grad_accum 2 there): the replicas' scaled gradients
 // are summed and unscaled by 1 / (dp x S) as the single GPU's two micro-batches are by
 // 1 / (grad_accum x S), so the losses agree within kDpTol (see the top of the file). An overflow

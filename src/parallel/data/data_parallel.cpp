@@ -881,6 +881,32 @@ DataParallel::LocalState DataParallel::local_state() {
   return s;
 }
 
+DataParallel::LocalState DataParallel::host_state() {
+  LocalState s = local_state();
+  if (!device_) return s;
+  auto stage = [&](std::vector<float>& host, float*& ptr, int64_t n) {
+    host.resize(size_t(n));
+    be_->copy({.dst = host.data(), .dst_host = true, .src = ptr, .n = n});
+    ptr = host.data();
+  };
+  stage(staged_params_, s.params, s.params_end - s.params_begin);
+  if (!o_.offload && s.exp_avg) {
+    stage(staged_m_, s.exp_avg, s.opt_end - s.opt_begin);
+    stage(staged_v_, s.exp_avg_sq, s.opt_end - s.opt_begin);
+  }
+  return s;
+}
+
+void DataParallel::put_host_state() {
+  if (!device_) return;
+  const LocalState s = local_state();
+  auto put = [&](const std::vector<float>& host, float* ptr) {
+    if (!host.empty()) be_->copy({.dst = ptr, .src = host.data(), .src_host = true, .n = int64_t(host.size())});
+  };
+  put(staged_params_, s.params);
+  if (!o_.offload && s.exp_avg) put(staged_m_, s.exp_avg), put(staged_v_, s.exp_avg_sq);
+}
+
 void DataParallel::state_loaded(int64_t optimizer_steps) {
   held_[0] = held_[1] = -1;  // the gathered blocks are of the weights before
   if (o_.offload)

@@ -222,6 +222,11 @@ class DataParallel final : public model::ChainHooks {
     float* exp_avg_sq = nullptr;
   };
   LocalState local_state();
+  // local_state() in host memory: on the CPU the same; on a device host copies of the buffers
+  // (kept here until the next call; the moments are host memory already under offload). After
+  // writing into them (a checkpoint read), put_host_state() puts them back, before state_loaded.
+  LocalState host_state();
+  void put_host_state();
   // The optimizer: AdamW over this rank's optimizer range, or GaLore (AdamWConfig::galore_rank > 0,
   // stage 0; null otherwise) over the whole flat buffer, its state per parameter.
   optim::ShardedAdamW* adam() { return dynamic_cast<optim::ShardedAdamW*>(opt_.get()); }
@@ -310,6 +315,7 @@ class DataParallel final : public model::ChainHooks {
   int prefetch_buf_ = 0;
   void gather_into(int64_t c, int buf, comm::Comm& comm);
   Tensor host_params_, host_grads_;  // f32 [P_opt] in the host pool (offload)
+  std::vector<float> staged_params_, staged_m_, staged_v_;  // host_state()'s copies (a device's)
   Backend* be_ = nullptr;               // the chain's
   std::unique_ptr<Backend> host_be_;    // offload: a CPU backend over the host pool
   // The collectives on the backend's memory: comm_ and norm_group themselves on the CPU, device
