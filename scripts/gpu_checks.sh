@@ -14,8 +14,9 @@
 #   train     train_gpt2_cuda GPT-2 124M, B = 16, T = 1024, with flash (and the time of each part of
 #             the step) and with cuDNN attention
 #   loom      `loom train --train.device cuda` on a small corpus made from the repository's text,
-#             `loom generate` on its checkpoint, the same run as dp 2 x tp 2 with ZeRO-1 (the
-#             mesh engine, threads sharing the GPU) and as two data-parallel processes
+#             `loom generate` on its checkpoint, the same run as dp 2 x tp 2 with ZeRO-1 and as
+#             tp 2 x pp 2 (the mesh engine, threads sharing the GPU) and as two data-parallel
+#             processes
 #   llama     the Llama family on the GPU: train_gpt2_cuda at SmolLM-135M's shapes against GPT-2
 #             124M (B = 16, T = 1024, cuDNN attention for both, grouped-query for SmolLM; two
 #             alternating rounds, then one with loom's flash attention for both), and
@@ -91,12 +92,17 @@ step_loom() {
     env_run loom train "$root/configs/kjv-10m.toml" --data.dir "$corpus/data" --train.device cuda \
       --train.steps 40 --train.eval_every 20 --train.checkpoint_every 20 --train.out_dir "$out/run" &&
     env_run loom generate "$out/run" --prompt "The " --tokens 20 || return 1
-  # The mesh engine: dp 2 x tp 2 with ZeRO-1 (four threads sharing the GPU, collectives staged
-  # through host memory; samples drawn on the mesh), and its checkpoint generating on the CPU.
+  # The mesh engine: dp 2 x tp 2 with ZeRO-1, and tp 2 x pp 2 (four threads sharing the GPU,
+  # collectives and the stages' transfers staged through host memory; samples drawn on the mesh),
+  # and their checkpoints generating on the CPU.
   env_run loom train "$root/configs/kjv-10m.toml" --data.dir "$corpus/data" --train.device cuda --parallel.dp 2 \
     --parallel.tp 2 --parallel.zero 1 --train.steps 40 --train.eval_every 20 --train.checkpoint_every 20 \
     --train.out_dir "$out/run_mesh" &&
     env_run loom generate "$out/run_mesh" --prompt "The " --tokens 20 || return 1
+  env_run loom train "$root/configs/kjv-10m.toml" --data.dir "$corpus/data" --train.device cuda --parallel.tp 2 \
+    --parallel.pp 2 --train.grad_accum 2 --train.steps 40 --train.eval_every 20 --train.checkpoint_every 20 \
+    --train.out_dir "$out/run_tp2pp2" &&
+    env_run loom generate "$out/run_tp2pp2" --prompt "The " --tokens 20 || return 1
   # Data parallelism: two processes (sharing the GPU on a one-GPU host: gradients staged through
   # host memory; one GPU each elsewhere: NCCL).
   command -v mpirun >/dev/null || { echo "mpirun not found: data-parallel run skipped"; return 0; }

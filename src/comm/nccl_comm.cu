@@ -153,6 +153,30 @@ std::string uuid_text(const std::array<uint32_t, 4>& u) {
   return fmt::format("{:08x}-{:08x}-{:08x}-{:08x}", u[0], u[1], u[2], u[3]);
 }
 
+// A staged non-blocking send's host copy (tagged comm in the communicator's pool) and the host
+// communicator's pending send of it; the copy is freed once the send is done.
+struct StagedSend final : PendingSend {
+  StagedSend(MemoryPool* pool, size_t bytes) : pool_(pool), bytes_(std::max<size_t>(bytes, 1)) {
+    host = static_cast<char*>(pool_->allocate(bytes_, MemTag::comm));
+  }
+  ~StagedSend() override {
+    send.reset();  // (the host send's own end: withdrawn if never taken) before its buffer goes
+    pool_->deallocate(host, bytes_, MemTag::comm);
+  }
+  void wait() override {
+    if (send && !finished_) send->wait();
+    finished_ = true;
+  }
+  bool done() override { return finished_ || !send || send->done(); }
+  char* host = nullptr;
+  std::unique_ptr<PendingSend> send;
+
+ private:
+  MemoryPool* pool_;
+  size_t bytes_;
+  bool finished_ = false;
+};
+
 class DeviceComm final : public Comm {
  public:
   DeviceComm(std::unique_ptr<Comm> host, DeviceCommOptions dopts, DevicePath path, int device)
@@ -392,6 +416,22 @@ class DeviceComm final : public Comm {
     enqueue(ncclSend(buf, bytes, ncclUint8, dst, nccl_, stream_), "ncclSend");
     wait_nccl(true);
 #endif
+  }
+
+  // The staged path's non-blocking send: the buffer copied to host memory of the send's own (from
+  // the communicator's pool, tag comm), handed to the host communicator's isend, and kept until the
+  // send completes. (The host backends' blocking sends wait for the receiver: a pipeline's ranks
+  // sending to each other at once would wait for ever.) NCCL's path sends as do_send does.
+  std::unique_ptr<PendingSend> do_isend(const void* buf, int64_t count, DType dt, int dst, int tag) override {
+    if (path_ != DevicePath::staged) return Comm::do_isend(buf, count, dt, dst, tag);
+    begin(fmt::format("send of {} [{}] to rank {} tag {} (non-blocking)", dtype_name(dt), count, dst, tag));
+    DeviceGuard g(device_);
+    const size_t bytes = size_t(count) * dtype_size(dt);
+    auto p = std::make_unique<StagedSend>(opts_.pool, bytes);
+    to_host(p->host, buf, bytes);
+    sync_host_timeout();
+    p->send = host_->isend(p->host, count, dt, dst, tag);
+    return p;
   }
 
   void do_recv(void* buf, int64_t count, DType dt, int src, int tag) override {

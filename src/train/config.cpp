@@ -507,21 +507,19 @@ void TrainConfig::validate_cuda(const std::string& where) const {
     throw Error(fmt::format("{}: {}: {}", where, field, msg));
   };
   const char* gpu = "with train.device = \"cuda\"";
-  // The GPU runs whole replicas over dp (its replica engine, one CUDA graph per step), and tensor
-  // and sequence parallelism, ZeRO 1-2 and offload composed with dp on the mesh engine
-  // (train/engine.h). Pipeline and context parallelism and ZeRO-3 are the CPU's for now.
-  const std::pair<const char*, int64_t> dims[] = {{"parallel.pp", pp}, {"parallel.cp", cp}};
-  for (const auto& [field, n] : dims)
-    if (n != 1)
-      refuse(field, fmt::format("must be 1 {} (the GPU runs dp x tp, with sp, ZeRO 0-2 and offload; pipeline and "
-                                "context parallelism run on the CPU), got {}",
-                                gpu, n));
+  // The GPU runs whole replicas over dp (its replica engine, one CUDA graph per step), and tensor,
+  // sequence and pipeline parallelism, ZeRO 1-2 and offload composed with dp on the mesh engine
+  // (train/engine.h). Context parallelism and ZeRO-3 are the CPU's for now.
+  if (cp != 1)
+    refuse("parallel.cp", fmt::format("must be 1 {} (the GPU runs dp x tp x pp, with sp, ZeRO 0-2 and offload; context "
+                                      "parallelism's ring attention runs on the CPU), got {}",
+                                      gpu, cp));
   if (zero == 3)
     refuse("parallel.zero", fmt::format("must be 0, 1 or 2 {} (ZeRO-3's per-block gathers run on the CPU), got 3", gpu));
   if (cuda_mesh() && run_precision() == "fp16")
     refuse("train.precision",
            fmt::format("fp16 {} runs whole replicas over dp (its loss scaling is the replica engine's); with "
-                       "tensor parallelism, sequence parallelism, ZeRO or offload use bf16",
+                       "tensor, sequence or pipeline parallelism, ZeRO or offload use bf16",
                        gpu));
   if (recompute != "none")
     refuse("memory.recompute", fmt::format("must be none {} for now (recomputation runs on the CPU), got '{}'", gpu,

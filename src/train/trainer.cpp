@@ -542,18 +542,24 @@ class DeviceChainEngine final : private HostPoolOf, public ChainEngine {
 
 // Pipeline parallel (PipelineExecutor) with data parallelism through its dp communicator, and
 // tensor / sequence / context parallelism inside each stage.
+// On a device (make_mesh_engine): the stages on the device's backend (PipelineExecutor's
+// ExecutorOptions::backend), the tp group's collectives on a device communicator, the tokens in
+// host memory.
 class PipelineEngine : public CpuEngine {
  public:
   PipelineEngine(const TrainConfig& cfg, const model::GPTConfig& mc, const optim::AdamWConfig& oc,
-                 parallel::MeshComms& comms, data::Loader& train, MemoryPool& pool, MemoryPool& host_pool)
-      : CpuEngine(pool, &host_pool, cfg.cpu_matmul()), cfg_(cfg), mc_(comms), model_cfg_(mc), train_(train), pp_(comms["pp"]), dp_(comms["dp"]),
-        tp_(comms["tp"]),
-        exec_(mc, options(cfg, oc, mc.n_layer), comms["pp"], comms["dp"].size() > 1 ? &comms["dp"] : nullptr, pool,
-              {&comms["tp"], &comms["cp"], &comms.get({"dp", "cp"})}, &host_pool) {
+                 parallel::MeshComms& comms, data::Loader& train, MemoryPool& pool, MemoryPool& host_pool,
+                 DeviceMesh dev = {})
+      : CpuEngine(dev.backend ? dev.backend->pool() : pool, &host_pool, cfg.cpu_matmul()), cfg_(cfg), mc_(comms),
+        model_cfg_(mc), train_(train), pp_(comms["pp"]), dp_(comms["dp"]), tp_(comms["tp"]), dev_(std::move(dev)),
+        tp_buffers_(dev_.backend && tp_.size() > 1 ? dev_.backend->buffer_comm(tp_.split(0, tp_.rank())) : nullptr),
+        exec_(mc, options(cfg, oc, mc.n_layer, dev_.backend.get()), comms["pp"],
+              comms["dp"].size() > 1 ? &comms["dp"] : nullptr, dev_.backend ? dev_.backend->pool() : pool,
+              {tp_buffers_ ? tp_buffers_.get() : &comms["tp"], &comms["cp"], &comms.get({"dp", "cp"})}, &host_pool) {
     local_ = cfg.batch_size / dp_.size();
     n_layer_ = mc.n_layer;
-    x_ = Tensor::empty({local_, cfg.seq_len}, DType::i32, MemTag::workspace, pool);
-    y_ = Tensor::empty({local_, cfg.seq_len}, DType::i32, MemTag::workspace, pool);
+    x_ = Tensor::empty({local_, cfg.seq_len}, DType::i32, MemTag::workspace, io_pool());
+    y_ = Tensor::empty({local_, cfg.seq_len}, DType::i32, MemTag::workspace, io_pool());
     if (cfg.recompute == "optimal") {
       // Every stage's plan, for the run's header (collective over the pipeline).
       const float mine[3] = {float(exec_.recomputed_blocks()), float(exec_.planned_blocks()),
@@ -575,8 +581,22 @@ class PipelineEngine : public CpuEngine {
     return {note_};
   }
 
-  static pipe::ExecutorOptions options(const TrainConfig& cfg, const optim::AdamWConfig& oc, int64_t n_layer) {
+  // Where the batches' token ids are: the model's pool on the CPU, host memory for a device.
+  MemoryPool& io_pool() { return dev_.backend ? *host_ : pool_; }
+
+  double gemm_peak(comm::Comm& world) override {
+    if (!dev_.backend) return CpuEngine::gemm_peak(world);
+    return job_gemm_peak(world, dev_.gemm_peak);
+  }
+  std::string peak_name() const override {
+    if (!dev_.backend) return CpuEngine::peak_name();
+    return dev_.peak_name + (mc_.world().size() > 1 ? " (all ranks)" : "");
+  }
+
+  static pipe::ExecutorOptions options(const TrainConfig& cfg, const optim::AdamWConfig& oc, int64_t n_layer,
+                                       Backend* device) {
     pipe::ExecutorOptions o;
+    o.backend = device;
     o.schedule.kind = pipe::parse_kind(cfg.schedule, "parallel.schedule");
     o.schedule.stages = int(cfg.pp);
     o.schedule.virtual_stages = o.schedule.kind == pipe::Kind::interleaved ? int(cfg.virtual_stages) : 1;
@@ -641,8 +661,8 @@ class PipelineEngine : public CpuEngine {
   // the single device's.
   double evaluate(data::Loader& val, int64_t n, int64_t val_mb) override {
     const int64_t m = cfg_.grad_accum, vl = val_mb / dp_.size(), T = cfg_.seq_len;
-    Tensor vx = Tensor::empty({m * vl, T}, DType::i32, MemTag::workspace, pool_);
-    Tensor vy = Tensor::empty({m * vl, T}, DType::i32, MemTag::workspace, pool_);
+    Tensor vx = Tensor::empty({m * vl, T}, DType::i32, MemTag::workspace, io_pool());
+    Tensor vy = Tensor::empty({m * vl, T}, DType::i32, MemTag::workspace, io_pool());
     double sum = 0;
     for (int64_t i = 0; i < n; i += m) {
       for (int64_t j = 0; j < m; ++j)
@@ -681,7 +701,7 @@ class PipelineEngine : public CpuEngine {
   std::string describe() const override {
     const auto& sp = exec_.schedule().spec;
     const std::string blocks = fmt::format("{}", fmt::join(pipe::stage_layers_from_cuts(exec_.cuts(), n_layer_), ","));
-    return fmt::format("pp {} ({}, m = {}{}, blocks {}) x dp {}{}{}", sp.stages, pipe::kind_name(sp.kind),
+    return (dev_.backend ? dev_.device + " | " : "") + fmt::format("pp {} ({}, m = {}{}, blocks {}) x dp {}{}{}", sp.stages, pipe::kind_name(sp.kind),
                        sp.micro_batches, sp.virtual_stages > 1 ? fmt::format(", v = {}", sp.virtual_stages) : "",
                        blocks, dp_.size(),
                        exec_.data_parallel().zero() > 0 || cfg_.offload
@@ -717,6 +737,8 @@ class PipelineEngine : public CpuEngine {
   comm::Comm& pp_;
   comm::Comm& dp_;
   comm::Comm& tp_;
+  DeviceMesh dev_;                          // a device's (make_mesh_engine); empty on the CPU
+  std::unique_ptr<comm::Comm> tp_buffers_;  // a device's tp group for its memory
   pipe::PipelineExecutor exec_;
   std::string note_;  // the optimal recompute plans, said at the start
   int64_t local_ = 0, n_layer_ = 0;
@@ -762,10 +784,18 @@ std::map<std::string, EngineFactory>& engines() {
   return m;
 }
 
+class DevicePipelineEngine final : private HostPoolOf, public PipelineEngine {
+ public:
+  DevicePipelineEngine(const EngineArgs& a, DeviceMesh dev)
+      : HostPoolOf(a.comms.world().rank()),
+        PipelineEngine(a.cfg, a.model, adamw_config(a.cfg), a.comms, a.train, host, host, std::move(dev)) {}
+};
+
 }  // namespace
 
 std::unique_ptr<Engine> make_mesh_engine(const EngineArgs& a, DeviceMesh device) {
   LOOM_CHECK(device.backend, "make_mesh_engine: no backend");
+  if (a.cfg.pp > 1) return std::make_unique<DevicePipelineEngine>(a, std::move(device));
   return std::make_unique<DeviceChainEngine>(a, std::move(device));
 }
 

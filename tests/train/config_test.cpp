@@ -222,7 +222,6 @@ TEST(TrainConfig, CudaDeviceRefusalsNameTheField) {
   // Whole replicas are processes: dp > 1 alone needs mpi or nccl (the mesh engine's ranks, with tp,
   // sp, ZeRO or offload, may be threads).
   expect_refused(cuda + "[parallel]\ndp = 2\n", "parallel.comm", "must be mpi or nccl");
-  expect_refused(cuda + "[parallel]\npp = 2\n", "parallel.pp", "must be 1");
   expect_refused(cuda + "[parallel]\ncp = 2\n", "parallel.cp", "must be 1");
   expect_refused(cuda + "[parallel]\nzero = 3\n", "parallel.zero", "must be 0, 1 or 2");
   expect_refused(cuda + "precision = \"fp16\"\n[parallel]\ntp = 2\n", "train.precision", "use bf16");
@@ -255,7 +254,8 @@ TEST(TrainConfig, CudaDeviceRefusalsNameTheField) {
                             "[parallel]\ndp = 4\ncomm = \"mpi\"\n",
                             "cuda_attention = \"cudnn\"\n[model]\nn_embd = 128\nn_head = 2\n",
                             "cuda_attention = \"gemm\"\n", "[parallel]\ntp = 2\n", "[parallel]\ntp = 2\nsp = true\n",
-                            "[parallel]\ndp = 2\nzero = 2\n", "[parallel]\ndp = 2\ntp = 2\nzero = 1\noffload = true\n"}) {
+                            "[parallel]\ndp = 2\nzero = 2\n", "[parallel]\ndp = 2\ntp = 2\nzero = 1\noffload = true\n",
+                            "[parallel]\ntp = 2\npp = 2\n"}) {
     TmpFile f(cuda + model);
 #ifdef LOOM_HAVE_CUDA
     EXPECT_EQ(load_config(f.path, {}).device, "cuda");
@@ -272,14 +272,14 @@ TEST(TrainConfig, RunTrainingChecksTheDevice) {
   c.data_dir = (fs::temp_directory_path() / fmt::format("loom_no_data_{}", ::getpid())).string();
   c.out_dir = c.data_dir + "_out";
   c.device = "cuda";
-  c.pp = 2;
+  c.cp = 2;
   try {
     run_training(c, {});
     ADD_FAILURE() << "no error";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("parallel.pp"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("parallel.cp"), std::string::npos) << e.what();
   }
-  c.pp = 1;
+  c.cp = 1;
   try {
     run_training(c, {});
     ADD_FAILURE() << "no error";

@@ -398,12 +398,13 @@ TEST(CudaTrain, DataParallelProcessesMatchOneGpu) {
   EXPECT_EQ(f.metrics("dp2", "loss").size(), 25u);
 }
 
-// The mesh engine on the GPU (train/engine.h's make_mesh_engine: tensor / sequence parallelism,
-// ZeRO 1-2 and offload, ranks as threads sharing the GPU, their collectives staged through host
-// memory) against one GPU's replica engine on the same micro-batches (grad_accum 2 against dp 2).
-// dp x ZeRO / offload: kDpTol and kDpNormTol, the data-parallel processes' bounds (the same
-// micro-batches in the same shapes, f32 gradient sums; the norm formed in double here, in f32
-// there). tp (+ sp): kCpuTol and kNormTol, the bounds of the CPU comparison: a row-parallel
+// The mesh engine on the GPU (train/engine.h's make_mesh_engine: tensor / sequence / pipeline
+// parallelism, ZeRO 1-2 and offload, ranks as threads sharing the GPU, their collectives and the
+// stages' transfers staged through host memory) against one GPU's replica engine on the same
+// micro-batches (grad_accum 2 against dp 2 or two pipeline micro-batches).
+// dp x ZeRO / offload, pp: kDpTol and kDpNormTol, the data-parallel processes' bounds (the same
+// micro-batches in the same shapes, f32 gradient sums, a tied wte's two stages' gradients added
+// after their backward; the norm formed in double here, in f32 there). tp (+ sp): kCpuTol and kNormTol, the bounds of the CPU comparison: a row-parallel
 // layer's partial products are rounded to bf16 on each rank before their sum, one more bf16
 // rounding per layer than one GPU makes, as the CPU's f32 differs by one. Each run learns, and the
 // tp x dp x ZeRO-1 run resumes from its checkpoint.
@@ -427,6 +428,9 @@ TEST(CudaTrain, MeshLayoutsOnThreadsSharingTheGpuMatchOneGpu) {
       {"dp2z1", "--parallel.dp 2 --parallel.zero 1", "dp 2 | ZeRO 1", false},
       {"dp2z2off", "--parallel.dp 2 --parallel.zero 2 --parallel.offload true", "ZeRO 2 + offload", false},
       {"dp2tp2z1", "--parallel.dp 2 --parallel.tp 2 --parallel.zero 1", "dp 2 x tp 2 x cp 1 | ZeRO 1", true},
+      {"pp2", "--train.grad_accum 2 --parallel.pp 2", "pp 2 (", false},
+      {"pp2zb", "--train.grad_accum 2 --parallel.pp 2 --parallel.schedule zb-h1", "zb-h1", false},
+      {"tp2pp2", "--train.grad_accum 2 --parallel.tp 2 --parallel.pp 2", "x tp 2 x cp 1", true},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.out);

@@ -345,15 +345,28 @@ DataParallel::DataParallel(DataChain chain, comm::Comm& dp, const optim::AdamWCo
     if (b >= e) continue;
     if (f.param->value_full.defined()) {
       copy_f32(params_.f32() + (b - p0), f.param->value_full.f32() + (b - f.offset), e - b);
-    } else {  // deferred (model::ModelLayout::defer_parameters, CPU models): drawn here, the part this rank keeps only
-      LOOM_CHECK(!device_, "data parallel: deferred parameters on {}", be.name());
+    } else if (!device_) {  // deferred (declared blocks): drawn here, the part this rank keeps only
       f.param->initialise_part(chain_.seed, b - f.offset, e - b, params_.f32() + (b - p0));
+    } else {  // (a device's: drawn on the host)
+      std::vector<float> host(size_t(e - b));
+      f.param->initialise_part(chain_.seed, b - f.offset, e - b, host.data());
+      be.copy({.dst = params_.f32() + (b - p0), .src = host.data(), .src_host = true, .n = e - b});
     }
   }
   for (FlatParam& f : lay_.params) {
     if (o_.zero == 3) detach_from_flat(*f.param, false);
     else point_at_flat(*f.param, params_, f.offset, f.alloc, false);
     if (o_.zero >= 2) detach_from_flat(*f.param, true);
+    // A device computing in another dtype reads compute copies: a declared parameter gets its
+    // own here (filled by refresh_compute below).
+    if (device_ && be.compute_dtype() != DType::f32 && !f.param->compute_full.defined()) {
+      model::Parameter& q = *f.param;
+      Shape full = q.spec.shape;
+      if (!full.empty()) full[0] = std::max(q.spec.alloc_rows, full[0]);
+      q.compute_full = be.empty(full, be.compute_dtype(), MemTag::params);
+      be.fill_zero(q.compute_full.raw(), int64_t(q.compute_full.nbytes()));
+      q.compute = full.empty() ? q.compute_full : q.compute_full.slice0(0, q.spec.shape[0]);
+    }
   }
   if (o_.zero <= 1) {
     grads_ = flatten_parameters(lay_, /*grad=*/true, MemTag::grads, be);
@@ -420,7 +433,7 @@ DataParallel::DataParallel(DataChain chain, comm::Comm& dp, const optim::AdamWCo
   }
   worker_ = std::make_unique<Worker>(device_ ? be.buffer_comm(comm_.split(0, rank_)) : comm_.split(0, rank_), o_.trace,
                                      o_.overlap);
-  // (The compute copies hold the parameters' values already: the model drew both.)
+  if (device_) refresh_compute();
 }
 
 void DataParallel::add_into(float* a, const float* b, int64_t n) {
@@ -713,8 +726,6 @@ void DataParallel::after_backward(int64_t c) {
 }
 
 void DataParallel::add_peer_gradient(const model::Parameter* param, comm::Comm& link, int peer) {
-  LOOM_CHECK(!device_, "data parallel: a pipeline's tied embeddings on {} (their gradients' exchange runs on the CPU "
-             "backend only)", be_->name());
   finish_reductions();
   const auto f = std::find_if(lay_.params.begin(), lay_.params.end(),
                               [&](const FlatParam& x) { return x.param == param; });
@@ -736,7 +747,7 @@ void DataParallel::add_peer_gradient(const model::Parameter* param, comm::Comm& 
     if (o_.zero >= 2) {  // this rank's part of the piece, gathered over the group
       const std::vector<int64_t> counts = shard_counts(b, e);
       const int64_t lo = std::min(std::max(b, gb), ge);
-      comm_.all_gather_v(grads_.f32() + (lo - gb), mine.f32(), counts, DType::f32);
+      buf_->all_gather_v(grads_.f32() + (lo - gb), mine.f32(), counts, DType::f32);
       send = mine.f32();
     } else {
       send = grads_.f32() + b;  // stages 0/1: every reduced element is here

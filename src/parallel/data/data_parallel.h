@@ -69,8 +69,9 @@
 // On a device (the chain's backend a GPU's): the same buffers in its memory, moved and summed by
 // its ops, the collectives over device communicators (Backend::buffer_comm), the norm's sums of
 // squares by Backend::sum_squares, AdamW by Backend::plan_adamw, and the compute copies the ops
-// read refreshed after every update; ZeRO-3, GaLore and a pipeline's tied embeddings run on the
-// CPU backend only (refused by name).
+// read refreshed after every update (declared parameters get theirs here); ZeRO-3 and GaLore run
+// on the CPU backend only (refused by name). add_peer_gradient's link must then take the device's
+// memory too (a device communicator).
 //
 // Composed with tensor / sequence / context parallelism (a model::GPT over tp and cp groups): the
 // communicator is then the dp x cp group of one tp rank (the cp ranks hold partial sums of the

@@ -100,9 +100,9 @@ using Clock = std::chrono::steady_clock;
 struct Slot {
   std::vector<std::unique_ptr<model::ChainBlock>> blocks;
   // Stage boundary tensors hold `rows` rows of C: b T, or this rank's share under sp / cp.
-  Tensor input;    // f32 [rows, C] (tag activations), chunks after the first virtual stage
-  Tensor grad_in;  // f32 [rows, C] (tag comm) gradient of the chunk's output
-  const float* output = nullptr;  // f32 [rows, C] the last block's out (chunks without the head)
+  Tensor input;    // [rows, C] in the compute dtype (tag activations), chunks after the first virtual stage
+  Tensor grad_in;  // [rows, C] (tag comm) gradient of the chunk's output
+  const void* output = nullptr;  // [rows, C] the last block's out (chunks without the head)
   bool backward_done = false;
 };
 
@@ -142,7 +142,13 @@ struct PipelineExecutor::Impl {
   // The rank's backend over its pool: the chain blocks' ops, and their attention scratch (tag
   // workspace) which, like the backward scratch below, is one per rank: only one micro-batch
   // computes at a time, so every chunk and every micro-batch replica of it shares it.
-  std::unique_ptr<Backend> be;
+  std::unique_ptr<Backend> own_be;  // the CPU's (a device's is the caller's: ExecutorOptions::backend)
+  Backend* be = nullptr;
+  DType dt = DType::f32;            // the backend's compute dtype: activations and their gradients
+  // Activations and their gradients between stages over the pipeline: pp itself on the CPU, a
+  // device communicator split from it on a GPU (Backend::buffer_comm); pp keeps the scalars.
+  std::unique_ptr<comm::Comm> pp_dev;
+  comm::Comm* pbuf = nullptr;
   // The tp / sp / cp layout of every chunk's blocks, and the buffers they share (one compute at a
   // time on this rank).
   std::shared_ptr<model::ChainParallel> par;
@@ -174,8 +180,20 @@ struct PipelineExecutor::Impl {
 
   Impl(const model::GPTConfig& c, const ExecutorOptions& o, comm::Comm& p, comm::Comm* d, model::ParallelGroups g,
        MemoryPool& pl)
-      : cfg(c), opt(o), pp(p), dp(d), groups(g), pool(pl), be(make_backend(pl.device(), {.pool = &pl, .matmul = o.matmul})),
-        par(std::make_shared<model::ChainParallel>(*be, g, o.sp)) {}
+      : cfg(c), opt(o), pp(p), dp(d), groups(g), pool(pl),
+        own_be(o.backend ? nullptr : make_backend(pl.device(), {.pool = &pl, .matmul = o.matmul})),
+        be(o.backend ? o.backend : own_be.get()), dt(be->compute_dtype()),
+        par(std::make_shared<model::ChainParallel>(*be, g, o.sp)) {
+    pbuf = &pp;
+    if (be->device() != Device::cpu) {  // (collective over pp)
+      pp_dev = be->buffer_comm(pp.split(0, pp.rank()));
+      pbuf = pp_dev.get();
+      LOOM_CHECK(pbuf->backend() != "nccl",
+                 "pipeline executor: on {} the stages' transfers go through host memory (ranks sharing a GPU); NCCL's "
+                 "point-to-point transfers are not yet ordered for the pipeline's non-blocking sends",
+                 be->name());
+    }
+  }
 
   std::unique_ptr<model::ChainBlock> make_block(int64_t e) {
     // Declared only: data parallelism places the parameters (its shard of them under ZeRO-3).
@@ -247,11 +265,11 @@ struct PipelineExecutor::Impl {
   void forward(int mb, int c, const Tensor& tokens, const Tensor& targets) {
     Chunk& ch = chunks[size_t(c)];
     Slot& s = *acquire(ch, mb);
-    const float* x = nullptr;
+    const void* x = nullptr;
     if (ch.first > 0) {
       LOOM_CHECK(s.input.defined(), "pipeline executor: rank {}: forward of micro-batch {} before its input arrived",
                  rank, mb);
-      x = s.input.f32();
+      x = s.input.raw();
     }
     const float dscale = loss_scale();
     for (int64_t e = ch.first; e < ch.last; ++e) {
@@ -261,11 +279,11 @@ struct PipelineExecutor::Impl {
       if (e == 0) {
         auto* emb = static_cast<model::Embedding*>(blk);
         emb->forward(tokens.i32() + mb * b * T, b, T);
-        x = emb->out().f32();
+        x = emb->out().raw();
       } else if (e <= cfg.n_layer) {
         auto* tb = static_cast<model::TransformerBlock*>(blk);
         tb->forward(x, b, T);
-        x = tb->out().f32();
+        x = tb->out().raw();
         // A recomputed segment keeps only its input and its last block's output.
         const int sg = ch.segment_of(e);
         if (sg >= 0) {
@@ -292,20 +310,21 @@ struct PipelineExecutor::Impl {
     if (ch.last <= cfg.n_layer + 1)  // no head: the output gradient came from the next stage
       LOOM_CHECK(s.grad_in.defined(), "pipeline executor: rank {}: backward of micro-batch {} before its output "
                  "gradient arrived", rank, mb);
-    model::BackwardScratch ws{ws_dres.f32(), ws_bufC.f32(), ws_buf4C.f32()};
-    if (ch.last <= cfg.n_layer + 1) std::memcpy(ws.dres, s.grad_in.f32(), size_t(n) * sizeof(float));
+    model::BackwardScratch ws{ws_dres.raw(), ws_bufC.raw(), ws_buf4C.raw()};
+    if (ch.last <= cfg.n_layer + 1)
+      be->copy({.dst = ws.dres, .dst_dtype = dt, .src = s.grad_in.raw(), .src_dtype = dt, .n = n});
     const float dscale = loss_scale();
     // Stages 0/1 reduce after the step's last micro-batch (its weight gradients, under zero
     // bubble), 2/3 every micro-batch.
     dpar->set_last_micro(mb + 1 == opt.schedule.micro_batches);
-    auto input_of = [&](int64_t e) -> const float* {  // the element's input
+    auto input_of = [&](int64_t e) -> const void* {  // the element's input
       const size_t k = size_t(e - ch.first);
       if (k > 0) {
         model::ChainBlock* prev = s.blocks[k - 1].get();
-        return e - 1 == 0 ? static_cast<model::Embedding*>(prev)->out().f32()
-                          : static_cast<model::TransformerBlock*>(prev)->out().f32();
+        return e - 1 == 0 ? static_cast<model::Embedding*>(prev)->out().raw()
+                          : static_cast<model::TransformerBlock*>(prev)->out().raw();
       }
-      return e > 0 ? s.input.f32() : nullptr;
+      return e > 0 ? s.input.raw() : nullptr;
     };
     for (int64_t e = ch.last - 1; e >= ch.first; --e) {
       const size_t k = size_t(e - ch.first);
@@ -316,7 +335,7 @@ struct PipelineExecutor::Impl {
           static_cast<model::TransformerBlock*>(s.blocks[size_t(m - ch.first)].get())->forward(input_of(m), b, T);
           dpar->after_forward(local(c, m));
         }
-      const float* x_in = input_of(e);
+      const void* x_in = input_of(e);
       model::ChainBlock* blk = s.blocks[k].get();
       // (The split backward's input pass writes only the norms' gradients, which data parallelism
       // keeps whole for the step; its weight pass below completes the buckets.)
@@ -337,8 +356,8 @@ struct PipelineExecutor::Impl {
     }
     s.grad_in = Tensor();  // consumed
     if (ch.first > 0) {
-      Tensor g = Tensor::empty({rows, cfg.n_embd}, DType::f32, MemTag::comm, pool);
-      std::memcpy(g.f32(), ws.dres, size_t(n) * sizeof(float));
+      Tensor g = be->empty({rows, cfg.n_embd}, dt, MemTag::comm);
+      be->copy({.dst = g.raw(), .dst_dtype = dt, .src = ws.dres, .src_dtype = dt, .n = n});
       grad_out[{mb, c}] = std::move(g);
     }
     s.backward_done = true;
@@ -365,28 +384,28 @@ struct PipelineExecutor::Impl {
   void send_act(int mb, int c, int peer) {
     Slot& s = slot_of(chunks[size_t(c)], mb, "send of the activation");
     LOOM_CHECK(s.output != nullptr, "pipeline executor: rank {}: send of micro-batch {} before its forward", rank, mb);
-    in_flight[{0, mb, c}] = {Tensor(), pp.isend(s.output, rows * cfg.n_embd, DType::f32, peer, 0)};
+    in_flight[{0, mb, c}] = {Tensor(), pbuf->isend(s.output, rows * cfg.n_embd, dt, peer, 0)};
   }
 
   void recv_act(int mb, int c, int peer) {
     Slot* s = acquire(chunks[size_t(c)], mb);
-    s->input = Tensor::empty({rows, cfg.n_embd}, DType::f32, MemTag::activations, pool);
-    pp.recv(s->input, peer, 0);
+    s->input = be->empty({rows, cfg.n_embd}, dt, MemTag::activations);
+    pbuf->recv(s->input.raw(), s->input.numel(), dt, peer, 0);
   }
 
   void send_grad(int mb, int c, int peer) {
     auto it = grad_out.find({mb, c});
     LOOM_CHECK(it != grad_out.end(), "pipeline executor: rank {}: send of the gradient of micro-batch {} before its "
                "backward", rank, mb);
-    auto send = pp.isend(it->second, peer, 0);
+    auto send = pbuf->isend(it->second.raw(), it->second.numel(), dt, peer, 0);
     in_flight[{1, mb, c}] = {std::move(it->second), std::move(send)};
     grad_out.erase(it);
   }
 
   void recv_grad(int mb, int c, int peer) {
     Slot& s = slot_of(chunks[size_t(c)], mb, "receive of the output gradient");
-    s.grad_in = Tensor::empty({rows, cfg.n_embd}, DType::f32, MemTag::comm, pool);
-    pp.recv(s.grad_in, peer, 0);
+    s.grad_in = be->empty({rows, cfg.n_embd}, dt, MemTag::comm);
+    pbuf->recv(s.grad_in.raw(), s.grad_in.numel(), dt, peer, 0);
   }
 
   // The data-parallel reduction's group: dp x cp (the cp ranks of a stage hold partial sums of
@@ -406,7 +425,7 @@ struct PipelineExecutor::Impl {
   // first) among what stays outside the transformer blocks.
   model::ChainMemory chunk_memory(const Chunk& ch, int64_t b, int64_t T) const {
     model::ChainMemory cm = model::chain_memory(ch.primary(), b, T);
-    if (ch.first > 0) cm.fixed += double(par->own_rows(b, T) * cfg.n_embd * int64_t(sizeof(float)));
+    if (ch.first > 0) cm.fixed += double(par->own_rows(b, T) * cfg.n_embd * int64_t(dtype_size(dt)));
     return cm;
   }
 
@@ -437,7 +456,7 @@ struct PipelineExecutor::Impl {
     // a whole model does.
     if (!wte_copy && cfg.tied_embeddings && chunks.front().first == 0 && chunks.back().last == cfg.n_layer + 2)
       dc.tied = wte;
-    dc.backend = be.get();
+    dc.backend = be;
     dc.seed = o.seed;
     for (const auto& ow : dc.owned) params.insert(params.end(), ow.begin(), ow.end());
     comm::Comm* group = replica_group();
@@ -462,7 +481,7 @@ struct PipelineExecutor::Impl {
     StepResult res;
     // Tied embeddings: the first and last stages add their reduced wte gradients (a + b == b + a,
     // so both copies get bit-identical sums). Under tp the two hold the same vocabulary rows.
-    if (tied) dpar->add_peer_gradient(tied, pp, rank == 0 ? pp.size() - 1 : 0);
+    if (tied) dpar->add_peer_gradient(tied, *pbuf, rank == 0 ? pp.size() - 1 : 0);
     // The norm adds this rank's counted sums over dp (x cp), tp and the pipeline.
     const optim::StepStats st = dpar->step(lr < 0 ? opt.adamw.lr : lr);
     res.grad_norm = st.grad_norm;
@@ -622,16 +641,16 @@ void PipelineExecutor::shape(int64_t b, int64_t T) {
     I.ws_dres = Tensor();
     I.ws_bufC = Tensor();
     I.ws_buf4C = Tensor();
-    I.ws_dres = Tensor::empty({I.rows, C}, DType::f32, MemTag::workspace, I.pool);
-    I.ws_bufC = Tensor::empty({N, C}, DType::f32, MemTag::workspace, I.pool);
-    I.ws_buf4C = Tensor::empty({N, model::wide_columns(I.cfg, I.opt.tp)}, DType::f32, MemTag::workspace, I.pool);
+    I.ws_dres = I.be->empty({I.rows, C}, I.dt, MemTag::workspace);
+    I.ws_bufC = I.be->empty({N, C}, I.dt, MemTag::workspace);
+    I.ws_buf4C = I.be->empty({N, model::wide_columns(I.cfg, I.opt.tp)}, I.dt, MemTag::workspace);
     // The attention scratch for this shape's largest call, the same for every block: sized once
     // from this rank's first transformer block (under cp the ring keeps its own).
     for (Chunk& ch : I.chunks) {
       if (I.opt.cp > 1) break;
       const int64_t e = std::max<int64_t>(ch.first, 1);
       if (e >= std::min<int64_t>(ch.last, I.cfg.n_layer + 1)) continue;
-      I.be->prepare_attention(DType::f32, static_cast<const model::TransformerBlock*>(
+      I.be->prepare_attention(I.dt, static_cast<const model::TransformerBlock*>(
                                               ch.all[0]->blocks[size_t(e - ch.first)].get())->attention_shape(b, T));
       break;
     }
@@ -700,7 +719,14 @@ std::vector<float> PipelineExecutor::last_logits(const Tensor& context, int64_t 
   if (I.rank == head_rank) {
     Chunk& last = I.chunks[size_t(sch_.chunk_of(V - 1))];
     const auto* head = static_cast<const model::Head*>(I.slot_of(last, 0, "logits").blocks.back().get());
-    row = I.par->logits_row(head->logits().f32(), T, position, I.cfg);
+    const Tensor& lg = head->logits();
+    if (lg.device() == Device::cpu && lg.dtype() == DType::f32) {
+      row = I.par->logits_row(lg.f32(), T, position, I.cfg);
+    } else {  // (a device's: looked at on the host)
+      std::vector<float> host(size_t(lg.numel()));
+      I.be->download(host.data(), lg.raw(), lg.dtype(), lg.numel());
+      row = I.par->logits_row(host.data(), T, position, I.cfg);
+    }
   }
   I.pp.broadcast(row.data(), int64_t(row.size()), DType::f32, head_rank);
   for (Chunk& ch : I.chunks)

@@ -106,6 +106,10 @@ struct ExecutorOptions {
   int64_t activation_budget = 0;
   int64_t micro_batch = 0;
   DType matmul = DType::f32;  // the CPU backend's matmul inputs (BackendOptions::matmul)
+  // The rank's device backend (not owned; it must outlive the executor), whose memory and compute
+  // dtype the stage then uses, its transfers over a device communicator split from the pipeline's
+  // (ranks sharing a GPU: staged through host memory); null: a CPU backend over the pool.
+  Backend* backend = nullptr;
   // Refuses unsupported combinations with an error naming the field.
   void validate() const;
 };
