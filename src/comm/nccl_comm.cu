@@ -711,8 +711,9 @@ DevicePath device_comm_path(const Comm& c) {
 
 namespace loom::cuda {
 
-std::unique_ptr<comm::Comm> CudaBackend::buffer_comm(std::unique_ptr<comm::Comm> host) {
+std::unique_ptr<comm::Comm> CudaBackend::buffer_comm(std::unique_ptr<comm::Comm> host, bool staged) {
   comm::DeviceCommOptions o;
+  o.path = staged ? comm::DevicePath::staged : require_nccl_ ? comm::DevicePath::nccl : comm::DevicePath::automatic;
   o.device = device_index();
   o.stream = native_queue();
   return comm::make_device_comm(std::move(host), o);

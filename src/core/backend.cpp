@@ -47,7 +47,10 @@ std::vector<double> rope_inv_freq(int64_t HS, double base, const RopeScaling& s)
   return f;
 }
 
-std::unique_ptr<comm::Comm> Backend::buffer_comm(std::unique_ptr<comm::Comm> host) { return host; }
+std::unique_ptr<comm::Comm> Backend::buffer_comm(std::unique_ptr<comm::Comm> host, bool staged) {
+  (void)staged;
+  return host;
+}
 
 std::string_view op_name(Op op) {
   switch (op) {

@@ -441,8 +441,10 @@ class Backend {
   // Collective over `host`: a communicator over its ranks whose collectives take this backend's
   // memory. The CPU's: host itself. A GPU's: a device communicator on this instance's queue
   // (comm/nccl_comm.h: NCCL where every rank has a GPU of its own, else staged through host
-  // memory), which keeps host for its scalars' bootstrap and splits.
-  virtual std::unique_ptr<comm::Comm> buffer_comm(std::unique_ptr<comm::Comm> host);
+  // memory), which keeps host for its scalars' bootstrap and splits. With `staged` a GPU's goes
+  // through host memory even where NCCL could run: point-to-point transfers that a rank posts
+  // without waiting for them (a pipeline's; NCCL's would hold the compute stream until received).
+  virtual std::unique_ptr<comm::Comm> buffer_comm(std::unique_ptr<comm::Comm> host, bool staged);
 
   // Whether sequences of ops can be captured and replayed (CUDA graphs).
   virtual bool can_capture() const { return false; }

@@ -323,6 +323,7 @@ std::unique_ptr<Engine> make_cuda_engine(const EngineArgs& a) {
   if (!a.cfg.cuda_mesh()) return std::make_unique<CudaEngine>(a);
   const int device = rank_device(a.cfg, a.where);
   std::unique_ptr<cuda::CudaBackend> be = CudaEngine::backend(a, device);
+  be->require_nccl(a.cfg.comm == "nccl");  // (else NCCL where every rank has a GPU of its own)
   cuda::CudaBackend* raw = be.get();
   cudaDeviceProp prop{};
   LOOM_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));

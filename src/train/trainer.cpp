@@ -280,7 +280,7 @@ class ChainEngine : public CpuEngine {
       : CpuEngine(dev.backend ? dev.backend->pool() : pool, &host_pool, cfg.cpu_matmul()), cfg_(cfg), mc_(comms),
         train_(train), dp_(comms["dp"]), tp_(comms["tp"]), trace_(comms.world().rank(), trace), dev_(std::move(dev)),
         own_be_(dev_.backend ? nullptr : make_backend(Device::cpu, {.pool = &pool, .matmul = cfg.cpu_matmul()})),
-        tp_buffers_(dev_.backend && tp_.size() > 1 ? backend().buffer_comm(tp_.split(0, tp_.rank())) : nullptr),
+        tp_buffers_(dev_.backend && tp_.size() > 1 ? backend().buffer_comm(tp_.split(0, tp_.rank()), false) : nullptr),
         model_(mc, backend(), cfg.seed,
                {.groups = {tp_buffers_ ? tp_buffers_.get() : &comms["tp"], &comms["cp"]}, .sp = cfg.sp,
                 .defer_parameters = !dev_.backend}),
@@ -552,7 +552,7 @@ class PipelineEngine : public CpuEngine {
                  DeviceMesh dev = {})
       : CpuEngine(dev.backend ? dev.backend->pool() : pool, &host_pool, cfg.cpu_matmul()), cfg_(cfg), mc_(comms),
         model_cfg_(mc), train_(train), pp_(comms["pp"]), dp_(comms["dp"]), tp_(comms["tp"]), dev_(std::move(dev)),
-        tp_buffers_(dev_.backend && tp_.size() > 1 ? dev_.backend->buffer_comm(tp_.split(0, tp_.rank())) : nullptr),
+        tp_buffers_(dev_.backend && tp_.size() > 1 ? dev_.backend->buffer_comm(tp_.split(0, tp_.rank()), false) : nullptr),
         exec_(mc, options(cfg, oc, mc.n_layer, dev_.backend.get()), comms["pp"],
               comms["dp"].size() > 1 ? &comms["dp"] : nullptr, dev_.backend ? dev_.backend->pool() : pool,
               {tp_buffers_ ? tp_buffers_.get() : &comms["tp"], &comms["cp"], &comms.get({"dp", "cp"})}, &host_pool) {

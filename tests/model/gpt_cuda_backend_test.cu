@@ -185,7 +185,7 @@ void check_tensor_parallel(const model::GPTConfig& cfg, int tp, bool sp) {
   comm::run_ranks(tp, [&](comm::Comm& world) {
     auto be = make_backend(Device::cuda);
     // The group's collectives on the backend's stream, after the ops that wrote their buffers.
-    auto group = be->buffer_comm(world.split(0, world.rank()));
+    auto group = be->buffer_comm(world.split(0, world.rank()), false);
     ASSERT_TRUE(group->device_buffers());
     model::GPT gpt(cfg, *be, 11, {.groups = {.tp = group.get()}, .sp = sp});
     gpt.zero_grad();

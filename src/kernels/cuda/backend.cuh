@@ -70,8 +70,10 @@ class CudaBackend final : public Backend {
   void release_workspace() override;
   void synchronize() override;
   void* native_queue() const override { return stream_; }
-  // (Defined with the device communicators, comm/nccl_comm.cu.)
-  std::unique_ptr<comm::Comm> buffer_comm(std::unique_ptr<comm::Comm> host) override;
+  // (Defined with the device communicators, comm/nccl_comm.cu.) After require_nccl(true) the
+  // collectives' communicators take NCCL's path or throw (parallel.comm = nccl).
+  std::unique_ptr<comm::Comm> buffer_comm(std::unique_ptr<comm::Comm> host, bool staged) override;
+  void require_nccl(bool on) { require_nccl_ = on; }
   // CUDA graphs of the instance's stream (thread-local capture mode).
   bool can_capture() const override { return true; }
   void begin_capture() override;
@@ -95,6 +97,7 @@ class CudaBackend final : public Backend {
   void check(Op op, DType dtype) const;
 
   int device_ = 0;
+  bool require_nccl_ = false;  // buffer_comm's collectives on NCCL's path only
   DType dtype_ = DType::bf16;  // what the model computes in (BackendOptions::compute); every op takes bf16 and f16
   std::string name_;
   std::unique_ptr<ArenaAllocator> own_alloc_;

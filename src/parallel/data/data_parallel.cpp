@@ -424,15 +424,19 @@ DataParallel::DataParallel(DataChain chain, comm::Comm& dp, const optim::AdamWCo
   comm::Comm* tp = o_.norm_group && o_.norm_group->size() > 1 ? o_.norm_group : nullptr;
   norm_buf_ = tp;
   if (device_) {
-    own_buf_ = be.buffer_comm(comm_.split(0, rank_));
+    own_buf_ = be.buffer_comm(comm_.split(0, rank_), false);
     buf_ = own_buf_.get();
     if (tp) {
-      own_norm_buf_ = be.buffer_comm(tp->split(0, tp->rank()));
+      own_norm_buf_ = be.buffer_comm(tp->split(0, tp->rank()), false);
       norm_buf_ = own_norm_buf_.get();
     }
   }
-  worker_ = std::make_unique<Worker>(device_ ? be.buffer_comm(comm_.split(0, rank_)) : comm_.split(0, rank_), o_.trace,
-                                     o_.overlap);
+  // On a device the reductions run on the compute thread, in the model's stream order: every
+  // device communicator enqueues on the backend's one stream, where two threads' collectives could
+  // land in another order on each rank and NCCL's would wait for each other for ever. (Overlapping
+  // them with backward needs a stream of their own ordered by events: not yet.)
+  worker_ = std::make_unique<Worker>(device_ ? be.buffer_comm(comm_.split(0, rank_), false) : comm_.split(0, rank_), o_.trace,
+                                     o_.overlap && !device_);
   if (device_) refresh_compute();
 }
 
@@ -868,8 +872,10 @@ DataParallel::FullState DataParallel::gather_full_state() {
   }
   FullState s;  // (every element is written below)
   s.params = be_->empty({n_pad_}, DType::f32, MemTag::workspace);
-  s.exp_avg = be_->empty({n_pad_}, DType::f32, MemTag::workspace);
-  s.exp_avg_sq = be_->empty({n_pad_}, DType::f32, MemTag::workspace);
+  // (Under offload the moments are host memory, gathered into host memory.)
+  Backend& mb = o_.offload ? *host_be_ : *be_;
+  s.exp_avg = mb.empty({n_pad_}, DType::f32, MemTag::workspace);
+  s.exp_avg_sq = mb.empty({n_pad_}, DType::f32, MemTag::workspace);
   if (o_.zero == 3) buf_->all_gather(params_.f32(), s.params.f32(), n_pad_, DType::f32);
   else copy_f32(s.params.f32(), params_.f32(), n_pad_);
   // (The moments are in the host pool under offload: moved over the host communicator.)

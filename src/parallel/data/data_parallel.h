@@ -67,7 +67,8 @@
 // gradients of it are added by add_peer_gradient.
 //
 // On a device (the chain's backend a GPU's): the same buffers in its memory, moved and summed by
-// its ops, the collectives over device communicators (Backend::buffer_comm), the norm's sums of
+// its ops, the collectives over device communicators (Backend::buffer_comm) run on the compute
+// thread in the model's stream order (no overlap with backward there yet), the norm's sums of
 // squares by Backend::sum_squares, AdamW by Backend::plan_adamw, and the compute copies the ops
 // read refreshed after every update (declared parameters get theirs here); ZeRO-3 and GaLore run
 // on the CPU backend only (refused by name). add_peer_gradient's link must then take the device's
@@ -205,7 +206,8 @@ class DataParallel final : public model::ChainHooks {
 
   // The replica's whole flat state on every rank, collective, to inspect (the tests compare it
   // with one device; checkpoints use local_state and never gather): flat f32 [N_pad] copies of
-  // the parameters and of both moments (tag workspace, from the model's pool); at stage 0 the
+  // the parameters and of both moments (tag workspace, from the model's pool; the moments from
+  // the host pool under offload); at stage 0 the
   // live buffers themselves (read them before the next step). Under GaLore (stage 0 only) the
   // moments are undefined: they are galore()'s.
   struct FullState {

@@ -185,13 +185,9 @@ struct PipelineExecutor::Impl {
         be(o.backend ? o.backend : own_be.get()), dt(be->compute_dtype()),
         par(std::make_shared<model::ChainParallel>(*be, g, o.sp)) {
     pbuf = &pp;
-    if (be->device() != Device::cpu) {  // (collective over pp)
-      pp_dev = be->buffer_comm(pp.split(0, pp.rank()));
+    if (be->device() != Device::cpu) {  // (collective over pp; the sends are posted without waiting: staged)
+      pp_dev = be->buffer_comm(pp.split(0, pp.rank()), /*staged=*/true);
       pbuf = pp_dev.get();
-      LOOM_CHECK(pbuf->backend() != "nccl",
-                 "pipeline executor: on {} the stages' transfers go through host memory (ranks sharing a GPU); NCCL's "
-                 "point-to-point transfers are not yet ordered for the pipeline's non-blocking sends",
-                 be->name());
     }
   }
 
