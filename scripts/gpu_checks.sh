@@ -11,6 +11,7 @@
 #             NaN-poisoned outputs cannot show)
 #   pipeline  bench_pipeline at p = 4 and p = 2 (CPU threads: the host's cores, one rank per core)
 #   flash     bench_flash: loom's flash attention and loom's cuDNN path, same inputs
+#   mesh      the GPU mesh layouts' tests alone (tp, sp, pp, ZeRO 1-3, offload; also part of cuda)
 #   train     train_gpt2_cuda GPT-2 124M, B = 16, T = 1024, with flash (and the time of each part of
 #             the step) and with cuDNN attention
 #   loom      `loom train --train.device cuda` on a small corpus made from the repository's text,
@@ -75,6 +76,12 @@ step_pipeline() {
     env_run bench_pipeline 2 8 8 11
 }
 step_flash() { env_run bench_flash; }
+# The layouts of the mesh engine on the GPU alone (also in `cuda`): the vocabulary-parallel ops'
+# parity, tensor-parallel ranks sharing the GPU against the CPU model, and `loom train` of every
+# mesh layout against one GPU, with resumes.
+step_mesh() {
+  env_run test_cuda --gtest_filter='Cuda/BackendParity.VocabCrossEntropy/*:Cuda/BackendParity.EmbeddingVocabularyShardAtPositions/*:*.TensorParallelRanksSharingTheGpuMatchTheCpuModel:GPTOnCuda.LayoutsWithoutDeviceCollectivesAreRefusedByName:CudaTrain.MeshLayoutsOnThreadsSharingTheGpuMatchOneGpu'
+}
 step_train() {
   env_run train_gpt2_cuda -B 16 -T 1024 --steps 20 --warmup 5 --attention flash --profile 5 || return 1
   env_run train_gpt2_cuda -B 16 -T 1024 --steps 20 --warmup 5 --attention cudnn

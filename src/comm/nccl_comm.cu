@@ -160,8 +160,11 @@ struct StagedSend final : PendingSend {
     host = static_cast<char*>(pool_->allocate(bytes_, MemTag::comm));
   }
   ~StagedSend() override {
-    send.reset();  // (the host send's own end: withdrawn if never taken) before its buffer goes
-    pool_->deallocate(host, bytes_, MemTag::comm);
+    // Gone unfinished (an error unwinding): a host backend may still read the copy (MPI's freed
+    // request does), so it is left allocated rather than freed under it.
+    const bool unfinished = send && !finished_ && !send->done();
+    send.reset();
+    if (!unfinished) pool_->deallocate(host, bytes_, MemTag::comm);
   }
   void wait() override {
     if (send && !finished_) send->wait();

@@ -19,8 +19,6 @@ GPT::GPT(const GPTConfig& cfg, MemoryPool& pool, uint64_t seed, const ModelLayou
 void GPT::build(uint64_t seed) {
   cfg_.validate("model config '" + cfg_.name + "'");
   seed_ = seed;
-  LOOM_CHECK(!layout_.defer_parameters || be_.device() == Device::cpu,
-             "model '{}': deferred parameters are for CPU models", cfg_.name);
   if (layout_.activation_budget < 0)
     throw Error(fmt::format("model '{}': activation_budget = {} must be >= 0", cfg_.name, layout_.activation_budget));
   par_ = std::make_shared<ChainParallel>(be_, layout_.groups, layout_.sp);
@@ -29,7 +27,7 @@ void GPT::build(uint64_t seed) {
   // CPU each keeps its own allocation, which data parallelism lays out itself.
   GradArena arena;
   GradArena* a = nullptr;
-  if (be_.device() != Device::cpu) {
+  if (be_.device() != Device::cpu && !layout_.defer_parameters) {
     arena.flat = be_.empty({arena_elements()}, DType::f32, MemTag::grads);
     be_.fill_zero(arena.flat.raw(), int64_t(arena.flat.nbytes()));
     grads_ = arena.flat;

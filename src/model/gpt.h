@@ -58,9 +58,9 @@ struct ModelLayout {
   int64_t activation_budget = 0;  // saved-activation bytes allowed per rank (0: unlimited); a
                                   // forward that would need more throws before allocating
   // The parameters are declared (spec, sharding) but neither allocated nor initialised: whoever
-  // takes them over (parallel::DataParallel) places them and draws their values
-  // (Parameter::initialise_part with seed()), so no rank ever holds a full copy it then drops
-  // (a CPU model only).
+  // takes them over (parallel::DataParallel) places them, draws their values
+  // (Parameter::initialise_part with seed()) and, on a device, makes their compute copies, so no
+  // rank ever holds a full copy it then drops.
   bool defer_parameters = false;
   // The CPU backend's matmul inputs when the model makes its own backend (the pool constructor):
   // f32, or bf16 with f32 accumulation (BackendOptions::matmul).

@@ -75,7 +75,7 @@ std::vector<float> ChainParallel::logits_row(const float* logits, int64_t T, int
   std::vector<float> mine(static_cast<size_t>(Vr));
   if (cpr_ == owner) std::copy_n(logits + local * Vr, Vr, mine.begin());
   if (comm::Comm* g = cp_group()) g->broadcast(mine.data(), Vr, DType::f32, owner);
-  comm::Comm* tp = tp_group();
+  comm::Comm* tp = tp_host_group();  // (host vectors)
   if (!tp) return mine;
   std::vector<float> row(static_cast<size_t>(Vr * tp_));
   tp->all_gather(mine.data(), row.data(), int64_t(row.size()), DType::f32);

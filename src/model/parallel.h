@@ -48,6 +48,9 @@ struct ParallelGroups {
   comm::Comm* tp = nullptr;     // tensor (and sequence) parallel group; null: tp = 1
   comm::Comm* cp = nullptr;     // context parallel group; null: cp = 1
   comm::Comm* dp_cp = nullptr;  // dp x cp: the data-parallel reduction's group (when dp, cp > 1)
+  // On a device, where tp is a device communicator: the same group's host communicator, for host
+  // buffers (scalars, the norm's sums, sampling's logits rows); null: tp itself.
+  comm::Comm* tp_host = nullptr;
 };
 
 class ChainParallel {
@@ -68,6 +71,8 @@ class ChainParallel {
   bool single() const { return tp_ == 1 && cp_ == 1; }
   const ParallelGroups& groups() const { return g_; }
   comm::Comm* tp_group() const { return tp_ > 1 ? g_.tp : nullptr; }
+  // The tp group for host memory (ParallelGroups::tp_host, or tp itself).
+  comm::Comm* tp_host_group() const { return tp_ > 1 ? (g_.tp_host ? g_.tp_host : g_.tp) : nullptr; }
   comm::Comm* cp_group() const { return cp_ > 1 ? g_.cp : nullptr; }
 
   // Checks a model config against the layout (query heads, key/value heads and the feed-forward's

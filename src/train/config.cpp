@@ -64,7 +64,7 @@ const Field kFields[] = {
     F("train.batch_size", batch_size, "sequences per optimizer step (global batch)"),
     F("train.grad_accum", grad_accum, "micro-steps per optimizer step"),
     F("train.seed", seed, "seed of initialisation and data order"),
-    F("train.device", device, "cpu, or cuda: GPUs (a build with -DLOOM_CUDA=ON; data parallelism only, one process per GPU rank)"),
+    F("train.device", device, "cpu, or cuda: GPUs (a build with -DLOOM_CUDA=ON; dp, tp, sp, pp, ZeRO and offload: dp alone as one process per GPU rank, the others as threads sharing a GPU or processes)"),
     F("train.cuda_graph", cuda_graph, "with train.device cuda: run each step as one CUDA graph (false: kernel by kernel, for debugging)"),
     F("train.cuda_attention", cuda_attention, "with train.device cuda: flash (loom's kernels), cudnn (cuDNN's fused attention), gemm (probabilities materialised), or auto (cudnn where loom has cuDNN 9.16 or newer and the head size is 64 or 128, else flash for those head sizes, else gemm)"),
     F("train.precision", precision, "auto (f32 on the CPU, bf16 on CUDA), f32, or bf16: on the CPU the linear layers' products in bf16 with f32 accumulation, weights, activations and gradients in f32 (needs AVX512-BF16 or AMX-BF16); on CUDA bf16 compute with f32 master weights and moments. fp16 (train.device cuda): f16 compute with f32 master weights and moments and dynamic loss scaling (train.loss_scale_*)"),
@@ -104,7 +104,7 @@ const Field kFields[] = {
     F("parallel.cp", cp, "context-parallel ranks"),
     F("parallel.sp", sp, "sequence parallelism within the tensor-parallel group"),
     F("parallel.zero", zero, "ZeRO stage 0-3"),
-    F("parallel.comm", comm, "communicator backend: threads, mpi (one process per rank: mpirun -n pp x dp x cp x tp), or nccl (train.device cuda: mpi processes whose gradients NCCL reduces)"),
+    F("parallel.comm", comm, "communicator backend: threads, mpi (one process per rank: mpirun -n pp x dp x cp x tp), or nccl (train.device cuda: mpi processes whose collectives NCCL runs, each with a GPU of its own)"),
     F("parallel.offload", offload, "ZeRO-Offload: optimizer state and update in host memory"),
     F("parallel.bucket_mb", bucket_mb, "data-parallel gradient bucket size in MiB"),
     F("parallel.prefetch", prefetch, "ZeRO-3: gather the next block's weights while a block computes (one more buffer of the largest block)"),
@@ -508,14 +508,12 @@ void TrainConfig::validate_cuda(const std::string& where) const {
   };
   const char* gpu = "with train.device = \"cuda\"";
   // The GPU runs whole replicas over dp (its replica engine, one CUDA graph per step), and tensor,
-  // sequence and pipeline parallelism, ZeRO 1-2 and offload composed with dp on the mesh engine
-  // (train/engine.h). Context parallelism and ZeRO-3 are the CPU's for now.
+  // sequence and pipeline parallelism, ZeRO 1-3 and offload composed with dp on the mesh engine
+  // (train/engine.h). Context parallelism is the CPU's for now.
   if (cp != 1)
-    refuse("parallel.cp", fmt::format("must be 1 {} (the GPU runs dp x tp x pp, with sp, ZeRO 0-2 and offload; context "
+    refuse("parallel.cp", fmt::format("must be 1 {} (the GPU runs dp x tp x pp, with sp, ZeRO and offload; context "
                                       "parallelism's ring attention runs on the CPU), got {}",
                                       gpu, cp));
-  if (zero == 3)
-    refuse("parallel.zero", fmt::format("must be 0, 1 or 2 {} (ZeRO-3's per-block gathers run on the CPU), got 3", gpu));
   if (cuda_mesh() && run_precision() == "fp16")
     refuse("train.precision",
            fmt::format("fp16 {} runs whole replicas over dp (its loss scaling is the replica engine's); with "

@@ -317,7 +317,7 @@ class CudaEngine : public Engine {
 
 }  // namespace
 
-// Whole replicas over dp run on the replica engine above; tensor / sequence parallelism, ZeRO 1-2
+// Whole replicas over dp run on the replica engine above; tensor / sequence parallelism, ZeRO
 // and offload on the mesh engine (train/engine.h) over this rank's GPU.
 std::unique_ptr<Engine> make_cuda_engine(const EngineArgs& a) {
   if (!a.cfg.cuda_mesh()) return std::make_unique<CudaEngine>(a);

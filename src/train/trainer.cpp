@@ -282,8 +282,9 @@ class ChainEngine : public CpuEngine {
         own_be_(dev_.backend ? nullptr : make_backend(Device::cpu, {.pool = &pool, .matmul = cfg.cpu_matmul()})),
         tp_buffers_(dev_.backend && tp_.size() > 1 ? backend().buffer_comm(tp_.split(0, tp_.rank()), false) : nullptr),
         model_(mc, backend(), cfg.seed,
-               {.groups = {tp_buffers_ ? tp_buffers_.get() : &comms["tp"], &comms["cp"]}, .sp = cfg.sp,
-                .defer_parameters = !dev_.backend}),
+               {.groups = {.tp = tp_buffers_ ? tp_buffers_.get() : &comms["tp"], .cp = &comms["cp"], .tp_host = &comms["tp"]},
+                .sp = cfg.sp,
+                .defer_parameters = true}),
         ddp_(model_, comms.get({"dp", "cp"}), oc, options(cfg, comms, host_pool, trace_, model_)) {
     local_ = cfg.batch_size / dp_.size();
     mb_ = local_ / cfg.grad_accum;
@@ -555,7 +556,9 @@ class PipelineEngine : public CpuEngine {
         tp_buffers_(dev_.backend && tp_.size() > 1 ? dev_.backend->buffer_comm(tp_.split(0, tp_.rank()), false) : nullptr),
         exec_(mc, options(cfg, oc, mc.n_layer, dev_.backend.get()), comms["pp"],
               comms["dp"].size() > 1 ? &comms["dp"] : nullptr, dev_.backend ? dev_.backend->pool() : pool,
-              {tp_buffers_ ? tp_buffers_.get() : &comms["tp"], &comms["cp"], &comms.get({"dp", "cp"})}, &host_pool) {
+              {.tp = tp_buffers_ ? tp_buffers_.get() : &comms["tp"], .cp = &comms["cp"],
+               .dp_cp = &comms.get({"dp", "cp"}), .tp_host = &comms["tp"]},
+              &host_pool) {
     local_ = cfg.batch_size / dp_.size();
     n_layer_ = mc.n_layer;
     x_ = Tensor::empty({local_, cfg.seq_len}, DType::i32, MemTag::workspace, io_pool());

@@ -399,7 +399,7 @@ TEST(CudaTrain, DataParallelProcessesMatchOneGpu) {
 }
 
 // The mesh engine on the GPU (train/engine.h's make_mesh_engine: tensor / sequence / pipeline
-// parallelism, ZeRO 1-2 and offload, ranks as threads sharing the GPU, their collectives and the
+// parallelism, ZeRO 1-3 and offload, ranks as threads sharing the GPU, their collectives and the
 // stages' transfers staged through host memory) against one GPU's replica engine on the same
 // micro-batches (grad_accum 2 against dp 2 or two pipeline micro-batches).
 // dp x ZeRO / offload, pp: kDpTol and kDpNormTol, the data-parallel processes' bounds (the same
@@ -428,10 +428,13 @@ TEST(CudaTrain, MeshLayoutsOnThreadsSharingTheGpuMatchOneGpu) {
       {"tp2sp", "--train.grad_accum 2 --parallel.tp 2 --parallel.sp true", "tp 2 + sp", true},
       {"dp2z1", "--parallel.dp 2 --parallel.zero 1", "dp 2 | ZeRO 1", false},
       {"dp2z2off", "--parallel.dp 2 --parallel.zero 2 --parallel.offload true", "ZeRO 2 + offload", false},
+      {"dp2z3", "--parallel.dp 2 --parallel.zero 3", "dp 2 | ZeRO 3", false},
       {"dp2tp2z1", "--parallel.dp 2 --parallel.tp 2 --parallel.zero 1", "dp 2 x tp 2 x cp 1 | ZeRO 1", true},
       {"pp2", "--train.grad_accum 2 --parallel.pp 2", "pp 2 (", false},
       {"pp2zb", "--train.grad_accum 2 --parallel.pp 2 --parallel.schedule zb-h1", "zb-h1", false},
-      {"tp2pp2", "--train.grad_accum 2 --parallel.tp 2 --parallel.pp 2", "x tp 2 x cp 1", true},
+      {"tp2pp2", "--train.grad_accum 2 --parallel.tp 2 --parallel.pp 2 --train.sample_tokens 8", "x dp 1 x tp 2 x cp 1",
+       true},
+      {"dp2pp2z2", "--parallel.dp 2 --parallel.pp 2 --parallel.zero 2", "x dp 2 (ZeRO 2)", false},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.out);

@@ -184,9 +184,6 @@ DataParallel::DataParallel(DataChain chain, comm::Comm& dp, const optim::AdamWCo
   MemoryPool& pool = be.pool();
   const int nchain = int(chain_.blocks.size());
   if (device_) {
-    if (o_.zero == 3)
-      throw Error(fmt::format("data parallel: ZeRO stage 3 runs on the CPU backend; on {} use stages 0-2",
-                              be.name()));
     if (adam.galore_rank > 0)
       throw Error(fmt::format("data parallel: GaLore runs on the CPU backend, not on {}", be.name()));
   }
@@ -358,8 +355,11 @@ DataParallel::DataParallel(DataChain chain, comm::Comm& dp, const optim::AdamWCo
     else point_at_flat(*f.param, params_, f.offset, f.alloc, false);
     if (o_.zero >= 2) detach_from_flat(*f.param, true);
     // A device computing in another dtype reads compute copies: a declared parameter gets its
-    // own here (filled by refresh_compute below).
-    if (device_ && be.compute_dtype() != DType::f32 && !f.param->compute_full.defined()) {
+    // own here (filled by refresh_compute below); under ZeRO-3 a block's are converted from its
+    // gathered weights into a buffer of the two (gather_block), so none is kept whole.
+    if (o_.zero == 3) {
+      f.param->compute_full = f.param->compute = Tensor();
+    } else if (device_ && be.compute_dtype() != DType::f32 && !f.param->compute_full.defined()) {
       model::Parameter& q = *f.param;
       Shape full = q.spec.shape;
       if (!full.empty()) full[0] = std::max(q.spec.alloc_rows, full[0]);
@@ -621,6 +621,11 @@ void DataParallel::gather_into(int64_t c, int buf, comm::Comm& comm) {
     comm.all_gather_v(params_.f32() + lo, block_buf_[buf].f32() + at, counts, DType::f32);
     at += e - b;
   }
+  // The compute copies the ops read (a device computing in another dtype), from the gathered
+  // weights.
+  if (block_cbuf_[buf].defined())
+    be_->copy({.dst = block_cbuf_[buf].raw(), .dst_dtype = block_cbuf_[buf].dtype(), .src = block_buf_[buf].raw(),
+               .n = at});
 }
 
 void DataParallel::gather_block(int64_t c, const char* phase, bool backward) {
@@ -630,9 +635,13 @@ void DataParallel::gather_block(int64_t c, const char* phase, bool backward) {
              max_use_);
   // The two buffers of U elements, allocated once (a buffer per block and step would be mapped and
   // unmapped hundreds of times a step).
-  for (int k = 0; k < (o_.prefetch ? 2 : 1); ++k)
+  const bool compute = device_ && be_->compute_dtype() != DType::f32;
+  for (int k = 0; k < (o_.prefetch ? 2 : 1); ++k) {
     if (!block_buf_[k].defined())
       block_buf_[k] = be_->empty({std::max<int64_t>(max_use_, 1)}, DType::f32, MemTag::params);
+    if (compute && !block_cbuf_[k].defined())
+      block_cbuf_[k] = be_->empty({std::max<int64_t>(max_use_, 1)}, be_->compute_dtype(), MemTag::params);
+  }
   auto t0 = Trace::Clock::now();
   if (prefetch_block_ >= 0) {  // the prefetch in flight: this block's, or one this order skipped
     worker_->wait(prefetch_ticket_);
@@ -645,7 +654,7 @@ void DataParallel::gather_block(int64_t c, const char* phase, bool backward) {
   if (buf < 0) {  // not at hand: gathered now, into the buffer the last block did not use
     buf = !o_.prefetch ? 0 : held_[0] == -1 ? 0 : (held_[1] == -1 ? 1 : 1 - cur_buf_);
     held_[buf] = -1;
-    gather_into(c, buf, comm_);
+    gather_into(c, buf, *buf_);
     held_[buf] = c;
   }
   cur_buf_ = buf;
@@ -653,7 +662,13 @@ void DataParallel::gather_block(int64_t c, const char* phase, bool backward) {
   for (const auto& [b, e] : runs_[size_t(c)]) {
     for (int i : uses_[size_t(c)]) {
       FlatParam& f = lay_.params[size_t(i)];
-      if (f.offset >= b && f.offset < e) point_at_flat(*f.param, block_buf_[buf], at + (f.offset - b), f.alloc, false);
+      if (f.offset < b || f.offset >= e) continue;
+      point_at_flat(*f.param, block_buf_[buf], at + (f.offset - b), f.alloc, false);
+      if (compute) {  // (the same place in the compute copies' buffer)
+        model::Parameter& q = *f.param;
+        q.compute_full = block_cbuf_[buf].slice0(at + (f.offset - b), f.alloc).view(q.value_full.shape());
+        q.compute = q.spec.shape.empty() ? q.compute_full : q.compute_full.slice0(0, q.spec.shape[0]);
+      }
     }
     at += e - b;
   }
@@ -677,7 +692,11 @@ void DataParallel::gather_block(int64_t c, const char* phase, bool backward) {
 }
 
 void DataParallel::release_block(int64_t c) {
-  for (int i : uses_[size_t(c)]) detach_from_flat(*lay_.params[size_t(i)].param, false);
+  for (int i : uses_[size_t(c)]) {
+    model::Parameter& q = *lay_.params[size_t(i)].param;
+    detach_from_flat(q, false);
+    q.compute_full = q.compute = Tensor();
+  }
 }
 
 // A block's pass that reads its weights (forward, a backward's input pass): ZeRO-3 gathers them
@@ -873,7 +892,7 @@ DataParallel::FullState DataParallel::gather_full_state() {
   FullState s;  // (every element is written below)
   s.params = be_->empty({n_pad_}, DType::f32, MemTag::workspace);
   // (Under offload the moments are host memory, gathered into host memory.)
-  Backend& mb = o_.offload ? *host_be_ : *be_;
+  Backend& mb = o_.offload && device_ ? *host_be_ : *be_;
   s.exp_avg = mb.empty({n_pad_}, DType::f32, MemTag::workspace);
   s.exp_avg_sq = mb.empty({n_pad_}, DType::f32, MemTag::workspace);
   if (o_.zero == 3) buf_->all_gather(params_.f32(), s.params.f32(), n_pad_, DType::f32);

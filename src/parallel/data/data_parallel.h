@@ -70,8 +70,9 @@
 // its ops, the collectives over device communicators (Backend::buffer_comm) run on the compute
 // thread in the model's stream order (no overlap with backward there yet), the norm's sums of
 // squares by Backend::sum_squares, AdamW by Backend::plan_adamw, and the compute copies the ops
-// read refreshed after every update (declared parameters get theirs here); ZeRO-3 and GaLore run
-// on the CPU backend only (refused by name). add_peer_gradient's link must then take the device's
+// read refreshed after every update (declared parameters get theirs here; under ZeRO-3 a
+// gathered block's are converted into two more buffers of U elements in the compute dtype, so no
+// compute copy is kept whole); GaLore runs on the CPU backend only (refused by name). add_peer_gradient's link must then take the device's
 // memory too (a device communicator).
 //
 // Composed with tensor / sequence / context parallelism (a model::GPT over tp and cp groups): the
@@ -312,6 +313,7 @@ class DataParallel final : public model::ChainHooks {
   // Stage 3: two buffers of U elements (tag params); which block each holds (-1: none, or stale),
   // the one the running block uses, and the gather in flight into the other.
   Tensor block_buf_[2];
+  Tensor block_cbuf_[2];  // their compute copies (a device computing in another dtype: 2 U of it)
   int64_t held_[2] = {-1, -1};
   int cur_buf_ = 0;
   int64_t prefetch_block_ = -1, prefetch_ticket_ = -1;

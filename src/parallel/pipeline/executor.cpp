@@ -466,7 +466,7 @@ struct PipelineExecutor::Impl {
     d.host_pool = host_pool;
     d.bucket_bytes = o.bucket_bytes;
     d.prefetch = o.prefetch;
-    d.norm_group = par->tp_group();
+    d.norm_group = par->tp_host_group();  // (its scalars in host memory; its device buffers' group it makes)
     d.stage_group = &pp;
     const int tpr = groups.tp ? groups.tp->rank() : 0;
     for (model::Parameter* prm : params) d.in_norm.push_back(prm != wte_copy.get() && (prm->shard.split || tpr == 0));

@@ -108,7 +108,8 @@ struct ExecutorOptions {
   DType matmul = DType::f32;  // the CPU backend's matmul inputs (BackendOptions::matmul)
   // The rank's device backend (not owned; it must outlive the executor), whose memory and compute
   // dtype the stage then uses, its transfers over a device communicator split from the pipeline's
-  // (ranks sharing a GPU: staged through host memory); null: a CPU backend over the pool.
+  // (always staged through host memory: the sends are posted without waiting), the groups' tp a
+  // device communicator with tp_host its host one; null: a CPU backend over the pool.
   Backend* backend = nullptr;
   // Refuses unsupported combinations with an error naming the field.
   void validate() const;
