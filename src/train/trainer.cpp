@@ -240,28 +240,39 @@ void load_data_parallel(parallel::DataParallel& ddp, CheckpointReader& ckpt, int
   ddp.state_loaded(optimizer_steps);
 }
 
-// The CPU's engines (the loop runs whatever train/engine.h's interface offers).
+// The CPU's engines (the loop runs whatever train/engine.h's interface offers), on the CPU or,
+// given a device (make_mesh_engine), on its backend: the pool is then the device's, the batches'
+// token ids in host memory, the MFU against the device's GEMM rate.
 class CpuEngine : public Engine {
  public:
-  CpuEngine(MemoryPool& pool, MemoryPool* host, DType matmul) : pool_(pool), host_(host), matmul_(matmul) {}
+  CpuEngine(MemoryPool& pool, MemoryPool* host, DType matmul, DeviceMesh dev)
+      : pool_(dev.backend ? dev.backend->pool() : pool), host_(host), matmul_(matmul), dev_(std::move(dev)) {}
   // With bf16 matmuls the MFU is against the bf16 GEMM rate, measured now (f32: the larger of now
   // and the host's calibration).
   double gemm_peak(comm::Comm& world) override {
+    if (dev_.backend) return job_gemm_peak(world, dev_.gemm_peak);
     if (matmul_ == DType::bf16)
       return job_gemm_peak(world, [] { return cpu::measure_bf16_gemm_peak_gflops(1024, 0.3) * 1e9; }, &peak_source_);
     return job_gemm_peak(world, {}, &peak_source_);
   }
   std::string peak_name() const override {
+    if (dev_.backend) return dev_.peak_name + (world_size_ > 1 ? " (all ranks)" : "");
     return fmt::format("{}GEMM peak ({})", matmul_ == DType::bf16 ? "bf16 " : "", peak_source_);
   }
   MemoryPool& pool() override { return pool_; }
   MemoryPool* host_pool() override { return host_; }
 
  protected:
+  // Where the batches' token ids are: the model's pool on the CPU, host memory for a device.
+  MemoryPool& io_pool() { return dev_.backend ? *host_ : pool_; }
+  // "cuda:0 NVIDIA ... | " before a device's description.
+  std::string device_prefix() const { return dev_.backend ? dev_.device + " | " : ""; }
   MemoryPool& pool_;
   MemoryPool* host_;
   DType matmul_;
   std::string peak_source_;
+  DeviceMesh dev_;      // a device's (make_mesh_engine); empty on the CPU
+  int world_size_ = 1;  // (set by the engine)
 };
 
 // Data parallelism over dp (ZeRO 0-3, offload, buckets reduced during backward), composed with
@@ -277,8 +288,8 @@ class ChainEngine : public CpuEngine {
   ChainEngine(const TrainConfig& cfg, const model::GPTConfig& mc, const optim::AdamWConfig& oc,
               parallel::MeshComms& comms, data::Loader& train, MemoryPool& pool, MemoryPool& host_pool, bool trace,
               DeviceMesh dev = {})
-      : CpuEngine(dev.backend ? dev.backend->pool() : pool, &host_pool, cfg.cpu_matmul()), cfg_(cfg), mc_(comms),
-        train_(train), dp_(comms["dp"]), tp_(comms["tp"]), trace_(comms.world().rank(), trace), dev_(std::move(dev)),
+      : CpuEngine(pool, &host_pool, cfg.cpu_matmul(), std::move(dev)), cfg_(cfg), mc_(comms), train_(train),
+        dp_(comms["dp"]), tp_(comms["tp"]), trace_(comms.world().rank(), trace),
         own_be_(dev_.backend ? nullptr : make_backend(Device::cpu, {.pool = &pool, .matmul = cfg.cpu_matmul()})),
         tp_buffers_(dev_.backend && tp_.size() > 1 ? backend().buffer_comm(tp_.split(0, tp_.rank()), false) : nullptr),
         model_(mc, backend(), cfg.seed,
@@ -286,6 +297,7 @@ class ChainEngine : public CpuEngine {
                 .sp = cfg.sp,
                 .defer_parameters = true}),
         ddp_(model_, comms.get({"dp", "cp"}), oc, options(cfg, comms, host_pool, trace_, model_)) {
+    world_size_ = comms.world().size();
     local_ = cfg.batch_size / dp_.size();
     mb_ = local_ / cfg.grad_accum;
     x_ = Tensor::empty({mb_, cfg.seq_len}, DType::i32, MemTag::workspace, io_pool());
@@ -294,17 +306,6 @@ class ChainEngine : public CpuEngine {
   }
 
   Backend& backend() const { return dev_.backend ? *dev_.backend : *own_be_; }
-  // Where the batches' token ids are: the model's pool on the CPU, host memory for a device.
-  MemoryPool& io_pool() { return dev_.backend ? *host_ : pool_; }
-
-  double gemm_peak(comm::Comm& world) override {
-    if (!dev_.backend) return CpuEngine::gemm_peak(world);
-    return job_gemm_peak(world, dev_.gemm_peak);
-  }
-  std::string peak_name() const override {
-    if (!dev_.backend) return CpuEngine::peak_name();
-    return dev_.peak_name + (mc_.world().size() > 1 ? " (all ranks)" : "");
-  }
 
   // memory.recompute at the micro-batch shape, from the blocks' declarations; a plan over
   // memory.activation_budget is refused naming the fields.
@@ -484,8 +485,7 @@ class ChainEngine : public CpuEngine {
 
   std::string describe() const override {
     const model::ChainParallel& P = model_.parallel();
-    std::string s = dev_.backend ? dev_.device + " | " : "";
-    s += fmt::format("dp {}", dp_.size());
+    std::string s = device_prefix() + fmt::format("dp {}", dp_.size());
     if (!P.single() || P.sp()) s += fmt::format(" x tp {}{} x cp {}", P.tp(), P.sp() ? " + sp" : "", P.cp());
     return s + fmt::format(" | ZeRO {}{}", cfg_.zero, cfg_.offload ? " + offload" : "");
   }
@@ -514,7 +514,6 @@ class ChainEngine : public CpuEngine {
   comm::Comm& dp_;
   comm::Comm& tp_;
   parallel::Trace trace_;
-  DeviceMesh dev_;                          // a device's (make_mesh_engine); empty on the CPU
   std::unique_ptr<Backend> own_be_;         // the CPU's
   std::unique_ptr<comm::Comm> tp_buffers_;  // a device's tp group for its memory
   model::GPT model_;
@@ -551,14 +550,15 @@ class PipelineEngine : public CpuEngine {
   PipelineEngine(const TrainConfig& cfg, const model::GPTConfig& mc, const optim::AdamWConfig& oc,
                  parallel::MeshComms& comms, data::Loader& train, MemoryPool& pool, MemoryPool& host_pool,
                  DeviceMesh dev = {})
-      : CpuEngine(dev.backend ? dev.backend->pool() : pool, &host_pool, cfg.cpu_matmul()), cfg_(cfg), mc_(comms),
-        model_cfg_(mc), train_(train), pp_(comms["pp"]), dp_(comms["dp"]), tp_(comms["tp"]), dev_(std::move(dev)),
+      : CpuEngine(pool, &host_pool, cfg.cpu_matmul(), std::move(dev)), cfg_(cfg), mc_(comms), model_cfg_(mc),
+        train_(train), pp_(comms["pp"]), dp_(comms["dp"]), tp_(comms["tp"]),
         tp_buffers_(dev_.backend && tp_.size() > 1 ? dev_.backend->buffer_comm(tp_.split(0, tp_.rank()), false) : nullptr),
         exec_(mc, options(cfg, oc, mc.n_layer, dev_.backend.get()), comms["pp"],
               comms["dp"].size() > 1 ? &comms["dp"] : nullptr, dev_.backend ? dev_.backend->pool() : pool,
               {.tp = tp_buffers_ ? tp_buffers_.get() : &comms["tp"], .cp = &comms["cp"],
                .dp_cp = &comms.get({"dp", "cp"}), .tp_host = &comms["tp"]},
               &host_pool) {
+    world_size_ = comms.world().size();
     local_ = cfg.batch_size / dp_.size();
     n_layer_ = mc.n_layer;
     x_ = Tensor::empty({local_, cfg.seq_len}, DType::i32, MemTag::workspace, io_pool());
@@ -582,18 +582,6 @@ class PipelineEngine : public CpuEngine {
   std::vector<std::string> notes() const override {
     if (note_.empty()) return {};
     return {note_};
-  }
-
-  // Where the batches' token ids are: the model's pool on the CPU, host memory for a device.
-  MemoryPool& io_pool() { return dev_.backend ? *host_ : pool_; }
-
-  double gemm_peak(comm::Comm& world) override {
-    if (!dev_.backend) return CpuEngine::gemm_peak(world);
-    return job_gemm_peak(world, dev_.gemm_peak);
-  }
-  std::string peak_name() const override {
-    if (!dev_.backend) return CpuEngine::peak_name();
-    return dev_.peak_name + (mc_.world().size() > 1 ? " (all ranks)" : "");
   }
 
   static pipe::ExecutorOptions options(const TrainConfig& cfg, const optim::AdamWConfig& oc, int64_t n_layer,
@@ -704,7 +692,7 @@ class PipelineEngine : public CpuEngine {
   std::string describe() const override {
     const auto& sp = exec_.schedule().spec;
     const std::string blocks = fmt::format("{}", fmt::join(pipe::stage_layers_from_cuts(exec_.cuts(), n_layer_), ","));
-    return (dev_.backend ? dev_.device + " | " : "") + fmt::format("pp {} ({}, m = {}{}, blocks {}) x dp {}{}{}", sp.stages, pipe::kind_name(sp.kind),
+    return device_prefix() + fmt::format("pp {} ({}, m = {}{}, blocks {}) x dp {}{}{}", sp.stages, pipe::kind_name(sp.kind),
                        sp.micro_batches, sp.virtual_stages > 1 ? fmt::format(", v = {}", sp.virtual_stages) : "",
                        blocks, dp_.size(),
                        exec_.data_parallel().zero() > 0 || cfg_.offload
@@ -740,7 +728,6 @@ class PipelineEngine : public CpuEngine {
   comm::Comm& pp_;
   comm::Comm& dp_;
   comm::Comm& tp_;
-  DeviceMesh dev_;                          // a device's (make_mesh_engine); empty on the CPU
   std::unique_ptr<comm::Comm> tp_buffers_;  // a device's tp group for its memory
   pipe::PipelineExecutor exec_;
   std::string note_;  // the optimal recompute plans, said at the start

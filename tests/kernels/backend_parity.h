@@ -465,6 +465,23 @@ TEST_P(BackendParity, Attention) {
   }
 }
 
+// The fused loss in double: losses [N] and dloss * (softmax - onehot) [N, Vp] over the first V of
+// Vp columns (0 elsewhere and in rows with target -1).
+inline void crossentropy_ref(const std::vector<float>& logits, const std::vector<int32_t>& tg, int64_t N, int64_t V,
+                             int64_t Vp, float dloss, std::vector<double>& rl, std::vector<double>& rg) {
+  rl.assign(static_cast<size_t>(N), 0.0);
+  rg.assign(static_cast<size_t>(N * Vp), 0.0);
+  for (int64_t i = 0; i < N; ++i) {
+    if (tg[size_t(i)] < 0) continue;
+    double mx = -1e300, z = 0;
+    for (int64_t v = 0; v < V; ++v) mx = std::max(mx, double(logits[size_t(i * Vp + v)]));
+    for (int64_t v = 0; v < V; ++v) z += std::exp(logits[size_t(i * Vp + v)] - mx);
+    rl[size_t(i)] = mx + std::log(z) - logits[size_t(i * Vp + tg[size_t(i)])];
+    for (int64_t v = 0; v < V; ++v)
+      rg[size_t(i * Vp + v)] = dloss * (std::exp(logits[size_t(i * Vp + v)] - mx) / z - (v == tg[size_t(i)] ? 1.0 : 0.0));
+  }
+}
+
 TEST_P(BackendParity, CrossEntropy) {
   const int64_t N = 21, V = 1000, Vp = 1024;
   auto logits = bf16_random(N * Vp, 19, 4.f);
@@ -476,16 +493,8 @@ TEST_P(BackendParity, CrossEntropy) {
   Tensor targets = be().empty({N}, DType::i32, MemTag::workspace);
   be().copy({.dst = targets.raw(), .dst_dtype = DType::i32, .src = tg.data(), .src_dtype = DType::i32, .src_host = true, .n = N});
   const float dloss = 1.f / float(N - 1);
-  std::vector<double> rl(static_cast<size_t>(N)), rg(static_cast<size_t>(N * Vp), 0.0);
-  for (int64_t i = 0; i < N; ++i) {
-    if (tg[size_t(i)] < 0) continue;
-    double mx = -1e300, z = 0;
-    for (int64_t v = 0; v < V; ++v) mx = std::max(mx, double(logits[size_t(i * Vp + v)]));
-    for (int64_t v = 0; v < V; ++v) z += std::exp(logits[size_t(i * Vp + v)] - mx);
-    rl[size_t(i)] = mx + std::log(z) - logits[size_t(i * Vp + tg[size_t(i)])];
-    for (int64_t v = 0; v < V; ++v)
-      rg[size_t(i * Vp + v)] = dloss * (std::exp(logits[size_t(i * Vp + v)] - mx) / z - (v == tg[size_t(i)] ? 1.0 : 0.0));
-  }
+  std::vector<double> rl, rg;
+  crossentropy_ref(logits, tg, N, V, Vp, dloss, rl, rg);
   loss.poison();
   be().crossentropy({.dtype = dt_, .losses = loss.as<float>(), .logits = dl.p(), .targets = targets.i32(), .N = N,
                      .V = V, .Vp = Vp});
@@ -514,16 +523,8 @@ TEST_P(BackendParity, VocabCrossEntropy) {
   be().copy({.dst = targets.raw(), .dst_dtype = DType::i32, .src = tg.data(), .src_dtype = DType::i32, .src_host = true,
              .n = N});
   const float dloss = 1.f / float(N - 1);
-  std::vector<double> rl(static_cast<size_t>(N), 0.0), rg(static_cast<size_t>(N * Vp), 0.0);
-  for (int64_t i = 0; i < N; ++i) {
-    if (tg[size_t(i)] < 0) continue;
-    double mx = -1e300, z = 0;
-    for (int64_t v = 0; v < V; ++v) mx = std::max(mx, double(logits[size_t(i * Vp + v)]));
-    for (int64_t v = 0; v < V; ++v) z += std::exp(logits[size_t(i * Vp + v)] - mx);
-    rl[size_t(i)] = mx + std::log(z) - logits[size_t(i * Vp + tg[size_t(i)])];
-    for (int64_t v = 0; v < V; ++v)
-      rg[size_t(i * Vp + v)] = dloss * (std::exp(logits[size_t(i * Vp + v)] - mx) / z - (v == tg[size_t(i)] ? 1.0 : 0.0));
-  }
+  std::vector<double> rl, rg;
+  crossentropy_ref(logits, tg, N, V, Vp, dloss, rl, rg);
   std::vector<std::unique_ptr<DevBuf>> part, stats, loss;
   for (int64_t s = 0; s < shards; ++s) {
     std::vector<float> mine(static_cast<size_t>(N * Vs));
