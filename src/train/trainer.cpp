@@ -471,14 +471,22 @@ class ChainEngine : public CpuEngine {
       cpu_model_ = std::make_unique<model::GPT>(model_.config(), *cpu_pool_, cfg_.seed,
                                                 model::ModelLayout{.groups = {&mc_["tp"], &mc_["cp"]}, .sp = cfg_.sp});
     }
+    // The rank's weights: its parameters' values, or under ZeRO-3 (where each holds a shard) the
+    // replica's gathered flat buffer (collective over the data-parallel group), in layout order.
     const auto& dst = cpu_model_->parameters();
-    const auto& src = model_.parameters();
-    for (size_t i = 0; i < src.size(); ++i) {
-      const Tensor& from = src[i]->value_full;
+    const auto& lay = ddp_.layout();
+    LOOM_CHECK(lay.size() == dst.size(), "sample: {} parameters in the layout, {} in the host model", lay.size(),
+               dst.size());
+    parallel::DataParallel::FullState full;
+    if (cfg_.zero == 3) full = ddp_.gather_full_state();
+    for (size_t i = 0; i < lay.size(); ++i) {
+      const model::Parameter& p = *lay[i].param;
       Tensor& to = dst[i]->value_full;
-      LOOM_CHECK(from.numel() == to.numel(), "sample: parameter '{}' has {} elements on the device, {} on the host",
-                 src[i]->spec.name, from.numel(), to.numel());
-      backend().download(to.f32(), from.raw(), DType::f32, from.numel());
+      LOOM_CHECK(p.spec.name == dst[i]->spec.name && lay[i].alloc == to.numel(),
+                 "sample: parameter '{}' ({} elements) on the device, '{}' ({}) on the host", p.spec.name, lay[i].alloc,
+                 dst[i]->spec.name, to.numel());
+      const float* from = full.params.defined() ? full.params.f32() + lay[i].offset : p.value_full.f32();
+      backend().download(to.f32(), from, DType::f32, to.numel());
     }
     return sample_recompute(*cpu_model_, prompt, opt);
   }

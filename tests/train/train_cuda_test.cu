@@ -428,7 +428,7 @@ TEST(CudaTrain, MeshLayoutsOnThreadsSharingTheGpuMatchOneGpu) {
       {"tp2sp", "--train.grad_accum 2 --parallel.tp 2 --parallel.sp true", "tp 2 + sp", true},
       {"dp2z1", "--parallel.dp 2 --parallel.zero 1", "dp 2 | ZeRO 1", false},
       {"dp2z2off", "--parallel.dp 2 --parallel.zero 2 --parallel.offload true", "ZeRO 2 + offload", false},
-      {"dp2z3", "--parallel.dp 2 --parallel.zero 3", "dp 2 | ZeRO 3", false},
+      {"dp2z3", "--parallel.dp 2 --parallel.zero 3 --train.sample_tokens 8", "dp 2 | ZeRO 3", false},
       {"dp2tp2z1", "--parallel.dp 2 --parallel.tp 2 --parallel.zero 1", "dp 2 x tp 2 x cp 1 | ZeRO 1", true},
       {"pp2", "--train.grad_accum 2 --parallel.pp 2", "pp 2 (", false},
       {"pp2zb", "--train.grad_accum 2 --parallel.pp 2 --parallel.schedule zb-h1", "zb-h1", false},
