@@ -145,10 +145,10 @@ TEST(CudaTrain, RunTrainingCudaChecksTheConfig) {
   std::string m = message();
   EXPECT_NE(m.find("parallel.comm"), std::string::npos) << m;
   c.dp = 1;
-  c.tp = 2;
+  c.cp = 2;  // (ring attention runs on the CPU)
   m = message();
-  EXPECT_NE(m.find("parallel.tp"), std::string::npos) << m;
-  c.tp = 1;
+  EXPECT_NE(m.find("parallel.cp"), std::string::npos) << m;
+  c.cp = 1;
   m = message();
   EXPECT_TRUE(m.find("no CUDA device") != std::string::npos || m.find(c.data_dir) != std::string::npos) << m;
   c.device = "gpu";
