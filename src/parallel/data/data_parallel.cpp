@@ -423,13 +423,9 @@ DataParallel::DataParallel(DataChain chain, comm::Comm& dp, const optim::AdamWCo
   buf_ = &comm_;
   comm::Comm* tp = o_.norm_group && o_.norm_group->size() > 1 ? o_.norm_group : nullptr;
   norm_buf_ = tp;
-  if (device_) {
-    own_buf_ = be.buffer_comm(comm_.split(0, rank_), false);
-    buf_ = own_buf_.get();
-    if (tp) {
-      own_norm_buf_ = be.buffer_comm(tp->split(0, tp->rank()), false);
-      norm_buf_ = own_norm_buf_.get();
-    }
+  if (device_ && tp) {
+    own_norm_buf_ = be.buffer_comm(tp->split(0, tp->rank()), false);
+    norm_buf_ = own_norm_buf_.get();
   }
   // On a device the reductions run on the compute thread, in the model's stream order: every
   // device communicator enqueues on the backend's one stream, where two threads' collectives could
@@ -437,6 +433,9 @@ DataParallel::DataParallel(DataChain chain, comm::Comm& dp, const optim::AdamWCo
   // them with backward needs a stream of their own ordered by events: not yet.)
   worker_ = std::make_unique<Worker>(device_ ? be.buffer_comm(comm_.split(0, rank_), false) : comm_.split(0, rank_), o_.trace,
                                      o_.overlap && !device_);
+  // (The worker then runs on the compute thread: its device communicator serves the step's other
+  // collectives on the buffers too.)
+  if (device_) buf_ = &worker_->comm();
   if (device_) refresh_compute();
 }
 

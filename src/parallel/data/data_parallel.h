@@ -325,7 +325,7 @@ class DataParallel final : public model::ChainHooks {
   std::unique_ptr<Backend> host_be_;    // offload: a CPU backend over the host pool
   // The collectives on the backend's memory: comm_ and norm_group themselves on the CPU, device
   // communicators split from them on a GPU (Backend::buffer_comm); comm_ keeps the scalars.
-  std::unique_ptr<comm::Comm> own_buf_, own_norm_buf_;
+  std::unique_ptr<comm::Comm> own_norm_buf_;
   comm::Comm* buf_ = nullptr;
   comm::Comm* norm_buf_ = nullptr;
   bool device_ = false;  // the chain's memory is a device's
