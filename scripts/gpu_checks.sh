@@ -11,12 +11,13 @@
 #             NaN-poisoned outputs cannot show)
 #   pipeline  bench_pipeline at p = 4 and p = 2 (CPU threads: the host's cores, one rank per core)
 #   flash     bench_flash: loom's flash attention and loom's cuDNN path, same inputs
-#   mesh      the GPU mesh layouts' tests alone (tp, sp, pp, ZeRO 1-3, offload; also part of cuda)
+#   mesh      the GPU mesh layouts' tests alone (tp, sp, cp, pp, ZeRO 1-3, offload, recompute; also
+#             part of cuda)
 #   train     train_gpt2_cuda GPT-2 124M, B = 16, T = 1024, with flash (and the time of each part of
 #             the step) and with cuDNN attention
 #   loom      `loom train --train.device cuda` on a small corpus made from the repository's text,
 #             `loom generate` on its checkpoint, the same run as dp 2 x tp 2 with ZeRO-1 and as
-#             tp 2 x pp 2 (the mesh engine, threads sharing the GPU) and as two data-parallel
+#             tp 2 x pp 2, cp 2 x dp 2 (the mesh engine, threads sharing the GPU) and as two data-parallel
 #             processes
 #   llama     the Llama family on the GPU: train_gpt2_cuda at SmolLM-135M's shapes against GPT-2
 #             124M (B = 16, T = 1024, cuDNN attention for both, grouped-query for SmolLM; two
@@ -76,11 +77,12 @@ step_pipeline() {
     env_run bench_pipeline 2 8 8 11
 }
 step_flash() { env_run bench_flash; }
-# The layouts of the mesh engine on the GPU alone (also in `cuda`): the vocabulary-parallel ops'
-# parity, tensor-parallel ranks sharing the GPU against the CPU model, and `loom train` of every
-# mesh layout against one GPU, with resumes.
+# The layouts of the mesh engine on the GPU alone (also in `cuda`): the parity of the ops they add
+# (vocabulary-parallel loss and embedding, ring attention's strided copies and merge), tensor- and
+# context-parallel ranks sharing the GPU against the CPU model, and `loom train` of every mesh
+# layout against one GPU, with resumes.
 step_mesh() {
-  env_run test_cuda --gtest_filter='Cuda/BackendParity.VocabCrossEntropy/*:Cuda/BackendParity.EmbeddingVocabularyShardAtPositions/*:*.TensorParallelRanksSharingTheGpuMatchTheCpuModel:GPTOnCuda.LayoutsWithoutDeviceCollectivesAreRefusedByName:CudaTrain.MeshLayoutsOnThreadsSharingTheGpuMatchOneGpu'
+  env_run test_cuda --gtest_filter='Cuda/BackendParity.VocabCrossEntropy/*:Cuda/BackendParity.EmbeddingVocabularyShardAtPositions/*:Cuda/BackendParity.StridedCopy/*:Cuda/BackendParity.AttentionMerge/*:*.TensorParallelRanksSharingTheGpuMatchTheCpuModel:*.ContextParallelRanksSharingTheGpuMatchTheCpuModel:GPTOnCuda.LayoutsWithoutDeviceCollectivesAreRefusedByName:CudaTrain.MeshLayoutsOnThreadsSharingTheGpuMatchOneGpu'
 }
 step_train() {
   env_run train_gpt2_cuda -B 16 -T 1024 --steps 20 --warmup 5 --attention flash --profile 5 || return 1
@@ -110,6 +112,11 @@ step_loom() {
     --parallel.pp 2 --train.grad_accum 2 --train.steps 40 --train.eval_every 20 --train.checkpoint_every 20 \
     --train.out_dir "$out/run_tp2pp2" &&
     env_run loom generate "$out/run_tp2pp2" --prompt "The " --tokens 20 || return 1
+  # Context parallelism (ring attention) with dp and selective recomputation.
+  env_run loom train "$root/configs/kjv-10m.toml" --data.dir "$corpus/data" --train.device cuda --parallel.cp 2 \
+    --parallel.dp 2 --parallel.zero 2 --memory.recompute selective --train.steps 40 --train.eval_every 20 \
+    --train.checkpoint_every 20 --train.out_dir "$out/run_cp2" &&
+    env_run loom generate "$out/run_cp2" --prompt "The " --tokens 20 || return 1
   # Data parallelism: two processes (sharing the GPU on a one-GPU host: gradients staged through
   # host memory; one GPU each elsewhere: NCCL).
   command -v mpirun >/dev/null || { echo "mpirun not found: data-parallel run skipped"; return 0; }

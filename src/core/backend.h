@@ -175,8 +175,8 @@ struct AttentionForward {
   const void* v = nullptr;
 };
 
-// dq (q_stride), dk, dv (kv_stride) from dout (o_stride) and the forward's out and lse (and probs).
-// Written, or on the CPU added with accumulate (ring attention's several contributions). With the GEMM
+// dq (q_stride), dk, dv (kv_stride), written, from dout (o_stride) and the forward's out and lse
+// (and probs). With the GEMM
 // kernels, dq, dk and dv must be the q, k, v columns of one packed [B, T, 3 NH HS] buffer, and
 // probs is overwritten.
 struct AttentionBackward {
@@ -185,7 +185,6 @@ struct AttentionBackward {
   void* dq = nullptr;
   void* dk = nullptr;
   void* dv = nullptr;
-  bool accumulate = false;
   const void* dout = nullptr;
   const void* q = nullptr;
   const void* k = nullptr;
@@ -358,6 +357,37 @@ struct Copy {
   int64_t n = 0;
 };
 
+// dst[b * dst_batch + r * dst_row + c] = src[b * src_batch + r * src_row + c] for b < batches,
+// r < rows, c < cols (strides in elements of each side's dtype), converting as Copy does; with
+// accumulate, dst (f32) += the converted src instead. Both in this backend's memory, not
+// overlapping. Packs and unpacks strided blocks, e.g. ring attention's chunks of a sequence.
+struct StridedCopy {
+  void* dst = nullptr;
+  DType dst_dtype = DType::f32;
+  const void* src = nullptr;
+  DType src_dtype = DType::f32;
+  int64_t batches = 1, rows = 1, cols = 0;
+  int64_t dst_row = 0, dst_batch = 0, src_row = 0, src_batch = 0;
+  bool accumulate = false;
+};
+
+// Ring attention's merge of a partial result over more keys into the running one: for each
+// (b, h, t) whose part_lse is finite, out = (out e^lse + part e^part_lse) / (e^lse + e^part_lse)
+// and lse = log(e^lse + e^part_lse) (computed in double); with init, out and lse become part and
+// part_lse. out f32, element (b, t, h, d) at out[b * o_batch + t * o_row + h * HS + d]; lse f32 at
+// lse[b * lse_batch + h * Tq + t]; part (dtype) packed [B, Tq, NH HS] and part_lse f32 [B, NH, Tq],
+// an attention_forward's out and lse.
+struct AttentionMerge {
+  DType dtype = DType::f32;
+  float* out = nullptr;
+  float* lse = nullptr;
+  const void* part = nullptr;
+  const float* part_lse = nullptr;
+  int64_t B = 0, NH = 0, HS = 0, Tq = 0;
+  int64_t o_row = 0, o_batch = 0, lse_batch = 0;
+  bool init = false;
+};
+
 struct BackendOptions {
   int device_index = 0;          // CUDA: the GPU ordinal
   MemoryPool* pool = nullptr;    // where the backend allocates (a pool of its device); null: its own
@@ -401,6 +431,7 @@ class Backend {
   virtual int64_t attention_workspace_bytes(DType dtype, const AttnShape& s, int threads = 0) const = 0;
   virtual void attention_forward(const AttentionForward& a) = 0;
   virtual void attention_backward(const AttentionBackward& a) = 0;
+  virtual void attention_merge(const AttentionMerge& a) = 0;
   virtual void crossentropy(const CrossEntropy& a) = 0;
   virtual void vocab_crossentropy(const VocabCrossEntropy& a) = 0;
   virtual void embedding_forward(const EmbeddingForward& a) = 0;
@@ -428,6 +459,7 @@ class Backend {
   virtual void sum(const float* x, int64_t n, float scale, float* out) = 0;
   virtual std::unique_ptr<AdamWPlan> plan_adamw(const std::vector<AdamWTensor>& tensors) = 0;
   virtual void copy(const Copy& a) = 0;
+  virtual void copy_strided(const StridedCopy& a) = 0;
   virtual void fill_zero(void* dst, int64_t bytes) = 0;
   // Gives back the scratch the instance keeps between calls (attention workspace and the like);
   // later calls take it again.

@@ -160,7 +160,8 @@ void Embedding::forward(const int32_t* tokens, int64_t B, int64_t T, int64_t pos
   }
   pos0_ = pos0;
   if (P.cp() > 1) {
-    parallel::cp::slice_sequence(tokens, tokens_.i32(), B, T, P.cp(), P.cp_rank());
+    LOOM_CHECK(!on_device, "embedding: under context parallelism the tokens come from host memory");
+    P.slice_sequence(tokens, tokens_.i32(), B, T);
   } else {
     be_->copy({.dst = tokens_.raw(), .dst_dtype = DType::i32, .src = tokens, .src_dtype = DType::i32,
                .src_host = !on_device, .n = B * T});
@@ -266,17 +267,25 @@ std::unique_ptr<ChainBlock> TransformerBlock::replica(MemTag tag) const {
 
 AttnShape TransformerBlock::attention_shape(int64_t B, int64_t T) const {
   const ChainParallel& P = *par_;
-  const int64_t Cl = cfg_.n_embd / P.tp(), Ql = local_qkv_rows(cfg_, P.tp()), T1 = P.cp() > 1 ? T / (2 * P.cp()) : T;
-  return {.B = P.cp() > 1 ? 1 : B, .NH = cfg_.n_head / P.tp(), .HS = cfg_.head_size(), .Tq = T1, .Tkv = T1,
-          .q_stride = Ql, .kv_stride = Ql, .o_stride = Cl, .NKV = local_kv_heads(cfg_, P.tp())};
+  if (P.cp() > 1) return parallel::cp::RingAttention::chunk_shape(ring_shape(B, T), P.cp(), true);
+  const int64_t Cl = cfg_.n_embd / P.tp(), Ql = local_qkv_rows(cfg_, P.tp());
+  return {.B = B, .NH = cfg_.n_head / P.tp(), .HS = cfg_.head_size(), .Tq = T, .Tkv = T, .q_stride = Ql,
+          .kv_stride = Ql, .o_stride = Cl, .NKV = local_kv_heads(cfg_, P.tp())};
+}
+
+parallel::cp::RingShape TransformerBlock::ring_shape(int64_t B, int64_t T) const {
+  const ChainParallel& P = *par_;
+  return {B, T, cfg_.n_head / P.tp(), cfg_.head_size(), local_kv_heads(cfg_, P.tp())};
 }
 
 int64_t TransformerBlock::attention_workspace_bytes(int64_t B, int64_t T, int threads) const {
   const ChainParallel& P = *par_;
+  int64_t n = be_->attention_workspace_bytes(dt_, attention_shape(B, T), threads);
+  // Ring attention's chunk pairs off the diagonal are calls without a mask.
   if (P.cp() > 1)
-    return parallel::cp::RingAttention::workspace_bytes(
-        {B, T, cfg_.n_head / P.tp(), cfg_.head_size(), local_kv_heads(cfg_, P.tp())}, P.cp(), threads);
-  return be_->attention_workspace_bytes(dt_, attention_shape(B, T), threads);
+    n = std::max(n, be_->attention_workspace_bytes(
+                        dt_, parallel::cp::RingAttention::chunk_shape(ring_shape(B, T), P.cp(), false), threads));
+  return n;
 }
 
 std::vector<SavedActivation> TransformerBlock::saved_activations(int64_t B, int64_t T) const {
@@ -453,7 +462,7 @@ void TransformerBlock::attend(const Tensor& out, const Tensor& lse, int64_t B, i
   const int64_t HS = cfg_.head_size(), NHl = cfg_.n_head / P.tp(), NKVl = local_kv_heads(cfg_, P.tp());
   const int64_t es = int64_t(esize());
   if (P.cp() > 1) {
-    P.ring().forward(*P.cp_group(), out.f32(), lse.f32(), a_.qkv.f32(), {B, T, NHl, HS, NKVl});
+    P.ring().forward(*P.cp_group(), out.raw(), lse.f32(), a_.qkv.raw(), ring_shape(B, T));
     return;
   }
   const char* qkv = at(a_.qkv, 0);
@@ -552,8 +561,7 @@ void TransformerBlock::run_backward(const void* x, const BackwardScratch& s, boo
                         .inp = atty.raw(), .weight = w(ATTN_PROJ_W), .M = N, .K = Cl, .N = C});
   const int64_t ko = NHl * HS * es, vo = (NHl + NKVl) * HS * es;  // byte offsets of k and v in a row
   if (P.cp() > 1) {
-    P.ring().backward(*P.cp_group(), reinterpret_cast<float*>(dqkv), static_cast<const float*>(s.bufC), a_.qkv.f32(),
-                      atty.f32(), lse.f32(), {B, T, NHl, HS, NKVl});
+    P.ring().backward(*P.cp_group(), dqkv, s.bufC, a_.qkv.raw(), atty.raw(), lse.f32(), ring_shape(B, T));
   } else {
     be_->attention_backward({.dtype = dt_, .shape = attention_shape(B, T), .dq = dqkv, .dk = dqkv + ko, .dv = dqkv + vo,
                              .dout = s.bufC, .q = qkv, .k = qkv + ko, .v = qkv + vo, .out = atty.raw(),
@@ -690,11 +698,13 @@ double Head::forward(const void* x, const int32_t* targets, int64_t B, int64_t T
       counted_ += targets[i] >= 0;  // the whole sequence's (every cp rank's) count
     }
   }
-  if (P.cp() > 1)
-    parallel::cp::slice_sequence(targets, targets_.i32(), B, T, P.cp(), P.cp_rank());
-  else
+  if (P.cp() > 1) {
+    LOOM_CHECK(!dev, "head: under context parallelism the targets come from host memory");
+    P.slice_sequence(targets, targets_.i32(), B, T);
+  } else {
     be_->copy({.dst = targets_.raw(), .dst_dtype = DType::i32, .src = targets, .src_dtype = DType::i32,
                .src_host = dev == nullptr, .n = N});
+  }
   const float dloss = counted_ ? dloss_scale / float(counted_) : 0.0f;
   loss(fuse_backward, dloss);
   holds_dlogits_ = fuse_backward;
@@ -714,7 +724,7 @@ double Head::forward(const void* x, const int32_t* targets, int64_t B, int64_t T
   for (int64_t i = 0; i < N; ++i) sum += losses[i];
   if (P.cp() > 1) {  // the sum over the whole sequence
     float s = float(sum);
-    P.cp_group()->all_reduce(&s, 1, DType::f32);
+    P.cp_host_group()->all_reduce(&s, 1, DType::f32);
     sum = s;
   }
   return counted_ ? sum / double(counted_) : 0.0;

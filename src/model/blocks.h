@@ -33,6 +33,7 @@
 #include "model/param_specs.h"
 #include "model/parallel.h"
 #include "model/recompute.h"
+#include "parallel/context/ring_attention.h"
 
 namespace loom::model {
 
@@ -229,9 +230,11 @@ class TransformerBlock final : public ChainBlock {
   // The attention call of a training step at [B, T] (packed qkv, this rank's heads; one chunk
   // pair of the ring under cp).
   AttnShape attention_shape(int64_t B, int64_t T) const;
-  // The attention kernel's scratch (tag workspace, kept by the backend, or under cp by the ring):
-  // the larger of its forward and backward call at [B, T] on `threads` OpenMP threads (0: the
-  // calling thread's).
+  // Under cp: the ring's geometry of a micro-batch [B, T] (this rank's heads).
+  parallel::cp::RingShape ring_shape(int64_t B, int64_t T) const;
+  // The attention kernel's scratch (tag workspace, kept by the backend): the larger of its forward
+  // and backward call at [B, T] on `threads` OpenMP threads (0: the calling thread's); under cp of
+  // the ring's two kinds of chunk pair.
   int64_t attention_workspace_bytes(int64_t B, int64_t T, int threads = 0) const;
 
   // Output gradients of the linear layers, held between backward_input and backward_weight.

@@ -21,12 +21,12 @@ ChainParallel::ChainParallel(Backend& be, ParallelGroups groups, bool sp) : be_(
   cp_ = tpm::group_size(g_.cp);
   cpr_ = tpm::group_rank(g_.cp);
   // On a device the groups' collectives take its memory (comm/nccl_comm.h's device
-  // communicators), in the compute dtype; ring attention (cp) runs on the CPU backend only.
+  // communicators), in the compute dtype; scalars and sampling's rows go over the host groups.
   if (be.device() != Device::cpu) {
-    if (cp_ > 1)
-      throw Error(fmt::format("context parallelism (cp = {}) runs on the CPU backend; the {} backend has no ring "
-                              "attention yet",
-                              cp_, be.name()));
+    if (cp_ > 1 && !g_.cp->device_buffers())
+      throw Error(fmt::format("context parallelism (cp = {}) on the {} backend needs a device communicator for its "
+                              "group (comm::make_device_comm), got the {} backend's",
+                              cp_, be.name(), g_.cp->backend()));
     if (tp_ > 1 && !g_.tp->device_buffers())
       throw Error(fmt::format("tensor parallelism (tp = {}) on the {} backend needs a device communicator for its "
                               "group (comm::make_device_comm), got the {} backend's",
@@ -74,7 +74,7 @@ std::vector<float> ChainParallel::logits_row(const float* logits, int64_t T, int
         if (parallel::cp::global_position(t, T, cp_, r) == position) owner = r, local = t;
   std::vector<float> mine(static_cast<size_t>(Vr));
   if (cpr_ == owner) std::copy_n(logits + local * Vr, Vr, mine.begin());
-  if (comm::Comm* g = cp_group()) g->broadcast(mine.data(), Vr, DType::f32, owner);
+  if (comm::Comm* g = cp_host_group()) g->broadcast(mine.data(), Vr, DType::f32, owner);
   comm::Comm* tp = tp_host_group();  // (host vectors)
   if (!tp) return mine;
   std::vector<float> row(static_cast<size_t>(Vr * tp_));
@@ -212,6 +212,13 @@ float* ChainParallel::loss_statistics(int64_t N) {
   return stats_.f32();
 }
 
+void ChainParallel::slice_sequence(const int32_t* full, int32_t* local, int64_t B, int64_t T) const {
+  const int64_t n = B * (T / cp_);
+  std::vector<int32_t> host(static_cast<size_t>(n));
+  parallel::cp::slice_sequence(full, host.data(), B, T, cp_, cpr_);
+  be_.copy({.dst = local, .dst_dtype = DType::i32, .src = host.data(), .src_dtype = DType::i32, .src_host = true, .n = n});
+}
+
 const int32_t* ChainParallel::positions(int64_t T) {
   if (T != positions_T_) {
     const int64_t Tl = T / cp_;
@@ -227,7 +234,7 @@ const int32_t* ChainParallel::positions(int64_t T) {
 }
 
 parallel::cp::RingAttention& ChainParallel::ring() {
-  if (!ring_) ring_ = std::make_unique<parallel::cp::RingAttention>(be_.pool());
+  if (!ring_) ring_ = std::make_unique<parallel::cp::RingAttention>(be_);
   return *ring_;
 }
 

@@ -24,8 +24,9 @@
 // host communicators for the CPU backend, device communicators (comm/nccl_comm.h: NCCL, or staged
 // through host memory where ranks share a GPU) for a GPU's, made on the backend's queue
 // (DeviceCommOptions::stream = Backend::native_queue(), so that a collective follows the ops
-// that wrote its buffers), whose compute dtype must then be one the reductions take (f32 or bf16). Context parallelism (ring attention) runs on the CPU backend
-// only.
+// that wrote its buffers), whose compute dtype must then be one the reductions take (f32 or bf16).
+// Ring attention (cp) runs over the backend's ops (parallel/context/ring_attention.h); the host
+// groups (ParallelGroups::tp_host, cp_host) carry scalars and sampling's rows.
 #pragma once
 #include <cstdint>
 #include <map>
@@ -51,6 +52,8 @@ struct ParallelGroups {
   // On a device, where tp is a device communicator: the same group's host communicator, for host
   // buffers (scalars, the norm's sums, sampling's logits rows); null: tp itself.
   comm::Comm* tp_host = nullptr;
+  // The same for cp, whose group on a device is a device communicator for ring attention.
+  comm::Comm* cp_host = nullptr;
 };
 
 class ChainParallel {
@@ -74,6 +77,8 @@ class ChainParallel {
   // The tp group for host memory (ParallelGroups::tp_host, or tp itself).
   comm::Comm* tp_host_group() const { return tp_ > 1 ? (g_.tp_host ? g_.tp_host : g_.tp) : nullptr; }
   comm::Comm* cp_group() const { return cp_ > 1 ? g_.cp : nullptr; }
+  // The cp group for host memory (ParallelGroups::cp_host, or cp itself).
+  comm::Comm* cp_host_group() const { return cp_ > 1 ? (g_.cp_host ? g_.cp_host : g_.cp) : nullptr; }
 
   // Checks a model config against the layout (query heads, key/value heads and the feed-forward's
   // width divisible by tp), naming `where`.
@@ -131,6 +136,8 @@ class ChainParallel {
   // i32 [T / cp] in the backend's memory: the global position of each of the rank's rows of a
   // sequence of T (tag workspace, kept for the last T).
   const int32_t* positions(int64_t T);
+  // local i32 [B, T / cp] (the backend's memory) = this rank's positions of full i32 [B, T] (host).
+  void slice_sequence(const int32_t* full, int32_t* local, int64_t B, int64_t T) const;
   // Ring attention over cp (its K/V blocks and partial outputs, shared by the chain's blocks).
   parallel::cp::RingAttention& ring();
   // Frees the shared scratch.

@@ -202,9 +202,11 @@ CpuExtras cpu_extras(const Job& job, const Layout& L) {
   x.workspace = 4 * (Ns * h + N * h + N * wide);
   if (L.sp) x.workspace += 4 * (2 * N * h + Ns * h);
   if (L.tp > 1) x.workspace += 4 * 3 * N;
-  // Under cp the rows' positions, and ring attention's partial output and log-sum-exps of a chunk
-  // pair (half the rank's rows).
-  if (L.cp > 1) x.workspace += 4 * double(m.seq) / L.cp + 4 * N / 2 * (q_local + double(m.heads) / tp);
+  // Under cp the rows' positions, and ring attention's chunks of half the rank's rows
+  // (parallel::cp::RingAttention::buffer_bytes): the packed queries, partial output / output
+  // gradient, output and dq, a pair's dk | dv, and the partial output's log-sum-exps.
+  if (L.cp > 1)
+    x.workspace += 4 * double(m.seq) / L.cp + 4 * N / 2 * (4 * q_local + 2 * kv_local + double(m.heads) / tp);
   const BlockParams bp = block_params(m, L.tp);
   const double layer = bp.layer, wte = bp.wte, emb = bp.emb, head_own = bp.head_own(m);
   const int shard = L.dp * L.cp;

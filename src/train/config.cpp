@@ -508,20 +508,13 @@ void TrainConfig::validate_cuda(const std::string& where) const {
   };
   const char* gpu = "with train.device = \"cuda\"";
   // The GPU runs whole replicas over dp (its replica engine, one CUDA graph per step), and tensor,
-  // sequence and pipeline parallelism, ZeRO 1-3 and offload composed with dp on the mesh engine
-  // (train/engine.h). Context parallelism is the CPU's for now.
-  if (cp != 1)
-    refuse("parallel.cp", fmt::format("must be 1 {} (the GPU runs dp x tp x pp, with sp, ZeRO and offload; context "
-                                      "parallelism's ring attention runs on the CPU), got {}",
-                                      gpu, cp));
+  // sequence, context and pipeline parallelism, ZeRO 1-3, offload and activation recomputation
+  // composed with dp on the mesh engine (train/engine.h).
   if (cuda_mesh() && run_precision() == "fp16")
     refuse("train.precision",
            fmt::format("fp16 {} runs whole replicas over dp (its loss scaling is the replica engine's); with "
                        "tensor, sequence or pipeline parallelism, ZeRO or offload use bf16",
                        gpu));
-  if (recompute != "none")
-    refuse("memory.recompute", fmt::format("must be none {} for now (recomputation runs on the CPU), got '{}'", gpu,
-                                           recompute));
   // Whole replicas as threads of one process would share its CUDA state (the device pool, the
   // captured graphs' memory): the replica engine's ranks are processes. The mesh engine's ranks may
   // be threads sharing the GPU (each with a backend of its own; their collectives staged through
@@ -542,6 +535,18 @@ void TrainConfig::validate_cuda(const std::string& where) const {
   if (shaped && m.head_size() % 8 != 0)
     refuse("model.n_head", fmt::format("the head size n_embd / n_head = {} / {} = {} must be a multiple of 8 {}",
                                        m.n_embd, m.n_head, m.head_size(), gpu));
+  // Ring attention (cp) calls the kernels that keep no probabilities: flash or cuDNN.
+  if (shaped && cp > 1 && (cuda_attention == "gemm" || (m.head_size() != 64 && m.head_size() != 128)))
+    refuse("parallel.cp",
+           fmt::format("{} {} needs flash or cuDNN attention (head sizes 64 and 128) for ring attention, and the "
+                       "run has train.cuda_attention = {} with n_embd / n_head = {} / {} = {}",
+                       cp, gpu, cuda_attention, m.n_embd, m.n_head, m.head_size()));
+  if (shaped && recompute == "selective" && (cuda_attention == "gemm" || (m.head_size() != 64 && m.head_size() != 128)))
+    refuse("memory.recompute",
+           fmt::format("selective {} needs flash or cuDNN attention (head sizes 64 and 128: the GEMM kernels keep the "
+                       "probabilities it drops), and the run has train.cuda_attention = {} with n_embd / n_head = "
+                       "{} / {} = {}",
+                       gpu, cuda_attention, m.n_embd, m.n_head, m.head_size()));
   if (shaped && (cuda_attention == "flash" || cuda_attention == "cudnn") && m.head_size() != 64 &&
       m.head_size() != 128)
     refuse("train.cuda_attention",

@@ -45,10 +45,12 @@ struct TrainConfig {
   std::string run_precision() const { return precision != "auto" ? precision : device == "cuda" ? "bf16" : "f32"; }
   // The CPU backend's matmul inputs for train.precision (BackendOptions::matmul).
   DType cpu_matmul() const { return device == "cpu" && run_precision() == "bf16" ? DType::bf16 : DType::f32; }
-  // On CUDA: whether the layout needs the mesh engine (tensor / sequence / pipeline parallelism,
-  // ZeRO or offload: train/engine.h's make_mesh_engine) rather than the GPU's replica engine
-  // (whole replicas over dp, one CUDA graph per step).
-  bool cuda_mesh() const { return tp > 1 || sp || pp > 1 || zero > 0 || offload; }
+  // On CUDA: whether the layout needs the mesh engine (tensor / sequence / context / pipeline
+  // parallelism, ZeRO, offload or activation recomputation: train/engine.h's make_mesh_engine)
+  // rather than the GPU's replica engine (whole replicas over dp, one CUDA graph per step).
+  bool cuda_mesh() const {
+    return tp > 1 || sp || cp > 1 || pp > 1 || zero > 0 || offload || recompute != "none";
+  }
   int64_t threads = 0;                     // per process; 0: all cores (under mpi: shared by the host's processes)
   int64_t log_every = 10;
   int64_t eval_every = 100;                // 0: never

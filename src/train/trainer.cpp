@@ -240,6 +240,13 @@ void load_data_parallel(parallel::DataParallel& ddp, CheckpointReader& ckpt, int
   ddp.state_loaded(optimizer_steps);
 }
 
+// On a device, a communicator over `group`'s ranks whose collectives take the device's memory
+// (Backend::buffer_comm), where the group has several ranks; else null (the host group serves).
+static std::unique_ptr<comm::Comm> device_group(const DeviceMesh& dev, comm::Comm& group) {
+  if (!dev.backend || group.size() <= 1) return nullptr;
+  return dev.backend->buffer_comm(group.split(0, group.rank()), false);
+}
+
 // The CPU's engines (the loop runs whatever train/engine.h's interface offers), on the CPU or,
 // given a device (make_mesh_engine), on its backend: the pool is then the device's, the batches'
 // token ids in host memory, the MFU against the device's GEMM rate.
@@ -291,9 +298,13 @@ class ChainEngine : public CpuEngine {
       : CpuEngine(pool, &host_pool, cfg.cpu_matmul(), std::move(dev)), cfg_(cfg), mc_(comms), train_(train),
         dp_(comms["dp"]), tp_(comms["tp"]), trace_(comms.world().rank(), trace),
         own_be_(dev_.backend ? nullptr : make_backend(Device::cpu, {.pool = &pool, .matmul = cfg.cpu_matmul()})),
-        tp_buffers_(dev_.backend && tp_.size() > 1 ? backend().buffer_comm(tp_.split(0, tp_.rank()), false) : nullptr),
+        tp_buffers_(device_group(dev_, tp_)),
+        cp_buffers_(device_group(dev_, comms["cp"])),
         model_(mc, backend(), cfg.seed,
-               {.groups = {.tp = tp_buffers_ ? tp_buffers_.get() : &comms["tp"], .cp = &comms["cp"], .tp_host = &comms["tp"]},
+               {.groups = {.tp = tp_buffers_ ? tp_buffers_.get() : &comms["tp"],
+                           .cp = cp_buffers_ ? cp_buffers_.get() : &comms["cp"],
+                           .tp_host = &comms["tp"],
+                           .cp_host = &comms["cp"]},
                 .sp = cfg.sp,
                 .defer_parameters = true}),
         ddp_(model_, comms.get({"dp", "cp"}), oc, options(cfg, comms, host_pool, trace_, model_)) {
@@ -524,6 +535,7 @@ class ChainEngine : public CpuEngine {
   parallel::Trace trace_;
   std::unique_ptr<Backend> own_be_;         // the CPU's
   std::unique_ptr<comm::Comm> tp_buffers_;  // a device's tp group for its memory
+  std::unique_ptr<comm::Comm> cp_buffers_;  // a device's cp group for its memory (ring attention)
   model::GPT model_;
   parallel::DataParallel ddp_;
   std::string note_;                         // the recompute plan, said at the start
@@ -560,11 +572,15 @@ class PipelineEngine : public CpuEngine {
                  DeviceMesh dev = {})
       : CpuEngine(pool, &host_pool, cfg.cpu_matmul(), std::move(dev)), cfg_(cfg), mc_(comms), model_cfg_(mc),
         train_(train), pp_(comms["pp"]), dp_(comms["dp"]), tp_(comms["tp"]),
-        tp_buffers_(dev_.backend && tp_.size() > 1 ? dev_.backend->buffer_comm(tp_.split(0, tp_.rank()), false) : nullptr),
+        tp_buffers_(device_group(dev_, tp_)),
+        cp_buffers_(device_group(dev_, comms["cp"])),
         exec_(mc, options(cfg, oc, mc.n_layer, dev_.backend.get()), comms["pp"],
               comms["dp"].size() > 1 ? &comms["dp"] : nullptr, dev_.backend ? dev_.backend->pool() : pool,
-              {.tp = tp_buffers_ ? tp_buffers_.get() : &comms["tp"], .cp = &comms["cp"],
-               .dp_cp = &comms.get({"dp", "cp"}), .tp_host = &comms["tp"]},
+              {.tp = tp_buffers_ ? tp_buffers_.get() : &comms["tp"],
+               .cp = cp_buffers_ ? cp_buffers_.get() : &comms["cp"],
+               .dp_cp = &comms.get({"dp", "cp"}),
+               .tp_host = &comms["tp"],
+               .cp_host = &comms["cp"]},
               &host_pool) {
     world_size_ = comms.world().size();
     local_ = cfg.batch_size / dp_.size();
@@ -737,6 +753,7 @@ class PipelineEngine : public CpuEngine {
   comm::Comm& dp_;
   comm::Comm& tp_;
   std::unique_ptr<comm::Comm> tp_buffers_;  // a device's tp group for its memory
+  std::unique_ptr<comm::Comm> cp_buffers_;  // a device's cp group for its memory (ring attention)
   pipe::PipelineExecutor exec_;
   std::string note_;  // the optimal recompute plans, said at the start
   int64_t local_ = 0, n_layer_ = 0;

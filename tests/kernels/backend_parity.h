@@ -756,6 +756,128 @@ TEST_P(BackendParity, CopiesAndRefusals) {
   }
 }
 
+// Strided copies (ring attention's packing): a block of batches x rows x cols out of a padded
+// tensor into a packed one of the compute dtype, back into a padded f32 one (elements outside the
+// block keep their NaN), and added into f32 values.
+TEST_P(BackendParity, StridedCopy) {
+  const int64_t batches = 3, rows = 5, cols = 24, src_row = 40, src_batch = rows * src_row + 8;
+  const int64_t dst_row = cols, dst_batch = rows * cols;
+  const auto x = bf16_random(batches * src_batch, 71);
+  DevBuf src(be(), x, DType::f32), packed(be(), batches * dst_batch, dt_), same(be(), batches * dst_batch, dt_);
+  packed.poison();
+  be().copy_strided({.dst = packed.p(), .dst_dtype = dt_, .src = static_cast<float*>(src.p()) + 4,
+                     .src_dtype = DType::f32, .batches = batches, .rows = rows, .cols = cols, .dst_row = dst_row,
+                     .dst_batch = dst_batch, .src_row = src_row, .src_batch = src_batch});
+  std::vector<double> want(static_cast<size_t>(batches * dst_batch));
+  for (int64_t b = 0; b < batches; ++b)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c)
+        want[size_t(b * dst_batch + r * dst_row + c)] = x[size_t(4 + b * src_batch + r * src_row + c)];
+  EXPECT_LE(rel_norm_err(packed.get(), want), tol_f32()) << "pack, converting into " << dtype_name(dt_);
+  // The same dtype on both sides (a plain strided copy), packed -> packed.
+  same.poison();
+  be().copy_strided({.dst = same.p(), .dst_dtype = dt_, .src = packed.p(), .src_dtype = dt_, .batches = batches,
+                     .rows = rows, .cols = cols, .dst_row = dst_row, .dst_batch = dst_batch, .src_row = dst_row,
+                     .src_batch = dst_batch});
+  EXPECT_EQ(same.get(), packed.get());
+  // Unpacked into a padded f32 tensor: the padding is not written.
+  DevBuf back(be(), batches * src_batch, DType::f32);
+  back.poison();
+  be().copy_strided({.dst = static_cast<float*>(back.p()) + 4, .dst_dtype = DType::f32, .src = packed.p(),
+                     .src_dtype = dt_, .batches = batches, .rows = rows, .cols = cols, .dst_row = src_row,
+                     .dst_batch = src_batch, .src_row = dst_row, .src_batch = dst_batch});
+  const std::vector<float> got = back.get(), p = packed.get();
+  for (int64_t i = 0; i < batches * src_batch; ++i) {
+    const int64_t j = i - 4, b = j / src_batch, r = (j % src_batch) / src_row, c = (j % src_batch) % src_row;
+    const bool inside = j >= 0 && b < batches && r < rows && c < cols;
+    if (inside) ASSERT_EQ(got[size_t(i)], p[size_t(b * dst_batch + r * dst_row + c)]) << "element " << i;
+    else ASSERT_TRUE(std::isnan(got[size_t(i)])) << "padding element " << i << " was written";
+  }
+  // Accumulated: f32 += the compute dtype's values.
+  const auto y = bf16_random(batches * dst_batch, 72);
+  DevBuf acc(be(), y, DType::f32);
+  be().copy_strided({.dst = acc.p(), .dst_dtype = DType::f32, .src = packed.p(), .src_dtype = dt_, .rows = 1,
+                     .cols = batches * dst_batch, .accumulate = true});
+  std::vector<double> sum(y.size());
+  for (size_t i = 0; i < y.size(); ++i) sum[i] = double(y[i]) + double(p[i]);
+  EXPECT_LE(rel_norm_err(acc.get(), sum), 1e-6) << "accumulate";
+  EXPECT_THROW(be().copy_strided({.dst = packed.p(), .dst_dtype = DType::bf16, .src = acc.p(), .src_dtype = DType::f32,
+                                  .cols = 1, .accumulate = true}),
+               Error)
+      << "accumulating into a 16-bit destination";
+}
+
+// Ring attention's merge of partial results: into a strided f32 output and log-sum-exps, first
+// with init (the first partial result, rows without a visible key included), then a second partial
+// result, against the definition in double.
+TEST_P(BackendParity, AttentionMerge) {
+  const int64_t B = 2, NH = 3, HS = 40, Tq = 5, C = NH * HS;
+  const int64_t o_row = C + 8, o_batch = Tq * o_row + 16, lse_batch = NH * Tq + 3;
+  const double inf = std::numeric_limits<double>::infinity();
+  auto lse_values = [&](uint32_t seed, int64_t skip) {
+    std::vector<float> l = bf16_random(B * NH * Tq, seed, 2.f);
+    for (size_t i = 0; i < l.size(); i += size_t(skip)) l[i] = -std::numeric_limits<float>::infinity();
+    return l;
+  };
+  const auto p1 = bf16_random(B * Tq * C, 73), p2 = bf16_random(B * Tq * C, 74);
+  const auto l1 = lse_values(75, 7), l2 = lse_values(76, 5);
+  DevBuf part1(be(), p1, dt_), part2(be(), p2, dt_), lse1(be(), l1, DType::f32), lse2(be(), l2, DType::f32);
+  DevBuf out(be(), B * o_batch, DType::f32), lse(be(), B * lse_batch, DType::f32);
+  out.poison();
+  lse.poison();
+  std::vector<double> o_ref(static_cast<size_t>(B * o_batch), std::nan("")), l_ref(static_cast<size_t>(B * lse_batch), std::nan(""));
+  auto merge_ref = [&](const std::vector<float>& p, const std::vector<float>& lp, bool init) {
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < NH; ++h)
+        for (int64_t t = 0; t < Tq; ++t) {
+          double& l = l_ref[size_t(b * lse_batch + h * Tq + t)];
+          const double lb = lp[size_t((b * NH + h) * Tq + t)], la = init ? -inf : l;
+          if (!init && lb == -inf) continue;
+          const double m = std::max(la, lb);
+          const double wa = la == -inf ? 0 : std::exp(la - m), wb = std::exp(lb - m);
+          for (int64_t d = 0; d < HS; ++d) {
+            double& o = o_ref[size_t(b * o_batch + t * o_row + h * HS + d)];
+            const double x = p[size_t((b * Tq + t) * C + h * HS + d)];
+            o = la == -inf ? x : (wa * o + wb * x) / (wa + wb);
+          }
+          l = la == -inf ? lb : m + std::log(wa + wb);
+        }
+  };
+  auto compare = [&](const char* what) {
+    const std::vector<float> og = out.get(), lg = lse.get();
+    std::vector<float> o_got, l_got;
+    std::vector<double> o_want, l_want;
+    for (size_t i = 0; i < og.size(); ++i) {
+      if (std::isnan(o_ref[i])) {
+        ASSERT_TRUE(std::isnan(og[i])) << what << ": padding element " << i << " of out was written";
+        continue;
+      }
+      o_got.push_back(og[i]), o_want.push_back(o_ref[i]);
+    }
+    for (size_t i = 0; i < lg.size(); ++i) {
+      if (std::isnan(l_ref[i])) continue;
+      if (l_ref[i] == -inf) {
+        EXPECT_EQ(lg[i], -std::numeric_limits<float>::infinity()) << what << ": lse " << i;
+        continue;
+      }
+      l_got.push_back(lg[i]), l_want.push_back(l_ref[i]);
+    }
+    EXPECT_LE(rel_norm_err(o_got, o_want), tol_f32()) << what << ": out";
+    EXPECT_LE(rel_norm_err(l_got, l_want), 1e-6) << what << ": lse";
+  };
+  const AttentionMerge base{.dtype = dt_, .out = out.as<float>(), .lse = lse.as<float>(), .B = B, .NH = NH, .HS = HS,
+                            .Tq = Tq, .o_row = o_row, .o_batch = o_batch, .lse_batch = lse_batch};
+  AttentionMerge a = base;
+  a.part = part1.p(), a.part_lse = lse1.as<float>(), a.init = true;
+  be().attention_merge(a);
+  merge_ref(p1, l1, true);
+  compare("init");
+  a.part = part2.p(), a.part_lse = lse2.as<float>(), a.init = false;
+  be().attention_merge(a);
+  merge_ref(p2, l2, false);
+  compare("merge");
+}
+
 // Backend instances share no state: two threads, each with its own instance, run the same linear
 // layer forward and backward (GEMM tuning, scratch growth and all) at once and get what one
 // instance gets alone (within the tolerances: tuning may choose another algorithm, and so another

@@ -161,13 +161,15 @@ TEST(LlamaOnCuda, MatchesTheCpuModel) {
 
 namespace {
 
-// Tensor (and sequence) parallelism on CUDA: `tp` ranks as threads of this process sharing the
-// GPU, each a GPT over a device communicator for its tp group (comm/nccl_comm.h: the staged path,
-// as the ranks share one GPU), against the CPU model in f32 from the same seed: every rank's loss
+// Tensor (and sequence) and context parallelism on CUDA: tp x cp ranks as threads of this process
+// sharing the GPU (tp the inner dimension), each a GPT over device communicators for its tp and
+// cp groups (comm/nccl_comm.h: the staged path, as the ranks share one GPU; the cp group's host
+// communicator for the loss), against the CPU model in f32 from the same seed: every rank's loss
 // within 5e-3 relative, and every rank's part of every parameter gradient (after the partial sums
-// that data parallelism would add over tp: sequence-parallel norms, replicated key/value heads)
-// within 5e-2 (norm) of the same elements of the CPU model's, the bf16 model's tolerances above.
-void check_tensor_parallel(const model::GPTConfig& cfg, int tp, bool sp) {
+// that data parallelism would add over tp and cp: sequence-parallel norms, replicated key/value
+// heads, each cp rank's share of the sequence) within 5e-2 (norm) of the same elements of the CPU
+// model's, the bf16 model's tolerances above.
+void check_model_parallel(const model::GPTConfig& cfg, int tp, bool sp, int cp = 1) {
   const int64_t B = 2, T = 48;
   std::mt19937 rng(5);
   std::vector<int32_t> tokens(size_t(B * T)), targets(size_t(B * T));
@@ -181,20 +183,28 @@ void check_tensor_parallel(const model::GPTConfig& cfg, int tp, bool sp) {
   const float ref_loss = ref.forward(tok, tgt, {.fuse_backward = true});
   ref.backward();
 
-  const std::string what = fmt::format("{} tp {}{}", cfg.name, tp, sp ? " + sp" : "");
-  comm::run_ranks(tp, [&](comm::Comm& world) {
+  const std::string what = fmt::format("{} tp {}{} cp {}", cfg.name, tp, sp ? " + sp" : "", cp);
+  comm::run_ranks(tp * cp, [&](comm::Comm& world) {
+    const int r = world.rank();
     auto be = make_backend(Device::cuda);
-    // The group's collectives on the backend's stream, after the ops that wrote their buffers.
-    auto group = be->buffer_comm(world.split(0, world.rank()), false);
-    ASSERT_TRUE(group->device_buffers());
-    model::GPT gpt(cfg, *be, 11, {.groups = {.tp = group.get()}, .sp = sp});
+    // The groups' collectives on the backend's stream, after the ops that wrote their buffers.
+    auto tp_host = world.split(r / tp, r % tp), cp_host = world.split(r % tp, r / tp);
+    auto tp_dev = tp > 1 ? be->buffer_comm(tp_host->split(0, tp_host->rank()), false) : nullptr;
+    auto cp_dev = cp > 1 ? be->buffer_comm(cp_host->split(0, cp_host->rank()), false) : nullptr;
+    if (tp_dev) ASSERT_TRUE(tp_dev->device_buffers());
+    if (cp_dev) ASSERT_TRUE(cp_dev->device_buffers());
+    model::GPT gpt(cfg, *be, 11,
+                   {.groups = {.tp = tp_dev.get(), .cp = cp_dev.get(), .tp_host = tp > 1 ? tp_host.get() : nullptr,
+                               .cp_host = cp > 1 ? cp_host.get() : nullptr},
+                    .sp = sp});
     gpt.zero_grad();
     const float loss = gpt.forward(tok, tgt, {.fuse_backward = true});
     gpt.backward();
-    EXPECT_LE(std::fabs(double(loss) - ref_loss) / ref_loss, 5e-3) << what << ", rank " << world.rank();
+    EXPECT_LE(std::fabs(double(loss) - ref_loss) / ref_loss, 5e-3) << what << ", rank " << r;
     for (size_t i = 0; i < gpt.parameters().size(); ++i) {
       const model::Parameter* p = gpt.parameters()[i];
-      p->sum_partial_gradients(0, p->spec.numel(), p->grad.f32(), group.get());
+      p->sum_partial_gradients(0, p->spec.numel(), p->grad.f32(), tp_dev.get());
+      if (cp_dev) cp_dev->all_reduce(p->grad.f32(), p->grad.numel(), DType::f32);
       const std::vector<float> mine = download(*be, p->grad);
       const Tensor& rg = ref.parameter(p->spec.name).grad;
       std::vector<float> got, want;
@@ -202,7 +212,7 @@ void check_tensor_parallel(const model::GPTConfig& cfg, int tp, bool sp) {
         got.insert(got.end(), mine.begin() + s.local, mine.begin() + s.local + s.n);
         want.insert(want.end(), rg.f32() + s.global, rg.f32() + s.global + s.n);
       }
-      EXPECT_LE(rel_err(got, want), 5e-2) << what << ", rank " << world.rank() << ": gradient of " << p->spec.name;
+      EXPECT_LE(rel_err(got, want), 5e-2) << what << ", rank " << r << ": gradient of " << p->spec.name;
     }
   });
 }
@@ -220,7 +230,7 @@ TEST(GPTOnCuda, TensorParallelRanksSharingTheGpuMatchTheCpuModel) {
   cfg.block_size = 64;
   cfg.vocab_size = 300;
   for (int tp : {2, 4})
-    for (bool sp : {false, true}) check_tensor_parallel(cfg, tp, sp);
+    for (bool sp : {false, true}) check_model_parallel(cfg, tp, sp);
 }
 
 // The Llama family with 2 key/value heads: split over tp 2, replicated under tp 4.
@@ -234,29 +244,54 @@ TEST(LlamaOnCuda, TensorParallelRanksSharingTheGpuMatchTheCpuModel) {
   cfg.block_size = 64;
   cfg.vocab_size = 300;
   for (int tp : {2, 4})
-    for (bool sp : {false, true}) check_tensor_parallel(cfg, tp, sp);
+    for (bool sp : {false, true}) check_model_parallel(cfg, tp, sp);
 }
 
-// What the device backend still refuses by name: context parallelism (ring attention runs on the
-// CPU), and a tp group whose communicator takes host memory only.
+// Context parallelism (ring attention) on CUDA, alone, with tp + sp, over 4 ranks (T = 48: chunks
+// of 6 positions), and for the Llama family (rotary positions of each rank's two chunks, GQA).
+TEST(GPTOnCuda, ContextParallelRanksSharingTheGpuMatchTheCpuModel) {
+  REQUIRE_CUDA_BACKEND();
+  model::GPTConfig cfg = model::gpt_preset("gpt2-tiny");
+  cfg.n_layer = 2;
+  cfg.n_head = 4;
+  cfg.n_embd = 256;
+  cfg.block_size = 64;
+  cfg.vocab_size = 300;
+  check_model_parallel(cfg, 1, false, 2);
+  check_model_parallel(cfg, 1, false, 4);
+  check_model_parallel(cfg, 2, true, 2);
+}
+
+TEST(LlamaOnCuda, ContextParallelRanksSharingTheGpuMatchTheCpuModel) {
+  REQUIRE_CUDA_BACKEND();
+  model::GPTConfig cfg = model::gpt_preset("llama-tiny");
+  cfg.n_embd = 256;
+  cfg.n_head = 4;
+  cfg.n_kv_head = 2;
+  cfg.ffn_hidden = 344;
+  cfg.block_size = 64;
+  cfg.vocab_size = 300;
+  check_model_parallel(cfg, 1, false, 2);
+  check_model_parallel(cfg, 2, false, 2);
+}
+
+// A tp or cp group whose communicator takes host memory only is refused by name on the GPU.
 TEST(GPTOnCuda, LayoutsWithoutDeviceCollectivesAreRefusedByName) {
   REQUIRE_CUDA_BACKEND();
   model::GPTConfig cfg = model::gpt_preset("gpt2-tiny");
   cfg.vocab_size = 300;
   comm::run_ranks(2, [&](comm::Comm& world) {
     auto be = make_backend(Device::cuda);
-    try {
-      model::GPT gpt(cfg, *be, 11, {.groups = {.tp = &world}});
-      ADD_FAILURE() << "a host communicator was taken for a GPU's tp group";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("needs a device communicator"), std::string::npos) << e.what();
-    }
-    auto group = comm::make_device_comm(world.split(0, world.rank()), {.stream = be->native_queue()});
-    try {
-      model::GPT gpt(cfg, *be, 11, {.groups = {.cp = group.get()}});
-      ADD_FAILURE() << "context parallelism was taken on the GPU";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("no ring attention yet"), std::string::npos) << e.what();
+    for (const char* group : {"tp", "cp"}) {
+      try {
+        model::ParallelGroups g;
+        (std::string(group) == "tp" ? g.tp : g.cp) = &world;
+        model::GPT gpt(cfg, *be, 11, {.groups = g});
+        ADD_FAILURE() << "a host communicator was taken for a GPU's " << group << " group";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("needs a device communicator"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find(group), std::string::npos) << e.what();
+      }
     }
   });
 }

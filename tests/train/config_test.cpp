@@ -222,11 +222,14 @@ TEST(TrainConfig, CudaDeviceRefusalsNameTheField) {
   // Whole replicas are processes: dp > 1 alone needs mpi or nccl (the mesh engine's ranks, with tp,
   // sp, ZeRO or offload, may be threads).
   expect_refused(cuda + "[parallel]\ndp = 2\n", "parallel.comm", "must be mpi or nccl");
-  expect_refused(cuda + "[parallel]\ncp = 2\n", "parallel.cp", "must be 1");
+  // Ring attention and selective recomputation call the kernels that keep no probabilities.
+  expect_refused(cuda + "[parallel]\ncp = 2\n", "parallel.cp", "64 / 4 = 16");
+  expect_refused(cuda + "cuda_attention = \"gemm\"\n[parallel]\ncp = 2\n[model]\nn_embd = 128\nn_head = 2\n",
+                 "parallel.cp", "cuda_attention = gemm");
+  expect_refused(cuda + "[memory]\nrecompute = \"selective\"\n", "memory.recompute", "64 / 4 = 16");
   expect_refused(cuda + "precision = \"fp16\"\n[parallel]\ntp = 2\n", "train.precision", "use bf16");
   expect_refused(cuda + "precision = \"fp16\"\n[parallel]\nzero = 1\ndp = 2\ncomm = \"mpi\"\n",
                  "train.precision", "use bf16");
-  expect_refused(cuda + "[memory]\nrecompute = \"full\"\n", "memory.recompute", "must be none");
   // fp16's loss scaling: a CUDA precision, with a positive scale, window and floor.
   expect_refused("[train]\nprecision = \"fp16\"\n", "train.precision", "runs on CUDA");
   expect_refused(cuda + "loss_scale_init = 0\n", "train.loss_scale_init", "must be positive");
@@ -242,19 +245,22 @@ TEST(TrainConfig, CudaDeviceRefusalsNameTheField) {
                  "128 / 4 = 32");
   // From the command line alone too.
   try {
-    load_config("", collect_overrides({"--train.device", "cuda", "--parallel.cp=2"}));
+    load_config("", collect_overrides({"--train.device", "cuda", "--parallel.cp=2", "--train.cuda_attention=gemm"}));
     ADD_FAILURE() << "no error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("command line: parallel.cp: "), std::string::npos) << e.what();
   }
   // Configs the GPU trainer takes (head size 16 uses the GEMM attention, 64 flash; data
-  // parallelism over mpi or nccl processes).
+  // parallelism over mpi or nccl processes; cp and selective recomputation at head size 64).
   for (const char* model : {"", "[model]\nn_embd = 128\nn_head = 2\n", "[parallel]\ndp = 2\ncomm = \"nccl\"\n",
                             "[parallel]\ndp = 4\ncomm = \"mpi\"\n",
                             "cuda_attention = \"cudnn\"\n[model]\nn_embd = 128\nn_head = 2\n",
                             "cuda_attention = \"gemm\"\n", "[parallel]\ntp = 2\n", "[parallel]\ntp = 2\nsp = true\n",
                             "[parallel]\ndp = 2\nzero = 2\n", "[parallel]\ndp = 2\ntp = 2\nzero = 1\noffload = true\n",
-                            "[parallel]\ntp = 2\npp = 2\n", "[parallel]\ndp = 2\nzero = 3\n"}) {
+                            "[parallel]\ntp = 2\npp = 2\n", "[parallel]\ndp = 2\nzero = 3\n",
+                            "[model]\nn_embd = 128\nn_head = 2\n[parallel]\ncp = 2\ntp = 2\n",
+                            "[model]\nn_embd = 128\nn_head = 2\n[memory]\nrecompute = \"selective\"\n",
+                            "[memory]\nrecompute = \"full\"\n"}) {
     TmpFile f(cuda + model);
 #ifdef LOOM_HAVE_CUDA
     EXPECT_EQ(load_config(f.path, {}).device, "cuda");

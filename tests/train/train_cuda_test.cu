@@ -145,10 +145,12 @@ TEST(CudaTrain, RunTrainingCudaChecksTheConfig) {
   std::string m = message();
   EXPECT_NE(m.find("parallel.comm"), std::string::npos) << m;
   c.dp = 1;
-  c.cp = 2;  // (ring attention runs on the CPU)
+  c.cp = 2;  // ring attention needs kernels that keep no probabilities
+  c.cuda_attention = "gemm";
   m = message();
   EXPECT_NE(m.find("parallel.cp"), std::string::npos) << m;
   c.cp = 1;
+  c.cuda_attention = "auto";
   m = message();
   EXPECT_TRUE(m.find("no CUDA device") != std::string::npos || m.find(c.data_dir) != std::string::npos) << m;
   c.device = "gpu";
@@ -398,17 +400,20 @@ TEST(CudaTrain, DataParallelProcessesMatchOneGpu) {
   EXPECT_EQ(f.metrics("dp2", "loss").size(), 25u);
 }
 
-// The mesh engine on the GPU (train/engine.h's make_mesh_engine: tensor / sequence / pipeline
-// parallelism, ZeRO 1-3 and offload, ranks as threads sharing the GPU, their collectives and the
-// stages' transfers staged through host memory) against one GPU's replica engine on the same
+// The mesh engine on the GPU (train/engine.h's make_mesh_engine: tensor / sequence / context /
+// pipeline parallelism, ZeRO 1-3, offload and recomputation, ranks as threads sharing the GPU,
+// their collectives and the stages' transfers staged through host memory) against one GPU's replica engine on the same
 // micro-batches (grad_accum 2 against dp 2 or two pipeline micro-batches).
 // dp x ZeRO / offload, pp: kDpTol and kDpNormTol, the data-parallel processes' bounds (the same
 // micro-batches in the same shapes, f32 gradient sums, a tied wte's two stages' gradients added
-// after their backward; the norm formed in double here, in f32 there). tp (+ sp): kCpuTol and kNormTol, the bounds of the CPU comparison: a row-parallel
-// layer's partial products are rounded to bf16 on each rank before their sum, one more bf16
-// rounding per layer than one GPU makes, as the CPU's f32 differs by one. Each run learns; three
-// (ZeRO-2 + offload, tp x dp x ZeRO-1, tp x pp) stopped after step 10 and resumed give their
-// uninterrupted runs' losses.
+// after their backward; the norm formed in double here, in f32 there), and one rank recomputing.
+// tp (+ sp) and cp: kCpuTol
+// and kNormTol, the bounds of the CPU comparison: a row-parallel layer's partial products are
+// rounded to bf16 on each rank before their sum, and ring attention's partial outputs and query
+// gradients are rounded to bf16 before their f32 sums, one more bf16 rounding per layer than one
+// GPU makes, as the CPU's f32 differs by one. Each run learns; four (ZeRO-2 + offload, tp x dp x
+// ZeRO-1, tp x pp, dp x cp x ZeRO-2) stopped after step 10 and resumed give their uninterrupted
+// runs' losses.
 TEST(CudaTrain, MeshLayoutsOnThreadsSharingTheGpuMatchOneGpu) {
   LOOM_REQUIRE_GPU();
   LOOM_REQUIRE_LOOM();
@@ -421,7 +426,7 @@ TEST(CudaTrain, MeshLayoutsOnThreadsSharingTheGpuMatchOneGpu) {
     const char* out;
     const char* flags;
     const char* header;  // in the run's header
-    bool tp;
+    bool tp;  // tensor or context parallel: kCpuTol / kNormTol
   };
   const Case cases[] = {
       {"tp2", "--train.grad_accum 2 --parallel.tp 2", "dp 1 x tp 2 x cp 1", true},
@@ -435,6 +440,13 @@ TEST(CudaTrain, MeshLayoutsOnThreadsSharingTheGpuMatchOneGpu) {
       {"tp2pp2", "--train.grad_accum 2 --parallel.tp 2 --parallel.pp 2 --train.sample_tokens 8", "x dp 1 x tp 2 x cp 1",
        true},
       {"dp2pp2z2", "--parallel.dp 2 --parallel.pp 2 --parallel.zero 2", "x dp 2 (ZeRO 2)", false},
+      {"cp2", "--train.grad_accum 2 --parallel.cp 2", "dp 1 x tp 1 x cp 2", true},
+      {"cp2tp2", "--train.grad_accum 2 --parallel.cp 2 --parallel.tp 2 --parallel.sp true", "tp 2 + sp x cp 2", true},
+      {"dp2cp2z2", "--parallel.dp 2 --parallel.cp 2 --parallel.zero 2", "dp 2 x tp 1 x cp 2 | ZeRO 2", true},
+      {"cp2pp2", "--train.grad_accum 2 --parallel.cp 2 --parallel.pp 2", "x dp 1 x tp 1 x cp 2", true},
+      // Recomputation runs the same kernels again: one rank on the mesh engine, and under tp.
+      {"rcfull", "--train.grad_accum 2 --memory.recompute full", "recompute full:", false},
+      {"tp2rcsel", "--train.grad_accum 2 --parallel.tp 2 --memory.recompute selective", "recompute selective:", true},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.out);
@@ -455,7 +467,7 @@ TEST(CudaTrain, MeshLayoutsOnThreadsSharingTheGpuMatchOneGpu) {
   // step count restored exactly; see the top of the file).
   for (const Case& c : cases) {
     const std::string name = c.out;
-    if (name != "dp2z2off" && name != "dp2tp2z1" && name != "tp2pp2") continue;
+    if (name != "dp2z2off" && name != "dp2tp2z1" && name != "tp2pp2" && name != "dp2cp2z2") continue;
     SCOPED_TRACE(name + " resumed");
     const std::string cut = name + "_cut", flags = fmt::format("--quiet --train.eval_batches 2 {}", c.flags);
     CliRun b = f.train("cuda", cut, flags, "LOOM_FAULT_INJECT=rank=0,step=11,kind=exit");

@@ -348,9 +348,6 @@ void check_args(const AttnArgs& a, const char* fn) {
   LOOM_CHECK(a.q_stride >= C, "{}: AttnArgs.q_stride={} is smaller than NH*HS={}", fn, a.q_stride, C);
   LOOM_CHECK(a.kv_stride >= Ckv, "{}: AttnArgs.kv_stride={} is smaller than NKV*HS={}", fn, a.kv_stride, Ckv);
   LOOM_CHECK(a.o_stride >= C, "{}: AttnArgs.o_stride={} is smaller than NH*HS={}", fn, a.o_stride, C);
-  LOOM_CHECK(a.q_batch >= 0 && a.kv_batch >= 0 && a.o_batch >= 0 && a.lse_batch >= 0,
-             "{}: AttnArgs batch strides must not be negative (q {}, kv {}, o {}, lse {})", fn, a.q_batch, a.kv_batch,
-             a.o_batch, a.lse_batch);
   LOOM_CHECK(std::isfinite(a.scale), "{}: AttnArgs.scale={} is not finite", fn, a.scale);
 }
 
@@ -517,8 +514,7 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
 }
 
 void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q, const float* k,
-                        const float* v, const float* out, const float* lse, const AttnArgs& a,
-                        bool accumulate) {
+                        const float* v, const float* out, const float* lse, const AttnArgs& a) {
   check_args(a, "attention_backward");
   if (a.B == 0) return;
   LOOM_CHECK(a.Tq == 0 || (dq && dout && q && out && lse),
@@ -552,7 +548,7 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < units; ++u) {
       // A unit owns key tiles g, g + G, ... of one (b, kv head) and runs the query heads that read
-      // them one after another: the first writes dK and dV (or adds with accumulate), the others
+      // them one after another: the first writes dK and dV, the others
       // add, in head order, so the sums do not depend on the thread count.
       const int64_t bhk = u / G, g = u % G;
       const int64_t b = bhk / NKV, hk = bhk % NKV;
@@ -616,7 +612,7 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
             float* dvr = dv + b * a.kv_batch_stride() + (k0 + j) * a.kv_stride + hk * HS;
             const float* sk = dkt + j * HSp;
             const float* sv = dvt + j * HSp;
-            if (accumulate || !first_head) {
+            if (!first_head) {
               for (int64_t d = 0; d < HS; ++d) dkr[d] += sk[d], dvr[d] += sv[d];
             } else {
               std::memcpy(dkr, sk, size_t(HS) * sizeof(float));
@@ -627,12 +623,7 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
         if (G == 1) {
           for (int64_t t = 0; t < Tq; ++t) {
             float* dst = dq + b * a.q_batch_stride() + t * a.q_stride + h * HS;
-            const float* src = dqa + t * HSp;
-            if (accumulate) {
-              for (int64_t d = 0; d < HS; ++d) dst[d] += src[d];
-            } else {
-              std::memcpy(dst, src, size_t(HS) * sizeof(float));
-            }
+            std::memcpy(dst, dqa + t * HSp, size_t(HS) * sizeof(float));
           }
         }
       }  // query heads of the kv head
@@ -640,13 +631,13 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
   }
 
   if (G > 1) {
-    // dq = (accumulate ? dq : 0) + part[0] + part[1] + ... in this order.
+    // dq = part[0] + part[1] + ... in this order.
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < BNH * Tq; ++i) {
       const int64_t bh = i / Tq, t = i % Tq, b = bh / NH, h = bh % NH;
       float* dst = dq + b * a.q_batch_stride() + t * a.q_stride + h * HS;
       for (int64_t d = 0; d < HS; ++d) {
-        float acc = accumulate ? dst[d] : 0.f;
+        float acc = 0.f;
         for (int64_t gi = 0; gi < G; ++gi) acc += dq_part[((gi * BNH + bh) * Tq + t) * HSp + d];
         dst[d] = acc;
       }

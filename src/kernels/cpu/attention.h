@@ -21,8 +21,7 @@ class MemoryPool;
 namespace loom::cpu {
 
 // Row-strided views of Q, K, V and O: element (b, t, h, d) of X is at
-// X[(b * T + t) * stride + h * HS + d] with T the sequence length of that tensor (or, with a batch
-// stride set, X[b * batch + t * stride + h * HS + d]). Packed GPT-2
+// X[(b * T + t) * stride + h * HS + d] with T the sequence length of that tensor. Packed GPT-2
 // qkv [B, T, 3C] is q = qkv, k = qkv + C, v = qkv + 2C with stride 3C.
 // Grouped-query attention (Ainslie et al. 2023): with NKV key/value heads (NH a multiple of NKV),
 // query head h reads key/value head h / (NH / NKV); K and V rows hold NKV heads.
@@ -32,13 +31,11 @@ struct AttnArgs {
   int64_t Tq = 0, Tkv = 0;         // query and key/value lengths
   int64_t q_stride = 0, kv_stride = 0, o_stride = 0;
   // Elements between the first rows of consecutive batch entries of Q (and dQ), of K and V (and
-  // their gradients), of O (and dO), and of lse: 0 means packed (T x stride; NH x Tq for lse).
-  // Set, they let one call cover a piece of each of B longer sequences (ring attention's chunks).
-  int64_t q_batch = 0, kv_batch = 0, o_batch = 0, lse_batch = 0;
-  int64_t q_batch_stride() const { return q_batch ? q_batch : Tq * q_stride; }
-  int64_t kv_batch_stride() const { return kv_batch ? kv_batch : Tkv * kv_stride; }
-  int64_t o_batch_stride() const { return o_batch ? o_batch : Tq * o_stride; }
-  int64_t lse_batch_stride() const { return lse_batch ? lse_batch : NH * Tq; }
+  // their gradients), of O (and dO), and of lse.
+  int64_t q_batch_stride() const { return Tq * q_stride; }
+  int64_t kv_batch_stride() const { return Tkv * kv_stride; }
+  int64_t o_batch_stride() const { return Tq * o_stride; }
+  int64_t lse_batch_stride() const { return NH * Tq; }
   int64_t q_pos0 = 0, kv_pos0 = 0;  // global positions of the first query / key (causal mask:
                                     // key position > query position is masked)
   bool causal = true;
@@ -97,11 +94,9 @@ class AttnWorkspace {
 void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
                        const AttnArgs& a);
 
-// Gradients dq (q_stride), dk, dv (kv_stride) from dout (o_stride), out and lse of the forward.
-// dq, dk and dv are written (=) unless accumulate is set (+=, for ring attention and packed
-// buffers that collect several contributions).
+// Gradients dq (q_stride), dk, dv (kv_stride), written, from dout (o_stride), out and lse of the
+// forward.
 void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q, const float* k,
-                        const float* v, const float* out, const float* lse, const AttnArgs& a,
-                        bool accumulate = false);
+                        const float* v, const float* out, const float* lse, const AttnArgs& a);
 
 }  // namespace loom::cpu

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include <omp.h>
 
@@ -194,8 +195,34 @@ void CpuBackend::attention_forward(const AttentionForward& a) {
 void CpuBackend::attention_backward(const AttentionBackward& a) {
   check(Op::attention, a.dtype);
   const AttnArgs args = attn_ws_->use(attn_args(a.shape), true);
-  cpu::attention_backward(f(a.dq), f(a.dk), f(a.dv), f(a.dout), f(a.q), f(a.k), f(a.v), f(a.out), a.lse, args,
-                          a.accumulate);
+  cpu::attention_backward(f(a.dq), f(a.dk), f(a.dv), f(a.dout), f(a.q), f(a.k), f(a.v), f(a.out), a.lse, args);
+}
+
+void CpuBackend::attention_merge(const AttentionMerge& a) {
+  check(Op::attention, a.dtype);
+  LOOM_CHECK(a.B >= 0 && a.NH >= 0 && a.HS >= 0 && a.Tq >= 0, "attention_merge: negative sizes");
+  const int64_t C = a.NH * a.HS, B = a.B, NH = a.NH, HS = a.HS, Tq = a.Tq;
+  const float* part = f(a.part);
+#pragma omp parallel for collapse(2) schedule(static) if (B * NH * Tq * HS > (1 << 16))
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < NH; ++h)
+      for (int64_t t = 0; t < Tq; ++t) {
+        float* l = a.lse + b * a.lse_batch + h * Tq + t;
+        float* od = a.out + b * a.o_batch + t * a.o_row + h * HS;
+        const float* pd = part + (b * Tq + t) * C + h * HS;
+        const double lb = a.part_lse[(b * NH + h) * Tq + t];
+        const double la = a.init ? -std::numeric_limits<double>::infinity() : double(*l);
+        if (!a.init && std::isinf(lb) && lb < 0) continue;  // no visible key in this block
+        if (std::isinf(la) && la < 0) {
+          std::memcpy(od, pd, size_t(HS) * sizeof(float));
+          *l = float(lb);
+          continue;
+        }
+        const double m = std::max(la, lb), wa = std::exp(la - m), wb = std::exp(lb - m), sum = wa + wb;
+        const double ca = wa / sum, cb = wb / sum;
+        for (int64_t d = 0; d < HS; ++d) od[d] = float(ca * double(od[d]) + cb * double(pd[d]));
+        *l = float(m + std::log(sum));
+      }
 }
 
 void CpuBackend::crossentropy(const CrossEntropy& a) {
@@ -297,6 +324,33 @@ void CpuBackend::copy(const Copy& a) {
   check(Op::copy, a.src_dtype);
   LOOM_CHECK(a.n >= 0, "copy: negative size {}", a.n);
   convert(a.dst, a.dst_dtype, a.src, a.src_dtype, a.n);
+}
+
+void CpuBackend::copy_strided(const StridedCopy& a) {
+  check(Op::copy, a.dst_dtype);
+  check(Op::copy, a.src_dtype);
+  LOOM_CHECK(a.batches >= 0 && a.rows >= 0 && a.cols >= 0, "copy_strided: negative sizes");
+  LOOM_CHECK(!a.accumulate || (a.dst_dtype == DType::f32 && a.src_dtype != DType::i32),
+             "copy_strided: accumulate needs an f32 destination and a floating-point source");
+  const size_t de = dtype_size(a.dst_dtype), se = dtype_size(a.src_dtype);
+  const int64_t n = a.batches * a.rows;
+#pragma omp parallel for schedule(static) if (n * a.cols > (1 << 16))
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t b = i / std::max<int64_t>(a.rows, 1), r = i % std::max<int64_t>(a.rows, 1);
+    char* dst = static_cast<char*>(a.dst) + size_t(b * a.dst_batch + r * a.dst_row) * de;
+    const char* src = static_cast<const char*>(a.src) + size_t(b * a.src_batch + r * a.src_row) * se;
+    if (!a.accumulate) {
+      convert(dst, a.dst_dtype, src, a.src_dtype, a.cols);
+    } else if (a.src_dtype == DType::f32) {
+      float* d = reinterpret_cast<float*>(dst);
+      const float* x = reinterpret_cast<const float*>(src);
+      for (int64_t c = 0; c < a.cols; ++c) d[c] += x[c];
+    } else {
+      float* d = reinterpret_cast<float*>(dst);
+      const bf16* x = reinterpret_cast<const bf16*>(src);
+      for (int64_t c = 0; c < a.cols; ++c) d[c] += bf16_to_f32(x[c]);
+    }
+  }
 }
 
 double CpuBackend::sum_squares(const std::vector<Range>& ranges) {

@@ -31,6 +31,7 @@ class CpuBackend final : public Backend {
   int64_t attention_workspace_bytes(DType dtype, const AttnShape& s, int threads = 0) const override;
   void attention_forward(const AttentionForward& a) override;
   void attention_backward(const AttentionBackward& a) override;
+  void attention_merge(const AttentionMerge& a) override;
   void crossentropy(const CrossEntropy& a) override;
   void vocab_crossentropy(const VocabCrossEntropy& a) override;
   void embedding_forward(const EmbeddingForward& a) override;
@@ -45,6 +46,7 @@ class CpuBackend final : public Backend {
   void sum(const float* x, int64_t n, float scale, float* out) override;
   std::unique_ptr<AdamWPlan> plan_adamw(const std::vector<AdamWTensor>& tensors) override;
   void copy(const Copy& a) override;
+  void copy_strided(const StridedCopy& a) override;
   void fill_zero(void* dst, int64_t bytes) override;
   void release_workspace() override { attn_ws_->release(); }
   void synchronize() override {}

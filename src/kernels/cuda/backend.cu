@@ -72,6 +72,56 @@ __global__ void to_f32_kernel(float* out, const T* in, int64_t n) {
   if (i < n) out[i] = to_f32(in[i]);
 }
 
+__device__ __forceinline__ float load_f32(float x) { return x; }
+__device__ __forceinline__ float load_f32(bf16 x) { return to_f32(x); }
+__device__ __forceinline__ float load_f32(f16 x) { return to_f32(x); }
+template <class T>
+__device__ __forceinline__ T store_f32(float x) {
+  if constexpr (std::is_same_v<T, float>) return x;
+  else return from_f32<T>(x);
+}
+
+// StridedCopy with a conversion or accumulation (same-type copies go to cudaMemcpy2DAsync): one
+// thread per element.
+template <class D, class S>
+__global__ void copy_strided_kernel(D* dst, const S* src, int64_t rows, int64_t cols, int64_t total, int64_t dst_row,
+                                    int64_t dst_batch, int64_t src_row, int64_t src_batch, bool accumulate) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t c = i % cols, r = (i / cols) % rows, b = i / (cols * rows);
+    const float x = load_f32(src[b * src_batch + r * src_row + c]);
+    D* d = dst + b * dst_batch + r * dst_row + c;
+    if constexpr (std::is_same_v<D, float>) *d = accumulate ? *d + x : x;
+    else *d = store_f32<D>(x);
+  }
+}
+
+// AttentionMerge: one warp per (b, h, t) row, its lanes over the head's elements.
+template <class T>
+__global__ void attention_merge_kernel(float* out, float* lse, const T* part, const float* part_lse, int64_t B,
+                                       int64_t NH, int64_t HS, int64_t Tq, int64_t o_row, int64_t o_batch,
+                                       int64_t lse_batch, bool init) {
+  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = int(threadIdx.x % 32);
+  if (row >= B * NH * Tq) return;
+  const int64_t t = row % Tq, h = (row / Tq) % NH, b = row / (Tq * NH);
+  float* l = lse + b * lse_batch + h * Tq + t;
+  float* o = out + b * o_batch + t * o_row + h * HS;
+  const T* p = part + (b * Tq + t) * NH * HS + h * HS;
+  const double lb = part_lse[(b * NH + h) * Tq + t];
+  const double la = init ? -double(INFINITY) : double(*l);
+  __syncwarp();  // every lane has read lse before lane 0 writes it
+  if (!init && isinf(lb) && lb < 0) return;  // no visible key in this block
+  if (isinf(la) && la < 0) {
+    for (int64_t d = lane; d < HS; d += 32) o[d] = load_f32(p[d]);
+    if (lane == 0) *l = float(lb);
+    return;
+  }
+  const double m = fmax(la, lb), wa = exp(la - m), wb = exp(lb - m), sum = wa + wb;
+  const double ca = wa / sum, cb = wb / sum;
+  for (int64_t d = lane; d < HS; d += 32) o[d] = float(ca * double(o[d]) + cb * double(load_f32(p[d])));
+  if (lane == 0) *l = float(m + log(sum));
+}
+
 // Host conversions between f32 and a 16-bit type (the same rounding as the device's: to nearest
 // even); same-type copies as they are.
 void convert_on_host(void* dst, DType dt, const void* src, DType st, int64_t n) {
@@ -496,7 +546,6 @@ void CudaBackend::attention_forward(const AttentionForward& a) {
 
 void CudaBackend::attention_backward(const AttentionBackward& a) {
   check(Op::attention, a.dtype);
-  LOOM_CHECK(!a.accumulate, "cuda attention_backward: accumulate is not supported (the kernels write dq, dk, dv)");
   Plan& p = plan(a.dtype, a.shape);
   const AttnArgs args = attn_args(a.shape);
   LOOM_CUDA_DISPATCH_16(a.dtype, "attention_backward", [&](auto* tag) {
@@ -520,6 +569,21 @@ void CudaBackend::attention_backward(const AttentionBackward& a) {
     }
   });
   observed("attention backward", 2.5 * attention_flops(a.shape));
+}
+
+void CudaBackend::attention_merge(const AttentionMerge& a) {
+  check(Op::attention, a.dtype);
+  LOOM_CHECK(a.B >= 0 && a.NH >= 0 && a.HS >= 0 && a.Tq >= 0, "attention_merge: negative sizes");
+  const int64_t rows = a.B * a.NH * a.Tq;
+  if (rows == 0) return;
+  const unsigned blocks = unsigned(ceil_div(rows * 32, 256));
+  LOOM_CUDA_DISPATCH_16(a.dtype, "attention_merge", [&](auto* tag) {
+    using T = LOOM_T;
+    attention_merge_kernel<T><<<blocks, 256, 0, stream_>>>(a.out, a.lse, h<T>(a.part), a.part_lse, a.B, a.NH, a.HS,
+                                                           a.Tq, a.o_row, a.o_batch, a.lse_batch, a.init);
+  });
+  LOOM_CUDA_LAUNCH_CHECK();
+  observed("attention merge");
 }
 
 void CudaBackend::crossentropy(const CrossEntropy& a) {
@@ -712,6 +776,51 @@ void CudaBackend::release_workspace() {
     *p = nullptr;
     *n = 0;
   }
+}
+
+void CudaBackend::copy_strided(const StridedCopy& a) {
+  check(Op::copy, a.dst_dtype);
+  check(Op::copy, a.src_dtype);
+  LOOM_CHECK(a.batches >= 0 && a.rows >= 0 && a.cols >= 0, "copy_strided: negative sizes");
+  LOOM_CHECK(!a.accumulate || (a.dst_dtype == DType::f32 && a.src_dtype != DType::i32),
+             "copy_strided: accumulate needs an f32 destination and a floating-point source");
+  const bool converts = a.dst_dtype != DType::i32 && a.src_dtype != DType::i32 &&
+                        (a.dst_dtype == DType::f32) != (a.src_dtype == DType::f32);
+  LOOM_CHECK(a.dst_dtype == a.src_dtype || converts,
+             "copy_strided: no conversion from {} to {} (16-bit types convert to and from f32)", dtype_name(a.src_dtype),
+             dtype_name(a.dst_dtype));
+  const int64_t total = a.batches * a.rows * a.cols;
+  if (total == 0) return;
+  if (a.dst_dtype == a.src_dtype && !a.accumulate) {
+    const size_t e = dtype_size(a.dst_dtype);
+    for (int64_t b = 0; b < a.batches; ++b)
+      LOOM_CUDA_CHECK(cudaMemcpy2DAsync(static_cast<char*>(a.dst) + size_t(b * a.dst_batch) * e, size_t(a.dst_row) * e,
+                                        static_cast<const char*>(a.src) + size_t(b * a.src_batch) * e,
+                                        size_t(a.src_row) * e, size_t(a.cols) * e, size_t(a.rows),
+                                        cudaMemcpyDeviceToDevice, stream_));
+    observed("strided copy");
+    return;
+  }
+  const unsigned blocks = unsigned(std::min<int64_t>(ceil_div(total, 256), 65536));
+  auto launch = [&](auto* d, const auto* s) {
+    copy_strided_kernel<<<blocks, 256, 0, stream_>>>(d, s, a.rows, a.cols, total, a.dst_row, a.dst_batch, a.src_row,
+                                                     a.src_batch, a.accumulate);
+  };
+  if (a.dst_dtype == DType::f32 && a.src_dtype == DType::f32) {
+    launch(static_cast<float*>(a.dst), static_cast<const float*>(a.src));
+  } else if (a.dst_dtype == DType::f32) {
+    LOOM_CUDA_DISPATCH_16(a.src_dtype, "copy_strided", [&](auto* tag) {
+      using T = LOOM_T;
+      launch(static_cast<float*>(a.dst), h<T>(a.src));
+    });
+  } else {
+    LOOM_CUDA_DISPATCH_16(a.dst_dtype, "copy_strided", [&](auto* tag) {
+      using T = LOOM_T;
+      launch(h<T>(a.dst), static_cast<const float*>(a.src));
+    });
+  }
+  LOOM_CUDA_LAUNCH_CHECK();
+  observed("strided copy");
 }
 
 void CudaBackend::fill_zero(void* dst, int64_t bytes) {

@@ -50,6 +50,7 @@ class CudaBackend final : public Backend {
   int64_t attention_workspace_bytes(DType dtype, const AttnShape& s, int threads = 0) const override;
   void attention_forward(const AttentionForward& a) override;
   void attention_backward(const AttentionBackward& a) override;
+  void attention_merge(const AttentionMerge& a) override;
   void crossentropy(const CrossEntropy& a) override;
   void vocab_crossentropy(const VocabCrossEntropy& a) override;
   void embedding_forward(const EmbeddingForward& a) override;
@@ -65,6 +66,7 @@ class CudaBackend final : public Backend {
   std::unique_ptr<AdamWPlan> plan_adamw(const std::vector<loom::AdamWTensor>& tensors) override;
   // Copies that read or write host memory wait for the stream (host buffers may go at return).
   void copy(const Copy& a) override;
+  void copy_strided(const StridedCopy& a) override;
   void fill_zero(void* dst, int64_t bytes) override;
   // Frees the bias-gradient, LayerNorm and attention scratch and forgets the attention plans.
   void release_workspace() override;

@@ -11,14 +11,19 @@
 // that K/V block to rank r + 1. Chunk pairs entirely above the diagonal are skipped. Backward
 // sends, beside each K/V block, the dK/dV accumulated for it so far; after cp steps it is back at
 // its owner.
+//
+// Written over core/backend.h, so the CPU and a GPU run the same ring: each chunk pair is one
+// attention call of the backend's (a chunk of every batch row packed into a [B, Tc, .] block by a
+// strided copy), merged into an f32 running output by the backend's attention_merge. Keys and
+// values travel in the compute dtype and their gradients in f32, so a long ring adds its
+// contributions without 16-bit rounding. The attention kernel must keep no probabilities (CPU:
+// tiled; CUDA: flash or cuDNN, head sizes 64 and 128): the chunk pairs' would all have to be saved.
 #pragma once
 #include <cstdint>
-#include <memory>
 
 #include "comm/comm.h"
-#include "core/memory.h"
+#include "core/backend.h"
 #include "core/tensor.h"
-#include "kernels/cpu/attention.h"
 
 namespace loom::parallel::cp {
 
@@ -41,39 +46,42 @@ struct RingShape {
 
 class RingAttention {
  public:
-  // Buffers (K/V blocks in flight, tag comm; partial outputs, tag workspace) come from pool. The
-  // attention kernel's scratch is `attn` (kept by the caller, e.g. shared by a model's layers and
-  // replicas) or, when null, this object's own (tag workspace, from pool); each pass reserves it
-  // for its chunk-pair calls (workspace_bytes) before the first one.
-  explicit RingAttention(MemoryPool& pool, cpu::AttnWorkspace* attn = nullptr);
+  // Runs on `be` (its compute dtype, its attention kernels and their scratch); its buffers (the
+  // key/value blocks in flight, tag comm; packed chunks and partial results, tag workspace) come
+  // from be's pool and are kept between calls.
+  explicit RingAttention(Backend& be);
 
-  // qkv f32 [B, Tl, (NH + 2 NKV) HS] (q | k | v per row, this rank's heads); out f32 [B, Tl, NH HS];
-  // lse f32 [B, 2, NH, Tc] (per local chunk). Collective over g.
-  void forward(comm::Comm& g, float* out, float* lse, const float* qkv, const RingShape& s);
-  // dqkv f32 [B, Tl, (NH + 2 NKV) HS] is written; dout, out, lse as the forward's.
-  void backward(comm::Comm& g, float* dqkv, const float* dout, const float* qkv, const float* out,
-                const float* lse, const RingShape& s);
+  // qkv [B, Tl, (NH + 2 NKV) HS] (q | k | v per row, this rank's heads) and out [B, Tl, NH HS] in
+  // the compute dtype; lse f32 [2, B, NH, Tc] (per local chunk). Collective over g, a communicator
+  // whose buffers are be's memory (Comm::device_buffers on a device).
+  void forward(comm::Comm& g, void* out, float* lse, const void* qkv, const RingShape& s);
+  // dqkv [B, Tl, (NH + 2 NKV) HS] is written; dout, out, lse as the forward's.
+  void backward(comm::Comm& g, void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse,
+                const RingShape& s);
 
-  // Bytes of the buffers this object holds between calls (its own attention scratch included).
-  int64_t buffer_bytes() const;
-  // Frees the buffers and its own attention scratch (not a caller's).
+  // The attention call of one chunk pair: every batch row's Tc queries against Tc keys, causal
+  // for a pair on the diagonal, else every key visible.
+  static AttnShape chunk_shape(const RingShape& s, int P, bool causal);
+  // Bytes of the buffers this object holds once it has run a forward and a backward over a cp
+  // group of P ranks in `dtype` (the backend's attention scratch is the backend's).
+  static int64_t buffer_bytes(const RingShape& s, int P, DType dtype);
+  // Bytes held now.
+  int64_t held_bytes() const;
   void release();
-
-  // The attention scratch one pass needs over a cp group of P ranks on `threads` OpenMP threads:
-  // the larger of a chunk pair's forward and backward call, so one reservation serves both passes.
-  static int64_t workspace_bytes(const RingShape& s, int P, int threads);
 
  private:
   void ensure(const RingShape& s, int P, bool backward);
-  MemoryPool& pool_;
-  std::unique_ptr<cpu::AttnWorkspace> own_attn_;  // when no caller's workspace is given
-  cpu::AttnWorkspace* attn_;
-  Tensor kv_[2];      // f32 [B, Tl, 2 NKV HS]: the K/V block in hand and the one arriving (tag comm)
-  Tensor dkv_[2];     // f32 [B, Tl, 2 NKV HS]: its accumulated gradient, in hand and arriving (tag comm)
-  // One chunk pair's output over every batch row (one kernel call per pair: small chunks of many
-  // rows would cost a call each), merged into out after the call (tag workspace).
-  Tensor o_part_;     // f32 [B, Tc, NH HS]
-  Tensor lse_part_;   // f32 [B, NH, Tc]
+  void pack_kv(const void* qkv, const RingShape& s, int P);
+  Backend& be_;
+  DType dt_;
+  Tensor kv_[2];    // [2, B, Tc, 2 NKV HS] chunk-major, dtype: the key/value block in hand and the one arriving (tag comm)
+  Tensor dkv_[2];   // f32 [2, B, Tc, 2 NKV HS]: its accumulated gradient, in hand and arriving (tag comm)
+  Tensor q_;        // [B, Tc, NH HS] dtype: the query chunk
+  Tensor a_, b_;    // [B, Tc, NH HS] dtype: forward: a_ the partial output; backward: dout and out chunks
+  Tensor dq_;       // [B, Tc, NH HS] dtype: a pair's dq
+  Tensor dkvp_;     // [B, Tc, 2 NKV HS] dtype: a pair's dk | dv
+  Tensor lse_;      // f32 [B, NH, Tc]: forward: the partial output's log-sum-exps; backward: the chunk's
+  Tensor acc_;      // f32 [B, Tl, NH HS]: the running output, or dq's sum (16-bit compute dtypes only)
 };
 
 }  // namespace loom::parallel::cp

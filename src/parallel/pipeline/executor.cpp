@@ -414,7 +414,7 @@ struct PipelineExecutor::Impl {
                  groups.cp->size());
       return groups.dp_cp;
     }
-    return has_cp ? groups.cp : has_dp ? dp : nullptr;
+    return has_cp ? (groups.cp_host ? groups.cp_host : groups.cp) : has_dp ? dp : nullptr;
   }
 
   // What the chunk's blocks save per micro-batch of [b, T], the received input (chunks after the
@@ -641,7 +641,7 @@ void PipelineExecutor::shape(int64_t b, int64_t T) {
     I.ws_bufC = I.be->empty({N, C}, I.dt, MemTag::workspace);
     I.ws_buf4C = I.be->empty({N, model::wide_columns(I.cfg, I.opt.tp)}, I.dt, MemTag::workspace);
     // The attention scratch for this shape's largest call, the same for every block: sized once
-    // from this rank's first transformer block (under cp the ring keeps its own).
+    // from this rank's first transformer block (under cp the ring prepares its chunk pairs').
     for (Chunk& ch : I.chunks) {
       if (I.opt.cp > 1) break;
       const int64_t e = std::max<int64_t>(ch.first, 1);

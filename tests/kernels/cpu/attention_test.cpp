@@ -141,9 +141,9 @@ struct Result {
   std::vector<float> out, lse, dq, dk, dv;
 };
 
-// Runs forward then backward. Without accumulate the gradient buffers start as NaN so that any element
-// the kernel fails to write shows up; padding columns start as 0 and must stay untouched.
-Result run(const Problem& p, const std::vector<float>& dout, bool accumulate, const Result* init = nullptr) {
+// Runs forward then backward. The gradient buffers start as NaN so that any element the kernel
+// fails to write shows up; padding columns start as 0 and must stay untouched.
+Result run(const Problem& p, const std::vector<float>& dout) {
   const AttnArgs& a = p.a;
   const float nan = std::numeric_limits<float>::quiet_NaN();
   Result r;
@@ -158,23 +158,18 @@ Result run(const Problem& p, const std::vector<float>& dout, bool accumulate, co
     for (int64_t t = 0; t < rows; ++t) std::fill(g.begin() + t * stride, g.begin() + t * stride + C, nan);
     return g;
   };
-  if (init) {
-    r.dq = init->dq, r.dk = init->dk, r.dv = init->dv;
-  } else {
-    r.dq = poisoned(a.B * a.Tq, a.q_stride);
-    r.dk = poisoned(a.B * a.Tkv, a.kv_stride);
-    r.dv = poisoned(a.B * a.Tkv, a.kv_stride);
-  }
+  r.dq = poisoned(a.B * a.Tq, a.q_stride);
+  r.dk = poisoned(a.B * a.Tkv, a.kv_stride);
+  r.dv = poisoned(a.B * a.Tkv, a.kv_stride);
   if (p.packed) {
     // dq, dk, dv inside one dqkv [B, T, 3C] buffer: each third is written by one of them.
     std::vector<float> dqkv(size_t(p.q_size()), nan);
-    if (init) dqkv = init->dq;  // the packed init holds the whole dqkv
     cpu::attention_backward(dqkv.data(), dqkv.data() + C, dqkv.data() + 2 * C, dout.data(), p.q(), p.k(), p.v(),
-                            r.out.data(), r.lse.data(), a, accumulate);
+                            r.out.data(), r.lse.data(), a);
     r.dq = r.dk = r.dv = dqkv;
   } else {
     cpu::attention_backward(r.dq.data(), r.dk.data(), r.dv.data(), dout.data(), p.q(), p.k(), p.v(), r.out.data(),
-                            r.lse.data(), a, accumulate);
+                            r.lse.data(), a);
   }
   return r;
 }
@@ -217,22 +212,14 @@ double max_abs(const std::vector<double>& v) {
   return ::testing::AssertionSuccess();
 }
 
-void check_against_reference(const Shape& s, bool accumulate, uint64_t seed) {
+void check_against_reference(const Shape& s, uint64_t seed) {
   SCOPED_TRACE(::testing::Message() << "B=" << s.B << " NH=" << s.NH << " HS=" << s.HS << " Tq=" << s.Tq
                                     << " Tkv=" << s.Tkv << " q_pos0=" << s.q_pos0 << " kv_pos0=" << s.kv_pos0
-                                    << " causal=" << s.causal << " packed=" << s.packed
-                                    << " accumulate=" << accumulate);
+                                    << " causal=" << s.causal << " packed=" << s.packed);
   const Problem p = make_problem(s, seed);
   const std::vector<float> dout = random_vec(p.o_size(), seed + 7);
   const Ref ref = reference(p, dout);
-
-  Result init;
-  if (accumulate) {
-    init.dq = random_vec(p.q_size(), seed + 11);
-    init.dk = p.packed ? init.dq : random_vec(p.kv_size(), seed + 12);
-    init.dv = p.packed ? init.dq : random_vec(p.kv_size(), seed + 13);
-  }
-  const Result got = run(p, dout, accumulate, accumulate ? &init : nullptr);
+  const Result got = run(p, dout);
 
   // Padding columns of out are never written, so 0 there matches the reference.
   EXPECT_TRUE(all_close(got.out, ref.out, 1e-5, 1e-5)) << "out";
@@ -240,16 +227,6 @@ void check_against_reference(const Shape& s, bool accumulate, uint64_t seed) {
 
   std::vector<double> dq, dk, dv;
   reference_grads(p, ref, dq, dk, dv);
-  if (accumulate) {
-    if (p.packed) {
-      // One dqkv buffer: the init is added once.
-      for (size_t i = 0; i < dq.size(); ++i) dq[i] += init.dq[i];
-      dk = dv = dq;
-    } else {
-      for (size_t i = 0; i < dq.size(); ++i) dq[i] += init.dq[i];
-      for (size_t i = 0; i < dk.size(); ++i) dk[i] += init.dk[i], dv[i] += init.dv[i];
-    }
-  }
   EXPECT_TRUE(all_close(got.dq, dq, 1e-5 * std::max(1.0, max_abs(dq)), 1e-5)) << "dq";
   EXPECT_TRUE(all_close(got.dk, dk, 1e-5 * std::max(1.0, max_abs(dk)), 1e-5)) << "dk";
   EXPECT_TRUE(all_close(got.dv, dv, 1e-5 * std::max(1.0, max_abs(dv)), 1e-5)) << "dv";
@@ -260,62 +237,52 @@ TEST(Attention, CausalOddShapes) {
   uint64_t seed = 100;
   for (int64_t T : {1, 7, 33, 100})
     for (int64_t HS : {16, 64, 24})
-      check_against_reference({.B = 2, .NH = 3, .HS = HS, .Tq = T, .Tkv = T}, false, seed++);
+      check_against_reference({.B = 2, .NH = 3, .HS = HS, .Tq = T, .Tkv = T}, seed++);
 }
 
 // GPT-2 head size over several full tiles, with enough (b, h) pairs that one unit sums all of dQ.
 TEST(Attention, ManyHeadsFullTiles) {
   ScopedThreads threads(2);
-  check_against_reference({.B = 3, .NH = 12, .HS = 64, .Tq = 192, .Tkv = 192, .packed = true}, false, 150);
+  check_against_reference({.B = 3, .NH = 12, .HS = 64, .Tq = 192, .Tkv = 192, .packed = true}, 150);
 }
 
 TEST(Attention, PackedQkvAndPaddedStrides) {
   ScopedThreads threads(2);
-  check_against_reference({.B = 2, .NH = 3, .HS = 24, .Tq = 33, .Tkv = 33, .packed = true}, false, 200);
-  check_against_reference({.B = 1, .NH = 3, .HS = 20, .Tq = 100, .Tkv = 100, .pad = 5}, false, 201);
-  check_against_reference({.B = 1, .NH = 2, .HS = 64, .Tq = 129, .Tkv = 129, .pad = 3}, false, 202);
+  check_against_reference({.B = 2, .NH = 3, .HS = 24, .Tq = 33, .Tkv = 33, .packed = true}, 200);
+  check_against_reference({.B = 1, .NH = 3, .HS = 20, .Tq = 100, .Tkv = 100, .pad = 5}, 201);
+  check_against_reference({.B = 1, .NH = 2, .HS = 64, .Tq = 129, .Tkv = 129, .pad = 3}, 202);
 }
 
 TEST(Attention, NonCausal) {
   ScopedThreads threads(2);
-  check_against_reference({.B = 2, .NH = 3, .HS = 16, .Tq = 100, .Tkv = 100, .causal = false}, false, 300);
-  check_against_reference({.B = 1, .NH = 3, .HS = 24, .Tq = 7, .Tkv = 70, .causal = false}, false, 301);
-  check_against_reference({.B = 1, .NH = 2, .HS = 64, .Tq = 65, .Tkv = 33, .causal = false}, false, 302);
+  check_against_reference({.B = 2, .NH = 3, .HS = 16, .Tq = 100, .Tkv = 100, .causal = false}, 300);
+  check_against_reference({.B = 1, .NH = 3, .HS = 24, .Tq = 7, .Tkv = 70, .causal = false}, 301);
+  check_against_reference({.B = 1, .NH = 2, .HS = 64, .Tq = 65, .Tkv = 33, .causal = false}, 302);
 }
 
 TEST(Attention, PositionOffsets) {
   ScopedThreads threads(2);
   // Later queries against a longer key block starting at 0 (a context-parallel rank's diagonal).
-  check_against_reference({.B = 1, .NH = 3, .HS = 24, .Tq = 33, .Tkv = 100, .q_pos0 = 67}, false, 400);
+  check_against_reference({.B = 1, .NH = 3, .HS = 24, .Tq = 33, .Tkv = 100, .q_pos0 = 67}, 400);
   // Some query rows see no key (positions 10..49 vs keys 30..99): out 0, lse -inf.
-  check_against_reference({.B = 2, .NH = 3, .HS = 16, .Tq = 40, .Tkv = 70, .q_pos0 = 10, .kv_pos0 = 30}, false, 401);
+  check_against_reference({.B = 2, .NH = 3, .HS = 16, .Tq = 40, .Tkv = 70, .q_pos0 = 10, .kv_pos0 = 30}, 401);
   // A key block entirely in the past: every key visible.
-  check_against_reference({.B = 1, .NH = 3, .HS = 64, .Tq = 130, .Tkv = 200, .q_pos0 = 300}, false, 402);
+  check_against_reference({.B = 1, .NH = 3, .HS = 64, .Tq = 130, .Tkv = 200, .q_pos0 = 300}, 402);
   // A key block entirely in the future: nothing visible.
-  check_against_reference({.B = 1, .NH = 3, .HS = 16, .Tq = 5, .Tkv = 9, .kv_pos0 = 100}, false, 403);
+  check_against_reference({.B = 1, .NH = 3, .HS = 16, .Tq = 5, .Tkv = 9, .kv_pos0 = 100}, 403);
   // Tq > Tkv with the diagonal crossing the middle of tiles.
-  check_against_reference({.B = 1, .NH = 3, .HS = 24, .Tq = 150, .Tkv = 37, .q_pos0 = 5, .kv_pos0 = 50}, false, 404);
+  check_against_reference({.B = 1, .NH = 3, .HS = 24, .Tq = 150, .Tkv = 37, .q_pos0 = 5, .kv_pos0 = 50}, 404);
 }
 
 TEST(Attention, ScaleAndPeakySoftmax) {
   ScopedThreads threads(2);
-  check_against_reference({.B = 1, .NH = 3, .HS = 24, .Tq = 100, .Tkv = 100, .scale = 0.3f}, false, 500);
+  check_against_reference({.B = 1, .NH = 3, .HS = 24, .Tq = 100, .Tkv = 100, .scale = 0.3f}, 500);
   // Scores of tens: the online softmax must rescale without overflow.
-  check_against_reference({.B = 1, .NH = 3, .HS = 16, .Tq = 100, .Tkv = 100, .qk_range = 4.f}, false, 501);
-}
-
-TEST(Attention, AccumulateAddsToGradients) {
-  ScopedThreads threads(2);
-  check_against_reference({.B = 2, .NH = 3, .HS = 24, .Tq = 33, .Tkv = 33}, true, 600);
-  check_against_reference({.B = 2, .NH = 3, .HS = 16, .Tq = 33, .Tkv = 33, .packed = true}, true, 601);
-  check_against_reference({.B = 1, .NH = 3, .HS = 16, .Tq = 40, .Tkv = 70, .q_pos0 = 10, .kv_pos0 = 30}, true,
-                          602);
-  // Many (b, h) pairs: dQ summed by one unit per (b, h) instead of per-group partials.
-  check_against_reference({.B = 4, .NH = 12, .HS = 16, .Tq = 70, .Tkv = 70}, true, 603);
+  check_against_reference({.B = 1, .NH = 3, .HS = 16, .Tq = 100, .Tkv = 100, .qk_range = 4.f}, 501);
 }
 
 // Context parallelism splits the keys into blocks with their own kv_pos0: forward per block merged
-// through the log-sum-exp, and backward per block with the merged out and lse accumulating into dq,
+// through the log-sum-exp, and backward per block with the merged out and lse (dq summed over them)
 // must equal one call over all keys (f32 both ways: |err| <= 2e-6 + 1e-5 |full|).
 TEST(Attention, KeyBlocksComposeLikeOneCall) {
   ScopedThreads threads(2);
@@ -358,65 +325,24 @@ TEST(Attention, KeyBlocksComposeLikeOneCall) {
   EXPECT_TRUE(all_close(mo, to_double(out), 2e-6, 1e-5)) << "merged out";
   EXPECT_TRUE(all_close(ml, to_double(lse), 2e-6, 1e-5)) << "merged lse";
 
-  std::vector<float> bdq(dq.size(), 0.f), bdk(dk.size()), bdv(dv.size());
-  for (int i = 0; i < 2; ++i)
-    cpu::attention_backward(bdq.data(), bdk.data() + k0[i] * C, bdv.data() + k0[i] * C, dout.data(), q.data(),
-                            k.data() + k0[i] * C, v.data() + k0[i] * C, mo.data(), ml.data(), blk[i],
-                            /*accumulate=*/i == 1);
+  std::vector<float> bdq(dq.size(), 0.f), bdk(dk.size()), bdv(dv.size()), part(dq.size());
+  for (int i = 0; i < 2; ++i) {
+    cpu::attention_backward(part.data(), bdk.data() + k0[i] * C, bdv.data() + k0[i] * C, dout.data(), q.data(),
+                            k.data() + k0[i] * C, v.data() + k0[i] * C, mo.data(), ml.data(), blk[i]);
+    for (size_t j = 0; j < part.size(); ++j) bdq[j] += part[j];
+  }
   EXPECT_TRUE(all_close(bdq, to_double(dq), 2e-6, 1e-5)) << "dq";
   EXPECT_TRUE(all_close(bdk, to_double(dk), 2e-6, 1e-5)) << "dk";
   EXPECT_TRUE(all_close(bdv, to_double(dv), 2e-6, 1e-5)) << "dv";
 }
 
-// Batch strides: one call over a chunk of each of B longer sequences (query rows 16..39 of each
-// sequence of 64 against key rows 0..31, the layout ring attention calls) gives what B calls of
-// one row each give, bit for bit (each (b, h) is computed alone), and writes nothing outside the
-// chunks.
-TEST(Attention, BatchStridesCoverChunksOfLongerSequences) {
-  ScopedThreads threads(2);
-  const int64_t B = 3, NH = 2, HS = 16, C = NH * HS, T = 64, q0 = 16, Tq = 24, Tkv = 32, Q = 3 * C;
-  const auto qkv = random_vec(B * T * Q, 1200, -2.f, 2.f), dout = random_vec(B * T * C, 1201);
-  AttnArgs one;
-  one.B = 1, one.NH = NH, one.HS = HS, one.Tq = Tq, one.Tkv = Tkv;
-  one.q_stride = Q, one.kv_stride = Q, one.o_stride = C;
-  one.q_pos0 = q0;
-  AttnArgs all = one;
-  all.B = B, all.q_batch = T * Q, all.kv_batch = T * Q, all.o_batch = T * C, all.lse_batch = 2 * NH * T;
-  const float nan = std::numeric_limits<float>::quiet_NaN();
-  std::vector<float> out1(size_t(B * T * C), nan), lse1(size_t(B * 2 * NH * T), nan), out(out1), lse(lse1);
-  std::vector<float> dqkv1(size_t(B * T * Q), 0.f), dqkv(dqkv1);
-  const float* q = qkv.data() + q0 * Q;
-  for (int64_t b = 0; b < B; ++b)
-    cpu::attention_forward(out1.data() + (b * T + q0) * C, lse1.data() + b * 2 * NH * T, q + b * T * Q,
-                           qkv.data() + b * T * Q + C, qkv.data() + b * T * Q + 2 * C, one);
-  cpu::attention_forward(out.data() + q0 * C, lse.data(), q, qkv.data() + C, qkv.data() + 2 * C, all);
-  for (size_t i = 0; i < out.size(); ++i) ASSERT_TRUE(out[i] == out1[i] || (std::isnan(out[i]) && std::isnan(out1[i]))) << i;
-  for (size_t i = 0; i < lse.size(); ++i) ASSERT_TRUE(lse[i] == lse1[i] || (std::isnan(lse[i]) && std::isnan(lse1[i]))) << i;
-  for (int64_t b = 0; b < B; ++b) {
-    float* d = dqkv1.data() + b * T * Q;
-    cpu::attention_backward(d + q0 * Q, d + C, d + 2 * C, dout.data() + (b * T + q0) * C, q + b * T * Q,
-                            qkv.data() + b * T * Q + C, qkv.data() + b * T * Q + 2 * C, out1.data() + (b * T + q0) * C,
-                            lse1.data() + b * 2 * NH * T, one, /*accumulate=*/true);
-  }
-  cpu::attention_backward(dqkv.data() + q0 * Q, dqkv.data() + C, dqkv.data() + 2 * C, dout.data() + q0 * C, q,
-                          qkv.data() + C, qkv.data() + 2 * C, out.data() + q0 * C, lse.data(), all, /*accumulate=*/true);
-  EXPECT_EQ(dqkv, dqkv1);
-  // A negative batch stride is refused naming it.
-  all.kv_batch = -1;
-  EXPECT_THROW(cpu::attention_forward(out.data(), lse.data(), q, qkv.data() + C, qkv.data() + 2 * C, all), Error);
-}
-
 TEST(Attention, EmptyKeyBlock) {
   const Problem p = make_problem({.B = 2, .NH = 3, .HS = 16, .Tq = 5, .Tkv = 0}, 700);
   const std::vector<float> dout = random_vec(p.o_size(), 701);
-  Result init;
-  init.dq = random_vec(p.q_size(), 702);
-  const Result got = run(p, dout, /*accumulate=*/true, &init);
+  const Result got = run(p, dout);
   for (float x : got.out) EXPECT_EQ(x, 0.f);
   for (float x : got.lse) EXPECT_EQ(x, -std::numeric_limits<float>::infinity());
-  EXPECT_EQ(got.dq, init.dq);
-  const Result fresh = run(p, dout, /*accumulate=*/false);
-  for (float x : fresh.dq) EXPECT_EQ(x, 0.f);
+  for (float x : got.dq) EXPECT_EQ(x, 0.f);
 }
 
 // Results are bitwise identical for 1, 2 and 3 threads, with few (b, h) pairs (dQ partials per key-tile
@@ -430,11 +356,11 @@ TEST(Attention, IndependentOfThreadCount) {
     Result base;
     {
       ScopedThreads threads(1);
-      base = run(p, dout, false);
+      base = run(p, dout);
     }
     for (int n : {2, 3}) {
       ScopedThreads threads(n);
-      const Result r = run(p, dout, false);
+      const Result r = run(p, dout);
       EXPECT_EQ(r.out, base.out) << n << " threads";
       EXPECT_EQ(r.lse, base.lse) << n << " threads";
       EXPECT_EQ(r.dq, base.dq) << n << " threads";
@@ -450,7 +376,7 @@ TEST(Attention, BackwardMatchesFiniteDifferences) {
   ScopedThreads threads(1);  // hundreds of tiny forward calls: no thread start-up per call
   Problem p = make_problem({.B = 1, .NH = 2, .HS = 5, .Tq = 4, .Tkv = 6, .q_pos0 = 2, .kv_pos0 = 3}, 900);
   const std::vector<float> w = random_vec(p.o_size(), 901);
-  const Result an = run(p, w, false);
+  const Result an = run(p, w);
 
   auto loss = [&]() {
     std::vector<float> out(size_t(p.o_size())), lse(size_t(p.a.B * p.a.NH * p.a.Tq));
@@ -687,7 +613,7 @@ TEST(Attention, CallerScratchIsReusedAcrossCalls) {
       ScopedThreads threads(n);
       Problem p = make_problem(s, 960);
       const std::vector<float> dout = random_vec(p.o_size(), 961);
-      const Result ref = run(p, dout, false);
+      const Result ref = run(p, dout);
 
       MemoryPool pool("caller");
       cpu::AttnWorkspace ws(pool);
@@ -701,7 +627,7 @@ TEST(Attention, CallerScratchIsReusedAcrossCalls) {
       p.a.pool = &device_pool;
       p.a = ws.args(p.a);
       for (int rep = 0; rep < 3; ++rep) {
-        const Result r = run(p, dout, false);
+        const Result r = run(p, dout);
         EXPECT_EQ(r.out, ref.out) << s.Tq << " queries, " << n << " threads, call " << rep;
         EXPECT_EQ(r.lse, ref.lse);
         EXPECT_EQ(r.dq, ref.dq);

@@ -7,14 +7,16 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
+#include <tuple>
 #include <vector>
 
 #include "comm/threads.h"
 #include "core/error.h"
 #include "core/rng.h"
 #include "kernels/cpu/attention.h"
-#include "model/gpt.h"
+#include "kernels/cpu/backend.h"
 #include "model/gpt.h"
 #include "optim/adamw.h"
 #include "parallel/data/data_parallel.h"
@@ -45,37 +47,41 @@ TEST(ContextLayout, EachRankHoldsOneEarlyAndOneLateChunk) {
   EXPECT_THROW(parallel::cp::check_sequence(20, 4, "test"), Error);
 }
 
-class RingAttentionVsFull : public testing::TestWithParam<int> {};
+// (cp, key/value heads of NH = 3)
+class RingAttentionVsFull : public testing::TestWithParam<std::tuple<int, int>> {};
 
 TEST_P(RingAttentionVsFull, ForwardAndBackwardMatchOneCall) {
-  const int cp = GetParam();
-  const int64_t B = 2, T = 48, NH = 3, HS = 8, C = NH * HS;
-  // Full-sequence reference: qkv f32 [B, T, 3C], dout f32 [B, T, C].
-  std::vector<float> qkv(size_t(B * T * 3 * C)), dout(size_t(B * T * C));
+  const auto [cp, NKV] = GetParam();
+  const int64_t B = 2, T = 48, NH = 3, HS = 8, C = NH * HS, Q = (NH + 2 * NKV) * HS;
+  // Full-sequence reference: qkv f32 [B, T, Q], dout f32 [B, T, C].
+  std::vector<float> qkv(size_t(B * T * Q)), dout(size_t(B * T * C));
   for (size_t i = 0; i < qkv.size(); ++i) qkv[i] = 2.0f * uniform_at(3, 1, i) - 1.0f;
   for (size_t i = 0; i < dout.size(); ++i) dout[i] = 2.0f * uniform_at(3, 2, i) - 1.0f;
   std::vector<float> out(size_t(B * T * C)), lse(size_t(B * NH * T)), dqkv(qkv.size());
   cpu::AttnArgs a;
-  a.B = B, a.NH = NH, a.HS = HS, a.Tq = a.Tkv = T, a.q_stride = a.kv_stride = 3 * C, a.o_stride = C;
-  cpu::attention_forward(out.data(), lse.data(), qkv.data(), qkv.data() + C, qkv.data() + 2 * C, a);
-  cpu::attention_backward(dqkv.data(), dqkv.data() + C, dqkv.data() + 2 * C, dout.data(), qkv.data(),
-                          qkv.data() + C, qkv.data() + 2 * C, out.data(), lse.data(), a);
+  a.B = B, a.NH = NH, a.HS = HS, a.Tq = a.Tkv = T, a.q_stride = a.kv_stride = Q, a.o_stride = C, a.NKV = NKV;
+  const int64_t ko = C, vo = C + NKV * HS;
+  cpu::attention_forward(out.data(), lse.data(), qkv.data(), qkv.data() + ko, qkv.data() + vo, a);
+  cpu::attention_backward(dqkv.data(), dqkv.data() + ko, dqkv.data() + vo, dout.data(), qkv.data(),
+                          qkv.data() + ko, qkv.data() + vo, out.data(), lse.data(), a);
 
   comm::run_ranks(cp, [&](comm::Comm& g) {
     const int r = g.rank();
     const int64_t Tl = T / cp, Tc = Tl / 2;
-    std::vector<float> lq(size_t(B * Tl * 3 * C)), ldout(size_t(B * Tl * C));
+    std::vector<float> lq(size_t(B * Tl * Q)), ldout(size_t(B * Tl * C));
     for (int64_t b = 0; b < B; ++b)
       for (int64_t t = 0; t < Tl; ++t) {
         const int64_t p = parallel::cp::global_position(t, T, cp, r);
-        std::copy_n(&qkv[size_t((b * T + p) * 3 * C)], 3 * C, &lq[size_t((b * Tl + t) * 3 * C)]);
+        std::copy_n(&qkv[size_t((b * T + p) * Q)], Q, &lq[size_t((b * Tl + t) * Q)]);
         std::copy_n(&dout[size_t((b * T + p) * C)], C, &ldout[size_t((b * Tl + t) * C)]);
       }
     MemoryPool pool("rank");
-    parallel::cp::RingAttention ring(pool);
-    std::vector<float> lout(size_t(B * Tl * C)), llse(size_t(B * 2 * NH * Tc)), ldqkv(lq.size());
-    ring.forward(g, lout.data(), llse.data(), lq.data(), {B, T, NH, HS});
-    ring.backward(g, ldqkv.data(), ldout.data(), lq.data(), lout.data(), llse.data(), {B, T, NH, HS});
+    cpu::CpuBackend be({.pool = &pool});
+    parallel::cp::RingAttention ring(be);
+    const parallel::cp::RingShape shape{B, T, NH, HS, NKV};
+    std::vector<float> lout(size_t(B * Tl * C)), llse(size_t(2 * B * NH * Tc)), ldqkv(lq.size());
+    ring.forward(g, lout.data(), llse.data(), lq.data(), shape);
+    ring.backward(g, ldqkv.data(), ldout.data(), lq.data(), lout.data(), llse.data(), shape);
     // Tolerance: different summation orders of the same f32 sums (values of order 1).
     const float tol = 2e-6f;
     for (int64_t b = 0; b < B; ++b)
@@ -84,22 +90,24 @@ TEST_P(RingAttentionVsFull, ForwardAndBackwardMatchOneCall) {
         for (int64_t c = 0; c < C; ++c)
           ASSERT_NEAR(lout[size_t((b * Tl + t) * C + c)], out[size_t((b * T + p) * C + c)], tol)
               << "out b=" << b << " pos=" << p << " c=" << c;
-        for (int64_t c = 0; c < 3 * C; ++c)
-          ASSERT_NEAR(ldqkv[size_t((b * Tl + t) * 3 * C + c)], dqkv[size_t((b * T + p) * 3 * C + c)], tol)
+        for (int64_t c = 0; c < Q; ++c)
+          ASSERT_NEAR(ldqkv[size_t((b * Tl + t) * Q + c)], dqkv[size_t((b * T + p) * Q + c)], tol)
               << "dqkv b=" << b << " pos=" << p << " c=" << c;
-        const int64_t h = t / Tc;
+        const int64_t h = t / Tc;  // lse is [2, B, NH, Tc]: per local chunk
         for (int64_t n = 0; n < NH; ++n)
-          ASSERT_NEAR(llse[size_t(((b * 2 + h) * NH + n) * Tc + t % Tc)], lse[size_t((b * NH + n) * T + p)], tol);
+          ASSERT_NEAR(llse[size_t(((h * B + b) * NH + n) * Tc + t % Tc)], lse[size_t((b * NH + n) * T + p)], tol);
       }
   }, one_thread());
 }
 
-INSTANTIATE_TEST_SUITE_P(Cp, RingAttentionVsFull, testing::Values(2, 3, 4));
+INSTANTIATE_TEST_SUITE_P(Cp, RingAttentionVsFull,
+                         testing::Values(std::tuple{2, 3}, std::tuple{3, 3}, std::tuple{4, 3}, std::tuple{2, 1},
+                                         std::tuple{3, 1}));
 
-// A pass reserves the attention scratch once for all its chunk-pair calls (the larger of a
-// forward and a backward call): passes after the first allocate nothing. Given a caller's
-// workspace, the ring runs its calls in it (same results) and release() leaves it to the caller.
-TEST(RingAttention, ReusesItsBuffersAndScratchAcrossPasses) {
+// The ring keeps its buffers between passes (passes after the first allocate nothing) and holds
+// exactly RingAttention::buffer_bytes of them, beside the backend's attention scratch for its two
+// kinds of chunk pair; release() gives them back.
+TEST(RingAttention, ReusesItsBuffersAcrossPasses) {
   const int cp = 2;
   const int64_t B = 2, T = 48, NH = 3, HS = 8, C = NH * HS, Tl = T / cp, Tc = Tl / 2;
   const parallel::cp::RingShape shape{B, T, NH, HS};
@@ -108,37 +116,32 @@ TEST(RingAttention, ReusesItsBuffersAndScratchAcrossPasses) {
     for (size_t i = 0; i < qkv.size(); ++i) qkv[i] = 2.0f * uniform_at(4, uint64_t(g.rank()), i) - 1.0f;
     for (size_t i = 0; i < dout.size(); ++i) dout[i] = 2.0f * uniform_at(5, uint64_t(g.rank()), i) - 1.0f;
     std::vector<float> out(size_t(B * Tl * C)), lse(size_t(B * 2 * NH * Tc)), dqkv(qkv.size());
-    const int64_t scratch = parallel::cp::RingAttention::workspace_bytes(shape, cp, omp_get_max_threads());
-    EXPECT_GT(scratch, 0);
-
     MemoryPool pool("rank");
-    parallel::cp::RingAttention ring(pool);
+    cpu::CpuBackend be({.pool = &pool});
+    parallel::cp::RingAttention ring(be);
     ring.forward(g, out.data(), lse.data(), qkv.data(), shape);
     ring.backward(g, dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), shape);
     const int64_t taken = pool.total_allocations();
+    std::vector<float> out2(out.size()), lse2(lse.size()), dqkv2(dqkv.size());
     for (int pass = 0; pass < 2; ++pass) {
-      ring.forward(g, out.data(), lse.data(), qkv.data(), shape);
-      ring.backward(g, dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), shape);
+      ring.forward(g, out2.data(), lse2.data(), qkv.data(), shape);
+      ring.backward(g, dqkv2.data(), dout.data(), qkv.data(), out2.data(), lse2.data(), shape);
     }
     EXPECT_EQ(pool.total_allocations(), taken);
-    // Held: the partial output and log-sum-exp of a chunk pair over every batch row and the
-    // attention scratch (workspace), the K/V blocks and their gradients (comm).
-    EXPECT_EQ(pool.current(MemTag::workspace), 4 * B * (Tc * C + NH * Tc) + scratch);
-    EXPECT_EQ(ring.buffer_bytes(), pool.total_current());
-
-    MemoryPool pool2("rank");
-    cpu::AttnWorkspace shared(pool2);
-    parallel::cp::RingAttention ring2(pool2, &shared);
-    std::vector<float> out2(out.size()), lse2(lse.size()), dqkv2(dqkv.size());
-    ring2.forward(g, out2.data(), lse2.data(), qkv.data(), shape);
-    ring2.backward(g, dqkv2.data(), dout.data(), qkv.data(), out2.data(), lse2.data(), shape);
     EXPECT_EQ(out2, out);
     EXPECT_EQ(lse2, lse);
     EXPECT_EQ(dqkv2, dqkv);
-    EXPECT_EQ(shared.bytes(), scratch);
-    EXPECT_EQ(ring2.buffer_bytes() + shared.bytes(), pool2.total_current());
-    ring2.release();
-    EXPECT_EQ(pool2.total_current(), scratch);
+    const int64_t scratch = be.attention_scratch().bytes();
+    int64_t need = 0;
+    for (bool causal : {true, false})
+      need = std::max(need, be.attention_workspace_bytes(DType::f32, parallel::cp::RingAttention::chunk_shape(shape, cp, causal)));
+    EXPECT_EQ(scratch, need);
+    EXPECT_EQ(ring.held_bytes(), parallel::cp::RingAttention::buffer_bytes(shape, cp, DType::f32));
+    EXPECT_EQ(ring.held_bytes() + scratch, pool.total_current());
+    // The key/value blocks and their gradients are communication buffers.
+    EXPECT_EQ(pool.current(MemTag::comm), 4 * 2 * B * Tl * 2 * C * 2);
+    ring.release();
+    EXPECT_EQ(pool.total_current(), scratch);
   }, one_thread());
 }
 

@@ -20,6 +20,7 @@
 #include "comm/threads.h"
 #include "core/error.h"
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/backend.h"
 #include "model/gpt.h"
 #include "optim/adamw.h"
 #include "parallel/context/ring_attention.h"
@@ -673,7 +674,12 @@ TEST(PipelineMemory, ScratchIsTakenOncePerRank) {
         const int threads = omp_get_max_threads();
         int64_t bytes = 0;
         if (lay.cp > 1) {
-          bytes = cp::RingAttention::workspace_bytes({b, kT, NHl, HS}, lay.cp, threads);
+          for (bool causal : {true, false}) {
+            const cpu::AttnArgs a =
+                cpu::CpuBackend::attn_args(cp::RingAttention::chunk_shape({b, kT, NHl, HS}, lay.cp, causal));
+            bytes = std::max({bytes, cpu::attention_workspace_bytes(a, false, threads),
+                              cpu::attention_workspace_bytes(a, true, threads)});
+          }
         } else {
           cpu::AttnArgs a;
           a.B = b, a.NH = NHl, a.HS = HS, a.Tq = a.Tkv = kT;
