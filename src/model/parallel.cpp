@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <tuple>
 #include <vector>
 
 #include "core/error.h"
@@ -31,6 +32,12 @@ ChainParallel::ChainParallel(Backend& be, ParallelGroups groups, bool sp) : be_(
       throw Error(fmt::format("tensor parallelism (tp = {}) on the {} backend needs a device communicator for its "
                               "group (comm::make_device_comm), got the {} backend's",
                               tp_, be.name(), g_.tp->backend()));
+    // Host buffers (loss sums, sampling's rows) need the groups' host communicators.
+    for (auto [n, host, what] : {std::tuple{tp_, g_.tp_host, "tp_host"}, std::tuple{cp_, g_.cp_host, "cp_host"}})
+      if (n > 1 && !host)
+        throw Error(fmt::format("model parallelism on the {} backend needs ParallelGroups::{} (the group's host "
+                                "communicator, for host buffers)",
+                                be.name(), what));
   }
   if (tp_ > 1 && be.compute_dtype() != DType::f32 && be.compute_dtype() != DType::bf16)
     throw Error(fmt::format("tensor parallelism (tp = {}) computes in f32 or bf16 (the collectives' reductions), not {}",

@@ -513,7 +513,7 @@ void TrainConfig::validate_cuda(const std::string& where) const {
   if (cuda_mesh() && run_precision() == "fp16")
     refuse("train.precision",
            fmt::format("fp16 {} runs whole replicas over dp (its loss scaling is the replica engine's); with "
-                       "tensor, sequence or pipeline parallelism, ZeRO or offload use bf16",
+                       "tensor, sequence, context or pipeline parallelism, ZeRO, offload or recomputation use bf16",
                        gpu));
   // Whole replicas as threads of one process would share its CUDA state (the device pool, the
   // captured graphs' memory): the replica engine's ranks are processes. The mesh engine's ranks may

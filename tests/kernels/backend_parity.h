@@ -780,6 +780,11 @@ TEST_P(BackendParity, StridedCopy) {
                      .rows = rows, .cols = cols, .dst_row = dst_row, .dst_batch = dst_batch, .src_row = dst_row,
                      .src_batch = dst_batch});
   EXPECT_EQ(same.get(), packed.get());
+  // One row with the default (zero) strides: a plain copy.
+  same.poison();
+  be().copy_strided({.dst = same.p(), .dst_dtype = dt_, .src = packed.p(), .src_dtype = dt_,
+                     .cols = batches * dst_batch});
+  EXPECT_EQ(same.get(), packed.get());
   // Unpacked into a padded f32 tensor: the padding is not written.
   DevBuf back(be(), batches * src_batch, DType::f32);
   back.poison();

@@ -792,12 +792,13 @@ void CudaBackend::copy_strided(const StridedCopy& a) {
   const int64_t total = a.batches * a.rows * a.cols;
   if (total == 0) return;
   if (a.dst_dtype == a.src_dtype && !a.accumulate) {
-    const size_t e = dtype_size(a.dst_dtype);
+    const size_t e = dtype_size(a.dst_dtype), width = size_t(a.cols) * e;
+    // One row: its pitch is its width (the strides may be 0, as StridedCopy's defaults).
+    const size_t dpitch = a.rows > 1 ? size_t(a.dst_row) * e : width, spitch = a.rows > 1 ? size_t(a.src_row) * e : width;
     for (int64_t b = 0; b < a.batches; ++b)
-      LOOM_CUDA_CHECK(cudaMemcpy2DAsync(static_cast<char*>(a.dst) + size_t(b * a.dst_batch) * e, size_t(a.dst_row) * e,
-                                        static_cast<const char*>(a.src) + size_t(b * a.src_batch) * e,
-                                        size_t(a.src_row) * e, size_t(a.cols) * e, size_t(a.rows),
-                                        cudaMemcpyDeviceToDevice, stream_));
+      LOOM_CUDA_CHECK(cudaMemcpy2DAsync(static_cast<char*>(a.dst) + size_t(b * a.dst_batch) * e, dpitch,
+                                        static_cast<const char*>(a.src) + size_t(b * a.src_batch) * e, spitch, width,
+                                        size_t(a.rows), cudaMemcpyDeviceToDevice, stream_));
     observed("strided copy");
     return;
   }
