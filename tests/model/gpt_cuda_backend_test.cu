@@ -191,8 +191,7 @@ void check_model_parallel(const model::GPTConfig& cfg, int tp, bool sp, int cp =
     auto tp_host = world.split(r / tp, r % tp), cp_host = world.split(r % tp, r / tp);
     auto tp_dev = tp > 1 ? be->buffer_comm(tp_host->split(0, tp_host->rank()), false) : nullptr;
     auto cp_dev = cp > 1 ? be->buffer_comm(cp_host->split(0, cp_host->rank()), false) : nullptr;
-    if (tp_dev) ASSERT_TRUE(tp_dev->device_buffers());
-    if (cp_dev) ASSERT_TRUE(cp_dev->device_buffers());
+    for (const auto* g : {tp_dev.get(), cp_dev.get()}) ASSERT_TRUE(!g || g->device_buffers());
     model::GPT gpt(cfg, *be, 11,
                    {.groups = {.tp = tp_dev.get(), .cp = cp_dev.get(), .tp_host = tp > 1 ? tp_host.get() : nullptr,
                                .cp_host = cp > 1 ? cp_host.get() : nullptr},
@@ -217,25 +216,20 @@ void check_model_parallel(const model::GPTConfig& cfg, int tp, bool sp, int cp =
   });
 }
 
-}  // namespace
-
 // GPT-2 with heads of 64 (cuDNN or flash attention) and a vocabulary that tp splits into shards
-// with padding, at tp 2 and 4, with and without sequence parallelism.
-TEST(GPTOnCuda, TensorParallelRanksSharingTheGpuMatchTheCpuModel) {
-  REQUIRE_CUDA_BACKEND();
+// with padding.
+model::GPTConfig small_gpt() {
   model::GPTConfig cfg = model::gpt_preset("gpt2-tiny");
   cfg.n_layer = 2;
   cfg.n_head = 4;
   cfg.n_embd = 256;
   cfg.block_size = 64;
   cfg.vocab_size = 300;
-  for (int tp : {2, 4})
-    for (bool sp : {false, true}) check_model_parallel(cfg, tp, sp);
+  return cfg;
 }
 
-// The Llama family with 2 key/value heads: split over tp 2, replicated under tp 4.
-TEST(LlamaOnCuda, TensorParallelRanksSharingTheGpuMatchTheCpuModel) {
-  REQUIRE_CUDA_BACKEND();
+// The Llama family with 2 key/value heads of 64.
+model::GPTConfig small_llama() {
   model::GPTConfig cfg = model::gpt_preset("llama-tiny");
   cfg.n_embd = 256;
   cfg.n_head = 4;
@@ -243,36 +237,38 @@ TEST(LlamaOnCuda, TensorParallelRanksSharingTheGpuMatchTheCpuModel) {
   cfg.ffn_hidden = 344;
   cfg.block_size = 64;
   cfg.vocab_size = 300;
+  return cfg;
+}
+
+}  // namespace
+
+// tp 2 and 4, with and without sequence parallelism.
+TEST(GPTOnCuda, TensorParallelRanksSharingTheGpuMatchTheCpuModel) {
+  REQUIRE_CUDA_BACKEND();
   for (int tp : {2, 4})
-    for (bool sp : {false, true}) check_model_parallel(cfg, tp, sp);
+    for (bool sp : {false, true}) check_model_parallel(small_gpt(), tp, sp);
+}
+
+// Key/value heads split over tp 2, replicated under tp 4.
+TEST(LlamaOnCuda, TensorParallelRanksSharingTheGpuMatchTheCpuModel) {
+  REQUIRE_CUDA_BACKEND();
+  for (int tp : {2, 4})
+    for (bool sp : {false, true}) check_model_parallel(small_llama(), tp, sp);
 }
 
 // Context parallelism (ring attention) on CUDA, alone, with tp + sp, over 4 ranks (T = 48: chunks
 // of 6 positions), and for the Llama family (rotary positions of each rank's two chunks, GQA).
 TEST(GPTOnCuda, ContextParallelRanksSharingTheGpuMatchTheCpuModel) {
   REQUIRE_CUDA_BACKEND();
-  model::GPTConfig cfg = model::gpt_preset("gpt2-tiny");
-  cfg.n_layer = 2;
-  cfg.n_head = 4;
-  cfg.n_embd = 256;
-  cfg.block_size = 64;
-  cfg.vocab_size = 300;
-  check_model_parallel(cfg, 1, false, 2);
-  check_model_parallel(cfg, 1, false, 4);
-  check_model_parallel(cfg, 2, true, 2);
+  check_model_parallel(small_gpt(), 1, false, 2);
+  check_model_parallel(small_gpt(), 1, false, 4);
+  check_model_parallel(small_gpt(), 2, true, 2);
 }
 
 TEST(LlamaOnCuda, ContextParallelRanksSharingTheGpuMatchTheCpuModel) {
   REQUIRE_CUDA_BACKEND();
-  model::GPTConfig cfg = model::gpt_preset("llama-tiny");
-  cfg.n_embd = 256;
-  cfg.n_head = 4;
-  cfg.n_kv_head = 2;
-  cfg.ffn_hidden = 344;
-  cfg.block_size = 64;
-  cfg.vocab_size = 300;
-  check_model_parallel(cfg, 1, false, 2);
-  check_model_parallel(cfg, 2, false, 2);
+  check_model_parallel(small_llama(), 1, false, 2);
+  check_model_parallel(small_llama(), 2, false, 2);
 }
 
 // A tp or cp group whose communicator takes host memory only is refused by name on the GPU.
