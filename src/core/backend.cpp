@@ -72,6 +72,14 @@ std::string_view op_name(Op op) {
   return "?";
 }
 
+void check_strided_copy(const StridedCopy& a) {
+  LOOM_CHECK(a.batches >= 0 && a.rows >= 0 && a.cols >= 0, "copy_strided: negative sizes ({} x {} x {})", a.batches,
+             a.rows, a.cols);
+  LOOM_CHECK(!a.accumulate || (a.dst_dtype == DType::f32 && a.src_dtype != DType::i32),
+             "copy_strided: accumulate needs an f32 destination and a floating-point source, got {} into {}",
+             dtype_name(a.src_dtype), dtype_name(a.dst_dtype));
+}
+
 std::string_view attn_kernel_name(AttnKernel k) {
   switch (k) {
     case AttnKernel::automatic: return "auto";

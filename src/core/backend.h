@@ -370,6 +370,9 @@ struct StridedCopy {
   int64_t dst_row = 0, dst_batch = 0, src_row = 0, src_batch = 0;
   bool accumulate = false;
 };
+// Throws, naming the op, on negative sizes or an accumulation into anything but f32 from anything
+// but a floating-point type (every backend's copy_strided checks this first).
+void check_strided_copy(const StridedCopy& a);
 
 // Ring attention's merge of a partial result over more keys into the running one: for each
 // (b, h, t) whose part_lse is finite, out = (out e^lse + part e^part_lse) / (e^lse + e^part_lse)

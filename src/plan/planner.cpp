@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "parallel/context/ring_attention.h"
 #include "parallel/pipeline/checker.h"
 #include "parallel/pipeline/executor.h"
 
@@ -202,11 +203,14 @@ CpuExtras cpu_extras(const Job& job, const Layout& L) {
   x.workspace = 4 * (Ns * h + N * h + N * wide);
   if (L.sp) x.workspace += 4 * (2 * N * h + Ns * h);
   if (L.tp > 1) x.workspace += 4 * 3 * N;
-  // Under cp the rows' positions, and ring attention's chunks of half the rank's rows
-  // (parallel::cp::RingAttention::buffer_bytes): the packed queries, partial output / output
-  // gradient, output and dq, a pair's dk | dv, and the partial output's log-sum-exps.
-  if (L.cp > 1)
-    x.workspace += 4 * double(m.seq) / L.cp + 4 * N / 2 * (4 * q_local + 2 * kv_local + double(m.heads) / tp);
+  // Under cp the rows' positions and ring attention's buffers: its packed chunks and partial
+  // results (workspace), its key/value blocks and their gradients (comm).
+  parallel::cp::RingAttention::Buffers ring;
+  if (L.cp > 1) {
+    ring = parallel::cp::RingAttention::buffer_bytes(
+        {L.mbs, m.seq, m.heads / L.tp, m.head_dim(), std::max<int64_t>(1, m.kv() / L.tp)}, L.cp, DType::f32);
+    x.workspace += 4 * double(m.seq) / L.cp + double(ring.workspace);
+  }
   const BlockParams bp = block_params(m, L.tp);
   const double layer = bp.layer, wte = bp.wte, emb = bp.emb, head_own = bp.head_own(m);
   const int shard = L.dp * L.cp;
@@ -221,7 +225,7 @@ CpuExtras cpu_extras(const Job& job, const Layout& L) {
   // of at most a bucket, received into one buffer (and under ZeRO 2/3 gathered into another).
   if (L.pp > 1 && m.tied) x.exchange = 4 * std::min(wte, kBucketBytes / 4) * (L.zero >= 2 && shard > 1 ? 2 : 1);
   x.comm = x.exchange;
-  if (L.cp > 1) x.comm += 4 * 4 * N * 2 * kv_local;  // ring attention's key/value blocks and their gradients, double-buffered
+  x.comm += double(ring.comm);
   return x;
 }
 

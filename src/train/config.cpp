@@ -64,7 +64,7 @@ const Field kFields[] = {
     F("train.batch_size", batch_size, "sequences per optimizer step (global batch)"),
     F("train.grad_accum", grad_accum, "micro-steps per optimizer step"),
     F("train.seed", seed, "seed of initialisation and data order"),
-    F("train.device", device, "cpu, or cuda: GPUs (a build with -DLOOM_CUDA=ON; dp, tp, sp, pp, ZeRO and offload: dp alone as one process per GPU rank, the others as threads sharing a GPU or processes)"),
+    F("train.device", device, "cpu, or cuda: GPUs (a build with -DLOOM_CUDA=ON; dp, tp, sp, cp, pp, ZeRO, offload and recomputation: dp alone as one process per GPU rank, the others as threads sharing a GPU or processes)"),
     F("train.cuda_graph", cuda_graph, "with train.device cuda: run each step as one CUDA graph (false: kernel by kernel, for debugging)"),
     F("train.cuda_attention", cuda_attention, "with train.device cuda: flash (loom's kernels), cudnn (cuDNN's fused attention), gemm (probabilities materialised), or auto (cudnn where loom has cuDNN 9.16 or newer and the head size is 64 or 128, else flash for those head sizes, else gemm)"),
     F("train.precision", precision, "auto (f32 on the CPU, bf16 on CUDA), f32, or bf16: on the CPU the linear layers' products in bf16 with f32 accumulation, weights, activations and gradients in f32 (needs AVX512-BF16 or AMX-BF16); on CUDA bf16 compute with f32 master weights and moments. fp16 (train.device cuda): f16 compute with f32 master weights and moments and dynamic loss scaling (train.loss_scale_*)"),
@@ -535,20 +535,22 @@ void TrainConfig::validate_cuda(const std::string& where) const {
   if (shaped && m.head_size() % 8 != 0)
     refuse("model.n_head", fmt::format("the head size n_embd / n_head = {} / {} = {} must be a multiple of 8 {}",
                                        m.n_embd, m.n_head, m.head_size(), gpu));
-  // Ring attention (cp) calls the kernels that keep no probabilities: flash or cuDNN.
-  if (shaped && cp > 1 && (cuda_attention == "gemm" || (m.head_size() != 64 && m.head_size() != 128)))
+  // Ring attention (cp) and selective recomputation call the kernels that keep no probabilities:
+  // flash or cuDNN, which take head sizes 64 and 128.
+  const bool flash_sizes = m.head_size() == 64 || m.head_size() == 128;
+  const bool keeps_probs = cuda_attention == "gemm" || !flash_sizes;
+  if (shaped && cp > 1 && keeps_probs)
     refuse("parallel.cp",
            fmt::format("{} {} needs flash or cuDNN attention (head sizes 64 and 128) for ring attention, and the "
                        "run has train.cuda_attention = {} with n_embd / n_head = {} / {} = {}",
                        cp, gpu, cuda_attention, m.n_embd, m.n_head, m.head_size()));
-  if (shaped && recompute == "selective" && (cuda_attention == "gemm" || (m.head_size() != 64 && m.head_size() != 128)))
+  if (shaped && recompute == "selective" && keeps_probs)
     refuse("memory.recompute",
            fmt::format("selective {} needs flash or cuDNN attention (head sizes 64 and 128: the GEMM kernels keep the "
                        "probabilities it drops), and the run has train.cuda_attention = {} with n_embd / n_head = "
                        "{} / {} = {}",
                        gpu, cuda_attention, m.n_embd, m.n_head, m.head_size()));
-  if (shaped && (cuda_attention == "flash" || cuda_attention == "cudnn") && m.head_size() != 64 &&
-      m.head_size() != 128)
+  if (shaped && (cuda_attention == "flash" || cuda_attention == "cudnn") && !flash_sizes)
     refuse("train.cuda_attention",
            fmt::format("{} takes head sizes 64 and 128, and n_embd / n_head = {} / {} = {} (use gemm or auto)",
                        cuda_attention, m.n_embd, m.n_head, m.head_size()));

@@ -240,20 +240,14 @@ void load_data_parallel(parallel::DataParallel& ddp, CheckpointReader& ckpt, int
   ddp.state_loaded(optimizer_steps);
 }
 
-// On a device, a communicator over `group`'s ranks whose collectives take the device's memory
-// (Backend::buffer_comm), where the group has several ranks; else null (the host group serves).
-static std::unique_ptr<comm::Comm> device_group(const DeviceMesh& dev, comm::Comm& group) {
-  if (!dev.backend || group.size() <= 1) return nullptr;
-  return dev.backend->buffer_comm(group.split(0, group.rank()), false);
-}
-
 // The CPU's engines (the loop runs whatever train/engine.h's interface offers), on the CPU or,
 // given a device (make_mesh_engine), on its backend: the pool is then the device's, the batches'
 // token ids in host memory, the MFU against the device's GEMM rate.
 class CpuEngine : public Engine {
  public:
-  CpuEngine(MemoryPool& pool, MemoryPool* host, DType matmul, DeviceMesh dev)
-      : pool_(dev.backend ? dev.backend->pool() : pool), host_(host), matmul_(matmul), dev_(std::move(dev)) {}
+  CpuEngine(MemoryPool& pool, MemoryPool* host, DType matmul, DeviceMesh dev, parallel::MeshComms& comms)
+      : pool_(dev.backend ? dev.backend->pool() : pool), host_(host), matmul_(matmul), dev_(std::move(dev)),
+        tp_buffers_(device_group(comms["tp"])), cp_buffers_(device_group(comms["cp"])) {}
   // With bf16 matmuls the MFU is against the bf16 GEMM rate, measured now (f32: the larger of now
   // and the host's calibration).
   double gemm_peak(comm::Comm& world) override {
@@ -274,12 +268,30 @@ class CpuEngine : public Engine {
   MemoryPool& io_pool() { return dev_.backend ? *host_ : pool_; }
   // "cuda:0 NVIDIA ... | " before a device's description.
   std::string device_prefix() const { return dev_.backend ? dev_.device + " | " : ""; }
+  // The model's groups over the mesh: on a device, tp and cp are communicators that take its memory
+  // (tp_host and cp_host the host ones, for scalars).
+  model::ParallelGroups groups(parallel::MeshComms& comms) const {
+    return {.tp = tp_buffers_ ? tp_buffers_.get() : &comms["tp"],
+            .cp = cp_buffers_ ? cp_buffers_.get() : &comms["cp"],
+            .dp_cp = &comms.get({"dp", "cp"}),
+            .tp_host = &comms["tp"],
+            .cp_host = &comms["cp"]};
+  }
   MemoryPool& pool_;
   MemoryPool* host_;
   DType matmul_;
   std::string peak_source_;
   DeviceMesh dev_;      // a device's (make_mesh_engine); empty on the CPU
   int world_size_ = 1;  // (set by the engine)
+
+ private:
+  // On a device, a communicator over `group`'s ranks whose collectives take the device's memory
+  // (Backend::buffer_comm), where the group has several ranks; else null (the host group serves).
+  std::unique_ptr<comm::Comm> device_group(comm::Comm& group) const {
+    if (!dev_.backend || group.size() <= 1) return nullptr;
+    return dev_.backend->buffer_comm(group.split(0, group.rank()), false);
+  }
+  std::unique_ptr<comm::Comm> tp_buffers_, cp_buffers_;  // a device's tp and cp groups for its memory
 };
 
 // Data parallelism over dp (ZeRO 0-3, offload, buckets reduced during backward), composed with
@@ -295,18 +307,10 @@ class ChainEngine : public CpuEngine {
   ChainEngine(const TrainConfig& cfg, const model::GPTConfig& mc, const optim::AdamWConfig& oc,
               parallel::MeshComms& comms, data::Loader& train, MemoryPool& pool, MemoryPool& host_pool, bool trace,
               DeviceMesh dev = {})
-      : CpuEngine(pool, &host_pool, cfg.cpu_matmul(), std::move(dev)), cfg_(cfg), mc_(comms), train_(train),
+      : CpuEngine(pool, &host_pool, cfg.cpu_matmul(), std::move(dev), comms), cfg_(cfg), mc_(comms), train_(train),
         dp_(comms["dp"]), tp_(comms["tp"]), trace_(comms.world().rank(), trace),
         own_be_(dev_.backend ? nullptr : make_backend(Device::cpu, {.pool = &pool, .matmul = cfg.cpu_matmul()})),
-        tp_buffers_(device_group(dev_, tp_)),
-        cp_buffers_(device_group(dev_, comms["cp"])),
-        model_(mc, backend(), cfg.seed,
-               {.groups = {.tp = tp_buffers_ ? tp_buffers_.get() : &comms["tp"],
-                           .cp = cp_buffers_ ? cp_buffers_.get() : &comms["cp"],
-                           .tp_host = &comms["tp"],
-                           .cp_host = &comms["cp"]},
-                .sp = cfg.sp,
-                .defer_parameters = true}),
+        model_(mc, backend(), cfg.seed, {.groups = groups(comms), .sp = cfg.sp, .defer_parameters = true}),
         ddp_(model_, comms.get({"dp", "cp"}), oc, options(cfg, comms, host_pool, trace_, model_)) {
     world_size_ = comms.world().size();
     local_ = cfg.batch_size / dp_.size();
@@ -376,6 +380,8 @@ class ChainEngine : public CpuEngine {
     o.prefetch = cfg.prefetch;
     o.trace = trace.enabled() ? &trace : nullptr;
     o.norm_group = &comms["tp"];
+    if (model.parallel().tp() > 1 && model.backend().device() != Device::cpu)
+      o.norm_buffers = model.parallel().tp_group();  // (the model's own device communicator)
     // A parameter whole on every tp rank counts in the norm on tp rank 0.
     for (const model::Parameter* p : model.parameters()) o.in_norm.push_back(p->shard.split || comms.coord("tp") == 0);
     return o;
@@ -534,8 +540,6 @@ class ChainEngine : public CpuEngine {
   comm::Comm& tp_;
   parallel::Trace trace_;
   std::unique_ptr<Backend> own_be_;         // the CPU's
-  std::unique_ptr<comm::Comm> tp_buffers_;  // a device's tp group for its memory
-  std::unique_ptr<comm::Comm> cp_buffers_;  // a device's cp group for its memory (ring attention)
   model::GPT model_;
   parallel::DataParallel ddp_;
   std::string note_;                         // the recompute plan, said at the start
@@ -570,18 +574,11 @@ class PipelineEngine : public CpuEngine {
   PipelineEngine(const TrainConfig& cfg, const model::GPTConfig& mc, const optim::AdamWConfig& oc,
                  parallel::MeshComms& comms, data::Loader& train, MemoryPool& pool, MemoryPool& host_pool,
                  DeviceMesh dev = {})
-      : CpuEngine(pool, &host_pool, cfg.cpu_matmul(), std::move(dev)), cfg_(cfg), mc_(comms), model_cfg_(mc),
+      : CpuEngine(pool, &host_pool, cfg.cpu_matmul(), std::move(dev), comms), cfg_(cfg), mc_(comms), model_cfg_(mc),
         train_(train), pp_(comms["pp"]), dp_(comms["dp"]), tp_(comms["tp"]),
-        tp_buffers_(device_group(dev_, tp_)),
-        cp_buffers_(device_group(dev_, comms["cp"])),
         exec_(mc, options(cfg, oc, mc.n_layer, dev_.backend.get()), comms["pp"],
               comms["dp"].size() > 1 ? &comms["dp"] : nullptr, dev_.backend ? dev_.backend->pool() : pool,
-              {.tp = tp_buffers_ ? tp_buffers_.get() : &comms["tp"],
-               .cp = cp_buffers_ ? cp_buffers_.get() : &comms["cp"],
-               .dp_cp = &comms.get({"dp", "cp"}),
-               .tp_host = &comms["tp"],
-               .cp_host = &comms["cp"]},
-              &host_pool) {
+              groups(comms), &host_pool) {
     world_size_ = comms.world().size();
     local_ = cfg.batch_size / dp_.size();
     n_layer_ = mc.n_layer;
@@ -752,8 +749,6 @@ class PipelineEngine : public CpuEngine {
   comm::Comm& pp_;
   comm::Comm& dp_;
   comm::Comm& tp_;
-  std::unique_ptr<comm::Comm> tp_buffers_;  // a device's tp group for its memory
-  std::unique_ptr<comm::Comm> cp_buffers_;  // a device's cp group for its memory (ring attention)
   pipe::PipelineExecutor exec_;
   std::string note_;  // the optimal recompute plans, said at the start
   int64_t local_ = 0, n_layer_ = 0;

@@ -329,9 +329,7 @@ void CpuBackend::copy(const Copy& a) {
 void CpuBackend::copy_strided(const StridedCopy& a) {
   check(Op::copy, a.dst_dtype);
   check(Op::copy, a.src_dtype);
-  LOOM_CHECK(a.batches >= 0 && a.rows >= 0 && a.cols >= 0, "copy_strided: negative sizes");
-  LOOM_CHECK(!a.accumulate || (a.dst_dtype == DType::f32 && a.src_dtype != DType::i32),
-             "copy_strided: accumulate needs an f32 destination and a floating-point source");
+  check_strided_copy(a);
   const size_t de = dtype_size(a.dst_dtype), se = dtype_size(a.src_dtype);
   const int64_t n = a.batches * a.rows;
 #pragma omp parallel for schedule(static) if (n * a.cols > (1 << 16))

@@ -60,18 +60,6 @@ __global__ void add_kernel(T* out, const T* a, const T* b, int64_t n) {
   }
 }
 
-template <class T>
-__global__ void from_f32_kernel(T* out, const float* in, int64_t n) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) out[i] = from_f32<T>(in[i]);
-}
-
-template <class T>
-__global__ void to_f32_kernel(float* out, const T* in, int64_t n) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) out[i] = to_f32(in[i]);
-}
-
 __device__ __forceinline__ float load_f32(float x) { return x; }
 __device__ __forceinline__ float load_f32(bf16 x) { return to_f32(x); }
 __device__ __forceinline__ float load_f32(f16 x) { return to_f32(x); }
@@ -82,12 +70,13 @@ __device__ __forceinline__ T store_f32(float x) {
 }
 
 // StridedCopy with a conversion or accumulation (same-type copies go to cudaMemcpy2DAsync): one
-// thread per element.
+// thread per element; a single row (Copy's conversions) indexes without divisions.
 template <class D, class S>
 __global__ void copy_strided_kernel(D* dst, const S* src, int64_t rows, int64_t cols, int64_t total, int64_t dst_row,
                                     int64_t dst_batch, int64_t src_row, int64_t src_batch, bool accumulate) {
+  const bool one_row = total == cols;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t c = i % cols, r = (i / cols) % rows, b = i / (cols * rows);
+    const int64_t c = one_row ? i : i % cols, r = one_row ? 0 : (i / cols) % rows, b = one_row ? 0 : i / (cols * rows);
     const float x = load_f32(src[b * src_batch + r * src_row + c]);
     D* d = dst + b * dst_batch + r * dst_row + c;
     if constexpr (std::is_same_v<D, float>) *d = accumulate ? *d + x : x;
@@ -749,19 +738,8 @@ void CudaBackend::copy(const Copy& a) {
   }
   if (a.dst_dtype == a.src_dtype) {
     LOOM_CUDA_CHECK(cudaMemcpyAsync(a.dst, a.src, n * dtype_size(a.dst_dtype), cudaMemcpyDeviceToDevice, stream_));
-  } else if (a.src_dtype == DType::f32) {
-    LOOM_CUDA_DISPATCH_16(a.dst_dtype, "copy", [&](auto* tag) {
-      using T = LOOM_T;
-      from_f32_kernel<T>
-          <<<unsigned(ceil_div(a.n, 256)), 256, 0, stream_>>>(h<T>(a.dst), static_cast<const float*>(a.src), a.n);
-    });
-    LOOM_CUDA_LAUNCH_CHECK();
-  } else {
-    LOOM_CUDA_DISPATCH_16(a.src_dtype, "copy", [&](auto* tag) {
-      using T = LOOM_T;
-      to_f32_kernel<T><<<unsigned(ceil_div(a.n, 256)), 256, 0, stream_>>>(static_cast<float*>(a.dst), h<T>(a.src), a.n);
-    });
-    LOOM_CUDA_LAUNCH_CHECK();
+  } else {  // one row through the strided copy's conversion kernel
+    copy_strided({.dst = a.dst, .dst_dtype = a.dst_dtype, .src = a.src, .src_dtype = a.src_dtype, .cols = a.n});
   }
 }
 
@@ -781,9 +759,7 @@ void CudaBackend::release_workspace() {
 void CudaBackend::copy_strided(const StridedCopy& a) {
   check(Op::copy, a.dst_dtype);
   check(Op::copy, a.src_dtype);
-  LOOM_CHECK(a.batches >= 0 && a.rows >= 0 && a.cols >= 0, "copy_strided: negative sizes");
-  LOOM_CHECK(!a.accumulate || (a.dst_dtype == DType::f32 && a.src_dtype != DType::i32),
-             "copy_strided: accumulate needs an f32 destination and a floating-point source");
+  check_strided_copy(a);
   const bool converts = a.dst_dtype != DType::i32 && a.src_dtype != DType::i32 &&
                         (a.dst_dtype == DType::f32) != (a.src_dtype == DType::f32);
   LOOM_CHECK(a.dst_dtype == a.src_dtype || converts,

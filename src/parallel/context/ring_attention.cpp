@@ -40,13 +40,14 @@ AttnShape RingAttention::chunk_shape(const RingShape& s, int P, bool causal) {
           .o_stride = C, .causal = causal, .NKV = s.kv_heads()};
 }
 
-int64_t RingAttention::buffer_bytes(const RingShape& s, int P, DType dtype) {
+RingAttention::Buffers RingAttention::buffer_bytes(const RingShape& s, int P, DType dtype) {
   const int64_t C = s.NH * s.HS, Ck = s.kv_heads() * s.HS, Tl = s.T / P, Tc = Tl / 2, e = int64_t(dtype_size(dtype));
-  int64_t n = 2 * s.B * Tl * 2 * Ck * (e + 4);         // key/value blocks and their f32 gradients, double-buffered
-  n += e * (4 * s.B * Tc * C + s.B * Tc * 2 * Ck);     // q, partial out / dout, out, dq chunks; a pair's dk | dv
-  n += 4 * s.B * s.NH * Tc;                            // a chunk's log-sum-exps
-  if (dtype != DType::f32) n += 4 * s.B * Tl * C;      // the f32 running output / dq sum
-  return n;
+  Buffers b;
+  b.comm = 2 * s.B * Tl * 2 * Ck * (e + 4);                  // key/value blocks and their f32 gradients, double-buffered
+  b.workspace = e * (4 * s.B * Tc * C + s.B * Tc * 2 * Ck);  // q, partial out / dout, out, dq chunks; a pair's dk | dv
+  b.workspace += 4 * s.B * s.NH * Tc;                        // a chunk's log-sum-exps
+  if (dtype != DType::f32) b.workspace += 4 * s.B * Tl * C;  // the f32 running output / dq sum
+  return b;
 }
 
 void RingAttention::ensure(const RingShape& s, int P, bool backward) {

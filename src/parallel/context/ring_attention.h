@@ -63,8 +63,13 @@ class RingAttention {
   // for a pair on the diagonal, else every key visible.
   static AttnShape chunk_shape(const RingShape& s, int P, bool causal);
   // Bytes of the buffers this object holds once it has run a forward and a backward over a cp
-  // group of P ranks in `dtype` (the backend's attention scratch is the backend's).
-  static int64_t buffer_bytes(const RingShape& s, int P, DType dtype);
+  // group of P ranks in `dtype` (the backend's attention scratch is the backend's), by tag: the
+  // key/value blocks and their gradients (comm), the packed chunks and partial results (workspace).
+  struct Buffers {
+    int64_t comm = 0, workspace = 0;
+    int64_t total() const { return comm + workspace; }
+  };
+  static Buffers buffer_bytes(const RingShape& s, int P, DType dtype);
   // Bytes held now.
   int64_t held_bytes() const;
   void release();

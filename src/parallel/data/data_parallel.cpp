@@ -424,8 +424,10 @@ DataParallel::DataParallel(DataChain chain, comm::Comm& dp, const optim::AdamWCo
   comm::Comm* tp = o_.norm_group && o_.norm_group->size() > 1 ? o_.norm_group : nullptr;
   norm_buf_ = tp;
   if (device_ && tp) {
-    own_norm_buf_ = be.buffer_comm(tp->split(0, tp->rank()), false);
-    norm_buf_ = own_norm_buf_.get();
+    if (!o_.norm_buffers) own_norm_buf_ = be.buffer_comm(tp->split(0, tp->rank()), false);
+    norm_buf_ = o_.norm_buffers ? o_.norm_buffers : own_norm_buf_.get();
+    LOOM_CHECK(norm_buf_->device_buffers() && norm_buf_->size() == tp->size(),
+               "data parallel: norm_buffers must be a device communicator over the {} ranks of norm_group", tp->size());
   }
   // On a device the reductions run on the compute thread, in the model's stream order: every
   // device communicator enqueues on the backend's one stream, where two threads' collectives could

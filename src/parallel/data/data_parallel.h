@@ -136,6 +136,10 @@ struct DataParallelOptions {
   // Model parallelism (see above): the tp group of this rank (null: none), and per parameter in
   // the chain's order (GPT::parameters() for a model) whether it counts in the norm here (empty: all).
   comm::Comm* norm_group = nullptr;
+  // On a device: a communicator over norm_group's ranks that takes its memory (the model's own tp
+  // group, model::ParallelGroups::tp), for the gradients' partial sums; null: one split from
+  // norm_group here.
+  comm::Comm* norm_buffers = nullptr;
   std::vector<bool> in_norm;
   // The pipeline's communicator (null: none): the norm's sums of squares and the decision to skip
   // a step are also over it (after norm_group).

@@ -414,7 +414,7 @@ struct PipelineExecutor::Impl {
                  groups.cp->size());
       return groups.dp_cp;
     }
-    return has_cp ? (groups.cp_host ? groups.cp_host : groups.cp) : has_dp ? dp : nullptr;
+    return has_cp ? par->cp_host_group() : has_dp ? dp : nullptr;
   }
 
   // What the chunk's blocks save per micro-batch of [b, T], the received input (chunks after the
@@ -466,7 +466,8 @@ struct PipelineExecutor::Impl {
     d.host_pool = host_pool;
     d.bucket_bytes = o.bucket_bytes;
     d.prefetch = o.prefetch;
-    d.norm_group = par->tp_host_group();  // (its scalars in host memory; its device buffers' group it makes)
+    d.norm_group = par->tp_host_group();  // (its scalars in host memory)
+    if (be->device() != Device::cpu) d.norm_buffers = par->tp_group();  // (its device buffers')
     d.stage_group = &pp;
     const int tpr = groups.tp ? groups.tp->rank() : 0;
     for (model::Parameter* prm : params) d.in_norm.push_back(prm != wte_copy.get() && (prm->shard.split || tpr == 0));

@@ -136,10 +136,13 @@ TEST(RingAttention, ReusesItsBuffersAcrossPasses) {
     for (bool causal : {true, false})
       need = std::max(need, be.attention_workspace_bytes(DType::f32, parallel::cp::RingAttention::chunk_shape(shape, cp, causal)));
     EXPECT_EQ(scratch, need);
-    EXPECT_EQ(ring.held_bytes(), parallel::cp::RingAttention::buffer_bytes(shape, cp, DType::f32));
+    const auto bytes = parallel::cp::RingAttention::buffer_bytes(shape, cp, DType::f32);
+    EXPECT_EQ(ring.held_bytes(), bytes.total());
     EXPECT_EQ(ring.held_bytes() + scratch, pool.total_current());
     // The key/value blocks and their gradients are communication buffers.
     EXPECT_EQ(pool.current(MemTag::comm), 4 * 2 * B * Tl * 2 * C * 2);
+    EXPECT_EQ(pool.current(MemTag::comm), bytes.comm);
+    EXPECT_EQ(pool.current(MemTag::workspace), bytes.workspace + scratch);
     ring.release();
     EXPECT_EQ(pool.total_current(), scratch);
   }, one_thread());
