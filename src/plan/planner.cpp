@@ -779,6 +779,20 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   // communication thread sums and copies): overlapping them with backward hides nothing.
   if (L.pp > 1 || job.cluster.shared_host) e.dp_exposed_s = e.dp_comm_s;
   else e.dp_exposed_s = std::max(e.dp_comm_s - 0.9 * t_b, 0.1 * e.dp_comm_s);
+  // A pipeline with tied embeddings: after the flush its first and last stages exchange wte's
+  // reduced gradient (DataParallel::add_peer_gradient: a sendrecv in pieces of at most a bucket,
+  // under ZeRO 2/3 each piece first gathered over the data-parallel group) and add it into theirs
+  // (under ZeRO 2/3 into their shard of it).
+  double tied_pieces = 0;
+  if (L.pp > 1 && m.tied) {
+    const bool sharded = L.zero >= 2 && shard > 1;
+    const double wte_bytes = double(m.vocab) * double(m.hidden) / L.tp * B.grad;
+    tied_pieces = std::max(1.0, std::ceil(wte_bytes / kBucketBytes));
+    e.tied_s = wte_bytes / pp_link.bandwidth + tied_pieces * pp_link.latency +
+               3 * wte_bytes / (sharded ? shard : 1) / dev.memory_bw;
+    if (sharded)
+      e.tied_s += double(shard - 1) / shard * wte_bytes / dp_link.bandwidth + tied_pieces * (shard - 1) * dp_link.latency;
+  }
   // The optimizer reads and writes its state, the weights and the gradients once.
   const double opt_params = P / (L.zero >= 1 ? shard : 1);
   e.optimizer_s =
@@ -799,6 +813,7 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
       else if (L.pp > 1 && L.zero == 2) step_syncs += double(micro) * buckets + 1;  // per micro-batch, then a gather
       else step_syncs += 2 * buckets;                                                 // reduce-scatter, all-gather
     }
+    step_syncs += tied_pieces * (L.zero >= 2 && shard > 1 ? 2 : 1);  // the tied wte's exchange (and gathers)
     // In a pipeline the other stages' ranks compute on the cores a waiting stage leaves (the
     // simulation gives them those cores): a stage's waits are exposed for 1 / pp of the step. Its
     // two received messages per micro-batch count among them where the simulation has no wake-ups
@@ -807,7 +822,7 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
     const double per_micro = (busiest.syncs + (L.pp > 1 && !woken ? 2.0 : 0.0)) / L.pp;
     e.sync_s = job.cluster.crowded_sync * (double(micro) * per_micro + step_syncs);
   }
-  e.step_s = makespan + e.dp_exposed_s + e.optimizer_s + e.sync_s;
+  e.step_s = makespan + e.dp_exposed_s + e.tied_s + e.optimizer_s + e.sync_s;
   const double step_tokens = double(job.global_batch) * double(m.seq);
   e.tokens_per_s = step_tokens / e.step_s;
   const double model_flops = m.model_flops(step_tokens);
@@ -889,7 +904,7 @@ std::string format_table(const Job& job, const std::vector<Estimate>& es) {
   std::string s = fmt::format("{:<64} {:>9} {:>10} {:>7} {:>6} {:>8} {:>8} {:>8} {:>8} {:>9}\n", "layout", "step s",
                               "tokens/s", "TFLOP/s", "MFU", "compute", "bubble", "comm", "recomp", "memory GB");
   for (const Estimate& e : es) {
-    const double comm = e.tp_comm_s + e.pp_comm_s + e.dp_exposed_s;
+    const double comm = e.tp_comm_s + e.pp_comm_s + e.dp_exposed_s + e.tied_s;
     s += fmt::format("{:<64} {:>9.3f} {:>10.0f} {:>7.1f} {:>5.1f}% {:>8.3f} {:>8.3f} {:>8.3f} {:>8.3f} {:>9.1f}{}\n",
                      e.layout.str(), e.step_s, e.tokens_per_s, e.model_tflops, 100 * e.mfu, e.compute_s, e.bubble_s,
                      comm, e.recompute_s, e.memory_total / 1e9, e.fits ? "" : "  (does not fit: " + e.why_not + ")");
@@ -913,6 +928,7 @@ std::string explain(const std::vector<Estimate>& r) {
                  {"recomputation", b.recompute_s - a.recompute_s},
                  {"compute", b.compute_s - a.compute_s},
                  {"pipeline transfers", b.pp_comm_s - a.pp_comm_s},
+                 {"the tied embedding's exchange", b.tied_s - a.tied_s},
                  {"waits for ranks beyond the cores", b.sync_s - a.sync_s}};
     std::sort(std::begin(parts), std::end(parts), [](const Part& x, const Part& y) { return x.d > y.d; });
     s += fmt::format("  over {} ({:.3f} s, +{:.1f}%): it spends {:.3f} s more on {}", b.layout.str(), b.step_s,
@@ -937,7 +953,8 @@ std::string to_json(const Estimate& e) {
   j["memory_bytes_per_gpu"] = e.memory;
   j["time_s"] = {{"compute", e.compute_s},       {"recompute", e.recompute_s}, {"tp_comm", e.tp_comm_s},
                  {"pp_comm", e.pp_comm_s},       {"bubble", e.bubble_s},       {"dp_exposed", e.dp_exposed_s},
-                 {"dp_comm", e.dp_comm_s},       {"optimizer", e.optimizer_s}, {"crowded_sync", e.sync_s}};
+                 {"dp_comm", e.dp_comm_s},       {"optimizer", e.optimizer_s}, {"crowded_sync", e.sync_s},
+                 {"tied_exchange", e.tied_s}};
   return j.dump(2);
 }
 

@@ -30,8 +30,9 @@
 // durations); data parallelism's gradient reduction (ring: 2 (d-1)/d of the gradient bytes; ZeRO-3
 // gathers the weights again in forward and backward: 1.5x), exposed after the pipeline flush when
 // pp > 1 or on a shared host (whose collectives run on the cores that compute) and hidden behind
-// backward otherwise except what backward cannot cover; and the optimizer's pass over its state at
-// memory bandwidth.
+// backward otherwise except what backward cannot cover; a pipeline's tied embedding, whose
+// gradient its first and last stages exchange and add after the flush (under ZeRO 2/3 gathered
+// over data parallelism first); and the optimizer's pass over its state at memory bandwidth.
 //
 // The calibrated cpu cluster (f32) costs loom's own kernels as `loom calibrate` timed them: a
 // layer's linears at the rate its grid gives for the layer's tokens and per-device width, and
@@ -106,6 +107,7 @@ struct Estimate {
   double bubble_s = 0;                    // makespan - the busiest stage's busy time
   double dp_exposed_s = 0, dp_comm_s = 0, optimizer_s = 0;
   double sync_s = 0;  // on a shared host with more ranks than cores: the waits for unscheduled peers
+  double tied_s = 0;  // a pipeline's tied embedding: its first and last stages' gradient exchange
   double tokens_per_s = 0;
   double model_tflops = 0;     // model FLOPs per device per second (3 forwards' worth), TFLOP/s
   double hardware_tflops = 0;  // with what recomputation runs again (Megatron-LM's figure)

@@ -203,12 +203,38 @@ TEST(Planner, CalibratedCpuProfileCostsLoomsOwnKernels) {
   for (const char* layout : {"tp=4,sp=1,mbs=16", "pp=4,schedule=1f1b,mbs=4"}) {
     const plan::Estimate e4 = plan::estimate(job, plan::parse_layout(layout));
     const double parts = e4.compute_s + e4.recompute_s + e4.tp_comm_s + e4.pp_comm_s + e4.bubble_s + e4.dp_exposed_s +
-                         e4.optimizer_s + e4.sync_s;
+                         e4.optimizer_s + e4.sync_s + e4.tied_s;
     EXPECT_NEAR(parts, e4.step_s, 1e-9 * e4.step_s) << layout;
     EXPECT_GT(e4.compute_s, 0.0) << layout;
   }
   job.cluster.cores = 4;  // as many cores as ranks: no waits
   EXPECT_EQ(plan::estimate(job, plan::parse_layout("tp=4,sp=1,mbs=16")).sync_s, 0.0);
+}
+
+// A pipeline with tied embeddings: after the flush its first and last stages exchange wte's
+// reduced gradient (a sendrecv on the pipeline's link) and add it into theirs at memory bandwidth;
+// under ZeRO 2/3 each side gathers it over data parallelism first and adds only its shard.
+TEST(Planner, TiedEmbeddingsExchangeTheirGradientAfterTheFlush) {
+  plan::ModelSpec m;
+  m.layers = 4, m.hidden = 128, m.heads = 4, m.vocab = 4096, m.seq = 64;
+  plan::Job job;
+  job.model = m;
+  job.cluster = plan::cluster_named("a100-80gb");
+  job.devices = 8, job.global_batch = 64, job.precision = plan::Precision::f32;
+  const plan::Link& link = job.cluster.intra;  // 8 devices, one node
+  const double bytes = 4096.0 * 128 * 4, bw = job.cluster.device.memory_bw;
+  const plan::Estimate z1 = plan::estimate(job, plan::parse_layout("dp=4,pp=2,zero=1,mbs=2"));
+  ASSERT_TRUE(z1.why_not.empty()) << z1.why_not;
+  EXPECT_NEAR(z1.tied_s, bytes / link.bandwidth + link.latency + 3 * bytes / bw, 1e-9 * z1.tied_s);
+  const plan::Estimate z2 = plan::estimate(job, plan::parse_layout("dp=4,pp=2,zero=2,mbs=2"));
+  EXPECT_NEAR(z2.tied_s,
+              bytes / link.bandwidth + link.latency + 3 * bytes / 4 / bw + 0.75 * bytes / link.bandwidth +
+                  3 * link.latency,
+              1e-9 * z2.tied_s);
+  job.model.tied = false;
+  EXPECT_EQ(plan::estimate(job, plan::parse_layout("dp=4,pp=2,zero=1,mbs=2")).tied_s, 0.0);
+  job.model.tied = true;
+  EXPECT_EQ(plan::estimate(job, plan::parse_layout("dp=8,zero=1,mbs=2")).tied_s, 0.0);  // one stage holds both
 }
 
 // loom's blocks as `loom calibrate` measured them (Device::blocks) scale the kernel-by-kernel
