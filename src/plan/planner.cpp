@@ -776,7 +776,10 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
     e.dp_comm_s = all_reduce_s(grad_bytes, shard, dp_link) * 0.5 * (double(micro) * (L.zero >= 3 ? 3.0 : 1.0) +
                                                                       (L.zero == 2 ? 1.0 : 0.0));
   // On a shared host the collectives run on the cores that compute (the threads backend's
-  // communication thread sums and copies): overlapping them with backward hides nothing.
+  // communication thread sums and copies): overlapping them with backward hides nothing, and with
+  // more ranks than cores the ranks reducing at once divide the cores (as the optimizer's passes
+  // do; the link's rate was measured with a core per rank).
+  e.dp_comm_s *= crowd;
   if (L.pp > 1 || job.cluster.shared_host) e.dp_exposed_s = e.dp_comm_s;
   else e.dp_exposed_s = std::max(e.dp_comm_s - 0.9 * t_b, 0.1 * e.dp_comm_s);
   // A pipeline with tied embeddings: after the flush its first and last stages exchange wte's
@@ -792,6 +795,8 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
                3 * wte_bytes / (sharded ? shard : 1) / dev.memory_bw;
     if (sharded)
       e.tied_s += double(shard - 1) / shard * wte_bytes / dp_link.bandwidth + tied_pieces * (shard - 1) * dp_link.latency;
+    // On a shared host: the first and last stages of every pipeline exchange at once.
+    if (capacity > 0) e.tied_s *= std::max(1.0, std::min(double(job.devices), 2.0 * rank_costs.copies) / capacity);
   }
   // The optimizer reads and writes its state, the weights and the gradients once.
   const double opt_params = P / (L.zero >= 1 ? shard : 1);
