@@ -207,8 +207,14 @@ TEST(Planner, CalibratedCpuProfileCostsLoomsOwnKernels) {
     EXPECT_NEAR(parts, e4.step_s, 1e-9 * e4.step_s) << layout;
     EXPECT_GT(e4.compute_s, 0.0) << layout;
   }
+  // The data-parallel reduction's sums and copies run on the same cores: four ranks reducing at
+  // once on two take twice what they take on four (the link's rate is a core per rank's).
+  const double dp4_crowded = plan::estimate(job, plan::parse_layout("dp=4,zero=1,mbs=4")).dp_comm_s;
   job.cluster.cores = 4;  // as many cores as ranks: no waits
   EXPECT_EQ(plan::estimate(job, plan::parse_layout("tp=4,sp=1,mbs=16")).sync_s, 0.0);
+  const double dp4 = plan::estimate(job, plan::parse_layout("dp=4,zero=1,mbs=4")).dp_comm_s;
+  EXPECT_GT(dp4, 0.0);
+  EXPECT_NEAR(dp4_crowded, 2 * dp4, 1e-12);
 }
 
 // A pipeline with tied embeddings: after the flush its first and last stages exchange wte's
@@ -231,6 +237,13 @@ TEST(Planner, TiedEmbeddingsExchangeTheirGradientAfterTheFlush) {
               bytes / link.bandwidth + link.latency + 3 * bytes / 4 / bw + 0.75 * bytes / link.bandwidth +
                   3 * link.latency,
               1e-9 * z2.tied_s);
+  // On a shared host of 4 cores the 8 first and last stages exchange at once, each with a quarter
+  // of the memory bandwidth: twice the time.
+  plan::Job shared = job;
+  shared.cluster.shared_host = true;
+  shared.cluster.cores = 4;
+  EXPECT_NEAR(plan::estimate(shared, plan::parse_layout("dp=4,pp=2,zero=1,mbs=2")).tied_s,
+              2 * (bytes / link.bandwidth + link.latency + 3 * bytes / (bw / 4)), 1e-9 * z1.tied_s);
   job.model.tied = false;
   EXPECT_EQ(plan::estimate(job, plan::parse_layout("dp=4,pp=2,zero=1,mbs=2")).tied_s, 0.0);
   job.model.tied = true;
