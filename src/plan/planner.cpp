@@ -783,18 +783,34 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   if (L.pp > 1 || job.cluster.shared_host) e.dp_exposed_s = e.dp_comm_s;
   else e.dp_exposed_s = std::max(e.dp_comm_s - 0.9 * t_b, 0.1 * e.dp_comm_s);
   // A pipeline with tied embeddings: after the flush its first and last stages exchange wte's
-  // reduced gradient (DataParallel::add_peer_gradient: a sendrecv in pieces of at most a bucket,
-  // under ZeRO 2/3 each piece first gathered over the data-parallel group) and add it into theirs
-  // (under ZeRO 2/3 into their shard of it).
+  // reduced gradient (DataParallel::add_peer_gradient: f32, a sendrecv in pieces of at most a
+  // bucket) and add it into theirs. Under ZeRO 2/3 a rank's shard is a slice of its whole stage's
+  // flat buffer, not of wte: each piece is first gathered over the data-parallel group (a rank
+  // receives what the others own of it, all of it where wte fits in their shards) and a rank adds
+  // what it owns (at most its shard). The two sides wait for each other: the slower one counts.
   double tied_pieces = 0;
   if (L.pp > 1 && m.tied) {
     const bool sharded = L.zero >= 2 && shard > 1;
-    const double wte_bytes = double(m.vocab) * double(m.hidden) / L.tp * B.grad;
-    tied_pieces = std::max(1.0, std::ceil(wte_bytes / kBucketBytes));
-    e.tied_s = wte_bytes / pp_link.bandwidth + tied_pieces * pp_link.latency +
-               3 * wte_bytes / (sharded ? shard : 1) / dev.memory_bw;
-    if (sharded)
-      e.tied_s += double(shard - 1) / shard * wte_bytes / dp_link.bandwidth + tied_pieces * (shard - 1) * dp_link.latency;
+    const BlockParams bp = block_params(m, L.tp);
+    const double elems = bp.wte, bytes = 4 * elems;
+    tied_pieces = std::max(1.0, std::ceil(bytes / kBucketBytes));
+    const double p2p_s = bytes / pp_link.bandwidth + tied_pieces * pp_link.latency;
+    for (const int r : {0, L.pp - 1}) {
+      double stage = 0;  // the rank's parameters: its chunks' elements of the chain
+      for (int k = 0; k < L.v; ++k) {
+        const int c = r + k * L.pp;
+        for (int64_t el = cuts[size_t(c)]; el < cuts[size_t(c + 1)]; ++el)
+          stage += el == 0 ? bp.emb : el <= m.layers ? bp.layer : bp.head_own(m) + bp.wte;
+      }
+      double gather = 0, added = elems;
+      if (sharded) {
+        const double S = std::ceil(stage / shard);
+        gather = elems - std::max(0.0, elems - (shard - 1) * S);
+        added = std::min(elems, S);
+        gather = 4 * gather / dp_link.bandwidth + tied_pieces * (shard - 1) * dp_link.latency;
+      }
+      e.tied_s = std::max(e.tied_s, gather + p2p_s + 3 * 4 * added / dev.memory_bw);
+    }
     // On a shared host: the first and last stages of every pipeline exchange at once.
     if (capacity > 0) e.tied_s *= std::max(1.0, std::min(double(job.devices), 2.0 * rank_costs.copies) / capacity);
   }
