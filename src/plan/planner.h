@@ -31,8 +31,9 @@
 // gathers the weights again in forward and backward: 1.5x), exposed after the pipeline flush when
 // pp > 1 or on a shared host (whose collectives run on the cores that compute) and hidden behind
 // backward otherwise except what backward cannot cover; a pipeline's tied embedding, whose
-// gradient its first and last stages exchange and add after the flush (under ZeRO 2/3 gathered
-// over data parallelism first); and the optimizer's pass over its state at memory bandwidth.
+// gradient its first and last stages exchange and add after the flush (f32; under ZeRO 2/3 what
+// the other shards own of it gathered over data parallelism first); and the optimizer's pass over
+// its state at memory bandwidth.
 //
 // The calibrated cpu cluster (f32) costs loom's own kernels as `loom calibrate` timed them: a
 // layer's linears at the rate its grid gives for the layer's tokens and per-device width, and
@@ -51,7 +52,10 @@
 // calibrate` measured them), and with more ranks than cores every synchronisation on the busiest
 // rank's path costs the wait `loom calibrate` measured for ranks beyond the cores
 // (Cluster::crowded_sync; in a pipeline a stage's per-micro-batch waits count for 1 / pp, the
-// other stages computing on the cores it leaves).
+// other stages computing on the cores it leaves). The collectives' sums and copies are work on the
+// same cores: with more ranks than cores, the data-parallel reduction and the optimizer's passes
+// take ranks / cores times a rank's time, the tied embedding's exchange (2 x dp x tp x cp ranks
+// at once) its share of that.
 #pragma once
 #include <cstdint>
 #include <map>
