@@ -99,6 +99,11 @@ struct BlockParams {
   double norms = 0;  // the final norm (weight, and bias where the model has biases)
   // The head's own parameters: the final norm, and lm_head when untied (a tied head reads wte).
   double head_own(const ModelSpec& m) const { return norms + (m.tied ? 0.0 : wte); }
+  // Chain element `el` (0 the embedding, 1 .. layers a layer, then the head) on a pipeline stage,
+  // where a tied head holds its own copy of wte.
+  double stage_element(const ModelSpec& m, int64_t el) const {
+    return el == 0 ? emb : el <= m.layers ? layer : head_own(m) + (m.tied ? wte : 0.0);
+  }
 };
 
 BlockParams block_params(const ModelSpec& m, int tp) {
@@ -237,8 +242,6 @@ std::map<std::string, double> pipeline_rank_memory(const Job& job, const Layout&
   const double h = double(m.hidden), tp = L.tp;
   const double tokens = double(L.mbs) * double(m.seq) / L.cp, rows = L.sp ? tokens / tp : tokens;
   const BlockParams bp = block_params(m, L.tp);
-  const double layer = bp.layer, wte = bp.wte, emb = bp.emb;
-  const double head = bp.head_own(m) + (m.tied ? wte : 0.0);  // a tied head's copy of wte (several stages)
   const double per_layer = layer_activation_bytes(job, L);
   Layout whole = L;
   whole.recompute = model::Recompute::none;
@@ -265,7 +268,7 @@ std::map<std::string, double> pipeline_rank_memory(const Job& job, const Layout&
       if (c + 1 < parts) grad_in += 4 * rows * h;
       std::vector<double> backward_order;
       for (int64_t e = e1 - 1; e >= e0; --e) {
-        const double n = e == 0 ? emb : e <= m.layers ? layer : head;
+        const double n = bp.stage_element(m, e);
         params += n, largest = std::max(largest, n), backward_order.push_back(n);
         if (e == 0) act_per_mb += 4 * tokens * h, first = true;
         else if (e <= m.layers) act_per_mb += per_layer, layers_here += 1;
@@ -799,8 +802,7 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
       double stage = 0;  // the rank's parameters: its chunks' elements of the chain
       for (int k = 0; k < L.v; ++k) {
         const int c = r + k * L.pp;
-        for (int64_t el = cuts[size_t(c)]; el < cuts[size_t(c + 1)]; ++el)
-          stage += el == 0 ? bp.emb : el <= m.layers ? bp.layer : bp.head_own(m) + bp.wte;
+        for (int64_t el = cuts[size_t(c)]; el < cuts[size_t(c + 1)]; ++el) stage += bp.stage_element(m, el);
       }
       double gather = 0, added = elems;
       if (sharded) {

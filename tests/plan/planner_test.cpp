@@ -37,6 +37,16 @@ std::string paper_digits(double gb) {
   return s;
 }
 
+// The bench's small GPT (bench/plan_truth.sh) on the A100 cluster.
+plan::Job small_gpt_job() {
+  plan::ModelSpec m;
+  m.layers = 4, m.hidden = 128, m.heads = 4, m.vocab = 4096, m.seq = 64;
+  plan::Job job;
+  job.model = m;
+  job.cluster = plan::cluster_named("a100-80gb");
+  return job;
+}
+
 }  // namespace
 
 // ZeRO Table 1: model states of 7.5B, 128B and 1T parameters under P_os, P_os+g and P_os+g+p
@@ -148,11 +158,8 @@ TEST(Planner, LayoutsParseAndBadOnesAreNamed) {
 // its points), the non-GEMM kernels at their measured costs, and ranks beyond the host's cores
 // sharing it only while they compute (a pipeline's fill and drain run at full speed).
 TEST(Planner, CalibratedCpuProfileCostsLoomsOwnKernels) {
-  plan::ModelSpec m;
-  m.layers = 4, m.hidden = 128, m.heads = 4, m.vocab = 4096, m.seq = 64;
-  plan::Job job;
-  job.model = m;
-  job.cluster = plan::cluster_named("a100-80gb");  // only its links matter here
+  plan::Job job = small_gpt_job();  // only its links matter here
+  const plan::ModelSpec m = job.model;
   job.cluster.shared_host = true;
   job.cluster.per_node = 64;
   job.cluster.cores = 1;
@@ -222,11 +229,8 @@ TEST(Planner, CalibratedCpuProfileCostsLoomsOwnKernels) {
 // into theirs at memory bandwidth. Under ZeRO 2/3 a rank's shard is a slice of its stage's flat
 // buffer: it gathers over data parallelism what the other ranks own of wte and adds what it owns.
 TEST(Planner, TiedEmbeddingsExchangeTheirGradientAfterTheFlush) {
-  plan::ModelSpec m;
-  m.layers = 4, m.hidden = 128, m.heads = 4, m.vocab = 4096, m.seq = 64;
-  plan::Job job;
-  job.model = m;
-  job.cluster = plan::cluster_named("a100-80gb");
+  plan::Job job = small_gpt_job();
+  const plan::ModelSpec m = job.model;
   job.devices = 8, job.global_batch = 64, job.precision = plan::Precision::f32;
   const plan::Link& link = job.cluster.intra;  // 8 devices, one node
   const double wte = 4096.0 * 128, bytes = 4 * wte, bw = job.cluster.device.memory_bw;
@@ -280,11 +284,8 @@ TEST(Planner, TiedEmbeddingsExchangeTheirGradientAfterTheFlush) {
 // blocks cost f times their kernels' sum (beyond the grid, the factor at its edge), for as many
 // ranks at once as the layout computes with.
 TEST(Planner, CalibratedBlocksScaleTheKernelsSum) {
-  plan::ModelSpec m;
-  m.layers = 4, m.hidden = 128, m.heads = 4, m.vocab = 4096, m.seq = 64;
-  plan::Job job;
-  job.model = m;
-  job.cluster = plan::cluster_named("a100-80gb");
+  plan::Job job = small_gpt_job();
+  const plan::ModelSpec m = job.model;
   job.cluster.shared_host = true;
   job.cluster.per_node = 64;
   job.cluster.cores = 2;
