@@ -132,7 +132,14 @@ using NcclHandle = ncclComm_t;
 
 std::string nccl_message(ncclResult_t r) { return fmt::format("{} ({})", ncclGetErrorString(r), int(r)); }
 
-ncclDataType_t nccl_reduce_type(DType dt) { return dt == DType::f32 ? ncclFloat32 : ncclBfloat16; }
+ncclDataType_t nccl_reduce_type(DType dt) {
+  switch (dt) {
+    case DType::f32: return ncclFloat32;
+    case DType::bf16: return ncclBfloat16;
+    case DType::f16: return ncclFloat16;
+    default: throw Error(fmt::format("nccl comm: no reduction over {} values", dtype_name(dt)));
+  }
+}
 ncclRedOp_t nccl_op(ReduceOp op) { return op == ReduceOp::sum ? ncclSum : ncclMax; }
 #else
 using NcclHandle = void*;
@@ -284,6 +291,7 @@ class DeviceComm final : public Comm {
   void do_all_reduce(void* buf, int64_t count, DType dt, ReduceOp op) override {
     begin(fmt::format("all_reduce ({}, {} [{}])", reduce_op_name(op), dtype_name(dt), count));
     DeviceGuard g(device_);
+    if (local()) return;  // (the buffer is the result)
     if (path_ == DevicePath::staged) {
       const size_t bytes = size_t(count) * dtype_size(dt);
       char* h = stage_[0].get(opts_.pool, bytes);
@@ -310,6 +318,7 @@ class DeviceComm final : public Comm {
     const int r = rank();
     begin(fmt::format("reduce_scatter ({}, {} [{}])", reduce_op_name(op), dtype_name(dt), offs.back()));
     DeviceGuard g(device_);
+    if (local()) return local_copy(recv, send, size_t(offs.back()) * es);
     if (path_ == DevicePath::staged) {
       char* h = stage_[0].get(opts_.pool, size_t(offs.back()) * es);
       char* mine = h + size_t(offs[size_t(r)]) * es;
@@ -350,6 +359,7 @@ class DeviceComm final : public Comm {
     const int r = rank();
     begin(fmt::format("all_gather ({} [{}])", dtype_name(dt), offs.back()));
     DeviceGuard g(device_);
+    if (local()) return local_copy(recv, send, size_t(offs.back()) * es);
     if (path_ == DevicePath::staged) {
       char* h = stage_[0].get(opts_.pool, size_t(offs.back()) * es);
       char* mine = h + size_t(offs[size_t(r)]) * es;
@@ -386,6 +396,7 @@ class DeviceComm final : public Comm {
     begin(fmt::format("broadcast ({} [{}] from rank {})", dtype_name(dt), count, root));
     DeviceGuard g(device_);
     const size_t bytes = size_t(count) * dtype_size(dt);
+    if (local()) return;  // (the root's buffer is the result)
     if (path_ == DevicePath::staged) {
       char* h = stage_[0].get(opts_.pool, bytes);
       if (rank() == root) to_host(h, buf, bytes);
@@ -474,6 +485,9 @@ class DeviceComm final : public Comm {
     }
 #ifdef LOOM_HAVE_NCCL
     check_usable();
+    LOOM_CHECK((dst == rank()) == (src == rank()),
+               "nccl comm: rank {}: {}: a rank sends to itself only where it also receives from itself",
+               world_rank(), what_);
     if (dst == rank() && src == rank()) {
       LOOM_CHECK(send_count == recv_count, "nccl comm: {}: a rank exchanging with itself sends {} elements but "
                  "receives {}", what_, send_count, recv_count);
@@ -495,6 +509,7 @@ class DeviceComm final : public Comm {
   void do_barrier() override {
     begin("barrier");
     DeviceGuard g(device_);
+    if (local()) return wait_stream();
     if (path_ == DevicePath::staged) {
       wait_stream();  // this rank's queued work is done before it reports arrival
       sync_host_timeout();
@@ -536,6 +551,14 @@ class DeviceComm final : public Comm {
     std::vector<int64_t> o(counts.size() + 1, 0);
     for (size_t i = 0; i < counts.size(); ++i) o[i + 1] = o[i] + counts[i];
     return o;
+  }
+
+  // A group of one rank off NCCL: a collective's result is its input (no staging through host
+  // memory), copied where it is not in place.
+  bool local() const { return path_ == DevicePath::staged && size() == 1; }
+  void local_copy(void* dst, const void* src, size_t bytes) {
+    if (bytes > 0 && dst != src) LOOM_COMM_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
+    wait_stream();
   }
 
   // Waits for the stream (staged copies, local copies) against the deadline.
@@ -689,6 +712,9 @@ std::unique_ptr<Comm> make_device_comm(std::unique_ptr<Comm> host, DeviceCommOpt
   }
   bool every_nccl = std::all_of(all.begin(), all.end(), [](const RankInfo& ri) { return ri.has_nccl != 0; });
   DevicePath path = opts.path;
+  // A group of one rank copies locally (its collectives are copies at most): no NCCL communicator
+  // unless one is asked for.
+  if (path == DevicePath::automatic && n == 1) path = DevicePath::staged;
   if (path == DevicePath::automatic) path = every_nccl && share_a < 0 ? DevicePath::nccl : DevicePath::staged;
   if (path == DevicePath::nccl) {
     LOOM_CHECK(every_nccl, "device comm: the nccl path was requested but loom was built without NCCL");

@@ -78,6 +78,11 @@ void check_strided_copy(const StridedCopy& a) {
   LOOM_CHECK(!a.accumulate || (a.dst_dtype == DType::f32 && a.src_dtype != DType::i32),
              "copy_strided: accumulate needs an f32 destination and a floating-point source, got {} into {}",
              dtype_name(a.src_dtype), dtype_name(a.dst_dtype));
+  // Rows side by side on each side (a GPU's pitched copy takes no narrower pitch).
+  LOOM_CHECK(a.rows <= 1 || (a.dst_row >= a.cols && a.src_row >= a.cols),
+             "copy_strided: {} rows of {} columns with row strides {} (dst) and {} (src): a row stride must be at "
+             "least the row's width",
+             a.rows, a.cols, a.dst_row, a.src_row);
 }
 
 std::string_view attn_kernel_name(AttnKernel k) {

@@ -235,9 +235,10 @@ struct VocabCrossEntropy {
 
 // out [B, T, C] = wte[tokens[b, t]] + wpe[position of t], the position pos0 + t, or positions[t]
 // (i32 [T] in this backend's memory) where given; wpe may be null (no position table: rotary
-// positions). Token ids are checked against [0, V). A vocabulary split (vocab_rows > 0, the
-// CPU only): wte holds rows [vocab_begin, vocab_begin + vocab_rows) of the table, and a token
-// outside them gives a zero row (before the position's).
+// positions). Token ids are in [0, V): the CPU checks them, a device takes its caller's check
+// (the blocks check host tokens before they upload them). A vocabulary split (vocab_rows > 0):
+// wte holds rows [vocab_begin, vocab_begin + vocab_rows) of the table, and a token outside them
+// gives a zero row (before the position's).
 struct EmbeddingForward {
   DType dtype = DType::f32;
   void* out = nullptr;
@@ -360,7 +361,8 @@ struct Copy {
 // dst[b * dst_batch + r * dst_row + c] = src[b * src_batch + r * src_row + c] for b < batches,
 // r < rows, c < cols (strides in elements of each side's dtype), converting as Copy does; with
 // accumulate, dst (f32) += the converted src instead. Both in this backend's memory, not
-// overlapping. Packs and unpacks strided blocks, e.g. ring attention's chunks of a sequence.
+// overlapping; with more than one row, each side's row stride is at least cols. Packs and unpacks
+// strided blocks, e.g. ring attention's chunks of a sequence.
 struct StridedCopy {
   void* dst = nullptr;
   DType dst_dtype = DType::f32;

@@ -57,6 +57,9 @@ struct GPTConfig {
   // The vocabulary padded to a multiple of 128: wte (and lm_head) have this many rows, the rows
   // past vocab_size are zero and the loss masks their logits.
   int64_t padded_vocab() const { return (vocab_size + 127) / 128 * 128; }
+  // Rows of wte (and columns of the logits) per rank of a vocabulary split over tp ranks (ceil;
+  // the last shard may end in extra padding rows).
+  int64_t vocab_shard_rows(int tp) const { return (padded_vocab() + tp - 1) / tp; }
   int64_t head_size() const { return n_embd / n_head; }
   int64_t kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
   int64_t ffn() const { return ffn_hidden > 0 ? ffn_hidden : 4 * n_embd; }

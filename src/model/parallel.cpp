@@ -90,7 +90,7 @@ std::vector<float> ChainParallel::logits_row(const float* logits, int64_t T, int
 }
 
 int64_t ChainParallel::vocab_rows(const GPTConfig& cfg) const {
-  return tp_ == 1 ? cfg.padded_vocab() : tpm::vocab_shard_rows(cfg.padded_vocab(), tp_);
+  return cfg.vocab_shard_rows(tp_);
 }
 
 comm::Range ChainParallel::own(int64_t B, int64_t T) const {

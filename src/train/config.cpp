@@ -535,6 +535,14 @@ void TrainConfig::validate_cuda(const std::string& where) const {
   if (shaped && m.head_size() % 8 != 0)
     refuse("model.n_head", fmt::format("the head size n_embd / n_head = {} / {} = {} must be a multiple of 8 {}",
                                        m.n_embd, m.n_head, m.head_size(), gpu));
+  // Under tp the lm_head's output columns are the rank's vocabulary shard, a GEMM width too.
+  if (shaped && tp > 1 && m.vocab_size > 0 && m.vocab_shard_rows(tp) % 8 != 0)
+    refuse("parallel.tp",
+           fmt::format("{} splits the padded vocabulary of {} rows into shards of {}, and the GPU's GEMMs take widths "
+                       "that are multiples of 8 {}: use a tp that leaves shards of a multiple of 8 rows (a power of "
+                       "two up to {})",
+                       tp, m.padded_vocab(), m.vocab_shard_rows(tp), gpu,
+                       std::min<int64_t>(16, m.padded_vocab() / 8)));
   // Ring attention (cp) and selective recomputation call the kernels that keep no probabilities:
   // flash or cuDNN, which take head sizes 64 and 128.
   const bool flash_sizes = m.head_size() == 64 || m.head_size() == 128;

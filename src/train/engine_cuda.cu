@@ -129,11 +129,17 @@ class CudaEngine : public Engine {
       throw Error(fmt::format("{}: train.cuda_attention: cudnn needs loom built with cuDNN (CMake did not find "
                               "libcudnn)",
                               a.where));
-    return std::make_unique<cuda::CudaBackend>(
+    // A pool of the backend's own (not the process's device pool): the mesh engine's ranks may be
+    // threads sharing the GPU, each with its own stream, and a pool frees a block for reuse at
+    // once, ordered with its own stream's work only. Each rank's peaks are then its own too.
+    auto be = std::make_unique<cuda::CudaBackend>(
         BackendOptions{.device_index = device,
-                       .pool = &cuda::device_pool(),
+                       .pool = nullptr,
                        .attention = attention,
                        .compute = a.cfg.run_precision() == "fp16" ? DType::f16 : DType::bf16});
+    // Every allocation of the rank's device memory is checked against the limit before it is made.
+    be->pool().set_limit(int64_t(a.cfg.memory_limit), "train.memory_limit");
+    return be;
   }
 
   std::string describe() const override {
@@ -286,7 +292,7 @@ class CudaEngine : public Engine {
     return sample_recompute(*cpu_model_, prompt, opt);
   }
 
-  MemoryPool& pool() override { return cuda::device_pool(); }
+  MemoryPool& pool() override { return be_->pool(); }
 
   std::string summary(TrainResult& res) override {
     return fmt::format("workspace {} (GPU)", format_bytes(res.peak_bytes[size_t(MemTag::workspace)]));

@@ -489,21 +489,25 @@ class ChainEngine : public CpuEngine {
                                                 model::ModelLayout{.groups = {&mc_["tp"], &mc_["cp"]}, .sp = cfg_.sp});
     }
     // The rank's weights: its parameters' values, or under ZeRO-3 (where each holds a shard) the
-    // replica's gathered flat buffer (collective over the data-parallel group), in layout order.
+    // replica's flat parameters gathered into host memory piece by piece (collective over the
+    // data-parallel group; the moments stay where they are), in layout order.
     const auto& dst = cpu_model_->parameters();
     const auto& lay = ddp_.layout();
     LOOM_CHECK(lay.size() == dst.size(), "sample: {} parameters in the layout, {} in the host model", lay.size(),
                dst.size());
-    parallel::DataParallel::FullState full;
-    if (cfg_.zero == 3) full = ddp_.gather_full_state();
+    Tensor flat;
+    if (cfg_.zero == 3) {
+      flat = Tensor::empty({ddp_.flat_elements()}, DType::f32, MemTag::workspace, *cpu_pool_);
+      ddp_.download_params(flat.f32());
+    }
     for (size_t i = 0; i < lay.size(); ++i) {
       const model::Parameter& p = *lay[i].param;
       Tensor& to = dst[i]->value_full;
       LOOM_CHECK(p.spec.name == dst[i]->spec.name && lay[i].alloc == to.numel(),
                  "sample: parameter '{}' ({} elements) on the device, '{}' ({}) on the host", p.spec.name, lay[i].alloc,
                  dst[i]->spec.name, to.numel());
-      const float* from = full.params.defined() ? full.params.f32() + lay[i].offset : p.value_full.f32();
-      backend().download(to.f32(), from, DType::f32, to.numel());
+      if (flat.defined()) std::memcpy(to.f32(), flat.f32() + lay[i].offset, size_t(to.numel()) * sizeof(float));
+      else backend().download(to.f32(), p.value_full.f32(), DType::f32, to.numel());
     }
     return sample_recompute(*cpu_model_, prompt, opt);
   }

@@ -383,6 +383,17 @@ TEST(NcclComm, World1AllCollectivesOnTheNcclPath) {
   });
 }
 
+// A group of one rank not asked for NCCL: no NCCL communicator; its collectives are local copies
+// (or nothing), its point-to-point transfers to itself staged.
+TEST(NcclComm, World1AutomaticCopiesLocally) {
+  SKIP_WITHOUT_GPU();
+  run_ranks(1, [](Comm& host) {
+    auto c = make_device_comm(host.split(0, 0));  // automatic
+    EXPECT_EQ(device_comm_path(*c), DevicePath::staged);
+    check_device_collectives(*c, kCounts, 31);
+  });
+}
+
 TEST(NcclComm, ThreadRanksSharingOneGpuTakeTheStagedPath) {
   SKIP_WITHOUT_GPU();
   MemoryPool pool("cpu");

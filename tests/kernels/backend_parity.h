@@ -810,6 +810,15 @@ TEST_P(BackendParity, StridedCopy) {
                                   .cols = 1, .accumulate = true}),
                Error)
       << "accumulating into a 16-bit destination";
+  // Rows narrower than their stride on either side: refused by every backend alike.
+  EXPECT_THROW(be().copy_strided({.dst = same.p(), .dst_dtype = dt_, .src = packed.p(), .src_dtype = dt_, .rows = 2,
+                                  .cols = cols, .dst_row = cols, .src_row = 0}),
+               Error)
+      << "a source row stride below the width";
+  EXPECT_THROW(be().copy_strided({.dst = same.p(), .dst_dtype = dt_, .src = packed.p(), .src_dtype = dt_, .rows = 2,
+                                  .cols = cols, .dst_row = cols - 1, .src_row = cols}),
+               Error)
+      << "a destination row stride below the width";
 }
 
 // Ring attention's merge of partial results: into a strided f32 output and log-sum-exps, first

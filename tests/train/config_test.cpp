@@ -240,6 +240,9 @@ TEST(TrainConfig, CudaDeviceRefusalsNameTheField) {
   expect_refused(cuda + "[parallel]\ncomm = \"gloo\"\n", "parallel.comm", "'gloo' is not threads, mpi or nccl");
   expect_refused(cuda + "[model]\nn_embd = 36\nn_head = 2\n", "model.n_embd", "multiple of 8");
   expect_refused(cuda + "[model]\nn_embd = 96\nn_head = 8\n", "model.n_head", "96 / 8 = 12");
+  // Under tp the lm_head's GEMM is as wide as the rank's vocabulary shard.
+  expect_refused(cuda + "[model]\nn_embd = 320\nn_head = 5\nvocab_size = 50257\n[parallel]\ntp = 5\n", "parallel.tp",
+                 "padded vocabulary of 50304 rows into shards of 10061");
   expect_refused("[train]\ncuda_attention = \"xformers\"\n", "train.cuda_attention", "not auto, flash, cudnn or gemm");
   expect_refused(cuda + "cuda_attention = \"cudnn\"\n[model]\nn_embd = 128\nn_head = 4\n", "train.cuda_attention",
                  "128 / 4 = 32");

@@ -905,6 +905,21 @@ DataParallel::FullState DataParallel::gather_full_state() {
   return s;
 }
 
+void DataParallel::download_params(float* host) {
+  if (o_.zero < 3) {
+    be_->copy({.dst = host, .dst_host = true, .src = params_.f32(), .n = n_pad_});
+    return;
+  }
+  const int64_t gb = int64_t(rank_) * shard_, ge = gb + shard_;
+  const int64_t piece = std::min(n_pad_, std::max<int64_t>(o_.bucket_bytes, int64_t(64) << 10) / 4);
+  Tensor buf = be_->empty({piece}, DType::f32, MemTag::workspace);
+  for (int64_t b = 0; b < n_pad_; b += piece) {
+    const int64_t e = std::min(n_pad_, b + piece), lo = std::min(std::max(b, gb), ge);
+    buf_->all_gather_v(params_.f32() + (lo - gb), buf.f32(), shard_counts(b, e), DType::f32);
+    be_->copy({.dst = host + b, .dst_host = true, .src = buf.f32(), .n = e - b});
+  }
+}
+
 DataParallel::LocalState DataParallel::local_state() {
   LocalState s;
   s.params_begin = o_.zero == 3 ? int64_t(rank_) * shard_ : 0;

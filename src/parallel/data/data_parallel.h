@@ -219,6 +219,10 @@ class DataParallel final : public model::ChainHooks {
     Tensor params, exp_avg, exp_avg_sq;
   };
   FullState gather_full_state();
+  // The replica's parameters, flat f32 [N_pad], into host memory at `host` (collective over the
+  // group under ZeRO-3: gathered in pieces of the larger of bucket_bytes and 64 KiB through one buffer of the
+  // backend's memory, so a device holds no whole copy; otherwise this rank's own, no collective).
+  void download_params(float* host);
   // What this rank holds, as flat ranges of the layout (for checkpoints, which each rank writes
   // and reads in place): the parameters [params_begin, params_end) at `params` (all of them, or
   // the shard under ZeRO-3) and both moments [opt_begin, opt_end) (all, or the shard under ZeRO

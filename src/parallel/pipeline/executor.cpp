@@ -774,7 +774,12 @@ StepResult PipelineExecutor::step(const Tensor& tokens, const Tensor& targets, d
         break;
       }
     }
-    if (compute) trace_.push_back({in.op, in.mb, in.chunk, start, secs(), thread_cpu_seconds() - cpu0});
+    if (compute) {
+      // A device's ops are only enqueued when the call returns: the time is the work's once the
+      // queue has drained (the staged send that usually follows waits for it anyway).
+      if (I.be->device() != Device::cpu) I.be->synchronize();
+      trace_.push_back({in.op, in.mb, in.chunk, start, secs(), thread_cpu_seconds() - cpu0});
+    }
   }
   peak_slots_ = I.peak_slots;
   // The loss lives on the head's rank: mean over micro-batches, shared with the pipeline and

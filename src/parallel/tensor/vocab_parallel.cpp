@@ -2,8 +2,6 @@
 
 namespace loom::parallel::tp {
 
-int64_t vocab_shard_rows(int64_t Vp, int tp) { return (Vp + tp - 1) / tp; }
-
 void vocab_cross_entropy(comm::Comm* g, Backend& be, float* losses, void* dlogits, const void* logits,
                          const int32_t* targets, float* stats, const VocabCEArgs& a) {
   const bool multi = g && g->size() > 1;

@@ -11,10 +11,6 @@
 
 namespace loom::parallel::tp {
 
-// Rows per rank of a vocabulary of padded size Vp split over tp ranks (ceil; the last shard may
-// end in extra padding rows).
-int64_t vocab_shard_rows(int64_t Vp, int tp);
-
 struct VocabCEArgs {
   DType dtype = DType::f32;  // the logits'
   int64_t N = 0;   // rows

@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <thread>
 
 #include <omp.h>
@@ -54,6 +55,9 @@ void fill_sample(int64_t step, int64_t g, int32_t* x, int32_t* y, int64_t V) {
 struct RunResult {
   std::vector<double> losses;
   std::vector<float> params;  // logical elements of every parameter, in order
+  // download_params (host memory, gathered piece by piece under ZeRO-3) against the gathered
+  // flat state, bit for bit.
+  bool downloaded_equal = true;
 };
 
 RunResult reference(int64_t accum) {
@@ -136,6 +140,9 @@ RunResult train_rank(comm::Comm& c, int zero, bool offload, int64_t accum, int64
     mem->U = ddp.max_block_use_elements();
   }
   auto full = ddp.gather_full_state();
+  std::vector<float> downloaded(size_t(ddp.flat_elements()));
+  ddp.download_params(downloaded.data());
+  r.downloaded_equal = std::memcmp(downloaded.data(), full.params.f32(), downloaded.size() * sizeof(float)) == 0;
   for (size_t i = 0; i < gpt.parameters().size(); ++i) {
     Tensor v = ddp.param_view(full.params, i);
     r.params.insert(r.params.end(), v.f32(), v.f32() + v.numel());
@@ -173,6 +180,7 @@ void expect_matches(const std::vector<RunResult>& runs, const RunResult& ref, co
     // Every rank ends with the same parameters, bit for bit.
     EXPECT_EQ(runs[r].params, runs[0].params) << what << " rank " << r;
     EXPECT_EQ(runs[r].losses, runs[0].losses) << what << " rank " << r;
+    EXPECT_TRUE(runs[r].downloaded_equal) << what << " rank " << r << ": download_params differs from the gathered state";
   }
 }
 
