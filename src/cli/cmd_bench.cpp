@@ -136,7 +136,8 @@ int bench_train(const BenchTrainOptions& o) {
                                          gpt.saved_activation_bytes(B, T), gpt.workspace_bytes(B, T, threads), 0};
   const char* what[kNumMemTags] = {"parameters (wte padded to the padded vocabulary)", "gradients",
                                    "AdamW exp_avg + exp_avg_sq", "saved activations (sum over the chain)",
-                                   "backward scratch 4*B*T*(2C + wide) + attention scratch", "no communication"};
+                                   "backward scratch 4*B*T*(2C + wide) + attention scratch + linear scratch",
+                                   "no communication"};
   MemStats stats = pool.stats();
   bool all_equal = true;
   int64_t declared_total = 0;
@@ -152,10 +153,17 @@ int bench_train(const BenchTrainOptions& o) {
   std::printf("  %-12s %12s | %12s  (sum of the declarations)\n", "total", format_bytes(stats.total_peak).c_str(),
               format_bytes(declared_total).c_str());
   const int64_t attn_scratch = gpt.block(0).attention_workspace_bytes(B, T, threads);
+  std::vector<LinearShape> shapes;
+  for (const model::ChainBlock* b : gpt.chain()) b->linear_shapes(B, T, shapes);
+  const int64_t linear_scratch = gpt.backend().linear_workspace_bytes(shapes);
+  const int64_t ws = gpt.workspace_bytes(B, T, threads);
   std::printf("workspace: %lld bytes = backward scratch %lld (dres [B,T,C], bufC [B,T,C], buf4C [B,T,wide = %lld] in "
-              "f32) + attention scratch %lld (the larger of one forward and one backward call, %d threads)\n",
-              (long long)gpt.workspace_bytes(B, T, threads), (long long)(gpt.workspace_bytes(B, T, threads) - attn_scratch),
-              (long long)model::wide_columns(cfg, 1), (long long)attn_scratch, threads);
+              "f32) + attention scratch %lld (the larger of one forward and one backward call, %d threads) + linear "
+              "scratch %lld (%s)\n",
+              (long long)ws, (long long)(ws - attn_scratch - linear_scratch), (long long)model::wide_columns(cfg, 1),
+              (long long)attn_scratch, threads, (long long)linear_scratch,
+              linear_scratch ? "bf16 copies of the largest input, weight and output gradient, and oneDNN's scratch"
+                             : "none in f32");
   std::printf("RESULT model=%s batch=%lld seq=%lld threads=%d tokens_per_s=%.2f ms_per_step=%.1f "
               "gemm_peak_gflops=%.1f mfu=%.4f memory_matches=%d\n",
               cfg.name.c_str(), (long long)B, (long long)T, threads, tok_s, ms, peak, achieved / peak, all_equal);

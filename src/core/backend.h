@@ -71,6 +71,15 @@ struct LinearBackward {
   int64_t M = 0, K = 0, N = 0;
 };
 
+// A linear layer's calls at one shape, for the scratch they keep (Backend::linear_workspace_bytes):
+// the forward (with a bias or not), then the backward's input gradient (accumulated or not) and
+// weight gradient (each done at once or, split, apart).
+struct LinearShape {
+  int64_t M = 0, K = 0, N = 0;
+  bool bias = false;
+  bool dinp = true, accumulate_dinp = false, dweight = true;
+};
+
 // out [N, C] = (x - mean) * rstd * weight + bias with mean, rstd f32 [N] saved (either may be null
 // when no backward follows; on the CPU bias may be null too, CUDA needs it). x is inp, or, with
 // residual_b set, the residual sum residual_out = inp + residual_b (rounded to dtype;
@@ -423,6 +432,13 @@ class Backend {
 
   virtual void linear_forward(const LinearForward& a) = 0;
   virtual void linear_backward(const LinearBackward& a) = 0;
+  // Bytes of scratch that linear calls of these shapes keep in the instance (tag workspace) once
+  // made: the CPU's bf16 matmuls' operand copies and oneDNN's scratch, each the largest any of the
+  // shapes needs; 0 for the others.
+  virtual int64_t linear_workspace_bytes(const std::vector<LinearShape>& shapes) const {
+    (void)shapes;
+    return 0;
+  }
   virtual void layernorm_forward(const LayerNormForward& a) = 0;
   virtual void layernorm_backward(const LayerNormBackward& a) = 0;
   // Allocates what calls of this shape will need (workspaces, planned graphs) so that the calls

@@ -288,6 +288,19 @@ int64_t TransformerBlock::attention_workspace_bytes(int64_t B, int64_t T, int th
   return n;
 }
 
+// As forward and backward call them: c_attn and c_fc column-parallel, c_proj's row-parallel with
+// the bias on tp rank 0 (every rank's without tp).
+void TransformerBlock::linear_shapes(int64_t B, int64_t T, std::vector<LinearShape>& out) const {
+  const ChainParallel& P = *par_;
+  const int64_t C = cfg_.n_embd, Cl = C / P.tp(), N = P.rows(B, T);
+  const int64_t Ql = local_qkv_rows(cfg_, P.tp()), FCl = cfg_.fc_rows() / P.tp(), Fl = cfg_.ffn() / P.tp();
+  const bool row_bias = P.tp() == 1 || P.tp_rank() == 0;
+  out.push_back({.M = N, .K = C, .N = Ql, .bias = idx_[QKV_B] >= 0});
+  out.push_back({.M = N, .K = Cl, .N = C, .bias = row_bias && idx_[ATTN_PROJ_B] >= 0});
+  out.push_back({.M = N, .K = C, .N = FCl, .bias = idx_[FC_B] >= 0});
+  out.push_back({.M = N, .K = Fl, .N = C, .bias = row_bias && idx_[MLP_PROJ_B] >= 0});
+}
+
 std::vector<SavedActivation> TransformerBlock::saved_activations(int64_t B, int64_t T) const {
   const ChainParallel& P = *par_;
   const int64_t C = cfg_.n_embd, Cl = C / P.tp(), NHl = cfg_.n_head / P.tp(), Tl = T / P.cp();
@@ -622,6 +635,12 @@ Head::Head(const GPTConfig& cfg, Parameter* tied, Backend& be, const BlockOption
 }
 
 std::unique_ptr<ChainBlock> Head::replica(MemTag tag) const { return std::unique_ptr<ChainBlock>(new Head(*this, tag)); }
+
+// lm_head: every token row, the rank's vocabulary columns, no bias.
+void Head::linear_shapes(int64_t B, int64_t T, std::vector<LinearShape>& out) const {
+  const ChainParallel& P = *par_;
+  out.push_back({.M = P.rows(B, T), .K = cfg_.n_embd, .N = P.vocab_rows(cfg_)});
+}
 
 std::vector<SavedActivation> Head::saved_activations(int64_t B, int64_t T) const {
   const ChainParallel& P = *par_;

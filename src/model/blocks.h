@@ -111,6 +111,9 @@ class ChainBlock {
   virtual std::vector<SavedActivation> saved_activations(int64_t B, int64_t T) const = 0;
   // Their bytes: exactly what forward allocates under the activations tag.
   int64_t saved_activation_bytes(int64_t B, int64_t T) const;
+  // The linear layers' calls a training step makes at [B, T], as this rank makes them (for the
+  // backend's scratch: Backend::linear_workspace_bytes).
+  virtual void linear_shapes(int64_t B, int64_t T, std::vector<LinearShape>& out) const { (void)B, (void)T, (void)out; }
   // Parameters this block owns (a tied weight belongs to the block that declares it first).
   std::vector<Parameter*> parameters();
   // Frees the saved activations (they are reallocated at the next forward).
@@ -201,6 +204,7 @@ class TransformerBlock final : public ChainBlock {
   TransformerBlock(const GPTConfig& cfg, int64_t layer, Backend& be, const BlockOptions& o = {});
   std::string name() const override { return "h." + std::to_string(layer_); }
   std::vector<SavedActivation> saved_activations(int64_t B, int64_t T) const override;
+  void linear_shapes(int64_t B, int64_t T, std::vector<LinearShape>& out) const override;
   void release_activations() override;
   // Frees what forward saved for backward except the output (activation recomputation: the next
   // block still reads it); the next forward at the same shape allocates them again.
@@ -305,6 +309,7 @@ class Head final : public ChainBlock {
   Head(const GPTConfig& cfg, Parameter* tied, Backend& be, const BlockOptions& o = {});
   std::string name() const override { return "head"; }
   std::vector<SavedActivation> saved_activations(int64_t B, int64_t T) const override;
+  void linear_shapes(int64_t B, int64_t T, std::vector<LinearShape>& out) const override;
   std::vector<Parameter*> input_pass_parameters() override;
   void release_activations() override;
   // A replica ties to the primary's lm_head (the same wte tensors).

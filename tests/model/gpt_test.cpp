@@ -6,6 +6,7 @@
 
 #include <cmath>
 
+#include "core/dtype.h"
 #include "core/error.h"
 #include "core/rng.h"
 #include "optim/adamw.h"
@@ -139,6 +140,40 @@ TEST(GPT, InitialisationIsAFunctionOfSeedNameAndIndex) {
   }
   const model::Parameter& wte = a.parameter("wte.weight");
   for (int64_t i = cfg.vocab_size * C; i < cfg.padded_vocab() * C; ++i) ASSERT_EQ(wte.value_full.f32()[i], 0.0f);
+}
+
+// With the linear layers' products in bf16 (train.precision = bf16) the backend keeps bf16 copies
+// of the largest input, weight and output gradient and oneDNN's scratch: declared by the model
+// (Backend::linear_workspace_bytes over its blocks' linear shapes), with biases (GPT-2) and without
+// (Llama), equal to the pool's peak after two steps.
+TEST(GPT, Bf16MatmulScratchIsDeclared) {
+  if (const std::string missing = cpu_bf16_missing(); !missing.empty()) GTEST_SKIP() << "this CPU lacks " << missing;
+  for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
+    SCOPED_TRACE(preset);
+    const GPTConfig cfg = model::gpt_preset(preset);
+    MemoryPool pool("gpt"), io("io");
+    cpu::CpuBackend be({.pool = &pool, .matmul = DType::bf16});
+    GPT gpt(cfg, be);
+    optim::AdamW opt(gpt.parameters(), {}, pool);
+    const int64_t B = 2, T = 16;
+    Batch b = make_batch(B, T, cfg.vocab_size, 5, io);
+    for (int step = 0; step < 2; ++step) {
+      gpt.zero_grad();
+      gpt.forward(b.tokens, b.targets, {.fuse_backward = true});
+      gpt.backward();
+      opt.step();
+    }
+    const int threads = omp_get_max_threads();
+    std::vector<LinearShape> shapes;
+    for (const model::ChainBlock* c : gpt.chain()) c->linear_shapes(B, T, shapes);
+    const int64_t linear = be.linear_workspace_bytes(shapes);
+    // At least the bf16 copies of lm_head's weight and output gradient.
+    EXPECT_GE(linear, 2 * cfg.padded_vocab() * cfg.n_embd + 2 * B * T * cfg.padded_vocab());
+    EXPECT_EQ(gpt.workspace_bytes(B, T, threads),
+              B * T * (2 * cfg.n_embd + model::wide_columns(cfg, 1)) * 4 + gpt.block(0).attention_workspace_bytes(B, T, threads) +
+                  linear);
+    EXPECT_EQ(pool.peak(MemTag::workspace), gpt.workspace_bytes(B, T, threads));
+  }
 }
 
 TEST(GPT, PeakMemoryEqualsDeclaration) {

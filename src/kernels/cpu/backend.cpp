@@ -137,6 +137,10 @@ void CpuBackend::linear_backward(const LinearBackward& a) {
   if (a.gelu_pre && a.dinp) cpu::gelu_backward(f(a.dinp), f(a.gelu_pre), f(a.dinp), a.M * a.K);
 }
 
+int64_t CpuBackend::linear_workspace_bytes(const std::vector<LinearShape>& shapes) const {
+  return bf16_ ? bf16_->workspace_bytes(shapes) : 0;
+}
+
 void CpuBackend::layernorm_forward(const LayerNormForward& a) {
   check(a.rms ? Op::rmsnorm : Op::layernorm, a.dtype);
   LOOM_CHECK(!a.rms || (!a.mean && !a.bias), "rmsnorm_forward: no mean and no bias (mean and bias must be null)");

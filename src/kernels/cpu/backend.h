@@ -22,6 +22,7 @@ class CpuBackend final : public Backend {
 
   void linear_forward(const LinearForward& a) override;
   void linear_backward(const LinearBackward& a) override;
+  int64_t linear_workspace_bytes(const std::vector<LinearShape>& shapes) const override;
   void layernorm_forward(const LayerNormForward& a) override;
   void layernorm_backward(const LayerNormBackward& a) override;
   void prepare_attention(DType dtype, const AttnShape& s) override;

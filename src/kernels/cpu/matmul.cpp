@@ -116,18 +116,22 @@ struct Bf16Matmul::Impl {
     return static_cast<const uint16_t*>(t.raw());
   }
 
-  // C [M, N] (= or += by accumulate) op(A) @ op(B) (+ bias [N]): A [M, K] or, with trans_a, [K, M];
-  // B [K, N] or, with trans_b, [N, K]; row-major, bf16 A and B, f32 C and bias.
-  void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const uint16_t* A, const uint16_t* B,
-            const float* bias, bool accumulate, float* C) {
-    using dt = dnnl::memory::data_type;
-    const auto key = std::make_tuple(trans_a, trans_b, M, N, K, accumulate, bias != nullptr);
-    const dnnl::memory::desc ad({M, K}, dt::bf16, trans_a ? dnnl::memory::dims{1, M} : dnnl::memory::dims{K, 1});
-    const dnnl::memory::desc bd({K, N}, dt::bf16, trans_b ? dnnl::memory::dims{1, K} : dnnl::memory::dims{N, 1});
-    const dnnl::memory::desc cd({M, N}, dt::f32, dnnl::memory::dims{N, 1});
-    const dnnl::memory::desc biasd({1, N}, dt::f32, dnnl::memory::dims{N, 1});
+  using dt = dnnl::memory::data_type;
+  static dnnl::memory::desc a_desc(bool trans_a, int64_t M, int64_t K) {
+    return {{M, K}, dt::bf16, trans_a ? dnnl::memory::dims{1, M} : dnnl::memory::dims{K, 1}};
+  }
+  static dnnl::memory::desc b_desc(bool trans_b, int64_t K, int64_t N) {
+    return {{K, N}, dt::bf16, trans_b ? dnnl::memory::dims{1, K} : dnnl::memory::dims{N, 1}};
+  }
+  static dnnl::memory::desc c_desc(int64_t M, int64_t N) { return {{M, N}, dt::f32, dnnl::memory::dims{N, 1}}; }
+  static dnnl::memory::desc bias_desc(int64_t N) { return {{1, N}, dt::f32, dnnl::memory::dims{N, 1}}; }
+
+  // The primitive of one product, made on first use.
+  const Prim& prim(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, bool accumulate, bool bias) {
+    const auto key = std::make_tuple(trans_a, trans_b, M, N, K, accumulate, bias);
     auto it = prims.find(key);
     if (it == prims.end()) {
+      const dnnl::memory::desc ad = a_desc(trans_a, M, K), bd = b_desc(trans_b, K, N), cd = c_desc(M, N);
       dnnl::primitive_attr attr;
       attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
       if (accumulate) {
@@ -136,7 +140,8 @@ struct Bf16Matmul::Impl {
         attr.set_post_ops(po);
       }
       try {
-        const dnnl::matmul::desc md = bias ? dnnl::matmul::desc(ad, bd, biasd, cd) : dnnl::matmul::desc(ad, bd, cd);
+        const dnnl::matmul::desc md =
+            bias ? dnnl::matmul::desc(ad, bd, bias_desc(N), cd) : dnnl::matmul::desc(ad, bd, cd);
         dnnl::matmul::primitive_desc pd(md, attr, eng);
         it = prims.emplace(key, Prim{pd, dnnl::matmul(pd)}).first;
       } catch (const dnnl::error& e) {
@@ -144,15 +149,26 @@ struct Bf16Matmul::Impl {
                   trans_a, trans_b, e.what());
       }
     }
-    const dnnl::matmul::primitive_desc& pd = it->second.pd;
-    reserve(scratch, std::max<int64_t>((int64_t(pd.scratchpad_desc().get_size()) + 1) / 2, 1), DType::u16);
+    return it->second;
+  }
+  // The scratch buffer's elements (2 bytes each) for a primitive: at least one.
+  static int64_t scratch_elements(const Prim& p) {
+    return std::max<int64_t>((int64_t(p.pd.scratchpad_desc().get_size()) + 1) / 2, 1);
+  }
+
+  // C [M, N] (= or += by accumulate) op(A) @ op(B) (+ bias [N]): A [M, K] or, with trans_a, [K, M];
+  // B [K, N] or, with trans_b, [N, K]; row-major, bf16 A and B, f32 C and bias.
+  void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const uint16_t* A, const uint16_t* B,
+            const float* bias, bool accumulate, float* C) {
+    const Prim& p = prim(trans_a, trans_b, M, N, K, accumulate, bias != nullptr);
+    reserve(scratch, scratch_elements(p), DType::u16);
     std::unordered_map<int, dnnl::memory> args{
-        {DNNL_ARG_SRC, dnnl::memory(ad, eng, const_cast<uint16_t*>(A))},
-        {DNNL_ARG_WEIGHTS, dnnl::memory(bd, eng, const_cast<uint16_t*>(B))},
-        {DNNL_ARG_DST, dnnl::memory(cd, eng, C)},
-        {DNNL_ARG_SCRATCHPAD, dnnl::memory(pd.scratchpad_desc(), eng, scratch.raw())}};
-    if (bias) args.emplace(DNNL_ARG_BIAS, dnnl::memory(biasd, eng, const_cast<float*>(bias)));
-    it->second.mm.execute(strm, args);
+        {DNNL_ARG_SRC, dnnl::memory(a_desc(trans_a, M, K), eng, const_cast<uint16_t*>(A))},
+        {DNNL_ARG_WEIGHTS, dnnl::memory(b_desc(trans_b, K, N), eng, const_cast<uint16_t*>(B))},
+        {DNNL_ARG_DST, dnnl::memory(c_desc(M, N), eng, C)},
+        {DNNL_ARG_SCRATCHPAD, dnnl::memory(p.pd.scratchpad_desc(), eng, scratch.raw())}};
+    if (bias) args.emplace(DNNL_ARG_BIAS, dnnl::memory(bias_desc(N), eng, const_cast<float*>(bias)));
+    p.mm.execute(strm, args);
     strm.wait();
   }
 };
@@ -164,6 +180,24 @@ Bf16Matmul::Bf16Matmul(MemoryPool& pool) {
 }
 
 Bf16Matmul::~Bf16Matmul() = default;
+
+// What forward / backward below keep for calls of these shapes: the largest of each bf16 copy
+// (a16 the inputs, b16 the weights, c16 the output gradients) and of oneDNN's scratch over the
+// products the calls make (their primitives made now, as the calls would make them).
+int64_t Bf16Matmul::workspace_bytes(const std::vector<LinearShape>& shapes) const {
+  Impl& m = *impl_;
+  int64_t a = 0, b = 0, c = 0, scratch = 0;
+  for (const LinearShape& s : shapes) {
+    if (s.M <= 0 || s.K <= 0 || s.N <= 0) continue;  // (the f32 path's: no copies)
+    a = std::max(a, s.M * s.K), b = std::max(b, s.N * s.K);
+    scratch = std::max(scratch, Impl::scratch_elements(m.prim(false, true, s.M, s.N, s.K, false, s.bias)));
+    if (s.dinp || s.dweight) c = std::max(c, s.M * s.N);
+    if (s.dinp)
+      scratch = std::max(scratch, Impl::scratch_elements(m.prim(false, false, s.M, s.K, s.N, s.accumulate_dinp, false)));
+    if (s.dweight) scratch = std::max(scratch, Impl::scratch_elements(m.prim(true, false, s.N, s.K, s.M, true, false)));
+  }
+  return int64_t(sizeof(uint16_t)) * (a + b + c + scratch);
+}
 
 void Bf16Matmul::forward(float* out, const float* inp, const float* weight, const float* bias, int64_t M, int64_t K,
                          int64_t N) {

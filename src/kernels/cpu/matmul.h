@@ -2,7 +2,9 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <vector>
 
+#include "core/backend.h"
 #include "core/memory.h"
 
 namespace loom::cpu {
@@ -41,6 +43,9 @@ class Bf16Matmul {
   void forward(float* out, const float* inp, const float* weight, const float* bias, int64_t M, int64_t K, int64_t N);
   void backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp, const float* weight,
                 int64_t M, int64_t K, int64_t N, bool accumulate_dinp = false);
+  // Bytes the instance keeps (tag workspace) once calls of these shapes were made (its primitives
+  // for them are made now).
+  int64_t workspace_bytes(const std::vector<LinearShape>& shapes) const;
 
  private:
   struct Impl;

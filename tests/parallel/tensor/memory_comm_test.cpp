@@ -22,8 +22,11 @@
 //             gathered LayerNorm outputs in backward instead of keeping them.
 // (+4 N h + 6 N, resp. 5 N h + 6 N: embedding, lm_head input and the cross-entropy statistics.)
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include "comm/threads.h"
+#include "core/backend.h"
+#include "core/dtype.h"
 #include "core/rng.h"
 #include "model/gpt.h"
 #include "parallel/mesh.h"
@@ -61,6 +64,34 @@ INSTANTIATE_TEST_SUITE_P(Layouts, ActivationMemory,
                          testing::Values(MemCase{1, 1, false}, MemCase{2, 1, false}, MemCase{4, 1, false},
                                          MemCase{2, 1, true}, MemCase{4, 1, true}, MemCase{1, 2, false},
                                          MemCase{2, 2, true}));
+
+// A tp rank's workspace peak over two training steps equals what its model declares
+// (GPT::workspace_bytes), with and without sp, in f32 and, where the CPU has bf16 dot products,
+// with the linear layers' products in bf16 (the backend's bf16 copies and oneDNN's scratch: c_proj's
+// bias on tp rank 0 only).
+TEST(TensorParallelMemory, WorkspacePeakEqualsTheDeclaration) {
+  const model::GPTConfig cfg = model::gpt_preset("gpt2-tiny");
+  const int64_t B = 2, T = 32;
+  std::vector<DType> matmuls{DType::f32};
+  if (cpu_bf16_missing().empty()) matmuls.push_back(DType::bf16);
+  for (DType mm : matmuls)
+    for (bool sp : {false, true}) {
+      comm::run_ranks(2, [&](comm::Comm& c) {
+        MemoryPool pool("rank"), io("io");
+        auto be = make_backend(Device::cpu, {.pool = &pool, .matmul = mm});
+        model::GPT m(cfg, *be, 1337, {.groups = {&c, nullptr}, .sp = sp});
+        Tensor tok = Tensor::empty({B, T}, DType::i32, MemTag::workspace, io);
+        fill_batch(tok, cfg.vocab_size);
+        for (int step = 0; step < 2; ++step) {
+          m.zero_grad();
+          m.forward(tok, tok, {.fuse_backward = true});
+          m.backward();
+        }
+        EXPECT_EQ(pool.peak(MemTag::workspace), m.workspace_bytes(B, T, omp_get_max_threads()))
+            << dtype_name(mm) << " matmuls, sp=" << sp << ", tp rank " << c.rank();
+      }, one_thread());
+    }
+}
 
 TEST(TensorParallelTraffic, BytesPerStepFollowTheClosedForm) {
   model::GPTConfig cfg = model::gpt_preset("gpt2-tiny");
