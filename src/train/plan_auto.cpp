@@ -51,6 +51,11 @@ std::string apply_auto_plan(TrainConfig& cfg, const std::string& config_path) {
                                  format_bytes(int64_t(e.memory_total)));
   if (r.best.size() > 1)
     said += fmt::format("; next {} ({:.0f} tokens/s)", r.best[1].layout.str(), r.best[1].tokens_per_s);
+  // The CPU profile (loom calibrate) holds f32 rates, and the planner's memory model has no CPU
+  // bf16 operand copies: a bf16 run is planned as its f32 twin, and said so.
+  if (cfg.run_precision() == "bf16")
+    said += "; planned with f32 matmuls (train.precision = bf16: the CPU profile measures f32 GEMMs, so the "
+            "prediction is the f32 run's; the bf16 run is faster and keeps bf16 copies of its largest operands)";
   return said;
 }
 

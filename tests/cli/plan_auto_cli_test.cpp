@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_util.h"
+#include "core/dtype.h"
 
 using namespace loom::test;
 
@@ -79,4 +80,15 @@ TEST(PlanAutoCli, TrainsWithThePlannersFirstChoice) {
   CliRun bad = r.train("bad", fmt::format("{} --plan manual", kModel));
   EXPECT_NE(bad.code, 0);
   EXPECT_NE(bad.err.find("--plan"), std::string::npos) << bad.err;
+}
+
+// A bf16 run (where the CPU has bf16 dot products) is planned as its f32 twin, and the run says so.
+TEST(PlanAutoCli, Bf16RunSaysItWasPlannedInF32) {
+  LOOM_REQUIRE_LOOM();
+  if (const std::string missing = loom::cpu_bf16_missing(); !missing.empty()) GTEST_SKIP() << "this CPU lacks " << missing;
+  TrainScratch r("loom_plan_auto_bf16_cli");
+  CliRun run = r.train("bf16", fmt::format("{} --parallel.dp 2 --plan auto --train.precision bf16", kModel));
+  ASSERT_EQ(run.code, 0) << run.err;
+  EXPECT_FALSE(chosen(run.out).layout.empty()) << run.out;
+  EXPECT_NE(run.out.find("planned with f32 matmuls (train.precision = bf16"), std::string::npos) << run.out;
 }
