@@ -33,6 +33,17 @@ Batch make_batch(int64_t B, int64_t T, int64_t V, uint64_t seed, MemoryPool& poo
   return b;
 }
 
+// Two AdamW training steps on one batch (every buffer of a step allocated, the second step's
+// reused), the peaks then in the model's pool.
+void train_two_steps(GPT& gpt, optim::AdamW& opt, const Batch& b) {
+  for (int step = 0; step < 2; ++step) {
+    gpt.zero_grad();
+    gpt.forward(b.tokens, b.targets, {.fuse_backward = true});
+    gpt.backward();
+    opt.step();
+  }
+}
+
 std::vector<std::vector<float>> grads_of(GPT& gpt) {
   std::vector<std::vector<float>> out;
   for (auto* p : gpt.parameters()) out.emplace_back(p->grad.f32(), p->grad.f32() + p->spec.numel());
@@ -156,13 +167,7 @@ TEST(GPT, Bf16MatmulScratchIsDeclared) {
     GPT gpt(cfg, be);
     optim::AdamW opt(gpt.parameters(), {}, pool);
     const int64_t B = 2, T = 16;
-    Batch b = make_batch(B, T, cfg.vocab_size, 5, io);
-    for (int step = 0; step < 2; ++step) {
-      gpt.zero_grad();
-      gpt.forward(b.tokens, b.targets, {.fuse_backward = true});
-      gpt.backward();
-      opt.step();
-    }
+    train_two_steps(gpt, opt, make_batch(B, T, cfg.vocab_size, 5, io));
     const int threads = omp_get_max_threads();
     std::vector<LinearShape> shapes;
     for (const model::ChainBlock* c : gpt.chain()) c->linear_shapes(B, T, shapes);
@@ -183,13 +188,7 @@ TEST(GPT, PeakMemoryEqualsDeclaration) {
   GPT gpt(cfg, pool);
   optim::AdamW opt(gpt.parameters(), {}, pool);
   const int64_t B = 3, T = 20;
-  Batch b = make_batch(B, T, cfg.vocab_size, 5, io);
-  for (int step = 0; step < 2; ++step) {
-    gpt.zero_grad();
-    gpt.forward(b.tokens, b.targets, {.fuse_backward = true});
-    gpt.backward();
-    opt.step();
-  }
+  train_two_steps(gpt, opt, make_batch(B, T, cfg.vocab_size, 5, io));
   EXPECT_EQ(pool.peak(MemTag::params), gpt.param_bytes());
   EXPECT_EQ(pool.peak(MemTag::grads), gpt.grad_bytes());
   EXPECT_EQ(pool.peak(MemTag::optimizer), opt.state_bytes());
