@@ -232,8 +232,8 @@ run_step() {
 }
 for s in "${steps[@]}"; do
   case "$s" in
-    device|cuda|memcheck|pipeline|flash|train|loom|llama|fp16|gap) run_step "$s" ;;
-    *) echo "gpu_checks: unknown step '$s' (device, cuda, memcheck, pipeline, flash, train, loom, llama, fp16, gap)" >&2; exit 2 ;;
+    device|cuda|memcheck|pipeline|flash|train|loom|mesh|llama|fp16|gap) run_step "$s" ;;
+    *) echo "gpu_checks: unknown step '$s' (device, cuda, memcheck, pipeline, flash, train, loom, mesh, llama, fp16, gap)" >&2; exit 2 ;;
   esac
 done
 exit $failed

@@ -502,6 +502,16 @@ void TrainConfig::validate(const std::string& where, const std::vector<std::stri
   if (device == "cuda") validate_cuda(where);
 }
 
+void TrainConfig::validate_cuda_vocabulary(const model::GPTConfig& m, const std::string& where) const {
+  // Under tp the lm_head's output columns are the rank's vocabulary shard, a GEMM width too.
+  if (tp > 1 && m.vocab_size > 0 && m.vocab_shard_rows(int(tp)) % 8 != 0)
+    throw Error(fmt::format("{}: parallel.tp: {} splits the padded vocabulary of {} rows into shards of {}, and the "
+                            "GPU's GEMMs take widths that are multiples of 8 with train.device = \"cuda\": use a tp "
+                            "that leaves shards of a multiple of 8 rows (a power of two up to {})",
+                            where, tp, m.padded_vocab(), m.vocab_shard_rows(int(tp)),
+                            std::min<int64_t>(16, m.padded_vocab() / 8)));
+}
+
 void TrainConfig::validate_cuda(const std::string& where) const {
   auto refuse = [&](const char* field, const std::string& msg) {
     throw Error(fmt::format("{}: {}: {}", where, field, msg));
@@ -535,14 +545,15 @@ void TrainConfig::validate_cuda(const std::string& where) const {
   if (shaped && m.head_size() % 8 != 0)
     refuse("model.n_head", fmt::format("the head size n_embd / n_head = {} / {} = {} must be a multiple of 8 {}",
                                        m.n_embd, m.n_head, m.head_size(), gpu));
-  // Under tp the lm_head's output columns are the rank's vocabulary shard, a GEMM width too.
-  if (shaped && tp > 1 && m.vocab_size > 0 && m.vocab_shard_rows(tp) % 8 != 0)
-    refuse("parallel.tp",
-           fmt::format("{} splits the padded vocabulary of {} rows into shards of {}, and the GPU's GEMMs take widths "
-                       "that are multiples of 8 {}: use a tp that leaves shards of a multiple of 8 rows (a power of "
-                       "two up to {})",
-                       tp, m.padded_vocab(), m.vocab_shard_rows(tp), gpu,
-                       std::min<int64_t>(16, m.padded_vocab() / 8)));
+  // The feed-forward's hidden width, the rank's share of it under tp: a GEMM width.
+  if (shaped && m.ffn() > 0 && m.ffn() % tp == 0 && (m.ffn() / tp) % 8 != 0)
+    refuse(tp > 1 ? "parallel.tp" : "model.ffn_hidden",
+           tp > 1 ? fmt::format("{} splits the feed-forward's hidden width {} into {} per rank, and the GPU's GEMMs "
+                                "take widths that are multiples of 8 {}",
+                                tp, m.ffn(), m.ffn() / tp, gpu)
+                  : fmt::format("must be a multiple of 8 {}, got {}", gpu, m.ffn()));
+  // The vocabulary is the data's unless the config sets it: checked again once the data is open.
+  if (shaped && vocab_size > 0) validate_cuda_vocabulary(m, where);
   // Ring attention (cp) and selective recomputation call the kernels that keep no probabilities:
   // flash or cuDNN, which take head sizes 64 and 128.
   const bool flash_sizes = m.head_size() == 64 || m.head_size() == 128;

@@ -105,6 +105,9 @@ struct TrainConfig {
   // The refusals of train.device = "cuda" (called by validate): a build without CUDA, any parallel
   // dimension, ZeRO, offload, and model shapes the GPU model lacks; errors name the field.
   void validate_cuda(const std::string& where) const;
+  // train.device = "cuda": the model's vocabulary (the data's, once known) splits over tp into
+  // shards the GPU's GEMMs take; throws naming parallel.tp.
+  void validate_cuda_vocabulary(const model::GPTConfig& m, const std::string& where) const;
 };
 
 // A field of the schema, for parsing, errors and the config reference.

@@ -122,6 +122,23 @@ class CudaEngine : public Engine {
 
   static int64_t micro_batch(const TrainConfig& cfg, int dp) { return cfg.batch_size / dp / cfg.grad_accum; }
 
+  // The GEMM rate of the rank's GPU, its operands (three 4096^2 buffers) allocated above
+  // train.memory_limit: a measurement at the start, not part of what a step holds.
+  static double measure_peak(cuda::CudaBackend& be) {
+    MemoryPool& pool = be.pool();
+    const int64_t limit = pool.limit();
+    pool.set_limit(0, "train.memory_limit");
+    double peak = 0;
+    try {
+      peak = cuda::measure_gemm_peak(be.blas(), be.stream(), be.compute_dtype());
+    } catch (...) {
+      pool.set_limit(limit, "train.memory_limit");
+      throw;
+    }
+    pool.set_limit(limit, "train.memory_limit");
+    return peak;
+  }
+
   static std::unique_ptr<cuda::CudaBackend> backend(const EngineArgs& a, int device) {
     LOOM_CUDA_CHECK(cudaSetDevice(device));
     const AttnKernel attention = attn_kernel_from_name(a.cfg.cuda_attention);
@@ -166,8 +183,7 @@ class CudaEngine : public Engine {
   }
 
   double gemm_peak(comm::Comm& world) override {
-    return job_gemm_peak(world,
-                         [&] { return cuda::measure_gemm_peak(be_->blas(), be_->stream(), be_->compute_dtype()); });
+    return job_gemm_peak(world, [&] { return measure_peak(*be_); });
   }
   std::string peak_name() const override {
     const std::string dt(dtype_name(be_->compute_dtype()));
@@ -334,7 +350,7 @@ std::unique_ptr<Engine> make_cuda_engine(const EngineArgs& a) {
   cudaDeviceProp prop{};
   LOOM_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   DeviceMesh d;
-  d.gemm_peak = [raw] { return cuda::measure_gemm_peak(raw->blas(), raw->stream(), raw->compute_dtype()); };
+  d.gemm_peak = [raw] { return CudaEngine::measure_peak(*raw); };
   d.peak_name = std::string(dtype_name(raw->compute_dtype())) + " GEMM peak";
   d.device = fmt::format("cuda:{} {}", device, prop.name);
   d.backend = std::move(be);

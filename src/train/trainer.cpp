@@ -839,6 +839,7 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   data::Loader& train = run_data.train;
   std::unique_ptr<data::Loader>& val = run_data.val;
   const model::GPTConfig mc = run_data.model;
+  if (cfg.device == "cuda") cfg.validate_cuda_vocabulary(mc, opt.config_path.empty() ? "config" : opt.config_path);
 
   MemoryPool pool(fmt::format("cpu:{}", rank)), host_pool(fmt::format("host:{}", rank));
   // Every allocation of the rank's model pool is checked against the limit before it is made.

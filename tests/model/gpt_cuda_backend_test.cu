@@ -150,7 +150,7 @@ TEST(LlamaOnCuda, MatchesTheCpuModel) {
   cfg.n_embd = 256;
   cfg.n_head = 4;
   cfg.n_kv_head = 2;
-  cfg.ffn_hidden = 344;
+  cfg.ffn_hidden = 352;  // (shards of 176 and 88 under tp 2 and 4: GEMM widths, multiples of 8)
   cfg.block_size = 64;
   cfg.vocab_size = 300;
   check_against_cpu(cfg, {AttnKernel::automatic, AttnKernel::flash});
@@ -234,7 +234,7 @@ model::GPTConfig small_llama() {
   cfg.n_embd = 256;
   cfg.n_head = 4;
   cfg.n_kv_head = 2;
-  cfg.ffn_hidden = 344;
+  cfg.ffn_hidden = 352;  // (shards of 176 and 88 under tp 2 and 4: GEMM widths, multiples of 8)
   cfg.block_size = 64;
   cfg.vocab_size = 300;
   return cfg;

@@ -243,6 +243,30 @@ TEST(TrainConfig, CudaDeviceRefusalsNameTheField) {
   // Under tp the lm_head's GEMM is as wide as the rank's vocabulary shard.
   expect_refused(cuda + "[model]\nn_embd = 320\nn_head = 5\nvocab_size = 50257\n[parallel]\ntp = 5\n", "parallel.tp",
                  "padded vocabulary of 50304 rows into shards of 10061");
+  // The vocabulary of a run is its data's unless the config sets one: checked again with it.
+  {
+    TrainConfig c;
+    c.device = "cuda";
+    c.tp = 3;
+    model::GPTConfig m = model::gpt_preset("gpt2-tiny");
+    m.vocab_size = 4096;  // padded 4096: shards of 1366
+    try {
+      c.validate_cuda_vocabulary(m, "data");
+      ADD_FAILURE() << "tp 3 over 4096 rows was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("data: parallel.tp: 3 splits the padded vocabulary of 4096 rows into "
+                                           "shards of 1366"),
+                std::string::npos)
+          << e.what();
+    }
+    c.tp = 2;
+    EXPECT_NO_THROW(c.validate_cuda_vocabulary(m, "data"));
+  }
+  // The feed-forward's hidden width per rank, a GEMM width too.
+  expect_refused(cuda + "[model]\npreset = \"llama-tiny\"\n[parallel]\ntp = 4\n", "parallel.tp",
+                 "hidden width 176 into 44 per rank");
+  expect_refused(cuda + "[model]\npreset = \"llama-tiny\"\nffn_hidden = 100\n", "model.ffn_hidden",
+                 "must be a multiple of 8 with train.device = \"cuda\", got 100");
   expect_refused("[train]\ncuda_attention = \"xformers\"\n", "train.cuda_attention", "not auto, flash, cudnn or gemm");
   expect_refused(cuda + "cuda_attention = \"cudnn\"\n[model]\nn_embd = 128\nn_head = 4\n", "train.cuda_attention",
                  "128 / 4 = 32");

@@ -431,23 +431,31 @@ TEST(CudaTrain, MeshLayoutsOnThreadsSharingTheGpuMatchOneGpu) {
   const Case cases[] = {
       {"tp2", "--train.grad_accum 2 --parallel.tp 2", "dp 1 x tp 2 x cp 1", true},
       {"tp2sp", "--train.grad_accum 2 --parallel.tp 2 --parallel.sp true", "tp 2 + sp", true},
-      {"dp2z1", "--parallel.dp 2 --parallel.zero 1", "dp 2 | ZeRO 1", false},
-      {"dp2z2off", "--parallel.dp 2 --parallel.zero 2 --parallel.offload true", "ZeRO 2 + offload", false},
-      {"dp2z3", "--parallel.dp 2 --parallel.zero 3 --train.sample_tokens 8", "dp 2 | ZeRO 3", false},
-      {"dp2tp2z1", "--parallel.dp 2 --parallel.tp 2 --parallel.zero 1", "dp 2 x tp 2 x cp 1 | ZeRO 1", true},
+      {"dp2z1", "--parallel.dp 2 --parallel.zero 1 --train.eval_batches 1", "dp 2 | ZeRO 1", false},
+      {"dp2z2off",
+       "--parallel.dp 2 --parallel.zero 2 --parallel.offload true --train.eval_batches 1", "ZeRO 2 + offload", false},
+      {"dp2z3",
+       "--parallel.dp 2 --parallel.zero 3 --train.sample_tokens 8 --train.eval_batches 1", "dp 2 | ZeRO 3", false},
+      {"dp2tp2z1",
+       "--parallel.dp 2 --parallel.tp 2 --parallel.zero 1 --train.eval_batches 1", "dp 2 x tp 2 x cp 1 | ZeRO 1", true},
       {"pp2", "--train.grad_accum 2 --parallel.pp 2", "pp 2 (", false},
       {"pp2zb", "--train.grad_accum 2 --parallel.pp 2 --parallel.schedule zb-h1", "zb-h1", false},
       {"tp2pp2", "--train.grad_accum 2 --parallel.tp 2 --parallel.pp 2 --train.sample_tokens 8", "x dp 1 x tp 2 x cp 1",
        true},
-      {"dp2pp2z2", "--parallel.dp 2 --parallel.pp 2 --parallel.zero 2", "x dp 2 (ZeRO 2)", false},
+      {"dp2pp2z2",
+       "--parallel.dp 2 --parallel.pp 2 --parallel.zero 2 --train.eval_batches 1", "x dp 2 (ZeRO 2)", false},
       {"cp2", "--train.grad_accum 2 --parallel.cp 2", "dp 1 x tp 1 x cp 2", true},
       {"cp2tp2", "--train.grad_accum 2 --parallel.cp 2 --parallel.tp 2 --parallel.sp true", "tp 2 + sp x cp 2", true},
-      {"dp2cp2z2", "--parallel.dp 2 --parallel.cp 2 --parallel.zero 2", "dp 2 x tp 1 x cp 2 | ZeRO 2", true},
+      {"dp2cp2z2",
+       "--parallel.dp 2 --parallel.cp 2 --parallel.zero 2 --train.eval_batches 1", "dp 2 x tp 1 x cp 2 | ZeRO 2", true},
       {"cp2pp2", "--train.grad_accum 2 --parallel.cp 2 --parallel.pp 2", "x dp 1 x tp 1 x cp 2", true},
       // Recomputation runs the same kernels again: one rank on the mesh engine, and under tp.
       {"rcfull", "--train.grad_accum 2 --memory.recompute full", "recompute full:", false},
       {"tp2rcsel", "--train.grad_accum 2 --parallel.tp 2 --memory.recompute selective", "recompute selective:", true},
   };
+  // The validation batch is the micro-batch times grad_accum's ranks' share (train.batch_size /
+  // grad_accum rows): the dp 2 cases (grad_accum 1) take one batch of 8 where one GPU (grad_accum 2)
+  // takes two of 4, the same sequences (their later --train.eval_batches 1 wins).
   for (const Case& c : cases) {
     SCOPED_TRACE(c.out);
     CliRun b = f.train("cuda", c.out, fmt::format("--train.eval_batches 2 {}", c.flags));

@@ -49,7 +49,10 @@ class CpuBackend final : public Backend {
   void copy(const Copy& a) override;
   void copy_strided(const StridedCopy& a) override;
   void fill_zero(void* dst, int64_t bytes) override;
-  void release_workspace() override { attn_ws_->release(); }
+  void release_workspace() override {
+    attn_ws_->release();
+    if (bf16_) bf16_->release();
+  }
   void synchronize() override {}
 
   // The attention scratch every call of this instance uses (tag workspace of pool()).

@@ -181,6 +181,11 @@ Bf16Matmul::Bf16Matmul(MemoryPool& pool) {
 
 Bf16Matmul::~Bf16Matmul() = default;
 
+void Bf16Matmul::release() {
+  Impl& m = *impl_;
+  m.a16 = Tensor(), m.b16 = Tensor(), m.c16 = Tensor(), m.scratch = Tensor();
+}
+
 // What forward / backward below keep for calls of these shapes: the largest of each bf16 copy
 // (a16 the inputs, b16 the weights, c16 the output gradients) and of oneDNN's scratch over the
 // products the calls make (their primitives made now, as the calls would make them).

@@ -46,6 +46,8 @@ class Bf16Matmul {
   // Bytes the instance keeps (tag workspace) once calls of these shapes were made (its primitives
   // for them are made now).
   int64_t workspace_bytes(const std::vector<LinearShape>& shapes) const;
+  // Gives back the bf16 copies and the scratch (later calls take them again).
+  void release();
 
  private:
   struct Impl;
