@@ -153,9 +153,7 @@ int bench_train(const BenchTrainOptions& o) {
   std::printf("  %-12s %12s | %12s  (sum of the declarations)\n", "total", format_bytes(stats.total_peak).c_str(),
               format_bytes(declared_total).c_str());
   const int64_t attn_scratch = gpt.block(0).attention_workspace_bytes(B, T, threads);
-  std::vector<LinearShape> shapes;
-  for (const model::ChainBlock* b : gpt.chain()) b->linear_shapes(B, T, shapes);
-  const int64_t linear_scratch = gpt.backend().linear_workspace_bytes(shapes);
+  const int64_t linear_scratch = gpt.linear_workspace_bytes(B, T);
   const int64_t ws = gpt.workspace_bytes(B, T, threads);
   std::printf("workspace: %lld bytes = backward scratch %lld (dres [B,T,C], bufC [B,T,C], buf4C [B,T,wide = %lld] in "
               "f32) + attention scratch %lld (the larger of one forward and one backward call, %d threads) + linear "

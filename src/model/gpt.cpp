@@ -119,10 +119,14 @@ int64_t GPT::workspace_bytes(int64_t B, int64_t T, int threads) const {
   if (P.sp_active()) bytes += e * (2 * N * C + Ns * C);  // gathered rows, partial sums, own-row gradients
   if (P.tp() > 1) bytes += int64_t(sizeof(float)) * 3 * N;  // the vocabulary-parallel loss's statistics
   if (P.cp() > 1) bytes += int64_t(sizeof(int32_t)) * (T / P.cp());  // the rows' positions
-  std::vector<LinearShape> linear;
-  for (const ChainBlock* b : chain()) b->linear_shapes(B, T, linear);
-  bytes += be_.linear_workspace_bytes(linear);
-  return bytes + (blocks_.empty() ? 0 : blocks_[0]->attention_workspace_bytes(B, T, threads));
+  return bytes + linear_workspace_bytes(B, T) +
+         (blocks_.empty() ? 0 : blocks_[0]->attention_workspace_bytes(B, T, threads));
+}
+
+int64_t GPT::linear_workspace_bytes(int64_t B, int64_t T) const {
+  std::vector<LinearShape> shapes;
+  for (const ChainBlock* b : chain()) b->linear_shapes(B, T, shapes);
+  return be_.linear_workspace_bytes(shapes);
 }
 
 void check_batch(const GPTConfig& cfg, const Tensor& tokens, const Tensor& targets, bool need_targets) {

@@ -172,6 +172,8 @@ class GPT {
   // shared buffers (ChainParallel: gathers and partial sums under sp, the vocabulary-parallel
   // loss's statistics, ring attention's blocks) come on top.
   int64_t workspace_bytes(int64_t B, int64_t T, int threads) const;
+  // Its linear scratch term: the backend's for this rank's blocks' linear calls at [B, T].
+  int64_t linear_workspace_bytes(int64_t B, int64_t T) const;
 
  private:
   void build(uint64_t seed);

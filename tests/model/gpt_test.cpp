@@ -155,8 +155,8 @@ TEST(GPT, InitialisationIsAFunctionOfSeedNameAndIndex) {
 
 // With the linear layers' products in bf16 (train.precision = bf16) the backend keeps bf16 copies
 // of the largest input, weight and output gradient and oneDNN's scratch: declared by the model
-// (Backend::linear_workspace_bytes over its blocks' linear shapes), with biases (GPT-2) and without
-// (Llama), equal to the pool's peak after two steps.
+// (GPT::linear_workspace_bytes: the backend's over its blocks' linear shapes), with biases (GPT-2)
+// and without (Llama), equal to the pool's peak after two steps.
 TEST(GPT, Bf16MatmulScratchIsDeclared) {
   if (const std::string missing = cpu_bf16_missing(); !missing.empty()) GTEST_SKIP() << "this CPU lacks " << missing;
   for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
@@ -169,14 +169,11 @@ TEST(GPT, Bf16MatmulScratchIsDeclared) {
     const int64_t B = 2, T = 16;
     train_two_steps(gpt, opt, make_batch(B, T, cfg.vocab_size, 5, io));
     const int threads = omp_get_max_threads();
-    std::vector<LinearShape> shapes;
-    for (const model::ChainBlock* c : gpt.chain()) c->linear_shapes(B, T, shapes);
-    const int64_t linear = be.linear_workspace_bytes(shapes);
+    const int64_t linear = gpt.linear_workspace_bytes(B, T);
     // At least the bf16 copies of lm_head's weight and output gradient.
     EXPECT_GE(linear, 2 * cfg.padded_vocab() * cfg.n_embd + 2 * B * T * cfg.padded_vocab());
-    EXPECT_EQ(gpt.workspace_bytes(B, T, threads),
-              B * T * (2 * cfg.n_embd + model::wide_columns(cfg, 1)) * 4 + gpt.block(0).attention_workspace_bytes(B, T, threads) +
-                  linear);
+    const int64_t attn = gpt.block(0).attention_workspace_bytes(B, T, threads);
+    EXPECT_EQ(gpt.workspace_bytes(B, T, threads), B * T * (2 * cfg.n_embd + model::wide_columns(cfg, 1)) * 4 + attn + linear);
     EXPECT_EQ(pool.peak(MemTag::workspace), gpt.workspace_bytes(B, T, threads));
   }
 }

@@ -453,9 +453,9 @@ TEST(CudaTrain, MeshLayoutsOnThreadsSharingTheGpuMatchOneGpu) {
       {"rcfull", "--train.grad_accum 2 --memory.recompute full", "recompute full:", false},
       {"tp2rcsel", "--train.grad_accum 2 --parallel.tp 2 --memory.recompute selective", "recompute selective:", true},
   };
-  // The validation batch is the micro-batch times grad_accum's ranks' share (train.batch_size /
-  // grad_accum rows): the dp 2 cases (grad_accum 1) take one batch of 8 where one GPU (grad_accum 2)
-  // takes two of 4, the same sequences (their later --train.eval_batches 1 wins).
+  // A validation batch is train.batch_size / grad_accum rows: the dp 2 cases (grad_accum 1) take
+  // one batch of 8 (their later --train.eval_batches 1 wins) where one GPU (grad_accum 2) takes two
+  // of 4, the same sequences.
   for (const Case& c : cases) {
     SCOPED_TRACE(c.out);
     CliRun b = f.train("cuda", c.out, fmt::format("--train.eval_batches 2 {}", c.flags));
