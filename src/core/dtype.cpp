@@ -23,17 +23,32 @@ std::string cpu_bf16_missing() {
 #endif
 }
 
-// The scalar f32_to_bf16 without branches (a select for NaN), so the loop runs on vectors: the
-// bf16 matmuls round every operand on its way in.
+namespace {
+// The scalar f32_to_bf16 without branches (a select for NaN), so the loops below run on vectors:
+// the bf16 matmuls round every operand on its way in.
+inline uint16_t bf16_bits(const float* x) {
+  uint32_t u;
+  std::memcpy(&u, x, 4);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t quiet = (u >> 16) | 0x40u;
+  return uint16_t((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
+}
+}  // namespace
+
 void f32_to_bf16(bf16* out, const float* in, int64_t n) {
   uint16_t* o = reinterpret_cast<uint16_t*>(out);
 #pragma omp parallel for simd schedule(static) if (n > (1 << 16))
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t u;
-    std::memcpy(&u, &in[i], 4);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const uint32_t quiet = (u >> 16) | 0x40u;  // NaN stays NaN
-    o[i] = uint16_t((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
+  for (int64_t i = 0; i < n; ++i) o[i] = bf16_bits(in + i);
+}
+
+void f32_to_bf16_rows(bf16* out, const float* in, int64_t rows, int64_t cols, int64_t ld) {
+  uint16_t* o = reinterpret_cast<uint16_t*>(out);
+#pragma omp parallel for schedule(static) if (rows * cols > (1 << 16))
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = in + r * ld;
+    uint16_t* y = o + r * cols;
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c) y[c] = bf16_bits(x + c);
   }
 }
 

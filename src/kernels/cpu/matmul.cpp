@@ -98,9 +98,11 @@ struct Bf16Matmul::Impl {
     dnnl::matmul::primitive_desc pd;
     dnnl::matmul mm;
   };
-  // Primitives by (trans_a, trans_b, M, N, K, accumulate, bias).
-  std::map<std::tuple<bool, bool, int64_t, int64_t, int64_t, bool, bool>, Prim> prims;
-  Tensor a16, b16, c16, scratch;  // bf16 copies of the operands; oneDNN's scratch (in 2-byte elements)
+  // Primitives by (trans_a, trans_b, M, N, K, accumulate, bias, ldc).
+  std::map<std::tuple<bool, bool, int64_t, int64_t, int64_t, bool, bool, int64_t>, Prim> prims;
+  // bf16 copies of the operands (a16 the input, b16 a block of the weight's rows, c16 a block of
+  // the output gradient's columns); oneDNN's scratch (in 2-byte elements).
+  Tensor a16, b16, c16, scratch;
 
   explicit Impl(MemoryPool& p) : pool(p) {}
 
@@ -123,15 +125,18 @@ struct Bf16Matmul::Impl {
   static dnnl::memory::desc b_desc(bool trans_b, int64_t K, int64_t N) {
     return {{K, N}, dt::bf16, trans_b ? dnnl::memory::dims{1, K} : dnnl::memory::dims{N, 1}};
   }
-  static dnnl::memory::desc c_desc(int64_t M, int64_t N) { return {{M, N}, dt::f32, dnnl::memory::dims{N, 1}}; }
+  static dnnl::memory::desc c_desc(int64_t M, int64_t N, int64_t ldc) {
+    return {{M, N}, dt::f32, dnnl::memory::dims{ldc, 1}};
+  }
   static dnnl::memory::desc bias_desc(int64_t N) { return {{1, N}, dt::f32, dnnl::memory::dims{N, 1}}; }
 
   // The primitive of one product, made on first use.
-  const Prim& prim(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, bool accumulate, bool bias) {
-    const auto key = std::make_tuple(trans_a, trans_b, M, N, K, accumulate, bias);
+  const Prim& prim(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, bool accumulate, bool bias,
+                   int64_t ldc) {
+    const auto key = std::make_tuple(trans_a, trans_b, M, N, K, accumulate, bias, ldc);
     auto it = prims.find(key);
     if (it == prims.end()) {
-      const dnnl::memory::desc ad = a_desc(trans_a, M, K), bd = b_desc(trans_b, K, N), cd = c_desc(M, N);
+      const dnnl::memory::desc ad = a_desc(trans_a, M, K), bd = b_desc(trans_b, K, N), cd = c_desc(M, N, ldc);
       dnnl::primitive_attr attr;
       attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
       if (accumulate) {
@@ -156,22 +161,39 @@ struct Bf16Matmul::Impl {
     return std::max<int64_t>((int64_t(p.pd.scratchpad_desc().get_size()) + 1) / 2, 1);
   }
 
-  // C [M, N] (= or += by accumulate) op(A) @ op(B) (+ bias [N]): A [M, K] or, with trans_a, [K, M];
-  // B [K, N] or, with trans_b, [N, K]; row-major, bf16 A and B, f32 C and bias.
+  // C [M, N] (rows ldc apart; = or += by accumulate) op(A) @ op(B) (+ bias [N]): A [M, K] or, with
+  // trans_a, [K, M]; B [K, N] or, with trans_b, [N, K]; row-major, bf16 A and B, f32 C and bias.
   void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const uint16_t* A, const uint16_t* B,
-            const float* bias, bool accumulate, float* C) {
-    const Prim& p = prim(trans_a, trans_b, M, N, K, accumulate, bias != nullptr);
+            const float* bias, bool accumulate, float* C, int64_t ldc) {
+    const Prim& p = prim(trans_a, trans_b, M, N, K, accumulate, bias != nullptr, ldc);
     reserve(scratch, scratch_elements(p), DType::u16);
     std::unordered_map<int, dnnl::memory> args{
         {DNNL_ARG_SRC, dnnl::memory(a_desc(trans_a, M, K), eng, const_cast<uint16_t*>(A))},
         {DNNL_ARG_WEIGHTS, dnnl::memory(b_desc(trans_b, K, N), eng, const_cast<uint16_t*>(B))},
-        {DNNL_ARG_DST, dnnl::memory(c_desc(M, N), eng, C)},
+        {DNNL_ARG_DST, dnnl::memory(c_desc(M, N, ldc), eng, C)},
         {DNNL_ARG_SCRATCHPAD, dnnl::memory(p.pd.scratchpad_desc(), eng, scratch.raw())}};
     if (bias) args.emplace(DNNL_ARG_BIAS, dnnl::memory(bias_desc(N), eng, const_cast<float*>(bias)));
     p.mm.execute(strm, args);
     strm.wait();
   }
 };
+
+namespace {
+
+// The products split a layer's output features N into blocks of at most kBlockN, so that the bf16
+// copies of its weight and of its output gradient hold one block (kBlockN x K, M x kBlockN), not
+// the whole matrix: a vocabulary head's copies shrink from V x K + M x V values to kBlockN x (K +
+// M). GPT-2 124M's head (V = 50304, K = 768) at 1024 tokens: 180 MB of copies become 15 MB, its
+// three products 13 each.
+constexpr int64_t kBlockN = 4096;
+
+// Calls f(n0, nb) for the blocks [n0, n0 + nb) of N.
+template <class F>
+void for_each_block(int64_t N, F f) {
+  for (int64_t n0 = 0; n0 < N; n0 += kBlockN) f(n0, std::min(kBlockN, N - n0));
+}
+
+}  // namespace
 
 Bf16Matmul::Bf16Matmul(MemoryPool& pool) {
   const std::string missing = cpu_bf16_missing();
@@ -192,14 +214,17 @@ void Bf16Matmul::release() {
 int64_t Bf16Matmul::workspace_bytes(const std::vector<LinearShape>& shapes) const {
   Impl& m = *impl_;
   int64_t a = 0, b = 0, c = 0, scratch = 0;
+  auto need = [&](const Impl::Prim& p) { scratch = std::max(scratch, Impl::scratch_elements(p)); };
   for (const LinearShape& s : shapes) {
     if (s.M <= 0 || s.K <= 0 || s.N <= 0) continue;  // (the f32 path's: no copies)
-    a = std::max(a, s.M * s.K), b = std::max(b, s.N * s.K);
-    scratch = std::max(scratch, Impl::scratch_elements(m.prim(false, true, s.M, s.N, s.K, false, s.bias)));
-    if (s.dinp || s.dweight) c = std::max(c, s.M * s.N);
-    if (s.dinp)
-      scratch = std::max(scratch, Impl::scratch_elements(m.prim(false, false, s.M, s.K, s.N, s.accumulate_dinp, false)));
-    if (s.dweight) scratch = std::max(scratch, Impl::scratch_elements(m.prim(true, false, s.N, s.K, s.M, true, false)));
+    const int64_t block = std::min(kBlockN, s.N);
+    a = std::max(a, s.M * s.K), b = std::max(b, block * s.K);
+    if (s.dinp || s.dweight) c = std::max(c, s.M * block);
+    for_each_block(s.N, [&](int64_t n0, int64_t nb) {
+      need(m.prim(false, true, s.M, nb, s.K, false, s.bias, s.N));
+      if (s.dinp) need(m.prim(false, false, s.M, s.K, nb, s.accumulate_dinp || n0 > 0, false, s.K));
+      if (s.dweight) need(m.prim(true, false, nb, s.K, s.M, true, false, s.K));
+    });
   }
   return int64_t(sizeof(uint16_t)) * (a + b + c + scratch);
 }
@@ -211,9 +236,11 @@ void Bf16Matmul::forward(float* out, const float* inp, const float* weight, cons
   if (K == 0) return matmul_forward(out, inp, weight, bias, M, K, N);  // no product: the f32 path's zeros and bias
   Impl& m = *impl_;
   const uint16_t* a = m.to_bf16(m.a16, inp, M * K);
-  const uint16_t* b = m.to_bf16(m.b16, weight, N * K);
-  // out [M, N] = inp [M, K] @ weight [N, K]^T + bias
-  m.gemm(false, true, M, N, K, a, b, bias, false, out);
+  // out [M, n0 : n0 + nb] = inp [M, K] @ weight [n0 : n0 + nb, K]^T + bias [n0 : n0 + nb]
+  for_each_block(N, [&](int64_t n0, int64_t nb) {
+    const uint16_t* b = m.to_bf16(m.b16, weight + n0 * K, nb * K);
+    m.gemm(false, true, M, nb, K, a, b, bias ? bias + n0 : nullptr, false, out + n0, N);
+  });
 }
 
 void Bf16Matmul::backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
@@ -222,11 +249,19 @@ void Bf16Matmul::backward(float* dinp, float* dweight, float* dbias, const float
   if (M == 0 || K == 0 || N == 0)
     return matmul_backward(dinp, dweight, dbias, dout, inp, weight, M, K, N, accumulate_dinp);
   Impl& m = *impl_;
-  const uint16_t* g = (dinp || dweight) ? m.to_bf16(m.c16, dout, M * N) : nullptr;
-  // dinp [M, K] = dout [M, N] @ weight [N, K]
-  if (dinp) m.gemm(false, false, M, K, N, g, m.to_bf16(m.b16, weight, N * K), nullptr, accumulate_dinp, dinp);
-  // dweight [N, K] += dout^T [N, M] @ inp [M, K]
-  if (dweight) m.gemm(true, false, N, K, M, g, m.to_bf16(m.a16, inp, M * K), nullptr, true, dweight);
+  const uint16_t* x = dweight ? m.to_bf16(m.a16, inp, M * K) : nullptr;
+  if (dinp || dweight)
+    for_each_block(N, [&](int64_t n0, int64_t nb) {
+      m.reserve(m.c16, M * nb, DType::bf16);
+      f32_to_bf16_rows(static_cast<bf16*>(m.c16.raw()), dout + n0, M, nb, N);
+      const auto* g = static_cast<const uint16_t*>(m.c16.raw());  // dout [M, n0 : n0 + nb]
+      // dinp [M, K] (= or +=) dout [M, n0 : n0 + nb] @ weight [n0 : n0 + nb, K], summed over the blocks
+      if (dinp)
+        m.gemm(false, false, M, K, nb, g, m.to_bf16(m.b16, weight + n0 * K, nb * K), nullptr,
+               accumulate_dinp || n0 > 0, dinp, K);
+      // dweight [n0 : n0 + nb, K] += dout [M, n0 : n0 + nb]^T @ inp [M, K]
+      if (dweight) m.gemm(true, false, nb, K, M, g, x, nullptr, true, dweight + n0 * K, K);
+    });
   if (dbias) column_sums_accumulate(dbias, dout, M, N);
 }
 

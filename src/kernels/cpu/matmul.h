@@ -30,8 +30,10 @@ void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dou
 // The linear layers' GEMMs with bf16 inputs and f32 accumulation and outputs (mixed precision as
 // autocast does it: f32 weights, activations and gradients, rounded to bf16 on their way into a
 // product), through oneDNN's matmul primitive (its AVX512-BF16 / AMX kernels). Same contract as
-// matmul_forward / matmul_backward. Each instance keeps its primitives (one per shape), the bf16
-// copies of its operands and oneDNN's scratch (tag workspace of `pool`); one instance per rank
+// matmul_forward / matmul_backward. The products run over blocks of at most 4096 output features
+// (a vocabulary head's 50304 in 13), so the bf16 copies hold the input, one block of the weight's
+// rows and one of the output gradient's columns. Each instance keeps its primitives (one per
+// shape), those copies and oneDNN's scratch (tag workspace of `pool`); one instance per rank
 // thread. Refuses (loom::Error) a CPU without bf16 dot products (core/dtype.h: cpu_bf16_missing).
 class Bf16Matmul {
  public:

@@ -312,7 +312,8 @@ TEST(Bf16Matmul, MatchesDoubleOnRoundedInputs) {
   }
   MemoryPool pool("bf16-test");
   cpu::Bf16Matmul mm(pool);
-  for (const Sizes s : {Sizes{37, 53, 71}, Sizes{128, 96, 768}, Sizes{1, 8, 3}}) {
+  // 8328 output features: two blocks of 4096 and one of 136.
+  for (const Sizes s : {Sizes{37, 53, 71}, Sizes{128, 96, 768}, Sizes{1, 8, 3}, Sizes{19, 8328, 24}}) {
     const int64_t M = s.M, N = s.N, K = s.K;
     SCOPED_TRACE(::testing::Message() << "M=" << M << " N=" << N << " K=" << K);
     const auto x = random_vec(M * K, 11), w = random_vec(N * K, 12), b = random_vec(N, 13), dy = random_vec(M * N, 14);
@@ -345,4 +346,10 @@ TEST(Bf16Matmul, MatchesDoubleOnRoundedInputs) {
   }
   // Every byte it holds is the pool's (tag workspace).
   EXPECT_GT(pool.current(MemTag::workspace), 0);
+  // A vocabulary head's copies hold a block of the weight and of the output gradient: less than
+  // its whole weight in bf16 (GPT-2 124M's head at 1024 tokens).
+  const int64_t V = 50304, C = 768, T = 1024;
+  const int64_t declared = mm.workspace_bytes({LinearShape{T, C, V}});
+  EXPECT_LT(declared, 2 * V * C) << declared;
+  EXPECT_GE(declared, 2 * (T * C + 4096 * C + T * 4096)) << declared;
 }
