@@ -160,7 +160,8 @@ int bench_train(const BenchTrainOptions& o) {
               "scratch %lld (%s)\n",
               (long long)ws, (long long)(ws - attn_scratch - linear_scratch), (long long)model::wide_columns(cfg, 1),
               (long long)attn_scratch, threads, (long long)linear_scratch,
-              linear_scratch ? "bf16 copies of the largest input, weight and output gradient, and oneDNN's scratch"
+              linear_scratch ? "bf16 copies of the largest input and of blocks of at most 4096 weight rows and output-gradient "
+                             "columns, and oneDNN's scratch"
                              : "none in f32");
   std::printf("RESULT model=%s batch=%lld seq=%lld threads=%d tokens_per_s=%.2f ms_per_step=%.1f "
               "gemm_peak_gflops=%.1f mfu=%.4f memory_matches=%d\n",

@@ -18,6 +18,7 @@
 #include "cli/command.h"
 #include "core/backend.h"
 #include "core/error.h"
+#include "core/file.h"
 #include "core/memory.h"
 #include "data/shard.h"
 #include "model/gpt.h"
@@ -36,15 +37,12 @@ struct EvalArgs {
 std::vector<int32_t> read_tokens(const EvalArgs& a, const std::string& ckpt, const model::GPTConfig& cfg) {
   std::vector<int32_t> ids;
   if (!a.text.empty()) {
-    std::ifstream f(a.text, std::ios::binary);
-    if (!f) throw Error(fmt::format("{}: cannot open --text", a.text));
-    std::ostringstream ss;
-    ss << f.rdbuf();
+    const std::string text = read_file(a.text);
     const data::Tokenizer tok = checkpoint_tokenizer(ckpt, a.tokenizer);
     if (tok.vocab_size() > cfg.vocab_size)
       throw Error(fmt::format("tokenizer has {} tokens but {} has a vocabulary of {}", tok.vocab_size(), ckpt,
                               cfg.vocab_size));
-    ids = tok.encode(ss.str());
+    ids = tok.encode(text);
   } else {
     const data::Shard shard(a.tokens);
     if (int64_t(shard.vocab_size()) > cfg.vocab_size)

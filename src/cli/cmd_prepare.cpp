@@ -9,6 +9,7 @@
 
 #include "cli/command.h"
 #include "core/error.h"
+#include "core/file.h"
 #include "data/bpe_train.h"
 #include "data/shard.h"
 #include "data/tokenizer.h"
@@ -26,17 +27,6 @@ struct PrepareArgs {
   double val_fraction = 0.05;
   int64_t shard_tokens = 100'000'000;
 };
-
-std::string read_input(const std::string& path) {
-  if (path == "-") {
-    std::ostringstream ss;
-    ss << std::cin.rdbuf();
-    return ss.str();
-  }
-  std::ifstream f(path, std::ios::binary);
-  LOOM_CHECK(f.good(), "{}: cannot read input text", path);
-  return std::string(std::istreambuf_iterator<char>(f), {});
-}
 
 void write_split(const std::string& dir, const std::string& split, const std::vector<uint32_t>& toks, size_t begin,
                  size_t end, int64_t per_shard, uint32_t vocab) {

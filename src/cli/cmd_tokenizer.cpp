@@ -10,6 +10,7 @@
 
 #include "cli/command.h"
 #include "core/error.h"
+#include "core/file.h"
 #include "data/bpe_train.h"
 #include "data/tokenizer.h"
 
@@ -20,21 +21,6 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-std::string read_input(const std::string& path) {
-  if (path == "-") {
-    return std::string(std::istreambuf_iterator<char>(std::cin), {});
-  }
-  std::error_code ec;
-  // A folder opens as a stream that reads nothing: it would encode as empty text, exit 0.
-  if (std::filesystem::is_directory(path, ec)) throw Error(fmt::format("{}: is a directory, not a file", path));
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw Error(fmt::format("{}: cannot open file", path));
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  if (f.bad()) throw Error(fmt::format("{}: read error", path));
-  return std::move(ss).str();
 }
 
 // Output to a file (--out) or stdout.

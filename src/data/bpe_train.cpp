@@ -7,6 +7,7 @@
 #include <unordered_map>
 
 #include "core/error.h"
+#include "core/file.h"
 #include "data/bpe_pretokenize.h"
 
 namespace loom::data {
@@ -65,12 +66,7 @@ void BpeTrainer::add_text(std::string_view text) {
 }
 
 void BpeTrainer::add_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw Error(fmt::format("{}: cannot open file", path));
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  if (f.bad()) throw Error(fmt::format("{}: read error", path));
-  add_text(ss.view());
+  add_text(read_file(path));
 }
 
 namespace {

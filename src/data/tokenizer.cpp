@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "core/file.h"
 #include "data/bpe_pretokenize.h"
 #include "data/unicode.h"
 
@@ -16,15 +17,6 @@ namespace loom::data {
 namespace {
 
 [[noreturn]] void bad_input(const std::string& msg) { throw Error(msg); }
-
-std::string read_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) bad_input(fmt::format("{}: cannot open file", path));
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  if (f.bad()) bad_input(fmt::format("{}: read error", path));
-  return std::move(ss).str();
-}
 
 // GPT-2's bytes_to_unicode: printable Latin-1 bytes stand for themselves, the other 68 bytes
 // take the code points 256, 257, ... in byte order.

@@ -163,8 +163,9 @@ class GPT {
   //                                        forward and backward call's
   //                                        (Backend::attention_workspace_bytes)
   //   + the backend's linear scratch        the CPU's bf16 matmuls: bf16 copies of the largest
-  //                                        input, weight and output gradient and oneDNN's scratch
-  //                                        (Backend::linear_workspace_bytes; 0 in f32).
+  //                                        input, of a block of at most 4096 of a weight's rows
+  //                                        and of an output gradient's columns, and oneDNN's
+  //                                        scratch (Backend::linear_workspace_bytes; 0 in f32).
   // Every step reaches it, the first included. A forward without targets keeps only the forward
   // call's attention scratch. (On CUDA the backend instance also keeps the LayerNorm and
   // bias-gradient reductions' scratch and its BLAS handles' workspaces, 32 MiB each.)

@@ -17,6 +17,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "core/file.h"
 #include "data/shard.h"
 #include "train/safetensors.h"
 
@@ -50,17 +51,15 @@ void write_text_durably(const std::string& path, const std::string& text) {
     }
   }
   fsync_path(tmp, false);
-  if (std::rename(tmp.c_str(), path.c_str()) != 0)
-    throw Error(fmt::format("{}: rename from {} failed: {}", path, tmp, std::strerror(errno)));
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    std::error_code ec;
+    fs::remove(tmp, ec);
+    throw Error(fmt::format("{}: rename from {} failed: {}", path, tmp, std::strerror(err)));
+  }
 }
 
 std::string ckpt_name(int64_t step) { return fmt::format("ckpt_{:08d}", step); }
-
-std::string read_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  LOOM_CHECK(f.good(), "{}: cannot open", path);
-  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-}
 
 // The step a directory name ckpt_<digits> stands for (-1 for another name).
 int64_t step_of_name(const std::string& name) {
@@ -70,17 +69,33 @@ int64_t step_of_name(const std::string& name) {
   return std::stoll(name.substr(5));
 }
 
-// A parameter's values v[0, n), elements [first, first + n) of its full tensor, must be finite:
-// throws naming the file, the parameter and the first bad index (other tensors pass).
-void check_finite(const std::string& file, const std::string& name, const float* v, int64_t n, int64_t first) {
-  if (name.rfind("param/", 0) != 0) return;
-  const int64_t i = first_nonfinite(v, n);
-  LOOM_CHECK(i < 0, "{}: parameter '{}' holds {} at index {} (weights must be finite)", file, name.substr(6), v[i],
-             first + i);
+// A checkpoint tensor, for messages: "parameter 'wte.weight'", or "tensor 'adam_m/wte.weight'" for
+// the optimizer's state.
+std::string tensor_what(const std::string& name) {
+  return name.rfind("param/", 0) == 0 ? fmt::format("parameter '{}'", name.substr(6)) : fmt::format("tensor '{}'", name);
 }
 
-// Checks the bytes of one tensor of checkpoint file `file` against the manifest's checksum, and a
-// parameter's values for finiteness.
+// The first of v[0, n) a checkpoint cannot hold in tensor `name`, or -1: a value that is not finite
+// (the weights, the optimizer's moments and projections, the kept rows' ids: a NaN in a moment
+// reaches the weights at the next step), or a negative second moment (its square root is taken).
+int64_t first_bad(const std::string& name, const float* v, int64_t n) {
+  int64_t i = first_nonfinite(v, n);
+  if (name.rfind("adam_v/", 0) == 0 || name.rfind("galore_v/", 0) == 0)
+    for (int64_t k = 0; k < (i < 0 ? n : i); ++k)
+      if (v[k] < 0.f) return k;
+  return i;
+}
+
+// Throws naming the file, the tensor and the first bad index of v[0, n), elements [first, first +
+// n) of its full tensor (first_bad).
+void check_finite(const std::string& file, const std::string& name, const float* v, int64_t n, int64_t first) {
+  const int64_t i = first_bad(name, v, n);
+  LOOM_CHECK(i < 0, "{}: {} holds {} at index {} (a checkpoint's values must be finite{})", file, tensor_what(name),
+             v[i], first + i, name.rfind("param/", 0) == 0 ? "" : ", its second moments >= 0");
+}
+
+// Checks the bytes of one tensor of checkpoint file `file` against the manifest's checksum, and its
+// values for finiteness.
 void check_tensor(const std::string& file, const std::string& name, const void* data, size_t bytes, DType dtype,
                   const CheckpointMeta& meta) {
   if (!meta.checksums.empty()) {
@@ -167,9 +182,9 @@ uint32_t write_part(const std::string& tmp, int r, int64_t step, const std::vect
     LOOM_CHECK(s.n > 0 && s.global >= 0 && s.global + s.n <= shape_numel(it->second->shape) && s.data,
                "checkpoint of step {}: rank {}'s slice [{}, {}) of '{}' is not inside its {} elements", step, r,
                s.global, s.global + s.n, s.name, shape_numel(it->second->shape));
-    if (const int64_t i = s.name.rfind("param/", 0) == 0 ? first_nonfinite(s.data, s.n) : -1; i >= 0)
-      throw Error(fmt::format("not writing the checkpoint of step {}: parameter '{}' holds {} at index {}", step,
-                              s.name.substr(6), s.data[i], s.global + i));
+    if (const int64_t i = first_bad(s.name, s.data, s.n); i >= 0)
+      throw Error(fmt::format("not writing the checkpoint of step {}: {} holds {} at index {}", step,
+                              tensor_what(s.name), s.data[i], s.global + i));
     by_name[s.name].push_back(&s);
   }
   SafetensorsWriter w;
@@ -291,7 +306,14 @@ std::string commit(const std::string& dir, const std::string& tmp, CheckpointMet
   fs::remove_all(final_dir);  // a previous run's checkpoint of the same step
   fs::rename(tmp, final_dir);
   fsync_path(dir, true);
-  write_text_durably((fs::path(dir) / "latest").string(), ckpt_name(meta.step) + "\n");
+  try {
+    write_text_durably((fs::path(dir) / "latest").string(), ckpt_name(meta.step) + "\n");
+  } catch (...) {
+    // `latest` still names the previous checkpoint: this one goes, as the failure says.
+    std::error_code ec;
+    fs::remove_all(final_dir, ec);
+    throw;
+  }
   fsync_path(dir, true);
 
   // Retention: keep the newest `keep` complete checkpoints (never the one `latest` names).
@@ -399,11 +421,13 @@ std::string save_checkpoint(const std::string& dir, const CheckpointMeta& meta,
 
 std::string latest_checkpoint(const std::string& dir) {
   fs::path p = fs::path(dir) / "latest";
+  std::error_code ec;
+  LOOM_CHECK(!fs::exists(p, ec) || fs::is_regular_file(p, ec),
+             "{}: is not a file (it should hold the name of the newest checkpoint)", p.string());
   if (!fs::exists(p)) {
     // No pointer (deleted, or lost): the newest complete checkpoint, which is what `latest` names
     // after every save (a checkpoint directory appears whole, by rename, before `latest` moves).
     std::string newest;
-    std::error_code ec;
     if (fs::is_directory(dir, ec))
       for (const auto& e : fs::directory_iterator(dir)) {
         const std::string n = e.path().filename().string();
@@ -493,11 +517,16 @@ CheckpointMeta read_checkpoint_meta(const std::string& ckpt) {
           !t["shape"].is_array())
         throw Error(fmt::format("{}: each of 'tensors' needs a string 'name' and an array 'shape'", path));
       TensorInfo info{t["name"].get<std::string>(), {}};
+      double elements = 1;
       for (const auto& d : t["shape"]) {
         if (!d.is_number_integer() || d.get<int64_t>() < 0 || d.get<int64_t>() > (int64_t(1) << 40))
           throw Error(fmt::format("{}: tensor '{}': a dimension must be an integer in [0, 2^40]", path, info.name));
         info.shape.push_back(d.get<int64_t>());
+        elements *= double(info.shape.back());
       }
+      if (elements > 0x1p50)
+        throw Error(fmt::format("{}: tensor '{}': shape {} has more than 2^50 elements", path, info.name,
+                                shape_str(info.shape)));
       meta.tensors.push_back(std::move(info));
     }
     const auto& shards = field("shards");
@@ -580,6 +609,8 @@ struct CheckpointReader::Impl {
                    files.back()->path(), name, off, path);
       }
     }
+    // Every element of every tensor the manifest lists in exactly one rank's file (metadata only).
+    check_cover(ckpt, meta.tensors, indices);
     for (auto& [name, v] : pieces)
       std::sort(v.begin(), v.end(), [](const StoredPiece& a, const StoredPiece& b) { return a.global < b.global; });
   }
@@ -590,8 +621,8 @@ struct CheckpointReader::Impl {
     return it->second;
   }
 
-  // Checks data file f's tensor `name` against its checksum (and, with `finite`, a parameter's
-  // values), once when reading.
+  // Checks data file f's tensor `name` against its checksum (and, with `finite`, its values), once
+  // when reading.
   void check_stored(size_t f, const std::string& name, bool finite = false) {
     const IndexedTensor& x = indices[f].at(name);
     // A value's element in the full tensor: the file holds the slices one after another.
@@ -603,16 +634,16 @@ struct CheckpointReader::Impl {
       return int64_t(-1);
     };
     const uint32_t crc = scan_stored(*files[f], name, [&](const float* v, int64_t n, int64_t at) {
-      if (!finite || name.rfind("param/", 0) != 0) return;
-      if (const int64_t i = first_nonfinite(v, n); i >= 0)
+      if (!finite) return;
+      if (const int64_t i = first_bad(name, v, n); i >= 0)
         check_finite(files[f]->path(), name, v + i, 1, global_of(at + i));
     });
     LOOM_CHECK(crc == x.crc, "{}: tensor '{}' is corrupt: its bytes have checksum {} but {} says {}", files[f]->path(),
                name, crc, rank_index(int(f)), x.crc);
   }
 
-  // The verification of verify_checkpoint: version 3's cover, and the data files i with
-  // i % parts == part whole; versions 1 and 2, their one file.
+  // The verification of verify_checkpoint: version 3's data files i with i % parts == part whole
+  // (the cover was checked on opening); versions 1 and 2, their one file.
   void verify_all(int part, int parts) {
     if (state) {  // versions 1 and 2: one file of full tensors, checked whole by part 0
       for (const auto& [name, crc] : meta.checksums)
@@ -626,7 +657,6 @@ struct CheckpointReader::Impl {
       }
       return;
     }
-    check_cover(ckpt, meta.tensors, indices);
     for (size_t f = 0; f < files.size(); ++f)
       if (int(f % size_t(std::max(parts, 1))) == part)
         for (const auto& [name, x] : indices[f]) check_stored(f, name, /*finite=*/true);
@@ -674,6 +704,11 @@ const CheckpointMeta& CheckpointReader::meta() const { return impl_->meta; }
 Shape CheckpointReader::shape(const std::string& name) const { return impl_->shape(name); }
 const std::string& CheckpointReader::path() const { return impl_->ckpt; }
 bool CheckpointReader::has(const std::string& name) const { return impl_->shapes.count(name) > 0; }
+std::vector<std::string> CheckpointReader::names() const {
+  std::vector<std::string> v;
+  for (const auto& [name, shape] : impl_->shapes) v.push_back(name);
+  return v;
+}
 
 void CheckpointReader::read(const std::string& name, int64_t global, int64_t n, float* dst) {
   impl_->read(name, global, n, dst);
@@ -707,6 +742,16 @@ void verify_checkpoint(const std::string& ckpt, int part, int parts) {
 }
 
 std::string resume_checkpoint(const std::string& dir, std::vector<std::string>* notes, comm::Comm* world) {
+  const int part = world ? world->rank() : 0, parts = world ? world->size() : 1;
+  // A `latest` that is not a file is not passed over: the run could not write its checkpoints.
+  std::string fatal;
+  std::error_code ec;
+  if (const fs::path p = fs::path(dir) / "latest"; fs::exists(p, ec) && !fs::is_regular_file(p, ec))
+    fatal = fmt::format("{}: is not a file (it should hold the name of the newest checkpoint, and the run could not "
+                        "replace it); remove it (nothing was changed)",
+                        p.string());
+  if (world && parts > 1) fatal = first_failure(*world, fatal).second;
+  if (!fatal.empty()) throw Error(fatal);
   std::vector<std::string> candidates, reasons;
   try {
     const std::string latest = latest_checkpoint(dir);
@@ -715,7 +760,6 @@ std::string resume_checkpoint(const std::string& dir, std::vector<std::string>* 
     reasons.push_back(e.what());
   }
   std::vector<std::string> all;
-  std::error_code ec;
   if (fs::is_directory(dir, ec))
     for (const auto& e : fs::directory_iterator(dir)) {
       const std::string n = e.path().filename().string();
@@ -727,7 +771,6 @@ std::string resume_checkpoint(const std::string& dir, std::vector<std::string>* 
   });
   for (const std::string& c : all)
     if (candidates.empty() || fs::path(c) != fs::path(candidates[0])) candidates.push_back(c);
-  const int part = world ? world->rank() : 0, parts = world ? world->size() : 1;
   for (const std::string& c : candidates) {
     std::string why;
     try {

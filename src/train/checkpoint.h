@@ -130,6 +130,8 @@ class CheckpointReader {
   // The full tensor's shape; throws naming the checkpoint when it has no tensor `name`.
   Shape shape(const std::string& name) const;
   bool has(const std::string& name) const;
+  // The names of the tensors it holds, sorted.
+  std::vector<std::string> names() const;
   // Elements [global, global + n) of tensor `name` into dst.
   void read(const std::string& name, int64_t global, int64_t n, float* dst);
   // The whole tensor `name` into t (f32, its shape expected).

@@ -4,6 +4,7 @@
 #include <filesystem>
 
 #include "core/error.h"
+#include "model/param_specs.h"
 #include "train/checkpoint.h"
 #include "train/safetensors.h"
 
@@ -107,9 +108,42 @@ std::string resolve_checkpoint(const std::string& path) {
   return c;
 }
 
+namespace {
+
+// The manifest's model against the parameters the checkpoint holds, before anything is made from
+// it: the same parameters, by name and shape (a pruned input embedding: its kept rows). The
+// manifest's checksum covers its text, not its agreement with the tensors.
+void check_model_tensors(const GPTConfig& c, const train::CheckpointReader& r, const std::string& manifest) {
+  int64_t stored = 0;
+  for (const std::string& n : r.names()) stored += n.rfind("param/", 0) == 0;
+  const int64_t per_layer = int64_t(block_param_specs(c, 0).size());
+  LOOM_CHECK(c.n_layer <= stored / std::max<int64_t>(per_layer, 1),
+             "{}: field 'model.n_layer' is {}, but checkpoint {} holds {} parameters ({} per layer)", manifest,
+             c.n_layer, r.path(), stored, per_layer);
+  const std::vector<ParamSpec> specs = gpt_param_specs(c);
+  LOOM_CHECK(int64_t(specs.size()) == stored, "{}: field 'model' ({}) has {} parameters, but checkpoint {} holds {}",
+             manifest, c.str(), specs.size(), r.path(), stored);
+  for (const ParamSpec& s : specs) {
+    const std::string name = "param/" + s.name;
+    LOOM_CHECK(r.has(name), "{}: field 'model' ({}) has parameter '{}', which checkpoint {} does not hold", manifest,
+               c.str(), s.name, r.path());
+    Shape want = s.shape;
+    if (s.name == "wte.weight" && r.has("vocab/kept") && r.shape("vocab/kept").size() == 1)
+      want[0] = r.shape("vocab/kept")[0];  // a pruned fine-tune keeps the rows it trained
+    LOOM_CHECK(r.shape(name) == want,
+               "{}: field 'model' ({}) gives parameter '{}' the shape {}, but checkpoint {} holds {}", manifest,
+               c.str(), s.name, shape_str(want), r.path(), shape_str(r.shape(name)));
+  }
+}
+
+}  // namespace
+
 GPTConfig checkpoint_model_config(const std::string& ckpt) {
   train::CheckpointMeta meta = train::read_checkpoint_meta(ckpt);
-  return gpt_config_from_manifest(meta.model, (fs::path(ckpt) / "manifest.json").string());
+  const std::string manifest = (fs::path(ckpt) / "manifest.json").string();
+  const GPTConfig c = gpt_config_from_manifest(meta.model, manifest);
+  check_model_tensors(c, train::CheckpointReader(ckpt), manifest);
+  return c;
 }
 
 std::string pruned_rows_path(const std::string& run_dir) {

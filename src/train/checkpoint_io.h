@@ -24,7 +24,8 @@ GPTConfig gpt_config_from_manifest(const nlohmann::json& model, const std::strin
 // `latest` file names one. Returns the checkpoint directory or throws naming `path`.
 std::string resolve_checkpoint(const std::string& path);
 
-// The model config of checkpoint `ckpt` (a resolved checkpoint directory).
+// The model config of checkpoint `ckpt` (a resolved checkpoint directory), checked against the
+// parameters it holds (names and shapes; errors name manifest.json and the field).
 GPTConfig checkpoint_model_config(const std::string& ckpt);
 
 // Copies "param/<name>" of every parameter of gpt from checkpoint `ckpt` (dtype and shape

@@ -19,6 +19,7 @@
 #include <toml++/toml.h>
 
 #include "core/error.h"
+#include "core/file.h"
 #include "data/unicode.h"
 #include "parallel/pipeline/stage_layers.h"
 
@@ -651,11 +652,7 @@ TrainConfig load_config(const std::string& path, const std::vector<std::string>&
   TrainConfig c;
   if (!path.empty()) {
     toml::table t;
-    std::error_code ec;
-    if (std::filesystem::is_directory(path, ec)) throw Error(fmt::format("{}: is a directory, not a TOML config", path));
-    std::ifstream in(path, std::ios::binary);
-    if (!in) throw Error(fmt::format("{}: cannot open the config", path));
-    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const std::string text = read_file(path);
     check_toml_text(text, path);
     try {
       t = toml::parse(text, path);

@@ -13,6 +13,8 @@
 #include <random>
 
 #include "core/error.h"
+#include "core/file.h"
+#include "data/shard.h"
 #include "train/checkpoint_io.h"
 #include "model/gpt.h"
 #include "train/hf_gpt2.h"
@@ -380,4 +382,44 @@ TEST(HfGpt2, LogitsMatchPyTorchDump) {
   const double rel = std::sqrt(num / den);
   std::printf("logits ||l - l_ref|| / ||l_ref|| = %.3e\n", rel);
   EXPECT_LE(rel, 1e-5);
+}
+
+// A manifest whose model disagrees with the parameters the checkpoint holds (its checksum rewritten
+// to match: edited, or written by another tool) is refused before anything is allocated from it,
+// naming manifest.json and the field: more layers than stored (10^12 would hang allocating), fewer,
+// or a vocabulary the stored embedding does not have.
+TEST(CheckpointModel, ManifestModelMustMatchTheStoredParameters) {
+  const fs::path d = fs::temp_directory_path() / ("loom_ckpt_model_" + std::to_string(::getpid()));
+  fs::remove_all(d);
+  GPTConfig c = model::gpt_preset("gpt2-tiny");
+  c.n_layer = 2;
+  MemoryPool pool("ckpt-model");
+  GPT gpt(c, pool, 1);
+  model::save_initial_checkpoint(gpt, (d / "run").string(), 1);
+  const std::string ckpt = model::resolve_checkpoint((d / "run").string());
+  EXPECT_EQ(model::checkpoint_model_config(ckpt).str(), c.str());
+  const std::string manifest = (fs::path(ckpt) / "manifest.json").string();
+  const std::string original = read_file(manifest);
+  auto refused = [&](const std::string& key, const nlohmann::json& value) {
+    nlohmann::json m = nlohmann::json::parse(original);
+    m["model"][key] = value;
+    const std::string text = m.dump(2) + "\n";
+    std::ofstream(manifest, std::ios::trunc) << text;
+    std::ofstream(fs::path(ckpt) / "manifest.crc32", std::ios::trunc) << data::crc32(text.data(), text.size()) << "\n";
+    try {
+      model::checkpoint_model_config(ckpt);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  std::string e = refused("n_layer", int64_t(1'000'000'000'000));
+  EXPECT_NE(e.find(manifest + ": field 'model.n_layer' is 1000000000000, but checkpoint"), std::string::npos) << e;
+  e = refused("n_layer", 1);
+  EXPECT_NE(e.find(manifest + ": field 'model'"), std::string::npos) << e;
+  EXPECT_NE(e.find("but checkpoint " + ckpt + " holds"), std::string::npos) << e;
+  e = refused("vocab_size", 100);
+  EXPECT_NE(e.find("gives parameter 'wte.weight' the shape [100, " + std::to_string(c.n_embd) + "]"), std::string::npos)
+      << e;
+  fs::remove_all(d);
 }

@@ -1,5 +1,6 @@
 // Checkpoint integrity: every stored tensor's bytes, every rank's index and the manifest itself
-// carry a CRC-32 that loading checks; a manifest's step must be its directory's; parameters must be finite; resuming passes
+// carry a CRC-32 that loading checks; a manifest's step must be its directory's; parameters and the
+// optimizer's state must be finite; resuming passes
 // over a checkpoint that fails verification to the newest one that passes, saying so; and 100
 // random single-byte changes to a checkpoint (tensor data and header, manifest, its checksum,
 // `latest`) each either load bit-identically (the byte was padding) or are refused naming a file
@@ -17,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/file.h"
 #include "data/shard.h"
 #include "train/checkpoint.h"
 #include "train/safetensors.h"
@@ -36,7 +38,8 @@ struct Fixture {
     std::normal_distribution<float> d(0.f, 1.f);
     for (const char* n : {"param/a", "param/b", "adam_m/a", "adam_m/b", "adam_v/a", "adam_v/b"}) {
       Tensor t = Tensor::empty({37, 5}, DType::f32, MemTag::workspace, pool);
-      for (int64_t i = 0; i < t.numel(); ++i) t.f32()[i] = d(g);
+      const bool second_moment = std::string(n).rfind("adam_v/", 0) == 0;  // >= 0, as AdamW's are
+      for (int64_t i = 0; i < t.numel(); ++i) t.f32()[i] = second_moment ? std::fabs(d(g)) : d(g);
       tensors.push_back({n, t});
     }
   }
@@ -197,6 +200,130 @@ TEST(CheckpointIntegrity, NonFiniteParametersAreRefused) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("parameter 'b' holds nan at index 17"), std::string::npos) << e.what();
   }
+}
+
+// The optimizer's state is checked as the weights are: a NaN moment is not written, and one found
+// on reading (checksums rewritten to match) is refused naming the file and the tensor, as is a
+// negative second moment; resuming passes over that checkpoint to the earlier one.
+TEST(CheckpointIntegrity, NonFiniteOrNegativeOptimizerStateIsRefused) {
+  Fixture f("moments");
+  const std::string first = train::save_checkpoint(f.dir.string(), f.meta(1), f.tensors);
+  const std::string good = train::save_checkpoint(f.dir.string(), f.meta(2), f.tensors, /*keep=*/2);
+  const float saved = f.tensors[3].tensor.f32()[9];
+  f.tensors[3].tensor.f32()[9] = std::nanf("");  // adam_m/b
+  try {
+    train::save_checkpoint(f.dir.string(), f.meta(3), f.tensors);
+    ADD_FAILURE() << "a NaN moment was written";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("tensor 'adam_m/b' holds nan at index 9"), std::string::npos) << e.what();
+  }
+  f.tensors[3].tensor.f32()[9] = saved;
+  EXPECT_FALSE(fs::exists(f.dir / "ckpt_00000003"));
+  // Tensor k's value 9 in checkpoint c's file (six tensors of 185 floats, in order) set to v, the
+  // checksums rewritten to match.
+  auto poison = [&](const std::string& c, size_t k, float v) {
+    const fs::path st = fs::path(c) / "rank_00000.safetensors";
+    {
+      std::fstream io(st, std::ios::in | std::ios::out | std::ios::binary);
+      io.seekp(std::streamoff(fs::file_size(st) - (6 - k) * 740 + 9 * 4));
+      io.write(reinterpret_cast<const char*>(&v), 4);
+    }
+    std::vector<float> values(f.tensors[k].tensor.f32(), f.tensors[k].tensor.f32() + 185);
+    values[9] = v;
+    const fs::path ip = fs::path(c) / "rank_00000.json";
+    nlohmann::json index = nlohmann::json::parse(std::ifstream(ip));
+    index["tensors"][f.tensors[k].name]["crc32"] = data::crc32(values.data(), values.size() * 4);
+    const std::string itext = index.dump(1) + "\n";
+    std::ofstream(ip, std::ios::trunc) << itext;
+    rewrite_manifest(c, [&](nlohmann::json& m) { m["shards"][0]["crc32"] = data::crc32(itext.data(), itext.size()); });
+  };
+  poison(good, 3, std::nanf(""));
+  auto got = f.empty_like();
+  try {
+    train::load_checkpoint_tensors(good, got);
+    ADD_FAILURE() << "a NaN moment was loaded";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("ckpt_00000002: tensor 'adam_m/b' holds nan at index 9"),
+              std::string::npos)
+        << e.what();
+  }
+  std::vector<std::string> notes;
+  EXPECT_EQ(train::resume_checkpoint(f.dir.string(), &notes), first);
+  poison(first, 5, -1.f);  // adam_v/b
+  try {
+    train::verify_checkpoint(first);
+    ADD_FAILURE() << "a negative second moment passed verification";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("tensor 'adam_v/b' holds -1 at index 9"), std::string::npos) << e.what();
+  }
+}
+
+// A rank's index that lacks a tensor the manifest lists (checksums rewritten to match) is refused
+// when the checkpoint is opened, naming the tensor; so is a manifest shape of more than 2^50
+// elements, before anything is allocated for it.
+TEST(CheckpointIntegrity, AnIndexWithoutATensorOrAHugeShapeIsRefusedOnOpening) {
+  Fixture f("cover");
+  const std::string c = train::save_checkpoint(f.dir.string(), f.meta(1), f.tensors);
+  const fs::path ip = fs::path(c) / "rank_00000.json";
+  const std::string original_index = read_file(ip.string());
+  nlohmann::json index = nlohmann::json::parse(original_index);
+  index["tensors"].erase("param/b");
+  const std::string itext = index.dump(1) + "\n";
+  std::ofstream(ip, std::ios::trunc) << itext;
+  rewrite_manifest(c, [&](nlohmann::json& m) { m["shards"][0]["crc32"] = data::crc32(itext.data(), itext.size()); });
+  try {
+    train::CheckpointReader r(c);
+    ADD_FAILURE() << "a checkpoint without param/b's values was opened";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("tensor 'param/b': the slices end at element 0 of 185"), std::string::npos)
+        << e.what();
+  }
+  rewrite_manifest(c, [&](nlohmann::json& m) { m["tensors"][0]["shape"] = {int64_t(1) << 40, int64_t(1) << 40}; });
+  try {
+    train::read_checkpoint_meta(c);
+    ADD_FAILURE() << "a shape of 2^80 elements was read";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("manifest.json: tensor 'param/a': shape [1099511627776, 1099511627776] has "
+                                         "more than 2^50 elements"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+// A folder where a checkpoint's file belongs is an error naming it, and resuming passes over that
+// checkpoint; a `latest` that is a folder stops a resume before anything changes (the run could not
+// write its checkpoints), and a save that cannot replace `latest` leaves no trace of itself.
+TEST(CheckpointIntegrity, FoldersWhereFilesBelongAreNamed) {
+  Fixture f("folders");
+  const std::string first = train::save_checkpoint(f.dir.string(), f.meta(1), f.tensors);
+  const std::string second = train::save_checkpoint(f.dir.string(), f.meta(2), f.tensors, /*keep=*/2);
+  const fs::path crc = fs::path(second) / "manifest.crc32";
+  fs::remove(crc);
+  fs::create_directory(crc);
+  std::vector<std::string> notes;
+  EXPECT_EQ(train::resume_checkpoint(f.dir.string(), &notes), first);
+  ASSERT_FALSE(notes.empty());
+  EXPECT_NE(notes[0].find(crc.string() + ": is a directory, not a file"), std::string::npos) << notes[0];
+  fs::remove_all(second);
+  fs::remove(f.dir / "latest");
+  fs::create_directory(f.dir / "latest");
+  try {
+    train::resume_checkpoint(f.dir.string(), &notes);
+    ADD_FAILURE() << "a resume went on with a folder named latest";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find((f.dir / "latest").string() + ": is not a file"), std::string::npos)
+        << e.what();
+  }
+  try {
+    train::save_checkpoint(f.dir.string(), f.meta(3), f.tensors, /*keep=*/3);
+    ADD_FAILURE() << "a checkpoint was saved without replacing latest";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("the checkpoint of step 3 could not be written (removed;"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_FALSE(fs::exists(f.dir / "ckpt_00000003"));
+  EXPECT_FALSE(fs::exists(f.dir / "latest.tmp"));
+  EXPECT_TRUE(fs::exists(first));
 }
 
 // Checkpoints of one state.safetensors written by rank 0 (version 2, with checksums, and version
