@@ -1,5 +1,8 @@
 // loom prepare: text files -> a tokenizer (GPT-2's, or one trained on the text) and token shards
-// train_*.bin / val_*.bin for `loom train`.
+// train_*.bin / val_*.bin for `loom train`. Everything is written into OUT/.prepare_tmp first and
+// moves into OUT only once all of it is written: a failure (a full disk, bad input) leaves OUT's
+// earlier dataset as it was. OUT then holds the shards and the tokenizer files they were encoded
+// with (a trained vocabulary, or a copy of --tokenizer's), never another prepare's.
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -28,16 +31,39 @@ struct PrepareArgs {
   int64_t shard_tokens = 100'000'000;
 };
 
-void write_split(const std::string& dir, const std::string& split, const std::vector<uint32_t>& toks, size_t begin,
-                 size_t end, int64_t per_shard, uint32_t vocab) {
-  int idx = 0;
+// Writes the shards of one split into dir; their names.
+std::vector<std::string> write_split(const std::string& dir, const std::string& split,
+                                     const std::vector<uint32_t>& toks, size_t begin, size_t end, int64_t per_shard,
+                                     uint32_t vocab) {
+  std::vector<std::string> names;
   for (size_t s = begin; s < end || (s == begin && begin == end); s += size_t(per_shard)) {
     size_t e = std::min(end, s + size_t(per_shard));
-    std::string path = (fs::path(dir) / fmt::format("{}_{:03d}.bin", split, idx++)).string();
-    data::write_shard(path, std::span<const uint32_t>(toks.data() + s, e - s), vocab);
-    std::printf("  wrote %s (%zu tokens)\n", path.c_str(), e - s);
+    names.push_back(fmt::format("{}_{:03d}.bin", split, names.size()));
+    data::write_shard((fs::path(dir) / names.back()).string(), std::span<const uint32_t>(toks.data() + s, e - s),
+                      vocab);
     if (begin == end) break;
   }
+  return names;
+}
+
+bool is_shard_name(const std::string& n) {
+  return (n.rfind("train_", 0) == 0 || n.rfind("val_", 0) == 0) && fs::path(n).extension() == ".bin";
+}
+
+// Moves every file of `staged` into `out` (each rename replacing a file of the same name), removes
+// out's other shards and tokenizer files (an earlier prepare's), then `staged`.
+void commit(const fs::path& staged, const fs::path& out) {
+  std::vector<std::string> moved;
+  for (const auto& e : fs::directory_iterator(staged)) moved.push_back(e.path().filename().string());
+  for (const std::string& n : moved) fs::rename(staged / n, out / n);
+  const auto& tok = data::Tokenizer::file_names();
+  for (const auto& e : fs::directory_iterator(out)) {
+    const std::string n = e.path().filename().string();
+    if ((is_shard_name(n) || std::find(tok.begin(), tok.end(), n) != tok.end()) &&
+        std::find(moved.begin(), moved.end(), n) == moved.end())
+      fs::remove(e.path());
+  }
+  fs::remove(staged);
 }
 
 Registrar reg{Command{
@@ -53,7 +79,6 @@ Registrar reg{Command{
           ->check(CLI::Range(0.0, 0.5));
       sub.add_option("--shard-tokens", a->shard_tokens, "tokens per shard file")->check(CLI::Range(int64_t(1), int64_t(1) << 40));
       return [a]() -> int {
-        fs::create_directories(a->out);
         std::vector<std::string> texts;
         size_t bytes = 0;
         for (const auto& in : a->inputs) {
@@ -61,40 +86,60 @@ Registrar reg{Command{
           bytes += texts.back().size();
         }
         LOOM_CHECK(bytes > 0, "{}: the input holds no text", a->inputs.front());
-        std::unique_ptr<data::Tokenizer> tok;
-        if (!a->tokenizer.empty()) {
-          tok = std::make_unique<data::Tokenizer>(data::Tokenizer::from_dir(a->tokenizer));
-          std::printf("tokenizer: %s (%d tokens)\n", a->tokenizer.c_str(), tok->vocab_size());
-        } else {
-          data::TrainOptions to;
-          to.vocab_size = int32_t(a->vocab_size);
-          data::BpeTrainer trainer(to);
-          for (const auto& t : texts) trainer.add_text(t);
-          tok = std::make_unique<data::Tokenizer>(trainer.train());
-          tok->save(a->out);
-          std::printf("trained a byte-level BPE vocabulary of %d tokens on %zu bytes -> %s/{encoder.json,vocab.bpe}\n",
-                      tok->vocab_size(), bytes, a->out.c_str());
+        const fs::path out(a->out), staged = out / ".prepare_tmp";
+        fs::create_directories(out);
+        LOOM_CHECK(fs::is_directory(out), "--out {}: is not a directory", a->out);
+        fs::remove_all(staged);  // an interrupted prepare's
+        fs::create_directories(staged);
+        bool committing = false;
+        try {
+          std::unique_ptr<data::Tokenizer> tok;
+          if (!a->tokenizer.empty()) {
+            tok = std::make_unique<data::Tokenizer>(data::Tokenizer::from_dir(a->tokenizer));
+            for (const std::string& f : data::Tokenizer::files_in_dir(a->tokenizer))
+              fs::copy_file(f, staged / fs::path(f).filename());
+            std::printf("tokenizer: %s (%d tokens)\n", a->tokenizer.c_str(), tok->vocab_size());
+          } else {
+            data::TrainOptions to;
+            to.vocab_size = int32_t(a->vocab_size);
+            data::BpeTrainer trainer(to);
+            for (const auto& t : texts) trainer.add_text(t);
+            tok = std::make_unique<data::Tokenizer>(trainer.train());
+            tok->save(staged.string());
+            std::printf("trained a byte-level BPE vocabulary of %d tokens on %zu bytes\n", tok->vocab_size(), bytes);
+          }
+          // Documents (input files) are separated by <|endoftext|> when the vocabulary has it.
+          int32_t eot = tok->find("<|endoftext|>");
+          std::vector<uint32_t> toks;
+          for (size_t i = 0; i < texts.size(); ++i) {
+            data::EncodeOptions eo;
+            eo.threads = 2;
+            for (int32_t t : tok->encode(texts[i], eo)) toks.push_back(uint32_t(t));
+            if (eot >= 0 && tok->is_special(eot)) toks.push_back(uint32_t(eot));
+          }
+          size_t n_val = size_t(double(toks.size()) * a->val_fraction);
+          size_t n_train = toks.size() - n_val;
+          std::printf("%zu bytes -> %zu tokens (%.2f bytes/token); train %zu, val %zu\n", bytes, toks.size(),
+                      double(bytes) / double(toks.size()), n_train, n_val);
+          uint32_t vocab = uint32_t(tok->vocab_size());
+          std::vector<std::string> written = write_split(staged.string(), "train", toks, 0, n_train, a->shard_tokens, vocab);
+          if (n_val)
+            for (const std::string& n : write_split(staged.string(), "val", toks, n_train, toks.size(), a->shard_tokens, vocab))
+              written.push_back(n);
+          committing = true;
+          commit(staged, out);
+          for (const std::string& n : written) std::printf("  wrote %s\n", (out / n).string().c_str());
+          std::printf("  tokenizer: %s/{", a->out.c_str());
+          const std::vector<std::string> files = data::Tokenizer::files_in_dir(a->out);
+          for (size_t i = 0; i < files.size(); ++i) std::printf("%s%s", i ? "," : "", fs::path(files[i]).filename().c_str());
+          std::printf("}\n");
+        } catch (const std::exception& e) {
+          std::error_code ec;
+          fs::remove_all(staged, ec);
+          throw Error(committing ? fmt::format("{} (while moving the new dataset into --out {}: run prepare again)",
+                                               e.what(), a->out)
+                                 : fmt::format("{} (nothing in --out {} was changed)", e.what(), a->out));
         }
-        // Documents (input files) are separated by <|endoftext|> when the vocabulary has it.
-        int32_t eot = tok->find("<|endoftext|>");
-        std::vector<uint32_t> toks;
-        for (size_t i = 0; i < texts.size(); ++i) {
-          data::EncodeOptions eo;
-          eo.threads = 2;
-          for (int32_t t : tok->encode(texts[i], eo)) toks.push_back(uint32_t(t));
-          if (eot >= 0 && tok->is_special(eot)) toks.push_back(uint32_t(eot));
-        }
-        size_t n_val = size_t(double(toks.size()) * a->val_fraction);
-        size_t n_train = toks.size() - n_val;
-        std::printf("%zu bytes -> %zu tokens (%.2f bytes/token); train %zu, val %zu\n", bytes, toks.size(),
-                    double(bytes) / double(toks.size()), n_train, n_val);
-        for (auto& e : fs::directory_iterator(a->out)) {  // stale shards of an earlier run
-          std::string n = e.path().filename().string();
-          if ((n.rfind("train_", 0) == 0 || n.rfind("val_", 0) == 0) && e.path().extension() == ".bin") fs::remove(e.path());
-        }
-        uint32_t vocab = uint32_t(tok->vocab_size());
-        write_split(a->out, "train", toks, 0, n_train, a->shard_tokens, vocab);
-        if (n_val) write_split(a->out, "val", toks, n_train, toks.size(), a->shard_tokens, vocab);
         return 0;
       };
     }}};

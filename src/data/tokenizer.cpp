@@ -322,23 +322,31 @@ Tokenizer Tokenizer::from_files(const std::string& vocab_json, const std::string
   return t;
 }
 
-bool Tokenizer::dir_has_tokenizer(const std::string& dir) {
-  namespace fs = std::filesystem;
-  const fs::path d(dir);
-  return (fs::exists(d / "encoder.json") && fs::exists(d / "vocab.bpe")) || fs::exists(d / "tokenizer.json") ||
-         (fs::exists(d / "vocab.json") && fs::exists(d / "merges.txt"));
+const std::vector<std::string>& Tokenizer::file_names() {
+  static const std::vector<std::string> names{"encoder.json", "vocab.bpe", "tokenizer.json", "vocab.json",
+                                              "merges.txt"};
+  return names;
 }
 
-Tokenizer Tokenizer::from_dir(const std::string& dir) {
+std::vector<std::string> Tokenizer::files_in_dir(const std::string& dir) {
   namespace fs = std::filesystem;
   const fs::path d(dir);
-  if (fs::exists(d / "encoder.json") && fs::exists(d / "vocab.bpe")) {
-    return from_files((d / "encoder.json").string(), (d / "vocab.bpe").string());
+  for (const std::vector<std::string>& set : std::vector<std::vector<std::string>>{
+           {"encoder.json", "vocab.bpe"}, {"tokenizer.json"}, {"vocab.json", "merges.txt"}}) {
+    std::vector<std::string> paths;
+    for (const std::string& f : set)
+      if (fs::exists(d / f)) paths.push_back((d / f).string());
+    if (paths.size() == set.size()) return paths;
   }
-  if (fs::exists(d / "tokenizer.json")) return from_tokenizer_json((d / "tokenizer.json").string());
-  if (fs::exists(d / "vocab.json") && fs::exists(d / "merges.txt")) {
-    return from_files((d / "vocab.json").string(), (d / "merges.txt").string());
-  }
+  return {};
+}
+
+bool Tokenizer::dir_has_tokenizer(const std::string& dir) { return !files_in_dir(dir).empty(); }
+
+Tokenizer Tokenizer::from_dir(const std::string& dir) {
+  const std::vector<std::string> f = files_in_dir(dir);
+  if (f.size() == 2) return from_files(f[0], f[1]);
+  if (f.size() == 1) return from_tokenizer_json(f[0]);
   bad_input(fmt::format("{}: no tokenizer here (expected encoder.json + vocab.bpe, tokenizer.json, or "
                         "vocab.json + merges.txt)", dir));
 }

@@ -7,6 +7,8 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <map>
 #include <string>
 
 #include <fmt/format.h>
@@ -86,5 +88,46 @@ TEST(VocabularyCli, CheckpointsRefuseAnotherVocabularyOfTheSameSize) {
   EXPECT_NE(g.err.find("the checkpoint was trained with vocabulary"), std::string::npos) << g.err;
   CliRun g0 = loom_cli(fmt::format("generate '{}' --prompt 'river' --tokens 4", run), root / "logs");
   EXPECT_EQ(g0.code, 0) << g0.err;
+  fs::remove_all(root);
+}
+
+// `loom prepare --tokenizer B` into a directory an earlier prepare wrote with vocabulary A leaves B's
+// files there beside B's shards (A's would decode B's ids into other text); a prepare that fails
+// leaves the earlier dataset byte for byte and no staging folder.
+TEST(VocabularyCli, PrepareLeavesTheTokenizerOfItsShardsAndKeepsTheDatasetWhenItFails) {
+  LOOM_REQUIRE_LOOM();
+  const fs::path root = fs::temp_directory_path() / fmt::format("loom_prepare_cli_{}", ::getpid());
+  fs::remove_all(root);
+  fs::create_directories(root / "logs");
+  for (int s : {0, 1}) write_text(root / fmt::format("text{}.txt", s), s);
+  const fs::path data = root / "data", tok_b = root / "tok_b";
+  auto prepare = [&](const std::string& args) { return loom_cli("prepare " + args, root / "logs"); };
+  CliRun b = prepare(fmt::format("'{}' --out '{}' --vocab-size 270", (root / "text1.txt").string(), tok_b.string()));
+  ASSERT_EQ(b.code, 0) << b.err;
+  CliRun a = prepare(fmt::format("'{}' --out '{}' --vocab-size 270", (root / "text0.txt").string(), data.string()));
+  ASSERT_EQ(a.code, 0) << a.err;
+  ASSERT_NE(data::Tokenizer::from_dir(data.string()).fingerprint(),
+            data::Tokenizer::from_dir(tok_b.string()).fingerprint());
+  CliRun again = prepare(fmt::format("'{}' --out '{}' --tokenizer '{}'", (root / "text0.txt").string(), data.string(),
+                                     tok_b.string()));
+  ASSERT_EQ(again.code, 0) << again.err;
+  EXPECT_EQ(data::Tokenizer::from_dir(data.string()).fingerprint(),
+            data::Tokenizer::from_dir(tok_b.string()).fingerprint());
+  auto bytes = [](const fs::path& p) {
+    std::ifstream f(p, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(f), {});
+  };
+  std::map<std::string, std::string> before;
+  for (const auto& e : fs::directory_iterator(data)) before[e.path().filename().string()] = bytes(e.path());
+  // A tokenizer folder that holds no tokenizer: refused, the dataset kept.
+  fs::create_directories(root / "empty");
+  CliRun bad = prepare(fmt::format("'{}' --out '{}' --tokenizer '{}'", (root / "text1.txt").string(), data.string(),
+                                   (root / "empty").string()));
+  EXPECT_NE(bad.code, 0);
+  EXPECT_NE(bad.err.find("nothing in --out " + data.string() + " was changed"), std::string::npos) << bad.err;
+  std::map<std::string, std::string> after;
+  for (const auto& e : fs::directory_iterator(data)) after[e.path().filename().string()] = bytes(e.path());
+  EXPECT_EQ(after, before);
+  EXPECT_FALSE(fs::exists(data / ".prepare_tmp"));
   fs::remove_all(root);
 }
