@@ -15,11 +15,41 @@
 #include "train/hf_gpt2.h"
 #include "train/hf_llama.h"
 #include "train/checkpoint.h"
+#include "train/safetensors.h"
+#include "model/param_specs.h"
 
 namespace fs = std::filesystem;
 
 namespace loom::cli {
 namespace {
+
+// config.json's model against the safetensors files before a model is allocated from it: no more
+// layers than the files hold tensors for, no more parameters than they hold values (the loaders
+// then check every tensor's name and shape). A config.json of another model, or damaged, would
+// otherwise allocate until memory runs out.
+void check_config_fits_files(const model::GPTConfig& cfg, const std::vector<std::string>& files,
+                             const std::string& config) {
+  double tensors = 0, values = 0;
+  for (const std::string& f : files) {
+    const train::SafetensorsReader r(f);
+    for (const train::SafetensorsEntry& e : r.entries()) {
+      tensors += 1;
+      values += double(e.numel());
+    }
+  }
+  const double per_layer = double(model::block_param_specs(cfg, 0).size());
+  LOOM_CHECK(double(cfg.n_layer) * per_layer <= tensors,
+             "{}: the model has {} layers of {} tensors, but the weights hold {} tensors ({})", config, cfg.n_layer,
+             per_layer, tensors, files.front());
+  double params = 0;
+  for (const model::ParamSpec& s : model::gpt_param_specs(cfg)) {
+    double n = 1;
+    for (int64_t d : s.shape) n *= double(d);
+    params += n;
+  }
+  LOOM_CHECK(params <= values, "{}: the model ({}) has {:.0f} parameters, but the weights hold {:.0f} values ({})",
+             config, cfg.str(), params, values, files.front());
+}
 
 struct ConvertArgs {
   std::string from, to, in, out, config;
@@ -39,13 +69,12 @@ int run_convert(const ConvertArgs& a) {
                                 fs::is_directory(a.in) ? "in it" : "beside it"));
     }
     const model::GPTConfig cfg = model::read_hf_config(config);
+    const std::string st = fs::is_directory(a.in) ? (fs::path(a.in) / "model.safetensors").string() : a.in;
+    check_config_fits_files(cfg, model::is_llama(cfg) ? model::hf_files(a.in).files : std::vector<std::string>{st},
+                            config);
     model::GPT gpt(cfg, pool, a.seed);
-    if (model::is_llama(cfg)) {
-      model::load_hf_llama(a.in, gpt);
-    } else {
-      const std::string st = fs::is_directory(a.in) ? (fs::path(a.in) / "model.safetensors").string() : a.in;
-      model::load_hf_gpt2(st, gpt);
-    }
+    if (model::is_llama(cfg)) model::load_hf_llama(a.in, gpt);
+    else model::load_hf_gpt2(st, gpt);
     const std::string ckpt = model::save_initial_checkpoint(gpt, a.out, a.seed);
     std::printf("%s: %s, %.2fM parameters (seed %llu for loom train --resume)\n", ckpt.c_str(), cfg.str().c_str(),
                 double(gpt.num_parameters()) / 1e6, static_cast<unsigned long long>(a.seed));

@@ -137,7 +137,8 @@ Registrar reg{Command{
       sub.add_option("--text", a->text, "a text file, encoded with the checkpoint's tokenizer");
       sub.add_option("--tokens", a->tokens, "a loom token shard (loom prepare's train_*.bin / val_*.bin)");
       sub.add_option("--tokenizer", a->tokenizer, "directory with the tokenizer (default: the training data's)");
-      sub.add_option("--seq", a->seq, "predicted tokens per window (default: the model's block_size)");
+      sub.add_option("--seq", a->seq, "predicted tokens per window (default: the model's block_size)")
+          ->check(CLI::Range(int64_t(1), int64_t(1) << 40));
       sub.add_option("--batch", a->batch, "windows per forward pass");
       sub.add_option("--device", a->device, "cpu (f32) or cuda (bf16; a build with CUDA)")
           ->check(CLI::IsMember({"cpu", "cuda"}));

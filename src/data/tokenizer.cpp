@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>  // for writing keys
 #include <sstream>
 #include <thread>
+#include <type_traits>
 
 #include "core/error.h"
 #include "core/file.h"
@@ -788,12 +789,24 @@ Tokenizer Tokenizer::from_tokenizer_json(const std::string& path) {
     bad_input(fmt::format("{}: malformed JSON: {}", path, e.what()));
   }
   auto field = [&](const std::string& f) { return fmt::format("{}: field '{}'", path, f); };
+  // o[key] as def's type; def where o is not an object or has no key; another type is an error
+  // naming the field `name`.
+  auto opt = [&]<class T>(const json& o, const char* key, T def, const std::string& name) -> T {
+    if (!o.is_object() || !o.contains(key)) return def;
+    const json& v = o[key];
+    if constexpr (std::is_same_v<T, bool>) {
+      if (!v.is_boolean()) bad_input(field(name) + fmt::format(" must be true or false, not {}", v.dump().substr(0, 80)));
+    } else {
+      if (!v.is_string()) bad_input(field(name) + fmt::format(" must be a string, not {}", v.dump().substr(0, 80)));
+    }
+    return v.get<T>();
+  };
   if (!j.is_object() || !j.contains("model") || !j["model"].is_object()) bad_input(field("model") + " is missing");
   const json& m = j["model"];
-  if (m.value("type", std::string()) != "BPE")
+  if (opt(m, "type", std::string(), "model.type") != "BPE")
     bad_input(field("model.type") + fmt::format(" is {}; loom reads byte-level BPE models (\"BPE\")",
                                                 m.contains("type") ? m["type"].dump() : "missing"));
-  if (m.value("byte_fallback", false))
+  if (opt(m, "byte_fallback", false, "model.byte_fallback"))
     bad_input(field("model.byte_fallback") + " is true (a SentencePiece-style model); loom reads byte-level BPE");
   if (j.contains("normalizer") && !j["normalizer"].is_null())
     bad_input(field("normalizer") + fmt::format(" is {}; loom's tokenizer applies none", j["normalizer"].dump()));
@@ -801,22 +814,29 @@ Tokenizer Tokenizer::from_tokenizer_json(const std::string& path) {
   // ByteLevel without its own regex.
   PreTokenization pre = PreTokenization::gpt2;
   const json pt = j.value("pre_tokenizer", json());
-  auto byte_level = [&](const json& b, bool want_regex) {
-    return b.is_object() && b.value("type", std::string()) == "ByteLevel" && !b.value("add_prefix_space", false) &&
-           b.value("use_regex", true) == want_regex;
+  auto byte_level = [&](const json& b, bool want_regex, const std::string& name) {
+    return b.is_object() && opt(b, "type", std::string(), name + ".type") == "ByteLevel" &&
+           !opt(b, "add_prefix_space", false, name + ".add_prefix_space") &&
+           opt(b, "use_regex", true, name + ".use_regex") == want_regex;
   };
-  bool ok = byte_level(pt, true);
-  if (!ok && pt.is_object() && pt.value("type", std::string()) == "Sequence" && pt.contains("pretokenizers") &&
-      pt["pretokenizers"].is_array() && pt["pretokenizers"].size() == 2 &&
-      pt["pretokenizers"][0].value("type", std::string()) == "Digits" &&
-      pt["pretokenizers"][0].value("individual_digits", false) && byte_level(pt["pretokenizers"][1], true))
+  const std::string seq0 = "pre_tokenizer.pretokenizers[0]", seq1 = "pre_tokenizer.pretokenizers[1]";
+  bool ok = byte_level(pt, true, "pre_tokenizer");
+  const bool sequence = pt.is_object() && opt(pt, "type", std::string(), "pre_tokenizer.type") == "Sequence" &&
+                        pt.contains("pretokenizers") && pt["pretokenizers"].is_array() &&
+                        pt["pretokenizers"].size() == 2;
+  if (!ok && sequence && opt(pt["pretokenizers"][0], "type", std::string(), seq0 + ".type") == "Digits" &&
+      opt(pt["pretokenizers"][0], "individual_digits", false, seq0 + ".individual_digits") &&
+      byte_level(pt["pretokenizers"][1], true, seq1))
     ok = true, pre = PreTokenization::gpt2_digits;
-  if (!ok && pt.is_object() && pt.value("type", std::string()) == "Sequence" && pt.contains("pretokenizers") &&
-      pt["pretokenizers"].is_array() && pt["pretokenizers"].size() == 2) {
+  if (!ok && sequence) {
     const json& split = pt["pretokenizers"][0];
-    const std::string pattern = split.value("pattern", json::object()).value("Regex", std::string());
-    if (split.value("type", std::string()) == "Split" && split.value("behavior", std::string()) == "Isolated" &&
-        !split.value("invert", false) && byte_level(pt["pretokenizers"][1], false)) {
+    const json none = json::object();
+    const std::string pattern =
+        opt(split.is_object() && split.contains("pattern") ? split["pattern"] : none, "Regex", std::string(),
+            seq0 + ".pattern.Regex");
+    if (opt(split, "type", std::string(), seq0 + ".type") == "Split" &&
+        opt(split, "behavior", std::string(), seq0 + ".behavior") == "Isolated" &&
+        !opt(split, "invert", false, seq0 + ".invert") && byte_level(pt["pretokenizers"][1], false, seq1)) {
       if (pattern == kLlama3Pattern) ok = true, pre = PreTokenization::llama3;
       if (pattern == kGpt2Pattern) ok = true;
     }
@@ -829,8 +849,13 @@ Tokenizer Tokenizer::from_tokenizer_json(const std::string& path) {
   // (their text as it is).
   if (!m.contains("vocab") || !m["vocab"].is_object()) bad_input(field("model.vocab") + " is missing");
   std::vector<std::string> tokens;
+  // The ids are 0 .. n - 1 for the n tokens the file lists (checked below): one beyond is an error
+  // before the table grows to it.
+  const int64_t listed = int64_t(m["vocab"].size()) +
+                         (j.contains("added_tokens") && j["added_tokens"].is_array() ? int64_t(j["added_tokens"].size()) : 0);
   auto place = [&](int64_t id, std::string bytes, const std::string& what) {
-    if (id < 0 || id > int64_t(INT32_MAX) - 1) bad_input(fmt::format("{}: id {} is out of range", what, id));
+    if (id < 0 || id >= listed)
+      bad_input(fmt::format("{}: id {} is outside 0 .. {} (the file lists {} tokens)", what, id, listed - 1, listed));
     if (size_t(id) >= tokens.size()) tokens.resize(size_t(id) + 1);
     std::string& slot = tokens[size_t(id)];
     if (!slot.empty() && slot != bytes)
@@ -856,7 +881,7 @@ Tokenizer Tokenizer::from_tokenizer_json(const std::string& path) {
                                                       a.dump().substr(0, 200)));
       const int64_t id = a["id"].get<int64_t>();
       place(id, a["content"].get<std::string>(), field("added_tokens") + fmt::format(" id {}", id));
-      if (a.value("special", false)) special.push_back(int32_t(id));
+      if (opt(a, "special", false, "added_tokens.special")) special.push_back(int32_t(id));
     }
   }
   for (size_t id = 0; id < tokens.size(); ++id)
@@ -900,7 +925,7 @@ Tokenizer Tokenizer::from_tokenizer_json(const std::string& path) {
     bad_input(fmt::format("{}: {}", path, e.what()));
   }
   t.pre_ = pre;
-  t.ignore_merges_ = m.value("ignore_merges", false);
+  t.ignore_merges_ = opt(m, "ignore_merges", false, "model.ignore_merges");
   t.set_special(special);
   return t;
 }

@@ -1,5 +1,7 @@
 #include "model/config.h"
 
+#include <cmath>
+
 #include <fmt/format.h>
 
 #include "core/error.h"
@@ -48,7 +50,8 @@ void GPTConfig::validate(std::string_view where) const {
     throw Error(fmt::format("{}: n_embd ({}) must be a multiple of n_head ({})", where, n_embd, n_head));
   if (vocab_size > int64_t(INT32_MAX))
     throw Error(fmt::format("{}: vocab_size {} does not fit token ids of 32 bits", where, vocab_size));
-  if (!(ln_eps > 0)) throw Error(fmt::format("{}: ln_eps must be positive, got {}", where, ln_eps));
+  if (!(ln_eps > 0) || !std::isfinite(ln_eps))
+    throw Error(fmt::format("{}: ln_eps must be positive and finite, got {}", where, ln_eps));
   if (!(init_std > 0)) throw Error(fmt::format("{}: init_std must be positive, got {}", where, init_std));
   if (n_kv_head < 0) throw Error(fmt::format("{}: n_kv_head must be non-negative (0: n_head), got {}", where, n_kv_head));
   if (n_head % kv_heads() != 0)
@@ -67,7 +70,8 @@ void GPTConfig::validate(std::string_view where) const {
     if (head_size() > kRopeMaxHead)
       throw Error(fmt::format("{}: rotary embeddings take head sizes up to {}, got {}", where, kRopeMaxHead, head_size()));
     // (What rope_inv_freq, core/backend.h, requires.)
-    if (!(rope_theta > 1)) throw Error(fmt::format("{}: rope_theta must exceed 1, got {}", where, rope_theta));
+    if (!(rope_theta > 1) || !std::isfinite(rope_theta))
+      throw Error(fmt::format("{}: rope_theta must be finite and exceed 1, got {}", where, rope_theta));
     if (!(rope_scaling_factor >= 0))
       throw Error(fmt::format("{}: rope_scaling_factor must be non-negative (0: no scaling), got {}", where,
                               rope_scaling_factor));

@@ -358,7 +358,10 @@ void TrainConfig::validate(const std::string& where, const std::vector<std::stri
          fmt::format("{} is more than 8 per core of this host ({} cores; 0 takes them all)", threads, cores));
   }
   need(log_every > 0, "train.log_every", "must be positive");
-  need(eval_every >= 0 && eval_batches > 0, "train.eval_every", "eval_every >= 0 and eval_batches > 0");
+  need(eval_every >= 0, "train.eval_every", fmt::format("must be non-negative (0: no validation), got {}", eval_every));
+  need(eval_batches > 0, "train.eval_batches", fmt::format("must be positive, got {}", eval_batches));
+  need(sample_every >= 0, "train.sample_every", fmt::format("must be non-negative, got {}", sample_every));
+  need(!out_dir.empty(), "train.out_dir", "must name a directory");
   need(sample_tokens >= 0 && sample_top_k >= 0 && sample_temperature > 0, "train.sample_*",
        "sample_tokens >= 0, sample_top_k >= 0, sample_temperature > 0");
   need(checkpoint_every >= 0, "train.checkpoint_every", "must be non-negative");
@@ -381,11 +384,13 @@ void TrainConfig::validate(const std::string& where, const std::vector<std::stri
         {"train.sample_temperature", sample_temperature},
         {"parallel.timeout_s", timeout_s}, {"parallel.bucket_mb", bucket_mb}})
     need(std::isfinite(value), field, fmt::format("must be a finite number, got {}", value));
-  need(lr >= 0 && min_lr >= 0, "optim.lr", "learning rates must be non-negative");
+  need(lr >= 0, "optim.lr", fmt::format("must be non-negative, got {}", lr));
+  need(min_lr >= 0, "optim.min_lr", fmt::format("must be non-negative, got {}", min_lr));
   need(warmup_steps >= 0, "optim.warmup_steps", "must be non-negative");
   need(lr_schedule == "cosine" || lr_schedule == "linear" || lr_schedule == "constant", "optim.schedule",
        fmt::format("'{}' is not one of cosine, linear, constant", lr_schedule));
-  need(beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1, "optim.beta1", "betas must lie in [0, 1)");
+  need(beta1 >= 0 && beta1 < 1, "optim.beta1", fmt::format("must lie in [0, 1), got {}", beta1));
+  need(beta2 >= 0 && beta2 < 1, "optim.beta2", fmt::format("must lie in [0, 1), got {}", beta2));
   need(eps > 0, "optim.eps", "must be positive");
   need(weight_decay >= 0, "optim.weight_decay", "must be non-negative");
   need(grad_clip >= 0, "optim.grad_clip", "must be non-negative");

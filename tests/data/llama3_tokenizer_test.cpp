@@ -182,14 +182,34 @@ TEST(TokenizerJson, BadFilesNameTheField) {
   j["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = "\\s+";
   expect_error(j, "field 'pre_tokenizer'");
   j = tiny_json(true);
-  j["model"]["vocab"].erase("ab");
-  expect_error(j, "no token has id 256");
+  j["model"]["vocab"].erase("ab");  // id 256 missing: the added token's 261 is then beyond the 261 listed
+  expect_error(j, "id 261 is outside 0 .. 260 (the file lists 261 tokens)");
   j = tiny_json(true);
   j["model"]["merges"].push_back("q zz");
   expect_error(j, "\"zz\" is not a token of the vocabulary");
   j = tiny_json(true);
   j["added_tokens"][0]["id"] = 256;
   expect_error(j, "id 256 is also token \"ab\"");
+  // An id far beyond the tokens listed is refused before the table grows to it (it threw
+  // bad_alloc); fields of another JSON type are named (they threw the JSON library's type errors).
+  j = tiny_json(true);
+  j["model"]["vocab"]["ab"] = 2147483646;
+  expect_error(j, "id 2147483646 is outside 0 .. ");
+  j = tiny_json(true);
+  j["model"]["type"] = 5;
+  expect_error(j, "field 'model.type' must be a string, not 5");
+  j = tiny_json(true);
+  j["model"]["ignore_merges"] = "yes";
+  expect_error(j, "field 'model.ignore_merges' must be true or false, not \"yes\"");
+  j = tiny_json(true);
+  j["added_tokens"][0]["special"] = "yes";
+  expect_error(j, "field 'added_tokens.special' must be true or false");
+  j = tiny_json(true);
+  j["pre_tokenizer"]["pretokenizers"] = {5, 6};
+  expect_error(j, "field 'pre_tokenizer' is ");
+  j = tiny_json(true);
+  j["pre_tokenizer"]["pretokenizers"][0]["pattern"] = "\\s+";
+  expect_error(j, "field 'pre_tokenizer' is ");
   std::ofstream(d.p / "tokenizer.json") << "{\"model\": ";
   try {
     (void)Tokenizer::from_tokenizer_json((d.p / "tokenizer.json").string());

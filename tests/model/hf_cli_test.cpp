@@ -86,6 +86,20 @@ TEST(HfCli, ConvertGenerateAndErrors) {
   EXPECT_NE(r.err.find("h.0.attn.c_attn.weight"), std::string::npos) << r.err;
   EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
   EXPECT_FALSE(fs::exists(run + "2/latest"));
+  // A config.json of more layers or a larger vocabulary than the weights hold is refused naming it
+  // before a model is allocated from it (10^12 layers ran out of memory).
+  for (const auto& [key, value] : std::vector<std::pair<std::string, int64_t>>{{"n_layer", 1'000'000'000'000},
+                                                                              {"vocab_size", 2147483647}}) {
+    nlohmann::json cfg = nlohmann::json::parse(std::ifstream(dump / "config.json"));
+    cfg[key] = value;
+    fs::create_directories(d.p / "big");
+    fs::copy_file(dump / "model.safetensors", d.p / "big/model.safetensors", fs::copy_options::overwrite_existing);
+    std::ofstream(d.p / "big/config.json", std::ios::trunc) << cfg.dump();
+    r = loom_cli("convert --from hf --to loom '" + (d.p / "big").string() + "' '" + run + "3'", d.p);
+    EXPECT_EQ(r.code, 1) << key;
+    EXPECT_NE(r.err.find((d.p / "big/config.json").string() + ": the model "), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("but the weights hold"), std::string::npos) << r.err;
+  }
 
   // Converting into a run that already has checkpoints is refused; exporting over an export from
   // a checkpoint that does not exist leaves the export.

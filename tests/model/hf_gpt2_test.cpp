@@ -418,6 +418,8 @@ TEST(CheckpointModel, ManifestModelMustMatchTheStoredParameters) {
   e = refused("n_layer", 1);
   EXPECT_NE(e.find(manifest + ": field 'model'"), std::string::npos) << e;
   EXPECT_NE(e.find("but checkpoint " + ckpt + " holds"), std::string::npos) << e;
+  e = refused("ln_eps", 1e300);  // inf as f32
+  EXPECT_NE(e.find(manifest + ": model: ln_eps must be positive and finite"), std::string::npos) << e;
   e = refused("vocab_size", 100);
   EXPECT_NE(e.find("gives parameter 'wte.weight' the shape [100, " + std::to_string(c.n_embd) + "]"), std::string::npos)
       << e;

@@ -132,6 +132,16 @@ TEST(TrainConfig, ErrorsNameFileAndField) {
   EXPECT_NE(m.find("memory.activation_budget"), std::string::npos) << m;
   m = error_of("[train]\nskip_nonfinite = -1\n");
   EXPECT_NE(m.find("train.skip_nonfinite: must be non-negative, got -1"), std::string::npos) << m;
+  // Each refusal names its own field (these named a neighbour, or none).
+  for (const auto& [flag, want] : std::vector<std::pair<std::string, std::string>>{
+           {"train.eval_batches=0", "train.eval_batches: must be positive, got 0"},
+           {"optim.min_lr=-1", "optim.min_lr: must be non-negative, got -1"},
+           {"optim.beta2=-1", "optim.beta2: must lie in [0, 1), got -1"},
+           {"train.sample_every=-1", "train.sample_every: must be non-negative, got -1"},
+           {"train.out_dir=", "train.out_dir: must name a directory"}}) {
+    m = error_of("", {flag});
+    EXPECT_NE(m.find(want), std::string::npos) << flag << ": " << m;
+  }
   m = error_of("[parallel]\nzero = 4\n");
   EXPECT_NE(m.find("parallel.zero"), std::string::npos) << m;
   m = error_of("[model]\npreset = \"gpt5\"\n");

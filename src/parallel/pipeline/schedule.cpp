@@ -110,8 +110,12 @@ void ScheduleSpec::validate() const {
     LOOM_CHECK(virtual_stages == 1, "pipeline schedule: {} needs virtual_stages (v) = 1, got {} (only interleaved "
                "uses more than one chunk per rank)", kind_name(kind), virtual_stages);
   }
-  LOOM_CHECK(micro_batches <= 4096 && stages <= 4096, "pipeline schedule: p = {} or m = {} is too large", stages,
+  LOOM_CHECK(micro_batches <= 4096 && stages <= 4096 && virtual_stages <= 4096,
+             "pipeline schedule: p = {}, v = {} or m = {} is too large (at most 4096 each)", stages, virtual_stages,
              micro_batches);
+  LOOM_CHECK(int64_t(stages) * virtual_stages * micro_batches <= (int64_t(1) << 24),
+             "pipeline schedule: p x v x m = {} x {} x {} is too large (at most 2^24 chunks of micro-batches)", stages,
+             virtual_stages, micro_batches);
 }
 
 namespace {

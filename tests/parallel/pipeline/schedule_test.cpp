@@ -49,6 +49,10 @@ TEST(PipelineSchedule, RefusesInvalidCombinations) {
   EXPECT_THROW(generate({Kind::one_f_one_b, 4, 2, 8}), Error);  // v > 1 outside interleaved
   EXPECT_THROW(generate({Kind::gpipe, 0, 1, 8}), Error);
   EXPECT_THROW(generate({Kind::gpipe, 2, 1, 0}), Error);
+  // Sizes that would build lists without bound are refused before any is built (v = 10^8 ran out
+  // of memory).
+  EXPECT_THROW(generate({Kind::interleaved, 4, 100'000'000, 8}), Error);
+  EXPECT_THROW(generate({Kind::interleaved, 4096, 4096, 4096}), Error);
   EXPECT_THROW(parse_kind("pipedream"), Error);
   EXPECT_EQ(parse_kind("zb-h1"), Kind::zb_h1);
   try {
