@@ -107,12 +107,18 @@ void write_shard(const std::string& path, std::span<const uint32_t> tokens, uint
 }
 
 Shard::Shard(const std::string& path, bool verify_payload) : path_(path) {
-  fd_ = ::open(path.c_str(), O_RDONLY);
+  // O_NONBLOCK: a FIFO (or a device) under a shard's name opens at once and is refused below,
+  // where a blocking open would wait for a writer forever. It changes nothing for a regular file.
+  fd_ = ::open(path.c_str(), O_RDONLY | O_NONBLOCK);
   if (fd_ < 0) throw Error(fmt::format("{}: cannot open token shard: {}", path, std::strerror(errno)));
   struct stat st{};
   if (::fstat(fd_, &st) != 0) {
     ::close(fd_);
     throw Error(fmt::format("{}: cannot stat: {}", path, std::strerror(errno)));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd_);
+    throw Error(fmt::format("{}: is not a regular file (a token shard is one)", path));
   }
   map_bytes_ = size_t(st.st_size);
   auto fail = [&](const std::string& msg) {

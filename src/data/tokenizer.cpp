@@ -414,8 +414,19 @@ void Tokenizer::build(const std::vector<std::pair<int32_t, int32_t>>& merges,
   }
   special_ids_.clear();
   special_flag_.assign(size_t(n), 0);
+  // The text tokens (the bytes and what merges make) span ids first_text .. last_made.
+  int32_t first_text = n, last_made = -1;
+  for (int b = 0; b < 256; ++b) first_text = std::min(first_text, byte_id_[b]);
+  for (int32_t id = 0; id < n; ++id)
+    if (made[id]) first_text = std::min(first_text, id), last_made = id;
   for (int32_t id = 0; id < n; ++id) {
     if (!made[id] && token(id).size() > 1) {
+      // Special tokens sit before or after the text tokens (GPT-2's <|endoftext|> last, RoBERTa's
+      // <s> first); one among them is a token whose merge the merges file lost.
+      if (id > first_text && id < last_made)
+        bad_input(fmt::format("{}: token {} (\"{}\") is made by no merge in {}, but it sits among the tokens "
+                              "bytes and merges make (ids {} to {}): a merge is missing",
+                              vocab_where, id, printable(token(id)), where, first_text, last_made));
       special_ids_.push_back(id);
       special_flag_[id] = 1;
     }

@@ -2,6 +2,7 @@
 
 #include <omp.h>
 
+#include <cmath>
 #include <filesystem>
 #include <utility>
 
@@ -81,7 +82,7 @@ Cluster read_cluster(const std::string& path) {
     if (v.is_integer()) x = double(v.as_integer()->get());
     else if (v.is_floating_point()) x = v.as_floating_point()->get();
     else throw Error(fmt::format("{}: {} must be a number", path, field));
-    if (!(x > 0)) throw Error(fmt::format("{}: {} must be positive, got {}", path, field, x));
+    if (!(x > 0) || !std::isfinite(x)) throw Error(fmt::format("{}: {} must be positive and finite, got {}", path, field, x));
     return x;
   };
   for (auto&& [k, v] : t) {
@@ -101,7 +102,11 @@ Cluster read_cluster(const std::string& path) {
       else if (key == "device" && f == "gemm_half") c.device.gemm_half = number(fv, field);
       else if (key == "device" && f == "memory_gb") c.device.memory = number(fv, field) * 1e9;
       else if (key == "device" && f == "memory_gbs") c.device.memory_bw = number(fv, field) * 1e9;
-      else if (key == "cluster" && f == "gpus_per_node") c.per_node = int(number(fv, field));
+      else if (key == "cluster" && f == "gpus_per_node") {
+        if (!fv.is_integer() || fv.as_integer()->get() < 1 || fv.as_integer()->get() > 1 << 20)
+          throw Error(fmt::format("{}: {} must be an integer from 1 to 2^20", path, field));
+        c.per_node = int(fv.as_integer()->get());
+      }
       else if (key == "cluster" && f == "intra_gbs") c.intra.bandwidth = number(fv, field) * 1e9;
       else if (key == "cluster" && f == "intra_latency_us") c.intra.latency = number(fv, field) * 1e-6;
       else if (key == "cluster" && f == "inter_gbs") c.inter.bandwidth = number(fv, field) * 1e9;

@@ -1,6 +1,8 @@
 #include "plan/model.h"
 
+#include <bit>
 #include <filesystem>
+#include <tuple>
 
 #include <fmt/format.h>
 #include <toml++/toml.h>
@@ -51,6 +53,15 @@ void ModelSpec::validate(const std::string& where) const {
   positive(heads, "heads");
   positive(vocab, "vocab");
   positive(seq, "seq");
+  // Sizes whose products stay exact in 64 bits (parameter counts, FLOPs per step) and whose layer
+  // lists the planner can walk: beyond every published model by orders of magnitude.
+  for (const auto& [v, field, most] : {std::tuple{layers, "layers", int64_t(1) << 12},
+                                       std::tuple{hidden, "hidden", int64_t(1) << 20},
+                                       std::tuple{ffn, "ffn", int64_t(1) << 22},
+                                       std::tuple{vocab, "vocab", int64_t(1) << 24},
+                                       std::tuple{seq, "seq", int64_t(1) << 24}})
+    if (v > most) throw Error(fmt::format("{}: model.{} = {} is more than {} (2^{})", where, field, v, most,
+                                          std::countr_zero(uint64_t(most))));
   if (hidden % heads != 0)
     throw Error(fmt::format("{}: model.hidden = {} is not divisible by model.heads = {}", where, hidden, heads));
   if (kv_heads < 0 || kv() > heads || heads % kv() != 0)

@@ -295,13 +295,20 @@ void SafetensorsWriter::write(const std::string& path) const {
     f.write(reinterpret_cast<const char*>(lenbuf), 8);
     f.write(header.data(), std::streamsize(header.size()));
     std::vector<char> buf;
-    for (const auto& it : items_) {
-      if (it.fill) {
-        buf.assign(std::max<size_t>(it.nbytes, 1), 0);
-        it.fill(buf.data());
-        f.write(buf.data(), std::streamsize(it.nbytes));
+    try {
+      for (const auto& it : items_) {
+        if (it.fill) {
+          buf.assign(std::max<size_t>(it.nbytes, 1), 0);
+          it.fill(buf.data());  // may throw (a tensor read from a checkpoint that fails its checks)
+          f.write(buf.data(), std::streamsize(it.nbytes));
+        }
+        for (const auto& [data, bytes] : it.pieces) f.write(static_cast<const char*>(data), std::streamsize(bytes));
       }
-      for (const auto& [data, bytes] : it.pieces) f.write(static_cast<const char*>(data), std::streamsize(bytes));
+    } catch (...) {
+      f.close();
+      std::error_code rm;
+      std::filesystem::remove(tmp, rm);
+      throw;
     }
     f.flush();
     if (!f) {

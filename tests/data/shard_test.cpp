@@ -1,4 +1,5 @@
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <cstdio>
 #include <cstring>
@@ -146,6 +147,12 @@ TEST(Shard, NotAShard) {
   std::ofstream(path) << std::string(100, 'x');
   EXPECT_NE(expect_error(path).find("magic"), std::string::npos);
   EXPECT_NE(expect_error((d.p / "missing.bin").string()).find("cannot open"), std::string::npos);
+  // A FIFO or a folder under a shard's name is refused at once (opening a FIFO waited forever).
+  const std::string fifo = (d.p / "train_000.bin").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_NE(expect_error(fifo).find(fifo + ": is not a regular file"), std::string::npos);
+  fs::create_directory(d.p / "val_000.bin");
+  EXPECT_NE(expect_error((d.p / "val_000.bin").string()).find("is not a regular file"), std::string::npos);
 }
 
 TEST(Loader, BatchesDependOnlyOnGlobalSampleIndex) {

@@ -471,6 +471,24 @@ TEST_F(BadFiles, MergeWhoseResultIsMissing) {
   error("vocab.bpe", "merge 11 (\"q z\")");
 }
 
+// A merges file that lost one merge (the first, or one in the middle) would turn the token it made
+// into a literal special token and encode every text differently: refused naming both files.
+TEST_F(BadFiles, MergesFileMissingAMerge) {
+  TrainOptions opt;
+  opt.vocab_size = 256 + 100 + 1;
+  BpeTrainer trainer(opt);
+  trainer.add_text(std::string(kCorpus) + kCorpus);
+  trainer.train().save(dir_.string());
+  const std::string v = read("vocab.bpe");
+  for (int line : {1, 40}) {
+    size_t a = 0;
+    for (int k = 0; k < line; ++k) a = v.find('\n', a) + 1;  // line 0 is "#version"
+    write("vocab.bpe", v.substr(0, a) + v.substr(v.find('\n', a) + 1));
+    error("encoder.json", "is made by no merge in");
+    error("vocab.bpe", "a merge is missing");
+  }
+}
+
 TEST_F(BadFiles, DuplicateMerge) {
   std::string v = read("vocab.bpe");
   const size_t a = v.find('\n') + 1;

@@ -154,6 +154,36 @@ TEST(Planner, LayoutsParseAndBadOnesAreNamed) {
   EXPECT_NE(plan::estimate(job, wrong).why_not.find("is not the 8 devices"), std::string::npos);
 }
 
+// Model and cluster files: sizes beyond the planner's range (2^62 layers threw bad_alloc, 10^5
+// walked layer lists for minutes, ffn 2^62 overflowed the parameter count) and cluster numbers that
+// are not finite, or a fractional gpus_per_node, are refused naming the file and the field.
+TEST(Planner, ModelAndClusterFilesOutOfRangeAreNamed) {
+  const std::string dir = ::testing::TempDir();
+  auto refused = [&](const std::string& name, const std::string& text, bool cluster) {
+    const std::string path = dir + "/" + name;
+    std::FILE* f = std::fopen(path.c_str(), "w");
+    std::fputs(text.c_str(), f);
+    std::fclose(f);
+    try {
+      if (cluster) (void)plan::read_cluster(path);
+      else (void)plan::read_model(path);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  const std::string base = "[model]\nlayers = 2\nhidden = 64\nheads = 2\nvocab = 100\nseq = 64\n";
+  std::string e = refused("m1.toml", "[model]\nlayers = 4611686018427387904\nhidden = 64\nheads = 2\nvocab = 100\nseq = 64\n", false);
+  EXPECT_NE(e.find("m1.toml: model.layers = 4611686018427387904 is more than 4096"), std::string::npos) << e;
+  e = refused("m2.toml", base + "ffn = 4611686018427387904\n", false);
+  EXPECT_NE(e.find("m2.toml: model.ffn = "), std::string::npos) << e;
+  EXPECT_EQ(refused("m3.toml", base, false), "accepted");
+  e = refused("c1.toml", "[cluster]\ngpus_per_node = 0.5\n", true);
+  EXPECT_NE(e.find("c1.toml: cluster.gpus_per_node must be an integer"), std::string::npos) << e;
+  e = refused("c2.toml", "[device]\npeak_tflops_bf16 = inf\n", true);
+  EXPECT_NE(e.find("c2.toml: device.peak_tflops_bf16 must be positive and finite"), std::string::npos) << e;
+}
+
 // A calibrated cpu profile: the layer's products at the linear grid's rates (interpolated between
 // its points), the non-GEMM kernels at their measured costs, and ranks beyond the host's cores
 // sharing it only while they compute (a pipeline's fill and drain run at full speed).
