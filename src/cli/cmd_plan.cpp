@@ -24,6 +24,7 @@
 
 #include "cli/command.h"
 #include "core/error.h"
+#include "core/file.h"
 #include "parallel/pipeline/checker.h"
 #include "parallel/pipeline/draw.h"
 #include "plan/planner.h"
@@ -82,11 +83,10 @@ plan::Layout layout_of(const PlanArgs& a) {
 // The computes of a `loom train --trace` of a pipeline run: a row per rank (the trace's threads),
 // seconds from the first event.
 pipe::Timeline measured_timeline(const std::string& path) {
-  std::ifstream f(path);
-  LOOM_CHECK(f.good(), "--trace {}: cannot read it", path);
+  const std::string text = read_file(path);
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(f);
+    j = nlohmann::json::parse(text);
   } catch (const std::exception& e) {
     throw Error(fmt::format("--trace {}: not JSON ({})", path, e.what()));
   }

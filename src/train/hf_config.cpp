@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "core/error.h"
+#include "core/file.h"
 
 namespace loom::model {
 
@@ -151,11 +152,10 @@ GPTConfig llama_config_from_hf(const json& j, const std::string& where) {
 }
 
 GPTConfig read_hf_config(const std::string& path) {
-  std::ifstream f(path);
-  if (!f) throw Error(fmt::format("{}: cannot open config", path));
+  const std::string text = read_file(path);
   json j;
   try {
-    j = json::parse(f);
+    j = json::parse(text);
   } catch (const json::exception& e) {
     throw Error(fmt::format("{}: malformed JSON: {}", path, e.what()));
   }

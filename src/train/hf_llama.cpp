@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/file.h"
 #include "model/param_specs.h"
 #include "train/hf_config.h"
 #include "train/safetensors.h"
@@ -86,11 +87,10 @@ HfFiles hf_files(const std::string& path) {
     f.files.push_back(path);
   }
   if (index.empty()) return f;
-  std::ifstream in(index);
-  if (!in) throw Error(fmt::format("{}: cannot open", index));
+  const std::string text = read_file(index);
   json j;
   try {
-    j = json::parse(in);
+    j = json::parse(text);
   } catch (const json::exception& e) {
     throw Error(fmt::format("{}: malformed JSON: {}", index, e.what()));
   }

@@ -928,7 +928,11 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   res.last_val_loss = NAN;
   res.unigram_val_loss = lead ? unigram_loss(train, val.get(), mc.vocab_size) : NAN;
   say(fmt::format("data {} | train {} tokens{} | unigram baseline loss {:.4f} | {} {}", cfg.data_dir,
-                  train.total_tokens(), val ? fmt::format(", val {} tokens", val->total_tokens()) : "",
+                  train.total_tokens(),
+                  val ? fmt::format(", val {} tokens", val->total_tokens())
+                      : cfg.eval_every > 0 ? fmt::format(" (no val_*.bin: no validation, train.eval_every = {} unused)",
+                                                         cfg.eval_every)
+                                           : "",
                   res.unigram_val_loss, engine->peak_name(),
                   peak >= 1e12 ? fmt::format("{:.1f} TFLOP/s", peak / 1e12) : fmt::format("{:.1f} GFLOP/s", peak / 1e9)));
 

@@ -129,5 +129,17 @@ TEST(VocabularyCli, PrepareLeavesTheTokenizerOfItsShardsAndKeepsTheDatasetWhenIt
   for (const auto& e : fs::directory_iterator(data)) after[e.path().filename().string()] = bytes(e.path());
   EXPECT_EQ(after, before);
   EXPECT_FALSE(fs::exists(data / ".prepare_tmp"));
+  // A dataset without validation shards trains, and says validation is off.
+  CliRun noval = prepare(fmt::format("'{}' --out '{}' --tokenizer '{}' --val-fraction 0", (root / "text0.txt").string(),
+                                     (root / "noval").string(), tok_b.string()));
+  ASSERT_EQ(noval.code, 0) << noval.err;
+  EXPECT_FALSE(fs::exists(root / "noval/val_000.bin"));
+  CliRun t = loom_cli(fmt::format("train --data.dir '{}' --train.out_dir '{}' --train.steps 1 --train.eval_every 1 "
+                                  "--model.n_layer 1 --model.n_head 2 --model.n_embd 32 --data.seq_len 16 "
+                                  "--train.batch_size 2 --train.sample_tokens 0 --train.threads 1",
+                                  (root / "noval").string(), (root / "run").string()),
+                      root / "logs");
+  ASSERT_EQ(t.code, 0) << t.err;
+  EXPECT_NE(t.out.find("(no val_*.bin: no validation, train.eval_every = 1 unused)"), std::string::npos) << t.out;
   fs::remove_all(root);
 }
