@@ -413,13 +413,17 @@ class BadFiles : public ::testing::Test {
             ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir_);
     fs::create_directories(dir_);
-    TrainOptions opt;
-    opt.vocab_size = 256 + 10 + 1;
-    BpeTrainer trainer(opt);
-    trainer.add_text(kCorpus);
-    trainer.train().save(dir_.string());
+    save_trained(256 + 10 + 1, kCorpus);
   }
   void TearDown() override { fs::remove_all(dir_); }
+  // Replaces the folder's files with a vocabulary of `size` tokens trained on `text`.
+  void save_trained(int32_t size, const std::string& text) {
+    TrainOptions opt;
+    opt.vocab_size = size;
+    BpeTrainer trainer(opt);
+    trainer.add_text(text);
+    trainer.train().save(dir_.string());
+  }
 
   std::string read(const char* name) {
     std::ifstream f(dir_ / name, std::ios::binary);
@@ -474,11 +478,7 @@ TEST_F(BadFiles, MergeWhoseResultIsMissing) {
 // A merges file that lost one merge (the first, or one in the middle) would turn the token it made
 // into a literal special token and encode every text differently: refused naming both files.
 TEST_F(BadFiles, MergesFileMissingAMerge) {
-  TrainOptions opt;
-  opt.vocab_size = 256 + 100 + 1;
-  BpeTrainer trainer(opt);
-  trainer.add_text(std::string(kCorpus) + kCorpus);
-  trainer.train().save(dir_.string());
+  save_trained(256 + 100 + 1, std::string(kCorpus) + kCorpus);
   const std::string v = read("vocab.bpe");
   for (int line : {1, 40}) {
     size_t a = 0;
@@ -507,19 +507,11 @@ TEST_F(BadFiles, CharacterOutsideByteAlphabet) {
 // A vocabulary of merged tokens whose merges file lost its merges would encode byte by byte: it is
 // refused; one of bytes and special tokens only needs none and loads.
 TEST_F(BadFiles, MergesFileWithoutMerges) {
-  TrainOptions opt;
-  opt.vocab_size = 256 + 100 + 1;
-  BpeTrainer trainer(opt);
-  trainer.add_text(std::string(kCorpus) + kCorpus);
-  trainer.train().save(dir_.string());
+  save_trained(256 + 100 + 1, std::string(kCorpus) + kCorpus);
   ASSERT_GT(Tokenizer::from_dir(dir_.string()).vocab_size(), 256 + 64 + 1);
   write("vocab.bpe", "#version: 0.2\n");
   error("vocab.bpe", "no merges, but");
-  TrainOptions bytes;
-  bytes.vocab_size = 256 + 1;
-  BpeTrainer only(bytes);
-  only.add_text(kCorpus);
-  only.train().save(dir_.string());
+  save_trained(256 + 1, kCorpus);
   EXPECT_NO_THROW(Tokenizer::from_dir(dir_.string()));
 }
 
