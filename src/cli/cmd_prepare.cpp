@@ -51,17 +51,26 @@ bool is_shard_name(const std::string& n) {
 }
 
 // Moves every file of `staged` into `out` (each rename replacing a file of the same name), removes
-// out's other shards and tokenizer files (an earlier prepare's), then `staged`.
+// out's other shards (an earlier prepare's) and any tokenizer files that Tokenizer::from_dir would
+// read in preference to the staged ones (another prepare's vocabulary), then `staged`. Tokenizer
+// files it would not read (a model folder's vocab.json + merges.txt beside its encoder.json) stay.
 void commit(const fs::path& staged, const fs::path& out) {
   std::vector<std::string> moved;
   for (const auto& e : fs::directory_iterator(staged)) moved.push_back(e.path().filename().string());
-  for (const std::string& n : moved) fs::rename(staged / n, out / n);
-  const auto& tok = data::Tokenizer::file_names();
   for (const auto& e : fs::directory_iterator(out)) {
     const std::string n = e.path().filename().string();
-    if ((is_shard_name(n) || std::find(tok.begin(), tok.end(), n) != tok.end()) &&
-        std::find(moved.begin(), moved.end(), n) == moved.end())
-      fs::remove(e.path());
+    if (is_shard_name(n) && std::find(moved.begin(), moved.end(), n) == moved.end()) fs::remove(e.path());
+  }
+  const std::vector<std::string> staged_tokenizer = data::Tokenizer::files_in_dir(staged.string());
+  for (const std::string& n : moved) fs::rename(staged / n, out / n);
+  // Until from_dir picks the staged files: each removal takes away a set it prefers.
+  for (;;) {
+    const std::vector<std::string> chosen = data::Tokenizer::files_in_dir(out.string());
+    std::vector<std::string> names, want;
+    for (const std::string& p : chosen) names.push_back(fs::path(p).filename().string());
+    for (const std::string& p : staged_tokenizer) want.push_back(fs::path(p).filename().string());
+    if (names == want) break;
+    for (const std::string& n : names) fs::remove(out / n);
   }
   fs::remove(staged);
 }

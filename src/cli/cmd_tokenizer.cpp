@@ -186,7 +186,7 @@ Command make_command() {
         t->add_option("--vocab-size", train->vocab_size,
                       "final vocabulary size: 256 bytes + merges + special tokens")
             ->required()
-            ->check(CLI::Range(257, 1 << 24));
+            ->check(CLI::Range(256, 1 << 24));
         t->add_option("--out", train->out, "output folder")->required();
         t->add_option("--special", train->special,
                       "special tokens appended to the vocabulary (default <|endoftext|>)");

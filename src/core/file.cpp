@@ -6,6 +6,7 @@
 #include <fstream>
 #include <iostream>
 #include <sstream>
+#include <vector>
 
 #include "core/error.h"
 
@@ -18,14 +19,17 @@ std::string read_file(const std::string& path) {
   errno = 0;
   std::ifstream f(path, std::ios::binary);
   if (!f) throw Error(fmt::format("{}: cannot open: {}", path, errno ? std::strerror(errno) : "unknown reason"));
-  std::ostringstream ss;
-  try {
-    ss << f.rdbuf();
-  } catch (const std::exception& e) {
-    throw Error(fmt::format("{}: read error: {}", path, e.what()));
+  // read() marks a failed read (EIO, a file that cannot be read) bad; `<< rdbuf()` would only end
+  // the copy there and return what came before it.
+  std::string text;
+  std::vector<char> buf(size_t(1) << 16);
+  for (;;) {
+    errno = 0;
+    f.read(buf.data(), std::streamsize(buf.size()));
+    if (f.bad()) throw Error(fmt::format("{}: read error: {}", path, errno ? std::strerror(errno) : "unknown reason"));
+    text.append(buf.data(), size_t(f.gcount()));
+    if (!f) return text;  // end of file
   }
-  if (f.bad()) throw Error(fmt::format("{}: read error: {}", path, errno ? std::strerror(errno) : "unknown reason"));
-  return std::move(ss).str();
 }
 
 std::string read_input(const std::string& path) {

@@ -422,8 +422,12 @@ void Tokenizer::build(const std::vector<std::pair<int32_t, int32_t>>& merges,
   for (int32_t id = 0; id < n; ++id) {
     if (!made[id] && token(id).size() > 1) {
       // Special tokens sit before or after the text tokens (GPT-2's <|endoftext|> last, RoBERTa's
-      // <s> first); one among them is a token whose merge the merges file lost.
-      if (id > first_text && id < last_made)
+      // <s> first) or, where ids follow frequency (RoBERTa's <|endoftext|>), are no pair of tokens:
+      // one among the text tokens that two tokens join into is a token whose merge was lost.
+      const std::string_view tok = token(id);
+      bool pair = false;
+      for (size_t k = 1; k < tok.size() && !pair; ++k) pair = find(tok.substr(0, k)) >= 0 && find(tok.substr(k)) >= 0;
+      if (id > first_text && id < last_made && pair)
         bad_input(fmt::format("{}: token {} (\"{}\") is made by no merge in {}, but it sits among the tokens "
                               "bytes and merges make (ids {} to {}): a merge is missing",
                               vocab_where, id, printable(token(id)), where, first_text, last_made));

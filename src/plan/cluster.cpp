@@ -103,9 +103,10 @@ Cluster read_cluster(const std::string& path) {
       else if (key == "device" && f == "memory_gb") c.device.memory = number(fv, field) * 1e9;
       else if (key == "device" && f == "memory_gbs") c.device.memory_bw = number(fv, field) * 1e9;
       else if (key == "cluster" && f == "gpus_per_node") {
-        if (!fv.is_integer() || fv.as_integer()->get() < 1 || fv.as_integer()->get() > 1 << 20)
-          throw Error(fmt::format("{}: {} must be an integer from 1 to 2^20", path, field));
-        c.per_node = int(fv.as_integer()->get());
+        const double n = number(fv, field);  // 8 or 8.0
+        if (n != std::floor(n) || n > double(1 << 20))
+          throw Error(fmt::format("{}: {} must be a whole number from 1 to 2^20, got {}", path, field, n));
+        c.per_node = int(n);
       }
       else if (key == "cluster" && f == "intra_gbs") c.intra.bandwidth = number(fv, field) * 1e9;
       else if (key == "cluster" && f == "intra_latency_us") c.intra.latency = number(fv, field) * 1e-6;

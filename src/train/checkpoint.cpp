@@ -309,9 +309,13 @@ std::string commit(const std::string& dir, const std::string& tmp, CheckpointMet
   try {
     write_text_durably((fs::path(dir) / "latest").string(), ckpt_name(meta.step) + "\n");
   } catch (...) {
-    // `latest` still names the previous checkpoint: this one goes, as the failure says.
+    // `latest` still names the previous checkpoint: this one goes, as the failure says (unless
+    // `latest` already names this step's, which a run re-saving the step replaced).
     std::error_code ec;
-    fs::remove_all(final_dir, ec);
+    const fs::path latest = fs::path(dir) / "latest";
+    std::string named;
+    if (fs::is_regular_file(latest, ec)) std::getline(std::ifstream(latest), named);
+    if (named != ckpt_name(meta.step)) fs::remove_all(final_dir, ec);
     throw;
   }
   fsync_path(dir, true);

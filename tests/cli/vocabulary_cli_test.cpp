@@ -129,6 +129,19 @@ TEST(VocabularyCli, PrepareLeavesTheTokenizerOfItsShardsAndKeepsTheDatasetWhenIt
   for (const auto& e : fs::directory_iterator(data)) after[e.path().filename().string()] = bytes(e.path());
   EXPECT_EQ(after, before);
   EXPECT_FALSE(fs::exists(data / ".prepare_tmp"));
+  // A tokenizer folder used as its own --out keeps every file it had (vocab.json + merges.txt
+  // beside encoder.json + vocab.bpe, as a model folder holds them).
+  const fs::path model = root / "model";
+  fs::create_directories(model);
+  for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
+           {"encoder.json", "encoder.json"}, {"vocab.bpe", "vocab.bpe"}, {"encoder.json", "vocab.json"},
+           {"vocab.bpe", "merges.txt"}})
+    fs::copy_file(tok_b / from, model / to);
+  CliRun own = prepare(fmt::format("'{}' --out '{}' --tokenizer '{}'", (root / "text0.txt").string(), model.string(),
+                                   model.string()));
+  ASSERT_EQ(own.code, 0) << own.err;
+  for (const char* f : {"encoder.json", "vocab.bpe", "vocab.json", "merges.txt", "train_000.bin"})
+    EXPECT_TRUE(fs::exists(model / f)) << f;
   // A dataset without validation shards trains, and says validation is off.
   CliRun noval = prepare(fmt::format("'{}' --out '{}' --tokenizer '{}' --val-fraction 0", (root / "text0.txt").string(),
                                      (root / "noval").string(), tok_b.string()));

@@ -7,6 +7,8 @@
 #include <fstream>
 #include <random>
 
+#include <nlohmann/json.hpp>
+
 #include "core/error.h"
 #include "data/bpe_pretokenize.h"
 #include "data/bpe_train.h"
@@ -487,6 +489,17 @@ TEST_F(BadFiles, MergesFileMissingAMerge) {
     error("encoder.json", "is made by no merge in");
     error("vocab.bpe", "a merge is missing");
   }
+  // A special token among the text tokens (ids in frequency order, as RoBERTa's <|endoftext|>)
+  // is no pair of tokens, and loads.
+  write("vocab.bpe", v);
+  nlohmann::json enc = nlohmann::json::parse(read("encoder.json"));
+  const int64_t special = enc.at("<|endoftext|>").get<int64_t>();
+  for (auto& [token, id] : enc.items())
+    if (id.get<int64_t>() == 300) id = special;
+  enc["<|endoftext|>"] = 300;
+  write("encoder.json", enc.dump());
+  const Tokenizer t = Tokenizer::from_dir(dir_.string());
+  EXPECT_TRUE(t.is_special(300));
 }
 
 TEST_F(BadFiles, DuplicateMerge) {
