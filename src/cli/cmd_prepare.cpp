@@ -3,12 +3,9 @@
 // moves into OUT only once all of it is written: a failure (a full disk, bad input) leaves OUT's
 // earlier dataset as it was. OUT then holds the shards and the tokenizer files they were encoded
 // with (a trained vocabulary, or a copy of --tokenizer's), never another prepare's.
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
-#include <iostream>
-#include <iterator>
-#include <sstream>
 
 #include "cli/command.h"
 #include "core/error.h"
@@ -46,32 +43,26 @@ std::vector<std::string> write_split(const std::string& dir, const std::string& 
   return names;
 }
 
-bool is_shard_name(const std::string& n) {
-  return (n.rfind("train_", 0) == 0 || n.rfind("val_", 0) == 0) && fs::path(n).extension() == ".bin";
-}
-
 // Moves every file of `staged` into `out` (each rename replacing a file of the same name), removes
 // out's other shards (an earlier prepare's) and any tokenizer files that Tokenizer::from_dir would
 // read in preference to the staged ones (another prepare's vocabulary), then `staged`. Tokenizer
 // files it would not read (a model folder's vocab.json + merges.txt beside its encoder.json) stay.
 void commit(const fs::path& staged, const fs::path& out) {
+  auto names = [](const std::vector<std::string>& paths) {
+    std::vector<std::string> v;
+    for (const std::string& p : paths) v.push_back(fs::path(p).filename().string());
+    return v;
+  };
   std::vector<std::string> moved;
   for (const auto& e : fs::directory_iterator(staged)) moved.push_back(e.path().filename().string());
-  for (const auto& e : fs::directory_iterator(out)) {
-    const std::string n = e.path().filename().string();
-    if (is_shard_name(n) && std::find(moved.begin(), moved.end(), n) == moved.end()) fs::remove(e.path());
-  }
-  const std::vector<std::string> staged_tokenizer = data::Tokenizer::files_in_dir(staged.string());
+  for (const char* split : {"train", "val"})
+    for (const std::string& n : names(data::list_shards(out.string(), split)))
+      if (std::find(moved.begin(), moved.end(), n) == moved.end()) fs::remove(out / n);
+  const std::vector<std::string> want = names(data::Tokenizer::files_in_dir(staged.string()));
   for (const std::string& n : moved) fs::rename(staged / n, out / n);
   // Until from_dir picks the staged files: each removal takes away a set it prefers.
-  for (;;) {
-    const std::vector<std::string> chosen = data::Tokenizer::files_in_dir(out.string());
-    std::vector<std::string> names, want;
-    for (const std::string& p : chosen) names.push_back(fs::path(p).filename().string());
-    for (const std::string& p : staged_tokenizer) want.push_back(fs::path(p).filename().string());
-    if (names == want) break;
-    for (const std::string& n : names) fs::remove(out / n);
-  }
+  for (std::vector<std::string> chosen; (chosen = names(data::Tokenizer::files_in_dir(out.string()))) != want;)
+    for (const std::string& n : chosen) fs::remove(out / n);
   fs::remove(staged);
 }
 

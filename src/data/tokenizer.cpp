@@ -323,12 +323,6 @@ Tokenizer Tokenizer::from_files(const std::string& vocab_json, const std::string
   return t;
 }
 
-const std::vector<std::string>& Tokenizer::file_names() {
-  static const std::vector<std::string> names{"encoder.json", "vocab.bpe", "tokenizer.json", "vocab.json",
-                                              "merges.txt"};
-  return names;
-}
-
 std::vector<std::string> Tokenizer::files_in_dir(const std::string& dir) {
   namespace fs = std::filesystem;
   const fs::path d(dir);

@@ -62,10 +62,8 @@ class Tokenizer {
   static Tokenizer from_dir(const std::string& dir);
   // Whether dir holds files from_dir reads.
   static bool dir_has_tokenizer(const std::string& dir);
-  // The files from_dir reads in dir (full paths; empty when it holds none), and the names of all
-  // the files it could read there.
+  // The files from_dir reads in dir (full paths; empty when it holds none).
   static std::vector<std::string> files_in_dir(const std::string& dir);
-  static const std::vector<std::string>& file_names();
   // tokens: the bytes of every id (all 256 single bytes among them); merges: (left, right) ids in
   // rank order, each joining into the token with the concatenated bytes; special: ids of tokens
   // that are matched whole in text (when allowed) and never produced by merges.

@@ -423,11 +423,22 @@ std::string save_checkpoint(const std::string& dir, const CheckpointMeta& meta,
   }
 }
 
+namespace {
+
+// "" when DIR/latest is absent or a file; else the error naming it.
+std::string latest_not_a_file(const std::string& dir) {
+  std::error_code ec;
+  const fs::path p = fs::path(dir) / "latest";
+  if (!fs::exists(p, ec) || fs::is_regular_file(p, ec)) return "";
+  return fmt::format("{}: is not a file (it should hold the name of the newest checkpoint)", p.string());
+}
+
+}  // namespace
+
 std::string latest_checkpoint(const std::string& dir) {
   fs::path p = fs::path(dir) / "latest";
+  if (const std::string why = latest_not_a_file(dir); !why.empty()) throw Error(why);
   std::error_code ec;
-  LOOM_CHECK(!fs::exists(p, ec) || fs::is_regular_file(p, ec),
-             "{}: is not a file (it should hold the name of the newest checkpoint)", p.string());
   if (!fs::exists(p)) {
     // No pointer (deleted, or lost): the newest complete checkpoint, which is what `latest` names
     // after every save (a checkpoint directory appears whole, by rename, before `latest` moves).
@@ -750,12 +761,9 @@ void verify_checkpoint(const std::string& ckpt, int part, int parts) {
 std::string resume_checkpoint(const std::string& dir, std::vector<std::string>* notes, comm::Comm* world) {
   const int part = world ? world->rank() : 0, parts = world ? world->size() : 1;
   // A `latest` that is not a file is not passed over: the run could not write its checkpoints.
-  std::string fatal;
+  std::string fatal = latest_not_a_file(dir);
+  if (!fatal.empty()) fatal += ": the run could not replace it; remove it (nothing was changed)";
   std::error_code ec;
-  if (const fs::path p = fs::path(dir) / "latest"; fs::exists(p, ec) && !fs::is_regular_file(p, ec))
-    fatal = fmt::format("{}: is not a file (it should hold the name of the newest checkpoint, and the run could not "
-                        "replace it); remove it (nothing was changed)",
-                        p.string());
   if (world && parts > 1) fatal = first_failure(*world, fatal).second;
   if (!fatal.empty()) throw Error(fatal);
   std::vector<std::string> candidates, reasons;

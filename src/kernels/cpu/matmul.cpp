@@ -209,8 +209,9 @@ void Bf16Matmul::release() {
 }
 
 // What forward / backward below keep for calls of these shapes: the largest of each bf16 copy
-// (a16 the inputs, b16 the weights, c16 the output gradients) and of oneDNN's scratch over the
-// products the calls make (their primitives made now, as the calls would make them).
+// (a16 an input, b16 a block of a weight's rows, c16 a block of an output gradient's columns) and
+// of oneDNN's scratch over the products the calls make, block by block (their primitives made now,
+// as the calls would make them).
 int64_t Bf16Matmul::workspace_bytes(const std::vector<LinearShape>& shapes) const {
   Impl& m = *impl_;
   int64_t a = 0, b = 0, c = 0, scratch = 0;
