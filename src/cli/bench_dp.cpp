@@ -10,6 +10,7 @@
 #include "cli/bench_dp.h"
 #include "cli/command.h"
 #include "comm/threads.h"
+#include "core/file.h"
 #include "core/rng.h"
 #include "model/gpt.h"
 #include "parallel/data/data_parallel.h"
@@ -82,7 +83,7 @@ int bench_train_dp(const BenchDpOptions& o) {
               stats0.reduce_busy_s > 0 ? 100 * stats0.hidden_s() / stats0.reduce_busy_s : 0.0,
               1e3 * stats0.gather_s / o.steps);
   if (!o.trace.empty()) {
-    parallel::write_text_file(o.trace, trace_json);
+    write_file_atomically(o.trace, trace_json);
     std::printf("wrote trace %s\n", o.trace.c_str());
   }
   return 0;

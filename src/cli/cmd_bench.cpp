@@ -218,7 +218,9 @@ Registrar reg{Command{
       train->add_option("--threads", o->threads, "OpenMP threads (0: the default)")->capture_default_str();
       train->add_option("--steps", o->steps, "timed steps")->capture_default_str();
       train->add_option("--warmup", o->warmup, "untimed steps first")->capture_default_str();
-      train->add_option("--seed", o->seed, "initialisation and data seed")->capture_default_str();
+      train->add_option("--seed", o->seed, "initialisation and data seed")
+          ->capture_default_str()
+          ->check(seed_validator());
       train->add_option("--precision", o->precision,
                         "f32, or bf16: the linear layers' products in bf16 with f32 accumulation (AVX512-BF16 or AMX)")
           ->capture_default_str();

@@ -119,7 +119,8 @@ Registrar reg{Command{
       sub.add_option("--max-shard-mb", a->max_shard_mb, "to hf (Llama): largest safetensors shard in MiB (default 5120; "
                                                         "more than one writes model.safetensors.index.json)");
       sub.add_option("--seed", a->seed, "loom: the seed recorded in the checkpoint (train.seed of the run that "
-                                        "resumes it)");
+                                        "resumes it)")
+          ->check(seed_validator());
       return [a]() { return run_convert(*a); };
     }}};
 

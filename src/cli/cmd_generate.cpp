@@ -1,6 +1,7 @@
 // loom generate CKPT_DIR --prompt TEXT --tokens N [--temperature T] [--top-k K] [--seed S]
 //   [--tokenizer DIR] [--ids] [--no-cache]: samples text from a checkpoint with a KV cache.
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -53,7 +54,8 @@ std::vector<int32_t> parse_ids(const std::string& s) {
 }
 
 int run_generate(const GenerateArgs& a) {
-  if (!(a.temperature > 0)) throw Error(fmt::format("command line: --temperature must be positive, got {}", a.temperature));
+  if (!(a.temperature > 0) || !std::isfinite(a.temperature))
+    throw Error(fmt::format("command line: --temperature must be a positive finite number, got {}", a.temperature));
   if (a.tokens < 0) throw Error(fmt::format("command line: --tokens must be non-negative, got {}", a.tokens));
   if (a.top_k < 0) throw Error(fmt::format("command line: --top-k must be non-negative, got {}", a.top_k));
   const std::string ckpt = model::resolve_checkpoint(a.ckpt);
@@ -115,7 +117,7 @@ Registrar reg{Command{
       sub.add_option("--tokens", a->tokens, "new tokens to sample");
       sub.add_option("--temperature", a->temperature, "sampling temperature (> 0)");
       sub.add_option("--top-k", a->top_k, "sample among the k most likely tokens (0: all)");
-      sub.add_option("--seed", a->seed, "seed of the draws (same seed, same text)");
+      sub.add_option("--seed", a->seed, "seed of the draws (same seed, same text)")->check(seed_validator());
       sub.add_option("--tokenizer", a->tokenizer, "directory with the tokenizer (default: the training data's)");
       sub.add_option("--stop-id", a->stop_id, "stop after this token id (-1: never)");
       sub.add_flag("--ids", a->ids, "the prompt and the output are token ids");

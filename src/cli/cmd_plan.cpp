@@ -175,6 +175,7 @@ Registrar reg_simulate{Command{
       sub.add_option("--trace", a->trace, "a `loom train --trace` of a pipeline run of this layout: its computes "
                      "below the prediction");
       return [a]() -> int {
+        check_output_path(a->png, "--png");  // before the work, not after it
         const plan::Job job = make_job(*a);
         const plan::Layout L = layout_of(*a);
         const plan::Estimate e = plan::estimate(job, L);

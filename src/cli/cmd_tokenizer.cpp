@@ -23,27 +23,27 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-// Output to a file (--out) or stdout.
+// Output to a file (--out: written whole or not at all, at finish()) or stdout.
 class Output {
  public:
-  explicit Output(const std::string& path) : path_(path) {
-    if (!path.empty()) {
-      file_ = std::make_unique<std::ofstream>(path, std::ios::binary);
-      if (!*file_) throw Error(fmt::format("{}: cannot open for writing", path));
+  explicit Output(const std::string& path) {
+    if (path.empty()) return;
+    try {
+      file_ = std::make_unique<AtomicFile>(path);
+    } catch (const Error& e) {
+      throw Error(fmt::format("--out: {} (without --out the output goes to standard output)", e.what()));
     }
   }
   void write(std::string_view s) {
-    if (file_) {
-      file_->write(s.data(), std::streamsize(s.size()));
-      if (!*file_) throw Error(fmt::format("{}: write error", path_));
-    } else {
-      std::fwrite(s.data(), 1, s.size(), stdout);
-    }
+    if (file_) file_->write(s);
+    else std::fwrite(s.data(), 1, s.size(), stdout);
+  }
+  void finish() {
+    if (file_) file_->commit();
   }
 
  private:
-  std::string path_;
-  std::unique_ptr<std::ofstream> file_;
+  std::unique_ptr<AtomicFile> file_;
 };
 
 struct TrainArgs {
@@ -119,6 +119,7 @@ int run_encode(const EncodeArgs& a) {
     line.push_back('\n');
     out.write(line);
   }
+  out.finish();
   if (a.stats) {
     std::fprintf(stderr,
                  "loom: %zu bytes -> %zu tokens in %.3f s: %.2f MB/s (%d thread%s; vocabulary "
@@ -169,6 +170,7 @@ int run_decode(const DecodeArgs& a) {
     }
     out.write(tok.decode(ids));
   }
+  out.finish();
   return 0;
 }
 

@@ -1,9 +1,11 @@
 // loom: train transformer language models on one CPU, one GPU, or many of either.
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 
 #include "cli/command.h"
+#include "comm/threads.h"
 #include "core/error.h"
 
 namespace loom::cli {
@@ -32,14 +34,19 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  // A rank thread that could not be stopped still uses the state main would destroy on returning.
+  auto fail = [](const char* what) {
+    std::fprintf(stderr, "loom: error: %s\n", what);
+    if (loom::comm::threads_left_running() > 0) {
+      std::fflush(nullptr);
+      std::_Exit(1);
+    }
+    return 1;
+  };
   try {
     for (auto* sub : app.get_subcommands()) return actions.at(sub->get_name())();
-  } catch (const loom::Error& e) {
-    std::fprintf(stderr, "loom: error: %s\n", e.what());
-    return 1;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "loom: error: %s\n", e.what());
-    return 1;
+    return fail(e.what());
   }
   return 0;
 }

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <deque>
 #include <exception>
+#include <optional>
 #include <system_error>
 #include <thread>
 
@@ -716,25 +717,83 @@ void ThreadWorld::fail(int rank, const std::string& what) {
 
 int ThreadWorld::failed_rank() const { return state_->failed.load(); }
 
+std::string ThreadWorld::failure() const {
+  std::lock_guard lk(state_->mu);
+  return state_->failed.load() >= 0 ? state_->failure : std::string();
+}
+
 int threads_per_rank(int n, const RunOptions& opts) {
   return opts.threads_per_rank > 0 ? opts.threads_per_rank : std::max(1, omp_get_max_threads() / std::max(1, n));
 }
 
+namespace {
+std::atomic<int> g_left_running{0};
+}  // namespace
+
+int threads_left_running() { return g_left_running.load(); }
+
 void run_rank_threads(ThreadWorld& world, const std::function<void(int)>& body, const std::string& context) {
   const int n = world.size();
+  // Which rank threads have returned, shared with them: a thread left running outlives this call.
+  struct Ended {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::vector<bool> done;
+  };
+  auto ended = std::make_shared<Ended>();
+  ended->done.assign(size_t(n), false);
   std::vector<std::thread> threads;
   threads.reserve(size_t(n));
+  auto join_all = [&] {
+    for (auto& t : threads) t.join();
+  };
   for (int r = 0; r < n; ++r) {
     try {
-      threads.emplace_back(body, r);
+      threads.emplace_back([ended, &body, r] {
+        body(r);
+        std::lock_guard lk(ended->mu);
+        ended->done[size_t(r)] = true;
+        ended->cv.notify_all();
+      });
     } catch (const std::system_error& e) {
       const std::string what = fmt::format("cannot start the thread of rank {} of {}: {}", r, n, e.what());
       world.fail(r, what);
-      for (auto& t : threads) t.join();
+      join_all();
       throw Error(fmt::format("{}: {}", context, what));
     }
   }
-  for (auto& t : threads) t.join();
+  // Every rank ends by itself unless one failed: its peers then leave their collectives at once and
+  // a rank outside any collective at its next one, which a rank computing or sleeping may never
+  // reach. Such a rank is waited for as long as a peer would wait in a collective.
+  const auto grace = std::max<Clock::duration>(world.options().timeout, std::chrono::seconds(1));
+  std::unique_lock lk(ended->mu);
+  auto all_done = [&] { return std::all_of(ended->done.begin(), ended->done.end(), [](bool d) { return d; }); };
+  std::optional<Clock::time_point> give_up;
+  while (!all_done()) {
+    if (!give_up && world.failed_rank() >= 0) give_up = Clock::now() + grace;
+    if (give_up && Clock::now() >= *give_up) break;
+    ended->cv.wait_for(lk, std::chrono::milliseconds(50));
+  }
+  if (all_done()) {
+    lk.unlock();
+    join_all();
+    return;
+  }
+  std::vector<int> stuck;
+  for (int r = 0; r < n; ++r)
+    if (!ended->done[size_t(r)]) stuck.push_back(r);
+  lk.unlock();
+  for (int r = 0; r < n; ++r) {
+    if (std::find(stuck.begin(), stuck.end(), r) != stuck.end()) threads[size_t(r)].detach();
+    else threads[size_t(r)].join();
+  }
+  g_left_running += int(stuck.size());
+  throw Error(fmt::format("{}: rank {} of {} failed: {}; rank{} {} did not stop within {:.0f} s of it (busy or stalled "
+                          "outside any collective: parallel.timeout_s bounds the wait), and the process ends without "
+                          "waiting for {}",
+                          context, world.failed_rank(), n, world.failure(), stuck.size() > 1 ? "s" : "",
+                          fmt::join(stuck, ", "), std::chrono::duration<double>(grace).count(),
+                          stuck.size() > 1 ? "them" : "it"));
 }
 
 void run_ranks(int n, const std::function<void(Comm&)>& fn, const RunOptions& opts) {

@@ -43,8 +43,10 @@ class ThreadWorld {
   std::unique_ptr<Comm> comm(int rank);
   // Marks the world failed because `rank` failed with message `what` (the first call wins).
   void fail(int rank, const std::string& what);
-  // The first rank that failed, or -1.
+  // The first rank that failed, or -1, and its message ("" while none failed).
   int failed_rank() const;
+  std::string failure() const;
+  const CommOptions& options() const { return opts_; }
 
  private:
   std::shared_ptr<detail::ThreadWorldState> state_;
@@ -67,8 +69,18 @@ int threads_per_rank(int n, const RunOptions& opts = {});
 // Runs body(r) on a thread for each rank r of `world` and joins them all. A thread that cannot be
 // started fails the world as its rank (the ranks already running then fail at their next
 // collective), and once they have ended a loom::Error "<context>: cannot start the thread of rank
-// r of n: ..." is thrown.
+// r of n: ..." is thrown. Once the world has failed, the ranks still running are waited for as long
+// as a collective waits (CommOptions::timeout, at least 1 s): a rank that has not returned by then
+// (stalled outside any collective) is left running and a loom::Error "<context>: rank F of n
+// failed: ...; rank R did not stop ..." is thrown. A thread cannot be stopped from outside, so the
+// process must then end without returning from main (see threads_left_running): body's
+// references stay in use by that thread.
 void run_rank_threads(ThreadWorld& world, const std::function<void(int)>& body, const std::string& context);
+
+// How many rank threads run_rank_threads has left running; a program that sees any must end with
+// std::_Exit (after flushing what it printed) rather than return from main and destroy the state
+// they may still use.
+int threads_left_running();
 
 // Runs fn(comm) on n threads, one per rank, and returns when all are done. If ranks throw, the
 // exception of the first rank that failed is rethrown (the others' are consequences of it).

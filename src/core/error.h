@@ -12,6 +12,17 @@ class Error : public std::runtime_error {
   explicit Error(const std::string& what) : std::runtime_error(what) {}
 };
 
+// An error every rank of a job throws alike about what one rank found (a checkpoint part it could
+// not write, say): the job's failure is reported as that rank's, whichever rank reports it first.
+class RankError : public Error {
+ public:
+  RankError(int rank, const std::string& what) : Error(what), rank_(rank) {}
+  int rank() const { return rank_; }
+
+ private:
+  int rank_;
+};
+
 [[noreturn]] void fail_at(const char* file, int line, const std::string& msg);
 
 }  // namespace loom

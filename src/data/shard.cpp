@@ -13,6 +13,7 @@
 #include <filesystem>
 
 #include "core/error.h"
+#include "core/file.h"
 
 namespace loom::data {
 
@@ -89,21 +90,10 @@ void write_shard(const std::string& path, std::span<const uint32_t> tokens, uint
   put<uint32_t>(header + 28, crc32(payload.data(), payload.size()));
   put<uint32_t>(header + 32, crc32(header, 32));
 
-  std::string tmp = path + ".tmp";
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (fd < 0) throw Error(fmt::format("{}: cannot create: {}", tmp, std::strerror(errno)));
-  try {
-    write_all(fd, header, sizeof header, tmp);
-    write_all(fd, payload.data(), payload.size(), tmp);
-    if (::fsync(fd) != 0) throw Error(fmt::format("{}: fsync failed: {}", tmp, std::strerror(errno)));
-  } catch (...) {
-    ::close(fd);
-    ::unlink(tmp.c_str());
-    throw;
-  }
-  ::close(fd);
-  if (::rename(tmp.c_str(), path.c_str()) != 0)
-    throw Error(fmt::format("{}: rename from {} failed: {}", path, tmp, std::strerror(errno)));
+  AtomicFile f(path, {.durable = true});
+  f.write(header, sizeof header);
+  f.write(payload.data(), payload.size());
+  f.commit();
 }
 
 Shard::Shard(const std::string& path, bool verify_payload) : path_(path) {

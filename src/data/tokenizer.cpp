@@ -518,9 +518,7 @@ void Tokenizer::save(const std::string& dir) const {
       out += fmt::format(": {}", id);
     }
     out += "}";
-    std::ofstream f(d / "encoder.json", std::ios::binary);
-    f << out;
-    if (!f) bad_input(fmt::format("{}: write error", (d / "encoder.json").string()));
+    write_file_atomically((d / "encoder.json").string(), out);
   }
   {
     std::string out = "#version: 0.2\n";
@@ -530,9 +528,7 @@ void Tokenizer::save(const std::string& dir) const {
       out += bytes_to_chars(token(r));
       out += '\n';
     }
-    std::ofstream f(d / "vocab.bpe", std::ios::binary);
-    f << out;
-    if (!f) bad_input(fmt::format("{}: write error", (d / "vocab.bpe").string()));
+    write_file_atomically((d / "vocab.bpe").string(), out);
   }
 }
 
@@ -983,9 +979,7 @@ void Tokenizer::save_tokenizer_json(const std::string& path) const {
                     {"ignore_merges", ignore_merges_},
                     {"vocab", vocab},
                     {"merges", merges}}}};
-  std::ofstream f(path, std::ios::binary);
-  f << j.dump();
-  if (!f) bad_input(fmt::format("{}: write error", path));
+  write_file_atomically(path, j.dump());
 }
 
 }  // namespace loom::data

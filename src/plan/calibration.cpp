@@ -25,6 +25,7 @@
 
 #include "comm/threads.h"
 #include "core/error.h"
+#include "core/file.h"
 #include "core/memory.h"
 #include "kernels/cpu/adamw.h"
 #include "kernels/cpu/attention.h"
@@ -114,15 +115,24 @@ std::optional<HostProfile> from_json(const nlohmann::json& j) {
     p.wake = j.value("wake_s", 0.0);
     p.crowded_wake = j.value("crowded_wake_s", 0.0);
     p.balance = j.value("balance_s", 0.0);
-    for (double v : {p.wake, p.crowded_wake, p.balance})
-      if (!std::isfinite(v) || v < 0) return std::nullopt;  // not an entry loom wrote
+    // Numbers no calibration on any host measures make the entry one loom did not write (edited or
+    // corrupt): it is ignored as a missing one is, and measured again. A rate is FLOP/s or bytes/s
+    // from 1e6 to 1e16, a time from 0 to 100 s; 0 is a figure not measured (an older entry).
+    auto rate = [](double v, bool needed) { return std::isfinite(v) && (needed ? v >= 1e6 : v == 0 || v >= 1e6) && v <= 1e16; };
+    auto secs = [](double v) { return std::isfinite(v) && v >= 0 && v <= 100; };
+    if (!rate(p.gemm_peak, true) || !rate(p.gemm_typical, false) || !rate(p.gemm_small, false) ||
+        !rate(p.memory_bw, false) || !rate(p.allreduce_bw, false) || p.gemm_typical > p.gemm_peak ||
+        p.gemm_small > p.gemm_peak)
+      return std::nullopt;
+    for (double v : {p.allreduce_latency, p.crowded_sync, p.wake, p.crowded_wake, p.balance})
+      if (!secs(v)) return std::nullopt;
     p.source = j.value("source", std::string());
     p.date = j.value("date", std::string());
     if (j.contains("linear") && j["linear"].is_array())
       for (const auto& r : j["linear"]) {
         const LinearRate x{r.at("tokens").get<double>(), r.at("width").get<double>(), r.at("forward_flops").get<double>(),
                            r.at("backward_flops").get<double>()};
-        if (x.tokens > 0 && x.width > 0 && x.forward > 0 && x.backward > 0) p.linear.push_back(x);
+        if (x.tokens > 0 && x.width > 0 && rate(x.forward, true) && rate(x.backward, true)) p.linear.push_back(x);
       }
     // A malformed block entry is dropped, not the whole profile (the planner then finds the grid
     // incomplete and leaves the blocks out).
@@ -133,31 +143,33 @@ std::optional<HostProfile> from_json(const nlohmann::json& j) {
                             num("layer_forward_s"), num("layer_backward_s"), num("head_forward_s"),
                             num("head_backward_s")};
           if (b.ranks >= 1 && b.tokens > 0 && b.width > 0 && b.seq > 0 && b.vocab > 0 && b.layer_forward > 0 &&
-              b.layer_backward > 0 && b.head_forward > 0 && b.head_backward > 0)
+              b.layer_backward > 0 && b.head_forward > 0 && b.head_backward > 0 && secs(b.layer_forward) &&
+              secs(b.layer_backward) && secs(b.head_forward) && secs(b.head_backward))
             p.blocks.push_back(b);
         } catch (const nlohmann::json::exception&) {
         }
     if (j.contains("kernels") && j["kernels"].is_object())
       for (const auto& [name, c] : j["kernels"].items()) {
         const KernelCost k{c.at("call_s").get<double>(), c.at("unit_s").get<double>()};
-        if (std::isfinite(k.call) && std::isfinite(k.unit) && k.call >= 0 && k.unit > 0) p.kernels[name] = k;
+        if (secs(k.call) && k.unit >= 1e-18 && k.unit <= 1) p.kernels[name] = k;
       }
-    if (!(p.gemm_peak > 0) || p.threads <= 0) return std::nullopt;
+    if (p.threads <= 0 || p.cores <= 0) return std::nullopt;
     return p;
   } catch (const nlohmann::json::exception&) {
     return std::nullopt;
   }
 }
 
+// An unreadable cache (missing, a folder, not JSON) is measured again, not an error.
 nlohmann::json read_cache() {
-  std::ifstream f(calibration_path());
-  if (!f) return nlohmann::json::array();
+  std::string text;
   try {
-    nlohmann::json j = nlohmann::json::parse(f);
-    return j.is_array() ? j : nlohmann::json::array();
-  } catch (const nlohmann::json::exception&) {
-    return nlohmann::json::array();  // an unreadable cache is measured again, not an error
+    text = read_file(calibration_path());
+  } catch (const Error&) {
+    return nlohmann::json::array();
   }
+  const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  return j.is_array() ? j : nlohmann::json::array();
 }
 
 // The best sustained rate of C[M, N] = A[M, K] B[K, N] (the kernel's own measurement, in rounds
@@ -450,15 +462,8 @@ void save_profile(const HostProfile& p) {
   const fs::path path = calibration_path();
   std::error_code ec;
   fs::create_directories(path.parent_path(), ec);
-  const std::string tmp = path.string() + fmt::format(".{}.tmp", ::getpid());
-  {
-    std::ofstream f(tmp, std::ios::trunc);
-    if (!f) throw Error(fmt::format("{}: cannot write the calibration cache", tmp));
-    f << kept.dump(2) << "\n";
-    if (!f) throw Error(fmt::format("{}: cannot write the calibration cache", tmp));
-  }
-  fs::rename(tmp, path, ec);
-  if (ec) throw Error(fmt::format("{}: cannot replace the calibration cache: {}", path.string(), ec.message()));
+  // Several loom processes may calibrate at once: each through a temporary file of its own.
+  write_file_atomically(path.string(), kept.dump(2) + "\n", {.per_process = true});
 }
 
 // The work of the scheduling measurements: a 256-token layer's qkv product (width 128), ~0.1 ms
@@ -615,6 +620,9 @@ HostProfile calibrate_host(int threads, double seconds) {
     small.push_back(gemm_rate(64, N, K, seconds));
   std::sort(small.begin(), small.end());
   p.gemm_small = small[small.size() / 2];
+  // The peak is the best rate measured: a small product that ran faster (caches, a host that got
+  // quieter) raises it, so no rate the profile gives exceeds it (an MFU above 100% otherwise).
+  p.gemm_peak = std::max(p.gemm_peak, p.gemm_small);
   // Memory: a copy of 128 MiB (read and write counted), best of 5.
   {
     const size_t n = size_t(32) << 20;

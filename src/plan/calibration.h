@@ -8,10 +8,11 @@
 // cpu profile loom's own kernels, linear layers and blocks and the waits of ranks beyond the cores
 // (the fields below). The cache, calibration.json under $LOOM_CACHE_DIR (else
 // $XDG_CACHE_HOME/loom, else ~/.cache/loom), keeps one entry per CPU model, core count and thread
-// count. A training run that finds no entry measures
-// the GEMM rate briefly itself and records it; a later run takes the larger of its own quick
-// measurement and the cached figure, so a run on a busy host does not divide by a rate measured
-// while the host was busy.
+// count. A training run measures the GEMM rate briefly itself (it writes nothing to the cache) and
+// takes the larger of that and the cached figure, so a run on a busy host does not divide by a
+// rate measured while the host was busy. An entry whose numbers no measurement gives (a rate
+// outside 1e6..1e16 per second, a time outside 0..100 s, a GEMM rate above the peak) is ignored as
+// a missing one is; so is a cache that cannot be read.
 #pragma once
 #include <map>
 #include <optional>
@@ -60,7 +61,7 @@ struct HostProfile {
   // 64, 256 and 1024 tokens x widths 128 and 384, for 1, 2, 4 ... `threads` ranks at once (up to
   // 8).
   std::vector<BlockTime> blocks;
-  std::string source;         // "loom calibrate" or "a training run's quick measurement"
+  std::string source;         // "loom calibrate"
   std::string date;           // YYYY-MM-DD
 };
 

@@ -7,6 +7,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <tuple>
 
@@ -35,6 +36,7 @@ std::string Layout::str() const {
 
 Layout parse_layout(const std::string& text, const std::string& where) {
   Layout l;
+  std::set<std::string> seen;
   std::stringstream ss(text);
   std::string item;
   while (std::getline(ss, item, ',')) {
@@ -44,6 +46,8 @@ Layout parse_layout(const std::string& text, const std::string& where) {
       throw Error(fmt::format("{}: '{}' is not key=value (keys: dp, tp, pp, v, cp, sp, mbs, schedule, recompute, zero)",
                               where, item));
     const std::string k = item.substr(0, eq), v = item.substr(eq + 1);
+    if (!seen.insert(k).second)
+      throw Error(fmt::format("{}: {} is given twice ('{}')", where, k, text));
     auto integer = [&](int64_t lo) -> int64_t {
       size_t used = 0;
       int64_t x = 0;

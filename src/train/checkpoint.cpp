@@ -4,17 +4,17 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
-#include <cstdlib>
-#include <thread>
 #include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <set>
-
-#include <cmath>
+#include <thread>
+#include <tuple>
 
 #include "core/error.h"
 #include "core/file.h"
@@ -36,27 +36,7 @@ void fsync_path(const std::string& path, bool directory) {
 }
 
 void write_text_durably(const std::string& path, const std::string& text) {
-  std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (!f) throw Error(fmt::format("{}: cannot create: {}", tmp, std::strerror(errno)));
-    f << text;
-    f.flush();
-    if (!f) {
-      const int err = errno;
-      f.close();
-      std::error_code ec;
-      fs::remove(tmp, ec);
-      throw Error(fmt::format("{}: write failed: {}", tmp, err ? std::strerror(err) : "unknown reason"));
-    }
-  }
-  fsync_path(tmp, false);
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    std::error_code ec;
-    fs::remove(tmp, ec);
-    throw Error(fmt::format("{}: rename from {} failed: {}", path, tmp, std::strerror(err)));
-  }
+  write_file_atomically(path, text, {.durable = true});
 }
 
 std::string ckpt_name(int64_t step) { return fmt::format("ckpt_{:08d}", step); }
@@ -388,7 +368,7 @@ std::string save_checkpoint(comm::Comm& world, const std::string& dir, const Che
     if (who < 0) return;
     std::error_code ec;
     if (r == 0) fs::remove_all(tmp, ec);
-    throw Error(failure(dir, meta.step, fmt::format("rank {}: {}", who, reason)));
+    throw RankError(who, failure(dir, meta.step, fmt::format("rank {}: {}", who, reason)));
   };
   if (r == 0) attempt([&] { prepare_tmp(dir, meta.step); });
   check();
@@ -764,8 +744,9 @@ std::string resume_checkpoint(const std::string& dir, std::vector<std::string>* 
   std::string fatal = latest_not_a_file(dir);
   if (!fatal.empty()) fatal += ": the run could not replace it; remove it (nothing was changed)";
   std::error_code ec;
-  if (world && parts > 1) fatal = first_failure(*world, fatal).second;
-  if (!fatal.empty()) throw Error(fatal);
+  int who = part;
+  if (world && parts > 1) std::tie(who, fatal) = first_failure(*world, fatal);
+  if (!fatal.empty()) throw RankError(who, fatal);
   std::vector<std::string> candidates, reasons;
   try {
     const std::string latest = latest_checkpoint(dir);

@@ -11,6 +11,7 @@
 #include <set>
 
 #include "core/error.h"
+#include "core/file.h"
 #include "model/param_specs.h"
 #include "train/checkpoint.h"
 #include "train/checkpoint_io.h"
@@ -38,20 +39,6 @@ bool is_mask_buffer(const std::string& key) {
   if (i == 2) return false;
   std::string rest = key.substr(i);
   return rest == ".attn.bias" || rest == ".attn.masked_bias";
-}
-
-void write_file_atomically(const std::string& path, const std::string& text) {
-  std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (!f) throw Error(fmt::format("{}: cannot open for writing", tmp));
-    f << text;
-    f.flush();
-    if (!f) throw Error(fmt::format("{}: write failed", tmp));
-  }
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) throw Error(fmt::format("{}: cannot rename from {}: {}", path, tmp, ec.message()));
 }
 
 // A float as the shortest decimal that reads back to it (1e-05, not 9.999999747378752e-06).

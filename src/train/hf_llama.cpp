@@ -226,12 +226,8 @@ void save_hf_llama(const GPTConfig& cfg, const std::function<void(const ParamSpe
     }
     auto write_json = [&](const std::string& name, const json& j) {
       const std::string tmp = (fs::path(out_dir) / name).string() + ".partial";
-      std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-      if (!f) throw Error(fmt::format("{}: cannot open for writing", tmp));
+      write_file_atomically(tmp, j.dump(2) + "\n");
       written.push_back(tmp);
-      f << j.dump(2) << "\n";
-      f.flush();
-      if (!f) throw Error(fmt::format("{}: write failed", tmp));
     };
     write_json("config.json", hf_config_json(cfg));
     if (n_shards > 1)

@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "core/error.h"
+#include "core/png.h"
 
 #ifdef LOOM_HAVE_CAIRO
 #include <cairo.h>
@@ -111,14 +112,7 @@ bool plot_png(const std::string& path, const std::string& title, const std::vect
     cairo_move_to(cr, L + pw - 137, ly + 4); cairo_show_text(cr, s.label.c_str());
   }
   cairo_destroy(cr);
-  std::string tmp = path + ".tmp";
-  cairo_status_t st = cairo_surface_write_to_png(surf, tmp.c_str());
-  cairo_surface_destroy(surf);
-  if (st != CAIRO_STATUS_SUCCESS) {
-    std::remove(tmp.c_str());
-    throw Error(fmt::format("{}: cannot write PNG: {}", path, cairo_status_to_string(st)));
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) throw Error(fmt::format("{}: cannot rename from {}", path, tmp));
+  write_png(surf, path);
   return true;
 #endif
 }

@@ -24,6 +24,7 @@
 
 #include "comm/mpi_comm.h"
 #include "core/error.h"
+#include "core/file.h"
 #include "data/shard.h"
 #include "kernels/cpu/matmul.h"
 #include "optim/galore.h"
@@ -49,9 +50,8 @@ TrainResult run_mpi_rank(const TrainConfig& cfg, const std::string& where, int w
   // the cores, and OpenMP's spinning barriers then stall every parallel region).
   omp_set_num_threads(cfg.threads > 0 ? int(cfg.threads) : std::max(1, omp_get_max_threads() / session.local_size()));
   auto world = comm::mpi_world(co);
-  const int r = world->rank();
-  return rank(*world, [&](const std::string& what) {
-    comm::mpi_abort(fmt::format("loom: rank {} of {} failed: {}", r, world_size, what));
+  return rank(*world, [&](int who, const std::string& what) {
+    comm::mpi_abort(fmt::format("loom: rank {} of {} failed: {}", who, world_size, what));
   });
 #else
   (void)world_size, (void)count, (void)co, (void)rank;
@@ -363,32 +363,24 @@ void truncate_metrics(const std::string& path, int64_t last_step) {
   std::ifstream in(path);
   std::vector<std::string> lines;
   for (std::string line; std::getline(in, line);) lines.push_back(line);
-  // Keeps the records of steps <= last_step. A line that is not a record with an integer step is
-  // kept as it is (its step is unknown: dropping it, or everything after it, would lose records),
-  // except as the last line, where it is the torn write of a killed run.
+  // Keeps the records of steps <= last_step, a step being any number (5.0 and 2^64 - 1 compared as
+  // the numbers they are, as read_loss_points and a reader of the file take them). A line that is
+  // not a record with a numeric step is kept as it is (its step is unknown: dropping it, or
+  // everything after it, would lose records), except as the last line, where it is the torn write
+  // of a killed run.
   std::string kept;
   for (size_t i = 0; i < lines.size(); ++i) {
     const auto j = nlohmann::json::parse(lines[i], nullptr, false);
-    const bool record = !j.is_discarded() && j.is_object() && j.contains("step") && j["step"].is_number_integer();
-    if (record ? j["step"].get<int64_t>() <= last_step : i + 1 < lines.size()) kept += lines[i] + "\n";
+    const bool record = !j.is_discarded() && j.is_object() && j.contains("step") && j["step"].is_number();
+    if (record ? j["step"].get<double>() <= double(last_step) : i + 1 < lines.size()) kept += lines[i] + "\n";
   }
   // Through a temporary copy that must be written whole before it replaces the file: on a full
   // disk the history stays as it was.
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << kept;
-    out.flush();
-    if (!out) {
-      const int err = errno;
-      out.close();
-      std::error_code ec;
-      fs::remove(tmp, ec);
-      throw Error(fmt::format("{}: cannot rewrite the metrics for the resume ({}); {} is unchanged", tmp,
-                              err ? std::strerror(err) : "write failed", path));
-    }
+  try {
+    write_file_atomically(path, kept);
+  } catch (const Error& e) {
+    throw Error(fmt::format("cannot rewrite the metrics for the resume: {}", e.what()));
   }
-  fs::rename(tmp, path);
 }
 
 void read_loss_points(const std::string& path, std::vector<std::pair<double, double>>& train,

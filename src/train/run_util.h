@@ -32,7 +32,8 @@ double seconds_since(Clock::time_point t);
 // (`count` says which fields make that number, e.g. "parallel.dp is 2"), applies train.threads,
 // and runs `rank` on this process's rank of the MPI world with a failure hook that aborts the
 // whole job naming the rank. Without MPI in the build it throws naming `where`.
-using RankBody = std::function<TrainResult(comm::Comm& world, std::function<void(const std::string&)> on_fail)>;
+using RankBody =
+    std::function<TrainResult(comm::Comm& world, std::function<void(int rank, const std::string& what)> on_fail)>;
 TrainResult run_mpi_rank(const TrainConfig& cfg, const std::string& where, int world_size, const std::string& count,
                          const comm::CommOptions& co, const RankBody& rank);
 

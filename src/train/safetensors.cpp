@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/file.h"
 
 namespace loom::train {
 
@@ -286,42 +287,21 @@ void SafetensorsWriter::write(const std::string& path) const {
   }
   std::string header = h.dump();
   header.append((8 - header.size() % 8) % 8, ' ');  // the buffer starts 8-byte aligned
-  std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (!f) throw Error(fmt::format("{}: cannot open for writing", tmp));
-    unsigned char lenbuf[8];
-    write_le64(lenbuf, header.size());
-    f.write(reinterpret_cast<const char*>(lenbuf), 8);
-    f.write(header.data(), std::streamsize(header.size()));
-    std::vector<char> buf;
-    try {
-      for (const auto& it : items_) {
-        if (it.fill) {
-          buf.assign(std::max<size_t>(it.nbytes, 1), 0);
-          it.fill(buf.data());  // may throw (a tensor read from a checkpoint that fails its checks)
-          f.write(buf.data(), std::streamsize(it.nbytes));
-        }
-        for (const auto& [data, bytes] : it.pieces) f.write(static_cast<const char*>(data), std::streamsize(bytes));
-      }
-    } catch (...) {
-      f.close();
-      std::error_code rm;
-      std::filesystem::remove(tmp, rm);
-      throw;
+  AtomicFile f(path);  // its temporary file is removed when a fill throws
+  unsigned char lenbuf[8];
+  write_le64(lenbuf, header.size());
+  f.write(lenbuf, 8);
+  f.write(header);
+  std::vector<char> buf;
+  for (const auto& it : items_) {
+    if (it.fill) {
+      buf.assign(std::max<size_t>(it.nbytes, 1), 0);
+      it.fill(buf.data());  // may throw (a tensor read from a checkpoint that fails its checks)
+      f.write(buf.data(), it.nbytes);
     }
-    f.flush();
-    if (!f) {
-      const int err = errno;  // the failed write's (the stream keeps no reason of its own)
-      f.close();
-      std::error_code rm;
-      std::filesystem::remove(tmp, rm);  // a partial file only takes space
-      throw Error(fmt::format("{}: write failed: {}", tmp, err ? std::strerror(err) : "unknown reason"));
-    }
+    for (const auto& [data, bytes] : it.pieces) f.write(data, bytes);
   }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) throw Error(fmt::format("{}: cannot rename from {}: {}", path, tmp, ec.message()));
+  f.commit();
 }
 
 }  // namespace loom::train

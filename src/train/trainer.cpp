@@ -1,4 +1,5 @@
 #include "train/trainer.h"
+#include "core/file.h"
 #include "train/engine.h"
 #include "train/run_util.h"
 
@@ -533,7 +534,7 @@ class ChainEngine : public CpuEngine {
 
   void write_trace(comm::Comm& world, const std::string& path) override {
     const std::string json = parallel::gather_trace(world, trace_);
-    if (world.rank() == 0) parallel::write_text_file(path, json);
+    if (world.rank() == 0) write_file_atomically(path, json);
   }
 
  private:
@@ -868,8 +869,7 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   LrSchedule sched{cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps, cfg.lr_schedule};
 
   TrainResult res;
-  fs::path out_dir(cfg.out_dir);
-  if (lead) fs::create_directories(out_dir);
+  fs::path out_dir(cfg.out_dir);  // made by run_training
   // The writing rank holds the run directory for the whole run (a second run into it is refused).
   std::unique_ptr<RunDirLock> dir_lock = lead ? std::make_unique<RunDirLock>(out_dir.string()) : nullptr;
   const std::string metrics_path = (out_dir / "metrics.jsonl").string();
@@ -1024,9 +1024,7 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
                         coords["dp"].get<int>(), coords["cp"].get<int>(), coords["tp"].get<int>(), tags,
                         format_bytes(int64_t(v[2 * kNumMemTags]))));
     }
-    std::ofstream f(out_dir / "memory.json");
-    f << j.dump(1) << "\n";
-    if (!f) throw Error(fmt::format("{}: could not write {}", where, (out_dir / "memory.json").string()));
+    write_file_atomically((out_dir / "memory.json").string(), j.dump(1) + "\n");
   }
   const std::string comm_line = engine->summary(res);
   // Beside the pool's accounting, what the process really held: its peak resident set (every rank
@@ -1051,28 +1049,29 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   }
   res.last_sample = sample(cfg.steps);
   if (!res.last_sample.empty()) say(fmt::format("--- sample ---\n{}\n---", res.last_sample));
-  if (!opt.trace_path.empty()) {
+  log.finish((out_dir / "loss.png").string(),
+             fmt::format("loom: {} on {}{}", mc.name, cfg.data_dir, cfg.device == "cpu" ? "" : " (" + cfg.device + ")"));
+  if (!opt.trace_path.empty()) {  // after loss.png: a trace that cannot be written loses nothing else
     engine->write_trace(world, opt.trace_path);  // collective
     say(fmt::format("wrote trace {} (every rank)", opt.trace_path));
   }
-  log.finish((out_dir / "loss.png").string(),
-             fmt::format("loom: {} on {}{}", mc.name, cfg.data_dir, cfg.device == "cpu" ? "" : " (" + cfg.device + ")"));
   return res;
 }
 
-// train_mesh_rank over the mesh of cfg on `world`. on_fail runs before the communicators are
-// destroyed when the rank throws (threads: the world is marked failed; mpi: the job is aborted
+// train_mesh_rank over the mesh of cfg on `world`. on_fail(rank, what) runs before the communicators
+// are destroyed when the rank throws (threads: the world is marked failed; mpi: the job is aborted
 // naming the rank), so no other rank waits for the communicator's timeout; what else the rank
-// held is only memory.
+// held is only memory. `rank` is this one, or for a RankError the rank it names.
 TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Comm& world, const FaultInjection& fault,
-                       const std::function<void(const std::string&)>& on_fail) {
+                       const std::function<void(int, const std::string&)>& on_fail) {
   std::unique_ptr<parallel::MeshComms> comms;
   try {
     comms = std::make_unique<parallel::MeshComms>(
         parallel::Mesh::standard(int(cfg.pp), int(cfg.dp), int(cfg.cp), int(cfg.tp)), world);
     return train_mesh_rank(cfg, opt, *comms, fault);
   } catch (const std::exception& e) {
-    on_fail(e.what());
+    const auto* found = dynamic_cast<const RankError*>(&e);
+    on_fail(found ? found->rank() : world.rank(), e.what());
     throw;
   }
 }
@@ -1098,6 +1097,20 @@ TrainResult run_training(const TrainConfig& cfg, const TrainOptions& opt) {
                             where, cfg.seq_len, 2 * cfg.cp));
   if (cfg.tp > 1 && cfg.n_head > 0 && cfg.n_head % cfg.tp != 0)
     throw Error(fmt::format("{}: model.n_head = {} is not divisible by parallel.tp = {}", where, cfg.n_head, cfg.tp));
+  // The outputs a run writes at its end are checked before it starts: a run of hours must not end
+  // in "cannot write" (each is still written whole or not at all, core/file.h).
+  auto make_dir = [&](const fs::path& dir, const std::string& field) {
+    std::error_code ec;
+    if (fs::exists(dir, ec) && !fs::is_directory(dir, ec))
+      throw Error(fmt::format("{}: {} = {}: exists and is not a directory", where, field, dir.string()));
+    if (!dir.empty()) fs::create_directories(dir, ec);
+    if (ec) throw Error(fmt::format("{}: {} = {}: cannot create: {}", where, field, dir.string(), ec.message()));
+  };
+  make_dir(cfg.out_dir, "train.out_dir");
+  if (!opt.trace_path.empty()) {
+    make_dir(fs::path(opt.trace_path).parent_path(), "--trace's folder");
+    check_output_path(opt.trace_path, "--trace");
+  }
   const int world = int(cfg.pp * cfg.dp * cfg.cp * cfg.tp);
   const comm::CommOptions co = comm_options(cfg);
   const FaultInjection fault = FaultInjection::from_env(world);
@@ -1107,7 +1120,7 @@ TrainResult run_training(const TrainConfig& cfg, const TrainOptions& opt) {
                             ? fmt::format("parallel.dp is {}", world)
                             : fmt::format("parallel.pp x parallel.dp x parallel.cp x parallel.tp = {} x {} x {} x {} = {}",
                                           cfg.pp, cfg.dp, cfg.cp, cfg.tp, world),
-                        co, [&](comm::Comm& w, std::function<void(const std::string&)> on_fail) {
+                        co, [&](comm::Comm& w, std::function<void(int, const std::string&)> on_fail) {
                           return train_rank(cfg, opt, w, fault, on_fail);
                         });
   // Ranks as threads: each gets its share of the cores (at least one).
@@ -1117,35 +1130,27 @@ TrainResult run_training(const TrainConfig& cfg, const TrainOptions& opt) {
     omp_set_num_threads(per_rank);
     comm::ThreadWorld one(1, co);
     auto c = one.comm(0);
-    return train_rank(cfg, opt, *c, fault, [](const std::string&) {});
+    return train_rank(cfg, opt, *c, fault, [](int, const std::string&) {});
   }
   comm::ThreadWorld tw(world, co);
   std::vector<TrainResult> results(static_cast<size_t>(world));
-  std::vector<std::exception_ptr> errors(static_cast<size_t>(world));
   comm::run_rank_threads(
       tw,
       [&](int r) {
         try {
           auto c = tw.comm(r);
           omp_set_num_threads(per_rank);
-          results[size_t(r)] = train_rank(cfg, opt, *c, fault, [&](const std::string& what) { tw.fail(r, what); });
+          results[size_t(r)] =
+              train_rank(cfg, opt, *c, fault, [&](int who, const std::string& what) { tw.fail(who, what); });
         } catch (const std::exception& e) {
           tw.fail(r, e.what());
-          errors[size_t(r)] = std::current_exception();
         } catch (...) {
           tw.fail(r, "unknown exception");
-          errors[size_t(r)] = std::current_exception();
         }
       },
       fmt::format("{}: {} ranks", where, world));
-  const int failed = tw.failed_rank();
-  if (failed >= 0) {
-    try {
-      std::rethrow_exception(errors[size_t(failed)]);
-    } catch (const std::exception& e) {
-      throw Error(fmt::format("rank {} of {} failed: {}", failed, world, e.what()));
-    }
-  }
+  if (const int failed = tw.failed_rank(); failed >= 0)
+    throw Error(fmt::format("rank {} of {} failed: {}", failed, world, tw.failure()));
   return results[0];
 }
 

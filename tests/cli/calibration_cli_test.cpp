@@ -6,6 +6,8 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -90,6 +92,7 @@ TEST(CalibrationCli, CalibrateWritesTheCache) {
   ASSERT_TRUE(p.has_value());
   EXPECT_GT(p->gemm_peak, 1e8);
   EXPECT_GE(p->gemm_peak, p->gemm_typical);
+  EXPECT_GE(p->gemm_peak, p->gemm_small);  // the peak is the best rate measured, at any size
   EXPECT_GT(p->gemm_small, 1e8);  // the small products' rate, for the planner's size effect
   EXPECT_GT(p->memory_bw, 1e8);
   // loom's own kernels and the linear layers' grid, for the planner's cpu profile.
@@ -117,4 +120,63 @@ TEST(CalibrationCli, CalibrateWritesTheCache) {
   EXPECT_LE(p->balance, 0.2 + 0.05);
   EXPECT_EQ(p->source, "loom calibrate");
   EXPECT_FALSE(plan::cached_profile(7).has_value());
+}
+
+// An entry whose numbers no measurement gives (edited or corrupt) is ignored as a missing one is,
+// so nothing divides by it: a negative latency gave a negative step time, a tiny GEMM rate an
+// infinite MFU, a small-product rate above the peak an MFU above 100%. A cache that cannot be read
+// (a folder under its name) is ignored too, and a training run still runs.
+TEST(CalibrationCli, AnEntryOfImpossibleNumbersOrAnUnreadableCacheIsIgnored) {
+  LOOM_REQUIRE_LOOM();
+  CacheDir cache;
+  auto good = [] {
+    plan::HostProfile p;
+    p.cpu = plan::host_cpu_name();
+    p.cores = plan::host_cores();
+    p.threads = 1;
+    p.gemm_peak = 1e11;
+    p.gemm_typical = 8e10;
+    p.gemm_small = 2e10;
+    p.memory_bw = 1e10;
+    p.allreduce_latency = 1e-5;
+    p.allreduce_bw = 1e9;
+    p.source = "the test";
+    p.date = "2026-01-02";
+    return p;
+  };
+  plan::save_profile(good());
+  ASSERT_TRUE(plan::cached_profile(1).has_value());
+  const std::vector<std::pair<const char*, std::function<void(plan::HostProfile&)>>> bad{
+      {"a negative all-reduce latency", [](plan::HostProfile& p) { p.allreduce_latency = -1; }},
+      {"a latency of hours", [](plan::HostProfile& p) { p.crowded_sync = 3600; }},
+      {"a GEMM peak of 1 FLOP/s", [](plan::HostProfile& p) { p.gemm_peak = 1; }},
+      {"a GEMM peak of 1e30 FLOP/s", [](plan::HostProfile& p) { p.gemm_peak = 1e30; }},
+      {"a small-product rate above the peak", [](plan::HostProfile& p) { p.gemm_small = 2e11; }},
+      {"a median rate above the peak", [](plan::HostProfile& p) { p.gemm_typical = 2e11; }},
+      {"a memory bandwidth of 1 byte/s", [](plan::HostProfile& p) { p.memory_bw = 1; }},
+  };
+  for (const auto& [what, spoil] : bad) {
+    plan::HostProfile p = good();
+    spoil(p);
+    plan::save_profile(p);
+    EXPECT_FALSE(plan::cached_profile(1).has_value()) << what;
+  }
+  // A kernel, linear-layer or block figure out of range drops that figure, not the entry.
+  plan::HostProfile p = good();
+  p.kernels["adamw"] = plan::KernelCost{1e-6, 1e-30};
+  p.kernels["gelu_forward"] = plan::KernelCost{1e-6, 1e-9};
+  p.linear = {{64, 128, 1e-3, 1e10}, {64, 256, 1e10, 1e10}};
+  plan::save_profile(p);
+  auto q = plan::cached_profile(1);
+  ASSERT_TRUE(q.has_value());
+  EXPECT_EQ(q->kernels.size(), 1u);
+  EXPECT_EQ(q->linear.size(), 1u);
+
+  fs::remove(fs::path(plan::calibration_path()));
+  fs::create_directories(fs::path(plan::calibration_path()));
+  EXPECT_FALSE(plan::cached_profile(1).has_value());
+  TrainScratch s("loom_calibration_unreadable");
+  CliRun r = s.train("folder", kSmall, fmt::format("LOOM_CACHE_DIR='{}'", cache.dir.string()));
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("GEMM peak (measured now)"), std::string::npos) << r.out;
 }

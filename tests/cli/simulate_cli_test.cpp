@@ -76,4 +76,16 @@ TEST(SimulateCli, DrawsThePredictionBesideTheMeasuredTrace) {
   CliRun bad = loom_cli(fmt::format("simulate {} --layout tp=3 --png '{}'", job, png), r.root / "logs");
   EXPECT_NE(bad.code, 0);
   EXPECT_NE(bad.err.find("--layout"), std::string::npos) << bad.err;
+  // A --png that is not a file to write (a folder, a device) is refused before the work and left
+  // as it was (the picture's temporary file was renamed over /dev/null).
+  for (const std::string not_a_file : {(r.root / "logs").string(), std::string("/dev/null")}) {
+    CliRun dev = loom_cli(fmt::format("simulate {} --layout pp=2,mbs=4 --png '{}'", job, not_a_file), r.root / "logs");
+    EXPECT_NE(dev.code, 0);
+    EXPECT_NE(dev.err.find("--png = " + not_a_file + ": is a"), std::string::npos) << dev.err;
+  }
+  EXPECT_TRUE(std::filesystem::is_directory(r.root / "logs"));
+  EXPECT_FALSE(std::filesystem::is_regular_file("/dev/null"));
+  // A key given twice is refused, not the last one taken.
+  CliRun twice = loom_cli(fmt::format("simulate {} --layout pp=2,pp=4 --png '{}'", job, png), r.root / "logs");
+  EXPECT_NE(twice.err.find("--layout: pp is given twice"), std::string::npos) << twice.err;
 }

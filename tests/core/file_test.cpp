@@ -1,9 +1,18 @@
 // read_file: a folder, a missing file and an unreadable one each give an error naming the path.
+// AtomicFile: an output is written whole or not at all, never over something that is not a file,
+// and leaves no temporary file behind whatever fails.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <csignal>
+
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <string>
+#include <vector>
 
 #include "core/error.h"
 #include "core/file.h"
@@ -39,5 +48,86 @@ TEST(ReadFile, ReadsBytesAndNamesThePathOfWhatItCannotRead) {
   // A read that fails part-way is an error, not a short text (Linux: /proc/self/mem at offset 0).
   EXPECT_NE(error_of("/proc/self/mem").find("/proc/self/mem: read error"), std::string::npos)
       << error_of("/proc/self/mem");
+  fs::remove_all(d);
+}
+
+namespace {
+
+std::string write_error(const std::string& path, const std::string& bytes) {
+  try {
+    loom::write_file_atomically(path, bytes);
+  } catch (const loom::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+std::vector<std::string> names_in(const fs::path& d) {
+  std::vector<std::string> n;
+  for (const auto& e : fs::directory_iterator(d)) n.push_back(e.path().filename().string());
+  std::sort(n.begin(), n.end());
+  return n;
+}
+
+}  // namespace
+
+TEST(AtomicFile, WritesWholeOrNothingAndNeverOverWhatIsNotAFile) {
+  const fs::path d = fs::temp_directory_path() / ("loom_atomic_file_" + std::to_string(::getpid()));
+  fs::remove_all(d);
+  fs::create_directories(d / "folder");
+  const std::string out = (d / "out.txt").string();
+  loom::write_file_atomically(out, "first\n");
+  EXPECT_EQ(loom::read_file(out), "first\n");
+  loom::write_file_atomically(out, "second\n", {.durable = true});
+  EXPECT_EQ(loom::read_file(out), "second\n");
+  {
+    loom::AtomicFile f(out, {.per_process = true});
+    f.write("third\n");
+    EXPECT_TRUE(fs::exists(out + "." + std::to_string(::getpid()) + ".tmp"));
+    f.commit();
+  }
+  EXPECT_EQ(loom::read_file(out), "third\n");
+  // Destroyed before commit (an exception while it was filled): the old file stays.
+  try {
+    loom::AtomicFile f(out);
+    f.write("half of a fourth");
+    throw std::runtime_error("filling failed");
+  } catch (const std::runtime_error&) {
+  }
+  EXPECT_EQ(loom::read_file(out), "third\n");
+  EXPECT_EQ(names_in(d), (std::vector<std::string>{"folder", "out.txt"}));
+
+  // Not a file: a folder, a FIFO, a device. Refused before anything is created.
+  const std::string fifo = (d / "fifo").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_NE(write_error((d / "folder").string(), "x").find((d / "folder").string() + ": is a directory, not a file to write"),
+            std::string::npos);
+  EXPECT_NE(write_error(fifo, "x").find(fifo + ": is a FIFO, not a file to write"), std::string::npos);
+  EXPECT_NE(write_error("/dev/null", "x").find("/dev/null: is a device, not a file to write"), std::string::npos);
+  struct stat st{};
+  ASSERT_EQ(::stat("/dev/null", &st), 0);
+  EXPECT_TRUE(S_ISCHR(st.st_mode));
+  EXPECT_TRUE(fs::is_directory(d / "folder"));
+  EXPECT_EQ(names_in(d), (std::vector<std::string>{"fifo", "folder", "out.txt"}));
+  // A folder that does not exist, and a folder where the temporary file goes.
+  EXPECT_NE(write_error((d / "no" / "x").string(), "x").find("cannot create its temporary file"), std::string::npos);
+  fs::create_directories(d / "held.tmp");
+  EXPECT_NE(write_error((d / "held").string(), "x").find("its temporary file " + (d / "held.tmp").string() + " is a directory"),
+            std::string::npos);
+
+  // A write that fails part-way (past the file-size limit: EFBIG): the error names the file and
+  // the reason, the old file is unchanged and the temporary file is gone.
+  std::signal(SIGXFSZ, SIG_IGN);
+  rlimit old{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
+  rlimit small = old;
+  small.rlim_cur = 4096;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  const std::string e = write_error(out, std::string(10000, 'x'));
+  ::setrlimit(RLIMIT_FSIZE, &old);
+  EXPECT_NE(e.find(out + ": cannot write " + out + ".tmp: File too large (" + out + " is unchanged)"), std::string::npos)
+      << e;
+  EXPECT_EQ(loom::read_file(out), "third\n");
+  EXPECT_EQ(names_in(d), (std::vector<std::string>{"fifo", "folder", "held.tmp", "out.txt"}));
   fs::remove_all(d);
 }

@@ -60,6 +60,19 @@ TEST(HfCli, ConvertGenerateAndErrors) {
   ASSERT_EQ(recomputed.code, 0) << recomputed.err;
   EXPECT_EQ(cached.out, recomputed.out);
   EXPECT_EQ(cached.out.rfind("5 17 200 |", 0), 0u) << cached.out;
+  // Flags out of range are refused naming the flag: an infinite temperature (it sampled), a
+  // negative seed (it wrapped to 2^64 - 1) and one past 2^64 - 1; the largest seed is taken.
+  for (const auto& [flags, why] : std::vector<std::pair<std::string, std::string>>{
+           {"--temperature inf", "--temperature must be a positive finite number, got inf"},
+           {"--temperature nan", "--temperature must be a positive finite number, got nan"},
+           {"--seed -1", "--seed: must be a whole number from 0 to 18446744073709551615, got -1"},
+           {"--seed 18446744073709551616", "--seed: must be a whole number"}}) {
+    const CliRun bad = loom_cli("generate '" + run + "' --ids --prompt '5 17' --tokens 2 " + flags, d.p);
+    EXPECT_NE(bad.code, 0) << flags;
+    EXPECT_NE(bad.err.find(why), std::string::npos) << flags << ": " << bad.err;
+  }
+  EXPECT_EQ(loom_cli("generate '" + run + "' --ids --prompt '5 17' --tokens 2 --seed 18446744073709551615", d.p).code,
+            0);
 
   r = loom_cli("convert --from loom --to hf '" + run + "' '" + hf + "'", d.p);
   ASSERT_EQ(r.code, 0) << r.err;

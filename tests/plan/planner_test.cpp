@@ -139,7 +139,7 @@ TEST(Planner, LayoutsParseAndBadOnesAreNamed) {
   EXPECT_TRUE(l.sp);
   EXPECT_EQ(l.recompute, model::Recompute::selective);
   EXPECT_EQ(plan::parse_layout(l.str()).str(), l.str());
-  for (const char* bad : {"dp=0", "tp=x", "zero=4", "schedule=zigzag", "recompute=sqrt", "foo=1", "dp"}) {
+  for (const char* bad : {"dp=0", "tp=x", "zero=4", "schedule=zigzag", "recompute=sqrt", "foo=1", "dp", "dp=2,dp=4"}) {
     try {
       plan::parse_layout(bad);
       ADD_FAILURE() << bad << " was accepted";

@@ -344,3 +344,42 @@ TEST(TrainConfig, RunTrainingChecksTheDevice) {
   }
   fs::remove_all(c.out_dir);
 }
+
+// The outputs a run writes at its end are checked before it starts (a run of hours ended in
+// "cannot write" and lost its loss curve): train.out_dir that is a file, --trace that is a folder
+// or inside a file, each named; nothing is trained (the data is read after these checks).
+TEST(TrainConfig, RunTrainingChecksItsOutputsFirst) {
+  const fs::path root = fs::temp_directory_path() / fmt::format("loom_outputs_{}", ::getpid());
+  fs::remove_all(root);
+  fs::create_directories(root / "folder");
+  std::ofstream(root / "file") << "x";
+  TrainConfig c;
+  c.data_dir = (root / "no_data").string();
+  auto error_of = [&](const std::string& out_dir, const std::string& trace) {
+    c.out_dir = out_dir;
+    TrainOptions o;
+    o.trace_path = trace;
+    try {
+      run_training(c, o);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const std::string file = (root / "file").string(), folder = (root / "folder").string();
+  EXPECT_NE(error_of(file, "").find("train.out_dir = " + file + ": exists and is not a directory"), std::string::npos)
+      << error_of(file, "");
+  EXPECT_NE(error_of(file + "/run", "").find("train.out_dir = " + file + "/run: cannot create"), std::string::npos)
+      << error_of(file + "/run", "");
+  const std::string out = (root / "run").string();
+  EXPECT_NE(error_of(out, folder).find("--trace = " + folder + ": is a directory, not a file to write"),
+            std::string::npos)
+      << error_of(out, folder);
+  EXPECT_NE(error_of(out, file + "/t.json").find("--trace's folder = " + file + ": exists and is not a directory"),
+            std::string::npos)
+      << error_of(out, file + "/t.json");
+  // With good outputs the run gets as far as its data.
+  EXPECT_NE(error_of(out, (root / "traces/t.json").string()).find(c.data_dir), std::string::npos);
+  EXPECT_TRUE(fs::is_directory(root / "traces"));
+  fs::remove_all(root);
+}

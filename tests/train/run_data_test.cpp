@@ -155,7 +155,7 @@ TEST(Checkpoint, WithoutLatestTheNewestCompleteCheckpointIsResumed) {
   EXPECT_EQ(latest_checkpoint(d.p.string()), (d.p / "ckpt_00000003").string());
 }
 
-TEST(Metrics, ResumingKeepsTheLinesItCannotRead) {
+TEST(Metrics, ResumingDropsLaterStepsOfAnyNumberAndKeepsWhatItCannotRead) {
   TmpDir d("metrics");
   const fs::path m = d.p / "metrics.jsonl";
   std::ofstream(m) << "{\"step\": 1, \"loss\": 5.0}\n"
@@ -163,16 +163,20 @@ TEST(Metrics, ResumingKeepsTheLinesItCannotRead) {
                       "not json\n"
                       "{\"step\": 3, \"loss\": 3.0}\n"
                       "{\"step\": 4, \"loss\": 2.0}\n"
+                      "{\"step\": 5.0, \"loss\": 1.5}\n"                   // a step of the resumed run's
+                      "{\"step\": 18446744073709551615, \"loss\": 1.0}\n"  // (int64 -1 if read as one)
+                      "{\"step\": 2.5, \"loss\": 1.0}\n"
                       "{\"step\": 5, \"lo";                 // torn by a kill
   truncate_metrics(m.string(), 3);
   EXPECT_EQ(read_file(m),
             "{\"step\": 1, \"loss\": 5.0}\n"
             "{\"step\": \"2\", \"loss\": 4.0}\n"
             "not json\n"
-            "{\"step\": 3, \"loss\": 3.0}\n");
+            "{\"step\": 3, \"loss\": 3.0}\n"
+            "{\"step\": 2.5, \"loss\": 1.0}\n");
   std::vector<std::pair<double, double>> train, val;
   read_loss_points(m.string(), train, val);  // the plot skips what it cannot read
-  EXPECT_EQ(train.size(), 2u);
+  EXPECT_EQ(train.size(), 3u);
 }
 
 TEST(TrainConfig, StringsMustBeUtf8) {

@@ -170,14 +170,22 @@ TEST(ShardedCheckpoint, AGapOrAnOverlapIsRefusedAndTheEarlierCheckpointKept) {
 }
 
 // A rank whose parameters are not finite fails the write: every rank says which rank failed and
-// what it found (the parameter and the index), and nothing is committed.
+// what it found (the parameter and the index), as a RankError naming that rank (a job reports its
+// failure as that rank's, whichever rank reports first), and nothing is committed.
 TEST(ShardedCheckpoint, AFailingRankFailsTheCheckpointOnEveryRank) {
   Model m;
   m.values[0][3 * 10 + 8] = std::nanf("");  // param/w row 3, column 8: rank 2's of 3
   Dir d("fail");
+  std::vector<int> origin(3, -1);  // the rank each rank's error names as the job's failure
   const auto errors = on_ranks(3, [&](comm::Comm& c) {
-    train::save_checkpoint(c, d.p.string(), meta(4), m.infos, column_split(m, c.rank(), 3));
+    try {
+      train::save_checkpoint(c, d.p.string(), meta(4), m.infos, column_split(m, c.rank(), 3));
+    } catch (const RankError& e) {
+      origin[size_t(c.rank())] = e.rank();
+      throw;
+    }
   });
+  EXPECT_EQ(origin, std::vector<int>(3, 2));
   for (const std::string& e : errors)
     EXPECT_NE(e.find("rank 2: not writing the checkpoint of step 4: parameter 'w' holds nan at index 38"),
               std::string::npos)

@@ -73,12 +73,4 @@ std::string gather_trace(comm::Comm& comm, const Trace& trace) {
   return out + "\n]\n";
 }
 
-void write_text_file(const std::string& path, const std::string& text) {
-  std::ofstream f(path, std::ios::trunc | std::ios::binary);
-  if (!f) throw Error(fmt::format("{}: cannot open for writing", path));
-  f << text;
-  f.close();
-  if (!f) throw Error(fmt::format("{}: write failed", path));
-}
-
 }  // namespace loom::parallel

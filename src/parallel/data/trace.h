@@ -44,7 +44,4 @@ class Trace {
 // other ranks get "".
 std::string gather_trace(comm::Comm& comm, const Trace& trace);
 
-// Writes text to path, throwing loom::Error naming the file on failure.
-void write_text_file(const std::string& path, const std::string& text);
-
 }  // namespace loom::parallel

@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "core/png.h"
 
 #ifdef LOOM_HAVE_CAIRO
 #include <cairo.h>
@@ -124,13 +125,7 @@ bool draw_png(const std::string& path, const Timeline& tl, std::string* why) {
     lx += 20 + e.x_advance + 24;
   }
   cairo_destroy(cr);
-  const std::string tmp = path + ".tmp";
-  const cairo_status_t st = cairo_surface_write_to_png(surf, tmp.c_str());
-  cairo_surface_destroy(surf);
-  LOOM_CHECK(st == CAIRO_STATUS_SUCCESS, "{}: cannot write the PNG ({})", path, cairo_status_to_string(st));
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  LOOM_CHECK(!ec, "{}: cannot write the PNG ({})", path, ec.message());
+  write_png(surf, path);
   return true;
 #endif
 }

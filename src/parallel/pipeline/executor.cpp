@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/file.h"
 #include "model/blocks.h"
 #include "model/param_specs.h"
 #include "model/parallel.h"
@@ -813,10 +814,7 @@ void write_chrome_trace(const std::string& path, const std::vector<std::vector<T
                     {"dur", (e.end - e.start) * 1e6},
                     {"args", {{"mb", e.mb}, {"chunk", e.chunk}, {"cpu_ms", e.cpu * 1e3}}}});
   }
-  std::ofstream f(path);
-  LOOM_CHECK(f.good(), "{}: cannot write the trace", path);
-  f << nlohmann::json{{"traceEvents", ev}, {"displayTimeUnit", "ms"}}.dump();
-  LOOM_CHECK(f.good(), "{}: cannot write the trace", path);
+  write_file_atomically(path, nlohmann::json{{"traceEvents", ev}, {"displayTimeUnit", "ms"}}.dump());
 }
 
 Timeline trace_timeline(const std::string& title, const std::vector<std::vector<TraceEvent>>& ranks) {

@@ -256,6 +256,43 @@ TEST_F(TrainerFailure, ThreadsRankThatThrowsEndsTheProcessNamingIt) {
   std::printf("[ threads throw ] exit %d after %.2f s (timeout %g s)\n", job.status(), job.seconds(), timeout_s);
 }
 
+// Rank 1 of 2 sleeps for ever at step 3, outside any collective, where no failure of a peer can
+// reach it. Rank 0 times out in its collective and fails; the process then waits for rank 1 as
+// long as a collective would, and ends naming both (a thread cannot be stopped from outside).
+TEST_F(TrainerFailure, ThreadsStalledRankEndsTheProcessAfterTheTimeout) {
+  const double timeout_s = 3;
+  Job job(kLoom + " " + args("threads_stall", 2, 8, timeout_s, "--train.threads 2"), log("threads_stall"),
+          "rank=1,step=3,kind=stall");
+  ASSERT_TRUE(job.wait_until(Clock::now() + std::chrono::seconds(90))) << "hang: killed after 90 s\n" << job.output();
+  const std::string out = job.output();
+  EXPECT_EQ(job.status(), 1) << out;
+  EXPECT_NE(out.find("loom: error: "), std::string::npos) << out;
+  EXPECT_NE(out.find("rank 0 of 2 failed: "), std::string::npos) << out;
+  EXPECT_NE(out.find("timed out"), std::string::npos) << out;
+  EXPECT_NE(out.find("rank 1 did not stop within 3 s of it"), std::string::npos) << out;
+  auto meta = last_checkpoint("threads_stall");
+  ASSERT_TRUE(meta.has_value()) << "no checkpoint survived\n" << out;
+  EXPECT_EQ(meta->step, 2);
+  std::printf("[ threads stall ] exit %d after %.2f s (timeout %g s)\n", job.status(), job.seconds(), timeout_s);
+}
+
+// A failure every rank reports alike (the checkpoint that rank 1 refused to write, its weights
+// being NaN) is the job's failure of the rank that found it, whichever rank reports it first (the
+// headline named rank 0, the writing rank, while the detail was rank 1's).
+TEST_F(TrainerFailure, ACollectiveFailureIsNamedAsTheRankThatFoundIt) {
+  for (int round = 0; round < 3; ++round) {
+    const std::string out = fmt::format("threads_nan_{}", round);
+    Job job(kLoom + " " + args(out, 1, 6, 30, "--parallel.tp 2 --train.threads 2"), log(out),
+            "rank=1,step=2,kind=nan_weight");
+    ASSERT_TRUE(job.wait_until(Clock::now() + std::chrono::seconds(90))) << "hang: killed after 90 s\n" << job.output();
+    const std::string text = job.output();
+    EXPECT_EQ(job.status(), 1) << text;
+    EXPECT_NE(text.find("rank 1 of 2 failed: the checkpoint of step 2 could not be written"), std::string::npos)
+        << text;
+    EXPECT_NE(text.find("rank 1: not writing the checkpoint of step 2: parameter"), std::string::npos) << text;
+  }
+}
+
 TEST_F(TrainerFailure, BadFaultSpecIsAClearError) {
   Job job(kLoom + " " + args("bad", 2, 2, 10, "--train.threads 2"), log("bad"), "rank=2,step=1,kind=throw");
   ASSERT_TRUE(job.wait_until(Clock::now() + std::chrono::seconds(60))) << job.output();
