@@ -31,8 +31,8 @@ std::string checkpoint_tokenizer_dir(const std::string& ckpt, const std::string&
                               (fs::path(ckpt) / "manifest.json").string(), e.description()));
     }
   }
-  throw Error(fmt::format("{}: no tokenizer found beside the training data; pass --tokenizer DIR, or --ids to give "
-                          "and print token ids",
+  throw Error(fmt::format("{}: no tokenizer found beside the training data; pass --tokenizer DIR (generate also takes "
+                          "--ids to give and print token ids, eval --tokens for a file of them)",
                           ckpt));
 }
 

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <thread>
 #include <cmath>
 #include <cstdio>
 #include <numeric>
@@ -40,6 +41,9 @@ struct BenchTrainOptions {
 };
 
 using clock_type = std::chrono::steady_clock;
+
+// The most OpenMP threads a run may ask for: 8 per core of this host (train.threads' bound).
+int max_threads() { return 8 * std::max(1, int(std::thread::hardware_concurrency())); }
 double ms_since(clock_type::time_point t0) {
   return std::chrono::duration<double, std::milli>(clock_type::now() - t0).count();
 }
@@ -51,7 +55,11 @@ int bench_train(const BenchTrainOptions& o) {
     throw Error(fmt::format("bench train: --seq must be in [1, {}] for {}, got {}", cfg.block_size, cfg.name, o.seq));
   if (o.steps <= 0 || o.warmup < 0)
     throw Error(fmt::format("bench train: --steps must be positive and --warmup non-negative"));
-  if (o.threads < 0) throw Error(fmt::format("bench train: --threads must be non-negative, got {}", o.threads));
+  if (o.threads < 0 || o.threads > max_threads())
+    throw Error(fmt::format("bench train: --threads must be from 0 (OpenMP's default) to {} (8 per core of this "
+                            "host), got {}", max_threads(), o.threads));
+  if (!(o.gemm_seconds >= 0.01 && o.gemm_seconds <= 60))
+    throw Error(fmt::format("bench train: --gemm-seconds must be from 0.01 to 60, got {}", o.gemm_seconds));
   if (o.precision != "f32" && o.precision != "bf16")
     throw Error(fmt::format("bench train: --precision must be f32 or bf16, got '{}'", o.precision));
   if (o.threads > 0) omp_set_num_threads(o.threads);
@@ -177,6 +185,9 @@ int bench_train(const BenchTrainOptions& o) {
 // planner's simulation of them (plan::check_crowded_pipeline), with this host's calibration.
 int bench_pipeline_host(int threads) {
   if (threads <= 0) threads = omp_get_max_threads();
+  if (threads > int(std::thread::hardware_concurrency()))
+    throw Error(fmt::format("bench pipeline-host: --threads {} is more than this host's {} cores", threads,
+                            std::thread::hardware_concurrency()));
   const auto p = plan::cached_profile(threads);
   if (!p || p->source != "loom calibrate")
     throw Error(fmt::format("bench pipeline-host: no `loom calibrate` profile for {} threads in {}: run `loom "
@@ -220,7 +231,7 @@ Registrar reg{Command{
       train->add_option("--warmup", o->warmup, "untimed steps first")->capture_default_str();
       train->add_option("--seed", o->seed, "initialisation and data seed")
           ->capture_default_str()
-          ->check(seed_validator());
+          ->transform(seed_validator());
       train->add_option("--precision", o->precision,
                         "f32, or bf16: the linear layers' products in bf16 with f32 accumulation (AVX512-BF16 or AMX)")
           ->capture_default_str();
@@ -254,6 +265,8 @@ Registrar reg{Command{
           d.trace = o->trace;
           return bench_train_dp(d);
         }
+        if (!o->trace.empty())
+          throw Error("bench train: --trace traces the data-parallel benchmark: give it with --dp, --zero or --offload");
         if (train->parsed()) return bench_train(*o);
         return 1;
       };

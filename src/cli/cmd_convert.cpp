@@ -120,7 +120,7 @@ Registrar reg{Command{
                                                         "more than one writes model.safetensors.index.json)");
       sub.add_option("--seed", a->seed, "loom: the seed recorded in the checkpoint (train.seed of the run that "
                                         "resumes it)")
-          ->check(seed_validator());
+          ->transform(seed_validator());
       return [a]() { return run_convert(*a); };
     }}};
 

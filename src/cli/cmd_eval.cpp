@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -21,6 +22,7 @@
 #include "core/file.h"
 #include "core/memory.h"
 #include "data/shard.h"
+#include "data/tokenizer.h"
 #include "model/gpt.h"
 #include "train/checkpoint.h"
 #include "train/checkpoint_io.h"
@@ -48,6 +50,17 @@ std::vector<int32_t> read_tokens(const EvalArgs& a, const std::string& ckpt, con
     if (int64_t(shard.vocab_size()) > cfg.vocab_size)
       throw Error(fmt::format("{}: its vocabulary has {} tokens but {} has a vocabulary of {}", a.tokens,
                               shard.vocab_size(), ckpt, cfg.vocab_size));
+    // The same size is not the same vocabulary: a shard of another tokenizer (`loom prepare` leaves
+    // its tokenizer beside its shards) would give a loss of other text.
+    const std::string dir = std::filesystem::path(a.tokens).parent_path().string();
+    const std::string want = train::read_checkpoint_meta(ckpt).vocabulary;
+    if (!want.empty() && data::Tokenizer::dir_has_tokenizer(dir.empty() ? "." : dir)) {
+      const std::string have = data::Tokenizer::from_dir(dir.empty() ? "." : dir).fingerprint();
+      if (have != want)
+        throw Error(fmt::format("{}: encoded with vocabulary {} (the tokenizer beside it), but {} was trained with "
+                                "vocabulary {}",
+                                a.tokens, have, ckpt, want));
+    }
     ids.resize(size_t(shard.size()));
     shard.read(0, shard.size(), ids.data());
   }

@@ -117,7 +117,7 @@ Registrar reg{Command{
       sub.add_option("--tokens", a->tokens, "new tokens to sample");
       sub.add_option("--temperature", a->temperature, "sampling temperature (> 0)");
       sub.add_option("--top-k", a->top_k, "sample among the k most likely tokens (0: all)");
-      sub.add_option("--seed", a->seed, "seed of the draws (same seed, same text)")->check(seed_validator());
+      sub.add_option("--seed", a->seed, "seed of the draws (same seed, same text)")->transform(seed_validator());
       sub.add_option("--tokenizer", a->tokenizer, "directory with the tokenizer (default: the training data's)");
       sub.add_option("--stop-id", a->stop_id, "stop after this token id (-1: never)");
       sub.add_flag("--ids", a->ids, "the prompt and the output are token ids");

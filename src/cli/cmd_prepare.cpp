@@ -87,8 +87,13 @@ Registrar reg{Command{
         }
         LOOM_CHECK(bytes > 0, "{}: the input holds no text", a->inputs.front());
         const fs::path out(a->out), staged = out / ".prepare_tmp";
-        fs::create_directories(out);
-        LOOM_CHECK(fs::is_directory(out), "--out {}: is not a directory", a->out);
+        {
+          std::error_code ec;
+          if (a->out.empty()) throw Error("--out: an empty path");
+          fs::create_directories(out, ec);
+          if (ec || !fs::is_directory(out))
+            throw Error(fmt::format("--out {}: {}", a->out, ec ? "cannot create: " + ec.message() : "is not a directory"));
+        }
         fs::remove_all(staged);  // an interrupted prepare's
         fs::create_directories(staged);
         bool committing = false;

@@ -212,7 +212,7 @@ Command make_command() {
         e->add_option("files", enc->files, "input files ('-' for stdin)");
 
         CLI::App* d = app.add_subcommand(
-            "decode", "write the bytes of token ids (whitespace-separated, files or stdin)");
+            "decode", "write the bytes of token ids (separated by whitespace or commas, files or stdin)");
         d->add_option("--vocab", dec->vocab, "folder with the vocabulary")->required();
         d->add_option("--out", dec->out, "write the bytes here instead of stdout");
         d->add_option("files", dec->files, "files of ids ('-' for stdin)");

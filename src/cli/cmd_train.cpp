@@ -76,19 +76,9 @@ Registrar reg{Command{
                                     "replace it, or another train.out_dir (nothing was changed)",
                                     cfg.out_dir, held));
         }
-        // --overwrite: the old run's checkpoints go first (left there, they would count as the newest
-        // in the retention and in a later --resume), under the run directory's lock.
-        if (a->overwrite && std::filesystem::is_directory(cfg.out_dir)) {
-          namespace fs = std::filesystem;
-          train::RunDirLock lock(cfg.out_dir);
-          for (const auto& e : fs::directory_iterator(cfg.out_dir)) {
-            const std::string n = e.path().filename().string();
-            if (n == "latest" || n == "metrics.jsonl" || n == "loss.png" || n.rfind("ckpt_", 0) == 0 ||
-                n.rfind(".tmp_ckpt_", 0) == 0)
-              fs::remove_all(e.path());
-          }
-        }
+        // --overwrite removes the old run once the new one is accepted (run_training).
         train::TrainOptions opt;
+        opt.overwrite = a->overwrite;
         if (a->plan == "auto") opt.plan_note = train::apply_auto_plan(cfg, a->config.empty() ? "command line" : a->config);
         opt.resume = a->resume;
         opt.quiet = a->quiet;

@@ -21,13 +21,16 @@ struct Registrar {
   explicit Registrar(Command c) { commands().push_back(std::move(c)); }
 };
 
-// A --seed: a whole number from 0 to 2^64 - 1 (an unsigned option would take -1 as 2^64 - 1).
+// A --seed: a whole number from 0 to 2^64 - 1, in decimal (an unsigned option would take -1 as
+// 2^64 - 1, and 010 as octal 8). Use with ->transform(): it strips leading zeros.
 inline CLI::Validator seed_validator() {
   return CLI::Validator(
       [](std::string& v) -> std::string {
-        const bool digits = !v.empty() && v.size() <= 20 && v.find_first_not_of("0123456789") == std::string::npos;
-        if (digits && (v.size() < 20 || v <= "18446744073709551615")) return "";
-        return "must be a whole number from 0 to 18446744073709551615, got " + v;
+        const std::string given = v;
+        const bool digits = !v.empty() && v.find_first_not_of("0123456789") == std::string::npos;
+        if (digits) v.erase(0, std::min(v.find_first_not_of('0'), v.size() - 1));
+        if (digits && (v.size() < 20 || (v.size() == 20 && v <= "18446744073709551615"))) return "";
+        return "must be a whole number from 0 to 18446744073709551615, got " + given;
       },
       "SEED");
 }

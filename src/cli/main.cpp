@@ -1,11 +1,14 @@
 // loom: train transformer language models on one CPU, one GPU, or many of either.
+#include <omp.h>
+
+#include <algorithm>
 #include <csignal>
-#include <cstdio>
 #include <cstdlib>
+#include <cstdio>
 #include <map>
+#include <thread>
 
 #include "cli/command.h"
-#include "comm/threads.h"
 #include "core/error.h"
 
 namespace loom::cli {
@@ -34,19 +37,19 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
-  // A rank thread that could not be stopped still uses the state main would destroy on returning.
-  auto fail = [](const char* what) {
-    std::fprintf(stderr, "loom: error: %s\n", what);
-    if (loom::comm::threads_left_running() > 0) {
-      std::fflush(nullptr);
-      std::_Exit(1);
-    }
+  // OpenMP teams far beyond the cores only thrash, and libgomp crashes starting hundreds of
+  // thousands of threads: OMP_NUM_THREADS gets train.threads' bound, 8 per core.
+  const int cores = std::max(1, int(std::thread::hardware_concurrency()));
+  if (omp_get_max_threads() > 8 * cores) {
+    std::fprintf(stderr, "loom: error: OMP_NUM_THREADS = %s: %d threads is more than 8 per core of this host (%d cores)\n",
+                 std::getenv("OMP_NUM_THREADS") ? std::getenv("OMP_NUM_THREADS") : "?", omp_get_max_threads(), cores);
     return 1;
-  };
+  }
   try {
     for (auto* sub : app.get_subcommands()) return actions.at(sub->get_name())();
   } catch (const std::exception& e) {
-    return fail(e.what());
+    std::fprintf(stderr, "loom: error: %s\n", e.what());
+    return 1;
   }
   return 0;
 }

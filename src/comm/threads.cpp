@@ -7,10 +7,14 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <optional>
 #include <system_error>
 #include <thread>
+
+#include <fmt/ranges.h>
 
 #include "comm/reduce.h"
 #include "core/error.h"
@@ -726,12 +730,6 @@ int threads_per_rank(int n, const RunOptions& opts) {
   return opts.threads_per_rank > 0 ? opts.threads_per_rank : std::max(1, omp_get_max_threads() / std::max(1, n));
 }
 
-namespace {
-std::atomic<int> g_left_running{0};
-}  // namespace
-
-int threads_left_running() { return g_left_running.load(); }
-
 void run_rank_threads(ThreadWorld& world, const std::function<void(int)>& body, const std::string& context) {
   const int n = world.size();
   // Which rank threads have returned, shared with them: a thread left running outlives this call.
@@ -783,17 +781,17 @@ void run_rank_threads(ThreadWorld& world, const std::function<void(int)>& body, 
   for (int r = 0; r < n; ++r)
     if (!ended->done[size_t(r)]) stuck.push_back(r);
   lk.unlock();
-  for (int r = 0; r < n; ++r) {
-    if (std::find(stuck.begin(), stuck.end(), r) != stuck.end()) threads[size_t(r)].detach();
-    else threads[size_t(r)].join();
-  }
-  g_left_running += int(stuck.size());
-  throw Error(fmt::format("{}: rank {} of {} failed: {}; rank{} {} did not stop within {:.0f} s of it (busy or stalled "
-                          "outside any collective: parallel.timeout_s bounds the wait), and the process ends without "
-                          "waiting for {}",
-                          context, world.failed_rank(), n, world.failure(), stuck.size() > 1 ? "s" : "",
-                          fmt::join(stuck, ", "), std::chrono::duration<double>(grace).count(),
-                          stuck.size() > 1 ? "them" : "it"));
+  // A thread cannot be stopped from outside, and it still uses what this call's callers hold: the
+  // process ends here, without unwinding them (the MPI backend's MPI_Abort ends a job alike).
+  const std::string what =
+      fmt::format("{}: rank {} of {} failed: {}; rank{} {} did not stop within {:.0f} s of it (busy or stalled outside "
+                  "any collective: parallel.timeout_s bounds the wait), and the process ends without waiting for {}",
+                  context, world.failed_rank(), n, world.failure(), stuck.size() > 1 ? "s" : "", fmt::join(stuck, ", "),
+                  std::chrono::duration<double>(grace).count(), stuck.size() > 1 ? "them" : "it");
+  std::fflush(stdout);
+  std::fprintf(stderr, "loom: error: %s\n", what.c_str());
+  std::fflush(nullptr);
+  std::_Exit(1);
 }
 
 void run_ranks(int n, const std::function<void(Comm&)>& fn, const RunOptions& opts) {

@@ -70,17 +70,11 @@ int threads_per_rank(int n, const RunOptions& opts = {});
 // started fails the world as its rank (the ranks already running then fail at their next
 // collective), and once they have ended a loom::Error "<context>: cannot start the thread of rank
 // r of n: ..." is thrown. Once the world has failed, the ranks still running are waited for as long
-// as a collective waits (CommOptions::timeout, at least 1 s): a rank that has not returned by then
-// (stalled outside any collective) is left running and a loom::Error "<context>: rank F of n
-// failed: ...; rank R did not stop ..." is thrown. A thread cannot be stopped from outside, so the
-// process must then end without returning from main (see threads_left_running): body's
-// references stay in use by that thread.
+// as a collective waits (CommOptions::timeout, at least 1 s). A rank that has not returned by then
+// (stalled outside any collective) cannot be stopped, and it still uses what the callers hold: the
+// process then prints "loom: error: <context>: rank F of n failed: ...; rank R did not stop ..."
+// and ends with status 1 at once (std::_Exit, as MPI_Abort ends an MPI job).
 void run_rank_threads(ThreadWorld& world, const std::function<void(int)>& body, const std::string& context);
-
-// How many rank threads run_rank_threads has left running; a program that sees any must end with
-// std::_Exit (after flushing what it printed) rather than return from main and destroy the state
-// they may still use.
-int threads_left_running();
 
 // Runs fn(comm) on n threads, one per rank, and returns when all are done. If ranks throw, the
 // exception of the first rank that failed is rethrown (the others' are consequences of it).

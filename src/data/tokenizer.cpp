@@ -506,6 +506,7 @@ int32_t Tokenizer::add_special(std::string_view text) {
 void Tokenizer::save(const std::string& dir) const {
   namespace fs = std::filesystem;
   std::error_code ec;
+  if (dir.empty()) bad_input("tokenizer: the folder to save it in has an empty name");
   fs::create_directories(dir, ec);
   if (ec) bad_input(fmt::format("{}: cannot create directory: {}", dir, ec.message()));
   const fs::path d(dir);

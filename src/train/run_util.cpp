@@ -43,13 +43,20 @@ TrainResult run_mpi_rank(const TrainConfig& cfg, const std::string& where, int w
                          const comm::CommOptions& co, const RankBody& rank) {
 #ifdef LOOM_HAVE_MPI
   comm::MpiSession session(nullptr, nullptr);
-  if (session.size() != world_size)
-    throw Error(fmt::format("{}: {} but mpirun started {} processes (they must match)", where, count, session.size()));
-  // train.threads = 0: the host's cores shared among the job's processes on it, as the threads
-  // backend shares them among its rank threads (each process taking them all would oversubscribe
-  // the cores, and OpenMP's spinning barriers then stall every parallel region).
-  omp_set_num_threads(cfg.threads > 0 ? int(cfg.threads) : std::max(1, omp_get_max_threads() / session.local_size()));
-  auto world = comm::mpi_world(co);
+  // A rank that fails before the job's communicator exists aborts the job too: unwinding would
+  // finalise MPI, which waits for ranks that wait in MPI_Comm_dup for this one (a silent hang).
+  std::unique_ptr<comm::Comm> world;
+  try {
+    if (session.size() != world_size)
+      throw Error(fmt::format("{}: {} but mpirun started {} processes (they must match)", where, count, session.size()));
+    // train.threads = 0: the host's cores shared among the job's processes on it, as the threads
+    // backend shares them among its rank threads (each process taking them all would oversubscribe
+    // the cores, and OpenMP's spinning barriers then stall every parallel region).
+    omp_set_num_threads(cfg.threads > 0 ? int(cfg.threads) : std::max(1, omp_get_max_threads() / session.local_size()));
+    world = comm::mpi_world(co);
+  } catch (const std::exception& e) {
+    comm::mpi_abort(fmt::format("loom: rank {} of {} failed: {}", session.rank(), session.size(), e.what()));
+  }
   return rank(*world, [&](int who, const std::string& what) {
     comm::mpi_abort(fmt::format("loom: rank {} of {} failed: {}", who, world_size, what));
   });
@@ -207,11 +214,13 @@ std::string write_loss_curve(const std::string& png, const std::string& metrics_
   return fmt::format("wrote {} ({})", metrics_path, why);
 }
 
-void check_ranks_agree(comm::Comm& world, const TrainConfig& cfg, const RunData& data) {
+void check_ranks_agree(comm::Comm& world, const TrainConfig& cfg, const RunData& data,
+                       const std::vector<std::pair<std::string, std::string>>& flags) {
   if (world.size() == 1) return;
-  // What each rank was started with, item by item: every config field, then the resolved model
-  // and the data.
-  std::vector<std::pair<std::string, std::string>> items = config_values(cfg);
+  // What each rank was started with, item by item: the command line's flags, every config field,
+  // then the resolved model and the data.
+  std::vector<std::pair<std::string, std::string>> items = flags;
+  for (auto& item : config_values(cfg)) items.push_back(std::move(item));
   items.emplace_back("the model (as resolved from the config and the data)", data.model.str());
   items.emplace_back("the data's vocabulary", data.tokenizer ? data.tokenizer->fingerprint() : "");
   items.emplace_back("the data's training tokens", std::to_string(data.train.total_tokens()));

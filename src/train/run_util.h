@@ -72,7 +72,9 @@ RunData open_run_data(const TrainConfig& cfg, const std::string& config_path);
 // item is gathered once; any difference is refused on every rank alike, naming the item and the
 // ranks that differ from rank 0 (ranks started differently would otherwise train diverging
 // replicas, or crash inside a collective of mismatched sizes). A collective: call it first.
-void check_ranks_agree(comm::Comm& world, const TrainConfig& cfg, const RunData& data);
+// `flags`: the command line's own items beyond the config (--resume, --overwrite, --trace).
+void check_ranks_agree(comm::Comm& world, const TrainConfig& cfg, const RunData& data,
+                       const std::vector<std::pair<std::string, std::string>>& flags = {});
 
 // Writes the loss-curve PNG `png` (train loss, validation loss, the unigram baseline as a line)
 // and returns the line to print about it and the metrics file.

@@ -534,7 +534,7 @@ class ChainEngine : public CpuEngine {
 
   void write_trace(comm::Comm& world, const std::string& path) override {
     const std::string json = parallel::gather_trace(world, trace_);
-    if (world.rank() == 0) write_file_atomically(path, json);
+    if (world.rank() == 0) write_file_atomically(path, json, {.make_parent = true});
   }
 
  private:
@@ -835,7 +835,10 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   };
 
   RunData run_data = open_run_data(cfg, opt.config_path);
-  check_ranks_agree(world, cfg, run_data);  // before any other collective
+  check_ranks_agree(world, cfg, run_data,  // before any other collective
+                    {{"--resume", opt.resume ? "given" : "not given"},
+                     {"--overwrite", opt.overwrite ? "given" : "not given"},
+                     {"--trace", opt.trace_path}});
   const std::string vocabulary = run_data.tokenizer ? run_data.tokenizer->fingerprint() : "";
   data::Loader& train = run_data.train;
   std::unique_ptr<data::Loader>& val = run_data.val;
@@ -869,9 +872,24 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   LrSchedule sched{cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps, cfg.lr_schedule};
 
   TrainResult res;
-  fs::path out_dir(cfg.out_dir);  // made by run_training
+  fs::path out_dir(cfg.out_dir);
+  if (lead) {
+    std::error_code ec;
+    fs::create_directories(out_dir, ec);
+    if (ec) throw Error(fmt::format("train.out_dir = {}: cannot create: {}", cfg.out_dir, ec.message()));
+  }
   // The writing rank holds the run directory for the whole run (a second run into it is refused).
   std::unique_ptr<RunDirLock> dir_lock = lead ? std::make_unique<RunDirLock>(out_dir.string()) : nullptr;
+  // --overwrite: the old run's checkpoints go (left there, they would count as the newest in the
+  // retention and in a later --resume), under the lock, once the data, the config and every rank's
+  // flags have been accepted (a run refused before this point changes nothing).
+  if (lead && opt.overwrite)
+    for (const auto& e : fs::directory_iterator(out_dir)) {
+      const std::string n = e.path().filename().string();
+      if (n == "latest" || n == "metrics.jsonl" || n == "loss.png" || n == "memory.json" || n.rfind("ckpt_", 0) == 0 ||
+          n.rfind(".tmp_ckpt_", 0) == 0)
+        fs::remove_all(e.path());
+    }
   const std::string metrics_path = (out_dir / "metrics.jsonl").string();
   int64_t start_step = 0;
   bool pruned_start = false;  // a pruned embedding's starting point was read
@@ -1097,19 +1115,19 @@ TrainResult run_training(const TrainConfig& cfg, const TrainOptions& opt) {
                             where, cfg.seq_len, 2 * cfg.cp));
   if (cfg.tp > 1 && cfg.n_head > 0 && cfg.n_head % cfg.tp != 0)
     throw Error(fmt::format("{}: model.n_head = {} is not divisible by parallel.tp = {}", where, cfg.n_head, cfg.tp));
-  // The outputs a run writes at its end are checked before it starts: a run of hours must not end
-  // in "cannot write" (each is still written whole or not at all, core/file.h).
-  auto make_dir = [&](const fs::path& dir, const std::string& field) {
+  // The outputs a run writes are checked before it starts, the trace's too, which it writes at its
+  // end: a run of hours must not end in "cannot write" (each file is still written whole or not at
+  // all, core/file.h). Nothing is created yet: a run refused later leaves no folder behind.
+  {
     std::error_code ec;
-    if (fs::exists(dir, ec) && !fs::is_directory(dir, ec))
-      throw Error(fmt::format("{}: {} = {}: exists and is not a directory", where, field, dir.string()));
-    if (!dir.empty()) fs::create_directories(dir, ec);
-    if (ec) throw Error(fmt::format("{}: {} = {}: cannot create: {}", where, field, dir.string(), ec.message()));
-  };
-  make_dir(cfg.out_dir, "train.out_dir");
-  if (!opt.trace_path.empty()) {
-    make_dir(fs::path(opt.trace_path).parent_path(), "--trace's folder");
-    check_output_path(opt.trace_path, "--trace");
+    if (fs::exists(cfg.out_dir, ec) && !fs::is_directory(cfg.out_dir, ec))
+      throw Error(fmt::format("{}: train.out_dir = {}: exists and is not a directory", where, cfg.out_dir));
+    try {
+      check_output_path((fs::path(cfg.out_dir) / "metrics.jsonl").string());
+    } catch (const Error& e) {
+      throw Error(fmt::format("{}: train.out_dir = {}: {}", where, cfg.out_dir, e.what()));
+    }
+    if (!opt.trace_path.empty()) check_output_path(opt.trace_path, "--trace");
   }
   const int world = int(cfg.pp * cfg.dp * cfg.cp * cfg.tp);
   const comm::CommOptions co = comm_options(cfg);

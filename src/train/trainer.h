@@ -35,6 +35,7 @@ namespace loom::train {
 
 struct TrainOptions {
   bool resume = false;        // continue from out_dir/latest when it exists
+  bool overwrite = false;     // remove the run in out_dir (checkpoints, metrics) before the first step
   bool quiet = false;         // no progress lines (tests)
   std::string config_path;    // for messages
   std::string trace_path;     // Chrome trace of every rank ("" = none)

@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_util.h"
+#include "core/file.h"
 
 namespace fs = std::filesystem;
 using namespace loom::test;
@@ -48,11 +49,13 @@ TEST(MemoryLimitCli, ALimitTheSingleDeviceExceedsIsMetBySplittingLayouts) {
   const double single = LimitRun::all_tags(whole.out);
   ASSERT_GT(single, 0) << whole.out;
   const int64_t limit = int64_t(0.6 * single);
+  const std::string metrics = loom::read_file((r.root / "out" / "metrics.jsonl").string());
   CliRun refused = r.train(fmt::format("--train.memory_limit {}", limit));
   EXPECT_NE(refused.code, 0);
   EXPECT_NE(refused.err.find("train.memory_limit"), std::string::npos) << refused.err;
   EXPECT_NE(refused.err.find("this rank needs"), std::string::npos) << refused.err;
-  EXPECT_FALSE(fs::exists(r.root / "out" / "metrics.jsonl"));
+  // Refused before its first step: the run it was to --overwrite is as it was.
+  EXPECT_EQ(loom::read_file((r.root / "out" / "metrics.jsonl").string()), metrics);
   for (const std::string layout : {"--parallel.tp 4", "--parallel.pp 4 --train.grad_accum 4",
                                    "--parallel.dp 4 --parallel.zero 3"}) {
     CliRun split = r.train(fmt::format("--train.memory_limit {} {}", limit, layout));

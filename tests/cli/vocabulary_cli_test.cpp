@@ -88,6 +88,16 @@ TEST(VocabularyCli, CheckpointsRefuseAnotherVocabularyOfTheSameSize) {
   EXPECT_NE(g.err.find("the checkpoint was trained with vocabulary"), std::string::npos) << g.err;
   CliRun g0 = loom_cli(fmt::format("generate '{}' --prompt 'river' --tokens 4", run), root / "logs");
   EXPECT_EQ(g0.code, 0) << g0.err;
+  // eval --tokens: a shard of the other vocabulary (its tokenizer beside it) is refused, naming
+  // both; the run's own shard is evaluated.
+  CliRun e1 = loom_cli(fmt::format("eval '{}' --tokens '{}' --seq 16", run, (root / "data1" / "train_000.bin").string()),
+                       root / "logs");
+  EXPECT_NE(e1.code, 0);
+  EXPECT_NE(e1.err.find("train_000.bin: encoded with vocabulary " + tok1.fingerprint()), std::string::npos) << e1.err;
+  EXPECT_NE(e1.err.find("trained with vocabulary " + tok0.fingerprint()), std::string::npos) << e1.err;
+  CliRun e0 = loom_cli(fmt::format("eval '{}' --tokens '{}' --seq 16", run, (root / "data0" / "train_000.bin").string()),
+                       root / "logs");
+  EXPECT_EQ(e0.code, 0) << e0.err;
   fs::remove_all(root);
 }
 

@@ -1,6 +1,6 @@
 // read_file: a folder, a missing file and an unreadable one each give an error naming the path.
-// AtomicFile: an output is written whole or not at all, never over something that is not a file,
-// and leaves no temporary file behind whatever fails.
+// AtomicFile: an output is written whole or not at all, never replaces a folder or a device (a
+// stream is written in place), and leaves no temporary file behind whatever fails.
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -97,18 +97,32 @@ TEST(AtomicFile, WritesWholeOrNothingAndNeverOverWhatIsNotAFile) {
   EXPECT_EQ(loom::read_file(out), "third\n");
   EXPECT_EQ(names_in(d), (std::vector<std::string>{"folder", "out.txt"}));
 
-  // Not a file: a folder, a FIFO, a device. Refused before anything is created.
-  const std::string fifo = (d / "fifo").string();
-  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  // A folder is refused before anything is created. A stream (a device, a FIFO, /dev/stdout) is
+  // written in place, as a shell's `>` would: /dev/null stays the device (a temporary file was
+  // renamed over it).
   EXPECT_NE(write_error((d / "folder").string(), "x").find((d / "folder").string() + ": is a directory, not a file to write"),
             std::string::npos);
-  EXPECT_NE(write_error(fifo, "x").find(fifo + ": is a FIFO, not a file to write"), std::string::npos);
-  EXPECT_NE(write_error("/dev/null", "x").find("/dev/null: is a device, not a file to write"), std::string::npos);
+  EXPECT_EQ(write_error("/dev/null", "x"), "");
   struct stat st{};
   ASSERT_EQ(::stat("/dev/null", &st), 0);
   EXPECT_TRUE(S_ISCHR(st.st_mode));
+  EXPECT_FALSE(fs::exists("/dev/null.tmp"));
   EXPECT_TRUE(fs::is_directory(d / "folder"));
-  EXPECT_EQ(names_in(d), (std::vector<std::string>{"fifo", "folder", "out.txt"}));
+  EXPECT_EQ(names_in(d), (std::vector<std::string>{"folder", "out.txt"}));
+
+  // A symbolic link is written through: its target is replaced (beside which the temporary file
+  // goes) and the link stays. The file replaced keeps its permissions.
+  fs::create_directories(d / "real");
+  loom::write_file_atomically((d / "real" / "t.txt").string(), "old\n");
+  ::chmod((d / "real" / "t.txt").c_str(), 0600);
+  fs::create_symlink(d / "real" / "t.txt", d / "link.txt");
+  loom::write_file_atomically((d / "link.txt").string(), "new\n");
+  EXPECT_TRUE(fs::is_symlink(d / "link.txt"));
+  EXPECT_EQ(loom::read_file((d / "real" / "t.txt").string()), "new\n");
+  EXPECT_EQ(fs::status(d / "real" / "t.txt").permissions() & fs::perms::all, fs::perms::owner_read | fs::perms::owner_write);
+  EXPECT_EQ(names_in(d / "real"), (std::vector<std::string>{"t.txt"}));
+  fs::remove(d / "link.txt");
+  fs::remove_all(d / "real");
   // A folder that does not exist, and a folder where the temporary file goes.
   EXPECT_NE(write_error((d / "no" / "x").string(), "x").find("cannot create its temporary file"), std::string::npos);
   fs::create_directories(d / "held.tmp");
@@ -128,6 +142,6 @@ TEST(AtomicFile, WritesWholeOrNothingAndNeverOverWhatIsNotAFile) {
   EXPECT_NE(e.find(out + ": cannot write " + out + ".tmp: File too large (" + out + " is unchanged)"), std::string::npos)
       << e;
   EXPECT_EQ(loom::read_file(out), "third\n");
-  EXPECT_EQ(names_in(d), (std::vector<std::string>{"fifo", "folder", "held.tmp", "out.txt"}));
+  EXPECT_EQ(names_in(d), (std::vector<std::string>{"folder", "held.tmp", "out.txt"}));
   fs::remove_all(d);
 }

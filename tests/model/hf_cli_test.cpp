@@ -73,6 +73,10 @@ TEST(HfCli, ConvertGenerateAndErrors) {
   }
   EXPECT_EQ(loom_cli("generate '" + run + "' --ids --prompt '5 17' --tokens 2 --seed 18446744073709551615", d.p).code,
             0);
+  // A seed is decimal: 010 is 10 (CLI11 alone read it as octal 8).
+  const std::string few = "generate '" + run + "' --ids --prompt '5 17' --tokens 6 --quiet --seed ";
+  EXPECT_EQ(loom_cli(few + "010", d.p).out, loom_cli(few + "10", d.p).out);
+  EXPECT_NE(loom_cli(few + "010", d.p).out, loom_cli(few + "8", d.p).out);
 
   r = loom_cli("convert --from loom --to hf '" + run + "' '" + hf + "'", d.p);
   ASSERT_EQ(r.code, 0) << r.err;

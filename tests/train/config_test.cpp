@@ -347,7 +347,8 @@ TEST(TrainConfig, RunTrainingChecksTheDevice) {
 
 // The outputs a run writes at its end are checked before it starts (a run of hours ended in
 // "cannot write" and lost its loss curve): train.out_dir that is a file, --trace that is a folder
-// or inside a file, each named; nothing is trained (the data is read after these checks).
+// or inside a file, each named; nothing is trained (the data is read after these checks), nothing
+// is created, and an old run that --overwrite would replace is kept.
 TEST(TrainConfig, RunTrainingChecksItsOutputsFirst) {
   const fs::path root = fs::temp_directory_path() / fmt::format("loom_outputs_{}", ::getpid());
   fs::remove_all(root);
@@ -369,17 +370,36 @@ TEST(TrainConfig, RunTrainingChecksItsOutputsFirst) {
   const std::string file = (root / "file").string(), folder = (root / "folder").string();
   EXPECT_NE(error_of(file, "").find("train.out_dir = " + file + ": exists and is not a directory"), std::string::npos)
       << error_of(file, "");
-  EXPECT_NE(error_of(file + "/run", "").find("train.out_dir = " + file + "/run: cannot create"), std::string::npos)
+  EXPECT_NE(error_of(file + "/run", "").find("train.out_dir = " + file + "/run: "), std::string::npos)
+      << error_of(file + "/run", "");
+  EXPECT_NE(error_of(file + "/run", "").find("cannot write into " + file + ": not a directory"), std::string::npos)
       << error_of(file + "/run", "");
   const std::string out = (root / "run").string();
   EXPECT_NE(error_of(out, folder).find("--trace = " + folder + ": is a directory, not a file to write"),
             std::string::npos)
       << error_of(out, folder);
-  EXPECT_NE(error_of(out, file + "/t.json").find("--trace's folder = " + file + ": exists and is not a directory"),
+  EXPECT_NE(error_of(out, file + "/t.json").find("--trace = " + file + "/t.json: cannot write into " + file +
+                                                 ": not a directory"),
             std::string::npos)
       << error_of(out, file + "/t.json");
-  // With good outputs the run gets as far as its data.
+  // With good outputs the run gets as far as its data, and creates nothing before it is accepted.
   EXPECT_NE(error_of(out, (root / "traces/t.json").string()).find(c.data_dir), std::string::npos);
-  EXPECT_TRUE(fs::is_directory(root / "traces"));
+  EXPECT_FALSE(fs::exists(root / "traces"));
+  EXPECT_FALSE(fs::exists(out));
+  // --overwrite removes the old run only once the new one is accepted: not when its trace is a
+  // folder, nor when its data is missing.
+  fs::create_directories(out + "/ckpt_00000004");
+  std::ofstream(out + "/latest") << "ckpt_00000004\n";
+  std::ofstream(out + "/metrics.jsonl") << "{\"step\": 4, \"loss\": 1.0}\n";
+  for (const std::string& trace : {folder, std::string()}) {
+    c.out_dir = out;
+    TrainOptions o;
+    o.overwrite = true;
+    o.trace_path = trace;
+    EXPECT_THROW(run_training(c, o), Error);
+    EXPECT_TRUE(fs::exists(out + "/latest")) << trace;
+    EXPECT_TRUE(fs::exists(out + "/metrics.jsonl")) << trace;
+    EXPECT_TRUE(fs::is_directory(out + "/ckpt_00000004")) << trace;
+  }
   fs::remove_all(root);
 }

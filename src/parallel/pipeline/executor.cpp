@@ -814,7 +814,7 @@ void write_chrome_trace(const std::string& path, const std::vector<std::vector<T
                     {"dur", (e.end - e.start) * 1e6},
                     {"args", {{"mb", e.mb}, {"chunk", e.chunk}, {"cpu_ms", e.cpu * 1e3}}}});
   }
-  write_file_atomically(path, nlohmann::json{{"traceEvents", ev}, {"displayTimeUnit", "ms"}}.dump());
+  write_file_atomically(path, nlohmann::json{{"traceEvents", ev}, {"displayTimeUnit", "ms"}}.dump(), {.make_parent = true});
 }
 
 Timeline trace_timeline(const std::string& title, const std::vector<std::vector<TraceEvent>>& ranks) {

@@ -301,6 +301,41 @@ TEST_F(TrainerFailure, BadFaultSpecIsAClearError) {
   EXPECT_NE(job.output().find("rank 2 is not one of the 2"), std::string::npos) << job.output();
 }
 
+// Processes of one job started with different command lines. One that fails before the job's
+// communicator exists (its parallel.dp does not match mpirun's count) aborts the job naming itself:
+// it unwound into MPI_Finalize while the others waited in MPI_Comm_dup, silently, for ever. Ranks
+// given --resume and --overwrite are refused before either acts (the checkpoints were deleted
+// before the ranks compared anything).
+TEST_F(TrainerFailure, MpiRanksStartedDifferentlyFailNamingTheRankAndChangeNothing) {
+  SKIP_WITHOUT_MPI();
+  const std::string root = ::geteuid() == 0 ? "--allow-run-as-root " : "";
+  auto two = [&](const std::string& a0, const std::string& a1) {
+    return fmt::format("{} {}--oversubscribe -n 1 {} {} --parallel.comm mpi --train.threads 1 : -n 1 {} {} "
+                       "--parallel.comm mpi --train.threads 1",
+                       mpirun(), root, kLoom, a0, kLoom, a1);
+  };
+  Job dp(two(args("mpi_dp", 2, 3, 10, ""), args("mpi_dp", 1, 3, 10, "")), log("mpi_dp"), "");
+  ASSERT_TRUE(dp.wait_until(Clock::now() + std::chrono::seconds(60))) << "hang: killed after 60 s\n" << dp.output();
+  EXPECT_NE(dp.status(), 0) << dp.output();
+  EXPECT_NE(dp.output().find("loom: rank 1 of 2 failed: command line: parallel.dp is 1 but mpirun started 2 processes"),
+            std::string::npos)
+      << dp.output();
+
+  Job first(mpi_cmd(2, args("mpi_flags", 2, 2, 10, ""), false), log("mpi_flags"), "");
+  ASSERT_TRUE(first.wait_until(Clock::now() + std::chrono::seconds(60))) << first.output();
+  ASSERT_EQ(first.status(), 0) << first.output();
+  Job mixed(two(args("mpi_flags", 2, 4, 10, "--resume"), args("mpi_flags", 2, 4, 10, "--overwrite")),
+            log("mpi_flags2"), "");
+  ASSERT_TRUE(mixed.wait_until(Clock::now() + std::chrono::seconds(60))) << "hang\n" << mixed.output();
+  EXPECT_NE(mixed.status(), 0) << mixed.output();
+  EXPECT_NE(mixed.output().find("ranks disagree before the first step: --resume on rank 1 differs"), std::string::npos)
+      << mixed.output();
+  auto meta = last_checkpoint("mpi_flags");
+  ASSERT_TRUE(meta.has_value()) << "the checkpoint was deleted\n" << mixed.output();
+  EXPECT_EQ(meta->step, 2);
+  EXPECT_TRUE(fs::exists(root_ / "mpi_flags" / "metrics.jsonl"));
+}
+
 TEST_F(TrainerFailure, MpiRankThatThrowsEndsEveryProcessNamingIt) {
   SKIP_WITHOUT_MPI();
   const double timeout_s = 60;
