@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -51,7 +52,9 @@ std::string read_file(const std::string& path) {
   // A device other than a terminal (/dev/zero, /dev/urandom) never ends; /dev/stdin on a terminal,
   // a pipe or a file is read as a file.
   struct stat st{};
-  if (::stat(path.c_str(), &st) == 0 && (S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode))) {
+  // (/dev/null reads empty, as stdin under nohup or cron does.)
+  if (::stat(path.c_str(), &st) == 0 && (S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode)) &&
+      !(S_ISCHR(st.st_mode) && major(st.st_rdev) == 1 && minor(st.st_rdev) == 3)) {
     const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
     const bool tty = fd >= 0 && ::isatty(fd);
     if (fd >= 0) ::close(fd);
@@ -152,6 +155,9 @@ AtomicFile::AtomicFile(std::string path, Options opts) : path_(std::move(path)),
   if (kind_of(tmp_, &refused) != Kind::file || (::access(tmp_.c_str(), F_OK) == 0 && !fs::is_regular_file(tmp_)))
     throw Error(fmt::format("{}: its temporary file {} is {} (nothing was written)", path_, tmp_,
                             refused.empty() ? "not a regular file" : refused));
+  // The name is ours: one left by a killed writer (read-only, say, from the file it was to
+  // replace) is removed rather than opened.
+  ::unlink(tmp_.c_str());
   fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
   if (fd_ < 0) {
     const int err = errno;
@@ -162,8 +168,9 @@ AtomicFile::AtomicFile(std::string path, Options opts) : path_(std::move(path)),
       open_in_place();
       return;
     }
+    const std::string tried = tmp_;
     tmp_.clear();
-    throw Error(fmt::format("{}: cannot create its temporary file {}.tmp: {}", path_, real_, std::strerror(err)));
+    throw Error(fmt::format("{}: cannot create its temporary file {}: {}", path_, tried, std::strerror(err)));
   }
   // The file it replaces keeps its permissions (and, for root, its owner).
   struct stat st{};

@@ -838,7 +838,7 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   check_ranks_agree(world, cfg, run_data,  // before any other collective
                     {{"--resume", opt.resume ? "given" : "not given"},
                      {"--overwrite", opt.overwrite ? "given" : "not given"},
-                     {"--trace", opt.trace_path}});
+                     {"--trace", opt.trace_path.empty() ? "not given" : "given"}});
   const std::string vocabulary = run_data.tokenizer ? run_data.tokenizer->fingerprint() : "";
   data::Loader& train = run_data.train;
   std::unique_ptr<data::Loader>& val = run_data.val;
@@ -876,7 +876,9 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   if (lead) {
     std::error_code ec;
     fs::create_directories(out_dir, ec);
-    if (ec) throw Error(fmt::format("train.out_dir = {}: cannot create: {}", cfg.out_dir, ec.message()));
+    if (ec)
+      throw Error(fmt::format("{}: train.out_dir = {}: cannot create: {}", opt.config_path.empty() ? "config" : opt.config_path,
+                              cfg.out_dir, ec.message()));
   }
   // The writing rank holds the run directory for the whole run (a second run into it is refused).
   std::unique_ptr<RunDirLock> dir_lock = lead ? std::make_unique<RunDirLock>(out_dir.string()) : nullptr;

@@ -48,6 +48,9 @@ TEST(ReadFile, ReadsBytesAndNamesThePathOfWhatItCannotRead) {
   // A read that fails part-way is an error, not a short text (Linux: /proc/self/mem at offset 0).
   EXPECT_NE(error_of("/proc/self/mem").find("/proc/self/mem: read error"), std::string::npos)
       << error_of("/proc/self/mem");
+  // A device that never ends is refused; /dev/null reads empty (stdin under nohup or cron).
+  EXPECT_NE(error_of("/dev/zero").find("/dev/zero: is a device, not a file"), std::string::npos);
+  EXPECT_EQ(loom::read_file("/dev/null"), "");
   fs::remove_all(d);
 }
 
@@ -125,6 +128,11 @@ TEST(AtomicFile, WritesWholeOrNothingAndNeverOverWhatIsNotAFile) {
   fs::remove_all(d / "real");
   // A folder that does not exist, and a folder where the temporary file goes.
   EXPECT_NE(write_error((d / "no" / "x").string(), "x").find("cannot create its temporary file"), std::string::npos);
+  // A temporary file a killed writer left, read-only, is replaced.
+  std::ofstream(d / "out.txt.tmp") << "left";
+  ::chmod((d / "out.txt.tmp").c_str(), 0444);
+  loom::write_file_atomically(out, "third\n");
+  EXPECT_FALSE(fs::exists(d / "out.txt.tmp"));
   fs::create_directories(d / "held.tmp");
   EXPECT_NE(write_error((d / "held").string(), "x").find("its temporary file " + (d / "held.tmp").string() + " is a directory"),
             std::string::npos);
