@@ -21,6 +21,7 @@
 #include "model/gpt.h"
 #include "optim/adamw.h"
 #include "plan/calibration.h"
+#include "train/config.h"
 
 namespace loom::cli {
 namespace {
@@ -42,8 +43,6 @@ struct BenchTrainOptions {
 
 using clock_type = std::chrono::steady_clock;
 
-// The most OpenMP threads a run may ask for: 8 per core of this host (train.threads' bound).
-int max_threads() { return 8 * std::max(1, int(std::thread::hardware_concurrency())); }
 double ms_since(clock_type::time_point t0) {
   return std::chrono::duration<double, std::milli>(clock_type::now() - t0).count();
 }
@@ -55,9 +54,9 @@ int bench_train(const BenchTrainOptions& o) {
     throw Error(fmt::format("bench train: --seq must be in [1, {}] for {}, got {}", cfg.block_size, cfg.name, o.seq));
   if (o.steps <= 0 || o.warmup < 0)
     throw Error(fmt::format("bench train: --steps must be positive and --warmup non-negative"));
-  if (o.threads < 0 || o.threads > max_threads())
+  if (o.threads < 0 || o.threads > train::max_threads())
     throw Error(fmt::format("bench train: --threads must be from 0 (OpenMP's default) to {} (8 per core of this "
-                            "host), got {}", max_threads(), o.threads));
+                            "host), got {}", train::max_threads(), o.threads));
   if (!(o.gemm_seconds >= 0.01 && o.gemm_seconds <= 60))
     throw Error(fmt::format("bench train: --gemm-seconds must be from 0.01 to 60, got {}", o.gemm_seconds));
   if (o.precision != "f32" && o.precision != "bf16")

@@ -1,15 +1,14 @@
 // loom: train transformer language models on one CPU, one GPU, or many of either.
 #include <omp.h>
 
-#include <algorithm>
 #include <csignal>
 #include <cstdlib>
 #include <cstdio>
 #include <map>
-#include <thread>
 
 #include "cli/command.h"
 #include "core/error.h"
+#include "train/config.h"
 
 namespace loom::cli {
 std::vector<Command>& commands() {
@@ -37,12 +36,10 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
-  // OpenMP teams far beyond the cores only thrash, and libgomp crashes starting hundreds of
-  // thousands of threads: OMP_NUM_THREADS gets train.threads' bound, 8 per core.
-  const int cores = std::max(1, int(std::thread::hardware_concurrency()));
-  if (omp_get_max_threads() > 8 * cores) {
+  if (omp_get_max_threads() > loom::train::max_threads()) {
     std::fprintf(stderr, "loom: error: OMP_NUM_THREADS = %s: %d threads is more than 8 per core of this host (%d cores)\n",
-                 std::getenv("OMP_NUM_THREADS") ? std::getenv("OMP_NUM_THREADS") : "?", omp_get_max_threads(), cores);
+                 std::getenv("OMP_NUM_THREADS") ? std::getenv("OMP_NUM_THREADS") : "?", omp_get_max_threads(),
+                 loom::train::max_threads() / 8);
     return 1;
   }
   try {

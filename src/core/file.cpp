@@ -49,10 +49,9 @@ std::string read_file(const std::string& path) {
   std::error_code ec;
   // A folder opens as a stream on Linux and fails on the first read (or reads nothing).
   if (std::filesystem::is_directory(path, ec)) throw Error(fmt::format("{}: is a directory, not a file", path));
-  // A device other than a terminal (/dev/zero, /dev/urandom) never ends; /dev/stdin on a terminal,
-  // a pipe or a file is read as a file.
+  // A device other than a terminal or /dev/null (/dev/zero, /dev/urandom) never ends. /dev/stdin
+  // on a terminal, a pipe, a file or /dev/null (nohup, cron) is read as a file.
   struct stat st{};
-  // (/dev/null reads empty, as stdin under nohup or cron does.)
   if (::stat(path.c_str(), &st) == 0 && (S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode)) &&
       !(S_ISCHR(st.st_mode) && major(st.st_rdev) == 1 && minor(st.st_rdev) == 3)) {
     const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
@@ -151,12 +150,12 @@ AtomicFile::AtomicFile(std::string path, Options opts) : path_(std::move(path)),
     if (ec) throw Error(fmt::format("{}: cannot create its folder: {}", path_, ec.message()));
   }
   tmp_ = opts_.per_process ? fmt::format("{}.{}.tmp", real_, ::getpid()) : real_ + ".tmp";
-  // A temporary name taken by a folder (or a FIFO) is not removed: it is not ours.
-  if (kind_of(tmp_, &refused) != Kind::file || (::access(tmp_.c_str(), F_OK) == 0 && !fs::is_regular_file(tmp_)))
+  // A file or a link under the temporary name is ours (a killed writer's, read-only, say, from the
+  // file it was to replace) and is removed; a folder, a FIFO or a device is not.
+  struct stat st{};
+  if (::lstat(tmp_.c_str(), &st) == 0 && !S_ISREG(st.st_mode) && !S_ISLNK(st.st_mode))
     throw Error(fmt::format("{}: its temporary file {} is {} (nothing was written)", path_, tmp_,
-                            refused.empty() ? "not a regular file" : refused));
-  // The name is ours: one left by a killed writer (read-only, say, from the file it was to
-  // replace) is removed rather than opened.
+                            S_ISDIR(st.st_mode) ? "a directory" : "not a regular file"));
   ::unlink(tmp_.c_str());
   fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
   if (fd_ < 0) {
@@ -173,7 +172,6 @@ AtomicFile::AtomicFile(std::string path, Options opts) : path_(std::move(path)),
     throw Error(fmt::format("{}: cannot create its temporary file {}: {}", path_, tried, std::strerror(err)));
   }
   // The file it replaces keeps its permissions (and, for root, its owner).
-  struct stat st{};
   if (::stat(real_.c_str(), &st) == 0) {
     (void)::fchmod(fd_, st.st_mode & 07777);
     if (::geteuid() == 0) (void)::fchown(fd_, st.st_uid, st.st_gid);

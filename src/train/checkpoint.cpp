@@ -278,9 +278,9 @@ std::string commit(const std::string& dir, const std::string& tmp, CheckpointMet
   meta.tensors = tensors;
   const std::string manifest = manifest_text(meta);
   write_text_durably((fs::path(tmp) / "manifest.json").string(), manifest);
+  // (A durable write syncs its folder too: tmp's entries, every rank's files among them, are durable.)
   write_text_durably((fs::path(tmp) / "manifest.crc32").string(),
                      std::to_string(data::crc32(manifest.data(), manifest.size())) + "\n");
-  fsync_path(tmp, true);
 
   const std::string final_dir = (fs::path(dir) / ckpt_name(meta.step)).string();
   fs::remove_all(final_dir);  // a previous run's checkpoint of the same step
@@ -298,7 +298,6 @@ std::string commit(const std::string& dir, const std::string& tmp, CheckpointMet
     if (named != ckpt_name(meta.step)) fs::remove_all(final_dir, ec);
     throw;
   }
-  fsync_path(dir, true);
 
   // Retention: keep the newest `keep` complete checkpoints (never the one `latest` names).
   std::vector<std::string> all;
@@ -731,6 +730,15 @@ std::string run_marker(const std::string& dir) {
     for (const auto& e : fs::directory_iterator(dir, ec))
       if (e.path().filename().string().rfind("ckpt_", 0) == 0) return e.path().filename().string();
   return "";
+}
+
+void remove_run(const std::string& dir) {
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string n = e.path().filename().string();
+    if (n == "latest" || n == "metrics.jsonl" || n == "loss.png" || n == "memory.json" || n.rfind("ckpt_", 0) == 0 ||
+        n.rfind(".tmp_ckpt_", 0) == 0)
+      fs::remove_all(e.path());
+  }
 }
 
 void verify_checkpoint(const std::string& ckpt, int part, int parts) {

@@ -94,6 +94,9 @@ std::string latest_checkpoint(const std::string& dir);
 // What in DIR shows that a run is there ("latest", "metrics.jsonl" or a "ckpt_*" directory), or
 // "" when nothing does (or DIR does not exist).
 std::string run_marker(const std::string& dir);
+// Removes the run in `dir` (--overwrite): its checkpoints, interrupted checkpoint writes, `latest`,
+// metrics.jsonl, loss.png and memory.json; whatever else the folder holds stays.
+void remove_run(const std::string& dir);
 
 // Checks checkpoint `ckpt`: the manifest against its own checksum, each rank index against the
 // manifest's, that the slices cover every tensor once, and the stored bytes of every tensor

@@ -25,6 +25,8 @@
 
 namespace loom::train {
 
+int max_threads() { return 8 * std::max(1, int(std::thread::hardware_concurrency())); }
+
 namespace {
 
 using Value =
@@ -350,13 +352,8 @@ void TrainConfig::validate(const std::string& where, const std::vector<std::stri
   need(batch_size % grad_accum == 0, "train.grad_accum",
        fmt::format("batch_size {} is not divisible by grad_accum {}", batch_size, grad_accum));
   need(threads >= 0, "train.threads", "must be non-negative");
-  // OpenMP teams far beyond the cores only thrash, and libgomp crashes trying to start hundreds of
-  // thousands of threads: at most 8 per core of this host.
-  {
-    const int64_t cores = std::max<int64_t>(1, int64_t(std::thread::hardware_concurrency()));
-    need(threads <= 8 * cores, "train.threads",
-         fmt::format("{} is more than 8 per core of this host ({} cores; 0 takes them all)", threads, cores));
-  }
+  need(threads <= max_threads(), "train.threads",
+       fmt::format("{} is more than 8 per core of this host ({} cores; 0 takes them all)", threads, max_threads() / 8));
   need(log_every > 0, "train.log_every", "must be positive");
   need(eval_every >= 0, "train.eval_every", fmt::format("must be non-negative (0: no validation), got {}", eval_every));
   need(eval_batches > 0, "train.eval_batches", fmt::format("must be positive, got {}", eval_batches));

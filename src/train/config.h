@@ -13,6 +13,11 @@
 
 namespace loom::train {
 
+// The most OpenMP threads a run may take: 8 per core of this host (teams far beyond the cores only
+// thrash, and libgomp crashes starting hundreds of thousands of threads). train.threads,
+// OMP_NUM_THREADS and bench --threads are held to it.
+int max_threads();
+
 struct TrainConfig {
   // [model]
   std::string model_preset = "gpt2-tiny";  // a preset name; the fields below override it when set

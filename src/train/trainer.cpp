@@ -882,16 +882,9 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   }
   // The writing rank holds the run directory for the whole run (a second run into it is refused).
   std::unique_ptr<RunDirLock> dir_lock = lead ? std::make_unique<RunDirLock>(out_dir.string()) : nullptr;
-  // --overwrite: the old run's checkpoints go (left there, they would count as the newest in the
-  // retention and in a later --resume), under the lock, once the data, the config and every rank's
-  // flags have been accepted (a run refused before this point changes nothing).
-  if (lead && opt.overwrite)
-    for (const auto& e : fs::directory_iterator(out_dir)) {
-      const std::string n = e.path().filename().string();
-      if (n == "latest" || n == "metrics.jsonl" || n == "loss.png" || n == "memory.json" || n.rfind("ckpt_", 0) == 0 ||
-          n.rfind(".tmp_ckpt_", 0) == 0)
-        fs::remove_all(e.path());
-    }
+  // --overwrite: the old run goes under the lock, once the data, the config and every rank's flags
+  // have been accepted (a run refused before this point changes nothing).
+  if (lead && opt.overwrite) remove_run(cfg.out_dir);
   const std::string metrics_path = (out_dir / "metrics.jsonl").string();
   int64_t start_step = 0;
   bool pruned_start = false;  // a pruned embedding's starting point was read
