@@ -43,17 +43,6 @@ struct CrcTables {
 template <class T> void put(uint8_t* p, T v) { std::memcpy(p, &v, sizeof(T)); }
 template <class T> T get(const uint8_t* p) { T v; std::memcpy(&v, p, sizeof(T)); return v; }
 
-void write_all(int fd, const void* data, size_t n, const std::string& path) {
-  const char* p = static_cast<const char*>(data);
-  while (n) {
-    ssize_t w = ::write(fd, p, n);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) throw Error(fmt::format("{}: write failed: {}", path, std::strerror(errno)));
-    p += w;
-    n -= size_t(w);
-  }
-}
-
 }  // namespace
 
 uint32_t crc32(const void* data, size_t n, uint32_t crc) {
