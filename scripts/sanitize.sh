@@ -20,30 +20,22 @@
 # difference of the build, not a race.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-kind=${1:-}
-case "$kind" in
-  thread) flags="-fsanitize=thread" ;;
-  *)
-    echo "usage: scripts/sanitize.sh thread [gtest args]" >&2
-    exit 2
-    ;;
-esac
+[[ ${1:-} == thread ]] || { echo "usage: scripts/sanitize.sh thread [gtest args]" >&2; exit 2; }
 shift
+flags="-fsanitize=thread"
 "$root/scripts/install_deps.sh"
-build=${LOOM_BUILD_DIR:-$root/build-$kind}
+build=${LOOM_BUILD_DIR:-$root/build-thread}
 jobs=${JOBS:-$(nproc)}
 cmake -G Ninja -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOOM_CUDA=OFF \
   -DCMAKE_CXX_FLAGS="$flags" -DCMAKE_EXE_LINKER_FLAGS="$flags"
 ninja -C "$build" -j"$jobs"
 sup="$root/scripts/sanitizers"
-if [[ $kind == thread ]]; then
-  export OMP_NUM_THREADS=1
-  export TSAN_OPTIONS="suppressions=$sup/tsan.supp history_size=4 second_deadlock_stack=1 ${TSAN_OPTIONS:-}"
-  failed=()
-  for t in test_comm test_parallel test_parallel_data test_parallel_tensor test_parallel_pipeline \
-    test_parallel_context test_train; do
-    echo "=== $t"
-    "$build/tests/$t" "$@" || failed+=("$t")
-  done
-  ((${#failed[@]} == 0)) || { echo "failed: ${failed[*]}" >&2; exit 1; }
-fi
+export OMP_NUM_THREADS=1
+export TSAN_OPTIONS="suppressions=$sup/tsan.supp history_size=4 second_deadlock_stack=1 ${TSAN_OPTIONS:-}"
+failed=()
+for t in test_comm test_parallel test_parallel_data test_parallel_tensor test_parallel_pipeline \
+  test_parallel_context test_train; do
+  echo "=== $t"
+  "$build/tests/$t" "$@" || failed+=("$t")
+done
+((${#failed[@]} == 0)) || { echo "failed: ${failed[*]}" >&2; exit 1; }
