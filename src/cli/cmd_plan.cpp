@@ -155,6 +155,10 @@ Registrar reg{Command{
                     static_cast<long long>(r.fitting), r.seconds);
         if (r.best.empty()) {
           std::printf("no layout fits\n");
+          if (r.least)
+            std::printf("the least any needs is %.2f GB per device (%s): it fits a device of %.2f GB\n",
+                        r.least->memory_total / 1e9, r.least->layout.str().c_str(),
+                        r.least->memory_total / plan::kUsableMemory / 1e9);
           return 1;
         }
         std::fputs(plan::format_table(job, r.best).c_str(), stdout);

@@ -758,10 +758,10 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   }
   e.memory_total = 0;
   for (const auto& [tag, b] : e.memory) e.memory_total += b;
-  e.fits = e.memory_total <= 0.9 * dev.memory;
+  e.fits = e.memory_total <= kUsableMemory * dev.memory;
   if (!e.fits)
-    e.why_not = fmt::format("needs {:.1f} GB per device, 90% of {:.0f} GB is usable", e.memory_total / 1e9,
-                            dev.memory / 1e9);
+    e.why_not = fmt::format("needs {:.1f} GB per device, {:.0f}% of {:.0f} GB is usable", e.memory_total / 1e9,
+                            100 * kUsableMemory, dev.memory / 1e9);
 
   // The step: the busiest stage's compute and communication inside the makespan.
   const double mm = double(micro);
@@ -902,7 +902,9 @@ SearchResult search(const Job& job, const SearchOptions& opt) {
                   L.recompute = rc, L.zero = zero;
                   ++res.considered;
                   Estimate e = estimate(job, L, /*simulate=*/false);
-                  if (!e.why_not.empty() || !e.fits) continue;
+                  if (e.memory.empty()) continue;  // not a valid layout (why_not says why)
+                  if (!res.least || e.memory_total < res.least->memory_total) res.least = e;
+                  if (!e.fits) continue;
                   ++res.fitting;
                   fitting.push_back(std::move(e));
                 }

@@ -59,6 +59,7 @@
 #pragma once
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -154,9 +155,16 @@ struct SearchOptions {
   std::vector<int> zeros{0, 1, 2, 3};
 };
 
+// A layout fits a device when its predicted memory is at most this share of the device's memory
+// (the rest is the margin for what the model does not count: allocator slack, libraries).
+constexpr double kUsableMemory = 0.9;
+
 struct SearchResult {
   std::vector<Estimate> best;  // fastest first, each simulated
   int64_t considered = 0, fitting = 0;
+  // Of the valid layouts, fitting or not, the one needing least memory per device (closed form):
+  // what a limit must allow (kUsableMemory of it) for anything to fit. Empty when none is valid.
+  std::optional<Estimate> least;
   double seconds = 0;
 };
 

@@ -1,5 +1,7 @@
 #include "train/plan_auto.h"
 
+#include <cmath>
+
 #include <fmt/format.h>
 
 #include "core/error.h"
@@ -31,10 +33,18 @@ std::string apply_auto_plan(TrainConfig& cfg, const std::string& config_path) {
   so.schedules = {parallel::pipeline::Kind::gpipe, parallel::pipeline::Kind::one_f_one_b,
                   parallel::pipeline::Kind::interleaved, parallel::pipeline::Kind::zb_h1};
   const plan::SearchResult r = plan::search(job, so);
-  LOOM_CHECK(!r.best.empty(), "--plan auto: no layout of {} rank{} fits {} ({} layouts considered{}); more ranks "
-             "(parallel.dp, tp, pp, cp) or a smaller train.batch_size or data.seq_len",
-             world, world > 1 ? "s" : "", job.model.str(), r.considered,
-             cfg.memory_limit > 0 ? fmt::format(", train.memory_limit {}", format_bytes(int64_t(cfg.memory_limit))) : "");
+  if (r.best.empty()) {
+    std::string why = fmt::format("{} layouts considered", r.considered);
+    if (cfg.memory_limit > 0) why += fmt::format(", train.memory_limit {}", format_bytes(int64_t(cfg.memory_limit)));
+    // What the least demanding layout needs, and the limit it would fit.
+    if (r.least)
+      why += fmt::format("; the least any needs is {} per rank ({}), which fits a limit of {}",
+                         format_bytes(int64_t(r.least->memory_total)), r.least->layout.str(),
+                         format_bytes(int64_t(std::ceil(r.least->memory_total / plan::kUsableMemory))));
+    throw Error(fmt::format("--plan auto: no layout of {} rank{} fits {} ({}); more ranks (parallel.dp, tp, pp, cp) or "
+                            "a smaller train.batch_size or data.seq_len",
+                            world, world > 1 ? "s" : "", job.model.str(), why));
+  }
   const plan::Estimate& e = r.best.front();
   const plan::Layout& L = e.layout;
   cfg.dp = L.dp, cfg.tp = L.tp, cfg.pp = L.pp, cfg.cp = L.cp, cfg.sp = L.sp;

@@ -15,6 +15,7 @@
 
 #include "cli_util.h"
 #include "core/dtype.h"
+#include "plan/planner.h"
 
 using namespace loom::test;
 
@@ -50,6 +51,19 @@ double measured_mib(const std::filesystem::path& out) {
 TEST(PlanAutoCli, TrainsWithThePlannersFirstChoice) {
   LOOM_REQUIRE_LOOM();
   TrainScratch r("loom_plan_auto_cli");
+  // Nothing of two ranks fits 1 MB: the refusal names the limit and what the least demanding
+  // layout needs. The GPU runs data parallelism only.
+  CliRun none = r.train("none", fmt::format("{} --parallel.dp 2 --plan auto --train.memory_limit 1000000", kModel));
+  EXPECT_NE(none.code, 0);
+  EXPECT_NE(none.err.find("--plan auto: no layout of 2 ranks fits"), std::string::npos) << none.err;
+  EXPECT_NE(none.err.find("train.memory_limit"), std::string::npos) << none.err;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(none.err, m, std::regex(R"(the least any needs is ([0-9.]+) MiB per rank \(\S+\), )"
+                                                        R"(which fits a limit of ([0-9.]+) MiB)")))
+      << none.err;
+  const double least_mib = std::stod(m[1].str()), least_limit_mib = std::stod(m[2].str());
+  EXPECT_NEAR(least_limit_mib, least_mib / loom::plan::kUsableMemory, 0.011) << none.err;
+
   CliRun run = r.train("free", fmt::format("{} --parallel.dp 2 --plan auto", kModel));
   ASSERT_EQ(run.code, 0) << run.err;
   const Chosen free = chosen(run.out);
@@ -61,22 +75,23 @@ TEST(PlanAutoCli, TrainsWithThePlannersFirstChoice) {
   EXPECT_LE(std::abs(free.predicted_mib - measured) / measured, 0.05)
       << free.layout << ": predicted " << free.predicted_mib << " MiB, measured " << measured << " MiB";
 
-  // 70% of that as the limit: the first choice must split the model further, and trains under it.
-  const int64_t limit = int64_t(measured * 0.7 * 1048576.0);
+  // A limit halfway between what the least demanding layout and the first choice need (each within
+  // the planner's margin): the first choice no longer fits, so the run takes one that needs less,
+  // and trains under the limit. (Which layout is first depends on the host's rates, e.g. its
+  // OpenMP threads; the limit follows it.)
+  ASSERT_LT(least_mib, free.predicted_mib) << free.layout << " is already the layout needing least memory";
+  const int64_t limit = int64_t((least_mib + free.predicted_mib) / 2 / loom::plan::kUsableMemory * 1048576.0);
   CliRun tight = r.train("tight", fmt::format("{} --parallel.dp 2 --plan auto --train.memory_limit {}", kModel, limit));
   ASSERT_EQ(tight.code, 0) << tight.err << tight.out;
   const Chosen split = chosen(tight.out);
   ASSERT_FALSE(split.layout.empty()) << tight.out;
   EXPECT_NE(split.layout, free.layout);
+  EXPECT_LT(split.predicted_mib, free.predicted_mib) << split.layout;
   EXPECT_LE(measured_mib(r.root / "tight") * 1048576.0, double(limit)) << split.layout;
-  std::printf("  free: %s (%.2f MiB measured); under %.2f MiB: %s (%.2f MiB measured)\n", free.layout.c_str(), measured,
-              double(limit) / 1048576.0, split.layout.c_str(), measured_mib(r.root / "tight"));
+  std::printf("  free: %s (%.2f MiB measured); under %.2f MiB: %s (%.2f MiB measured); the least any needs: %.2f MiB\n",
+              free.layout.c_str(), measured, double(limit) / 1048576.0, split.layout.c_str(),
+              measured_mib(r.root / "tight"), least_mib);
 
-  // Nothing of two ranks fits 1 MB; the GPU runs data parallelism only.
-  CliRun none = r.train("none", fmt::format("{} --parallel.dp 2 --plan auto --train.memory_limit 1000000", kModel));
-  EXPECT_NE(none.code, 0);
-  EXPECT_NE(none.err.find("--plan auto: no layout of 2 ranks fits"), std::string::npos) << none.err;
-  EXPECT_NE(none.err.find("train.memory_limit"), std::string::npos) << none.err;
   CliRun bad = r.train("bad", fmt::format("{} --plan manual", kModel));
   EXPECT_NE(bad.code, 0);
   EXPECT_NE(bad.err.find("--plan"), std::string::npos) << bad.err;
@@ -91,4 +106,23 @@ TEST(PlanAutoCli, Bf16RunSaysItWasPlannedInF32) {
   ASSERT_EQ(run.code, 0) << run.err;
   EXPECT_FALSE(chosen(run.out).layout.empty()) << run.out;
   EXPECT_NE(run.out.find("planned with f32 matmuls (train.precision = bf16"), std::string::npos) << run.out;
+}
+
+// `loom plan` where nothing fits: exit 1, and the layout needing least memory per device, with the
+// device memory that would fit it.
+TEST(PlanCli, NothingFitsNamesTheLeastDemandingLayout) {
+  LOOM_REQUIRE_LOOM();
+  const auto logs = std::filesystem::temp_directory_path() / ("loom_plan_cli_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(logs);
+  CliRun r = loom_cli("plan --model llama3-405b --gpus 8 --global-batch 16", logs);
+  std::filesystem::remove_all(logs);
+  EXPECT_EQ(r.code, 1) << r.err;
+  EXPECT_NE(r.out.find("0 fit"), std::string::npos) << r.out;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.out, m, std::regex(R"(the least any needs is ([0-9.]+) GB per device \((\S+)\): )"
+                                                     R"(it fits a device of ([0-9.]+) GB)")))
+      << r.out;
+  EXPECT_GT(std::stod(m[1].str()), 80.0) << r.out;  // more than an A100's 80 GB
+  EXPECT_NEAR(std::stod(m[3].str()), std::stod(m[1].str()) / loom::plan::kUsableMemory, 0.011) << r.out;
+  EXPECT_NO_THROW(loom::plan::parse_layout(m[2].str())) << r.out;
 }

@@ -131,6 +131,32 @@ TEST(Planner, SearchOverATrillionParametersOn4096Gpus) {
   EXPECT_GT(s.fitting, 0);
 }
 
+// When nothing fits, the search still names the valid layout needing least memory (closed form):
+// a device of its memory_total / kUsableMemory fits it, and 1% less fits nothing.
+TEST(Planner, WhenNothingFitsTheLeastDemandingLayoutIsNamed) {
+  plan::Job job = small_gpt_job();
+  job.devices = 4;
+  job.global_batch = 16;
+  job.cluster.device.memory = 1e3;  // a kilobyte: nothing fits
+  const plan::SearchResult none = plan::search(job);
+  ASSERT_TRUE(none.best.empty());
+  EXPECT_EQ(none.fitting, 0);
+  ASSERT_TRUE(none.least.has_value());
+  const plan::Estimate least = *none.least;
+  EXPECT_GT(least.memory_total, job.cluster.device.memory);
+  std::printf("least: %s, %.3f MB\n", least.layout.str().c_str(), least.memory_total / 1e6);
+
+  // Every valid layout needs at least as much: at the limit the least names something fits, and at
+  // 1% less nothing does.
+  job.cluster.device.memory = least.memory_total / plan::kUsableMemory * 1.000001;
+  EXPECT_GT(plan::search(job).fitting, 0);
+  job.cluster.device.memory = least.memory_total / plan::kUsableMemory * 0.99;
+  const plan::SearchResult below = plan::search(job);
+  EXPECT_EQ(below.fitting, 0);
+  ASSERT_TRUE(below.least.has_value());
+  EXPECT_EQ(below.least->layout.str(), least.layout.str());
+}
+
 TEST(Planner, LayoutsParseAndBadOnesAreNamed) {
   const plan::Layout l =
       plan::parse_layout("dp=8,tp=8,pp=4,v=2,mbs=1,schedule=interleaved,recompute=selective,sp=1,zero=1");
