@@ -4,6 +4,7 @@
   python3 bench/nanogpt_torch.py [--loom-bin train_gpt2_cuda] [-B 16] [-T 1024] [--steps 30]
                                  [--warmup 5] [--modes loom-flash,loom-cudnn,eager,compile] [--json-out FILE]
   python3 bench/nanogpt_torch.py --parity DUMP   # compare a loom dump (train_gpt2_cuda --dump)
+  /usr/bin/python3 bench/nanogpt_torch.py --cpu-memorize -B 4 -T 256 --steps 30   # no GPU: loss curves, f32
 
 The PyTorch model is nanoGPT's GPT (LayerNorm with bias, tanh GELU, tied wte/lm_head, vocabulary
 padded to 50304) trained with bf16 autocast, F.scaled_dot_product_attention (PyTorch's choice of backend, or one pinned by the mode), fused
@@ -50,7 +51,12 @@ class Block(nn.Module):
         q = q.view(B, T, self.H, C // self.H).transpose(1, 2)
         k = k.view(B, T, self.H, C // self.H).transpose(1, 2)
         v = v.view(B, T, self.H, C // self.H).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if hasattr(F, "scaled_dot_product_attention"):
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # PyTorch before 2.0 (Debian's 1.13, for --cpu-memorize): the same attention, written out
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+            att = att.masked_fill(torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
+            y = att.softmax(-1) @ v
         x = x + self.attn_c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
         return x + self.mlp_c_proj(F.gelu(self.mlp_c_fc(self.ln_2(x)), approximate="tanh"))
 
@@ -185,6 +191,46 @@ def bench_loom(binary, B, T, steps, warmup, extra):
     return r
 
 
+def cpu_memorize(a):
+    """nanoGPT's model and AdamW (f32, its own initialisation) and `loom bench train` (f32, loom's)
+    each trained on one repeated batch of uniform random tokens on the CPU: the two loss curves side
+    by side. The batches and weights differ (each side's own seed), so the curves are compared as
+    curves: same shape, same level after the same number of steps."""
+    torch.set_num_threads(a.threads)
+    cmd = shlex.split(a.loom_cpu) + ["bench", "train", "--model", "gpt2-124m", "--batch", str(a.B), "--seq", str(a.T),
+                                     "--steps", str(a.steps), "--warmup", "0", "--threads", str(a.threads)]
+    print("running:", " ".join(cmd), flush=True)
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        print(out.stdout, out.stderr, file=sys.stderr)
+        return False
+    loom = [float(l.split("loss ")[1].split()[0]) for l in out.stdout.splitlines() if l.startswith("step ")]
+    torch.manual_seed(1337)
+    model = GPT()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=6e-4, betas=(0.9, 0.95), eps=1e-8)
+    g = torch.Generator().manual_seed(1338)
+    data = torch.randint(0, 50257, (a.B, a.T + 1), generator=g)
+    x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    print(f"GPT-2 124M, B={a.B}, T={a.T}, f32 on the CPU ({a.threads} threads), torch {torch.__version__}; "
+          f"AdamW lr 6e-4, betas 0.9/0.95, weight decay 0.1 on matrices, clip 1.0\n{'step':>4s} {'loom':>8s} {'torch':>8s}",
+          flush=True)
+    ours = []
+    for s in range(a.steps):
+        _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ours.append(loss.item())
+        print(f"{s + 1:4d} {loom[s]:8.4f} {ours[-1]:8.4f}", flush=True)
+    k = min(5, a.steps)
+    print(f"mean of the last {k} steps: loom {sum(loom[-k:]) / k:.4f}, torch {sum(ours[-k:]) / k:.4f}")
+    return True
+
+
 def read_safetensors(path):
     with open(path, "rb") as f:
         n = struct.unpack("<Q", f.read(8))[0]
@@ -253,9 +299,16 @@ def main():
     ap.add_argument("--loom-extra", default="", help="extra arguments for the loom binary, space separated")
     ap.add_argument("--json-out", default="")
     ap.add_argument("--parity", default="")
+    ap.add_argument("--cpu-memorize", action="store_true",
+                    help="no GPU: loom (--loom-cpu) and nanoGPT memorising one random batch on the CPU in f32, "
+                         "the loss curves side by side (try -B 4 -T 256)")
+    ap.add_argument("--loom-cpu", default="build/loom", help="with --cpu-memorize: the loom executable")
+    ap.add_argument("--threads", type=int, default=2, help="with --cpu-memorize: CPU threads for both")
     a = ap.parse_args()
     if a.parity:
         sys.exit(0 if parity(a.parity) else 1)
+    if a.cpu_memorize:
+        sys.exit(0 if cpu_memorize(a) else 1)
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     dev = torch.cuda.get_device_name()
