@@ -44,6 +44,7 @@ class Block(nn.Module):
         self.mlp_c_fc = nn.Linear(C, 4 * C)
         self.mlp_c_proj = nn.Linear(4 * C, C)
         self.H = H
+        self.rnd = lambda x: x  # GPT.round_residual_to_bf16 sets it
 
     def forward(self, x):
         B, T, C = x.shape
@@ -57,8 +58,8 @@ class Block(nn.Module):
             att = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
             att = att.masked_fill(torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
             y = att.softmax(-1) @ v
-        x = x + self.attn_c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
-        return x + self.mlp_c_proj(F.gelu(self.mlp_c_fc(self.ln_2(x)), approximate="tanh"))
+        x = self.rnd(x + self.attn_c_proj(y.transpose(1, 2).contiguous().view(B, T, C)))
+        return self.rnd(x + self.mlp_c_proj(F.gelu(self.mlp_c_fc(self.ln_2(x)), approximate="tanh")))
 
 
 class GPT(nn.Module):
@@ -80,10 +81,18 @@ class GPT(nn.Module):
                 nn.init.normal_(p, 0.0, std)
             elif n.endswith("bias"):
                 nn.init.zeros_(p)
+        self.rnd = lambda x: x
+
+    def round_residual_to_bf16(self):
+        """The residual stream rounded to bf16 after every add, as loom's CUDA step stores it (autocast
+        keeps it in f32)."""
+        self.rnd = lambda x: x.to(torch.bfloat16).to(x.dtype)
+        for b in self.h:
+            b.rnd = self.rnd
 
     def forward(self, idx, targets):
         B, T = idx.shape
-        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        x = self.rnd(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))
         for b in self.h:
             x = b(x)
         logits = self.lm_head(self.ln_f(x))
@@ -207,6 +216,11 @@ def cpu_memorize(a):
     loom = [float(l.split("loss ")[1].split()[0]) for l in out.stdout.splitlines() if l.startswith("step ")]
     torch.manual_seed(1337)
     model = GPT()
+    if a.torch_precision == "bf16-residual":
+        model.round_residual_to_bf16()
+    def autocast():
+        return torch.autocast("cpu", dtype=torch.bfloat16) if a.torch_precision != "f32" else contextlib.nullcontext()
+
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
@@ -214,12 +228,14 @@ def cpu_memorize(a):
     g = torch.Generator().manual_seed(1338)
     data = torch.randint(0, 50257, (a.B, a.T + 1), generator=g)
     x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
-    print(f"GPT-2 124M, B={a.B}, T={a.T}, f32 on the CPU ({a.threads} threads), torch {torch.__version__}; "
+    print(f"GPT-2 124M, B={a.B}, T={a.T} on the CPU ({a.threads} threads): loom f32, torch {torch.__version__} "
+          f"{a.torch_precision}; "
           f"AdamW lr 6e-4, betas 0.9/0.95, weight decay 0.1 on matrices, clip 1.0\n{'step':>4s} {'loom':>8s} {'torch':>8s}",
           flush=True)
     ours = []
     for s in range(a.steps):
-        _, loss = model(x, y)
+        with autocast():
+            _, loss = model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -304,6 +320,9 @@ def main():
                          "the loss curves side by side (try -B 4 -T 256)")
     ap.add_argument("--loom-cpu", default="build/loom", help="with --cpu-memorize: the loom executable")
     ap.add_argument("--threads", type=int, default=2, help="with --cpu-memorize: CPU threads for both")
+    ap.add_argument("--torch-precision", default="f32", choices=["f32", "autocast", "bf16-residual"],
+                    help="with --cpu-memorize: PyTorch's model in f32, under bf16 autocast, or under autocast with its "
+                         "residual stream rounded to bf16 after every add (as loom's CUDA step keeps it)")
     a = ap.parse_args()
     if a.parity:
         sys.exit(0 if parity(a.parity) else 1)

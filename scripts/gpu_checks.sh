@@ -221,9 +221,10 @@ for g, c in zip(*rows):
 print(f"largest relative loss difference {worst:.2e}")
 PY
   # One repeated random batch memorised by loom's GPU step and by nanoGPT in PyTorch eager (bf16
-  # autocast), at a small and at the benchmark's size: the loss columns first -> last. On the CPU in
-  # f32 the two curves agree (bench/nanogpt_torch.py --cpu-memorize); at B = 16, T = 1024 on the GPU
-  # loom ended higher (9.0 against 7.5 after 35 steps), and this says whether that is the size or bf16.
+  # autocast), at a small and at the benchmark's size: the loss columns first -> last. On the CPU the
+  # two curves agree, in f32 and with PyTorch in bf16 (bench/nanogpt_torch.py --cpu-memorize); at
+  # B = 16, T = 1024 on the GPU loom ended higher (9.0 against 7.5 after 35 steps): this says whether
+  # the GPU's gap shows at every size (its kernels) or needs the large batch.
   local bt
   for bt in "4 256" "16 1024"; do
     set -- $bt
