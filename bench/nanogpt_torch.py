@@ -84,8 +84,8 @@ class GPT(nn.Module):
         self.rnd = lambda x: x
 
     def round_residual_to_bf16(self):
-        """The residual stream rounded to bf16 after every add, as loom's CUDA step stores it (autocast
-        keeps it in f32)."""
+        """The residual stream rounded to bf16 after every add, and its gradient too (the casts' backward
+        rounds it), as loom's CUDA step stores both (autocast keeps them in f32)."""
         self.rnd = lambda x: x.to(torch.bfloat16).to(x.dtype)
         for b in self.h:
             b.rnd = self.rnd
@@ -322,7 +322,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2, help="with --cpu-memorize: CPU threads for both")
     ap.add_argument("--torch-precision", default="f32", choices=["f32", "autocast", "bf16-residual"],
                     help="with --cpu-memorize: PyTorch's model in f32, under bf16 autocast, or under autocast with its "
-                         "residual stream rounded to bf16 after every add (as loom's CUDA step keeps it)")
+                         "residual stream and its gradient rounded to bf16 at every add (as loom's CUDA step keeps them)")
     a = ap.parse_args()
     if a.parity:
         sys.exit(0 if parity(a.parity) else 1)
