@@ -4,7 +4,7 @@
   python3 bench/nanogpt_torch.py [--loom-bin train_gpt2_cuda] [-B 16] [-T 1024] [--steps 30]
                                  [--warmup 5] [--modes loom-flash,loom-cudnn,eager,compile] [--json-out FILE]
   python3 bench/nanogpt_torch.py --parity DUMP   # compare a loom dump (train_gpt2_cuda --dump)
-  /usr/bin/python3 bench/nanogpt_torch.py --cpu-memorize -B 4 -T 256 --steps 30   # no GPU: loss curves, f32
+  /usr/bin/python3 bench/nanogpt_torch.py --cpu-memorize -B 4 -T 256 --steps 30   # no GPU: loss curves on the CPU
 
 The PyTorch model is nanoGPT's GPT (LayerNorm with bias, tanh GELU, tied wte/lm_head, vocabulary
 padded to 50304) trained with bf16 autocast, F.scaled_dot_product_attention (PyTorch's choice of backend, or one pinned by the mode), fused
@@ -316,8 +316,8 @@ def main():
     ap.add_argument("--json-out", default="")
     ap.add_argument("--parity", default="")
     ap.add_argument("--cpu-memorize", action="store_true",
-                    help="no GPU: loom (--loom-cpu) and nanoGPT memorising one random batch on the CPU in f32, "
-                         "the loss curves side by side (try -B 4 -T 256)")
+                    help="no GPU: loom (--loom-cpu, f32) and nanoGPT (--torch-precision) memorising one random batch "
+                         "on the CPU, the loss curves side by side (try -B 4 -T 256)")
     ap.add_argument("--loom-cpu", default="build/loom", help="with --cpu-memorize: the loom executable")
     ap.add_argument("--threads", type=int, default=2, help="with --cpu-memorize: CPU threads for both")
     ap.add_argument("--torch-precision", default="f32", choices=["f32", "autocast", "bf16-residual"],
