@@ -147,18 +147,25 @@ def bench_torch(mode, B, T, steps, warmup):
     return r
 
 
-def bench_torch_run(mode, B, T, steps, warmup):
+def setup(B, T, device):
+    """nanoGPT's model from seed 1337, its AdamW (lr 6e-4, betas 0.9/0.95, weight decay 0.1 on
+    matrices; fused on the GPU) and one batch of uniform random tokens from seed 1338 with its next
+    tokens."""
     torch.manual_seed(1337)
-    model = GPT().cuda()
-    fpt = flops_per_token(model, T)
+    model = GPT().to(device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=6e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
+                            lr=6e-4, betas=(0.9, 0.95), eps=1e-8, **({"fused": True} if device == "cuda" else {}))
+    g = torch.Generator(device=device).manual_seed(1338)
+    data = torch.randint(0, 50257, (B, T + 1), device=device, generator=g)
+    return model, opt, data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+
+def bench_torch_run(mode, B, T, steps, warmup):
+    model, opt, x, y = setup(B, T, "cuda")
+    fpt = flops_per_token(model, T)
     run = torch.compile(model) if mode == "compile" else model
-    g = torch.Generator(device="cuda").manual_seed(1338)
-    data = torch.randint(0, 50257, (B, T + 1), device="cuda", generator=g)
-    x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
     times, losses = [], []
     t_compile = time.time()
     for s in range(warmup + steps):
@@ -214,20 +221,12 @@ def cpu_memorize(a):
         print(out.stdout, out.stderr, file=sys.stderr)
         return False
     loom = [float(l.split("loss ")[1].split()[0]) for l in out.stdout.splitlines() if l.startswith("step ")]
-    torch.manual_seed(1337)
-    model = GPT()
+    model, opt, x, y = setup(a.B, a.T, "cpu")
     if a.torch_precision == "bf16-residual":
         model.round_residual_to_bf16()
+
     def autocast():
         return torch.autocast("cpu", dtype=torch.bfloat16) if a.torch_precision != "f32" else contextlib.nullcontext()
-
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=6e-4, betas=(0.9, 0.95), eps=1e-8)
-    g = torch.Generator().manual_seed(1338)
-    data = torch.randint(0, 50257, (a.B, a.T + 1), generator=g)
-    x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
     print(f"GPT-2 124M, B={a.B}, T={a.T} on the CPU ({a.threads} threads): loom f32, torch {torch.__version__} "
           f"{a.torch_precision}; "
           f"AdamW lr 6e-4, betas 0.9/0.95, weight decay 0.1 on matrices, clip 1.0\n{'step':>4s} {'loom':>8s} {'torch':>8s}",
