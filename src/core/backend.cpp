@@ -125,7 +125,7 @@ struct Entry {
 
 struct Registry {
   std::mutex mu;
-  std::array<Entry, 2> entries{};  // by Device
+  std::array<Entry, 3> entries{};  // by Device
 };
 
 Registry& registry() {

@@ -26,7 +26,14 @@ std::string_view mem_tag_name(MemTag t) {
   return "?";
 }
 
-std::string_view device_name(Device d) { return d == Device::cpu ? "cpu" : "cuda"; }
+std::string_view device_name(Device d) {
+  switch (d) {
+    case Device::cpu: return "cpu";
+    case Device::cuda: return "cuda";
+    case Device::emu: return "emu";
+  }
+  return "?";
+}
 
 namespace {
 // Host memory. Blocks of 1 MiB and more are mapped from the kernel and unmapped when freed, so
@@ -102,6 +109,20 @@ class CpuAllocator final : public Allocator {
 
 Allocator& cpu_allocator() {
   static CpuAllocator a;
+  return a;
+}
+
+namespace {
+class EmuAllocator final : public Allocator {
+ public:
+  void* allocate(size_t bytes) override { return cpu_allocator().allocate(bytes); }
+  void deallocate(void* p, size_t bytes) override { cpu_allocator().deallocate(p, bytes); }
+  Device device() const override { return Device::emu; }
+};
+}  // namespace
+
+Allocator& emu_allocator() {
+  static EmuAllocator a;
   return a;
 }
 

@@ -17,8 +17,12 @@ enum class MemTag : uint8_t { params, grads, optimizer, activations, workspace, 
 constexpr int kNumMemTags = int(MemTag::count);
 std::string_view mem_tag_name(MemTag t);
 
-enum class Device : uint8_t { cpu, cuda };
+// cpu and cuda, and emu: the emulated device (kernels/emu/backend.h), a device held in host
+// memory, on which the CPU's kernels run behind a device's interface, for testing device paths.
+enum class Device : uint8_t { cpu, cuda, emu };
 std::string_view device_name(Device d);
+// Whether the host can read and write the device's memory directly (cpu and emu).
+inline bool host_memory(Device d) { return d != Device::cuda; }
 
 // Raw allocation for one kind of memory. The CPU one is built in; the CUDA backend adds its own.
 class Allocator {
@@ -31,6 +35,8 @@ class Allocator {
 
 // 64-byte aligned host memory (cache lines and AVX-512 vectors).
 Allocator& cpu_allocator();
+// The same host memory as the emulated device's (Device::emu).
+Allocator& emu_allocator();
 
 struct MemStats {
   std::array<int64_t, kNumMemTags> current{};

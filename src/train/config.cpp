@@ -67,10 +67,10 @@ const Field kFields[] = {
     F("train.batch_size", batch_size, "sequences per optimizer step (global batch)"),
     F("train.grad_accum", grad_accum, "micro-steps per optimizer step"),
     F("train.seed", seed, "seed of initialisation and data order"),
-    F("train.device", device, "cpu, or cuda: GPUs (a build with -DLOOM_CUDA=ON; dp, tp, sp, cp, pp, ZeRO, offload and recomputation: dp alone as one process per GPU rank, the others as threads sharing a GPU or processes)"),
+    F("train.device", device, "cpu, or cuda: GPUs (a build with -DLOOM_CUDA=ON; dp, tp, sp, cp, pp, ZeRO, offload and recomputation: dp alone as one process per GPU rank, the others as threads sharing a GPU or processes), or emu: for testing, an emulated device in host memory that runs every layout's device paths on the CPU's kernels (bf16, or f32, activations and compute copies; f32 master weights and moments)"),
     F("train.cuda_graph", cuda_graph, "with train.device cuda: run each step as one CUDA graph (false: kernel by kernel, for debugging)"),
     F("train.cuda_attention", cuda_attention, "with train.device cuda: flash (loom's kernels), cudnn (cuDNN's fused attention), gemm (probabilities materialised), or auto (cudnn where loom has cuDNN 9.16 or newer and the head size is 64 or 128, else flash for those head sizes, else gemm)"),
-    F("train.precision", precision, "auto (f32 on the CPU, bf16 on CUDA), f32, or bf16: on the CPU the linear layers' products in bf16 with f32 accumulation, weights, activations and gradients in f32 (needs AVX512-BF16 or AMX-BF16); on CUDA bf16 compute with f32 master weights and moments. fp16 (train.device cuda): f16 compute with f32 master weights and moments and dynamic loss scaling (train.loss_scale_*)"),
+    F("train.precision", precision, "auto (f32 on the CPU, bf16 on CUDA and emu), f32, or bf16: on the CPU the linear layers' products in bf16 with f32 accumulation, weights, activations and gradients in f32 (needs AVX512-BF16 or AMX-BF16); on CUDA bf16 compute with f32 master weights and moments. fp16 (train.device cuda): f16 compute with f32 master weights and moments and dynamic loss scaling (train.loss_scale_*)"),
     F("train.loss_scale_init", loss_scale_init, "train.precision fp16: the first loss scale (the loss gradient is multiplied by it, the parameter gradients divided by it again; a step whose gradients overflow f16 is skipped and the scale halved)"),
     F("train.loss_scale_window", loss_scale_window, "train.precision fp16: clean steps in a row after which the loss scale doubles"),
     F("train.loss_scale_min", loss_scale_min, "train.precision fp16: the smallest loss scale; gradients that overflow f16 below it stop the run"),
@@ -477,7 +477,8 @@ void TrainConfig::validate(const std::string& where, const std::vector<std::stri
       throw Error(fmt::format("{}: {}", where, e.what()));
     }
   }
-  need(device == "cpu" || device == "cuda", "train.device", fmt::format("'{}' is not cpu or cuda", device));
+  need(device == "cpu" || device == "cuda" || device == "emu", "train.device",
+       fmt::format("'{}' is not cpu, cuda or emu", device));
   need(cuda_attention == "auto" || cuda_attention == "flash" || cuda_attention == "cudnn" || cuda_attention == "gemm",
        "train.cuda_attention", fmt::format("'{}' is not auto, flash, cudnn or gemm", cuda_attention));
   need(precision == "auto" || precision == "f32" || precision == "bf16" || precision == "fp16", "train.precision",

@@ -39,15 +39,15 @@ struct TrainConfig {
   int64_t batch_size = 8;                  // sequences per optimizer step (global batch)
   int64_t grad_accum = 1;                  // micro-steps per optimizer step (batch_size divisible)
   uint64_t seed = 1337;
-  std::string device = "cpu";              // cpu | cuda (GPUs, data parallelism only: needs a CUDA build)
+  std::string device = "cpu";              // cpu | cuda (GPUs: needs a CUDA build) | emu (testing: an emulated device)
   bool cuda_graph = true;                  // device cuda: each step one CUDA graph (false: eager launches)
   std::string cuda_attention = "auto";     // device cuda: auto | flash | cudnn | gemm
   std::string precision = "auto";          // auto (the device's) | f32 | bf16 | fp16 (CUDA, loss-scaled)
   float loss_scale_init = 65536;           // fp16: the first loss scale (train/loss_scale.h)
   int64_t loss_scale_window = 1000;        // fp16: clean steps in a row before the scale doubles
   float loss_scale_min = 1;                // fp16: an overflow below this stops the run
-  // train.precision with auto resolved: the device's (f32 on the CPU, bf16 on CUDA).
-  std::string run_precision() const { return precision != "auto" ? precision : device == "cuda" ? "bf16" : "f32"; }
+  // train.precision with auto resolved: the device's (f32 on the CPU, bf16 on CUDA and emu).
+  std::string run_precision() const { return precision != "auto" ? precision : device == "cpu" ? "f32" : "bf16"; }
   // The CPU backend's matmul inputs for train.precision (BackendOptions::matmul).
   DType cpu_matmul() const { return device == "cpu" && run_precision() == "bf16" ? DType::bf16 : DType::f32; }
   // On CUDA: whether the layout needs the mesh engine (tensor / sequence / context / pipeline

@@ -138,7 +138,7 @@ double unigram_loss(const data::Loader& train, const data::Loader* val, int64_t 
 // of failing to allocate part-way through building it or stopped by the kernel's out-of-memory
 // killer.
 static void check_host_memory(const TrainConfig& cfg, const model::GPTConfig& m, const std::string& config_path) {
-  if (cfg.device != "cpu" || cfg.comm != "threads") return;
+  if (cfg.device == "cuda" || cfg.comm != "threads") return;  // (the emulated device's memory is the host's)
   const double host = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
   if (host <= 0) return;
   const double C = double(m.n_embd);

@@ -794,8 +794,20 @@ void PipelineEngine::write_trace(comm::Comm& world, const std::string& path) {
   if (world.rank() == 0) pipe::write_chrome_trace(path, traces);
 }
 
+// train.device = "emu": the mesh engine on the emulated device (kernels/emu/backend.h) for every
+// layout, one backend per rank in the compute dtype of train.precision (bf16 or f32).
+std::unique_ptr<Engine> make_emu_engine(const EngineArgs& a) {
+  const DType compute = a.cfg.run_precision() == "f32" ? DType::f32 : DType::bf16;
+  DeviceMesh d;
+  d.backend = make_backend(Device::emu, {.compute = compute});
+  d.gemm_peak = [] { return cpu::measure_gemm_peak_gflops(512, 0.1) * 1e9; };
+  d.peak_name = "f32 GEMM peak (the host's)";
+  d.device = fmt::format("emu ({} on an emulated device)", dtype_name(compute));
+  return make_mesh_engine(a, std::move(d));
+}
+
 std::map<std::string, EngineFactory>& engines() {
-  static std::map<std::string, EngineFactory> m;
+  static std::map<std::string, EngineFactory> m{{"emu", &make_emu_engine}};
   return m;
 }
 
@@ -1093,7 +1105,8 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
 
 TrainResult run_training(const TrainConfig& cfg, const TrainOptions& opt) {
   const std::string where = opt.config_path.empty() ? "config" : opt.config_path;
-  LOOM_CHECK(cfg.device == "cpu" || cfg.device == "cuda", "{}: train.device: '{}' is not cpu or cuda", where,
+  LOOM_CHECK(cfg.device == "cpu" || cfg.device == "cuda" || cfg.device == "emu",
+             "{}: train.device: '{}' is not cpu, cuda or emu", where,
              cfg.device);
   if (cfg.device == "cuda") {
     cfg.validate_cuda(where);  // throws naming the field, and in a build without CUDA

@@ -1,6 +1,7 @@
 // Op parity of a backend (core/backend.h) against double-precision references written here from
 // each op's definition: the same suite for every backend, instantiated per device by
-// backend_parity_test.cpp (cpu) and cuda/backend_parity_test.cu (cuda; skipped without a GPU).
+// backend_parity_test.cpp (cpu, and the emulated device in bf16 and f32) and cuda/backend_parity_test.cu (cuda;
+// skipped without a GPU).
 //
 // Inputs are random values rounded to bf16, so a bf16 backend reads exactly the values the
 // reference uses. Outputs are poisoned (NaN) before each op, so an unwritten element fails.

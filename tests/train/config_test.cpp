@@ -228,7 +228,9 @@ TEST(TrainConfig, GaLoreAndEmbeddingPruningRefusalsNameTheField) {
 // any build; a build without CUDA refuses the device itself, saying how to build with it.
 TEST(TrainConfig, CudaDeviceRefusalsNameTheField) {
   const std::string cuda = "[train]\ndevice = \"cuda\"\n";
-  expect_refused("[train]\ndevice = \"gpu\"\n", "train.device", "'gpu' is not cpu or cuda");
+  expect_refused("[train]\ndevice = \"gpu\"\n", "train.device", "'gpu' is not cpu, cuda or emu");
+  expect_refused("[train]\ndevice = \"emu\"\nprecision = \"fp16\"\n", "train.precision",
+                 "fp16 (f16 compute with loss scaling) runs on CUDA");
   // Whole replicas are processes: dp > 1 alone needs mpi or nccl (the mesh engine's ranks, with tp,
   // sp, ZeRO or offload, may be threads).
   expect_refused(cuda + "[parallel]\ndp = 2\n", "parallel.comm", "must be mpi or nccl");

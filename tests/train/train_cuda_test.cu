@@ -56,6 +56,7 @@
 #include "kernels/cuda/cuda_test_util.h"
 #include "comm/nccl_comm.h"
 #include "kernels/cuda/cudnn_attention.cuh"
+#include "train/mesh_layouts.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
 #include "train/trainer.h"
@@ -422,41 +423,7 @@ TEST(CudaTrain, MeshLayoutsOnThreadsSharingTheGpuMatchOneGpu) {
   ASSERT_EQ(a.code, 0) << a.err;
   const auto l1 = f.metrics("one", "loss"), n1 = f.metrics("one", "grad_norm");
   ASSERT_EQ(l1.size(), 20u);
-  struct Case {
-    const char* out;
-    const char* flags;
-    const char* header;  // in the run's header
-    bool tp;  // tensor or context parallel: kCpuTol / kNormTol
-  };
-  const Case cases[] = {
-      {"tp2", "--train.grad_accum 2 --parallel.tp 2", "dp 1 x tp 2 x cp 1", true},
-      {"tp2sp", "--train.grad_accum 2 --parallel.tp 2 --parallel.sp true", "tp 2 + sp", true},
-      {"dp2z1", "--parallel.dp 2 --parallel.zero 1 --train.eval_batches 1", "dp 2 | ZeRO 1", false},
-      {"dp2z2off",
-       "--parallel.dp 2 --parallel.zero 2 --parallel.offload true --train.eval_batches 1", "ZeRO 2 + offload", false},
-      {"dp2z3",
-       "--parallel.dp 2 --parallel.zero 3 --train.sample_tokens 8 --train.eval_batches 1", "dp 2 | ZeRO 3", false},
-      {"dp2tp2z1",
-       "--parallel.dp 2 --parallel.tp 2 --parallel.zero 1 --train.eval_batches 1", "dp 2 x tp 2 x cp 1 | ZeRO 1", true},
-      {"pp2", "--train.grad_accum 2 --parallel.pp 2", "pp 2 (", false},
-      {"pp2zb", "--train.grad_accum 2 --parallel.pp 2 --parallel.schedule zb-h1", "zb-h1", false},
-      {"tp2pp2", "--train.grad_accum 2 --parallel.tp 2 --parallel.pp 2 --train.sample_tokens 8", "x dp 1 x tp 2 x cp 1",
-       true},
-      {"dp2pp2z2",
-       "--parallel.dp 2 --parallel.pp 2 --parallel.zero 2 --train.eval_batches 1", "x dp 2 (ZeRO 2)", false},
-      {"cp2", "--train.grad_accum 2 --parallel.cp 2", "dp 1 x tp 1 x cp 2", true},
-      {"cp2tp2", "--train.grad_accum 2 --parallel.cp 2 --parallel.tp 2 --parallel.sp true", "tp 2 + sp x cp 2", true},
-      {"dp2cp2z2",
-       "--parallel.dp 2 --parallel.cp 2 --parallel.zero 2 --train.eval_batches 1", "dp 2 x tp 1 x cp 2 | ZeRO 2", true},
-      {"cp2pp2", "--train.grad_accum 2 --parallel.cp 2 --parallel.pp 2", "x dp 1 x tp 1 x cp 2", true},
-      // Recomputation runs the same kernels again: one rank on the mesh engine, and under tp.
-      {"rcfull", "--train.grad_accum 2 --memory.recompute full", "recompute full:", false},
-      {"tp2rcsel", "--train.grad_accum 2 --parallel.tp 2 --memory.recompute selective", "recompute selective:", true},
-  };
-  // A validation batch is train.batch_size / grad_accum rows: the dp 2 cases (grad_accum 1) take
-  // one batch of 8 (their later --train.eval_batches 1 wins) where one GPU (grad_accum 2) takes two
-  // of 4, the same sequences.
-  for (const Case& c : cases) {
+  for (const MeshLayout& c : kMeshLayouts) {
     SCOPED_TRACE(c.out);
     CliRun b = f.train("cuda", c.out, fmt::format("--train.eval_batches 2 {}", c.flags));
     ASSERT_EQ(b.code, 0) << b.out << b.err;
@@ -473,9 +440,9 @@ TEST(CudaTrain, MeshLayoutsOnThreadsSharingTheGpuMatchOneGpu) {
   // Stopped at the start of step 11 (after the step-10 checkpoint) and resumed: the uninterrupted
   // run's losses within kResumeTol (the master weights, both moments, offloaded or not, and the
   // step count restored exactly; see the top of the file).
-  for (const Case& c : cases) {
+  for (const MeshLayout& c : kMeshLayouts) {
+    if (!c.resumed) continue;
     const std::string name = c.out;
-    if (name != "dp2z2off" && name != "dp2tp2z1" && name != "tp2pp2" && name != "dp2cp2z2") continue;
     SCOPED_TRACE(name + " resumed");
     const std::string cut = name + "_cut", flags = fmt::format("--quiet --train.eval_batches 2 {}", c.flags);
     CliRun b = f.train("cuda", cut, flags, "LOOM_FAULT_INJECT=rank=0,step=11,kind=exit");

@@ -261,7 +261,7 @@ Plan<11> backward_plan(const AttnArgs& a, int threads) {
 }
 
 void check_pool(const MemoryPool& pool, const char* fn, const char* field) {
-  LOOM_CHECK(pool.device() == Device::cpu, "{}: {} '{}' holds {} memory; the CPU kernel needs a cpu pool", fn, field,
+  LOOM_CHECK(host_memory(pool.device()), "{}: {} '{}' holds {} memory; the CPU kernel needs a host pool", fn, field,
              pool.name(), device_name(pool.device()));
 }
 

@@ -90,7 +90,7 @@ void convert(void* dst, DType dt, const void* src, DType st, int64_t n) {
 }  // namespace
 
 CpuBackend::CpuBackend(const BackendOptions& opt) : pool_(opt.pool ? opt.pool : &default_cpu_pool()) {
-  LOOM_CHECK(pool_->device() == Device::cpu, "cpu backend: pool '{}' is not a host pool", pool_->name());
+  LOOM_CHECK(host_memory(pool_->device()), "cpu backend: pool '{}' is not a host pool", pool_->name());
   LOOM_CHECK(opt.attention == AttnKernel::automatic || opt.attention == AttnKernel::tiled,
              "cpu backend: attention kernel '{}' runs on CUDA only (the CPU has 'tiled')", attn_kernel_name(opt.attention));
   attn_ws_ = std::make_unique<AttnWorkspace>(*pool_);
