@@ -25,6 +25,7 @@
 #include <cmath>
 #include <filesystem>
 #include <map>
+#include <span>
 #include <string>
 
 #include <fmt/format.h>
@@ -42,16 +43,21 @@ constexpr double kF32Tol = 1e-5, kF32NormTol = 1e-4;
 constexpr double kBf16TpTol = 2e-2, kBf16TpNormTol = 1e-1;
 constexpr double kBf16Tol = 1e-3, kBf16NormTol = 1e-2;
 
-// `loom train` of a 2-layer model (head size 32), 20 steps, validation at steps 10 and 20.
+// A 2-layer GPT of head size 32.
+constexpr const char* kGpt = "--model.n_layer 2 --model.n_head 2 --model.n_embd 64";
+// A 2-layer Llama (RMSNorm, rotary positions, SwiGLU, no biases) of 4 query and 2 key/value heads
+// of size 16.
+constexpr const char* kLlama = "--model.preset llama-tiny";
+
+// `loom train` of `model`, 20 steps, validation at steps 10 and 20.
 CliRun train(const TrainScratch& s, const std::string& device, const std::string& out, const std::string& extra,
-             const std::string& env = "") {
+             const std::string& env = "", const char* model = kGpt) {
   return s.train(out,
-                 fmt::format("--train.device {} --model.n_layer 2 --model.n_head 2 --model.n_embd 64 "
-                             "--data.seq_len 32 --train.batch_size 8 --train.steps 20 --train.eval_every 10 "
-                             "--train.eval_batches 2 --train.sample_tokens 0 --train.threads 2 --train.seed 7 "
-                             "--optim.lr 1e-3 --optim.warmup_steps 5 --train.checkpoint_every 5 "
+                 fmt::format("--train.device {} {} --data.seq_len 32 --train.batch_size 8 --train.steps 20 "
+                             "--train.eval_every 10 --train.eval_batches 2 --train.sample_tokens 0 --train.threads 2 "
+                             "--train.seed 7 --optim.lr 1e-3 --optim.warmup_steps 5 --train.checkpoint_every 5 "
                              "--train.keep_checkpoints 10 {}",
-                             device, extra),
+                             device, model, extra),
                  env);
 }
 
@@ -77,16 +83,17 @@ double expect_close(const std::map<int64_t, double>& got, const std::map<int64_t
   return worst;
 }
 
-// Runs every layout on the emulated device in `precision` against `one`'s run, printing the
-// largest differences.
-void run_layouts(const TrainScratch& s, const std::string& precision, const std::string& one, bool f32) {
+// Runs the layouts of `model` on the emulated device in `precision` against `one`'s run,
+// printing the largest differences.
+void run_layouts(const TrainScratch& s, std::span<const MeshLayout> layouts, const std::string& precision,
+                 const std::string& one, bool f32, const char* model = kGpt) {
   const auto l1 = metrics(s, one, "loss"), n1 = metrics(s, one, "grad_norm"), v1 = metrics(s, one, "val_loss");
   ASSERT_EQ(l1.size(), 20u);
-  for (const MeshLayout& c : kMeshLayouts) {
+  for (const MeshLayout& c : layouts) {
     SCOPED_TRACE(fmt::format("{} in {}", c.out, precision));
     const std::string out = precision + "_" + c.out;
-    CliRun b = train(s, "emu", out,
-                     fmt::format("--train.precision {} --train.eval_batches 2 {}", precision, c.flags));
+    CliRun b = train(s, "emu", out, fmt::format("--train.precision {} --train.eval_batches 2 {}", precision, c.flags),
+                     "", model);
     ASSERT_EQ(b.code, 0) << b.out << b.err;
     EXPECT_NE(b.out.find(fmt::format("emu ({} on an emulated device)", precision)), std::string::npos) << b.out;
     EXPECT_NE(b.out.find(c.header), std::string::npos) << b.out;
@@ -114,7 +121,7 @@ TEST(EmuTrain, F32LayoutsMatchTheCpu) {
   CliRun e = train(s, "emu", "f32_one", "--quiet --train.precision f32 --train.grad_accum 2");
   ASSERT_EQ(e.code, 0) << e.err;
   expect_close(metrics(s, "f32_one", "loss"), metrics(s, "cpu", "loss"), 1, kF32Tol, "loss");
-  run_layouts(s, "f32", "cpu", true);
+  run_layouts(s, kMeshLayouts, "f32", "cpu", true);
 }
 
 // bf16 compute on the emulated device, every layout against one emulated device; four stopped
@@ -127,7 +134,7 @@ TEST(EmuTrain, Bf16LayoutsMatchOneDeviceAndResumeExactly) {
   CliRun c = train(s, "cpu", "cpu", "--quiet --train.grad_accum 2");
   ASSERT_EQ(c.code, 0) << c.err;
   expect_close(metrics(s, "one", "loss"), metrics(s, "cpu", "loss"), 1, kBf16TpTol, "loss against the CPU");
-  run_layouts(s, "bf16", "one", false);
+  run_layouts(s, kMeshLayouts, "bf16", "one", false);
   for (const MeshLayout& c : kMeshLayouts) {
     if (!c.resumed) continue;
     const std::string name = std::string("bf16_") + c.out, cut = name + "_cut";
@@ -141,4 +148,28 @@ TEST(EmuTrain, Bf16LayoutsMatchOneDeviceAndResumeExactly) {
     EXPECT_EQ(metrics(s, cut, "loss"), metrics(s, name, "loss"));
     EXPECT_EQ(metrics(s, cut, "val_loss"), metrics(s, name, "val_loss"));
   }
+}
+
+// The Llama family's device paths (rotary positions uploaded, SwiGLU, RMSNorm, grouped-query
+// attention with 2 key/value heads for 4 query heads: split over tp 2, replicated under tp 4),
+// in f32 against the CPU and in bf16 against one emulated device, at the bounds above.
+TEST(EmuTrain, LlamaLayoutsMatch) {
+  static constexpr MeshLayout kLlamaLayouts[] = {
+      {"tp2", "--train.grad_accum 2 --parallel.tp 2", "dp 1 x tp 2 x cp 1", true, false},
+      {"tp4", "--train.grad_accum 2 --parallel.tp 4", "dp 1 x tp 4 x cp 1", true, false},
+      {"tp2sp", "--train.grad_accum 2 --parallel.tp 2 --parallel.sp true", "tp 2 + sp", true, false},
+      {"cp2", "--train.grad_accum 2 --parallel.cp 2", "dp 1 x tp 1 x cp 2", true, false},
+      {"pp2", "--train.grad_accum 2 --parallel.pp 2", "pp 2 (", false, false},
+      {"dp2z3", "--parallel.dp 2 --parallel.zero 3 --train.eval_batches 1", "dp 2 | ZeRO 3", false, false},
+      {"tp2pp2", "--train.grad_accum 2 --parallel.tp 2 --parallel.pp 2", "x dp 1 x tp 2 x cp 1", true, false},
+      {"cp2tp2", "--train.grad_accum 2 --parallel.cp 2 --parallel.tp 2 --parallel.sp true", "tp 2 + sp x cp 2", true,
+       false},
+  };
+  TrainScratch s("loom_emu_llama");
+  CliRun a = train(s, "cpu", "cpu", "--quiet --train.grad_accum 2", "", kLlama);
+  ASSERT_EQ(a.code, 0) << a.err;
+  run_layouts(s, kLlamaLayouts, "f32", "cpu", true, kLlama);
+  CliRun b = train(s, "emu", "one", "--quiet --train.grad_accum 2", "", kLlama);
+  ASSERT_EQ(b.code, 0) << b.err;
+  run_layouts(s, kLlamaLayouts, "bf16", "one", false, kLlama);
 }
