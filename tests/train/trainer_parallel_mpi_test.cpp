@@ -1,6 +1,6 @@
 // Mesh runs of `loom train` under MPI (parallel.comm = "mpi", one process per rank, 4 processes
 // with one OpenMP thread each) against the same config with ranks as threads: tp=2 x dp=2,
-// cp=2 x tp=2 and pp=2 x dp=2. Both backends reduce in the order comm/comm.h fixes and the
+// cp=2 x tp=2 and pp=2 x dp=2, and two layouts on the emulated device. Both backends reduce in the order comm/comm.h fixes and the
 // kernels see the same shapes and thread counts, so every loss, validation loss and gradient norm
 // and every tensor of the final checkpoint are bit-identical. Also: --trace gathers every
 // process's pipeline timeline to rank 0; a rank that throws ends every process with an error
@@ -62,6 +62,14 @@ TEST_F(TrainParallelMpi, TensorTimesDataParallelEqualsThreads) {
 TEST_F(TrainParallelMpi, ContextTimesTensorParallelEqualsThreads) {
   SKIP_WITHOUT_MPI();
   expect_mpi_equals_threads("cp2_tp2", "--parallel.cp 2 --parallel.tp 2");
+}
+
+// The emulated device's buffers over processes (its communicators wrap MPI's): tp x dp with
+// ZeRO-3's gathered compute copies, and tp x pp with bf16 activations sent between the stages.
+TEST_F(TrainParallelMpi, EmulatedDeviceLayoutsEqualThreads) {
+  SKIP_WITHOUT_MPI();
+  expect_mpi_equals_threads("emu_tp2_dp2_z3", "--train.device emu --parallel.tp 2 --parallel.dp 2 --parallel.zero 3");
+  expect_mpi_equals_threads("emu_tp2_pp2", "--train.device emu --parallel.tp 2 --parallel.pp 2");
 }
 
 // GaLore over processes: each projector computed by one data-parallel rank and broadcast.
