@@ -11,61 +11,63 @@ namespace loom::emu {
 namespace {
 
 // One bf16 operand of an op: rows of cols elements, stride apart (a packed q, k or v inside its
-// [B, T, 3 C] buffer); written when the op writes it.
+// [B, T, 3 C] buffer), or n contiguous ones; null or empty operands are left out.
 struct Operand {
-  const char* p = nullptr;
+  const void* p = nullptr;
   int64_t rows = 1, cols = 0, stride = 0;
-  bool written = false;
-  const char* end() const { return p + 2 * ((rows - 1) * stride + cols); }
+  Operand(const void* p_, int64_t n) : p(p_), cols(n), stride(n) {}
+  Operand(const void* p_, int64_t rows_, int64_t cols_, int64_t stride_)
+      : p(p_), rows(rows_), cols(cols_), stride(rows_ == 1 ? cols_ : stride_) {}
+  const char* begin() const { return static_cast<const char*>(p); }
+  const char* end() const { return begin() + 2 * ((rows - 1) * stride + cols); }
+  bool empty() const { return !p || rows <= 0 || cols <= 0; }
 };
 
-// An op's bf16 operands widened into f32 scratch (overlapping ones, like an aliased output or the
-// q, k and v columns of one buffer, share one span of it) and, after the op, the written ones
-// rounded back: only their own rows' columns, so that no byte outside what the op writes is
-// stored to (another thread may be reading it, a pipeline's send in flight).
+// An op's bf16 operands widened into the backend's f32 scratch (overlapping ones, like an aliased
+// output or the q, k and v columns of one buffer, share one span of it; outputs are widened too,
+// for ops that accumulate or write only some rows) and, after the op, the written ones rounded
+// back: only their own rows' columns, so that no byte outside what the op writes is stored to
+// (another thread may be reading it: a pipeline's send in flight, a gradient bucket's reduction).
 class Widened {
  public:
-  explicit Widened(EmuBackend& be) : be_(be) {}
-  void in(const void* p, int64_t n) { add(p, 1, n, n, false); }
-  void out(void* p, int64_t n) { add(p, 1, n, n, true); }
-  void in(const void* p, int64_t rows, int64_t cols, int64_t stride) { add(p, rows, cols, stride, false); }
-  void out(void* p, int64_t rows, int64_t cols, int64_t stride) { add(p, rows, cols, stride, true); }
-
-  // Merges the operands' intervals and widens each into its span of the scratch.
-  void widen() {
-    std::vector<const Operand*> by_start;
-    for (const Operand& o : ops_) by_start.push_back(&o);
-    std::sort(by_start.begin(), by_start.end(), [](const Operand* a, const Operand* b) { return a->p < b->p; });
+  Widened(EmuBackend& be, std::initializer_list<Operand> outs, std::initializer_list<Operand> ins) {
+    for (const Operand& o : outs)
+      if (!o.empty()) outs_.push_back(o);
+    std::vector<Operand> all = outs_;
+    for (const Operand& o : ins)
+      if (!o.empty()) all.push_back(o);
+    for (const Operand& o : all)
+      LOOM_CHECK(o.rows == 1 || o.stride >= o.cols, "emu backend: rows of {} elements {} apart", o.cols, o.stride);
+    std::sort(all.begin(), all.end(), [](const Operand& a, const Operand& b) { return a.begin() < b.begin(); });
     int64_t total = 0;
-    for (const Operand* o : by_start) {
-      if (!spans_.empty() && o->p < spans_.back().hi) {
-        spans_.back().hi = std::max(spans_.back().hi, o->end());
+    for (const Operand& o : all) {
+      if (!spans_.empty() && o.begin() < spans_.back().hi) {
+        spans_.back().hi = std::max(spans_.back().hi, o.end());
       } else {
-        spans_.push_back({o->p, o->end(), 0});
+        spans_.push_back({o.begin(), o.end(), 0});
       }
     }
-    for (Span& s : spans_) {
-      s.at = total;
-      total += (s.hi - s.lo) / 2;
+    for (Span& sp : spans_) {
+      sp.at = total;
+      total += (sp.hi - sp.lo) / 2;
     }
-    base_ = be_.scratch(total);
-    for (const Span& s : spans_)
-      bf16_to_f32(base_ + s.at, reinterpret_cast<const bf16*>(s.lo), (s.hi - s.lo) / 2);
+    base_ = be.scratch(total);
+    for (const Span& sp : spans_)
+      bf16_to_f32(base_ + sp.at, reinterpret_cast<const bf16*>(sp.lo), (sp.hi - sp.lo) / 2);
   }
   // The f32 image of p (an operand's pointer; null stays null).
   float* operator()(const void* p) const {
     if (!p) return nullptr;
     const char* c = static_cast<const char*>(p);
-    for (const Span& s : spans_)
-      if (c >= s.lo && c < s.hi) return base_ + s.at + (c - s.lo) / 2;
+    for (const Span& sp : spans_)
+      if (c >= sp.lo && c < sp.hi) return base_ + sp.at + (c - sp.lo) / 2;
     LOOM_FAIL("emu backend: pointer {} is not an operand of the op", p);
   }
   // Rounds the written operands back to bf16.
   void narrow() const {
-    for (const Operand& o : ops_) {
-      if (!o.written) continue;
+    for (const Operand& o : outs_) {
       const float* f = (*this)(o.p);
-      bf16* d = reinterpret_cast<bf16*>(const_cast<char*>(o.p));
+      bf16* d = static_cast<bf16*>(const_cast<void*>(o.p));
       for (int64_t r = 0; r < o.rows; ++r) f32_to_bf16(d + r * o.stride, f + r * o.stride, o.cols);
     }
   }
@@ -76,16 +78,18 @@ class Widened {
     const char* hi;
     int64_t at;
   };
-  void add(const void* p, int64_t rows, int64_t cols, int64_t stride, bool written) {
-    if (!p || rows <= 0 || cols <= 0) return;
-    LOOM_CHECK(rows == 1 || stride >= cols, "emu backend: rows of {} elements {} apart", cols, stride);
-    ops_.push_back({static_cast<const char*>(p), rows, cols, rows == 1 ? cols : stride, written});
-  }
-  EmuBackend& be_;
-  std::vector<Operand> ops_;
+  std::vector<Operand> outs_;
   std::vector<Span> spans_;
   float* base_ = nullptr;
 };
+
+// Runs op(w) on the widened operands, then rounds the outputs back.
+template <class F>
+void widened(EmuBackend& be, std::initializer_list<Operand> outs, std::initializer_list<Operand> ins, F&& op) {
+  Widened w(be, outs, ins);
+  op(w);
+  w.narrow();
+}
 
 // AdamW on the f32 master weights (the CPU's plan), then each compute copy refreshed from them.
 class EmuAdamW final : public AdamWPlan {
@@ -225,48 +229,42 @@ void EmuBackend::release_workspace() {
   }
 }
 
+// Each op: in f32 (the compute dtype f32, or an f32 gradient sum) the CPU's kernel on the buffers
+// themselves; in bf16 on their widened images.
+
 void EmuBackend::linear_forward(const LinearForward& a) {
   check(Op::linear, a.dtype);
   if (a.dtype == DType::f32) return cpu_->linear_forward(a);
-  Widened w(*this);
-  w.out(a.out, a.M * a.N);
-  if (a.gelu) w.out(a.pre_gelu, a.M * a.N);
-  w.in(a.inp, a.M * a.K);
-  w.in(a.weight, a.N * a.K);
-  w.in(a.bias, a.N);
-  w.in(a.residual, a.M * a.N);
-  w.widen();
-  LinearForward b = a;
-  b.dtype = DType::f32;
-  b.out = w(a.out);
-  b.pre_gelu = a.gelu ? w(a.pre_gelu) : nullptr;
-  b.inp = w(a.inp);
-  b.weight = w(a.weight);
-  b.bias = w(a.bias);
-  b.residual = w(a.residual);
-  cpu_->linear_forward(b);
-  w.narrow();
+  const int64_t M = a.M, K = a.K, N = a.N;
+  widened(*this, {{a.out, M * N}, {a.gelu ? a.pre_gelu : nullptr, M * N}},
+          {{a.inp, M * K}, {a.weight, N * K}, {a.bias, N}, {a.residual, M * N}}, [&](const Widened& w) {
+            LinearForward b = a;
+            b.dtype = DType::f32;
+            b.out = w(a.out);
+            b.pre_gelu = a.gelu ? w(a.pre_gelu) : nullptr;
+            b.inp = w(a.inp);
+            b.weight = w(a.weight);
+            b.bias = w(a.bias);
+            b.residual = w(a.residual);
+            cpu_->linear_forward(b);
+          });
 }
 
 void EmuBackend::linear_backward(const LinearBackward& a) {
   check(Op::linear, a.dtype);
   if (a.dtype == DType::f32) return cpu_->linear_backward(a);
-  Widened w(*this);
-  w.out(a.dinp, a.M * a.K);
-  w.in(a.dout, a.M * a.N);
-  w.in(a.inp, a.M * a.K);
-  w.in(a.weight, a.N * a.K);
-  w.in(a.gelu_pre, a.M * a.K);
-  w.widen();
-  LinearBackward b = a;
-  b.dtype = DType::f32;
-  b.dinp = w(a.dinp);
-  b.dout = w(a.dout);
-  b.inp = w(a.inp);
-  b.weight = w(a.weight);
-  b.gelu_pre = w(a.gelu_pre);
-  cpu_->linear_backward(b);
-  w.narrow();
+  const int64_t M = a.M, K = a.K, N = a.N;
+  widened(*this, {{a.dinp, M * K}}, {{a.dout, M * N}, {a.inp, M * K}, {a.weight, N * K}, {a.gelu_pre, M * K}},
+          [&](const Widened& w) {
+            LinearBackward b = a;
+            b.dtype = DType::f32;
+            b.dinp = w(a.dinp);
+            b.dout = w(a.dout);
+            b.inp = w(a.inp);
+            b.weight = w(a.weight);
+            b.gelu_pre = w(a.gelu_pre);
+            cpu_->linear_backward(b);
+          });
 }
 
 void EmuBackend::layernorm_forward(const LayerNormForward& a) {
@@ -280,41 +278,32 @@ void EmuBackend::layernorm_forward(const LayerNormForward& a) {
     add(a.dtype, a.residual_out, a.inp, a.residual_b, a.N * a.C);
     x = a.residual_out;
   }
-  Widened w(*this);
-  w.out(a.out, a.N * a.C);
-  w.in(x, a.N * a.C);
-  w.in(a.weight, a.C);
-  w.in(a.bias, a.C);
-  w.widen();
-  LayerNormForward b = a;
-  b.dtype = DType::f32;
-  b.out = w(a.out);
-  b.inp = w(x);
-  b.residual_b = nullptr;
-  b.residual_out = nullptr;
-  b.weight = w(a.weight);
-  b.bias = w(a.bias);
-  cpu_->layernorm_forward(b);
-  w.narrow();
+  widened(*this, {{a.out, a.N * a.C}}, {{x, a.N * a.C}, {a.weight, a.C}, {a.bias, a.C}}, [&](const Widened& w) {
+    LayerNormForward b = a;
+    b.dtype = DType::f32;
+    b.out = w(a.out);
+    b.inp = w(x);
+    b.residual_b = nullptr;
+    b.residual_out = nullptr;
+    b.weight = w(a.weight);
+    b.bias = w(a.bias);
+    cpu_->layernorm_forward(b);
+  });
 }
 
 void EmuBackend::layernorm_backward(const LayerNormBackward& a) {
   check(a.rms ? Op::rmsnorm : Op::layernorm, a.dtype);
   if (a.dtype == DType::f32) return cpu_->layernorm_backward(a);
-  Widened w(*this);
-  w.out(a.dinp, a.N * a.C);
-  w.in(a.dout, a.N * a.C);
-  w.in(a.inp, a.N * a.C);
-  w.in(a.weight, a.C);
-  w.widen();
-  LayerNormBackward b = a;
-  b.dtype = DType::f32;
-  b.dinp = w(a.dinp);
-  b.dout = w(a.dout);
-  b.inp = w(a.inp);
-  b.weight = w(a.weight);
-  cpu_->layernorm_backward(b);
-  w.narrow();
+  const int64_t n = a.N * a.C;
+  widened(*this, {{a.dinp, n}}, {{a.dout, n}, {a.inp, n}, {a.weight, a.C}}, [&](const Widened& w) {
+    LayerNormBackward b = a;
+    b.dtype = DType::f32;
+    b.dinp = w(a.dinp);
+    b.dout = w(a.dout);
+    b.inp = w(a.inp);
+    b.weight = w(a.weight);
+    cpu_->layernorm_backward(b);
+  });
 }
 
 void EmuBackend::prepare_attention(DType dtype, const AttnShape& s) {
@@ -327,208 +316,161 @@ int64_t EmuBackend::attention_workspace_bytes(DType dtype, const AttnShape& s, i
   return cpu_->attention_workspace_bytes(DType::f32, s, threads);
 }
 
+namespace {
+// Attention's operands: queries (and outputs) of B Tq rows, keys and values of B Tkv rows.
+Operand rows_q(const void* p, const AttnShape& s, int64_t stride) { return {p, s.B * s.Tq, s.NH * s.HS, stride}; }
+Operand rows_kv(const void* p, const AttnShape& s) { return {p, s.B * s.Tkv, s.kv_heads() * s.HS, s.kv_stride}; }
+}  // namespace
+
 void EmuBackend::attention_forward(const AttentionForward& a) {
   check(Op::attention, a.dtype);
   if (a.dtype == DType::f32) return cpu_->attention_forward(a);
   const AttnShape& s = a.shape;
-  const int64_t C = s.NH * s.HS, Ckv = s.kv_heads() * s.HS;
-  Widened w(*this);
-  w.out(a.out, s.B * s.Tq, C, s.o_stride);
-  w.in(a.q, s.B * s.Tq, C, s.q_stride);
-  w.in(a.k, s.B * s.Tkv, Ckv, s.kv_stride);
-  w.in(a.v, s.B * s.Tkv, Ckv, s.kv_stride);
-  w.widen();
-  AttentionForward b = a;
-  b.dtype = DType::f32;
-  b.out = w(a.out);
-  b.q = w(a.q);
-  b.k = w(a.k);
-  b.v = w(a.v);
-  b.probs = nullptr;
-  cpu_->attention_forward(b);
-  w.narrow();
+  widened(*this, {rows_q(a.out, s, s.o_stride)}, {rows_q(a.q, s, s.q_stride), rows_kv(a.k, s), rows_kv(a.v, s)},
+          [&](const Widened& w) {
+            AttentionForward b = a;
+            b.dtype = DType::f32;
+            b.out = w(a.out);
+            b.q = w(a.q);
+            b.k = w(a.k);
+            b.v = w(a.v);
+            b.probs = nullptr;
+            cpu_->attention_forward(b);
+          });
 }
 
 void EmuBackend::attention_backward(const AttentionBackward& a) {
   check(Op::attention, a.dtype);
   if (a.dtype == DType::f32) return cpu_->attention_backward(a);
   const AttnShape& s = a.shape;
-  const int64_t C = s.NH * s.HS, Ckv = s.kv_heads() * s.HS;
-  Widened w(*this);
-  w.out(a.dq, s.B * s.Tq, C, s.q_stride);
-  w.out(a.dk, s.B * s.Tkv, Ckv, s.kv_stride);
-  w.out(a.dv, s.B * s.Tkv, Ckv, s.kv_stride);
-  w.in(a.dout, s.B * s.Tq, C, s.o_stride);
-  w.in(a.out, s.B * s.Tq, C, s.o_stride);
-  w.in(a.q, s.B * s.Tq, C, s.q_stride);
-  w.in(a.k, s.B * s.Tkv, Ckv, s.kv_stride);
-  w.in(a.v, s.B * s.Tkv, Ckv, s.kv_stride);
-  w.widen();
-  AttentionBackward b = a;
-  b.dtype = DType::f32;
-  b.dq = w(a.dq);
-  b.dk = w(a.dk);
-  b.dv = w(a.dv);
-  b.dout = w(a.dout);
-  b.out = w(a.out);
-  b.q = w(a.q);
-  b.k = w(a.k);
-  b.v = w(a.v);
-  b.probs = nullptr;
-  cpu_->attention_backward(b);
-  w.narrow();
+  widened(*this, {rows_q(a.dq, s, s.q_stride), rows_kv(a.dk, s), rows_kv(a.dv, s)},
+          {rows_q(a.dout, s, s.o_stride), rows_q(a.out, s, s.o_stride), rows_q(a.q, s, s.q_stride), rows_kv(a.k, s),
+           rows_kv(a.v, s)},
+          [&](const Widened& w) {
+            AttentionBackward b = a;
+            b.dtype = DType::f32;
+            b.dq = w(a.dq);
+            b.dk = w(a.dk);
+            b.dv = w(a.dv);
+            b.dout = w(a.dout);
+            b.out = w(a.out);
+            b.q = w(a.q);
+            b.k = w(a.k);
+            b.v = w(a.v);
+            b.probs = nullptr;
+            cpu_->attention_backward(b);
+          });
 }
 
 void EmuBackend::attention_merge(const AttentionMerge& a) {
   check(Op::attention, a.dtype);
   if (a.dtype == DType::f32) return cpu_->attention_merge(a);
-  Widened w(*this);
-  w.in(a.part, a.B * a.Tq * a.NH * a.HS);
-  w.widen();
-  AttentionMerge b = a;
-  b.dtype = DType::f32;
-  b.part = w(a.part);
-  cpu_->attention_merge(b);
+  widened(*this, {}, {{a.part, a.B * a.Tq * a.NH * a.HS}}, [&](const Widened& w) {
+    AttentionMerge b = a;
+    b.dtype = DType::f32;
+    b.part = w(a.part);
+    cpu_->attention_merge(b);
+  });
 }
 
 void EmuBackend::crossentropy(const CrossEntropy& a) {
   check(Op::crossentropy, a.dtype);
   if (a.dtype == DType::f32) return cpu_->crossentropy(a);
-  Widened w(*this);
-  w.out(a.dlogits, a.N * a.Vp);
-  w.in(a.logits, a.N * a.Vp);
-  w.widen();
-  CrossEntropy b = a;
-  b.dtype = DType::f32;
-  b.dlogits = w(a.dlogits);
-  b.logits = w(a.logits);
-  cpu_->crossentropy(b);
-  w.narrow();
+  widened(*this, {{a.dlogits, a.N * a.Vp}}, {{a.logits, a.N * a.Vp}}, [&](const Widened& w) {
+    CrossEntropy b = a;
+    b.dtype = DType::f32;
+    b.dlogits = w(a.dlogits);
+    b.logits = w(a.logits);
+    cpu_->crossentropy(b);
+  });
 }
 
 void EmuBackend::vocab_crossentropy(const VocabCrossEntropy& a) {
   check(Op::crossentropy, a.dtype);
   if (a.dtype == DType::f32) return cpu_->vocab_crossentropy(a);
-  Widened w(*this);
-  if (a.pass == VocabCrossEntropy::Pass::finish) w.out(a.dlogits, a.N * a.Vs);
-  w.in(a.logits, a.N * a.Vs);
-  w.widen();
-  VocabCrossEntropy b = a;
-  b.dtype = DType::f32;
-  b.dlogits = a.pass == VocabCrossEntropy::Pass::finish ? w(a.dlogits) : nullptr;
-  b.logits = w(a.logits);
-  cpu_->vocab_crossentropy(b);
-  w.narrow();
+  const bool finish = a.pass == VocabCrossEntropy::Pass::finish;
+  widened(*this, {{finish ? a.dlogits : nullptr, a.N * a.Vs}}, {{a.logits, a.N * a.Vs}}, [&](const Widened& w) {
+    VocabCrossEntropy b = a;
+    b.dtype = DType::f32;
+    b.dlogits = finish ? w(a.dlogits) : nullptr;
+    b.logits = w(a.logits);
+    cpu_->vocab_crossentropy(b);
+  });
 }
-
-namespace {
-// Rows of the position table an embedding call reads.
-int64_t position_rows(const int32_t* positions, int64_t T, int64_t pos0) {
-  if (!positions) return pos0 + T;
-  int64_t mx = -1;
-  for (int64_t t = 0; t < T; ++t) mx = std::max<int64_t>(mx, positions[t]);
-  return mx + 1;
-}
-}  // namespace
 
 void EmuBackend::embedding_forward(const EmbeddingForward& a) {
   check(Op::embedding, a.dtype);
   if (a.dtype == DType::f32) return cpu_->embedding_forward(a);
-  Widened w(*this);
-  w.out(a.out, a.B * a.T * a.C);
-  w.in(a.wte, (a.vocab_rows > 0 ? a.vocab_rows : a.V) * a.C);
-  if (a.wpe) w.in(a.wpe, position_rows(a.positions, a.T, a.pos0) * a.C);
-  w.widen();
-  EmbeddingForward b = a;
-  b.dtype = DType::f32;
-  b.out = w(a.out);
-  b.wte = w(a.wte);
-  b.wpe = w(a.wpe);
-  cpu_->embedding_forward(b);
-  w.narrow();
+  // The position table's rows the call reads.
+  int64_t positions = a.pos0 + a.T;
+  if (a.positions) {
+    positions = 0;
+    for (int64_t t = 0; t < a.T; ++t) positions = std::max<int64_t>(positions, int64_t(a.positions[t]) + 1);
+  }
+  widened(*this, {{a.out, a.B * a.T * a.C}},
+          {{a.wte, (a.vocab_rows > 0 ? a.vocab_rows : a.V) * a.C}, {a.wpe, positions * a.C}}, [&](const Widened& w) {
+            EmbeddingForward b = a;
+            b.dtype = DType::f32;
+            b.out = w(a.out);
+            b.wte = w(a.wte);
+            b.wpe = w(a.wpe);
+            cpu_->embedding_forward(b);
+          });
 }
 
 void EmuBackend::embedding_backward(const EmbeddingBackward& a) {
   check(Op::embedding, a.dtype);
   if (a.dtype == DType::f32) return cpu_->embedding_backward(a);
-  Widened w(*this);
-  w.in(a.dout, a.B * a.T * a.C);
-  w.widen();
-  EmbeddingBackward b = a;
-  b.dtype = DType::f32;
-  b.dout = w(a.dout);
-  cpu_->embedding_backward(b);
+  widened(*this, {}, {{a.dout, a.B * a.T * a.C}}, [&](const Widened& w) {
+    EmbeddingBackward b = a;
+    b.dtype = DType::f32;
+    b.dout = w(a.dout);
+    cpu_->embedding_backward(b);
+  });
 }
 
 void EmuBackend::gelu_forward(DType dtype, void* out, const void* inp, int64_t n) {
   check(Op::gelu, dtype);
   if (dtype == DType::f32) return cpu_->gelu_forward(dtype, out, inp, n);
-  Widened w(*this);
-  w.out(out, n);
-  w.in(inp, n);
-  w.widen();
-  cpu_->gelu_forward(DType::f32, w(out), w(inp), n);
-  w.narrow();
+  widened(*this, {{out, n}}, {{inp, n}}, [&](const Widened& w) { cpu_->gelu_forward(DType::f32, w(out), w(inp), n); });
 }
 
 void EmuBackend::gelu_backward(DType dtype, void* dinp, const void* inp, const void* dout, int64_t n) {
   check(Op::gelu, dtype);
   if (dtype == DType::f32) return cpu_->gelu_backward(dtype, dinp, inp, dout, n);
-  Widened w(*this);
-  w.out(dinp, n);
-  w.in(inp, n);
-  w.in(dout, n);
-  w.widen();
-  cpu_->gelu_backward(DType::f32, w(dinp), w(inp), w(dout), n);
-  w.narrow();
+  widened(*this, {{dinp, n}}, {{inp, n}, {dout, n}},
+          [&](const Widened& w) { cpu_->gelu_backward(DType::f32, w(dinp), w(inp), w(dout), n); });
 }
 
 void EmuBackend::rope(const Rope& a) {
   check(Op::rope, a.dtype);
   if (a.dtype == DType::f32) return cpu_->rope(a);
-  Widened w(*this);
-  w.out(a.x, a.B * a.T, a.NH * a.HS, a.stride);
-  w.widen();
-  Rope b = a;
-  b.dtype = DType::f32;
-  b.x = w(a.x);
-  cpu_->rope(b);
-  w.narrow();
+  widened(*this, {{a.x, a.B * a.T, a.NH * a.HS, a.stride}}, {}, [&](const Widened& w) {
+    Rope b = a;
+    b.dtype = DType::f32;
+    b.x = w(a.x);
+    cpu_->rope(b);
+  });
 }
 
 void EmuBackend::swiglu_forward(DType dtype, void* out, const void* inp, int64_t N, int64_t H) {
   check(Op::swiglu, dtype);
   if (dtype == DType::f32) return cpu_->swiglu_forward(dtype, out, inp, N, H);
-  Widened w(*this);
-  w.out(out, N * H);
-  w.in(inp, N * 2 * H);
-  w.widen();
-  cpu_->swiglu_forward(DType::f32, w(out), w(inp), N, H);
-  w.narrow();
+  widened(*this, {{out, N * H}}, {{inp, N * 2 * H}},
+          [&](const Widened& w) { cpu_->swiglu_forward(DType::f32, w(out), w(inp), N, H); });
 }
 
 void EmuBackend::swiglu_backward(DType dtype, void* dinp, const void* dout, const void* inp, int64_t N, int64_t H) {
   check(Op::swiglu, dtype);
   if (dtype == DType::f32) return cpu_->swiglu_backward(dtype, dinp, dout, inp, N, H);
-  Widened w(*this);
-  w.out(dinp, N * 2 * H);
-  w.in(dout, N * H);
-  w.in(inp, N * 2 * H);
-  w.widen();
-  cpu_->swiglu_backward(DType::f32, w(dinp), w(dout), w(inp), N, H);
-  w.narrow();
+  widened(*this, {{dinp, N * 2 * H}}, {{dout, N * H}, {inp, N * 2 * H}},
+          [&](const Widened& w) { cpu_->swiglu_backward(DType::f32, w(dinp), w(dout), w(inp), N, H); });
 }
 
 void EmuBackend::add(DType dtype, void* out, const void* a, const void* b, int64_t n) {
   check(Op::add, dtype);
   if (dtype == DType::f32) return cpu_->add(dtype, out, a, b, n);
-  Widened w(*this);
-  w.out(out, n);
-  w.in(a, n);
-  w.in(b, n);
-  w.widen();
-  cpu_->add(DType::f32, w(out), w(a), w(b), n);
-  w.narrow();
+  widened(*this, {{out, n}}, {{a, n}, {b, n}}, [&](const Widened& w) { cpu_->add(DType::f32, w(out), w(a), w(b), n); });
 }
 
 std::unique_ptr<AdamWPlan> EmuBackend::plan_adamw(const std::vector<AdamWTensor>& tensors) {
