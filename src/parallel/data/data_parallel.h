@@ -72,7 +72,9 @@
 // squares by Backend::sum_squares, AdamW by Backend::plan_adamw, and the compute copies the ops
 // read refreshed after every update (declared parameters get theirs here; under ZeRO-3 a
 // gathered block's are converted into two more buffers of U elements in the compute dtype, so no
-// compute copy is kept whole); GaLore runs on the CPU backend only (refused by name). add_peer_gradient's link must then take the device's
+// compute copy is kept whole: in a 16-bit compute dtype the params tag holds 2 N_pad bytes more
+// than the formulas above for stages 0-2 and 4 U more for stage 3, the tests check these too);
+// GaLore runs on the CPU backend only (refused by name). add_peer_gradient's link must then take the device's
 // memory too (a device communicator).
 //
 // Composed with tensor / sequence / context parallelism (a model::GPT over tp and cp groups): the

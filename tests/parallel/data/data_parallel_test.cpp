@@ -1,7 +1,8 @@
 // Data parallelism against one device: dp in {1, 2, 4} x ZeRO 0-3 (and offload) train 20 steps of
 // a tiny GPT on the threads backend; per-step losses agree within 1e-5 relative and the final
 // parameters within ||p - p_ref|| / ||p_ref|| <= 1e-5. Peak memory per rank and tag equals the
-// formulas of parallel/data/data_parallel.h. A rank that throws stops every rank promptly.
+// formulas of parallel/data/data_parallel.h, on the CPU and on a device (the emulated one, with its
+// compute copies). A rank that throws stops every rank promptly.
 #include "parallel/data/data_parallel.h"
 
 #include <gtest/gtest.h>
@@ -14,6 +15,7 @@
 #include <omp.h>
 
 #include "comm/threads.h"
+#include "core/backend.h"
 #include "core/rng.h"
 #include "model/gpt.h"
 #include "optim/adamw.h"
@@ -92,12 +94,16 @@ struct MemPeaks {
   int64_t N_pad = 0, S = 0, G = 0, U = 0;
 };
 
-// One rank's training: samples [r B/dp, (r+1) B/dp) of each step, in `accum` micro-batches.
+// One rank's training: samples [r B/dp, (r+1) B/dp) of each step, in `accum` micro-batches. On
+// the emulated device (emu) in bf16, as a GPU's ranks run (the model's parameters declared and
+// placed by data parallelism, the tokens in host memory).
 RunResult train_rank(comm::Comm& c, int zero, bool offload, int64_t accum, int64_t bucket_bytes, MemPeaks* mem,
-                     bool prefetch = true) {
+                     bool prefetch = true, bool emu = false) {
   const int dp = c.size();
-  MemoryPool pool(fmt::format("cpu:{}", c.rank())), host(fmt::format("host:{}", c.rank()));
-  model::GPT gpt(tiny(), pool, 1234);
+  MemoryPool pool(fmt::format("{}:{}", emu ? "emu" : "cpu", c.rank()), emu ? &emu_allocator() : &cpu_allocator()),
+      host(fmt::format("host:{}", c.rank()));
+  std::unique_ptr<Backend> be = emu ? make_backend(Device::emu, {.pool = &pool}) : nullptr;
+  model::GPT gpt = emu ? model::GPT(tiny(), *be, 1234, {.defer_parameters = true}) : model::GPT(tiny(), pool, 1234);
   parallel::DataParallelOptions o;
   o.zero = zero;
   o.offload = offload;
@@ -106,8 +112,8 @@ RunResult train_rank(comm::Comm& c, int zero, bool offload, int64_t accum, int64
   o.prefetch = prefetch;
   parallel::DataParallel ddp(gpt, c, adam_cfg(), o);
   const int64_t local = kB / dp, mb = local / accum, V = tiny().vocab_size;
-  Tensor x = Tensor::empty({mb, kT}, DType::i32, MemTag::workspace, pool);
-  Tensor y = Tensor::empty({mb, kT}, DType::i32, MemTag::workspace, pool);
+  Tensor x = Tensor::empty({mb, kT}, DType::i32, MemTag::workspace, emu ? host : pool);
+  Tensor y = Tensor::empty({mb, kT}, DType::i32, MemTag::workspace, emu ? host : pool);
   pool.reset_peaks();
   host.reset_peaks();
   RunResult r;
@@ -151,14 +157,14 @@ RunResult train_rank(comm::Comm& c, int zero, bool offload, int64_t accum, int64
 }
 
 std::vector<RunResult> run_dp(int dp, int zero, bool offload, int64_t accum, int64_t bucket_bytes,
-                              std::vector<MemPeaks>* mem = nullptr, bool prefetch = true) {
+                              std::vector<MemPeaks>* mem = nullptr, bool prefetch = true, bool emu = false) {
   std::vector<RunResult> out(static_cast<size_t>(dp));
   if (mem) mem->assign(size_t(dp), {});
   comm::RunOptions ro;
   ro.comm.timeout = std::chrono::milliseconds(60'000);
   comm::run_ranks(dp, [&](comm::Comm& c) {
     out[size_t(c.rank())] =
-        train_rank(c, zero, offload, accum, bucket_bytes, mem ? &(*mem)[size_t(c.rank())] : nullptr, prefetch);
+        train_rank(c, zero, offload, accum, bucket_bytes, mem ? &(*mem)[size_t(c.rank())] : nullptr, prefetch, emu);
   }, ro);
   return out;
 }
@@ -270,6 +276,32 @@ TEST(DataParallel, PeakMemoryEqualsZeroFormulas) {
         EXPECT_EQ(m.host_optimizer, offload ? 8 * P : 0) << what;
         EXPECT_EQ(m.host_params, offload ? 4 * P : 0) << what;
         EXPECT_EQ(m.host_grads, offload ? 4 * P : 0) << what;
+      }
+    }
+}
+
+// On a device computing in bf16 (the emulated one), every tag and pool as on the CPU (the
+// formulas above), the parameters' tag apart: the ops read compute copies in bf16, one flat copy
+// of the parameters (2 N_pad bytes) for stages 0-2, and under ZeRO-3 none kept whole but a bf16
+// buffer beside each of the two gather buffers (4 U bytes).
+TEST(DataParallel, PeakMemoryOnADeviceAddsOnlyTheComputeCopies) {
+  omp_set_num_threads(1);
+  for (int zero : {0, 1, 2, 3})
+    for (bool offload : {false, true}) {
+      std::vector<MemPeaks> cpu, dev;
+      run_dp(4, zero, offload, 1, 1, &cpu);
+      run_dp(4, zero, offload, 1, 1, &dev, true, true);
+      for (size_t r = 0; r < cpu.size(); ++r) {
+        const MemPeaks &c = cpu[r], &d = dev[r];
+        const std::string what = fmt::format("zero={} offload={} rank {}", zero, offload, r);
+        ASSERT_EQ(d.N_pad, c.N_pad) << what;
+        ASSERT_EQ(d.U, c.U) << what;
+        EXPECT_EQ(d.params, c.params + (zero == 3 ? 4 * c.U : 2 * c.N_pad)) << what;
+        EXPECT_EQ(d.grads, c.grads) << what;
+        EXPECT_EQ(d.optimizer, c.optimizer) << what;
+        EXPECT_EQ(d.host_params, c.host_params) << what;
+        EXPECT_EQ(d.host_grads, c.host_grads) << what;
+        EXPECT_EQ(d.host_optimizer, c.host_optimizer) << what;
       }
     }
 }
