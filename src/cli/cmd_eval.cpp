@@ -1,5 +1,5 @@
 // loom eval CKPT (--text FILE | --tokens FILE) [--tokenizer DIR] [--seq N] [--batch B]
-// [--device cpu|cuda] [--json]: the loss and perplexity of a checkpoint (either family) on a file.
+// [--device cpu|cuda|emu] [--json]: the loss and perplexity of a checkpoint (either family) on a file.
 //
 // The tokens (the text encoded with the checkpoint's tokenizer, or a loom token shard written by
 // `loom prepare`) are cut into consecutive windows of --seq + 1 tokens sharing their boundary
@@ -86,15 +86,18 @@ int run_eval(const EvalArgs& a) {
   // uploaded from one host buffer).
   MemoryPool pool("cpu:0");
   std::unique_ptr<Backend> be;
+  const bool device = a.device != "cpu";
   if (a.device == "cuda") {
     std::string why;
     if (!backend_available(Device::cuda, &why)) throw Error(fmt::format("command line: --device cuda: {}", why));
     be = make_backend(Device::cuda);
+  } else if (a.device == "emu") {
+    be = make_backend(Device::emu);
   } else {
     be = make_backend(Device::cpu, {.pool = &pool});
   }
   model::GPT gpt(cfg, *be);
-  if (a.device == "cuda") {
+  if (device) {
     train::CheckpointReader r(ckpt);
     std::vector<float> buf;
     for (model::Parameter* p : gpt.parameters()) {
@@ -153,8 +156,9 @@ Registrar reg{Command{
       sub.add_option("--seq", a->seq, "predicted tokens per window (default: the model's block_size)")
           ->check(CLI::Range(int64_t(1), int64_t(1) << 40));
       sub.add_option("--batch", a->batch, "windows per forward pass");
-      sub.add_option("--device", a->device, "cpu (f32) or cuda (bf16; a build with CUDA)")
-          ->check(CLI::IsMember({"cpu", "cuda"}));
+      sub.add_option("--device", a->device,
+                     "cpu (f32), cuda (bf16; a build with CUDA) or emu (bf16 on the emulated device, for testing)")
+          ->check(CLI::IsMember({"cpu", "cuda", "emu"}));
       sub.add_flag("--json", a->json, "one JSON line instead of the summary");
       return [a]() { return run_eval(*a); };
     }}};
