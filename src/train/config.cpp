@@ -67,7 +67,7 @@ const Field kFields[] = {
     F("train.batch_size", batch_size, "sequences per optimizer step (global batch)"),
     F("train.grad_accum", grad_accum, "micro-steps per optimizer step"),
     F("train.seed", seed, "seed of initialisation and data order"),
-    F("train.device", device, "cpu, or cuda: GPUs (a build with -DLOOM_CUDA=ON; dp, tp, sp, cp, pp, ZeRO, offload and recomputation: dp alone as one process per GPU rank, the others as threads sharing a GPU or processes), or emu: for testing, an emulated device in host memory that runs every layout's device paths on the CPU's kernels (bf16, or f32, activations and compute copies; f32 master weights and moments)"),
+    F("train.device", device, "cpu, or cuda: GPUs (a build with -DLOOM_CUDA=ON; dp, tp, sp, cp, pp, ZeRO, offload and recomputation: dp alone as one process per GPU rank, the others as threads sharing a GPU or processes), or emu: for testing, an emulated device in host memory that runs every layout's device paths on the CPU's kernels (activations in bf16, or f32, with the parameters' bf16 compute copies; f32 master weights and moments)"),
     F("train.cuda_graph", cuda_graph, "with train.device cuda: run each step as one CUDA graph (false: kernel by kernel, for debugging)"),
     F("train.cuda_attention", cuda_attention, "with train.device cuda: flash (loom's kernels), cudnn (cuDNN's fused attention), gemm (probabilities materialised), or auto (cudnn where loom has cuDNN 9.16 or newer and the head size is 64 or 128, else flash for those head sizes, else gemm)"),
     F("train.precision", precision, "auto (f32 on the CPU, bf16 on CUDA and emu), f32, or bf16: on the CPU the linear layers' products in bf16 with f32 accumulation, weights, activations and gradients in f32 (needs AVX512-BF16 or AMX-BF16); on CUDA bf16 compute with f32 master weights and moments. fp16 (train.device cuda): f16 compute with f32 master weights and moments and dynamic loss scaling (train.loss_scale_*)"),
@@ -414,7 +414,7 @@ void TrainConfig::validate(const std::string& where, const std::vector<std::stri
          fmt::format("optim.name = galore needs whole matrices on each rank: ZeRO {} shards the optimizer over a "
                      "flat buffer that cuts them; use 0",
                      zero));
-    need(device == "cpu", "optim.name", "galore runs on the CPU only (its SVD is LAPACK's); use adamw on cuda");
+    need(device == "cpu", "optim.name", "galore runs on the CPU only (its SVD is LAPACK's); use adamw on cuda and emu");
     // Every block matrix's smaller side is n_embd: a rank not below it projects nothing.
     const int64_t C = model(0).n_embd;
     need(galore_rank < C, "optim.galore_rank",

@@ -14,8 +14,8 @@
 namespace loom::train {
 
 std::string apply_auto_plan(TrainConfig& cfg, const std::string& config_path) {
-  LOOM_CHECK(cfg.device == "cpu", "--plan auto: plans layouts of CPU ranks; with train.device = \"{}\" loom runs "
-             "data parallelism only (set parallel.dp)", cfg.device);
+  LOOM_CHECK(cfg.device == "cpu", "--plan auto: plans layouts of CPU ranks, not of train.device = \"{}\" (set the "
+             "layout's parallel.* fields yourself)", cfg.device);
   const int world = int(cfg.pp * cfg.dp * cfg.cp * cfg.tp);
   // The model as the run will build it (the vocabulary from the data).
   const model::GPTConfig mc = open_run_data(cfg, config_path).model;

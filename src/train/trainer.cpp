@@ -800,6 +800,8 @@ std::unique_ptr<Engine> make_emu_engine(const EngineArgs& a) {
   const DType compute = a.cfg.run_precision() == "f32" ? DType::f32 : DType::bf16;
   DeviceMesh d;
   d.backend = make_backend(Device::emu, {.compute = compute});
+  // Every allocation of the rank's device memory is checked against the limit before it is made.
+  d.backend->pool().set_limit(int64_t(a.cfg.memory_limit), "train.memory_limit");
   d.gemm_peak = [] { return cpu::measure_gemm_peak_gflops(512, 0.1) * 1e9; };
   d.peak_name = "f32 GEMM peak (the host's)";
   d.device = fmt::format("emu ({} on an emulated device)", dtype_name(compute));

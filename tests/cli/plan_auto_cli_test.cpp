@@ -52,7 +52,7 @@ TEST(PlanAutoCli, TrainsWithThePlannersFirstChoice) {
   LOOM_REQUIRE_LOOM();
   TrainScratch r("loom_plan_auto_cli");
   // Nothing of two ranks fits 1 MB: the refusal names the limit and what the least demanding
-  // layout needs. The GPU runs data parallelism only.
+  // layout needs.
   CliRun none = r.train("none", fmt::format("{} --parallel.dp 2 --plan auto --train.memory_limit 1000000", kModel));
   EXPECT_NE(none.code, 0);
   EXPECT_NE(none.err.find("--plan auto: no layout of 2 ranks fits"), std::string::npos) << none.err;

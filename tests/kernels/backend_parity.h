@@ -511,6 +511,67 @@ TEST_P(BackendParity, CrossEntropy) {
   for (int64_t v = V; v < Vp; ++v) EXPECT_EQ(got[size_t(v)], 0.f) << "padding column " << v;
 }
 
+// The operands the contracts let alias (core/backend.h): an op computing in place gives what it
+// gives into a buffer of its own, bit for bit (the same arithmetic on the same values; the model
+// relies on each of these).
+TEST_P(BackendParity, AliasedOperandsGiveTheSameValues) {
+  const int64_t N = 21, H = 48, n = N * 2 * H;
+  const auto x = bf16_random(n, 81), g = bf16_random(n, 82), h = bf16_random(N * H, 83);
+  {  // gelu forward in place; gelu backward into dout
+    DevBuf a(be(), x, dt_), out(be(), n, dt_), dout(be(), g, dt_), din(be(), n, dt_);
+    be().gelu_backward(dt_, din.p(), a.p(), dout.p(), n);
+    be().gelu_backward(dt_, dout.p(), a.p(), dout.p(), n);
+    EXPECT_EQ(dout.get(), din.get()) << "gelu_backward into dout";
+    be().gelu_forward(dt_, out.p(), a.p(), n);
+    be().gelu_forward(dt_, a.p(), a.p(), n);
+    EXPECT_EQ(a.get(), out.get()) << "gelu_forward in place";
+  }
+  {  // swiglu backward into its input
+    DevBuf inp(be(), x, dt_), dout(be(), h, dt_), din(be(), n, dt_);
+    be().swiglu_backward(dt_, din.p(), dout.p(), inp.p(), N, H);
+    be().swiglu_backward(dt_, inp.p(), dout.p(), inp.p(), N, H);
+    EXPECT_EQ(inp.get(), din.get()) << "swiglu_backward into inp";
+  }
+  {  // add into either input
+    DevBuf a(be(), x, dt_), b(be(), g, dt_), sum(be(), n, dt_);
+    be().add(dt_, sum.p(), a.p(), b.p(), n);
+    be().add(dt_, a.p(), a.p(), b.p(), n);
+    EXPECT_EQ(a.get(), sum.get()) << "add into a";
+    a.set(x);
+    be().add(dt_, b.p(), a.p(), b.p(), n);
+    EXPECT_EQ(b.get(), sum.get()) << "add into b";
+  }
+  {  // the residual sum of a LayerNorm into its input
+    const int64_t C = 2 * H;
+    DevBuf a(be(), x, dt_), r(be(), g, dt_), w(be(), bf16_random(C, 84), dt_), bias(be(), bf16_random(C, 85), dt_),
+        out1(be(), n, dt_), out2(be(), n, dt_), res(be(), n, dt_), mean(be(), N, DType::f32), rstd(be(), N, DType::f32);
+    be().layernorm_forward({.dtype = dt_, .out = out1.p(), .mean = mean.as<float>(), .rstd = rstd.as<float>(),
+                            .inp = a.p(), .residual_b = r.p(), .residual_out = res.p(), .weight = w.p(),
+                            .bias = bias.p(), .N = N, .C = C});
+    be().layernorm_forward({.dtype = dt_, .out = out2.p(), .mean = mean.as<float>(), .rstd = rstd.as<float>(),
+                            .inp = a.p(), .residual_b = r.p(), .residual_out = a.p(), .weight = w.p(),
+                            .bias = bias.p(), .N = N, .C = C});
+    EXPECT_EQ(a.get(), res.get()) << "residual sum into inp";
+    EXPECT_EQ(out2.get(), out1.get()) << "layernorm of the residual sum written into inp";
+  }
+  {  // the loss's gradient into the logits
+    const int64_t V = 1000, Vp = 1024;
+    const auto logits = bf16_random(N * Vp, 86, 4.f);
+    std::vector<int32_t> tg(static_cast<size_t>(N));
+    for (int64_t i = 0; i < N; ++i) tg[size_t(i)] = int32_t((i * 397) % V);
+    DevBuf dl(be(), logits, dt_), grad(be(), N * Vp, dt_), l1(be(), N, DType::f32), l2(be(), N, DType::f32);
+    Tensor targets = be().empty({N}, DType::i32, MemTag::workspace);
+    be().copy({.dst = targets.raw(), .dst_dtype = DType::i32, .src = tg.data(), .src_dtype = DType::i32,
+               .src_host = true, .n = N});
+    be().crossentropy({.dtype = dt_, .losses = l1.as<float>(), .dlogits = grad.p(), .logits = dl.p(),
+                       .targets = targets.i32(), .dloss = 0.05f, .N = N, .V = V, .Vp = Vp});
+    be().crossentropy({.dtype = dt_, .losses = l2.as<float>(), .dlogits = dl.p(), .logits = dl.p(),
+                       .targets = targets.i32(), .dloss = 0.05f, .N = N, .V = V, .Vp = Vp});
+    EXPECT_EQ(dl.get(), grad.get()) << "dlogits into logits";
+    EXPECT_EQ(l2.get(), l1.get()) << "losses with dlogits into logits";
+  }
+}
+
 // The vocabulary-parallel loss's passes over four shards of a padded vocabulary (the last holds
 // padding only), the statistics reduced on the host between passes as the tp group would: the
 // losses and each shard's dlogits against the whole-row reference.

@@ -1,10 +1,13 @@
 #include "kernels/emu/backend.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <functional>
 
 #include "comm/comm.h"
 #include "core/error.h"
+#include "kernels/cpu/adamw.h"
 
 namespace loom::emu {
 
@@ -31,14 +34,13 @@ struct Operand {
 class Widened {
  public:
   Widened(EmuBackend& be, std::initializer_list<Operand> outs, std::initializer_list<Operand> ins) {
-    for (const Operand& o : outs)
-      if (!o.empty()) outs_.push_back(o);
+    for (const Operand& o : outs) (o.empty() ? empty_ : outs_).push_back(o);
     std::vector<Operand> all = outs_;
-    for (const Operand& o : ins)
-      if (!o.empty()) all.push_back(o);
+    for (const Operand& o : ins) (o.empty() ? empty_ : all).push_back(o);
     for (const Operand& o : all)
       LOOM_CHECK(o.rows == 1 || o.stride >= o.cols, "emu backend: rows of {} elements {} apart", o.cols, o.stride);
-    std::sort(all.begin(), all.end(), [](const Operand& a, const Operand& b) { return a.begin() < b.begin(); });
+    std::sort(all.begin(), all.end(),
+              [](const Operand& a, const Operand& b) { return std::less<const char*>()(a.begin(), b.begin()); });
     int64_t total = 0;
     for (const Operand& o : all) {
       if (!spans_.empty() && o.begin() < spans_.back().hi) {
@@ -61,6 +63,9 @@ class Widened {
     const char* c = static_cast<const char*>(p);
     for (const Span& sp : spans_)
       if (c >= sp.lo && c < sp.hi) return base_ + sp.at + (c - sp.lo) / 2;
+    // An operand of no elements (a zero-size call): any pointer the kernel will not read.
+    for (const Operand& o : empty_)
+      if (o.p == p) return const_cast<float*>(&nothing_);
     LOOM_FAIL("emu backend: pointer {} is not an operand of the op", p);
   }
   // Rounds the written operands back to bf16.
@@ -78,9 +83,10 @@ class Widened {
     const char* hi;
     int64_t at;
   };
-  std::vector<Operand> outs_;
+  std::vector<Operand> outs_, empty_;
   std::vector<Span> spans_;
   float* base_ = nullptr;
+  float nothing_ = 0;
 };
 
 // Runs op(w) on the widened operands, then rounds the outputs back.
@@ -92,12 +98,22 @@ void widened(EmuBackend& be, std::initializer_list<Operand> outs, std::initializ
 }
 
 // AdamW on the f32 master weights (the CPU's plan), then each compute copy refreshed from them.
+// As a GPU's plan: a gradient norm that is not finite skips the update (the CPU's throws when it
+// forms the norm itself, so the norm is formed here and passed on).
 class EmuAdamW final : public AdamWPlan {
  public:
   EmuAdamW(std::unique_ptr<AdamWPlan> plan, std::vector<AdamWTensor> t) : plan_(std::move(plan)), t_(std::move(t)) {}
-  void set_hyper(const AdamWHyper& h) override { plan_->set_hyper(h); }
+  void set_hyper(const AdamWHyper& h) override { h_ = h; }
   void launch() override {
-    plan_->launch();  // (a skipped update leaves the masters, and so the copies, as they were)
+    AdamWHyper h = h_;
+    if (h.global_norm < 0) {
+      double sq = 0;
+      for (const AdamWTensor& x : t_) sq += cpu::sum_squares(x.grad, x.n);
+      h.global_norm = double(h.grad_scale) * std::sqrt(sq);
+    }
+    plan_->set_hyper(h);
+    plan_->launch();
+    if (!std::isfinite(h.global_norm)) return;  // skipped: the masters, and so the copies, as they were
     for (const AdamWTensor& x : t_)
       if (x.compute && x.compute != static_cast<void*>(x.param))
         f32_to_bf16(static_cast<bf16*>(x.compute), x.param, x.n);
@@ -107,6 +123,7 @@ class EmuAdamW final : public AdamWPlan {
  private:
   std::unique_ptr<AdamWPlan> plan_;
   std::vector<AdamWTensor> t_;
+  AdamWHyper h_;
 };
 
 // A host communicator that declares it takes the device's buffers (they are host memory).

@@ -280,10 +280,10 @@ TEST(DataParallel, PeakMemoryEqualsZeroFormulas) {
     }
 }
 
-// On a device computing in bf16 (the emulated one), every tag and pool as on the CPU (the
-// formulas above), the parameters' tag apart: the ops read compute copies in bf16, one flat copy
-// of the parameters (2 N_pad bytes) for stages 0-2, and under ZeRO-3 none kept whole but a bf16
-// buffer beside each of the two gather buffers (4 U bytes).
+// On a device computing in bf16 (the emulated one), the peaks of the grads and optimizer tags of
+// both pools as on the CPU (the formulas above), and of the params tag only the compute copies
+// more: one flat bf16 copy of the parameters (2 N_pad bytes) for stages 0-2, and under ZeRO-3
+// none kept whole but a bf16 buffer beside each of the two gather buffers (4 U bytes).
 TEST(DataParallel, PeakMemoryOnADeviceAddsOnlyTheComputeCopies) {
   omp_set_num_threads(1);
   for (int zero : {0, 1, 2, 3})
