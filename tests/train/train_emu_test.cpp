@@ -18,7 +18,7 @@
 //  - bf16 compute, against the emulated device's single-device run: 2e-2 (loss) and 1e-1 (norm)
 //    for tp and cp, 1e-3 and 1e-2 for the others, the GPU test's bounds (tests/train/
 //    train_cuda_test.cu), for the same reasons: one more bf16 rounding per layer under tp and cp,
-//    the same micro-batches in the same shapes otherwise (measured: at most 9.9e-5 on a loss).
+//    the same micro-batches in the same shapes otherwise (measured: at most 8.9e-5 on a loss).
 //    These runs read the parameters' bf16 compute copies, refreshed after every update and, under
 //    ZeRO-3, converted from each gathered block: a stale or partly refreshed copy fails them.
 //  - A run stopped after step 10 and resumed gives the uninterrupted run's losses exactly: the

@@ -1,17 +1,20 @@
 // The emulated device (Device::emu): a backend (core/backend.h) whose memory is host memory but
 // which the model, the parallel runtimes and the trainer treat as a device, as they treat a GPU:
-// activations and the parameters' compute copies in the compute dtype (bf16 by default, or f32) in
-// the device's pool, tokens uploaded into it, f32 master weights, gradients and moments, the
-// groups' collectives on communicators that take its memory (Backend::buffer_comm). Each op runs
-// the CPU's kernel (kernels/cpu/backend.h) in f32: its bf16 operands are widened into f32 scratch
-// (tag workspace), and what it writes is rounded back to bf16 (round to nearest even), as a GPU's
-// kernels store their bf16 outputs after computing in f32.
+// activations in the compute dtype (bf16 by default, or f32) and, in bf16, the parameters'
+// compute copies in the device's pool, tokens uploaded into it, f32 master weights, gradients
+// and moments, the groups' collectives on communicators that take its memory
+// (Backend::buffer_comm). Each op runs the CPU's kernel (kernels/cpu/backend.h) in f32: its bf16
+// operands are widened into f32 scratch (tag workspace), and what it writes is rounded back to
+// bf16 (round to nearest even), as a GPU's kernels store their bf16 outputs after computing in f32.
 //
 // It exists for testing: `train.device = "emu"` runs the device paths of every layout (compute
 // copies, bf16 activations between pipeline stages and over the tp and cp groups, ZeRO-3's
-// gathered compute copies, offload to the host pool, uploads and downloads) on any machine, and
-// with f32 compute they can be compared with the CPU run at the CPU's tolerances. What it cannot
-// show is anything of CUDA's own: its kernels, streams, graphs and NCCL.
+// gathered compute copies, offload to the host pool, uploads and downloads) on any machine; with
+// f32 compute (no compute copies then) the runs compare with the CPU's at the CPU's tolerances,
+// in bf16 with one emulated device at a GPU's. What it cannot show is anything of CUDA's own: its
+// kernels, streams, graphs and NCCL. Its widening scratch is not in linear_workspace_bytes /
+// attention_workspace_bytes (the figures a memory limit is checked against before a step): near
+// train.memory_limit a run stops at the allocation that crosses it, naming the field.
 #pragma once
 #include <memory>
 
