@@ -1,14 +1,14 @@
 // The training step runner (train/step_runner.h) on a backend: the same suite for every device,
-// instantiated by step_runner_test.cpp (cpu) and step_runner_cuda_test.cu (cuda; skipped without
-// a GPU). References are the model's own forward and backward with the CPU AdamW (optim/adamw.h)
-// on a CPU copy, so the runner's batch handling, device loss, multi-tensor AdamW, graphs and
-// accumulation are what is checked. Tolerances: f32 backend 1e-6 relative (the same kernels; the
-// loss is reduced in another order), bf16 backend 2e-2 absolute for losses (bf16 compute against
-// the f32 reference, compounded over steps). Parameters after the steps are compared on the f32
-// backend only: AdamW normalises every element's update, so where a gradient is near zero (the key
-// bias's is zero but for rounding) a bf16 gradient moves the element by up to lr in a direction
-// the f32 one need not share; the bf16 backend's parameters are checked through the losses of the
-// steps that follow instead.
+// instantiated by step_runner_test.cpp (cpu, and emu: the emulated device in bf16) and
+// step_runner_cuda_test.cu (cuda; skipped without a GPU). References are the model's own forward
+// and backward with the CPU AdamW (optim/adamw.h) on a CPU copy, so the runner's batch handling,
+// device loss, multi-tensor AdamW, graphs and accumulation are what is checked. Tolerances: f32
+// backend 1e-6 relative (the same kernels; the loss is reduced in another order), bf16 backend
+// 2e-2 absolute for losses (bf16 compute against the f32 reference, compounded over steps).
+// Parameters after the steps are compared on the f32 backend only: AdamW normalises every
+// element's update, so where a gradient is near zero (the key bias's is zero but for rounding) a
+// bf16 gradient moves the element by up to lr in a direction the f32 one need not share; the bf16
+// backend's parameters are checked through the losses of the steps that follow instead.
 #pragma once
 #include <gtest/gtest.h>
 
