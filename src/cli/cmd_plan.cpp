@@ -52,9 +52,11 @@ void add_job_options(CLI::App& sub, PlanArgs& a) {
       ->capture_default_str()
       ->check(CLI::Range(int64_t(1), int64_t(1) << 30));
   sub.add_option("--seq", a.seq, "sequence length (default: the model's)")->check(CLI::Range(int64_t(1), int64_t(1) << 24));
-  sub.add_option("--precision", a.precision, "mixed (16-bit with f32 master weights) or f32 (loom's CPU)")
+  sub.add_option("--precision", a.precision,
+                 "mixed (16-bit with f32 master weights, as ZeRO and Megatron-LM account it), f32 (loom's CPU runs) "
+                 "or device (loom's GPU runs: bf16 compute over f32 weights, gradients and moments)")
       ->capture_default_str()
-      ->check(CLI::IsMember({"mixed", "f32"}));
+      ->check(CLI::IsMember({"mixed", "f32", "device"}));
 }
 
 plan::Job make_job(const PlanArgs& a) {
@@ -65,7 +67,7 @@ plan::Job make_job(const PlanArgs& a) {
   job.cluster = plan::cluster_named(a.cluster);
   job.devices = a.gpus;
   job.global_batch = a.global_batch;
-  job.precision = a.precision == "f32" ? plan::Precision::f32 : plan::Precision::mixed;
+  job.precision = plan::parse_precision(a.precision, "--precision");
   return job;
 }
 
@@ -136,8 +138,9 @@ Registrar reg{Command{
           if (a->json) {
             std::printf("%s\n", plan::to_json(e).c_str());
           } else {
-            std::printf("%s on %d x %s, global batch %lld\n", job.model.str().c_str(), job.devices,
-                        job.cluster.device.name.c_str(), static_cast<long long>(job.global_batch));
+            std::printf("%s on %d x %s, global batch %lld, %s precision\n", job.model.str().c_str(), job.devices,
+                        job.cluster.device.name.c_str(), static_cast<long long>(job.global_batch),
+                        std::string(plan::precision_name(job.precision)).c_str());
             std::fputs(plan::format_table(job, {e}).c_str(), stdout);
           }
           return e.why_not.empty() || e.fits ? 0 : 1;
@@ -149,9 +152,10 @@ Registrar reg{Command{
           std::printf("]\n");
           return r.best.empty() ? 1 : 0;
         }
-        std::printf("%s on %d x %s, global batch %lld: %lld layouts considered, %lld fit (%.2f s)\n",
+        std::printf("%s on %d x %s, global batch %lld, %s precision: %lld layouts considered, %lld fit (%.2f s)\n",
                     job.model.str().c_str(), job.devices, job.cluster.device.name.c_str(),
-                    static_cast<long long>(job.global_batch), static_cast<long long>(r.considered),
+                    static_cast<long long>(job.global_batch), std::string(plan::precision_name(job.precision)).c_str(),
+                    static_cast<long long>(r.considered),
                     static_cast<long long>(r.fitting), r.seconds);
         if (r.best.empty()) {
           std::printf("no layout fits\n");

@@ -21,7 +21,7 @@ int64_t ModelSpec::layer_matrix_params() const {
 int64_t ModelSpec::layer_params() const {
   const int64_t h = hidden, kvd = kv() * head_dim();
   int64_t p = layer_matrix_params();
-  p += bias ? 2 * h : h;  // two norms: LayerNorm's weight and bias, or RMSNorm's weight
+  p += bias ? 4 * h : 2 * h;  // two norms: LayerNorm's weight and bias, or RMSNorm's weight
   if (bias) p += (h + 2 * kvd) + h + ffn_size() * (swiglu ? 2 : 1) + h;  // qkv, o, up (and gate), down
   return p;
 }

@@ -83,16 +83,40 @@ Layout parse_layout(const std::string& text, const std::string& where) {
   return l;
 }
 
+std::string_view precision_name(Precision p) {
+  switch (p) {
+    case Precision::mixed: return "mixed";
+    case Precision::f32: return "f32";
+    case Precision::device: return "device";
+  }
+  return "?";
+}
+
+Precision parse_precision(const std::string& s, const std::string& where) {
+  for (Precision p : {Precision::mixed, Precision::f32, Precision::device})
+    if (s == precision_name(p)) return p;
+  throw Error(fmt::format("{}: unknown precision '{}' (mixed, f32 or device)", where, s));
+}
+
 namespace {
 
+// Bytes per parameter of the weights, gradients and optimizer state, per activation element, and
+// of a compute copy of the weights (loom's device runs: a bf16 copy beside the f32 masters).
 struct Bytes {
-  double weight, grad, optimizer, act;
+  double weight, grad, optimizer, act, copy;
 };
 
 Bytes bytes_of(Precision p) {
-  if (p == Precision::f32) return {4, 4, 8, 4};
-  return {2, 2, 12, 2};
+  switch (p) {
+    case Precision::f32: return {4, 4, 8, 4, 0};
+    case Precision::device: return {4, 4, 8, 2, 2};
+    case Precision::mixed: break;
+  }
+  return {2, 2, 12, 2, 0};
 }
+
+// Whether memory is counted as loom's pools hold it (its declarations, scratch and buffers).
+bool loom_pools(Precision p) { return p != Precision::mixed; }
 
 // Parameters one device holds of each kind of chain block under tensor parallelism (matrices and
 // the vocabulary split, norms whole).
@@ -113,7 +137,12 @@ struct BlockParams {
 BlockParams block_params(const ModelSpec& m, int tp) {
   BlockParams b;
   b.norms = double(m.bias ? 2 * m.hidden : m.hidden);
-  b.layer = (double(m.layer_params()) - 2 * b.norms) / tp + 2 * b.norms;
+  // The key and value projections (and biases): their heads divided over tp, or one head on each
+  // rank where tp exceeds them (replicated).
+  const double hd = double(m.head_dim()), kv_rows = double(m.kv()) * hd;
+  const double kv_local = std::max(1.0, double(m.kv()) / tp) * hd;
+  const double per_row = double(m.hidden) + (m.bias ? 1.0 : 0.0);
+  b.layer = (double(m.layer_params()) - 2 * b.norms - 2 * kv_rows * per_row) / tp + 2 * kv_local * per_row + 2 * b.norms;
   b.wte = double(m.vocab) * double(m.hidden) / tp;
   b.emb = b.wte + (m.learned_positions ? double(m.seq) * double(m.hidden) : 0.0);
   return b;
@@ -135,14 +164,18 @@ double layer_activation_bytes(const Job& job, const Layout& L) {
   const double tokens = double(L.mbs) * double(m.seq) / L.cp, h = double(m.hidden), t = L.tp;
   const double kvd = double(m.kv() * m.head_dim()), ffn = double(m.ffn_size());
   const bool full = L.recompute == model::Recompute::full, selective = L.recompute == model::Recompute::selective;
-  if (job.precision == Precision::f32) {
-    // loom's declarations (TransformerBlock::saved_activations): the stream side (ln1, res2, ln2,
-    // out and four f32 row statistics) whole or, under sp, the rank's rows; the rest split by tp.
-    const double stream = 4 * (4 * h) + 4 * 4;
-    const double split = 4 * ((h + 2 * kvd) + h + 2 * (m.swiglu ? 1.5 : 1.0) * ffn) + 4 * double(m.heads);
-    const double attn_kept = 4 * h + 4 * double(m.heads);  // atty and the log-sum-exps
-    if (full) return tokens * 4 * h / (L.sp ? t : 1.0);
-    return tokens * (stream / (L.sp ? t : 1.0) + (split - (selective ? attn_kept : 0.0)) / t);
+  if (loom_pools(job.precision)) {
+    // loom's declarations (TransformerBlock::saved_activations), `a` bytes an element: the stream
+    // side (ln1, res2, ln2, out and f32 row statistics, four for LayerNorm, two for RMSNorm) whole
+    // or, under sp, the rank's rows; the rest split by tp, with the f32 log-sum-exps.
+    // (The packed qkv holds a key and a value head on each rank where tp exceeds them.)
+    const double a = bytes_of(job.precision).act;
+    const double kv_local = std::max(1.0, double(m.kv()) / t) * double(m.head_dim());
+    const double stream = a * (4 * h) + 4 * (m.bias ? 4 : 2);
+    const double split = a * (h + h + 2 * (m.swiglu ? 1.5 : 1.0) * ffn) + 4 * double(m.heads);
+    const double attn_kept = a * h + 4 * double(m.heads);  // atty and the log-sum-exps
+    if (full) return tokens * a * h / (L.sp ? t : 1.0);
+    return tokens * (stream / (L.sp ? t : 1.0) + (split - (selective ? attn_kept : 0.0)) / t + a * 2 * kv_local);
   }
   // Korthikanti et al. 2022 (16-bit): per token 10 h on the stream side, the projections' inputs
   // and outputs split by tp, and the attention scores' 5 a s (kept only without flash attention).
@@ -159,13 +192,14 @@ double all_reduce_s(double bytes, int n, const Link& link) {
   return 2.0 * (n - 1) / n * bytes / link.bandwidth + 2.0 * (n - 1) * link.latency;
 }
 
-// loom's CPU engine (f32), beyond the model state and the saved activations, as its pools hold it:
+// loom's engine (f32 on the CPU, bf16 on a device), beyond the model state and the saved
+// activations, as its pools hold it:
 //   workspace: the backward scratch GPT::workspace_bytes declares (dres and bufC [N, h], buf4C [N,
-//     wide]; under sp the gathered rows and partial sums, under tp the vocabulary-parallel loss's
-//     row statistics, under cp the rows' positions; the attention kernel's own scratch, a few
-//     hundred KiB, is left out);
-//   ZeRO-3: two gather buffers of U elements, U the block with the most parameters (the
-//     embedding, a layer, or a tied head's wte);
+//     wide]; under sp the gathered rows and partial sums, all in the compute dtype; under tp the
+//     vocabulary-parallel loss's f32 row statistics, under cp the rows' positions; the attention
+//     kernel's own scratch, a few hundred KiB on the CPU, is left out);
+//   ZeRO-3: two f32 gather buffers of U elements, U the block with the most parameters (the
+//     embedding, a layer, or a tied head's wte), and on a device a bf16 compute copy beside each;
 //   ZeRO-2/3: the gradient buckets' arena G: the chain's blocks in backward order cut into buckets
 //     of at least bucket_bytes, a tied head's wte part a bucket of its own where it does not share
 //     the head's; at most two alive at once (DataParallel keeps the newest launched one), so G is
@@ -173,8 +207,9 @@ double all_reduce_s(double bytes, int n, const Link& link) {
 //   a pipeline with tied embeddings: the first and last stages exchange wte's reduced gradient in
 //     pieces of at most a bucket (tag comm; under ZeRO 2/3 each piece is first gathered over the
 //     stage's group into a second buffer); context parallelism: ring attention's two key/value blocks and
-//     two gradient blocks of the rank's rows (tag comm).
-struct CpuExtras {
+//     two gradient blocks of the rank's rows (tag comm; the key/value blocks in the compute dtype,
+//     the gradient blocks in f32: RingAttention::buffer_bytes).
+struct LoomExtras {
   double workspace = 0, gather = 0, buckets = 0, comm = 0, exchange = 0;
 };
 
@@ -200,30 +235,33 @@ double bucket_arena(const std::vector<double>& blocks, double wte) {
   return g;
 }
 
-CpuExtras cpu_extras(const Job& job, const Layout& L) {
+LoomExtras loom_extras(const Job& job, const Layout& L) {
   const ModelSpec& m = job.model;
-  CpuExtras x;
+  const Bytes B = bytes_of(job.precision);
+  const double a = B.act;
+  LoomExtras x;
   const double h = double(m.hidden), tp = L.tp;
   const double N = double(L.mbs) * double(m.seq) / L.cp, Ns = L.sp ? N / tp : N;
   const double q_local = double(m.heads) / tp * double(m.head_dim());
   const double kv_local = std::max(1.0, double(m.kv()) / tp) * double(m.head_dim());
   const double ffn = double(m.ffn_size());
   const double wide = std::max(q_local + 2 * kv_local, (m.swiglu ? 2 * ffn : ffn) / tp + (m.swiglu ? ffn / tp : 0.0));
-  x.workspace = 4 * (Ns * h + N * h + N * wide);
-  if (L.sp) x.workspace += 4 * (2 * N * h + Ns * h);
+  x.workspace = a * (Ns * h + N * h + N * wide);
+  if (L.sp) x.workspace += a * (2 * N * h + Ns * h);
   if (L.tp > 1) x.workspace += 4 * 3 * N;
   // Under cp the rows' positions and ring attention's buffers: its packed chunks and partial
   // results (workspace), its key/value blocks and their gradients (comm).
   parallel::cp::RingAttention::Buffers ring;
   if (L.cp > 1) {
     ring = parallel::cp::RingAttention::buffer_bytes(
-        {L.mbs, m.seq, m.heads / L.tp, m.head_dim(), std::max<int64_t>(1, m.kv() / L.tp)}, L.cp, DType::f32);
+        {L.mbs, m.seq, m.heads / L.tp, m.head_dim(), std::max<int64_t>(1, m.kv() / L.tp)}, L.cp,
+        job.precision == Precision::device ? DType::bf16 : DType::f32);
     x.workspace += 4 * double(m.seq) / L.cp + double(ring.workspace);
   }
   const BlockParams bp = block_params(m, L.tp);
   const double layer = bp.layer, wte = bp.wte, emb = bp.emb, head_own = bp.head_own(m);
   const int shard = L.dp * L.cp;
-  if (L.zero >= 3 && shard > 1) x.gather = 2 * 4 * std::max({emb, layer, head_own + (m.tied ? wte : 0.0)});
+  if (L.zero >= 3 && shard > 1) x.gather = 2 * (4 + B.copy) * std::max({emb, layer, head_own + (m.tied ? wte : 0.0)});
   if (L.zero >= 2 && shard > 1) {
     std::vector<double> blocks{head_own};
     for (int64_t l = 0; l < m.layers; ++l) blocks.push_back(layer);
@@ -239,7 +277,7 @@ CpuExtras cpu_extras(const Job& job, const Layout& L) {
 }
 
 std::map<std::string, double> pipeline_rank_memory(const Job& job, const Layout& L, const std::vector<int>& rank_in_flight,
-                                                   double in_flight, const CpuExtras& x) {
+                                                   double in_flight, const LoomExtras& x) {
   const ModelSpec& m = job.model;
   const int parts = L.pp * L.v;
   const std::vector<int64_t> cuts = pipe::balance_chain(pipe::chain_costs(to_gpt(m), m.seq), parts);
@@ -251,6 +289,7 @@ std::map<std::string, double> pipeline_rank_memory(const Job& job, const Layout&
   whole.recompute = model::Recompute::none;
   const double recompute_extra = L.recompute == model::Recompute::full ? layer_activation_bytes(job, whole) : 0.0;
   const Bytes B = bytes_of(job.precision);
+  const double a = B.act;  // the compute dtype's bytes
   std::map<std::string, double> best;
   double best_total = -1;
   const int shard = L.dp * L.cp;
@@ -261,22 +300,22 @@ std::map<std::string, double> pipeline_rank_memory(const Job& job, const Layout&
   const bool zb = L.schedule == pipe::Kind::zb_h1;
   const double qkv_local = (double(m.heads) / tp + 2.0 * std::max(1.0, double(m.kv()) / tp)) * double(m.head_dim());
   const double fc_local = (m.swiglu ? 2.0 : 1.0) * double(m.ffn_size()) / tp;
-  const double deferred_per_layer = 4 * tokens * (2 * h + fc_local + qkv_local);
+  const double deferred_per_layer = a * tokens * (2 * h + fc_local + qkv_local);
   for (int r = 0; r < L.pp; ++r) {
     double params = 0, act_per_mb = 0, grad_in = 0, largest = 0, arena = 0, layers_here = 0;
     bool first = false, last = false;
     for (int k = 0; k < L.v; ++k) {
       const int c = r + k * L.pp;
       const int64_t e0 = cuts[size_t(c)], e1 = cuts[size_t(c + 1)];
-      if (e0 > 0) act_per_mb += 4 * rows * h;  // the received input
-      if (c + 1 < parts) grad_in += 4 * rows * h;
+      if (e0 > 0) act_per_mb += a * rows * h;  // the received input
+      if (c + 1 < parts) grad_in += a * rows * h;
       std::vector<double> backward_order;
       for (int64_t e = e1 - 1; e >= e0; --e) {
         const double n = bp.stage_element(m, e);
         params += n, largest = std::max(largest, n), backward_order.push_back(n);
-        if (e == 0) act_per_mb += 4 * tokens * h, first = true;
+        if (e == 0) act_per_mb += a * tokens * h, first = true;
         else if (e <= m.layers) act_per_mb += per_layer, layers_here += 1;
-        else act_per_mb += 4 * tokens * double(m.vocab) / tp, last = true;
+        else act_per_mb += a * tokens * double(m.vocab) / tp, last = true;  // the logits
       }
       // Each chunk's backward waits for its buckets at its end: the arena is the fullest chunk's.
       arena = std::max(arena, bucket_arena(backward_order, 0.0));
@@ -284,10 +323,12 @@ std::map<std::string, double> pipeline_rank_memory(const Job& job, const Layout&
     const double held = rank_in_flight.size() == size_t(L.pp) ? double(rank_in_flight[size_t(r)]) : in_flight * L.v;
     std::map<std::string, double> t;
     // The stage's data parallelism (parallel::DataParallel over its blocks, the wte copy the
-    // head's): ZeRO-3 keeps its shard and two gather buffers of the largest block, ZeRO 2/3 the
-    // gradients' shard and its bucket arena.
+    // head's): ZeRO-3 keeps its shard and two gather buffers of the largest block (on a device each
+    // with its compute copy), ZeRO 2/3 the gradients' shard and its bucket arena; below ZeRO-3 a
+    // device keeps a compute copy of the stage's weights.
     const bool split = shard > 1;
-    t["params"] = L.zero >= 3 && split ? params * B.weight / shard + 2 * 4 * largest : params * B.weight;
+    t["params"] = L.zero >= 3 && split ? params * B.weight / shard + 2 * (4 + B.copy) * largest
+                                       : params * (B.weight + B.copy);
     // (Under zero bubble the norms' gradients, which its input pass writes, stay whole for the step.)
     const double whole_norms = zb ? 2 * layers_here * bp.norms + (last ? bp.norms : 0.0) : 0.0;
     t["grads"] = L.zero >= 2 && split ? params * B.grad / shard + 4 * arena + 4 * whole_norms : params * B.grad;
@@ -295,7 +336,7 @@ std::map<std::string, double> pipeline_rank_memory(const Job& job, const Layout&
     t["activations"] = held / L.v * act_per_mb +
                        (zb && L.recompute == model::Recompute::full ? layers_here * layer_activation_bytes(job, whole)
                                                                      : recompute_extra);
-    t["workspace"] = x.workspace + (zb ? layers_here * deferred_per_layer + (first ? 4 * rows * h : 0.0) : 0.0);
+    t["workspace"] = x.workspace + (zb ? layers_here * deferred_per_layer + (first ? a * rows * h : 0.0) : 0.0);
     // The wte gradient exchange runs after the flush, when the activations and the received
     // gradients are gone: it adds to the peak only what it exceeds them by.
     const double exchange = (first || last) ? x.exchange : 0.0;
@@ -404,8 +445,9 @@ std::string invalid(const Job& job, const Layout& L) {
 
 ModelState model_state(double params, Precision precision, int zero, int shards) {
   const Bytes B = bytes_of(precision);
-  return {params * B.weight / (zero >= 3 ? shards : 1), params * B.grad / (zero >= 2 ? shards : 1),
-          params * B.optimizer / (zero >= 1 ? shards : 1)};
+  // (A device's compute copy is of the whole weights below ZeRO-3, of the gathered blocks at it.)
+  const double weights = zero >= 3 && shards > 1 ? params * B.weight / shards : params * (B.weight + B.copy);
+  return {weights, params * B.grad / (zero >= 2 ? shards : 1), params * B.optimizer / (zero >= 1 ? shards : 1)};
 }
 
 // A layer's forward and backward compute (seconds, one micro-batch of `tokens` tokens on one
@@ -739,9 +781,10 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   const double per_layer = layer_activation_bytes(job, L);
   e.memory["activations"] = in_flight * lps * per_layer +
                             (L.recompute == model::Recompute::full ? layer_activation_bytes(job, whole) : 0.0) +
-                            tokens * double(m.vocab) / L.tp * 4 + tokens * double(m.hidden) * B.act;
-  if (job.precision == Precision::f32) {
-    const CpuExtras x = cpu_extras(job, L);
+                            tokens * double(m.vocab) / L.tp * (loom_pools(job.precision) ? B.act : 4.0) +
+                            tokens * double(m.hidden) * B.act;
+  if (loom_pools(job.precision)) {
+    const LoomExtras x = loom_extras(job, L);
     e.memory["workspace"] = x.workspace;
     e.memory["params"] += x.gather;
     e.memory["grads"] += x.buckets;
@@ -820,11 +863,12 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
     // On a shared host: the first and last stages of every pipeline exchange at once.
     if (capacity > 0) e.tied_s *= std::max(1.0, std::min(double(job.devices), 2.0 * rank_costs.copies) / capacity);
   }
-  // The optimizer reads and writes its state, the weights and the gradients once.
+  // The optimizer reads and writes its state, the weights and the gradients once (on a device it
+  // also writes the weights' compute copy).
   const double opt_params = P / (L.zero >= 1 ? shard : 1);
   e.optimizer_s =
       (measured ? dev.kernels.at("adamw").seconds(opt_params * share)
-                : opt_params * 2 * (B.weight + B.grad + B.optimizer) / dev.memory_bw) *
+                : opt_params * (2 * (B.weight + B.grad + B.optimizer) + B.copy) / dev.memory_bw) *
       crowd;
   // Ranks beyond a shared host's cores: every synchronisation on the busiest rank's path (its
   // elements' per micro-batch, the data-parallel collectives, the loss and gradient-norm

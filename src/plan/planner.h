@@ -5,18 +5,24 @@
 // part of its pipeline stage's layers, plus the embedding or head its stage carries), by
 // precision: `mixed` as ZeRO and Megatron-LM account it (16-bit weights and gradients, 12 bytes of
 // f32 master weights and Adam moments per parameter), `f32` as loom's CPU trainer holds it (f32
-// weights, gradients and moments: 4 + 4 + 8). ZeRO 1 divides the optimizer state by dp, 2 the
+// weights, gradients and moments: 4 + 4 + 8), `device` as loom's device runs hold it (the same and
+// a bf16 compute copy of the weights: 4 + 2 + 4 + 8; under ZeRO-3 bf16 copies of the two gathered
+// blocks instead). ZeRO 1 divides the optimizer state by dp, 2 the
 // gradients too, 3 the weights too. Activations of one micro-batch and layer follow Korthikanti et
 // al. 2022 for 16-bit training (s b h (34 + 5 a s / h), with tensor parallelism
 // s b h (10 + 24 / t + 5 a s / (h t)), with sequence parallelism s b h (34 + 5 a s / h) / t; selective
 // recomputation drops the 5 a s / h term; full recomputation keeps the layer's input, 2 s b h, /t
-// under sp) and, for f32, loom's own declarations (the blocks' saved tensors, model/blocks.h); a
+// under sp) and, for f32 and device, loom's own declarations (the blocks' saved tensors,
+// model/blocks.h, in f32 or bf16 with their row statistics in f32); a
 // pipeline stage holds them for the micro-batches its schedule keeps in flight (the schedule's own
-// instruction lists, simulated by the checker), plus f32 logits on the last stage. For f32 the
-// model also counts what loom's CPU pools hold beside them (the backward scratch, ZeRO-3's gather
+// instruction lists, simulated by the checker), plus the logits on the last stage. For f32 and
+// device the model also counts what loom's pools hold beside them (the backward scratch, ZeRO-3's gather
 // buffers, ZeRO-2/3's bucket arena, ring attention's blocks) and, for a pipeline, the fullest rank
 // as the executor lays it out (stages cut by cost, each rank's simulated in-flight micro-batches);
-// bench/plan_truth.sh compares it with measured runs. On a shared host (the cpu cluster) the
+// bench/plan_truth.sh compares it with measured runs, and tests/cli/plan_device_truth_cli_test.cpp
+// the device model with runs on the emulated device. Not in device's figures: the backend's own
+// scratch (on CUDA its BLAS handles' workspaces, 32 MiB each, and cuDNN's). Key and value heads
+// are one a rank where tp exceeds them (replicated). On a shared host (the cpu cluster) the
 // node's ranks divide its calibrated rates.
 //
 // Time per step. Each micro-batch's forward and backward (2x) of a stage's layers: the matrix
@@ -71,7 +77,14 @@
 
 namespace loom::plan {
 
-enum class Precision : uint8_t { mixed, f32 };
+// mixed: as ZeRO and Megatron-LM account 16-bit training (the published tables); f32: loom's CPU
+// runs, as its pools hold them; device: loom's device runs (train.device cuda or emu, bf16), as
+// their pools hold them: f32 master weights, gradients and moments, a bf16 compute copy of the
+// weights, bf16 activations with f32 row statistics.
+enum class Precision : uint8_t { mixed, f32, device };
+std::string_view precision_name(Precision p);
+// "mixed", "f32" or "device"; throws naming `where` otherwise.
+Precision parse_precision(const std::string& s, const std::string& where);
 
 struct Layout {
   int dp = 1, tp = 1, pp = 1, v = 1, cp = 1;

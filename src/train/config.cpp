@@ -106,7 +106,7 @@ const Field kFields[] = {
     F("parallel.pp", pp, "pipeline stages"),
     F("parallel.cp", cp, "context-parallel ranks"),
     F("parallel.sp", sp, "sequence parallelism within the tensor-parallel group"),
-    F("parallel.zero", zero, "ZeRO stage 0-3"),
+    F("parallel.zero", zero, "ZeRO stage 0-3, over the data-parallel group (dp x cp; 0 where it has one rank)"),
     F("parallel.comm", comm, "communicator backend: threads, mpi (one process per rank: mpirun -n pp x dp x cp x tp), or nccl (train.device cuda: mpi processes whose collectives NCCL runs, each with a GPU of its own)"),
     F("parallel.offload", offload, "ZeRO-Offload: optimizer state and update in host memory"),
     F("parallel.bucket_mb", bucket_mb, "data-parallel gradient bucket size in MiB"),

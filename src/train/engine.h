@@ -96,6 +96,8 @@ struct DeviceMesh {
   std::function<double()> gemm_peak;
   std::string peak_name;  // e.g. "bf16 GEMM peak"
   std::string device;     // e.g. "cuda:0 NVIDIA H100 80GB HBM3"
+  // Called with the rank's host pool once the engine has made it (before the first step).
+  std::function<void(MemoryPool& host)> use_host_pool;
 };
 
 // The CPU's mesh engine (train/trainer.cpp: dp x tp (+ sp) with ZeRO and offload over one chain of

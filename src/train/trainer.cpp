@@ -25,6 +25,7 @@
 #include "data/loader.h"
 #include "data/tokenizer.h"
 #include "kernels/cpu/matmul.h"
+#include "kernels/emu/backend.h"
 #include "model/gpt.h"
 #include "model/param_specs.h"
 #include "optim/adamw.h"
@@ -374,7 +375,9 @@ class ChainEngine : public CpuEngine {
   static parallel::DataParallelOptions options(const TrainConfig& cfg, parallel::MeshComms& comms,
                                                MemoryPool& host_pool, parallel::Trace& trace, model::GPT& model) {
     parallel::DataParallelOptions o;
-    o.zero = int(cfg.zero);
+    // ZeRO shards over the data-parallel group (dp x cp): over one rank there is nothing to shard,
+    // and its buffers would only cost (the pipeline's stages do the same).
+    o.zero = cfg.dp * cfg.cp > 1 ? int(cfg.zero) : 0;
     o.offload = cfg.offload;
     o.host_pool = &host_pool;
     o.bucket_bytes = std::max<int64_t>(1, int64_t(double(cfg.bucket_mb) * 1024 * 1024));
@@ -559,6 +562,11 @@ class ChainEngine : public CpuEngine {
 struct HostPoolOf {
   explicit HostPoolOf(int rank) : host(fmt::format("host:{}", rank)) {}
   MemoryPool host;
+  // The device's own hook on the host pool (DeviceMesh::use_host_pool), then the device.
+  DeviceMesh with_host(DeviceMesh dev) {
+    if (dev.use_host_pool) dev.use_host_pool(host);
+    return dev;
+  }
 };
 
 class DeviceChainEngine final : private HostPoolOf, public ChainEngine {
@@ -566,7 +574,7 @@ class DeviceChainEngine final : private HostPoolOf, public ChainEngine {
   DeviceChainEngine(const EngineArgs& a, DeviceMesh dev)
       : HostPoolOf(a.comms.world().rank()),
         ChainEngine(a.cfg, a.model, adamw_config(a.cfg), a.comms, a.train, host, host, !a.opt.trace_path.empty(),
-                    std::move(dev)) {}
+                    with_host(std::move(dev))) {}
 };
 
 // Pipeline parallel (PipelineExecutor) with data parallelism through its dp communicator, and
@@ -799,12 +807,17 @@ void PipelineEngine::write_trace(comm::Comm& world, const std::string& path) {
 std::unique_ptr<Engine> make_emu_engine(const EngineArgs& a) {
   const DType compute = a.cfg.run_precision() == "f32" ? DType::f32 : DType::bf16;
   DeviceMesh d;
-  d.backend = make_backend(Device::emu, {.compute = compute});
+  auto emu = std::make_unique<emu::EmuBackend>(BackendOptions{.compute = compute});
+  emu::EmuBackend* be = emu.get();
+  d.backend = std::move(emu);
   // Every allocation of the rank's device memory is checked against the limit before it is made.
   d.backend->pool().set_limit(int64_t(a.cfg.memory_limit), "train.memory_limit");
   d.gemm_peak = [] { return cpu::measure_gemm_peak_gflops(512, 0.1) * 1e9; };
   d.peak_name = "f32 GEMM peak (the host's)";
   d.device = fmt::format("emu ({} on an emulated device)", dtype_name(compute));
+  // The widening scratch is the emulator's, not the device's: in the rank's host pool, so the
+  // device's pool (and the limit on it) holds what a GPU's would.
+  d.use_host_pool = [be](MemoryPool& host) { be->set_scratch_pool(host); };
   return make_mesh_engine(a, std::move(d));
 }
 
@@ -817,7 +830,7 @@ class DevicePipelineEngine final : private HostPoolOf, public PipelineEngine {
  public:
   DevicePipelineEngine(const EngineArgs& a, DeviceMesh dev)
       : HostPoolOf(a.comms.world().rank()),
-        PipelineEngine(a.cfg, a.model, adamw_config(a.cfg), a.comms, a.train, host, host, std::move(dev)) {}
+        PipelineEngine(a.cfg, a.model, adamw_config(a.cfg), a.comms, a.train, host, host, with_host(std::move(dev))) {}
 };
 
 }  // namespace

@@ -182,6 +182,61 @@ TEST(Planner, LayoutsParseAndBadOnesAreNamed) {
   EXPECT_NE(plan::estimate(job, wrong).why_not.find("is not the 8 devices"), std::string::npos);
 }
 
+// The three precisions' model state per parameter: mixed as ZeRO counts it (2 + 2 + 12), f32 as
+// loom's CPU holds it (4 + 4 + 8), device as loom's device runs hold it (f32 masters, gradients and
+// moments and a bf16 compute copy: 4 + 2 + 4 + 8; under ZeRO-3 the shard of the masters alone, the
+// compute copies being of the gathered blocks). Precision names parse; others are refused naming
+// the field. (tests/cli/plan_device_truth_cli_test.cpp checks the device model against the pools
+// of runs on the emulated device.)
+TEST(Planner, PrecisionsCountModelStateAsTheirRunsHoldIt) {
+  const double p = 1000;
+  const plan::ModelState mixed = plan::model_state(p, plan::Precision::mixed, 0, 1);
+  EXPECT_EQ(mixed.params, 2 * p);
+  EXPECT_EQ(mixed.grads, 2 * p);
+  EXPECT_EQ(mixed.optimizer, 12 * p);
+  const plan::ModelState f32 = plan::model_state(p, plan::Precision::f32, 0, 1);
+  EXPECT_EQ(f32.total(), 16 * p);
+  const plan::ModelState dev = plan::model_state(p, plan::Precision::device, 0, 1);
+  EXPECT_EQ(dev.params, 6 * p);
+  EXPECT_EQ(dev.grads, 4 * p);
+  EXPECT_EQ(dev.optimizer, 8 * p);
+  const plan::ModelState dev2 = plan::model_state(p, plan::Precision::device, 2, 4);
+  EXPECT_EQ(dev2.params, 6 * p);
+  EXPECT_EQ(dev2.grads, p);
+  EXPECT_EQ(dev2.optimizer, 2 * p);
+  const plan::ModelState dev3 = plan::model_state(p, plan::Precision::device, 3, 4);
+  EXPECT_EQ(dev3.params, p);
+  EXPECT_EQ(dev3.grads, p);
+  EXPECT_EQ(dev3.optimizer, 2 * p);
+  // One shard: ZeRO-3 keeps the whole weights and their compute copy.
+  EXPECT_EQ(plan::model_state(p, plan::Precision::device, 3, 1).params, 6 * p);
+
+  for (plan::Precision q : {plan::Precision::mixed, plan::Precision::f32, plan::Precision::device})
+    EXPECT_EQ(plan::parse_precision(std::string(plan::precision_name(q)), "--precision"), q);
+  try {
+    plan::parse_precision("bf16", "--precision");
+    ADD_FAILURE() << "bf16 was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--precision: unknown precision 'bf16'"), std::string::npos) << e.what();
+  }
+
+  // A device run of the bench's small GPT: its activations in bf16 with f32 row statistics, less
+  // than the f32 run's and more than half of them; the same step time as mixed (bf16 compute).
+  plan::Job job = small_gpt_job();
+  job.devices = 1, job.global_batch = 16;
+  const plan::Layout one = plan::parse_layout("dp=1,mbs=16");
+  job.precision = plan::Precision::f32;
+  const plan::Estimate e32 = plan::estimate(job, one);
+  job.precision = plan::Precision::device;
+  const plan::Estimate ed = plan::estimate(job, one);
+  job.precision = plan::Precision::mixed;
+  const plan::Estimate em = plan::estimate(job, one);
+  EXPECT_LT(ed.memory.at("activations"), e32.memory.at("activations"));
+  EXPECT_GT(ed.memory.at("activations"), 0.5 * e32.memory.at("activations"));
+  EXPECT_LT(ed.memory.at("workspace"), e32.memory.at("workspace"));
+  EXPECT_NEAR(ed.compute_s, em.compute_s, 1e-12);
+}
+
 // Model and cluster files: sizes beyond the planner's range (2^62 layers threw bad_alloc, 10^5
 // walked layer lists for minutes, ffn 2^62 overflowed the parameter count) and cluster numbers that
 // are not finite, or a fractional gpus_per_node, are refused naming the file and the field.

@@ -196,6 +196,7 @@ EmuBackend::EmuBackend(const BackendOptions& opt) : compute_(opt.compute) {
     own_pool_ = std::make_unique<MemoryPool>("emu", &emu_allocator());
     pool_ = own_pool_.get();
   }
+  scratch_pool_ = pool_;
   LOOM_CHECK(pool_->device() == Device::emu, "emu backend: pool '{}' holds {} memory, not the emulated device's",
              pool_->name(), device_name(pool_->device()));
   LOOM_CHECK(compute_ == DType::bf16 || compute_ == DType::f32, "emu backend: computes in bf16 or f32, not {}",
@@ -226,24 +227,32 @@ void EmuBackend::check(Op op, DType dtype) const {
 
 float* EmuBackend::scratch(int64_t n) {
   if (n > scratch_elems_) {
-    if (scratch_) pool_->deallocate(scratch_, size_t(scratch_elems_) * sizeof(float), MemTag::workspace);
-    scratch_ = nullptr;
-    scratch_elems_ = 0;
-    scratch_ = pool_->allocate(size_t(n) * sizeof(float), MemTag::workspace);
+    release_scratch();
+    scratch_ = scratch_pool_->allocate(size_t(n) * sizeof(float), MemTag::workspace);
     scratch_elems_ = n;
     memory_moved();
   }
   return static_cast<float*>(scratch_);
 }
 
+void EmuBackend::release_scratch() {
+  if (!scratch_) return;
+  scratch_pool_->deallocate(scratch_, size_t(scratch_elems_) * sizeof(float), MemTag::workspace);
+  scratch_ = nullptr;
+  scratch_elems_ = 0;
+  memory_moved();
+}
+
+void EmuBackend::set_scratch_pool(MemoryPool& host) {
+  LOOM_CHECK(host.device() == Device::cpu, "emu backend: scratch pool '{}' holds {} memory, not the host's", host.name(),
+             device_name(host.device()));
+  release_scratch();
+  scratch_pool_ = &host;
+}
+
 void EmuBackend::release_workspace() {
   cpu_->release_workspace();
-  if (scratch_) {
-    pool_->deallocate(scratch_, size_t(scratch_elems_) * sizeof(float), MemTag::workspace);
-    scratch_ = nullptr;
-    scratch_elems_ = 0;
-    memory_moved();
-  }
+  release_scratch();
 }
 
 // Each op: in f32 (the compute dtype f32, or an f32 gradient sum) the CPU's kernel on the buffers

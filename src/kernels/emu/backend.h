@@ -4,7 +4,7 @@
 // compute copies in the device's pool, tokens uploaded into it, f32 master weights, gradients
 // and moments, the groups' collectives on communicators that take its memory
 // (Backend::buffer_comm). Each op runs the CPU's kernel (kernels/cpu/backend.h) in f32: its bf16
-// operands are widened into f32 scratch (tag workspace), and what it writes is rounded back to
+// operands are widened into f32 scratch, and what it writes is rounded back to
 // bf16 (round to nearest even), as a GPU's kernels store their bf16 outputs after computing in f32.
 //
 // It exists for testing: `train.device = "emu"` runs the device paths of every layout (compute
@@ -12,9 +12,14 @@
 // gathered compute copies, offload to the host pool, uploads and downloads) on any machine; with
 // f32 compute (no compute copies then) the runs compare with the CPU's at the CPU's tolerances,
 // in bf16 with one emulated device at a GPU's. What it cannot show is anything of CUDA's own: its
-// kernels, streams, graphs and NCCL. Its widening scratch is not in linear_workspace_bytes /
-// attention_workspace_bytes (the figures a memory limit is checked against before a step): near
-// train.memory_limit a run stops at the allocation that crosses it, naming the field.
+// kernels, streams, graphs and NCCL.
+//
+// The widening scratch is the emulator's, not the device's (a GPU's kernels widen in registers):
+// it is kept in the device's pool (tag workspace) until set_scratch_pool gives it a host pool, as
+// the trainer does with each rank's host pool. The device's pool then holds what a GPU's would
+// (the model's, the parallel runtimes' and the optimizer's buffers), and of its own only the CPU
+// attention kernel's scratch (a few hundred KiB): that is what train.memory_limit bounds and the
+// planner predicts (loom plan --precision device).
 #pragma once
 #include <memory>
 
@@ -71,13 +76,18 @@ class EmuBackend final : public Backend {
 
   // f32 scratch of at least n elements (tag workspace), kept between ops.
   float* scratch(int64_t n);
+  // Keeps the widening scratch in `host` (a pool of host memory) from now on; what it held is
+  // released.
+  void set_scratch_pool(MemoryPool& host);
 
  private:
   void check(Op op, DType dtype) const;
+  void release_scratch();
   std::unique_ptr<MemoryPool> own_pool_;
   MemoryPool* pool_;
   DType compute_;
   std::unique_ptr<cpu::CpuBackend> cpu_;
+  MemoryPool* scratch_pool_;
   void* scratch_ = nullptr;
   int64_t scratch_elems_ = 0;
 };
