@@ -127,7 +127,7 @@ Registrar reg{Command{
       auto a = std::make_shared<PlanArgs>();
       add_job_options(sub, *a);
       sub.add_option("--layout", a->layout, "predict this layout only: dp=,tp=,pp=,v=,cp=,sp=,mbs=,schedule=,"
-                     "recompute=,zero=");
+                     "recompute=,zero=,offload=");
       sub.add_option("--top", a->top, "layouts to show")->capture_default_str()->check(CLI::Range(1, 100));
       sub.add_flag("--explain", a->explain, "say why the first choice beats the next ones");
       sub.add_flag("--json", a->json, "print JSON");
@@ -177,7 +177,7 @@ Registrar reg_simulate{Command{
     [](CLI::App& sub) -> std::function<int()> {
       auto a = std::make_shared<PlanArgs>();
       add_job_options(sub, *a);
-      sub.add_option("--layout", a->layout, "the layout: dp=,tp=,pp=,v=,cp=,sp=,mbs=,schedule=,recompute=,zero=")
+      sub.add_option("--layout", a->layout, "the layout: dp=,tp=,pp=,v=,cp=,sp=,mbs=,schedule=,recompute=,zero=,offload=")
           ->required();
       sub.add_option("--png", a->png, "the picture to write")->required();
       sub.add_option("--trace", a->trace, "a `loom train --trace` of a pipeline run of this layout: its computes "

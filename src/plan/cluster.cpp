@@ -36,11 +36,17 @@ Cluster builtin(const std::string& name) {
     c.per_node = 8;
     c.intra = {300e9, 5e-6};
     c.inter = {25e9, 10e-6};
+    c.host = {25e9, 10e-6};
+    c.host_memory_bw = 409.6e9 / 8;
+    c.host_memory = 2e12 / 8;
   } else if (name == "h100-sxm") {
     c.device = device("H100 SXM", 989e12, 67e12, 0.5, 80e9, 3.35e12);
     c.per_node = 8;
     c.intra = {450e9, 5e-6};
     c.inter = {50e9, 10e-6};
+    c.host = {50e9, 10e-6};
+    c.host_memory_bw = 614.4e9 / 8;
+    c.host_memory = 2e12 / 8;
   } else if (name == "h200") {  // an H100 SXM's compute and links with more, faster memory
     c = builtin("h100-sxm");
     c.name = name;
@@ -55,6 +61,9 @@ Cluster builtin(const std::string& name) {
     c.cores = omp_get_max_threads();
     c.intra = {5e9, 20e-6};
     c.inter = {1e9, 50e-6};
+    // Offloading on a shared host copies within its memory: read and written, half its rate.
+    c.host = {c.device.memory_bw / 2, 1e-6};
+    c.host_memory_bw = c.device.memory_bw;
   } else {
     throw Error(fmt::format("cluster '{}': not a built-in (a100-80gb, h100-sxm, h200, cpu) nor a file", name));
   }
@@ -112,10 +121,15 @@ Cluster read_cluster(const std::string& path) {
       else if (key == "cluster" && f == "intra_latency_us") c.intra.latency = number(fv, field) * 1e-6;
       else if (key == "cluster" && f == "inter_gbs") c.inter.bandwidth = number(fv, field) * 1e9;
       else if (key == "cluster" && f == "inter_latency_us") c.inter.latency = number(fv, field) * 1e-6;
+      else if (key == "cluster" && f == "host_gbs") c.host.bandwidth = number(fv, field) * 1e9;
+      else if (key == "cluster" && f == "host_latency_us") c.host.latency = number(fv, field) * 1e-6;
+      else if (key == "cluster" && f == "host_memory_gbs") c.host_memory_bw = number(fv, field) * 1e9;
+      else if (key == "cluster" && f == "host_memory_gb") c.host_memory = number(fv, field) * 1e9;
       else
         throw Error(fmt::format("{}: unknown field {} (device: name, peak_tflops_bf16, peak_tflops_f32, efficiency, "
                                 "gemm_half, memory_gb, memory_gbs; cluster: gpus_per_node, intra_gbs, intra_latency_us, "
-                                "inter_gbs, inter_latency_us)",
+                                "inter_gbs, inter_latency_us, host_gbs, host_latency_us, host_memory_gbs, "
+                                "host_memory_gb)",
                                 path, field));
     }
   }
@@ -141,7 +155,11 @@ Cluster cluster_named(const std::string& name) {
       c.device.peak_f32 = p->gemm_peak;
       c.device.peak_bf16 = p->gemm_peak;
       c.device.efficiency = p->gemm_typical > 0 ? p->gemm_typical / p->gemm_peak : 1.0;
-      if (p->memory_bw > 0) c.device.memory_bw = p->memory_bw;
+      if (p->memory_bw > 0) {
+        c.device.memory_bw = p->memory_bw;
+        c.host = {p->memory_bw / 2, 1e-6};
+        c.host_memory_bw = p->memory_bw;
+      }
       if (p->allreduce_bw > 0) c.intra = {p->allreduce_bw, p->allreduce_latency};
       // The size effect: a product with n = 64 x 128 outputs runs at gemm_small, a large one at
       // gemm_typical, so gemm_typical x n / (n + half) = gemm_small.

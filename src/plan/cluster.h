@@ -4,7 +4,11 @@
 //
 // Built in: a100-80gb (A100 80GB SXM, DGX A100: NVLink/NVSwitch 300 GB/s per GPU per direction,
 // 8 x 200 Gb/s HDR InfiniBand per node = 25 GB/s per GPU), h100-sxm and h200 (DGX H100/H200:
-// NVLink 450 GB/s, 8 x 400 Gb/s NDR = 50 GB/s per GPU), and cpu (this host's one process per
+// NVLink 450 GB/s, 8 x 400 Gb/s NDR = 50 GB/s per GPU), with each GPU's PCIe link to the host
+// (A100: Gen4 x16, 32 GB/s raw, 25 assumed reached; H100/H200: Gen5 x16, 64 raw, 50 assumed) and
+// its eighth of the host's memory bandwidth (DGX A100: 2 EPYC 7742, 16 channels of DDR4-3200,
+// 410 GB/s; DGX H100/H200: 2 Xeon 8480C, 16 channels of DDR5-4800, 614 GB/s) and of its 2 TB of
+// memory, and cpu (this host's one process per
 // rank with shared memory between ranks; its rates come from `loom calibrate` when it has run).
 // Peaks are the vendors' dense figures; `efficiency` is the GPU profiles' one calibrated number:
 // the share of peak the matrix products reach end to end (the cpu profile's measured kernels,
@@ -12,7 +16,8 @@
 //
 // A cluster file is TOML:
 //   [device]  name, peak_tflops_bf16, peak_tflops_f32, efficiency, gemm_half, memory_gb, memory_gbs
-//   [cluster] gpus_per_node, intra_gbs, intra_latency_us, inter_gbs, inter_latency_us
+//   [cluster] gpus_per_node, intra_gbs, intra_latency_us, inter_gbs, inter_latency_us, host_gbs,
+//             host_latency_us, host_memory_gbs, host_memory_gb
 // with GB = 10^9 bytes; every field of a built-in can be given, the rest come from `base` (a
 // built-in's name, default a100-80gb).
 #pragma once
@@ -102,6 +107,12 @@ struct Cluster {
   // A shared host's scheduling of ranks (HostProfile::wake, crowded_wake, balance), in seconds.
   double wake = 0, crowded_wake = 0, balance = 0;
   Link intra, inter;
+  // A device's link to its node's host memory (PCIe; on a shared host a copy within its memory),
+  // bytes/s per device each direction, and its share of the host's memory bandwidth (bytes/s):
+  // what an offloaded optimizer's transfers and update run at.
+  Link host;
+  double host_memory_bw = 0;
+  double host_memory = 0;  // bytes of host memory per device (its share of the node's; 0: unknown)
   // The link between ranks `stride` apart in a group of `size` consecutive strides: inside a node
   // when the group's span fits one.
   const Link& link(int stride, int size) const {

@@ -31,6 +31,7 @@ std::string Layout::str() const {
   s += fmt::format(",mbs={}", mbs);
   if (pp > 1) s += fmt::format(",schedule={}", pipe::kind_name(schedule));
   s += fmt::format(",recompute={},zero={}", model::recompute_name(recompute), zero);
+  if (offload) s += ",offload=1";
   return s;
 }
 
@@ -43,7 +44,7 @@ Layout parse_layout(const std::string& text, const std::string& where) {
     if (item.empty()) continue;
     const size_t eq = item.find('=');
     if (eq == std::string::npos)
-      throw Error(fmt::format("{}: '{}' is not key=value (keys: dp, tp, pp, v, cp, sp, mbs, schedule, recompute, zero)",
+      throw Error(fmt::format("{}: '{}' is not key=value (keys: dp, tp, pp, v, cp, sp, mbs, schedule, recompute, zero, offload)",
                               where, item));
     const std::string k = item.substr(0, eq), v = item.substr(eq + 1);
     if (!seen.insert(k).second)
@@ -67,6 +68,11 @@ Layout parse_layout(const std::string& text, const std::string& where) {
     else if (k == "cp") l.cp = int(integer(1));
     else if (k == "sp") l.sp = integer(0) != 0;
     else if (k == "mbs") l.mbs = integer(1);
+    else if (k == "offload") {
+      const int64_t o = integer(0);
+      if (o > 1) throw Error(fmt::format("{}: offload={} must be 0 or 1", where, o));
+      l.offload = o == 1;
+    }
     else if (k == "zero") {
       l.zero = int(integer(0));
       if (l.zero > 3) throw Error(fmt::format("{}: zero={} must be 0, 1, 2 or 3", where, l.zero));
@@ -77,7 +83,7 @@ Layout parse_layout(const std::string& text, const std::string& where) {
           l.recompute != model::Recompute::full)
         throw Error(fmt::format("{}: recompute={}: the planner models none, selective and full", where, v));
     } else
-      throw Error(fmt::format("{}: unknown key '{}' (keys: dp, tp, pp, v, cp, sp, mbs, schedule, recompute, zero)",
+      throw Error(fmt::format("{}: unknown key '{}' (keys: dp, tp, pp, v, cp, sp, mbs, schedule, recompute, zero, offload)",
                               where, k));
   }
   return l;
@@ -276,8 +282,9 @@ LoomExtras loom_extras(const Job& job, const Layout& L) {
   return x;
 }
 
+// (Under offload the optimizer state is in host memory: `offloaded` gets the fullest rank's.)
 std::map<std::string, double> pipeline_rank_memory(const Job& job, const Layout& L, const std::vector<int>& rank_in_flight,
-                                                   double in_flight, const LoomExtras& x) {
+                                                   double in_flight, const LoomExtras& x, double& offloaded) {
   const ModelSpec& m = job.model;
   const int parts = L.pp * L.v;
   const std::vector<int64_t> cuts = pipe::balance_chain(pipe::chain_costs(to_gpt(m), m.seq), parts);
@@ -333,6 +340,8 @@ std::map<std::string, double> pipeline_rank_memory(const Job& job, const Layout&
     const double whole_norms = zb ? 2 * layers_here * bp.norms + (last ? bp.norms : 0.0) : 0.0;
     t["grads"] = L.zero >= 2 && split ? params * B.grad / shard + 4 * arena + 4 * whole_norms : params * B.grad;
     t["optimizer"] = params * B.optimizer / (L.zero >= 1 ? shard : 1);
+    const double host_state = L.offload ? t["optimizer"] : 0.0;
+    if (L.offload) t["optimizer"] = 0;
     t["activations"] = held / L.v * act_per_mb +
                        (zb && L.recompute == model::Recompute::full ? layers_here * layer_activation_bytes(job, whole)
                                                                      : recompute_extra);
@@ -343,7 +352,7 @@ std::map<std::string, double> pipeline_rank_memory(const Job& job, const Layout&
     t["comm"] = std::max(held / L.v * grad_in, exchange - t["activations"]);
     double total = 0;
     for (const auto& [tag, b] : t) total += b;
-    if (total > best_total) best_total = total, best = t;
+    if (total > best_total) best_total = total, best = t, offloaded = host_state;
   }
   return best;
 }
@@ -603,6 +612,7 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   e.memory["params"] = state.params;
   e.memory["grads"] = state.grads;
   e.memory["optimizer"] = state.optimizer;
+  double offloaded = L.offload ? state.optimizer : 0.0;  // the optimizer state in host memory
 
   // Pipeline: per-chunk durations, then the schedule's makespan and in-flight chunks.
   const double tokens = double(L.mbs) * double(m.seq) / L.cp;
@@ -795,9 +805,19 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
       // micro-batches each rank keeps in flight under the schedule (simulated; without a
       // simulation the closed form above), the received gradient buffers of those in flight. Its
       // tags add up to its peak (comm: what the transfers add to it).
-      const std::map<std::string, double> r = pipeline_rank_memory(job, L, rank_in_flight, in_flight, x);
+      const std::map<std::string, double> r = pipeline_rank_memory(job, L, rank_in_flight, in_flight, x, offloaded);
       e.memory = r;
     }
+  }
+  // Offload: the optimizer state leaves the device for the host, which also keeps an f32 gradient
+  // staging copy and, in loom's pools, an f32 master copy of what the rank updates.
+  if (L.offload) {
+    e.memory["optimizer"] = 0;
+    const double updated = offloaded / B.optimizer;  // the parameters the rank updates
+    e.host_memory["optimizer"] = offloaded;
+    e.host_memory["grads"] = 4 * updated;
+    if (loom_pools(job.precision)) e.host_memory["params"] = 4 * updated;
+    for (const auto& [tag, b] : e.host_memory) e.host_memory_total += b;
   }
   e.memory_total = 0;
   for (const auto& [tag, b] : e.memory) e.memory_total += b;
@@ -805,6 +825,13 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   if (!e.fits)
     e.why_not = fmt::format("needs {:.1f} GB per device, {:.0f}% of {:.0f} GB is usable", e.memory_total / 1e9,
                             100 * kUsableMemory, dev.memory / 1e9);
+  // An offloaded optimizer's host memory: within the device's share of the node's, where known.
+  const double host_memory = job.cluster.host_memory;
+  if (e.fits && L.offload && host_memory > 0 && e.host_memory_total > kUsableMemory * host_memory) {
+    e.fits = false;
+    e.why_not = fmt::format("needs {:.1f} GB of host memory per device, {:.0f}% of its {:.0f} GB is usable",
+                            e.host_memory_total / 1e9, 100 * kUsableMemory, host_memory / 1e9);
+  }
 
   // The step: the busiest stage's compute and communication inside the makespan.
   const double mm = double(micro);
@@ -864,12 +891,23 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
     if (capacity > 0) e.tied_s *= std::max(1.0, std::min(double(job.devices), 2.0 * rank_costs.copies) / capacity);
   }
   // The optimizer reads and writes its state, the weights and the gradients once (on a device it
-  // also writes the weights' compute copy).
+  // also writes the weights' compute copy). Offloaded: the gradients go to the host and the
+  // updated weights come back over the host link, and the host updates its f32 state (4 + 4 + 8
+  // bytes a parameter, read and written) at its share of the host's memory bandwidth.
   const double opt_params = P / (L.zero >= 1 ? shard : 1);
-  e.optimizer_s =
-      (measured ? dev.kernels.at("adamw").seconds(opt_params * share)
-                : opt_params * (2 * (B.weight + B.grad + B.optimizer) + B.copy) / dev.memory_bw) *
-      crowd;
+  if (!L.offload) {
+    e.optimizer_s =
+        (measured ? dev.kernels.at("adamw").seconds(opt_params * share)
+                  : opt_params * (2 * (B.weight + B.grad + B.optimizer) + B.copy) / dev.memory_bw) *
+        crowd;
+  } else {
+    const double host_share = job.cluster.shared_host ? share : 1.0;
+    const double transfer = opt_params * (B.grad + B.weight) / (job.cluster.host.bandwidth / host_share) +
+                            2 * job.cluster.host.latency;
+    const double update = measured ? dev.kernels.at("adamw").seconds(opt_params * share)
+                                   : opt_params * 2 * 16 / (job.cluster.host_memory_bw / host_share);
+    e.optimizer_s = (transfer + update + opt_params * B.copy / dev.memory_bw) * crowd;
+  }
   // Ranks beyond a shared host's cores: every synchronisation on the busiest rank's path (its
   // elements' per micro-batch, the data-parallel collectives, the loss and gradient-norm
   // reductions of the step) waits for peers the OS has not scheduled (Cluster::crowded_sync,
@@ -947,6 +985,14 @@ SearchResult search(const Job& job, const SearchOptions& opt) {
                   ++res.considered;
                   Estimate e = estimate(job, L, /*simulate=*/false);
                   if (e.memory.empty()) continue;  // not a valid layout (why_not says why)
+                  // What does not fit, with its optimizer in host memory (the slower twin of one
+                  // that fits would never rank above it).
+                  if (!e.fits && opt.offload && !job.cluster.shared_host) {
+                    if (!res.least || e.memory_total < res.least->memory_total) res.least = e;
+                    L.offload = true;
+                    ++res.considered;
+                    e = estimate(job, L, /*simulate=*/false);
+                  }
                   if (!res.least || e.memory_total < res.least->memory_total) res.least = e;
                   if (!e.fits) continue;
                   ++res.fitting;
@@ -978,9 +1024,11 @@ std::string format_table(const Job& job, const std::vector<Estimate>& es) {
                               "tokens/s", "TFLOP/s", "MFU", "compute", "bubble", "comm", "recomp", "memory GB");
   for (const Estimate& e : es) {
     const double comm = e.tp_comm_s + e.pp_comm_s + e.dp_exposed_s + e.tied_s;
-    s += fmt::format("{:<64} {:>9.3f} {:>10.0f} {:>7.1f} {:>5.1f}% {:>8.3f} {:>8.3f} {:>8.3f} {:>8.3f} {:>9.1f}{}\n",
+    const std::string host = e.layout.offload ? fmt::format("  (+{:.1f} GB host)", e.host_memory_total / 1e9) : "";
+    s += fmt::format("{:<64} {:>9.3f} {:>10.0f} {:>7.1f} {:>5.1f}% {:>8.3f} {:>8.3f} {:>8.3f} {:>8.3f} {:>9.1f}{}{}\n",
                      e.layout.str(), e.step_s, e.tokens_per_s, e.model_tflops, 100 * e.mfu, e.compute_s, e.bubble_s,
-                     comm, e.recompute_s, e.memory_total / 1e9, e.fits ? "" : "  (does not fit: " + e.why_not + ")");
+                     comm, e.recompute_s, e.memory_total / 1e9, host,
+                     e.fits ? "" : "  (does not fit: " + e.why_not + ")");
   }
   (void)job;
   return s;
@@ -1024,6 +1072,7 @@ std::string to_json(const Estimate& e) {
   j["mfu"] = e.mfu;
   j["micro_batches"] = e.micro_batches;
   j["memory_bytes_per_gpu"] = e.memory;
+  if (e.layout.offload) j["host_memory_bytes_per_gpu"] = e.host_memory;
   j["time_s"] = {{"compute", e.compute_s},       {"recompute", e.recompute_s}, {"tp_comm", e.tp_comm_s},
                  {"pp_comm", e.pp_comm_s},       {"bubble", e.bubble_s},       {"dp_exposed", e.dp_exposed_s},
                  {"dp_comm", e.dp_comm_s},       {"optimizer", e.optimizer_s}, {"crowded_sync", e.sync_s},

@@ -7,7 +7,9 @@
 // f32 master weights and Adam moments per parameter), `f32` as loom's CPU trainer holds it (f32
 // weights, gradients and moments: 4 + 4 + 8), `device` as loom's device runs hold it (the same and
 // a bf16 compute copy of the weights: 4 + 2 + 4 + 8; under ZeRO-3 bf16 copies of the two gathered
-// blocks instead). ZeRO 1 divides the optimizer state by dp, 2 the
+// blocks instead). Offload (Layout::offload) moves the optimizer state to the host, which also
+// keeps an f32 gradient staging copy and, in loom's pools, an f32 master copy of what the rank
+// updates (Estimate::host_memory; a layout fits when both fit). ZeRO 1 divides the optimizer state by dp, 2 the
 // gradients too, 3 the weights too. Activations of one micro-batch and layer follow Korthikanti et
 // al. 2022 for 16-bit training (s b h (34 + 5 a s / h), with tensor parallelism
 // s b h (10 + 24 / t + 5 a s / (h t)), with sequence parallelism s b h (34 + 5 a s / h) / t; selective
@@ -36,7 +38,9 @@
 // durations); data parallelism's gradient reduction (ring: 2 (d-1)/d of the gradient bytes; ZeRO-3
 // gathers the weights again in forward and backward: 1.5x), exposed after the pipeline flush when
 // pp > 1 or on a shared host (whose collectives run on the cores that compute) and hidden behind
-// backward otherwise except what backward cannot cover; a pipeline's tied embedding, whose
+// backward otherwise except what backward cannot cover; offloaded, the gradients' way to the
+// host and the updated weights' way back over the host link and the host's update at its share
+// of the host's memory bandwidth instead of the device's optimizer pass; a pipeline's tied embedding, whose
 // gradient its first and last stages exchange and add after the flush (f32; under ZeRO 2/3 what
 // the other shards own of it gathered over data parallelism first); and the optimizer's pass over
 // its state at memory bandwidth.
@@ -93,8 +97,14 @@ struct Layout {
   parallel::pipeline::Kind schedule = parallel::pipeline::Kind::one_f_one_b;
   model::Recompute recompute = model::Recompute::none;  // none, selective or full
   int zero = 0;
+  // The optimizer's state and update in host memory (ZeRO-Offload; loom's parallel.offload): the
+  // device keeps its weights, compute copies and gradients; the host the optimizer state, an f32
+  // master copy (loom's pools; mixed's optimizer state holds its masters) and an f32 gradient
+  // staging copy of what the rank updates.
+  bool offload = false;
   int devices() const { return dp * tp * pp * cp; }
-  // "dp=8,tp=8,pp=4,v=2,cp=1,sp=1,mbs=1,schedule=interleaved,recompute=selective,zero=1"
+  // "dp=8,tp=8,pp=4,v=2,cp=1,sp=1,mbs=1,schedule=interleaved,recompute=selective,zero=1,offload=1"
+  // (offload only when set)
   std::string str() const;
 };
 // Parses Layout::str()'s form (any subset of the keys; the rest default). Errors name `where`
@@ -117,6 +127,8 @@ struct Estimate {
   int64_t micro_batches = 1;              // per pipeline and step
   std::map<std::string, double> memory;   // bytes per device by tag: params, grads, optimizer, activations
   double memory_total = 0;
+  std::map<std::string, double> host_memory;  // offload: host bytes per device by tag (optimizer, params, grads)
+  double host_memory_total = 0;
   bool fits = false;
   std::string why_not;                    // "" when it fits (or the layout is valid)
   double step_s = 0;
@@ -166,6 +178,9 @@ struct SearchOptions {
   std::vector<model::Recompute> recomputes{model::Recompute::none, model::Recompute::selective,
                                            model::Recompute::full};
   std::vector<int> zeros{0, 1, 2, 3};
+  // Also try each layout that does not fit with its optimizer offloaded to host memory (never on a
+  // shared host, whose host memory is the devices').
+  bool offload = true;
 };
 
 // A layout fits a device when its predicted memory is at most this share of the device's memory

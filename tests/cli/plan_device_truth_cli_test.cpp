@@ -44,7 +44,8 @@ struct Case {
 // arenas (and ZeRO over a data-parallel group of one rank, which shards nothing), tp with and
 // without sp, cp's ring blocks (with ZeRO over dp x cp), the three pipeline schedules whose
 // memory differs from 1F1B's (gpipe's whole batch in flight, interleaving's chunks, zero bubble's
-// deferred gradients), a pipeline's tied-embedding exchange under ZeRO-3, recomputation.
+// deferred gradients), a pipeline's tied-embedding exchange under ZeRO-3, recomputation, and the
+// optimizer offloaded to the host (its tags in the host pool checked too).
 const std::vector<Case> kCases = {
     {"dp=1", "", 1, 1, 1, 1, 1},
     {"dp=2,zero=2", "--parallel.dp 2 --parallel.zero 2", 2, 1, 1, 1, 1},
@@ -62,6 +63,8 @@ const std::vector<Case> kCases = {
     {"tp=2,pp=2", "--parallel.tp 2 --parallel.pp 2 --train.grad_accum 4", 1, 2, 2, 1, 4},
     {"dp=2,zero=3,recompute=full", "--parallel.dp 2 --parallel.zero 3 --memory.recompute full", 2, 1, 1, 1, 1},
     {"tp=2,sp=1,recompute=selective", "--parallel.tp 2 --parallel.sp true --memory.recompute selective", 1, 2, 1, 1, 1},
+    {"dp=2,zero=1,offload=1", "--parallel.dp 2 --parallel.zero 1 --parallel.offload true", 2, 1, 1, 1, 1},
+    {"tp=2,pp=2,offload=1", "--parallel.tp 2 --parallel.pp 2 --train.grad_accum 4 --parallel.offload true", 1, 2, 2, 1, 4},
 };
 constexpr int64_t kVocab = 4096;
 
@@ -101,7 +104,8 @@ void check_family(const Family& f) {
                                        toml.string(), c.ranks(), kBatch, kSeq, layout),
                            s.root / "logs");
     ASSERT_EQ(plan.code, 0) << plan.err;
-    const nlohmann::json predicted = nlohmann::json::parse(plan.out)["memory_bytes_per_gpu"];
+    const nlohmann::json plan_json = nlohmann::json::parse(plan.out);
+    const nlohmann::json predicted = plan_json["memory_bytes_per_gpu"];
     std::ifstream in(s.root / out / "memory.json");
     const nlohmann::json ranks = nlohmann::json::parse(in)["ranks"];
     ASSERT_EQ(int(ranks.size()), c.ranks());
@@ -118,6 +122,14 @@ void check_family(const Family& f) {
     for (const char* tag : tags) {
       const double m = (*fullest)["peak_bytes"][tag].get<double>(), p = predicted.value(tag, 0.0);
       EXPECT_LE(std::abs(p - m), kStateBound * m) << tag << ": predicted " << p << " bytes, measured " << m;
+    }
+    // Offloaded: the optimizer state, the f32 master copy and the gradient staging copy in the host
+    // pool (of the fullest rank), each to the model state's bound.
+    const nlohmann::json host = plan_json.value("host_memory_bytes_per_gpu", nlohmann::json::object());
+    EXPECT_EQ(host.empty(), std::string(c.layout).find("offload=1") == std::string::npos);
+    for (const auto& [tag, b] : host.items()) {
+      const double m = (*fullest)["host_peak_bytes"].value(tag, 0.0), p = b.get<double>();
+      EXPECT_LE(std::abs(p - m), kStateBound * m) << "host " << tag << ": predicted " << p << " bytes, measured " << m;
     }
     const double ws = (*fullest)["peak_bytes"]["workspace"].get<double>(), ws_p = predicted.value("workspace", 0.0);
     EXPECT_LE(std::abs(ws_p - ws), kWorkspaceBound * measured) << "workspace: predicted " << ws_p << ", measured " << ws;

@@ -237,6 +237,69 @@ TEST(Planner, PrecisionsCountModelStateAsTheirRunsHoldIt) {
   EXPECT_NEAR(ed.compute_s, em.compute_s, 1e-12);
 }
 
+// Offload (ZeRO-Offload, loom's parallel.offload): the optimizer state leaves the device for the
+// host, which also keeps an f32 gradient staging copy and, in loom's pools, an f32 master copy of
+// what the rank updates; the step pays the transfers over the host link and the host's update. The
+// search offloads only what does not fit otherwise, never on a shared host, and refuses what the
+// host's memory cannot hold. (The device truth test checks the tags against the emulated device.)
+TEST(Planner, OffloadMovesTheOptimizerToTheHostWhenNothingElseFits) {
+  plan::Job job = small_gpt_job();
+  job.devices = 2, job.global_batch = 16;
+  job.precision = plan::Precision::device;
+  const plan::Layout on = plan::parse_layout("dp=2,mbs=8,zero=1,offload=1");
+  EXPECT_TRUE(on.offload);
+  EXPECT_EQ(on.str(), "dp=2,tp=1,pp=1,mbs=8,recompute=none,zero=1,offload=1");
+  EXPECT_EQ(plan::parse_layout(on.str()).str(), on.str());
+  plan::Layout off = on;
+  off.offload = false;
+  EXPECT_EQ(off.str().find("offload"), std::string::npos);
+  for (const char* bad : {"offload=2", "offload=x"}) EXPECT_THROW(plan::parse_layout(bad), Error) << bad;
+
+  const plan::Estimate a = plan::estimate(job, off), b = plan::estimate(job, on);
+  const double updated = a.memory.at("optimizer") / 8;  // the parameters the rank updates (ZeRO-1: half)
+  EXPECT_GT(updated, 0);
+  EXPECT_EQ(b.memory.at("optimizer"), 0);
+  EXPECT_EQ(b.memory.at("params"), a.memory.at("params"));
+  EXPECT_EQ(b.memory.at("grads"), a.memory.at("grads"));
+  EXPECT_NEAR(b.memory_total, a.memory_total - 8 * updated, 1e-6 * a.memory_total);
+  EXPECT_EQ(b.host_memory.at("optimizer"), 8 * updated);
+  EXPECT_EQ(b.host_memory.at("params"), 4 * updated);
+  EXPECT_EQ(b.host_memory.at("grads"), 4 * updated);
+  EXPECT_EQ(b.host_memory_total, 16 * updated);
+  EXPECT_TRUE(a.host_memory.empty());
+  // The offloaded update: f32 gradients down and f32 weights up over the host link, the host's
+  // update of 16 bytes a parameter read and written, the compute copy written on the device.
+  const plan::Cluster& c = job.cluster;
+  const double expected = updated * 8 / c.host.bandwidth + 2 * c.host.latency + updated * 32 / c.host_memory_bw +
+                          updated * 2 / c.device.memory_bw;
+  EXPECT_NEAR(b.optimizer_s, expected, 1e-9 * expected);
+  EXPECT_GT(b.step_s, a.step_s);
+
+  // With room on the device no choice offloads; where only an offloaded layout fits, it is chosen.
+  const plan::SearchResult roomy = plan::search(job);
+  ASSERT_FALSE(roomy.best.empty());
+  for (const plan::Estimate& e : roomy.best) EXPECT_FALSE(e.layout.offload) << e.layout.str();
+  // (The device's memory 1% below what the least demanding layout without offload needs.)
+  plan::Job tight = job;
+  tight.cluster.device.memory = 1e3;
+  const plan::SearchResult none = plan::search(tight, {.offload = false});
+  ASSERT_TRUE(none.best.empty() && none.least.has_value());
+  tight.cluster.device.memory = 0.99 * none.least->memory_total / plan::kUsableMemory;
+  const plan::SearchResult only = plan::search(tight);
+  ASSERT_FALSE(only.best.empty());
+  for (const plan::Estimate& e : only.best) EXPECT_TRUE(e.layout.offload) << e.layout.str();
+  // ... unless the host's memory cannot hold it, which the refusal names.
+  const plan::Estimate& chosen = only.best.front();
+  tight.cluster.host_memory = chosen.host_memory_total;  // 90% of it is usable
+  const plan::Estimate refused = plan::estimate(tight, chosen.layout);
+  EXPECT_FALSE(refused.fits);
+  EXPECT_NE(refused.why_not.find("of host memory per device"), std::string::npos) << refused.why_not;
+  // A shared host's memory is the devices': the search does not offload there.
+  plan::Job shared = tight;
+  shared.cluster.shared_host = true;
+  for (const plan::Estimate& e : plan::search(shared).best) EXPECT_FALSE(e.layout.offload) << e.layout.str();
+}
+
 // Model and cluster files: sizes beyond the planner's range (2^62 layers threw bad_alloc, 10^5
 // walked layer lists for minutes, ffn 2^62 overflowed the parameter count) and cluster numbers that
 // are not finite, or a fractional gpus_per_node, are refused naming the file and the field.
