@@ -19,6 +19,9 @@
 #             `loom generate` on its checkpoint, the same run as dp 2 x tp 2 with ZeRO-1 and as
 #             tp 2 x pp 2, cp 2 x dp 2 (the mesh engine, threads sharing the GPU) and as two data-parallel
 #             processes
+#   plantruth `loom plan --precision device` against the CUDA pools of 17 layouts of GPT-2 and of
+#             Llama, tag by tag (bench/plan_device_truth.sh with DEVICE=cuda; the emulated device's
+#             figures are checked in the default suite), on the small corpus of `loom`
 #   llama     the Llama family on the GPU: train_gpt2_cuda at SmolLM-135M's shapes against GPT-2
 #             124M (B = 16, T = 1024, cuDNN attention for both, grouped-query for SmolLM; two
 #             alternating rounds, then one with loom's flash attention for both), and
@@ -46,7 +49,7 @@ bundle=$1
 out=$2
 shift 2
 steps=("$@")
-[[ ${#steps[@]} -gt 0 ]] || steps=(device cuda memcheck pipeline flash train loom llama fp16)
+[[ ${#steps[@]} -gt 0 ]] || steps=(device cuda memcheck pipeline flash train loom plantruth llama fp16)
 mkdir -p "$out"
 {
   date -u +"gpu_checks %Y-%m-%d %H:%M UTC"
@@ -232,6 +235,14 @@ PY
       --steps 30 --warmup 5 --modes loom-cudnn,eager || return 1
   done
 }
+step_plantruth() {
+  local corpus="$out/corpus" family
+  [[ -s "$corpus/data/train_000.bin" ]] || make_corpus "$corpus" || return 1
+  for family in gpt llama; do
+    env_run bash -c 'DEVICE=cuda FAMILY="$2" LOOM="$(command -v loom)" "$0/bench/plan_device_truth.sh" "$1"' \
+      "$root" "$corpus/data" "$family" || return 1
+  done
+}
 failed=0
 run_step() {
   local name=$1
@@ -244,8 +255,8 @@ run_step() {
 }
 for s in "${steps[@]}"; do
   case "$s" in
-    device|cuda|memcheck|pipeline|flash|train|loom|mesh|llama|fp16|gap) run_step "$s" ;;
-    *) echo "gpu_checks: unknown step '$s' (device, cuda, memcheck, pipeline, flash, train, loom, mesh, llama, fp16, gap)" >&2; exit 2 ;;
+    device|cuda|memcheck|pipeline|flash|train|loom|plantruth|mesh|llama|fp16|gap) run_step "$s" ;;
+    *) echo "gpu_checks: unknown step '$s' (device, cuda, memcheck, pipeline, flash, train, loom, plantruth, mesh, llama, fp16, gap)" >&2; exit 2 ;;
   esac
 done
 exit $failed

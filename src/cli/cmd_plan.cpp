@@ -35,7 +35,7 @@ namespace {
 namespace pipe = parallel::pipeline;
 
 struct PlanArgs {
-  std::string model = "gpt2-124m", cluster = "a100-80gb", layout, precision = "mixed";
+  std::string model = "gpt2-124m", cluster = "a100-80gb", layout, precision = "auto";
   int gpus = 8, top = 5;
   int64_t global_batch = 512, seq = 0;
   bool explain = false, json = false;
@@ -53,10 +53,11 @@ void add_job_options(CLI::App& sub, PlanArgs& a) {
       ->check(CLI::Range(int64_t(1), int64_t(1) << 30));
   sub.add_option("--seq", a.seq, "sequence length (default: the model's)")->check(CLI::Range(int64_t(1), int64_t(1) << 24));
   sub.add_option("--precision", a.precision,
-                 "mixed (16-bit with f32 master weights, as ZeRO and Megatron-LM account it), f32 (loom's CPU runs) "
-                 "or device (loom's GPU runs: bf16 compute over f32 weights, gradients and moments)")
+                 "auto (loom's runs on the cluster: f32 on the cpu cluster, device on GPUs), device (loom's GPU "
+                 "runs: bf16 compute over f32 weights, gradients and moments), f32 (loom's CPU runs) or mixed "
+                 "(16-bit with f32 master weights, as ZeRO and Megatron-LM account it)")
       ->capture_default_str()
-      ->check(CLI::IsMember({"mixed", "f32", "device"}));
+      ->check(CLI::IsMember({"auto", "mixed", "f32", "device"}));
 }
 
 plan::Job make_job(const PlanArgs& a) {
@@ -67,7 +68,9 @@ plan::Job make_job(const PlanArgs& a) {
   job.cluster = plan::cluster_named(a.cluster);
   job.devices = a.gpus;
   job.global_batch = a.global_batch;
-  job.precision = plan::parse_precision(a.precision, "--precision");
+  job.precision = a.precision != "auto"      ? plan::parse_precision(a.precision, "--precision")
+                  : job.cluster.shared_host ? plan::Precision::f32
+                                            : plan::Precision::device;
   return job;
 }
 

@@ -282,9 +282,15 @@ LoomExtras loom_extras(const Job& job, const Layout& L) {
   return x;
 }
 
-// (Under offload the optimizer state is in host memory: `offloaded` gets the fullest rank's.)
+// (Under offload the optimizer state is in host memory: `offloaded` gets the most any rank keeps
+// there, the stage with the most parameters, which need not be the rank fullest on its device.)
+// With the schedule's lists (`sch`), each rank's activations at their peak are the largest sum over
+// its list of the chunks it holds (a chunk's from its forward to its backward, or to its weight
+// pass under zero bubble), each chunk at its own size; without, the in-flight count times the
+// rank's average chunk.
 std::map<std::string, double> pipeline_rank_memory(const Job& job, const Layout& L, const std::vector<int>& rank_in_flight,
-                                                   double in_flight, const LoomExtras& x, double& offloaded) {
+                                                   double in_flight, const LoomExtras& x, double& offloaded,
+                                                   const pipe::Schedule* sch) {
   const ModelSpec& m = job.model;
   const int parts = L.pp * L.v;
   const std::vector<int64_t> cuts = pipe::balance_chain(pipe::chain_costs(to_gpt(m), m.seq), parts);
@@ -310,24 +316,39 @@ std::map<std::string, double> pipeline_rank_memory(const Job& job, const Layout&
   const double deferred_per_layer = a * tokens * (2 * h + fc_local + qkv_local);
   for (int r = 0; r < L.pp; ++r) {
     double params = 0, act_per_mb = 0, grad_in = 0, largest = 0, arena = 0, layers_here = 0;
+    std::vector<double> chunk_act(size_t(L.v), 0.0), chunk_grad(size_t(L.v), 0.0);  // one micro-batch's
     bool first = false, last = false;
     for (int k = 0; k < L.v; ++k) {
       const int c = r + k * L.pp;
       const int64_t e0 = cuts[size_t(c)], e1 = cuts[size_t(c + 1)];
-      if (e0 > 0) act_per_mb += a * rows * h;  // the received input
-      if (c + 1 < parts) grad_in += a * rows * h;
+      double& act = chunk_act[size_t(k)];
+      if (e0 > 0) act += a * rows * h;  // the received input
+      if (c + 1 < parts) chunk_grad[size_t(k)] = a * rows * h;
       std::vector<double> backward_order;
       for (int64_t e = e1 - 1; e >= e0; --e) {
         const double n = bp.stage_element(m, e);
         params += n, largest = std::max(largest, n), backward_order.push_back(n);
-        if (e == 0) act_per_mb += a * tokens * h, first = true;
-        else if (e <= m.layers) act_per_mb += per_layer, layers_here += 1;
-        else act_per_mb += a * tokens * double(m.vocab) / tp, last = true;  // the logits
+        if (e == 0) act += a * tokens * h, first = true;
+        else if (e <= m.layers) act += per_layer, layers_here += 1;
+        else act += a * tokens * double(m.vocab) / tp, last = true;  // the logits
       }
+      act_per_mb += act, grad_in += chunk_grad[size_t(k)];
       // Each chunk's backward waits for its buckets at its end: the arena is the fullest chunk's.
       arena = std::max(arena, bucket_arena(backward_order, 0.0));
     }
     const double held = rank_in_flight.size() == size_t(L.pp) ? double(rank_in_flight[size_t(r)]) : in_flight * L.v;
+    // The activations and received gradients the rank holds at its fullest.
+    double held_act = held / L.v * act_per_mb, held_grad = held / L.v * grad_in;
+    if (sch && sch->p() == L.pp && sch->v() == L.v) {
+      double cur_act = 0, cur_grad = 0, peak = -1;
+      for (const pipe::Instr& in : sch->ranks[size_t(r)]) {
+        const bool ends = in.op == pipe::Op::backward || in.op == pipe::Op::backward_weight;
+        if (in.op != pipe::Op::forward && !ends) continue;
+        const double sign = in.op == pipe::Op::forward ? 1.0 : -1.0;
+        cur_act += sign * chunk_act[size_t(in.chunk)], cur_grad += sign * chunk_grad[size_t(in.chunk)];
+        if (cur_act + cur_grad > peak) peak = cur_act + cur_grad, held_act = cur_act, held_grad = cur_grad;
+      }
+    }
     std::map<std::string, double> t;
     // The stage's data parallelism (parallel::DataParallel over its blocks, the wte copy the
     // head's): ZeRO-3 keeps its shard and two gather buffers of the largest block (on a device each
@@ -340,19 +361,18 @@ std::map<std::string, double> pipeline_rank_memory(const Job& job, const Layout&
     const double whole_norms = zb ? 2 * layers_here * bp.norms + (last ? bp.norms : 0.0) : 0.0;
     t["grads"] = L.zero >= 2 && split ? params * B.grad / shard + 4 * arena + 4 * whole_norms : params * B.grad;
     t["optimizer"] = params * B.optimizer / (L.zero >= 1 ? shard : 1);
-    const double host_state = L.offload ? t["optimizer"] : 0.0;
-    if (L.offload) t["optimizer"] = 0;
-    t["activations"] = held / L.v * act_per_mb +
+    if (L.offload) offloaded = std::max(offloaded, t["optimizer"]), t["optimizer"] = 0;
+    t["activations"] = held_act +
                        (zb && L.recompute == model::Recompute::full ? layers_here * layer_activation_bytes(job, whole)
                                                                      : recompute_extra);
     t["workspace"] = x.workspace + (zb ? layers_here * deferred_per_layer + (first ? a * rows * h : 0.0) : 0.0);
     // The wte gradient exchange runs after the flush, when the activations and the received
     // gradients are gone: it adds to the peak only what it exceeds them by.
     const double exchange = (first || last) ? x.exchange : 0.0;
-    t["comm"] = std::max(held / L.v * grad_in, exchange - t["activations"]);
+    t["comm"] = std::max(held_grad, exchange - t["activations"]);
     double total = 0;
     for (const auto& [tag, b] : t) total += b;
-    if (total > best_total) best_total = total, best = t, offloaded = host_state;
+    if (total > best_total) best_total = total, best = t;
   }
   return best;
 }
@@ -715,6 +735,7 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   // with one).
   double slowdown = crowd;
   std::vector<int> rank_in_flight;  // (micro-batch, chunk) pairs each pipeline rank holds at most (simulated)
+  std::optional<pipe::Schedule> flight_schedule;  // the simulated lists those counts come from
   // The schedule is generated for the busiest rank's chunk costs (free transfers), as the executor
   // generates one schedule for every rank.
   e.order_costs.forward = t_f / L.v;
@@ -738,8 +759,8 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
         spec.stages = L.pp;
         spec.virtual_stages = v;
         spec.micro_batches = int(mb);
-        const pipe::Schedule sch = pipe::generate(spec, e.order_costs);
-        return pipe::simulate(sch, rank_costs);
+        flight_schedule = pipe::generate(spec, e.order_costs);
+        return pipe::simulate(*flight_schedule, rank_costs);
       };
       auto slowdown_of = [&](const pipe::CheckResult& r, int64_t mb) {
         return r.ranks[size_t(busiest_rank)].busy / (double(mb) * (t_f + t_b));
@@ -805,7 +826,9 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
       // micro-batches each rank keeps in flight under the schedule (simulated; without a
       // simulation the closed form above), the received gradient buffers of those in flight. Its
       // tags add up to its peak (comm: what the transfers add to it).
-      const std::map<std::string, double> r = pipeline_rank_memory(job, L, rank_in_flight, in_flight, x, offloaded);
+      offloaded = 0;
+      const std::map<std::string, double> r = pipeline_rank_memory(job, L, rank_in_flight, in_flight, x, offloaded,
+                                                                   flight_schedule ? &*flight_schedule : nullptr);
       e.memory = r;
     }
   }
@@ -891,22 +914,23 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
     if (capacity > 0) e.tied_s *= std::max(1.0, std::min(double(job.devices), 2.0 * rank_costs.copies) / capacity);
   }
   // The optimizer reads and writes its state, the weights and the gradients once (on a device it
-  // also writes the weights' compute copy). Offloaded: the gradients go to the host and the
-  // updated weights come back over the host link, and the host updates its f32 state (4 + 4 + 8
-  // bytes a parameter, read and written) at its share of the host's memory bandwidth.
+  // also writes the compute copy of every weight the rank holds, P: under ZeRO 1/2 after the
+  // updated shards are gathered). Offloaded: the gradients go to the host and the updated weights
+  // come back over the host link, and the host updates its f32 state (4 + 4 + 8 bytes a
+  // parameter, read and written) at its share of the host's memory bandwidth.
   const double opt_params = P / (L.zero >= 1 ? shard : 1);
+  const double refresh = (L.zero >= 3 && shard > 1 ? 0.0 : P * B.copy) / dev.memory_bw;
   if (!L.offload) {
-    e.optimizer_s =
-        (measured ? dev.kernels.at("adamw").seconds(opt_params * share)
-                  : opt_params * (2 * (B.weight + B.grad + B.optimizer) + B.copy) / dev.memory_bw) *
-        crowd;
+    e.optimizer_s = (measured ? dev.kernels.at("adamw").seconds(opt_params * share)
+                              : opt_params * 2 * (B.weight + B.grad + B.optimizer) / dev.memory_bw + refresh) *
+                    crowd;
   } else {
     const double host_share = job.cluster.shared_host ? share : 1.0;
     const double transfer = opt_params * (B.grad + B.weight) / (job.cluster.host.bandwidth / host_share) +
                             2 * job.cluster.host.latency;
     const double update = measured ? dev.kernels.at("adamw").seconds(opt_params * share)
                                    : opt_params * 2 * 16 / (job.cluster.host_memory_bw / host_share);
-    e.optimizer_s = (transfer + update + opt_params * B.copy / dev.memory_bw) * crowd;
+    e.optimizer_s = (transfer + update + refresh) * crowd;
   }
   // Ranks beyond a shared host's cores: every synchronisation on the busiest rank's path (its
   // elements' per micro-batch, the data-parallel collectives, the loss and gradient-norm
@@ -987,13 +1011,18 @@ SearchResult search(const Job& job, const SearchOptions& opt) {
                   if (e.memory.empty()) continue;  // not a valid layout (why_not says why)
                   // What does not fit, with its optimizer in host memory (the slower twin of one
                   // that fits would never rank above it).
+                  // (The least demanding layout is one the host can hold: an offloaded twin that
+                  // only the host's memory refuses is not it.)
+                  bool host_holds = true;
                   if (!e.fits && opt.offload && !job.cluster.shared_host) {
                     if (!res.least || e.memory_total < res.least->memory_total) res.least = e;
                     L.offload = true;
                     ++res.considered;
                     e = estimate(job, L, /*simulate=*/false);
+                    host_holds = job.cluster.host_memory <= 0 ||
+                                 e.host_memory_total <= kUsableMemory * job.cluster.host_memory;
                   }
-                  if (!res.least || e.memory_total < res.least->memory_total) res.least = e;
+                  if (host_holds && (!res.least || e.memory_total < res.least->memory_total)) res.least = e;
                   if (!e.fits) continue;
                   ++res.fitting;
                   fitting.push_back(std::move(e));

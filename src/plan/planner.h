@@ -17,7 +17,8 @@
 // under sp) and, for f32 and device, loom's own declarations (the blocks' saved tensors,
 // model/blocks.h, in f32 or bf16 with their row statistics in f32); a
 // pipeline stage holds them for the micro-batches its schedule keeps in flight (the schedule's own
-// instruction lists, simulated by the checker), plus the logits on the last stage. For f32 and
+// instruction lists, simulated by the checker; in loom's pools each chunk at its own size, at the
+// largest sum along the rank's list), plus the logits on the last stage. For f32 and
 // device the model also counts what loom's pools hold beside them (the backward scratch, ZeRO-3's gather
 // buffers, ZeRO-2/3's bucket arena, ring attention's blocks) and, for a pipeline, the fullest rank
 // as the executor lays it out (stages cut by cost, each rank's simulated in-flight micro-batches);

@@ -240,9 +240,11 @@ TEST(Planner, PrecisionsCountModelStateAsTheirRunsHoldIt) {
 // Offload (ZeRO-Offload, loom's parallel.offload): the optimizer state leaves the device for the
 // host, which also keeps an f32 gradient staging copy and, in loom's pools, an f32 master copy of
 // what the rank updates; the step pays the transfers over the host link and the host's update. The
-// search offloads only what does not fit otherwise, never on a shared host, and refuses what the
-// host's memory cannot hold. (The device truth test checks the tags against the emulated device.)
-TEST(Planner, OffloadMovesTheOptimizerToTheHostWhenNothingElseFits) {
+// search tries the offloaded twin of each layout that does not fit (so with room nothing is
+// offloaded, and where nothing fits otherwise every choice is), never on a shared host, and
+// refuses what the host's memory cannot hold. (The device truth test checks the tags against the
+// emulated device.)
+TEST(Planner, OffloadMovesTheOptimizerToTheHost) {
   plan::Job job = small_gpt_job();
   job.devices = 2, job.global_batch = 16;
   job.precision = plan::Precision::device;
@@ -268,10 +270,11 @@ TEST(Planner, OffloadMovesTheOptimizerToTheHostWhenNothingElseFits) {
   EXPECT_EQ(b.host_memory_total, 16 * updated);
   EXPECT_TRUE(a.host_memory.empty());
   // The offloaded update: f32 gradients down and f32 weights up over the host link, the host's
-  // update of 16 bytes a parameter read and written, the compute copy written on the device.
+  // update of 16 bytes a parameter read and written, and the compute copy of every weight the
+  // rank holds (ZeRO-1: twice what it updates) written on the device.
   const plan::Cluster& c = job.cluster;
   const double expected = updated * 8 / c.host.bandwidth + 2 * c.host.latency + updated * 32 / c.host_memory_bw +
-                          updated * 2 / c.device.memory_bw;
+                          2 * updated * 2 / c.device.memory_bw;
   EXPECT_NEAR(b.optimizer_s, expected, 1e-9 * expected);
   EXPECT_GT(b.step_s, a.step_s);
 
@@ -294,10 +297,16 @@ TEST(Planner, OffloadMovesTheOptimizerToTheHostWhenNothingElseFits) {
   const plan::Estimate refused = plan::estimate(tight, chosen.layout);
   EXPECT_FALSE(refused.fits);
   EXPECT_NE(refused.why_not.find("of host memory per device"), std::string::npos) << refused.why_not;
-  // A shared host's memory is the devices': the search does not offload there.
+  // Nor is it the least demanding layout then: that is one the host can hold.
+  const plan::SearchResult held = plan::search(tight);
+  ASSERT_TRUE(held.least.has_value());
+  EXPECT_LE(held.least->host_memory_total, plan::kUsableMemory * tight.cluster.host_memory) << held.least->layout.str();
+  // A shared host's memory is the devices': the search tries no offloaded twin there.
   plan::Job shared = tight;
   shared.cluster.shared_host = true;
-  for (const plan::Estimate& e : plan::search(shared).best) EXPECT_FALSE(e.layout.offload) << e.layout.str();
+  shared.cluster.host_memory = 0;
+  EXPECT_EQ(plan::search(shared).considered, plan::search(shared, {.offload = false}).considered);
+  EXPECT_GT(plan::search(tight).considered, plan::search(tight, {.offload = false}).considered);
 }
 
 // Model and cluster files: sizes beyond the planner's range (2^62 layers threw bad_alloc, 10^5
