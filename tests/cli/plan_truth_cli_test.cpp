@@ -2,7 +2,7 @@
 // truth): for layouts of data, tensor (with sp), context and pipeline parallelism (GPipe, 1F1B and ZB-H1,
 // composed with dp (ZeRO 1-3) and tp; interleaved), ZeRO stages and recomputation, `loom plan --layout ... --precision f32
 // --cluster cpu --json` predicts the fullest rank's peak, all tags, within 5% of `loom train`'s
-// OUT/memory.json (measured within 2.4% on a 4-layer model; the attention kernel's own scratch is
+// OUT/memory.json (measured within 2.5% on a 4-layer model; the attention kernel's own scratch is
 // what the prediction leaves out). The interleaved schedule's chunks, each its own size, are
 // counted at their peak along the rank's list (bench/README.md, "Local truth").
 #include <gtest/gtest.h>
