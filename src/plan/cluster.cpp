@@ -61,9 +61,6 @@ Cluster builtin(const std::string& name) {
     c.cores = omp_get_max_threads();
     c.intra = {5e9, 20e-6};
     c.inter = {1e9, 50e-6};
-    // Offloading on a shared host copies within its memory: read and written, half its rate.
-    c.host = {c.device.memory_bw / 2, 1e-6};
-    c.host_memory_bw = c.device.memory_bw;
   } else {
     throw Error(fmt::format("cluster '{}': not a built-in (a100-80gb, h100-sxm, h200, cpu) nor a file", name));
   }
@@ -155,11 +152,7 @@ Cluster cluster_named(const std::string& name) {
       c.device.peak_f32 = p->gemm_peak;
       c.device.peak_bf16 = p->gemm_peak;
       c.device.efficiency = p->gemm_typical > 0 ? p->gemm_typical / p->gemm_peak : 1.0;
-      if (p->memory_bw > 0) {
-        c.device.memory_bw = p->memory_bw;
-        c.host = {p->memory_bw / 2, 1e-6};
-        c.host_memory_bw = p->memory_bw;
-      }
+      if (p->memory_bw > 0) c.device.memory_bw = p->memory_bw;
       if (p->allreduce_bw > 0) c.intra = {p->allreduce_bw, p->allreduce_latency};
       // The size effect: a product with n = 64 x 128 outputs runs at gemm_small, a large one at
       // gemm_typical, so gemm_typical x n / (n + half) = gemm_small.

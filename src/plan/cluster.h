@@ -107,9 +107,10 @@ struct Cluster {
   // A shared host's scheduling of ranks (HostProfile::wake, crowded_wake, balance), in seconds.
   double wake = 0, crowded_wake = 0, balance = 0;
   Link intra, inter;
-  // A device's link to its node's host memory (PCIe; on a shared host a copy within its memory),
-  // bytes/s per device each direction, and its share of the host's memory bandwidth (bytes/s):
-  // what an offloaded optimizer's transfers and update run at.
+  // A device's link to its node's host memory (PCIe), bytes/s per device each direction, and its
+  // share of the host's memory bandwidth (bytes/s): what an offloaded optimizer's transfers and
+  // update run at. (A shared host's devices are its memory: the planner copies and updates at the
+  // device's memory rate there.)
   Link host;
   double host_memory_bw = 0;
   double host_memory = 0;  // bytes of host memory per device (its share of the node's; 0: unknown)

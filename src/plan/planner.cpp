@@ -292,6 +292,7 @@ std::map<std::string, double> pipeline_rank_memory(const Job& job, const Layout&
                                                    double in_flight, const LoomExtras& x, double& offloaded,
                                                    const pipe::Schedule* sch) {
   const ModelSpec& m = job.model;
+  offloaded = 0;
   const int parts = L.pp * L.v;
   const std::vector<int64_t> cuts = pipe::balance_chain(pipe::chain_costs(to_gpt(m), m.seq), parts);
   const double h = double(m.hidden), tp = L.tp;
@@ -826,7 +827,6 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
       // micro-batches each rank keeps in flight under the schedule (simulated; without a
       // simulation the closed form above), the received gradient buffers of those in flight. Its
       // tags add up to its peak (comm: what the transfers add to it).
-      offloaded = 0;
       const std::map<std::string, double> r = pipeline_rank_memory(job, L, rank_in_flight, in_flight, x, offloaded,
                                                                    flight_schedule ? &*flight_schedule : nullptr);
       e.memory = r;
@@ -850,7 +850,8 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
                             100 * kUsableMemory, dev.memory / 1e9);
   // An offloaded optimizer's host memory: within the device's share of the node's, where known.
   const double host_memory = job.cluster.host_memory;
-  if (e.fits && L.offload && host_memory > 0 && e.host_memory_total > kUsableMemory * host_memory) {
+  e.host_fits = host_memory <= 0 || e.host_memory_total <= kUsableMemory * host_memory;
+  if (e.fits && !e.host_fits) {
     e.fits = false;
     e.why_not = fmt::format("needs {:.1f} GB of host memory per device, {:.0f}% of its {:.0f} GB is usable",
                             e.host_memory_total / 1e9, 100 * kUsableMemory, host_memory / 1e9);
@@ -925,11 +926,13 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
                               : opt_params * 2 * (B.weight + B.grad + B.optimizer) / dev.memory_bw + refresh) *
                     crowd;
   } else {
-    const double host_share = job.cluster.shared_host ? share : 1.0;
-    const double transfer = opt_params * (B.grad + B.weight) / (job.cluster.host.bandwidth / host_share) +
-                            2 * job.cluster.host.latency;
+    // (On a shared host the "host" is the devices' own memory: copies read and write it, at half
+    // its rank's share of the rate.)
+    const bool shared = job.cluster.shared_host;
+    const Link host = shared ? Link{dev.memory_bw / 2, 0.0} : job.cluster.host;
+    const double transfer = opt_params * (B.grad + B.weight) / host.bandwidth + 2 * host.latency;
     const double update = measured ? dev.kernels.at("adamw").seconds(opt_params * share)
-                                   : opt_params * 2 * 16 / (job.cluster.host_memory_bw / host_share);
+                                   : opt_params * 2 * 16 / (shared ? dev.memory_bw : job.cluster.host_memory_bw);
     e.optimizer_s = (transfer + update + refresh) * crowd;
   }
   // Ranks beyond a shared host's cores: every synchronisation on the busiest rank's path (its
@@ -1009,20 +1012,19 @@ SearchResult search(const Job& job, const SearchOptions& opt) {
                   ++res.considered;
                   Estimate e = estimate(job, L, /*simulate=*/false);
                   if (e.memory.empty()) continue;  // not a valid layout (why_not says why)
-                  // What does not fit, with its optimizer in host memory (the slower twin of one
-                  // that fits would never rank above it).
-                  // (The least demanding layout is one the host can hold: an offloaded twin that
-                  // only the host's memory refuses is not it.)
-                  bool host_holds = true;
+                  // What does not fit is tried again with its optimizer in host memory (the slower
+                  // twin of one that fits would never rank above it). The least demanding layout
+                  // is one the host can hold.
+                  auto least = [&](const Estimate& c) {
+                    if (c.host_fits && (!res.least || c.memory_total < res.least->memory_total)) res.least = c;
+                  };
                   if (!e.fits && opt.offload && !job.cluster.shared_host) {
-                    if (!res.least || e.memory_total < res.least->memory_total) res.least = e;
+                    least(e);
                     L.offload = true;
                     ++res.considered;
                     e = estimate(job, L, /*simulate=*/false);
-                    host_holds = job.cluster.host_memory <= 0 ||
-                                 e.host_memory_total <= kUsableMemory * job.cluster.host_memory;
                   }
-                  if (host_holds && (!res.least || e.memory_total < res.least->memory_total)) res.least = e;
+                  least(e);
                   if (!e.fits) continue;
                   ++res.fitting;
                   fitting.push_back(std::move(e));

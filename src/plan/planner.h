@@ -130,6 +130,7 @@ struct Estimate {
   double memory_total = 0;
   std::map<std::string, double> host_memory;  // offload: host bytes per device by tag (optimizer, params, grads)
   double host_memory_total = 0;
+  bool host_fits = true;  // the host memory within the device's share of the node's (where known)
   bool fits = false;
   std::string why_not;                    // "" when it fits (or the layout is valid)
   double step_s = 0;

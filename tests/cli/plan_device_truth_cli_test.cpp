@@ -76,27 +76,27 @@ struct Family {
   const char* toml;   // the same model as loom plan reads it
 };
 
-const Family kGpt = {"gpt", "--model.n_layer 4 --model.n_head 4 --model.n_embd 128 --model.vocab_size 4096",
-                     "layers = 4\nhidden = 128\nheads = 4\nvocab = 4096\n"};
+const Family kGpt = {"gpt", "--model.n_layer 4 --model.n_head 4 --model.n_embd 128",
+                     "layers = 4\nhidden = 128\nheads = 4\n"};
 const Family kLlama = {"llama",
                        "--model.preset llama-tiny --model.n_layer 4 --model.n_head 4 --model.n_embd 128 "
-                       "--model.n_kv_head 2 --model.ffn_hidden 352 --model.vocab_size 4096",
-                       "layers = 4\nhidden = 128\nheads = 4\nkv_heads = 2\nffn = 352\nvocab = 4096\nswiglu = true\n"
+                       "--model.n_kv_head 2 --model.ffn_hidden 352",
+                       "layers = 4\nhidden = 128\nheads = 4\nkv_heads = 2\nffn = 352\nswiglu = true\n"
                        "tied = false\nbias = false\nlearned_positions = false\n"};
 
 void check_family(const Family& f) {
   TrainScratch s(std::string("loom_plan_device_truth_") + f.name);
   const auto toml = s.root / "model.toml";
-  std::ofstream(toml) << fmt::format("[model]\nname = \"{}\"\n{}seq = {}\n", f.name, f.toml, kSeq);
+  std::ofstream(toml) << fmt::format("[model]\nname = \"{}\"\n{}vocab = {}\nseq = {}\n", f.name, f.toml, kVocab, kSeq);
   const char* tags[] = {"params", "grads", "optimizer"};
   double worst = 0;
   for (const Case& c : kCases) {
     SCOPED_TRACE(fmt::format("{} {}", f.name, c.layout));
     const std::string out = fmt::format("{}_{}", f.name, &c - kCases.data());
-    CliRun run = s.train(out, fmt::format("{} --data.seq_len {} --train.batch_size {} --train.steps 2 "
+    CliRun run = s.train(out, fmt::format("{} --model.vocab_size {} --data.seq_len {} --train.batch_size {} --train.steps 2 "
                                           "--train.eval_every 0 --train.sample_tokens 0 --train.checkpoint_every 0 "
                                           "--train.threads 1 --train.device emu {}",
-                                          f.train, kSeq, kBatch, c.flags));
+                                          f.train, kVocab, kSeq, kBatch, c.flags));
     ASSERT_EQ(run.code, 0) << run.err;
     const std::string layout = fmt::format("{},mbs={}", c.layout, kBatch / (c.dp * c.grad_accum));
     CliRun plan = loom_cli(fmt::format("plan --model '{}' --cluster h100-sxm --gpus {} --global-batch {} --seq {} "
