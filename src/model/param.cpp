@@ -136,7 +136,9 @@ void Parameter::initialise_part(uint64_t seed, int64_t begin, int64_t n, float* 
 }
 
 void Parameter::refresh_compute(Backend& be) {
-  if (!compute_full.defined()) return;
+  // (A compute copy without master weights here is the only copy on the device: offloaded, the
+  // masters are the host's, parallel::DataParallel.)
+  if (!compute_full.defined() || !value_full.defined()) return;
   be.copy({.dst = compute_full.raw(), .dst_dtype = compute_full.dtype(), .src = value_full.raw(),
            .src_dtype = DType::f32, .n = value_full.numel()});
 }

@@ -83,7 +83,8 @@ struct Parameter {
   // fill_normal(seed, stream_of(name), index); padding rows are zeroed. Parameters on a device
   // are drawn on the host and uploaded through `be`, and their compute copy refreshed.
   void initialise(uint64_t seed, Backend* be = nullptr);
-  // compute_full = value_full in the compute dtype (nothing where they are the same tensor).
+  // compute_full = value_full in the compute dtype (nothing where they are the same tensor, or
+  // where there is no value_full: an offloaded run's masters in host memory).
   void refresh_compute(Backend& be);
 
   Sharding shard;

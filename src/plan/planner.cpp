@@ -121,6 +121,15 @@ Bytes bytes_of(Precision p) {
   return {2, 2, 12, 2, 0};
 }
 
+// The same as a layout holds it: offloaded, a device computing in a 16-bit dtype keeps only the
+// compute copy of its weights (its flat buffer, and ZeRO-3's shards and gathers, in that dtype),
+// the f32 master weights being the host's alone (parallel::DataParallel).
+Bytes held_bytes(Precision p, bool offload) {
+  Bytes B = bytes_of(p);
+  if (offload && B.copy > 0) B.weight = B.copy, B.copy = 0;
+  return B;
+}
+
 // Whether memory is counted as loom's pools hold it (its declarations, scratch and buffers).
 bool loom_pools(Precision p) { return p != Precision::mixed; }
 
@@ -243,7 +252,7 @@ double bucket_arena(const std::vector<double>& blocks, double wte) {
 
 LoomExtras loom_extras(const Job& job, const Layout& L) {
   const ModelSpec& m = job.model;
-  const Bytes B = bytes_of(job.precision);
+  const Bytes B = held_bytes(job.precision, L.offload);
   const double a = B.act;
   LoomExtras x;
   const double h = double(m.hidden), tp = L.tp;
@@ -267,7 +276,7 @@ LoomExtras loom_extras(const Job& job, const Layout& L) {
   const BlockParams bp = block_params(m, L.tp);
   const double layer = bp.layer, wte = bp.wte, emb = bp.emb, head_own = bp.head_own(m);
   const int shard = L.dp * L.cp;
-  if (L.zero >= 3 && shard > 1) x.gather = 2 * (4 + B.copy) * std::max({emb, layer, head_own + (m.tied ? wte : 0.0)});
+  if (L.zero >= 3 && shard > 1) x.gather = 2 * (B.weight + B.copy) * std::max({emb, layer, head_own + (m.tied ? wte : 0.0)});
   if (L.zero >= 2 && shard > 1) {
     std::vector<double> blocks{head_own};
     for (int64_t l = 0; l < m.layers; ++l) blocks.push_back(layer);
@@ -302,7 +311,7 @@ std::map<std::string, double> pipeline_rank_memory(const Job& job, const Layout&
   Layout whole = L;
   whole.recompute = model::Recompute::none;
   const double recompute_extra = L.recompute == model::Recompute::full ? layer_activation_bytes(job, whole) : 0.0;
-  const Bytes B = bytes_of(job.precision);
+  const Bytes B = held_bytes(job.precision, L.offload);
   const double a = B.act;  // the compute dtype's bytes
   std::map<std::string, double> best;
   double best_total = -1;
@@ -356,7 +365,7 @@ std::map<std::string, double> pipeline_rank_memory(const Job& job, const Layout&
     // with its compute copy), ZeRO 2/3 the gradients' shard and its bucket arena; below ZeRO-3 a
     // device keeps a compute copy of the stage's weights.
     const bool split = shard > 1;
-    t["params"] = L.zero >= 3 && split ? params * B.weight / shard + 2 * (4 + B.copy) * largest
+    t["params"] = L.zero >= 3 && split ? params * B.weight / shard + 2 * (B.weight + B.copy) * largest
                                        : params * (B.weight + B.copy);
     // (Under zero bubble the norms' gradients, which its input pass writes, stay whole for the step.)
     const double whole_norms = zb ? 2 * layers_here * bp.norms + (last ? bp.norms : 0.0) : 0.0;
@@ -473,8 +482,8 @@ std::string invalid(const Job& job, const Layout& L) {
 
 }  // namespace
 
-ModelState model_state(double params, Precision precision, int zero, int shards) {
-  const Bytes B = bytes_of(precision);
+ModelState model_state(double params, Precision precision, int zero, int shards, bool offload) {
+  const Bytes B = held_bytes(precision, offload);
   // (A device's compute copy is of the whole weights below ZeRO-3, of the gathered blocks at it.)
   const double weights = zero >= 3 && shards > 1 ? params * B.weight / shards : params * (B.weight + B.copy);
   return {weights, params * B.grad / (zero >= 2 ? shards : 1), params * B.optimizer / (zero >= 1 ? shards : 1)};
@@ -621,7 +630,7 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
     crowd = double(job.devices) / capacity;
     dev.peak_f32 /= share, dev.peak_bf16 /= share, dev.memory_bw /= share;
   }
-  const Bytes B = bytes_of(job.precision);
+  const Bytes B = held_bytes(job.precision, L.offload);
   const int64_t micro = job.global_batch / (int64_t(L.dp) * L.mbs);
   e.micro_batches = micro;
   const double lps = double(m.layers) / L.pp;  // layers per stage
@@ -629,7 +638,7 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
 
   // Memory.
   const double P = stage_params(m, L, lps);
-  const ModelState state = model_state(P, job.precision, L.zero, shard);
+  const ModelState state = model_state(P, job.precision, L.zero, shard, L.offload);
   e.memory["params"] = state.params;
   e.memory["grads"] = state.grads;
   e.memory["optimizer"] = state.optimizer;
@@ -864,18 +873,22 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   e.tp_comm_s = mm * (stage_f_comm + stage_b_comm) * slowdown;
   e.pp_comm_s = L.pp > 1 ? mm * 2 * p2p : 0.0;
   e.bubble_s = std::max(0.0, makespan - mm * (t_f + t_b) * slowdown - e.pp_comm_s);
-  // Data parallelism over dp x cp: the gradients' ring reduction (ZeRO-3 gathers the weights again
-  // in forward and backward: 1.5x the volume), after the flush in a pipeline, overlapped with the
-  // last micro-batch's backward otherwise.
+  // Data parallelism over dp x cp: the gradients' ring reduction (an all-reduce; under ZeRO 1/2 a
+  // reduce-scatter, half of one, and an all-gather of the updated weights; under ZeRO-3 the
+  // reduce-scatter and the weights gathered in forward and backward), after the flush in a
+  // pipeline, overlapped with the last micro-batch's backward otherwise. The weights move in the
+  // dtype the rank holds them in (B.weight: the compute dtype where the masters are the host's).
   const Link& dp_link = job.cluster.link(L.tp, shard);
   const double grad_bytes = P * B.grad;
-  e.dp_comm_s = all_reduce_s(grad_bytes, shard, dp_link) * (L.zero >= 3 ? 1.5 : 1.0);
+  const double reduce_scatter = 0.5 * all_reduce_s(grad_bytes, shard, dp_link);
+  const double weight_gather = 0.5 * all_reduce_s(P * B.weight, shard, dp_link);
+  e.dp_comm_s = L.zero == 0 ? 2 * reduce_scatter : reduce_scatter + (L.zero >= 3 ? 2 : 1) * weight_gather;
   // A pipeline stage under ZeRO 2/3 reduce-scatters its gradients after every micro-batch's
-  // backward (half an all-reduce each), and under ZeRO-3 gathers its weights for every
-  // micro-batch's forward and backward (half each); ZeRO-2 all-gathers the updated weights once.
+  // backward, and under ZeRO-3 gathers its weights for every micro-batch's forward and backward;
+  // ZeRO-2 all-gathers the updated weights once.
   if (L.pp > 1 && L.zero >= 2 && shard > 1)
-    e.dp_comm_s = all_reduce_s(grad_bytes, shard, dp_link) * 0.5 * (double(micro) * (L.zero >= 3 ? 3.0 : 1.0) +
-                                                                      (L.zero == 2 ? 1.0 : 0.0));
+    e.dp_comm_s = double(micro) * (reduce_scatter + (L.zero >= 3 ? 2 * weight_gather : 0.0)) +
+                  (L.zero == 2 ? weight_gather : 0.0);
   // On a shared host the collectives run on the cores that compute (the threads backend's
   // communication thread sums and copies): overlapping them with backward hides nothing, and with
   // more ranks than cores the ranks reducing at once divide the cores (as the optimizer's passes

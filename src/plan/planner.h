@@ -154,12 +154,14 @@ struct Estimate {
 };
 
 // Model-state bytes per device of `params` parameters under ZeRO stage `zero` over `shards`
-// data-parallel ranks, by tag.
+// data-parallel ranks, by tag, on the device (with `offload`, the optimizer's are still counted
+// here, as the bytes the host then holds; a device computing in a 16-bit dtype keeps only its
+// compute copy of the weights).
 struct ModelState {
   double params = 0, grads = 0, optimizer = 0;
   double total() const { return params + grads + optimizer; }
 };
-ModelState model_state(double params, Precision precision, int zero, int shards);
+ModelState model_state(double params, Precision precision, int zero, int shards, bool offload = false);
 
 // The estimate of one layout (invalid ones come back with fits = false and why_not). With
 // `simulate`, the pipeline's makespan and in-flight count come from the schedule's instruction

@@ -494,13 +494,14 @@ class ChainEngine : public CpuEngine {
     }
     // The rank's weights: its parameters' values, or under ZeRO-3 (where each holds a shard) the
     // replica's flat parameters gathered into host memory piece by piece (collective over the
-    // data-parallel group; the moments stay where they are), in layout order.
+    // data-parallel group; the moments stay where they are), in layout order; with the master
+    // weights in the host pool (offload), from there.
     const auto& dst = cpu_model_->parameters();
     const auto& lay = ddp_.layout();
     LOOM_CHECK(lay.size() == dst.size(), "sample: {} parameters in the layout, {} in the host model", lay.size(),
                dst.size());
     Tensor flat;
-    if (cfg_.zero == 3) {
+    if (cfg_.zero == 3 || ddp_.masters_on_host()) {
       flat = Tensor::empty({ddp_.flat_elements()}, DType::f32, MemTag::workspace, *cpu_pool_);
       ddp_.download_params(flat.f32());
     }

@@ -185,7 +185,7 @@ TEST(Planner, LayoutsParseAndBadOnesAreNamed) {
 // The three precisions' model state per parameter: mixed as ZeRO counts it (2 + 2 + 12), f32 as
 // loom's CPU holds it (4 + 4 + 8), device as loom's device runs hold it (f32 masters, gradients and
 // moments and a bf16 compute copy: 4 + 2 + 4 + 8; under ZeRO-3 the shard of the masters alone, the
-// compute copies being of the gathered blocks). Precision names parse; others are refused naming
+// compute copies being of the gathered blocks; offloaded, the compute copy alone). Precision names parse; others are refused naming
 // the field. (tests/cli/plan_device_truth_cli_test.cpp checks the device model against the pools
 // of runs on the emulated device.)
 TEST(Planner, PrecisionsCountModelStateAsTheirRunsHoldIt) {
@@ -210,6 +210,14 @@ TEST(Planner, PrecisionsCountModelStateAsTheirRunsHoldIt) {
   EXPECT_EQ(dev3.optimizer, 2 * p);
   // One shard: ZeRO-3 keeps the whole weights and their compute copy.
   EXPECT_EQ(plan::model_state(p, plan::Precision::device, 3, 1).params, 6 * p);
+  // Offloaded, a device keeps only the bf16 compute copy of its weights (whole, or the shard under
+  // ZeRO-3); the f32 masters are the host's. The f32 and mixed accountings are unchanged by it.
+  EXPECT_EQ(plan::model_state(p, plan::Precision::device, 0, 1, true).params, 2 * p);
+  EXPECT_EQ(plan::model_state(p, plan::Precision::device, 2, 4, true).params, 2 * p);
+  EXPECT_EQ(plan::model_state(p, plan::Precision::device, 3, 4, true).params, 0.5 * p);
+  EXPECT_EQ(plan::model_state(p, plan::Precision::device, 3, 4, true).grads, p);
+  EXPECT_EQ(plan::model_state(p, plan::Precision::f32, 0, 1, true).params, 4 * p);
+  EXPECT_EQ(plan::model_state(p, plan::Precision::mixed, 0, 1, true).params, 2 * p);
 
   for (plan::Precision q : {plan::Precision::mixed, plan::Precision::f32, plan::Precision::device})
     EXPECT_EQ(plan::parse_precision(std::string(plan::precision_name(q)), "--precision"), q);
@@ -239,7 +247,8 @@ TEST(Planner, PrecisionsCountModelStateAsTheirRunsHoldIt) {
 
 // Offload (ZeRO-Offload, loom's parallel.offload): the optimizer state leaves the device for the
 // host, which also keeps an f32 gradient staging copy and, in loom's pools, an f32 master copy of
-// what the rank updates; the step pays the transfers over the host link and the host's update. The
+// what the rank updates, the only one: the device keeps the bf16 compute copy of its weights
+// alone (ZeRO-1: whole, 2 bytes a parameter where it held 4 + 2); the step pays the transfers over the host link and the host's update. The
 // search tries the offloaded twin of each layout that does not fit (so with room nothing is
 // offloaded, and where nothing fits otherwise every choice is), never on a shared host, and
 // refuses what the host's memory cannot hold. (The device truth test checks the tags against the
@@ -261,20 +270,19 @@ TEST(Planner, OffloadMovesTheOptimizerToTheHost) {
   const double updated = a.memory.at("optimizer") / 8;  // the parameters the rank updates (ZeRO-1: half)
   EXPECT_GT(updated, 0);
   EXPECT_EQ(b.memory.at("optimizer"), 0);
-  EXPECT_EQ(b.memory.at("params"), a.memory.at("params"));
+  EXPECT_EQ(b.memory.at("params"), a.memory.at("params") / 3);
   EXPECT_EQ(b.memory.at("grads"), a.memory.at("grads"));
-  EXPECT_NEAR(b.memory_total, a.memory_total - 8 * updated, 1e-6 * a.memory_total);
+  EXPECT_NEAR(b.memory_total, a.memory_total - 8 * updated - 4 * 2 * updated, 1e-6 * a.memory_total);
   EXPECT_EQ(b.host_memory.at("optimizer"), 8 * updated);
   EXPECT_EQ(b.host_memory.at("params"), 4 * updated);
   EXPECT_EQ(b.host_memory.at("grads"), 4 * updated);
   EXPECT_EQ(b.host_memory_total, 16 * updated);
   EXPECT_TRUE(a.host_memory.empty());
-  // The offloaded update: f32 gradients down and f32 weights up over the host link, the host's
-  // update of 16 bytes a parameter read and written, and the compute copy of every weight the
-  // rank holds (ZeRO-1: twice what it updates) written on the device.
+  // The offloaded update: f32 gradients down and bf16 weights up over the host link (rounded on
+  // the host: nothing left to convert on the device), and the host's update of 16 bytes a
+  // parameter read and written.
   const plan::Cluster& c = job.cluster;
-  const double expected = updated * 8 / c.host.bandwidth + 2 * c.host.latency + updated * 32 / c.host_memory_bw +
-                          2 * updated * 2 / c.device.memory_bw;
+  const double expected = updated * 6 / c.host.bandwidth + 2 * c.host.latency + updated * 32 / c.host_memory_bw;
   EXPECT_NEAR(b.optimizer_s, expected, 1e-9 * expected);
   EXPECT_GT(b.step_s, a.step_s);
 

@@ -25,7 +25,7 @@ inline constexpr MeshLayout kMeshLayouts[] = {
     {"tp2", "--train.grad_accum 2 --parallel.tp 2", "dp 1 x tp 2 x cp 1", true, false},
     {"tp2sp", "--train.grad_accum 2 --parallel.tp 2 --parallel.sp true", "tp 2 + sp", true, false},
     {"dp2z1", "--parallel.dp 2 --parallel.zero 1 --train.eval_batches 1", "dp 2 | ZeRO 1", false, false},
-    {"dp2z2off", "--parallel.dp 2 --parallel.zero 2 --parallel.offload true --train.eval_batches 1",
+    {"dp2z2off", "--parallel.dp 2 --parallel.zero 2 --parallel.offload true --train.sample_tokens 8 --train.eval_batches 1",
      "ZeRO 2 + offload", false, true},
     {"dp2z3", "--parallel.dp 2 --parallel.zero 3 --train.sample_tokens 8 --train.eval_batches 1", "dp 2 | ZeRO 3",
      false, false},

@@ -20,6 +20,8 @@ namespace {
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 double seconds(Trace::Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+// Element i of a flat tensor of any dtype.
+void* element(const Tensor& t, int64_t i) { return static_cast<char*>(t.raw()) + i * int64_t(dtype_size(t.dtype())); }
 
 }  // namespace
 
@@ -332,33 +334,52 @@ DataParallel::DataParallel(DataChain chain, comm::Comm& dp, const optim::AdamWCo
     }
   }
 
-  // Parameters: the full flat buffer (stages 0-2) or this rank's shard (stage 3).
+  // Parameters: the full flat buffer (stages 0-2) or this rank's shard (stage 3), f32; under
+  // offload on a device computing in another dtype, in that dtype, the f32 master weights of this
+  // rank's optimizer range living in the host pool alone (host_params_).
   const int64_t p0 = o_.zero == 3 ? int64_t(rank_) * shard_ : 0;
   const int64_t plen = o_.zero == 3 ? shard_ : n_pad_;
-  params_ = be.empty({plen}, DType::f32, MemTag::params);
+  const int64_t ob = o_.zero == 0 ? 0 : int64_t(rank_) * shard_, oe = o_.zero == 0 ? n_pad_ : ob + shard_;
+  host_master_ = o_.offload && device_ && be.compute_dtype() != DType::f32;
+  params_ = be.empty({plen}, host_master_ ? be.compute_dtype() : DType::f32, MemTag::params);
   be.fill_zero(params_.raw(), int64_t(params_.nbytes()));
+  if (o_.offload) {
+    host_params_ = Tensor::zeros({oe - ob}, DType::f32, MemTag::params, *o_.host_pool);
+    host_grads_ = Tensor::zeros({oe - ob}, DType::f32, MemTag::grads, *o_.host_pool);
+  }
   for (const FlatParam& f : lay_.params) {
     int64_t b = std::max(f.offset, p0), e = std::min(f.offset + f.alloc, p0 + plen);
     if (b >= e) continue;
     if (f.param->value_full.defined()) {
-      copy_f32(params_.f32() + (b - p0), f.param->value_full.f32() + (b - f.offset), e - b);
+      be.copy({.dst = element(params_, b - p0), .dst_dtype = params_.dtype(),
+               .src = f.param->value_full.f32() + (b - f.offset), .n = e - b});
+      if (host_master_ && std::max(b, ob) < std::min(e, oe))
+        be.copy({.dst = host_params_.f32() + (std::max(b, ob) - ob), .dst_host = true,
+                 .src = f.param->value_full.f32() + (std::max(b, ob) - f.offset), .n = std::min(e, oe) - std::max(b, ob)});
     } else if (!device_) {  // deferred (declared blocks): drawn here, the part this rank keeps only
       f.param->initialise_part(chain_.seed, b - f.offset, e - b, params_.f32() + (b - p0));
     } else {  // (a device's: drawn on the host)
       std::vector<float> host(size_t(e - b));
       f.param->initialise_part(chain_.seed, b - f.offset, e - b, host.data());
-      be.copy({.dst = params_.f32() + (b - p0), .src = host.data(), .src_host = true, .n = e - b});
+      be.copy({.dst = element(params_, b - p0), .dst_dtype = params_.dtype(), .src = host.data(),
+               .src_host = true, .n = e - b});
+      if (host_master_ && std::max(b, ob) < std::min(e, oe))
+        std::copy(host.begin() + (std::max(b, ob) - b), host.begin() + (std::min(e, oe) - b),
+                  host_params_.f32() + (std::max(b, ob) - ob));
     }
   }
   for (FlatParam& f : lay_.params) {
-    if (o_.zero == 3) detach_from_flat(*f.param, false);
+    if (o_.zero == 3 || host_master_) detach_from_flat(*f.param, false);
     else point_at_flat(*f.param, params_, f.offset, f.alloc, false);
     if (o_.zero >= 2) detach_from_flat(*f.param, true);
     // A device computing in another dtype reads compute copies: a declared parameter gets its
     // own here (filled by refresh_compute below); under ZeRO-3 a block's are converted from its
-    // gathered weights into a buffer of the two (gather_block), so none is kept whole.
+    // gathered weights into a buffer of the two (gather_block), so none is kept whole. With the
+    // master weights in the host pool, the flat buffer is the compute copies (stages 0-2).
     if (o_.zero == 3) {
       f.param->compute_full = f.param->compute = Tensor();
+    } else if (host_master_) {
+      point_compute_at_flat(*f.param, params_, f.offset, f.alloc);
     } else if (device_ && be.compute_dtype() != DType::f32 && !f.param->compute_full.defined()) {
       model::Parameter& q = *f.param;
       Shape full = q.spec.shape;
@@ -396,7 +417,6 @@ DataParallel::DataParallel(DataChain chain, comm::Comm& dp, const optim::AdamWCo
   LOOM_CHECK(o_.in_norm.empty() || o_.in_norm.size() == in_chain.size(),
              "data parallel: in_norm has {} entries for {} parameters", o_.in_norm.size(), in_chain.size());
   std::vector<optim::FlatSegment> segs = lay_.segments(o_.in_norm);
-  const int64_t ob = o_.zero == 0 ? 0 : int64_t(rank_) * shard_, oe = o_.zero == 0 ? n_pad_ : ob + shard_;
   MemoryPool& state_pool = o_.offload ? *o_.host_pool : pool;
   if (o_.offload) host_be_ = make_backend(Device::cpu, {.pool = o_.host_pool});
   Backend& state_be = o_.offload ? *host_be_ : be;
@@ -412,11 +432,8 @@ DataParallel::DataParallel(DataChain chain, comm::Comm& dp, const optim::AdamWCo
   } else {
     opt_ = std::make_unique<optim::ShardedAdamW>(std::move(segs), ob, oe, adam, state_be);
   }
-  if (o_.offload) {
-    host_params_ = Tensor::zeros({oe - ob}, DType::f32, MemTag::params, *o_.host_pool);
-    host_grads_ = Tensor::zeros({oe - ob}, DType::f32, MemTag::grads, *o_.host_pool);
+  if (o_.offload && !host_master_)
     be.copy({.dst = host_params_.raw(), .dst_host = true, .src = param_shard(), .n = oe - ob});
-  }
 
   // Collective: every rank splits the same way, so the communicators pair up. On a device the
   // buffers' collectives go through device communicators split from the groups.
@@ -457,6 +474,7 @@ void DataParallel::copy_f32(float* dst, const float* src, int64_t n) {
 }
 
 void DataParallel::refresh_compute() {
+  if (host_master_) return;  // (the flat buffer is the compute copies)
   for (const FlatParam& f : lay_.params)
     if (f.param->value_full.defined()) f.param->refresh_compute(*be_);
 }
@@ -467,8 +485,24 @@ DataParallel::~DataParallel() {
 }
 
 float* DataParallel::param_shard() const {
+  LOOM_CHECK(!host_master_, "data parallel: the master weights are in the host pool");
   if (o_.zero == 3) return params_.f32();
   return params_.f32() + (o_.zero == 0 ? 0 : int64_t(rank_) * shard_);
+}
+
+void DataParallel::upload_masters() {
+  const int64_t n = opt_->end() - opt_->begin();
+  if (!host_master_) {
+    be_->copy({.dst = param_shard(), .src = host_params_.raw(), .src_host = true, .n = n});
+    return;
+  }
+  const int64_t at = opt_->begin() - (o_.zero == 3 ? int64_t(rank_) * shard_ : 0);
+  be_->copy({.dst = element(params_, at), .dst_dtype = params_.dtype(), .src = host_params_.raw(),
+             .src_host = true, .n = n});
+}
+
+void DataParallel::gather_updated() {
+  buf_->all_gather(element(params_, int64_t(rank_) * shard_), params_.raw(), n_pad_, params_.dtype());
 }
 
 float* DataParallel::grad_shard() const {
@@ -619,12 +653,15 @@ void DataParallel::gather_into(int64_t c, int buf, comm::Comm& comm) {
   for (const auto& [b, e] : runs_[size_t(c)]) {
     const std::vector<int64_t> counts = shard_counts(b, e);
     const int64_t lo = std::max<int64_t>(std::max(b, mine) - mine, 0);
-    comm.all_gather_v(params_.f32() + lo, block_buf_[buf].f32() + at, counts, DType::f32);
+    if (host_master_)  // (the shards are compute copies already: gathered as they are)
+      comm.all_gather_v(element(params_, lo), element(block_cbuf_[buf], at), counts, params_.dtype());
+    else
+      comm.all_gather_v(params_.f32() + lo, block_buf_[buf].f32() + at, counts, DType::f32);
     at += e - b;
   }
   // The compute copies the ops read (a device computing in another dtype), from the gathered
   // weights.
-  if (block_cbuf_[buf].defined())
+  if (block_cbuf_[buf].defined() && !host_master_)
     be_->copy({.dst = block_cbuf_[buf].raw(), .dst_dtype = block_cbuf_[buf].dtype(), .src = block_buf_[buf].raw(),
                .n = at});
 }
@@ -638,7 +675,7 @@ void DataParallel::gather_block(int64_t c, const char* phase, bool backward) {
   // unmapped hundreds of times a step).
   const bool compute = device_ && be_->compute_dtype() != DType::f32;
   for (int k = 0; k < (o_.prefetch ? 2 : 1); ++k) {
-    if (!block_buf_[k].defined())
+    if (!host_master_ && !block_buf_[k].defined())
       block_buf_[k] = be_->empty({std::max<int64_t>(max_use_, 1)}, DType::f32, MemTag::params);
     if (compute && !block_cbuf_[k].defined())
       block_cbuf_[k] = be_->empty({std::max<int64_t>(max_use_, 1)}, be_->compute_dtype(), MemTag::params);
@@ -664,12 +701,9 @@ void DataParallel::gather_block(int64_t c, const char* phase, bool backward) {
     for (int i : uses_[size_t(c)]) {
       FlatParam& f = lay_.params[size_t(i)];
       if (f.offset < b || f.offset >= e) continue;
-      point_at_flat(*f.param, block_buf_[buf], at + (f.offset - b), f.alloc, false);
-      if (compute) {  // (the same place in the compute copies' buffer)
-        model::Parameter& q = *f.param;
-        q.compute_full = block_cbuf_[buf].slice0(at + (f.offset - b), f.alloc).view(q.value_full.shape());
-        q.compute = q.spec.shape.empty() ? q.compute_full : q.compute_full.slice0(0, q.spec.shape[0]);
-      }
+      if (!host_master_) point_at_flat(*f.param, block_buf_[buf], at + (f.offset - b), f.alloc, false);
+      // (the same place in the compute copies' buffer)
+      if (compute) point_compute_at_flat(*f.param, block_cbuf_[buf], at + (f.offset - b), f.alloc);
     }
     at += e - b;
   }
@@ -835,14 +869,14 @@ optim::StepStats DataParallel::step(double lr, bool skip) {
   if (o_.offload) {
     be_->copy({.dst = host_grads_.raw(), .dst_host = true, .src = g, .n = n});
     st = opt_->step(host_params_.f32(), host_grads_.f32(), norm, lr);
-    be_->copy({.dst = param_shard(), .src = host_params_.raw(), .src_host = true, .n = n});
+    upload_masters();
   } else {
     st = opt_->step(param_shard(), g, norm, lr);
   }
   auto t1 = Trace::Clock::now();
   if (o_.trace) o_.trace->add("adamw", TraceStream::optimizer, t0, t1);
   if (o_.zero == 1 || o_.zero == 2) {
-    buf_->all_gather(params_.f32() + int64_t(rank_) * shard_, params_.f32(), n_pad_, DType::f32);
+    gather_updated();
     auto t2 = Trace::Clock::now();
     stats_.gather_s += seconds(t2 - t1);
     if (o_.trace) o_.trace->add("all_gather params", TraceStream::comm, t1, t2);
@@ -853,11 +887,13 @@ optim::StepStats DataParallel::step(double lr, bool skip) {
 
 int DataParallel::first_nonfinite(bool gradients) const {
   // The flat range this rank holds and where it starts.
-  const float* data = gradients ? grad_shard() : params_.f32();
-  const int64_t b = gradients ? opt_->begin() : (o_.zero == 3 ? int64_t(rank_) * shard_ : 0);
-  const int64_t e = gradients ? opt_->end() : b + params_.numel();
+  // (With the master weights in the host pool, they are what it looks at: its optimizer range.)
+  const bool master = !gradients && host_master_;
+  const float* data = gradients ? grad_shard() : master ? host_params_.f32() : params_.f32();
+  const int64_t b = gradients || master ? opt_->begin() : (o_.zero == 3 ? int64_t(rank_) * shard_ : 0);
+  const int64_t e = gradients || master ? opt_->end() : b + params_.numel();
   std::vector<float> host;
-  if (device_) {  // looked at on the host
+  if (device_ && !master) {  // looked at on the host
     host.resize(size_t(e - b));
     be_->copy({.dst = host.data(), .dst_host = true, .src = data, .n = e - b});
     data = host.data();
@@ -874,6 +910,13 @@ void DataParallel::poison_parameters() {
   held_[0] = held_[1] = -1;
   if (params_.numel() == 0) return;
   const float nan = std::numeric_limits<float>::quiet_NaN();
+  if (host_master_) {
+    // The first element of what it holds, as without the masters on the host: its compute copy on
+    // every rank, the master where the rank holds that element's (stage 3: its shard's first).
+    if (host_params_.numel() > 0 && (o_.zero == 3 || opt_->begin() == 0)) host_params_.f32()[0] = nan;
+    be_->copy({.dst = params_.raw(), .dst_dtype = params_.dtype(), .src = &nan, .src_host = true, .n = 1});
+    return;
+  }
   be_->copy({.dst = params_.raw(), .src = &nan, .src_host = true, .n = 1});
   if (device_) refresh_compute();
 }
@@ -886,17 +929,19 @@ Tensor DataParallel::param_view(const Tensor& flat, size_t i) const {
 DataParallel::FullState DataParallel::gather_full_state() {
   if (o_.zero == 0) {  // every rank holds it all already: the live buffers themselves, no copy
     FullState s;
-    s.params = params_;
+    s.params = host_master_ ? host_params_ : params_;
     if (adam()) s.exp_avg = adam()->exp_avg(), s.exp_avg_sq = adam()->exp_avg_sq();
     return s;
   }
   FullState s;  // (every element is written below)
-  s.params = be_->empty({n_pad_}, DType::f32, MemTag::workspace);
-  // (Under offload the moments are host memory, gathered into host memory.)
+  // (Under offload the moments are host memory, gathered into host memory; so are the master
+  // weights where they live there.)
   Backend& mb = o_.offload && device_ ? *host_be_ : *be_;
+  s.params = (host_master_ ? mb : *be_).empty({n_pad_}, DType::f32, MemTag::workspace);
   s.exp_avg = mb.empty({n_pad_}, DType::f32, MemTag::workspace);
   s.exp_avg_sq = mb.empty({n_pad_}, DType::f32, MemTag::workspace);
-  if (o_.zero == 3) buf_->all_gather(params_.f32(), s.params.f32(), n_pad_, DType::f32);
+  if (host_master_) comm_.all_gather(host_params_.f32(), s.params.f32(), n_pad_, DType::f32);
+  else if (o_.zero == 3) buf_->all_gather(params_.f32(), s.params.f32(), n_pad_, DType::f32);
   else copy_f32(s.params.f32(), params_.f32(), n_pad_);
   // (The moments are in the host pool under offload: moved over the host communicator.)
   comm::Comm& mc = o_.offload ? comm_ : *buf_;
@@ -906,6 +951,11 @@ DataParallel::FullState DataParallel::gather_full_state() {
 }
 
 void DataParallel::download_params(float* host) {
+  if (host_master_) {  // from the master weights in the host pool: this rank's, or every rank's shard
+    if (o_.zero == 0) std::memcpy(host, host_params_.f32(), size_t(n_pad_) * sizeof(float));
+    else comm_.all_gather(host_params_.f32(), host, n_pad_, DType::f32);
+    return;
+  }
   if (o_.zero < 3) {
     be_->copy({.dst = host, .dst_host = true, .src = params_.f32(), .n = n_pad_});
     return;
@@ -922,9 +972,15 @@ void DataParallel::download_params(float* host) {
 
 DataParallel::LocalState DataParallel::local_state() {
   LocalState s;
-  s.params_begin = o_.zero == 3 ? int64_t(rank_) * shard_ : 0;
-  s.params_end = s.params_begin + params_.numel();
-  s.params = params_.f32();
+  if (host_master_) {  // the master weights of its optimizer range, in the host pool
+    s.params_begin = opt_->begin();
+    s.params_end = opt_->end();
+    s.params = host_params_.f32();
+  } else {
+    s.params_begin = o_.zero == 3 ? int64_t(rank_) * shard_ : 0;
+    s.params_end = s.params_begin + params_.numel();
+    s.params = params_.f32();
+  }
   s.opt_begin = opt_->begin();
   s.opt_end = opt_->end();
   if (adam()) s.exp_avg = adam()->exp_avg().f32(), s.exp_avg_sq = adam()->exp_avg_sq().f32();
@@ -941,7 +997,7 @@ DataParallel::LocalState DataParallel::host_state() {
     be_->copy({.dst = host.data(), .dst_host = true, .src = ptr, .n = n});
     ptr = host.data();
   };
-  stage(staged_params_, s.params, s.params_end - s.params_begin);
+  if (!host_master_) stage(staged_params_, s.params, s.params_end - s.params_begin);
   if (!o_.offload && s.exp_avg) {
     stage(staged_m_, s.exp_avg, s.opt_end - s.opt_begin);
     stage(staged_v_, s.exp_avg_sq, s.opt_end - s.opt_begin);
@@ -955,14 +1011,18 @@ void DataParallel::put_host_state() {
   auto put = [&](const std::vector<float>& host, float* ptr) {
     if (!host.empty()) be_->copy({.dst = ptr, .src = host.data(), .src_host = true, .n = int64_t(host.size())});
   };
-  put(staged_params_, s.params);
+  if (!host_master_) put(staged_params_, s.params);
   if (!o_.offload && s.exp_avg) put(staged_m_, s.exp_avg), put(staged_v_, s.exp_avg_sq);
 }
 
 void DataParallel::state_loaded(int64_t optimizer_steps) {
   held_[0] = held_[1] = -1;  // the gathered blocks are of the weights before
-  if (o_.offload)
+  if (host_master_) {  // read into the master weights: their compute copies, then every rank's
+    upload_masters();
+    if (o_.zero == 1 || o_.zero == 2) gather_updated();
+  } else if (o_.offload) {
     be_->copy({.dst = host_params_.raw(), .dst_host = true, .src = param_shard(), .n = opt_->end() - opt_->begin()});
+  }
   if (device_) refresh_compute();
   opt_->set_steps_taken(optimizer_steps);
 }

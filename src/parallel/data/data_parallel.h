@@ -73,7 +73,14 @@
 // read refreshed after every update (declared parameters get theirs here; under ZeRO-3 a
 // gathered block's are converted into two more buffers of U elements in the compute dtype, so no
 // compute copy is kept whole: in a 16-bit compute dtype the params tag holds 2 N_pad bytes more
-// than the formulas above for stages 0-2 and 4 U more for stage 3, the tests check these too);
+// than the formulas above for stages 0-2 and 4 U more for stage 3, the tests check these too).
+// Offloaded in a 16-bit compute dtype, the host's f32 master copy is the only one (ZeRO-Offload's
+// split): the device's flat buffer is in the compute dtype and is the compute copies themselves,
+// the update's result is rounded on the host and uploaded into it, stages 1-2 gather it in that
+// dtype, and ZeRO-3 gathers the compute-dtype shards straight into the two compute buffers; the
+// params tag then holds 2 N_pad bytes (stages 0-2) or 2 S + 4 U (stage 3), and whatever
+// reads the weights (checkpoints, download_params, gather_full_state, first_nonfinite) reads the
+// host's masters;
 // GaLore runs on the CPU backend only (refused by name). add_peer_gradient's link must then take the device's
 // memory too (a device communicator).
 //
@@ -190,7 +197,8 @@ class DataParallel final : public model::ChainHooks {
   // norm_group, nothing is updated on any of them (StepStats::skipped).
   optim::StepStats step(double lr, bool skip = false);
   // The first non-finite element, in flat order, of this rank's parameters (what it holds: all of
-  // them, or its shard under ZeRO-3) or of its reduced gradients (its optimizer range) after a
+  // them, or its shard under ZeRO-3; with the masters on the host, the masters of its optimizer
+  // range, so the first over the group's ranks is the first of all) or of its reduced gradients (its optimizer range) after a
   // step: the parameter's index in the chain's order (layout()), -1 when every element is finite.
   int first_nonfinite(bool gradients) const;
   // Testing aid: the next step's reduced gradient gets a NaN on this rank (its first element);
@@ -214,7 +222,7 @@ class DataParallel final : public model::ChainHooks {
   // The replica's whole flat state on every rank, collective, to inspect (the tests compare it
   // with one device; checkpoints use local_state and never gather): flat f32 [N_pad] copies of
   // the parameters and of both moments (tag workspace, from the model's pool; the moments from
-  // the host pool under offload); at stage 0 the
+  // the host pool under offload, and so are the parameters with the masters there); at stage 0 the
   // live buffers themselves (read them before the next step). Under GaLore (stage 0 only) the
   // moments are undefined: they are galore()'s.
   struct FullState {
@@ -223,12 +231,14 @@ class DataParallel final : public model::ChainHooks {
   FullState gather_full_state();
   // The replica's parameters, flat f32 [N_pad], into host memory at `host` (collective over the
   // group under ZeRO-3: gathered in pieces of the larger of bucket_bytes and 64 KiB through one buffer of the
-  // backend's memory, so a device holds no whole copy; otherwise this rank's own, no collective).
+  // backend's memory, so a device holds no whole copy; otherwise this rank's own, no collective;
+  // with the masters on the host, from them: collective over the group at stages 1-3).
   void download_params(float* host);
   // What this rank holds, as flat ranges of the layout (for checkpoints, which each rank writes
   // and reads in place): the parameters [params_begin, params_end) at `params` (all of them, or
-  // the shard under ZeRO-3) and both moments [opt_begin, opt_end) (all, or the shard under ZeRO
-  // 1-3); [shard_begin, shard_end) is this rank's shard, inside both, the part it writes.
+  // the shard under ZeRO-3; with the masters on the host, those of its optimizer range) and both
+  // moments [opt_begin, opt_end) (all, or the shard under ZeRO 1-3); [shard_begin, shard_end) is
+  // this rank's shard, inside both, the part it writes.
   struct LocalState {
     int64_t params_begin = 0, params_end = 0, opt_begin = 0, opt_end = 0, shard_begin = 0, shard_end = 0;
     float* params = nullptr;
@@ -263,6 +273,9 @@ class DataParallel final : public model::ChainHooks {
   const CommStats& comm_stats() const { return stats_; }
   void reset_comm_stats() { stats_ = {}; }
   int zero() const { return o_.zero; }
+  // Whether the f32 master weights live in the host pool alone (offload on a device computing in
+  // another dtype): the model's parameters then have compute copies and no values on the device.
+  bool masters_on_host() const { return host_master_; }
 
   // Zero bubble's split backward, instead of before_backward: around a block's input-gradient pass
   // (ZeRO-3: its weights gathered, then released; it writes only DataChain::input_pass's
@@ -318,11 +331,11 @@ class DataParallel final : public model::ChainHooks {
   int64_t n_pad_ = 0, shard_ = 0, bucket_peak_ = 0, max_use_ = 0;
   std::vector<int64_t> bucket_offset_;  // stage 2/3: each bucket's place in the arena
   Tensor bucket_arena_;                 // f32 [G], tag grads (stages 2/3)
-  Tensor params_;       // f32 [N_pad] (stages 0-2) or [S] (stage 3), tag params
+  Tensor params_;       // f32 [N_pad] (stages 0-2) or [S] (stage 3), tag params (host_master_: compute dtype)
   Tensor grads_;        // f32 [N_pad] (stages 0/1) or [S] (stages 2/3), tag grads
   // Stage 3: two buffers of U elements (tag params); which block each holds (-1: none, or stale),
   // the one the running block uses, and the gather in flight into the other.
-  Tensor block_buf_[2];
+  Tensor block_buf_[2];   // (none with host_master_: the shards are gathered into the compute copies)
   Tensor block_cbuf_[2];  // their compute copies (a device computing in another dtype: 2 U of it)
   int64_t held_[2] = {-1, -1};
   int cur_buf_ = 0;
@@ -330,6 +343,14 @@ class DataParallel final : public model::ChainHooks {
   int prefetch_buf_ = 0;
   void gather_into(int64_t c, int buf, comm::Comm& comm);
   Tensor host_params_, host_grads_;  // f32 [P_opt] in the host pool (offload)
+  // Offload on a device computing in another dtype than f32: host_params_ are the only f32 master
+  // weights, params_ holds their compute copies (the model's compute tensors point into it).
+  bool host_master_ = false;
+  // The updated master weights of this rank's optimizer range into params_ (from host_params_,
+  // converted where params_ is in the compute dtype), and, at stages 1-2, every rank's updated
+  // shard of params_ gathered over the group.
+  void upload_masters();
+  void gather_updated();
   std::vector<float> staged_params_, staged_m_, staged_v_;  // host_state()'s copies (a device's)
   Backend* be_ = nullptr;               // the chain's
   std::unique_ptr<Backend> host_be_;    // offload: a CPU backend over the host pool

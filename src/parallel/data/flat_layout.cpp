@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <tuple>
+#include <utility>
 
 #include "core/error.h"
 
@@ -69,11 +71,20 @@ std::vector<optim::FlatSegment> FlatLayout::segments(const std::vector<bool>& in
   return segs;
 }
 
-void point_at_flat(model::Parameter& p, const Tensor& buf, int64_t offset, int64_t alloc, bool grad) {
+namespace {
+// The allocation (padding rows included) and the logical rows of `alloc` elements of a flat
+// buffer from `offset`, in p's shape.
+std::pair<Tensor, Tensor> flat_views(const model::Parameter& p, const Tensor& buf, int64_t offset, int64_t alloc) {
   Shape full = p.spec.shape;
   if (!full.empty()) full[0] = std::max(p.spec.alloc_rows, full[0]);
   Tensor t = buf.slice0(offset, alloc).view(full);
   Tensor logical = full.empty() ? t : t.slice0(0, p.spec.shape[0]);
+  return {t, logical};
+}
+}  // namespace
+
+void point_at_flat(model::Parameter& p, const Tensor& buf, int64_t offset, int64_t alloc, bool grad) {
+  auto [t, logical] = flat_views(p, buf, offset, alloc);
   if (grad) {
     p.grad_full = t;
     p.grad = logical;
@@ -81,6 +92,10 @@ void point_at_flat(model::Parameter& p, const Tensor& buf, int64_t offset, int64
     p.value_full = t;
     p.value = logical;
   }
+}
+
+void point_compute_at_flat(model::Parameter& p, const Tensor& buf, int64_t offset, int64_t alloc) {
+  std::tie(p.compute_full, p.compute) = flat_views(p, buf, offset, alloc);
 }
 
 Tensor flatten_parameters(const FlatLayout& lay, bool grad, MemTag tag, Backend& be) {

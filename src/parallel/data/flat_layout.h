@@ -51,6 +51,9 @@ struct FlatLayout {
 // f32 buffer `buf` from element `offset`: value_full / grad_full see the allocation (padding
 // rows included), value / grad its logical rows.
 void point_at_flat(model::Parameter& p, const Tensor& buf, int64_t offset, int64_t alloc, bool grad);
+// The same for the parameter's compute copy (compute_full / compute), in a flat buffer of the
+// compute dtype.
+void point_compute_at_flat(model::Parameter& p, const Tensor& buf, int64_t offset, int64_t alloc);
 // A flat f32 buffer [n_pad] (tag `tag`, in be's memory) holding the parameters' current values
 // (grad = false) or gradients, which then become views of it (point_at_flat); padding and gaps are
 // zero.

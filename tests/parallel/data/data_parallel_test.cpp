@@ -283,27 +283,41 @@ TEST(DataParallel, PeakMemoryEqualsZeroFormulas) {
 // On a device computing in bf16 (the emulated one), the peaks of the grads and optimizer tags of
 // both pools as on the CPU (the formulas above), and of the params tag only the compute copies
 // more: one flat bf16 copy of the parameters (2 N_pad bytes) for stages 0-2, and under ZeRO-3
-// none kept whole but a bf16 buffer beside each of the two gather buffers (4 U bytes).
+// none kept whole but a bf16 buffer beside each of the two gather buffers (4 U bytes). Offloaded,
+// the f32 master weights are the host pool's alone: the device keeps the compute copies only
+// (2 N_pad bytes; under ZeRO-3 the bf16 shard, 2 S, gathered straight into the two bf16 buffers,
+// 4 U), and computes the same bits as without offload (the same update, rounded to bf16 on the
+// host instead of on the device).
 TEST(DataParallel, PeakMemoryOnADeviceAddsOnlyTheComputeCopies) {
   omp_set_num_threads(1);
-  for (int zero : {0, 1, 2, 3})
+  for (int zero : {0, 1, 2, 3}) {
+    std::vector<RunResult> kept;
     for (bool offload : {false, true}) {
       std::vector<MemPeaks> cpu, dev;
       run_dp(4, zero, offload, 1, 1, &cpu);
-      run_dp(4, zero, offload, 1, 1, &dev, true, true);
+      const std::vector<RunResult> runs = run_dp(4, zero, offload, 1, 1, &dev, true, true);
       for (size_t r = 0; r < cpu.size(); ++r) {
         const MemPeaks &c = cpu[r], &d = dev[r];
         const std::string what = fmt::format("zero={} offload={} rank {}", zero, offload, r);
         ASSERT_EQ(d.N_pad, c.N_pad) << what;
         ASSERT_EQ(d.U, c.U) << what;
-        EXPECT_EQ(d.params, c.params + (zero == 3 ? 4 * c.U : 2 * c.N_pad)) << what;
+        if (!offload) EXPECT_EQ(d.params, c.params + (zero == 3 ? 4 * c.U : 2 * c.N_pad)) << what;
+        else EXPECT_EQ(d.params, zero == 3 ? 2 * c.S + 4 * c.U : 2 * c.N_pad) << what;
         EXPECT_EQ(d.grads, c.grads) << what;
         EXPECT_EQ(d.optimizer, c.optimizer) << what;
         EXPECT_EQ(d.host_params, c.host_params) << what;
         EXPECT_EQ(d.host_grads, c.host_grads) << what;
         EXPECT_EQ(d.host_optimizer, c.host_optimizer) << what;
+        EXPECT_TRUE(runs[r].downloaded_equal) << what << ": download_params differs from the gathered state";
       }
+      if (!kept.empty())
+        for (size_t r = 0; r < runs.size(); ++r) {
+          EXPECT_EQ(runs[r].losses, kept[r].losses) << "zero=" << zero << " rank " << r << ": offload changed a loss";
+          EXPECT_EQ(runs[r].params, kept[r].params) << "zero=" << zero << " rank " << r << ": offload changed a weight";
+        }
+      kept = runs;
     }
+  }
 }
 
 // ZeRO-3's prefetch (the next block gathered while the current computes, into a second buffer of
