@@ -50,6 +50,8 @@ if [[ ${#layouts[@]} -eq 0 ]]; then
     "tp=2,sp=1,recompute=selective|--parallel.tp 2 --parallel.sp true --memory.recompute selective"
     "dp=2,zero=1,offload=1|--parallel.dp 2 --parallel.zero 1 --parallel.offload true"
     "tp=2,pp=2,offload=1|--parallel.tp 2 --parallel.pp 2 --train.grad_accum 4 --parallel.offload true"
+    "dp=4,zero=3,offload=1|--parallel.dp 4 --parallel.zero 3 --parallel.offload true"
+    "dp=2,pp=2,zero=2,offload=1|--parallel.dp 2 --parallel.pp 2 --train.grad_accum 4 --parallel.zero 2 --parallel.offload true"
   )
 fi
 work=$(mktemp -d)

@@ -19,7 +19,7 @@
 #             `loom generate` on its checkpoint, the same run as dp 2 x tp 2 with ZeRO-1 and as
 #             tp 2 x pp 2, cp 2 x dp 2 (the mesh engine, threads sharing the GPU) and as two data-parallel
 #             processes
-#   plantruth `loom plan --precision device` against the CUDA pools of 17 layouts of GPT-2 and of
+#   plantruth `loom plan --precision device` against the CUDA pools of 19 layouts of GPT-2 and of
 #             Llama, tag by tag (bench/plan_device_truth.sh with DEVICE=cuda; the emulated device's
 #             figures are checked in the default suite), on the small corpus of `loom`
 #   llama     the Llama family on the GPU: train_gpt2_cuda at SmolLM-135M's shapes against GPT-2

@@ -101,13 +101,17 @@ std::vector<std::pair<int64_t, int64_t>> Parameter::norm_ranges() const {
   return out;
 }
 
-void Parameter::sum_partial_gradients(int64_t begin, int64_t end, float* grad, comm::Comm* tp) const {
+void Parameter::sum_partial_gradients(int64_t begin, int64_t end, float* grad, comm::Comm* tp,
+                                      comm::Comm* shared) const {
   if (shard.sp_partial && tp && end > begin) tp->all_reduce(grad, end - begin, DType::f32);
   if (!shard.shared_group) return;
+  comm::Comm& group = shared ? *shared : *shard.shared_group;
+  LOOM_CHECK(group.size() == shard.shared_group->size(), "parameter '{}': a shared group of {} ranks for {}",
+             spec.name, group.size(), shard.shared_group->size());
   for (const ShardSegment& s : shard.segments) {
     if (!s.shared) continue;
     const int64_t lo = std::max(begin, s.local), hi = std::min(end, s.local + s.n);
-    if (lo < hi) shard.shared_group->all_reduce(grad + (lo - begin), hi - lo, DType::f32);
+    if (lo < hi) group.all_reduce(grad + (lo - begin), hi - lo, DType::f32);
   }
 }
 

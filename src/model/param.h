@@ -110,7 +110,10 @@ struct Parameter {
   // lies at grad (grad[0] is element begin): over tp where sequence parallelism left them partial
   // (shard.sp_partial), and the shared segments' over shared_group (replicated key/value heads).
   // Collective over those groups; nothing for a parameter with neither.
-  void sum_partial_gradients(int64_t begin, int64_t end, float* grad, comm::Comm* tp) const;
+  // (`shared`: the communicator for the shared segments instead of shard.shared_group, over the
+  // same ranks: a host one for gradients in host memory.)
+  void sum_partial_gradients(int64_t begin, int64_t end, float* grad, comm::Comm* tp,
+                             comm::Comm* shared = nullptr) const;
   bool has_shared() const { return shard.shared_group != nullptr; }
 };
 

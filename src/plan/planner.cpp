@@ -130,6 +130,11 @@ Bytes held_bytes(Precision p, bool offload) {
   return B;
 }
 
+// Whether a layout's reduced gradients (the shard a rank updates, under ZeRO 2/3) are the host's
+// rather than the device's: offloaded on a device computing in a 16-bit dtype (the device keeps
+// the buckets' arena alone).
+bool grads_on_host(Precision p, bool offload, int zero) { return offload && bytes_of(p).copy > 0 && zero >= 2; }
+
 // Whether memory is counted as loom's pools hold it (its declarations, scratch and buffers).
 bool loom_pools(Precision p) { return p != Precision::mixed; }
 
@@ -369,7 +374,10 @@ std::map<std::string, double> pipeline_rank_memory(const Job& job, const Layout&
                                        : params * (B.weight + B.copy);
     // (Under zero bubble the norms' gradients, which its input pass writes, stay whole for the step.)
     const double whole_norms = zb ? 2 * layers_here * bp.norms + (last ? bp.norms : 0.0) : 0.0;
-    t["grads"] = L.zero >= 2 && split ? params * B.grad / shard + 4 * arena + 4 * whole_norms : params * B.grad;
+    t["grads"] = L.zero >= 2 && split
+                     ? (grads_on_host(job.precision, L.offload, L.zero) ? 0.0 : params * B.grad / shard) + 4 * arena +
+                           4 * whole_norms
+                     : params * B.grad;
     t["optimizer"] = params * B.optimizer / (L.zero >= 1 ? shard : 1);
     if (L.offload) offloaded = std::max(offloaded, t["optimizer"]), t["optimizer"] = 0;
     t["activations"] = held_act +
@@ -486,7 +494,10 @@ ModelState model_state(double params, Precision precision, int zero, int shards,
   const Bytes B = held_bytes(precision, offload);
   // (A device's compute copy is of the whole weights below ZeRO-3, of the gathered blocks at it.)
   const double weights = zero >= 3 && shards > 1 ? params * B.weight / shards : params * (B.weight + B.copy);
-  return {weights, params * B.grad / (zero >= 2 ? shards : 1), params * B.optimizer / (zero >= 1 ? shards : 1)};
+  // (Offloaded under ZeRO 2/3 on a device the reduced gradients' shard is the host's.)
+  const bool host_grads = zero >= 2 && shards > 1 && grads_on_host(precision, offload, zero);
+  const double grads = host_grads ? 0.0 : params * B.grad / (zero >= 2 ? shards : 1);
+  return {weights, grads, params * B.optimizer / (zero >= 1 ? shards : 1)};
 }
 
 // A layer's forward and backward compute (seconds, one micro-batch of `tokens` tokens on one
@@ -943,10 +954,18 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
     // its rank's share of the rate.)
     const bool shared = job.cluster.shared_host;
     const Link host = shared ? Link{dev.memory_bw / 2, 0.0} : job.cluster.host;
-    const double transfer = opt_params * (B.grad + B.weight) / host.bandwidth + 2 * host.latency;
+    // With the reduced gradients' shard the host's (ZeRO 2/3 on a device), every micro-batch's
+    // goes down as its buckets are reduced, and the host adds it to the step's (reading both and
+    // writing one, 12 bytes an element): paid during backward, not hidden behind it, counted here.
+    const double host_memory_bw = shared ? dev.memory_bw : job.cluster.host_memory_bw;
+    const bool host_grads = grads_on_host(job.precision, L.offload, L.zero) && shard > 1;
+    const double grad_moves = host_grads ? double(micro) : 1.0;
+    const double transfer =
+        opt_params * (grad_moves * B.grad + B.weight) / host.bandwidth + (grad_moves + 1) * host.latency;
+    const double accumulate = host_grads ? grad_moves * opt_params * 12 / host_memory_bw : 0.0;
     const double update = measured ? dev.kernels.at("adamw").seconds(opt_params * share)
-                                   : opt_params * 2 * 16 / (shared ? dev.memory_bw : job.cluster.host_memory_bw);
-    e.optimizer_s = (transfer + update + refresh) * crowd;
+                                   : opt_params * 2 * 16 / host_memory_bw;
+    e.optimizer_s = (transfer + accumulate + update + refresh) * crowd;
   }
   // Ranks beyond a shared host's cores: every synchronisation on the busiest rank's path (its
   // elements' per micro-batch, the data-parallel collectives, the loss and gradient-norm

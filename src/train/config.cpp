@@ -108,7 +108,7 @@ const Field kFields[] = {
     F("parallel.sp", sp, "sequence parallelism within the tensor-parallel group"),
     F("parallel.zero", zero, "ZeRO stage 0-3, over the data-parallel group (dp x cp; 0 where it has one rank)"),
     F("parallel.comm", comm, "communicator backend: threads, mpi (one process per rank: mpirun -n pp x dp x cp x tp), or nccl (train.device cuda: mpi processes whose collectives NCCL runs, each with a GPU of its own)"),
-    F("parallel.offload", offload, "ZeRO-Offload: optimizer state, update and f32 master weights in host memory (a device computing in bf16 keeps only the weights' bf16 copy)"),
+    F("parallel.offload", offload, "ZeRO-Offload: optimizer state, update and f32 master weights in host memory, and under ZeRO 2/3 the reduced gradients (a device computing in bf16 keeps only the weights' bf16 copy)"),
     F("parallel.bucket_mb", bucket_mb, "data-parallel gradient bucket size in MiB"),
     F("parallel.prefetch", prefetch, "ZeRO-3: gather the next block's weights while a block computes (one more buffer of the largest block)"),
     F("parallel.schedule", schedule, "pipeline schedule when parallel.pp > 1: gpipe, 1f1b, interleaved or zb-h1"),

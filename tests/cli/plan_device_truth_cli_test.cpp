@@ -45,7 +45,8 @@ struct Case {
 // without sp, cp's ring blocks (with ZeRO over dp x cp), the three pipeline schedules whose
 // memory differs from 1F1B's (gpipe's whole batch in flight, interleaving's chunks, zero bubble's
 // deferred gradients), a pipeline's tied-embedding exchange under ZeRO-3, recomputation, and the
-// optimizer offloaded to the host (its tags in the host pool checked too).
+// optimizer offloaded to the host (its tags in the host pool checked too; under ZeRO 2/3 with the
+// reduced gradients' shard there as well).
 const std::vector<Case> kCases = {
     {"dp=1", "", 1, 1, 1, 1, 1},
     {"dp=2,zero=2", "--parallel.dp 2 --parallel.zero 2", 2, 1, 1, 1, 1},
@@ -65,6 +66,9 @@ const std::vector<Case> kCases = {
     {"tp=2,sp=1,recompute=selective", "--parallel.tp 2 --parallel.sp true --memory.recompute selective", 1, 2, 1, 1, 1},
     {"dp=2,zero=1,offload=1", "--parallel.dp 2 --parallel.zero 1 --parallel.offload true", 2, 1, 1, 1, 1},
     {"tp=2,pp=2,offload=1", "--parallel.tp 2 --parallel.pp 2 --train.grad_accum 4 --parallel.offload true", 1, 2, 2, 1, 4},
+    {"dp=4,zero=3,offload=1", "--parallel.dp 4 --parallel.zero 3 --parallel.offload true", 4, 1, 1, 1, 1},
+    {"dp=2,pp=2,zero=2,offload=1",
+     "--parallel.dp 2 --parallel.pp 2 --train.grad_accum 4 --parallel.zero 2 --parallel.offload true", 2, 1, 2, 1, 4},
 };
 constexpr int64_t kVocab = 4096;
 

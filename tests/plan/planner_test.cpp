@@ -185,7 +185,8 @@ TEST(Planner, LayoutsParseAndBadOnesAreNamed) {
 // The three precisions' model state per parameter: mixed as ZeRO counts it (2 + 2 + 12), f32 as
 // loom's CPU holds it (4 + 4 + 8), device as loom's device runs hold it (f32 masters, gradients and
 // moments and a bf16 compute copy: 4 + 2 + 4 + 8; under ZeRO-3 the shard of the masters alone, the
-// compute copies being of the gathered blocks; offloaded, the compute copy alone). Precision names parse; others are refused naming
+// compute copies being of the gathered blocks; offloaded, the compute copy alone, and under ZeRO 2/3
+// no gradient shard). Precision names parse; others are refused naming
 // the field. (tests/cli/plan_device_truth_cli_test.cpp checks the device model against the pools
 // of runs on the emulated device.)
 TEST(Planner, PrecisionsCountModelStateAsTheirRunsHoldIt) {
@@ -215,7 +216,12 @@ TEST(Planner, PrecisionsCountModelStateAsTheirRunsHoldIt) {
   EXPECT_EQ(plan::model_state(p, plan::Precision::device, 0, 1, true).params, 2 * p);
   EXPECT_EQ(plan::model_state(p, plan::Precision::device, 2, 4, true).params, 2 * p);
   EXPECT_EQ(plan::model_state(p, plan::Precision::device, 3, 4, true).params, 0.5 * p);
-  EXPECT_EQ(plan::model_state(p, plan::Precision::device, 3, 4, true).grads, p);
+  // Under ZeRO 2/3 the reduced gradients' shard is the host's too (the buckets' arena, loom_extras,
+  // stays on the device); below ZeRO 2 the device accumulates the whole gradients.
+  EXPECT_EQ(plan::model_state(p, plan::Precision::device, 3, 4, true).grads, 0);
+  EXPECT_EQ(plan::model_state(p, plan::Precision::device, 2, 4, true).grads, 0);
+  EXPECT_EQ(plan::model_state(p, plan::Precision::device, 1, 4, true).grads, 4 * p);
+  EXPECT_EQ(plan::model_state(p, plan::Precision::mixed, 2, 4, true).grads, 0.5 * p);
   EXPECT_EQ(plan::model_state(p, plan::Precision::f32, 0, 1, true).params, 4 * p);
   EXPECT_EQ(plan::model_state(p, plan::Precision::mixed, 0, 1, true).params, 2 * p);
 
@@ -285,6 +291,22 @@ TEST(Planner, OffloadMovesTheOptimizerToTheHost) {
   const double expected = updated * 6 / c.host.bandwidth + 2 * c.host.latency + updated * 32 / c.host_memory_bw;
   EXPECT_NEAR(b.optimizer_s, expected, 1e-9 * expected);
   EXPECT_GT(b.step_s, a.step_s);
+  // Under ZeRO 2 the reduced gradients' shard is the host's as well: the device keeps the buckets'
+  // arena alone (4 bytes a parameter it updates less), and each of the step's two micro-batches'
+  // gradients goes down and is added on the host (12 bytes an element at its memory bandwidth).
+  plan::Job two = job;
+  two.global_batch = 32;
+  plan::Layout z2 = plan::parse_layout("dp=2,mbs=8,zero=2,offload=1"), z2_kept = z2;
+  z2_kept.offload = false;
+  const plan::Estimate c2 = plan::estimate(two, z2), k2 = plan::estimate(two, z2_kept);
+  ASSERT_EQ(c2.micro_batches, 2);
+  const double u2 = c2.host_memory.at("optimizer") / 8;
+  EXPECT_EQ(u2, updated);
+  EXPECT_EQ(c2.memory.at("grads"), k2.memory.at("grads") - 4 * u2);
+  EXPECT_EQ(c2.host_memory.at("grads"), 4 * u2);
+  const double expected2 = u2 * (2 * 4 + 2) / c.host.bandwidth + 3 * c.host.latency + 2 * u2 * 12 / c.host_memory_bw +
+                           u2 * 32 / c.host_memory_bw;
+  EXPECT_NEAR(c2.optimizer_s, expected2, 1e-9 * expected2);
 
   // With room on the device no choice offloads; where only an offloaded layout fits, it is chosen.
   const plan::SearchResult roomy = plan::search(job);

@@ -43,6 +43,17 @@ inline constexpr MeshLayout kMeshLayouts[] = {
     {"dp2cp2z2", "--parallel.dp 2 --parallel.cp 2 --parallel.zero 2 --train.eval_batches 1",
      "dp 2 x tp 1 x cp 2 | ZeRO 2", true, true},
     {"cp2pp2", "--train.grad_accum 2 --parallel.cp 2 --parallel.pp 2", "x dp 1 x tp 1 x cp 2", true, false},
+    // Offload composed: under ZeRO 2/3 a device keeps neither the f32 master weights nor the
+    // reduced gradients' shard (the host's: tp's partial sums over host groups, a pipeline's tied
+    // wte exchanged from them, zero bubble's input-pass gradients added into them).
+    {"dp2tp2z3off",
+     "--parallel.dp 2 --parallel.tp 2 --parallel.sp true --parallel.zero 3 --parallel.offload true "
+     "--train.eval_batches 1",
+     "dp 2 x tp 2 + sp x cp 1 | ZeRO 3 + offload", true, false},
+    {"dp2pp2zboff",
+     "--parallel.dp 2 --parallel.pp 2 --parallel.schedule zb-h1 --parallel.zero 2 --parallel.offload true "
+     "--train.eval_batches 1",
+     "x dp 2 (ZeRO 2 + offload)", false, true},
     // Recomputation runs the same kernels again: one rank on the mesh engine, and under tp.
     {"rcfull", "--train.grad_accum 2 --memory.recompute full", "recompute full:", false, false},
     {"tp2rcsel", "--train.grad_accum 2 --parallel.tp 2 --memory.recompute selective", "recompute selective:", true,

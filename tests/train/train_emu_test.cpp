@@ -128,7 +128,7 @@ TEST(EmuTrain, F32LayoutsMatchTheCpu) {
   run_layouts(s, kMeshLayouts, "f32", "cpu", true);
 }
 
-// bf16 compute on the emulated device, every layout against one emulated device; four stopped
+// bf16 compute on the emulated device, every layout against one emulated device; five stopped
 // after step 10 and resumed give their uninterrupted runs' losses exactly.
 TEST(EmuTrain, Bf16LayoutsMatchOneDeviceAndResumeExactly) {
   TrainScratch s("loom_emu_bf16");
@@ -155,7 +155,8 @@ TEST(EmuTrain, Bf16LayoutsMatchOneDeviceAndResumeExactly) {
 }
 
 // The Llama family's device paths (rotary positions uploaded, SwiGLU, RMSNorm, grouped-query
-// attention with 2 key/value heads for 4 query heads: split over tp 2, replicated under tp 4),
+// attention with 2 key/value heads for 4 query heads: split over tp 2, replicated under tp 4, also
+// offloaded),
 // in f32 against the CPU and in bf16 against one emulated device, at the bounds above.
 TEST(EmuTrain, LlamaLayoutsMatch) {
   static constexpr MeshLayout kLlamaLayouts[] = {
@@ -168,6 +169,9 @@ TEST(EmuTrain, LlamaLayoutsMatch) {
       {"tp2pp2", "--train.grad_accum 2 --parallel.tp 2 --parallel.pp 2", "x dp 1 x tp 2 x cp 1", true, false},
       {"cp2tp2", "--train.grad_accum 2 --parallel.cp 2 --parallel.tp 2 --parallel.sp true", "tp 2 + sp x cp 2", true,
        false},
+      // (The replicated key/value heads' gradient sums over host groups: offloaded under ZeRO 2.)
+      {"dp2tp4z2off", "--parallel.dp 2 --parallel.tp 4 --parallel.zero 2 --parallel.offload true --train.eval_batches 1",
+       "dp 2 x tp 4 x cp 1 | ZeRO 2 + offload", true, false},
   };
   TrainScratch s("loom_emu_llama");
   CliRun a = train(s, "cpu", "cpu", "--quiet --train.grad_accum 2", "", kLlama);

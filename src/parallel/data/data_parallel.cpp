@@ -341,6 +341,7 @@ DataParallel::DataParallel(DataChain chain, comm::Comm& dp, const optim::AdamWCo
   const int64_t plen = o_.zero == 3 ? shard_ : n_pad_;
   const int64_t ob = o_.zero == 0 ? 0 : int64_t(rank_) * shard_, oe = o_.zero == 0 ? n_pad_ : ob + shard_;
   host_master_ = o_.offload && device_ && be.compute_dtype() != DType::f32;
+  host_grad_shard_ = host_master_ && o_.zero >= 2;
   params_ = be.empty({plen}, host_master_ ? be.compute_dtype() : DType::f32, MemTag::params);
   be.fill_zero(params_.raw(), int64_t(params_.nbytes()));
   if (o_.offload) {
@@ -391,9 +392,11 @@ DataParallel::DataParallel(DataChain chain, comm::Comm& dp, const optim::AdamWCo
   }
   if (o_.zero <= 1) {
     grads_ = flatten_parameters(lay_, /*grad=*/true, MemTag::grads, be);
-  } else {
+  } else if (!host_grad_shard_) {
     grads_ = be.empty({shard_}, DType::f32, MemTag::grads);
     be.fill_zero(grads_.raw(), int64_t(grads_.nbytes()));
+  }
+  if (o_.zero >= 2) {
     // A split backward's input-pass gradients: whole, in a buffer of their own for the step.
     int64_t at = 0;
     for (const model::Parameter* ip : chain_.input_pass) {
@@ -446,6 +449,13 @@ DataParallel::DataParallel(DataChain chain, comm::Comm& dp, const optim::AdamWCo
     LOOM_CHECK(norm_buf_->device_buffers() && norm_buf_->size() == tp->size(),
                "data parallel: norm_buffers must be a device communicator over the {} ranks of norm_group", tp->size());
   }
+  // With the reduced gradients in host memory, their partial sums over tp run on the host groups:
+  // norm_group, and for replicated key/value heads a split of it like the model's (ranks with the
+  // same rank / size share a head), made in layout order on every tp rank alike.
+  if (host_grad_shard_ && tp)
+    for (const FlatParam& f : lay_.params)
+      if (const comm::Comm* sg = f.param->shard.shared_group; sg && !host_shared_.count(sg->size()))
+        host_shared_[sg->size()] = tp->split(tp->rank() / sg->size(), tp->rank());
   // On a device the reductions run on the compute thread, in the model's stream order: every
   // device communicator enqueues on the backend's one stream, where two threads' collectives could
   // land in another order on each rank and NCCL's would wait for each other for ever. (Overlapping
@@ -467,6 +477,21 @@ void DataParallel::add_into(float* a, const float* b, int64_t n) {
   // (On the CPU a plain loop: this runs on the communication thread too, beside the compute
   // thread's OpenMP team.)
   for (int64_t i = 0; i < n; ++i) a[i] += b[i];
+}
+
+void DataParallel::add_to_host_grads(int64_t at, const float* src, int64_t n) {
+  // Through a staging buffer of at most kStageElements (16 MiB) in the host pool, piece by piece.
+  constexpr int64_t kStageElements = int64_t(1) << 22;
+  if (n <= 0) return;
+  if (!host_stage_.defined())
+    host_stage_ = Tensor::empty({std::min(kStageElements, shard_)}, DType::f32, MemTag::workspace, *o_.host_pool);
+  float* acc = host_grads_.f32() + at;
+  for (int64_t k = 0; k < n; k += host_stage_.numel()) {
+    const int64_t m = std::min(host_stage_.numel(), n - k);
+    be_->copy({.dst = host_stage_.raw(), .dst_host = true, .src = src + k, .n = m});
+    const float* st = host_stage_.f32();
+    for (int64_t i = 0; i < m; ++i) acc[k + i] += st[i];
+  }
 }
 
 void DataParallel::copy_f32(float* dst, const float* src, int64_t n) {
@@ -517,7 +542,8 @@ std::vector<int64_t> DataParallel::shard_counts(int64_t begin, int64_t end) cons
 void DataParallel::zero_grad() {
   LOOM_CHECK(std::none_of(live_.begin(), live_.end(), [](const LiveBucket& l) { return l.acquired; }),
              "data parallel: zero_grad during a backward");
-  be_->fill_zero(grads_.raw(), int64_t(grads_.nbytes()));
+  if (host_grad_shard_) std::fill_n(host_grads_.f32(), host_grads_.numel(), 0.0f);
+  else be_->fill_zero(grads_.raw(), int64_t(grads_.nbytes()));
   if (input_grads_.defined())
     be_->fill_zero(input_grads_.raw(), int64_t(input_grads_.nbytes())), input_pending_ = true;
   last_micro_ = true;
@@ -541,7 +567,8 @@ void DataParallel::reduce_input_pass() {
   const int64_t gb = int64_t(rank_) * shard_, ge = gb + shard_;
   for (const auto& [f, off] : input_slots_) {
     const int64_t lo = std::max(f->offset, gb), hi = std::min(f->offset + f->numel, ge);
-    add_into(grads_.f32() + (lo - gb), input_grads_.f32() + off + (lo - f->offset), hi - lo);
+    if (host_grad_shard_) add_to_host_grads(lo - gb, input_grads_.f32() + off + (lo - f->offset), hi - lo);
+    else add_into(grads_.f32() + (lo - gb), input_grads_.f32() + off + (lo - f->offset), hi - lo);
   }
 }
 
@@ -618,11 +645,12 @@ void DataParallel::launch_bucket(size_t b) {
     int64_t before = 0;
     for (int r = 0; r < rank_; ++r) before += counts[size_t(r)];
     float* buf = l.buf.f32();
-    float* acc = grads_.f32() + (std::max(g.begin, int64_t(rank_) * shard_) - int64_t(rank_) * shard_);
+    const int64_t at = std::max(g.begin, int64_t(rank_) * shard_) - int64_t(rank_) * shard_;  // in the shard
     const int64_t mine = counts[size_t(rank_)];
-    l.ticket = worker_->submit(name, [this, buf, acc, before, mine, counts](comm::Comm& c) {
+    l.ticket = worker_->submit(name, [this, buf, at, before, mine, counts](comm::Comm& c) {
       c.reduce_scatter_v(buf, buf + before, counts, DType::f32);
-      add_into(acc, buf + before, mine);
+      if (host_grad_shard_) add_to_host_grads(at, buf + before, mine);
+      else add_into(grads_.f32() + at, buf + before, mine);
     });
   }
   ++stats_.reductions;
@@ -805,7 +833,15 @@ void DataParallel::add_peer_gradient(const model::Parameter* param, comm::Comm& 
     if (o_.zero >= 2) {  // this rank's part of the piece, gathered over the group
       const std::vector<int64_t> counts = shard_counts(b, e);
       const int64_t lo = std::min(std::max(b, gb), ge);
-      buf_->all_gather_v(grads_.f32() + (lo - gb), mine.f32(), counts, DType::f32);
+      if (host_grad_shard_) {  // (uploaded from the host into its place in the piece, gathered there)
+        int64_t before = 0;
+        for (int r = 0; r < rank_; ++r) before += counts[size_t(r)];
+        be_->copy({.dst = mine.f32() + before, .src = host_grads_.f32() + (lo - gb), .src_host = true,
+                   .n = counts[size_t(rank_)]});
+        buf_->all_gather_v(mine.f32() + before, mine.f32(), counts, DType::f32);
+      } else {
+        buf_->all_gather_v(grads_.f32() + (lo - gb), mine.f32(), counts, DType::f32);
+      }
       send = mine.f32();
     } else {
       send = grads_.f32() + b;  // stages 0/1: every reduced element is here
@@ -813,7 +849,8 @@ void DataParallel::add_peer_gradient(const model::Parameter* param, comm::Comm& 
     link.sendrecv(send, n, peer, theirs.f32(), n, peer, DType::f32, 1);
     const int64_t lo = std::max(b, gb), hi = std::min(e, ge);
     if (hi <= lo) continue;
-    add_into(grads_.f32() + (lo - gb), theirs.f32() + (lo - b), hi - lo);
+    if (host_grad_shard_) add_to_host_grads(lo - gb, theirs.f32() + (lo - b), hi - lo);
+    else add_into(grads_.f32() + (lo - gb), theirs.f32() + (lo - b), hi - lo);
   }
 }
 
@@ -825,10 +862,12 @@ optim::StepStats DataParallel::step(double lr, bool skip) {
   if (prefetch_block_ >= 0) worker_->wait(prefetch_ticket_), prefetch_block_ = -1;
   held_[0] = held_[1] = -1;
   const int64_t n = opt_->end() - opt_->begin();
-  float* g = grad_shard();
+  // The reduced gradients of this rank's range: in the backend's memory, or in the host's.
+  float* g = host_grad_shard_ ? host_grads_.f32() : grad_shard();
   if (poison_ && n > 0) {
     const float nan = std::numeric_limits<float>::quiet_NaN();
-    be_->copy({.dst = g, .src = &nan, .src_host = true, .n = 1});
+    if (host_grad_shard_) g[0] = nan;
+    else be_->copy({.dst = g, .src = &nan, .src_host = true, .n = 1});
   }
   poison_ = false;
   comm::Comm* tp = o_.norm_group && o_.norm_group->size() > 1 ? o_.norm_group : nullptr;
@@ -836,10 +875,16 @@ optim::StepStats DataParallel::step(double lr, bool skip) {
     const int64_t ob = opt_->begin();
     for (const FlatParam& f : lay_.params) {
       const int64_t b = std::max(f.offset, ob), e = std::min(f.offset + f.numel, opt_->end());
-      if (b < e) f.param->sum_partial_gradients(b - f.offset, e - f.offset, g + (b - ob), norm_buf_);
+      if (b >= e) continue;
+      const comm::Comm* sg = f.param->shard.shared_group;
+      if (host_grad_shard_)
+        f.param->sum_partial_gradients(b - f.offset, e - f.offset, g + (b - ob), tp,
+                                       sg ? host_shared_.at(sg->size()).get() : nullptr);
+      else
+        f.param->sum_partial_gradients(b - f.offset, e - f.offset, g + (b - ob), norm_buf_);
     }
   }
-  double sq = opt_->grad_sum_squares(g, be_);
+  double sq = opt_->grad_sum_squares(g, host_grad_shard_ ? host_be_.get() : be_);
   // Stage 0 holds every reduced gradient on every rank; otherwise the shards add up; then the
   // tp ranks' parts.
   if (o_.zero != 0) sq = sum_over_ranks(sq);
@@ -867,7 +912,7 @@ optim::StepStats DataParallel::step(double lr, bool skip) {
     gl->refresh_projectors(g, rank_, world_, [&](Tensor& p, int owner) { comm_.broadcast(p, owner); });
   optim::StepStats st;
   if (o_.offload) {
-    be_->copy({.dst = host_grads_.raw(), .dst_host = true, .src = g, .n = n});
+    if (!host_grad_shard_) be_->copy({.dst = host_grads_.raw(), .dst_host = true, .src = g, .n = n});
     st = opt_->step(host_params_.f32(), host_grads_.f32(), norm, lr);
     upload_masters();
   } else {
@@ -889,11 +934,13 @@ int DataParallel::first_nonfinite(bool gradients) const {
   // The flat range this rank holds and where it starts.
   // (With the master weights in the host pool, they are what it looks at: its optimizer range.)
   const bool master = !gradients && host_master_;
-  const float* data = gradients ? grad_shard() : master ? host_params_.f32() : params_.f32();
+  const bool on_host = master || (gradients && host_grad_shard_);
+  const float* data = gradients ? (host_grad_shard_ ? host_grads_.f32() : grad_shard())
+                                : master ? host_params_.f32() : params_.f32();
   const int64_t b = gradients || master ? opt_->begin() : (o_.zero == 3 ? int64_t(rank_) * shard_ : 0);
   const int64_t e = gradients || master ? opt_->end() : b + params_.numel();
   std::vector<float> host;
-  if (device_ && !master) {  // looked at on the host
+  if (device_ && !on_host) {  // looked at on the host
     host.resize(size_t(e - b));
     be_->copy({.dst = host.data(), .dst_host = true, .src = data, .n = e - b});
     data = host.data();

@@ -80,7 +80,10 @@
 // dtype, and ZeRO-3 gathers the compute-dtype shards straight into the two compute buffers; the
 // params tag then holds 2 N_pad bytes (stages 0-2) or 2 S + 4 U (stage 3), and whatever
 // reads the weights (checkpoints, download_params, gather_full_state, first_nonfinite) reads the
-// host's masters;
+// host's masters. Under ZeRO 2/3 the reduced gradients' shard is the host's too: each bucket's
+// reduced part is added into the host's gradient copy (through a staging buffer of at most 2^22
+// elements, tag workspace) as it is reduced, so the grads tag of the device holds the arena alone
+// (4 G (+ 4 I)), and the step's partial sums over tp, norm and update run on the host.
 // GaLore runs on the CPU backend only (refused by name). add_peer_gradient's link must then take the device's
 // memory too (a device communicator).
 //
@@ -94,6 +97,7 @@
 // Every tp rank has the same layout, so those ranges line up.
 #pragma once
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -351,6 +355,14 @@ class DataParallel final : public model::ChainHooks {
   // shard of params_ gathered over the group.
   void upload_masters();
   void gather_updated();
+  // ... and under ZeRO 2/3 the reduced gradients of its shard too (host_grads_ accumulates them;
+  // the device keeps no gradient shard, only the buckets' arena), their tp partial sums over host
+  // groups (norm_group, and splits of it for replicated key/value heads, by size).
+  bool host_grad_shard_ = false;
+  std::map<int, std::unique_ptr<comm::Comm>> host_shared_;
+  Tensor host_stage_;  // f32, at most 2^22 elements (tag workspace, host pool)
+  // host_grads_[at, at + n) += n f32 of the backend's memory at src.
+  void add_to_host_grads(int64_t at, const float* src, int64_t n);
   std::vector<float> staged_params_, staged_m_, staged_v_;  // host_state()'s copies (a device's)
   Backend* be_ = nullptr;               // the chain's
   std::unique_ptr<Backend> host_be_;    // offload: a CPU backend over the host pool
