@@ -36,6 +36,11 @@
 #             the mean of the last 50 steps with no step overflowing at the default scale, and
 #             the injected run must skip step 100 alone, halve its scale and end within 2% of the
 #             uninterrupted fp16 run
+#   offload   what optimizer offload costs a step on one GPU against the planner's model of it:
+#             GPT-2 124M's shapes (the small corpus's vocabulary), B = 16, T = 1024, `loom train`
+#             without and with parallel.offload (and with grad_accum 4) beside `loom plan`'s step and
+#             optimizer times (bench/offload_time.sh; the host link and host memory figures of the
+#             planner's clusters are specifications, never measured before)
 #   gap       GPT-2 124M (the vocabulary of data/kjv, or of the small corpus) trained 30 steps from the
 #             same seed on the same batches on the GPU (bf16) and on the host's CPU (f32): the two
 #             loss curves side by side, and their largest relative difference; then one repeated
@@ -49,7 +54,7 @@ bundle=$1
 out=$2
 shift 2
 steps=("$@")
-[[ ${#steps[@]} -gt 0 ]] || steps=(device cuda memcheck pipeline flash train loom plantruth llama fp16)
+[[ ${#steps[@]} -gt 0 ]] || steps=(device cuda memcheck pipeline flash train loom plantruth llama fp16 offload)
 mkdir -p "$out"
 {
   date -u +"gpu_checks %Y-%m-%d %H:%M UTC"
@@ -242,6 +247,16 @@ step_plantruth() {
     env_run bash -c 'DEVICE=cuda FAMILY="$2" LOOM="$(command -v loom)" "$0/bench/plan_device_truth.sh" "$1"' \
       "$root" "$corpus/data" "$family" || return 1
   done
+}
+step_offload() {
+  local corpus="$out/corpus" cluster=h100-sxm
+  [[ -s "$corpus/data/train_000.bin" ]] || make_corpus "$corpus" || return 1
+  case "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" in
+    *H200*) cluster=h200 ;;
+    *A100*) cluster=a100-80gb ;;
+  esac
+  env_run bash -c 'DEVICE=cuda CLUSTER="$2" LOOM="$(command -v loom)" "$0/bench/offload_time.sh" "$1"' \
+    "$root" "$corpus/data" "$cluster"
 }
 failed=0
 run_step() {
