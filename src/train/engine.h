@@ -98,6 +98,10 @@ struct DeviceMesh {
   std::string device;     // e.g. "cuda:0 NVIDIA H100 80GB HBM3"
   // Called with the rank's host pool once the engine has made it (before the first step).
   std::function<void(MemoryPool& host)> use_host_pool;
+  // The host pool's memory (an offloaded optimizer's state and the staging of checkpoints): a
+  // GPU's page-locked host memory, so its transfers run at the link's rate; null: ordinary host
+  // memory.
+  Allocator* host_allocator = nullptr;
 };
 
 // The CPU's mesh engine (train/trainer.cpp: dp x tp (+ sp) with ZeRO and offload over one chain of

@@ -354,6 +354,7 @@ std::unique_ptr<Engine> make_cuda_engine(const EngineArgs& a) {
   d.peak_name = std::string(dtype_name(raw->compute_dtype())) + " GEMM peak";
   d.device = fmt::format("cuda:{} {}", device, prop.name);
   d.backend = std::move(be);
+  d.host_allocator = &cuda::pinned_host_allocator();
   return make_mesh_engine(a, std::move(d));
 }
 

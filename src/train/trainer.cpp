@@ -561,7 +561,8 @@ class ChainEngine : public CpuEngine {
 // The mesh engine on a device: the host pool it keeps beside the device's (base-from-member: made
 // before the engine that takes it).
 struct HostPoolOf {
-  explicit HostPoolOf(int rank) : host(fmt::format("host:{}", rank)) {}
+  // (In the device's host memory where it has its own: DeviceMesh::host_allocator.)
+  HostPoolOf(int rank, Allocator* a) : host(fmt::format("host:{}", rank), a ? a : &cpu_allocator()) {}
   MemoryPool host;
   // The device's own hook on the host pool (DeviceMesh::use_host_pool), then the device.
   DeviceMesh with_host(DeviceMesh dev) {
@@ -573,7 +574,7 @@ struct HostPoolOf {
 class DeviceChainEngine final : private HostPoolOf, public ChainEngine {
  public:
   DeviceChainEngine(const EngineArgs& a, DeviceMesh dev)
-      : HostPoolOf(a.comms.world().rank()),
+      : HostPoolOf(a.comms.world().rank(), dev.host_allocator),
         ChainEngine(a.cfg, a.model, adamw_config(a.cfg), a.comms, a.train, host, host, !a.opt.trace_path.empty(),
                     with_host(std::move(dev))) {}
 };
@@ -830,7 +831,7 @@ std::map<std::string, EngineFactory>& engines() {
 class DevicePipelineEngine final : private HostPoolOf, public PipelineEngine {
  public:
   DevicePipelineEngine(const EngineArgs& a, DeviceMesh dev)
-      : HostPoolOf(a.comms.world().rank()),
+      : HostPoolOf(a.comms.world().rank(), dev.host_allocator),
         PipelineEngine(a.cfg, a.model, adamw_config(a.cfg), a.comms, a.train, host, host, with_host(std::move(dev))) {}
 };
 

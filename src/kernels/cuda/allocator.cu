@@ -3,6 +3,8 @@
 
 #include <cuda_runtime.h>
 
+#include <fmt/format.h>
+
 #include "core/error.h"
 
 namespace loom::cuda {
@@ -115,6 +117,27 @@ void ArenaAllocator::release_unused() {
     LOOM_CUDA_CHECK(cudaFree(arenas_.back().base));
     arenas_.pop_back();
   }
+}
+
+void* PinnedHostAllocator::allocate(size_t bytes) {
+  if (bytes == 0) return nullptr;
+  void* p = nullptr;
+  const cudaError_t e = cudaHostAlloc(&p, bytes, cudaHostAllocPortable);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // (clears the error)
+    throw Error(fmt::format("page-locked host memory: cudaHostAlloc of {} bytes failed: {}", int64_t(bytes),
+                            cudaGetErrorString(e)));
+  }
+  return p;
+}
+
+void PinnedHostAllocator::deallocate(void* p, size_t) {
+  if (p) cudaFreeHost(p);  // (no throwing from a pool's release)
+}
+
+Allocator& pinned_host_allocator() {
+  static PinnedHostAllocator* a = new PinnedHostAllocator();  // leaked on purpose: outlives static pools
+  return *a;
 }
 
 ArenaAllocator& device_allocator() {

@@ -51,6 +51,19 @@ class ArenaAllocator final : public Allocator {
   std::map<uintptr_t, std::pair<size_t, size_t>> live_;  // address -> (arena index, length)
 };
 
+// Page-locked host memory (cudaHostAlloc; Device::cpu): what a device's transfers to and from the
+// host run at the link's rate from, without the driver's staging copy (an offloaded optimizer's
+// state, gradients and master weights; DeviceMesh::host_allocator). Allocating it is slow (the
+// pages are locked one by one), so it is for buffers made once. Throws loom::Error when the
+// host cannot lock the memory.
+class PinnedHostAllocator final : public Allocator {
+ public:
+  void* allocate(size_t bytes) override;
+  void deallocate(void* p, size_t bytes) override;
+  Device device() const override { return Device::cpu; }
+};
+Allocator& pinned_host_allocator();
+
 // The process-wide device allocator and pool (device 0 or the current device at first use).
 ArenaAllocator& device_allocator();
 MemoryPool& device_pool();

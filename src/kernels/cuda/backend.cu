@@ -258,8 +258,19 @@ CudaBackend::~CudaBackend() {
   if (dbias_scratch_) pool_->deallocate(dbias_scratch_, dbias_bytes_, MemTag::workspace);
   if (ln_scratch_) pool_->deallocate(ln_scratch_, ln_bytes_, MemTag::workspace);
   if (attn_ws_) pool_->deallocate(attn_ws_, attn_ws_bytes_, MemTag::workspace);
+  for (int i = 0; i < 2; ++i) {
+    if (stage_[i]) cudaFreeHost(stage_[i]);
+    if (stage_free_[i]) cudaEventDestroy(stage_free_[i]);
+  }
   blas_.reset();
   cudaStreamDestroy(stream_);
+}
+
+void CudaBackend::ensure_stage() {
+  for (int i = 0; i < 2; ++i) {
+    if (!stage_[i]) LOOM_CUDA_CHECK(cudaHostAlloc(&stage_[i], kStageBytes, cudaHostAllocPortable));
+    if (!stage_free_[i]) LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&stage_free_[i], cudaEventDisableTiming));
+  }
 }
 
 void CudaBackend::activate() const {
@@ -712,28 +723,40 @@ void CudaBackend::copy(const Copy& a) {
     convert_on_host(a.dst, a.dst_dtype, a.src, a.src_dtype, a.n);
     return;
   }
-  if (a.src_host) {  // host -> device: convert on the host first
-    std::vector<char> tmp;
-    const void* src = a.src;
-    if (a.dst_dtype != a.src_dtype) {
-      tmp.resize(n * dtype_size(a.dst_dtype));
-      convert_on_host(tmp.data(), a.dst_dtype, a.src, a.src_dtype, a.n);
-      src = tmp.data();
-    }
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(a.dst, src, n * dtype_size(a.dst_dtype), cudaMemcpyHostToDevice, stream_));
+  const size_t ds = dtype_size(a.dst_dtype), ss = dtype_size(a.src_dtype);
+  if ((a.src_host || a.dst_host) && a.dst_dtype == a.src_dtype) {  // host <-> device as it is
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(a.dst, a.src, n * ds, a.src_host ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost,
+                                    stream_));
     LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
     return;
   }
-  if (a.dst_host) {  // device -> host: convert on the host after
-    std::vector<char> tmp;
-    void* dst = a.dst;
-    if (a.dst_dtype != a.src_dtype) {
-      tmp.resize(n * dtype_size(a.src_dtype));
-      dst = tmp.data();
+  if (a.src_host) {  // host -> device: converted on the host, chunk by chunk, into page-locked staging
+    activate();
+    ensure_stage();
+    const size_t chunk = kStageBytes / std::max(ds, ss);
+    int i = 0;
+    for (size_t k = 0; k < n; k += chunk, i ^= 1) {
+      const size_t m = std::min(chunk, n - k);
+      LOOM_CUDA_CHECK(cudaEventSynchronize(stage_free_[i]));  // the transfer that last read it is done
+      convert_on_host(stage_[i], a.dst_dtype, static_cast<const char*>(a.src) + k * ss, a.src_dtype, int64_t(m));
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(a.dst) + k * ds, stage_[i], m * ds, cudaMemcpyHostToDevice,
+                                      stream_));
+      LOOM_CUDA_CHECK(cudaEventRecord(stage_free_[i], stream_));
     }
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(dst, a.src, n * dtype_size(a.src_dtype), cudaMemcpyDeviceToHost, stream_));
     LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    if (a.dst_dtype != a.src_dtype) convert_on_host(a.dst, a.dst_dtype, tmp.data(), a.src_dtype, a.n);
+    return;
+  }
+  if (a.dst_host) {  // device -> host: through page-locked staging, converted on the host after
+    activate();
+    ensure_stage();
+    const size_t chunk = kStageBytes / std::max(ds, ss);
+    for (size_t k = 0; k < n; k += chunk) {
+      const size_t m = std::min(chunk, n - k);
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(stage_[0], static_cast<const char*>(a.src) + k * ss, m * ss,
+                                      cudaMemcpyDeviceToHost, stream_));
+      LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      convert_on_host(static_cast<char*>(a.dst) + k * ds, a.dst_dtype, stage_[0], a.src_dtype, int64_t(m));
+    }
     return;
   }
   if (a.dst_dtype == a.src_dtype) {
