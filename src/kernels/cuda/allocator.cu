@@ -3,6 +3,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdio>
+
 #include <fmt/format.h>
 
 #include "core/error.h"
@@ -121,18 +123,49 @@ void ArenaAllocator::release_unused() {
 
 void* PinnedHostAllocator::allocate(size_t bytes) {
   if (bytes == 0) return nullptr;
-  void* p = nullptr;
-  const cudaError_t e = cudaHostAlloc(&p, bytes, cudaHostAllocPortable);
-  if (e != cudaSuccess) {
-    cudaGetLastError();  // (clears the error)
-    throw Error(fmt::format("page-locked host memory: cudaHostAlloc of {} bytes failed: {}", int64_t(bytes),
-                            cudaGetErrorString(e)));
+  if (bytes >= kMinPinned) {
+    void* p = nullptr;
+    if (cudaHostAlloc(&p, bytes, cudaHostAllocPortable) == cudaSuccess) {
+      std::lock_guard lk(mu_);
+      pinned_.emplace(p, bytes);
+      pinned_bytes_ += bytes;
+      return p;
+    }
+    const cudaError_t e = cudaGetLastError();  // (clears the non-sticky error: pageable memory serves it)
+    std::lock_guard lk(mu_);
+    if (!refused_)
+      fmt::print(stderr,
+                 "note: the host would not page-lock {} bytes ({}; {} bytes locked already): that host buffer of "
+                 "the device, and any other refused, is pageable memory, its transfers slower\n",
+                 int64_t(bytes), cudaGetErrorString(e), int64_t(pinned_bytes_));
+    refused_ = true;
   }
-  return p;
+  return cpu_allocator().allocate(bytes);
 }
 
-void PinnedHostAllocator::deallocate(void* p, size_t) {
-  if (p) cudaFreeHost(p);  // (no throwing from a pool's release)
+void PinnedHostAllocator::deallocate(void* p, size_t bytes) {
+  if (!p) return;
+  {
+    std::lock_guard lk(mu_);
+    auto it = pinned_.find(p);
+    if (it != pinned_.end()) {
+      pinned_bytes_ -= it->second;
+      pinned_.erase(it);
+      if (cudaFreeHost(p) != cudaSuccess) cudaGetLastError();  // (no throwing from a pool's release)
+      return;
+    }
+  }
+  cpu_allocator().deallocate(p, bytes);
+}
+
+size_t PinnedHostAllocator::pinned_bytes() const {
+  std::lock_guard lk(mu_);
+  return pinned_bytes_;
+}
+
+bool PinnedHostAllocator::refused() const {
+  std::lock_guard lk(mu_);
+  return refused_;
 }
 
 Allocator& pinned_host_allocator() {

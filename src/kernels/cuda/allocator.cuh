@@ -51,16 +51,28 @@ class ArenaAllocator final : public Allocator {
   std::map<uintptr_t, std::pair<size_t, size_t>> live_;  // address -> (arena index, length)
 };
 
-// Page-locked host memory (cudaHostAlloc; Device::cpu): what a device's transfers to and from the
-// host run at the link's rate from, without the driver's staging copy (an offloaded optimizer's
-// state, gradients and master weights; DeviceMesh::host_allocator). Allocating it is slow (the
-// pages are locked one by one), so it is for buffers made once. Throws loom::Error when the
-// host cannot lock the memory.
+// Host memory (Device::cpu) for a device's transfers: allocations of at least kMinPinned bytes
+// page-locked (cudaHostAlloc), so the transfers to and from the device run at the link's rate
+// without the driver's staging copy (an offloaded optimizer's state, gradients and master weights;
+// DeviceMesh::host_allocator); smaller ones, and any the host refuses to lock (page-locked memory
+// cannot be swapped, and a node's limit may be lower than its memory), ordinary host memory.
+// Locking is slow, and freeing synchronises the device, so small buffers made and freed often
+// (an evaluation's tokens) stay pageable.
 class PinnedHostAllocator final : public Allocator {
  public:
+  static constexpr size_t kMinPinned = size_t(1) << 20;
   void* allocate(size_t bytes) override;
   void deallocate(void* p, size_t bytes) override;
   Device device() const override { return Device::cpu; }
+  // Bytes page-locked now, and whether a request was refused (served pageable) since the start.
+  size_t pinned_bytes() const;
+  bool refused() const;
+
+ private:
+  mutable std::mutex mu_;
+  std::map<void*, size_t> pinned_;
+  size_t pinned_bytes_ = 0;
+  bool refused_ = false;
 };
 Allocator& pinned_host_allocator();
 

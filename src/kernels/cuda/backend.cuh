@@ -117,8 +117,10 @@ class CudaBackend final : public Backend {
   void* attn_ws_ = nullptr;
   size_t attn_ws_bytes_ = 0;
   // Copies between host and device memory that convert: two page-locked staging buffers of
-  // kStageBytes (the backend's own, like its BLAS workspaces), used in turn so that one chunk's
-  // transfer runs while the next is converted, and the events that say a buffer is free again.
+  // kStageBytes (the backend's own, like its BLAS workspaces), used in turn host -> device so that
+  // one chunk's transfer runs while the next is converted (device -> host: the first alone), and
+  // the events that say a buffer is free again. (copy() is called by one thread at a time, as
+  // every op of an instance is: the buffers are not locked.)
   static constexpr size_t kStageBytes = size_t(8) << 20;
   void* stage_[2] = {nullptr, nullptr};
   cudaEvent_t stage_free_[2] = {nullptr, nullptr};
