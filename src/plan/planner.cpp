@@ -225,7 +225,7 @@ double all_reduce_s(double bytes, int n, const Link& link) {
 //     the head's; at most two alive at once (DataParallel keeps the newest launched one), so G is
 //     the largest sum of two buckets acquired one after the other (one bucket: its size);
 //   a pipeline with tied embeddings: the first and last stages exchange wte's reduced gradient in
-//     pieces of at most a bucket (tag comm; under ZeRO 2/3 each piece is first gathered over the
+//     pieces of at most a bucket (tag comm; under ZeRO 1-3 each piece is first gathered over the
 //     stage's group into a second buffer); context parallelism: ring attention's two key/value blocks and
 //     two gradient blocks of the rank's rows (tag comm; the key/value blocks in the compute dtype,
 //     the gradient blocks in f32: RingAttention::buffer_bytes).
@@ -289,8 +289,8 @@ LoomExtras loom_extras(const Job& job, const Layout& L) {
     x.buckets = 4 * bucket_arena(blocks, m.tied ? wte : 0.0);
   }
   // A pipeline's tied wte: its reduced gradient goes between the first and last stages in pieces
-  // of at most a bucket, received into one buffer (and under ZeRO 2/3 gathered into another).
-  if (L.pp > 1 && m.tied) x.exchange = 4 * std::min(wte, kBucketBytes / 4) * (L.zero >= 2 && shard > 1 ? 2 : 1);
+  // of at most a bucket, received into one buffer (and under ZeRO 1-3 gathered into another).
+  if (L.pp > 1 && m.tied) x.exchange = 4 * std::min(wte, kBucketBytes / 4) * (L.zero >= 1 && shard > 1 ? 2 : 1);
   x.comm = x.exchange;
   x.comm += double(ring.comm);
   return x;
@@ -909,13 +909,13 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   else e.dp_exposed_s = std::max(e.dp_comm_s - 0.9 * t_b, 0.1 * e.dp_comm_s);
   // A pipeline with tied embeddings: after the flush its first and last stages exchange wte's
   // reduced gradient (DataParallel::add_peer_gradient: f32, a sendrecv in pieces of at most a
-  // bucket) and add it into theirs. Under ZeRO 2/3 a rank's shard is a slice of its whole stage's
+  // bucket) and add it into theirs. Under ZeRO 1-3 a rank's shard is a slice of its whole stage's
   // flat buffer, not of wte: each piece is first gathered over the data-parallel group (a rank
   // receives what the others own of it, all of it where wte fits in their shards) and a rank adds
   // what it owns (at most its shard). The two sides wait for each other: the slower one counts.
   double tied_pieces = 0;
   if (L.pp > 1 && m.tied) {
-    const bool sharded = L.zero >= 2 && shard > 1;
+    const bool sharded = L.zero >= 1 && shard > 1;
     const BlockParams bp = block_params(m, L.tp);
     const double elems = bp.wte, bytes = 4 * elems;
     tied_pieces = std::max(1.0, std::ceil(bytes / kBucketBytes));
@@ -981,7 +981,7 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
       else if (L.pp > 1 && L.zero == 2) step_syncs += double(micro) * buckets + 1;  // per micro-batch, then a gather
       else step_syncs += 2 * buckets;                                                 // reduce-scatter, all-gather
     }
-    step_syncs += tied_pieces * (L.zero >= 2 && shard > 1 ? 2 : 1);  // the tied wte's exchange (and gathers)
+    step_syncs += tied_pieces * (L.zero >= 1 && shard > 1 ? 2 : 1);  // the tied wte's exchange (and gathers)
     // In a pipeline the other stages' ranks compute on the cores a waiting stage leaves (the
     // simulation gives them those cores): a stage's waits are exposed for 1 / pp of the step. Its
     // two received messages per micro-batch count among them where the simulation has no wake-ups

@@ -633,13 +633,22 @@ void DataParallel::launch_bucket(size_t b) {
   LiveBucket& l = live_[b];
   l.launched = true;
   const GradBucket& g = buckets_[b];
-  const std::string name = fmt::format("{} bucket {} ({} KiB)", o_.zero >= 2 ? "reduce_scatter" : "all_reduce", b,
+  const std::string name = fmt::format("{} bucket {} ({} KiB)", o_.zero >= 1 ? "reduce_scatter" : "all_reduce", b,
                                        (g.end - g.begin) * 4 / 1024);
   if (o_.zero < 2) {
     if (!last_micro_) return;  // accumulate locally until the step's last micro-batch
     float* p = grads_.f32() + g.begin;
     const int64_t n = g.end - g.begin;
-    l.ticket = worker_->submit(name, [p, n](comm::Comm& c) { c.all_reduce(p, n, DType::f32); });
+    if (o_.zero == 0) {
+      l.ticket = worker_->submit(name, [p, n](comm::Comm& c) { c.all_reduce(p, n, DType::f32); });
+    } else {  // stage 1: the rank reads its shard's reduced gradients only, reduce-scattered in place
+      std::vector<int64_t> counts = shard_counts(g.begin, g.end);
+      int64_t before = 0;
+      for (int r = 0; r < rank_; ++r) before += counts[size_t(r)];
+      l.ticket = worker_->submit(name, [p, before, counts](comm::Comm& c) {
+        c.reduce_scatter_v(p, p + before, counts, DType::f32);
+      });
+    }
   } else {
     std::vector<int64_t> counts = shard_counts(g.begin, g.end);
     int64_t before = 0;
@@ -820,17 +829,21 @@ void DataParallel::add_peer_gradient(const model::Parameter* param, comm::Comm& 
   // The pieces travel in the same order on both sides: [k, k + piece) of the parameter's logical
   // elements, piece the same on both (bucket_bytes and the group size are).
   const int64_t numel = f->numel, piece = std::max<int64_t>(o_.bucket_bytes / 4, 1);
-  const int64_t gb = o_.zero >= 2 ? int64_t(rank_) * shard_ : 0;  // the flat element grads_ starts at
-  const int64_t ge = o_.zero >= 2 ? gb + shard_ : n_pad_;
+  // The flat range whose reduced gradients this rank holds ([gb, ge): all at stage 0, its shard
+  // otherwise), and where they are: grads_ from flat element `at0` (the shard's start at stages
+  // 2/3; at stage 1 grads_ is whole), or the host's copy.
+  const int64_t gb = o_.zero >= 1 ? int64_t(rank_) * shard_ : 0;
+  const int64_t ge = o_.zero >= 1 ? gb + shard_ : n_pad_;
+  const int64_t at0 = o_.zero >= 2 ? gb : 0;
   Tensor mine, theirs;
   for (int64_t k = 0; k < numel; k += piece) {
     const int64_t n = std::min(piece, numel - k), b = f->offset + k, e = b + n;
     if (!theirs.defined()) {
       theirs = be_->empty({std::min(piece, numel)}, DType::f32, MemTag::comm);
-      if (o_.zero >= 2) mine = be_->empty({std::min(piece, numel)}, DType::f32, MemTag::comm);
+      if (o_.zero >= 1) mine = be_->empty({std::min(piece, numel)}, DType::f32, MemTag::comm);
     }
     const float* send = nullptr;
-    if (o_.zero >= 2) {  // this rank's part of the piece, gathered over the group
+    if (o_.zero >= 1) {  // this rank's part of the piece, gathered over the group
       const std::vector<int64_t> counts = shard_counts(b, e);
       const int64_t lo = std::min(std::max(b, gb), ge);
       if (host_grad_shard_) {  // (uploaded from the host into its place in the piece, gathered there)
@@ -840,17 +853,17 @@ void DataParallel::add_peer_gradient(const model::Parameter* param, comm::Comm& 
                    .n = counts[size_t(rank_)]});
         buf_->all_gather_v(mine.f32() + before, mine.f32(), counts, DType::f32);
       } else {
-        buf_->all_gather_v(grads_.f32() + (lo - gb), mine.f32(), counts, DType::f32);
+        buf_->all_gather_v(grads_.f32() + (lo - at0), mine.f32(), counts, DType::f32);
       }
       send = mine.f32();
     } else {
-      send = grads_.f32() + b;  // stages 0/1: every reduced element is here
+      send = grads_.f32() + b;  // stage 0: every reduced element is here
     }
     link.sendrecv(send, n, peer, theirs.f32(), n, peer, DType::f32, 1);
     const int64_t lo = std::max(b, gb), hi = std::min(e, ge);
     if (hi <= lo) continue;
     if (host_grad_shard_) add_to_host_grads(lo - gb, theirs.f32() + (lo - b), hi - lo);
-    else add_into(grads_.f32() + (lo - gb), theirs.f32() + (lo - b), hi - lo);
+    else add_into(grads_.f32() + (lo - at0), theirs.f32() + (lo - b), hi - lo);
   }
 }
 

@@ -10,7 +10,9 @@
 // embedding), closed once they reach `bucket_bytes`: each is a contiguous flat range. A bucket's
 // reduction is handed to this rank's communication thread (its own communicator, split from the
 // dp one) as soon as the last block writing into it has finished its backward, so it overlaps
-// the backward of the earlier blocks.
+// the backward of the earlier blocks. Stage 0 all-reduces a bucket; stages 1-3 reduce-scatter it
+// (a rank reads the reduced gradients of its own shard only: at stage 1 in place in its whole
+// gradient buffer, whose other elements keep its local sums, at stages 2/3 into its shard).
 //
 // Per rank, with P_N = 4 N_pad bytes, P_S = 4 S bytes (f32 everywhere; loom keeps no low-precision
 // copies), peak bytes by pool tag during training steps (the tests check these exactly):
@@ -217,7 +219,7 @@ class DataParallel final : public model::ChainHooks {
   // same size with a parameter of the same tensor as `param` here, in its own layout):
   // after finish_reductions, adds the peer's reduced gradient of it into this rank's, so both get
   // the same bits (a + b == b + a). A pipeline's tied wte: its first and last stages. Under ZeRO
-  // 2/3 each side holds only its shard, laid out differently on the two sides: the tensor goes
+  // 1-3 each side holds only its shard's reduced gradients, laid out differently on the two sides: the tensor goes
   // over in pieces of at most bucket_bytes, each gathered over the group first.
   void add_peer_gradient(const model::Parameter* param, comm::Comm& link, int peer);
   // Sum of x over the ranks, in double, added in rank order (bit-identical on every rank).

@@ -19,6 +19,7 @@
 #include "core/rng.h"
 #include "model/gpt.h"
 #include "optim/adamw.h"
+#include "parallel/tensor/counting_comm.h"
 
 using namespace loom;
 
@@ -341,6 +342,53 @@ TEST(DataParallel, ZeroThreePrefetchChangesNothingButOneBuffer) {
   for (size_t r = 0; r < a.size(); ++r) {
     EXPECT_EQ(a[r].params, b[r].params) << "rank " << r;
     EXPECT_EQ(with[r].params - without[r].params, 4 * with[r].U) << "rank " << r;
+  }
+}
+
+// What a step puts on the wire per rank (ring algorithms, parallel::CountingComm), N_pad the flat
+// elements over d ranks: ZeRO 0 all-reduces the gradients, 2 (d-1)/d 4 N_pad bytes; ZeRO 1
+// reduce-scatters them ((d-1)/d 4 N_pad: a rank reads its shard's only) and all-gathers the
+// updated weights (the same again), as much as ZeRO 0 and no more (Megatron's distributed
+// optimizer); ZeRO 2 the same over one micro-batch. Besides, a few scalars: the loss and the
+// gradient norm's sums.
+TEST(DataParallel, ZeroOneMovesAsManyBytesAsPlainDataParallelism) {
+  omp_set_num_threads(1);
+  for (int dp : {2, 4}) {
+    std::vector<double> wire(3, 0.0);
+    int64_t n_pad = 0, wte = 0;
+    for (int zero : {0, 1, 2}) {
+      comm::run_ranks(dp, [&](comm::Comm& c) {
+        parallel::CountingComm counted(c);
+        MemoryPool pool(fmt::format("cpu:{}", c.rank()));
+        model::GPT gpt(tiny(), pool, 1234);
+        parallel::DataParallelOptions o;
+        o.zero = zero;
+        o.bucket_bytes = 4096;
+        parallel::DataParallel ddp(gpt, counted, adam_cfg(), o);
+        const int64_t mb = kB / dp, V = tiny().vocab_size;
+        Tensor x = Tensor::empty({mb, kT}, DType::i32, MemTag::workspace, pool);
+        Tensor y = Tensor::empty({mb, kT}, DType::i32, MemTag::workspace, pool);
+        for (int64_t i = 0; i < mb; ++i) fill_sample(0, c.rank() * mb + i, x.i32() + i * kT, y.i32() + i * kT, V);
+        counted.reset();
+        ddp.zero_grad();
+        gpt.forward(x, y, {.fuse_backward = true, .dloss_scale = 1.0f / float(dp)});
+        gpt.backward();
+        ddp.step(-1.0);
+        if (c.rank() == 0)
+          wire[size_t(zero)] = counted.counts().wire_bytes, n_pad = ddp.flat_elements(), wte = ddp.layout()[0].alloc;
+      });
+    }
+    const double grads = 2.0 * (dp - 1) / dp * 4 * double(n_pad);
+    // (ZeRO 2 also reduce-scatters the tied head's part of wte's gradient in a bucket of its own.)
+    const double tied = (dp - 1.0) / dp * 4 * double(wte);
+    for (int zero : {0, 1, 2}) {
+      const double expected = grads + (zero == 2 ? tied : 0.0);
+      std::printf("  dp=%d zero=%d: %.0f bytes on the wire per rank, %.0f of gradients and weights\n", dp, zero,
+                  wire[size_t(zero)], expected);
+      EXPECT_GE(wire[size_t(zero)], expected) << "dp=" << dp << " zero=" << zero;
+      EXPECT_LE(wire[size_t(zero)], expected + 256) << "dp=" << dp << " zero=" << zero
+                                                    << ": more than a few scalars beyond the gradients and weights";
+    }
   }
 }
 
