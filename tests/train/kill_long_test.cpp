@@ -18,6 +18,7 @@
 #include <random>
 #include <sstream>
 #include <thread>
+#include <tuple>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -139,7 +140,11 @@ struct Corpus {
 };
 
 // Kills at random moments over a whole run's length until `want` kills (one inside a checkpoint
-// write and one inside a resume at least), each episode resumed to the end and compared.
+// write and one inside a resume at least), each episode resumed to the end and compared. An
+// episode takes at most kMaxEpisodeKills kills and then runs to its end unharmed: where a resume's
+// start (verifying and reading the checkpoint) takes most of a whole run's time, most kills land
+// before it steps at all, and without the cap an episode could end its attempts short of the end.
+constexpr int kMaxEpisodeKills = 30;
 // `launch` starts the job for out_dir (logging to log) and returns the pid to wait for; `victim`
 // returns the pid to kill in it and the rank it is (-1: the process itself).
 template <class Launch, class Victim>
@@ -164,14 +169,22 @@ void kill_suite(const Corpus& c, const char* name, int want, Launch&& launch, Vi
       const int64_t lines_before = metric_lines(out);
       const auto launched = fs::file_time_type::clock::now();
       const pid_t job = launch(out, log);
-      std::this_thread::sleep_for(std::chrono::milliseconds(20 + int64_t(rng() % uint64_t(run_ms + 1))));
-      const auto [target, rank] = victim(job, rng);
-      if (target > 0) kill(target, SIGKILL);
+      pid_t target = -1;
+      int rank = -1;
+      if (episode_kills < kMaxEpisodeKills) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20 + int64_t(rng() % uint64_t(run_ms + 1))));
+        std::tie(target, rank) = victim(job, rng);
+        if (target > 0) kill(target, SIGKILL);
+      }
       const auto k0 = std::chrono::steady_clock::now();
       const int code = wait_exit(job);
       const double end_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - k0).count();
       if (code == 0) break;  // finished before the kill
       const std::string text = slurp(log);
+      if (episode_kills >= kMaxEpisodeKills) {  // nobody killed it
+        ADD_FAILURE() << name << " episode " << episodes << ": a run nobody killed ended with " << code << ":\n" << text;
+        break;
+      }
       ++kills;
       ++episode_kills;
       if (mpi) {
