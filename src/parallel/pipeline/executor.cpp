@@ -557,7 +557,7 @@ PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOp
     LOOM_CHECK(opt.micro_batch > 0, "pipeline executor: the optimal recompute policy needs the micro-batch size");
   }
   const double in_flight = double(std::max(1, checked_.ranks[size_t(I.rank)].peak_in_flight));
-  double steady = 0, transient = 0;  // the most one chunk's micro-batch keeps, and reaches in its backward
+  std::vector<model::ChainMemory> mems;
   for (Chunk& ch : I.chunks) {
     const int64_t b0 = std::max<int64_t>(ch.first, 1), b1 = std::min<int64_t>(ch.last, cfg.n_layer + 1);
     model::ChainMemory cm;
@@ -570,25 +570,105 @@ PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOp
       cm.out.assign(cm.full.size(), 1.0);
       cm.forward.assign(cm.full.size(), 1.0);
     }
-    ch.plan = model::plan_recompute(opt.recompute, cm, opt.recompute_every, double(opt.activation_budget));
     ch.b0 = b0;
-    if (optimal) {
-      model::ChainMemory one = cm;
-      one.in_flight = 1;
-      steady = std::max(steady, model::plan_kept(ch.plan, cm));
-      transient = std::max(transient, model::plan_peak(ch.plan, one));
-      recomputed_ += ch.plan.recomputed_blocks();
-      blocks_ += int64_t(cm.full.size());
+    mems.push_back(cm);
+    // (With several chunks a chunk whose plan alone cannot hold every micro-batch in flight as its
+    // own may still fit jointly: the options below.)
+    if (optimal && I.chunks.size() > 1) {
+      try {
+        ch.plan = model::plan_recompute(opt.recompute, cm, opt.recompute_every, double(opt.activation_budget));
+      } catch (const Error&) {
+        ch.plan = model::RecomputePlan{};
+      }
+    } else {
+      ch.plan = model::plan_recompute(opt.recompute, cm, opt.recompute_every, double(opt.activation_budget));
     }
-    if (ch.plan.selective)
-      for (int64_t e = b0; e < b1; ++e)
-        static_cast<model::TransformerBlock*>(ch.all[0]->blocks[size_t(e - ch.first)].get())->set_selective(true);
   }
   if (optimal) {
-    // With one chunk per rank this is the plan's own peak; with several, every micro-batch in
-    // flight is counted at the largest chunk's share.
-    planned_peak_ = (in_flight - 1) * steady + transient;
-    LOOM_CHECK(planned_peak_ <= double(opt.activation_budget),
+    // With one chunk per rank its plan's own peak is the rank's. With several (interleaved), each
+    // chunk's plan alone keeps every micro-batch in flight within the budget as if they were all
+    // its own; what the rank holds is each chunk's micro-batches along the schedule's list. The
+    // joint plan: for each chunk the least-recompute plans for 1 .. in_flight micro-batches of its
+    // own, and of their combinations the least recompute whose walk along the list (each
+    // micro-batch keeping its chunk's plan_kept from its forward to its backward, and the one in
+    // backward at its chunk's peak) stays within the budget.
+    const double budget = double(opt.activation_budget);
+    const auto& list = sch_.ranks[size_t(I.rank)];
+    struct Option {
+      model::RecomputePlan plan;
+      double kept = 0, transient = 0, cost = 0;
+    };
+    std::vector<std::vector<Option>> options(I.chunks.size());
+    for (size_t k = 0; k < I.chunks.size(); ++k) {
+      model::ChainMemory one = mems[k];
+      one.in_flight = 1;
+      const auto add = [&](const model::RecomputePlan& plan) {
+        for (const Option& o : options[k])
+          if (o.plan.segments == plan.segments) return;
+        options[k].push_back({plan, model::plan_kept(plan, mems[k]), model::plan_peak(plan, one),
+                              model::plan_cost(plan, mems[k])});
+      };
+      if (I.chunks.size() == 1 || I.chunks[k].plan.blocks > 0 || mems[k].full.empty()) add(I.chunks[k].plan);
+      if (I.chunks.size() > 1 && !mems[k].split_backward)
+        for (int n = 1; n < int(in_flight); ++n) {
+          model::ChainMemory cm = mems[k];
+          cm.in_flight = n;
+          try {
+            add(model::plan_recompute(opt.recompute, cm, opt.recompute_every, budget));
+          } catch (const Error&) {  // (no plan of n micro-batches fits: none of fewer does either)
+          }
+        }
+    }
+    for (size_t k = 0; k < options.size(); ++k)
+      LOOM_CHECK(!options[k].empty(),
+                 "memory.activation_budget: {} per rank, but pipeline rank {}'s chunk {} does not fit it with even one "
+                 "micro-batch in flight and every block recomputed; a larger budget fits",
+                 format_bytes(int64_t(opt.activation_budget)), I.rank, k);
+    const auto walk = [&](const std::vector<size_t>& pick) {
+      if (I.chunks.size() == 1) {
+        const Option& o = options[0][pick[0]];
+        return (in_flight - 1) * o.kept + o.transient;
+      }
+      double cur = 0, peak = 0;
+      for (const Instr& in : list) {
+        if (in.chunk < 0) continue;
+        const Option& o = options[size_t(in.chunk)][pick[size_t(in.chunk)]];
+        if (in.op == Op::forward) {
+          cur += o.kept;
+          peak = std::max(peak, cur);
+        } else if (in.op == Op::backward) {
+          peak = std::max(peak, cur - o.kept + o.transient);
+          cur -= o.kept;
+        }
+      }
+      return peak;
+    };
+    // Every combination, where they are few; otherwise each chunk's own plan (its options' first).
+    double combos = 1;
+    for (const auto& o : options) combos *= double(o.size());
+    std::vector<size_t> pick(options.size(), 0), best = pick;
+    double best_cost = 0, best_peak = walk(best);
+    for (size_t k = 0; k < options.size(); ++k) best_cost += options[k][0].cost;
+    if (combos <= 1e5) {
+      while (true) {
+        double cost = 0;
+        for (size_t k = 0; k < options.size(); ++k) cost += options[k][pick[k]].cost;
+        const double peak = walk(pick);
+        const bool fits = peak <= budget, best_fits = best_peak <= budget;
+        if ((fits && !best_fits) || (fits == best_fits && (cost < best_cost || (cost == best_cost && peak < best_peak))))
+          best = pick, best_cost = cost, best_peak = peak;
+        size_t k = 0;
+        while (k < pick.size() && ++pick[k] == options[k].size()) pick[k++] = 0;
+        if (k == pick.size()) break;
+      }
+    }
+    planned_peak_ = best_peak;
+    for (size_t k = 0; k < I.chunks.size(); ++k) {
+      I.chunks[k].plan = options[k][best[k]].plan;
+      recomputed_ += I.chunks[k].plan.recomputed_blocks();
+      blocks_ += int64_t(mems[k].full.size());
+    }
+    LOOM_CHECK(planned_peak_ <= budget,
                "memory.activation_budget: {} per rank, but pipeline rank {} keeps up to {:.0f} micro-batches of its "
                "chunks in flight and needs {} of saved activations even with the least recompute plan of each chunk "
                "({} of {} blocks recomputed); a larger budget, fewer micro-batches (train.grad_accum) or another "
@@ -596,6 +676,10 @@ PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOp
                format_bytes(int64_t(opt.activation_budget)), I.rank, in_flight, format_bytes(int64_t(planned_peak_)),
                recomputed_, blocks_);
   }
+  for (Chunk& ch : I.chunks)
+    if (ch.plan.selective)
+      for (int64_t e = ch.b0; e < std::min<int64_t>(ch.last, cfg.n_layer + 1); ++e)
+        static_cast<model::TransformerBlock*>(ch.all[0]->blocks[size_t(e - ch.first)].get())->set_selective(true);
   if (cfg.tied_embeddings && p > 1 && owns_embedding != owns_head) I.tied = I.wte;
   I.make_data_parallel(opt, host_pool);
 }

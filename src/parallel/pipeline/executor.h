@@ -99,8 +99,9 @@ struct ExecutorOptions {
   // Activation recomputation of each chunk's transformer blocks (model/recompute.h: none, full,
   // every_k with recompute_every, sqrt, selective, optimal). optimal plans each chunk for
   // activation_budget (saved-activation bytes per rank) at micro-batches of micro_batch sequences
-  // of seq_len, counting the micro-batches the schedule keeps in flight on the rank; a budget no
-  // plan fits is refused naming memory.activation_budget.
+  // of seq_len, counting the micro-batches the schedule keeps in flight on the rank (with several
+  // chunks a rank, jointly: the least recompute over the chunks' plans whose walk along the rank's
+  // list of instructions fits); a budget no plan fits is refused naming memory.activation_budget.
   model::Recompute recompute = model::Recompute::none;
   int64_t recompute_every = 2;
   int64_t activation_budget = 0;
