@@ -558,6 +558,7 @@ PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOp
   }
   const double in_flight = double(std::max(1, checked_.ranks[size_t(I.rank)].peak_in_flight));
   std::vector<model::ChainMemory> mems;
+  std::vector<std::string> unplanned;  // why a chunk's own plan for every micro-batch in flight failed
   for (Chunk& ch : I.chunks) {
     const int64_t b0 = std::max<int64_t>(ch.first, 1), b1 = std::min<int64_t>(ch.last, cfg.n_layer + 1);
     model::ChainMemory cm;
@@ -577,8 +578,9 @@ PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOp
     if (optimal && I.chunks.size() > 1) {
       try {
         ch.plan = model::plan_recompute(opt.recompute, cm, opt.recompute_every, double(opt.activation_budget));
-      } catch (const Error&) {
+      } catch (const Error& e) {
         ch.plan = model::RecomputePlan{};
+        unplanned.push_back(e.what());
       }
     } else {
       ch.plan = model::plan_recompute(opt.recompute, cm, opt.recompute_every, double(opt.activation_budget));
@@ -615,15 +617,17 @@ PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOp
           cm.in_flight = n;
           try {
             add(model::plan_recompute(opt.recompute, cm, opt.recompute_every, budget));
-          } catch (const Error&) {  // (no plan of n micro-batches fits: none of fewer does either)
+          } catch (const Error&) {  // (no plan of n micro-batches fits: none of more does either)
+            break;
           }
         }
     }
     for (size_t k = 0; k < options.size(); ++k)
       LOOM_CHECK(!options[k].empty(),
-                 "memory.activation_budget: {} per rank, but pipeline rank {}'s chunk {} does not fit it with even one "
-                 "micro-batch in flight and every block recomputed; a larger budget fits",
-                 format_bytes(int64_t(opt.activation_budget)), I.rank, k);
+                 "memory.activation_budget: {} per rank, but pipeline rank {}'s chunk {} has no plan for it even with "
+                 "one micro-batch in flight ({})",
+                 format_bytes(int64_t(opt.activation_budget)), I.rank, k,
+                 unplanned.empty() ? std::string("no plan") : unplanned.back());
     const auto walk = [&](const std::vector<size_t>& pick) {
       if (I.chunks.size() == 1) {
         const Option& o = options[0][pick[0]];
@@ -634,8 +638,10 @@ PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOp
         if (in.chunk < 0) continue;
         const Option& o = options[size_t(in.chunk)][pick[size_t(in.chunk)]];
         if (in.op == Op::forward) {
+          // (A recomputed segment's block holds its saved activations during its forward until
+          // they are dropped: bounded by the chunk's peak over one micro-batch.)
+          peak = std::max(peak, o.plan.segments.empty() ? cur + o.kept : cur + o.transient);
           cur += o.kept;
-          peak = std::max(peak, cur);
         } else if (in.op == Op::backward) {
           peak = std::max(peak, cur - o.kept + o.transient);
           cur -= o.kept;
