@@ -495,7 +495,7 @@ ModelState model_state(double params, Precision precision, int zero, int shards,
   // (A device's compute copy is of the whole weights below ZeRO-3, of the gathered blocks at it.)
   const double weights = zero >= 3 && shards > 1 ? params * B.weight / shards : params * (B.weight + B.copy);
   // (Offloaded under ZeRO 2/3 on a device the reduced gradients' shard is the host's.)
-  const bool host_grads = zero >= 2 && shards > 1 && grads_on_host(precision, offload, zero);
+  const bool host_grads = shards > 1 && grads_on_host(precision, offload, zero);
   const double grads = host_grads ? 0.0 : params * B.grad / (zero >= 2 ? shards : 1);
   return {weights, grads, params * B.optimizer / (zero >= 1 ? shards : 1)};
 }

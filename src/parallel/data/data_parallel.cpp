@@ -20,6 +20,10 @@ namespace {
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 double seconds(Trace::Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+// The elements the ranks before r hold of a range cut by shard counts: where rank r's part starts.
+int64_t count_before(const std::vector<int64_t>& counts, int r) {
+  return std::accumulate(counts.begin(), counts.begin() + r, int64_t(0));
+}
 // Element i of a flat tensor of any dtype.
 void* element(const Tensor& t, int64_t i) { return static_cast<char*>(t.raw()) + i * int64_t(dtype_size(t.dtype())); }
 
@@ -479,8 +483,13 @@ void DataParallel::add_into(float* a, const float* b, int64_t n) {
   for (int64_t i = 0; i < n; ++i) a[i] += b[i];
 }
 
-void DataParallel::add_to_host_grads(int64_t at, const float* src, int64_t n) {
-  // Through a staging buffer of at most kStageElements (16 MiB) in the host pool, piece by piece.
+void DataParallel::add_reduced(int64_t at, const float* src, int64_t n) {
+  if (!host_grad_shard_) {
+    add_into(grad_shard() + at, src, n);
+    return;
+  }
+  // Into the host's copy through a staging buffer of at most kStageElements (16 MiB) in the host
+  // pool, piece by piece.
   constexpr int64_t kStageElements = int64_t(1) << 22;
   if (n <= 0) return;
   if (!host_stage_.defined())
@@ -531,6 +540,7 @@ void DataParallel::gather_updated() {
 }
 
 float* DataParallel::grad_shard() const {
+  if (host_grad_shard_) return host_grads_.f32();
   if (o_.zero >= 2) return grads_.f32();
   return grads_.f32() + (o_.zero == 0 ? 0 : int64_t(rank_) * shard_);
 }
@@ -567,8 +577,7 @@ void DataParallel::reduce_input_pass() {
   const int64_t gb = int64_t(rank_) * shard_, ge = gb + shard_;
   for (const auto& [f, off] : input_slots_) {
     const int64_t lo = std::max(f->offset, gb), hi = std::min(f->offset + f->numel, ge);
-    if (host_grad_shard_) add_to_host_grads(lo - gb, input_grads_.f32() + off + (lo - f->offset), hi - lo);
-    else add_into(grads_.f32() + (lo - gb), input_grads_.f32() + off + (lo - f->offset), hi - lo);
+    add_reduced(lo - gb, input_grads_.f32() + off + (lo - f->offset), hi - lo);
   }
 }
 
@@ -643,23 +652,20 @@ void DataParallel::launch_bucket(size_t b) {
       l.ticket = worker_->submit(name, [p, n](comm::Comm& c) { c.all_reduce(p, n, DType::f32); });
     } else {  // stage 1: the rank reads its shard's reduced gradients only, reduce-scattered in place
       std::vector<int64_t> counts = shard_counts(g.begin, g.end);
-      int64_t before = 0;
-      for (int r = 0; r < rank_; ++r) before += counts[size_t(r)];
+      const int64_t before = count_before(counts, rank_);
       l.ticket = worker_->submit(name, [p, before, counts](comm::Comm& c) {
         c.reduce_scatter_v(p, p + before, counts, DType::f32);
       });
     }
   } else {
     std::vector<int64_t> counts = shard_counts(g.begin, g.end);
-    int64_t before = 0;
-    for (int r = 0; r < rank_; ++r) before += counts[size_t(r)];
+    const int64_t before = count_before(counts, rank_);
     float* buf = l.buf.f32();
     const int64_t at = std::max(g.begin, int64_t(rank_) * shard_) - int64_t(rank_) * shard_;  // in the shard
     const int64_t mine = counts[size_t(rank_)];
     l.ticket = worker_->submit(name, [this, buf, at, before, mine, counts](comm::Comm& c) {
       c.reduce_scatter_v(buf, buf + before, counts, DType::f32);
-      if (host_grad_shard_) add_to_host_grads(at, buf + before, mine);
-      else add_into(grads_.f32() + at, buf + before, mine);
+      add_reduced(at, buf + before, mine);
     });
   }
   ++stats_.reductions;
@@ -829,12 +835,9 @@ void DataParallel::add_peer_gradient(const model::Parameter* param, comm::Comm& 
   // The pieces travel in the same order on both sides: [k, k + piece) of the parameter's logical
   // elements, piece the same on both (bucket_bytes and the group size are).
   const int64_t numel = f->numel, piece = std::max<int64_t>(o_.bucket_bytes / 4, 1);
-  // The flat range whose reduced gradients this rank holds ([gb, ge): all at stage 0, its shard
-  // otherwise), and where they are: grads_ from flat element `at0` (the shard's start at stages
-  // 2/3; at stage 1 grads_ is whole), or the host's copy.
-  const int64_t gb = o_.zero >= 1 ? int64_t(rank_) * shard_ : 0;
-  const int64_t ge = o_.zero >= 1 ? gb + shard_ : n_pad_;
-  const int64_t at0 = o_.zero >= 2 ? gb : 0;
+  // The flat range whose reduced gradients this rank holds: its optimizer range (all at stage 0,
+  // its shard otherwise), at grad_shard().
+  const int64_t gb = opt_->begin(), ge = opt_->end();
   Tensor mine, theirs;
   for (int64_t k = 0; k < numel; k += piece) {
     const int64_t n = std::min(piece, numel - k), b = f->offset + k, e = b + n;
@@ -847,13 +850,12 @@ void DataParallel::add_peer_gradient(const model::Parameter* param, comm::Comm& 
       const std::vector<int64_t> counts = shard_counts(b, e);
       const int64_t lo = std::min(std::max(b, gb), ge);
       if (host_grad_shard_) {  // (uploaded from the host into its place in the piece, gathered there)
-        int64_t before = 0;
-        for (int r = 0; r < rank_; ++r) before += counts[size_t(r)];
-        be_->copy({.dst = mine.f32() + before, .src = host_grads_.f32() + (lo - gb), .src_host = true,
+        const int64_t before = count_before(counts, rank_);
+        be_->copy({.dst = mine.f32() + before, .src = grad_shard() + (lo - gb), .src_host = true,
                    .n = counts[size_t(rank_)]});
         buf_->all_gather_v(mine.f32() + before, mine.f32(), counts, DType::f32);
       } else {
-        buf_->all_gather_v(grads_.f32() + (lo - at0), mine.f32(), counts, DType::f32);
+        buf_->all_gather_v(grad_shard() + (lo - gb), mine.f32(), counts, DType::f32);
       }
       send = mine.f32();
     } else {
@@ -862,8 +864,7 @@ void DataParallel::add_peer_gradient(const model::Parameter* param, comm::Comm& 
     link.sendrecv(send, n, peer, theirs.f32(), n, peer, DType::f32, 1);
     const int64_t lo = std::max(b, gb), hi = std::min(e, ge);
     if (hi <= lo) continue;
-    if (host_grad_shard_) add_to_host_grads(lo - gb, theirs.f32() + (lo - b), hi - lo);
-    else add_into(grads_.f32() + (lo - at0), theirs.f32() + (lo - b), hi - lo);
+    add_reduced(lo - gb, theirs.f32() + (lo - b), hi - lo);
   }
 }
 
@@ -876,7 +877,7 @@ optim::StepStats DataParallel::step(double lr, bool skip) {
   held_[0] = held_[1] = -1;
   const int64_t n = opt_->end() - opt_->begin();
   // The reduced gradients of this rank's range: in the backend's memory, or in the host's.
-  float* g = host_grad_shard_ ? host_grads_.f32() : grad_shard();
+  float* g = grad_shard();
   if (poison_ && n > 0) {
     const float nan = std::numeric_limits<float>::quiet_NaN();
     if (host_grad_shard_) g[0] = nan;
@@ -948,8 +949,7 @@ int DataParallel::first_nonfinite(bool gradients) const {
   // (With the master weights in the host pool, they are what it looks at: its optimizer range.)
   const bool master = !gradients && host_master_;
   const bool on_host = master || (gradients && host_grad_shard_);
-  const float* data = gradients ? (host_grad_shard_ ? host_grads_.f32() : grad_shard())
-                                : master ? host_params_.f32() : params_.f32();
+  const float* data = gradients ? grad_shard() : master ? host_params_.f32() : params_.f32();
   const int64_t b = gradients || master ? opt_->begin() : (o_.zero == 3 ? int64_t(rank_) * shard_ : 0);
   const int64_t e = gradients || master ? opt_->end() : b + params_.numel();
   std::vector<float> host;

@@ -315,7 +315,9 @@ class DataParallel final : public model::ChainHooks {
   void end_weight_read(int64_t c, const char* what);
   void release_block(int64_t c);
   void point_grads(size_t b);
-  float* grad_shard() const;  // (into grads_ / params_, whose storage this object owns)
+  // The reduced gradients of this rank's optimizer range (into grads_, or host_grads_ with
+  // host_grad_shard_) and its parameters' (into params_): storage this object owns.
+  float* grad_shard() const;
   float* param_shard() const;
   std::vector<int64_t> shard_counts(int64_t begin, int64_t end) const;
 
@@ -363,8 +365,9 @@ class DataParallel final : public model::ChainHooks {
   bool host_grad_shard_ = false;
   std::map<int, std::unique_ptr<comm::Comm>> host_shared_;
   Tensor host_stage_;  // f32, at most 2^22 elements (tag workspace, host pool)
-  // host_grads_[at, at + n) += n f32 of the backend's memory at src.
-  void add_to_host_grads(int64_t at, const float* src, int64_t n);
+  // The reduced gradients from element `at` of this rank's optimizer range (grad_shard()) += n
+  // f32 of the backend's memory at src (into the host's copy with host_grad_shard_).
+  void add_reduced(int64_t at, const float* src, int64_t n);
   std::vector<float> staged_params_, staged_m_, staged_v_;  // host_state()'s copies (a device's)
   Backend* be_ = nullptr;               // the chain's
   std::unique_ptr<Backend> host_be_;    // offload: a CPU backend over the host pool
