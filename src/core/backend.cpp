@@ -121,6 +121,7 @@ namespace {
 struct Entry {
   BackendFactory factory = nullptr;
   BackendProbe probe = nullptr;
+  DeviceInfoFn info = nullptr;
 };
 
 struct Registry {
@@ -141,10 +142,10 @@ Entry entry(Device d) {
 
 }  // namespace
 
-void register_backend(Device device, BackendFactory factory, BackendProbe probe) {
+void register_backend(Device device, BackendFactory factory, BackendProbe probe, DeviceInfoFn info) {
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
-  r.entries.at(size_t(device)) = {factory, probe};
+  r.entries.at(size_t(device)) = {factory, probe, info};
 }
 
 bool load_cuda_plugin(std::string* why) {
@@ -194,6 +195,16 @@ bool backend_available(Device device, std::string* why) {
     return false;
   }
   return !e.probe || e.probe(why);
+}
+
+bool device_info(Device device, DeviceInfo* info, std::string* why) {
+  if (!backend_available(device, why)) return false;
+  const Entry e = entry(device);
+  if (!e.info) {
+    if (why) *why = fmt::format("the {} backend does not describe its device", device_name(device));
+    return false;
+  }
+  return e.info(info, why);
 }
 
 std::unique_ptr<Backend> make_backend(Device device, const BackendOptions& opt) {

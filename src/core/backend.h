@@ -540,7 +540,19 @@ bool load_cuda_plugin(std::string* why = nullptr);
 // probe that says whether it can start here (CUDA: a GPU is present).
 using BackendFactory = std::unique_ptr<Backend> (*)(const BackendOptions& opt);
 using BackendProbe = bool (*)(std::string* why);
-void register_backend(Device device, BackendFactory factory, BackendProbe probe = nullptr);
+// What a device's backend says of the hardware a run would use, without starting on it (no
+// context, no pool): the device's name and memory, and how many such devices this host has.
+struct DeviceInfo {
+  std::string name;    // "NVIDIA H100 80GB HBM3"
+  int64_t memory = 0;  // bytes
+  int count = 0;       // devices of this kind visible on this host
+};
+using DeviceInfoFn = bool (*)(DeviceInfo* info, std::string* why);
+void register_backend(Device device, BackendFactory factory, BackendProbe probe = nullptr,
+                      DeviceInfoFn info = nullptr);
+// The current device's DeviceInfo (CUDA: the current GPU's) where its backend can say it; false,
+// with the reason in `why`, otherwise.
+bool device_info(Device device, DeviceInfo* info, std::string* why = nullptr);
 // Whether a backend for `device` is in this program and can start; `why` receives the reason when
 // not.
 bool backend_available(Device device, std::string* why = nullptr);

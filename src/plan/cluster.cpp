@@ -135,6 +135,13 @@ Cluster read_cluster(const std::string& path) {
   return c;
 }
 
+std::string cluster_for_gpu(const std::string& gpu_name) {
+  if (gpu_name.find("H200") != std::string::npos) return "h200";
+  if (gpu_name.find("H100") != std::string::npos) return "h100-sxm";
+  if (gpu_name.find("A100") != std::string::npos) return "a100-80gb";
+  return "";
+}
+
 Cluster cluster_named(const std::string& name) {
   if (std::filesystem::exists(name) && !std::filesystem::is_directory(name)) return read_cluster(name);
   Cluster c = builtin(name);

@@ -5,10 +5,19 @@
 // run, threads or MPI processes) and chooses how to use them for the run's model, global batch
 // (train.batch_size) and sequence length: dp, tp, pp (its schedule and virtual stages), cp, sp,
 // the micro-batch size (train.grad_accum = batch / (dp x micro-batch)), the recompute policy
-// (none, selective, full) and the ZeRO stage, on the `cpu` cluster (this host's calibrated rates
-// where `loom calibrate` has run; the ranks share the host) in f32, within 90% of
-// train.memory_limit when one is set. The planner ranks by predicted tokens/s; its prediction of step time on this
-// host is not yet within the 15% (bench/README.md, "Local truth").
+// (none, selective, full), the ZeRO stage and, on GPUs, offload. The ranks are:
+// - on the CPU, the `cpu` cluster's (this host's calibrated rates where `loom calibrate` has run;
+//   the ranks share the host), in f32;
+// - on the emulated device, the same host's ranks holding what GPUs' pools hold (`loom plan
+//   --precision device`; f32 where train.precision is);
+// - on CUDA, one GPU each of this host's kind (its built-in profile, h100-sxm, h200 or a100-80gb,
+//   with the GPU's memory and count), as loom's GPU runs hold memory; ranks that would share a
+//   GPU are refused.
+// A layout fits within 90% of the device's memory, or of train.memory_limit where smaller. Of the
+// layouts that fit, the fastest predicted that the run accepts (TrainConfig::validate; a GPU's
+// kernel widths, fp16's replica engine) is taken, and the line says which faster ones it refused.
+// The planner's step times on this host are within 15% of the measured ones (bench/README.md,
+// "Local truth"); on GPUs its rates are published runs' (plan/cluster.h).
 #pragma once
 #include <string>
 
@@ -18,7 +27,7 @@ namespace loom::train {
 
 // Rewrites cfg's layout fields with the first choice and returns the line the run prints about
 // it (the choice, its prediction, the runner-up). Deterministic: every MPI process chooses the
-// same. Refuses train.device = "cuda" and a model no layout of these ranks fits, naming why.
+// same. Refuses a model no layout of these ranks fits, and GPUs it cannot plan, naming why.
 std::string apply_auto_plan(TrainConfig& cfg, const std::string& config_path);
 
 }  // namespace loom::train

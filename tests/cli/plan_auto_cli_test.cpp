@@ -1,7 +1,8 @@
 // `loom train --plan auto` (issue "How to choose"): the run takes the planner's first choice of
 // layout for its number of ranks, says what it chose, and trains with it; a memory limit steers
 // the choice to a layout that splits the model, and trains under it; what cannot be planned is
-// refused naming why.
+// refused naming why. On the CPU and on the emulated device (a GPU's pools, planned with `loom
+// plan --precision device`); the GPU's own case is tests/train/train_cuda_test.cu's.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -46,14 +47,15 @@ double measured_mib(const std::filesystem::path& out) {
   return most / 1048576.0;
 }
 
-}  // namespace
-
-TEST(PlanAutoCli, TrainsWithThePlannersFirstChoice) {
-  LOOM_REQUIRE_LOOM();
-  TrainScratch r("loom_plan_auto_cli");
+// Through `loom train` on `device` (its flags in `device_flags`): refused where nothing fits, the
+// first choice's predicted memory the measured one within 5%, and under a tighter limit a layout
+// needing less that trains within it.
+void trains_with_the_first_choice(const std::string& name, const std::string& device_flags) {
+  TrainScratch r(name);
+  const std::string model = fmt::format("{} {}", kModel, device_flags);
   // Nothing of two ranks fits 1 MB: the refusal names the limit and what the least demanding
   // layout needs.
-  CliRun none = r.train("none", fmt::format("{} --parallel.dp 2 --plan auto --train.memory_limit 1000000", kModel));
+  CliRun none = r.train("none", fmt::format("{} --parallel.dp 2 --plan auto --train.memory_limit 1000000", model));
   EXPECT_NE(none.code, 0);
   EXPECT_NE(none.err.find("--plan auto: no layout of 2 ranks fits"), std::string::npos) << none.err;
   EXPECT_NE(none.err.find("train.memory_limit"), std::string::npos) << none.err;
@@ -64,7 +66,7 @@ TEST(PlanAutoCli, TrainsWithThePlannersFirstChoice) {
   const double least_mib = std::stod(m[1].str()), least_limit_mib = std::stod(m[2].str());
   EXPECT_NEAR(least_limit_mib, least_mib / loom::plan::kUsableMemory, 0.011) << none.err;
 
-  CliRun run = r.train("free", fmt::format("{} --parallel.dp 2 --plan auto", kModel));
+  CliRun run = r.train("free", fmt::format("{} --parallel.dp 2 --plan auto", model));
   ASSERT_EQ(run.code, 0) << run.err;
   const Chosen free = chosen(run.out);
   ASSERT_FALSE(free.layout.empty()) << run.out;
@@ -81,20 +83,38 @@ TEST(PlanAutoCli, TrainsWithThePlannersFirstChoice) {
   // OpenMP threads; the limit follows it.)
   ASSERT_LT(least_mib, free.predicted_mib) << free.layout << " is already the layout needing least memory";
   const int64_t limit = int64_t((least_mib + free.predicted_mib) / 2 / loom::plan::kUsableMemory * 1048576.0);
-  CliRun tight = r.train("tight", fmt::format("{} --parallel.dp 2 --plan auto --train.memory_limit {}", kModel, limit));
+  CliRun tight = r.train("tight", fmt::format("{} --parallel.dp 2 --plan auto --train.memory_limit {}", model, limit));
   ASSERT_EQ(tight.code, 0) << tight.err << tight.out;
   const Chosen split = chosen(tight.out);
   ASSERT_FALSE(split.layout.empty()) << tight.out;
   EXPECT_NE(split.layout, free.layout);
   EXPECT_LT(split.predicted_mib, free.predicted_mib) << split.layout;
   EXPECT_LE(measured_mib(r.root / "tight") * 1048576.0, double(limit)) << split.layout;
-  std::printf("  free: %s (%.2f MiB measured); under %.2f MiB: %s (%.2f MiB measured); the least any needs: %.2f MiB\n",
-              free.layout.c_str(), measured, double(limit) / 1048576.0, split.layout.c_str(),
+  std::printf("  %s: free: %s (%.2f MiB measured); under %.2f MiB: %s (%.2f MiB measured); the least any needs: %.2f MiB\n",
+              device_flags.c_str(), free.layout.c_str(), measured, double(limit) / 1048576.0, split.layout.c_str(),
               measured_mib(r.root / "tight"), least_mib);
+}
 
+}  // namespace
+
+TEST(PlanAutoCli, TrainsWithThePlannersFirstChoice) {
+  LOOM_REQUIRE_LOOM();
+  trains_with_the_first_choice("loom_plan_auto_cli", "--train.device cpu");
+  TrainScratch r("loom_plan_auto_bad_cli");
   CliRun bad = r.train("bad", fmt::format("{} --plan manual", kModel));
   EXPECT_NE(bad.code, 0);
   EXPECT_NE(bad.err.find("--plan"), std::string::npos) << bad.err;
+}
+
+// The emulated device: the ranks hold what GPUs' pools hold (bf16 compute copies and activations,
+// f32 masters; `loom plan --precision device`), and the planner's device accounting chooses.
+TEST(PlanAutoCli, PlansTheEmulatedDevicesPools) {
+  LOOM_REQUIRE_LOOM();
+  trains_with_the_first_choice("loom_plan_auto_emu_cli", "--train.device emu");
+  TrainScratch r("loom_plan_auto_emu_line_cli");
+  CliRun run = r.train("emu", fmt::format("{} --train.device emu --parallel.dp 2 --plan auto", kModel));
+  ASSERT_EQ(run.code, 0) << run.err;
+  EXPECT_NE(run.out.find("the emulated device planned as this host's CPU ranks"), std::string::npos) << run.out;
 }
 
 // A bf16 run (where the CPU has bf16 dot products) is planned as its f32 twin, and the run says so.

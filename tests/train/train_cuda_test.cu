@@ -2,8 +2,8 @@
 // corpus (tests/cli_util.h): losses against the CPU trainer, resume from a checkpoint,
 // checkpoints that cross devices (resumed on the other device, loaded by `loom generate` on the
 // CPU), cuDNN's attention against loom's, and data parallelism over GPU processes under mpirun
-// against one GPU. Skipped without a
-// GPU, except the GPU trainer's config checks. Host code only: compiled by the C++ compiler.
+// against one GPU, `--plan auto` for a GPU. Skipped without a GPU, except the GPU trainer's config
+// checks and --plan auto's refusal of ranks sharing a GPU. Host code only: compiled by the C++ compiler.
 //
 // Tolerances:
 //  - GPU against CPU, 2e-2 relative on every step's loss and on the validation loss: the GPU
@@ -455,6 +455,34 @@ TEST(CudaTrain, MeshLayoutsOnThreadsSharingTheGpuMatchOneGpu) {
     expect_close(lr, f.metrics(name, "loss"), 1, 20, kResumeTol, "loss");
     expect_close(f.metrics(cut, "val_loss"), f.metrics(name, "val_loss"), 10, 20, kResumeTol, "val_loss");
   }
+}
+
+// `loom train --plan auto` on the GPU plans one GPU per rank (the built-in profile of this host's
+// GPU, its memory): ranks that would share a GPU are refused (needs no GPU); one GPU's run takes
+// the first choice that fits and trains with it, and a limit nothing fits is refused naming the
+// GPU and what the least demanding layout needs.
+TEST(CudaTrain, PlanAutoPlansOneGpuPerRank) {
+  LOOM_REQUIRE_LOOM();
+  Fixture f("plan_auto");
+  CliRun shared = f.train("cuda", "shared", "--quiet --parallel.tp 2 --plan auto");
+  EXPECT_NE(shared.code, 0);
+  EXPECT_NE(shared.err.find("--plan auto: plans one GPU per rank, and with parallel.comm = threads the 2 ranks would "
+                            "share one GPU"),
+            std::string::npos)
+      << shared.err;
+  LOOM_REQUIRE_GPU();
+  CliRun run = f.train("cuda", "auto", "--plan auto");
+  ASSERT_EQ(run.code, 0) << run.out << run.err;
+  EXPECT_NE(run.out.find("plan auto: "), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find(" layouts of 1 NVIDIA"), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("; chose dp=1,"), std::string::npos) << run.out;
+  const auto loss = f.metrics("auto", "loss");
+  ASSERT_EQ(loss.size(), 20u);
+  EXPECT_LT(loss.at(20), loss.at(1) - 0.5) << "the run did not learn";
+  CliRun none = f.train("cuda", "none", "--quiet --plan auto --train.memory_limit 1000000");
+  EXPECT_NE(none.code, 0);
+  EXPECT_NE(none.err.find("--plan auto: no layout of 1 NVIDIA"), std::string::npos) << none.err;
+  EXPECT_NE(none.err.find("the least any needs is"), std::string::npos) << none.err;
 }
 
 // fp16 over two GPU processes against one GPU (grad_accum 2 there): the replicas' scaled gradients

@@ -845,6 +845,20 @@ int loom_cuda_backend_anchor = [] {
         if (err == cudaSuccess && count > 0) return true;
         if (why) *why = err == cudaSuccess ? std::string("no CUDA device") : std::string(cudaGetErrorString(err));
         return false;
+      },
+      [](loom::DeviceInfo* info, std::string* why) {
+        int count = 0, device = 0;
+        cudaDeviceProp prop{};
+        cudaError_t err = cudaGetDeviceCount(&count);
+        if (err == cudaSuccess) err = cudaGetDevice(&device);
+        if (err == cudaSuccess) err = cudaGetDeviceProperties(&prop, device);
+        if (err != cudaSuccess) {
+          cudaGetLastError();
+          if (why) *why = cudaGetErrorString(err);
+          return false;
+        }
+        *info = {.name = prop.name, .memory = int64_t(prop.totalGlobalMem), .count = count};
+        return true;
       });
   return 1;
 }();
