@@ -145,15 +145,21 @@ void* PinnedHostAllocator::allocate(size_t bytes) {
 
 void PinnedHostAllocator::deallocate(void* p, size_t bytes) {
   if (!p) return;
+  bool pinned = false;
   {
     std::lock_guard lk(mu_);
     auto it = pinned_.find(p);
     if (it != pinned_.end()) {
       pinned_bytes_ -= it->second;
       pinned_.erase(it);
-      if (cudaFreeHost(p) != cudaSuccess) cudaGetLastError();  // (no throwing from a pool's release)
-      return;
+      pinned = true;
     }
+  }
+  // Freed outside the lock: cudaFreeHost may wait for the device, and other rank threads' frees
+  // (their small pageable buffers too) need only the lookup.
+  if (pinned) {
+    if (cudaFreeHost(p) != cudaSuccess) cudaGetLastError();  // (no throwing from a pool's release)
+    return;
   }
   cpu_allocator().deallocate(p, bytes);
 }

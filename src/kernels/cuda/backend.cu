@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "kernels/cuda/adamw.cuh"
+#include "kernels/cuda/allocator.cuh"
 #include "kernels/cuda/attention.cuh"
 #include "kernels/cuda/attn_gemm.cuh"
 #include "kernels/cuda/common.cuh"
@@ -259,7 +260,7 @@ CudaBackend::~CudaBackend() {
   if (ln_scratch_) pool_->deallocate(ln_scratch_, ln_bytes_, MemTag::workspace);
   if (attn_ws_) pool_->deallocate(attn_ws_, attn_ws_bytes_, MemTag::workspace);
   for (int i = 0; i < 2; ++i) {
-    if (stage_[i]) cudaFreeHost(stage_[i]);
+    if (stage_[i]) pinned_host_allocator().deallocate(stage_[i], kStageBytes);
     if (stage_free_[i]) cudaEventDestroy(stage_free_[i]);
   }
   blas_.reset();
@@ -268,7 +269,9 @@ CudaBackend::~CudaBackend() {
 
 void CudaBackend::ensure_stage() {
   for (int i = 0; i < 2; ++i) {
-    if (!stage_[i]) LOOM_CUDA_CHECK(cudaHostAlloc(&stage_[i], kStageBytes, cudaHostAllocPortable));
+    // Page-locked where the host allows it, else pageable (with the allocator's one-time note): the
+    // copies then run at pageable memory's rate, and are as correct.
+    if (!stage_[i]) stage_[i] = pinned_host_allocator().allocate(kStageBytes);
     if (!stage_free_[i]) LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&stage_free_[i], cudaEventDisableTiming));
   }
 }

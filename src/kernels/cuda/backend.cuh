@@ -116,7 +116,8 @@ class CudaBackend final : public Backend {
   size_t ln_bytes_ = 0;
   void* attn_ws_ = nullptr;
   size_t attn_ws_bytes_ = 0;
-  // Copies between host and device memory that convert: two page-locked staging buffers of
+  // Copies between host and device memory that convert: two page-locked staging buffers (pageable
+  // where the host refuses; pinned_host_allocator) of
   // kStageBytes (the backend's own, like its BLAS workspaces), used in turn host -> device so that
   // one chunk's transfer runs while the next is converted (device -> host: the first alone), and
   // the events that say a buffer is free again. (copy() is called by one thread at a time, as

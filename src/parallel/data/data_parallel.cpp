@@ -352,6 +352,10 @@ DataParallel::DataParallel(DataChain chain, comm::Comm& dp, const optim::AdamWCo
     host_params_ = Tensor::zeros({oe - ob}, DType::f32, MemTag::params, *o_.host_pool);
     host_grads_ = Tensor::zeros({oe - ob}, DType::f32, MemTag::grads, *o_.host_pool);
   }
+  // The reduced gradients' way into the host's copy (add_reduced): at most 2^22 elements (16 MiB),
+  // made here rather than in the first backward (a GPU's host pool page-locks it).
+  if (host_grad_shard_)
+    host_stage_ = Tensor::empty({std::min(int64_t(1) << 22, shard_)}, DType::f32, MemTag::workspace, *o_.host_pool);
   for (const FlatParam& f : lay_.params) {
     int64_t b = std::max(f.offset, p0), e = std::min(f.offset + f.alloc, p0 + plen);
     if (b >= e) continue;
@@ -488,12 +492,8 @@ void DataParallel::add_reduced(int64_t at, const float* src, int64_t n) {
     add_into(grad_shard() + at, src, n);
     return;
   }
-  // Into the host's copy through a staging buffer of at most kStageElements (16 MiB) in the host
-  // pool, piece by piece.
-  constexpr int64_t kStageElements = int64_t(1) << 22;
+  // Into the host's copy through host_stage_, piece by piece.
   if (n <= 0) return;
-  if (!host_stage_.defined())
-    host_stage_ = Tensor::empty({std::min(kStageElements, shard_)}, DType::f32, MemTag::workspace, *o_.host_pool);
   float* acc = host_grads_.f32() + at;
   for (int64_t k = 0; k < n; k += host_stage_.numel()) {
     const int64_t m = std::min(host_stage_.numel(), n - k);
