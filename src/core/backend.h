@@ -468,6 +468,10 @@ class Backend {
   virtual void swiglu_backward(DType dtype, void* dinp, const void* dout, const void* inp, int64_t N, int64_t H) = 0;
   // out = a + b, [n] (out may alias a or b). Every backend also takes f32 (gradient sums).
   virtual void add(DType dtype, void* out, const void* a, const void* b, int64_t n) = 0;
+  // host[i] += src[i], i < n: src f32 in this backend's memory, host f32 in host memory; returns once
+  // host holds the sums (a GPU's: through its page-locked staging, each piece's transfer beside the
+  // host's addition of the one before, the addition on the calling thread's OpenMP team).
+  virtual void add_to_host(float* host, const float* src, int64_t n) = 0;
   // The sum of squares of the f32 values of `ranges` (this backend's memory), in double: each
   // range's sum in a fixed order (the CPU's: cpu::sum_squares, as its optimizers form norms), the
   // ranges' sums added in order, so the result is the same from call to call. Waits for it.

@@ -35,6 +35,11 @@ inline uint16_t bf16_bits(const float* x) {
 }
 }  // namespace
 
+void add_f32(float* dst, const float* src, int64_t n) {
+#pragma omp parallel for simd schedule(static) if (n > (1 << 16))
+  for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
+}
+
 void f32_to_bf16(bf16* out, const float* in, int64_t n) {
   uint16_t* o = reinterpret_cast<uint16_t*>(out);
 #pragma omp parallel for simd schedule(static) if (n > (1 << 16))

@@ -58,6 +58,8 @@ inline bf16 f32_to_bf16(float f) {
 std::string cpu_bf16_missing();
 
 void bf16_to_f32(float* out, const bf16* in, int64_t n);
+// dst[i] += src[i] over host arrays (the OpenMP team's threads for large n).
+void add_f32(float* dst, const float* src, int64_t n);
 void f32_to_bf16(bf16* out, const float* in, int64_t n);
 // out [rows, cols] (contiguous) = in's rows of cols values, ld apart, rounded as above.
 void f32_to_bf16_rows(bf16* out, const float* in, int64_t rows, int64_t cols, int64_t ld);

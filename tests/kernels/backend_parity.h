@@ -818,6 +818,24 @@ TEST_P(BackendParity, CopiesAndRefusals) {
   }
 }
 
+// Device f32 added into host memory (an offloaded optimizer's gradient shard): exactly the sums,
+// for a few elements and for more than two of a GPU's 8 MiB staging pieces (the last one short),
+// and nothing for n = 0.
+TEST_P(BackendParity, AddToHost) {
+  for (const int64_t n : {int64_t(3), (int64_t(2) << 21) + 517}) {
+    SCOPED_TRACE(n);
+    const std::vector<float> x = bf16_random(n, 71), h0 = bf16_random(n, 72);
+    DevBuf a(be(), x, DType::f32);
+    std::vector<float> host = h0;
+    be().add_to_host(host.data(), static_cast<const float*>(a.p()), n);
+    int64_t wrong = 0;
+    for (int64_t i = 0; i < n; ++i) wrong += host[size_t(i)] != h0[size_t(i)] + x[size_t(i)];
+    EXPECT_EQ(wrong, 0);
+    be().add_to_host(host.data(), static_cast<const float*>(a.p()), 0);
+    EXPECT_EQ(host[0], h0[0] + x[0]);
+  }
+}
+
 // Strided copies (ring attention's packing): a block of batches x rows x cols out of a padded
 // tensor into a packed one of the compute dtype, back into a padded f32 one (elements outside the
 // block keep their NaN), and added into f32 values.

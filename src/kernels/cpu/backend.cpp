@@ -312,6 +312,11 @@ void CpuBackend::add(DType dtype, void* out, const void* a, const void* b, int64
   residual_forward(f(out), f(a), f(b), n);
 }
 
+void CpuBackend::add_to_host(float* host, const float* src, int64_t n) {
+  LOOM_CHECK(n >= 0, "add_to_host: negative size {}", n);
+  add_f32(host, src, n);
+}
+
 void CpuBackend::sum(const float* x, int64_t n, float scale, float* out) {
   LOOM_CHECK(n >= 0, "sum: negative size {}", n);
   double s = 0;

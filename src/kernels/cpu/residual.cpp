@@ -11,10 +11,4 @@ void residual_forward(float* out, const float* a, const float* b, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
 }
 
-void accumulate(float* dst, const float* src, int64_t n) {
-  LOOM_CHECK(n >= 0, "accumulate: negative size {}", n);
-#pragma omp parallel for simd schedule(static) if (n >= (1 << 15))
-  for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
-}
-
 }  // namespace loom::cpu

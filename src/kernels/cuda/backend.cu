@@ -769,6 +769,30 @@ void CudaBackend::copy(const Copy& a) {
   }
 }
 
+void CudaBackend::add_to_host(float* host, const float* src, int64_t n) {
+  LOOM_CHECK(n >= 0, "add_to_host: negative size {}", n);
+  if (n == 0) return;
+  activate();
+  ensure_stage();
+  // Piece k lands in stage_[k % 2] (its event recorded after the transfer); the host adds piece k - 1
+  // while piece k transfers. A buffer is refilled only after the host's addition from it returned.
+  const int64_t chunk = int64_t(kStageBytes / sizeof(float));
+  int64_t prev_at = -1, prev_n = 0;
+  int i = 0;
+  for (int64_t k = 0; k < n; k += chunk, i ^= 1) {
+    const int64_t m = std::min(chunk, n - k);
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(stage_[i], src + k, size_t(m) * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+    LOOM_CUDA_CHECK(cudaEventRecord(stage_free_[i], stream_));
+    if (prev_at >= 0) {
+      LOOM_CUDA_CHECK(cudaEventSynchronize(stage_free_[i ^ 1]));
+      add_f32(host + prev_at, static_cast<const float*>(stage_[i ^ 1]), prev_n);
+    }
+    prev_at = k, prev_n = m;
+  }
+  LOOM_CUDA_CHECK(cudaEventSynchronize(stage_free_[i ^ 1]));
+  add_f32(host + prev_at, static_cast<const float*>(stage_[i ^ 1]), prev_n);
+}
+
 void CudaBackend::release_workspace() {
   activate();
   LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));

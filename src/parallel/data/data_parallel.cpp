@@ -352,10 +352,6 @@ DataParallel::DataParallel(DataChain chain, comm::Comm& dp, const optim::AdamWCo
     host_params_ = Tensor::zeros({oe - ob}, DType::f32, MemTag::params, *o_.host_pool);
     host_grads_ = Tensor::zeros({oe - ob}, DType::f32, MemTag::grads, *o_.host_pool);
   }
-  // The reduced gradients' way into the host's copy (add_reduced): at most 2^22 elements (16 MiB),
-  // made here rather than in the first backward (a GPU's host pool page-locks it).
-  if (host_grad_shard_)
-    host_stage_ = Tensor::empty({std::min(int64_t(1) << 22, shard_)}, DType::f32, MemTag::workspace, *o_.host_pool);
   for (const FlatParam& f : lay_.params) {
     int64_t b = std::max(f.offset, p0), e = std::min(f.offset + f.alloc, p0 + plen);
     if (b >= e) continue;
@@ -492,15 +488,8 @@ void DataParallel::add_reduced(int64_t at, const float* src, int64_t n) {
     add_into(grad_shard() + at, src, n);
     return;
   }
-  // Into the host's copy through host_stage_, piece by piece.
-  if (n <= 0) return;
-  float* acc = host_grads_.f32() + at;
-  for (int64_t k = 0; k < n; k += host_stage_.numel()) {
-    const int64_t m = std::min(host_stage_.numel(), n - k);
-    be_->copy({.dst = host_stage_.raw(), .dst_host = true, .src = src + k, .n = m});
-    const float* st = host_stage_.f32();
-    for (int64_t i = 0; i < m; ++i) acc[k + i] += st[i];
-  }
+  // Into the host's copy (through the backend's staging).
+  if (n > 0) be_->add_to_host(host_grads_.f32() + at, src, n);
 }
 
 void DataParallel::copy_f32(float* dst, const float* src, int64_t n) {

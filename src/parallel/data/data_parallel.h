@@ -364,7 +364,6 @@ class DataParallel final : public model::ChainHooks {
   // groups (norm_group, and splits of it for replicated key/value heads, by size).
   bool host_grad_shard_ = false;
   std::map<int, std::unique_ptr<comm::Comm>> host_shared_;
-  Tensor host_stage_;  // f32, at most 2^22 elements (tag workspace, host pool)
   // The reduced gradients from element `at` of this rank's optimizer range (grad_shard()) += n
   // f32 of the backend's memory at src (into the host's copy with host_grad_shard_).
   void add_reduced(int64_t at, const float* src, int64_t n);
