@@ -956,16 +956,18 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
     const Link host = shared ? Link{dev.memory_bw / 2, 0.0} : job.cluster.host;
     // With the reduced gradients' shard the host's (ZeRO 2/3 on a device), every micro-batch's
     // goes down as its buckets are reduced, and the host adds it to the step's (reading both and
-    // writing one, 12 bytes an element): paid during backward, not hidden behind it, counted here.
+    // writing one, 12 bytes an element) piece by piece as the next piece transfers
+    // (Backend::add_to_host): the slower of the two, paid during backward, not hidden behind it,
+    // counted here.
     const double host_memory_bw = shared ? dev.memory_bw : job.cluster.host_memory_bw;
     const bool host_grads = grads_on_host(job.precision, L.offload, L.zero) && shard > 1;
     const double grad_moves = host_grads ? double(micro) : 1.0;
-    const double transfer =
-        opt_params * (grad_moves * B.grad + B.weight) / host.bandwidth + (grad_moves + 1) * host.latency;
+    const double down = opt_params * grad_moves * B.grad / host.bandwidth + grad_moves * host.latency;
     const double accumulate = host_grads ? grad_moves * opt_params * 12 / host_memory_bw : 0.0;
+    const double up = opt_params * B.weight / host.bandwidth + host.latency;
     const double update = measured ? dev.kernels.at("adamw").seconds(opt_params * share)
                                    : opt_params * 2 * 16 / host_memory_bw;
-    e.optimizer_s = (transfer + accumulate + update + refresh) * crowd;
+    e.optimizer_s = (std::max(down, accumulate) + up + update + refresh) * crowd;
   }
   // Ranks beyond a shared host's cores: every synchronisation on the busiest rank's path (its
   // elements' per micro-batch, the data-parallel collectives, the loss and gradient-norm
