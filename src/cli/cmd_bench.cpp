@@ -235,12 +235,16 @@ Registrar reg{Command{
                         "f32, or bf16: the linear layers' products in bf16 with f32 accumulation (AVX512-BF16 or AMX)")
           ->capture_default_str();
       train->add_option("--gemm-seconds", o->gemm_seconds, "time spent measuring the GEMM peak")
-          ->capture_default_str();
+          ->capture_default_str()
+          ->check(number_in(0.01, 600));
       train->add_option("--dp", o->dp, "data-parallel ranks (threads); > 1 times data-parallel steps")
-          ->capture_default_str();
-      train->add_option("--zero", o->zero, "ZeRO stage 0-3 (with --dp)")->capture_default_str();
+          ->capture_default_str()
+          ->check(CLI::Range(1, 1024));
+      train->add_option("--zero", o->zero, "ZeRO stage 0-3 (with --dp)")->capture_default_str()->check(CLI::Range(0, 3));
       train->add_flag("--offload", o->offload, "ZeRO-Offload: optimizer state and update in the host pool");
-      train->add_option("--bucket-mb", o->bucket_mb, "gradient bucket size in MiB (with --dp)")->capture_default_str();
+      train->add_option("--bucket-mb", o->bucket_mb, "gradient bucket size in MiB (with --dp)")
+          ->capture_default_str()
+          ->check(number_in(0.001, 1 << 20));
       train->add_option("--trace", o->trace, "Chrome trace of every rank to FILE (with --dp)");
       auto host_threads = std::make_shared<int>(0);
       CLI::App* host = sub.add_subcommand(

@@ -27,7 +27,7 @@ Registrar reg{Command{
       sub.add_option("--seconds", a->seconds,
                      "least time per GEMM shape (and per kernel, linear layer and block point)")
           ->capture_default_str()
-          ->check(CLI::Range(0.01, 60.0));
+          ->check(number_in(0.01, 60.0));
       return [a]() -> int {
         const int threads = a->threads > 0 ? a->threads : omp_get_max_threads();
         const plan::HostProfile p = plan::calibrate_host(threads, a->seconds);

@@ -84,7 +84,6 @@ int run_convert(const ConvertArgs& a) {
     if (!a.config.empty()) throw Error("command line: --config applies to --from hf only");
     const std::string ckpt = model::resolve_checkpoint(a.in);
     const model::GPTConfig cfg = model::checkpoint_model_config(ckpt);
-    if (!(a.max_shard_mb > 0)) throw Error(fmt::format("command line: --max-shard-mb must be positive, got {}", a.max_shard_mb));
     if (model::is_llama(cfg)) {
       train::CheckpointReader r(ckpt);
       model::save_hf_llama(
@@ -117,7 +116,8 @@ Registrar reg{Command{
           ->required();
       sub.add_option("--config", a->config, "hf: config.json (default: beside the input)");
       sub.add_option("--max-shard-mb", a->max_shard_mb, "to hf (Llama): largest safetensors shard in MiB (default 5120; "
-                                                        "more than one writes model.safetensors.index.json)");
+                                                        "more than one writes model.safetensors.index.json)")
+      ->check(number_in(0.001, 1 << 30));
       sub.add_option("--seed", a->seed, "loom: the seed recorded in the checkpoint (train.seed of the run that "
                                         "resumes it)")
           ->transform(seed_validator());

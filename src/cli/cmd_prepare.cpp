@@ -76,8 +76,10 @@ Registrar reg{Command{
       sub.add_option("--vocab-size", a->vocab_size, "size of the vocabulary to train when no --tokenizer is given")
           ->check(CLI::Range(257, 1 << 24));
       sub.add_option("--val-fraction", a->val_fraction, "fraction of the tokens (the end of the text) kept for validation")
-          ->check(CLI::Range(0.0, 0.5));
-      sub.add_option("--shard-tokens", a->shard_tokens, "tokens per shard file")->check(CLI::Range(int64_t(1), int64_t(1) << 40));
+          ->check(number_in(0.0, 0.5));
+      // (At least 2^16: a shard is a file fsynced on its own; smaller ones only make many files.)
+      sub.add_option("--shard-tokens", a->shard_tokens, "tokens per shard file (at least 65536)")
+          ->check(CLI::Range(int64_t(1) << 16, int64_t(1) << 40));
       return [a]() -> int {
         std::vector<std::string> texts;
         size_t bytes = 0;

@@ -35,4 +35,17 @@ inline CLI::Validator seed_validator() {
       "SEED");
 }
 
+// A number from lo to hi: CLI::Range for floating-point options that also refuses nan (which
+// compares false with both bounds, so CLI::Range lets it through).
+inline CLI::Validator number_in(double lo, double hi) {
+  return CLI::Validator(
+      [lo, hi](std::string& v) -> std::string {
+        double x = 0;
+        if (!CLI::detail::lexical_cast(v, x) || !(x >= lo && x <= hi))
+          return "must be a number from " + CLI::detail::to_string(lo) + " to " + CLI::detail::to_string(hi) + ", got " + v;
+        return "";
+      },
+      "NUMBER in [" + CLI::detail::to_string(lo) + " - " + CLI::detail::to_string(hi) + "]");
+}
+
 }  // namespace loom::cli

@@ -693,14 +693,34 @@ void run_steps(const TrainConfig& cfg, RunLog& log, const LrSchedule& sched, con
       res.last_loss = st.loss;
     }
     res.steps_done = done;
+    // A run that ends inside a streak of non-finite steps has diverged: its weights are those of
+    // the last finite step, whose next forward was not finite. It fails, and writes no checkpoint
+    // over the good ones.
+    if (done == cfg.steps && skipped_in_a_row > 0)
+      throw Error(fmt::format("step {}: the run ends after {} step{} in a row not finite (the last finite one at step "
+                              "{}): diverged; lower optim.lr or raise optim.warmup_steps (no checkpoint of it is "
+                              "written; the checkpoints before are kept)",
+                              done, skipped_in_a_row, skipped_in_a_row > 1 ? "s" : "", done - skipped_in_a_row));
     if (cfg.eval_every > 0 && (done % cfg.eval_every == 0 || done == cfg.steps) && has_val) {
       res.last_val_loss = hooks.evaluate();
       log.record_val(done, res.last_val_loss);
+      if (!std::isfinite(res.last_val_loss))
+        throw Error(fmt::format("step {}: the validation loss is {:.6g}: diverged; lower optim.lr or raise "
+                                "optim.warmup_steps (no checkpoint of it is written; the checkpoints before are kept)",
+                                done, res.last_val_loss));
     }
     if (skipped_in_a_row == 0 && !st.overflow) log.progress(done, st.loss, lr, st.grad_norm);
     if (cfg.sample_every > 0 && done % cfg.sample_every == 0 && done != cfg.steps)
       log.say(fmt::format("--- sample at step {} ---\n{}\n---", done, hooks.sample(done)));
-    if ((cfg.checkpoint_every > 0 && done % cfg.checkpoint_every == 0) || done == cfg.steps) hooks.checkpoint(done);
+    if ((cfg.checkpoint_every > 0 && done % cfg.checkpoint_every == 0) || done == cfg.steps) {
+      // Not inside a streak of non-finite steps (its weights may be what diverges): the next
+      // checkpoint after the streak ends is written as usual.
+      if (skipped_in_a_row > 0)
+        log.say(fmt::format("step {}: checkpoint not written: the last {} step{} were not finite", done, skipped_in_a_row,
+                            skipped_in_a_row > 1 ? "s" : ""));
+      else
+        hooks.checkpoint(done);
+    }
   }
   res.train_seconds = log.train_seconds();
 }

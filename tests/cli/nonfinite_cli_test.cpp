@@ -1,7 +1,7 @@
 // A step whose loss or gradient norm is not finite is skipped (no update), said with where the
 // first non-finite value was, and written to metrics.jsonl as skipped; after train.skip_nonfinite
-// of them in a row the run stops with an error naming the step, the place and the field, keeping
-// the checkpoints before. NaNs come from LOOM_FAULT_INJECT (kind=nan: one step's gradients;
+// of them in a row, or at its end inside such a streak, the run stops with an error naming the
+// step, the place and the field, keeping the checkpoints before (none is written inside a streak). NaNs come from LOOM_FAULT_INJECT (kind=nan: one step's gradients;
 // kind=nan_weight: a weight from then on), on one rank of several layouts.
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -71,13 +71,14 @@ TEST(NonFiniteCli, ABadWeightStopsTheRunAfterTheSkipsAllowed) {
     EXPECT_FALSE(fs::exists(r.root / "persistent" / "ckpt_00000004"));
   }
   // A pipeline whose first stage's wte (not its last stage's copy, which the head reads) holds a
-  // NaN that these batches never look up trains on finite losses; the checkpoint refuses to keep
-  // the weight, and the run stops naming it.
+  // NaN: the batches look its row up, so the last stage's losses are NaN from step 4 on, within
+  // train.skip_nonfinite = 3; no checkpoint is written inside the streak, and the run fails at its
+  // end. (A NaN no batch looks up is refused by the checkpoint itself: sharded_checkpoint_test.)
   CliRun pipe = r.train("pipeline", "--parallel.pp 2", "rank=0,step=3,kind=nan_weight");
   EXPECT_NE(pipe.code, 0);
-  EXPECT_NE(pipe.err.find("not writing the checkpoint of step 4: parameter 'wte.weight' holds nan"), std::string::npos)
-      << pipe.err;
+  EXPECT_NE(pipe.err.find("step 6: the run ends after 3 steps in a row not finite"), std::string::npos) << pipe.err;
   EXPECT_TRUE(fs::exists(r.root / "pipeline" / "ckpt_00000002"));
+  EXPECT_FALSE(fs::exists(r.root / "pipeline" / "ckpt_00000004"));
   // A NaN in a weight the last stage reads: the loss is NaN, the steps are skipped, and the place
   // is found on the stage that holds it.
   CliRun last = r.train("pipeline_last", "--parallel.pp 2 --train.skip_nonfinite 1", "rank=1,step=3,kind=nan_weight");
@@ -89,6 +90,28 @@ TEST(NonFiniteCli, ABadWeightStopsTheRunAfterTheSkipsAllowed) {
   EXPECT_NE(first.code, 0);
   EXPECT_NE(first.err.find("step 3: the loss is"), std::string::npos) << first.err;
   EXPECT_NE(first.err.find("1 steps in a row not finite (train.skip_nonfinite = 0)"), std::string::npos) << first.err;
+}
+
+// A run whose last steps are skipped has diverged even within train.skip_nonfinite: it fails at its
+// end naming the streak, writes no checkpoint inside the streak (its weights are what diverged),
+// and `latest` stays the last checkpoint before it.
+TEST(NonFiniteCli, ARunEndingInsideAStreakFailsAndKeepsTheCheckpointsBefore) {
+  LOOM_REQUIRE_LOOM();
+  NanRun r;
+  CliRun run = r.train("streak", "", "rank=0,step=4,kind=nan_weight");
+  EXPECT_NE(run.code, 0) << run.out;
+  EXPECT_NE(run.out.find("step 4: checkpoint not written: the last 1 step were not finite"), std::string::npos)
+      << run.out;
+  EXPECT_NE(run.err.find("step 6: the run ends after 3 steps in a row not finite (the last finite one at step 3)"),
+            std::string::npos)
+      << run.err;
+  EXPECT_TRUE(fs::exists(r.root / "streak" / "ckpt_00000002"));
+  EXPECT_FALSE(fs::exists(r.root / "streak" / "ckpt_00000004"));
+  EXPECT_FALSE(fs::exists(r.root / "streak" / "ckpt_00000006"));
+  std::ifstream latest(r.root / "streak" / "latest");
+  std::string name;
+  std::getline(latest, name);
+  EXPECT_NE(name.find("ckpt_00000002"), std::string::npos) << name;
 }
 
 // An injected f16 overflow (kind=overflow) needs the loss scaling of train.precision fp16 on CUDA:
