@@ -157,6 +157,15 @@ TEST(VocabularyCli, PrepareLeavesTheTokenizerOfItsShardsAndKeepsTheDatasetWhenIt
                                      (root / "noval").string(), tok_b.string()));
   ASSERT_EQ(noval.code, 0) << noval.err;
   EXPECT_FALSE(fs::exists(root / "noval/val_000.bin"));
+  // A fraction that is not a number from 0 to 0.5 (nan compares false with both bounds) and shards
+  // of fewer than 2^16 tokens are refused before anything is read or written.
+  for (const std::string bad : {"--val-fraction nan", "--val-fraction 0.6", "--shard-tokens 1"}) {
+    CliRun r = prepare(fmt::format("'{}' --out '{}' --tokenizer '{}' {}", (root / "text0.txt").string(),
+                                   (root / "badflag").string(), tok_b.string(), bad));
+    EXPECT_NE(r.code, 0) << bad << ": " << r.err;
+    EXPECT_NE(r.err.find(bad.substr(0, bad.find(' '))), std::string::npos) << r.err;
+    EXPECT_FALSE(fs::exists(root / "badflag")) << bad;
+  }
   CliRun t = loom_cli(fmt::format("train --data.dir '{}' --train.out_dir '{}' --train.steps 1 --train.eval_every 1 "
                                   "--model.n_layer 1 --model.n_head 2 --model.n_embd 32 --data.seq_len 16 "
                                   "--train.batch_size 2 --train.sample_tokens 0 --train.threads 1",
