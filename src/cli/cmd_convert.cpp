@@ -2,6 +2,7 @@
 //   loom convert --from hf --to loom IN [--config config.json] OUT_DIR [--seed S]
 //     IN: a model directory, model.safetensors or model.safetensors.index.json (Llama's shards)
 //   loom convert --from loom --to hf CKPT_OR_RUN_DIR OUT_DIR [--max-shard-mb N]
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -57,6 +58,27 @@ struct ConvertArgs {
   double max_shard_mb = 5 * 1024;
 };
 
+// An export's directory may hold other files (a tokenizer, a README), but no model already: its
+// weights files and config.json would be mixed with the new ones (a single model.safetensors beside
+// another model's shards and index, which readers take first).
+void refuse_held_model(const std::string& out) {
+  std::error_code ec;
+  if (!fs::is_directory(out, ec)) return;
+  std::vector<std::string> held;
+  for (const auto& e : fs::directory_iterator(out, ec)) {
+    const std::string name = e.path().filename().string();
+    const bool weights = name.starts_with("model") && (name.ends_with(".safetensors") || name.ends_with(".index.json"));
+    if (weights || name == "config.json") held.push_back(name);
+  }
+  if (held.empty()) return;
+  std::sort(held.begin(), held.end());
+  std::string names;
+  for (size_t i = 0; i < held.size() && i < 3; ++i) names += (i ? ", " : "") + held[i];
+  if (held.size() > 3) names += fmt::format(" and {} more", held.size() - 3);
+  throw Error(fmt::format("{}: already holds a model ({}); choose a new directory or remove them (nothing was written)",
+                          out, names));
+}
+
 int run_convert(const ConvertArgs& a) {
   MemoryPool pool("cpu:0");
   if (a.from == "hf" && a.to == "loom") {
@@ -82,6 +104,7 @@ int run_convert(const ConvertArgs& a) {
   }
   if (a.from == "loom" && a.to == "hf") {
     if (!a.config.empty()) throw Error("command line: --config applies to --from hf only");
+    refuse_held_model(a.out);
     const std::string ckpt = model::resolve_checkpoint(a.in);
     const model::GPTConfig cfg = model::checkpoint_model_config(ckpt);
     if (model::is_llama(cfg)) {

@@ -126,6 +126,18 @@ TEST(HfCli, ConvertGenerateAndErrors) {
   r = loom_cli("convert --from loom --to hf '" + (d.p / "missing").string() + "' '" + hf + "'", d.p);
   EXPECT_EQ(r.code, 1);
   EXPECT_EQ(fs::file_size(hf + "/model.safetensors"), before);
+  // An export into a directory that holds a model already (its weights would mix with the new
+  // ones, e.g. Llama shards beside a GPT-2 model.safetensors) is refused naming them; other files
+  // there (a tokenizer) are no obstacle.
+  r = loom_cli("convert --from loom --to hf '" + run + "' '" + hf + "'", d.p);
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.err.find(hf + ": already holds a model (config.json, model.safetensors)"), std::string::npos) << r.err;
+  EXPECT_EQ(fs::file_size(hf + "/model.safetensors"), before);
+  fs::create_directories(d.p / "tok");
+  std::ofstream(d.p / "tok/tokenizer.json") << "{}";
+  r = loom_cli("convert --from loom --to hf '" + run + "' '" + (d.p / "tok").string() + "'", d.p);
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(fs::exists(d.p / "tok/model.safetensors"));
 
   // A generate without a tokenizer says how to give one.
   r = loom_cli("generate '" + run + "' --prompt 'hello' --tokens 3", d.p);
