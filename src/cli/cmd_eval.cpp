@@ -52,14 +52,24 @@ std::vector<int32_t> read_tokens(const EvalArgs& a, const std::string& ckpt, con
                               shard.vocab_size(), ckpt, cfg.vocab_size));
     // The same size is not the same vocabulary: a shard of another tokenizer (`loom prepare` leaves
     // its tokenizer beside its shards) would give a loss of other text.
+    // Without one, only a shard of the model's own vocabulary size is taken.
     const std::string dir = std::filesystem::path(a.tokens).parent_path().string();
     const std::string want = train::read_checkpoint_meta(ckpt).vocabulary;
-    if (!want.empty() && data::Tokenizer::dir_has_tokenizer(dir.empty() ? "." : dir)) {
-      const std::string have = data::Tokenizer::from_dir(dir.empty() ? "." : dir).fingerprint();
-      if (have != want)
+    if (data::Tokenizer::dir_has_tokenizer(dir.empty() ? "." : dir)) {
+      const data::Tokenizer beside = data::Tokenizer::from_dir(dir.empty() ? "." : dir);
+      if (int64_t(shard.vocab_size()) != int64_t(beside.vocab_size()))
+        throw Error(fmt::format("{}: its header's vocabulary has {} tokens, but the tokenizer beside it has {}: not "
+                                "the shard of that tokenizer",
+                                a.tokens, shard.vocab_size(), beside.vocab_size()));
+      const std::string have = beside.fingerprint();
+      if (!want.empty() && have != want)
         throw Error(fmt::format("{}: encoded with vocabulary {} (the tokenizer beside it), but {} was trained with "
                                 "vocabulary {}",
                                 a.tokens, have, ckpt, want));
+    } else if (int64_t(shard.vocab_size()) != cfg.vocab_size) {
+      throw Error(fmt::format("{}: its vocabulary has {} tokens and {}'s has {}, and no tokenizer beside the shard "
+                              "says which it is: put the tokenizer it was prepared with beside it (or use --text)",
+                              a.tokens, shard.vocab_size(), ckpt, cfg.vocab_size));
     }
     ids.resize(size_t(shard.size()));
     shard.read(0, shard.size(), ids.data());

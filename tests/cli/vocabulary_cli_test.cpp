@@ -10,10 +10,12 @@
 #include <iterator>
 #include <map>
 #include <string>
+#include <vector>
 
 #include <fmt/format.h>
 
 #include "cli_util.h"
+#include "data/shard.h"
 #include "data/tokenizer.h"
 
 namespace fs = std::filesystem;
@@ -98,6 +100,25 @@ TEST(VocabularyCli, CheckpointsRefuseAnotherVocabularyOfTheSameSize) {
   CliRun e0 = loom_cli(fmt::format("eval '{}' --tokens '{}' --seq 16", run, (root / "data0" / "train_000.bin").string()),
                        root / "logs");
   EXPECT_EQ(e0.code, 0) << e0.err;
+  // A shard alone (no tokenizer beside it) of another vocabulary size than the model's, and one
+  // whose header disagrees with the tokenizer beside it: refused, naming the shard and both sizes.
+  fs::create_directories(root / "lone");
+  data::write_shard((root / "lone" / "val_000.bin").string(), std::vector<uint32_t>(100, 7), 200);
+  CliRun lone = loom_cli(fmt::format("eval '{}' --tokens '{}' --seq 16", run, (root / "lone" / "val_000.bin").string()),
+                         root / "logs");
+  EXPECT_NE(lone.code, 0);
+  EXPECT_NE(lone.err.find(fmt::format("val_000.bin: its vocabulary has 200 tokens and {}", run)), std::string::npos)
+      << lone.err;
+  EXPECT_NE(lone.err.find("no tokenizer beside the shard"), std::string::npos) << lone.err;
+  fs::copy_file(root / "lone" / "val_000.bin", root / "data0" / "odd_000.bin");
+  CliRun odd = loom_cli(fmt::format("eval '{}' --tokens '{}' --seq 16", run, (root / "data0" / "odd_000.bin").string()),
+                        root / "logs");
+  EXPECT_NE(odd.code, 0);
+  EXPECT_NE(odd.err.find(fmt::format("odd_000.bin: its header's vocabulary has 200 tokens, but the tokenizer beside it "
+                                     "has {}",
+                                     tok0.vocab_size())),
+            std::string::npos)
+      << odd.err;
   fs::remove_all(root);
 }
 
