@@ -497,7 +497,19 @@ std::unique_ptr<data::Tokenizer> load_run_tokenizer(const TrainConfig& cfg, int6
   if (!present && !cfg.tokenizer_dir.empty())
     throw Error(fmt::format("data.tokenizer: {} has no tokenizer (encoder.json + vocab.bpe, or tokenizer.json)",
                             dir.string()));
-  if (!present) return nullptr;
+  if (!present) {
+    // Half of a tokenizer's pair of files is a broken tokenizer, not none.
+    for (const auto& [a, b] : {std::pair{"encoder.json", "vocab.bpe"}, std::pair{"vocab.json", "merges.txt"}})
+      if (std::filesystem::exists(dir / a) != std::filesystem::exists(dir / b))
+        throw Error(fmt::format("{}: {} without {} (a tokenizer is both files)", dir.string(),
+                                std::filesystem::exists(dir / a) ? a : b, std::filesystem::exists(dir / a) ? b : a));
+    if (!cfg.sample_prompt.empty())
+      throw Error(fmt::format("train.sample_prompt: encoding \"{}\" needs a tokenizer, and {} has none (data.tokenizer "
+                              "names the directory of one)",
+                              cfg.sample_prompt.size() > 40 ? cfg.sample_prompt.substr(0, 40) + "..." : cfg.sample_prompt,
+                              dir.string()));
+    return nullptr;
+  }
   auto tok = std::make_unique<data::Tokenizer>(data::Tokenizer::from_dir(dir.string()));
   if (tok->vocab_size() != data_vocab)
     throw Error(fmt::format("{}: the tokenizer has {} tokens, but the token shards in {} were written for a "

@@ -123,6 +123,15 @@ TEST(RunData, TheTokenizerMustBeTheShards) {
   // No tokenizer anywhere and none asked for: samples as token ids.
   c.tokenizer_dir.clear();
   EXPECT_EQ(open_run_data(c, "run.toml").tokenizer, nullptr);
+  // ... but a sample prompt (text) needs one to be encoded: refused naming the field, not dropped.
+  c.sample_prompt = "the quick";
+  msg = error_of(c);
+  EXPECT_NE(msg.find("train.sample_prompt: encoding \"the quick\" needs a tokenizer"), std::string::npos) << msg;
+  c.sample_prompt.clear();
+  // Half of a tokenizer's pair is a broken tokenizer, named, not none.
+  fs::copy_file(d.p / "tok" / "vocab.bpe", d.p / "other" / "vocab.bpe");
+  msg = error_of(c);
+  EXPECT_NE(msg.find((d.p / "other").string() + ": vocab.bpe without encoder.json"), std::string::npos) << msg;
 }
 
 // A model far beyond the host's memory is refused before any of it is allocated (a billion
