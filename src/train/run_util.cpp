@@ -305,6 +305,21 @@ void check_resume_checkpoint(const std::string& ckpt, const CheckpointMeta& meta
                             "(model.prune_embedding keeps the tokens of the run's data: resume on the data the run "
                             "was pruned for)",
                             manifest, meta.model["input_rows"].dump(), cfg.data_dir, mc.input_rows()));
+  // Every parameter of the model at its shape in the manifest (a rank reads its slices by element:
+  // a tensor of another shape with as many elements would be read as if it were this one).
+  if (!meta.tensors.empty()) {
+    std::map<std::string, Shape> listed;
+    for (const TensorInfo& t : meta.tensors) listed[t.name] = t.shape;
+    for (const model::ParamSpec& s : model::gpt_param_specs(mc)) {
+      auto it = listed.find("param/" + s.name);
+      const bool widened = mc.kept_tokens && s.name == "wte.weight" && it != listed.end() &&
+                           it->second == Shape{mc.vocab_size, mc.n_embd};
+      if (it != listed.end() && (it->second == s.shape || widened)) continue;
+      throw Error(fmt::format("{}: the checkpoint's parameter '{}' is {}, but this run's model has it {}", manifest,
+                              s.name, it == listed.end() ? std::string("missing") : shape_str(it->second),
+                              shape_str(s.shape)));
+    }
+  }
   // The optimizer's state must be the one this run's optimizer keeps (after its first step:
   // before it, every optimizer's state is zero, and a run may start any optimizer from it).
   if (meta.optimizer_steps > 0 && meta.tensors.empty() && cfg.optimizer != "adamw")

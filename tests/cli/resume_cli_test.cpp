@@ -10,7 +10,10 @@
 
 #include <fmt/format.h>
 
+#include <nlohmann/json.hpp>
+
 #include "cli_util.h"
+#include "data/shard.h"
 #include "train/run_util.h"
 
 namespace fs = std::filesystem;
@@ -90,6 +93,36 @@ TEST(ResumeCli, FewerStepsThanTheCheckpointIsRefused) {
   EXPECT_NE(fewer.err.find("is at step 4"), std::string::npos) << fewer.err;
   EXPECT_EQ(slurp(run / "metrics.jsonl"), metrics);
   EXPECT_TRUE(fs::exists(run / "ckpt_00000004"));
+}
+
+// A checkpoint whose manifest gives a parameter another shape of as many elements (a consistent
+// writer that is not loom: its checksum rewritten to match) is refused on resume, naming the
+// manifest, the tensor and both shapes, as eval, generate and convert refuse it; nothing changes.
+TEST(ResumeCli, AParameterOfAnotherShapeInTheManifestIsRefused) {
+  LOOM_REQUIRE_LOOM();
+  RunFixture r;
+  const fs::path run = r.root / "run";
+  CliRun first = r.train(run, 2, false);
+  ASSERT_EQ(first.code, 0) << first.err;
+  const fs::path mp = run / "ckpt_00000002" / "manifest.json";
+  nlohmann::json m = nlohmann::json::parse(std::ifstream(mp));
+  bool swapped = false;
+  for (auto& t : m["tensors"])
+    if (t["name"] == "param/h.0.attn.c_attn.weight") std::swap(t["shape"][0], t["shape"][1]), swapped = true;
+  ASSERT_TRUE(swapped) << m.dump();
+  const std::string text = m.dump(2) + "\n";
+  std::ofstream(mp, std::ios::trunc) << text;
+  std::ofstream(run / "ckpt_00000002" / "manifest.crc32", std::ios::trunc) << data::crc32(text.data(), text.size())
+                                                                           << "\n";
+  const std::string metrics = slurp(run / "metrics.jsonl");
+  CliRun resumed = r.train(run, 4, true);
+  EXPECT_NE(resumed.code, 0);
+  EXPECT_NE(resumed.err.find(mp.string() + ": the checkpoint's parameter 'h.0.attn.c_attn.weight' is [32, 96], but "
+                                           "this run's model has it [96, 32]"),
+            std::string::npos)
+      << resumed.err;
+  EXPECT_EQ(slurp(run / "metrics.jsonl"), metrics);
+  EXPECT_FALSE(fs::exists(run / "ckpt_00000004"));
 }
 
 // A run started without --resume in a directory that holds a run is refused, naming both ways on
