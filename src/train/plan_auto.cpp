@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/backend.h"
 #include "core/error.h"
@@ -69,9 +71,38 @@ void apply_layout(TrainConfig& cfg, const plan::Layout& L) {
   cfg.stage_layers.clear();
 }
 
+// What the config gave (other than its defaults) for the fields the plan chooses, and the plan
+// replaced: "parallel.zero 3 -> 1". (dp, tp, pp and cp give the number of ranks, which the plan
+// divides anew.)
+std::vector<std::string> replaced_fields(const TrainConfig& given, const TrainConfig& chosen) {
+  const TrainConfig d;
+  std::vector<std::string> out;
+  const auto note = [&](const char* field, const auto& g, const auto& dflt, const auto& c) {
+    if (g != dflt && g != c) out.push_back(fmt::format("{} {} -> {}", field, g, c));
+  };
+  note("parallel.sp", given.sp, d.sp, chosen.sp);
+  note("parallel.zero", given.zero, d.zero, chosen.zero);
+  note("parallel.offload", given.offload, d.offload, chosen.offload);
+  note("parallel.schedule", given.schedule, d.schedule, chosen.schedule);
+  note("parallel.virtual_stages", given.virtual_stages, d.virtual_stages, chosen.virtual_stages);
+  note("train.grad_accum", given.grad_accum, d.grad_accum, chosen.grad_accum);
+  note("memory.recompute", given.recompute, d.recompute, chosen.recompute);
+  if (!given.stage_layers.empty()) out.push_back(fmt::format("parallel.stage_layers [{}] -> cut by cost",
+                                                             fmt::join(given.stage_layers, ",")));
+  return out;
+}
+
 }  // namespace
 
 std::string apply_auto_plan(TrainConfig& cfg, const std::string& config_path) {
+  // The plan chooses the recompute policy among none, selective and full, within train.memory_limit;
+  // an activation budget is optimal recomputation's, which the user chooses with the layout.
+  if (cfg.activation_budget > 0)
+    throw Error(fmt::format("--plan auto: chooses memory.recompute (none, selective or full) to fit "
+                            "train.memory_limit; memory.activation_budget ({} bytes) is for a policy you choose "
+                            "(memory.recompute = optimal): give train.memory_limit instead, or the layout without "
+                            "--plan auto",
+                            cfg.activation_budget));
   const int world = int(cfg.pp * cfg.dp * cfg.cp * cfg.tp);
   // The model as the run will build it (the vocabulary from the data).
   const model::GPTConfig mc = open_run_data(cfg, config_path).model;
@@ -138,6 +169,7 @@ std::string apply_auto_plan(TrainConfig& cfg, const std::string& config_path) {
                             "a smaller train.batch_size or data.seq_len",
                             ranks, job.model.str(), why));
   }
+  const std::vector<std::string> replaced = replaced_fields(cfg, out);
   cfg = out;
   const plan::Estimate& e = *chosen;
   std::string said = fmt::format("plan auto: {} of {} layouts of {} fit; chose {} (predicted {:.0f} tokens/s, "
@@ -147,6 +179,7 @@ std::string apply_auto_plan(TrainConfig& cfg, const std::string& config_path) {
   if (e.layout.offload) said += fmt::format(" + {} of host memory", format_bytes(int64_t(e.host_memory_total)));
   said += ")";
   if (next) said += fmt::format("; next {} ({:.0f} tokens/s)", next->layout.str(), next->tokens_per_s);
+  if (!replaced.empty()) said += fmt::format("; in place of the config's {}", fmt::join(replaced, ", "));
   if (refused > 0)
     said += fmt::format("; {} faster layout{} passed over, refused by the run (the first: {})", refused,
                         refused > 1 ? "s" : "", first_refusal);

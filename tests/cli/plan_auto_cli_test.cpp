@@ -101,6 +101,24 @@ TEST(PlanAutoCli, TrainsWithThePlannersFirstChoice) {
   LOOM_REQUIRE_LOOM();
   trains_with_the_first_choice("loom_plan_auto_cli", "--train.device cpu");
   TrainScratch r("loom_plan_auto_bad_cli");
+  // Layout fields the config gave are replaced by the plan's, and the line says which; an
+  // activation budget (optimal recomputation's) is refused: the plan chooses the policy.
+  CliRun given = r.train("given", fmt::format("{} --parallel.dp 2 --parallel.zero 3 --memory.recompute every-k "
+                                              "--plan auto",
+                                              kModel));
+  ASSERT_EQ(given.code, 0) << given.err;
+  EXPECT_NE(given.out.find("in place of the config's "), std::string::npos) << given.out;
+  EXPECT_NE(given.out.find("memory.recompute every-k -> "), std::string::npos) << given.out;  // (never chosen)
+  if (chosen(given.out).layout.find("zero=3") == std::string::npos)
+    EXPECT_NE(given.out.find("parallel.zero 3 -> "), std::string::npos) << given.out;
+  CliRun budget = r.train("budget", fmt::format("{} --parallel.dp 2 --memory.recompute optimal "
+                                               "--memory.activation_budget 100000 --plan auto",
+                                               kModel));
+  EXPECT_NE(budget.code, 0);
+  EXPECT_NE(budget.err.find("--plan auto: chooses memory.recompute (none, selective or full) to fit "
+                            "train.memory_limit; memory.activation_budget"),
+            std::string::npos)
+      << budget.err;
   CliRun bad = r.train("bad", fmt::format("{} --plan manual", kModel));
   EXPECT_NE(bad.code, 0);
   EXPECT_NE(bad.err.find("--plan"), std::string::npos) << bad.err;
