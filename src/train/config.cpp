@@ -359,8 +359,10 @@ void TrainConfig::validate(const std::string& where, const std::vector<std::stri
   need(eval_batches > 0, "train.eval_batches", fmt::format("must be positive, got {}", eval_batches));
   need(sample_every >= 0, "train.sample_every", fmt::format("must be non-negative, got {}", sample_every));
   need(!out_dir.empty(), "train.out_dir", "must name a directory");
-  need(sample_tokens >= 0 && sample_top_k >= 0 && sample_temperature > 0, "train.sample_*",
-       "sample_tokens >= 0, sample_top_k >= 0, sample_temperature > 0");
+  need(sample_tokens >= 0, "train.sample_tokens", fmt::format("must be non-negative, got {}", sample_tokens));
+  need(sample_top_k >= 0, "train.sample_top_k", fmt::format("must be non-negative (0: all), got {}", sample_top_k));
+  need(sample_temperature > 0 && std::isfinite(sample_temperature), "train.sample_temperature",
+       fmt::format("must be positive and finite, got {}", sample_temperature));
   need(checkpoint_every >= 0, "train.checkpoint_every", "must be non-negative");
   need(keep_checkpoints >= 1, "train.keep_checkpoints", "must be at least 1");
   need(skip_nonfinite >= 0, "train.skip_nonfinite", fmt::format("must be non-negative, got {}", skip_nonfinite));

@@ -179,12 +179,19 @@ RunData open_run_data(const TrainConfig& cfg, const std::string& config_path) {
                r.val->files().front(), r.val->vocab_size(), r.train.files().front(), r.train.vocab_size());
   }
   r.model = cfg.model(int64_t(r.train.vocab_size()));
-  r.model.validate(config_path.empty() ? "model config" : config_path + ": [model]");
-  LOOM_CHECK(int64_t(r.train.vocab_size()) <= r.model.vocab_size,
-             "{}: model.vocab_size {} is smaller than the data's vocabulary {}", config_path, r.model.vocab_size,
-             r.train.vocab_size());
-  LOOM_CHECK(cfg.seq_len <= r.model.block_size, "{}: data.seq_len {} exceeds model.block_size {}", config_path,
-             cfg.seq_len, r.model.block_size);
+  r.model.validate(cfg.origin({"model.preset", "model.n_layer", "model.n_head", "model.n_embd", "model.vocab_size",
+                               "model.block_size", "model.n_kv_head", "model.ffn_hidden", "model.norm_eps",
+                               "model.position", "model.rope_theta", "model.rope_scaling_factor",
+                               "model.rope_low_freq_factor", "model.rope_high_freq_factor",
+                               "model.rope_original_max_position"},
+                              config_path.empty() ? "model config" : config_path + ": [model]"));
+  if (int64_t(r.train.vocab_size()) > r.model.vocab_size)
+    throw Error(fmt::format("{}: model.vocab_size {} is smaller than the data's vocabulary {}",
+                            cfg.origin({"model.vocab_size"}, config_path), r.model.vocab_size, r.train.vocab_size()));
+  if (cfg.seq_len > r.model.block_size)
+    throw Error(fmt::format("{}: data.seq_len {} exceeds model.block_size {}",
+                            cfg.origin({"data.seq_len", "model.block_size", "model.preset"}, config_path), cfg.seq_len,
+                            r.model.block_size));
   check_host_memory(cfg, r.model, config_path);
   r.tokenizer = load_run_tokenizer(cfg, int64_t(r.train.vocab_size()));
   if (cfg.prune_embedding) {

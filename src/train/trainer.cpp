@@ -1137,9 +1137,10 @@ TrainResult run_training(const TrainConfig& cfg, const TrainOptions& opt) {
   if (cfg.cp > 1 && cfg.seq_len % (2 * cfg.cp) != 0)
     throw Error(fmt::format("{}: data.seq_len = {} must be divisible by 2 x parallel.cp = {} (each rank takes two "
                             "chunks of every sequence)",
-                            where, cfg.seq_len, 2 * cfg.cp));
+                            cfg.origin({"data.seq_len", "parallel.cp"}, where), cfg.seq_len, 2 * cfg.cp));
   if (cfg.tp > 1 && cfg.n_head > 0 && cfg.n_head % cfg.tp != 0)
-    throw Error(fmt::format("{}: model.n_head = {} is not divisible by parallel.tp = {}", where, cfg.n_head, cfg.tp));
+    throw Error(fmt::format("{}: model.n_head = {} is not divisible by parallel.tp = {}",
+                            cfg.origin({"model.n_head", "parallel.tp"}, where), cfg.n_head, cfg.tp));
   // The outputs a run writes are checked before it starts, the trace's too, which it writes at its
   // end: a run of hours must not end in "cannot write" (each file is still written whole or not at
   // all, core/file.h). Nothing is created yet: a run refused later leaves no folder behind.
