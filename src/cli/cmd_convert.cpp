@@ -92,6 +92,10 @@ int run_convert(const ConvertArgs& a) {
     }
     const model::GPTConfig cfg = model::read_hf_config(config);
     const std::string st = fs::is_directory(a.in) ? (fs::path(a.in) / "model.safetensors").string() : a.in;
+    if (!model::is_llama(cfg) && st.ends_with(".index.json"))
+      throw Error(fmt::format("{}: an index of sharded weights, and a GPT-2 model is read from one model.safetensors "
+                              "(give that file or its directory)",
+                              st));
     check_config_fits_files(cfg, model::is_llama(cfg) ? model::hf_files(a.in).files : std::vector<std::string>{st},
                             config);
     model::GPT gpt(cfg, pool, a.seed);

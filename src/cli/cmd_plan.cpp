@@ -162,6 +162,14 @@ Registrar reg{Command{
                     static_cast<long long>(r.fitting), r.seconds);
         if (r.best.empty()) {
           std::printf("no layout fits\n");
+          // None to consider: the devices cannot be divided as the layouts need.
+          if (r.considered == 0)
+            std::printf("no layout divides %d devices for this job: dp x tp x pp x cp must be the devices, with dp "
+                        "dividing the global batch (%lld), tp the heads (%lld) and at most a node's %d devices, pp the "
+                        "layers (%lld), and cp of 2, 4 or 8 only for sequences of 8192 or more (%lld)\n",
+                        job.devices, static_cast<long long>(job.global_batch), static_cast<long long>(job.model.heads),
+                        job.cluster.per_node, static_cast<long long>(job.model.layers),
+                        static_cast<long long>(job.model.seq));
           if (r.least)
             std::printf("the least any needs is %.2f GB per device (%s): it fits a device of %.2f GB\n",
                         r.least->memory_total / 1e9, r.least->layout.str().c_str(),

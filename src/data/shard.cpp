@@ -167,7 +167,9 @@ void Shard::read(uint64_t first, uint64_t n, int32_t* out) const {
 std::vector<std::string> list_shards(const std::string& dir, const std::string& split) {
   namespace fs = std::filesystem;
   std::error_code ec;
-  LOOM_CHECK(fs::is_directory(dir, ec), "{}: data directory does not exist", dir);
+  if (!fs::is_directory(dir, ec))
+    throw Error(fmt::format("{}: {} (data.dir names the directory of the train_*.bin / val_*.bin shards)", dir,
+                            fs::exists(dir, ec) ? "a file, not a directory" : "data directory does not exist"));
   std::vector<std::string> out;
   for (auto& e : fs::directory_iterator(dir)) {
     std::string name = e.path().filename().string();

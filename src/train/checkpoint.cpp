@@ -463,7 +463,7 @@ CheckpointMeta read_checkpoint_meta(const std::string& ckpt) {
   }
   if (!m.is_object()) throw Error(fmt::format("{}: not a JSON object", path));
   if (m.contains("version") && m["version"].is_number_integer() && m["version"].get<int64_t>() >= 2 && !has_crc)
-    throw Error(fmt::format("{}: missing (a version 2 checkpoint has one)", crc_path));
+    throw Error(fmt::format("{}: missing (checkpoints of version 2 and later have one)", crc_path));
   auto field = [&](const char* key) -> const nlohmann::json& {
     if (!m.contains(key)) throw Error(fmt::format("{}: missing field '{}'", path, key));
     return m[key];

@@ -96,7 +96,7 @@ void load_hf_gpt2(const std::string& path, GPT& gpt) {
     if (e.dtype != DType::f32 && e.dtype != DType::f16 && e.dtype != DType::bf16)
       throw Error(fmt::format("{}: tensor '{}' has dtype {}, expected F32, F16 or BF16", path, e.name,
                               dtype_name(e.dtype)));
-    std::vector<float> v = r.read_f32(e.name);  // f32 [hf shape]
+    std::vector<float> v = r.read_finite_f32(e.name);  // f32 [hf shape]
     if (k.conv1d) transpose_2d(v.data(), p->value.f32(), want[0], want[1]);
     else std::memcpy(p->value.f32(), v.data(), v.size() * sizeof(float));
     used.insert(k.name);

@@ -145,7 +145,7 @@ void load_hf_llama(const std::string& path, GPT& gpt) {
     if (e.dtype != DType::f32 && e.dtype != DType::f16 && e.dtype != DType::bf16)
       throw Error(fmt::format("{}: tensor '{}' has dtype {}, expected F32, F16 or BF16", it->second, e.name,
                               dtype_name(e.dtype)));
-    const std::vector<float> v = r.read_f32(e.name);
+    const std::vector<float> v = r.read_finite_f32(e.name);
     Parameter* p = params.at(part.loom_name);
     const int64_t cols = p->spec.shape.size() == 2 ? p->spec.shape[1] : 1;
     std::memcpy(p->value.f32() + part.row0 * cols, v.data(), v.size() * sizeof(float));

@@ -237,6 +237,14 @@ std::vector<float> SafetensorsReader::read_f32(const std::string& name) const {
   return out;
 }
 
+std::vector<float> SafetensorsReader::read_finite_f32(const std::string& name) const {
+  std::vector<float> v = read_f32(name);
+  for (size_t i = 0; i < v.size(); ++i)
+    if (!std::isfinite(v[i]))
+      bad(path_, fmt::format("tensor '{}' holds {} at index {}: a model's weights must be finite", name, v[i], i));
+  return v;
+}
+
 size_t SafetensorsWriter::check_new(const std::string& name, DType dtype, const Shape& shape) const {
   LOOM_CHECK(!name.empty() && name != "__metadata__", "safetensors: invalid tensor name '{}'", name);
   for (const auto& it : items_) LOOM_CHECK(it.name != name, "safetensors: tensor '{}' added twice", name);

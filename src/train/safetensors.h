@@ -54,6 +54,9 @@ class SafetensorsReader {
   Tensor load(const std::string& name, MemTag tag, MemoryPool& pool = default_cpu_pool()) const;
   // Tensor `name` as f32 values in a host vector (f32, bf16, f16 tensors), for tests and tools.
   std::vector<float> read_f32(const std::string& name) const;
+  // read_f32, refusing a value that is not finite (a model to take in), naming the file, the tensor
+  // and the first such element.
+  std::vector<float> read_finite_f32(const std::string& name) const;
 
  private:
   std::string path_;

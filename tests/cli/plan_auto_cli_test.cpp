@@ -163,4 +163,13 @@ TEST(PlanCli, NothingFitsNamesTheLeastDemandingLayout) {
   EXPECT_GT(std::stod(m[1].str()), 80.0) << r.out;  // more than an A100's 80 GB
   EXPECT_NEAR(std::stod(m[3].str()), std::stod(m[1].str()) / loom::plan::kUsableMemory, 0.011) << r.out;
   EXPECT_NO_THROW(loom::plan::parse_layout(m[2].str())) << r.out;
+  // Devices no layout divides: said why, not only "no layout fits".
+  std::filesystem::create_directories(logs);
+  CliRun seven = loom_cli("plan --gpus 7 --global-batch 64", logs);
+  std::filesystem::remove_all(logs);
+  EXPECT_EQ(seven.code, 1) << seven.err;
+  EXPECT_NE(seven.out.find("0 layouts considered"), std::string::npos) << seven.out;
+  EXPECT_NE(seven.out.find("no layout divides 7 devices for this job: dp x tp x pp x cp must be the devices"),
+            std::string::npos)
+      << seven.out;
 }

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <limits>
 #include <fstream>
 #include <sstream>
 
@@ -103,6 +104,33 @@ TEST(HfCli, ConvertGenerateAndErrors) {
   EXPECT_NE(r.err.find("h.0.attn.c_attn.weight"), std::string::npos) << r.err;
   EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
   EXPECT_FALSE(fs::exists(run + "2/latest"));
+  // A weight that is not finite is refused naming the file, the tensor and the element; an index
+  // file where a GPT-2 model's one file belongs is named as such.
+  {
+    loom::train::SafetensorsWriter wn;
+    std::vector<std::vector<float>> vals;
+    for (const auto& e : in.entries()) {
+      vals.push_back(in.read_f32(e.name));
+      if (e.name == "h.0.ln_1.weight") vals.back()[3] = std::numeric_limits<float>::quiet_NaN();
+      wn.add(e.name, loom::DType::f32, e.shape, vals.back().data());
+    }
+    fs::create_directories(d.p / "nan");
+    wn.write((d.p / "nan/model.safetensors").string());
+    fs::copy_file(dump / "config.json", d.p / "nan/config.json");
+    r = loom_cli("convert --from hf --to loom '" + (d.p / "nan").string() + "' '" + run + "4'", d.p);
+    EXPECT_EQ(r.code, 1);
+    EXPECT_NE(r.err.find((d.p / "nan/model.safetensors").string() + ": tensor 'h.0.ln_1.weight' holds nan at index 3"),
+              std::string::npos)
+        << r.err;
+    std::ofstream(d.p / "nan/model.safetensors.index.json") << "{}";
+    r = loom_cli("convert --from hf --to loom '" + (d.p / "nan/model.safetensors.index.json").string() + "' '" + run +
+                     "5'",
+                 d.p);
+    EXPECT_EQ(r.code, 1);
+    EXPECT_NE(r.err.find("an index of sharded weights, and a GPT-2 model is read from one model.safetensors"),
+              std::string::npos)
+        << r.err;
+  }
   // A config.json of more layers or a larger vocabulary than the weights hold is refused naming it
   // before a model is allocated from it (10^12 layers ran out of memory).
   for (const auto& [key, value] : std::vector<std::pair<std::string, int64_t>>{{"n_layer", 1'000'000'000'000},

@@ -123,6 +123,10 @@ TEST(RunData, TheTokenizerMustBeTheShards) {
   // No tokenizer anywhere and none asked for: samples as token ids.
   c.tokenizer_dir.clear();
   EXPECT_EQ(open_run_data(c, "run.toml").tokenizer, nullptr);
+  // data.dir naming a shard file rather than its directory: said so.
+  TrainConfig file = config_for(d.p / "same" / "train_000.bin");
+  msg = error_of(file);
+  EXPECT_NE(msg.find("train_000.bin: a file, not a directory (data.dir names the directory"), std::string::npos) << msg;
   // ... but a sample prompt (text) needs one to be encoded: refused naming the field, not dropped.
   c.sample_prompt = "the quick";
   msg = error_of(c);
