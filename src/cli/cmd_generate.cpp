@@ -67,6 +67,9 @@ int run_generate(const GenerateArgs& a) {
   for (int32_t t : prompt)
     if (t >= cfg.vocab_size)
       throw Error(fmt::format("command line: prompt token {} is outside the model's vocabulary of {}", t, cfg.vocab_size));
+  if (a.stop_id < -1 || a.stop_id >= cfg.vocab_size)
+    throw Error(fmt::format("command line: --stop-id {} is outside the model's vocabulary of {} (-1: never stop)",
+                            a.stop_id, cfg.vocab_size));
   if (tok && tok->vocab_size() > cfg.vocab_size)
     throw Error(fmt::format("tokenizer has {} tokens but {} has a vocabulary of {}", tok->vocab_size(), ckpt,
                             cfg.vocab_size));

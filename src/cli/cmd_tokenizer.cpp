@@ -190,9 +190,9 @@ Command make_command() {
             ->required()
             ->check(CLI::Range(256, 1 << 24));
         t->add_option("--out", train->out, "output folder")->required();
-        t->add_option("--special", train->special,
-                      "special tokens appended to the vocabulary (default <|endoftext|>)");
-        t->add_flag("--no-special", train->no_special, "add no special tokens");
+        CLI::Option* special = t->add_option("--special", train->special,
+                                             "special tokens appended to the vocabulary (default <|endoftext|>)");
+        t->add_flag("--no-special", train->no_special, "add no special tokens")->excludes(special);
         t->add_option("--min-frequency", train->min_frequency,
                       "stop when the most frequent pair occurs fewer times (default 2)");
         t->add_option("files", train->files, "training text")->required()->check(CLI::ExistingFile);

@@ -41,5 +41,12 @@ TEST(TokenizerCli, AFolderAsAnInputFileIsRefused) {
                        root / "logs");
   EXPECT_EQ(ok.code, 0) << ok.err;
   EXPECT_FALSE(ok.out.empty());
+  // Special tokens given and none asked for: refused, not one of them dropped.
+  CliRun both = loom_cli(fmt::format("tokenizer train --vocab-size 270 --out '{}' '{}' --special '<x>' --no-special",
+                                     (root / "vocab2").string(), (root / "text.txt").string()),
+                         root / "logs");
+  EXPECT_NE(both.code, 0);
+  EXPECT_NE(both.err.find("--special excludes --no-special"), std::string::npos) << both.err;
+  EXPECT_FALSE(fs::exists(root / "vocab2"));
   fs::remove_all(root);
 }

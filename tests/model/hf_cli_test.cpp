@@ -67,7 +67,9 @@ TEST(HfCli, ConvertGenerateAndErrors) {
            {"--temperature inf", "--temperature must be a positive finite number, got inf"},
            {"--temperature nan", "--temperature must be a positive finite number, got nan"},
            {"--seed -1", "--seed: must be a whole number from 0 to 18446744073709551615, got -1"},
-           {"--seed 18446744073709551616", "--seed: must be a whole number"}}) {
+           {"--seed 18446744073709551616", "--seed: must be a whole number"},
+           {"--stop-id 99999", "--stop-id 99999 is outside the model's vocabulary"},
+           {"--stop-id -5", "--stop-id -5 is outside the model's vocabulary"}}) {
     const CliRun bad = loom_cli("generate '" + run + "' --ids --prompt '5 17' --tokens 2 " + flags, d.p);
     EXPECT_NE(bad.code, 0) << flags;
     EXPECT_NE(bad.err.find(why), std::string::npos) << flags << ": " << bad.err;
