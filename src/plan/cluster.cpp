@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <cmath>
+#include <map>
 #include <filesystem>
 #include <utility>
 
@@ -83,12 +84,24 @@ Cluster read_cluster(const std::string& path) {
   }
   Cluster c = builtin(base);
   c.name = std::filesystem::path(path).stem().string();
+  // Each field within what hardware has (by orders of magnitude either way): a rate of 1e-300
+  // gave step times of 300 digits.
+  const std::map<std::string, std::pair<double, double>> ranges{
+      {"peak_tflops_bf16", {1e-3, 1e6}}, {"peak_tflops_f32", {1e-3, 1e6}}, {"efficiency", {1e-3, 1}},
+      {"gemm_half", {1e-3, 1e15}},       {"memory_gb", {1e-3, 1e6}},       {"memory_gbs", {1e-3, 1e6}},
+      {"intra_gbs", {1e-3, 1e6}},        {"inter_gbs", {1e-3, 1e6}},
+      {"host_gbs", {1e-3, 1e6}},         {"host_memory_gbs", {1e-3, 1e6}}, {"host_memory_gb", {1e-3, 1e9}},
+      {"intra_latency_us", {1e-3, 1e7}}, {"inter_latency_us", {1e-3, 1e7}}, {"host_latency_us", {1e-3, 1e7}}};
   auto number = [&](const toml::node& v, const std::string& field) -> double {
     double x = 0;
     if (v.is_integer()) x = double(v.as_integer()->get());
     else if (v.is_floating_point()) x = v.as_floating_point()->get();
     else throw Error(fmt::format("{}: {} must be a number", path, field));
     if (!(x > 0) || !std::isfinite(x)) throw Error(fmt::format("{}: {} must be positive and finite, got {}", path, field, x));
+    const auto it = ranges.find(field.substr(field.find('.') + 1));
+    if (it != ranges.end() && (x < it->second.first || x > it->second.second))
+      throw Error(fmt::format("{}: {} must be from {:g} to {:g}, got {:g}", path, field, it->second.first,
+                              it->second.second, x));
     return x;
   };
   for (auto&& [k, v] : t) {

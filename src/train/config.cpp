@@ -255,6 +255,11 @@ void set_from_text(const Value& v, const std::string& text, const std::string& w
   set_from_node(v, *t.get("x"), where);
 }
 
+// A key as an error shows it: at most 80 characters (a megabyte-long key was echoed whole).
+std::string shown(const std::string& key) {
+  return key.size() <= 80 ? key : key.substr(0, 80) + fmt::format("... ({} characters)", key.size());
+}
+
 void walk(const toml::table& t, const std::string& prefix, TrainConfig& c, const std::string& file) {
   for (const auto& [k, node] : t) {
     std::string key = prefix.empty() ? std::string(k.str()) : prefix + "." + std::string(k.str());
@@ -265,14 +270,14 @@ void walk(const toml::table& t, const std::string& prefix, TrainConfig& c, const
       });
       if (!section)
         throw Error(fmt::format("{}:{}: unknown section [{}] (see `loom train --help-config`)", file,
-                                k.source().begin.line, key));
+                                k.source().begin.line, shown(key)));
       walk(*node.as_table(), key, c, file);
       continue;
     }
     const Field* f = find_field(key);
     if (!f) {
       auto line = k.source().begin.line;
-      throw Error(fmt::format("{}:{}: unknown key '{}' (see `loom train --help-config`)", file, line, key));
+      throw Error(fmt::format("{}:{}: unknown key '{}' (see `loom train --help-config`)", file, line, shown(key)));
     }
     set_from_node(f->get(c), node, fmt::format("{}: {}", file, key));
   }
@@ -600,7 +605,9 @@ void check_toml_text(const std::string& text, const std::string& path) {
     throw Error(fmt::format("{}:{}:{}: {} (not a TOML text file)", path, line, column, what));
   };
   auto starts = [&](size_t i, const char* s) { return text.compare(i, std::strlen(s), s) == 0; };
-  for (size_t i = 0; i < text.size(); ++i) {
+  // (A UTF-8 byte order mark, as some editors write one, is not part of the text.)
+  const size_t start = text.starts_with("\xEF\xBB\xBF") ? 3 : 0;
+  for (size_t i = start; i < text.size(); ++i) {
     const unsigned char ch = static_cast<unsigned char>(text[i]);
     ++column;
     if (ch == '\n') {
@@ -657,8 +664,9 @@ TrainConfig load_config(const std::string& path, const std::vector<std::string>&
   TrainConfig c;
   if (!path.empty()) {
     toml::table t;
-    const std::string text = read_file(path);
+    std::string text = read_file(path);
     check_toml_text(text, path);
+    if (text.starts_with("\xEF\xBB\xBF")) text.erase(0, 3);
     try {
       t = toml::parse(text, path);
     } catch (const toml::parse_error& e) {
@@ -673,7 +681,7 @@ TrainConfig load_config(const std::string& path, const std::vector<std::string>&
     LOOM_CHECK(eq != std::string::npos, "command line: override '{}' is not key=value", o);
     std::string key = o.substr(0, eq), val = o.substr(eq + 1);
     const Field* f = find_field(key);
-    if (!f) throw Error(fmt::format("command line: unknown key '--{}' (see `loom train --help-config`)", key));
+    if (!f) throw Error(fmt::format("command line: unknown key '--{}' (see `loom train --help-config`)", shown(key)));
     set_from_text(f->get(c), val, fmt::format("command line: --{}", key));
     from_command_line.push_back(key);
   }

@@ -343,7 +343,8 @@ TEST(Planner, OffloadMovesTheOptimizerToTheHost) {
 
 // Model and cluster files: sizes beyond the planner's range (2^62 layers threw bad_alloc, 10^5
 // walked layer lists for minutes, ffn 2^62 overflowed the parameter count) and cluster numbers that
-// are not finite, or a fractional gpus_per_node, are refused naming the file and the field.
+// are not finite or beyond any hardware, or a fractional gpus_per_node, are refused naming the file
+// and the field.
 TEST(Planner, ModelAndClusterFilesOutOfRangeAreNamed) {
   const std::string dir = ::testing::TempDir();
   auto refused = [&](const std::string& name, const std::string& text, bool cluster) {
@@ -372,6 +373,11 @@ TEST(Planner, ModelAndClusterFilesOutOfRangeAreNamed) {
   EXPECT_EQ(refused("c3.toml", "[cluster]\ngpus_per_node = 8.0\n", true), "accepted");
   e = refused("c2.toml", "[device]\npeak_tflops_bf16 = inf\n", true);
   EXPECT_NE(e.find("c2.toml: device.peak_tflops_bf16 must be positive and finite"), std::string::npos) << e;
+  // Finite but beyond any hardware by orders of magnitude (it printed step times of 300 digits).
+  e = refused("c4.toml", "[device]\npeak_tflops_bf16 = 1e-300\n", true);
+  EXPECT_NE(e.find("c4.toml: device.peak_tflops_bf16 must be from 0.001 to 1e+06, got 1e-300"), std::string::npos) << e;
+  e = refused("c5.toml", "[cluster]\nintra_latency_us = 1e300\n", true);
+  EXPECT_NE(e.find("c5.toml: cluster.intra_latency_us must be from 0.001 to 1e+07"), std::string::npos) << e;
 }
 
 // A calibrated cpu profile: the layer's products at the linear grid's rates (interpolated between

@@ -160,6 +160,16 @@ TEST(TrainConfig, ErrorsNameFileAndField) {
             (std::vector<int64_t>{1, 7}));
   EXPECT_THROW(collect_overrides({"--train.steps"}), Error);
   EXPECT_THROW(collect_overrides({"stray"}), Error);
+  // A key of a megabyte is shown cut at 80 characters, with its length.
+  m = error_of("", {std::string(1 << 20, 'k') + "=1"});
+  EXPECT_NE(m.find("unknown key '--" + std::string(80, 'k') + "... (1048576 characters)'"), std::string::npos)
+      << m.substr(0, 300);
+  EXPECT_LT(m.size(), 300u);
+  // A UTF-8 byte order mark before the text (as some editors write it) is not the config's.
+  TmpFile bom("\xEF\xBB\xBF[train]\nsteps = 7\n");
+  EXPECT_EQ(load_config(bom.path, {}).steps, 7);
+  m = error_of("[train]\nsteps = 7 \xEF\xBB\xBF\n");  // (elsewhere it is a character outside a string)
+  EXPECT_NE(m.find("not a TOML text file"), std::string::npos) << m;
 }
 
 TEST(TrainConfig, TomlRoundTrip) {
