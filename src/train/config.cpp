@@ -86,7 +86,7 @@ const Field kFields[] = {
     F("train.checkpoint_every", checkpoint_every, "steps between checkpoints (0: at the end only)"),
     F("train.keep_checkpoints", keep_checkpoints, "checkpoints kept (older ones are deleted)"),
     F("train.memory_limit", memory_limit, "bytes loom may allocate per rank (its model pool: parameters, gradients, optimizer state, activations, workspace, communication buffers; 0: no limit); a layout that cannot fit is refused before its first step, naming the tag"),
-    F("train.skip_nonfinite", skip_nonfinite, "steps with a non-finite loss or gradient norm skipped (no update) in a row before the run stops (0: stop at the first)"),
+    F("train.skip_nonfinite", skip_nonfinite, "steps with a non-finite loss or gradient norm skipped (no update) in a row before the run stops (0: stop at the first); no checkpoint is written inside such a streak, and a run that ends in one fails"),
     F("train.out_dir", out_dir, "directory for checkpoints, metrics.jsonl, memory.json and loss.png"),
     F("optim.lr", lr, "peak learning rate"),
     F("optim.min_lr", min_lr, "final learning rate of the decay"),
