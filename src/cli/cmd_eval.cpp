@@ -13,7 +13,11 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <sstream>
+
+#include <fmt/format.h>
+#include <toml++/toml.h>
 
 #include "cli/checkpoint_tokenizer.h"
 #include "cli/command.h"
@@ -36,6 +40,20 @@ struct EvalArgs {
   bool json = false;
 };
 
+// Whether the checkpoint's model has its run's data's vocabulary (the run's config left
+// model.vocab_size to the data): a shard of that data has exactly as many tokens. (A model given a
+// larger vocabulary, or converted from elsewhere, may score shards of a smaller one.)
+bool vocabulary_is_the_datas(const train::CheckpointMeta& meta) {
+  if (meta.config_toml.empty()) return false;
+  try {
+    const toml::table t = toml::parse(meta.config_toml);
+    const std::optional<int64_t> v = t["model"]["vocab_size"].value<int64_t>();
+    return !v || *v == 0;
+  } catch (const toml::parse_error&) {
+    return false;
+  }
+}
+
 std::vector<int32_t> read_tokens(const EvalArgs& a, const std::string& ckpt, const model::GPTConfig& cfg) {
   std::vector<int32_t> ids;
   if (!a.text.empty()) {
@@ -54,7 +72,8 @@ std::vector<int32_t> read_tokens(const EvalArgs& a, const std::string& ckpt, con
     // its tokenizer beside its shards) would give a loss of other text.
     // Without one, only a shard of the model's own vocabulary size is taken.
     const std::string dir = std::filesystem::path(a.tokens).parent_path().string();
-    const std::string want = train::read_checkpoint_meta(ckpt).vocabulary;
+    const train::CheckpointMeta meta = train::read_checkpoint_meta(ckpt);
+    const std::string want = meta.vocabulary;
     if (data::Tokenizer::dir_has_tokenizer(dir.empty() ? "." : dir)) {
       const data::Tokenizer beside = data::Tokenizer::from_dir(dir.empty() ? "." : dir);
       if (int64_t(shard.vocab_size()) != int64_t(beside.vocab_size()))
@@ -66,9 +85,10 @@ std::vector<int32_t> read_tokens(const EvalArgs& a, const std::string& ckpt, con
         throw Error(fmt::format("{}: encoded with vocabulary {} (the tokenizer beside it), but {} was trained with "
                                 "vocabulary {}",
                                 a.tokens, have, ckpt, want));
-    } else if (int64_t(shard.vocab_size()) != cfg.vocab_size) {
-      throw Error(fmt::format("{}: its vocabulary has {} tokens and {}'s has {}, and no tokenizer beside the shard "
-                              "says which it is: put the tokenizer it was prepared with beside it (or use --text)",
+    } else if (int64_t(shard.vocab_size()) != cfg.vocab_size && vocabulary_is_the_datas(meta)) {
+      throw Error(fmt::format("{}: its vocabulary has {} tokens and {}'s has {} (its run's data's), and no tokenizer "
+                              "beside the shard says which it is: put the tokenizer it was prepared with beside it "
+                              "(or use --text)",
                               a.tokens, shard.vocab_size(), ckpt, cfg.vocab_size));
     }
     ids.resize(size_t(shard.size()));

@@ -85,6 +85,12 @@ ModelSpec from_gpt(const model::GPTConfig& c, int64_t seq) {
   m.vocab = c.vocab_size;
   m.seq = seq;
   m.tied = c.tied_embeddings;
+  // The Llama family's options (a GPT-2 model's are the defaults).
+  m.kv_heads = c.kv_heads();
+  m.ffn = c.ffn();
+  m.swiglu = c.mlp == model::Mlp::swiglu;
+  m.bias = c.bias;
+  m.learned_positions = c.position == model::Position::learned;
   // loom's wpe holds block_size rows whatever the training length.
   m.validate("model " + c.name);
   return m;

@@ -129,6 +129,11 @@ TEST(PlanAutoCli, TrainsWithThePlannersFirstChoice) {
 TEST(PlanAutoCli, PlansTheEmulatedDevicesPools) {
   LOOM_REQUIRE_LOOM();
   trains_with_the_first_choice("loom_plan_auto_emu_cli", "--train.device emu");
+  // A Llama-family model (grouped-query heads, SwiGLU of its own width, no biases, rotary
+  // positions): the planner sizes what the run builds (it saw a GPT-2 of the same width: 12.86 MiB
+  // predicted for 27.48 measured).
+  trains_with_the_first_choice("loom_plan_auto_llama_cli",
+                               "--train.device emu --model.preset llama-tiny --model.ffn_hidden 1024");
   TrainScratch r("loom_plan_auto_emu_line_cli");
   CliRun run = r.train("emu", fmt::format("{} --train.device emu --parallel.dp 2 --plan auto", kModel));
   ASSERT_EQ(run.code, 0) << run.err;

@@ -107,9 +107,21 @@ TEST(VocabularyCli, CheckpointsRefuseAnotherVocabularyOfTheSameSize) {
   CliRun lone = loom_cli(fmt::format("eval '{}' --tokens '{}' --seq 16", run, (root / "lone" / "val_000.bin").string()),
                          root / "logs");
   EXPECT_NE(lone.code, 0);
-  EXPECT_NE(lone.err.find(fmt::format("val_000.bin: its vocabulary has 200 tokens and {}", run)), std::string::npos)
+  EXPECT_NE(lone.err.find(fmt::format("val_000.bin: its vocabulary has 200 tokens and {}/ckpt_", run)), std::string::npos)
       << lone.err;
   EXPECT_NE(lone.err.find("no tokenizer beside the shard"), std::string::npos) << lone.err;
+  // ... but a model given a larger vocabulary than its data's (model.vocab_size) scores a lone
+  // shard of that data.
+  const std::string wide = (root / "wide").string();
+  CliRun w = loom_cli(fmt::format("train --data.dir '{}' --train.out_dir '{}' --train.steps 1 --model.vocab_size 512 {}",
+                                  (root / "data0").string(), wide, flags),
+                      root / "logs");
+  ASSERT_EQ(w.code, 0) << w.err;
+  fs::create_directories(root / "lone0");
+  fs::copy_file(root / "data0" / "train_000.bin", root / "lone0" / "train_000.bin");
+  CliRun wl = loom_cli(fmt::format("eval '{}' --tokens '{}' --seq 16", wide, (root / "lone0" / "train_000.bin").string()),
+                       root / "logs");
+  EXPECT_EQ(wl.code, 0) << wl.err;
   fs::copy_file(root / "lone" / "val_000.bin", root / "data0" / "odd_000.bin");
   CliRun odd = loom_cli(fmt::format("eval '{}' --tokens '{}' --seq 16", run, (root / "data0" / "odd_000.bin").string()),
                         root / "logs");
