@@ -960,6 +960,8 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   std::unique_ptr<data::Tokenizer> tok = lead ? std::move(run_data.tokenizer) : nullptr;
 
   const int64_t T = cfg.seq_len, val_mb = cfg.batch_size / cfg.grad_accum;
+  // (A validation split shorter than one batch has nothing to evaluate.)
+  const bool has_val = val && val->val_batches(val_mb) > 0;
   int64_t num_parameters = 0;
   for (const model::ParamSpec& s : model::gpt_param_specs(mc)) num_parameters += s.numel();
   const std::string precision = cfg.run_precision();
@@ -971,7 +973,12 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   res.unigram_val_loss = lead ? unigram_loss(train, val.get(), mc.vocab_size) : NAN;
   say(fmt::format("data {} | train {} tokens{} | unigram baseline loss {:.4f} | {} {}", cfg.data_dir,
                   train.total_tokens(),
-                  val ? fmt::format(", val {} tokens", val->total_tokens())
+                  val ? fmt::format(", val {} tokens{}", val->total_tokens(),
+                                    has_val || cfg.eval_every == 0
+                                        ? ""
+                                        : fmt::format(" (less than one validation batch of {} sequences: no validation, "
+                                                      "train.eval_every = {} unused)",
+                                                      val_mb, cfg.eval_every))
                       : cfg.eval_every > 0 ? fmt::format(" (no val_*.bin: no validation, train.eval_every = {} unused)",
                                                          cfg.eval_every)
                                            : "",
@@ -1028,7 +1035,7 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   hooks.evaluate = evaluate;
   hooks.sample = sample;
   hooks.checkpoint = checkpoint;
-  run_steps(cfg, log, sched, fault, rank, ranks, start_step, val != nullptr, hooks, res);
+  run_steps(cfg, log, sched, fault, rank, ranks, start_step, has_val, hooks, res);
   for (int t = 0; t < kNumMemTags; ++t) {
     res.peak_bytes[size_t(t)] = peaks.peak(MemTag(t));
     res.host_peak_bytes[size_t(t)] = host_peaks ? host_peaks->peak(MemTag(t)) : 0;

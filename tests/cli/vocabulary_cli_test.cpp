@@ -122,6 +122,17 @@ TEST(VocabularyCli, CheckpointsRefuseAnotherVocabularyOfTheSameSize) {
   CliRun wl = loom_cli(fmt::format("eval '{}' --tokens '{}' --seq 16", wide, (root / "lone0" / "train_000.bin").string()),
                        root / "logs");
   EXPECT_EQ(wl.code, 0) << wl.err;
+  // A validation split shorter than one batch: the run trains and says there is no validation
+  // (its loss was NaN, which now stops a run as diverged).
+  fs::create_directories(root / "shortval");
+  for (const char* f : {"train_000.bin", "encoder.json", "vocab.bpe"})
+    fs::copy_file(root / "data0" / f, root / "shortval" / f);
+  data::write_shard((root / "shortval" / "val_000.bin").string(), std::vector<uint32_t>(20, 7),
+                    uint32_t(tok0.vocab_size()));
+  CliRun sv = loom_cli(fmt::format("train --data.dir '{}' --train.out_dir '{}' --train.steps 2 {} --train.eval_every 1",
+                                   (root / "shortval").string(), (root / "shortrun").string(), flags),
+                       root / "logs");
+  EXPECT_EQ(sv.code, 0) << sv.err;
   fs::copy_file(root / "lone" / "val_000.bin", root / "data0" / "odd_000.bin");
   CliRun odd = loom_cli(fmt::format("eval '{}' --tokens '{}' --seq 16", run, (root / "data0" / "odd_000.bin").string()),
                         root / "logs");
