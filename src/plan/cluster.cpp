@@ -2,10 +2,12 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <filesystem>
 #include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 #include <toml++/toml.h>
@@ -149,9 +151,21 @@ Cluster read_cluster(const std::string& path) {
 }
 
 std::string cluster_for_gpu(const std::string& gpu_name) {
-  if (gpu_name.find("H200") != std::string::npos) return "h200";
-  if (gpu_name.find("H100") != std::string::npos) return "h100-sxm";
-  if (gpu_name.find("A100") != std::string::npos) return "a100-80gb";
+  // By whole words of the name ("NVIDIA RTX A1000" is no A100).
+  std::vector<std::string> words;
+  std::string w;
+  for (const char ch : gpu_name + " ") {
+    if (ch == ' ' || ch == '-' || ch == '_') {
+      if (!w.empty()) words.push_back(w);
+      w.clear();
+    } else {
+      w += ch;
+    }
+  }
+  const auto has = [&](const char* x) { return std::find(words.begin(), words.end(), x) != words.end(); };
+  if (has("H200")) return "h200";
+  if (has("H100")) return "h100-sxm";
+  if (has("A100")) return "a100-80gb";
   return "";
 }
 

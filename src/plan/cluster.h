@@ -123,8 +123,8 @@ struct Cluster {
 
 // A built-in by name (a100-80gb, h100-sxm, h200, cpu), or a cluster file; throws naming it.
 Cluster cluster_named(const std::string& name_or_path);
-// The built-in cluster whose GPU a device name (CUDA's, "NVIDIA H100 80GB HBM3") is: h200, h100-sxm
-// (every H100), a100-80gb (every A100); "" for any other.
+// The built-in cluster whose GPU a device name (CUDA's, "NVIDIA H100 80GB HBM3") is, by a whole
+// word of it: h200, h100-sxm (every H100), a100-80gb (every A100); "" for any other.
 std::string cluster_for_gpu(const std::string& gpu_name);
 Cluster read_cluster(const std::string& path);
 

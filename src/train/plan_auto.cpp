@@ -43,10 +43,6 @@ plan::Cluster gpu_cluster(const TrainConfig& cfg, int world, std::string* gpu) {
   if (!device_info(Device::cuda, &info, &why))
     throw Error(fmt::format("--plan auto: train.device = \"cuda\": {}", why));
   *gpu = info.name;
-  if (const int local = launcher_local_size(); local > info.count)
-    throw Error(fmt::format("--plan auto: plans one GPU per rank, and this host's {} processes would share its {} {} "
-                            "GPU{} (one process per GPU)",
-                            local, info.count, info.name, info.count > 1 ? "s" : ""));
   const std::string name = plan::cluster_for_gpu(info.name);
   if (name.empty())
     throw Error(fmt::format("--plan auto: the planner has no profile of the GPU {} (it has the A100, H100 and H200's); "
@@ -55,7 +51,9 @@ plan::Cluster gpu_cluster(const TrainConfig& cfg, int world, std::string* gpu) {
                             info.name));
   plan::Cluster c = plan::cluster_named(name);
   c.device.memory = double(info.memory);
-  c.per_node = std::max(1, info.count);
+  // A node's GPUs: the processes the launcher started on this host, each binding one (processes
+  // given one visible GPU each see a count of 1), or the GPUs this process sees.
+  c.per_node = std::max({1, info.count, launcher_local_size()});
   return c;
 }
 
@@ -117,6 +115,9 @@ std::string apply_auto_plan(TrainConfig& cfg, const std::string& config_path) {
     job.cluster = gpu_cluster(cfg, world, &gpu);
     job.precision = plan::Precision::device;
     ranks = fmt::format("{} {} GPU{}", world, gpu, world > 1 ? "s" : "");
+    // (The built-in profiles are the SXM boards': a PCIe or NVL board's peak and links are lower.)
+    if (gpu.find("PCIe") != std::string::npos || gpu.find("NVL") != std::string::npos)
+      ranks += fmt::format(" (planned as {}: this board's peak and links are lower)", job.cluster.name);
     if (cfg.memory_limit > 0) job.cluster.device.memory = std::min(job.cluster.device.memory, double(cfg.memory_limit));
   } else {
     // CPU ranks sharing this host (its calibrated rates where `loom calibrate` has run); the

@@ -11,8 +11,9 @@
 // - on the emulated device, the same host's ranks holding what GPUs' pools hold (`loom plan
 //   --precision device`; f32 where train.precision is);
 // - on CUDA, one GPU each of this host's kind (its built-in profile, h100-sxm, h200 or a100-80gb,
-//   with the GPU's memory and count), as loom's GPU runs hold memory; ranks that would share a
-//   GPU are refused.
+//   with the GPU's memory, and as many on a node as the launcher's processes on this host or the
+//   GPUs it sees), as loom's GPU runs hold memory; rank threads of one process, which would share
+//   one GPU, are refused.
 // A layout fits within 90% of the device's memory, or of train.memory_limit where smaller. Of the
 // layouts that fit, the fastest predicted that the run accepts (TrainConfig::validate; a GPU's
 // kernel widths, fp16's replica engine) is taken, and the line says which faster ones it refused.

@@ -574,3 +574,18 @@ TEST(Planner, CalibratedBlocksScaleTheKernelsSum) {
   EXPECT_GT(dp2.dp_comm_s, 0.0);
   EXPECT_EQ(dp2.dp_exposed_s, dp2.dp_comm_s);
 }
+
+// A GPU's name to its built-in profile, by a whole word of it (--plan auto on CUDA).
+TEST(Cluster, GpuNamesMapToTheirProfiles) {
+  for (const auto& [name, want] : std::vector<std::pair<std::string, std::string>>{
+           {"NVIDIA H100 80GB HBM3", "h100-sxm"},
+           {"NVIDIA H100 PCIe", "h100-sxm"},
+           {"NVIDIA H100 NVL", "h100-sxm"},
+           {"NVIDIA H200", "h200"},
+           {"NVIDIA A100-SXM4-80GB", "a100-80gb"},
+           {"NVIDIA A100 80GB PCIe", "a100-80gb"},
+           {"NVIDIA RTX A1000", ""},
+           {"NVIDIA GeForce RTX 4090", ""},
+           {"NVIDIA L40S", ""}})
+    EXPECT_EQ(plan::cluster_for_gpu(name), want) << name;
+}
