@@ -956,18 +956,25 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
     const Link host = shared ? Link{dev.memory_bw / 2, 0.0} : job.cluster.host;
     // With the reduced gradients' shard the host's (ZeRO 2/3 on a device), every micro-batch's
     // goes down as its buckets are reduced, and the host adds it to the step's (reading both and
-    // writing one, 12 bytes an element) piece by piece as the next piece transfers
-    // (Backend::add_to_host): the slower of the two, paid during backward, not hidden behind it,
-    // counted here.
+    // writing one, 12 bytes an element): paid during backward, not hidden behind it, counted here.
+    // Backend::add_to_host takes a bucket's part of the shard at a time in pieces of 2^21 elements,
+    // each piece's addition beside the next one's transfer: a call's first transfer and last
+    // addition are serial, the rest the slower of the two.
     const double host_memory_bw = shared ? dev.memory_bw : job.cluster.host_memory_bw;
     const bool host_grads = grads_on_host(job.precision, L.offload, L.zero) && shard > 1;
     const double grad_moves = host_grads ? double(micro) : 1.0;
-    const double down = opt_params * grad_moves * B.grad / host.bandwidth + grad_moves * host.latency;
-    const double accumulate = host_grads ? grad_moves * opt_params * 12 / host_memory_bw : 0.0;
+    const double per_down = B.grad / host.bandwidth, per_add = host_grads ? 12 / host_memory_bw : 0.0;
+    double down_and_add = opt_params * per_down;
+    if (host_grads && opt_params > 0) {
+      const double per_call = std::min(opt_params, std::max(1.0, kBucketBytes / 4 / shard));
+      const double calls = std::ceil(opt_params / per_call);
+      const double serial = std::min(opt_params, calls * std::min(per_call, double(int64_t(1) << 21)));
+      down_and_add = serial * (per_down + per_add) + (opt_params - serial) * std::max(per_down, per_add);
+    }
     const double up = opt_params * B.weight / host.bandwidth + host.latency;
     const double update = measured ? dev.kernels.at("adamw").seconds(opt_params * share)
                                    : opt_params * 2 * 16 / host_memory_bw;
-    e.optimizer_s = (std::max(down, accumulate) + up + update + refresh) * crowd;
+    e.optimizer_s = (grad_moves * (down_and_add + host.latency) + up + update + refresh) * crowd;
   }
   // Ranks beyond a shared host's cores: every synchronisation on the busiest rank's path (its
   // elements' per micro-batch, the data-parallel collectives, the loss and gradient-norm
