@@ -525,7 +525,7 @@ std::unique_ptr<data::Tokenizer> load_run_tokenizer(const TrainConfig& cfg, int6
       if (std::filesystem::exists(dir / a) != std::filesystem::exists(dir / b))
         throw Error(fmt::format("{}: {} without {} (a tokenizer is both files)", dir.string(),
                                 std::filesystem::exists(dir / a) ? a : b, std::filesystem::exists(dir / a) ? b : a));
-    if (!cfg.sample_prompt.empty())
+    if (!cfg.sample_prompt.empty() && cfg.sample_tokens > 0)
       throw Error(fmt::format("train.sample_prompt: encoding \"{}\" needs a tokenizer, and {} has none (data.tokenizer "
                               "names the directory of one)",
                               cfg.sample_prompt.size() > 40 ? cfg.sample_prompt.substr(0, 40) + "..." : cfg.sample_prompt,
@@ -750,8 +750,10 @@ void run_steps(const TrainConfig& cfg, RunLog& log, const LrSchedule& sched, con
       // Not inside a streak of non-finite steps (its weights may be what diverges): the next
       // checkpoint after the streak ends is written as usual.
       if (skipped_in_a_row > 0)
-        log.say(fmt::format("step {}: checkpoint not written: the last {} step{} were not finite", done, skipped_in_a_row,
-                            skipped_in_a_row > 1 ? "s" : ""));
+        log.say(skipped_in_a_row > 1
+                    ? fmt::format("step {}: checkpoint not written: the last {} steps were not finite", done,
+                                  skipped_in_a_row)
+                    : fmt::format("step {}: checkpoint not written: the last step was not finite", done));
       else
         hooks.checkpoint(done);
     }

@@ -100,7 +100,7 @@ TEST(NonFiniteCli, ARunEndingInsideAStreakFailsAndKeepsTheCheckpointsBefore) {
   NanRun r;
   CliRun run = r.train("streak", "", "rank=0,step=4,kind=nan_weight");
   EXPECT_NE(run.code, 0) << run.out;
-  EXPECT_NE(run.out.find("step 4: checkpoint not written: the last 1 step were not finite"), std::string::npos)
+  EXPECT_NE(run.out.find("step 4: checkpoint not written: the last step was not finite"), std::string::npos)
       << run.out;
   EXPECT_NE(run.err.find("step 6: the run ends after 3 steps in a row not finite (the last finite one at step 3)"),
             std::string::npos)

@@ -131,6 +131,9 @@ TEST(RunData, TheTokenizerMustBeTheShards) {
   c.sample_prompt = "the quick";
   msg = error_of(c);
   EXPECT_NE(msg.find("train.sample_prompt: encoding \"the quick\" needs a tokenizer"), std::string::npos) << msg;
+  c.sample_tokens = 0;  // (no sample drawn: nothing to encode)
+  EXPECT_EQ(open_run_data(c, "run.toml").tokenizer, nullptr);
+  c.sample_tokens = 64;
   c.sample_prompt.clear();
   // Half of a tokenizer's pair is a broken tokenizer, named, not none.
   fs::copy_file(d.p / "tok" / "vocab.bpe", d.p / "other" / "vocab.bpe");
