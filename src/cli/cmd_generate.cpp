@@ -83,6 +83,7 @@ int run_generate(const GenerateArgs& a) {
   so.top_k = a.top_k;
   so.seed = a.seed;
   so.stop_token = a.stop_id;
+  if (tok) so.vocab_limit = tok->vocab_size();  // (ids the tokenizer decodes)
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<int32_t> out;
   if (a.no_cache) {

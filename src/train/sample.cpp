@@ -11,6 +11,7 @@ namespace loom::train {
 
 int32_t sample_logits(const float* logits, int64_t V, const SampleOptions& opt, uint64_t index) {
   LOOM_CHECK(opt.temperature > 0, "sampling temperature must be positive, got {}", opt.temperature);
+  if (opt.vocab_limit > 0) V = std::min(V, opt.vocab_limit);
   std::vector<int32_t> ids;
   if (opt.allowed) {
     for (int32_t id : *opt.allowed)

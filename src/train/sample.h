@@ -19,6 +19,9 @@ struct SampleOptions {
   // Only these token ids (ascending) are drawn (null: all): a model with a pruned input embedding
   // can read only its kept tokens back.
   std::shared_ptr<const std::vector<int32_t>> allowed;
+  // Only ids below this are drawn (0: the model's whole vocabulary): a model given more rows than
+  // its tokenizer has (model.vocab_size) samples what the tokenizer can decode.
+  int64_t vocab_limit = 0;
 };
 
 // Picks the next token from logits f32 [V] (one draw keyed by (seed, index)).

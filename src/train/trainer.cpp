@@ -862,6 +862,8 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   auto say = [&](const std::string& s) {
     if (lead && !opt.quiet) std::printf("%s\n", s.c_str()), std::fflush(stdout);
   };
+  // (Before anything of the chosen layout is built: a failure to build it follows what was chosen.)
+  if (!opt.plan_note.empty()) say(opt.plan_note);
 
   RunData run_data = open_run_data(cfg, opt.config_path);
   check_ranks_agree(world, cfg, run_data,  // before any other collective
@@ -890,7 +892,6 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   } else {
     engine = std::make_unique<ChainEngine>(cfg, mc, oc, comms, train, pool, host_pool, !opt.trace_path.empty());
   }
-  if (!opt.plan_note.empty()) say(opt.plan_note);
   if (mc.kept_tokens)
     say(fmt::format("model.prune_embedding: the input embedding keeps the rows of the {} of {} tokens the data uses "
                     "({:.1f}%: {:.2f} of {:.2f} MiB of weights)",
@@ -1001,6 +1002,7 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
     const std::vector<int32_t> prompt = shared_sample_prompt(world, cfg, tok.get(), train, val.get());
     SampleOptions so = sample_options(cfg, step);
     so.allowed = mc.kept_tokens;  // a pruned embedding reads back its kept tokens only
+    so.vocab_limit = int64_t(train.vocab_size());  // (what the data's tokenizer decodes)
     return sample_as_text(prompt, engine->sample(prompt, so), tok.get());
   };
   // Collective: every rank writes its part and no rank starts the next step before the checkpoint

@@ -111,9 +111,11 @@ TEST(VocabularyCli, CheckpointsRefuseAnotherVocabularyOfTheSameSize) {
       << lone.err;
   EXPECT_NE(lone.err.find("no tokenizer beside the shard"), std::string::npos) << lone.err;
   // ... but a model given a larger vocabulary than its data's (model.vocab_size) scores a lone
-  // shard of that data.
+  // shard of that data. (Its samples are drawn from the ids its tokenizer decodes: its final
+  // sample failed, after the checkpoint, on an id beyond them.)
   const std::string wide = (root / "wide").string();
-  CliRun w = loom_cli(fmt::format("train --data.dir '{}' --train.out_dir '{}' --train.steps 1 --model.vocab_size 512 {}",
+  CliRun w = loom_cli(fmt::format("train --data.dir '{}' --train.out_dir '{}' --train.steps 1 --model.vocab_size 512 {} "
+                                  "--train.sample_tokens 64",
                                   (root / "data0").string(), wide, flags),
                       root / "logs");
   ASSERT_EQ(w.code, 0) << w.err;
