@@ -696,7 +696,10 @@ std::string TrainConfig::origin(const std::vector<std::string>& fields, const st
     if (std::find(from_command_line.begin(), from_command_line.end(), f) != from_command_line.end())
       flags += (flags.empty() ? "--" : ", --") + f;
   if (flags.empty()) return where.empty() ? "config" : where;
-  return "command line (" + flags + ")";
+  // A file's values with flags over them: both (the flags may not be what is wrong).
+  if (where.empty() || where == "config" || where == "command line" || where == "model config")
+    return "command line (" + flags + ")";
+  return where + " with " + flags;
 }
 
 std::vector<std::string> collect_overrides(const std::vector<std::string>& args) {

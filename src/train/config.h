@@ -104,8 +104,8 @@ struct TrainConfig {
   void validate(const std::string& where, const std::vector<std::string>& command_line = {}) const;
   // The fields load_config set from command-line flags (not part of the config's values).
   std::vector<std::string> from_command_line;
-  // Where `fields` came from, for a message about them: "command line: --a.b 1" when one was set
-  // by a flag, else `where` (the config file).
+  // Where `fields` came from, for a message about them: "FILE with --a.b" when one was set by a flag
+  // over the config file `where` ("command line (--a.b)" without one), else `where`.
   std::string origin(const std::vector<std::string>& fields, const std::string& where) const;
   // The refusals of train.device = "cuda" (called by validate): a build without CUDA, any parallel
   // dimension, ZeRO, offload, and model shapes the GPU model lacks; errors name the field.

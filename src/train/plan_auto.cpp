@@ -132,6 +132,14 @@ std::string apply_auto_plan(TrainConfig& cfg, const std::string& config_path) {
   so.top = 64;  // the fastest first; a layout this run refuses (its device's constraints) is passed over
   so.schedules = {parallel::pipeline::Kind::gpipe, parallel::pipeline::Kind::one_f_one_b,
                   parallel::pipeline::Kind::interleaved, parallel::pipeline::Kind::zb_h1};
+  // fp16 on a GPU runs whole replicas over dp only (its loss scaling is the replica engine's).
+  if (cfg.device == "cuda" && cfg.run_precision() == "fp16") {
+    so.tp = so.pp = so.cp = 1;
+    so.sp = 0;
+    so.zeros = {0};
+    so.recomputes = {model::Recompute::none};
+    so.offload = false;
+  }
   const plan::SearchResult r = plan::search(job, so);
   const plan::Estimate* chosen = nullptr;
   const plan::Estimate* next = nullptr;
