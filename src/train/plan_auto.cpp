@@ -102,8 +102,13 @@ std::string apply_auto_plan(TrainConfig& cfg, const std::string& config_path) {
                             "--plan auto",
                             cfg.activation_budget));
   const int world = int(cfg.pp * cfg.dp * cfg.cp * cfg.tp);
-  // The model as the run will build it (the vocabulary from the data).
-  const model::GPTConfig mc = open_run_data(cfg, config_path).model;
+  // The model as the run will build it (the vocabulary from the data), its check against the host's
+  // memory made for the least any layout holds (ZeRO-3, micro-batches of one sequence) rather than
+  // for the config's layout, which the plan replaces.
+  TrainConfig least = cfg;
+  least.zero = 3;
+  least.grad_accum = cfg.batch_size;
+  const model::GPTConfig mc = open_run_data(least, config_path).model;
   plan::Job job;
   job.model = plan::from_gpt(mc, cfg.seq_len);
   job.devices = world;
