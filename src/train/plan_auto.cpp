@@ -30,9 +30,9 @@ int launcher_local_size() {
   return end && *end == '\0' && n > 0 ? int(n) : 0;
 }
 
-// The cluster of the run's GPUs: the built-in profile of this host's GPU, with its memory and its
-// count as the node's devices. Refuses ranks that would share a GPU (the planner gives every rank
-// a device of its own) and a GPU without a profile.
+// The cluster of the run's GPUs: the built-in profile of this host's GPU, with its memory, and a
+// node of as many GPUs as below. Refuses rank threads, which would share one GPU (the planner
+// gives every rank a device of its own), and a GPU without a profile.
 plan::Cluster gpu_cluster(const TrainConfig& cfg, int world, std::string* gpu) {
   if (cfg.comm == "threads" && world > 1)
     throw Error(fmt::format("--plan auto: plans one GPU per rank, and with parallel.comm = threads the {} ranks would "
