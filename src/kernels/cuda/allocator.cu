@@ -164,16 +164,6 @@ void PinnedHostAllocator::deallocate(void* p, size_t bytes) {
   cpu_allocator().deallocate(p, bytes);
 }
 
-size_t PinnedHostAllocator::pinned_bytes() const {
-  std::lock_guard lk(mu_);
-  return pinned_bytes_;
-}
-
-bool PinnedHostAllocator::refused() const {
-  std::lock_guard lk(mu_);
-  return refused_;
-}
-
 Allocator& pinned_host_allocator() {
   static PinnedHostAllocator* a = new PinnedHostAllocator();  // leaked on purpose: outlives static pools
   return *a;

@@ -64,12 +64,9 @@ class PinnedHostAllocator final : public Allocator {
   void* allocate(size_t bytes) override;
   void deallocate(void* p, size_t bytes) override;
   Device device() const override { return Device::cpu; }
-  // Bytes page-locked now, and whether a request was refused (served pageable) since the start.
-  size_t pinned_bytes() const;
-  bool refused() const;
 
  private:
-  mutable std::mutex mu_;
+  std::mutex mu_;
   std::map<void*, size_t> pinned_;
   size_t pinned_bytes_ = 0;
   bool refused_ = false;

@@ -117,12 +117,12 @@ class CudaBackend final : public Backend {
   size_t ln_bytes_ = 0;
   void* attn_ws_ = nullptr;
   size_t attn_ws_bytes_ = 0;
-  // Copies between host and device memory that convert: two page-locked staging buffers (pageable
-  // where the host refuses; pinned_host_allocator) of
-  // kStageBytes (the backend's own, like its BLAS workspaces), used in turn host -> device so that
-  // one chunk's transfer runs while the next is converted (device -> host: the first alone), and
-  // the events that say a buffer is free again. (copy() is called by one thread at a time, as
-  // every op of an instance is: the buffers are not locked.)
+  // Copies between host and device memory that convert, and add_to_host: two staging buffers of
+  // kStageBytes from pinned_host_allocator (page-locked, or pageable where the host refuses; the
+  // backend's own, like its BLAS workspaces), used in turn so that one piece's transfer runs while
+  // the host converts or adds the other (a conversion to the host: the first alone), and the events
+  // that say a buffer's transfer is done. (Every op of an instance is called by one thread at a
+  // time: the buffers are not locked.)
   static constexpr size_t kStageBytes = size_t(8) << 20;
   void* stage_[2] = {nullptr, nullptr};
   cudaEvent_t stage_free_[2] = {nullptr, nullptr};
