@@ -28,6 +28,11 @@
 #             the quickstart's Llama sibling (configs/kjv-llama-10m.toml) trained with
 #             `loom train --train.device cuda`, sampled, resumed, and evaluated with `loom eval` on
 #             both devices
+#   kernels   the Llama family's memory-bound kernels: the tests that hold each pair of kernels to the
+#             same bits (the norm backward's strided and register kernels, RoPE's and SwiGLU's vector
+#             and element kernels) and the backend parity suite, then SmolLM-135M and GPT-2 124M
+#             (B = 16, T = 1024, cuDNN attention) profiled kernel by kernel, with the norm backward's
+#             choice per width printed (LOOM_GEMM_TUNE=2: "kernel tune" lines, both kernels' times)
 #   fp16      train.precision fp16 (f16 compute, dynamic loss scaling) against bf16: GPT-2 124M's
 #             step time in each (train_gpt2_cuda, B = 16, T = 1024, two alternating rounds); the quickstart's
 #             model (configs/kjv-10m.toml) on data/kjv (or the small corpus) for 200 steps in bf16,
@@ -54,7 +59,7 @@ bundle=$1
 out=$2
 shift 2
 steps=("$@")
-[[ ${#steps[@]} -gt 0 ]] || steps=(device cuda memcheck pipeline flash train loom plantruth llama fp16 offload)
+[[ ${#steps[@]} -gt 0 ]] || steps=(device cuda memcheck pipeline flash train loom plantruth llama kernels fp16 offload)
 mkdir -p "$out"
 {
   date -u +"gpu_checks %Y-%m-%d %H:%M UTC"
@@ -156,6 +161,14 @@ step_llama() {
   echo "$gpu"
   echo "$cpu"
   python3 -c "import json,sys; g=json.loads(sys.argv[1])['loss']; c=json.loads(sys.argv[2])['loss']; print(f'eval loss cuda {g:.5f} cpu {c:.5f} rel {abs(g-c)/c:.2e}'); sys.exit(abs(g-c)/c > 1e-2)" "$gpu" "$cpu"
+}
+step_kernels() {
+  env_run test_cuda --gtest_filter='LayerNorm*:CudaRope.*:CudaSwiglu.*:Cuda/BackendParity.*' || return 1
+  local m
+  for m in smollm-135m gpt2-124m; do
+    LOOM_GEMM_TUNE=2 env_run train_gpt2_cuda --model $m -B 16 -T 1024 --steps 20 --warmup 5 --attention cudnn \
+      --profile 5 2>&1 | grep -v '^gemm tune' || return 1
+  done
 }
 step_fp16() {
   # Speed: GPT-2 124M, B = 16, T = 1024, cuDNN attention, bf16 and fp16 alternating, two rounds.
@@ -268,10 +281,12 @@ run_step() {
   echo "== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$out/status"
   [[ $rc -eq 0 ]] || failed=1
 }
+# Every step named must exist before any runs (a step is a step_<name> function above).
 for s in "${steps[@]}"; do
-  case "$s" in
-    device|cuda|memcheck|pipeline|flash|train|loom|plantruth|mesh|llama|fp16|gap) run_step "$s" ;;
-    *) echo "gpu_checks: unknown step '$s' (device, cuda, memcheck, pipeline, flash, train, loom, plantruth, mesh, llama, fp16, gap)" >&2; exit 2 ;;
-  esac
+  declare -F "step_$s" >/dev/null || {
+    echo "gpu_checks: unknown step '$s' (the steps: $(declare -F | sed -n 's/^declare -f step_//p' | tr '\n' ' '))" >&2
+    exit 2
+  }
 done
+for s in "${steps[@]}"; do run_step "$s"; done
 exit $failed
