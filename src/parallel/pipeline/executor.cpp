@@ -1,4 +1,5 @@
 #include "parallel/pipeline/executor.h"
+#include "parallel/pipeline/joint_plan.h"
 
 #include <omp.h>
 
@@ -649,34 +650,19 @@ PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOp
       }
       return peak;
     };
-    // Every combination, where they are few; otherwise each chunk's own plan (its options' first).
-    double combos = 1;
-    for (const auto& o : options) combos *= double(o.size());
-    std::vector<size_t> pick(options.size(), 0), best = pick;
-    double best_cost = 0, best_peak = walk(best);
-    for (size_t k = 0; k < options.size(); ++k) best_cost += options[k][0].cost;
-    if (combos <= 1e5) {
-      while (true) {
-        double cost = 0;
-        for (size_t k = 0; k < options.size(); ++k) cost += options[k][pick[k]].cost;
-        const double peak = walk(pick);
-        const bool fits = peak <= budget, best_fits = best_peak <= budget;
-        if ((fits && !best_fits) || (fits == best_fits && (cost < best_cost || (cost == best_cost && peak < best_peak))))
-          best = pick, best_cost = cost, best_peak = peak;
-        size_t k = 0;
-        while (k < pick.size() && ++pick[k] == options[k].size()) pick[k++] = 0;
-        if (k == pick.size()) break;
-      }
-    }
-    planned_peak_ = best_peak;
+    std::vector<std::vector<double>> costs(options.size());
+    for (size_t k = 0; k < options.size(); ++k)
+      for (const Option& o : options[k]) costs[k].push_back(o.cost);
+    const JointChoice joint = choose_joint(costs, walk, budget);
+    planned_peak_ = joint.peak;
     for (size_t k = 0; k < I.chunks.size(); ++k) {
-      I.chunks[k].plan = options[k][best[k]].plan;
+      I.chunks[k].plan = options[k][joint.pick[k]].plan;
       recomputed_ += I.chunks[k].plan.recomputed_blocks();
       blocks_ += int64_t(mems[k].full.size());
     }
     LOOM_CHECK(planned_peak_ <= budget,
                "memory.activation_budget: {} per rank, but pipeline rank {} keeps up to {:.0f} micro-batches of its "
-               "chunks in flight and needs {} of saved activations even with the least recompute plan of each chunk "
+               "chunks in flight and needs {} of saved activations with the plans of its chunks that need the least "
                "({} of {} blocks recomputed); a larger budget, fewer micro-batches (train.grad_accum) or another "
                "schedule fits",
                format_bytes(int64_t(opt.activation_budget)), I.rank, in_flight, format_bytes(int64_t(planned_peak_)),
