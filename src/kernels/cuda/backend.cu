@@ -1,6 +1,5 @@
 #include "kernels/cuda/backend.cuh"
 
-#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -17,7 +16,6 @@
 #include "kernels/cuda/gelu.cuh"
 #include "kernels/cuda/layernorm.cuh"
 #include "kernels/cuda/llama.cuh"
-#include "kernels/cuda/tune.cuh"
 
 namespace loom::cuda {
 
@@ -421,50 +419,10 @@ void CudaBackend::layernorm_backward(const LayerNormBackward& a) {
       grow(ln_scratch_, ln_bytes_, size_t(layernorm_backward_scratch_floats(a.C)) * sizeof(float), "the LayerNorm backward"));
   LOOM_CUDA_DISPATCH_16(a.dtype, "layernorm_backward", [&](auto* tag) {
     using T = LOOM_T;
-    const auto run = [&](NormBackwardKernel k, void* dinp, float* dweight, float* dbias, int64_t rows) {
-      cuda::layernorm_backward(static_cast<T*>(dinp), dweight, dbias, h<T>(a.dout), h<T>(a.inp), h<T>(a.weight), a.mean,
-                               a.rstd, rows, a.C, a.accumulate, scratch, stream_, a.rms, k);
-    };
-    run(norm_backward_kernel(a, run), a.dinp, a.dweight, a.dbias, a.N);
+    cuda::layernorm_backward(h<T>(a.dinp), a.dweight, a.dbias, h<T>(a.dout), h<T>(a.inp), h<T>(a.weight), a.mean,
+                             a.rstd, a.N, a.C, a.accumulate, scratch, stream_, a.rms);
   });
   observed(a.rms ? "rmsnorm backward" : "layernorm backward");
-}
-
-NormBackwardKernel CudaBackend::norm_backward_kernel(
-    const LayerNormBackward& a, const std::function<void(NormBackwardKernel, void*, float*, float*, int64_t)>& run) {
-  if (!layernorm_backward_has_register_kernel(a.C) || a.N == 0) return NormBackwardKernel::strided;
-  const std::tuple<int, int64_t, bool> key{int(a.dtype), a.C, a.dbias != nullptr};
-  if (auto it = norm_kernels_.find(key); it != norm_kernels_.end()) return it->second;
-  const int tune = blas_->tune();
-  if (tune == 0 || capturing()) return NormBackwardKernel::strided;  // (not kept: timed at a later call)
-  // Timed on scratch outputs (dinp, a copy of it when the call accumulates, dweight and dbias), over
-  // the call's first rows that fit in kTuneScratchBytes: at these widths at least 16383 rows, more
-  // than the kernels' grid has warps (the same grid as the whole call's).
-  const size_t sums_bytes = 2 * size_t(a.C) * sizeof(float), row_bytes = size_t(a.C) * dtype_size(a.dtype);
-  const int64_t rows = std::min<int64_t>(a.N, int64_t((kTuneScratchBytes - sums_bytes) / row_bytes));
-  const size_t dinp_bytes = size_t(rows) * row_bytes;  // a multiple of 16 (C is a multiple of 8)
-  TuneScratch out(*pool_, dinp_bytes + sums_bytes);
-  auto* dweight = reinterpret_cast<float*>(static_cast<char*>(out.p) + dinp_bytes);
-  float* dbias = a.dbias ? dweight + a.C : nullptr;
-  if (a.accumulate) LOOM_CUDA_CHECK(cudaMemcpyAsync(out.p, a.dinp, dinp_bytes, cudaMemcpyDeviceToDevice, stream_));
-  LOOM_CUDA_CHECK(cudaMemsetAsync(dweight, 0, sums_bytes, stream_));
-  double ms[2] = {0, 0};
-  for (const NormBackwardKernel k : {NormBackwardKernel::strided, NormBackwardKernel::registers})
-    ms[int(k)] = median_ms(
-        [&] {
-          run(k, out.p, dweight, dbias, rows);
-          return true;
-        },
-        stream_);
-  LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  const NormBackwardKernel pick =
-      ms[1] < ms[0] * (1.0 - kTuneMargin) ? NormBackwardKernel::registers : NormBackwardKernel::strided;
-  if (tune == 2)
-    std::fprintf(stderr, "kernel tune %s backward N=%lld C=%lld (timed on %lld rows): strided %.4f ms, registers %.4f ms: "
-                 "%s\n", a.rms ? "rmsnorm" : "layernorm", (long long)a.N, (long long)a.C, (long long)rows, ms[0], ms[1],
-                 pick == NormBackwardKernel::registers ? "registers" : "strided");
-  norm_kernels_.emplace(key, pick);
-  return pick;
 }
 
 CudaBackend::ShapeKey CudaBackend::key(DType dtype, const AttnShape& s) {

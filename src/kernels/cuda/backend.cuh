@@ -2,8 +2,8 @@
 // accumulation, f32 gradients and master weights, over the kernels of this folder. An instance owns
 // everything it keeps between calls: its device pool (or the caller's), its stream, its BLAS state
 // (cuBLASLt and cuBLAS handles, workspaces, tuned algorithms: cuda::Blas), the scratch of the bias-
-// gradient and LayerNorm reductions, the LayerNorm backward's kernel per width, the attention
-// workspace and the cuDNN attention plans per shape. Two instances share nothing, so ranks that are threads of one process each make their own,
+// gradient and LayerNorm reductions, the attention workspace and the cuDNN attention plans per
+// shape. Two instances share nothing, so ranks that are threads of one process each make their own,
 // on one GPU or several.
 //
 // Ops enqueue on stream() and return; buffers passed to them are device memory of this instance's
@@ -12,7 +12,6 @@
 #pragma once
 #include <cuda_runtime.h>
 
-#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -21,7 +20,6 @@
 
 #include "core/backend.h"
 #include "kernels/cuda/allocator.cuh"
-#include "kernels/cuda/layernorm.cuh"
 #include "kernels/cuda/matmul.cuh"
 
 namespace loom::cuda {
@@ -100,12 +98,6 @@ class CudaBackend final : public Backend {
   void* grow(void*& p, size_t& have, size_t bytes, const char* what);
   void activate() const;  // makes this instance's device current on the calling thread
   void check(Op op, DType dtype) const;
-  // The LayerNorm backward's kernel for the call's width (both give the same bits): timed with
-  // `run` (the call on the given dinp, dweight and dbias and its first rows) the first time a
-  // (dtype, C, bias) is met outside a graph capture with GEMM tuning on, and kept; the strided
-  // kernel otherwise.
-  NormBackwardKernel norm_backward_kernel(
-      const LayerNormBackward& a, const std::function<void(NormBackwardKernel, void*, float*, float*, int64_t)>& run);
 
   int device_ = 0;
   bool require_nccl_ = false;  // buffer_comm's collectives on NCCL's path only
@@ -123,7 +115,6 @@ class CudaBackend final : public Backend {
   size_t dbias_bytes_ = 0;
   void* ln_scratch_ = nullptr;
   size_t ln_bytes_ = 0;
-  std::map<std::tuple<int, int64_t, bool>, NormBackwardKernel> norm_kernels_;  // norm_backward_kernel's
   void* attn_ws_ = nullptr;
   size_t attn_ws_bytes_ = 0;
   // Copies between host and device memory that convert, and add_to_host: two staging buffers of

@@ -100,4 +100,7 @@ __device__ __forceinline__ float block_max(float x, float* shared) {
 // The number of streaming multiprocessors of the current device (cached per device).
 int num_sms();
 
+// Whether `stream` is being captured into a CUDA graph.
+bool stream_capturing(cudaStream_t stream);
+
 }  // namespace loom::cuda

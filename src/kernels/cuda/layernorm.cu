@@ -152,43 +152,19 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
-// The backward kernels' shape: up to kBwdWarps warps per block (fewer where C is so wide that
+// The backward kernel's shape: up to kBwdWarps warps per block (fewer where C is so wide that
 // their partial sums would not fit in a block's shared memory), one warp per row, rows strided over
-// the grid. Each warp keeps its own dweight (and, with a bias, dbias) partial sums, f32 [sums][C],
-// and the block sums its warps in order into partial[block]; the reduce kernel sums the blocks.
-// Partial sums are indexed "lane-major": the value of column c = 8 g + i (g the 8-column group a
-// lane loads with one 16-byte access, i in 0..7) at index i * (C / 8) + g, so that a warp's 32
-// lanes touch 32 consecutive words in shared memory (no bank conflicts; in column order they
-// would hit 4 banks, 8 lanes each). The reduce kernel maps back to columns.
+// the grid. Each warp keeps its own dweight (and, with a bias, dbias) partial sums in shared
+// memory, f32 [warps][sums][C], stored "lane-major": the value of column c = 8 g + i (g the
+// 8-column group a lane loads with one 16-byte access, i in 0..7) at index i * (C / 8) + g. A
+// warp's 32 lanes then touch 32 consecutive words (no bank conflicts); in column order they would
+// hit 4 banks, 8 lanes each. The block sums its warps in order into partial[block] (same index
+// order); the reduce kernel maps back to columns.
 constexpr int kBwdWarps = 8;
-// The register kernel's row width, in chunks of 256 columns (one 16-byte group per lane) at most.
-constexpr int kMaxRegChunks = 4;
 
-// One element's terms, in both backward kernels, each rounding spelled out (no multiply and add
-// left for the compiler to fuse in one kernel and not the other), so that the kernels agree bit for
-// bit: the row's sums of dy w and dy w xhat, and the column's dweight (dbias adds dy alone).
-__device__ __forceinline__ void bwd_terms(float x, float dy, float w, float m, float rs, float& s_dy, float& s_dyx,
-                                          float& dw) {
-  const float xh = __fmul_rn(__fsub_rn(x, m), rs);
-  const float dn = __fmul_rn(dy, w);
-  s_dy = __fadd_rn(s_dy, dn);
-  s_dyx = fmaf(dn, xh, s_dyx);
-  dw = fmaf(dy, xh, dw);
-}
-
-// One element of dinp: (dy w - mean(dy w) - xhat mean(dy w xhat)) rstd, written (o = null) or
-// added to *o.
-__device__ __forceinline__ float bwd_dx(float x, float dy, float w, float m, float rs, float mean_dn,
-                                        float mean_dnx, bool accumulate, float o) {
-  const float xh = __fmul_rn(__fsub_rn(x, m), rs);
-  const float t = fmaf(-xh, mean_dnx, fmaf(dy, w, -mean_dn));
-  return accumulate ? fmaf(t, rs, o) : __fmul_rn(t, rs);
-}
-
-// The strided kernel: any C. Partial sums in shared memory, [warps][sums][C]; the row is read twice,
-// a 16-byte group at a time (L1 serves the second read). A variant that held the row in f32
-// registers (as the forward does) ran 1.5x slower on an H200 at C = 576 and 768: its registers
-// left one block per SM.
+// The row is read twice, a 16-byte group at a time (L1 serves the second read). A variant that held
+// the row in registers (as the forward does) ran 1.5x slower on an H200 at C = 576 and 768: its
+// registers left one block per SM.
 template <class T>
 __global__ void __launch_bounds__(kBwdWarps * 32)
     layernorm_backward_kernel(T* dinp, float* __restrict__ partial, const T* __restrict__ dout,
@@ -215,7 +191,11 @@ __global__ void __launch_bounds__(kBwdWarps * 32)
       const int64_t grp = c / 8;
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        bwd_terms(f[i], g[i], w[i], m, rs, s_dy, s_dyx, dw[i * G + grp]);
+        const float xh = (f[i] - m) * rs;
+        const float dn = g[i] * w[i];
+        s_dy += dn;
+        s_dyx += dn * xh;
+        dw[i * G + grp] += g[i] * xh;
         if (sums == 2) db[i * G + grp] += g[i];
       }
     }
@@ -223,13 +203,17 @@ __global__ void __launch_bounds__(kBwdWarps * 32)
     const float mean_dnx = warp_sum(s_dyx) / float(C);
     T* dx = dinp + row * C;
     for (int64_t c = lane * 8; c < C; c += 256) {
-      float f[8], g[8], w[8], o[8] = {};
+      float f[8], g[8], w[8], o[8];
       load8(f, x + c);
       load8(g, dy + c);
       load8(w, weight + c);
       if (accumulate) load8(o, dx + c);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) o[i] = bwd_dx(f[i], g[i], w[i], m, rs, mean_dn, mean_dnx, accumulate, o[i]);
+      for (int i = 0; i < 8; ++i) {
+        const float xh = (f[i] - m) * rs;
+        const float v = (g[i] * w[i] - mean_dn - xh * mean_dnx) * rs;
+        o[i] = accumulate ? o[i] + v : v;
+      }
       store8(dx + c, o);
     }
   }
@@ -239,107 +223,6 @@ __global__ void __launch_bounds__(kBwdWarps * 32)
     for (int w = 0; w < warps; ++w) s += sh[int64_t(w) * sums * C + c];
     partial[int64_t(blockIdx.x) * sums * C + c] = s;
   }
-}
-
-// The compiler may no longer assume it knows v: what was worked out from v before (its elements
-// in f32, products of them) is not kept in registers for a later use but worked out again.
-template <class T>
-__device__ __forceinline__ void opaque(Vec8<T>& v) {
-  uint4& u = *reinterpret_cast<uint4*>(&v);
-  asm volatile("" : "+r"(u.x), "+r"(u.y), "+r"(u.z), "+r"(u.w));
-}
-
-// The register kernel, for C up to 256 CH: the same rows, warps and blocks as the strided kernel
-// and the same arithmetic in the same order, so the same bits (which of the two runs is chosen by
-// timing, and a run must not depend on it). Each lane keeps its columns' dweight (and dbias) sums
-// in registers across its rows instead of shared memory, loads its CH groups of the row (x, dy and
-// the weight) at once, all in flight together, and keeps them packed in 16 bits for the second
-// pass instead of reading them again (dinp, when accumulating, is read in the second pass). Shared memory, [SUMS][C], only for the
-// block's sum at the end, warp by warp in order.
-template <class T, int CH, int SUMS>
-__global__ void __launch_bounds__(kBwdWarps * 32, 2)
-    layernorm_backward_regs_kernel(T* dinp, float* __restrict__ partial, const T* __restrict__ dout,
-                                   const T* __restrict__ inp, const T* __restrict__ weight,
-                                   const float* __restrict__ mean, const float* __restrict__ rstd, int64_t N,
-                                   int64_t C, bool accumulate, bool rms) {
-  extern __shared__ float sh[];  // [SUMS][C], lane-major
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  const int64_t G = C / 8;
-  float dw[CH][8], db[SUMS == 2 ? CH : 1][8];
-#pragma unroll
-  for (int k = 0; k < CH; ++k)
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      dw[k][i] = 0.f;
-      db[SUMS == 2 ? k : 0][i] = 0.f;
-    }
-  for (int64_t row = int64_t(blockIdx.x) * warps + warp; row < N; row += int64_t(gridDim.x) * warps) {
-    const float m = rms ? 0.f : mean[row], rs = rstd[row];
-    const T* x = inp + row * C;
-    const T* dy = dout + row * C;
-    T* dx = dinp + row * C;
-    Vec8<T> xv[CH], gv[CH], wv[CH];
-#pragma unroll
-    for (int k = 0; k < CH; ++k) {
-      const int64_t c = (lane + 32 * k) * 8;
-      if (c < C) {
-        xv[k] = *reinterpret_cast<const Vec8<T>*>(x + c);
-        gv[k] = *reinterpret_cast<const Vec8<T>*>(dy + c);
-        wv[k] = *reinterpret_cast<const Vec8<T>*>(weight + c);
-      }
-    }
-    float s_dy = 0.f, s_dyx = 0.f;
-#pragma unroll
-    for (int k = 0; k < CH; ++k) {
-      if ((lane + 32 * k) * 8 >= C) continue;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float g = to_f32(gv[k].v[i]);
-        bwd_terms(to_f32(xv[k].v[i]), g, to_f32(wv[k].v[i]), m, rs, s_dy, s_dyx, dw[k][i]);
-        if (SUMS == 2) db[SUMS == 2 ? k : 0][i] += g;
-      }
-    }
-    // The second pass starts again from the 16-bit row: 12 registers per chunk held over the
-    // warp's sums, not the 24 f32 values (and products) the compiler would otherwise keep.
-#pragma unroll
-    for (int k = 0; k < CH; ++k) {
-      opaque(xv[k]);
-      opaque(gv[k]);
-      opaque(wv[k]);
-    }
-    const float mean_dn = rms ? 0.f : warp_sum(s_dy) / float(C);
-    const float mean_dnx = warp_sum(s_dyx) / float(C);
-#pragma unroll
-    for (int k = 0; k < CH; ++k) {
-      const int64_t c = (lane + 32 * k) * 8;
-      if (c >= C) continue;
-      float o[8] = {};
-      if (accumulate) load8(o, dx + c);
-#pragma unroll
-      for (int i = 0; i < 8; ++i)
-        o[i] = bwd_dx(to_f32(xv[k].v[i]), to_f32(gv[k].v[i]), to_f32(wv[k].v[i]), m, rs, mean_dn, mean_dnx,
-                      accumulate, o[i]);
-      store8(dx + c, o);
-    }
-  }
-  // The block's sums: warp 0's, then each warp's added in turn (the strided kernel's order).
-  for (int w = 0; w < warps; ++w) {
-    if (warp == w) {
-#pragma unroll
-      for (int k = 0; k < CH; ++k) {
-        const int64_t grp = lane + 32 * k;
-        if (grp >= G) continue;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          float* d = sh + i * G + grp;
-          *d = (w == 0 ? 0.f : *d) + dw[k][i];
-          if (SUMS == 2) d[C] = (w == 0 ? 0.f : d[C]) + db[SUMS == 2 ? k : 0][i];
-        }
-      }
-    }
-    __syncthreads();
-  }
-  for (int64_t c = threadIdx.x; c < SUMS * C; c += blockDim.x) partial[int64_t(blockIdx.x) * SUMS * C + c] = sh[c];
 }
 
 // Sums partial[blocks][sums C] over the blocks for every index: a block takes 32 consecutive
@@ -463,37 +346,20 @@ void residual_layernorm_forward(T* residual, T* out, float* mean, float* rstd, c
 
 int64_t layernorm_backward_scratch_floats(int64_t C) { return kMaxBwdBlocksPerSm * int64_t(num_sms()) * 2 * C; }
 
-bool layernorm_backward_has_register_kernel(int64_t C) { return C > 0 && C <= 256 * kMaxRegChunks; }
-
 template <class T>
 void layernorm_backward(T* dinp, float* dweight, float* dbias, const T* dout, const T* inp,
                         const T* weight, const float* mean, const float* rstd, int64_t N, int64_t C,
-                        bool accumulate, float* scratch, cudaStream_t stream, bool rms, NormBackwardKernel kernel) {
+                        bool accumulate, float* scratch, cudaStream_t stream, bool rms) {
   check_sizes("layernorm_backward", N, C);
   LOOM_CHECK(dinp && scratch, "layernorm_backward: dinp and scratch must be set");
   LOOM_CHECK(rms ? !mean && !dbias : mean != nullptr,
              "layernorm_backward: mean must be set (RMSNorm: no mean and no dbias)");
-  LOOM_CHECK(kernel == NormBackwardKernel::strided || layernorm_backward_has_register_kernel(C),
-             "layernorm_backward: the register kernel takes C up to {}, not {}", 256 * kMaxRegChunks, C);
   if (N == 0) return;
   const int sums = dbias ? 2 : 1;  // without a bias (RMSNorm) no dbias partial sums
-  // Both kernels on the strided kernel's grid (the same partial sums: the same bits).
   const BackwardShape shape = backward_shape<T>(C, sums);
   const int64_t blocks = std::min<int64_t>(ceil_div(N, shape.warps), int64_t(shape.blocks_per_sm) * num_sms());
-  if (kernel == NormBackwardKernel::registers) {
-    using Kernel = void (*)(T*, float*, const T*, const T*, const T*, const float*, const float*, int64_t, int64_t,
-                           bool, bool);
-    constexpr Kernel regs[2][kMaxRegChunks] = {
-        {layernorm_backward_regs_kernel<T, 1, 1>, layernorm_backward_regs_kernel<T, 2, 1>,
-         layernorm_backward_regs_kernel<T, 3, 1>, layernorm_backward_regs_kernel<T, 4, 1>},
-        {layernorm_backward_regs_kernel<T, 1, 2>, layernorm_backward_regs_kernel<T, 2, 2>,
-         layernorm_backward_regs_kernel<T, 3, 2>, layernorm_backward_regs_kernel<T, 4, 2>}};
-    regs[sums - 1][(C + 255) / 256 - 1]<<<unsigned(blocks), shape.warps * 32, size_t(sums) * size_t(C) * sizeof(float),
-                                          stream>>>(dinp, scratch, dout, inp, weight, mean, rstd, N, C, accumulate, rms);
-  } else {
-    layernorm_backward_kernel<T><<<unsigned(blocks), shape.warps * 32, shape.shmem, stream>>>(
-        dinp, scratch, dout, inp, weight, mean, rstd, N, C, sums, accumulate, rms);
-  }
+  layernorm_backward_kernel<T><<<unsigned(blocks), shape.warps * 32, shape.shmem, stream>>>(
+      dinp, scratch, dout, inp, weight, mean, rstd, N, C, sums, accumulate, rms);
   LOOM_CUDA_LAUNCH_CHECK();
   layernorm_backward_reduce_kernel<<<unsigned(ceil_div(sums * C, 32)), dim3(32, kReduceRows), 0, stream>>>(
       dweight, dbias, scratch, blocks, C, sums);
@@ -506,7 +372,7 @@ void layernorm_backward(T* dinp, float* dweight, float* dbias, const T* dout, co
   template void residual_layernorm_forward<T>(T*, T*, float*, float*, const T*, const T*, const T*, const T*, int64_t, \
                                               int64_t, cudaStream_t, float, bool);                                   \
   template void layernorm_backward<T>(T*, float*, float*, const T*, const T*, const T*, const float*, const float*,    \
-                                      int64_t, int64_t, bool, float*, cudaStream_t, bool, NormBackwardKernel);
+                                      int64_t, int64_t, bool, float*, cudaStream_t, bool);
 LOOM_LN_INSTANTIATE(bf16)
 LOOM_LN_INSTANTIATE(f16)
 #undef LOOM_LN_INSTANTIATE

@@ -26,18 +26,10 @@ void residual_layernorm_forward(T* residual, T* out, float* mean, float* rstd, c
 // dinp [N, C] (= or += by accumulate), dweight f32 [C] +=, dbias f32 [C] += (deterministic:
 // per-block partial sums reduced in a fixed order). inp is the LayerNorm's input. scratch holds at
 // least layernorm_backward_scratch_floats(C) floats.
-//
-// Two kernels compute it, with the same bits: `strided` (any C; partial sums in shared memory, the
-// row read twice) and `registers` (C up to 1024 where
-// layernorm_backward_has_register_kernel; partial sums and the row in registers). Which is faster
-// depends on the GPU and C: the CUDA backend times both the first time it meets a width.
-enum class NormBackwardKernel { strided, registers };
-bool layernorm_backward_has_register_kernel(int64_t C);
 int64_t layernorm_backward_scratch_floats(int64_t C);
 template <class T>  // bf16 or f16
 void layernorm_backward(T* dinp, float* dweight, float* dbias, const T* dout, const T* inp,
                         const T* weight, const float* mean, const float* rstd, int64_t N, int64_t C,
-                        bool accumulate, float* scratch, cudaStream_t stream, bool rms = false,
-                        NormBackwardKernel kernel = NormBackwardKernel::strided);
+                        bool accumulate, float* scratch, cudaStream_t stream, bool rms = false);
 
 }  // namespace loom::cuda

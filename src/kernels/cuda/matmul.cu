@@ -1,6 +1,5 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/matmul.cuh"
-#include "kernels/cuda/tune.cuh"
 
 #include <cublasLt.h>
 #include <cublas_v2.h>
@@ -37,6 +36,8 @@ bool is_f16(DType dtype, const char* what) {
 constexpr size_t kWorkspaceBytes = size_t(32) << 20;
 
 constexpr size_t kCublasWorkspaceBytes = kBlasCublasWorkspaceBytes;
+
+int gemm_tuning();  // LOOM_GEMM_TUNE, below
 
 }  // namespace
 
@@ -98,7 +99,6 @@ void* Blas::cublas_workspace() {
 void Blas::set_bias_grad_path(BiasGradPath p) { s_->bias_grad_path.store(p); }
 BiasGradPath Blas::bias_grad_path() const { return s_->bias_grad_path.load(); }
 int64_t Blas::bias_grad_epilogue_runs() const { return s_->epilogue_runs.load(); }
-int Blas::tune() const { return s_->tune; }
 
 namespace {
 
@@ -141,10 +141,70 @@ struct LtCall {
 // does not pick). Not while the stream is being captured into a graph (the heuristic's first
 // choice then), nor for calls that no algorithm supports.
 constexpr int kTuneCandidates = 8;
+constexpr double kTuneMargin = 0.03;
 // An accumulating call is timed on a scratch copy of its output, and the weight + bias gradient
-// choice on scratch outputs; outputs larger than kTuneScratchBytes are not timed (the heuristic's
-// first choice, and the epilogue). For GPT-2 124M that leaves out only the tied lm_head's weight
-// gradient (154 MB), 0.3% of the step.
+// choice on scratch outputs; larger outputs than this are not timed (the heuristic's first
+// choice, and the epilogue), so that tuning never asks the pool for more than this at once. For
+// GPT-2 124M that leaves out only the tied lm_head's weight gradient (154 MB), 0.3% of the step.
+constexpr size_t kTuneScratchBytes = size_t(32) << 20;
+
+// Device scratch from the pool (workspace tag) for the length of a tuning, returned on any exit.
+struct TuneScratch {
+  MemoryPool& pool;
+  void* p = nullptr;
+  size_t bytes = 0;
+  TuneScratch(MemoryPool& pool, size_t n) : pool(pool), p(pool.allocate(n, MemTag::workspace)), bytes(n) {}
+  ~TuneScratch() { pool.deallocate(p, bytes, MemTag::workspace); }
+  TuneScratch(const TuneScratch&) = delete;
+  TuneScratch& operator=(const TuneScratch&) = delete;
+};
+
+struct EventPair {
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+  EventPair() {
+    LOOM_CUDA_CHECK(cudaEventCreate(&e0));
+    LOOM_CUDA_CHECK(cudaEventCreate(&e1));
+  }
+  ~EventPair() {
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+  }
+  EventPair(const EventPair&) = delete;
+  EventPair& operator=(const EventPair&) = delete;
+};
+
+int gemm_tuning() {
+  static const int mode = [] {
+    const char* e = std::getenv("LOOM_GEMM_TUNE");
+    if (!e || !*e) return 1;
+    const std::string v(e);
+    LOOM_CHECK(v == "0" || v == "1" || v == "2", "LOOM_GEMM_TUNE='{}': must be 0 (off), 1 (on) or 2 (on, verbose)", v);
+    return std::stoi(v);
+  }();
+  return mode;
+}
+
+// Median milliseconds of `run` (which enqueues work on stream and returns false when it cannot
+// run) over kTuneRuns launches after one warm-up; infinity when it cannot run.
+template <class Run>
+double median_ms(Run&& run, cudaStream_t stream) {
+  constexpr int kTuneRuns = 5;
+  if (!run()) return INFINITY;
+  EventPair ev;
+  std::vector<double> ms;
+  for (int i = 0; i < kTuneRuns && ms.size() == size_t(i); ++i) {
+    LOOM_CUDA_CHECK(cudaEventRecord(ev.e0, stream));
+    const bool ok = run();
+    LOOM_CUDA_CHECK(cudaEventRecord(ev.e1, stream));
+    LOOM_CUDA_CHECK(cudaEventSynchronize(ev.e1));
+    float t = 0.f;
+    LOOM_CUDA_CHECK(cudaEventElapsedTime(&t, ev.e0, ev.e1));
+    if (ok) ms.push_back(t);
+  }
+  if (ms.size() != size_t(kTuneRuns)) return INFINITY;
+  std::sort(ms.begin(), ms.end());
+  return ms[kTuneRuns / 2];
+}
 
 cublasLtMatmulAlgo_t fastest_algo(Blas& blas, LtState& s, const LtCall& c, cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t la,
                                   cublasLtMatrixLayout_t lb, cublasLtMatrixLayout_t ld,

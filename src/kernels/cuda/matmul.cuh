@@ -48,8 +48,6 @@ class Blas {
   // How many weight + bias gradients the epilogue has computed through this instance (for tests:
   // which way a call went).
   int64_t bias_grad_epilogue_runs() const;
-  // The tuning mode this instance was made with (0 off, 1 on, 2 on and verbose).
-  int tune() const;
 
   struct State;
   State& state() { return *s_; }
