@@ -4,7 +4,7 @@
 //
 //   train_gpt2_cuda [--model gpt2-124m] [-B 16] [-T 1024] [--steps 30] [--warmup 5]
 //                   [--attention flash|gemm|cudnn] [--no-graph] [--lr 6e-4] [--seed 1337] [--json]
-//                   [--dump FILE] [--profile N] [--precision bf16|fp16]
+//                   [--dump FILE] [--profile N] [--profile-graph N] [--precision bf16|fp16]
 //
 // --precision fp16 computes in f16 with dynamic loss scaling from 65536 (train/loss_scale.h, as
 // `loom train --train.precision fp16`: a step that overflows is skipped and the scale halved; the
@@ -13,7 +13,9 @@
 // --profile N runs N more steps op by op with CUDA events between the backend's ops (the backend
 // reports each op and its FLOPs to kernels/cuda/profile.cuh) and prints each kind of op's time per
 // step, its share and, for GEMMs and attention, its TFLOP/s; the parts' sum against the graphed
-// step time shows the launch overhead.
+// step time shows the launch overhead. --profile-graph N does the same inside the step's CUDA
+// graph (the events captured between the ops as graph nodes): the parts as the graphed step runs
+// them, without the launch gaps that make small kernels look larger op by op.
 //
 // Tokens are uniform random ids (a fixed seed): the step's cost does not depend on the data.
 // FLOPs per token, as nanoGPT's estimate_mfu: 6 N + 12 L H Q T with N the parameters without
@@ -54,7 +56,7 @@ struct Args {
   float lr = 6e-4f;
   uint64_t seed = 1337;
   std::string dump;
-  int64_t profile = 0;
+  int64_t profile = 0, profile_graph = 0;
   std::string precision = "bf16";
 };
 
@@ -62,7 +64,7 @@ struct Args {
   std::fprintf(stderr,
                "train_gpt2_cuda: %s\nusage: train_gpt2_cuda [--model NAME] [-B N] [-T N] [--steps N] [--warmup N] "
                "[--attention flash|gemm|cudnn] [--no-graph] [--lr X] [--seed N] [--json] [--dump FILE] [--profile N] "
-               "[--precision bf16|fp16]\n",
+               "[--profile-graph N] [--precision bf16|fp16]\n",
                msg.c_str());
   std::exit(2);
 }
@@ -93,12 +95,14 @@ Args parse(int argc, char** argv) {
     else if (k == "--seed") a.seed = uint64_t(num(val()));
     else if (k == "--dump") a.dump = val();
     else if (k == "--profile") a.profile = num(val());
+    else if (k == "--profile-graph") a.profile_graph = num(val());
     else if (k == "--precision") a.precision = val();
     else usage("unknown option " + k);
   }
   if (a.attention != "flash" && a.attention != "gemm" && a.attention != "cudnn")
     usage("--attention must be flash, gemm or cudnn");
   if (a.precision != "bf16" && a.precision != "fp16") usage("--precision must be bf16 or fp16");
+  if (a.profile_graph > 0 && !a.graph) usage("--profile-graph profiles the CUDA graph (not with --no-graph)");
   if (!a.dump.empty() && a.precision != "bf16")
     usage("--dump writes the bf16 model's gradients (use --precision bf16)");
   return a;
@@ -151,10 +155,12 @@ void write_dump(train::StepRunner& run, const Args& a, const std::vector<int32_t
 // One line per part: ms per step, share of the profiled step, TFLOP/s where it declared FLOPs;
 // then the parts' sum against the graphed step (graph_ms). With json, one JSON object instead.
 void print_profile(const cuda::StepProfile& prof, double graph_ms, bool json) {
+  const bool in_graph = prof.in_graph();
   const double n = double(prof.steps()), total = prof.total_ms() / n;
   if (json) {
-    std::printf("{\"profile_steps\": %lld, \"profile_ms\": %.4f, \"graph_step_ms\": %.4f, \"parts\": [",
-                (long long)prof.steps(), total, graph_ms);
+    std::printf("{\"profile_steps\": %lld, \"in_graph\": %s, \"profile_ms\": %.4f, \"graph_step_ms\": %.4f, "
+                "\"parts\": [",
+                (long long)prof.steps(), in_graph ? "true" : "false", total, graph_ms);
     for (size_t i = 0; i < prof.parts().size(); ++i) {
       const auto& p = prof.parts()[i];
       std::printf("%s{\"part\": \"%s\", \"ms\": %.4f, \"tflops\": %.2f}", i ? ", " : "", p.name.c_str(), p.ms / n,
@@ -163,7 +169,8 @@ void print_profile(const cuda::StepProfile& prof, double graph_ms, bool json) {
     std::printf("]}\n");
     return;
   }
-  std::printf("\nstep parts, kernel by kernel (%lld steps; CUDA events between the parts):\n", (long long)prof.steps());
+  std::printf("\nstep parts, kernel by kernel (%lld steps; CUDA events between the parts%s):\n", (long long)prof.steps(),
+              in_graph ? ", captured into the step's graph" : ", op by op");
   std::printf("%-40s %10s %7s %9s\n", "part", "ms/step", "share", "TFLOP/s");
   for (const auto& p : prof.parts()) {
     const double ms = p.ms / n;
@@ -172,9 +179,14 @@ void print_profile(const cuda::StepProfile& prof, double graph_ms, bool json) {
     else
       std::printf("%-40s %10.3f %6.1f%% %9s\n", p.name.c_str(), ms, 100.0 * ms / total, "");
   }
-  std::printf("%-40s %10.3f (the graphed step: %.3f ms; the parts include the GPU's idle time while the host "
-              "launched their kernels one by one)\n",
-              "sum", total, graph_ms);
+  if (in_graph)
+    std::printf("%-40s %10.3f (the graphed step: %.3f ms; the parts as the graph runs them, the event nodes "
+                "between them included)\n",
+                "sum", total, graph_ms);
+  else
+    std::printf("%-40s %10.3f (the graphed step: %.3f ms; the parts include the GPU's idle time while the host "
+                "launched their kernels one by one)\n",
+                "sum", total, graph_ms);
 }
 
 }  // namespace
@@ -241,6 +253,19 @@ int main(int argc, char** argv) {
       }
       be.set_observer(nullptr);
     }
+    // The same inside the graph: a first step captures the graph again with the event nodes (not
+    // counted), then N replays.
+    cuda::StepProfile gprof(be.stream(), /*in_graph=*/true);
+    if (a.profile_graph > 0) {
+      be.set_observer(&gprof);
+      for (int64_t i = 0; i <= a.profile_graph; ++i) {
+        gprof.start();
+        run.train_step(tok.data(), tgt.data(), a.lr, updates + 1, fp16 ? float(scaler.step_scale()) : 1.f);
+        updates += std::isfinite(run.last_grad_norm());
+        gprof.finish();
+      }
+      be.set_observer(nullptr);
+    }
     // Host time around the step (the token upload and loss read-back included) is what a user
     // sees; device events cover the same span since each step synchronises.
     std::vector<double> sorted = ms;
@@ -281,6 +306,7 @@ int main(int argc, char** argv) {
                     (long long)(a.warmup + a.steps), scaler.scale());
     }
     if (a.profile > 0) print_profile(prof, med, a.json);
+    if (a.profile_graph > 0) print_profile(gprof, med, a.json);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "train_gpt2_cuda: %s\n", e.what());
     return 1;

@@ -31,8 +31,8 @@
 #   kernels   the Llama family's element-wise kernels: the tests that hold RoPE's and SwiGLU's vector
 #             kernels to the element kernels' bits, the LayerNorm tests and the backend parity suite,
 #             then SmolLM-135M and GPT-2 124M (B = 16, T = 1024, cuDNN attention) profiled kernel by
-#             kernel (the profile's parts include launch gaps the graphed step does not have: compare
-#             the graphed ms/step lines)
+#             kernel inside the step's CUDA graph (--profile-graph: events captured between the ops,
+#             so no launch gaps) and op by op
 #   fp16      train.precision fp16 (f16 compute, dynamic loss scaling) against bf16: GPT-2 124M's
 #             step time in each (train_gpt2_cuda, B = 16, T = 1024, two alternating rounds); the quickstart's
 #             model (configs/kjv-10m.toml) on data/kjv (or the small corpus) for 200 steps in bf16,
@@ -163,10 +163,11 @@ step_llama() {
   python3 -c "import json,sys; g=json.loads(sys.argv[1])['loss']; c=json.loads(sys.argv[2])['loss']; print(f'eval loss cuda {g:.5f} cpu {c:.5f} rel {abs(g-c)/c:.2e}'); sys.exit(abs(g-c)/c > 1e-2)" "$gpu" "$cpu"
 }
 step_kernels() {
-  env_run test_cuda --gtest_filter='LayerNorm*:CudaRope.*:CudaSwiglu.*:Cuda/BackendParity.*' || return 1
+  env_run test_cuda --gtest_filter='LayerNorm*:CudaRope.*:CudaSwiglu.*:Cuda/BackendParity.*:StepRunnerGraph.*' || return 1
   local m
   for m in smollm-135m gpt2-124m; do
-    env_run train_gpt2_cuda --model $m -B 16 -T 1024 --steps 20 --warmup 5 --attention cudnn --profile 5 || return 1
+    env_run train_gpt2_cuda --model $m -B 16 -T 1024 --steps 20 --warmup 5 --attention cudnn --profile-graph 5 \
+      --profile 5 || return 1
   done
 }
 step_fp16() {

@@ -353,6 +353,10 @@ class OpObserver {
  public:
   virtual ~OpObserver() = default;
   virtual void op_done(const char* what, double flops) = 0;
+  // Whether op_done may be called while the ops are being captured into a graph (the observer
+  // then puts what it records into the graph and reads it after each replay). Otherwise a step
+  // runs op by op while the observer is set.
+  virtual bool in_graph() const { return false; }
 };
 
 // dst[i] = src[i], converting between dtypes (f32 and bf16; same dtypes copy bytes), from and to
@@ -514,8 +518,13 @@ class Backend {
   // scratch, its plans): a captured graph recorded under another count must not be replayed.
   uint64_t memory_epoch() const { return epoch_; }
   // Ops report to `o` (not owned; null: none) from now on, where the backend supports it (CUDA).
-  void set_observer(OpObserver* o) { observer_ = o; }
+  void set_observer(OpObserver* o) {
+    observer_ = o;
+    ++observer_sets_;
+  }
   OpObserver* observer() const { return observer_; }
+  // Counts set_observer's calls (a graph captured with one observer is not replayed under another).
+  uint64_t observer_sets() const { return observer_sets_; }
 
   // An uninitialised tensor from pool() under tag.
   Tensor empty(const Shape& shape, DType dtype, MemTag tag) { return Tensor::empty(shape, dtype, tag, pool()); }
@@ -531,6 +540,7 @@ class Backend {
 
  private:
   OpObserver* observer_ = nullptr;
+  uint64_t observer_sets_ = 0;
   uint64_t epoch_ = 0;
 };
 

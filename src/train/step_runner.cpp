@@ -74,13 +74,16 @@ void StepRunner::run(Kind k) {
     warmed_[k] = false;  // (an eager run first: it may take the memory anew)
   }
   // Eagerly: without graphs, the first time (allocations, plans, tuning), and while an observer
-  // profiles the ops (a replay would not report them).
-  if (!opt_.graphs || !be_.can_capture() || be_.observer() || !warmed_[k]) {
+  // that cannot be captured profiles the ops (a replay would not report them). One that can is
+  // captured with the ops: a graph captured under another observer (or none) is captured again.
+  OpObserver* obs = be_.observer();
+  if (!opt_.graphs || !be_.can_capture() || (obs && !obs->in_graph()) || !warmed_[k]) {
     enqueue(k);
     warmed_[k] = true;
     return;
   }
-  if (!graphs_[k] || graph_counted_[k] != counted_ || graph_scale_[k] != loss_scale_) {
+  if (!graphs_[k] || graph_counted_[k] != counted_ || graph_scale_[k] != loss_scale_ ||
+      graph_observer_sets_[k] != be_.observer_sets()) {
     graphs_[k].reset();
     be_.begin_capture();
     try {
@@ -95,6 +98,7 @@ void StepRunner::run(Kind k) {
     graphs_[k] = be_.end_capture();
     graph_counted_[k] = counted_;
     graph_scale_[k] = loss_scale_;
+    graph_observer_sets_[k] = be_.observer_sets();
     graph_epochs_[k][0] = be_.memory_epoch();
     graph_epochs_[k][1] = gpt_.activation_epoch();
   }

@@ -5,7 +5,7 @@
 // replayed every step; the mean loss is reduced on the device and read once per step.
 //
 // While the backend has an observer (Backend::set_observer: a step's breakdown by op) nothing
-// runs as a graph. The first call of each kind runs eagerly (it allocates the activations and scratch, plans the
+// runs as a graph, unless the observer can be captured with the ops (OpObserver::in_graph). The first call of each kind runs eagerly (it allocates the activations and scratch, plans the
 // attention and tunes the GEMMs, none of which may happen in a capture); the next one captures.
 // The loss gradient's scale (loss_scale / the counted targets) is part of the captured work, so a
 // batch with another count of targets, or a step at another loss scale, is captured again.
@@ -102,6 +102,7 @@ class StepRunner {
   std::unique_ptr<Graph> graphs_[kKinds];
   int64_t graph_counted_[kKinds] = {-1, -1};  // the count baked into each graph
   float graph_scale_[kKinds] = {0, 0};        // and the loss scale
+  uint64_t graph_observer_sets_[kKinds] = {0, 0};  // and Backend::observer_sets() (the observer it holds)
   float loss_scale_ = 1.0f;                   // the loss scale of the step being enqueued
   // The backend's memory epoch and the model's activation epoch each graph was captured under: a
   // graph whose memory has since been freed or moved is dropped and the step warmed again.

@@ -1,6 +1,7 @@
 // What the step runner does on CUDA only (host code only: compiled by the C++ compiler; skipped
 // without a GPU): graph replays against op-by-op launches, a new capture when the counted targets
-// change, the step's breakdown by op (kernels/cuda/profile.cuh as the backend's observer), and the
+// change, the step's breakdown by op (kernels/cuda/profile.cuh as the backend's observer, op by op
+// and inside the graph), and the
 // memory of the model, the runner and the backend instance, tagged and given back.
 // The same model run as CUDA graphs and op by op launches the same kernels in the same order (GEMM
 // tuning off in both instances, so both run cuBLASLt's first choice); only the f32 atomics of the
@@ -168,6 +169,48 @@ TEST(StepRunnerGraph, ProfileCoversTheStep) {
     EXPECT_NEAR(m.g->train_step(tok.data(), tgt.data(), m.lr, s), m.e->train_step(tok.data(), tgt.data(), m.lr, s),
                 kGraphLossTol);
   EXPECT_EQ(m.g->graph_launches(), 2) << "the steps after profiling are graph replays";
+}
+
+// The breakdown inside the graph (StepProfile in_graph: the marks captured as event nodes): the
+// first profiled step captures the graph again and is not counted, the replays after it are, with
+// every kind of op and the same FLOPs as op by op; the steps stay the eager twin's; afterwards the
+// graph is captured once more without the event nodes.
+TEST(StepRunnerGraph, ProfileInTheGraph) {
+  REQUIRE_CUDA_BACKEND();
+  GraphAndEager m(2, 64, 17);
+  auto tok = random_ids(m.B * m.T, m.cfg.vocab_size, 31), tgt = random_ids(m.B * m.T, m.cfg.vocab_size, 32);
+  int s = 1;
+  for (; s <= 2; ++s)  // warmed and graphed
+    EXPECT_NEAR(m.g->train_step(tok.data(), tgt.data(), m.lr, s), m.e->train_step(tok.data(), tgt.data(), m.lr, s),
+                kGraphLossTol);
+  const int64_t launches = m.g->graph_launches();
+  EXPECT_EQ(launches, 1);
+  cuda::StepProfile prof(m.bg->stream(), /*in_graph=*/true);
+  m.bg->set_observer(&prof);
+  for (; s <= 5; ++s) {
+    prof.start();
+    const float lg = m.g->train_step(tok.data(), tgt.data(), m.lr, s);
+    prof.finish();
+    EXPECT_NEAR(lg, m.e->train_step(tok.data(), tgt.data(), m.lr, s), kGraphLossTol) << "step " << s;
+  }
+  m.bg->set_observer(nullptr);
+  EXPECT_EQ(m.g->graph_launches(), launches + 3) << "profiled in the graph: the steps are replays";
+  EXPECT_EQ(prof.steps(), 2) << "the step that captured is not counted";
+  std::set<std::string> names;
+  double flops = 0;
+  for (const auto& p : prof.parts()) {
+    names.insert(p.name);
+    EXPECT_GT(p.ms, 0.0) << p.name;
+    flops += p.flops;
+  }
+  EXPECT_EQ(names.size(), 14u);
+  EXPECT_EQ(names.count("attention backward"), 1u);
+  const double B = double(m.B), T = double(m.T), C = double(m.cfg.n_embd), L = double(m.cfg.n_layer);
+  const double want = 6.0 * B * T * (L * 12.0 * C * C + C * double(m.cfg.padded_vocab())) + L * 7.0 * B * T * T * C;
+  EXPECT_NEAR(flops / 2.0, want, 1e-9 * want);
+  EXPECT_NEAR(m.g->train_step(tok.data(), tgt.data(), m.lr, s), m.e->train_step(tok.data(), tgt.data(), m.lr, s),
+              kGraphLossTol);
+  EXPECT_EQ(m.g->graph_launches(), launches + 4);
 }
 
 // Everything the model, its runner and its backend instance take from the device pool is tagged

@@ -2,9 +2,11 @@
 
 #include "kernels/cuda/common.cuh"
 
+#include <algorithm>
+
 namespace loom::cuda {
 
-StepProfile::StepProfile(cudaStream_t stream) : stream_(stream) {}
+StepProfile::StepProfile(cudaStream_t stream, bool in_graph) : stream_(stream), in_graph_(in_graph) {}
 
 StepProfile::~StepProfile() {
   for (cudaEvent_t e : events_) cudaEventDestroy(e);  // no throwing from a destructor
@@ -29,6 +31,9 @@ size_t StepProfile::part_index(const char* name) {
 void StepProfile::start() {
   LOOM_CHECK(!open_, "StepProfile: start() while a step is open");
   pending_.clear();
+  // (In the graph, the events a capture records are made here, before it: a step of up to a
+  // thousand ops, or of as many as the last one marked.)
+  if (in_graph_) event(std::max<size_t>(1024, 2 * last_.size()));
   LOOM_CUDA_CHECK(cudaEventRecord(event(0), stream_));
   open_ = true;
 }
@@ -36,7 +41,9 @@ void StepProfile::start() {
 void StepProfile::mark(const char* part, double flops) {
   if (!open_) return;
   const size_t i = part_index(part);
-  LOOM_CUDA_CHECK(cudaEventRecord(event(pending_.size() + 1), stream_));
+  // External: captured as an event-record node (a plain record in a capture is only an ordering).
+  LOOM_CUDA_CHECK(
+      cudaEventRecordWithFlags(event(pending_.size() + 1), stream_, in_graph_ ? cudaEventRecordExternal : 0));
   pending_.emplace_back(i, flops);
 }
 
@@ -44,6 +51,15 @@ void StepProfile::finish() {
   LOOM_CHECK(open_, "StepProfile: finish() without start()");
   open_ = false;
   LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (in_graph_) {
+    // A step whose ops marked was captured (or ran op by op): its first interval holds the host's
+    // capture, so it is not counted; the replays after it are, with its marks.
+    if (!pending_.empty()) {
+      last_ = pending_;
+      return;
+    }
+    pending_ = last_;
+  }
   for (size_t k = 0; k < pending_.size(); ++k) {
     float ms = 0;
     LOOM_CUDA_CHECK(cudaEventElapsedTime(&ms, events_[k], events_[k + 1]));

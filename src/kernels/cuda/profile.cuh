@@ -1,8 +1,13 @@
 // Where a GPU step's time goes, without a profiler: CUDA events recorded on one stream between
 // the parts of the step (mark), and the time between consecutive events charged to the part that
 // ends there. Kernels of one stream run in order, so an interval is the part's kernels plus any
-// idle time of the GPU while the host launched them: profile eager launches (no CUDA graph) and
-// compare the parts' sum with the graphed step's time to see the launch overhead.
+// idle time of the GPU before them.
+//   Op by op (the default): the step runs eagerly, and the intervals include the GPU's idle time
+//   while the host launched the kernels one by one (small kernels look larger than they are).
+//   In the graph (in_graph): the marks are captured into the step's CUDA graph as event-record
+//   nodes (cudaEventRecordExternal), recorded again by every replay; the intervals are the parts'
+//   kernels as the graphed step runs them. A step whose ops marked (the capture) is not counted;
+//   the steps after it (replays, whose ops do not mark) are, with the capture's marks.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -24,7 +29,7 @@ class StepProfile final : public OpObserver {
     double flops = 0;  // declared by the marks, summed over the profiled steps
   };
 
-  explicit StepProfile(cudaStream_t stream);
+  explicit StepProfile(cudaStream_t stream, bool in_graph = false);
   ~StepProfile();
   StepProfile(const StepProfile&) = delete;
   StepProfile& operator=(const StepProfile&) = delete;
@@ -35,7 +40,9 @@ class StepProfile final : public OpObserver {
   // `flops` floating-point operations. No-op outside a step.
   void mark(const char* part, double flops = 0);
   void op_done(const char* what, double flops) override { mark(what, flops); }
-  // Closes the step: waits for the stream and adds the intervals to the parts.
+  bool in_graph() const override { return in_graph_; }
+  // Closes the step: waits for the stream and adds the intervals to the parts (in_graph: not those
+  // of a step that captured).
   void finish();
 
   const std::vector<Part>& parts() const { return parts_; }  // in the order first marked
@@ -44,9 +51,10 @@ class StepProfile final : public OpObserver {
 
  private:
   cudaStream_t stream_;
+  bool in_graph_ = false;
   std::vector<cudaEvent_t> events_;  // reused across steps; [0] is the start
-  // (part index, FLOPs) of each mark of the open step
-  std::vector<std::pair<size_t, double>> pending_;
+  // (part index, FLOPs) of each mark of the open step, and of the last step that marked
+  std::vector<std::pair<size_t, double>> pending_, last_;
   std::vector<Part> parts_;
   int64_t steps_ = 0;
   bool open_ = false;
