@@ -104,7 +104,7 @@ RunResult train_rank(comm::Comm& c, int zero, bool offload, int64_t accum, int64
   MemoryPool pool(fmt::format("{}:{}", emu ? "emu" : "cpu", c.rank()), emu ? &emu_allocator() : &cpu_allocator()),
       host(fmt::format("host:{}", c.rank()));
   std::unique_ptr<Backend> be = emu ? make_backend(Device::emu, {.pool = &pool}) : nullptr;
-  model::GPT gpt = emu ? model::GPT(tiny(), *be, 1234, {.defer_parameters = true}) : model::GPT(tiny(), pool, 1234);
+  model::GPT gpt = emu ? model::GPT(tiny(), *be, 1234, {.groups = {}, .defer_parameters = true}) : model::GPT(tiny(), pool, 1234);
   parallel::DataParallelOptions o;
   o.zero = zero;
   o.offload = offload;
