@@ -156,6 +156,10 @@ void write_dump(train::StepRunner& run, const Args& a, const std::vector<int32_t
 // then the parts' sum against the graphed step (graph_ms). With json, one JSON object instead.
 void print_profile(const cuda::StepProfile& prof, double graph_ms, bool json) {
   const bool in_graph = prof.in_graph();
+  if (prof.steps() == 0) {
+    std::printf(json ? "{\"profile_steps\": 0}\n" : "\nno profiled step was counted\n");
+    return;
+  }
   const double n = double(prof.steps()), total = prof.total_ms() / n;
   if (json) {
     std::printf("{\"profile_steps\": %lld, \"in_graph\": %s, \"profile_ms\": %.4f, \"graph_step_ms\": %.4f, "
@@ -201,6 +205,8 @@ int main(int argc, char** argv) {
     train::LossScaler scaler(65536, 1000, 1);
     int64_t overflows = 0, updates = 0;  // updates: AdamW's step count (an overflowed step takes none)
     cuda::CudaBackend be({.pool = &pool, .attention = attn_kernel_from_name(a.attention), .compute = compute});
+    // The profiles (op by op, and in the graph) outlive the runner, whose graphs hold their events.
+    cuda::StepProfile prof(be.stream()), gprof(be.stream(), /*in_graph=*/true);
     model::GPT gpt(cfg, be, a.seed);
     train::StepRunner run(gpt, {.B = a.B, .T = a.T, .graphs = a.graph});
     const int64_t BT = a.B * a.T;
@@ -242,7 +248,6 @@ int main(int argc, char** argv) {
         std::printf("step %4lld loss %.4f norm %.3f %.2f ms\n", (long long)s, loss, run.last_grad_norm(), t);
     }
     // The parts of the step, kernel by kernel.
-    cuda::StepProfile prof(be.stream());
     if (a.profile > 0) {
       be.set_observer(&prof);  // the runner then launches op by op (no graph)
       for (int64_t i = 0; i < a.profile; ++i) {
@@ -255,7 +260,6 @@ int main(int argc, char** argv) {
     }
     // The same inside the graph: a first step captures the graph again with the event nodes (not
     // counted), then N replays.
-    cuda::StepProfile gprof(be.stream(), /*in_graph=*/true);
     if (a.profile_graph > 0) {
       be.set_observer(&gprof);
       for (int64_t i = 0; i <= a.profile_graph; ++i) {

@@ -60,11 +60,6 @@ out=$2
 shift 2
 steps=("$@")
 [[ ${#steps[@]} -gt 0 ]] || steps=(device cuda memcheck pipeline flash train loom plantruth llama kernels fp16 offload)
-mkdir -p "$out"
-{
-  date -u +"gpu_checks %Y-%m-%d %H:%M UTC"
-  [[ -f "$bundle/COMMIT" ]] && sed 's/^/bundle: /' "$bundle/COMMIT"
-} | tee -a "$out/status"
 env_run() { "$root/scripts/gpu_env.sh" "$bundle" "$@"; }
 step_device() {
   nvidia-smi
@@ -163,7 +158,7 @@ step_llama() {
   python3 -c "import json,sys; g=json.loads(sys.argv[1])['loss']; c=json.loads(sys.argv[2])['loss']; print(f'eval loss cuda {g:.5f} cpu {c:.5f} rel {abs(g-c)/c:.2e}'); sys.exit(abs(g-c)/c > 1e-2)" "$gpu" "$cpu"
 }
 step_kernels() {
-  env_run test_cuda --gtest_filter='LayerNorm*:CudaRope.*:CudaSwiglu.*:Cuda/BackendParity.*:StepRunnerGraph.*' || return 1
+  env_run test_cuda --gtest_filter='*LayerNorm*:CudaRope.*:CudaSwiglu.*:Cuda/BackendParity.*:StepRunnerGraph.*' || return 1
   local m
   for m in smollm-135m gpt2-124m; do
     env_run train_gpt2_cuda --model $m -B 16 -T 1024 --steps 20 --warmup 5 --attention cudnn --profile-graph 5 \
@@ -288,5 +283,10 @@ for s in "${steps[@]}"; do
     exit 2
   }
 done
+mkdir -p "$out"
+{
+  date -u +"gpu_checks %Y-%m-%d %H:%M UTC"
+  [[ -f "$bundle/COMMIT" ]] && sed 's/^/bundle: /' "$bundle/COMMIT"
+} | tee -a "$out/status"
 for s in "${steps[@]}"; do run_step "$s"; done
 exit $failed

@@ -63,6 +63,7 @@ void StepRunner::enqueue_micro() {
 }
 
 void StepRunner::enqueue(Kind k) {
+  be_.step_begins();
   if (k == kStep) gpt_.zero_grad();
   enqueue_micro();
   if (k == kStep) adamw_->launch();

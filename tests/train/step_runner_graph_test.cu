@@ -152,12 +152,13 @@ TEST(StepRunnerGraph, ProfileCoversTheStep) {
     EXPECT_GT(p.ms, 0.0) << p.name;
     flops += p.flops;
   }
-  for (const char* want : {"embedding forward", "layernorm forward", "linear forward", "attention forward",
-                           "residual + layernorm forward", "linear forward + gelu", "cross-entropy + dlogits", "sum",
-                           "linear backward", "layernorm backward", "linear backward + dgelu", "attention backward",
-                           "embedding backward", "adamw"})
+  for (const char* want : {"(before the step)", "fill zero", "embedding forward", "layernorm forward",
+                           "linear forward", "attention forward", "residual + layernorm forward",
+                           "linear forward + gelu", "cross-entropy + dlogits", "sum", "linear backward",
+                           "layernorm backward", "linear backward + dgelu", "attention backward", "embedding backward",
+                           "adamw"})
     EXPECT_EQ(names.count(want), 1u) << want;
-  EXPECT_EQ(names.size(), 14u) << "(the block's last residual add is the MLP projection's GEMM epilogue)";
+  EXPECT_EQ(names.size(), 16u) << "(the block's last residual add is the MLP projection's GEMM epilogue)";
   // Per step: GEMMs 2 FLOPs per multiply-add forward, twice that backward; attention 2 B T^2 C
   // forward (causal) and 2.5 times that backward, per layer.
   const double B = double(m.B), T = double(m.T), C = double(cfg.n_embd), L = double(cfg.n_layer);
@@ -203,14 +204,31 @@ TEST(StepRunnerGraph, ProfileInTheGraph) {
     EXPECT_GT(p.ms, 0.0) << p.name;
     flops += p.flops;
   }
-  EXPECT_EQ(names.size(), 14u);
+  EXPECT_EQ(names.size(), 16u);
   EXPECT_EQ(names.count("attention backward"), 1u);
+  EXPECT_EQ(names.count("(before the step)"), 1u);
   const double B = double(m.B), T = double(m.T), C = double(m.cfg.n_embd), L = double(m.cfg.n_layer);
   const double want = 6.0 * B * T * (L * 12.0 * C * C + C * double(m.cfg.padded_vocab())) + L * 7.0 * B * T * T * C;
   EXPECT_NEAR(flops / 2.0, want, 1e-9 * want);
   EXPECT_NEAR(m.g->train_step(tok.data(), tgt.data(), m.lr, s), m.e->train_step(tok.data(), tgt.data(), m.lr, s),
               kGraphLossTol);
   EXPECT_EQ(m.g->graph_launches(), launches + 4);
+  ++s;
+  // Gradient accumulation: the micro-batch's graph replays, and the optimizer step runs outside it:
+  // such steps are not counted (their marks mix the graph's events with ops run op by op).
+  cuda::StepProfile acc(m.bg->stream(), /*in_graph=*/true);
+  m.bg->set_observer(&acc);
+  for (int i = 0; i < 3; ++i, ++s) {
+    acc.start();
+    m.g->zero_grad();
+    m.g->accumulate(tok.data(), tgt.data());
+    m.g->optimizer_step(m.lr, s);
+    acc.finish();
+  }
+  EXPECT_EQ(acc.steps(), 0);
+  // A capture while no step is open would make a graph without events: refused.
+  EXPECT_THROW(m.g->train_step(tok.data(), tgt.data(), m.lr, s), Error);
+  m.bg->set_observer(nullptr);
 }
 
 // Everything the model, its runner and its backend instance take from the device pool is tagged

@@ -848,6 +848,7 @@ void CudaBackend::fill_zero(void* dst, int64_t bytes) {
   activate();
   LOOM_CHECK(bytes >= 0, "fill_zero: negative size {}", bytes);
   LOOM_CUDA_CHECK(cudaMemsetAsync(dst, 0, size_t(bytes), stream_));
+  observed("fill zero");
 }
 
 }  // namespace loom::cuda

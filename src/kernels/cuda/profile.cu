@@ -39,12 +39,20 @@ void StepProfile::start() {
 }
 
 void StepProfile::mark(const char* part, double flops) {
-  if (!open_) return;
+  const bool captured = in_graph_ && stream_capturing(stream_);
+  if (!open_) {
+    LOOM_CHECK(!captured,
+               "StepProfile: op '{}' was captured into a graph while no step was open (start() first): the graph "
+               "would hold no events",
+               part);
+    return;
+  }
   const size_t i = part_index(part);
-  // External: captured as an event-record node (a plain record in a capture is only an ordering).
-  LOOM_CUDA_CHECK(
-      cudaEventRecordWithFlags(event(pending_.size() + 1), stream_, in_graph_ ? cudaEventRecordExternal : 0));
-  pending_.emplace_back(i, flops);
+  // Captured: an event-record node (external: a plain record in a capture is only an ordering, and
+  // the flag is refused outside a capture).
+  LOOM_CUDA_CHECK(cudaEventRecordWithFlags(event(pending_.size() + 1), stream_,
+                                           captured ? cudaEventRecordExternal : cudaEventRecordDefault));
+  pending_.push_back({i, flops, captured});
 }
 
 void StepProfile::finish() {
@@ -52,20 +60,21 @@ void StepProfile::finish() {
   open_ = false;
   LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
   if (in_graph_) {
-    // A step whose ops marked was captured (or ran op by op): its first interval holds the host's
-    // capture, so it is not counted; the replays after it are, with its marks.
+    // A step that marked captured its graph (its first interval holds the host's capture) or ran
+    // ops outside a graph: not counted. The replays after a capture are, with its marks.
     if (!pending_.empty()) {
-      last_ = pending_;
+      if (std::all_of(pending_.begin(), pending_.end(), [](const Mark& m) { return m.captured; })) last_ = pending_;
       return;
     }
+    LOOM_CHECK(!last_.empty(), "StepProfile: a step in the graph without a capture before it (nothing to time)");
     pending_ = last_;
   }
   for (size_t k = 0; k < pending_.size(); ++k) {
     float ms = 0;
     LOOM_CUDA_CHECK(cudaEventElapsedTime(&ms, events_[k], events_[k + 1]));
-    Part& p = parts_[pending_[k].first];
+    Part& p = parts_[pending_[k].part];
     p.ms += ms;
-    p.flops += pending_[k].second;
+    p.flops += pending_[k].flops;
   }
   ++steps_;
 }

@@ -7,7 +7,12 @@
 //   In the graph (in_graph): the marks are captured into the step's CUDA graph as event-record
 //   nodes (cudaEventRecordExternal), recorded again by every replay; the intervals are the parts'
 //   kernels as the graphed step runs them. A step whose ops marked (the capture) is not counted;
-//   the steps after it (replays, whose ops do not mark) are, with the capture's marks.
+//   the steps after it (replays, whose ops do not mark) are, with the capture's marks. One graph
+//   replay per step (StepRunner::train_step): a step that also runs ops outside the graph
+//   (gradient accumulation's optimizer step) is not counted.
+// The step runner marks the start of a step's ops (Backend::step_begins): the interval before
+// it, "(before the step)", is the host's work ahead of the step's first kernel (the batch's upload,
+// the graph's launch).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -53,8 +58,13 @@ class StepProfile final : public OpObserver {
   cudaStream_t stream_;
   bool in_graph_ = false;
   std::vector<cudaEvent_t> events_;  // reused across steps; [0] is the start
-  // (part index, FLOPs) of each mark of the open step, and of the last step that marked
-  std::vector<std::pair<size_t, double>> pending_, last_;
+  struct Mark {
+    size_t part = 0;
+    double flops = 0;
+    bool captured = false;  // recorded as a node of the graph being captured
+  };
+  // The marks of the open step, and (in the graph) of the last capture
+  std::vector<Mark> pending_, last_;
   std::vector<Part> parts_;
   int64_t steps_ = 0;
   bool open_ = false;

@@ -662,10 +662,11 @@ PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOp
     }
     LOOM_CHECK(planned_peak_ <= budget,
                "memory.activation_budget: {} per rank, but pipeline rank {} keeps up to {:.0f} micro-batches of its "
-               "chunks in flight and needs {} of saved activations with the plans of its chunks that need the least "
+               "chunks in flight and needs {} of saved activations with the plans of its chunks that need the least{} "
                "({} of {} blocks recomputed); a larger budget, fewer micro-batches (train.grad_accum) or another "
                "schedule fits",
                format_bytes(int64_t(opt.activation_budget)), I.rank, in_flight, format_bytes(int64_t(planned_peak_)),
+               joint.exhaustive ? "" : " that a search of their combinations found (too many to try every one)",
                recomputed_, blocks_);
   }
   for (Chunk& ch : I.chunks)

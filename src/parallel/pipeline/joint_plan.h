@@ -13,13 +13,14 @@ namespace loom::parallel::pipeline {
 struct JointChoice {
   std::vector<size_t> pick;  // the option of each chunk
   double cost = 0, peak = 0;
+  bool exhaustive = true;  // every combination was weighed (else the descent's choice)
 };
 
 // costs[k][i]: option i of chunk k (every chunk has at least one); peak(pick) the combination's.
-// Every combination where they are at most `exhaustive_limit`; otherwise a descent from each
-// chunk's first option that changes one chunk's option, or two chunks' at once, while that makes
-// the choice better, until no such change does (at least as good as the first options together;
-// not always the best).
+// Every combination where they are at most `exhaustive_limit`; otherwise descents from each
+// chunk's first option and from each chunk's last that change one chunk's option, or two chunks'
+// at once, while that makes the choice better, until no such change does (at least as good as the
+// first options together, and as the last; not always the best).
 JointChoice choose_joint(const std::vector<std::vector<double>>& costs,
                          const std::function<double(const std::vector<size_t>&)>& peak, double budget,
                          double exhaustive_limit = 1e5);

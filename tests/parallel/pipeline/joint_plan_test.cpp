@@ -110,6 +110,27 @@ TEST(JointPlan, DescentWhereTheyAreMany) {
   }
 }
 
+// A peak that is the largest of four equal chunks' (a plateau: from the first options no change of
+// one or two chunks lowers it) with 20^4 combinations: the descent from the last options finds a
+// fitting choice that the one from the first options cannot.
+TEST(JointPlan, DescentPastAPlateau) {
+  Made m = made(4, 20, 11);
+  for (size_t k = 1; k < 4; ++k) m.costs[k] = m.costs[0], m.kept[k] = m.kept[0];
+  const auto peak = [&](const std::vector<size_t>& p) {
+    double x = 0;
+    for (size_t k = 0; k < p.size(); ++k) x = std::max(x, m.kept[k][p[k]]);
+    return x;
+  };
+  double budget = 0;  // just above the largest of the chunks' least kept
+  for (size_t k = 0; k < 4; ++k) budget = std::max(budget, m.kept[k].back() * 1.3);
+  const JointChoice c = choose_joint(m.costs, peak, budget);
+  EXPECT_FALSE(c.exhaustive);
+  EXPECT_LE(c.peak, budget);
+  const JointChoice all = choose_joint(m.costs, peak, budget, 1e6);
+  EXPECT_TRUE(all.exhaustive);
+  EXPECT_LE(c.cost, 1.05 * all.cost);
+}
+
 TEST(JointPlan, NoneFitsGivesTheLeastPeak) {
   const Made m = made(3, 4, 7);
   const auto peak = [&](const std::vector<size_t>& p) { return m.peak(p); };
