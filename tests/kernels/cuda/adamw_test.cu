@@ -6,8 +6,10 @@
 // exactly the rounded f32 parameter; the norm 1e-5.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -88,6 +90,67 @@ cpu::AdamWArgs cpu_args(const cuda::AdamWHyper& hp, float wd, float scale) {
 }
 
 }  // namespace
+
+// The update's two paths (four elements at a time where a chunk's arrays are 16-byte aligned, one
+// at a time elsewhere and for a chunk's last elements) give the same bits: the same values as an
+// aligned tensor and as one a float past alignment (its bf16 copy 2 bytes past), over more than
+// one chunk with a part-filled last one.
+TEST(AdamW, AlignedAndUnalignedTensorsAgreeBitForBit) {
+  LOOM_REQUIRE_GPU();
+  const int64_t n = 2 * cuda::MultiTensorAdamW::kChunk + 1027;
+  const std::vector<float> p = random_f32(size_t(n), 51), g = random_f32(size_t(n), 52, 0.3f),
+                           m = random_f32(size_t(n), 53, 0.01f);
+  std::vector<float> v = random_f32(size_t(n), 54, 0.01f);
+  for (auto& x : v) x = x * x;
+  // Tensor 0 at the start of its buffers, tensor 1 one element in.
+  const auto padded = [](const std::vector<float>& x) {
+    std::vector<float> y(x.size() + 1, 0.f);
+    std::copy(x.begin(), x.end(), y.begin() + 1);
+    return y;
+  };
+  std::vector<std::unique_ptr<DeviceBuffer<float>>> f32;
+  std::vector<std::unique_ptr<DeviceBuffer<dbf16>>> b16;
+  std::vector<cuda::AdamWTensor> ts;
+  for (int off = 0; off < 2; ++off) {
+    float* ptr[4];
+    int k = 0;
+    const std::vector<float>* arrays[4] = {&p, &g, &m, &v};
+    for (const std::vector<float>* x : arrays) {
+      f32.push_back(std::make_unique<DeviceBuffer<float>>(size_t(n + off)));
+      f32.back()->upload(off ? padded(*x) : *x);
+      ptr[k++] = f32.back()->get() + off;
+    }
+    b16.push_back(std::make_unique<DeviceBuffer<dbf16>>(size_t(n + off)));
+    b16.back()->poison();
+    cuda::AdamWTensor t;
+    t.param = ptr[0];
+    t.grad = ptr[1];
+    t.m = ptr[2];
+    t.v = ptr[3];
+    t.param_bf16 = b16.back()->get() + off;
+    t.n = n;
+    t.weight_decay = 0.1f;
+    ts.push_back(t);
+  }
+  cuda::MultiTensorAdamW opt(ts, cuda::device_pool());
+  cuda::AdamWHyper hp;
+  hp.lr = 1e-2f;
+  hp.step = 5;
+  hp.max_norm = 1.0f;
+  launch(opt, hp);
+  for (int a = 0; a < 4; ++a) {  // p, g (unchanged), m, v
+    const auto x = f32[size_t(a)]->download(), y = f32[size_t(4 + a)]->download();
+    int64_t differ = 0;
+    for (int64_t i = 0; i < n; ++i) differ += std::memcmp(&x[size_t(i)], &y[size_t(i + 1)], sizeof(float)) != 0;
+    EXPECT_EQ(differ, 0) << "array " << a << " (p, g, m, v)";
+  }
+  const auto bx = b16[0]->download(), by = b16[1]->download();
+  int64_t differ = 0;
+  for (int64_t i = 0; i < n; ++i) differ += std::memcmp(&bx[size_t(i)], &by[size_t(i + 1)], sizeof(dbf16)) != 0;
+  EXPECT_EQ(differ, 0) << "bf16 copies";
+  const auto pf = f32[0]->download();
+  EXPECT_NE(std::memcmp(pf.data(), p.data(), sizeof(float) * size_t(n)), 0) << "the update ran";
+}
 
 TEST(AdamW, MultiTensorWithClipping) {
   LOOM_REQUIRE_GPU();
