@@ -28,8 +28,9 @@
 #             the quickstart's Llama sibling (configs/kjv-llama-10m.toml) trained with
 #             `loom train --train.device cuda`, sampled, resumed, and evaluated with `loom eval` on
 #             both devices
-#   kernels   the Llama family's element-wise kernels: the tests that hold RoPE's and SwiGLU's vector
-#             kernels to the element kernels' bits, the LayerNorm tests and the backend parity suite,
+#   kernels   the memory-bound kernels: the tests that hold RoPE's and SwiGLU's vector kernels to the
+#             element kernels' bits and AdamW's aligned path to its element path, the LayerNorm
+#             tests, the backend parity suite and the step runner's graph tests,
 #             then SmolLM-135M and GPT-2 124M (B = 16, T = 1024, cuDNN attention) profiled kernel by
 #             kernel inside the step's CUDA graph (--profile-graph: events captured between the ops,
 #             so no launch gaps) and op by op
@@ -158,7 +159,7 @@ step_llama() {
   python3 -c "import json,sys; g=json.loads(sys.argv[1])['loss']; c=json.loads(sys.argv[2])['loss']; print(f'eval loss cuda {g:.5f} cpu {c:.5f} rel {abs(g-c)/c:.2e}'); sys.exit(abs(g-c)/c > 1e-2)" "$gpu" "$cpu"
 }
 step_kernels() {
-  env_run test_cuda --gtest_filter='*LayerNorm*:CudaRope.*:CudaSwiglu.*:Cuda/BackendParity.*:StepRunnerGraph.*' || return 1
+  env_run test_cuda --gtest_filter='*LayerNorm*:CudaRope.*:CudaSwiglu.*:AdamW.*:Cuda/BackendParity.*:StepRunnerGraph.*' || return 1
   local m
   for m in smollm-135m gpt2-124m; do
     env_run train_gpt2_cuda --model $m -B 16 -T 1024 --steps 20 --warmup 5 --attention cudnn --profile-graph 5 \
