@@ -19,14 +19,18 @@ FlatOptimizer::FlatOptimizer(const std::vector<FlatSegment>& segments, int64_t b
   }
 }
 
-double FlatOptimizer::grad_sum_squares(const float* grad_shard, Backend* be) const {
-  std::vector<Backend::Range> ranges;
+double FlatOptimizer::grad_sum_squares(const float* grad_shard, Backend* be, double* others) const {
+  std::vector<Backend::Range> ranges, rest;
   for (const FlatSegment& seg : segments_)
-    if (seg.in_norm) ranges.push_back({grad_shard + seg.begin, seg.end - seg.begin});
-  if (be) return be->sum_squares(ranges);
-  double s = 0;
-  for (const Backend::Range& r : ranges) s += cpu::sum_squares(r.x, r.n);
-  return s;
+    (seg.in_norm ? ranges : rest).push_back({grad_shard + seg.begin, seg.end - seg.begin});
+  const auto sum = [&](const std::vector<Backend::Range>& rs) {
+    if (be) return be->sum_squares(rs);
+    double s = 0;
+    for (const Backend::Range& r : rs) s += cpu::sum_squares(r.x, r.n);
+    return s;
+  };
+  if (others) *others = rest.empty() ? 0.0 : sum(rest);
+  return sum(ranges);
 }
 
 }  // namespace loom::optim

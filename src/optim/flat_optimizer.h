@@ -37,8 +37,10 @@ class FlatOptimizer {
 
   // Sum of squares (double) of grad_shard f32 [end - begin] over this range's logical elements of
   // the segments with in_norm, segment by segment in flat order (deterministic for any thread
-  // count): in be's memory (Backend::sum_squares), or with be null in host memory.
-  double grad_sum_squares(const float* grad_shard, Backend* be = nullptr) const;
+  // count): in be's memory (Backend::sum_squares), or with be null in host memory. With `others`
+  // set, the same over the segments without in_norm goes there (replicated copies: not in the
+  // norm, but a non-finite value in one must skip the step as well).
+  double grad_sum_squares(const float* grad_shard, Backend* be = nullptr, double* others = nullptr) const;
   // One step on param_shard / grad_shard f32 [end - begin] with a global gradient norm computed
   // over all ranges (clipping), at learning rate lr (the configured one when lr < 0).
   virtual StepStats step(float* param_shard, const float* grad_shard, double global_norm, double lr = -1.0) = 0;

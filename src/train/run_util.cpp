@@ -715,9 +715,9 @@ void run_steps(const TrainConfig& cfg, RunLog& log, const LrSchedule& sched, con
                  "optim.warmup_steps", what);
       ++skipped_in_a_row;
       if (skipped_in_a_row > cfg.skip_nonfinite)
-        throw Error(fmt::format("{}: {} steps in a row not finite (train.skip_nonfinite = {}): diverged; lower "
+        throw Error(fmt::format("{}: {} step{} in a row not finite (train.skip_nonfinite = {}): diverged; lower "
                                 "optim.lr or raise optim.warmup_steps (the checkpoints before are kept)",
-                                what, skipped_in_a_row, cfg.skip_nonfinite));
+                                what, skipped_in_a_row, skipped_in_a_row > 1 ? "s" : "", cfg.skip_nonfinite));
       log.say(fmt::format("{}: step skipped, no update ({} of train.skip_nonfinite = {} in a row)", what,
                           skipped_in_a_row, cfg.skip_nonfinite));
       log.record_skip(done, lr, seconds_since(t0), st.loss_scale);

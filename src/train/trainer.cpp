@@ -144,6 +144,14 @@ std::vector<TensorInfo> checkpoint_tensors(const model::GPTConfig& mc, const opt
 }
 
 // GaLore's state per parameter of a DataParallel's layout (null where it has none: AdamW).
+// Collective over w: ", on rank R" with R the lowest rank for which `found` (ranks may hold
+// replicated copies: the lowest that holds a non-finite one); empty with one rank.
+std::string on_lowest_rank(comm::Comm& w, bool found) {
+  if (w.size() == 1) return "";
+  const int r = parallel::min_over_ranks(w, found ? w.rank() : w.size());
+  return r < w.size() ? fmt::format(", on rank {}", r) : "";
+}
+
 std::vector<optim::GaLore::State*> galore_states(parallel::DataParallel& ddp) {
   std::vector<optim::GaLore::State*> out(ddp.layout().size(), nullptr);
   optim::GaLore* g = ddp.galore();
@@ -434,13 +442,17 @@ class ChainEngine : public CpuEngine {
       if (code == 3 * kStride)
         if (int i = ddp_.first_nonfinite(true); i >= 0) code = 2 * kStride + i;
     }
+    const int mine = code;
     code = parallel::min_over_ranks(mc_.world(), code);
+    const std::string on = on_lowest_rank(mc_.world(), mine == code);
     const auto& ps = model_.parameters();
-    if (code < kStride) return fmt::format("the weights of {}", ps.at(size_t(code))->spec.name);
-    if (code < 2 * kStride) return fmt::format("the forward output of {}", model_.chain().at(size_t(code - kStride))->name());
-    if (code < 3 * kStride) return fmt::format("the gradient of {}", ps.at(size_t(code - 2 * kStride))->spec.name);
+    if (code < kStride) return fmt::format("the weights of {}{}", ps.at(size_t(code))->spec.name, on);
+    if (code < 2 * kStride)
+      return fmt::format("the forward output of {}{}", model_.chain().at(size_t(code - kStride))->name(), on);
+    if (code < 3 * kStride) return fmt::format("the gradient of {}{}", ps.at(size_t(code - 2 * kStride))->spec.name, on);
     return "no weight, forward output or gradient (the loss alone)";
   }
+
 
   // Whether a block's output holds a non-finite value (a device's looked at on the host).
   bool has_nonfinite(const Tensor& t) const {
@@ -676,11 +688,14 @@ class PipelineEngine : public CpuEngine {
     int code = 2 * kStride;
     if (int i = ddp.first_nonfinite(false); i >= 0) code = order.at(lay.at(size_t(i)).param->spec.name);
     else if (int g = ddp.first_nonfinite(true); g >= 0) code = kStride + order.at(lay.at(size_t(g)).param->spec.name);
+    const int mine = code;
     code = parallel::min_over_ranks(mc_.world(), code);
-    if (code < kStride) return fmt::format("the weights of {}", specs.at(size_t(code)).name);
-    if (code < 2 * kStride) return fmt::format("the gradient of {}", specs.at(size_t(code - kStride)).name);
+    const std::string on = on_lowest_rank(mc_.world(), mine == code);
+    if (code < kStride) return fmt::format("the weights of {}{}", specs.at(size_t(code)).name, on);
+    if (code < 2 * kStride) return fmt::format("the gradient of {}{}", specs.at(size_t(code - kStride)).name, on);
     return "no weight or gradient (the loss alone)";
   }
+
 
   // On the mesh itself: groups of m validation batches go through the pipeline's forwards
   // together, micro-batch j of a group holding this replica's rows of batch i + j (a last group
@@ -1031,8 +1046,9 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   RunHooks hooks;
   hooks.step = [&](int64_t step, float lr) { return engine->step(step, lr); };
   hooks.poison = [&](const std::string& kind) {
-    LOOM_CHECK(engine->poison(kind), "LOOM_FAULT_INJECT kind={}: the {} engine has no such aid", kind,
-               engine->describe());
+    LOOM_CHECK(engine->poison(kind), "LOOM_FAULT_INJECT kind={}: the {} engine has no such aid{}", kind,
+               engine->describe(),
+               kind == "overflow" ? " (an f16 overflow needs the loss scaling of train.precision fp16 on CUDA)" : "");
   };
   hooks.evaluate = evaluate;
   hooks.sample = sample;

@@ -89,7 +89,35 @@ TEST(NonFiniteCli, ABadWeightStopsTheRunAfterTheSkipsAllowed) {
   CliRun first = r.train("first", "--train.skip_nonfinite 0", "rank=0,step=3,kind=nan");
   EXPECT_NE(first.code, 0);
   EXPECT_NE(first.err.find("step 3: the loss is"), std::string::npos) << first.err;
-  EXPECT_NE(first.err.find("1 steps in a row not finite (train.skip_nonfinite = 0)"), std::string::npos) << first.err;
+  EXPECT_NE(first.err.find("1 step in a row not finite (train.skip_nonfinite = 0)"), std::string::npos) << first.err;
+}
+
+// Where the first non-finite value is names the rank that holds it: a weight of rank 1's full
+// copy (ZeRO 0); a gradient in the copy of a replicated parameter (a LayerNorm weight) that the
+// norm counts on another tensor-parallel rank, which must skip the step all the same (it used to
+// be applied under tp x pp); and under offload the host's master weights are what is poisoned (the
+// step would copy them back over a NaN in the working copy).
+TEST(NonFiniteCli, TheRankHoldingTheValueIsNamed) {
+  LOOM_REQUIRE_LOOM();
+  NanRun r;
+  CliRun dp = r.train("dp", "--parallel.dp 2 --train.skip_nonfinite 1", "rank=1,step=3,kind=nan_weight");
+  EXPECT_NE(dp.code, 0);
+  EXPECT_NE(dp.err.find("first non-finite: the weights of wte.weight, on rank 1"), std::string::npos) << dp.err;
+  CliRun tpp = r.train("tp_pp", "--parallel.tp 2 --parallel.pp 2 --train.grad_accum 2", "rank=3,step=3,kind=nan");
+  ASSERT_EQ(tpp.code, 0) << tpp.out << tpp.err;
+  EXPECT_NE(tpp.out.find("step 3: the loss is"), std::string::npos) << tpp.out;
+  EXPECT_NE(tpp.out.find("the gradient norm nan; first non-finite: the gradient of"), std::string::npos) << tpp.out;
+  EXPECT_NE(tpp.out.find(", on rank 3: step skipped, no update"), std::string::npos) << tpp.out;
+  EXPECT_TRUE(fs::exists(r.root / "tp_pp" / "ckpt_00000006"));
+  CliRun off = r.train("offload",
+                       "--parallel.dp 2 --parallel.pp 2 --train.grad_accum 2 --parallel.zero 1 --parallel.offload true",
+                       "rank=0,step=3,kind=nan_weight");
+  EXPECT_NE(off.code, 0) << off.out;
+  EXPECT_NE(off.out.find("first non-finite: the weights of wte.weight, on rank 0"), std::string::npos) << off.out;
+  EXPECT_NE(off.err.find("step 6: the run ends after 3 steps in a row not finite"), std::string::npos) << off.err;
+  EXPECT_TRUE(fs::exists(r.root / "offload" / "ckpt_00000002"));
+  EXPECT_FALSE(fs::exists(r.root / "offload" / "ckpt_00000004"));
+  EXPECT_FALSE(fs::exists(r.root / "offload" / "ckpt_00000006"));
 }
 
 // A run whose last steps are skipped has diverged even within train.skip_nonfinite: it fails at its

@@ -887,7 +887,8 @@ optim::StepStats DataParallel::step(double lr, bool skip) {
         f.param->sum_partial_gradients(b - f.offset, e - f.offset, g + (b - ob), norm_buf_);
     }
   }
-  double sq = opt_->grad_sum_squares(g, host_grad_shard_ ? host_be_.get() : be_);
+  double others = 0;  // (the replicated copies' squares: only whether they are finite counts)
+  double sq = opt_->grad_sum_squares(g, host_grad_shard_ ? host_be_.get() : be_, &others);
   // Stage 0 holds every reduced gradient on every rank; otherwise the shards add up; then the
   // tp ranks' parts.
   if (o_.zero != 0) sq = sum_over_ranks(sq);
@@ -896,14 +897,15 @@ optim::StepStats DataParallel::step(double lr, bool skip) {
   if (pp) sq = parallel::sum_over_ranks(*pp, sq);
   double norm = std::sqrt(sq);
   // Every rank of the group and of the tp group takes the same decision: at stage 0 each rank
-  // computed the norm of its own (equal) reduced gradients.
-  float bad = skip || !std::isfinite(norm) ? 1.0f : 0.0f;
-  comm_.all_reduce(&bad, 1, DType::f32, comm::ReduceOp::max);
-  if (tp) tp->all_reduce(&bad, 1, DType::f32, comm::ReduceOp::max);
-  if (pp) pp->all_reduce(&bad, 1, DType::f32, comm::ReduceOp::max);
-  if (bad != 0.0f) {
+  // computed the norm of its own (equal) reduced gradients. [0]: skip, [1]: a rank's gradients
+  // are not finite (its norm, or a replicated copy outside it).
+  float bad[2] = {skip ? 1.0f : 0.0f, std::isfinite(norm) && std::isfinite(others) ? 0.0f : 1.0f};
+  comm_.all_reduce(bad, 2, DType::f32, comm::ReduceOp::max);
+  if (tp) tp->all_reduce(bad, 2, DType::f32, comm::ReduceOp::max);
+  if (pp) pp->all_reduce(bad, 2, DType::f32, comm::ReduceOp::max);
+  if (bad[0] != 0.0f || bad[1] != 0.0f) {
     optim::StepStats st;
-    st.grad_norm = std::isfinite(norm) ? norm : std::numeric_limits<double>::quiet_NaN();
+    st.grad_norm = bad[1] == 0.0f ? norm : std::numeric_limits<double>::quiet_NaN();
     st.step = opt_->steps_taken();
     st.skipped = true;
     return st;
@@ -959,10 +961,11 @@ void DataParallel::poison_parameters() {
   held_[0] = held_[1] = -1;
   if (params_.numel() == 0) return;
   const float nan = std::numeric_limits<float>::quiet_NaN();
+  // The first element of what it holds: its working copy on every rank and, under offload, the
+  // host's master where the rank holds that element's (stage 3: its shard's first), which the
+  // step would otherwise copy back over the NaN.
+  if (o_.offload && host_params_.numel() > 0 && (o_.zero == 3 || opt_->begin() == 0)) host_params_.f32()[0] = nan;
   if (host_master_) {
-    // The first element of what it holds, as without the masters on the host: its compute copy on
-    // every rank, the master where the rank holds that element's (stage 3: its shard's first).
-    if (host_params_.numel() > 0 && (o_.zero == 3 || opt_->begin() == 0)) host_params_.f32()[0] = nan;
     be_->copy({.dst = params_.raw(), .dst_dtype = params_.dtype(), .src = &nan, .src_host = true, .n = 1});
     return;
   }
