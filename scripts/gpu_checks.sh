@@ -15,6 +15,9 @@
 #             part of cuda)
 #   train     train_gpt2_cuda GPT-2 124M, B = 16, T = 1024, with flash (and the time of each part of
 #             the step) and with cuDNN attention
+#   torch     GPT-2 124M, B = 16, T = 1024 on one GPU: loom (cuDNN and flash attention) beside
+#             torch.compile in one run (bench/nanogpt_torch.py: tokens/s, MFU and the ratio to
+#             torch.compile; the bar is 1.2x)
 #   loom      `loom train --train.device cuda` on a small corpus made from the repository's text,
 #             `loom generate` on its checkpoint, the same run as dp 2 x tp 2 with ZeRO-1 and as
 #             tp 2 x pp 2, cp 2 x dp 2 (the mesh engine, threads sharing the GPU) and as two data-parallel
@@ -60,7 +63,7 @@ bundle=$1
 out=$2
 shift 2
 steps=("$@")
-[[ ${#steps[@]} -gt 0 ]] || steps=(device cuda memcheck pipeline flash train loom plantruth llama kernels fp16 offload)
+[[ ${#steps[@]} -gt 0 ]] || steps=(device cuda memcheck pipeline flash train torch loom plantruth llama kernels fp16 offload)
 env_run() { "$root/scripts/gpu_env.sh" "$bundle" "$@"; }
 step_device() {
   nvidia-smi
@@ -97,6 +100,10 @@ step_mesh() {
 step_train() {
   env_run train_gpt2_cuda -B 16 -T 1024 --steps 20 --warmup 5 --attention flash --profile 5 || return 1
   env_run train_gpt2_cuda -B 16 -T 1024 --steps 20 --warmup 5 --attention cudnn
+}
+step_torch() {
+  python3 "$root/bench/nanogpt_torch.py" --loom-bin "$root/scripts/gpu_env.sh $bundle train_gpt2_cuda" -B 16 -T 1024 \
+    --modes loom-cudnn,loom-flash,compile
 }
 # A small corpus from the repository's text, prepared with a 512-token vocabulary into DIR/data.
 make_corpus() {
