@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <memory>
+#include <set>
 
 #include "cli/command.h"
 #include "core/error.h"
@@ -28,28 +29,53 @@ namespace {
 // layers than the files hold tensors for, no more parameters than they hold values (the loaders
 // then check every tensor's name and shape). A config.json of another model, or damaged, would
 // otherwise allocate until memory runs out.
+// The first tensor of the model that none of the files holds (empty: none), named where the
+// counts below fail.
+std::string first_missing_tensor(model::GPTConfig cfg, const std::set<std::string>& held) {
+  // (Every layer has a tensor: past as many layers as the files hold tensors one is missing, and a
+  // config of 10^12 layers is not listed out.)
+  cfg.n_layer = std::min<int64_t>(cfg.n_layer, int64_t(held.size()) + 1);
+  if (model::is_llama(cfg)) {
+    for (const model::HfPart& part : model::hf_llama_parts(cfg))
+      if (!held.count(part.hf_name)) return part.hf_name;
+    return "";
+  }
+  for (const model::ParamSpec& s : model::gpt_param_specs(cfg)) {
+    const std::string k = model::hf_key(s.name).name;
+    if (!held.count(k) && !held.count("transformer." + k)) return k;
+  }
+  return "";
+}
+
 void check_config_fits_files(const model::GPTConfig& cfg, const std::vector<std::string>& files,
                              const std::string& config) {
+  LOOM_CHECK(!files.empty(), "{}: no weights files", config);
   double tensors = 0, values = 0;
+  std::set<std::string> held;
   for (const std::string& f : files) {
     const train::SafetensorsReader r(f);
     for (const train::SafetensorsEntry& e : r.entries()) {
       tensors += 1;
       values += double(e.numel());
+      held.insert(e.name);
     }
   }
+  const auto missing = [&] {
+    const std::string m = first_missing_tensor(cfg, held);
+    return m.empty() ? std::string() : fmt::format("; tensor '{}' is in none of them", m);
+  };
   const double per_layer = double(model::block_param_specs(cfg, 0).size());
   LOOM_CHECK(double(cfg.n_layer) * per_layer <= tensors,
-             "{}: the model has {} layers of {} tensors, but the weights hold {} tensors ({})", config, cfg.n_layer,
-             per_layer, tensors, files.front());
+             "{}: the model has {} layers of {} tensors, but the weights hold {} tensors ({}{})", config, cfg.n_layer,
+             per_layer, tensors, files.front(), missing());
   double params = 0;
   for (const model::ParamSpec& s : model::gpt_param_specs(cfg)) {
     double n = 1;
     for (int64_t d : s.shape) n *= double(d);
     params += n;
   }
-  LOOM_CHECK(params <= values, "{}: the model ({}) has {:.0f} parameters, but the weights hold {:.0f} values ({})",
-             config, cfg.str(), params, values, files.front());
+  LOOM_CHECK(params <= values, "{}: the model ({}) has {:.0f} parameters, but the weights hold {:.0f} values ({}{})",
+             config, cfg.str(), params, values, files.front(), missing());
 }
 
 struct ConvertArgs {

@@ -89,9 +89,11 @@ Registrar reg{Command{
         }
         LOOM_CHECK(bytes > 0, "{}: the input holds no text", a->inputs.front());
         const fs::path out(a->out), staged = out / ".prepare_tmp";
+        bool made_out = false;  // (a failed prepare removes a directory it made)
         {
           std::error_code ec;
           if (a->out.empty()) throw Error("--out: an empty path");
+          made_out = !fs::exists(out, ec);
           fs::create_directories(out, ec);
           if (ec || !fs::is_directory(out))
             throw Error(fmt::format("--out {}: {}", a->out, ec ? "cannot create: " + ec.message() : "is not a directory"));
@@ -143,6 +145,7 @@ Registrar reg{Command{
         } catch (const std::exception& e) {
           std::error_code ec;
           fs::remove_all(staged, ec);
+          if (made_out && !committing) fs::remove(out, ec);  // (empty again: it held only the staging)
           throw Error(committing ? fmt::format("{} (while moving the new dataset into --out {}: run prepare again)",
                                                e.what(), a->out)
                                  : fmt::format("{} (nothing in --out {} was changed)", e.what(), a->out));

@@ -814,6 +814,15 @@ Tokenizer Tokenizer::from_tokenizer_json(const std::string& path) {
                                                 m.contains("type") ? m["type"].dump() : "missing"));
   if (opt(m, "byte_fallback", false, "model.byte_fallback"))
     bad_input(field("model.byte_fallback") + " is true (a SentencePiece-style model); loom reads byte-level BPE");
+  // Fields that change how Hugging Face encodes, which loom's byte-level BPE does not do: taken
+  // silently, the same text would encode otherwise.
+  if (m.contains("dropout") && !m["dropout"].is_null() && !(m["dropout"].is_number() && m["dropout"].get<double>() == 0))
+    bad_input(field("model.dropout") + fmt::format(" is {} (BPE dropout: random merges); loom encodes deterministically",
+                                                   m["dropout"].dump().substr(0, 80)));
+  for (const char* k : {"continuing_subword_prefix", "end_of_word_suffix"})
+    if (m.contains(k) && !m[k].is_null() && !(m[k].is_string() && m[k].get<std::string>().empty()))
+      bad_input(field(std::string("model.") + k) +
+                fmt::format(" is {}; loom's byte-level BPE has no such affix", m[k].dump().substr(0, 80)));
   if (j.contains("normalizer") && !j["normalizer"].is_null())
     bad_input(field("normalizer") + fmt::format(" is {}; loom's tokenizer applies none", j["normalizer"].dump()));
   // The pre-tokeniser: GPT-2's ByteLevel regex, or a Split on one of the two patterns then a

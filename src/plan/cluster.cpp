@@ -84,7 +84,12 @@ Cluster read_cluster(const std::string& path) {
     if (!b.is_string()) throw Error(fmt::format("{}: base must be the name of a built-in", path));
     base = b.as_string()->get();
   }
-  Cluster c = builtin(base);
+  Cluster c;
+  try {
+    c = builtin(base);
+  } catch (const Error&) {
+    throw Error(fmt::format("{}: base '{}' is not a built-in cluster (a100-80gb, h100-sxm, h200, cpu)", path, base));
+  }
   c.name = std::filesystem::path(path).stem().string();
   // Each field within what hardware has (by orders of magnitude either way): a rate of 1e-300
   // gave step times of 300 digits.

@@ -123,6 +123,10 @@ ModelSpec read_model(const std::string& path) {
   }
   const toml::table* m = t["model"].as_table();
   if (!m) throw Error(fmt::format("{}: no [model] table", path));
+  for (auto&& [k, v] : t)
+    if (k.str() != "model")
+      throw Error(fmt::format("{}: unknown {} '{}' (a model file holds a [model] table alone)", path,
+                              v.is_table() ? "table" : "key", std::string(k.str())));
   ModelSpec s;
   s.name = std::filesystem::path(path).stem().string();
   for (auto&& [k, v] : *m) {

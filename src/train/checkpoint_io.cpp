@@ -1,9 +1,13 @@
 #include "train/checkpoint_io.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
+#include <optional>
 
 #include "core/error.h"
+#include "data/shard.h"
 #include "model/param_specs.h"
 #include "train/checkpoint.h"
 #include "train/safetensors.h"
@@ -150,6 +154,62 @@ std::string pruned_rows_path(const std::string& run_dir) {
   return (std::filesystem::path(run_dir) / "pruned_rows.safetensors").string();
 }
 
+void write_pruned_rows(const std::string& path, const Tensor& table, const std::string& source) {
+  train::SafetensorsWriter w;
+  w.add("wte.weight", table);
+  w.set_metadata("loom", "the input embedding at the start of a pruned fine-tune (model.prune_embedding)");
+  w.set_metadata("source", source);
+  w.set_metadata("crc32", std::to_string(data::crc32(table.raw(), table.nbytes())));
+  w.write(path);
+}
+
+namespace {
+
+// The CRC-32 the file's metadata gives (files written before it had one: none).
+std::optional<uint32_t> pruned_rows_crc(const train::SafetensorsReader& r) {
+  const auto it = r.metadata().find("crc32");
+  if (it == r.metadata().end()) return std::nullopt;
+  const std::string& s = it->second;
+  char* end = nullptr;
+  const unsigned long long v = std::strtoull(s.c_str(), &end, 10);
+  LOOM_CHECK(!s.empty() && end && *end == '\0' && v <= 0xffffffffull, "{}: metadata 'crc32' is '{}', not a CRC-32",
+             r.path(), s);
+  return uint32_t(v);
+}
+
+// Checks `n` f32 values of the rows' table from element `at` on (finite), and adds them to crc.
+void check_rows(const std::string& path, const float* x, int64_t n, int64_t at, uint32_t& crc) {
+  for (int64_t i = 0; i < n; ++i)
+    LOOM_CHECK(std::isfinite(x[i]),
+               "{}: tensor 'wte.weight' holds {} at index {} (the input embedding's rows must be finite)", path, x[i],
+               at + i);
+  crc = data::crc32(x, size_t(n) * sizeof(float), crc);
+}
+
+void check_rows_crc(const train::SafetensorsReader& r, uint32_t crc) {
+  if (const auto want = pruned_rows_crc(r))
+    LOOM_CHECK(crc == *want,
+               "{}: tensor 'wte.weight' does not match the file's CRC-32 (it changed after it was written)", r.path());
+}
+
+}  // namespace
+
+void verify_pruned_rows(const std::string& path, const Shape& shape) {
+  const train::SafetensorsReader r(path);
+  const train::SafetensorsEntry& e = r.entry("wte.weight");
+  LOOM_CHECK(e.dtype == DType::f32 && e.shape == shape, "{}: tensor 'wte.weight' is {} {}, expected f32 {}", path,
+             dtype_name(e.dtype), shape_str(e.shape), shape_str(shape));
+  constexpr int64_t kPiece = int64_t(1) << 20;  // values per read
+  std::vector<float> buf(static_cast<size_t>(std::min(kPiece, e.numel())));
+  uint32_t crc = 0;
+  for (int64_t at = 0; at < e.numel(); at += kPiece) {
+    const int64_t n = std::min(kPiece, e.numel() - at);
+    r.read_range("wte.weight", uint64_t(at) * sizeof(float), buf.data(), size_t(n) * sizeof(float));
+    check_rows(path, buf.data(), n, at, crc);
+  }
+  check_rows_crc(r, crc);
+}
+
 void read_checkpoint_param(train::CheckpointReader& r, const std::string& ckpt, const ParamSpec& spec, float* dst) {
   if (spec.name != "wte.weight" || !r.has("vocab/kept")) {
     r.read("param/" + spec.name, 0, spec.numel(), dst);
@@ -162,7 +222,11 @@ void read_checkpoint_param(train::CheckpointReader& r, const std::string& ckpt, 
              "others are in that file",
              rows, ckpt);
   const int64_t V = spec.shape[0], C = spec.shape[1];
-  train::SafetensorsReader(rows).read_into("wte.weight", dst, size_t(V * C) * sizeof(float), DType::f32, spec.shape);
+  const train::SafetensorsReader rr(rows);
+  rr.read_into("wte.weight", dst, size_t(V * C) * sizeof(float), DType::f32, spec.shape);
+  uint32_t crc = 0;
+  check_rows(rows, dst, V * C, 0, crc);
+  check_rows_crc(rr, crc);
   const Shape ks = r.shape("vocab/kept"), ws = r.shape("param/wte.weight");
   LOOM_CHECK(ks.size() == 1 && ws == (Shape{ks[0], C}), "{}: vocab/kept {} and param/wte.weight {} do not match", ckpt,
              shape_str(ks), shape_str(ws));

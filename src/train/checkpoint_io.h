@@ -40,6 +40,12 @@ void read_checkpoint_param(train::CheckpointReader& r, const std::string& ckpt, 
 
 // Where a pruned fine-tune in run directory `run_dir` keeps the input embedding it started from.
 std::string pruned_rows_path(const std::string& run_dir);
+// Writes the whole vocabulary's input embedding `table` (f32 [V, C]) to `path` with its CRC-32 in
+// the metadata (crc32).
+void write_pruned_rows(const std::string& path, const Tensor& table, const std::string& source);
+// Checks the file at `path` as read_checkpoint_param does, a piece at a time (its whole table is never
+// held): the tensor's shape, its CRC-32 where the file has one, and finite values.
+void verify_pruned_rows(const std::string& path, const Shape& shape);
 
 // Writes dir/ckpt_00000000 (parameters of gpt, zero AdamW moments, step 0, `seed`) and points
 // dir/latest at it. Refuses a directory that already holds a checkpoint, so nothing there is

@@ -106,6 +106,7 @@ HfFiles hf_files(const std::string& path) {
     f.weight_map[name] = full;
     if (files.insert(full).second) f.files.push_back(full);
   }
+  if (f.files.empty()) throw Error(fmt::format("{}: field 'weight_map' lists no tensors", index));
   return f;
 }
 

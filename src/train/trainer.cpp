@@ -107,6 +107,7 @@ void prepare_pruned_embedding(CheckpointReader& r, const std::string& ckpt, cons
                "{}: missing: the input embedding's rows this pruned run does not train (written when it started); "
                "export and generation need them",
                rows_path);
+    if (lead) model::verify_pruned_rows(rows_path, {mc.vocab_size, mc.n_embd});
     return;
   }
   const Shape full = r.shape("param/wte.weight");
@@ -115,11 +116,7 @@ void prepare_pruned_embedding(CheckpointReader& r, const std::string& ckpt, cons
   if (!lead) return;
   Tensor table = Tensor::empty(full, DType::f32, MemTag::workspace, pool);
   r.read_into("param/wte.weight", table);
-  SafetensorsWriter w;
-  w.add("wte.weight", table);
-  w.set_metadata("loom", "the input embedding at the start of a pruned fine-tune (model.prune_embedding)");
-  w.set_metadata("source", ckpt);
-  w.write(rows_path);
+  model::write_pruned_rows(rows_path, table, ckpt);
 }
 
 // Every full tensor of a checkpoint of model mc: each parameter's value and moments (under GaLore
@@ -877,6 +874,11 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   auto say = [&](const std::string& s) {
     if (lead && !opt.quiet) std::printf("%s\n", s.c_str()), std::fflush(stdout);
   };
+  // What the run does otherwise than asked (a damaged checkpoint passed over, validation that
+  // cannot run): on stderr, under --quiet too.
+  auto warn = [&](const std::string& s) {
+    if (lead) std::fprintf(stderr, "loom: warning: %s\n", s.c_str()), std::fflush(stderr);
+  };
   // (Before anything of the chosen layout is built: a failure to build it follows what was chosen.)
   if (!opt.plan_note.empty()) say(opt.plan_note);
 
@@ -940,7 +942,7 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
     // divergence.
     std::vector<std::string> notes;
     const std::string ckpt = resume_checkpoint(cfg.out_dir, &notes, &world);  // collective
-    for (const std::string& n : notes) say("resume: " + n);
+    for (const std::string& n : notes) warn("resume: " + n);
     CheckpointMeta meta;
     if (!ckpt.empty()) {
       meta = read_checkpoint_meta(ckpt);
@@ -987,19 +989,19 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   const double peak = engine->gemm_peak(world);
   res.last_val_loss = NAN;
   res.unigram_val_loss = lead ? unigram_loss(train, val.get(), mc.vocab_size) : NAN;
+  // Validation asked for that cannot run: said in the data line, and as a warning under --quiet.
+  const std::string no_val =
+      has_val || cfg.eval_every == 0 ? ""
+      : val ? fmt::format("less than one validation batch of {} sequences: no validation, train.eval_every = {} unused",
+                          val_mb, cfg.eval_every)
+            : fmt::format("no val_*.bin: no validation, train.eval_every = {} unused", cfg.eval_every);
+  const std::string no_val_note = no_val.empty() ? "" : " (" + no_val + ")";
   say(fmt::format("data {} | train {} tokens{} | unigram baseline loss {:.4f} | {} {}", cfg.data_dir,
                   train.total_tokens(),
-                  val ? fmt::format(", val {} tokens{}", val->total_tokens(),
-                                    has_val || cfg.eval_every == 0
-                                        ? ""
-                                        : fmt::format(" (less than one validation batch of {} sequences: no validation, "
-                                                      "train.eval_every = {} unused)",
-                                                      val_mb, cfg.eval_every))
-                      : cfg.eval_every > 0 ? fmt::format(" (no val_*.bin: no validation, train.eval_every = {} unused)",
-                                                         cfg.eval_every)
-                                           : "",
+                  val ? fmt::format(", val {} tokens{}", val->total_tokens(), no_val_note) : no_val_note,
                   res.unigram_val_loss, engine->peak_name(),
                   peak >= 1e12 ? fmt::format("{:.1f} TFLOP/s", peak / 1e12) : fmt::format("{:.1f} GFLOP/s", peak / 1e9)));
+  if (opt.quiet && !no_val.empty()) warn(cfg.data_dir + ": " + no_val);
 
   RunLog log(cfg, metrics_path, start_step, lead, opt.quiet, mc.flops_per_token(T), peak, res.unigram_val_loss);
 

@@ -73,6 +73,10 @@ TEST(ResumeCli, CorruptNewestCheckpointResumesFromThePreviousOne) {
   CliRun resumed = loom_cli(fmt::format("train {} --train.out_dir '{}' --train.steps 6 --resume", r.flags, run.string()),
                             r.root / "logs");
   ASSERT_EQ(resumed.code, 0) << resumed.err;
+  // The checkpoint passed over is a warning on stderr, under --quiet too.
+  EXPECT_NE(resumed.err.find("loom: warning: resume: passed over:"), std::string::npos) << resumed.err;
+  EXPECT_NE(resumed.err.find("ckpt_00000004"), std::string::npos) << resumed.err;
+  EXPECT_EQ(resumed.out.find("passed over"), std::string::npos) << resumed.out;
   // (--quiet keeps the progress lines out; the run's losses say where it resumed.)
   const auto want = read_metrics(r.root / "whole" / "metrics.jsonl", "loss");
   const auto got = read_metrics(run / "metrics.jsonl", "loss");

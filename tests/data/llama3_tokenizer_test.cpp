@@ -178,6 +178,21 @@ TEST(TokenizerJson, BadFilesNameTheField) {
   j = tiny_json(true);
   j["normalizer"] = {{"type", "NFC"}};
   expect_error(j, "field 'normalizer'");
+  // Fields with which Hugging Face would encode otherwise (a dropout of 0 and empty affixes do
+  // nothing and are taken).
+  j = tiny_json(true);
+  j["model"]["dropout"] = 0.5;
+  expect_error(j, "field 'model.dropout' is 0.5");
+  j = tiny_json(true);
+  j["model"]["continuing_subword_prefix"] = "##";
+  expect_error(j, "field 'model.continuing_subword_prefix' is \"##\"");
+  j = tiny_json(true);
+  j["model"]["end_of_word_suffix"] = "</w>";
+  expect_error(j, "field 'model.end_of_word_suffix'");
+  j = tiny_json(true);
+  j["model"]["dropout"] = 0;
+  j["model"]["end_of_word_suffix"] = "";
+  (void)Tokenizer::from_tokenizer_json(write_json(d.p, j));
   j = tiny_json(true);
   j["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = "\\s+";
   expect_error(j, "field 'pre_tokenizer'");

@@ -147,6 +147,32 @@ TEST(HfCli, ConvertGenerateAndErrors) {
     EXPECT_NE(r.err.find((d.p / "big/config.json").string() + ": the model "), std::string::npos) << r.err;
     EXPECT_NE(r.err.find("but the weights hold"), std::string::npos) << r.err;
   }
+  // A tensor the config's model needs and the file lacks is named, where the counts find the file
+  // short (not only counted); the causal-mask buffers (h.N.attn.bias) left out too, so that they
+  // do not make up the count.
+  {
+    const loom::train::SafetensorsReader src((dump / "model.safetensors").string());
+    std::vector<std::vector<float>> keep;
+    loom::train::SafetensorsWriter w;
+    std::string dropped;
+    for (const loom::train::SafetensorsEntry& e : src.entries()) {
+      if (dropped.empty() && e.name.find("h.0.mlp.c_fc.bias") != std::string::npos) {
+        dropped = e.name;
+        continue;
+      }
+      if (e.name.ends_with(".attn.bias")) continue;
+      keep.push_back(src.read_f32(e.name));
+      w.add(e.name, loom::DType::f32, e.shape, keep.back().data());
+    }
+    ASSERT_FALSE(dropped.empty());
+    fs::create_directories(d.p / "short");
+    w.write((d.p / "short/model.safetensors").string());
+    fs::copy_file(dump / "config.json", d.p / "short/config.json", fs::copy_options::overwrite_existing);
+    r = loom_cli("convert --from hf --to loom '" + (d.p / "short").string() + "' '" + run + "6'", d.p);
+    EXPECT_EQ(r.code, 1);
+    EXPECT_NE(r.err.find("but the weights hold"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("tensor 'h.0.mlp.c_fc.bias' is in none of them"), std::string::npos) << r.err;
+  }
 
   // Converting into a run that already has checkpoints is refused; exporting over an export from
   // a checkpoint that does not exist leaves the export.

@@ -157,6 +157,10 @@ TEST(HfLlama, BadFilesNameTheFileAndTensor) {
   write_text(d / "escape/model.safetensors.index.json",
              R"({"weight_map": {"model.norm.weight": "../model-00001-of-00002.safetensors"}})");
   expect_error(d / "escape", "not a file beside the index");
+  // An index that lists no tensors (`loom convert` took its first file of none).
+  fs::create_directories(d.p / "empty_map");
+  write_text(d / "empty_map/model.safetensors.index.json", R"({"weight_map": {}})");
+  expect_error(d / "empty_map", "model.safetensors.index.json: field 'weight_map' lists no tensors");
   // A tensor of another shape, and one loom has no parameter for.
   {
     const auto all = read_all(kDir.string());  // (the writer keeps pointers into it)

@@ -379,6 +379,11 @@ TEST(Planner, ModelAndClusterFilesOutOfRangeAreNamed) {
   EXPECT_NE(e.find("c4.toml: device.peak_tflops_bf16 must be from 0.001 to 1e+06, got 1e-300"), std::string::npos) << e;
   e = refused("c5.toml", "[cluster]\nintra_latency_us = 1e300\n", true);
   EXPECT_NE(e.find("c5.toml: cluster.intra_latency_us must be from 0.001 to 1e+07"), std::string::npos) << e;
+  // The file and the field: an unknown base, and a table a model file does not have.
+  e = refused("c6.toml", "base = \"tpu\"\n", true);
+  EXPECT_NE(e.find("c6.toml: base 'tpu' is not a built-in cluster"), std::string::npos) << e;
+  e = refused("m4.toml", base + "[extra]\nfoo = 1\n", false);
+  EXPECT_NE(e.find("m4.toml: unknown table 'extra'"), std::string::npos) << e;
 }
 
 // A calibrated cpu profile: the layer's products at the linear grid's rates (interpolated between

@@ -12,6 +12,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <utility>
 
 #include "model/gpt.h"
@@ -311,6 +312,43 @@ TEST_F(TrainParallelResume, PrunedEmbeddingFineTuneGivesTheWholeTablesLosses) {
   EXPECT_NE(whole.output.find("resume it with --model.prune_embedding true"), std::string::npos) << whole.output;
   CmdRun other = train("prune_cut0", untied + " --resume --model.prune_embedding true --train.steps 12");
   EXPECT_NE(other.output.find("but data.dir"), std::string::npos) << other.output;
+  // A damaged pruned_rows.safetensors (the rows the run does not train): a NaN, or a flipped bit
+  // that leaves a finite value, is refused naming the file by generation, export and --resume.
+  const auto damaged = [&](const std::string& out, int64_t element, const std::function<void(uint32_t&)>& change) {
+    fs::remove_all(root_ / out);
+    fs::copy(root_ / "prune_cut0", root_ / out, fs::copy_options::recursive);
+    const fs::path rows = root_ / out / "pruned_rows.safetensors";
+    const train::SafetensorsReader r(rows.string());
+    std::fstream f(rows, std::ios::in | std::ios::out | std::ios::binary);
+    uint64_t header = 0;
+    f.read(reinterpret_cast<char*>(&header), 8);
+    const std::streamoff at = std::streamoff(8 + header + r.entry("wte.weight").begin + uint64_t(element) * 4);
+    uint32_t bits = 0;
+    f.seekg(at);
+    f.read(reinterpret_cast<char*>(&bits), 4);
+    change(bits);
+    f.seekp(at);
+    f.write(reinterpret_cast<const char*>(&bits), 4);
+    ASSERT_TRUE(f.good());
+  };
+  damaged("prune_nan", 1 * C, [](uint32_t& b) { b = 0x7fc00000u; });  // token 1 (not kept), column 0
+  damaged("prune_flip", 2 * C + 5, [](uint32_t& b) { b ^= 1u << 3; });
+  const std::string nan_rows = (root_ / "prune_nan" / "pruned_rows.safetensors").string();
+  CmdRun gen_nan = sh(fmt::format("{} generate {} --ids --prompt '0 3' --tokens 2", kLoom, (root_ / "prune_nan").string()));
+  EXPECT_NE(gen_nan.status, 0);
+  EXPECT_NE(gen_nan.output.find(nan_rows + ": tensor 'wte.weight' holds nan at index " + std::to_string(C)),
+            std::string::npos)
+      << gen_nan.output;
+  const std::string flip_rows = (root_ / "prune_flip" / "pruned_rows.safetensors").string();
+  CmdRun exp_flip = sh(fmt::format("{} convert --from loom --to hf {} {}", kLoom, (root_ / "prune_flip").string(),
+                                   (root_ / "prune_flip_hf").string()));
+  EXPECT_NE(exp_flip.status, 0);
+  EXPECT_NE(exp_flip.output.find(flip_rows + ": tensor 'wte.weight' does not match the file's CRC-32"), std::string::npos)
+      << exp_flip.output;
+  CmdRun res_flip = train("prune_flip", ft + " --model.prune_embedding true --train.steps 12");
+  EXPECT_NE(res_flip.status, 0);
+  EXPECT_NE(res_flip.output.find(flip_rows + ": tensor 'wte.weight' does not match the file's CRC-32"), std::string::npos)
+      << res_flip.output;
 }
 
 TEST_F(TrainParallelResume, CheckpointOfAnotherModelIsRefusedNamingTheField) {
