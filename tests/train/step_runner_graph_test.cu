@@ -79,6 +79,30 @@ struct GraphAndEager {
   }
 };
 
+// Two profiled steps of m's graphed runner: every kind of op of the forward, backward and update
+// shows with a positive time, and the reported FLOPs add up to the model's GEMM and attention
+// FLOPs exactly (per step: GEMMs 2 FLOPs per multiply-add forward, twice that backward; attention
+// 2 B T^2 C forward (causal) and 2.5 times that backward, per layer).
+void expect_parts_cover_the_step(const cuda::StepProfile& prof, const GraphAndEager& m) {
+  std::set<std::string> names;
+  double flops = 0;
+  for (const auto& p : prof.parts()) {
+    names.insert(p.name);
+    EXPECT_GT(p.ms, 0.0) << p.name;
+    flops += p.flops;
+  }
+  for (const char* want : {"(before the step)", "fill zero", "embedding forward", "layernorm forward",
+                           "linear forward", "attention forward", "residual + layernorm forward",
+                           "linear forward + gelu", "cross-entropy + dlogits", "sum", "linear backward",
+                           "layernorm backward", "linear backward + dgelu", "attention backward", "embedding backward",
+                           "adamw"})
+    EXPECT_EQ(names.count(want), 1u) << want;
+  EXPECT_EQ(names.size(), 16u) << "(the block's last residual add is the MLP projection's GEMM epilogue)";
+  const double B = double(m.B), T = double(m.T), C = double(m.cfg.n_embd), L = double(m.cfg.n_layer);
+  const double want = 6.0 * B * T * (L * 12.0 * C * C + C * double(m.cfg.padded_vocab())) + L * 7.0 * B * T * T * C;
+  EXPECT_NEAR(flops / double(prof.steps()), want, 1e-9 * want);
+}
+
 }  // namespace
 
 TEST(StepRunnerGraph, ReplayMatchesEagerAndTrains) {
@@ -145,26 +169,7 @@ TEST(StepRunnerGraph, ProfileCoversTheStep) {
   m.bg->set_observer(nullptr);
   EXPECT_EQ(m.g->graph_launches(), 0) << "profiled steps run op by op";
   EXPECT_EQ(prof.steps(), 2);
-  std::set<std::string> names;
-  double flops = 0;
-  for (const auto& p : prof.parts()) {
-    names.insert(p.name);
-    EXPECT_GT(p.ms, 0.0) << p.name;
-    flops += p.flops;
-  }
-  for (const char* want : {"(before the step)", "fill zero", "embedding forward", "layernorm forward",
-                           "linear forward", "attention forward", "residual + layernorm forward",
-                           "linear forward + gelu", "cross-entropy + dlogits", "sum", "linear backward",
-                           "layernorm backward", "linear backward + dgelu", "attention backward", "embedding backward",
-                           "adamw"})
-    EXPECT_EQ(names.count(want), 1u) << want;
-  EXPECT_EQ(names.size(), 16u) << "(the block's last residual add is the MLP projection's GEMM epilogue)";
-  // Per step: GEMMs 2 FLOPs per multiply-add forward, twice that backward; attention 2 B T^2 C
-  // forward (causal) and 2.5 times that backward, per layer.
-  const double B = double(m.B), T = double(m.T), C = double(cfg.n_embd), L = double(cfg.n_layer);
-  const double Vp = double(cfg.padded_vocab());
-  const double want = 6.0 * B * T * (L * 12.0 * C * C + C * Vp) + L * 7.0 * B * T * T * C;
-  EXPECT_NEAR(flops / 2.0, want, 1e-9 * want);
+  expect_parts_cover_the_step(prof, m);
   // Graphed again (the first graphed call captures), still the eager twin's step.
   for (int s = 3; s <= 4; ++s)
     EXPECT_NEAR(m.g->train_step(tok.data(), tgt.data(), m.lr, s), m.e->train_step(tok.data(), tgt.data(), m.lr, s),
@@ -197,19 +202,7 @@ TEST(StepRunnerGraph, ProfileInTheGraph) {
   m.bg->set_observer(nullptr);
   EXPECT_EQ(m.g->graph_launches(), launches + 3) << "profiled in the graph: the steps are replays";
   EXPECT_EQ(prof.steps(), 2) << "the step that captured is not counted";
-  std::set<std::string> names;
-  double flops = 0;
-  for (const auto& p : prof.parts()) {
-    names.insert(p.name);
-    EXPECT_GT(p.ms, 0.0) << p.name;
-    flops += p.flops;
-  }
-  EXPECT_EQ(names.size(), 16u);
-  EXPECT_EQ(names.count("attention backward"), 1u);
-  EXPECT_EQ(names.count("(before the step)"), 1u);
-  const double B = double(m.B), T = double(m.T), C = double(m.cfg.n_embd), L = double(m.cfg.n_layer);
-  const double want = 6.0 * B * T * (L * 12.0 * C * C + C * double(m.cfg.padded_vocab())) + L * 7.0 * B * T * T * C;
-  EXPECT_NEAR(flops / 2.0, want, 1e-9 * want);
+  expect_parts_cover_the_step(prof, m);
   EXPECT_NEAR(m.g->train_step(tok.data(), tgt.data(), m.lr, s), m.e->train_step(tok.data(), tgt.data(), m.lr, s),
               kGraphLossTol);
   EXPECT_EQ(m.g->graph_launches(), launches + 4);
