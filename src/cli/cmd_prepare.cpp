@@ -98,10 +98,10 @@ Registrar reg{Command{
           if (ec || !fs::is_directory(out))
             throw Error(fmt::format("--out {}: {}", a->out, ec ? "cannot create: " + ec.message() : "is not a directory"));
         }
-        fs::remove_all(staged);  // an interrupted prepare's
-        fs::create_directories(staged);
         bool committing = false;
         try {
+          fs::remove_all(staged);  // an interrupted prepare's
+          fs::create_directories(staged);
           std::unique_ptr<data::Tokenizer> tok;
           if (!a->tokenizer.empty()) {
             tok = std::make_unique<data::Tokenizer>(data::Tokenizer::from_dir(a->tokenizer));

@@ -519,14 +519,14 @@ class Backend {
   uint64_t memory_epoch() const { return epoch_; }
   // Ops report to `o` (not owned; null: none) from now on, where the backend supports it (CUDA).
   void set_observer(OpObserver* o) {
-    if (o != observer_) ++observer_sets_;
     observer_ = o;
+    ++observer_sets_;  // (every call: another observer may live where an unset one did)
   }
   // Reports to the observer that a step's ops begin here: what ran before, since its last
   // report, is charged to "(before the step)".
   void step_begins() { observed("(before the step)"); }
   OpObserver* observer() const { return observer_; }
-  // Counts the observer's changes (a graph captured with one observer is not replayed under another).
+  // Counts set_observer's calls (a graph captured with one observer is not replayed under another).
   uint64_t observer_sets() const { return observer_sets_; }
 
   // An uninitialised tensor from pool() under tag.

@@ -140,7 +140,6 @@ std::vector<TensorInfo> checkpoint_tensors(const model::GPTConfig& mc, const opt
   return out;
 }
 
-// GaLore's state per parameter of a DataParallel's layout (null where it has none: AdamW).
 // Collective over w: ", on rank R" with R the lowest rank for which `found` (ranks may hold
 // replicated copies: the lowest that holds a non-finite one); empty with one rank.
 std::string on_lowest_rank(comm::Comm& w, bool found) {
@@ -149,6 +148,7 @@ std::string on_lowest_rank(comm::Comm& w, bool found) {
   return r < w.size() ? fmt::format(", on rank {}", r) : "";
 }
 
+// GaLore's state per parameter of a DataParallel's layout (null where it has none: AdamW).
 std::vector<optim::GaLore::State*> galore_states(parallel::DataParallel& ddp) {
   std::vector<optim::GaLore::State*> out(ddp.layout().size(), nullptr);
   optim::GaLore* g = ddp.galore();
@@ -450,7 +450,6 @@ class ChainEngine : public CpuEngine {
     return "no weight, forward output or gradient (the loss alone)";
   }
 
-
   // Whether a block's output holds a non-finite value (a device's looked at on the host).
   bool has_nonfinite(const Tensor& t) const {
     if (t.device() == Device::cpu && t.dtype() == DType::f32) return first_nonfinite(t.f32(), t.numel()) >= 0;
@@ -692,7 +691,6 @@ class PipelineEngine : public CpuEngine {
     if (code < 2 * kStride) return fmt::format("the gradient of {}{}", specs.at(size_t(code - kStride)).name, on);
     return "no weight or gradient (the loss alone)";
   }
-
 
   // On the mesh itself: groups of m validation batches go through the pipeline's forwards
   // together, micro-batch j of a group holding this replica's rows of batch i + j (a last group

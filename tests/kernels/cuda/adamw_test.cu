@@ -91,10 +91,12 @@ cpu::AdamWArgs cpu_args(const cuda::AdamWHyper& hp, float wd, float scale) {
 
 }  // namespace
 
-// The update's two paths (four elements at a time where a chunk's arrays are 16-byte aligned, one
-// at a time elsewhere and for a chunk's last elements) give the same bits: the same values as an
-// aligned tensor and as one a float past alignment (its bf16 copy 2 bytes past), over more than
-// one chunk with a part-filled last one.
+// The update's two paths (four elements at a time where a chunk's arrays are 16-byte aligned and
+// its 16-bit copy 8-byte aligned, one at a time elsewhere and for a chunk's last elements) give the
+// same bits. One set of values, over more than one chunk with a part-filled last one, as tensors
+// that take the four-wide path (f32 arrays and copy aligned) and the one-wide path (the f32 arrays
+// a float past alignment; or aligned, with the copy 2 bytes past), with a bf16 copy and with an
+// f16 copy: every array and copy equal to the aligned tensor's with the same copy.
 TEST(AdamW, AlignedAndUnalignedTensorsAgreeBitForBit) {
   LOOM_REQUIRE_GPU();
   const int64_t n = 2 * cuda::MultiTensorAdamW::kChunk + 1027;
@@ -102,32 +104,34 @@ TEST(AdamW, AlignedAndUnalignedTensorsAgreeBitForBit) {
                            m = random_f32(size_t(n), 53, 0.01f);
   std::vector<float> v = random_f32(size_t(n), 54, 0.01f);
   for (auto& x : v) x = x * x;
-  // Tensor 0 at the start of its buffers, tensor 1 one element in.
-  const auto padded = [](const std::vector<float>& x) {
-    std::vector<float> y(x.size() + 1, 0.f);
-    std::copy(x.begin(), x.end(), y.begin() + 1);
-    return y;
+  struct Case {
+    int f32_off, copy_off;
+    bool f16;
   };
-  std::vector<std::unique_ptr<DeviceBuffer<float>>> f32;
-  std::vector<std::unique_ptr<DeviceBuffer<dbf16>>> b16;
+  // [0], [3]: four-wide; [1], [2], [4], [5]: one-wide.
+  const Case cases[] = {{0, 0, false}, {1, 1, false}, {0, 1, false}, {0, 0, true}, {1, 1, true}, {0, 1, true}};
+  const std::vector<float>* arrays[4] = {&p, &g, &m, &v};
+  std::vector<std::unique_ptr<DeviceBuffer<float>>> f32;       // 4 per case
+  std::vector<std::unique_ptr<DeviceBuffer<uint16_t>>> copies;  // 1 per case
   std::vector<cuda::AdamWTensor> ts;
-  for (int off = 0; off < 2; ++off) {
+  for (const Case& c : cases) {
     float* ptr[4];
-    int k = 0;
-    const std::vector<float>* arrays[4] = {&p, &g, &m, &v};
-    for (const std::vector<float>* x : arrays) {
-      f32.push_back(std::make_unique<DeviceBuffer<float>>(size_t(n + off)));
-      f32.back()->upload(off ? padded(*x) : *x);
-      ptr[k++] = f32.back()->get() + off;
+    for (int k = 0; k < 4; ++k) {
+      std::vector<float> host(size_t(n + c.f32_off), 0.f);
+      std::copy(arrays[k]->begin(), arrays[k]->end(), host.begin() + c.f32_off);
+      f32.push_back(std::make_unique<DeviceBuffer<float>>(host.size()));
+      f32.back()->upload(host);
+      ptr[k] = f32.back()->get() + c.f32_off;
     }
-    b16.push_back(std::make_unique<DeviceBuffer<dbf16>>(size_t(n + off)));
-    b16.back()->poison();
+    copies.push_back(std::make_unique<DeviceBuffer<uint16_t>>(size_t(n + c.copy_off)));
+    copies.back()->poison();
     cuda::AdamWTensor t;
     t.param = ptr[0];
     t.grad = ptr[1];
     t.m = ptr[2];
     t.v = ptr[3];
-    t.param_bf16 = b16.back()->get() + off;
+    if (c.f16) t.param_f16 = reinterpret_cast<cuda::f16*>(copies.back()->get() + c.copy_off);
+    else t.param_bf16 = reinterpret_cast<cuda::bf16*>(copies.back()->get() + c.copy_off);
     t.n = n;
     t.weight_decay = 0.1f;
     ts.push_back(t);
@@ -138,18 +142,29 @@ TEST(AdamW, AlignedAndUnalignedTensorsAgreeBitForBit) {
   hp.step = 5;
   hp.max_norm = 1.0f;
   launch(opt, hp);
-  for (int a = 0; a < 4; ++a) {  // p, g (unchanged), m, v
-    const auto x = f32[size_t(a)]->download(), y = f32[size_t(4 + a)]->download();
-    int64_t differ = 0;
-    for (int64_t i = 0; i < n; ++i) differ += std::memcmp(&x[size_t(i)], &y[size_t(i + 1)], sizeof(float)) != 0;
-    EXPECT_EQ(differ, 0) << "array " << a << " (p, g, m, v)";
+  const auto arrays_of = [&](size_t i, int k) {
+    const auto all = f32[4 * i + size_t(k)]->download();
+    return std::vector<float>(all.begin() + cases[i].f32_off, all.end());
+  };
+  const auto copy_of = [&](size_t i) {
+    const auto all = copies[i]->download();
+    return std::vector<uint16_t>(all.begin() + cases[i].copy_off, all.end());
+  };
+  for (size_t i = 0; i < std::size(cases); ++i) {
+    const size_t ref = cases[i].f16 ? 3 : 0;
+    if (i == ref) continue;
+    for (int k = 0; k < 4; ++k)  // p, g (unchanged), m, v
+      EXPECT_EQ(std::memcmp(arrays_of(i, k).data(), arrays_of(ref, k).data(), sizeof(float) * size_t(n)), 0)
+          << "case " << i << ", array " << k << " (p, g, m, v)";
+    EXPECT_EQ(copy_of(i), copy_of(ref)) << "case " << i << ": the 16-bit copy";
   }
-  const auto bx = b16[0]->download(), by = b16[1]->download();
-  int64_t differ = 0;
-  for (int64_t i = 0; i < n; ++i) differ += std::memcmp(&bx[size_t(i)], &by[size_t(i + 1)], sizeof(dbf16)) != 0;
-  EXPECT_EQ(differ, 0) << "bf16 copies";
-  const auto pf = f32[0]->download();
-  EXPECT_NE(std::memcmp(pf.data(), p.data(), sizeof(float) * size_t(n)), 0) << "the update ran";
+  EXPECT_NE(std::memcmp(arrays_of(0, 0).data(), p.data(), sizeof(float) * size_t(n)), 0) << "the update ran";
+  // The copies are the rounded parameters (no element left poisoned).
+  const std::vector<float> pf = arrays_of(0, 0);
+  const std::vector<uint16_t> cb = copy_of(0);
+  int64_t wrong = 0;
+  for (int64_t i = 0; i < n; ++i) wrong += cb[size_t(i)] != bf16_bits(pf[size_t(i)]);
+  EXPECT_EQ(wrong, 0) << "bf16 copy";
 }
 
 TEST(AdamW, MultiTensorWithClipping) {
