@@ -25,10 +25,6 @@ namespace fs = std::filesystem;
 namespace loom::cli {
 namespace {
 
-// config.json's model against the safetensors files before a model is allocated from it: no more
-// layers than the files hold tensors for, no more parameters than they hold values (the loaders
-// then check every tensor's name and shape). A config.json of another model, or damaged, would
-// otherwise allocate until memory runs out.
 // The first tensor of the model that none of the files holds (empty: none), named where the
 // counts below fail.
 std::string first_missing_tensor(model::GPTConfig cfg, const std::set<std::string>& held) {
@@ -47,6 +43,10 @@ std::string first_missing_tensor(model::GPTConfig cfg, const std::set<std::strin
   return "";
 }
 
+// config.json's model against the safetensors files before a model is allocated from it: no more
+// layers than the files hold tensors for, no more parameters than they hold values (the loaders
+// then check every tensor's name and shape). A config.json of another model, or damaged, would
+// otherwise allocate until memory runs out.
 void check_config_fits_files(const model::GPTConfig& cfg, const std::vector<std::string>& files,
                              const std::string& config) {
   LOOM_CHECK(!files.empty(), "{}: no weights files", config);
