@@ -476,14 +476,15 @@ class Backend {
   // host holds the sums (a GPU's: through its page-locked staging, each piece's transfer beside the
   // host's addition of the one before, the addition on the calling thread's OpenMP team).
   virtual void add_to_host(float* host, const float* src, int64_t n) = 0;
-  // The sum of squares of the f32 values of `ranges` (this backend's memory), in double: each
-  // range's sum in a fixed order (the CPU's: cpu::sum_squares, as its optimizers form norms), the
-  // ranges' sums added in order, so the result is the same from call to call. Waits for it.
+  // The sums of squares of the f32 values of `ranges` (this backend's memory), in double, one per
+  // range into sums[i]: each in a fixed order (the CPU's: cpu::sum_squares, as its optimizers form
+  // norms), so the result is the same from call to call. Every range in one pass and one wait (a
+  // GPU's: one copy of the partial sums back, one synchronisation).
   struct Range {
     const float* x = nullptr;
     int64_t n = 0;
   };
-  virtual double sum_squares(const std::vector<Range>& ranges) = 0;
+  virtual void sum_squares(const std::vector<Range>& ranges, double* sums) = 0;
   // out[0] = scale * (x[0] + ... + x[n - 1]), f32 in this backend's memory, in a fixed order.
   virtual void sum(const float* x, int64_t n, float scale, float* out) = 0;
   virtual std::unique_ptr<AdamWPlan> plan_adamw(const std::vector<AdamWTensor>& tensors) = 0;

@@ -20,17 +20,22 @@ FlatOptimizer::FlatOptimizer(const std::vector<FlatSegment>& segments, int64_t b
 }
 
 double FlatOptimizer::grad_sum_squares(const float* grad_shard, Backend* be, double* others) const {
-  std::vector<Backend::Range> ranges, rest;
+  // Every segment in one pass (one wait on a GPU); each group's sums added in flat order.
+  std::vector<Backend::Range> ranges;
   for (const FlatSegment& seg : segments_)
-    (seg.in_norm ? ranges : rest).push_back({grad_shard + seg.begin, seg.end - seg.begin});
-  const auto sum = [&](const std::vector<Backend::Range>& rs) {
-    if (be) return be->sum_squares(rs);
-    double s = 0;
-    for (const Backend::Range& r : rs) s += cpu::sum_squares(r.x, r.n);
-    return s;
-  };
-  if (others) *others = rest.empty() ? 0.0 : sum(rest);
-  return sum(ranges);
+    if (seg.in_norm || others) ranges.push_back({grad_shard + seg.begin, seg.end - seg.begin});
+  std::vector<double> sums(ranges.size());
+  if (be) be->sum_squares(ranges, sums.data());
+  else
+    for (size_t i = 0; i < ranges.size(); ++i) sums[i] = cpu::sum_squares(ranges[i].x, ranges[i].n);
+  double in = 0, out = 0;
+  size_t i = 0;
+  for (const FlatSegment& seg : segments_) {
+    if (seg.in_norm) in += sums[i++];
+    else if (others) out += sums[i++];
+  }
+  if (others) *others = out;
+  return in;
 }
 
 }  // namespace loom::optim

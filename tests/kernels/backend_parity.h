@@ -836,6 +836,37 @@ TEST_P(BackendParity, AddToHost) {
   }
 }
 
+// Sums of squares of f32 ranges (the gradient norm's and the replicated copies' check), one per
+// range in one call: each within 1e-12 of a double sum (f32 squares are exact in double; only the
+// order of the double additions differs), the same bits from call to call, an empty range 0, a
+// NaN reaching only its own range's sum. Ranges of one element, of an odd size and of more than
+// one GPU block's share (16384 elements), one of them starting off a 16-byte boundary.
+TEST_P(BackendParity, SumSquaresPerRange) {
+  const int64_t n = 50000;
+  const std::vector<float> x = bf16_random(n, 81, 3.f);
+  DevBuf a(be(), x, DType::f32);
+  const float* d = static_cast<const float*>(a.p());
+  const std::vector<std::pair<int64_t, int64_t>> spans = {{0, 1}, {1, 1000}, {1001, 0}, {1001, 40001}, {41002, 7}};
+  std::vector<Backend::Range> ranges;
+  for (const auto& [b, m] : spans) ranges.push_back({d + b, m});
+  std::vector<double> got(ranges.size(), -1.0), again(ranges.size(), -2.0);
+  be().sum_squares(ranges, got.data());
+  be().sum_squares(ranges, again.data());
+  for (size_t i = 0; i < spans.size(); ++i) {
+    double want = 0;
+    for (int64_t k = 0; k < spans[i].second; ++k) want += double(x[size_t(spans[i].first + k)]) * x[size_t(spans[i].first + k)];
+    EXPECT_NEAR(got[i], want, 1e-12 * want) << "range " << i;
+    EXPECT_EQ(got[i], again[i]) << "range " << i;
+  }
+  EXPECT_EQ(got[2], 0.0);
+  be().sum_squares({}, nullptr);  // no ranges: nothing written
+  std::vector<float> bad = x;
+  bad[1500] = std::numeric_limits<float>::quiet_NaN();
+  a.set(bad);
+  be().sum_squares(ranges, got.data());
+  for (size_t i = 0; i < spans.size(); ++i) EXPECT_EQ(std::isnan(got[i]), i == 3) << "range " << i;
+}
+
 // Strided copies (ring attention's packing): a block of batches x rows x cols out of a padded
 // tensor into a packed one of the compute dtype, back into a padded f32 one (elements outside the
 // block keep their NaN), and added into f32 values.

@@ -360,10 +360,8 @@ void CpuBackend::copy_strided(const StridedCopy& a) {
   }
 }
 
-double CpuBackend::sum_squares(const std::vector<Range>& ranges) {
-  double s = 0;
-  for (const Range& r : ranges) s += cpu::sum_squares(r.x, r.n);
-  return s;
+void CpuBackend::sum_squares(const std::vector<Range>& ranges, double* sums) {
+  for (size_t i = 0; i < ranges.size(); ++i) sums[i] = cpu::sum_squares(ranges[i].x, ranges[i].n);
 }
 
 void CpuBackend::fill_zero(void* dst, int64_t bytes) {

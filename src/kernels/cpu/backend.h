@@ -44,7 +44,7 @@ class CpuBackend final : public Backend {
   void swiglu_backward(DType dtype, void* dinp, const void* dout, const void* inp, int64_t N, int64_t H) override;
   void add(DType dtype, void* out, const void* a, const void* b, int64_t n) override;
   void add_to_host(float* host, const float* src, int64_t n) override;
-  double sum_squares(const std::vector<Range>& ranges) override;
+  void sum_squares(const std::vector<Range>& ranges, double* sums) override;
   void sum(const float* x, int64_t n, float scale, float* out) override;
   std::unique_ptr<AdamWPlan> plan_adamw(const std::vector<AdamWTensor>& tensors) override;
   void copy(const Copy& a) override;

@@ -134,8 +134,8 @@ __global__ void range_squares_kernel(double* partials, const float* x, int64_t n
 
 }  // namespace
 
-double sum_squares_ranges(const std::vector<const float*>& x, const std::vector<int64_t>& n, MemoryPool& pool,
-                          cudaStream_t stream) {
+void sum_squares_ranges(const std::vector<const float*>& x, const std::vector<int64_t>& n, double* sums,
+                        MemoryPool& pool, cudaStream_t stream) {
   LOOM_CHECK(x.size() == n.size(), "sum_squares: {} ranges with {} sizes", x.size(), n.size());
   constexpr int64_t kPer = int64_t(kThreads) * 64;  // elements per block
   std::vector<int64_t> first(x.size() + 1, 0);
@@ -144,7 +144,8 @@ double sum_squares_ranges(const std::vector<const float*>& x, const std::vector<
                static_cast<const void*>(x[i]));
     first[i + 1] = first[i] + ceil_div(n[i], kPer);
   }
-  if (first.back() == 0) return 0.0;
+  for (size_t i = 0; i < x.size(); ++i) sums[i] = 0.0;
+  if (first.back() == 0) return;
   const size_t bytes = size_t(first.back()) * sizeof(double);
   double* partials = static_cast<double*>(pool.allocate(bytes, MemTag::workspace));
   std::vector<double> host(size_t(first.back()));
@@ -162,13 +163,11 @@ double sum_squares_ranges(const std::vector<const float*>& x, const std::vector<
     throw;
   }
   pool.deallocate(partials, bytes, MemTag::workspace);
-  double total = 0;
   for (size_t i = 0; i < x.size(); ++i) {
     double r = 0;
     for (int64_t k = first[i]; k < first[i + 1]; ++k) r += host[size_t(k)];
-    total += r;
+    sums[i] = r;
   }
-  return total;
 }
 
 MultiTensorAdamW::MultiTensorAdamW(std::vector<AdamWTensor> tensors, MemoryPool& pool)

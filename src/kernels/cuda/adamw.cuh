@@ -76,8 +76,9 @@ class MultiTensorAdamW {
 };
 
 // Per-block partial sums of squares (double) of the f32 ranges x[i] [n[i]] (device), in a fixed
-// order: returns the sum over every range, each range's partials added in order on the host.
-double sum_squares_ranges(const std::vector<const float*>& x, const std::vector<int64_t>& n, MemoryPool& pool,
-                          cudaStream_t stream);
+// order: sums[i] (host) is range i's, its partials added in order on the host. One copy back and
+// one synchronisation for all of them.
+void sum_squares_ranges(const std::vector<const float*>& x, const std::vector<int64_t>& n, double* sums,
+                        MemoryPool& pool, cudaStream_t stream);
 
 }  // namespace loom::cuda

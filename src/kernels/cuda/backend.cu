@@ -691,12 +691,12 @@ void CudaBackend::add(DType dtype, void* out, const void* a, const void* b, int6
   observed("residual add");
 }
 
-double CudaBackend::sum_squares(const std::vector<Range>& ranges) {
+void CudaBackend::sum_squares(const std::vector<Range>& ranges, double* sums) {
   activate();
   std::vector<const float*> x;
   std::vector<int64_t> n;
   for (const Range& r : ranges) x.push_back(r.x), n.push_back(r.n);
-  return cuda::sum_squares_ranges(x, n, *pool_, stream_);
+  cuda::sum_squares_ranges(x, n, sums, *pool_, stream_);
 }
 
 std::unique_ptr<AdamWPlan> CudaBackend::plan_adamw(const std::vector<loom::AdamWTensor>& tensors) {

@@ -63,7 +63,7 @@ class EmuBackend final : public Backend {
   void swiglu_backward(DType dtype, void* dinp, const void* dout, const void* inp, int64_t N, int64_t H) override;
   void add(DType dtype, void* out, const void* a, const void* b, int64_t n) override;
   void add_to_host(float* host, const float* src, int64_t n) override { cpu_->add_to_host(host, src, n); }
-  double sum_squares(const std::vector<Range>& ranges) override { return cpu_->sum_squares(ranges); }
+  void sum_squares(const std::vector<Range>& ranges, double* sums) override { cpu_->sum_squares(ranges, sums); }
   void sum(const float* x, int64_t n, float scale, float* out) override { cpu_->sum(x, n, scale, out); }
   std::unique_ptr<AdamWPlan> plan_adamw(const std::vector<AdamWTensor>& tensors) override;
   void copy(const Copy& a) override { cpu_->copy(a); }
