@@ -1,4 +1,4 @@
-// loom train CONFIG.toml [--section.field value ...] [--resume | --overwrite] [--plan auto]
+// loom train CONFIG.toml [--section.field value ...] [--resume [--new-hparams] | --overwrite] [--plan auto]
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
@@ -20,6 +20,7 @@ struct TrainArgs {
   std::string config;
   bool resume = false;
   bool overwrite = false;
+  bool new_hparams = false;
   bool help_config = false;
   bool quiet = false;
   std::string trace;
@@ -35,6 +36,9 @@ Registrar reg{Command{
       sub.add_flag("--resume", a->resume, "continue from OUT_DIR/latest, bit-identically");
       sub.add_flag("--overwrite", a->overwrite, "start over in an OUT_DIR that holds another run (its checkpoints, "
                    "metrics and loss plot are deleted first)");
+      sub.add_flag("--new-hparams", a->new_hparams, "with --resume: train on with this run's learning-rate schedule, "
+                   "AdamW settings and batch shape where they differ from the checkpoint's (each one is said); "
+                   "without it such a difference is refused");
       sub.add_flag("--help-config", a->help_config, "list every config field with its type and default");
       sub.add_flag("--quiet", a->quiet, "no progress lines");
       sub.add_option("--trace", a->trace, "write a Chrome trace of every rank (compute, collectives, waits) to FILE");
@@ -67,6 +71,7 @@ Registrar reg{Command{
         }
         train::TrainConfig cfg = train::load_config(a->config, train::collect_overrides(overrides));
         if (a->resume && a->overwrite) throw Error("command line: --resume and --overwrite exclude each other");
+        if (a->new_hparams && !a->resume) throw Error("command line: --new-hparams applies to --resume only");
         // A run that starts from step 0 in a directory of another run would replace its
         // checkpoints and metrics: only when asked to.
         if (!a->resume && !a->overwrite) {
@@ -81,6 +86,7 @@ Registrar reg{Command{
         opt.overwrite = a->overwrite;
         if (a->plan == "auto") opt.plan_note = train::apply_auto_plan(cfg, a->config.empty() ? "command line" : a->config);
         opt.resume = a->resume;
+        opt.new_hparams = a->new_hparams;
         opt.quiet = a->quiet;
         opt.trace_path = a->trace;
         opt.config_path = a->config.empty() ? "command line" : a->config;

@@ -1,6 +1,7 @@
 #include "train/config.h"
 
 #include "model/recompute.h"
+#include "train/schedule.h"
 
 #include <charconv>
 #include <cstring>
@@ -77,7 +78,7 @@ const Field kFields[] = {
     F("train.threads", threads, "CPU threads per process (0: all cores; under mpi, the host's cores shared among its processes)"),
     F("train.log_every", log_every, "steps between metric lines"),
     F("train.eval_every", eval_every, "steps between validation losses (0: never)"),
-    F("train.eval_batches", eval_batches, "validation batches per evaluation"),
+    F("train.eval_batches", eval_batches, "validation batches of train.batch_size sequences per evaluation: the split's first, the same for any train.grad_accum and layout (fewer where the split is shorter)"),
     F("train.sample_every", sample_every, "steps between text samples (0: at the end only)"),
     F("train.sample_tokens", sample_tokens, "tokens per text sample"),
     F("train.sample_temperature", sample_temperature, "sampling temperature"),
@@ -89,8 +90,9 @@ const Field kFields[] = {
     F("train.skip_nonfinite", skip_nonfinite, "steps with a non-finite loss or gradient norm skipped (no update) in a row before the run stops (0: stop at the first); no checkpoint is written inside such a streak, and a run that ends in one fails"),
     F("train.out_dir", out_dir, "directory for checkpoints, metrics.jsonl, memory.json and loss.png"),
     F("optim.lr", lr, "peak learning rate"),
-    F("optim.min_lr", min_lr, "final learning rate of the decay"),
-    F("optim.warmup_steps", warmup_steps, "linear warm-up steps"),
+    F("optim.min_lr", min_lr, "final learning rate of the decay, at most optim.lr (-1: optim.lr / 10)"),
+    F("optim.warmup_steps", warmup_steps, "linear warm-up steps: step s (from 0) at optim.lr (s + 1) / warmup_steps"),
+    F("optim.decay_steps", decay_steps, "the step the decay reaches optim.min_lr at, the learning rate staying there after it (0: train.steps); give the first run's to train on past it with --resume"),
     F("optim.schedule", lr_schedule, "learning-rate decay after warm-up: cosine, linear or constant"),
     F("optim.weight_decay", weight_decay, "AdamW decoupled weight decay (matrices only)"),
     F("optim.beta1", beta1, "AdamW beta1"),
@@ -389,8 +391,13 @@ void TrainConfig::validate(const std::string& where, const std::vector<std::stri
         {"parallel.timeout_s", timeout_s}, {"parallel.bucket_mb", bucket_mb}})
     need(std::isfinite(value), field, fmt::format("must be a finite number, got {}", value));
   need(lr >= 0, "optim.lr", fmt::format("must be non-negative, got {}", lr));
-  need(min_lr >= 0, "optim.min_lr", fmt::format("must be non-negative, got {}", min_lr));
+  need(min_lr >= 0 || min_lr == -1, "optim.min_lr",
+       fmt::format("must be non-negative, or -1 for optim.lr / 10, got {}", min_lr));
+  need(lr_schedule == "constant" || min_lr <= lr, "optim.min_lr",
+       fmt::format("{} is above optim.lr {}: the decay would raise the learning rate (-1 gives optim.lr / 10)", min_lr,
+                   lr));
   need(warmup_steps >= 0, "optim.warmup_steps", "must be non-negative");
+  need(decay_steps >= 0, "optim.decay_steps", fmt::format("must be non-negative (0: train.steps), got {}", decay_steps));
   need(lr_schedule == "cosine" || lr_schedule == "linear" || lr_schedule == "constant", "optim.schedule",
        fmt::format("'{}' is not one of cosine, linear, constant", lr_schedule));
   need(beta1 >= 0 && beta1 < 1, "optim.beta1", fmt::format("must lie in [0, 1), got {}", beta1));
@@ -722,6 +729,63 @@ std::vector<std::pair<std::string, std::string>> config_values(const TrainConfig
   TrainConfig c = cfg;
   std::vector<std::pair<std::string, std::string>> out;
   for (const auto& f : kFields) out.emplace_back(f.key, value_str(f.get(c)));
+  return out;
+}
+
+std::vector<std::string> changed_on_resume(const TrainConfig& now, const std::string& then_toml,
+                                           const std::string& where, int64_t from_update) {
+  TrainConfig then;  // defaults where an older config lacks a field
+  toml::table t;
+  try {
+    t = toml::parse(then_toml, where);
+  } catch (const toml::parse_error& e) {
+    throw Error(fmt::format("{}: its config_toml is not TOML: {}", where, e.description()));
+  }
+  static const char* kCompared[] = {"optim.lr",     "optim.min_lr",    "optim.warmup_steps", "optim.decay_steps",
+                                    "optim.schedule", "train.steps",   "optim.weight_decay", "optim.beta1",
+                                    "optim.beta2",  "optim.eps",       "optim.grad_clip",    "train.batch_size",
+                                    "data.seq_len"};
+  for (const char* key : kCompared)
+    if (const toml::node* n = t.at_path(key).node()) set_from_node(find_field(key)->get(then), *n, where + ": " + key);
+  std::vector<std::string> out;
+  auto cmp = [&](const char* what, const auto& a, const auto& b) {
+    if (a != b) out.push_back(fmt::format("{} {} (the checkpoint's {})", what, a, b));
+  };
+  // The learning rate of every update still to make, under each run's schedule (within a float's
+  // rounding: an older config's optim.min_lr = 6e-05 is the default -1's optim.lr / 10 of 6e-4
+  // but for its last bit). A schedule that differs only where no update falls (a decay after a
+  // warm-up longer than both runs) is the same schedule.
+  const LrSchedule a{now.lr, now.final_lr(), now.warmup_steps, now.decay_end(), now.lr_schedule},
+      b{then.lr, then.final_lr(), then.warmup_steps, then.decay_end(), then.lr_schedule};
+  for (int64_t u = from_update; u < now.steps; ++u) {
+    const double x = a.at(u), y = b.at(u);
+    if (std::abs(x - y) <= 1e-6 * std::max(std::abs(x), std::abs(y))) continue;
+    std::vector<std::string> fields;
+    if (now.lr != then.lr) fields.push_back(fmt::format("optim.lr {} (the checkpoint's {})", now.lr, then.lr));
+    if (now.lr_schedule != then.lr_schedule)
+      fields.push_back(fmt::format("optim.schedule {} (the checkpoint's {})", now.lr_schedule, then.lr_schedule));
+    if (now.warmup_steps != then.warmup_steps)
+      fields.push_back(
+          fmt::format("optim.warmup_steps {} (the checkpoint's {})", now.warmup_steps, then.warmup_steps));
+    if (std::abs(double(now.final_lr()) - double(then.final_lr())) > 1e-6 * double(now.final_lr()))
+      fields.push_back(fmt::format("a final rate (optim.min_lr) of {:.6g} (the checkpoint's {:.6g})", now.final_lr(),
+                                   then.final_lr()));
+    if (now.decay_end() != then.decay_end())
+      fields.push_back(fmt::format("a decay ending at step {} (optim.decay_steps, else train.steps; the "
+                                   "checkpoint's {})",
+                                   now.decay_end(), then.decay_end()));
+    out.push_back(fmt::format("the learning-rate schedule: update {} at {:.6g} (the checkpoint's schedule: {:.6g}), "
+                              "from {}",
+                              u + 1, x, y, fmt::join(fields, ", ")));
+    break;
+  }
+  cmp("optim.weight_decay", now.weight_decay, then.weight_decay);
+  cmp("optim.beta1", now.beta1, then.beta1);
+  cmp("optim.beta2", now.beta2, then.beta2);
+  cmp("optim.eps", now.eps, then.eps);
+  cmp("optim.grad_clip", now.grad_clip, then.grad_clip);
+  cmp("train.batch_size", now.batch_size, then.batch_size);
+  cmp("data.seq_len", now.seq_len, then.seq_len);
   return out;
 }
 

@@ -72,8 +72,9 @@ struct TrainConfig {
   std::string out_dir = "runs/default";
   bool prune_embedding = false;            // keep only the input embedding rows of the data's tokens (fine-tuning)
   // [optim]
-  float lr = 6e-4f, min_lr = 6e-5f;
+  float lr = 6e-4f, min_lr = -1.f;       // min_lr -1: lr / 10 (final_lr())
   int64_t warmup_steps = 100;
+  int64_t decay_steps = 0;                 // the decay ends at this step (0: train.steps; decay_end())
   std::string lr_schedule = "cosine";      // cosine | constant | linear
   float weight_decay = 0.1f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f;
   float grad_clip = 1.0f;                  // global-norm clip; 0 disables
@@ -98,6 +99,10 @@ struct TrainConfig {
   int64_t recompute_every = 2;             // every-k's k
   uint64_t activation_budget = 0;          // saved-activation bytes per rank (optimal's budget; 0: none)
 
+  // The learning rate the decay ends at (optim.min_lr, or optim.lr / 10 for -1) and the step it
+  // ends at (optim.decay_steps, or train.steps for 0).
+  float final_lr() const { return min_lr < 0 ? lr / 10 : min_lr; }
+  int64_t decay_end() const { return decay_steps > 0 ? decay_steps : steps; }
   // The model configuration these fields describe (vocab from the data when vocab_size is 0).
   model::GPTConfig model(int64_t data_vocab) const;
   // `command_line`: the fields set by command-line flags, named as such in the messages.
@@ -136,5 +141,14 @@ std::vector<std::string> collect_overrides(const std::vector<std::string>& args)
 
 // The config as TOML text (written next to checkpoints and metrics).
 std::string config_to_toml(const TrainConfig& c);
+
+// What `now` would do otherwise than the run whose config is `then_toml` (a checkpoint's
+// config_toml, read where `where` says), resuming after `from_update` updates: the learning rate
+// of any update still to make (the first that differs, and the schedule's fields that differ:
+// peak, final rate, warm-up, kind, the step its decay ends at), AdamW's hyper-parameters, gradient
+// clipping and the batch's shape (train.batch_size, data.seq_len), each as "field X (the
+// checkpoint's Y)". A field the older config lacks counts at its default.
+std::vector<std::string> changed_on_resume(const TrainConfig& now, const std::string& then_toml,
+                                           const std::string& where, int64_t from_update);
 
 }  // namespace loom::train

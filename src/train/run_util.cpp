@@ -690,7 +690,7 @@ void RunLog::finish(const std::string& png, const std::string& title) {
 }
 
 void run_steps(const TrainConfig& cfg, RunLog& log, const LrSchedule& sched, const FaultInjection& fault, int rank,
-               int ranks, int64_t start_step, bool has_val, const RunHooks& hooks, TrainResult& res) {
+               int ranks, int64_t start_step, int64_t updates, bool has_val, const RunHooks& hooks, TrainResult& res) {
   int64_t skipped_in_a_row = 0;
   for (int64_t step = start_step; step < cfg.steps; ++step) {
     const std::string poison = fault.maybe_fire(rank, ranks, step + 1);
@@ -699,7 +699,7 @@ void run_steps(const TrainConfig& cfg, RunLog& log, const LrSchedule& sched, con
       hooks.poison(poison);
     }
     auto t0 = Clock::now();
-    const float lr = sched.at(step);
+    const float lr = sched.at(updates);
     const StepOut st = hooks.step(step, lr);
     const int64_t done = step + 1;
     if (st.overflow) {
@@ -723,6 +723,7 @@ void run_steps(const TrainConfig& cfg, RunLog& log, const LrSchedule& sched, con
       log.record_skip(done, lr, seconds_since(t0), st.loss_scale);
     } else {
       skipped_in_a_row = 0;
+      ++updates;
       log.record(done, st.loss, lr, st.grad_norm, seconds_since(t0), st.loss_scale);
       res.last_loss = st.loss;
     }

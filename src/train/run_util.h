@@ -217,15 +217,17 @@ struct RunHooks {
 };
 
 // The training loop of every trainer, steps start_step .. cfg.steps: at each, the injected fault
-// (rank `rank` of `ranks`), the step at the schedule's learning rate (a step whose loss or
-// gradient norm is not finite was skipped by the engine, said with where the first non-finite
-// value was; after train.skip_nonfinite of them in a row, or one the engine could not skip, the
-// run stops with an error naming the step and that place), the metrics, validation
+// (rank `rank` of `ranks`), the step at the schedule's learning rate for the updates made before
+// it (`updates` at start_step; a skipped step makes none, so it does not move the schedule, as in
+// Megatron-LM) (a step whose loss or gradient norm is not finite was skipped by the engine, said
+// with where the first non-finite value was; after train.skip_nonfinite of them in a row, or one
+// the engine could not skip, the run stops with an error naming the step and that place), the
+// metrics, validation
 // every train.eval_every steps and at the end (when there is validation data), the progress line,
 // a sample every train.sample_every steps (not at the end, which the trainer samples after its
 // summary), a checkpoint every train.checkpoint_every steps and at the end. Fills res's
 // last_loss, steps_done, last_val_loss and train_seconds.
 void run_steps(const TrainConfig& cfg, RunLog& log, const LrSchedule& sched, const FaultInjection& fault, int rank,
-               int ranks, int64_t start_step, bool has_val, const RunHooks& hooks, TrainResult& res);
+               int ranks, int64_t start_step, int64_t updates, bool has_val, const RunHooks& hooks, TrainResult& res);
 
 }  // namespace loom::train

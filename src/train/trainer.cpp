@@ -884,6 +884,7 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   check_ranks_agree(world, cfg, run_data,  // before any other collective
                     {{"--resume", opt.resume ? "given" : "not given"},
                      {"--overwrite", opt.overwrite ? "given" : "not given"},
+                     {"--new-hparams", opt.new_hparams ? "given" : "not given"},
                      {"--trace", opt.trace_path.empty() ? "not given" : "given"}});
   const std::string vocabulary = run_data.tokenizer ? run_data.tokenizer->fingerprint() : "";
   data::Loader& train = run_data.train;
@@ -914,7 +915,7 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
                     double(mc.input_rows() * mc.n_embd * 4) / (1 << 20),
                     double(mc.padded_vocab() * mc.n_embd * 4) / (1 << 20)));
   for (const std::string& n : engine->notes()) say(n);
-  LrSchedule sched{cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps, cfg.lr_schedule};
+  LrSchedule sched{cfg.lr, cfg.final_lr(), cfg.warmup_steps, cfg.decay_end(), cfg.lr_schedule};
 
   TrainResult res;
   fs::path out_dir(cfg.out_dir);
@@ -931,7 +932,7 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   // have been accepted (a run refused before this point changes nothing).
   if (lead && opt.overwrite) remove_run(cfg.out_dir);
   const std::string metrics_path = (out_dir / "metrics.jsonl").string();
-  int64_t start_step = 0;
+  int64_t start_step = 0, start_updates = 0;  // steps done, and updates made (skipped steps make none)
   bool pruned_start = false;  // a pruned embedding's starting point was read
   if (opt.resume) {
     // Every rank reads just the elements it holds, from whichever ranks' files hold them: like
@@ -945,6 +946,20 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
     if (!ckpt.empty()) {
       meta = read_checkpoint_meta(ckpt);
       check_resume_checkpoint(ckpt, meta, cfg, mc, vocabulary);
+      // The schedule, AdamW's settings and the batch's shape as the checkpoint's run had them
+      // (Megatron-LM's check of its scheduler), unless --new-hparams (a converted checkpoint has
+      // no run's config).
+      if (!meta.config_toml.empty()) {
+        const std::string manifest = (fs::path(ckpt) / "manifest.json").string();
+        const std::vector<std::string> changed = changed_on_resume(cfg, meta.config_toml, manifest, meta.optimizer_steps);
+        if (!changed.empty() && !opt.new_hparams)
+          throw Error(fmt::format(
+              "{}: this run would train otherwise than the run it resumes: {}. --resume continues that run: give its "
+              "values (to train on past its decay at its final rate, --optim.decay_steps at its decay's last step), "
+              "or pass --new-hparams to change them from step {} (nothing was changed)",
+              manifest, fmt::join(changed, "; "), meta.step));
+        for (const std::string& c : changed) warn(fmt::format("resume: --new-hparams: from step {}, {}", meta.step, c));
+      }
     }
     int64_t step0 = ckpt.empty() ? -1 : meta.step;
     const int64_t mine = step0;
@@ -962,6 +977,7 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
       engine->load(reader, meta.optimizer_steps);
       if (meta.loss_scale > 0) engine->load_loss_scale(meta.loss_scale, meta.loss_scale_clean);
       start_step = meta.step;
+      start_updates = meta.optimizer_steps;
       if (lead) truncate_metrics(metrics_path, start_step);
       say(fmt::format("resumed from {} (step {})", ckpt, start_step));
     }
@@ -975,9 +991,13 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
 
   std::unique_ptr<data::Tokenizer> tok = lead ? std::move(run_data.tokenizer) : nullptr;
 
+  // Validation: train.eval_batches batches of train.batch_size sequences, the first of the split
+  // (fewer where it is shorter), each evaluated as train.grad_accum micro-batches of val_mb: the
+  // same sequences for any grad_accum and any layout. (A split shorter than one batch has nothing
+  // to evaluate.)
   const int64_t T = cfg.seq_len, val_mb = cfg.batch_size / cfg.grad_accum;
-  // (A validation split shorter than one batch has nothing to evaluate.)
-  const bool has_val = val && val->val_batches(val_mb) > 0;
+  const int64_t val_n = val ? std::min(cfg.eval_batches, val->val_batches(cfg.batch_size)) : 0;
+  const bool has_val = val_n > 0;
   int64_t num_parameters = 0;
   for (const model::ParamSpec& s : model::gpt_param_specs(mc)) num_parameters += s.numel();
   const std::string precision = cfg.run_precision();
@@ -991,9 +1011,15 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   const std::string no_val =
       has_val || cfg.eval_every == 0 ? ""
       : val ? fmt::format("less than one validation batch of {} sequences: no validation, train.eval_every = {} unused",
-                          val_mb, cfg.eval_every)
+                          cfg.batch_size, cfg.eval_every)
             : fmt::format("no val_*.bin: no validation, train.eval_every = {} unused", cfg.eval_every);
-  const std::string no_val_note = no_val.empty() ? "" : " (" + no_val + ")";
+  const std::string no_val_note =
+      !no_val.empty() ? " (" + no_val + ")"
+      : has_val && cfg.eval_every > 0
+          ? fmt::format(" (validation: its first {} x {} sequences{})", val_n, cfg.batch_size,
+                        val_n < cfg.eval_batches ? fmt::format(", all it holds of train.eval_batches = {}", cfg.eval_batches)
+                                                 : "")
+          : "";
   say(fmt::format("data {} | train {} tokens{} | unigram baseline loss {:.4f} | {} {}", cfg.data_dir,
                   train.total_tokens(),
                   val ? fmt::format(", val {} tokens{}", val->total_tokens(), no_val_note) : no_val_note,
@@ -1005,9 +1031,8 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
 
   auto evaluate = [&]() -> double {
     if (!val) return NAN;
-    const int64_t n = std::min(cfg.eval_batches, val->val_batches(val_mb));
-    if (n == 0) return NAN;
-    return engine->evaluate(*val, n, val_mb);
+    if (val_n == 0) return NAN;
+    return engine->evaluate(*val, val_n * cfg.grad_accum, val_mb);
   };
   // Collective: every rank samples from rank 0's prompt on the mesh itself (its model::GPT under
   // data, tensor, sequence and context parallelism; a pipeline's stages): no rank assembles the
@@ -1053,7 +1078,7 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   hooks.evaluate = evaluate;
   hooks.sample = sample;
   hooks.checkpoint = checkpoint;
-  run_steps(cfg, log, sched, fault, rank, ranks, start_step, has_val, hooks, res);
+  run_steps(cfg, log, sched, fault, rank, ranks, start_step, start_updates, has_val, hooks, res);
   for (int t = 0; t < kNumMemTags; ++t) {
     res.peak_bytes[size_t(t)] = peaks.peak(MemTag(t));
     res.host_peak_bytes[size_t(t)] = host_peaks ? host_peaks->peak(MemTag(t)) : 0;

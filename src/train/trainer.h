@@ -36,6 +36,7 @@ namespace loom::train {
 struct TrainOptions {
   bool resume = false;        // continue from out_dir/latest when it exists
   bool overwrite = false;     // remove the run in out_dir (checkpoints, metrics) before the first step
+  bool new_hparams = false;   // with resume: the config's schedule, AdamW settings and batch shape where they differ
   bool quiet = false;         // no progress lines (tests)
   std::string config_path;    // for messages
   std::string trace_path;     // Chrome trace of every rank ("" = none)

@@ -51,6 +51,13 @@ TEST(NonFiniteCli, OneBadStepIsSkippedAndTheRunGoesOn) {
     EXPECT_NE(m.find("\"skipped\":true"), std::string::npos) << m;
     EXPECT_NE(m.find("\"step\":6"), std::string::npos) << m;
     EXPECT_TRUE(fs::exists(r.root / "transient" / "ckpt_00000006"));
+    // A skipped step makes no update and does not move the schedule (Megatron-LM's rule): step 4
+    // runs at step 3's rate, inside the warm-up where every update raises it.
+    const auto lr = read_metrics(r.root / "transient" / "metrics.jsonl", "lr");
+    ASSERT_TRUE(lr.count(2) && lr.count(3) && lr.count(4) && lr.count(5)) << m;
+    EXPECT_LT(lr.at(2), lr.at(3));
+    EXPECT_EQ(lr.at(4), lr.at(3));
+    EXPECT_LT(lr.at(4), lr.at(5));
   }
 }
 

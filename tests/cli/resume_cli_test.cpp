@@ -37,7 +37,7 @@ struct RunFixture {
     flags = fmt::format(
         "--data.dir '{}' --model.n_layer 1 --model.n_head 2 --model.n_embd 32 --data.seq_len 16 "
         "--train.batch_size 4 --train.eval_every 0 --train.sample_tokens 0 --train.threads 1 --quiet "
-        "--train.checkpoint_every 2 --train.keep_checkpoints 2 --optim.warmup_steps 2",
+        "--train.checkpoint_every 2 --train.keep_checkpoints 2 --optim.warmup_steps 2 --optim.decay_steps 6",
         (root / "data").string());
   }
   ~RunFixture() { fs::remove_all(root); }
@@ -206,4 +206,51 @@ TEST(ResumeCli, AFailedMetricsWriteStopsTheRun) {
   EXPECT_NE(limited.status, 0) << limited.output;
   EXPECT_NE(limited.output.find("metrics.jsonl: cannot write the metrics: File too large"), std::string::npos)
       << limited.output;
+}
+
+// --resume continues the run as it was: another learning-rate schedule (here train.steps without
+// optim.decay_steps, which stretches the decay), AdamW setting or batch shape is refused naming
+// each difference, nothing changed; --new-hparams takes them, saying each; and the decay ending
+// at the first run's step (optim.decay_steps) trains on at its final rate.
+TEST(ResumeCli, ATrainingChangeIsRefusedUnlessAsked) {
+  LOOM_REQUIRE_LOOM();
+  RunFixture r;
+  const fs::path run = r.root / "run";
+  std::string flags = r.flags;
+  flags.replace(flags.find(" --optim.decay_steps 6"), 22, "");  // the decay ends at train.steps
+  auto train = [&](const std::string& extra) {
+    return loom_cli(fmt::format("train {} --train.out_dir '{}' {}", flags, run.string(), extra), r.root / "logs");
+  };
+  ASSERT_EQ(train("--train.steps 4").code, 0);
+  const std::string metrics = slurp(run / "metrics.jsonl");
+  CliRun longer = train("--train.steps 8 --resume");
+  EXPECT_NE(longer.code, 0);
+  EXPECT_NE(longer.err.find("ckpt_00000004/manifest.json: this run would train otherwise than the run it resumes: the "
+                            "learning-rate schedule: update 5 at"),
+            std::string::npos) << longer.err;
+  EXPECT_NE(longer.err.find("a decay ending at step 8 (optim.decay_steps, else train.steps; the checkpoint's 4)"),
+            std::string::npos) << longer.err;
+  EXPECT_NE(longer.err.find("--new-hparams"), std::string::npos) << longer.err;
+  CliRun adam = train("--train.steps 4 --resume --optim.beta2 0.99 --train.batch_size 8");
+  EXPECT_NE(adam.code, 0);
+  EXPECT_NE(adam.err.find("optim.beta2 0.99 (the checkpoint's 0.95); train.batch_size 8 (the checkpoint's 4)"),
+            std::string::npos) << adam.err;
+  EXPECT_EQ(slurp(run / "latest"), "ckpt_00000004\n");
+  EXPECT_EQ(slurp(run / "metrics.jsonl"), metrics);
+  CliRun flag_alone = train("--train.steps 4 --new-hparams");
+  EXPECT_NE(flag_alone.code, 0);
+  EXPECT_NE(flag_alone.err.find("--new-hparams applies to --resume only"), std::string::npos) << flag_alone.err;
+  // Training on past the decay at its final rate: the schedule is the checkpoint's.
+  CliRun on = train("--train.steps 6 --optim.decay_steps 4 --resume");
+  ASSERT_EQ(on.code, 0) << on.err;
+  const auto lr = read_metrics(run / "metrics.jsonl", "lr");
+  ASSERT_EQ(lr.size(), 6u);
+  EXPECT_EQ(lr.at(5), lr.at(6));
+  EXPECT_FLOAT_EQ(float(lr.at(6)), 6e-5f);  // optim.lr / 10
+  CliRun changed = train("--train.steps 8 --optim.decay_steps 4 --optim.lr 1e-3 --resume --new-hparams");
+  ASSERT_EQ(changed.code, 0) << changed.err;
+  EXPECT_NE(changed.err.find("loom: warning: resume: --new-hparams: from step 6, the learning-rate schedule: update 7 "
+                             "at 0.0001 (the checkpoint's schedule: 6e-05), from optim.lr 0.001 (the checkpoint's "
+                             "0.0006)"),
+            std::string::npos) << changed.err;
 }

@@ -135,7 +135,9 @@ TEST(TrainConfig, ErrorsNameFileAndField) {
   // Each refusal names its own field (these named a neighbour, or none).
   for (const auto& [flag, want] : std::vector<std::pair<std::string, std::string>>{
            {"train.eval_batches=0", "train.eval_batches: must be positive, got 0"},
-           {"optim.min_lr=-1", "optim.min_lr: must be non-negative, got -1"},
+           {"optim.min_lr=-2", "optim.min_lr: must be non-negative, or -1 for optim.lr / 10, got -2"},
+           {"optim.min_lr=0.001", "optim.min_lr: 0.001 is above optim.lr 0.0006: the decay would raise the learning rate"},
+           {"optim.decay_steps=-1", "optim.decay_steps: must be non-negative (0: train.steps), got -1"},
            {"optim.beta2=-1", "optim.beta2: must lie in [0, 1), got -1"},
            {"train.sample_every=-1", "train.sample_every: must be non-negative, got -1"},
            {"train.out_dir=", "train.out_dir: must name a directory"}}) {
@@ -197,7 +199,7 @@ TEST(TrainConfig, TomlRoundTrip) {
   EXPECT_FALSE(d.tied_embeddings.has_value());
   EXPECT_EQ(d.norm, "rmsnorm");
   EXPECT_EQ(d.rope_theta, 500000.f);
-  EXPECT_EQ(config_fields().size(), 78u);
+  EXPECT_EQ(config_fields().size(), 79u);
 }
 
 // The README's config reference has a row for every field with its type, default and help, as

@@ -377,7 +377,7 @@ TEST(CudaTrain, DataParallelProcessesMatchOneGpu) {
     CliRun a = f.train("cuda", one, fmt::format("--quiet --train.grad_accum {}", 2 * accum));
     ASSERT_EQ(a.code, 0) << a.err;
     CliRun b = f.train("cuda", two,
-                       fmt::format("--train.grad_accum {} --train.eval_batches 1 --parallel.dp 2 --parallel.comm mpi",
+                       fmt::format("--train.grad_accum {} --parallel.dp 2 --parallel.comm mpi",
                                    accum),
                        mpirun);
     ASSERT_EQ(b.code, 0) << b.out << b.err;
@@ -394,8 +394,8 @@ TEST(CudaTrain, DataParallelProcessesMatchOneGpu) {
   }
   // It resumes from its checkpoint and goes on.
   CliRun r = f.train("cuda", "dp2",
-                     "--quiet --train.grad_accum 2 --train.eval_batches 1 --parallel.dp 2 --parallel.comm mpi "
-                     "--resume --train.steps 25",
+                     "--quiet --train.grad_accum 2 --parallel.dp 2 --parallel.comm mpi "
+                     "--resume --train.steps 25 --optim.decay_steps 20",
                      mpirun);
   ASSERT_EQ(r.code, 0) << r.out << r.err;
   EXPECT_EQ(f.metrics("dp2", "loss").size(), 25u);
@@ -500,7 +500,7 @@ TEST(CudaTrain, Fp16DataParallelProcessesMatchOneGpu) {
   const std::string fp16 = "--quiet --train.precision fp16 --train.loss_scale_init 1024";
   CliRun a = f.train("cuda", "one", fp16 + " --train.grad_accum 2", "LOOM_FAULT_INJECT=rank=0,step=5,kind=overflow");
   ASSERT_EQ(a.code, 0) << a.err;
-  CliRun b = f.train("cuda", "two", fp16 + " --train.eval_batches 1 --parallel.dp 2 --parallel.comm mpi",
+  CliRun b = f.train("cuda", "two", fp16 + " --parallel.dp 2 --parallel.comm mpi",
                      "LOOM_FAULT_INJECT=rank=1,step=5,kind=overflow " + mpirun);
   ASSERT_EQ(b.code, 0) << b.out << b.err;
   const auto l1 = f.metrics("one", "loss"), l2 = f.metrics("two", "loss");

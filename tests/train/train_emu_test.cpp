@@ -165,12 +165,12 @@ TEST(EmuTrain, LlamaLayoutsMatch) {
       {"tp2sp", "--train.grad_accum 2 --parallel.tp 2 --parallel.sp true", "tp 2 + sp", true, false},
       {"cp2", "--train.grad_accum 2 --parallel.cp 2", "dp 1 x tp 1 x cp 2", true, false},
       {"pp2", "--train.grad_accum 2 --parallel.pp 2", "pp 2 (", false, false},
-      {"dp2z3", "--parallel.dp 2 --parallel.zero 3 --train.eval_batches 1", "dp 2 | ZeRO 3", false, false},
+      {"dp2z3", "--parallel.dp 2 --parallel.zero 3", "dp 2 | ZeRO 3", false, false},
       {"tp2pp2", "--train.grad_accum 2 --parallel.tp 2 --parallel.pp 2", "x dp 1 x tp 2 x cp 1", true, false},
       {"cp2tp2", "--train.grad_accum 2 --parallel.cp 2 --parallel.tp 2 --parallel.sp true", "tp 2 + sp x cp 2", true,
        false},
       // (The replicated key/value heads' gradient sums over host groups: offloaded under ZeRO 2.)
-      {"dp2tp4z2off", "--parallel.dp 2 --parallel.tp 4 --parallel.zero 2 --parallel.offload true --train.eval_batches 1",
+      {"dp2tp4z2off", "--parallel.dp 2 --parallel.tp 4 --parallel.zero 2 --parallel.offload true",
        "dp 2 x tp 4 x cp 1 | ZeRO 2 + offload", true, false},
   };
   TrainScratch s("loom_emu_llama");

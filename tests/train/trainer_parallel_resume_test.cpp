@@ -248,7 +248,7 @@ TEST_F(TrainParallelResume, PrunedEmbeddingFineTuneGivesTheWholeTablesLosses) {
   data::write_shard((sub / "train_000.bin").string(), toks, 97);
   data::write_shard((sub / "val_000.bin").string(), std::vector<uint32_t>(toks.begin(), toks.begin() + 1000), 97);
   const int64_t K = 33, C = 32, Vpad = 128;
-  const std::string untied = " --model.tied_embeddings false", ft = untied + " --data.dir " + sub.string() + " --resume";
+  const std::string untied = " --model.tied_embeddings false", ft = untied + " --data.dir " + sub.string() + " --resume --new-hparams";
   CmdRun base = train_steps("prune_base", untied, 3);
   ASSERT_EQ(base.status, 0) << base.output;
   for (const std::string layout : {"", " --parallel.pp 2 --parallel.dp 2 --parallel.zero 1"}) {

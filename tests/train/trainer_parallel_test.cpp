@@ -202,6 +202,15 @@ TEST_F(TrainParallel, RecomputationWithEveryLayoutMatchesSingleDevice) {
   EXPECT_NE(small.output.find("memory.activation_budget"), std::string::npos) << small.output;
 }
 
+// Validation takes train.eval_batches batches of train.batch_size sequences whatever the
+// micro-batch: grad_accum 1 and 4 give the reference's (grad_accum 2) losses and validation
+// losses (validation took eval_batches micro-batches once, so its sequences changed with grad_accum).
+TEST_F(TrainParallel, GradientAccumulationKeepsTheLossesAndTheValidationSet) {
+  LOOM_REQUIRE_LOOM();
+  expect_same_losses("accum1", "--train.grad_accum 1");
+  expect_same_losses("accum4", "--train.grad_accum 4");
+}
+
 TEST_F(TrainParallel, PipelineMatchesSingleDevice) {
   LOOM_REQUIRE_LOOM();
   expect_same_losses("pp2", "--parallel.pp 2 --parallel.schedule 1f1b");

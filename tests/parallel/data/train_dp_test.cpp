@@ -39,7 +39,7 @@ class TrainDp : public ::testing::Test {
     return fmt::format(
         "train --quiet --data.dir {} --train.out_dir {} --model.n_layer 2 --model.n_head 2 --model.n_embd 32 "
         "--data.seq_len 16 --train.batch_size 8 --train.grad_accum 2 --train.steps {} --train.eval_every 3 "
-        "--train.eval_batches 2 --train.sample_tokens 4 --optim.warmup_steps 2 "
+        "--train.eval_batches 2 --train.sample_tokens 4 --optim.warmup_steps 2 --optim.decay_steps 6 "
         "--optim.lr 3e-3 --parallel.dp {} --parallel.zero {} --parallel.bucket_mb 0.004 {}",
         (root_ / "data").string(), (root_ / out).string(), steps, dp, zero,
         extra.find("--train.threads") == std::string::npos ? extra + " --train.threads 2" : extra);

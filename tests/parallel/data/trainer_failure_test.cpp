@@ -395,7 +395,7 @@ TEST_F(TrainerFailure, MpiRankKilledEndsTheJobWithinTheTimeout) {
   ASSERT_TRUE(meta.has_value()) << out;
   EXPECT_GE(meta->step, 2);
   EXPECT_EQ(meta->step % 2, 0);
-  Job resume(kLoom + " " + args(out_dir, 2, meta->step + 1, 30, "--train.threads 2 --resume"), log("resume"), "");
+  Job resume(kLoom + " " + args(out_dir, 2, meta->step + 1, 30, "--train.threads 2 --resume --optim.decay_steps 1000000"), log("resume"), "");
   ASSERT_TRUE(resume.wait_until(Clock::now() + std::chrono::seconds(60))) << resume.output();
   EXPECT_EQ(resume.status(), 0) << resume.output();
   auto after = last_checkpoint(out_dir);
