@@ -152,12 +152,14 @@ step_llama() {
   local corpus="$out/corpus_llama"
   make_corpus "$corpus" &&
     env_run loom train "$root/configs/kjv-llama-10m.toml" --data.dir "$corpus/data" --train.device cuda \
-      --train.steps 40 --train.eval_every 20 --train.checkpoint_every 20 --train.out_dir "$out/run_llama" &&
+      --train.steps 40 --optim.decay_steps 60 --train.eval_every 20 --train.checkpoint_every 20 \
+      --train.out_dir "$out/run_llama" &&
     env_run loom generate "$out/run_llama" --prompt "The " --tokens 20 || return 1
   # Resumed on the GPU, and the checkpoint's loss on the validation shard on both devices (bf16
   # against f32: within 1e-2 relative).
   env_run loom train "$root/configs/kjv-llama-10m.toml" --data.dir "$corpus/data" --train.device cuda \
-    --train.steps 60 --train.eval_every 20 --train.checkpoint_every 20 --train.out_dir "$out/run_llama" --resume || return 1
+    --train.steps 60 --optim.decay_steps 60 --train.eval_every 20 --train.checkpoint_every 20 \
+    --train.out_dir "$out/run_llama" --resume || return 1
   local gpu cpu
   gpu=$(env_run loom eval "$out/run_llama" --tokens "$corpus/data/val_000.bin" --seq 128 --device cuda --json) || return 1
   cpu=$(env_run loom eval "$out/run_llama" --tokens "$corpus/data/val_000.bin" --seq 128 --device cpu --json) || return 1
