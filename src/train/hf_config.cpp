@@ -113,13 +113,23 @@ GPTConfig llama_config_from_hf(const json& j, const std::string& where) {
   c.ffn_hidden = integer("intermediate_size", true, 0);
   c.vocab_size = integer("vocab_size", true, 0);
   c.block_size = integer("max_position_embeddings", true, 0);
-  if (has("hidden_act") && j["hidden_act"] != "silu")
+  // (transformers' "swish" is its SiLU too.)
+  if (has("hidden_act") && j["hidden_act"] != "silu" && j["hidden_act"] != "swish")
     throw Error(fmt::format("{}: field 'hidden_act' is {}; loom's SwiGLU gates with silu", where, j["hidden_act"].dump()));
+  if (has("quantization_config"))
+    throw Error(fmt::format("{}: field 'quantization_config': a quantized model's weights are not its values; loom "
+                            "reads F32, F16 or BF16 weights (dequantize first)",
+                            where));
+  if (has("partial_rotary_factor") && number(j, "partial_rotary_factor", 1.0) != 1.0)
+    throw Error(fmt::format("{}: field 'partial_rotary_factor' is {}; loom rotates every dimension of a head (1)", where,
+                            j["partial_rotary_factor"].dump()));
   if (c.n_head > 0 && has("head_dim") && integer("head_dim", false, 0) * c.n_head != c.n_embd)
     throw Error(fmt::format("{}: field 'head_dim' is {}; loom's heads are hidden_size / num_attention_heads = {} wide",
                             where, integer("head_dim", false, 0), c.n_embd / c.n_head));
-  if (integer("pretraining_tp", false, 1) != 1)
-    throw Error(fmt::format("{}: field 'pretraining_tp' is {}; loom computes the projections whole (1)", where,
+  // (pretraining_tp > 1 makes transformers compute each projection in that many slices and add
+  // them: the same model, other roundings.)
+  if (integer("pretraining_tp", false, 1) < 1)
+    throw Error(fmt::format("{}: field 'pretraining_tp' is {}; it must be at least 1", where,
                             integer("pretraining_tp", false, 1)));
   const bool attention_bias = boolean("attention_bias", false), mlp_bias = boolean("mlp_bias", false);
   if (attention_bias != mlp_bias)
@@ -132,20 +142,67 @@ GPTConfig llama_config_from_hf(const json& j, const std::string& where) {
   if (!(eps > 0) || !std::isfinite(float(eps)) || !(float(eps) > 0.f))
     throw Error(fmt::format("{}: field 'rms_norm_eps' is {}: it must be positive and fit a 32-bit float", where, eps));
   c.ln_eps = float(eps);
-  c.rope_theta = number(j, "rope_theta", 10000.0);
+  // Rotary positions: transformers 4's rope_theta and rope_scaling, or transformers 5's
+  // rope_parameters holding both (its rope_type "default": no scaling). Where both are given they
+  // must agree; a null rope_theta is not the default.
+  const bool v5 = has("rope_parameters");
+  if (v5 && !j["rope_parameters"].is_object())
+    throw Error(fmt::format("{}: field 'rope_parameters' must be an object or null", where));
+  const json none = json::object();
+  const json& params = v5 ? j["rope_parameters"] : none;
+  const bool theta4 = j.contains("rope_theta"), theta5 = params.contains("rope_theta");
+  if (theta4 && j["rope_theta"].is_null() && !theta5)
+    throw Error(fmt::format("{}: field 'rope_theta' is null and no rope_parameters.rope_theta gives it", where));
+  if (theta5 && params["rope_theta"].is_null())
+    throw Error(fmt::format("{}: field 'rope_parameters.rope_theta' is null", where));
+  c.rope_theta = theta5 ? number(params, "rope_theta", 0) : number(j, "rope_theta", 10000.0);
+  if (theta4 && theta5 && !j["rope_theta"].is_null() && number(j, "rope_theta", 0) != c.rope_theta)
+    throw Error(fmt::format("{}: fields 'rope_theta' ({}) and 'rope_parameters.rope_theta' ({}) differ", where,
+                            j["rope_theta"].dump(), params["rope_theta"].dump()));
+  // The scaling: rope_scaling (4), or rope_parameters (5) when it names a type.
+  const json* scaling = nullptr;
+  std::string scaling_name = "rope_scaling";
   if (has("rope_scaling")) {
-    const json& r = j["rope_scaling"];
-    if (!r.is_object()) throw Error(fmt::format("{}: field 'rope_scaling' must be an object or null", where));
+    if (!j["rope_scaling"].is_object()) throw Error(fmt::format("{}: field 'rope_scaling' must be an object or null", where));
+    scaling = &j["rope_scaling"];
+  }
+  if (v5 && (params.contains("rope_type") || params.contains("type"))) {
+    if (scaling && *scaling != params) {
+      // Both given: the same scaling (rope_theta aside).
+      json a = *scaling, b = params;
+      a.erase("rope_theta"), b.erase("rope_theta");
+      if (a != b)
+        throw Error(fmt::format("{}: fields 'rope_scaling' and 'rope_parameters' give other rotary scalings ({} and {})",
+                                where, a.dump(), b.dump()));
+    }
+    scaling = &params;
+    scaling_name = "rope_parameters";
+  }
+  if (scaling) {
+    const json& r = *scaling;
     const json type = r.contains("rope_type") ? r["rope_type"] : (r.contains("type") ? r["type"] : json());
-    if (type != "llama3")
-      throw Error(fmt::format("{}: field 'rope_scaling' has rope_type {}; loom implements llama3 (or none)", where,
-                              type.dump()));
-    c.rope_scaling_factor = number(r, "factor", 0);
-    c.rope_low_freq_factor = number(r, "low_freq_factor", 1);
-    c.rope_high_freq_factor = number(r, "high_freq_factor", 4);
-    if (!r.contains("original_max_position_embeddings") || !r["original_max_position_embeddings"].is_number_integer())
-      throw Error(fmt::format("{}: field 'rope_scaling.original_max_position_embeddings' must be an integer", where));
-    c.rope_original_max_position = r["original_max_position_embeddings"].get<int64_t>();
+    if (type != "llama3" && type != "default")
+      throw Error(fmt::format("{}: field '{}' has rope_type {}; loom implements llama3 (or default: none)", where,
+                              scaling_name, type.dump()));
+    if (type == "llama3") {
+      // transformers reads each of these by key (a missing one is its KeyError).
+      for (const char* key : {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
+        if (!r.contains(key) || !r[key].is_number())
+          throw Error(fmt::format("{}: field '{}.{}' must be a number (llama3 scaling needs it)", where, scaling_name,
+                                  key));
+      c.rope_scaling_factor = number(r, "factor", 0);
+      if (!(c.rope_scaling_factor > 0))
+        throw Error(fmt::format("{}: field '{}.factor' is {}: it must be positive", where, scaling_name,
+                                r["factor"].dump()));
+      c.rope_low_freq_factor = number(r, "low_freq_factor", 1);
+      c.rope_high_freq_factor = number(r, "high_freq_factor", 4);
+      const double original = r["original_max_position_embeddings"].get<double>();
+      if (!(original >= 1 && original <= double(int64_t(1) << 40)) || std::floor(original) != original)
+        throw Error(fmt::format("{}: field '{}.original_max_position_embeddings' is {}: it must be a whole number of "
+                                "positions",
+                                where, scaling_name, r["original_max_position_embeddings"].dump()));
+      c.rope_original_max_position = int64_t(original);
+    }
   }
   c.validate(where);
   return c;

@@ -1,5 +1,6 @@
 #include "train/hf_llama.h"
 
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -72,10 +73,11 @@ HfFiles hf_files(const std::string& path) {
   std::string index;
   if (fs::is_directory(path)) {
     f.dir = path;
-    if (fs::exists(fs::path(path) / "model.safetensors.index.json"))
-      index = (fs::path(path) / "model.safetensors.index.json").string();
-    else if (fs::exists(fs::path(path) / "model.safetensors"))
+    // transformers' order: model.safetensors, else the index of shards.
+    if (fs::exists(fs::path(path) / "model.safetensors"))
       f.files.push_back((fs::path(path) / "model.safetensors").string());
+    else if (fs::exists(fs::path(path) / "model.safetensors.index.json"))
+      index = (fs::path(path) / "model.safetensors.index.json").string();
     else
       throw Error(fmt::format("{}: neither model.safetensors nor model.safetensors.index.json", path));
   } else if (ends_with(path, ".index.json")) {
@@ -151,6 +153,31 @@ void load_hf_llama(const std::string& path, GPT& gpt) {
     const int64_t cols = p->spec.shape.size() == 2 ? p->spec.shape[1] : 1;
     std::memcpy(p->value.f32() + part.row0 * cols, v.data(), v.size() * sizeof(float));
     used.insert(part.hf_name);
+  }
+  // A file's rotary buffers (older transformers saved them) are the frequencies its config gives:
+  // within 1e-5 relative of loom's (transformers works them out in f32: a few roundings; bf16 and
+  // f16 buffers within theirs), or the config does not describe the model the file was saved from
+  // (another rope_theta or scaling).
+  const std::vector<double> inv_freq =
+      rope_inv_freq(cfg.head_size(), cfg.rope_theta,
+                    {cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                     cfg.rope_original_max_position});
+  for (const auto& [name, file] : where) {
+    if (!is_rotary_buffer(name)) continue;
+    const train::SafetensorsEntry& e = readers.at(file)->entry(name);
+    if (e.shape != Shape{int64_t(inv_freq.size())})
+      throw Error(fmt::format("{}: tensor '{}' has shape {}, expected [{}] (the rotary frequencies of a head of {})",
+                              file, name, shape_str(e.shape), inv_freq.size(), cfg.head_size()));
+    const std::vector<float> v = readers.at(file)->read_f32(name);
+    const double tol = e.dtype == DType::f32 ? 1e-5 : e.dtype == DType::bf16 ? 8e-3 : 1e-3;
+    for (size_t i = 0; i < v.size(); ++i)
+      if (!(std::abs(double(v[i]) - inv_freq[i]) <= tol * inv_freq[i]))
+        throw Error(fmt::format("{}: tensor '{}' gives frequency {} a value of {:.9g} where the config's rotary "
+                                "settings (rope_theta {}{}) give {:.9g}: the config does not describe this model",
+                                file, name, i, v[i], cfg.rope_theta,
+                                cfg.rope_scaling_factor > 0 ? fmt::format(", llama3 scaling factor {}", cfg.rope_scaling_factor)
+                                                            : std::string(", no scaling"),
+                                inv_freq[i]));
   }
   for (const auto& [name, file] : where) {
     if (used.count(name) || is_rotary_buffer(name)) continue;

@@ -34,7 +34,8 @@ struct HfPart {
 // Every Hugging Face tensor of a Llama config, in loom's parameter order.
 std::vector<HfPart> hf_llama_parts(const GPTConfig& cfg);
 
-// The safetensors files of a Hugging Face model given as a directory, a model.safetensors or a
+// The safetensors files of a Hugging Face model given as a directory (its model.safetensors, else
+// its model.safetensors.index.json, as transformers looks), a model.safetensors or a
 // model.safetensors.index.json, and which file holds each tensor (errors name the index and the
 // field).
 struct HfFiles {

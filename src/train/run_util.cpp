@@ -302,6 +302,11 @@ void check_resume_checkpoint(const std::string& ckpt, const CheckpointMeta& meta
   same("bias", c.bias, mc.bias);
   same("rope_theta", c.rope_theta, mc.rope_theta);
   same("rope_scaling_factor", c.rope_scaling_factor, mc.rope_scaling_factor);
+  if (c.rope_scaling_factor > 0) {  // (a converted Llama 3's: its bands, not the config's defaults)
+    same("rope_low_freq_factor", c.rope_low_freq_factor, mc.rope_low_freq_factor);
+    same("rope_high_freq_factor", c.rope_high_freq_factor, mc.rope_high_freq_factor);
+    same("rope_original_max_position", c.rope_original_max_position, mc.rope_original_max_position);
+  }
   if (meta.model.contains("input_rows") && !cfg.prune_embedding)
     throw Error(fmt::format("{}: the checkpoint's input embedding is pruned to {} rows (model.prune_embedding); resume "
                             "it with --model.prune_embedding true, or export it (`loom convert`) for a run of the "

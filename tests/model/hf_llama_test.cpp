@@ -181,6 +181,21 @@ TEST(HfLlama, BadFilesNameTheFileAndTensor) {
     expect_error(d / "extra", "unexpected tensor 'model.layers.0.self_attn.q_proj.bias'");
     write_with("missing_tensor", "model.norm.weight", "model.layers.0.self_attn.rotary_emb.inv_freq", {4}, extra.data());
     expect_error(d / "missing_tensor", "missing tensor 'model.norm.weight'");
+    // A rotary buffer of the config's frequencies is taken (older transformers saved them); one of
+    // another base says the config does not describe the file's model.
+    std::vector<float> freq;
+    for (double f : rope_inv_freq(c.head_size(), c.rope_theta)) freq.push_back(float(f));
+    const std::string buffer = "model.layers.1.self_attn.rotary_emb.inv_freq";
+    write_with("freq", "", buffer, {int64_t(freq.size())}, freq.data());
+    GPT ok(c, pool, 1);
+    EXPECT_NO_THROW(model::load_hf_llama(d / "freq", ok));
+    std::vector<float> other;
+    for (double f : rope_inv_freq(c.head_size(), 500000.0)) other.push_back(float(f));
+    write_with("other_freq", "", buffer, {int64_t(other.size())}, other.data());
+    expect_error(d / "other_freq", "tensor '" + buffer + "' gives frequency 1 a value of");
+    // A directory with model.safetensors and an index: model.safetensors, as transformers reads.
+    fs::copy(kDir / "model.safetensors.index.json", d.p / "freq");
+    EXPECT_EQ(model::hf_files(d / "freq").files, std::vector<std::string>{d / "freq/model.safetensors"});
   }
   // Configs loom's Llama cannot run the same way.
   const std::string base = "\"model_type\": \"llama\", \"hidden_size\": 64, \"intermediate_size\": 176, "
@@ -201,7 +216,37 @@ TEST(HfLlama, BadFilesNameTheFileAndTensor) {
   expect_config_error(", \"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4}", "rope_type \"yarn\"");
   expect_config_error(", \"head_dim\": 32", "field 'head_dim' is 32");
   expect_config_error(", \"num_key_value_heads\": 3", "n_kv_head (3) must divide n_head (4)");
-  expect_config_error(", \"pretraining_tp\": 2", "field 'pretraining_tp' is 2");
+  expect_config_error(", \"pretraining_tp\": 0", "field 'pretraining_tp' is 0");
+  // Rotary settings that transformers reads otherwise than a missing field: a null rope_theta
+  // (not 10000), transformers 5's rope_parameters against rope_theta, a llama3 scaling missing a
+  // key (transformers' KeyError; it was 0: no scaling), a partial rotation, a quantized model.
+  expect_config_error(", \"rope_theta\": null", "field 'rope_theta' is null");
+  expect_config_error(", \"rope_theta\": 10000, \"rope_parameters\": {\"rope_type\": \"default\", \"rope_theta\": 500000}",
+                      "fields 'rope_theta' (10000) and 'rope_parameters.rope_theta' (500000) differ");
+  expect_config_error(", \"rope_scaling\": {\"rope_type\": \"llama3\", \"low_freq_factor\": 1, \"high_freq_factor\": 4, "
+                      "\"original_max_position_embeddings\": 32}",
+                      "field 'rope_scaling.factor' must be a number (llama3 scaling needs it)");
+  expect_config_error(", \"rope_parameters\": {\"rope_type\": \"llama3\", \"rope_theta\": 500000, \"factor\": 8, "
+                      "\"high_freq_factor\": 4, \"original_max_position_embeddings\": 32}",
+                      "field 'rope_parameters.low_freq_factor' must be a number");
+  expect_config_error(", \"rope_parameters\": {\"rope_type\": \"linear\", \"rope_theta\": 10000, \"factor\": 2}",
+                      "field 'rope_parameters' has rope_type \"linear\"");
+  expect_config_error(", \"partial_rotary_factor\": 0.5", "field 'partial_rotary_factor' is 0.5");
+  expect_config_error(", \"quantization_config\": {\"quant_method\": \"bitsandbytes\"}", "field 'quantization_config'");
+  // What transformers reads as loom's model: 5's rope_parameters (theta and a llama3 scaling, the
+  // original context as a float), "swish", a default rope_type, pretraining_tp > 1.
+  auto read = [&](const std::string& extra) {
+    return model::read_hf_config(write_text(d / "config.json", "{" + base + extra + "}"));
+  };
+  const GPTConfig v5 = read(", \"rope_parameters\": {\"rope_type\": \"llama3\", \"rope_theta\": 500000.0, \"factor\": 8.0, "
+                            "\"low_freq_factor\": 1.0, \"high_freq_factor\": 4.0, "
+                            "\"original_max_position_embeddings\": 32.0}, \"hidden_act\": \"swish\", \"pretraining_tp\": 2");
+  EXPECT_EQ(v5.rope_theta, 500000.0);
+  EXPECT_EQ(v5.rope_scaling_factor, 8.0);
+  EXPECT_EQ(v5.rope_original_max_position, 32);
+  const GPTConfig plain = read(", \"rope_theta\": null, \"rope_parameters\": {\"rope_type\": \"default\", \"rope_theta\": 1e6}");
+  EXPECT_EQ(plain.rope_theta, 1e6);
+  EXPECT_EQ(plain.rope_scaling_factor, 0.0);
   // A model that is neither family has no Hugging Face config.
   GPTConfig mixed = c;
   mixed.norm = model::Norm::layernorm;
