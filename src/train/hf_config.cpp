@@ -245,7 +245,12 @@ json hf_config_json(const GPTConfig& c) {
               {"initializer_range", shortest(c.init_std)},
               {"tie_word_embeddings", c.tied_embeddings},
               {"use_cache", true},
-              {"torch_dtype", "float32"}};
+              {"torch_dtype", "float32"},
+              // The special tokens' ids are the tokenizer's, which a checkpoint does not hold:
+              // null, rather than absent (transformers' Llama defaults, 1 and 2, are ordinary
+              // tokens of another vocabulary, and generation would stop at one).
+              {"bos_token_id", nullptr},
+              {"eos_token_id", nullptr}};
     if (c.rope_scaling_factor > 0)
       j["rope_scaling"] = {{"rope_type", "llama3"},
                            {"factor", c.rope_scaling_factor},
@@ -279,10 +284,10 @@ json hf_config_json(const GPTConfig& c) {
             {"tie_word_embeddings", c.tied_embeddings},
             {"use_cache", true},
             {"torch_dtype", "float32"}};
-  if (c.vocab_size == 50257) {  // GPT-2's own vocabulary: <|endoftext|> is 50256
-    j["bos_token_id"] = 50256;
-    j["eos_token_id"] = 50256;
-  }
+  // GPT-2's own vocabulary: <|endoftext|> is 50256 (transformers' default); another's is the
+  // tokenizer's, unknown here: null rather than that default, which may lie outside it.
+  j["bos_token_id"] = c.vocab_size == 50257 ? json(50256) : json(nullptr);
+  j["eos_token_id"] = c.vocab_size == 50257 ? json(50256) : json(nullptr);
   return j;
 }
 

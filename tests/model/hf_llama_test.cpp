@@ -14,7 +14,10 @@
 #include <fstream>
 #include <set>
 
+#include <nlohmann/json.hpp>
+
 #include "core/error.h"
+#include "core/file.h"
 #include "model/gpt.h"
 #include "train/checkpoint.h"
 #include "train/checkpoint_io.h"
@@ -122,6 +125,9 @@ TEST(HfLlama, RoundTripIsBitIdenticalAndTheLossIsPyTorchs) {
   expect_identical(kDir.string(), d / "sharded");
   expect_identical(kDir.string(), d / "one");
   EXPECT_EQ(model::read_hf_config(d / "one/config.json").str(), c.str());
+  // The special tokens are the tokenizer's: null, not transformers' defaults (1 and 2).
+  const nlohmann::json exported = nlohmann::json::parse(read_file(d / "one/config.json"));
+  EXPECT_TRUE(exported.at("bos_token_id").is_null() && exported.at("eos_token_id").is_null()) << exported.dump();
 
   // loom's loss on the reference's tokens, from the converted checkpoint: PyTorch's.
   GPT again(cc, pool, 99);
