@@ -62,7 +62,11 @@ std::vector<int32_t> read_tokens(const EvalArgs& a, const std::string& ckpt, con
     if (tok.vocab_size() > cfg.vocab_size)
       throw Error(fmt::format("tokenizer has {} tokens but {} has a vocabulary of {}", tok.vocab_size(), ckpt,
                               cfg.vocab_size));
-    ids = tok.encode(text);
+    // As Hugging Face's tokenizer(text) encodes it: special tokens recognised, and the
+    // post-processor's around it (Llama 3's <|begin_of_text|> before).
+    ids = tok.template_prefix();
+    for (int32_t t : tok.encode(text, {.allow_special = true})) ids.push_back(t);
+    ids.insert(ids.end(), tok.template_suffix().begin(), tok.template_suffix().end());
   } else {
     const data::Shard shard(a.tokens);
     if (int64_t(shard.vocab_size()) > cfg.vocab_size)
@@ -180,7 +184,9 @@ Registrar reg{Command{
     [](CLI::App& sub) -> std::function<int()> {
       auto a = std::make_shared<EvalArgs>();
       sub.add_option("checkpoint", a->ckpt, "checkpoint directory, or a run directory with 'latest'")->required();
-      sub.add_option("--text", a->text, "a text file, encoded with the checkpoint's tokenizer");
+      sub.add_option("--text", a->text, "a text file, encoded with the checkpoint's tokenizer as Hugging Face's "
+                                        "tokenizer(text) does (special tokens recognised; tokenizer.json's "
+                                        "post-processor's around it)");
       sub.add_option("--tokens", a->tokens, "a loom token shard (loom prepare's train_*.bin / val_*.bin)");
       sub.add_option("--tokenizer", a->tokenizer, "directory with the tokenizer (default: the training data's)");
       sub.add_option("--seq", a->seq, "predicted tokens per window (default: the model's block_size)")

@@ -62,7 +62,11 @@ int run_generate(const GenerateArgs& a) {
   const model::GPTConfig cfg = model::checkpoint_model_config(ckpt);
   std::unique_ptr<data::Tokenizer> tok;
   if (!a.ids) tok = std::make_unique<data::Tokenizer>(checkpoint_tokenizer(ckpt, a.tokenizer));
-  std::vector<int32_t> prompt = a.ids ? parse_ids(a.prompt) : tok->encode(a.prompt);
+  // (A text prompt after the tokens tokenizer.json's post-processor starts a text with: Llama 3's
+  // <|begin_of_text|>.)
+  std::vector<int32_t> prompt = a.ids ? parse_ids(a.prompt) : tok->template_prefix();
+  if (!a.ids)
+    for (int32_t t : tok->encode(a.prompt)) prompt.push_back(t);
   if (prompt.empty()) throw Error("command line: --prompt is empty (the model needs at least one token)");
   for (int32_t t : prompt)
     if (t >= cfg.vocab_size)

@@ -117,14 +117,33 @@ Registrar reg{Command{
             tok->save(staged.string());
             std::printf("trained a byte-level BPE vocabulary of %d tokens on %zu bytes\n", tok->vocab_size(), bytes);
           }
-          // Documents (input files) are separated by <|endoftext|> when the vocabulary has it.
-          int32_t eot = tok->find("<|endoftext|>");
+          // A document is an input file: the special tokens the tokenizer's post-processor puts
+          // around a text (Llama 3's <|begin_of_text|> before), then its end of text
+          // (<|endoftext|>, <|end_of_text|> or </s>) where it has one and the template did not
+          // end with it, as torchtitan and Megatron-LM lay out their documents.
+          const int32_t eot = tok->end_of_text();
+          std::vector<int32_t> before = tok->template_prefix(), after = tok->template_suffix();
+          if (eot >= 0 && (after.empty() || after.back() != eot)) after.push_back(eot);
+          auto names = [&](const std::vector<int32_t>& ids) {
+            std::string s;
+            for (int32_t id : ids) s += std::string(tok->token(id)) + " ";
+            return s;
+          };
+          if (!before.empty() || !after.empty())
+            std::printf("documents (input files): %stext %s\n", names(before).c_str(), names(after).c_str());
+          else if (texts.size() > 1)
+            std::fprintf(stderr,
+                         "loom: warning: the tokenizer has no end of text (<|endoftext|>, <|end_of_text|> or </s> "
+                         "among its special tokens) and its post-processor adds none: the %zu input files are joined "
+                         "without a separator\n",
+                         texts.size());
           std::vector<uint32_t> toks;
           for (size_t i = 0; i < texts.size(); ++i) {
             data::EncodeOptions eo;
             eo.threads = 2;
+            for (int32_t t : before) toks.push_back(uint32_t(t));
             for (int32_t t : tok->encode(texts[i], eo)) toks.push_back(uint32_t(t));
-            if (eot >= 0 && tok->is_special(eot)) toks.push_back(uint32_t(eot));
+            for (int32_t t : after) toks.push_back(uint32_t(t));
           }
           size_t n_val = size_t(double(toks.size()) * a->val_fraction);
           size_t n_train = toks.size() - n_val;

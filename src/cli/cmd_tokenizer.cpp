@@ -86,6 +86,7 @@ struct EncodeArgs {
   std::string text;
   std::string out;
   bool allow_special = false;
+  bool with_template = false;
   int threads = 1;
   bool stats = false;
 };
@@ -107,8 +108,12 @@ int run_encode(const EncodeArgs& a) {
   std::string line;
   for (const auto& [name, text] : inputs) {
     t0 = Clock::now();
-    const std::vector<int32_t> ids = tok.encode(text, opt);
+    std::vector<int32_t> ids = tok.encode(text, opt);
     t_encode += seconds_since(t0);
+    if (a.with_template) {
+      ids.insert(ids.begin(), tok.template_prefix().begin(), tok.template_prefix().end());
+      ids.insert(ids.end(), tok.template_suffix().begin(), tok.template_suffix().end());
+    }
     bytes += text.size();
     tokens += ids.size();
     line.clear();
@@ -206,6 +211,9 @@ Command make_command() {
         e->add_option("--out", enc->out, "write the ids here instead of stdout");
         e->add_flag("--allow-special", enc->allow_special,
                     "recognise special tokens such as <|endoftext|> in the text");
+        e->add_flag("--template", enc->with_template,
+                    "put the special tokens of tokenizer.json's post-processor around each input, as Hugging "
+                    "Face's tokenizer(text) does (Llama 3's <|begin_of_text|> before)");
         e->add_option("--threads", enc->threads, "encoding threads (default 1)")
             ->check(CLI::Range(1, 256));
         e->add_flag("--stats", enc->stats, "report bytes, tokens and MB/s on stderr");

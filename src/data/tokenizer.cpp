@@ -459,8 +459,9 @@ void Tokenizer::compute_whole() {
   }
 }
 
-void Tokenizer::set_special(const std::vector<int32_t>& ids) {
+void Tokenizer::set_special(const std::vector<int32_t>& ids, const std::vector<int32_t>& added) {
   special_ids_ = ids;
+  added_ids_ = added;
   special_flag_.assign(size_t(vocab_size()), 0);
   for (int32_t id : ids) special_flag_[size_t(id)] = 1;
   build_special_index();
@@ -469,16 +470,23 @@ void Tokenizer::set_special(const std::vector<int32_t>& ids) {
 
 void Tokenizer::build_special_index() {
   special_by_length_.clear();
-  std::fill(std::begin(special_first_byte_), std::end(special_first_byte_), false);
+  std::fill(std::begin(special_first_byte_), std::end(special_first_byte_), uint8_t(0));
   special_max_len_ = 0;
-  for (int32_t id : special_ids_) {
-    const std::string_view s = token(id);
-    special_by_length_.emplace_back(std::string(s), id);
-    special_first_byte_[uint8_t(s[0])] = true;
-    special_max_len_ = std::max(special_max_len_, s.size());
-  }
+  for (const bool always : {false, true})
+    for (int32_t id : always ? added_ids_ : special_ids_) {
+      const std::string_view s = token(id);
+      special_by_length_.push_back({std::string(s), id, always});
+      special_first_byte_[uint8_t(s[0])] |= always ? 2 : 1;
+      special_max_len_ = std::max(special_max_len_, s.size());
+    }
   std::stable_sort(special_by_length_.begin(), special_by_length_.end(),
-                   [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
+                   [](const Matched& a, const Matched& b) { return a.text.size() > b.text.size(); });
+}
+
+int32_t Tokenizer::end_of_text() const {
+  for (const char* name : {"<|endoftext|>", "<|end_of_text|>", "</s>"})
+    if (const int32_t id = find(name); id >= 0 && is_special(id)) return id;
+  return -1;
 }
 
 int32_t Tokenizer::add_special(std::string_view text) {
@@ -510,7 +518,10 @@ void Tokenizer::save(const std::string& dir) const {
   fs::create_directories(dir, ec);
   if (ec) bad_input(fmt::format("{}: cannot create directory: {}", dir, ec.message()));
   const fs::path d(dir);
-  if (pre_ != PreTokenization::gpt2 || ignore_merges_) return save_tokenizer_json((d / "tokenizer.json").string());
+  // (GPT-2's files cannot say another pre-tokenisation, ignored merges, added tokens that are not
+  // special, or a post-processor.)
+  if (pre_ != PreTokenization::gpt2 || ignore_merges_ || !added_ids_.empty() || !post_processor_.empty())
+    return save_tokenizer_json((d / "tokenizer.json").string());
   {
     std::string out = "{";
     for (int32_t id = 0; id < vocab_size(); ++id) {
@@ -609,11 +620,12 @@ void Tokenizer::encode_ordinary(std::string_view text, EncodeCache& cache,
   while (pre.next(&piece)) encode_piece(piece, cache, out);
 }
 
-std::pair<size_t, int32_t> Tokenizer::find_special(std::string_view text, size_t from) const {
+std::pair<size_t, int32_t> Tokenizer::find_special(std::string_view text, size_t from, bool allow_special) const {
+  const uint8_t want = allow_special ? 3 : 2;
   for (size_t i = from; i < text.size(); ++i) {
-    if (!special_first_byte_[uint8_t(text[i])]) continue;
-    for (const auto& [s, id] : special_by_length_) {
-      if (text.compare(i, s.size(), s) == 0) return {i, id};
+    if (!(special_first_byte_[uint8_t(text[i])] & want)) continue;
+    for (const Matched& m : special_by_length_) {
+      if ((m.always || allow_special) && text.compare(i, m.text.size(), m.text) == 0) return {i, m.id};
     }
   }
   return {std::string_view::npos, -1};
@@ -621,13 +633,13 @@ std::pair<size_t, int32_t> Tokenizer::find_special(std::string_view text, size_t
 
 void Tokenizer::encode(std::string_view text, const EncodeOptions& opt, EncodeCache& cache,
                        std::vector<int32_t>* out) const {
-  if (!opt.allow_special || special_by_length_.empty()) {
+  if ((!opt.allow_special && added_ids_.empty()) || special_by_length_.empty()) {
     encode_ordinary(text, cache, out);
     return;
   }
   size_t pos = 0;
   while (pos < text.size()) {
-    const auto [at, id] = find_special(text, pos);
+    const auto [at, id] = find_special(text, pos, opt.allow_special);
     if (at == std::string_view::npos) {
       encode_ordinary(text.substr(pos), cache, out);
       break;
@@ -657,10 +669,10 @@ std::vector<std::pair<size_t, size_t>> Tokenizer::split_for_threads(std::string_
     } else if (cx == uint8_t(CharClass::kSpace) || cy == uint8_t(CharClass::kSpace) || cx == cy) {
       return false;
     }
-    if (allow_special && special_max_len_ > 1) {
+    if ((allow_special || !added_ids_.empty()) && special_max_len_ > 1) {
       const std::string_view near = text.substr(0, b + special_max_len_);
       for (size_t from = b >= special_max_len_ ? b - special_max_len_ + 1 : 0;;) {
-        const auto [at, id] = find_special(near, from);
+        const auto [at, id] = find_special(near, from, allow_special);
         if (at >= b) break;
         if (at + token(id).size() > b) return false;
         from = at + 1;
@@ -763,6 +775,11 @@ std::string Tokenizer::fingerprint() const {
     mix_u32(uint32_t(r));
   }
   for (int32_t id : special_ids_) mix_u32(uint32_t(id));
+  // (Added tokens change the encoding; none, the fingerprints checkpoints already record.)
+  if (!added_ids_.empty()) {
+    mix_u32(0xadded);
+    for (int32_t id : added_ids_) mix_u32(uint32_t(id));
+  }
   // (GPT-2's pre-tokenisation with merges applied adds nothing, so its fingerprints stay those
   // that checkpoints already record.)
   if (pre_ != PreTokenization::gpt2 || ignore_merges_) {
@@ -886,7 +903,7 @@ Tokenizer Tokenizer::from_tokenizer_json(const std::string& path) {
       bad_input(what + fmt::format(": {} is not in the byte-level alphabet", describe_char(bad)));
     place(v.get<int64_t>(), std::move(bytes), what);
   }
-  std::vector<int32_t> special;
+  std::vector<int32_t> special, added;
   if (j.contains("added_tokens")) {
     if (!j["added_tokens"].is_array()) bad_input(field("added_tokens") + " must be an array");
     for (const json& a : j["added_tokens"]) {
@@ -896,7 +913,13 @@ Tokenizer Tokenizer::from_tokenizer_json(const std::string& path) {
                                                       a.dump().substr(0, 200)));
       const int64_t id = a["id"].get<int64_t>();
       place(id, a["content"].get<std::string>(), field("added_tokens") + fmt::format(" id {}", id));
-      if (opt(a, "special", false, "added_tokens.special")) special.push_back(int32_t(id));
+      // Hugging Face lets these take the white space beside a token, or match only a whole word.
+      for (const char* flag : {"lstrip", "rstrip", "single_word"})
+        if (opt(a, flag, false, std::string("added_tokens.") + flag))
+          bad_input(field("added_tokens") + fmt::format(" token \"{}\" (id {}): {} is true; loom matches an added "
+                                                        "token exactly as written",
+                                                        printable(a["content"].get<std::string>()), id, flag));
+      (opt(a, "special", false, "added_tokens.special") ? special : added).push_back(int32_t(id));
     }
   }
   for (size_t id = 0; id < tokens.size(); ++id)
@@ -933,6 +956,52 @@ Tokenizer Tokenizer::from_tokenizer_json(const std::string& path) {
     }
     merges.emplace_back(lr[0], lr[1]);
   }
+  // The post-processor: ByteLevel (offsets only), TemplateProcessing (the special tokens its
+  // single template puts around $A), or a Sequence of them.
+  std::vector<int32_t> prefix, suffix;
+  bool templated = false;
+  const json pp = j.value("post_processor", json());
+  auto processor = [&](const json& p, const std::string& name) {
+    const std::string type = opt(p, "type", std::string(), name + ".type");
+    if (type == "ByteLevel") return;
+    if (type != "TemplateProcessing")
+      bad_input(field(name) + fmt::format(" is {}; loom implements ByteLevel and TemplateProcessing",
+                                          p.dump().substr(0, 200)));
+    if (templated) bad_input(field(name) + ": a second TemplateProcessing");
+    templated = true;
+    if (!p.contains("single") || !p["single"].is_array()) bad_input(field(name + ".single") + " must be an array");
+    const json none = json::object();
+    const json& named = p.contains("special_tokens") && p["special_tokens"].is_object() ? p["special_tokens"] : none;
+    int seen_a = 0;
+    for (const json& item : p["single"]) {
+      if (item.is_object() && item.contains("Sequence")) {
+        if (opt(item["Sequence"], "id", std::string(), name + ".single.Sequence.id") != "A")
+          bad_input(field(name + ".single") + fmt::format(": {} is not the sequence $A", item.dump().substr(0, 120)));
+        ++seen_a;
+        continue;
+      }
+      if (!item.is_object() || !item.contains("SpecialToken"))
+        bad_input(field(name + ".single") + fmt::format(": {} is neither a SpecialToken nor $A", item.dump().substr(0, 120)));
+      const std::string key = opt(item["SpecialToken"], "id", std::string(), name + ".single.SpecialToken.id");
+      if (!named.contains(key) || !named[key].is_object() || !named[key].contains("ids") || !named[key]["ids"].is_array())
+        bad_input(field(name + ".special_tokens") + fmt::format(" has no ids for \"{}\"", printable(key)));
+      for (const json& id : named[key]["ids"]) {
+        if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= int64_t(tokens.size()))
+          bad_input(field(name + ".special_tokens") + fmt::format(" \"{}\": id {} is not a token of the vocabulary",
+                                                                  printable(key), id.dump()));
+        (seen_a ? suffix : prefix).push_back(int32_t(id.get<int64_t>()));
+      }
+    }
+    if (seen_a != 1) bad_input(field(name + ".single") + fmt::format(" holds $A {} times (once expected)", seen_a));
+  };
+  if (pp.is_object() && opt(pp, "type", std::string(), "post_processor.type") == "Sequence") {
+    if (!pp.contains("processors") || !pp["processors"].is_array())
+      bad_input(field("post_processor.processors") + " must be an array");
+    for (size_t k = 0; k < pp["processors"].size(); ++k)
+      processor(pp["processors"][k], fmt::format("post_processor.processors[{}]", k));
+  } else if (!pp.is_null()) {
+    processor(pp, "post_processor");
+  }
   Tokenizer t;
   try {
     t = from_parts(std::move(tokens), merges, {});
@@ -941,7 +1010,10 @@ Tokenizer Tokenizer::from_tokenizer_json(const std::string& path) {
   }
   t.pre_ = pre;
   t.ignore_merges_ = opt(m, "ignore_merges", false, "model.ignore_merges");
-  t.set_special(special);
+  t.set_special(special, added);
+  t.template_prefix_ = std::move(prefix);
+  t.template_suffix_ = std::move(suffix);
+  if (!pp.is_null()) t.post_processor_ = pp.dump();
   return t;
 }
 
@@ -949,9 +1021,10 @@ void Tokenizer::save_tokenizer_json(const std::string& path) const {
   using json = nlohmann::json;
   json vocab = json::object(), added = json::array(), merges = json::array();
   for (int32_t id = 0; id < vocab_size(); ++id) {
-    if (is_special(id)) {
+    const bool always = std::find(added_ids_.begin(), added_ids_.end(), id) != added_ids_.end();
+    if (is_special(id) || always) {
       added.push_back({{"id", id}, {"content", std::string(token(id))}, {"single_word", false}, {"lstrip", false},
-                       {"rstrip", false}, {"normalized", false}, {"special", true}});
+                       {"rstrip", false}, {"normalized", !is_special(id)}, {"special", is_special(id)}});
       continue;
     }
     vocab[bytes_to_chars(token(id))] = id;
@@ -976,7 +1049,7 @@ void Tokenizer::save_tokenizer_json(const std::string& path) const {
                   {"added_tokens", added},
                   {"normalizer", nullptr},
                   {"pre_tokenizer", pre},
-                  {"post_processor", nullptr},
+                  {"post_processor", post_processor_.empty() ? json(nullptr) : json::parse(post_processor_)},
                   {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}}},
                   {"model",
                    {{"type", "BPE"},

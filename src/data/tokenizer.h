@@ -50,10 +50,13 @@ class Tokenizer {
  public:
   // Hugging Face's tokenizer.json of a byte-level BPE model: model.vocab and model.merges (either
   // form), model.ignore_merges (a piece that is a token is that token), added_tokens (the special
-  // ones matched whole), and a pre_tokenizer of GPT-2's pattern (ByteLevel with use_regex), of
-  // Llama 3's (a Split on its regex, then ByteLevel without), or SmolLM's (Digits with
-  // individual_digits, then ByteLevel with use_regex). Anything else (byte_fallback, a
-  // normalizer, other patterns) is refused naming the file and the field.
+  // ones matched whole where allowed, the others always, as Hugging Face splits them out of any
+  // text), a pre_tokenizer of GPT-2's pattern (ByteLevel with use_regex), of Llama 3's (a Split on
+  // its regex, then ByteLevel without), or SmolLM's (Digits with individual_digits, then
+  // ByteLevel with use_regex), and a post_processor (ByteLevel; TemplateProcessing, whose single
+  // template's special tokens around $A are template_prefix/suffix; a Sequence of them). Anything
+  // else (byte_fallback, a normalizer, other patterns, an added token's lstrip, rstrip or
+  // single_word) is refused naming the file and the field.
   static Tokenizer from_tokenizer_json(const std::string& path);
   // GPT-2's encoder.json + vocab.bpe, or Hugging Face's vocab.json + merges.txt (same formats).
   static Tokenizer from_files(const std::string& vocab_json, const std::string& merges_txt);
@@ -76,6 +79,14 @@ class Tokenizer {
   void save(const std::string& dir) const;
 
   std::vector<int32_t> encode(std::string_view text, const EncodeOptions& opt = {}) const;
+  // The special tokens Hugging Face's post-processor puts before and after one text
+  // (tokenizer.json's TemplateProcessing: Llama 3's <|begin_of_text|> before): what its
+  // tokenizer(text) adds to encode(text). Empty for GPT-2's files.
+  const std::vector<int32_t>& template_prefix() const { return template_prefix_; }
+  const std::vector<int32_t>& template_suffix() const { return template_suffix_; }
+  // The token that ends a document: the first of <|endoftext|>, <|end_of_text|> and </s> that is
+  // a special token, or -1.
+  int32_t end_of_text() const;
   // Appends the ids of text to *out on this thread (opt.threads is ignored).
   void encode(std::string_view text, const EncodeOptions& opt, EncodeCache& cache,
               std::vector<int32_t>* out) const;
@@ -96,6 +107,8 @@ class Tokenizer {
   int32_t byte_token(uint8_t b) const { return byte_id_[b]; }
   const MergeTable& merge_table() const { return merges_; }
   const std::vector<int32_t>& special_ids() const { return special_ids_; }
+  // tokenizer.json's added tokens that are not special: matched whole in any text.
+  const std::vector<int32_t>& added_ids() const { return added_ids_; }
   bool is_special(int32_t id) const;
   PreTokenization pre_tokenization() const { return pre_; }
   bool ignore_merges() const { return ignore_merges_; }
@@ -108,14 +121,16 @@ class Tokenizer {
   void build(const std::vector<std::pair<int32_t, int32_t>>& merges,
              const std::string& vocab_where, const std::string& merges_where);
   void build_special_index();
-  // Makes exactly `ids` the special tokens (tokenizer.json's added special tokens).
-  void set_special(const std::vector<int32_t>& ids);
+  // Makes exactly `ids` the special tokens and `added` the added ones (tokenizer.json's added
+  // tokens, special or not).
+  void set_special(const std::vector<int32_t>& ids, const std::vector<int32_t>& added = {});
   void compute_whole();
   void save_tokenizer_json(const std::string& path) const;
   void encode_ordinary(std::string_view text, EncodeCache& cache, std::vector<int32_t>* out) const;
   void encode_piece(std::string_view piece, EncodeCache& cache, std::vector<int32_t>* out) const;
-  // Position and id of the first special token at or after from, or {npos, -1}.
-  std::pair<size_t, int32_t> find_special(std::string_view text, size_t from) const;
+  // Position and id of the first special token at or after from (only the added tokens that are
+  // not special unless allow_special), or {npos, -1}.
+  std::pair<size_t, int32_t> find_special(std::string_view text, size_t from, bool allow_special) const;
   std::vector<std::pair<size_t, size_t>> split_for_threads(std::string_view text, int parts,
                                                            bool allow_special) const;
 
@@ -128,8 +143,17 @@ class Tokenizer {
   int32_t byte_id_[256] = {};
   std::vector<int32_t> special_ids_;
   std::vector<uint8_t> special_flag_;                      // [vocab]
-  std::vector<std::pair<std::string, int32_t>> special_by_length_;  // longest first
-  bool special_first_byte_[256] = {};
+  std::vector<int32_t> added_ids_;
+  std::vector<int32_t> template_prefix_, template_suffix_;
+  std::string post_processor_;  // tokenizer.json's, as read (written back as it was)
+  // The special and added tokens, longest first (bool: always matched, an added token)
+  struct Matched {
+    std::string text;
+    int32_t id;
+    bool always;
+  };
+  std::vector<Matched> special_by_length_;
+  uint8_t special_first_byte_[256] = {};  // 1: a special token starts with it, 2: an added one
   size_t special_max_len_ = 0;
   PreTokenization pre_ = PreTokenization::gpt2;
   bool ignore_merges_ = false;  // a piece that is a token encodes to it (Llama 3)

@@ -14,6 +14,8 @@
 
 #include <fmt/format.h>
 
+#include <nlohmann/json.hpp>
+
 #include "cli_util.h"
 #include "data/shard.h"
 #include "data/tokenizer.h"
@@ -219,5 +221,66 @@ TEST(VocabularyCli, PrepareLeavesTheTokenizerOfItsShardsAndKeepsTheDatasetWhenIt
                       root / "logs");
   ASSERT_EQ(t.code, 0) << t.err;
   EXPECT_NE(t.out.find("(no val_*.bin: no validation, train.eval_every = 1 unused)"), std::string::npos) << t.out;
+  fs::remove_all(root);
+}
+
+// `loom prepare` lays out each input file as a document the way the tokenizer's models saw them:
+// tokenizer.json's post-processor's tokens around it (Llama 3's <|begin_of_text|> before), then
+// its end of text (here <|end_of_text|>, Llama 3's name; a vocabulary with no end of text and no
+// template joins its files, said on stderr); `loom tokenizer encode --template` and
+// `loom eval --text` add the same template.
+TEST(VocabularyCli, PrepareMarksEachDocumentAsTheTokenizerDoes) {
+  LOOM_REQUIRE_LOOM();
+  const fs::path root = fs::temp_directory_path() / fmt::format("loom_prepare_docs_{}", ::getpid());
+  fs::remove_all(root);
+  fs::create_directories(root / "logs");
+  // A byte-level vocabulary of the 256 bytes and two special tokens, with Llama 3's template.
+  auto write_tokenizer = [&](const fs::path& dir, bool with_template, const char* eot) {
+    nlohmann::json vocab = nlohmann::json::object();
+    for (int b = 0; b < 256; ++b) {
+      const uint32_t cp = data::gpt2_byte_to_char(uint8_t(b));
+      std::string key;
+      if (cp < 0x80) key += char(cp);
+      else key += char(0xC0 | (cp >> 6)), key += char(0x80 | (cp & 0x3F));
+      vocab[key] = b;
+    }
+    nlohmann::json j = {
+        {"added_tokens",
+         {{{"id", 256}, {"content", "<|begin_of_text|>"}, {"special", true}}, {{"id", 257}, {"content", eot}, {"special", true}}}},
+        {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", true}}},
+        {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", nlohmann::json::array()}}}};
+    if (with_template)
+      j["post_processor"] = nlohmann::json::parse(R"({"type": "TemplateProcessing",
+          "single": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+          "pair": [], "special_tokens": {"<|begin_of_text|>": {"id": "<|begin_of_text|>", "ids": [256],
+          "tokens": ["<|begin_of_text|>"]}}})");
+    fs::create_directories(dir);
+    std::ofstream(dir / "tokenizer.json") << j.dump();
+  };
+  std::ofstream(root / "a.txt") << "one";
+  std::ofstream(root / "b.txt") << "two!";
+  write_tokenizer(root / "llama3", true, "<|end_of_text|>");
+  CliRun p = loom_cli(fmt::format("prepare '{}' '{}' --out '{}' --tokenizer '{}' --val-fraction 0 --shard-tokens 65536",
+                                  (root / "a.txt").string(), (root / "b.txt").string(), (root / "data").string(),
+                                  (root / "llama3").string()),
+                      root / "logs");
+  ASSERT_EQ(p.code, 0) << p.out << p.err;
+  EXPECT_NE(p.out.find("documents (input files): <|begin_of_text|> text <|end_of_text|>"), std::string::npos) << p.out;
+  const data::Shard s((root / "data" / "train_000.bin").string());
+  std::vector<int32_t> got(s.size());
+  s.read(0, s.size(), got.data());
+  EXPECT_EQ(got, (std::vector<int32_t>{256, 'o', 'n', 'e', 257, 256, 't', 'w', 'o', '!', 257}));
+  CliRun enc = loom_cli(fmt::format("tokenizer encode --vocab '{}' --text one --template", (root / "llama3").string()),
+                        root / "logs");
+  ASSERT_EQ(enc.code, 0) << enc.err;
+  EXPECT_EQ(enc.out, "256 111 110 101\n");
+  // No end of text among the special tokens and no template: joined, with a warning.
+  write_tokenizer(root / "plain", false, "<eot>");
+  CliRun q = loom_cli(fmt::format("prepare '{}' '{}' --out '{}' --tokenizer '{}' --val-fraction 0",
+                                  (root / "a.txt").string(), (root / "b.txt").string(), (root / "data2").string(),
+                                  (root / "plain").string()),
+                      root / "logs");
+  ASSERT_EQ(q.code, 0) << q.out << q.err;
+  EXPECT_NE(q.err.find("loom: warning: the tokenizer has no end of text"), std::string::npos) << q.err;
   fs::remove_all(root);
 }
