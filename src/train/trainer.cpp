@@ -915,6 +915,10 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
                     double(mc.input_rows() * mc.n_embd * 4) / (1 << 20),
                     double(mc.padded_vocab() * mc.n_embd * 4) / (1 << 20)));
   for (const std::string& n : engine->notes()) say(n);
+  if (cfg.warmup_steps >= cfg.steps && cfg.steps > 0)
+    say(fmt::format("optim.warmup_steps = {} is not below train.steps = {}: the learning rate rises the whole run and "
+                    "reaches optim.lr {} only at step {}",
+                    cfg.warmup_steps, cfg.steps, cfg.lr, cfg.warmup_steps));
   LrSchedule sched{cfg.lr, cfg.final_lr(), cfg.warmup_steps, cfg.decay_end(), cfg.lr_schedule};
 
   TrainResult res;
