@@ -82,6 +82,7 @@ struct ConvertArgs {
   std::string from, to, in, out, config;
   uint64_t seed = 1337;
   double max_shard_mb = 5 * 1024;
+  bool max_shard_given = false;
 };
 
 // An export's directory may hold other files (a tokenizer, a README), but no model already: its
@@ -143,6 +144,10 @@ int run_convert(const ConvertArgs& a) {
           cfg, [&](const model::ParamSpec& spec, float* dst) { model::read_checkpoint_param(r, ckpt, spec, dst); },
           a.out, int64_t(a.max_shard_mb * 1024 * 1024));
     } else {
+      if (a.max_shard_given)
+        throw Error(fmt::format("command line: --max-shard-mb: {} is a GPT-2 model, which is written as one "
+                                "model.safetensors (shards are for Llama exports; nothing was written)",
+                                ckpt));
       (void)model::hf_config_json(cfg);  // a mix of the families is refused before anything is written
       model::save_hf_gpt2_from_checkpoint(ckpt, a.out);  // tensor by tensor, never the whole model
     }
@@ -174,7 +179,10 @@ Registrar reg{Command{
       sub.add_option("--seed", a->seed, "loom: the seed recorded in the checkpoint (train.seed of the run that "
                                         "resumes it)")
           ->transform(seed_validator());
-      return [a]() { return run_convert(*a); };
+      return [a, &sub]() {
+        a->max_shard_given = sub.count("--max-shard-mb") > 0;
+        return run_convert(*a);
+      };
     }}};
 
 }  // namespace

@@ -1,4 +1,4 @@
-// loom generate CKPT_DIR --prompt TEXT --tokens N [--temperature T] [--top-k K] [--seed S]
+// loom generate CKPT_DIR --prompt TEXT --tokens N [--temperature T (0: greedy)] [--top-k K] [--seed S]
 //   [--tokenizer DIR] [--ids] [--no-cache]: samples text from a checkpoint with a KV cache.
 #include <chrono>
 #include <cmath>
@@ -16,6 +16,7 @@
 #include "model/gpt.h"
 #include "model/kv_cache.h"
 #include "train/checkpoint.h"
+#include "train/run_util.h"
 #include "train/sample.h"
 
 namespace fs = std::filesystem;
@@ -54,8 +55,9 @@ std::vector<int32_t> parse_ids(const std::string& s) {
 }
 
 int run_generate(const GenerateArgs& a) {
-  if (!(a.temperature > 0) || !std::isfinite(a.temperature))
-    throw Error(fmt::format("command line: --temperature must be a positive finite number, got {}", a.temperature));
+  if (!(a.temperature >= 0) || !std::isfinite(a.temperature))
+    throw Error(fmt::format("command line: --temperature must be a finite number >= 0 (0: greedy), got {}",
+                            a.temperature));
   if (a.tokens < 0) throw Error(fmt::format("command line: --tokens must be non-negative, got {}", a.tokens));
   if (a.top_k < 0) throw Error(fmt::format("command line: --top-k must be non-negative, got {}", a.top_k));
   const std::string ckpt = model::resolve_checkpoint(a.ckpt);
@@ -64,9 +66,7 @@ int run_generate(const GenerateArgs& a) {
   if (!a.ids) tok = std::make_unique<data::Tokenizer>(checkpoint_tokenizer(ckpt, a.tokenizer));
   // (A text prompt after the tokens tokenizer.json's post-processor starts a text with: Llama 3's
   // <|begin_of_text|>.)
-  std::vector<int32_t> prompt = a.ids ? parse_ids(a.prompt) : tok->template_prefix();
-  if (!a.ids)
-    for (int32_t t : tok->encode(a.prompt)) prompt.push_back(t);
+  std::vector<int32_t> prompt = a.ids ? parse_ids(a.prompt) : train::prompt_ids(*tok, a.prompt);
   if (prompt.empty()) throw Error("command line: --prompt is empty (the model needs at least one token)");
   for (int32_t t : prompt)
     if (t >= cfg.vocab_size)
@@ -83,8 +83,9 @@ int run_generate(const GenerateArgs& a) {
   model::load_checkpoint_params(ckpt, gpt);
   train::SampleOptions so;
   so.max_new_tokens = a.tokens;
-  so.temperature = a.temperature;
-  so.top_k = a.top_k;
+  // Temperature 0: greedy decoding, the most likely token each time (top-k 1).
+  so.temperature = a.temperature > 0 ? a.temperature : 1.0f;
+  so.top_k = a.temperature > 0 ? a.top_k : 1;
   so.seed = a.seed;
   so.stop_token = a.stop_id;
   if (tok) so.vocab_limit = tok->vocab_size();  // (ids the tokenizer decodes)
@@ -122,9 +123,10 @@ Registrar reg{Command{
       auto a = std::make_shared<GenerateArgs>();
       sub.add_option("checkpoint", a->ckpt, "checkpoint directory, or a run directory with 'latest'")->required();
       sub.add_option("--prompt", a->prompt, "text to continue (token ids with --ids)")->required();
-      sub.add_option("--tokens", a->tokens, "new tokens to sample");
-      sub.add_option("--temperature", a->temperature, "sampling temperature (> 0)");
-      sub.add_option("--top-k", a->top_k, "sample among the k most likely tokens (0: all)");
+      sub.add_option("--tokens", a->tokens, "new tokens to sample")->capture_default_str();
+      sub.add_option("--temperature", a->temperature, "sampling temperature (0: greedy, the most likely token)")
+          ->capture_default_str();
+      sub.add_option("--top-k", a->top_k, "sample among the k most likely tokens (0: all)")->capture_default_str();
       sub.add_option("--seed", a->seed, "seed of the draws (same seed, same text)")->transform(seed_validator());
       sub.add_option("--tokenizer", a->tokenizer, "directory with the tokenizer (default: the training data's)");
       sub.add_option("--stop-id", a->stop_id, "stop after this token id (-1: never)");

@@ -14,6 +14,7 @@
 // measured computes of every rank below them, on the same time axis.
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <map>
@@ -21,6 +22,7 @@
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include <toml++/toml.h>
 
 #include "cli/command.h"
 #include "core/error.h"
@@ -28,6 +30,8 @@
 #include "parallel/pipeline/checker.h"
 #include "parallel/pipeline/draw.h"
 #include "plan/planner.h"
+#include "data/shard.h"
+#include "train/config.h"
 
 namespace loom::cli {
 namespace {
@@ -44,9 +48,15 @@ struct PlanArgs {
 
 // The options both commands take.
 void add_job_options(CLI::App& sub, PlanArgs& a) {
-  sub.add_option("--model", a.model, "a preset (gpt2-124m ... gpt2-1.5b, llama-7b, llama-70b, llama3-405b) or a "
-                 "model TOML file")->capture_default_str();
-  sub.add_option("--cluster", a.cluster, "a100-80gb, h100-sxm, h200, cpu, or a cluster TOML file")->capture_default_str();
+  sub.add_option("--model", a.model, "a preset (gpt2-124m ... gpt2-1.5b, llama-7b, llama-70b, llama3-405b, or one of "
+                 "loom train's: gpt2-tiny, gpt2-1558m, llama-10m, smollm-135m, ...), a loom train config (its model at "
+                 "its data.seq_len), or a model TOML file ([model] with layers, hidden, heads, vocab; optional seq, "
+                 "kv_heads, ffn, swiglu, tied, bias, learned_positions)")->capture_default_str();
+  sub.add_option("--cluster", a.cluster, "a100-80gb, h100-sxm, h200, cpu (this host: loom calibrate's profile, else "
+                 "defaults), or a cluster TOML file ([device] with name, peak_tflops_bf16, peak_tflops_f32, "
+                 "efficiency, gemm_half, memory_gb, memory_gbs; [cluster] with gpus_per_node, intra_gbs, "
+                 "intra_latency_us, inter_gbs, inter_latency_us, host_gbs, host_latency_us, host_memory_gbs, "
+                 "host_memory_gb; base = a preset to start from)")->capture_default_str();
   sub.add_option("--gpus", a.gpus, "devices in all")->capture_default_str()->check(CLI::Range(1, 1 << 20));
   sub.add_option("--global-batch", a.global_batch, "sequences per optimizer step")
       ->capture_default_str()
@@ -60,9 +70,39 @@ void add_job_options(CLI::App& sub, PlanArgs& a) {
       ->check(CLI::IsMember({"auto", "mixed", "f32", "device"}));
 }
 
+// --model: a preset, a model file, or a `loom train` config (its [model] table's preset and
+// overrides, at its data.seq_len; the vocabulary model.vocab_size gives, else its data.dir's
+// shards', else the preset's).
+plan::ModelSpec model_of(const std::string& m) {
+  if (std::filesystem::is_regular_file(m)) {
+    toml::table t;
+    try {
+      t = toml::parse(read_file(m), m);
+    } catch (const toml::parse_error&) {
+      return plan::model_named(m);  // (which names the error)
+    }
+    bool train_config = false;
+    for (const auto& [k, v] : t) train_config |= k.str() != "model";
+    if (const toml::table* mt = t["model"].as_table())
+      for (const char* key : {"preset", "n_layer", "n_head", "n_embd", "vocab_size", "n_kv_head", "ffn_hidden"})
+        train_config |= mt->contains(key);
+    if (train_config) {
+      const train::TrainConfig cfg = train::load_config(m, {});
+      int64_t vocab = 0;
+      try {
+        const std::vector<std::string> shards = data::list_shards(cfg.data_dir, "train");
+        if (!shards.empty()) vocab = data::Shard(shards.front(), /*verify_payload=*/false).vocab_size();
+      } catch (const Error&) {
+      }
+      return plan::from_gpt(cfg.model(vocab), cfg.seq_len);
+    }
+  }
+  return plan::model_named(m);
+}
+
 plan::Job make_job(const PlanArgs& a) {
   plan::Job job;
-  job.model = plan::model_named(a.model);
+  job.model = model_of(a.model);
   if (a.seq > 0) job.model.seq = a.seq;
   job.model.validate("--model " + a.model);
   job.cluster = plan::cluster_named(a.cluster);
@@ -198,7 +238,7 @@ Registrar reg_simulate{Command{
         const plan::Job job = make_job(*a);
         const plan::Layout L = layout_of(*a);
         const plan::Estimate e = plan::estimate(job, L);
-        LOOM_CHECK(e.why_not.empty() || e.fits, "--layout {}: {}", L.str(), e.why_not);
+        LOOM_REQUIRE(e.why_not.empty() || e.fits, "--layout {}: {}", L.str(), e.why_not);
         // The step as the executor runs it: the schedule generated for the computes' durations
         // (free transfers), then run with the transfers (plan::estimate does the same).
         pipe::ScheduleSpec spec;

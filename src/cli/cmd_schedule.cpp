@@ -17,7 +17,7 @@ namespace pl = loom::parallel::pipeline;
 
 struct ScheduleArgs {
   std::string kind = "1f1b";
-  int p = 4, v = 1, m = 8;
+  int p = 4, v = 0, m = 8;  // v 0: 2 for interleaved (parallel.virtual_stages' default), else 1
   std::string png;
   bool list = false;
   std::vector<double> costs;  // forward, backward input, backward weight
@@ -29,7 +29,9 @@ Registrar reg{Command{
       auto a = std::make_shared<ScheduleArgs>();
       sub.add_option("--kind", a->kind, "gpipe, 1f1b, interleaved or zb-h1")->capture_default_str();
       sub.add_option("-p,--stages", a->p, "pipeline stages (ranks)")->capture_default_str();
-      sub.add_option("-v,--virtual-stages", a->v, "model chunks per rank (interleaved)")->capture_default_str();
+      sub.add_option("-v,--virtual-stages", a->v, "model chunks per rank (interleaved; default 2, as "
+                     "parallel.virtual_stages; 1 for the others)")
+          ->check(CLI::Range(1, 1 << 16));
       sub.add_option("-m,--micro-batches", a->m, "micro-batches per step")->capture_default_str();
       sub.add_option("--png", a->png, "draw the schedule into this PNG file");
       sub.add_flag("--list", a->list, "print every rank's instruction list");
@@ -38,7 +40,9 @@ Registrar reg{Command{
           ->delimiter(',')
           ->expected(3);
       return [a]() -> int {
-        pl::ScheduleSpec spec{pl::parse_kind(a->kind, "--kind"), a->p, a->v, a->m};
+        const pl::Kind kind = pl::parse_kind(a->kind, "--kind");
+        const int v = a->v > 0 ? a->v : kind == pl::Kind::interleaved ? 2 : 1;
+        pl::ScheduleSpec spec{kind, a->p, v, a->m};
         pl::OpCosts costs;
         if (!a->costs.empty()) {
           costs.forward = a->costs[0];

@@ -1,6 +1,7 @@
 // loom train CONFIG.toml [--section.field value ...] [--resume [--new-hparams] | --overwrite] [--plan auto]
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 
 #include "cli/command.h"
@@ -70,6 +71,16 @@ Registrar reg{Command{
           }
         }
         train::TrainConfig cfg = train::load_config(a->config, train::collect_overrides(overrides));
+        // Processes of an MPI launch on the threads backend would each run the whole job (and
+        // find one another's run directory in use).
+        for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"}) {
+          const char* v = std::getenv(var);
+          if (v && std::atoi(v) > 1 && cfg.comm == "threads")
+            throw Error(fmt::format("{}: parallel.comm = threads, but this process is one of {} that an MPI launcher "
+                                    "started ({}={}): each would run the whole job; pass --parallel.comm mpi (or "
+                                    "nccl for GPUs)",
+                                    a->config.empty() ? "command line" : a->config, v, var, v));
+        }
         if (a->resume && a->overwrite) throw Error("command line: --resume and --overwrite exclude each other");
         if (a->new_hparams && !a->resume) throw Error("command line: --new-hparams applies to --resume only");
         // A run that starts from step 0 in a directory of another run would replace its

@@ -34,3 +34,10 @@ class RankError : public Error {
   } while (0)
 
 #define LOOM_FAIL(...) ::loom::fail_at(__FILE__, __LINE__, fmt::format(__VA_ARGS__))
+
+// LOOM_REQUIRE(cond, "fmt {}", args...): throws loom::Error("message") when cond is false, for
+// bad input whose message names the file and field itself (no source location for a user).
+#define LOOM_REQUIRE(cond, ...)                                                      \
+  do {                                                                               \
+    if (!(cond)) [[unlikely]] throw ::loom::Error(fmt::format(__VA_ARGS__));         \
+  } while (0)

@@ -9,21 +9,21 @@ namespace loom::data {
 
 Loader::Loader(const std::string& dir, const std::string& split, int64_t seq_len, uint64_t seed)
     : T_(seq_len), seed_(seed), stream_(stream_of("data/" + split)) {
-  LOOM_CHECK(seq_len > 0, "sequence length must be positive, got {}", seq_len);
+  LOOM_REQUIRE(seq_len > 0, "sequence length must be positive, got {}", seq_len);
   files_ = list_shards(dir, split);
-  LOOM_CHECK(!files_.empty(), "{}: no {}_*.bin token shards (run `loom prepare` first)", dir, split);
+  LOOM_REQUIRE(!files_.empty(), "{}: no {}_*.bin token shards (run `loom prepare` first)", dir, split);
   for (auto& f : files_) {
     shards_.push_back(std::make_unique<Shard>(f));
     begin_.push_back(total_);
     total_ += shards_.back()->size();
     const uint32_t v = shards_.back()->vocab_size();
-    LOOM_CHECK(vocab_ == 0 || v == vocab_,
+    LOOM_REQUIRE(vocab_ == 0 || v == vocab_,
                "{}: vocabulary size {} differs from {}'s {}: the shards of one corpus share one tokenizer "
                "(re-run `loom prepare`)",
                f, v, files_.front(), vocab_);
     vocab_ = v;
   }
-  LOOM_CHECK(total_ >= uint64_t(T_) + 1, "{}: the {} split holds {} tokens, fewer than one window of {}", dir, split,
+  LOOM_REQUIRE(total_ >= uint64_t(T_) + 1, "{}: the {} split holds {} tokens, fewer than one window of {}", dir, split,
              total_, T_ + 1);
 }
 

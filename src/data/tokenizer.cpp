@@ -964,11 +964,25 @@ Tokenizer Tokenizer::from_tokenizer_json(const std::string& path) {
   auto processor = [&](const json& p, const std::string& name) {
     const std::string type = opt(p, "type", std::string(), name + ".type");
     if (type == "ByteLevel") return;
-    if (type != "TemplateProcessing")
-      bad_input(field(name) + fmt::format(" is {}; loom implements ByteLevel and TemplateProcessing",
+    if (type != "TemplateProcessing" && type != "RobertaProcessing" && type != "BertProcessing")
+      bad_input(field(name) + fmt::format(" is {}; loom implements ByteLevel, TemplateProcessing, RobertaProcessing "
+                                          "and BertProcessing",
                                           p.dump().substr(0, 200)));
-    if (templated) bad_input(field(name) + ": a second TemplateProcessing");
+    if (templated) bad_input(field(name) + ": a second template");
     templated = true;
+    if (type != "TemplateProcessing") {
+      // cls $A sep: each field a [token, id] pair.
+      for (const char* key : {"cls", "sep"}) {
+        const json& v = p.contains(key) ? p[key] : json();
+        if (!v.is_array() || v.size() != 2 || !v[0].is_string() || !v[1].is_number_integer() ||
+            v[1].get<int64_t>() < 0 || v[1].get<int64_t>() >= int64_t(tokens.size()) ||
+            tokens[size_t(v[1].get<int64_t>())] != v[0].get<std::string>())
+          bad_input(field(name + "." + key) + fmt::format(" is {}: a [token, id] pair of the vocabulary",
+                                                          v.dump().substr(0, 120)));
+        (std::string(key) == "cls" ? prefix : suffix).push_back(int32_t(v[1].get<int64_t>()));
+      }
+      return;
+    }
     if (!p.contains("single") || !p["single"].is_array()) bad_input(field(name + ".single") + " must be an array");
     const json none = json::object();
     const json& named = p.contains("special_tokens") && p["special_tokens"].is_object() ? p["special_tokens"] : none;
@@ -1021,12 +1035,13 @@ void Tokenizer::save_tokenizer_json(const std::string& path) const {
   using json = nlohmann::json;
   json vocab = json::object(), added = json::array(), merges = json::array();
   for (int32_t id = 0; id < vocab_size(); ++id) {
+    // (An added token that is not special stays in the model's vocabulary too, as Hugging Face
+    // keeps one: its BPE refuses merges into a token missing from it.)
     const bool always = std::find(added_ids_.begin(), added_ids_.end(), id) != added_ids_.end();
-    if (is_special(id) || always) {
+    if (is_special(id) || always)
       added.push_back({{"id", id}, {"content", std::string(token(id))}, {"single_word", false}, {"lstrip", false},
                        {"rstrip", false}, {"normalized", !is_special(id)}, {"special", is_special(id)}});
-      continue;
-    }
+    if (is_special(id)) continue;
     vocab[bytes_to_chars(token(id))] = id;
   }
   for (const auto& [l, r] : merge_pairs_) merges.push_back(bytes_to_chars(token(l)) + " " + bytes_to_chars(token(r)));

@@ -118,6 +118,7 @@ constexpr Preset kPresets[] = {
 }  // namespace
 
 GPTConfig gpt_preset(std::string_view name) {
+  if (name == "gpt2-1.5b") name = "gpt2-1558m";  // (loom plan's name for it)
   for (const auto& p : kPresets) {
     if (name == p.name || (p.alias[0] && name == p.alias)) {
       GPTConfig c;

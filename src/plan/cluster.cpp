@@ -197,6 +197,8 @@ Cluster cluster_named(const std::string& name) {
       // gemm_typical, so gemm_typical x n / (n + half) = gemm_small.
       if (p->gemm_small > 0 && p->gemm_typical > p->gemm_small)
         c.device.gemm_half = 64.0 * 128.0 * (p->gemm_typical / p->gemm_small - 1.0);
+    } else {
+      c.device.name = "cpu (uncalibrated defaults: run `loom calibrate` for this host's rates)";
     }
   return c;
 }

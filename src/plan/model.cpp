@@ -182,9 +182,17 @@ ModelSpec model_named(const std::string& name) {
   if (name == "llama-70b") return llama(80, 8192, 64, 8, 28672, 32000, 4096);
   if (name == "llama3-405b") return llama(126, 16384, 128, 8, 53248, 128256, 8192);
   if (std::filesystem::exists(name)) return read_model(name);
+  // The presets `loom train` builds (gpt2-tiny, gpt2-1558m, smollm-135m, ...), at their block_size.
+  for (const std::string& n : model::gpt_preset_names())
+    if (n == name) {
+      const model::GPTConfig c = model::gpt_preset(name);
+      return from_gpt(c, c.block_size);
+    }
+  std::string trains;
+  for (const std::string& n : model::gpt_preset_names()) trains += ", " + n;
   throw Error(fmt::format("--model {}: neither a preset (gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b, llama-7b, "
-                          "llama-70b, llama3-405b) nor a model file",
-                          name));
+                          "llama-70b, llama3-405b{}), a model file nor a loom train config",
+                          name, trains));
 }
 
 }  // namespace loom::plan

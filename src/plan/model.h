@@ -59,7 +59,8 @@ model::GPTConfig to_gpt(const ModelSpec& m);
 // kv_heads, ffn, swiglu, tied, bias, learned_positions (optional). Errors name the file and field.
 ModelSpec read_model(const std::string& path);
 // A preset by name: gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b (seq 1024), llama-7b, llama-70b
-// (seq 4096), llama3-405b (seq 8192), or a path to a model file.
+// (seq 4096), llama3-405b (seq 8192), any of `loom train`'s presets (model::gpt_preset_names, at
+// their block_size), or a path to a model file.
 ModelSpec model_named(const std::string& name_or_path);
 
 }  // namespace loom::plan

@@ -626,7 +626,10 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   Estimate e;
   e.layout = L;
   e.why_not = invalid(job, L);
-  if (!e.why_not.empty()) return e;
+  if (!e.why_not.empty()) {
+    e.valid = false;
+    return e;
+  }
   const ModelSpec& m = job.model;
   // On a shared host (the cpu cluster) the ranks divide its cores: up to `capacity` ranks compute
   // at once, each at its share of the host's rates; with more ranks than that, the ranks that
@@ -1100,7 +1103,7 @@ std::string format_table(const Job& job, const std::vector<Estimate>& es) {
     s += fmt::format("{:<64} {:>9.3f} {:>10.0f} {:>7.1f} {:>5.1f}% {:>8.3f} {:>8.3f} {:>8.3f} {:>8.3f} {:>9.1f}{}{}\n",
                      e.layout.str(), e.step_s, e.tokens_per_s, e.model_tflops, 100 * e.mfu, e.compute_s, e.bubble_s,
                      comm, e.recompute_s, e.memory_total / 1e9, host,
-                     e.fits ? "" : "  (does not fit: " + e.why_not + ")");
+                     e.fits ? "" : (e.valid ? "  (does not fit: " : "  (invalid: ") + e.why_not + ")");
   }
   (void)job;
   return s;

@@ -132,6 +132,7 @@ struct Estimate {
   double host_memory_total = 0;
   bool host_fits = true;  // the host memory within the device's share of the node's (where known)
   bool fits = false;
+  bool valid = true;  // false: the layout cannot run the model at all (why_not says why); nothing estimated
   std::string why_not;                    // "" when it fits (or the layout is valid)
   double step_s = 0;
   double compute_s = 0, recompute_s = 0;  // the busiest stage's compute over the step

@@ -724,8 +724,11 @@ void load_checkpoint_tensors(const std::string& ckpt, const std::vector<NamedTen
 
 std::string run_marker(const std::string& dir) {
   std::error_code ec;
-  for (const char* f : {"latest", "metrics.jsonl"})
-    if (fs::exists(fs::path(dir) / f, ec)) return f;
+  if (fs::exists(fs::path(dir) / "latest", ec)) return "latest";
+  // (An empty metrics.jsonl is a run stopped before its first step: nothing to lose.)
+  const fs::path metrics = fs::path(dir) / "metrics.jsonl";
+  if (fs::exists(metrics, ec) && !(fs::is_regular_file(metrics, ec) && fs::file_size(metrics, ec) == 0 && !ec))
+    return "metrics.jsonl";
   if (fs::is_directory(dir, ec))
     for (const auto& e : fs::directory_iterator(dir, ec))
       if (e.path().filename().string().rfind("ckpt_", 0) == 0) return e.path().filename().string();

@@ -66,7 +66,7 @@ const Field kFields[] = {
     F("data.seq_len", seq_len, "tokens per training sequence"),
     F("train.steps", steps, "optimizer steps"),
     F("train.batch_size", batch_size, "sequences per optimizer step (global batch)"),
-    F("train.grad_accum", grad_accum, "micro-steps per optimizer step"),
+    F("train.grad_accum", grad_accum, "micro-steps per optimizer step: train.batch_size (the global batch) is split into this many micro-batches of batch_size / (grad_accum x parallel.dp) sequences per rank (the pipeline's micro-batches under parallel.pp)"),
     F("train.seed", seed, "seed of initialisation and data order"),
     F("train.device", device, "cpu, or cuda: GPUs (a build with -DLOOM_CUDA=ON; dp, tp, sp, cp, pp, ZeRO, offload and recomputation: dp alone as one process per GPU rank, the others as threads sharing a GPU or processes), or emu: for testing, an emulated device in host memory that runs every layout's device paths on the CPU's kernels (activations in bf16, or f32, with the parameters' bf16 compute copies; f32 master weights and moments)"),
     F("train.cuda_graph", cuda_graph, "with train.device cuda: run each step as one CUDA graph (false: kernel by kernel, for debugging)"),
@@ -91,8 +91,8 @@ const Field kFields[] = {
     F("train.out_dir", out_dir, "directory for checkpoints, metrics.jsonl, memory.json and loss.png"),
     F("optim.lr", lr, "peak learning rate"),
     F("optim.min_lr", min_lr, "final learning rate of the decay, at most optim.lr (-1: optim.lr / 10)"),
-    F("optim.warmup_steps", warmup_steps, "linear warm-up steps: step s (from 0) at optim.lr (s + 1) / warmup_steps"),
-    F("optim.decay_steps", decay_steps, "the step the decay reaches optim.min_lr at, the learning rate staying there after it (0: train.steps); give the first run's to train on past it with --resume"),
+    F("optim.warmup_steps", warmup_steps, "linear warm-up: update u (from 0; a skipped step makes none) at optim.lr (u + 1) / warmup_steps"),
+    F("optim.decay_steps", decay_steps, "the update the decay reaches optim.min_lr at, the rate staying there after it (0: train.steps; at most warmup_steps: no decay, optim.lr after the warm-up); give the first run's to train on past it with --resume"),
     F("optim.schedule", lr_schedule, "learning-rate decay after warm-up: cosine, linear or constant"),
     F("optim.weight_decay", weight_decay, "AdamW decoupled weight decay (matrices only)"),
     F("optim.beta1", beta1, "AdamW beta1"),
@@ -452,7 +452,7 @@ void TrainConfig::validate(const std::string& where, const std::vector<std::stri
   try {
     (void)model::gpt_preset(model_preset);
   } catch (const Error& e) {
-    throw Error(fmt::format("{}: model.preset: {}", where, e.what()));
+    throw Error(fmt::format("{}: model.preset: {}", origin({"model.preset"}, where), e.what()));
   }
   need(norm.empty() || norm == "layernorm" || norm == "rmsnorm", "model.norm",
        fmt::format("'{}' is not layernorm or rmsnorm", norm));
@@ -488,7 +488,7 @@ void TrainConfig::validate(const std::string& where, const std::vector<std::stri
     try {
       (void)parallel::pipeline::cuts_from_stage_layers(stage_layers, model(0).n_layer, "parallel.stage_layers");
     } catch (const Error& e) {
-      throw Error(fmt::format("{}: {}", where, e.what()));
+      throw Error(fmt::format("{}: {}", origin({"parallel.stage_layers", "model.n_layer"}, where), e.what()));
     }
   }
   need(device == "cpu" || device == "cuda" || device == "emu", "train.device",
@@ -692,8 +692,8 @@ TrainConfig load_config(const std::string& path, const std::vector<std::string>&
     set_from_text(f->get(c), val, fmt::format("command line: --{}", key));
     from_command_line.push_back(key);
   }
-  c.validate(path.empty() ? "command line" : path, from_command_line);
   c.from_command_line = from_command_line;
+  c.validate(path.empty() ? "command line" : path, from_command_line);
   return c;
 }
 
@@ -733,7 +733,7 @@ std::vector<std::pair<std::string, std::string>> config_values(const TrainConfig
 }
 
 std::vector<std::string> changed_on_resume(const TrainConfig& now, const std::string& then_toml,
-                                           const std::string& where, int64_t from_update) {
+                                           const std::string& where, int64_t from_update, int64_t from_step) {
   TrainConfig then;  // defaults where an older config lacks a field
   toml::table t;
   try {
@@ -757,7 +757,7 @@ std::vector<std::string> changed_on_resume(const TrainConfig& now, const std::st
   // warm-up longer than both runs) is the same schedule.
   const LrSchedule a{now.lr, now.final_lr(), now.warmup_steps, now.decay_end(), now.lr_schedule},
       b{then.lr, then.final_lr(), then.warmup_steps, then.decay_end(), then.lr_schedule};
-  for (int64_t u = from_update; u < now.steps; ++u) {
+  for (int64_t u = from_update; u < from_update + (now.steps - from_step); ++u) {
     const double x = a.at(u), y = b.at(u);
     if (std::abs(x - y) <= 1e-6 * std::max(std::abs(x), std::abs(y))) continue;
     std::vector<std::string> fields;

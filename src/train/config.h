@@ -143,12 +143,13 @@ std::vector<std::string> collect_overrides(const std::vector<std::string>& args)
 std::string config_to_toml(const TrainConfig& c);
 
 // What `now` would do otherwise than the run whose config is `then_toml` (a checkpoint's
-// config_toml, read where `where` says), resuming after `from_update` updates: the learning rate
+// config_toml, read where `where` says), resuming at step from_step after `from_update` updates
+// (fewer where steps were skipped): the learning rate
 // of any update still to make (the first that differs, and the schedule's fields that differ:
 // peak, final rate, warm-up, kind, the step its decay ends at), AdamW's hyper-parameters, gradient
 // clipping and the batch's shape (train.batch_size, data.seq_len), each as "field X (the
 // checkpoint's Y)". A field the older config lacks counts at its default.
 std::vector<std::string> changed_on_resume(const TrainConfig& now, const std::string& then_toml,
-                                           const std::string& where, int64_t from_update);
+                                           const std::string& where, int64_t from_update, int64_t from_step);
 
 }  // namespace loom::train

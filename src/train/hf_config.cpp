@@ -150,6 +150,11 @@ GPTConfig llama_config_from_hf(const json& j, const std::string& where) {
     throw Error(fmt::format("{}: field 'rope_parameters' must be an object or null", where));
   const json none = json::object();
   const json& params = v5 ? j["rope_parameters"] : none;
+  if (params.contains("partial_rotary_factor") && !params["partial_rotary_factor"].is_null() &&
+      number(params, "partial_rotary_factor", 1.0) != 1.0)
+    throw Error(fmt::format("{}: field 'rope_parameters.partial_rotary_factor' is {}; loom rotates every dimension of "
+                            "a head (1)",
+                            where, params["partial_rotary_factor"].dump()));
   const bool theta4 = j.contains("rope_theta"), theta5 = params.contains("rope_theta");
   if (theta4 && j["rope_theta"].is_null() && !theta5)
     throw Error(fmt::format("{}: field 'rope_theta' is null and no rope_parameters.rope_theta gives it", where));

@@ -169,9 +169,11 @@ void load_hf_llama(const std::string& path, GPT& gpt) {
       throw Error(fmt::format("{}: tensor '{}' has shape {}, expected [{}] (the rotary frequencies of a head of {})",
                               file, name, shape_str(e.shape), inv_freq.size(), cfg.head_size()));
     const std::vector<float> v = readers.at(file)->read_f32(name);
+    // (f16's smallest frequencies of a large base are subnormal: spaced 2^-24 apart.)
     const double tol = e.dtype == DType::f32 ? 1e-5 : e.dtype == DType::bf16 ? 8e-3 : 1e-3;
+    const double floor = e.dtype == DType::f16 ? std::ldexp(1.0, -24) : 0.0;
     for (size_t i = 0; i < v.size(); ++i)
-      if (!(std::abs(double(v[i]) - inv_freq[i]) <= tol * inv_freq[i]))
+      if (!(std::abs(double(v[i]) - inv_freq[i]) <= tol * inv_freq[i] + floor))
         throw Error(fmt::format("{}: tensor '{}' gives frequency {} a value of {:.9g} where the config's rotary "
                                 "settings (rope_theta {}{}) give {:.9g}: the config does not describe this model",
                                 file, name, i, v[i], cfg.rope_theta,

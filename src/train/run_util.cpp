@@ -200,7 +200,7 @@ RunData open_run_data(const TrainConfig& cfg, const std::string& config_path) {
     for (const data::Loader* l : {&r.train, r.val.get()})
       if (l) for_each_token(*l, [&](int32_t t) { used[size_t(t)] = 1; });
     if (r.tokenizer && !cfg.sample_prompt.empty())
-      for (int32_t id : r.tokenizer->encode(cfg.sample_prompt)) used[size_t(id)] = 1;
+      for (int32_t id : prompt_ids(*r.tokenizer, cfg.sample_prompt)) used[size_t(id)] = 1;
     auto kept = std::make_shared<std::vector<int32_t>>();
     for (size_t id = 0; id < used.size(); ++id)
       if (used[id]) kept->push_back(int32_t(id));
@@ -560,10 +560,16 @@ std::vector<int32_t> shared_sample_prompt(comm::Comm& world, const TrainConfig& 
   return prompt;
 }
 
+std::vector<int32_t> prompt_ids(const data::Tokenizer& tok, const std::string& text) {
+  std::vector<int32_t> ids = tok.template_prefix();
+  for (int32_t t : tok.encode(text, {.allow_special = true})) ids.push_back(t);
+  return ids;
+}
+
 std::vector<int32_t> sample_prompt(const TrainConfig& cfg, const data::Tokenizer* tok, const data::Loader& train,
                                    const data::Loader* val) {
   std::vector<int32_t> prompt;
-  if (tok && !cfg.sample_prompt.empty()) prompt = tok->encode(cfg.sample_prompt);
+  if (tok && !cfg.sample_prompt.empty()) prompt = prompt_ids(*tok, cfg.sample_prompt);
   if (prompt.empty()) {
     const int64_t T = cfg.seq_len;
     std::vector<int32_t> xi(static_cast<size_t>(T)), yi(static_cast<size_t>(T));

@@ -136,8 +136,12 @@ optim::AdamWConfig adamw_config(const TrainConfig& cfg);
 // when data.tokenizer names a directory without them, or when the vocabulary's size is not the
 // `data_vocab` the token shards were written for.
 std::unique_ptr<data::Tokenizer> load_run_tokenizer(const TrainConfig& cfg, int64_t data_vocab);
-// train.sample_prompt encoded (with a tokenizer), else the first 8 tokens of the validation split
-// (or of training).
+// A prompt's ids as the documents `loom prepare` lays out begin and as Hugging Face's
+// tokenizer(text) gives them: the post-processor's prefix (Llama 3's <|begin_of_text|>), special
+// tokens recognised (loom generate's and the samples').
+std::vector<int32_t> prompt_ids(const data::Tokenizer& tok, const std::string& text);
+// train.sample_prompt encoded (prompt_ids, with a tokenizer), else the first 8 tokens of the
+// validation split (or of training).
 std::vector<int32_t> sample_prompt(const TrainConfig& cfg, const data::Tokenizer* tok, const data::Loader& train,
                                    const data::Loader* val);
 // Collective over `world`: rank 0's sample_prompt (it alone loads the tokenizer), on every rank.

@@ -915,10 +915,18 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
                     double(mc.input_rows() * mc.n_embd * 4) / (1 << 20),
                     double(mc.padded_vocab() * mc.n_embd * 4) / (1 << 20)));
   for (const std::string& n : engine->notes()) say(n);
-  if (cfg.warmup_steps >= cfg.steps && cfg.steps > 0)
-    say(fmt::format("optim.warmup_steps = {} is not below train.steps = {}: the learning rate rises the whole run and "
-                    "reaches optim.lr {} only at step {}",
-                    cfg.warmup_steps, cfg.steps, cfg.lr, cfg.warmup_steps));
+  if (cfg.pp > 1 && cfg.grad_accum < cfg.pp)
+    say(fmt::format("parallel.pp = {} with train.grad_accum = {}: the pipeline has {} micro-batch{} for {} stages, so "
+                    "its stages mostly wait for one another (train.grad_accum sets the micro-batches; several times "
+                    "parallel.pp overlaps them)",
+                    cfg.pp, cfg.grad_accum, cfg.grad_accum, cfg.grad_accum > 1 ? "es" : "", cfg.pp));
+  if (cfg.warmup_steps >= cfg.decay_end() && cfg.steps > 0 && cfg.lr_schedule != "constant")
+    say(fmt::format("optim.warmup_steps = {} is not below the decay's end ({} = {}): no decay{}", cfg.warmup_steps,
+                    cfg.decay_steps > 0 ? "optim.decay_steps" : "train.steps", cfg.decay_end(),
+                    cfg.warmup_steps >= cfg.steps
+                        ? fmt::format(", and the rate rises the whole run without reaching optim.lr {} (update {})",
+                                      cfg.lr, cfg.warmup_steps)
+                        : fmt::format(": optim.lr {} after the warm-up", cfg.lr)));
   LrSchedule sched{cfg.lr, cfg.final_lr(), cfg.warmup_steps, cfg.decay_end(), cfg.lr_schedule};
 
   TrainResult res;
@@ -955,7 +963,7 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
       // no run's config).
       if (!meta.config_toml.empty()) {
         const std::string manifest = (fs::path(ckpt) / "manifest.json").string();
-        const std::vector<std::string> changed = changed_on_resume(cfg, meta.config_toml, manifest, meta.optimizer_steps);
+        const std::vector<std::string> changed = changed_on_resume(cfg, meta.config_toml, manifest, meta.optimizer_steps, meta.step);
         if (!changed.empty() && !opt.new_hparams)
           throw Error(fmt::format(
               "{}: this run would train otherwise than the run it resumes: {}. --resume continues that run: give its "
@@ -974,7 +982,8 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
                rank, mine < 0 ? "no checkpoint" : fmt::format("the checkpoint of step {}", mine), cfg.out_dir,
                step0 < 0 ? "none" : fmt::format("the one of step {}", step0));
     if (ckpt.empty()) {
-      say(fmt::format("resume: no checkpoint in {}, starting from step 0", cfg.out_dir));
+      // (Said on stderr: a mistyped train.out_dir starts a whole new run.)
+      warn(fmt::format("resume: no checkpoint in {}, starting from step 0", cfg.out_dir));
     } else {
       CheckpointReader reader(ckpt, /*verify=*/false);  // verified whole by resume_checkpoint
       if (mc.kept_tokens) prepare_pruned_embedding(reader, ckpt, mc, cfg, lead, pool), pruned_start = true;
@@ -984,11 +993,16 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
       start_updates = meta.optimizer_steps;
       if (lead) truncate_metrics(metrics_path, start_step);
       say(fmt::format("resumed from {} (step {})", ckpt, start_step));
+      if (start_step == cfg.steps)
+        warn(fmt::format("resume: {} is at train.steps = {} already: no step to train (raise train.steps, with "
+                         "--optim.decay_steps {} to keep the schedule)",
+                         ckpt, cfg.steps, cfg.decay_end()));
     }
   }
   if (mc.kept_tokens && !pruned_start)
     throw Error(fmt::format("{}: model.prune_embedding fine-tunes a checkpoint: put one in train.out_dir {} (`loom "
-                            "convert`, or a run's) and pass --resume",
+                            "convert`, or a run's) and pass --resume (with --new-hparams where the fine-tune's "
+                            "schedule or batch differs from that run's)",
                             where, cfg.out_dir));
   if (lead && start_step == 0 && fs::exists(metrics_path)) fs::remove(metrics_path);
   world.barrier();  // rank 0 has prepared the output directory

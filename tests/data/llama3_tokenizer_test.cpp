@@ -201,6 +201,18 @@ TEST(TokenizerJson, AddedTokensAndThePostProcessorsTemplate) {
   EXPECT_EQ(back.encode("ab<tag>c"), t.encode("ab<tag>c"));
   EXPECT_EQ(back.template_prefix(), t.template_prefix());
   EXPECT_EQ(back.template_suffix(), t.template_suffix());
+  // An added token that is not special stays in the saved model.vocab (Hugging Face's BPE refuses
+  // merges into a token missing from it).
+  const auto saved = nlohmann::json::parse(std::ifstream(s.p / "tokenizer.json"));
+  EXPECT_EQ(saved["model"]["vocab"].value("<tag>", -1), 262) << saved["model"]["vocab"].dump().substr(0, 200);
+  EXPECT_FALSE(saved["model"]["vocab"].contains("<|bos|>"));
+  // RoBERTa's post-processor: cls $A sep.
+  auto r = tiny_json(false);
+  r["added_tokens"].push_back({{"id", 262}, {"content", "<s>"}, {"special", true}});
+  r["post_processor"] = {{"type", "RobertaProcessing"}, {"cls", {"<s>", 262}}, {"sep", {"<|eot|>", 261}}};
+  const Tokenizer roberta = Tokenizer::from_tokenizer_json(write_json(d.p, r));
+  EXPECT_EQ(roberta.template_prefix(), std::vector<int32_t>{262});
+  EXPECT_EQ(roberta.template_suffix(), std::vector<int32_t>{261});
   // GPT-2's files (a vocabulary made by training) name their end of text.
   j = tiny_json(false);
   j["added_tokens"][0]["content"] = "<|end_of_text|>";
@@ -283,8 +295,10 @@ TEST(TokenizerJson, BadFilesNameTheField) {
     expect_error(j, fmt::format("token \"<|eot|>\" (id 261): {} is true", flag));
   }
   j = tiny_json(true);
-  j["post_processor"] = {{"type", "RobertaProcessing"}};
-  expect_error(j, "field 'post_processor' is {\"type\":\"RobertaProcessing\"}");
+  j["post_processor"] = {{"type", "PostProcessorX"}};
+  expect_error(j, "field 'post_processor' is {\"type\":\"PostProcessorX\"}");
+  j["post_processor"] = {{"type", "RobertaProcessing"}, {"cls", {"<s>", 0}}, {"sep", {"<|eot|>", 261}}};
+  expect_error(j, "field 'post_processor.cls' is [\"<s>\",0]: a [token, id] pair of the vocabulary");
   j = tiny_json(true);
   j["post_processor"] = {{"type", "TemplateProcessing"},
                          {"single", {{{"SpecialToken", {{"id", "<s>"}}}}, {{"Sequence", {{"id", "A"}}}}}},

@@ -61,11 +61,17 @@ TEST(HfCli, ConvertGenerateAndErrors) {
   ASSERT_EQ(recomputed.code, 0) << recomputed.err;
   EXPECT_EQ(cached.out, recomputed.out);
   EXPECT_EQ(cached.out.rfind("5 17 200 |", 0), 0u) << cached.out;
+  // Temperature 0 is greedy: top-k 1 whatever --top-k and the seed say.
+  const CliRun greedy = loom_cli("generate '" + run + "' --ids --prompt '5 17' --tokens 6 --temperature 0 --seed 3", d.p);
+  const CliRun top1 = loom_cli("generate '" + run + "' --ids --prompt '5 17' --tokens 6 --top-k 1 --seed 9", d.p);
+  ASSERT_EQ(greedy.code, 0) << greedy.err;
+  EXPECT_EQ(greedy.out, top1.out);
   // Flags out of range are refused naming the flag: an infinite temperature (it sampled), a
   // negative seed (it wrapped to 2^64 - 1) and one past 2^64 - 1; the largest seed is taken.
   for (const auto& [flags, why] : std::vector<std::pair<std::string, std::string>>{
-           {"--temperature inf", "--temperature must be a positive finite number, got inf"},
-           {"--temperature nan", "--temperature must be a positive finite number, got nan"},
+           {"--temperature inf", "--temperature must be a finite number >= 0 (0: greedy), got inf"},
+           {"--temperature nan", "--temperature must be a finite number >= 0 (0: greedy), got nan"},
+           {"--temperature -1", "--temperature must be a finite number >= 0 (0: greedy), got -1"},
            {"--seed -1", "--seed: must be a whole number from 0 to 18446744073709551615, got -1"},
            {"--seed 18446744073709551616", "--seed: must be a whole number"},
            {"--stop-id 99999", "--stop-id 99999 is outside the model's vocabulary"},

@@ -238,6 +238,8 @@ TEST(HfLlama, BadFilesNameTheFileAndTensor) {
   expect_config_error(", \"rope_parameters\": {\"rope_type\": \"linear\", \"rope_theta\": 10000, \"factor\": 2}",
                       "field 'rope_parameters' has rope_type \"linear\"");
   expect_config_error(", \"partial_rotary_factor\": 0.5", "field 'partial_rotary_factor' is 0.5");
+  expect_config_error(", \"rope_parameters\": {\"rope_type\": \"default\", \"rope_theta\": 10000, \"partial_rotary_factor\": 0.5}",
+                      "field 'rope_parameters.partial_rotary_factor' is 0.5");
   expect_config_error(", \"quantization_config\": {\"quant_method\": \"bitsandbytes\"}", "field 'quantization_config'");
   // What transformers reads as loom's model: 5's rope_parameters (theta and a llama3 scaling, the
   // original context as a float), "swish", a default rope_type, pretraining_tp > 1.

@@ -53,22 +53,22 @@ TEST(LrSchedule, ChangesOnResumeAreFound) {
   then.steps = 10;
   then.warmup_steps = 100;  // the whole run inside the warm-up
   const std::string text = config_to_toml(then);
-  EXPECT_TRUE(changed_on_resume(then, text, "m.json", 4).empty());
+  EXPECT_TRUE(changed_on_resume(then, text, "m.json", 4, 4).empty());
   TrainConfig now = then;
   now.steps = 20;  // the decay ends later, but every update of both runs is in the warm-up
-  EXPECT_TRUE(changed_on_resume(now, text, "m.json", 4).empty());
+  EXPECT_TRUE(changed_on_resume(now, text, "m.json", 4, 4).empty());
   then.warmup_steps = now.warmup_steps = 2;
   const std::string text2 = config_to_toml(then);
-  std::vector<std::string> d = changed_on_resume(now, text2, "m.json", 4);
+  std::vector<std::string> d = changed_on_resume(now, text2, "m.json", 4, 4);
   ASSERT_EQ(d.size(), 1u);
   EXPECT_NE(d[0].find("the learning-rate schedule: update 5 at"), std::string::npos) << d[0];
   EXPECT_NE(d[0].find("a decay ending at step 20 (optim.decay_steps, else train.steps; the checkpoint's 10)"),
             std::string::npos) << d[0];
   now.decay_steps = 10;  // training on past the checkpoint's decay at its final rate
-  EXPECT_TRUE(changed_on_resume(now, text2, "m.json", 4).empty());
+  EXPECT_TRUE(changed_on_resume(now, text2, "m.json", 4, 4).empty());
   now.weight_decay = 0.f;
   now.batch_size = 16;
-  d = changed_on_resume(now, text2, "m.json", 4);
+  d = changed_on_resume(now, text2, "m.json", 4, 4);
   ASSERT_EQ(d.size(), 2u);
   EXPECT_EQ(d[0], "optim.weight_decay 0 (the checkpoint's 0.1)");
   EXPECT_EQ(d[1], "train.batch_size 16 (the checkpoint's 8)");
@@ -78,8 +78,8 @@ TEST(LrSchedule, ChangesOnResumeAreFound) {
   ASSERT_NE(at, std::string::npos) << old;
   old.replace(at, 11, "min_lr = 6e-05");
   TrainConfig same = then;
-  EXPECT_TRUE(changed_on_resume(same, old, "m.json", 4).empty());
-  EXPECT_THROW(changed_on_resume(same, "[optim\n", "m.json", 4), loom::Error);
+  EXPECT_TRUE(changed_on_resume(same, old, "m.json", 4, 4).empty());
+  EXPECT_THROW(changed_on_resume(same, "[optim\n", "m.json", 4, 4), loom::Error);
 }
 
 TEST(Plot, WritesAPng) {

@@ -96,24 +96,24 @@ void OpCosts::validate() const {
 }
 
 void ScheduleSpec::validate() const {
-  LOOM_CHECK(stages >= 1, "pipeline schedule: stages (p) must be >= 1, got {}", stages);
-  LOOM_CHECK(micro_batches >= 1, "pipeline schedule: micro_batches (m) must be >= 1, got {}", micro_batches);
-  LOOM_CHECK(virtual_stages >= 1, "pipeline schedule: virtual_stages (v) must be >= 1, got {}", virtual_stages);
+  LOOM_REQUIRE(stages >= 1, "pipeline schedule: stages (p) must be >= 1, got {}", stages);
+  LOOM_REQUIRE(micro_batches >= 1, "pipeline schedule: micro_batches (m) must be >= 1, got {}", micro_batches);
+  LOOM_REQUIRE(virtual_stages >= 1, "pipeline schedule: virtual_stages (v) must be >= 1, got {}", virtual_stages);
   if (kind == Kind::interleaved) {
-    LOOM_CHECK(virtual_stages > 1, "pipeline schedule: interleaved needs virtual_stages (v) > 1, got {}",
+    LOOM_REQUIRE(virtual_stages > 1, "pipeline schedule: interleaved needs virtual_stages (v) > 1, got {}",
                virtual_stages);
-    LOOM_CHECK(stages > 1, "pipeline schedule: interleaved needs stages (p) > 1, got {}", stages);
-    LOOM_CHECK(micro_batches % stages == 0,
+    LOOM_REQUIRE(stages > 1, "pipeline schedule: interleaved needs stages (p) > 1, got {}", stages);
+    LOOM_REQUIRE(micro_batches % stages == 0,
                "pipeline schedule: interleaved needs micro_batches (m = {}) divisible by stages (p = {})",
                micro_batches, stages);
   } else {
-    LOOM_CHECK(virtual_stages == 1, "pipeline schedule: {} needs virtual_stages (v) = 1, got {} (only interleaved "
+    LOOM_REQUIRE(virtual_stages == 1, "pipeline schedule: {} needs virtual_stages (v) = 1, got {} (only interleaved "
                "uses more than one chunk per rank)", kind_name(kind), virtual_stages);
   }
-  LOOM_CHECK(micro_batches <= 4096 && stages <= 4096 && virtual_stages <= 4096,
+  LOOM_REQUIRE(micro_batches <= 4096 && stages <= 4096 && virtual_stages <= 4096,
              "pipeline schedule: p = {}, v = {} or m = {} is too large (at most 4096 each)", stages, virtual_stages,
              micro_batches);
-  LOOM_CHECK(int64_t(stages) * virtual_stages * micro_batches <= (int64_t(1) << 24),
+  LOOM_REQUIRE(int64_t(stages) * virtual_stages * micro_batches <= (int64_t(1) << 24),
              "pipeline schedule: p x v x m = {} x {} x {} is too large (at most 2^24 chunks of micro-batches)", stages,
              virtual_stages, micro_batches);
 }
