@@ -31,6 +31,9 @@ std::string checkpoint_tokenizer_dir(const std::string& ckpt, const std::string&
                               (fs::path(ckpt) / "manifest.json").string(), e.description()));
     }
   }
+  // A converted model's: `loom convert --from hf` copies its tokenizer into the run directory.
+  const fs::path run = fs::path(ckpt).parent_path();
+  if (!run.empty() && data::Tokenizer::dir_has_tokenizer(run.string())) return run.string();
   throw Error(fmt::format("{}: no tokenizer found beside the training data; pass --tokenizer DIR (generate also takes "
                           "--ids to give and print token ids, eval --tokens for a file of them)",
                           ckpt));

@@ -1,5 +1,6 @@
 // The tokenizer of a checkpoint, for the commands that read or write text with it (generate, eval):
-// --tokenizer DIR, else the data.tokenizer / data.dir of the training config in the manifest,
+// --tokenizer DIR, else the data.tokenizer / data.dir of the training config in the manifest, else
+// the run directory holding the checkpoint (where `loom convert --from hf` copies a model's),
 // checked against the vocabulary fingerprint the checkpoint was trained with.
 #pragma once
 #include <string>

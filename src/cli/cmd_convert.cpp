@@ -8,8 +8,10 @@
 #include <memory>
 #include <set>
 
+#include "cli/checkpoint_tokenizer.h"
 #include "cli/command.h"
 #include "core/error.h"
+#include "core/file.h"
 #include "core/memory.h"
 #include "train/checkpoint_io.h"
 #include "model/gpt.h"
@@ -106,6 +108,52 @@ void refuse_held_model(const std::string& out) {
                           out, names));
 }
 
+// The tokenizer beside a Hugging Face model (tokenizer.json, or vocab.json + merges.txt) into the
+// converted run's directory, where generate and eval find it: only one loom reads and whose
+// vocabulary fits the model; otherwise said, and the run takes --tokenizer.
+void copy_model_tokenizer(const std::string& from, const std::string& run, int64_t vocab) {
+  if (from.empty() || !data::Tokenizer::dir_has_tokenizer(from)) return;
+  try {
+    const data::Tokenizer tok = data::Tokenizer::from_dir(from);
+    if (tok.vocab_size() > vocab)
+      throw Error(fmt::format("{} tokens, more than the model's vocabulary of {}", tok.vocab_size(), vocab));
+  } catch (const Error& e) {
+    std::printf("  tokenizer beside the model not copied (%s); give generate and eval --tokenizer\n", e.what());
+    return;
+  }
+  for (const std::string& f : data::Tokenizer::files_in_dir(from)) {
+    const fs::path to = fs::path(run) / fs::path(f).filename();
+    write_file_atomically(to.string(), read_file(f));
+    std::printf("  tokenizer: %s\n", to.string().c_str());
+  }
+}
+
+// A checkpoint's tokenizer into an export for Hugging Face: tokenizer.json as it is; GPT-2's
+// encoder.json + vocab.bpe as vocab.json + merges.txt (the same formats under the names
+// transformers' GPT2Tokenizer reads).
+void export_tokenizer(const std::string& ckpt, const std::string& out) {
+  std::string dir;
+  try {
+    dir = checkpoint_tokenizer_dir(ckpt, "");
+    (void)checkpoint_tokenizer(ckpt, dir);  // (the vocabulary the checkpoint was trained with)
+  } catch (const Error&) {
+    std::printf("  no tokenizer of the checkpoint found: config.json and the weights only\n");
+    return;
+  }
+  for (const std::string& f : data::Tokenizer::files_in_dir(dir)) {
+    std::string name = fs::path(f).filename().string();
+    if (name == "encoder.json") name = "vocab.json";
+    if (name == "vocab.bpe") name = "merges.txt";
+    const fs::path to = fs::path(out) / name;
+    if (fs::exists(to)) {  // (a file the user put there is kept)
+      std::printf("  tokenizer: %s kept as it was\n", to.string().c_str());
+      continue;
+    }
+    write_file_atomically(to.string(), read_file(f));
+    std::printf("  tokenizer: %s\n", to.string().c_str());
+  }
+}
+
 int run_convert(const ConvertArgs& a) {
   MemoryPool pool("cpu:0");
   if (a.from == "hf" && a.to == "loom") {
@@ -131,6 +179,7 @@ int run_convert(const ConvertArgs& a) {
     const std::string ckpt = model::save_initial_checkpoint(gpt, a.out, a.seed);
     std::printf("%s: %s, %.2fM parameters (seed %llu for loom train --resume)\n", ckpt.c_str(), cfg.str().c_str(),
                 double(gpt.num_parameters()) / 1e6, static_cast<unsigned long long>(a.seed));
+    copy_model_tokenizer(fs::path(config).parent_path().string(), a.out, cfg.vocab_size);
     return 0;
   }
   if (a.from == "loom" && a.to == "hf") {
@@ -155,6 +204,7 @@ int run_convert(const ConvertArgs& a) {
     std::printf("%s: %s + config.json from %s (%s)\n", a.out.c_str(),
                 files == 1 ? "model.safetensors" : fmt::format("{} shards + model.safetensors.index.json", files).c_str(),
                 ckpt.c_str(), cfg.str().c_str());
+    export_tokenizer(ckpt, a.out);
     return 0;
   }
   throw Error(fmt::format("command line: cannot convert --from {} --to {} (supported: hf -> loom, loom -> hf)",

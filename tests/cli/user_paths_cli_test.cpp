@@ -109,3 +109,38 @@ TEST(UserPathsCli, CommandsWorkWithTheirOwnDefaults) {
   EXPECT_EQ(bench.code, 0) << bench.err;
   EXPECT_NE(bench.out.find("batch 4 x seq 256"), std::string::npos) << bench.out;
 }
+
+// A model's tokenizer travels with it: convert --to hf writes the checkpoint's (GPT-2's files
+// under the names transformers reads, vocab.json + merges.txt) beside config.json, and convert
+// --from hf copies the model's into the run directory, where generate finds it.
+TEST(UserPathsCli, ConvertCarriesTheTokenizer) {
+  LOOM_REQUIRE_LOOM();
+  TrainScratch s("loom_user_tokenizer");
+  {
+    std::ofstream f(s.root / "text.txt");
+    for (int i = 0; i < 4000; ++i) f << (i % 3 ? "the river " : "a stone ") << (i % 7 ? "runs. " : "sleeps.\n");
+  }
+  const CliRun prep = loom_cli(fmt::format("prepare '{}' --out '{}' --vocab-size 300", (s.root / "text.txt").string(),
+                                           (s.root / "words").string()),
+                               s.root / "logs");
+  ASSERT_EQ(prep.code, 0) << prep.err;
+  const CliRun run = loom_cli(fmt::format("train --data.dir '{}' --train.out_dir '{}' {} --train.steps 1",
+                                          (s.root / "words").string(), (s.root / "run").string(), kTiny),
+                              s.root / "logs");
+  ASSERT_EQ(run.code, 0) << run.err;
+  const CliRun out = loom_cli(fmt::format("convert --from loom --to hf '{}' '{}'", (s.root / "run").string(),
+                                          (s.root / "hf").string()),
+                              s.root / "logs");
+  ASSERT_EQ(out.code, 0) << out.err;
+  EXPECT_TRUE(fs::exists(s.root / "hf" / "vocab.json") && fs::exists(s.root / "hf" / "merges.txt")) << out.out;
+  const CliRun in = loom_cli(fmt::format("convert --from hf --to loom '{}' '{}'", (s.root / "hf").string(),
+                                         (s.root / "back").string()),
+                             s.root / "logs");
+  ASSERT_EQ(in.code, 0) << in.err;
+  EXPECT_TRUE(fs::exists(s.root / "back" / "vocab.json")) << in.out;
+  const CliRun gen = loom_cli(fmt::format("generate '{}' --prompt 'the river' --tokens 3 --quiet",
+                                          (s.root / "back").string()),
+                              s.root / "logs");
+  EXPECT_EQ(gen.code, 0) << gen.err;
+  EXPECT_EQ(gen.out.rfind("the river", 0), 0u) << gen.out;
+}
