@@ -53,6 +53,9 @@ if [[ $kind == address ]]; then
   exec ctest -LE "long|torch" -j"$jobs" --timeout 3600 --output-on-failure "$@"
 fi
 export OMP_NUM_THREADS=1
+# (OMP_THREAD_LIMIT also holds the loom processes the tests start with --train.threads N to one
+# OpenMP thread: omp_set_num_threads cannot go past it.)
+export OMP_THREAD_LIMIT=1
 export TSAN_OPTIONS="suppressions=$sup/tsan.supp history_size=4 second_deadlock_stack=1 ${TSAN_OPTIONS:-}"
 failed=()
 for t in test_comm test_parallel test_parallel_data test_parallel_tensor test_parallel_pipeline \

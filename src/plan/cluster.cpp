@@ -177,7 +177,7 @@ std::string cluster_for_gpu(const std::string& gpu_name) {
 Cluster cluster_named(const std::string& name) {
   if (std::filesystem::exists(name) && !std::filesystem::is_directory(name)) return read_cluster(name);
   Cluster c = builtin(name);
-  if (name == "cpu")  // this host's measured rates, where `loom calibrate` has run
+  if (name == "cpu") {  // this host's measured rates, where `loom calibrate` has run
     if (const auto p = cached_profile(omp_get_max_threads())) {
       c.device.name = fmt::format("{} ({} threads, calibrated {})", p->cpu, p->threads, p->date);
       c.cores = p->threads;
@@ -200,6 +200,7 @@ Cluster cluster_named(const std::string& name) {
     } else {
       c.device.name = "cpu (uncalibrated defaults: run `loom calibrate` for this host's rates)";
     }
+  }
   return c;
 }
 
