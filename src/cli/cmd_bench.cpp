@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cli/bench_dp.h"
+#include "core/threads.h"
 #include "cli/command.h"
 #include "core/memory.h"
 #include "core/rng.h"
@@ -63,7 +64,7 @@ int bench_train(const BenchTrainOptions& o) {
     throw Error(fmt::format("bench train: --gemm-seconds must be from 0.01 to 60, got {}", o.gemm_seconds));
   if (o.precision != "f32" && o.precision != "bf16")
     throw Error(fmt::format("bench train: --precision must be f32 or bf16, got '{}'", o.precision));
-  if (o.threads > 0) omp_set_num_threads(o.threads);
+  if (o.threads > 0) set_omp_threads(o.threads);
   const int threads = omp_get_max_threads();
   const int64_t B = o.batch, T = o.seq, C = cfg.n_embd, L = cfg.n_layer, V = cfg.vocab_size;
 

@@ -8,6 +8,7 @@
 
 #include "cli/command.h"
 #include "core/error.h"
+#include "core/threads.h"
 #include "train/config.h"
 
 namespace loom::cli {
@@ -21,6 +22,8 @@ int main(int argc, char** argv) {
   // A write past the file-size limit (ulimit -f) then fails with EFBIG, which loom reports with the
   // file, instead of the signal ending the process mid-write.
   std::signal(SIGXFSZ, SIG_IGN);
+  // Parallel regions of exactly the threads asked for (core/threads.h: oneDNN relies on it).
+  loom::settle_omp_threads();
   CLI::App app{"loom: train transformer language models on CPUs and GPUs"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "loom 0.1.0");

@@ -1,4 +1,5 @@
 #include "comm/threads.h"
+#include "core/threads.h"
 
 #include <omp.h>
 
@@ -802,7 +803,7 @@ void run_ranks(int n, const std::function<void(Comm&)>& fn, const RunOptions& op
   std::vector<std::unique_ptr<Comm>> comms(static_cast<size_t>(n));
   for (int r = 0; r < n; ++r) comms[size_t(r)] = world.comm(r);
   auto body = [&](int r) {
-    omp_set_num_threads(per_rank);
+    set_omp_threads(per_rank);
     try {
       fn(*comms[size_t(r)]);
     } catch (const std::exception& e) {

@@ -1,4 +1,5 @@
 #include "plan/calibration.h"
+#include "core/threads.h"
 
 #include <omp.h>
 #include <pthread.h>
@@ -603,7 +604,7 @@ HostProfile calibrate_host(int threads, double seconds) {
   p.source = "loom calibrate";
   p.date = today();
   const int before = omp_get_max_threads();
-  omp_set_num_threads(threads);
+  set_omp_threads(threads);
   // A transformer layer's products at 2048 tokens: qkv, attention output, MLP up and down.
   std::vector<double> rates;
   for (int64_t C : {512, 768, 1024, 2048}) {
@@ -641,7 +642,7 @@ HostProfile calibrate_host(int threads, double seconds) {
   }
   p.kernels = measure_kernels(seconds);
   p.linear = measure_linear(seconds);
-  omp_set_num_threads(before);
+  set_omp_threads(before);
   p.blocks = measure_blocks(threads, seconds);
   // The threads backend between two ranks: latency of 1 KiB all-reduces, bandwidth of 32 MiB ones.
   {

@@ -1,4 +1,5 @@
 #include "train/run_util.h"
+#include "core/threads.h"
 
 #include <chrono>
 #include <thread>
@@ -52,7 +53,7 @@ TrainResult run_mpi_rank(const TrainConfig& cfg, const std::string& where, int w
     // train.threads = 0: the host's cores shared among the job's processes on it, as the threads
     // backend shares them among its rank threads (each process taking them all would oversubscribe
     // the cores, and OpenMP's spinning barriers then stall every parallel region).
-    omp_set_num_threads(cfg.threads > 0 ? int(cfg.threads) : std::max(1, omp_get_max_threads() / session.local_size()));
+    set_omp_threads(cfg.threads > 0 ? int(cfg.threads) : std::max(1, omp_get_max_threads() / session.local_size()));
     world = comm::mpi_world(co);
   } catch (const std::exception& e) {
     comm::mpi_abort(fmt::format("loom: rank {} of {} failed: {}", session.rank(), session.size(), e.what()));

@@ -1,4 +1,5 @@
 #include "train/trainer.h"
+#include "core/threads.h"
 #include "core/file.h"
 #include "train/engine.h"
 #include "train/run_util.h"
@@ -1239,7 +1240,7 @@ TrainResult run_training(const TrainConfig& cfg, const TrainOptions& opt) {
   const int total_threads = cfg.threads > 0 ? int(cfg.threads) : omp_get_max_threads();
   const int per_rank = std::max(1, total_threads / world);
   if (world == 1) {
-    omp_set_num_threads(per_rank);
+    set_omp_threads(per_rank);
     comm::ThreadWorld one(1, co);
     auto c = one.comm(0);
     return train_rank(cfg, opt, *c, fault, [](int, const std::string&) {});
@@ -1251,7 +1252,7 @@ TrainResult run_training(const TrainConfig& cfg, const TrainOptions& opt) {
       [&](int r) {
         try {
           auto c = tw.comm(r);
-          omp_set_num_threads(per_rank);
+          set_omp_threads(per_rank);
           results[size_t(r)] =
               train_rank(cfg, opt, *c, fault, [&](int who, const std::string& what) { tw.fail(who, what); });
         } catch (const std::exception& e) {

@@ -144,3 +144,23 @@ TEST(UserPathsCli, ConvertCarriesTheTokenizer) {
   EXPECT_EQ(gen.code, 0) << gen.err;
   EXPECT_EQ(gen.out.rfind("the river", 0), 0u) << gen.out;
 }
+
+// An OpenMP runtime that would give a region fewer threads than asked (OMP_THREAD_LIMIT under
+// train.threads, OMP_DYNAMIC): loom asks for what it gets, and trains as with one thread. oneDNN
+// had split its GEMMs over the threads promised and skipped the parts of those never started (a
+// gradient norm of 121885 for 1.39, silently).
+TEST(UserPathsCli, ThreadLimitsOfTheOpenMpRuntimeGiveTheSameRun) {
+  LOOM_REQUIRE_LOOM();
+  TrainScratch s("loom_user_omp");
+  const std::string args = "--model.n_layer 2 --model.n_head 2 --model.n_embd 32 --data.seq_len 16 --train.batch_size 8 "
+                           "--train.grad_accum 2 --train.steps 2 --train.eval_every 0 --train.sample_tokens 0 --quiet";
+  ASSERT_EQ(s.train("one", args + " --train.threads 1").code, 0);
+  for (const char* env : {"OMP_THREAD_LIMIT=1", "OMP_DYNAMIC=true"}) {
+    const std::string out = std::string("limited_") + (env[4] == 'T' ? "t" : "d");
+    const CliRun r = s.train(out, args + " --train.threads 2", env);
+    ASSERT_EQ(r.code, 0) << env << ": " << r.err;
+    for (const char* key : {"loss", "grad_norm"})
+      EXPECT_EQ(read_metrics(s.root / out / "metrics.jsonl", key), read_metrics(s.root / "one" / "metrics.jsonl", key))
+          << env << " " << key;
+  }
+}
