@@ -110,7 +110,7 @@ make_corpus() {
   local corpus=$1
   mkdir -p "$corpus"
   cat "$root"/README.md "$root"/bench/README.md "$root"/src/*/*.h "$root"/src/*/*/*.h > "$corpus/text.txt"
-  env_run loom prepare "$corpus/text.txt" --out "$corpus/data" --vocab-size 512
+  env_run loom prepare "$corpus/text.txt" --out "$corpus/data" --vocab-size 512 --overwrite
 }
 step_loom() {
   local corpus="$out/corpus"

@@ -26,6 +26,7 @@ struct PrepareArgs {
   int64_t vocab_size = 4096;
   double val_fraction = 0.05;
   int64_t shard_tokens = 100'000'000;
+  bool overwrite = false;
 };
 
 // Writes the shards of one split into dir; their names.
@@ -80,7 +81,19 @@ Registrar reg{Command{
       // (At least 2^16: a shard is a file fsynced on its own; smaller ones only make many files.)
       sub.add_option("--shard-tokens", a->shard_tokens, "tokens per shard file (at least 65536)")
           ->check(CLI::Range(int64_t(1) << 16, int64_t(1) << 40));
+      sub.add_flag("--overwrite", a->overwrite, "replace the dataset --out holds (its shards and tokenizer)");
       return [a]() -> int {
+        // Another dataset in --out: the runs trained on it decode with its tokenizer, which a new
+        // vocabulary would replace; only when asked (as loom train replaces a run).
+        if (!a->overwrite && !a->out.empty() && fs::is_directory(a->out)) {
+          std::vector<std::string> held = data::list_shards(a->out, "train");
+          for (const std::string& v : data::list_shards(a->out, "val")) held.push_back(v);
+          if (!held.empty())
+            throw Error(fmt::format("--out {} holds a dataset ({}{}): the runs trained on it read its tokenizer; "
+                                    "--overwrite to replace it, or another --out (nothing was changed)",
+                                    a->out, fs::path(held.front()).filename().string(),
+                                    held.size() > 1 ? fmt::format(" and {} more shards", held.size() - 1) : ""));
+        }
         std::vector<std::string> texts;
         size_t bytes = 0;
         for (const auto& in : a->inputs) {

@@ -149,9 +149,10 @@ TEST(VocabularyCli, CheckpointsRefuseAnotherVocabularyOfTheSameSize) {
   fs::remove_all(root);
 }
 
-// `loom prepare --tokenizer B` into a directory an earlier prepare wrote with vocabulary A leaves B's
-// files there beside B's shards (A's would decode B's ids into other text); a prepare that fails
-// leaves the earlier dataset byte for byte and no staging folder.
+// `loom prepare --tokenizer B` into a directory an earlier prepare wrote with vocabulary A is refused
+// without --overwrite, and with it leaves B's files there beside B's shards (A's would decode B's
+// ids into other text); a prepare that fails leaves the earlier dataset byte for byte and no
+// staging folder.
 TEST(VocabularyCli, PrepareLeavesTheTokenizerOfItsShardsAndKeepsTheDatasetWhenItFails) {
   LOOM_REQUIRE_LOOM();
   const fs::path root = fs::temp_directory_path() / fmt::format("loom_prepare_cli_{}", ::getpid());
@@ -166,8 +167,16 @@ TEST(VocabularyCli, PrepareLeavesTheTokenizerOfItsShardsAndKeepsTheDatasetWhenIt
   ASSERT_EQ(a.code, 0) << a.err;
   ASSERT_NE(data::Tokenizer::from_dir(data.string()).fingerprint(),
             data::Tokenizer::from_dir(tok_b.string()).fingerprint());
-  CliRun again = prepare(fmt::format("'{}' --out '{}' --tokenizer '{}'", (root / "text0.txt").string(), data.string(),
-                                     tok_b.string()));
+  // Another dataset in --out only with --overwrite (runs trained on it read its tokenizer).
+  const std::string a_print = data::Tokenizer::from_dir(data.string()).fingerprint();
+  CliRun held = prepare(fmt::format("'{}' --out '{}' --tokenizer '{}'", (root / "text0.txt").string(), data.string(),
+                                    tok_b.string()));
+  EXPECT_NE(held.code, 0);
+  EXPECT_NE(held.err.find("--out " + data.string() + " holds a dataset (train_000.bin and 1 more shards)"), std::string::npos)
+      << held.err;
+  EXPECT_EQ(data::Tokenizer::from_dir(data.string()).fingerprint(), a_print);
+  CliRun again = prepare(fmt::format("'{}' --out '{}' --tokenizer '{}' --overwrite", (root / "text0.txt").string(),
+                                     data.string(), tok_b.string()));
   ASSERT_EQ(again.code, 0) << again.err;
   EXPECT_EQ(data::Tokenizer::from_dir(data.string()).fingerprint(),
             data::Tokenizer::from_dir(tok_b.string()).fingerprint());
@@ -179,8 +188,8 @@ TEST(VocabularyCli, PrepareLeavesTheTokenizerOfItsShardsAndKeepsTheDatasetWhenIt
   for (const auto& e : fs::directory_iterator(data)) before[e.path().filename().string()] = bytes(e.path());
   // A tokenizer folder that holds no tokenizer: refused, the dataset kept.
   fs::create_directories(root / "empty");
-  CliRun bad = prepare(fmt::format("'{}' --out '{}' --tokenizer '{}'", (root / "text1.txt").string(), data.string(),
-                                   (root / "empty").string()));
+  CliRun bad = prepare(fmt::format("'{}' --out '{}' --tokenizer '{}' --overwrite", (root / "text1.txt").string(),
+                                   data.string(), (root / "empty").string()));
   EXPECT_NE(bad.code, 0);
   EXPECT_NE(bad.err.find("nothing in --out " + data.string() + " was changed"), std::string::npos) << bad.err;
   std::map<std::string, std::string> after;
