@@ -191,7 +191,8 @@ Registrar reg{Command{
       sub.add_option("--tokenizer", a->tokenizer, "directory with the tokenizer (default: the training data's)");
       sub.add_option("--seq", a->seq, "predicted tokens per window (default: the model's block_size)")
           ->check(CLI::Range(int64_t(1), int64_t(1) << 40));
-      sub.add_option("--batch", a->batch, "windows per forward pass");
+      sub.add_option("--batch", a->batch, "windows per forward pass")
+          ->capture_default_str();
       sub.add_option("--device", a->device,
                      "cpu (f32), cuda (bf16; a build with CUDA) or emu (bf16 on the emulated device, for testing)")
           ->check(CLI::IsMember({"cpu", "cuda", "emu"}));

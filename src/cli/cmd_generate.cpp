@@ -127,9 +127,11 @@ Registrar reg{Command{
       sub.add_option("--temperature", a->temperature, "sampling temperature (0: greedy, the most likely token)")
           ->capture_default_str();
       sub.add_option("--top-k", a->top_k, "sample among the k most likely tokens (0: all)")->capture_default_str();
-      sub.add_option("--seed", a->seed, "seed of the draws (same seed, same text)")->transform(seed_validator());
+      sub.add_option("--seed", a->seed, "seed of the draws (same seed, same text)")->transform(seed_validator())
+          ->capture_default_str();
       sub.add_option("--tokenizer", a->tokenizer, "directory with the tokenizer (default: the training data's)");
-      sub.add_option("--stop-id", a->stop_id, "stop after this token id (-1: never)");
+      sub.add_option("--stop-id", a->stop_id, "stop after this token id (-1: never)")
+          ->capture_default_str();
       sub.add_flag("--ids", a->ids, "the prompt and the output are token ids");
       sub.add_flag("--no-cache", a->no_cache, "recompute the whole window for every token (for comparison)");
       sub.add_flag("--quiet", a->quiet, "no timing line on stderr");

@@ -75,12 +75,15 @@ Registrar reg{Command{
       sub.add_option("--out", a->out, "output directory for shards (and the trained vocabulary)")->required();
       sub.add_option("--tokenizer", a->tokenizer, "directory with encoder.json + vocab.bpe or tokenizer.json to use as is (e.g. GPT-2's, Llama 3's)");
       sub.add_option("--vocab-size", a->vocab_size, "size of the vocabulary to train when no --tokenizer is given")
-          ->check(CLI::Range(257, 1 << 24));
+          ->check(CLI::Range(257, 1 << 24))
+          ->capture_default_str();
       sub.add_option("--val-fraction", a->val_fraction, "fraction of the tokens (the end of the text) kept for validation")
-          ->check(number_in(0.0, 0.5));
+          ->check(number_in(0.0, 0.5))
+          ->capture_default_str();
       // (At least 2^16: a shard is a file fsynced on its own; smaller ones only make many files.)
       sub.add_option("--shard-tokens", a->shard_tokens, "tokens per shard file (at least 65536)")
-          ->check(CLI::Range(int64_t(1) << 16, int64_t(1) << 40));
+          ->check(CLI::Range(int64_t(1) << 16, int64_t(1) << 40))
+          ->capture_default_str();
       sub.add_flag("--overwrite", a->overwrite, "replace the dataset --out holds (its shards and tokenizer)");
       return [a]() -> int {
         // Another dataset in --out: the runs trained on it decode with its tokenizer, which a new
@@ -128,7 +131,13 @@ Registrar reg{Command{
             for (const auto& t : texts) trainer.add_text(t);
             tok = std::make_unique<data::Tokenizer>(trainer.train());
             tok->save(staged.string());
-            std::printf("trained a byte-level BPE vocabulary of %d tokens on %zu bytes\n", tok->vocab_size(), bytes);
+            std::printf("trained a byte-level BPE vocabulary of %d tokens on %zu bytes%s\n", tok->vocab_size(), bytes,
+                        tok->vocab_size() < a->vocab_size
+                            ? fmt::format(" (fewer than --vocab-size {}: no pair of tokens is left that occurs at "
+                                          "least {} times)",
+                                          a->vocab_size, to.min_frequency)
+                                  .c_str()
+                            : "");
           }
           // A document is an input file: the special tokens the tokenizer's post-processor puts
           // around a text (Llama 3's <|begin_of_text|> before), then its end of text
@@ -143,7 +152,8 @@ Registrar reg{Command{
             return s;
           };
           if (!before.empty() || !after.empty())
-            std::printf("documents (input files): %stext %s\n", names(before).c_str(), names(after).c_str());
+            std::printf("documents (input files): %stext%s\n", names(before).c_str(),
+                        after.empty() ? "" : (" " + names(after).substr(0, names(after).size() - 1)).c_str());
           else if (texts.size() > 1)
             std::fprintf(stderr,
                          "loom: warning: the tokenizer has no end of text (<|endoftext|>, <|end_of_text|> or </s> "
