@@ -1020,9 +1020,10 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   int64_t num_parameters = 0;
   for (const model::ParamSpec& s : model::gpt_param_specs(mc)) num_parameters += s.numel();
   const std::string precision = cfg.run_precision();
-  say(fmt::format("model {} | {:.2f}M parameters | {} ({}, {} ranks) | {} threads per rank | precision {}{}", mc.str(),
-                  double(num_parameters) / 1e6, engine->describe(), world.backend(), ranks, omp_get_max_threads(),
-                  precision, cfg.device == "cpu" && precision == "bf16" ? " (matmuls; f32 accumulation)" : ""));
+  const int threads = omp_get_max_threads();
+  say(fmt::format("model {} | {:.2f}M parameters | {} ({}, {} rank{}) | {} thread{} per rank | precision {}{}",
+                  mc.str(), double(num_parameters) / 1e6, engine->describe(), world.backend(), ranks,
+                  ranks == 1 ? "" : "s", threads, threads == 1 ? "" : "s", precision, cfg.device == "cpu" && precision == "bf16" ? " (matmuls; f32 accumulation)" : ""));
   const double peak = engine->gemm_peak(world);
   res.last_val_loss = NAN;
   res.unigram_val_loss = lead ? unigram_loss(train, val.get(), mc.vocab_size) : NAN;
