@@ -211,9 +211,10 @@ Registrar reg{Command{
                         job.cluster.per_node, static_cast<long long>(job.model.layers),
                         static_cast<long long>(job.model.seq));
           if (r.least)
-            std::printf("the least any needs is %.2f GB per device (%s): it fits a device of %.2f GB\n",
+            std::printf("the least any needs is %.2f GB per device (%s): it needs a device of at least %.2f GB "
+                        "(%.0f%% of one usable)\n",
                         r.least->memory_total / 1e9, r.least->layout.str().c_str(),
-                        r.least->memory_total / plan::kUsableMemory / 1e9);
+                        r.least->memory_total / plan::kUsableMemory / 1e9, 100 * plan::kUsableMemory);
           return 1;
         }
         std::fputs(plan::format_table(job, r.best).c_str(), stdout);

@@ -163,7 +163,7 @@ TEST(PlanCli, NothingFitsNamesTheLeastDemandingLayout) {
   EXPECT_NE(r.out.find("0 fit"), std::string::npos) << r.out;
   std::smatch m;
   ASSERT_TRUE(std::regex_search(r.out, m, std::regex(R"(the least any needs is ([0-9.]+) GB per device \((\S+)\): )"
-                                                     R"(it fits a device of ([0-9.]+) GB)")))
+                                                     R"(it needs a device of at least ([0-9.]+) GB)")))
       << r.out;
   EXPECT_GT(std::stod(m[1].str()), 80.0) << r.out;  // more than an A100's 80 GB
   EXPECT_NEAR(std::stod(m[3].str()), std::stod(m[1].str()) / loom::plan::kUsableMemory, 0.011) << r.out;
