@@ -755,11 +755,12 @@ std::vector<std::string> changed_on_resume(const TrainConfig& now, const std::st
   // rounding: an older config's optim.min_lr = 6e-05 is the default -1's optim.lr / 10 of 6e-4
   // but for its last bit). A schedule that differs only where no update falls (a decay after a
   // warm-up longer than both runs) is the same schedule.
+  auto close = [](double x, double y) { return std::abs(x - y) <= 1e-6 * std::max(std::abs(x), std::abs(y)); };
   const LrSchedule a{now.lr, now.final_lr(), now.warmup_steps, now.decay_end(), now.lr_schedule},
       b{then.lr, then.final_lr(), then.warmup_steps, then.decay_end(), then.lr_schedule};
   for (int64_t u = from_update; u < from_update + (now.steps - from_step); ++u) {
     const double x = a.at(u), y = b.at(u);
-    if (std::abs(x - y) <= 1e-6 * std::max(std::abs(x), std::abs(y))) continue;
+    if (close(x, y)) continue;
     std::vector<std::string> fields;
     if (now.lr != then.lr) fields.push_back(fmt::format("optim.lr {} (the checkpoint's {})", now.lr, then.lr));
     if (now.lr_schedule != then.lr_schedule)
@@ -767,7 +768,7 @@ std::vector<std::string> changed_on_resume(const TrainConfig& now, const std::st
     if (now.warmup_steps != then.warmup_steps)
       fields.push_back(
           fmt::format("optim.warmup_steps {} (the checkpoint's {})", now.warmup_steps, then.warmup_steps));
-    if (std::abs(double(now.final_lr()) - double(then.final_lr())) > 1e-6 * double(now.final_lr()))
+    if (!close(now.final_lr(), then.final_lr()))
       fields.push_back(fmt::format("a final rate (optim.min_lr) of {:.6g} (the checkpoint's {:.6g})", now.final_lr(),
                                    then.final_lr()));
     if (now.decay_end() != then.decay_end())

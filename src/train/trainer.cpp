@@ -964,7 +964,8 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
       // no run's config).
       if (!meta.config_toml.empty()) {
         const std::string manifest = (fs::path(ckpt) / "manifest.json").string();
-        const std::vector<std::string> changed = changed_on_resume(cfg, meta.config_toml, manifest, meta.optimizer_steps, meta.step);
+        const std::vector<std::string> changed =
+            changed_on_resume(cfg, meta.config_toml, manifest, meta.optimizer_steps, meta.step);
         if (!changed.empty() && !opt.new_hparams)
           throw Error(fmt::format(
               "{}: this run would train otherwise than the run it resumes: {}. --resume continues that run: give its "
@@ -1023,7 +1024,8 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   const int threads = omp_get_max_threads();
   say(fmt::format("model {} | {:.2f}M parameters | {} ({}, {} rank{}) | {} thread{} per rank | precision {}{}",
                   mc.str(), double(num_parameters) / 1e6, engine->describe(), world.backend(), ranks,
-                  ranks == 1 ? "" : "s", threads, threads == 1 ? "" : "s", precision, cfg.device == "cpu" && precision == "bf16" ? " (matmuls; f32 accumulation)" : ""));
+                  ranks == 1 ? "" : "s", threads, threads == 1 ? "" : "s", precision,
+                  cfg.device == "cpu" && precision == "bf16" ? " (matmuls; f32 accumulation)" : ""));
   const double peak = engine->gemm_peak(world);
   res.last_val_loss = NAN;
   res.unigram_val_loss = lead ? unigram_loss(train, val.get(), mc.vocab_size) : NAN;
