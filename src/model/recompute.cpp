@@ -94,9 +94,17 @@ PlanTerms plan_terms(const RecomputePlan& p, const ChainMemory& c) {
 
 }  // namespace
 
+std::vector<std::pair<double, double>> split_peaks(const ChainMemory& c) {
+  if (!c.split_peaks.empty()) return c.split_peaks;
+  return {{c.in_flight, 1.0}};
+}
+
 double plan_peak(const RecomputePlan& p, const ChainMemory& c) {
   const PlanTerms t = plan_terms(p, c);
-  return c.in_flight * t.kept + (c.in_flight - 1) * t.outs + t.worst;
+  if (!c.split_backward) return c.in_flight * t.kept + (c.in_flight - 1) * t.outs + t.worst;
+  double peak = 0;
+  for (const auto& [n, q] : split_peaks(c)) peak = std::max(peak, n * t.kept + (n - q) * t.outs + q * t.worst);
+  return peak;
 }
 
 double plan_kept(const RecomputePlan& p, const ChainMemory& c) {
@@ -152,11 +160,13 @@ struct Segmentations {
 // optimal over L identical blocks (full F, output o bytes each), A = fixed bytes and n micro-batches
 // in flight: the fewest recomputed blocks R, then the least peak over the number of segments S and
 // their lengths, the peak being (plan_peak) n (A + (L - R) F) + (n - 1) S o + the least max over
-// the segments (Segmentations), or R F under a split backward (where one segment is best). One
+// the segments (Segmentations), or under a split backward (where one segment is best) the largest
+// over its (n, q) pairs of n (A + (L - R) F) + (n - q) o + q R F. One
 // micro-batch: the number of segments is free (O(L^3)); more: each S in turn (O(L^4), L a stage's
 // blocks). Where the blocks sit does not matter (they are identical): the recomputed segments take
 // the first R blocks, in chain order.
-RecomputePlan optimal_identical(int64_t L, double F, double o, double fixed, double n, bool split, double budget) {
+RecomputePlan optimal_identical(int64_t L, double F, double o, double fixed, double n, bool split,
+                                const std::vector<std::pair<double, double>>& peaks, double budget) {
   RecomputePlan p;
   p.blocks = L;
   if (n * (fixed + double(L) * F) <= budget) return p;  // nothing to recompute
@@ -172,7 +182,9 @@ RecomputePlan optimal_identical(int64_t L, double F, double o, double fixed, dou
     double best = inf;
     std::vector<int64_t> lengths;
     if (split) {
-      best = kept + (n - 1) * o + double(R) * F, lengths = {R};
+      best = 0, lengths = {R};
+      for (const auto& [nk, q] : peaks)
+        best = std::max(best, nk * (fixed + double(L - R) * F) + (nk - q) * o + q * double(R) * F);
     } else if (any) {
       best = kept + any->least(R), lengths = any->lengths(R);
     } else {
@@ -225,7 +237,7 @@ RecomputePlan plan_recompute(Recompute policy, const ChainMemory& c, int64_t eve
                "recompute: the optimal policy solves chains of identical transformer blocks (block {} differs)", l);
   if (L == 0) return plan_recompute(Recompute::none, c);
   LOOM_CHECK(c.in_flight >= 1, "recompute: {} micro-batches in flight", c.in_flight);
-  return optimal_identical(L, c.full[0], c.out[0], c.fixed, c.in_flight, c.split_backward, budget);
+  return optimal_identical(L, c.full[0], c.out[0], c.fixed, c.in_flight, c.split_backward, split_peaks(c), budget);
 }
 
 }  // namespace loom::model

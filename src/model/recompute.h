@@ -19,8 +19,11 @@
 // share, A + the kept blocks' F_l + every segment's last output, so the peak is
 //   n (A + sum over kept blocks of F_l) + (n - 1) sum over segments t of o_last(t)
 //     + max over segments s of (sum over segments t before s of o_last(t) + sum over blocks of s of F_l)
-// and under a split backward (ChainMemory::split_backward) the last term is the recomputed blocks'
-// F_l, all held from the input-gradient pass to the weight pass.
+// and under a split backward (ChainMemory::split_backward), with q of the n micro-batches past
+// their input-gradient pass (each holding every recomputed block's F_l until its weight pass),
+//   n (A + sum over kept blocks of F_l) + (n - q) sum over segments t of o_last(t)
+//     + q sum over recomputed blocks of F_l
+// at the largest over the schedule's (n, q) pairs.
 //
 // Policies (memory.recompute): none; full (every block a segment of its own: each keeps only its
 // input, Megatron-LM's full recomputation with one layer per group); every-k (segments of k =
@@ -67,10 +70,17 @@ struct ChainMemory {
   double fixed = 0;
   double in_flight = 1;  // micro-batches held at once (a pipeline stage's; 1 for a whole model)
   // A split backward (zero bubble) recomputes a segment in its input-gradient pass and keeps it
-  // for the deferred weight gradients: the micro-batch in backward then holds every recomputed
-  // block's F at once, not one segment's.
+  // for the deferred weight gradients: a micro-batch past its input-gradient pass then holds every
+  // recomputed block's F at once, not one segment's, until its weight pass.
   bool split_backward = false;
+  // Under a split backward, the (micro-batches in flight, micro-batches of them past their
+  // input-gradient pass) pairs at which the stage's holdings can peak, read off its schedule
+  // (ZB-H1 delays rank r's weight passes by r micro-batches); empty: (in_flight, 1).
+  std::vector<std::pair<double, double>> split_peaks;
 };
+
+// The (in flight, past the input-gradient pass) pairs of ChainMemory::split_peaks, or its default.
+std::vector<std::pair<double, double>> split_peaks(const ChainMemory& c);
 
 // The plan of `policy` for the chain (`every` is every-k's k; `budget` the optimal policy's bytes).
 // optimal: the least recompute cost (sum of the recomputed blocks' forward cost) whose plan_peak

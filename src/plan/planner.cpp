@@ -352,16 +352,29 @@ std::map<std::string, double> pipeline_rank_memory(const Job& job, const Layout&
       arena = std::max(arena, bucket_arena(backward_order, 0.0));
     }
     const double held = rank_in_flight.size() == size_t(L.pp) ? double(rank_in_flight[size_t(r)]) : in_flight * L.v;
-    // The activations and received gradients the rank holds at its fullest.
+    // Under zero bubble each micro-batch past its input-gradient pass and before its weight pass
+    // keeps its linear layers' output gradients (workspace) and, under full recomputation, its
+    // blocks' recomputed activations: rank r's last r + 1 at most (ZB-H1 delays its weight passes
+    // by r micro-batches).
+    const double deferred_act =
+        zb && L.recompute == model::Recompute::full ? layers_here * layer_activation_bytes(job, whole) : 0.0;
+    const double deferred_ws = zb ? layers_here * deferred_per_layer + (first ? a * rows * h : 0.0) : 0.0;
+    // The activations, received gradients and deferred passes the rank holds at its fullest.
     double held_act = held / L.v * act_per_mb, held_grad = held / L.v * grad_in;
+    double held_deferred = zb ? std::min(held, double(r + 1)) : 0.0;
     if (sch && sch->p() == L.pp && sch->v() == L.v) {
-      double cur_act = 0, cur_grad = 0, peak = -1;
+      double cur_act = 0, cur_grad = 0, cur_deferred = 0, peak = -1;
       for (const pipe::Instr& in : sch->ranks[size_t(r)]) {
         const bool ends = in.op == pipe::Op::backward || in.op == pipe::Op::backward_weight;
-        if (in.op != pipe::Op::forward && !ends) continue;
-        const double sign = in.op == pipe::Op::forward ? 1.0 : -1.0;
-        cur_act += sign * chunk_act[size_t(in.chunk)], cur_grad += sign * chunk_grad[size_t(in.chunk)];
-        if (cur_act + cur_grad > peak) peak = cur_act + cur_grad, held_act = cur_act, held_grad = cur_grad;
+        if (in.op == pipe::Op::backward_input) cur_deferred += 1;
+        else if (in.op != pipe::Op::forward && !ends) continue;
+        if (in.op == pipe::Op::backward_weight) cur_deferred -= 1;
+        if (in.op != pipe::Op::backward_input) {
+          const double sign = in.op == pipe::Op::forward ? 1.0 : -1.0;
+          cur_act += sign * chunk_act[size_t(in.chunk)], cur_grad += sign * chunk_grad[size_t(in.chunk)];
+        }
+        const double total = cur_act + cur_grad + cur_deferred * (deferred_act + deferred_ws);
+        if (total > peak) peak = total, held_act = cur_act, held_grad = cur_grad, held_deferred = cur_deferred;
       }
     }
     std::map<std::string, double> t;
@@ -380,10 +393,8 @@ std::map<std::string, double> pipeline_rank_memory(const Job& job, const Layout&
                      : params * B.grad;
     t["optimizer"] = params * B.optimizer / (L.zero >= 1 ? shard : 1);
     if (L.offload) offloaded = std::max(offloaded, t["optimizer"]), t["optimizer"] = 0;
-    t["activations"] = held_act +
-                       (zb && L.recompute == model::Recompute::full ? layers_here * layer_activation_bytes(job, whole)
-                                                                     : recompute_extra);
-    t["workspace"] = x.workspace + (zb ? layers_here * deferred_per_layer + (first ? a * rows * h : 0.0) : 0.0);
+    t["activations"] = held_act + (zb ? held_deferred * deferred_act : recompute_extra);
+    t["workspace"] = x.workspace + held_deferred * deferred_ws;
     // The wte gradient exchange runs after the flush, when the activations and the received
     // gradients are gone: it adds to the peak only what it exceeds them by.
     const double exchange = (first || last) ? x.exchange : 0.0;

@@ -566,7 +566,9 @@ PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOp
     if (optimal) {  // (with the received input among what stays outside the blocks)
       cm = I.chunk_memory(ch, opt.micro_batch, T);
       cm.in_flight = in_flight;
-      cm.split_backward = sch_.spec.kind == Kind::zb_h1;
+      cm.split_backward = sch_.split_backward();
+      if (cm.split_backward)
+        for (const auto& [n, q] : split_peaks_of(sch_.ranks[size_t(I.rank)])) cm.split_peaks.push_back({n, q});
     } else {  // (the other policies need the number of blocks only)
       cm.full.assign(size_t(std::max<int64_t>(b1 - b0, 0)), 1.0);
       cm.out.assign(cm.full.size(), 1.0);
@@ -630,10 +632,7 @@ PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOp
                  format_bytes(int64_t(opt.activation_budget)), I.rank, k,
                  unplanned.empty() ? std::string("no plan") : unplanned.back());
     const auto walk = [&](const std::vector<size_t>& pick) {
-      if (I.chunks.size() == 1) {
-        const Option& o = options[0][pick[0]];
-        return (in_flight - 1) * o.kept + o.transient;
-      }
+      if (I.chunks.size() == 1) return model::plan_peak(options[0][pick[0]].plan, mems[0]);
       double cur = 0, peak = 0;
       for (const Instr& in : list) {
         if (in.chunk < 0) continue;

@@ -146,7 +146,7 @@ double ready_time(EndTimes& e, Op op, int vs, int mb) {
   return r;
 }
 
-// Compute order per rank for the fixed-order kinds (virtual stage filled in later).
+// Compute order per rank (virtual stage filled in later).
 std::vector<std::vector<Instr>> fixed_orders(const ScheduleSpec& s) {
   const int p = s.stages, v = s.virtual_stages, m = s.micro_batches;
   std::vector<std::vector<Instr>> out(static_cast<size_t>(p));
@@ -163,9 +163,33 @@ std::vector<std::vector<Instr>> fixed_orders(const ScheduleSpec& s) {
         o.push_back({Op::backward, i, 0, -1});
       }
       for (int i = m - warm; i < m; ++i) o.push_back({Op::backward, i, 0, -1});
+    } else if (s.kind == Kind::zb_h1) {
+      // ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", section 3.1): 1F1B's warm-up
+      // forwards and forward / input-gradient pairs, with rank r's weight passes delayed by r
+      // micro-batches: after each input-gradient pass a weight pass runs only while more than r
+      // are pending, and the last r run at the end, where they fill the cool-down's bubbles. Every
+      // rank then holds up to p micro-batches between forward and weight pass (min(p, m)): rank
+      // 0's 1F1B count, the schedule's peak unchanged; the bubble is about a third of 1F1B's at
+      // equal forward, input and weight costs ((p - 1)(F + B - W) against (p - 1)(F + B + W)).
+      const int warm = std::min(p - r - 1, m);
+      int nb = 0, nw = 0;
+      auto input_grad = [&] {
+        o.push_back({Op::backward_input, nb++, 0, -1});
+        if (nb - nw > r) o.push_back({Op::backward_weight, nw++, 0, -1});
+      };
+      for (int i = 0; i < warm; ++i) o.push_back({Op::forward, i, 0, -1});
+      for (int i = 0; i < m - warm; ++i) {
+        o.push_back({Op::forward, warm + i, 0, -1});
+        input_grad();
+      }
+      while (nb < m) input_grad();
+      while (nw < m) o.push_back({Op::backward_weight, nw++, 0, -1});
     } else {  // interleaved (Megatron's order of virtual micro-batches)
       const int total = m * v;
-      const int warm = m == p ? total : std::min((p - r - 1) * 2 + (v - 1) * p, total);
+      // (Megatron-LM ran every forward first on every rank when m == p; since its 2024 schedule
+      // tables only the ranks this count reaches do, with the same bubble and fewer micro-batches
+      // held on the later ranks.)
+      const int warm = std::min((p - r - 1) * 2 + (v - 1) * p, total);
       auto fwd = [&](int k) {
         return Instr{Op::forward, (k / (p * v)) * p + k % p, (k % (p * v)) / p, -1};
       };
@@ -214,50 +238,6 @@ std::vector<std::vector<Timed>> time_orders(const Schedule& sch, const std::vect
     }
     LOOM_CHECK(progress, "pipeline schedule: the {} compute order for p={} v={} m={} cannot make progress",
                kind_name(sch.spec.kind), p, sch.v(), m);
-  }
-  return out;
-}
-
-// ZB-H1: each rank, whenever free, runs the first ready of: the next input-gradient backward,
-// the next forward (while fewer than p - rank micro-batches hold activations, as 1F1B), the
-// oldest pending weight gradient.
-std::vector<std::vector<Timed>> zb_h1_orders(const Schedule& sch, const OpCosts& c) {
-  const int p = sch.p(), m = sch.m();
-  const double inf = std::numeric_limits<double>::infinity();
-  EndTimes e(m, p);
-  std::vector<std::vector<Timed>> out(static_cast<size_t>(p));
-  std::vector<int> nf(size_t(p), 0), nb(size_t(p), 0), nw(size_t(p), 0);
-  std::vector<double> free(size_t(p), 0.0);
-  double t = 0;
-  for (;;) {
-    bool all_done = true;
-    for (int r = 0; r < p; ++r) {
-      if (nw[size_t(r)] < m) all_done = false;
-      if (free[size_t(r)] > t || nw[size_t(r)] >= m) continue;
-      const int r_ = r;
-      auto ready = [&](Op op, int mb) { return ready_time(e, op, r_, mb) <= t; };
-      Instr pick{Op::optimizer_step, -1, 0, -1};
-      if (nb[size_t(r)] < nf[size_t(r)] && ready(Op::backward_input, nb[size_t(r)]))
-        pick = {Op::backward_input, nb[size_t(r)]++, 0, -1};
-      else if (nf[size_t(r)] < m && nf[size_t(r)] - nw[size_t(r)] < p - r && ready(Op::forward, nf[size_t(r)]))
-        pick = {Op::forward, nf[size_t(r)]++, 0, -1};
-      else if (nw[size_t(r)] < nb[size_t(r)])
-        pick = {Op::backward_weight, nw[size_t(r)]++, 0, -1};
-      if (pick.op == Op::optimizer_step) continue;
-      Timed tm{pick, r, t, t + c.of(pick.op)};
-      free[size_t(r)] = tm.end;
-      e.at(dep_class(pick.op), r, pick.mb) = tm.end;
-      out[size_t(r)].push_back(tm);
-    }
-    if (all_done) break;
-    // Next event: the earliest time after t at which a rank frees up. (Every op ends when its rank
-    // frees up: while an end lies ahead its rank's free time is that end, so the free times are
-    // all the events there are.)
-    double next = inf;
-    for (double f : free)
-      if (f > t) next = std::min(next, f);
-    LOOM_CHECK(next < inf, "pipeline schedule: zb-h1 for p={} m={} cannot make progress", p, m);
-    t = next;
   }
   return out;
 }
@@ -483,13 +463,31 @@ void move_transfers(std::vector<std::vector<Instr>>& ranks) {
 
 }  // namespace
 
+std::vector<std::pair<int, int>> split_peaks_of(const std::vector<Instr>& list) {
+  std::vector<std::pair<int, int>> all;
+  int n = 0, q = 0;
+  for (const Instr& in : list) {
+    if (in.op == Op::forward) ++n;
+    else if (in.op == Op::backward_input) ++q;
+    else if (in.op == Op::backward_weight) --n, --q;
+    else continue;
+    if (in.op != Op::backward_weight) all.push_back({n, q});
+  }
+  std::vector<std::pair<int, int>> out;
+  for (const auto& a : all) {
+    bool exceeded = false;
+    for (const auto& b : all) exceeded |= b != a && b.first >= a.first && b.second >= a.second;
+    if (!exceeded && std::find(out.begin(), out.end(), a) == out.end()) out.push_back(a);
+  }
+  return out;
+}
+
 Schedule generate(const ScheduleSpec& spec, const OpCosts& costs) {
   spec.validate();
   costs.validate();
   Schedule sch;
   sch.spec = spec;
-  std::vector<std::vector<Timed>> timed =
-      spec.kind == Kind::zb_h1 ? zb_h1_orders(sch, costs) : time_orders(sch, fixed_orders(spec), costs);
+  std::vector<std::vector<Timed>> timed = time_orders(sch, fixed_orders(spec), costs);
   // Two placements of the transfers (then moved for non-blocking sends); the checker times both
   // as the executor runs them (the same costs) and the shorter
   // valid one is kept (the plan's on ties).

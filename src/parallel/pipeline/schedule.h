@@ -16,12 +16,12 @@
 // up to right after the compute producing it and each receive down to right before the compute
 // using it (transfers keep their order); the checker times both placements as the executor runs
 // them and the shorter is kept (the simulation is what brings interleaved to (p - 1) / (v m) for
-// small p * v; the moves are what keep zb-h1 below 1F1B when the backward's input half costs
-// more than its weight half).
+// small p * v).
 #pragma once
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace loom::parallel::pipeline {
@@ -30,7 +30,8 @@ enum class Kind : uint8_t {
   gpipe,        // all forwards, then all backwards
   one_f_one_b,  // PipeDream-flush: p - rank - 1 warm-up forwards, then one forward / one backward
   interleaved,  // 1F1B over v > 1 chunks per rank (Megatron), m divisible by p
-  zb_h1,        // zero bubble H1: backward split into input (B) and weight (W) parts, 1F1B memory
+  zb_h1,        // zero bubble H1: backward split into input (B) and weight (W) parts, rank r's W
+                // delayed by r micro-batches (every rank up to p in flight: 1F1B's peak)
 };
 std::string_view kind_name(Kind k);  // "gpipe", "1f1b", "interleaved", "zb-h1"
 // Parses a kind name; throws naming `field` and the accepted names.
@@ -99,6 +100,12 @@ struct OpCosts {
   // Throws naming the field when a compute cost is not positive or a cost is not finite.
   void validate() const;
 };
+
+// Under a split backward, the (micro-batches forwarded and not yet through their weight pass,
+// of them those past their input-gradient pass) pairs a rank's list reaches after each forward
+// and input-gradient pass, without the pairs another exceeds in both: where its holdings can
+// peak.
+std::vector<std::pair<int, int>> split_peaks_of(const std::vector<Instr>& list);
 
 // The schedule of a spec (validated first). The compute order (zb-h1's) and the place of each
 // transfer are chosen for `costs`: with blocking transfers, where a message meets both ranks
