@@ -32,8 +32,12 @@ static inline double u01(uint32_t a, uint32_t b) {
 }
 
 float uniform_at(uint64_t seed, uint64_t stream, uint64_t index) {
+  return float(uniform_double_at(seed, stream, index));
+}
+
+double uniform_double_at(uint64_t seed, uint64_t stream, uint64_t index) {
   auto r = philox4x32(seed, stream, index);
-  return float(u01(r[0], r[1]));
+  return u01(r[0], r[1]);
 }
 
 float normal_at(uint64_t seed, uint64_t stream, uint64_t index) {

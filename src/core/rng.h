@@ -16,6 +16,9 @@ uint64_t stream_of(std::string_view name);
 
 // Uniform in [0, 1) and standard normal, as pure functions of (seed, stream, index).
 float uniform_at(uint64_t seed, uint64_t stream, uint64_t index);
+// The same draw in double precision: 53 random bits in [0, 1) (uniform_at rounds it to a float,
+// which is 1 for the top 2^-25 of the interval).
+double uniform_double_at(uint64_t seed, uint64_t stream, uint64_t index);
 float normal_at(uint64_t seed, uint64_t stream, uint64_t index);
 
 // Fill out[i] = mean + std * normal_at(seed, stream, first + i), i in [0, n).

@@ -23,15 +23,26 @@ int32_t sample_logits(const float* logits, int64_t V, const SampleOptions& opt, 
   }
   const int64_t n = int64_t(ids.size());
   int64_t k = (opt.top_k > 0 && opt.top_k < n) ? opt.top_k : n;
-  if (k < n)
-    std::partial_sort(ids.begin(), ids.begin() + k, ids.end(),
-                      [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); });
+  if (k < n) {
+    const auto before = [&](int32_t a, int32_t b) {
+      return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+    };
+    std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), before);
+    // Every token tied with the k-th is kept, as nanoGPT's and transformers' top-k keep them (k =
+    // 1 stays the argmax, the lowest id among ties: greedy decoding).
+    if (k > 1) {
+      const float kth = logits[ids[size_t(k - 1)]];
+      auto tied = std::partition(ids.begin() + k, ids.end(), [&](int32_t id) { return logits[id] == kth; });
+      std::sort(ids.begin() + k, tied);
+      k = int64_t(tied - ids.begin());
+    }
+  }
   double mx = -INFINITY;
   for (int64_t i = 0; i < k; ++i) mx = std::max(mx, double(logits[ids[size_t(i)]]));
   std::vector<double> p(static_cast<size_t>(k));
   double sum = 0;
   for (int64_t i = 0; i < k; ++i) sum += p[size_t(i)] = std::exp((logits[ids[size_t(i)]] - mx) / opt.temperature);
-  double u = double(uniform_at(opt.seed, stream_of("sample"), index)) * sum, acc = 0;
+  double u = uniform_double_at(opt.seed, stream_of("sample"), index) * sum, acc = 0;
   for (int64_t i = 0; i < k; ++i) {
     acc += p[size_t(i)];
     if (u < acc) return ids[size_t(i)];

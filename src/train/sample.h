@@ -13,7 +13,7 @@ namespace loom::train {
 struct SampleOptions {
   int64_t max_new_tokens = 64;
   float temperature = 1.0f;  // > 0
-  int64_t top_k = 40;        // 0: the whole vocabulary
+  int64_t top_k = 40;        // 0: the whole vocabulary; ties with the k-th are kept (k = 1: the argmax)
   uint64_t seed = 0;
   int32_t stop_token = -1;   // stop after emitting this token (-1: never)
   // Only these token ids (ascending) are drawn (null: all): a model with a pruned input embedding

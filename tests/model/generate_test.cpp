@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <map>
 #include <random>
 
 #include "core/error.h"
@@ -147,6 +148,27 @@ TEST(Generate, CachedEqualsRecomputeSampler) {
   EXPECT_EQ(got, want);
   EXPECT_LE(got.size(), 7u);
   EXPECT_EQ(got.back(), so.stop_token);
+}
+
+// Top-k keeps every token tied with the k-th logit, as nanoGPT's and transformers' do (loom had
+// kept exactly k, the lowest ids among the ties); top-k 1 stays the argmax (the lowest tied id).
+TEST(Generate, TopKKeepsTheTokensTiedWithTheKth) {
+  std::vector<float> logits(32, -5.0f);
+  logits[3] = 2.0f;
+  for (int id : {7, 11, 20, 29}) logits[size_t(id)] = 1.0f;  // four tied for second place
+  train::SampleOptions so;
+  so.top_k = 2;
+  so.temperature = 1.0f;
+  std::map<int32_t, int> seen;
+  for (uint64_t i = 0; i < 4000; ++i) ++seen[train::sample_logits(logits.data(), 32, so, i)];
+  EXPECT_EQ(seen.size(), 5u);  // the first and the four tied
+  for (int id : {3, 7, 11, 20, 29}) EXPECT_GT(seen[id], 0) << id;
+  // Each tied token is drawn e^-1 / (1 + 4 e^-1) of the time (0.2442); 4000 draws: within 5 sigma.
+  const double p = std::exp(-1.0) / (1 + 4 * std::exp(-1.0)), sd = std::sqrt(4000 * p * (1 - p));
+  for (int id : {7, 11, 20, 29}) EXPECT_NEAR(seen[id], 4000 * p, 5 * sd) << id;
+  so.top_k = 1;
+  logits[7] = 2.0f;  // tied with 3 for first place
+  for (uint64_t i = 0; i < 50; ++i) EXPECT_EQ(train::sample_logits(logits.data(), 32, so, i), 3);
 }
 
 // The decoder takes its attention scratch once, sized for the largest call its cache allows: after
