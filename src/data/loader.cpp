@@ -55,10 +55,18 @@ void Loader::train_batch(int64_t step, int64_t global_batch, int64_t first, int6
                          int32_t* targets) const {
   LOOM_CHECK(step >= 0 && first >= 0 && n >= 0 && first + n <= global_batch,
              "samples [{}, {}) outside the global batch of {}", first, first + n, global_batch);
+  LOOM_CHECK(consumed(step, global_batch) >= 0, "training step {} of {} samples starts before the first sample",
+             step, global_batch);
   for (int64_t i = 0; i < n; ++i) {
-    uint64_t g = uint64_t(step) * uint64_t(global_batch) + uint64_t(first + i);
+    const uint64_t g = uint64_t(consumed(step, global_batch) + first + i);
     read_window(sample_start(g), inputs + i * T_, targets + i * T_);
   }
+}
+
+void Loader::resume_at(int64_t step, int64_t global_batch, int64_t consumed) {
+  LOOM_CHECK(step >= 0 && global_batch >= 1 && consumed >= 0, "resume_at: step {}, batch {}, consumed {}", step,
+             global_batch, consumed);
+  base_ = consumed - step * global_batch;
 }
 
 int64_t Loader::val_batches(int64_t global_batch) const {

@@ -1,8 +1,10 @@
 // Deterministic batches from memory-mapped token shards.
 //
-// Training sample g of step s (g is the global sample index within the step's global batch)
-// starts at a position drawn from (seed, split, s * global_batch + g) alone, so the tokens a sample
-// sees never depend on how many data-parallel ranks read the batch or on which rank reads it.
+// Training sample i of step s (i is the sample's index within the step's global batch of B) is the
+// run's sample base + s * B + i, and starts at a position drawn from (seed, split, that index)
+// alone, so the tokens a sample sees never depend on how many data-parallel ranks read the batch
+// or on which rank reads it. The base is 0 unless a resumed run changed B: then it makes the
+// resumed steps draw the samples after the ones the run has used (Megatron-LM's consumed samples).
 // Validation batches are fixed, consecutive windows from the start of the split.
 #pragma once
 #include <cstdint>
@@ -28,6 +30,11 @@ class Loader {
   // inputs and targets i32 [n, T].
   void train_batch(int64_t step, int64_t global_batch, int64_t first, int64_t n, int32_t* inputs,
                    int32_t* targets) const;
+  // Step `step` of global batch `global_batch` starts at training sample `consumed` (the samples
+  // the run drew before it): a resumed run whose batch differs from the checkpoint's.
+  void resume_at(int64_t step, int64_t global_batch, int64_t consumed);
+  // The training samples drawn before step `step` of global batch `global_batch`.
+  int64_t consumed(int64_t step, int64_t global_batch) const { return base_ + step * global_batch; }
   // Validation batch `index` of `global_batch` consecutive windows; samples [first, first + n).
   void val_batch(int64_t index, int64_t global_batch, int64_t first, int64_t n, int32_t* inputs,
                  int32_t* targets) const;
@@ -45,6 +52,7 @@ class Loader {
   int64_t T_;
   uint64_t seed_;
   uint64_t stream_;
+  int64_t base_ = 0;  // the sample index of step 0's first sample (see resume_at)
   uint32_t vocab_ = 0;
 };
 

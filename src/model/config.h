@@ -67,6 +67,9 @@ struct GPTConfig {
   int64_t qkv_rows() const { return (n_head + 2 * kv_heads()) * head_size(); }
   // Rows of c_fc: F (GELU) or the gate's and the up projection's 2F (SwiGLU).
   int64_t fc_rows() const { return mlp == Mlp::swiglu ? 2 * ffn() : ffn(); }
+  // The Llama family's layout (RMSNorm, SwiGLU, rotary positions): Hugging Face's
+  // LlamaForCausalLM, whose q, k, v and gate, up projections are matrices of their own.
+  bool is_llama() const { return norm == Norm::rmsnorm && mlp == Mlp::swiglu && position == Position::rope; }
   bool is_gpt2() const {
     return norm == Norm::layernorm && mlp == Mlp::gelu && position == Position::learned && kv_heads() == n_head &&
            ffn() == 4 * n_embd && bias;

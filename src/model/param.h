@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/memory.h"
@@ -27,6 +28,10 @@ struct ParamSpec {
   int64_t alloc_rows = 0; // rows of storage (>= shape[0]): wte is padded to the padded vocabulary
   Init init = Init::zeros;
   float std = 0.0f;       // for Init::normal
+  // The matrices a fused weight stacks by rows, as (label, rows), where the model's Hugging Face
+  // layout keeps them apart (a Llama block's c_attn: q, k, v; its c_fc: gate, up), so GaLore
+  // projects each on its own as it does Hugging Face's modules; empty: one matrix.
+  std::vector<std::pair<std::string, int64_t>> row_blocks = {};
   // nanoGPT's groups: every parameter with two or more dimensions is decayed, others are not.
   bool decay() const { return shape.size() >= 2; }
   int64_t numel() const { return shape_numel(shape); }

@@ -41,8 +41,14 @@ std::vector<ParamSpec> block_param_specs(const GPTConfig& cfg, int64_t layer) {
                                        {p + "mlp.c_proj.weight", {C, F}, C, Init::normal, proj_std},
                                        {p + "mlp.c_proj.bias", {C}, C, Init::zeros, 0}};
   std::vector<ParamSpec> s;
-  for (int i = 0; i < kBlockParams; ++i)
-    if (block_param_present(cfg, BlockParam(i))) s.push_back(all[i]);
+  for (int i = 0; i < kBlockParams; ++i) {
+    if (!block_param_present(cfg, BlockParam(i))) continue;
+    s.push_back(all[i]);
+    if (!cfg.is_llama()) continue;
+    const int64_t kv = cfg.kv_heads() * cfg.head_size();
+    if (i == kQkvW) s.back().row_blocks = {{"q", C}, {"k", kv}, {"v", kv}};
+    if (i == kFcW) s.back().row_blocks = {{"gate", F}, {"up", F}};
+  }
   return s;
 }
 

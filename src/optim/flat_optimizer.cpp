@@ -15,7 +15,7 @@ FlatOptimizer::FlatOptimizer(const std::vector<FlatSegment>& segments, int64_t b
                s.end);
     prev = s.end;
     const int64_t b = std::max(s.begin, begin), e = std::min(s.end, end);
-    if (b < e) segments_.push_back({b - begin, e - begin, s.decay, s.name, s.in_norm, s.shape});
+    if (b < e) segments_.push_back({b - begin, e - begin, s.decay, s.name, s.in_norm, s.shape, s.row_blocks});
   }
 }
 

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/backend.h"
@@ -23,6 +24,8 @@ struct FlatSegment {
   std::string name;            // the parameter, for messages
   bool in_norm = true;         // counted by grad_sum_squares (a replicated copy counts elsewhere)
   Shape shape;                 // the parameter's logical shape when the segment is all of it (else empty)
+  // With the shape: the matrices it stacks by rows, (label, rows) (model::ParamSpec::row_blocks).
+  std::vector<std::pair<std::string, int64_t>> row_blocks = {};
 };
 
 class FlatOptimizer {

@@ -21,16 +21,34 @@ void openblas_set_num_threads(int n);
 
 namespace loom::optim {
 
-GaLoreShapes galore_shapes(const std::string& name, const Shape& shape, int64_t rank) {
+GaLoreShapes galore_shapes(const std::string& name, const Shape& shape, int64_t rank,
+                           const std::vector<std::pair<std::string, int64_t>>& row_blocks) {
   GaLoreShapes g;
   if (rank <= 0 || shape.size() != 2 || name.rfind("h.", 0) != 0) return g;
-  const int64_t m = shape[0], n = shape[1];
-  if (rank >= std::min(m, n)) return g;  // no smaller subspace: plain AdamW
-  g.low_rank = true;
-  g.left = m < n;
-  g.moments = g.left ? Shape{rank, n} : Shape{m, rank};
-  g.projector = g.left ? Shape{m, rank} : Shape{rank, n};
+  const int64_t n = shape[1];
+  std::vector<std::pair<std::string, int64_t>> blocks = row_blocks;
+  if (blocks.empty()) blocks = {{"", shape[0]}};
+  int64_t row0 = 0;
+  for (const auto& [label, m] : blocks) {
+    GaLorePart part;
+    part.label = label;
+    part.row0 = row0;
+    part.rows = m;
+    row0 += m;
+    part.low_rank = rank < std::min(m, n);  // (else no smaller subspace: plain AdamW)
+    part.left = m < n;
+    part.moments = !part.low_rank ? Shape{m, n} : part.left ? Shape{rank, n} : Shape{m, rank};
+    if (part.low_rank) part.projector = part.left ? Shape{m, rank} : Shape{rank, n};
+    g.low_rank |= part.low_rank;
+    g.parts.push_back(part);
+  }
+  LOOM_CHECK(row0 == shape[0], "galore: the row blocks of '{}' hold {} rows, its shape {}", name, row0, shape[0]);
+  if (!g.low_rank) g.parts.clear();
   return g;
+}
+
+std::string galore_state_name(const std::string& kind, const std::string& param, const GaLorePart& part) {
+  return kind + param + (part.label.empty() ? "" : "[" + part.label + "]");
 }
 
 void top_singular_vectors(const float* G, int64_t m, int64_t n, int64_t r, bool left, float* out, MemoryPool& pool,
@@ -93,16 +111,22 @@ GaLore::GaLore(std::vector<FlatSegment> segments, int64_t begin, int64_t end, co
   int64_t most = 0;
   for (const FlatSegment& seg : segments_) {
     State st;
-    st.shapes = galore_shapes(seg.name, seg.shape, cfg_.galore_rank);
+    st.shapes = galore_shapes(seg.name, seg.shape, cfg_.galore_rank, seg.row_blocks);
     if (st.shapes.low_rank) {
       LOOM_CHECK(seg.end - seg.begin == shape_numel(seg.shape) && seg.in_norm,
                  "galore: matrix '{}' is not whole in this rank's range [{}, {}) (GaLore needs ZeRO stage 0 and no "
                  "tensor parallelism)",
                  seg.name, begin, end);
-      st.exp_avg = Tensor::zeros(st.shapes.moments, DType::f32, MemTag::optimizer, state_pool);
-      st.exp_avg_sq = Tensor::zeros(st.shapes.moments, DType::f32, MemTag::optimizer, state_pool);
-      st.projector = Tensor::zeros(st.shapes.projector, DType::f32, MemTag::optimizer, state_pool);
-      most = std::max(most, shape_numel(st.shapes.moments));
+      for (const GaLorePart& part : st.shapes.parts) {
+        PartState ps;
+        ps.exp_avg = Tensor::zeros(part.moments, DType::f32, MemTag::optimizer, state_pool);
+        ps.exp_avg_sq = Tensor::zeros(part.moments, DType::f32, MemTag::optimizer, state_pool);
+        if (part.low_rank) {
+          ps.projector = Tensor::zeros(part.projector, DType::f32, MemTag::optimizer, state_pool);
+          most = std::max(most, shape_numel(part.moments));
+        }
+        st.parts.push_back(std::move(ps));
+      }
     } else {
       st.exp_avg = Tensor::zeros({seg.end - seg.begin}, DType::f32, MemTag::optimizer, state_pool);
       st.exp_avg_sq = Tensor::zeros({seg.end - seg.begin}, DType::f32, MemTag::optimizer, state_pool);
@@ -117,8 +141,11 @@ GaLore::GaLore(std::vector<FlatSegment> segments, int64_t begin, int64_t end, co
 
 int64_t GaLore::state_bytes() const {
   int64_t n = 0;
-  for (const State& s : states_)
-    n += int64_t(s.exp_avg.nbytes() + s.exp_avg_sq.nbytes() + (s.projector.defined() ? s.projector.nbytes() : 0));
+  for (const State& s : states_) {
+    if (s.exp_avg.defined()) n += int64_t(s.exp_avg.nbytes() + s.exp_avg_sq.nbytes());
+    for (const PartState& ps : s.parts)
+      n += int64_t(ps.exp_avg.nbytes() + ps.exp_avg_sq.nbytes() + (ps.projector.defined() ? ps.projector.nbytes() : 0));
+  }
   return n;
 }
 
@@ -131,13 +158,18 @@ void GaLore::refresh_projectors(const float* grad_shard, int rank, int ranks,
     State& s = states_[k];
     if (!s.shapes.low_rank) continue;
     const FlatSegment& seg = segments_[k];
-    const int owner = int(i++ % ranks);
-    if (owner == rank) {
-      top_singular_vectors(grad_shard + seg.begin, seg.shape[0], seg.shape[1], cfg_.galore_rank, s.shapes.left,
-                           s.projector.f32(), work_pool_, seg.name);
-      ++refreshes_;
+    const int64_t n = seg.shape[1];
+    for (size_t j = 0; j < s.parts.size(); ++j) {
+      const GaLorePart& part = s.shapes.parts[j];
+      if (!part.low_rank) continue;
+      const int owner = int(i++ % ranks);
+      if (owner == rank) {
+        top_singular_vectors(grad_shard + seg.begin + part.row0 * n, part.rows, n, cfg_.galore_rank, part.left,
+                             s.parts[j].projector.f32(), work_pool_, galore_state_name("", seg.name, part));
+        ++refreshes_;
+      }
+      share(s.parts[j].projector, owner);
     }
-    share(s.projector, owner);
   }
   refreshed_for_ = t_ + 1;
 }
@@ -157,26 +189,37 @@ StepStats GaLore::step(float* param_shard, const float* grad_shard, double globa
       cpu::adamw_update(w, g, s.exp_avg.f32(), s.exp_avg_sq.f32(), seg.end - seg.begin, a);
       continue;
     }
-    const int64_t m = seg.shape[0], n = seg.shape[1], r = cfg_.galore_rank;
-    const float* P = s.projector.f32();
-    const int64_t kn = shape_numel(s.shapes.moments);
-    float* R = work_r_.f32();
-    float* D = work_d_.f32();
-    if (s.shapes.left) cpu::gemm(true, false, r, n, m, 1.0f, P, r, g, n, 0.0f, R, n);   // P^T G [r, n]
-    else cpu::gemm(false, true, m, r, n, 1.0f, g, n, P, n, 0.0f, R, r);                  // G Q^T [m, r]
-    // Adam in the subspace: from D = 0 with lr 1 and no decay the kernel leaves D = -N.
-    std::fill(D, D + kn, 0.0f);
-    cpu::AdamWArgs sub = a;
-    sub.lr = 1.0;
-    sub.weight_decay = 0.0;
-    cpu::adamw_update(D, R, s.exp_avg.f32(), s.exp_avg_sq.f32(), kn, sub);
-    if (a.weight_decay > 0) {
-      const float decay = float(1.0 - a.lr * a.weight_decay);
-      for (int64_t i = 0; i < m * n; ++i) w[i] *= decay;
+    const int64_t n = seg.shape[1], r = cfg_.galore_rank;
+    for (size_t j = 0; j < s.parts.size(); ++j) {
+      const GaLorePart& part = s.shapes.parts[j];
+      PartState& ps = s.parts[j];
+      const int64_t m = part.rows;
+      float* wp = w + part.row0 * n;
+      const float* gp = g + part.row0 * n;
+      if (!part.low_rank) {  // (a block no wider than the rank: AdamW)
+        cpu::adamw_update(wp, gp, ps.exp_avg.f32(), ps.exp_avg_sq.f32(), m * n, a);
+        continue;
+      }
+      const float* P = ps.projector.f32();
+      const int64_t kn = shape_numel(part.moments);
+      float* R = work_r_.f32();
+      float* D = work_d_.f32();
+      if (part.left) cpu::gemm(true, false, r, n, m, 1.0f, P, r, gp, n, 0.0f, R, n);  // P^T G [r, n]
+      else cpu::gemm(false, true, m, r, n, 1.0f, gp, n, P, n, 0.0f, R, r);             // G Q^T [m, r]
+      // Adam in the subspace: from D = 0 with lr 1 and no decay the kernel leaves D = -N.
+      std::fill(D, D + kn, 0.0f);
+      cpu::AdamWArgs sub = a;
+      sub.lr = 1.0;
+      sub.weight_decay = 0.0;
+      cpu::adamw_update(D, R, ps.exp_avg.f32(), ps.exp_avg_sq.f32(), kn, sub);
+      if (a.weight_decay > 0) {
+        const float decay = float(1.0 - a.lr * a.weight_decay);
+        for (int64_t i = 0; i < m * n; ++i) wp[i] *= decay;
+      }
+      const float alpha = float(a.lr * cfg_.galore_scale);
+      if (part.left) cpu::gemm(false, false, m, n, r, alpha, P, r, D, n, 1.0f, wp, n);  // W += alpha P (-N)
+      else cpu::gemm(false, false, m, n, r, alpha, D, r, P, n, 1.0f, wp, n);            // W += alpha (-N) Q
     }
-    const float alpha = float(a.lr * cfg_.galore_scale);
-    if (s.shapes.left) cpu::gemm(false, false, m, n, r, alpha, P, r, D, n, 1.0f, w, n);  // W += alpha P (-N)
-    else cpu::gemm(false, false, m, n, r, alpha, D, r, P, n, 1.0f, w, n);                // W += alpha (-N) Q
   }
   return st;
 }

@@ -3,7 +3,9 @@
 // subspace of their gradients.
 //
 // For a block matrix W [m, n] (the attention and MLP linears, "h.<i>.*" of two dimensions; not the
-// embeddings or an untied head) and rank r < min(m, n): every `galore_update_every` optimizer steps
+// embeddings or an untied head; a Llama block's fused c_attn and c_fc as the matrices Hugging Face
+// keeps apart, q, k, v and gate, up, each on its own, as the reference implementation projects
+// LlamaForCausalLM's modules) and rank r < min(m, n): every `galore_update_every` optimizer steps
 // from the first, the step's gradient G gives a projector from its SVD G = U S V^T:
 //   m <  n: P = U[:, :r]   [m, r]   (left),  R = P^T G  [r, n]
 //   m >= n: Q = V^T[:r, :] [r, n]   (right), R = G Q^T  [m, r]
@@ -33,14 +35,25 @@
 
 namespace loom::optim {
 
-// How GaLore treats a parameter of this name and logical shape at `rank`.
-struct GaLoreShapes {
-  bool low_rank = false;  // projected (else plain AdamW)
-  bool left = false;      // P [m, r] on the left (m < n); else Q [r, n] on the right
-  Shape moments;          // [r, n] or [m, r]
-  Shape projector;        // [m, r] or [r, n]
+// One matrix GaLore treats on its own: a parameter, or one of the row blocks a fused one stacks.
+struct GaLorePart {
+  std::string label;       // "" (the whole parameter), or its row block's ("q", "k", "v", "gate", "up")
+  int64_t row0 = 0, rows = 0;
+  bool low_rank = false;   // projected (else plain AdamW on the block: rank not below its smaller side)
+  bool left = false;       // P [m, r] on the left (m < n); else Q [r, n] on the right
+  Shape moments;           // projected: [r, n] or [m, r]; else [rows, n]
+  Shape projector;         // [m, r] or [r, n] (projected only)
 };
-GaLoreShapes galore_shapes(const std::string& name, const Shape& shape, int64_t rank);
+// How GaLore treats a parameter of this name and logical shape at `rank`, stacking `row_blocks`.
+struct GaLoreShapes {
+  bool low_rank = false;          // some matrix of it projected (its state is then per part)
+  std::vector<GaLorePart> parts;  // low_rank: its matrices in row order
+};
+GaLoreShapes galore_shapes(const std::string& name, const Shape& shape, int64_t rank,
+                           const std::vector<std::pair<std::string, int64_t>>& row_blocks = {});
+// A part's checkpoint tensor: `kind` ("galore_m/", "adam_v/", ...) + the parameter's name, and
+// "[label]" for a row block ("galore_m/h.0.attn.c_attn.weight[q]").
+std::string galore_state_name(const std::string& kind, const std::string& param, const GaLorePart& part);
 
 // The top-r singular vectors of G [m, n] (row-major f32), in double, largest first: left:
 // U[:, :r] into out [m, r]; else V^T[:r, :] into out [r, n] (row-major). They are the top
@@ -73,10 +86,14 @@ class GaLore final : public FlatOptimizer {
                           const std::function<void(Tensor& projector, int owner)>& share);
 
   // One per segments() entry, in its order.
+  struct PartState {
+    Tensor exp_avg, exp_avg_sq;  // f32 part.moments
+    Tensor projector;            // f32 part.projector (projected only)
+  };
   struct State {
     GaLoreShapes shapes;
-    Tensor exp_avg, exp_avg_sq;  // f32: [seg length] (plain) or shapes.moments (projected)
-    Tensor projector;            // f32 shapes.projector (projected only)
+    Tensor exp_avg, exp_avg_sq;   // f32 [seg length] (not low_rank)
+    std::vector<PartState> parts;  // one per shapes.parts (low_rank)
   };
   std::vector<State>& states() { return states_; }
   const std::vector<State>& states() const { return states_; }

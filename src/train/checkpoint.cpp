@@ -248,6 +248,7 @@ std::string manifest_text(const CheckpointMeta& meta) {
   m["optimizer_steps"] = meta.optimizer_steps;
   if (meta.loss_scale > 0) m["loss_scale"] = {{"scale", meta.loss_scale}, {"clean_steps", meta.loss_scale_clean}};
   m["data_position"] = meta.data_position;
+  if (meta.consumed_samples >= 0) m["consumed_samples"] = meta.consumed_samples;
   m["rng"] = {{"seed", meta.seed}, {"kind", "philox4x32-10 counters keyed by (seed, stream, index)"}};
   m["model"] = meta.model;
   m["config_toml"] = meta.config_toml;
@@ -481,6 +482,11 @@ CheckpointMeta read_checkpoint_meta(const std::string& ckpt) {
   meta.step = integer("step");
   meta.optimizer_steps = integer("optimizer_steps");
   meta.data_position = integer("data_position");
+  if (m.contains("consumed_samples")) {
+    meta.consumed_samples = integer("consumed_samples");
+    if (meta.consumed_samples < 0)
+      throw Error(fmt::format("{}: field 'consumed_samples' must be a non-negative integer", path));
+  }
   if (m.contains("loss_scale")) {
     const auto& ls = m["loss_scale"];
     if (!ls.is_object() || !ls.contains("scale") || !ls["scale"].is_number() || !ls.contains("clean_steps") ||

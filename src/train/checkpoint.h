@@ -65,6 +65,8 @@ struct CheckpointMeta {
   double loss_scale = 0;         // train.precision fp16: the loss scaler's scale (0: none)
   int64_t loss_scale_clean = 0;  // and its clean steps since the scale last changed
   int64_t data_position = 0;     // the next training step's index into the sampler
+  int64_t consumed_samples = -1;  // training samples drawn before `step` (-1: not recorded, an older
+                                  // checkpoint's: step x its train.batch_size)
   uint64_t seed = 0;             // initialisation, data order and sampling are counters on it
   nlohmann::json model;          // model config fields
   std::string config_toml;       // the training config as run

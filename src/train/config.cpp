@@ -732,6 +732,19 @@ std::vector<std::pair<std::string, std::string>> config_values(const TrainConfig
   return out;
 }
 
+int64_t checkpoint_batch_size(const std::string& then_toml, const std::string& where) {
+  TrainConfig then;  // the default where an older config lacks the field
+  toml::table t;
+  try {
+    t = toml::parse(then_toml, where);
+  } catch (const toml::parse_error& e) {
+    throw Error(fmt::format("{}: its config_toml is not TOML: {}", where, e.description()));
+  }
+  if (const toml::node* n = t.at_path("train.batch_size").node())
+    set_from_node(find_field("train.batch_size")->get(then), *n, where + ": train.batch_size");
+  return then.batch_size;
+}
+
 std::vector<std::string> changed_on_resume(const TrainConfig& now, const std::string& then_toml,
                                            const std::string& where, int64_t from_update, int64_t from_step) {
   TrainConfig then;  // defaults where an older config lacks a field
@@ -744,7 +757,8 @@ std::vector<std::string> changed_on_resume(const TrainConfig& now, const std::st
   static const char* kCompared[] = {"optim.lr",     "optim.min_lr",    "optim.warmup_steps", "optim.decay_steps",
                                     "optim.schedule", "train.steps",   "optim.weight_decay", "optim.beta1",
                                     "optim.beta2",  "optim.eps",       "optim.grad_clip",    "train.batch_size",
-                                    "data.seq_len"};
+                                    "data.seq_len", "optim.name",      "optim.galore_update_every",
+                                    "optim.galore_scale"};
   for (const char* key : kCompared)
     if (const toml::node* n = t.at_path(key).node()) set_from_node(find_field(key)->get(then), *n, where + ": " + key);
   std::vector<std::string> out;
@@ -786,6 +800,12 @@ std::vector<std::string> changed_on_resume(const TrainConfig& now, const std::st
   cmp("optim.eps", now.eps, then.eps);
   cmp("optim.grad_clip", now.grad_clip, then.grad_clip);
   cmp("train.batch_size", now.batch_size, then.batch_size);
+  // GaLore's refresh interval and scale (its rank and the optimizer itself are in the state's
+  // shapes, which the resume checks on its own).
+  if (now.optimizer == "galore" && then.optimizer == "galore") {
+    cmp("optim.galore_update_every", now.galore_update_every, then.galore_update_every);
+    cmp("optim.galore_scale", now.galore_scale, then.galore_scale);
+  }
   cmp("data.seq_len", now.seq_len, then.seq_len);
   return out;
 }

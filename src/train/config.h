@@ -146,10 +146,13 @@ std::string config_to_toml(const TrainConfig& c);
 // config_toml, read where `where` says), resuming at step from_step after `from_update` updates
 // (fewer where steps were skipped): the learning rate
 // of any update still to make (the first that differs, and the schedule's fields that differ:
-// peak, final rate, warm-up, kind, the step its decay ends at), AdamW's hyper-parameters, gradient
+// peak, final rate, warm-up, kind, the step its decay ends at), AdamW's hyper-parameters (and GaLore's
+// refresh interval and scale), gradient
 // clipping and the batch's shape (train.batch_size, data.seq_len), each as "field X (the
 // checkpoint's Y)". A field the older config lacks counts at its default.
 std::vector<std::string> changed_on_resume(const TrainConfig& now, const std::string& then_toml,
                                            const std::string& where, int64_t from_update, int64_t from_step);
+// train.batch_size of a checkpoint's config_toml (the default where it lacks the field).
+int64_t checkpoint_batch_size(const std::string& then_toml, const std::string& where);
 
 }  // namespace loom::train

@@ -74,9 +74,7 @@ GPTConfig gpt_config_from_hf(const json& j, const std::string& where) {
   return c;
 }
 
-bool is_llama(const GPTConfig& c) {
-  return c.norm == Norm::rmsnorm && c.mlp == Mlp::swiglu && c.position == Position::rope;
-}
+bool is_llama(const GPTConfig& c) { return c.is_llama(); }
 
 GPTConfig llama_config_from_hf(const json& j, const std::string& where) {
   if (!j.is_object()) throw Error(fmt::format("{}: config must be a JSON object", where));

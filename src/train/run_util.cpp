@@ -344,27 +344,36 @@ void check_resume_checkpoint(const std::string& ckpt, const CheckpointMeta& meta
     for (const TensorInfo& t : meta.tensors) have[t.name] = t.shape;
     const optim::AdamWConfig oc = adamw_config(cfg);
     for (const model::ParamSpec& s : model::gpt_param_specs(mc)) {
-      const optim::GaLoreShapes g = optim::galore_shapes(s.name, s.shape, oc.galore_rank);
-      const std::string name = (g.low_rank ? "galore_m/" : "adam_m/") + s.name;
-      const Shape want = g.low_rank ? g.moments : s.shape;
+      const optim::GaLoreShapes g = optim::galore_shapes(s.name, s.shape, oc.galore_rank, s.row_blocks);
+      // (Of a matrix GaLore treats in parts, the first part's moments.)
+      const optim::GaLorePart* first = g.low_rank ? &g.parts.front() : nullptr;
+      const std::string name =
+          first ? optim::galore_state_name(first->low_rank ? "galore_m/" : "adam_m/", s.name, *first) : "adam_m/" + s.name;
+      const Shape want = first ? first->moments : s.shape;
       auto it = have.find(name);
       // (A pruned input embedding reads its rows from the whole vocabulary's table.)
       const bool widened = mc.kept_tokens && s.name == "wte.weight" && it != have.end() &&
                            it->second == Shape{mc.vocab_size, mc.n_embd};
       if (it != have.end() && (it->second == want || widened)) continue;
-      const bool galore_ckpt = have.count("galore_m/" + s.name) > 0;
+      // What the checkpoint keeps for it: GaLore's moments (of the whole matrix or of its first
+      // part, "name[label]"), or AdamW's.
+      std::string held = fmt::format("AdamW's, moments {}", shape_str(have.count("adam_m/" + s.name)
+                                                                          ? have.at("adam_m/" + s.name) : Shape{}));
+      for (const auto& [n, shape] : have)
+        if (n == "galore_m/" + s.name || n.rfind("galore_m/" + s.name + "[", 0) == 0) {
+          held = fmt::format("GaLore's, moments {}{}", shape_str(shape),
+                             n.size() > 9 + s.name.size() ? " for " + n.substr(9 + s.name.size()) : "");
+          break;
+        }
       throw Error(fmt::format(
-          "{}: the checkpoint's optimizer state for '{}' is {} but this run's optim.name = {}{} keeps {} {} (--resume "
-          "continues with the optimizer the checkpoint was written with)",
-          manifest, s.name,
-          galore_ckpt ? fmt::format("GaLore's, moments {}", shape_str(have.at("galore_m/" + s.name)))
-                      : fmt::format("AdamW's, moments {}", shape_str(have.count("adam_m/" + s.name)
-                                                                         ? have.at("adam_m/" + s.name) : Shape{})),
-          cfg.optimizer, g.low_rank ? fmt::format(" (optim.galore_rank {})", cfg.galore_rank) : "",
-          g.low_rank ? "GaLore moments" : "AdamW moments", shape_str(want)));
+          "{}: the checkpoint's optimizer state for '{}' is {} but this run's optim.name = {}{} keeps {} {}{} "
+          "(--resume continues with the optimizer the checkpoint was written with)",
+          manifest, s.name, held, cfg.optimizer, g.low_rank ? fmt::format(" (optim.galore_rank {})", cfg.galore_rank) : "",
+          first && first->low_rank ? "GaLore moments" : "AdamW moments", shape_str(want),
+          first && !first->label.empty() ? " for [" + first->label + "]" : ""));
     }
   }
-  // Training batches are addressed by step (data/loader.h), so the data position is the step.
+  // The sampler's position is the step (the samples drawn are consumed_samples, data/loader.h).
   LOOM_CHECK(meta.data_position == meta.step, "{}: field 'data_position' is {} but 'step' is {} (they must match)",
              manifest, meta.data_position, meta.step);
   // The same vocabulary size is not the same vocabulary: ids would mean other text.
@@ -599,11 +608,12 @@ std::string sample_as_text(const std::vector<int32_t>& prompt, const std::vector
 }
 
 CheckpointMeta checkpoint_meta(const TrainConfig& cfg, const model::GPTConfig& mc, int64_t step,
-                               int64_t optimizer_steps, const std::string& vocabulary) {
+                               int64_t optimizer_steps, const std::string& vocabulary, int64_t consumed_samples) {
   CheckpointMeta meta;
   meta.step = step;
   meta.optimizer_steps = optimizer_steps;
   meta.data_position = step;
+  meta.consumed_samples = consumed_samples;
   meta.seed = cfg.seed;
   meta.model = model::gpt_config_manifest(mc);
   meta.config_toml = config_to_toml(cfg);

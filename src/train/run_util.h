@@ -153,10 +153,9 @@ SampleOptions sample_options(const TrainConfig& cfg, int64_t step);
 // continuation's only).
 std::string sample_as_text(const std::vector<int32_t>& prompt, const std::vector<int32_t>& out,
                            const data::Tokenizer* tok);
-// The manifest of a checkpoint of this run at `step`.
+// The manifest of a checkpoint of this run at `step`, after `consumed_samples` training samples.
 CheckpointMeta checkpoint_meta(const TrainConfig& cfg, const model::GPTConfig& mc, int64_t step,
-                               int64_t optimizer_steps,
-                               const std::string& vocabulary);
+                               int64_t optimizer_steps, const std::string& vocabulary, int64_t consumed_samples);
 
 // Rank 0's record of a run: metrics.jsonl lines, the loss points of the PNG, the progress lines
 // every train.log_every steps (tokens/s, MFU, ETA over the window since the last one). Other

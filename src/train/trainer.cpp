@@ -128,11 +128,15 @@ std::vector<TensorInfo> checkpoint_tensors(const model::GPTConfig& mc, const opt
   if (mc.kept_tokens) out.push_back({"vocab/kept", {mc.input_rows()}});  // the pruned embedding's token ids
   for (const model::ParamSpec& s : model::gpt_param_specs(mc)) {
     out.push_back({"param/" + s.name, s.shape});
-    const optim::GaLoreShapes g = optim::galore_shapes(s.name, s.shape, oc.galore_rank);
+    const optim::GaLoreShapes g = optim::galore_shapes(s.name, s.shape, oc.galore_rank, s.row_blocks);
     if (g.low_rank) {
-      out.push_back({"galore_m/" + s.name, g.moments});
-      out.push_back({"galore_v/" + s.name, g.moments});
-      out.push_back({"galore_p/" + s.name, g.projector});
+      for (const optim::GaLorePart& part : g.parts) {
+        const char* m = part.low_rank ? "galore_m/" : "adam_m/";
+        const char* v = part.low_rank ? "galore_v/" : "adam_v/";
+        out.push_back({optim::galore_state_name(m, s.name, part), part.moments});
+        out.push_back({optim::galore_state_name(v, s.name, part), part.moments});
+        if (part.low_rank) out.push_back({optim::galore_state_name("galore_p/", s.name, part), part.projector});
+      }
     } else {
       out.push_back({"adam_m/" + s.name, s.shape});
       out.push_back({"adam_v/" + s.name, s.shape});
@@ -183,11 +187,19 @@ CheckpointPart data_parallel_part(parallel::DataParallel& ddp,
     const optim::GaLore::State* g = galore[i];
     if (g && g->shapes.low_rank) {
       // Every rank of the group holds it all (ZeRO stage 0): each writes its share of the elements.
-      for (const auto& [kind, t] : {std::pair<const char*, const Tensor*>{"galore_m/", &g->exp_avg},
-                                    {"galore_v/", &g->exp_avg_sq}, {"galore_p/", &g->projector}}) {
-        const int64_t n = t->numel(), r = ddp.rank(), w = ddp.ranks();
-        const int64_t g0 = n * r / w, g1 = n * (r + 1) / w;
-        if (g1 > g0) out.slices.push_back({kind + p.global().name, g0, g1 - g0, t->f32() + g0});
+      for (size_t j = 0; j < g->parts.size(); ++j) {
+        const optim::GaLorePart& part = g->shapes.parts[j];
+        const optim::GaLore::PartState& ps = g->parts[j];
+        for (const auto& [kind, t] : {std::pair<const char*, const Tensor*>{part.low_rank ? "galore_m/" : "adam_m/",
+                                                                             &ps.exp_avg},
+                                      {part.low_rank ? "galore_v/" : "adam_v/", &ps.exp_avg_sq},
+                                      {"galore_p/", part.low_rank ? &ps.projector : nullptr}}) {
+          if (!t) continue;
+          const int64_t n = t->numel(), r = ddp.rank(), w = ddp.ranks();
+          const int64_t g0 = n * r / w, g1 = n * (r + 1) / w;
+          if (g1 > g0)
+            out.slices.push_back({optim::galore_state_name(kind, p.global().name, part), g0, g1 - g0, t->f32() + g0});
+        }
       }
     }
     const int64_t lo = std::max(b, f.offset), hi = std::min(e, f.offset + f.numel);
@@ -233,14 +245,24 @@ void load_data_parallel(parallel::DataParallel& ddp, CheckpointReader& ckpt, int
       optim::GaLore::State* g = galore[i];
       if (!g) continue;
       const model::Parameter& p = *ddp.layout()[i].param;
-      const bool low = g->shapes.low_rank;
-      for (const auto& [kind, t] : {std::pair<const char*, Tensor*>{low ? "galore_m/" : "adam_m/", &g->exp_avg},
-                                    {low ? "galore_v/" : "adam_v/", &g->exp_avg_sq},
-                                    {"galore_p/", low ? &g->projector : nullptr}}) {
-        if (!t) continue;
-        if (!ckpt.has(kind + p.global().name)) t->zero_();
-        else if (low) ckpt.read_into(kind + p.global().name, *t);
-        else read_part(kind, p, 0, p.spec.numel(), t->f32());
+      if (!g->shapes.low_rank) {
+        for (const auto& [kind, t] : {std::pair<const char*, Tensor*>{"adam_m/", &g->exp_avg}, {"adam_v/", &g->exp_avg_sq}}) {
+          if (!ckpt.has(kind + p.global().name)) t->zero_();
+          else read_part(kind, p, 0, p.spec.numel(), t->f32());
+        }
+        continue;
+      }
+      for (size_t j = 0; j < g->parts.size(); ++j) {
+        const optim::GaLorePart& part = g->shapes.parts[j];
+        optim::GaLore::PartState& ps = g->parts[j];
+        for (const auto& [kind, t] : {std::pair<const char*, Tensor*>{part.low_rank ? "galore_m/" : "adam_m/", &ps.exp_avg},
+                                      {part.low_rank ? "galore_v/" : "adam_v/", &ps.exp_avg_sq},
+                                      {"galore_p/", part.low_rank ? &ps.projector : nullptr}}) {
+          if (!t) continue;
+          const std::string name = optim::galore_state_name(kind, p.global().name, part);
+          if (!ckpt.has(name)) t->zero_();
+          else ckpt.read_into(name, *t);
+        }
       }
     }
   }
@@ -928,6 +950,18 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
                         ? fmt::format(", and the rate rises the whole run without reaching optim.lr {} (update {})",
                                       cfg.lr, cfg.warmup_steps)
                         : fmt::format(": optim.lr {} after the warm-up", cfg.lr)));
+  if (cfg.optimizer != "galore") {  // (GaLore's fields set for AdamW: a forgotten optim.name?)
+    const TrainConfig defaults;
+    std::vector<std::string> unused;
+    if (cfg.galore_rank != defaults.galore_rank) unused.push_back(fmt::format("optim.galore_rank = {}", cfg.galore_rank));
+    if (cfg.galore_update_every != defaults.galore_update_every)
+      unused.push_back(fmt::format("optim.galore_update_every = {}", cfg.galore_update_every));
+    if (cfg.galore_scale != defaults.galore_scale)
+      unused.push_back(fmt::format("optim.galore_scale = {}", cfg.galore_scale));
+    if (!unused.empty())
+      warn(fmt::format("{} set, but optim.name = {}: {} only with optim.name = galore", fmt::join(unused, ", "),
+                       cfg.optimizer, unused.size() > 1 ? "they apply" : "it applies"));
+  }
   LrSchedule sched{cfg.lr, cfg.final_lr(), cfg.warmup_steps, cfg.decay_end(), cfg.lr_schedule};
 
   TrainResult res;
@@ -993,6 +1027,14 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
       if (meta.loss_scale > 0) engine->load_loss_scale(meta.loss_scale, meta.loss_scale_clean);
       start_step = meta.step;
       start_updates = meta.optimizer_steps;
+      // The resumed steps draw the samples after those the run drew (its steps at its batch in an
+      // older checkpoint), so a changed train.batch_size neither replays nor skips any.
+      const int64_t consumed = meta.consumed_samples >= 0 ? meta.consumed_samples
+                               : meta.config_toml.empty()
+                                   ? meta.step * cfg.batch_size
+                                   : meta.step * checkpoint_batch_size(meta.config_toml,
+                                                                       (fs::path(ckpt) / "manifest.json").string());
+      train.resume_at(start_step, cfg.batch_size, consumed);
       if (lead) truncate_metrics(metrics_path, start_step);
       say(fmt::format("resumed from {} (step {})", ckpt, start_step));
       if (start_step == cfg.steps)
@@ -1078,7 +1120,8 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
       part.storage.emplace_back(mc.kept_tokens->begin(), mc.kept_tokens->end());  // ids < 2^24: exact in f32
       part.slices.push_back({"vocab/kept", 0, mc.input_rows(), part.storage.back().data()});
     }
-    CheckpointMeta cm = checkpoint_meta(cfg, mc, step, part.optimizer_steps, vocabulary);
+    CheckpointMeta cm =
+        checkpoint_meta(cfg, mc, step, part.optimizer_steps, vocabulary, train.consumed(step, cfg.batch_size));
     cm.loss_scale = part.loss_scale;
     cm.loss_scale_clean = part.loss_scale_clean;
     save_checkpoint(world, out_dir.string(), cm, ckpt_tensors, part.slices, cfg.keep_checkpoints);

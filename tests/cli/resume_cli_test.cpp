@@ -212,6 +212,27 @@ TEST(ResumeCli, AFailedMetricsWriteStopsTheRun) {
 // optim.decay_steps, which stretches the decay), AdamW setting or batch shape is refused naming
 // each difference, nothing changed; --new-hparams takes them, saying each; and the decay ending
 // at the first run's step (optim.decay_steps) trains on at its final rate.
+// The checkpoint records the training samples drawn (Megatron-LM's consumed samples): a resume
+// with another train.batch_size draws the samples after them. (Indexed by step x batch, halving
+// the batch at step 4 had replayed the samples of steps 2 and 3.)
+TEST(ResumeCli, AChangedBatchDrawsTheSamplesAfterTheRunsOwn) {
+  LOOM_REQUIRE_LOOM();
+  RunFixture r;
+  const fs::path run = r.root / "run";
+  ASSERT_EQ(r.train(run, 4, false).code, 0);
+  auto consumed = [&](int step) {
+    const auto m = nlohmann::json::parse(slurp(run / fmt::format("ckpt_{:08d}", step) / "manifest.json"));
+    return m.value("consumed_samples", int64_t(-1));
+  };
+  EXPECT_EQ(consumed(4), 16);  // 4 steps of 4
+  CliRun half = loom_cli(fmt::format("train {} --train.out_dir '{}' --train.steps 6 --resume --new-hparams "
+                                     "--train.batch_size 2",
+                                     r.flags, run.string()),
+                         r.root / "logs");
+  ASSERT_EQ(half.code, 0) << half.err;
+  EXPECT_EQ(consumed(6), 20);  // and 2 of 2
+}
+
 TEST(ResumeCli, ATrainingChangeIsRefusedUnlessAsked) {
   LOOM_REQUIRE_LOOM();
   RunFixture r;

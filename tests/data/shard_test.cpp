@@ -195,6 +195,33 @@ TEST(Loader, BatchesDependOnlyOnGlobalSampleIndex) {
   EXPECT_LT(same, 5);
 }
 
+// A run resumed at step 10 after 80 samples (8 per step) with 4 per step draws samples 80, 81, ...:
+// neither the ones it drew (step 10 at 4 from the start would be 40-43) nor a gap.
+TEST(Loader, AResumeWithAnotherBatchDrawsTheSamplesAfterTheRunsOwn) {
+  TmpDir d;
+  write_shard((d.p / "train_000.bin").string(), random_tokens(5000, 700, 3), 700);
+  const int64_t T = 16;
+  Loader fresh(d.p.string(), "train", T, 7), resumed(d.p.string(), "train", T, 7);
+  EXPECT_EQ(resumed.consumed(10, 8), 80);
+  resumed.resume_at(10, 4, 80);
+  EXPECT_EQ(resumed.consumed(10, 4), 80);
+  EXPECT_EQ(resumed.consumed(12, 4), 88);
+  std::vector<int32_t> a(4 * T), b(4 * T), ya(4 * T), yb(4 * T);
+  for (int64_t step : {10, 11, 12}) {
+    resumed.train_batch(step, 4, 0, 4, a.data(), ya.data());
+    fresh.train_batch(step - 10 + 20, 4, 0, 4, b.data(), yb.data());  // samples 80 + 4 (step - 10) on
+    EXPECT_EQ(a, b) << "step " << step;
+    EXPECT_EQ(ya, yb) << "step " << step;
+  }
+  // A larger batch after fewer samples: step 10 of 16 starts at sample 80 too.
+  resumed.resume_at(10, 16, 80);
+  std::vector<int32_t> c(16 * T), yc(16 * T), e(8 * T), ye(8 * T);
+  resumed.train_batch(10, 16, 0, 16, c.data(), yc.data());
+  fresh.train_batch(10, 8, 0, 8, e.data(), ye.data());  // samples 80-87
+  EXPECT_TRUE(std::equal(e.begin(), e.end(), c.begin()));
+  EXPECT_THROW(resumed.train_batch(4, 16, 0, 16, c.data(), yc.data()), Error);  // before sample 0
+}
+
 TEST(Loader, ValidationWindowsAreConsecutive) {
   TmpDir d;
   auto a = random_tokens(1000, 50, 5);

@@ -76,13 +76,33 @@ TEST(GaLore, ProjectorIsTheTopSingularVectors) {
 TEST(GaLore, ShapesFollowTheSmallerSideAndSkipWhatIsNotABlockMatrix) {
   auto s = optim::galore_shapes("h.0.attn.c_attn.weight", {96, 32}, 8);
   EXPECT_TRUE(s.low_rank);
-  EXPECT_FALSE(s.left);
-  EXPECT_EQ(s.moments, (Shape{96, 8}));
-  EXPECT_EQ(s.projector, (Shape{8, 32}));
+  ASSERT_EQ(s.parts.size(), 1u);
+  EXPECT_FALSE(s.parts[0].left);
+  EXPECT_EQ(s.parts[0].moments, (Shape{96, 8}));
+  EXPECT_EQ(s.parts[0].projector, (Shape{8, 32}));
+  EXPECT_EQ(optim::galore_state_name("galore_m/", "h.0.attn.c_attn.weight", s.parts[0]), "galore_m/h.0.attn.c_attn.weight");
   s = optim::galore_shapes("h.1.mlp.c_proj.weight", {32, 128}, 8);
-  EXPECT_TRUE(s.left);
-  EXPECT_EQ(s.moments, (Shape{8, 128}));
-  EXPECT_EQ(s.projector, (Shape{32, 8}));
+  EXPECT_TRUE(s.parts[0].left);
+  EXPECT_EQ(s.parts[0].moments, (Shape{8, 128}));
+  EXPECT_EQ(s.parts[0].projector, (Shape{32, 8}));
+  // A Llama block's fused matrices, as Hugging Face's modules: q [32, 32] right, k and v [8, 32]
+  // left (fewer rows than columns), each at rank 4; at rank 8, k and v keep AdamW.
+  s = optim::galore_shapes("h.0.attn.c_attn.weight", {48, 32}, 4, {{"q", 32}, {"k", 8}, {"v", 8}});
+  ASSERT_EQ(s.parts.size(), 3u);
+  EXPECT_EQ(s.parts[1].label, "k");
+  EXPECT_EQ(s.parts[1].row0, 32);
+  EXPECT_TRUE(s.parts[1].left);
+  EXPECT_EQ(s.parts[1].moments, (Shape{4, 32}));
+  EXPECT_EQ(s.parts[1].projector, (Shape{8, 4}));
+  EXPECT_FALSE(s.parts[0].left);
+  EXPECT_EQ(s.parts[0].moments, (Shape{32, 4}));
+  EXPECT_EQ(optim::galore_state_name("galore_p/", "h.0.attn.c_attn.weight", s.parts[2]),
+            "galore_p/h.0.attn.c_attn.weight[v]");
+  s = optim::galore_shapes("h.0.attn.c_attn.weight", {48, 32}, 8, {{"q", 32}, {"k", 8}, {"v", 8}});
+  EXPECT_TRUE(s.parts[0].low_rank);
+  EXPECT_FALSE(s.parts[1].low_rank);
+  EXPECT_EQ(s.parts[1].moments, (Shape{8, 32}));
+  EXPECT_THROW(optim::galore_shapes("h.0.attn.c_attn.weight", {48, 32}, 4, {{"q", 32}, {"k", 8}}), Error);
   EXPECT_FALSE(optim::galore_shapes("wte.weight", {97, 32}, 8).low_rank);
   EXPECT_FALSE(optim::galore_shapes("lm_head.weight", {97, 32}, 8).low_rank);
   EXPECT_FALSE(optim::galore_shapes("h.0.ln_1.weight", {32}, 8).low_rank);
@@ -101,12 +121,14 @@ TEST(GaLore, StepsMatchTheUpdateInDouble) {
   const std::vector<P> params = {{"wte.weight", {10, 8}},
                                  {"h.0.attn.c_attn.weight", {24, 8}},
                                  {"h.0.attn.c_attn.bias", {24}},
-                                 {"h.0.mlp.c_proj.weight", {6, 16}}};
+                                 {"h.0.mlp.c_proj.weight", {6, 16}},
+                                 {"h.1.attn.c_attn.weight", {14, 8}}};  // a Llama block's q, k, v
   std::vector<optim::FlatSegment> segs;
   int64_t at = 0;
   for (const P& p : params) {
     const int64_t n = shape_numel(p.shape);
     segs.push_back({at, at + n, p.shape.size() >= 2, p.name, true, p.shape});
+    if (p.name == "h.1.attn.c_attn.weight") segs.back().row_blocks = {{"q", 8}, {"k", 4}, {"v", 2}};
     at += n + 3;  // gaps, as the flat layout's alignment leaves
   }
   optim::AdamWConfig cfg;
@@ -117,8 +139,10 @@ TEST(GaLore, StepsMatchTheUpdateInDouble) {
   cfg.galore_update_every = 2;
   cfg.galore_scale = 0.5;
   optim::GaLore opt(segs, 0, at, cfg, pool, pool);
-  // State: plain moments for wte and the bias, r max(m, n) moments and r min(m, n) projectors.
-  EXPECT_EQ(opt.state_bytes(), 4 * (2 * 80 + 2 * (3 * 24) + 3 * 8 + 2 * 24 + 2 * (3 * 16) + 6 * 3));
+  // State: plain moments for wte and the bias, r max(m, n) moments and r min(m, n) projectors;
+  // the fused matrix's q [8, 8] and k [4, 8] so, its v [2, 8] (not above the rank) plain.
+  EXPECT_EQ(opt.state_bytes(), 4 * (2 * 80 + 2 * (3 * 24) + 3 * 8 + 2 * 24 + 2 * (3 * 16) + 6 * 3 + 2 * (8 * 3) +
+                                    8 * 3 + 2 * (3 * 8) + 4 * 3 + 2 * 16));
   EXPECT_EQ(pool.stats().current[int(MemTag::optimizer)], opt.state_bytes());
 
   std::mt19937 g(5);
@@ -130,12 +154,15 @@ TEST(GaLore, StepsMatchTheUpdateInDouble) {
   struct Ref {
     std::vector<double> m, v;
   };
-  std::vector<Ref> ref(segs.size());
+  // Per segment and part (one part where a segment is not projected).
+  std::vector<std::vector<Ref>> ref(segs.size());
   for (size_t k = 0; k < segs.size(); ++k) {
-    const auto sh = optim::galore_shapes(segs[k].name, segs[k].shape, cfg.galore_rank);
-    const int64_t n = sh.low_rank ? shape_numel(sh.moments) : segs[k].end - segs[k].begin;
-    ref[k].m.assign(size_t(n), 0.0);
-    ref[k].v.assign(size_t(n), 0.0);
+    const auto sh = optim::galore_shapes(segs[k].name, segs[k].shape, cfg.galore_rank, segs[k].row_blocks);
+    if (!sh.low_rank) ref[k].push_back({std::vector<double>(size_t(segs[k].end - segs[k].begin), 0.0),
+                                        std::vector<double>(size_t(segs[k].end - segs[k].begin), 0.0)});
+    for (const auto& part : sh.parts)
+      ref[k].push_back({std::vector<double>(size_t(shape_numel(part.moments)), 0.0),
+                        std::vector<double>(size_t(shape_numel(part.moments)), 0.0)});
   }
   for (int64_t t = 1; t <= 3; ++t) {
     double ss = 0;
@@ -144,7 +171,7 @@ TEST(GaLore, StepsMatchTheUpdateInDouble) {
     const double norm = std::sqrt(ss);
     EXPECT_NEAR(opt.grad_sum_squares(grad.data()), ss, 1e-9 * ss);
     const optim::StepStats st = opt.step(w.data(), grad.data(), norm);
-    EXPECT_EQ(opt.refreshes(), t == 1 ? 2 : t == 2 ? 2 : 4);
+    EXPECT_EQ(opt.refreshes(), t == 1 ? 4 : t == 2 ? 4 : 8);  // c_attn, c_proj, and the fused q and k
     const double clip = std::min(1.0, cfg.max_norm / (norm + 1e-6));
     EXPECT_NEAR(st.clip_scale, clip, 1e-6);
     const double bc1 = 1 - std::pow(cfg.beta1, double(t)), bc2 = 1 - std::pow(cfg.beta2, double(t));
@@ -153,60 +180,73 @@ TEST(GaLore, StepsMatchTheUpdateInDouble) {
       const optim::GaLore::State& state = opt.states()[k];
       const auto sh = state.shapes;
       const double decay = s.decay ? 1 - cfg.lr * cfg.weight_decay : 1.0;
-      auto adam = [&](std::vector<double>& R) {  // R -> N in place, moments updated
+      auto adam = [&](Ref& st, std::vector<double>& R) {  // R -> N in place, moments updated
         for (size_t i = 0; i < R.size(); ++i) {
-          ref[k].m[i] = cfg.beta1 * ref[k].m[i] + (1 - cfg.beta1) * R[i];
-          ref[k].v[i] = cfg.beta2 * ref[k].v[i] + (1 - cfg.beta2) * R[i] * R[i];
-          R[i] = (ref[k].m[i] / bc1) / (std::sqrt(ref[k].v[i] / bc2) + cfg.eps);
+          st.m[i] = cfg.beta1 * st.m[i] + (1 - cfg.beta1) * R[i];
+          st.v[i] = cfg.beta2 * st.v[i] + (1 - cfg.beta2) * R[i] * R[i];
+          R[i] = (st.m[i] / bc1) / (std::sqrt(st.v[i] / bc2) + cfg.eps);
+        }
+      };
+      auto plain = [&](Ref& st, int64_t begin, int64_t count) {
+        std::vector<double> R(static_cast<size_t>(count));
+        for (size_t i = 0; i < R.size(); ++i) R[i] = clip * grad[size_t(begin) + i];
+        adam(st, R);
+        for (size_t i = 0; i < R.size(); ++i) {
+          double& x = wd[size_t(begin) + i];
+          x = x * decay - cfg.lr * R[i];
         }
       };
       if (!sh.low_rank) {
-        std::vector<double> R(size_t(s.end - s.begin));
-        for (size_t i = 0; i < R.size(); ++i) R[i] = clip * grad[size_t(s.begin) + i];
-        adam(R);
-        for (size_t i = 0; i < R.size(); ++i) {
-          double& x = wd[size_t(s.begin) + i];
-          x = x * decay - cfg.lr * R[i];
-        }
+        plain(ref[k][0], s.begin, s.end - s.begin);
         continue;
       }
-      const int64_t m = s.shape[0], n = s.shape[1], r = cfg.galore_rank;
-      const float* P = state.projector.f32();
-      auto G = [&](int64_t i, int64_t j) { return clip * grad[size_t(s.begin + i * n + j)]; };
-      std::vector<double> R(size_t(shape_numel(sh.moments)), 0.0);
-      if (sh.left) {  // R [r, n] = P^T G, P [m, r]
-        for (int64_t a = 0; a < r; ++a)
-          for (int64_t j = 0; j < n; ++j)
-            for (int64_t i = 0; i < m; ++i) R[size_t(a * n + j)] += double(P[i * r + a]) * G(i, j);
-      } else {        // R [m, r] = G Q^T, Q [r, n]
-        for (int64_t i = 0; i < m; ++i)
-          for (int64_t a = 0; a < r; ++a)
-            for (int64_t j = 0; j < n; ++j) R[size_t(i * r + a)] += G(i, j) * double(P[a * n + j]);
-      }
-      adam(R);
-      for (int64_t i = 0; i < m; ++i)
-        for (int64_t j = 0; j < n; ++j) {
-          double back = 0;
-          for (int64_t a = 0; a < r; ++a)
-            back += sh.left ? double(P[i * r + a]) * R[size_t(a * n + j)] : R[size_t(i * r + a)] * double(P[a * n + j]);
-          double& x = wd[size_t(s.begin + i * n + j)];
-          x = x * decay - cfg.lr * cfg.galore_scale * back;
+      for (size_t q = 0; q < sh.parts.size(); ++q) {
+        const optim::GaLorePart& part = sh.parts[q];
+        const int64_t m = part.rows, n = s.shape[1], r = cfg.galore_rank, begin = s.begin + part.row0 * n;
+        if (!part.low_rank) {
+          plain(ref[k][q], begin, m * n);
+          continue;
         }
+        const float* P = state.parts[q].projector.f32();
+        auto G = [&](int64_t i, int64_t j) { return clip * grad[size_t(begin + i * n + j)]; };
+        std::vector<double> R(size_t(shape_numel(part.moments)), 0.0);
+        if (part.left) {  // R [r, n] = P^T G, P [m, r]
+          for (int64_t a = 0; a < r; ++a)
+            for (int64_t j = 0; j < n; ++j)
+              for (int64_t i = 0; i < m; ++i) R[size_t(a * n + j)] += double(P[i * r + a]) * G(i, j);
+        } else {          // R [m, r] = G Q^T, Q [r, n]
+          for (int64_t i = 0; i < m; ++i)
+            for (int64_t a = 0; a < r; ++a)
+              for (int64_t j = 0; j < n; ++j) R[size_t(i * r + a)] += G(i, j) * double(P[a * n + j]);
+        }
+        adam(ref[k][q], R);
+        for (int64_t i = 0; i < m; ++i)
+          for (int64_t j = 0; j < n; ++j) {
+            double back = 0;
+            for (int64_t a = 0; a < r; ++a)
+              back += part.left ? double(P[i * r + a]) * R[size_t(a * n + j)] : R[size_t(i * r + a)] * double(P[a * n + j]);
+            double& x = wd[size_t(begin + i * n + j)];
+            x = x * decay - cfg.lr * cfg.galore_scale * back;
+          }
+      }
     }
     // The projector's columns are orthonormal.
     for (size_t k = 0; k < opt.states().size(); ++k) {
       const optim::GaLore::State& state = opt.states()[k];
       const optim::FlatSegment& seg = opt.segments()[k];
-      if (!state.shapes.low_rank) continue;
-      const int64_t r = cfg.galore_rank, len = state.shapes.left ? seg.shape[0] : seg.shape[1];
-      for (int64_t a = 0; a < r; ++a)
-        for (int64_t b = 0; b < r; ++b) {
-          double dot = 0;
-          for (int64_t i = 0; i < len; ++i)
-            dot += state.shapes.left ? double(state.projector.f32()[i * r + a]) * state.projector.f32()[i * r + b]
-                                     : double(state.projector.f32()[a * len + i]) * state.projector.f32()[b * len + i];
-          EXPECT_NEAR(dot, a == b ? 1.0 : 0.0, 1e-5) << seg.name;
-        }
+      for (size_t q = 0; q < state.shapes.parts.size(); ++q) {
+        const optim::GaLorePart& part = state.shapes.parts[q];
+        if (!part.low_rank) continue;
+        const float* P = state.parts[q].projector.f32();
+        const int64_t r = cfg.galore_rank, len = part.left ? part.rows : seg.shape[1];
+        for (int64_t a = 0; a < r; ++a)
+          for (int64_t b = 0; b < r; ++b) {
+            double dot = 0;
+            for (int64_t i = 0; i < len; ++i)
+              dot += part.left ? double(P[i * r + a]) * P[i * r + b] : double(P[a * len + i]) * P[b * len + i];
+            EXPECT_NEAR(dot, a == b ? 1.0 : 0.0, 1e-5) << seg.name << part.label;
+          }
+      }
     }
     for (const auto& s : segs) {
       for (int64_t i = s.begin; i < s.end; ++i) {
@@ -270,8 +310,8 @@ TEST(GaLore, HoldersShareTheProjectorRefresh) {
       a.refresh_projectors(grad.data(), 0, 2, [](Tensor&, int) {});
       b.refresh_projectors(grad.data(), 1, 2, [](Tensor&, int) {});
       for (size_t i = 0; i < a.states().size(); ++i) {
-        Tensor& from = (i % 2 == 0 ? a : b).states()[i].projector;
-        Tensor& to = (i % 2 == 0 ? b : a).states()[i].projector;
+        Tensor& from = (i % 2 == 0 ? a : b).states()[i].parts[0].projector;
+        Tensor& to = (i % 2 == 0 ? b : a).states()[i].parts[0].projector;
         std::memcpy(to.f32(), from.f32(), from.nbytes());
       }
     }

@@ -215,6 +215,21 @@ TEST_F(TrainParallelResume, GaLoreResumesBitIdenticallyAndReshards) {
     EXPECT_FALSE(reader.has("adam_m/h.0.attn.c_attn.weight"));
     EXPECT_EQ(reader.shape("adam_m/wte.weight"), (Shape{97, 32}));
   }
+  // A Llama block's fused q/k/v and gate/up as Hugging Face's modules, each with its own state:
+  // q [32, 32] and gate, up [128, 32] on the right, k and v [16, 32] (2 key/value heads) on the left.
+  const std::string llama =
+      " --model.norm rmsnorm --model.mlp swiglu --model.position rope --model.n_kv_head 2 --model.bias false "
+      "--model.tied_embeddings false";
+  expect_bit_identical_resume("galore_llama", llama + galore, 0);
+  {
+    train::CheckpointReader reader(train::latest_checkpoint((root_ / "galore_llama_cut").string()));
+    EXPECT_EQ(reader.shape("galore_m/h.0.attn.c_attn.weight[q]"), (Shape{32, 8}));
+    EXPECT_EQ(reader.shape("galore_p/h.0.attn.c_attn.weight[k]"), (Shape{16, 8}));
+    EXPECT_EQ(reader.shape("galore_v/h.0.attn.c_attn.weight[v]"), (Shape{8, 32}));
+    EXPECT_EQ(reader.shape("galore_m/h.1.mlp.c_fc.weight[up]"), (Shape{128, 8}));
+    EXPECT_FALSE(reader.has("galore_m/h.0.attn.c_attn.weight"));
+    EXPECT_EQ(reader.shape("galore_m/h.1.mlp.c_proj.weight"), (Shape{8, 128}));
+  }
   ASSERT_EQ(train("galore_ref", galore).status, 0);
   run_interrupted("galore_dp2_to_pp2", "--parallel.dp 2" + galore, 1);
   resume("galore_dp2_to_pp2", "--parallel.pp 2" + galore);
@@ -228,6 +243,20 @@ TEST_F(TrainParallelResume, GaLoreResumesBitIdenticallyAndReshards) {
   CmdRun rank = train("galore_single_cut", galore + " --optim.galore_rank 4 --resume");
   EXPECT_NE(rank.status, 0) << rank.output;
   EXPECT_NE(rank.output.find("optim.galore_rank 4"), std::string::npos) << rank.output;
+  // Its refresh interval and scale are the run's too (they had been taken silently).
+  CmdRun scale = train("galore_single_cut", galore + " --optim.galore_scale 4 --optim.galore_update_every 2 --resume");
+  EXPECT_NE(scale.status, 0) << scale.output;
+  EXPECT_NE(scale.output.find("optim.galore_update_every 2 (the checkpoint's 3); optim.galore_scale 4 (the "
+                              "checkpoint's 0.25)"),
+            std::string::npos)
+      << scale.output;
+  // GaLore's fields without optim.name = galore are said to be unused.
+  CmdRun unused = train_steps("galore_unused", " --optim.galore_rank 4", 1);
+  EXPECT_EQ(unused.status, 0) << unused.output;
+  EXPECT_NE(unused.output.find("optim.galore_rank = 4 set, but optim.name = adamw: it applies only with "
+                               "optim.name = galore"),
+            std::string::npos)
+      << unused.output;
 }
 
 // Embedding pruning (model.prune_embedding): a fine-tune from a checkpoint of the whole

@@ -432,7 +432,8 @@ DataParallel::DataParallel(DataChain chain, comm::Comm& dp, const optim::AdamWCo
                o_.zero);
     for (const FlatParam& f : lay_.params)
       LOOM_CHECK(!f.param->shard.split || !optim::galore_shapes(f.param->spec.name, f.param->spec.shape,
-                                                                adam.galore_rank).low_rank,
+                                                                adam.galore_rank, f.param->spec.row_blocks)
+                                                .low_rank,
                  "data parallel: GaLore needs whole matrices, and '{}' is split over tensor-parallel ranks",
                  f.param->spec.name);
     opt_ = std::make_unique<optim::GaLore>(std::move(segs), ob, oe, adam, state_pool, pool);

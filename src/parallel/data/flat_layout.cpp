@@ -55,7 +55,8 @@ std::vector<optim::FlatSegment> FlatLayout::segments(const std::vector<bool>& in
     const FlatParam& f = params[i];
     const bool counted = in_norm.empty() || in_norm[i];
     if (!counted || !f.param->has_shared()) {
-      segs.push_back({f.offset, f.offset + f.numel, f.param->spec.decay(), f.param->spec.name, counted, f.param->spec.shape});
+      segs.push_back({f.offset, f.offset + f.numel, f.param->spec.decay(), f.param->spec.name, counted,
+                      f.param->spec.shape, f.param->spec.row_blocks});
       continue;
     }
     // Replicas of shared segments (replicated key/value heads) count on their owner only.
