@@ -2,11 +2,15 @@
 // [--device cpu|cuda|emu] [--json]: the loss and perplexity of a checkpoint (either family) on a file.
 //
 // The tokens (the text encoded with the checkpoint's tokenizer, or a loom token shard written by
-// `loom prepare`) are cut into consecutive windows of --seq + 1 tokens sharing their boundary
-// token (each window predicts its last --seq tokens from the ones before them, as training does);
-// the last window may be shorter. The loss is the mean cross-entropy over every predicted token,
-// the perplexity its exponential. Windows run --batch at a time, on the CPU in f32 or on a GPU in
-// bf16 (the checkpoint's f32 weights uploaded, the CUDA backend's default attention).
+// `loom prepare`) are cut into windows of --seq + 1 tokens, each predicting its last --seq tokens
+// from the ones before them, as training does, starting every --stride tokens (default --seq:
+// consecutive windows sharing their boundary token, llm.c's and loom's validation loss). A
+// window counts only the tokens no earlier window predicted, so with a stride below --seq every
+// token after the first window is predicted with at least --seq - --stride tokens before it:
+// Hugging Face's perplexity recipe with that stride. The last window may be shorter. The loss is
+// the mean cross-entropy over every predicted token (each once), the perplexity its exponential.
+// Windows run --batch at a time, on the CPU in f32 or on a GPU in bf16 (the checkpoint's f32
+// weights uploaded, the CUDA backend's default attention).
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -36,7 +40,7 @@ namespace {
 
 struct EvalArgs {
   std::string ckpt, text, tokens, tokenizer, device = "cpu";
-  int64_t seq = 0, batch = 8;
+  int64_t seq = 0, batch = 8, stride = 0;
   bool json = false;
 };
 
@@ -111,6 +115,11 @@ int run_eval(const EvalArgs& a) {
   const int64_t T = a.seq > 0 ? a.seq : cfg.block_size;
   if (T > cfg.block_size)
     throw Error(fmt::format("command line: --seq {} exceeds the model's block_size {}", T, cfg.block_size));
+  const int64_t S = a.stride > 0 ? a.stride : T;
+  if (S > T)
+    throw Error(fmt::format("command line: --stride {} exceeds the window (--seq {}): tokens between windows would "
+                            "go unpredicted",
+                            S, T));
   const std::vector<int32_t> ids = read_tokens(a, ckpt, cfg);
   const std::string file = a.text.empty() ? a.tokens : a.text;
   if (ids.size() < 2)
@@ -145,36 +154,57 @@ int run_eval(const EvalArgs& a) {
   }
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t n = int64_t(ids.size());
+  // The windows: their first token, length (predictions) and how many of their first predictions
+  // an earlier window made (not counted again).
+  struct Window {
+    int64_t start, len, skip;
+  };
+  std::vector<Window> wins;
+  for (int64_t start = 0, done = 0;; start += S) {  // done: the tokens predicted so far (1 .. done)
+    const int64_t len = std::min(T, n - 1 - start);
+    wins.push_back({start, len, done - start});
+    done = start + len;
+    if (done >= n - 1) break;
+  }
   double sum = 0;
-  int64_t counted = 0, windows = 0;
-  // Full windows of T predictions, B at a time, then the shorter last one alone.
-  const int64_t full = (n - 1) / T, rest = (n - 1) % T;
-  auto run = [&](int64_t first_window, int64_t B, int64_t L) {
+  int64_t counted = 0;
+  // Windows of one length together, B at a time (the last, shorter one alone).
+  auto run = [&](size_t first, int64_t B) {
+    const int64_t L = wins[first].len;
     Tensor x = Tensor::empty({B, L}, DType::i32, MemTag::workspace, pool);
     Tensor y = Tensor::empty({B, L}, DType::i32, MemTag::workspace, pool);
+    int64_t here = 0;
     for (int64_t b = 0; b < B; ++b) {
-      const int64_t start = (first_window + b) * T;
-      std::copy_n(ids.begin() + start, L, x.i32() + b * L);
-      std::copy_n(ids.begin() + start + 1, L, y.i32() + b * L);
+      const Window& w = wins[first + size_t(b)];
+      std::copy_n(ids.begin() + w.start, L, x.i32() + b * L);
+      std::copy_n(ids.begin() + w.start + 1, L, y.i32() + b * L);
+      std::fill_n(y.i32() + b * L, w.skip, -1);  // (predicted by an earlier window)
+      here += L - w.skip;
     }
-    sum += double(gpt.forward(x, y)) * double(B * L);
-    counted += B * L;
-    windows += B;
+    sum += double(gpt.forward(x, y)) * double(here);
+    counted += here;
   };
-  for (int64_t w = 0; w < full; w += a.batch) run(w, std::min(a.batch, full - w), T);
-  if (rest > 0) run(full, 1, rest);
+  for (size_t w = 0; w < wins.size();) {
+    size_t e = w + 1;
+    while (e < wins.size() && int64_t(e - w) < a.batch && wins[e].len == wins[w].len) ++e;
+    run(w, int64_t(e - w));
+    w = e;
+  }
+  const int64_t windows = int64_t(wins.size());
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const double loss = sum / double(counted), ppl = std::exp(loss);
   if (a.json) {
     std::printf("{\"checkpoint\": \"%s\", \"file\": \"%s\", \"device\": \"%s\", \"tokens\": %lld, \"predicted\": %lld, "
-                "\"windows\": %lld, \"seq\": %lld, \"loss\": %.6f, \"perplexity\": %.6f, \"seconds\": %.3f}\n",
+                "\"windows\": %lld, \"seq\": %lld, \"stride\": %lld, \"loss\": %.6f, \"perplexity\": %.6f, "
+                "\"seconds\": %.3f}\n",
                 ckpt.c_str(), file.c_str(), a.device.c_str(), (long long)n, (long long)counted, (long long)windows,
-                (long long)T, loss, ppl, s);
+                (long long)T, (long long)S, loss, ppl, s);
   } else {
-    std::printf("%s on %s: %lld tokens, %lld predicted in %lld windows of up to %lld | loss %.4f | perplexity %.3f | "
-                "%.0f tokens/s\n",
-                ckpt.c_str(), file.c_str(), (long long)n, (long long)counted, (long long)windows, (long long)T, loss,
-                ppl, s > 0 ? double(counted) / s : 0.0);
+    std::printf("%s on %s: %lld tokens, %lld predicted in %lld windows of up to %lld %s | loss %.4f | perplexity "
+                "%.3f | %.0f tokens/s\n",
+                ckpt.c_str(), file.c_str(), (long long)n, (long long)counted, (long long)windows, (long long)T,
+                S == T ? "(consecutive)" : fmt::format("every {} tokens", S).c_str(), loss, ppl,
+                s > 0 ? double(counted) / s : 0.0);
   }
   return 0;
 }
@@ -190,6 +220,11 @@ Registrar reg{Command{
       sub.add_option("--tokens", a->tokens, "a loom token shard (loom prepare's train_*.bin / val_*.bin)");
       sub.add_option("--tokenizer", a->tokenizer, "directory with the tokenizer (default: the training data's)");
       sub.add_option("--seq", a->seq, "predicted tokens per window (default: the model's block_size)")
+          ->check(CLI::Range(int64_t(1), int64_t(1) << 40));
+      sub.add_option("--stride", a->stride,
+                     "tokens between windows' starts (default --seq: consecutive windows, llm.c's validation loss; "
+                     "below it, each token is predicted once with at least --seq - --stride tokens before it, Hugging "
+                     "Face's perplexity recipe)")
           ->check(CLI::Range(int64_t(1), int64_t(1) << 40));
       sub.add_option("--batch", a->batch, "windows per forward pass")
           ->capture_default_str();

@@ -27,6 +27,7 @@ struct PrepareArgs {
   double val_fraction = 0.05;
   int64_t shard_tokens = 100'000'000;
   bool overwrite = false;
+  bool allow_special = false;
 };
 
 // Writes the shards of one split into dir; their names.
@@ -85,6 +86,9 @@ Registrar reg{Command{
           ->check(CLI::Range(int64_t(1) << 16, int64_t(1) << 40))
           ->capture_default_str();
       sub.add_flag("--overwrite", a->overwrite, "replace the dataset --out holds (its shards and tokenizer)");
+      sub.add_flag("--allow-special", a->allow_special,
+                   "read the tokenizer's special tokens written in the text (<|endoftext|> between documents) as "
+                   "those tokens, as loom eval --text does (default: plain text, nanoGPT's encode_ordinary)");
       return [a]() -> int {
         // Another dataset in --out: the runs trained on it decode with its tokenizer, which a new
         // vocabulary would replace; only when asked (as loom train replaces a run).
@@ -160,10 +164,27 @@ Registrar reg{Command{
                          "among its special tokens) and its post-processor adds none: the %zu input files are joined "
                          "without a separator\n",
                          texts.size());
+          // The end of text written out in the text (TinyStories' files separate their stories with
+          // "<|endoftext|>") is text unless --allow-special: said, with its count.
+          if (const int32_t eot = tok->end_of_text(); eot >= 0 && !a->allow_special) {
+            const std::string_view mark = tok->token(eot);
+            for (size_t i = 0; i < texts.size(); ++i) {
+              size_t count = 0;
+              for (size_t at = texts[i].find(mark); at != std::string::npos; at = texts[i].find(mark, at + mark.size()))
+                ++count;
+              if (count)
+                std::fprintf(stderr,
+                             "loom: warning: %s holds the end of text '%.*s' %zu time%s, encoded as plain text; "
+                             "--allow-special reads it (and the other special tokens) as the token, as loom eval "
+                             "--text and Hugging Face's tokenizer(text) do\n",
+                             a->inputs[i].c_str(), int(mark.size()), mark.data(), count, count == 1 ? "" : "s");
+            }
+          }
           std::vector<uint32_t> toks;
           for (size_t i = 0; i < texts.size(); ++i) {
             data::EncodeOptions eo;
             eo.threads = 2;
+            eo.allow_special = a->allow_special;
             for (int32_t t : before) toks.push_back(uint32_t(t));
             for (int32_t t : tok->encode(texts[i], eo)) toks.push_back(uint32_t(t));
             for (int32_t t : after) toks.push_back(uint32_t(t));

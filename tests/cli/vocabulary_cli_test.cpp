@@ -291,5 +291,30 @@ TEST(VocabularyCli, PrepareMarksEachDocumentAsTheTokenizerDoes) {
                       root / "logs");
   ASSERT_EQ(q.code, 0) << q.out << q.err;
   EXPECT_NE(q.err.find("loom: warning: the tokenizer has no end of text"), std::string::npos) << q.err;
+  // The end of text written in a file (TinyStories' separator) is plain text, said with its count;
+  // --allow-special reads it as the token.
+  std::ofstream(root / "c.txt") << "a<|end_of_text|>b<|end_of_text|>";
+  auto prepare_c = [&](const std::string& out, const std::string& extra) {
+    return loom_cli(fmt::format("prepare '{}' --out '{}' --tokenizer '{}' --val-fraction 0 {}",
+                                (root / "c.txt").string(), (root / out).string(), (root / "llama3").string(), extra),
+                    root / "logs");
+  };
+  auto shard_of = [&](const std::string& out) {
+    const data::Shard sh((root / out / "train_000.bin").string());
+    std::vector<int32_t> ids(sh.size());
+    sh.read(0, sh.size(), ids.data());
+    return ids;
+  };
+  CliRun literal = prepare_c("data3", "");
+  ASSERT_EQ(literal.code, 0) << literal.err;
+  EXPECT_NE(literal.err.find("c.txt holds the end of text '<|end_of_text|>' 2 times, encoded as plain text; "
+                             "--allow-special reads it"),
+            std::string::npos)
+      << literal.err;
+  EXPECT_EQ(shard_of("data3").size(), 1 + 2 * (1 + 15) + 1u);  // (each byte of the mark a token)
+  CliRun special = prepare_c("data4", "--allow-special");
+  ASSERT_EQ(special.code, 0) << special.err;
+  EXPECT_EQ(special.err.find("holds the end of text"), std::string::npos) << special.err;
+  EXPECT_EQ(shard_of("data4"), (std::vector<int32_t>{256, 'a', 257, 'b', 257, 257}));
   fs::remove_all(root);
 }

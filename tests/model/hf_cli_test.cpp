@@ -246,6 +246,31 @@ TEST(HfCli, LlamaConvertEvalAndExport) {
   }
   EXPECT_NEAR(j.at("loss").get<double>(), sum / 999, 1e-5 * sum / 999);
   EXPECT_NEAR(j.at("perplexity").get<double>(), std::exp(sum / 999), 1e-4 * std::exp(sum / 999));
+  // With --stride 48 (Hugging Face's perplexity recipe): windows of 64 predictions start every 48
+  // tokens and each counts only the tokens no earlier window predicted, so every token after the
+  // first 64 is predicted with at least 16 before it, and each token once: the window at 48 counts
+  // its last 48 predictions (targets 65-112), and so on; the last, at 960, predicts 961-999 and
+  // counts 977-999.
+  r = loom_cli("eval '" + run + "' --tokens '" + shard + "' --seq 64 --batch 4 --stride 48 --json", d.p);
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto js = nlohmann::json::parse(r.out);
+  EXPECT_EQ(js.at("predicted"), 999);
+  EXPECT_EQ(js.at("windows"), 21);
+  EXPECT_EQ(js.at("stride"), 48);
+  double strided = 0;
+  int64_t done = 0;
+  for (int64_t start = 0;; start += 48) {
+    const int64_t L = std::min<int64_t>(64, 999 - start);
+    loom::Tensor x = loom::Tensor::empty({1, L}, loom::DType::i32, loom::MemTag::workspace, pool);
+    loom::Tensor y = loom::Tensor::empty({1, L}, loom::DType::i32, loom::MemTag::workspace, pool);
+    for (int64_t t = 0; t < L; ++t) x.i32()[t] = int32_t(ids[size_t(start + t)]), y.i32()[t] = int32_t(ids[size_t(start + t + 1)]);
+    gpt.forward(x, y);
+    const float* losses = gpt.losses().f32();  // per position
+    for (int64_t t = done - start; t < L; ++t) strided += double(losses[t]);
+    done = start + L;
+    if (done == 999) break;
+  }
+  EXPECT_NEAR(js.at("loss").get<double>(), strided / 999, 1e-5 * strided / 999);
   // On a device (the emulated one: weights uploaded, bf16 compute copies and activations), within
   // 1e-2 of the f32 loss: one bf16 rounding (2^-9 relative) of every weight and activation moves
   // the mean loss by about 1e-3.
@@ -265,6 +290,7 @@ TEST(HfCli, LlamaConvertEvalAndExport) {
            {"eval '" + run + "'", "give one of --text FILE"},
            {"eval '" + run + "' --tokens '" + shard + "' --text x", "give one of --text FILE"},
            {"eval '" + run + "' --tokens '" + shard + "' --seq 65", "--seq 65 exceeds the model's block_size 64"},
+           {"eval '" + run + "' --tokens '" + shard + "' --seq 32 --stride 33", "--stride 33 exceeds the window"},
            {"eval '" + run + "' --tokens '" + (d.p / "none.bin").string() + "'", "none.bin"},
            {"eval '" + run + "' --text '" + shard + "'", "no tokenizer found"}}) {
     r = loom_cli(args, d.p);
