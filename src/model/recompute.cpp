@@ -211,6 +211,29 @@ RecomputePlan optimal_identical(int64_t L, double F, double o, double fixed, dou
 
 }  // namespace
 
+std::vector<RecomputePlan> recompute_candidates(const ChainMemory& c) {
+  const int64_t L = int64_t(c.full.size());
+  for (int64_t l = 1; l < L; ++l)
+    LOOM_CHECK(c.full[size_t(l)] == c.full[0] && c.out[size_t(l)] == c.out[0] && c.forward[size_t(l)] == c.forward[0],
+               "recompute: the candidates are those of chains of identical transformer blocks (block {} differs)", l);
+  std::vector<RecomputePlan> out(1);
+  out[0].blocks = L;
+  for (int64_t S = 1; S <= L; ++S) {
+    const Segmentations seg(S, L, c.full.empty() ? 0.0 : c.full[0], c.out.empty() ? 0.0 : c.out[0]);
+    for (int64_t R = S; R <= L; ++R) {
+      RecomputePlan p;
+      p.blocks = L;
+      int64_t at = 0;
+      for (int64_t len : seg.lengths(R)) p.segments.push_back({at, at + len - 1}), at += len;
+      out.push_back(std::move(p));
+    }
+  }
+  std::stable_sort(out.begin() + 1, out.end(), [](const RecomputePlan& a, const RecomputePlan& b) {
+    return std::pair(a.recomputed_blocks(), a.segments.size()) < std::pair(b.recomputed_blocks(), b.segments.size());
+  });
+  return out;
+}
+
 RecomputePlan plan_recompute(Recompute policy, const ChainMemory& c, int64_t every, double budget) {
   const int64_t L = int64_t(c.full.size());
   LOOM_CHECK(c.out.size() == c.full.size() && c.forward.size() == c.full.size(),

@@ -92,5 +92,11 @@ double plan_peak(const RecomputePlan& p, const ChainMemory& c);
 // F_l and every segment's last output (each of the n - 1 others in flight at the peak).
 double plan_kept(const RecomputePlan& p, const ChainMemory& c);
 double plan_cost(const RecomputePlan& p, const ChainMemory& c);
+// Of a chain of identical blocks (as the optimal policy solves), every plan some budget and some
+// holding of micro-batches can need: recomputing nothing, and for each count R of recomputed
+// blocks and S of segments the segmentation of least peak (two plans of the same R and S differ
+// in that alone: what a micro-batch keeps and the recompute are the same), in order of R, then S.
+// The joint plan of interleaved chunks (pipeline/executor.cpp) chooses among them.
+std::vector<RecomputePlan> recompute_candidates(const ChainMemory& c);
 
 }  // namespace loom::model

@@ -109,8 +109,9 @@ TEST(PlanAutoCli, TrainsWithThePlannersFirstChoice) {
   ASSERT_EQ(given.code, 0) << given.err;
   EXPECT_NE(given.out.find("in place of the config's "), std::string::npos) << given.out;
   EXPECT_NE(given.out.find("memory.recompute every-k -> "), std::string::npos) << given.out;  // (never chosen)
-  if (chosen(given.out).layout.find("zero=3") == std::string::npos)
+  if (chosen(given.out).layout.find("zero=3") == std::string::npos) {
     EXPECT_NE(given.out.find("parallel.zero 3 -> "), std::string::npos) << given.out;
+  }
   CliRun budget = r.train("budget", fmt::format("{} --parallel.dp 2 --memory.recompute optimal "
                                                "--memory.activation_budget 100000 --plan auto",
                                                kModel));

@@ -592,70 +592,22 @@ PipelineExecutor::PipelineExecutor(const model::GPTConfig& cfg, const ExecutorOp
   if (optimal) {
     // With one chunk per rank its plan's own peak is the rank's. With several (interleaved), each
     // chunk's plan alone keeps every micro-batch in flight within the budget as if they were all
-    // its own; what the rank holds is each chunk's micro-batches along the schedule's list. The
-    // joint plan: for each chunk the least-recompute plans for 1 .. in_flight micro-batches of its
-    // own, and of their combinations the least recompute whose walk along the list (each
-    // micro-batch keeping its chunk's plan_kept from its forward to its backward, and the one in
-    // backward at its chunk's peak) stays within the budget.
+    // its own; what the rank holds is each chunk's micro-batches along the schedule's list: the
+    // joint plan (joint_plan.h) weighs every plan of each chunk that may be needed. (Offering each
+    // chunk only its least-recompute plans for 1 .. in_flight micro-batches of its own had missed
+    // lopsided combinations: one block more recomputed than needed at some budgets.)
     const double budget = double(opt.activation_budget);
-    const auto& list = sch_.ranks[size_t(I.rank)];
-    struct Option {
-      model::RecomputePlan plan;
-      double kept = 0, transient = 0, cost = 0;
-    };
-    std::vector<std::vector<Option>> options(I.chunks.size());
-    for (size_t k = 0; k < I.chunks.size(); ++k) {
-      model::ChainMemory one = mems[k];
-      one.in_flight = 1;
-      const auto add = [&](const model::RecomputePlan& plan) {
-        for (const Option& o : options[k])
-          if (o.plan.segments == plan.segments) return;
-        options[k].push_back({plan, model::plan_kept(plan, mems[k]), model::plan_peak(plan, one),
-                              model::plan_cost(plan, mems[k])});
-      };
-      if (I.chunks.size() == 1 || I.chunks[k].plan.blocks > 0 || mems[k].full.empty()) add(I.chunks[k].plan);
-      if (I.chunks.size() > 1 && !mems[k].split_backward)
-        for (int n = 1; n < int(in_flight); ++n) {
-          model::ChainMemory cm = mems[k];
-          cm.in_flight = n;
-          try {
-            add(model::plan_recompute(opt.recompute, cm, opt.recompute_every, budget));
-          } catch (const Error&) {  // (no plan of n micro-batches fits: none of more does either)
-            break;
-          }
-        }
+    std::vector<std::optional<model::RecomputePlan>> own;
+    for (const Chunk& ch : I.chunks) {
+      const size_t k = size_t(&ch - I.chunks.data());
+      if (I.chunks.size() == 1 || ch.plan.blocks > 0 || mems[k].full.empty()) own.push_back(ch.plan);
+      else own.push_back(std::nullopt);
     }
-    for (size_t k = 0; k < options.size(); ++k)
-      LOOM_CHECK(!options[k].empty(),
-                 "memory.activation_budget: {} per rank, but pipeline rank {}'s chunk {} has no plan for it even with "
-                 "one micro-batch in flight ({})",
-                 format_bytes(int64_t(opt.activation_budget)), I.rank, k,
-                 unplanned.empty() ? std::string("no plan") : unplanned.back());
-    const auto walk = [&](const std::vector<size_t>& pick) {
-      if (I.chunks.size() == 1) return model::plan_peak(options[0][pick[0]].plan, mems[0]);
-      double cur = 0, peak = 0;
-      for (const Instr& in : list) {
-        if (in.chunk < 0) continue;
-        const Option& o = options[size_t(in.chunk)][pick[size_t(in.chunk)]];
-        if (in.op == Op::forward) {
-          // (A recomputed segment's block holds its saved activations during its forward until
-          // they are dropped: bounded by the chunk's peak over one micro-batch.)
-          peak = std::max(peak, o.plan.segments.empty() ? cur + o.kept : cur + o.transient);
-          cur += o.kept;
-        } else if (in.op == Op::backward) {
-          peak = std::max(peak, cur - o.kept + o.transient);
-          cur -= o.kept;
-        }
-      }
-      return peak;
-    };
-    std::vector<std::vector<double>> costs(options.size());
-    for (size_t k = 0; k < options.size(); ++k)
-      for (const Option& o : options[k]) costs[k].push_back(o.cost);
-    const JointChoice joint = choose_joint(costs, walk, budget);
+    const JointRecompute joint = plan_joint_recompute(mems, own, sch_.ranks[size_t(I.rank)], budget, I.rank,
+                                                      unplanned.empty() ? std::string("no plan") : unplanned.back());
     planned_peak_ = joint.peak;
     for (size_t k = 0; k < I.chunks.size(); ++k) {
-      I.chunks[k].plan = options[k][joint.pick[k]].plan;
+      I.chunks[k].plan = joint.plans[k];
       recomputed_ += I.chunks[k].plan.recomputed_blocks();
       blocks_ += int64_t(mems[k].full.size());
     }

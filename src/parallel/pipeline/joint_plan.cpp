@@ -1,6 +1,9 @@
 #include "parallel/pipeline/joint_plan.h"
 
+#include <fmt/format.h>
+
 #include "core/error.h"
+#include "core/memory.h"
 
 namespace loom::parallel::pipeline {
 namespace {
@@ -86,6 +89,74 @@ JointChoice choose_joint(const std::vector<std::vector<double>>& costs,
   const JointChoice a = descend(best), b = descend(from_last);
   best = better(b.cost, b.peak, a.cost, a.peak, budget) ? b : a;
   return best;
+}
+
+JointRecompute plan_joint_recompute(const std::vector<model::ChainMemory>& mems,
+                                    const std::vector<std::optional<model::RecomputePlan>>& own,
+                                    const std::vector<Instr>& list, double budget, int rank, const std::string& why) {
+  LOOM_CHECK(!mems.empty() && own.size() == mems.size(), "plan_joint_recompute: {} chunks, {} plans", mems.size(),
+             own.size());
+  struct Option {
+    model::RecomputePlan plan;
+    double kept = 0, transient = 0, cost = 0;
+  };
+  const size_t chunks = mems.size();
+  std::vector<std::vector<Option>> options(chunks);
+  for (size_t k = 0; k < chunks; ++k) {
+    model::ChainMemory one = mems[k];
+    one.in_flight = 1;
+    const auto add = [&](const model::RecomputePlan& plan) {
+      for (const Option& o : options[k])
+        if (o.plan.segments == plan.segments) return;
+      options[k].push_back({plan, model::plan_kept(plan, mems[k]), model::plan_peak(plan, one),
+                            model::plan_cost(plan, mems[k])});
+    };
+    if (own[k]) add(*own[k]);
+    if (chunks > 1 && !mems[k].split_backward) {
+      for (const model::RecomputePlan& plan : model::recompute_candidates(mems[k]))
+        if (model::plan_peak(plan, one) <= budget) add(plan);
+      std::vector<Option> kept;  // (without the dominated)
+      for (const Option& o : options[k]) {
+        bool beaten = false;
+        for (const Option& b : options[k])
+          beaten |= &b != &o && b.kept <= o.kept && b.transient <= o.transient && b.cost <= o.cost &&
+                    (b.kept < o.kept || b.transient < o.transient || b.cost < o.cost);
+        if (!beaten) kept.push_back(o);
+      }
+      options[k] = std::move(kept);
+    }
+    LOOM_CHECK(!options[k].empty(),
+               "memory.activation_budget: {} per rank, but pipeline rank {}'s chunk {} has no plan for it even with "
+               "one micro-batch in flight ({})",
+               format_bytes(int64_t(budget)), rank, k, why);
+  }
+  const auto walk = [&](const std::vector<size_t>& pick) {
+    if (chunks == 1) return model::plan_peak(options[0][pick[0]].plan, mems[0]);
+    double cur = 0, peak = 0;
+    for (const Instr& in : list) {
+      if (in.chunk < 0) continue;
+      const Option& o = options[size_t(in.chunk)][pick[size_t(in.chunk)]];
+      if (in.op == Op::forward) {
+        // (A recomputed segment's block holds its saved activations during its forward until
+        // they are dropped: bounded by the chunk's peak over one micro-batch.)
+        peak = std::max(peak, o.plan.segments.empty() ? cur + o.kept : cur + o.transient);
+        cur += o.kept;
+      } else if (in.op == Op::backward) {
+        peak = std::max(peak, cur - o.kept + o.transient);
+        cur -= o.kept;
+      }
+    }
+    return peak;
+  };
+  std::vector<std::vector<double>> costs(chunks);
+  for (size_t k = 0; k < chunks; ++k)
+    for (const Option& o : options[k]) costs[k].push_back(o.cost);
+  const JointChoice joint = choose_joint(costs, walk, budget);
+  JointRecompute out;
+  out.peak = joint.peak;
+  out.exhaustive = joint.exhaustive;
+  for (size_t k = 0; k < chunks; ++k) out.plans.push_back(options[k][joint.pick[k]].plan);
+  return out;
 }
 
 }  // namespace loom::parallel::pipeline

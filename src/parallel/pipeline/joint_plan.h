@@ -6,7 +6,11 @@
 #pragma once
 #include <cstddef>
 #include <functional>
+#include <optional>
 #include <vector>
+
+#include "model/recompute.h"
+#include "parallel/pipeline/schedule.h"
 
 namespace loom::parallel::pipeline {
 
@@ -24,5 +28,24 @@ struct JointChoice {
 JointChoice choose_joint(const std::vector<std::vector<double>>& costs,
                          const std::function<double(const std::vector<size_t>&)>& peak, double budget,
                          double exhaustive_limit = 1e5);
+
+// The optimal recompute of a rank's chunks (executor.cpp): chunk k's chain mems[k] (in_flight the
+// rank's micro-batches in flight), and own[k] its plan for them all where it has one. With one
+// chunk that plan, at its own peak. With several (interleaved, `list` the rank's instructions):
+// for each chunk every plan that may be needed (model::recompute_candidates) whose one
+// micro-batch fits the budget, less those another beats in what a micro-batch keeps, its peak
+// and its recompute at once; of their combinations (choose_joint) the least recompute whose walk
+// along the list (each micro-batch keeping its chunk's plan_kept from its forward to its
+// backward, and the one in backward at its chunk's peak) stays within `budget`. Throws naming
+// `rank` and the chunk where a chunk has no plan (why: the reason its own plan failed).
+struct JointRecompute {
+  std::vector<model::RecomputePlan> plans;  // per chunk
+  double peak = 0;
+  bool exhaustive = true;
+};
+JointRecompute plan_joint_recompute(const std::vector<model::ChainMemory>& mems,
+                                    const std::vector<std::optional<model::RecomputePlan>>& own,
+                                    const std::vector<Instr>& list, double budget, int rank,
+                                    const std::string& why = "no plan");
 
 }  // namespace loom::parallel::pipeline

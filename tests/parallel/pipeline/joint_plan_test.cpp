@@ -6,6 +6,7 @@
 #include <random>
 
 #include "core/error.h"
+#include "parallel/pipeline/checker.h"
 #include "parallel/pipeline/joint_plan.h"
 
 using namespace loom;
@@ -140,4 +141,86 @@ TEST(JointPlan, NoneFitsGivesTheLeastPeak) {
   EXPECT_THROW(choose_joint({{1.0}, {}}, peak, 1.0), Error);
 }
 
+// Every plan of a chain of L blocks: each block kept, or recomputed in a segment it starts or
+// continues (the previous block recomputed).
+std::vector<model::RecomputePlan> every_plan(int64_t L) {
+  std::vector<model::RecomputePlan> out;
+  int64_t codes = 1;
+  for (int64_t l = 0; l < L; ++l) codes *= 3;
+  for (int64_t code = 0; code < codes; ++code) {
+    model::RecomputePlan p;
+    p.blocks = L;
+    bool ok = true;
+    for (int64_t l = 0, c = code; l < L; ++l, c /= 3) {
+      const int what = int(c % 3);  // 0 kept, 1 a new segment, 2 the previous segment goes on
+      if (what == 1) p.segments.push_back({l, l});
+      if (what == 2) {
+        if (p.segments.empty() || p.segments.back().second != l - 1) ok = false;
+        else p.segments.back().second = l;
+      }
+    }
+    if (ok) out.push_back(p);
+  }
+  return out;
+}
+
+// The interleaved joint plan on a rank's real list (p = 2, v = 2, m = 4: rank 0 holds up to 5
+// micro-batches of its two chunks) recomputes as little as the best of every pair of plans (of 4
+// identical blocks each: 34 plans, 1156 pairs) at every budget from the least any pair needs to
+// what none needs, walked as the executor walks them. (It had offered each chunk only its
+// least-recompute plans for 1 .. in_flight micro-batches of its own, and recomputed a block more
+// than needed at 7 of 37 such budgets.)
+TEST(JointPlan, InterleavedChunksRecomputeTheLeastOfEveryPairOfPlans) {
+  const Schedule sch = generate({Kind::interleaved, 2, 2, 4});
+  const std::vector<Instr>& list = sch.ranks[0];
+  model::ChainMemory c;
+  c.full.assign(4, 16.0);
+  c.out.assign(4, 1.0);
+  c.forward.assign(4, 1.0);
+  c.fixed = 5;
+  c.in_flight = check_or_throw(sch).ranks[0].peak_in_flight;
+  ASSERT_EQ(c.in_flight, 5);
+  const std::vector<model::ChainMemory> mems{c, c};
+  model::ChainMemory one = c;
+  one.in_flight = 1;
+  const std::vector<model::RecomputePlan> plans = every_plan(4);
+  ASSERT_EQ(plans.size(), 34u);
+  // The executor's walk: each micro-batch keeps its chunk's plan_kept from its forward to its
+  // backward; a forward of a chunk that recomputes, and a backward, peak at the chunk's peak over
+  // one micro-batch.
+  auto walk = [&](const model::RecomputePlan& a, const model::RecomputePlan& b) {
+    const model::RecomputePlan* of[2] = {&a, &b};
+    double cur = 0, peak = 0;
+    for (const Instr& in : list) {
+      if (in.chunk < 0) continue;
+      const model::RecomputePlan& p = *of[in.chunk];
+      const double kept = model::plan_kept(p, c), transient = model::plan_peak(p, one);
+      if (in.op == Op::forward) peak = std::max(peak, p.segments.empty() ? cur + kept : cur + transient), cur += kept;
+      if (in.op == Op::backward) peak = std::max(peak, cur - kept + transient), cur -= kept;
+    }
+    return peak;
+  };
+  std::vector<std::pair<double, int64_t>> pairs;  // (peak, recomputed blocks)
+  double least = 1e300, most = 0;
+  for (const auto& a : plans)
+    for (const auto& b : plans) {
+      const double pk = walk(a, b);
+      pairs.push_back({pk, a.recomputed_blocks() + b.recomputed_blocks()});
+      least = std::min(least, pk), most = std::max(most, pk);
+    }
+  for (int i = 0; i <= 36; ++i) {
+    const double budget = least + (most - least) * i / 36;
+    int64_t best = 1 << 30;
+    for (const auto& [pk, r] : pairs)
+      if (pk <= budget) best = std::min(best, r);
+    const JointRecompute j = plan_joint_recompute(mems, {std::nullopt, std::nullopt}, list, budget, 0);
+    ASSERT_EQ(j.plans.size(), 2u);
+    EXPECT_TRUE(j.exhaustive);
+    EXPECT_LE(j.peak, budget) << "budget " << budget;
+    EXPECT_DOUBLE_EQ(j.peak, walk(j.plans[0], j.plans[1])) << "budget " << budget;
+    EXPECT_EQ(j.plans[0].recomputed_blocks() + j.plans[1].recomputed_blocks(), best) << "budget " << budget;
+  }
+}
+
 }  // namespace
+
