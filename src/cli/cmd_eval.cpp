@@ -1,4 +1,4 @@
-// loom eval CKPT (--text FILE | --tokens FILE) [--tokenizer DIR] [--seq N] [--batch B]
+// loom eval CKPT (--text FILE | --tokens FILE) [--tokenizer DIR] [--seq N] [--stride S] [--batch B]
 // [--device cpu|cuda|emu] [--json]: the loss and perplexity of a checkpoint (either family) on a file.
 //
 // The tokens (the text encoded with the checkpoint's tokenizer, or a loom token shard written by
@@ -223,8 +223,8 @@ Registrar reg{Command{
           ->check(CLI::Range(int64_t(1), int64_t(1) << 40));
       sub.add_option("--stride", a->stride,
                      "tokens between windows' starts (default --seq: consecutive windows, llm.c's validation loss; "
-                     "below it, each token is predicted once with at least --seq - --stride tokens before it, Hugging "
-                     "Face's perplexity recipe)")
+                     "below it, each token is predicted once, past the first window with at least --seq - --stride "
+                     "tokens before it: Hugging Face's perplexity recipe)")
           ->check(CLI::Range(int64_t(1), int64_t(1) << 40));
       sub.add_option("--batch", a->batch, "windows per forward pass")
           ->capture_default_str();

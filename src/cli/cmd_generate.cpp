@@ -126,7 +126,8 @@ Registrar reg{Command{
       sub.add_option("--tokens", a->tokens, "new tokens to sample")->capture_default_str();
       sub.add_option("--temperature", a->temperature, "sampling temperature (0: greedy, the most likely token)")
           ->capture_default_str();
-      sub.add_option("--top-k", a->top_k, "sample among the k most likely tokens and those tied with the k-th (0: all)")
+      sub.add_option("--top-k", a->top_k,
+                     "sample among the k most likely tokens and those tied with the k-th (0: all; 1: the most likely)")
           ->capture_default_str();
       sub.add_option("--seed", a->seed, "seed of the draws (same seed, same text)")->transform(seed_validator())
           ->capture_default_str();

@@ -166,7 +166,7 @@ Registrar reg{Command{
                          texts.size());
           // The end of text written out in the text (TinyStories' files separate their stories with
           // "<|endoftext|>") is text unless --allow-special: said, with its count.
-          if (const int32_t eot = tok->end_of_text(); eot >= 0 && !a->allow_special) {
+          if (eot >= 0 && !a->allow_special) {
             const std::string_view mark = tok->token(eot);
             for (size_t i = 0; i < texts.size(); ++i) {
               size_t count = 0;
@@ -186,8 +186,12 @@ Registrar reg{Command{
             eo.threads = 2;
             eo.allow_special = a->allow_special;
             for (int32_t t : before) toks.push_back(uint32_t(t));
-            for (int32_t t : tok->encode(texts[i], eo)) toks.push_back(uint32_t(t));
-            for (int32_t t : after) toks.push_back(uint32_t(t));
+            const std::vector<int32_t> ids = tok->encode(texts[i], eo);
+            for (int32_t t : ids) toks.push_back(uint32_t(t));
+            // (A document whose text ends with its end of text, read as the token, has its end.)
+            const bool ended = !ids.empty() && after.size() == 1 && ids.back() == after.front();
+            if (!ended)
+              for (int32_t t : after) toks.push_back(uint32_t(t));
           }
           size_t n_val = size_t(double(toks.size()) * a->val_fraction);
           size_t n_train = toks.size() - n_val;

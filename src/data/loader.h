@@ -30,6 +30,11 @@ class Loader {
   // inputs and targets i32 [n, T].
   void train_batch(int64_t step, int64_t global_batch, int64_t first, int64_t n, int32_t* inputs,
                    int32_t* targets) const;
+  // Training sample `index` of the run (its window from the start of the split's draws: the same
+  // for every step's batch and any resume): inputs and targets i32 [T].
+  void sample(uint64_t index, int32_t* inputs, int32_t* targets) const {
+    read_window(sample_start(index), inputs, targets);
+  }
   // Step `step` of global batch `global_batch` starts at training sample `consumed` (the samples
   // the run drew before it): a resumed run whose batch differs from the checkpoint's.
   void resume_at(int64_t step, int64_t global_batch, int64_t consumed);

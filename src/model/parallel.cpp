@@ -140,6 +140,7 @@ Parameter ChainParallel::rows_split(ParamSpec spec, const std::vector<Section>& 
   LOOM_CHECK(global == spec.shape[0], "parameter '{}': sections of {} rows for {}", spec.name, global, spec.shape[0]);
   spec.shape[0] = local;
   spec.alloc_rows = local;
+  spec.row_blocks.clear();  // (the whole tensor's; a rank holds pieces of them)
   p.spec = std::move(spec);
   return p;
 }

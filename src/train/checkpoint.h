@@ -10,7 +10,10 @@
 //                         full tensor's name and shape ("param/<name>", "adam_m/<name>",
 //                         "adam_v/<name>", f32, logical shapes; under GaLore a projected
 //                         matrix's "galore_m/<name>", "galore_v/<name>" and "galore_p/<name>"
-//                         instead of its adam_m/adam_v) and each rank index's CRC-32
+//                         instead of its adam_m/adam_v, per row block for a Llama block's
+//                         fused matrices: "galore_m/<name>[q]", ..., or "adam_m/<name>[k]" for
+//                         a block not above the rank), the training samples drawn
+//                         (consumed_samples) and each rank index's CRC-32
 //   manifest.crc32        the CRC-32 of manifest.json's bytes (decimal)
 // Together the slices of all ranks cover every element of every tensor exactly once (checked
 // before the checkpoint is committed), so no rank ever holds a full tensor it does not own, and

@@ -82,7 +82,7 @@ const Field kFields[] = {
     F("train.sample_every", sample_every, "steps between text samples (0: at the end only)"),
     F("train.sample_tokens", sample_tokens, "tokens per text sample"),
     F("train.sample_temperature", sample_temperature, "sampling temperature"),
-    F("train.sample_top_k", sample_top_k, "sample from the k most likely tokens (0: all)"),
+    F("train.sample_top_k", sample_top_k, "sample from the k most likely tokens and those tied with the k-th (0: all; 1: the most likely)"),
     F("train.sample_prompt", sample_prompt, "text the samples continue (\"\": the start of the validation split)"),
     F("train.checkpoint_every", checkpoint_every, "steps between checkpoints (0: at the end only)"),
     F("train.keep_checkpoints", keep_checkpoints, "checkpoints kept (older ones are deleted)"),

@@ -359,12 +359,26 @@ void check_resume_checkpoint(const std::string& ckpt, const CheckpointMeta& meta
       // part, "name[label]"), or AdamW's.
       std::string held = fmt::format("AdamW's, moments {}", shape_str(have.count("adam_m/" + s.name)
                                                                           ? have.at("adam_m/" + s.name) : Shape{}));
-      for (const auto& [n, shape] : have)
-        if (n == "galore_m/" + s.name || n.rfind("galore_m/" + s.name + "[", 0) == 0) {
-          held = fmt::format("GaLore's, moments {}{}", shape_str(shape),
-                             n.size() > 9 + s.name.size() ? " for " + n.substr(9 + s.name.size()) : "");
-          break;
-        }
+      const std::string same_part = first ? optim::galore_state_name("galore_m/", s.name, *first) : "";
+      if (first && have.count(same_part)) {
+        held = fmt::format("GaLore's, moments {}{}", shape_str(have.at(same_part)),
+                           first->label.empty() ? "" : " for [" + first->label + "]");
+      } else if (have.count("galore_m/" + s.name)) {
+        held = fmt::format("GaLore's, moments {}", shape_str(have.at("galore_m/" + s.name)));
+        // (A checkpoint of a loom that projected a Llama block's fused matrices whole.)
+        if (first && !first->label.empty())
+          throw Error(fmt::format("{}: the checkpoint keeps GaLore's state of '{}' as one matrix (moments {}), as loom "
+                                  "did before it projected a Llama block's q, k, v and gate, up apart, as Hugging "
+                                  "Face's modules; this loom cannot continue that state (its weights can start a new "
+                                  "run: loom convert --to hf, then --from hf)",
+                                  manifest, s.name, shape_str(have.at("galore_m/" + s.name))));
+      } else {
+        for (const auto& [n, shape] : have)
+          if (n.rfind("galore_m/" + s.name + "[", 0) == 0) {
+            held = fmt::format("GaLore's, moments {} for {}", shape_str(shape), n.substr(9 + s.name.size()));
+            break;
+          }
+      }
       throw Error(fmt::format(
           "{}: the checkpoint's optimizer state for '{}' is {} but this run's optim.name = {}{} keeps {} {}{} "
           "(--resume continues with the optimizer the checkpoint was written with)",
@@ -584,7 +598,7 @@ std::vector<int32_t> sample_prompt(const TrainConfig& cfg, const data::Tokenizer
     const int64_t T = cfg.seq_len;
     std::vector<int32_t> xi(static_cast<size_t>(T)), yi(static_cast<size_t>(T));
     if (val && val->val_batches(1) > 0) val->val_batch(0, 1, 0, 1, xi.data(), yi.data());
-    else train.train_batch(0, 1, 0, 1, xi.data(), yi.data());
+    else train.sample(0, xi.data(), yi.data());  // (the run's first sample, whatever a resume's batch)
     prompt.assign(xi.begin(), xi.begin() + std::min<int64_t>(8, T));
   }
   return prompt;

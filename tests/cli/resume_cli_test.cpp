@@ -208,10 +208,6 @@ TEST(ResumeCli, AFailedMetricsWriteStopsTheRun) {
       << limited.output;
 }
 
-// --resume continues the run as it was: another learning-rate schedule (here train.steps without
-// optim.decay_steps, which stretches the decay), AdamW setting or batch shape is refused naming
-// each difference, nothing changed; --new-hparams takes them, saying each; and the decay ending
-// at the first run's step (optim.decay_steps) trains on at its final rate.
 // The checkpoint records the training samples drawn (Megatron-LM's consumed samples): a resume
 // with another train.batch_size draws the samples after them. (Indexed by step x batch, halving
 // the batch at step 4 had replayed the samples of steps 2 and 3.)
@@ -231,8 +227,22 @@ TEST(ResumeCli, AChangedBatchDrawsTheSamplesAfterTheRunsOwn) {
                          r.root / "logs");
   ASSERT_EQ(half.code, 0) << half.err;
   EXPECT_EQ(consumed(6), 20);  // and 2 of 2
+  // Growing the batch, with no validation split (the sample prompt is then the run's first
+  // training sample, whatever the batch; it had been read through the resumed steps' indexing,
+  // which a larger batch puts before sample 0, and the end-of-run sample threw).
+  fs::remove(r.root / "data" / "val_000.bin");
+  CliRun twice = loom_cli(fmt::format("train {} --train.out_dir '{}' --train.steps 8 --resume --new-hparams "
+                                      "--train.batch_size 8 --train.sample_tokens 4",
+                                      r.flags, run.string()),
+                          r.root / "logs");
+  ASSERT_EQ(twice.code, 0) << twice.err;
+  EXPECT_EQ(consumed(8), 36);  // and 2 of 8
 }
 
+// --resume continues the run as it was: another learning-rate schedule (here train.steps without
+// optim.decay_steps, which stretches the decay), AdamW setting or batch shape is refused naming
+// each difference, nothing changed; --new-hparams takes them, saying each; and the decay ending
+// at the first run's step (optim.decay_steps) trains on at its final rate.
 TEST(ResumeCli, ATrainingChangeIsRefusedUnlessAsked) {
   LOOM_REQUIRE_LOOM();
   RunFixture r;

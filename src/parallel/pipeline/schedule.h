@@ -107,9 +107,9 @@ struct OpCosts {
 // peak.
 std::vector<std::pair<int, int>> split_peaks_of(const std::vector<Instr>& list);
 
-// The schedule of a spec (validated first). The compute order (zb-h1's) and the place of each
-// transfer are chosen for `costs`: with blocking transfers, where a message meets both ranks
-// depends on how long each compute takes.
+// The schedule of a spec (validated first). The place of each transfer is chosen for `costs`:
+// with blocking transfers, where a message meets both ranks depends on how long each compute
+// takes. (The compute orders are fixed by the kind.)
 Schedule generate(const ScheduleSpec& spec, const OpCosts& costs = {});
 
 }  // namespace loom::parallel::pipeline

@@ -102,10 +102,13 @@ TEST(PipelineSchedule, ZeroBubbleH1ReachesThePapersBubble) {
         const double zb = check_or_throw(generate({Kind::zb_h1, p, 1, m}, c), c).bubble_ratio(0);
         const double fb = check_or_throw(generate({Kind::one_f_one_b, p, 1, m}, c), c).bubble_ratio(0);
         const double F = c.forward, Bi = c.backward_input, W = c.backward_weight;
-        if (W <= F)
+        if (W <= F) {
           ASSERT_NEAR(zb, (p - 1) * (F + Bi - W) / (m * (F + Bi + W)), 1e-12) << "p=" << p << " m=" << m << " W=" << W;
+        }
         ASSERT_LT(zb, fb) << "p=" << p << " m=" << m << " W=" << W;
-        if (W == F && Bi == F) ASSERT_NEAR(zb, fb / 3, 1e-12) << "p=" << p << " m=" << m;
+        if (W == F && Bi == F) {
+          ASSERT_NEAR(zb, fb / 3, 1e-12) << "p=" << p << " m=" << m;
+        }
         ++n;
       }
   EXPECT_EQ(n, 4 * 7 * 4);
