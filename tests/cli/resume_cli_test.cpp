@@ -220,21 +220,20 @@ TEST(ResumeCli, AChangedBatchDrawsTheSamplesAfterTheRunsOwn) {
     const auto m = nlohmann::json::parse(slurp(run / fmt::format("ckpt_{:08d}", step) / "manifest.json"));
     return m.value("consumed_samples", int64_t(-1));
   };
+  auto resume = [&](int steps, const std::string& extra) {
+    return loom_cli(fmt::format("train {} --train.out_dir '{}' --train.steps {} --resume --new-hparams {}", r.flags,
+                                run.string(), steps, extra),
+                    r.root / "logs");
+  };
   EXPECT_EQ(consumed(4), 16);  // 4 steps of 4
-  CliRun half = loom_cli(fmt::format("train {} --train.out_dir '{}' --train.steps 6 --resume --new-hparams "
-                                     "--train.batch_size 2",
-                                     r.flags, run.string()),
-                         r.root / "logs");
+  CliRun half = resume(6, "--train.batch_size 2");
   ASSERT_EQ(half.code, 0) << half.err;
   EXPECT_EQ(consumed(6), 20);  // and 2 of 2
   // Growing the batch, with no validation split (the sample prompt is then the run's first
   // training sample, whatever the batch; it had been read through the resumed steps' indexing,
   // which a larger batch puts before sample 0, and the end-of-run sample threw).
   fs::remove(r.root / "data" / "val_000.bin");
-  CliRun twice = loom_cli(fmt::format("train {} --train.out_dir '{}' --train.steps 8 --resume --new-hparams "
-                                      "--train.batch_size 8 --train.sample_tokens 4",
-                                      r.flags, run.string()),
-                          r.root / "logs");
+  CliRun twice = resume(8, "--train.batch_size 8 --train.sample_tokens 4");
   ASSERT_EQ(twice.code, 0) << twice.err;
   EXPECT_EQ(consumed(8), 36);  // and 2 of 8
 }
