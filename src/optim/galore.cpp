@@ -51,6 +51,12 @@ std::string galore_state_name(const std::string& kind, const std::string& param,
   return kind + param + (part.label.empty() ? "" : "[" + part.label + "]");
 }
 
+std::array<std::string, 3> galore_part_tensors(const std::string& param, const GaLorePart& part) {
+  if (!part.low_rank) return {galore_state_name("adam_m/", param, part), galore_state_name("adam_v/", param, part), ""};
+  return {galore_state_name("galore_m/", param, part), galore_state_name("galore_v/", param, part),
+          galore_state_name("galore_p/", param, part)};
+}
+
 void top_singular_vectors(const float* G, int64_t m, int64_t n, int64_t r, bool left, float* out, MemoryPool& pool,
                           const std::string& what) {
   const int64_t k = std::min(m, n);

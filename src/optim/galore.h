@@ -25,6 +25,7 @@
 // each projector is computed by one of them and broadcast (refresh_projectors).
 #pragma once
 #include <cstdint>
+#include <array>
 #include <functional>
 #include <string>
 #include <vector>
@@ -54,6 +55,10 @@ GaLoreShapes galore_shapes(const std::string& name, const Shape& shape, int64_t 
 // A part's checkpoint tensor: `kind` ("galore_m/", "adam_v/", ...) + the parameter's name, and
 // "[label]" for a row block ("galore_m/h.0.attn.c_attn.weight[q]").
 std::string galore_state_name(const std::string& kind, const std::string& param, const GaLorePart& part);
+// A part's state tensors in the checkpoint, in the order of GaLore::PartState's exp_avg,
+// exp_avg_sq and projector: "galore_m/", "galore_v/", "galore_p/" names when projected, else
+// "adam_m/", "adam_v/" and "" (no projector).
+std::array<std::string, 3> galore_part_tensors(const std::string& param, const GaLorePart& part);
 
 // The top-r singular vectors of G [m, n] (row-major f32), in double, largest first: left:
 // U[:, :r] into out [m, r]; else V^T[:r, :] into out [r, n] (row-major). They are the top

@@ -347,8 +347,7 @@ void check_resume_checkpoint(const std::string& ckpt, const CheckpointMeta& meta
       const optim::GaLoreShapes g = optim::galore_shapes(s.name, s.shape, oc.galore_rank, s.row_blocks);
       // (Of a matrix GaLore treats in parts, the first part's moments.)
       const optim::GaLorePart* first = g.low_rank ? &g.parts.front() : nullptr;
-      const std::string name =
-          first ? optim::galore_state_name(first->low_rank ? "galore_m/" : "adam_m/", s.name, *first) : "adam_m/" + s.name;
+      const std::string name = first ? optim::galore_part_tensors(s.name, *first)[0] : "adam_m/" + s.name;
       const Shape want = first ? first->moments : s.shape;
       auto it = have.find(name);
       // (A pruned input embedding reads its rows from the whole vocabulary's table.)

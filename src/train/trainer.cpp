@@ -131,11 +131,10 @@ std::vector<TensorInfo> checkpoint_tensors(const model::GPTConfig& mc, const opt
     const optim::GaLoreShapes g = optim::galore_shapes(s.name, s.shape, oc.galore_rank, s.row_blocks);
     if (g.low_rank) {
       for (const optim::GaLorePart& part : g.parts) {
-        const char* m = part.low_rank ? "galore_m/" : "adam_m/";
-        const char* v = part.low_rank ? "galore_v/" : "adam_v/";
-        out.push_back({optim::galore_state_name(m, s.name, part), part.moments});
-        out.push_back({optim::galore_state_name(v, s.name, part), part.moments});
-        if (part.low_rank) out.push_back({optim::galore_state_name("galore_p/", s.name, part), part.projector});
+        const auto names = optim::galore_part_tensors(s.name, part);
+        out.push_back({names[0], part.moments});
+        out.push_back({names[1], part.moments});
+        if (part.low_rank) out.push_back({names[2], part.projector});
       }
     } else {
       out.push_back({"adam_m/" + s.name, s.shape});
@@ -188,17 +187,14 @@ CheckpointPart data_parallel_part(parallel::DataParallel& ddp,
     if (g && g->shapes.low_rank) {
       // Every rank of the group holds it all (ZeRO stage 0): each writes its share of the elements.
       for (size_t j = 0; j < g->parts.size(); ++j) {
-        const optim::GaLorePart& part = g->shapes.parts[j];
         const optim::GaLore::PartState& ps = g->parts[j];
-        for (const auto& [kind, t] : {std::pair<const char*, const Tensor*>{part.low_rank ? "galore_m/" : "adam_m/",
-                                                                             &ps.exp_avg},
-                                      {part.low_rank ? "galore_v/" : "adam_v/", &ps.exp_avg_sq},
-                                      {"galore_p/", part.low_rank ? &ps.projector : nullptr}}) {
-          if (!t) continue;
-          const int64_t n = t->numel(), r = ddp.rank(), w = ddp.ranks();
+        const auto names = optim::galore_part_tensors(p.global().name, g->shapes.parts[j]);
+        const Tensor* tensors[3] = {&ps.exp_avg, &ps.exp_avg_sq, &ps.projector};
+        for (int k = 0; k < 3; ++k) {
+          if (names[size_t(k)].empty()) continue;
+          const int64_t n = tensors[k]->numel(), r = ddp.rank(), w = ddp.ranks();
           const int64_t g0 = n * r / w, g1 = n * (r + 1) / w;
-          if (g1 > g0)
-            out.slices.push_back({optim::galore_state_name(kind, p.global().name, part), g0, g1 - g0, t->f32() + g0});
+          if (g1 > g0) out.slices.push_back({names[size_t(k)], g0, g1 - g0, tensors[k]->f32() + g0});
         }
       }
     }
@@ -253,15 +249,13 @@ void load_data_parallel(parallel::DataParallel& ddp, CheckpointReader& ckpt, int
         continue;
       }
       for (size_t j = 0; j < g->parts.size(); ++j) {
-        const optim::GaLorePart& part = g->shapes.parts[j];
         optim::GaLore::PartState& ps = g->parts[j];
-        for (const auto& [kind, t] : {std::pair<const char*, Tensor*>{part.low_rank ? "galore_m/" : "adam_m/", &ps.exp_avg},
-                                      {part.low_rank ? "galore_v/" : "adam_v/", &ps.exp_avg_sq},
-                                      {"galore_p/", part.low_rank ? &ps.projector : nullptr}}) {
-          if (!t) continue;
-          const std::string name = optim::galore_state_name(kind, p.global().name, part);
-          if (!ckpt.has(name)) t->zero_();
-          else ckpt.read_into(name, *t);
+        const auto names = optim::galore_part_tensors(p.global().name, g->shapes.parts[j]);
+        Tensor* tensors[3] = {&ps.exp_avg, &ps.exp_avg_sq, &ps.projector};
+        for (int k = 0; k < 3; ++k) {
+          if (names[size_t(k)].empty()) continue;
+          if (!ckpt.has(names[size_t(k)])) tensors[k]->zero_();
+          else ckpt.read_into(names[size_t(k)], *tensors[k]);
         }
       }
     }

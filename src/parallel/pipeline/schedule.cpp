@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <limits>
 #include <map>
+#include <set>
 #include <tuple>
 #include <utility>
 
@@ -464,20 +465,20 @@ void move_transfers(std::vector<std::vector<Instr>>& ranks) {
 }  // namespace
 
 std::vector<std::pair<int, int>> split_peaks_of(const std::vector<Instr>& list) {
-  std::vector<std::pair<int, int>> all;
+  std::set<std::pair<int, int>> all;  // (distinct: at most p x p of them)
   int n = 0, q = 0;
   for (const Instr& in : list) {
     if (in.op == Op::forward) ++n;
     else if (in.op == Op::backward_input) ++q;
     else if (in.op == Op::backward_weight) --n, --q;
     else continue;
-    if (in.op != Op::backward_weight) all.push_back({n, q});
+    if (in.op != Op::backward_weight) all.insert({n, q});
   }
   std::vector<std::pair<int, int>> out;
   for (const auto& a : all) {
     bool exceeded = false;
     for (const auto& b : all) exceeded |= b != a && b.first >= a.first && b.second >= a.second;
-    if (!exceeded && std::find(out.begin(), out.end(), a) == out.end()) out.push_back(a);
+    if (!exceeded) out.push_back(a);
   }
   return out;
 }
