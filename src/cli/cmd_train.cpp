@@ -10,6 +10,7 @@
 #include "train/config.h"
 #include "train/plan_auto.h"
 #include "train/run_util.h"
+#include "train/stop.h"
 #include "train/trainer.h"
 #ifdef LOOM_HAVE_CUDA
 #endif
@@ -103,8 +104,9 @@ Registrar reg{Command{
         opt.config_path = a->config.empty() ? "command line" : a->config;
         // One trainer for every device (a build without CUDA refuses train.device = "cuda":
         // load_config already did, naming the field and how to build with CUDA).
-        train::run_training(cfg, opt);
-        return 0;
+        // A run stopped early by a signal exits as the signal would have ended it (128 + its
+        // number), with its checkpoint written; at train.time_limit_min, 0 (train/stop.h).
+        return train::stop_exit_status(train::run_training(cfg, opt).stopped);
       };
     }}};
 

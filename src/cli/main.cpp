@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "core/threads.h"
 #include "train/config.h"
+#include "train/stop.h"
 
 namespace loom::cli {
 std::vector<Command>& commands() {
@@ -19,6 +20,9 @@ std::vector<Command>& commands() {
 }  // namespace loom::cli
 
 int main(int argc, char** argv) {
+  // Before any other thread exists: SIGINT, SIGTERM and SIGUSR1 are received by a thread of their
+  // own, never by one that computes (train/stop.h says why), and stop a training run cleanly.
+  loom::train::start_signal_thread();
   // A write past the file-size limit (ulimit -f) then fails with EFBIG, which loom reports with the
   // file, instead of the signal ending the process mid-write.
   std::signal(SIGXFSZ, SIG_IGN);

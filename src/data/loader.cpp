@@ -7,13 +7,16 @@
 
 namespace loom::data {
 
-Loader::Loader(const std::string& dir, const std::string& split, int64_t seq_len, uint64_t seed)
+Loader::Loader(const std::string& dir, const std::string& split, int64_t seq_len, uint64_t seed, VerifyShare verify)
     : T_(seq_len), seed_(seed), stream_(stream_of("data/" + split)) {
   LOOM_REQUIRE(seq_len > 0, "sequence length must be positive, got {}", seq_len);
+  LOOM_CHECK(verify.parts >= 1 && verify.part >= 0 && verify.part < verify.parts, "Loader: verify part {} of {}",
+             verify.part, verify.parts);
   files_ = list_shards(dir, split);
   LOOM_REQUIRE(!files_.empty(), "{}: no {}_*.bin token shards (run `loom prepare` first)", dir, split);
-  for (auto& f : files_) {
-    shards_.push_back(std::make_unique<Shard>(f));
+  for (size_t i = 0; i < files_.size(); ++i) {
+    const std::string& f = files_[i];
+    shards_.push_back(std::make_unique<Shard>(f, int(i % size_t(verify.parts)) == verify.part));
     begin_.push_back(total_);
     total_ += shards_.back()->size();
     const uint32_t v = shards_.back()->vocab_size();

@@ -16,10 +16,18 @@
 
 namespace loom::data {
 
+// Which shards' payloads (checksum, token ids against the vocabulary) a Loader verifies: those
+// whose index i has i % parts == part; every shard's header and size are checked. The ranks of a
+// job each open the splits with their own part, so the job reads its corpus once, not once per
+// rank (a rank that finds a damaged shard fails the job before its first step, naming the file).
+struct VerifyShare {
+  int part = 0, parts = 1;
+};
+
 class Loader {
  public:
   // Opens DIR/<split>_*.bin. Every window is seq_len + 1 tokens (inputs and shifted targets).
-  Loader(const std::string& dir, const std::string& split, int64_t seq_len, uint64_t seed);
+  Loader(const std::string& dir, const std::string& split, int64_t seq_len, uint64_t seed, VerifyShare verify = {});
 
   int64_t seq_len() const { return T_; }
   uint64_t total_tokens() const { return total_; }

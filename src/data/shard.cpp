@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cctype>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
@@ -164,6 +165,38 @@ void Shard::read(uint64_t first, uint64_t n, int32_t* out) const {
   }
 }
 
+namespace {
+
+// Natural order: runs of digits compare as numbers (train_999 < train_1000, the order `loom
+// prepare` wrote them in, whose names grow a digit past 999), the rest byte by byte.
+bool natural_less(const std::string& a, const std::string& b) {
+  size_t i = 0, j = 0;
+  while (i < a.size() && j < b.size()) {
+    const bool da = std::isdigit(static_cast<unsigned char>(a[i])), db = std::isdigit(static_cast<unsigned char>(b[j]));
+    if (da && db) {
+      size_t ie = i, je = j;
+      while (ie < a.size() && std::isdigit(static_cast<unsigned char>(a[ie]))) ++ie;
+      while (je < b.size() && std::isdigit(static_cast<unsigned char>(b[je]))) ++je;
+      // Compare the numbers without leading zeros by length, then digit by digit.
+      size_t ia = i, jb = j;
+      while (ia + 1 < ie && a[ia] == '0') ++ia;
+      while (jb + 1 < je && b[jb] == '0') ++jb;
+      if (ie - ia != je - jb) return ie - ia < je - jb;
+      if (const int c = a.compare(ia, ie - ia, b, jb, je - jb); c != 0) return c < 0;
+      if (ie - i != je - j) return ie - i < je - j;  // (equal numbers: fewer leading zeros first)
+      i = ie;
+      j = je;
+    } else {
+      if (a[i] != b[j]) return static_cast<unsigned char>(a[i]) < static_cast<unsigned char>(b[j]);
+      ++i;
+      ++j;
+    }
+  }
+  return a.size() - i < b.size() - j;
+}
+
+}  // namespace
+
 std::vector<std::string> list_shards(const std::string& dir, const std::string& split) {
   namespace fs = std::filesystem;
   std::error_code ec;
@@ -175,7 +208,7 @@ std::vector<std::string> list_shards(const std::string& dir, const std::string& 
     std::string name = e.path().filename().string();
     if (name.rfind(split + "_", 0) == 0 && e.path().extension() == ".bin") out.push_back(e.path().string());
   }
-  std::sort(out.begin(), out.end());
+  std::sort(out.begin(), out.end(), natural_less);
   return out;
 }
 

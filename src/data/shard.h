@@ -56,7 +56,8 @@ class Shard {
 
 uint32_t crc32(const void* data, size_t n, uint32_t crc = 0);
 
-// The sorted list of shard files of one split in a data directory: DIR/<split>_*.bin.
+// The shard files of one split in a data directory, DIR/<split>_*.bin, in natural order (numbers
+// compare as numbers: train_999.bin before train_1000.bin, the order `loom prepare` numbers them).
 std::vector<std::string> list_shards(const std::string& dir, const std::string& split);
 
 }  // namespace loom::data

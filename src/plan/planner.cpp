@@ -86,6 +86,10 @@ Layout parse_layout(const std::string& text, const std::string& where) {
       throw Error(fmt::format("{}: unknown key '{}' (keys: dp, tp, pp, v, cp, sp, mbs, schedule, recompute, zero, offload)",
                               where, k));
   }
+  // (Every product of the four then fits an int.)
+  if (const int64_t n = int64_t(l.dp) * l.tp * l.pp * l.cp; n > (int64_t(1) << 30))
+    throw Error(fmt::format("{}: dp x tp x pp x cp = {} x {} x {} x {} = {} devices, more than 2^30", where, l.dp, l.tp,
+                            l.pp, l.cp, n));
   return l;
 }
 

@@ -103,7 +103,7 @@ struct Layout {
   // master copy (loom's pools; mixed's optimizer state holds its masters) and an f32 gradient
   // staging copy of what the rank updates.
   bool offload = false;
-  int devices() const { return dp * tp * pp * cp; }
+  int64_t devices() const { return int64_t(dp) * tp * pp * cp; }
   // "dp=8,tp=8,pp=4,v=2,cp=1,sp=1,mbs=1,schedule=interleaved,recompute=selective,zero=1,offload=1"
   // (offload only when set)
   std::string str() const;

@@ -88,6 +88,7 @@ const Field kFields[] = {
     F("train.keep_checkpoints", keep_checkpoints, "checkpoints kept (older ones are deleted)"),
     F("train.memory_limit", memory_limit, "bytes loom may allocate per rank (its model pool: parameters, gradients, optimizer state, activations, workspace, communication buffers; 0: no limit); a layout that cannot fit is refused before its first step, naming the tag"),
     F("train.skip_nonfinite", skip_nonfinite, "steps with a non-finite loss or gradient norm skipped (no update) in a row before the run stops (0: stop at the first); no checkpoint is written inside such a streak, and a run that ends in one fails"),
+    F("train.time_limit_min", time_limit_min, "minutes after the start after which the run stops between two steps and writes a checkpoint, to go on with --resume (0: none; leave a step's and a checkpoint's time before the allocation ends); SIGINT, SIGTERM and SIGUSR1 stop it the same way at any time"),
     F("train.out_dir", out_dir, "directory for checkpoints, metrics.jsonl, memory.json and loss.png"),
     F("optim.lr", lr, "peak learning rate"),
     F("optim.min_lr", min_lr, "final learning rate of the decay, at most optim.lr (-1: optim.lr / 10)"),
@@ -373,6 +374,8 @@ void TrainConfig::validate(const std::string& where, const std::vector<std::stri
   need(checkpoint_every >= 0, "train.checkpoint_every", "must be non-negative");
   need(keep_checkpoints >= 1, "train.keep_checkpoints", "must be at least 1");
   need(skip_nonfinite >= 0, "train.skip_nonfinite", fmt::format("must be non-negative, got {}", skip_nonfinite));
+  need(time_limit_min >= 0 && std::isfinite(time_limit_min), "train.time_limit_min",
+       fmt::format("must be non-negative and finite (0: none), got {}", time_limit_min));
   need(model::recompute_parse(recompute).has_value(), "memory.recompute",
        fmt::format("must be none, full, every-k, sqrt, optimal or selective, got '{}'", recompute));
   need(recompute_every >= 1, "memory.recompute_every", fmt::format("must be at least 1, got {}", recompute_every));

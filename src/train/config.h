@@ -69,6 +69,7 @@ struct TrainConfig {
   int64_t keep_checkpoints = 2;
   int64_t skip_nonfinite = 3;   // steps with a non-finite loss or gradient skipped in a row before the run stops
   uint64_t memory_limit = 0;    // bytes loom may hold per rank (its model pool; 0: no limit)
+  float time_limit_min = 0.0f;  // minutes after which the run stops with a checkpoint (0: none; train/stop.h)
   std::string out_dir = "runs/default";
   bool prune_embedding = false;            // keep only the input embedding rows of the data's tokens (fine-tuning)
   // [optim]

@@ -35,6 +35,7 @@
 #include "train/config.h"
 #include "train/plot.h"
 #include "train/sample.h"
+#include "train/stop.h"
 
 namespace fs = std::filesystem;
 
@@ -104,29 +105,50 @@ std::string human_time(double s) {
 
 namespace {
 
-// Every token of a loader's shards, in order, a chunk at a time.
+// The tokens of a loader's shards, a chunk at a time: all of them when they are at most `limit`,
+// else about `limit` of them in chunks of 64K spread evenly over each shard (a shard's share in
+// proportion to its size), so a corpus whose start is unlike the rest is still represented.
 template <class F>
-void for_each_token(const data::Loader& l, F&& f) {
-  std::vector<int32_t> buf(1 << 16);
+void for_each_token(const data::Loader& l, uint64_t limit, F&& f) {
+  constexpr uint64_t kChunk = 1 << 16;
+  std::vector<int32_t> buf(kChunk);
+  const uint64_t total = l.total_tokens();
   for (const auto& file : l.files()) {
-    data::Shard s(file, false);
-    for (uint64_t i = 0; i < s.size(); i += buf.size()) {
-      const uint64_t n = std::min<uint64_t>(buf.size(), s.size() - i);
+    data::Shard s(file, false);  // (another rank may verify its payload: its ids are checked here)
+    const uint64_t size = s.size();
+    if (size == 0) continue;
+    // Chunks of this shard: all of it, or its share of limit / kChunk, evenly spaced.
+    const uint64_t chunks = (size + kChunk - 1) / kChunk;
+    const uint64_t take = total <= limit ? chunks
+                                         : std::min<uint64_t>(chunks, std::max<uint64_t>(1, uint64_t(double(limit) / kChunk * double(size) / double(total) + 0.5)));
+    for (uint64_t c = 0; c < take; ++c) {
+      const uint64_t i = take == chunks ? c * kChunk : (chunks - 1) * c / std::max<uint64_t>(1, take - 1) * kChunk;
+      const uint64_t n = std::min<uint64_t>(kChunk, size - i);
       s.read(i, n, buf.data());
-      for (uint64_t j = 0; j < n; ++j) f(buf[j]);
+      for (uint64_t j = 0; j < n; ++j) {
+        if (uint32_t(buf[j]) >= s.vocab_size())
+          throw Error(fmt::format("{}: token {} is {}, outside the vocabulary of {}: the shard is damaged (re-run "
+                                  "`loom prepare`)",
+                                  file, i + j, uint32_t(buf[j]), s.vocab_size()));
+        f(buf[j]);
+      }
     }
   }
 }
 
 }  // namespace
 
-double unigram_loss(const data::Loader& train, const data::Loader* val, int64_t vocab) {
+UnigramBaseline unigram_loss(const data::Loader& train, const data::Loader* val, int64_t vocab, uint64_t limit) {
   std::vector<double> count(size_t(vocab), 1.0);
   double total = double(vocab);
-  for_each_token(train, [&](int32_t t) { count[size_t(t)] += 1, total += 1; });
+  UnigramBaseline u;
+  for_each_token(train, limit, [&](int32_t t) { count[size_t(t)] += 1, total += 1; });
+  u.counted = uint64_t(total) - uint64_t(vocab);
   double nll = 0, n = 0;
-  for_each_token(val ? *val : train, [&](int32_t t) { nll -= std::log(count[size_t(t)] / total), n += 1; });
-  return n > 0 ? nll / n : NAN;
+  for_each_token(val ? *val : train, limit, [&](int32_t t) { nll -= std::log(count[size_t(t)] / total), n += 1; });
+  u.scored = uint64_t(n);
+  u.loss = n > 0 ? nll / n : NAN;
+  return u;
 }
 
 // With every rank a thread of this process on the CPU, the whole job's memory is this host's. A
@@ -170,10 +192,10 @@ static void check_host_memory(const TrainConfig& cfg, const model::GPTConfig& m,
                             batch / double(1 << 30), host / double(1 << 30)));
 }
 
-RunData open_run_data(const TrainConfig& cfg, const std::string& config_path) {
-  RunData r{data::Loader(cfg.data_dir, "train", cfg.seq_len, cfg.seed), nullptr, {}, nullptr};
+RunData open_run_data(const TrainConfig& cfg, const std::string& config_path, data::VerifyShare verify) {
+  RunData r{data::Loader(cfg.data_dir, "train", cfg.seq_len, cfg.seed, verify), nullptr, {}, nullptr};
   if (!data::list_shards(cfg.data_dir, "val").empty()) {
-    r.val = std::make_unique<data::Loader>(cfg.data_dir, "val", cfg.seq_len, cfg.seed);
+    r.val = std::make_unique<data::Loader>(cfg.data_dir, "val", cfg.seq_len, cfg.seed, verify);
     LOOM_CHECK(r.val->vocab_size() == r.train.vocab_size(),
                "{}: the val shards' vocabulary is {} tokens, the train shards' ({}) {}: they come from different "
                "tokenizers (re-run `loom prepare`)",
@@ -199,7 +221,7 @@ RunData open_run_data(const TrainConfig& cfg, const std::string& config_path) {
     // The tokens the run can feed the model: its data's, and the sample prompt's.
     std::vector<char> used(size_t(r.model.vocab_size), 0);
     for (const data::Loader* l : {&r.train, r.val.get()})
-      if (l) for_each_token(*l, [&](int32_t t) { used[size_t(t)] = 1; });
+      if (l) for_each_token(*l, UINT64_MAX, [&](int32_t t) { used[size_t(t)] = 1; });
     if (r.tokenizer && !cfg.sample_prompt.empty())
       for (int32_t id : prompt_ids(*r.tokenizer, cfg.sample_prompt)) used[size_t(id)] = 1;
     auto kept = std::make_shared<std::vector<int32_t>>();
@@ -461,7 +483,7 @@ FaultInjection FaultInjection::from_env(int ranks) {
   if (!env || !*env) return f;
   const std::string spec = env;
   auto bad = [&](const std::string& why) {
-    return Error(fmt::format("LOOM_FAULT_INJECT='{}': {} (expected rank=R,step=S,kind=throw|exit|kill|stall|nan|nan_weight|overflow)",
+    return Error(fmt::format("LOOM_FAULT_INJECT='{}': {} (expected rank=R,step=S,kind=throw|exit|kill|stall|nan|nan_weight|overflow|sigint|sigterm|sigusr1)",
                              spec, why));
   };
   auto number = [&](const std::string& key, const std::string& v) -> int64_t {
@@ -495,7 +517,7 @@ FaultInjection FaultInjection::from_env(int ranks) {
       has_step = true;
     } else if (key == "kind") {
       if (val != "throw" && val != "exit" && val != "kill" && val != "stall" && val != "nan" && val != "nan_weight" &&
-          val != "overflow")
+          val != "overflow" && val != "sigint" && val != "sigterm" && val != "sigusr1")
         throw bad(fmt::format("unknown kind '{}'", val));
       f.kind = val;
     } else {
@@ -513,6 +535,11 @@ std::string FaultInjection::maybe_fire(int r, int ranks, int64_t at) const {
   if (kind == "overflow") return kind;
   if (r != rank) return "";
   if (kind == "nan" || kind == "nan_weight") return kind;
+  // A signal this rank's process receives as the step starts (train/stop.h: the run stops after it).
+  if (kind == "sigint" || kind == "sigterm" || kind == "sigusr1") {
+    send_stop_signal_to_self(kind == "sigint" ? SIGINT : kind == "sigterm" ? SIGTERM : SIGUSR1);
+    return "";
+  }
   std::string what = fmt::format("LOOM_FAULT_INJECT: rank {} of {} fails on purpose at step {} ({})", r, ranks, at, kind);
   if (kind == "throw") throw Error(what);
   std::fflush(stdout);
@@ -727,6 +754,16 @@ void RunLog::finish(const std::string& png, const std::string& title) {
 void run_steps(const TrainConfig& cfg, RunLog& log, const LrSchedule& sched, const FaultInjection& fault, int rank,
                int ranks, int64_t start_step, int64_t updates, bool has_val, const RunHooks& hooks, TrainResult& res) {
   int64_t skipped_in_a_row = 0;
+  int64_t checkpointed = -1;  // the step of this run's last checkpoint
+  // A signal received while the run was being set up stops it before its first step; the time
+  // limit lets it make one step (Megatron-LM's rule: a run resumed past its limit still moves).
+  if (start_step < cfg.steps && hooks.stop) {
+    if (const int why = hooks.stop(); why != 0 && why != kStopTimeLimit) {
+      res.stopped = why;
+      res.steps_done = start_step;
+      return;
+    }
+  }
   for (int64_t step = start_step; step < cfg.steps; ++step) {
     const std::string poison = fault.maybe_fire(rank, ranks, step + 1);
     if (!poison.empty()) {
@@ -791,9 +828,16 @@ void run_steps(const TrainConfig& cfg, RunLog& log, const LrSchedule& sched, con
                                   skipped_in_a_row)
                     : fmt::format("step {}: checkpoint not written: the last step was not finite", done));
       else
-        hooks.checkpoint(done);
+        hooks.checkpoint(checkpointed = done);
+    }
+    if (done < cfg.steps && hooks.stop && (res.stopped = hooks.stop()) != 0) {
+      // Not inside a streak of non-finite steps, as above: the run resumes from the checkpoint
+      // before it.
+      if (skipped_in_a_row == 0 && checkpointed != done) hooks.checkpoint(checkpointed = done);
+      break;
     }
   }
+  res.stop_checkpoint = checkpointed;
   res.train_seconds = log.train_seconds();
 }
 

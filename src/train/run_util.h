@@ -53,8 +53,17 @@ std::string human_time(double seconds);
 
 // Cross-entropy (nats per token) of the add-one smoothed unigram distribution of `train`,
 // measured on `val` (or on train when there is no validation split): the loss of the best
-// predictor that ignores context, printed as the baseline a model must beat.
-double unigram_loss(const data::Loader& train, const data::Loader* val, int64_t vocab);
+// predictor that ignores context, printed as the baseline a model must beat. Each split is read
+// whole up to `limit` tokens; a larger one, about `limit` of its tokens spread evenly over it (rank
+// 0 computes it while the other ranks wait at their first collective: a pass over a corpus of
+// billions of tokens outlasted parallel.timeout_s).
+struct UnigramBaseline {
+  double loss = 0;
+  uint64_t counted = 0, scored = 0;  // training tokens counted, tokens scored
+};
+inline constexpr uint64_t kUnigramTokens = uint64_t(1) << 27;
+UnigramBaseline unigram_loss(const data::Loader& train, const data::Loader* val, int64_t vocab,
+                             uint64_t limit = kUnigramTokens);
 
 // The data of a run and the model it configures: the train split, the validation split when
 // DIR/val_*.bin exist, and the model config (vocabulary from the data unless set), validated
@@ -65,7 +74,9 @@ struct RunData {
   model::GPTConfig model;
   std::unique_ptr<data::Tokenizer> tokenizer;  // load_run_tokenizer's, checked against the shards
 };
-RunData open_run_data(const TrainConfig& cfg, const std::string& config_path);
+// `verify`: the shards whose payload this opening checks (data::VerifyShare; a rank of a job
+// its own part).
+RunData open_run_data(const TrainConfig& cfg, const std::string& config_path, data::VerifyShare verify = {});
 
 // Before the first step, every rank of `world` compares what it was started with: every config
 // field, the model it resolved, and its data (vocabulary fingerprint, token counts). A hash per
@@ -120,12 +131,12 @@ void read_loss_points(const std::string& path, std::vector<std::pair<double, dou
 struct FaultInjection {
   int rank = -1;  // -1: none
   int64_t step = 0;
-  std::string kind;  // throw | exit | kill | stall | nan | nan_weight
+  std::string kind;  // throw | exit | kill | stall | nan | nan_weight | overflow | sigint | sigterm | sigusr1
 
   // Parses LOOM_FAULT_INJECT (none when unset or empty); errors name the variable.
   static FaultInjection from_env(int ranks);
-  // Fires when rank r of `ranks` starts step `step`: throws, exits or is killed; returns the NaN
-  // kind for the step to apply ("" for none).
+  // Fires when rank r of `ranks` starts step `step`: throws, exits, is killed or raises a stop
+  // signal; returns the NaN kind for the step to apply ("" for none).
   std::string maybe_fire(int r, int ranks, int64_t step) const;
 };
 
@@ -217,6 +228,8 @@ struct RunHooks {
   std::function<double()> evaluate;                     // the mean validation loss
   std::function<std::string(int64_t done)> sample;      // a sample's text ("" when none is wanted)
   std::function<void(int64_t done)> checkpoint;         // writes the checkpoint of step `done`
+  // Collective: why the run stops now, agreed by every rank (0: it goes on; train/stop.h).
+  std::function<int()> stop;
 };
 
 // The training loop of every trainer, steps start_step .. cfg.steps: at each, the injected fault
@@ -228,8 +241,11 @@ struct RunHooks {
 // metrics, validation
 // every train.eval_every steps and at the end (when there is validation data), the progress line,
 // a sample every train.sample_every steps (not at the end, which the trainer samples after its
-// summary), a checkpoint every train.checkpoint_every steps and at the end. Fills res's
-// last_loss, steps_done, last_val_loss and train_seconds.
+// summary), a checkpoint every train.checkpoint_every steps and at the end. After every step but
+// the last the ranks agree whether to stop early (hooks.stop: a signal or train.time_limit_min),
+// and before the first whether a signal came during the set-up; a run stopped after a step writes
+// that step's checkpoint (unless it has, or the step ends a streak of non-finite ones) and returns. Fills res's last_loss, steps_done,
+// last_val_loss, train_seconds, stopped and stop_checkpoint.
 void run_steps(const TrainConfig& cfg, RunLog& log, const LrSchedule& sched, const FaultInjection& fault, int rank,
                int ranks, int64_t start_step, int64_t updates, bool has_val, const RunHooks& hooks, TrainResult& res);
 

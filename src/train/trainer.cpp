@@ -3,6 +3,7 @@
 #include "core/file.h"
 #include "train/engine.h"
 #include "train/run_util.h"
+#include "train/stop.h"
 
 #include <omp.h>
 #include <sys/resource.h>
@@ -897,7 +898,8 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   // (Before anything of the chosen layout is built: a failure to build it follows what was chosen.)
   if (!opt.plan_note.empty()) say(opt.plan_note);
 
-  RunData run_data = open_run_data(cfg, opt.config_path);
+  // Each rank verifies its share of the shards (a corpus is read once per job, not once per rank).
+  RunData run_data = open_run_data(cfg, opt.config_path, data::VerifyShare{rank, ranks});
   check_ranks_agree(world, cfg, run_data,  // before any other collective
                     {{"--resume", opt.resume ? "given" : "not given"},
                      {"--overwrite", opt.overwrite ? "given" : "not given"},
@@ -1064,7 +1066,10 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
                   cfg.device == "cpu" && precision == "bf16" ? " (matmuls; f32 accumulation)" : ""));
   const double peak = engine->gemm_peak(world);
   res.last_val_loss = NAN;
-  res.unigram_val_loss = lead ? unigram_loss(train, val.get(), mc.vocab_size) : NAN;
+  const UnigramBaseline unigram = lead ? unigram_loss(train, val.get(), mc.vocab_size) : UnigramBaseline{NAN};
+  res.unigram_val_loss = unigram.loss;
+  const bool unigram_sampled =
+      unigram.counted < train.total_tokens() || (val && unigram.scored < val->total_tokens());
   // Validation asked for that cannot run: said in the data line, and as a warning under --quiet.
   const std::string no_val =
       has_val || cfg.eval_every == 0 ? ""
@@ -1078,10 +1083,13 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
                         val_n < cfg.eval_batches ? fmt::format(", all it holds of train.eval_batches = {}", cfg.eval_batches)
                                                  : "")
           : "";
-  say(fmt::format("data {} | train {} tokens{} | unigram baseline loss {:.4f} | {} {}", cfg.data_dir,
+  say(fmt::format("data {} | train {} tokens{} | unigram baseline loss {:.4f}{} | {} {}", cfg.data_dir,
                   train.total_tokens(),
                   val ? fmt::format(", val {} tokens{}", val->total_tokens(), no_val_note) : no_val_note,
-                  res.unigram_val_loss, engine->peak_name(),
+                  res.unigram_val_loss,
+                  unigram_sampled ? fmt::format(" (of {:.3g}M tokens spread over each split)", double(kUnigramTokens) / 1e6)
+                                  : "",
+                  engine->peak_name(),
                   peak >= 1e12 ? fmt::format("{:.1f} TFLOP/s", peak / 1e12) : fmt::format("{:.1f} GFLOP/s", peak / 1e9)));
   if (opt.quiet && !no_val.empty()) warn(cfg.data_dir + ": " + no_val);
 
@@ -1137,6 +1145,7 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
   hooks.evaluate = evaluate;
   hooks.sample = sample;
   hooks.checkpoint = checkpoint;
+  hooks.stop = [&]() { return agree_stop(world, cfg.time_limit_min, opt.started); };
   run_steps(cfg, log, sched, fault, rank, ranks, start_step, start_updates, has_val, hooks, res);
   for (int t = 0; t < kNumMemTags; ++t) {
     res.peak_bytes[size_t(t)] = peaks.peak(MemTag(t));
@@ -1198,8 +1207,21 @@ TrainResult train_mesh_rank(const TrainConfig& cfg, const TrainOptions& opt, par
                     ranks > 1 ? fmt::format(" by {} ranks in parallel", ranks) : "", format_bytes(bytes),
                     res.last_checkpoint_s));
   }
-  res.last_sample = sample(cfg.steps);
-  if (!res.last_sample.empty()) say(fmt::format("--- sample ---\n{}\n---", res.last_sample));
+  if (res.stopped != 0) {
+    // Said under --quiet too. No end-of-run sample: a stop asked for by a signal may have little
+    // time left.
+    const int64_t latest = res.stop_checkpoint >= 0 ? res.stop_checkpoint : start_step > 0 ? start_step : -1;
+    warn(fmt::format("{}: stopped after step {} of {}{}", stop_reason_name(res.stopped), res.steps_done, cfg.steps,
+                     latest < 0 ? ", before any checkpoint: nothing to resume from"
+                     : latest == res.steps_done
+                         ? fmt::format(", with its checkpoint; go on with --resume")
+                         : fmt::format(" (its last steps were not finite: no checkpoint of them); --resume goes on "
+                                       "from step {}",
+                                       latest)));
+  } else {
+    res.last_sample = sample(cfg.steps);
+    if (!res.last_sample.empty()) say(fmt::format("--- sample ---\n{}\n---", res.last_sample));
+  }
   log.finish((out_dir / "loss.png").string(),
              fmt::format("loom: {} on {}{}", mc.name, cfg.data_dir, cfg.device == "cpu" ? "" : " (" + cfg.device + ")"));
   if (!opt.trace_path.empty()) {  // after loss.png: a trace that cannot be written loses nothing else
@@ -1229,7 +1251,11 @@ TrainResult train_rank(const TrainConfig& cfg, const TrainOptions& opt, comm::Co
 
 }  // namespace
 
-TrainResult run_training(const TrainConfig& cfg, const TrainOptions& opt) {
+TrainResult run_training(const TrainConfig& cfg, const TrainOptions& options) {
+  TrainOptions opt = options;
+  if (opt.started == std::chrono::steady_clock::time_point{}) opt.started = std::chrono::steady_clock::now();
+  // Signals stop the run between two steps, with a checkpoint (train/stop.h), for its whole life.
+  const StopSignals stop_signals;
   const std::string where = opt.config_path.empty() ? "config" : opt.config_path;
   LOOM_CHECK(cfg.device == "cpu" || cfg.device == "cuda" || cfg.device == "emu",
              "{}: train.device: '{}' is not cpu, cuda or emu", where,

@@ -22,9 +22,10 @@
 // throw, _Exit(3) or SIGKILL itself at the start of step S, or puts a NaN into its gradients of
 // step S (nan) or into its weights from step S on (nan_weight).
 #pragma once
+#include <array>
+#include <chrono>
 #include <cstdint>
 #include <functional>
-#include <array>
 #include <string>
 
 #include "core/memory.h"
@@ -41,6 +42,8 @@ struct TrainOptions {
   std::string config_path;    // for messages
   std::string trace_path;     // Chrome trace of every rank ("" = none)
   std::string plan_note;      // what --plan auto chose (printed with the run's header)
+  // When the run started, for train.time_limit_min (unset: when run_training is called).
+  std::chrono::steady_clock::time_point started{};
 };
 
 struct TrainResult {
@@ -60,6 +63,10 @@ struct TrainResult {
   // back and committed).
   int64_t checkpoints = 0;
   double last_checkpoint_s = 0;
+  // Why the run stopped before train.steps (0: it did not; a signal's number, or kStopTimeLimit:
+  // train/stop.h), and the step of the checkpoint it can resume from then (-1: none of this run).
+  int stopped = 0;
+  int64_t stop_checkpoint = -1;
 };
 
 TrainResult run_training(const TrainConfig& cfg, const TrainOptions& opt);

@@ -237,3 +237,52 @@ TEST(Loader, ValidationWindowsAreConsecutive) {
   EXPECT_THROW(L.val_batch(24, 4, 0, 4, x.data(), y.data()), Error);
   EXPECT_THROW(Loader(d.p.string(), "train", 10, 0), Error);
 }
+
+// Past 999 shards `loom prepare` names them train_1000.bin, ...: they are read in the order they
+// were written (natural order), not byte order (which put train_1000 between train_100 and
+// train_101, and windows across that seam joined unrelated text).
+TEST(Loader, ShardsPastNineHundredNinetyNineAreReadInTheOrderWritten) {
+  TmpDir d;
+  const int shards = 1003;
+  for (int i = 0; i < shards; ++i)
+    write_shard((d.p / fmt::format("val_{:03d}.bin", i)).string(), std::vector<uint32_t>(4, uint32_t(i % 1000)), 1000);
+  const std::vector<std::string> names = list_shards(d.p.string(), "val");
+  ASSERT_EQ(names.size(), size_t(shards));
+  for (int i = 0; i < shards; ++i)
+    EXPECT_EQ(fs::path(names[size_t(i)]).filename().string(), fmt::format("val_{:03d}.bin", i));
+  // Consecutive validation windows of 3 tokens run through the shards in that order.
+  Loader L(d.p.string(), "val", 3, 0);
+  std::vector<int32_t> x(3), y(3);
+  for (int64_t w : {int64_t(0), int64_t(133), int64_t(134), int64_t(1336)}) {
+    L.val_batch(w, 1, 0, 1, x.data(), y.data());
+    for (int k = 0; k < 3; ++k) EXPECT_EQ(x[size_t(k)], int32_t(((3 * w + k) / 4) % 1000)) << "window " << w;
+  }
+}
+
+// The ranks of a job share the verification of the shards' payloads (each reads its part, so a
+// job reads its corpus once): a damaged shard is found by the rank whose part holds it, and its
+// header and size by every rank.
+TEST(Loader, RanksShareTheVerificationOfThePayloads) {
+  TmpDir d;
+  for (int i = 0; i < 4; ++i) write_shard((d.p / fmt::format("train_{:03d}.bin", i)).string(), random_tokens(500, 50, uint32_t(i)), 50);
+  flip_bit((d.p / "train_002.bin").string(), kShardHeaderBytes + 10, 3);
+  for (int part = 0; part < 3; ++part) {
+    SCOPED_TRACE(part);
+    const VerifyShare share{part, 3};  // part 2 verifies shards 2 (and 5, ...)
+    if (part != 2) {
+      EXPECT_NO_THROW(Loader(d.p.string(), "train", 10, 0, share));
+      continue;
+    }
+    try {
+      Loader(d.p.string(), "train", 10, 0, share);
+      ADD_FAILURE() << "the damaged shard was not found";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("train_002.bin"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("payload checksum"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_THROW(Loader(d.p.string(), "train", 10, 0), Error);  // one opening alone verifies every shard
+  // A truncated shard is found by every part.
+  fs::resize_file(d.p / "train_001.bin", fs::file_size(d.p / "train_001.bin") - 2);
+  for (int part = 0; part < 3; ++part) EXPECT_THROW(Loader(d.p.string(), "train", 10, 0, VerifyShare{part, 3}), Error);
+}

@@ -165,7 +165,9 @@ TEST(Planner, LayoutsParseAndBadOnesAreNamed) {
   EXPECT_TRUE(l.sp);
   EXPECT_EQ(l.recompute, model::Recompute::selective);
   EXPECT_EQ(plan::parse_layout(l.str()).str(), l.str());
-  for (const char* bad : {"dp=0", "tp=x", "zero=4", "schedule=zigzag", "recompute=sqrt", "foo=1", "dp", "dp=2,dp=4"}) {
+  // (dp=536870913,tp=8 is 2^32 + 8 devices: an int product wrapped to 8 and passed for 8 GPUs.)
+  for (const char* bad : {"dp=0", "tp=x", "zero=4", "schedule=zigzag", "recompute=sqrt", "foo=1", "dp", "dp=2,dp=4",
+                          "dp=536870913,tp=8", "dp=2048,tp=1024,pp=1024"}) {
     try {
       plan::parse_layout(bad);
       ADD_FAILURE() << bad << " was accepted";

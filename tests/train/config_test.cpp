@@ -199,7 +199,7 @@ TEST(TrainConfig, TomlRoundTrip) {
   EXPECT_FALSE(d.tied_embeddings.has_value());
   EXPECT_EQ(d.norm, "rmsnorm");
   EXPECT_EQ(d.rope_theta, 500000.f);
-  EXPECT_EQ(config_fields().size(), 79u);
+  EXPECT_EQ(config_fields().size(), 80u);
 }
 
 // The README's config reference has a row for every field with its type, default and help, as

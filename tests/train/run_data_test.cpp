@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -16,6 +17,7 @@
 
 #include "core/error.h"
 #include "data/bpe_train.h"
+#include "data/loader.h"
 #include "data/shard.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
@@ -210,4 +212,29 @@ TEST(TrainConfig, StringsMustBeUtf8) {
   c.sample_prompt.clear();
   c.out_dir = "runs/\xc3";  // a truncated sequence
   EXPECT_THROW(c.validate("run.toml"), Error);
+}
+
+// The unigram baseline reads each split whole up to its limit; past it, chunks spread over the
+// split (rank 0 computes it while the other ranks wait at their first collective, which a pass over
+// billions of tokens outlasted). A split whose halves differ is still represented by both.
+TEST(RunData, TheUnigramBaselineSpreadsItsSampleOverALargeSplit) {
+  TmpDir d("unigram");
+  std::vector<uint32_t> train(300000, 1), val(1000);
+  std::fill(train.begin() + 150000, train.end(), 2u);
+  for (size_t i = 0; i < val.size(); ++i) val[i] = 1 + uint32_t(i % 2);
+  data::write_shard((d.p / "train_000.bin").string(), train, 4);
+  data::write_shard((d.p / "val_000.bin").string(), val, 4);
+  const data::Loader tl(d.p.string(), "train", 8, 0), vl(d.p.string(), "val", 8, 0);
+  // Whole: add-one counts 150001, 150001, 1, 1.
+  const UnigramBaseline whole = unigram_loss(tl, &vl, 4);
+  EXPECT_EQ(whole.counted, 300000u);
+  EXPECT_EQ(whole.scored, 1000u);
+  EXPECT_NEAR(whole.loss, -std::log(150001.0 / 300004.0), 1e-12);
+  // Two chunks of 64K of the five: the first and the last, one from each half (the first 2^17
+  // tokens alone would hold no 2, and score the half of val that is 2 at log(65538 x 2)).
+  const UnigramBaseline part = unigram_loss(tl, &vl, 4, uint64_t(1) << 17);
+  EXPECT_EQ(part.counted, 65536u + (300000u - 4 * 65536u));
+  EXPECT_EQ(part.scored, 1000u);
+  const double c1 = 65536 + 1, c2 = 300000 - 4 * 65536 + 1, total = double(part.counted) + 4;
+  EXPECT_NEAR(part.loss, -(std::log(c1 / total) + std::log(c2 / total)) / 2, 1e-12);
 }
