@@ -4,7 +4,9 @@
 // earlier dataset as it was. OUT then holds the shards and the tokenizer files they were encoded
 // with (a trained vocabulary, or a copy of --tokenizer's), never another prepare's.
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 
 #include "cli/command.h"
@@ -30,18 +32,30 @@ struct PrepareArgs {
   bool allow_special = false;
 };
 
-// Writes the shards of one split into dir; their names.
-std::vector<std::string> write_split(const std::string& dir, const std::string& split,
-                                     const std::vector<uint32_t>& toks, size_t begin, size_t end, int64_t per_shard,
-                                     uint32_t vocab) {
+// Writes the shards of one split into dir from tokens [begin, end) of the token file `tokens` (u32,
+// in order); their names. One shard's tokens are in memory at a time.
+std::vector<std::string> write_split(const std::string& dir, const std::string& split, const std::string& tokens,
+                                     uint64_t begin, uint64_t end, int64_t per_shard, uint32_t vocab) {
   std::vector<std::string> names;
-  for (size_t s = begin; s < end || (s == begin && begin == end); s += size_t(per_shard)) {
-    size_t e = std::min(end, s + size_t(per_shard));
-    names.push_back(fmt::format("{}_{:03d}.bin", split, names.size()));
-    data::write_shard((fs::path(dir) / names.back()).string(), std::span<const uint32_t>(toks.data() + s, e - s),
-                      vocab);
-    if (begin == end) break;
+  std::FILE* f = std::fopen(tokens.c_str(), "rb");
+  if (!f) throw Error(fmt::format("{}: cannot read back the tokens: {}", tokens, std::strerror(errno)));
+  std::vector<uint32_t> buf;
+  try {
+    for (uint64_t s = begin; s < end || (s == begin && begin == end); s += uint64_t(per_shard)) {
+      const uint64_t e = std::min(end, s + uint64_t(per_shard));
+      buf.resize(size_t(e - s));
+      if (std::fseek(f, long(s * sizeof(uint32_t)), SEEK_SET) != 0 ||
+          std::fread(buf.data(), sizeof(uint32_t), buf.size(), f) != buf.size())
+        throw Error(fmt::format("{}: cannot read back tokens [{}, {})", tokens, s, e));
+      names.push_back(fmt::format("{}_{:03d}.bin", split, names.size()));
+      data::write_shard((fs::path(dir) / names.back()).string(), buf, vocab);
+      if (begin == end) break;
+    }
+  } catch (...) {
+    std::fclose(f);
+    throw;
   }
+  std::fclose(f);
   return names;
 }
 
@@ -101,12 +115,17 @@ Registrar reg{Command{
                                     a->out, fs::path(held.front()).filename().string(),
                                     held.size() > 1 ? fmt::format(" and {} more shards", held.size() - 1) : ""));
         }
-        std::vector<std::string> texts;
+        // The inputs are read one at a time, once per pass (standard input once, kept): memory holds
+        // one input's text and its tokens, not the corpus's.
+        std::string stdin_text;
+        bool stdin_read = false;
+        auto text_of = [&](const std::string& in) -> std::string {
+          if (in != "-") return read_input(in);
+          if (!stdin_read) stdin_text = read_input(in), stdin_read = true;
+          return stdin_text;
+        };
         size_t bytes = 0;
-        for (const auto& in : a->inputs) {
-          texts.push_back(read_input(in));
-          bytes += texts.back().size();
-        }
+        for (const auto& in : a->inputs) bytes += text_of(in).size();
         LOOM_CHECK(bytes > 0, "{}: the input holds no text", a->inputs.front());
         const fs::path out(a->out), staged = out / ".prepare_tmp";
         bool made_out = false;  // (a failed prepare removes a directory it made)
@@ -132,7 +151,7 @@ Registrar reg{Command{
             data::TrainOptions to;
             to.vocab_size = int32_t(a->vocab_size);
             data::BpeTrainer trainer(to);
-            for (const auto& t : texts) trainer.add_text(t);
+            for (const auto& in : a->inputs) trainer.add_text(text_of(in));
             tok = std::make_unique<data::Tokenizer>(trainer.train());
             tok->save(staged.string());
             std::printf("trained a byte-level BPE vocabulary of %d tokens on %zu bytes%s\n", tok->vocab_size(), bytes,
@@ -158,19 +177,34 @@ Registrar reg{Command{
           if (!before.empty() || !after.empty())
             std::printf("documents (input files): %stext%s\n", names(before).c_str(),
                         after.empty() ? "" : (" " + names(after).substr(0, names(after).size() - 1)).c_str());
-          else if (texts.size() > 1)
+          else if (a->inputs.size() > 1)
             std::fprintf(stderr,
                          "loom: warning: the tokenizer has no end of text (<|endoftext|>, <|end_of_text|> or </s> "
                          "among its special tokens) and its post-processor adds none: the %zu input files are joined "
                          "without a separator\n",
-                         texts.size());
-          // The end of text written out in the text (TinyStories' files separate their stories with
-          // "<|endoftext|>") is text unless --allow-special: said, with its count.
-          if (eot >= 0 && !a->allow_special) {
-            const std::string_view mark = tok->token(eot);
-            for (size_t i = 0; i < texts.size(); ++i) {
+                         a->inputs.size());
+          // Each document's tokens go to a file in the staging directory as it is encoded; the
+          // splits are cut from it once the count is known (validation: the last tokens).
+          const std::string token_file = (staged / ".tokens").string();
+          std::FILE* tf = std::fopen(token_file.c_str(), "wb");
+          if (!tf) throw Error(fmt::format("{}: cannot write: {}", token_file, std::strerror(errno)));
+          uint64_t n_tokens = 0;
+          auto put = [&](const std::vector<uint32_t>& v) {
+            if (std::fwrite(v.data(), sizeof(uint32_t), v.size(), tf) != v.size()) {
+              const int e = errno;
+              std::fclose(tf);
+              throw Error(fmt::format("{}: cannot write: {}", token_file, std::strerror(e)));
+            }
+            n_tokens += v.size();
+          };
+          for (size_t i = 0; i < a->inputs.size(); ++i) {
+            const std::string text = text_of(a->inputs[i]);
+            // The end of text written out in the text (TinyStories' files separate their stories
+            // with "<|endoftext|>") is text unless --allow-special: said, with its count.
+            if (eot >= 0 && !a->allow_special) {
+              const std::string_view mark = tok->token(eot);
               size_t count = 0;
-              for (size_t at = texts[i].find(mark); at != std::string::npos; at = texts[i].find(mark, at + mark.size()))
+              for (size_t at = text.find(mark); at != std::string::npos; at = text.find(mark, at + mark.size()))
                 ++count;
               if (count)
                 std::fprintf(stderr,
@@ -179,29 +213,34 @@ Registrar reg{Command{
                              "--text and Hugging Face's tokenizer(text) do\n",
                              a->inputs[i].c_str(), int(mark.size()), mark.data(), count, count == 1 ? "" : "s");
             }
-          }
-          std::vector<uint32_t> toks;
-          for (size_t i = 0; i < texts.size(); ++i) {
             data::EncodeOptions eo;
             eo.threads = 2;
             eo.allow_special = a->allow_special;
-            for (int32_t t : before) toks.push_back(uint32_t(t));
-            const std::vector<int32_t> ids = tok->encode(texts[i], eo);
-            for (int32_t t : ids) toks.push_back(uint32_t(t));
+            const std::vector<int32_t> ids = tok->encode(text, eo);
+            std::vector<uint32_t> doc;
+            doc.reserve(before.size() + ids.size() + after.size());
+            for (int32_t t : before) doc.push_back(uint32_t(t));
+            for (int32_t t : ids) doc.push_back(uint32_t(t));
             // (A document whose text ends with its end of text, read as the token, has its end.)
             const bool ended = !ids.empty() && after.size() == 1 && ids.back() == after.front();
             if (!ended)
-              for (int32_t t : after) toks.push_back(uint32_t(t));
+              for (int32_t t : after) doc.push_back(uint32_t(t));
+            put(doc);
           }
-          size_t n_val = size_t(double(toks.size()) * a->val_fraction);
-          size_t n_train = toks.size() - n_val;
-          std::printf("%zu bytes -> %zu tokens (%.2f bytes/token); train %zu, val %zu\n", bytes, toks.size(),
-                      double(bytes) / double(toks.size()), n_train, n_val);
+          if (std::fclose(tf) != 0) throw Error(fmt::format("{}: cannot write: {}", token_file, std::strerror(errno)));
+          const uint64_t n_val = uint64_t(double(n_tokens) * a->val_fraction);
+          const uint64_t n_train = n_tokens - n_val;
+          std::printf("%zu bytes -> %llu tokens (%.2f bytes/token); train %llu, val %llu\n", bytes,
+                      static_cast<unsigned long long>(n_tokens), double(bytes) / double(n_tokens),
+                      static_cast<unsigned long long>(n_train), static_cast<unsigned long long>(n_val));
           uint32_t vocab = uint32_t(tok->vocab_size());
-          std::vector<std::string> written = write_split(staged.string(), "train", toks, 0, n_train, a->shard_tokens, vocab);
+          std::vector<std::string> written =
+              write_split(staged.string(), "train", token_file, 0, n_train, a->shard_tokens, vocab);
           if (n_val)
-            for (const std::string& n : write_split(staged.string(), "val", toks, n_train, toks.size(), a->shard_tokens, vocab))
+            for (const std::string& n :
+                 write_split(staged.string(), "val", token_file, n_train, n_tokens, a->shard_tokens, vocab))
               written.push_back(n);
+          fs::remove(token_file);
           committing = true;
           commit(staged, out);
           for (const std::string& n : written) std::printf("  wrote %s\n", (out / n).string().c_str());

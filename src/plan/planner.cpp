@@ -1042,8 +1042,10 @@ SearchResult search(const Job& job, const SearchOptions& opt) {
     if ((opt.tp && tp != opt.tp) || tp > job.cluster.per_node || m.heads % tp != 0) continue;
     for (int pp : divisors) {
       if ((opt.pp && pp != opt.pp) || (job.devices / tp) % pp != 0 || m.layers % pp != 0) continue;
-      for (int cp : {1, 2, 4, 8}) {
-        if ((opt.cp && cp != opt.cp) || (!opt.cp && cp > 1 && m.seq < 8192)) continue;
+      // Context parallelism in powers of two, for sequences of 8K and longer, while each rank keeps
+      // at least 1K of them (Llama 3 405B's 128K-token stage ran cp = 16: 8K a rank).
+      for (int cp = 1; cp <= job.devices / tp / pp; cp *= 2) {
+        if ((opt.cp && cp != opt.cp) || (!opt.cp && cp > 1 && (m.seq < 8192 || m.seq / cp < 1024))) continue;
         if ((job.devices / tp / pp) % cp != 0) continue;
         const int dp = job.devices / tp / pp / cp;
         if (job.global_batch % dp != 0) continue;
