@@ -1,5 +1,6 @@
 // loom train CONFIG.toml [--section.field value ...] [--resume [--new-hparams] | --overwrite] [--plan auto]
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -49,6 +50,7 @@ Registrar reg{Command{
           ->check(CLI::IsMember({"auto"}));
       sub.allow_extras();
       return [a, &sub]() -> int {
+        const auto started = std::chrono::steady_clock::now();  // (train.time_limit_min counts from here)
         if (a->help_config) {
           const std::vector<train::FieldInfo> fields = train::config_fields();
           int width = 0;
@@ -96,6 +98,7 @@ Registrar reg{Command{
         // --overwrite removes the old run once the new one is accepted (run_training).
         train::TrainOptions opt;
         opt.overwrite = a->overwrite;
+        opt.started = started;
         if (a->plan == "auto") opt.plan_note = train::apply_auto_plan(cfg, a->config.empty() ? "command line" : a->config);
         opt.resume = a->resume;
         opt.new_hparams = a->new_hparams;

@@ -22,7 +22,12 @@ std::vector<Command>& commands() {
 int main(int argc, char** argv) {
   // Before any other thread exists: SIGINT, SIGTERM and SIGUSR1 are received by a thread of their
   // own, never by one that computes (train/stop.h says why), and stop a training run cleanly.
-  loom::train::start_signal_thread();
+  try {
+    loom::train::start_signal_thread();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "loom: error: %s\n", e.what());
+    return 1;
+  }
   // A write past the file-size limit (ulimit -f) then fails with EFBIG, which loom reports with the
   // file, instead of the signal ending the process mid-write.
   std::signal(SIGXFSZ, SIG_IGN);

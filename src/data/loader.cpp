@@ -10,7 +10,7 @@ namespace loom::data {
 Loader::Loader(const std::string& dir, const std::string& split, int64_t seq_len, uint64_t seed, VerifyShare verify)
     : T_(seq_len), seed_(seed), stream_(stream_of("data/" + split)) {
   LOOM_REQUIRE(seq_len > 0, "sequence length must be positive, got {}", seq_len);
-  LOOM_CHECK(verify.parts >= 1 && verify.part >= 0 && verify.part < verify.parts, "Loader: verify part {} of {}",
+  LOOM_CHECK(verify.parts >= 1 && verify.part >= -1 && verify.part < verify.parts, "Loader: verify part {} of {}",
              verify.part, verify.parts);
   files_ = list_shards(dir, split);
   LOOM_REQUIRE(!files_.empty(), "{}: no {}_*.bin token shards (run `loom prepare` first)", dir, split);
@@ -36,20 +36,30 @@ uint64_t Loader::sample_start(uint64_t global_index) const {
   return x % (total_ - uint64_t(T_));  // windows [start, start + T + 1) fit in the split
 }
 
-void Loader::read_window(uint64_t start, int32_t* inputs, int32_t* targets) const {
-  // The window may cross shard boundaries: gather T + 1 tokens, then split into inputs/targets.
-  std::vector<int32_t> buf(size_t(T_) + 1);
-  uint64_t pos = start, need = uint64_t(T_) + 1, done = 0;
+void Loader::read(uint64_t pos, uint64_t n, int32_t* out) const {
+  LOOM_CHECK(pos <= total_ && n <= total_ - pos, "tokens [{}, {}) outside the split's {}", pos, pos + n, total_);
+  uint64_t done = 0;
   size_t s = size_t(std::upper_bound(begin_.begin(), begin_.end(), pos) - begin_.begin()) - 1;
-  while (need) {
-    uint64_t local = pos - begin_[s];
-    uint64_t take = std::min(need, shards_[s]->size() - local);
-    shards_[s]->read(local, take, buf.data() + done);
+  while (done < n) {
+    const uint64_t local = pos - begin_[s];
+    const uint64_t take = std::min(n - done, shards_[s]->size() - local);
+    shards_[s]->read(local, take, out + done);
     done += take;
-    need -= take;
     pos += take;
     ++s;
   }
+}
+
+std::pair<std::string, uint64_t> Loader::locate(uint64_t pos) const {
+  LOOM_CHECK(pos < total_, "token {} outside the split's {}", pos, total_);
+  const size_t s = size_t(std::upper_bound(begin_.begin(), begin_.end(), pos) - begin_.begin()) - 1;
+  return {files_[s], pos - begin_[s]};
+}
+
+void Loader::read_window(uint64_t start, int32_t* inputs, int32_t* targets) const {
+  // The window may cross shard boundaries: gather T + 1 tokens, then split into inputs/targets.
+  std::vector<int32_t> buf(size_t(T_) + 1);
+  read(start, uint64_t(T_) + 1, buf.data());
   std::copy(buf.begin(), buf.begin() + T_, inputs);
   std::copy(buf.begin() + 1, buf.end(), targets);
 }

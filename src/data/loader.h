@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "data/shard.h"
@@ -17,11 +18,15 @@
 namespace loom::data {
 
 // Which shards' payloads (checksum, token ids against the vocabulary) a Loader verifies: those
-// whose index i has i % parts == part; every shard's header and size are checked. The ranks of a
-// job each open the splits with their own part, so the job reads its corpus once, not once per
-// rank (a rank that finds a damaged shard fails the job before its first step, naming the file).
+// whose index i has i % parts == part (none for part -1); every shard's header and size are
+// checked. The ranks of a `loom train` job each open the splits with their own part, so the job
+// verifies each shard once, not once per rank (a rank that finds a damaged shard fails the job
+// before its first step, naming the file). Every rank must then read the same files (a shared
+// filesystem): with a copy of data.dir per node, a node's copy is verified only in the shards its
+// own ranks' parts hold (ids out of the vocabulary are still refused wherever they are read).
 struct VerifyShare {
   int part = 0, parts = 1;
+  static VerifyShare none() { return {-1, 1}; }
 };
 
 class Loader {
@@ -55,6 +60,11 @@ class Loader {
   int64_t val_batches(int64_t global_batch) const;
   // Start position of training sample `global_index` (exposed for tests).
   uint64_t sample_start(uint64_t global_index) const;
+
+  // Tokens [pos, pos + n) of the split (across shards) into out.
+  void read(uint64_t pos, uint64_t n, int32_t* out) const;
+  // The shard holding token `pos` of the split, and the token's index in it.
+  std::pair<std::string, uint64_t> locate(uint64_t pos) const;
 
  private:
   void read_window(uint64_t start, int32_t* inputs, int32_t* targets) const;

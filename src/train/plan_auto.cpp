@@ -108,7 +108,8 @@ std::string apply_auto_plan(TrainConfig& cfg, const std::string& config_path) {
   TrainConfig least = cfg;
   least.zero = 3;
   least.grad_accum = cfg.batch_size;
-  const model::GPTConfig mc = open_run_data(least, config_path).model;
+  // (The model only: the shards' headers, not their payloads, which the run's ranks verify.)
+  const model::GPTConfig mc = open_run_data(least, config_path, data::VerifyShare::none()).model;
   plan::Job job;
   job.model = plan::from_gpt(mc, cfg.seq_len);
   job.devices = world;

@@ -105,35 +105,34 @@ std::string human_time(double s) {
 
 namespace {
 
-// The tokens of a loader's shards, a chunk at a time: all of them when they are at most `limit`,
-// else about `limit` of them in chunks of 64K spread evenly over each shard (a shard's share in
-// proportion to its size), so a corpus whose start is unlike the rest is still represented.
+// The tokens of a loader's split, a chunk at a time: all of them when they are at most `limit`,
+// else `limit` of them (rounded down to whole chunks of 64K, or one chunk of `limit`) in chunks
+// spread evenly over the whole split, its first and last included, so a corpus whose start is
+// unlike the rest is still represented, however many shards it has. Token ids are checked against
+// the vocabulary (another rank may have verified the shard's payload).
 template <class F>
 void for_each_token(const data::Loader& l, uint64_t limit, F&& f) {
-  constexpr uint64_t kChunk = 1 << 16;
-  std::vector<int32_t> buf(kChunk);
   const uint64_t total = l.total_tokens();
-  for (const auto& file : l.files()) {
-    data::Shard s(file, false);  // (another rank may verify its payload: its ids are checked here)
-    const uint64_t size = s.size();
-    if (size == 0) continue;
-    // Chunks of this shard: all of it, or its share of limit / kChunk, evenly spaced.
-    const uint64_t chunks = (size + kChunk - 1) / kChunk;
-    const uint64_t take = total <= limit ? chunks
-                                         : std::min<uint64_t>(chunks, std::max<uint64_t>(1, uint64_t(double(limit) / kChunk * double(size) / double(total) + 0.5)));
-    for (uint64_t c = 0; c < take; ++c) {
-      const uint64_t i = take == chunks ? c * kChunk : (chunks - 1) * c / std::max<uint64_t>(1, take - 1) * kChunk;
-      const uint64_t n = std::min<uint64_t>(kChunk, size - i);
-      s.read(i, n, buf.data());
-      for (uint64_t j = 0; j < n; ++j) {
-        if (uint32_t(buf[j]) >= s.vocab_size())
-          throw Error(fmt::format("{}: token {} is {}, outside the vocabulary of {}: the shard is damaged (re-run "
-                                  "`loom prepare`)",
-                                  file, i + j, uint32_t(buf[j]), s.vocab_size()));
-        f(buf[j]);
+  const uint64_t chunk = std::min<uint64_t>(uint64_t(1) << 16, std::max<uint64_t>(limit, 1));
+  std::vector<int32_t> buf(static_cast<size_t>(chunk));
+  auto take = [&](uint64_t start, uint64_t n) {
+    l.read(start, n, buf.data());
+    for (uint64_t j = 0; j < n; ++j) {
+      if (uint32_t(buf[j]) >= l.vocab_size()) {
+        const auto [file, at] = l.locate(start + j);
+        throw Error(fmt::format("{}: token {} is {}, outside the vocabulary of {}: the shard is damaged (re-run "
+                                "`loom prepare`)",
+                                file, at, uint32_t(buf[j]), l.vocab_size()));
       }
+      f(buf[j]);
     }
+  };
+  if (total <= limit) {
+    for (uint64_t s = 0; s < total; s += chunk) take(s, std::min(chunk, total - s));
+    return;
   }
+  const uint64_t count = std::max<uint64_t>(1, limit / chunk);
+  for (uint64_t k = 0; k < count; ++k) take(count == 1 ? 0 : k * (total - chunk) / (count - 1), chunk);
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
@@ -29,32 +30,34 @@ sigset_t stop_set() {
   return s;
 }
 
-// The signal's default action, now: from this thread alone, which unblocks it (every other thread
-// keeps it blocked), so the process ends by the signal as it would have without loom's thread.
-[[noreturn]] void default_action(int sig) {
-  std::fflush(stdout);
-  ::signal(sig, SIG_DFL);
-  sigset_t one;
-  sigemptyset(&one);
-  sigaddset(&one, sig);
-  ::pthread_sigmask(SIG_UNBLOCK, &one, nullptr);
-  ::raise(sig);
-  std::_Exit(128 + sig);  // (not reached for the three signals, whose default action ends the process)
-}
+int g_pipe[2] = {-1, -1};  // the handler writes the signal it took for a run, the notice thread reads it
 
-int g_pipe[2] = {-1, -1};  // the handler writes a signal's number, the receiving thread reads it
-
-// Runs only on a thread that does not block the signals: one a library started before main
-// (OpenBLAS's server threads), never one of loom's.
+// Runs on loom's receiving thread (the one thread of loom's that does not block the signals, and
+// computes nothing) or on a thread a library started before main (OpenBLAS's). Async-signal-safe
+// throughout: the first signal while a run listens sets the flag and wakes the notice; any other
+// (a second, or one while no run listens) takes the signal's default action from here: the
+// handler is reset and the signal raised again, delivered once the handler returns.
 extern "C" void on_stop_signal(int sig) {
   const int saved = errno;
-  const char c = char(sig);
-  ssize_t ignored = ::write(g_pipe[1], &c, 1);  // (async-signal-safe)
-  (void)ignored;
+  int none = 0;
+  if (g_listeners.load() > 0 && g_received.compare_exchange_strong(none, sig)) {
+    const char c = char(sig);
+    ssize_t ignored = ::write(g_pipe[1], &c, 1);
+    (void)ignored;
+    errno = saved;
+    return;
+  }
+  ::signal(sig, SIG_DFL);
+  ::raise(sig);
   errno = saved;
 }
 
+// The receiving thread: the signals are unblocked here alone among loom's threads; it sleeps in
+// read() (restarted after each handler) and prints the notice of a signal a run took. (Printing can
+// block on a full stderr pipe: nothing else waits on this thread, a second signal included.)
 void receive_signals() {
+  const sigset_t set = stop_set();
+  ::pthread_sigmask(SIG_UNBLOCK, &set, nullptr);
   for (;;) {
     char c = 0;
     const ssize_t n = ::read(g_pipe[0], &c, 1);
@@ -62,15 +65,13 @@ void receive_signals() {
       if (n < 0 && errno == EINTR) continue;
       return;  // (the pipe cannot close while the process runs)
     }
-    const int sig = c;
-    int none = 0;
-    if (g_listeners.load() > 0 && g_received.compare_exchange_strong(none, sig)) {
-      std::fprintf(stderr, "\nloom: %s: the run stops after this step and writes a checkpoint (again to stop at once)\n",
-                   stop_reason_name(sig).c_str());
-      std::fflush(stderr);
-      continue;
-    }
-    default_action(sig);
+    char msg[160];
+    const int len = std::snprintf(msg, sizeof msg,
+                                  "\nloom: %s: the run stops at the end of this step, with its checkpoint (again to "
+                                  "stop at once)\n",
+                                  stop_reason_name(c).c_str());
+    ssize_t ignored = ::write(2, msg, size_t(std::clamp(len, 0, int(sizeof msg) - 1)));
+    (void)ignored;
   }
 }
 
@@ -136,9 +137,12 @@ int agree_stop(comm::Comm& world, double time_limit_min, std::chrono::steady_clo
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count() >= 60.0 * time_limit_min)
     mine = kStopTimeLimit;
   if (world.size() == 1) return mine;
-  float v = float(mine);  // (small integers: exact)
+  // A signal on any rank outranks the time limit on another (the job was told to stop): signals
+  // travel as 2000 + their number.
+  float v = float(mine == 0 || mine == kStopTimeLimit ? mine : 2000 + mine);  // (small integers: exact)
   world.all_reduce(&v, 1, DType::f32, comm::ReduceOp::max);
-  return int(v);
+  const int agreed = int(v);
+  return agreed >= 2000 ? agreed - 2000 : agreed;
 }
 
 }  // namespace loom::train

@@ -4,17 +4,18 @@
 // --exit-signal-handler and --exit-duration-in-mins).
 //
 // No signal handler runs on a thread that computes. start_signal_thread, called first in main,
-// blocks the three signals in every thread loom starts and receives them on a thread of its own
-// (a handler left for threads that libraries started before main, OpenBLAS's, passes them on
-// through a pipe). A handler would interrupt whichever thread the kernel chose, and oneDNN's JIT
-// GEMM kernels (2.6, Debian's; fixed upstream in 2026) point the stack register into the heap
-// while they run: the signal's frame is then written over heap memory (measured: about one signal
-// in six during training steps corrupted the heap and the process aborted).
+// blocks the three signals in every thread loom starts but one, a thread of its own that computes
+// nothing and takes them (its handler; threads that libraries started before main, OpenBLAS's, may
+// take them too, and run the same handler). A handler on a computing thread would interrupt it,
+// and oneDNN's JIT GEMM kernels (2.6, Debian's; fixed upstream in 2026) point the stack register
+// into the heap while they run: the signal's frame is then written over heap memory (measured:
+// about one signal in four during training steps corrupted the heap and the process aborted).
 //
-// While a run listens (a StopSignals is alive), the first signal sets a process-wide flag and the
-// ranks agree on it in one collective after each step (agree_stop), so every rank of the mesh
-// stops after the same step and writes its part of the same checkpoint. A second signal, or one
-// while no run listens, takes the signal's default action at once (the process ends by it).
+// While a run listens (a StopSignals is alive), the first signal sets a process-wide flag (and a
+// line on stderr says so) and the ranks agree on it in one collective after each step
+// (agree_stop), so every rank of the mesh stops after the same step and writes its part of the
+// same checkpoint. A second signal, or one while no run listens, takes the signal's default action
+// at once, from the handler (the process ends by it).
 #pragma once
 #include <chrono>
 #include <string>
@@ -33,7 +34,7 @@ std::string stop_reason_name(int reason);
 int stop_exit_status(int reason);
 
 // Blocks SIGINT, SIGTERM and SIGUSR1 in the calling thread and in every thread created after it,
-// and starts the thread that receives them. Call it before the process creates any other thread
+// and starts the thread that takes them (which alone unblocks them). Call it before the process creates any other thread
 // (first in main); once. A program that does not call it keeps the signals' default actions, and
 // its runs stop only at train.time_limit_min.
 void start_signal_thread();
@@ -57,8 +58,9 @@ class StopSignals {
 // receiving thread (the signal would end it).
 void send_stop_signal_to_self(int sig);
 
-// Collective over `world`: the largest stop reason of the ranks (this rank's: the signal received,
-// else kStopTimeLimit when `time_limit_min` > 0 and that many minutes have passed since `started`).
+// Collective over `world`: why the job stops (this rank's reason: the signal received, else
+// kStopTimeLimit when `time_limit_min` > 0 and that many minutes have passed since `started`); a
+// signal on any rank outranks the time limit (between two signals, the larger number).
 int agree_stop(comm::Comm& world, double time_limit_min, std::chrono::steady_clock::time_point started);
 
 }  // namespace loom::train

@@ -230,11 +230,18 @@ TEST(RunData, TheUnigramBaselineSpreadsItsSampleOverALargeSplit) {
   EXPECT_EQ(whole.counted, 300000u);
   EXPECT_EQ(whole.scored, 1000u);
   EXPECT_NEAR(whole.loss, -std::log(150001.0 / 300004.0), 1e-12);
-  // Two chunks of 64K of the five: the first and the last, one from each half (the first 2^17
-  // tokens alone would hold no 2, and score the half of val that is 2 at log(65538 x 2)).
+  // Two chunks of 64K, the split's first and last (the first 2^17 tokens alone would hold no 2, and
+  // score the half of val that is 2 at log(65538 x 2)): add-one counts 65537, 65537, 1 and 1.
   const UnigramBaseline part = unigram_loss(tl, &vl, 4, uint64_t(1) << 17);
-  EXPECT_EQ(part.counted, 65536u + (300000u - 4 * 65536u));
+  EXPECT_EQ(part.counted, uint64_t(1) << 17);
   EXPECT_EQ(part.scored, 1000u);
-  const double c1 = 65536 + 1, c2 = 300000 - 4 * 65536 + 1, total = double(part.counted) + 4;
-  EXPECT_NEAR(part.loss, -(std::log(c1 / total) + std::log(c2 / total)) / 2, 1e-12);
+  EXPECT_NEAR(part.loss, -std::log(65537.0 / 131076.0), 1e-12);
+  // Many shards smaller than a chunk: still at most the limit in all (a chunk a shard read 5x it).
+  TmpDir many("unigram_many");
+  for (int i = 0; i < 10; ++i)
+    data::write_shard((many.p / fmt::format("train_{:03d}.bin", i)).string(), std::vector<uint32_t>(70000, 1u + uint32_t(i % 2)), 4);
+  const data::Loader ml(many.p.string(), "train", 8, 0);
+  const UnigramBaseline spread = unigram_loss(ml, nullptr, 4, uint64_t(1) << 17);
+  EXPECT_EQ(spread.counted, uint64_t(1) << 17);
+  EXPECT_EQ(spread.scored, uint64_t(1) << 17);
 }
