@@ -902,29 +902,44 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   e.tp_comm_s = mm * (stage_f_comm + stage_b_comm) * slowdown;
   e.pp_comm_s = L.pp > 1 ? mm * 2 * p2p : 0.0;
   e.bubble_s = std::max(0.0, makespan - mm * (t_f + t_b) * slowdown - e.pp_comm_s);
-  // Data parallelism over dp x cp: the gradients' ring reduction (an all-reduce; under ZeRO 1/2 a
-  // reduce-scatter, half of one, and an all-gather of the updated weights; under ZeRO-3 the
-  // reduce-scatter and the weights gathered in forward and backward), after the flush in a
-  // pipeline, overlapped with the last micro-batch's backward otherwise. The weights move in the
-  // dtype the rank holds them in (B.weight: the compute dtype where the masters are the host's).
+  // Data parallelism over dp x cp as loom's DataParallel runs it, each pass a ring over the shard's
+  // ranks (its bandwidth term and n - 1 link latencies; twice both for an all-reduce): ZeRO-0
+  // all-reduces the step's gradients after its last micro-batch; ZeRO-1 reduce-scatters them so and
+  // all-gathers the updated weights; ZeRO-2 reduce-scatters every micro-batch's gradients and
+  // gathers the weights once; ZeRO-3 reduce-scatters every micro-batch's gradients and gathers the
+  // weights for its forward and its backward, with or without a pipeline (before, only a
+  // pipeline's micro-batches paid theirs: ZeRO 2/3 with accumulation were predicted a step's worth
+  // of one micro-batch). The weights move in the dtype the rank holds them in (B.weight: the
+  // compute dtype where the masters are the host's). (A pass is many calls, a bucket's or a
+  // block's each; their latencies are counted once a pass: a ring's n - 1 hops for every call
+  // would be seconds at thousands of ranks, where NCCL's tree and PAT algorithms take log n.)
   const Link& dp_link = job.cluster.link(L.tp, shard);
   const double grad_bytes = P * B.grad;
   const double reduce_scatter = 0.5 * all_reduce_s(grad_bytes, shard, dp_link);
-  const double weight_gather = 0.5 * all_reduce_s(P * B.weight, shard, dp_link);
-  e.dp_comm_s = L.zero == 0 ? 2 * reduce_scatter : reduce_scatter + (L.zero >= 3 ? 2 : 1) * weight_gather;
-  // A pipeline stage under ZeRO 2/3 reduce-scatters its gradients after every micro-batch's
-  // backward, and under ZeRO-3 gathers its weights for every micro-batch's forward and backward;
-  // ZeRO-2 all-gathers the updated weights once.
-  if (L.pp > 1 && L.zero >= 2 && shard > 1)
-    e.dp_comm_s = double(micro) * (reduce_scatter + (L.zero >= 3 ? 2 * weight_gather : 0.0)) +
-                  (L.zero == 2 ? weight_gather : 0.0);
+  const double weights = 0.5 * all_reduce_s(P * B.weight, shard, dp_link);
+  // Per micro-batch (overlapping its backward, ZeRO-3's gathers its forward too, where the device
+  // runs them beside the compute) and per step (ZeRO-0's all-reduce and ZeRO-1's reduce-scatter
+  // overlapping the last backward; the updated weights' gather after the update, exposed).
+  double per_micro = 0, overlapped = 0, after_update = 0;
+  if (shard > 1) {
+    if (L.zero == 0) overlapped = 2 * reduce_scatter;
+    else if (L.zero == 1) overlapped = reduce_scatter, after_update = weights;
+    else if (L.zero == 2) per_micro = reduce_scatter, after_update = weights;
+    else per_micro = reduce_scatter + 2 * weights;
+  }
+  const double mm_dp = double(micro);
   // On a shared host the collectives run on the cores that compute (the threads backend's
   // communication thread sums and copies): overlapping them with backward hides nothing, and with
   // more ranks than cores the ranks reducing at once divide the cores (as the optimizer's passes
-  // do; the link's rate was measured with a core per rank).
-  e.dp_comm_s *= crowd;
-  if (L.pp > 1 || job.cluster.shared_host) e.dp_exposed_s = e.dp_comm_s;
-  else e.dp_exposed_s = std::max(e.dp_comm_s - 0.9 * t_b, 0.1 * e.dp_comm_s);
+  // do; the link's rate was measured with a core per rank). A pipeline's come after its flush.
+  e.dp_comm_s = (mm_dp * per_micro + overlapped + after_update) * crowd;
+  if (L.pp > 1 || job.cluster.shared_host) {
+    e.dp_exposed_s = e.dp_comm_s;
+  } else {
+    const double window = 0.9 * (L.zero >= 3 ? t_f + t_b : t_b);
+    e.dp_exposed_s = mm_dp * std::max(per_micro - window, 0.1 * per_micro) +
+                     std::max(overlapped - 0.9 * t_b, 0.1 * overlapped) + after_update;
+  }
   // A pipeline with tied embeddings: after the flush its first and last stages exchange wte's
   // reduced gradient (DataParallel::add_peer_gradient: f32, a sendrecv in pieces of at most a
   // bucket) and add it into theirs. Under ZeRO 1-3 a rank's shard is a slice of its whole stage's
@@ -1003,10 +1018,10 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
     double step_syncs = 2;  // the loss and the gradient norm
     if (shard > 1) {
       const double blocks = double(m.layers) / L.pp + (L.pp == 1 ? 2.0 : 1.0);
-      if (L.zero == 0) step_syncs += buckets;                                        // all-reduce
-      else if (L.zero == 3) step_syncs += double(micro) * (2 * blocks + buckets);     // gathers, reduce-scatters
-      else if (L.pp > 1 && L.zero == 2) step_syncs += double(micro) * buckets + 1;  // per micro-batch, then a gather
-      else step_syncs += 2 * buckets;                                                 // reduce-scatter, all-gather
+      if (L.zero == 0) step_syncs += buckets;                                     // all-reduce
+      else if (L.zero == 3) step_syncs += double(micro) * (2 * blocks + buckets);  // gathers, reduce-scatters
+      else if (L.zero == 2) step_syncs += double(micro) * buckets + 1;           // per micro-batch, then a gather
+      else step_syncs += buckets + 1;                                              // reduce-scatter, all-gather
     }
     step_syncs += tied_pieces * (L.zero >= 1 && shard > 1 ? 2 : 1);  // the tied wte's exchange (and gathers)
     // In a pipeline the other stages' ranks compute on the cores a waiting stage leaves (the
