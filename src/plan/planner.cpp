@@ -917,28 +917,34 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
   const double grad_bytes = P * B.grad;
   const double reduce_scatter = 0.5 * all_reduce_s(grad_bytes, shard, dp_link);
   const double weights = 0.5 * all_reduce_s(P * B.weight, shard, dp_link);
-  // Per micro-batch (overlapping its backward, ZeRO-3's gathers its forward too, where the device
-  // runs them beside the compute) and per step (ZeRO-0's all-reduce and ZeRO-1's reduce-scatter
-  // overlapping the last backward; the updated weights' gather after the update, exposed).
-  double per_micro = 0, overlapped = 0, after_update = 0;
+  // Per micro-batch (ZeRO 2/3's reduce-scatter, ZeRO-3's gathers) and per step (ZeRO-0's
+  // all-reduce and ZeRO-1's reduce-scatter after the last backward; the updated weights' gather
+  // after the update).
+  double per_micro = 0, at_last_backward = 0, after_update = 0, gathers = 0;
   if (shard > 1) {
-    if (L.zero == 0) overlapped = 2 * reduce_scatter;
-    else if (L.zero == 1) overlapped = reduce_scatter, after_update = weights;
+    if (L.zero == 0) at_last_backward = 2 * reduce_scatter;
+    else if (L.zero == 1) at_last_backward = reduce_scatter, after_update = weights;
     else if (L.zero == 2) per_micro = reduce_scatter, after_update = weights;
-    else per_micro = reduce_scatter + 2 * weights;
+    else per_micro = reduce_scatter + 2 * weights, gathers = 2 * weights;
   }
   const double mm_dp = double(micro);
-  // On a shared host the collectives run on the cores that compute (the threads backend's
-  // communication thread sums and copies): overlapping them with backward hides nothing, and with
-  // more ranks than cores the ranks reducing at once divide the cores (as the optimizer's passes
-  // do; the link's rate was measured with a core per rank). A pipeline's come after its flush.
-  e.dp_comm_s = (mm_dp * per_micro + overlapped + after_update) * crowd;
-  if (L.pp > 1 || job.cluster.shared_host) {
+  e.dp_comm_s = (mm_dp * per_micro + at_last_backward + after_update) * crowd;
+  // What the step waits for. Hidden where the collectives run beside the compute: as Megatron-LM
+  // and DeepSpeed run them (precision mixed), a reduction behind the backward it follows (but 10%)
+  // and ZeRO-3's gathers behind the forward and the backward they precede; the updated weights'
+  // gather after the update never. Exposed whole where they do not: loom's device runs (precision
+  // device: DataParallel reduces on the compute thread, in the stream's order, no overlap yet), a
+  // shared host (the threads backend's sums and copies run on the cores that compute; with more
+  // ranks than cores the ranks reducing at once divide them, as the optimizer's passes do: the
+  // link's rate was measured with a core per rank), and a pipeline (ZeRO 2/3's reduce-scatters run
+  // between its micro-batches, the rest after its flush).
+  if (L.pp > 1 || job.cluster.shared_host || job.precision == Precision::device) {
     e.dp_exposed_s = e.dp_comm_s;
   } else {
-    const double window = 0.9 * (L.zero >= 3 ? t_f + t_b : t_b);
-    e.dp_exposed_s = mm_dp * std::max(per_micro - window, 0.1 * per_micro) +
-                     std::max(overlapped - 0.9 * t_b, 0.1 * overlapped) + after_update;
+    auto hidden_behind = [](double comm, double compute) { return std::max(comm - 0.9 * compute, 0.1 * comm); };
+    const double reduce = per_micro - gathers;  // (ZeRO 2/3: each micro-batch's reduce-scatter)
+    e.dp_exposed_s = mm_dp * (hidden_behind(gathers / 2, t_f) + hidden_behind(gathers / 2 + reduce, t_b)) +
+                     hidden_behind(at_last_backward, t_b) + after_update;
   }
   // A pipeline with tied embeddings: after the flush its first and last stages exchange wte's
   // reduced gradient (DataParallel::add_peer_gradient: f32, a sendrecv in pieces of at most a
@@ -1029,8 +1035,8 @@ Estimate estimate(const Job& job, const Layout& L, bool simulate) {
     // two received messages per micro-batch count among them where the simulation has no wake-ups
     // to give them (the search's closed form, or a calibration from before they were measured).
     const bool woken = simulate && (job.cluster.wake > 0 || job.cluster.crowded_wake > 0);
-    const double per_micro = (busiest.syncs + (L.pp > 1 && !woken ? 2.0 : 0.0)) / L.pp;
-    e.sync_s = job.cluster.crowded_sync * (double(micro) * per_micro + step_syncs);
+    const double micro_syncs = (busiest.syncs + (L.pp > 1 && !woken ? 2.0 : 0.0)) / L.pp;
+    e.sync_s = job.cluster.crowded_sync * (double(micro) * micro_syncs + step_syncs);
   }
   e.step_s = makespan + e.dp_exposed_s + e.tied_s + e.optimizer_s + e.sync_s;
   const double step_tokens = double(job.global_batch) * double(m.seq);
@@ -1050,8 +1056,8 @@ SearchResult search(const Job& job, const SearchOptions& opt) {
   SearchResult res;
   const ModelSpec& m = job.model;
   std::vector<int> divisors;
-  for (int d = 1; d <= job.devices; ++d)
-    if (job.devices % d == 0) divisors.push_back(d);
+  for (int64_t d = 1; d <= job.devices; ++d)
+    if (job.devices % d == 0) divisors.push_back(int(d));
   std::vector<Estimate> fitting;
   for (int tp : divisors) {
     if ((opt.tp && tp != opt.tp) || tp > job.cluster.per_node || m.heads % tp != 0) continue;
@@ -1059,7 +1065,8 @@ SearchResult search(const Job& job, const SearchOptions& opt) {
       if ((opt.pp && pp != opt.pp) || (job.devices / tp) % pp != 0 || m.layers % pp != 0) continue;
       // Context parallelism in powers of two, for sequences of 8K and longer, while each rank keeps
       // at least 1K of them (Llama 3 405B's 128K-token stage ran cp = 16: 8K a rank).
-      for (int cp = 1; cp <= job.devices / tp / pp; cp *= 2) {
+      for (int64_t cp64 = 1; cp64 <= job.devices / tp / pp; cp64 *= 2) {
+        const int cp = int(cp64);
         if ((opt.cp && cp != opt.cp) || (!opt.cp && cp > 1 && (m.seq < 8192 || m.seq / cp < 1024))) continue;
         if ((job.devices / tp / pp) % cp != 0) continue;
         const int dp = job.devices / tp / pp / cp;

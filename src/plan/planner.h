@@ -36,10 +36,14 @@
 // parallelism's all-reduces (2 per layer forward, 2 backward; all-gather plus reduce-scatter of
 // the same volume under sp) on the link its group spans; the pipeline's point-to-point transfers;
 // the schedule's makespan from the real instruction lists (checker's simulation with these
-// durations); data parallelism's gradient reduction (ring: 2 (d-1)/d of the gradient bytes; ZeRO-3
-// gathers the weights again in forward and backward: 1.5x), exposed after the pipeline flush when
-// pp > 1 or on a shared host (whose collectives run on the cores that compute) and hidden behind
-// backward otherwise except what backward cannot cover; offloaded, the gradients' way to the
+// durations); data parallelism's collectives as loom's DataParallel runs them (rings over the
+// shard: ZeRO-0 all-reduces the gradients once a step, ZeRO-1 reduce-scatters them once and
+// gathers the updated weights, ZeRO-2 reduce-scatters every micro-batch's and gathers the weights
+// once, ZeRO-3 reduce-scatters every micro-batch's and gathers the weights for each micro-batch's
+// forward and backward), exposed whole in a pipeline, on a shared host and in loom's device runs
+// (precision device: no overlap yet), otherwise hidden behind the backward (ZeRO-3's gathers the
+// forward and backward) they accompany except what it cannot cover, the updated weights' gather
+// never; offloaded, the gradients' way to the
 // host and the updated weights' way back over the host link and the host's update at its share
 // of the host's memory bandwidth instead of the device's optimizer pass; a pipeline's tied embedding, whose
 // gradient its first and last stages exchange and add after the flush (f32; under ZeRO 2/3 what

@@ -113,10 +113,11 @@ TEST(Planner, MegatronTableOneWithinFifteenPercent) {
 
 // Llama 3 405B's long-context stage (Llama 3 paper, table 4): 131,072-token sequences, 16M tokens a
 // step on 16,384 H100s at 380 TFLOP/s per GPU with tp 8 and cp 16 (and pp 16 of uneven stages, 7
-// layers on the first and last, which the planner does not model: it needs pp to divide the 126
-// layers, and at pp 1 or 2 Megatron's mixed precision does not fit). The search reaches cp 16 (it
-// tried 1-8 before: no layout of cp 16 could be asked for); for loom's own device runs (bf16
-// compute copies, ZeRO-3 with the optimizer offloaded) it predicts within 15% of the published rate.
+// layers on the first and last, which the planner does not search: pp must divide the 126
+// layers). The search reaches cp 16 (it tried 1-8 before: no layout of cp 16 could be asked for),
+// and without a bound on cp it keeps at least 1K tokens a rank. For loom's own device runs (bf16
+// compute copies, ZeRO-3, the optimizer offloaded) it predicts about 250 TFLOP/s: their
+// data-parallel collectives do not overlap the compute yet, 8.2 s of the step; Meta's do.
 TEST(Planner, Llama3LongContextReachesContextParallelSixteen) {
   plan::Job job;
   job.model = plan::model_named("llama3-405b");
@@ -130,8 +131,18 @@ TEST(Planner, Llama3LongContextReachesContextParallelSixteen) {
   const plan::SearchResult s = plan::search(job, o);
   ASSERT_FALSE(s.best.empty()) << "no layout of tp 8, cp 16 fits";
   const plan::Estimate& e = s.best[0];
-  std::printf("%s: %.1f TFLOP/s per GPU (published 380)\n", e.layout.str().c_str(), e.model_tflops);
-  EXPECT_LE(std::abs(e.model_tflops / 380 - 1), 0.15) << e.layout.str();
+  EXPECT_EQ(e.layout.cp, 16);
+  EXPECT_TRUE(e.fits);
+  std::printf("%s: %.1f TFLOP/s per GPU (published 380, with the collectives overlapped), %.2f s of %.2f s "
+              "data-parallel\n",
+              e.layout.str().c_str(), e.model_tflops, e.dp_exposed_s, e.step_s);
+  EXPECT_GT(e.model_tflops, 200);
+  EXPECT_LT(e.model_tflops, 380);
+  plan::SearchOptions any;
+  any.top = 20;
+  const plan::SearchResult all = plan::search(job, any);
+  ASSERT_FALSE(all.best.empty());
+  for (const plan::Estimate& x : all.best) EXPECT_GE(job.model.seq / x.layout.cp, 1024) << x.layout.str();
 }
 
 // The whole search of a 1T-parameter model on 4096 GPUs, simulation of the leaders included. It
@@ -275,15 +286,6 @@ TEST(Planner, PrecisionsCountModelStateAsTheirRunsHoldIt) {
   EXPECT_LT(ed.memory.at("workspace"), e32.memory.at("workspace"));
   EXPECT_NEAR(ed.compute_s, em.compute_s, 1e-12);
 }
-
-// Offload (ZeRO-Offload, loom's parallel.offload): the optimizer state leaves the device for the
-// host, which also keeps an f32 gradient staging copy and, in loom's pools, an f32 master copy of
-// what the rank updates, the only one: the device keeps the bf16 compute copy of its weights
-// alone (ZeRO-1: whole, 2 bytes a parameter where it held 4 + 2); the step pays the transfers over the host link and the host's update. The
-// search tries the offloaded twin of each layout that does not fit (so with room nothing is
-// offloaded, and where nothing fits otherwise every choice is), never on a shared host, and
-// refuses what the host's memory cannot hold. (The device truth test checks the tags against the
-// emulated device.)
 // ZeRO 2 and 3 reduce-scatter every micro-batch's gradients (loom's DataParallel, with or without a
 // pipeline) and ZeRO-3 gathers the weights for every micro-batch's forward and backward: four
 // micro-batches a step move four times what one does (ZeRO-2's gather of the updated weights
@@ -311,9 +313,36 @@ TEST(Planner, ZeroTwoAndThreePayEveryMicroBatchsCollectives) {
       EXPECT_GT(four.dp_comm_s, 2.4 * one.dp_comm_s);
       EXPECT_LT(four.dp_comm_s, 4 * one.dp_comm_s);
     }
+    // Exposed: in mixed precision a reduction hides behind backward but 10% (nothing of the
+    // updated weights' gather); in loom's device runs everything is exposed.
+    EXPECT_LE(four.dp_exposed_s, four.dp_comm_s);
+    job.precision = plan::Precision::device;
+    const plan::Estimate dev = plan::estimate(job, L);
+    EXPECT_DOUBLE_EQ(dev.dp_exposed_s, dev.dp_comm_s);
+    job.precision = plan::Precision::mixed;
   }
+  // Which term is per micro-batch: with offload on a device the gradients move in f32 and the
+  // weights in bf16 (a reduce-scatter twice a gather), and without link latency ZeRO-2's four
+  // micro-batches cost exactly 3 times one (4 x 2 + 1 against 2 + 1; swapped, 2 times).
+  job.precision = plan::Precision::device;
+  job.cluster.intra.latency = job.cluster.inter.latency = 0;
+  const plan::Layout two = plan::parse_layout("dp=2,mbs=4,zero=2,offload=1");
+  job.global_batch = 8;
+  const plan::Estimate one = plan::estimate(job, two);
+  job.global_batch = 32;
+  const plan::Estimate four = plan::estimate(job, two);
+  ASSERT_GT(one.dp_comm_s, 0);
+  EXPECT_NEAR(four.dp_comm_s / one.dp_comm_s, 3.0, 1e-12);
 }
 
+// Offload (ZeRO-Offload, loom's parallel.offload): the optimizer state leaves the device for the
+// host, which also keeps an f32 gradient staging copy and, in loom's pools, an f32 master copy of
+// what the rank updates, the only one: the device keeps the bf16 compute copy of its weights
+// alone (ZeRO-1: whole, 2 bytes a parameter where it held 4 + 2); the step pays the transfers over the host link and the host's update. The
+// search tries the offloaded twin of each layout that does not fit (so with room nothing is
+// offloaded, and where nothing fits otherwise every choice is), never on a shared host, and
+// refuses what the host's memory cannot hold. (The device truth test checks the tags against the
+// emulated device.)
 TEST(Planner, OffloadMovesTheOptimizerToTheHost) {
   plan::Job job = small_gpt_job();
   job.devices = 2, job.global_batch = 16;
