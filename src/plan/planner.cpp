@@ -207,7 +207,7 @@ double layer_activation_bytes(const Job& job, const Layout& L) {
   const double split = 2 * (h + 2 * kvd) + 2 * h + (m.swiglu ? 6.0 : 4.0) * ffn;
   const double scores = 5.0 * double(m.heads) * double(m.seq);
   if (full) return tokens * 2 * h / (L.sp ? t : 1.0);
-  return tokens * (stream / (L.sp ? t : 1.0) + split / t + (selective ? 0.0 : scores / t));
+  return tokens * (stream / (L.sp ? t : 1.0) + split / t + (selective || job.flash_attention ? 0.0 : scores / t));
 }
 
 // A ring all-reduce of `bytes` over n ranks on `link`.

@@ -217,6 +217,27 @@ TEST(Planner, LayoutsParseAndBadOnesAreNamed) {
   plan::Layout wrong = plan::parse_layout("dp=2,tp=2");
   EXPECT_NE(plan::estimate(job, wrong).why_not.find("is not the 8 devices"), std::string::npos);
 }
+// Megatron's activation count (mixed precision, Korthikanti et al. 2022) keeps the attention
+// scores, 5 a s bytes a token, only without flash attention: with it, no recomputation and
+// selective recomputation hold the same, and at 131,072 tokens the scores alone were 86 GB a
+// device (Llama 3 405B at tp 8, cp 16), so every such layout was refused.
+TEST(Planner, FlashAttentionKeepsNoScoresInMixedPrecision) {
+  plan::Job job;
+  job.model = plan::model_named("llama3-405b");
+  job.model.seq = 131072;
+  job.cluster = plan::cluster_named("h100-sxm");
+  job.devices = 16384;
+  job.global_batch = 128;
+  job.precision = plan::Precision::mixed;
+  const plan::Layout none = plan::parse_layout("dp=128,tp=8,cp=16,sp=1,zero=3,recompute=none");
+  plan::Layout sel = none;
+  sel.recompute = model::Recompute::selective;
+  EXPECT_DOUBLE_EQ(plan::estimate(job, none).memory.at("activations"), plan::estimate(job, sel).memory.at("activations"));
+  job.flash_attention = false;
+  const double scores = 5.0 * 128 * 131072 / 8 * (131072.0 / 16) * 126;  // 5 a s / t a token, every layer
+  EXPECT_NEAR(plan::estimate(job, none).memory.at("activations") - plan::estimate(job, sel).memory.at("activations"),
+              scores, 1e-6 * scores);
+}
 
 // The three precisions' model state per parameter: mixed as ZeRO counts it (2 + 2 + 12), f32 as
 // loom's CPU holds it (4 + 4 + 8), device as loom's device runs hold it (f32 masters, gradients and
