@@ -1,14 +1,11 @@
 #include "train/stop.h"
 
-#include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <cstdio>
 #include <cstring>
 #include <thread>
 
@@ -30,48 +27,50 @@ sigset_t stop_set() {
   return s;
 }
 
-int g_pipe[2] = {-1, -1};  // the handler writes the signal it took for a run, the notice thread reads it
+// The notice of a signal a run took (written with write(2): no stdio, no allocation).
+const char* notice(int sig) {
+  return sig == SIGINT    ? "\nloom: SIGINT: the run stops at the end of this step, with its checkpoint (again to stop at once)\n"
+         : sig == SIGTERM ? "\nloom: SIGTERM: the run stops at the end of this step, with its checkpoint (again to stop at once)\n"
+                          : "\nloom: SIGUSR1: the run stops at the end of this step, with its checkpoint (again to stop at once)\n";
+}
 
-// Runs on loom's receiving thread (the one thread of loom's that does not block the signals, and
-// computes nothing) or on a thread a library started before main (OpenBLAS's). Async-signal-safe
-// throughout: the first signal while a run listens sets the flag and wakes the notice; any other
-// (a second, or one while no run listens) takes the signal's default action from here: the
-// handler is reset and the signal raised again, delivered once the handler returns.
+// The first signal while a run listens sets the flag (true); any other, a second or one while no
+// run listens, is to take its default action (false). Async-signal-safe.
+bool take_for_the_run(int sig) {
+  int none = 0;
+  if (g_listeners.load() == 0 || !g_received.compare_exchange_strong(none, sig)) return false;
+  ssize_t ignored = ::write(2, notice(sig), std::strlen(notice(sig)));
+  (void)ignored;
+  return true;
+}
+
+// Runs only on a thread that a library started before main (OpenBLAS's), which does not block the
+// signals: never on one of loom's. A signal not taken for the run is raised again with its default
+// action, delivered once the handler returns.
 extern "C" void on_stop_signal(int sig) {
   const int saved = errno;
-  int none = 0;
-  if (g_listeners.load() > 0 && g_received.compare_exchange_strong(none, sig)) {
-    const char c = char(sig);
-    ssize_t ignored = ::write(g_pipe[1], &c, 1);
-    (void)ignored;
-    errno = saved;
-    return;
+  if (!take_for_the_run(sig)) {
+    ::signal(sig, SIG_DFL);
+    ::raise(sig);
   }
-  ::signal(sig, SIG_DFL);
-  ::raise(sig);
   errno = saved;
 }
 
-// The receiving thread: the signals are unblocked here alone among loom's threads; it sleeps in
-// read() (restarted after each handler) and prints the notice of a signal a run took. (Printing can
-// block on a full stderr pipe: nothing else waits on this thread, a second signal included.)
+// The receiving thread: it computes nothing and waits for the signals (blocked, as in every thread
+// of loom's) with sigwait; a signal not taken for the run takes its default action from here,
+// unblocked in this thread alone, and ends the process.
 void receive_signals() {
   const sigset_t set = stop_set();
-  ::pthread_sigmask(SIG_UNBLOCK, &set, nullptr);
   for (;;) {
-    char c = 0;
-    const ssize_t n = ::read(g_pipe[0], &c, 1);
-    if (n != 1) {
-      if (n < 0 && errno == EINTR) continue;
-      return;  // (the pipe cannot close while the process runs)
-    }
-    char msg[160];
-    const int len = std::snprintf(msg, sizeof msg,
-                                  "\nloom: %s: the run stops at the end of this step, with its checkpoint (again to "
-                                  "stop at once)\n",
-                                  stop_reason_name(c).c_str());
-    ssize_t ignored = ::write(2, msg, size_t(std::clamp(len, 0, int(sizeof msg) - 1)));
-    (void)ignored;
+    int sig = 0;
+    if (::sigwait(&set, &sig) != 0 || take_for_the_run(sig)) continue;
+    ::signal(sig, SIG_DFL);
+    sigset_t one;
+    sigemptyset(&one);
+    sigaddset(&one, sig);
+    ::pthread_sigmask(SIG_UNBLOCK, &one, nullptr);
+    ::raise(sig);
+    std::_Exit(128 + sig);  // (not reached: the three signals' default action ends the process)
   }
 }
 
@@ -95,10 +94,8 @@ void start_signal_thread() {
   const sigset_t set = stop_set();
   if (const int e = ::pthread_sigmask(SIG_BLOCK, &set, nullptr); e != 0)
     throw Error(fmt::format("cannot block SIGINT, SIGTERM and SIGUSR1: {}", std::strerror(e)));
-  if (::pipe2(g_pipe, O_CLOEXEC) != 0)
-    throw Error(fmt::format("cannot make the stop signals' pipe: {}", std::strerror(errno)));
   // Threads that libraries started before main (OpenBLAS's) do not block the signals, and the
-  // kernel may give them one: a handler there passes it on to the receiving thread.
+  // kernel may give them one: the handler there does what the receiving thread would.
   struct sigaction sa {};
   sa.sa_handler = on_stop_signal;
   sigfillset(&sa.sa_mask);

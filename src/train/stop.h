@@ -4,12 +4,13 @@
 // --exit-signal-handler and --exit-duration-in-mins).
 //
 // No signal handler runs on a thread that computes. start_signal_thread, called first in main,
-// blocks the three signals in every thread loom starts but one, a thread of its own that computes
-// nothing and takes them (its handler; threads that libraries started before main, OpenBLAS's, may
-// take them too, and run the same handler). A handler on a computing thread would interrupt it,
-// and oneDNN's JIT GEMM kernels (2.6, Debian's; fixed upstream in 2026) point the stack register
-// into the heap while they run: the signal's frame is then written over heap memory (measured:
-// about one signal in four during training steps corrupted the heap and the process aborted).
+// blocks the three signals in every thread loom starts, one of them a thread of its own that
+// computes nothing and waits for them (sigwait); threads that libraries started before main
+// (OpenBLAS's) do not block them and run a handler that does the same. A handler on a computing
+// thread would interrupt it, and oneDNN's JIT GEMM kernels (2.6, Debian's; fixed upstream in 2026)
+// point the stack register into the heap while they run: the signal's frame is then written over
+// heap memory (measured: about one signal in four during training steps corrupted the heap and
+// the process aborted).
 //
 // While a run listens (a StopSignals is alive), the first signal sets a process-wide flag (and a
 // line on stderr says so) and the ranks agree on it in one collective after each step
@@ -34,7 +35,7 @@ std::string stop_reason_name(int reason);
 int stop_exit_status(int reason);
 
 // Blocks SIGINT, SIGTERM and SIGUSR1 in the calling thread and in every thread created after it,
-// and starts the thread that takes them (which alone unblocks them). Call it before the process creates any other thread
+// and starts the thread that waits for them. Call it before the process creates any other thread
 // (first in main); once. A program that does not call it keeps the signals' default actions, and
 // its runs stop only at train.time_limit_min.
 void start_signal_thread();
