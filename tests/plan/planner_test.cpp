@@ -47,6 +47,19 @@ plan::Job small_gpt_job() {
   return job;
 }
 
+// Llama 3 405B's long-context stage (Llama 3 paper, table 4): 131,072-token sequences, 128 of
+// them a step, on 16,384 H100s.
+plan::Job llama3_long_context_job(plan::Precision precision) {
+  plan::Job job;
+  job.model = plan::model_named("llama3-405b");
+  job.model.seq = 131072;
+  job.cluster = plan::cluster_named("h100-sxm");
+  job.devices = 16384;
+  job.global_batch = 128;
+  job.precision = precision;
+  return job;
+}
+
 }  // namespace
 
 // ZeRO Table 1: model states of 7.5B, 128B and 1T parameters under P_os, P_os+g and P_os+g+p
@@ -119,13 +132,7 @@ TEST(Planner, MegatronTableOneWithinFifteenPercent) {
 // compute copies, ZeRO-3, the optimizer offloaded) it predicts about 250 TFLOP/s: their
 // data-parallel collectives do not overlap the compute yet, 8.2 s of the step; Meta's do.
 TEST(Planner, Llama3LongContextReachesContextParallelSixteen) {
-  plan::Job job;
-  job.model = plan::model_named("llama3-405b");
-  job.model.seq = 131072;
-  job.cluster = plan::cluster_named("h100-sxm");
-  job.devices = 16384;
-  job.global_batch = 128;
-  job.precision = plan::Precision::device;
+  plan::Job job = llama3_long_context_job(plan::Precision::device);
   plan::SearchOptions o;
   o.tp = 8, o.cp = 16, o.top = 1;
   const plan::SearchResult s = plan::search(job, o);
@@ -217,18 +224,13 @@ TEST(Planner, LayoutsParseAndBadOnesAreNamed) {
   plan::Layout wrong = plan::parse_layout("dp=2,tp=2");
   EXPECT_NE(plan::estimate(job, wrong).why_not.find("is not the 8 devices"), std::string::npos);
 }
+
 // Megatron's activation count (mixed precision, Korthikanti et al. 2022) keeps the attention
 // scores, 5 a s bytes a token, only without flash attention: with it, no recomputation and
 // selective recomputation hold the same, and at 131,072 tokens the scores alone were 86 GB a
 // device (Llama 3 405B at tp 8, cp 16), so every such layout was refused.
 TEST(Planner, FlashAttentionKeepsNoScoresInMixedPrecision) {
-  plan::Job job;
-  job.model = plan::model_named("llama3-405b");
-  job.model.seq = 131072;
-  job.cluster = plan::cluster_named("h100-sxm");
-  job.devices = 16384;
-  job.global_batch = 128;
-  job.precision = plan::Precision::mixed;
+  plan::Job job = llama3_long_context_job(plan::Precision::mixed);
   const plan::Layout none = plan::parse_layout("dp=128,tp=8,cp=16,sp=1,zero=3,recompute=none");
   plan::Layout sel = none;
   sel.recompute = model::Recompute::selective;
