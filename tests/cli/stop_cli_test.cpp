@@ -71,16 +71,26 @@ pid_t spawn_loom(const std::vector<std::string>& args, const std::string& log, c
   return pid;
 }
 
-// Waits up to `seconds` for `pid`; its wait status, or -1 (then it is killed) when it did not end.
-int wait_for(pid_t pid, int seconds) {
+// A loom process spawn_loom started: killed and reaped when it goes out of scope unless waited for
+// (a failed assertion must not leave a run of a million steps behind).
+struct Child {
+  pid_t pid = -1;
+  ~Child() {
+    if (pid > 0) ::kill(pid, SIGKILL), ::waitpid(pid, nullptr, 0);
+  }
+};
+
+// Waits up to `seconds` for the child; its wait status, or -1 (then it is killed) when it did not end.
+int wait_for(Child& c, int seconds) {
   for (int i = 0; i < seconds * 100; ++i) {
     int st = 0;
-    if (::waitpid(pid, &st, WNOHANG) == pid) return st;
+    if (::waitpid(c.pid, &st, WNOHANG) == c.pid) {
+      c.pid = -1;
+      return st;
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
-  ::kill(pid, SIGKILL);
-  ::waitpid(pid, nullptr, 0);
-  return -1;
+  return -1;  // (~Child kills it)
 }
 
 // Waits until the run in `dir` has logged at least `steps` steps (true), for at most a minute.
@@ -173,14 +183,14 @@ TEST(StopCli, SignalsFromOutsideStopCleanlyAndASecondEndsAtOnce) {
     const std::string out = fmt::format("ext_{}", i), log = (r.root / "logs" / (out + ".log")).string();
     // The last two with one thread (OpenBLAS then starts no thread of its own before main, whose
     // handler took the signals while loom's receiving thread blocked them: they went unanswered).
-    const pid_t pid = spawn_loom(args(out), log,
-                                 i < 12 ? std::vector<std::string>{}
-                                        : std::vector<std::string>{"OPENBLAS_NUM_THREADS=1", "OMP_NUM_THREADS=1"});
+    Child child{spawn_loom(args(out), log,
+                           i < 12 ? std::vector<std::string>{}
+                                  : std::vector<std::string>{"OPENBLAS_NUM_THREADS=1", "OMP_NUM_THREADS=1"})};
     ASSERT_TRUE(wait_for_steps(r.root / out, 3 + 5 * i)) << slurp(log);
     // (At another moment of a step each time: a step takes a few milliseconds here.)
     std::this_thread::sleep_for(std::chrono::microseconds(1000 + 2371 * i % 9000));
-    ASSERT_EQ(::kill(pid, SIGTERM), 0);
-    const int st = wait_for(pid, 120);
+    ASSERT_EQ(::kill(child.pid, SIGTERM), 0);
+    const int st = wait_for(child, 120);
     ASSERT_NE(st, -1) << "did not stop: " << slurp(log);
     ASSERT_TRUE(WIFEXITED(st)) << "ended by signal " << WTERMSIG(st) << ": " << slurp(log);
     EXPECT_EQ(WEXITSTATUS(st), 128 + SIGTERM) << slurp(log);
@@ -191,14 +201,14 @@ TEST(StopCli, SignalsFromOutsideStopCleanlyAndASecondEndsAtOnce) {
         << slurp(log);
   }
   const std::string log = (r.root / "logs" / "twice.log").string();
-  const pid_t pid = spawn_loom(args("twice"), log);
+  Child child{spawn_loom(args("twice"), log)};
   ASSERT_TRUE(wait_for_steps(r.root / "twice", 3)) << slurp(log);
-  ASSERT_EQ(::kill(pid, SIGINT), 0);
+  ASSERT_EQ(::kill(child.pid, SIGINT), 0);
   // (Once the first is received: two sent at once may arrive as one, as signals of a kind do.)
   for (int i = 0; i < 6000 && slurp(log).find("SIGINT: the run stops") == std::string::npos; ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  ASSERT_EQ(::kill(pid, SIGINT), 0);
-  const int st = wait_for(pid, 120);
+  ASSERT_EQ(::kill(child.pid, SIGINT), 0);
+  const int st = wait_for(child, 120);
   ASSERT_NE(st, -1) << slurp(log);
   ASSERT_TRUE(WIFSIGNALED(st)) << "exit " << WEXITSTATUS(st) << ": " << slurp(log);
   EXPECT_EQ(WTERMSIG(st), SIGINT);
